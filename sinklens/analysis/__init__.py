@@ -1,0 +1,1 @@
+"""Streaming analyzers of attention sinks and their causes."""

@@ -1,0 +1,1 @@
+"""Sub-commands of the ``sinklens`` CLI, one module each."""

@@ -1,0 +1,34 @@
+"""Named exceptions: every bad input surfaces as one of these, with the bad value and what is accepted."""
+
+from __future__ import annotations
+
+
+class SinklensError(Exception):
+    """Base class of every error sinklens raises on purpose."""
+
+
+class UnknownModelError(SinklensError, ValueError):
+    """A model spec that is neither a known name, a local path, nor a model object."""
+
+
+class ModelFileNotFoundError(SinklensError, FileNotFoundError):
+    """A model spec that names a local file or directory that does not exist."""
+
+
+class OfflineModelError(SinklensError, OSError):
+    """A hub model name that cannot be fetched because there is no network."""
+
+
+class UnknownHookError(SinklensError, KeyError):
+    """A hook name that the model does not have."""
+
+    def __str__(self) -> str:  # KeyError would otherwise quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class PatternNotExposedError(SinklensError, RuntimeError):
+    """The model's attention implementation does not run ``hook_pattern`` (e.g. fused SDPA)."""
+
+
+class SequenceTooLongError(SinklensError, ValueError):
+    """A sequence longer than the model's context window ``cfg.n_ctx``."""

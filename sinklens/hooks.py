@@ -1,0 +1,180 @@
+"""Hook-name helpers and model introspection shared by every analyzer and intervention.
+
+sinklens talks to a model only through TransformerLens hook names (``blocks.{l}.attn.hook_pattern``,
+``blocks.{l}.mlp.hook_post``, ...), its ``cfg`` and its weight properties (``W_out``, ``W_V``, ...).
+Those are the same on TransformerLens 4.x ``TransformerBridge``, 3.x ``HookedTransformer`` and
+sinklens' own trained models, so everything built on this module works on all three.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from sinklens.errors import UnknownHookError
+
+#: Per-layer hook sites used across sinklens, relative to ``blocks.{layer}``.
+PATTERN = "attn.hook_pattern"
+SCORES = "attn.hook_attn_scores"
+Q = "attn.hook_q"
+K = "attn.hook_k"
+V = "attn.hook_v"
+Z = "attn.hook_z"
+ATTN_OUT = "hook_attn_out"
+MLP_PRE = "mlp.hook_pre"
+MLP_POST = "mlp.hook_post"
+MLP_OUT = "hook_mlp_out"
+RESID_PRE = "hook_resid_pre"
+RESID_MID = "hook_resid_mid"
+RESID_POST = "hook_resid_post"
+LN1_NORMALIZED = "ln1.hook_normalized"
+LN2_NORMALIZED = "ln2.hook_normalized"
+
+
+def hook_name(layer: int, site: str) -> str:
+    """Full hook name of a per-layer ``site``.
+
+    Examples:
+        >>> hook_name(3, PATTERN)
+        'blocks.3.attn.hook_pattern'
+    """
+    return f"blocks.{layer}.{site}"
+
+
+def layer_of(name: str) -> int:
+    """Layer index of a per-layer hook name.
+
+    Examples:
+        >>> layer_of("blocks.12.mlp.hook_post")
+        12
+    """
+    parts = name.split(".")
+    if len(parts) < 3 or parts[0] != "blocks" or not parts[1].isdigit():
+        raise UnknownHookError(f"{name!r} is not a per-layer hook name of the form 'blocks.<layer>.<site>'.")
+    return int(parts[1])
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """The sizes of a model that sinklens needs, read from its ``cfg``.
+
+    ``n_kv_heads`` equals ``n_heads`` unless the model uses grouped-query attention.
+    """
+
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_model: int
+    d_mlp: int
+    n_ctx: int
+    d_vocab: int
+
+
+def model_dims(model: Any) -> ModelDims:
+    """Read :class:`ModelDims` from any TransformerLens-style model's ``cfg``."""
+    cfg = getattr(model, "cfg", None)
+    if cfg is None:
+        raise TypeError(
+            f"Expected a TransformerLens model with a .cfg (TransformerBridge, HookedTransformer or a "
+            f"sinklens model), got {type(model).__name__}."
+        )
+    n_heads = int(cfg.n_heads)
+    n_kv = getattr(cfg, "n_key_value_heads", None) or n_heads
+    d_mlp = getattr(cfg, "d_mlp", None) or 0
+    return ModelDims(
+        n_layers=int(cfg.n_layers),
+        n_heads=n_heads,
+        n_kv_heads=int(n_kv),
+        d_head=int(cfg.d_head),
+        d_model=int(cfg.d_model),
+        d_mlp=int(d_mlp),
+        n_ctx=int(cfg.n_ctx),
+        d_vocab=int(cfg.d_vocab),
+    )
+
+
+def model_device(model: Any) -> torch.device:
+    """The device the model's parameters live on."""
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device(getattr(model.cfg, "device", None) or "cpu")
+
+
+def check_hook_names(model: Any, names: Iterable[str]) -> None:
+    """Raise :class:`UnknownHookError` naming the closest real hooks if any name is missing.
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> check_hook_names(tiny_model(), ["blocks.0.attn.hook_pattrn"])
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.UnknownHookError: Unknown hook 'blocks.0.attn.hook_pattrn'; did you mean 'blocks.0.attn.hook_pattern'? ...
+    """
+    available = model.hook_dict
+    for name in names:
+        if name not in available:
+            close = difflib.get_close_matches(name, list(available), n=3, cutoff=0.6)
+            hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "."
+            raise UnknownHookError(
+                f"Unknown hook {name!r}{hint} The model has {len(available)} hook points "
+                f"(see model.hook_dict); per-layer ones look like 'blocks.0.attn.hook_pattern'."
+            )
+
+
+def resolve_layers(layers: int | Sequence[int] | None, n_layers: int) -> list[int]:
+    """Normalise a ``layers=`` argument (None = all, an int, or a sequence; negatives count from the end).
+
+    Examples:
+        >>> resolve_layers(None, 3), resolve_layers(-1, 3), resolve_layers([0, 2], 3)
+        ([0, 1, 2], [2], [0, 2])
+    """
+    if layers is None:
+        return list(range(n_layers))
+    raw = [layers] if isinstance(layers, int) else list(layers)
+    out = []
+    for layer in raw:
+        idx = int(layer) + n_layers if int(layer) < 0 else int(layer)
+        if not 0 <= idx < n_layers:
+            raise ValueError(f"Layer {layer} is out of range for a model with {n_layers} layers (0..{n_layers - 1}).")
+        out.append(idx)
+    return out
+
+
+def expand_kv_heads(weight: Float[Tensor, "... kv_head a b"], n_heads: int) -> Float[Tensor, "... head a b"]:
+    """Repeat grouped-query key/value weights so there is one slice per query head.
+
+    TransformerBridge exposes ``W_K``/``W_V`` with ``n_key_value_heads`` slices, HookedTransformer
+    3.x already repeats them; after this both have ``n_heads``.
+    """
+    n_kv = weight.shape[-3]
+    if n_kv == n_heads:
+        return weight
+    if n_heads % n_kv:
+        raise ValueError(f"{n_heads} query heads cannot share {n_kv} key/value heads evenly.")
+    return weight.repeat_interleave(n_heads // n_kv, dim=-3)
+
+
+def weight(model: Any, name: str) -> Tensor:
+    """A stacked weight property (``W_Q``, ``W_K``, ``W_V``, ``W_O``, ``W_in``, ``W_gate``, ``W_out``, ``W_E``, ``W_U``).
+
+    Key/value weights are expanded to one slice per query head. Raises ``AttributeError`` with
+    the model's type if it does not expose that weight.
+    """
+    try:
+        w = getattr(model, name)
+    except AttributeError as err:
+        raise AttributeError(f"{type(model).__name__} exposes no weight property {name!r}.") from err
+    if w is None:
+        raise AttributeError(f"{type(model).__name__} has no {name!r} (e.g. no gated MLP).")
+    w = w.detach()
+    if name in ("W_K", "W_V"):
+        w = expand_kv_heads(w, model_dims(model).n_heads)
+    return w

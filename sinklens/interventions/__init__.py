@@ -1,0 +1,1 @@
+"""Hook factories that create, remove and patch attention sinks."""

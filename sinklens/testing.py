@@ -1,0 +1,120 @@
+"""Tiny, seeded TransformerLens models built from config, for tests, doctests and tutorials.
+
+:func:`tiny_model` returns a ``TransformerBridge`` when TransformerLens 4.x is installed and a
+``HookedTransformer`` under 3.x, with the same hook names either way, so a test written against it
+runs on both versions. Its tokenizer is a word-level one over the words ``t0 … t{V-1}``
+(``t0`` is BOS, ``t1`` EOS/pad).
+"""
+
+from __future__ import annotations
+
+import functools
+import tempfile
+from typing import Any, Literal
+
+import torch
+
+Arch = Literal["llama", "gpt2"]
+
+
+def transformer_lens_major() -> int:
+    """Major version of the installed TransformerLens (3 or 4)."""
+    from importlib.metadata import version
+
+    return int(version("transformer-lens").split(".")[0])
+
+
+@functools.lru_cache(maxsize=4)
+def _word_tokenizer_dir(d_vocab: int) -> str:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(d_vocab)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
+    core.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="t0", eos_token="t1", pad_token="t1", unk_token="t1")
+    path = tempfile.mkdtemp(prefix=f"sinklens-wordtok-{d_vocab}-")
+    tok.save_pretrained(path)
+    return path
+
+
+def word_tokenizer(d_vocab: int) -> Any:
+    """A Hugging Face fast tokenizer over the words ``t0 … t{d_vocab-1}``."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(_word_tokenizer_dir(d_vocab))
+
+
+def tiny_model(
+    arch: Arch = "llama",
+    *,
+    n_layers: int = 2,
+    d_model: int = 16,
+    n_heads: int = 4,
+    n_kv_heads: int | None = None,
+    d_mlp: int = 32,
+    n_ctx: int = 64,
+    d_vocab: int = 64,
+    seed: int = 0,
+) -> Any:
+    """A randomly initialised decoder small enough for a unit test.
+
+    Examples:
+        >>> model = tiny_model(n_layers=2, d_model=16)
+        >>> model.cfg.n_layers, model.cfg.d_model
+        (2, 16)
+        >>> "blocks.1.attn.hook_pattern" in model.hook_dict
+        True
+    """
+    if d_model % n_heads:
+        raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}.")
+    n_kv_heads = n_kv_heads or n_heads
+    torch.manual_seed(seed)
+    if transformer_lens_major() >= 4:
+        return _tiny_bridge(arch, n_layers, d_model, n_heads, n_kv_heads, d_mlp, n_ctx, d_vocab)
+    return _tiny_hooked_transformer(arch, n_layers, d_model, n_heads, n_kv_heads, d_mlp, n_ctx, d_vocab, seed)
+
+
+def _tiny_bridge(arch: Arch, n_layers, d_model, n_heads, n_kv_heads, d_mlp, n_ctx, d_vocab) -> Any:
+    from transformer_lens.model_bridge import TransformerBridge
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    if arch == "llama":
+        config = LlamaConfig(
+            vocab_size=d_vocab, hidden_size=d_model, intermediate_size=d_mlp, num_hidden_layers=n_layers,
+            num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, max_position_embeddings=n_ctx,
+            bos_token_id=0, eos_token_id=1, pad_token_id=1, tie_word_embeddings=False,
+            attn_implementation="eager",
+        )
+        hf = LlamaForCausalLM(config)
+    elif arch == "gpt2":
+        config = GPT2Config(
+            vocab_size=d_vocab, n_embd=d_model, n_inner=d_mlp, n_layer=n_layers, n_head=n_heads,
+            n_positions=n_ctx, bos_token_id=0, eos_token_id=1, attn_implementation="eager",
+        )
+        hf = GPT2LMHeadModel(config)
+    else:
+        raise ValueError(f"Unknown arch {arch!r}; expected 'llama' or 'gpt2'.")
+    return TransformerBridge.boot_transformers(
+        f"sinklens-tiny-{arch}", hf_model=hf.eval(), tokenizer=word_tokenizer(d_vocab), device="cpu"
+    )
+
+
+def _tiny_hooked_transformer(arch: Arch, n_layers, d_model, n_heads, n_kv_heads, d_mlp, n_ctx, d_vocab, seed) -> Any:
+    from transformer_lens import HookedTransformer, HookedTransformerConfig
+
+    common = dict(
+        n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_head=d_model // n_heads, d_mlp=d_mlp,
+        n_ctx=n_ctx, d_vocab=d_vocab, seed=seed, default_prepend_bos=True,
+    )
+    if arch == "llama":
+        cfg = HookedTransformerConfig(
+            **common, act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary",
+            gated_mlp=True, n_key_value_heads=n_kv_heads if n_kv_heads != n_heads else None,
+        )
+    elif arch == "gpt2":
+        cfg = HookedTransformerConfig(**common, act_fn="gelu_new", normalization_type="LN")
+    else:
+        raise ValueError(f"Unknown arch {arch!r}; expected 'llama' or 'gpt2'.")
+    model = HookedTransformer(cfg, tokenizer=word_tokenizer(d_vocab))
+    return model.eval()

@@ -1,0 +1,1 @@
+"""Pretrain small LMs with sink-relevant attention variants."""
