@@ -2,8 +2,8 @@
 
 :func:`tiny_model` returns a ``TransformerBridge`` when TransformerLens 4.x is installed and a
 ``HookedTransformer`` under 3.x, with the same hook names either way, so a test written against it
-runs on both versions. Its tokenizer is a word-level one over the words ``t0 … t{V-1}``
-(``t0`` is BOS, ``t1`` EOS/pad).
+runs on both versions. Its tokenizer is a word-level one: id 0 is BOS ``<s>``, id 1 is EOS/pad/unknown
+``</s>``, and the word ``t{i}`` is id ``i`` for ``2 <= i < d_vocab``.
 """
 
 from __future__ import annotations
@@ -29,17 +29,17 @@ def _word_tokenizer_dir(d_vocab: int) -> str:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(d_vocab)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="t1"))
-    core.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="t0", eos_token="t1", pad_token="t1", unk_token="t1")
+    vocab = {"<s>": 0, "</s>": 1} | {f"t{i}": i for i in range(2, d_vocab)}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="</s>", unk_token="</s>")
     path = tempfile.mkdtemp(prefix=f"sinklens-wordtok-{d_vocab}-")
     tok.save_pretrained(path)
     return path
 
 
 def word_tokenizer(d_vocab: int) -> Any:
-    """A Hugging Face fast tokenizer over the words ``t0 … t{d_vocab-1}``."""
+    """A Hugging Face fast tokenizer: ``<s>`` = 0, ``</s>`` = 1, word ``t{i}`` = ``i``."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(_word_tokenizer_dir(d_vocab))

@@ -1,0 +1,36 @@
+"""Shared figure set-up and saving, so every sinklens figure looks and saves the same way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
+    try:  # headless machines and CI: never try to open a window
+        import os
+
+        if not os.environ.get("DISPLAY"):
+            matplotlib.use("Agg")
+    except Exception:  # pragma: no cover - backend already fixed by the user
+        pass
+
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def new_figure(n_rows: int = 1, n_cols: int = 1, *, width: float = 6.0, height: float = 4.0, **kw: Any):
+    """A figure with ``n_rows × n_cols`` axes of ``width × height`` inches each."""
+    fig, axes = plt.subplots(n_rows, n_cols, figsize=(width * n_cols, height * n_rows), squeeze=False, **kw)
+    return fig, axes
+
+
+def save_figure(fig: Any, path: str | Path, *, dpi: int = 120, close: bool = True) -> Path:
+    """Save ``fig`` as PNG (creating parent folders) and close it unless ``close=False``."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    if close:
+        plt.close(fig)
+    return path

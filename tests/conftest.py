@@ -1,0 +1,37 @@
+"""Shared fixtures: tiny seeded models on whichever TransformerLens is installed."""
+
+from __future__ import annotations
+
+import os
+
+import matplotlib
+import pytest
+import torch
+
+matplotlib.use("Agg")
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama():
+    from sinklens.testing import tiny_model
+
+    return tiny_model("llama", n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, d_mlp=32, n_ctx=64, d_vocab=64)
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2():
+    from sinklens.testing import tiny_model
+
+    return tiny_model("gpt2", n_layers=2, d_model=16, n_heads=4, d_mlp=32, n_ctx=64, d_vocab=64)
+
+
+@pytest.fixture(params=["llama", "gpt2"])
+def tiny(request, tiny_llama, tiny_gpt2):
+    """Both tiny architectures, one after the other."""
+    return tiny_llama if request.param == "llama" else tiny_gpt2
