@@ -86,7 +86,7 @@ def model_dims(model: Any) -> ModelDims:
             f"sinklens model), got {type(model).__name__}."
         )
     n_heads = int(cfg.n_heads)
-    n_kv = getattr(cfg, "n_key_value_heads", None) or n_heads
+    n_kv = getattr(cfg, "n_key_value_heads", None) or getattr(cfg, "n_kv_heads", None) or n_heads
     d_mlp = getattr(cfg, "d_mlp", None) or 0
     return ModelDims(
         n_layers=int(cfg.n_layers),
