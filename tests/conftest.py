@@ -35,3 +35,11 @@ def tiny_gpt2():
 def tiny(request, tiny_llama, tiny_gpt2):
     """Both tiny architectures, one after the other."""
     return tiny_llama if request.param == "llama" else tiny_gpt2
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct as a TransformerBridge, loaded once per test session."""
+    from sinklens.loading import load_model
+
+    return load_model("smollm2-135m", device="cpu")

