@@ -48,6 +48,8 @@ class AttentionReceivedReducer(Reducer):
 
     def __init__(self, model: Any, *, layers=None, min_query: int = 0, max_pos: int | None = None):
         dims = model_dims(model)
+        if not 0 <= int(min_query) < dims.n_ctx:
+            raise ValueError(f"min_query must be in [0, {dims.n_ctx - 1}] (the model's positions), got {min_query}.")
         self.layers = resolve_layers(layers, dims.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.min_query = min_query
@@ -69,11 +71,17 @@ class AttentionReceivedReducer(Reducer):
         self._pos = batch.tokens.shape[1]
 
         def fold(pattern: Tensor, hook: Any) -> None:  # pattern: [batch, head, query, key]
-            summed = torch.einsum("bhqk,bqk->hk", pattern.float(), weights)
-            self.sums[self.row[layer_of(hook.name)], :, : summed.shape[1]] += summed.double()
+            per_seq = torch.einsum("bhqk,bqk->bhk", pattern.float(), weights)
+            row = self.row[layer_of(hook.name)]
+            self.sums[row, :, : per_seq.shape[2]] += per_seq.sum(dim=0).double()
+            self.fold_per_sequence(row, per_seq)
 
         self._weights = weights
         return [(hook_name(layer, PATTERN), fold) for layer in self.layers]
+
+    def fold_per_sequence(self, row: int, per_seq: Float[Tensor, "batch head key"]) -> None:
+        """Extension point for subclasses: ``per_seq[b, h, k]`` is ``Σ_q pattern[b, h, q, k]`` over the
+        counted queries of sequence ``b`` (layer ``self.layers[row]``). The base class ignores it."""
 
     def end_batch(self, batch: TokenBatch) -> None:
         counted = self._weights.sum(dim=(0, 1))

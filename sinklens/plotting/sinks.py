@@ -1,0 +1,102 @@
+"""Figures for :class:`~sinklens.analysis.sinks.SinkResult`: where attention goes, per layer × head."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from sinklens.plotting.style import new_figure, save_figure
+
+
+def _main_sink(result: Any, position: int | None) -> int:
+    if position is not None:
+        return result._check_position(position)
+    sinks = result.sink_positions
+    return sinks[0] if sinks else 0
+
+
+def _finish(fig: Any, path: str | Path | None) -> Any:
+    if path is not None:
+        save_figure(fig, path, close=False)
+    return fig
+
+
+def plot_sink_heatmap(result: Any, *, position: int | None = None, path: str | Path | None = None) -> Any:
+    """Layer × head heatmap of the mean attention each head gives to one key position.
+
+    ``position=None`` uses the first detected sink (position 0 if none). Cells whose pooled mean
+    exceeds ``eps`` are marked with a dot. Returns the figure; saves a PNG if ``path`` is given.
+    """
+    pos = _main_sink(result, position)
+    values = torch.nan_to_num(result.received[:, :, pos], nan=0.0)
+    n_layers, n_heads = values.shape
+    fig, axes = new_figure(width=max(4.0, 0.45 * n_heads + 2.5), height=max(3.0, 0.22 * n_layers + 1.5))
+    ax = axes[0, 0]
+    image = ax.imshow(values.numpy(), aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, origin="lower")
+    marked = torch.nonzero(values > result.eps)
+    if len(marked):
+        ax.scatter(marked[:, 1].numpy(), marked[:, 0].numpy(), s=12, c="white", marker="o", label=f"> ε = {result.eps}")
+        ax.legend(loc="upper right", fontsize=7, framealpha=0.6)
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_yticks(range(n_layers))
+    ax.set_yticklabels([str(layer) for layer in result.layers], fontsize=6 if n_layers > 16 else 8)
+    ax.set_title(f"mean attention to position {pos} (sink rate {result.sink_rate(position=pos):.2f})")
+    fig.colorbar(image, ax=ax, label="mean attention received")
+    return _finish(fig, path)
+
+
+def plot_sink_rate(result: Any, *, position: int | None = None, path: str | Path | None = None) -> Any:
+    """Gu et al. sink rate for one position: per head (share of sequences with ``α > eps``, left)
+    and per layer (share of heads, averaged over sequences, right)."""
+    pos = _main_sink(result, position)
+    frac = result.seq_sink_frac[:, :, pos]
+    fig, axes = new_figure(1, 2, width=4.5, height=max(3.0, 0.2 * frac.shape[0] + 1.5))
+    image = axes[0, 0].imshow(frac.numpy(), aspect="auto", cmap="magma", vmin=0.0, vmax=1.0, origin="lower")
+    axes[0, 0].set_xlabel("head")
+    axes[0, 0].set_ylabel("layer")
+    axes[0, 0].set_title(f"share of sequences with α > {result.eps} (position {pos})")
+    fig.colorbar(image, ax=axes[0, 0])
+    by_layer = result.sink_rate_by_layer(position=pos)
+    axes[0, 1].barh(result.layers, by_layer.numpy(), color="tab:purple")
+    axes[0, 1].set_xlim(0, 1)
+    axes[0, 1].set_xlabel(f"sink rate (ε = {result.eps})")
+    axes[0, 1].set_ylabel("layer")
+    axes[0, 1].set_title(f"by layer; overall {result.sink_rate(position=pos):.2f}")
+    return _finish(fig, path)
+
+
+def plot_received_by_position(
+    result: Any, *, layers: Sequence[int] | None = None, path: str | Path | None = None
+) -> Any:
+    """Mean attention received (over heads) vs key position, one line per layer, log y.
+
+    ``layers`` are model layers (default: up to 6 evenly spaced analysed layers). Detected sinks
+    are marked with dashed vertical lines; the black line is the mean over all analysed layers.
+    """
+    if layers is None:
+        step = max(1, len(result.layers) // 6)
+        chosen = result.layers[::step][:6]
+    else:
+        missing = [layer for layer in layers if layer not in result.layers]
+        if missing:
+            raise ValueError(f"Layers {missing} were not analysed; available: {result.layers}.")
+        chosen = list(layers)
+    fig, axes = new_figure(width=7.0, height=4.0)
+    ax = axes[0, 0]
+    positions = torch.arange(result.received.shape[-1]).numpy()
+    for layer in chosen:
+        row = result.layers.index(layer)
+        ax.plot(positions, result.received[row].nanmean(dim=0).numpy(), lw=1, alpha=0.8, label=f"layer {layer}")
+    ax.plot(positions, result.mean_received().numpy(), color="black", lw=2, label="all layers")
+    for k in result.sink_positions:
+        ax.axvline(k, color="tab:red", ls="--", lw=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("key position")
+    ax.set_ylabel("mean attention received")
+    ax.set_title("attention received by key position (dashed: detected sinks)")
+    ax.legend(fontsize=7, ncol=2)
+    return _finish(fig, path)

@@ -1,0 +1,100 @@
+"""Figures for :class:`~sinklens.analysis.variance.VarianceResult`: variance by position and the
+first-token discrepancy."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from sinklens.plotting.style import new_figure, save_figure
+
+
+def _finish(fig: Any, path: str | Path | None) -> Any:
+    if path is not None:
+        save_figure(fig, path, close=False)
+    return fig
+
+
+def _rows(result: Any, layers: Sequence[int] | None) -> list[int]:
+    if layers is None:
+        step = max(1, len(result.layers) // 4)
+        return list(range(0, len(result.layers), step))[:4]
+    missing = [layer for layer in layers if layer not in result.layers]
+    if missing:
+        raise ValueError(f"Layers {missing} were not analysed; available: {result.layers}.")
+    return [result.layers.index(layer) for layer in layers]
+
+
+def _heads(result: Any, heads: int | Sequence[int] | None) -> list[int]:
+    n_heads = result.z_var.shape[1]
+    chosen = list(range(n_heads)) if heads is None else ([heads] if isinstance(heads, int) else list(heads))
+    bad = [h for h in chosen if not 0 <= h < n_heads]
+    if bad or not chosen:
+        raise ValueError(f"heads must be in 0..{n_heads - 1}, got {heads!r}.")
+    return chosen
+
+
+def plot_variance_by_position(
+    result: Any,
+    *,
+    layers: Sequence[int] | None = None,
+    heads: int | Sequence[int] | None = None,
+    path: str | Path | None = None,
+) -> Any:
+    """``z_var`` against position + 1 on log-log axes, one panel per layer, with the pattern-based
+    prediction ``σ_v² Σ_j A_tj²`` (dashed) and the uniform law ``σ_v² / (t + 1)`` (dotted).
+
+    Args:
+        layers: model layers to draw (default: up to 4 evenly spaced analysed layers).
+        heads: one head, several, or ``None`` for the mean over all heads of the layer.
+    """
+    rows = _rows(result, layers)
+    head_idx = _heads(result, heads)
+    fig, axes = new_figure(1, len(rows), width=4.2, height=3.6)
+    x = np.arange(1, result.z_var.shape[-1] + 1)
+    label_heads = "mean of heads" if heads is None else f"heads {head_idx}"
+    for ax, row in zip(axes[0], rows):
+        for name, series, style in (
+            ("measured Var(z)", result.z_var, dict(color="tab:blue", lw=2)),
+            ("σ_v² Σ A² (pattern)", result.pred_pattern, dict(color="tab:orange", ls="--")),
+            ("σ_v² / (t+1) (uniform)", result.pred_uniform, dict(color="gray", ls=":")),
+        ):
+            y = series[row, head_idx].mean(dim=0).numpy()
+            ax.plot(x, y, label=name, **style)
+        ax.scatter([1], [float(result.z_var[row, head_idx, 0].mean())], color="tab:red", zorder=3, s=20)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("position t + 1")
+        ax.set_title(f"layer {result.layers[row]} ({label_heads})", fontsize=9)
+    axes[0, 0].set_ylabel("variance of z (per coordinate)")
+    axes[0, 0].legend(fontsize=7)
+    return _finish(fig, path)
+
+
+def plot_discrepancy(result: Any, *, position: int = 0, path: str | Path | None = None) -> Any:
+    """Layer × head heatmaps of the variance-discrepancy ratio at ``position`` for ``z`` (left) and
+    for the head's output ``z · W_O`` (right), on a log colour scale centred at 1."""
+    from matplotlib.colors import LogNorm
+
+    z = result.discrepancy(position, of="z")
+    res = result.discrepancy(position, of="result")
+    both = torch.cat([z.flatten(), res.flatten()])
+    both = both[torch.isfinite(both) & (both > 0)]
+    span = float(both.log10().abs().max()) if both.numel() else 1.0
+    span = max(span, 0.1)
+    norm = LogNorm(vmin=10 ** -span, vmax=10**span)
+    n_layers, n_heads = z.shape
+    fig, axes = new_figure(1, 2, width=max(3.5, 0.4 * n_heads + 2.0), height=max(3.0, 0.2 * n_layers + 1.5))
+    for ax, values, title in ((axes[0, 0], z, "Var(z)"), (axes[0, 1], res, "Var(z · W_O)")):
+        image = ax.imshow(values.clamp(min=1e-12).numpy(), aspect="auto", cmap="RdBu_r", norm=norm, origin="lower")
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+        ax.set_yticks(range(n_layers))
+        ax.set_yticklabels([str(layer) for layer in result.layers], fontsize=6 if n_layers > 16 else 8)
+        ax.set_title(f"{title}: position {position} / rest", fontsize=9)
+        fig.colorbar(image, ax=ax)
+    return _finish(fig, path)

@@ -1,0 +1,552 @@
+"""SinkLM: a small, TransformerLens-hookable decoder for pretraining with sink-relevant attention variants.
+
+Hook names, hook shapes and weight properties are TransformerLens', so ``run_with_hooks``,
+``run_with_cache``, ``model.hooks(...)`` and every sinklens analyzer work on a ``SinkLM`` unchanged.
+
+Hooks (``l`` = layer; shapes ``[batch, pos, ...]`` unless stated):
+
+- ``hook_embed`` ``[b, p, d_model]``: ``W_E[tokens]``; ``hook_pos_embed`` (gpt2): learned positions.
+- ``blocks.{l}.hook_resid_pre`` / ``hook_resid_mid`` / ``hook_resid_post`` ``[b, p, d_model]``.
+- ``blocks.{l}.ln1.hook_scale`` ``[b, p, 1]`` (the RMS, or std for gpt2, divided out) and
+  ``ln1.hook_normalized`` ``[b, p, d_model]`` (norm output including its gain and bias); same for
+  ``ln2`` and ``ln_final``.
+- ``blocks.{l}.attn.hook_q`` ``[b, p, head, d_head]``, ``hook_k``/``hook_v`` ``[b, p, kv_head, d_head]``:
+  ``x W + b`` before any qk-norm and RoPE; ``hook_rot_q``/``hook_rot_k`` (llama): after RoPE.
+- ``blocks.{l}.attn.hook_attn_scores`` ``[b, head, q, k]``: the logits ``q·k/sqrt(d_head)`` (plus the
+  variant's bias, e.g. sigmoid's ``b``), ``-inf`` above the diagonal; setting entries to ``-inf``
+  removes those keys from the query's window in every variant.
+- ``blocks.{l}.attn.hook_pattern`` ``[b, head, q, k]``: attention weights.
+- ``blocks.{l}.attn.hook_z`` ``[b, p, head, d_head]``: the raw value aggregation ``Σ_k pattern[q, k] v_k``.
+- ``blocks.{l}.attn.hook_z_normed`` (``headwise_rms``), ``hook_gate`` and ``hook_z_gated`` (``gated``),
+  ``hook_q_normed``/``hook_k_normed`` (``qk_norm``): the variant's own activations.
+- ``blocks.{l}.hook_attn_out`` ``[b, p, d_model]``: ``z' W_O + b_O`` (``z'`` = the variant's head output).
+- ``blocks.{l}.mlp.hook_pre`` ``[b, p, d_mlp]``: ``x W_gate`` (llama) or ``x W_in + b_in`` (gpt2);
+  ``mlp.hook_pre_linear`` (llama): ``x W_in``; ``mlp.hook_post``: ``silu(pre) * pre_linear`` or
+  ``gelu_tanh(pre)``; ``blocks.{l}.hook_mlp_out`` ``[b, p, d_model]``.
+
+Analyzers that measure value-aggregation variance read ``attn.hook_z`` (the raw aggregation, before
+any head-wise normalisation or gate); ``SinkLM.head_output_site`` names the hook holding what
+enters ``W_O`` for the configured variant.
+
+Speed path: a layer whose variant is softmax attention (``baseline``, ``headwise_rms``, ``gated``,
+``qk_norm``) uses ``F.scaled_dot_product_attention`` unless a hook is registered on its
+``hook_attn_scores`` or ``hook_pattern`` (as ``run_with_cache``/``run_with_hooks`` do when asked
+for those names); then it runs the explicit path, which computes the same function (tested), so
+interventions on scores/patterns work during training as well.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor, nn
+from transformer_lens.hook_points import HookPoint
+from transformer_lens.HookedRootModule import HookedRootModule
+
+from sinklens.errors import SequenceTooLongError
+from sinklens.train.model_config import ModelConfig
+from sinklens.train.variants import AttentionVariant, HeadwiseRMSNorm, get_attention_variant
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def _no_decay(p: nn.Parameter) -> nn.Parameter:
+    p._no_weight_decay = True  # type: ignore[attr-defined]
+    return p
+
+
+class RMSNorm(nn.Module):
+    """``w ⊙ x / sqrt(mean(x²) + eps)`` (computed in float32); ``hook_normalized`` includes ``w``."""
+
+    def __init__(self, d_model: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.w = _no_decay(nn.Parameter(torch.ones(d_model)))
+        self.hook_scale = HookPoint()
+        self.hook_normalized = HookPoint()
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        xf = x.float()
+        scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return self.hook_normalized((xf / scale).to(x.dtype) * self.w.to(x.dtype))
+
+
+class LayerNorm(nn.Module):
+    """``w ⊙ (x - mean) / sqrt(var + eps) + b`` (float32); ``hook_normalized`` includes ``w`` and ``b``."""
+
+    def __init__(self, d_model: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.w = _no_decay(nn.Parameter(torch.ones(d_model)))
+        self.b = _no_decay(nn.Parameter(torch.zeros(d_model)))
+        self.hook_scale = HookPoint()
+        self.hook_normalized = HookPoint()
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        xf = x.float()
+        xf = xf - xf.mean(-1, keepdim=True)
+        scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
+        return self.hook_normalized(((xf / scale).to(x.dtype) * self.w.to(x.dtype)) + self.b.to(x.dtype))
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Attention(nn.Module):
+    """Causal multi-head (grouped-query) attention with TransformerLens parameters and hooks.
+
+    Parameters: ``W_Q [head, d_model, d_head]``, ``W_K``/``W_V [kv_head, d_model, d_head]``,
+    ``W_O [head, d_head, d_model]`` and, for gpt2, biases ``b_Q [head, d_head]``, ``b_K``/``b_V``,
+    ``b_O [d_model]``. Query head ``h`` uses key/value head ``h // (n_heads // n_kv_heads)``.
+    The variant (``cfg.variant``) is the submodule ``variant``.
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        H, Hkv, D, dh = cfg.n_heads, cfg.n_key_value_heads, cfg.d_model, cfg.d_head
+        self.W_Q = nn.Parameter(torch.empty(H, D, dh))
+        self.W_K = nn.Parameter(torch.empty(Hkv, D, dh))
+        self.W_V = nn.Parameter(torch.empty(Hkv, D, dh))
+        self.W_O = nn.Parameter(torch.empty(H, dh, D))
+        self.has_bias = cfg.family == "gpt2"
+        if self.has_bias:
+            self.b_Q = _no_decay(nn.Parameter(torch.zeros(H, dh)))
+            self.b_K = _no_decay(nn.Parameter(torch.zeros(Hkv, dh)))
+            self.b_V = _no_decay(nn.Parameter(torch.zeros(Hkv, dh)))
+            self.b_O = _no_decay(nn.Parameter(torch.zeros(D)))
+        self.variant: AttentionVariant = get_attention_variant(cfg.variant)(cfg, **cfg.variant_options)
+        self.rotary = cfg.family == "llama"
+        if self.rotary:
+            inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, dh, 2, dtype=torch.float64) / dh))
+            angles = torch.outer(torch.arange(cfg.n_ctx, dtype=torch.float64), inv_freq)
+            angles = torch.cat([angles, angles], dim=-1)  # (n_ctx, d_head), rotate-half convention
+            self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
+            self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
+        self.hook_q = HookPoint()
+        self.hook_k = HookPoint()
+        self.hook_v = HookPoint()
+        if self.rotary:
+            self.hook_rot_q = HookPoint()
+            self.hook_rot_k = HookPoint()
+        self.hook_attn_scores = HookPoint()
+        self.hook_pattern = HookPoint()
+        self.hook_z = HookPoint()
+        for site in self.variant.hook_sites:
+            setattr(self, site, HookPoint())
+
+    def _rope(self, x: Tensor) -> Tensor:
+        T = x.shape[1]
+        cos = self.rope_cos[:T, None, :].to(x.dtype)
+        sin = self.rope_sin[:T, None, :].to(x.dtype)
+        return x * cos + _rotate_half(x) * sin
+
+    def project(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries ``[batch, pos, head, d_head]`` and keys/values ``[batch, pos, kv_head, d_head]``, hooked."""
+        q = torch.einsum("bpd,hdk->bphk", x, self.W_Q.to(x.dtype))
+        k = torch.einsum("bpd,hdk->bphk", x, self.W_K.to(x.dtype))
+        v = torch.einsum("bpd,hdk->bphk", x, self.W_V.to(x.dtype))
+        if self.has_bias:
+            q, k, v = q + self.b_Q.to(q.dtype), k + self.b_K.to(k.dtype), v + self.b_V.to(v.dtype)
+        q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
+        q, k = self.variant.transform_qk(q, k, self)
+        if self.rotary:
+            q, k = self.hook_rot_q(self._rope(q)), self.hook_rot_k(self._rope(k))
+        return q, k, v
+
+    def needs_explicit(self) -> bool:
+        """True if the scores/pattern must be materialised: a non-softmax variant or a hook on them."""
+        if not self.variant.uses_sdpa:
+            return True
+        for hp in (self.hook_attn_scores, self.hook_pattern):
+            if hp.fwd_hooks or hp.bwd_hooks:
+                return True
+        return False
+
+    def aggregate(self, q: Tensor, k: Tensor, v: Tensor, *, explicit: bool) -> Float[Tensor, "batch pos head d_head"]:
+        """The raw head outputs ``z = Σ_k pattern[q, k] v_k`` (before ``hook_z``)."""
+        rep = self.cfg.n_heads // self.cfg.n_key_value_heads
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, nh, T, hs)
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if not explicit:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+        T = q.shape[2]
+        scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.cfg.d_head)  # (B, nh, T, T)
+        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        scores = self.hook_attn_scores(self.variant.logits(scores))
+        pattern = self.hook_pattern(self.variant.normalize(scores))
+        return (pattern.to(v.dtype) @ v).transpose(1, 2)
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        q, k, v = self.project(x)
+        z = self.hook_z(self.aggregate(q, k, v, explicit=self.needs_explicit()))
+        z = self.variant.transform_z(z, x, self)
+        out = torch.einsum("bphk,hkd->bpd", z, self.W_O.to(z.dtype))
+        return out + self.b_O.to(out.dtype) if self.has_bias else out
+
+
+class MLP(nn.Module):
+    """SwiGLU (llama: ``W_gate``, ``W_in``, ``W_out``) or GELU (gpt2: ``W_in``, ``b_in``, ``W_out``, ``b_out``)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        D, M = cfg.d_model, int(cfg.d_mlp)
+        self.gated = cfg.family == "llama"
+        self.W_in = nn.Parameter(torch.empty(D, M))
+        self.W_out = nn.Parameter(torch.empty(M, D))
+        self.hook_pre = HookPoint()
+        self.hook_post = HookPoint()
+        if self.gated:
+            self.W_gate = nn.Parameter(torch.empty(D, M))
+            self.hook_pre_linear = HookPoint()
+        else:
+            self.b_in = _no_decay(nn.Parameter(torch.zeros(M)))
+            self.b_out = _no_decay(nn.Parameter(torch.zeros(D)))
+
+    def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        if self.gated:
+            pre = self.hook_pre(x @ self.W_gate.to(x.dtype))
+            post = self.hook_post(F.silu(pre) * self.hook_pre_linear(x @ self.W_in.to(x.dtype)))
+            return post @ self.W_out.to(post.dtype)
+        pre = self.hook_pre(x @ self.W_in.to(x.dtype) + self.b_in.to(x.dtype))
+        post = self.hook_post(F.gelu(pre, approximate="tanh"))
+        return post @ self.W_out.to(post.dtype) + self.b_out.to(post.dtype)
+
+
+class Block(nn.Module):
+    """Pre-norm residual block: ``resid_mid = resid_pre + attn(ln1(.))``, ``resid_post = resid_mid + mlp(ln2(.))``."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        Norm = RMSNorm if cfg.family == "llama" else LayerNorm
+        self.ln1 = Norm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.ln2 = Norm(cfg.d_model, cfg.norm_eps)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.hook_resid_pre = HookPoint()
+        self.hook_attn_out = HookPoint()
+        self.hook_resid_mid = HookPoint()
+        self.hook_mlp_out = HookPoint()
+        self.hook_resid_post = HookPoint()
+
+    def forward(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
+        resid = self.hook_resid_pre(resid)
+        resid = self.hook_resid_mid(resid + self.dropout(self.hook_attn_out(self.attn(self.ln1(resid)))))
+        return self.hook_resid_post(resid + self.dropout(self.hook_mlp_out(self.mlp(self.ln2(resid)))))
+
+
+class SinkLM(HookedRootModule):
+    """A decoder-only LM whose hooks and weights look like TransformerLens'.
+
+    ``cfg.family="llama"``: RMSNorm, SwiGLU, RoPE, tied embeddings, optional GQA.
+    ``cfg.family="gpt2"``: LayerNorm, GELU (tanh), learned positions, biases, tied embeddings.
+    The attention variant is ``cfg.variant`` (see :mod:`sinklens.train.variants`).
+
+    Init (GPT-2 / nanoGPT): every weight matrix ~ N(0, init_std²); the residual-stream write-outs
+    ``W_O`` and ``W_out`` ~ N(0, (init_std / sqrt(2·n_layers))²); biases 0, norm gains 1. A
+    ``headwise_rms`` model with ``init="first_token"`` then has its gains calibrated by
+    :func:`calibrate_headwise_gains` (seeded, so two models built after the same
+    ``torch.manual_seed`` are identical). Dropout (``cfg.dropout``) applies to the embedding and to
+    the attention and MLP outputs, never to attention weights, so both attention paths agree.
+
+    Attributes:
+        cfg: the :class:`ModelConfig`.
+        tokenizer: ``None`` unless the caller sets one (the training loop does for text data).
+
+    Examples:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <...>
+        >>> model = SinkLM(ModelConfig.from_preset("tiny", n_ctx=16, d_vocab=32))
+        >>> model(torch.randint(0, 32, (2, 8))).shape
+        torch.Size([2, 8, 32])
+        >>> model.W_Q.shape, model.W_out.shape
+        (torch.Size([2, 4, 64, 16]), torch.Size([2, 176, 64]))
+    """
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        if not isinstance(cfg, ModelConfig):
+            raise TypeError(f"SinkLM needs a ModelConfig, got {type(cfg).__name__}.")
+        self.cfg = cfg
+        self.tokenizer: Any = None
+        self.embed = nn.Module()
+        self.embed.W_E = nn.Parameter(torch.empty(cfg.d_vocab, cfg.d_model))
+        self.hook_embed = HookPoint()
+        if cfg.family == "gpt2":
+            self.pos_embed = nn.Module()
+            self.pos_embed.W_pos = nn.Parameter(torch.empty(cfg.n_ctx, cfg.d_model))
+            self.hook_pos_embed = HookPoint()
+        self.dropout = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
+        self.ln_final = (RMSNorm if cfg.family == "llama" else LayerNorm)(cfg.d_model, cfg.norm_eps)
+        self._init_weights()
+        if isinstance(self.blocks[0].attn.variant, HeadwiseRMSNorm):
+            if self.blocks[0].attn.variant.options["init"] == "first_token":
+                calibrate_headwise_gains(self)
+        self.to(_DTYPES[cfg.dtype])
+        self.setup()
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def _init_weights(self) -> None:
+        std = self.cfg.init_std
+        resid_std = std / math.sqrt(2 * self.cfg.n_layers)
+        nn.init.normal_(self.W_E, std=std)
+        if self.cfg.family == "gpt2":
+            nn.init.normal_(self.W_pos, std=std)
+        for block in self.blocks:
+            for w in (block.attn.W_Q, block.attn.W_K, block.attn.W_V, block.mlp.W_in):
+                nn.init.normal_(w, std=std)
+            if block.mlp.gated:
+                nn.init.normal_(block.mlp.W_gate, std=std)
+            nn.init.normal_(block.attn.W_O, std=resid_std)
+            nn.init.normal_(block.mlp.W_out, std=resid_std)
+
+    # --------------------------------------------------------------- forward
+    def forward(
+        self,
+        tokens: Int[Tensor, "batch pos"],
+        return_type: Literal["logits", "loss", "both", None] = "logits",
+    ) -> Any:
+        """Run the model.
+
+        Args:
+            tokens: token ids ``[batch, pos]`` with ``pos <= cfg.n_ctx``.
+            return_type: ``"logits"`` → ``[batch, pos, d_vocab]``; ``"loss"`` → the mean next-token
+                cross-entropy (nats) over all ``batch × (pos - 1)`` predictions ``logits[:, t]`` →
+                ``tokens[:, t + 1]``, in float32; ``"both"`` → ``(logits, loss)``; ``None`` → ``None``
+                (for hook-only runs).
+
+        Raises:
+            SequenceTooLongError: ``pos > cfg.n_ctx``.
+        """
+        if tokens.ndim == 1:
+            tokens = tokens[None]
+        T = tokens.shape[1]
+        if T > self.cfg.n_ctx:
+            raise SequenceTooLongError(
+                f"Sequence length {T} exceeds the model's context window n_ctx={self.cfg.n_ctx}; "
+                f"pass at most {self.cfg.n_ctx} tokens per sequence."
+            )
+        resid = self.hook_embed(self.W_E[tokens])
+        if self.cfg.family == "gpt2":
+            resid = resid + self.hook_pos_embed(self.W_pos[:T].to(resid.dtype).expand_as(resid))
+        resid = self.dropout(resid)
+        for block in self.blocks:
+            resid = block(resid)
+        if return_type is None:
+            return None
+        x = self.ln_final(resid)
+        logits = x @ self.W_E.to(x.dtype).T
+        if return_type == "logits":
+            return logits
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+        if return_type == "loss":
+            return loss
+        if return_type == "both":
+            return logits, loss
+        raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}.")
+
+    # -------------------------------------------------------------- training
+    def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
+        """Two AdamW parameter groups: decayed weight matrices, and everything else undecayed.
+
+        Decayed: parameters with ≥ 2 dims (embeddings, projections, the gate projection), as in
+        nanoGPT. Never decayed: biases, norm gains (including head-wise RMSNorm gains of shape
+        ``[n_heads, d_head]``) and sink logits (parameters flagged ``_no_weight_decay``).
+        """
+        decay, no_decay = [], []
+        for p in self.parameters():
+            if not p.requires_grad:
+                continue
+            (no_decay if p.ndim < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
+        return [
+            {"params": decay, "weight_decay": float(weight_decay)},
+            {"params": no_decay, "weight_decay": 0.0},
+        ]
+
+    def num_params(self, *, non_embedding: bool = False) -> int:
+        """Number of parameters (the tied embedding counted once).
+
+        ``non_embedding=True`` leaves out the token (and position) embedding tables.
+        """
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.W_E.numel() + (self.W_pos.numel() if self.cfg.family == "gpt2" else 0)
+        return n
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs per token (forward + backward), for MFU, as in nanoGPT / PaLM appendix B.
+
+        ``6·N + 12·n_layers·n_heads·d_head·T`` with ``N`` the parameters that take part in matmuls
+        (all but the learned position table; the tied embedding counts once, for the unembedding)
+        and ``T = seq_len`` (default ``cfg.n_ctx``); the attention term counts the full ``T × T``
+        score matrix (no causal halving), like nanoGPT.
+        """
+        T = int(seq_len or self.cfg.n_ctx)
+        n = self.num_params() - (self.W_pos.numel() if self.cfg.family == "gpt2" else 0)
+        return 6.0 * n + 12.0 * self.cfg.n_layers * self.cfg.n_heads * self.cfg.d_head * T
+
+    @property
+    def head_output_site(self) -> str:
+        """Attention hook site (``attn.hook_z`` / ``attn.hook_z_normed`` / ``attn.hook_z_gated``) that enters ``W_O``."""
+        return "attn." + self.blocks[0].attn.variant.output_site
+
+    # ------------------------------------------------------ weight properties
+    def _stack(self, get) -> Tensor:
+        return torch.stack([get(block) for block in self.blocks], dim=0)
+
+    @property
+    def W_E(self) -> Float[Tensor, "d_vocab d_model"]:
+        return self.embed.W_E
+
+    @property
+    def W_pos(self) -> Float[Tensor, "n_ctx d_model"]:
+        if self.cfg.family != "gpt2":
+            raise AttributeError("A llama-family SinkLM uses RoPE and has no W_pos.")
+        return self.pos_embed.W_pos
+
+    @property
+    def W_U(self) -> Float[Tensor, "d_model d_vocab"]:
+        return self.W_E.T
+
+    @property
+    def b_U(self) -> Float[Tensor, " d_vocab"]:
+        return torch.zeros(self.cfg.d_vocab, device=self.W_E.device, dtype=self.W_E.dtype)
+
+    @property
+    def W_Q(self) -> Float[Tensor, "layer head d_model d_head"]:
+        return self._stack(lambda b: b.attn.W_Q)
+
+    @property
+    def W_K(self) -> Float[Tensor, "layer kv_head d_model d_head"]:
+        return self._stack(lambda b: b.attn.W_K)
+
+    @property
+    def W_V(self) -> Float[Tensor, "layer kv_head d_model d_head"]:
+        return self._stack(lambda b: b.attn.W_V)
+
+    @property
+    def W_O(self) -> Float[Tensor, "layer head d_head d_model"]:
+        return self._stack(lambda b: b.attn.W_O)
+
+    def _bias(self, name: str, shape: tuple[int, ...]) -> Tensor:
+        ref = self.W_E
+        return self._stack(
+            lambda b: getattr(b.attn, name) if b.attn.has_bias else torch.zeros(shape, device=ref.device, dtype=ref.dtype)
+        )
+
+    @property
+    def b_Q(self) -> Float[Tensor, "layer head d_head"]:
+        return self._bias("b_Q", (self.cfg.n_heads, self.cfg.d_head))
+
+    @property
+    def b_K(self) -> Float[Tensor, "layer kv_head d_head"]:
+        return self._bias("b_K", (self.cfg.n_key_value_heads, self.cfg.d_head))
+
+    @property
+    def b_V(self) -> Float[Tensor, "layer kv_head d_head"]:
+        return self._bias("b_V", (self.cfg.n_key_value_heads, self.cfg.d_head))
+
+    @property
+    def b_O(self) -> Float[Tensor, "layer d_model"]:
+        return self._bias("b_O", (self.cfg.d_model,))
+
+    @property
+    def W_in(self) -> Float[Tensor, "layer d_model d_mlp"]:
+        return self._stack(lambda b: b.mlp.W_in)
+
+    @property
+    def W_gate(self) -> Float[Tensor, "layer d_model d_mlp"] | None:
+        return self._stack(lambda b: b.mlp.W_gate) if self.cfg.family == "llama" else None
+
+    @property
+    def W_out(self) -> Float[Tensor, "layer d_mlp d_model"]:
+        return self._stack(lambda b: b.mlp.W_out)
+
+    @property
+    def b_in(self) -> Float[Tensor, "layer d_mlp"]:
+        ref = self.W_E
+        zeros = torch.zeros(int(self.cfg.d_mlp), device=ref.device, dtype=ref.dtype)
+        return self._stack(lambda b: zeros if b.mlp.gated else b.mlp.b_in)
+
+    @property
+    def b_out(self) -> Float[Tensor, "layer d_model"]:
+        ref = self.W_E
+        zeros = torch.zeros(self.cfg.d_model, device=ref.device, dtype=ref.dtype)
+        return self._stack(lambda b: zeros if b.mlp.gated else b.mlp.b_out)
+
+
+def _set_gain(gain: nn.Parameter, per_head: Tensor) -> None:
+    if gain.ndim == 2:
+        gain.copy_(per_head[:, None].expand_as(gain).to(gain.dtype))
+    else:
+        gain.fill_(float(per_head.mean()))
+
+
+@torch.no_grad()
+def calibrate_headwise_gains(
+    model: SinkLM,
+    tokens: Int[Tensor, "batch pos"] | None = None,
+    *,
+    n_sequences: int = 8,
+    seed: int = 0,
+) -> Float[Tensor, "layer head"]:
+    """Set every head-wise RMSNorm gain from the first token's output standard deviation.
+
+    The method's authors (``init_headnorm_stats`` in Siquan-Li/Head-wise-RMSNorm) feed each
+    attention layer, on its own, a standard-normal input ``x ~ N(0, 1)`` of shape
+    ``[1, 64, d_model]`` (no embedding, no ln1, no RoPE), run causal softmax attention, take the
+    output of the *first* token ``z[0, h]`` (which, attending only to itself, equals its value
+    ``v_0``), and set head ``h``'s gain to ``std(z[0, h])`` over ``d_head`` (population std,
+    ``unbiased=False``), the same number in every dimension; with a shared gain, the mean over heads.
+
+    Here ``tokens=None`` does exactly that with ``n_sequences`` independent inputs drawn from a
+    ``torch.Generator`` seeded with ``seed`` (``x = randn(n_sequences, min(64, n_ctx), d_model)``)
+    and averages the per-sequence stds (``n_sequences=1`` is the authors' single draw). With
+    ``tokens``, one forward pass of the model on them is used instead: ``hook_z`` at position 0 of
+    each layer, std over ``d_head``, averaged over the batch; each layer's gain is set as soon as
+    its ``hook_z`` runs, so later layers are calibrated on the output of calibrated earlier ones.
+
+    Returns:
+        The gains set, ``[layer, head]`` (each head's value, repeated over heads when shared).
+    """
+    if n_sequences < 1:
+        raise ValueError(f"n_sequences must be >= 1, got {n_sequences}.")
+    attns = [block.attn for block in model.blocks]
+    if not isinstance(attns[0].variant, HeadwiseRMSNorm):
+        raise ValueError(f"calibrate_headwise_gains needs a headwise_rms model, got variant {model.cfg.variant!r}.")
+    ref = model.W_E
+    if tokens is None:
+        gen = torch.Generator().manual_seed(int(seed))
+        T = min(64, model.cfg.n_ctx)
+        z0 = []
+        for attn in attns:
+            x = torch.randn(n_sequences, T, model.cfg.d_model, generator=gen).to(device=ref.device, dtype=ref.dtype)
+            q, k, v = attn.project(x)
+            z0.append(attn.aggregate(q, k, v, explicit=False)[:, 0])  # (n_sequences, head, d_head)
+        gains = torch.stack([z.float().std(dim=-1, unbiased=False).mean(dim=0) for z in z0])  # (layer, head)
+        for attn, g in zip(attns, gains):
+            _set_gain(attn.variant.gain, g)
+    else:
+        gains = torch.zeros(len(attns), model.cfg.n_heads, device=ref.device)
+
+        def calibrate(z: Tensor, hook: HookPoint) -> None:
+            # runs before this layer's head norm, so later layers see the calibrated earlier ones
+            layer = int(hook.name.split(".")[1])
+            gains[layer] = z[:, 0].float().std(dim=-1, unbiased=False).mean(dim=0)
+            _set_gain(attns[layer].variant.gain, gains[layer])
+
+        with model.hooks(fwd_hooks=[(lambda name: name.endswith("attn.hook_z"), calibrate)]):
+            model(tokens, return_type=None)
+    shared = attns[0].variant.gain.ndim == 1
+    return gains.mean(dim=1, keepdim=True).expand_as(gains).clone() if shared else gains

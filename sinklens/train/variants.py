@@ -1,0 +1,342 @@
+"""Attention variants of :class:`sinklens.train.model.SinkLM`, one small class each, picked by name.
+
+A variant changes one or more of four steps of a head's computation, which
+:class:`sinklens.train.model.Attention` runs in this order::
+
+    q, k = variant.transform_qk(q, k)            # after hook_q/hook_k, before RoPE (qk_norm)
+    scores = variant.logits(q·k / sqrt(d_head))  # causal mask = -inf, then hook_attn_scores
+    pattern = variant.normalize(scores)          # softmax / sigmoid / softpick ..., then hook_pattern
+    z = pattern @ v                              # hook_z: the raw value aggregation
+    z = variant.transform_z(z, x)                # headwise_rms / gated, at the variant's own hook
+    attn_out = z @ W_O
+
+A variant with ``uses_sdpa = True`` is plain softmax attention in its middle two steps, so the model
+may replace them by ``F.scaled_dot_product_attention`` (flash kernels on GPU) whenever nothing is
+hooked on ``hook_attn_scores``/``hook_pattern``; the two paths compute the same function (tested).
+
+Registered variants (``ModelConfig.variant``; options in ``ModelConfig.variant_options``):
+
+========================  ==================================================================
+``baseline``              softmax attention.
+``headwise_rms``          RMSNorm of each head's output ``z[t, h]`` over ``d_head``, with a learnable
+                          gain, before ``W_O`` (head-wise RMSNorm / "HeadNorm"). Hook ``attn.hook_z_normed``.
+``gated``                 ``z * sigmoid(x W_G)``, x = the attention input (after ln1); head-wise
+                          (one gate per head) or element-wise (Qiu et al. 2025). Hooks ``attn.hook_gate``,
+                          ``attn.hook_z_gated``.
+``qk_norm``               RMSNorm of q and k per head over ``d_head`` (gain shared across heads), before
+                          RoPE. Hooks ``attn.hook_q_normed``, ``attn.hook_k_normed``.
+``sigmoid``               ``pattern = sigmoid(q·k/sqrt(d) + b)``, causal, unnormalised (Ramapuram et al. 2024).
+``sink_logit``            softmax over the keys plus one learnable per-head logit whose column is dropped
+                          (gpt-oss "sinks", off-by-one softmax when the logit is 0): rows sum to < 1.
+``softpick``              ``ReLU(e^x - 1) / (Σ_window |e^x - 1| + eps)`` (Zuhri et al. 2025): rows sum to
+                          ≤ 1 and may be all zero.
+========================  ==================================================================
+
+Add your own with :func:`register_attention_variant`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from sinklens.train.model_config import ModelConfig
+
+
+class AttentionVariant(nn.Module):
+    """Base class of an attention variant; by itself it is softmax attention (``baseline``).
+
+    Class attributes:
+        uses_sdpa: the variant's scores → pattern step is causal softmax of ``q·k/sqrt(d_head)``,
+            so the fused ``F.scaled_dot_product_attention`` may replace it.
+        hook_sites: names of extra ``HookPoint`` s the attention module creates for this variant
+            (e.g. ``"hook_z_normed"`` → ``blocks.{l}.attn.hook_z_normed``).
+        output_site: the attention hook holding the head outputs that enter ``W_O``.
+        defaults: accepted ``variant_options`` and their default values.
+    """
+
+    uses_sdpa: ClassVar[bool] = True
+    hook_sites: ClassVar[tuple[str, ...]] = ()
+    output_site: ClassVar[str] = "hook_z"
+    defaults: ClassVar[dict[str, Any]] = {}
+
+    def __init__(self, cfg: ModelConfig, **options: Any) -> None:
+        super().__init__()
+        self.check_options(options)
+        self.options = {**self.defaults, **options}
+        self.n_heads = cfg.n_heads
+        self.d_head = cfg.d_head
+
+    @classmethod
+    def check_options(cls, options: dict[str, Any]) -> None:
+        """Raise ``ValueError`` if ``options`` names an option this variant does not take."""
+        unknown = sorted(set(options) - set(cls.defaults))
+        if unknown:
+            raise ValueError(
+                f"Unknown option(s) {unknown} for attention variant {cls.__name__}; accepted options "
+                f"(with defaults) are {cls.defaults or 'none'}."
+            )
+
+    def transform_qk(
+        self, q: Float[Tensor, "batch pos head d_head"], k: Float[Tensor, "batch pos kv_head d_head"], attn: nn.Module
+    ) -> tuple[Tensor, Tensor]:
+        """Transform queries and keys before RoPE (identity by default)."""
+        return q, k
+
+    def logits(self, scores: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batch head query key"]:
+        """The logits the normaliser sees, from scaled, causally masked (``-inf``) dot products."""
+        return scores
+
+    def normalize(self, scores: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batch head query key"]:
+        """Attention weights from logits; ``-inf`` logits (the causal mask, or a hook) get weight 0.
+
+        Softmax; a row whose logits are all ``-inf`` (only possible through an intervention hook)
+        gets all-zero weights instead of NaN, as in TransformerLens.
+        """
+        pattern = F.softmax(scores, dim=-1)
+        return torch.where(torch.isnan(pattern), torch.zeros_like(pattern), pattern)
+
+    def transform_z(
+        self, z: Float[Tensor, "batch pos head d_head"], x: Float[Tensor, "batch pos d_model"], attn: nn.Module
+    ) -> Float[Tensor, "batch pos head d_head"]:
+        """Transform the aggregated head outputs before ``W_O`` (identity by default)."""
+        return z
+
+
+class Baseline(AttentionVariant):
+    """Causal softmax attention."""
+
+
+def _rms_norm(x: Tensor, eps: float) -> Tensor:
+    """``x / sqrt(mean(x², -1) + eps)`` computed in float32, returned in ``x``'s dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class HeadwiseRMSNorm(AttentionVariant):
+    """Head-wise RMSNorm: ``z_normed[t, h] = g_h ⊙ z[t, h] / sqrt(mean_d z[t, h, d]² + eps)``.
+
+    Follows the definition of the method's authors (``HeadRMSNorm`` in Siquan-Li/Head-wise-RMSNorm):
+    RMS over ``d_head`` of each head's output after value aggregation and before ``W_O``, eps 1e-6,
+    a learnable gain of shape ``[n_heads, d_head]`` (``gain="per_head"``, their paper configuration)
+    or ``[d_head]`` shared by all heads (``gain="shared"``). ``init="first_token"`` (default)
+    calibrates the gain as they do, see :func:`sinklens.train.model.calibrate_headwise_gains`;
+    ``init="ones"`` leaves it at 1. The raw aggregation stays visible at ``attn.hook_z`` (what the
+    variance analyzers measure); the normalised output is at ``attn.hook_z_normed``.
+
+    Unlike the authors' optimizer set-up (which decays every ≥2-D parameter, including the per-head
+    gain), :meth:`SinkLM.param_groups` never decays norm gains.
+    """
+
+    hook_sites = ("hook_z_normed",)
+    output_site = "hook_z_normed"
+    defaults: ClassVar[dict[str, Any]] = {"gain": "per_head", "init": "first_token", "eps": 1e-6}
+
+    def __init__(self, cfg: ModelConfig, **options: Any) -> None:
+        super().__init__(cfg, **options)
+        if self.options["gain"] not in ("per_head", "shared"):
+            raise ValueError(f"headwise_rms gain must be 'per_head' or 'shared', got {self.options['gain']!r}.")
+        if self.options["init"] not in ("first_token", "ones"):
+            raise ValueError(f"headwise_rms init must be 'first_token' or 'ones', got {self.options['init']!r}.")
+        shape = (cfg.n_heads, cfg.d_head) if self.options["gain"] == "per_head" else (cfg.d_head,)
+        self.gain = nn.Parameter(torch.ones(shape))
+        self.gain._no_weight_decay = True  # type: ignore[attr-defined]
+
+    def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
+        return attn.hook_z_normed(_rms_norm(z, self.options["eps"]) * self.gain.to(z.dtype))
+
+
+class Gated(AttentionVariant):
+    """Gated attention (Qiu et al. 2025): ``z'[t, h] = z[t, h] ⊙ sigmoid(x[t] W_G[h])``.
+
+    ``x`` is the attention input (the ln1 output, the same hidden state the q/k/v projections
+    read); the gate multiplies the aggregated head output before ``W_O`` (the paper's best
+    position, G1). ``granularity="elementwise"`` (default): ``W_G [n_heads, d_model, d_head]``, one
+    gate per head dimension; ``"headwise"``: ``W_G [n_heads, d_model]``, one scalar per head.
+    No bias. Hooks: ``attn.hook_gate`` (sigmoid output, ``[batch, pos, head, d_head]`` or
+    ``[batch, pos, head]``) and ``attn.hook_z_gated`` (gated head output).
+    """
+
+    hook_sites = ("hook_gate", "hook_z_gated")
+    output_site = "hook_z_gated"
+    defaults: ClassVar[dict[str, Any]] = {"granularity": "elementwise"}
+
+    def __init__(self, cfg: ModelConfig, **options: Any) -> None:
+        super().__init__(cfg, **options)
+        granularity = self.options["granularity"]
+        if granularity == "elementwise":
+            self.W_G = nn.Parameter(torch.empty(cfg.n_heads, cfg.d_model, cfg.d_head))
+        elif granularity == "headwise":
+            self.W_G = nn.Parameter(torch.empty(cfg.n_heads, cfg.d_model))
+        else:
+            raise ValueError(f"gated granularity must be 'elementwise' or 'headwise', got {granularity!r}.")
+        nn.init.normal_(self.W_G, std=cfg.init_std)
+
+    def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
+        if self.W_G.ndim == 3:
+            gate = attn.hook_gate(torch.sigmoid(torch.einsum("bpd,hdk->bphk", x, self.W_G.to(x.dtype))))
+            return attn.hook_z_gated(z * gate)
+        gate = attn.hook_gate(torch.sigmoid(torch.einsum("bpd,hd->bph", x, self.W_G.to(x.dtype))))
+        return attn.hook_z_gated(z * gate[..., None])
+
+
+class QKNorm(AttentionVariant):
+    """RMSNorm of every query and key head over ``d_head`` before RoPE, gains ``[d_head]`` shared by heads.
+
+    As in OLMo-2 / Qwen3. The raw projections stay at ``attn.hook_q``/``hook_k``; the normalised
+    ones are at ``attn.hook_q_normed``/``hook_k_normed`` (RoPE'd ones at ``hook_rot_q/k`` for llama).
+    """
+
+    hook_sites = ("hook_q_normed", "hook_k_normed")
+    defaults: ClassVar[dict[str, Any]] = {"eps": 1e-6}
+
+    def __init__(self, cfg: ModelConfig, **options: Any) -> None:
+        super().__init__(cfg, **options)
+        self.q_gain = nn.Parameter(torch.ones(cfg.d_head))
+        self.k_gain = nn.Parameter(torch.ones(cfg.d_head))
+
+    def transform_qk(self, q: Tensor, k: Tensor, attn: nn.Module) -> tuple[Tensor, Tensor]:
+        eps = self.options["eps"]
+        q = attn.hook_q_normed(_rms_norm(q, eps) * self.q_gain.to(q.dtype))
+        k = attn.hook_k_normed(_rms_norm(k, eps) * self.k_gain.to(k.dtype))
+        return q, k
+
+
+class SigmoidAttention(AttentionVariant):
+    """Sigmoid attention: ``pattern[q, k] = sigmoid(q·k/sqrt(d_head) + b)`` for ``k <= q``, else 0.
+
+    Unnormalised (rows need not sum to 1). ``bias="neg_log_n"`` (default) uses ``b = -log(n)``
+    with ``n = cfg.n_ctx``, the training sequence length, as recommended by Ramapuram et al. 2024
+    ("Theory, analysis, and best practices for sigmoid self-attention", b ≈ -log n keeps the
+    initial attention norm near softmax's); a number sets ``b`` directly (``0.0`` is the sigmoid
+    baseline of the head-wise RMSNorm authors). ``b`` is included in ``hook_attn_scores``.
+    """
+
+    uses_sdpa = False
+    defaults: ClassVar[dict[str, Any]] = {"bias": "neg_log_n"}
+
+    def __init__(self, cfg: ModelConfig, **options: Any) -> None:
+        super().__init__(cfg, **options)
+        bias = self.options["bias"]
+        if bias == "neg_log_n":
+            self.bias = -math.log(cfg.n_ctx)
+        elif isinstance(bias, (int, float)) and not isinstance(bias, bool):
+            self.bias = float(bias)
+        else:
+            raise ValueError(f"sigmoid bias must be 'neg_log_n' or a number, got {bias!r}.")
+
+    def logits(self, scores: Tensor) -> Tensor:
+        return scores + self.bias
+
+    def normalize(self, scores: Tensor) -> Tensor:
+        return torch.sigmoid(scores.float()).to(scores.dtype)  # sigmoid(-inf) = 0 masks
+
+
+class SinkLogit(AttentionVariant):
+    """Softmax with one learnable logit ``s_h`` per head in an extra, value-less key column.
+
+    ``pattern[q, k] = exp(x_qk) / (exp(s_h) + Σ_{k' <= q} exp(x_qk'))``: the column absorbs
+    ``exp(s_h) / (...)`` of the mass, so rows sum to less than 1 ("attention sinks" in gpt-oss;
+    with ``s_h = 0`` fixed this is the off-by-one softmax). ``hook_attn_scores`` and
+    ``hook_pattern`` hold the real keys only; the sink logit is the parameter ``sink`` ``[n_heads]``,
+    initialised to ``init`` (default 0.0).
+    """
+
+    uses_sdpa = False
+    defaults: ClassVar[dict[str, Any]] = {"init": 0.0}
+
+    def __init__(self, cfg: ModelConfig, **options: Any) -> None:
+        super().__init__(cfg, **options)
+        self.sink = nn.Parameter(torch.full((cfg.n_heads,), float(self.options["init"])))
+        self.sink._no_weight_decay = True  # type: ignore[attr-defined]
+
+    def normalize(self, scores: Tensor) -> Tensor:
+        b, h, q, _ = scores.shape
+        sink = self.sink.to(scores.dtype).view(1, h, 1, 1).expand(b, h, q, 1)
+        return F.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+
+
+class Softpick(AttentionVariant):
+    """Softpick (Zuhri et al. 2025): ``ReLU(e^x - 1) / (Σ_{window} |e^x - 1| + eps)``.
+
+    The window is the keys with a finite logit (the causal window, minus anything a hook set to
+    ``-inf``). As in the authors' stable form, numerator and denominator are multiplied by
+    ``e^{-m}`` with ``m`` the (detached) row maximum over the window, here clamped at 0 so nothing
+    overflows; the computed function is therefore
+    ``ReLU(e^x - 1) / (Σ |e^x - 1| + eps · e^{max(m, 0)})``. ``e^{x-m} - e^{-m}`` is evaluated as
+    ``-e^{x-m}·expm1(-x)`` for ``x >= 0`` and ``e^{-m}·expm1(x)`` for ``x < 0`` (no cancellation
+    near ``x = 0``). Rows sum to ≤ 1 and are all zero when every logit is ≤ 0.
+    """
+
+    uses_sdpa = False
+    defaults: ClassVar[dict[str, Any]] = {"eps": 1e-6}
+
+    def normalize(self, scores: Tensor) -> Tensor:
+        x = scores.float()
+        window = torch.isfinite(x)
+        x = torch.where(window, x, torch.zeros_like(x))  # keep inf out of both branches (NaN-free grads)
+        m = torch.where(window, x, torch.full_like(x, -torch.inf)).amax(dim=-1, keepdim=True)
+        m = m.clamp(min=0.0).detach()
+        positive = -torch.exp(x - m) * torch.expm1(-x.clamp(min=0.0))
+        negative = torch.exp(-m) * torch.expm1(x.clamp(max=0.0))
+        shifted = torch.where(window, torch.where(x >= 0, positive, negative), torch.zeros_like(x))
+        pattern = F.relu(shifted) / (shifted.abs().sum(dim=-1, keepdim=True) + self.options["eps"])
+        return pattern.to(scores.dtype)
+
+
+_VARIANTS: dict[str, type[AttentionVariant]] = {}
+
+
+def register_attention_variant(name: str, cls: type[AttentionVariant]) -> type[AttentionVariant]:
+    """Register an :class:`AttentionVariant` subclass under ``name``; raises ``ValueError`` if taken.
+
+    Examples:
+        >>> class Mine(AttentionVariant):
+        ...     pass
+        >>> _ = register_attention_variant("doctest_mine", Mine)
+        >>> get_attention_variant("doctest_mine") is Mine
+        True
+        >>> register_attention_variant("baseline", Mine)
+        Traceback (most recent call last):
+        ...
+        ValueError: Attention variant 'baseline' is already registered (Baseline)...
+    """
+    if name in _VARIANTS:
+        raise ValueError(
+            f"Attention variant {name!r} is already registered ({_VARIANTS[name].__name__}); pick another name."
+        )
+    if not (isinstance(cls, type) and issubclass(cls, AttentionVariant)):
+        raise TypeError(f"An attention variant must subclass AttentionVariant, got {cls!r}.")
+    _VARIANTS[name] = cls
+    return cls
+
+
+def get_attention_variant(name: str) -> type[AttentionVariant]:
+    """The variant class registered under ``name``; ``ValueError`` listing the known names otherwise."""
+    try:
+        return _VARIANTS[name]
+    except KeyError:
+        raise ValueError(f"Unknown attention variant {name!r}; known variants are {sorted(_VARIANTS)}.") from None
+
+
+def attention_variants() -> list[str]:
+    """Names of all registered attention variants."""
+    return sorted(_VARIANTS)
+
+
+for _name, _cls in [
+    ("baseline", Baseline),
+    ("headwise_rms", HeadwiseRMSNorm),
+    ("gated", Gated),
+    ("qk_norm", QKNorm),
+    ("sigmoid", SigmoidAttention),
+    ("sink_logit", SinkLogit),
+    ("softpick", Softpick),
+]:
+    register_attention_variant(_name, _cls)
