@@ -9,7 +9,8 @@ import pytest
 import torch
 
 matplotlib.use("Agg")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Tiny models run fastest single-threaded; the SmolLM2 tests are few and short.
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
