@@ -1,1 +1,34 @@
-"""Hook factories that create, remove and patch attention sinks."""
+"""Hook factories that create, remove and patch attention sinks.
+
+Every factory returns a list of ``(hook_name, fn)`` pairs that composes with any TransformerLens
+call — ``model.run_with_hooks(tokens, fwd_hooks=hooks)``, ``with model.hooks(fwd_hooks=hooks):``,
+or ``sinklens.stream(..., extra_hooks=hooks)`` so the analyzers measure the intervened model —
+and with each other (concatenate the lists). The functions never modify the activation they
+receive; they return a new tensor.
+
+* masks (``hook_attn_scores``): :func:`self_only`, :func:`restart`, :func:`block_keys`, :func:`custom_mask`
+* variance: :func:`amplify` (``x ← μ + α(x − μ)``), :func:`calibrate`, :func:`reference_mean`
+* neurons and dimensions: :func:`edit_neurons`, :func:`clamp_dims`, :func:`transplant_dims`
+* experiments: :func:`create_sink`, :func:`remove_sink`, :func:`measure_intervention`, :func:`sweep`
+* patching: :func:`patch_sink`
+"""
+
+from sinklens.interventions.experiments import (
+    InterventionResult,
+    create_sink,
+    measure_intervention,
+    register_method,
+    remove_sink,
+    sweep,
+)
+from sinklens.interventions.masks import block_keys, custom_mask, restart, self_only
+from sinklens.interventions.neurons import clamp_dims, edit_neurons, transplant_dims
+from sinklens.interventions.patching import SinkPatchResult, patch_sink
+from sinklens.interventions.variance import amplify, calibrate, clear_reference_cache, reference_mean
+
+__all__ = [
+    "InterventionResult", "SinkPatchResult", "amplify", "block_keys", "calibrate", "clamp_dims",
+    "clear_reference_cache", "create_sink", "custom_mask", "edit_neurons", "measure_intervention",
+    "patch_sink", "reference_mean", "register_method", "remove_sink", "restart", "self_only", "sweep",
+    "transplant_dims",
+]

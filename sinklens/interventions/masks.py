@@ -1,0 +1,192 @@
+"""Attention-mask interventions through ``blocks.{l}.attn.hook_attn_scores``.
+
+Each factory returns ``(hook_name, fn)`` pairs for ``model.run_with_hooks``, ``model.hooks`` or
+``sinklens.stream(..., extra_hooks=...)``. The hook receives the pre-softmax scores
+``[batch, head, query, key]`` (already causally masked by the model) and returns a *new* tensor in
+which the keys a query may no longer see are set to ``-inf``; the caller's tensor is never modified.
+
+Masked value: TransformerLens 3.x fills the causal mask with ``-inf``, the 4.x ``TransformerBridge``
+(like Hugging Face) with ``torch.finfo(dtype).min``. Both give exactly zero probability after the
+softmax; sinklens always writes ``-inf`` and guarantees that every query keeps at least one visible
+key (its own position), so no softmax row is empty and every ``hook_pattern`` row still sums to 1.
+
+Queries are addressed by absolute position: when scores cover fewer queries than keys (generation
+with a KV cache), the queries are taken to be the last ``n_query`` positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sinklens.hooks import SCORES, hook_name, model_dims, resolve_layers
+from sinklens.streaming import HookFn
+
+Hooks = list[tuple[str, HookFn]]
+#: Builds the *blocked* entries ``[query, key]`` from (absolute query positions, number of keys).
+BlockFn = Callable[[Tensor, int], Tensor]
+
+
+def as_positions(positions: int | Sequence[int], n_ctx: int, *, what: str = "position") -> list[int]:
+    """Normalise ``positions=`` (an int or a sequence of ints, each in ``0..n_ctx-1``).
+
+    Examples:
+        >>> as_positions(3, 8), as_positions([0, 5], 8)
+        ([3], [0, 5])
+    """
+    raw = [positions] if isinstance(positions, int) else list(positions)
+    if not raw:
+        raise ValueError(f"No {what}s given: pass at least one {what} in 0..{n_ctx - 1}.")
+    for pos in raw:
+        if not isinstance(pos, int) or isinstance(pos, bool) or not 0 <= pos < n_ctx:
+            raise ValueError(f"{what.capitalize()} {pos!r} is out of range: expected an int in 0..{n_ctx - 1} (cfg.n_ctx={n_ctx}).")
+    return raw
+
+
+def check_in_sequence(positions: Sequence[int], seq_len: int, what: str = "position") -> None:
+    """Raise ``ValueError`` if a position is not inside a sequence of ``seq_len`` tokens."""
+    bad = [p for p in positions if p >= seq_len]
+    if bad:
+        raise ValueError(f"{what.capitalize()} {bad[0]} is out of range for a sequence of {seq_len} tokens (0..{seq_len - 1}).")
+
+
+def _heads_index(heads: int | Sequence[int] | None, n_heads: int) -> list[int] | None:
+    if heads is None:
+        return None
+    raw = [heads] if isinstance(heads, int) else list(heads)
+    for h in raw:
+        if not 0 <= h < n_heads:
+            raise ValueError(f"Head {h} is out of range for a model with {n_heads} heads (0..{n_heads - 1}).")
+    return raw
+
+
+def _mask_hooks(model: Any, block: BlockFn, *, layers, heads) -> Hooks:
+    """Hooks that set ``block(query_positions, n_key)`` entries of the scores to ``-inf``."""
+    dims = model_dims(model)
+    layer_list = resolve_layers(layers, dims.n_layers)
+    head_list = _heads_index(heads, dims.n_heads)
+
+    def fn(scores: Tensor, hook: Any) -> Tensor:  # scores: [batch, head, query, key]
+        n_q, n_k = scores.shape[-2:]
+        q_pos = torch.arange(n_k - n_q, n_k, device=scores.device)
+        blocked = block(q_pos, n_k).to(scores.device)  # [query, key] or [batch, head, query, key]
+        k_pos = torch.arange(n_k, device=scores.device)
+        blocked = blocked & (k_pos[None, :] != q_pos[:, None])  # a query always keeps its own key
+        if head_list is not None:
+            per_head = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
+            per_head[head_list] = True
+            blocked = blocked & per_head[:, None, None]
+        return scores.masked_fill(blocked, float("-inf"))
+
+    return [(hook_name(layer, SCORES), fn) for layer in layer_list]
+
+
+def self_only(model: Any, *, positions: int | Sequence[int], layers=None, heads=None) -> Hooks:
+    """Make each token at ``positions`` attend only to itself (its whole attention on its own key).
+
+    Such a token aggregates a single value, so its head outputs keep the full value variance like
+    the first token does; this is the mask that turns an arbitrary token into a sink.
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> model = tiny_model()
+        >>> hooks = self_only(model, positions=3, layers=[0])
+        >>> [name for name, _ in hooks]
+        ['blocks.0.attn.hook_attn_scores']
+    """
+    pos = as_positions(positions, model_dims(model).n_ctx)
+
+    def block(q_pos: Tensor, n_k: int) -> Tensor:
+        check_in_sequence(pos, n_k)
+        rows = torch.isin(q_pos, torch.tensor(pos, device=q_pos.device))
+        return rows[:, None].expand(-1, n_k)
+
+    return _mask_hooks(model, block, layers=layers, heads=heads)
+
+
+def restart(model: Any, *, positions: int | Sequence[int], layers=None, heads=None) -> Hooks:
+    """A restart mask: queries at ``q >= k`` cannot see keys ``< k``, so ``k`` acts as a new first token.
+
+    With several positions the sequence is cut into independent segments at each of them.
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> len(restart(tiny_model(), positions=4))  # one hook per layer of the 2-layer model
+        2
+    """
+    pos = as_positions(positions, model_dims(model).n_ctx)
+
+    def block(q_pos: Tensor, n_k: int) -> Tensor:
+        check_in_sequence(pos, n_k)
+        k_pos = torch.arange(n_k, device=q_pos.device)
+        out = torch.zeros(q_pos.numel(), n_k, dtype=torch.bool, device=q_pos.device)
+        for k in pos:
+            out |= (q_pos[:, None] >= k) & (k_pos[None, :] < k)
+        return out
+
+    return _mask_hooks(model, block, layers=layers, heads=heads)
+
+
+def block_keys(model: Any, *, positions: int | Sequence[int], layers=None, heads=None) -> Hooks:
+    """Hide the keys at ``positions`` from every later query (e.g. ``positions=0`` removes the sink).
+
+    The blocked token still attends to itself (its own row is unchanged), so the softmax of every
+    query is well defined; the attention it received is redistributed over the remaining keys.
+    """
+    pos = as_positions(positions, model_dims(model).n_ctx)
+
+    def block(q_pos: Tensor, n_k: int) -> Tensor:
+        check_in_sequence(pos, n_k)
+        cols = torch.isin(torch.arange(n_k, device=q_pos.device), torch.tensor(pos, device=q_pos.device))
+        return cols[None, :].expand(q_pos.numel(), -1)
+
+    return _mask_hooks(model, block, layers=layers, heads=heads)
+
+
+def custom_mask(model: Any, allowed: Tensor, *, layers=None, heads=None) -> Hooks:
+    """Apply a user-supplied boolean mask: ``allowed[..., q, k]`` True = query ``q`` may attend to key ``k``.
+
+    ``allowed`` is ``[query, key]``, ``[head, query, key]`` or ``[batch, head, query, key]`` and must
+    match the sequence length of the run (checked in the hook). It is combined with the causal mask
+    (entries above the diagonal stay masked whatever ``allowed`` says). Every query must keep at
+    least one visible key: a row with none raises ``ValueError`` (its softmax would be undefined).
+    Unlike the other factories the diagonal is not protected: a False diagonal entry is honoured
+    as long as the row keeps another visible key.
+    """
+    if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
+        raise ValueError(f"allowed must be a bool tensor, got {getattr(allowed, 'dtype', type(allowed).__name__)}.")
+    if allowed.ndim not in (2, 3, 4) or allowed.shape[-1] != allowed.shape[-2]:
+        raise ValueError(
+            f"allowed must have shape [query, key], [head, query, key] or [batch, head, query, key] with "
+            f"query == key, got {tuple(allowed.shape)}."
+        )
+    dims = model_dims(model)
+    if allowed.ndim >= 3 and allowed.shape[-3] not in (1, dims.n_heads):
+        raise ValueError(f"allowed has {allowed.shape[-3]} heads; the model has {dims.n_heads} (or pass 1 to broadcast).")
+    layer_list = resolve_layers(layers, dims.n_layers)
+    head_list = _heads_index(heads, dims.n_heads)
+
+    def fn(scores: Tensor, hook: Any) -> Tensor:
+        n_q, n_k = scores.shape[-2:]
+        if allowed.shape[-1] != n_k:
+            raise ValueError(
+                f"allowed is {tuple(allowed.shape)} but the run has {n_k} positions: the last two dims must be ({n_k}, {n_k})."
+            )
+        if allowed.ndim == 4 and allowed.shape[0] not in (1, scores.shape[0]):
+            raise ValueError(f"allowed has batch size {allowed.shape[0]}, the run has {scores.shape[0]}.")
+        mask = allowed.to(scores.device)[..., n_k - n_q :, :]
+        causal = torch.ones(n_k, n_k, dtype=torch.bool, device=scores.device).tril()[n_k - n_q :]
+        visible = mask & causal
+        if not bool(visible.any(dim=-1).all()):
+            raise ValueError("allowed leaves some query with no visible key (after the causal mask); every row needs one.")
+        blocked = ~mask.expand(scores.shape) if mask.ndim == 4 else ~mask.expand(scores.shape[1:])
+        if head_list is not None:
+            per_head = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
+            per_head[head_list] = True
+            blocked = blocked & per_head[:, None, None]
+        return scores.masked_fill(blocked, float("-inf"))
+
+    return [(hook_name(layer, SCORES), fn) for layer in layer_list]

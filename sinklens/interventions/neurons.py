@@ -1,0 +1,163 @@
+"""Neuron and residual-dimension interventions.
+
+* :func:`edit_neurons` — zero, scale or set FFN neurons (``mlp.hook_post``, the activations that
+  multiply the rows of ``W_out``) at chosen positions: the tool for super-neuron ablations.
+* :func:`clamp_dims` — set or bound massive residual dimensions at chosen positions.
+* :func:`transplant_dims` — copy residual dimensions from one position (the sink) to others, giving
+  them the first token's massive activation.
+
+All return ``(hook_name, fn)`` pairs and never modify the tensor they receive.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from sinklens.hooks import MLP_POST, RESID_POST, check_hook_names, hook_name, layer_of, model_dims, resolve_layers
+from sinklens.interventions.masks import Hooks, as_positions, check_in_sequence
+
+NeuronMode = Literal["zero", "scale", "set"]
+ClampMode = Literal["set", "bound"]
+
+
+def _indices(values: int | Sequence[int], size: int, what: str) -> list[int]:
+    raw = [values] if isinstance(values, int) else list(values)
+    if not raw:
+        raise ValueError(f"No {what}s given.")
+    for v in raw:
+        if not isinstance(v, int) or not 0 <= v < size:
+            raise ValueError(f"{what.capitalize()} {v!r} is out of range (0..{size - 1}).")
+    return raw
+
+
+def _positions_or_all(positions, n_ctx: int) -> list[int] | None:
+    return None if positions is None else as_positions(positions, n_ctx)
+
+
+def edit_neurons(
+    model: Any,
+    neurons: int | Sequence[int] | Mapping[int, Sequence[int]],
+    *,
+    mode: NeuronMode = "zero",
+    value: float | int = 0.0,
+    positions: int | Sequence[int] | None = None,
+    layers=None,
+) -> Hooks:
+    """Zero (``mode="zero"``), multiply by ``value`` (``"scale"``) or set to ``value`` (``"set"``) FFN neurons.
+
+    Args:
+        neurons: neuron indices into ``d_mlp`` applied in every layer of ``layers``, or a mapping
+            ``{layer: [neurons]}`` (then ``layers`` must be left None).
+        positions: token positions to edit (default all).
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> [n for n, _ in edit_neurons(tiny_model(), {1: [3, 4]})]
+        ['blocks.1.mlp.hook_post']
+    """
+    if mode not in ("zero", "scale", "set"):
+        raise ValueError(f"mode must be 'zero', 'scale' or 'set', got {mode!r}.")
+    dims = model_dims(model)
+    if isinstance(neurons, Mapping):
+        if layers is not None:
+            raise ValueError("Pass either neurons={layer: [...]} or layers=, not both.")
+        per_layer = {resolve_layers(int(k), dims.n_layers)[0]: _indices(v, dims.d_mlp, "neuron") for k, v in neurons.items()}
+    else:
+        idx = _indices(neurons, dims.d_mlp, "neuron")
+        per_layer = {layer: idx for layer in resolve_layers(layers, dims.n_layers)}
+    pos = _positions_or_all(positions, dims.n_ctx)
+    names = [hook_name(layer, MLP_POST) for layer in per_layer]
+    check_hook_names(model, names)
+
+    def fn(act: Tensor, hook: Any) -> Tensor:  # act: [batch, pos, d_mlp]
+        idx = per_layer[layer_of(hook.name)]
+        p = slice(None) if pos is None else pos
+        if pos is not None:
+            check_in_sequence(pos, act.shape[1])
+        out = act.clone()
+        sub = out[:, p][..., idx]
+        if mode == "zero":
+            new = torch.zeros_like(sub)
+        elif mode == "scale":
+            new = sub * value
+        else:
+            new = torch.full_like(sub, value)
+        rows = out[:, p]
+        rows[..., idx] = new
+        out[:, p] = rows
+        return out
+
+    return [(name, fn) for name in names]
+
+
+def clamp_dims(
+    model: Any,
+    dims: int | Sequence[int],
+    *,
+    positions: int | Sequence[int] | None = 0,
+    mode: ClampMode = "set",
+    value: float | int = 0.0,
+    site: str = RESID_POST,
+    layers=None,
+) -> Hooks:
+    """Set residual dimensions to ``value`` (``mode="set"``) or bound them to ``[-value, value]`` (``"bound"``).
+
+    The default targets the sink (position 0) at ``hook_resid_post``: ``clamp_dims(model, 507)``
+    removes SmolLM2's massive activation.
+    """
+    if mode not in ("set", "bound"):
+        raise ValueError(f"mode must be 'set' or 'bound', got {mode!r}.")
+    if mode == "bound" and value < 0:
+        raise ValueError(f"A bound must be >= 0, got {value}.")
+    md = model_dims(model)
+    idx = _indices(dims, md.d_model, "residual dimension")
+    pos = _positions_or_all(positions, md.n_ctx)
+    names = [hook_name(layer, site) for layer in resolve_layers(layers, md.n_layers)]
+    check_hook_names(model, names)
+
+    def fn(act: Tensor, hook: Any) -> Tensor:  # act: [batch, pos, d_model]
+        if pos is not None:
+            check_in_sequence(pos, act.shape[1])
+        p = slice(None) if pos is None else pos
+        out = act.clone()
+        rows = out[:, p]
+        rows[..., idx] = torch.full_like(rows[..., idx], value) if mode == "set" else rows[..., idx].clamp(-value, value)
+        out[:, p] = rows
+        return out
+
+    return [(name, fn) for name in names]
+
+
+def transplant_dims(
+    model: Any,
+    dims: int | Sequence[int],
+    *,
+    positions: int | Sequence[int],
+    source: int = 0,
+    site: str = RESID_POST,
+    layers=None,
+) -> Hooks:
+    """Copy residual dimensions ``dims`` from position ``source`` to ``positions`` (same sequence, same run).
+
+    With the sink as source, the targets receive its massive activation.
+    """
+    md = model_dims(model)
+    idx = _indices(dims, md.d_model, "residual dimension")
+    pos = as_positions(positions, md.n_ctx)
+    (src,) = as_positions(source, md.n_ctx, what="source position")
+    names = [hook_name(layer, site) for layer in resolve_layers(layers, md.n_layers)]
+    check_hook_names(model, names)
+
+    def fn(act: Tensor, hook: Any) -> Tensor:
+        check_in_sequence([*pos, src], act.shape[1])
+        out = act.clone()
+        rows = out[:, pos]
+        rows[..., idx] = act[:, src, idx][:, None, :].expand(-1, len(pos), -1)
+        out[:, pos] = rows
+        return out
+
+    return [(name, fn) for name in names]
