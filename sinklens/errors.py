@@ -32,3 +32,11 @@ class PatternNotExposedError(SinklensError, RuntimeError):
 
 class SequenceTooLongError(SinklensError, ValueError):
     """A sequence longer than the model's context window ``cfg.n_ctx``."""
+
+
+class DataFileNotFoundError(SinklensError, FileNotFoundError):
+    """A training data path (text file or folder, memmap ``.bin``) that does not exist or holds no data."""
+
+
+class OfflineDataError(SinklensError, OSError):
+    """A Hugging Face dataset that cannot be streamed because there is no network."""

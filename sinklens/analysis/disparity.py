@@ -1,0 +1,385 @@
+"""Dimension disparity in the residual stream: massive activations, per-position norms and energy concentration.
+
+Following Sun et al. 2024 ("Massive activations in large language models"), an activation ``x[l, p, d]`` of
+the residual stream at layer ``l``, position ``p`` and dimension ``d`` is *massive* when
+
+* ``|x| > abs_threshold`` (default 100), and
+* ``|x| > rel_threshold × median |x|`` (default 1000), the median being over all valid positions and all
+  dimensions of *that sequence's* hidden state at that layer (Sun et al.'s "median magnitude of its hidden
+  state"; per sequence, so the result does not depend on how sequences are batched).
+
+Small or randomly initialised models have no activation above 100: pass ``abs_threshold=None`` and a
+smaller ``rel_threshold`` (e.g. 50) to use the relative criterion only.
+
+Residual-stream indices: ``layer = l < n_layers`` is ``blocks.{l}.hook_resid_pre`` (the stream entering
+block ``l``); ``layer = n_layers`` is the final ``blocks.{n_layers-1}.hook_resid_post``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from sinklens.analysis._common import check_sink_position, grow, resolve_streams, run_reducer, stream_hook, to_json
+from sinklens.hooks import model_device, model_dims
+from sinklens.inputs import Inputs, TokenBatch
+from sinklens.streaming import HookFn, Reducer
+
+_NORM_CHUNK = 256  # query positions per chunk when computing "median norm of the other positions"
+
+
+def check_thresholds(abs_threshold: float | None, rel_threshold: float | None) -> None:
+    """Raise ``ValueError`` unless at least one threshold is given and every given one is finite and > 0."""
+    if abs_threshold is None and rel_threshold is None:
+        raise ValueError("At least one of abs_threshold and rel_threshold must be given (both are None).")
+    for name, value in (("abs_threshold", abs_threshold), ("rel_threshold", rel_threshold)):
+        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}.")
+
+
+def sequence_median_abs(x: Float[Tensor, "batch pos d"], valid: Tensor) -> Float[Tensor, " batch"]:
+    """Median of ``|x|`` over each sequence's valid positions and all dimensions."""
+    a = x.abs().masked_fill(~valid[..., None], float("nan"))
+    return a.flatten(1).nanmedian(dim=1).values
+
+
+def norm_ratio_to_others(norms: Float[Tensor, "batch pos"], valid: Tensor) -> Float[Tensor, "batch pos"]:
+    """``norms[b, p] / median_{q != p, q valid} norms[b, q]``; NaN at invalid ``p`` or with no other position."""
+    b, n = norms.shape
+    others = norms.masked_fill(~valid, float("nan"))
+    out = torch.full_like(norms, float("nan"))
+    for lo in range(0, n, _NORM_CHUNK):
+        hi = min(n, lo + _NORM_CHUNK)
+        grid = others[:, None, :].expand(b, hi - lo, n).clone()  # [batch, query chunk, other]
+        idx = torch.arange(lo, hi, device=norms.device)
+        grid[:, idx - lo, idx] = float("nan")
+        med = grid.nanmedian(dim=-1).values
+        out[:, lo:hi] = norms[:, lo:hi] / med
+    return out.masked_fill(~valid, float("nan"))
+
+
+def topk_energy_share(x: Float[Tensor, "... d"], k: int) -> Float[Tensor, "..."]:
+    """Share of each vector's squared norm held by its ``k`` largest squared entries."""
+    sq = x.float().pow(2)
+    return sq.topk(k, dim=-1).values.sum(-1) / sq.sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
+
+
+@dataclass
+class MassiveActivations:
+    """Massive activations and dimension disparity of the residual stream (see the module docstring).
+
+    Rows are residual-stream indices ``layers`` (``l < n_layers``: ``blocks.{l}.hook_resid_pre``; ``n_layers``:
+    final ``hook_resid_post``). "Sink" means position ``sink_position`` of every sequence, "other" every
+    other valid (non-padding) position.
+
+    Attributes:
+        median_abs: mean over sequences of the per-sequence median ``|x|`` (the denominator of the ratios).
+        max_abs_sink: max over sequences of ``|x[sink_position, d]|``.
+        value_sink: the signed value at that maximum.
+        max_abs_other: max of ``|x[p, d]|`` over sequences and valid positions ``p != sink_position``.
+        max_abs_by_pos: max over sequences and dimensions of ``|x[p, d]|``, per position.
+        norm_mean: mean over sequences of the L2 norm of ``x[p]``.
+        norm_ratio: mean over sequences of ``||x[p]|| / median_{q != p} ||x[q]||`` (q over the valid positions
+            of the same sequence): how much bigger position ``p`` is than a typical token.
+        topk_energy: mean over sequences of the share of ``||x[p]||²`` in its ``top_k`` largest squared entries.
+        count_sink / count_other: number of sink tokens / other tokens at which dimension ``d`` is massive.
+        n_sink_tokens / n_other_tokens: the numbers of tokens those counts are out of.
+        events: ``(layer, position, dim)`` of every location that was massive in at least one sequence,
+            sorted by ``|event_value|`` descending, at most ``max_rows`` (``n_events`` before truncation).
+        event_value: the largest-magnitude signed value seen there; ``event_ratio``: its ratio to that
+            sequence's median ``|x|``.
+    """
+
+    layers: list[int]
+    hooks: list[str]
+    sink_position: int
+    abs_threshold: float | None
+    rel_threshold: float | None
+    top_k: int
+    median_abs: Float[Tensor, " layer"]
+    max_abs_sink: Float[Tensor, "layer dim"]
+    value_sink: Float[Tensor, "layer dim"]
+    max_abs_other: Float[Tensor, "layer dim"]
+    max_abs_by_pos: Float[Tensor, "layer pos"]
+    norm_mean: Float[Tensor, "layer pos"]
+    norm_ratio: Float[Tensor, "layer pos"]
+    topk_energy: Float[Tensor, "layer pos"]
+    count_sink: Int[Tensor, "layer dim"]
+    count_other: Int[Tensor, "layer dim"]
+    n_sink_tokens: int
+    n_other_tokens: int
+    events: Int[Tensor, "event 3"]
+    event_value: Float[Tensor, " event"]
+    event_ratio: Float[Tensor, " event"]
+    n_events: int
+    n_sequences: int
+    prepend_bos: bool = True
+    n_layers: int = field(default=0)
+
+    def _row(self, layer: int) -> int:
+        if layer not in self.layers:
+            raise ValueError(f"Residual stream index {layer} was not analysed; analysed: {self.layers}.")
+        return self.layers.index(layer)
+
+    def massive_dims(self, where: Literal["sink", "other", "any"] = "sink", layer: int | None = None) -> list[int]:
+        """Dimensions massive at least once (at the sink, elsewhere or anywhere), largest ``|x|`` first."""
+        rows = slice(None) if layer is None else slice(self._row(layer), self._row(layer) + 1)
+        counts = {"sink": self.count_sink, "other": self.count_other, "any": self.count_sink + self.count_other}[where]
+        size = {"sink": self.max_abs_sink, "other": self.max_abs_other,
+                "any": torch.maximum(self.max_abs_sink, self.max_abs_other)}[where]
+        hit = counts[rows].sum(0) > 0
+        dims = hit.nonzero().flatten()
+        peak = size[rows].amax(0)[dims]
+        return [int(d) for d in dims[peak.argsort(descending=True)]]
+
+    def first_layer(self, dim: int, where: Literal["sink", "other"] = "sink") -> int | None:
+        """First residual-stream index at which ``dim`` is massive (at the sink or elsewhere), or None."""
+        counts = self.count_sink if where == "sink" else self.count_other
+        hit = (counts[:, dim] > 0).nonzero().flatten()
+        return self.layers[int(hit[0])] if hit.numel() else None
+
+    def top_dims(self, layer: int, k: int = 5, where: Literal["sink", "other"] = "sink") -> list[tuple[int, float]]:
+        """The ``k`` dimensions with the largest max ``|x|`` at one residual-stream index, with that max."""
+        size = (self.max_abs_sink if where == "sink" else self.max_abs_other)[self._row(layer)]
+        vals, idx = size.topk(min(k, size.numel()))
+        return [(int(i), float(v)) for i, v in zip(idx, vals)]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per massive location: layer, hook, position, dim, value, abs, ratio (DataFrame-ready)."""
+        out = []
+        for (layer, pos, dim), value, ratio in zip(self.events.tolist(), self.event_value.tolist(), self.event_ratio.tolist()):
+            out.append({"layer": layer, "hook": self.hooks[self._row(layer)], "position": pos, "dim": dim,
+                        "value": value, "abs": abs(value), "ratio": ratio})
+        return out
+
+    def to_dict(self, top: int = 5) -> dict[str, Any]:
+        """JSON-ready summary: thresholds, per-layer medians, top sink/other dims, position profiles, events."""
+        return to_json({
+            "layers": self.layers, "hooks": self.hooks, "sink_position": self.sink_position,
+            "abs_threshold": self.abs_threshold, "rel_threshold": self.rel_threshold, "top_k": self.top_k,
+            "n_sequences": self.n_sequences, "prepend_bos": self.prepend_bos,
+            "median_abs": self.median_abs, "massive_dims_sink": self.massive_dims("sink"),
+            "massive_dims_other": self.massive_dims("other"),
+            "top_dims_sink": {str(l): self.top_dims(l, top, "sink") for l in self.layers},
+            "top_dims_other": {str(l): self.top_dims(l, top, "other") for l in self.layers},
+            "max_abs_by_pos": self.max_abs_by_pos, "norm_mean": self.norm_mean, "norm_ratio": self.norm_ratio,
+            "topk_energy": self.topk_energy, "n_sink_tokens": self.n_sink_tokens,
+            "n_other_tokens": self.n_other_tokens, "n_events": self.n_events, "events": self.rows(),
+        })
+
+    def plot(self, path: str | Path | None = None) -> Any:
+        """Max ``|x|`` per layer at the sink vs other positions, with the median, on a log scale."""
+        from sinklens.plotting.disparity import plot_massive_by_layer
+
+        return plot_massive_by_layer(self, path=path)
+
+    def plot_top_dims(self, layer: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
+        """Bar chart of the ``k`` largest dimensions at the sink vs other positions at one layer (default: last)."""
+        from sinklens.plotting.disparity import plot_top_dims
+
+        return plot_top_dims(self, layer=layer, k=k, path=path)
+
+    def plot_positions(self, path: str | Path | None = None) -> Any:
+        """Norm ratio and top-k energy share per position, one line per layer."""
+        from sinklens.plotting.disparity import plot_position_profile
+
+        return plot_position_profile(self, path=path)
+
+
+class MassiveActivationsReducer(Reducer):
+    """Streams residual-stream hooks into :class:`MassiveActivations`, keeping only running statistics.
+
+    Per residual-stream index it keeps ``[pos, dim]`` running maxima of ``|x|`` (with the signed value and
+    ratio at the maximum), a boolean "was massive" map, per-dimension counts of massive sink/other tokens and
+    ``[pos]`` sums of norms, norm ratios and top-k energy shares. The position axis grows with the longest
+    batch seen. Activations never outlive their hook.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        layers: int | list[int] | None = None,
+        abs_threshold: float | None = 100.0,
+        rel_threshold: float | None = 1000.0,
+        sink_position: int = 0,
+        top_k: int = 1,
+        max_rows: int = 1000,
+    ):
+        dims = model_dims(model)
+        check_thresholds(abs_threshold, rel_threshold)
+        if not isinstance(sink_position, int) or sink_position < 0:
+            raise ValueError(f"sink_position must be an int >= 0, got {sink_position!r}.")
+        if not 1 <= top_k <= dims.d_model:
+            raise ValueError(f"top_k must be in [1, {dims.d_model}] (d_model), got {top_k}.")
+        if max_rows < 0:
+            raise ValueError(f"max_rows must be >= 0, got {max_rows}.")
+        self.n_layers, self.d_model = dims.n_layers, dims.d_model
+        self.layers = resolve_streams(layers, dims.n_layers)
+        self.hooks = [stream_hook(s, dims.n_layers) for s in self.layers]
+        self.abs_threshold, self.rel_threshold = abs_threshold, rel_threshold
+        self.sink, self.top_k, self.max_rows = sink_position, top_k, max_rows
+        device = model_device(model)
+        n, d = len(self.layers), dims.d_model
+        f32 = dict(device=device, dtype=torch.float32)
+        self.max_abs = torch.full((n, 0, d), -1.0, **f32)
+        self.value_at_max = torch.zeros((n, 0, d), **f32)
+        self.ratio_at_max = torch.zeros((n, 0, d), **f32)
+        self.exceeded = torch.zeros((n, 0, d), device=device, dtype=torch.bool)
+        self.norm_sum = torch.zeros((n, 0), device=device, dtype=torch.float64)
+        self.norm_ratio_sum = torch.zeros((n, 0), device=device, dtype=torch.float64)
+        self.norm_ratio_count = torch.zeros((n, 0), device=device, dtype=torch.float64)
+        self.energy_sum = torch.zeros((n, 0), device=device, dtype=torch.float64)
+        self.pos_count = torch.zeros((0,), device=device, dtype=torch.float64)
+        self.count_sink = torch.zeros((n, d), device=device, dtype=torch.long)
+        self.count_other = torch.zeros((n, d), device=device, dtype=torch.long)
+        self.median_sum = torch.zeros(n, device=device, dtype=torch.float64)
+        self.n_sequences = 0
+        self.n_sink_tokens = 0
+        self.n_other_tokens = 0
+        self.prepend_bos = True
+
+    def _grow(self, width: int) -> None:
+        if self.max_abs.shape[1] >= width:
+            return
+        self.max_abs = grow(self.max_abs, 1, width, -1.0)
+        self.value_at_max = grow(self.value_at_max, 1, width)
+        self.ratio_at_max = grow(self.ratio_at_max, 1, width)
+        self.exceeded = grow(self.exceeded, 1, width, False)
+        for name in ("norm_sum", "norm_ratio_sum", "norm_ratio_count", "energy_sum"):
+            setattr(self, name, grow(getattr(self, name), 1, width))
+        self.pos_count = grow(self.pos_count, 0, width)
+
+    def _is_massive(self, a: Tensor, ratio: Tensor) -> Tensor:
+        hit = torch.ones_like(a, dtype=torch.bool)
+        if self.abs_threshold is not None:
+            hit &= a > self.abs_threshold
+        if self.rel_threshold is not None:
+            hit &= ratio > self.rel_threshold
+        return hit
+
+    def fwd_hooks(self, batch: TokenBatch) -> list[tuple[str, HookFn]]:
+        check_sink_position(batch, self.sink)
+        width = batch.tokens.shape[1]
+        self._grow(width)
+        valid = batch.valid
+        is_sink = torch.zeros_like(valid)
+        is_sink[:, self.sink] = True
+        sink_mask, other_mask = valid & is_sink, valid & ~is_sink
+
+        def fold(act: Tensor, hook: Any, i: int) -> None:  # act: [batch, pos, d_model]
+            x = act.float()
+            a = x.abs()
+            med = sequence_median_abs(x, valid)
+            ratio = a / med[:, None, None].clamp_min(torch.finfo(torch.float32).tiny)
+            massive = self._is_massive(a, ratio) & valid[..., None]
+            self.median_sum[i] += med.double().sum()
+            self.count_sink[i] += (massive & sink_mask[..., None]).sum(dim=(0, 1))
+            self.count_other[i] += (massive & other_mask[..., None]).sum(dim=(0, 1))
+            self.exceeded[i, :width] |= massive.any(dim=0)
+            best, idx = a.masked_fill(~valid[..., None], -1.0).max(dim=0)  # [pos, d]
+            better = best > self.max_abs[i, :width]
+            self.max_abs[i, :width] = torch.where(better, best, self.max_abs[i, :width])
+            value = x.gather(0, idx[None]).squeeze(0)
+            r = ratio.gather(0, idx[None]).squeeze(0)
+            self.value_at_max[i, :width] = torch.where(better, value, self.value_at_max[i, :width])
+            self.ratio_at_max[i, :width] = torch.where(better, r, self.ratio_at_max[i, :width])
+            norms = x.norm(dim=-1)
+            self.norm_sum[i, :width] += (norms * valid).double().sum(0)
+            nr = norm_ratio_to_others(norms, valid)
+            self.norm_ratio_sum[i, :width] += nr.nan_to_num(0.0).double().sum(0)
+            self.norm_ratio_count[i, :width] += (~nr.isnan()).double().sum(0)
+            self.energy_sum[i, :width] += (topk_energy_share(x, self.top_k) * valid).double().sum(0)
+
+        # Bind the row per hook: a bridge reports aliased hooks under their canonical names.
+        return [(name, functools.partial(fold, i=i)) for i, name in enumerate(self.hooks)]
+
+    def end_batch(self, batch: TokenBatch) -> None:
+        valid = batch.valid
+        width = valid.shape[1]
+        self.pos_count[:width] += valid.double().sum(0)
+        self.n_sequences += valid.shape[0]
+        self.n_sink_tokens += int(valid[:, self.sink].sum())
+        self.n_other_tokens += int(valid.sum()) - int(valid[:, self.sink].sum())
+        self.prepend_bos = batch.prepend_bos
+
+    def result(self) -> MassiveActivations:
+        if self.n_sequences == 0:
+            raise ValueError("No batches were streamed; nothing to summarise.")
+        n_pos = int((self.pos_count > 0).nonzero().max()) + 1
+        s = self.sink
+        others = torch.ones(self.max_abs.shape[1], dtype=torch.bool, device=self.max_abs.device)
+        others[s] = False
+        max_other = self.max_abs.masked_fill(~others[None, :, None], -1.0).amax(dim=1).clamp_min(0.0)
+        where = self.exceeded.nonzero()  # [event, 3] (row, pos, dim)
+        values = self.value_at_max[where[:, 0], where[:, 1], where[:, 2]]
+        ratios = self.ratio_at_max[where[:, 0], where[:, 1], where[:, 2]]
+        order = values.abs().argsort(descending=True)[: self.max_rows]
+        events = where[order].clone()
+        events[:, 0] = torch.tensor(self.layers, device=events.device)[events[:, 0]]
+        counts = self.pos_count[:n_pos]
+        return MassiveActivations(
+            layers=list(self.layers), hooks=list(self.hooks), sink_position=s,
+            abs_threshold=self.abs_threshold, rel_threshold=self.rel_threshold, top_k=self.top_k,
+            median_abs=(self.median_sum / self.n_sequences).float().cpu(),
+            max_abs_sink=self.max_abs[:, s].clamp_min(0.0).cpu(),
+            value_sink=self.value_at_max[:, s].cpu(),
+            max_abs_other=max_other.cpu(),
+            max_abs_by_pos=self.max_abs[:, :n_pos].amax(dim=-1).clamp_min(0.0).cpu(),
+            norm_mean=(self.norm_sum[:, :n_pos] / counts).float().cpu(),
+            norm_ratio=(self.norm_ratio_sum[:, :n_pos] / self.norm_ratio_count[:, :n_pos]).float().cpu(),
+            topk_energy=(self.energy_sum[:, :n_pos] / counts).float().cpu(),
+            count_sink=self.count_sink.cpu(), count_other=self.count_other.cpu(),
+            n_sink_tokens=self.n_sink_tokens, n_other_tokens=self.n_other_tokens,
+            events=events.cpu(), event_value=values[order].cpu(), event_ratio=ratios[order].cpu(),
+            n_events=int(where.shape[0]), n_sequences=self.n_sequences, prepend_bos=self.prepend_bos,
+            n_layers=self.n_layers,
+        )
+
+
+def find_massive_activations(
+    model: Any,
+    inputs: Inputs | None = None,
+    *,
+    layers: int | list[int] | None = None,
+    abs_threshold: float | None = 100.0,
+    rel_threshold: float | None = 1000.0,
+    sink_position: int = 0,
+    top_k: int = 1,
+    max_rows: int = 1000,
+    batch_size: int = 8,
+    prepend_bos: bool = True,
+    max_length: int | None = None,
+    progress: bool = False,
+) -> MassiveActivations:
+    """Find massive activations in the residual stream (Sun et al. 2024 thresholds by default).
+
+    Args:
+        inputs: anything :func:`sinklens.inputs.as_batches` accepts (None = the built-in prompts).
+        layers: residual-stream indices (``0..n_layers``; ``n_layers`` = final ``hook_resid_post``); None = all.
+        abs_threshold: ``|x|`` must exceed this (None: no absolute criterion).
+        rel_threshold: ``|x| / median |x|`` of the sequence's hidden state must exceed this (None: none).
+        sink_position: the position compared with all others (0: the first token).
+        top_k: number of largest squared entries in the ``topk_energy`` share.
+        max_rows: cap on the number of massive locations listed in ``events``.
+
+    Examples:
+        >>> from sinklens.testing_planted import planted_model
+        >>> model, spec = planted_model(n_layers=2, dim=5)
+        >>> found = find_massive_activations(model, "t3 t4 t5 t6")
+        >>> found.massive_dims("sink"), found.first_layer(5), found.massive_dims("other")
+        ([5], 1, [])
+    """
+    reducer = MassiveActivationsReducer(
+        model, layers=layers, abs_threshold=abs_threshold, rel_threshold=rel_threshold,
+        sink_position=sink_position, top_k=top_k, max_rows=max_rows,
+    )
+    return run_reducer(model, inputs, reducer, batch_size=batch_size, prepend_bos=prepend_bos,
+                       max_length=max_length, progress=progress)

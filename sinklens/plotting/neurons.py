@@ -1,0 +1,69 @@
+"""Figures for :class:`sinklens.analysis.neurons.SuperNeurons`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from sinklens.plotting.style import new_figure, save_figure
+
+
+def _finish(fig: Any, path: str | Path | None) -> Any:
+    if path is not None:
+        save_figure(fig, path, close=False)
+    return fig
+
+
+def _dim(result: Any, dim: int | None) -> int:
+    if dim is None:
+        if not result.dims:
+            raise ValueError("No massive dimension was found or given; pass dim=... to find_super_neurons(dims=[...]).")
+        return result.dims[0]
+    return dim
+
+
+def plot_contributions(result: Any, *, dim: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
+    """Bar chart of the ``k`` neurons writing most into ``dim`` at the sink (``sink_act × W_out[l, n, dim]``)."""
+    dim = _dim(result, dim)
+    top = result.top(dim, k)
+    fig, axes = new_figure(width=7.0, height=4.0)
+    ax = axes[0, 0]
+    supers = set(result.super_neurons())
+    colors = ["tab:red" if (l, n) in supers else "tab:blue" for l, n, _ in top]
+    ax.bar(range(len(top)), [c for _, _, c in top], color=colors)
+    ax.set_xticks(range(len(top)), [f"L{l}.{n}" for l, n, _ in top], rotation=45, fontsize=8)
+    ax.set_ylabel(f"contribution to dim {dim} at position {result.sink_position}")
+    ax.set_title(f"Top neurons writing dim {dim} (red: super neurons)")
+    return _finish(fig, path)
+
+
+def plot_row_sparsity(result: Any, *, path: str | Path | None = None) -> Any:
+    """Scatter of every neuron's ``W_out`` row kurtosis vs its top-k mass share; super neurons in red."""
+    fig, axes = new_figure(width=6.0, height=4.5)
+    ax = axes[0, 0]
+    kurt, share = result.row_kurtosis.flatten(), result.row_top_share.flatten()
+    sup = result.is_super.flatten()
+    ax.scatter(kurt[~sup], share[~sup], s=4, alpha=0.4, color="tab:blue", label="neurons")
+    ax.scatter(kurt[sup], share[sup], s=30, color="tab:red", label="super neurons")
+    ax.set_xscale("log")
+    ax.set_xlabel("kurtosis of W_out row")
+    ax.set_ylabel(f"share of ||W_out row||² in top {result.row_top_k}")
+    ax.set_title("Channel sparsity of W_out rows")
+    ax.legend(fontsize=8)
+    return _finish(fig, path)
+
+
+def plot_dim_path(result: Any, *, dim: int | None = None, path: str | Path | None = None) -> Any:
+    """Residual value of ``dim`` at the sink per stream index, with each block's attention and MLP step."""
+    dim = _dim(result, dim)
+    fig, axes = new_figure(width=7.0, height=4.0)
+    ax = axes[0, 0]
+    n = result.attn_out_sink.shape[0]
+    ax.plot(range(n + 1), result.resid_sink[:, dim], "o-", color="black", label="residual (input of block)")
+    ax.bar([x + 0.3 for x in range(n)], result.attn_out_sink[:, dim], width=0.3, label="attn_out", color="tab:orange")
+    ax.bar([x + 0.6 for x in range(n)], result.mlp_out_sink[:, dim], width=0.3, label="mlp_out", color="tab:green")
+    ax.set_xlabel("block")
+    ax.set_ylabel(f"dim {dim} at position {result.sink_position}")
+    ax.set_title(f"Where dim {dim} is written and erased")
+    ax.legend(fontsize=8)
+    return _finish(fig, path)

@@ -1,0 +1,238 @@
+"""Tiny models with hand-planted sink mechanisms, so analyzers can be tested against known answers.
+
+:func:`planted_model` takes a :func:`sinklens.testing.tiny_model` and edits its weights in place
+(the Hugging Face weights under a TransformerLens 4.x ``TransformerBridge``, the parameters of a
+3.x ``HookedTransformer``) to plant, with everything written in TransformerLens conventions:
+
+* **a distinctive BOS direction**: the BOS embedding gets a large entry in ``bos_dim``; no other
+  token, positional embedding, attention output or MLP output writes into ``bos_dim``, so only
+  position 0 ever has a non-zero ``bos_dim``;
+* **a super neuron** ``(layer, neuron)``: its ``W_in`` (and ``W_gate``) column reads ``bos_dim``
+  only, so it fires strongly at the BOS token and (almost) nowhere else, and its ``W_out`` row is a
+  one-hot into ``dim``; nothing else writes into ``dim``, so the residual stream at position 0 carries
+  a massive activation in ``dim`` from ``blocks.{layer + 1}.hook_resid_pre`` on, and every other
+  position has exactly 0 there;
+* optionally **an eraser neuron** ``(erase_layer, erase_neuron)`` that reads ``dim`` and writes
+  ``-dim`` back, taking the massive activation down again;
+* optionally **query–key locking** in head ``(qk_layer, qk_head)``: every non-BOS token shares an
+  embedding direction ``common_dim`` (nothing else writes there); the head's queries read only
+  ``common_dim`` and its key reads ``dim``, so every query scores the BOS key positively, while its
+  scores against other keys have random signs. On rotary models the query/key use the
+  lowest-frequency rotary pair, so the alignment survives rotation over short contexts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from sinklens.hooks import model_dims
+from sinklens.testing import tiny_model, transformer_lens_major
+
+
+@dataclass(frozen=True)
+class PlantedSpec:
+    """Where the mechanisms were planted (the answers a test expects)."""
+
+    arch: str
+    layer: int
+    neuron: int
+    dim: int
+    bos_dim: int
+    erase_layer: int | None = None
+    erase_neuron: int | None = None
+    qk_layer: int | None = None
+    qk_head: int | None = None
+    common_dim: int | None = None
+
+
+class _Weights:
+    """In-place writable views of one model's weights, in TransformerLens shapes."""
+
+    def __init__(self, model: Any, arch: str):
+        self.model, self.arch = model, arch
+        self.bridge = transformer_lens_major() >= 4
+        dims = model_dims(model)
+        self.d_head, self.n_heads, self.n_kv = dims.d_head, dims.n_heads, dims.n_kv_heads
+        if self.bridge:
+            hf = model.original_model
+            self.hf_layers = hf.model.layers if arch == "llama" else hf.transformer.h
+            self.hf = hf
+
+    def W_E(self) -> Tensor:  # [vocab, d_model]
+        if not self.bridge:
+            return self.model.embed.W_E
+        return self.hf.model.embed_tokens.weight if self.arch == "llama" else self.hf.transformer.wte.weight
+
+    def W_pos(self) -> Tensor | None:  # [n_ctx, d_model]
+        if self.arch == "llama":
+            return None
+        return self.hf.transformer.wpe.weight if self.bridge else self.model.pos_embed.W_pos
+
+    def W_in(self, layer: int) -> Tensor:  # [d_model, d_mlp]
+        if not self.bridge:
+            return self.model.blocks[layer].mlp.W_in
+        mlp = self.hf_layers[layer].mlp
+        return mlp.up_proj.weight.T if self.arch == "llama" else mlp.c_fc.weight
+
+    def W_gate(self, layer: int) -> Tensor | None:  # [d_model, d_mlp]
+        if self.arch != "llama":
+            return None
+        return self.hf_layers[layer].mlp.gate_proj.weight.T if self.bridge else self.model.blocks[layer].mlp.W_gate
+
+    def b_in(self, layer: int) -> Tensor | None:  # [d_mlp]
+        if not self.bridge:
+            return self.model.blocks[layer].mlp.b_in
+        return None if self.arch == "llama" else self.hf_layers[layer].mlp.c_fc.bias
+
+    def W_out(self, layer: int) -> Tensor:  # [d_mlp, d_model]
+        if not self.bridge:
+            return self.model.blocks[layer].mlp.W_out
+        mlp = self.hf_layers[layer].mlp
+        return mlp.down_proj.weight.T if self.arch == "llama" else mlp.c_proj.weight
+
+    def b_out(self, layer: int) -> Tensor | None:  # [d_model]
+        if not self.bridge:
+            return self.model.blocks[layer].mlp.b_out
+        return None if self.arch == "llama" else self.hf_layers[layer].mlp.c_proj.bias
+
+    def W_O(self, layer: int) -> Tensor:  # [n_heads * d_head, d_model]
+        if not self.bridge:
+            w = self.model.blocks[layer].attn.W_O
+            return w.view(-1, w.shape[-1])
+        attn = self.hf_layers[layer].self_attn if self.arch == "llama" else self.hf_layers[layer].attn
+        return attn.o_proj.weight.T if self.arch == "llama" else attn.c_proj.weight
+
+    def b_O(self, layer: int) -> Tensor | None:  # [d_model]
+        if not self.bridge:
+            return self.model.blocks[layer].attn.b_O
+        return None if self.arch == "llama" else self.hf_layers[layer].attn.c_proj.bias
+
+    def W_Q(self, layer: int, head: int) -> Tensor:  # [d_model, d_head]
+        lo, hi = head * self.d_head, (head + 1) * self.d_head
+        if not self.bridge:
+            return self.model.blocks[layer].attn.W_Q[head]
+        if self.arch == "llama":
+            return self.hf_layers[layer].self_attn.q_proj.weight[lo:hi].T
+        return self.hf_layers[layer].attn.c_attn.weight[:, lo:hi]
+
+    def W_K(self, layer: int, kv_head: int) -> Tensor:  # [d_model, d_head]
+        lo, hi = kv_head * self.d_head, (kv_head + 1) * self.d_head
+        if not self.bridge:
+            attn = self.model.blocks[layer].attn
+            return attn._W_K[kv_head] if hasattr(attn, "_W_K") else attn.W_K[kv_head]
+        if self.arch == "llama":
+            return self.hf_layers[layer].self_attn.k_proj.weight[lo:hi].T
+        d_model = self.hf_layers[layer].attn.c_attn.weight.shape[0]
+        return self.hf_layers[layer].attn.c_attn.weight[:, d_model + lo : d_model + hi]
+
+
+def _plant_reader(w: _Weights, layer: int, neuron: int, read_dim: int, write_dim: int, write: float, arch: str) -> None:
+    """Make ``neuron`` read only ``read_dim`` of the normalised input and write ``write`` into ``write_dim``."""
+    gain = 2.0 if arch == "llama" else 3.0
+    w.W_in(layer)[:, neuron] = 0.0
+    w.W_in(layer)[read_dim, neuron] = gain
+    gate = w.W_gate(layer)
+    if gate is not None:
+        gate[:, neuron] = 0.0
+        gate[read_dim, neuron] = gain
+    b_in = w.b_in(layer)
+    if b_in is not None and gate is None:  # GELU MLPs: LayerNorm's mean removal leaves ±0.3 at other tokens; bias them off
+        b_in[neuron] = -2.0 * gain
+    w.W_out(layer)[neuron, :] = 0.0
+    w.W_out(layer)[neuron, write_dim] = write
+
+
+def planted_model(
+    arch: Literal["llama", "gpt2"] = "llama",
+    *,
+    n_layers: int = 2,
+    d_model: int = 16,
+    n_heads: int = 4,
+    n_kv_heads: int | None = None,
+    d_mlp: int = 32,
+    n_ctx: int = 64,
+    d_vocab: int = 64,
+    seed: int = 0,
+    layer: int = 0,
+    neuron: int = 7,
+    dim: int = 5,
+    bos_dim: int = 2,
+    erase_layer: int | None = None,
+    erase_neuron: int = 11,
+    qk_layer: int | None = None,
+    qk_head: int = 1,
+    common_dim: int = 9,
+) -> tuple[Any, PlantedSpec]:
+    """A :func:`~sinklens.testing.tiny_model` with a planted super neuron (see the module docstring).
+
+    Returns the model and a :class:`PlantedSpec` with the planted locations.
+
+    Examples:
+        >>> model, spec = planted_model(n_layers=2, layer=0, neuron=7, dim=5)
+        >>> _, cache = model.run_with_cache(model.to_tokens("t3 t4 t5"), names_filter="blocks.1.hook_resid_pre")
+        >>> resid = cache["blocks.1.hook_resid_pre"][0]
+        >>> bool(resid[0, 5].abs() > 100), float(resid[1:, 5].abs().max())
+        (True, 0.0)
+    """
+    used = {dim, bos_dim} | ({common_dim} if qk_layer is not None else set())
+    if len(used) != (3 if qk_layer is not None else 2) or max(used) >= d_model or min(used) < 0:
+        raise ValueError(f"dim={dim}, bos_dim={bos_dim}, common_dim={common_dim} must be distinct and in [0, {d_model}).")
+    if not 0 <= layer < n_layers - 1:
+        raise ValueError(f"layer={layer} must leave at least one later layer: 0 <= layer < {n_layers - 1}.")
+    if erase_layer is not None and not layer < erase_layer < n_layers:
+        raise ValueError(f"erase_layer={erase_layer} must lie in ({layer}, {n_layers}).")
+    if qk_layer is not None and not layer < qk_layer < n_layers:
+        raise ValueError(f"qk_layer={qk_layer} must lie in ({layer}, {n_layers}).")
+    model = tiny_model(
+        arch, n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_mlp=d_mlp,
+        n_ctx=n_ctx, d_vocab=d_vocab, seed=seed,
+    )
+    w = _Weights(model, arch)
+    protected = sorted(used)
+    with torch.no_grad():
+        W_E = w.W_E()
+        typical = float(W_E[1:].norm(dim=-1).mean())
+        W_E[:, protected] = 0.0
+        W_E[0, bos_dim] = 4.0 * typical
+        if qk_layer is not None:
+            W_E[1:, common_dim] = 2.0 * typical
+        W_pos = w.W_pos()
+        if W_pos is not None:
+            W_pos[:, protected] = 0.0
+        for block in range(n_layers):  # nothing but the plants writes into the protected dims
+            w.W_O(block)[:, protected] = 0.0
+            w.W_out(block)[:, protected] = 0.0
+            for bias in (w.b_O(block), w.b_out(block)):
+                if bias is not None:
+                    bias[protected] = 0.0
+        _plant_reader(w, layer, neuron, bos_dim, dim, 20.0 if arch == "llama" else 250.0, arch)
+        if erase_layer is not None:
+            # Read `dim`, then scale the write so that 99% of the BOS token's massive value is removed
+            # (position 0 holds the same activations in every sequence, so one forward calibrates it).
+            _plant_reader(w, erase_layer, erase_neuron, dim, dim, -1.0, arch)
+            names = [f"blocks.{erase_layer}.hook_resid_pre", f"blocks.{erase_layer}.mlp.hook_post"]
+            _, cache = model.run_with_cache(torch.zeros(1, 1, dtype=torch.long), names_filter=lambda n: n in names)
+            massive = float(cache[names[0]][0, 0, dim])
+            act = float(cache[names[1]][0, 0, erase_neuron])
+            w.W_out(erase_layer)[erase_neuron, dim] = -0.99 * massive / act
+        if qk_layer is not None:
+            # Lowest-frequency rotary component (rotate-half pairs j with j + d_head/2); any for gpt2.
+            j = w.d_head // 2 - 1
+            kv_head = qk_head // (w.n_heads // w.n_kv)
+            W_Q, W_K = w.W_Q(qk_layer, qk_head), w.W_K(qk_layer, kv_head)
+            W_Q[:] = 0.0
+            W_Q[common_dim, j] = 3.0
+            W_K[common_dim, :] = 0.0
+            W_K[dim, :] = 0.0
+            W_K[dim, j] = 3.0
+    spec = PlantedSpec(
+        arch=arch, layer=layer, neuron=neuron, dim=dim, bos_dim=bos_dim,
+        erase_layer=erase_layer, erase_neuron=erase_neuron if erase_layer is not None else None,
+        qk_layer=qk_layer, qk_head=qk_head if qk_layer is not None else None,
+        common_dim=common_dim if qk_layer is not None else None,
+    )
+    return model, spec

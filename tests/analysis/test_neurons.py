@@ -1,0 +1,132 @@
+import json
+
+import matplotlib.figure
+import pytest
+import torch
+
+from sinklens.analysis.neurons import (
+    SuperNeuronReducer,
+    find_super_neurons,
+    mlp_out_bias,
+    neuron_contributions,
+    row_sparsity,
+)
+from sinklens.inputs import as_batches
+from sinklens.streaming import stream
+from sinklens.testing_planted import planted_model
+
+pytestmark = pytest.mark.models
+
+PROMPTS = ["t3 t4 t5 t6 t7 t8", "t9 t10", "t11 t12 t13 t14", "t2 t2 t2 t2 t2 t2 t2 t2 t2", "t40 t41 t42"]
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def planted(request):
+    return planted_model(request.param, n_layers=3, layer=0, neuron=7, dim=5, bos_dim=2, erase_layer=2, erase_neuron=11)
+
+
+def test_planted_super_neuron_found_exactly(planted):
+    model, spec = planted
+    found = find_super_neurons(model, PROMPTS, batch_size=2)
+    assert found.dims == [spec.dim]  # detected, not given
+    (layer, neuron, contrib) = found.top(spec.dim, 1)[0]
+    assert (layer, neuron) == (spec.layer, spec.neuron)
+    # It is the only writer: its contribution is the whole residual value of dim at the sink.
+    assert contrib == pytest.approx(float(found.resid_sink[spec.layer + 1, spec.dim]), rel=1e-4)
+    assert found.top(spec.dim, 2)[1][2] == pytest.approx(0.0, abs=1e-4)
+    assert set(found.super_neurons()) == {(spec.layer, spec.neuron), (spec.erase_layer, spec.erase_neuron)}
+    path = found.path(spec.dim)
+    assert (path.write_layer, path.erase_layer, path.peak_layer) == (spec.layer, spec.erase_layer, spec.layer + 1)
+    assert path.attn_share == pytest.approx(0.0, abs=1e-6)
+    assert path.write_mlp == pytest.approx(path.write_delta)
+    # The planted W_out row is one-hot: maximal top-1 share; random rows are far from it.
+    r = found.layers.index(spec.layer)
+    assert found.row_top_share[r, spec.neuron] == pytest.approx(1.0)
+    others = torch.ones_like(found.row_top_share, dtype=torch.bool)
+    others[r, spec.neuron] = others[found.layers.index(spec.erase_layer), spec.erase_neuron] = False
+    assert found.row_top_share[others].max() < 0.9
+    assert found.row_kurtosis[r, spec.neuron] > found.row_kurtosis[others].max() + 4
+
+
+def test_contribution_identity(tiny):
+    """Σ_n act_n · W_out[n] == hook_mlp_out − b_out (at the sink and everywhere)."""
+    toks = tiny.to_tokens(["t3 t4 t5 t6 t7"])
+    _, cache = tiny.run_with_cache(toks, names_filter=lambda n: n.endswith(("mlp.hook_post", "hook_mlp_out")))
+    for layer in range(tiny.cfg.n_layers):
+        post = cache[f"blocks.{layer}.mlp.hook_post"][0]
+        out = cache[f"blocks.{layer}.hook_mlp_out"][0]
+        contrib = neuron_contributions(tiny, layer, post)  # [pos, neuron, d_model]
+        assert contrib.shape == (toks.shape[1], tiny.cfg.d_mlp, tiny.cfg.d_model)
+        torch.testing.assert_close(contrib.sum(-2), out - mlp_out_bias(tiny, layer), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(contrib[0].sum(0), out[0] - mlp_out_bias(tiny, layer), rtol=1e-4, atol=1e-5)
+
+
+def test_streaming_equals_full_cache(tiny):
+    batches = as_batches(tiny, PROMPTS, batch_size=2)
+    assert any((~b.valid).any() for b in batches)
+    dims = [1, 3]
+    (got,) = stream(tiny, batches, [SuperNeuronReducer(tiny, dims=dims, sink_position=1)], progress=False)
+    L, m = tiny.cfg.n_layers, tiny.cfg.d_mlp
+    sink_sum, other_sq, other_max, n_other = torch.zeros(L, m), torch.zeros(L, m), torch.zeros(L, m), 0
+    resid = torch.zeros(L + 1, tiny.cfg.d_model)
+    attn, mlp = torch.zeros(L, tiny.cfg.d_model), torch.zeros(L, tiny.cfg.d_model)
+    for prompt in PROMPTS:
+        _, cache = tiny.run_with_cache(tiny.to_tokens(prompt))
+        for layer in range(L):
+            post = cache[f"blocks.{layer}.mlp.hook_post"][0]
+            sink_sum[layer] += post[1]
+            rest = torch.cat([post[:1], post[2:]])
+            other_sq[layer] += (rest**2).sum(0)
+            other_max[layer] = torch.maximum(other_max[layer], rest.abs().amax(0))
+            resid[layer] += cache[f"blocks.{layer}.hook_resid_pre"][0, 1]
+            attn[layer] += cache[f"blocks.{layer}.hook_attn_out"][0, 1]
+            mlp[layer] += cache[f"blocks.{layer}.hook_mlp_out"][0, 1]
+        resid[L] += cache[f"blocks.{L - 1}.hook_resid_post"][0, 1]
+        n_other += cache["blocks.0.mlp.hook_post"].shape[1] - 1
+    n = len(PROMPTS)
+    sink_act = sink_sum / n
+    torch.testing.assert_close(got.sink_act, sink_act, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got.other_rms, (other_sq / n_other).sqrt(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got.other_max_abs, other_max)
+    torch.testing.assert_close(got.resid_sink, resid / n, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got.attn_out_sink, attn / n, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got.mlp_out_sink, mlp / n, rtol=1e-4, atol=1e-6)
+    W_out = tiny.W_out.detach()
+    torch.testing.assert_close(got.contribution, sink_act[:, :, None] * W_out[:, :, dims], rtol=1e-4, atol=1e-6)
+    # residual bookkeeping: each block's step is its attn_out + mlp_out
+    torch.testing.assert_close(got.resid_sink[1:] - got.resid_sink[:-1], got.attn_out_sink + got.mlp_out_sink,
+                               rtol=1e-4, atol=1e-5)
+    assert [p.dim for p in got.paths] == dims
+
+
+def test_row_sparsity_of_gaussian_rows():
+    torch.manual_seed(0)
+    kurt, share = row_sparsity(torch.randn(200, 512), k=1)
+    assert kurt.mean() == pytest.approx(3.0, abs=0.1)  # Gaussian kurtosis
+    assert share.max() < 0.05
+
+
+def test_result_serialises_and_plots(planted, tmp_path):
+    model, spec = planted
+    found = find_super_neurons(model, PROMPTS[:2])
+    assert [spec.layer, spec.neuron] in json.loads(json.dumps(found.to_dict(k=3), allow_nan=False))["super_neurons"]
+    rows = found.rows(k=3)
+    assert rows[0]["layer"] == spec.layer and rows[0]["neuron"] == spec.neuron and rows[0]["is_super"]
+    for fig in (found.plot(path=tmp_path / "c.png"), found.plot_sparsity(tmp_path / "s.png"), found.plot_path()):
+        assert isinstance(fig, matplotlib.figure.Figure)
+    assert (tmp_path / "c.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(layers=[5]), "out of range"),
+        (dict(sink_position=9), "sink_position=9"),
+        (dict(dims=[16]), "out of range"),
+        (dict(position_threshold=0.0), "position_threshold"),
+        (dict(erase_fraction=2.0), "erase_fraction"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(tiny_llama, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        find_super_neurons(tiny_llama, ["t3 t4 t5"], **kwargs)
