@@ -1,5 +1,20 @@
-"""sinklens: find, explain and control attention sinks in TransformerLens models."""
+"""sinklens: find, explain and control attention sinks in TransformerLens models.
 
+Examples:
+    >>> import sinklens
+    >>> from sinklens.testing import tiny_model
+    >>> report = sinklens.analyze(tiny_model(), ["t5 t6 t7 t8"], progress=False,
+    ...                           abs_threshold=None, rel_threshold=3.0)
+    >>> report.sinks.received.shape[0]  # one row per layer
+    2
+"""
+
+from sinklens.analysis.disparity import MassiveActivations, find_massive_activations
+from sinklens.analysis.links import normalized_disparity, query_key_locking, super_neurons_from_weights
+from sinklens.analysis.neurons import SuperNeurons, find_super_neurons
+from sinklens.analysis.report import SinkReport, analyze
+from sinklens.analysis.sinks import SinkResult, find_sinks
+from sinklens.analysis.variance import VarianceResult, measure_variance
 from sinklens.errors import (
     ModelFileNotFoundError,
     OfflineModelError,
@@ -10,6 +25,25 @@ from sinklens.errors import (
     UnknownModelError,
 )
 from sinklens.inputs import TokenBatch, as_batches, builtin_prompts, random_token_batches, stdlib_text_prompts
+from sinklens.interventions import (
+    InterventionResult,
+    SinkPatchResult,
+    create_sink,
+    patch_sink,
+    remove_sink,
+    sweep,
+)
+from sinklens.loading import load_model
 from sinklens.streaming import Reducer, stream
 
 __version__ = "0.1.0"
+
+__all__ = [
+    "InterventionResult", "MassiveActivations", "ModelFileNotFoundError", "OfflineModelError",
+    "PatternNotExposedError", "Reducer", "SequenceTooLongError", "SinkPatchResult", "SinkReport",
+    "SinkResult", "SinklensError", "SuperNeurons", "TokenBatch", "UnknownHookError", "UnknownModelError",
+    "VarianceResult", "analyze", "as_batches", "builtin_prompts", "create_sink", "find_massive_activations",
+    "find_sinks", "find_super_neurons", "load_model", "measure_variance", "normalized_disparity",
+    "patch_sink", "query_key_locking", "random_token_batches", "remove_sink", "stdlib_text_prompts",
+    "stream", "super_neurons_from_weights", "sweep",
+]
