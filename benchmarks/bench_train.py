@@ -1,0 +1,195 @@
+"""Trainer benchmarks: throughput against a minimal reference loop, GPU MFU, and convergence.
+
+Modes::
+
+    python benchmarks/bench_train.py throughput [--steps 20]        # CPU, one process, side by side
+    python benchmarks/bench_train.py throughput --gpu               # 124M Llama-style, seq 1024, bf16
+    python benchmarks/bench_train.py convergence [--steps 300 --seeds 0 1 2]
+
+``throughput`` times the sinklens trainer's step (``forward_backward`` + clip + AdamW, the code
+:func:`sinklens.train.loop.train` runs) against a minimal PyTorch Llama-style loop written here
+(same shapes, same batch, same optimizer), interleaved in one process so machine noise hits both;
+it reports tokens/s and the ratio, for ``baseline`` and ``headwise_rms``. Warm-up steps are not timed.
+``--gpu`` uses the ``124m`` preset at sequence 1024 in bf16 autocast and also reports MFU.
+``convergence`` trains baseline and headwise_rms on the same offline text (the Python standard
+library's ``*.py`` sources, byte tokenizer) for several seeds and reports the steps each needs to
+reach the baseline's final loss; the figure goes to ``assets/train_convergence.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import statistics
+import sysconfig
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sinklens.train.config import TrainConfig
+from sinklens.train.data import build_source
+from sinklens.train.ddp import DistContext
+from sinklens.train.loop import configure_optimizer, estimate_mfu, forward_backward, micro_batch
+from sinklens.train.model import SinkLM
+
+
+# ---------------------------------------------------------------- reference minimal Llama-style model
+class RefBlock(nn.Module):
+    def __init__(self, d: int, h: int, d_mlp: int, n_ctx: int):
+        super().__init__()
+        self.h = h
+        self.n1, self.n2 = nn.RMSNorm(d), nn.RMSNorm(d)
+        self.qkv, self.o = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.up, self.gate, self.down = (nn.Linear(d, d_mlp, bias=False), nn.Linear(d, d_mlp, bias=False),
+                                         nn.Linear(d_mlp, d, bias=False))
+        hs = d // h
+        inv = 1.0 / (10000 ** (torch.arange(0, hs, 2).float() / hs))
+        ang = torch.outer(torch.arange(n_ctx).float(), inv)
+        self.register_buffer("cos", torch.cat([ang.cos()] * 2, -1), persistent=False)
+        self.register_buffer("sin", torch.cat([ang.sin()] * 2, -1), persistent=False)
+
+    def rope(self, x):  # (B, nh, T, hs)
+        T = x.shape[2]
+        x1, x2 = x.chunk(2, -1)
+        return x * self.cos[:T] + torch.cat([-x2, x1], -1) * self.sin[:T]
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.qkv(self.n1(x)).view(B, T, 3, self.h, C // self.h).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(self.rope(q), self.rope(k), v, is_causal=True)
+        x = x + self.o(y.transpose(1, 2).reshape(B, T, C))
+        h = self.n2(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
+class RefLM(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.d_vocab, cfg.d_model)
+        self.blocks = nn.ModuleList([RefBlock(cfg.d_model, cfg.n_heads, cfg.d_mlp, cfg.n_ctx) for _ in range(cfg.n_layers)])
+        self.norm = nn.RMSNorm(cfg.d_model)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for b in self.blocks:
+            x = b(x)
+        return self.norm(x) @ self.wte.weight.T
+
+
+# ---------------------------------------------------------------- throughput
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def throughput(args) -> dict:
+    device = torch.device("cuda" if args.gpu else "cpu")
+    if args.gpu and not torch.cuda.is_available():
+        print("not run: no GPU (torch.cuda.is_available() is False)")
+        return {"gpu": "not run: no GPU"}
+    if args.gpu:
+        model_cfg = {"n_layers": 12, "d_model": 768, "n_heads": 12, "n_ctx": 1024, "d_vocab": 50304}
+        seq, batch = 1024, args.batch or 8
+    else:
+        model_cfg = {"n_layers": 4, "d_model": 128, "n_heads": 4, "n_ctx": 128, "d_vocab": 256}
+        seq, batch = 128, args.batch or 8
+    amp = torch.autocast("cuda", dtype=torch.bfloat16) if args.gpu else torch.autocast("cpu", enabled=False)
+    results = {}
+    for variant in ("baseline", "headwise_rms"):
+        cfg = TrainConfig.from_dict({"model": {**model_cfg, "variant": variant}, "data": {"seq_len": seq, "vocab_size": model_cfg["d_vocab"]},
+                                     "batch_size": batch, "steps": args.steps, "device": str(device)})
+        torch.manual_seed(0)
+        ours = SinkLM(cfg.model).to(device)
+        opt_ours = configure_optimizer(ours, cfg.optim, device)
+        ref = RefLM(cfg.model).to(device)
+        opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=device.type == "cuda")
+        source = build_source(cfg.data)
+
+        def step_ours(s):
+            rows = source.batch("train", s, batch).to(device)
+            forward_backward(ours, micro_batch(rows, 0, cfg, DistContext()), autocast=amp)
+            torch.nn.utils.clip_grad_norm_(ours.parameters(), 1.0)
+            opt_ours.step()
+            opt_ours.zero_grad(set_to_none=True)
+
+        def step_ref(s):
+            rows = source.batch("train", s, batch).to(device)
+            with amp:
+                logits = ref(rows[:, :-1])
+            F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten()).backward()
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
+            opt_ref.step()
+            opt_ref.zero_grad(set_to_none=True)
+
+        times = {"sinklens": [], "reference": []}
+        for s in range(args.warmup + args.steps):
+            for name, fn in (("sinklens", step_ours), ("reference", step_ref)):  # interleaved
+                _sync(device)
+                t0 = time.perf_counter()
+                fn(s)
+                _sync(device)
+                if s >= args.warmup:
+                    times[name].append(time.perf_counter() - t0)
+        tokens = batch * seq
+        row = {name: tokens / statistics.median(t) for name, t in times.items()}
+        row["ratio"] = row["sinklens"] / row["reference"]
+        if device.type == "cuda":
+            row["mfu"] = estimate_mfu(ours.flops_per_token(seq), row["sinklens"], device)
+        results[variant] = row
+        print(f"{variant}: sinklens {row['sinklens']:.0f} tok/s, reference {row['reference']:.0f} tok/s, "
+              f"ratio {row['ratio']:.2f}" + (f", MFU {row['mfu']:.3f}" if row.get("mfu") else ""))
+    return results
+
+
+# ---------------------------------------------------------------- convergence
+def convergence(args) -> dict:
+    from sinklens.plotting.training import plot_training, smooth, steps_to_loss
+    from sinklens.train.loop import train
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    runs, summary = {}, {}
+    for seed in args.seeds:
+        for variant in ("baseline", "headwise_rms"):
+            cfg = TrainConfig.from_dict({
+                "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_ctx": 64, "d_vocab": 257, "variant": variant},
+                "data": {"source": "text", "path": stdlib, "glob": "*.py", "seq_len": 64, "max_tokens": 1_000_000},
+                "optim": {"lr": 3e-3, "warmup_steps": 20}, "eval": {"interval": 0},
+                "steps": args.steps, "batch_size": 16, "seed": seed, "device": "cpu",
+            })
+            runs[f"{variant} seed {seed}"] = train(cfg, progress=False).history
+    for seed in args.seeds:
+        base = runs[f"baseline seed {seed}"]
+        target = smooth([x["loss"] for x in base if x["kind"] == "train"], 20)[-1]
+        for variant in ("baseline", "headwise_rms"):
+            summary.setdefault(variant, []).append(steps_to_loss(runs[f"{variant} seed {seed}"], target, smoothing=20))
+        summary.setdefault("baseline_final_loss", []).append(target)
+    plot_training(runs, panels=("loss",), smoothing=20, path="assets/train_convergence.png")
+    print(json.dumps(summary))
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=["throughput", "convergence"])
+    parser.add_argument("--gpu", action="store_true")
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, python {platform.python_version()}, {platform.processor() or platform.machine()}, "
+          f"threads {torch.get_num_threads()}" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""))
+    if args.mode == "throughput":
+        args.steps = args.steps or 10
+        throughput(args)
+    else:
+        args.steps = args.steps or 300
+        convergence(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""``sinklens compare``: loss and sink metrics of several training runs on shared axes.
+
+Examples::
+
+    sinklens compare runs/baseline runs/headwise --out compare.png
+    sinklens compare runs/* --target-loss 2.5
+
+Prints, per run, the final training loss, the last evaluation's sink metrics and the number of
+steps its smoothed training loss took to reach the target (default: the first run's final
+smoothed loss, so "steps to reach the baseline's final loss" when the baseline comes first).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("compare", help="compare training runs (loss, sink metrics, steps to a target loss)",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="+", help="run directories written by `sinklens train`")
+    parser.add_argument("--labels", nargs="+", help="legend labels (default: variant @ directory name)")
+    parser.add_argument("--target-loss", type=float, help="loss target for steps-to-target (default: first run's final loss)")
+    parser.add_argument("--smoothing", type=int, default=10, help="moving-average window of the training loss")
+    parser.add_argument("--out", help="figure path (default: compare.png in the first run directory)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoothing: int = 10) -> list[dict]:
+    """Per run: final smoothed loss, steps to ``target`` (default: the first run's final smoothed loss), last eval."""
+    from sinklens.plotting.training import smooth, steps_to_loss
+
+    finals = {}
+    for label, lines in runs.items():
+        losses = [line["loss"] for line in lines if line["kind"] == "train"]
+        finals[label] = smooth(losses, smoothing)[-1] if losses else float("nan")
+    if target is None:
+        target = next(iter(finals.values()))
+    rows = []
+    for label, lines in runs.items():
+        evals = [line for line in lines if line["kind"] == "eval"]
+        rows.append({
+            "run": label,
+            "final_loss": finals[label],
+            "target_loss": target,
+            "steps_to_target": steps_to_loss(lines, target, smoothing=smoothing),
+            **({k: v for k, v in evals[-1].items() if k not in ("kind",)} if evals else {}),
+        })
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    from sinklens.plotting.training import load_metrics, plot_training
+
+    if args.labels and len(args.labels) != len(args.runs):
+        raise ValueError(f"--labels has {len(args.labels)} entries for {len(args.runs)} runs.")
+    runs = {}
+    for i, run_dir in enumerate(args.runs):
+        lines = load_metrics(run_dir)
+        if args.labels:
+            label = args.labels[i]
+        else:
+            cfg_path = Path(run_dir) / "config.json"
+            variant = json.loads(cfg_path.read_text())["model"]["variant"] if cfg_path.is_file() else "?"
+            label = f"{variant} @ {Path(run_dir).name}"
+        runs[label] = lines
+    rows = summarize(runs, target=args.target_loss, smoothing=args.smoothing)
+    out = Path(args.out) if args.out else Path(args.runs[0]) / "compare.png"
+    plot_training(runs, smoothing=args.smoothing, path=out)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"target loss {rows[0]['target_loss']:.4f} (smoothed over {args.smoothing} steps)")
+        for row in rows:
+            steps = row["steps_to_target"]
+            extra = f", sink_rate {row['sink_rate']:.3f}" if "sink_rate" in row else ""
+            print(f"{row['run']}: final loss {row['final_loss']:.4f}, steps to target {steps if steps is not None else 'never'}{extra}")
+    print(f"figure: {out}")
+    return 0

@@ -1,0 +1,91 @@
+"""Figures of training runs: loss and sink metrics over steps, several runs on shared axes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from sinklens.plotting.style import new_figure, save_figure
+
+#: Eval metrics plotted by default, with their axis labels.
+SINK_PANELS = {
+    "val_loss": "validation loss (nats)",
+    "sink_rate": "sink rate at position 0 (Gu et al., ε)",
+    "first_token_norm_ratio": "‖resid[0]‖ / mean ‖resid[t≥1]‖ (max over layers)",
+    "variance_ratio": "var(z[0]) / var(z[t≥1]) (hook_z, mean over heads)",
+}
+
+
+def load_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The lines of ``run_dir/metrics.jsonl`` (``kind="train"`` and ``kind="eval"``)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{str(run_dir)!r} has no metrics.jsonl; is it a sinklens training run directory?")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def smooth(values: Sequence[float], window: int) -> list[float]:
+    """Trailing moving average over ``window`` points (the first points average what exists).
+
+    Examples:
+        >>> smooth([1.0, 3.0, 5.0, 7.0], 2)
+        [1.0, 2.0, 4.0, 6.0]
+    """
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def plot_training(
+    runs: Mapping[str, Sequence[dict[str, Any]]],
+    *,
+    panels: Sequence[str] = ("loss", *SINK_PANELS),
+    smoothing: int = 10,
+    path: str | Path | None = None,
+) -> Any:
+    """One panel per metric, one line per run: training loss (moving average over ``smoothing``
+    steps) and the evaluation metrics of :class:`~sinklens.train.sink_metrics.SinkMetrics`.
+
+    Args:
+        runs: ``{label: metrics lines}`` (see :func:`load_metrics`).
+        panels: ``"loss"`` and/or eval metric names.
+        path: save the figure there (PNG) when given.
+    """
+    fig, axes = new_figure(1, len(panels), width=4.2, height=3.4)
+    for ax, panel in zip(axes[0], panels):
+        for label, lines in runs.items():
+            if panel == "loss":
+                train = [line for line in lines if line["kind"] == "train"]
+                ax.plot([line["step"] for line in train], smooth([line["loss"] for line in train], smoothing), label=label)
+            else:
+                evals = [line for line in lines if line["kind"] == "eval" and line.get(panel) is not None]
+                ax.plot([line["step"] for line in evals], [line[panel] for line in evals], marker="o", ms=3, label=label)
+        ax.set_xlabel("step")
+        ax.set_title("training loss (nats)" if panel == "loss" else SINK_PANELS.get(panel, panel), fontsize=9)
+        if panel in ("first_token_norm_ratio", "variance_ratio"):
+            ax.set_yscale("log")
+    axes[0][0].legend(fontsize=8)
+    if path is not None:
+        save_figure(fig, path, close=False)
+    return fig
+
+
+def steps_to_loss(lines: Sequence[dict[str, Any]], target: float, *, smoothing: int = 10) -> int | None:
+    """First step at which the smoothed training loss is ``<= target`` (None if never).
+
+    Examples:
+        >>> lines = [{"kind": "train", "step": s, "loss": l} for s, l in enumerate([4.0, 3.0, 2.0, 1.0])]
+        >>> steps_to_loss(lines, 2.0, smoothing=1), steps_to_loss(lines, 0.5, smoothing=1)
+        (2, None)
+    """
+    train = [line for line in lines if line["kind"] == "train"]
+    for line, value in zip(train, smooth([line["loss"] for line in train], smoothing)):
+        if value <= target:
+            return int(line["step"])
+    return None

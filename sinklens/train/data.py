@@ -1,0 +1,366 @@
+"""Training data: synthetic sink tasks, local text, nanoGPT memmaps and Hugging Face datasets.
+
+Every source is a :class:`TokenSource`. ``source.batch(split, step, n)`` returns ``n`` sequences of
+``seq_len + 1`` tokens (inputs ``[:, :-1]``, targets ``[:, 1:]``) drawn with a generator seeded
+by ``(data.seed, split, step)`` only, so
+
+* two runs with the same :class:`~sinklens.train.config.DataConfig` see identical batches in
+  identical order, whatever their model, variant or model seed;
+* resuming at step ``s`` needs no data state beyond ``s``;
+* DDP processes draw the same global batch and each keeps its own rows.
+
+Validation draws from a held-out split: the tail ``val_fraction`` of a token stream (text, hf,
+single-file memmap), ``val.bin`` (memmap folder), or an independent seed stream (synthetic tasks).
+
+Synthetic tasks:
+
+* ``markov``: ``x_0 = BOS``, ``x_1`` uniform over the non-BOS tokens, ``x_{t+1} ~ P[x_t]`` with rows
+  of ``P`` drawn from ``Dirichlet(alpha)``.
+* ``bigram-backcopy`` (Guo et al. 2024, "Active-dormant attention heads"): the same Markov chain,
+  except that after a *trigger* token the next token copies the token before the trigger:
+  ``x_{t+1} = x_{t-1}`` whenever ``x_t`` is a trigger and ``t >= 2``.
+
+Examples:
+    >>> from sinklens.train.config import DataConfig
+    >>> src = build_source(DataConfig(source="bigram-backcopy", seq_len=8, vocab_size=16))
+    >>> x = src.batch("train", step=0, n=2)
+    >>> x.shape, bool((x[:, 0] == src.bos_id).all()), bool((x == src.batch("train", 0, 2)).all())
+    (torch.Size([2, 9]), True, True)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pickle
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from jaxtyping import Bool, Float, Int
+from torch import Tensor
+
+from sinklens.errors import DataFileNotFoundError, OfflineDataError
+from sinklens.train.config import DataConfig
+
+Split = Literal["train", "val"]
+_SPLIT_ID = {"train": 0, "val": 1}
+
+
+def _generator(seed: int, split: str, step: int) -> torch.Generator:
+    if split not in _SPLIT_ID:
+        raise ValueError(f"Unknown split {split!r}; expected 'train' or 'val'.")
+    mixed = hashlib.sha256(f"{seed}/{split}/{step}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(mixed[:8], "little") & ((1 << 63) - 1))
+
+
+class TokenSource:
+    """A deterministic sampler of ``[n, seq_len + 1]`` token sequences.
+
+    Attributes:
+        vocab_size: token ids lie in ``[0, vocab_size)``.
+        bos_id: the token at position 0 of every sequence, or None (raw windows, nanoGPT style).
+        tokenizer: a ``PreTrainedTokenizerFast`` for text sources, else None.
+    """
+
+    seq_len: int
+    seed: int
+    vocab_size: int
+    bos_id: int | None = None
+    tokenizer: Any = None
+
+    def batch(self, split: Split, step: int, n: int) -> Int[Tensor, "batch seq_plus_1"]:
+        """``n`` sequences for ``step`` of ``split``; a pure function of ``(data.seed, split, step, n)``."""
+        return self._sample(_generator(self.seed, split, step), split, n)
+
+    def _sample(self, gen: torch.Generator, split: Split, n: int) -> Tensor:
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------------------------
+# Synthetic tasks
+
+
+class MarkovSource(TokenSource):
+    """A first-order Markov chain over tokens ``1..V-1``; token 0 is BOS at position 0.
+
+    Attributes:
+        transition: ``transition[a, b] = P(x_{t+1} = b | x_t = a)``; column 0 (BOS) is zero.
+    """
+
+    def __init__(self, *, vocab_size: int, seq_len: int, seed: int, alpha: float = 0.1, task_seed: int = 0):
+        if vocab_size < 3:
+            raise ValueError(f"A Markov task needs vocab_size >= 3 (BOS + 2 tokens), got {vocab_size}.")
+        self.vocab_size, self.seq_len, self.seed, self.bos_id = vocab_size, seq_len, seed, 0
+        self._task_rng = np.random.default_rng(task_seed)
+        draws = torch.from_numpy(self._task_rng.dirichlet(np.full(vocab_size - 1, float(alpha)), size=vocab_size))
+        transition = torch.zeros(vocab_size, vocab_size, dtype=torch.float64)
+        transition[:, 1:] = draws / draws.sum(dim=1, keepdim=True)
+        self.transition: Float[Tensor, "vocab vocab"] = transition
+        self._cdf = transition.cumsum(dim=1)
+        self._cdf[:, -1] = 1.0
+
+    def _step(self, current: Tensor, gen: torch.Generator) -> Tensor:
+        u = torch.rand(current.shape[0], generator=gen, dtype=torch.float64)
+        nxt = torch.searchsorted(self._cdf[current], u[:, None]).squeeze(1)
+        return nxt.clamp(1, self.vocab_size - 1)
+
+    def _next(self, x: Tensor, t: int, gen: torch.Generator) -> Tensor:
+        return self._step(x[:, t], gen)
+
+    def _sample(self, gen: torch.Generator, split: Split, n: int) -> Tensor:
+        x = torch.zeros(n, self.seq_len + 1, dtype=torch.long)
+        x[:, 0] = self.bos_id
+        if self.seq_len >= 1:
+            x[:, 1] = torch.randint(1, self.vocab_size, (n,), generator=gen)
+        for t in range(1, self.seq_len):
+            x[:, t + 1] = self._next(x, t, gen)
+        return x
+
+
+class BackcopySource(MarkovSource):
+    """Bigram-backcopy (Guo et al. 2024): a Markov chain where a trigger makes the next token copy
+    the token before the trigger (``x_{t+1} = x_{t-1}`` if ``x_t`` is a trigger and ``t >= 2``).
+
+    Attributes:
+        triggers: the trigger token ids (drawn from ``1..V-1`` with ``task_seed``).
+    """
+
+    def __init__(self, *, vocab_size: int, seq_len: int, seed: int, n_triggers: int = 3, alpha: float = 0.1, task_seed: int = 0):
+        super().__init__(vocab_size=vocab_size, seq_len=seq_len, seed=seed, alpha=alpha, task_seed=task_seed)
+        if not 0 <= n_triggers < vocab_size - 1:
+            raise ValueError(f"n_triggers must be in [0, {vocab_size - 2}] for vocab_size={vocab_size}, got {n_triggers}.")
+        self.triggers: Int[Tensor, " n_triggers"] = torch.from_numpy(self._task_rng.permutation(vocab_size - 1)[:n_triggers] + 1)
+        self.is_trigger: Bool[Tensor, " vocab"] = torch.zeros(vocab_size, dtype=torch.bool)
+        self.is_trigger[self.triggers] = True
+
+    def _next(self, x: Tensor, t: int, gen: torch.Generator) -> Tensor:
+        sampled = self._step(x[:, t], gen)
+        if t < 2:
+            return sampled
+        return torch.where(self.is_trigger[x[:, t]], x[:, t - 1], sampled)
+
+
+# ----------------------------------------------------------------------------------------------
+# Token streams: text, memmap, hf
+
+
+class StreamSource(TokenSource):
+    """Random windows of a train / val token stream (``np.ndarray`` or ``np.memmap``).
+
+    With ``bos_id`` a window is ``[BOS] + stream[i : i + seq_len]``; without, ``stream[i : i + seq_len + 1]``.
+    Windows never cross from one split into the other, because each split is its own array.
+    """
+
+    def __init__(self, train: np.ndarray, val: np.ndarray, *, seq_len: int, seed: int, vocab_size: int,
+                 bos_id: int | None, tokenizer: Any = None):
+        self.streams = {"train": train, "val": val}
+        self.seq_len, self.seed, self.vocab_size, self.bos_id, self.tokenizer = seq_len, seed, vocab_size, bos_id, tokenizer
+        need = seq_len if bos_id is not None else seq_len + 1
+        for split, stream in self.streams.items():
+            if len(stream) < need:
+                raise ValueError(
+                    f"The {split} split has {len(stream)} tokens, fewer than one sequence of {need}; "
+                    f"use more data, a larger data.val_fraction, or a smaller data.seq_len."
+                )
+
+    def _sample(self, gen: torch.Generator, split: Split, n: int) -> Tensor:
+        stream = self.streams[split]
+        width = self.seq_len if self.bos_id is not None else self.seq_len + 1
+        starts = torch.randint(0, len(stream) - width + 1, (n,), generator=gen).tolist()
+        rows = np.stack([np.asarray(stream[s : s + width], dtype=np.int64) for s in starts])
+        x = torch.from_numpy(rows)
+        if self.bos_id is not None:
+            x = torch.cat([torch.full((n, 1), self.bos_id, dtype=torch.long), x], dim=1)
+        return x
+
+
+def _cache_root(cfg: DataConfig) -> Path:
+    root = cfg.cache_dir or os.environ.get("SINKLENS_CACHE") or Path.home() / ".cache" / "sinklens"
+    return Path(root) / "data"
+
+
+def _text_files(cfg: DataConfig) -> list[Path]:
+    path = Path(str(cfg.path)).expanduser()
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise DataFileNotFoundError(f"data.path {str(path)!r} is neither a text file nor a folder.")
+    files = sorted(p for p in path.glob(cfg.glob) if p.is_file())
+    if not files:
+        raise DataFileNotFoundError(f"No files match data.glob={cfg.glob!r} under {str(path)!r}.")
+    return files
+
+
+def _split_docs(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
+    """Cut the concatenated documents at ``(1 - val_fraction)`` of their characters."""
+    total = sum(len(d) for d in docs)
+    cut = int(total * (1 - val_fraction))
+    train, val, seen = [], [], 0
+    for doc in docs:
+        if seen + len(doc) <= cut:
+            train.append(doc)
+        elif seen >= cut:
+            val.append(doc)
+        else:
+            train.append(doc[: cut - seen])
+            val.append(doc[cut - seen :])
+        seen += len(doc)
+    return train, val
+
+
+def _encode(tokenizer: Any, docs: list[str]) -> np.ndarray:
+    """Token ids of the documents, each followed by ``<|endoftext|>``."""
+    eot = tokenizer.eos_token_id
+    ids: list[int] = []
+    for enc in tokenizer.backend_tokenizer.encode_batch(docs, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(eot)
+    dtype = np.uint16 if len(tokenizer) <= 65536 else np.uint32
+    return np.asarray(ids, dtype=dtype)
+
+
+def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> tuple[np.ndarray, np.ndarray, Any]:
+    """Tokenise documents once and cache ``train.npy``, ``val.npy`` and the tokenizer by a content key."""
+    from sinklens.train.tokenizer import byte_tokenizer, load_tokenizer, train_bpe
+
+    key_parts = {**key_parts, "tokenizer": cfg.tokenizer, "vocab_size": cfg.vocab_size, "val": cfg.val_fraction, "v": 1}
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+    folder = _cache_root(cfg) / key
+    if (folder / "val.npy").is_file():
+        return np.load(folder / "train.npy"), np.load(folder / "val.npy"), load_tokenizer(str(folder / "tokenizer"))
+    train_docs, val_docs = _split_docs(load_docs(), cfg.val_fraction)
+    if cfg.tokenizer == "byte":
+        tokenizer = byte_tokenizer()
+    else:
+        tokenizer = train_bpe(train_docs, cfg.vocab_size or 1024)  # trained on the train split only
+    train, val = _encode(tokenizer, train_docs), _encode(tokenizer, val_docs)
+    tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
+    tmp.mkdir(parents=True, exist_ok=True)
+    np.save(tmp / "train.npy", train)
+    np.save(tmp / "val.npy", val)
+    tokenizer.save_pretrained(str(tmp / "tokenizer"))
+    (tmp / "key.json").write_text(json.dumps(key_parts, indent=1, default=str))
+    try:
+        tmp.rename(folder)
+    except OSError:  # another process cached it first
+        import shutil
+
+        shutil.rmtree(tmp, ignore_errors=True)
+    return train, val, tokenizer
+
+
+def text_source(cfg: DataConfig) -> StreamSource:
+    """Local text: a file, or the files matching ``cfg.glob`` under a folder (read in sorted order).
+
+    At most about ``cfg.max_tokens`` characters are read. Documents are tokenised with the byte
+    tokenizer or a BPE trained on the train split, joined with ``<|endoftext|>``, and cached.
+    """
+    files = _text_files(cfg)
+    chosen, size = [], 0
+    for f in files:
+        if size >= cfg.max_tokens:
+            break
+        chosen.append(f)
+        size += f.stat().st_size
+    stamp = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in chosen]
+
+    def load_docs() -> list[str]:
+        docs, total = [], 0
+        for f in chosen:
+            text = f.read_text(encoding="utf-8", errors="replace")[: cfg.max_tokens - total]
+            total += len(text)
+            if text:
+                docs.append(text)
+        return docs
+
+    train, val, tokenizer = _tokenize_cached(cfg, {"files": stamp, "max": cfg.max_tokens}, load_docs)
+    return StreamSource(train, val, seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=len(tokenizer),
+                        bos_id=tokenizer.bos_token_id if cfg.bos else None, tokenizer=tokenizer)
+
+
+def memmap_source(cfg: DataConfig) -> StreamSource:
+    """nanoGPT layout: a folder with ``train.bin`` and ``val.bin`` (uint16), or one ``.bin`` file
+    whose tail ``val_fraction`` is held out. The vocabulary size comes from ``meta.pkl``
+    (``vocab_size``), else ``data.vocab_size``, else the largest id + 1. Windows are raw (no BOS added).
+    """
+    path = Path(str(cfg.path)).expanduser()
+    meta_path = (path if path.is_dir() else path.parent) / "meta.pkl"
+    if path.is_dir():
+        if not (path / "train.bin").is_file():
+            raise DataFileNotFoundError(f"No train.bin in {str(path)!r} (nanoGPT layout: train.bin, val.bin).")
+        train = np.memmap(path / "train.bin", dtype=np.uint16, mode="r")
+        if (path / "val.bin").is_file():
+            val = np.memmap(path / "val.bin", dtype=np.uint16, mode="r")
+        else:
+            cut = int(len(train) * (1 - cfg.val_fraction))
+            train, val = train[:cut], train[cut:]
+    elif path.is_file():
+        whole = np.memmap(path, dtype=np.uint16, mode="r")
+        cut = int(len(whole) * (1 - cfg.val_fraction))
+        train, val = whole[:cut], whole[cut:]
+    else:
+        raise DataFileNotFoundError(f"data.path {str(path)!r} is neither a .bin file nor a folder with train.bin.")
+    if meta_path.is_file():
+        with open(meta_path, "rb") as fh:
+            vocab_size = int(pickle.load(fh)["vocab_size"])
+    elif cfg.vocab_size is not None:
+        vocab_size = cfg.vocab_size
+    else:
+        vocab_size = int(max(train.max(initial=0), val.max(initial=0))) + 1
+    return StreamSource(train, val, seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=vocab_size, bos_id=None)
+
+
+def hf_source(cfg: DataConfig) -> StreamSource:
+    """A Hugging Face dataset, streamed once (``max_tokens`` characters of ``text_field``), then cached."""
+    try:
+        import datasets
+    except ImportError as err:  # pragma: no cover - datasets is installed with sinklens' extras
+        raise ImportError("data.source='hf' needs the `datasets` package: pip install datasets") from err
+
+    def load_docs() -> list[str]:
+        try:
+            stream = datasets.load_dataset(cfg.path, cfg.hf_config, split=cfg.hf_split, streaming=True)
+            docs, total = [], 0
+            for record in stream:
+                if cfg.text_field not in record:
+                    raise ValueError(f"Dataset {cfg.path!r} has no field {cfg.text_field!r}; fields: {sorted(record)}.")
+                docs.append(str(record[cfg.text_field]))
+                total += len(docs[-1])
+                if total >= cfg.max_tokens:
+                    break
+            return docs
+        except (ConnectionError, OSError) as err:
+            raise OfflineDataError(
+                f"Could not stream Hugging Face dataset {cfg.path!r} ({type(err).__name__}: {err}). "
+                "This needs network access; offline, use data.source='text' with a local folder or "
+                "'memmap' with pre-tokenised train.bin/val.bin."
+            ) from err
+
+    key = {"hf": cfg.path, "config": cfg.hf_config, "split": cfg.hf_split, "field": cfg.text_field, "max": cfg.max_tokens}
+    train, val, tokenizer = _tokenize_cached(cfg, key, load_docs)
+    return StreamSource(train, val, seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=len(tokenizer),
+                        bos_id=tokenizer.bos_token_id if cfg.bos else None, tokenizer=tokenizer)
+
+
+def build_source(cfg: DataConfig, *, d_vocab: int | None = None) -> TokenSource:
+    """The :class:`TokenSource` a :class:`DataConfig` describes.
+
+    Args:
+        d_vocab: vocabulary of synthetic tasks when ``cfg.vocab_size`` is None (the model's ``d_vocab``).
+    """
+    if cfg.source in ("bigram-backcopy", "markov"):
+        vocab = cfg.vocab_size or d_vocab
+        if vocab is None:
+            raise ValueError(f"data.source={cfg.source!r} needs data.vocab_size or the model's d_vocab.")
+        if cfg.source == "markov":
+            return MarkovSource(vocab_size=vocab, seq_len=cfg.seq_len, seed=cfg.seed, alpha=cfg.alpha, task_seed=cfg.task_seed)
+        return BackcopySource(vocab_size=vocab, seq_len=cfg.seq_len, seed=cfg.seed, n_triggers=cfg.n_triggers,
+                              alpha=cfg.alpha, task_seed=cfg.task_seed)
+    if cfg.source == "text":
+        return text_source(cfg)
+    if cfg.source == "memmap":
+        return memmap_source(cfg)
+    return hf_source(cfg)

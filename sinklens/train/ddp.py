@@ -1,0 +1,62 @@
+"""PyTorch DDP set-up for ``torchrun``: read the launcher's environment, pick the backend and device.
+
+``torchrun --nproc_per_node N -m sinklens.cli train ...`` sets ``RANK``, ``LOCAL_RANK`` and
+``WORLD_SIZE``; without them :func:`init_distributed` returns a single-process context and does
+nothing. The backend is NCCL on CUDA and gloo on CPU (which is how the tests run DDP).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Where this process sits in a (possibly single-process) run.
+
+    Attributes:
+        enabled: True under ``torchrun`` (``WORLD_SIZE`` set), even with one process.
+    """
+
+    enabled: bool = False
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(name: str) -> torch.device:
+    """``"auto"`` → ``cuda`` when available, else ``cpu``; any other name is passed to ``torch.device``."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} asks for CUDA, but torch.cuda.is_available() is False; use 'cpu' or 'auto'.")
+    return device
+
+
+def init_distributed(device: str) -> tuple[DistContext, torch.device]:
+    """Join the process group if launched by ``torchrun``; return the context and this process's device."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return DistContext(), resolve_device(device)
+    ctx = DistContext(True, int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"]))
+    dev = resolve_device(device)
+    if dev.type == "cuda":
+        dev = torch.device("cuda", ctx.local_rank)
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
+    return ctx, dev
+
+
+def cleanup_distributed(ctx: DistContext) -> None:
+    """Leave the process group (no-op for single-process runs)."""
+    if ctx.enabled and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,143 @@
+"""Sink metrics tracked during training, computed with the streaming analyzers on held-out batches.
+
+One :func:`sinklens.streaming.stream` pass over the evaluation batches runs
+:class:`~sinklens.analysis.sinks.SinkReducer` (sink rate, attention received) and
+:class:`FirstTokenNormReducer` (first-token norm ratio) and
+:class:`~sinklens.analysis.variance.VarianceReducer` (variance discrepancy) together; :func:`evaluate` adds
+the validation loss (a separate forward that returns logits).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from sinklens.analysis.sinks import SinkReducer
+from sinklens.analysis.variance import VarianceReducer
+from sinklens.hooks import RESID_POST, hook_name, layer_of, model_device, model_dims
+from sinklens.inputs import TokenBatch
+from sinklens.streaming import HookFn, Reducer, stream
+
+class FirstTokenNormReducer(Reducer):
+    """Streams ``blocks.{l}.hook_resid_post`` norms at position 0 and at later valid positions.
+
+    Result: ``norm_ratio[l]`` = mean over sequences of ``‖resid_post[l, 0]‖`` divided by the mean
+    over sequences and valid positions ``t >= 1`` of ``‖resid_post[l, t]‖``. Massive activations at
+    the sink make it ≫ 1.
+    """
+
+    def __init__(self, model: Any):
+        dims = model_dims(model)
+        self.n_layers = dims.n_layers
+        device = model_device(model)
+        self.sums = torch.zeros(2, dims.n_layers, dtype=torch.float64, device=device)  # first, later
+        self.counts = torch.zeros(2, dtype=torch.float64, device=device)  # sequences, later positions
+
+    def fwd_hooks(self, batch: TokenBatch) -> list[tuple[str, HookFn]]:
+        later = batch.valid[:, 1:].to(torch.float64)
+
+        def resid(act: Tensor, hook: Any) -> None:  # act: [batch, pos, d_model]
+            norms = act.float().norm(dim=-1).double()
+            layer = layer_of(hook.name)
+            self.sums[0, layer] += norms[:, 0].sum()
+            self.sums[1, layer] += (norms[:, 1:] * later).sum()
+
+        self._later = later
+        return [(hook_name(layer, RESID_POST), resid) for layer in range(self.n_layers)]
+
+    def end_batch(self, batch: TokenBatch) -> None:
+        self.counts[0] += batch.tokens.shape[0]
+        self.counts[1] += self._later.sum()
+
+    def result(self) -> Float[Tensor, " layer"]:
+        return ((self.sums[0] / self.counts[0]) / (self.sums[1] / self.counts[1])).float().cpu()
+
+
+@dataclass
+class SinkMetrics:
+    """Sink metrics of one evaluation.
+
+    Attributes:
+        val_loss: mean next-token cross-entropy over the evaluation batches (nats).
+        attention_to_first: ``[layer, head]`` mean attention on key 0 over queries ``q >= 1``, pooled
+            over sequences (:class:`~sinklens.analysis.sinks.SinkResult` ``received[:, :, 0]``).
+        sink_rate: Gu et al. (2024)'s sink rate at position 0: share of (layer, head) pairs whose
+            per-sequence mean attention on key 0 (queries ``q >= 1``) exceeds ε = ``threshold``,
+            averaged over sequences.
+        threshold: that ε.
+        norm_ratio: ``[layer]`` first-token norm ratio of ``hook_resid_post`` (:class:`FirstTokenNormReducer`).
+        variance_ratio: ``[layer, head]`` variance discrepancy of the raw head outputs ``hook_z`` at
+            position 0 (:meth:`sinklens.analysis.variance.VarianceResult.discrepancy`, ``of="z"``):
+            variance at position 0 over the mean variance of positions ``t >= 1``.
+        attn_out_variance_ratio: ``[layer]`` the same for ``hook_attn_out``, i.e. after the
+            variant's own processing (head-wise RMSNorm, gate) and ``W_O``.
+    """
+
+    val_loss: float
+    attention_to_first: Float[Tensor, "layer head"]
+    sink_rate: float
+    threshold: float
+    norm_ratio: Float[Tensor, " layer"]
+    variance_ratio: Float[Tensor, "layer head"]
+    attn_out_variance_ratio: Float[Tensor, " layer"]
+
+    def scalars(self) -> dict[str, float]:
+        """Flat numbers for a metrics line: ``attn_to_first`` and ``variance_ratio`` are means over
+        layers and heads, ``first_token_norm_ratio`` and ``attn_out_variance_ratio`` maxima over layers."""
+        return {
+            "val_loss": self.val_loss,
+            "sink_rate": self.sink_rate,
+            "attn_to_first": float(self.attention_to_first.mean()),
+            "first_token_norm_ratio": float(self.norm_ratio.max()),
+            "variance_ratio": float(self.variance_ratio.mean()),
+            "attn_out_variance_ratio": float(self.attn_out_variance_ratio.max()),
+        }
+
+
+def evaluate(
+    model: Any,
+    batches: Sequence[TokenBatch],
+    targets: Sequence[Tensor],
+    *,
+    threshold: float = 0.3,
+    extra_hooks: Sequence[tuple[str, HookFn]] = (),
+) -> SinkMetrics:
+    """Validation loss and sink metrics of ``model`` on fixed evaluation batches.
+
+    Args:
+        batches: input tokens (position 0 is where the sink is measured).
+        targets: next-token targets for each batch, same shape as its tokens.
+        extra_hooks: hooks active during evaluation (the training-time interventions, so a model
+            trained with a moved sink is measured as it was trained).
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        losses = []
+        with torch.inference_mode(), model.hooks(fwd_hooks=list(extra_hooks)):
+            for batch, target in zip(batches, targets):
+                logits = model(batch.tokens, return_type="logits")
+                losses.append(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten()))
+        sinks, norms, variance = stream(
+            model,
+            batches,
+            [SinkReducer(model, eps=threshold, min_query=1, top_k=0), FirstTokenNormReducer(model), VarianceReducer(model)],
+            extra_hooks=extra_hooks,
+            progress=False,
+        )
+    finally:
+        model.train(was_training)
+    return SinkMetrics(
+        val_loss=float(torch.stack(losses).mean()),
+        attention_to_first=sinks.received[:, :, 0],
+        sink_rate=float(sinks.sink_rate_by_layer(position=0).mean()),
+        threshold=threshold,
+        norm_ratio=norms,
+        variance_ratio=variance.discrepancy(0, of="z"),
+        attn_out_variance_ratio=variance.discrepancy(0, of="attn_out"),
+    )

@@ -1,0 +1,45 @@
+"""`sinklens train` and `sinklens compare` end to end on tiny runs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from sinklens.cli import main
+
+pytestmark = pytest.mark.models
+
+TINY = ["--set", "model.d_model=16", "--set", "model.n_ctx=16", "--set", "model.d_vocab=24", "--set", "data.vocab_size=24",
+        "--seq-len", "16", "--batch-size", "8", "--device", "cpu", "--no-progress", "--set", "eval.interval=3",
+        "--set", "eval.batches=1", "--set", "eval.batch_size=4"]
+
+
+def test_train_then_compare(tmp_path, capsys):
+    for variant in ("baseline", "headwise_rms"):
+        code = main(["train", "--preset", "tiny", "--variant", variant, "--data", "bigram-backcopy", "--steps", "6",
+                     "--out", str(tmp_path / variant), "--intervention", "restart:positions=8", *TINY])
+        assert code == 0
+        run = tmp_path / variant
+        assert (run / "metrics.jsonl").is_file() and (run / "model.safetensors").is_file()
+        assert (run / "figures" / "training.png").stat().st_size > 1000
+        cfg = json.loads((run / "config.json").read_text())
+        assert cfg["model"]["variant"] == variant and cfg["interventions"] == ["restart:positions=8"]
+        assert cfg["model"]["d_model"] == 16 and cfg["data"]["seq_len"] == 16 and cfg["steps"] == 6
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "baseline"), str(tmp_path / "headwise_rms"), "--smoothing", "1",
+                 "--out", str(tmp_path / "cmp.png"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.split("figure:")[0])
+    assert [r["run"] for r in rows] == ["baseline @ baseline", "headwise_rms @ headwise_rms"]
+    lines = [json.loads(x) for x in (tmp_path / "baseline" / "metrics.jsonl").read_text().splitlines()]
+    losses = [x["loss"] for x in lines if x["kind"] == "train"]
+    assert rows[0]["target_loss"] == losses[-1]  # default target: the first run's final loss
+    assert rows[0]["steps_to_target"] == next(i for i, v in enumerate(losses) if v <= losses[-1])
+    assert (tmp_path / "cmp.png").stat().st_size > 1000
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    with pytest.raises(ValueError, match="Unknown config key 'optim.lrr'"):
+        main(["train", "--out", str(tmp_path), "--set", "optim.lrr=1"])
+    assert main(["train", "--out", str(tmp_path), "--data", str(tmp_path / "missing_folder")]) == 2
+    assert "neither a text file nor a folder" in capsys.readouterr().err

@@ -1,0 +1,73 @@
+"""TrainConfig: file round trips, command-line overrides, validation errors, the LR schedule."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from _train_cfg import build_cfg
+
+from sinklens.train.config import OptimConfig, TrainConfig, apply_overrides, load_config
+from sinklens.train.loop import get_lr
+
+
+def test_dict_json_and_toml_round_trip(tmp_path):
+    cfg = build_cfg(optim={"lr": 3e-3}, interventions=["restart:positions=4"])
+    assert TrainConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+    (tmp_path / "c.json").write_text(json.dumps(cfg.to_dict()))
+    assert load_config(tmp_path / "c.json") == cfg
+    (tmp_path / "c.toml").write_text(
+        'steps = 7\nbatch_size = 4\n[model]\nd_model = 32\nn_heads = 2\nn_ctx = 32\n[optim]\nlr = 0.002\n[data]\nseq_len = 32\n'
+    )
+    toml = load_config(tmp_path / "c.toml")
+    assert (toml.steps, toml.batch_size, toml.model.d_model, toml.model.n_heads, toml.optim.lr, toml.data.seq_len) == (
+        7, 4, 32, 2, 0.002, 32
+    )
+    assert toml.optim.min_lr is None and toml.optim.final_lr == pytest.approx(0.0002)  # default lr / 10
+
+
+def test_overrides_parse_types_and_nest():
+    cfg = apply_overrides(build_cfg(), ["optim.lr=3e-4", "model.variant=headwise_rms", "compile=true",
+                                        "model.variant_options.gain=shared", "data.path=none"])
+    assert cfg.optim.lr == 3e-4 and cfg.model.variant == "headwise_rms" and cfg.compile is True
+    assert cfg.model.variant_options == {"gain": "shared"} and cfg.data.path is None
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["model.n_heads=3"], "n_heads=3 does not divide d_model=16"),
+        (["model.variant=nope"], "Unknown attention variant 'nope'"),
+        (["data.seq_len=32"], "data.seq_len=32 is longer than the model context model.n_ctx=16"),
+        (["optim.lrr=1"], "Unknown config key 'optim.lrr'"),
+        (["optimizer.lr=1"], "Unknown config section 'optimizer'"),
+        (["batch_size=6", "grad_accum=4"], "batch_size=6 must be divisible by grad_accum=4"),
+        (["optim.min_lr=1"], r"optim.min_lr must be in \[0, lr="),
+        (["data.source=wiki"], "Unknown data.source 'wiki'"),
+        (["data.source=text"], "needs data.path"),
+        (["lr"], "not of the form"),
+    ],
+)
+def test_bad_configs_raise_clear_errors(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        apply_overrides(build_cfg(), overrides)
+
+
+def test_unknown_keys_in_files_and_missing_file(tmp_path):
+    with pytest.raises(ValueError, match=r"Unknown TrainConfig keys \['stepz'\]"):
+        TrainConfig.from_dict({"stepz": 3})
+    with pytest.raises(ValueError, match=r"Unknown DataConfig keys \['sequence'\]"):
+        TrainConfig.from_dict({"data": {"sequence": 3}})
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        load_config(tmp_path / "missing.toml")
+
+
+def test_lr_schedule_warmup_cosine_floor():
+    opt = OptimConfig(lr=1.0, min_lr=0.1, warmup_steps=4, decay_steps=24)
+    lrs = [get_lr(s, opt, total_steps=100) for s in range(30)]
+    assert lrs[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])  # linear warmup
+    assert lrs[4] == pytest.approx(1.0)
+    assert lrs[14] == pytest.approx(0.1 + 0.5 * (1 + math.cos(math.pi * 0.5)) * 0.9)  # cosine midpoint 0.55
+    assert all(a >= b for a, b in zip(lrs[4:24], lrs[5:25]))  # monotone decay
+    assert lrs[24:] == pytest.approx([0.1] * 6)  # floor after decay_steps
