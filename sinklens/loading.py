@@ -166,10 +166,10 @@ def _is_tl_model(obj: Any) -> bool:
 
 def _is_sinklens_run(path: Path) -> bool:
     try:
-        from sinklens.train.checkpoint import is_run_dir
+        from sinklens.train.checkpoint import has_checkpoint
     except ImportError:
         return False
-    return is_run_dir(path)
+    return has_checkpoint(path)
 
 
 def check_pattern_exposed(model: Any) -> None:

@@ -56,3 +56,18 @@ def test_text_run_ships_its_tokenizer(tmp_path):
     (batch,) = tokenize_prompts(model, ["the sink is", "first"])
     assert batch.tokens[0, 0] == 256 and batch.tokens[0, 1:].tolist() == list(b"the sink is")
     assert model(batch.tokens).shape == (2, 12, 257)
+
+
+def test_run_directory_loads_with_load_model_and_passes_through_analyze(tmp_path):
+    import sinklens
+
+    cfg = build_cfg(steps=3)
+    trained = train(cfg, out_dir=tmp_path, progress=False).model
+    model = sinklens.load_model(tmp_path, device="cpu")
+    tokens = torch.randint(2, 24, (4, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), trained.to("cpu").eval()(tokens))
+    report = sinklens.analyze(model, tokens, batch_size=2, progress=False, abs_threshold=None, rel_threshold=3.0)
+    assert report.n_sequences == 4 and report.n_tokens == 48
+    assert report.sinks.received.shape == (2, 4, 12)
+    assert torch.isfinite(report.variance.z_var).all()
