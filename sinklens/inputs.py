@@ -205,6 +205,8 @@ def as_batches(
     """
     if inputs is None:
         inputs = builtin_prompts()
+    if isinstance(inputs, Sequence) and not isinstance(inputs, str) and len(inputs) == 0:
+        raise ValueError("No prompts given: pass at least one string, token sequence or TokenBatch.")
     device = model_device(model)
     if isinstance(inputs, TokenBatch):
         batches = [inputs]

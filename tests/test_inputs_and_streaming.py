@@ -1,0 +1,96 @@
+"""Inputs (padding, BOS, lengths) and the streaming loop's guarantees (errors, hook hygiene)."""
+
+import pytest
+import torch
+
+import sinklens
+from sinklens.errors import PatternNotExposedError, SequenceTooLongError, UnknownHookError
+from sinklens.inputs import as_batches, random_token_batches, stdlib_text_prompts, tokenize_prompts
+from sinklens.streaming import Reducer, stream
+
+pytestmark = pytest.mark.models
+
+
+def test_prompts_are_right_padded_with_bos_first(tiny_llama):
+    (batch,) = as_batches(tiny_llama, ["t5 t6 t7", "t8"], batch_size=2)
+    assert batch.tokens.tolist() == [[0, 5, 6, 7], [0, 8, 1, 1]]
+    assert batch.valid.tolist() == [[True] * 4, [True, True, False, False]]
+    assert batch.lengths.tolist() == [4, 2] and batch.prepend_bos
+    (no_bos,) = as_batches(tiny_llama, ["t5 t6 t7"], prepend_bos=False)
+    assert no_bos.tokens.tolist() == [[5, 6, 7]] and not no_bos.prepend_bos
+
+
+def test_sequences_longer_than_the_context_are_refused_or_truncated(tiny_llama):
+    long_prompt = " ".join(f"t{2 + i % 60}" for i in range(80))  # 81 tokens with BOS, n_ctx is 64
+    with pytest.raises(SequenceTooLongError, match="81 tokens.*64"):
+        as_batches(tiny_llama, [long_prompt])
+    with pytest.raises(SequenceTooLongError):
+        sinklens.find_sinks(tiny_llama, [long_prompt], progress=False)
+    with pytest.raises(SequenceTooLongError):
+        as_batches(tiny_llama, torch.zeros(2, 65, dtype=torch.long))
+    with pytest.raises(SequenceTooLongError):
+        random_token_batches(tiny_llama, seq_len=65)
+    (batch,) = tokenize_prompts(tiny_llama, [long_prompt], max_length=64)
+    assert batch.tokens.shape == (1, 64)
+
+
+def test_bad_inputs_are_named(tiny_llama):
+    with pytest.raises(ValueError, match="No prompts"):
+        as_batches(tiny_llama, [])
+    with pytest.raises(ValueError, match="integer tensor"):
+        as_batches(tiny_llama, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="batch_size"):
+        as_batches(tiny_llama, ["t3"], batch_size=0)
+
+
+def test_random_tokens_are_seeded_and_bos_optional(tiny_llama):
+    a = random_token_batches(tiny_llama, n_sequences=4, seq_len=8, batch_size=2, seed=3)
+    b = random_token_batches(tiny_llama, n_sequences=4, seq_len=8, batch_size=2, seed=3)
+    assert len(a) == 2 and all(torch.equal(x.tokens, y.tokens) for x, y in zip(a, b))
+    with_bos = random_token_batches(tiny_llama, n_sequences=4, seq_len=8, prepend_bos=True)
+    assert (with_bos[0].tokens[:, 0] == 0).all()
+
+
+def test_stdlib_text_is_real_prose():
+    prompts = stdlib_text_prompts(4)
+    assert len(prompts) == 4 and all(len(p.split()) > 20 for p in prompts)
+    assert prompts == stdlib_text_prompts(4)
+
+
+class _Raises(Reducer):
+    def fwd_hooks(self, batch):
+        def boom(act, hook):
+            raise RuntimeError("boom inside a hook")
+
+        return [("blocks.1.attn.hook_pattern", boom)]
+
+
+def _hooks_attached(model) -> int:
+    return sum(len(hp.fwd_hooks) + len(hp.bwd_hooks) for hp in model.hook_dict.values())
+
+
+def test_a_hook_that_raises_leaves_no_hook_behind(tiny_llama):
+    with pytest.raises(RuntimeError, match="boom"):
+        stream(tiny_llama, as_batches(tiny_llama, ["t3 t4"]), [_Raises()], progress=False)
+    assert _hooks_attached(tiny_llama) == 0
+
+
+def test_unknown_hook_names_are_caught_before_the_forward(tiny_llama):
+    with pytest.raises(UnknownHookError, match="did you mean 'blocks.0.hook_resid_pre'"):
+        stream(tiny_llama, as_batches(tiny_llama, ["t3"]), [], extra_hooks=[("blocks.0.hook_resid_pr", lambda a, hook: None)],
+               progress=False)
+
+
+class _NeverFires(Reducer):
+    def fwd_hooks(self, batch):
+        return [("blocks.0.attn.hook_pattern", lambda act, hook: None)]
+
+
+def test_a_hook_that_never_runs_is_reported():
+    from test_loading import _FusedAttentionModel  # has hook_pattern, never runs it (like fused SDPA)
+
+    model = _FusedAttentionModel()
+    batches = as_batches(model, torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(PatternNotExposedError, match="never ran"):
+        stream(model, batches, [_NeverFires()], progress=False)
+    assert _hooks_attached(model) == 0
