@@ -32,7 +32,6 @@ from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.streaming import HookFn, Reducer
 
-_NORM_CHUNK = 256  # query positions per chunk when computing "median norm of the other positions"
 
 
 def check_thresholds(abs_threshold: float | None, rel_threshold: float | None) -> None:
@@ -45,30 +44,46 @@ def check_thresholds(abs_threshold: float | None, rel_threshold: float | None) -
 
 
 def sequence_median_abs(x: Float[Tensor, "batch pos d"], valid: Tensor) -> Float[Tensor, " batch"]:
-    """Median of ``|x|`` over each sequence's valid positions and all dimensions."""
-    a = x.abs().masked_fill(~valid[..., None], float("nan"))
-    return a.flatten(1).nanmedian(dim=1).values
+    """Median of ``|x|`` over each sequence's valid positions and all dimensions.
+
+    For an even count this is the lower of the two middle values (``torch.nanmedian``'s convention);
+    NaN for a sequence with no valid position. Uses ``kthvalue`` (a selection, not a sort).
+    """
+    a = x.abs()
+    if bool(valid.all()):
+        flat = a.flatten(1)
+        return flat.kthvalue((flat.shape[1] + 1) // 2, dim=1).values
+    out = torch.full((a.shape[0],), float("nan"), dtype=a.dtype, device=a.device)
+    for b in range(a.shape[0]):
+        row = a[b][valid[b]].flatten()
+        if row.numel():
+            out[b] = row.kthvalue((row.numel() + 1) // 2).values
+    return out
 
 
 def norm_ratio_to_others(norms: Float[Tensor, "batch pos"], valid: Tensor) -> Float[Tensor, "batch pos"]:
-    """``norms[b, p] / median_{q != p, q valid} norms[b, q]``; NaN at invalid ``p`` or with no other position."""
+    """``norms[b, p] / median_{q != p, q valid} norms[b, q]``; NaN at invalid ``p`` or with no other position.
+
+    The median of the others (lower median for an even count) comes from one sort per sequence:
+    with the ``L`` valid norms sorted as ``s``, removing position ``p`` of rank ``r`` leaves
+    ``s[m]`` at index ``m = (L - 2) // 2`` if ``m < r``, else ``s[m + 1]``.
+    """
     b, n = norms.shape
-    others = norms.masked_fill(~valid, float("nan"))
-    out = torch.full_like(norms, float("nan"))
-    for lo in range(0, n, _NORM_CHUNK):
-        hi = min(n, lo + _NORM_CHUNK)
-        grid = others[:, None, :].expand(b, hi - lo, n).clone()  # [batch, query chunk, other]
-        idx = torch.arange(lo, hi, device=norms.device)
-        grid[:, idx - lo, idx] = float("nan")
-        med = grid.nanmedian(dim=-1).values
-        out[:, lo:hi] = norms[:, lo:hi] / med
-    return out.masked_fill(~valid, float("nan"))
+    sorted_vals, order = norms.masked_fill(~valid, float("inf")).sort(dim=1)
+    rank = torch.empty_like(order)
+    rank.scatter_(1, order, torch.arange(n, device=norms.device).expand(b, n).contiguous())
+    count = valid.sum(dim=1, keepdim=True)
+    m = ((count - 2) // 2).clamp_min(0)
+    idx = torch.where(m < rank, m, m + 1).clamp_max(n - 1)
+    ratio = norms / sorted_vals.gather(1, idx)
+    return ratio.masked_fill(~valid | (count < 2), float("nan"))
 
 
 def topk_energy_share(x: Float[Tensor, "... d"], k: int) -> Float[Tensor, "..."]:
     """Share of each vector's squared norm held by its ``k`` largest squared entries."""
     sq = x.float().pow(2)
-    return sq.topk(k, dim=-1).values.sum(-1) / sq.sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
+    top = sq.amax(dim=-1) if k == 1 else sq.topk(k, dim=-1).values.sum(-1)
+    return top / sq.sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
 
 
 @dataclass

@@ -5,18 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-if matplotlib.get_backend().lower() not in ("agg", "module://matplotlib_inline.backend_inline"):
-    try:  # headless machines and CI: never try to open a window
-        import os
-
-        if not os.environ.get("DISPLAY"):
-            matplotlib.use("Agg")
-    except Exception:  # pragma: no cover - backend already fixed by the user
-        pass
-
-import matplotlib.pyplot as plt  # noqa: E402
+# The backend is left to matplotlib: it picks Agg on headless machines and inline in Jupyter.
+import matplotlib.pyplot as plt
 
 
 def new_figure(n_rows: int = 1, n_cols: int = 1, *, width: float = 6.0, height: float = 4.0, **kw: Any):
