@@ -30,12 +30,17 @@ import torch
 
 
 def _batches(model, n_prompts: int, seq_len: int, batch_size: int):
+    """``n_prompts`` windows of exactly ``seq_len`` tokens (BOS + natural text from stdlib docstrings)."""
     from sinklens.inputs import as_batches, stdlib_text_prompts
 
-    prompts = stdlib_text_prompts(n_prompts, n_chars=4 * seq_len + 400)
-    batches = as_batches(model, prompts, batch_size=batch_size, max_length=seq_len)
-    lengths = torch.cat([b.lengths for b in batches])
-    return batches, int(lengths.sum())
+    text = " ".join(stdlib_text_prompts(10_000, n_chars=4000))
+    ids = model.tokenizer(text, add_special_tokens=False)["input_ids"][: n_prompts * (seq_len - 1)]
+    if len(ids) < n_prompts * (seq_len - 1):
+        raise ValueError(f"Not enough stdlib text for {n_prompts} x {seq_len} tokens.")
+    body = torch.tensor(ids).view(n_prompts, seq_len - 1)
+    bos = torch.full((n_prompts, 1), model.tokenizer.bos_token_id)
+    batches = as_batches(model, torch.cat([bos, body], dim=1), batch_size=batch_size, prepend_bos=True)
+    return batches, n_prompts * seq_len
 
 
 def _reference(model, batches) -> None:

@@ -27,6 +27,7 @@ Writing a reducer::
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from typing import Any
 
 import torch
@@ -58,12 +59,34 @@ class Reducer:
         raise NotImplementedError
 
 
-def _fired_tracker(name: str, fn: HookFn, fired: set[str]) -> HookFn:
-    def wrapped(act: Any, hook: Any) -> Any:
-        fired.add(name)
-        return fn(act, hook=hook)
+class _HookTable:
+    """One trampoline per hook name, attached once; each batch swaps in that batch's functions.
 
-    return wrapped
+    Registering hundreds of TransformerLens hooks costs real time (a handle per hook), so
+    :func:`stream` attaches one trampoline per name for as long as the set of names stays the same
+    and only replaces the per-batch function lists. A trampoline runs its functions in order, each
+    receiving the previous one's output when it returns one, exactly like stacked TransformerLens hooks.
+    """
+
+    def __init__(self) -> None:
+        self.fns: dict[str, list[HookFn]] = {}
+        self.fired: set[str] = set()
+
+    def set(self, hooks: Sequence[tuple[str, HookFn]]) -> None:
+        self.fns = {}
+        for name, fn in hooks:
+            self.fns.setdefault(name, []).append(fn)
+
+    def trampoline(self, name: str) -> HookFn:
+        def run(act: Any, hook: Any) -> Any:
+            self.fired.add(name)
+            for fn in self.fns[name]:
+                out = fn(act, hook=hook)
+                if out is not None:
+                    act = out
+            return act
+
+        return run
 
 
 def stream(
@@ -82,24 +105,32 @@ def stream(
             from :mod:`sinklens.interventions`, so analyzers measure the intervened model.
         progress: show a tqdm bar over batches.
 
-    Hooks are attached through ``model.hooks(...)``, so they are removed even if a hook raises.
+    Hooks are attached through ``model.hooks(...)`` (one trampoline per hook name, kept across
+    batches), so they are removed even if a hook raises.
     Raises :class:`~sinklens.errors.PatternNotExposedError` if a hook the reducers asked for never
     ran (typically ``hook_pattern`` on a model using a fused attention kernel).
     """
-    fired: set[str] = set()
     requested: set[str] = set()
-    with torch.inference_mode():
+    table = _HookTable()
+    with torch.inference_mode(), ExitStack() as attached:
+        names: list[str] | None = None
         for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
             hooks = list(extra_hooks)
             for reducer in reducers:
                 for name, fn in reducer.fwd_hooks(batch):
                     requested.add(name)
-                    hooks.append((name, _fired_tracker(name, fn, fired)))
-            check_hook_names(model, [name for name, _ in hooks])
-            with model.hooks(fwd_hooks=hooks):
-                model(batch.tokens, return_type=None)
+                    hooks.append((name, fn))
+            batch_names = sorted({name for name, _ in hooks})
+            if batch_names != names:  # (re)attach trampolines only when the set of hook names changes
+                check_hook_names(model, batch_names)
+                attached.close()
+                attached.enter_context(model.hooks(fwd_hooks=[(n, table.trampoline(n)) for n in batch_names]))
+                names = batch_names
+            table.set(hooks)
+            model(batch.tokens, return_type=None)
             for reducer in reducers:
                 reducer.end_batch(batch)
+    fired = table.fired
     missing = sorted(requested - fired)
     if missing:
         raise PatternNotExposedError(

@@ -71,7 +71,7 @@ class AttentionReceivedReducer(Reducer):
         self._pos = batch.tokens.shape[1]
 
         def fold(pattern: Tensor, hook: Any) -> None:  # pattern: [batch, head, query, key]
-            per_seq = torch.einsum("bhqk,bqk->bhk", pattern.float(), weights)
+            per_seq = (pattern.float() * weights[:, None]).sum(dim=2)  # [batch, head, key]; faster than einsum on CPU
             row = self.row[layer_of(hook.name)]
             self.sums[row, :, : per_seq.shape[2]] += per_seq.sum(dim=0).double()
             self.fold_per_sequence(row, per_seq)

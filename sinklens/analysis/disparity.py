@@ -79,13 +79,6 @@ def norm_ratio_to_others(norms: Float[Tensor, "batch pos"], valid: Tensor) -> Fl
     return ratio.masked_fill(~valid | (count < 2), float("nan"))
 
 
-def topk_energy_share(x: Float[Tensor, "... d"], k: int) -> Float[Tensor, "..."]:
-    """Share of each vector's squared norm held by its ``k`` largest squared entries."""
-    sq = x.float().pow(2)
-    top = sq.amax(dim=-1) if k == 1 else sq.topk(k, dim=-1).values.sum(-1)
-    return top / sq.sum(-1).clamp_min(torch.finfo(torch.float32).tiny)
-
-
 @dataclass
 class MassiveActivations:
     """Massive activations and dimension disparity of the residual stream (see the module docstring).
@@ -272,46 +265,47 @@ class MassiveActivationsReducer(Reducer):
             setattr(self, name, grow(getattr(self, name), 1, width))
         self.pos_count = grow(self.pos_count, 0, width)
 
-    def _is_massive(self, a: Tensor, ratio: Tensor) -> Tensor:
-        hit = torch.ones_like(a, dtype=torch.bool)
-        if self.abs_threshold is not None:
-            hit &= a > self.abs_threshold
-        if self.rel_threshold is not None:
-            hit &= ratio > self.rel_threshold
-        return hit
-
     def fwd_hooks(self, batch: TokenBatch) -> list[tuple[str, HookFn]]:
         check_sink_position(batch, self.sink)
         width = batch.tokens.shape[1]
         self._grow(width)
         valid = batch.valid
-        is_sink = torch.zeros_like(valid)
-        is_sink[:, self.sink] = True
-        sink_mask, other_mask = valid & is_sink, valid & ~is_sink
+
+        all_valid = bool(valid.all())
+        tiny = torch.finfo(torch.float32).tiny
 
         def fold(act: Tensor, hook: Any, i: int) -> None:  # act: [batch, pos, d_model]
             x = act.float()
             a = x.abs()
             med = sequence_median_abs(x, valid)
-            ratio = a / med[:, None, None].clamp_min(torch.finfo(torch.float32).tiny)
-            massive = self._is_massive(a, ratio) & valid[..., None]
+            med_c = med.clamp_min(tiny)
+            # Thresholds are compared without materialising the full ratio tensor a / median.
+            massive = torch.ones_like(a, dtype=torch.bool) if self.abs_threshold is None else a > self.abs_threshold
+            if self.rel_threshold is not None:
+                massive &= a > (self.rel_threshold * med_c)[:, None, None]
+            if not all_valid:
+                massive &= valid[..., None]
             self.median_sum[i] += med.double().sum()
-            self.count_sink[i] += (massive & sink_mask[..., None]).sum(dim=(0, 1))
-            self.count_other[i] += (massive & other_mask[..., None]).sum(dim=(0, 1))
+            at_sink = (massive[:, self.sink] & valid[:, self.sink, None]).sum(0)
+            self.count_sink[i] += at_sink
+            self.count_other[i] += massive.sum(dim=(0, 1)) - at_sink
             self.exceeded[i, :width] |= massive.any(dim=0)
-            best, idx = a.masked_fill(~valid[..., None], -1.0).max(dim=0)  # [pos, d]
+            best, idx = (a if all_valid else a.masked_fill(~valid[..., None], -1.0)).max(dim=0)  # [pos, d]
             better = best > self.max_abs[i, :width]
             self.max_abs[i, :width] = torch.where(better, best, self.max_abs[i, :width])
             value = x.gather(0, idx[None]).squeeze(0)
-            r = ratio.gather(0, idx[None]).squeeze(0)
+            r = best / med_c[idx]
             self.value_at_max[i, :width] = torch.where(better, value, self.value_at_max[i, :width])
             self.ratio_at_max[i, :width] = torch.where(better, r, self.ratio_at_max[i, :width])
-            norms = x.norm(dim=-1)
+            sq = x * x
+            energy = sq.sum(-1)
+            norms = energy.sqrt()
             self.norm_sum[i, :width] += (norms * valid).double().sum(0)
             nr = norm_ratio_to_others(norms, valid)
             self.norm_ratio_sum[i, :width] += nr.nan_to_num(0.0).double().sum(0)
             self.norm_ratio_count[i, :width] += (~nr.isnan()).double().sum(0)
-            self.energy_sum[i, :width] += (topk_energy_share(x, self.top_k) * valid).double().sum(0)
+            top = sq.amax(dim=-1) if self.top_k == 1 else sq.topk(self.top_k, dim=-1).values.sum(-1)
+            self.energy_sum[i, :width] += (top / energy.clamp_min(tiny) * valid).double().sum(0)
 
         # Bind the row per hook: a bridge reports aliased hooks under their canonical names.
         return [(name, functools.partial(fold, i=i)) for i, name in enumerate(self.hooks)]

@@ -192,6 +192,7 @@ def super_neurons_from_weights(
     dims: list[int] | None = None,
     sink_input: SinkInput | None = None,
     row_top_k: int = 1,
+    w_out_sparsity: tuple[Tensor, Tensor] | None = None,
 ) -> WeightNeurons:
     """Rank FFN neurons as super-neuron candidates from their weights alone (no forward pass).
 
@@ -200,6 +201,8 @@ def super_neurons_from_weights(
         dims: residual dimensions whose ``W_out`` entries to report (e.g. the massive dims).
         sink_input: a :class:`SinkInput` (from :func:`sink_inputs`) to add the read-vector alignments.
         row_top_k: entries counted in ``out_top_share``.
+        w_out_sparsity: ``(kurtosis, top-k share)`` of these layers' ``W_out`` rows, as
+            :func:`sinklens.analysis.neurons.row_sparsity` gives them, if already computed.
 
     Examples:
         >>> from sinklens.testing_planted import planted_model
@@ -226,7 +229,8 @@ def super_neurons_from_weights(
     in_ratio, out_ratio = _median_ratio(in_norm), _median_ratio(out_norm)
     gate_ratio = None if gate_norm is None else _median_ratio(gate_norm)
     score = in_ratio * out_ratio * (gate_ratio if gate_ratio is not None else 1.0)
-    kurt, share = row_sparsity(W_out, row_top_k)
+    # Reuse (kurtosis, top-k share) of these W_out rows when the caller already has them (analyze does).
+    kurt, share = w_out_sparsity if w_out_sparsity is not None else row_sparsity(W_out, row_top_k)
     align_in = align_gate = None
     if sink_input is not None:
         missing = [l for l in layer_list if l not in sink_input.layers]
@@ -465,7 +469,8 @@ class QKLockingReducer(Reducer):
 
         def fold_q(act: Tensor, hook: Any, i: int) -> None:  # [batch, pos, head, d_head]
             q = act.float() * qmask[:, :, None, None]
-            gram = torch.einsum("bphi,bphj->bhij", q, q)
+            qt = q.permute(0, 2, 3, 1)  # [batch, head, d_head, pos]
+            gram = qt @ qt.transpose(-1, -2)  # [batch, head, d_head, d_head]
             self.gram[i] += gram.sum(0).double()
             self.total[i] += gram.diagonal(dim1=-2, dim2=-1).sum(dim=(0, -1)).double()
             self._pair(i, "q", gram)

@@ -72,10 +72,12 @@ def row_sparsity(rows: Float[Tensor, "*rows d"], k: int = 1) -> tuple[Float[Tens
     """
     x = rows.float()
     centred = x - x.mean(-1, keepdim=True)
-    var = centred.pow(2).mean(-1)
-    kurt = centred.pow(4).mean(-1) / var.pow(2).clamp_min(_TINY)
-    sq = x.pow(2)
-    share = sq.topk(k, dim=-1).values.sum(-1) / sq.sum(-1).clamp_min(_TINY)
+    c2 = centred * centred  # products, not pow: several times faster on CPU for large weights
+    var = c2.mean(-1)
+    kurt = (c2 * c2).mean(-1) / (var * var).clamp_min(_TINY)
+    sq = x * x
+    top = sq.amax(dim=-1) if k == 1 else sq.topk(k, dim=-1).values.sum(-1)
+    share = top / sq.sum(-1).clamp_min(_TINY)
     return kurt, share
 
 
@@ -327,10 +329,11 @@ class SuperNeuronReducer(Reducer):
 
         def fold_post(act: Tensor, hook: Any, i: int) -> None:  # [batch, pos, d_mlp]
             x = act.float()
-            self.sink_sum[i] += x[:, s].double().sum(0)
-            xo = x * other[..., None]
-            self.other_sq[i] += xo.double().pow(2).sum(dim=(0, 1))
-            self.other_max[i] = torch.maximum(self.other_max[i], xo.abs().amax(dim=(0, 1)))
+            self.sink_sum[i] += x[:, s].sum(0).double()
+            xo = x * other[..., None]  # per-batch reductions in float32, running sums in float64
+            self.other_sq[i] += xo.square().sum(dim=(0, 1)).double()
+            biggest = torch.maximum(xo.amax(dim=(0, 1)), -xo.amin(dim=(0, 1)))
+            self.other_max[i] = torch.maximum(self.other_max[i], biggest)
 
         def fold_sink(act: Tensor, hook: Any, target: Tensor, i: int) -> None:  # [batch, pos, d_model]
             target[i] += act[:, s].double().sum(0)

@@ -92,14 +92,17 @@ class SinkReport:
         }
 
     # ------------------------------------------------------------------------------- text
-    def summary(self) -> str:
-        """A readable text report: top sinks, sink rate and variance by layer, massive dimensions, super neurons."""
+    def summary(self, *, timing: bool = True) -> str:
+        """A readable text report: top sinks, sink rate and variance by layer, massive dimensions, super neurons.
+
+        ``timing=False`` leaves out the wall time, so the text is reproducible (tutorials, tests).
+        """
         p = self.sink_position
         h = self.headline()
         lines = [
             f"sinklens report — {self.model_name}",
-            f"{self.n_sequences} sequences, {self.n_tokens} tokens, BOS {'prepended' if self.prepend_bos else 'not prepended'}; "
-            f"analysed in {self.seconds:.1f} s",
+            f"{self.n_sequences} sequences, {self.n_tokens} tokens, BOS {'prepended' if self.prepend_bos else 'not prepended'}"
+            + (f"; analysed in {self.seconds:.1f} s" if timing else ""),
             "",
             f"Sink positions: {h['sink_positions']}   sink rate at position {p} (eps={self.sinks.eps}): {h['sink_rate']:.3f}   "
             f"mean attention received: {h['mean_attention_to_sink']:.3f}",
@@ -275,7 +278,10 @@ def analyze(
     sinks, variance, massive, neurons, sink_input, normalized, locking = stream(
         model, batches, reducers, extra_hooks=extra_hooks, progress=progress, desc="sinklens analyze"
     )
-    weight_neurons = super_neurons_from_weights(model, dims=neurons.dims or None, sink_input=sink_input)
+    weight_neurons = super_neurons_from_weights(
+        model, dims=neurons.dims or None, sink_input=sink_input,
+        w_out_sparsity=(neurons.row_kurtosis, neurons.row_top_share),  # same rows, same k: computed once
+    )
     n_tokens = int(sum(int(b.valid.sum()) for b in batches))
     return SinkReport(
         model_name=model_name or getattr(dims, "name", None) or type(model).__name__,

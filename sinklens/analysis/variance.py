@@ -35,8 +35,9 @@ Predictions, beside the measurement:
   ``Σ_j pattern[l, h, t, j]²`` (the actual attention pattern);
 * ``pred_uniform = σ_v² / (t + 1)``.
 
-All running sums (sum, sum of squares, counts per position) are float64 on the model's device;
-no activation outlives its hook.
+Each batch is reduced in float32 (so the hooks cost little next to the forward) and folded into
+float64 running sums (sum, sum of squares, counts per position) on the model's device; no
+activation outlives its hook.
 
 Measured on SmolLM2-135M-Instruct (64 stdlib docstrings, 64 tokens each, with BOS): the
 head-median discrepancy ``discrepancy(0)`` is 5.4, 11.4, 2.8 in layers 0-2 and 6.0, 9.9, 1.2 in
@@ -290,6 +291,7 @@ class VarianceReducer(Reducer):
         w_o = weight(model, "W_O")[self.layers].to(self.device, torch.float64)  # [layer, head, d_head, d_model]
         self.w_o = w_o
         self.gram = w_o @ w_o.transpose(-1, -2)  # [layer, head, d_head, d_head]
+        self.gram32 = self.gram.float()
         self.cap = 0
         n_l, n_h = len(self.layers), dims.n_heads
         f64 = dict(device=self.device, dtype=torch.float64)
@@ -343,36 +345,36 @@ class VarianceReducer(Reducer):
                 shape = (len(self.layers), v.shape[2])
                 self.v_s1 = torch.zeros(*shape, v.shape[3], device=self.device, dtype=torch.float64)
                 self.v_s2 = torch.zeros(*shape, device=self.device, dtype=torch.float64)
-            v = v.double()
-            self.v_s1[row] += torch.einsum("bpkd,bp->kd", v, w)
-            self.v_s2[row] += torch.einsum("bpkd,bp->k", v * v, w)
+            v, w32 = v.float(), w.float()
+            self.v_s1[row] += (v * w32[..., None, None]).sum(dim=(0, 1)).double()
+            self.v_s2[row] += (v.square().sum(-1) * w32[..., None]).sum(dim=(0, 1)).double()
 
         return fold
 
     def _fold_pattern(self, row: int, w: Tensor) -> HookFn:
         def fold(pattern: Tensor, hook: Any) -> None:  # [batch, head, query, key]
-            sq = pattern.double().square().sum(dim=-1)  # [batch, head, query]
-            self.a_sq[row, :, : sq.shape[2]] += torch.einsum("bhq,bq->hq", sq, w)
+            sq = pattern.float().square().sum(dim=-1)  # Σ_k A_qk², [batch, head, query]
+            self.a_sq[row, :, : sq.shape[2]] += (sq * w.float()[:, None]).sum(0).double()
 
         return fold
 
     def _fold_z(self, row: int, w: Tensor) -> HookFn:
         def fold(z: Tensor, hook: Any) -> None:  # [batch, pos, head, d_head]
-            z = z.double()
+            z, w32 = z.float(), w.float()
             n = z.shape[1]
-            self.z_s1[row, :, :n] += torch.einsum("bphd,bp->hpd", z, w)
-            self.z_s2[row, :, :n] += torch.einsum("bphd,bp->hp", z * z, w)
-            zg = torch.einsum("bphd,hde->bphe", z, self.gram[row])  # |z W_O|² = z G zᵀ
-            self.r_s2[row, :, :n] += torch.einsum("bphe,bphe,bp->hp", zg, z, w)
+            self.z_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
+            self.z_s2[row, :, :n] += (z.square().sum(-1) * w32[..., None]).sum(0).T.double()
+            zg = torch.einsum("bphd,hde->bphe", z, self.gram32[row])  # |z W_O|² = z G zᵀ
+            self.r_s2[row, :, :n] += ((zg * z).sum(-1) * w32[..., None]).sum(0).T.double()
 
         return fold
 
     def _fold_attn_out(self, row: int, w: Tensor) -> HookFn:
         def fold(out: Tensor, hook: Any) -> None:  # [batch, pos, d_model]
-            out = out.double()
+            out, w32 = out.float(), w.float()
             n = out.shape[1]
-            self.o_s1[row, :n] += torch.einsum("bpm,bp->pm", out, w)
-            self.o_s2[row, :n] += torch.einsum("bpm,bp->p", out * out, w)
+            self.o_s1[row, :n] += (out * w32[..., None]).sum(0).double()
+            self.o_s2[row, :n] += (out.square().sum(-1) * w32).sum(0).double()
 
         return fold
 
