@@ -78,8 +78,9 @@ def builtin_prompts() -> list[str]:
 def stdlib_text_prompts(n_prompts: int = 16, *, n_chars: int = 800, seed: int = 0) -> list[str]:
     """Real text available offline: docstrings from the Python standard library's own sources.
 
-    Docstrings are English prose written by people; they are read from the running interpreter's
-    ``stdlib`` directory, so the same call gives the same text on every machine with the same Python.
+    Docstrings of at least 30 words without doctest examples (English prose written by people),
+    read from the running interpreter's ``stdlib`` directory: the same call gives the same text on
+    every machine with the same Python build.
     """
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     docs: list[str] = []
@@ -91,7 +92,8 @@ def stdlib_text_prompts(n_prompts: int = 16, *, n_chars: int = 800, seed: int = 
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module, ast.AsyncFunctionDef)):
                 doc = ast.get_docstring(node)
-                if doc and len(doc) >= 200:
+                # Prose only: long enough, and no doctest examples (code, not text).
+                if doc and len(doc) >= 200 and ">>>" not in doc and len(doc.split()) >= 30:
                     docs.append(" ".join(doc.split())[:n_chars])
     random.Random(seed).shuffle(docs)
     return docs[:n_prompts]
