@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -22,11 +22,13 @@ def run_reducer(
     batch_size: int = 8,
     prepend_bos: bool = True,
     max_length: int | None = None,
+    extra_hooks: Sequence[tuple[str, Callable[..., Any]]] = (),
     progress: bool = False,
+    desc: str = "sinklens",
 ) -> Any:
     """``as_batches`` + :func:`~sinklens.streaming.stream` for a single reducer; returns its result."""
     batches = as_batches(model, inputs, batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
-    (result,) = stream(model, batches, [reducer], progress=progress)
+    (result,) = stream(model, batches, [reducer], extra_hooks=extra_hooks, progress=progress, desc=desc)
     return result
 
 

@@ -34,10 +34,11 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from sinklens.analysis._common import run_reducer
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.hooks import model_dims
-from sinklens.inputs import Inputs, TokenBatch, as_batches
-from sinklens.streaming import HookFn, stream
+from sinklens.inputs import Inputs, TokenBatch
+from sinklens.streaming import HookFn
 
 RateMethod = Literal["gu", "mean"]
 
@@ -534,6 +535,5 @@ def find_sinks(
         model, layers=layers, eps=eps, min_query=min_query, min_queries=min_queries,
         min_head_share=min_head_share, outlier_factor=outlier_factor, top_k=top_k,
     )
-    batches = as_batches(model, inputs, batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
-    (result,) = stream(model, batches, [reducer], extra_hooks=extra_hooks, progress=progress, desc="sinks")
-    return result
+    return run_reducer(model, inputs, reducer, batch_size=batch_size, prepend_bos=prepend_bos,
+                       max_length=max_length, extra_hooks=extra_hooks, progress=progress, desc="sinks")

@@ -61,8 +61,9 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.hooks import ATTN_OUT, PATTERN, V, Z, hook_name, model_device, model_dims, resolve_layers, weight
-from sinklens.inputs import Inputs, TokenBatch, as_batches
-from sinklens.streaming import HookFn, Reducer, stream
+from sinklens.analysis._common import run_reducer
+from sinklens.inputs import Inputs, TokenBatch
+from sinklens.streaming import HookFn, Reducer
 
 Site = Literal["z", "z_seq", "result", "attn_out"]
 
@@ -449,7 +450,6 @@ def measure_variance(
         >>> result.z_var.shape, result.discrepancy(0).shape
         (torch.Size([2, 4, 6]), torch.Size([2, 4]))
     """
-    batches = as_batches(model, inputs, batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
-    (result,) = stream(model, batches, [VarianceReducer(model, layers=layers)], extra_hooks=extra_hooks,
+    return run_reducer(model, inputs, VarianceReducer(model, layers=layers), batch_size=batch_size,
+                       prepend_bos=prepend_bos, max_length=max_length, extra_hooks=extra_hooks,
                        progress=progress, desc="variance")
-    return result
