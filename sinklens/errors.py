@@ -40,3 +40,11 @@ class DataFileNotFoundError(SinklensError, FileNotFoundError):
 
 class OfflineDataError(SinklensError, OSError):
     """A Hugging Face dataset that cannot be streamed because there is no network."""
+
+
+class InvalidArgumentError(SinklensError, ValueError):
+    """An argument outside its accepted range or of the wrong type; the message names both."""
+
+
+class UnknownInterventionError(SinklensError, ValueError):
+    """An intervention name that is not registered (see :mod:`sinklens.interventions.registry`)."""

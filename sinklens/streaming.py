@@ -2,61 +2,121 @@
 
 Every analyzer is a :class:`Reducer`. :func:`stream` runs a single forward pass per batch with the
 hooks of *all* reducers attached, so several analyzers share one forward, and no activation outlives
-the hook (or the batch) that reduced it: memory is flat in the number of prompts.
+the hook (or the batch) that reduced it: memory is flat in the number of prompts. :func:`run` does
+the same from any accepted input (strings, token tensors, batches) and a :class:`RunOptions`.
 
-Writing a reducer::
+Writing a reducer:
 
-    class MeanResidNorm(Reducer):
-        def __init__(self, model):
-            self.total = torch.zeros(model_dims(model).n_layers)
-            self.count = 0
-
-        def fwd_hooks(self, batch):
-            def fold(act, hook):          # act: [batch, pos, d_model]
-                norms = act.norm(dim=-1)[batch.valid]
-                self.total[layer_of(hook.name)] += norms.sum()
-            return [(hook_name(l, RESID_PRE), fold) for l in range(n_layers)]
-
-        def end_batch(self, batch):
-            self.count += int(batch.valid.sum())
-
-        def result(self):
-            return self.total / self.count
+Examples:
+    >>> import torch
+    >>> from sinklens.hooks import RESID_PRE, model_dims
+    >>> from sinklens.testing import tiny_model
+    >>> class MeanResidNorm(Reducer[torch.Tensor]):
+    ...     def __init__(self, model):
+    ...         self.n_layers = model_dims(model).n_layers
+    ...         self.reset()
+    ...     def reset(self):
+    ...         self.total = torch.zeros(self.n_layers, dtype=torch.float64)
+    ...         self.count = 0
+    ...     def fwd_hooks(self, batch):
+    ...         def fold(act, layer):  # act: [batch, pos, d_model]
+    ...             self.total[layer] += act.norm(dim=-1)[batch.valid].sum().double()
+    ...         return BatchFold(per_layer_hooks(RESID_PRE, range(self.n_layers), fold))
+    ...     def end_batch(self, batch, fold):
+    ...         self.count += int(batch.valid.sum())
+    ...     def result(self):
+    ...         return self.total / self.count
+    >>> (norms,) = run(tiny_model(), ["t1 t2 t3"], MeanResidNorm(tiny_model()), options=RunOptions(progress=False))
+    >>> norms.shape
+    torch.Size([2])
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
 from tqdm.auto import tqdm
 
 from sinklens.errors import PatternNotExposedError
-from sinklens.hooks import check_hook_names
-from sinklens.inputs import TokenBatch
+from torch import Tensor
 
-HookFn = Callable[..., Any]
+from sinklens.hooks import check_hook_names, hook_name
+from sinklens.inputs import Inputs, TokenBatch, as_batches
+from sinklens.options import HookFn, RunOptions
 
 
-class Reducer:
-    """Base class of a streaming analyzer.
+R = TypeVar("R")
 
-    ``fwd_hooks(batch)`` returns ``(hook_name, fn)`` pairs for that batch; each ``fn(act, hook)``
-    folds what it needs into the reducer's running state and returns ``None`` (it must not modify
-    ``act``). ``end_batch(batch)`` runs after the forward, for folds that combine several hooks.
-    ``result()`` turns the state into the analyzer's result object.
+
+@dataclass
+class BatchFold:
+    """What a reducer attaches to one forward pass.
+
+    Attributes:
+        hooks: ``(hook_name, fn)`` pairs; each ``fn(act, hook)`` folds what it needs and returns
+            ``None`` (it must not modify ``act``).
+        state: anything the reducer computed for this batch and wants back in
+            :meth:`Reducer.end_batch` (e.g. per-batch query weights); per-batch state lives here,
+            never on the reducer instance.
     """
 
-    def fwd_hooks(self, batch: TokenBatch) -> list[tuple[str, HookFn]]:
-        raise NotImplementedError
+    hooks: list[tuple[str, HookFn]]
+    state: Any = None
 
-    def end_batch(self, batch: TokenBatch) -> None:
-        """Called once per batch after the forward pass."""
 
-    def result(self) -> Any:
-        raise NotImplementedError
+class Reducer(ABC, Generic[R]):
+    """A streaming analyzer: folds activations into running statistics, then builds a result ``R``.
+
+    The contract:
+
+    * ``reset()`` zeroes the running statistics; a reducer can be reused for a new pass.
+    * ``fwd_hooks(batch)`` returns the :class:`BatchFold` for that batch.
+    * ``end_batch(batch, fold)`` runs after the forward with the same fold, for folds that combine
+      several hooks (optional).
+    * ``result()`` turns the statistics into the analyzer's result object, without changing them.
+
+    Reducers compose by holding other reducers and forwarding these calls, not by subclassing.
+    """
+
+    def reset(self) -> None:  # TEMPORARY (issue 7 migration): becomes @abstractmethod once every reducer has one
+        """Zero every running statistic."""
+        raise NotImplementedError(f"{type(self).__name__} does not implement reset().")
+
+    @abstractmethod
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        """The hooks (and per-batch state) for one forward pass over ``batch``."""
+
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:  # noqa: B027 - optional hook
+        """Called once per batch after the forward pass, with the fold ``fwd_hooks`` returned."""
+
+    @abstractmethod
+    def result(self) -> R:
+        """The analyzer's result."""
+
+
+_LEGACY = object()  # TEMPORARY (issue 7 migration): marks a 0.1-style reducer's fold
+
+
+def per_layer_hooks(site: str, layers: Sequence[int], fold: Callable[[Tensor, int], Any]) -> list[tuple[str, HookFn]]:
+    """The one way to bind a hook to its layer: ``fold(act, layer)`` on ``blocks.{layer}.{site}``.
+
+    Examples:
+        >>> [name for name, _ in per_layer_hooks("attn.hook_pattern", [0, 2], lambda act, layer: None)]
+        ['blocks.0.attn.hook_pattern', 'blocks.2.attn.hook_pattern']
+    """
+
+    def bind(layer: int) -> HookFn:
+        def hook_fn(act: Tensor, hook: Any) -> Any:
+            return fold(act, layer)
+
+        return hook_fn
+
+    return [(hook_name(layer, site), bind(layer)) for layer in layers]
 
 
 class _HookTable:
@@ -92,32 +152,35 @@ class _HookTable:
 def stream(
     model: Any,
     batches: Sequence[TokenBatch],
-    reducers: Sequence[Reducer],
+    reducers: Sequence[Reducer[Any]],
     *,
-    extra_hooks: Sequence[tuple[str, HookFn]] = (),
-    progress: bool = True,
-    desc: str = "sinklens",
+    options: RunOptions = RunOptions(),
+    **legacy: Any,  # TEMPORARY (issue 7 migration): extra_hooks=, progress=, desc= of sinklens 0.1
 ) -> list[Any]:
     """Run every reducer over every batch with one forward pass per batch; return their results.
 
-    Args:
-        extra_hooks: hooks added to every forward before the reducers' own, e.g. an intervention
-            from :mod:`sinklens.interventions`, so analyzers measure the intervened model.
-        progress: show a tqdm bar over batches.
+    ``options.extra_hooks`` run before the reducers' own hooks on every forward (e.g. an
+    intervention from :mod:`sinklens.interventions`, so analyzers measure the intervened model);
+    ``options.progress`` shows a tqdm bar over batches. The other fields of ``options`` concern
+    tokenization and are used by :func:`run`.
 
     Hooks are attached through ``model.hooks(...)`` (one trampoline per hook name, kept across
     batches), so they are removed even if a hook raises.
     Raises :class:`~sinklens.errors.PatternNotExposedError` if a hook the reducers asked for never
     ran (typically ``hook_pattern`` on a model using a fused attention kernel).
     """
+    if legacy:  # TEMPORARY (issue 7 migration)
+        options = options.replace(**legacy)
     requested: set[str] = set()
     table = _HookTable()
     with torch.inference_mode(), ExitStack() as attached:
         names: list[str] | None = None
-        for batch in tqdm(batches, desc=desc, disable=not progress, leave=False):
-            hooks = list(extra_hooks)
-            for reducer in reducers:
-                for name, fn in reducer.fwd_hooks(batch):
+        for batch in tqdm(batches, desc=options.desc, disable=not options.progress, leave=False):
+            hooks = list(options.extra_hooks)
+            folds = [reducer.fwd_hooks(batch) for reducer in reducers]
+            folds = [f if isinstance(f, BatchFold) else BatchFold(list(f), _LEGACY) for f in folds]  # TEMPORARY
+            for fold in folds:
+                for name, fn in fold.hooks:
                     requested.add(name)
                     hooks.append((name, fn))
             batch_names = sorted({name for name, _ in hooks})
@@ -128,8 +191,11 @@ def stream(
                 names = batch_names
             table.set(hooks)
             model(batch.tokens, return_type=None)
-            for reducer in reducers:
-                reducer.end_batch(batch)
+            for reducer, fold in zip(reducers, folds):
+                if fold.state is _LEGACY:  # TEMPORARY (issue 7 migration)
+                    reducer.end_batch(batch)
+                else:
+                    reducer.end_batch(batch, fold)
     fired = table.fired
     missing = sorted(requested - fired)
     if missing:
@@ -140,3 +206,14 @@ def stream(
             "or use TransformerBridge.boot_transformers, which forces it."
         )
     return [reducer.result() for reducer in reducers]
+
+
+def run(model: Any, inputs: Inputs | None, *reducers: Reducer[Any], options: RunOptions = RunOptions()) -> list[Any]:
+    """Tokenize ``inputs`` by ``options`` and :func:`stream` every reducer over them; return their results.
+
+    ``inputs`` is anything :func:`~sinklens.inputs.as_batches` accepts (None = the built-in prompts).
+    """
+    batches = as_batches(
+        model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos, max_length=options.max_length
+    )
+    return stream(model, batches, list(reducers), options=options)

@@ -6,7 +6,7 @@ import torch
 import sinklens
 from sinklens.errors import PatternNotExposedError, SequenceTooLongError, UnknownHookError
 from sinklens.inputs import as_batches, random_token_batches, stdlib_text_prompts, tokenize_prompts
-from sinklens.streaming import Reducer, stream
+from sinklens.streaming import BatchFold, Reducer, stream
 
 pytestmark = pytest.mark.models
 
@@ -58,11 +58,17 @@ def test_stdlib_text_is_real_prose():
 
 
 class _Raises(Reducer):
+    def reset(self):
+        pass
+
     def fwd_hooks(self, batch):
         def boom(act, hook):
             raise RuntimeError("boom inside a hook")
 
-        return [("blocks.1.attn.hook_pattern", boom)]
+        return BatchFold([("blocks.1.attn.hook_pattern", boom)])
+
+    def result(self):
+        return None
 
 
 def _hooks_attached(model) -> int:
@@ -81,9 +87,9 @@ def test_unknown_hook_names_are_caught_before_the_forward(tiny_llama):
                progress=False)
 
 
-class _NeverFires(Reducer):
+class _NeverFires(_Raises):
     def fwd_hooks(self, batch):
-        return [("blocks.0.attn.hook_pattern", lambda act, hook: None)]
+        return BatchFold([("blocks.0.attn.hook_pattern", lambda act, hook: None)])
 
 
 def test_a_hook_that_never_runs_is_reported():

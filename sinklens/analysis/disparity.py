@@ -380,7 +380,7 @@ def find_massive_activations(
         max_rows: cap on the number of massive locations listed in ``events``.
 
     Examples:
-        >>> from sinklens.testing_planted import planted_model
+        >>> from sinklens.testing.planted import planted_model
         >>> model, spec = planted_model(n_layers=2, dim=5)
         >>> found = find_massive_activations(model, "t3 t4 t5 t6")
         >>> found.massive_dims("sink"), found.first_layer(5), found.massive_dims("other")

@@ -205,7 +205,7 @@ def super_neurons_from_weights(
             :func:`sinklens.analysis.neurons.row_sparsity` gives them, if already computed.
 
     Examples:
-        >>> from sinklens.testing_planted import planted_model
+        >>> from sinklens.testing.planted import planted_model
         >>> model, spec = planted_model(n_layers=2, layer=0, neuron=7, dim=5)
         >>> super_neurons_from_weights(model).top(1)[0][:2]
         (0, 7)
@@ -355,7 +355,7 @@ def normalized_disparity(
     """Dimension disparity after each layer's first normalisation, at the sink vs other tokens.
 
     Examples:
-        >>> from sinklens.testing_planted import planted_model
+        >>> from sinklens.testing.planted import planted_model
         >>> model, spec = planted_model(n_layers=2, layer=0, dim=5)
         >>> nd = normalized_disparity(model, "t3 t4 t5 t6")
         >>> nd.top_dim(1), bool(nd.ratio_sink[1, 5] > 100), float(nd.ratio_other[1, 5])
@@ -543,7 +543,7 @@ def query_key_locking(
     """Measure query–key locking on the sink key per layer × head (see :class:`QKLocking`).
 
     Examples:
-        >>> from sinklens.testing_planted import planted_model
+        >>> from sinklens.testing.planted import planted_model
         >>> model, spec = planted_model(n_layers=2, layer=0, qk_layer=1, qk_head=1)
         >>> lock = query_key_locking(model, "t3 t4 t5 t6 t7 t8")
         >>> float(lock.pos_share_sink[1, 1]), bool(lock.key_pc_cosine[1, 1] > 0.9)

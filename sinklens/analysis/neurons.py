@@ -416,7 +416,7 @@ def find_super_neurons(
         row_top_k: entries counted in ``row_top_share``.
 
     Examples:
-        >>> from sinklens.testing_planted import planted_model
+        >>> from sinklens.testing.planted import planted_model
         >>> model, spec = planted_model(n_layers=2, layer=0, neuron=7, dim=5)
         >>> found = find_super_neurons(model, "t3 t4 t5 t6")
         >>> found.dims, found.top(5, 1)[0][:2], found.path(5).write_layer

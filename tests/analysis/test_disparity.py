@@ -7,7 +7,7 @@ import torch
 from sinklens.analysis.disparity import MassiveActivationsReducer, find_massive_activations
 from sinklens.inputs import as_batches
 from sinklens.streaming import stream
-from sinklens.testing_planted import planted_model
+from sinklens.testing.planted import planted_model
 
 pytestmark = pytest.mark.models
 

@@ -13,7 +13,7 @@ from sinklens.analysis.neurons import (
 )
 from sinklens.inputs import as_batches
 from sinklens.streaming import stream
-from sinklens.testing_planted import planted_model
+from sinklens.testing.planted import planted_model
 
 pytestmark = pytest.mark.models
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from sinklens.hooks import model_dims
-from sinklens.testing import tiny_model, transformer_lens_major
+from sinklens.testing.models import tiny_model, transformer_lens_major
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,90 @@
+"""The one JSON exporter: every JSON file sinklens writes goes through :func:`write_json`.
+
+Files are strict JSON (RFC 8259): a non-finite float becomes ``null``, never ``NaN`` or
+``Infinity``; tensors and numpy arrays become nested lists; dataclasses become dicts. Writes are
+atomic (a temporary file in the same folder, flushed, fsynced and renamed), so a crash never leaves a
+half-written file where a finished one was.
+
+Examples:
+    >>> import math, torch
+    >>> to_json({"a": torch.tensor([1.0, math.nan]), "b": math.inf, "c": 1/3})
+    {'a': [1.0, None], 'b': None, 'c': 0.333333}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def to_json(value: Any, digits: int | None = 6) -> Any:
+    """A strict-JSON-ready copy of ``value``.
+
+    Tensors and numpy arrays -> nested lists; numpy and tensor scalars -> Python numbers; dataclasses
+    and mappings -> dicts with string keys; tuples and sets -> lists; paths -> strings; non-finite
+    floats -> None; floats rounded to ``digits`` significant digits (None keeps full precision).
+    """
+    if isinstance(value, torch.Tensor):
+        value = value.detach().cpu().tolist()
+    elif isinstance(value, np.ndarray):
+        value = value.tolist()
+    elif isinstance(value, np.generic):
+        value = value.item()
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, Mapping):
+        return {str(k): to_json(v, digits) for k, v in value.items()}
+    if isinstance(value, (list, tuple, set, frozenset)):
+        return [to_json(v, digits) for v in value]
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return None
+        return value if digits is None else float(f"{value:.{digits}g}")
+    if isinstance(value, torch.dtype | torch.device):
+        return str(value)
+    raise TypeError(f"Cannot write a {type(value).__name__} to JSON: {value!r}")
+
+
+def dumps(value: Any, *, digits: int | None = 6, indent: int | None = 2) -> str:
+    """Strict JSON text of ``value`` (see :func:`to_json`); raises if anything non-finite slipped through."""
+    return json.dumps(to_json(value, digits), indent=indent, allow_nan=False)
+
+
+def write_text_atomic(path: str | Path, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically (temporary file in the same folder, fsync, rename)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_json(path: str | Path, value: Any, *, digits: int | None = 6, indent: int | None = 2) -> Path:
+    """Write ``value`` as strict JSON to ``path``, atomically; returns the path."""
+    return write_text_atomic(path, dumps(value, digits=digits, indent=indent) + "\n")
+
+
+def json_line(value: Any, *, digits: int | None = None) -> str:
+    """One strict-JSON line (for ``.jsonl`` logs), without a trailing newline."""
+    return dumps(value, digits=digits, indent=None)

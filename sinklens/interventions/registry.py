@@ -1,0 +1,179 @@
+"""The one registry of interventions, used by experiments, sweeps, the trainer and the CLI.
+
+Every registered factory has the same signature::
+
+    factory(model, *, positions, layers=None, **options) -> list[(hook_name, fn)]
+
+``positions`` are the positions the intervention acts on (a sink to create, a sink to remove, the
+tokens whose neurons are edited). Names are Python identifiers (``self_only``); the CLI and spec
+strings may write them with hyphens (``self-only``). Each entry says its ``role``: ``create``
+(makes a sink at ``positions``), ``remove`` (takes the sink at ``positions`` away) or ``edit``
+(a general edit). A spec string ``"name:key=value,..."`` (trainer configs, ``--intervention``) is
+parsed by :func:`parse_spec` and built by :func:`build`.
+
+Examples:
+    >>> from sinklens.testing import tiny_model
+    >>> hooks = build(tiny_model(), "self-only:positions=3,layers=[0]")
+    >>> [name for name, _ in hooks]
+    ['blocks.0.attn.hook_attn_scores']
+"""
+
+from __future__ import annotations
+
+import ast
+import difflib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal
+
+from sinklens.errors import InvalidArgumentError, UnknownInterventionError
+
+if TYPE_CHECKING:
+    from sinklens.options import HookFn
+
+Hooks = list[tuple[str, "HookFn"]]
+Role = Literal["create", "remove", "edit"]
+Factory = Callable[..., Hooks]
+
+
+@dataclass(frozen=True)
+class Intervention:
+    """A registered intervention: its name, role, factory and a one-line summary."""
+
+    name: str
+    role: Role
+    factory: Factory
+    summary: str
+
+    def __call__(self, model: Any, **options: Any) -> Hooks:
+        return self.factory(model, **options)
+
+
+_REGISTRY: dict[str, Intervention] = {}
+#: Old names kept working (with the name they now point to); see :func:`get`.
+_ALIASES: dict[str, str] = {}
+
+
+def canonical(name: str) -> str:
+    """``"self-only"`` -> ``"self_only"`` (names are case-sensitive identifiers)."""
+    return str(name).strip().replace("-", "_")
+
+
+def register(name: str, factory: Factory, *, role: Role, summary: str) -> Intervention:
+    """Register ``factory`` under ``name``; raises ``ValueError`` if the name is taken."""
+    key = canonical(name)
+    if key in _REGISTRY or key in _ALIASES:
+        raise ValueError(f"An intervention named {key!r} is already registered.")
+    if role not in ("create", "remove", "edit"):
+        raise ValueError(f"role must be 'create', 'remove' or 'edit', got {role!r}.")
+    entry = Intervention(key, role, factory, summary)
+    _REGISTRY[key] = entry
+    return entry
+
+
+def register_alias(old: str, new: str) -> None:
+    """Keep an old name working: ``get(old)`` returns the entry of ``new``."""
+    _ALIASES[canonical(old)] = canonical(new)
+
+
+def names(role: Role | None = None) -> list[str]:
+    """Registered names (canonical, sorted), optionally of one role."""
+    _load_builtins()
+    return sorted(n for n, e in _REGISTRY.items() if role is None or e.role == role)
+
+
+def get(name: str, *, role: Role | None = None) -> Intervention:
+    """The entry registered as ``name`` (hyphens or underscores); a did-you-mean error otherwise."""
+    _load_builtins()
+    key = canonical(name)
+    key = _ALIASES.get(key, key)
+    entry = _REGISTRY.get(key)
+    if entry is None or (role is not None and entry.role != role):
+        choices = names(role)
+        close = difflib.get_close_matches(key, choices, n=2)
+        hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+        what = f"{role} intervention" if role else "intervention"
+        raise UnknownInterventionError(f"Unknown {what} {name!r}; registered: {choices}.{hint}")
+    return entry
+
+
+def _split_args(text: str) -> list[str]:
+    """Split ``a=1,b=[1,2]`` at top-level commas."""
+    parts, depth, current = [], 0, ""
+    for char in text:
+        if char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    return [p for p in parts + [current] if p.strip()]
+
+
+def parse_value(text: str) -> Any:
+    """A spec value: a Python literal (``16``, ``[0, 1]``, ``2.5``, ``None``) or else a bare string.
+
+    Examples:
+        >>> parse_value("[0, 1]"), parse_value("zero"), parse_value("2.5")
+        ([0, 1], 'zero', 2.5)
+    """
+    try:
+        return ast.literal_eval(text.strip())
+    except (ValueError, SyntaxError):
+        return text.strip()
+
+
+def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
+    """Split ``"name:key=value,key=value"`` into the canonical name and its keyword arguments.
+
+    Examples:
+        >>> parse_spec("restart:positions=16,layers=[0,1]")
+        ('restart', {'positions': 16, 'layers': [0, 1]})
+    """
+    if not isinstance(spec, str) or not spec.strip():
+        raise InvalidArgumentError(f"An intervention spec must be a non-empty string 'name:key=value,...', got {spec!r}.")
+    name, _, args = spec.partition(":")
+    kwargs: dict[str, Any] = {}
+    for item in _split_args(args):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip().isidentifier():
+            raise InvalidArgumentError(f"Intervention argument {item!r} in {spec!r} is not of the form key=value.")
+        kwargs[key.strip()] = parse_value(value)
+    return get(name).name, kwargs
+
+
+def build(model: Any, spec: str | Callable[[Any], Hooks], **overrides: Any) -> Hooks:
+    """The hooks of one intervention: a spec string (``"name:key=value"``), or a callable ``model -> hooks``.
+
+    ``overrides`` are added to (and win over) the spec's keyword arguments.
+    """
+    if callable(spec):
+        return list(spec(model))
+    name, kwargs = parse_spec(spec)
+    return get(name)(model, **{**kwargs, **overrides})
+
+
+def check_spec(spec: str | Callable[[Any], Hooks], **overrides: Any) -> None:
+    """Validate a spec string without a model: the name exists and the arguments parse."""
+    if not callable(spec):
+        parse_spec(spec)
+
+
+_LOADED = False
+
+
+def _load_builtins() -> None:
+    """Import the modules that register the built-in interventions (once, lazily: no import cycle)."""
+    global _LOADED
+    if not _LOADED:
+        _LOADED = True
+        import sinklens.interventions.builtin  # noqa: F401
+
+
+def as_mapping() -> Mapping[str, Intervention]:
+    """A read-only view of the registry (name -> entry)."""
+    _load_builtins()
+    return dict(_REGISTRY)

@@ -1,0 +1,70 @@
+"""The one object that carries run settings: how prompts become batches and how a pass is shown.
+
+Every analyzer, experiment and :func:`sinklens.run` takes ``options=RunOptions(...)`` instead of
+re-declaring these keyword arguments, so the defaults cannot drift between functions.
+
+Examples:
+    >>> opts = RunOptions(batch_size=4, progress=False)
+    >>> opts.replace(max_length=32).max_length
+    32
+    >>> RunOptions(batch_size=0)
+    Traceback (most recent call last):
+    ...
+    sinklens.errors.InvalidArgumentError: batch_size must be an integer >= 1, got 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sinklens.validate import positive_int
+
+HookFn = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Settings of one streaming run, shared by every analyzer and experiment.
+
+    Attributes:
+        batch_size: prompts per forward pass (results do not depend on it).
+        prepend_bos: put the model's BOS token in front of each text prompt; for token tensors the
+            first column is taken to be BOS.
+        max_length: truncate each tokenized prompt to this many tokens (BOS included); None keeps
+            everything up to ``cfg.n_ctx``.
+        extra_hooks: ``(hook_name, fn)`` pairs added to every forward before the analyzers' own, e.g.
+            an intervention, so the analyzers measure the intervened model.
+        progress: show a tqdm bar over batches.
+        device: where batches and statistics live; None = the device of the model's parameters.
+        desc: label of the progress bar.
+    """
+
+    batch_size: int = 8
+    prepend_bos: bool = True
+    max_length: int | None = None
+    extra_hooks: Sequence[tuple[str, HookFn]] = field(default=(), compare=False)
+    progress: bool = True
+    device: str | torch.device | None = None
+    desc: str = "sinklens"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "batch_size", positive_int(self.batch_size, what="batch_size"))
+        if self.max_length is not None:
+            object.__setattr__(self, "max_length", positive_int(self.max_length, what="max_length"))
+        object.__setattr__(self, "extra_hooks", tuple(self.extra_hooks))
+        if self.device is not None:
+            try:
+                object.__setattr__(self, "device", torch.device(self.device))
+            except (RuntimeError, TypeError) as err:
+                from sinklens.errors import InvalidArgumentError
+
+                raise InvalidArgumentError(f"device {self.device!r} is not a torch device ({err}).") from None
+
+    def replace(self, **changes: Any) -> RunOptions:
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)

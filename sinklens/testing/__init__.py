@@ -1,0 +1,12 @@
+"""Test utilities shipped with sinklens: tiny config-built models and models with planted mechanisms.
+
+* :func:`tiny_model` (:mod:`sinklens.testing.models`): seeded tiny Llama/GPT-2 style models on
+  whichever TransformerLens is installed.
+* :func:`planted_model` (:mod:`sinklens.testing.planted`): tiny models with a hand-planted super
+  neuron, eraser and query-key locking, for analyzers to find.
+"""
+
+from sinklens.testing.models import Arch, tiny_model, transformer_lens_major, word_tokenizer
+from sinklens.testing.planted import PlantedSpec, planted_model
+
+__all__ = ["Arch", "PlantedSpec", "planted_model", "tiny_model", "transformer_lens_major", "word_tokenizer"]
