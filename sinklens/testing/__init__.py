@@ -2,11 +2,14 @@
 
 * :func:`tiny_model` (:mod:`sinklens.testing.models`): seeded tiny Llama/GPT-2 style models on
   whichever TransformerLens is installed.
+* :func:`no_hooks_left`, :data:`TINY_PROMPTS` (:mod:`sinklens.testing.checks`): shared test checks.
 * :func:`planted_model` (:mod:`sinklens.testing.planted`): tiny models with a hand-planted super
   neuron, eraser and query-key locking, for analyzers to find.
 """
 
+from sinklens.testing.checks import TINY_PROMPTS, attached_hook_count, no_hooks_left
 from sinklens.testing.models import Arch, tiny_model, transformer_lens_major, word_tokenizer
 from sinklens.testing.planted import PlantedSpec, planted_model
 
-__all__ = ["Arch", "PlantedSpec", "planted_model", "tiny_model", "transformer_lens_major", "word_tokenizer"]
+__all__ = [
+    "TINY_PROMPTS", "attached_hook_count", "no_hooks_left","Arch", "PlantedSpec", "planted_model", "tiny_model", "transformer_lens_major", "word_tokenizer"]
