@@ -48,3 +48,7 @@ class InvalidArgumentError(SinklensError, ValueError):
 
 class UnknownInterventionError(SinklensError, ValueError):
     """An intervention name that is not registered (see :mod:`sinklens.interventions.registry`)."""
+
+
+class OutputNotWritableError(SinklensError, OSError):
+    """An output path (``--out``, ``--json``, a run directory) that cannot be written; checked before the work."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 import numbers
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -116,3 +117,48 @@ def choice(value: Any, options: Sequence[str], *, what: str) -> str:
     close = difflib.get_close_matches(str(value), list(options), n=1)
     hint = f" Did you mean {close[0]!r}?" if close else ""
     raise InvalidArgumentError(f"{what} must be one of {list(options)}, got {value!r}.{hint}")
+
+
+def writable_dir(path: Any, *, what: str) -> Path:
+    """A folder that exists or can be created, and that we can write into; checked before any work.
+
+    Creates the folder (and parents) if needed. Raises :class:`~sinklens.errors.OutputNotWritableError`
+    naming the path otherwise. ``''`` is rejected rather than read as the current directory.
+    """
+    import os
+
+
+    from sinklens.errors import OutputNotWritableError
+
+    if path is None or str(path).strip() == "":
+        raise OutputNotWritableError(f"{what} is empty; give a folder path (use '.' for the current folder).")
+    folder = Path(path).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise OutputNotWritableError(f"{what} {str(folder)!r} exists and is not a folder.")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise OutputNotWritableError(f"{what} {str(folder)!r} cannot be created: {err.strerror or err}.") from None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise OutputNotWritableError(f"{what} {str(folder)!r} is not writable.")
+    return folder
+
+
+def writable_file(path: Any, *, what: str) -> Path:
+    """A file path whose folder exists (or can be created) and is writable, and that is not a folder."""
+
+
+    from sinklens.errors import OutputNotWritableError
+
+    if path is None or str(path).strip() == "":
+        raise OutputNotWritableError(f"{what} is empty; give a file path.")
+    file = Path(path).expanduser()
+    if file.is_dir():
+        raise OutputNotWritableError(f"{what} {str(file)!r} is a folder; give a file path.")
+    writable_dir(file.parent if str(file.parent) else ".", what=f"the folder of {what}")
+    if file.exists():
+        import os
+
+        if not os.access(file, os.W_OK):
+            raise OutputNotWritableError(f"{what} {str(file)!r} exists and is not writable.")
+    return file
