@@ -3,18 +3,20 @@
 Examples:
     >>> import sinklens
     >>> from sinklens.testing import tiny_model
-    >>> report = sinklens.analyze(tiny_model(), ["t5 t6 t7 t8"], progress=False,
-    ...                           abs_threshold=None, rel_threshold=3.0)
+    >>> report = sinklens.analyze(tiny_model(), ["t5 t6 t7 t8"], abs_threshold=None, rel_threshold=3.0,
+    ...                           options=sinklens.RunOptions(progress=False))
     >>> report.sinks.received.shape[0]  # one row per layer
     2
 """
 
 from sinklens.analysis.disparity import MassiveActivations, find_massive_activations
-from sinklens.analysis.links import normalized_disparity, query_key_locking, super_neurons_from_weights
 from sinklens.analysis.neurons import SuperNeurons, find_super_neurons
+from sinklens.analysis.normalized_disparity import normalized_disparity
+from sinklens.analysis.qk_locking import query_key_locking
 from sinklens.analysis.report import SinkReport, analyze
 from sinklens.analysis.sinks import SinkResult, find_sinks
 from sinklens.analysis.variance import VarianceResult, measure_variance
+from sinklens.analysis.weight_super_neurons import super_neurons_from_weights
 from sinklens.errors import (
     ModelFileNotFoundError,
     OfflineModelError,
@@ -34,16 +36,17 @@ from sinklens.interventions import (
     sweep,
 )
 from sinklens.loading import load_model
-from sinklens.streaming import Reducer, stream
+from sinklens.options import RunOptions
+from sinklens.streaming import BatchFold, Reducer, run, stream
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "InterventionResult", "MassiveActivations", "ModelFileNotFoundError", "OfflineModelError",
-    "PatternNotExposedError", "Reducer", "SequenceTooLongError", "SinkPatchResult", "SinkReport",
+    "BatchFold", "InterventionResult", "MassiveActivations", "ModelFileNotFoundError", "OfflineModelError",
+    "PatternNotExposedError", "Reducer", "RunOptions", "SequenceTooLongError", "SinkPatchResult", "SinkReport",
     "SinkResult", "SinklensError", "SuperNeurons", "TokenBatch", "UnknownHookError", "UnknownModelError",
     "VarianceResult", "analyze", "as_batches", "builtin_prompts", "create_sink", "find_massive_activations",
     "find_sinks", "find_super_neurons", "load_model", "measure_variance", "normalized_disparity",
-    "patch_sink", "query_key_locking", "random_token_batches", "remove_sink", "stdlib_text_prompts",
+    "patch_sink", "query_key_locking", "random_token_batches", "remove_sink", "run", "stdlib_text_prompts",
     "stream", "super_neurons_from_weights", "sweep",
 ]

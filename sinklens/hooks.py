@@ -132,20 +132,15 @@ def check_hook_names(model: Any, names: Iterable[str]) -> None:
 def resolve_layers(layers: int | Sequence[int] | None, n_layers: int) -> list[int]:
     """Normalise a ``layers=`` argument (None = all, an int, or a sequence; negatives count from the end).
 
+    Raises :class:`~sinklens.errors.InvalidArgumentError` (a ``ValueError``) naming the bad layer.
+
     Examples:
         >>> resolve_layers(None, 3), resolve_layers(-1, 3), resolve_layers([0, 2], 3)
         ([0, 1, 2], [2], [0, 2])
     """
-    if layers is None:
-        return list(range(n_layers))
-    raw = [layers] if isinstance(layers, int) else list(layers)
-    out = []
-    for layer in raw:
-        idx = int(layer) + n_layers if int(layer) < 0 else int(layer)
-        if not 0 <= idx < n_layers:
-            raise ValueError(f"Layer {layer} is out of range for a model with {n_layers} layers (0..{n_layers - 1}).")
-        out.append(idx)
-    return out
+    from sinklens.validate import optional_index_list
+
+    return optional_index_list(layers, n_layers, what="layer")
 
 
 def expand_kv_heads(weight: Float[Tensor, "... kv_head a b"], n_heads: int) -> Float[Tensor, "... head a b"]:

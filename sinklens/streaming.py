@@ -83,9 +83,9 @@ class Reducer(ABC, Generic[R]):
     Reducers compose by holding other reducers and forwarding these calls, not by subclassing.
     """
 
-    def reset(self) -> None:  # TEMPORARY (issue 7 migration): becomes @abstractmethod once every reducer has one
+    @abstractmethod
+    def reset(self) -> None:
         """Zero every running statistic."""
-        raise NotImplementedError(f"{type(self).__name__} does not implement reset().")
 
     @abstractmethod
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
@@ -99,24 +99,34 @@ class Reducer(ABC, Generic[R]):
         """The analyzer's result."""
 
 
-_LEGACY = object()  # TEMPORARY (issue 7 migration): marks a 0.1-style reducer's fold
+def bound_hooks(names: Sequence[str], keys: Sequence[Any], fold: Callable[[Tensor, Any], Any]) -> list[tuple[str, HookFn]]:
+    """The one way to bind a hook to what it measures: ``fold(act, key)`` on hook ``names[i]`` with ``keys[i]``.
+
+    The key is bound when the hook is built, never read back from ``hook.name`` (a TransformerBridge
+    reports aliased hooks under their canonical names).
+
+    Examples:
+        >>> [(name, fn(None, None)) for name, fn in bound_hooks(["a", "b"], [0, 1], lambda act, key: key)]
+        [('a', 0), ('b', 1)]
+    """
+
+    def bind(key: Any) -> HookFn:
+        def hook_fn(act: Any, hook: Any) -> Any:
+            return fold(act, key)
+
+        return hook_fn
+
+    return [(name, bind(key)) for name, key in zip(names, keys, strict=True)]
 
 
 def per_layer_hooks(site: str, layers: Sequence[int], fold: Callable[[Tensor, int], Any]) -> list[tuple[str, HookFn]]:
-    """The one way to bind a hook to its layer: ``fold(act, layer)`` on ``blocks.{layer}.{site}``.
+    """Bind ``fold(act, layer)`` to ``blocks.{layer}.{site}`` for every layer (see :func:`bound_hooks`).
 
     Examples:
         >>> [name for name, _ in per_layer_hooks("attn.hook_pattern", [0, 2], lambda act, layer: None)]
         ['blocks.0.attn.hook_pattern', 'blocks.2.attn.hook_pattern']
     """
-
-    def bind(layer: int) -> HookFn:
-        def hook_fn(act: Tensor, hook: Any) -> Any:
-            return fold(act, layer)
-
-        return hook_fn
-
-    return [(hook_name(layer, site), bind(layer)) for layer in layers]
+    return bound_hooks([hook_name(layer, site) for layer in layers], list(layers), fold)
 
 
 class _HookTable:
@@ -155,7 +165,6 @@ def stream(
     reducers: Sequence[Reducer[Any]],
     *,
     options: RunOptions = RunOptions(),
-    **legacy: Any,  # TEMPORARY (issue 7 migration): extra_hooks=, progress=, desc= of sinklens 0.1
 ) -> list[Any]:
     """Run every reducer over every batch with one forward pass per batch; return their results.
 
@@ -169,8 +178,6 @@ def stream(
     Raises :class:`~sinklens.errors.PatternNotExposedError` if a hook the reducers asked for never
     ran (typically ``hook_pattern`` on a model using a fused attention kernel).
     """
-    if legacy:  # TEMPORARY (issue 7 migration)
-        options = options.replace(**legacy)
     requested: set[str] = set()
     table = _HookTable()
     with torch.inference_mode(), ExitStack() as attached:
@@ -178,7 +185,6 @@ def stream(
         for batch in tqdm(batches, desc=options.desc, disable=not options.progress, leave=False):
             hooks = list(options.extra_hooks)
             folds = [reducer.fwd_hooks(batch) for reducer in reducers]
-            folds = [f if isinstance(f, BatchFold) else BatchFold(list(f), _LEGACY) for f in folds]  # TEMPORARY
             for fold in folds:
                 for name, fn in fold.hooks:
                     requested.add(name)
@@ -192,10 +198,7 @@ def stream(
             table.set(hooks)
             model(batch.tokens, return_type=None)
             for reducer, fold in zip(reducers, folds):
-                if fold.state is _LEGACY:  # TEMPORARY (issue 7 migration)
-                    reducer.end_batch(batch)
-                else:
-                    reducer.end_batch(batch, fold)
+                reducer.end_batch(batch, fold)
     fired = table.fired
     missing = sorted(requested - fired)
     if missing:

@@ -1,65 +1,50 @@
-"""Small helpers shared by the disparity, neuron and link analyzers: one-reducer runs and JSON output."""
+"""Small helpers shared by the analyzers: the sink-position checks, residual-stream indices, row
+lookup, growing running sums, and keyword renames with a deprecation warning."""
 
 from __future__ import annotations
 
-import math
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import RESID_POST, RESID_PRE, hook_name
-from sinklens.inputs import Inputs, TokenBatch, as_batches
-from sinklens.streaming import Reducer, stream
+from sinklens.inputs import TokenBatch
+from sinklens.validate import optional_index_list, positive_int
+
+#: Floor for denominators (norms, medians) so that an all-zero row gives 0, not NaN.
+TINY = 1e-12
 
 
-def run_reducer(
-    model: Any,
-    inputs: Inputs | None,
-    reducer: Reducer,
-    *,
-    batch_size: int = 8,
-    prepend_bos: bool = True,
-    max_length: int | None = None,
-    extra_hooks: Sequence[tuple[str, Callable[..., Any]]] = (),
-    progress: bool = False,
-    desc: str = "sinklens",
-) -> Any:
-    """``as_batches`` + :func:`~sinklens.streaming.stream` for a single reducer; returns its result."""
-    batches = as_batches(model, inputs, batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
-    (result,) = stream(model, batches, [reducer], extra_hooks=extra_hooks, progress=progress, desc=desc)
-    return result
+def sink_position_arg(sink_position: Any) -> int:
+    """The ``sink_position=`` argument of every analyzer: an integer >= 0.
 
-
-def to_json(value: Any, digits: int = 6) -> Any:
-    """Tensors -> nested lists, non-finite floats -> None, floats rounded to ``digits`` significant digits."""
-    if isinstance(value, Tensor):
-        value = value.detach().cpu().tolist()
-    if isinstance(value, dict):
-        return {str(k): to_json(v, digits) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [to_json(v, digits) for v in value]
-    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
-        return value
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return None
-        return float(f"{value:.{digits}g}")
-    return value
+    Examples:
+        >>> sink_position_arg(0)
+        0
+        >>> sink_position_arg(-1)
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.InvalidArgumentError: sink_position must be an integer >= 0, got -1.
+    """
+    return positive_int(sink_position, what="sink_position", minimum=0)
 
 
 def check_sink_position(batch: TokenBatch, sink_position: int) -> None:
-    """Raise ``ValueError`` if some sequence of ``batch`` is too short to have ``sink_position``."""
+    """Raise :class:`~sinklens.errors.InvalidArgumentError` if a sequence of ``batch`` is too short
+    to have a token at ``sink_position``."""
     shortest = int(batch.lengths.min())
     if not 0 <= sink_position < shortest:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"sink_position={sink_position} is beyond a sequence of {shortest} tokens in this batch; "
             f"it must lie in [0, {shortest - 1}] for every sequence."
         )
 
 
-def resolve_streams(layers: int | list[int] | tuple[int, ...] | None, n_layers: int) -> list[int]:
+def resolve_streams(streams: int | Sequence[int] | None, n_layers: int) -> list[int]:
     """Residual-stream indices ``0..n_layers``: ``s < n_layers`` is ``blocks.{s}.hook_resid_pre``, ``n_layers`` is
     the final ``blocks.{n_layers-1}.hook_resid_post``. None = all; negatives count from the end.
 
@@ -67,19 +52,7 @@ def resolve_streams(layers: int | list[int] | tuple[int, ...] | None, n_layers: 
         >>> resolve_streams(None, 2), resolve_streams(-1, 2)
         ([0, 1, 2], [2])
     """
-    n = n_layers + 1
-    if layers is None:
-        return list(range(n))
-    out = []
-    for layer in [layers] if isinstance(layers, int) else list(layers):
-        idx = int(layer) + n if int(layer) < 0 else int(layer)
-        if not 0 <= idx < n:
-            raise ValueError(
-                f"Residual stream index {layer} is out of range: 0..{n_layers - 1} are the inputs of blocks "
-                f"0..{n_layers - 1} (hook_resid_pre) and {n_layers} is the output of the last block."
-            )
-        out.append(idx)
-    return out
+    return optional_index_list(streams, n_layers + 1, what="residual stream index")
 
 
 def stream_hook(stream_index: int, n_layers: int) -> str:
@@ -87,6 +60,25 @@ def stream_hook(stream_index: int, n_layers: int) -> str:
     if stream_index < n_layers:
         return hook_name(stream_index, RESID_PRE)
     return hook_name(n_layers - 1, RESID_POST)
+
+
+def position_index(position: Any, n_positions: int) -> int:
+    """Index of ``position`` (negatives count from the end) among ``n_positions`` measured positions.
+
+    Examples:
+        >>> position_index(-1, 6)
+        5
+    """
+    from sinklens.validate import index_list
+
+    return index_list(position, n_positions, what="position")[0]
+
+
+def row_index(labels: Sequence[int], label: int, *, what: str = "Layer") -> int:
+    """Row of ``label`` in a result whose rows are ``labels``; a named error if it was not analysed."""
+    if label not in labels:
+        raise InvalidArgumentError(f"{what} {label} was not analysed; analysed: {list(labels)}.")
+    return list(labels).index(label)
 
 
 def grow(t: Tensor, dim: int, size: int, fill: float | bool = 0.0) -> Tensor:
@@ -98,8 +90,8 @@ def grow(t: Tensor, dim: int, size: int, fill: float | bool = 0.0) -> Tensor:
     return torch.cat([t, torch.full(shape, fill, dtype=t.dtype, device=t.device)], dim=dim)
 
 
-def once_per_forward(fold: Callable[..., None]) -> Callable[..., None]:
-    """Wrap a fold so that it runs only on the first call per key ``i`` within one forward pass.
+def once_per_forward(fold: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
+    """Wrap a ``fold(act, key)`` so that it runs only on the first call per key within one forward pass.
 
     TransformerLens 3.x ``HookedTransformer`` runs ``ln1.hook_normalized`` once per query/key/value input
     (three times per forward, with the same tensor); folding every call would count tokens three times.
@@ -107,10 +99,31 @@ def once_per_forward(fold: Callable[..., None]) -> Callable[..., None]:
     """
     seen: set[Any] = set()
 
-    def wrapped(act: Any, hook: Any, i: Any, **kwargs: Any) -> None:
-        if i in seen:
+    def wrapped(act: Any, key: Any) -> None:
+        if key in seen:
             return None
-        seen.add(i)
-        return fold(act, hook, i=i, **kwargs)
+        seen.add(key)
+        return fold(act, key)
 
     return wrapped
+
+
+def renamed(kwargs: dict[str, Any], old: str, new: str, value: Any, default: Any) -> Any:
+    """Resolve a renamed keyword: pop ``old`` from ``kwargs`` (warning), else ``value``.
+
+    ``value`` is what the caller passed under the new name (``default`` if not given). Raises if both
+    names were given with different values, or if any other unknown keyword is left in ``kwargs``.
+    """
+    if old in kwargs:
+        warnings.warn(f"{old}= is deprecated; use {new}= (same meaning).", DeprecationWarning, stacklevel=3)
+        old_value = kwargs.pop(old)
+        if value is not default and value != old_value:
+            raise InvalidArgumentError(f"Got both {new}={value!r} and its deprecated name {old}={old_value!r}.")
+        return old_value
+    return value
+
+
+def no_unknown_kwargs(kwargs: dict[str, Any], where: str) -> None:
+    """Raise ``TypeError`` like Python does if keywords are left over after the deprecated ones were popped."""
+    if kwargs:
+        raise TypeError(f"{where}() got unexpected keyword arguments {sorted(kwargs)}.")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -9,9 +10,10 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.hooks import PATTERN, hook_name, layer_of, model_device, model_dims, resolve_layers
+from sinklens.hooks import PATTERN, model_device, model_dims, resolve_layers
 from sinklens.inputs import TokenBatch
-from sinklens.streaming import HookFn, Reducer
+from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
+from sinklens.validate import positive_int
 
 
 @dataclass
@@ -38,54 +40,68 @@ class AttentionReceived:
         return self.received[:, :, position]
 
 
-class AttentionReceivedReducer(Reducer):
+class AttentionReceivedReducer(Reducer[AttentionReceived]):
     """Streams ``hook_pattern`` into :class:`AttentionReceived` without keeping any pattern.
 
     For each batch and layer it adds ``Σ_q pattern[b, h, q, k]`` over valid queries
     ``q >= max(k, min_query)`` into a ``[layer, head, key_pos]`` sum, and counts those queries per
     key, so the result is exact whatever the batch split (tested against a full cache).
+
+    Other reducers reuse it by holding one (see :class:`~sinklens.analysis.sinks.SinkReducer`):
+    :meth:`query_weights`, :meth:`fold_pattern` and :meth:`count_queries` are the three steps of a
+    batch, and :meth:`fold_pattern` returns the per-sequence sums for the holder to use.
     """
 
-    def __init__(self, model: Any, *, layers=None, min_query: int = 0, max_pos: int | None = None):
+    def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None, min_query: int = 0,
+                 max_pos: int | None = None):
         dims = model_dims(model)
-        if not 0 <= int(min_query) < dims.n_ctx:
-            raise ValueError(f"min_query must be in [0, {dims.n_ctx - 1}] (the model's positions), got {min_query}.")
+        self.min_query = positive_int(min_query, what="min_query", minimum=0)
+        if self.min_query >= dims.n_ctx:
+            from sinklens.errors import InvalidArgumentError
+
+            raise InvalidArgumentError(f"min_query must be in [0, {dims.n_ctx - 1}] (the model's positions), got {min_query}.")
         self.layers = resolve_layers(layers, dims.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.min_query = min_query
-        self.max_pos = max_pos or dims.n_ctx
-        device = model_device(model)
-        self.sums = torch.zeros(len(self.layers), dims.n_heads, self.max_pos, device=device, dtype=torch.float64)
-        self.counts = torch.zeros(self.max_pos, device=device, dtype=torch.float64)
-        self._pos = 0
+        self.max_pos = dims.n_ctx if max_pos is None else positive_int(max_pos, what="max_pos")
+        self.n_heads = dims.n_heads
+        self.device = model_device(model)
+        self.reset()
 
-    def _query_weights(self, batch: TokenBatch) -> Float[Tensor, "batch query key"]:
+    def reset(self) -> None:
+        f64 = dict(device=self.device, dtype=torch.float64)
+        self.sums = torch.zeros(len(self.layers), self.n_heads, self.max_pos, **f64)
+        self.counts = torch.zeros(self.max_pos, **f64)
+
+    def query_weights(self, batch: TokenBatch) -> Float[Tensor, "batch query key"]:
         """1 where query q is valid, q >= min_query and q >= k; 0 elsewhere."""
         n = batch.tokens.shape[1]
         q = torch.arange(n, device=batch.tokens.device)
         causal = (q[:, None] >= q[None, :]) & (q[:, None] >= self.min_query)
         return (batch.valid[:, :, None] & causal[None]).to(torch.float32)
 
-    def fwd_hooks(self, batch: TokenBatch) -> list[tuple[str, HookFn]]:
-        weights = self._query_weights(batch)
-        self._pos = batch.tokens.shape[1]
+    def fold_pattern(
+        self, pattern: Float[Tensor, "batch head query key"], layer: int, weights: Float[Tensor, "batch query key"]
+    ) -> Float[Tensor, "batch head key"]:
+        """Add one layer's pattern to the sums; return ``Σ_q pattern[b, h, q, k]`` over the counted queries."""
+        per_seq = (pattern.float() * weights[:, None]).sum(dim=2)  # faster than einsum on CPU
+        self.sums[self.row[layer], :, : per_seq.shape[2]] += per_seq.sum(dim=0).double()
+        return per_seq
 
-        def fold(pattern: Tensor, hook: Any) -> None:  # pattern: [batch, head, query, key]
-            per_seq = (pattern.float() * weights[:, None]).sum(dim=2)  # [batch, head, key]; faster than einsum on CPU
-            row = self.row[layer_of(hook.name)]
-            self.sums[row, :, : per_seq.shape[2]] += per_seq.sum(dim=0).double()
-            self.fold_per_sequence(row, per_seq)
-
-        self._weights = weights
-        return [(hook_name(layer, PATTERN), fold) for layer in self.layers]
-
-    def fold_per_sequence(self, row: int, per_seq: Float[Tensor, "batch head key"]) -> None:
-        """Extension point for subclasses: ``per_seq[b, h, k]`` is ``Σ_q pattern[b, h, q, k]`` over the
-        counted queries of sequence ``b`` (layer ``self.layers[row]``). The base class ignores it."""
-
-    def end_batch(self, batch: TokenBatch) -> None:
-        counted = self._weights.sum(dim=(0, 1))
+    def count_queries(self, weights: Float[Tensor, "batch query key"]) -> None:
+        """Count the batch's (sequence, query) pairs per key (once per batch, after the forward)."""
+        counted = weights.sum(dim=(0, 1))
         self.counts[: counted.shape[0]] += counted.double()
+
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        weights = self.query_weights(batch)
+
+        def fold(pattern: Tensor, layer: int) -> None:  # pattern: [batch, head, query, key]
+            self.fold_pattern(pattern, layer, weights)
+
+        return BatchFold(per_layer_hooks(PATTERN, self.layers, fold), state=weights)
+
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        self.count_queries(fold.state)
 
     def result(self) -> AttentionReceived:
         n = int((self.counts > 0).nonzero().max()) + 1 if (self.counts > 0).any() else 0

@@ -11,14 +11,14 @@ the residual stream at layer ``l``, position ``p`` and dimension ``d`` is *massi
 Small or randomly initialised models have no activation above 100: pass ``abs_threshold=None`` and a
 smaller ``rel_threshold`` (e.g. 50) to use the relative criterion only.
 
-Residual-stream indices: ``layer = l < n_layers`` is ``blocks.{l}.hook_resid_pre`` (the stream entering
-block ``l``); ``layer = n_layers`` is the final ``blocks.{n_layers-1}.hook_resid_post``.
+Residual-stream indices (``streams``): ``s < n_layers`` is ``blocks.{s}.hook_resid_pre`` (the stream entering
+block ``s``); ``s = n_layers`` is the final ``blocks.{n_layers-1}.hook_resid_post``.
 """
 
 from __future__ import annotations
 
-import functools
-import math
+import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -27,20 +27,59 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from sinklens.analysis._common import check_sink_position, grow, resolve_streams, run_reducer, stream_hook, to_json
+from sinklens.analysis._common import (
+    check_sink_position,
+    grow,
+    no_unknown_kwargs,
+    renamed,
+    resolve_streams,
+    row_index,
+    sink_position_arg,
+    stream_hook,
+)
+from sinklens.errors import InvalidArgumentError
+from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.streaming import HookFn, Reducer
-
+from sinklens.options import RunOptions
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, run
+from sinklens.validate import finite_number, positive_int
 
 
 def check_thresholds(abs_threshold: float | None, rel_threshold: float | None) -> None:
-    """Raise ``ValueError`` unless at least one threshold is given and every given one is finite and > 0."""
+    """Raise :class:`~sinklens.errors.InvalidArgumentError` unless at least one threshold is given and
+    every given one is finite and > 0."""
     if abs_threshold is None and rel_threshold is None:
-        raise ValueError("At least one of abs_threshold and rel_threshold must be given (both are None).")
+        raise InvalidArgumentError("At least one of abs_threshold and rel_threshold must be given (both are None).")
     for name, value in (("abs_threshold", abs_threshold), ("rel_threshold", rel_threshold)):
-        if value is not None and not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
-            raise ValueError(f"{name} must be a finite number > 0 or None, got {value!r}.")
+        if value is not None:
+            finite_number(value, what=name, low=0.0, low_open=True)
+
+
+@dataclass(frozen=True)
+class MassiveSettings:
+    """Settings of one massive-activation analysis, held by the reducer and the result.
+
+    Attributes:
+        abs_threshold: ``|x|`` must exceed this (None: no absolute criterion). Sun et al.: 100.
+        rel_threshold: ``|x| / median |x|`` of the sequence's hidden state must exceed this (None: none).
+            Sun et al.: 1000.
+        sink_position: the position compared with all others (0: the first token).
+        top_k: number of largest squared entries in the ``topk_energy`` share.
+        max_rows: cap on the number of massive locations listed in ``events``.
+    """
+
+    abs_threshold: float | None = 100.0
+    rel_threshold: float | None = 1000.0
+    sink_position: int = 0
+    top_k: int = 1
+    max_rows: int = 1000
+
+    def __post_init__(self) -> None:
+        check_thresholds(self.abs_threshold, self.rel_threshold)
+        object.__setattr__(self, "sink_position", sink_position_arg(self.sink_position))
+        object.__setattr__(self, "top_k", positive_int(self.top_k, what="top_k"))
+        object.__setattr__(self, "max_rows", positive_int(self.max_rows, what="max_rows", minimum=0))
 
 
 def sequence_median_abs(x: Float[Tensor, "batch pos d"], valid: Tensor) -> Float[Tensor, " batch"]:
@@ -83,7 +122,7 @@ def norm_ratio_to_others(norms: Float[Tensor, "batch pos"], valid: Tensor) -> Fl
 class MassiveActivations:
     """Massive activations and dimension disparity of the residual stream (see the module docstring).
 
-    Rows are residual-stream indices ``layers`` (``l < n_layers``: ``blocks.{l}.hook_resid_pre``; ``n_layers``:
+    Rows are residual-stream indices ``streams`` (``s < n_layers``: ``blocks.{s}.hook_resid_pre``; ``n_layers``:
     final ``hook_resid_post``). "Sink" means position ``sink_position`` of every sequence, "other" every
     other valid (non-padding) position.
 
@@ -99,18 +138,15 @@ class MassiveActivations:
         topk_energy: mean over sequences of the share of ``||x[p]||²`` in its ``top_k`` largest squared entries.
         count_sink / count_other: number of sink tokens / other tokens at which dimension ``d`` is massive.
         n_sink_tokens / n_other_tokens: the numbers of tokens those counts are out of.
-        events: ``(layer, position, dim)`` of every location that was massive in at least one sequence,
+        events: ``(stream, position, dim)`` of every location that was massive in at least one sequence,
             sorted by ``|event_value|`` descending, at most ``max_rows`` (``n_events`` before truncation).
         event_value: the largest-magnitude signed value seen there; ``event_ratio``: its ratio to that
             sequence's median ``|x|``.
     """
 
-    layers: list[int]
+    streams: list[int]
     hooks: list[str]
-    sink_position: int
-    abs_threshold: float | None
-    rel_threshold: float | None
-    top_k: int
+    settings: MassiveSettings
     median_abs: Float[Tensor, " layer"]
     max_abs_sink: Float[Tensor, "layer dim"]
     value_sink: Float[Tensor, "layer dim"]
@@ -131,14 +167,36 @@ class MassiveActivations:
     prepend_bos: bool = True
     n_layers: int = field(default=0)
 
-    def _row(self, layer: int) -> int:
-        if layer not in self.layers:
-            raise ValueError(f"Residual stream index {layer} was not analysed; analysed: {self.layers}.")
-        return self.layers.index(layer)
+    @property
+    def layers(self) -> list[int]:
+        """Deprecated name of :attr:`streams` (they are residual-stream indices ``0..n_layers``, not layers)."""
+        warnings.warn("MassiveActivations.layers is deprecated; use .streams (residual-stream indices 0..n_layers).",
+                      DeprecationWarning, stacklevel=2)
+        return self.streams
 
-    def massive_dims(self, where: Literal["sink", "other", "any"] = "sink", layer: int | None = None) -> list[int]:
-        """Dimensions massive at least once (at the sink, elsewhere or anywhere), largest ``|x|`` first."""
-        rows = slice(None) if layer is None else slice(self._row(layer), self._row(layer) + 1)
+    @property
+    def sink_position(self) -> int:
+        return self.settings.sink_position
+
+    @property
+    def abs_threshold(self) -> float | None:
+        return self.settings.abs_threshold
+
+    @property
+    def rel_threshold(self) -> float | None:
+        return self.settings.rel_threshold
+
+    @property
+    def top_k(self) -> int:
+        return self.settings.top_k
+
+    def _row(self, stream: int) -> int:
+        return row_index(self.streams, stream, what="Residual stream index")
+
+    def massive_dims(self, where: Literal["sink", "other", "any"] = "sink", stream: int | None = None) -> list[int]:
+        """Dimensions massive at least once (at the sink, elsewhere or anywhere), largest ``|x|`` first,
+        at one residual-stream index or (None) at any."""
+        rows = slice(None) if stream is None else slice(self._row(stream), self._row(stream) + 1)
         counts = {"sink": self.count_sink, "other": self.count_other, "any": self.count_sink + self.count_other}[where]
         size = {"sink": self.max_abs_sink, "other": self.max_abs_other,
                 "any": torch.maximum(self.max_abs_sink, self.max_abs_other)}[where]
@@ -147,36 +205,40 @@ class MassiveActivations:
         peak = size[rows].amax(0)[dims]
         return [int(d) for d in dims[peak.argsort(descending=True)]]
 
-    def first_layer(self, dim: int, where: Literal["sink", "other"] = "sink") -> int | None:
+    def first_stream(self, dim: int, where: Literal["sink", "other"] = "sink") -> int | None:
         """First residual-stream index at which ``dim`` is massive (at the sink or elsewhere), or None."""
         counts = self.count_sink if where == "sink" else self.count_other
         hit = (counts[:, dim] > 0).nonzero().flatten()
-        return self.layers[int(hit[0])] if hit.numel() else None
+        return self.streams[int(hit[0])] if hit.numel() else None
 
-    def top_dims(self, layer: int, k: int = 5, where: Literal["sink", "other"] = "sink") -> list[tuple[int, float]]:
+    def first_layer(self, dim: int, where: Literal["sink", "other"] = "sink") -> int | None:
+        """Deprecated name of :meth:`first_stream`."""
+        warnings.warn("first_layer is deprecated; use first_stream.", DeprecationWarning, stacklevel=2)
+        return self.first_stream(dim, where)
+
+    def top_dims(self, stream: int, k: int = 5, where: Literal["sink", "other"] = "sink") -> list[tuple[int, float]]:
         """The ``k`` dimensions with the largest max ``|x|`` at one residual-stream index, with that max."""
-        size = (self.max_abs_sink if where == "sink" else self.max_abs_other)[self._row(layer)]
+        size = (self.max_abs_sink if where == "sink" else self.max_abs_other)[self._row(stream)]
         vals, idx = size.topk(min(k, size.numel()))
         return [(int(i), float(v)) for i, v in zip(idx, vals)]
 
     def rows(self) -> list[dict[str, Any]]:
-        """One row per massive location: layer, hook, position, dim, value, abs, ratio (DataFrame-ready)."""
+        """One row per massive location: stream, hook, position, dim, value, abs, ratio (DataFrame-ready)."""
         out = []
-        for (layer, pos, dim), value, ratio in zip(self.events.tolist(), self.event_value.tolist(), self.event_ratio.tolist()):
-            out.append({"layer": layer, "hook": self.hooks[self._row(layer)], "position": pos, "dim": dim,
+        for (stream, pos, dim), value, ratio in zip(self.events.tolist(), self.event_value.tolist(), self.event_ratio.tolist()):
+            out.append({"stream": stream, "hook": self.hooks[self._row(stream)], "position": pos, "dim": dim,
                         "value": value, "abs": abs(value), "ratio": ratio})
         return out
 
     def to_dict(self, top: int = 5) -> dict[str, Any]:
         """JSON-ready summary: thresholds, per-layer medians, top sink/other dims, position profiles, events."""
         return to_json({
-            "layers": self.layers, "hooks": self.hooks, "sink_position": self.sink_position,
-            "abs_threshold": self.abs_threshold, "rel_threshold": self.rel_threshold, "top_k": self.top_k,
+            "streams": self.streams, "hooks": self.hooks, "settings": self.settings,
             "n_sequences": self.n_sequences, "prepend_bos": self.prepend_bos,
             "median_abs": self.median_abs, "massive_dims_sink": self.massive_dims("sink"),
             "massive_dims_other": self.massive_dims("other"),
-            "top_dims_sink": {str(l): self.top_dims(l, top, "sink") for l in self.layers},
-            "top_dims_other": {str(l): self.top_dims(l, top, "other") for l in self.layers},
+            "top_dims_sink": {str(s): self.top_dims(s, top, "sink") for s in self.streams},
+            "top_dims_other": {str(s): self.top_dims(s, top, "other") for s in self.streams},
             "max_abs_by_pos": self.max_abs_by_pos, "norm_mean": self.norm_mean, "norm_ratio": self.norm_ratio,
             "topk_energy": self.topk_energy, "n_sink_tokens": self.n_sink_tokens,
             "n_other_tokens": self.n_other_tokens, "n_events": self.n_events, "events": self.rows(),
@@ -188,11 +250,12 @@ class MassiveActivations:
 
         return plot_massive_by_layer(self, path=path)
 
-    def plot_top_dims(self, layer: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
-        """Bar chart of the ``k`` largest dimensions at the sink vs other positions at one layer (default: last)."""
+    def plot_top_dims(self, stream: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
+        """Bar chart of the ``k`` largest dimensions at the sink vs other positions at one residual-stream
+        index (default: the last)."""
         from sinklens.plotting.disparity import plot_top_dims
 
-        return plot_top_dims(self, layer=layer, k=k, path=path)
+        return plot_top_dims(self, stream=stream, k=k, path=path)
 
     def plot_positions(self, path: str | Path | None = None) -> Any:
         """Norm ratio and top-k energy share per position, one line per layer."""
@@ -201,7 +264,7 @@ class MassiveActivations:
         return plot_position_profile(self, path=path)
 
 
-class MassiveActivationsReducer(Reducer):
+class MassiveActivationsReducer(Reducer[MassiveActivations]):
     """Streams residual-stream hooks into :class:`MassiveActivations`, keeping only running statistics.
 
     Per residual-stream index it keeps ``[pos, dim]`` running maxima of ``|x|`` (with the signed value and
@@ -214,41 +277,46 @@ class MassiveActivationsReducer(Reducer):
         self,
         model: Any,
         *,
-        layers: int | list[int] | None = None,
-        abs_threshold: float | None = 100.0,
-        rel_threshold: float | None = 1000.0,
-        sink_position: int = 0,
-        top_k: int = 1,
-        max_rows: int = 1000,
+        streams: int | Sequence[int] | None = None,
+        settings: MassiveSettings | None = None,
+        abs_threshold: float | None = MassiveSettings.abs_threshold,
+        rel_threshold: float | None = MassiveSettings.rel_threshold,
+        sink_position: int = MassiveSettings.sink_position,
+        top_k: int = MassiveSettings.top_k,
+        max_rows: int = MassiveSettings.max_rows,
+        **deprecated: Any,
     ):
         dims = model_dims(model)
-        check_thresholds(abs_threshold, rel_threshold)
-        if not isinstance(sink_position, int) or sink_position < 0:
-            raise ValueError(f"sink_position must be an int >= 0, got {sink_position!r}.")
-        if not 1 <= top_k <= dims.d_model:
-            raise ValueError(f"top_k must be in [1, {dims.d_model}] (d_model), got {top_k}.")
-        if max_rows < 0:
-            raise ValueError(f"max_rows must be >= 0, got {max_rows}.")
+        streams = renamed(deprecated, "layers", "streams", streams, None)
+        no_unknown_kwargs(deprecated, "MassiveActivationsReducer")
+        if settings is None:
+            settings = MassiveSettings(abs_threshold, rel_threshold, sink_position, top_k, max_rows)
+        if settings.top_k > dims.d_model:
+            raise InvalidArgumentError(f"top_k must be in [1, {dims.d_model}] (d_model), got {settings.top_k}.")
+        self.settings = settings
         self.n_layers, self.d_model = dims.n_layers, dims.d_model
-        self.layers = resolve_streams(layers, dims.n_layers)
-        self.hooks = [stream_hook(s, dims.n_layers) for s in self.layers]
-        self.abs_threshold, self.rel_threshold = abs_threshold, rel_threshold
-        self.sink, self.top_k, self.max_rows = sink_position, top_k, max_rows
-        device = model_device(model)
-        n, d = len(self.layers), dims.d_model
+        self.streams = resolve_streams(streams, dims.n_layers)
+        self.hooks = [stream_hook(s, dims.n_layers) for s in self.streams]
+        self.sink = settings.sink_position
+        self.device = model_device(model)
+        self.reset()
+
+    def reset(self) -> None:
+        n, d, device = len(self.streams), self.d_model, self.device
         f32 = dict(device=device, dtype=torch.float32)
+        f64 = dict(device=device, dtype=torch.float64)
         self.max_abs = torch.full((n, 0, d), -1.0, **f32)
         self.value_at_max = torch.zeros((n, 0, d), **f32)
         self.ratio_at_max = torch.zeros((n, 0, d), **f32)
         self.exceeded = torch.zeros((n, 0, d), device=device, dtype=torch.bool)
-        self.norm_sum = torch.zeros((n, 0), device=device, dtype=torch.float64)
-        self.norm_ratio_sum = torch.zeros((n, 0), device=device, dtype=torch.float64)
-        self.norm_ratio_count = torch.zeros((n, 0), device=device, dtype=torch.float64)
-        self.energy_sum = torch.zeros((n, 0), device=device, dtype=torch.float64)
-        self.pos_count = torch.zeros((0,), device=device, dtype=torch.float64)
+        self.norm_sum = torch.zeros((n, 0), **f64)
+        self.norm_ratio_sum = torch.zeros((n, 0), **f64)
+        self.norm_ratio_count = torch.zeros((n, 0), **f64)
+        self.energy_sum = torch.zeros((n, 0), **f64)
+        self.pos_count = torch.zeros((0,), **f64)
         self.count_sink = torch.zeros((n, d), device=device, dtype=torch.long)
         self.count_other = torch.zeros((n, d), device=device, dtype=torch.long)
-        self.median_sum = torch.zeros(n, device=device, dtype=torch.float64)
+        self.median_sum = torch.zeros(n, **f64)
         self.n_sequences = 0
         self.n_sink_tokens = 0
         self.n_other_tokens = 0
@@ -265,24 +333,25 @@ class MassiveActivationsReducer(Reducer):
             setattr(self, name, grow(getattr(self, name), 1, width))
         self.pos_count = grow(self.pos_count, 0, width)
 
-    def fwd_hooks(self, batch: TokenBatch) -> list[tuple[str, HookFn]]:
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         check_sink_position(batch, self.sink)
         width = batch.tokens.shape[1]
         self._grow(width)
         valid = batch.valid
+        abs_threshold, rel_threshold, top_k = self.settings.abs_threshold, self.settings.rel_threshold, self.settings.top_k
 
         all_valid = bool(valid.all())
         tiny = torch.finfo(torch.float32).tiny
 
-        def fold(act: Tensor, hook: Any, i: int) -> None:  # act: [batch, pos, d_model]
+        def fold(act: Tensor, i: int) -> None:  # act: [batch, pos, d_model]; i: row of the stream
             x = act.float()
             a = x.abs()
             med = sequence_median_abs(x, valid)
             med_c = med.clamp_min(tiny)
             # Thresholds are compared without materialising the full ratio tensor a / median.
-            massive = torch.ones_like(a, dtype=torch.bool) if self.abs_threshold is None else a > self.abs_threshold
-            if self.rel_threshold is not None:
-                massive &= a > (self.rel_threshold * med_c)[:, None, None]
+            massive = torch.ones_like(a, dtype=torch.bool) if abs_threshold is None else a > abs_threshold
+            if rel_threshold is not None:
+                massive &= a > (rel_threshold * med_c)[:, None, None]
             if not all_valid:
                 massive &= valid[..., None]
             self.median_sum[i] += med.double().sum()
@@ -304,13 +373,12 @@ class MassiveActivationsReducer(Reducer):
             nr = norm_ratio_to_others(norms, valid)
             self.norm_ratio_sum[i, :width] += nr.nan_to_num(0.0).double().sum(0)
             self.norm_ratio_count[i, :width] += (~nr.isnan()).double().sum(0)
-            top = sq.amax(dim=-1) if self.top_k == 1 else sq.topk(self.top_k, dim=-1).values.sum(-1)
+            top = sq.amax(dim=-1) if top_k == 1 else sq.topk(top_k, dim=-1).values.sum(-1)
             self.energy_sum[i, :width] += (top / energy.clamp_min(tiny) * valid).double().sum(0)
 
-        # Bind the row per hook: a bridge reports aliased hooks under their canonical names.
-        return [(name, functools.partial(fold, i=i)) for i, name in enumerate(self.hooks)]
+        return BatchFold(bound_hooks(self.hooks, range(len(self.hooks)), fold))
 
-    def end_batch(self, batch: TokenBatch) -> None:
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         valid = batch.valid
         width = valid.shape[1]
         self.pos_count[:width] += valid.double().sum(0)
@@ -321,7 +389,7 @@ class MassiveActivationsReducer(Reducer):
 
     def result(self) -> MassiveActivations:
         if self.n_sequences == 0:
-            raise ValueError("No batches were streamed; nothing to summarise.")
+            raise InvalidArgumentError("No batches were streamed; nothing to summarise.")
         n_pos = int((self.pos_count > 0).nonzero().max()) + 1
         s = self.sink
         others = torch.ones(self.max_abs.shape[1], dtype=torch.bool, device=self.max_abs.device)
@@ -330,13 +398,12 @@ class MassiveActivationsReducer(Reducer):
         where = self.exceeded.nonzero()  # [event, 3] (row, pos, dim)
         values = self.value_at_max[where[:, 0], where[:, 1], where[:, 2]]
         ratios = self.ratio_at_max[where[:, 0], where[:, 1], where[:, 2]]
-        order = values.abs().argsort(descending=True)[: self.max_rows]
+        order = values.abs().argsort(descending=True)[: self.settings.max_rows]
         events = where[order].clone()
-        events[:, 0] = torch.tensor(self.layers, device=events.device)[events[:, 0]]
+        events[:, 0] = torch.tensor(self.streams, device=events.device)[events[:, 0]]
         counts = self.pos_count[:n_pos]
         return MassiveActivations(
-            layers=list(self.layers), hooks=list(self.hooks), sink_position=s,
-            abs_threshold=self.abs_threshold, rel_threshold=self.rel_threshold, top_k=self.top_k,
+            streams=list(self.streams), hooks=list(self.hooks), settings=self.settings,
             median_abs=(self.median_sum / self.n_sequences).float().cpu(),
             max_abs_sink=self.max_abs[:, s].clamp_min(0.0).cpu(),
             value_sink=self.value_at_max[:, s].cpu(),
@@ -357,38 +424,33 @@ def find_massive_activations(
     model: Any,
     inputs: Inputs | None = None,
     *,
-    layers: int | list[int] | None = None,
-    abs_threshold: float | None = 100.0,
-    rel_threshold: float | None = 1000.0,
-    sink_position: int = 0,
-    top_k: int = 1,
-    max_rows: int = 1000,
-    batch_size: int = 8,
-    prepend_bos: bool = True,
-    max_length: int | None = None,
-    progress: bool = False,
+    streams: int | Sequence[int] | None = None,
+    abs_threshold: float | None = MassiveSettings.abs_threshold,
+    rel_threshold: float | None = MassiveSettings.rel_threshold,
+    sink_position: int = MassiveSettings.sink_position,
+    top_k: int = MassiveSettings.top_k,
+    max_rows: int = MassiveSettings.max_rows,
+    options: RunOptions = RunOptions(),
+    **deprecated: Any,
 ) -> MassiveActivations:
     """Find massive activations in the residual stream (Sun et al. 2024 thresholds by default).
 
     Args:
         inputs: anything :func:`sinklens.inputs.as_batches` accepts (None = the built-in prompts).
-        layers: residual-stream indices (``0..n_layers``; ``n_layers`` = final ``hook_resid_post``); None = all.
-        abs_threshold: ``|x|`` must exceed this (None: no absolute criterion).
-        rel_threshold: ``|x| / median |x|`` of the sequence's hidden state must exceed this (None: none).
-        sink_position: the position compared with all others (0: the first token).
-        top_k: number of largest squared entries in the ``topk_energy`` share.
-        max_rows: cap on the number of massive locations listed in ``events``.
+        streams: residual-stream indices (``0..n_layers``; ``n_layers`` = final ``hook_resid_post``); None = all.
+            ``layers=`` is its deprecated name.
+        abs_threshold, rel_threshold, sink_position, top_k, max_rows: see :class:`MassiveSettings`.
+        options: batching, BOS, truncation, extra hooks and progress bar.
 
     Examples:
         >>> from sinklens.testing.planted import planted_model
         >>> model, spec = planted_model(n_layers=2, dim=5)
-        >>> found = find_massive_activations(model, "t3 t4 t5 t6")
-        >>> found.massive_dims("sink"), found.first_layer(5), found.massive_dims("other")
+        >>> found = find_massive_activations(model, "t3 t4 t5 t6", options=RunOptions(progress=False))
+        >>> found.massive_dims("sink"), found.first_stream(5), found.massive_dims("other")
         ([5], 1, [])
     """
-    reducer = MassiveActivationsReducer(
-        model, layers=layers, abs_threshold=abs_threshold, rel_threshold=rel_threshold,
-        sink_position=sink_position, top_k=top_k, max_rows=max_rows,
-    )
-    return run_reducer(model, inputs, reducer, batch_size=batch_size, prepend_bos=prepend_bos,
-                       max_length=max_length, progress=progress)
+    streams = renamed(deprecated, "layers", "streams", streams, None)
+    no_unknown_kwargs(deprecated, "find_massive_activations")
+    settings = MassiveSettings(abs_threshold, rel_threshold, sink_position, top_k, max_rows)
+    (result,) = run(model, inputs, MassiveActivationsReducer(model, streams=streams, settings=settings), options=options)
+    return result

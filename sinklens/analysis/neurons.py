@@ -24,8 +24,8 @@ at the sink) and which erases it (largest step back, if it undoes at least ``era
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,12 +33,15 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from sinklens.analysis._common import check_sink_position, resolve_streams, run_reducer, stream_hook, to_json
-from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, hook_name, model_device, model_dims, resolve_layers, weight
+from sinklens.analysis._common import TINY as _TINY
+from sinklens.analysis._common import check_sink_position, resolve_streams, row_index, sink_position_arg, stream_hook
+from sinklens.errors import InvalidArgumentError
+from sinklens.export import to_json
+from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, model_device, model_dims, resolve_layers, weight
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.streaming import HookFn, Reducer
-
-_TINY = 1e-12
+from sinklens.options import RunOptions
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks, run
+from sinklens.validate import as_int, finite_number, positive_int
 
 
 def mlp_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
@@ -81,6 +84,44 @@ def row_sparsity(rows: Float[Tensor, "*rows d"], k: int = 1) -> tuple[Float[Tens
     return kurt, share
 
 
+@dataclass(frozen=True)
+class SuperNeuronSettings:
+    """Settings of one super-neuron analysis, held by :class:`SuperNeuronReducer` and :class:`SuperNeurons`.
+
+    Attributes:
+        sink_position: the position whose neurons and residual path are analysed.
+        dims: massive residual dimensions to attribute (None: detected at the sink, see ``dim_threshold``).
+        position_threshold / neuron_threshold: super-neuron thresholds on ``position_ratio`` / ``neuron_ratio``.
+        dim_threshold: a dimension is massive if ``|resid[s, d]|`` exceeds this × the median ``|resid[s, :]|``.
+        max_dims: at most this many detected dimensions.
+        erase_fraction: a block counts as erasing a dimension if it undoes at least this share of its peak.
+        top_k: top neurons listed per dimension in :class:`MassiveDimPath`.
+        row_top_k: entries counted in ``row_top_share``.
+    """
+
+    sink_position: int = 0
+    dims: tuple[int, ...] | None = None
+    position_threshold: float = 10.0
+    neuron_threshold: float = 10.0
+    dim_threshold: float = 100.0
+    max_dims: int = 4
+    erase_fraction: float = 0.5
+    top_k: int = 10
+    row_top_k: int = 1
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "sink_position", sink_position_arg(self.sink_position))
+        if self.dims is not None:
+            set_(self, "dims", tuple(as_int(d, what="dims") for d in self.dims))
+        for name in ("position_threshold", "neuron_threshold", "dim_threshold"):
+            set_(self, name, finite_number(getattr(self, name), what=name, low=0.0, low_open=True))
+        set_(self, "max_dims", positive_int(self.max_dims, what="max_dims"))
+        set_(self, "erase_fraction", finite_number(self.erase_fraction, what="erase_fraction", low=0.0, high=1.0, low_open=True))
+        set_(self, "top_k", positive_int(self.top_k, what="top_k"))
+        set_(self, "row_top_k", positive_int(self.row_top_k, what="row_top_k"))
+
+
 @dataclass
 class MassiveDimPath:
     """How one massive residual dimension at the sink is written and erased across blocks.
@@ -107,10 +148,10 @@ class MassiveDimPath:
     attn_share: float
     erase_layer: int | None
     erase_delta: float | None
-    top_neurons: list[tuple[int, int, float]]
+    top_neurons: list[tuple[int, int, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        return to_json(dict(self.__dict__))
+        return to_json(self)
 
 
 @dataclass
@@ -128,7 +169,7 @@ class SuperNeurons:
     """
 
     layers: list[int]
-    sink_position: int
+    settings: SuperNeuronSettings
     dims: list[int]
     sink_act: Float[Tensor, "layer neuron"]
     other_rms: Float[Tensor, "layer neuron"]
@@ -139,14 +180,27 @@ class SuperNeurons:
     contribution: Float[Tensor, "layer neuron n_dims"]
     row_kurtosis: Float[Tensor, "layer neuron"]
     row_top_share: Float[Tensor, "layer neuron"]
-    row_top_k: int
     resid_sink: Float[Tensor, "stream d_model"]
     attn_out_sink: Float[Tensor, "block d_model"]
     mlp_out_sink: Float[Tensor, "block d_model"]
     paths: list[MassiveDimPath]
-    position_threshold: float
-    neuron_threshold: float
     n_sequences: int
+
+    @property
+    def sink_position(self) -> int:
+        return self.settings.sink_position
+
+    @property
+    def row_top_k(self) -> int:
+        return self.settings.row_top_k
+
+    @property
+    def position_threshold(self) -> float:
+        return self.settings.position_threshold
+
+    @property
+    def neuron_threshold(self) -> float:
+        return self.settings.neuron_threshold
 
     def super_neurons(self) -> list[tuple[int, int]]:
         """``(layer, neuron)`` of every super neuron, largest ``|sink_act|`` first."""
@@ -159,7 +213,7 @@ class SuperNeurons:
         for p in self.paths:
             if p.dim == dim:
                 return p
-        raise ValueError(f"Dimension {dim} was not analysed; analysed dims: {self.dims}.")
+        raise InvalidArgumentError(f"Dimension {dim} was not analysed; analysed dims: {self.dims}.")
 
     def top(self, dim: int, k: int = 10) -> list[tuple[int, int, float]]:
         """``(layer, neuron, contribution)`` of the ``k`` neurons writing most into ``dim`` in its peak's direction."""
@@ -172,9 +226,7 @@ class SuperNeurons:
 
     def neuron_row(self, layer: int, neuron: int) -> dict[str, Any]:
         """All statistics of one neuron as a dict."""
-        if layer not in self.layers:
-            raise ValueError(f"Layer {layer} was not analysed; analysed layers: {self.layers}.")
-        r = self.layers.index(layer)
+        r = row_index(self.layers, layer)
         row = {
             "layer": layer, "neuron": neuron, "sink_act": float(self.sink_act[r, neuron]),
             "other_rms": float(self.other_rms[r, neuron]), "other_max_abs": float(self.other_max_abs[r, neuron]),
@@ -202,9 +254,7 @@ class SuperNeurons:
     def to_dict(self, k: int = 10) -> dict[str, Any]:
         """JSON-ready summary: thresholds, dims and their paths, super neurons, top-neuron rows."""
         return to_json({
-            "layers": self.layers, "sink_position": self.sink_position, "dims": self.dims,
-            "position_threshold": self.position_threshold, "neuron_threshold": self.neuron_threshold,
-            "row_top_k": self.row_top_k, "n_sequences": self.n_sequences,
+            "layers": self.layers, "settings": self.settings, "dims": self.dims, "n_sequences": self.n_sequences,
             "super_neurons": [list(x) for x in self.super_neurons()],
             "paths": [p.to_dict() for p in self.paths], "rows": self.rows(k),
         })
@@ -244,8 +294,9 @@ def dim_path(
     dim: int,
     *,
     erase_fraction: float = 0.5,
-) -> tuple[int, float, int, float, float, float, float, int | None, float | None]:
-    """Peak, write block and erase block of one dimension (see :class:`MassiveDimPath`)."""
+) -> MassiveDimPath:
+    """Peak, write block and erase block of one dimension (see :class:`MassiveDimPath`; ``top_neurons``
+    is left empty: it needs the neurons, see :meth:`SuperNeurons.top`)."""
     values = resid[:, dim]
     peak = int(values.abs().argmax())
     peak_value = float(values[peak])
@@ -260,127 +311,111 @@ def dim_path(
         j = int(later.argmin())
         if float(later[j]) < -erase_fraction * abs(peak_value):
             erase, erase_delta = write + 1 + j, float(delta[write + 1 + j])
-    return peak, peak_value, write, float(delta[write]), a, m, share, erase, erase_delta
+    return MassiveDimPath(dim, peak, peak_value, write, float(delta[write]), a, m, share, erase, erase_delta)
 
 
-class SuperNeuronReducer(Reducer):
+class SuperNeuronReducer(Reducer[SuperNeurons]):
     """Streams ``mlp.hook_post`` (all positions) and the residual/attn/mlp outputs (sink only) into :class:`SuperNeurons`.
 
     Keeps per-neuron sums at the sink and at other positions (sum, sum of squares, max ``|act|``) and per-layer
     sums of the sink's residual stream, ``hook_attn_out`` and ``hook_mlp_out``; nothing else.
+    Settings: ``settings=SuperNeuronSettings(...)`` or its fields as keyword arguments.
     """
 
-    def __init__(
-        self,
-        model: Any,
-        *,
-        sink_position: int = 0,
-        layers: int | list[int] | None = None,
-        dims: list[int] | None = None,
-        position_threshold: float = 10.0,
-        neuron_threshold: float = 10.0,
-        dim_threshold: float = 100.0,
-        max_dims: int = 4,
-        erase_fraction: float = 0.5,
-        top_k: int = 10,
-        row_top_k: int = 1,
-    ):
+    def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None,
+                 settings: SuperNeuronSettings | None = None, **settings_kwargs: Any):
         d = model_dims(model)
-        if not isinstance(sink_position, int) or sink_position < 0:
-            raise ValueError(f"sink_position must be an int >= 0, got {sink_position!r}.")
-        for name, value in (("position_threshold", position_threshold), ("neuron_threshold", neuron_threshold),
-                            ("dim_threshold", dim_threshold)):
-            if not value > 0 or value != value or value == float("inf"):
-                raise ValueError(f"{name} must be a finite number > 0, got {value!r}.")
-        if not 0 < erase_fraction <= 1:
-            raise ValueError(f"erase_fraction must be in (0, 1], got {erase_fraction!r}.")
-        if not 1 <= row_top_k <= d.d_model:
-            raise ValueError(f"row_top_k must be in [1, {d.d_model}] (d_model), got {row_top_k}.")
-        if dims is not None:
-            bad = [x for x in dims if not 0 <= int(x) < d.d_model]
+        if settings is None:
+            settings = SuperNeuronSettings(**settings_kwargs)
+        elif settings_kwargs:
+            raise TypeError(f"Pass settings= or its fields, not both (got {sorted(settings_kwargs)}).")
+        if settings.row_top_k > d.d_model:
+            raise InvalidArgumentError(f"row_top_k must be in [1, {d.d_model}] (d_model), got {settings.row_top_k}.")
+        if settings.dims is not None:
+            bad = [x for x in settings.dims if not 0 <= x < d.d_model]
             if bad:
-                raise ValueError(f"dims {bad} are out of range for d_model={d.d_model} (0..{d.d_model - 1}).")
+                raise InvalidArgumentError(f"dims {bad} are out of range for d_model={d.d_model} (0..{d.d_model - 1}).")
         if d.d_mlp <= 0:
-            raise ValueError("This model has no MLP (cfg.d_mlp is 0): there are no neurons to analyse.")
+            raise InvalidArgumentError("This model has no MLP (cfg.d_mlp is 0): there are no neurons to analyse.")
         self.model = model
+        self.settings = settings
         self.n_layers, self.d_model, self.d_mlp = d.n_layers, d.d_model, d.d_mlp
         self.layers = resolve_layers(layers, d.n_layers)
-        self.sink = sink_position
-        self.dims = None if dims is None else [int(x) for x in dims]
-        self.position_threshold, self.neuron_threshold = float(position_threshold), float(neuron_threshold)
-        self.dim_threshold, self.max_dims, self.erase_fraction = float(dim_threshold), max_dims, erase_fraction
-        self.top_k, self.row_top_k = top_k, row_top_k
-        dev, f64 = model_device(model), torch.float64
-        n = len(self.layers)
-        self.sink_sum = torch.zeros(n, d.d_mlp, device=dev, dtype=f64)
-        self.other_sq = torch.zeros(n, d.d_mlp, device=dev, dtype=f64)
-        self.other_max = torch.zeros(n, d.d_mlp, device=dev, dtype=torch.float32)
-        self.resid = torch.zeros(d.n_layers + 1, d.d_model, device=dev, dtype=f64)
-        self.attn = torch.zeros(d.n_layers, d.d_model, device=dev, dtype=f64)
-        self.mlp = torch.zeros(d.n_layers, d.d_model, device=dev, dtype=f64)
+        self.row = {layer: i for i, layer in enumerate(self.layers)}
+        self.sink = settings.sink_position
+        self.device = model_device(model)
+        self.reset()
+
+    def reset(self) -> None:
+        dev, f64, n = self.device, torch.float64, len(self.layers)
+        self.sink_sum = torch.zeros(n, self.d_mlp, device=dev, dtype=f64)
+        self.other_sq = torch.zeros(n, self.d_mlp, device=dev, dtype=f64)
+        self.other_max = torch.zeros(n, self.d_mlp, device=dev, dtype=torch.float32)
+        self.resid = torch.zeros(self.n_layers + 1, self.d_model, device=dev, dtype=f64)
+        self.attn = torch.zeros(self.n_layers, self.d_model, device=dev, dtype=f64)
+        self.mlp = torch.zeros(self.n_layers, self.d_model, device=dev, dtype=f64)
         self.n_sequences = 0
         self.n_other = 0
 
-    def fwd_hooks(self, batch: TokenBatch) -> list[tuple[str, HookFn]]:
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         check_sink_position(batch, self.sink)
         other = batch.valid.clone()
         other[:, self.sink] = False
         s = self.sink
 
-        def fold_post(act: Tensor, hook: Any, i: int) -> None:  # [batch, pos, d_mlp]
-            x = act.float()
+        def fold_post(act: Tensor, layer: int) -> None:  # [batch, pos, d_mlp]
+            i, x = self.row[layer], act.float()
             self.sink_sum[i] += x[:, s].sum(0).double()
             xo = x * other[..., None]  # per-batch reductions in float32, running sums in float64
             self.other_sq[i] += xo.square().sum(dim=(0, 1)).double()
             biggest = torch.maximum(xo.amax(dim=(0, 1)), -xo.amin(dim=(0, 1)))
             self.other_max[i] = torch.maximum(self.other_max[i], biggest)
 
-        def fold_sink(act: Tensor, hook: Any, target: Tensor, i: int) -> None:  # [batch, pos, d_model]
-            target[i] += act[:, s].double().sum(0)
+        def at_sink(target: Tensor):
+            def fold(act: Tensor, i: int) -> None:  # [batch, pos, d_model]
+                target[i] += act[:, s].double().sum(0)
 
-        hooks: list[tuple[str, HookFn]] = [
-            (hook_name(layer, MLP_POST), functools.partial(fold_post, i=i)) for i, layer in enumerate(self.layers)
-        ]
-        for stream_index in resolve_streams(None, self.n_layers):
-            hooks.append((stream_hook(stream_index, self.n_layers), functools.partial(fold_sink, target=self.resid, i=stream_index)))
-        for layer in range(self.n_layers):
-            hooks.append((hook_name(layer, ATTN_OUT), functools.partial(fold_sink, target=self.attn, i=layer)))
-            hooks.append((hook_name(layer, MLP_OUT), functools.partial(fold_sink, target=self.mlp, i=layer)))
-        return hooks
+            return fold
 
-    def end_batch(self, batch: TokenBatch) -> None:
+        streams = resolve_streams(None, self.n_layers)
+        blocks = range(self.n_layers)
+        hooks = per_layer_hooks(MLP_POST, self.layers, fold_post)
+        hooks += bound_hooks([stream_hook(i, self.n_layers) for i in streams], streams, at_sink(self.resid))
+        hooks += per_layer_hooks(ATTN_OUT, blocks, at_sink(self.attn))
+        hooks += per_layer_hooks(MLP_OUT, blocks, at_sink(self.mlp))
+        return BatchFold(hooks)
+
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.n_sequences += batch.valid.shape[0]
         self.n_other += int(batch.valid.sum()) - int(batch.valid[:, self.sink].sum())
 
     def result(self) -> SuperNeurons:
         if self.n_sequences == 0:
-            raise ValueError("No batches were streamed; nothing to summarise.")
+            raise InvalidArgumentError("No batches were streamed; nothing to summarise.")
+        cfg = self.settings
         sink_act = (self.sink_sum / self.n_sequences).float()
         other_rms = (self.other_sq / max(self.n_other, 1)).sqrt().float()
         position_ratio = sink_act.abs() / other_rms.clamp_min(_TINY)
         neuron_ratio = sink_act.abs() / sink_act.abs().median(dim=-1, keepdim=True).values.clamp_min(_TINY)
-        is_super = (position_ratio >= self.position_threshold) & (neuron_ratio >= self.neuron_threshold)
-        resid, attn, mlp = self.resid.float() / self.n_sequences, self.attn.float() / self.n_sequences, self.mlp.float() / self.n_sequences
-        dims = self.dims if self.dims is not None else massive_dims_from_resid(resid, self.dim_threshold, self.max_dims)
+        is_super = (position_ratio >= cfg.position_threshold) & (neuron_ratio >= cfg.neuron_threshold)
+        resid, attn, mlp = (t.float() / self.n_sequences for t in (self.resid, self.attn, self.mlp))
+        dims = list(cfg.dims) if cfg.dims is not None else massive_dims_from_resid(resid, cfg.dim_threshold, cfg.max_dims)
         W_out = weight(self.model, "W_out")[self.layers].float().to(sink_act.device)  # [layer, neuron, d_model]
         contribution = sink_act[:, :, None] * W_out[:, :, dims]
-        kurt, share = row_sparsity(W_out, self.row_top_k)
+        kurt, share = row_sparsity(W_out, cfg.row_top_k)
         result = SuperNeurons(
-            layers=list(self.layers), sink_position=self.sink, dims=list(dims),
+            layers=list(self.layers), settings=cfg, dims=list(dims),
             sink_act=sink_act.cpu(), other_rms=other_rms.cpu(), other_max_abs=self.other_max.cpu(),
             position_ratio=position_ratio.cpu(), neuron_ratio=neuron_ratio.cpu(), is_super=is_super.cpu(),
             contribution=contribution.cpu(), row_kurtosis=kurt.cpu(), row_top_share=share.cpu(),
-            row_top_k=self.row_top_k, resid_sink=resid.cpu(), attn_out_sink=attn.cpu(), mlp_out_sink=mlp.cpu(),
-            paths=[], position_threshold=self.position_threshold, neuron_threshold=self.neuron_threshold,
-            n_sequences=self.n_sequences,
+            resid_sink=resid.cpu(), attn_out_sink=attn.cpu(), mlp_out_sink=mlp.cpu(),
+            paths=[], n_sequences=self.n_sequences,
         )
         for d in dims:
-            peak, value, write, delta, a, m, share_a, erase, erase_delta = dim_path(
-                result.resid_sink, result.attn_out_sink, result.mlp_out_sink, d, erase_fraction=self.erase_fraction
-            )
-            result.paths.append(MassiveDimPath(d, peak, value, write, delta, a, m, share_a, erase, erase_delta, []))
-        for p in result.paths:
-            p.top_neurons = result.top(p.dim, self.top_k)
+            path = dim_path(result.resid_sink, result.attn_out_sink, result.mlp_out_sink, d,
+                            erase_fraction=cfg.erase_fraction)
+            result.paths.append(path)
+            path.top_neurons = result.top(d, cfg.top_k)
         return result
 
 
@@ -388,20 +423,17 @@ def find_super_neurons(
     model: Any,
     inputs: Inputs | None = None,
     *,
-    sink_position: int = 0,
-    layers: int | list[int] | None = None,
-    dims: list[int] | None = None,
-    position_threshold: float = 10.0,
-    neuron_threshold: float = 10.0,
-    dim_threshold: float = 100.0,
-    max_dims: int = 4,
-    erase_fraction: float = 0.5,
-    top_k: int = 10,
-    row_top_k: int = 1,
-    batch_size: int = 8,
-    prepend_bos: bool = True,
-    max_length: int | None = None,
-    progress: bool = False,
+    layers: int | Sequence[int] | None = None,
+    sink_position: int = SuperNeuronSettings.sink_position,
+    dims: Sequence[int] | None = None,
+    position_threshold: float = SuperNeuronSettings.position_threshold,
+    neuron_threshold: float = SuperNeuronSettings.neuron_threshold,
+    dim_threshold: float = SuperNeuronSettings.dim_threshold,
+    max_dims: int = SuperNeuronSettings.max_dims,
+    erase_fraction: float = SuperNeuronSettings.erase_fraction,
+    top_k: int = SuperNeuronSettings.top_k,
+    row_top_k: int = SuperNeuronSettings.row_top_k,
+    options: RunOptions = RunOptions(),
 ) -> SuperNeurons:
     """Find super neurons at ``sink_position`` and the blocks/neurons that write each massive dimension.
 
@@ -410,22 +442,21 @@ def find_super_neurons(
         layers: model layers whose neurons are analysed (None = all). The residual path always uses all.
         dims: massive residual dimensions to attribute (None: detected at the sink with ``dim_threshold``,
             at most ``max_dims``; e.g. pass ``MassiveActivations.massive_dims()``).
-        position_threshold / neuron_threshold: super-neuron thresholds on ``position_ratio`` / ``neuron_ratio``.
-        erase_fraction: a block counts as erasing a dimension if it undoes at least this share of its peak.
-        top_k: top neurons listed per dimension in :class:`MassiveDimPath`.
-        row_top_k: entries counted in ``row_top_share``.
+        sink_position, position_threshold, neuron_threshold, dim_threshold, max_dims, erase_fraction, top_k,
+            row_top_k: see :class:`SuperNeuronSettings`.
+        options: batching, BOS, truncation, extra hooks and progress bar.
 
     Examples:
         >>> from sinklens.testing.planted import planted_model
         >>> model, spec = planted_model(n_layers=2, layer=0, neuron=7, dim=5)
-        >>> found = find_super_neurons(model, "t3 t4 t5 t6")
+        >>> found = find_super_neurons(model, "t3 t4 t5 t6", options=RunOptions(progress=False))
         >>> found.dims, found.top(5, 1)[0][:2], found.path(5).write_layer
         ([5], (0, 7), 0)
     """
-    reducer = SuperNeuronReducer(
-        model, sink_position=sink_position, layers=layers, dims=dims, position_threshold=position_threshold,
+    settings = SuperNeuronSettings(
+        sink_position=sink_position, dims=None if dims is None else tuple(dims), position_threshold=position_threshold,
         neuron_threshold=neuron_threshold, dim_threshold=dim_threshold, max_dims=max_dims,
         erase_fraction=erase_fraction, top_k=top_k, row_top_k=row_top_k,
     )
-    return run_reducer(model, inputs, reducer, batch_size=batch_size, prepend_bos=prepend_bos,
-                       max_length=max_length, progress=progress)
+    (result,) = run(model, inputs, SuperNeuronReducer(model, layers=layers, settings=settings), options=options)
+    return result

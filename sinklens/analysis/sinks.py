@@ -9,7 +9,7 @@ Everything here is computed from ``blocks.{l}.attn.hook_pattern`` in one streami
   weight 1 by construction, which says nothing about sinks.
 * **per-sequence importance** (Gu et al., "When Attention Sink Emerges in Language Models", 2024):
   ``α_b[l, h, k]`` = the same mean for one sequence ``b`` only. Gu et al. call head (l, h) a sink
-  head for key ``k`` in sequence ``b`` if ``α_b[l, h, k] > ε`` (``ε = 0.3``); the *sink rate* is the
+  head for key ``k`` in sequence ``b`` if ``α_b[l, h, k] > ε`` (``ε = 0.3``, our ``sink_threshold``); the *sink rate* is the
   share of (layer, head) pairs that are, averaged over sequences. (Gu et al. also count the query at
   the key itself for ``k = 0``; ``min_query=0`` reproduces that exactly.)
 * **sink positions**, anywhere in the sequence (see :meth:`SinkResult.detect_sinks`), and **sink
@@ -17,7 +17,7 @@ Everything here is computed from ``blocks.{l}.attn.hook_pattern`` in one streami
   vocabulary-sized running sums (exact and bounded), plus the top-k single occurrences.
 
 Measured on SmolLM2-135M-Instruct (64 stdlib docstrings, 64 tokens, BOS ``<|im_start|>``):
-``sink_positions == [0]``; Gu et al. sink rate at position 0 (ε = 0.3) is 0.65 overall, 0 in layers
+``sink_positions == [0]``; Gu et al. sink rate at position 0 (``sink_threshold`` 0.3) is 0.65 overall, 0 in layers
 0-2 and 10-11, 0.4-0.6 in layers 3-9 and 0.7-1.0 in layers 12-29; mean attention received by
 position 0 is 0.3-0.75 in those layers. No later token comes close (best: " the", mean 0.06).
 """
@@ -25,6 +25,7 @@ position 0 is 0.3-0.75 in those layers. No later token comes close (best: " the"
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,25 +35,62 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from sinklens.analysis._common import run_reducer
+from sinklens.analysis._common import no_unknown_kwargs, position_index, renamed
 from sinklens.analysis.attention import AttentionReceivedReducer
-from sinklens.hooks import model_dims
+from sinklens.export import to_json
+from sinklens.hooks import PATTERN, model_dims
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.streaming import HookFn
+from sinklens.options import RunOptions
+from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
+from sinklens.validate import choice, finite_number, positive_int
 
 RateMethod = Literal["gu", "mean"]
 
 
-def _check_eps(eps: float, name: str = "eps") -> float:
-    eps = float(eps)
-    if not 0.0 < eps < 1.0:
-        raise ValueError(f"{name} must be in the open interval (0, 1), got {eps}.")
-    return eps
+def _check_threshold(value: Any) -> float:
+    return finite_number(value, what="sink_threshold", low=0.0, high=1.0, low_open=True, high_open=True)
 
 
-def _nan_to_none(values: list) -> list:
-    """Nested lists of floats with NaN replaced by None, so ``json.dumps`` writes valid JSON."""
-    return [_nan_to_none(v) if isinstance(v, list) else (None if isinstance(v, float) and math.isnan(v) else v) for v in values]
+@dataclass(frozen=True)
+class SinkSettings:
+    """The settings of one sink analysis, held by both :class:`SinkReducer` and :class:`SinkResult`.
+
+    Attributes:
+        sink_threshold: Gu et al.'s ``ε``: head ``(l, h)`` is a sink head for key ``k`` in sequence
+            ``b`` if its mean attention ``α_b[l, h, k]`` exceeds it (in (0, 1); default 0.3).
+        min_query: queries before this *position* are not counted (default 1: the query at 0 sees
+            only key 0 and gives it weight 1 by construction). Gu et al. use 0.
+        min_query_count: a position is a sink candidate (and a token occurrence is counted) only if
+            it had at least this *number* of counted later queries (per sequence, on average for
+            positions); the last positions of a sequence are seen by very few queries.
+        min_head_share: detection threshold on the share of sink heads (see :meth:`SinkResult.detect_sinks`).
+        outlier_factor: detection threshold on the outlier ratio (see :meth:`SinkResult.detect_sinks`).
+        top_k: how many single occurrences at positions >= 1 to keep (0: none).
+    """
+
+    sink_threshold: float = 0.3
+    min_query: int = 1
+    min_query_count: int = 4
+    min_head_share: float = 0.25
+    outlier_factor: float = 5.0
+    top_k: int = 32
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "sink_threshold", _check_threshold(self.sink_threshold))
+        set_(self, "min_query", positive_int(self.min_query, what="min_query", minimum=0))
+        set_(self, "min_query_count", positive_int(self.min_query_count, what="min_query_count"))
+        set_(self, "min_head_share", finite_number(self.min_head_share, what="min_head_share", low=0.0, high=1.0, low_open=True))
+        set_(self, "outlier_factor", finite_number(self.outlier_factor, what="outlier_factor", low=1.0, low_open=True))
+        set_(self, "top_k", positive_int(self.top_k, what="top_k", minimum=0))
+
+    @classmethod
+    def from_kwargs(cls, where: str, kwargs: dict[str, Any], **given: Any) -> SinkSettings:
+        """Build from keyword arguments, accepting the deprecated names ``eps`` and ``min_queries``."""
+        given["sink_threshold"] = renamed(kwargs, "eps", "sink_threshold", given["sink_threshold"], cls.sink_threshold)
+        given["min_query_count"] = renamed(kwargs, "min_queries", "min_query_count", given["min_query_count"], cls.min_query_count)
+        no_unknown_kwargs(kwargs, where)
+        return cls(**given)
 
 
 @dataclass
@@ -63,10 +101,10 @@ class TokenSinkStats:
         token_ids: the ids seen (only those with at least one counted occurrence), sorted by id.
         tokens: decoded strings (``None`` when the model has no tokenizer).
         count: occurrences counted (a (sequence, position) pair counts if the position had at least
-            ``min_queries`` counted later queries in that sequence).
+            ``min_query_count`` counted later queries in that sequence).
         mean_received: mean over occurrences of the layer-head-mean ``α_b[:, :, k]``.
         max_received: the largest single occurrence of the same number.
-        mean_head_share: mean over occurrences of the share of (layer, head) with ``α_b > ε``.
+        mean_head_share: mean over occurrences of the share of (layer, head) with ``α_b > sink_threshold``.
     """
 
     token_ids: Int[Tensor, " token"]
@@ -113,16 +151,11 @@ class SinkResult:
             ``q >= max(k, min_query)``, pooled over sequences (NaN where no query counted).
         n_queries: (sequence, query) pairs averaged into ``received[:, :, k]``.
         seq_sink_frac: Gu et al.'s per-sequence indicator averaged over sequences: share of the
-            sequences containing ``k`` in which ``α_b[l, h, k] > eps``.
+            sequences containing ``k`` in which ``α_b[l, h, k] > sink_threshold``.
         n_sequences_at: sequences with at least one counted query for key ``k``.
         layers: the model layer of each row.
-        eps: the threshold ``ε`` the per-sequence indicators were recorded with.
-        min_query: queries before this position were not counted.
-        min_queries: a position is a sink candidate (and a token occurrence is counted) only if it
-            had at least this many counted later queries (per sequence, on average for positions);
-            the last positions of a sequence are seen by very few queries and are otherwise noisy.
-        min_head_share: detection threshold on the share of sink heads (see :meth:`detect_sinks`).
-        outlier_factor: detection threshold on the outlier ratio (see :meth:`detect_sinks`).
+        settings: the :class:`SinkSettings` the analysis ran with (also readable as attributes:
+            ``result.sink_threshold``, ``result.min_query``, ...).
         n_sequences: sequences streamed.
         prepend_bos: whether position 0 was a prepended BOS token.
         first_tokens: token statistics at position 0.
@@ -136,65 +169,95 @@ class SinkResult:
     seq_sink_frac: Float[Tensor, "layer head key_pos"]
     n_sequences_at: Float[Tensor, " key_pos"]
     layers: list[int]
-    eps: float
-    min_query: int
-    min_queries: int
-    min_head_share: float
-    outlier_factor: float
+    settings: SinkSettings
     n_sequences: int
     prepend_bos: bool
     first_tokens: TokenSinkStats
     later_tokens: TokenSinkStats
     top_occurrences: list[SinkOccurrence] = field(default_factory=list)
 
-    # ---- rates -------------------------------------------------------------------------------
-    def _check_position(self, position: int) -> int:
-        n = self.received.shape[-1]
-        idx = position + n if position < 0 else position
-        if not 0 <= idx < n:
-            raise ValueError(f"position {position} is out of range: positions 0..{n - 1} were measured.")
-        return idx
+    # ---- settings ----------------------------------------------------------------------------
+    @property
+    def sink_threshold(self) -> float:
+        return self.settings.sink_threshold
 
-    def head_is_sink(self, eps: float | None = None, *, method: RateMethod = "gu") -> Float[Tensor, "layer head key_pos"]:
+    @property
+    def min_query(self) -> int:
+        return self.settings.min_query
+
+    @property
+    def min_query_count(self) -> int:
+        return self.settings.min_query_count
+
+    @property
+    def min_head_share(self) -> float:
+        return self.settings.min_head_share
+
+    @property
+    def outlier_factor(self) -> float:
+        return self.settings.outlier_factor
+
+    @property
+    def eps(self) -> float:
+        """Deprecated name of :attr:`sink_threshold`."""
+        warnings.warn("SinkResult.eps is deprecated; use .sink_threshold.", DeprecationWarning, stacklevel=2)
+        return self.settings.sink_threshold
+
+    @property
+    def min_queries(self) -> int:
+        """Deprecated name of :attr:`min_query_count`."""
+        warnings.warn("SinkResult.min_queries is deprecated; use .min_query_count.", DeprecationWarning, stacklevel=2)
+        return self.settings.min_query_count
+
+    # ---- rates -------------------------------------------------------------------------------
+    def position_index(self, position: int) -> int:
+        """Index of a measured key position (negatives count from the end); a named error if out of range."""
+        return position_index(position, self.received.shape[-1])
+
+    def head_is_sink(
+        self, sink_threshold: float | None = None, *, method: RateMethod = "gu"
+    ) -> Float[Tensor, "layer head key_pos"]:
         """Per (layer, head, key) sink indicator, as a rate in [0, 1].
 
-        ``method="gu"``: share of sequences in which ``α_b > eps`` (Gu et al.; only at the ``eps``
-        the analysis ran with). ``method="mean"``: 1.0 where the pooled ``received > eps``, else 0.0
-        (any ``eps``).
+        ``method="gu"``: share of sequences in which ``α_b > sink_threshold`` (Gu et al.; only at
+        the threshold the analysis ran with). ``method="mean"``: 1.0 where the pooled
+        ``received > sink_threshold``, else 0.0 (any threshold).
         """
+        method = choice(method, ("gu", "mean"), what="method")
         if method == "mean":
-            eps = self.eps if eps is None else _check_eps(eps)
-            return (torch.nan_to_num(self.received, nan=0.0) > eps).float()
-        if method != "gu":
-            raise ValueError(f"method must be 'gu' or 'mean', got {method!r}.")
-        if eps is not None and not math.isclose(_check_eps(eps), self.eps):
+            threshold = self.sink_threshold if sink_threshold is None else _check_threshold(sink_threshold)
+            return (torch.nan_to_num(self.received, nan=0.0) > threshold).float()
+        if sink_threshold is not None and not math.isclose(_check_threshold(sink_threshold), self.sink_threshold):
             raise ValueError(
-                f"Per-sequence (Gu et al.) sink indicators were recorded at eps={self.eps}, not {eps}; "
-                f"pass method='mean' (threshold the pooled mean) or re-run find_sinks(..., eps={eps})."
+                f"Per-sequence (Gu et al.) sink indicators were recorded at sink_threshold={self.sink_threshold}, "
+                f"not {sink_threshold}; pass method='mean' (threshold the pooled mean) or re-run "
+                f"find_sinks(..., sink_threshold={sink_threshold})."
             )
         return self.seq_sink_frac
 
     def sink_rate_by_layer(
-        self, eps: float | None = None, position: int = 0, *, method: RateMethod = "gu"
+        self, sink_threshold: float | None = None, position: int = 0, *, method: RateMethod = "gu"
     ) -> Float[Tensor, " layer"]:
         """Share of the layer's heads that are sink heads for ``position`` (see :meth:`head_is_sink`)."""
-        return self.head_is_sink(eps, method=method)[:, :, self._check_position(position)].mean(dim=1)
+        return self.head_is_sink(sink_threshold, method=method)[:, :, self.position_index(position)].mean(dim=1)
 
-    def sink_rate(self, eps: float | None = None, position: int = 0, *, method: RateMethod = "gu") -> float:
+    def sink_rate(self, sink_threshold: float | None = None, position: int = 0, *, method: RateMethod = "gu") -> float:
         """Gu et al.'s thresholded sink rate for ``position``: share of all (layer, head) pairs with
-        mean attention to it above ``eps`` (``eps=None``: the run's ``eps``, default 0.3)."""
-        return float(self.sink_rate_by_layer(eps, position, method=method).mean())
+        mean attention to it above ``sink_threshold`` (None: the run's, default 0.3)."""
+        return float(self.sink_rate_by_layer(sink_threshold, position, method=method).mean())
 
-    def sink_rate_by_position(self, eps: float | None = None, *, method: RateMethod = "gu") -> Float[Tensor, " key_pos"]:
+    def sink_rate_by_position(
+        self, sink_threshold: float | None = None, *, method: RateMethod = "gu"
+    ) -> Float[Tensor, " key_pos"]:
         """The overall sink rate of every key position."""
-        return self.head_is_sink(eps, method=method).mean(dim=(0, 1))
+        return self.head_is_sink(sink_threshold, method=method).mean(dim=(0, 1))
 
     # ---- detection ---------------------------------------------------------------------------
     @property
     def candidates(self) -> list[int]:
-        """Positions seen by at least ``min_queries`` counted queries per sequence, on average."""
+        """Positions seen by at least ``min_query_count`` counted queries per sequence, on average."""
         per_seq = self.n_queries / self.n_sequences_at.clamp(min=1)
-        return [int(k) for k in torch.nonzero(per_seq >= self.min_queries).flatten()]
+        return [int(k) for k in torch.nonzero(per_seq >= self.min_query_count).flatten()]
 
     def mean_received(self) -> Float[Tensor, " key_pos"]:
         """``received`` averaged over layers and heads: the position profile used for outliers."""
@@ -222,7 +285,7 @@ class SinkResult:
 
         A candidate position ``k`` (see :attr:`candidates`) is a sink if either
 
-        * its sink rate (share of (layer, head) pairs whose attention to it exceeds ``eps``,
+        * its sink rate (share of (layer, head) pairs whose attention to it exceeds ``sink_threshold``,
           :meth:`sink_rate_by_position`) is at least ``min_head_share``, or
         * its layer-head-mean received attention is at least ``outlier_factor`` times the median of
           that number over all candidate positions (:meth:`outlier_ratio`).
@@ -231,12 +294,10 @@ class SinkResult:
         attention over ``T`` keys position 0 gets ≈ ``ln(T)/T`` against ≈ ``1.4/T`` for a middle
         position, a ratio of about 2, so the outlier rule does not fire without a real sink.
         """
-        share = self.min_head_share if min_head_share is None else float(min_head_share)
-        factor = self.outlier_factor if outlier_factor is None else float(outlier_factor)
-        if not 0.0 < share <= 1.0:
-            raise ValueError(f"min_head_share must be in (0, 1], got {share}.")
-        if factor <= 1.0:
-            raise ValueError(f"outlier_factor must be > 1, got {factor}.")
+        share = self.min_head_share if min_head_share is None else finite_number(
+            min_head_share, what="min_head_share", low=0.0, high=1.0, low_open=True)
+        factor = self.outlier_factor if outlier_factor is None else finite_number(
+            outlier_factor, what="outlier_factor", low=1.0, low_open=True)
         rates = self.sink_rate_by_position(method=method)
         ratio = torch.nan_to_num(self.outlier_ratio(), nan=0.0)
         return [k for k in self.candidates if float(rates[k]) >= share or float(ratio[k]) >= factor]
@@ -254,8 +315,7 @@ class SinkResult:
         Tokens with fewer than ``min_count`` occurrences are left out. Position 0 is summarised in
         :attr:`first_tokens` (with a BOS it would otherwise top every list).
         """
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}.")
+        k = positive_int(k, what="k")
         rows = [r for r in self.later_tokens.rows() if r["count"] >= min_count]
         return rows[:k]
 
@@ -265,7 +325,7 @@ class SinkResult:
 
     def summary_rows(self) -> list[dict[str, Any]]:
         """One row per (layer, reported position) for position 0 and every detected sink:
-        ``layer``, ``position``, ``sink_rate`` (Gu et al., at ``eps``), ``mean_received`` and
+        ``layer``, ``position``, ``sink_rate`` (Gu et al., at ``sink_threshold``), ``mean_received`` and
         ``max_received`` (over heads)."""
         rows = []
         rates = self.head_is_sink()
@@ -279,7 +339,7 @@ class SinkResult:
                         "sink_rate": float(rates[i, :, pos].mean()),
                         "mean_received": float(received[i, :, pos].mean()),
                         "max_received": float(received[i, :, pos].max()),
-                        "eps": self.eps,
+                        "sink_threshold": self.sink_threshold,
                     }
                 )
         return rows
@@ -312,23 +372,19 @@ class SinkResult:
             }
             for pos in self._reported_positions()
         }
-        return {
+        return to_json({
             "layers": list(self.layers),
-            "eps": self.eps,
-            "min_query": self.min_query,
-            "min_queries": self.min_queries,
-            "min_head_share": self.min_head_share,
-            "outlier_factor": self.outlier_factor,
+            "settings": self.settings,
             "n_sequences": self.n_sequences,
             "prepend_bos": self.prepend_bos,
             "sink_positions": self.sink_positions,
             "sink_rate": rates,
-            "received": _nan_to_none(self.received.tolist()),
-            "n_queries": self.n_queries.tolist(),
+            "received": self.received,
+            "n_queries": self.n_queries,
             "first_tokens": self.first_tokens.rows(),
             "top_sinks": self.top_sinks(20),
-            "top_occurrences": [vars(o).copy() for o in self.top_occurrences],
-        }
+            "top_occurrences": self.top_occurrences,
+        }, digits=None)
 
     # ---- plots -------------------------------------------------------------------------------
     def plot(self, path: str | Path | None = None, *, position: int | None = None) -> Any:
@@ -350,14 +406,28 @@ class SinkResult:
         return plot_received_by_position(self, layers=layers, path=path)
 
 
-class SinkReducer(AttentionReceivedReducer):
+@dataclass
+class _SinkBatch:
+    """Per-batch state of :class:`SinkReducer` (lives in the batch's :class:`~sinklens.streaming.BatchFold`)."""
+
+    weights: Float[Tensor, "batch query key"]  # counted queries, see AttentionReceivedReducer.query_weights
+    q_count: Float[Tensor, "batch key"]  # counted queries per sequence and key
+    recv: Float[Tensor, "batch key"]  # layer-head-mean α_b, summed over the layers folded so far
+    share: Float[Tensor, "batch key"]  # share of (layer, head) with α_b > sink_threshold, likewise
+
+
+class SinkReducer(Reducer[SinkResult]):
     """Streams ``hook_pattern`` into a :class:`SinkResult`.
 
-    On top of the pooled received-attention sums of :class:`AttentionReceivedReducer` it keeps, in
-    float64 on the model's device: per (layer, head, key) the number of sequences with
-    ``α_b > eps``; per token id (vocabulary-sized, separately for position 0 and positions >= 1)
-    the count, sum and maximum of the layer-head-mean ``α_b`` and the sum of the sink-head share;
-    and the ``top_k`` largest single occurrences at positions >= 1, merged after every batch.
+    It holds an :class:`~sinklens.analysis.attention.AttentionReceivedReducer` for the pooled
+    received-attention sums and keeps, beside it, in float64 on the model's device: per (layer,
+    head, key) the number of sequences with ``α_b > sink_threshold``; per token id
+    (vocabulary-sized, separately for position 0 and positions >= 1) the count, sum and maximum of
+    the layer-head-mean ``α_b`` and the sum of the sink-head share; and the ``top_k`` largest single
+    occurrences at positions >= 1, merged after every batch.
+
+    Settings are given either as ``settings=SinkSettings(...)`` or as keyword arguments (the
+    deprecated ``eps=`` and ``min_queries=`` are accepted for ``sink_threshold=`` and ``min_query_count=``).
     """
 
     def __init__(
@@ -365,83 +435,90 @@ class SinkReducer(AttentionReceivedReducer):
         model: Any,
         *,
         layers: int | Sequence[int] | None = None,
-        eps: float = 0.3,
-        min_query: int = 1,
-        min_queries: int = 4,
-        min_head_share: float = 0.25,
-        outlier_factor: float = 5.0,
-        top_k: int = 32,
+        settings: SinkSettings | None = None,
+        sink_threshold: float = SinkSettings.sink_threshold,
+        min_query: int = SinkSettings.min_query,
+        min_query_count: int = SinkSettings.min_query_count,
+        min_head_share: float = SinkSettings.min_head_share,
+        outlier_factor: float = SinkSettings.outlier_factor,
+        top_k: int = SinkSettings.top_k,
         max_pos: int | None = None,
+        **deprecated: Any,
     ):
-        super().__init__(model, layers=layers, min_query=min_query, max_pos=max_pos)
-        self.eps = _check_eps(eps)
-        if min_queries < 1:
-            raise ValueError(f"min_queries must be >= 1, got {min_queries}.")
-        if not 0.0 < float(min_head_share) <= 1.0:
-            raise ValueError(f"min_head_share must be in (0, 1], got {min_head_share}.")
-        if float(outlier_factor) <= 1.0:
-            raise ValueError(f"outlier_factor must be > 1, got {outlier_factor}.")
-        if top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {top_k}.")
-        dims = model_dims(model)
-        self.min_queries = int(min_queries)
-        self.min_head_share = float(min_head_share)
-        self.outlier_factor = float(outlier_factor)
-        self.top_k = int(top_k)
+        if settings is None:
+            settings = SinkSettings.from_kwargs(
+                "SinkReducer", deprecated, sink_threshold=sink_threshold, min_query=min_query,
+                min_query_count=min_query_count, min_head_share=min_head_share, outlier_factor=outlier_factor,
+                top_k=top_k,
+            )
+        else:
+            no_unknown_kwargs(deprecated, "SinkReducer")
+        self.settings = settings
+        self.attention = AttentionReceivedReducer(model, layers=layers, min_query=settings.min_query, max_pos=max_pos)
+        self.layers = self.attention.layers
+        self.n_heads = model_dims(model).n_heads
+        self.d_vocab = model_dims(model).d_vocab
         self.tokenizer = getattr(model, "tokenizer", None)
-        device = self.sums.device
-        f64 = dict(device=device, dtype=torch.float64)
-        self.seq_hits = torch.zeros(len(self.layers), dims.n_heads, self.max_pos, **f64)
-        self.seq_counts = torch.zeros(self.max_pos, **f64)
+        self.reset()
+
+    def reset(self) -> None:
+        self.attention.reset()
+        f64 = dict(device=self.attention.device, dtype=torch.float64)
+        max_pos = self.attention.max_pos
+        self.seq_hits = torch.zeros(len(self.layers), self.n_heads, max_pos, **f64)
+        self.seq_counts = torch.zeros(max_pos, **f64)
         # Per token id: [count, sum received, sum head share, max received], for position 0 / >= 1.
-        self.tok_first = torch.zeros(4, dims.d_vocab, **f64)
-        self.tok_later = torch.zeros(4, dims.d_vocab, **f64)
+        self.tok_first = torch.zeros(4, self.d_vocab, **f64)
+        self.tok_later = torch.zeros(4, self.d_vocab, **f64)
         self.top_vals = torch.zeros(0, **f64)
         self.top_share = torch.zeros(0, **f64)
-        self.top_meta = torch.zeros(0, 3, device=device, dtype=torch.long)  # sequence, position, token
+        self.top_meta = torch.zeros(0, 3, device=self.attention.device, dtype=torch.long)  # sequence, position, token
         self.prepend_bos = True
         self.n_seq = 0
 
-    def fwd_hooks(self, batch: TokenBatch) -> list[tuple[str, HookFn]]:
-        hooks = super().fwd_hooks(batch)
-        self._q_count = self._weights.sum(dim=1)  # [batch, key]: counted queries per sequence
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        weights = self.attention.query_weights(batch)
         b, n = batch.tokens.shape
-        self._recv = torch.zeros(b, n, device=self.sums.device, dtype=torch.float64)
-        self._share = torch.zeros(b, n, device=self.sums.device, dtype=torch.float64)
-        return hooks
+        f64 = dict(device=self.attention.device, dtype=torch.float64)
+        state = _SinkBatch(weights, weights.sum(dim=1), torch.zeros(b, n, **f64), torch.zeros(b, n, **f64))
+        n_layers = len(self.layers)
 
-    def fold_per_sequence(self, row: int, per_seq: Float[Tensor, "batch head key"]) -> None:
-        counts = self._q_count[:, None, :]
-        alpha = (per_seq / counts.clamp(min=1)).double()  # α_b[h, k]
-        hit = (alpha > self.eps) & (counts > 0)
-        self.seq_hits[row, :, : alpha.shape[2]] += hit.sum(dim=0).double()
-        self._recv += alpha.mean(dim=1) / len(self.layers)
-        self._share += hit.double().mean(dim=1) / len(self.layers)
+        def fold(pattern: Tensor, layer: int) -> None:  # pattern: [batch, head, query, key]
+            per_seq = self.attention.fold_pattern(pattern, layer, weights)  # Σ_q over counted queries
+            counts = state.q_count[:, None, :]
+            alpha = (per_seq / counts.clamp(min=1)).double()  # α_b[h, k]
+            hit = (alpha > self.settings.sink_threshold) & (counts > 0)
+            self.seq_hits[self.attention.row[layer], :, : alpha.shape[2]] += hit.sum(dim=0).double()
+            state.recv += alpha.mean(dim=1) / n_layers
+            state.share += hit.double().mean(dim=1) / n_layers
 
-    def end_batch(self, batch: TokenBatch) -> None:
-        super().end_batch(batch)
+        return BatchFold(per_layer_hooks(PATTERN, self.layers, fold), state=state)
+
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        state: _SinkBatch = fold.state
+        self.attention.count_queries(state.weights)
         self.prepend_bos = batch.prepend_bos
-        q_count = self._q_count
+        q_count = state.q_count
         n = q_count.shape[1]
         self.seq_counts[:n] += (q_count > 0).sum(dim=0).double()
-        counted = (q_count >= self.min_queries) & batch.valid
+        counted = (q_count >= self.settings.min_query_count) & batch.valid
         tokens = batch.tokens.to(counted.device)
         position = torch.arange(n, device=counted.device)
         for table, where in ((self.tok_first, counted & (position == 0)), (self.tok_later, counted & (position > 0))):
             ids = tokens[where]
-            recv = self._recv[where]
+            recv = state.recv[where]
             table[0].index_add_(0, ids, torch.ones_like(recv))
             table[1].index_add_(0, ids, recv)
-            table[2].index_add_(0, ids, self._share[where])
+            table[2].index_add_(0, ids, state.share[where])
             table[3].scatter_reduce_(0, ids, recv, reduce="amax")
-        if self.top_k:
+        if self.settings.top_k:
             where = counted & (position > 0)
             seq_idx, pos_idx = torch.nonzero(where, as_tuple=True)
             meta = torch.stack([seq_idx + self.n_seq, pos_idx, tokens[seq_idx, pos_idx]], dim=1)
-            vals = torch.cat([self.top_vals, self._recv[where]])
-            shares = torch.cat([self.top_share, self._share[where]])
+            vals = torch.cat([self.top_vals, state.recv[where]])
+            shares = torch.cat([self.top_share, state.share[where]])
             meta = torch.cat([self.top_meta, meta])
-            keep = torch.topk(vals, min(self.top_k, vals.numel())).indices
+            keep = torch.topk(vals, min(self.settings.top_k, vals.numel())).indices
             self.top_vals, self.top_share, self.top_meta = vals[keep], shares[keep], meta[keep]
         self.n_seq += batch.tokens.shape[0]
 
@@ -464,7 +541,7 @@ class SinkReducer(AttentionReceivedReducer):
         )
 
     def result(self) -> SinkResult:
-        base = super().result()
+        base = self.attention.result()
         n = base.received.shape[-1]
         seq_counts = self.seq_counts[:n]
         frac = (self.seq_hits[:, :, :n] / seq_counts.clamp(min=1)).float().cpu()
@@ -480,11 +557,7 @@ class SinkReducer(AttentionReceivedReducer):
             seq_sink_frac=frac,
             n_sequences_at=seq_counts.float().cpu(),
             layers=base.layers,
-            eps=self.eps,
-            min_query=self.min_query,
-            min_queries=self.min_queries,
-            min_head_share=self.min_head_share,
-            outlier_factor=self.outlier_factor,
+            settings=self.settings,
             n_sequences=self.n_seq,
             prepend_bos=self.prepend_bos,
             first_tokens=self._token_stats(self.tok_first),
@@ -498,42 +571,37 @@ def find_sinks(
     inputs: Inputs | None = None,
     *,
     layers: int | Sequence[int] | None = None,
-    eps: float = 0.3,
-    min_query: int = 1,
-    min_queries: int = 4,
-    min_head_share: float = 0.25,
-    outlier_factor: float = 5.0,
-    top_k: int = 32,
-    batch_size: int = 8,
-    prepend_bos: bool = True,
-    max_length: int | None = None,
-    extra_hooks: Sequence[tuple[str, HookFn]] = (),
-    progress: bool = True,
+    sink_threshold: float = SinkSettings.sink_threshold,
+    min_query: int = SinkSettings.min_query,
+    min_query_count: int = SinkSettings.min_query_count,
+    min_head_share: float = SinkSettings.min_head_share,
+    outlier_factor: float = SinkSettings.outlier_factor,
+    top_k: int = SinkSettings.top_k,
+    options: RunOptions = RunOptions(),
+    **deprecated: Any,
 ) -> SinkResult:
     """Find attention sinks: received attention per layer × head × key, sink rates, sink tokens.
 
     Args:
         inputs: prompts, token ids or :class:`~sinklens.inputs.TokenBatch` es (default: the built-in
             prompt set), see :func:`~sinklens.inputs.as_batches`.
-        eps: Gu et al.'s threshold ``ε`` on a head's mean attention to a key (in (0, 1)).
-        min_query: queries before this position are not counted (default 1: query 0 attends only to
-            itself). Gu et al. use 0.
-        min_queries, min_head_share, outlier_factor: sink-detection settings, see
-            :meth:`SinkResult.detect_sinks`.
-        top_k: how many single sink occurrences at positions >= 1 to keep.
-        extra_hooks: hooks to run on every forward (e.g. an intervention).
+        layers: which layers (default all; negatives count from the end).
+        sink_threshold, min_query, min_query_count, min_head_share, outlier_factor, top_k: the
+            analysis settings, see :class:`SinkSettings` (``eps=`` and ``min_queries=`` are
+            deprecated names of ``sink_threshold=`` and ``min_query_count=``).
+        options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar.
 
     Examples:
         >>> from sinklens.testing import tiny_model
-        >>> result = find_sinks(tiny_model(), "t5 t6 t7 t8 t9", progress=False)
+        >>> result = find_sinks(tiny_model(), "t5 t6 t7 t8 t9", options=RunOptions(progress=False))
         >>> result.received.shape  # layer, head, key position (BOS + 5 words)
         torch.Size([2, 4, 6])
         >>> 0.0 <= result.sink_rate(position=0) <= 1.0
         True
     """
-    reducer = SinkReducer(
-        model, layers=layers, eps=eps, min_query=min_query, min_queries=min_queries,
-        min_head_share=min_head_share, outlier_factor=outlier_factor, top_k=top_k,
+    settings = SinkSettings.from_kwargs(
+        "find_sinks", deprecated, sink_threshold=sink_threshold, min_query=min_query,
+        min_query_count=min_query_count, min_head_share=min_head_share, outlier_factor=outlier_factor, top_k=top_k,
     )
-    return run_reducer(model, inputs, reducer, batch_size=batch_size, prepend_bos=prepend_bos,
-                       max_length=max_length, extra_hooks=extra_hooks, progress=progress, desc="sinks")
+    (result,) = run(model, inputs, SinkReducer(model, layers=layers, settings=settings), options=options)
+    return result

@@ -60,10 +60,14 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.hooks import ATTN_OUT, PATTERN, V, Z, hook_name, model_device, model_dims, resolve_layers, weight
-from sinklens.analysis._common import run_reducer
+from sinklens.analysis._common import grow, position_index
+from sinklens.errors import InvalidArgumentError
+from sinklens.export import to_json
+from sinklens.hooks import ATTN_OUT, PATTERN, V, Z, model_device, model_dims, resolve_layers, weight
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.streaming import HookFn, Reducer
+from sinklens.options import RunOptions
+from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
+from sinklens.validate import choice
 
 Site = Literal["z", "z_seq", "result", "attn_out"]
 
@@ -131,22 +135,22 @@ class VarianceResult:
         t = torch.arange(self.z_var.shape[-1], dtype=self.z_var.dtype)
         return self.value_var[:, :, None] / (t + 1)
 
-    def _check_position(self, position: int) -> int:
-        n = self.counts.shape[0]
-        idx = position + n if position < 0 else position
-        if not 0 <= idx < n or self.counts[idx] <= 0:
-            raise ValueError(f"position {position} is out of range: positions 0..{n - 1} were measured.")
+    def position_index(self, position: int) -> int:
+        """Index of a measured position (negatives count from the end); a named error if out of range
+        or if no sequence reached it."""
+        idx = position_index(position, self.counts.shape[0])
+        if self.counts[idx] <= 0:
+            raise InvalidArgumentError(f"position {position} is out of range: no sequence reached it.")
         return idx
 
-    def _site(self, of: Site) -> Tensor:
+    def variance(self, of: Site = "z") -> Tensor:
+        """The measured variance of one site: ``z_var``, ``z_var_seq``, ``result_var`` or ``attn_out_var``."""
         sites = {"z": self.z_var, "z_seq": self.z_var_seq, "result": self.result_var, "attn_out": self.attn_out_var}
-        if of not in sites:
-            raise ValueError(f"of must be one of {sorted(sites)}, got {of!r}.")
-        return sites[of]
+        return sites[choice(of, sorted(sites), what="of")]
 
     def rest_positions(self, position: int = 0) -> list[int]:
         """The positions the discrepancy compares against: valid ``t >= 1`` with ``t != position``."""
-        idx = self._check_position(position)
+        idx = self.position_index(position)
         return [t for t in range(1, self.counts.shape[0]) if t != idx and self.counts[t] > 0]
 
     def discrepancy(self, position: int = 0, *, of: Site = "z") -> Tensor:
@@ -158,14 +162,7 @@ class VarianceResult:
         ``"attn_out"``. Under uniform attention over ``T`` positions the ratio for position 0 is
         about ``T / ln T`` already, so compare it with the same ratio of :attr:`pred_uniform`.
         """
-        var = self._site(of)
-        idx = self._check_position(position)
-        rest = self.rest_positions(position)
-        if not rest:
-            raise ValueError("Need at least one valid position >= 1 besides the chosen one to compare with.")
-        w = self.counts[rest]
-        baseline = (var[..., rest] * w).sum(-1) / w.sum()
-        return var[..., idx] / baseline
+        return self.ratio_of(self.variance(of), position)
 
     def preservation(self, position: int = 0) -> Float[Tensor, "layer head"]:
         """How much of the discrepancy survives the output projection: ``discrepancy(of="result") /
@@ -207,8 +204,8 @@ class VarianceResult:
         z = self.discrepancy(position, of="z")
         res = self.discrepancy(position, of="result")
         out = self.discrepancy(position, of="attn_out")
-        pred = self._ratio_of(self.pred_pattern, position)
-        unif = self._ratio_of(self.pred_uniform, position)
+        pred = self.ratio_of(self.pred_pattern, position)
+        unif = self.ratio_of(self.pred_uniform, position)
         return [
             {
                 "layer": layer,
@@ -226,15 +223,19 @@ class VarianceResult:
             for h in range(self.z_var.shape[1])
         ]
 
-    def _ratio_of(self, var: Tensor, position: int) -> Tensor:
+    def ratio_of(self, var: Float[Tensor, "*lead pos"], position: int = 0) -> Float[Tensor, "*lead"]:
+        """``var`` at ``position`` over its count-weighted mean over :meth:`rest_positions` (the
+        discrepancy ratio of any per-position variance, measured or predicted)."""
         rest = self.rest_positions(position)
+        if not rest:
+            raise InvalidArgumentError("Need at least one valid position >= 1 besides the chosen one to compare with.")
         w = self.counts[rest]
-        return var[..., self._check_position(position)] / ((var[..., rest] * w).sum(-1) / w.sum())
+        return var[..., self.position_index(position)] / ((var[..., rest] * w).sum(-1) / w.sum())
 
     def to_dict(self, position: int = 0) -> dict[str, Any]:
         """JSON-ready: settings, per-(layer, head) discrepancies at ``position``, head-mean curves."""
         z = self.discrepancy(position, of="z")
-        return {
+        return to_json({
             "layers": list(self.layers),
             "n_sequences": self.n_sequences,
             "prepend_bos": self.prepend_bos,
@@ -244,14 +245,14 @@ class VarianceResult:
             "discrepancy_z": z.tolist(),
             "discrepancy_result": self.discrepancy(position, of="result").tolist(),
             "discrepancy_attn_out": self.discrepancy(position, of="attn_out").tolist(),
-            "discrepancy_pred_pattern": self._ratio_of(self.pred_pattern, position).tolist(),
-            "discrepancy_pred_uniform": self._ratio_of(self.pred_uniform, position).tolist(),
+            "discrepancy_pred_pattern": self.ratio_of(self.pred_pattern, position).tolist(),
+            "discrepancy_pred_uniform": self.ratio_of(self.pred_uniform, position).tolist(),
             "share_layers_discrepancy_gt_1": float((z.mean(dim=1) > 1).float().mean()),
             "z_var_head_mean": self.z_var.mean(dim=1).tolist(),
             "pred_pattern_head_mean": self.pred_pattern.mean(dim=1).tolist(),
             "pred_uniform_head_mean": self.pred_uniform.mean(dim=1).tolist(),
             "attn_out_var": self.attn_out_var.tolist(),
-        }
+        }, digits=None)
 
     def plot(
         self,
@@ -274,7 +275,7 @@ class VarianceResult:
         return plot_discrepancy(self, position=position, path=path)
 
 
-class VarianceReducer(Reducer):
+class VarianceReducer(Reducer[VarianceResult]):
     """Streams ``hook_v``, ``hook_pattern``, ``hook_z`` and ``hook_attn_out`` into a :class:`VarianceResult`.
 
     Per layer it keeps (float64, positions grown to the longest batch seen): ``Σ z`` per
@@ -288,106 +289,81 @@ class VarianceReducer(Reducer):
         dims = model_dims(model)
         self.dims = dims
         self.layers = resolve_layers(layers, dims.n_layers)
+        self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.device = model_device(model)
         w_o = weight(model, "W_O")[self.layers].to(self.device, torch.float64)  # [layer, head, d_head, d_model]
         self.w_o = w_o
         self.gram = w_o @ w_o.transpose(-1, -2)  # [layer, head, d_head, d_head]
         self.gram32 = self.gram.float()
-        self.cap = 0
-        n_l, n_h = len(self.layers), dims.n_heads
+        self.reset()
+
+    def reset(self) -> None:
+        dims, n_l = self.dims, len(self.layers)
         f64 = dict(device=self.device, dtype=torch.float64)
-        self.z_s1 = torch.zeros(n_l, n_h, 0, dims.d_head, **f64)
-        self.z_s2 = torch.zeros(n_l, n_h, 0, **f64)
-        self.r_s2 = torch.zeros(n_l, n_h, 0, **f64)
-        self.a_sq = torch.zeros(n_l, n_h, 0, **f64)
+        self.z_s1 = torch.zeros(n_l, dims.n_heads, 0, dims.d_head, **f64)
+        self.z_s2 = torch.zeros(n_l, dims.n_heads, 0, **f64)
+        self.r_s2 = torch.zeros(n_l, dims.n_heads, 0, **f64)
+        self.a_sq = torch.zeros(n_l, dims.n_heads, 0, **f64)
         self.o_s1 = torch.zeros(n_l, 0, dims.d_model, **f64)
         self.o_s2 = torch.zeros(n_l, 0, **f64)
         self.n = torch.zeros(0, **f64)
-        self.v_s1: Tensor | None = None  # [layer, kv_head, d_head], allocated at the first hook_v
-        self.v_s2: Tensor | None = None
+        self.v_s1 = torch.zeros(n_l, dims.n_kv_heads, dims.d_head, **f64)  # [layer, kv_head, d_head]
+        self.v_s2 = torch.zeros(n_l, dims.n_kv_heads, **f64)
         self.v_n = 0.0
         self.n_seq = 0
         self.prepend_bos = True
 
     def _reserve(self, n: int) -> None:
         """Grow every per-position sum to ``n`` positions (zeros for new positions)."""
-        if n <= self.cap:
-            return
-        extra = n - self.cap
+        self.z_s1, self.z_s2, self.r_s2, self.a_sq = (grow(t, 2, n) for t in (self.z_s1, self.z_s2, self.r_s2, self.a_sq))
+        self.o_s1, self.o_s2 = grow(self.o_s1, 1, n), grow(self.o_s2, 1, n)
+        self.n = grow(self.n, 0, n)
 
-        def grow(t: Tensor, dim: int) -> Tensor:
-            shape = list(t.shape)
-            shape[dim] = extra
-            return torch.cat([t, t.new_zeros(shape)], dim=dim)
-
-        self.z_s1, self.z_s2, self.r_s2, self.a_sq = (grow(t, 2) for t in (self.z_s1, self.z_s2, self.r_s2, self.a_sq))
-        self.o_s1, self.o_s2 = grow(self.o_s1, 1), grow(self.o_s2, 1)
-        self.n = grow(self.n, 0)
-        self.cap = n
-
-    def fwd_hooks(self, batch: TokenBatch) -> list[tuple[str, HookFn]]:
-        n = batch.tokens.shape[1]
-        self._reserve(n)
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        self._reserve(batch.tokens.shape[1])
         w = batch.valid.to(self.device, torch.float64)  # [batch, pos]
-        self._w = w
-        hooks: list[tuple[str, HookFn]] = []
-        for row, layer in enumerate(self.layers):
-            hooks += [
-                (hook_name(layer, V), self._fold_v(row, w)),
-                (hook_name(layer, PATTERN), self._fold_pattern(row, w)),
-                (hook_name(layer, Z), self._fold_z(row, w)),
-                (hook_name(layer, ATTN_OUT), self._fold_attn_out(row, w)),
-            ]
-        return hooks
+        w32 = w.float()
 
-    def _fold_v(self, row: int, w: Tensor) -> HookFn:
-        def fold(v: Tensor, hook: Any) -> None:  # [batch, pos, kv_head, d_head]
-            if self.v_s1 is None:
-                shape = (len(self.layers), v.shape[2])
-                self.v_s1 = torch.zeros(*shape, v.shape[3], device=self.device, dtype=torch.float64)
-                self.v_s2 = torch.zeros(*shape, device=self.device, dtype=torch.float64)
-            v, w32 = v.float(), w.float()
+        def fold_v(v: Tensor, layer: int) -> None:  # [batch, pos, kv_head, d_head]
+            row, v = self.row[layer], v.float()
+            if v.shape[2] != self.v_s1.shape[1]:  # a model whose hook_v already repeats key/value heads
+                self.v_s1 = torch.zeros(*self.v_s1.shape[:1], v.shape[2], v.shape[3], device=self.device, dtype=torch.float64)
+                self.v_s2 = torch.zeros(*self.v_s2.shape[:1], v.shape[2], device=self.device, dtype=torch.float64)
             self.v_s1[row] += (v * w32[..., None, None]).sum(dim=(0, 1)).double()
             self.v_s2[row] += (v.square().sum(-1) * w32[..., None]).sum(dim=(0, 1)).double()
 
-        return fold
-
-    def _fold_pattern(self, row: int, w: Tensor) -> HookFn:
-        def fold(pattern: Tensor, hook: Any) -> None:  # [batch, head, query, key]
+        def fold_pattern(pattern: Tensor, layer: int) -> None:  # [batch, head, query, key]
             sq = pattern.float().square().sum(dim=-1)  # Σ_k A_qk², [batch, head, query]
-            self.a_sq[row, :, : sq.shape[2]] += (sq * w.float()[:, None]).sum(0).double()
+            self.a_sq[self.row[layer], :, : sq.shape[2]] += (sq * w32[:, None]).sum(0).double()
 
-        return fold
-
-    def _fold_z(self, row: int, w: Tensor) -> HookFn:
-        def fold(z: Tensor, hook: Any) -> None:  # [batch, pos, head, d_head]
-            z, w32 = z.float(), w.float()
+        def fold_z(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]
+            row, z = self.row[layer], z.float()
             n = z.shape[1]
             self.z_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
             self.z_s2[row, :, :n] += (z.square().sum(-1) * w32[..., None]).sum(0).T.double()
             zg = torch.einsum("bphd,hde->bphe", z, self.gram32[row])  # |z W_O|² = z G zᵀ
             self.r_s2[row, :, :n] += ((zg * z).sum(-1) * w32[..., None]).sum(0).T.double()
 
-        return fold
-
-    def _fold_attn_out(self, row: int, w: Tensor) -> HookFn:
-        def fold(out: Tensor, hook: Any) -> None:  # [batch, pos, d_model]
-            out, w32 = out.float(), w.float()
+        def fold_attn_out(out: Tensor, layer: int) -> None:  # [batch, pos, d_model]
+            row, out = self.row[layer], out.float()
             n = out.shape[1]
             self.o_s1[row, :n] += (out * w32[..., None]).sum(0).double()
             self.o_s2[row, :n] += (out.square().sum(-1) * w32).sum(0).double()
 
-        return fold
+        hooks = [hook for site, fold in ((V, fold_v), (PATTERN, fold_pattern), (Z, fold_z), (ATTN_OUT, fold_attn_out))
+                 for hook in per_layer_hooks(site, self.layers, fold)]
+        return BatchFold(hooks, state=w)
 
-    def end_batch(self, batch: TokenBatch) -> None:
-        self.n[: self._w.shape[1]] += self._w.sum(dim=0)
-        self.v_n += float(self._w.sum())
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        w = fold.state
+        self.n[: w.shape[1]] += w.sum(dim=0)
+        self.v_n += float(w.sum())
         self.n_seq += batch.tokens.shape[0]
         self.prepend_bos = batch.prepend_bos
 
     def result(self) -> VarianceResult:
-        if self.v_s1 is None or self.v_n == 0:
-            raise ValueError("No valid tokens were streamed; nothing to measure.")
+        if self.v_n == 0:
+            raise InvalidArgumentError("No valid tokens were streamed; nothing to measure.")
         valid = torch.nonzero(self.n > 0)
         p = int(valid.max()) + 1
         n = self.n[:p]
@@ -426,11 +402,7 @@ def measure_variance(
     inputs: Inputs | None = None,
     *,
     layers: int | Sequence[int] | None = None,
-    batch_size: int = 8,
-    prepend_bos: bool = True,
-    max_length: int | None = None,
-    extra_hooks: Sequence[tuple[str, HookFn]] = (),
-    progress: bool = True,
+    options: RunOptions = RunOptions(),
 ) -> VarianceResult:
     """Measure value-aggregation variance per layer × head × position, with its predictions.
 
@@ -440,16 +412,16 @@ def measure_variance(
             sequences, so use many (e.g. :func:`~sinklens.inputs.random_token_batches` for the
             theory's setting, or a few hundred natural prompts).
         layers: which layers (default all).
-        extra_hooks: hooks to run on every forward (e.g. an intervention).
+        options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar.
 
     Examples:
         >>> from sinklens.testing import tiny_model
         >>> from sinklens.inputs import random_token_batches
         >>> model = tiny_model()
-        >>> result = measure_variance(model, random_token_batches(model, n_sequences=8, seq_len=6), progress=False)
+        >>> batches = random_token_batches(model, n_sequences=8, seq_len=6)
+        >>> result = measure_variance(model, batches, options=RunOptions(progress=False))
         >>> result.z_var.shape, result.discrepancy(0).shape
         (torch.Size([2, 4, 6]), torch.Size([2, 4]))
     """
-    return run_reducer(model, inputs, VarianceReducer(model, layers=layers), batch_size=batch_size,
-                       prepend_bos=prepend_bos, max_length=max_length, extra_hooks=extra_hooks,
-                       progress=progress, desc="variance")
+    (result,) = run(model, inputs, VarianceReducer(model, layers=layers), options=options)
+    return result

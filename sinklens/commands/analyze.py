@@ -55,8 +55,9 @@ def _inputs(args: argparse.Namespace, model) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sinklens.loading import load_model
     from sinklens.analysis.report import analyze
+    from sinklens.loading import load_model
+    from sinklens.options import RunOptions
 
     if args.batch_size < 1:
         raise SinklensError(f"--batch-size must be >= 1, got {args.batch_size}.")
@@ -66,10 +67,8 @@ def run(args: argparse.Namespace) -> int:
     report = analyze(
         model,
         _inputs(args, model),
-        batch_size=args.batch_size,
-        prepend_bos=not args.no_bos,
-        max_length=args.max_length,
         model_name=str(args.model),
+        options=RunOptions(batch_size=args.batch_size, prepend_bos=not args.no_bos, max_length=args.max_length),
     )
     print(report.summary())
     written = report.save(args.out, figures=not args.no_figures)

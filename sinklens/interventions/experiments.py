@@ -31,7 +31,8 @@ from sinklens.inputs import Inputs, TokenBatch, as_batches
 from sinklens.interventions import masks, neurons, variance
 from sinklens.interventions import neurons as neurons_mod
 from sinklens.interventions.masks import Hooks, as_positions
-from sinklens.streaming import HookFn, Reducer, stream
+from sinklens.options import RunOptions
+from sinklens.streaming import BatchFold, HookFn, Reducer, per_layer_hooks, stream
 
 # ----------------------------------------------------------------------------- method registry
 
@@ -111,24 +112,27 @@ class PositionResidualReducer(Reducer):
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.positions = list(positions)
         self.site = site
-        self.vec = torch.zeros(len(self.layers), len(self.positions), dims.d_model, dtype=torch.float64)
+        self.d_model = dims.d_model
+        self.reset()
+
+    def reset(self) -> None:
+        self.vec = torch.zeros(len(self.layers), len(self.positions), self.d_model, dtype=torch.float64)
         self.norm = torch.zeros(len(self.layers), len(self.positions), dtype=torch.float64)
         self.count = 0
 
-    def fwd_hooks(self, batch: TokenBatch) -> list[tuple[str, HookFn]]:
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         seq_ok = batch.valid[:, self.positions].all(dim=1)
-        self._n = int(seq_ok.sum())
 
-        def fold(act: Tensor, hook: Any) -> None:  # act: [batch, pos, d_model]
+        def fold(act: Tensor, layer: int) -> None:  # act: [batch, pos, d_model]
             x = act[seq_ok][:, self.positions].double()
-            i = self.row[layer_of(hook.name)]
+            i = self.row[layer]
             self.vec[i] += x.sum(dim=0).cpu()
             self.norm[i] += x.norm(dim=-1).sum(dim=0).cpu()
 
-        return [(hook_name(layer, self.site), fold) for layer in self.layers]
+        return BatchFold(per_layer_hooks(self.site, self.layers, fold), state=int(seq_ok.sum()))
 
-    def end_batch(self, batch: TokenBatch) -> None:
-        self.count += self._n
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        self.count += fold.state
 
     def result(self) -> tuple[Tensor, Tensor]:
         if self.count == 0:
@@ -176,7 +180,8 @@ def run_stats(
     """Attention to ``target`` and ``sink`` (queries after ``target``), residuals at both, and the loss."""
     att = AttentionReceivedReducer(model, layers=layers, min_query=target + 1)
     res = PositionResidualReducer(model, [target, sink], layers=layers)
-    received, (vec, norm) = stream(model, batches, [att, res], extra_hooks=hooks, progress=progress, desc="intervene")
+    received, (vec, norm) = stream(model, batches, [att, res],
+                                   options=RunOptions(extra_hooks=hooks, progress=progress, desc="intervene"))
     if received.received.shape[-1] <= max(target, sink):
         raise ValueError(f"No query after position {target}: use sequences longer than {target + 1} tokens.")
     return RunStats(

@@ -150,13 +150,13 @@ def patch_sink(
     check_hook_names(model, names + [name for name, _ in hooks])
 
     reducer = AttentionReceivedReducer(model, layers=metric_layers, min_query=target + 1)
-    recorder = reducer.fwd_hooks(batch)
+    fold = reducer.fwd_hooks(batch)
+    recorder = fold.hooks
 
     def metric(_logits: Any) -> Tensor:
-        reducer.end_batch(batch)
+        reducer.end_batch(batch, fold)
         value = reducer.result().at(target).mean()
-        reducer.sums.zero_()
-        reducer.counts.zero_()
+        reducer.reset()
         return value
 
     tokens_t = batch.tokens

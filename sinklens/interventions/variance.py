@@ -30,7 +30,8 @@ from torch import Tensor
 from sinklens.hooks import Z, check_hook_names, hook_name, layer_of, model_device, model_dims, resolve_layers
 from sinklens.inputs import TokenBatch, random_token_batches
 from sinklens.interventions.masks import Hooks, as_positions, check_in_sequence
-from sinklens.streaming import HookFn, Reducer, stream
+from sinklens.options import RunOptions
+from sinklens.streaming import BatchFold, HookFn, Reducer, per_layer_hooks, stream
 
 Reference = Union[Literal["random", "batch"], Tensor, Mapping[int, Tensor]]
 
@@ -49,21 +50,24 @@ class MeanActivationReducer(Reducer):
         self.layers = resolve_layers(layers, dims.n_layers)
         self.names = [hook_name(layer, site) for layer in self.layers]
         check_hook_names(model, self.names)
+        self.site = site
         self.skip_first = skip_first
+        self.reset()
+
+    def reset(self) -> None:
         self.sums: dict[int, Tensor] = {}
         self.count = 0
 
-    def fwd_hooks(self, batch: TokenBatch) -> list[tuple[str, HookFn]]:
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         keep = batch.valid[:, self.skip_first :]
 
-        def fold(act: Tensor, hook: Any) -> None:  # act: [batch, pos, ...]
+        def fold(act: Tensor, layer: int) -> None:  # act: [batch, pos, ...]
             summed = act[:, self.skip_first :][keep].double().sum(dim=0)
-            layer = layer_of(hook.name)
             self.sums[layer] = self.sums[layer] + summed if layer in self.sums else summed
 
-        return [(name, fold) for name in self.names]
+        return BatchFold(per_layer_hooks(self.site, self.layers, fold))
 
-    def end_batch(self, batch: TokenBatch) -> None:
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.count += int(batch.valid[:, self.skip_first :].sum())
 
     def result(self) -> dict[int, Tensor]:
@@ -99,7 +103,7 @@ def reference_mean(
         batches = random_token_batches(model, n_sequences=n_sequences, seq_len=seq_len, seed=seed)
         batches = [b.to(model_device(model)) for b in batches]
         reducer = MeanActivationReducer(model, site, layers=layer_list, skip_first=skip_first)
-        (means,) = stream(model, batches, [reducer], progress=False, desc="reference mean")
+        (means,) = stream(model, batches, [reducer], options=RunOptions(progress=False, desc="reference mean"))
         store[key] = {layer: m.clone() for layer, m in means.items()}  # clone: leave inference mode
     return store[key]
 

@@ -5,28 +5,22 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sinklens.plotting.style import new_figure, save_figure
+from sinklens.plotting.style import finish, new_figure
 
 
-def _finish(fig: Any, path: str | Path | None) -> Any:
-    if path is not None:
-        save_figure(fig, path, close=False)
-    return fig
-
-
-def _layer_labels(result: Any) -> list[str]:
-    return [str(l) if l < result.n_layers else "out" for l in result.layers]
+def _stream_labels(result: Any) -> list[str]:
+    return [str(s) if s < result.n_layers else "out" for s in result.streams]
 
 
 def plot_massive_by_layer(result: Any, *, path: str | Path | None = None) -> Any:
-    """Max ``|x|`` per residual-stream layer at the sink position vs all other positions, log scale.
+    """Max ``|x|`` per residual-stream index at the sink position vs all other positions, log scale.
 
     The median ``|x|`` (the denominator of the relative threshold) and the absolute threshold are drawn
     for reference.
     """
     fig, axes = new_figure(width=7.0, height=4.0)
     ax = axes[0, 0]
-    xs = list(range(len(result.layers)))
+    xs = list(range(len(result.streams)))
     floor = 1e-8
     ax.plot(xs, result.max_abs_sink.amax(-1).clamp_min(floor), "o-", label=f"position {result.sink_position}")
     ax.plot(xs, result.max_abs_other.amax(-1).clamp_min(floor), "s-", label="other positions")
@@ -34,19 +28,20 @@ def plot_massive_by_layer(result: Any, *, path: str | Path | None = None) -> Any
     if result.abs_threshold is not None:
         ax.axhline(result.abs_threshold, color="red", lw=0.8, ls="--", label=f"|x| = {result.abs_threshold:g}")
     ax.set_yscale("log")
-    ax.set_xticks(xs, _layer_labels(result), fontsize=7)
+    ax.set_xticks(xs, _stream_labels(result), fontsize=7)
     ax.set_xlabel("residual stream (input of block; out = final)")
     ax.set_ylabel("max |activation|")
-    ax.set_title("Massive activations by layer")
+    ax.set_title("Massive activations by residual stream")
     ax.legend(fontsize=8)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
-def plot_top_dims(result: Any, *, layer: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
-    """Bar chart of the ``k`` dimensions with the largest ``|x|`` at the sink, beside their max elsewhere."""
-    layer = result.layers[-1] if layer is None else layer
-    top = result.top_dims(layer, k, "sink")
-    row = result.layers.index(layer)
+def plot_top_dims(result: Any, *, stream: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
+    """Bar chart of the ``k`` dimensions with the largest ``|x|`` at the sink, beside their max elsewhere,
+    at one residual-stream index (default: the last)."""
+    stream = result.streams[-1] if stream is None else stream
+    top = result.top_dims(stream, k, "sink")
+    row = result.streams.index(stream)
     fig, axes = new_figure(width=7.0, height=4.0)
     ax = axes[0, 0]
     xs = list(range(len(top)))
@@ -56,9 +51,9 @@ def plot_top_dims(result: Any, *, layer: int | None = None, k: int = 10, path: s
     ax.set_yscale("log")
     ax.set_xlabel("residual dimension")
     ax.set_ylabel("max |activation|")
-    ax.set_title(f"Top dimensions at layer {layer}")
+    ax.set_title(f"Top dimensions at residual stream {stream}")
     ax.legend(fontsize=8)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_position_profile(result: Any, *, path: str | Path | None = None) -> Any:
@@ -67,16 +62,16 @@ def plot_position_profile(result: Any, *, path: str | Path | None = None) -> Any
 
     fig, axes = new_figure(1, 2, width=5.5, height=4.0)
     cmap = plt.get_cmap("viridis")
-    n = len(result.layers)
-    for i, label in enumerate(_layer_labels(result)):
+    n = len(result.streams)
+    for i, label in enumerate(_stream_labels(result)):
         color = cmap(i / max(1, n - 1))
         axes[0, 0].plot(result.norm_ratio[i], color=color, lw=1, label=label if i in (0, n - 1) else None)
         axes[0, 1].plot(result.topk_energy[i], color=color, lw=1)
     axes[0, 0].set_yscale("log")
     axes[0, 0].set_xlabel("position")
     axes[0, 0].set_ylabel("||x_p|| / median other ||x_q||")
-    axes[0, 0].legend(fontsize=7, title="layer")
+    axes[0, 0].legend(fontsize=7, title="stream")
     axes[0, 1].set_xlabel("position")
     axes[0, 1].set_ylabel(f"share of ||x||² in top-{result.top_k} dims")
     axes[0, 1].set_ylim(0, 1.02)
-    return _finish(fig, path)
+    return finish(fig, path)

@@ -5,13 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sinklens.plotting.style import new_figure, save_figure
-
-
-def _finish(fig: Any, path: str | Path | None) -> Any:
-    if path is not None:
-        save_figure(fig, path, close=False)
-    return fig
+from sinklens.plotting.style import finish, new_figure
 
 
 def _dim(result: Any, dim: int | None) -> int:
@@ -34,7 +28,7 @@ def plot_contributions(result: Any, *, dim: int | None = None, k: int = 10, path
     ax.set_xticks(range(len(top)), [f"L{l}.{n}" for l, n, _ in top], rotation=45, fontsize=8)
     ax.set_ylabel(f"contribution to dim {dim} at position {result.sink_position}")
     ax.set_title(f"Top neurons writing dim {dim} (red: super neurons)")
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_row_sparsity(result: Any, *, path: str | Path | None = None) -> Any:
@@ -50,7 +44,7 @@ def plot_row_sparsity(result: Any, *, path: str | Path | None = None) -> Any:
     ax.set_ylabel(f"share of ||W_out row||² in top {result.row_top_k}")
     ax.set_title("Channel sparsity of W_out rows")
     ax.legend(fontsize=8)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_dim_path(result: Any, *, dim: int | None = None, path: str | Path | None = None) -> Any:
@@ -66,4 +60,4 @@ def plot_dim_path(result: Any, *, dim: int | None = None, path: str | Path | Non
     ax.set_ylabel(f"dim {dim} at position {result.sink_position}")
     ax.set_title(f"Where dim {dim} is written and erased")
     ax.legend(fontsize=8)
-    return _finish(fig, path)
+    return finish(fig, path)

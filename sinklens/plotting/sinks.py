@@ -8,27 +8,21 @@ from typing import Any
 
 import torch
 
-from sinklens.plotting.style import new_figure, save_figure
+from sinklens.plotting.style import finish, new_figure
 
 
 def _main_sink(result: Any, position: int | None) -> int:
     if position is not None:
-        return result._check_position(position)
+        return result.position_index(position)
     sinks = result.sink_positions
     return sinks[0] if sinks else 0
-
-
-def _finish(fig: Any, path: str | Path | None) -> Any:
-    if path is not None:
-        save_figure(fig, path, close=False)
-    return fig
 
 
 def plot_sink_heatmap(result: Any, *, position: int | None = None, path: str | Path | None = None) -> Any:
     """Layer × head heatmap of the mean attention each head gives to one key position.
 
     ``position=None`` uses the first detected sink (position 0 if none). Cells whose pooled mean
-    exceeds ``eps`` are marked with a dot. Returns the figure; saves a PNG if ``path`` is given.
+    exceeds ``sink_threshold`` are marked with a dot. Returns the figure; saves a PNG if ``path`` is given.
     """
     pos = _main_sink(result, position)
     values = torch.nan_to_num(result.received[:, :, pos], nan=0.0)
@@ -36,9 +30,9 @@ def plot_sink_heatmap(result: Any, *, position: int | None = None, path: str | P
     fig, axes = new_figure(width=max(4.0, 0.45 * n_heads + 2.5), height=max(3.0, 0.22 * n_layers + 1.5))
     ax = axes[0, 0]
     image = ax.imshow(values.numpy(), aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, origin="lower")
-    marked = torch.nonzero(values > result.eps)
+    marked = torch.nonzero(values > result.sink_threshold)
     if len(marked):
-        ax.scatter(marked[:, 1].numpy(), marked[:, 0].numpy(), s=12, c="white", marker="o", label=f"> ε = {result.eps}")
+        ax.scatter(marked[:, 1].numpy(), marked[:, 0].numpy(), s=12, c="white", marker="o", label=f"> ε = {result.sink_threshold}")
         ax.legend(loc="upper right", fontsize=7, framealpha=0.6)
     ax.set_xlabel("head")
     ax.set_ylabel("layer")
@@ -46,11 +40,11 @@ def plot_sink_heatmap(result: Any, *, position: int | None = None, path: str | P
     ax.set_yticklabels([str(layer) for layer in result.layers], fontsize=6 if n_layers > 16 else 8)
     ax.set_title(f"mean attention to position {pos} (sink rate {result.sink_rate(position=pos):.2f})")
     fig.colorbar(image, ax=ax, label="mean attention received")
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_sink_rate(result: Any, *, position: int | None = None, path: str | Path | None = None) -> Any:
-    """Gu et al. sink rate for one position: per head (share of sequences with ``α > eps``, left)
+    """Gu et al. sink rate for one position: per head (share of sequences with ``α > sink_threshold``, left)
     and per layer (share of heads, averaged over sequences, right)."""
     pos = _main_sink(result, position)
     frac = result.seq_sink_frac[:, :, pos]
@@ -58,15 +52,15 @@ def plot_sink_rate(result: Any, *, position: int | None = None, path: str | Path
     image = axes[0, 0].imshow(frac.numpy(), aspect="auto", cmap="magma", vmin=0.0, vmax=1.0, origin="lower")
     axes[0, 0].set_xlabel("head")
     axes[0, 0].set_ylabel("layer")
-    axes[0, 0].set_title(f"share of sequences with α > {result.eps} (position {pos})")
+    axes[0, 0].set_title(f"share of sequences with α > {result.sink_threshold} (position {pos})")
     fig.colorbar(image, ax=axes[0, 0])
     by_layer = result.sink_rate_by_layer(position=pos)
     axes[0, 1].barh(result.layers, by_layer.numpy(), color="tab:purple")
     axes[0, 1].set_xlim(0, 1)
-    axes[0, 1].set_xlabel(f"sink rate (ε = {result.eps})")
+    axes[0, 1].set_xlabel(f"sink rate (ε = {result.sink_threshold})")
     axes[0, 1].set_ylabel("layer")
     axes[0, 1].set_title(f"by layer; overall {result.sink_rate(position=pos):.2f}")
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_received_by_position(
@@ -99,4 +93,4 @@ def plot_received_by_position(
     ax.set_ylabel("mean attention received")
     ax.set_title("attention received by key position (dashed: detected sinks)")
     ax.legend(fontsize=7, ncol=2)
-    return _finish(fig, path)
+    return finish(fig, path)

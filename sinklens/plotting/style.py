@@ -24,3 +24,10 @@ def save_figure(fig: Any, path: str | Path, *, dpi: int = 120, close: bool = Tru
     if close:
         plt.close(fig)
     return path
+
+
+def finish(fig: Any, path: str | Path | None) -> Any:
+    """Return ``fig``, saved as PNG at ``path`` first if a path is given (the figure stays open)."""
+    if path is not None:
+        save_figure(fig, path, close=False)
+    return fig

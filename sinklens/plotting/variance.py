@@ -10,13 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from sinklens.plotting.style import new_figure, save_figure
-
-
-def _finish(fig: Any, path: str | Path | None) -> Any:
-    if path is not None:
-        save_figure(fig, path, close=False)
-    return fig
+from sinklens.plotting.style import finish, new_figure
+from sinklens.validate import optional_index_list
 
 
 def _rows(result: Any, layers: Sequence[int] | None) -> list[int]:
@@ -30,12 +25,7 @@ def _rows(result: Any, layers: Sequence[int] | None) -> list[int]:
 
 
 def _heads(result: Any, heads: int | Sequence[int] | None) -> list[int]:
-    n_heads = result.z_var.shape[1]
-    chosen = list(range(n_heads)) if heads is None else ([heads] if isinstance(heads, int) else list(heads))
-    bad = [h for h in chosen if not 0 <= h < n_heads]
-    if bad or not chosen:
-        raise ValueError(f"heads must be in 0..{n_heads - 1}, got {heads!r}.")
-    return chosen
+    return optional_index_list(heads, result.z_var.shape[1], what="head", allow_negative=False)
 
 
 def plot_variance_by_position(
@@ -72,7 +62,7 @@ def plot_variance_by_position(
         ax.set_title(f"layer {result.layers[row]} ({label_heads})", fontsize=9)
     axes[0, 0].set_ylabel("variance of z (per coordinate)")
     axes[0, 0].legend(fontsize=7)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_discrepancy(result: Any, *, position: int = 0, path: str | Path | None = None) -> Any:
@@ -97,4 +87,4 @@ def plot_discrepancy(result: Any, *, position: int = 0, path: str | Path | None 
         ax.set_yticklabels([str(layer) for layer in result.layers], fontsize=6 if n_layers > 16 else 8)
         ax.set_title(f"{title}: position {position} / rest", fontsize=9)
         fig.colorbar(image, ax=ax)
-    return _finish(fig, path)
+    return finish(fig, path)

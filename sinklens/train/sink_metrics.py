@@ -21,7 +21,8 @@ from sinklens.analysis.sinks import SinkReducer
 from sinklens.analysis.variance import VarianceReducer
 from sinklens.hooks import RESID_POST, hook_name, layer_of, model_device, model_dims
 from sinklens.inputs import TokenBatch
-from sinklens.streaming import HookFn, Reducer, stream
+from sinklens.options import RunOptions
+from sinklens.streaming import BatchFold, HookFn, Reducer, per_layer_hooks, stream
 
 class FirstTokenNormReducer(Reducer):
     """Streams ``blocks.{l}.hook_resid_post`` norms at position 0 and at later valid positions.
@@ -34,25 +35,26 @@ class FirstTokenNormReducer(Reducer):
     def __init__(self, model: Any):
         dims = model_dims(model)
         self.n_layers = dims.n_layers
-        device = model_device(model)
-        self.sums = torch.zeros(2, dims.n_layers, dtype=torch.float64, device=device)  # first, later
-        self.counts = torch.zeros(2, dtype=torch.float64, device=device)  # sequences, later positions
+        self.device = model_device(model)
+        self.reset()
 
-    def fwd_hooks(self, batch: TokenBatch) -> list[tuple[str, HookFn]]:
+    def reset(self) -> None:
+        self.sums = torch.zeros(2, self.n_layers, dtype=torch.float64, device=self.device)  # first, later
+        self.counts = torch.zeros(2, dtype=torch.float64, device=self.device)  # sequences, later positions
+
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         later = batch.valid[:, 1:].to(torch.float64)
 
-        def resid(act: Tensor, hook: Any) -> None:  # act: [batch, pos, d_model]
+        def resid(act: Tensor, layer: int) -> None:  # act: [batch, pos, d_model]
             norms = act.float().norm(dim=-1).double()
-            layer = layer_of(hook.name)
             self.sums[0, layer] += norms[:, 0].sum()
             self.sums[1, layer] += (norms[:, 1:] * later).sum()
 
-        self._later = later
-        return [(hook_name(layer, RESID_POST), resid) for layer in range(self.n_layers)]
+        return BatchFold(per_layer_hooks(RESID_POST, range(self.n_layers), resid), state=later)
 
-    def end_batch(self, batch: TokenBatch) -> None:
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.counts[0] += batch.tokens.shape[0]
-        self.counts[1] += self._later.sum()
+        self.counts[1] += fold.state.sum()
 
     def result(self) -> Float[Tensor, " layer"]:
         return ((self.sums[0] / self.counts[0]) / (self.sums[1] / self.counts[1])).float().cpu()
@@ -126,9 +128,9 @@ def evaluate(
         sinks, norms, variance = stream(
             model,
             batches,
-            [SinkReducer(model, eps=threshold, min_query=1, top_k=0), FirstTokenNormReducer(model), VarianceReducer(model)],
-            extra_hooks=extra_hooks,
-            progress=False,
+            [SinkReducer(model, sink_threshold=threshold, min_query=1, top_k=0), FirstTokenNormReducer(model),
+             VarianceReducer(model)],
+            options=RunOptions(extra_hooks=extra_hooks, progress=False),
         )
     finally:
         model.train(was_training)

@@ -1,0 +1,225 @@
+"""Query–key locking: how well the sink token's key lines up with the other positions' queries.
+
+Per layer × head: the share of query energy along the sink key, whether the sink key lies in the
+principal query directions, and how often queries score the sink key positively compared with
+other keys (see :class:`QKLocking`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from sinklens.analysis._common import TINY as _TINY
+from sinklens.analysis._common import check_sink_position, sink_position_arg
+from sinklens.errors import InvalidArgumentError
+from sinklens.export import to_json
+from sinklens.hooks import K, Q, SCORES, expand_kv_heads, hook_name, model_device, model_dims, resolve_layers
+from sinklens.inputs import Inputs, TokenBatch
+from sinklens.options import RunOptions
+from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
+from sinklens.validate import positive_int
+
+#: Rotary models expose the rotated queries/keys (what the scores are made of) under these sites.
+ROT_Q = "attn.hook_rot_q"
+ROT_K = "attn.hook_rot_k"
+
+
+@dataclass
+class QKLocking:
+    """Query–key locking per layer × head (see the module docstring).
+
+    Queries are those of valid positions ``q > sink_position`` (the ones that can attend to the sink);
+    queries/keys are the rotated ones (``hook_rot_q``/``hook_rot_k``) on rotary models, else ``hook_q``/``hook_k``,
+    with grouped-query keys repeated per query head.
+
+    Attributes:
+        key_query_energy: ``Σ (q · k̂_sink)² / Σ ||q||²`` pooled over sequences and queries, ``k̂_sink`` the unit
+            sink key of the same sequence: the share of query energy along the sink key (in [0, 1]).
+        key_pc_cosine: norm of the projection of the unit mean sink key onto the top ``n_components``
+            eigenvectors of the pooled query second-moment matrix ``Σ q qᵀ`` (the principal query directions,
+            i.e. top right-singular vectors of the stacked queries); 1 = the key lies in that subspace.
+        pc_energy: share of query energy in those top ``n_components`` directions.
+        pos_share_sink / pos_share_other: share of positive pre-softmax scores (``hook_attn_scores``) of those
+            queries against the sink key / against every other valid causal key.
+        mean_score_sink / mean_score_other: the corresponding mean scores.
+    """
+
+    layers: list[int]
+    sink_position: int
+    n_components: int
+    q_site: str
+    k_site: str
+    key_query_energy: Float[Tensor, "layer head"]
+    key_pc_cosine: Float[Tensor, "layer head"]
+    pc_energy: Float[Tensor, "layer head"]
+    pos_share_sink: Float[Tensor, "layer head"]
+    pos_share_other: Float[Tensor, "layer head"]
+    mean_score_sink: Float[Tensor, "layer head"]
+    mean_score_other: Float[Tensor, "layer head"]
+    n_queries: int
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per layer × head with every statistic (DataFrame-ready)."""
+        out = []
+        names = ("key_query_energy", "key_pc_cosine", "pc_energy", "pos_share_sink", "pos_share_other",
+                 "mean_score_sink", "mean_score_other")
+        for i, layer in enumerate(self.layers):
+            for h in range(self.key_query_energy.shape[1]):
+                out.append({"layer": layer, "head": h} | {n: float(getattr(self, n)[i, h]) for n in names})
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_json({"layers": self.layers, "sink_position": self.sink_position, "n_components": self.n_components,
+                        "q_site": self.q_site, "k_site": self.k_site, "n_queries": self.n_queries, "rows": self.rows()})
+
+
+@dataclass
+class _QKBatch:
+    """Per-batch state of :class:`QKLockingReducer`."""
+
+    n_sink_queries: float  # queries that can see the sink
+    n_other_pairs: float  # (query, other valid causal key) pairs
+    pending: dict[tuple[int, str], Tensor] = field(default_factory=dict)
+
+
+class QKLockingReducer(Reducer[QKLocking]):
+    """Streams queries, the sink key and the attention scores into :class:`QKLocking`.
+
+    Keeps per layer × head the pooled query second-moment matrix ``[d_head, d_head]``, the summed sink key,
+    the query energy along each sequence's sink key and counts/sums of scores. A sequence's query Gram
+    matrices live only until its sink key has been seen in the same forward.
+    """
+
+    def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None, n_components: int = 1):
+        d = model_dims(model)
+        n_components = positive_int(n_components, what="n_components")
+        if n_components > d.d_head:
+            raise InvalidArgumentError(f"n_components must be in [1, {d.d_head}] (d_head), got {n_components}.")
+        self.layers = resolve_layers(layers, d.n_layers)
+        self.row = {layer: i for i, layer in enumerate(self.layers)}
+        self.sink, self.n_components, self.n_heads, self.d_head = sink_position_arg(sink_position), n_components, d.n_heads, d.d_head
+        rotary = hook_name(self.layers[0], ROT_Q) in model.hook_dict
+        self.q_site, self.k_site = (ROT_Q, ROT_K) if rotary else (Q, K)
+        self.device = model_device(model)
+        self.reset()
+
+    def reset(self) -> None:
+        f64 = dict(device=self.device, dtype=torch.float64)
+        n, H, dh = len(self.layers), self.n_heads, self.d_head
+        self.gram = torch.zeros(n, H, dh, dh, **f64)
+        self.key_sum = torch.zeros(n, H, dh, **f64)
+        self.along = torch.zeros(n, H, **f64)
+        self.total = torch.zeros(n, H, **f64)
+        self.pos_sink = torch.zeros(n, H, **f64)
+        self.pos_other = torch.zeros(n, H, **f64)
+        self.sum_sink = torch.zeros(n, H, **f64)
+        self.sum_other = torch.zeros(n, H, **f64)
+        self.cnt_sink = 0.0
+        self.cnt_other = 0.0
+
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        check_sink_position(batch, self.sink)
+        s, valid = self.sink, batch.valid
+        n = valid.shape[1]
+        pos = torch.arange(n, device=valid.device)
+        qmask = valid & (pos > s)[None]  # [batch, query]
+        causal = pos[:, None] >= pos[None, :]
+        other_keys = qmask[:, :, None] & valid[:, None, :] & causal[None] & (pos != s)[None, None, :]  # [b, q, k]
+        state = _QKBatch(float(qmask.sum()), float(other_keys.sum()))
+
+        def pair(i: int, kind: str, value: Tensor) -> None:
+            """A sequence's query Gram matrices wait (per batch) until its sink key is seen, or vice versa."""
+            state.pending[(i, kind)] = value
+            if (i, "q") in state.pending and (i, "k") in state.pending:
+                gram, key = state.pending.pop((i, "q")), state.pending.pop((i, "k"))
+                unit = key / key.norm(dim=-1, keepdim=True).clamp_min(_TINY)
+                self.along[i] += torch.einsum("bhi,bhij,bhj->h", unit, gram, unit).double()
+
+        def fold_q(act: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]
+            i = self.row[layer]
+            q = act.float() * qmask[:, :, None, None]
+            qt = q.permute(0, 2, 3, 1)  # [batch, head, d_head, pos]
+            gram = qt @ qt.transpose(-1, -2)  # [batch, head, d_head, d_head]
+            self.gram[i] += gram.sum(0).double()
+            self.total[i] += gram.diagonal(dim1=-2, dim2=-1).sum(dim=(0, -1)).double()
+            pair(i, "q", gram)
+
+        def fold_k(act: Tensor, layer: int) -> None:  # [batch, pos, kv_head, d_head]
+            i = self.row[layer]
+            key = expand_kv_heads(act[:, s].float()[..., None], self.n_heads)[..., 0]  # [batch, head, d_head]
+            self.key_sum[i] += key.sum(0).double()
+            pair(i, "k", key)
+
+        def fold_scores(act: Tensor, layer: int) -> None:  # [batch, head, query, key]
+            i = self.row[layer]
+            sc = act.float()
+            at_sink = sc[:, :, :, s]
+            m = qmask[:, None].float()
+            self.pos_sink[i] += ((at_sink > 0).float() * m).sum(dim=(0, 2)).double()
+            self.sum_sink[i] += (at_sink * m).sum(dim=(0, 2)).double()
+            mo = other_keys[:, None]
+            self.pos_other[i] += ((sc > 0) & mo).sum(dim=(0, 2, 3)).double()
+            self.sum_other[i] += torch.where(mo, sc, 0.0).sum(dim=(0, 2, 3)).double()
+
+        hooks = (per_layer_hooks(self.q_site, self.layers, fold_q) + per_layer_hooks(self.k_site, self.layers, fold_k)
+                 + per_layer_hooks(SCORES, self.layers, fold_scores))
+        return BatchFold(hooks, state=state)
+
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        state: _QKBatch = fold.state
+        if state.pending:
+            raise RuntimeError(f"Query/key hooks did not both run for {sorted(state.pending)} in this forward.")
+        self.cnt_sink += state.n_sink_queries
+        self.cnt_other += state.n_other_pairs
+
+    def result(self) -> QKLocking:
+        # Many small eigenproblems: one thread is ~10x faster than several on CPU (thread start-up dominates).
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            evals, evecs = torch.linalg.eigh(self.gram)  # ascending; [layer, head, dh], [layer, head, dh, dh]
+        finally:
+            torch.set_num_threads(threads)
+        top = evecs[..., -self.n_components :]  # [layer, head, dh, r]
+        key = self.key_sum / self.key_sum.norm(dim=-1, keepdim=True).clamp_min(_TINY)
+        cos = torch.einsum("lhi,lhir->lhr", key, top).norm(dim=-1)
+        pc_energy = evals[..., -self.n_components :].sum(-1) / evals.sum(-1).clamp_min(_TINY)
+        nan = float("nan")
+        cs, co = self.cnt_sink or nan, self.cnt_other or nan
+        return QKLocking(
+            layers=list(self.layers), sink_position=self.sink, n_components=self.n_components,
+            q_site=self.q_site, k_site=self.k_site,
+            key_query_energy=(self.along / self.total.clamp_min(_TINY)).float().cpu(),
+            key_pc_cosine=cos.float().cpu(), pc_energy=pc_energy.float().cpu(),
+            pos_share_sink=(self.pos_sink / cs).float().cpu(), pos_share_other=(self.pos_other / co).float().cpu(),
+            mean_score_sink=(self.sum_sink / cs).float().cpu(), mean_score_other=(self.sum_other / co).float().cpu(),
+            n_queries=int(self.cnt_sink),
+        )
+
+
+def query_key_locking(
+    model: Any,
+    inputs: Inputs | None = None,
+    *,
+    sink_position: int = 0,
+    layers: int | Sequence[int] | None = None,
+    n_components: int = 1,
+    options: RunOptions = RunOptions(),
+) -> QKLocking:
+    """Measure query–key locking on the sink key per layer × head (see :class:`QKLocking`).
+
+    Examples:
+        >>> from sinklens.testing.planted import planted_model
+        >>> model, spec = planted_model(n_layers=2, layer=0, qk_layer=1, qk_head=1)
+        >>> lock = query_key_locking(model, "t3 t4 t5 t6 t7 t8")
+        >>> float(lock.pos_share_sink[1, 1]), bool(lock.key_pc_cosine[1, 1] > 0.9)
+        (1.0, True)
+    """
+    reducer = QKLockingReducer(model, sink_position=sink_position, layers=layers, n_components=n_components)
+    return run(model, inputs, reducer, options=options)[0]

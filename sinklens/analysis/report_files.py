@@ -1,0 +1,65 @@
+"""Writing a :class:`~sinklens.analysis.report.SinkReport` to a folder: ``report.json`` (strict JSON,
+written atomically through :func:`sinklens.export.write_json`), ``summary.txt`` and PNG figures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from sinklens.export import write_json, write_text_atomic
+from sinklens.validate import writable_dir
+
+if TYPE_CHECKING:
+    from sinklens.analysis.report import SinkReport
+
+
+def save_report(report: SinkReport, out_dir: str | Path, *, figures: bool = True) -> list[Path]:
+    """Write ``report.json``, ``summary.txt`` and (unless ``figures=False``) PNG figures; return the paths.
+
+    Each file is written to a temporary file and renamed into place, so an interrupted save never
+    leaves a half-written ``report.json`` (an earlier complete one stays as it was).
+    """
+    from sinklens.analysis.report_text import format_summary
+
+    out = writable_dir(out_dir, what="out_dir")
+    data = report.to_dict()  # computed before anything is written
+    text = format_summary(report) + "\n"
+    written = [write_json(out / "report.json", data, digits=None, indent=1), write_text_atomic(out / "summary.txt", text)]
+    if figures:
+        written += save_figures(report, out)
+    return written
+
+
+def figure_makers(report: SinkReport) -> dict[str, Callable[[], Any]]:
+    """File name -> function drawing that figure of the report (a matplotlib Figure)."""
+    from sinklens.plotting import disparity, neurons, sinks, variance
+
+    p = report.sink_position
+    makers: dict[str, Callable[[], Any]] = {
+        "attention_to_sink.png": lambda: sinks.plot_sink_heatmap(report.sinks, position=p),
+        "sink_rate.png": lambda: sinks.plot_sink_rate(report.sinks, position=p),
+        "attention_by_position.png": lambda: sinks.plot_received_by_position(report.sinks),
+        "variance_by_position.png": lambda: variance.plot_variance_by_position(report.variance),
+        "variance_discrepancy.png": lambda: variance.plot_discrepancy(report.variance, position=p),
+        "massive_activations.png": lambda: disparity.plot_massive_by_layer(report.massive),
+    }
+    if report.neurons.dims:
+        makers["super_neurons.png"] = lambda: neurons.plot_contributions(report.neurons)
+        makers["massive_dim_path.png"] = lambda: neurons.plot_dim_path(report.neurons)
+    makers["w_out_sparsity.png"] = lambda: neurons.plot_row_sparsity(report.neurons)
+    return makers
+
+
+def save_figures(report: SinkReport, out_dir: str | Path) -> list[Path]:
+    """Save every figure of the report as PNG into ``out_dir``."""
+    import matplotlib.pyplot as plt
+
+    from sinklens.plotting.style import save_figure
+
+    out = writable_dir(out_dir, what="out_dir")
+    paths = []
+    for name, make in figure_makers(report).items():
+        fig = make()
+        paths.append(save_figure(fig, out / name))
+        plt.close(fig)
+    return paths

@@ -1,0 +1,92 @@
+"""The text layout of a :class:`~sinklens.analysis.report.SinkReport`: a summary a reader can scan.
+
+Pure functions of the report's public fields; nothing here computes a new number.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from sinklens.analysis.report import SinkReport
+
+
+def format_summary(report: SinkReport, *, timing: bool = True) -> str:
+    """A readable text report: top sinks, sink rate and variance by layer, massive dimensions, super neurons.
+
+    ``timing=False`` leaves out the wall time, so the text is reproducible (tutorials, tests).
+    """
+    p = report.sink_position
+    h = report.headline()
+    lines = [
+        f"sinklens report — {report.model_name}",
+        f"{report.n_sequences} sequences, {report.n_tokens} tokens, BOS {'prepended' if report.prepend_bos else 'not prepended'}"
+        + (f"; analysed in {report.seconds:.1f} s" if timing else ""),
+        "",
+        f"Sink positions: {h['sink_positions']}   sink rate at position {p} (sink_threshold={report.sinks.sink_threshold}): {h['sink_rate']:.3f}   "
+        f"mean attention received: {h['mean_attention_to_sink']:.3f}",
+    ]
+    top = report.sinks.top_sinks(5)
+    if top:
+        lines.append("Top sink tokens at later positions: " + ", ".join(
+            f"{r['token']!r} ({r['mean_received']:.3f})" if r.get("token") is not None else f"id {r['token_id']}"
+            for r in top))
+    lines += ["", table(
+        ["layer", "sink rate", "attn to sink", "var ratio z", "var ratio zW_O", "norm ratio", "max |x| sink"],
+        layer_rows(report),
+    )]
+    dims = h["massive_dims"]
+    rule = " and ".join(
+        ([f"|x| > {report.massive.abs_threshold:g}"] if report.massive.abs_threshold is not None else [])
+        + ([f"|x| > {report.massive.rel_threshold:g}x the median |x|"] if report.massive.rel_threshold is not None else [])
+    )
+    lines += ["", f"Massive dimensions at position {p}: {dims or 'none'} ({rule})"]
+    for path in report.neurons.paths:
+        neurons = ", ".join(f"L{l}N{n} ({c:+.1f})" for l, n, c in path.top_neurons[:3])
+        erased = f"erased in block {path.erase_layer}" if path.erase_layer is not None else "never erased"
+        lines.append(
+            f"  dim {path.dim}: peak {path.peak_value:+.1f} at stream {path.peak_layer}, written in block "
+            f"{path.write_layer} (attention share {path.attn_share:.2f}), {erased}; top neurons: {neurons}"
+        )
+    supers = report.neurons.super_neurons()
+    lines += ["", f"Super neurons (|act at sink| outlier): {len(supers)}"]
+    for layer, neuron in supers[:8]:
+        row = report.neurons.neuron_row(layer, neuron)
+        lines.append(
+            f"  L{layer} N{neuron}: act at sink {row['sink_act']:+.2f} ({row['position_ratio']:.0f}x its RMS elsewhere), "
+            f"W_out kurtosis {row['row_kurtosis']:.0f}, top-{report.neurons.row_top_k} mass {row['row_top_share']:.2f}"
+        )
+    lock = report.locking
+    lines += [
+        "",
+        f"Query-key locking (head median): share of positive scores against the sink "
+        f"{float(lock.pos_share_sink.nanmedian()):.2f} vs other keys {float(lock.pos_share_other.nanmedian()):.2f}; "
+        f"sink key in the top query directions: cosine {float(lock.key_pc_cosine.nanmedian()):.2f}",
+    ]
+    return "\n".join(lines)
+
+
+def layer_rows(report: SinkReport) -> list[list[str]]:
+    """One row of formatted numbers per analysed layer (the summary's table)."""
+    p = report.sink_position
+    rate = report.sinks.sink_rate_by_layer(position=p)
+    attn = torch.nanmean(report.sinks.received[:, :, p], dim=1)
+    disc_z = report.variance.discrepancy(p).nanmedian(dim=1).values
+    disc_r = report.variance.discrepancy(p, of="result").nanmedian(dim=1).values
+    rows = []
+    for i, layer in enumerate(report.sinks.layers):
+        stream_row = report.massive.streams.index(layer) if layer in report.massive.streams else None
+        norm = float(report.massive.norm_ratio[stream_row, p]) if stream_row is not None else float("nan")
+        max_x = float(report.massive.max_abs_sink[stream_row].max()) if stream_row is not None else float("nan")
+        rows.append([str(layer), f"{float(rate[i]):.2f}", f"{float(attn[i]):.3f}", f"{float(disc_z[i]):.2f}",
+                     f"{float(disc_r[i]):.2f}", f"{norm:.1f}", f"{max_x:.1f}"])
+    return rows
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(header)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths)), *(fmt.format(*r) for r in rows)])

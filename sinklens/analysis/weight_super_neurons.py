@@ -1,0 +1,219 @@
+"""Super neurons from weights alone: which FFN neurons *could* write a massive dimension at the sink.
+
+:func:`super_neurons_from_weights` needs no forward pass: each FFN neuron's read vectors
+(``W_in[l, :, n]``, ``W_gate[l, :, n]``) and write vector (``W_out[l, n, :]``) are compared with its
+layer's typical neuron (norm / median norm), and the channel sparsity of its ``W_out`` row is
+measured. Given a :class:`SinkInput` from one cheap forward (:func:`sink_inputs`: the sink token's
+mean ``ln2.hook_normalized``), it adds the cosine between that input and each read vector.
+
+``hook_normalized`` is the normalised vector *before* the norm's learned gain (and bias), on every
+TransformerLens version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from sinklens.analysis._common import TINY as _TINY
+from sinklens.analysis._common import check_sink_position, once_per_forward, row_index, sink_position_arg
+from sinklens.analysis.neurons import row_sparsity
+from sinklens.errors import InvalidArgumentError
+from sinklens.export import to_json
+from sinklens.hooks import LN2_NORMALIZED, model_device, model_dims, resolve_layers, weight
+from sinklens.inputs import Inputs, TokenBatch
+from sinklens.options import RunOptions
+from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
+from sinklens.validate import as_int, positive_int
+
+
+def _median_ratio(x: Float[Tensor, "layer neuron"]) -> Float[Tensor, "layer neuron"]:
+    return x / x.median(dim=-1, keepdim=True).values.clamp_min(_TINY)
+
+
+@dataclass
+class SinkInput:
+    """Mean over sequences of a normalised hook (default ``ln2.hook_normalized``) at the sink position."""
+
+    layers: list[int]
+    sink_position: int
+    site: str
+    x: Float[Tensor, "layer d_model"]
+
+
+class SinkInputReducer(Reducer[SinkInput]):
+    """Streams ``blocks.{l}.<site>`` at ``sink_position`` into a per-layer mean (:class:`SinkInput`)."""
+
+    def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None, site: str = LN2_NORMALIZED):
+        dims = model_dims(model)
+        self.layers = resolve_layers(layers, dims.n_layers)
+        self.row = {layer: i for i, layer in enumerate(self.layers)}
+        self.sink, self.site = sink_position_arg(sink_position), site
+        self.d_model, self.device = dims.d_model, model_device(model)
+        self.reset()
+
+    def reset(self) -> None:
+        self.sums = torch.zeros(len(self.layers), self.d_model, device=self.device, dtype=torch.float64)
+        self.n = 0
+
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        check_sink_position(batch, self.sink)
+
+        def fold(act: Tensor, layer: int) -> None:  # [batch, pos, d_model]
+            self.sums[self.row[layer]] += act[:, self.sink].double().sum(0)
+
+        # TL 3.x runs ln1.hook_normalized once per q/k/v input: fold the first call only.
+        return BatchFold(per_layer_hooks(self.site, self.layers, once_per_forward(fold)))
+
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        self.n += batch.valid.shape[0]
+
+    def result(self) -> SinkInput:
+        if self.n == 0:
+            raise InvalidArgumentError("No batches were streamed; nothing to summarise.")
+        return SinkInput(list(self.layers), self.sink, self.site, (self.sums / self.n).float().cpu())
+
+
+def sink_inputs(
+    model: Any,
+    inputs: Inputs | None = None,
+    *,
+    sink_position: int = 0,
+    layers: int | Sequence[int] | None = None,
+    options: RunOptions = RunOptions(),
+) -> SinkInput:
+    """Mean ``ln2.hook_normalized`` at ``sink_position`` per layer (the input every FFN neuron reads there)."""
+    reducer = SinkInputReducer(model, sink_position=sink_position, layers=layers)
+    return run(model, inputs, reducer, options=options)[0]
+
+
+@dataclass
+class WeightNeurons:
+    """Weight-only super-neuron statistics per layer × neuron (see the module docstring).
+
+    Attributes:
+        in_norm / gate_norm / out_norm: L2 norms of ``W_in[l, :, n]``, ``W_gate[l, :, n]`` (None without a gated
+            MLP) and ``W_out[l, n, :]``; ``*_ratio``: the same divided by the layer's median neuron.
+        out_kurtosis / out_top_share: channel sparsity of ``W_out[l, n, :]`` (kurtosis; share of its squared norm
+            in the ``row_top_k`` largest entries).
+        score: ``in_norm_ratio × gate_norm_ratio × out_norm_ratio`` (gate factor 1 when not gated): how much
+            larger than typical the neuron's read and write vectors are. Ranking key of :meth:`top`.
+        align_in / align_gate: cosine between the sink's mean ``ln2.hook_normalized`` and ``W_in[l, :, n]`` /
+            ``W_gate[l, :, n]`` (None unless a :class:`SinkInput` was given).
+        dims / out_dim_weight: ``W_out[l, n, d]`` for each requested dimension ``d``.
+    """
+
+    layers: list[int]
+    in_norm: Float[Tensor, "layer neuron"]
+    gate_norm: Float[Tensor, "layer neuron"] | None
+    out_norm: Float[Tensor, "layer neuron"]
+    in_norm_ratio: Float[Tensor, "layer neuron"]
+    gate_norm_ratio: Float[Tensor, "layer neuron"] | None
+    out_norm_ratio: Float[Tensor, "layer neuron"]
+    out_kurtosis: Float[Tensor, "layer neuron"]
+    out_top_share: Float[Tensor, "layer neuron"]
+    row_top_k: int
+    score: Float[Tensor, "layer neuron"]
+    align_in: Float[Tensor, "layer neuron"] | None
+    align_gate: Float[Tensor, "layer neuron"] | None
+    dims: list[int]
+    out_dim_weight: Float[Tensor, "layer neuron n_dims"]
+    sink_position: int | None = None
+
+    def top(self, k: int = 10) -> list[tuple[int, int, float]]:
+        """``(layer, neuron, score)`` of the ``k`` highest-scoring neurons."""
+        vals, idx = self.score.flatten().topk(min(k, self.score.numel()))
+        n = self.score.shape[1]
+        return [(self.layers[int(i) // n], int(i) % n, float(v)) for i, v in zip(idx, vals)]
+
+    def neuron_row(self, layer: int, neuron: int) -> dict[str, Any]:
+        """All statistics of one neuron as a dict."""
+        r = row_index(self.layers, layer)
+        row: dict[str, Any] = {"layer": layer, "neuron": neuron}
+        for name in ("in_norm", "gate_norm", "out_norm", "in_norm_ratio", "gate_norm_ratio", "out_norm_ratio",
+                     "out_kurtosis", "out_top_share", "score", "align_in", "align_gate"):
+            t = getattr(self, name)
+            row[name] = None if t is None else float(t[r, neuron])
+        for j, d in enumerate(self.dims):
+            row[f"out_weight_{d}"] = float(self.out_dim_weight[r, neuron, j])
+        return row
+
+    def rows(self, k: int = 20) -> list[dict[str, Any]]:
+        """DataFrame-ready rows of the ``k`` top-scoring neurons, with their rank."""
+        return [{"rank": i} | self.neuron_row(l, n) for i, (l, n, _) in enumerate(self.top(k))]
+
+    def to_dict(self, k: int = 20) -> dict[str, Any]:
+        return to_json({"layers": self.layers, "dims": self.dims, "row_top_k": self.row_top_k,
+                        "sink_position": self.sink_position, "rows": self.rows(k)})
+
+
+def _cosine_rows(x: Float[Tensor, "layer d"], w: Float[Tensor, "layer d neuron"]) -> Float[Tensor, "layer neuron"]:
+    num = torch.einsum("ld,ldn->ln", x, w)
+    return num / (x.norm(dim=-1, keepdim=True) * w.norm(dim=1)).clamp_min(_TINY)
+
+
+def super_neurons_from_weights(
+    model: Any,
+    *,
+    layers: int | Sequence[int] | None = None,
+    dims: list[int] | None = None,
+    sink_input: SinkInput | None = None,
+    row_top_k: int = 1,
+    w_out_sparsity: tuple[Tensor, Tensor] | None = None,
+) -> WeightNeurons:
+    """Rank FFN neurons as super-neuron candidates from their weights alone (no forward pass).
+
+    Args:
+        layers: model layers to analyse (None = all).
+        dims: residual dimensions whose ``W_out`` entries to report (e.g. the massive dims).
+        sink_input: a :class:`SinkInput` (from :func:`sink_inputs`) to add the read-vector alignments.
+        row_top_k: entries counted in ``out_top_share``.
+        w_out_sparsity: ``(kurtosis, top-k share)`` of these layers' ``W_out`` rows, as
+            :func:`sinklens.analysis.neurons.row_sparsity` gives them, if already computed.
+
+    Examples:
+        >>> from sinklens.testing.planted import planted_model
+        >>> model, spec = planted_model(n_layers=2, layer=0, neuron=7, dim=5)
+        >>> super_neurons_from_weights(model).top(1)[0][:2]
+        (0, 7)
+    """
+    d = model_dims(model)
+    layer_list = resolve_layers(layers, d.n_layers)
+    if not 1 <= positive_int(row_top_k, what="row_top_k") <= d.d_model:
+        raise InvalidArgumentError(f"row_top_k must be in [1, {d.d_model}] (d_model), got {row_top_k}.")
+    dims = [as_int(x, what="dims") for x in (dims or [])]
+    bad = [x for x in dims if not 0 <= x < d.d_model]
+    if bad:
+        raise InvalidArgumentError(f"dims {bad} are out of range for d_model={d.d_model} (0..{d.d_model - 1}).")
+    W_in = weight(model, "W_in")[layer_list].float().cpu()  # [layer, d_model, neuron]
+    W_out = weight(model, "W_out")[layer_list].float().cpu()  # [layer, neuron, d_model]
+    try:
+        W_gate = weight(model, "W_gate")[layer_list].float().cpu()
+    except AttributeError:
+        W_gate = None
+    in_norm, out_norm = W_in.norm(dim=1), W_out.norm(dim=-1)
+    gate_norm = None if W_gate is None else W_gate.norm(dim=1)
+    in_ratio, out_ratio = _median_ratio(in_norm), _median_ratio(out_norm)
+    gate_ratio = None if gate_norm is None else _median_ratio(gate_norm)
+    score = in_ratio * out_ratio * (gate_ratio if gate_ratio is not None else 1.0)
+    # Reuse (kurtosis, top-k share) of these W_out rows when the caller already has them (analyze does).
+    kurt, share = w_out_sparsity if w_out_sparsity is not None else row_sparsity(W_out, row_top_k)
+    align_in = align_gate = None
+    if sink_input is not None:
+        missing = [l for l in layer_list if l not in sink_input.layers]
+        if missing:
+            raise InvalidArgumentError(f"sink_input has no layers {missing}; it covers {sink_input.layers}.")
+        x = sink_input.x[[sink_input.layers.index(l) for l in layer_list]].float()
+        align_in = _cosine_rows(x, W_in)
+        align_gate = None if W_gate is None else _cosine_rows(x, W_gate)
+    return WeightNeurons(
+        layers=layer_list, in_norm=in_norm, gate_norm=gate_norm, out_norm=out_norm, in_norm_ratio=in_ratio,
+        gate_norm_ratio=gate_ratio, out_norm_ratio=out_ratio, out_kurtosis=kurt, out_top_share=share,
+        row_top_k=row_top_k, score=score, align_in=align_in, align_gate=align_gate, dims=dims,
+        out_dim_weight=W_out[:, :, dims], sink_position=None if sink_input is None else sink_input.sink_position,
+    )
