@@ -44,3 +44,25 @@ def smollm2():
     from sinklens.loading import load_model
 
     return load_model("smollm2-135m", device="cpu")
+
+
+@pytest.fixture
+def fused_attention_model():
+    """A model that has a ``hook_pattern`` (like one with fused SDPA attention) but never runs it."""
+    from transformer_lens import HookedRootModule
+    from transformer_lens.hook_points import HookPoint
+
+    class FusedAttentionModel(HookedRootModule):
+        def __init__(self):
+            super().__init__()
+            self.cfg = type("Cfg", (), {"n_layers": 1, "n_heads": 1, "d_head": 2, "d_model": 2, "n_ctx": 8, "d_vocab": 4})()
+            self.embed = torch.nn.Embedding(4, 2)
+            self.blocks = torch.nn.ModuleList([torch.nn.Module()])
+            self.blocks[0].attn = torch.nn.Module()
+            self.blocks[0].attn.hook_pattern = HookPoint()
+            self.setup()
+
+        def forward(self, tokens, return_type=None):
+            return self.embed(tokens)
+
+    return FusedAttentionModel()

@@ -9,29 +9,29 @@ from sinklens.analysis.report import analyze
 from sinklens.analysis.sinks import find_sinks
 from sinklens.analysis.variance import measure_variance
 from sinklens.cli import main
+from sinklens.options import RunOptions
+from sinklens.testing import TINY_PROMPTS, no_hooks_left
 
-PROMPTS = ["t5 t6 t7 t8 t9 t10 t11", "t3 t4 t5 t6", "t9 t9 t9 t2 t3 t4 t5 t6 t7 t8"]
+QUIET = RunOptions(progress=False)
 
-
-def _no_hooks_left(model) -> bool:
-    return all(not hp.fwd_hooks and not hp.bwd_hooks for hp in model.hook_dict.values())
+PROMPTS = TINY_PROMPTS
 
 
 @pytest.mark.models
 def test_one_shared_pass_equals_each_analyzer_alone(tiny):
-    report = analyze(tiny, PROMPTS, batch_size=2, progress=False, abs_threshold=None, rel_threshold=3.0)
-    alone_sinks = find_sinks(tiny, PROMPTS, batch_size=2, progress=False)
-    alone_var = measure_variance(tiny, PROMPTS, batch_size=2, progress=False)
+    report = analyze(tiny, PROMPTS, abs_threshold=None, rel_threshold=3.0, options=QUIET.replace(batch_size=2))
+    alone_sinks = find_sinks(tiny, PROMPTS, options=QUIET.replace(batch_size=2))
+    alone_var = measure_variance(tiny, PROMPTS, options=QUIET.replace(batch_size=2))
     torch.testing.assert_close(report.sinks.received, alone_sinks.received, equal_nan=True)
     torch.testing.assert_close(report.variance.z_var, alone_var.z_var, equal_nan=True)
     assert report.n_sequences == 3
     assert report.n_tokens == sum(len(p.split()) + 1 for p in PROMPTS)
-    assert _no_hooks_left(tiny)
+    assert no_hooks_left(tiny)
 
 
 @pytest.mark.models
 def test_report_saves_json_summary_and_figures(tiny, tmp_path):
-    report = analyze(tiny, PROMPTS, progress=False, abs_threshold=None, rel_threshold=3.0)
+    report = analyze(tiny, PROMPTS, abs_threshold=None, rel_threshold=3.0, options=QUIET)
     written = report.save(tmp_path)
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["n_sequences"] == 3 and data["prepend_bos"] is True
@@ -75,7 +75,7 @@ def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_
     of their mass on one channel."""
     from sinklens.inputs import stdlib_text_prompts
 
-    report = analyze(smollm2, stdlib_text_prompts(8), max_length=48, progress=False)
+    report = analyze(smollm2, stdlib_text_prompts(8), options=QUIET.replace(max_length=48))
     assert report.sinks.sink_positions == [0]
     assert report.sinks.sink_rate(position=0) > 0.5
     late = report.sinks.received[12:, :, 0]

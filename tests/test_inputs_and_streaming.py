@@ -7,6 +7,10 @@ import sinklens
 from sinklens.errors import PatternNotExposedError, SequenceTooLongError, UnknownHookError
 from sinklens.inputs import as_batches, random_token_batches, stdlib_text_prompts, tokenize_prompts
 from sinklens.streaming import BatchFold, Reducer, stream
+from sinklens.testing import attached_hook_count
+from sinklens.options import RunOptions
+
+QUIET = RunOptions(progress=False)
 
 pytestmark = pytest.mark.models
 
@@ -25,7 +29,7 @@ def test_sequences_longer_than_the_context_are_refused_or_truncated(tiny_llama):
     with pytest.raises(SequenceTooLongError, match="81 tokens.*64"):
         as_batches(tiny_llama, [long_prompt])
     with pytest.raises(SequenceTooLongError):
-        sinklens.find_sinks(tiny_llama, [long_prompt], progress=False)
+        sinklens.find_sinks(tiny_llama, [long_prompt], options=QUIET)
     with pytest.raises(SequenceTooLongError):
         as_batches(tiny_llama, torch.zeros(2, 65, dtype=torch.long))
     with pytest.raises(SequenceTooLongError):
@@ -71,20 +75,16 @@ class _Raises(Reducer):
         return None
 
 
-def _hooks_attached(model) -> int:
-    return sum(len(hp.fwd_hooks) + len(hp.bwd_hooks) for hp in model.hook_dict.values())
-
-
 def test_a_hook_that_raises_leaves_no_hook_behind(tiny_llama):
     with pytest.raises(RuntimeError, match="boom"):
-        stream(tiny_llama, as_batches(tiny_llama, ["t3 t4"]), [_Raises()], progress=False)
-    assert _hooks_attached(tiny_llama) == 0
+        stream(tiny_llama, as_batches(tiny_llama, ["t3 t4"]), [_Raises()], options=QUIET)
+    assert attached_hook_count(tiny_llama) == 0
 
 
 def test_unknown_hook_names_are_caught_before_the_forward(tiny_llama):
     with pytest.raises(UnknownHookError, match="did you mean 'blocks.0.hook_resid_pre'"):
-        stream(tiny_llama, as_batches(tiny_llama, ["t3"]), [], extra_hooks=[("blocks.0.hook_resid_pr", lambda a, hook: None)],
-               progress=False)
+        stream(tiny_llama, as_batches(tiny_llama, ["t3"]), [],
+               options=QUIET.replace(extra_hooks=[("blocks.0.hook_resid_pr", lambda a, hook: None)]))
 
 
 class _NeverFires(_Raises):
@@ -92,11 +92,9 @@ class _NeverFires(_Raises):
         return BatchFold([("blocks.0.attn.hook_pattern", lambda act, hook: None)])
 
 
-def test_a_hook_that_never_runs_is_reported():
-    from test_loading import _FusedAttentionModel  # has hook_pattern, never runs it (like fused SDPA)
-
-    model = _FusedAttentionModel()
+def test_a_hook_that_never_runs_is_reported(fused_attention_model):
+    model = fused_attention_model  # has hook_pattern, never runs it (like fused SDPA)
     batches = as_batches(model, torch.zeros(1, 3, dtype=torch.long))
     with pytest.raises(PatternNotExposedError, match="never ran"):
-        stream(model, batches, [_NeverFires()], progress=False)
-    assert _hooks_attached(model) == 0
+        stream(model, batches, [_NeverFires()], options=QUIET)
+    assert attached_hook_count(model) == 0

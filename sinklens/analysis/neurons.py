@@ -100,7 +100,7 @@ class SuperNeuronSettings:
     """
 
     sink_position: int = 0
-    dims: tuple[int, ...] | None = None
+    dims: Sequence[int] | None = None
     position_threshold: float = 10.0
     neuron_threshold: float = 10.0
     dim_threshold: float = 100.0

@@ -25,7 +25,7 @@ def _rows(result: Any, layers: Sequence[int] | None) -> list[int]:
 
 
 def _heads(result: Any, heads: int | Sequence[int] | None) -> list[int]:
-    return optional_index_list(heads, result.z_var.shape[1], what="head", allow_negative=False)
+    return optional_index_list(heads, result.z_var.shape[1], what="heads", allow_negative=False)
 
 
 def plot_variance_by_position(

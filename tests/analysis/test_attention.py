@@ -4,6 +4,9 @@ import torch
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.inputs import as_batches
 from sinklens.streaming import stream
+from sinklens.options import RunOptions
+
+QUIET = RunOptions(progress=False)
 
 pytestmark = pytest.mark.models
 
@@ -11,7 +14,7 @@ pytestmark = pytest.mark.models
 def test_streamed_attention_received_equals_full_cache(tiny):
     prompts = ["t3 t4 t5 t6 t7 t8", "t9 t10", "t11 t12 t13 t14", "t2 t2 t2 t2 t2 t2 t2 t2 t2"]
     batches = as_batches(tiny, prompts, batch_size=3)
-    (got,) = stream(tiny, batches, [AttentionReceivedReducer(tiny, min_query=1)], progress=False)
+    (got,) = stream(tiny, batches, [AttentionReceivedReducer(tiny, min_query=1)], options=QUIET)
 
     # Reference: one sequence at a time, full cache, plain loops.
     sums = torch.zeros(got.received.shape[0], got.received.shape[1], 10, dtype=torch.float64)

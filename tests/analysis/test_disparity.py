@@ -8,6 +8,9 @@ from sinklens.analysis.disparity import MassiveActivationsReducer, find_massive_
 from sinklens.inputs import as_batches
 from sinklens.streaming import stream
 from sinklens.testing.planted import planted_model
+from sinklens.options import RunOptions
+
+QUIET = RunOptions(progress=False)
 
 pytestmark = pytest.mark.models
 
@@ -21,14 +24,16 @@ def planted(request):
 
 def test_planted_massive_activation_found_exactly(planted):
     model, spec = planted
-    found = find_massive_activations(model, PROMPTS, abs_threshold=100.0, rel_threshold=300.0, batch_size=2)
+    found = find_massive_activations(model, PROMPTS, abs_threshold=100.0, rel_threshold=300.0, options=QUIET.replace(batch_size=2))
     assert found.massive_dims("sink") == [spec.dim]
     assert found.massive_dims("other") == []
     # Written by block 0's MLP: massive in the inputs of blocks 1 and 2, erased by block 2.
-    assert found.first_layer(spec.dim) == spec.layer + 1
+    assert found.first_stream(spec.dim) == spec.layer + 1
+    with pytest.warns(DeprecationWarning):
+        assert found.first_layer(spec.dim) == spec.layer + 1 and found.layers == found.streams == [0, 1, 2, 3]
     assert found.count_sink[:, spec.dim].tolist() == [0, len(PROMPTS), len(PROMPTS), 0]
     assert found.count_sink.sum() == 2 * len(PROMPTS)
-    assert {(r["layer"], r["position"], r["dim"]) for r in found.rows()} == {(1, 0, spec.dim), (2, 0, spec.dim)}
+    assert {(r["stream"], r["position"], r["dim"]) for r in found.rows()} == {(1, 0, spec.dim), (2, 0, spec.dim)}
     assert all(r["abs"] > 100 and r["ratio"] > 300 for r in found.rows())
     # The sink token's norm dwarfs the others and sits in one dimension from layer 1 on.
     assert (found.norm_ratio[1:3, 0] > 100).all()
@@ -84,7 +89,7 @@ def test_streaming_equals_full_cache(tiny, thresholds):
     batches = as_batches(tiny, PROMPTS, batch_size=2)
     assert any((~b.valid).any() for b in batches)  # padding is exercised
     reducer = MassiveActivationsReducer(tiny, abs_threshold=abs_thr, rel_threshold=rel_thr, top_k=2)
-    (got,) = stream(tiny, batches, [reducer], progress=False)
+    (got,) = stream(tiny, batches, [reducer], options=QUIET)
     ref = _reference(tiny, PROMPTS, abs_thr, rel_thr, 2)
     torch.testing.assert_close(got.count_sink, ref["count_sink"])
     torch.testing.assert_close(got.count_other, ref["count_other"])
@@ -97,7 +102,7 @@ def test_streaming_equals_full_cache(tiny, thresholds):
     torch.testing.assert_close(got.topk_energy, ref["energy"])
     # every event is a real exceedance location of the reference
     for row in got.rows():
-        s = got.layers.index(row["layer"])
+        s = got.streams.index(row["stream"])
         assert abs(row["value"]) == pytest.approx(float(ref["max_abs"][s, row["position"], row["dim"]]))
     assert got.n_events == len(got.rows())
 
@@ -105,7 +110,7 @@ def test_streaming_equals_full_cache(tiny, thresholds):
 def test_result_serialises_and_plots(tiny, tmp_path):
     import json
 
-    found = find_massive_activations(tiny, PROMPTS, abs_threshold=None, rel_threshold=3.0, max_rows=3)
+    found = find_massive_activations(tiny, PROMPTS, abs_threshold=None, rel_threshold=3.0, max_rows=3, options=QUIET)
     assert len(found.rows()) == min(3, found.n_events)
     text = json.dumps(found.to_dict(), allow_nan=False)
     assert "massive_dims_sink" in text

@@ -3,17 +3,15 @@ import json
 import pytest
 import torch
 
-from sinklens.analysis.links import (
-    NormalizedDisparityReducer,
-    QKLockingReducer,
-    normalized_disparity,
-    query_key_locking,
-    sink_inputs,
-    super_neurons_from_weights,
-)
+from sinklens.analysis.normalized_disparity import NormalizedDisparityReducer, normalized_disparity
+from sinklens.analysis.qk_locking import QKLockingReducer, query_key_locking
+from sinklens.analysis.weight_super_neurons import sink_inputs, super_neurons_from_weights
 from sinklens.inputs import as_batches
 from sinklens.streaming import stream
 from sinklens.testing.planted import planted_model
+from sinklens.options import RunOptions
+
+QUIET = RunOptions(progress=False)
 
 pytestmark = pytest.mark.models
 
@@ -35,7 +33,7 @@ def test_weight_only_link_finds_planted_neuron(planted):
     row = weights.neuron_row(spec.layer, spec.neuron)
     assert row["out_top_share"] == pytest.approx(1.0) and row["out_weight_5"] > 0
     # With one forward: the sink's normalised MLP input points along the planted read vector.
-    linked = super_neurons_from_weights(model, dims=[spec.dim], sink_input=sink_inputs(model, PROMPTS[:2]))
+    linked = super_neurons_from_weights(model, dims=[spec.dim], sink_input=sink_inputs(model, PROMPTS[:2], options=QUIET))
     r = linked.layers.index(spec.layer)
     assert linked.align_in[r, spec.neuron] > 0.7
     assert linked.align_in[r].abs().argmax() == spec.neuron
@@ -47,7 +45,7 @@ def test_weight_only_link_finds_planted_neuron(planted):
 
 def test_normalized_disparity_large_at_sink_only(planted):
     model, spec = planted
-    nd = normalized_disparity(model, PROMPTS, batch_size=2)
+    nd = normalized_disparity(model, PROMPTS, options=QUIET.replace(batch_size=2))
     for layer in (1, 2):  # blocks after the writer read the massive dimension
         assert nd.top_dim(layer) == spec.dim
         # LayerNorm's mean removal caps a one-hot vector's ratio at d_model - 1 = 15; RMSNorm does not.
@@ -65,7 +63,7 @@ def test_normalized_disparity_large_at_sink_only(planted):
 
 def test_normalized_disparity_streaming_equals_full_cache(tiny):
     batches = as_batches(tiny, PROMPTS, batch_size=2)
-    (got,) = stream(tiny, batches, [NormalizedDisparityReducer(tiny)], progress=False)
+    (got,) = stream(tiny, batches, [NormalizedDisparityReducer(tiny)], options=QUIET)
     L, D = tiny.cfg.n_layers, tiny.cfg.d_model
     sink, other, n_other = torch.zeros(L, D), torch.zeros(L, D), 0
     for prompt in PROMPTS:
@@ -83,7 +81,7 @@ def test_normalized_disparity_streaming_equals_full_cache(tiny):
 
 def test_query_key_locking_planted(planted):
     model, spec = planted
-    lock = query_key_locking(model, PROMPTS, batch_size=2)
+    lock = query_key_locking(model, PROMPTS, options=QUIET.replace(batch_size=2))
     for name in ("key_query_energy", "key_pc_cosine", "pc_energy", "pos_share_sink", "pos_share_other"):
         t = getattr(lock, name)
         assert t.shape == (3, model.cfg.n_heads)
@@ -101,7 +99,7 @@ def test_query_key_locking_planted(planted):
 
 def test_query_key_locking_streaming_equals_full_cache(tiny):
     batches = as_batches(tiny, PROMPTS, batch_size=2)
-    (got,) = stream(tiny, batches, [QKLockingReducer(tiny, n_components=2)], progress=False)
+    (got,) = stream(tiny, batches, [QKLockingReducer(tiny, n_components=2)], options=QUIET)
     rotary = "blocks.0.attn.hook_rot_q" in tiny.hook_dict
     qn, kn = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")
     L, H, dh = tiny.cfg.n_layers, tiny.cfg.n_heads, tiny.cfg.d_head

@@ -14,6 +14,9 @@ from sinklens.analysis.neurons import (
 from sinklens.inputs import as_batches
 from sinklens.streaming import stream
 from sinklens.testing.planted import planted_model
+from sinklens.options import RunOptions
+
+QUIET = RunOptions(progress=False)
 
 pytestmark = pytest.mark.models
 
@@ -27,7 +30,7 @@ def planted(request):
 
 def test_planted_super_neuron_found_exactly(planted):
     model, spec = planted
-    found = find_super_neurons(model, PROMPTS, batch_size=2)
+    found = find_super_neurons(model, PROMPTS, options=QUIET.replace(batch_size=2))
     assert found.dims == [spec.dim]  # detected, not given
     (layer, neuron, contrib) = found.top(spec.dim, 1)[0]
     assert (layer, neuron) == (spec.layer, spec.neuron)
@@ -65,7 +68,7 @@ def test_streaming_equals_full_cache(tiny):
     batches = as_batches(tiny, PROMPTS, batch_size=2)
     assert any((~b.valid).any() for b in batches)
     dims = [1, 3]
-    (got,) = stream(tiny, batches, [SuperNeuronReducer(tiny, dims=dims, sink_position=1)], progress=False)
+    (got,) = stream(tiny, batches, [SuperNeuronReducer(tiny, dims=dims, sink_position=1)], options=QUIET)
     L, m = tiny.cfg.n_layers, tiny.cfg.d_mlp
     sink_sum, other_sq, other_max, n_other = torch.zeros(L, m), torch.zeros(L, m), torch.zeros(L, m), 0
     resid = torch.zeros(L + 1, tiny.cfg.d_model)

@@ -7,6 +7,9 @@ import torch
 from sinklens.analysis.sinks import SinkReducer, find_sinks
 from sinklens.inputs import TokenBatch, as_batches
 from sinklens.streaming import stream
+from sinklens.options import RunOptions
+
+QUIET = RunOptions(progress=False)
 
 pytestmark = pytest.mark.models
 
@@ -62,7 +65,7 @@ def _reference(model, prompts, eps, min_queries, min_query=1):
 
 def test_streamed_sinks_equal_full_cache(tiny):
     eps, min_queries = 0.15, 3
-    got = find_sinks(tiny, PROMPTS, eps=eps, min_queries=min_queries, batch_size=2, progress=False)
+    got = find_sinks(tiny, PROMPTS, sink_threshold=eps, min_query_count=min_queries, options=QUIET.replace(batch_size=2))
     frac, seqs, first, later = _reference(tiny, PROMPTS, eps, min_queries)
     assert frac.sum() > 0  # the threshold is low enough that some heads count as sink heads
     torch.testing.assert_close(got.seq_sink_frac, frac.float())
@@ -94,14 +97,14 @@ def test_planted_sink_position_is_found(tiny, sink):
         return _causal_scores(scores, boost)
 
     result = find_sinks(
-        tiny, tokens, extra_hooks=[("blocks.0.attn.hook_attn_scores", plant)], batch_size=5, progress=False
+        tiny, tokens, options=QUIET.replace(extra_hooks=[("blocks.0.attn.hook_attn_scores", plant)], batch_size=5)
     )
     assert result.sink_positions == [sink]
     torch.testing.assert_close(result.sink_rate_by_layer(position=sink), torch.tensor([1.0, 0.0]))
     torch.testing.assert_close(result.sink_rate_by_layer(0.3, sink, method="mean"), torch.tensor([1.0, 0.0]))
     assert result.sink_rate(position=sink) == pytest.approx(0.5)
     # Layer 0 sends (almost) all attention of queries that see the sink to it.
-    assert float(result.received[0, :, sink].min()) > 0.99 if sink else True
+    assert float(result.received[0, :, sink].min()) > 0.99
     if sink:
         assert result.sink_rate(position=0) == 0.0
         assert {o.position for o in result.top_occurrences[:12]} == {sink}  # one per sequence
@@ -114,7 +117,7 @@ def test_uniform_attention_has_no_sink(tiny_llama):
         return _causal_scores(scores)
 
     hooks = [(f"blocks.{layer}.attn.hook_attn_scores", uniform) for layer in range(2)]
-    result = find_sinks(tiny_llama, tokens, extra_hooks=hooks, progress=False)
+    result = find_sinks(tiny_llama, tokens, options=QUIET.replace(extra_hooks=hooks))
     assert result.sink_positions == []
     assert result.sink_rate(position=0) == 0.0
     # received[k] under uniform attention is the mean of 1/(q+1) over queries q >= max(k, 1).
@@ -135,7 +138,7 @@ def test_position_independent_sink_token(tiny_llama):
         return _causal_scores(scores, tokens == 7)
 
     batch = TokenBatch(tokens, torch.ones_like(tokens, dtype=torch.bool), True)
-    result = find_sinks(tiny_llama, [batch], extra_hooks=[("blocks.0.attn.hook_attn_scores", plant)], progress=False)
+    result = find_sinks(tiny_llama, [batch], options=QUIET.replace(extra_hooks=[("blocks.0.attn.hook_attn_scores", plant)]))
     top = result.top_sinks(3)
     assert top[0]["token_id"] == 7 and top[0]["token"] == "t7"
     assert top[0]["count"] == 16
@@ -144,9 +147,9 @@ def test_position_independent_sink_token(tiny_llama):
 
 
 def test_padding_matches_one_sequence_at_a_time(tiny):
-    together = find_sinks(tiny, PROMPTS, eps=0.15, batch_size=5, progress=False)
+    together = find_sinks(tiny, PROMPTS, sink_threshold=0.15, options=QUIET.replace(batch_size=5))
     alone = [b for p in PROMPTS for b in as_batches(tiny, [p])]
-    (single,) = stream(tiny, alone, [SinkReducer(tiny, eps=0.15)], progress=False)
+    (single,) = stream(tiny, alone, [SinkReducer(tiny, sink_threshold=0.15)], options=QUIET)
     for name in ("received", "n_queries", "seq_sink_frac", "n_sequences_at"):
         torch.testing.assert_close(getattr(together, name), getattr(single, name), equal_nan=True, rtol=1e-5, atol=1e-6)
     for name in ("first_tokens", "later_tokens"):
@@ -157,9 +160,9 @@ def test_padding_matches_one_sequence_at_a_time(tiny):
 
 
 def test_exports_and_plots(tiny_llama, tmp_path):
-    result = find_sinks(tiny_llama, PROMPTS, eps=0.15, progress=False)
-    payload = json.loads(json.dumps(result.to_dict()))
-    assert payload["eps"] == 0.15 and len(payload["received"]) == 2
+    result = find_sinks(tiny_llama, PROMPTS, sink_threshold=0.15, options=QUIET)
+    payload = json.loads(json.dumps(result.to_dict(), allow_nan=False))
+    assert payload["settings"]["sink_threshold"] == 0.15 and len(payload["received"]) == 2
     assert len(result.rows()) == result.received.numel()
     assert {r["position"] for r in result.summary_rows()} >= {0}
     for method, name in ((result.plot, "heat.png"), (result.plot_sink_rate, "rate.png"), (result.plot_received, "recv.png")):
@@ -171,8 +174,9 @@ def test_exports_and_plots(tiny_llama, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(eps=0.0), "eps must be in the open interval"),
-        (dict(eps=1.5), "eps must be in the open interval"),
+        (dict(sink_threshold=0.0), r"sink_threshold must be in \(0, 1\), got 0"),
+        (dict(sink_threshold=1.5), r"sink_threshold must be in \(0, 1\), got 1.5"),
+        (dict(eps=1.5), r"sink_threshold must be in \(0, 1\), got 1.5"),  # the deprecated name
         (dict(layers=[7]), "out of range"),
         (dict(min_query=-1), "min_query"),
         (dict(min_head_share=0.0), "min_head_share"),
@@ -181,15 +185,32 @@ def test_exports_and_plots(tiny_llama, tmp_path):
 )
 def test_bad_arguments(tiny_llama, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        find_sinks(tiny_llama, PROMPTS[:1], progress=False, **kwargs)
+        find_sinks(tiny_llama, PROMPTS[:1], options=QUIET, **kwargs)
 
 
 def test_bad_queries(tiny_llama):
-    result = find_sinks(tiny_llama, PROMPTS[:2], progress=False)
-    with pytest.raises(ValueError, match="recorded at eps=0.3"):
+    result = find_sinks(tiny_llama, PROMPTS[:2], options=QUIET)
+    with pytest.raises(ValueError, match="recorded at sink_threshold=0.3"):
         result.sink_rate(0.5)
     assert 0.0 <= result.sink_rate(0.5, method="mean") <= 1.0
     with pytest.raises(ValueError, match="out of range"):
         result.sink_rate(position=99)
     with pytest.raises((ValueError, TypeError), match="method"):  # TypeError: runtime type checks under pytest
         result.sink_rate(method="median")
+
+
+def test_deprecated_names_warn_and_mean_the_same(tiny_llama):
+    new = find_sinks(tiny_llama, PROMPTS, sink_threshold=0.15, min_query_count=3, options=QUIET)
+    with pytest.warns(DeprecationWarning, match="eps= is deprecated"):
+        old = find_sinks(tiny_llama, PROMPTS, eps=0.15, min_queries=3, options=QUIET)
+    torch.testing.assert_close(old.seq_sink_frac, new.seq_sink_frac)
+    assert old.settings == new.settings
+    with pytest.warns(DeprecationWarning, match="use .sink_threshold"):
+        assert old.eps == 0.15
+    with pytest.warns(DeprecationWarning):
+        reducer = SinkReducer(tiny_llama, eps=0.2, min_query=0, top_k=4)  # the constructor other areas call
+    assert (reducer.settings.sink_threshold, reducer.settings.min_query, reducer.settings.top_k) == (0.2, 0, 4)
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        find_sinks(tiny_llama, PROMPTS, epsilon=0.2, options=QUIET)
+    with pytest.raises(ValueError, match="both sink_threshold=0.2 and its deprecated name eps=0.3"):
+        find_sinks(tiny_llama, PROMPTS, sink_threshold=0.2, eps=0.3, options=QUIET)

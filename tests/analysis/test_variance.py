@@ -8,6 +8,9 @@ from sinklens.analysis.variance import VarianceReducer, measure_variance
 from sinklens.hooks import weight
 from sinklens.inputs import as_batches, random_token_batches
 from sinklens.streaming import stream
+from sinklens.options import RunOptions
+
+QUIET = RunOptions(progress=False)
 
 pytestmark = pytest.mark.models
 
@@ -41,7 +44,7 @@ def _centred_var(per_seq, n_coords=None):
 
 
 def test_streamed_variance_equals_full_cache(tiny):
-    got = measure_variance(tiny, PROMPTS, batch_size=4, progress=False)
+    got = measure_variance(tiny, PROMPTS, options=QUIET.replace(batch_size=4))
     n_layers, n_heads = tiny.cfg.n_layers, tiny.cfg.n_heads
     w_o = weight(tiny, "W_O").double()
     names = ("hook_z", "hook_v", "hook_pattern", "hook_attn_out")
@@ -85,7 +88,7 @@ def test_uniform_attention_follows_sigma_over_t_plus_one(tiny_llama):
     positional term), so with attention forced uniform Var(z_t) = σ_v² / (t + 1) exactly in expectation."""
     batches = random_token_batches(tiny_llama, n_sequences=1024, seq_len=16, batch_size=256, seed=0)
     got = measure_variance(
-        tiny_llama, batches, layers=[0], extra_hooks=[("blocks.0.attn.hook_attn_scores", _uniform)], progress=False
+        tiny_llama, batches, layers=[0], options=QUIET.replace(extra_hooks=[("blocks.0.attn.hook_attn_scores", _uniform)])
     )
     t = torch.arange(16)
     # The measured pattern is exactly uniform, so both predictions coincide.
@@ -97,7 +100,7 @@ def test_uniform_attention_follows_sigma_over_t_plus_one(tiny_llama):
     # Centring on the overall mean loses nothing here: E z_t is the same at every position.
     torch.testing.assert_close(got.z_var_seq, got.z_var, rtol=0.05, atol=0.0)
     # Position 0 is one value, later ones average several: the discrepancy follows the law.
-    expected = got.discrepancy(0, of="z") / got._ratio_of(got.pred_uniform, 0)
+    expected = got.discrepancy(0, of="z") / got.ratio_of(got.pred_uniform, 0)
     assert float((expected - 1).abs().max()) < 0.15
 
 
@@ -112,7 +115,7 @@ def test_without_forcing_the_law_is_only_approximate(tiny_llama):
 
     batches = random_token_batches(tiny_llama, n_sequences=256, seq_len=8, batch_size=256, seed=1)
     got = measure_variance(
-        tiny_llama, batches, layers=[0], extra_hooks=[("blocks.0.attn.hook_attn_scores", diagonal)], progress=False
+        tiny_llama, batches, layers=[0], options=QUIET.replace(extra_hooks=[("blocks.0.attn.hook_attn_scores", diagonal)])
     )
     torch.testing.assert_close(got.attn_sq[0], torch.ones(4, 8))
     ratio = got.z_var[0] / got.value_var[0][:, None]
@@ -121,15 +124,15 @@ def test_without_forcing_the_law_is_only_approximate(tiny_llama):
 
 
 def test_padding_matches_one_sequence_at_a_time(tiny):
-    together = measure_variance(tiny, PROMPTS, batch_size=6, progress=False)
+    together = measure_variance(tiny, PROMPTS, options=QUIET.replace(batch_size=6))
     alone = [b for p in PROMPTS for b in as_batches(tiny, [p])]
-    (single,) = stream(tiny, alone, [VarianceReducer(tiny)], progress=False)
+    (single,) = stream(tiny, alone, [VarianceReducer(tiny)], options=QUIET)
     for name in ("z_var", "z_var_seq", "result_var", "attn_out_var", "value_var", "attn_sq", "counts"):
         torch.testing.assert_close(getattr(together, name), getattr(single, name), rtol=1e-5, atol=1e-7, msg=name)
 
 
 def test_exports_and_plots(tiny_llama, tmp_path):
-    got = measure_variance(tiny_llama, PROMPTS, progress=False)
+    got = measure_variance(tiny_llama, PROMPTS, options=QUIET)
     payload = json.loads(json.dumps(got.to_dict()))
     assert len(payload["discrepancy_z"]) == 2 and len(payload["discrepancy_z"][0]) == 4
     assert len(got.rows()) == got.z_var.numel()
@@ -142,8 +145,8 @@ def test_exports_and_plots(tiny_llama, tmp_path):
 
 def test_bad_arguments(tiny_llama):
     with pytest.raises(ValueError, match="out of range"):
-        measure_variance(tiny_llama, PROMPTS[:1], layers=[5], progress=False)
-    got = measure_variance(tiny_llama, PROMPTS[:2], progress=False)
+        measure_variance(tiny_llama, PROMPTS[:1], layers=[5], options=QUIET)
+    got = measure_variance(tiny_llama, PROMPTS[:2], options=QUIET)
     with pytest.raises(ValueError, match="out of range"):
         got.discrepancy(40)
     with pytest.raises((ValueError, TypeError), match="of"):
