@@ -140,7 +140,7 @@ def resolve_layers(layers: int | Sequence[int] | None, n_layers: int) -> list[in
     """
     from sinklens.validate import optional_index_list
 
-    return optional_index_list(layers, n_layers, what="layer")
+    return optional_index_list(layers, n_layers, what="Layer")
 
 
 def expand_kv_heads(weight: Float[Tensor, "... kv_head a b"], n_heads: int) -> Float[Tensor, "... head a b"]:

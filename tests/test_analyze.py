@@ -88,3 +88,40 @@ def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_
     assert report.neurons.neuron_row(11, 1229)["row_top_share"] > 0.9
     assert float(report.massive.norm_ratio[12, 0]) > 50
     report.save(tmp_path, figures=False)
+
+
+@pytest.mark.models
+def test_an_interrupted_save_leaves_the_previous_report_whole(tiny_llama, tmp_path, monkeypatch):
+    import os
+
+    first = analyze(tiny_llama, PROMPTS[:2], abs_threshold=None, rel_threshold=3.0, options=QUIET)
+    first.save(tmp_path, figures=False)
+    before = (tmp_path / "report.json").read_text()
+    second = analyze(tiny_llama, PROMPTS, abs_threshold=None, rel_threshold=3.0, options=QUIET)
+
+    def interrupted(fd):  # the process dies after part of the new file was written, before it is renamed
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        second.save(tmp_path, figures=False)
+    monkeypatch.undo()
+    assert (tmp_path / "report.json").read_text() == before  # the earlier complete report, untouched
+    assert json.loads(before)["n_sequences"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "summary.txt"]  # no temporary left
+    second.save(tmp_path, figures=False)
+    assert json.loads((tmp_path / "report.json").read_text())["n_sequences"] == 3
+
+
+@pytest.mark.models
+def test_run_keywords_of_sinklens_0_1_still_work_with_a_warning(tiny_llama):
+    new = analyze(tiny_llama, PROMPTS, abs_threshold=None, rel_threshold=3.0, options=QUIET.replace(batch_size=2))
+    with pytest.warns(DeprecationWarning, match=r"analyze\(batch_size=, progress=\) is deprecated"):
+        old = analyze(tiny_llama, PROMPTS, abs_threshold=None, rel_threshold=3.0, batch_size=2, progress=False)
+    torch.testing.assert_close(old.sinks.received, new.sinks.received, equal_nan=True)
+    assert old.settings == new.settings and old.settings["batch_size"] == 2
+    with pytest.warns(DeprecationWarning, match="eps= is deprecated"):
+        assert analyze(tiny_llama, PROMPTS, eps=0.2, options=QUIET, abs_threshold=None,
+                       rel_threshold=3.0).sinks.sink_threshold == 0.2
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        analyze(tiny_llama, PROMPTS, batchsize=2, options=QUIET)

@@ -6,9 +6,9 @@ import torch
 import sinklens
 from sinklens.errors import PatternNotExposedError, SequenceTooLongError, UnknownHookError
 from sinklens.inputs import as_batches, random_token_batches, stdlib_text_prompts, tokenize_prompts
-from sinklens.streaming import BatchFold, Reducer, stream
-from sinklens.testing import attached_hook_count
 from sinklens.options import RunOptions
+from sinklens.streaming import BatchFold, Reducer, stream
+from sinklens.testing import TINY_PROMPTS, attached_hook_count
 
 QUIET = RunOptions(progress=False)
 
@@ -98,3 +98,35 @@ def test_a_hook_that_never_runs_is_reported(fused_attention_model):
     with pytest.raises(PatternNotExposedError, match="never ran"):
         stream(model, batches, [_NeverFires()], options=QUIET)
     assert attached_hook_count(model) == 0
+
+
+def test_reset_makes_a_reducer_reusable(tiny_llama):
+    from sinklens.analysis.disparity import MassiveActivationsReducer
+    from sinklens.analysis.neurons import SuperNeuronReducer
+    from sinklens.analysis.normalized_disparity import NormalizedDisparityReducer
+    from sinklens.analysis.qk_locking import QKLockingReducer
+    from sinklens.analysis.sinks import SinkReducer
+    from sinklens.analysis.variance import VarianceReducer
+
+    reducers = [SinkReducer(tiny_llama), VarianceReducer(tiny_llama), NormalizedDisparityReducer(tiny_llama),
+                MassiveActivationsReducer(tiny_llama, abs_threshold=None, rel_threshold=3.0),
+                SuperNeuronReducer(tiny_llama), QKLockingReducer(tiny_llama)]
+    first = sinklens.run(tiny_llama, TINY_PROMPTS, *reducers, options=QUIET)
+    for reducer in reducers:
+        reducer.reset()
+    again = sinklens.run(tiny_llama, TINY_PROMPTS, *reducers, options=QUIET)
+    assert (first[0].n_sequences, again[0].n_sequences) == (3, 3)  # not 6: the statistics were zeroed
+    torch.testing.assert_close(again[0].received, first[0].received, equal_nan=True)
+    torch.testing.assert_close(again[1].z_var, first[1].z_var, equal_nan=True)
+    torch.testing.assert_close(again[2].ratio_sink, first[2].ratio_sink)
+    torch.testing.assert_close(again[3].count_sink, first[3].count_sink)
+    torch.testing.assert_close(again[4].sink_act, first[4].sink_act)
+    torch.testing.assert_close(again[5].key_query_energy, first[5].key_query_energy)
+
+
+def test_old_links_module_still_imports_with_a_warning():
+    from sinklens.analysis.qk_locking import query_key_locking
+
+    with pytest.warns(DeprecationWarning, match="import query_key_locking from sinklens.analysis.qk_locking"):
+        from sinklens.analysis.links import query_key_locking as old
+    assert old is query_key_locking

@@ -123,6 +123,22 @@ def renamed(kwargs: dict[str, Any], old: str, new: str, value: Any, default: Any
     return value
 
 
+_RUN_FIELDS = ("batch_size", "prepend_bos", "max_length", "extra_hooks", "progress", "device", "desc")
+
+
+def options_from_legacy(options: Any, kwargs: dict[str, Any], where: str, *, last: bool = True) -> Any:
+    """``options`` with any sinklens-0.1 run keywords (``batch_size=``, ``progress=``, ...) popped from
+    ``kwargs`` folded in, with a :class:`DeprecationWarning`. With ``last`` no other keyword may be left."""
+    legacy = {name: kwargs.pop(name) for name in _RUN_FIELDS if name in kwargs}
+    if last:
+        no_unknown_kwargs(kwargs, where)
+    if not legacy:
+        return options
+    warnings.warn(f"{where}({', '.join(f'{k}=' for k in legacy)}) is deprecated; pass options=RunOptions(...).",
+                  DeprecationWarning, stacklevel=3)
+    return options.replace(**legacy)
+
+
 def no_unknown_kwargs(kwargs: dict[str, Any], where: str) -> None:
     """Raise ``TypeError`` like Python does if keywords are left over after the deprecated ones were popped."""
     if kwargs:

@@ -31,6 +31,7 @@ from sinklens.analysis._common import (
     check_sink_position,
     grow,
     no_unknown_kwargs,
+    options_from_legacy,
     renamed,
     resolve_streams,
     row_index,
@@ -449,6 +450,7 @@ def find_massive_activations(
         >>> found.massive_dims("sink"), found.first_stream(5), found.massive_dims("other")
         ([5], 1, [])
     """
+    options = options_from_legacy(options, deprecated, "find_massive_activations", last=False)
     streams = renamed(deprecated, "layers", "streams", streams, None)
     no_unknown_kwargs(deprecated, "find_massive_activations")
     settings = MassiveSettings(abs_threshold, rel_threshold, sink_position, top_k, max_rows)

@@ -34,7 +34,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
-from sinklens.analysis._common import check_sink_position, resolve_streams, row_index, sink_position_arg, stream_hook
+from sinklens.analysis._common import check_sink_position, options_from_legacy, resolve_streams, row_index, sink_position_arg, stream_hook
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, model_device, model_dims, resolve_layers, weight
@@ -434,6 +434,7 @@ def find_super_neurons(
     top_k: int = SuperNeuronSettings.top_k,
     row_top_k: int = SuperNeuronSettings.row_top_k,
     options: RunOptions = RunOptions(),
+    **deprecated: Any,
 ) -> SuperNeurons:
     """Find super neurons at ``sink_position`` and the blocks/neurons that write each massive dimension.
 
@@ -453,6 +454,7 @@ def find_super_neurons(
         >>> found.dims, found.top(5, 1)[0][:2], found.path(5).write_layer
         ([5], (0, 7), 0)
     """
+    options = options_from_legacy(options, deprecated, "find_super_neurons")
     settings = SuperNeuronSettings(
         sink_position=sink_position, dims=None if dims is None else tuple(dims), position_threshold=position_threshold,
         neuron_threshold=neuron_threshold, dim_threshold=dim_threshold, max_dims=max_dims,

@@ -17,7 +17,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
-from sinklens.analysis._common import check_sink_position, once_per_forward, row_index, sink_position_arg
+from sinklens.analysis._common import check_sink_position, options_from_legacy, once_per_forward, row_index, sink_position_arg
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import LN1_NORMALIZED, model_device, model_dims, resolve_layers
@@ -126,6 +126,7 @@ def normalized_disparity(
     sink_position: int = 0,
     layers: int | Sequence[int] | None = None,
     options: RunOptions = RunOptions(),
+    **deprecated: Any,
 ) -> NormalizedDisparity:
     """Dimension disparity after each layer's first normalisation, at the sink vs other tokens.
 
@@ -136,5 +137,6 @@ def normalized_disparity(
         >>> nd.top_dim(1), bool(nd.ratio_sink[1, 5] > 100), float(nd.ratio_other[1, 5])
         (5, True, 0.0)
     """
+    options = options_from_legacy(options, deprecated, "normalized_disparity")
     reducer = NormalizedDisparityReducer(model, sink_position=sink_position, layers=layers)
     return run(model, inputs, reducer, options=options)[0]

@@ -16,7 +16,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
-from sinklens.analysis._common import check_sink_position, sink_position_arg
+from sinklens.analysis._common import check_sink_position, options_from_legacy, sink_position_arg
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import K, Q, SCORES, expand_kv_heads, hook_name, model_device, model_dims, resolve_layers
@@ -211,6 +211,7 @@ def query_key_locking(
     layers: int | Sequence[int] | None = None,
     n_components: int = 1,
     options: RunOptions = RunOptions(),
+    **deprecated: Any,
 ) -> QKLocking:
     """Measure query–key locking on the sink key per layer × head (see :class:`QKLocking`).
 
@@ -221,5 +222,6 @@ def query_key_locking(
         >>> float(lock.pos_share_sink[1, 1]), bool(lock.key_pc_cosine[1, 1] > 0.9)
         (1.0, True)
     """
+    options = options_from_legacy(options, deprecated, "query_key_locking")
     reducer = QKLockingReducer(model, sink_position=sink_position, layers=layers, n_components=n_components)
     return run(model, inputs, reducer, options=options)[0]

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from sinklens.analysis._common import options_from_legacy
 from sinklens.analysis.disparity import MassiveActivations, MassiveActivationsReducer, MassiveSettings
 from sinklens.analysis.neurons import SuperNeuronReducer, SuperNeurons, SuperNeuronSettings
 from sinklens.analysis.normalized_disparity import NormalizedDisparity, NormalizedDisparityReducer
@@ -157,6 +158,7 @@ def analyze(
         (2, torch.Size([2, 4]))
     """
     start = time.perf_counter()
+    options = options_from_legacy(options, deprecated, "analyze", last=False)
     sink_settings = SinkSettings.from_kwargs("analyze", deprecated, sink_threshold=sink_threshold,
                                              min_query=SinkSettings.min_query, min_query_count=SinkSettings.min_query_count,
                                              min_head_share=SinkSettings.min_head_share,

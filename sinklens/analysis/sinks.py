@@ -35,7 +35,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from sinklens.analysis._common import no_unknown_kwargs, position_index, renamed
+from sinklens.analysis._common import no_unknown_kwargs, options_from_legacy, position_index, renamed
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, model_dims
@@ -599,6 +599,7 @@ def find_sinks(
         >>> 0.0 <= result.sink_rate(position=0) <= 1.0
         True
     """
+    options = options_from_legacy(options, deprecated, "find_sinks", last=False)
     settings = SinkSettings.from_kwargs(
         "find_sinks", deprecated, sink_threshold=sink_threshold, min_query=min_query,
         min_query_count=min_query_count, min_head_share=min_head_share, outlier_factor=outlier_factor, top_k=top_k,

@@ -60,7 +60,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import grow, position_index
+from sinklens.analysis._common import grow, options_from_legacy, position_index
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import ATTN_OUT, PATTERN, V, Z, model_device, model_dims, resolve_layers, weight
@@ -403,6 +403,7 @@ def measure_variance(
     *,
     layers: int | Sequence[int] | None = None,
     options: RunOptions = RunOptions(),
+    **deprecated: Any,
 ) -> VarianceResult:
     """Measure value-aggregation variance per layer × head × position, with its predictions.
 
@@ -423,5 +424,6 @@ def measure_variance(
         >>> result.z_var.shape, result.discrepancy(0).shape
         (torch.Size([2, 4, 6]), torch.Size([2, 4]))
     """
+    options = options_from_legacy(options, deprecated, "measure_variance")
     (result,) = run(model, inputs, VarianceReducer(model, layers=layers), options=options)
     return result

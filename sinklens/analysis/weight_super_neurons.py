@@ -21,7 +21,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
-from sinklens.analysis._common import check_sink_position, once_per_forward, row_index, sink_position_arg
+from sinklens.analysis._common import check_sink_position, options_from_legacy, once_per_forward, row_index, sink_position_arg
 from sinklens.analysis.neurons import row_sparsity
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
@@ -86,8 +86,10 @@ def sink_inputs(
     sink_position: int = 0,
     layers: int | Sequence[int] | None = None,
     options: RunOptions = RunOptions(),
+    **deprecated: Any,
 ) -> SinkInput:
     """Mean ``ln2.hook_normalized`` at ``sink_position`` per layer (the input every FFN neuron reads there)."""
+    options = options_from_legacy(options, deprecated, "sink_inputs")
     reducer = SinkInputReducer(model, sink_position=sink_position, layers=layers)
     return run(model, inputs, reducer, options=options)[0]
 

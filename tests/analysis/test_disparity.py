@@ -118,6 +118,15 @@ def test_result_serialises_and_plots(tiny, tmp_path):
                              found.plot_positions(tmp_path / "c.png")]):
         assert isinstance(fig, matplotlib.figure.Figure)
     assert (tmp_path / "a.png").stat().st_size > 1000 and (tmp_path / "c.png").exists()
+    sink_line, other_line, median_line = found.plot().axes[0].get_lines()[:3]
+    torch.testing.assert_close(torch.as_tensor(sink_line.get_ydata()), found.max_abs_sink.amax(-1).clamp_min(1e-8))
+    torch.testing.assert_close(torch.as_tensor(other_line.get_ydata()), found.max_abs_other.amax(-1).clamp_min(1e-8))
+    torch.testing.assert_close(torch.as_tensor(median_line.get_ydata()), found.median_abs.clamp_min(1e-8))
+    bars = found.plot_top_dims(k=4).axes[0].patches[:4]  # the sink bars come first
+    assert [b.get_height() for b in bars] == pytest.approx([v for _, v in found.top_dims(found.streams[-1], 4)])
+    ratio_lines = found.plot_positions().axes[0].get_lines()
+    for i, line in enumerate(ratio_lines):
+        torch.testing.assert_close(torch.as_tensor(line.get_ydata()), found.norm_ratio[i], equal_nan=True)
 
 
 @pytest.mark.parametrize(

@@ -118,6 +118,13 @@ def test_result_serialises_and_plots(planted, tmp_path):
     for fig in (found.plot(path=tmp_path / "c.png"), found.plot_sparsity(tmp_path / "s.png"), found.plot_path()):
         assert isinstance(fig, matplotlib.figure.Figure)
     assert (tmp_path / "c.png").stat().st_size > 1000
+    # The bars are the top contributions to the first massive dim, the path is the sink's residual.
+    bars = found.plot(k=3).axes[0].patches
+    assert [b.get_height() for b in bars] == pytest.approx([c for _, _, c in found.top(found.dims[0], 3)])
+    residual = found.plot_path().axes[0].get_lines()[0].get_ydata()
+    torch.testing.assert_close(torch.as_tensor(residual), found.resid_sink[:, found.dims[0]])
+    points = found.plot_sparsity().axes[0].collections[1].get_offsets()  # the super neurons
+    torch.testing.assert_close(torch.as_tensor(points.data[:, 0]).float(), found.row_kurtosis[found.is_super])
 
 
 @pytest.mark.parametrize(

@@ -169,6 +169,17 @@ def test_exports_and_plots(tiny_llama, tmp_path):
         fig = method(tmp_path / name)
         assert isinstance(fig, matplotlib.figure.Figure)
         assert (tmp_path / name).stat().st_size > 0
+    pos = (result.sink_positions or [0])[0]  # the figures show the first detected sink
+    heat = result.plot().axes[0].images[0].get_array()
+    torch.testing.assert_close(torch.as_tensor(heat.data), torch.nan_to_num(result.received[:, :, pos], nan=0.0))
+    rate = result.plot_sink_rate(position=2)
+    torch.testing.assert_close(torch.as_tensor(rate.axes[0].images[0].get_array().data), result.seq_sink_frac[:, :, 2])
+    widths = [bar.get_width() for bar in rate.axes[1].patches]
+    assert widths == pytest.approx(result.sink_rate_by_layer(position=2).tolist())
+    lines = result.plot_received().axes[0].get_lines()
+    for row, line in enumerate(lines[: len(result.layers)]):
+        torch.testing.assert_close(torch.as_tensor(line.get_ydata()), result.received[row].nanmean(dim=0))
+    torch.testing.assert_close(torch.as_tensor(lines[len(result.layers)].get_ydata()), result.mean_received())
 
 
 @pytest.mark.parametrize(

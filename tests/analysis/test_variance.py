@@ -139,8 +139,17 @@ def test_exports_and_plots(tiny_llama, tmp_path):
     assert len(got.summary_rows()) == 2 * 4
     fig = got.plot(tmp_path / "var.png", heads=[0, 1])
     assert isinstance(fig, matplotlib.figure.Figure) and (tmp_path / "var.png").stat().st_size > 0
+    # One panel per layer; its lines are the head-mean measured variance and both predictions.
+    for row, ax in enumerate(fig.axes):
+        measured, pattern, uniform = (line.get_ydata() for line in ax.get_lines())
+        torch.testing.assert_close(torch.as_tensor(measured), got.z_var[row, [0, 1]].mean(0))
+        torch.testing.assert_close(torch.as_tensor(pattern), got.pred_pattern[row, [0, 1]].mean(0))
+        torch.testing.assert_close(torch.as_tensor(uniform), got.pred_uniform[row, [0, 1]].mean(0))
     fig = got.plot_discrepancy(tmp_path / "disc.png")
     assert isinstance(fig, matplotlib.figure.Figure) and (tmp_path / "disc.png").stat().st_size > 0
+    z_image, result_image = (ax.images[0].get_array() for ax in fig.axes if ax.images)
+    torch.testing.assert_close(torch.as_tensor(z_image.data), got.discrepancy(0))
+    torch.testing.assert_close(torch.as_tensor(result_image.data), got.discrepancy(0, of="result"))
 
 
 def test_bad_arguments(tiny_llama):

@@ -11,6 +11,7 @@ from sinklens.inputs import as_batches
 from sinklens.interventions import (
     amplify, block_keys, create_sink, patch_sink, remove_sink, restart, self_only, sweep,
 )
+from sinklens.options import RunOptions
 from sinklens.streaming import stream
 
 pytestmark = pytest.mark.models
@@ -18,8 +19,9 @@ pytestmark = pytest.mark.models
 
 def test_hooks_compose_with_stream(tiny, toks):
     batches = as_batches(tiny, toks)
-    (clean,) = stream(tiny, batches, [AttentionReceivedReducer(tiny, min_query=1)], progress=False)
-    (cut,) = stream(tiny, batches, [AttentionReceivedReducer(tiny, min_query=1)], extra_hooks=block_keys(tiny, positions=0), progress=False)
+    (clean,) = stream(tiny, batches, [AttentionReceivedReducer(tiny, min_query=1)], options=RunOptions(progress=False))
+    (cut,) = stream(tiny, batches, [AttentionReceivedReducer(tiny, min_query=1)],
+                    options=RunOptions(extra_hooks=block_keys(tiny, positions=0), progress=False))
     assert float(clean.at(0).min()) > 0
     assert float(cut.at(0).abs().max()) == 0.0
 
@@ -145,7 +147,7 @@ def test_works_inside_hooks_context_and_leaves_no_hooks(tiny, toks, no_hooks_lef
     with pytest.raises(RuntimeError, match="boom"):
         stream(
             tiny, as_batches(tiny, toks), [AttentionReceivedReducer(tiny)],
-            extra_hooks=hooks + [("blocks.1.hook_resid_pre", boom)], progress=False,
+            options=RunOptions(extra_hooks=hooks + [("blocks.1.hook_resid_pre", boom)], progress=False),
         )
     assert no_hooks_left(tiny)
     with pytest.raises(RuntimeError, match="boom"):

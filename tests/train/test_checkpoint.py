@@ -9,6 +9,7 @@ from _train_cfg import build_cfg
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.errors import ModelFileNotFoundError
 from sinklens.inputs import tokenize_prompts
+from sinklens.options import RunOptions
 from sinklens.streaming import stream
 from sinklens.train.checkpoint import load_trained_model
 from sinklens.train.loop import eval_batches, train
@@ -37,7 +38,7 @@ def test_trained_model_loads_and_streams(tmp_path):
     batches, _ = eval_batches(build_source(cfg.data), cfg, torch.device("cpu"))
     with torch.no_grad():
         torch.testing.assert_close(model(batches[0].tokens), result.model.eval()(batches[0].tokens))
-    (received,) = stream(model, batches, [AttentionReceivedReducer(model)], progress=False)
+    (received,) = stream(model, batches, [AttentionReceivedReducer(model)], options=RunOptions(progress=False))
     assert received.received.shape == (2, 4, cfg.data.seq_len)
     assert torch.isfinite(received.received).all() and (received.received[:, :, 0] > 0).all()
     with pytest.raises(ModelFileNotFoundError, match="not a sinklens run directory"):

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.errors import SequenceTooLongError
 from sinklens.inputs import random_token_batches
+from sinklens.options import RunOptions
 from sinklens.streaming import stream
 from sinklens.train.model import SinkLM
 from sinklens.train.model_config import PRESETS, ModelConfig
@@ -220,7 +221,7 @@ def test_bf16_autocast_forward_and_backward():
 def test_attention_received_reducer_streams_on_sinklm(variant):
     model = build(variant=variant)
     batches = random_token_batches(model, n_sequences=5, seq_len=10, batch_size=2, seed=3)
-    (got,) = stream(model, batches, [AttentionReceivedReducer(model, min_query=2)], progress=False)
+    (got,) = stream(model, batches, [AttentionReceivedReducer(model, min_query=2)], options=RunOptions(progress=False))
     toks = torch.cat([b.tokens for b in batches])
     _, cache = model.run_with_cache(toks, names_filter=lambda n: n.endswith("hook_pattern"))
     for layer in range(2):
