@@ -52,9 +52,9 @@ def _reference(model, batches) -> None:
 
 
 def _analyze(model, batches) -> None:
-    from sinklens import analyze
+    from sinklens import RunOptions, analyze
 
-    analyze(model, batches, progress=False)
+    analyze(model, batches, options=RunOptions(progress=False))
 
 
 def _timed(fn, *args) -> float:
