@@ -9,10 +9,8 @@ from sinklens.analysis.report import analyze
 from sinklens.analysis.sinks import find_sinks
 from sinklens.analysis.variance import measure_variance
 from sinklens.cli import main
-from sinklens.options import RunOptions
-from sinklens.testing import TINY_PROMPTS, no_hooks_left
+from sinklens.testing import QUIET, TINY_PROMPTS, no_hooks_left
 
-QUIET = RunOptions(progress=False)
 
 PROMPTS = TINY_PROMPTS
 

@@ -6,11 +6,9 @@ import torch
 import sinklens
 from sinklens.errors import PatternNotExposedError, SequenceTooLongError, UnknownHookError
 from sinklens.inputs import as_batches, random_token_batches, stdlib_text_prompts, tokenize_prompts
-from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, stream
-from sinklens.testing import TINY_PROMPTS, attached_hook_count
+from sinklens.testing import QUIET, TINY_PROMPTS, attached_hook_count
 
-QUIET = RunOptions(progress=False)
 
 pytestmark = pytest.mark.models
 

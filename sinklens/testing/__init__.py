@@ -2,14 +2,22 @@
 
 * :func:`tiny_model` (:mod:`sinklens.testing.models`): seeded tiny Llama/GPT-2 style models on
   whichever TransformerLens is installed.
-* :func:`no_hooks_left`, :data:`TINY_PROMPTS` (:mod:`sinklens.testing.checks`): shared test checks.
+* :func:`no_hooks_left`, :data:`TINY_PROMPTS`, :data:`VARIED_PROMPTS`, :data:`PLANTED_PROMPTS`, :data:`QUIET`
+  (:mod:`sinklens.testing.checks`): shared test checks, prompts and run options.
 * :func:`planted_model` (:mod:`sinklens.testing.planted`): tiny models with a hand-planted super
   neuron, eraser and query-key locking, for analyzers to find.
 """
 
-from sinklens.testing.checks import TINY_PROMPTS, attached_hook_count, no_hooks_left
+from sinklens.testing.checks import (
+    PLANTED_PROMPTS,
+    QUIET,
+    TINY_PROMPTS,
+    VARIED_PROMPTS,
+    attached_hook_count,
+    no_hooks_left,
+)
 from sinklens.testing.models import Arch, tiny_model, transformer_lens_major, word_tokenizer
 from sinklens.testing.planted import PlantedSpec, planted_model
 
 __all__ = [
-    "TINY_PROMPTS", "attached_hook_count", "no_hooks_left","Arch", "PlantedSpec", "planted_model", "tiny_model", "transformer_lens_major", "word_tokenizer"]
+    "PLANTED_PROMPTS", "QUIET", "TINY_PROMPTS", "VARIED_PROMPTS", "attached_hook_count", "no_hooks_left","Arch", "PlantedSpec", "planted_model", "tiny_model", "transformer_lens_major", "word_tokenizer"]

@@ -4,9 +4,7 @@ import torch
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.inputs import as_batches
 from sinklens.streaming import stream
-from sinklens.options import RunOptions
-
-QUIET = RunOptions(progress=False)
+from sinklens.testing import QUIET
 
 pytestmark = pytest.mark.models
 

@@ -8,14 +8,12 @@ from sinklens.analysis.qk_locking import QKLockingReducer, query_key_locking
 from sinklens.analysis.weight_super_neurons import sink_inputs, super_neurons_from_weights
 from sinklens.inputs import as_batches
 from sinklens.streaming import stream
+from sinklens.testing import PLANTED_PROMPTS, QUIET
 from sinklens.testing.planted import planted_model
-from sinklens.options import RunOptions
-
-QUIET = RunOptions(progress=False)
 
 pytestmark = pytest.mark.models
 
-PROMPTS = ["t3 t4 t5 t6 t7 t8", "t9 t10", "t11 t12 t13 t14", "t2 t2 t2 t2 t2 t2 t2 t2 t2", "t40 t41 t42"]
+PROMPTS = PLANTED_PROMPTS
 
 
 @pytest.fixture(scope="module", params=["llama", "gpt2"])

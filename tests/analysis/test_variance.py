@@ -8,20 +8,11 @@ from sinklens.analysis.variance import VarianceReducer, measure_variance
 from sinklens.hooks import weight
 from sinklens.inputs import as_batches, random_token_batches
 from sinklens.streaming import stream
-from sinklens.options import RunOptions
-
-QUIET = RunOptions(progress=False)
+from sinklens.testing import QUIET, VARIED_PROMPTS
 
 pytestmark = pytest.mark.models
 
-PROMPTS = [
-    "t3 t4 t5 t6 t7 t8 t9 t10 t11",
-    "t9 t10",
-    "t11 t12 t13 t14 t15 t16",
-    "t2 t2 t2 t2 t2 t2 t2 t2 t2 t2",
-    "t20 t21 t22 t23 t24 t25 t26 t27 t28 t29 t30",
-    "t40 t41 t42 t43",
-]
+PROMPTS = [*VARIED_PROMPTS, "t40 t41 t42 t43"]
 
 
 def _uniform(scores, hook):
