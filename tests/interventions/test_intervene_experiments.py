@@ -11,6 +11,7 @@ from sinklens.inputs import as_batches
 from sinklens.interventions import (
     amplify, block_keys, create_sink, patch_sink, remove_sink, restart, self_only, sweep,
 )
+from sinklens.options import RunOptions
 from sinklens.streaming import stream
 
 pytestmark = pytest.mark.models
@@ -18,8 +19,9 @@ pytestmark = pytest.mark.models
 
 def test_hooks_compose_with_stream(tiny, toks):
     batches = as_batches(tiny, toks)
-    (clean,) = stream(tiny, batches, [AttentionReceivedReducer(tiny, min_query=1)], progress=False)
-    (cut,) = stream(tiny, batches, [AttentionReceivedReducer(tiny, min_query=1)], extra_hooks=block_keys(tiny, positions=0), progress=False)
+    (clean,) = stream(tiny, batches, [AttentionReceivedReducer(tiny, min_query=1)], options=RunOptions(progress=False))
+    cut_opts = RunOptions(progress=False, extra_hooks=block_keys(tiny, positions=0))
+    (cut,) = stream(tiny, batches, [AttentionReceivedReducer(tiny, min_query=1)], options=cut_opts)
     assert float(clean.at(0).min()) > 0
     assert float(cut.at(0).abs().max()) == 0.0
 
@@ -57,7 +59,7 @@ def test_self_only_measures_and_plots(tiny, toks, tmp_path):
 
 def test_sweep_rows(tiny, toks):
     rows = sweep(tiny, toks, method="variance", positions=[3, 6], layer_sets=[None, [1]], alphas=[2.0, 5.0],
-                 reference="batch", progress=False)
+                 reference="batch", options=RunOptions(progress=False))
     assert len(rows) == 2 * 2 * 2 * tiny.cfg.n_layers
     assert {"position", "layers", "alpha", "layer", "received_before", "received_after"} <= rows[0].keys()
     # intervening only in layer 1 leaves layer 0 untouched
@@ -118,7 +120,7 @@ def test_cli_intervene(tiny, tmp_path, monkeypatch, capsys):
 
 
 def test_errors(tiny, toks):
-    with pytest.raises(ValueError, match="Unknown create method"):
+    with pytest.raises(ValueError, match="Unknown create intervention"):
         create_sink(tiny, toks, 3, method="teleport")
     with pytest.raises(ValueError, match="out of range"):
         create_sink(tiny, toks, 999)
@@ -145,7 +147,7 @@ def test_works_inside_hooks_context_and_leaves_no_hooks(tiny, toks, no_hooks_lef
     with pytest.raises(RuntimeError, match="boom"):
         stream(
             tiny, as_batches(tiny, toks), [AttentionReceivedReducer(tiny)],
-            extra_hooks=hooks + [("blocks.1.hook_resid_pre", boom)], progress=False,
+            options=RunOptions(extra_hooks=hooks + [("blocks.1.hook_resid_pre", boom)], progress=False),
         )
     assert no_hooks_left(tiny)
     with pytest.raises(RuntimeError, match="boom"):
@@ -163,7 +165,7 @@ def test_hooks_support_backward_for_training(tiny, toks, no_hooks_left):
 
     hooks = (self_only(tiny, positions=4) + block_keys(tiny, positions=0, layers=[1])
              + amplify(tiny, positions=6, alpha=3.0, reference="batch") + calibrate(tiny, layers=[0])
-             + edit_neurons(tiny, [1, 2], positions=0) + transplant_dims(tiny, [3], positions=[5]))
+             + edit_neurons(tiny, [1, 2], positions=0, layers=[0]) + transplant_dims(tiny, [3], positions=[5]))
     tiny.zero_grad()
     loss = tiny.run_with_hooks(toks, fwd_hooks=hooks, return_type="loss")
     loss.backward()

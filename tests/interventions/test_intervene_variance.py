@@ -15,7 +15,8 @@ Z0 = "blocks.0.attn.hook_z"
 @pytest.mark.parametrize("site", ["attn.hook_z", "attn.hook_v", "hook_attn_out", "hook_resid_pre"])
 @pytest.mark.parametrize("reference", ["random", "batch"])
 def test_alpha_one_is_identity(tiny, toks, site, reference):
-    hooks = amplify(tiny, positions=[3, 7], alpha=1.0, site=site, reference=reference, n_sequences=4, seq_len=16)
+    reference_kw = dict(n_sequences=4, seq_len=16) if reference == "random" else {}  # reference_mean options
+    hooks = amplify(tiny, positions=[3, 7], alpha=1.0, site=site, reference=reference, **reference_kw)
     with torch.inference_mode():
         assert torch.equal(tiny.run_with_hooks(toks, fwd_hooks=hooks), tiny(toks))
 
