@@ -33,7 +33,7 @@ from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import RESID_POST, model_dims
 from sinklens.inputs import Inputs, TokenBatch, as_batches
 from sinklens.interventions import registry
-from sinklens.interventions.masks import Hooks, layers_arg
+from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, layers_arg
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, stream
 from sinklens.validate import index, index_list
@@ -69,7 +69,7 @@ def register_method(kind: str, name: str, builder: Callable[..., Hooks]) -> None
 
 
 def intervention_hooks(
-    model: Any, method: str, *, role: registry.Role | None, positions: Any, layers: Any = None, sink: int = 0,
+    model: Any, method: str, *, role: registry.Role | None, positions: Any, layers: Any = None, sink: IntLike = 0,
     **options: Any,
 ) -> tuple[str, Hooks]:
     """``(canonical name, hooks)`` of the registered intervention ``method`` (hyphens or underscores).
@@ -347,10 +347,10 @@ def measure_intervention(
     tokens: Inputs,
     intervention: Intervention,
     *,
-    target: int,
-    sink: int = 0,
+    target: IntLike,
+    sink: IntLike = 0,
     method: str | None = None,
-    dims: int | Sequence[int] | None = None,
+    dims: IndexLike | None = None,
     loss: bool = True,
     options: RunOptions = RunOptions(progress=False),
     **legacy: Any,
@@ -391,12 +391,12 @@ def measure_intervention(
 def create_sink(
     model: Any,
     tokens: Inputs,
-    position: int,
+    position: IntLike,
     *,
     method: str = "self_only",
     layers=None,
-    sink: int = 0,
-    dims: int | Sequence[int] | None = None,
+    sink: IntLike = 0,
+    dims: IndexLike | None = None,
     loss: bool = True,
     options: RunOptions = RunOptions(progress=False),
     **method_options: Any,
@@ -420,6 +420,7 @@ def create_sink(
     """
     options = _options_with_legacy(options, method_options, "create_sink")
     position = index(position, model_dims(model).n_ctx, what="position", allow_negative=False)
+    sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
     name, hooks = _hooks_for(model, method, "create", position, layers, sink, dims, method_options)
     return measure_intervention(
         model, tokens, hooks, target=position, sink=sink, method=name, dims=dims, loss=loss, options=options,
@@ -440,10 +441,10 @@ def remove_sink(
     model: Any,
     tokens: Inputs,
     *,
-    sink: int = 0,
+    sink: IntLike = 0,
     method: str = "block_keys",
     layers=None,
-    dims: int | Sequence[int] | None = None,
+    dims: IndexLike | None = None,
     loss: bool = True,
     options: RunOptions = RunOptions(progress=False),
     **method_options: Any,
@@ -469,11 +470,11 @@ def sweep(
     tokens: Inputs,
     *,
     method: str = "self_only",
-    positions: Sequence[int],
-    layer_sets: Sequence[Sequence[int] | None] = (None,),
-    alphas: Sequence[float | None] = (None,),
-    sink: int = 0,
-    dims: int | Sequence[int] | None = None,
+    positions: IndexLike,
+    layer_sets: Sequence[Any] = (None,),
+    alphas: Sequence[NumberLike | None] = (None,),
+    sink: IntLike = 0,
+    dims: IndexLike | None = None,
     loss: bool = False,
     options: RunOptions = RunOptions(),
     **method_options: Any,
@@ -488,6 +489,7 @@ def sweep(
     options = _options_with_legacy(options, method_options, "sweep")
     dims_m = model_dims(model)
     positions = index_list(positions, dims_m.n_ctx, what="position", allow_negative=False)
+    sink = index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
     if not len(layer_sets) or not len(alphas):
         raise InvalidArgumentError("layer_sets and alphas need at least one entry each (use (None,) for the default).")
     layer_sets = [None if ls is None else layers_arg(ls, dims_m.n_layers) for ls in layer_sets]

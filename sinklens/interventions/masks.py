@@ -16,8 +16,11 @@ with a KV cache), the queries are taken to be the last ``n_query`` positions.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Union
+
+import numpy as np
 
 import torch
 from torch import Tensor
@@ -28,6 +31,12 @@ from sinklens.options import HookFn
 from sinklens.validate import index_list, optional_index_list
 
 Hooks = list[tuple[str, HookFn]]
+#: An integer as :func:`sinklens.validate.as_int` takes it: int, numpy integer or 0-d integer tensor.
+IntLike = Union[numbers.Integral, Tensor]
+#: One index or several (a sequence, a 1-D tensor or numpy array), checked by :func:`sinklens.validate.index_list`.
+IndexLike = Union[numbers.Integral, Tensor, np.ndarray, Sequence[Any]]
+#: A number as :func:`sinklens.validate.as_float` takes it: float, int, numpy scalar or 0-d tensor.
+NumberLike = Union[numbers.Real, Tensor]
 #: Builds the *blocked* entries ``[query, key]`` from (absolute query positions, number of keys).
 BlockFn = Callable[[Tensor, int], Tensor]
 
@@ -82,7 +91,7 @@ def _mask_hooks(model: Any, block: BlockFn, *, layers, heads) -> Hooks:
     return [(hook_name(layer, SCORES), fn) for layer in layer_list]
 
 
-def self_only(model: Any, *, positions: int | Sequence[int], layers=None, heads=None) -> Hooks:
+def self_only(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike | None = None) -> Hooks:
     """Make each token at ``positions`` attend only to itself (its whole attention on its own key).
 
     Such a token aggregates a single value, so its head outputs keep the full value variance like
@@ -105,7 +114,7 @@ def self_only(model: Any, *, positions: int | Sequence[int], layers=None, heads=
     return _mask_hooks(model, block, layers=layers, heads=heads)
 
 
-def restart(model: Any, *, positions: int | Sequence[int], layers=None, heads=None) -> Hooks:
+def restart(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike | None = None) -> Hooks:
     """A restart mask: queries at ``q >= k`` cannot see keys ``< k``, so ``k`` acts as a new first token.
 
     With several positions the sequence is cut into independent segments at each of them.
@@ -128,7 +137,7 @@ def restart(model: Any, *, positions: int | Sequence[int], layers=None, heads=No
     return _mask_hooks(model, block, layers=layers, heads=heads)
 
 
-def block_keys(model: Any, *, positions: int | Sequence[int], layers=None, heads=None) -> Hooks:
+def block_keys(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike | None = None) -> Hooks:
     """Hide the keys at ``positions`` from every later query (e.g. ``positions=0`` removes the sink).
 
     The blocked token still attends to itself (its own row is unchanged), so the softmax of every

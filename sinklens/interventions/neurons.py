@@ -19,7 +19,7 @@ from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import MLP_POST, RESID_POST, check_hook_names, hook_name, layer_of, model_dims
-from sinklens.interventions.masks import Hooks, check_in_sequence, layers_arg, positions_arg
+from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, check_in_sequence, layers_arg, positions_arg
 from sinklens.validate import choice, finite_number, index, index_list
 
 NeuronMode = Literal["zero", "scale", "set"]
@@ -33,11 +33,11 @@ def _positions_or_all(positions: Any, n_ctx: int) -> list[int] | None:
 
 def edit_neurons(
     model: Any,
-    neurons: int | Sequence[int] | Mapping[int, Sequence[int]],
+    neurons: IndexLike | Mapping[Any, Any],
     *,
     mode: NeuronMode = "zero",
-    value: float | int = 0.0,
-    positions: int | Sequence[int] | None = None,
+    value: NumberLike = 0.0,
+    positions: IndexLike | None = None,
     layers=None,
 ) -> Hooks:
     """Zero (``mode="zero"``), multiply by ``value`` (``"scale"``) or set to ``value`` (``"set"``) FFN neurons.
@@ -101,11 +101,11 @@ def edit_neurons(
 
 def clamp_dims(
     model: Any,
-    dims: int | Sequence[int],
+    dims: IndexLike,
     *,
-    positions: int | Sequence[int] | None = 0,
+    positions: IndexLike | None = 0,
     mode: ClampMode = "set",
-    value: float | int = 0.0,
+    value: NumberLike = 0.0,
     site: str = RESID_POST,
     layers=None,
 ) -> Hooks:
@@ -139,10 +139,10 @@ def clamp_dims(
 
 def transplant_dims(
     model: Any,
-    dims: int | Sequence[int],
+    dims: IndexLike,
     *,
-    positions: int | Sequence[int],
-    source: int = 0,
+    positions: IndexLike,
+    source: IntLike = 0,
     site: str = RESID_POST,
     layers=None,
 ) -> Hooks:

@@ -34,7 +34,7 @@ from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import ATTN_OUT, MLP_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, model_dims
 from sinklens.inputs import Inputs, TokenBatch, as_batches
-from sinklens.interventions.masks import Hooks, heads_arg, layers_arg, positions_arg
+from sinklens.interventions.masks import Hooks, IndexLike, IntLike, heads_arg, layers_arg, positions_arg
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer
 from sinklens.validate import choice, index
@@ -141,11 +141,11 @@ def patch_sink(
     tokens: Inputs,
     hooks: Hooks,
     *,
-    target: int = 0,
+    target: IntLike = 0,
     site: PatchSite = "resid_pre",
     layers=None,
-    positions: int | Sequence[int] | None = None,
-    heads: int | Sequence[int] | None = None,
+    positions: IndexLike | None = None,
+    heads: IndexLike | None = None,
     metric_layers=None,
     options: RunOptions = RunOptions(progress=False),
     **legacy: Any,

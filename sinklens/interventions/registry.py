@@ -122,6 +122,14 @@ def register(
     return entry
 
 
+def unregister(name: str) -> None:
+    """Remove a registered name (and the aliases that point to it); unknown names raise :class:`UnknownInterventionError`."""
+    key = get(name).name
+    del _REGISTRY[key]
+    for old in [old for old, new in _ALIASES.items() if new == key]:
+        del _ALIASES[old]
+
+
 def register_alias(old: str, new: str) -> None:
     """Keep an old name working: ``get(old)`` returns the entry of ``new``."""
     _ALIASES[canonical(old)] = canonical(new)
@@ -144,9 +152,13 @@ def get(name: str, *, role: Role | None = None) -> Intervention:
     key = canonical(name)
     key = _ALIASES.get(key, key)
     entry = _REGISTRY.get(key)
-    if entry is None or (role is not None and entry.role != role):
+    if entry is not None and role is not None and entry.role != role:
+        raise UnknownInterventionError(
+            f"{name!r} is a {entry.role} intervention, not a {role} one; {role} interventions: {names(role)}."
+        )
+    if entry is None:
         choices = names(role)
-        close = difflib.get_close_matches(key, choices, n=2)
+        close = difflib.get_close_matches(key, names(role, aliases=True), n=2)
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         what = f"{role} intervention" if role else "intervention"
         raise UnknownInterventionError(f"Unknown {what} {name!r}; registered: {choices}.{hint}")

@@ -30,7 +30,7 @@ from torch import Tensor
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import Z, check_hook_names, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch, random_token_batches
-from sinklens.interventions.masks import Hooks, check_in_sequence, heads_arg, layers_arg, positions_arg
+from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, check_in_sequence, heads_arg, layers_arg, positions_arg
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, stream
 from sinklens.validate import choice, finite_number, positive_int
@@ -49,7 +49,7 @@ class MeanActivationReducer(Reducer[dict[int, Tensor]]):
     (``[head, d_head]`` for ``attn.hook_z``, ``[d_model]`` for ``hook_resid_pre``); sums are float64.
     """
 
-    def __init__(self, model: Any, site: str, *, layers=None, skip_first: int = 1):
+    def __init__(self, model: Any, site: str, *, layers=None, skip_first: IntLike = 1):
         dims = model_dims(model)
         self.layers = layers_arg(layers, dims.n_layers)
         self.site = site
@@ -111,10 +111,10 @@ def reference_mean(
     *,
     site: str = Z,
     layers=None,
-    n_sequences: int = 32,
-    seq_len: int = 64,
-    skip_first: int = 1,
-    seed: int = 0,
+    n_sequences: IntLike = 32,
+    seq_len: IntLike = 64,
+    skip_first: IntLike = 1,
+    seed: IntLike = 0,
     cache: bool = True,
 ) -> dict[int, Tensor]:
     """Mean of ``blocks.{l}.{site}`` over random-token positions, per layer (cached per model and weights).
@@ -227,11 +227,11 @@ def _head_select(act: Tensor, heads: list[int] | None) -> Tensor | None:
 def amplify(
     model: Any,
     *,
-    positions: int | Sequence[int],
-    alpha: float | int,
+    positions: IndexLike,
+    alpha: NumberLike,
     site: str = Z,
     layers=None,
-    heads: int | Sequence[int] | None = None,
+    heads: IndexLike | None = None,
     reference: Reference = "random",
     **reference_kw: Any,
 ) -> Hooks:
@@ -288,11 +288,11 @@ def amplify(
 def calibrate(
     model: Any,
     *,
-    positions: int | Sequence[int] = 0,
+    positions: IndexLike = 0,
     site: str = Z,
     layers=None,
-    heads: int | Sequence[int] | None = None,
-    eps: float = 1e-6,
+    heads: IndexLike | None = None,
+    eps: NumberLike = 1e-6,
 ) -> Hooks:
     """Rescale the target tokens' deviation to the statistics of the other positions (remove the discrepancy).
 
