@@ -93,6 +93,9 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
     _int_list(args.layers, "--layers")
     _int_list(args.dims, "--dims")
     _method_options(entry, args)
+    for option in entry.requires:
+        if getattr(args, option, None) is None:
+            raise InvalidArgumentError(f"--method {args.method} needs --{option} ({entry.requires[option]}).")
     if args.json:
         writable_file(args.json, what="--json")
     if args.out:
