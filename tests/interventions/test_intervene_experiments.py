@@ -99,7 +99,7 @@ def test_patching_by_head_matches_a_hand_loop(sharp, toks):
             captured["p"] = pattern[:, :, 4:, 3].mean()
 
         tiny.run_with_hooks(toks, fwd_hooks=hooks + [("blocks.0.attn.hook_z", patch), ("blocks.1.attn.hook_pattern", grab)])
-        assert float(res.values[0, head]) == pytest.approx(float(captured["p"]), abs=1e-5)
+        assert float(res.values[0, head]) == pytest.approx(float(captured["p"].detach()), abs=1e-5)
 
 
 def test_cli_intervene(tiny, tmp_path, monkeypatch, capsys):
