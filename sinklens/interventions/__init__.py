@@ -2,7 +2,7 @@
 
 Every factory returns a list of ``(hook_name, fn)`` pairs that composes with any TransformerLens
 call — ``model.run_with_hooks(tokens, fwd_hooks=hooks)``, ``with model.hooks(fwd_hooks=hooks):``,
-or ``sinklens.stream(..., extra_hooks=hooks)`` so the analyzers measure the intervened model —
+or ``sinklens.stream(..., options=RunOptions(extra_hooks=hooks))`` so the analyzers measure the intervened model —
 and with each other (concatenate the lists). The functions never modify the activation they
 receive; they return a new tensor.
 

@@ -9,7 +9,7 @@ positions, layer sets and α and returns tidy rows.
 
 Attention received is measured with
 :class:`~sinklens.analysis.attention.AttentionReceivedReducer` through
-:func:`sinklens.stream` (``extra_hooks`` = the intervention), averaged over the queries after the
+:func:`sinklens.stream` (``options.extra_hooks`` = the intervention), averaged over the queries after the
 target (``min_query = target + 1``) and over sequences; the residual statistics come from a second
 small reducer on ``hook_resid_post`` in the same forward pass. The loss is the mean next-token
 cross-entropy (:func:`next_token_cross_entropy`) in a separate forward with the same hooks.

@@ -1,7 +1,7 @@
 """Attention-mask interventions through ``blocks.{l}.attn.hook_attn_scores``.
 
 Each factory returns ``(hook_name, fn)`` pairs for ``model.run_with_hooks``, ``model.hooks`` or
-``sinklens.stream(..., extra_hooks=...)``. The hook receives the pre-softmax scores
+``sinklens.stream(..., options=RunOptions(extra_hooks=...))``. The hook receives the pre-softmax scores
 ``[batch, head, query, key]`` (already causally masked by the model) and returns a *new* tensor in
 which the keys a query may no longer see are set to ``-inf``; the caller's tensor is never modified.
 

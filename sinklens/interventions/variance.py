@@ -13,8 +13,10 @@ hook factories act on that directly:
 
 The reference mean ``μ`` of :func:`amplify` defaults to the mean of the activation over many
 random-token positions (:func:`reference_mean`; position 0 left out), computed once per model,
-site and settings with :func:`sinklens.stream` and cached. Weights that change (training) make the
-cache stale: use ``reference="batch"`` there, or :func:`clear_reference_cache`.
+site and settings with :func:`sinklens.stream` and cached; the cache is keyed by a fingerprint of the
+weights (:func:`weight_fingerprint`), so after an in-place weight change the next call recomputes it.
+Hooks hold the mean of the weights they were built with: a training loop that builds them once should
+use ``reference="batch"``.
 """
 
 from __future__ import annotations
@@ -247,7 +249,8 @@ def amplify(
         layers: layers to intervene in (default all).
         heads: only these heads (per-head sites only; for ``hook_v`` under grouped-query attention
             on TransformerLens 4.x these index key/value heads).
-        reference: ``"random"`` (default: :func:`reference_mean` over random tokens, cached),
+        reference: ``"random"`` (default: :func:`reference_mean` over random tokens, cached and
+            computed when the hooks are built),
             ``"batch"`` (per sequence, the mean over the run's positions other than 0 and the
             targets — no cache, right for training), a tensor, or ``{layer: tensor}``.
         **reference_kw: passed to :func:`reference_mean` (``n_sequences``, ``seq_len``, ``seed``...).
