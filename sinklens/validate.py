@@ -85,6 +85,8 @@ def index_list(values: Any, size: int, *, what: str, allow_negative: bool = True
     """
     if isinstance(values, torch.Tensor) and values.ndim == 1:
         values = values.tolist()
+    elif type(values).__module__ == "numpy" and getattr(values, "ndim", 0) == 1:  # a 1-D numpy array
+        values = values.tolist()
     raw = list(values) if isinstance(values, Sequence) and not isinstance(values, str) else [values]
     if not raw:
         raise InvalidArgumentError(f"{what}: an empty list was given; pass at least one {what} in 0..{size - 1} (or None for all).")
@@ -99,6 +101,20 @@ def index_list(values: Any, size: int, *, what: str, allow_negative: bool = True
         if idx not in out:
             out.append(idx)
     return out
+
+
+def index(value: Any, size: int, *, what: str, allow_negative: bool = True) -> int:
+    """One index in ``0..size-1`` (an int, numpy integer or 0-d tensor; negatives count from the end).
+
+    Examples:
+        >>> index(-1, 4, what="layer")
+        3
+    """
+    idx = as_int(value, what=what)
+    lo = -size if allow_negative else 0
+    if not lo <= idx < size:
+        raise InvalidArgumentError(f"{what} {value!r} is out of range: expected an integer in {lo}..{size - 1}.")
+    return idx + size if idx < 0 else idx
 
 
 def optional_index_list(values: Any, size: int, *, what: str, allow_negative: bool = True) -> list[int]:

@@ -6,29 +6,43 @@ Example::
 
 prints, per layer, the attention received by position K (mean over heads and over the queries
 after K) before and after, and writes the same to ``--json`` as ``{"layers", "before", "after", ...}``
-(plus the per-head values, the sink's attention, residual norms, tracked dims and losses).
+(plus the per-head values, the sink's attention, residual norms, tracked dims and losses; strict
+JSON: a value that is not a finite number, e.g. the losses with ``--no-loss``, is ``null``).
+
+``--method`` is any intervention of :mod:`sinklens.interventions.registry`, with hyphens or
+underscores: create methods (``self-only``, ``restart``, ``amplify``, ``transplant-dims``) turn
+position K into a sink; remove methods (``block-keys``, ``calibrate``, ``clamp-dims``,
+``edit-neurons``) take away the sink at ``--position`` (default 0). The sinklens 0.1 names
+(``variance``, ``transplant``, ``block``, ``clamp``, ``ablate-neurons``) still work.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 from typing import Any
 
-from sinklens.interventions.experiments import CREATE_METHODS, REMOVE_METHODS, InterventionResult, create_sink, remove_sink
+from sinklens.errors import InvalidArgumentError
+from sinklens.interventions import registry
+from sinklens.interventions.experiments import InterventionResult, create_sink, remove_sink
 
-METHODS = sorted({m.replace("_", "-") for m in CREATE_METHODS} | {m.replace("_", "-") for m in REMOVE_METHODS})
 
-
-def _int_list(text: str | None) -> list[int] | None:
+def _int_list(text: str | None, flag: str) -> list[int] | None:
     if text is None:
         return None
     try:
-        return [int(v) for v in text.replace(",", " ").split()]
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected integers separated by commas, got {text!r}") from err
+        values = [int(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        raise InvalidArgumentError(f"{flag} expects integers separated by commas, got {text!r}.") from None
+    if not values:
+        raise InvalidArgumentError(f"{flag} is empty; give at least one integer (e.g. {flag} 0,1).")
+    return values
+
+
+def _method_help() -> str:
+    create = ", ".join(n.replace("_", "-") for n in registry.names("create"))
+    remove = ", ".join(n.replace("_", "-") for n in registry.names("remove"))
+    return f"intervention (create: {create}; remove: {remove})"
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -36,41 +50,67 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         "intervene", help="create or remove a sink with an intervention and report the attention it receives",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--method", required=True, choices=METHODS, help="intervention (create: self-only, restart, variance, transplant; remove: block, calibrate, clamp, ablate-neurons)")
+    parser.add_argument("--method", required=True, help=_method_help())
     parser.add_argument("--position", type=int, default=None, help="position K to turn into a sink (create methods); the sink for remove methods (default 0)")
     parser.add_argument("--model", default="smollm2-135m", help="model spec for sinklens.loading.load_model (default smollm2-135m)")
     parser.add_argument("--text", action="append", default=None, help="input text (repeatable; default: the built-in prompts)")
-    parser.add_argument("--layers", default=None, help="layers to intervene in, e.g. '0,1,2' (default all)")
-    parser.add_argument("--alpha", type=float, default=None, help="amplification factor for --method variance (default 8)")
-    parser.add_argument("--site", default=None, help="hook site for variance/calibrate (default attn.hook_z)")
-    parser.add_argument("--dims", default=None, help="residual dims for transplant/clamp, e.g. '507'")
-    parser.add_argument("--neurons", default=None, help="FFN neurons for ablate-neurons, e.g. '12,99'")
+    parser.add_argument("--layers", default=None, help="layers to intervene in, e.g. '0,1,2' (default all; required by edit-neurons)")
+    parser.add_argument("--alpha", type=float, default=None, help="amplification factor for --method amplify (default 8)")
+    parser.add_argument("--site", default=None, help="hook site for amplify/calibrate (default attn.hook_z)")
+    parser.add_argument("--dims", default=None, help="residual dims for transplant-dims/clamp-dims, e.g. '507'")
+    parser.add_argument("--neurons", default=None, help="FFN neurons for edit-neurons, e.g. '12,99' (needs --layers)")
     parser.add_argument("--no-loss", action="store_true", help="skip the next-token loss (two fewer forward passes)")
-    parser.add_argument("--json", default=None, help="write the result as JSON to this file")
+    parser.add_argument("--json", default=None, help="write the result as strict JSON to this file")
     parser.add_argument("--out", default=None, help="directory for the figure intervention.png")
     parser.set_defaults(func=run)
     return parser
 
 
+def _method_options(entry: registry.Intervention, args: argparse.Namespace) -> dict[str, Any]:
+    """The factory options given on the command line; an option the method does not take is an error."""
+    given = {"alpha": args.alpha, "site": args.site, "neurons": _int_list(args.neurons, "--neurons")}
+    kw = {k: v for k, v in given.items() if v is not None}
+    accepted = entry.options()
+    for key in kw:
+        if key not in accepted:
+            raise InvalidArgumentError(f"--{key} does not apply to --method {args.method} ({entry.name}).")
+    return kw
+
+
+def check_args(args: argparse.Namespace) -> registry.Intervention:
+    """Validate everything that needs no model (method, lists, output paths), before the model loads."""
+    from sinklens.validate import writable_dir, writable_file
+
+    entry = registry.get(args.method)
+    if entry.role not in ("create", "remove"):
+        raise InvalidArgumentError(f"--method {args.method} is neither a create nor a remove intervention.")
+    if entry.role == "create" and args.position is None:
+        raise InvalidArgumentError(f"--method {args.method} needs --position K (the position to turn into a sink).")
+    if entry.name == "edit_neurons" and args.layers is None:
+        raise InvalidArgumentError(
+            "--method edit-neurons needs --layers: a neuron index names a different neuron in each layer."
+        )
+    _int_list(args.layers, "--layers")
+    _int_list(args.dims, "--dims")
+    _method_options(entry, args)
+    for option in entry.requires:
+        if getattr(args, option, None) is None:
+            raise InvalidArgumentError(f"--method {args.method} needs --{option} ({entry.requires[option]}).")
+    if args.json:
+        writable_file(args.json, what="--json")
+    if args.out:
+        writable_dir(args.out, what="--out")
+    return entry
+
+
 def intervene(model: Any, args: argparse.Namespace) -> InterventionResult:
     """The command's logic on an already-loaded model (used by :func:`run` and the tests)."""
-    method = args.method.replace("-", "_")
-    kw: dict[str, Any] = {}
-    if args.site is not None:
-        kw["site"] = args.site
-    if args.alpha is not None:
-        if method != "variance":
-            raise ValueError(f"--alpha only applies to --method variance, not {args.method}.")
-        kw["alpha"] = args.alpha
-    if args.neurons is not None:
-        kw["neurons"] = _int_list(args.neurons)
-    common = dict(layers=_int_list(args.layers), dims=_int_list(args.dims), loss=not args.no_loss)
-    texts = args.text
-    if method in CREATE_METHODS:
-        if args.position is None:
-            raise ValueError(f"--method {args.method} needs --position K.")
-        return create_sink(model, texts, args.position, method=method, **common, **kw)
-    return remove_sink(model, texts, sink=args.position or 0, method=method, **common, **kw)
+    entry = check_args(args)
+    common = dict(layers=_int_list(args.layers, "--layers"), dims=_int_list(args.dims, "--dims"), loss=not args.no_loss)
+    kw = _method_options(entry, args)
+    if entry.role == "create":
+        return create_sink(model, args.text, args.position, method=entry.name, **common, **kw)
+    return remove_sink(model, args.text, sink=args.position or 0, method=entry.name, **common, **kw)
 
 
 def format_table(result: InterventionResult) -> str:
@@ -88,19 +128,15 @@ def format_table(result: InterventionResult) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sinklens.export import write_json
     from sinklens.loading import load_model
 
+    check_args(args)  # usage errors before the model loads
     model = load_model(args.model)
-    try:
-        result = intervene(model, args)
-    except ValueError as err:
-        print(f"sinklens intervene: error: {err}", file=sys.stderr)
-        return 2
+    result = intervene(model, args)
     print(format_table(result))
     if args.json:
-        path = Path(args.json)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(result.to_dict(), indent=1))
+        write_json(args.json, result.to_dict())
     if args.out:
         result.plot(Path(args.out) / "intervention.png")
     return 0

@@ -2,7 +2,7 @@
 
 Every factory returns a list of ``(hook_name, fn)`` pairs that composes with any TransformerLens
 call — ``model.run_with_hooks(tokens, fwd_hooks=hooks)``, ``with model.hooks(fwd_hooks=hooks):``,
-or ``sinklens.stream(..., extra_hooks=hooks)`` so the analyzers measure the intervened model —
+or ``sinklens.stream(..., options=RunOptions(extra_hooks=hooks))`` so the analyzers measure the intervened model —
 and with each other (concatenate the lists). The functions never modify the activation they
 receive; they return a new tensor.
 
@@ -11,8 +11,15 @@ receive; they return a new tensor.
 * neurons and dimensions: :func:`edit_neurons`, :func:`clamp_dims`, :func:`transplant_dims`
 * experiments: :func:`create_sink`, :func:`remove_sink`, :func:`measure_intervention`, :func:`sweep`
 * patching: :func:`patch_sink`
+
+Every factory is registered under one canonical name in :mod:`sinklens.interventions.registry`
+(``self_only``, ``restart``, ``amplify``, ``transplant_dims``, ``block_keys``, ``calibrate``,
+``clamp_dims``, ``edit_neurons``; the CLI also accepts hyphens, and the sinklens 0.1 names
+``variance``, ``transplant``, ``block``, ``clamp``, ``ablate_neurons`` still work). Experiments, the
+trainer and ``sinklens intervene`` build hooks by those names.
 """
 
+from sinklens.interventions import registry
 from sinklens.interventions.experiments import (
     InterventionResult,
     create_sink,
@@ -29,6 +36,6 @@ from sinklens.interventions.variance import amplify, calibrate, clear_reference_
 __all__ = [
     "InterventionResult", "SinkPatchResult", "amplify", "block_keys", "calibrate", "clamp_dims",
     "clear_reference_cache", "create_sink", "custom_mask", "edit_neurons", "measure_intervention",
-    "patch_sink", "reference_mean", "register_method", "remove_sink", "restart", "self_only", "sweep",
+    "patch_sink", "reference_mean", "register_method", "registry", "remove_sink", "restart", "self_only", "sweep",
     "transplant_dims",
 ]

@@ -8,21 +8,23 @@ from __future__ import annotations
 from sinklens.interventions import masks, neurons, variance
 from sinklens.interventions.registry import register, register_alias
 
+_DIMS = "dims=[...] (residual dimensions, e.g. 507 for SmolLM2)"
+
 register("self_only", masks.self_only, role="create",
          summary="the token at `positions` attends only to itself, so it keeps a single value's variance")
 register("restart", masks.restart, role="create",
          summary="queries at or after `positions` ignore every earlier key: the position becomes a new first token")
-register("amplify", variance.amplify, role="create",
-         summary="x <- mu + alpha (x - mu) on head outputs at `positions` (option alpha)")
-register("transplant_dims", neurons.transplant_dims, role="create",
+register("amplify", variance.amplify, role="create", defaults={"alpha": 8.0},
+         summary="x <- mu + alpha (x - mu) on head outputs at `positions` (option alpha, default 8)")
+register("transplant_dims", neurons.transplant_dims, role="create", requires={"dims": _DIMS}, sink_option="source",
          summary="copy the sink's residual values in `dims` onto `positions`")
 register("block_keys", masks.block_keys, role="remove",
          summary="no query may attend to the keys at `positions`")
 register("calibrate", variance.calibrate, role="remove",
          summary="rescale head outputs so `positions` has the spread of later positions")
-register("clamp_dims", neurons.clamp_dims, role="remove",
+register("clamp_dims", neurons.clamp_dims, role="remove", requires={"dims": _DIMS},
          summary="set (or bound) residual dimensions `dims` at `positions`")
-register("edit_neurons", neurons.edit_neurons, role="remove",
+register("edit_neurons", neurons.edit_neurons, role="remove", requires={"neurons": "neurons=[...] (FFN neuron indices)"},
          summary="zero, scale or set FFN neurons `neurons` at `positions` (needs explicit layers)")
 
 # The names of sinklens 0.1 experiments and CLI, kept working.

@@ -3,114 +3,114 @@
 :func:`measure_intervention` runs a model twice over the same tokens — without and with a list of
 intervention hooks — and reports, per layer (and head), the attention received by a target
 position and by the original sink, the target's residual norm and massive dimensions, and the
-next-token loss. :func:`create_sink` and :func:`remove_sink` build the hooks from a method name;
-:func:`sweep` varies positions, layer sets and α and returns tidy rows.
+next-token loss. :func:`create_sink` and :func:`remove_sink` build the hooks from a method name of
+the one intervention registry (:mod:`sinklens.interventions.registry`); :func:`sweep` varies
+positions, layer sets and α and returns tidy rows.
 
 Attention received is measured with
 :class:`~sinklens.analysis.attention.AttentionReceivedReducer` through
-:func:`sinklens.stream` (``extra_hooks`` = the intervention), averaged over the queries after the
+:func:`sinklens.stream` (``options.extra_hooks`` = the intervention), averaged over the queries after the
 target (``min_query = target + 1``) and over sequences; the residual statistics come from a second
-small reducer on ``hook_resid_post`` in the same forward pass.
+small reducer on ``hook_resid_post`` in the same forward pass. The loss is the mean next-token
+cross-entropy (:func:`next_token_cross_entropy`) in a separate forward with the same hooks.
 """
 
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float, Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from sinklens.analysis.attention import AttentionReceivedReducer
-from sinklens.hooks import RESID_POST, hook_name, layer_of, model_dims, resolve_layers
+from sinklens.errors import InvalidArgumentError
+from sinklens.hooks import RESID_POST, model_dims
 from sinklens.inputs import Inputs, TokenBatch, as_batches
-from sinklens.interventions import masks, neurons, variance
-from sinklens.interventions import neurons as neurons_mod
-from sinklens.interventions.masks import Hooks, as_positions
+from sinklens.interventions import registry
+from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, layers_arg
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, HookFn, Reducer, per_layer_hooks, stream
+from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, stream
+from sinklens.validate import index, index_list
 
-# ----------------------------------------------------------------------------- method registry
+#: What :func:`measure_intervention` accepts: hooks, a registry spec string, or a callable ``model -> hooks``.
+Intervention = Union[Hooks, str, Callable[..., Any]]
 
-#: ``name -> builder(model, target, sink, layers, **kw) -> hooks``; names use underscores.
-CREATE_METHODS: dict[str, Callable[..., Hooks]] = {}
-REMOVE_METHODS: dict[str, Callable[..., Hooks]] = {}
+# ----------------------------------------------------------------------------- building hooks by name
 
 
 def register_method(kind: str, name: str, builder: Callable[..., Hooks]) -> None:
-    """Register a ``create`` or ``remove`` method; raises on duplicates."""
-    registry = {"create": CREATE_METHODS, "remove": REMOVE_METHODS}[kind]
-    if name in registry:
-        raise ValueError(f"A {kind} method named {name!r} is already registered.")
-    registry[name] = builder
+    """Deprecated (sinklens 0.1): use :func:`sinklens.interventions.registry.register`.
+
+    ``builder(model, target, sink, layers, **kw)`` is wrapped into the registry's uniform signature
+    ``factory(model, *, positions, layers=None, **options)`` (``positions`` is passed as ``target``
+    for ``create`` methods and as the sink for ``remove`` methods, as 0.1 did).
+    """
+    warnings.warn(
+        "register_method is deprecated; use sinklens.interventions.registry.register(name, factory, role=..., "
+        "summary=...) with factory(model, *, positions, layers=None, **options).",
+        DeprecationWarning, stacklevel=2,
+    )
+    if kind not in ("create", "remove"):
+        raise InvalidArgumentError(f"kind must be 'create' or 'remove', got {kind!r}.")
+
+    def factory(model: Any, *, positions: Any, layers: Any = None, sink: int = 0, **options: Any) -> Hooks:
+        if kind == "remove":  # 0.1 passed the sink as both target and sink
+            return builder(model, positions, positions, layers, **options)
+        return builder(model, positions, sink, layers, **options)
+
+    registry.register(name, factory, role=kind, summary=f"{name} (registered through the deprecated register_method)",
+                      sink_option="sink")
 
 
-def _required(value: Any, method: str, what: str) -> Any:
-    if value is None:
-        raise ValueError(f"method={method!r} needs {what}.")
-    return value
+def intervention_hooks(
+    model: Any, method: str, *, role: registry.Role | None, positions: Any, layers: Any = None, sink: IntLike = 0,
+    **options: Any,
+) -> tuple[str, Hooks]:
+    """``(canonical name, hooks)`` of the registered intervention ``method`` (hyphens or underscores).
+
+    ``sink`` goes to the entry's ``sink_option`` (e.g. ``transplant_dims``' ``source``) unless given.
+    """
+    entry = registry.get(method, role=role)
+    if entry.sink_option and entry.sink_option not in options:
+        options[entry.sink_option] = sink
+    return entry.name, entry(model, positions=positions, layers=layers, **options)
 
 
-_DIMS = "dims=[...] (residual dimensions, e.g. 507 for SmolLM2)"
-register_method("create", "self_only", lambda m, t, s, layers, **kw: masks.self_only(m, positions=t, layers=layers, **kw))
-register_method("create", "restart", lambda m, t, s, layers, **kw: masks.restart(m, positions=t, layers=layers, **kw))
-register_method(
-    "create", "variance",
-    lambda m, t, s, layers, alpha=8.0, **kw: variance.amplify(m, positions=t, alpha=alpha, layers=layers, **kw),
-)
-register_method(
-    "create", "transplant",
-    lambda m, t, s, layers, dims=None, **kw: neurons.transplant_dims(
-        m, _required(dims, "transplant", _DIMS), positions=t, source=s, layers=layers, **kw
-    ),
-)
-register_method("remove", "block", lambda m, t, s, layers, **kw: masks.block_keys(m, positions=s, layers=layers, **kw))
-register_method("remove", "calibrate", lambda m, t, s, layers, **kw: variance.calibrate(m, positions=s, layers=layers, **kw))
-register_method(
-    "remove", "clamp",
-    lambda m, t, s, layers, dims=None, **kw: neurons.clamp_dims(
-        m, _required(dims, "clamp", _DIMS), positions=s, layers=layers, **kw
-    ),
-)
-register_method(
-    "remove", "ablate_neurons",
-    lambda m, t, s, layers, neurons=None, **kw: neurons_mod.edit_neurons(
-        m, _required(neurons, "ablate_neurons", "neurons=[...] (FFN neuron indices)"), positions=s, layers=layers, **kw
-    ),
-)
+_LEGACY_OPTIONS = ("batch_size", "prepend_bos", "progress", "max_length")
 
 
-def _normalise_method(method: str) -> str:
-    return method.replace("-", "_")
-
-
-def build_hooks(model: Any, kind: str, method: str, *, target: int, sink: int = 0, layers=None, **kw: Any) -> Hooks:
-    """The hooks of a registered ``create``/``remove`` method (names accept ``-`` or ``_``)."""
-    registry = {"create": CREATE_METHODS, "remove": REMOVE_METHODS}[kind]
-    name = _normalise_method(method)
-    if name not in registry:
-        raise ValueError(f"Unknown {kind} method {method!r}; expected one of {sorted(registry)}.")
-    return registry[name](model, target, sink, layers, **kw)
+def _options_with_legacy(options: RunOptions, kw: dict[str, Any], where: str) -> RunOptions:
+    """Move 0.1 keywords (``batch_size=``, ``prepend_bos=``, ``progress=``) out of ``kw`` into ``options``, warning."""
+    legacy = {k: kw.pop(k) for k in _LEGACY_OPTIONS if k in kw}
+    if not legacy:
+        return options
+    warnings.warn(
+        f"{where}({', '.join(f'{k}=' for k in legacy)}) is deprecated; pass options=RunOptions(...).",
+        DeprecationWarning, stacklevel=3,
+    )
+    return options.replace(**legacy)
 
 
 # ----------------------------------------------------------------------------- measurement
 
 
-class PositionResidualReducer(Reducer):
+class PositionResidualReducer(Reducer[tuple[Tensor, Tensor]]):
     """Mean residual vector and mean residual norm at a few positions, per layer (``hook_resid_post``).
 
-    Averages over the sequences in which every requested position is a real token.
+    Averages over the sequences in which every requested position is a real token; sums in float64.
+    Result: ``(mean [layer, position, d_model], mean norm [layer, position])``.
     """
 
     def __init__(self, model: Any, positions: Sequence[int], *, site: str = RESID_POST, layers=None):
         dims = model_dims(model)
-        self.layers = resolve_layers(layers, dims.n_layers)
-        self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.positions = list(positions)
+        self.layers = layers_arg(layers, dims.n_layers)
+        self.positions = [index(p, dims.n_ctx, what="position", allow_negative=False) for p in positions]
         self.site = site
         self.d_model = dims.d_model
         self.reset()
@@ -121,13 +121,19 @@ class PositionResidualReducer(Reducer):
         self.count = 0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
-        seq_ok = batch.valid[:, self.positions].all(dim=1)
+        n_pos = batch.tokens.shape[1]
+        if max(self.positions) >= n_pos:
+            seq_ok = torch.zeros(batch.tokens.shape[0], dtype=torch.bool, device=batch.valid.device)
+        else:
+            seq_ok = batch.valid[:, self.positions].all(dim=1)  # [batch]
+        row = {layer: i for i, layer in enumerate(self.layers)}
 
         def fold(act: Tensor, layer: int) -> None:  # act: [batch, pos, d_model]
-            x = act[seq_ok][:, self.positions].double()
-            i = self.row[layer]
-            self.vec[i] += x.sum(dim=0).cpu()
-            self.norm[i] += x.norm(dim=-1).sum(dim=0).cpu()
+            if not bool(seq_ok.any()):
+                return
+            x = act[seq_ok][:, self.positions].double()  # [ok, position, d_model]
+            self.vec[row[layer]] += x.sum(dim=0).cpu()
+            self.norm[row[layer]] += x.norm(dim=-1).sum(dim=0).cpu()
 
         return BatchFold(per_layer_hooks(self.site, self.layers, fold), state=int(seq_ok.sum()))
 
@@ -136,7 +142,7 @@ class PositionResidualReducer(Reducer):
 
     def result(self) -> tuple[Tensor, Tensor]:
         if self.count == 0:
-            raise ValueError(f"No sequence is long enough to contain positions {self.positions}.")
+            raise InvalidArgumentError(f"No sequence is long enough to contain positions {self.positions}.")
         return (self.vec / self.count).float(), (self.norm / self.count).float()
 
 
@@ -151,19 +157,41 @@ class RunStats:
     loss: float
 
 
+def next_token_cross_entropy(
+    logits: Float[Tensor, "batch pos vocab"], tokens: Int[Tensor, "batch pos"], valid: Bool[Tensor, "batch pos"]
+) -> tuple[float, int]:
+    """Summed next-token cross-entropy (nats, float32 logits) over predicted tokens that are real, and their count.
+
+    Position ``t`` predicts token ``t + 1``; a prediction counts when token ``t + 1`` is not padding.
+    """
+    per_token = torch.nn.functional.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="none"
+    ).view(tokens.shape[0], -1)  # [batch, pos - 1]
+    mask = valid[:, 1:]
+    return float(per_token[mask].double().sum()), int(mask.sum())
+
+
 def _next_token_loss(model: Any, batches: Sequence[TokenBatch], hooks: Hooks) -> float:
     """Mean next-token cross-entropy over real (non-padded) predicted tokens, with ``hooks`` attached."""
     total, count = 0.0, 0
     with torch.inference_mode(), model.hooks(fwd_hooks=list(hooks)):
         for batch in batches:
             logits = model(batch.tokens, return_type="logits")  # [batch, pos, d_vocab]
-            per_token = torch.nn.functional.cross_entropy(
-                logits[:, :-1].flatten(0, 1).float(), batch.tokens[:, 1:].flatten(), reduction="none"
-            ).view(batch.tokens.shape[0], -1)  # [batch, pos - 1]
-            mask = batch.valid[:, 1:]
-            total += float(per_token[mask].double().sum())
-            count += int(mask.sum())
-    return total / max(count, 1)
+            batch_total, batch_count = next_token_cross_entropy(logits, batch.tokens, batch.valid)
+            total += batch_total
+            count += batch_count
+    return total / count if count else float("nan")
+
+
+def _check_queries_after(batches: Sequence[TokenBatch], target: int, sink: int) -> None:
+    """Raise unless some sequence has a real token after ``target`` (a query to measure) and contains ``sink``."""
+    longest = max((int(b.valid.sum(dim=1).max()) for b in batches), default=0)
+    if target >= longest - 1:
+        raise InvalidArgumentError(
+            f"No query after position {target}: use sequences longer than {target + 1} tokens (the longest has {longest})."
+        )
+    if sink >= longest:
+        raise InvalidArgumentError(f"sink position {sink} is beyond the longest sequence ({longest} tokens).")
 
 
 def run_stats(
@@ -175,21 +203,25 @@ def run_stats(
     sink: int = 0,
     layers=None,
     loss: bool = True,
-    progress: bool = False,
+    options: RunOptions = RunOptions(progress=False),
 ) -> RunStats:
-    """Attention to ``target`` and ``sink`` (queries after ``target``), residuals at both, and the loss."""
+    """Attention to ``target`` and ``sink`` (queries after ``target``), residuals at both, and the loss.
+
+    ``hooks`` run after ``options.extra_hooks`` in every forward (the loss included).
+    """
+    _check_queries_after(batches, target, sink)
     att = AttentionReceivedReducer(model, layers=layers, min_query=target + 1)
     res = PositionResidualReducer(model, [target, sink], layers=layers)
-    received, (vec, norm) = stream(model, batches, [att, res],
-                                   options=RunOptions(extra_hooks=hooks, progress=progress, desc="intervene"))
-    if received.received.shape[-1] <= max(target, sink):
-        raise ValueError(f"No query after position {target}: use sequences longer than {target + 1} tokens.")
+    all_hooks = [*options.extra_hooks, *hooks]
+    received, (vec, norm) = stream(
+        model, batches, [att, res], options=options.replace(extra_hooks=all_hooks, desc=options.desc or "intervene")
+    )
     return RunStats(
         received=received.at(target),
         sink_received=received.at(sink),
         resid_mean=vec,
         resid_norm=norm,
-        loss=_next_token_loss(model, batches, hooks) if loss else float("nan"),
+        loss=_next_token_loss(model, batches, all_hooks) if loss else float("nan"),
     )
 
 
@@ -284,14 +316,17 @@ class InterventionResult:
 def _default_dims(before: RunStats, n: int = 3) -> list[int]:
     sink_vec = before.resid_mean[:, 1].abs()  # [layer, d_model]
     layer = int(sink_vec.max(dim=1).values.argmax())
-    return sink_vec[layer].topk(n).indices.tolist()
+    return sink_vec[layer].topk(min(n, sink_vec.shape[1])).indices.tolist()
 
 
 def compare_runs(
     before: RunStats, after: RunStats, *, method: str, target: int, sink: int, layers: list[int], dims=None, options=None
 ) -> InterventionResult:
     """Combine a clean and an intervened :class:`RunStats` into an :class:`InterventionResult`."""
-    dims = _default_dims(before) if dims is None else ([dims] if isinstance(dims, int) else list(dims))
+    if dims is None:
+        dims = _default_dims(before)
+    else:
+        dims = index_list(dims, before.resid_mean.shape[-1], what="dims", allow_negative=False)
     return InterventionResult(
         method=method, target=target, sink=sink, layers=layers,
         received_before=before.received, received_after=after.received,
@@ -303,103 +338,130 @@ def compare_runs(
     )
 
 
+def _check_dims(model: Any, dims: Any) -> list[int] | None:
+    return None if dims is None else index_list(dims, model_dims(model).d_model, what="dims", allow_negative=False)
+
+
 def measure_intervention(
     model: Any,
     tokens: Inputs,
-    hooks: Hooks,
+    intervention: Intervention,
     *,
-    target: int,
-    sink: int = 0,
-    method: str = "custom",
-    dims: int | Sequence[int] | None = None,
+    target: IntLike,
+    sink: IntLike = 0,
+    method: str | None = None,
+    dims: IndexLike | None = None,
     loss: bool = True,
-    batch_size: int = 8,
-    prepend_bos: bool = True,
-    progress: bool = False,
+    options: RunOptions = RunOptions(progress=False),
+    **legacy: Any,
 ) -> InterventionResult:
-    """Measure any list of intervention hooks: the same statistics before and after.
+    """Measure any intervention: the same statistics without and with it (see :class:`InterventionResult`).
 
     Args:
         tokens: strings, a token tensor ``[batch, pos]`` or TokenBatch es (see :func:`sinklens.as_batches`).
+        intervention: a list of ``(hook_name, fn)`` pairs, a registry spec string
+            (``"restart:positions=5"``, see :mod:`sinklens.interventions.registry`) or a callable ``model -> hooks``.
         target: position whose received attention / residual is reported.
         sink: the original sink position.
+        method: the name recorded in the result (default: the spec's name, or ``"custom"``).
         dims: residual dimensions to track (default: the sink's 3 largest, see :class:`InterventionResult`).
         loss: also compute the next-token loss (one extra forward per batch and run).
+        options: batching and progress (:class:`~sinklens.options.RunOptions`); its ``extra_hooks``
+            run in both the clean and the intervened run.
     """
+    options = _options_with_legacy(options, legacy, "measure_intervention")
+    if legacy:
+        raise InvalidArgumentError(f"measure_intervention has no option {sorted(legacy)[0]!r}.")
     dims_m = model_dims(model)
-    (target,) = as_positions(target, dims_m.n_ctx, what="target position")
-    (sink,) = as_positions(sink, dims_m.n_ctx, what="sink position")
-    batches = as_batches(model, tokens, batch_size=batch_size, prepend_bos=prepend_bos)
+    target = index(target, dims_m.n_ctx, what="target position", allow_negative=False)
+    sink = index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
+    dims = _check_dims(model, dims)
+    if isinstance(intervention, str):
+        name = registry.parse_spec(intervention)[0]
+        method = method or name
+    hooks = registry.build(model, intervention) if isinstance(intervention, str) or callable(intervention) else list(intervention)
+    batches = as_batches(model, tokens, batch_size=options.batch_size, prepend_bos=options.prepend_bos,
+                         max_length=options.max_length)
     layers = list(range(dims_m.n_layers))
-    before = run_stats(model, batches, [], target=target, sink=sink, loss=loss, progress=progress)
-    after = run_stats(model, batches, list(hooks), target=target, sink=sink, loss=loss, progress=progress)
-    return compare_runs(before, after, method=method, target=target, sink=sink, layers=layers, dims=dims)
+    before = run_stats(model, batches, [], target=target, sink=sink, loss=loss, options=options)
+    after = run_stats(model, batches, hooks, target=target, sink=sink, loss=loss, options=options)
+    return compare_runs(before, after, method=method or "custom", target=target, sink=sink, layers=layers, dims=dims)
 
 
 def create_sink(
     model: Any,
     tokens: Inputs,
-    position: int,
+    position: IntLike,
     *,
     method: str = "self_only",
     layers=None,
-    sink: int = 0,
-    dims: int | Sequence[int] | None = None,
+    sink: IntLike = 0,
+    dims: IndexLike | None = None,
     loss: bool = True,
-    batch_size: int = 8,
-    prepend_bos: bool = True,
-    **kw: Any,
+    options: RunOptions = RunOptions(progress=False),
+    **method_options: Any,
 ) -> InterventionResult:
     """Turn the token at ``position`` into a sink and measure the effect.
 
-    Methods (``-`` or ``_``): ``"self_only"`` (it attends only to itself), ``"restart"`` (it becomes
-    a new first token), ``"variance"`` (:func:`~sinklens.interventions.variance.amplify` with
-    ``alpha=8`` by default at ``site="attn.hook_z"``), ``"transplant"`` (copy the sink's residual
-    ``dims=`` onto it). Extra keywords go to the hook factory (``alpha``, ``site``, ``heads``...).
+    ``method`` is a ``create`` intervention of :mod:`sinklens.interventions.registry` (``-`` or
+    ``_``; sinklens 0.1 names still work): ``"self_only"`` (it attends only to itself),
+    ``"restart"`` (it becomes a new first token), ``"amplify"`` (0.1: ``"variance"``;
+    :func:`~sinklens.interventions.variance.amplify` with ``alpha=8`` by default at
+    ``site="attn.hook_z"``), ``"transplant_dims"`` (0.1: ``"transplant"``; copy the sink's
+    residual ``dims=`` onto it). ``method_options`` go to the factory (``alpha``, ``site``,
+    ``heads``...); ``dims`` is both the tracked dimensions and, for methods that need ``dims``, theirs.
 
     Examples:
         >>> from sinklens.testing import tiny_model
         >>> model = tiny_model()
         >>> res = create_sink(model, torch.randint(2, 64, (2, 12)), 5, method="self-only")
-        >>> res.received_before.shape, len(res.to_dict()["after"])
-        (torch.Size([2, 4]), 2)
+        >>> res.method, res.received_before.shape, len(res.to_dict()["after"])
+        ('self_only', torch.Size([2, 4]), 2)
     """
-    if _normalise_method(method) == "transplant":
-        kw["dims"] = dims
-    hooks = build_hooks(model, "create", method, target=position, sink=sink, layers=layers, **kw)
+    options = _options_with_legacy(options, method_options, "create_sink")
+    position = index(position, model_dims(model).n_ctx, what="position", allow_negative=False)
+    sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
+    name, hooks = _hooks_for(model, method, "create", position, layers, sink, dims, method_options)
     return measure_intervention(
-        model, tokens, hooks, target=position, sink=sink, method=_normalise_method(method), dims=dims,
-        loss=loss, batch_size=batch_size, prepend_bos=prepend_bos,
+        model, tokens, hooks, target=position, sink=sink, method=name, dims=dims, loss=loss, options=options,
     )
+
+
+def _hooks_for(model: Any, method: str, role: registry.Role, positions: int, layers: Any, sink: int, dims: Any,
+               method_options: dict[str, Any]) -> tuple[str, Hooks]:
+    """Hooks of ``method`` for create/remove_sink: ``dims`` doubles as the factory's ``dims`` when it needs one."""
+    entry = registry.get(method, role=role)
+    if "dims" in entry.requires and "dims" not in method_options and dims is not None:
+        method_options = {**method_options, "dims": dims}
+    return intervention_hooks(model, entry.name, role=role, positions=positions, layers=layers, sink=sink,
+                              **method_options)
 
 
 def remove_sink(
     model: Any,
     tokens: Inputs,
     *,
-    sink: int = 0,
-    method: str = "block",
+    sink: IntLike = 0,
+    method: str = "block_keys",
     layers=None,
-    dims: int | Sequence[int] | None = None,
+    dims: IndexLike | None = None,
     loss: bool = True,
-    batch_size: int = 8,
-    prepend_bos: bool = True,
-    **kw: Any,
+    options: RunOptions = RunOptions(progress=False),
+    **method_options: Any,
 ) -> InterventionResult:
     """Remove the sink at ``sink`` and measure the effect (the target is the sink itself).
 
-    Methods: ``"block"`` (hide it from every later query), ``"calibrate"``
-    (:func:`~sinklens.interventions.variance.calibrate` its head outputs), ``"clamp"`` (set its
-    residual ``dims=`` to ``value=0``), ``"ablate_neurons"`` (zero ``neurons=`` at the sink).
+    ``method`` is a ``remove`` intervention of the registry: ``"block_keys"`` (0.1: ``"block"``; hide
+    it from every later query), ``"calibrate"`` (:func:`~sinklens.interventions.variance.calibrate`
+    its head outputs), ``"clamp_dims"`` (0.1: ``"clamp"``; set its residual ``dims=`` to ``value=0``),
+    ``"edit_neurons"`` (0.1: ``"ablate_neurons"``; zero ``neurons=`` at the sink in the given
+    ``layers=``, which are required).
     """
-    name = _normalise_method(method)
-    build_kw = dict(kw)
-    if name == "clamp":
-        build_kw["dims"] = dims
-    hooks = build_hooks(model, "remove", method, target=sink, sink=sink, layers=layers, **build_kw)
+    options = _options_with_legacy(options, method_options, "remove_sink")
+    sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
+    name, hooks = _hooks_for(model, method, "remove", sink, layers, sink, dims, method_options)
     return measure_intervention(
-        model, tokens, hooks, target=sink, sink=sink, method=name, dims=dims,
-        loss=loss, batch_size=batch_size, prepend_bos=prepend_bos,
+        model, tokens, hooks, target=sink, sink=sink, method=name, dims=dims, loss=loss, options=options,
     )
 
 
@@ -408,39 +470,51 @@ def sweep(
     tokens: Inputs,
     *,
     method: str = "self_only",
-    positions: Sequence[int],
-    layer_sets: Sequence[Sequence[int] | None] = (None,),
-    alphas: Sequence[float | None] = (None,),
-    sink: int = 0,
+    positions: IndexLike,
+    layer_sets: Sequence[Any] = (None,),
+    alphas: Sequence[NumberLike | None] = (None,),
+    sink: IntLike = 0,
+    dims: IndexLike | None = None,
     loss: bool = False,
-    progress: bool = True,
-    **kw: Any,
+    options: RunOptions = RunOptions(),
+    **method_options: Any,
 ) -> list[dict]:
     """Run :func:`create_sink` over positions × layer sets × α; one tidy row per (config, layer).
 
-    The clean run of each position is computed once. ``alphas`` only matters for ``"variance"``
-    (``None`` = the method's default). Rows carry ``position``, ``layers`` (the intervened set as
-    a list, ``None`` = all), ``alpha`` and the per-layer numbers of :meth:`InterventionResult.rows`.
+    The clean run of each position is computed once. ``alphas`` only applies to methods with an
+    ``alpha`` option (``amplify``; ``None`` = the method's default). Rows carry ``position``,
+    ``layers`` (the intervened set as a list, ``None`` = all), ``alpha`` and the per-layer numbers
+    of :meth:`InterventionResult.rows`. ``options.progress`` shows a bar over configurations.
     """
-    batches = as_batches(model, tokens)
-    n_layers = model_dims(model).n_layers
+    options = _options_with_legacy(options, method_options, "sweep")
+    dims_m = model_dims(model)
+    positions = index_list(positions, dims_m.n_ctx, what="position", allow_negative=False)
+    sink = index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
+    if not len(layer_sets) or not len(alphas):
+        raise InvalidArgumentError("layer_sets and alphas need at least one entry each (use (None,) for the default).")
+    layer_sets = [None if ls is None else layers_arg(ls, dims_m.n_layers) for ls in layer_sets]
+    entry = registry.get(method, role="create")
+    if any(a is not None for a in alphas) and "alpha" not in entry.options():
+        raise InvalidArgumentError(f"alphas= only applies to methods with an alpha option, not {entry.name!r}.")
+    dims = _check_dims(model, dims)
+    batches = as_batches(model, tokens, batch_size=options.batch_size, prepend_bos=options.prepend_bos,
+                         max_length=options.max_length)
+    quiet = options.replace(progress=False)
     rows: list[dict] = []
     clean: dict[int, RunStats] = {}
     configs = list(itertools.product(positions, layer_sets, alphas))
-    for position, layer_set, alpha in tqdm(configs, desc="sweep", disable=not progress):
-        extra = dict(kw)
-        if alpha is not None:
-            extra["alpha"] = alpha
-        hooks = build_hooks(model, "create", method, target=position, sink=sink, layers=layer_set, **extra)
+    for position, layer_set, alpha in tqdm(configs, desc="sweep", disable=not options.progress):
+        extra = dict(method_options) if alpha is None else {**method_options, "alpha": alpha}
+        name, hooks = _hooks_for(model, entry.name, "create", position, layer_set, sink, dims, extra)
         if position not in clean:
-            clean[position] = run_stats(model, batches, [], target=position, sink=sink, loss=loss)
-        after = run_stats(model, batches, hooks, target=position, sink=sink, loss=loss)
+            clean[position] = run_stats(model, batches, [], target=position, sink=sink, loss=loss, options=quiet)
+        after = run_stats(model, batches, hooks, target=position, sink=sink, loss=loss, options=quiet)
         res = compare_runs(
-            clean[position], after, method=_normalise_method(method), target=position, sink=sink,
-            layers=list(range(n_layers)), dims=kw.get("dims"),
+            clean[position], after, method=name, target=position, sink=sink,
+            layers=list(range(dims_m.n_layers)), dims=dims,
         )
         for row in res.rows():
-            row.update(position=position, layers=None if layer_set is None else list(layer_set), alpha=alpha)
+            row.update(position=position, layers=layer_set, alpha=alpha)
             if loss:
                 row.update(loss_before=res.loss_before, loss_after=res.loss_after)
             rows.append(row)
@@ -449,6 +523,6 @@ def sweep(
 
 __all__ = [
     "InterventionResult", "RunStats", "PositionResidualReducer", "create_sink", "remove_sink", "sweep",
-    "measure_intervention", "run_stats", "compare_runs", "build_hooks", "register_method",
-    "CREATE_METHODS", "REMOVE_METHODS",
+    "measure_intervention", "run_stats", "compare_runs", "intervention_hooks", "next_token_cross_entropy",
+    "register_method",
 ]

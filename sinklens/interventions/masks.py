@@ -1,7 +1,7 @@
 """Attention-mask interventions through ``blocks.{l}.attn.hook_attn_scores``.
 
 Each factory returns ``(hook_name, fn)`` pairs for ``model.run_with_hooks``, ``model.hooks`` or
-``sinklens.stream(..., extra_hooks=...)``. The hook receives the pre-softmax scores
+``sinklens.stream(..., options=RunOptions(extra_hooks=...))``. The hook receives the pre-softmax scores
 ``[batch, head, query, key]`` (already causally masked by the model) and returns a *new* tensor in
 which the keys a query may no longer see are set to ``-inf``; the caller's tensor is never modified.
 
@@ -16,58 +16,65 @@ with a KV cache), the queries are taken to be the last ``n_query`` positions.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Union
+
+import numpy as np
 
 import torch
 from torch import Tensor
 
-from sinklens.hooks import SCORES, hook_name, model_dims, resolve_layers
-from sinklens.streaming import HookFn
+from sinklens.errors import InvalidArgumentError
+from sinklens.hooks import SCORES, hook_name, model_dims
+from sinklens.options import HookFn
+from sinklens.validate import index_list, optional_index_list
 
 Hooks = list[tuple[str, HookFn]]
+#: An integer as :func:`sinklens.validate.as_int` takes it: int, numpy integer or 0-d integer tensor.
+IntLike = Union[numbers.Integral, Tensor]
+#: One index or several (a sequence, a 1-D tensor or numpy array), checked by :func:`sinklens.validate.index_list`.
+IndexLike = Union[numbers.Integral, Tensor, np.ndarray, Sequence[Any]]
+#: A number as :func:`sinklens.validate.as_float` takes it: float, int, numpy scalar or 0-d tensor.
+NumberLike = Union[numbers.Real, Tensor]
 #: Builds the *blocked* entries ``[query, key]`` from (absolute query positions, number of keys).
 BlockFn = Callable[[Tensor, int], Tensor]
 
 
-def as_positions(positions: int | Sequence[int], n_ctx: int, *, what: str = "position") -> list[int]:
-    """Normalise ``positions=`` (an int or a sequence of ints, each in ``0..n_ctx-1``).
+def positions_arg(positions: Any, n_ctx: int, *, what: str = "position") -> list[int]:
+    """Validate a ``positions=`` argument: an int or a sequence of ints, each in ``0..n_ctx-1`` (no negatives).
 
     Examples:
-        >>> as_positions(3, 8), as_positions([0, 5], 8)
+        >>> positions_arg(3, 8), positions_arg([0, 5], 8)
         ([3], [0, 5])
     """
-    raw = [positions] if isinstance(positions, int) else list(positions)
-    if not raw:
-        raise ValueError(f"No {what}s given: pass at least one {what} in 0..{n_ctx - 1}.")
-    for pos in raw:
-        if not isinstance(pos, int) or isinstance(pos, bool) or not 0 <= pos < n_ctx:
-            raise ValueError(f"{what.capitalize()} {pos!r} is out of range: expected an int in 0..{n_ctx - 1} (cfg.n_ctx={n_ctx}).")
-    return raw
+    return index_list(positions, n_ctx, what=what, allow_negative=False)
+
+
+def layers_arg(layers: Any, n_layers: int) -> list[int]:
+    """Validate a ``layers=`` argument: None (all), an int or a non-empty sequence (negatives count from the end)."""
+    return optional_index_list(layers, n_layers, what="layer")
+
+
+def heads_arg(heads: Any, n_heads: int) -> list[int] | None:
+    """Validate a ``heads=`` argument: None (all heads) or ints in ``0..n_heads-1``."""
+    return None if heads is None else index_list(heads, n_heads, what="head", allow_negative=False)
 
 
 def check_in_sequence(positions: Sequence[int], seq_len: int, what: str = "position") -> None:
-    """Raise ``ValueError`` if a position is not inside a sequence of ``seq_len`` tokens."""
+    """Raise :class:`InvalidArgumentError` if a position is not inside a sequence of ``seq_len`` tokens (checked in hooks)."""
     bad = [p for p in positions if p >= seq_len]
     if bad:
-        raise ValueError(f"{what.capitalize()} {bad[0]} is out of range for a sequence of {seq_len} tokens (0..{seq_len - 1}).")
-
-
-def _heads_index(heads: int | Sequence[int] | None, n_heads: int) -> list[int] | None:
-    if heads is None:
-        return None
-    raw = [heads] if isinstance(heads, int) else list(heads)
-    for h in raw:
-        if not 0 <= h < n_heads:
-            raise ValueError(f"Head {h} is out of range for a model with {n_heads} heads (0..{n_heads - 1}).")
-    return raw
+        raise InvalidArgumentError(
+            f"{what.capitalize()} {bad[0]} is out of range for a sequence of {seq_len} tokens (0..{seq_len - 1})."
+        )
 
 
 def _mask_hooks(model: Any, block: BlockFn, *, layers, heads) -> Hooks:
     """Hooks that set ``block(query_positions, n_key)`` entries of the scores to ``-inf``."""
     dims = model_dims(model)
-    layer_list = resolve_layers(layers, dims.n_layers)
-    head_list = _heads_index(heads, dims.n_heads)
+    layer_list = layers_arg(layers, dims.n_layers)
+    head_list = heads_arg(heads, dims.n_heads)
 
     def fn(scores: Tensor, hook: Any) -> Tensor:  # scores: [batch, head, query, key]
         n_q, n_k = scores.shape[-2:]
@@ -84,7 +91,7 @@ def _mask_hooks(model: Any, block: BlockFn, *, layers, heads) -> Hooks:
     return [(hook_name(layer, SCORES), fn) for layer in layer_list]
 
 
-def self_only(model: Any, *, positions: int | Sequence[int], layers=None, heads=None) -> Hooks:
+def self_only(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike | None = None) -> Hooks:
     """Make each token at ``positions`` attend only to itself (its whole attention on its own key).
 
     Such a token aggregates a single value, so its head outputs keep the full value variance like
@@ -97,7 +104,7 @@ def self_only(model: Any, *, positions: int | Sequence[int], layers=None, heads=
         >>> [name for name, _ in hooks]
         ['blocks.0.attn.hook_attn_scores']
     """
-    pos = as_positions(positions, model_dims(model).n_ctx)
+    pos = positions_arg(positions, model_dims(model).n_ctx)
 
     def block(q_pos: Tensor, n_k: int) -> Tensor:
         check_in_sequence(pos, n_k)
@@ -107,7 +114,7 @@ def self_only(model: Any, *, positions: int | Sequence[int], layers=None, heads=
     return _mask_hooks(model, block, layers=layers, heads=heads)
 
 
-def restart(model: Any, *, positions: int | Sequence[int], layers=None, heads=None) -> Hooks:
+def restart(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike | None = None) -> Hooks:
     """A restart mask: queries at ``q >= k`` cannot see keys ``< k``, so ``k`` acts as a new first token.
 
     With several positions the sequence is cut into independent segments at each of them.
@@ -117,7 +124,7 @@ def restart(model: Any, *, positions: int | Sequence[int], layers=None, heads=No
         >>> len(restart(tiny_model(), positions=4))  # one hook per layer of the 2-layer model
         2
     """
-    pos = as_positions(positions, model_dims(model).n_ctx)
+    pos = positions_arg(positions, model_dims(model).n_ctx)
 
     def block(q_pos: Tensor, n_k: int) -> Tensor:
         check_in_sequence(pos, n_k)
@@ -130,13 +137,13 @@ def restart(model: Any, *, positions: int | Sequence[int], layers=None, heads=No
     return _mask_hooks(model, block, layers=layers, heads=heads)
 
 
-def block_keys(model: Any, *, positions: int | Sequence[int], layers=None, heads=None) -> Hooks:
+def block_keys(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike | None = None) -> Hooks:
     """Hide the keys at ``positions`` from every later query (e.g. ``positions=0`` removes the sink).
 
     The blocked token still attends to itself (its own row is unchanged), so the softmax of every
     query is well defined; the attention it received is redistributed over the remaining keys.
     """
-    pos = as_positions(positions, model_dims(model).n_ctx)
+    pos = positions_arg(positions, model_dims(model).n_ctx)
 
     def block(q_pos: Tensor, n_k: int) -> Tensor:
         check_in_sequence(pos, n_k)
@@ -152,36 +159,36 @@ def custom_mask(model: Any, allowed: Tensor, *, layers=None, heads=None) -> Hook
     ``allowed`` is ``[query, key]``, ``[head, query, key]`` or ``[batch, head, query, key]`` and must
     match the sequence length of the run (checked in the hook). It is combined with the causal mask
     (entries above the diagonal stay masked whatever ``allowed`` says). Every query must keep at
-    least one visible key: a row with none raises ``ValueError`` (its softmax would be undefined).
+    least one visible key: a row with none raises :class:`~sinklens.errors.InvalidArgumentError` (its softmax would be undefined).
     Unlike the other factories the diagonal is not protected: a False diagonal entry is honoured
     as long as the row keeps another visible key.
     """
     if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
-        raise ValueError(f"allowed must be a bool tensor, got {getattr(allowed, 'dtype', type(allowed).__name__)}.")
+        raise InvalidArgumentError(f"allowed must be a bool tensor, got {getattr(allowed, 'dtype', type(allowed).__name__)}.")
     if allowed.ndim not in (2, 3, 4) or allowed.shape[-1] != allowed.shape[-2]:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"allowed must have shape [query, key], [head, query, key] or [batch, head, query, key] with "
             f"query == key, got {tuple(allowed.shape)}."
         )
     dims = model_dims(model)
     if allowed.ndim >= 3 and allowed.shape[-3] not in (1, dims.n_heads):
-        raise ValueError(f"allowed has {allowed.shape[-3]} heads; the model has {dims.n_heads} (or pass 1 to broadcast).")
-    layer_list = resolve_layers(layers, dims.n_layers)
-    head_list = _heads_index(heads, dims.n_heads)
+        raise InvalidArgumentError(f"allowed has {allowed.shape[-3]} heads; the model has {dims.n_heads} (or pass 1 to broadcast).")
+    layer_list = layers_arg(layers, dims.n_layers)
+    head_list = heads_arg(heads, dims.n_heads)
 
     def fn(scores: Tensor, hook: Any) -> Tensor:
         n_q, n_k = scores.shape[-2:]
         if allowed.shape[-1] != n_k:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"allowed is {tuple(allowed.shape)} but the run has {n_k} positions: the last two dims must be ({n_k}, {n_k})."
             )
         if allowed.ndim == 4 and allowed.shape[0] not in (1, scores.shape[0]):
-            raise ValueError(f"allowed has batch size {allowed.shape[0]}, the run has {scores.shape[0]}.")
+            raise InvalidArgumentError(f"allowed has batch size {allowed.shape[0]}, the run has {scores.shape[0]}.")
         mask = allowed.to(scores.device)[..., n_k - n_q :, :]
         causal = torch.ones(n_k, n_k, dtype=torch.bool, device=scores.device).tril()[n_k - n_q :]
         visible = mask & causal
         if not bool(visible.any(dim=-1).all()):
-            raise ValueError("allowed leaves some query with no visible key (after the causal mask); every row needs one.")
+            raise InvalidArgumentError("allowed leaves some query with no visible key (after the causal mask); every row needs one.")
         blocked = ~mask.expand(scores.shape) if mask.ndim == 4 else ~mask.expand(scores.shape[1:])
         if head_list is not None:
             per_head = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)

@@ -17,41 +17,36 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from sinklens.hooks import MLP_POST, RESID_POST, check_hook_names, hook_name, layer_of, model_dims, resolve_layers
-from sinklens.interventions.masks import Hooks, as_positions, check_in_sequence
+from sinklens.errors import InvalidArgumentError
+from sinklens.hooks import MLP_POST, RESID_POST, check_hook_names, hook_name, layer_of, model_dims
+from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, check_in_sequence, layers_arg, positions_arg
+from sinklens.validate import choice, finite_number, index, index_list
 
 NeuronMode = Literal["zero", "scale", "set"]
 ClampMode = Literal["set", "bound"]
 
 
-def _indices(values: int | Sequence[int], size: int, what: str) -> list[int]:
-    raw = [values] if isinstance(values, int) else list(values)
-    if not raw:
-        raise ValueError(f"No {what}s given.")
-    for v in raw:
-        if not isinstance(v, int) or not 0 <= v < size:
-            raise ValueError(f"{what.capitalize()} {v!r} is out of range (0..{size - 1}).")
-    return raw
-
-
-def _positions_or_all(positions, n_ctx: int) -> list[int] | None:
-    return None if positions is None else as_positions(positions, n_ctx)
+def _positions_or_all(positions: Any, n_ctx: int) -> list[int] | None:
+    """``None`` (every position) or validated positions."""
+    return None if positions is None else positions_arg(positions, n_ctx)
 
 
 def edit_neurons(
     model: Any,
-    neurons: int | Sequence[int] | Mapping[int, Sequence[int]],
+    neurons: IndexLike | Mapping[Any, Any],
     *,
     mode: NeuronMode = "zero",
-    value: float | int = 0.0,
-    positions: int | Sequence[int] | None = None,
+    value: NumberLike = 0.0,
+    positions: IndexLike | None = None,
     layers=None,
 ) -> Hooks:
     """Zero (``mode="zero"``), multiply by ``value`` (``"scale"``) or set to ``value`` (``"set"``) FFN neurons.
 
     Args:
-        neurons: neuron indices into ``d_mlp`` applied in every layer of ``layers``, or a mapping
+        neurons: neuron indices into ``d_mlp`` applied in every layer of ``layers`` (which must then be
+            given explicitly: an index names a different neuron in each layer), or a mapping
             ``{layer: [neurons]}`` (then ``layers`` must be left None).
+        mode, value: ``value`` must be finite.
         positions: token positions to edit (default all).
 
     Examples:
@@ -59,16 +54,26 @@ def edit_neurons(
         >>> [n for n, _ in edit_neurons(tiny_model(), {1: [3, 4]})]
         ['blocks.1.mlp.hook_post']
     """
-    if mode not in ("zero", "scale", "set"):
-        raise ValueError(f"mode must be 'zero', 'scale' or 'set', got {mode!r}.")
+    mode = choice(mode, ("zero", "scale", "set"), what="mode")
+    value = finite_number(value, what="value")
     dims = model_dims(model)
     if isinstance(neurons, Mapping):
         if layers is not None:
-            raise ValueError("Pass either neurons={layer: [...]} or layers=, not both.")
-        per_layer = {resolve_layers(int(k), dims.n_layers)[0]: _indices(v, dims.d_mlp, "neuron") for k, v in neurons.items()}
+            raise InvalidArgumentError("Pass either neurons={layer: [...]} or layers=, not both.")
+        if not neurons:
+            raise InvalidArgumentError("neurons: an empty mapping was given; pass {layer: [neuron, ...]}.")
+        per_layer = {
+            index(k, dims.n_layers, what="layer"): index_list(v, dims.d_mlp, what="neuron", allow_negative=False)
+            for k, v in neurons.items()
+        }
     else:
-        idx = _indices(neurons, dims.d_mlp, "neuron")
-        per_layer = {layer: idx for layer in resolve_layers(layers, dims.n_layers)}
+        idx = index_list(neurons, dims.d_mlp, what="neuron", allow_negative=False)
+        if layers is None:
+            raise InvalidArgumentError(
+                f"edit_neurons needs explicit layers: neuron indices {idx} name a different neuron in each "
+                "layer, so pass layers=[...] (or neurons={layer: [...]}) instead of editing them in every layer."
+            )
+        per_layer = {layer: idx for layer in layers_arg(layers, dims.n_layers)}
     pos = _positions_or_all(positions, dims.n_ctx)
     names = [hook_name(layer, MLP_POST) for layer in per_layer]
     check_hook_names(model, names)
@@ -96,11 +101,11 @@ def edit_neurons(
 
 def clamp_dims(
     model: Any,
-    dims: int | Sequence[int],
+    dims: IndexLike,
     *,
-    positions: int | Sequence[int] | None = 0,
+    positions: IndexLike | None = 0,
     mode: ClampMode = "set",
-    value: float | int = 0.0,
+    value: NumberLike = 0.0,
     site: str = RESID_POST,
     layers=None,
 ) -> Hooks:
@@ -109,14 +114,14 @@ def clamp_dims(
     The default targets the sink (position 0) at ``hook_resid_post``: ``clamp_dims(model, 507)``
     removes SmolLM2's massive activation.
     """
-    if mode not in ("set", "bound"):
-        raise ValueError(f"mode must be 'set' or 'bound', got {mode!r}.")
+    mode = choice(mode, ("set", "bound"), what="mode")
+    value = finite_number(value, what="value")
     if mode == "bound" and value < 0:
-        raise ValueError(f"A bound must be >= 0, got {value}.")
+        raise InvalidArgumentError(f"A bound must be >= 0, got value={value:g}.")
     md = model_dims(model)
-    idx = _indices(dims, md.d_model, "residual dimension")
+    idx = index_list(dims, md.d_model, what="residual dimension", allow_negative=False)
     pos = _positions_or_all(positions, md.n_ctx)
-    names = [hook_name(layer, site) for layer in resolve_layers(layers, md.n_layers)]
+    names = [hook_name(layer, site) for layer in layers_arg(layers, md.n_layers)]
     check_hook_names(model, names)
 
     def fn(act: Tensor, hook: Any) -> Tensor:  # act: [batch, pos, d_model]
@@ -134,10 +139,10 @@ def clamp_dims(
 
 def transplant_dims(
     model: Any,
-    dims: int | Sequence[int],
+    dims: IndexLike,
     *,
-    positions: int | Sequence[int],
-    source: int = 0,
+    positions: IndexLike,
+    source: IntLike = 0,
     site: str = RESID_POST,
     layers=None,
 ) -> Hooks:
@@ -146,10 +151,10 @@ def transplant_dims(
     With the sink as source, the targets receive its massive activation.
     """
     md = model_dims(model)
-    idx = _indices(dims, md.d_model, "residual dimension")
-    pos = as_positions(positions, md.n_ctx)
-    (src,) = as_positions(source, md.n_ctx, what="source position")
-    names = [hook_name(layer, site) for layer in resolve_layers(layers, md.n_layers)]
+    idx = index_list(dims, md.d_model, what="residual dimension", allow_negative=False)
+    pos = positions_arg(positions, md.n_ctx)
+    src = index(source, md.n_ctx, what="source position", allow_negative=False)
+    names = [hook_name(layer, site) for layer in layers_arg(layers, md.n_layers)]
     check_hook_names(model, names)
 
     def fn(act: Tensor, hook: Any) -> Tensor:

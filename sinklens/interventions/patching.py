@@ -11,40 +11,60 @@ the mean attention received by ``target`` from the queries after it, averaged ov
 ``restored = (patched − intervened) / (clean − intervened)``: 1 means that component alone brings
 the clean sink back, 0 that it does nothing.
 
-The patching loop itself is TransformerLens' ``transformer_lens.patching.generic_activation_patch``
-with its patch setters (the same code on TransformerLens 3.x and 4.x); sinklens supplies the index
-set, keeps the intervention hooks attached around it through ``model.hooks`` and measures the metric
-with :class:`~sinklens.analysis.attention.AttentionReceivedReducer` hooks attached the same way.
+The loop is the one of TransformerLens' ``patching.generic_activation_patch`` with its three patch
+setters (``[:, pos]``, ``[:, :, head]``, ``[:, pos, head]`` of the clean activation written into a
+copy of the intervened one), written out here so that it needs no data frame: one forward per
+component, with the intervention hooks attached through ``model.hooks`` and the metric measured by
+an :class:`~sinklens.analysis.attention.AttentionReceivedReducer` that is reset after every forward.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from sinklens.analysis.attention import AttentionReceivedReducer
-from sinklens.hooks import ATTN_OUT, MLP_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, model_dims, resolve_layers
-from sinklens.inputs import Inputs, as_batches
-from sinklens.interventions.masks import Hooks, as_positions
+from sinklens.errors import InvalidArgumentError
+from sinklens.hooks import ATTN_OUT, MLP_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, model_dims
+from sinklens.inputs import Inputs, TokenBatch, as_batches
+from sinklens.interventions.masks import Hooks, IndexLike, IntLike, heads_arg, layers_arg, positions_arg
+from sinklens.options import RunOptions
+
+from sinklens.validate import choice, index
 
 PatchSite = Literal["resid_pre", "resid_mid", "attn_out", "mlp_out", "z", "z_pos"]
+#: Writes the clean activation into the (copied) intervened one at one component's index.
+PatchSetter = Callable[[Tensor, Tensor, tuple[int, ...]], None]
 
-#: site -> (TransformerLens activation name, hook site, TL patch setter name, axes)
-_SITES: dict[str, tuple[str, str, str, tuple[str, ...]]] = {
-    "resid_pre": ("resid_pre", RESID_PRE, "layer_pos_patch_setter", ("layer", "pos")),
-    "resid_mid": ("resid_mid", RESID_MID, "layer_pos_patch_setter", ("layer", "pos")),
-    "attn_out": ("attn_out", ATTN_OUT, "layer_pos_patch_setter", ("layer", "pos")),
-    "mlp_out": ("mlp_out", MLP_OUT, "layer_pos_patch_setter", ("layer", "pos")),
-    "z": ("z", Z, "layer_head_vector_patch_setter", ("layer", "head_index")),
-    "z_pos": ("z", Z, "layer_pos_head_vector_patch_setter", ("layer", "pos", "head_index")),
+
+def _set_pos(out: Tensor, clean: Tensor, idx: tuple[int, ...]) -> None:
+    out[:, idx[0]] = clean[:, idx[0]]  # [batch, pos, ...]
+
+
+def _set_head(out: Tensor, clean: Tensor, idx: tuple[int, ...]) -> None:
+    out[:, :, idx[0]] = clean[:, :, idx[0]]  # [batch, pos, head, d_head]
+
+
+def _set_pos_head(out: Tensor, clean: Tensor, idx: tuple[int, ...]) -> None:
+    out[:, idx[0], idx[1]] = clean[:, idx[0], idx[1]]
+
+
+#: site -> (hook site, patch setter, axes after "layer")
+_SITES: dict[str, tuple[str, PatchSetter, tuple[str, ...]]] = {
+    "resid_pre": (RESID_PRE, _set_pos, ("pos",)),
+    "resid_mid": (RESID_MID, _set_pos, ("pos",)),
+    "attn_out": (ATTN_OUT, _set_pos, ("pos",)),
+    "mlp_out": (MLP_OUT, _set_pos, ("pos",)),
+    "z": (Z, _set_head, ("head",)),
+    "z_pos": (Z, _set_pos_head, ("pos", "head")),
 }
-
 
 @dataclass
 class SinkPatchResult:
@@ -75,8 +95,21 @@ class SinkPatchResult:
         """``(patched − intervened) / (clean − intervened)``: the fraction of the sink each patch restores."""
         gap = self.clean - self.intervened
         if abs(gap) < 1e-12:
-            raise ValueError("The intervention did not change the metric (clean == intervened); nothing to restore.")
+            raise InvalidArgumentError(
+                "The intervention did not change the metric (clean == intervened); nothing to restore."
+            )
         return (self.values - self.intervened) / gap
+
+    def to_rows(self) -> list[dict]:
+        """One plain row per component: its coordinates, the patched metric and ``restored`` (None if undefined)."""
+        gap = self.clean - self.intervened
+        rows = []
+        for idx in itertools.product(*(range(len(self.coords[a])) for a in self.axes)):
+            value = float(self.values[idx])
+            row: dict[str, Any] = {a: self.coords[a][i] for a, i in zip(self.axes, idx)}
+            row.update(value=value, restored=(value - self.intervened) / gap if abs(gap) >= 1e-12 else None)
+            rows.append(row)
+        return rows
 
     def top(self, n: int = 5) -> list[tuple[dict[str, int], float]]:
         """The ``n`` components that restore the most, as ``({axis: index}, restored)``."""
@@ -100,13 +133,14 @@ def patch_sink(
     tokens: Inputs,
     hooks: Hooks,
     *,
-    target: int = 0,
+    target: IntLike = 0,
     site: PatchSite = "resid_pre",
     layers=None,
-    positions: int | Sequence[int] | None = None,
-    heads: int | Sequence[int] | None = None,
+    positions: IndexLike | None = None,
+    heads: IndexLike | None = None,
     metric_layers=None,
-    prepend_bos: bool = True,
+    options: RunOptions = RunOptions(progress=False),
+    **legacy: Any,
 ) -> SinkPatchResult:
     """Patch clean activations into the intervened run, one component at a time, and measure the sink.
 
@@ -119,62 +153,79 @@ def patch_sink(
         layers, positions, heads: restrict the components patched (default all) — each patch is
             one forward pass, so restrict on large models.
         metric_layers: layers the metric averages over (default all).
+        options: ``prepend_bos``/``max_length`` for text inputs and ``progress`` (a bar over patches).
     """
-    if site not in _SITES:
-        raise ValueError(f"Unknown patch site {site!r}; expected one of {sorted(_SITES)}.")
-    from transformer_lens import patching as tl_patching
+    if "prepend_bos" in legacy:  # sinklens 0.1 keyword
+        import warnings
 
-    import pandas as pd
-
-    act_name, hook_site, setter_name, axes = _SITES[site]
+        warnings.warn("patch_sink(prepend_bos=) is deprecated; pass options=RunOptions(prepend_bos=...).",
+                      DeprecationWarning, stacklevel=2)
+        options = options.replace(prepend_bos=legacy.pop("prepend_bos"))
+    if legacy:
+        raise InvalidArgumentError(f"patch_sink has no option {sorted(legacy)[0]!r}.")
+    site = choice(site, sorted(_SITES), what="site")
+    hook_site, setter, axes = _SITES[site]
     dims = model_dims(model)
-    batches = as_batches(model, tokens, batch_size=10**9, prepend_bos=prepend_bos)
+    batches = as_batches(model, tokens, batch_size=10**9, prepend_bos=options.prepend_bos, max_length=options.max_length)
     (batch,) = batches
     if not bool(batch.valid.all()):
-        raise ValueError("patch_sink needs sequences of equal length (no padding): pass a [batch, pos] tensor or equal-length texts.")
+        raise InvalidArgumentError(
+            "patch_sink needs sequences of equal length (no padding): pass a [batch, pos] tensor or equal-length texts."
+        )
     n_pos = batch.tokens.shape[1]
-    (target,) = as_positions(target, dims.n_ctx, what="target position")
+    target = index(target, dims.n_ctx, what="target position", allow_negative=False)
     if target >= n_pos - 1:
-        raise ValueError(f"Target {target} needs later queries: use sequences longer than {target + 1} tokens (got {n_pos}).")
-    layer_list = resolve_layers(layers, dims.n_layers)
-    coords: dict[str, list[int]] = {"layer": layer_list}
+        raise InvalidArgumentError(
+            f"Target {target} needs later queries: use sequences longer than {target + 1} tokens (got {n_pos})."
+        )
+    coords: dict[str, list[int]] = {"layer": layers_arg(layers, dims.n_layers)}
     if "pos" in axes:
-        coords["pos"] = list(range(n_pos)) if positions is None else as_positions(positions, n_pos)
-    if "head_index" in axes:
-        head_list = list(range(dims.n_heads)) if heads is None else ([heads] if isinstance(heads, int) else list(heads))
-        for h in head_list:
-            if not 0 <= h < dims.n_heads:
-                raise ValueError(f"Head {h} is out of range (0..{dims.n_heads - 1}).")
-        coords["head_index"] = head_list
-    names = [hook_name(layer, hook_site) for layer in layer_list]
+        coords["pos"] = list(range(n_pos)) if positions is None else positions_arg(positions, n_pos)
+    if "head" in axes:
+        coords["head"] = list(range(dims.n_heads)) if heads is None else heads_arg(heads, dims.n_heads)
+    metric_layers = layers_arg(metric_layers, dims.n_layers)
+    names = [hook_name(layer, hook_site) for layer in coords["layer"]]
     check_hook_names(model, names + [name for name, _ in hooks])
 
     reducer = AttentionReceivedReducer(model, layers=metric_layers, min_query=target + 1)
     fold = reducer.fwd_hooks(batch)
-    recorder = fold.hooks
 
-    def metric(_logits: Any) -> Tensor:
+    def metric() -> float:
+        """The metric of the forward that just ran with ``fold.hooks`` attached; then a fresh reducer."""
         reducer.end_batch(batch, fold)
-        value = reducer.result().at(target).mean()
+        value = float(reducer.result().at(target).double().mean())
         reducer.reset()
         return value
 
+    clean_acts: dict[str, Tensor] = {}
+
+    def keep(act: Tensor, hook: Any, name: str) -> None:
+        clean_acts[name] = act.detach().clone()
+
     tokens_t = batch.tokens
+    values = torch.zeros([len(v) for v in coords.values()], dtype=torch.float64)
     with torch.inference_mode():
-        with model.hooks(fwd_hooks=recorder):
-            _, clean_cache = model.run_with_cache(tokens_t, names_filter=lambda n: n in set(names))
-            clean = float(metric(None))
-        with model.hooks(fwd_hooks=list(hooks) + recorder):
+        with model.hooks(fwd_hooks=[(n, lambda act, hook, n=n: keep(act, hook, n)) for n in names] + fold.hooks):
             model(tokens_t, return_type=None)
-            intervened = float(metric(None))
-            index_df = pd.DataFrame(list(itertools.product(*coords.values())), columns=list(coords))
-            flat = tl_patching.generic_activation_patch(
-                model, tokens_t, clean_cache, metric, getattr(tl_patching, setter_name), act_name, index_df=index_df,
-            )
-    values = flat.detach().float().cpu().reshape([len(v) for v in coords.values()])
-    axes_out = tuple("head" if a == "head_index" else a for a in coords)
-    coords_out = {("head" if a == "head_index" else a): v for a, v in coords.items()}
+        clean = metric()
+        with model.hooks(fwd_hooks=list(hooks) + fold.hooks):
+            model(tokens_t, return_type=None)
+        intervened = metric()
+        grid = list(itertools.product(*(range(len(v)) for v in coords.values())))
+        for cell in tqdm(grid, desc="patch", disable=not options.progress, leave=False):
+            layer = coords["layer"][cell[0]]
+            idx = tuple(coords[a][i] for a, i in zip(axes, cell[1:]))
+            name = hook_name(layer, hook_site)
+
+            def patch(act: Tensor, hook: Any, name: str = name, idx: tuple[int, ...] = idx) -> Tensor:
+                out = act.clone()
+                setter(out, clean_acts[name], idx)
+                return out
+
+            with model.hooks(fwd_hooks=list(hooks) + [(name, patch)] + fold.hooks):
+                model(tokens_t, return_type=None)
+            values[cell] = metric()
     return SinkPatchResult(
-        site=site, axes=axes_out, coords=coords_out, values=values, clean=clean, intervened=intervened,
-        target=target, metric_layers=reducer.layers,
+        site=site, axes=("layer", *axes), coords=coords, values=values.float(), clean=clean, intervened=intervened,
+        target=target, metric_layers=metric_layers,
     )

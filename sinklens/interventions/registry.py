@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import ast
 import difflib
+import inspect
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from sinklens.errors import InvalidArgumentError, UnknownInterventionError
@@ -38,15 +39,50 @@ Factory = Callable[..., Hooks]
 
 @dataclass(frozen=True)
 class Intervention:
-    """A registered intervention: its name, role, factory and a one-line summary."""
+    """A registered intervention: its name, role, factory and a one-line summary.
+
+    Attributes:
+        requires: options the factory cannot run without, beyond ``positions`` (option -> what to pass),
+            e.g. ``{"dims": "dims=[...] (residual dimensions)"}``; a call without one raises a clear error.
+        defaults: option values used when the caller gives none (e.g. ``alpha=8`` for ``amplify``).
+        sink_option: the factory's keyword for the original sink position, if it uses one
+            (``transplant_dims`` copies from ``source``); :func:`~sinklens.interventions.create_sink`
+            fills it from its ``sink=``.
+    """
 
     name: str
     role: Role
     factory: Factory
     summary: str
+    requires: Mapping[str, str] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    sink_option: str | None = None
+
+    def options(self) -> list[str]:
+        """The keyword options the factory accepts (after ``model``)."""
+        params = list(inspect.signature(self.factory).parameters.values())[1:]
+        return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
     def __call__(self, model: Any, **options: Any) -> Hooks:
-        return self.factory(model, **options)
+        """The hooks of this intervention: ``factory(model, **defaults | options)``, checked first.
+
+        Raises :class:`~sinklens.errors.InvalidArgumentError` naming a missing required option or an
+        option the factory does not take (instead of a bare ``TypeError``).
+        """
+        kwargs = {**self.defaults, **options}
+        params = list(inspect.signature(self.factory).parameters.values())[1:]
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+        known = self.options()
+        unknown = sorted(k for k in kwargs if k not in known)
+        if unknown and not takes_any:
+            raise InvalidArgumentError(
+                f"Intervention {self.name!r} has no option {unknown[0]!r}; its options are {known}."
+            )
+        for p in params:
+            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and kwargs.get(p.name) is None:
+                what = self.requires.get(p.name, f"{p.name}=...")
+                raise InvalidArgumentError(f"Intervention {self.name!r} needs {what}.")
+        return list(self.factory(model, **kwargs))
 
 
 _REGISTRY: dict[str, Intervention] = {}
@@ -59,16 +95,39 @@ def canonical(name: str) -> str:
     return str(name).strip().replace("-", "_")
 
 
-def register(name: str, factory: Factory, *, role: Role, summary: str) -> Intervention:
-    """Register ``factory`` under ``name``; raises ``ValueError`` if the name is taken."""
+def register(
+    name: str,
+    factory: Factory,
+    *,
+    role: Role,
+    summary: str,
+    requires: Mapping[str, str] | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    sink_option: str | None = None,
+) -> Intervention:
+    """Register ``factory`` under ``name``; raises ``ValueError`` if the name is taken.
+
+    ``factory(model, *, positions, layers=None, **options) -> hooks``; see :class:`Intervention`
+    for ``requires``, ``defaults`` and ``sink_option``.
+    """
     key = canonical(name)
+    if not key.isidentifier():
+        raise InvalidArgumentError(f"An intervention name must be an identifier (hyphens allowed), got {name!r}.")
     if key in _REGISTRY or key in _ALIASES:
         raise ValueError(f"An intervention named {key!r} is already registered.")
     if role not in ("create", "remove", "edit"):
-        raise ValueError(f"role must be 'create', 'remove' or 'edit', got {role!r}.")
-    entry = Intervention(key, role, factory, summary)
+        raise InvalidArgumentError(f"role must be 'create', 'remove' or 'edit', got {role!r}.")
+    entry = Intervention(key, role, factory, summary, dict(requires or {}), dict(defaults or {}), sink_option)
     _REGISTRY[key] = entry
     return entry
+
+
+def unregister(name: str) -> None:
+    """Remove a registered name (and the aliases that point to it); unknown names raise :class:`UnknownInterventionError`."""
+    key = get(name).name
+    del _REGISTRY[key]
+    for old in [old for old, new in _ALIASES.items() if new == key]:
+        del _ALIASES[old]
 
 
 def register_alias(old: str, new: str) -> None:
@@ -76,21 +135,30 @@ def register_alias(old: str, new: str) -> None:
     _ALIASES[canonical(old)] = canonical(new)
 
 
-def names(role: Role | None = None) -> list[str]:
-    """Registered names (canonical, sorted), optionally of one role."""
+def names(role: Role | None = None, *, aliases: bool = False) -> list[str]:
+    """Registered names (canonical, sorted), optionally of one role; ``aliases=True`` adds the old names."""
     _load_builtins()
-    return sorted(n for n, e in _REGISTRY.items() if role is None or e.role == role)
+    out = [n for n, e in _REGISTRY.items() if role is None or e.role == role]
+    if aliases:
+        out += [old for old, new in _ALIASES.items() if role is None or _REGISTRY[new].role == role]
+    return sorted(out)
 
 
 def get(name: str, *, role: Role | None = None) -> Intervention:
     """The entry registered as ``name`` (hyphens or underscores); a did-you-mean error otherwise."""
     _load_builtins()
+    if not isinstance(name, str):
+        raise InvalidArgumentError(f"An intervention name must be a string, got {name!r}.")
     key = canonical(name)
     key = _ALIASES.get(key, key)
     entry = _REGISTRY.get(key)
-    if entry is None or (role is not None and entry.role != role):
+    if entry is not None and role is not None and entry.role != role:
+        raise UnknownInterventionError(
+            f"{name!r} is a {entry.role} intervention, not a {role} one; {role} interventions: {names(role)}."
+        )
+    if entry is None:
         choices = names(role)
-        close = difflib.get_close_matches(key, choices, n=2)
+        close = difflib.get_close_matches(key, names(role, aliases=True), n=2)
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         what = f"{role} intervention" if role else "intervention"
         raise UnknownInterventionError(f"Unknown {what} {name!r}; registered: {choices}.{hint}")

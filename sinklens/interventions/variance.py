@@ -13,8 +13,10 @@ hook factories act on that directly:
 
 The reference mean ``μ`` of :func:`amplify` defaults to the mean of the activation over many
 random-token positions (:func:`reference_mean`; position 0 left out), computed once per model,
-site and settings with :func:`sinklens.stream` and cached. Weights that change (training) make the
-cache stale: use ``reference="batch"`` there, or :func:`clear_reference_cache`.
+site and settings with :func:`sinklens.stream` and cached; the cache is keyed by a fingerprint of the
+weights (:func:`weight_fingerprint`), so after an in-place weight change the next call recomputes it.
+Hooks hold the mean of the weights they were built with: a training loop that builds them once should
+use ``reference="batch"``.
 """
 
 from __future__ import annotations
@@ -27,31 +29,34 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.hooks import Z, check_hook_names, hook_name, layer_of, model_device, model_dims, resolve_layers
+from sinklens.errors import InvalidArgumentError
+from sinklens.hooks import Z, check_hook_names, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch, random_token_batches
-from sinklens.interventions.masks import Hooks, as_positions, check_in_sequence
+from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, check_in_sequence, heads_arg, layers_arg, positions_arg
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, HookFn, Reducer, per_layer_hooks, stream
+from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, stream
+from sinklens.validate import choice, finite_number, positive_int
 
 Reference = Union[Literal["random", "batch"], Tensor, Mapping[int, Tensor]]
 
+#: model -> {"fingerprint": weight fingerprint, "means": {settings: {layer: mean}}}; see :func:`weight_fingerprint`.
 _CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+_SAMPLES_PER_TENSOR = 16
 
 
-class MeanActivationReducer(Reducer):
+class MeanActivationReducer(Reducer[dict[int, Tensor]]):
     """Streams the mean of a per-layer activation over valid positions ``>= skip_first``.
 
     The mean is over (sequence, position) pairs and keeps the activation's trailing shape
-    (``[head, d_head]`` for ``attn.hook_z``, ``[d_model]`` for ``hook_resid_pre``).
+    (``[head, d_head]`` for ``attn.hook_z``, ``[d_model]`` for ``hook_resid_pre``); sums are float64.
     """
 
-    def __init__(self, model: Any, site: str, *, layers=None, skip_first: int = 1):
+    def __init__(self, model: Any, site: str, *, layers=None, skip_first: IntLike = 1):
         dims = model_dims(model)
-        self.layers = resolve_layers(layers, dims.n_layers)
-        self.names = [hook_name(layer, site) for layer in self.layers]
-        check_hook_names(model, self.names)
+        self.layers = layers_arg(layers, dims.n_layers)
         self.site = site
-        self.skip_first = skip_first
+        check_hook_names(model, [hook_name(layer, site) for layer in self.layers])
+        self.skip_first = positive_int(skip_first, what="skip_first", minimum=0)
         self.reset()
 
     def reset(self) -> None:
@@ -59,7 +64,7 @@ class MeanActivationReducer(Reducer):
         self.count = 0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
-        keep = batch.valid[:, self.skip_first :]
+        keep = batch.valid[:, self.skip_first :]  # [batch, pos - skip_first]
 
         def fold(act: Tensor, layer: int) -> None:  # act: [batch, pos, ...]
             summed = act[:, self.skip_first :][keep].double().sum(dim=0)
@@ -72,8 +77,35 @@ class MeanActivationReducer(Reducer):
 
     def result(self) -> dict[int, Tensor]:
         if self.count == 0:
-            raise ValueError(f"No positions >= {self.skip_first} to average over; use longer sequences.")
+            raise InvalidArgumentError(f"No positions >= skip_first={self.skip_first} to average over; use longer sequences.")
         return {layer: (s / self.count).float() for layer, s in self.sums.items()}
+
+
+def weight_fingerprint(model: Any) -> tuple:
+    """A cheap key that changes when the model's weights change; it guards the reference-mean cache.
+
+    Per parameter: its storage address (``data_ptr``, changes when ``.data`` or the parameter is
+    replaced), its autograd version counter (``_version``, bumped by every in-place op on the
+    tensor: optimizer steps, ``p.mul_(...)`` under ``no_grad``, ``copy_``/``load_state_dict``) and
+    ``{n}`` evenly strided sampled values (which catch in-place writes through a ``.data`` alias,
+    which bypass the version counter, when they touch a sampled entry, e.g. rescaling a matrix).
+    Costs one small gather per parameter tensor, not a pass over the weights.
+    """
+    parts = []
+    with torch.no_grad():
+        for param in model.parameters():
+            try:
+                version = param._version
+            except RuntimeError:  # an inference tensor has no version counter
+                version = -1
+            flat = param.detach().reshape(-1)
+            step = max(flat.numel() // _SAMPLES_PER_TENSOR, 1)
+            sample = flat[::step][:_SAMPLES_PER_TENSOR].double().cpu()
+            parts.append((param.data_ptr(), version, tuple(param.shape), tuple(sample.tolist())))
+    return tuple(parts)
+
+
+weight_fingerprint.__doc__ = weight_fingerprint.__doc__.replace("{n}", str(_SAMPLES_PER_TENSOR))
 
 
 def reference_mean(
@@ -81,26 +113,37 @@ def reference_mean(
     *,
     site: str = Z,
     layers=None,
-    n_sequences: int = 32,
-    seq_len: int = 64,
-    skip_first: int = 1,
-    seed: int = 0,
+    n_sequences: IntLike = 32,
+    seq_len: IntLike = 64,
+    skip_first: IntLike = 1,
+    seed: IntLike = 0,
     cache: bool = True,
 ) -> dict[int, Tensor]:
-    """Mean of ``blocks.{l}.{site}`` over random-token positions, per layer (cached per model).
+    """Mean of ``blocks.{l}.{site}`` over random-token positions, per layer (cached per model and weights).
 
     Computed with :func:`sinklens.stream` over :func:`sinklens.inputs.random_token_batches`
     (``n_sequences × seq_len`` uniform tokens, no BOS); positions ``< skip_first`` are left out
     because position 0 is the sink and its activations are atypical. Returns ``{layer: mean}``
     with the activation's trailing shape, on the model's device.
+
+    The cache is keyed by the model, the settings and :func:`weight_fingerprint`: after the weights
+    change in place (a training step, an edit) the next call recomputes the mean.
     """
     dims = model_dims(model)
-    layer_list = resolve_layers(layers, dims.n_layers)
-    seq_len = min(seq_len, dims.n_ctx)
-    key = (site, tuple(layer_list), n_sequences, seq_len, skip_first, seed)
-    store = _CACHE.setdefault(model, {}) if cache else {}
+    layer_list = layers_arg(layers, dims.n_layers)
+    n_sequences = positive_int(n_sequences, what="n_sequences")
+    skip_first = positive_int(skip_first, what="skip_first", minimum=0)
+    seq_len = min(positive_int(seq_len, what="seq_len", minimum=skip_first + 1), dims.n_ctx)
+    key = (site, tuple(layer_list), n_sequences, seq_len, skip_first, int(seed))
+    store: dict = {}
+    if cache:
+        entry = _CACHE.setdefault(model, {"fingerprint": None, "means": {}})
+        fingerprint = weight_fingerprint(model)
+        if entry["fingerprint"] != fingerprint:
+            entry["fingerprint"], entry["means"] = fingerprint, {}
+        store = entry["means"]
     if key not in store:
-        batches = random_token_batches(model, n_sequences=n_sequences, seq_len=seq_len, seed=seed)
+        batches = random_token_batches(model, n_sequences=n_sequences, seq_len=seq_len, seed=int(seed))
         batches = [b.to(model_device(model)) for b in batches]
         reducer = MeanActivationReducer(model, site, layers=layer_list, skip_first=skip_first)
         (means,) = stream(model, batches, [reducer], options=RunOptions(progress=False, desc="reference mean"))
@@ -117,18 +160,37 @@ def clear_reference_cache(model: Any | None = None) -> None:
 
 
 def _reference_for(model: Any, reference: Reference, site: str, layers: list[int], kw: dict) -> dict[int, Tensor] | None:
+    """``{layer: mean}`` for ``amplify``'s ``reference=`` (None = per-batch means, computed in the hook)."""
     if isinstance(reference, str):
-        if reference == "batch":
-            return None
+        reference = choice(reference, ("random", "batch"), what="reference")
         if reference == "random":
+            allowed = ("n_sequences", "seq_len", "skip_first", "seed", "cache")
+            unknown = sorted(k for k in kw if k not in allowed)
+            if unknown:
+                raise InvalidArgumentError(f"amplify has no option {unknown[0]!r}; reference_mean options are {list(allowed)}.")
             return reference_mean(model, site=site, layers=layers, **kw)
-        raise ValueError(f"reference must be 'random', 'batch', a tensor or a {{layer: tensor}} mapping, got {reference!r}.")
+    if kw:
+        raise InvalidArgumentError(
+            f"Options {sorted(kw)} only apply to reference='random' (they configure reference_mean), "
+            f"not to reference={reference!r}."
+        )
+    if isinstance(reference, str):
+        return None
     if isinstance(reference, Tensor):
-        return {layer: reference for layer in layers}
-    missing = [layer for layer in layers if layer not in reference]
-    if missing:
-        raise ValueError(f"reference has no mean for layers {missing}.")
-    return dict(reference)
+        means = {layer: reference for layer in layers}
+    elif isinstance(reference, Mapping):
+        missing = [layer for layer in layers if layer not in reference]
+        if missing:
+            raise InvalidArgumentError(f"reference has no mean for layers {missing}.")
+        means = {layer: reference[layer] for layer in layers}
+    else:
+        raise InvalidArgumentError(
+            f"reference must be 'random', 'batch', a tensor or a {{layer: tensor}} mapping, got {type(reference).__name__}."
+        )
+    for layer, mean in means.items():
+        if not isinstance(mean, Tensor) or not bool(torch.isfinite(mean).all()):
+            raise InvalidArgumentError(f"reference for layer {layer} must be a finite tensor, got {mean!r}.")
+    return means
 
 
 def _others_mean(act: Tensor, targets: list[int]) -> Tensor:
@@ -137,15 +199,28 @@ def _others_mean(act: Tensor, targets: list[int]) -> Tensor:
     keep[0] = False
     keep[targets] = False
     if not bool(keep.any()):
-        raise ValueError("The sequence has no position other than 0 and the targets to take statistics from.")
+        raise InvalidArgumentError("The sequence has no position other than 0 and the targets to take statistics from.")
     return act[:, keep].mean(dim=1, keepdim=True)
 
 
-def _head_select(act: Tensor, heads) -> Tensor | None:
+def _reference_at(mean: Tensor, act: Tensor) -> Tensor:
+    """A reference mean on ``act``'s device and dtype; its shape must be ``act``'s trailing shape."""
+    if tuple(mean.shape) != tuple(act.shape[2:]):
+        raise InvalidArgumentError(
+            f"reference mean has shape {tuple(mean.shape)}; this site's activation needs {tuple(act.shape[2:])} "
+            "(its shape after [batch, pos])."
+        )
+    return mean.to(act.device, act.dtype)
+
+
+def _head_select(act: Tensor, heads: list[int] | None) -> Tensor | None:
+    """``[head, 1]`` bool selector of ``heads`` for a ``[batch, pos, head, d_head]`` activation (None = all)."""
     if heads is None:
         return None
     if act.ndim != 4:
-        raise ValueError(f"heads= needs a per-head site ([batch, pos, head, d_head]); this activation is {tuple(act.shape)}.")
+        raise InvalidArgumentError(f"heads= needs a per-head site ([batch, pos, head, d_head]); this activation is {tuple(act.shape)}.")
+    if max(heads) >= act.shape[2]:
+        raise InvalidArgumentError(f"head {max(heads)} is out of range for this site's {act.shape[2]} heads (0..{act.shape[2] - 1}).")
     sel = torch.zeros(act.shape[2], dtype=torch.bool, device=act.device)
     sel[heads] = True
     return sel[:, None]  # broadcast over d_head
@@ -154,11 +229,11 @@ def _head_select(act: Tensor, heads) -> Tensor | None:
 def amplify(
     model: Any,
     *,
-    positions: int | Sequence[int],
-    alpha: float | int,
+    positions: IndexLike,
+    alpha: NumberLike,
     site: str = Z,
     layers=None,
-    heads: int | Sequence[int] | None = None,
+    heads: IndexLike | None = None,
     reference: Reference = "random",
     **reference_kw: Any,
 ) -> Hooks:
@@ -174,7 +249,8 @@ def amplify(
         layers: layers to intervene in (default all).
         heads: only these heads (per-head sites only; for ``hook_v`` under grouped-query attention
             on TransformerLens 4.x these index key/value heads).
-        reference: ``"random"`` (default: :func:`reference_mean` over random tokens, cached),
+        reference: ``"random"`` (default: :func:`reference_mean` over random tokens, cached and
+            computed when the hooks are built),
             ``"batch"`` (per sequence, the mean over the run's positions other than 0 and the
             targets — no cache, right for training), a tensor, or ``{layer: tensor}``.
         **reference_kw: passed to :func:`reference_mean` (``n_sequences``, ``seq_len``, ``seed``...).
@@ -187,19 +263,20 @@ def amplify(
         >>> bool(torch.equal(model.run_with_hooks(toks, fwd_hooks=hooks), model(toks)))
         True
     """
-    if not isinstance(alpha, (int, float)) or isinstance(alpha, bool) or not alpha > 0:
-        raise ValueError(f"alpha must be a number > 0 (1 = no change), got {alpha!r}.")
+    alpha = finite_number(alpha, what="alpha")
+    if not alpha > 0:
+        raise InvalidArgumentError(f"alpha must be a number > 0 (1 = no change), got {alpha:g}.")
     dims = model_dims(model)
-    pos = as_positions(positions, dims.n_ctx)
-    layer_list = resolve_layers(layers, dims.n_layers)
-    names = [hook_name(layer, site) for layer in layer_list]
-    check_hook_names(model, names)
+    pos = positions_arg(positions, dims.n_ctx)
+    layer_list = layers_arg(layers, dims.n_layers)
+    heads = heads_arg(heads, dims.n_heads)
+    check_hook_names(model, [hook_name(layer, site) for layer in layer_list])
     means = _reference_for(model, reference, site, layer_list, reference_kw)
 
-    def fn(act: Tensor, hook: Any) -> Tensor:  # act: [batch, pos, ...]
+    def fn(act: Tensor, layer: int) -> Tensor:  # act: [batch, pos, ...]
         check_in_sequence(pos, act.shape[1])
         x = act[:, pos]
-        mu = _others_mean(act, pos) if means is None else means[layer_of(hook.name)].to(act.device, act.dtype)
+        mu = _others_mean(act, pos) if means is None else _reference_at(means[layer], act)
         delta = (alpha - 1.0) * (x - mu)
         sel = _head_select(act, heads)
         if sel is not None:
@@ -208,17 +285,17 @@ def amplify(
         out[:, pos] = x + delta
         return out
 
-    return [(name, fn) for name in names]
+    return per_layer_hooks(site, layer_list, fn)
 
 
 def calibrate(
     model: Any,
     *,
-    positions: int | Sequence[int] = 0,
+    positions: IndexLike = 0,
     site: str = Z,
     layers=None,
-    heads: int | Sequence[int] | None = None,
-    eps: float = 1e-6,
+    heads: IndexLike | None = None,
+    eps: NumberLike = 1e-6,
 ) -> Hooks:
     """Rescale the target tokens' deviation to the statistics of the other positions (remove the discrepancy).
 
@@ -228,8 +305,10 @@ def calibrate(
     typical size. Norms are over the last dimension. The default target is the sink at position 0.
     """
     dims = model_dims(model)
-    pos = as_positions(positions, dims.n_ctx)
-    layer_list = resolve_layers(layers, dims.n_layers)
+    pos = positions_arg(positions, dims.n_ctx)
+    layer_list = layers_arg(layers, dims.n_layers)
+    heads = heads_arg(heads, dims.n_heads)
+    eps = finite_number(eps, what="eps", low=0.0, low_open=True)
     names = [hook_name(layer, site) for layer in layer_list]
     check_hook_names(model, names)
 

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.models
 def test_hooks_compose_with_stream(tiny, toks):
     batches = as_batches(tiny, toks)
     (clean,) = stream(tiny, batches, [AttentionReceivedReducer(tiny, min_query=1)], options=RunOptions(progress=False))
-    (cut,) = stream(tiny, batches, [AttentionReceivedReducer(tiny, min_query=1)],
-                    options=RunOptions(extra_hooks=block_keys(tiny, positions=0), progress=False))
+    cut_opts = RunOptions(progress=False, extra_hooks=block_keys(tiny, positions=0))
+    (cut,) = stream(tiny, batches, [AttentionReceivedReducer(tiny, min_query=1)], options=cut_opts)
     assert float(clean.at(0).min()) > 0
     assert float(cut.at(0).abs().max()) == 0.0
 
@@ -59,7 +59,7 @@ def test_self_only_measures_and_plots(tiny, toks, tmp_path):
 
 def test_sweep_rows(tiny, toks):
     rows = sweep(tiny, toks, method="variance", positions=[3, 6], layer_sets=[None, [1]], alphas=[2.0, 5.0],
-                 reference="batch", progress=False)
+                 reference="batch", options=RunOptions(progress=False))
     assert len(rows) == 2 * 2 * 2 * tiny.cfg.n_layers
     assert {"position", "layers", "alpha", "layer", "received_before", "received_after"} <= rows[0].keys()
     # intervening only in layer 1 leaves layer 0 untouched
@@ -99,7 +99,7 @@ def test_patching_by_head_matches_a_hand_loop(sharp, toks):
             captured["p"] = pattern[:, :, 4:, 3].mean()
 
         tiny.run_with_hooks(toks, fwd_hooks=hooks + [("blocks.0.attn.hook_z", patch), ("blocks.1.attn.hook_pattern", grab)])
-        assert float(res.values[0, head]) == pytest.approx(float(captured["p"]), abs=1e-5)
+        assert float(res.values[0, head]) == pytest.approx(float(captured["p"].detach()), abs=1e-5)
 
 
 def test_cli_intervene(tiny, tmp_path, monkeypatch, capsys):
@@ -120,7 +120,7 @@ def test_cli_intervene(tiny, tmp_path, monkeypatch, capsys):
 
 
 def test_errors(tiny, toks):
-    with pytest.raises(ValueError, match="Unknown create method"):
+    with pytest.raises(ValueError, match="Unknown create intervention"):
         create_sink(tiny, toks, 3, method="teleport")
     with pytest.raises(ValueError, match="out of range"):
         create_sink(tiny, toks, 999)
@@ -165,7 +165,7 @@ def test_hooks_support_backward_for_training(tiny, toks, no_hooks_left):
 
     hooks = (self_only(tiny, positions=4) + block_keys(tiny, positions=0, layers=[1])
              + amplify(tiny, positions=6, alpha=3.0, reference="batch") + calibrate(tiny, layers=[0])
-             + edit_neurons(tiny, [1, 2], positions=0) + transplant_dims(tiny, [3], positions=[5]))
+             + edit_neurons(tiny, [1, 2], positions=0, layers=[0]) + transplant_dims(tiny, [3], positions=[5]))
     tiny.zero_grad()
     loss = tiny.run_with_hooks(toks, fwd_hooks=hooks, return_type="loss")
     loss.backward()

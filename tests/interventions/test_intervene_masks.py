@@ -93,9 +93,9 @@ def test_errors(tiny, toks):
         self_only(tiny, positions=tiny.cfg.n_ctx)
     with pytest.raises(ValueError, match="out of range"):
         restart(tiny, positions=-1)
-    with pytest.raises(ValueError, match="Layer 5 is out of range"):
+    with pytest.raises(ValueError, match="(?i)layer 5 is out of range"):
         block_keys(tiny, positions=0, layers=[5])
-    with pytest.raises(ValueError, match="Head 9"):
+    with pytest.raises(ValueError, match="(?i)head 9"):
         block_keys(tiny, positions=0, heads=[9])
     with pytest.raises(ValueError, match="sequence of 12 tokens"):
         tiny.run_with_hooks(toks, fwd_hooks=self_only(tiny, positions=20))

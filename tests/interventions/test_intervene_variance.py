@@ -15,7 +15,8 @@ Z0 = "blocks.0.attn.hook_z"
 @pytest.mark.parametrize("site", ["attn.hook_z", "attn.hook_v", "hook_attn_out", "hook_resid_pre"])
 @pytest.mark.parametrize("reference", ["random", "batch"])
 def test_alpha_one_is_identity(tiny, toks, site, reference):
-    hooks = amplify(tiny, positions=[3, 7], alpha=1.0, site=site, reference=reference, n_sequences=4, seq_len=16)
+    reference_kw = dict(n_sequences=4, seq_len=16) if reference == "random" else {}  # reference_mean options
+    hooks = amplify(tiny, positions=[3, 7], alpha=1.0, site=site, reference=reference, **reference_kw)
     with torch.inference_mode():
         assert torch.equal(tiny.run_with_hooks(toks, fwd_hooks=hooks), tiny(toks))
 
@@ -85,3 +86,33 @@ def test_errors(tiny, toks):
         amplify(tiny, positions=1, alpha=2.0, reference="mean")
     with pytest.raises(ValueError, match="heads= needs a per-head site"):
         tiny.run_with_hooks(toks, fwd_hooks=amplify(tiny, positions=1, alpha=2.0, site="hook_resid_pre", heads=[0], reference="batch"))
+
+
+def test_reference_cache_follows_in_place_weight_edits(toks, capture):
+    """The cached random-token mean is keyed by a weight fingerprint: an in-place edit recomputes it."""
+    from sinklens.testing import tiny_model
+
+    model = tiny_model("llama", seed=7)  # its own model: the edits below must not leak into other tests
+    kw = dict(site="attn.hook_z", n_sequences=4, seq_len=10, seed=1)
+    first = reference_mean(model, **kw)
+    assert reference_mean(model, **kw) is first  # same weights: a cache hit
+    with torch.no_grad():  # like an optimizer step: in place, through the parameter (bumps its version)
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.mul_(1.5)
+    second = reference_mean(model, **kw)
+    fresh = reference_mean(model, cache=False, **kw)
+    for layer in range(model.cfg.n_layers):
+        torch.testing.assert_close(second[layer], fresh[layer])
+        assert not torch.allclose(second[layer], first[layer])
+    for p in model.parameters():  # through a .data alias: no version bump, caught by the sampled values
+        if p.ndim == 2:
+            p.data.mul_(0.5)
+    third = reference_mean(model, **kw)
+    torch.testing.assert_close(third[0], reference_mean(model, cache=False, **kw)[0])
+    assert not torch.allclose(third[0], second[0])
+    # amplify(reference="random") built after the edit uses the recomputed mean
+    clean = capture(model, toks, [Z0])[Z0]
+    got = capture(model, toks, [Z0], amplify(model, positions=4, alpha=3.0, layers=[0], **kw))[Z0]
+    mu = third[0]
+    torch.testing.assert_close(got[:, 4], mu + 3.0 * (clean[:, 4] - mu), rtol=1e-5, atol=1e-6)
