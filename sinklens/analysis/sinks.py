@@ -25,17 +25,16 @@ position 0 is 0.3-0.75 in those layers. No later token comes close (best: " the"
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from sinklens.analysis._common import no_unknown_kwargs, options_from_legacy, position_index, renamed
+from sinklens.analysis._common import SettingsFields, no_unknown_kwargs, options_from_legacy, position_index, renamed
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, model_dims
@@ -143,7 +142,7 @@ class SinkOccurrence:
 
 
 @dataclass
-class SinkResult:
+class SinkResult(SettingsFields):
     """Where attention sinks are, how strong, and which tokens they sit on.
 
     Attributes:
@@ -176,38 +175,7 @@ class SinkResult:
     later_tokens: TokenSinkStats
     top_occurrences: list[SinkOccurrence] = field(default_factory=list)
 
-    # ---- settings ----------------------------------------------------------------------------
-    @property
-    def sink_threshold(self) -> float:
-        return self.settings.sink_threshold
-
-    @property
-    def min_query(self) -> int:
-        return self.settings.min_query
-
-    @property
-    def min_query_count(self) -> int:
-        return self.settings.min_query_count
-
-    @property
-    def min_head_share(self) -> float:
-        return self.settings.min_head_share
-
-    @property
-    def outlier_factor(self) -> float:
-        return self.settings.outlier_factor
-
-    @property
-    def eps(self) -> float:
-        """Deprecated name of :attr:`sink_threshold`."""
-        warnings.warn("SinkResult.eps is deprecated; use .sink_threshold.", DeprecationWarning, stacklevel=2)
-        return self.settings.sink_threshold
-
-    @property
-    def min_queries(self) -> int:
-        """Deprecated name of :attr:`min_query_count`."""
-        warnings.warn("SinkResult.min_queries is deprecated; use .min_query_count.", DeprecationWarning, stacklevel=2)
-        return self.settings.min_query_count
+    _renamed: ClassVar[dict[str, str]] = {"eps": "sink_threshold", "min_queries": "min_query_count"}
 
     # ---- rates -------------------------------------------------------------------------------
     def position_index(self, position: int) -> int:
