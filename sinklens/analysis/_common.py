@@ -45,6 +45,13 @@ def check_sink_position(batch: TokenBatch, sink_position: int) -> None:
         )
 
 
+def other_positions(batch: TokenBatch, sink_position: int) -> Tensor:
+    """``[batch, pos]`` mask of the valid (non-padding) positions other than ``sink_position``."""
+    other = batch.valid.clone()
+    other[:, sink_position] = False
+    return other
+
+
 def resolve_streams(streams: int | Sequence[int] | None, n_layers: int) -> list[int]:
     """Residual-stream indices ``0..n_layers``: ``s < n_layers`` is ``blocks.{s}.hook_resid_pre``, ``n_layers`` is
     the final ``blocks.{n_layers-1}.hook_resid_post``. None = all; negatives count from the end.

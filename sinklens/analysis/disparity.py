@@ -265,18 +265,14 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
         *,
         streams: int | Sequence[int] | None = None,
         settings: MassiveSettings | None = None,
-        abs_threshold: float | None = MassiveSettings.abs_threshold,
-        rel_threshold: float | None = MassiveSettings.rel_threshold,
-        sink_position: int = MassiveSettings.sink_position,
-        top_k: int = MassiveSettings.top_k,
-        max_rows: int = MassiveSettings.max_rows,
-        **deprecated: Any,
+        **settings_kwargs: Any,
     ):
         dims = model_dims(model)
-        streams = renamed(deprecated, "layers", "streams", streams, None)
-        no_unknown_kwargs(deprecated, "MassiveActivationsReducer")
+        streams = renamed(settings_kwargs, "layers", "streams", streams, None)
         if settings is None:
-            settings = MassiveSettings(abs_threshold, rel_threshold, sink_position, top_k, max_rows)
+            settings = MassiveSettings(**settings_kwargs)
+        else:
+            no_unknown_kwargs(settings_kwargs, "MassiveActivationsReducer")
         if settings.top_k > dims.d_model:
             raise InvalidArgumentError(f"top_k must be in [1, {dims.d_model}] (d_model), got {settings.top_k}.")
         self.settings = settings

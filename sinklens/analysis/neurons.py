@@ -34,7 +34,16 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
-from sinklens.analysis._common import SettingsFields, check_sink_position, options_from_legacy, resolve_streams, row_index, sink_position_arg, stream_hook
+from sinklens.analysis._common import (
+    SettingsFields,
+    check_sink_position,
+    options_from_legacy,
+    other_positions,
+    resolve_streams,
+    row_index,
+    sink_position_arg,
+    stream_hook,
+)
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, model_device, model_dims, resolve_layers, weight
@@ -345,8 +354,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         check_sink_position(batch, self.sink)
-        other = batch.valid.clone()
-        other[:, self.sink] = False
+        other = other_positions(batch, self.sink)
         s = self.sink
 
         def fold_post(act: Tensor, layer: int) -> None:  # [batch, pos, d_mlp]
@@ -373,7 +381,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.n_sequences += batch.valid.shape[0]
-        self.n_other += int(batch.valid.sum()) - int(batch.valid[:, self.sink].sum())
+        self.n_other += int(other_positions(batch, self.sink).sum())
 
     def result(self) -> SuperNeurons:
         if self.n_sequences == 0:

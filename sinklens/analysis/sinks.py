@@ -394,7 +394,7 @@ class SinkReducer(Reducer[SinkResult]):
     the layer-head-mean ``α_b`` and the sum of the sink-head share; and the ``top_k`` largest single
     occurrences at positions >= 1, merged after every batch.
 
-    Settings are given either as ``settings=SinkSettings(...)`` or as keyword arguments (the
+    Settings are given either as ``settings=SinkSettings(...)`` or as its fields, keyword arguments (the
     deprecated ``eps=`` and ``min_queries=`` are accepted for ``sink_threshold=`` and ``min_query_count=``).
     """
 
@@ -404,23 +404,15 @@ class SinkReducer(Reducer[SinkResult]):
         *,
         layers: int | Sequence[int] | None = None,
         settings: SinkSettings | None = None,
-        sink_threshold: float = SinkSettings.sink_threshold,
-        min_query: int = SinkSettings.min_query,
-        min_query_count: int = SinkSettings.min_query_count,
-        min_head_share: float = SinkSettings.min_head_share,
-        outlier_factor: float = SinkSettings.outlier_factor,
-        top_k: int = SinkSettings.top_k,
         max_pos: int | None = None,
-        **deprecated: Any,
+        **settings_kwargs: Any,
     ):
         if settings is None:
-            settings = SinkSettings.from_kwargs(
-                "SinkReducer", deprecated, sink_threshold=sink_threshold, min_query=min_query,
-                min_query_count=min_query_count, min_head_share=min_head_share, outlier_factor=outlier_factor,
-                top_k=top_k,
-            )
+            given = {f: settings_kwargs.pop(f) for f in SinkSettings.__dataclass_fields__ if f in settings_kwargs}
+            defaults = {f: getattr(SinkSettings, f) for f in SinkSettings.__dataclass_fields__}
+            settings = SinkSettings.from_kwargs("SinkReducer", settings_kwargs, **(defaults | given))
         else:
-            no_unknown_kwargs(deprecated, "SinkReducer")
+            no_unknown_kwargs(settings_kwargs, "SinkReducer")
         self.settings = settings
         self.attention = AttentionReceivedReducer(model, layers=layers, min_query=settings.min_query, max_pos=max_pos)
         self.layers = self.attention.layers
