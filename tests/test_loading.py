@@ -1,7 +1,5 @@
 import pytest
 import torch
-from transformer_lens import HookedRootModule
-from transformer_lens.hook_points import HookPoint
 
 from sinklens import loading
 from sinklens.errors import ModelFileNotFoundError, OfflineModelError, PatternNotExposedError, UnknownModelError
@@ -52,25 +50,9 @@ def test_directory_that_is_not_a_model(tmp_path):
         loading.load_model(tmp_path)
 
 
-class _FusedAttentionModel(HookedRootModule):
-    """Has a hook_pattern (like a model with SDPA attention) but never runs it."""
-
-    def __init__(self):
-        super().__init__()
-        self.cfg = type("Cfg", (), {"n_layers": 1, "n_heads": 1, "d_head": 2, "d_model": 2, "n_ctx": 8, "d_vocab": 4})()
-        self.embed = torch.nn.Embedding(4, 2)
-        self.blocks = torch.nn.ModuleList([torch.nn.Module()])
-        self.blocks[0].attn = torch.nn.Module()
-        self.blocks[0].attn.hook_pattern = HookPoint()
-        self.setup()
-
-    def forward(self, tokens, return_type=None):
-        return self.embed(tokens)
-
-
-def test_model_hiding_hook_pattern_is_refused():
+def test_model_hiding_hook_pattern_is_refused(fused_attention_model):
     with pytest.raises(PatternNotExposedError, match="eager"):
-        loading.load_model(_FusedAttentionModel())
+        loading.load_model(fused_attention_model)
 
 
 def test_local_hf_directory_matches_hugging_face_logits(tmp_path):

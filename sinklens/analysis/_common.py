@@ -3,6 +3,7 @@ lookup, growing running sums, and keyword renames with a deprecation warning."""
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -44,6 +45,13 @@ def check_sink_position(batch: TokenBatch, sink_position: int) -> None:
         )
 
 
+def other_positions(batch: TokenBatch, sink_position: int) -> Tensor:
+    """``[batch, pos]`` mask of the valid (non-padding) positions other than ``sink_position``."""
+    other = batch.valid.clone()
+    other[:, sink_position] = False
+    return other
+
+
 def resolve_streams(streams: int | Sequence[int] | None, n_layers: int) -> list[int]:
     """Residual-stream indices ``0..n_layers``: ``s < n_layers`` is ``blocks.{s}.hook_resid_pre``, ``n_layers`` is
     the final ``blocks.{n_layers-1}.hook_resid_post``. None = all; negatives count from the end.
@@ -60,6 +68,26 @@ def stream_hook(stream_index: int, n_layers: int) -> str:
     if stream_index < n_layers:
         return hook_name(stream_index, RESID_PRE)
     return hook_name(n_layers - 1, RESID_POST)
+
+
+class SettingsFields:
+    """Mixin for results that hold a frozen ``settings`` dataclass: its fields read as attributes.
+
+    ``result.sink_threshold`` is ``result.settings.sink_threshold``. ``_renamed`` maps deprecated
+    attribute names to current ones (reading one warns).
+    """
+
+    _renamed: dict[str, str] = {}
+
+    def __getattr__(self, name: str) -> Any:  # called only when normal lookup fails
+        settings = self.__dict__.get("settings")
+        current = type(self)._renamed.get(name)
+        if current is not None:
+            warnings.warn(f"{type(self).__name__}.{name} is deprecated; use .{current}.", DeprecationWarning, stacklevel=2)
+            return getattr(self, current)
+        if settings is not None and name in {f.name for f in dataclasses.fields(settings)}:
+            return getattr(settings, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
 def position_index(position: Any, n_positions: int) -> int:

@@ -21,13 +21,14 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
 from sinklens.analysis._common import (
+    SettingsFields,
     check_sink_position,
     grow,
     no_unknown_kwargs,
@@ -120,7 +121,7 @@ def norm_ratio_to_others(norms: Float[Tensor, "batch pos"], valid: Tensor) -> Fl
 
 
 @dataclass
-class MassiveActivations:
+class MassiveActivations(SettingsFields):
     """Massive activations and dimension disparity of the residual stream (see the module docstring).
 
     Rows are residual-stream indices ``streams`` (``s < n_layers``: ``blocks.{s}.hook_resid_pre``; ``n_layers``:
@@ -128,6 +129,10 @@ class MassiveActivations:
     other valid (non-padding) position.
 
     Attributes:
+        streams: the residual-stream index of each row (``layers`` is its deprecated name).
+        hooks: the hook name of each row.
+        settings: the :class:`MassiveSettings` of the run; its fields also read as attributes
+            (``result.sink_position``, ``result.abs_threshold``, ...).
         median_abs: mean over sequences of the per-sequence median ``|x|`` (the denominator of the ratios).
         max_abs_sink: max over sequences of ``|x[sink_position, d]|``.
         value_sink: the signed value at that maximum.
@@ -168,28 +173,8 @@ class MassiveActivations:
     prepend_bos: bool = True
     n_layers: int = field(default=0)
 
-    @property
-    def layers(self) -> list[int]:
-        """Deprecated name of :attr:`streams` (they are residual-stream indices ``0..n_layers``, not layers)."""
-        warnings.warn("MassiveActivations.layers is deprecated; use .streams (residual-stream indices 0..n_layers).",
-                      DeprecationWarning, stacklevel=2)
-        return self.streams
-
-    @property
-    def sink_position(self) -> int:
-        return self.settings.sink_position
-
-    @property
-    def abs_threshold(self) -> float | None:
-        return self.settings.abs_threshold
-
-    @property
-    def rel_threshold(self) -> float | None:
-        return self.settings.rel_threshold
-
-    @property
-    def top_k(self) -> int:
-        return self.settings.top_k
+    #: ``layers`` was the old name of ``streams`` (residual-stream indices ``0..n_layers``, not layers).
+    _renamed: ClassVar[dict[str, str]] = {"layers": "streams"}
 
     def _row(self, stream: int) -> int:
         return row_index(self.streams, stream, what="Residual stream index")
@@ -280,18 +265,14 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
         *,
         streams: int | Sequence[int] | None = None,
         settings: MassiveSettings | None = None,
-        abs_threshold: float | None = MassiveSettings.abs_threshold,
-        rel_threshold: float | None = MassiveSettings.rel_threshold,
-        sink_position: int = MassiveSettings.sink_position,
-        top_k: int = MassiveSettings.top_k,
-        max_rows: int = MassiveSettings.max_rows,
-        **deprecated: Any,
+        **settings_kwargs: Any,
     ):
         dims = model_dims(model)
-        streams = renamed(deprecated, "layers", "streams", streams, None)
-        no_unknown_kwargs(deprecated, "MassiveActivationsReducer")
+        streams = renamed(settings_kwargs, "layers", "streams", streams, None)
         if settings is None:
-            settings = MassiveSettings(abs_threshold, rel_threshold, sink_position, top_k, max_rows)
+            settings = MassiveSettings(**settings_kwargs)
+        else:
+            no_unknown_kwargs(settings_kwargs, "MassiveActivationsReducer")
         if settings.top_k > dims.d_model:
             raise InvalidArgumentError(f"top_k must be in [1, {dims.d_model}] (d_model), got {settings.top_k}.")
         self.settings = settings

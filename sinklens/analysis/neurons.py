@@ -34,7 +34,16 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
-from sinklens.analysis._common import check_sink_position, options_from_legacy, resolve_streams, row_index, sink_position_arg, stream_hook
+from sinklens.analysis._common import (
+    SettingsFields,
+    check_sink_position,
+    options_from_legacy,
+    other_positions,
+    resolve_streams,
+    row_index,
+    sink_position_arg,
+    stream_hook,
+)
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, model_device, model_dims, resolve_layers, weight
@@ -155,11 +164,13 @@ class MassiveDimPath:
 
 
 @dataclass
-class SuperNeurons:
+class SuperNeurons(SettingsFields):
     """Super neurons at the sink and the paths of the massive dimensions (see the module docstring).
 
     Attributes:
         layers: model layers of the neuron rows. ``dims``: the massive dimensions analysed.
+        settings: the :class:`SuperNeuronSettings` of the run; its fields also read as attributes
+            (``result.sink_position``, ``result.row_top_k``, ...).
         sink_act / other_rms / other_max_abs / position_ratio / neuron_ratio / is_super: per-neuron statistics.
         contribution: ``sink_act × W_out[l, n, dims]``.
         row_kurtosis / row_top_share: sparsity of each ``W_out`` row (``row_top_k`` largest entries).
@@ -185,22 +196,6 @@ class SuperNeurons:
     mlp_out_sink: Float[Tensor, "block d_model"]
     paths: list[MassiveDimPath]
     n_sequences: int
-
-    @property
-    def sink_position(self) -> int:
-        return self.settings.sink_position
-
-    @property
-    def row_top_k(self) -> int:
-        return self.settings.row_top_k
-
-    @property
-    def position_threshold(self) -> float:
-        return self.settings.position_threshold
-
-    @property
-    def neuron_threshold(self) -> float:
-        return self.settings.neuron_threshold
 
     def super_neurons(self) -> list[tuple[int, int]]:
         """``(layer, neuron)`` of every super neuron, largest ``|sink_act|`` first."""
@@ -359,8 +354,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         check_sink_position(batch, self.sink)
-        other = batch.valid.clone()
-        other[:, self.sink] = False
+        other = other_positions(batch, self.sink)
         s = self.sink
 
         def fold_post(act: Tensor, layer: int) -> None:  # [batch, pos, d_mlp]
@@ -387,7 +381,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.n_sequences += batch.valid.shape[0]
-        self.n_other += int(batch.valid.sum()) - int(batch.valid[:, self.sink].sum())
+        self.n_other += int(other_positions(batch, self.sink).sum())
 
     def result(self) -> SuperNeurons:
         if self.n_sequences == 0:

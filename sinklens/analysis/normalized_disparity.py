@@ -17,7 +17,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
-from sinklens.analysis._common import check_sink_position, options_from_legacy, once_per_forward, row_index, sink_position_arg
+from sinklens.analysis._common import check_sink_position, once_per_forward, options_from_legacy, other_positions, row_index, sink_position_arg
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import LN1_NORMALIZED, model_device, model_dims, resolve_layers
@@ -89,8 +89,7 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         check_sink_position(batch, self.sink)
-        other = batch.valid.clone()
-        other[:, self.sink] = False
+        other = other_positions(batch, self.sink)
 
         def fold(act: Tensor, layer: int) -> None:  # [batch, pos, d_model]
             i = self.row[layer]
@@ -107,7 +106,7 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.n_sequences += batch.valid.shape[0]
-        self.n_other += int(batch.valid.sum()) - int(batch.valid[:, self.sink].sum())
+        self.n_other += int(other_positions(batch, self.sink).sum())
 
     def result(self) -> NormalizedDisparity:
         if self.n_sequences == 0:

@@ -38,7 +38,7 @@ class SinkReport:
         n_sequences / n_tokens: how much text was analysed (real tokens, padding excluded).
         prepend_bos: whether position 0 was a prepended BOS token (it moves the sink).
         sink_position: the position whose causes were analysed (variance discrepancy, massive
-            dimensions, super neurons, links); 0 unless given.
+            dimensions, super neurons, normalised disparity, query-key locking); 0 unless given.
         sinks: :class:`~sinklens.analysis.sinks.SinkResult` (received attention, sink rates, sink tokens).
         variance: :class:`~sinklens.analysis.variance.VarianceResult` (value-aggregation variance).
         massive: :class:`~sinklens.analysis.disparity.MassiveActivations` (dimension disparity).
@@ -142,7 +142,7 @@ def analyze(
         inputs: prompts, token ids or TokenBatches (default: the built-in prompt set); see
             :func:`sinklens.inputs.as_batches`. Use :func:`sinklens.inputs.random_token_batches` for
             the theory's random-token setting.
-        sink_position: position whose causes are analysed (variance, massive dims, neurons, links).
+        sink_position: position whose causes are analysed (variance, massive dims, neurons, normalised disparity, locking).
         sink_threshold: Gu et al.'s sink-rate threshold ``ε`` (``eps=`` is its deprecated name).
         abs_threshold / rel_threshold: massive-activation thresholds (Sun et al.: |x| > 100 and
             > 1000x the median |x|); for small models use e.g. ``abs_threshold=None, rel_threshold=50``.

@@ -25,17 +25,16 @@ position 0 is 0.3-0.75 in those layers. No later token comes close (best: " the"
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from sinklens.analysis._common import no_unknown_kwargs, options_from_legacy, position_index, renamed
+from sinklens.analysis._common import SettingsFields, no_unknown_kwargs, options_from_legacy, position_index, renamed
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, model_dims
@@ -143,7 +142,7 @@ class SinkOccurrence:
 
 
 @dataclass
-class SinkResult:
+class SinkResult(SettingsFields):
     """Where attention sinks are, how strong, and which tokens they sit on.
 
     Attributes:
@@ -176,38 +175,7 @@ class SinkResult:
     later_tokens: TokenSinkStats
     top_occurrences: list[SinkOccurrence] = field(default_factory=list)
 
-    # ---- settings ----------------------------------------------------------------------------
-    @property
-    def sink_threshold(self) -> float:
-        return self.settings.sink_threshold
-
-    @property
-    def min_query(self) -> int:
-        return self.settings.min_query
-
-    @property
-    def min_query_count(self) -> int:
-        return self.settings.min_query_count
-
-    @property
-    def min_head_share(self) -> float:
-        return self.settings.min_head_share
-
-    @property
-    def outlier_factor(self) -> float:
-        return self.settings.outlier_factor
-
-    @property
-    def eps(self) -> float:
-        """Deprecated name of :attr:`sink_threshold`."""
-        warnings.warn("SinkResult.eps is deprecated; use .sink_threshold.", DeprecationWarning, stacklevel=2)
-        return self.settings.sink_threshold
-
-    @property
-    def min_queries(self) -> int:
-        """Deprecated name of :attr:`min_query_count`."""
-        warnings.warn("SinkResult.min_queries is deprecated; use .min_query_count.", DeprecationWarning, stacklevel=2)
-        return self.settings.min_query_count
+    _renamed: ClassVar[dict[str, str]] = {"eps": "sink_threshold", "min_queries": "min_query_count"}
 
     # ---- rates -------------------------------------------------------------------------------
     def position_index(self, position: int) -> int:
@@ -426,7 +394,7 @@ class SinkReducer(Reducer[SinkResult]):
     the layer-head-mean ``α_b`` and the sum of the sink-head share; and the ``top_k`` largest single
     occurrences at positions >= 1, merged after every batch.
 
-    Settings are given either as ``settings=SinkSettings(...)`` or as keyword arguments (the
+    Settings are given either as ``settings=SinkSettings(...)`` or as its fields, keyword arguments (the
     deprecated ``eps=`` and ``min_queries=`` are accepted for ``sink_threshold=`` and ``min_query_count=``).
     """
 
@@ -436,23 +404,15 @@ class SinkReducer(Reducer[SinkResult]):
         *,
         layers: int | Sequence[int] | None = None,
         settings: SinkSettings | None = None,
-        sink_threshold: float = SinkSettings.sink_threshold,
-        min_query: int = SinkSettings.min_query,
-        min_query_count: int = SinkSettings.min_query_count,
-        min_head_share: float = SinkSettings.min_head_share,
-        outlier_factor: float = SinkSettings.outlier_factor,
-        top_k: int = SinkSettings.top_k,
         max_pos: int | None = None,
-        **deprecated: Any,
+        **settings_kwargs: Any,
     ):
         if settings is None:
-            settings = SinkSettings.from_kwargs(
-                "SinkReducer", deprecated, sink_threshold=sink_threshold, min_query=min_query,
-                min_query_count=min_query_count, min_head_share=min_head_share, outlier_factor=outlier_factor,
-                top_k=top_k,
-            )
+            given = {f: settings_kwargs.pop(f) for f in SinkSettings.__dataclass_fields__ if f in settings_kwargs}
+            defaults = {f: getattr(SinkSettings, f) for f in SinkSettings.__dataclass_fields__}
+            settings = SinkSettings.from_kwargs("SinkReducer", settings_kwargs, **(defaults | given))
         else:
-            no_unknown_kwargs(deprecated, "SinkReducer")
+            no_unknown_kwargs(settings_kwargs, "SinkReducer")
         self.settings = settings
         self.attention = AttentionReceivedReducer(model, layers=layers, min_query=settings.min_query, max_pos=max_pos)
         self.layers = self.attention.layers

@@ -138,3 +138,17 @@ def test_result_serialises_and_plots(planted, tmp_path):
 def test_bad_inputs_raise_clear_errors(tiny_llama, kwargs, match):
     with pytest.raises(ValueError, match=match):
         find_super_neurons(tiny_llama, ["t3 t4 t5"], **kwargs)
+
+
+def test_dim_path_returns_its_dataclass():
+    from sinklens.analysis.neurons import MassiveDimPath, dim_path
+
+    # dim 1: block 0 writes +2 (attention), block 1 writes +8 (attention 2, MLP 6), block 2's MLP erases 9.
+    attn = torch.tensor([[0.0, 2.0], [0.0, 2.0], [0.0, 0.0]])
+    mlp = torch.tensor([[0.0, 0.0], [0.0, 6.0], [0.0, -9.0]])
+    resid = torch.tensor([[0.0, 0.0], [0.0, 2.0], [0.0, 10.0], [0.0, 1.0]])
+    path = dim_path(resid, attn, mlp, 1)
+    assert path == MassiveDimPath(dim=1, peak_layer=2, peak_value=10.0, write_layer=1, write_delta=8.0,
+                                  write_attn=2.0, write_mlp=6.0, attn_share=0.25, erase_layer=2, erase_delta=-9.0,
+                                  top_neurons=[])
+    assert dim_path(resid, attn, mlp, 1, erase_fraction=0.95).erase_layer is None  # 9 < 0.95 x 10

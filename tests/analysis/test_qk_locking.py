@@ -1,0 +1,84 @@
+"""Query-key locking (sinklens.analysis.qk_locking)."""
+
+import json
+
+import pytest
+import torch
+
+from sinklens.analysis.qk_locking import QKLockingReducer, query_key_locking
+from sinklens.inputs import as_batches
+from sinklens.streaming import stream
+from sinklens.testing import PLANTED_PROMPTS, QUIET
+
+pytestmark = pytest.mark.models
+
+PROMPTS = PLANTED_PROMPTS
+
+
+def test_query_key_locking_planted(planted_mechanisms):
+    model, spec = planted_mechanisms
+    lock = query_key_locking(model, PROMPTS, options=QUIET.replace(batch_size=2))
+    for name in ("key_query_energy", "key_pc_cosine", "pc_energy", "pos_share_sink", "pos_share_other"):
+        t = getattr(lock, name)
+        assert t.shape == (3, model.cfg.n_heads)
+        assert torch.isfinite(t).all() and (t >= 0).all() and (t <= 1 + 1e-5).all(), name
+    L, h = spec.qk_layer, spec.qk_head
+    assert lock.pos_share_sink[L, h] == 1.0
+    assert lock.pos_share_sink[L, h] > lock.pos_share_other[L, h]
+    assert lock.mean_score_sink[L, h] > 5 * lock.mean_score_other[L, h].abs()
+    assert lock.key_pc_cosine[L, h] > 0.9
+    assert lock.key_query_energy[L, h] > 0.8
+    assert lock.mean_score_sink[L, h] > lock.mean_score_other[L, h]
+    assert len(lock.rows()) == 3 * model.cfg.n_heads
+    json.dumps(lock.to_dict(), allow_nan=False)
+
+
+def test_query_key_locking_streaming_equals_full_cache(tiny):
+    batches = as_batches(tiny, PROMPTS, batch_size=2)
+    (got,) = stream(tiny, batches, [QKLockingReducer(tiny, n_components=2)], options=QUIET)
+    rotary = "blocks.0.attn.hook_rot_q" in tiny.hook_dict
+    qn, kn = ("hook_rot_q", "hook_rot_k") if rotary else ("hook_q", "hook_k")
+    L, H, dh = tiny.cfg.n_layers, tiny.cfg.n_heads, tiny.cfg.d_head
+    gram, key_sum = torch.zeros(L, H, dh, dh, dtype=torch.float64), torch.zeros(L, H, dh, dtype=torch.float64)
+    along, total = torch.zeros(L, H, dtype=torch.float64), torch.zeros(L, H, dtype=torch.float64)
+    pos_s, pos_o, n_s, n_o = torch.zeros(L, H), torch.zeros(L, H), 0, 0
+    for prompt in PROMPTS:
+        _, cache = tiny.run_with_cache(tiny.to_tokens(prompt))
+        for layer in range(L):
+            q = cache[f"blocks.{layer}.attn.{qn}"][0].double()  # [pos, head, d_head]
+            k = cache[f"blocks.{layer}.attn.{kn}"][0].double()
+            k = k.repeat_interleave(H // k.shape[1], dim=1)
+            scores = cache[f"blocks.{layer}.attn.hook_attn_scores"][0]  # [head, q, k]
+            for h in range(H):
+                k0 = k[0, h]
+                key_sum[layer, h] += k0
+                for t in range(1, q.shape[0]):
+                    gram[layer, h] += torch.outer(q[t, h], q[t, h])
+                    along[layer, h] += (q[t, h] @ k0 / k0.norm()) ** 2
+                    total[layer, h] += q[t, h] @ q[t, h]
+                    pos_s[layer, h] += float(scores[h, t, 0] > 0)
+                    pos_o[layer, h] += float((scores[h, t, 1 : t + 1] > 0).sum())
+        n = cache["blocks.0.attn.hook_pattern"].shape[-1]
+        n_s += n - 1
+        n_o += sum(range(1, n))
+    torch.testing.assert_close(got.key_query_energy, (along / total).float(), rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(got.pos_share_sink, pos_s / n_s)
+    torch.testing.assert_close(got.pos_share_other, pos_o / n_o)
+    evals, evecs = torch.linalg.eigh(gram)
+    unit = key_sum / key_sum.norm(dim=-1, keepdim=True)
+    cos = torch.einsum("lhi,lhir->lhr", unit, evecs[..., -2:]).norm(dim=-1)
+    torch.testing.assert_close(got.key_pc_cosine, cos.float(), rtol=1e-3, atol=1e-4)
+    assert got.n_queries == n_s
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(n_components=0), "n_components"),
+        (dict(sink_position=5), "sink_position=5"),
+        (dict(layers=[9]), "out of range"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(tiny_llama, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        query_key_locking(tiny_llama, ["t3 t4 t5"], options=QUIET, **kwargs)
