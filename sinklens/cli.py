@@ -80,6 +80,13 @@ def report_error(command: str, err: BaseException, *, debug: bool, stream: Any =
     return code
 
 
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command; return its exit code (see :func:`sinklens.errors.exit_code_for`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -91,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     debug = bool(getattr(args, "debug", False)) or _debug_from_env()
     unavailable = getattr(args, "_unavailable", None)
-    if extra and unavailable is None:
-        parser.error(f"unrecognized arguments: {' '.join(extra)}")  # exits with 2, like parse_args
+    if extra and unavailable is None:  # exits with 2, like parse_args, with the sub-command's usage line
+        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     if unavailable is not None:
         print(f"sinklens {args.command}: error: this command could not be loaded "
               f"({type(unavailable).__name__}: {one_line(unavailable)}); the other commands still work.",

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError, SequenceTooLongError
 from sinklens.hooks import model_device, model_dims
-from sinklens.validate import as_bool, as_int, check_vocab, optional_positive_int, positive_int, prompt_list, token_ids
+from sinklens.validate import IntLike, as_bool, as_int, check_vocab, optional_positive_int, positive_int, prompt_list, token_ids
 
 
 @dataclass
@@ -76,7 +76,7 @@ def builtin_prompts() -> list[str]:
     return list(BUILTIN_PROMPTS)
 
 
-def stdlib_text_prompts(n_prompts: int = 16, *, n_chars: int = 800, seed: int = 0) -> list[str]:
+def stdlib_text_prompts(n_prompts: IntLike = 16, *, n_chars: IntLike = 800, seed: IntLike = 0) -> list[str]:
     """Real text available offline: docstrings from the Python standard library's own sources.
 
     Docstrings of at least 30 words without doctest examples (English prose written by people),
@@ -150,9 +150,9 @@ def tokenize_prompts(
     model: Any,
     prompts: Sequence[str],
     *,
-    batch_size: int = 8,
+    batch_size: IntLike = 8,
     prepend_bos: bool = True,
-    max_length: int | None = None,
+    max_length: IntLike | None = None,
 ) -> list[TokenBatch]:
     """Tokenise prompts with the model's tokenizer into right-padded batches.
 
@@ -191,11 +191,11 @@ def tokenize_prompts(
 def random_token_batches(
     model: Any,
     *,
-    n_sequences: int = 16,
-    seq_len: int = 64,
-    batch_size: int = 8,
+    n_sequences: IntLike = 16,
+    seq_len: IntLike = 64,
+    batch_size: IntLike = 8,
     prepend_bos: bool = False,
-    seed: int = 0,
+    seed: IntLike = 0,
 ) -> list[TokenBatch]:
     """Uniformly random token sequences: the theory's setting, with no semantic first token.
 
@@ -224,9 +224,9 @@ def as_batches(
     model: Any,
     inputs: Inputs | None = None,
     *,
-    batch_size: int = 8,
+    batch_size: IntLike = 8,
     prepend_bos: bool = True,
-    max_length: int | None = None,
+    max_length: IntLike | None = None,
 ) -> list[TokenBatch]:
     """Normalise any accepted input into right-padded :class:`TokenBatch` es on the model's device.
 
@@ -258,7 +258,7 @@ def as_batches(
             for i in range(0, inputs.shape[0], batch_size)
         ]
     elif isinstance(inputs, str) or (isinstance(inputs, Sequence) and isinstance(inputs[0], str)):
-        batches = tokenize_prompts(model, inputs, batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
+        batches = tokenize_prompts(model, prompt_list(inputs), batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
     elif isinstance(inputs, Iterable) and not isinstance(inputs, (bytes, dict)):
         batches = list(inputs)
         for i, b in enumerate(batches):

@@ -23,11 +23,15 @@ import math
 import numbers
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 
 from sinklens.errors import InvalidArgumentError
+
+#: What a count or length argument accepts: a Python int, a numpy integer or a 0-d integer tensor
+#: (checked and converted by :func:`as_int` / :func:`positive_int`).
+IntLike = Union[int, numbers.Integral, torch.Tensor]
 
 
 def as_int(value: Any, *, what: str) -> int:
