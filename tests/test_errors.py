@@ -446,6 +446,7 @@ VALIDATOR_ROWS = [
     ("as-bool-int", lambda: validate.as_bool(1, what="flag"), ["flag", "1"]),
     ("prompt-list-number", lambda: validate.prompt_list(3.5), ["float"]),
     ("token-ids-list", lambda: validate.token_ids([1, 2], 10), ["list"]),
+    ("token-ids-oov", lambda: validate.token_ids(torch.tensor([[1, 2], [3, 10]]), 10), ["10", "0..9", "[1, 1]"]),
     ("dtype-none-string", lambda: validate.dtype("", what="dtype"), ["''"]),
     ("device-empty", lambda: validate.device("", what="--device"), ["--device", "''"]),
     ("device-int", lambda: validate.device(3, what="device"), ["device", "3"]),
