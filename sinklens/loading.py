@@ -40,6 +40,7 @@ from sinklens.errors import (
     ModelLoadError,
     OfflineModelError,
     PatternNotExposedError,
+    SinklensError,
     UnknownModelError,
 )
 from sinklens.model_files import MANIFEST, check_gguf, check_model_dir, check_safetensors, verify_manifest, write_manifest
@@ -336,7 +337,13 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype) -> Any:
 
             for weights in sorted(path.glob("*.safetensors")):
                 check_safetensors(weights)
-            return load_trained_model(path, device=device).to(dtype)
+            try:
+                return load_trained_model(path, device=device).to(dtype)
+            except (ValueError, KeyError, TypeError, RuntimeError) as err:  # a damaged config.json or weights
+                if isinstance(err, SinklensError):
+                    raise
+                raise ModelLoadError(f"Could not load the sinklens run in {spec!r} ({type(err).__name__}: "
+                                     f"{' '.join(str(err).split())[:300]}).") from err
         if (path / "config.json").exists():
             return _boot_local(path, device, dtype)
         raise UnknownModelError(

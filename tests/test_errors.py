@@ -146,6 +146,21 @@ def _hf_dir(tmp_path: Path, *, config: str | None = None, weights: str = "ok") -
     return folder
 
 
+def _run_dir(tmp_path: Path, damage: str) -> Path:
+    from sinklens.train.checkpoint import save_checkpoint
+    from sinklens.train.config import TrainConfig
+    from sinklens.train.model import SinkLM
+    from sinklens.train.model_config import ModelConfig
+
+    cfg = TrainConfig.from_dict({**TrainConfig().to_dict(), "model": ModelConfig.from_preset("tiny").to_dict()})
+    run = save_checkpoint(tmp_path / "run", model=SinkLM(cfg.model), optimizer=None, cfg=cfg, step=0)
+    if damage == "weights":
+        _truncated(run / "model.safetensors")
+    elif damage == "config":
+        _write(run / "config.json", '{"model": {"n_layers": "two"}}')
+    return run
+
+
 FILE_ROWS = [
     # (id, make(tmp_path) -> spec, error, words)
     ("empty-gguf", lambda t: _write(t / "m.gguf", b""), CorruptModelFileError, ["m.gguf", "empty"]),
@@ -167,6 +182,8 @@ FILE_ROWS = [
      ["w.safetensors", "truncated"]),
     ("text-file-as-spec", lambda t: _write(t / "notes.txt", "hi"), UnknownModelError, ["notes.txt"]),
     ("folder-without-config", lambda t: t, UnknownModelError, ["config.json"]),
+    ("run-truncated-weights", lambda t: _run_dir(t, "weights"), CorruptModelFileError, ["model.safetensors", "truncated"]),
+    ("run-damaged-config", lambda t: _run_dir(t, "config"), ModelLoadError, ["run"]),
 ]
 
 
