@@ -35,11 +35,7 @@ def _debug_from_env() -> bool:
 def _add_unavailable(sub: Any, name: str, err: BaseException) -> None:
     """A stand-in for a sub-command whose module failed to import: it reports the import error."""
     parser = sub.add_parser(name, help=f"(unavailable: {type(err).__name__}: {one_line(err)})", add_help=False)
-
-    def fail(args: argparse.Namespace) -> int:
-        raise err
-
-    parser.set_defaults(func=fail, _unavailable=err)
+    parser.set_defaults(_unavailable=err)  # main() reports it when the command is run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -96,16 +92,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("sinklens: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
-    debug = bool(getattr(args, "debug", False)) or _debug_from_env()
     unavailable = getattr(args, "_unavailable", None)
+    debug = bool(getattr(args, "debug", False)) or _debug_from_env() or (unavailable is not None and "--debug" in extra)
     if extra and unavailable is None:  # exits with 2, like parse_args, with the sub-command's usage line
         _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
     if unavailable is not None:
+        if debug:
+            traceback.print_exception(type(unavailable), unavailable, unavailable.__traceback__, file=sys.stderr)
         print(f"sinklens {args.command}: error: this command could not be loaded "
               f"({type(unavailable).__name__}: {one_line(unavailable)}); the other commands still work.",
               file=sys.stderr)
-        if debug:
-            traceback.print_exception(type(unavailable), unavailable, unavailable.__traceback__, file=sys.stderr)
         return EXIT_FAILURE
     try:
         return int(args.func(args) or 0)

@@ -236,6 +236,8 @@ def test_a_sub_command_that_fails_to_import_is_reported_not_dropped(monkeypatch,
     err = capsys.readouterr().err
     assert "sinklens compare: error: this command could not be loaded (ModuleNotFoundError" in err
     assert "Traceback" not in err
+    assert main(["compare", "runs/a", "--debug"]) == EXIT_FAILURE
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "compare" in capsys.readouterr().out  # still listed
