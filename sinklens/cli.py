@@ -1,41 +1,112 @@
 """The ``sinklens`` command line: ``sinklens analyze | intervene | train | compare``.
 
 Each sub-command lives in its own module under :mod:`sinklens.commands` and exposes
-``add_parser(subparsers)`` (which sets ``func`` on its parser) — this file only dispatches.
+``add_parser(subparsers)`` (which sets ``func`` on its parser) — this file only dispatches and
+applies the error contract:
+
+* a user error prints one line ``sinklens CMD: error: ...`` on stderr and exits with 2;
+* a failure (I/O, no network, a corrupt file) prints one line and exits with 1; an unexpected
+  exception prints ``sinklens CMD: internal error: ...`` and exits with 1;
+* Ctrl-C exits with 130;
+* ``--debug`` (anywhere on the command line) or ``SINKLENS_DEBUG=1`` also prints the traceback.
+
+The mapping from exception to exit code is :func:`sinklens.errors.exit_code_for`.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+import traceback
+from typing import Any
 
-from sinklens.errors import SinklensError
+from sinklens.errors import EXIT_FAILURE, EXIT_INTERRUPTED, exit_code_for, is_internal_error, one_line
 
 COMMANDS = ("analyze", "intervene", "train", "compare")
+DEBUG_ENV = "SINKLENS_DEBUG"
+
+
+def _debug_from_env() -> bool:
+    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
+
+
+def _add_unavailable(sub: Any, name: str, err: BaseException) -> None:
+    """A stand-in for a sub-command whose module failed to import: it reports the import error."""
+    parser = sub.add_parser(name, help=f"(unavailable: {type(err).__name__}: {one_line(err)})", add_help=False)
+    parser.set_defaults(_unavailable=err)  # main() reports it when the command is run
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="sinklens", description="Find, explain and control attention sinks.")
+    parser = argparse.ArgumentParser(
+        prog="sinklens", description="Find, explain and control attention sinks.",
+        epilog=f"Exit codes: 0 ok, 1 failure, 2 usage error, 130 interrupted. --debug or {DEBUG_ENV}=1 shows tracebacks.",
+    )
+    parser.add_argument("--debug", action="store_true", help=f"show Python tracebacks (also {DEBUG_ENV}=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         try:
             module = importlib.import_module(f"sinklens.commands.{name}")
-        except ModuleNotFoundError as err:
-            if err.name != f"sinklens.commands.{name}":
-                raise
+            module.add_parser(sub)
+        except Exception as err:  # never drop a sub-command silently: it reports this error when run
+            if name in sub.choices:  # add_parser itself failed half-way
+                del sub.choices[name]
+            _add_unavailable(sub, name, err)
             continue
-        module.add_parser(sub)
+        # SUPPRESS: `--debug` after the sub-command sets the flag, its absence keeps the top-level value.
+        sub.choices[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
+                                       help=f"show Python tracebacks (also {DEBUG_ENV}=1)")
+    return parser
+
+
+def report_error(command: str, err: BaseException, *, debug: bool, stream: Any = None) -> int:
+    """Print ``err`` as the one-line contract says (traceback first when ``debug``); return the exit code."""
+    stream = stream if stream is not None else sys.stderr
+    code = exit_code_for(err)
+    if debug:
+        traceback.print_exception(type(err), err, err.__traceback__, file=stream)
+    if code == EXIT_INTERRUPTED:
+        print(f"sinklens {command}: interrupted", file=stream)
+    elif is_internal_error(err):
+        hint = "" if debug else f" (rerun with --debug or {DEBUG_ENV}=1 for the traceback, and report it)"
+        print(f"sinklens {command}: internal error: {type(err).__name__}: {one_line(err)}{hint}", file=stream)
+    else:
+        print(f"sinklens {command}: error: {one_line(err)}", file=stream)
+    return code
+
+
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            return action.choices[command]
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; return its exit code (see :func:`sinklens.errors.exit_code_for`)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        parser = build_parser()
+        args, extra = parser.parse_known_args(argv)
+    except KeyboardInterrupt:
+        print("sinklens: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    unavailable = getattr(args, "_unavailable", None)
+    debug = bool(getattr(args, "debug", False)) or _debug_from_env() or (unavailable is not None and "--debug" in extra)
+    if extra and unavailable is None:  # exits with 2, like parse_args, with the sub-command's usage line
+        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
+    if unavailable is not None:
+        if debug:
+            traceback.print_exception(type(unavailable), unavailable, unavailable.__traceback__, file=sys.stderr)
+        print(f"sinklens {args.command}: error: this command could not be loaded "
+              f"({type(unavailable).__name__}: {one_line(unavailable)}); the other commands still work.",
+              file=sys.stderr)
+        return EXIT_FAILURE
     try:
         return int(args.func(args) or 0)
-    except SinklensError as err:
-        print(f"sinklens {args.command}: error: {err}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as err:
+        return report_error(args.command, err, debug=debug)
 
 
 if __name__ == "__main__":

@@ -52,3 +52,105 @@ class UnknownInterventionError(SinklensError, ValueError):
 
 class OutputNotWritableError(SinklensError, OSError):
     """An output path (``--out``, ``--json``, a run directory) that cannot be written; checked before the work."""
+
+
+# --- error contract (issue 11): loading, inputs, devices, and the CLI exit-code mapping -------------
+
+
+class DeviceUnavailableError(SinklensError, ValueError):
+    """A device that this machine does not have (``cuda`` without a GPU, ``cuda:3`` with one GPU, ``mps`` off a Mac)."""
+
+
+class InputFileError(SinklensError, ValueError):
+    """A prompts file that is missing, a folder, binary, not UTF-8, or holds no non-empty lines."""
+
+
+class CorruptModelFileError(SinklensError, OSError):
+    """A model file that exists but is truncated or corrupt (GGUF, safetensors, a converted cache)."""
+
+
+class ModelLoadError(SinklensError, RuntimeError):
+    """A local model that exists and looks intact but could not be loaded (e.g. an unsupported architecture)."""
+
+
+#: Exit codes of the ``sinklens`` command line.
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+# Usage errors: fixing the command line fixes them. Checked before the generic rules below, so that
+# e.g. a missing model file (a FileNotFoundError, hence an OSError) is a usage error.
+_USAGE_CLASSES: tuple[type[BaseException], ...] = (
+    ModelFileNotFoundError, DataFileNotFoundError, OutputNotWritableError, DeviceUnavailableError, InputFileError,
+)
+
+
+def exit_code_for(err: BaseException) -> int:
+    """The ``sinklens`` exit code for an exception that ended a command (the one mapping, used by the CLI).
+
+    * 130 — ``KeyboardInterrupt`` (Ctrl-C).
+    * 2 (usage) — the arguments are wrong: any :class:`SinklensError` that is also a ``ValueError``,
+      ``LookupError`` or ``TypeError`` (``InvalidArgumentError``, ``UnknownModelError``,
+      ``SequenceTooLongError``, ``UnknownInterventionError``, ``UnknownHookError``, ``InputFileError``,
+      ``DeviceUnavailableError`` ...), the missing-file and unwritable-output errors
+      (``ModelFileNotFoundError``, ``DataFileNotFoundError``, ``OutputNotWritableError``), a
+      malformed JSON/TOML config file, and a plain ``ValueError``/``TypeError`` raised by sinklens'
+      own validation code (config ``__post_init__`` checks). argparse exits with 2 by itself.
+    * 1 (failure) — the command was fine but the work failed: ``OSError`` (I/O, no network:
+      ``OfflineModelError``), ``CorruptModelFileError``, ``ModelLoadError``, ``PatternNotExposedError``,
+      and every unexpected exception (reported as an internal error).
+
+    Examples:
+        >>> exit_code_for(InvalidArgumentError("batch_size must be >= 1, got 0."))
+        2
+        >>> exit_code_for(PatternNotExposedError("fused attention"))
+        1
+        >>> exit_code_for(KeyboardInterrupt())
+        130
+    """
+    if isinstance(err, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(err, _USAGE_CLASSES):
+        return EXIT_USAGE
+    if isinstance(err, SinklensError):
+        return EXIT_USAGE if isinstance(err, (ValueError, LookupError, TypeError)) else EXIT_FAILURE
+    if is_config_syntax_error(err) or (isinstance(err, (ValueError, TypeError)) and raised_by_sinklens(err)):
+        return EXIT_USAGE
+    return EXIT_FAILURE
+
+
+def is_config_syntax_error(err: BaseException) -> bool:
+    """A JSON or TOML file that does not parse (a user's config file)."""
+    import json
+
+    try:
+        import tomllib
+    except ImportError:  # Python < 3.11
+        return isinstance(err, json.JSONDecodeError)
+    return isinstance(err, (json.JSONDecodeError, tomllib.TOMLDecodeError))
+
+
+def raised_by_sinklens(err: BaseException) -> bool:
+    """True when the innermost frame of ``err``'s traceback is sinklens code (a deliberate check),
+    False when it comes from inside a library (torch, transformers, numpy ...)."""
+    tb = err.__traceback__
+    if tb is None:
+        return False
+    while tb.tb_next is not None:
+        tb = tb.tb_next
+    return str(tb.tb_frame.f_globals.get("__name__", "")).split(".")[0] == "sinklens"
+
+
+def is_internal_error(err: BaseException) -> bool:
+    """An exception that no sinklens check raised on purpose: the CLI calls it an internal error."""
+    if isinstance(err, (SinklensError, OSError, KeyboardInterrupt)) or is_config_syntax_error(err):
+        return False
+    return not (isinstance(err, (ValueError, TypeError)) and raised_by_sinklens(err))
+
+
+def one_line(err: BaseException) -> str:
+    """The exception's message on one line (newlines folded; an ``OSError`` as ``strerror: 'filename'``)."""
+    if isinstance(err, OSError) and not isinstance(err, SinklensError) and err.strerror:
+        text = err.strerror + (f": {err.filename!r}" if err.filename is not None else "")
+    else:
+        text = str(err)
+    text = " ".join(text.split())
+    return text or type(err).__name__

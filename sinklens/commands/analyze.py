@@ -7,7 +7,7 @@ import sys
 import time
 from pathlib import Path
 
-from sinklens.errors import SinklensError
+from sinklens.errors import InvalidArgumentError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -20,50 +20,103 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--model", default="smollm2-135m", help="model spec for sinklens.load_model (default: %(default)s)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--text", nargs="+", metavar="T", help="one or more prompts")
-    source.add_argument("--prompts", type=Path, metavar="FILE", help="a text file with one prompt per line")
+    source.add_argument("--prompts", metavar="FILE", help="a text file with one prompt per line")
     source.add_argument("--stdlib-text", type=int, metavar="N", help="N docstrings from the Python standard library")
     source.add_argument("--random-tokens", type=int, metavar="N", help="N uniformly random token sequences")
     parser.add_argument("--seq-len", type=int, default=64, help="length of random-token sequences (default: %(default)s)")
     parser.add_argument("--max-length", type=int, default=128, help="truncate prompts to this many tokens (default: %(default)s)")
     parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (it moves the sink)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default: %(default)s)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, ... (default: cuda when available)")
-    parser.add_argument("--out", type=Path, default=Path("sinklens-report"), help="output folder (default: %(default)s)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    parser.add_argument("--out", default="sinklens-report", help="output folder (default: %(default)s)")
     parser.add_argument("--no-figures", action="store_true", help="write report.json only")
     parser.set_defaults(func=run)
 
 
+def _check_args(args: argparse.Namespace) -> None:
+    """Every flag checked before the model loads (named errors, exit code 2); ``--out`` is created
+    and checked for writing here, so an unwritable folder is found before the analysis, not after."""
+    from sinklens.validate import device, dtype, optional_positive_int, positive_int, text_lines, writable_dir
+
+    if not str(args.model).strip():
+        raise InvalidArgumentError(f"--model is empty ({args.model!r}); give a model name, a path or a Hub id.")
+    positive_int(args.batch_size, what="--batch-size")
+    positive_int(args.seq_len, what="--seq-len")
+    optional_positive_int(args.max_length, what="--max-length")
+    optional_positive_int(args.random_tokens, what="--random-tokens")
+    optional_positive_int(args.stdlib_text, what="--stdlib-text")
+    if args.text is not None:
+        empty = [i for i, t in enumerate(args.text) if not t.strip()]
+        if empty:
+            raise InvalidArgumentError(f"--text prompt {empty[0] + 1} of {len(args.text)} is empty; give non-empty text.")
+    if args.prompts is not None:
+        text_lines(args.prompts, what="--prompts")
+    if args.device is not None:
+        device(args.device, what="--device")
+    if args.dtype is not None:
+        dtype(args.dtype, what="--dtype")
+    args.out = writable_dir(args.out, what="--out")
+
+
 def _inputs(args: argparse.Namespace, model) -> object:
+    """The analysis inputs the flags ask for (``None``: the built-in prompts).
+
+    A model without a tokenizer (a ``sinklens train`` run on synthetic data) is analysed on random
+    tokens (``--random-tokens``, default 16 sequences), and a line on stderr says so; text flags are
+    refused for it.
+    """
+    from sinklens.hooks import model_dims
     from sinklens.inputs import random_token_batches, stdlib_text_prompts
+    from sinklens.validate import text_lines
 
     prepend_bos = not args.no_bos
-    if args.random_tokens:
+    has_tokenizer = getattr(model, "tokenizer", None) is not None
+    if not has_tokenizer and args.random_tokens is None:
+        flag = "--text" if args.text else "--prompts" if args.prompts else "--stdlib-text" if args.stdlib_text else None
+        if flag is not None:
+            raise InvalidArgumentError(f"{flag} needs a tokenizer, and the model {str(args.model)!r} has none "
+                                       "(trained on synthetic data?); use --random-tokens N.")
+        n_ctx = model_dims(model).n_ctx
+        seq_len = min(args.seq_len, n_ctx)
+        print(f"sinklens analyze: {str(args.model)!r} has no tokenizer (trained on synthetic data?); analysing "
+              f"{_DEFAULT_RANDOM} random-token sequences of {seq_len} tokens instead", file=sys.stderr)
+        return random_token_batches(model, n_sequences=_DEFAULT_RANDOM, seq_len=seq_len, batch_size=args.batch_size,
+                                    prepend_bos=False)
+    if args.random_tokens is not None:
         return random_token_batches(model, n_sequences=args.random_tokens, seq_len=args.seq_len,
-                                    batch_size=args.batch_size, prepend_bos=prepend_bos)
+                                    batch_size=args.batch_size, prepend_bos=prepend_bos and has_tokenizer)
     if args.text:
         return list(args.text)
-    if args.prompts:
-        if not args.prompts.exists():
-            raise SinklensError(f"--prompts file {str(args.prompts)!r} does not exist.")
-        lines = [line.strip() for line in args.prompts.read_text(encoding="utf-8").splitlines() if line.strip()]
-        if not lines:
-            raise SinklensError(f"--prompts file {str(args.prompts)!r} has no non-empty lines.")
-        return lines
-    if args.stdlib_text:
+    if args.prompts is not None:
+        return text_lines(args.prompts, what="--prompts")
+    if args.stdlib_text is not None:
         return stdlib_text_prompts(args.stdlib_text)
     return None  # the built-in prompt set
 
 
+_DEFAULT_RANDOM = 16
+
+
 def run(args: argparse.Namespace) -> int:
+    out_existed = Path(args.out).expanduser().exists()
+    _check_args(args)
+    try:
+        return _run(args)
+    except BaseException:
+        if not out_existed and not any(args.out.iterdir()):  # leave no empty --out behind a failed run
+            args.out.rmdir()
+        raise
+
+
+def _run(args: argparse.Namespace) -> int:
     from sinklens.analysis.report import analyze
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
 
-    if args.batch_size < 1:
-        raise SinklensError(f"--batch-size must be >= 1, got {args.batch_size}.")
     start = time.perf_counter()
     print(f"loading {args.model} ...", file=sys.stderr)
-    model = load_model(args.model, device=args.device)
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
     report = analyze(
         model,
         _inputs(args, model),

@@ -8,8 +8,12 @@ runs on both versions. Its tokenizer is a word-level one: id 0 is BOS ``<s>``, i
 
 from __future__ import annotations
 
-import functools
+import atexit
+import contextlib
+import random
 import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -24,25 +28,58 @@ def transformer_lens_major() -> int:
     return int(version("transformer-lens").split(".")[0])
 
 
-@functools.lru_cache(maxsize=4)
-def _word_tokenizer_dir(d_vocab: int) -> str:
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+#: One temporary folder per process for the word tokenizers' files (TransformerLens reloads a
+#: tokenizer from its ``name_or_path``, so it must exist on disk); removed when the process exits.
+_TOKENIZER_ROOT: tempfile.TemporaryDirectory | None = None
 
-    vocab = {"<s>": 0, "</s>": 1} | {f"t{i}": i for i in range(2, d_vocab)}
-    core = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="</s>", unk_token="</s>")
-    path = tempfile.mkdtemp(prefix=f"sinklens-wordtok-{d_vocab}-")
-    tok.save_pretrained(path)
-    return path
+
+def tokenizer_root() -> Path:
+    """The process-wide folder holding the word tokenizers (created on first use, removed at exit)."""
+    global _TOKENIZER_ROOT
+    if _TOKENIZER_ROOT is None:
+        _TOKENIZER_ROOT = tempfile.TemporaryDirectory(prefix="sinklens-testing-")
+        atexit.register(_TOKENIZER_ROOT.cleanup)
+    return Path(_TOKENIZER_ROOT.name)
+
+
+def _word_tokenizer_dir(d_vocab: int) -> str:
+    folder = tokenizer_root() / f"wordtok-{d_vocab}"
+    if not (folder / "tokenizer.json").exists():
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        vocab = {"<s>": 0, "</s>": 1} | {f"t{i}": i for i in range(2, d_vocab)}
+        core = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
+        core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="</s>",
+                                      unk_token="</s>")
+        tok.save_pretrained(str(folder))
+    return str(folder)
 
 
 def word_tokenizer(d_vocab: int) -> Any:
-    """A Hugging Face fast tokenizer: ``<s>`` = 0, ``</s>`` = 1, word ``t{i}`` = ``i``."""
+    """A Hugging Face fast tokenizer: ``<s>`` = 0, ``</s>`` = 1, word ``t{i}`` = ``i``.
+
+    Its files live in one folder per process (:func:`tokenizer_root`), removed when the process exits.
+    """
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(_word_tokenizer_dir(d_vocab))
+
+
+@contextlib.contextmanager
+def preserved_rng() -> Iterator[None]:
+    """Run a block that seeds or draws from the global RNGs (torch CPU, Python ``random``, numpy)
+    and restore all three afterwards, so building a test model never moves the caller's streams."""
+    import numpy as np
+
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            random.setstate(py_state)
+            np.random.set_state(np_state)
 
 
 def tiny_model(
@@ -57,7 +94,8 @@ def tiny_model(
     d_vocab: int = 64,
     seed: int = 0,
 ) -> Any:
-    """A randomly initialised decoder small enough for a unit test.
+    """A randomly initialised decoder small enough for a unit test. Its weights depend only on
+    ``seed``; the global RNG state (torch, ``random``, numpy) is the same before and after the call.
 
     Examples:
         >>> model = tiny_model(n_layers=2, d_model=16)
@@ -69,10 +107,11 @@ def tiny_model(
     if d_model % n_heads:
         raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}.")
     n_kv_heads = n_kv_heads or n_heads
-    torch.manual_seed(seed)
-    if transformer_lens_major() >= 4:
-        return _tiny_bridge(arch, n_layers, d_model, n_heads, n_kv_heads, d_mlp, n_ctx, d_vocab)
-    return _tiny_hooked_transformer(arch, n_layers, d_model, n_heads, n_kv_heads, d_mlp, n_ctx, d_vocab, seed)
+    with preserved_rng():  # seeded weights without touching the caller's global RNG state
+        torch.manual_seed(seed)
+        if transformer_lens_major() >= 4:
+            return _tiny_bridge(arch, n_layers, d_model, n_heads, n_kv_heads, d_mlp, n_ctx, d_vocab)
+        return _tiny_hooked_transformer(arch, n_layers, d_model, n_heads, n_kv_heads, d_mlp, n_ctx, d_vocab, seed)
 
 
 def _tiny_bridge(arch: Arch, n_layers, d_model, n_heads, n_kv_heads, d_mlp, n_ctx, d_vocab) -> Any:

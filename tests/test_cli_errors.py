@@ -1,0 +1,243 @@
+"""The command line's error contract (issue 11), run as a user runs it: ``python -m sinklens.cli ...``.
+
+Each row asserts the exit code (2 usage, 1 failure, 130 interrupted), that stderr has no
+"Traceback", and that its error line names the bad value. ``--debug`` / ``SINKLENS_DEBUG=1`` show
+the traceback. The analyze command's inputs are covered in full; train / intervene / compare only
+for the generic mapping (their own rows live with their tests).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sinklens.cli import main
+from sinklens.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def sinklens(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
+    """Run ``python -m sinklens.cli ARGS`` in a fresh process with no GPU visible."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", "SINKLENS_DEBUG": "", **env}
+    return subprocess.run([sys.executable, "-m", "sinklens.cli", *args], capture_output=True, text=True,
+                          env=full_env, cwd=cwd, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory) -> dict[str, Path]:
+    """Bad files and folders for the rows below, plus a tiny local model and a tokenizer-less run."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sinklens.testing import word_tokenizer
+
+    root = tmp_path_factory.mktemp("cli")
+    (root / "binary.txt").write_bytes(b"\x00\x01\x02binary")
+    (root / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    (root / "empty.txt").write_text("\n \n")
+    (root / "a_file").write_text("not a folder")
+    (root / "bad.gguf").write_bytes(b"PK\x03\x04" * 16)
+    (root / "short.gguf").write_bytes(b"GGUF" + struct.pack("<I", 3))
+    (root / "bad_config.json").write_text("{")
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=1)
+    model_dir = root / "tiny"
+    LlamaForCausalLM(config).save_pretrained(model_dir)
+    word_tokenizer(64).save_pretrained(model_dir)
+    broken = root / "broken"
+    LlamaForCausalLM(config).save_pretrained(broken)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    return {"root": root, "tiny": model_dir, "broken": broken}
+
+
+def _p(files: dict[str, Path], name: str) -> str:
+    return str(files["root"] / name)
+
+
+# (id, args(files) -> list, exit code, words that stderr must contain)
+ANALYZE_ROWS = [
+    ("batch-size-zero", lambda f: ["--batch-size", "0"], EXIT_USAGE, ["--batch-size", "got 0"]),
+    ("batch-size-negative", lambda f: ["--batch-size", "-4"], EXIT_USAGE, ["--batch-size", "-4"]),
+    ("batch-size-not-int", lambda f: ["--batch-size", "abc"], EXIT_USAGE, ["--batch-size", "'abc'"]),
+    ("max-length-zero", lambda f: ["--max-length", "0"], EXIT_USAGE, ["--max-length", "got 0"]),
+    ("max-length-negative", lambda f: ["--max-length", "-5"], EXIT_USAGE, ["--max-length", "-5"]),
+    ("seq-len-zero", lambda f: ["--seq-len", "0", "--random-tokens", "2"], EXIT_USAGE, ["--seq-len", "got 0"]),
+    ("random-tokens-zero", lambda f: ["--random-tokens", "0"], EXIT_USAGE, ["--random-tokens", "got 0"]),
+    ("random-tokens-negative", lambda f: ["--random-tokens", "-1"], EXIT_USAGE, ["--random-tokens", "-1"]),
+    ("stdlib-text-zero", lambda f: ["--stdlib-text", "0"], EXIT_USAGE, ["--stdlib-text", "got 0"]),
+    ("stdlib-text-negative", lambda f: ["--stdlib-text", "-3"], EXIT_USAGE, ["--stdlib-text", "-3"]),
+    ("empty-text", lambda f: ["--text", "t2", "  "], EXIT_USAGE, ["--text", "2 of 2", "empty"]),
+    ("text-and-prompts", lambda f: ["--text", "t2", "--prompts", "p.txt"], EXIT_USAGE, ["not allowed with"]),
+    ("prompts-missing", lambda f: ["--prompts", _p(f, "missing.txt")], EXIT_USAGE, ["missing.txt", "does not exist"]),
+    ("prompts-folder", lambda f: ["--prompts", str(f["root"])], EXIT_USAGE, ["is a folder"]),
+    ("prompts-binary", lambda f: ["--prompts", _p(f, "binary.txt")], EXIT_USAGE, ["binary.txt", "binary"]),
+    ("prompts-not-utf8", lambda f: ["--prompts", _p(f, "latin1.txt")], EXIT_USAGE, ["latin1.txt", "UTF-8"]),
+    ("prompts-empty", lambda f: ["--prompts", _p(f, "empty.txt")], EXIT_USAGE, ["empty.txt", "no non-empty lines"]),
+    ("prompts-empty-path", lambda f: ["--prompts", ""], EXIT_USAGE, ["--prompts is empty"]),
+    ("device-cuda-without-gpu", lambda f: ["--device", "cuda"], EXIT_USAGE, ["'cuda'", "'cpu'"]),
+    ("device-unknown", lambda f: ["--device", "gpu"], EXIT_USAGE, ["'gpu'", "'cuda:N'"]),
+    ("dtype-unknown", lambda f: ["--dtype", "float13"], EXIT_USAGE, ["'float13'", "bfloat16"]),
+    ("dtype-integer", lambda f: ["--dtype", "int64"], EXIT_USAGE, ["int64", "floating"]),
+    ("model-empty", lambda f: ["--model", ""], EXIT_USAGE, ["--model is empty"]),
+    ("model-unknown", lambda f: ["--model", "gpt-5-nano"], EXIT_USAGE, ["'gpt-5-nano'", "smollm2-135m"]),
+    ("model-dot-path-missing", lambda f: ["--model", "./no/such/model"], EXIT_USAGE, ["./no/such/model"]),
+    ("model-gguf-missing", lambda f: ["--model", "weights.gguf"], EXIT_USAGE, ["weights.gguf"]),
+    ("model-not-gguf", lambda f: ["--model", _p(f, "bad.gguf")], EXIT_FAILURE, ["bad.gguf", "GGUF"]),
+    ("model-truncated-gguf", lambda f: ["--model", _p(f, "short.gguf")], EXIT_FAILURE, ["short.gguf", "GGUF"]),
+    ("model-truncated-safetensors", lambda f: ["--model", str(f["broken"])], EXIT_FAILURE,
+     ["model.safetensors", "truncated"]),
+    ("model-folder-without-config", lambda f: ["--model", str(f["root"])], EXIT_USAGE, ["config.json"]),
+    ("out-is-a-file", lambda f: ["--out", _p(f, "a_file")], EXIT_USAGE, ["--out", "a_file", "not a folder"]),
+    ("out-under-a-file", lambda f: ["--out", _p(f, "a_file") + "/sub"], EXIT_USAGE, ["--out", "cannot be created"]),
+    ("out-empty", lambda f: ["--out", ""], EXIT_USAGE, ["--out is empty"]),
+    ("seq-len-beyond-context", lambda f: ["--model", str(f["tiny"]), "--random-tokens", "2", "--seq-len", "65"],
+     EXIT_USAGE, ["65", "64"]),
+    ("unknown-flag", lambda f: ["--bogus"], EXIT_USAGE, ["unrecognized arguments: --bogus"]),
+]
+
+
+@pytest.mark.parametrize(("make_args", "code", "words"), [r[1:] for r in ANALYZE_ROWS], ids=[r[0] for r in ANALYZE_ROWS])
+def test_analyze_bad_input(files, tmp_path, make_args, code, words):
+    args = make_args(files)
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "out")]
+    done = sinklens("analyze", "--no-figures", *args, cwd=tmp_path)
+    assert done.returncode == code, done.stderr
+    assert "Traceback" not in done.stderr
+    for word in words:
+        assert word in done.stderr
+    assert done.stdout == ""  # no analysis ran
+    assert not (tmp_path / "out").exists()  # and no empty report folder is left behind
+
+
+GENERIC_ROWS = [
+    ("no-command", lambda f: [], EXIT_USAGE, ["required"]),
+    ("unknown-command", lambda f: ["analyse"], EXIT_USAGE, ["invalid choice", "'analyse'"]),
+    ("train-config-value", lambda f: ["train", "--out", _p(f, "run"), "--set", "optim.lr=-1"], EXIT_USAGE,
+     ["optim.lr", "-1"]),
+    ("train-config-syntax", lambda f: ["train", "--out", _p(f, "run"), "--config", _p(f, "bad_config.json")], EXIT_USAGE,
+     ["error:"]),
+    ("train-config-missing", lambda f: ["train", "--out", _p(f, "run"), "--config", _p(f, "missing.toml")], None,
+     ["missing.toml"]),
+    ("intervene-unknown-method", lambda f: ["intervene", "--method", "nope"], EXIT_USAGE, ["'nope'"]),
+    ("intervene-missing-model", lambda f: ["intervene", "--method", "self-only", "--position", "2", "--model",
+                                           "./no/such/model"], EXIT_USAGE, ["./no/such/model"]),
+    ("compare-not-a-run", lambda f: ["compare", _p(f, "no-run")], None, ["no-run"]),
+]
+
+
+@pytest.mark.parametrize(("make_args", "code", "words"), [r[1:] for r in GENERIC_ROWS], ids=[r[0] for r in GENERIC_ROWS])
+def test_other_commands_map_errors_to_one_line(files, tmp_path, make_args, code, words):
+    done = sinklens(*make_args(files), cwd=tmp_path)
+    assert done.returncode == code if code is not None else done.returncode in (EXIT_USAGE, EXIT_FAILURE), done.stderr
+    assert "Traceback" not in done.stderr
+    for word in words:
+        assert word in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "env"),
+    [
+        (["--debug", "analyze", "--batch-size", "0"], {}),
+        (["analyze", "--batch-size", "0", "--debug"], {}),
+        (["analyze", "--batch-size", "0"], {"SINKLENS_DEBUG": "1"}),
+    ],
+    ids=["flag-before", "flag-after", "environment"],
+)
+def test_debug_shows_the_traceback(tmp_path, args, env):
+    done = sinklens(*args, "--out", str(tmp_path / "out"), cwd=tmp_path, **env)
+    assert done.returncode == EXIT_USAGE
+    assert "Traceback (most recent call last)" in done.stderr and "InvalidArgumentError" in done.stderr
+    assert done.stderr.rstrip().splitlines()[-1] == "sinklens analyze: error: --batch-size must be an integer >= 1, got 0."
+
+
+def test_error_is_exactly_one_line(tmp_path):
+    done = sinklens("analyze", "--random-tokens", "0", "--out", str(tmp_path / "o"), cwd=tmp_path)
+    assert done.stderr.splitlines() == ["sinklens analyze: error: --random-tokens must be an integer >= 1, got 0."]
+
+
+def test_run_without_a_tokenizer_is_analysed_on_random_tokens(tmp_path):
+    """A ``sinklens train`` run on synthetic data has no tokenizer: analyze uses random tokens and says so."""
+    from sinklens.train.checkpoint import save_checkpoint
+    from sinklens.train.config import TrainConfig
+    from sinklens.train.model import SinkLM
+    from sinklens.train.model_config import ModelConfig
+
+    cfg = TrainConfig.from_dict({**TrainConfig().to_dict(), "model": ModelConfig.from_preset("tiny").to_dict()})
+    save_checkpoint(tmp_path / "run", model=SinkLM(cfg.model), optimizer=None, cfg=cfg, step=0)
+    done = sinklens("analyze", "--model", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--no-figures",
+                    "--batch-size", "4", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "no tokenizer" in done.stderr and "16 random-token sequences" in done.stderr
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["n_sequences"] == 16
+    refused = sinklens("analyze", "--model", str(tmp_path / "run"), "--text", "hello", "--out", str(tmp_path / "o2"))
+    assert refused.returncode == EXIT_USAGE and "--text needs a tokenizer" in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+
+def test_good_run_still_works(files, tmp_path):
+    done = sinklens("analyze", "--model", str(files["tiny"]), "--random-tokens", "3", "--seq-len", "8",
+                    "--out", str(tmp_path / "out"), "--no-figures", "--device", "cpu", "--dtype", "float32")
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["n_sequences"] == 3
+
+
+# ---------------------------------------------------------------------------------------------------
+# In-process: unexpected exceptions, Ctrl-C, network failures, broken sub-command modules
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_unexpected_exception_is_an_internal_error(monkeypatch, capsys, tmp_path):
+    from sinklens.commands import analyze as command
+
+    def boom(args):
+        torch.zeros(2).view(3)  # a RuntimeError from inside torch
+
+    monkeypatch.setattr(command, "_check_args", boom)
+    assert main(["analyze", "--out", str(tmp_path)]) == EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert err.startswith("sinklens analyze: internal error: RuntimeError: shape '[3]' is invalid")
+    assert "--debug" in err and "Traceback" not in err and len(err.splitlines()) == 1
+
+
+def test_ctrl_c_exits_130(monkeypatch, capsys, tmp_path):
+    from sinklens.commands import analyze as command
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(command, "_check_args", interrupted)
+    assert main(["analyze", "--out", str(tmp_path)]) == EXIT_INTERRUPTED
+    assert capsys.readouterr().err == "sinklens analyze: interrupted\n"
+
+
+def test_no_network_is_a_failure_not_a_usage_error(monkeypatch, capsys, tmp_path):
+    from sinklens import loading
+
+    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout=3.0: False)
+    assert main(["analyze", "--model", "org/model", "--out", str(tmp_path / "o")]) == EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert "'org/model'" in err and "smollm2-135m" in err and "Traceback" not in err
+
+
+def test_a_sub_command_that_fails_to_import_is_reported_not_dropped(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "sinklens.commands.compare", None)  # `import` now raises ModuleNotFoundError
+    assert main(["compare", "runs/a", "--json"]) == EXIT_FAILURE
+    err = capsys.readouterr().err
+    assert "sinklens compare: error: this command could not be loaded (ModuleNotFoundError" in err
+    assert "Traceback" not in err
+    assert main(["compare", "runs/a", "--debug"]) == EXIT_FAILURE
+    assert "Traceback (most recent call last)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    assert "compare" in capsys.readouterr().out  # still listed
