@@ -12,7 +12,7 @@ import sys
 
 from sinklens.errors import SinklensError
 
-COMMANDS = ("analyze", "intervene", "train", "compare")
+COMMANDS = ("analyze", "intervene", "train", "compare", "origins", "fingerprint")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -52,3 +52,7 @@ class UnknownInterventionError(SinklensError, ValueError):
 
 class OutputNotWritableError(SinklensError, OSError):
     """An output path (``--out``, ``--json``, a run directory) that cannot be written; checked before the work."""
+
+
+class IncompatibleModelsError(SinklensError, ValueError):
+    """Two models that cannot be compared as asked (e.g. different hidden sizes for a SeedPrint test)."""
