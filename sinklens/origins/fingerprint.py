@@ -68,6 +68,7 @@ from sinklens.errors import IncompatibleModelsError, InvalidArgumentError
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions
+from sinklens.origins.sites import final_state_site
 from sinklens.streaming import BatchFold, Reducer, stream
 from sinklens.validate import choice, finite_number, positive_int
 
@@ -243,19 +244,6 @@ class _RandomInputs(Sequence):
 
     def embeddings(self, size: int) -> Tensor:
         return torch.normal(self.mu, self.sigma, (size, self.seq_len, self.d_model), generator=self._gen)
-
-
-def final_state_site(model: Any) -> tuple[str, Any]:
-    """The hook that carries the final hidden state, and the function that finishes it.
-
-    ``unembed.hook_in`` (TransformerBridge: the input of the unembedding, after the final norm) when
-    the model has it; otherwise the last block's ``hook_resid_post`` followed by ``model.ln_final``
-    (HookedTransformer, SinkLM; weight processing off, so this is the model's own final norm).
-    """
-    if "unembed.hook_in" in model.hook_dict:
-        return "unembed.hook_in", lambda x: x
-    last = model_dims(model).n_layers - 1
-    return f"blocks.{last}.hook_resid_post", model.ln_final
 
 
 class _LastFinalState(Reducer[Tensor]):
