@@ -131,3 +131,23 @@ def test_uniform_attention_shrinks_head_variance_as_one_over_t_plus_one():
     ratio = law / law.mean(dim=-1, keepdim=True)
     assert float((ratio - 1).abs().max()) < 0.2, ratio
     assert float(pd.first_token_ratio("attn_out_var")[0]) > 3  # position 0 varies most
+
+
+def test_positional_measures_match_a_full_cache():
+    model = _gpt2(seed=8)
+    pd = positional_discrepancy(model, n_sequences=16, seq_len=6, seed=3, options=RunOptions(batch_size=5, progress=False))
+    from sinklens.inputs import random_token_batches
+
+    tokens = torch.cat([b.tokens for b in random_token_batches(model, n_sequences=16, seq_len=6, batch_size=16, seed=3)])
+    names = {"blocks.1.hook_attn_out", "blocks.1.hook_resid_mid", "blocks.1.attn.hook_z"}
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+    a = cache["blocks.1.hook_attn_out"].double()
+    torch.testing.assert_close(pd.attn_out_var[1], a.var(dim=0, unbiased=False).mean(-1).float(), rtol=1e-4, atol=1e-9)
+    torch.testing.assert_close(pd.attn_out_norm[1], a.norm(dim=-1).mean(0).float(), rtol=1e-5, atol=1e-9)
+    r = cache["blocks.1.hook_resid_mid"].double()
+    torch.testing.assert_close(pd.resid_var[1], r.var(dim=0, unbiased=False).mean(-1).float(), rtol=1e-4, atol=1e-9)
+    z = cache["blocks.1.attn.hook_z"].double()  # (n, t, h, dh)
+    torch.testing.assert_close(pd.head_var[1], z.var(dim=0, unbiased=False).mean(-1).T.float(), rtol=1e-4, atol=1e-9)
+    rel = pd.relative("attn_out_var")[1]
+    assert float(rel[3:].mean()) == pytest.approx(1.0)
