@@ -34,6 +34,10 @@ from sinklens.interventions import (
     sweep,
 )
 from sinklens.loading import load_model
+from sinklens.origins import (
+    ContractionResult, FingerprintResult, PositionalDiscrepancy, TokenPreference, contraction, fingerprint,
+    positional_discrepancy, token_preference,
+)
 from sinklens.streaming import Reducer, stream
 
 __version__ = "0.1.0"
@@ -46,4 +50,7 @@ __all__ = [
     "find_sinks", "find_super_neurons", "load_model", "measure_variance", "normalized_disparity",
     "patch_sink", "query_key_locking", "random_token_batches", "remove_sink", "stdlib_text_prompts",
     "stream", "super_neurons_from_weights", "sweep",
+    # origins (issue 9)
+    "ContractionResult", "FingerprintResult", "PositionalDiscrepancy", "TokenPreference", "contraction",
+    "fingerprint", "positional_discrepancy", "token_preference",
 ]
