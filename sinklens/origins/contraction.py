@@ -158,7 +158,8 @@ class _SiteAccumulator:
             self.sums = torch.zeros(2, d, dtype=torch.float64, device=device)
 
     def fold(self, h: Tensor, first: int, start_index: int) -> None:  # h: [batch, pos, d]
-        h = h.detach().double()
+        raw = h.detach()
+        h = raw.double()
         u = h / h.norm(dim=-1, keepdim=True).clamp_min(1e-30)
         self.unit_sum += u.sum(dim=0)
         uc = u[:, first:]
@@ -167,12 +168,12 @@ class _SiteAccumulator:
             self.intra_terms += ((uc.sum(dim=1).pow(2).sum(dim=-1) - T) / (T * (T - 1))).sum()
         self.n += h.shape[0]
         if self.directions:
-            hc = h[:, first:]
+            hc = raw[:, first:].float()  # float32 products (fast on CPU), float64 running sums
             parity = (torch.arange(h.shape[0], device=h.device) + start_index) % 2
             for half in (0, 1):
                 rows = hc[parity == half].reshape(-1, h.shape[-1])
-                self.moments[half] += rows.T @ rows
-                self.sums[half] += rows.sum(dim=0)
+                self.moments[half] += (rows.T @ rows).double()
+                self.sums[half] += rows.sum(dim=0).double()
 
     @staticmethod
     def _top(m: Tensor, s: Tensor) -> tuple[Tensor, float]:

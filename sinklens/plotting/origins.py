@@ -24,7 +24,7 @@ def _finish(fig: Any, path: str | Path | None) -> Any:
 def plot_rank_probability(prefs: dict[str, Any], *, path: str | Path | None = None) -> Any:
     """Pooled mean next-token probability against its rank (log–log), one line per labelled result,
     with the uniform level ``1/d_vocab`` dotted."""
-    fig, axes = new_figure(1, 1, width=6, height=4)
+    fig, axes = new_figure(1, 1, width=6.0, height=4.0)
     ax = axes[0, 0]
     for label, pref in prefs.items():
         ranked = pref.ranked().numpy()
@@ -42,7 +42,7 @@ def plot_rank_probability(prefs: dict[str, Any], *, path: str | Path | None = No
 def plot_contraction(result: Any, *, path: str | Path | None = None) -> Any:
     """Inter- and intra-sequence mean cosine at every site (embed, attn l, mlp l, final), and each
     sublayer's share of the change in inter-sequence concentration."""
-    fig, axes = new_figure(1, 2, width=6, height=4)
+    fig, axes = new_figure(1, 2, width=6.0, height=4.0)
     names = [s.name for s in result.sites]
     x = np.arange(len(names))
     ax = axes[0, 0]
@@ -67,7 +67,7 @@ def plot_contraction(result: Any, *, path: str | Path | None = None) -> Any:
 def plot_positional(result: Any, *, path: str | Path | None = None) -> Any:
     """Across-sequence variance of each position's attention output relative to the later half of the
     sequence, per layer (log y), and the first-token ratio by layer."""
-    fig, axes = new_figure(1, 2, width=6, height=4)
+    fig, axes = new_figure(1, 2, width=6.0, height=4.0)
     rel = result.relative("attn_out_var").numpy()
     ax = axes[0, 0]
     step = max(1, rel.shape[0] // 6)
