@@ -12,11 +12,12 @@
 from sinklens.origins.contraction import ContractionResult, contraction
 from sinklens.origins.fingerprint import FingerprintResult, final_hidden_states, fingerprint, seedprint_test
 from sinklens.origins.init import load_at_init
+from sinklens.origins.persistence import persistence
 from sinklens.origins.positional import PositionalDiscrepancy, positional_discrepancy
 from sinklens.origins.preference import TokenPreference, token_preference
 
 __all__ = [
     "ContractionResult", "FingerprintResult", "PositionalDiscrepancy", "TokenPreference", "contraction",
-    "final_hidden_states", "fingerprint", "load_at_init", "positional_discrepancy", "seedprint_test",
+    "final_hidden_states", "fingerprint", "load_at_init", "persistence", "positional_discrepancy", "seedprint_test",
     "token_preference",
 ]

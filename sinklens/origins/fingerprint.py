@@ -40,6 +40,13 @@ or propagate NaN). Kendall τ runs in one process (theirs uses a pool for ``k > 
 Memory is ``O(N · d_model)`` per model: each batch is reduced to its last-position final state
 inside the forward hook.
 
+Caveats measured here (tests/origins): the analytic null treats the ``N`` samples as independent;
+with a vocabulary not much larger than ``N`` the random sequences repeat their last token, samples
+become dependent and unrelated models test positive far above ``α`` (15 % of pairs at ``d_vocab = 64``,
+``N = 300``; 0.7 % at ``d_vocab = 4096``). Embedding mode probes the transformer body only when the
+blocks dominate the residual stream: in tiny, shallow models with std-0.02 weights the shared random
+input passes almost unchanged to the output and unrelated models look related (use token mode there).
+
 Examples:
     >>> import torch
     >>> from sinklens.origins.fingerprint import seedprint_test

@@ -151,3 +151,17 @@ def test_positional_measures_match_a_full_cache():
     torch.testing.assert_close(pd.head_var[1], z.var(dim=0, unbiased=False).mean(-1).T.float(), rtol=1e-4, atol=1e-9)
     rel = pd.relative("attn_out_var")[1]
     assert float(rel[3:].mean()) == pytest.approx(1.0)
+
+
+def test_persistence_tracks_the_init_after_a_few_steps():
+    from conftest import origins_cfg
+
+    from sinklens.origins.persistence import persistence
+    from sinklens.train.loop import train
+
+    cfg = origins_cfg(5, steps=3, optim={"lr": 1e-4, "warmup_steps": 1})  # Adam steps of ~1e-4 vs weights of std 0.02
+    trained = train(cfg, progress=False).model.eval()
+    own = persistence(trained, sinklm_at_init(cfg.model, 5), n_sequences=32, seq_len=8)
+    other = persistence(trained, sinklm_at_init(cfg.model, 6), n_sequences=32, seq_len=8)
+    assert own["preference_corr"] > 0.8 and own["direction_cos"] > 0.8, own
+    assert other["preference_corr"] < 0.5 and other["direction_cos"] < own["direction_cos"], other
