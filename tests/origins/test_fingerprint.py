@@ -26,9 +26,11 @@ def test_seedprint_statistic_matches_a_hand_computation():
     from scipy.stats import kendalltau, norm
 
     g = torch.Generator().manual_seed(3)
-    a = torch.randn(50, 6, generator=g)
-    b = a + torch.randn(50, 6, generator=g)
+    noise = torch.randn(50, 6, generator=g)
+    a = noise + torch.tensor([-5.0, -5, -5, 0, 0, 0])  # bottom-3 of a: {0, 1, 2}
+    b = noise + torch.randn(50, 6, generator=g) + torch.tensor([0.0, -5, -5, -5, 0, 0])  # of b: {1, 2, 3}
     res = seedprint_test(a, b, buffer_k=3)
+    assert res.dims == [1, 2]  # the intersection ("coset"), not model A's set
     bottom = lambda h: set(torch.argsort(h.mean(0))[:3].tolist())  # noqa: E731
     dims = sorted(bottom(a) & bottom(b))
     sa, sb = torch.softmax(a[:, dims] / 10, 1), torch.softmax(b[:, dims] / 10, 1)
