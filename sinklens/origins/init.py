@@ -208,6 +208,19 @@ def load_at_init(
 
         raise UnknownModelError(f"Unknown model {base!r} for an init spec. Embedded models: {sorted(EMBEDDED_MODELS)}; "
                                 "otherwise a local Hugging Face directory, a .gguf file, a sinklens run or a Hub id.")
+    if not Path(source).expanduser().exists():
+        from sinklens.errors import ModelFileNotFoundError, OfflineModelError
+
+        if base.startswith((".", "/", "~")) or base.endswith(".gguf") or base.count("/") > 1:
+            raise ModelFileNotFoundError(f"No model file or directory at {base!r}.")
+        from sinklens.loading import _hub_reachable
+
+        if not _hub_reachable():
+            raise OfflineModelError(f"{base!r} looks like a Hugging Face Hub id, but the Hub cannot be reached.")
+        try:
+            return hf_at_init(source, 0 if seed is None else seed, device=device, dtype=dtype, scheme=scheme, std=std)
+        except OSError as err:
+            raise OfflineModelError(f"Could not fetch the config of {base!r}: {str(err)[:200]}") from err
     return hf_at_init(source, 0 if seed is None else seed, device=device, dtype=dtype, scheme=scheme, std=std)
 
 
