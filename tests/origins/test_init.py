@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import origins_cfg
+from _origins_cfg import origins_cfg
 
 from sinklens import load_model
 from sinklens.errors import InvalidArgumentError

@@ -154,7 +154,7 @@ def test_positional_measures_match_a_full_cache():
 
 
 def test_persistence_tracks_the_init_after_a_few_steps():
-    from conftest import origins_cfg
+    from _origins_cfg import origins_cfg
 
     from sinklens.origins.persistence import persistence
     from sinklens.train.loop import train
