@@ -165,7 +165,8 @@ def load_at_init(
 
     Args:
         spec: a spec string (with or without ``@init[:S]``) or an already-built TransformerLens
-            model (a ``SinkLM``, or a ``TransformerBridge`` over a Hugging Face model), whose
+            model (a ``SinkLM``, a ``TransformerBridge`` over a Hugging Face model, or a 3.x
+            ``HookedTransformer``, re-built with ``cfg.seed = S`` by its own ``init_weights``), whose
             architecture is re-drawn.
         init_seed: the seed; overrides one written in the spec. None = the spec's seed, else the
             run's own seed (sinklens runs), else 0.
@@ -245,7 +246,16 @@ def _model_at_init(model: Any, seed: int, *, device: str, dtype: torch.dtype, sc
     if hf is not None and hasattr(hf, "config"):
         return hf_at_init(hf.config, seed, device=device, dtype=dtype, scheme=scheme, std=std,
                           tokenizer=getattr(model, "tokenizer", None))
+    if type(model).__name__ == "HookedTransformer":  # TransformerLens 3.x: its own init_weights, seeded by cfg.seed
+        import copy
+
+        cfg = copy.deepcopy(model.cfg)
+        cfg.seed = seed
+        with torch.random.fork_rng(devices=[]):
+            fresh = type(model)(cfg, tokenizer=getattr(model, "tokenizer", None))
+            _reinit(fresh, scheme, std, seed)
+        return fresh.to(device).to(dtype).eval()
     raise UnknownModelError(
-        f"Cannot re-initialise a {type(model).__name__}: pass a spec string, a SinkLM or a TransformerBridge "
-        "over a Hugging Face model."
+        f"Cannot re-initialise a {type(model).__name__}: pass a spec string, a SinkLM, a HookedTransformer or a "
+        "TransformerBridge over a Hugging Face model."
     )
