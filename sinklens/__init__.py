@@ -37,6 +37,10 @@ from sinklens.interventions import (
 )
 from sinklens.loading import load_model
 from sinklens.options import RunOptions
+from sinklens.origins import (
+    ContractionResult, FingerprintResult, PositionalDiscrepancy, TokenPreference, contraction, fingerprint,
+    positional_discrepancy, token_preference,
+)
 from sinklens.streaming import BatchFold, Reducer, run, stream
 
 __version__ = "0.1.0"
@@ -49,4 +53,7 @@ __all__ = [
     "find_sinks", "find_super_neurons", "load_model", "measure_variance", "normalized_disparity",
     "patch_sink", "query_key_locking", "random_token_batches", "remove_sink", "run", "stdlib_text_prompts",
     "stream", "super_neurons_from_weights", "sweep",
+    # origins (issue 9)
+    "ContractionResult", "FingerprintResult", "PositionalDiscrepancy", "TokenPreference", "contraction",
+    "fingerprint", "positional_discrepancy", "token_preference",
 ]

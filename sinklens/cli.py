@@ -24,7 +24,7 @@ from typing import Any
 
 from sinklens.errors import EXIT_FAILURE, EXIT_INTERRUPTED, exit_code_for, is_internal_error, one_line
 
-COMMANDS = ("analyze", "intervene", "train", "compare")
+COMMANDS = ("analyze", "intervene", "train", "compare", "origins", "fingerprint")
 DEBUG_ENV = "SINKLENS_DEBUG"
 
 

@@ -154,3 +154,7 @@ def one_line(err: BaseException) -> str:
         text = str(err)
     text = " ".join(text.split())
     return text or type(err).__name__
+
+
+class IncompatibleModelsError(SinklensError, ValueError):
+    """Two models that cannot be compared as asked (e.g. different hidden sizes for a SeedPrint test)."""

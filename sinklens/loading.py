@@ -275,6 +275,7 @@ def load_model(
     dtype: torch.dtype | str | None = None,
     *,
     check_patterns: bool = True,
+    init_seed: int | None = None,
 ) -> Any:
     """Load a model sinklens can analyse, from a name, a path or an existing model.
 
@@ -284,6 +285,9 @@ def load_model(
         device: ``"cpu"``, ``"cuda"``, ...; default CUDA when available.
         dtype: parameter dtype (default float32): a floating ``torch.dtype`` or its name.
         check_patterns: run a 2-token forward to check that ``hook_pattern`` is exposed.
+        init_seed: the same architecture with fresh weights from its own init scheme, seeded;
+            also written ``SPEC@init:S`` (``RUN_DIR@init`` = a run's step-0 weights), see
+            :mod:`sinklens.origins.init`.
 
     Raises:
         UnknownModelError: a name that is neither embedded, a path, nor a Hub id; an empty spec.
@@ -297,7 +301,11 @@ def load_model(
         DeviceUnavailableError: a device this machine does not have (``cuda`` without a GPU).
         PatternNotExposedError: a model whose attention hides ``hook_pattern``.
     """
-    if _is_tl_model(spec):
+    if init_seed is not None or (isinstance(spec, (str, Path)) and "@init" in str(spec)):
+        from sinklens.origins.init import load_at_init
+
+        model = load_at_init(spec, init_seed=init_seed, device=str(device or _default_device()), dtype=_as_dtype(dtype))
+    elif _is_tl_model(spec):
         model = spec
     else:
         if not isinstance(spec, (str, Path)):

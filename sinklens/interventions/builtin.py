@@ -5,7 +5,7 @@ Each entry follows the registry's uniform signature ``factory(model, *, position
 
 from __future__ import annotations
 
-from sinklens.interventions import masks, neurons, variance
+from sinklens.interventions import calibration, masks, neurons, variance
 from sinklens.interventions.registry import register, register_alias
 
 _DIMS = "dims=[...] (residual dimensions, e.g. 507 for SmolLM2)"
@@ -22,6 +22,7 @@ register("block_keys", masks.block_keys, role="remove",
          summary="no query may attend to the keys at `positions`")
 register("calibrate", variance.calibrate, role="remove",
          summary="rescale head outputs so `positions` has the spread of later positions")
+register("variance_calibration", calibration.variance_calibration, role="remove", summary="divide each head's output by sqrt(sum_j A_tj^2) (mode=amplify|attenuate; `positions` None = all)")
 register("clamp_dims", neurons.clamp_dims, role="remove", requires={"dims": _DIMS},
          summary="set (or bound) residual dimensions `dims` at `positions`")
 register("edit_neurons", neurons.edit_neurons, role="remove", requires={"neurons": "neurons=[...] (FFN neuron indices)"},

@@ -340,3 +340,59 @@ for _name, _cls in [
     ("softpick", Softpick),
 ]:
     register_attention_variant(_name, _cls)
+
+
+# --- variance calibration (origins helper, issue 9) ------------------------------------------------
+class VarianceCalibrated(AttentionVariant):
+    """Variance-calibrated softmax attention: ``z'_t = z_t / sqrt(Σ_j A_tj²)`` per head.
+
+    Aggregation shrinks a head output's variance by ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under uniform
+    causal attention, 1 at ``t = 0``); dividing it out makes the variance position-independent
+    (*Transformers Are Born Biased*, arXiv 2602.05927). The same rescaling as the ``amplify`` mode
+    of :func:`sinklens.interventions.calibration.variance_calibration`. The raw aggregation stays at
+    ``attn.hook_z``; the calibrated output, which enters ``W_O``, is at ``attn.hook_z_calibrated``.
+
+    Explicit path: ``s_t`` from the attention weights (after ``hook_attn_scores`` edits). Fast path
+    (SDPA for ``z``): ``s_t = exp(LSE_j(2 x_tj) − 2 LSE_j(x_tj))`` from the causal logits ``x``,
+    recomputed from this layer's queries and keys (so it still builds the ``T × T`` logits, but no
+    pattern). The two paths compute the same function (tested).
+    """
+
+    hook_sites = ("hook_z_calibrated",)
+    output_site = "hook_z_calibrated"
+
+    def __init__(self, cfg: ModelConfig, **options: Any) -> None:
+        super().__init__(cfg, **options)
+        self._qk: tuple[Tensor, Tensor] | None = None
+        self._sumsq: Tensor | None = None
+
+    def transform_qk(self, q: Tensor, k: Tensor, attn: nn.Module) -> tuple[Tensor, Tensor]:
+        self._qk = (q, k)
+        return q, k
+
+    def normalize(self, scores: Tensor) -> Tensor:
+        pattern = super().normalize(scores)
+        self._sumsq = pattern.float().pow(2).sum(dim=-1)  # (B, nh, T)
+        return pattern
+
+    def _sumsq_from_logits(self, attn: nn.Module) -> Tensor:
+        q, k = self._qk  # (B, T, nh, hs) before RoPE
+        if getattr(attn, "rotary", False):
+            q, k = attn._rope(q), attn._rope(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        if k.shape[1] != q.shape[1]:
+            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        x = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.d_head)  # (B, nh, T, T)
+        T = x.shape[-1]
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        x = x.masked_fill(~causal, float("-inf"))
+        return torch.exp(torch.logsumexp(2 * x, dim=-1) - 2 * torch.logsumexp(x, dim=-1))
+
+    def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
+        s = self._sumsq if self._sumsq is not None else self._sumsq_from_logits(attn)
+        self._sumsq, self._qk = None, None
+        factor = torch.where(s > 0, s, torch.ones_like(s)).rsqrt().transpose(1, 2)[..., None]  # (B, T, nh, 1)
+        return attn.hook_z_calibrated(z * factor.to(z.dtype))
+
+
+register_attention_variant("variance_calibrated", VarianceCalibrated)

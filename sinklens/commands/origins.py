@@ -1,0 +1,85 @@
+"""``sinklens origins``: the init-time picture of a model — token preference, contraction, positional discrepancy.
+
+Examples::
+
+    sinklens origins --model smollm2-135m --init-seed 0 --out origins-report
+    sinklens origins --model runs/a@init
+    sinklens origins --model runs/a            # the trained model, for comparison
+
+Prints the summaries and writes ``origins.json`` plus three PNG figures into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser("origins", help="init-time token preference, contraction and positional discrepancy",
+                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", help="model spec (default: %(default)s); SPEC@init:S works too")
+    parser.add_argument("--init-seed", type=int, default=None,
+                        help="re-initialise the architecture with this seed (default: the weights as loaded)")
+    parser.add_argument("--sequences", type=int, default=128, help="random sequences N (default %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default %(default)s)")
+    parser.add_argument("--bos", action="store_true", help="prepend the BOS token (position 0 then leaves the summaries)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--device", default=None)
+    parser.add_argument("--out", default="origins-report", help="output folder (default %(default)s)")
+    parser.add_argument("--no-figures", action="store_true")
+    parser.set_defaults(func=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    from sinklens.export import write_json
+    from sinklens.loading import load_model
+    from sinklens.options import RunOptions
+    from sinklens.origins import contraction, positional_discrepancy, token_preference
+    from sinklens.validate import positive_int, writable_dir
+
+    out = writable_dir(args.out, what="--out")
+    positive_int(args.sequences, what="--sequences", minimum=2)
+    positive_int(args.seq_len, what="--seq-len", minimum=2)
+    start = time.perf_counter()
+    print(f"loading {args.model}{'' if args.init_seed is None else f' at init (seed {args.init_seed})'} ...", file=sys.stderr)
+    model = load_model(args.model, device=args.device, init_seed=args.init_seed, check_patterns=False)
+    opts = RunOptions(batch_size=args.batch_size, progress=True)
+    common = dict(n_sequences=args.sequences, seq_len=args.seq_len, prepend_bos=args.bos, seed=args.seed)
+    pref = token_preference(model, **common, options=opts.replace(desc="token preference"))
+    con = contraction(model, **common, options=opts.replace(desc="contraction"))
+    pos = positional_discrepancy(model, **common, options=opts.replace(desc="positional"))
+    ps = pref.summary()
+    print(f"\ntoken preference over {ps['n_sequences']} random sequences x {ps['seq_len']} tokens:")
+    print(f"  max/median probability ratio {ps['max_median_ratio']:.3g}; argmax entropy {ps['argmax_entropy']:.3f} "
+          f"nats (uniform {ps['argmax_entropy_uniform']:.3f}); argmax Gini {ps['argmax_gini']:.3f}")
+    tok = getattr(model, "tokenizer", None)
+    for row in ps["top"][:5]:
+        text = repr(tok.decode([row["token"]])) if tok is not None else ""
+        rank = con.alignment_rank(row["token"])
+        print(f"  token {row['token']:>6} {text:<14} p = {row['prob']:.3g} ({row['rel_uniform']:.1f}x uniform), "
+              f"alignment rank {rank}")
+    print("\ncontraction (mean cosine; inter = across sequences, intra = within a sequence):")
+    print(f"  {'site':<10} {'inter':>8} {'intra':>8} {'dir share':>10} {'stability':>10}")
+    for s in con.sites:
+        extra = f"{s.direction_share:>10.3f} {s.direction_stability:>10.3f}" if s.direction is not None else ""
+        print(f"  {s.name:<10} {s.inter_mean:>8.3f} {s.intra:>8.3f} {extra}")
+    share = con.share("inter_mean")
+    print(f"  share of the inter-sequence change: attention {float(share[:, 0].sum()):.2f}, MLP {float(share[:, 1].sum()):.2f}; "
+          f"{con.activation}: E[f(z)] = {con.activation_mean_at_zero:.3f} for z ~ N(0, 1)")
+    ratio = pos.first_token_ratio("attn_out_var")
+    print(f"\npositional discrepancy: attention-output variance at position 0 / later half, by layer: "
+          + " ".join(f"{float(r):.2g}" for r in ratio))
+    write_json(out / "origins.json", {"model": str(args.model), "init_seed": args.init_seed, "token_preference": ps,
+                                      "contraction": con.summary(), "positional": pos.summary()})
+    if not args.no_figures:
+        from sinklens.plotting.origins import plot_contraction, plot_positional, plot_rank_probability
+
+        plot_rank_probability({str(args.model): pref}, path=out / "rank_probability.png")
+        plot_contraction(con, path=out / "contraction.png")
+        plot_positional(pos, path=out / "positional.png")
+    print(f"\nwrote {out}/origins.json{' and 3 figures' if not args.no_figures else ''} in {time.perf_counter() - start:.1f} s")
+    return 0

@@ -1,0 +1,106 @@
+"""Variance calibration: make each head's output variance independent of the position.
+
+A head's output at query ``t`` is ``z_t = Σ_j A_tj v_j``. For values with variance ``σ²`` that are
+independent across positions, ``Var(z_t) = σ² Σ_j A_tj²``: aggregation shrinks the variance by the
+factor ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under uniform causal attention, and always 1 at ``t = 0``,
+which is why the first token stands out; *Transformers Are Born Biased*, arXiv 2602.05927).
+Calibration divides that factor out, per batch element, head and query:
+
+* ``mode="amplify"``: ``z_t ← z_t / sqrt(s_t)`` — every position gets the variance of a single value
+  (``σ²``, the first token's); factors are ≥ 1.
+* ``mode="attenuate"``: ``z_t ← z_t · sqrt(min_t' s_t' / s_t)`` — every position is brought down to
+  the most-aggregated position's level (``min`` over the query positions of the sequence, per head);
+  factors are ≤ 1.
+
+``s_t`` is read from ``blocks.l.attn.hook_pattern`` (after any earlier hook on it) and applied at
+``blocks.l.attn.hook_z``, the raw aggregation; only query positions in ``positions`` (default all)
+are rescaled. The trainer variant ``variance_calibrated`` (:mod:`sinklens.train.variants`) applies
+the same ``amplify`` rescaling inside the model, at its own hook ``attn.hook_z_calibrated``.
+
+Examples:
+    >>> import torch
+    >>> from sinklens.testing import tiny_model
+    >>> model = tiny_model()
+    >>> hooks = variance_calibration(model, positions=None)
+    >>> len(hooks)  # a pattern hook and a z hook per layer
+    4
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from sinklens.hooks import PATTERN, Z, check_hook_names, hook_name, model_dims, resolve_layers
+from sinklens.interventions.masks import Hooks, as_positions
+from sinklens.validate import choice
+
+Mode = Literal["amplify", "attenuate"]
+
+
+def calibration_factor(
+    pattern: Float[Tensor, "batch head query key"], mode: Mode = "amplify"
+) -> Float[Tensor, "batch query head"]:
+    """The multiplier of ``z`` per (batch, query, head): ``1/sqrt(s_t)`` or ``sqrt(min s / s_t)``.
+
+    ``s_t = Σ_j A_tj²`` in float32; rows with no attention mass (all-zero, ``s_t = 0``) keep factor 1.
+
+    Examples:
+        >>> A = torch.tril(torch.ones(3, 3)) / torch.arange(1, 4)[:, None]  # uniform causal
+        >>> calibration_factor(A[None, None])[0, :, 0] ** 2
+        tensor([1.0000, 2.0000, 3.0000])
+    """
+    s = pattern.float().pow(2).sum(dim=-1)  # (B, H, T)
+    alive = s > 0
+    s_safe = torch.where(alive, s, torch.ones_like(s))
+    if mode == "amplify":
+        factor = s_safe.rsqrt()
+    else:
+        floor = torch.where(alive, s, torch.full_like(s, float("inf"))).amin(dim=-1, keepdim=True)
+        factor = (floor / s_safe).sqrt()
+    return torch.where(alive, factor, torch.ones_like(factor)).transpose(1, 2)  # (B, T, H)
+
+
+def variance_calibration(
+    model: Any,
+    *,
+    positions: int | Sequence[int] | None = None,
+    layers: int | Sequence[int] | None = None,
+    mode: Mode = "amplify",
+) -> Hooks:
+    """Hooks that rescale each head's output by its aggregation factor (see the module docstring).
+
+    Args:
+        positions: query positions to rescale (None = every position).
+        layers: layers (None = all).
+        mode: ``"amplify"`` or ``"attenuate"``.
+    """
+    mode = choice(mode, ("amplify", "attenuate"), what="mode")  # type: ignore[assignment]
+    dims = model_dims(model)
+    pos = None if positions is None else as_positions(positions, dims.n_ctx)
+    layer_list = resolve_layers(layers, dims.n_layers)
+    names = [hook_name(layer, site) for layer in layer_list for site in (PATTERN, Z)]
+    check_hook_names(model, names)
+    factors: dict[int, Tensor] = {}
+    hooks: Hooks = []
+    for layer in layer_list:
+        def keep(pattern: Tensor, hook: Any, layer: int = layer) -> None:
+            factors[layer] = calibration_factor(pattern, mode)
+
+        def rescale(z: Tensor, hook: Any, layer: int = layer) -> Tensor:  # z: (B, T, H, dh)
+            f = factors.pop(layer)
+            if f.shape[2] != z.shape[2]:  # grouped-query hook_z over kv heads is not expected; guard anyway
+                raise ValueError(f"hook_z has {z.shape[2]} heads but the pattern {f.shape[2]}.")
+            if pos is not None:
+                mask = torch.zeros(z.shape[1], dtype=torch.bool, device=z.device)
+                mask[[p for p in pos if p < z.shape[1]]] = True
+                f = torch.where(mask[None, :, None], f, torch.ones_like(f))
+            return z * f[..., None].to(z.dtype)
+
+        hooks.append((hook_name(layer, PATTERN), keep))
+        hooks.append((hook_name(layer, Z), rescale))
+    return hooks

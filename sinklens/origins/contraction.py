@@ -1,0 +1,287 @@
+"""Contraction of token representations at initialization, by layer and sublayer.
+
+*Transformers Are Born Biased* (Li, Tong, Wang et al., 2026, arXiv 2602.05927) explains init-time
+token preference by a contraction of hidden states along a seed-dependent direction: asymmetric
+MLP nonlinearities concentrate representations *across* sequences, attention's aggregation
+concentrates them *within* a sequence. The paper has no public code; the measures are defined here.
+
+Sites, in forward order: ``embed`` (``blocks.0.hook_resid_pre``), then per layer ``l``:
+``attn l`` (``blocks.l.hook_resid_mid``, after the attention write) and ``mlp l``
+(``blocks.l.hook_resid_post``, after the MLP write); and ``final`` (the input of the unembedding,
+after the final norm). Inputs are :func:`sinklens.inputs.random_token_batches` (uniform ids, seeded).
+The *counted positions* are all positions, or positions ``>= 1`` when a BOS was prepended (BOS is the
+same token in every sequence, so it would trivially be "concentrated" — our choice).
+
+For hidden states ``h[n, t]`` (sequence ``n``, position ``t``) at a site, ``û = h / ‖h‖``:
+
+* ``inter[t] = mean_{n ≠ m} cos(h[n, t], h[m, t]) = (‖Σ_n û[n, t]‖² − N) / (N (N − 1))``
+  (inter-sequence concentration at position ``t``); ``inter_mean``: its mean over counted positions.
+* ``intra = mean_n mean_{t ≠ t'} cos(h[n, t], h[n, t'])`` over counted positions, each sequence's
+  term ``(‖Σ_t û[n, t]‖² − T)/(T (T − 1))`` (intra-sequence concentration).
+* ``direction``: the top right singular vector of the uncentred matrix of counted states (rows
+  ``h[n, t]``) = the top eigenvector of ``M = Σ h hᵀ``, signed so that ``direction · mean ≥ 0``;
+  ``direction_share = λ₁ / trace(M)`` (the share of ``Σ‖h‖²`` along it); ``mean_direction`` =
+  ``Σ h / ‖Σ h‖``; ``direction_stability = |cos|`` between the directions computed from the
+  even- and the odd-numbered sequences (1 = the same direction from disjoint samples).
+  Computed at ``embed``, every ``mlp l`` site and ``final`` (``d_model²`` floats per site and half).
+* ``delta_inter[l] = (inter_mean(attn l) − inter_mean(before), inter_mean(mlp l) − inter_mean(attn l))``
+  with ``before`` the previous site; ``share_inter = delta_inter / (inter_mean(mlp L−1) − inter_mean(embed))``
+  (each sublayer's share of the total change; the same for ``intra``).
+* ``alignment``: ``cos(final direction, W_U[:, j])`` for every token ``j`` (the final direction is in
+  the space the unembedding reads); :meth:`ContractionResult.alignment_rank` gives the rank of a token.
+* ``mlp_post_mean[l]``: mean of ``blocks.l.mlp.hook_post`` over counted positions and neurons, and
+  ``activation_mean_at_zero`` = ``E[f(z)]``, ``z ~ N(0, 1)``, of the MLP nonlinearity ``f`` (the gate's,
+  for gated MLPs), by the trapezoid rule on [-12, 12] — the asymmetry: 0 for an odd ``f``,
+  ``1/(2√π) ≈ 0.2821`` for GELU, ``≈ 0.2066`` for SiLU, ``1/√(2π) ≈ 0.3989`` for ReLU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float
+from torch import Tensor
+
+from sinklens.hooks import MLP_POST, RESID_MID, RESID_POST, RESID_PRE, hook_name, model_device, model_dims
+from sinklens.inputs import TokenBatch
+from sinklens.options import RunOptions
+from sinklens.origins.preference import random_batches
+from sinklens.origins.sites import final_state_site, unembedding
+from sinklens.streaming import BatchFold, Reducer, stream
+
+_ACTIVATIONS = {
+    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"), "tanh": torch.tanh,
+}
+
+
+def activation_name(model: Any) -> str:
+    """The MLP nonlinearity's name from ``cfg.act_fn`` (SinkLM: ``silu`` for llama, ``gelu_new`` for gpt2)."""
+    cfg = model.cfg
+    name = getattr(cfg, "act_fn", None)
+    if name is None and getattr(cfg, "family", None) is not None:
+        name = "silu" if cfg.family == "llama" else "gelu_new"
+    return str(name)
+
+
+def activation_mean_at_zero(name: str) -> float:
+    """``E[f(z)]`` for ``z ~ N(0, 1)`` (trapezoid rule, 24001 points on [-12, 12]); NaN for an unknown ``f``.
+
+    Examples:
+        >>> round(activation_mean_at_zero("gelu"), 4), round(activation_mean_at_zero("relu"), 4)
+        (0.2821, 0.3989)
+    """
+    fn = _ACTIVATIONS.get(name)
+    if fn is None:
+        return float("nan")
+    z = torch.linspace(-12, 12, 24001, dtype=torch.float64)
+    density = torch.exp(-z * z / 2) / (2 * torch.pi) ** 0.5
+    return float(torch.trapezoid(fn(z) * density, z))
+
+
+@dataclass
+class SiteStats:
+    """Concentration at one site (see the module docstring)."""
+
+    name: str
+    inter: Float[Tensor, " pos"]
+    inter_mean: float
+    intra: float
+    direction: Float[Tensor, " d_model"] | None = None
+    direction_share: float | None = None
+    mean_direction: Float[Tensor, " d_model"] | None = None
+    direction_stability: float | None = None
+    direction_mean_cos: float | None = None
+
+
+@dataclass
+class ContractionResult:
+    """Per-site concentration, sublayer shares, final-direction alignment and MLP asymmetry."""
+
+    sites: list[SiteStats]
+    n_layers: int
+    alignment: Float[Tensor, " vocab"]
+    mlp_post_mean: Float[Tensor, " layer"]
+    activation: str
+    activation_mean_at_zero: float
+    n_sequences: int
+    prepend_bos: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def site(self, name: str) -> SiteStats:
+        for s in self.sites:
+            if s.name == name:
+                return s
+        raise KeyError(f"No site {name!r}; sites are {[s.name for s in self.sites]}.")
+
+    def _series(self, key: str) -> list[float]:
+        return [getattr(s, key) for s in self.sites if s.name != "final"]
+
+    def delta(self, key: str = "inter_mean") -> Float[Tensor, "layer 2"]:
+        """``[layer, (attn, mlp)]`` change of ``key`` (``"inter_mean"`` or ``"intra"``) across each sublayer."""
+        values = torch.tensor(self._series(key), dtype=torch.float64)
+        return (values[1:] - values[:-1]).view(self.n_layers, 2)
+
+    def share(self, key: str = "inter_mean") -> Float[Tensor, "layer 2"]:
+        """:meth:`delta` divided by the total change from ``embed`` to the last ``mlp`` site."""
+        d = self.delta(key)
+        return d / d.sum()
+
+    def alignment_rank(self, token: int) -> int:
+        """0-based rank of ``token`` when all tokens are sorted by decreasing alignment."""
+        return int((self.alignment > self.alignment[token]).sum())
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "sites": [{"site": s.name, "inter": s.inter_mean, "intra": s.intra,
+                       **({"direction_share": s.direction_share, "direction_stability": s.direction_stability,
+                           "direction_vs_mean_cos": s.direction_mean_cos} if s.direction is not None else {})}
+                      for s in self.sites],
+            "share_inter": self.share("inter_mean").tolist(), "share_intra": self.share("intra").tolist(),
+            "activation": self.activation, "activation_mean_at_zero": self.activation_mean_at_zero,
+            "mlp_post_mean": self.mlp_post_mean.tolist(), "n_sequences": self.n_sequences,
+        }
+
+
+class _SiteAccumulator:
+    def __init__(self, name: str, seq_len: int, d: int, device: torch.device, directions: bool) -> None:
+        self.name, self.directions = name, directions
+        self.unit_sum = torch.zeros(seq_len, d, dtype=torch.float64, device=device)
+        self.intra_sum, self.n = 0.0, 0
+        self.intra_terms = torch.zeros((), dtype=torch.float64, device=device)
+        if directions:
+            self.moments = torch.zeros(2, d, d, dtype=torch.float64, device=device)  # even / odd sequences
+            self.sums = torch.zeros(2, d, dtype=torch.float64, device=device)
+
+    def fold(self, h: Tensor, first: int, start_index: int) -> None:  # h: [batch, pos, d]
+        raw = h.detach()
+        h = raw.double()
+        u = h / h.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+        self.unit_sum += u.sum(dim=0)
+        uc = u[:, first:]
+        T = uc.shape[1]
+        if T > 1:
+            self.intra_terms += ((uc.sum(dim=1).pow(2).sum(dim=-1) - T) / (T * (T - 1))).sum()
+        self.n += h.shape[0]
+        if self.directions:
+            hc = raw[:, first:].float()  # float32 products (fast on CPU), float64 running sums
+            parity = (torch.arange(h.shape[0], device=h.device) + start_index) % 2
+            for half in (0, 1):
+                rows = hc[parity == half].reshape(-1, h.shape[-1])
+                self.moments[half] += (rows.T @ rows).double()
+                self.sums[half] += rows.sum(dim=0).double()
+
+    @staticmethod
+    def _top(m: Tensor, s: Tensor) -> tuple[Tensor, float]:
+        evals, evecs = torch.linalg.eigh(m)
+        v = evecs[:, -1]
+        if float(v @ s) < 0:
+            v = -v
+        return v, float(evals[-1] / evals.clamp_min(0).sum().clamp_min(1e-300))
+
+    def result(self, first: int) -> SiteStats:
+        N = self.n
+        inter = (self.unit_sum.pow(2).sum(dim=-1) - N) / (N * (N - 1))
+        stats = SiteStats(self.name, inter.float().cpu(), float(inter[first:].mean()), float(self.intra_terms) / N)
+        if self.directions:
+            m, s = self.moments.sum(0), self.sums.sum(0)
+            v, share = self._top(m, s)
+            v0, _ = self._top(self.moments[0], self.sums[0])
+            v1, _ = self._top(self.moments[1], self.sums[1])
+            mean_dir = s / s.norm().clamp_min(1e-300)
+            stats.direction, stats.direction_share = v.float().cpu(), share
+            stats.mean_direction = mean_dir.float().cpu()
+            stats.direction_stability = float((v0 @ v1).abs())
+            stats.direction_mean_cos = float(v @ mean_dir)
+        return stats
+
+
+class ContractionReducer(Reducer[ContractionResult]):
+    """Streams :class:`ContractionResult` (one forward per batch; ``d_model²`` moments at direction sites)."""
+
+    def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
+        dims = model_dims(model)
+        self.model, self.dims, self.seq_len, self.prepend_bos = model, dims, seq_len, prepend_bos
+        self.first = 1 if prepend_bos else 0
+        self.device = model_device(model)
+        self.final_site, self.finish = final_state_site(model)
+        self.names: list[tuple[str, str, bool]] = [("embed", hook_name(0, RESID_PRE), True)]
+        for layer in range(dims.n_layers):
+            self.names.append((f"attn {layer}", hook_name(layer, RESID_MID), False))
+            self.names.append((f"mlp {layer}", hook_name(layer, RESID_POST), True))
+        self.reset()
+
+    def reset(self) -> None:
+        d = self.dims.d_model
+        self.acc = {name: _SiteAccumulator(name, self.seq_len, d, self.device, dirs) for name, _, dirs in self.names}
+        self.acc["final"] = _SiteAccumulator("final", self.seq_len, d, self.device, True)
+        self.mlp_post = torch.zeros(self.dims.n_layers, dtype=torch.float64, device=self.device)
+        self.mlp_count = 0
+        self.seen = 0
+
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        start = self.seen
+        hooks = []
+
+        def bind(site: str, finish=None):
+            def fn(act: Tensor, hook: Any) -> None:
+                self.acc[site].fold(finish(act) if finish is not None else act, self.first, start)
+
+            return fn
+
+        for site, hook, _ in self.names:
+            hooks.append((hook, bind(site)))
+        hooks.append((self.final_site, bind("final", self.finish)))
+        if self.dims.d_mlp and all(hook_name(layer, MLP_POST) in self.model.hook_dict for layer in range(self.dims.n_layers)):
+            for layer in range(self.dims.n_layers):
+                def post(act: Tensor, hook: Any, layer: int = layer) -> None:
+                    self.mlp_post[layer] += act[:, self.first:].double().mean(dim=-1).sum()
+
+                hooks.append((hook_name(layer, MLP_POST), post))
+        return BatchFold(hooks)
+
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        self.seen += batch.tokens.shape[0]
+        self.mlp_count += batch.tokens.shape[0] * (batch.tokens.shape[1] - self.first)
+
+    def result(self) -> ContractionResult:
+        sites = [self.acc[name].result(self.first) for name, _, _ in self.names] + [self.acc["final"].result(self.first)]
+        final = sites[-1].direction
+        w, _ = unembedding(self.model)
+        w = w.float().cpu()
+        alignment = (final @ w) / w.norm(dim=0).clamp_min(1e-30)
+        act = activation_name(self.model)
+        return ContractionResult(
+            sites=sites, n_layers=self.dims.n_layers, alignment=alignment,
+            mlp_post_mean=(self.mlp_post / max(self.mlp_count, 1)).float().cpu(), activation=act,
+            activation_mean_at_zero=activation_mean_at_zero(act), n_sequences=self.seen, prepend_bos=self.prepend_bos,
+        )
+
+
+def contraction(
+    model: Any,
+    *,
+    n_sequences: int = 128,
+    seq_len: int = 32,
+    prepend_bos: bool = False,
+    seed: int = 0,
+    options: RunOptions = RunOptions(progress=False, desc="contraction"),
+) -> ContractionResult:
+    """Inter- and intra-sequence concentration per sublayer on random inputs (see the module docstring).
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> res = contraction(tiny_model(), n_sequences=8, seq_len=4)
+        >>> [s.name for s in res.sites]
+        ['embed', 'attn 0', 'mlp 0', 'attn 1', 'mlp 1', 'final']
+        >>> res.share("inter_mean").shape
+        torch.Size([2, 2])
+    """
+    batches = random_batches(model, n_sequences=n_sequences, seq_len=seq_len, prepend_bos=prepend_bos, seed=seed,
+                             options=options)
+    (result,) = stream(model, batches, [ContractionReducer(model, seq_len, prepend_bos=prepend_bos)], options=options)
+    return result

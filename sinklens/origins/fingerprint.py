@@ -1,0 +1,393 @@
+"""SeedPrint: do two models come from the same random initialization?
+
+A re-implementation of the test of *SeedPrints: Fingerprints Can Even Tell Which Seed Your Large
+Language Model Was Trained From* (Tong, Wang, Li et al., ICLR 2026, arXiv 2509.26404), following
+the authors' code (github.com/YnezT0311/SeedPrints, ``seedprint.py`` ``run_test`` with its defaults
+``method="analytical"``, ``identity_mode="coset"``, ``use_agg=False``; inputs as ``utils.py``
+``generate_random_tokens`` / ``generate_random_embeddings`` and ``get_hidden_states_from_*``).
+
+The algorithm, step by step (the authors' constants in brackets):
+
+1. Inputs. ``token`` mode: ``N`` sequences of ``L`` token ids drawn uniformly from
+   ``[0, V)`` by ``torch.randint`` after seeding with ``seed`` [42], one tensor ``[N, L]``, no BOS
+   [``V = 32000``; here ``V = min(32000, d_vocab_a, d_vocab_b)`` so every id is valid for both
+   models — for SmolLM2 (49152) the ids are exactly theirs]. ``embedding`` mode: random embeddings
+   ``~ N(μ, σ)`` ``[N, L, d_model]`` fed in place of the token embedding (``hook_embed``; learned
+   position embeddings are still added, as Hugging Face ``inputs_embeds`` does). They take ``μ, σ``
+   from one model's embedding matrix with an unseeded RNG; **here** ``μ, σ`` are the mean and std
+   of both models' ``W_E`` stacked (so the test does not depend on argument order) and the RNG is
+   seeded with ``seed``.
+2. Features: the final hidden state (after the final norm: what enters the unembedding; their
+   ``last_hidden_state[:, -1, :]``) at the last position, ``[N, d_model]`` per model, float32.
+3. Identity dimensions: for each model, the ``k`` dimensions with the smallest mean over the ``N``
+   samples (``torch.topk(mean, k, largest=False)``) [``k = buffer_k = 400``, their
+   ``DEFAULT_BUFFER_K``; their README says "10 % of the output size" but the code uses 400]; here ``k`` is
+   clipped to ``d_model`` for models narrower than 400. ``coset`` mode keeps the intersection of
+   the two sets (sorted); ``base`` mode only model A's (then the result depends on order).
+4. Normalisation: a row-wise softmax at temperature 10 over the selected dimensions,
+   ``softmax(h[:, idx] / 10, dim=1)`` [``normalize_features(..., "softmax_T10")``].
+5. Per-dimension Kendall τ across the ``N`` samples between the two models (``scipy.stats.kendalltau``,
+   its default τ-b) and their mean ``τ̄`` over the ``k`` kept dimensions.
+6. Analytic null: each τ is ``~ N(0, 2(2N+5) / (9N(N-1)))`` under independence and the ``k`` taus
+   are taken as independent, so ``z = τ̄ / (σ_τ / sqrt(k))``.
+7. ``p = min(1, 2 · Φ̄(z))`` computed as ``exp(log 2 + logsf(z))`` (as they do: twice the upper
+   tail, so a negative ``z`` gives ``p = 1``); same lineage when ``p < α`` [``α = 0.01``].
+
+Where this differs from theirs: the vocabulary bound and the clipping of ``k`` (above); the
+symmetric, seeded embedding statistics; with no shared identity dimension (``k = 0``) or a
+non-finite τ̄ (a constant column) the result is ``z = 0``, ``p = 1`` (theirs would divide by zero
+or propagate NaN). Kendall τ runs in one process (theirs uses a pool for ``k > 100``; same numbers).
+Memory is ``O(N · d_model)`` per model: each batch is reduced to its last-position final state
+inside the forward hook.
+
+Caveats measured here (tests/origins): the analytic null treats the ``N`` samples as independent;
+with a vocabulary not much larger than ``N`` the random sequences repeat their last token, samples
+become dependent and unrelated models test positive far above ``α`` (15 % of pairs at ``d_vocab = 64``,
+``N = 300``; 0.7 % at ``d_vocab = 4096``). Embedding mode probes the transformer body only when the
+blocks dominate the residual stream: in tiny, shallow models with std-0.02 weights the shared random
+input passes almost unchanged to the output and unrelated models look related (use token mode there).
+
+Examples:
+    >>> import torch
+    >>> from sinklens.origins.fingerprint import seedprint_test
+    >>> g = torch.Generator().manual_seed(0)
+    >>> a = torch.randn(300, 32, generator=g) - torch.linspace(0, 3, 32)
+    >>> related = seedprint_test(a, a + 0.3 * torch.randn(300, 32, generator=g), buffer_k=8)
+    >>> related.same_lineage, related.n_dims
+    (True, 8)
+    >>> unrelated = seedprint_test(a, torch.randn(300, 32, generator=g) - torch.linspace(0, 3, 32), buffer_k=8)
+    >>> unrelated.same_lineage
+    False
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from sinklens.errors import IncompatibleModelsError, InvalidArgumentError
+from sinklens.hooks import model_device, model_dims
+from sinklens.inputs import TokenBatch
+from sinklens.options import RunOptions
+from sinklens.origins.sites import final_state_site
+from sinklens.streaming import BatchFold, Reducer, stream
+from sinklens.validate import choice, finite_number, positive_int
+
+#: The authors' constants (``seedprint.py`` / ``utils.py`` of YnezT0311/SeedPrints).
+DEFAULT_BUFFER_K = 400
+TEMPERATURE = 10.0
+TOKEN_VOCAB = 32000
+DEFAULT_SEED = 42
+DEFAULT_ALPHA = 0.01
+DEFAULT_SAMPLES = 2000  # test_foundation_models.py --num_samples (10000 for their toy models)
+DEFAULT_SEQ_LEN = 1024  # --fingerprint_len
+
+InputMode = Literal["token", "embedding"]
+IdentityMode = Literal["coset", "base"]
+
+
+@dataclass
+class FingerprintResult:
+    """The outcome of one SeedPrint test.
+
+    Attributes:
+        p_value: ``min(1, 2 · P(Z > z))`` under the analytic null.
+        z: ``τ̄ / (σ_τ(N) / sqrt(k))``.
+        tau_mean: ``τ̄``, the mean per-dimension Kendall τ.
+        n_dims: ``k``, the number of identity dimensions kept (intersection of both bottom-k sets).
+        n_samples: ``N``.
+        same_lineage: ``p_value < alpha``.
+        alpha: the decision threshold.
+        log10_p: ``(log 2 + log Φ̄(z)) / log 10`` (not clipped at 0, as in the authors' code).
+        dims: the identity dimensions (sorted).
+        tau: per-dimension Kendall τ, in the order of ``dims``.
+        settings: how the features were made (input mode, sequence length, seed, ...).
+    """
+
+    p_value: float
+    z: float
+    tau_mean: float
+    n_dims: int
+    n_samples: int
+    same_lineage: bool
+    alpha: float
+    log10_p: float
+    dims: list[int]
+    tau: Float[Tensor, " dim"]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for :func:`sinklens.export.write_json`."""
+        return {
+            "p_value": self.p_value, "z": self.z, "tau_mean": self.tau_mean, "n_dims": self.n_dims,
+            "n_samples": self.n_samples, "same_lineage": self.same_lineage, "alpha": self.alpha,
+            "log10_p": self.log10_p, "dims": self.dims, "tau": self.tau.tolist(), "settings": self.settings,
+        }
+
+    def summary(self) -> str:
+        verdict = "SAME lineage" if self.same_lineage else "no evidence of shared lineage"
+        return (f"SeedPrint: {verdict} (p = {self.p_value:.3g}, z = {self.z:.2f}, mean tau = {self.tau_mean:.4f}, "
+                f"{self.n_dims} identity dims, {self.n_samples} samples, alpha = {self.alpha})")
+
+
+def identity_dims(hidden: Float[Tensor, "sample dim"], buffer_k: int) -> list[int]:
+    """The ``buffer_k`` dimensions with the smallest mean over samples (``topk(..., largest=False)``)."""
+    return torch.topk(hidden.mean(dim=0), buffer_k, largest=False).indices.tolist()
+
+
+def kendall_tau_null_std(n: int) -> float:
+    """Standard deviation of Kendall τ between two independent samples of size ``n``: ``sqrt(2(2n+5) / (9n(n-1)))``."""
+    return math.sqrt(2.0 * (2 * n + 5) / (9.0 * n * (n - 1)))
+
+
+def per_dim_kendall(a: Float[Tensor, "sample dim"], b: Float[Tensor, "sample dim"]) -> Float[Tensor, " dim"]:
+    """Kendall τ-b between column ``i`` of ``a`` and column ``i`` of ``b``, for every ``i`` (scipy)."""
+    from scipy.stats import kendalltau
+
+    a_np, b_np = a.double().numpy(), b.double().numpy()
+    taus = [kendalltau(a_np[:, i], b_np[:, i]).statistic for i in range(a_np.shape[1])]
+    return torch.tensor(taus, dtype=torch.float64)
+
+
+def seedprint_test(
+    hidden_a: Float[Tensor, "sample dim"],
+    hidden_b: Float[Tensor, "sample dim"],
+    *,
+    buffer_k: int = DEFAULT_BUFFER_K,
+    identity_mode: IdentityMode = "coset",
+    alpha: float = DEFAULT_ALPHA,
+) -> FingerprintResult:
+    """Steps 3–7 of the module docstring on two feature matrices (rows = the same inputs).
+
+    Raises:
+        IncompatibleModelsError: the matrices differ in shape.
+        InvalidArgumentError: ``buffer_k < 1``, an unknown ``identity_mode``, ``alpha`` outside (0, 1).
+    """
+    from scipy.stats import norm
+
+    if hidden_a.ndim != 2 or hidden_a.shape != hidden_b.shape:
+        raise IncompatibleModelsError(
+            f"SeedPrint needs two [samples, hidden] matrices of the same shape, got {tuple(hidden_a.shape)} "
+            f"and {tuple(hidden_b.shape)}."
+        )
+    buffer_k = positive_int(buffer_k, what="buffer_k")
+    identity_mode = choice(identity_mode, ("coset", "base"), what="identity_mode")  # type: ignore[assignment]
+    alpha = finite_number(alpha, what="alpha", low=0.0, high=1.0, low_open=True, high_open=True)
+    n, d = hidden_a.shape
+    if n < 2:
+        raise InvalidArgumentError(f"SeedPrint needs at least 2 samples for Kendall tau, got {n}.")
+    a, b = hidden_a.float().cpu(), hidden_b.float().cpu()
+    k_eff = min(buffer_k, d)
+    bottom_a = identity_dims(a, k_eff)
+    if identity_mode == "coset":
+        dims = sorted(set(bottom_a) & set(identity_dims(b, k_eff)))
+    else:
+        dims = sorted(set(bottom_a))
+    k = len(dims)
+    if k:
+        a_norm = torch.softmax(a[:, dims] / TEMPERATURE, dim=1)
+        b_norm = torch.softmax(b[:, dims] / TEMPERATURE, dim=1)
+        tau = per_dim_kendall(a_norm, b_norm)
+        tau_mean = float(tau.mean())
+    else:
+        tau, tau_mean = torch.zeros(0, dtype=torch.float64), float("nan")
+    if k and math.isfinite(tau_mean):
+        z = tau_mean / max(kendall_tau_null_std(n) / math.sqrt(k), 1e-10)
+    else:
+        z = 0.0
+    log_p = math.log(2.0) + float(norm.logsf(z))
+    p_value = min(1.0, math.exp(log_p))
+    return FingerprintResult(
+        p_value=p_value, z=z, tau_mean=tau_mean, n_dims=k, n_samples=n, same_lineage=p_value < alpha,
+        alpha=alpha, log10_p=log_p / math.log(10.0), dims=dims, tau=tau,
+        settings={"buffer_k": buffer_k, "identity_mode": identity_mode, "temperature": TEMPERATURE},
+    )
+
+
+# ---------------------------------------------------------------------------------------- features
+class _RandomInputs(Sequence):
+    """``N`` random inputs in batches, generated lazily from one seeded generator (chunking-invariant).
+
+    Token mode yields :class:`TokenBatch` es of ``randint(0, high)``; embedding mode yields batches of
+    zeros (a placeholder for the token ids) and draws the batch's ``N(μ, σ)`` embeddings in
+    :meth:`embeddings`, in the same order.
+    """
+
+    def __init__(self, n: int, seq_len: int, batch_size: int, *, mode: str, high: int, seed: int,
+                 device: torch.device, d_model: int = 0, mu: float = 0.0, sigma: float = 1.0) -> None:
+        self.n, self.seq_len, self.batch_size, self.mode = n, seq_len, batch_size, mode
+        self.high, self.seed, self.device = high, seed, device
+        self.d_model, self.mu, self.sigma = d_model, mu, sigma
+
+    def __len__(self) -> int:
+        return -(-self.n // self.batch_size)
+
+    def _batch(self, gen: torch.Generator, size: int) -> TokenBatch:
+        if self.mode == "token":
+            tokens = torch.randint(0, self.high, (size, self.seq_len), generator=gen)
+        else:
+            tokens = torch.zeros((size, self.seq_len), dtype=torch.long)
+        return TokenBatch(tokens, torch.ones_like(tokens, dtype=torch.bool), False).to(self.device)
+
+    def __iter__(self):
+        self._gen = torch.Generator().manual_seed(self.seed)
+        for start in range(0, self.n, self.batch_size):
+            yield self._batch(self._gen, min(self.batch_size, self.n - start))
+
+    def __getitem__(self, i: int) -> TokenBatch:  # random access (type checkers sample one); O(i) for tokens
+        if not 0 <= i < len(self):
+            raise IndexError(i)
+        gen = torch.Generator().manual_seed(self.seed)
+        start = i * self.batch_size
+        if self.mode == "token" and start:
+            torch.randint(0, self.high, (start, self.seq_len), generator=gen)
+        return self._batch(gen, min(self.batch_size, self.n - start))
+
+    def embeddings(self, size: int) -> Tensor:
+        return torch.normal(self.mu, self.sigma, (size, self.seq_len, self.d_model), generator=self._gen)
+
+
+class _LastFinalState(Reducer[Tensor]):
+    """Folds each batch to its last-position final hidden state ``[batch, d_model]`` (float32, CPU)."""
+
+    def __init__(self, model: Any, source: _RandomInputs) -> None:
+        self.site, self.finish = final_state_site(model)
+        self.source = source
+        self.dtype = next(model.parameters()).dtype
+        self.reset()
+
+    def reset(self) -> None:
+        self.rows: list[Tensor] = []
+
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        hooks = []
+        if self.source.mode == "embedding":
+            emb = self.source.embeddings(batch.tokens.shape[0]).to(batch.tokens.device, self.dtype)
+            hooks.append(("hook_embed", lambda act, hook: emb.to(act.dtype)))
+
+        def keep(act: Tensor, hook: Any) -> None:
+            self.rows.append(self.finish(act[:, -1:, :])[:, 0, :].float().cpu())
+
+        hooks.append((self.site, keep))
+        return BatchFold(hooks)
+
+    def result(self) -> Tensor:
+        return torch.cat(self.rows, dim=0)
+
+
+def _embedding_stats(models: list[Any]) -> tuple[float, float]:
+    w = torch.cat([m.W_E.detach().float().reshape(-1).cpu() for m in models])
+    return float(w.mean()), float(w.std())
+
+
+def final_hidden_states(
+    model: Any,
+    *,
+    n_samples: int = DEFAULT_SAMPLES,
+    seq_len: int = DEFAULT_SEQ_LEN,
+    input: InputMode = "token",
+    seed: int = DEFAULT_SEED,
+    vocab_limit: int | None = None,
+    embedding_stats: tuple[float, float] | None = None,
+    options: RunOptions = RunOptions(),
+) -> Float[Tensor, "sample d_model"]:
+    """Step 1–2: the last-position final hidden states of ``model`` on SeedPrint's random inputs.
+
+    Args:
+        model: a TransformerBridge, HookedTransformer or SinkLM.
+        n_samples: ``N`` random sequences.
+        seq_len: ``L`` tokens each (no BOS).
+        input: ``"token"`` (uniform ids in ``[0, vocab_limit)``) or ``"embedding"`` (``N(μ, σ)``
+            vectors replacing ``hook_embed``).
+        seed: seeds the input generator.
+        vocab_limit: token ids are drawn below this (default ``min(32000, d_vocab)``).
+        embedding_stats: ``(μ, σ)`` for embedding mode (default: those of the model's ``W_E``).
+        options: ``batch_size``, ``progress``, ``desc`` are used.
+    """
+    dims = model_dims(model)
+    n_samples = positive_int(n_samples, what="n_samples", minimum=2)
+    seq_len = positive_int(seq_len, what="seq_len")
+    if seq_len > dims.n_ctx:
+        raise InvalidArgumentError(f"seq_len={seq_len} exceeds the model's context window n_ctx={dims.n_ctx}.")
+    input = choice(input, ("token", "embedding"), what="input")  # type: ignore[assignment]
+    high = min(TOKEN_VOCAB, dims.d_vocab) if vocab_limit is None else positive_int(vocab_limit, what="vocab_limit")
+    if high > dims.d_vocab:
+        raise InvalidArgumentError(f"vocab_limit={high} exceeds the model's vocabulary d_vocab={dims.d_vocab}.")
+    mu, sigma = embedding_stats if embedding_stats is not None else _embedding_stats([model])
+    source = _RandomInputs(n_samples, seq_len, options.batch_size, mode=input, high=high, seed=seed,
+                           device=model_device(model), d_model=dims.d_model, mu=mu, sigma=sigma)
+    reducer = _LastFinalState(model, source)
+    was_training = getattr(model, "training", False)
+    model.eval()
+    try:
+        (hidden,) = stream(model, source, [reducer], options=options)  # type: ignore[arg-type]
+    finally:
+        model.train(was_training)
+    return hidden
+
+
+def fingerprint(
+    model_a: Any,
+    model_b: Any,
+    *,
+    n_samples: int = DEFAULT_SAMPLES,
+    seq_len: int | None = None,
+    input: InputMode = "token",
+    buffer_k: int = DEFAULT_BUFFER_K,
+    identity_mode: IdentityMode = "coset",
+    alpha: float = DEFAULT_ALPHA,
+    seed: int = DEFAULT_SEED,
+    options: RunOptions = RunOptions(batch_size=16, desc="SeedPrint"),
+) -> FingerprintResult:
+    """SeedPrint lineage test between two models (see the module docstring for every step).
+
+    Args:
+        model_a, model_b: TransformerLens models (bridge, HookedTransformer, SinkLM) or specs for
+            :func:`sinklens.load_model` (``"run_dir"``, ``"run_dir@init"``, ``"smollm2-135m@init:3"``).
+        n_samples: ``N`` random sequences (authors: 2000 for foundation models, 10000 for toys).
+        seq_len: ``L`` (default ``min(1024, n_ctx_a, n_ctx_b)``; the authors use 1024).
+        input: ``"token"`` or ``"embedding"``.
+        buffer_k: bottom-k identity dimensions per model (400; clipped to ``d_model``).
+        identity_mode: ``"coset"`` (intersection, symmetric) or ``"base"`` (model A's only).
+        alpha: decision threshold on ``p``.
+        seed: seed of the random inputs (42 as theirs).
+        options: batch size, progress bar (tqdm) and its label.
+
+    Raises:
+        IncompatibleModelsError: the two models have different hidden sizes.
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> a, b = tiny_model(seed=1), tiny_model(seed=2)
+        >>> opts = RunOptions(batch_size=64, progress=False)
+        >>> fingerprint(a, a, n_samples=64, seq_len=8, options=opts).same_lineage
+        True
+    """
+    from sinklens.loading import load_model
+
+    model_a = load_model(model_a, check_patterns=False) if isinstance(model_a, str) else model_a
+    model_b = load_model(model_b, check_patterns=False) if isinstance(model_b, str) else model_b
+    da, db = model_dims(model_a), model_dims(model_b)
+    if da.d_model != db.d_model:
+        raise IncompatibleModelsError(
+            f"SeedPrint compares hidden dimensions one to one, so both models need the same hidden size; got "
+            f"d_model={da.d_model} and d_model={db.d_model}."
+        )
+    seq_len = min(DEFAULT_SEQ_LEN, da.n_ctx, db.n_ctx) if seq_len is None else positive_int(seq_len, what="seq_len")
+    input = choice(input, ("token", "embedding"), what="input")  # type: ignore[assignment]
+    stats = _embedding_stats([model_a, model_b]) if input == "embedding" else None
+    vocab = min(TOKEN_VOCAB, da.d_vocab, db.d_vocab)
+    common = dict(n_samples=n_samples, seq_len=seq_len, input=input, seed=seed, vocab_limit=vocab,
+                  embedding_stats=stats)
+    hidden_a = final_hidden_states(model_a, **common, options=options.replace(desc=f"{options.desc} A"))
+    hidden_b = final_hidden_states(model_b, **common, options=options.replace(desc=f"{options.desc} B"))
+    result = seedprint_test(hidden_a, hidden_b, buffer_k=buffer_k, identity_mode=identity_mode, alpha=alpha)
+    result.settings.update({"input": input, "seq_len": seq_len, "seed": seed, "vocab_limit": vocab,
+                            **({"embedding_mu": stats[0], "embedding_sigma": stats[1]} if stats else {})})
+    return result

@@ -1,0 +1,154 @@
+"""Positional discrepancy: the first token is aggregated least, so its outputs vary most.
+
+*Transformers Are Born Biased* (arXiv 2602.05927) links the attention sink to a positional
+discrepancy of the intra-sequence contraction: a head's output at position ``t`` averages ``t + 1``
+values, so its variance across inputs shrinks (``σ²/(t+1)`` under uniform attention), and position 0
+(one value) stands out. The paper has no public code; the measures are defined here.
+
+For an activation ``a[n, t]`` (sequence ``n`` of ``N`` random sequences, position ``t``), per layer:
+
+* ``variance[t] = (1/d) Σ_d Var_n(a[n, t, d])`` (population variance across sequences, averaged over
+  the ``d`` features) = ``((1/N) Σ_n ‖a[n, t]‖² − ‖ā[t]‖²) / d``;
+* ``norm[t] = (1/N) Σ_n ‖a[n, t]‖``;
+* ``relative[t] = x[t] / mean_{t' ≥ ⌊T/2⌋} x[t']`` — relative to the later half of the sequence
+  (our choice of reference), for both measures.
+
+Sites: ``attn_out`` = ``blocks.l.hook_attn_out`` (the attention write), ``resid`` =
+``blocks.l.hook_resid_mid`` (the residual right after it), and ``head`` = ``blocks.l.attn.hook_z``
+per head (``variance[l, h, t]`` over ``d_head``). Inputs are uniform random tokens without BOS by default.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from sinklens.hooks import ATTN_OUT, RESID_MID, Z, hook_name, model_device, model_dims
+from sinklens.inputs import TokenBatch
+from sinklens.options import RunOptions
+from sinklens.origins.preference import random_batches
+from sinklens.streaming import BatchFold, Reducer, stream
+
+
+def relative_to_later(x: Float[Tensor, "... pos"]) -> Float[Tensor, "... pos"]:
+    """``x[..., t] / mean(x[..., ⌊T/2⌋:])``.
+
+    Examples:
+        >>> relative_to_later(torch.tensor([4.0, 2.0, 1.0, 1.0]))
+        tensor([4., 2., 1., 1.])
+    """
+    T = x.shape[-1]
+    return x / x[..., T // 2 :].mean(dim=-1, keepdim=True)
+
+
+@dataclass
+class PositionalDiscrepancy:
+    """Across-sequence variance and mean norm of each position's outputs, per layer.
+
+    Attributes:
+        attn_out_var, attn_out_norm, resid_var, resid_norm: ``[layer, pos]``.
+        head_var: ``[layer, head, pos]`` from ``attn.hook_z``.
+        n_sequences: ``N``.
+    """
+
+    attn_out_var: Float[Tensor, "layer pos"]
+    attn_out_norm: Float[Tensor, "layer pos"]
+    resid_var: Float[Tensor, "layer pos"]
+    resid_norm: Float[Tensor, "layer pos"]
+    head_var: Float[Tensor, "layer head pos"]
+    n_sequences: int
+
+    def relative(self, name: str) -> Tensor:
+        """``relative_to_later`` of one field (e.g. ``"attn_out_var"``)."""
+        return relative_to_later(getattr(self, name))
+
+    def first_token_ratio(self, name: str = "attn_out_var") -> Float[Tensor, " layer"]:
+        """``relative(name)[..., 0]``: position 0 relative to the later half of the sequence."""
+        return self.relative(name)[..., 0]
+
+    def summary(self) -> dict[str, Any]:
+        return {name: self.first_token_ratio(name).tolist()
+                for name in ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")} | {
+            "n_sequences": self.n_sequences}
+
+
+class _Moments:
+    """Σ_n a, Σ_n ‖a‖², Σ_n ‖a‖ per (group, position) over the last axis."""
+
+    def __init__(self, shape: tuple[int, ...], d: int, device: torch.device) -> None:
+        self.sum = torch.zeros(*shape, d, dtype=torch.float64, device=device)
+        self.sq = torch.zeros(*shape, dtype=torch.float64, device=device)
+        self.norm = torch.zeros(*shape, dtype=torch.float64, device=device)
+
+    def add(self, index: Any, a: Tensor) -> None:  # a: [batch, *group, pos, d]
+        a = a.double()
+        self.sum[index] += a.sum(dim=0)
+        self.sq[index] += a.pow(2).sum(dim=-1).sum(dim=0)
+        self.norm[index] += a.norm(dim=-1).sum(dim=0)
+
+    def variance(self, n: int) -> Tensor:
+        mean = self.sum / n
+        return ((self.sq / n - mean.pow(2).sum(dim=-1)) / self.sum.shape[-1]).clamp_min(0).float().cpu()
+
+    def mean_norm(self, n: int) -> Tensor:
+        return (self.norm / n).float().cpu()
+
+
+class PositionalReducer(Reducer[PositionalDiscrepancy]):
+    """Streams :class:`PositionalDiscrepancy` over every layer."""
+
+    def __init__(self, model: Any, seq_len: int) -> None:
+        self.dims = model_dims(model)
+        self.seq_len = seq_len
+        self.device = model_device(model)
+        self.reset()
+
+    def reset(self) -> None:
+        L, T, d, H, dh = self.dims.n_layers, self.seq_len, self.dims.d_model, self.dims.n_heads, self.dims.d_head
+        self.attn = _Moments((L, T), d, self.device)
+        self.resid = _Moments((L, T), d, self.device)
+        self.head = _Moments((L, H, T), dh, self.device)
+        self.n = 0
+
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        hooks = []
+        for layer in range(self.dims.n_layers):
+            hooks.append((hook_name(layer, ATTN_OUT), lambda act, hook, l=layer: self.attn.add(l, act)))
+            hooks.append((hook_name(layer, RESID_MID), lambda act, hook, l=layer: self.resid.add(l, act)))
+            hooks.append((hook_name(layer, Z), lambda act, hook, l=layer: self.head.add(l, act.transpose(1, 2))))
+        return BatchFold(hooks)
+
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        self.n += batch.tokens.shape[0]
+
+    def result(self) -> PositionalDiscrepancy:
+        n = self.n
+        return PositionalDiscrepancy(self.attn.variance(n), self.attn.mean_norm(n), self.resid.variance(n),
+                                     self.resid.mean_norm(n), self.head.variance(n), n)
+
+
+def positional_discrepancy(
+    model: Any,
+    *,
+    n_sequences: int = 128,
+    seq_len: int = 32,
+    prepend_bos: bool = False,
+    seed: int = 0,
+    options: RunOptions = RunOptions(progress=False, desc="positional"),
+) -> PositionalDiscrepancy:
+    """Per layer and position: across-sequence variance and mean norm of attention outputs and residuals.
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> pd = positional_discrepancy(tiny_model(), n_sequences=16, seq_len=8)
+        >>> pd.head_var.shape, bool(pd.first_token_ratio("attn_out_var")[0] > 1)
+        (torch.Size([2, 4, 8]), True)
+    """
+    batches = random_batches(model, n_sequences=n_sequences, seq_len=seq_len, prepend_bos=prepend_bos, seed=seed,
+                             options=options)
+    (result,) = stream(model, batches, [PositionalReducer(model, seq_len)], options=options)
+    return result

@@ -1,0 +1,175 @@
+"""Token preference on random inputs: which next tokens a model favours before it has seen any data.
+
+From *Transformers Are Born Biased* (Li, Tong, Wang et al., 2026, arXiv 2602.05927): across random
+input sequences a randomly initialised transformer predicts some tokens with probabilities orders
+of magnitude above others. The paper has no public code; every number here is defined below.
+
+Inputs: ``N`` sequences of ``L`` token ids drawn uniformly from ``[0, d_vocab)``
+(:func:`sinklens.inputs.random_token_batches`, seeded), optionally with the BOS token at position 0.
+
+Per position ``t`` (streamed, nothing larger than ``[L, d_vocab]`` is kept):
+
+* ``mean_probs[t, j] = (1/N) Σ_n softmax(logits[n, t])_j`` — the mean next-token distribution, with
+  ``logits = final_state @ W_U + b_U`` (``final_state``: the input of the unembedding, after the final
+  norm; see :func:`sinklens.origins.sites.final_state_site`), softmax in float32, sums in float64.
+* ``argmax_counts[t, j]`` — how many of the ``N`` sequences have ``j`` as their argmax at ``t``.
+
+Summaries pool the *counted positions*: every position, except position 0 when a BOS was prepended
+(its prediction follows a fixed token and is the same for all sequences — our choice).
+
+* ``probs = mean_t mean_probs[t]`` — the pooled mean distribution;
+* ``max_median_ratio = max_j probs_j / median_j probs_j`` (``torch.median``: the lower median);
+* ``top(k)``: the ``k`` most probable tokens with ``probs_j`` and ``probs_j · d_vocab`` (relative to uniform);
+* ``argmax_entropy``: Shannon entropy (nats) of ``c / Σc`` with ``c = Σ_t argmax_counts[t]``
+  (``log d_vocab`` when every token is the argmax equally often, 0 when one token always wins);
+* ``argmax_gini``: Gini coefficient of ``c`` over all ``d_vocab`` tokens,
+  ``Σ_i Σ_j |c_i − c_j| / (2 V Σ c)`` (0 = equal counts, ``1 − 1/V`` = one token takes all).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from sinklens.hooks import model_device, model_dims
+from sinklens.inputs import TokenBatch, random_token_batches
+from sinklens.options import RunOptions
+from sinklens.origins.sites import final_state_site, logits_from_final
+from sinklens.streaming import BatchFold, Reducer, stream
+from sinklens.validate import positive_int
+
+
+@dataclass
+class TokenPreference:
+    """Mean next-token distribution and argmax counts on random inputs (see the module docstring).
+
+    Attributes:
+        mean_probs: ``[pos, vocab]`` mean softmax over the ``N`` sequences.
+        argmax_counts: ``[pos, vocab]`` argmax counts.
+        n_sequences: ``N``.
+        prepend_bos: whether position 0 held BOS (then it is left out of the summaries).
+    """
+
+    mean_probs: Float[Tensor, "pos vocab"]
+    argmax_counts: Int[Tensor, "pos vocab"]
+    n_sequences: int
+    prepend_bos: bool
+
+    @property
+    def first_counted(self) -> int:
+        return 1 if self.prepend_bos and self.mean_probs.shape[0] > 1 else 0
+
+    @property
+    def probs(self) -> Float[Tensor, " vocab"]:
+        """The pooled mean next-token distribution over the counted positions."""
+        return self.mean_probs[self.first_counted :].mean(dim=0)
+
+    @property
+    def argmax_total(self) -> Int[Tensor, " vocab"]:
+        return self.argmax_counts[self.first_counted :].sum(dim=0)
+
+    @property
+    def max_median_ratio(self) -> float:
+        p = self.probs
+        return float(p.max() / p.median())
+
+    def top(self, k: int = 10) -> list[dict[str, Any]]:
+        """The ``k`` most probable tokens: ``{"token", "prob", "rel_uniform"}`` (``prob · d_vocab``)."""
+        p = self.probs
+        values, ids = torch.topk(p, min(k, p.numel()))
+        return [{"token": int(i), "prob": float(v), "rel_uniform": float(v) * p.numel()} for v, i in zip(values, ids)]
+
+    @property
+    def argmax_entropy(self) -> float:
+        c = self.argmax_total.double()
+        q = c[c > 0] / c.sum()
+        return float(-(q * q.log()).sum())
+
+    @property
+    def argmax_gini(self) -> float:
+        c = torch.sort(self.argmax_total.double()).values
+        n, total = c.numel(), float(c.sum())
+        if total == 0:
+            return 0.0
+        ranks = torch.arange(1, n + 1, dtype=torch.float64)
+        return float((2 * (ranks * c).sum()) / (n * total) - (n + 1) / n)
+
+    def ranked(self) -> Float[Tensor, " vocab"]:
+        """``probs`` sorted in decreasing order (the rank–probability curve)."""
+        return torch.sort(self.probs, descending=True).values
+
+    def summary(self) -> dict[str, Any]:
+        return {
+            "n_sequences": self.n_sequences, "seq_len": int(self.mean_probs.shape[0]), "prepend_bos": self.prepend_bos,
+            "d_vocab": int(self.mean_probs.shape[1]), "max_median_ratio": self.max_median_ratio,
+            "argmax_entropy": self.argmax_entropy, "argmax_entropy_uniform": math.log(self.mean_probs.shape[1]),
+            "argmax_gini": self.argmax_gini, "top": self.top(10),
+        }
+
+
+class TokenPreferenceReducer(Reducer[TokenPreference]):
+    """Streams :class:`TokenPreference` from the final hidden state of every position."""
+
+    def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
+        self.model = model
+        self.site, self.finish = final_state_site(model)
+        self.seq_len, self.d_vocab, self.prepend_bos = seq_len, model_dims(model).d_vocab, prepend_bos
+        self.device = model_device(model)
+        self.reset()
+
+    def reset(self) -> None:
+        self.prob_sum = torch.zeros(self.seq_len, self.d_vocab, dtype=torch.float64, device=self.device)
+        self.counts = torch.zeros(self.seq_len, self.d_vocab, dtype=torch.long, device=self.device)
+        self.n = 0
+
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        def fold(act: Tensor, hook: Any) -> None:  # act: [batch, pos, d_model]
+            probs = torch.softmax(logits_from_final(self.model, self.finish(act)), dim=-1)  # (B, T, V)
+            self.prob_sum += probs.sum(dim=0).double()
+            self.counts.scatter_add_(1, probs.argmax(dim=-1).T, torch.ones_like(probs[..., 0], dtype=torch.long).T)
+
+        return BatchFold([(self.site, fold)])
+
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        self.n += batch.tokens.shape[0]
+
+    def result(self) -> TokenPreference:
+        return TokenPreference((self.prob_sum / max(self.n, 1)).float().cpu(), self.counts.cpu(), self.n, self.prepend_bos)
+
+
+def random_batches(model: Any, *, n_sequences: int, seq_len: int, prepend_bos: bool, seed: int,
+                   options: RunOptions) -> list[TokenBatch]:
+    """Uniform random token batches on the model's device (the inputs of every origins measure)."""
+    n_sequences = positive_int(n_sequences, what="n_sequences", minimum=2)
+    seq_len = positive_int(seq_len, what="seq_len", minimum=2)
+    batches = random_token_batches(model, n_sequences=n_sequences, seq_len=seq_len, batch_size=options.batch_size,
+                                   prepend_bos=prepend_bos, seed=seed)
+    return [b.to(model_device(model)) for b in batches]
+
+
+def token_preference(
+    model: Any,
+    *,
+    n_sequences: int = 256,
+    seq_len: int = 32,
+    prepend_bos: bool = False,
+    seed: int = 0,
+    options: RunOptions = RunOptions(progress=False, desc="token preference"),
+) -> TokenPreference:
+    """Mean next-token distribution and argmax counts over ``n_sequences`` random sequences.
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> pref = token_preference(tiny_model(), n_sequences=8, seq_len=4)
+        >>> pref.mean_probs.shape, round(float(pref.probs.sum()), 4)
+        (torch.Size([4, 64]), 1.0)
+    """
+    batches = random_batches(model, n_sequences=n_sequences, seq_len=seq_len, prepend_bos=prepend_bos, seed=seed,
+                             options=options)
+    (pref,) = stream(model, batches, [TokenPreferenceReducer(model, seq_len, prepend_bos=prepend_bos)], options=options)
+    return pref

@@ -1,0 +1,38 @@
+"""Hook sites the origins measures share: the final hidden state and the unembedding, on any model."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sinklens.hooks import model_dims
+
+
+def final_state_site(model: Any) -> tuple[str, Callable[[Tensor], Tensor]]:
+    """The hook that carries the final hidden state, and the function that finishes it.
+
+    ``unembed.hook_in`` (TransformerBridge: the input of the unembedding, after the final norm) when
+    the model has it; otherwise the last block's ``hook_resid_post`` followed by ``model.ln_final``
+    (HookedTransformer, SinkLM; weight processing off, so this is the model's own final norm).
+    """
+    if "unembed.hook_in" in model.hook_dict:
+        return "unembed.hook_in", lambda x: x
+    last = model_dims(model).n_layers - 1
+    return f"blocks.{last}.hook_resid_post", model.ln_final
+
+
+def unembedding(model: Any) -> tuple[Tensor, Tensor | None]:
+    """``(W_U [d_model, d_vocab], b_U [d_vocab] or None)``, detached."""
+    w = model.W_U.detach()
+    b = getattr(model, "b_U", None)
+    return w, (b.detach() if isinstance(b, torch.Tensor) else None)
+
+
+def logits_from_final(model: Any, final: Tensor) -> Tensor:
+    """``final @ W_U + b_U`` in float32."""
+    w, b = unembedding(model)
+    out = final.float() @ w.float().to(final.device)
+    return out + b.float().to(final.device) if b is not None else out

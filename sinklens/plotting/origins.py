@@ -1,0 +1,87 @@
+"""Figures for the init-time picture: token preference, contraction by sublayer, positional discrepancy.
+
+Pure functions of the public fields of :class:`~sinklens.origins.preference.TokenPreference`,
+:class:`~sinklens.origins.contraction.ContractionResult` and
+:class:`~sinklens.origins.positional.PositionalDiscrepancy`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sinklens.plotting.style import new_figure, save_figure
+
+
+def _finish(fig: Any, path: str | Path | None) -> Any:
+    if path is not None:
+        save_figure(fig, path, close=False)
+    return fig
+
+
+def plot_rank_probability(prefs: dict[str, Any], *, path: str | Path | None = None) -> Any:
+    """Pooled mean next-token probability against its rank (log–log), one line per labelled result,
+    with the uniform level ``1/d_vocab`` dotted."""
+    fig, axes = new_figure(1, 1, width=6.0, height=4.0)
+    ax = axes[0, 0]
+    for label, pref in prefs.items():
+        ranked = pref.ranked().numpy()
+        ax.loglog(np.arange(1, ranked.size + 1), ranked, label=label)
+    if prefs:
+        v = next(iter(prefs.values())).mean_probs.shape[1]
+        ax.axhline(1.0 / v, color="grey", ls=":", label="uniform 1/V")
+    ax.set_xlabel("rank")
+    ax.set_ylabel("mean next-token probability")
+    ax.set_title("token preference on random inputs")
+    ax.legend(fontsize=8)
+    return _finish(fig, path)
+
+
+def plot_contraction(result: Any, *, path: str | Path | None = None) -> Any:
+    """Inter- and intra-sequence mean cosine at every site (embed, attn l, mlp l, final), and each
+    sublayer's share of the change in inter-sequence concentration."""
+    fig, axes = new_figure(1, 2, width=6.0, height=4.0)
+    names = [s.name for s in result.sites]
+    x = np.arange(len(names))
+    ax = axes[0, 0]
+    ax.plot(x, [s.inter_mean for s in result.sites], "o-", label="inter-sequence")
+    ax.plot(x, [s.intra for s in result.sites], "s-", label="intra-sequence")
+    ax.set_xticks(x, names, rotation=90, fontsize=7)
+    ax.set_ylabel("mean cosine similarity")
+    ax.set_title("concentration by sublayer")
+    ax.legend(fontsize=8)
+    ax = axes[0, 1]
+    share = result.share("inter_mean").numpy()
+    layers = np.arange(share.shape[0])
+    ax.bar(layers - 0.2, share[:, 0], width=0.4, label="attention")
+    ax.bar(layers + 0.2, share[:, 1], width=0.4, label="MLP")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("share of the inter-sequence change")
+    ax.set_title(f"who concentrates ({result.activation}: E[f(z)] = {result.activation_mean_at_zero:.3f})")
+    ax.legend(fontsize=8)
+    return _finish(fig, path)
+
+
+def plot_positional(result: Any, *, path: str | Path | None = None) -> Any:
+    """Across-sequence variance of each position's attention output relative to the later half of the
+    sequence, per layer (log y), and the first-token ratio by layer."""
+    fig, axes = new_figure(1, 2, width=6.0, height=4.0)
+    rel = result.relative("attn_out_var").numpy()
+    ax = axes[0, 0]
+    step = max(1, rel.shape[0] // 6)
+    for layer in range(0, rel.shape[0], step):
+        ax.semilogy(np.arange(rel.shape[1]), rel[layer], label=f"layer {layer}")
+    ax.set_xlabel("position")
+    ax.set_ylabel("attn-out variance / later-half mean")
+    ax.legend(fontsize=7)
+    ax = axes[0, 1]
+    for name in ("attn_out_var", "resid_var", "attn_out_norm"):
+        ax.semilogy(result.first_token_ratio(name).numpy(), "o-", label=name)
+    ax.axhline(1.0, color="grey", ls=":")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("position 0 / later positions")
+    ax.set_title("positional discrepancy")
+    ax.legend(fontsize=8)
+    return _finish(fig, path)

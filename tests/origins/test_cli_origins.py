@@ -1,0 +1,34 @@
+"""``sinklens origins`` on a tiny run at init: summaries printed, strict JSON and figures written."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.models
+
+
+def test_origins_cli_writes_report(trained_runs, tmp_path, capsys):
+    from sinklens.cli import main
+
+    out = tmp_path / "rep"
+    code = main(["origins", "--model", f"{trained_runs[1]}@init", "--sequences", "16", "--seq-len", "8",
+                 "--batch-size", "16", "--out", str(out)])
+    assert code == 0
+    data = json.loads((out / "origins.json").read_text())
+    assert data["token_preference"]["n_sequences"] == 16 and data["token_preference"]["seq_len"] == 8
+    sites = [s["site"] for s in data["contraction"]["sites"]]
+    assert sites == ["embed", "attn 0", "mlp 0", "attn 1", "mlp 1", "final"]
+    assert len(data["positional"]["attn_out_var"]) == 2 and data["positional"]["attn_out_var"][0] > 1
+    assert {p.name for p in out.glob("*.png")} == {"rank_probability.png", "contraction.png", "positional.png"}
+    assert "token preference over 16 random sequences" in capsys.readouterr().out
+
+
+def test_origins_cli_user_mistakes_exit_cleanly(tmp_path, capsys):
+    from sinklens.cli import main
+
+    assert main(["origins", "--model", "no-such-model@init:3", "--out", str(tmp_path)]) == 2
+    assert main(["origins", "--model", "x@init:notanint", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-model" in err and "notanint" in err and "Traceback" not in err

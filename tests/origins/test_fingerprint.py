@@ -1,0 +1,105 @@
+"""SeedPrint: lineage found between a run and its own init, not between independent runs; nominal false positives."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from sinklens import load_model
+from sinklens.errors import IncompatibleModelsError
+from sinklens.options import RunOptions
+from sinklens.origins.fingerprint import final_hidden_states, fingerprint, kendall_tau_null_std, seedprint_test
+
+pytestmark = pytest.mark.models
+OPTS = RunOptions(batch_size=200, progress=False)
+N, L = 400, 16
+
+
+def _fp(a, b, **kw):
+    return fingerprint(a, b, n_samples=N, seq_len=L, options=OPTS, **kw)
+
+
+def test_seedprint_statistic_matches_a_hand_computation():
+    from scipy.stats import kendalltau, norm
+
+    g = torch.Generator().manual_seed(3)
+    noise = torch.randn(50, 6, generator=g)
+    a = noise + torch.tensor([-5.0, -5, -5, 0, 0, 0])  # bottom-3 of a: {0, 1, 2}
+    b = noise + torch.randn(50, 6, generator=g) + torch.tensor([0.0, -5, -5, -5, 0, 0])  # of b: {1, 2, 3}
+    res = seedprint_test(a, b, buffer_k=3)
+    assert res.dims == [1, 2]  # the intersection ("coset"), not model A's set
+    bottom = lambda h: set(torch.argsort(h.mean(0))[:3].tolist())  # noqa: E731
+    dims = sorted(bottom(a) & bottom(b))
+    sa, sb = torch.softmax(a[:, dims] / 10, 1), torch.softmax(b[:, dims] / 10, 1)
+    taus = [kendalltau(sa[:, i].numpy(), sb[:, i].numpy()).statistic for i in range(len(dims))]
+    z = sum(taus) / len(taus) / (math.sqrt(2 * (2 * 50 + 5) / (9 * 50 * 49)) / math.sqrt(len(dims)))
+    assert res.dims == dims and res.n_dims == len(dims)
+    assert res.z == pytest.approx(z, rel=1e-9)
+    assert res.p_value == pytest.approx(min(1.0, 2 * norm.sf(z)), rel=1e-9)
+    assert kendall_tau_null_std(50) == pytest.approx(math.sqrt(210 / 22050))
+
+
+def test_run_keeps_the_lineage_of_its_own_init_only(trained_runs):
+    run1, run2 = (str(trained_runs[s]) for s in (1, 2))
+    same = _fp(f"{run1}@init", run1)
+    assert same.same_lineage and same.p_value < 0.01 and same.z > 5
+    swapped = _fp(run1, f"{run1}@init")  # argument order does not matter
+    assert swapped.p_value == pytest.approx(same.p_value) and swapped.z == pytest.approx(same.z)
+    assert swapped.dims == same.dims
+    assert _fp(f"{run2}@init", run2).same_lineage
+    for a, b in [(run1, run2), (f"{run1}@init", run2), (f"{run2}@init", run1)]:
+        other = _fp(a, b)
+        assert not other.same_lineage and other.p_value >= 0.01, (a, b, other.summary())
+
+
+def test_false_positive_rate_stays_near_alpha_over_unrelated_inits():
+    from sinklens.origins.init import sinklm_at_init
+    from sinklens.train.model_config import ModelConfig
+
+    cfg = ModelConfig.from_dict(dict(family="llama", n_layers=2, d_model=32, n_heads=4, d_mlp=64, n_ctx=16, d_vocab=4096))
+    feats = [final_hidden_states(sinklm_at_init(cfg, s), n_samples=300, seq_len=8, options=OPTS) for s in range(20)]
+    results = [seedprint_test(feats[i], feats[j]) for i in range(20) for j in range(i + 1, 20)]
+    positives = sum(r.same_lineage for r in results)
+    assert positives <= 6, positives  # 190 pairs at alpha = 0.01: expected 1.9; P(X > 6) < 0.005
+    zs = torch.tensor([r.z for r in results])
+    assert abs(float(zs.mean())) < 0.4 and 0.6 < float(zs.std()) < 1.5  # z is close to N(0, 1) under the null
+
+
+def test_embedding_mode_feeds_the_random_vectors(trained_runs):
+    model = load_model(trained_runs[1], check_patterns=False)
+    common = dict(n_samples=20, seq_len=8, options=OPTS)
+    emb = final_hidden_states(model, input="embedding", embedding_stats=(0.0, 1.0), **common)
+    tok = final_hidden_states(model, input="token", **common)
+    assert not torch.allclose(emb, tok)
+    # A zero-std embedding makes every sample identical: the placeholder tokens were replaced.
+    flat = final_hidden_states(model, input="embedding", embedding_stats=(0.5, 0.0), **common)
+    torch.testing.assert_close(flat, flat[:1].expand_as(flat))
+    assert _fp(model, model, input="embedding").same_lineage
+
+
+def test_features_do_not_depend_on_batch_size(trained_runs):
+    model = load_model(trained_runs[1], check_patterns=False)
+    a = final_hidden_states(model, n_samples=30, seq_len=8, options=RunOptions(batch_size=7, progress=False))
+    b = final_hidden_states(model, n_samples=30, seq_len=8, options=RunOptions(batch_size=30, progress=False))
+    torch.testing.assert_close(a, b)
+
+
+def test_different_hidden_sizes_are_a_clear_error(tiny_llama, trained_runs):
+    with pytest.raises(IncompatibleModelsError, match="d_model=16 and d_model=64"):
+        fingerprint(tiny_llama, str(trained_runs[1]), n_samples=10, seq_len=4, options=OPTS)
+
+
+def test_cli_writes_strict_json(trained_runs, tmp_path, capsys):
+    from sinklens.cli import main
+
+    out = tmp_path / "fp.json"
+    code = main(["fingerprint", f"{trained_runs[1]}@init", str(trained_runs[1]), "--samples", "300",
+                 "--seq-len", "16", "--json", str(out), "--no-progress", "--batch-size", "150"])
+    assert code == 0
+    data = json.loads(out.read_text())
+    assert data["same_lineage"] is True and data["p_value"] < 0.01 and data["n_dims"] == 64 and data["z"] > 5
+    assert "SAME lineage" in capsys.readouterr().out
+    assert main(["fingerprint", "tiny-nonexistent", str(trained_runs[1])]) == 2
