@@ -36,7 +36,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.hooks import PATTERN, Z, check_hook_names, hook_name, model_dims, resolve_layers
-from sinklens.interventions.masks import Hooks, as_positions
+from sinklens.interventions.masks import Hooks, positions_arg
 from sinklens.validate import choice
 
 Mode = Literal["amplify", "attenuate"]
@@ -81,7 +81,7 @@ def variance_calibration(
     """
     mode = choice(mode, ("amplify", "attenuate"), what="mode")  # type: ignore[assignment]
     dims = model_dims(model)
-    pos = None if positions is None else as_positions(positions, dims.n_ctx)
+    pos = None if positions is None else positions_arg(positions, dims.n_ctx)
     layer_list = resolve_layers(layers, dims.n_layers)
     names = [hook_name(layer, site) for layer in layer_list for site in (PATTERN, Z)]
     check_hook_names(model, names)
