@@ -30,7 +30,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "accepts_config_flags", False):  # `train` hands field flags (--optim.lr 3e-4) to tyro
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.config_flags = rest
     try:
         return int(args.func(args) or 0)
     except SinklensError as err:

@@ -52,3 +52,20 @@ class UnknownInterventionError(SinklensError, ValueError):
 
 class OutputNotWritableError(SinklensError, OSError):
     """An output path (``--out``, ``--json``, a run directory) that cannot be written; checked before the work."""
+
+
+# ---- trainer run directories (sinklens.train.checkpoint, sinklens.train.loop)
+class RunNotFoundError(ModelFileNotFoundError):
+    """A path that is not a sinklens run directory, or a run that has no checkpoint yet."""
+
+
+class CorruptCheckpointError(SinklensError, OSError):
+    """A checkpoint whose files are missing, truncated or fail their checksum, with no good one to fall back to."""
+
+
+class RunExistsError(SinklensError, FileExistsError):
+    """A new training run aimed at a directory that already holds a run (pass resume or overwrite)."""
+
+
+class TrainingDivergedError(SinklensError, RuntimeError):
+    """A training step whose loss or gradient norm is NaN or infinite (the last finite checkpoint is kept)."""

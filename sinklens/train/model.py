@@ -47,11 +47,28 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from sinklens.errors import SequenceTooLongError
-from sinklens.train.model_config import ModelConfig
+from sinklens.errors import InvalidArgumentError, SequenceTooLongError
+from sinklens.train.config import ModelConfig
 from sinklens.train.variants import AttentionVariant, HeadwiseRMSNorm, get_attention_variant
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def next_token_loss(
+    logits: Float[Tensor, "batch pos d_vocab"], targets: Int[Tensor, "batch pos"]
+) -> Float[Tensor, ""]:
+    """The one next-token cross-entropy of the trainer: mean over every ``batch × pos`` prediction
+    of ``-log softmax(logits[b, t])[targets[b, t]]`` in nats, computed in float32.
+
+    ``logits[:, t]`` must already be aligned with ``targets[:, t]`` (the model's prediction for the
+    token that follows position ``t``). Used by :meth:`SinkLM.forward`, the training step and the
+    evaluation, so the three report the same number.
+
+    Examples:
+        >>> round(next_token_loss(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 2]])).item(), 6) == round(math.log(4), 6)
+        True
+    """
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def _no_decay(p: nn.Parameter) -> nn.Parameter:
@@ -121,7 +138,9 @@ class Attention(nn.Module):
             self.b_K = _no_decay(nn.Parameter(torch.zeros(Hkv, dh)))
             self.b_V = _no_decay(nn.Parameter(torch.zeros(Hkv, dh)))
             self.b_O = _no_decay(nn.Parameter(torch.zeros(D)))
-        self.variant: AttentionVariant = get_attention_variant(cfg.variant)(cfg, **cfg.variant_options)
+        self.variant: AttentionVariant = get_attention_variant(cfg.variant)(
+            n_heads=H, d_head=dh, d_model=D, n_ctx=cfg.n_ctx, init_std=cfg.init_std, **cfg.variant_options
+        )
         self.rotary = cfg.family == "llama"
         if self.rotary:
             inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, dh, 2, dtype=torch.float64) / dh))
@@ -276,6 +295,11 @@ class SinkLM(HookedRootModule):
         super().__init__()
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"SinkLM needs a ModelConfig, got {type(cfg).__name__}.")
+        if cfg.d_vocab == "auto":
+            raise InvalidArgumentError(
+                "model.d_vocab='auto' must be resolved to the data's vocabulary before the model is built "
+                "(sinklens.train.loop.train does it); pass a number to build a SinkLM directly."
+            )
         self.cfg = cfg
         self.tokenizer: Any = None
         self.embed = nn.Module()
@@ -349,7 +373,7 @@ class SinkLM(HookedRootModule):
         logits = x @ self.W_E.to(x.dtype).T
         if return_type == "logits":
             return logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+        loss = next_token_loss(logits[:, :-1], tokens[:, 1:])
         if return_type == "loss":
             return loss
         if return_type == "both":

@@ -99,9 +99,9 @@ def test_resolve_interventions_errors(tmp_path):
     from sinklens.train.model import SinkLM
 
     model = SinkLM(build_cfg().model)
-    hooks = resolve_interventions(model, ["masks.restart:positions=4,layers=[1]"])
+    hooks = resolve_interventions(model, ["restart:positions=4,layers=[1]"])  # the one intervention registry
     assert [name for name, _ in hooks] == [hook_name(1, SCORES)]
-    with pytest.raises(ValueError, match="Unknown training intervention 'explode'"):
+    with pytest.raises(ValueError, match="Unknown intervention 'explode'"):
         resolve_interventions(model, ["explode:k=1"])
     with pytest.raises(ValueError, match="not of the form key=value"):
         resolve_interventions(model, ["restart:16"])
