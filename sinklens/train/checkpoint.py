@@ -14,7 +14,7 @@ A run directory holds::
 Writing a checkpoint (:func:`save_checkpoint`): the files go into a fresh temporary directory
 ``checkpoints/.tmp-step-N-...``, are fsynced, ``manifest.json`` is written last, the directory is
 renamed to ``step-N`` and fsynced, and only then is ``checkpoint.json`` replaced atomically to name
-it. The previous step directory is kept as a fallback; older ones are deleted after the switch.
+it. The newest earlier step directory is kept as a fallback; older ones are deleted after the switch.
 A process killed at any point therefore leaves either the old checkpoint or the new one current,
 never a mix. Reading (:func:`load_run`) verifies the manifest's sizes and checksums; if the current
 checkpoint is broken it falls back, with a warning, to the newest good earlier one, and raises
@@ -136,12 +136,12 @@ def save_checkpoint(
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is not None and not (run_dir / TOKENIZER).is_dir():
         tokenizer.save_pretrained(str(run_dir / TOKENIZER))
-    previous = _pointer(run_dir)
     write_json(run_dir / POINTER, {"format": 2, "step": step, "dir": f"{CHECKPOINTS}/{final.name}"}, digits=None)
     _fsync_dir(run_dir)
-    keep = {final.name} | ({previous[1].name} if previous is not None else set())
-    for path in root.iterdir():  # keep the new checkpoint and the one before it
-        if _STEP_DIR.match(path.name) and path.name not in keep:
+    earlier = [p for s, p in _step_dirs(run_dir) if s < step]
+    keep = {final.name} | ({earlier[0].name} if earlier else set())
+    for _, path in _step_dirs(run_dir):  # keep the new checkpoint and the newest one before it
+        if path.name not in keep:
             shutil.rmtree(path, ignore_errors=True)
     return final
 
