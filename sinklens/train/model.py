@@ -110,11 +110,6 @@ class LayerNorm(nn.Module):
         return self.hook_normalized(((xf / scale).to(x.dtype) * self.w.to(x.dtype)) + self.b.to(x.dtype))
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class Attention(nn.Module):
     """Causal multi-head (grouped-query) attention with TransformerLens parameters and hooks.
 
@@ -148,6 +143,9 @@ class Attention(nn.Module):
             angles = torch.cat([angles, angles], dim=-1)  # (n_ctx, d_head), rotate-half convention
             self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
             self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
+            # rotate_half(x) * sin == roll(x, d_head/2) * signed_sin: one kernel instead of neg + cat
+            signed = torch.cat([-angles[:, : dh // 2].sin(), angles[:, dh // 2 :].sin()], dim=-1)
+            self.register_buffer("rope_signed_sin", signed.float(), persistent=False)
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
@@ -161,16 +159,24 @@ class Attention(nn.Module):
             setattr(self, site, HookPoint())
 
     def _rope(self, x: Tensor) -> Tensor:
+        """``x·cos + rotate_half(x)·sin`` (rotate-half convention), ``rotate_half(x)·sin`` computed as
+        ``roll(x, d_head/2)·signed_sin``."""
         T = x.shape[1]
         cos = self.rope_cos[:T, None, :].to(x.dtype)
-        sin = self.rope_sin[:T, None, :].to(x.dtype)
-        return x * cos + _rotate_half(x) * sin
+        sin = self.rope_signed_sin[:T, None, :].to(x.dtype)
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
     def project(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries ``[batch, pos, head, d_head]`` and keys/values ``[batch, pos, kv_head, d_head]``, hooked."""
-        q = torch.einsum("bpd,hdk->bphk", x, self.W_Q.to(x.dtype))
-        k = torch.einsum("bpd,hdk->bphk", x, self.W_K.to(x.dtype))
-        v = torch.einsum("bpd,hdk->bphk", x, self.W_V.to(x.dtype))
+        """Queries ``[batch, pos, head, d_head]`` and keys/values ``[batch, pos, kv_head, d_head]``, hooked.
+
+        One matmul for all three: ``x @ [W_Q | W_K | W_V]`` (the weights laid side by side as
+        ``[d_model, (head + 2·kv_head)·d_head]``), then split.
+        """
+        B, T, D = x.shape
+        H, Hkv = self.cfg.n_heads, self.cfg.n_key_value_heads
+        w = torch.cat([self.W_Q, self.W_K, self.W_V], dim=0).to(x.dtype)  # (H + 2Hkv, D, dh)
+        qkv = (x @ w.transpose(0, 1).reshape(D, -1)).view(B, T, H + 2 * Hkv, -1)  # (B, T, H + 2Hkv, dh)
+        q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
         if self.has_bias:
             q, k, v = q + self.b_Q.to(q.dtype), k + self.b_K.to(k.dtype), v + self.b_V.to(v.dtype)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
@@ -208,7 +214,8 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         z = self.hook_z(self.aggregate(q, k, v, explicit=self.needs_explicit()))
         z = self.variant.transform_z(z, x, self)
-        out = torch.einsum("bphk,hkd->bpd", z, self.W_O.to(z.dtype))
+        B, T = z.shape[:2]
+        out = z.reshape(B, T, -1) @ self.W_O.to(z.dtype).flatten(0, 1)  # (B, T, H·dh) @ (H·dh, D)
         return out + self.b_O.to(out.dtype) if self.has_bias else out
 
 
