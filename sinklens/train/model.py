@@ -368,7 +368,7 @@ class SinkLM(HookedRootModule):
                 f"Sequence length {T} exceeds the model's context window n_ctx={self.cfg.n_ctx}; "
                 f"pass at most {self.cfg.n_ctx} tokens per sequence."
             )
-        resid = self.hook_embed(self.W_E[tokens])
+        resid = self.hook_embed(F.embedding(tokens, self.W_E))  # = W_E[tokens], with a dense backward kernel
         if self.cfg.family == "gpt2":
             resid = resid + self.hook_pos_embed(self.W_pos[:T].to(resid.dtype).expand_as(resid))
         resid = self.dropout(resid)
