@@ -110,3 +110,21 @@ def test_resolve_interventions_errors(tmp_path):
 def test_vocab_and_batch_errors():
     with pytest.raises(ValueError, match="set model.d_vocab=40"):
         train(build_cfg(data={"vocab_size": 40}), progress=False)
+
+
+def test_auto_vocab_is_resolved_once_from_the_data(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the sink is the first token. " * 200)
+    built = []
+    original = loop.build_source
+    monkeypatch.setattr(loop, "build_source", lambda *a, **k: built.append(1) or original(*a, **k))
+    cfg = build_cfg(steps=2, model={"d_vocab": "auto"},
+                    data={"source": "text", "path": str(corpus), "cache_dir": str(tmp_path / "c"), "vocab_size": None})
+    result = train(cfg, out_dir=tmp_path / "run", progress=False)
+    assert len(built) == 1  # the data source (which may train a BPE) is built once
+    assert result.model.cfg.d_vocab == 257  # 256 bytes + <|endoftext|>
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["d_vocab"] == 257
+    with pytest.raises(ValueError, match="d_vocab='auto' must be resolved"):
+        from sinklens.train.model import SinkLM
+
+        SinkLM(cfg.model)
