@@ -5,6 +5,7 @@ Modes::
     python benchmarks/bench_train.py throughput [--steps 20]        # CPU, one process, side by side
     python benchmarks/bench_train.py throughput --gpu               # 124M Llama-style, seq 1024, bf16
     python benchmarks/bench_train.py convergence [--steps 300 --seeds 0 1 2]
+    python benchmarks/bench_train.py headnorm --theirs PATH [--repeats 3 --steps 12 --compile]
 
 ``throughput`` times the sinklens trainer's step (``forward_backward`` + clip + AdamW, the code
 :func:`sinklens.train.loop.train` runs) against a minimal PyTorch Llama-style loop written here
@@ -14,6 +15,13 @@ it reports tokens/s and the ratio, for ``baseline`` and ``headwise_rms``. Warm-u
 ``convergence`` trains baseline and headwise_rms on the same offline text (the Python standard
 library's ``*.py`` sources, byte tokenizer) for several seeds and reports the steps each needs to
 reach the baseline's final loss; the figure goes to ``assets/train_convergence.png``.
+``headnorm`` runs the head-wise RMSNorm authors' own trainer (``train.py`` of a checkout of
+Siquan-Li/Head-wise-RMSNorm at ``--theirs``, run from a temporary folder, never copied here) and
+``sinklens train`` alternately as separate processes at their CPU configuration (4 layers, 4 heads,
+d_model 256, SwiGLU 1024, sequence 256, batch 16, vocabulary 512, fp32, HeadNorm on, no eval),
+both on the same random nanoGPT-style ``train.bin``; it reports each run's median tokens/s over
+the steps after ``--warmup``, the medians over repeats, their ratio, and (with ``--compile``,
+which compiles ours with ``torch.compile``) the first step's time, i.e. the compile time.
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ import platform
 import statistics
 import sysconfig
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -172,9 +182,85 @@ def convergence(args) -> dict:
     return summary
 
 
+# ---------------------------------------------------------------- against the authors' trainer
+def _their_run(theirs: Path, data: Path, steps: int, their_compile: bool) -> list[float]:
+    """Their train.py from a temporary folder holding links to their files; tokens/s of every step."""
+    import os
+    import re
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="headnorm-theirs-") as tmp:
+        for name in ("train.py", "model.py", "configurator.py"):
+            os.symlink(theirs / name, Path(tmp) / name)
+        (Path(tmp) / "data").mkdir()
+        os.symlink(data, Path(tmp) / "data" / "bench")
+        cmd = [sys.executable, "train.py", "--dataset=bench", "--device=cpu", f"--compile={their_compile}", "--dtype=float32",
+               "--n_layer=4", "--n_head=4", "--n_embd=256", "--intermediate_size=1024", "--block_size=256",
+               "--batch_size=16", "--gradient_accumulation_steps=1", f"--max_iters={steps - 1}", "--eval_interval=1000000",
+               "--eval_iters=1", "--log_interval=1", "--enable_headnorm=True", "--headnorm_shared_weights=False",
+               f"--out_dir={tmp}/out"]
+        done = subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, check=True)
+    ms = [float(m) for m in re.findall(r"iter \d+: loss [\d.]+, time ([\d.]+)ms", done.stdout)]
+    return [16 * 256 / (t / 1000) for t in ms]
+
+
+def _our_run(data: Path, steps: int, compile_: bool) -> list[float]:
+    """``sinklens train`` at the same configuration; tokens/s of every step (from metrics.jsonl)."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="headnorm-ours-") as tmp:
+        cmd = [sys.executable, "-m", "sinklens.cli", "train", "--preset", "headnorm-cpu", "--data", str(data),
+               "--seq-len", "256", "--batch-size", "16", "--steps", str(steps), "--device", "cpu", "--no-progress",
+               "--set", "eval.interval=0", "--set", f"compile={compile_}", "--out", f"{tmp}/run"]
+        subprocess.run(cmd, capture_output=True, text=True, check=True)
+        lines = [json.loads(x) for x in Path(tmp, "run", "metrics.jsonl").read_text().splitlines()]
+    return [x["tokens_per_s"] for x in lines if x["kind"] == "train"]
+
+
+def headnorm(args) -> dict:
+    import tempfile
+
+    import numpy as np
+
+    theirs = Path(args.theirs).expanduser().resolve()
+    if not (theirs / "train.py").is_file():
+        raise SystemExit(f"--theirs {theirs} has no train.py (a checkout of Siquan-Li/Head-wise-RMSNorm)")
+    data = Path(tempfile.mkdtemp(prefix="headnorm-data-"))
+    rng = np.random.default_rng(0)
+    rng.integers(0, 512, size=2_000_000, dtype=np.uint16).tofile(data / "train.bin")
+    rng.integers(0, 512, size=200_000, dtype=np.uint16).tofile(data / "val.bin")
+    (data / "meta.pkl").write_bytes(__import__("pickle").dumps({"vocab_size": 512}))
+    ours = ["sinklens"] + (["sinklens_compiled"] if args.compile else [])
+    runs: dict[str, list[float]] = {name: [] for name in ["theirs", *ours]}
+    first_step_s: dict[str, list[float]] = {name: [] for name in ours}
+    for repeat in range(args.repeats):  # alternate, so machine noise hits every trainer alike
+        runs["theirs"].append(statistics.median(_their_run(theirs, data, args.steps, args.their_compile)[args.warmup:]))
+        for name in ours:
+            o = _our_run(data, args.steps, name == "sinklens_compiled")
+            runs[name].append(statistics.median(o[args.warmup:]))
+            first_step_s[name].append(16 * 256 / o[0])
+        print(f"repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in runs.items())
+              + f" (first step, s: {', '.join(f'{k} {v[-1]:.1f}' for k, v in first_step_s.items())})", flush=True)
+    row: dict[str, Any] = {name: statistics.median(v) for name, v in runs.items()}
+    for name in ours:
+        row[f"ratio_{name}"] = row[name] / row["theirs"]
+    row["per_repeat"] = runs
+    row["first_step_s"] = first_step_s
+    print(json.dumps(row))
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("mode", choices=["throughput", "convergence"])
+    parser.add_argument("mode", choices=["throughput", "convergence", "headnorm"])
+    parser.add_argument("--theirs", help="headnorm: a checkout of Siquan-Li/Head-wise-RMSNorm")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compile", action="store_true", help="headnorm: sinklens train with compile=true")
+    parser.add_argument("--their-compile", action="store_true", help="headnorm: their train.py with --compile=True")
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=3)
@@ -186,6 +272,9 @@ def main() -> None:
     if args.mode == "throughput":
         args.steps = args.steps or 10
         throughput(args)
+    elif args.mode == "headnorm":
+        args.steps = args.steps or 12
+        headnorm(args)
     else:
         args.steps = args.steps or 300
         convergence(args)

@@ -94,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     unavailable = getattr(args, "_unavailable", None)
     debug = bool(getattr(args, "debug", False)) or _debug_from_env() or (unavailable is not None and "--debug" in extra)
-    if extra and unavailable is None:  # exits with 2, like parse_args, with the sub-command's usage line
+    # `train` hands field flags (--optim.lr 3e-4) to tyro; for any other command leftovers are an error
+    # (exit 2, like parse_args, with the sub-command's usage line)
+    if extra and unavailable is None and not getattr(args, "accepts_config_flags", False):
         _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
+    args.config_flags = extra
     if unavailable is not None:
         if debug:
             traceback.print_exception(type(unavailable), unavailable, unavailable.__traceback__, file=sys.stderr)

@@ -73,6 +73,27 @@ class ModelLoadError(SinklensError, RuntimeError):
     """A local model that exists and looks intact but could not be loaded (e.g. an unsupported architecture)."""
 
 
+class IncompatibleModelsError(SinklensError, ValueError):
+    """Two models that cannot be compared as asked (e.g. different hidden sizes for a SeedPrint test)."""
+
+
+# ---- trainer run directories (sinklens.train.checkpoint, sinklens.train.loop)
+class RunNotFoundError(ModelFileNotFoundError):
+    """A path that is not a sinklens run directory, or a run that has no checkpoint yet."""
+
+
+class CorruptCheckpointError(SinklensError, OSError):
+    """A checkpoint whose files are missing, truncated or fail their checksum, with no good one to fall back to."""
+
+
+class RunExistsError(SinklensError, FileExistsError):
+    """A new training run aimed at a directory that already holds a run (pass resume or overwrite)."""
+
+
+class TrainingDivergedError(SinklensError, RuntimeError):
+    """A training step whose loss or gradient norm is NaN or infinite (the last finite checkpoint is kept)."""
+
+
 #: Exit codes of the ``sinklens`` command line.
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
@@ -80,6 +101,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 # e.g. a missing model file (a FileNotFoundError, hence an OSError) is a usage error.
 _USAGE_CLASSES: tuple[type[BaseException], ...] = (
     ModelFileNotFoundError, DataFileNotFoundError, OutputNotWritableError, DeviceUnavailableError, InputFileError,
+    RunExistsError,
 )
 
 
@@ -154,7 +176,3 @@ def one_line(err: BaseException) -> str:
         text = str(err)
     text = " ".join(text.split())
     return text or type(err).__name__
-
-
-class IncompatibleModelsError(SinklensError, ValueError):
-    """Two models that cannot be compared as asked (e.g. different hidden sizes for a SeedPrint test)."""

@@ -242,10 +242,10 @@ def _is_tl_model(obj: Any) -> bool:
 
 def _is_sinklens_run(path: Path) -> bool:
     try:
-        from sinklens.train.checkpoint import has_checkpoint
+        from sinklens.train.checkpoint import is_run_dir
     except ImportError:
         return False
-    return has_checkpoint(path)
+    return is_run_dir(path)  # also an interrupted or broken run: load_trained_model names what is wrong
 
 
 def check_pattern_exposed(model: Any) -> None:

@@ -54,10 +54,12 @@ def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoot
 
 
 def run(args: argparse.Namespace) -> int:
+    from sinklens.errors import InvalidArgumentError
+    from sinklens.export import dumps
     from sinklens.plotting.training import load_metrics, plot_training
 
     if args.labels and len(args.labels) != len(args.runs):
-        raise ValueError(f"--labels has {len(args.labels)} entries for {len(args.runs)} runs.")
+        raise InvalidArgumentError(f"--labels has {len(args.labels)} entries for {len(args.runs)} runs.")
     runs = {}
     for i, run_dir in enumerate(args.runs):
         lines = load_metrics(run_dir)
@@ -72,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out) if args.out else Path(args.runs[0]) / "compare.png"
     plot_training(runs, smoothing=args.smoothing, path=out)
     if args.json:
-        print(json.dumps(rows, indent=1))
+        print(dumps(rows, digits=None, indent=1))
     else:
         print(f"target loss {rows[0]['target_loss']:.4f} (smoothed over {args.smoothing} steps)")
         for row in rows:

@@ -3,12 +3,22 @@
 Examples::
 
     sinklens train --preset tiny --variant headwise_rms --data bigram-backcopy --steps 300 --out runs/hw
-    sinklens train --config run.toml --set optim.lr=3e-4 --set data.seq_len=128 --out runs/a
-    sinklens train --data ~/corpus --set data.tokenizer=bpe --set data.vocab_size=2048 --out runs/text
+    sinklens train --config run.toml --optim.lr 3e-4 --data.seq_len 128 --out runs/a
+    sinklens train --config run.toml --set optim.lr=3e-4 --set data.seq_len=128 --out runs/a   # same
+    sinklens train --data ~/corpus --data.tokenizer bpe --data.vocab_size 2048 --out runs/text
     sinklens train --data bigram-backcopy --intervention restart:positions=16 --out runs/moved
+    sinklens train --out runs/hw --resume          # continue an interrupted run
     torchrun --nproc_per_node 2 -m sinklens.cli train ... # DDP
 
-Writes ``OUT/metrics.jsonl``, ``OUT/config.json``, the checkpoint files and ``OUT/figures/training.png``.
+Every field of the run's TrainConfig is a flag (``--optim.lr``, ``--model.n_layers``,
+``--on_nonfinite skip``...; list them with ``sinklens train --fields``), parsed from the config
+dataclasses by tyro; ``--set section.key=value`` is the same thing in the 0.1 spelling. The short
+flags below are aliases applied first; the config file (``--config``) and ``--preset`` give the
+base. An invalid value (``--optim.lr nan``, an unknown variant, an unknown intervention) is an
+error before anything runs, and an existing run directory is never replaced unless ``--resume`` or
+``--overwrite`` says so.
+
+Writes ``OUT/metrics.jsonl``, ``OUT/config.json``, the checkpoints and ``OUT/figures/training.png``.
 """
 
 from __future__ import annotations
@@ -22,85 +32,94 @@ from sinklens.train.config import DATA_SOURCES, TrainConfig, load_config
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train", help="pretrain a small LM and track its attention sinks",
                                    description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="run directory (metrics, checkpoints, figures)")
+    parser.add_argument("--out", help="run directory (metrics, checkpoints, figures); required")
     parser.add_argument("--config", help="a .json or .toml TrainConfig (flags and --set override it)")
     parser.add_argument("--preset", help="model preset of ModelConfig.from_preset (default: 'tiny' without --config)")
     parser.add_argument("--variant", help="attention variant (baseline, headwise_rms, gated, qk_norm, sigmoid, sink_logit, softpick)")
     parser.add_argument("--data", help=f"one of {list(DATA_SOURCES[:2])}, a text file/folder, a nanoGPT folder "
                                        "with train.bin, a .bin file, or hf:<dataset name>")
-    parser.add_argument("--steps", type=int)
-    parser.add_argument("--batch-size", type=int)
-    parser.add_argument("--seq-len", type=int)
-    parser.add_argument("--lr", type=float)
-    parser.add_argument("--seed", type=int, help="model init seed (the data order depends only on data.seed)")
-    parser.add_argument("--data-seed", type=int)
-    parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:1 ...")
+    parser.add_argument("--steps", help="alias of --steps of the config")
+    parser.add_argument("--batch-size", help="alias of --batch_size")
+    parser.add_argument("--seq-len", help="alias of --data.seq_len")
+    parser.add_argument("--lr", help="alias of --optim.lr")
+    parser.add_argument("--seed", help="alias of --seed: model init seed (the data order depends only on data.seed)")
+    parser.add_argument("--data-seed", help="alias of --data.seed")
+    parser.add_argument("--device", help="alias of --device: auto (default), cpu, cuda, cuda:1 ...")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config field, e.g. --set optim.lr=3e-4 (repeatable; applied last)")
     parser.add_argument("--intervention", dest="interventions", action="append", default=[], metavar="NAME:K=V,...",
-                        help="training-time intervention, e.g. restart:positions=16 (repeatable)")
-    parser.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+                        help="training-time intervention of the registry, e.g. restart:positions=16 (repeatable)")
+    run_mode = parser.add_mutually_exclusive_group()
+    run_mode.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
+    run_mode.add_argument("--overwrite", action="store_true", help="delete the run already in --out and start afresh")
+    parser.add_argument("--fields", action="store_true", help="list every config field flag (tyro) and exit")
     parser.add_argument("--no-progress", action="store_true")
-    parser.set_defaults(func=run)
+    parser.set_defaults(func=run, accepts_config_flags=True)
     return parser
 
 
 def _data_overrides(spec: str) -> list[str]:
-    """``--data`` → ``data.source`` / ``data.path`` overrides."""
+    """``--data`` → ``data.source`` / ``data.path`` overrides; text, memmap and hf data set ``model.d_vocab=auto``."""
     if spec in DATA_SOURCES:
         return [f"data.source={spec}"]
     if spec.startswith("hf:"):
-        return ["data.source=hf", f"data.path={spec[3:]}"]
+        return ["data.source=hf", f"data.path={spec[3:]}", "model.d_vocab=auto"]
     path = Path(spec).expanduser()
     if path.suffix == ".bin" or (path / "train.bin").is_file():
-        return ["data.source=memmap", f"data.path={path}"]
-    return ["data.source=text", f"data.path={path}"]
+        return ["data.source=memmap", f"data.path={path}", "model.d_vocab=auto"]
+    return ["data.source=text", f"data.path={path}", "model.d_vocab=auto"]
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
-    """The run's :class:`TrainConfig`: config file, then preset and flags, then ``--set`` overrides,
-    validated once at the end.
+    """The run's :class:`TrainConfig`: config file or preset, then the short flags and ``--set``
+    overrides, then the tyro field flags (``args.config_flags``), parsed and validated in one go.
 
-    For text, memmap and hf data ``model.d_vocab`` is set to the data's vocabulary unless
-    ``--set model.d_vocab=...`` says otherwise.
+    For text, memmap and hf data ``model.d_vocab`` is ``"auto"`` (the training loop sets it to the
+    data's vocabulary) unless a flag says otherwise.
     """
-    from sinklens.train.config import DataConfig, override_dict
-    from sinklens.train.model_config import ModelConfig
+    from sinklens.train.config import ModelConfig, overrides_to_args, parse_args
 
-    data = load_config(args.config).to_dict() if args.config else TrainConfig().to_dict()
+    base = load_config(args.config) if args.config else TrainConfig()
     if args.preset or not args.config:
-        data["model"] = ModelConfig.from_preset(args.preset or "tiny").to_dict()
-    flags = []
+        base = base.replace(model=ModelConfig.from_preset(args.preset or "tiny"))
+    sets = []
     if args.variant:
-        flags.append(f"model.variant={args.variant}")
+        sets.append(f"model.variant={args.variant}")
     if args.data:
-        flags += _data_overrides(args.data)
+        sets += _data_overrides(args.data)
     for flag, key in (("steps", "steps"), ("batch_size", "batch_size"), ("seq_len", "data.seq_len"), ("lr", "optim.lr"),
                       ("seed", "seed"), ("data_seed", "data.seed"), ("device", "device")):
         if getattr(args, flag) is not None:
-            flags.append(f"{key}={getattr(args, flag)}")
+            sets.append(f"{key}={getattr(args, flag)}")
     if args.interventions:
-        flags.append(f"interventions={list(args.interventions)!r}")
-    data = override_dict(data, flags + list(args.overrides))
-    if data["data"]["source"] in ("text", "memmap", "hf") and not any(o.startswith("model.d_vocab=") for o in args.overrides):
-        from sinklens.train.data import build_source
-
-        data["model"]["d_vocab"] = build_source(DataConfig(**data["data"])).vocab_size
-    return TrainConfig.from_dict(data)
+        sets.append(f"interventions={list(args.interventions)!r}")
+    flags, variant_options = overrides_to_args(base, sets + list(args.overrides))
+    cfg = parse_args(base, flags + list(getattr(args, "config_flags", [])))
+    if variant_options:
+        cfg = cfg.replace(model={**cfg.model.to_dict(), "variant_options": {**cfg.model.variant_options, **variant_options}})
+    return cfg
 
 
 def run(args: argparse.Namespace) -> int:
+    from sinklens.errors import InvalidArgumentError
     from sinklens.plotting.training import plot_training
     from sinklens.train.loop import train
 
+    if args.fields:
+        from sinklens.train.config import parse_args
+
+        parse_args(TrainConfig(), ["--help"])
+    if not args.out:
+        raise InvalidArgumentError("sinklens train needs --out, the run directory.")
     cfg = build_config(args)
-    result = train(cfg, out_dir=args.out, resume=args.resume, progress=not args.no_progress)
+    result = train(cfg, out_dir=args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
     out = Path(args.out)
     if result.history:
         plot_training({cfg.model.variant: result.history}, path=out / "figures" / "training.png")
     losses = result.losses()
     evals = result.evals()
-    print(f"trained {cfg.model.variant} for {cfg.steps} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if losses:
+        print(f"trained {cfg.model.variant} for {cfg.steps} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     if evals:
         last = evals[-1]
         print(

@@ -1,13 +1,28 @@
-"""Checkpoints of a training run: weights in safetensors, config in JSON, optimizer and RNG state.
+"""Run directories and checkpoints: every checkpoint is one atomic, verified unit.
 
 A run directory holds::
 
-    config.json          TrainConfig.to_dict()
-    model.safetensors    SinkLM weights (tied embeddings stored once)
-    optimizer.pt         AdamW state_dict (torch.save)
-    trainer_state.pt     step, torch/CUDA/numpy/python RNG states, grad-scaler state
-    tokenizer/           the text tokenizer (save_pretrained), when the run trained on text
-    metrics.jsonl        one JSON line per logged step / evaluation
+    config.json                 TrainConfig.to_dict() of the run
+    metrics.jsonl               one strict-JSON line per logged step / evaluation
+    tokenizer/                  the text tokenizer (save_pretrained), when the run trained on text
+    checkpoints/step-000040/    one checkpoint: model.safetensors (weights, tied embeddings once),
+                                optimizer.pt (AdamW state), trainer_state.pt (step, torch/CUDA/numpy/
+                                python RNG states, grad-scaler state), config.json, and
+                                manifest.json (step, size and SHA-256 of each of those files)
+    checkpoint.json             the pointer: which step directory is the current checkpoint
+
+Writing a checkpoint (:func:`save_checkpoint`): the files go into a fresh temporary directory
+``checkpoints/.tmp-step-N-...``, are fsynced, ``manifest.json`` is written last, the directory is
+renamed to ``step-N`` and fsynced, and only then is ``checkpoint.json`` replaced atomically to name
+it. The newest earlier step directory is kept as a fallback; older ones are deleted after the switch.
+A process killed at any point therefore leaves either the old checkpoint or the new one current,
+never a mix. Reading (:func:`load_run`) verifies the manifest's sizes and checksums; if the current
+checkpoint is broken it falls back, with a warning, to the newest good earlier one, and raises
+:class:`~sinklens.errors.CorruptCheckpointError` when none is good. :func:`clean_stale` removes
+temporary directories left by killed processes.
+
+Run directories of sinklens 0.1 (the checkpoint files directly in the run directory, no
+``checkpoint.json``) still load and resume.
 
 The data order is a pure function of ``(data.seed, step)`` (:mod:`sinklens.train.data`), so the step
 is the whole data state, and resuming reproduces the uninterrupted loss curve exactly on CPU.
@@ -15,23 +30,58 @@ is the whole data state, and resuming reproduces the uninterrupted loss curve ex
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
+import re
+import shutil
+import uuid
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from sinklens.errors import ModelFileNotFoundError
+from sinklens.errors import CorruptCheckpointError, RunNotFoundError
+from sinklens.export import write_json, write_text_atomic
 from sinklens.train.config import TrainConfig
 
 CONFIG, WEIGHTS, OPTIMIZER, STATE, TOKENIZER = "config.json", "model.safetensors", "optimizer.pt", "trainer_state.pt", "tokenizer"
+POINTER, MANIFEST, CHECKPOINTS, METRICS = "checkpoint.json", "manifest.json", "checkpoints", "metrics.jsonl"
+_STEP_DIR = re.compile(r"^step-(\d+)$")
 
 
-def _replace(tmp: Path, final: Path) -> None:
-    os.replace(tmp, final)
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. platforms without directory file descriptors
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _step_dir_name(step: int) -> str:
+    return f"step-{step:06d}"
 
 
 def save_checkpoint(
@@ -43,59 +93,232 @@ def save_checkpoint(
     step: int,
     scaler: Any = None,
 ) -> Path:
-    """Write the checkpoint files of ``model`` after ``step`` optimizer steps into ``run_dir``.
+    """Write the checkpoint of ``model`` after ``step`` optimizer steps as one atomic unit; return its directory.
 
-    Each file is written under a temporary name and renamed, so an interrupted save leaves the
-    previous checkpoint readable.
+    See the module docstring for the order of operations; the previous checkpoint stays current
+    until ``checkpoint.json`` names the new one.
     """
     from safetensors.torch import save_model
 
     run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / f".tmp-{os.getpid()}"
-    tmp.mkdir(exist_ok=True)
-    (tmp / CONFIG).write_text(json.dumps(cfg.to_dict(), indent=2))
-    save_model(model, str(tmp / WEIGHTS))
-    state = {
-        "step": step,
-        "torch_rng": torch.get_rng_state(),
-        "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        "numpy_rng": np.random.get_state(),
-        "python_rng": random.getstate(),
-        "scaler": scaler.state_dict() if scaler is not None else None,
-    }
-    torch.save(state, tmp / STATE)
-    if optimizer is not None:
-        torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
+    root = run_dir / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".tmp-{_step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        write_json(tmp / CONFIG, cfg.to_dict(), digits=None)
+        save_model(model, str(tmp / WEIGHTS))
+        state = {
+            "step": step,
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "numpy_rng": np.random.get_state(),
+            "python_rng": random.getstate(),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+        }
+        torch.save(state, tmp / STATE)
+        if optimizer is not None:
+            torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
+        names = [n for n in (CONFIG, WEIGHTS, OPTIMIZER, STATE) if (tmp / n).is_file()]
+        for name in names:
+            _fsync_file(tmp / name)
+        files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in names}
+        write_json(tmp / MANIFEST, {"format": 2, "step": step, "files": files}, digits=None)
+        _fsync_dir(tmp)
+        final = root / _step_dir_name(step)
+        if final.exists():  # an orphan from a killed process (never current: the pointer is switched last)
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(root)
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is not None and not (run_dir / TOKENIZER).is_dir():
         tokenizer.save_pretrained(str(run_dir / TOKENIZER))
-    for name in (CONFIG, WEIGHTS, OPTIMIZER, STATE):  # trainer_state last: it marks a complete checkpoint
-        if (tmp / name).exists():
-            _replace(tmp / name, run_dir / name)
-    tmp.rmdir()
-    return run_dir
+    write_json(run_dir / POINTER, {"format": 2, "step": step, "dir": f"{CHECKPOINTS}/{final.name}"}, digits=None)
+    _fsync_dir(run_dir)
+    earlier = [p for s, p in _step_dirs(run_dir) if s < step]
+    keep = {final.name} | ({earlier[0].name} if earlier else set())
+    for _, path in _step_dirs(run_dir):  # keep the new checkpoint and the newest one before it
+        if path.name not in keep:
+            shutil.rmtree(path, ignore_errors=True)
+    return final
+
+
+def _pointer(run_dir: Path) -> tuple[int, Path] | None:
+    """``(step, directory)`` named by ``checkpoint.json``, or None if there is none or it is unreadable."""
+    try:
+        data = json.loads((run_dir / POINTER).read_text())
+        return int(data["step"]), run_dir / str(data["dir"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def verify_checkpoint(path: str | Path) -> str | None:
+    """None if the step directory ``path`` is complete and every file matches its manifest, else what is wrong."""
+    path = Path(path)
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+        files = manifest["files"]
+    except FileNotFoundError:
+        return f"{path} has no {MANIFEST} (an unfinished write)"
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return f"{path / MANIFEST} is unreadable ({err})"
+    for name in (WEIGHTS, STATE):
+        if name not in files:
+            return f"{path / MANIFEST} lists no {name}"
+    for name, meta in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{file} is missing"
+        if file.stat().st_size != meta["bytes"]:
+            return f"{file} has {file.stat().st_size} bytes, the manifest says {meta['bytes']} (truncated?)"
+        if _sha256(file) != meta["sha256"]:
+            return f"{file} fails its SHA-256 checksum"
+    return None
+
+
+@dataclass(frozen=True)
+class RunCheckpoint:
+    """A verified checkpoint of a run directory (what :func:`load_run` returns).
+
+    Attributes:
+        run_dir: the run directory.
+        path: the folder holding ``model.safetensors``, ``trainer_state.pt`` and ``optimizer.pt``
+            (the run directory itself for a sinklens 0.1 run).
+        step: optimizer steps done when it was written.
+        config: the run's :class:`TrainConfig`.
+    """
+
+    run_dir: Path
+    path: Path
+    step: int
+    config: TrainConfig
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """True if ``path`` holds a sinklens training run (finished, interrupted, or 0.1-style).
+
+    A run is recognised by ``checkpoint.json``, a ``checkpoints/`` folder, a ``metrics.jsonl``, or a
+    ``config.json`` that is a :class:`TrainConfig` (keys ``model``, ``optim``, ``data``).
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    if (path / POINTER).exists() or (path / CHECKPOINTS).is_dir() or (path / METRICS).is_file():
+        return True
+    try:
+        data = json.loads((path / CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and {"model", "optim", "data"} <= set(data)
+
+
+def _legacy_checkpoint(run_dir: Path) -> bool:
+    return all((run_dir / name).is_file() for name in (WEIGHTS, STATE))
 
 
 def has_checkpoint(run_dir: str | Path) -> bool:
-    """True if ``run_dir`` holds a complete checkpoint to resume from."""
-    return all((Path(run_dir) / name).is_file() for name in (CONFIG, WEIGHTS, STATE))
+    """True if ``run_dir`` names a checkpoint to resume from (not yet verified: :func:`load_run` does that)."""
+    run_dir = Path(run_dir)
+    return _pointer(run_dir) is not None or any(_step_dirs(run_dir)) or _legacy_checkpoint(run_dir)
+
+
+def _step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
+    root = run_dir / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return sorted(found, reverse=True)
+
+
+def load_train_config(run_dir: str | Path) -> TrainConfig:
+    """The :class:`TrainConfig` a run was trained with (its ``config.json``)."""
+    path = Path(run_dir) / CONFIG
+    if not path.is_file():
+        raise RunNotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG}.")
+    try:
+        data = json.loads(path.read_text())
+    except ValueError as err:
+        raise CorruptCheckpointError(f"{str(path)!r} is not valid JSON ({err}).") from None
+    return TrainConfig.from_dict(data)
+
+
+def load_run(run_dir: str | Path) -> RunCheckpoint:
+    """The newest good checkpoint of a run directory, verified against its manifest.
+
+    Falls back (with a ``UserWarning``) to an earlier complete checkpoint when the current one is
+    broken.
+
+    Raises:
+        RunNotFoundError: ``run_dir`` is not a run directory, or the run stopped before its first
+            checkpoint.
+        CorruptCheckpointError: every checkpoint it holds is broken (the message lists why).
+    """
+    run_dir = Path(run_dir)
+    if not is_run_dir(run_dir):
+        raise RunNotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG} or {POINTER}.")
+    pointer = _pointer(run_dir)
+    candidates = _step_dirs(run_dir)
+    if pointer is not None:
+        candidates = [pointer] + [(s, p) for s, p in candidates if s < pointer[0]]
+    problems: list[str] = []
+    for step, path in candidates:
+        problem = verify_checkpoint(path)
+        if problem is None:
+            if problems:
+                warnings.warn(
+                    f"The current checkpoint of {str(run_dir)!r} is broken ({problems[0]}); using the earlier "
+                    f"checkpoint of step {step} instead.",
+                    stacklevel=2,
+                )
+            return RunCheckpoint(run_dir, path, step, load_train_config(path))
+        problems.append(problem)
+    if not problems and _legacy_checkpoint(run_dir):  # a sinklens 0.1 run directory
+        state = _torch_load(run_dir / STATE)
+        return RunCheckpoint(run_dir, run_dir, int(state["step"]), load_train_config(run_dir))
+    if problems:
+        raise CorruptCheckpointError(f"No good checkpoint in {str(run_dir)!r}: {'; '.join(problems)}.")
+    if (run_dir / POINTER).exists():
+        raise CorruptCheckpointError(f"{str(run_dir / POINTER)!r} is unreadable and no checkpoint folder is left.")
+    raise RunNotFoundError(
+        f"The run in {str(run_dir)!r} has no checkpoint yet (it stopped before its first one was written); "
+        f"train it again, or with --resume after a checkpoint exists."
+    )
+
+
+def _torch_load(path: Path, **kwargs: Any) -> Any:
+    try:
+        return torch.load(path, weights_only=False, **kwargs)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{str(path)!r} is missing.") from None
+    except Exception as err:  # a truncated or foreign file
+        raise CorruptCheckpointError(f"{str(path)!r} cannot be read ({type(err).__name__}: {err}).") from None
+
+
+def _load_weights(model: Any, path: Path, device: str) -> None:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_model
+
+    try:
+        load_model(model, str(path), device=device)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{str(path)!r} is missing.") from None
+    except (SafetensorError, RuntimeError, OSError) as err:
+        raise CorruptCheckpointError(f"{str(path)!r} cannot be loaded ({type(err).__name__}: {err}).") from None
 
 
 def load_checkpoint(
     run_dir: str | Path, *, model: Any, optimizer: torch.optim.Optimizer | None = None, scaler: Any = None
 ) -> int:
-    """Restore weights, optimizer, grad-scaler and RNG states in place; return the step to resume at."""
-    from safetensors.torch import load_model
-
-    run_dir = Path(run_dir)
-    if not has_checkpoint(run_dir):
-        raise ModelFileNotFoundError(f"No checkpoint in {str(run_dir)!r} (expected {CONFIG}, {WEIGHTS}, {STATE}).")
+    """Restore weights, optimizer, grad-scaler and RNG states from :func:`load_run`; return the step to resume at."""
+    ckpt = load_run(run_dir)
     device = next(model.parameters()).device
-    load_model(model, str(run_dir / WEIGHTS), device=str(device))
-    if optimizer is not None and (run_dir / OPTIMIZER).is_file():
-        optimizer.load_state_dict(torch.load(run_dir / OPTIMIZER, map_location=device, weights_only=False))
-    state = torch.load(run_dir / STATE, weights_only=False)
+    _load_weights(model, ckpt.path / WEIGHTS, str(device))
+    if optimizer is not None and (ckpt.path / OPTIMIZER).is_file():
+        optimizer.load_state_dict(_torch_load(ckpt.path / OPTIMIZER, map_location=device))
+    state = _torch_load(ckpt.path / STATE)
     torch.set_rng_state(state["torch_rng"])
     if state["cuda_rng"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda_rng"])
@@ -106,36 +329,62 @@ def load_checkpoint(
     return int(state["step"])
 
 
-def load_train_config(run_dir: str | Path) -> TrainConfig:
-    """The :class:`TrainConfig` a run was trained with (its ``config.json``)."""
-    path = Path(run_dir) / CONFIG
-    if not path.is_file():
-        raise ModelFileNotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG}.")
-    return TrainConfig.from_dict(json.loads(path.read_text()))
+def clean_stale(run_dir: str | Path) -> list[Path]:
+    """Remove what killed processes left in a run directory; return what was removed.
+
+    Temporary checkpoint folders (``checkpoints/.tmp-*``, ``.tmp-*`` of sinklens 0.1) and step
+    folders newer than the current checkpoint (renamed but never made current).
+    """
+    run_dir = Path(run_dir)
+    removed = [p for p in run_dir.glob(".tmp-*")] + [p for p in (run_dir / CHECKPOINTS).glob(".tmp-*")]
+    pointer = _pointer(run_dir)
+    if pointer is not None:
+        removed += [p for s, p in _step_dirs(run_dir) if s > pointer[0]]
+    for path in removed:
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+    return removed
+
+
+def clear_run(run_dir: str | Path) -> None:
+    """Delete a run's checkpoints, metrics and tokenizer (for ``overwrite=True``); other files stay."""
+    run_dir = Path(run_dir)
+    for name in (POINTER, CONFIG, METRICS, WEIGHTS, OPTIMIZER, STATE):
+        (run_dir / name).unlink(missing_ok=True)
+    for name in (CHECKPOINTS, TOKENIZER):
+        shutil.rmtree(run_dir / name, ignore_errors=True)
+    clean_stale(run_dir)
+
+
+def write_metrics(run_dir: str | Path, lines: list[dict[str, Any]]) -> None:
+    """Replace ``metrics.jsonl`` atomically with ``lines`` (strict JSON, one per line)."""
+    from sinklens.export import json_line
+
+    write_text_atomic(Path(run_dir) / METRICS, "".join(json_line(line) + "\n" for line in lines))
 
 
 def load_trained_model(run_dir: str | Path, device: str | torch.device | None = None) -> Any:
     """Load a trained :class:`~sinklens.train.model.SinkLM` from a run directory, in eval mode.
 
-    The model gets its text tokenizer as ``model.tokenizer`` (a ``PreTrainedTokenizerFast``) when the
-    run trained on text, so analyzers accept strings; synthetic-task models take token tensors.
-    ``model.train_config`` is the run's :class:`TrainConfig`.
-    """
-    from safetensors.torch import load_model
+    Uses the newest good checkpoint (:func:`load_run`). The model gets its text tokenizer as
+    ``model.tokenizer`` (a ``PreTrainedTokenizerFast``) when the run trained on text, so analyzers
+    accept strings; synthetic-task models take token tensors. ``model.train_config`` is the run's
+    :class:`TrainConfig`.
 
+    Raises:
+        RunNotFoundError: not a run directory, or no checkpoint written yet.
+        CorruptCheckpointError: no checkpoint passes verification.
+    """
     from sinklens.train.model import SinkLM
 
-    run_dir = Path(run_dir)
-    cfg = load_train_config(run_dir)
-    if not (run_dir / WEIGHTS).is_file():
-        raise ModelFileNotFoundError(f"{str(run_dir)!r} has a {CONFIG} but no {WEIGHTS} (the run saved no checkpoint).")
+    ckpt = load_run(run_dir)
+    cfg = ckpt.config
     model = SinkLM(cfg.model)
     device = torch.device(device) if device is not None else torch.device("cpu")
     model.to(device)
-    load_model(model, str(run_dir / WEIGHTS), device=str(device))
-    if (run_dir / TOKENIZER).is_dir():
+    _load_weights(model, ckpt.path / WEIGHTS, str(device))
+    if (ckpt.run_dir / TOKENIZER).is_dir():
         from sinklens.train.tokenizer import load_tokenizer
 
-        model.tokenizer = load_tokenizer(str(run_dir / TOKENIZER))
+        model.tokenizer = load_tokenizer(str(ckpt.run_dir / TOKENIZER))
     model.train_config = cfg
     return model.eval()

@@ -1,9 +1,15 @@
-"""Training configuration: nested dataclasses, loadable from JSON/TOML, overridable with ``key=value``.
+"""Training configuration: one module of nested dataclasses, read from JSON/TOML, set from the command line.
 
 ``TrainConfig(model=ModelConfig, optim=OptimConfig, data=DataConfig, eval=EvalConfig, ...)``. Every
-part validates itself in ``__post_init__`` and round-trips through ``to_dict``/``from_dict`` (a
-checkpoint's ``config.json`` is exactly ``TrainConfig.to_dict()``). Unknown keys raise, naming the
-known ones.
+part validates itself in ``__post_init__`` with :mod:`sinklens.validate` (a NaN learning rate, an
+unknown mode or a wrong type is an :class:`~sinklens.errors.InvalidArgumentError` naming the field
+and the bad value) and round-trips through ``to_dict``/``from_dict`` (a run's ``config.json`` is
+exactly ``TrainConfig.to_dict()``; ``config.json`` files of sinklens 0.1 still load). Unknown keys
+raise, naming the known ones.
+
+Command-line values are parsed by `tyro <https://brentyi.github.io/tyro/>`_ from these dataclasses
+(:func:`parse_args`); :func:`apply_overrides` turns ``"section.key=value"`` strings (``--set``) into
+the same arguments, so there is one parser and no hand-written type coercion.
 
 Examples:
     >>> cfg = TrainConfig.from_dict({"steps": 10, "optim": {"lr": 1e-3}})
@@ -12,33 +18,170 @@ Examples:
     (0.0003, 1, 'markov')
     >>> TrainConfig.from_dict(cfg.to_dict()) == cfg
     True
+    >>> apply_overrides(cfg, ["optim.lr=nan"])
+    Traceback (most recent call last):
+    ...
+    sinklens.errors.InvalidArgumentError: Invalid config ...optim.lr must be a finite number, got nan...
 """
 
 from __future__ import annotations
 
 import ast
+import contextlib
 import dataclasses
+import io
 import json
+import re
+import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from sinklens.train.model_config import ModelConfig
+from sinklens.errors import InvalidArgumentError
+from sinklens.train.variants import get_attention_variant
+from sinklens.validate import as_int, choice, finite_number, positive_int
 
+Family = Literal["llama", "gpt2"]
+DType = Literal["float32", "bfloat16", "float16", "float64"]
 DataSource = Literal["bigram-backcopy", "markov", "text", "memmap", "hf"]
 TokenizerKind = Literal["byte", "bpe"]
-DATA_SOURCES: tuple[str, ...] = ("bigram-backcopy", "markov", "text", "memmap", "hf")
+Autocast = Literal["bfloat16", "float16", "none"]
+OnNonFinite = Literal["stop", "skip"]
+DATA_SOURCES: tuple[str, ...] = typing.get_args(DataSource)
+
+#: Size/architecture presets for :meth:`ModelConfig.from_preset`. ``tiny`` runs in tests on a CPU;
+#: ``124m`` is the GPT-2-small shape (12 layers, d_model 768, 12 heads, n_ctx 1024, 50304 vocab,
+#: i.e. GPT-2's 50257 padded to a multiple of 64); ``124m-gpt2`` is the same with GPT-2 blocks;
+#: ``headnorm-cpu`` is the CPU configuration of the head-wise RMSNorm authors' comparison
+#: (4 layers, 4 heads, d_model 256, SwiGLU 1024, context 256, vocabulary 512, HeadNorm on).
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(family="llama", n_layers=2, d_model=64, n_heads=4, n_ctx=128, d_vocab=256),
+    "tiny-gpt2": dict(family="gpt2", n_layers=2, d_model=64, n_heads=4, n_ctx=128, d_vocab=256),
+    "small": dict(family="llama", n_layers=4, d_model=256, n_heads=4, n_ctx=256, d_vocab=50304),
+    "medium": dict(family="llama", n_layers=8, d_model=512, n_heads=8, n_ctx=512, d_vocab=50304),
+    "124m": dict(family="llama", n_layers=12, d_model=768, n_heads=12, n_ctx=1024, d_vocab=50304),
+    "124m-gpt2": dict(family="gpt2", n_layers=12, d_model=768, n_heads=12, n_ctx=1024, d_vocab=50304),
+    "headnorm-cpu": dict(family="llama", n_layers=4, d_model=256, n_heads=4, d_mlp=1024, n_ctx=256, d_vocab=512,
+                         variant="headwise_rms"),
+}
 
 
 def _check_unknown(cls: type, data: dict[str, Any]) -> None:
+    if not isinstance(data, dict):
+        raise InvalidArgumentError(f"{cls.__name__} must be given as a mapping of its fields, got {data!r}.")
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise ValueError(f"Unknown {cls.__name__} keys {unknown}; known keys are {sorted(known)}.")
+        raise InvalidArgumentError(f"Unknown {cls.__name__} keys {unknown}; known keys are {sorted(known)}.")
+
+
+def _optional_int(value: Any, *, what: str, minimum: int = 1) -> int | None:
+    return None if value is None else positive_int(value, what=what, minimum=minimum)
+
+
+def _is_float_field(cls: type, name: str) -> bool:
+    hint = str(next(f.type for f in fields(cls) if f.name == name))
+    return "float" in hint and "int" not in hint
+
+
+class _Part:
+    """``to_dict``/``from_dict`` shared by every config dataclass (ints given for float fields become floats)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Any:
+        _check_unknown(cls, data)
+        data = {
+            k: float(v) if isinstance(v, int) and not isinstance(v, bool) and _is_float_field(cls, k) else v
+            for k, v in data.items()
+        }
+        return cls(**data)
 
 
 @dataclass
-class OptimConfig:
+class ModelConfig(_Part):
+    """Shape and attention variant of a :class:`sinklens.train.model.SinkLM`.
+
+    ``family="llama"``: RMSNorm, SwiGLU, RoPE, tied embeddings, optional GQA (``n_kv_heads``).
+    ``family="gpt2"``: LayerNorm, GELU, learned positions, tied embeddings.
+    ``variant`` names an attention variant registered in :mod:`sinklens.train.variants`;
+    ``variant_options`` are passed to it (e.g. ``{"gain": "per_head", "init": "first_token"}``) and
+    checked when the model is built. ``d_vocab="auto"`` takes the vocabulary of the training data
+    (resolved once, by :func:`sinklens.train.loop.train`). ``dtype`` is stored as a string so the
+    config stays JSON.
+    """
+
+    family: Family = "llama"
+    n_layers: int = 2
+    d_model: int = 64
+    n_heads: int = 4
+    n_kv_heads: int | None = None
+    d_mlp: int | None = None
+    n_ctx: int = 128
+    d_vocab: int | Literal["auto"] = 256
+    variant: str = "baseline"
+    variant_options: dict[str, Any] = field(default_factory=dict)
+    rope_base: float = 10000.0
+    norm_eps: float = 1e-6
+    dropout: float = 0.0
+    init_std: float = 0.02
+    dtype: DType = "float32"
+
+    def __post_init__(self) -> None:
+        self.family = choice(self.family, typing.get_args(Family), what="model.family")
+        for name in ("n_layers", "d_model", "n_heads", "n_ctx"):
+            setattr(self, name, positive_int(getattr(self, name), what=f"model.{name}"))
+        if self.d_vocab != "auto":
+            self.d_vocab = positive_int(self.d_vocab, what="model.d_vocab (or 'auto')")
+        if self.d_model % self.n_heads:
+            raise InvalidArgumentError(
+                f"n_heads={self.n_heads} does not divide d_model={self.d_model}; pick n_heads among "
+                f"{[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}."
+            )
+        self.n_kv_heads = self.n_heads if self.n_kv_heads is None else positive_int(self.n_kv_heads, what="model.n_kv_heads")
+        if self.n_heads % self.n_kv_heads:
+            raise InvalidArgumentError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}.")
+        if self.d_mlp is None:
+            self.d_mlp = 4 * self.d_model if self.family == "gpt2" else int(8 * self.d_model / 3 / 8 + 0.999) * 8
+        self.d_mlp = positive_int(self.d_mlp, what="model.d_mlp")
+        if self.family == "llama" and self.d_head % 2:
+            raise InvalidArgumentError(f"RoPE needs an even head width; d_model/n_heads = {self.d_head}.")
+        self.rope_base = finite_number(self.rope_base, what="model.rope_base", low=0.0, low_open=True)
+        self.norm_eps = finite_number(self.norm_eps, what="model.norm_eps", low=0.0, low_open=True)
+        self.dropout = finite_number(self.dropout, what="model.dropout", low=0.0, high=1.0, high_open=True)
+        self.init_std = finite_number(self.init_std, what="model.init_std", low=0.0, low_open=True)
+        self.dtype = choice(self.dtype, typing.get_args(DType), what="model.dtype")
+        if not isinstance(self.variant_options, dict):
+            raise InvalidArgumentError(f"model.variant_options must be a mapping, got {self.variant_options!r}.")
+        get_attention_variant(self.variant).check_options(self.variant_options)  # names here; values at build
+
+    @property
+    def d_head(self) -> int:
+        """Width of one attention head, ``d_model // n_heads``."""
+        return self.d_model // self.n_heads
+
+    @property
+    def n_key_value_heads(self) -> int:
+        """Alias of ``n_kv_heads`` (the name TransformerLens 4.x uses)."""
+        return int(self.n_kv_heads or self.n_heads)
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
+        """A config from :data:`PRESETS` with some fields replaced.
+
+        Examples:
+            >>> ModelConfig.from_preset("tiny", variant="headwise_rms").d_head
+            16
+        """
+        if name not in PRESETS:
+            raise InvalidArgumentError(f"Unknown model preset {name!r}; known presets are {sorted(PRESETS)}.")
+        return cls.from_dict({**PRESETS[name], **overrides})
+
+
+@dataclass
+class OptimConfig(_Part):
     """AdamW with linear warmup then cosine decay to ``min_lr`` (see :func:`sinklens.train.loop.get_lr`).
 
     Attributes:
@@ -48,7 +191,8 @@ class OptimConfig:
         decay_steps: step where the cosine reaches ``min_lr`` (None: the run's total ``steps``).
         weight_decay: decoupled weight decay, applied only to parameters with >= 2 dimensions.
         grad_clip: clip the global gradient norm to this value (0 disables clipping).
-        fused: use fused AdamW when available (CUDA) — None decides automatically.
+        fused: AdamW implementation: None picks fused on CUDA and the multi-tensor ``foreach`` one
+            elsewhere; True forces fused, False the ``foreach`` one.
     """
 
     lr: float = 1e-3
@@ -63,19 +207,20 @@ class OptimConfig:
     fused: bool | None = None
 
     def __post_init__(self) -> None:
-        if not self.lr > 0:
-            raise ValueError(f"optim.lr must be > 0, got {self.lr}.")
-        if self.min_lr is not None and not 0 <= self.min_lr <= self.lr:
-            raise ValueError(f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}.")
-        if self.warmup_steps < 0:
-            raise ValueError(f"optim.warmup_steps must be >= 0, got {self.warmup_steps}.")
-        if self.decay_steps is not None and self.decay_steps < 1:
-            raise ValueError(f"optim.decay_steps must be >= 1 or None, got {self.decay_steps}.")
-        if self.weight_decay < 0 or self.grad_clip < 0:
-            raise ValueError(f"weight_decay and grad_clip must be >= 0, got {self.weight_decay}, {self.grad_clip}.")
-        for name in ("beta1", "beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"optim.{name} must be in [0, 1), got {getattr(self, name)}.")
+        self.lr = finite_number(self.lr, what="optim.lr", low=0.0, low_open=True)
+        if self.min_lr is not None:
+            self.min_lr = finite_number(self.min_lr, what="optim.min_lr")
+            if not 0 <= self.min_lr <= self.lr:
+                raise InvalidArgumentError(f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}.")
+        self.warmup_steps = positive_int(self.warmup_steps, what="optim.warmup_steps", minimum=0)
+        self.decay_steps = _optional_int(self.decay_steps, what="optim.decay_steps")
+        self.weight_decay = finite_number(self.weight_decay, what="optim.weight_decay", low=0.0)
+        self.grad_clip = finite_number(self.grad_clip, what="optim.grad_clip", low=0.0)
+        self.beta1 = finite_number(self.beta1, what="optim.beta1", low=0.0, high=1.0, high_open=True)
+        self.beta2 = finite_number(self.beta2, what="optim.beta2", low=0.0, high=1.0, high_open=True)
+        self.eps = finite_number(self.eps, what="optim.eps", low=0.0, low_open=True)
+        if self.fused is not None and not isinstance(self.fused, bool):
+            raise InvalidArgumentError(f"optim.fused must be true, false or none, got {self.fused!r}.")
 
     @property
     def final_lr(self) -> float:
@@ -84,7 +229,7 @@ class OptimConfig:
 
 
 @dataclass
-class DataConfig:
+class DataConfig(_Part):
     """Where training sequences come from (see :mod:`sinklens.train.data`).
 
     Every sequence is ``seq_len + 1`` tokens (inputs are the first ``seq_len``, targets the last);
@@ -110,13 +255,13 @@ class DataConfig:
             tokens are streamed once, then held in memory).
     """
 
-    source: str = "bigram-backcopy"  # a DataSource
+    source: DataSource = "bigram-backcopy"
     path: str | None = None
     seq_len: int = 64
     seed: int = 1234
     val_fraction: float = 0.1
     bos: bool = True
-    tokenizer: str = "byte"  # a TokenizerKind
+    tokenizer: TokenizerKind = "byte"
     vocab_size: int | None = None
     glob: str = "**/*.txt"
     cache_dir: str | None = None
@@ -130,23 +275,21 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         if self.source not in DATA_SOURCES:
-            raise ValueError(f"Unknown data.source {self.source!r}; expected one of {list(DATA_SOURCES)}.")
-        if self.seq_len < 1:
-            raise ValueError(f"data.seq_len must be >= 1, got {self.seq_len}.")
-        if not 0 < self.val_fraction < 1:
-            raise ValueError(f"data.val_fraction must be in (0, 1), got {self.val_fraction}.")
-        if self.tokenizer not in ("byte", "bpe"):
-            raise ValueError(f"Unknown data.tokenizer {self.tokenizer!r}; expected 'byte' or 'bpe'.")
+            raise InvalidArgumentError(f"Unknown data.source {self.source!r}; expected one of {list(DATA_SOURCES)}.")
+        self.seq_len = positive_int(self.seq_len, what="data.seq_len")
+        self.seed = as_int(self.seed, what="data.seed")
+        self.val_fraction = finite_number(self.val_fraction, what="data.val_fraction", low=0.0, high=1.0, low_open=True, high_open=True)
+        self.tokenizer = choice(self.tokenizer, typing.get_args(TokenizerKind), what="data.tokenizer")
         if self.source in ("text", "memmap", "hf") and not self.path:
-            raise ValueError(f"data.source={self.source!r} needs data.path (a file, folder or dataset name).")
-        if self.vocab_size is not None and self.vocab_size < 2:
-            raise ValueError(f"data.vocab_size must be >= 2, got {self.vocab_size}.")
-        if self.n_triggers < 0 or self.alpha <= 0:
-            raise ValueError(f"data.n_triggers must be >= 0 and data.alpha > 0, got {self.n_triggers}, {self.alpha}.")
+            raise InvalidArgumentError(f"data.source={self.source!r} needs data.path (a file, folder or dataset name).")
+        self.vocab_size = _optional_int(self.vocab_size, what="data.vocab_size", minimum=2)
+        self.n_triggers = positive_int(self.n_triggers, what="data.n_triggers", minimum=0)
+        self.alpha = finite_number(self.alpha, what="data.alpha", low=0.0, low_open=True)
+        self.max_tokens = positive_int(self.max_tokens, what="data.max_tokens")
 
 
 @dataclass
-class EvalConfig:
+class EvalConfig(_Part):
     """Periodic evaluation: validation loss and sink metrics on fixed held-out batches.
 
     Attributes:
@@ -162,17 +305,18 @@ class EvalConfig:
     sink_threshold: float = 0.3
 
     def __post_init__(self) -> None:
-        if self.interval < 0 or self.batches < 1 or self.batch_size < 1:
-            raise ValueError(
-                f"eval.interval must be >= 0 and eval.batches/batch_size >= 1, got "
-                f"{self.interval}, {self.batches}, {self.batch_size}."
-            )
-        if not 0 < self.sink_threshold < 1:
-            raise ValueError(f"eval.sink_threshold must be in (0, 1), got {self.sink_threshold}.")
+        self.interval = positive_int(self.interval, what="eval.interval", minimum=0)
+        self.batches = positive_int(self.batches, what="eval.batches")
+        self.batch_size = positive_int(self.batch_size, what="eval.batch_size")
+        self.sink_threshold = finite_number(self.sink_threshold, what="eval.sink_threshold", low=0.0, high=1.0,
+                                            low_open=True, high_open=True)
+
+
+_PARTS: dict[str, type[_Part]] = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "eval": EvalConfig}
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(_Part):
     """Everything a training run needs; ``config.json`` of a run directory.
 
     Attributes:
@@ -184,10 +328,15 @@ class TrainConfig:
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
         autocast: mixed precision on CUDA (``"bfloat16"``); ignored on CPU, which trains in float32.
         compile: wrap the model in ``torch.compile`` (hooks added during training then graph-break).
-        interventions: training-time interventions, ``"name:key=value,key=value"`` strings resolved by
-            :func:`sinklens.train.loop.resolve_interventions` (e.g. ``"restart:k=16"``).
+        interventions: training-time interventions, ``"name:key=value,key=value"`` spec strings of
+            the intervention registry (:func:`sinklens.interventions.registry.build`, e.g.
+            ``"restart:positions=16"``).
         log_interval, checkpoint_interval: write a metrics line / a checkpoint every this many steps
             (a checkpoint is always written at the end when the run has an output directory).
+        on_nonfinite: what a step whose loss or gradient norm is NaN/inf does: ``"stop"`` ends the
+            run with :class:`~sinklens.errors.TrainingDivergedError` (the last finite checkpoint
+            stays); ``"skip"`` drops that step's update and goes on, stopping the same way after
+            ``max_skips`` skipped steps in a row.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -199,69 +348,52 @@ class TrainConfig:
     grad_accum: int = 1
     seed: int = 0
     device: str = "auto"
-    autocast: str = "bfloat16"  # "bfloat16" | "float16" | "none"
+    autocast: Autocast = "bfloat16"
     compile: bool = False
     interventions: list[str] = field(default_factory=list)
     log_interval: int = 1
     checkpoint_interval: int = 0
+    on_nonfinite: OnNonFinite = "stop"
+    max_skips: int = 10
 
     def __post_init__(self) -> None:
-        for name, part in (("model", ModelConfig), ("optim", OptimConfig), ("data", DataConfig), ("eval", EvalConfig)):
-            value = getattr(self, name)
-            if not isinstance(value, part):
-                raise TypeError(f"TrainConfig.{name} must be a {part.__name__} (use TrainConfig.from_dict for dicts), got {type(value).__name__}.")
-        if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
-            raise ValueError(
-                f"steps, batch_size and grad_accum must be >= 1, got {self.steps}, {self.batch_size}, {self.grad_accum}."
-            )
+        for name, part in _PARTS.items():
+            if not isinstance(getattr(self, name), part):
+                raise TypeError(
+                    f"TrainConfig.{name} must be a {part.__name__} (use TrainConfig.from_dict for dicts), "
+                    f"got {type(getattr(self, name)).__name__}."
+                )
+        self.steps = positive_int(self.steps, what="steps")
+        self.batch_size = positive_int(self.batch_size, what="batch_size")
+        self.grad_accum = positive_int(self.grad_accum, what="grad_accum")
+        self.seed = as_int(self.seed, what="seed")
         if self.batch_size % self.grad_accum:
-            raise ValueError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}.")
+            raise InvalidArgumentError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}.")
         if self.data.seq_len > self.model.n_ctx:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"data.seq_len={self.data.seq_len} is longer than the model context model.n_ctx={self.model.n_ctx}; "
                 f"lower data.seq_len or raise model.n_ctx."
             )
-        if self.autocast not in ("bfloat16", "float16", "none"):
-            raise ValueError(f"autocast must be 'bfloat16', 'float16' or 'none', got {self.autocast!r}.")
-        if self.log_interval < 1 or self.checkpoint_interval < 0:
-            raise ValueError("log_interval must be >= 1 and checkpoint_interval >= 0.")
+        self.autocast = choice(self.autocast, typing.get_args(Autocast), what="autocast")
+        self.on_nonfinite = choice(self.on_nonfinite, typing.get_args(OnNonFinite), what="on_nonfinite")
+        self.log_interval = positive_int(self.log_interval, what="log_interval")
+        self.checkpoint_interval = positive_int(self.checkpoint_interval, what="checkpoint_interval", minimum=0)
+        self.max_skips = positive_int(self.max_skips, what="max_skips")
+        if isinstance(self.interventions, str) or not all(isinstance(s, str) for s in self.interventions):
+            raise InvalidArgumentError(f"interventions must be a list of 'name:key=value' strings, got {self.interventions!r}.")
         self.interventions = list(self.interventions)
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        """A config from ``to_dict()`` output (a ``config.json``), sinklens 0.1 files included."""
         _check_unknown(cls, data)
-        parts = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "eval": EvalConfig}
-        data = {k: _part_from_dict(parts[k], v) if k in parts and isinstance(v, dict) else v for k, v in _coerce(cls, data).items()}
-        if "interventions" in data:
-            data["interventions"] = list(data["interventions"])
-        return cls(**data)
+        data = {k: _PARTS[k].from_dict(v) if k in _PARTS and isinstance(v, dict) else v for k, v in data.items()}
+        return super().from_dict.__func__(cls, data)  # type: ignore[attr-defined]
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with top-level fields replaced (validated again)."""
-        return TrainConfig.from_dict({**self.to_dict(), **{k: _plain(v) for k, v in changes.items()}})
-
-
-def _plain(value: Any) -> Any:
-    return asdict(value) if dataclasses.is_dataclass(value) else value
-
-
-def _coerce(cls: type, data: dict[str, Any]) -> dict[str, Any]:
-    """Ints given for float-only fields (``lr=1`` in a file or override) become floats."""
-    types = {f.name: str(f.type) for f in fields(cls)}
-    return {
-        k: float(v) if isinstance(v, int) and not isinstance(v, bool) and "float" in types.get(k, "") and "int" not in types.get(k, "") else v
-        for k, v in data.items()
-    }
-
-
-def _part_from_dict(cls: type, data: dict[str, Any]) -> Any:
-    if cls is ModelConfig:
-        return ModelConfig.from_dict(_coerce(ModelConfig, dict(data)))
-    _check_unknown(cls, data)
-    return cls(**_coerce(cls, data))
+        plain = {k: asdict(v) if dataclasses.is_dataclass(v) else v for k, v in changes.items()}
+        return TrainConfig.from_dict({**self.to_dict(), **plain})
 
 
 def load_config(path: str | Path) -> TrainConfig:
@@ -276,49 +408,90 @@ def load_config(path: str | Path) -> TrainConfig:
 
         data = tomllib.loads(path.read_text())
     else:
-        raise ValueError(f"Config file {str(path)!r} must end in .json or .toml.")
+        raise InvalidArgumentError(f"Config file {str(path)!r} must end in .json or .toml.")
     return TrainConfig.from_dict(data)
 
 
-def parse_value(text: str) -> Any:
-    """Parse the right-hand side of ``key=value``: a Python/JSON literal if it is one, else the string.
+# ------------------------------------------------------------------------------------------------
+# Command-line values: tyro parses them from the dataclasses above
 
-    Examples:
-        >>> parse_value("3e-4"), parse_value("true"), parse_value("none"), parse_value("llama")
-        (0.0003, True, None, 'llama')
-    """
+
+def _field_type(cls: type, name: str) -> Any:
+    return typing.get_type_hints(cls)[name]
+
+
+def _tyro_value(text: str) -> str:
+    """``--set`` spellings of None and booleans (``none``, ``true``) in tyro's (``None``, ``True``)."""
     lowered = text.strip().lower()
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if lowered in ("none", "null"):
-        return None
-    try:
-        return ast.literal_eval(text.strip())
-    except (ValueError, SyntaxError):
-        return text.strip()
+    return {"none": "None", "null": "None", "true": "True", "false": "False"}.get(lowered, text.strip())
 
 
-def override_dict(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """Apply ``"a.b=value"`` overrides to a nested config dict in place (no validation); return it."""
+def overrides_to_args(cfg: TrainConfig, overrides: list[str] | tuple[str, ...]) -> tuple[list[str], dict[str, Any]]:
+    """``["optim.lr=3e-4", ...]`` → tyro arguments ``["--optim.lr", "3e-4", ...]``.
+
+    Keys are checked against the dataclass fields here (the message names the known keys); values
+    are left to tyro. ``model.variant_options.NAME=value`` (a free-form mapping tyro does not parse)
+    is returned separately as ``{NAME: literal}``.
+    """
+    args: list[str] = []
+    variant_options: dict[str, Any] = {}
     for item in overrides:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ValueError(f"Override {item!r} is not of the form 'section.key=value' (e.g. 'optim.lr=3e-4').")
-        *parents, leaf = key.strip().split(".")
-        node = data
+        key, sep, raw = str(item).partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise InvalidArgumentError(f"Override {item!r} is not of the form 'section.key=value' (e.g. 'optim.lr=3e-4').")
+        *parents, leaf = key.split(".")
+        if parents[:2] == ["model", "variant_options"] and len(parents) == 2:
+            try:
+                variant_options[leaf] = ast.literal_eval(raw.strip())
+            except (ValueError, SyntaxError):
+                variant_options[leaf] = raw.strip()
+            continue
+        cls: type = TrainConfig
         for i, part in enumerate(parents):
-            if not isinstance(node.get(part), dict):
-                raise ValueError(f"Unknown config section {'.'.join(parents[: i + 1])!r} in override {item!r}.")
-            node = node[part]
-        if leaf not in node and not (parents and parents[-1] == "variant_options"):
-            raise ValueError(f"Unknown config key {key.strip()!r}; known keys here are {sorted(node)}.")
-        node[leaf] = parse_value(raw)
-    return data
+            if cls is not TrainConfig or part not in _PARTS:
+                raise InvalidArgumentError(f"Unknown config section {'.'.join(parents[: i + 1])!r} in override {item!r}.")
+            cls = _PARTS[part]
+        known = [f.name for f in fields(cls)]
+        if leaf not in known or leaf in _PARTS:
+            raise InvalidArgumentError(f"Unknown config key {key!r}; known keys here are {sorted(known)}.")
+        if typing.get_origin(_field_type(cls, leaf)) is list:
+            values = ast.literal_eval(raw) if raw.strip().startswith("[") else [raw]
+            args += [f"--{key}", *[str(v) for v in values]]
+        else:
+            args += [f"--{key}", _tyro_value(raw)]
+    return args, variant_options
+
+
+def parse_args(base: TrainConfig, args: list[str] | tuple[str, ...], *, prog: str = "sinklens train") -> TrainConfig:
+    """``base`` with tyro-style arguments (``--optim.lr 3e-4 --model.n-layers 2``) applied and validated.
+
+    Raises :class:`~sinklens.errors.InvalidArgumentError` with tyro's message (unknown flag, a
+    value of the wrong type, a field outside its range) instead of exiting. ``--help`` prints every
+    field and raises ``SystemExit(0)``.
+    """
+    import tyro
+
+    if "-h" in args or "--help" in args:
+        tyro.cli(TrainConfig, default=base, args=list(args), prog=prog, config=(tyro.conf.FlagConversionOff,))
+    buffer = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(buffer), contextlib.redirect_stdout(buffer):
+            return tyro.cli(TrainConfig, default=base, args=list(args), prog=prog, config=(tyro.conf.FlagConversionOff,))
+    except SystemExit:
+        lines = [line.strip(" │╭╮╰╯─-") for line in buffer.getvalue().splitlines()]
+        text = re.sub(r"\s+", " ", " ".join(line for line in lines if line and not line.startswith("For full helptext")))
+        raise InvalidArgumentError(f"Invalid config {list(args)}: {text.strip()}") from None
 
 
 def apply_overrides(cfg: TrainConfig, overrides: list[str] | tuple[str, ...]) -> TrainConfig:
     """Apply ``"a.b=value"`` overrides (``--set`` on the command line) and validate the result.
 
-    Raises ``ValueError`` for a malformed override, an unknown key or an invalid resulting config.
+    Raises :class:`~sinklens.errors.InvalidArgumentError` (a ``ValueError``) for a malformed
+    override, an unknown key or an invalid resulting config.
     """
-    return TrainConfig.from_dict(override_dict(cfg.to_dict(), overrides))
+    args, variant_options = overrides_to_args(cfg, overrides)
+    cfg = parse_args(cfg, args) if args else cfg
+    if variant_options:
+        cfg = cfg.replace(model={**cfg.model.to_dict(), "variant_options": {**cfg.model.variant_options, **variant_options}})
+    return cfg

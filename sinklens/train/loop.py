@@ -19,37 +19,41 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import importlib
+import dataclasses
 import inspect
 import json
 import math
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Union
 
 import torch
-import torch.nn.functional as F
 from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
 from sinklens.inputs import TokenBatch
 from sinklens.streaming import HookFn
-from sinklens.train.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
-from sinklens.train.config import OptimConfig, TrainConfig, parse_value
+from sinklens.errors import InvalidArgumentError, RunExistsError, RunNotFoundError, TrainingDivergedError
+from sinklens.export import json_line, write_json
+from sinklens.train.checkpoint import (
+    clean_stale, clear_run, has_checkpoint, is_run_dir, load_checkpoint, save_checkpoint, write_metrics,
+)
+from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source
 from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
+from sinklens.train.model import next_token_loss
+from sinklens.validate import writable_dir
 
 Hooks = list[tuple[str, HookFn]]
-#: A training-time intervention: a spec string ``"name:key=value,..."`` or ``model -> hooks``.
+#: A training-time intervention: a registry spec string ``"name:key=value,..."`` or ``model -> hooks``.
 Intervention = Union[str, Callable[[Any], Hooks]]
 
 #: Dense bf16 peak FLOP/s per GPU, for the MFU estimate (matched against the device name).
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165e12, "3090": 71e12}
-#: Modules searched, in order, for a named intervention factory ``fn(model, **kwargs) -> hooks``.
-INTERVENTION_MODULES = ("sinklens.interventions.masks", "sinklens.interventions.variance", "sinklens.interventions.neurons")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -73,80 +77,41 @@ def get_lr(step: int, optim: OptimConfig, total_steps: int) -> float:
 
 
 def configure_optimizer(model: Any, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over ``model.param_groups`` (no weight decay on <2-D parameters); fused on CUDA when available."""
-    fused_ok = "fused" in inspect.signature(torch.optim.AdamW).parameters and device.type == "cuda"
-    fused = fused_ok if optim.fused is None else bool(optim.fused)
-    extra = {"fused": True} if fused else {}
+    """AdamW over ``model.param_groups`` (no weight decay on <2-D parameters).
+
+    ``optim.fused=None``: the fused kernel on CUDA, the multi-tensor (``foreach``) one elsewhere,
+    so one step is a handful of kernels whatever the number of parameters.
+    """
+    params = inspect.signature(torch.optim.AdamW).parameters
+    fused = (device.type == "cuda" and "fused" in params) if optim.fused is None else bool(optim.fused)
+    extra: dict[str, Any] = {"fused": True} if fused else ({"foreach": True} if "foreach" in params else {})
     return torch.optim.AdamW(
         model.param_groups(optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **extra
     )
 
 
-def _split_args(text: str) -> list[str]:
-    """Split ``a=1,b=[2,3]`` at commas outside brackets."""
-    parts, depth, current = [], 0, ""
-    for char in text:
-        depth += char in "([{"
-        depth -= char in ")]}"
-        if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    return [p for p in parts + [current] if p.strip()]
-
-
-def parse_intervention(spec: str) -> tuple[str, dict[str, Any]]:
-    """Split ``"name:key=value,key=value"`` into the factory name and its keyword arguments.
-
-    Examples:
-        >>> parse_intervention("restart:positions=16,layers=[0,1]")
-        ('restart', {'positions': 16, 'layers': [0, 1]})
-    """
-    name, _, args = spec.partition(":")
-    kwargs = {}
-    for item in _split_args(args):
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ValueError(f"Intervention argument {item!r} in {spec!r} is not of the form key=value.")
-        kwargs[key.strip()] = parse_value(value)
-    return name.strip(), kwargs
-
-
 def resolve_interventions(model: Any, interventions: Sequence[Intervention]) -> Hooks:
-    """Turn intervention specs into ``(hook_name, fn)`` pairs for ``model``.
+    """The ``(hook_name, fn)`` pairs of training-time interventions, built by the intervention registry.
 
-    A string ``"name:key=value,..."`` names a factory ``fn(model, **kwargs) -> hooks`` in one of
-    :data:`INTERVENTION_MODULES` (e.g. ``"restart:positions=16"`` →
-    ``sinklens.interventions.masks.restart(model, positions=16)``, which makes every query at or
-    after 16 ignore keys before 16, so position 16 becomes a second "first token");
-    ``"module.name:..."`` picks the module explicitly. A callable is called with the model.
+    A string is a registry spec ``"name:key=value,..."`` (e.g. ``"restart:positions=16"`` →
+    :func:`sinklens.interventions.masks.restart`, which makes every query at or after 16 ignore
+    keys before 16, so position 16 becomes a second "first token"); see
+    :func:`sinklens.interventions.registry.build`. A callable is called with the model.
     """
+    from sinklens.interventions import registry
+
     hooks: Hooks = []
     for item in interventions:
-        if callable(item):
-            hooks.extend(item(model))
-            continue
-        name, kwargs = parse_intervention(item)
-        module_hint, _, func_name = name.rpartition(".")
-        modules = [f"sinklens.interventions.{module_hint}"] if module_hint else list(INTERVENTION_MODULES)
-        factory = None
-        for module_name in modules:
-            try:
-                module = importlib.import_module(module_name)
-            except ModuleNotFoundError:
-                continue
-            candidate = getattr(module, func_name, None)
-            if callable(candidate) and not func_name.startswith("_"):
-                factory = candidate
-                break
-        if factory is None:
-            raise ValueError(
-                f"Unknown training intervention {name!r}; expected a factory in {modules} such as "
-                f"'restart', 'self_only', 'block_keys' (masks) or 'amplify' (variance), as 'name:key=value,...'."
-            )
-        hooks.extend(factory(model, **kwargs))
+        hooks.extend(registry.build(model, item))
     return hooks
+
+
+def check_interventions(interventions: Sequence[Intervention]) -> None:
+    """Validate intervention specs without a model (registered name, ``key=value`` arguments)."""
+    from sinklens.interventions import registry
+
+    for item in interventions:
+        registry.check_spec(item)
 
 
 def micro_batch(rows: Int[Tensor, "batch seq_plus_1"], micro: int, cfg: TrainConfig, dist: DistContext) -> Tensor:
@@ -173,10 +138,10 @@ def forward_backward(
     owns the hook points (the unwrapped model when ``model`` is DDP or compiled)."""
     inputs, targets = rows[:, :-1], rows[:, 1:]
     owner = hook_owner if hook_owner is not None else model
-    with autocast, owner.hooks(fwd_hooks=list(hooks)):
+    with autocast, owner.hooks(fwd_hooks=list(hooks)) if hooks else contextlib.nullcontext():
         logits = model(inputs, return_type="logits")  # (B, T, V)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-    (loss * loss_scale).backward()
+    loss = next_token_loss(logits, targets)
+    (loss * loss_scale if loss_scale != 1.0 else loss).backward()
     return loss.detach()
 
 
@@ -232,6 +197,38 @@ def _read_history(path: Path, before_step: int) -> list[dict[str, Any]]:
     return [line for line in lines if line["step"] < before_step]
 
 
+def _check_run_dir(out: Path | None, *, resume: bool, overwrite: bool) -> None:
+    """Read-only checks of the run directory, before any work: refuse to clobber a run by accident."""
+    if resume and overwrite:
+        raise InvalidArgumentError("resume and overwrite exclude each other: resume continues the run in out_dir, "
+                                   "overwrite deletes it.")
+    if out is None:
+        if resume:
+            raise InvalidArgumentError("resume=True needs out_dir, the run directory to continue.")
+        return
+    if out.exists() and not out.is_dir():
+        raise InvalidArgumentError(f"out_dir {str(out)!r} exists and is not a folder.")
+    if resume and not has_checkpoint(out):
+        raise RunNotFoundError(f"resume=True but {str(out)!r} holds no checkpoint to resume from.")
+    if not resume and not overwrite and is_run_dir(out):
+        raise RunExistsError(
+            f"{str(out)!r} already holds a training run. Continue it with resume=True (--resume), replace it "
+            f"with overwrite=True (--overwrite), or pick another out_dir."
+        )
+
+
+def _resolve_vocab(cfg: TrainConfig, source: TokenSource) -> TrainConfig:
+    """``cfg`` with ``model.d_vocab="auto"`` replaced by the data's vocabulary; checks an explicit one is large enough."""
+    if cfg.model.d_vocab == "auto":
+        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_vocab=source.vocab_size))
+    if source.vocab_size > cfg.model.d_vocab:
+        raise InvalidArgumentError(
+            f"The data uses {source.vocab_size} token ids but model.d_vocab={cfg.model.d_vocab}; "
+            f"set model.d_vocab={source.vocab_size} (or larger, or 'auto'), e.g. --set model.d_vocab={source.vocab_size}."
+        )
+    return cfg
+
+
 # ----------------------------------------------------------------------------------------------
 # The loop
 
@@ -241,42 +238,54 @@ def train(
     *,
     out_dir: str | Path | None = None,
     resume: bool = False,
+    overwrite: bool = False,
     interventions: Sequence[Intervention] = (),
     progress: bool = True,
     until: int | None = None,
 ) -> TrainResult:
     """Train a SinkLM as ``cfg`` describes; write metrics, checkpoints and tokenizer to ``out_dir``.
 
+    Nothing in ``out_dir`` is touched until the whole set-up has succeeded: the run directory is
+    checked, the data source built (``model.d_vocab="auto"`` resolved from it, once), the model and
+    optimizer built and every intervention built on the model; only then is the folder written.
+
     Args:
-        out_dir: run directory (``metrics.jsonl``, ``config.json``, ``model.safetensors``,
-            ``optimizer.pt``, ``trainer_state.pt``, ``tokenizer/``); None keeps everything in memory.
-        resume: continue from the checkpoint in ``out_dir`` (its step, weights, optimizer, RNG);
-            the loss curve continues exactly as if the run had not stopped.
+        out_dir: run directory (``config.json``, ``metrics.jsonl``, ``checkpoint.json`` and
+            ``checkpoints/``, ``tokenizer/``; see :mod:`sinklens.train.checkpoint`); None keeps
+            everything in memory.
+        resume: continue from the newest good checkpoint in ``out_dir`` (its step, weights,
+            optimizer, RNG); the loss curve continues exactly as if the run had not stopped.
+        overwrite: delete the run already in ``out_dir`` and start afresh. Without ``resume`` or
+            ``overwrite``, a folder that holds a run raises :class:`~sinklens.errors.RunExistsError`.
         interventions: extra training-time interventions on top of ``cfg.interventions`` (callables
             ``model -> [(hook_name, fn)]`` are accepted here; only strings are stored in the config).
         progress: tqdm bar over steps.
         until: stop (and checkpoint) after this many steps of ``cfg.steps`` — a time-limited job;
             the schedule still spans ``cfg.steps``, and ``resume=True`` continues from there.
+
+    Raises:
+        TrainingDivergedError: a step's loss or gradient norm was NaN/inf (``cfg.on_nonfinite="stop"``,
+            or more than ``cfg.max_skips`` skipped steps in a row); the last finite checkpoint is kept
+            and metrics.jsonl ends with a ``kind="nonfinite"`` line.
     """
     from sinklens.train.model import SinkLM
 
+    out = Path(out_dir).expanduser() if out_dir is not None else None
+    check_interventions([*cfg.interventions, *interventions])
+    _check_run_dir(out, resume=resume, overwrite=overwrite)
     dist, device = init_distributed(cfg.device)
     try:
-        # ---- data: the order depends on cfg.data only
-        source = build_source(cfg.data, d_vocab=cfg.model.d_vocab)
-        if source.vocab_size > cfg.model.d_vocab:
-            raise ValueError(
-                f"The data uses {source.vocab_size} token ids but model.d_vocab={cfg.model.d_vocab}; "
-                f"set model.d_vocab={source.vocab_size} (or larger), e.g. --set model.d_vocab={source.vocab_size}."
-            )
+        # ---- data: the order depends on cfg.data only; d_vocab="auto" is resolved here, once
+        source = build_source(cfg.data, d_vocab=None if cfg.model.d_vocab == "auto" else cfg.model.d_vocab)
+        cfg = _resolve_vocab(cfg, source)
         per_rank, rem = divmod(cfg.batch_size // cfg.grad_accum, dist.world_size)
         if rem or per_rank == 0:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"batch_size={cfg.batch_size} does not split into grad_accum={cfg.grad_accum} micro-batches "
                 f"over {dist.world_size} processes; use a multiple of {cfg.grad_accum * dist.world_size}."
             )
 
-        # ---- model and optimizer: init depends on cfg.seed
+        # ---- model, optimizer, interventions: init depends on cfg.seed; all built before out_dir is touched
         torch.manual_seed(cfg.seed)
         model = SinkLM(cfg.model).to(device)
         model.tokenizer = source.tokenizer
@@ -285,21 +294,22 @@ def train(
         amp_dtype = torch.bfloat16 if cfg.autocast == "bfloat16" else torch.float16
         autocast = torch.autocast(device_type="cuda", dtype=amp_dtype) if use_amp else contextlib.nullcontext()
         scaler = torch.amp.GradScaler("cuda") if use_amp and amp_dtype == torch.float16 else None
-
-        out = Path(out_dir) if out_dir is not None else None
-        start_step = 0
-        if resume:
-            if out is None or not has_checkpoint(out):
-                raise FileNotFoundError(f"resume=True but {str(out)!r} holds no checkpoint to resume from.")
-            start_step = load_checkpoint(out, model=model, optimizer=optimizer, scaler=scaler)
-        history = _read_history(out / "metrics.jsonl", start_step) if out is not None and resume else []
-        if out is not None and dist.is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
-            with open(out / "metrics.jsonl", "w") as fh:  # rewritten so a resumed run has no stale lines
-                fh.writelines(json.dumps(line) + "\n" for line in history)
-
         hooks = resolve_interventions(model, [*cfg.interventions, *interventions])
+
+        # ---- the run directory: written only from here on
+        start_step = 0
+        history: list[dict[str, Any]] = []
+        if out is not None and resume:
+            start_step = load_checkpoint(out, model=model, optimizer=optimizer, scaler=scaler)
+            history = _read_history(out / "metrics.jsonl", start_step)
+        if out is not None and dist.is_main:
+            writable_dir(out, what="out_dir")
+            if overwrite:
+                clear_run(out)
+            clean_stale(out)
+            write_json(out / "config.json", cfg.to_dict(), digits=None)
+            write_metrics(out, history)  # a resumed run keeps only the lines before its checkpoint
+
         raw_model = model
         if cfg.compile:
             model = torch.compile(model)
@@ -310,12 +320,13 @@ def train(
         val_batches, val_targets = eval_batches(source, cfg, device) if cfg.eval.interval and dist.is_main else ([], [])
         flops_per_token = raw_model.flops_per_token(cfg.data.seq_len)
         tokens_per_step = cfg.batch_size * cfg.data.seq_len
+        metrics_file = open(out / "metrics.jsonl", "a") if out is not None and dist.is_main else None  # noqa: SIM115
 
         def log(line: dict[str, Any]) -> None:
             history.append(line)
-            if out is not None and dist.is_main:
-                with open(out / "metrics.jsonl", "a") as fh:
-                    fh.write(json.dumps(line) + "\n")
+            if metrics_file is not None:
+                metrics_file.write(json_line(line) + "\n")  # strict JSON: a non-finite number is written null
+                metrics_file.flush()
 
         def run_eval(step: int) -> None:
             from sinklens.train.sink_metrics import evaluate
@@ -328,59 +339,85 @@ def train(
                 save_checkpoint(out, model=raw_model, optimizer=optimizer, cfg=cfg, step=step, scaler=scaler)
 
         # ---- the loop
-        model.train()
-        stop = cfg.steps if until is None else min(int(until), cfg.steps)
-        bar = tqdm(range(start_step, stop), desc="train", disable=not (progress and dist.is_main), initial=start_step, total=cfg.steps)
-        for step in bar:
-            if cfg.eval.interval and dist.is_main and step % cfg.eval.interval == 0:
-                run_eval(step)
+        try:
+            model.train()
+            stop = cfg.steps if until is None else min(int(until), cfg.steps)
+            bar = tqdm(range(start_step, stop), desc="train", disable=not (progress and dist.is_main), initial=start_step,
+                       total=cfg.steps)
+            skipped = 0
+            for step in bar:
+                if cfg.eval.interval and dist.is_main and step % cfg.eval.interval == 0:
+                    run_eval(step)
 
-            lr = get_lr(step, cfg.optim, cfg.steps)
-            for group in optimizer.param_groups:
-                group["lr"] = lr
+                lr = get_lr(step, cfg.optim, cfg.steps)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
 
-            t0 = time.perf_counter()
-            rows = source.batch("train", step, cfg.batch_size).to(device, non_blocking=True)  # (B, T+1)
-            loss_sum = torch.zeros((), device=device)
-            for micro in range(cfg.grad_accum):
-                sync = micro == cfg.grad_accum - 1 or not dist.enabled
-                with contextlib.nullcontext() if sync else model.no_sync():
-                    loss = forward_backward(
-                        model,
-                        micro_batch(rows, micro, cfg, dist),
-                        hooks=hooks,
-                        loss_scale=(scaler.get_scale() if scaler is not None else 1.0) / cfg.grad_accum,
-                        autocast=autocast,
-                        hook_owner=raw_model,
-                    )
-                loss_sum += loss
-            if scaler is not None:  # float16 only: gradients were scaled, unscale before clipping
-                scaler.unscale_(optimizer)
-            grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf"))
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+                t0 = time.perf_counter()
+                rows = source.batch("train", step, cfg.batch_size).to(device, non_blocking=True)  # (B, T+1)
+                loss_sum = torch.zeros((), device=device)
+                for micro in range(cfg.grad_accum):
+                    sync = micro == cfg.grad_accum - 1 or not dist.enabled
+                    with contextlib.nullcontext() if sync else model.no_sync():
+                        loss = forward_backward(
+                            model,
+                            micro_batch(rows, micro, cfg, dist),
+                            hooks=hooks,
+                            loss_scale=(scaler.get_scale() if scaler is not None else 1.0) / cfg.grad_accum,
+                            autocast=autocast,
+                            hook_owner=raw_model,
+                        )
+                    loss_sum += loss
+                if scaler is not None:  # float16 only: gradients were scaled, unscale before clipping
+                    scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf"),
+                                                           foreach=True)
+                # one host sync per step: a NaN/inf loss or gradient must never reach the weights
+                finite = scaler is not None or bool(torch.isfinite(loss_sum + grad_norm))
+                if not finite:
+                    optimizer.zero_grad(set_to_none=True)
+                    skipped += 1
+                    line = {"kind": "nonfinite", "step": step, "loss": float(loss_sum) / cfg.grad_accum,
+                            "grad_norm": float(grad_norm), "lr": lr, "action": cfg.on_nonfinite}
+                    log(line)
+                    if cfg.on_nonfinite == "stop" or skipped > cfg.max_skips:
+                        kept = f"the last finite checkpoint in {str(out)!r} is kept" if out is not None else "nothing was saved"
+                        why = "on_nonfinite='stop'" if cfg.on_nonfinite == "stop" else f"{skipped} skipped steps in a row"
+                        raise TrainingDivergedError(
+                            f"Training diverged at step {step}: loss {line['loss']}, gradient norm {line['grad_norm']} "
+                            f"(lr {lr:.3g}); stopped ({why}), {kept}. Lower optim.lr, raise optim.warmup_steps, "
+                            f"or set on_nonfinite='skip' to drop such steps."
+                        )
+                    warnings.warn(f"Step {step}: non-finite loss or gradient; the update was skipped.", stacklevel=2)
+                    continue
+                skipped = 0
+                if scaler is not None:
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
 
-            if step % cfg.log_interval == 0 or step == cfg.steps - 1:
-                if dist.enabled:
-                    torch.distributed.all_reduce(loss_sum, op=torch.distributed.ReduceOp.AVG)
-                loss_value = float(loss_sum) / cfg.grad_accum  # .item() syncs the device
-                dt = time.perf_counter() - t0
-                tokens_per_s = tokens_per_step / dt
-                log({
-                    "kind": "train", "step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                    "tokens_per_s": tokens_per_s, "mfu": estimate_mfu(flops_per_token, tokens_per_s, device),
-                })
-                bar.set_postfix(loss=f"{loss_value:.4f}")
-            if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step + 1 < stop:
-                checkpoint(step + 1)
+                if step % cfg.log_interval == 0 or step == cfg.steps - 1:
+                    if dist.enabled:
+                        torch.distributed.all_reduce(loss_sum, op=torch.distributed.ReduceOp.AVG)
+                    loss_value = float(loss_sum) / cfg.grad_accum  # .item() syncs the device
+                    dt = time.perf_counter() - t0
+                    tokens_per_s = tokens_per_step / dt
+                    log({
+                        "kind": "train", "step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
+                        "tokens_per_s": tokens_per_s, "mfu": estimate_mfu(flops_per_token, tokens_per_s, device),
+                    })
+                    bar.set_postfix(loss=f"{loss_value:.4f}")
+                if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step + 1 < stop:
+                    checkpoint(step + 1)
 
-        if cfg.eval.interval and dist.is_main and stop == cfg.steps:
-            run_eval(cfg.steps)
-        checkpoint(stop)
+            if cfg.eval.interval and dist.is_main and stop == cfg.steps:
+                run_eval(cfg.steps)
+            checkpoint(stop)
+        finally:
+            if metrics_file is not None:
+                metrics_file.close()
         return TrainResult(model=raw_model, history=history, out_dir=out)
     finally:
         cleanup_distributed(dist)

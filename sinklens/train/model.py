@@ -47,11 +47,28 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from sinklens.errors import SequenceTooLongError
-from sinklens.train.model_config import ModelConfig
+from sinklens.errors import InvalidArgumentError, SequenceTooLongError
+from sinklens.train.config import ModelConfig
 from sinklens.train.variants import AttentionVariant, HeadwiseRMSNorm, get_attention_variant
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def next_token_loss(
+    logits: Float[Tensor, "batch pos d_vocab"], targets: Int[Tensor, "batch pos"]
+) -> Float[Tensor, ""]:
+    """The one next-token cross-entropy of the trainer: mean over every ``batch × pos`` prediction
+    of ``-log softmax(logits[b, t])[targets[b, t]]`` in nats, computed in float32.
+
+    ``logits[:, t]`` must already be aligned with ``targets[:, t]`` (the model's prediction for the
+    token that follows position ``t``). Used by :meth:`SinkLM.forward`, the training step and the
+    evaluation, so the three report the same number.
+
+    Examples:
+        >>> round(next_token_loss(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 2]])).item(), 6) == round(math.log(4), 6)
+        True
+    """
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 def _no_decay(p: nn.Parameter) -> nn.Parameter:
@@ -93,11 +110,6 @@ class LayerNorm(nn.Module):
         return self.hook_normalized(((xf / scale).to(x.dtype) * self.w.to(x.dtype)) + self.b.to(x.dtype))
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 class Attention(nn.Module):
     """Causal multi-head (grouped-query) attention with TransformerLens parameters and hooks.
 
@@ -121,7 +133,9 @@ class Attention(nn.Module):
             self.b_K = _no_decay(nn.Parameter(torch.zeros(Hkv, dh)))
             self.b_V = _no_decay(nn.Parameter(torch.zeros(Hkv, dh)))
             self.b_O = _no_decay(nn.Parameter(torch.zeros(D)))
-        self.variant: AttentionVariant = get_attention_variant(cfg.variant)(cfg, **cfg.variant_options)
+        self.variant: AttentionVariant = get_attention_variant(cfg.variant)(
+            n_heads=H, d_head=dh, d_model=D, n_ctx=cfg.n_ctx, init_std=cfg.init_std, **cfg.variant_options
+        )
         self.rotary = cfg.family == "llama"
         if self.rotary:
             inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, dh, 2, dtype=torch.float64) / dh))
@@ -129,6 +143,9 @@ class Attention(nn.Module):
             angles = torch.cat([angles, angles], dim=-1)  # (n_ctx, d_head), rotate-half convention
             self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
             self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
+            # rotate_half(x) * sin == roll(x, d_head/2) * signed_sin: one kernel instead of neg + cat
+            signed = torch.cat([-angles[:, : dh // 2].sin(), angles[:, dh // 2 :].sin()], dim=-1)
+            self.register_buffer("rope_signed_sin", signed.float(), persistent=False)
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
@@ -142,16 +159,24 @@ class Attention(nn.Module):
             setattr(self, site, HookPoint())
 
     def _rope(self, x: Tensor) -> Tensor:
+        """``x·cos + rotate_half(x)·sin`` (rotate-half convention), ``rotate_half(x)·sin`` computed as
+        ``roll(x, d_head/2)·signed_sin``."""
         T = x.shape[1]
         cos = self.rope_cos[:T, None, :].to(x.dtype)
-        sin = self.rope_sin[:T, None, :].to(x.dtype)
-        return x * cos + _rotate_half(x) * sin
+        sin = self.rope_signed_sin[:T, None, :].to(x.dtype)
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
 
     def project(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries ``[batch, pos, head, d_head]`` and keys/values ``[batch, pos, kv_head, d_head]``, hooked."""
-        q = torch.einsum("bpd,hdk->bphk", x, self.W_Q.to(x.dtype))
-        k = torch.einsum("bpd,hdk->bphk", x, self.W_K.to(x.dtype))
-        v = torch.einsum("bpd,hdk->bphk", x, self.W_V.to(x.dtype))
+        """Queries ``[batch, pos, head, d_head]`` and keys/values ``[batch, pos, kv_head, d_head]``, hooked.
+
+        One matmul for all three: ``x @ [W_Q | W_K | W_V]`` (the weights laid side by side as
+        ``[d_model, (head + 2·kv_head)·d_head]``), then split.
+        """
+        B, T, D = x.shape
+        H, Hkv = self.cfg.n_heads, self.cfg.n_key_value_heads
+        w = torch.cat([self.W_Q, self.W_K, self.W_V], dim=0).to(x.dtype)  # (H + 2Hkv, D, dh)
+        qkv = (x @ w.transpose(0, 1).reshape(D, -1)).view(B, T, H + 2 * Hkv, -1)  # (B, T, H + 2Hkv, dh)
+        q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
         if self.has_bias:
             q, k, v = q + self.b_Q.to(q.dtype), k + self.b_K.to(k.dtype), v + self.b_V.to(v.dtype)
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
@@ -189,7 +214,8 @@ class Attention(nn.Module):
         q, k, v = self.project(x)
         z = self.hook_z(self.aggregate(q, k, v, explicit=self.needs_explicit()))
         z = self.variant.transform_z(z, x, self)
-        out = torch.einsum("bphk,hkd->bpd", z, self.W_O.to(z.dtype))
+        B, T = z.shape[:2]
+        out = z.reshape(B, T, -1) @ self.W_O.to(z.dtype).flatten(0, 1)  # (B, T, H·dh) @ (H·dh, D)
         return out + self.b_O.to(out.dtype) if self.has_bias else out
 
 
@@ -276,6 +302,11 @@ class SinkLM(HookedRootModule):
         super().__init__()
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"SinkLM needs a ModelConfig, got {type(cfg).__name__}.")
+        if cfg.d_vocab == "auto":
+            raise InvalidArgumentError(
+                "model.d_vocab='auto' must be resolved to the data's vocabulary before the model is built "
+                "(sinklens.train.loop.train does it); pass a number to build a SinkLM directly."
+            )
         self.cfg = cfg
         self.tokenizer: Any = None
         self.embed = nn.Module()
@@ -337,7 +368,7 @@ class SinkLM(HookedRootModule):
                 f"Sequence length {T} exceeds the model's context window n_ctx={self.cfg.n_ctx}; "
                 f"pass at most {self.cfg.n_ctx} tokens per sequence."
             )
-        resid = self.hook_embed(self.W_E[tokens])
+        resid = self.hook_embed(F.embedding(tokens, self.W_E))  # = W_E[tokens], with a dense backward kernel
         if self.cfg.family == "gpt2":
             resid = resid + self.hook_pos_embed(self.W_pos[:T].to(resid.dtype).expand_as(resid))
         resid = self.dropout(resid)
@@ -349,7 +380,7 @@ class SinkLM(HookedRootModule):
         logits = x @ self.W_E.to(x.dtype).T
         if return_type == "logits":
             return logits
-        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
+        loss = next_token_loss(logits[:, :-1], tokens[:, 1:])
         if return_type == "loss":
             return loss
         if return_type == "both":

@@ -19,12 +19,14 @@ from torch import Tensor
 
 from sinklens.analysis.sinks import SinkReducer
 from sinklens.analysis.variance import VarianceReducer
-from sinklens.hooks import RESID_POST, hook_name, layer_of, model_device, model_dims
+from sinklens.hooks import RESID_POST, model_device, model_dims
 from sinklens.inputs import TokenBatch
-from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, HookFn, Reducer, per_layer_hooks, stream
+from sinklens.options import HookFn, RunOptions
+from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, stream
+from sinklens.train.model import next_token_loss
 
-class FirstTokenNormReducer(Reducer):
+
+class FirstTokenNormReducer(Reducer[Float[Tensor, " layer"]]):
     """Streams ``blocks.{l}.hook_resid_post`` norms at position 0 and at later valid positions.
 
     Result: ``norm_ratio[l]`` = mean over sequences of ``‖resid_post[l, 0]‖`` divided by the mean
@@ -33,8 +35,7 @@ class FirstTokenNormReducer(Reducer):
     """
 
     def __init__(self, model: Any):
-        dims = model_dims(model)
-        self.n_layers = dims.n_layers
+        self.n_layers = model_dims(model).n_layers
         self.device = model_device(model)
         self.reset()
 
@@ -43,14 +44,14 @@ class FirstTokenNormReducer(Reducer):
         self.counts = torch.zeros(2, dtype=torch.float64, device=self.device)  # sequences, later positions
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
-        later = batch.valid[:, 1:].to(torch.float64)
+        later = batch.valid[:, 1:].to(torch.float64)  # (B, T-1): the positions t >= 1 that count
 
-        def resid(act: Tensor, layer: int) -> None:  # act: [batch, pos, d_model]
+        def fold(act: Tensor, layer: int) -> None:  # act: [batch, pos, d_model]
             norms = act.float().norm(dim=-1).double()
             self.sums[0, layer] += norms[:, 0].sum()
             self.sums[1, layer] += (norms[:, 1:] * later).sum()
 
-        return BatchFold(per_layer_hooks(RESID_POST, range(self.n_layers), resid), state=later)
+        return BatchFold(per_layer_hooks(RESID_POST, range(self.n_layers), fold), state=later)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.counts[0] += batch.tokens.shape[0]
@@ -124,13 +125,12 @@ def evaluate(
         with torch.inference_mode(), model.hooks(fwd_hooks=list(extra_hooks)):
             for batch, target in zip(batches, targets):
                 logits = model(batch.tokens, return_type="logits")
-                losses.append(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), target.flatten()))
+                losses.append(next_token_loss(logits, target))
         sinks, norms, variance = stream(
             model,
             batches,
-            [SinkReducer(model, sink_threshold=threshold, min_query=1, top_k=0), FirstTokenNormReducer(model),
-             VarianceReducer(model)],
-            options=RunOptions(extra_hooks=extra_hooks, progress=False),
+            [SinkReducer(model, sink_threshold=threshold, min_query=1, top_k=0), FirstTokenNormReducer(model), VarianceReducer(model)],
+            options=RunOptions(progress=False, extra_hooks=tuple(extra_hooks)),
         )
     finally:
         model.train(was_training)

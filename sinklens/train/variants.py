@@ -38,15 +38,14 @@ Add your own with :func:`register_attention_variant`.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor, nn
 
-if TYPE_CHECKING:
-    from sinklens.train.model_config import ModelConfig
+from sinklens.errors import InvalidArgumentError
 
 
 class AttentionVariant(nn.Module):
@@ -59,6 +58,10 @@ class AttentionVariant(nn.Module):
             (e.g. ``"hook_z_normed"`` → ``blocks.{l}.attn.hook_z_normed``).
         output_site: the attention hook holding the head outputs that enter ``W_O``.
         defaults: accepted ``variant_options`` and their default values.
+
+    A variant is built from plain sizes (``n_heads``, ``d_head``, ``d_model``, ``n_ctx``,
+    ``init_std``) and its options, so this module imports no config: the model validates the
+    options when it builds the variant.
     """
 
     uses_sdpa: ClassVar[bool] = True
@@ -66,19 +69,18 @@ class AttentionVariant(nn.Module):
     output_site: ClassVar[str] = "hook_z"
     defaults: ClassVar[dict[str, Any]] = {}
 
-    def __init__(self, cfg: ModelConfig, **options: Any) -> None:
+    def __init__(self, *, n_heads: int, d_head: int, d_model: int, n_ctx: int, init_std: float = 0.02, **options: Any) -> None:
         super().__init__()
         self.check_options(options)
         self.options = {**self.defaults, **options}
-        self.n_heads = cfg.n_heads
-        self.d_head = cfg.d_head
+        self.n_heads, self.d_head, self.d_model, self.n_ctx, self.init_std = n_heads, d_head, d_model, n_ctx, init_std
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
         """Raise ``ValueError`` if ``options`` names an option this variant does not take."""
         unknown = sorted(set(options) - set(cls.defaults))
         if unknown:
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"Unknown option(s) {unknown} for attention variant {cls.__name__}; accepted options "
                 f"(with defaults) are {cls.defaults or 'none'}."
             )
@@ -138,13 +140,13 @@ class HeadwiseRMSNorm(AttentionVariant):
     output_site = "hook_z_normed"
     defaults: ClassVar[dict[str, Any]] = {"gain": "per_head", "init": "first_token", "eps": 1e-6}
 
-    def __init__(self, cfg: ModelConfig, **options: Any) -> None:
-        super().__init__(cfg, **options)
+    def __init__(self, **sizes_and_options: Any) -> None:
+        super().__init__(**sizes_and_options)
         if self.options["gain"] not in ("per_head", "shared"):
-            raise ValueError(f"headwise_rms gain must be 'per_head' or 'shared', got {self.options['gain']!r}.")
+            raise InvalidArgumentError(f"headwise_rms gain must be 'per_head' or 'shared', got {self.options['gain']!r}.")
         if self.options["init"] not in ("first_token", "ones"):
-            raise ValueError(f"headwise_rms init must be 'first_token' or 'ones', got {self.options['init']!r}.")
-        shape = (cfg.n_heads, cfg.d_head) if self.options["gain"] == "per_head" else (cfg.d_head,)
+            raise InvalidArgumentError(f"headwise_rms init must be 'first_token' or 'ones', got {self.options['init']!r}.")
+        shape = (self.n_heads, self.d_head) if self.options["gain"] == "per_head" else (self.d_head,)
         self.gain = nn.Parameter(torch.ones(shape))
         self.gain._no_weight_decay = True  # type: ignore[attr-defined]
 
@@ -167,16 +169,16 @@ class Gated(AttentionVariant):
     output_site = "hook_z_gated"
     defaults: ClassVar[dict[str, Any]] = {"granularity": "elementwise"}
 
-    def __init__(self, cfg: ModelConfig, **options: Any) -> None:
-        super().__init__(cfg, **options)
+    def __init__(self, **sizes_and_options: Any) -> None:
+        super().__init__(**sizes_and_options)
         granularity = self.options["granularity"]
         if granularity == "elementwise":
-            self.W_G = nn.Parameter(torch.empty(cfg.n_heads, cfg.d_model, cfg.d_head))
+            self.W_G = nn.Parameter(torch.empty(self.n_heads, self.d_model, self.d_head))
         elif granularity == "headwise":
-            self.W_G = nn.Parameter(torch.empty(cfg.n_heads, cfg.d_model))
+            self.W_G = nn.Parameter(torch.empty(self.n_heads, self.d_model))
         else:
-            raise ValueError(f"gated granularity must be 'elementwise' or 'headwise', got {granularity!r}.")
-        nn.init.normal_(self.W_G, std=cfg.init_std)
+            raise InvalidArgumentError(f"gated granularity must be 'elementwise' or 'headwise', got {granularity!r}.")
+        nn.init.normal_(self.W_G, std=self.init_std)
 
     def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
         if self.W_G.ndim == 3:
@@ -196,10 +198,10 @@ class QKNorm(AttentionVariant):
     hook_sites = ("hook_q_normed", "hook_k_normed")
     defaults: ClassVar[dict[str, Any]] = {"eps": 1e-6}
 
-    def __init__(self, cfg: ModelConfig, **options: Any) -> None:
-        super().__init__(cfg, **options)
-        self.q_gain = nn.Parameter(torch.ones(cfg.d_head))
-        self.k_gain = nn.Parameter(torch.ones(cfg.d_head))
+    def __init__(self, **sizes_and_options: Any) -> None:
+        super().__init__(**sizes_and_options)
+        self.q_gain = nn.Parameter(torch.ones(self.d_head))
+        self.k_gain = nn.Parameter(torch.ones(self.d_head))
 
     def transform_qk(self, q: Tensor, k: Tensor, attn: nn.Module) -> tuple[Tensor, Tensor]:
         eps = self.options["eps"]
@@ -212,7 +214,7 @@ class SigmoidAttention(AttentionVariant):
     """Sigmoid attention: ``pattern[q, k] = sigmoid(q·k/sqrt(d_head) + b)`` for ``k <= q``, else 0.
 
     Unnormalised (rows need not sum to 1). ``bias="neg_log_n"`` (default) uses ``b = -log(n)``
-    with ``n = cfg.n_ctx``, the training sequence length, as recommended by Ramapuram et al. 2024
+    with ``n = n_ctx``, the training sequence length, as recommended by Ramapuram et al. 2024
     ("Theory, analysis, and best practices for sigmoid self-attention", b ≈ -log n keeps the
     initial attention norm near softmax's); a number sets ``b`` directly (``0.0`` is the sigmoid
     baseline of the head-wise RMSNorm authors). ``b`` is included in ``hook_attn_scores``.
@@ -221,15 +223,15 @@ class SigmoidAttention(AttentionVariant):
     uses_sdpa = False
     defaults: ClassVar[dict[str, Any]] = {"bias": "neg_log_n"}
 
-    def __init__(self, cfg: ModelConfig, **options: Any) -> None:
-        super().__init__(cfg, **options)
+    def __init__(self, **sizes_and_options: Any) -> None:
+        super().__init__(**sizes_and_options)
         bias = self.options["bias"]
         if bias == "neg_log_n":
-            self.bias = -math.log(cfg.n_ctx)
+            self.bias = -math.log(self.n_ctx)
         elif isinstance(bias, (int, float)) and not isinstance(bias, bool):
             self.bias = float(bias)
         else:
-            raise ValueError(f"sigmoid bias must be 'neg_log_n' or a number, got {bias!r}.")
+            raise InvalidArgumentError(f"sigmoid bias must be 'neg_log_n' or a number, got {bias!r}.")
 
     def logits(self, scores: Tensor) -> Tensor:
         return scores + self.bias
@@ -251,9 +253,9 @@ class SinkLogit(AttentionVariant):
     uses_sdpa = False
     defaults: ClassVar[dict[str, Any]] = {"init": 0.0}
 
-    def __init__(self, cfg: ModelConfig, **options: Any) -> None:
-        super().__init__(cfg, **options)
-        self.sink = nn.Parameter(torch.full((cfg.n_heads,), float(self.options["init"])))
+    def __init__(self, **sizes_and_options: Any) -> None:
+        super().__init__(**sizes_and_options)
+        self.sink = nn.Parameter(torch.full((self.n_heads,), float(self.options["init"])))
         self.sink._no_weight_decay = True  # type: ignore[attr-defined]
 
     def normalize(self, scores: Tensor) -> Tensor:
@@ -322,7 +324,7 @@ def get_attention_variant(name: str) -> type[AttentionVariant]:
     try:
         return _VARIANTS[name]
     except KeyError:
-        raise ValueError(f"Unknown attention variant {name!r}; known variants are {sorted(_VARIANTS)}.") from None
+        raise InvalidArgumentError(f"Unknown attention variant {name!r}; known variants are {sorted(_VARIANTS)}.") from None
 
 
 def attention_variants() -> list[str]:

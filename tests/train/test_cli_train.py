@@ -7,6 +7,7 @@ import json
 import pytest
 
 from sinklens.cli import main
+from sinklens.train.checkpoint import load_run
 
 pytestmark = pytest.mark.models
 
@@ -21,7 +22,8 @@ def test_train_then_compare(tmp_path, capsys):
                      "--out", str(tmp_path / variant), "--intervention", "restart:positions=8", *TINY])
         assert code == 0
         run = tmp_path / variant
-        assert (run / "metrics.jsonl").is_file() and (run / "model.safetensors").is_file()
+        assert (run / "metrics.jsonl").is_file() and (load_run(run).path / "model.safetensors").is_file()
+        assert load_run(run).step == 6 and (run / "checkpoint.json").is_file()
         assert (run / "figures" / "training.png").stat().st_size > 1000
         cfg = json.loads((run / "config.json").read_text())
         assert cfg["model"]["variant"] == variant and cfg["interventions"] == ["restart:positions=8"]
@@ -39,7 +41,7 @@ def test_train_then_compare(tmp_path, capsys):
 
 
 def test_cli_errors_are_clear(tmp_path, capsys):
-    with pytest.raises(ValueError, match="Unknown config key 'optim.lrr'"):
-        main(["train", "--out", str(tmp_path), "--set", "optim.lrr=1"])
+    assert main(["train", "--out", str(tmp_path), "--set", "optim.lrr=1"]) == 2  # a user mistake: no traceback
+    assert "Unknown config key 'optim.lrr'" in capsys.readouterr().err
     assert main(["train", "--out", str(tmp_path), "--data", str(tmp_path / "missing_folder")]) == 2
     assert "neither a text file nor a folder" in capsys.readouterr().err

@@ -44,7 +44,11 @@ def test_overrides_parse_types_and_nest():
         (["optimizer.lr=1"], "Unknown config section 'optimizer'"),
         (["batch_size=6", "grad_accum=4"], "batch_size=6 must be divisible by grad_accum=4"),
         (["optim.min_lr=1"], r"optim.min_lr must be in \[0, lr="),
-        (["data.source=wiki"], "Unknown data.source 'wiki'"),
+        (["data.source=wiki"], "invalid choice 'wiki' for argument '--data.source'"),  # tyro names the choices
+        (["optim.lr=nan"], "optim.lr must be a finite number, got nan"),
+        (["optim.lr=inf"], "optim.lr must be a finite number, got inf"),
+        (["steps=ten"], "Error parsing --steps: invalid literal for int\\(\\) with base 10: 'ten'"),
+        (["model.family=bert"], "invalid choice 'bert' for argument '--model.family'"),
         (["data.source=text"], "needs data.path"),
         (["lr"], "not of the form"),
     ],

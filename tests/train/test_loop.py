@@ -99,9 +99,9 @@ def test_resolve_interventions_errors(tmp_path):
     from sinklens.train.model import SinkLM
 
     model = SinkLM(build_cfg().model)
-    hooks = resolve_interventions(model, ["masks.restart:positions=4,layers=[1]"])
+    hooks = resolve_interventions(model, ["restart:positions=4,layers=[1]"])  # the one intervention registry
     assert [name for name, _ in hooks] == [hook_name(1, SCORES)]
-    with pytest.raises(ValueError, match="Unknown training intervention 'explode'"):
+    with pytest.raises(ValueError, match="Unknown intervention 'explode'"):
         resolve_interventions(model, ["explode:k=1"])
     with pytest.raises(ValueError, match="not of the form key=value"):
         resolve_interventions(model, ["restart:16"])
@@ -110,3 +110,21 @@ def test_resolve_interventions_errors(tmp_path):
 def test_vocab_and_batch_errors():
     with pytest.raises(ValueError, match="set model.d_vocab=40"):
         train(build_cfg(data={"vocab_size": 40}), progress=False)
+
+
+def test_auto_vocab_is_resolved_once_from_the_data(tmp_path, monkeypatch):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("the sink is the first token. " * 200)
+    built = []
+    original = loop.build_source
+    monkeypatch.setattr(loop, "build_source", lambda *a, **k: built.append(1) or original(*a, **k))
+    cfg = build_cfg(steps=2, model={"d_vocab": "auto"},
+                    data={"source": "text", "path": str(corpus), "cache_dir": str(tmp_path / "c"), "vocab_size": None})
+    result = train(cfg, out_dir=tmp_path / "run", progress=False)
+    assert len(built) == 1  # the data source (which may train a BPE) is built once
+    assert result.model.cfg.d_vocab == 257  # 256 bytes + <|endoftext|>
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["d_vocab"] == 257
+    with pytest.raises(ValueError, match="d_vocab='auto' must be resolved"):
+        from sinklens.train.model import SinkLM
+
+        SinkLM(cfg.model)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sinklens.train.model import SinkLM, calibrate_headwise_gains
-from sinklens.train.model_config import ModelConfig
+from sinklens.train.config import ModelConfig
 from sinklens.train.variants import (
     AttentionVariant,
     attention_variants,

@@ -1,0 +1,254 @@
+"""Never lose a run: refusal to clobber, atomic checkpoints under a kill at every step, divergence stop,
+named errors for broken or unfinished runs, strict JSON everywhere."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import warnings
+
+import pytest
+import torch
+from _train_cfg import build_cfg
+
+import sinklens
+import sinklens.train.checkpoint as ckpt_mod
+from sinklens.cli import main
+from sinklens.errors import CorruptCheckpointError, RunExistsError, RunNotFoundError, TrainingDivergedError
+from sinklens.train.checkpoint import load_run, load_trained_model, save_checkpoint
+from sinklens.train.loop import train
+
+pytestmark = pytest.mark.models
+
+
+def _snapshot(run_dir):
+    return {p.relative_to(run_dir).as_posix(): p.read_bytes() for p in sorted(run_dir.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------ refusal to clobber
+
+
+def test_new_run_refuses_a_directory_holding_a_run(tmp_path):
+    cfg = build_cfg(steps=3)
+    train(cfg, out_dir=tmp_path, progress=False)
+    before = _snapshot(tmp_path)
+    with pytest.raises(RunExistsError, match="already holds a training run.*--resume.*--overwrite"):
+        train(build_cfg(steps=5), out_dir=tmp_path, progress=False)
+    with pytest.raises(ValueError, match="Unknown intervention 'restrat'.*Did you mean 'restart'"):  # typo'd spec
+        train(build_cfg(steps=5), out_dir=tmp_path, overwrite=True, interventions=["restrat:positions=4"], progress=False)
+    with pytest.raises(ValueError, match="Position 999 is out of range"):  # fails only once built on the model: still before writing
+        train(build_cfg(steps=5, interventions=["restart:positions=999"]), out_dir=tmp_path, overwrite=True, progress=False)
+    assert _snapshot(tmp_path) == before  # nothing touched: config, metrics, weights all as they were
+
+    again = train(build_cfg(steps=5), out_dir=tmp_path, overwrite=True, progress=False)
+    assert len(again.losses()) == 5 and load_run(tmp_path).step == 5
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 5
+
+
+def test_cli_refuses_existing_run_and_bad_values_before_touching_it(tmp_path, capsys):
+    tiny = ["--preset", "tiny", "--set", "model.d_model=16", "--set", "model.n_ctx=16", "--set", "model.d_vocab=24",
+            "--set", "data.vocab_size=24", "--seq-len", "16", "--batch-size", "8", "--device", "cpu", "--no-progress",
+            "--set", "eval.interval=0", "--out", str(tmp_path)]
+    assert main(["train", "--steps", "2", *tiny]) == 0
+    before = _snapshot(tmp_path)
+    capsys.readouterr()
+    assert main(["train", "--steps", "3", *tiny]) == 2
+    assert "already holds a training run" in capsys.readouterr().err
+    for bad, message in [(["--set", "optim.lr=nan"], "optim.lr must be a finite number, got nan"),
+                         (["--optim.lr", "inf"], "optim.lr must be a finite number, got inf"),
+                         (["--lr", "-1"], "optim.lr must be in (0, inf], got -1"),
+                         (["--intervention", "explode:k=1"], "Unknown intervention 'explode'")]:
+        assert main(["train", "--overwrite", *tiny, *bad]) == 2, bad
+        assert message in capsys.readouterr().err
+    assert _snapshot(tmp_path) == before
+    assert main(["train", "--steps", "4", "--overwrite", "--optim.warmup_steps", "1", *tiny]) == 0
+    assert json.loads((tmp_path / "config.json").read_text())["optim"]["warmup_steps"] == 1
+
+
+# ------------------------------------------------------------------ atomic checkpoints
+
+OPS = ("write_text_atomic", "save_model", "torch_save", "fsync_dir", "replace")
+
+
+def _kill_after(monkeypatch, op: str, n: int):
+    """Raise KeyboardInterrupt (a simulated kill) right after the n-th call of ``op`` inside save_checkpoint."""
+    import safetensors.torch
+
+    calls = {"n": 0}
+
+    def wrap(fn):
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            calls["n"] += 1
+            if calls["n"] == n:
+                raise KeyboardInterrupt(f"killed after {op} #{n}")
+            return out
+
+        return wrapped
+
+    targets = {
+        "write_text_atomic": (ckpt_mod, "write_json", ckpt_mod.write_json),
+        "save_model": (safetensors.torch, "save_model", safetensors.torch.save_model),
+        "torch_save": (ckpt_mod.torch, "save", torch.save),
+        "fsync_dir": (ckpt_mod, "_fsync_dir", ckpt_mod._fsync_dir),
+        "replace": (ckpt_mod.os, "replace", os.replace),
+    }
+    module, name, fn = targets[op]
+    monkeypatch.setattr(module, name, wrap(fn))
+    return calls
+
+
+def test_a_kill_at_every_point_of_a_checkpoint_write_leaves_one_consistent_checkpoint(tmp_path, monkeypatch):
+    cfg = build_cfg(steps=4)
+    ref = train(cfg, out_dir=tmp_path / "ref", progress=False, until=2)  # a run with its step-2 checkpoint
+    later = train(cfg, progress=False)  # different weights to save "at step 4"
+    killed_points = 0
+    for op in OPS:
+        for n in range(1, 6):
+            run = tmp_path / f"{op}-{n}"
+            shutil.copytree(tmp_path / "ref", run)
+            with monkeypatch.context() as m:
+                calls = _kill_after(m, op, n)
+                try:
+                    save_checkpoint(run, model=later.model, optimizer=None, cfg=cfg, step=4)
+                except KeyboardInterrupt:
+                    killed_points += 1
+                else:
+                    assert calls["n"] < n  # the write finished before the n-th call: no more points of this op
+                    continue
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # the pointer must never name a broken checkpoint
+                got = load_run(run)
+            model = load_trained_model(run)
+            expected = ref.model if got.step == 2 else later.model
+            assert got.step in (2, 4)
+            for p, q in zip(model.parameters(), expected.parameters()):
+                torch.testing.assert_close(p, q, atol=0, rtol=0)  # weights and step always belong together
+            state = torch.load(got.path / "trainer_state.pt", weights_only=False)
+            assert state["step"] == got.step
+            ckpt_mod.clean_stale(run)
+            assert not list(run.rglob(".tmp-*"))  # temporaries of the killed write are cleaned up
+    assert killed_points >= 8  # the kill really hit the write at many points
+
+
+def test_a_corrupt_current_checkpoint_falls_back_to_the_previous_one(tmp_path):
+    cfg = build_cfg(steps=6, checkpoint_interval=2)
+    train(cfg, out_dir=tmp_path, progress=False)
+    assert load_run(tmp_path).step == 6
+    steps = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert steps == ["step-000004", "step-000006"]  # the current one and the one before it
+    weights = tmp_path / "checkpoints" / "step-000006" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])  # truncated
+    with pytest.warns(UserWarning, match="step-000006.*truncated.*using the earlier checkpoint of step 4"):
+        assert load_run(tmp_path).step == 4
+    with pytest.warns(UserWarning):
+        resumed = train(cfg, out_dir=tmp_path, resume=True, progress=False)  # continues from step 4
+    assert [x["step"] for x in resumed.history if x["kind"] == "train"] == list(range(6))
+    assert load_run(tmp_path).step == 6
+
+    data = tmp_path / "checkpoints" / "step-000004" / "trainer_state.pt"
+    data.write_bytes(b"garbage")
+    weights = tmp_path / "checkpoints" / "step-000006" / "model.safetensors"
+    weights.write_bytes(b"x" * weights.stat().st_size)  # same size, wrong content
+    with pytest.raises(CorruptCheckpointError, match="fails its SHA-256 checksum"):
+        load_run(tmp_path)
+    with pytest.raises(CorruptCheckpointError, match="No good checkpoint"):
+        sinklens.load_model(tmp_path, device="cpu")
+
+
+def test_unfinished_and_missing_runs_give_named_errors(tmp_path, monkeypatch):
+    import sinklens.train.loop as loop
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(loop, "save_checkpoint", interrupted)  # killed before its first checkpoint
+    with pytest.raises(KeyboardInterrupt):
+        train(build_cfg(steps=2), out_dir=tmp_path / "run", progress=False)
+    assert (tmp_path / "run" / "config.json").is_file()
+    with pytest.raises(RunNotFoundError, match="has no checkpoint yet"):
+        sinklens.load_model(tmp_path / "run", device="cpu")
+    with pytest.raises(RunNotFoundError, match="holds no checkpoint to resume from"):
+        train(build_cfg(steps=2), out_dir=tmp_path / "run", resume=True, progress=False)
+    with pytest.raises(RunNotFoundError, match="not a sinklens run directory"):
+        load_run(tmp_path / "nothing")
+
+
+def test_a_sinklens_01_run_directory_still_loads_and_resumes(tmp_path):
+    """0.1 layout: model.safetensors, optimizer.pt, trainer_state.pt, config.json in the run directory."""
+    cfg = build_cfg(steps=4)
+    full = train(cfg, out_dir=tmp_path / "full", progress=False)
+    train(cfg, out_dir=tmp_path / "old", progress=False, until=2)
+    old = tmp_path / "old"
+    current = load_run(old).path
+    for name in ("model.safetensors", "optimizer.pt", "trainer_state.pt"):
+        shutil.move(current / name, old / name)
+    shutil.rmtree(old / "checkpoints")
+    (old / "checkpoint.json").unlink()
+    config = json.loads((old / "config.json").read_text())
+    del config["on_nonfinite"], config["max_skips"]  # fields a 0.1 config.json does not have
+    (old / "config.json").write_text(json.dumps(config))
+    assert load_run(old).step == 2 and load_run(old).path == old
+    resumed = train(cfg, out_dir=old, resume=True, progress=False)
+    assert resumed.losses() == pytest.approx(full.losses(), abs=1e-6)
+
+
+# ------------------------------------------------------------------ divergence
+
+
+def _explode_at(step_to_break: int):
+    """A training-time intervention that makes the loss NaN from the ``step_to_break``-th forward on."""
+    calls = {"n": 0}
+
+    def factory(model):
+        def fn(resid, hook):
+            calls["n"] += 1
+            return resid * float("nan") if calls["n"] > step_to_break else resid
+
+        return [("blocks.0.hook_resid_post", fn)]
+
+    return factory
+
+
+def test_a_diverging_run_stops_keeps_its_last_finite_checkpoint_and_writes_strict_json(tmp_path):
+    cfg = build_cfg(steps=10, checkpoint_interval=2)
+    with pytest.raises(TrainingDivergedError, match="Training diverged at step 5: loss nan.*last finite checkpoint"):
+        train(cfg, out_dir=tmp_path, interventions=[_explode_at(5)], progress=False)
+    got = load_run(tmp_path)
+    assert got.step == 4  # the checkpoint written before the NaN step, still current
+    model = load_trained_model(tmp_path)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    lines = [json.loads(line) for line in text.splitlines()]  # json.loads accepts NaN: check the text above
+    assert [x["step"] for x in lines if x["kind"] == "train"] == [0, 1, 2, 3, 4]
+    assert lines[-1] == {"kind": "nonfinite", "step": 5, "loss": None, "grad_norm": None, "lr": pytest.approx(lines[-1]["lr"]),
+                         "action": "stop"}
+
+
+def test_skip_mode_drops_nonfinite_steps_then_gives_up(tmp_path):
+    calls = {"n": 0}
+
+    def flaky(model):  # NaN at the 3rd forward only
+        def fn(resid, hook):
+            calls["n"] += 1
+            return resid * float("nan") if calls["n"] == 3 else resid
+
+        return [("blocks.0.hook_resid_post", fn)]
+
+    with pytest.warns(UserWarning, match="Step 2: non-finite"):
+        result = train(build_cfg(steps=5, on_nonfinite="skip"), interventions=[flaky], progress=False)
+    assert [x["step"] for x in result.history if x["kind"] == "train"] == [0, 1, 3, 4]
+    assert all(torch.isfinite(p).all() for p in result.model.parameters())
+    with pytest.warns(UserWarning), pytest.raises(TrainingDivergedError, match="3 skipped steps in a row"):
+        train(build_cfg(steps=8, on_nonfinite="skip", max_skips=2), interventions=[_explode_at(2)], progress=False)
+
+
+def test_cli_exits_nonzero_on_divergence(tmp_path, capsys):
+    code = main(["train", "--preset", "tiny", "--set", "model.d_model=16", "--set", "model.n_ctx=16", "--set",
+                 "model.d_vocab=24", "--set", "data.vocab_size=24", "--seq-len", "16", "--batch-size", "8", "--device",
+                 "cpu", "--no-progress", "--set", "eval.interval=0", "--steps", "3", "--lr", "1e30",
+                 "--set", "optim.warmup_steps=0", "--set", "optim.grad_clip=0", "--out", str(tmp_path)])
+    assert code == 1  # a failure of the work, not of the command line (sinklens.errors.exit_code_for)
+    assert "Training diverged at step" in capsys.readouterr().err
