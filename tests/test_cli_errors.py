@@ -170,7 +170,7 @@ def test_run_without_a_tokenizer_is_analysed_on_random_tokens(tmp_path):
     from sinklens.train.checkpoint import save_checkpoint
     from sinklens.train.config import TrainConfig
     from sinklens.train.model import SinkLM
-    from sinklens.train.model_config import ModelConfig
+    from sinklens.train.config import ModelConfig
 
     cfg = TrainConfig.from_dict({**TrainConfig().to_dict(), "model": ModelConfig.from_preset("tiny").to_dict()})
     save_checkpoint(tmp_path / "run", model=SinkLM(cfg.model), optimizer=None, cfg=cfg, step=0)

@@ -150,7 +150,7 @@ def _run_dir(tmp_path: Path, damage: str) -> Path:
     from sinklens.train.checkpoint import save_checkpoint
     from sinklens.train.config import TrainConfig
     from sinklens.train.model import SinkLM
-    from sinklens.train.model_config import ModelConfig
+    from sinklens.train.config import ModelConfig
 
     cfg = TrainConfig.from_dict({**TrainConfig().to_dict(), "model": ModelConfig.from_preset("tiny").to_dict()})
     run = save_checkpoint(tmp_path / "run", model=SinkLM(cfg.model), optimizer=None, cfg=cfg, step=0)

@@ -174,7 +174,7 @@ def load_at_init(
 
     Examples:
         >>> from sinklens.train.model import SinkLM
-        >>> from sinklens.train.model_config import ModelConfig
+        >>> from sinklens.train.config import ModelConfig
         >>> cfg = ModelConfig.from_preset("tiny", n_ctx=16, d_vocab=32)
         >>> a = sinklm_at_init(cfg, 3)
         >>> b = load_at_init(a, init_seed=3)

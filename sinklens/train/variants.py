@@ -363,8 +363,8 @@ class VarianceCalibrated(AttentionVariant):
     hook_sites = ("hook_z_calibrated",)
     output_site = "hook_z_calibrated"
 
-    def __init__(self, cfg: ModelConfig, **options: Any) -> None:
-        super().__init__(cfg, **options)
+    def __init__(self, **sizes_and_options: Any) -> None:
+        super().__init__(**sizes_and_options)
         self._qk: tuple[Tensor, Tensor] | None = None
         self._sumsq: Tensor | None = None
 

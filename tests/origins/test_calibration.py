@@ -10,7 +10,7 @@ from sinklens.interventions.calibration import calibration_factor, variance_cali
 from sinklens.options import RunOptions
 from sinklens.origins.init import sinklm_at_init
 from sinklens.origins.positional import positional_discrepancy
-from sinklens.train.model_config import ModelConfig
+from sinklens.train.config import ModelConfig
 
 pytestmark = pytest.mark.models
 

@@ -57,7 +57,7 @@ def test_run_keeps_the_lineage_of_its_own_init_only(trained_runs):
 
 def test_false_positive_rate_stays_near_alpha_over_unrelated_inits():
     from sinklens.origins.init import sinklm_at_init
-    from sinklens.train.model_config import ModelConfig
+    from sinklens.train.config import ModelConfig
 
     cfg = ModelConfig.from_dict(dict(family="llama", n_layers=2, d_model=32, n_heads=4, d_mlp=64, n_ctx=16, d_vocab=4096))
     feats = [final_hidden_states(sinklm_at_init(cfg, s), n_samples=300, seq_len=8, options=OPTS) for s in range(20)]

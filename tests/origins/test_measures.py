@@ -12,7 +12,7 @@ from sinklens.origins.contraction import activation_mean_at_zero, contraction
 from sinklens.origins.init import sinklm_at_init
 from sinklens.origins.positional import positional_discrepancy
 from sinklens.origins.preference import TokenPreference, token_preference
-from sinklens.train.model_config import ModelConfig
+from sinklens.train.config import ModelConfig
 
 pytestmark = pytest.mark.models
 OPTS = RunOptions(batch_size=16, progress=False)
