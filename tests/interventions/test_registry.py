@@ -18,7 +18,7 @@ QUIET = RunOptions(progress=False)
 
 def test_canonical_names_roles_and_old_aliases():
     assert registry.names("create") == ["amplify", "restart", "self_only", "transplant_dims"]
-    assert registry.names("remove") == ["block_keys", "calibrate", "clamp_dims", "edit_neurons"]
+    assert registry.names("remove") == ["block_keys", "calibrate", "clamp_dims", "edit_neurons", "variance_calibration"]
     old = {"variance": "amplify", "transplant": "transplant_dims", "block": "block_keys", "clamp": "clamp_dims",
            "ablate-neurons": "edit_neurons", "self-only": "self_only", "Transplant_Dims": None}
     for name, canonical in old.items():
