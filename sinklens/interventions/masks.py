@@ -70,6 +70,16 @@ def check_in_sequence(positions: Sequence[int], seq_len: int, what: str = "posit
         )
 
 
+def _block_scores(scores: Tensor, blocked: Tensor, head_list: list[int] | None) -> Tensor:
+    """``scores`` with the ``blocked`` entries (``[query, key]``, ``[head, query, key]`` or
+    ``[batch, head, query, key]``) set to ``-inf``, in the heads of ``head_list`` only (None = all)."""
+    if head_list is not None:
+        per_head = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
+        per_head[head_list] = True
+        blocked = blocked & per_head[:, None, None]
+    return scores.masked_fill(blocked, float("-inf"))
+
+
 def _mask_hooks(model: Any, block: BlockFn, *, layers, heads) -> Hooks:
     """Hooks that set ``block(query_positions, n_key)`` entries of the scores to ``-inf``."""
     dims = model_dims(model)
@@ -82,11 +92,7 @@ def _mask_hooks(model: Any, block: BlockFn, *, layers, heads) -> Hooks:
         blocked = block(q_pos, n_k).to(scores.device)  # [query, key] or [batch, head, query, key]
         k_pos = torch.arange(n_k, device=scores.device)
         blocked = blocked & (k_pos[None, :] != q_pos[:, None])  # a query always keeps its own key
-        if head_list is not None:
-            per_head = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
-            per_head[head_list] = True
-            blocked = blocked & per_head[:, None, None]
-        return scores.masked_fill(blocked, float("-inf"))
+        return _block_scores(scores, blocked, head_list)
 
     return [(hook_name(layer, SCORES), fn) for layer in layer_list]
 
@@ -190,10 +196,6 @@ def custom_mask(model: Any, allowed: Tensor, *, layers=None, heads=None) -> Hook
         if not bool(visible.any(dim=-1).all()):
             raise InvalidArgumentError("allowed leaves some query with no visible key (after the causal mask); every row needs one.")
         blocked = ~mask.expand(scores.shape) if mask.ndim == 4 else ~mask.expand(scores.shape[1:])
-        if head_list is not None:
-            per_head = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
-            per_head[head_list] = True
-            blocked = blocked & per_head[:, None, None]
-        return scores.masked_fill(blocked, float("-inf"))
+        return _block_scores(scores, blocked, head_list)
 
     return [(hook_name(layer, SCORES), fn) for layer in layer_list]

@@ -12,13 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from sinklens.plotting.style import new_figure, save_figure
-
-
-def _finish(fig: Any, path: str | Path | None) -> Any:
-    if path is not None:
-        save_figure(fig, path, close=False)
-    return fig
+from sinklens.plotting.style import finish, new_figure
 
 
 def plot_rank_probability(prefs: dict[str, Any], *, path: str | Path | None = None) -> Any:
@@ -36,7 +30,7 @@ def plot_rank_probability(prefs: dict[str, Any], *, path: str | Path | None = No
     ax.set_ylabel("mean next-token probability")
     ax.set_title("token preference on random inputs")
     ax.legend(fontsize=8)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_contraction(result: Any, *, path: str | Path | None = None) -> Any:
@@ -61,7 +55,7 @@ def plot_contraction(result: Any, *, path: str | Path | None = None) -> Any:
     ax.set_ylabel("share of the inter-sequence change")
     ax.set_title(f"who concentrates ({result.activation}: E[f(z)] = {result.activation_mean_at_zero:.3f})")
     ax.legend(fontsize=8)
-    return _finish(fig, path)
+    return finish(fig, path)
 
 
 def plot_positional(result: Any, *, path: str | Path | None = None) -> Any:
@@ -84,4 +78,4 @@ def plot_positional(result: Any, *, path: str | Path | None = None) -> Any:
     ax.set_ylabel("position 0 / later positions")
     ax.set_title("positional discrepancy")
     ax.legend(fontsize=8)
-    return _finish(fig, path)
+    return finish(fig, path)
