@@ -242,7 +242,7 @@ def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> t
     np.save(tmp / "train.npy", train)
     np.save(tmp / "val.npy", val)
     tokenizer.save_pretrained(str(tmp / "tokenizer"))
-    (tmp / "key.json").write_text(json.dumps(key_parts, indent=1, default=str))
+    (tmp / "key.json").write_text(json.dumps(key_parts, indent=1, default=str, allow_nan=False))
     try:
         tmp.rename(folder)
     except OSError:  # another process cached it first
