@@ -73,6 +73,10 @@ class ModelLoadError(SinklensError, RuntimeError):
     """A local model that exists and looks intact but could not be loaded (e.g. an unsupported architecture)."""
 
 
+class UnsupportedArchitectureError(SinklensError, ValueError):
+    """The model's architecture has a feature this analysis cannot measure correctly (it refuses rather than guess)."""
+
+
 class IncompatibleModelsError(SinklensError, ValueError):
     """Two models that cannot be compared as asked (e.g. different hidden sizes for a SeedPrint test)."""
 

@@ -1,0 +1,149 @@
+"""Which query sees which key, per layer: the one notion of visibility every analyzer uses.
+
+A key ``k`` is *visible* to a query ``q`` in layer ``l`` when the model's attention mask lets ``q`` attend
+to ``k``:
+
+* **causal** models: ``k <= q``; **bidirectional** encoders (BERT): every ``k``;
+* a **sliding-window** layer of ``w`` tokens (Mistral, Gemma 2/3 local layers, gpt-oss): additionally
+  ``q - k < w`` (Hugging Face's and TransformerLens' convention: the query and the ``w - 1`` tokens before it);
+* **padding**: neither a padded query nor a padded key counts (:meth:`Visibility.batch_mask`).
+
+The layout is read from the model, never assumed: ``cfg.attention_dir`` (``"causal"`` or
+``"bidirectional"``; TransformerLens 3.x and 4.x both set it), per-layer windows from TransformerLens 3.x's
+``cfg.attn_types``/``cfg.window_size``, or from the Hugging Face config behind a ``TransformerBridge``
+(``layer_types`` with ``"sliding_attention"`` entries and ``sliding_window``; a ``sliding_window`` without
+``layer_types`` applies to every layer unless ``use_sliding_window`` is false). Attention layouts that
+visibility cannot describe (chunked attention) are refused with :class:`UnsupportedArchitectureError`.
+
+Examples:
+    >>> vis = Visibility(causal=True, windows=(None, 2))
+    >>> vis.visible(1, 4).int()
+    tensor([[1, 0, 0, 0],
+            [1, 1, 0, 0],
+            [0, 1, 1, 0],
+            [0, 0, 1, 1]], dtype=torch.int32)
+    >>> vis.describe()
+    'causal; sliding window of 2 tokens in layers [1]'
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Bool
+from torch import Tensor
+
+from sinklens.errors import UnsupportedArchitectureError
+
+
+@dataclass(frozen=True)
+class Visibility:
+    """The attention layout of a model.
+
+    Attributes:
+        causal: True for decoders (a query sees only keys at or before it), False for encoders.
+        windows: per layer, the sliding window in tokens (a query sees keys ``q - w < k``), or None for
+            full attention.
+    """
+
+    causal: bool
+    windows: tuple[int | None, ...]
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.windows)
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of ``layer`` (None: full attention)."""
+        return self.windows[layer]
+
+    def visible(self, layer: int, n_pos: int, device: torch.device | str | None = None) -> Bool[Tensor, "query key"]:
+        """``[query, key]``: True where the query may attend to the key in ``layer`` (padding aside)."""
+        q = torch.arange(n_pos, device=device)[:, None]
+        k = torch.arange(n_pos, device=device)[None, :]
+        seen = (k <= q) if self.causal else torch.ones(n_pos, n_pos, dtype=torch.bool, device=device)
+        w = self.windows[layer]
+        if w is not None:
+            seen = seen & ((q - k) < w) & ((k - q) < w if not self.causal else True)
+        return seen
+
+    def batch_mask(self, layer: int, valid: Bool[Tensor, "batch pos"]) -> Bool[Tensor, "batch query key"]:
+        """``[batch, query, key]``: visible pairs whose query and key are both real (non-padding) tokens."""
+        seen = self.visible(layer, valid.shape[1], valid.device)
+        return seen[None] & valid[:, :, None] & valid[:, None, :]
+
+    def n_visible_queries(self, layer: int, valid: Bool[Tensor, "batch pos"]) -> Tensor:
+        """``[batch, key]``: how many real queries can see each key in ``layer``."""
+        return self.batch_mask(layer, valid).sum(dim=1)
+
+    def describe(self) -> str:
+        """One line for summaries, e.g. ``'causal; sliding window of 4 tokens in layers [0, 2]'``."""
+        kind = "causal" if self.causal else "bidirectional"
+        windowed: dict[int, list[int]] = {}
+        for layer, w in enumerate(self.windows):
+            if w is not None:
+                windowed.setdefault(w, []).append(layer)
+        if not windowed:
+            return f"{kind}; full attention in every layer"
+        parts = [f"sliding window of {w} tokens in layers {layers}" for w, layers in sorted(windowed.items())]
+        return f"{kind}; " + "; ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``{"attention": "causal"|"bidirectional", "windows": [w or null per layer]}``."""
+        return {"attention": "causal" if self.causal else "bidirectional", "windows": list(self.windows)}
+
+
+def _hf_config(model: Any) -> Any:
+    original = getattr(model, "original_model", None)
+    return getattr(original, "config", None)
+
+
+def _hf_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:
+    window = getattr(config, "sliding_window", None)
+    layer_types: Sequence[str] | None = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        unknown = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
+        if unknown:
+            raise UnsupportedArchitectureError(
+                f"Layer types {unknown} (from the Hugging Face config's layer_types) are not supported: sinklens "
+                "knows full and sliding-window attention only."
+            )
+        if any(t == "sliding_attention" for t in layer_types) and not window:
+            raise UnsupportedArchitectureError("The config has sliding_attention layers but no sliding_window size.")
+        return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
+    if window and getattr(config, "use_sliding_window", True) is not False:
+        return (int(window),) * n_layers
+    return (None,) * n_layers
+
+
+def _tl_windows(cfg: Any, n_layers: int) -> tuple[int | None, ...]:
+    attn_types = getattr(cfg, "attn_types", None)
+    window = getattr(cfg, "window_size", None)
+    if not attn_types:
+        return (None,) * n_layers
+    if any(t == "local" for t in attn_types) and not window:
+        raise UnsupportedArchitectureError("cfg.attn_types has 'local' layers but cfg.window_size is not set.")
+    return tuple(int(window) if t == "local" else None for t in attn_types)
+
+
+def attention_visibility(model: Any) -> Visibility:
+    """The :class:`Visibility` of any TransformerLens-style model (bridge, HookedTransformer, sinklens run).
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> attention_visibility(tiny_model()).describe()
+        'causal; full attention in every layer'
+    """
+    cfg = model.cfg
+    n_layers = int(cfg.n_layers)
+    direction = getattr(cfg, "attention_dir", "causal") or "causal"
+    if direction not in ("causal", "bidirectional"):
+        raise UnsupportedArchitectureError(f"cfg.attention_dir={direction!r}; expected 'causal' or 'bidirectional'.")
+    config = _hf_config(model)
+    windows = _hf_windows(config, n_layers) if config is not None else _tl_windows(cfg, n_layers)
+    if len(windows) != n_layers:
+        raise UnsupportedArchitectureError(f"{len(windows)} per-layer attention types for {n_layers} layers.")
+    return Visibility(causal=direction == "causal", windows=windows)
