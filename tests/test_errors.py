@@ -487,38 +487,29 @@ def test_validators_accept_numpy_and_tensor_scalars():
     assert validate.device("CPU") == torch.device("cpu")
 
 
-def _raised_in_sinklens() -> ValueError:
+def _caught(call, kind: type[BaseException]):
+    """``lambda: the exception of type kind that call() raises`` (a real, raised-and-caught instance)."""
+
+    def make() -> BaseException:
+        try:
+            call()
+        except kind as err:
+            return err
+        raise AssertionError(f"{call} raised no {kind.__name__}")
+
+    return make
+
+
+def _bad_optim_config():
     from sinklens.train.config import OptimConfig
 
-    try:
-        OptimConfig(lr=-1.0)
-    except ValueError as err:
-        return err
-    raise AssertionError("OptimConfig accepted lr=-1")
+    OptimConfig(lr=-1.0)
 
 
-def _raised_in_torch() -> BaseException:
-    try:
-        torch.zeros(2).view(3)
-    except RuntimeError as err:
-        return err
-    raise AssertionError("torch accepted a bad view")
-
-
-def _raised_in_numpy() -> ValueError:
-    try:
-        np.zeros(2).reshape(3)
-    except ValueError as err:
-        return err
-    raise AssertionError("numpy accepted a bad reshape")
-
-
-def _json_error() -> ValueError:
-    try:
-        json.loads("{")
-    except ValueError as err:
-        return err
-    raise AssertionError
+_raised_in_sinklens = _caught(_bad_optim_config, ValueError)
+_raised_in_torch = _caught(lambda: torch.zeros(2).view(3), RuntimeError)
+_raised_in_numpy = _caught(lambda: np.zeros(2).reshape(3), ValueError)
+_json_error = _caught(lambda: json.loads("{"), ValueError)
 
 
 EXIT_ROWS = [
