@@ -213,6 +213,8 @@ class SinkResult(SettingsFields):
         special_tokens: the special tokens the tokenizer added around each prompt (e.g. ``("[CLS]", "[SEP]")``
             or ``("<|im_start|>",)``; empty when none was added), see :class:`~sinklens.inputs.TokenBatch`.
         attention: the attention layout the queries were chosen by (:meth:`~sinklens.visibility.Visibility.to_dict`).
+        n_queries_by_layer: (sequence, query) pairs averaged into ``received[l, :, k]``, per analysed layer
+            (differs from :attr:`n_queries` only in sliding-window layers).
     """
 
     received: Float[Tensor, "layer head key_pos"]
@@ -232,6 +234,7 @@ class SinkResult(SettingsFields):
     position_token_ids: Int[Tensor, " key_pos"] | None = None
     special_tokens: tuple[str, ...] = ()
     attention: dict[str, Any] | None = None
+    n_queries_by_layer: Float[Tensor, "layer key_pos"] | None = None
     tokenizer: Any = field(default=None, repr=False, compare=False)
 
     _renamed: ClassVar[dict[str, str]] = {"eps": "sink_threshold", "min_queries": "min_query_count"}
@@ -688,6 +691,7 @@ class SinkReducer(Reducer[SinkResult]):
             position_token_ids=self.pos_ids[:n].clamp(min=-1).cpu(),
             special_tokens=self.special_tokens,
             attention=self.attention.visibility.to_dict(),
+            n_queries_by_layer=base.n_queries_by_layer,
             tokenizer=self.tokenizer,
         )
 
