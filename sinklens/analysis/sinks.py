@@ -23,8 +23,8 @@ padded queries and keys never count.
   decoder, the key's own query (weight 1 by construction), so it is a little lower than Gu's; elsewhere
   the two agree. Sink positions are detected with it.
 * **virtual sink** (learned sink logits, gpt-oss "sinks"): per head, the mean over real queries of
-  ``1 - Σ_k pattern[l, h, q, k]``, the attention mass that goes to no key. ``None`` for models whose rows
-  sum to 1 (within ``1e-5``) and that have no ``sinks`` parameter.
+  ``1 - Σ_k pattern[l, h, q, k]`` (``k`` over the real keys ``q`` can see), the attention mass that goes to
+  no key. ``None`` for models whose rows sum to 1 (within ``1e-5``) and that have no ``sinks`` parameter.
 * **sink positions**, anywhere in the sequence (see :meth:`SinkResult.detect_sinks`), and **sink
   tokens**: per token id, the layer-head-mean received attention over every occurrence, kept in
   vocabulary-sized running sums (exact and bounded), plus the top-k single occurrences.
@@ -204,7 +204,8 @@ class SinkResult(SettingsFields):
         gu_seq_sink_frac: Gu et al.'s indicator averaged over sequences: share of the sequences
             containing ``k`` in which ``α^Gu_b[l, h, k] > sink_threshold``, ``α^Gu_b`` the mean over every
             query that can see ``k`` (its own included), as in Gu et al.'s code (``method="gu"``).
-        unattended: ``[layer, head]`` mean over real queries of ``1 - Σ_k pattern[l, h, q, k]`` (0 for softmax).
+        unattended: ``[layer, head]`` mean over real queries of ``1 - Σ_k pattern[l, h, q, k]``, the sum over the
+            real keys the query can see (0 for softmax; attention leaking to padding would show here too).
         virtual_sink: ``unattended`` when the model has learned sink logits (a ``sinks`` parameter) or its
             pattern rows do not sum to 1 (mean shortfall above ``1e-5``): the mass each head gives its
             virtual sink; ``None`` otherwise.
@@ -571,7 +572,7 @@ class SinkReducer(Reducer[SinkResult]):
         )
         n_layers = len(self.layers)
         threshold = self.settings.sink_threshold
-        real_q = batch.valid[:, None, :].to(torch.float32)  # [batch, 1, query]
+        n_real = batch.valid.sum().double()  # real queries in the batch
 
         def fold(pattern: Tensor, layer: int) -> None:  # pattern: [batch, head, query, key]
             row = self.attention.row[layer]
@@ -590,8 +591,9 @@ class SinkReducer(Reducer[SinkResult]):
             gu_n = state.gu_count[layer][:, None, :]
             gu_alpha = (gu_sum / gu_n.clamp(min=1)).double()
             self.gu_hits[row, :, : gu_alpha.shape[2]] += ((gu_alpha > threshold) & (gu_n > 0)).sum(dim=0).double()
-            # Virtual sink: the mass of each real query's row that goes to no key.
-            self.shortfall[row] += ((1.0 - pattern.float().sum(dim=-1)) * real_q).sum(dim=(0, 2)).double()
+            # Virtual sink: the mass of the real queries' rows that goes to no key they can see
+            # (Σ_k of Gu's column sums is Σ over real queries of their rows over visible keys).
+            self.shortfall[row] += n_real - gu_sum.double().sum(dim=(0, 2))
 
         return BatchFold(per_layer_hooks(PATTERN, self.layers, fold), state=state)
 
