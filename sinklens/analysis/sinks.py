@@ -76,13 +76,15 @@ ROW_SUM_TOLERANCE = 1e-5
 
 def has_sink_logits(model: Any) -> bool:
     """True if the model has learned per-head sink logits: a parameter named ``sinks`` (gpt-oss, in the
-    Hugging Face model behind a bridge or in the model itself) or a sinklens ``sink_logit`` attention variant."""
+    Hugging Face model behind a bridge or in the model itself) or a sinklens ``sink_logit`` attention variant
+    (:class:`~sinklens.train.model.SinkLM` with ``cfg.variant == "sink_logit"``)."""
+    if getattr(getattr(model, "cfg", None), "variant", None) == "sink_logit":
+        return True
     for root in (getattr(model, "original_model", None), model):
-        if root is None or not hasattr(root, "named_parameters"):
-            continue
-        if any(name.rsplit(".", 1)[-1] in ("sinks", "sink_logit") for name, _ in root.named_parameters()):
-            return True
-    return getattr(getattr(model, "cfg", None), "attention_variant", None) == "sink_logit"
+        if root is not None and hasattr(root, "named_parameters"):
+            if any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in root.named_parameters()):
+                return True
+    return False
 
 
 def _check_threshold(value: Any) -> float:

@@ -81,3 +81,28 @@ def test_encoder_real_queries_never_attend_to_padding():
     # Every real key's received attention is finite and the real queries' rows sum to 1 over real keys only.
     assert float(sinks.unattended.abs().max()) < 1e-5
     assert int(sinks.n_queries[0]) == int(lengths.sum()) - len(PROMPTS)  # min_query=1 drops each query 0
+
+
+@pytest.mark.parametrize("variant", ["baseline", "sink_logit"])
+def test_sinklens_own_model_runs_padded_batches_without_a_mask(variant):
+    """SinkLM takes no attention_mask: causal and right-aligned, its pads come after every real token."""
+    from sinklens.train.config import ModelConfig
+    from sinklens.train.model import SinkLM
+
+    torch.manual_seed(0)
+    model = SinkLM(ModelConfig(family="llama", variant=variant, n_layers=2, d_model=16, n_heads=4, n_kv_heads=2,
+                               d_mlp=32, n_ctx=16, d_vocab=32)).eval()
+    rows = [torch.randint(2, 32, (n,)) for n in (9, 3, 12, 5)]
+    width = max(r.numel() for r in rows)
+    tokens = torch.zeros(len(rows), width, dtype=torch.long)
+    valid = torch.zeros(len(rows), width, dtype=torch.bool)
+    for i, r in enumerate(rows):
+        tokens[i, width - r.numel():], valid[i, width - r.numel():] = r, True  # left-padded
+    padded = find_sinks(model, TokenBatch(tokens, valid, False), options=QUIET)
+    singles = find_sinks(model, [TokenBatch(r[None], torch.ones(1, r.numel(), dtype=torch.bool), False) for r in rows],
+                         options=QUIET)
+    torch.testing.assert_close(padded.received, singles.received, rtol=0, atol=1e-6, equal_nan=True)
+    assert (padded.virtual_sink is not None) == (variant == "sink_logit")
+    if variant == "sink_logit":
+        torch.testing.assert_close(padded.virtual_sink, singles.virtual_sink, rtol=0, atol=1e-6)
+        assert float(padded.virtual_sink.min()) > 0.0
