@@ -99,8 +99,10 @@ class SinkSettings:
     Attributes:
         sink_threshold: Gu et al.'s ``ε``: head ``(l, h)`` is a sink head for key ``k`` in sequence
             ``b`` if its mean attention ``α_b[l, h, k]`` exceeds it (in (0, 1); default 0.3).
-        min_query: queries before this *position* are not counted (default 1: the query at 0 sees
-            only key 0 and gives it weight 1 by construction). Gu et al. use 0.
+        min_query: queries before this *position* are not counted in ``received`` and sinklens' sink rate
+            (default 1: in a decoder the query at 0 sees only key 0 and gives it weight 1 by construction;
+            in an encoder query 0 sees every key, so ``min_query=0`` is the natural choice there). Gu et
+            al.'s rate (``method="gu"``) always counts every query that can see the key.
         min_query_count: a position is a sink candidate (and a token occurrence is counted) only if
             it had at least this *number* of counted later queries (per sequence, on average for
             positions); the last positions of a sequence are seen by very few queries.
@@ -199,7 +201,8 @@ class SinkResult(SettingsFields):
         settings: the :class:`SinkSettings` the analysis ran with (also readable as attributes:
             ``result.sink_threshold``, ``result.min_query``, ...).
         n_sequences: sequences streamed.
-        prepend_bos: whether position 0 was a prepended BOS token.
+        prepend_bos: whether special tokens were added (a decoder's BOS at position 0, an encoder's
+            ``[CLS] … [SEP]``); :attr:`special_tokens` and :meth:`describe_start` say which.
         first_tokens: token statistics at position 0.
         later_tokens: token statistics at positions >= 1 (position-independent sink tokens such
             as ``"\\n"`` or ``"."`` show up here).
