@@ -1,9 +1,22 @@
 """Inputs for the analyzers: natural text, a built-in prompt set and random-token sequences.
 
 Every source ends up as a list of :class:`TokenBatch` — right-padded token ids plus a ``valid``
-mask. Right padding keeps every sequence's first token at position 0 (where the sink lives) and,
-with causal attention, leaves the activations of real tokens untouched by the pads; analyzers
-only have to drop padded positions from their reductions.
+mask. Right padding keeps every sequence's first token at position 0 (where the sink lives); a batch
+given left-padded is right-aligned first (:func:`right_align`). A padded batch runs with an attention
+mask (:func:`sinklens.streaming.forward`), so pads change no real token's activations (causal or
+bidirectional) and results do not depend on the batch size or the padding side; analyzers drop padded
+positions from their reductions.
+
+What position 0 is (``prepend_bos``):
+
+* **decoders**: ``prepend_bos=True`` puts the tokenizer's BOS token in front of each text, and only a real
+  special token of the model (never the ``[UNK]`` a bridge may fill in); ``False`` starts with the text's
+  first token.
+* **encoders** (bidirectional, e.g. BERT): ``prepend_bos=True`` adds the tokenizer's own special tokens the
+  tokenizer's own way (``tokenizer(text, add_special_tokens=True)``: ``[CLS] … [SEP]``); ``False`` adds none.
+
+Each batch records the special tokens it got in :attr:`TokenBatch.special_tokens`, and the results say
+what position 0 is (:meth:`sinklens.analysis.sinks.SinkResult.describe_start`).
 """
 
 from __future__ import annotations
@@ -32,20 +45,59 @@ class TokenBatch:
     Attributes:
         tokens: token ids, padded on the right.
         valid: True at real tokens, False at padding.
-        prepend_bos: whether position 0 of each sequence is a prepended BOS token (it moves the sink,
-            so every result records it).
+        prepend_bos: whether special tokens were added in front of each text (a BOS for decoders, the
+            tokenizer's ``[CLS] … [SEP]`` for encoders); it moves the sink, so every result records it.
+        special_tokens: the special tokens that were added, as the tokenizer spells them, in order (e.g.
+            ``("<|im_start|>",)`` or ``("[CLS]", "[SEP]")``); empty when none were or when unknown
+            (token tensors given directly).
     """
 
     tokens: Int[Tensor, "batch pos"]
     valid: Bool[Tensor, "batch pos"]
     prepend_bos: bool
+    special_tokens: tuple[str, ...] = ()
 
     @property
     def lengths(self) -> Int[Tensor, " batch"]:
         return self.valid.sum(dim=1)
 
+    @property
+    def padded(self) -> bool:
+        """True if any position is padding."""
+        return not bool(self.valid.all())
+
     def to(self, device: torch.device | str) -> TokenBatch:
-        return TokenBatch(self.tokens.to(device), self.valid.to(device), self.prepend_bos)
+        return TokenBatch(self.tokens.to(device), self.valid.to(device), self.prepend_bos, self.special_tokens)
+
+
+def right_align(batch: TokenBatch) -> TokenBatch:
+    """The batch with every sequence moved to start at position 0 (left or mixed padding → right padding).
+
+    Each row's real tokens must be one contiguous run (a ``valid`` mask with a hole is refused with
+    :class:`~sinklens.errors.InvalidArgumentError`). A right-padded batch is returned unchanged (the same object).
+
+    Examples:
+        >>> b = TokenBatch(torch.tensor([[0, 0, 7, 8], [5, 6, 7, 8]]),
+        ...                torch.tensor([[False, False, True, True], [True, True, True, True]]), False)
+        >>> right_align(b).tokens.tolist(), right_align(b).valid.sum(dim=1).tolist()
+        ([[7, 8, 0, 0], [5, 6, 7, 8]], [2, 4])
+    """
+    valid = batch.valid
+    n = valid.shape[1]
+    lengths = valid.sum(dim=1)
+    pos = torch.arange(n, device=valid.device)
+    prefix = pos[None, :] < lengths[:, None]
+    if bool((valid == prefix).all()):
+        return batch
+    start = valid.float().argmax(dim=1)  # first real position of each row
+    if not bool((valid == ((pos[None] >= start[:, None]) & (pos[None] < (start + lengths)[:, None]))).all()):
+        raise InvalidArgumentError(
+            "A TokenBatch row has padding between real tokens (valid mask with a hole); only left or right "
+            "padding is supported."
+        )
+    index = (pos[None, :] + start[:, None]).clamp(max=n - 1)
+    tokens = torch.where(prefix, batch.tokens.gather(1, index), batch.tokens.gather(1, index.new_zeros(index.shape)))
+    return TokenBatch(tokens, prefix, batch.prepend_bos, batch.special_tokens)
 
 
 Inputs = Union[str, Sequence[str], Tensor, TokenBatch, Sequence[TokenBatch]]
@@ -103,14 +155,14 @@ def stdlib_text_prompts(n_prompts: IntLike = 16, *, n_chars: IntLike = 800, seed
     return docs[:n_prompts]
 
 
-def _pad_right(rows: list[Tensor], pad_id: int, prepend_bos: bool) -> TokenBatch:
+def _pad_right(rows: list[Tensor], pad_id: int, prepend_bos: bool, special_tokens: tuple[str, ...] = ()) -> TokenBatch:
     width = max(int(r.numel()) for r in rows)
     tokens = torch.full((len(rows), width), pad_id, dtype=torch.long)
     valid = torch.zeros((len(rows), width), dtype=torch.bool)
     for i, row in enumerate(rows):
         tokens[i, : row.numel()] = row
         valid[i, : row.numel()] = True
-    return TokenBatch(tokens, valid, prepend_bos)
+    return TokenBatch(tokens, valid, prepend_bos, special_tokens)
 
 
 def bos_token_id(model: Any) -> int:
@@ -157,9 +209,10 @@ def tokenize_prompts(
     """Tokenise prompts with the model's tokenizer into right-padded batches.
 
     Args:
-        prepend_bos: put the tokenizer's BOS token at position 0 (the sink moves with it).
-        max_length: truncate each prompt to this many tokens (BOS included); without it a prompt
-            longer than ``cfg.n_ctx`` raises :class:`SequenceTooLongError`.
+        prepend_bos: decoders: put the tokenizer's BOS token at position 0 (the sink moves with it);
+            encoders: add the tokenizer's own special tokens (``[CLS] … [SEP]``) its own way. See the module docstring.
+        max_length: truncate each prompt to this many tokens (special tokens included; an encoder keeps its
+            final ``[SEP]``); without it a prompt longer than ``cfg.n_ctx`` raises :class:`SequenceTooLongError`.
     """
     prompts = prompt_list(prompts)
     batch_size = positive_int(batch_size, what="batch_size")
@@ -169,23 +222,63 @@ def tokenize_prompts(
         raise InvalidArgumentError(
             "This model has no tokenizer; pass token ids (an int tensor [batch, pos]) instead of strings."
         )
-    bos = bos_token_id(model) if prepend_bos else None
+    tok = model.tokenizer
+    encoder = is_encoder(model)
+    bos = bos_token_id(model) if prepend_bos and not encoder else None
     n_ctx = model_dims(model).n_ctx
-    pad_id = model.tokenizer.pad_token_id
+    pad_id = tok.pad_token_id
     if pad_id is None:
-        pad_id = model.tokenizer.eos_token_id or 0
+        pad_id = tok.eos_token_id or 0
+    special_ids = set(getattr(tok, "all_special_ids", []) or [])
+    special: tuple[str, ...] = (tok.convert_ids_to_tokens(bos),) if bos is not None else ()
     rows = []
     for prompt in prompts:
-        ids = model.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        if bos is not None:
-            ids = [bos, *ids]
+        if encoder and prepend_bos:  # the tokenizer's own special tokens, added its own way
+            ids = encoder_ids(tok, prompt, max_length)
+            special = tuple(tok.convert_ids_to_tokens(i) for i in ids if i in special_ids) if not rows else special
+        else:
+            ids = tok(prompt, add_special_tokens=False)["input_ids"]
+            if bos is not None:
+                ids = [bos, *ids]
         if max_length is not None:
             ids = ids[:max_length]
         _check_length(len(ids), n_ctx)
         if not ids:
             raise InvalidArgumentError(f"Prompt {prompt!r} tokenises to no tokens.")
         rows.append(torch.tensor(ids, dtype=torch.long))
-    return [_pad_right(rows[i : i + batch_size], pad_id, prepend_bos) for i in range(0, len(rows), batch_size)]
+    return [_pad_right(rows[i : i + batch_size], pad_id, prepend_bos and bool(special), special)
+            for i in range(0, len(rows), batch_size)]
+
+
+def encoder_ids(tok: Any, text: str, max_length: int | None = None) -> list[int]:
+    """An encoder's token ids for ``text`` with its own special tokens: ``tok(text, add_special_tokens=True)``
+    when that starts with the tokenizer's ``[CLS]``; otherwise (a TransformerLens bridge rebuilds the
+    tokenizer and drops BERT's ``[CLS] $A [SEP]`` template) that same template from ``cls_token_id`` and
+    ``sep_token_id``. ``max_length`` truncates the text, keeping the final ``[SEP]``.
+
+    Refused (:class:`~sinklens.errors.InvalidArgumentError`) when the tokenizer has no real ``[CLS]``/``[SEP]``
+    (never an ``[UNK]`` stand-in).
+    """
+    unk = getattr(tok, "unk_token_id", None)
+    cls, sep = getattr(tok, "cls_token_id", None), getattr(tok, "sep_token_id", None)
+    kw = dict(truncation=True, max_length=max_length) if max_length is not None else {}
+    ids = list(tok(text, add_special_tokens=True, **kw)["input_ids"])
+    if cls is not None and cls != unk and ids[:1] == [cls]:
+        return ids
+    if cls is None or sep is None or unk in (cls, sep):
+        raise InvalidArgumentError(
+            f"prepend_bos=True on an encoder whose tokenizer has no [CLS]/[SEP] tokens of its own (cls_token_id={cls}, "
+            f"sep_token_id={sep}); use prepend_bos=False (CLI: --no-bos)."
+        )
+    body = list(tok(text, add_special_tokens=False)["input_ids"])
+    if max_length is not None:
+        body = body[: max(max_length - 2, 0)]
+    return [cls, *body, sep]
+
+
+def is_encoder(model: Any) -> bool:
+    """True for bidirectional models (``cfg.attention_dir == "bidirectional"``, e.g. BERT)."""
+    return getattr(getattr(model, "cfg", None), "attention_dir", "causal") == "bidirectional"
 
 
 def random_token_batches(
@@ -211,11 +304,14 @@ def random_token_batches(
     _check_length(seq_len, dims.n_ctx)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, dims.d_vocab, (n_sequences, seq_len), generator=gen)
+    special: tuple[str, ...] = ()
     if prepend_bos:
-        tokens[:, 0] = bos_token_id(model) if getattr(model, "tokenizer", None) is not None else 0
+        tok = getattr(model, "tokenizer", None)
+        tokens[:, 0] = bos_token_id(model) if tok is not None else 0
+        special = (tok.convert_ids_to_tokens(int(tokens[0, 0])),) if tok is not None else ()
     valid = torch.ones_like(tokens, dtype=torch.bool)
     return [
-        TokenBatch(tokens[i : i + batch_size], valid[i : i + batch_size], prepend_bos)
+        TokenBatch(tokens[i : i + batch_size], valid[i : i + batch_size], prepend_bos, special)
         for i in range(0, n_sequences, batch_size)
     ]
 
@@ -231,8 +327,8 @@ def as_batches(
     """Normalise any accepted input into right-padded :class:`TokenBatch` es on the model's device.
 
     Accepts a string, a list of strings, an int tensor ``[batch, pos]`` (all tokens valid; its
-    first column counts as BOS when ``prepend_bos``), one :class:`TokenBatch` or a list of them.
-    ``None`` means the built-in prompt set.
+    first column counts as BOS when ``prepend_bos``), one :class:`TokenBatch` or a list of them
+    (left-padded batches are right-aligned, :func:`right_align`). ``None`` means the built-in prompt set.
 
     Every argument is checked here, once (:mod:`sinklens.validate`): ``batch_size`` and
     ``max_length`` must be positive, a prompt list must hold only strings, and every token id must
@@ -280,4 +376,4 @@ def as_batches(
             )
         _check_length(b.tokens.shape[1], dims.n_ctx)
         check_vocab(b.tokens, dims.d_vocab, what=f"token ids (batch {i})")
-    return [b.to(device) for b in batches]
+    return [right_align(b).to(device) for b in batches]

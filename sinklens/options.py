@@ -32,9 +32,12 @@ class RunOptions:
     """Settings of one streaming run, shared by every analyzer and experiment.
 
     Attributes:
-        batch_size: prompts per forward pass (results do not depend on it).
-        prepend_bos: put the model's BOS token in front of each text prompt; for token tensors the
-            first column is taken to be BOS.
+        batch_size: prompts per forward pass (results do not depend on it: padded batches run with an
+            attention mask, left-padded ones are right-aligned first; see :func:`sinklens.streaming.forward`).
+        prepend_bos: add the model's own special tokens to each text prompt: a decoder's BOS token (a real
+            special token of the model, never ``[UNK]``), an encoder's ``[CLS] … [SEP]`` added the tokenizer's
+            own way (see :mod:`sinklens.inputs`); for token tensors the first column is taken to be BOS.
+            Results record what position 0 was (``SinkResult.describe_start()``).
         max_length: truncate each tokenized prompt to this many tokens (BOS included); None keeps
             everything up to ``cfg.n_ctx``.
         extra_hooks: ``(hook_name, fn)`` pairs added to every forward before the analyzers' own, e.g.

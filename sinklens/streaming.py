@@ -33,6 +33,7 @@ Examples:
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
@@ -42,11 +43,11 @@ from typing import Any, Generic, TypeVar
 import torch
 from tqdm.auto import tqdm
 
-from sinklens.errors import PatternNotExposedError
+from sinklens.errors import PatternNotExposedError, UnsupportedArchitectureError
 from torch import Tensor
 
 from sinklens.hooks import check_hook_names, hook_name
-from sinklens.inputs import Inputs, TokenBatch, as_batches
+from sinklens.inputs import Inputs, TokenBatch, as_batches, is_encoder, right_align
 from sinklens.options import HookFn, RunOptions
 
 
@@ -159,6 +160,37 @@ class _HookTable:
         return run
 
 
+def accepts_attention_mask(model: Any) -> bool:
+    """True if ``model(tokens, attention_mask=...)`` is accepted (TransformerLens 3.x ``HookedTransformer`` and
+    4.x ``TransformerBridge`` both are; sinklens' own :class:`~sinklens.train.model.SinkLM` is not)."""
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "attention_mask" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+
+def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
+    """Run ``model`` on one batch the way every analyzer does: a padded batch is right-aligned
+    (:func:`~sinklens.inputs.right_align`) and passes ``attention_mask=batch.valid`` so no real token
+    attends to padding (decoders and encoders alike), and no real token's activations depend on the batch
+    size or the padding side. A model without an ``attention_mask`` argument runs a right-padded batch as
+    it is when it is causal (pads come after every real token, so they change nothing); a padded batch on a
+    bidirectional model without one is refused (:class:`~sinklens.errors.UnsupportedArchitectureError`).
+    """
+    batch = right_align(batch)
+    if not batch.padded:
+        return model(batch.tokens, **kwargs)
+    if accepts_attention_mask(model):
+        return model(batch.tokens, attention_mask=batch.valid.long(), **kwargs)
+    if is_encoder(model):
+        raise UnsupportedArchitectureError(
+            f"{type(model).__name__} takes no attention_mask, so a padded batch cannot run on this bidirectional "
+            "model without real tokens attending to padding; use batch_size=1 or equal-length inputs."
+        )
+    return model(batch.tokens, **kwargs)
+
+
 def stream(
     model: Any,
     batches: Sequence[TokenBatch],
@@ -171,7 +203,8 @@ def stream(
     ``options.extra_hooks`` run before the reducers' own hooks on every forward (e.g. an
     intervention from :mod:`sinklens.interventions`, so analyzers measure the intervened model);
     ``options.progress`` shows a tqdm bar over batches. The other fields of ``options`` concern
-    tokenization and are used by :func:`run`.
+    tokenization and are used by :func:`run`. Left-padded batches are right-aligned first and padded
+    batches run with an attention mask (:func:`forward`).
 
     Hooks are attached through ``model.hooks(...)`` (one trampoline per hook name, kept across
     batches), so they are removed even if a hook raises.
@@ -183,6 +216,7 @@ def stream(
     with torch.inference_mode(), ExitStack() as attached:
         names: list[str] | None = None
         for batch in tqdm(batches, desc=options.desc, disable=not options.progress, leave=False):
+            batch = right_align(batch)
             hooks = list(options.extra_hooks)
             folds = [reducer.fwd_hooks(batch) for reducer in reducers]
             for fold in folds:
@@ -196,7 +230,7 @@ def stream(
                 attached.enter_context(model.hooks(fwd_hooks=[(n, table.trampoline(n)) for n in batch_names]))
                 names = batch_names
             table.set(hooks)
-            model(batch.tokens, return_type=None)
+            forward(model, batch, return_type=None)
             for reducer, fold in zip(reducers, folds):
                 reducer.end_batch(batch, fold)
     fired = table.fired

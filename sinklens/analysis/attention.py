@@ -1,4 +1,9 @@
-"""Attention mass received by each key position: the basic measurement behind every sink metric."""
+"""Attention mass received by each key position: the basic measurement behind every sink metric.
+
+Which queries count for a key is decided by :func:`sinklens.visibility.attention_visibility`, per layer:
+causal decoders (``q >= k``), sliding-window layers (``k <= q < k + w``), bidirectional encoders (every
+query), and never a padded query or key. ``min_query`` additionally leaves out queries before a position.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,10 @@ from sinklens.hooks import PATTERN, model_device, model_dims, resolve_layers
 from sinklens.inputs import TokenBatch
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
 from sinklens.validate import positive_int
+from sinklens.visibility import Visibility, attention_visibility
+
+#: Per analysed layer (a model layer number), the ``[batch, query, key]`` 0/1 weights of the counted queries.
+QueryWeights = dict[int, Float[Tensor, "batch query key"]]
 
 
 @dataclass
@@ -21,11 +30,14 @@ class AttentionReceived:
     """Mean attention each key position receives, per layer × head.
 
     Attributes:
-        received: ``received[l, h, k]`` = mean over valid queries ``q >= min_query`` that can see
-            key ``k`` (``q >= k``) of ``pattern[l, h, q, k]``, pooled over all sequences (each valid
-            (sequence, query) pair weighs the same). NaN where no such query exists.
-        n_queries: number of (sequence, query) pairs averaged into ``received[:, :, k]``.
+        received: ``received[l, h, k]`` = mean of ``pattern[l, h, q, k]`` over the real (non-padding)
+            queries ``q >= min_query`` that can see key ``k`` in layer ``l`` (causal: ``q >= k``; sliding
+            window ``w``: also ``q - k < w``; encoder: every query; see :mod:`sinklens.visibility`), pooled
+            over all sequences (each counted (sequence, query) pair weighs the same). NaN where no such query exists.
+        n_queries: number of (sequence, query) pairs averaged into ``received[:, :, k]``, the largest over
+            the analysed layers (the full-attention count where a model mixes windowed and full layers).
         layers: the model layer of each row.
+        n_queries_by_layer: the same count per analysed layer (differs between layers only with sliding windows).
         min_query: queries before this position were left out (a query at t sees only t+1 keys, so
             early queries put large mass on early keys for trivial reasons).
     """
@@ -34,6 +46,7 @@ class AttentionReceived:
     n_queries: Float[Tensor, " key_pos"]
     layers: list[int]
     min_query: int
+    n_queries_by_layer: Float[Tensor, "layer key_pos"] | None = None
 
     def at(self, position: int) -> Float[Tensor, "layer head"]:
         """Attention received by one key position, per layer × head."""
@@ -43,9 +56,10 @@ class AttentionReceived:
 class AttentionReceivedReducer(Reducer[AttentionReceived]):
     """Streams ``hook_pattern`` into :class:`AttentionReceived` without keeping any pattern.
 
-    For each batch and layer it adds ``Σ_q pattern[b, h, q, k]`` over valid queries
-    ``q >= max(k, min_query)`` into a ``[layer, head, key_pos]`` sum, and counts those queries per
-    key, so the result is exact whatever the batch split (tested against a full cache).
+    For each batch and layer it adds ``Σ_q pattern[b, h, q, k]`` over the counted queries (real,
+    ``q >= min_query``, and able to see ``k`` in that layer: :meth:`~sinklens.visibility.Visibility.batch_mask`)
+    into a ``[layer, head, key_pos]`` sum, and counts those queries per layer and key, so the result is
+    exact whatever the batch split or padding (tested against a full cache and plain Hugging Face attentions).
 
     Other reducers reuse it by holding one (see :class:`~sinklens.analysis.sinks.SinkReducer`):
     :meth:`query_weights`, :meth:`fold_pattern` and :meth:`count_queries` are the three steps of a
@@ -65,32 +79,51 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
         self.max_pos = dims.n_ctx if max_pos is None else positive_int(max_pos, what="max_pos")
         self.n_heads = dims.n_heads
         self.device = model_device(model)
+        self.visibility: Visibility = attention_visibility(model)
         self.reset()
 
     def reset(self) -> None:
         f64 = dict(device=self.device, dtype=torch.float64)
         self.sums = torch.zeros(len(self.layers), self.n_heads, self.max_pos, **f64)
-        self.counts = torch.zeros(self.max_pos, **f64)
+        self.counts = torch.zeros(len(self.layers), self.max_pos, **f64)
 
-    def query_weights(self, batch: TokenBatch) -> Float[Tensor, "batch query key"]:
-        """1 where query q is valid, q >= min_query and q >= k; 0 elsewhere."""
+    def visible_weights(self, batch: TokenBatch, *, min_query: int = 0) -> QueryWeights:
+        """Per analysed layer, ``[batch, query, key]``: 1.0 where the query is real, ``q >= min_query`` and
+        can see the real key ``k`` in that layer (:meth:`~sinklens.visibility.Visibility.batch_mask`); 0 elsewhere.
+
+        Layers with the same window share one tensor.
+        """
         n = batch.tokens.shape[1]
-        q = torch.arange(n, device=batch.tokens.device)
-        causal = (q[:, None] >= q[None, :]) & (q[:, None] >= self.min_query)
-        return (batch.valid[:, :, None] & causal[None]).to(torch.float32)
+        late = torch.arange(n, device=batch.valid.device) >= min_query
+        by_window: dict[int | None, Tensor] = {}
+        out: QueryWeights = {}
+        for layer in self.layers:
+            w = self.visibility.window(layer)
+            if w not in by_window:
+                mask = self.visibility.batch_mask(layer, batch.valid) & late[None, :, None]
+                by_window[w] = mask.to(torch.float32)
+            out[layer] = by_window[w]
+        return out
+
+    def query_weights(self, batch: TokenBatch) -> QueryWeights:
+        """The counted queries (``min_query`` applied), per analysed layer (see :meth:`visible_weights`)."""
+        return self.visible_weights(batch, min_query=self.min_query)
 
     def fold_pattern(
-        self, pattern: Float[Tensor, "batch head query key"], layer: int, weights: Float[Tensor, "batch query key"]
+        self, pattern: Float[Tensor, "batch head query key"], layer: int, weights: QueryWeights | Tensor
     ) -> Float[Tensor, "batch head key"]:
         """Add one layer's pattern to the sums; return ``Σ_q pattern[b, h, q, k]`` over the counted queries."""
-        per_seq = (pattern.float() * weights[:, None]).sum(dim=2)  # faster than einsum on CPU
+        w = weights[layer] if isinstance(weights, dict) else weights
+        per_seq = (pattern.float() * w[:, None]).sum(dim=2)  # faster than einsum on CPU
         self.sums[self.row[layer], :, : per_seq.shape[2]] += per_seq.sum(dim=0).double()
         return per_seq
 
-    def count_queries(self, weights: Float[Tensor, "batch query key"]) -> None:
-        """Count the batch's (sequence, query) pairs per key (once per batch, after the forward)."""
-        counted = weights.sum(dim=(0, 1))
-        self.counts[: counted.shape[0]] += counted.double()
+    def count_queries(self, weights: QueryWeights | Tensor) -> None:
+        """Count the batch's (sequence, query) pairs per layer and key (once per batch, after the forward)."""
+        for layer in self.layers:
+            w = weights[layer] if isinstance(weights, dict) else weights
+            counted = w.sum(dim=(0, 1))
+            self.counts[self.row[layer], : counted.shape[0]] += counted.double()
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         weights = self.query_weights(batch)
@@ -104,7 +137,9 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
         self.count_queries(fold.state)
 
     def result(self) -> AttentionReceived:
-        n = int((self.counts > 0).nonzero().max()) + 1 if (self.counts > 0).any() else 0
-        counts = self.counts[:n]
-        received = (self.sums[:, :, :n] / counts).float()
-        return AttentionReceived(received.cpu(), counts.float().cpu(), self.layers, self.min_query)
+        seen = (self.counts > 0).any(dim=0)
+        n = int(seen.nonzero().max()) + 1 if seen.any() else 0
+        counts = self.counts[:, :n]
+        received = (self.sums[:, :, :n] / counts[:, None]).float()
+        return AttentionReceived(received.cpu(), counts.max(dim=0).values.float().cpu(), self.layers, self.min_query,
+                                 counts.float().cpu())

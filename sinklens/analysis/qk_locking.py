@@ -24,6 +24,7 @@ from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
 from sinklens.validate import positive_int
+from sinklens.visibility import attention_visibility
 
 #: Rotary models expose the rotated queries/keys (what the scores are made of) under these sites.
 ROT_Q = "attn.hook_rot_q"
@@ -34,7 +35,9 @@ ROT_K = "attn.hook_rot_k"
 class QKLocking:
     """Query–key locking per layer × head (see the module docstring).
 
-    Queries are those of valid positions ``q > sink_position`` (the ones that can attend to the sink);
+    Queries are those of real positions other than the sink that can attend to the sink in that layer
+    (:mod:`sinklens.visibility`: ``q > sink_position`` in a causal layer, also ``q - sink_position < w`` in a
+    sliding-window layer, every other position in an encoder);
     queries/keys are the rotated ones (``hook_rot_q``/``hook_rot_k``) on rotary models, else ``hook_q``/``hook_k``,
     with grouped-query keys repeated per query head.
 
@@ -46,8 +49,9 @@ class QKLocking:
             i.e. top right-singular vectors of the stacked queries); 1 = the key lies in that subspace.
         pc_energy: share of query energy in those top ``n_components`` directions.
         pos_share_sink / pos_share_other: share of positive pre-softmax scores (``hook_attn_scores``) of those
-            queries against the sink key / against every other valid causal key.
+            queries against the sink key / against every other real key they can see.
         mean_score_sink / mean_score_other: the corresponding mean scores.
+        n_queries: (sequence, query) pairs that can see the sink, the largest over the analysed layers.
     """
 
     layers: list[int]
@@ -83,8 +87,8 @@ class QKLocking:
 class _QKBatch:
     """Per-batch state of :class:`QKLockingReducer`."""
 
-    n_sink_queries: float  # queries that can see the sink
-    n_other_pairs: float  # (query, other valid causal key) pairs
+    n_sink_queries: dict[int, float]  # per layer: queries that can see the sink
+    n_other_pairs: dict[int, float]  # per layer: (query, other real key it can see) pairs
     pending: dict[tuple[int, str], Tensor] = field(default_factory=dict)
 
 
@@ -107,6 +111,7 @@ class QKLockingReducer(Reducer[QKLocking]):
         rotary = hook_name(self.layers[0], ROT_Q) in model.hook_dict
         self.q_site, self.k_site = (ROT_Q, ROT_K) if rotary else (Q, K)
         self.device = model_device(model)
+        self.visibility = attention_visibility(model)
         self.reset()
 
     def reset(self) -> None:
@@ -120,18 +125,31 @@ class QKLockingReducer(Reducer[QKLocking]):
         self.pos_other = torch.zeros(n, H, **f64)
         self.sum_sink = torch.zeros(n, H, **f64)
         self.sum_other = torch.zeros(n, H, **f64)
-        self.cnt_sink = 0.0
-        self.cnt_other = 0.0
+        self.cnt_sink = torch.zeros(n, 1, **f64)
+        self.cnt_other = torch.zeros(n, 1, **f64)
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         check_sink_position(batch, self.sink)
         s, valid = self.sink, batch.valid
         n = valid.shape[1]
         pos = torch.arange(n, device=valid.device)
-        qmask = valid & (pos > s)[None]  # [batch, query]
-        causal = pos[:, None] >= pos[None, :]
-        other_keys = qmask[:, :, None] & valid[:, None, :] & causal[None] & (pos != s)[None, None, :]  # [b, q, k]
-        state = _QKBatch(float(qmask.sum()), float(other_keys.sum()))
+        by_window: dict[int | None, tuple[Tensor, Tensor]] = {}
+
+        def masks(layer: int) -> tuple[Tensor, Tensor]:
+            """``qmask [batch, query]``: real queries other than the sink that see it in ``layer``;
+            ``other_keys [batch, query, key]``: the other real keys those queries see."""
+            w = self.visibility.window(layer)
+            if w not in by_window:
+                seen = self.visibility.batch_mask(layer, valid)  # [b, q, k]
+                qmask = seen[:, :, s] & (pos != s)[None]
+                by_window[w] = (qmask, qmask[:, :, None] & seen & (pos != s)[None, None, :])
+            return by_window[w]
+
+        state = _QKBatch({}, {})
+        for layer in self.layers:
+            qmask, other_keys = masks(layer)
+            state.n_sink_queries[layer] = float(qmask.sum())
+            state.n_other_pairs[layer] = float(other_keys.sum())
 
         def pair(i: int, kind: str, value: Tensor) -> None:
             """A sequence's query Gram matrices wait (per batch) until its sink key is seen, or vice versa."""
@@ -143,6 +161,7 @@ class QKLockingReducer(Reducer[QKLocking]):
 
         def fold_q(act: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]
             i = self.row[layer]
+            qmask, _ = masks(layer)
             q = act.float() * qmask[:, :, None, None]
             qt = q.permute(0, 2, 3, 1)  # [batch, head, d_head, pos]
             gram = qt @ qt.transpose(-1, -2)  # [batch, head, d_head, d_head]
@@ -158,6 +177,7 @@ class QKLockingReducer(Reducer[QKLocking]):
 
         def fold_scores(act: Tensor, layer: int) -> None:  # [batch, head, query, key]
             i = self.row[layer]
+            qmask, other_keys = masks(layer)
             sc = act.float()
             at_sink = sc[:, :, :, s]
             m = qmask[:, None].float()
@@ -175,8 +195,9 @@ class QKLockingReducer(Reducer[QKLocking]):
         state: _QKBatch = fold.state
         if state.pending:
             raise RuntimeError(f"Query/key hooks did not both run for {sorted(state.pending)} in this forward.")
-        self.cnt_sink += state.n_sink_queries
-        self.cnt_other += state.n_other_pairs
+        for layer in self.layers:
+            self.cnt_sink[self.row[layer]] += state.n_sink_queries[layer]
+            self.cnt_other[self.row[layer]] += state.n_other_pairs[layer]
 
     def result(self) -> QKLocking:
         # Many small eigenproblems: one thread is ~10x faster than several on CPU (thread start-up dominates).
@@ -191,7 +212,8 @@ class QKLockingReducer(Reducer[QKLocking]):
         cos = torch.einsum("lhi,lhir->lhr", key, top).norm(dim=-1)
         pc_energy = evals[..., -self.n_components :].sum(-1) / evals.sum(-1).clamp_min(_TINY)
         nan = float("nan")
-        cs, co = self.cnt_sink or nan, self.cnt_other or nan
+        cs = torch.where(self.cnt_sink > 0, self.cnt_sink, nan)
+        co = torch.where(self.cnt_other > 0, self.cnt_other, nan)
         return QKLocking(
             layers=list(self.layers), sink_position=self.sink, n_components=self.n_components,
             q_site=self.q_site, k_site=self.k_site,
@@ -199,7 +221,7 @@ class QKLockingReducer(Reducer[QKLocking]):
             key_pc_cosine=cos.float().cpu(), pc_energy=pc_energy.float().cpu(),
             pos_share_sink=(self.pos_sink / cs).float().cpu(), pos_share_other=(self.pos_other / co).float().cpu(),
             mean_score_sink=(self.sum_sink / cs).float().cpu(), mean_score_other=(self.sum_other / co).float().cpu(),
-            n_queries=int(self.cnt_sink),
+            n_queries=int(self.cnt_sink.max()),
         )
 
 

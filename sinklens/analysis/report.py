@@ -79,7 +79,10 @@ class SinkReport:
         disc = self.variance.discrepancy(p)
         return {
             "sink_positions": self.sinks.sink_positions,
-            "sink_rate": self.sinks.sink_rate(position=p),
+            "sink_rate": self.sinks.sink_rate(position=p),  # Gu et al.'s definition (their code)
+            "sinklens_sink_rate": self.sinks.sink_rate(position=p, method="sinklens"),
+            "sink_position_tokens": {str(k): self.sinks.token_at(k) for k in self.sinks.sink_positions},
+            "position_0": self.sinks.describe_start(),
             "mean_attention_to_sink": float(torch.nanmean(self.sinks.received[:, :, p])),
             "massive_dims": self.massive_dims(),
             "max_norm_ratio_at_sink": float(torch.nan_to_num(self.massive.norm_ratio[:, p]).max()),

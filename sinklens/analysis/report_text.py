@@ -23,19 +23,26 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
     h = report.headline()
     lines = [
         f"sinklens report — {report.model_name}",
-        f"{report.n_sequences} sequences, {report.n_tokens} tokens, BOS {'prepended' if report.prepend_bos else 'not prepended'}"
+        f"{report.n_sequences} sequences, {report.n_tokens} tokens, {report.sinks.describe_start()}"
         + (f"; analysed in {report.seconds:.1f} s" if timing else ""),
         "",
-        f"Sink positions: {h['sink_positions']}   sink rate at position {p} (sink_threshold={report.sinks.sink_threshold}): {h['sink_rate']:.3f}   "
-        f"mean attention received: {h['mean_attention_to_sink']:.3f}",
+        "Sink positions: " + (", ".join(f"{k} ({report.sinks.token_at(k)!r})" if report.sinks.token_at(k) is not None
+                                         else f"{k} (token varies)" for k in h["sink_positions"]) or "none"),
+        f"Sink rate at position {p} (sink_threshold={report.sinks.sink_threshold}): {h['sink_rate']:.3f} (Gu et al.'s code: "
+        f"every query that sees the key, its own included), {report.sinks.sink_rate(position=p, method='sinklens'):.3f} "
+        f"(sinklens: queries from min_query={report.sinks.min_query})   mean attention received: {h['mean_attention_to_sink']:.3f}",
     ]
+    if report.sinks.virtual_sink is not None:
+        vs = report.sinks.virtual_sink
+        lines.append(f"Virtual sink (learned sink logits; mass given to no key, mean over real queries): "
+                     f"mean {float(vs.mean()):.3f}, max {float(vs.max()):.3f} over heads")
     top = report.sinks.top_sinks(5)
     if top:
         lines.append("Top sink tokens at later positions: " + ", ".join(
             f"{r['token']!r} ({r['mean_received']:.3f})" if r.get("token") is not None else f"id {r['token_id']}"
             for r in top))
     lines += ["", table(
-        ["layer", "sink rate", "attn to sink", "var ratio z", "var ratio zW_O", "norm ratio", "max |x| sink"],
+        ["layer", "Gu sink rate", "attn to sink", "var ratio z", "var ratio zW_O", "norm ratio", "max |x| sink"],
         layer_rows(report),
     )]
     dims = h["massive_dims"]

@@ -2,7 +2,7 @@
 
 Each factory returns ``(hook_name, fn)`` pairs for ``model.run_with_hooks``, ``model.hooks`` or
 ``sinklens.stream(..., options=RunOptions(extra_hooks=...))``. The hook receives the pre-softmax scores
-``[batch, head, query, key]`` (already causally masked by the model) and returns a *new* tensor in
+``[batch, head, query, key]`` (already masked by the model: causal, sliding window or padding) and returns a *new* tensor in
 which the keys a query may no longer see are set to ``-inf``; the caller's tensor is never modified.
 
 Masked value: TransformerLens 3.x fills the causal mask with ``-inf``, the 4.x ``TransformerBridge``
@@ -29,6 +29,7 @@ from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import SCORES, hook_name, model_dims
 from sinklens.options import HookFn
 from sinklens.validate import index_list, optional_index_list
+from sinklens.visibility import attention_visibility
 
 Hooks = list[tuple[str, HookFn]]
 #: An integer as :func:`sinklens.validate.as_int` takes it: int, numpy integer or 0-d integer tensor.
@@ -123,7 +124,8 @@ def self_only(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike
 def restart(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike | None = None) -> Hooks:
     """A restart mask: queries at ``q >= k`` cannot see keys ``< k``, so ``k`` acts as a new first token.
 
-    With several positions the sequence is cut into independent segments at each of them.
+    With several positions the sequence is cut into independent segments at each of them. In a
+    bidirectional model (encoder) the cut goes both ways: queries ``< k`` cannot see keys ``>= k`` either.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -131,6 +133,7 @@ def restart(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike |
         2
     """
     pos = positions_arg(positions, model_dims(model).n_ctx)
+    both_ways = not attention_visibility(model).causal
 
     def block(q_pos: Tensor, n_k: int) -> Tensor:
         check_in_sequence(pos, n_k)
@@ -138,6 +141,8 @@ def restart(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike |
         out = torch.zeros(q_pos.numel(), n_k, dtype=torch.bool, device=q_pos.device)
         for k in pos:
             out |= (q_pos[:, None] >= k) & (k_pos[None, :] < k)
+            if both_ways:
+                out |= (q_pos[:, None] < k) & (k_pos[None, :] >= k)
         return out
 
     return _mask_hooks(model, block, layers=layers, heads=heads)
@@ -163,8 +168,9 @@ def custom_mask(model: Any, allowed: Tensor, *, layers=None, heads=None) -> Hook
     """Apply a user-supplied boolean mask: ``allowed[..., q, k]`` True = query ``q`` may attend to key ``k``.
 
     ``allowed`` is ``[query, key]``, ``[head, query, key]`` or ``[batch, head, query, key]`` and must
-    match the sequence length of the run (checked in the hook). It is combined with the causal mask
-    (entries above the diagonal stay masked whatever ``allowed`` says). Every query must keep at
+    match the sequence length of the run (checked in the hook). It is combined with the model's own
+    attention layout in each layer (:mod:`sinklens.visibility`: causal, sliding window or bidirectional;
+    keys the model hides stay hidden whatever ``allowed`` says). Every query must keep at
     least one visible key: a row with none raises :class:`~sinklens.errors.InvalidArgumentError` (its softmax would be undefined).
     Unlike the other factories the diagonal is not protected: a False diagonal entry is honoured
     as long as the row keeps another visible key.
@@ -181,8 +187,9 @@ def custom_mask(model: Any, allowed: Tensor, *, layers=None, heads=None) -> Hook
         raise InvalidArgumentError(f"allowed has {allowed.shape[-3]} heads; the model has {dims.n_heads} (or pass 1 to broadcast).")
     layer_list = layers_arg(layers, dims.n_layers)
     head_list = heads_arg(heads, dims.n_heads)
+    visibility = attention_visibility(model)
 
-    def fn(scores: Tensor, hook: Any) -> Tensor:
+    def fn(scores: Tensor, hook: Any, layer: int) -> Tensor:
         n_q, n_k = scores.shape[-2:]
         if allowed.shape[-1] != n_k:
             raise InvalidArgumentError(
@@ -191,11 +198,17 @@ def custom_mask(model: Any, allowed: Tensor, *, layers=None, heads=None) -> Hook
         if allowed.ndim == 4 and allowed.shape[0] not in (1, scores.shape[0]):
             raise InvalidArgumentError(f"allowed has batch size {allowed.shape[0]}, the run has {scores.shape[0]}.")
         mask = allowed.to(scores.device)[..., n_k - n_q :, :]
-        causal = torch.ones(n_k, n_k, dtype=torch.bool, device=scores.device).tril()[n_k - n_q :]
-        visible = mask & causal
+        model_mask = visibility.visible(layer, n_k, scores.device)[n_k - n_q :]
+        visible = mask & model_mask
         if not bool(visible.any(dim=-1).all()):
-            raise InvalidArgumentError("allowed leaves some query with no visible key (after the causal mask); every row needs one.")
+            raise InvalidArgumentError(
+                f"allowed leaves some query with no visible key in layer {layer} (after the model's own "
+                f"{visibility.describe()} mask); every row needs one."
+            )
         blocked = ~mask.expand(scores.shape) if mask.ndim == 4 else ~mask.expand(scores.shape[1:])
         return _block_scores(scores, blocked, head_list)
 
-    return [(hook_name(layer, SCORES), fn) for layer in layer_list]
+    def bind(layer: int) -> HookFn:
+        return lambda scores, hook: fn(scores, hook, layer)
+
+    return [(hook_name(layer, SCORES), bind(layer)) for layer in layer_list]

@@ -38,26 +38,34 @@ def plot_sink_heatmap(result: Any, *, position: int | None = None, path: str | P
     ax.set_ylabel("layer")
     ax.set_yticks(range(n_layers))
     ax.set_yticklabels([str(layer) for layer in result.layers], fontsize=6 if n_layers > 16 else 8)
-    ax.set_title(f"mean attention to position {pos} (sink rate {result.sink_rate(position=pos):.2f})")
+    ax.set_title(f"mean attention to position {pos}{_token_label(result, pos)} "
+                 f"(Gu et al. sink rate {result.sink_rate(position=pos):.2f})")
     fig.colorbar(image, ax=ax, label="mean attention received")
     return finish(fig, path)
 
 
+def _token_label(result: Any, pos: int) -> str:
+    """``" '<s>'"`` when the token at ``pos`` is the same in every sequence, else ``""``."""
+    token = result.token_at(pos) if hasattr(result, "token_at") else None
+    return f" {token!r}" if token is not None else ""
+
+
 def plot_sink_rate(result: Any, *, position: int | None = None, path: str | Path | None = None) -> Any:
-    """Gu et al. sink rate for one position: per head (share of sequences with ``α > sink_threshold``, left)
-    and per layer (share of heads, averaged over sequences, right)."""
+    """Gu et al.'s sink rate for one position (:meth:`~sinklens.analysis.sinks.SinkResult.sink_rate`,
+    ``method="gu"``): per head (share of sequences with ``α^Gu > sink_threshold``, left) and per layer
+    (share of heads, averaged over sequences, right)."""
     pos = _main_sink(result, position)
-    frac = result.seq_sink_frac[:, :, pos]
+    frac = result.head_is_sink(method="gu")[:, :, pos]
     fig, axes = new_figure(1, 2, width=4.5, height=max(3.0, 0.2 * frac.shape[0] + 1.5))
     image = axes[0, 0].imshow(frac.numpy(), aspect="auto", cmap="magma", vmin=0.0, vmax=1.0, origin="lower")
     axes[0, 0].set_xlabel("head")
     axes[0, 0].set_ylabel("layer")
-    axes[0, 0].set_title(f"share of sequences with α > {result.sink_threshold} (position {pos})")
+    axes[0, 0].set_title(f"share of sequences with α > {result.sink_threshold} (position {pos}{_token_label(result, pos)})")
     fig.colorbar(image, ax=axes[0, 0])
     by_layer = result.sink_rate_by_layer(position=pos)
     axes[0, 1].barh(result.layers, by_layer.numpy(), color="tab:purple")
     axes[0, 1].set_xlim(0, 1)
-    axes[0, 1].set_xlabel(f"sink rate (ε = {result.sink_threshold})")
+    axes[0, 1].set_xlabel(f"sink rate, Gu et al. (ε = {result.sink_threshold})")
     axes[0, 1].set_ylabel("layer")
     axes[0, 1].set_title(f"by layer; overall {result.sink_rate(position=pos):.2f}")
     return finish(fig, path)

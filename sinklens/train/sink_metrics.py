@@ -67,11 +67,13 @@ class SinkMetrics:
 
     Attributes:
         val_loss: mean next-token cross-entropy over the evaluation batches (nats).
-        attention_to_first: ``[layer, head]`` mean attention on key 0 over queries ``q >= 1``, pooled
-            over sequences (:class:`~sinklens.analysis.sinks.SinkResult` ``received[:, :, 0]``).
-        sink_rate: Gu et al. (2024)'s sink rate at position 0: share of (layer, head) pairs whose
-            per-sequence mean attention on key 0 (queries ``q >= 1``) exceeds ε = ``threshold``,
-            averaged over sequences.
+        attention_to_first: ``[layer, head]`` mean attention on key 0 over the queries ``q >= 1`` that can
+            see it (every later query in a full-attention layer, the first ``w - 1`` in a sliding window of
+            ``w``), pooled over sequences (:class:`~sinklens.analysis.sinks.SinkResult` ``received[:, :, 0]``).
+        sink_rate: sinklens' variant of Gu et al. (2024)'s sink rate at position 0 (``method="sinklens"``):
+            share of (layer, head) pairs whose per-sequence mean attention on key 0 over those queries
+            exceeds ε = ``threshold``, averaged over sequences. Unlike Gu et al.'s code it leaves out the
+            query at position 0 (weight 1 by construction); ``SinkResult.sink_rate(method="gu")`` is theirs.
         threshold: that ε.
         norm_ratio: ``[layer]`` first-token norm ratio of ``hook_resid_post`` (:class:`FirstTokenNormReducer`).
         variance_ratio: ``[layer, head]`` variance discrepancy of the raw head outputs ``hook_z`` at
@@ -137,7 +139,7 @@ def evaluate(
     return SinkMetrics(
         val_loss=float(torch.stack(losses).mean()),
         attention_to_first=sinks.received[:, :, 0],
-        sink_rate=float(sinks.sink_rate_by_layer(position=0).mean()),
+        sink_rate=float(sinks.sink_rate_by_layer(position=0, method="sinklens").mean()),
         threshold=threshold,
         norm_ratio=norms,
         variance_ratio=variance.discrepancy(0, of="z"),

@@ -73,8 +73,12 @@ def test_streamed_sinks_equal_full_cache(tiny):
     all_later = sorted((v for vs in later.values() for v in vs), reverse=True)
     assert [o.received for o in got.top_occurrences] == pytest.approx(all_later[: len(got.top_occurrences)], rel=1e-5)
     assert got.top_occurrences[0].token == tiny.tokenizer.decode([got.top_occurrences[0].token_id])
-    # Gu's rate is the mean over heads and layers of the per-sequence indicator.
-    assert got.sink_rate(position=0) == pytest.approx(float(frac[:, :, 0].mean()), rel=1e-5)
+    # Both rates are the mean over heads and layers of a per-sequence indicator: sinklens' counts queries
+    # from min_query=1 on; Gu et al.'s (the default) every query that sees the key, its own included.
+    assert got.sink_rate(position=0, method="sinklens") == pytest.approx(float(frac[:, :, 0].mean()), rel=1e-5)
+    gu_frac, *_ = _reference(tiny, PROMPTS, eps, min_queries, min_query=0)
+    torch.testing.assert_close(got.gu_seq_sink_frac, gu_frac.float())
+    assert got.sink_rate(position=0) == pytest.approx(float(gu_frac[:, :, 0].mean()), rel=1e-5)
 
 
 @pytest.mark.parametrize("sink", [0, 5])
