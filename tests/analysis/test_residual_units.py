@@ -176,3 +176,18 @@ def test_moe_mlp_is_refused_with_the_reason():
     model = _zoo("gptoss")
     with pytest.raises(UnsupportedArchitectureError, match="mixture of experts"):
         find_super_neurons(model, ["t5 t6 t7"], options=QUIET)
+
+
+def test_analyze_skips_the_neuron_section_of_a_moe_model_with_a_note(tmp_path):
+    from sinklens.analysis.report import analyze
+
+    model = _zoo("gptoss")
+    report = analyze(model, ["t5 t6 t7 t8", "t9 t10 t11"], abs_threshold=None, rel_threshold=5.0, verify=True,
+                     options=QUIET)
+    assert report.neurons is None and report.weight_neurons is None and report.causal is None
+    assert "mixture of experts" in report.skipped["super_neurons"] and "causal_check" in report.skipped
+    data = report.to_dict()
+    assert "mixture of experts" in data["super_neurons"]["skipped"] and data["headline"]["super_neurons"] == []
+    assert "super neurons and dimension paths skipped: the MLP is a mixture of experts" in report.summary()
+    written = report.save(tmp_path)
+    assert not any("neuron" in p.name for p in written)
