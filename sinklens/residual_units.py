@@ -48,11 +48,13 @@ POST_NORMS: dict[str, str] = {"attn": "ln1_post", "mlp": "ln2_post"}
 
 
 @dataclass(frozen=True)
-class PostNormMap:
-    """How one block output (``site``: ``"attn"`` or ``"mlp"``) of ``layer`` reaches the residual stream.
+class NormMap:
+    """A norm at a fixed position as an affine map: how one block output (``site``: ``"attn"`` or ``"mlp"``)
+    of ``layer`` reaches the residual stream through its post norm (:func:`post_norm_map`), or any norm of
+    the block (``site`` = the norm's name, :func:`norm_map`).
 
     Attributes:
-        layer / site: the block and which of its outputs.
+        layer / site: the block and which of its outputs (or which norm).
         norm: ``"ln1_post"`` / ``"ln2_post"``, or None when the block has no post norm (identity map).
         gain: effective per-dimension gain (``[d_model]``; Gemma: ``1 + w``); None for the identity.
         bias: the norm's additive bias (``[d_model]``, zeros for RMSNorm); None for the identity.
@@ -109,6 +111,10 @@ class PostNormMap:
         return self.linear(x, scale) + self.offset(x)
 
 
+#: The name used by the residual-unit maths (a post norm is the common case).
+PostNormMap = NormMap
+
+
 def has_post_norm(model: Any, layer: int, site: Site) -> bool:
     """Whether ``blocks.{layer}``'s ``site`` output passes through a post norm (its ``hook_scale`` exists)."""
     return hook_name(layer, f"{_norm_of(site)}.hook_scale") in model.hook_dict
@@ -142,7 +148,21 @@ def post_norm_map(model: Any, layer: int, site: Site) -> PostNormMap:
     """
     norm = _norm_of(site)
     if not has_post_norm(model, layer, site):
-        return PostNormMap(layer, site, None)
+        return NormMap(layer, site, None)
+    return _probed_map(model, layer, norm, site)
+
+
+def norm_map(model: Any, layer: int, norm: str) -> NormMap:
+    """The :class:`NormMap` of any norm of ``blocks.{layer}`` (``"ln1"``: the input layernorm, ``"ln2"``, ...),
+    probed like :func:`post_norm_map`. ``gain ⊙ hook_normalized + bias`` is then the norm's output *after* its
+    learned gain, on TransformerLens versions without a ``hook_out`` on norms as well (a norm whose gain was folded
+    into the next weights, e.g. ``fold_ln=True`` on 3.x, has gain 1)."""
+    if hook_name(layer, f"{norm}.hook_normalized") not in model.hook_dict:
+        raise InvalidArgumentError(f"blocks.{layer} has no norm {norm!r} (no {hook_name(layer, norm + '.hook_normalized')}).")
+    return _probed_map(model, layer, norm, norm)
+
+
+def _probed_map(model: Any, layer: int, norm: str, site: str) -> NormMap:
     module = _module(model, layer, norm)
     w = _param(module, "w", "weight")
     b = _param(module, "b", "bias")
@@ -162,7 +182,7 @@ def post_norm_map(model: Any, layer: int, site: Site) -> PostNormMap:
         for convention, gain in (("w", w.float()), ("1+w", 1.0 + w.float())):
             expected = gain * x / scale + bias
             if torch.allclose(expected, out, rtol=1e-3, atol=1e-3 * float(out.abs().max()) + 1e-6):
-                return PostNormMap(layer, site, norm, gain, bias, center, convention)
+                return NormMap(layer, site, norm, gain, bias, center, convention)
     raise UnsupportedArchitectureError(
         f"Cannot express blocks.{layer}.{norm} as gain ⊙ x / scale + bias (tried gain = w and 1 + w, with and "
         "without mean removal): contributions through this post norm cannot be put in residual units."
