@@ -45,6 +45,7 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
     )
     lines += ["", f"Massive dimensions at position {p}: {dims or 'none'} ({rule})"]
     lines += neuron_lines(report)
+    lines += disparity_lines(report, dims)
     lock = report.locking
     lines += [
         "",
@@ -90,6 +91,22 @@ def neuron_lines(report: SinkReport) -> list[str]:
         lines += report.causal.lines() or ["  no massive dimension to check"]
     elif "causal_check" in report.skipped:
         lines += ["", f"Causal check {report.skipped['causal_check']}"]
+    return lines
+
+
+def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:
+    """Normalised disparity of the first massive dims, before and after the input layernorm's gain, each labelled."""
+    nd = report.normalized
+    if not dims or nd.ratio_sink_after_gain is None:
+        return []
+    lines = ["", "Normalised disparity r_d = |x_d| / mean_{j!=d} |x_j| at the sink vs other tokens "
+                 "(layer where the sink's ratio before the gain peaks):"]
+    for d in list(dims)[:2]:
+        i = int(nd.ratio_sink[:, d].argmax())
+        lines.append(
+            f"  dim {d}, layer {nd.layers[i]}: before gain {float(nd.ratio_sink[i, d]):.1f} vs {float(nd.ratio_other[i, d]):.2f} "
+            f"(sinklens: ln1.hook_normalized); after gain {float(nd.ratio_sink_after_gain[i, d]):.1f} vs "
+            f"{float(nd.ratio_other_after_gain[i, d]):.2f} (the paper's: input layernorm output)")
     return lines
 
 

@@ -111,6 +111,36 @@ def test_streamed_contributions_equal_a_full_cache_reference(post_norm_model):
     torch.testing.assert_close(found.contribution.sum(1) + found.mlp_offset_sink, found.mlp_out_sink, rtol=1e-4, atol=1e-4)
 
 
+def test_head_contributions_through_the_post_attention_norm(post_norm_model):
+    """Per head: mean over sequences of z_h W_O[h] × (1 + w) / rms(attention output) at the sink (full cache)."""
+    model = post_norm_model
+    prompts = ["t5 t9 t13 t17", "t30 t8 t8 t40 t2", "t11 t12"]
+    found = find_super_neurons(model, prompts, dims=list(range(model.cfg.d_model)), options=QUIET.replace(batch_size=2))
+    L, H, d = model.cfg.n_layers, model.cfg.n_heads, model.cfg.d_model
+    ref = torch.zeros(L, H, d)
+    for prompt in prompts:
+        cache = _cache(model, model.to_tokens(prompt))
+        for layer in range(L):
+            x = cache[f"blocks.{layer}.ln1_post.hook_in"][0, 0]
+            rms = (x.pow(2).mean() + model.original_model.config.rms_norm_eps).sqrt()
+            gain = 1.0 + model.original_model.model.layers[layer].post_attention_layernorm.weight.detach()
+            z = cache[f"blocks.{layer}.attn.hook_z"][0, 0]  # [head, d_head]
+            ref[layer] += torch.einsum("hk,hkd->hd", z, model.W_O[layer].detach()) * gain / rms
+    torch.testing.assert_close(found.head_contribution, ref / len(prompts), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(found.head_contribution.sum(1) + found.attn_offset_sink, found.attn_out_sink,
+                               rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_head_contributions_add_up_on_pre_norm_models(family):
+    """GQA (llama: 4 query heads on 2 KV heads) and biases (gpt2): Σ_h z_h W_O[h] + b_O == hook_attn_out at the sink."""
+    model = _zoo(family)
+    found = find_super_neurons(model, ["t5 t9 t13 t17", "t30 t8 t8 t40 t2"], dims=list(range(model.cfg.d_model)),
+                               options=QUIET)
+    torch.testing.assert_close(found.head_contribution.sum(1) + found.attn_offset_sink, found.attn_out_sink,
+                               rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("family", POST_NORM_FAMILIES)
 def test_planted_super_neuron_behind_a_post_norm_is_ranked_first_and_is_causal(family):
     """The key test: a neuron whose small write a post norm multiplies by 250 is ranked first; a decoy with a
