@@ -55,7 +55,7 @@ from sinklens.analysis._common import (
 )
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, model_device, model_dims, resolve_layers, weight
+from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, Z, model_device, model_dims, resolve_layers, weight
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.residual_units import check_neuron_mlp, post_norm_map
@@ -65,8 +65,17 @@ from sinklens.validate import as_int, finite_number, positive_int
 
 def mlp_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
     """``b_out[layer]``, or zeros for a bias-free MLP (TransformerBridge exposes no ``b_out`` then)."""
+    return _bias(model, "b_out", layer)
+
+
+def attn_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
+    """``b_O[layer]``, or zeros for a bias-free attention output."""
+    return _bias(model, "b_O", layer)
+
+
+def _bias(model: Any, name: str, layer: int) -> Tensor:
     try:
-        b = model.b_out
+        b = getattr(model, name)
     except AttributeError:
         b = None
     if b is None:
@@ -189,6 +198,8 @@ class BlockStep:
         share: ``delta / |peak|`` signed towards the peak (> 0: writes towards the peak's sign, < 0: erases).
         top_neurons: ``(layer, neuron, contribution)`` of the block's neurons contributing most in the step's
             direction, best first (empty when the block's neurons were not analysed).
+        top_heads: ``(head, contribution)`` of the block's attention heads contributing most in the step's
+            direction (``z_h W_O[h]`` through the post-attention norm when there is one), best first.
     """
 
     block: int
@@ -198,6 +209,7 @@ class BlockStep:
     attn_share: float
     share: float
     top_neurons: list[tuple[int, int, float]] = field(default_factory=list)
+    top_heads: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -257,6 +269,10 @@ class SuperNeurons(SettingsFields):
         mlp_offset_sink: per block, the part of ``mlp_out_sink`` no neuron wrote (``b_out`` through the post
             norm plus its bias), so ``contribution.sum(neuron) + mlp_offset_sink[l, dims] == mlp_out_sink[l, dims]``.
         post_norm_blocks: blocks whose MLP output passes a post norm (their contributions went through it).
+        head_contribution: ``[block, head, n_dims]`` each head's residual-unit contribution to ``dims`` at the sink:
+            mean over sequences of ``z_h W_O[block, h]`` (``attn.hook_z`` at the sink) taken through the
+            post-attention norm (``ln1_post``: ``× gain / scale``) when there is one; with ``attn_offset_sink``
+            (``b_O`` through the norm, plus its bias) it adds up to ``attn_out_sink``.
     """
 
     layers: list[int]
@@ -279,6 +295,20 @@ class SuperNeurons(SettingsFields):
     is_outlier: Bool[Tensor, "layer neuron"] | None = None
     mlp_offset_sink: Float[Tensor, "block d_model"] | None = None
     post_norm_blocks: list[int] = field(default_factory=list)
+    head_contribution: Float[Tensor, "block head n_dims"] | None = None
+    attn_offset_sink: Float[Tensor, "block d_model"] | None = None
+
+    def top_heads(self, dim: int, block: int, k: int = 3, *, sign: float | None = None) -> list[tuple[int, float]]:
+        """``(head, contribution)`` of block ``block``'s ``k`` heads writing most into ``dim`` in the peak's direction
+        (or ``sign``), residual units, best first."""
+        if self.head_contribution is None:
+            return []
+        j = self.dims.index(self.path(dim).dim)
+        if sign is None:
+            sign = 1.0 if self.path(dim).peak_value >= 0 else -1.0
+        col = sign * self.head_contribution[block, :, j]
+        vals, idx = col.topk(min(k, col.numel()))
+        return [(int(h), float(sign * v)) for h, v in zip(idx, vals)]
 
     def super_neurons(self) -> list[tuple[int, int]]:
         """``(layer, neuron)`` of every super neuron, largest residual-unit ``|contribution|`` (over the analysed
@@ -459,6 +489,8 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         self.device = model_device(model)
         self.maps = [post_norm_map(model, block, "mlp") for block in range(d.n_layers)]
         self.post_norm_blocks = [b for b, pm in enumerate(self.maps) if not pm.is_identity]
+        self.attn_maps = [post_norm_map(model, block, "attn") for block in range(d.n_layers)]
+        self.n_heads = d.n_heads
         self.reset()
 
     def reset(self) -> None:
@@ -466,6 +498,8 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         self.sink_sum = torch.zeros(n, self.d_mlp, device=dev, dtype=f64)
         self.sink_scaled_sum = torch.zeros(n, self.d_mlp, device=dev, dtype=f64)  # Σ act / post-norm scale
         self.inv_scale_sum = torch.zeros(self.n_layers, device=dev, dtype=f64)  # Σ 1 / post-norm scale
+        self.head_sum = torch.zeros(self.n_layers, self.n_heads, self.d_model, device=dev, dtype=f64)  # Σ z_h W_O / scale
+        self.attn_inv_scale_sum = torch.zeros(self.n_layers, device=dev, dtype=f64)
         self.other_sq = torch.zeros(n, self.d_mlp, device=dev, dtype=f64)
         self.other_max = torch.zeros(n, self.d_mlp, device=dev, dtype=torch.float32)
         self.resid = torch.zeros(self.n_layers + 1, self.d_model, device=dev, dtype=f64)
@@ -478,7 +512,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         check_sink_position(batch, self.sink)
         other = other_positions(batch, self.sink)
         s = self.sink
-        state: dict[str, dict[int, Tensor]] = {"post": {}, "scale": {}}  # sink values of post-norm blocks
+        state: dict[str, dict[int, Tensor]] = {"post": {}, "scale": {}, "z": {}, "attn_scale": {}}  # sink values
 
         def fold_post(act: Tensor, layer: int) -> None:  # [batch, pos, d_mlp]
             i, x = self.row[layer], act.float()
@@ -508,6 +542,16 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
 
         blocks_pn = self.post_norm_blocks
         hooks += bound_hooks([self.maps[b].scale_hook for b in blocks_pn], blocks_pn, fold_scale)
+
+        def fold_z(act: Tensor, block: int) -> None:  # [batch, pos, head, d_head]
+            state["z"][block] = act[:, s].double()
+
+        def fold_attn_scale(act: Tensor, block: int) -> None:
+            state["attn_scale"][block] = act[:, s].reshape(act.shape[0]).double()
+
+        hooks += per_layer_hooks(Z, blocks, fold_z)
+        attn_pn = [b for b in blocks if not self.attn_maps[b].is_identity]
+        hooks += bound_hooks([self.attn_maps[b].scale_hook for b in attn_pn], attn_pn, fold_attn_scale)
         return BatchFold(hooks, state)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
@@ -516,6 +560,16 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             self.inv_scale_sum[block] += inv.sum()
             if block in fold.state["post"]:
                 self.sink_scaled_sum[self.row[block]] += (fold.state["post"][block] * inv[:, None]).sum(0)
+        if fold.state["z"]:
+            W_O = weight(self.model, "W_O").double()  # [layer, head, d_head, d_model]
+        for block, z in fold.state["z"].items():
+            write = torch.einsum("bhk,hkd->bhd", z, W_O[block].to(z.device))
+            scale = fold.state["attn_scale"].get(block)
+            if scale is not None:
+                inv = 1.0 / scale
+                self.attn_inv_scale_sum[block] += inv.sum()
+                write = write * inv[:, None, None]
+            self.head_sum[block] += write.sum(0)
         self.n_sequences += batch.valid.shape[0]
         self.n_other += int(other_positions(batch, self.sink).sum())
 
@@ -543,6 +597,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
                 res_act[i] = (self.sink_scaled_sum[i] / self.n_sequences).float()
                 W_res[i] = pm.linear(W_out[i], torch.ones(1, device=W_out.device))
         self._check_identity(res_act, W_res, offset, mlp)
+        heads, attn_offset = self._heads(attn)
         contribution = res_act[:, :, None] * W_res[:, :, dims]
         peaks = resid[:, dims].abs().amax(dim=0) if dims else torch.zeros(0)
         is_super = (contribution.abs() >= cfg.super_share * peaks.clamp_min(_TINY)).any(dim=-1)
@@ -555,6 +610,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             resid_sink=resid.cpu(), attn_out_sink=attn.cpu(), mlp_out_sink=mlp.cpu(),
             paths=[], n_sequences=self.n_sequences, is_outlier=is_outlier.cpu(), mlp_offset_sink=offset.cpu(),
             post_norm_blocks=list(self.post_norm_blocks),
+            head_contribution=heads[:, :, dims].cpu(), attn_offset_sink=attn_offset.cpu(),
         )
         for d in dims:
             path = dim_path(result.resid_sink, result.attn_out_sink, result.mlp_out_sink, d,
@@ -562,8 +618,29 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             result.paths.append(path)
             path.top_neurons = result.top(d, cfg.top_k)
             for step in path.writers + path.erasers:
-                step.top_neurons = result.top(d, cfg.top_k, block=step.block, sign=1.0 if step.delta >= 0 else -1.0)
+                sign = 1.0 if step.delta >= 0 else -1.0
+                step.top_neurons = result.top(d, cfg.top_k, block=step.block, sign=sign)
+                step.top_heads = result.top_heads(d, step.block, 3, sign=sign)
         return result
+
+    def _heads(self, attn: Tensor) -> tuple[Tensor, Tensor]:
+        """``[block, head, d_model]`` residual-unit head contributions at the sink and ``[block, d_model]`` offsets
+        (``b_O`` through the post-attention norm plus its bias); warns if they miss ``attn_out_sink``."""
+        heads = (self.head_sum / self.n_sequences).float()
+        offset = torch.stack([attn_out_bias(self.model, b).float().to(heads.device) for b in range(self.n_layers)])
+        for block, pm in enumerate(self.attn_maps):
+            if pm.is_identity:
+                continue
+            inv = float(self.attn_inv_scale_sum[block]) / self.n_sequences
+            heads[block] = pm.linear(heads[block], torch.ones(1, device=heads.device))
+            offset[block] = pm.linear(offset[block], torch.tensor([1.0 / inv], device=heads.device)) + pm.offset(offset[block])
+        err = float((heads.sum(1) + offset - attn).abs().max())
+        size = float(attn.abs().max())
+        dtype = weight(self.model, "W_O").dtype
+        if err > max(1e-3, 50 * torch.finfo(dtype).eps) * size + 1e-5:
+            warnings.warn(f"Head contributions at the sink do not add up to hook_attn_out (max error {err:.3g} vs max "
+                          f"|hook_attn_out| {size:.3g}): they are approximate for this model.", RuntimeWarning, stacklevel=3)
+        return heads, offset
 
     def _check_identity(self, res_act: Tensor, W_res: Tensor, offset: Tensor, mlp: Tensor) -> None:
         """Warn if ``Σ_n contribution + offset`` misses the mean ``hook_mlp_out`` at the sink (a model whose MLP
