@@ -74,6 +74,7 @@ def neuron_lines(report: SinkReport) -> list[str]:
                 lines.append(f"    {kind} (>= {100 * share:.0f}% of the peak): " + "; ".join(
                     f"block {s.block} {s.delta:+.1f} (attn {s.attn:+.1f}, mlp {s.mlp:+.1f})"
                     + (f" L{s.top_neurons[0][0]}N{s.top_neurons[0][1]} {s.top_neurons[0][2]:+.1f}" if s.top_neurons else "")
+                    + (f" L{s.block}H{s.top_heads[0][0]} {s.top_heads[0][1]:+.1f}" if s.top_heads and abs(s.attn) > abs(s.mlp) else "")
                     for s in steps))
     supers = report.neurons.super_neurons()
     units = "residual units, after any post-MLP norm"
