@@ -123,3 +123,30 @@ def test_run_keywords_of_sinklens_0_1_still_work_with_a_warning(tiny_llama):
                        rel_threshold=3.0).sinks.sink_threshold == 0.2
     with pytest.raises(TypeError, match="unexpected keyword"):
         analyze(tiny_llama, PROMPTS, batchsize=2, options=QUIET)
+
+
+@pytest.mark.models
+def test_report_json_paths_are_in_residual_units_on_a_post_norm_model(tmp_path):
+    """report.json's super_neurons.paths[]: ``dim`` and ``top_neurons`` as [layer, neuron, contribution] rows, best
+    first, in residual units: the planted neuron behind a x250 post-norm gain first, its 10x bigger-raw decoy after."""
+    from sinklens.testing.planted import planted_post_norm_model
+    from sinklens.testing.zoo import FamilyUnavailableError
+
+    try:
+        model, spec = planted_post_norm_model("gemma2")
+    except FamilyUnavailableError as err:
+        pytest.skip(str(err))
+    from sinklens.testing import PLANTED_PROMPTS
+
+    report = analyze(model, PLANTED_PROMPTS, abs_threshold=None, rel_threshold=50.0, options=QUIET)
+    report.save(tmp_path, figures=False)
+    data = json.loads((tmp_path / "report.json").read_text())
+    (path,) = data["super_neurons"]["paths"]
+    assert path["dim"] == spec.dim
+    rows = path["top_neurons"]
+    assert [r[:2] for r in rows[:2]] == [[spec.layer, spec.neuron], [spec.decoy_layer, spec.decoy_neuron]]
+    assert [r[2] for r in rows] == sorted((r[2] for r in rows), reverse=True)
+    assert rows[0][2] == pytest.approx(path["peak_value"], rel=1e-3)  # the whole massive value, in residual units
+    assert [w["block"] for w in path["writers"]] == [spec.layer] and path["erasers"] == []
+    assert data["super_neurons"]["super_neurons"] == [[spec.layer, spec.neuron]]
+    assert data["super_neurons"]["post_norm_blocks"] == [0, 1]
