@@ -491,6 +491,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         self.post_norm_blocks = [b for b, pm in enumerate(self.maps) if not pm.is_identity]
         self.attn_maps = [post_norm_map(model, block, "attn") for block in range(d.n_layers)]
         self.n_heads = d.n_heads
+        self._W_O: Tensor | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -544,7 +545,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         hooks += bound_hooks([self.maps[b].scale_hook for b in blocks_pn], blocks_pn, fold_scale)
 
         def fold_z(act: Tensor, block: int) -> None:  # [batch, pos, head, d_head]
-            state["z"][block] = act[:, s].double()
+            state["z"][block] = act[:, s].float()
 
         def fold_attn_scale(act: Tensor, block: int) -> None:
             state["attn_scale"][block] = act[:, s].reshape(act.shape[0]).double()
@@ -560,10 +561,10 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             self.inv_scale_sum[block] += inv.sum()
             if block in fold.state["post"]:
                 self.sink_scaled_sum[self.row[block]] += (fold.state["post"][block] * inv[:, None]).sum(0)
-        if fold.state["z"]:
-            W_O = weight(self.model, "W_O").double()  # [layer, head, d_head, d_model]
+        if fold.state["z"] and self._W_O is None:  # stacked once: a bridge builds the property on every read
+            self._W_O = weight(self.model, "W_O").float()  # [layer, head, d_head, d_model]
         for block, z in fold.state["z"].items():
-            write = torch.einsum("bhk,hkd->bhd", z, W_O[block].to(z.device))
+            write = torch.einsum("bhk,hkd->bhd", z.float(), self._W_O[block].to(z.device)).double()
             scale = fold.state["attn_scale"].get(block)
             if scale is not None:
                 inv = 1.0 / scale
