@@ -73,7 +73,7 @@ def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_
     of their mass on one channel."""
     from sinklens.inputs import stdlib_text_prompts
 
-    report = analyze(smollm2, stdlib_text_prompts(8), options=QUIET.replace(max_length=48))
+    report = analyze(smollm2, stdlib_text_prompts(8), verify=True, options=QUIET.replace(max_length=48))
     assert report.sinks.sink_positions == [0]
     assert report.sinks.sink_rate(position=0) > 0.5
     late = report.sinks.received[12:, :, 0]
@@ -84,6 +84,17 @@ def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_
     writers = {(layer, neuron) for layer, neuron, _ in path.top_neurons[:2]}
     assert writers == {(11, 1229), (11, 1487)}
     assert report.neurons.neuron_row(11, 1229)["row_top_share"] > 0.9
+    # SmolLM2 is pre-norm: residual-unit contributions are act x W_out, the numbers of sinklens 0.2 (measured).
+    assert (path.peak_layer, path.peak_value) == (12, pytest.approx(24926.2, abs=0.5))
+    assert path.top_neurons[0] == (11, 1229, pytest.approx(18008.2, abs=0.5))
+    assert path.top_neurons[1] == (11, 1487, pytest.approx(6786.7, abs=0.5))
+    assert [w.block for w in path.writers] == [11] and [e.block for e in path.erasers] == [28, 29]
+    assert report.neurons.post_norm_blocks == [] and report.neurons.super_neurons()[0] == (11, 1229)
+    # The causal check: zeroing L11N1229 and L11N1487 at position 0 removes 99% of dim 507 (24926 -> 131) and
+    # 56% of the attention position 0 receives (0.436 -> 0.193).
+    check = next(c for c in report.causal.checks if c.dim == 507)
+    assert [(l, n) for l, n, _ in check.writers] == [(11, 1229), (11, 1487)]
+    assert check.dim_removed > 0.95 and check.attention_removed > 0.4
     assert float(report.massive.norm_ratio[12, 0]) > 50
     report.save(tmp_path, figures=False)
 

@@ -101,10 +101,15 @@ def neuron_contributions(
     if pm.is_identity:
         return writes
     if scale is None:
-        pm.linear(writes)  # raises the named error
+        raise InvalidArgumentError(_needs_scale(pm))
     if scale.shape[-1:] == (1,) and scale.dim() == post.dim():
         scale = scale[..., 0]
     return pm.linear(writes, scale[..., None, None])
+
+
+def _needs_scale(pm: Any) -> str:
+    return (f"Block {pm.layer}'s MLP output passes through the post norm {pm.norm}: pass scale= (the value of "
+            f"{pm.scale_hook} at the same positions) to put contributions in residual units.")
 
 
 def mlp_offset(model: Any, layer: int, scale: Tensor | None = None) -> Float[Tensor, "*batch d_model"]:
@@ -115,7 +120,7 @@ def mlp_offset(model: Any, layer: int, scale: Tensor | None = None) -> Float[Ten
     if pm.is_identity:
         return b
     if scale is None:
-        pm.linear(b)  # raises the named error
+        raise InvalidArgumentError(_needs_scale(pm))
     if scale.shape[-1:] != (1,):
         scale = scale[..., None]
     return pm.linear(b.to(scale.dtype).expand(*scale.shape[:-1], b.shape[-1]), scale) + pm.offset(b.to(scale.dtype))
