@@ -73,7 +73,7 @@ def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_
     of their mass on one channel."""
     from sinklens.inputs import stdlib_text_prompts
 
-    report = analyze(smollm2, stdlib_text_prompts(8), options=QUIET.replace(max_length=48))
+    report = analyze(smollm2, stdlib_text_prompts(8), verify=True, options=QUIET.replace(max_length=48))
     assert report.sinks.sink_positions == [0]
     assert report.sinks.sink_rate(position=0) > 0.5
     late = report.sinks.received[12:, :, 0]
@@ -84,6 +84,17 @@ def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_
     writers = {(layer, neuron) for layer, neuron, _ in path.top_neurons[:2]}
     assert writers == {(11, 1229), (11, 1487)}
     assert report.neurons.neuron_row(11, 1229)["row_top_share"] > 0.9
+    # SmolLM2 is pre-norm: residual-unit contributions are act x W_out, the numbers of sinklens 0.2 (measured).
+    assert (path.peak_layer, path.peak_value) == (12, pytest.approx(24926.2, abs=0.5))
+    assert path.top_neurons[0] == (11, 1229, pytest.approx(18008.2, abs=0.5))
+    assert path.top_neurons[1] == (11, 1487, pytest.approx(6786.7, abs=0.5))
+    assert [w.block for w in path.writers] == [11] and [e.block for e in path.erasers] == [28, 29]
+    assert report.neurons.post_norm_blocks == [] and report.neurons.super_neurons()[0] == (11, 1229)
+    # The causal check: zeroing L11N1229 and L11N1487 at position 0 removes 99% of dim 507 (24926 -> 131) and
+    # 56% of the attention position 0 receives (0.436 -> 0.193).
+    check = next(c for c in report.causal.checks if c.dim == 507)
+    assert [(l, n) for l, n, _ in check.writers] == [(11, 1229), (11, 1487)]
+    assert check.dim_removed > 0.95 and check.attention_removed > 0.4
     assert float(report.massive.norm_ratio[12, 0]) > 50
     report.save(tmp_path, figures=False)
 
@@ -123,3 +134,30 @@ def test_run_keywords_of_sinklens_0_1_still_work_with_a_warning(tiny_llama):
                        rel_threshold=3.0).sinks.sink_threshold == 0.2
     with pytest.raises(TypeError, match="unexpected keyword"):
         analyze(tiny_llama, PROMPTS, batchsize=2, options=QUIET)
+
+
+@pytest.mark.models
+def test_report_json_paths_are_in_residual_units_on_a_post_norm_model(tmp_path):
+    """report.json's super_neurons.paths[]: ``dim`` and ``top_neurons`` as [layer, neuron, contribution] rows, best
+    first, in residual units: the planted neuron behind a x250 post-norm gain first, its 10x bigger-raw decoy after."""
+    from sinklens.testing.planted import planted_post_norm_model
+    from sinklens.testing.zoo import FamilyUnavailableError
+
+    try:
+        model, spec = planted_post_norm_model("gemma2")
+    except FamilyUnavailableError as err:
+        pytest.skip(str(err))
+    from sinklens.testing import PLANTED_PROMPTS
+
+    report = analyze(model, PLANTED_PROMPTS, abs_threshold=None, rel_threshold=50.0, options=QUIET)
+    report.save(tmp_path, figures=False)
+    data = json.loads((tmp_path / "report.json").read_text())
+    (path,) = data["super_neurons"]["paths"]
+    assert path["dim"] == spec.dim
+    rows = path["top_neurons"]
+    assert [r[:2] for r in rows[:2]] == [[spec.layer, spec.neuron], [spec.decoy_layer, spec.decoy_neuron]]
+    assert [r[2] for r in rows] == sorted((r[2] for r in rows), reverse=True)
+    assert rows[0][2] == pytest.approx(path["peak_value"], rel=1e-3)  # the whole massive value, in residual units
+    assert [w["block"] for w in path["writers"]] == [spec.layer] and path["erasers"] == []
+    assert data["super_neurons"]["super_neurons"] == [[spec.layer, spec.neuron]]
+    assert data["super_neurons"]["post_norm_blocks"] == [0, 1]

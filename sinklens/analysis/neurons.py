@@ -1,29 +1,38 @@
-"""Super neurons: FFN neurons that fire hugely at the sink token and write the massive residual dimensions.
+"""Super neurons: FFN neurons that write the massive residual dimensions at the sink, in residual units.
 
-Definitions (all activations are ``blocks.{l}.mlp.hook_post``, i.e. what multiplies ``W_out``):
+Definitions (activations are ``blocks.{l}.mlp.hook_post``, i.e. what multiplies ``W_out``; ``s`` is the sink):
 
-* ``sink_act[l, n]``: mean over sequences of the neuron's activation at ``sink_position``.
-* ``other_rms[l, n]``: root-mean-square of its activation over every other valid (non-padding) position.
-* ``position_ratio = |sink_act| / other_rms``: how far the sink activation lies outside the neuron's own
-  distribution elsewhere.
-* ``neuron_ratio = |sink_act| / median_n' |sink_act[l, n']|``: how far it lies above the layer's typical
-  neuron at the sink.
-* A neuron is a **super neuron** when both ratios reach their thresholds (default 10 each).
-* ``contribution[l, n, :] = sink_act[l, n] × W_out[l, n, :]``: exactly the neuron's share of
-  ``hook_mlp_out`` at the sink (``Σ_n act_n W_out[l, n] = hook_mlp_out − b_out``; see
-  :func:`neuron_contributions`), restricted to the massive dimensions ``dims``.
+* ``sink_act[l, n]``: mean over sequences of the neuron's activation at the sink.
+* ``contribution[l, n, j]``: mean over sequences of what the neuron adds to the **residual stream** in
+  dimension ``dims[j]`` at the sink — its write ``act × W_out[l, n]`` taken through block ``l``'s post-MLP
+  norm when there is one (Gemma 2/3: ``blocks.{l}.ln2_post``, an affine map at a fixed position, see
+  :mod:`sinklens.residual_units`): ``(act / scale) × gain ⊙ W_out[l, n]`` with ``scale`` read from
+  ``blocks.{l}.ln2_post.hook_scale`` at the sink of each sequence. Summed over neurons and added to
+  ``mlp_offset_sink[l]`` (``b_out`` through the norm, plus the norm's bias) it is exactly the mean
+  ``hook_mlp_out`` at the sink (the post norm's output). Without a post norm it is ``sink_act × W_out``.
+* A neuron is a **super neuron** when its ``|contribution|`` to some analysed massive dimension reaches
+  ``super_share`` (default 5%) of that dimension's peak ``|value|``; :meth:`SuperNeurons.super_neurons`
+  ranks them by that contribution (largest ``|contribution|`` first).
+* Activation-outlier statistics, kept as extra columns (``is_outlier``, sinklens ≤ 0.2's "super neuron"):
+  ``other_rms`` (RMS of the activation over every other valid position), ``position_ratio = |sink_act| /
+  other_rms``, ``neuron_ratio = |sink_act| / median_n' |sink_act[l, n']|``; ``is_outlier`` when both reach
+  their thresholds (default 10 each). An outlier whose write a post norm shrinks is not a super neuron.
 * ``W_out`` row sparsity: Pearson kurtosis of ``W_out[l, n, :]`` over ``d_model`` (3 for a Gaussian row,
   ``≈ d_model`` for a one-hot row) and the share of its squared norm in its ``row_top_k`` largest entries.
 
 Massive dimensions (unless given as ``dims``): dimensions ``d`` whose mean residual value at the sink,
 ``|resid[s, d]|``, exceeds ``dim_threshold`` × the median over dimensions of ``|resid[s, :]|`` at some residual
 stream index ``s`` (the residual is averaged over sequences at the sink position). For each, a
-:class:`MassiveDimPath` says which block writes it (largest step towards its peak value, ``attn_out + mlp_out``
-at the sink) and which erases it (largest step back, if it undoes at least ``erase_fraction`` of the peak).
+:class:`MassiveDimPath` lists every block that writes it (a step ``hook_attn_out + hook_mlp_out`` at the sink —
+both already in residual units, after any post norm — towards the peak's sign of at least ``path_share`` of the
+peak) and every block that erases it (a step back of at least that share), in block order, each with its
+attention/MLP split and its top neurons. Parallel blocks (GPT-NeoX/Pythia: attention and MLP both read
+``hook_resid_pre``) are handled alike: the block's step is still ``attn_out + mlp_out``.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,17 +55,27 @@ from sinklens.analysis._common import (
 )
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, model_device, model_dims, resolve_layers, weight
+from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, Z, model_device, model_dims, resolve_layers, weight
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
+from sinklens.residual_units import check_neuron_mlp, post_norm_map
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks, run
 from sinklens.validate import as_int, finite_number, positive_int
 
 
 def mlp_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
     """``b_out[layer]``, or zeros for a bias-free MLP (TransformerBridge exposes no ``b_out`` then)."""
+    return _bias(model, "b_out", layer)
+
+
+def attn_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
+    """``b_O[layer]``, or zeros for a bias-free attention output."""
+    return _bias(model, "b_O", layer)
+
+
+def _bias(model: Any, name: str, layer: int) -> Tensor:
     try:
-        b = model.b_out
+        b = getattr(model, name)
     except AttributeError:
         b = None
     if b is None:
@@ -64,14 +83,47 @@ def mlp_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
     return b[layer].detach()
 
 
-def neuron_contributions(model: Any, layer: int, post: Float[Tensor, "*batch neuron"]) -> Float[Tensor, "*batch neuron d_model"]:
-    """Each neuron's write into the residual stream: ``post[..., n] × W_out[layer, n, :]``.
+def neuron_contributions(
+    model: Any, layer: int, post: Float[Tensor, "*batch neuron"], *, scale: Tensor | None = None
+) -> Float[Tensor, "*batch neuron d_model"]:
+    """Each neuron's write into the residual stream, in residual units.
 
-    Summed over neurons this is ``hook_mlp_out − b_out`` of that layer (for models whose MLP output is
-    ``hook_post @ W_out + b_out``, which is every TransformerLens MLP).
+    Without a post-MLP norm: ``post[..., n] × W_out[layer, n, :]``; summed over neurons this is
+    ``hook_mlp_out − b_out`` (every TransformerLens MLP computes ``hook_post @ W_out + b_out``).
+    With one (Gemma 2/3), the write is taken through the norm's affine map at each position
+    (:func:`sinklens.residual_units.post_norm_map`), so ``scale`` — the value of
+    ``blocks.{layer}.ln2_post.hook_scale`` at the same positions (``[*batch]`` or ``[*batch, 1]``) — is
+    required; summed over neurons and added to :func:`mlp_offset` it is exactly ``hook_mlp_out``.
     """
     W_out = weight(model, "W_out")[layer]
-    return post[..., :, None] * W_out.to(post.dtype)
+    writes = post[..., :, None] * W_out.to(post.dtype)
+    pm = post_norm_map(model, layer, "mlp")
+    if pm.is_identity:
+        return writes
+    if scale is None:
+        raise InvalidArgumentError(_needs_scale(pm))
+    if scale.shape[-1:] == (1,) and scale.dim() == post.dim():
+        scale = scale[..., 0]
+    return pm.linear(writes, scale[..., None, None])
+
+
+def _needs_scale(pm: Any) -> str:
+    return (f"Block {pm.layer}'s MLP output passes through the post norm {pm.norm}: pass scale= (the value of "
+            f"{pm.scale_hook} at the same positions) to put contributions in residual units.")
+
+
+def mlp_offset(model: Any, layer: int, scale: Tensor | None = None) -> Float[Tensor, "*batch d_model"]:
+    """The part of ``hook_mlp_out`` no neuron wrote: ``b_out`` (through the post-MLP norm and plus its bias
+    when there is one; ``scale`` as in :func:`neuron_contributions`)."""
+    b = mlp_out_bias(model, layer)
+    pm = post_norm_map(model, layer, "mlp")
+    if pm.is_identity:
+        return b
+    if scale is None:
+        raise InvalidArgumentError(_needs_scale(pm))
+    if scale.shape[-1:] != (1,):
+        scale = scale[..., None]
+    return pm.linear(b.to(scale.dtype).expand(*scale.shape[:-1], b.shape[-1]), scale) + pm.offset(b.to(scale.dtype))
 
 
 def row_sparsity(rows: Float[Tensor, "*rows d"], k: int = 1) -> tuple[Float[Tensor, "*rows"], Float[Tensor, "*rows"]]:
@@ -100,12 +152,17 @@ class SuperNeuronSettings:
     Attributes:
         sink_position: the position whose neurons and residual path are analysed.
         dims: massive residual dimensions to attribute (None: detected at the sink, see ``dim_threshold``).
-        position_threshold / neuron_threshold: super-neuron thresholds on ``position_ratio`` / ``neuron_ratio``.
+        position_threshold / neuron_threshold: activation-outlier thresholds on ``position_ratio`` /
+            ``neuron_ratio`` (``is_outlier``).
         dim_threshold: a dimension is massive if ``|resid[s, d]|`` exceeds this × the median ``|resid[s, :]|``.
         max_dims: at most this many detected dimensions.
-        erase_fraction: a block counts as erasing a dimension if it undoes at least this share of its peak.
-        top_k: top neurons listed per dimension in :class:`MassiveDimPath`.
+        erase_fraction: the legacy single ``erase_layer`` must undo at least this share of the peak.
+        top_k: top neurons listed per dimension (and per writer/eraser block) in :class:`MassiveDimPath`.
         row_top_k: entries counted in ``row_top_share``.
+        path_share: a block is listed as a writer (eraser) of a dimension when its step at the sink moves the
+            dimension towards (away from) its peak's sign by at least this share of ``|peak|`` (default 5%).
+        super_share: a neuron is a super neuron when its ``|contribution|`` to an analysed dimension reaches
+            this share of that dimension's ``|peak|`` (default 5%).
     """
 
     sink_position: int = 0
@@ -117,6 +174,8 @@ class SuperNeuronSettings:
     erase_fraction: float = 0.5
     top_k: int = 10
     row_top_k: int = 1
+    path_share: float = 0.05
+    super_share: float = 0.05
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -129,6 +188,33 @@ class SuperNeuronSettings:
         set_(self, "erase_fraction", finite_number(self.erase_fraction, what="erase_fraction", low=0.0, high=1.0, low_open=True))
         set_(self, "top_k", positive_int(self.top_k, what="top_k"))
         set_(self, "row_top_k", positive_int(self.row_top_k, what="row_top_k"))
+        for name in ("path_share", "super_share"):
+            set_(self, name, finite_number(getattr(self, name), what=name, low=0.0, high=1.0, low_open=True))
+
+
+@dataclass
+class BlockStep:
+    """One block's step in a massive dimension at the sink (residual units: after any post norm).
+
+    Attributes:
+        block: the block; ``delta``: its step ``attn + mlp`` in the dimension (``hook_attn_out`` +
+            ``hook_mlp_out`` at the sink, mean over sequences); ``attn`` / ``mlp``: the two parts;
+            ``attn_share = |attn| / (|attn| + |mlp|)``.
+        share: ``delta / |peak|`` signed towards the peak (> 0: writes towards the peak's sign, < 0: erases).
+        top_neurons: ``(layer, neuron, contribution)`` of the block's neurons contributing most in the step's
+            direction, best first (empty when the block's neurons were not analysed).
+        top_heads: ``(head, contribution)`` of the block's attention heads contributing most in the step's
+            direction (``z_h W_O[h]`` through the post-attention norm when there is one), best first.
+    """
+
+    block: int
+    delta: float
+    attn: float
+    mlp: float
+    attn_share: float
+    share: float
+    top_neurons: list[tuple[int, int, float]] = field(default_factory=list)
+    top_heads: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -144,7 +230,10 @@ class MassiveDimPath:
             ``|write_attn| / (|write_attn| + |write_mlp|)``.
         erase_layer: the later block taking it back the most (``erase_delta``, its signed step), or None when
             no block undoes at least ``erase_fraction`` of the peak.
-        top_neurons: ``(layer, neuron, contribution)`` of the neurons writing most in the peak's direction.
+        top_neurons: ``(layer, neuron, contribution)`` of the neurons writing most in the peak's direction
+            (residual units), best first.
+        writers / erasers: every block whose step writes (erases) at least ``path_share`` of ``|peak|``, in
+            block order (:class:`BlockStep`).
     """
 
     dim: int
@@ -158,6 +247,8 @@ class MassiveDimPath:
     erase_layer: int | None
     erase_delta: float | None
     top_neurons: list[tuple[int, int, float]] = field(default_factory=list)
+    writers: list[BlockStep] = field(default_factory=list)
+    erasers: list[BlockStep] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return to_json(self)
@@ -171,12 +262,22 @@ class SuperNeurons(SettingsFields):
         layers: model layers of the neuron rows. ``dims``: the massive dimensions analysed.
         settings: the :class:`SuperNeuronSettings` of the run; its fields also read as attributes
             (``result.sink_position``, ``result.row_top_k``, ...).
-        sink_act / other_rms / other_max_abs / position_ratio / neuron_ratio / is_super: per-neuron statistics.
-        contribution: ``sink_act × W_out[l, n, dims]``.
+        sink_act / other_rms / other_max_abs / position_ratio / neuron_ratio / is_outlier: per-neuron
+            activation statistics (the activation-outlier columns).
+        contribution: residual-unit contribution to ``dims`` at the sink (see the module docstring).
+        is_super: super neurons (``|contribution|`` >= ``super_share`` × the dimension's ``|peak|``).
         row_kurtosis / row_top_share: sparsity of each ``W_out`` row (``row_top_k`` largest entries).
         resid_sink: mean residual stream at the sink, per stream index ``0..n_layers``.
-        attn_out_sink / mlp_out_sink: mean ``hook_attn_out`` / ``hook_mlp_out`` at the sink, per block.
+        attn_out_sink / mlp_out_sink: mean ``hook_attn_out`` / ``hook_mlp_out`` at the sink, per block (what the
+            block adds to the residual stream, after any post norm).
         paths: one :class:`MassiveDimPath` per entry of ``dims``.
+        mlp_offset_sink: per block, the part of ``mlp_out_sink`` no neuron wrote (``b_out`` through the post
+            norm plus its bias), so ``contribution.sum(neuron) + mlp_offset_sink[l, dims] == mlp_out_sink[l, dims]``.
+        post_norm_blocks: blocks whose MLP output passes a post norm (their contributions went through it).
+        head_contribution: ``[block, head, n_dims]`` each head's residual-unit contribution to ``dims`` at the sink:
+            mean over sequences of ``z_h W_O[block, h]`` (``attn.hook_z`` at the sink) taken through the
+            post-attention norm (``ln1_post``: ``× gain / scale``) when there is one; with ``attn_offset_sink``
+            (``b_O`` through the norm, plus its bias) it adds up to ``attn_out_sink``.
     """
 
     layers: list[int]
@@ -196,10 +297,38 @@ class SuperNeurons(SettingsFields):
     mlp_out_sink: Float[Tensor, "block d_model"]
     paths: list[MassiveDimPath]
     n_sequences: int
+    is_outlier: Bool[Tensor, "layer neuron"] | None = None
+    mlp_offset_sink: Float[Tensor, "block d_model"] | None = None
+    post_norm_blocks: list[int] = field(default_factory=list)
+    head_contribution: Float[Tensor, "block head n_dims"] | None = None
+    attn_offset_sink: Float[Tensor, "block d_model"] | None = None
+
+    def top_heads(self, dim: int, block: int, k: int = 3, *, sign: float | None = None) -> list[tuple[int, float]]:
+        """``(head, contribution)`` of block ``block``'s ``k`` heads writing most into ``dim`` in the peak's direction
+        (or ``sign``), residual units, best first."""
+        if self.head_contribution is None:
+            return []
+        j = self.dims.index(self.path(dim).dim)
+        if sign is None:
+            sign = 1.0 if self.path(dim).peak_value >= 0 else -1.0
+        col = sign * self.head_contribution[block, :, j]
+        vals, idx = col.topk(min(k, col.numel()))
+        return [(int(h), float(sign * v)) for h, v in zip(idx, vals)]
 
     def super_neurons(self) -> list[tuple[int, int]]:
-        """``(layer, neuron)`` of every super neuron, largest ``|sink_act|`` first."""
+        """``(layer, neuron)`` of every super neuron, largest residual-unit ``|contribution|`` (over the analysed
+        dims) first."""
         idx = self.is_super.nonzero()
+        if not idx.numel():
+            return []
+        size = self.contribution.abs().amax(dim=-1) if self.contribution.shape[-1] else self.sink_act.abs()
+        order = size[idx[:, 0], idx[:, 1]].argsort(descending=True, stable=True)
+        return [(self.layers[int(r)], int(n)) for r, n in idx[order].tolist()]
+
+    def outliers(self) -> list[tuple[int, int]]:
+        """``(layer, neuron)`` of every activation outlier (``is_outlier``), largest ``|sink_act|`` first."""
+        mask = self.is_outlier if self.is_outlier is not None else torch.zeros_like(self.is_super)
+        idx = mask.nonzero()
         order = self.sink_act[idx[:, 0], idx[:, 1]].abs().argsort(descending=True)
         return [(self.layers[int(r)], int(n)) for r, n in idx[order].tolist()]
 
@@ -210,14 +339,23 @@ class SuperNeurons(SettingsFields):
                 return p
         raise InvalidArgumentError(f"Dimension {dim} was not analysed; analysed dims: {self.dims}.")
 
-    def top(self, dim: int, k: int = 10) -> list[tuple[int, int, float]]:
-        """``(layer, neuron, contribution)`` of the ``k`` neurons writing most into ``dim`` in its peak's direction."""
+    def top(self, dim: int, k: int = 10, *, block: int | None = None, sign: float | None = None) -> list[tuple[int, int, float]]:
+        """``(layer, neuron, contribution)`` of the ``k`` neurons writing most into ``dim`` in its peak's direction
+        (residual units), best first; ``block`` restricts to one layer's neurons (empty if it was not analysed),
+        ``sign`` (+1/-1) overrides the direction (e.g. -peak sign for erasers)."""
         j = self.dims.index(self.path(dim).dim)
-        sign = 1.0 if self.path(dim).peak_value >= 0 else -1.0
-        flat = (sign * self.contribution[:, :, j]).flatten()
+        if sign is None:
+            sign = 1.0 if self.path(dim).peak_value >= 0 else -1.0
+        contrib = self.contribution[:, :, j]
+        rows = list(range(len(self.layers)))
+        if block is not None:
+            if block not in self.layers:
+                return []
+            rows = [self.layers.index(block)]
+        flat = (sign * contrib[rows]).flatten()
         vals, idx = flat.topk(min(k, flat.numel()))
         n = self.contribution.shape[1]
-        return [(self.layers[int(i) // n], int(i) % n, float(sign * v)) for i, v in zip(idx, vals)]
+        return [(self.layers[rows[int(i) // n]], int(i) % n, float(sign * v)) for i, v in zip(idx, vals)]
 
     def neuron_row(self, layer: int, neuron: int) -> dict[str, Any]:
         """All statistics of one neuron as a dict."""
@@ -226,7 +364,9 @@ class SuperNeurons(SettingsFields):
             "layer": layer, "neuron": neuron, "sink_act": float(self.sink_act[r, neuron]),
             "other_rms": float(self.other_rms[r, neuron]), "other_max_abs": float(self.other_max_abs[r, neuron]),
             "position_ratio": float(self.position_ratio[r, neuron]), "neuron_ratio": float(self.neuron_ratio[r, neuron]),
-            "is_super": bool(self.is_super[r, neuron]), "row_kurtosis": float(self.row_kurtosis[r, neuron]),
+            "is_super": bool(self.is_super[r, neuron]),
+            "is_outlier": None if self.is_outlier is None else bool(self.is_outlier[r, neuron]),
+            "row_kurtosis": float(self.row_kurtosis[r, neuron]),
             "row_top_share": float(self.row_top_share[r, neuron]),
         }
         for j, d in enumerate(self.dims):
@@ -250,7 +390,9 @@ class SuperNeurons(SettingsFields):
         """JSON-ready summary: thresholds, dims and their paths, super neurons, top-neuron rows."""
         return to_json({
             "layers": self.layers, "settings": self.settings, "dims": self.dims, "n_sequences": self.n_sequences,
+            "units": "residual (after any post-MLP norm)", "post_norm_blocks": self.post_norm_blocks,
             "super_neurons": [list(x) for x in self.super_neurons()],
+            "activation_outliers": [list(x) for x in self.outliers()],
             "paths": [p.to_dict() for p in self.paths], "rows": self.rows(k),
         })
 
@@ -289,9 +431,10 @@ def dim_path(
     dim: int,
     *,
     erase_fraction: float = 0.5,
+    path_share: float = SuperNeuronSettings.path_share,
 ) -> MassiveDimPath:
-    """Peak, write block and erase block of one dimension (see :class:`MassiveDimPath`; ``top_neurons``
-    is left empty: it needs the neurons, see :meth:`SuperNeurons.top`)."""
+    """Peak, writer and eraser blocks of one dimension (see :class:`MassiveDimPath`; the ``top_neurons`` lists
+    are left empty: they need the neurons, see :meth:`SuperNeurons.top`)."""
     values = resid[:, dim]
     peak = int(values.abs().argmax())
     peak_value = float(values[peak])
@@ -306,7 +449,16 @@ def dim_path(
         j = int(later.argmin())
         if float(later[j]) < -erase_fraction * abs(peak_value):
             erase, erase_delta = write + 1 + j, float(delta[write + 1 + j])
-    return MassiveDimPath(dim, peak, peak_value, write, float(delta[write]), a, m, share, erase, erase_delta)
+    writers, erasers = [], []
+    scale = max(abs(peak_value), _TINY)
+    for block in range(delta.shape[0]):
+        d, ab, mb = float(delta[block]), float(attn[block, dim]), float(mlp[block, dim])
+        toward = sign * d / scale
+        if abs(toward) >= path_share:
+            step = BlockStep(block, d, ab, mb, abs(ab) / max(abs(ab) + abs(mb), _TINY), toward)
+            (writers if toward > 0 else erasers).append(step)
+    return MassiveDimPath(dim, peak, peak_value, write, float(delta[write]), a, m, share, erase, erase_delta,
+                          writers=writers, erasers=erasers)
 
 
 class SuperNeuronReducer(Reducer[SuperNeurons]):
@@ -332,6 +484,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
                 raise InvalidArgumentError(f"dims {bad} are out of range for d_model={d.d_model} (0..{d.d_model - 1}).")
         if d.d_mlp <= 0:
             raise InvalidArgumentError("This model has no MLP (cfg.d_mlp is 0): there are no neurons to analyse.")
+        check_neuron_mlp(model)
         self.model = model
         self.settings = settings
         self.n_layers, self.d_model, self.d_mlp = d.n_layers, d.d_model, d.d_mlp
@@ -339,11 +492,20 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.sink = settings.sink_position
         self.device = model_device(model)
+        self.maps = [post_norm_map(model, block, "mlp") for block in range(d.n_layers)]
+        self.post_norm_blocks = [b for b, pm in enumerate(self.maps) if not pm.is_identity]
+        self.attn_maps = [post_norm_map(model, block, "attn") for block in range(d.n_layers)]
+        self.n_heads = d.n_heads
+        self._W_O: Tensor | None = None
         self.reset()
 
     def reset(self) -> None:
         dev, f64, n = self.device, torch.float64, len(self.layers)
         self.sink_sum = torch.zeros(n, self.d_mlp, device=dev, dtype=f64)
+        self.sink_scaled_sum = torch.zeros(n, self.d_mlp, device=dev, dtype=f64)  # Σ act / post-norm scale
+        self.inv_scale_sum = torch.zeros(self.n_layers, device=dev, dtype=f64)  # Σ 1 / post-norm scale
+        self.head_sum = torch.zeros(self.n_layers, self.n_heads, self.d_model, device=dev, dtype=f64)  # Σ z_h W_O / scale
+        self.attn_inv_scale_sum = torch.zeros(self.n_layers, device=dev, dtype=f64)
         self.other_sq = torch.zeros(n, self.d_mlp, device=dev, dtype=f64)
         self.other_max = torch.zeros(n, self.d_mlp, device=dev, dtype=torch.float32)
         self.resid = torch.zeros(self.n_layers + 1, self.d_model, device=dev, dtype=f64)
@@ -356,10 +518,13 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         check_sink_position(batch, self.sink)
         other = other_positions(batch, self.sink)
         s = self.sink
+        state: dict[str, dict[int, Tensor]] = {"post": {}, "scale": {}, "z": {}, "attn_scale": {}}  # sink values
 
         def fold_post(act: Tensor, layer: int) -> None:  # [batch, pos, d_mlp]
             i, x = self.row[layer], act.float()
             self.sink_sum[i] += x[:, s].sum(0).double()
+            if layer in self.post_norm_blocks:
+                state["post"][layer] = x[:, s].double()
             xo = x * other[..., None]  # per-batch reductions in float32, running sums in float64
             self.other_sq[i] += xo.square().sum(dim=(0, 1)).double()
             biggest = torch.maximum(xo.amax(dim=(0, 1)), -xo.amin(dim=(0, 1)))
@@ -377,9 +542,40 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         hooks += bound_hooks([stream_hook(i, self.n_layers) for i in streams], streams, at_sink(self.resid))
         hooks += per_layer_hooks(ATTN_OUT, blocks, at_sink(self.attn))
         hooks += per_layer_hooks(MLP_OUT, blocks, at_sink(self.mlp))
-        return BatchFold(hooks)
+
+        def fold_scale(act: Tensor, block: int) -> None:  # [batch, pos, 1]: the post norm's divisor
+            state["scale"][block] = act[:, s].reshape(act.shape[0]).double()
+
+        blocks_pn = self.post_norm_blocks
+        hooks += bound_hooks([self.maps[b].scale_hook for b in blocks_pn], blocks_pn, fold_scale)
+
+        def fold_z(act: Tensor, block: int) -> None:  # [batch, pos, head, d_head]
+            state["z"][block] = act[:, s].float()
+
+        def fold_attn_scale(act: Tensor, block: int) -> None:
+            state["attn_scale"][block] = act[:, s].reshape(act.shape[0]).double()
+
+        hooks += per_layer_hooks(Z, blocks, fold_z)
+        attn_pn = [b for b in blocks if not self.attn_maps[b].is_identity]
+        hooks += bound_hooks([self.attn_maps[b].scale_hook for b in attn_pn], attn_pn, fold_attn_scale)
+        return BatchFold(hooks, state)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        for block, scale in fold.state["scale"].items():
+            inv = 1.0 / scale
+            self.inv_scale_sum[block] += inv.sum()
+            if block in fold.state["post"]:
+                self.sink_scaled_sum[self.row[block]] += (fold.state["post"][block] * inv[:, None]).sum(0)
+        if fold.state["z"] and self._W_O is None:  # stacked once: a bridge builds the property on every read
+            self._W_O = weight(self.model, "W_O").float()  # [layer, head, d_head, d_model]
+        for block, z in fold.state["z"].items():
+            write = torch.einsum("bhk,hkd->bhd", z.float(), self._W_O[block].to(z.device)).double()
+            scale = fold.state["attn_scale"].get(block)
+            if scale is not None:
+                inv = 1.0 / scale
+                self.attn_inv_scale_sum[block] += inv.sum()
+                write = write * inv[:, None, None]
+            self.head_sum[block] += write.sum(0)
         self.n_sequences += batch.valid.shape[0]
         self.n_other += int(other_positions(batch, self.sink).sum())
 
@@ -391,11 +587,26 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         other_rms = (self.other_sq / max(self.n_other, 1)).sqrt().float()
         position_ratio = sink_act.abs() / other_rms.clamp_min(_TINY)
         neuron_ratio = sink_act.abs() / sink_act.abs().median(dim=-1, keepdim=True).values.clamp_min(_TINY)
-        is_super = (position_ratio >= cfg.position_threshold) & (neuron_ratio >= cfg.neuron_threshold)
+        is_outlier = (position_ratio >= cfg.position_threshold) & (neuron_ratio >= cfg.neuron_threshold)
         resid, attn, mlp = (t.float() / self.n_sequences for t in (self.resid, self.attn, self.mlp))
         dims = list(cfg.dims) if cfg.dims is not None else massive_dims_from_resid(resid, cfg.dim_threshold, cfg.max_dims)
         W_out = weight(self.model, "W_out")[self.layers].float().to(sink_act.device)  # [layer, neuron, d_model]
-        contribution = sink_act[:, :, None] * W_out[:, :, dims]
+        # Residual units: act × W_out without a post norm; mean(act / scale) × gain ⊙ C(W_out) through one.
+        res_act = sink_act.clone()
+        W_res = W_out.clone()
+        offset = torch.stack([mlp_out_bias(self.model, b).float().to(sink_act.device) for b in range(self.n_layers)])
+        for block in self.post_norm_blocks:
+            pm, inv = self.maps[block], float(self.inv_scale_sum[block]) / self.n_sequences
+            offset[block] = pm.linear(offset[block], torch.tensor([1.0 / inv], device=offset.device)) + pm.offset(offset[block])
+            if block in self.row:
+                i = self.row[block]
+                res_act[i] = (self.sink_scaled_sum[i] / self.n_sequences).float()
+                W_res[i] = pm.linear(W_out[i], torch.ones(1, device=W_out.device))
+        self._check_identity(res_act, W_res, offset, mlp)
+        heads, attn_offset = self._heads(attn)
+        contribution = res_act[:, :, None] * W_res[:, :, dims]
+        peaks = resid[:, dims].abs().amax(dim=0) if dims else torch.zeros(0)
+        is_super = (contribution.abs() >= cfg.super_share * peaks.clamp_min(_TINY)).any(dim=-1)
         kurt, share = row_sparsity(W_out, cfg.row_top_k)
         result = SuperNeurons(
             layers=list(self.layers), settings=cfg, dims=list(dims),
@@ -403,14 +614,52 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             position_ratio=position_ratio.cpu(), neuron_ratio=neuron_ratio.cpu(), is_super=is_super.cpu(),
             contribution=contribution.cpu(), row_kurtosis=kurt.cpu(), row_top_share=share.cpu(),
             resid_sink=resid.cpu(), attn_out_sink=attn.cpu(), mlp_out_sink=mlp.cpu(),
-            paths=[], n_sequences=self.n_sequences,
+            paths=[], n_sequences=self.n_sequences, is_outlier=is_outlier.cpu(), mlp_offset_sink=offset.cpu(),
+            post_norm_blocks=list(self.post_norm_blocks),
+            head_contribution=heads[:, :, dims].cpu(), attn_offset_sink=attn_offset.cpu(),
         )
         for d in dims:
             path = dim_path(result.resid_sink, result.attn_out_sink, result.mlp_out_sink, d,
-                            erase_fraction=cfg.erase_fraction)
+                            erase_fraction=cfg.erase_fraction, path_share=cfg.path_share)
             result.paths.append(path)
             path.top_neurons = result.top(d, cfg.top_k)
+            for step in path.writers + path.erasers:
+                sign = 1.0 if step.delta >= 0 else -1.0
+                step.top_neurons = result.top(d, cfg.top_k, block=step.block, sign=sign)
+                step.top_heads = result.top_heads(d, step.block, 3, sign=sign)
         return result
+
+    def _heads(self, attn: Tensor) -> tuple[Tensor, Tensor]:
+        """``[block, head, d_model]`` residual-unit head contributions at the sink and ``[block, d_model]`` offsets
+        (``b_O`` through the post-attention norm plus its bias); warns if they miss ``attn_out_sink``."""
+        heads = (self.head_sum / self.n_sequences).float()
+        offset = torch.stack([attn_out_bias(self.model, b).float().to(heads.device) for b in range(self.n_layers)])
+        for block, pm in enumerate(self.attn_maps):
+            if pm.is_identity:
+                continue
+            inv = float(self.attn_inv_scale_sum[block]) / self.n_sequences
+            heads[block] = pm.linear(heads[block], torch.ones(1, device=heads.device))
+            offset[block] = pm.linear(offset[block], torch.tensor([1.0 / inv], device=heads.device)) + pm.offset(offset[block])
+        err = float((heads.sum(1) + offset - attn).abs().max())
+        size = float(attn.abs().max())
+        dtype = weight(self.model, "W_O").dtype
+        if err > max(1e-3, 50 * torch.finfo(dtype).eps) * size + 1e-5:
+            warnings.warn(f"Head contributions at the sink do not add up to hook_attn_out (max error {err:.3g} vs max "
+                          f"|hook_attn_out| {size:.3g}): they are approximate for this model.", RuntimeWarning, stacklevel=3)
+        return heads, offset
+
+    def _check_identity(self, res_act: Tensor, W_res: Tensor, offset: Tensor, mlp: Tensor) -> None:
+        """Warn if ``Σ_n contribution + offset`` misses the mean ``hook_mlp_out`` at the sink (a model whose MLP
+        output is not ``post W_out + b_out`` through its post norm: the contributions would not be exact)."""
+        rebuilt = torch.einsum("ln,lnd->ld", res_act, W_res) + offset[self.layers]
+        target = mlp[self.layers]
+        err = float((rebuilt - target).abs().max()) if target.numel() else 0.0
+        size = float(target.abs().max()) if target.numel() else 0.0
+        dtype = weight(self.model, "W_out").dtype
+        if err > max(1e-3, 50 * torch.finfo(dtype).eps) * size + 1e-5:
+            warnings.warn(f"Neuron contributions at the sink do not add up to hook_mlp_out (max error {err:.3g} vs "
+                          f"max |hook_mlp_out| {size:.3g}): this model's MLP output is not act × W_out + b_out "
+                          "through its post norm, so contributions are approximate.", RuntimeWarning, stacklevel=3)
 
 
 def find_super_neurons(

@@ -1,9 +1,18 @@
 """Dimension disparity after normalisation: does the sink's massive dimension survive the norm?
 
-In ``blocks.{l}.ln1.hook_normalized`` (what layer ``l``'s queries, keys and values read), the ratio
-of each dimension's ``|x_d|`` to the mean ``|x_j|`` of the token's other dimensions, at the sink
-versus at other tokens. ``hook_normalized`` is the normalised vector *before* the norm's learned
-gain (and bias), on every TransformerLens version.
+For a token's vector ``x``, ``r_d = |x_d| / mean_{j != d} |x_j|`` (each dimension against the mean of the
+token's other dimensions), at the sink versus at other tokens, read at two places of layer ``l``'s input
+layernorm (what its queries, keys and values read) and reported side by side:
+
+* **before the gain** (sinklens' own, ``ratio_sink`` / ``ratio_other`` / ``ratio_other_max``):
+  ``blocks.{l}.ln1.hook_normalized``, the normalised vector before the norm's learned gain (and bias), on
+  every TransformerLens version;
+* **after the gain** (the paper's, ``*_after_gain``): the input layernorm's *output*, ``gain ⊙
+  hook_normalized + bias`` with the norm's effective gain (Gemma: ``1 + w``; see
+  :func:`sinklens.residual_units.norm_map`), which equals ``ln1.hook_out`` on a ``TransformerBridge``. This is
+  where the paper reads the disparity; a large gain on the massive dimension makes the two differ.
+
+The ratio formula is the same for both; only the read site differs.
 """
 
 from __future__ import annotations
@@ -23,18 +32,22 @@ from sinklens.export import to_json
 from sinklens.hooks import LN1_NORMALIZED, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
+from sinklens.residual_units import norm_map
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
 
 
 @dataclass
 class NormalizedDisparity:
-    """Dimension disparity in ``ln1.hook_normalized`` (see the module docstring).
+    """Dimension disparity of the input layernorm, before and after its gain (see the module docstring).
 
-    For a token's normalised vector ``x``, ``r_d = |x_d| / mean_{j != d} |x_j|``.
+    For a token's vector ``x``, ``r_d = |x_d| / mean_{j != d} |x_j|``.
 
     Attributes:
-        ratio_sink: mean over sequences of ``r_d`` at ``sink_position``.
-        ratio_other: mean of ``r_d`` over all other valid tokens; ``ratio_other_max``: its maximum.
+        ratio_sink: before the gain (``ln1.hook_normalized``, sinklens): mean over sequences of ``r_d`` at
+            ``sink_position``.
+        ratio_other: before the gain: mean of ``r_d`` over all other valid tokens; ``ratio_other_max``: its maximum.
+        ratio_sink_after_gain / ratio_other_after_gain / ratio_other_max_after_gain: the same, read after the gain
+            (the input layernorm's output, the paper's site).
     """
 
     layers: list[int]
@@ -44,6 +57,15 @@ class NormalizedDisparity:
     ratio_other: Float[Tensor, "layer dim"]
     ratio_other_max: Float[Tensor, "layer dim"]
     n_sequences: int
+    ratio_sink_after_gain: Float[Tensor, "layer dim"] | None = None
+    ratio_other_after_gain: Float[Tensor, "layer dim"] | None = None
+    ratio_other_max_after_gain: Float[Tensor, "layer dim"] | None = None
+
+    #: Where each pair of numbers is read (shown in the JSON and the summary).
+    SOURCES = {
+        "before_gain": "sinklens: blocks.{l}.ln1.hook_normalized (normalised, before the learned gain)",
+        "after_gain": "the paper's: input layernorm output = gain * ln1.hook_normalized + bias (after the gain)",
+    }
 
     def top_dim(self, layer: int) -> int:
         """The dimension with the largest sink ratio at ``layer``."""
@@ -58,18 +80,25 @@ class NormalizedDisparity:
         for i, layer in enumerate(self.layers):
             for d in dims if dims is not None else [self.top_dim(layer)]:
                 sink, other = float(self.ratio_sink[i, d]), float(self.ratio_other[i, d])
-                out.append({"layer": layer, "dim": d, "ratio_sink": sink, "ratio_other": other,
-                            "ratio_other_max": float(self.ratio_other_max[i, d]),
-                            "contrast": sink / other if other > 0 else float("inf")})
+                row = {"layer": layer, "dim": d, "ratio_sink": sink, "ratio_other": other,
+                       "ratio_other_max": float(self.ratio_other_max[i, d]),
+                       "contrast": sink / other if other > 0 else float("inf")}
+                if self.ratio_sink_after_gain is not None:
+                    gs, go = float(self.ratio_sink_after_gain[i, d]), float(self.ratio_other_after_gain[i, d])
+                    row |= {"ratio_sink_after_gain": gs, "ratio_other_after_gain": go,
+                            "ratio_other_max_after_gain": float(self.ratio_other_max_after_gain[i, d]),
+                            "contrast_after_gain": gs / go if go > 0 else float("inf")}
+                out.append(row)
         return out
 
     def to_dict(self, dims: list[int] | None = None) -> dict[str, Any]:
         return to_json({"layers": self.layers, "sink_position": self.sink_position, "site": self.site,
-                        "n_sequences": self.n_sequences, "rows": self.rows(dims)})
+                        "sources": self.SOURCES, "n_sequences": self.n_sequences, "rows": self.rows(dims)})
 
 
 class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
-    """Streams ``blocks.{l}.ln1.hook_normalized`` into :class:`NormalizedDisparity` (``[layer, dim]`` sums only)."""
+    """Streams ``blocks.{l}.ln1.hook_normalized`` into :class:`NormalizedDisparity` (``[layer, dim]`` sums only),
+    before the gain and, mapped through the norm's gain and bias, after it."""
 
     def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None, site: str = LN1_NORMALIZED):
         d = model_dims(model)
@@ -77,13 +106,15 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.sink, self.site, self.d_model = sink_position_arg(sink_position), site, d.d_model
         self.device = model_device(model)
+        norm = site.split(".")[0]
+        self.maps = {layer: norm_map(model, layer, norm) for layer in self.layers}
         self.reset()
 
     def reset(self) -> None:
         n, dev = len(self.layers), self.device
-        self.sink_sum = torch.zeros(n, self.d_model, device=dev, dtype=torch.float64)
-        self.other_sum = torch.zeros(n, self.d_model, device=dev, dtype=torch.float64)
-        self.other_max = torch.zeros(n, self.d_model, device=dev, dtype=torch.float32)
+        self.sink_sum = torch.zeros(2, n, self.d_model, device=dev, dtype=torch.float64)  # [before/after gain, ...]
+        self.other_sum = torch.zeros(2, n, self.d_model, device=dev, dtype=torch.float64)
+        self.other_max = torch.zeros(2, n, self.d_model, device=dev, dtype=torch.float32)
         self.n_sequences = 0
         self.n_other = 0
 
@@ -92,14 +123,15 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
         other = other_positions(batch, self.sink)
 
         def fold(act: Tensor, layer: int) -> None:  # [batch, pos, d_model]
-            i = self.row[layer]
-            a = act.float().abs()
-            rest = (a.sum(-1, keepdim=True) - a) / (a.shape[-1] - 1)
-            r = a / rest.clamp_min(_TINY)
-            self.sink_sum[i] += r[:, self.sink].double().sum(0)
-            ro = r * other[..., None]
-            self.other_sum[i] += ro.double().sum(dim=(0, 1))
-            self.other_max[i] = torch.maximum(self.other_max[i], ro.amax(dim=(0, 1)))
+            i, x, pm = self.row[layer], act.float(), self.maps[layer]
+            for g, y in enumerate((x, x * pm.gain.float().to(x.device) + pm.offset(x))):
+                a = y.abs()
+                rest = (a.sum(-1, keepdim=True) - a) / (a.shape[-1] - 1)
+                r = a / rest.clamp_min(_TINY)
+                self.sink_sum[g, i] += r[:, self.sink].double().sum(0)
+                ro = r * other[..., None]
+                self.other_sum[g, i] += ro.double().sum(dim=(0, 1))
+                self.other_max[g, i] = torch.maximum(self.other_max[g, i], ro.amax(dim=(0, 1)))
 
         # TL 3.x runs ln1.hook_normalized once per q/k/v input: fold the first call only.
         return BatchFold(per_layer_hooks(self.site, self.layers, once_per_forward(fold)))
@@ -111,10 +143,12 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
     def result(self) -> NormalizedDisparity:
         if self.n_sequences == 0:
             raise InvalidArgumentError("No batches were streamed; nothing to summarise.")
-        other = self.other_sum / self.n_other if self.n_other else torch.full_like(self.other_sum, float("nan"))
+        other = (self.other_sum / self.n_other if self.n_other else torch.full_like(self.other_sum, float("nan"))).float().cpu()
+        sink = (self.sink_sum / self.n_sequences).float().cpu()
         return NormalizedDisparity(
-            list(self.layers), self.sink, self.site, (self.sink_sum / self.n_sequences).float().cpu(),
-            other.float().cpu(), self.other_max.cpu(), self.n_sequences,
+            list(self.layers), self.sink, self.site, sink[0], other[0], self.other_max[0].cpu(), self.n_sequences,
+            ratio_sink_after_gain=sink[1], ratio_other_after_gain=other[1],
+            ratio_other_max_after_gain=self.other_max[1].cpu(),
         )
 
 
@@ -127,7 +161,8 @@ def normalized_disparity(
     options: RunOptions = RunOptions(),
     **deprecated: Any,
 ) -> NormalizedDisparity:
-    """Dimension disparity after each layer's first normalisation, at the sink vs other tokens.
+    """Dimension disparity of each layer's input layernorm, at the sink vs other tokens, before its gain
+    (``ln1.hook_normalized``, sinklens) and after it (the norm's output, the paper's site).
 
     Examples:
         >>> from sinklens.testing.planted import planted_model

@@ -22,10 +22,12 @@ from sinklens.analysis.normalized_disparity import NormalizedDisparity, Normaliz
 from sinklens.analysis.qk_locking import QKLocking, QKLockingReducer
 from sinklens.analysis.sinks import SinkReducer, SinkResult, SinkSettings
 from sinklens.analysis.variance import VarianceReducer, VarianceResult
+from sinklens.analysis.verify import CausalCheck, verify_attribution
 from sinklens.analysis.weight_super_neurons import SinkInputReducer, WeightNeurons, super_neurons_from_weights
 from sinklens.export import to_json
 from sinklens.inputs import Inputs, as_batches
 from sinklens.options import RunOptions
+from sinklens.residual_units import moe_reason
 from sinklens.streaming import stream
 
 
@@ -42,12 +44,17 @@ class SinkReport:
         sinks: :class:`~sinklens.analysis.sinks.SinkResult` (received attention, sink rates, sink tokens).
         variance: :class:`~sinklens.analysis.variance.VarianceResult` (value-aggregation variance).
         massive: :class:`~sinklens.analysis.disparity.MassiveActivations` (dimension disparity).
-        neurons: :class:`~sinklens.analysis.neurons.SuperNeurons` (super neurons and dimension paths).
-        weight_neurons: :class:`~sinklens.analysis.weight_super_neurons.WeightNeurons` (super neurons from weights).
+        neurons: :class:`~sinklens.analysis.neurons.SuperNeurons` (super neurons and dimension paths, in residual
+            units); None when skipped (a mixture-of-experts MLP: see ``skipped``).
+        weight_neurons: :class:`~sinklens.analysis.weight_super_neurons.WeightNeurons` (super neurons from weights);
+            None when skipped.
         normalized: :class:`~sinklens.analysis.normalized_disparity.NormalizedDisparity` (disparity after the norm).
         locking: :class:`~sinklens.analysis.qk_locking.QKLocking` (query–key locking).
         seconds: wall time of the pass.
         settings: the run and analyzer settings (batch size, truncation, thresholds).
+        causal: :class:`~sinklens.analysis.verify.CausalCheck` from ``analyze(..., verify=True)`` (zeroing each
+            massive dimension's top writers at the sink), else None.
+        skipped: section name -> why it was skipped (e.g. ``"super_neurons"`` on a mixture-of-experts model).
 
     The text layout lives in :mod:`sinklens.analysis.report_text`, file writing in
     :mod:`sinklens.analysis.report_files`; :meth:`summary` and :meth:`save` call them.
@@ -61,12 +68,14 @@ class SinkReport:
     sinks: SinkResult
     variance: VarianceResult
     massive: MassiveActivations
-    neurons: SuperNeurons
-    weight_neurons: WeightNeurons
+    neurons: SuperNeurons | None
+    weight_neurons: WeightNeurons | None
     normalized: NormalizedDisparity
     locking: QKLocking
     seconds: float
     settings: dict[str, Any] = field(default_factory=dict)
+    causal: CausalCheck | None = None
+    skipped: dict[str, str] = field(default_factory=dict)
 
     # ------------------------------------------------------------------------------- numbers
     def massive_dims(self) -> list[int]:
@@ -86,7 +95,7 @@ class SinkReport:
             "mean_attention_to_sink": float(torch.nanmean(self.sinks.received[:, :, p])),
             "massive_dims": self.massive_dims(),
             "max_norm_ratio_at_sink": float(torch.nan_to_num(self.massive.norm_ratio[:, p]).max()),
-            "super_neurons": self.neurons.super_neurons()[:8],
+            "super_neurons": self.neurons.super_neurons()[:8] if self.neurons is not None else [],
             "variance_discrepancy_median": float(torch.nanmedian(disc)),
             "layers_with_variance_discrepancy_above_1": int((disc.nanmedian(dim=1).values > 1).sum()),
         }
@@ -120,8 +129,12 @@ class SinkReport:
             "sinks": self.sinks.to_dict(),
             "variance": self.variance.to_dict(position=p),
             "massive_activations": self.massive.to_dict(),
-            "super_neurons": self.neurons.to_dict(),
-            "super_neurons_from_weights": self.weight_neurons.to_dict(),
+            "super_neurons": self.neurons.to_dict() if self.neurons is not None
+            else {"skipped": self.skipped.get("super_neurons")},
+            "super_neurons_from_weights": self.weight_neurons.to_dict() if self.weight_neurons is not None
+            else {"skipped": self.skipped.get("super_neurons")},
+            "causal_check": self.causal.to_dict() if self.causal is not None else None,
+            "skipped": self.skipped,
             "normalized_disparity": self.normalized.to_dict(dims=self.massive_dims() or None),
             "query_key_locking": self.locking.to_dict(),
         })
@@ -136,6 +149,7 @@ def analyze(
     abs_threshold: float | None = MassiveSettings.abs_threshold,
     rel_threshold: float | None = MassiveSettings.rel_threshold,
     model_name: str | None = None,
+    verify: bool = False,
     options: RunOptions = RunOptions(),
     **deprecated: Any,
 ) -> SinkReport:
@@ -150,6 +164,9 @@ def analyze(
         abs_threshold / rel_threshold: massive-activation thresholds (Sun et al.: |x| > 100 and
             > 1000x the median |x|); for small models use e.g. ``abs_threshold=None, rel_threshold=50``.
         model_name: what to call the model in the report (default: its class name).
+        verify: also run the causal check (:func:`sinklens.analysis.verify.verify_attribution`): zero each
+            massive dimension's top writing neurons at the sink and report the share of the dimension and of the
+            sink's received attention that disappears (one extra forward per dimension, plus one baseline).
         options: batching, BOS (say which in papers: it moves the sink), truncation, extra hooks
             (e.g. an intervention from :mod:`sinklens.interventions`) and progress bar.
 
@@ -169,23 +186,34 @@ def analyze(
     massive_settings = MassiveSettings(abs_threshold=abs_threshold, rel_threshold=rel_threshold, sink_position=sink_position)
     batches = as_batches(model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos,
                          max_length=options.max_length)
+    moe = moe_reason(model)  # a mixture-of-experts MLP has no neurons to attribute: skip that section
+    skipped = {"super_neurons": f"skipped: {moe}"} if moe is not None else {}
+    neuron_reducers = [] if moe is not None else [
+        SuperNeuronReducer(model, settings=SuperNeuronSettings(sink_position=sink_position)),
+        SinkInputReducer(model, sink_position=sink_position),
+    ]
     reducers = [
         SinkReducer(model, settings=sink_settings),
         VarianceReducer(model),
         MassiveActivationsReducer(model, settings=massive_settings),
-        SuperNeuronReducer(model, settings=SuperNeuronSettings(sink_position=sink_position)),
-        SinkInputReducer(model, sink_position=sink_position),
+        *neuron_reducers,
         NormalizedDisparityReducer(model, sink_position=sink_position),
         QKLockingReducer(model, sink_position=sink_position),
     ]
     desc = "sinklens analyze" if options.desc == RunOptions.desc else options.desc
-    sinks, variance, massive, neurons, sink_input, normalized, locking = stream(
-        model, batches, reducers, options=options.replace(desc=desc)
-    )
-    weight_neurons = super_neurons_from_weights(
-        model, dims=neurons.dims or None, sink_input=sink_input,
-        w_out_sparsity=(neurons.row_kurtosis, neurons.row_top_share),  # same rows, same k: computed once
-    )
+    results = stream(model, batches, reducers, options=options.replace(desc=desc))
+    sinks, variance, massive, *neuron_results, normalized, locking = results
+    neurons, weight_neurons, causal = None, None, None
+    if neuron_results:
+        neurons, sink_input = neuron_results
+        weight_neurons = super_neurons_from_weights(
+            model, dims=neurons.dims or None, sink_input=sink_input,
+            w_out_sparsity=(neurons.row_kurtosis, neurons.row_top_share),  # same rows, same k: computed once
+        )
+        if verify:
+            causal = verify_attribution(model, batches, neurons, options=options)
+    elif verify:
+        skipped["causal_check"] = f"skipped: {moe}"
     return SinkReport(
         model_name=model_name or type(model).__name__,
         n_sequences=int(sum(b.tokens.shape[0] for b in batches)),
@@ -202,5 +230,7 @@ def analyze(
         seconds=time.perf_counter() - start,
         settings={"batch_size": options.batch_size, "max_length": options.max_length,
                   "sink_threshold": sink_settings.sink_threshold, "abs_threshold": abs_threshold,
-                  "rel_threshold": rel_threshold},
+                  "rel_threshold": rel_threshold, "verify": verify},
+        causal=causal,
+        skipped=skipped,
     )

@@ -43,10 +43,11 @@ def figure_makers(report: SinkReport) -> dict[str, Callable[[], Any]]:
         "variance_discrepancy.png": lambda: variance.plot_discrepancy(report.variance, position=p),
         "massive_activations.png": lambda: disparity.plot_massive_by_layer(report.massive),
     }
-    if report.neurons.dims:
+    if report.neurons is not None and report.neurons.dims:
         makers["super_neurons.png"] = lambda: neurons.plot_contributions(report.neurons)
         makers["massive_dim_path.png"] = lambda: neurons.plot_dim_path(report.neurons)
-    makers["w_out_sparsity.png"] = lambda: neurons.plot_row_sparsity(report.neurons)
+    if report.neurons is not None:
+        makers["w_out_sparsity.png"] = lambda: neurons.plot_row_sparsity(report.neurons)
     return makers
 
 

@@ -51,21 +51,8 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
         + ([f"|x| > {report.massive.rel_threshold:g}x the median |x|"] if report.massive.rel_threshold is not None else [])
     )
     lines += ["", f"Massive dimensions at position {p}: {dims or 'none'} ({rule})"]
-    for path in report.neurons.paths:
-        neurons = ", ".join(f"L{l}N{n} ({c:+.1f})" for l, n, c in path.top_neurons[:3])
-        erased = f"erased in block {path.erase_layer}" if path.erase_layer is not None else "never erased"
-        lines.append(
-            f"  dim {path.dim}: peak {path.peak_value:+.1f} at stream {path.peak_layer}, written in block "
-            f"{path.write_layer} (attention share {path.attn_share:.2f}), {erased}; top neurons: {neurons}"
-        )
-    supers = report.neurons.super_neurons()
-    lines += ["", f"Super neurons (|act at sink| outlier): {len(supers)}"]
-    for layer, neuron in supers[:8]:
-        row = report.neurons.neuron_row(layer, neuron)
-        lines.append(
-            f"  L{layer} N{neuron}: act at sink {row['sink_act']:+.2f} ({row['position_ratio']:.0f}x its RMS elsewhere), "
-            f"W_out kurtosis {row['row_kurtosis']:.0f}, top-{report.neurons.row_top_k} mass {row['row_top_share']:.2f}"
-        )
+    lines += neuron_lines(report)
+    lines += disparity_lines(report, dims)
     lock = report.locking
     lines += [
         "",
@@ -74,6 +61,61 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
         f"sink key in the top query directions: cosine {float(lock.key_pc_cosine.nanmedian()):.2f}",
     ]
     return "\n".join(lines)
+
+
+def neuron_lines(report: SinkReport) -> list[str]:
+    """Dimension paths, super neurons and the causal check (contributions in residual units)."""
+    if report.neurons is None:
+        return [f"  super neurons and dimension paths {report.skipped.get('super_neurons', 'skipped')}"]
+    lines = []
+    for path in report.neurons.paths:
+        neurons = ", ".join(f"L{l}N{n} ({c:+.1f})" for l, n, c in path.top_neurons[:3])
+        erased = f"erased in block {path.erase_layer}" if path.erase_layer is not None else "never erased"
+        lines.append(
+            f"  dim {path.dim}: peak {path.peak_value:+.1f} at stream {path.peak_layer}, written in block "
+            f"{path.write_layer} (attention share {path.attn_share:.2f}), {erased}; top neurons: {neurons}"
+        )
+        share = report.neurons.path_share
+        for kind, steps in (("writers", path.writers), ("erasers", path.erasers)):
+            if steps:
+                lines.append(f"    {kind} (>= {100 * share:.0f}% of the peak): " + "; ".join(
+                    f"block {s.block} {s.delta:+.1f} (attn {s.attn:+.1f}, mlp {s.mlp:+.1f})"
+                    + (f" L{s.top_neurons[0][0]}N{s.top_neurons[0][1]} {s.top_neurons[0][2]:+.1f}" if s.top_neurons else "")
+                    + (f" L{s.block}H{s.top_heads[0][0]} {s.top_heads[0][1]:+.1f}" if s.top_heads and abs(s.attn) > abs(s.mlp) else "")
+                    for s in steps))
+    supers = report.neurons.super_neurons()
+    units = "residual units, after any post-MLP norm"
+    lines += ["", f"Super neurons (|contribution| >= {100 * report.neurons.super_share:.0f}% of a massive dim's peak, "
+                  f"{units}): {len(supers)}"]
+    for layer, neuron in supers[:8]:
+        row = report.neurons.neuron_row(layer, neuron)
+        contrib = ", ".join(f"dim {d} {row[f'contribution_{d}']:+.1f}" for d in report.neurons.dims)
+        lines.append(
+            f"  L{layer} N{neuron}: {contrib}; act at sink {row['sink_act']:+.2f} ({row['position_ratio']:.0f}x its RMS "
+            f"elsewhere), W_out kurtosis {row['row_kurtosis']:.0f}, top-{report.neurons.row_top_k} mass {row['row_top_share']:.2f}"
+        )
+    if report.causal is not None:
+        lines += ["", "Causal check (zero each massive dim's top writers at the sink):"]
+        lines += report.causal.lines() or ["  no massive dimension to check"]
+    elif "causal_check" in report.skipped:
+        lines += ["", f"Causal check {report.skipped['causal_check']}"]
+    return lines
+
+
+def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:
+    """Normalised disparity of the first massive dims, before and after the input layernorm's gain, each labelled."""
+    nd = report.normalized
+    if not dims or nd.ratio_sink_after_gain is None:
+        return []
+    lines = ["", "Normalised disparity r_d = |x_d| / mean_{j!=d} |x_j| at the sink vs other tokens "
+                 "(layer where the sink's ratio before the gain peaks):"]
+    for d in list(dims)[:2]:
+        i = int(nd.ratio_sink[:, d].argmax())
+        lines.append(
+            f"  dim {d}, layer {nd.layers[i]}: before gain {float(nd.ratio_sink[i, d]):.1f} vs {float(nd.ratio_other[i, d]):.2f} "
+            f"(sinklens: ln1.hook_normalized); after gain {float(nd.ratio_sink_after_gain[i, d]):.1f} vs "
+            f"{float(nd.ratio_other_after_gain[i, d]):.2f} (the paper's: input layernorm output)")
+    return lines
 
 
 def layer_rows(report: SinkReport) -> list[list[str]]:

@@ -7,7 +7,9 @@ measured. Given a :class:`SinkInput` from one cheap forward (:func:`sink_inputs`
 mean ``ln2.hook_normalized``), it adds the cosine between that input and each read vector.
 
 ``hook_normalized`` is the normalised vector *before* the norm's learned gain (and bias), on every
-TransformerLens version.
+TransformerLens version. Weights are read as stored: on a post-norm model (Gemma 2/3) a ``W_out`` row is the
+neuron's write *before* the post-MLP norm, whose per-dimension gain can change its sparsity; the forward-pass
+analysis (:mod:`sinklens.analysis.neurons`) measures contributions in residual units instead.
 """
 
 from __future__ import annotations

@@ -31,6 +31,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--out", default="sinklens-report", help="output folder (default: %(default)s)")
     parser.add_argument("--no-figures", action="store_true", help="write report.json only")
+    parser.add_argument("--verify", action="store_true",
+                        help="causal check: zero each massive dimension's top writing neurons at the sink and report "
+                        "how much of the dimension and of the sink's attention disappears (one extra pass per dimension)")
     parser.set_defaults(func=run)
 
 
@@ -121,6 +124,7 @@ def _run(args: argparse.Namespace) -> int:
         model,
         _inputs(args, model),
         model_name=str(args.model),
+        verify=args.verify,
         options=RunOptions(batch_size=args.batch_size, prepend_bos=not args.no_bos, max_length=args.max_length),
     )
     print(report.summary())

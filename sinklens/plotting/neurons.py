@@ -17,7 +17,8 @@ def _dim(result: Any, dim: int | None) -> int:
 
 
 def plot_contributions(result: Any, *, dim: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
-    """Bar chart of the ``k`` neurons writing most into ``dim`` at the sink (``sink_act × W_out[l, n, dim]``)."""
+    """Bar chart of the ``k`` neurons writing most into ``dim`` at the sink, in residual units (``sink_act ×
+    W_out[l, n, dim]``, taken through the post-MLP norm on post-norm models; see :mod:`sinklens.analysis.neurons`)."""
     dim = _dim(result, dim)
     top = result.top(dim, k)
     fig, axes = new_figure(width=7.0, height=4.0)
@@ -26,13 +27,14 @@ def plot_contributions(result: Any, *, dim: int | None = None, k: int = 10, path
     colors = ["tab:red" if (l, n) in supers else "tab:blue" for l, n, _ in top]
     ax.bar(range(len(top)), [c for _, _, c in top], color=colors)
     ax.set_xticks(range(len(top)), [f"L{l}.{n}" for l, n, _ in top], rotation=45, fontsize=8)
-    ax.set_ylabel(f"contribution to dim {dim} at position {result.sink_position}")
+    ax.set_ylabel(f"contribution to dim {dim} at position {result.sink_position}\n(residual units)")
     ax.set_title(f"Top neurons writing dim {dim} (red: super neurons)")
     return finish(fig, path)
 
 
 def plot_row_sparsity(result: Any, *, path: str | Path | None = None) -> Any:
-    """Scatter of every neuron's ``W_out`` row kurtosis vs its top-k mass share; super neurons in red."""
+    """Scatter of every neuron's ``W_out`` row kurtosis vs its top-k mass share; super neurons (by residual-unit
+    contribution, ``is_super``) in red."""
     fig, axes = new_figure(width=6.0, height=4.5)
     ax = axes[0, 0]
     kurt, share = result.row_kurtosis.flatten(), result.row_top_share.flatten()

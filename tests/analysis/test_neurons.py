@@ -141,7 +141,7 @@ def test_bad_inputs_raise_clear_errors(tiny_llama, kwargs, match):
 
 
 def test_dim_path_returns_its_dataclass():
-    from sinklens.analysis.neurons import MassiveDimPath, dim_path
+    from sinklens.analysis.neurons import BlockStep, MassiveDimPath, dim_path
 
     # dim 1: block 0 writes +2 (attention), block 1 writes +8 (attention 2, MLP 6), block 2's MLP erases 9.
     attn = torch.tensor([[0.0, 2.0], [0.0, 2.0], [0.0, 0.0]])
@@ -150,5 +150,9 @@ def test_dim_path_returns_its_dataclass():
     path = dim_path(resid, attn, mlp, 1)
     assert path == MassiveDimPath(dim=1, peak_layer=2, peak_value=10.0, write_layer=1, write_delta=8.0,
                                   write_attn=2.0, write_mlp=6.0, attn_share=0.25, erase_layer=2, erase_delta=-9.0,
-                                  top_neurons=[])
+                                  top_neurons=[],
+                                  writers=[BlockStep(0, 2.0, 2.0, 0.0, 1.0, 0.2), BlockStep(1, 8.0, 2.0, 6.0, 0.25, 0.8)],
+                                  erasers=[BlockStep(2, -9.0, 0.0, -9.0, 0.0, -0.9)])
     assert dim_path(resid, attn, mlp, 1, erase_fraction=0.95).erase_layer is None  # 9 < 0.95 x 10
+    # Block 0's write is 20% of the peak: a writer at the default 5% share, not at 25%.
+    assert [w.block for w in dim_path(resid, attn, mlp, 1, path_share=0.25).writers] == [1]

@@ -1,0 +1,211 @@
+"""Residual units: what a write inside a block actually adds to the residual stream.
+
+In a pre-norm block (Llama, GPT-2, ...) the attention output ``z W_O (+ b_O)`` and the MLP output
+``post W_out (+ b_out)`` are added to the residual stream as they are. A **post-norm** block (Gemma 2
+and 3) normalises each output before the residual add: ``blocks.{l}.ln1_post`` after attention and
+``blocks.{l}.ln2_post`` after the MLP. At one position such a norm is an *affine* map once its scale
+is known::
+
+    y = gain ⊙ C(x) / scale + bias
+
+with ``x`` the norm's input (the raw block output), ``C`` the identity (RMSNorm) or mean removal
+(LayerNorm, linear too), ``scale = blocks.{l}.ln{1,2}_post.hook_scale`` at that position (the
+divisor: ``hook_normalized = C(x) / hook_scale`` on TransformerLens 3.x and 4.x alike), ``gain`` the
+effective per-dimension gain and ``bias`` the norm's bias (zero for RMSNorm). Gemma's RMSNorm stores
+``w`` and multiplies by ``1 + w``; :func:`post_norm_map` finds which convention a model uses by
+running its norm module on a probe vector and comparing (never by the model's class name).
+
+So if ``x = Σ_n c_n + b`` (neurons ``c_n = post_n W_out[n]``, bias ``b``), each neuron's write in
+residual units is ``linear(c_n, scale)`` and the post-norm's output is exactly
+``Σ_n linear(c_n, scale) + linear(b, scale) + bias``; ``hook_mlp_out`` / ``hook_attn_out`` are that
+output on every TransformerLens version. For a block without a post norm the map is the identity.
+
+Examples:
+    >>> from sinklens.testing.zoo import zoo_model
+    >>> m = post_norm_map(zoo_model("gemma2"), 0, "mlp")
+    >>> m.norm, m.scale_hook, m.convention
+    ('ln2_post', 'blocks.0.ln2_post.hook_scale', '1+w')
+    >>> post_norm_map(zoo_model("llama"), 0, "mlp").is_identity
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
+from sinklens.hooks import hook_name, model_dims
+
+Site = Literal["attn", "mlp"]
+
+#: The post norm of each block output, relative to ``blocks.{layer}``.
+POST_NORMS: dict[str, str] = {"attn": "ln1_post", "mlp": "ln2_post"}
+
+
+@dataclass(frozen=True)
+class NormMap:
+    """A norm at a fixed position as an affine map: how one block output (``site``: ``"attn"`` or ``"mlp"``)
+    of ``layer`` reaches the residual stream through its post norm (:func:`post_norm_map`), or any norm of
+    the block (``site`` = the norm's name, :func:`norm_map`).
+
+    Attributes:
+        layer / site: the block and which of its outputs (or which norm).
+        norm: ``"ln1_post"`` / ``"ln2_post"``, or None when the block has no post norm (identity map).
+        gain: effective per-dimension gain (``[d_model]``; Gemma: ``1 + w``); None for the identity.
+        bias: the norm's additive bias (``[d_model]``, zeros for RMSNorm); None for the identity.
+        center: whether the norm removes the mean first (LayerNorm) — a linear step as well.
+        convention: ``"none"`` (identity), ``"w"`` (gain = the stored weight) or ``"1+w"`` (Gemma).
+    """
+
+    layer: int
+    site: str
+    norm: str | None
+    gain: Float[Tensor, " d_model"] | None = None
+    bias: Float[Tensor, " d_model"] | None = None
+    center: bool = False
+    convention: str = "none"
+
+    @property
+    def is_identity(self) -> bool:
+        """True when the output enters the residual stream unchanged (no post norm)."""
+        return self.norm is None
+
+    @property
+    def scale_hook(self) -> str | None:
+        """The hook whose value is the norm's per-position divisor (None for the identity)."""
+        return None if self.norm is None else hook_name(self.layer, f"{self.norm}.hook_scale")
+
+    def linear(self, x: Float[Tensor, "*batch d_model"], scale: Tensor | None = None) -> Float[Tensor, "*batch d_model"]:
+        """The linear part of the map: what a write ``x`` into the norm's input adds to its output.
+
+        ``scale`` is the ``scale_hook`` value at the same position(s), broadcastable against ``x``
+        after a trailing axis is added where it lacks one (``[*batch]`` or ``[*batch, 1]`` as the hook
+        gives it). Ignored (may be None) for the identity map.
+        """
+        if self.norm is None:
+            return x
+        if scale is None:
+            raise InvalidArgumentError(
+                f"Block {self.layer}'s {self.site} output passes through the post norm {self.norm}: pass its "
+                f"per-position scale (the value of {self.scale_hook}) to map a write into residual units."
+            )
+        if scale.dim() < x.dim() or scale.shape[-1] != 1:
+            scale = scale[..., None]
+        if self.center:
+            x = x - x.mean(-1, keepdim=True)
+        return x * (self.gain.to(x.dtype) / scale.to(x.dtype))
+
+    def offset(self, like: Tensor) -> Float[Tensor, " d_model"]:
+        """The norm's own additive term (``bias``; zeros for RMSNorm and for the identity map)."""
+        if self.bias is None:
+            return torch.zeros(like.shape[-1], dtype=like.dtype, device=like.device)
+        return self.bias.to(like.dtype).to(like.device)
+
+    def __call__(self, x: Float[Tensor, "*batch d_model"], scale: Tensor | None = None) -> Float[Tensor, "*batch d_model"]:
+        """The whole map of the norm's input ``x`` (the block's raw output): ``linear(x, scale) + bias``."""
+        return self.linear(x, scale) + self.offset(x)
+
+
+#: The name used by the residual-unit maths (a post norm is the common case).
+PostNormMap = NormMap
+
+
+def has_post_norm(model: Any, layer: int, site: Site) -> bool:
+    """Whether ``blocks.{layer}``'s ``site`` output passes through a post norm (its ``hook_scale`` exists)."""
+    return hook_name(layer, f"{_norm_of(site)}.hook_scale") in model.hook_dict
+
+
+def _norm_of(site: str) -> str:
+    if site not in POST_NORMS:
+        raise InvalidArgumentError(f"site must be one of {sorted(POST_NORMS)}, got {site!r}.")
+    return POST_NORMS[site]
+
+
+def _module(model: Any, layer: int, norm: str) -> Any:
+    return getattr(model.blocks[layer], norm)
+
+
+def _param(module: Any, *names: str) -> Tensor | None:
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, Tensor):
+            return value.detach()
+    return None
+
+
+def post_norm_map(model: Any, layer: int, site: Site) -> PostNormMap:
+    """The :class:`PostNormMap` of ``blocks.{layer}``'s ``site`` output (``"attn"`` or ``"mlp"``).
+
+    The gain convention (``w`` or Gemma's ``1 + w``) and whether the norm centres are found by running
+    the norm module on a probe vector of large norm (so its epsilon is negligible) and keeping the one
+    candidate that reproduces the module's output; if none does, raises
+    :class:`~sinklens.errors.UnsupportedArchitectureError`.
+    """
+    norm = _norm_of(site)
+    if not has_post_norm(model, layer, site):
+        return NormMap(layer, site, None)
+    return _probed_map(model, layer, norm, site)
+
+
+def norm_map(model: Any, layer: int, norm: str) -> NormMap:
+    """The :class:`NormMap` of any norm of ``blocks.{layer}`` (``"ln1"``: the input layernorm, ``"ln2"``, ...),
+    probed like :func:`post_norm_map`. ``gain ⊙ hook_normalized + bias`` is then the norm's output *after* its
+    learned gain, on TransformerLens versions without a ``hook_out`` on norms as well (a norm whose gain was folded
+    into the next weights, e.g. ``fold_ln=True`` on 3.x, has gain 1)."""
+    if hook_name(layer, f"{norm}.hook_normalized") not in model.hook_dict:
+        raise InvalidArgumentError(f"blocks.{layer} has no norm {norm!r} (no {hook_name(layer, norm + '.hook_normalized')}).")
+    return _probed_map(model, layer, norm, norm)
+
+
+def _probed_map(model: Any, layer: int, norm: str, site: str) -> NormMap:
+    module = _module(model, layer, norm)
+    w = _param(module, "w", "weight")
+    b = _param(module, "b", "bias")
+    d_model = model_dims(model).d_model
+    if w is None:
+        w = torch.ones(d_model)
+    gen = torch.Generator().manual_seed(0)
+    probe = torch.randn(1, 1, d_model, generator=gen, dtype=torch.float32) * 1e3
+    probe = probe.to(device=w.device, dtype=w.dtype)
+    with torch.inference_mode():
+        out = module(probe).float()[0, 0]
+    p = probe.float()[0, 0]
+    bias = torch.zeros(d_model, device=w.device) if b is None else b.float()
+    for center in (False, True):
+        x = p - p.mean() if center else p
+        scale = x.square().mean().sqrt()
+        for convention, gain in (("w", w.float()), ("1+w", 1.0 + w.float())):
+            expected = gain * x / scale + bias
+            if torch.allclose(expected, out, rtol=1e-3, atol=1e-3 * float(out.abs().max()) + 1e-6):
+                return NormMap(layer, site, norm, gain, bias, center, convention)
+    raise UnsupportedArchitectureError(
+        f"Cannot express blocks.{layer}.{norm} as gain ⊙ x / scale + bias (tried gain = w and 1 + w, with and "
+        "without mean removal): contributions through this post norm cannot be put in residual units."
+    )
+
+
+def moe_reason(model: Any) -> str | None:
+    """Why this model's MLPs have no per-neuron attribution, or None when they do.
+
+    A mixture-of-experts MLP (``cfg.num_experts``, or router hooks such as ``mlp.hook_router_scores``)
+    has no single ``W_out`` per layer and its ``mlp.hook_post`` never fires.
+    """
+    n_experts = getattr(model.cfg, "num_experts", None)
+    routed = any(name.startswith("blocks.0.mlp.") and ("router" in name or "expert" in name) for name in model.hook_dict)
+    if (n_experts or 0) > 1 or routed:
+        return (f"the MLP is a mixture of experts ({n_experts or 'several'} experts per layer, routed per token): "
+                "there is no single W_out per layer and mlp.hook_post never fires, so neurons cannot be attributed")
+    return None
+
+
+def check_neuron_mlp(model: Any) -> None:
+    """Raise :class:`~sinklens.errors.UnsupportedArchitectureError` if the model's MLPs are not per-neuron
+    attributable (see :func:`moe_reason`)."""
+    reason = moe_reason(model)
+    if reason is not None:
+        raise UnsupportedArchitectureError(f"Neuron attribution is not supported for this model: {reason}.")

@@ -1,0 +1,88 @@
+"""The built-in causal check: zeroing a massive dimension's attributed writers at the sink."""
+
+import json
+
+import pytest
+import torch
+
+from sinklens.analysis.neurons import find_super_neurons
+from sinklens.analysis.report import analyze
+from sinklens.analysis.verify import verify_attribution
+from sinklens.interventions.neurons import edit_neurons
+from sinklens.testing import PLANTED_PROMPTS, QUIET
+from sinklens.testing.planted import planted_model
+
+pytestmark = pytest.mark.models
+
+
+@pytest.fixture(scope="module", params=["llama", "gpt2"])
+def planted(request):
+    # the massive dim feeds a locked query-key head: removing it must cost the sink attention
+    return planted_model(request.param, n_layers=3, layer=0, neuron=7, dim=5, qk_layer=1, qk_head=1)
+
+
+def _reference(model, dim, stream, hooks):
+    """Full-cache reference: (dim at the sink at `stream`, mean over layers/heads of the attention key 0 receives
+    from queries q >= 1, pooled over (sequence, query) pairs)."""
+    L = model.cfg.n_layers
+    name = f"blocks.{stream}.hook_resid_pre" if stream < L else f"blocks.{L - 1}.hook_resid_post"
+    value, sums, count = 0.0, torch.zeros(L, model.cfg.n_heads), 0
+    for prompt in PLANTED_PROMPTS:
+        with model.hooks(fwd_hooks=hooks):
+            _, cache = model.run_with_cache(model.to_tokens(prompt))
+        value += float(cache[name][0, 0, dim])
+        for layer in range(L):
+            sums[layer] += cache[f"blocks.{layer}.attn.hook_pattern"][0, :, 1:, 0].sum(-1)
+        count += cache[name].shape[1] - 1
+    return value / len(PLANTED_PROMPTS), float((sums / count).mean())
+
+
+def test_zeroing_the_planted_writer_removes_the_dim_and_sink_attention(planted):
+    model, spec = planted
+    found = find_super_neurons(model, PLANTED_PROMPTS, options=QUIET.replace(batch_size=2))
+    check = verify_attribution(model, PLANTED_PROMPTS, found, options=QUIET.replace(batch_size=2))
+    (c,) = check.checks
+    assert c.dim == spec.dim and [(l, n) for l, n, _ in c.writers] == [(spec.layer, spec.neuron)]
+    v0, a0 = _reference(model, spec.dim, c.peak_stream, [])
+    v1, a1 = _reference(model, spec.dim, c.peak_stream, edit_neurons(model, {spec.layer: [spec.neuron]}, positions=[0]))
+    assert (c.value_before, c.value_after) == pytest.approx((v0, v1), rel=1e-4, abs=1e-4)
+    assert (c.attention_before, c.attention_after) == pytest.approx((a0, a1), rel=1e-4)
+    assert c.dim_removed > 0.99
+    assert c.attention_removed == pytest.approx(1 - a1 / a0, rel=1e-4) and c.attention_removed > 0.1
+    assert check.is_causal(spec.dim)
+
+
+def test_a_random_neuron_as_control_removes_little(planted):
+    model, spec = planted
+    found = find_super_neurons(model, PLANTED_PROMPTS, options=QUIET)
+    check = verify_attribution(model, PLANTED_PROMPTS, found, writers={spec.dim: [(0, 3)]}, options=QUIET)
+    (c,) = check.checks
+    assert [(l, n) for l, n, _ in c.writers] == [(0, 3)]
+    assert abs(c.dim_removed) < 0.01 and abs(c.attention_removed) < 0.02
+    assert not check.is_causal(spec.dim)
+
+
+def test_analyze_verify_reports_the_check_in_json_and_summary(planted, tmp_path):
+    model, spec = planted
+    report = analyze(model, PLANTED_PROMPTS, abs_threshold=None, rel_threshold=50.0, verify=True, options=QUIET)
+    report.save(tmp_path, figures=False)
+    data = json.loads((tmp_path / "report.json").read_text())
+    (c,) = data["causal_check"]["checks"]
+    assert c["dim"] == spec.dim and c["dim_removed"] > 0.99 and c["writers"][0][:2] == [spec.layer, spec.neuron]
+    assert data["settings"]["verify"] is True
+    text = (tmp_path / "summary.txt").read_text()
+    assert f"attribution is causal: zeroing its top-1 writers (L{spec.layer}N{spec.neuron})" in text
+    assert f"removes 100% of dim {spec.dim}" in text
+    assert analyze(model, PLANTED_PROMPTS[:2], abs_threshold=None, rel_threshold=50.0, options=QUIET).causal is None
+
+
+def test_cli_analyze_verify(tmp_path, capsys):
+    from sinklens.cli import main
+    from sinklens.testing.zoo import zoo_dir
+
+    code = main(["analyze", "--model", str(zoo_dir("llama")), "--text", "t4 t5 t6 t7", "t8 t9 t10", "--verify",
+                 "--no-figures", "--out", str(tmp_path / "out"), "--device", "cpu"])
+    assert code == 0
+    data = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert data["settings"]["verify"] is True and data["causal_check"]["sink_position"] == 0
+    assert len(data["causal_check"]["checks"]) == len(data["super_neurons"]["paths"])
