@@ -31,11 +31,11 @@ from tqdm.auto import tqdm
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import RESID_POST, model_dims
-from sinklens.inputs import Inputs, TokenBatch, as_batches
+from sinklens.inputs import Inputs, TokenBatch, as_batches, right_align
 from sinklens.interventions import registry
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, layers_arg
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, stream
+from sinklens.streaming import BatchFold, Reducer, forward, per_layer_hooks, stream
 from sinklens.validate import index, index_list
 
 #: What :func:`measure_intervention` accepts: hooks, a registry spec string, or a callable ``model -> hooks``.
@@ -176,7 +176,8 @@ def _next_token_loss(model: Any, batches: Sequence[TokenBatch], hooks: Hooks) ->
     total, count = 0.0, 0
     with torch.inference_mode(), model.hooks(fwd_hooks=list(hooks)):
         for batch in batches:
-            logits = model(batch.tokens, return_type="logits")  # [batch, pos, d_vocab]
+            batch = right_align(batch)
+            logits = forward(model, batch, return_type="logits")  # [batch, pos, d_vocab], padding masked
             batch_total, batch_count = next_token_cross_entropy(logits, batch.tokens, batch.valid)
             total += batch_total
             count += batch_count
