@@ -71,6 +71,9 @@ class NormalizedDisparity:
 class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
     """Streams ``blocks.{l}.ln1.hook_normalized`` into :class:`NormalizedDisparity` (``[layer, dim]`` sums only)."""
 
+    statistics = ("sink_sum", "other_sum", "other_max", "n_sequences", "n_other")
+    maxima = ("other_max",)
+
     def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None, site: str = LN1_NORMALIZED):
         d = model_dims(model)
         self.layers = resolve_layers(layers, d.n_layers)

@@ -110,19 +110,33 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Under ``torchrun --nproc_per_node N`` every process loads the model and streams its share of the
+    batches (:mod:`sinklens.distributed`); only rank 0 prints and writes the report."""
+    from sinklens import distributed
+
+    with distributed.session(args.device) as device:
+        return _analyze(args, device)
+
+
+def _analyze(args: argparse.Namespace, device: str | None) -> int:
+    from sinklens import distributed
     from sinklens.analysis.report import analyze
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
 
     start = time.perf_counter()
-    print(f"loading {args.model} ...", file=sys.stderr)
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    main = distributed.is_main()
+    if main:
+        print(f"loading {args.model} ...", file=sys.stderr)
+    model = load_model(args.model, device=device, dtype=args.dtype)
     report = analyze(
         model,
         _inputs(args, model),
         model_name=str(args.model),
         options=RunOptions(batch_size=args.batch_size, prepend_bos=not args.no_bos, max_length=args.max_length),
     )
+    if not main:
+        return 0
     print(report.summary())
     written = report.save(args.out, figures=not args.no_figures)
     print(f"\nwrote {len(written)} files to {args.out}/ in {time.perf_counter() - start:.1f} s "
