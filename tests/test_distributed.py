@@ -276,3 +276,31 @@ def test_torchrun_two_processes_equal_one(tmp_path):
     for rank in (0, 1):
         got_one = json.loads((tmp_path / f"one_batch_rank{rank}.json").read_text())
         assert_same(_without_seconds(got_one), want_one)
+
+
+# ------------------------------------------------------------------------------------------ split models
+def test_a_model_split_over_devices_feeds_reducers_on_the_statistics_device(model, monkeypatch):
+    """A model whose parameters span devices (``n_devices`` / ``device_map``) gets every reducer hook
+    wrapped to read its activation on the first parameter's device, and the results are unchanged.
+    (CPU only here: a meta-device parameter makes the tiny model "split"; no GPU was available.)"""
+    from sinklens import streaming
+
+    batches = _text(model)
+    (plain,) = stream(model, batches, [SinkReducer(model, top_k=5)], options=QUIET)
+    assert streaming._stats_device_if_split(model) is None
+    params = list(model.parameters())
+    elsewhere = torch.nn.Parameter(torch.zeros(1, device="meta"))
+    monkeypatch.setattr(model, "parameters", lambda *a, **k: iter([*params, elsewhere]), raising=False)
+    seen = []
+    original = streaming._moved_to
+
+    def spy(fn, device):
+        seen.append(device)
+        return original(fn, device)
+
+    monkeypatch.setattr(streaming, "_moved_to", spy)
+    assert streaming._stats_device_if_split(model) == torch.device("cpu")
+    (split,) = stream(model, batches, [SinkReducer(model, top_k=5)], options=QUIET)
+    monkeypatch.undo()
+    assert seen and set(seen) == {torch.device("cpu")}
+    assert_same(split, plain)

@@ -233,4 +233,9 @@ def _zoo_hooked_transformer(family: str, *, n_layers: int = 2, d_model: int = 16
     with preserved_rng():
         torch.manual_seed(seed)
         model = HookedTransformer(cfg, tokenizer=word_tokenizer(d_vocab))
+        if family == "qwen2":  # QKV biases (HookedTransformer initialises them to zero)
+            with torch.no_grad():
+                for block in model.blocks:
+                    for bias in (block.attn.b_Q, block.attn._b_K, block.attn._b_V):
+                        bias.normal_(std=0.1)
     return model.eval()
