@@ -128,7 +128,7 @@ def combine_across_ranks(reducers: Sequence[Reducer[Any]], *, n_local_batches: i
     for i, reducer in enumerate(reducers):
         reducer.load_state_dict(states[0][i])
         for r_states in states[1:]:
-            other = reducer.empty_copy()
+            other = reducer.shallow_copy()
             other.load_state_dict(r_states[i])
             reducer.merge(other)
 

@@ -26,6 +26,7 @@ Examples:
     ...         self.count += int(batch.valid.sum())
     ...     def result(self):
     ...         return self.total / self.count
+    ...     statistics = ("total", "count")  # what merge() adds up across processes (sinklens.distributed)
     >>> (norms,) = run(tiny_model(), ["t1 t2 t3"], MeanResidNorm(tiny_model()), options=RunOptions(progress=False))
     >>> norms.shape
     torch.Size([2])
@@ -135,14 +136,14 @@ class Reducer(ABC, Generic[R]):
             else:
                 setattr(self, name, _map_tensors(state[name], lambda t: t.to(device)))
 
-    def empty_copy(self) -> Reducer[R]:
-        """A copy sharing settings and weights, whose statistics can be replaced (:meth:`load_state_dict`)
-        without touching this reducer's."""
+    def shallow_copy(self) -> Reducer[R]:
+        """A shallow copy (settings, weights and, until replaced, statistics shared; nested reducers copied)
+        whose statistics :meth:`load_state_dict` can replace without touching this reducer's."""
         clone = copy.copy(self)
         for name in self.statistics:
             value = getattr(clone, name)
             if isinstance(value, Reducer):
-                setattr(clone, name, value.empty_copy())
+                setattr(clone, name, value.shallow_copy())
         return clone
 
 
@@ -341,7 +342,9 @@ def stream(
     with torch.inference_mode(), ExitStack() as attached:
         names: list[str] | None = None
         progress = options.progress and distributed.is_main()
+        n_streamed = 0
         for batch in tqdm(batches, desc=options.desc, disable=not progress, leave=False):
+            n_streamed += 1
             hooks = list(options.extra_hooks)
             folds = [reducer.fwd_hooks(batch) for reducer in reducers]
             for fold in folds:
@@ -367,7 +370,7 @@ def stream(
             "hides hook_pattern). Load the model with eager attention (sinklens.load_model does) "
             "or use TransformerBridge.boot_transformers, which forces it."
         )
-    distributed.combine_across_ranks(reducers, n_local_batches=len(batches))
+    distributed.combine_across_ranks(reducers, n_local_batches=n_streamed)
     return [reducer.result() for reducer in reducers]
 
 

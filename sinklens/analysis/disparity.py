@@ -376,7 +376,8 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
 
     def merge(self, other: MassiveActivationsReducer) -> None:
         """Sums and counts add and "was massive" ORs; per (stream, position, dimension) the larger ``|x|``
-        wins with its signed value and ratio (this reducer's on a tie, as the earlier batch does in one pass)."""
+        wins with its signed value and ratio (this reducer's on a tie, as the earlier batch does in one pass).
+        Both are first padded to the longer position axis (``other`` in place)."""
         width = max(self.max_abs.shape[1], other.max_abs.shape[1])
         self._grow(width)
         other._grow(width)
