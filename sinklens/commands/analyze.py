@@ -66,6 +66,7 @@ def _inputs(args: argparse.Namespace, model) -> object:
     tokens (``--random-tokens``, default 16 sequences), and a line on stderr says so; text flags are
     refused for it.
     """
+    from sinklens import distributed
     from sinklens.hooks import model_dims
     from sinklens.inputs import random_token_batches, stdlib_text_prompts
     from sinklens.validate import text_lines
@@ -79,8 +80,9 @@ def _inputs(args: argparse.Namespace, model) -> object:
                                        "(trained on synthetic data?); use --random-tokens N.")
         n_ctx = model_dims(model).n_ctx
         seq_len = min(args.seq_len, n_ctx)
-        print(f"sinklens analyze: {str(args.model)!r} has no tokenizer (trained on synthetic data?); analysing "
-              f"{_DEFAULT_RANDOM} random-token sequences of {seq_len} tokens instead", file=sys.stderr)
+        if distributed.is_main():
+            print(f"sinklens analyze: {str(args.model)!r} has no tokenizer (trained on synthetic data?); analysing "
+                  f"{_DEFAULT_RANDOM} random-token sequences of {seq_len} tokens instead", file=sys.stderr)
         return random_token_batches(model, n_sequences=_DEFAULT_RANDOM, seq_len=seq_len, batch_size=args.batch_size,
                                     prepend_bos=False)
     if args.random_tokens is not None:
