@@ -26,6 +26,7 @@ Examples:
     ...         self.count += int(batch.valid.sum())
     ...     def result(self):
     ...         return self.total / self.count
+    ...     statistics = ("total", "count")  # what merge() adds up across processes (sinklens.distributed)
     >>> (norms,) = run(tiny_model(), ["t1 t2 t3"], MeanResidNorm(tiny_model()), options=RunOptions(progress=False))
     >>> norms.shape
     torch.Size([2])
@@ -33,12 +34,13 @@ Examples:
 
 from __future__ import annotations
 
+import copy
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
 from tqdm.auto import tqdm
@@ -98,6 +100,154 @@ class Reducer(ABC, Generic[R]):
     @abstractmethod
     def result(self) -> R:
         """The analyzer's result."""
+
+    # ---- combining reducers that saw different sequences (see sinklens.distributed) ------------------
+    #: Names of the attributes that hold the running statistics (everything ``reset()`` zeroes); what
+    #: :meth:`state_dict` sends and :meth:`merge` combines. Settings and weights are not listed.
+    statistics: ClassVar[tuple[str, ...]] = ()
+    #: Those of :attr:`statistics` that combine by their elementwise maximum (a "was it ever" flag: OR).
+    maxima: ClassVar[tuple[str, ...]] = ()
+
+    def merge(self, other: Reducer[R]) -> None:
+        """Fold the statistics of ``other`` (the same reducer, run over the sequences that come *after*
+        this one's) into this one, so that :meth:`result` is what one pass over both would give.
+
+        The default combines every attribute named in :attr:`statistics` by :func:`merge_sum`: tensors
+        and numbers add (tensors that grow with the sequence length are padded with zeros to the larger
+        shape first, as :func:`~sinklens.analysis._common.grow` does), lists concatenate, dicts merge
+        key-wise, nested reducers (and helpers with a ``merge`` method) merge, and a flag (``prepend_bos``
+        of the latest batch) takes ``other``'s value; the names in :attr:`maxima` take the elementwise
+        maximum. Reducers holding an argmax, a top-k or a sequence index override this.
+        """
+        merge_statistics(self, other, self.statistics)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The running statistics named in :attr:`statistics`, every tensor copied to the CPU."""
+        if not self.statistics:
+            raise NotImplementedError(f"{type(self).__name__} does not declare its statistics; it cannot be merged.")
+        return {name: _state_of(getattr(self, name)) for name in self.statistics}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Replace the running statistics by ``state`` (from :meth:`state_dict`), on this reducer's device."""
+        device = _statistics_device(self)
+        for name in self.statistics:
+            current = getattr(self, name)
+            if isinstance(current, Reducer):
+                current.load_state_dict(state[name])
+            else:
+                setattr(self, name, _map_tensors(state[name], lambda t: t.to(device)))
+
+    def shallow_copy(self) -> Reducer[R]:
+        """A shallow copy (settings, weights and, until replaced, statistics shared; nested reducers copied)
+        whose statistics :meth:`load_state_dict` can replace without touching this reducer's."""
+        clone = copy.copy(self)
+        for name in self.statistics:
+            value = getattr(clone, name)
+            if isinstance(value, Reducer):
+                setattr(clone, name, value.shallow_copy())
+        return clone
+
+
+def merge_sum(mine: Any, theirs: Any) -> Any:
+    """``mine`` combined with ``theirs`` as :meth:`Reducer.merge` describes (the default rules).
+
+    Examples:
+        >>> merge_sum(torch.ones(2, 1), torch.ones(1, 3))
+        tensor([[2., 1., 1.],
+                [1., 0., 0.]])
+        >>> merge_sum([1], [2]), merge_sum({0: 1.0}, {0: 2.0, 1: 3.0}), merge_sum(True, False), merge_sum(2, 3)
+        ([1, 2], {0: 3.0, 1: 3.0}, False, 5)
+    """
+    if isinstance(mine, Tensor):
+        if mine.shape != theirs.shape:
+            size = [max(a, b) for a, b in zip(mine.shape, theirs.shape, strict=True)]
+            mine, theirs = _pad_to(mine, size), _pad_to(theirs, size)
+        return mine + theirs.to(mine.device)
+    if isinstance(mine, bool):
+        return theirs
+    if isinstance(mine, (int, float)):
+        return mine + theirs
+    if isinstance(mine, list):
+        return mine + theirs
+    if isinstance(mine, dict):
+        return {k: merge_sum(mine[k], theirs[k]) if k in mine and k in theirs else mine.get(k, theirs.get(k))
+                for k in {**mine, **theirs}}
+    if hasattr(mine, "merge"):
+        mine.merge(theirs)
+        return mine
+    raise TypeError(f"Cannot merge a statistic of type {type(mine).__name__}; override Reducer.merge.")
+
+
+def merge_max(mine: Tensor, theirs: Tensor) -> Tensor:
+    """Elementwise maximum of two statistics, padded to the larger shape with the dtype's lowest value.
+
+    Examples:
+        >>> merge_max(torch.tensor([1.0, 5.0]), torch.tensor([3.0, 2.0, 4.0]))
+        tensor([3., 5., 4.])
+        >>> merge_max(torch.tensor([True, False]), torch.tensor([False, False]))
+        tensor([ True, False])
+    """
+    if mine.shape != theirs.shape:
+        size = [max(a, b) for a, b in zip(mine.shape, theirs.shape, strict=True)]
+        lowest = _lowest(mine.dtype)
+        mine, theirs = _pad_to(mine, size, lowest), _pad_to(theirs, size, lowest)
+    return torch.maximum(mine, theirs.to(mine.device))
+
+
+def merge_statistics(reducer: Reducer[Any], other: Reducer[Any], names: Sequence[str]) -> None:
+    """Set every attribute ``names`` of ``reducer`` to its value combined with ``other``'s: :func:`merge_max`
+    for the names in ``reducer.maxima``, :func:`merge_sum` for the others."""
+    for name in names:
+        combine = merge_max if name in reducer.maxima else merge_sum
+        setattr(reducer, name, combine(getattr(reducer, name), getattr(other, name)))
+
+
+def _lowest(dtype: torch.dtype) -> float | bool:
+    if dtype == torch.bool:
+        return False
+    return torch.finfo(dtype).min if dtype.is_floating_point else torch.iinfo(dtype).min
+
+
+def _pad_to(t: Tensor, size: Sequence[int], fill: float | bool = 0.0) -> Tensor:
+    from sinklens.analysis._common import grow
+
+    for dim, n in enumerate(size):
+        t = grow(t, dim, n, fill)
+    return t
+
+
+def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
+    """``value`` with ``fn`` applied to every tensor inside it (lists, tuples, dicts, helper objects)."""
+    if isinstance(value, Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map_tensors(v, fn) for v in value)
+    if isinstance(value, dict):
+        return {k: _map_tensors(v, fn) for k, v in value.items()}
+    if hasattr(value, "__dict__") and not isinstance(value, type):
+        clone = copy.copy(value)
+        clone.__dict__.update({k: _map_tensors(v, fn) for k, v in vars(value).items()})
+        return clone
+    return value
+
+
+def _state_of(value: Any) -> Any:
+    if isinstance(value, Reducer):
+        return value.state_dict()
+    return _map_tensors(value, lambda t: t.detach().cpu())
+
+
+def _statistics_device(reducer: Reducer[Any]) -> torch.device:
+    """The device the reducer keeps its statistics on (of its first tensor statistic; CPU if none yet)."""
+    for name in reducer.statistics:
+        value = getattr(reducer, name)
+        if isinstance(value, Reducer):
+            return _statistics_device(value)
+        found: list[Tensor] = []
+        _map_tensors(value, lambda t: found.append(t) or t)
+        if found:
+            return found[0].device
+    return torch.device("cpu")
 
 
 def bound_hooks(names: Sequence[str], keys: Sequence[Any], fold: Callable[[Tensor, Any], Any]) -> list[tuple[str, HookFn]]:
@@ -207,22 +357,34 @@ def stream(
     batches run with an attention mask (:func:`forward`).
 
     Hooks are attached through ``model.hooks(...)`` (one trampoline per hook name, kept across
-    batches), so they are removed even if a hook raises.
+    batches), so they are removed even if a hook raises. For a model split over devices, each
+    reducer hook reads its activation moved to the first parameter's device, where statistics live.
+
+    Under :func:`sinklens.distributed.session` (``torchrun``) each process streams its contiguous share
+    of ``batches`` and the reducers' statistics are combined (:meth:`Reducer.merge`, in rank order)
+    before :meth:`Reducer.result`, so every process returns what a one-process run would.
     Raises :class:`~sinklens.errors.PatternNotExposedError` if a hook the reducers asked for never
     ran (typically ``hook_pattern`` on a model using a fused attention kernel).
     """
+    from sinklens import distributed
+
+    batches = distributed.local_batches(batches)  # all of them, unless sharded over torchrun processes
+    on_device = _stats_device_if_split(model)
     requested: set[str] = set()
     table = _HookTable()
     with torch.inference_mode(), ExitStack() as attached:
         names: list[str] | None = None
-        for batch in tqdm(batches, desc=options.desc, disable=not options.progress, leave=False):
+        progress = options.progress and distributed.is_main()
+        n_streamed = 0
+        for batch in tqdm(batches, desc=options.desc, disable=not progress, leave=False):
+            n_streamed += 1
             batch = right_align(batch)
             hooks = list(options.extra_hooks)
             folds = [reducer.fwd_hooks(batch) for reducer in reducers]
             for fold in folds:
                 for name, fn in fold.hooks:
                     requested.add(name)
-                    hooks.append((name, fn))
+                    hooks.append((name, fn if on_device is None else _moved_to(fn, on_device)))
             batch_names = sorted({name for name, _ in hooks})
             if batch_names != names:  # (re)attach trampolines only when the set of hook names changes
                 check_hook_names(model, batch_names)
@@ -242,7 +404,28 @@ def stream(
             "hides hook_pattern). Load the model with eager attention (sinklens.load_model does) "
             "or use TransformerBridge.boot_transformers, which forces it."
         )
+    distributed.combine_across_ranks(reducers, n_local_batches=n_streamed)
     return [reducer.result() for reducer in reducers]
+
+
+def _stats_device_if_split(model: Any) -> torch.device | None:
+    """The device reducers keep their statistics on (the first parameter's) when the model's parameters
+    span several devices (``n_devices`` / ``device_map``); None for a model on one device."""
+    try:
+        devices = {p.device for p in model.parameters()}
+    except AttributeError:
+        return None
+    return next(model.parameters()).device if len(devices) > 1 else None
+
+
+def _moved_to(fn: HookFn, device: torch.device) -> HookFn:
+    """A reducer hook that reads its activation on ``device``, where the reducer's statistics and the
+    batch live, whichever device the layer ran on."""
+
+    def moved(act: Any, hook: Any) -> Any:
+        return fn(act.to(device) if isinstance(act, Tensor) else act, hook=hook)
+
+    return moved
 
 
 def run(model: Any, inputs: Inputs | None, *reducers: Reducer[Any], options: RunOptions = RunOptions()) -> list[Any]:

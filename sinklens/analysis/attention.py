@@ -66,6 +66,8 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
     batch, and :meth:`fold_pattern` returns the per-sequence sums for the holder to use.
     """
 
+    statistics = ("sums", "counts")
+
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None, min_query: int = 0,
                  max_pos: int | None = None):
         dims = model_dims(model)

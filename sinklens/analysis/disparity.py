@@ -44,7 +44,7 @@ from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, bound_hooks, run
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, merge_statistics, run
 from sinklens.validate import finite_number, positive_int
 
 
@@ -259,6 +259,11 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
     batch seen. Activations never outlive their hook.
     """
 
+    statistics = ("max_abs", "value_at_max", "ratio_at_max", "exceeded", "norm_sum", "norm_ratio_sum", "norm_ratio_count",
+                  "energy_sum", "pos_count", "count_sink", "count_other", "median_sum", "n_sequences", "n_sink_tokens",
+                  "n_other_tokens", "prepend_bos")
+    maxima = ("exceeded",)
+
     def __init__(
         self,
         model: Any,
@@ -368,6 +373,19 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
         self.n_sink_tokens += int(valid[:, self.sink].sum())
         self.n_other_tokens += int(valid.sum()) - int(valid[:, self.sink].sum())
         self.prepend_bos = batch.prepend_bos
+
+    def merge(self, other: MassiveActivationsReducer) -> None:
+        """Sums and counts add and "was massive" ORs; per (stream, position, dimension) the larger ``|x|``
+        wins with its signed value and ratio (this reducer's on a tie, as the earlier batch does in one pass).
+        Both are first padded to the longer position axis (``other`` in place)."""
+        width = max(self.max_abs.shape[1], other.max_abs.shape[1])
+        self._grow(width)
+        other._grow(width)
+        argmax = ("max_abs", "value_at_max", "ratio_at_max")
+        better = other.max_abs.to(self.max_abs.device) > self.max_abs
+        for name in argmax:
+            setattr(self, name, torch.where(better, getattr(other, name).to(better.device), getattr(self, name)))
+        merge_statistics(self, other, [name for name in self.statistics if name not in argmax])
 
     def result(self) -> MassiveActivations:
         if self.n_sequences == 0:

@@ -469,6 +469,9 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
     Settings: ``settings=SuperNeuronSettings(...)`` or its fields as keyword arguments.
     """
 
+    statistics = ("sink_sum", "other_sq", "other_max", "resid", "attn", "mlp", "n_sequences", "n_other")
+    maxima = ("other_max",)
+
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None,
                  settings: SuperNeuronSettings | None = None, **settings_kwargs: Any):
         d = model_dims(model)

@@ -100,6 +100,9 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
     """Streams ``blocks.{l}.ln1.hook_normalized`` into :class:`NormalizedDisparity` (``[layer, dim]`` sums only),
     before the gain and, mapped through the norm's gain and bias, after it."""
 
+    statistics = ("sink_sum", "other_sum", "other_max", "n_sequences", "n_other")
+    maxima = ("other_max",)
+
     def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None, site: str = LN1_NORMALIZED):
         d = model_dims(model)
         self.layers = resolve_layers(layers, d.n_layers)

@@ -100,6 +100,9 @@ class QKLockingReducer(Reducer[QKLocking]):
     matrices live only until its sink key has been seen in the same forward.
     """
 
+    statistics = ("gram", "key_sum", "along", "total", "pos_sink", "pos_other", "sum_sink", "sum_other",
+                  "cnt_sink", "cnt_other")
+
     def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None, n_components: int = 1):
         d = model_dims(model)
         n_components = positive_int(n_components, what="n_components")

@@ -54,7 +54,7 @@ from sinklens.export import to_json
 from sinklens.hooks import PATTERN, model_dims
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
+from sinklens.streaming import BatchFold, Reducer, merge_statistics, per_layer_hooks, run
 from sinklens.validate import choice, finite_number, positive_int
 
 #: ``"gu"``: Gu et al.'s code (key's own query included); ``"sinklens"``: queries from ``min_query`` on;
@@ -520,6 +520,9 @@ class SinkReducer(Reducer[SinkResult]):
     deprecated ``eps=`` and ``min_queries=`` are accepted for ``sink_threshold=`` and ``min_query_count=``).
     """
 
+    statistics = ("attention", "seq_hits", "seq_counts", "tok_first", "tok_later", "top_vals", "top_share", "top_meta",
+                  "prepend_bos", "n_seq")
+
     def __init__(
         self,
         model: Any,
@@ -648,6 +651,23 @@ class SinkReducer(Reducer[SinkResult]):
             keep = torch.topk(vals, min(self.settings.top_k, vals.numel())).indices
             self.top_vals, self.top_share, self.top_meta = vals[keep], shares[keep], meta[keep]
         self.n_seq += batch.tokens.shape[0]
+
+    def merge(self, other: SinkReducer) -> None:
+        """Sums and counts add; the per-token maxima (row 3 of the token tables) take the larger; the
+        ``top_k`` occurrences are re-selected from both, ``other``'s sequence indices shifted past this
+        reducer's sequences (``other`` saw the sequences after them)."""
+        dev = self.top_vals.device
+        maxima = [torch.maximum(mine[3], theirs[3].to(mine.device))
+                  for mine, theirs in ((self.tok_first, other.tok_first), (self.tok_later, other.tok_later))]
+        meta = other.top_meta.to(dev).clone()
+        meta[:, 0] += self.n_seq
+        vals = torch.cat([self.top_vals, other.top_vals.to(dev)])
+        shares = torch.cat([self.top_share, other.top_share.to(dev)])
+        meta = torch.cat([self.top_meta, meta])
+        keep = torch.topk(vals, min(self.settings.top_k, vals.numel())).indices
+        merge_statistics(self, other, [name for name in self.statistics if not name.startswith("top_")])
+        self.tok_first[3], self.tok_later[3] = maxima
+        self.top_vals, self.top_share, self.top_meta = vals[keep], shares[keep], meta[keep]
 
     def _decode(self, token_id: int) -> str | None:
         if self.tokenizer is None:

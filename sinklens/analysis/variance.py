@@ -285,6 +285,8 @@ class VarianceReducer(Reducer[VarianceResult]):
     is not stored: it is ``(Σ z) W_O``, applied at :meth:`result` time.
     """
 
+    statistics = ("z_s1", "z_s2", "r_s2", "a_sq", "o_s1", "o_s2", "n", "v_s1", "v_s2", "v_n", "n_seq", "prepend_bos")
+
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None):
         dims = model_dims(model)
         self.dims = dims

@@ -51,6 +51,8 @@ class SinkInput:
 class SinkInputReducer(Reducer[SinkInput]):
     """Streams ``blocks.{l}.<site>`` at ``sink_position`` into a per-layer mean (:class:`SinkInput`)."""
 
+    statistics = ("sums", "n")
+
     def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None, site: str = LN2_NORMALIZED):
         dims = model_dims(model)
         self.layers = resolve_layers(layers, dims.n_layers)

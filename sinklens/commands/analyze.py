@@ -69,6 +69,7 @@ def _inputs(args: argparse.Namespace, model) -> object:
     tokens (``--random-tokens``, default 16 sequences), and a line on stderr says so; text flags are
     refused for it.
     """
+    from sinklens import distributed
     from sinklens.hooks import model_dims
     from sinklens.inputs import random_token_batches, stdlib_text_prompts
     from sinklens.validate import text_lines
@@ -82,8 +83,9 @@ def _inputs(args: argparse.Namespace, model) -> object:
                                        "(trained on synthetic data?); use --random-tokens N.")
         n_ctx = model_dims(model).n_ctx
         seq_len = min(args.seq_len, n_ctx)
-        print(f"sinklens analyze: {str(args.model)!r} has no tokenizer (trained on synthetic data?); analysing "
-              f"{_DEFAULT_RANDOM} random-token sequences of {seq_len} tokens instead", file=sys.stderr)
+        if distributed.is_main():
+            print(f"sinklens analyze: {str(args.model)!r} has no tokenizer (trained on synthetic data?); analysing "
+                  f"{_DEFAULT_RANDOM} random-token sequences of {seq_len} tokens instead", file=sys.stderr)
         return random_token_batches(model, n_sequences=_DEFAULT_RANDOM, seq_len=seq_len, batch_size=args.batch_size,
                                     prepend_bos=False)
     if args.random_tokens is not None:
@@ -113,13 +115,25 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Under ``torchrun --nproc_per_node N`` every process loads the model and streams its share of the
+    batches (:mod:`sinklens.distributed`); only rank 0 prints and writes the report."""
+    from sinklens import distributed
+
+    with distributed.session(args.device) as device:
+        return _analyze(args, device)
+
+
+def _analyze(args: argparse.Namespace, device: str | None) -> int:
+    from sinklens import distributed
     from sinklens.analysis.report import analyze
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
 
     start = time.perf_counter()
-    print(f"loading {args.model} ...", file=sys.stderr)
-    model = load_model(args.model, device=args.device, dtype=args.dtype)
+    main = distributed.is_main()
+    if main:
+        print(f"loading {args.model} ...", file=sys.stderr)
+    model = load_model(args.model, device=device, dtype=args.dtype)
     report = analyze(
         model,
         _inputs(args, model),
@@ -127,6 +141,8 @@ def _run(args: argparse.Namespace) -> int:
         verify=args.verify,
         options=RunOptions(batch_size=args.batch_size, prepend_bos=not args.no_bos, max_length=args.max_length),
     )
+    if not main:
+        return 0
     print(report.summary())
     written = report.save(args.out, figures=not args.no_figures)
     print(f"\nwrote {len(written)} files to {args.out}/ in {time.perf_counter() - start:.1f} s "

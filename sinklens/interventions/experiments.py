@@ -107,6 +107,8 @@ class PositionResidualReducer(Reducer[tuple[Tensor, Tensor]]):
     Result: ``(mean [layer, position, d_model], mean norm [layer, position])``.
     """
 
+    statistics = ("vec", "norm", "count")
+
     def __init__(self, model: Any, positions: Sequence[int], *, site: str = RESID_POST, layers=None):
         dims = model_dims(model)
         self.layers = layers_arg(layers, dims.n_layers)

@@ -51,6 +51,8 @@ class MeanActivationReducer(Reducer[dict[int, Tensor]]):
     (``[head, d_head]`` for ``attn.hook_z``, ``[d_model]`` for ``hook_resid_pre``); sums are float64.
     """
 
+    statistics = ("sums", "count")
+
     def __init__(self, model: Any, site: str, *, layers=None, skip_first: IntLike = 1):
         dims = model_dims(model)
         self.layers = layers_arg(layers, dims.n_layers)

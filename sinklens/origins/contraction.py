@@ -50,7 +50,7 @@ from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions
 from sinklens.origins.preference import random_batches
 from sinklens.origins.sites import final_state_site, unembedding
-from sinklens.streaming import BatchFold, Reducer, stream
+from sinklens.streaming import BatchFold, Reducer, merge_statistics, stream
 
 _ACTIVATIONS = {
     "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
@@ -175,6 +175,18 @@ class _SiteAccumulator:
                 self.moments[half] += (rows.T @ rows).double()
                 self.sums[half] += rows.sum(dim=0).double()
 
+    def merge(self, other: _SiteAccumulator, *, swap_halves: bool = False) -> None:
+        """Add ``other``'s sums (the same site, the sequences after this one's); ``swap_halves`` when this
+        accumulator saw an odd number of sequences, so ``other``'s even sequences are odd ones overall."""
+        self.unit_sum += other.unit_sum.to(self.unit_sum.device)
+        self.intra_sum += other.intra_sum
+        self.n += other.n
+        self.intra_terms += other.intra_terms.to(self.intra_terms.device)
+        if self.directions:
+            order = [1, 0] if swap_halves else [0, 1]
+            self.moments += other.moments[order].to(self.moments.device)
+            self.sums += other.sums[order].to(self.sums.device)
+
     @staticmethod
     def _top(m: Tensor, s: Tensor) -> tuple[Tensor, float]:
         evals, evecs = torch.linalg.eigh(m)
@@ -202,6 +214,8 @@ class _SiteAccumulator:
 
 class ContractionReducer(Reducer[ContractionResult]):
     """Streams :class:`ContractionResult` (one forward per batch; ``d_model²`` moments at direction sites)."""
+
+    statistics = ("acc", "mlp_post", "mlp_count", "seen")
 
     def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
         dims = model_dims(model)
@@ -247,6 +261,13 @@ class ContractionReducer(Reducer[ContractionResult]):
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.seen += batch.tokens.shape[0]
         self.mlp_count += batch.tokens.shape[0] * (batch.tokens.shape[1] - self.first)
+
+    def merge(self, other: ContractionReducer) -> None:
+        """Sums add; the even/odd-sequence halves of ``other`` swap when this reducer saw an odd number
+        of sequences (the halves are by global sequence index)."""
+        for name, acc in self.acc.items():
+            acc.merge(other.acc[name], swap_halves=self.seen % 2 == 1)
+        merge_statistics(self, other, ("mlp_post", "mlp_count", "seen"))
 
     def result(self) -> ContractionResult:
         sites = [self.acc[name].result(self.first) for name, _, _ in self.names] + [self.acc["final"].result(self.first)]

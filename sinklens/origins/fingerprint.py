@@ -256,6 +256,8 @@ class _RandomInputs(Sequence):
 class _LastFinalState(Reducer[Tensor]):
     """Folds each batch to its last-position final hidden state ``[batch, d_model]`` (float32, CPU)."""
 
+    statistics = ("rows",)  # in sequence order: merging concatenates
+
     def __init__(self, model: Any, source: _RandomInputs) -> None:
         self.site, self.finish = final_state_site(model)
         self.source = source

@@ -90,6 +90,12 @@ class _Moments:
         self.sq[index] += a.pow(2).sum(dim=-1).sum(dim=0)
         self.norm[index] += a.norm(dim=-1).sum(dim=0)
 
+    def merge(self, other: _Moments) -> None:
+        """Add ``other``'s sums (the same sites, other sequences)."""
+        self.sum += other.sum.to(self.sum.device)
+        self.sq += other.sq.to(self.sq.device)
+        self.norm += other.norm.to(self.norm.device)
+
     def variance(self, n: int) -> Tensor:
         mean = self.sum / n
         return ((self.sq / n - mean.pow(2).sum(dim=-1)) / self.sum.shape[-1]).clamp_min(0).float().cpu()
@@ -100,6 +106,8 @@ class _Moments:
 
 class PositionalReducer(Reducer[PositionalDiscrepancy]):
     """Streams :class:`PositionalDiscrepancy` over every layer."""
+
+    statistics = ("attn", "resid", "head", "n")
 
     def __init__(self, model: Any, seq_len: int) -> None:
         self.dims = model_dims(model)

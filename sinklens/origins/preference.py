@@ -115,6 +115,8 @@ class TokenPreference:
 class TokenPreferenceReducer(Reducer[TokenPreference]):
     """Streams :class:`TokenPreference` from the final hidden state of every position."""
 
+    statistics = ("prob_sum", "counts", "n")
+
     def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
         self.model = model
         self.site, self.finish = final_state_site(model)

@@ -189,7 +189,16 @@ def zoo_model(family: str, **sizes: Any) -> Any:
         return _zoo_hooked_transformer(family, **sizes)
     from sinklens.loading import load_model
 
-    return load_model(str(zoo_dir(family, **sizes)), device="cpu")
+    model = load_model(str(zoo_dir(family, **sizes)), device="cpu")
+    if family in _MODEL_TYPE_TOKENIZER:
+        # transformers 5 loads the model type's own tokenizer class whatever tokenizer_config.json says
+        # (Qwen2Tokenizer's byte-level BPE drops every zoo word), so the zoo's word tokenizer is set here.
+        model.tokenizer = word_tokenizer(sizes.get("d_vocab", 64))
+    return model
+
+
+#: Families whose folder's tokenizer ``AutoTokenizer`` replaces by the model type's own class.
+_MODEL_TYPE_TOKENIZER: tuple[str, ...] = ("qwen2",)
 
 
 def _zoo_hooked_transformer(family: str, *, n_layers: int = 2, d_model: int = 16, n_heads: int = 4,
@@ -224,4 +233,9 @@ def _zoo_hooked_transformer(family: str, *, n_layers: int = 2, d_model: int = 16
     with preserved_rng():
         torch.manual_seed(seed)
         model = HookedTransformer(cfg, tokenizer=word_tokenizer(d_vocab))
+        if family == "qwen2":  # QKV biases (HookedTransformer initialises them to zero)
+            with torch.no_grad():
+                for block in model.blocks:
+                    for bias in (block.attn.b_Q, block.attn._b_K, block.attn._b_V):
+                        bias.normal_(std=0.1)
     return model.eval()

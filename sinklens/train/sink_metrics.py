@@ -34,6 +34,8 @@ class FirstTokenNormReducer(Reducer[Float[Tensor, " layer"]]):
     the sink make it ≫ 1.
     """
 
+    statistics = ("sums", "counts")
+
     def __init__(self, model: Any):
         self.n_layers = model_dims(model).n_layers
         self.device = model_device(model)

@@ -1,0 +1,143 @@
+"""Scale an analysis out over ``torchrun`` processes: each streams a share of the batches, the
+statistics are combined, and every process ends with what a one-process run gives.
+
+``torchrun --nproc_per_node N -m sinklens.cli analyze ...`` runs the command in N processes. Inside
+:func:`session` (the CLI opens one), :func:`sinklens.streaming.stream` gives process ``r`` the
+``r``-th contiguous share of the batches (:func:`shard_bounds`; the first ``n_batches % N`` processes
+get one batch more, a process may get none), and after the last batch
+:func:`combine_across_ranks` gathers every reducer's statistics (:meth:`~sinklens.streaming.Reducer.state_dict`,
+on the CPU) to every process and merges them in rank order (:meth:`~sinklens.streaming.Reducer.merge`).
+Rank order is sequence order, so statistics that record a sequence index (the top sink occurrences)
+or depend on it (even/odd halves) come out as in one process; sums agree up to float64 rounding.
+
+The process group uses NCCL when the processes run on CUDA and gloo on the CPU; the launcher's
+environment is read by :func:`sinklens.train.ddp.init_distributed`, which training uses too. Outside
+:func:`session` (including under a training DDP run) nothing is sharded.
+
+Examples:
+    >>> shard_bounds(5, rank=0, world_size=2), shard_bounds(5, rank=1, world_size=2)
+    ((0, 3), (3, 5))
+    >>> is_main(), active()  # a plain process
+    (True, False)
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import torch.distributed as dist
+
+from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
+
+if TYPE_CHECKING:
+    from sinklens.streaming import Reducer
+
+T = TypeVar("T")
+
+_SESSION: DistContext | None = None
+_DEVICE: str | None = None
+
+
+@contextmanager
+def session(device: str | None = None) -> Iterator[str | None]:
+    """Join the ``torchrun`` process group for the duration of the block; yield the device to load on.
+
+    Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) the device is ``cuda:LOCAL_RANK`` when CUDA
+    is asked for or available (``device`` None, ``"auto"`` or ``"cuda"``), else ``"cpu"``, and
+    :func:`sinklens.streaming.stream` shards and combines inside the block. Without ``torchrun`` it
+    yields ``device`` unchanged and changes nothing. Inside another session it joins that one.
+    """
+    global _SESSION, _DEVICE
+    if not launched_by_torchrun():
+        yield device
+        return
+    if _SESSION is not None:  # nested (a script's session around the CLI): the outer one owns the group
+        yield _DEVICE
+        return
+    ctx, dev = init_distributed("auto" if device is None else device)
+    _SESSION, _DEVICE = ctx, str(dev)
+    try:
+        yield _DEVICE
+    finally:
+        _SESSION, _DEVICE = None, None
+        cleanup_distributed(ctx)
+
+
+def launched_by_torchrun() -> bool:
+    """True when the launcher's environment (``RANK`` and ``WORLD_SIZE``) is set."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def active() -> bool:
+    """True inside :func:`session` with more than one process."""
+    return _SESSION is not None and _SESSION.world_size > 1 and dist.is_initialized()
+
+
+def rank() -> int:
+    """This process's rank inside :func:`session` (0 outside it)."""
+    return _SESSION.rank if _SESSION is not None else 0
+
+
+def world_size() -> int:
+    """The number of processes inside :func:`session` (1 outside it)."""
+    return _SESSION.world_size if _SESSION is not None else 1
+
+
+def is_main() -> bool:
+    """True on the process that prints and writes files (rank 0, or a plain process)."""
+    return rank() == 0
+
+
+def shard_bounds(n_batches: int, *, rank: int, world_size: int) -> tuple[int, int]:
+    """``[start, stop)`` of the batches process ``rank`` streams: contiguous shares in rank order, the first
+    ``n_batches % world_size`` processes taking one batch more."""
+    base, extra = divmod(n_batches, world_size)
+    start = rank * base + min(rank, extra)
+    return start, start + base + (1 if rank < extra else 0)
+
+
+def local_batches(batches: Sequence[T]) -> Sequence[T]:
+    """This process's share of ``batches`` (all of them unless :func:`active`)."""
+    if not active():
+        return batches
+    if not hasattr(batches, "__len__"):
+        batches = list(batches)
+    start, stop = shard_bounds(len(batches), rank=rank(), world_size=world_size())
+    return [batches[i] for i in range(start, stop)]
+
+
+def combine_across_ranks(reducers: Sequence[Reducer[Any]], *, n_local_batches: int) -> None:
+    """Give every process's ``reducers`` the statistics of all processes (no-op unless :func:`active`).
+
+    Each process sends its reducers' :meth:`~sinklens.streaming.Reducer.state_dict` (CPU tensors) with
+    its number of batches to all others (``all_gather_object``); then, in every process, each reducer
+    takes the first non-empty rank's state and merges the later ranks' states into it in rank order.
+    Processes that streamed no batch are skipped, so their reset statistics never count.
+    """
+    if not active() or not reducers:
+        return
+    payload = (n_local_batches, [reducer.state_dict() for reducer in reducers])
+    gathered: list[Any] = [None] * world_size()
+    dist.all_gather_object(gathered, payload)
+    states = [r_states for n, r_states in gathered if n > 0]
+    if not states:
+        return
+    for i, reducer in enumerate(reducers):
+        reducer.load_state_dict(states[0][i])
+        for r_states in states[1:]:
+            other = reducer.shallow_copy()
+            other.load_state_dict(r_states[i])
+            reducer.merge(other)
+
+
+def barrier() -> None:
+    """Wait for every process (no-op unless :func:`active`)."""
+    if active():
+        dist.barrier()
+
+
+__all__ = ["active", "barrier", "launched_by_torchrun", "combine_across_ranks", "is_main", "local_batches", "rank", "session",
+           "shard_bounds", "world_size"]
