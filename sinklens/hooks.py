@@ -173,3 +173,27 @@ def weight(model: Any, name: str) -> Tensor:
     if name in ("W_K", "W_V"):
         w = expand_kv_heads(w, model_dims(model).n_heads)
     return w
+
+
+def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
+    """The hooks among ``names`` that exist on ``model`` but never run in a forward pass (a 2-token probe).
+
+    Some TransformerBridge adapters list hook points that their attention code bypasses (the GPT-NeoX
+    bridge lists ``attn.hook_rot_q``/``hook_rot_k`` but never runs them); an analyzer that needs such a
+    hook refuses up front instead of failing after a whole pass.
+    """
+    present = [n for n in names if n in model.hook_dict]
+    if not present:
+        return []
+    fired: set[str] = set()
+
+    def record(name: str):
+        def hook(act: Any, hook: Any) -> None:
+            fired.add(name)
+
+        return hook
+
+    tokens = torch.zeros(1, 2, dtype=torch.long, device=model_device(model))
+    with torch.inference_mode(), model.hooks(fwd_hooks=[(n, record(n)) for n in present]):
+        model(tokens, return_type=None)
+    return [n for n in present if n not in fired]

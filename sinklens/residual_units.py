@@ -203,9 +203,36 @@ def moe_reason(model: Any) -> str | None:
     return None
 
 
+#: Hugging Face model types that normalise *after* the residual add (post-LN, BERT style).
+POST_LN_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert", "albert",
+                                 "mpnet", "ernie"})
+
+
+def post_ln_reason(model: Any) -> str | None:
+    """Why this model's block outputs do not add up in its residual stream, or None when they do.
+
+    A post-LN model (BERT and its relatives) applies a LayerNorm *after* each residual add, so the stream
+    is re-normalised after every sublayer: no write of a neuron or head reaches it as an additive term,
+    and dimension paths (each block's step = its attention plus MLP output) would not mean what they
+    mean on a pre-norm model. Detected from the Hugging Face ``model_type`` behind a bridge, or a
+    TransformerLens 3.x ``HookedEncoder``.
+    """
+    config = getattr(getattr(model, "original_model", None), "config", None)
+    model_type = getattr(config, "model_type", None)
+    if model_type in POST_LN_MODEL_TYPES or type(model).__name__ == "HookedEncoder":
+        return (f"the model ({model_type or type(model).__name__}) normalises after each residual add (post-LN), "
+                "so neuron and head writes are not additive in its residual stream")
+    return None
+
+
+def neuron_reason(model: Any) -> str | None:
+    """Why neurons cannot be attributed in residual units on ``model`` (mixture of experts or post-LN), or None."""
+    return moe_reason(model) or post_ln_reason(model)
+
+
 def check_neuron_mlp(model: Any) -> None:
     """Raise :class:`~sinklens.errors.UnsupportedArchitectureError` if the model's MLPs are not per-neuron
-    attributable (see :func:`moe_reason`)."""
-    reason = moe_reason(model)
+    attributable in residual units (see :func:`moe_reason` and :func:`post_ln_reason`)."""
+    reason = neuron_reason(model)
     if reason is not None:
         raise UnsupportedArchitectureError(f"Neuron attribution is not supported for this model: {reason}.")

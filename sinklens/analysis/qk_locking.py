@@ -17,9 +17,9 @@ from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
 from sinklens.analysis._common import check_sink_position, options_from_legacy, sink_position_arg
-from sinklens.errors import InvalidArgumentError
+from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import K, Q, SCORES, expand_kv_heads, hook_name, model_device, model_dims, resolve_layers
+from sinklens.hooks import K, Q, SCORES, expand_kv_heads, hook_name, model_device, model_dims, resolve_layers, silent_hooks
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
@@ -29,6 +29,20 @@ from sinklens.visibility import attention_visibility
 #: Rotary models expose the rotated queries/keys (what the scores are made of) under these sites.
 ROT_Q = "attn.hook_rot_q"
 ROT_K = "attn.hook_rot_k"
+
+
+def qk_locking_reason(model: Any) -> str | None:
+    """Why query-key locking cannot be measured on ``model``, or None when it can.
+
+    On a rotary model the scores are made of the *rotated* queries and keys; when the model lists
+    ``hook_rot_q``/``hook_rot_k`` but never runs them (the TransformerLens 4.x GPT-NeoX/Pythia bridge), the
+    unrotated ``hook_q``/``hook_k`` would give wrong numbers, so the analysis refuses.
+    """
+    silent = silent_hooks(model, [hook_name(0, ROT_Q), hook_name(0, ROT_K)])
+    if silent:
+        return (f"the model lists {silent} but never runs them, so the rotated queries and keys that make the "
+                "attention scores are not exposed")
+    return None
 
 
 @dataclass
@@ -111,6 +125,9 @@ class QKLockingReducer(Reducer[QKLocking]):
         self.layers = resolve_layers(layers, d.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.sink, self.n_components, self.n_heads, self.d_head = sink_position_arg(sink_position), n_components, d.n_heads, d.d_head
+        reason = qk_locking_reason(model)
+        if reason is not None:
+            raise UnsupportedArchitectureError(f"Query-key locking is not supported for this model: {reason}.")
         rotary = hook_name(self.layers[0], ROT_Q) in model.hook_dict
         self.q_site, self.k_site = (ROT_Q, ROT_K) if rotary else (Q, K)
         self.device = model_device(model)

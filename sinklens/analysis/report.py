@@ -19,7 +19,7 @@ from sinklens.analysis._common import options_from_legacy
 from sinklens.analysis.disparity import MassiveActivations, MassiveActivationsReducer, MassiveSettings
 from sinklens.analysis.neurons import SuperNeuronReducer, SuperNeurons, SuperNeuronSettings
 from sinklens.analysis.normalized_disparity import NormalizedDisparity, NormalizedDisparityReducer
-from sinklens.analysis.qk_locking import QKLocking, QKLockingReducer
+from sinklens.analysis.qk_locking import QKLocking, QKLockingReducer, qk_locking_reason
 from sinklens.analysis.sinks import SinkReducer, SinkResult, SinkSettings
 from sinklens.analysis.variance import VarianceReducer, VarianceResult
 from sinklens.analysis.verify import CausalCheck, verify_attribution
@@ -27,7 +27,7 @@ from sinklens.analysis.weight_super_neurons import SinkInputReducer, WeightNeuro
 from sinklens.export import to_json
 from sinklens.inputs import Inputs, as_batches
 from sinklens.options import RunOptions
-from sinklens.residual_units import moe_reason
+from sinklens.residual_units import neuron_reason
 from sinklens.streaming import stream
 
 
@@ -49,7 +49,8 @@ class SinkReport:
         weight_neurons: :class:`~sinklens.analysis.weight_super_neurons.WeightNeurons` (super neurons from weights);
             None when skipped.
         normalized: :class:`~sinklens.analysis.normalized_disparity.NormalizedDisparity` (disparity after the norm).
-        locking: :class:`~sinklens.analysis.qk_locking.QKLocking` (query–key locking).
+        locking: :class:`~sinklens.analysis.qk_locking.QKLocking` (query–key locking); None when skipped
+            (rotated queries/keys not exposed: see ``skipped``).
         seconds: wall time of the pass.
         settings: the run and analyzer settings (batch size, truncation, thresholds).
         causal: :class:`~sinklens.analysis.verify.CausalCheck` from ``analyze(..., verify=True)`` (zeroing each
@@ -71,7 +72,7 @@ class SinkReport:
     neurons: SuperNeurons | None
     weight_neurons: WeightNeurons | None
     normalized: NormalizedDisparity
-    locking: QKLocking
+    locking: QKLocking | None
     seconds: float
     settings: dict[str, Any] = field(default_factory=dict)
     causal: CausalCheck | None = None
@@ -136,7 +137,8 @@ class SinkReport:
             "causal_check": self.causal.to_dict() if self.causal is not None else None,
             "skipped": self.skipped,
             "normalized_disparity": self.normalized.to_dict(dims=self.massive_dims() or None),
-            "query_key_locking": self.locking.to_dict(),
+            "query_key_locking": self.locking.to_dict() if self.locking is not None
+            else {"skipped": self.skipped.get("query_key_locking")},
         })
 
 
@@ -186,8 +188,11 @@ def analyze(
     massive_settings = MassiveSettings(abs_threshold=abs_threshold, rel_threshold=rel_threshold, sink_position=sink_position)
     batches = as_batches(model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos,
                          max_length=options.max_length)
-    moe = moe_reason(model)  # a mixture-of-experts MLP has no neurons to attribute: skip that section
+    moe = neuron_reason(model)  # a mixture-of-experts or post-LN model has no additive neuron writes: skip
     skipped = {"super_neurons": f"skipped: {moe}"} if moe is not None else {}
+    no_locking = qk_locking_reason(model)
+    if no_locking is not None:
+        skipped["query_key_locking"] = f"skipped: {no_locking}"
     neuron_reducers = [] if moe is not None else [
         SuperNeuronReducer(model, settings=SuperNeuronSettings(sink_position=sink_position)),
         SinkInputReducer(model, sink_position=sink_position),
@@ -198,11 +203,12 @@ def analyze(
         MassiveActivationsReducer(model, settings=massive_settings),
         *neuron_reducers,
         NormalizedDisparityReducer(model, sink_position=sink_position),
-        QKLockingReducer(model, sink_position=sink_position),
+        *([] if no_locking is not None else [QKLockingReducer(model, sink_position=sink_position)]),
     ]
     desc = "sinklens analyze" if options.desc == RunOptions.desc else options.desc
     results = stream(model, batches, reducers, options=options.replace(desc=desc))
-    sinks, variance, massive, *neuron_results, normalized, locking = results
+    locking = None if no_locking is not None else results.pop()
+    sinks, variance, massive, *neuron_results, normalized = results
     neurons, weight_neurons, causal = None, None, None
     if neuron_results:
         neurons, sink_input = neuron_results

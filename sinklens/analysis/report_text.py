@@ -58,7 +58,8 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
         "",
         f"Query-key locking (head median): share of positive scores against the sink "
         f"{float(lock.pos_share_sink.nanmedian()):.2f} vs other keys {float(lock.pos_share_other.nanmedian()):.2f}; "
-        f"sink key in the top query directions: cosine {float(lock.key_pc_cosine.nanmedian()):.2f}",
+        f"sink key in the top query directions: cosine {float(lock.key_pc_cosine.nanmedian()):.2f}"
+        if lock is not None else f"Query-key locking {report.skipped.get('query_key_locking', 'skipped')}",
     ]
     return "\n".join(lines)
 
