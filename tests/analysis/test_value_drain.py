@@ -183,3 +183,19 @@ def test_settings_are_validated(llama):
         measure_value_drain(llama, ["t5 t6"], settings=ValueDrainSettings(sink_position=9), options=QUIET)
     with pytest.raises((ValueError, TypeError), match="kind"):
         measure_value_drain(llama, ["t5 t6"], options=QUIET).heads("sink")
+
+
+def test_classification_rule():
+    """Sink heads (attn_sink >= 0.3) split at write_share 0.1 (no-op below) and 0.3 (broadcast from)."""
+    from sinklens.analysis.value_drain import ValueDrain
+
+    attn = torch.tensor([[0.29, 0.3, 0.9, 0.9, 0.9, 0.9]])
+    share = torch.tensor([[0.01, 0.0999, 0.1, 0.2999, 0.3, 0.95]])
+    zeros = torch.zeros_like(attn)
+    drain = ValueDrain(attn_sink=attn, attn_other=zeros, write_sink=zeros, write_other=zeros, write_share=share,
+                       value_norm_sink=zeros, value_norm_other=zeros, out_norm_sink=zeros, out_norm_other=zeros,
+                       n_queries=torch.ones(1), layers=[0], n_sequences=1)
+    assert drain.kinds() == [["none", "no-op", "partial", "partial", "broadcast", "broadcast"]]
+    strict = ValueDrain(**{**drain.__dict__, "settings": ValueDrainSettings(no_op_share=0.2, broadcast_share=0.9)})
+    assert strict.kinds() == [["none", "no-op", "no-op", "partial", "partial", "broadcast"]]
+    assert strict.no_op_share == 0.2  # settings read as attributes
