@@ -21,6 +21,7 @@ from sinklens.analysis.neurons import SuperNeuronReducer, SuperNeurons, SuperNeu
 from sinklens.analysis.normalized_disparity import NormalizedDisparity, NormalizedDisparityReducer
 from sinklens.analysis.qk_locking import QKLocking, QKLockingReducer
 from sinklens.analysis.sinks import SinkReducer, SinkResult, SinkSettings
+from sinklens.analysis.value_drain import ValueDrain, ValueDrainReducer, ValueDrainSettings
 from sinklens.analysis.variance import VarianceReducer, VarianceResult
 from sinklens.analysis.weight_super_neurons import SinkInputReducer, WeightNeurons, super_neurons_from_weights
 from sinklens.export import to_json
@@ -48,6 +49,8 @@ class SinkReport:
         locking: :class:`~sinklens.analysis.qk_locking.QKLocking` (query–key locking).
         seconds: wall time of the pass.
         settings: the run and analyzer settings (batch size, truncation, thresholds).
+        value_drain: :class:`~sinklens.analysis.value_drain.ValueDrain` (what the sink writes: no-op or
+            broadcast sink heads); None in reports built before it existed.
 
     The text layout lives in :mod:`sinklens.analysis.report_text`, file writing in
     :mod:`sinklens.analysis.report_files`; :meth:`summary` and :meth:`save` call them.
@@ -67,6 +70,7 @@ class SinkReport:
     locking: QKLocking
     seconds: float
     settings: dict[str, Any] = field(default_factory=dict)
+    value_drain: ValueDrain | None = None
 
     # ------------------------------------------------------------------------------- numbers
     def massive_dims(self) -> list[int]:
@@ -121,6 +125,7 @@ class SinkReport:
             "super_neurons_from_weights": self.weight_neurons.to_dict(),
             "normalized_disparity": self.normalized.to_dict(dims=self.massive_dims() or None),
             "query_key_locking": self.locking.to_dict(),
+            **({"value_drain": self.value_drain.to_dict()} if self.value_drain is not None else {}),
         })
 
 
@@ -175,8 +180,10 @@ def analyze(
         NormalizedDisparityReducer(model, sink_position=sink_position),
         QKLockingReducer(model, sink_position=sink_position),
     ]
+    # Value drain (what the sink writes) rides the same pass; its result is the last one.
+    reducers.append(ValueDrainReducer(model, settings=ValueDrainSettings(sink_position=sink_position)))
     desc = "sinklens analyze" if options.desc == RunOptions.desc else options.desc
-    sinks, variance, massive, neurons, sink_input, normalized, locking = stream(
+    sinks, variance, massive, neurons, sink_input, normalized, locking, value_drain = stream(
         model, batches, reducers, options=options.replace(desc=desc)
     )
     weight_neurons = super_neurons_from_weights(
@@ -196,6 +203,7 @@ def analyze(
         weight_neurons=weight_neurons,
         normalized=normalized,
         locking=locking,
+        value_drain=value_drain,
         seconds=time.perf_counter() - start,
         settings={"batch_size": options.batch_size, "max_length": options.max_length,
                   "sink_threshold": sink_settings.sink_threshold, "abs_threshold": abs_threshold,

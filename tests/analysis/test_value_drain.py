@@ -199,3 +199,21 @@ def test_classification_rule():
     strict = ValueDrain(**{**drain.__dict__, "settings": ValueDrainSettings(no_op_share=0.2, broadcast_share=0.9)})
     assert strict.kinds() == [["none", "no-op", "no-op", "partial", "partial", "broadcast"]]
     assert strict.no_op_share == 0.2  # settings read as attributes
+
+
+def test_analyze_reports_value_drain_and_li_feature_std(llama, tmp_path):
+    from sinklens.analysis.report import analyze
+    from sinklens.analysis.report_files import figure_makers
+
+    report = analyze(llama, PROMPTS, abs_threshold=None, rel_threshold=3.0, options=QUIET)
+    alone = measure_value_drain(llama, PROMPTS, options=QUIET)
+    for name in FIELDS:
+        torch.testing.assert_close(getattr(report.value_drain, name), getattr(alone, name), msg=name)
+    text = report.summary(timing=False)
+    assert "Value drain at position 0:" in text and "Li et al." in text
+    report.save(tmp_path, figures=False)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["value_drain"]["kinds"] == alone.kinds()
+    assert "Li et al." in data["variance"]["li_feature_std"]["source"]
+    fig = figure_makers(report)["value_drain.png"]()
+    torch.testing.assert_close(torch.as_tensor(fig.axes[1].images[0].get_array().data), alone.write_share)
