@@ -210,6 +210,11 @@ class ValueDrain(SettingsFields):
         return plot_value_drain(self, path=path)
 
 
+def _quad_norm(v: Float[Tensor, "batch key head d_head"], gram: Float[Tensor, "head d_head d_head"]) -> Tensor:
+    """``sqrt(v G vᵀ)`` per (batch, key, head): the norm of ``v W`` for ``G = W Wᵀ`` without forming ``v W``."""
+    return (torch.einsum("bkhd,hde->bkhe", v, gram) * v).sum(-1).clamp(min=0).sqrt()
+
+
 class ValueDrainReducer(Reducer[ValueDrain]):
     """Streams ``hook_v``, ``hook_pattern`` (and ``ln1_post.hook_scale`` on post-norm layers) into a :class:`ValueDrain`.
 
@@ -227,10 +232,14 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.device = model_device(model)
         self.visibility = attention_visibility(model)
-        self.w_o = weight(model, "W_O")[self.layers].to(self.device, torch.float32)  # [layer, head, d_head, d_model]
+        w_o = weight(model, "W_O")[self.layers].to(self.device, torch.float64)  # [layer, head, d_head, d_model]
         gains = {layer: post_attention_gain(model, layer) for layer in self.layers}
         self.post_norm = [layer for layer, g in gains.items() if g is not None]
-        self.gain = {layer: g.to(self.device) for layer, g in gains.items() if g is not None}
+        # ‖v W_O[h]‖² = v G vᵀ with G = W_O[h] W_O[h]ᵀ; in residual units W_O[h] diag(g) takes W_O[h]'s place.
+        self.gram = (w_o @ w_o.transpose(-1, -2)).float()  # [layer, head, d_head, d_head]
+        g = torch.stack([gains[l] if gains[l] is not None else torch.ones(dims.d_model) for l in self.layers])
+        w_res = w_o * g.to(self.device, torch.float64)[:, None, None, :]
+        self.gram_res = (w_res @ w_res.transpose(-1, -2)).float()
         if dims.n_heads % dims.n_kv_heads:
             raise InvalidArgumentError(f"{dims.n_heads} query heads cannot share {dims.n_kv_heads} key/value heads evenly.")
         # Query head h reads key/value head h // r (Hugging Face repeat_kv / repeat_interleave order).
@@ -275,10 +284,10 @@ class ValueDrainReducer(Reducer[ValueDrain]):
             v = v[:, :, self.kv_of]  # [batch, key, head, d_head]
         n_pos = pattern.shape[-1]
         valid = valid[:, :n_pos]
-        out = torch.einsum("bkhd,hde->bkhe", v, self.w_o[row])  # v_k W_O[h], [batch, key, head, d_model]
-        value_norm, out_norm = v.norm(dim=-1), out.norm(dim=-1)  # [batch, key, head]
+        value_norm = v.norm(dim=-1)  # [batch, key, head]
+        out_norm = _quad_norm(v, self.gram[row])  # ‖v_k W_O[h]‖
         if layer in self.post_norm:
-            res_norm = (out * self.gain[layer]).norm(dim=-1)
+            res_norm = _quad_norm(v, self.gram_res[row])  # ‖(v_k W_O[h]) ⊙ g‖
             inv_scale = 1.0 / acts["scale"].reshape(pattern.shape[0], n_pos)  # 1 / s[b, q]
         else:
             res_norm, inv_scale = out_norm, torch.ones(pattern.shape[0], n_pos, device=pattern.device)
