@@ -263,22 +263,33 @@ def test_li_feature_std_and_residual_writes_match_hf(family):
     assert "Li et al." in row["sources"]["feature_std_ratio"]
 
 
-@needs_bridge
 def test_post_norm_affine_map_reproduces_hook_out():
     """At a fixed position the post-attention RMS norm is ``x ⊙ g / s``: the per-head writes mapped with the
-    probed gain and ``hook_scale`` add up to ``ln1_post.hook_out`` exactly, and the gain is Gemma's ``1 + w``."""
-    model, hf = _zoo_pair("gemma2")
-    for layer in range(2):
-        torch.testing.assert_close(post_attention_gain(model, layer),
-                                   1 + hf.model.layers[layer].post_attention_layernorm.weight.detach(), rtol=1e-5, atol=1e-5)
-    names = ("attn.hook_z", "ln1_post.hook_scale", "ln1_post.hook_out")
+    probed gain and ``hook_scale`` add up to ``ln1_post.hook_out`` exactly (TransformerLens 3.x and 4.x), and
+    the probed gain is the gain the model applies (Gemma's ``1 + w`` on 4.x, the stored ``w`` on 3.x)."""
+    model = zoo_model("gemma2")
+    w = torch.linspace(-0.5, 2.0, model.cfg.d_model)
+    w[3] = 40.0
+    with torch.no_grad():
+        for layer in range(2):
+            if transformer_lens_major() >= 4:
+                model.original_model.model.layers[layer].post_attention_layernorm.weight.copy_(w)
+            else:
+                model.blocks[layer].ln1_post.w.copy_(w)
+    expected_gain = 1 + w if transformer_lens_major() >= 4 else w
+    names = ("attn.hook_z", "ln1_post.hook_scale", "hook_attn_out")  # hook_attn_out: after ln1_post on 3.x and 4.x
     _, cache = model.run_with_cache(model.to_tokens(ZOO_PROMPTS[3]), names_filter=lambda n: n.endswith(names))
     w_o = weight(model, "W_O")
+    b_o = getattr(model, "b_O", None)
     for layer in range(2):
+        gain = post_attention_gain(model, layer)
+        torch.testing.assert_close(gain, expected_gain, rtol=1e-5, atol=1e-5)
         z = cache[f"blocks.{layer}.attn.hook_z"][0]
         s = cache[f"blocks.{layer}.ln1_post.hook_scale"][0]
-        mapped = torch.einsum("phd,hdm->pm", z, w_o[layer]) * post_attention_gain(model, layer) / s
-        torch.testing.assert_close(mapped, cache[f"blocks.{layer}.ln1_post.hook_out"][0], rtol=1e-4, atol=1e-4)
+        raw = torch.einsum("phd,hdm->pm", z, w_o[layer]) + (b_o[layer].detach() if b_o is not None else 0.0)
+        mapped = raw * gain / s
+        torch.testing.assert_close(mapped, cache[f"blocks.{layer}.hook_attn_out"][0], rtol=1e-4, atol=1e-4)
+    assert post_attention_gain(zoo_model("llama"), 0) is None
 
 
 @needs_bridge
