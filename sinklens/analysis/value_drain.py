@@ -41,6 +41,14 @@ apart per layer × head in one streaming pass, from ``blocks.{l}.attn.hook_v``,
 (the sink takes the attention and writes almost nothing), ``"broadcast"`` when
 ``write_share >= broadcast_share`` (the sink's value is a substantial part of what the head writes, so
 it carries a signal shared by every query), and ``"partial"`` in between; other heads are ``"none"``.
+
+Measured on SmolLM2-135M-Instruct (64 windows of 64 tokens of stdlib docstrings, BOS first, as in
+``benchmarks/bench_analyze.py``; sink position 0): 201 of 270 heads are sink heads (none in layers
+0-2 and 10-11); 7 are no-op (layers 18, 21, 22, 22, 23, 27, 28), 70 broadcast, 124 partial. Over the
+sink heads the median attention to the sink is 0.52 and the median write share 0.25 (10th-90th
+percentile 0.14-0.45): the sink's value is small (median ``‖v_sink‖ / ‖v_other‖`` 0.25,
+``‖v_sink W_O‖ / ‖v_other W_O‖`` 0.24) but far from zero, so most of SmolLM2's sink heads still write
+a quarter of their output from the sink.
 """
 
 from __future__ import annotations

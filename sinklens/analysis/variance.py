@@ -74,7 +74,13 @@ once position 0 is a sink, its output is nearly the same vector in every sequenc
 to the others' mean. Without BOS (``prepend_bos=False``) the picture is the same (> 1 in layers
 0-2 and 10-12), and the across-sequence variance ``z_var_seq`` at position 0 drops to ~0 from
 layer 12 on even though the first token differs between sequences. The uniform law predicts a
-ratio of 16.3 for these lengths; ``W_O`` keeps the ratio (head-median ``preservation`` 0.7-1.1).
+ratio of 16.3 for these lengths; ``W_O`` keeps the ratio (head-median ``preservation`` 0.7-1.1;
+SmolLM2 has no post-attention norm, so residual units change nothing there). Li et al.'s feature-std
+ratio of the concatenated ``o_proj`` input (position 0 over the rest; 64 windows of 64 tokens of the
+same docstrings, BOS first, as in ``benchmarks/bench_analyze.py``) tells the same story: 1.8, 2.3, 2.1
+in layers 0-2 and 3.1, 2.8 in layers 10-11, 1.2 in layer 7, 0.94-0.99 in layers 3-6 and 8-9, and
+0.43-0.80 in layers 12-29, where the sink's head outputs are *less* spread over their features than
+later tokens'.
 
 Grouped-query attention: key/value head ``j`` serves query heads ``j·r … (j+1)·r − 1`` with
 ``r = n_heads / n_kv_heads`` (Hugging Face's ``repeat_kv``, i.e. ``repeat_interleave``), so
@@ -398,6 +404,13 @@ class VarianceResult:
         from sinklens.plotting.variance import plot_variance_by_position
 
         return plot_variance_by_position(self, layers=layers, heads=heads, path=path)
+
+    def plot_feature_std(self, path: str | Path | None = None, *, layers: Sequence[int] | None = None) -> Any:
+        """Li et al.'s per-position feature std by position, log-log (see
+        :func:`sinklens.plotting.variance.plot_feature_std_by_position`)."""
+        from sinklens.plotting.variance import plot_feature_std_by_position
+
+        return plot_feature_std_by_position(self, layers=layers, path=path)
 
     def plot_discrepancy(self, path: str | Path | None = None, *, position: int = 0) -> Any:
         """Discrepancy-ratio heatmaps, layer × head, for z and z·W_O (see

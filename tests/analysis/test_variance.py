@@ -136,6 +136,11 @@ def test_exports_and_plots(tiny_llama, tmp_path):
         torch.testing.assert_close(torch.as_tensor(measured), got.z_var[row, [0, 1]].mean(0))
         torch.testing.assert_close(torch.as_tensor(pattern), got.pred_pattern[row, [0, 1]].mean(0))
         torch.testing.assert_close(torch.as_tensor(uniform), got.pred_uniform[row, [0, 1]].mean(0))
+    fig = got.plot_feature_std(tmp_path / "std.png", layers=[1])
+    concat, per_head, law = (torch.as_tensor(line.get_ydata()) for line in fig.axes[0].get_lines())
+    torch.testing.assert_close(concat, got.feature_std[1])
+    torch.testing.assert_close(per_head, got.feature_std_head[1].mean(0))
+    torch.testing.assert_close(law.float(), got.feature_std[1, 0] / torch.arange(1, concat.shape[0] + 1).sqrt(), rtol=1e-5, atol=1e-7)
     fig = got.plot_discrepancy(tmp_path / "disc.png")
     assert isinstance(fig, matplotlib.figure.Figure) and (tmp_path / "disc.png").stat().st_size > 0
     z_image, result_image = (ax.images[0].get_array() for ax in fig.axes if ax.images)
