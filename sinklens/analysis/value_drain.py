@@ -257,13 +257,12 @@ class ValueDrainReducer(Reducer[ValueDrain]):
     def reset(self) -> None:
         n_l, n_h = len(self.layers), self.dims.n_heads
         zeros = lambda *shape: torch.zeros(*shape, device=self.device, dtype=torch.float64)  # noqa: E731
-        self.s = {name: zeros(n_l, n_h) for name in (
+        self.sums = {name: zeros(n_l, n_h) for name in (
             "attn_sink", "write_sink", "write_total", "write_other", "attn_other",
             "vn_sink", "vn_other", "on_sink", "on_other")}
         self.n_q = zeros(n_l)
         self.n_pairs = zeros(n_l)
         self.n_keys = zeros(n_l)
-        self.n_sink = 0.0
         self.n_seq = 0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
@@ -275,7 +274,7 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         def keep(name: str) -> Any:
             def fold(act: Tensor, layer: int) -> None:
                 got = waiting.setdefault(layer, {})
-                got[name] = act.detach().float().clone()
+                got[name] = act.detach().to(self.device, torch.float32, copy=True)  # one device for every statistic
                 if set(got) == needed[layer]:
                     self._fold_layer(layer, waiting.pop(layer), valid)
 
@@ -308,7 +307,7 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         write = pattern * res_norm.permute(0, 2, 1)[:, :, None, :] * inv_scale[:, None, :, None]  # [b, h, q, k]
         zero = torch.zeros((), device=pattern.device)
         q_mask = queries[:, None, :]  # [batch, 1, query]
-        s = self.s
+        s = self.sums
         s["attn_sink"][row] += torch.where(q_mask, pattern[..., p], zero).sum(dim=(0, 2)).double()
         s["write_sink"][row] += torch.where(q_mask, write[..., p], zero).sum(dim=(0, 2)).double()
         s["write_total"][row] += torch.where(pairs[:, None], write, zero).sum(dim=(0, 2, 3)).double()
@@ -328,15 +327,14 @@ class ValueDrainReducer(Reducer[ValueDrain]):
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         if fold.state:
             raise RuntimeError(f"Value drain: hooks of layers {sorted(fold.state)} did not all fire in this forward pass.")
-        self.n_sink += batch.tokens.shape[0]
         self.n_seq += batch.tokens.shape[0]
 
     def result(self) -> ValueDrain:
         if self.n_seq == 0:
             raise InvalidArgumentError("No sequences were streamed; nothing to measure.")
-        s = self.s
+        s = self.sums
 
-        def per(total: Tensor, count: Tensor | float) -> Tensor:
+        def per(total: Tensor, count: Tensor | int) -> Tensor:
             count = count[:, None] if isinstance(count, Tensor) else count
             return (total / count).float().cpu()
 
@@ -346,9 +344,9 @@ class ValueDrainReducer(Reducer[ValueDrain]):
             write_sink=per(s["write_sink"], self.n_q),
             write_other=per(s["write_other"], self.n_pairs),
             write_share=(s["write_sink"] / s["write_total"]).float().cpu(),
-            value_norm_sink=per(s["vn_sink"], self.n_sink),
+            value_norm_sink=per(s["vn_sink"], self.n_seq),
             value_norm_other=per(s["vn_other"], self.n_keys),
-            out_norm_sink=per(s["on_sink"], self.n_sink),
+            out_norm_sink=per(s["on_sink"], self.n_seq),
             out_norm_other=per(s["on_other"], self.n_keys),
             n_queries=self.n_q.float().cpu(),
             layers=list(self.layers),

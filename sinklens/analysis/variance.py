@@ -520,7 +520,7 @@ class VarianceReducer(Reducer[VarianceResult]):
         def fold_scale(scale: Tensor, layer: int) -> None:  # [batch, pos, 1]: RMS of the attention output
             row, z = self.row[layer], waiting.pop(layer)
             n = z.shape[1]
-            u = w32 / scale.float().reshape(z.shape[:2])  # valid weight / s[b, t]
+            u = w32 / scale.to(self.device, torch.float32).reshape(z.shape[:2])  # valid weight / s[b, t]
             zs = z * u[..., None, None]
             self.zs_s1[row, :, :n] += zs.sum(0).transpose(0, 1).double()
             zg = torch.einsum("bphd,hde->bphe", z, self.gram_res32[row])  # |z W_O ⊙ g|²
