@@ -35,10 +35,10 @@ The same definition is applied to
 
 **The paper's measure, beside ours** (``feature_std``, ``feature_std_head``): Li et al.'s per-position
 spread over the *feature* dimension of the output projection's input, exactly as their code computes
-it (Siquan-Li/Head-wise-RMSNorm, ``attention_sink.ipynb``, cell 2 "Variance Discrepancy Across
-Positions", Sec. 3.1 / Fig. 4: a forward pre-hook on ``self_attn.o_proj`` takes
-``hidden_states.std(dim=-1)`` per token, then ``layer_stats[l].mean(axis=0)`` over samples; cell 8,
-Fig. 7, does the same)::
+it (Siquan-Li/Head-wise-RMSNorm at commit 23793e0, ``attention_sink.ipynb``, cell 2 "Variance
+Discrepancy Across Positions", Sec. 3.1 / Fig. 4: a forward pre-hook on ``self_attn.o_proj``
+(notebook line 142) takes ``hidden_states.std(dim=-1)`` per token (line 122), then
+``layer_stats[l].mean(axis=0)`` over samples (line 160); cell 8, Fig. 7, does the same, line 712)::
 
     feature_std[l, t]         = mean_{sequences b valid at t}  std_c  z[b, t, :, :].flatten()[c]
     feature_std_head[l, h, t] = mean_{sequences b valid at t}  std_c  z[b, t, h, c]
@@ -53,6 +53,9 @@ coordinates; their ``model.py`` calibrates HeadNorm from a per-head std with ``u
 ``t = 0`` (``init_headnorm_stats``), which differs by the constant ``sqrt((d_head − 1) / d_head)``
 and leaves every ratio between positions unchanged. Under uniform attention over i.i.d. Gaussian
 values with independent coordinates, ``E feature_std_head[t] = c₄(d_head) σ / sqrt(t + 1)`` (tested).
+Their random-input check (cell 26, line 2424) measures something else: the std *across samples* per
+(position, dimension), averaged over dimensions — an across-sequence spread like ``z_var_seq`` (a mean of
+standard deviations rather than a variance).
 
 Predictions, beside the measurement:
 
@@ -118,7 +121,7 @@ SOURCES = {
     "z_var": "sinklens: variance across (sequence, position) around the overall mean, per position",
     "z_var_seq": "sinklens: variance across sequences around the per-position mean",
     "result_var": "sinklens: z_var's definition applied to the head's write in residual units (through any post-attention norm)",
-    "feature_std": "Li et al. (Siquan-Li/Head-wise-RMSNorm attention_sink.ipynb cell 2): mean over sequences of "
+    "feature_std": "Li et al. (Siquan-Li/Head-wise-RMSNorm@23793e0 attention_sink.ipynb cell 2): mean over sequences of "
                    "torch.std over the features of the o_proj input (all heads concatenated) at each position",
     "feature_std_head": "sinklens variant of Li et al.'s feature_std: the same estimator over one head's d_head features",
 }
