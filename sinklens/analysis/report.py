@@ -21,6 +21,7 @@ from sinklens.analysis.neurons import SuperNeuronReducer, SuperNeurons, SuperNeu
 from sinklens.analysis.normalized_disparity import NormalizedDisparity, NormalizedDisparityReducer
 from sinklens.analysis.qk_locking import QKLocking, QKLockingReducer, qk_locking_reason
 from sinklens.analysis.sinks import SinkReducer, SinkResult, SinkSettings
+from sinklens.analysis.value_drain import ValueDrain, ValueDrainReducer, ValueDrainSettings
 from sinklens.analysis.variance import VarianceReducer, VarianceResult
 from sinklens.analysis.verify import CausalCheck, verify_attribution
 from sinklens.analysis.weight_super_neurons import SinkInputReducer, WeightNeurons, super_neurons_from_weights
@@ -56,6 +57,8 @@ class SinkReport:
         causal: :class:`~sinklens.analysis.verify.CausalCheck` from ``analyze(..., verify=True)`` (zeroing each
             massive dimension's top writers at the sink), else None.
         skipped: section name -> why it was skipped (e.g. ``"super_neurons"`` on a mixture-of-experts model).
+        value_drain: :class:`~sinklens.analysis.value_drain.ValueDrain` (what the sink writes: no-op or
+            broadcast sink heads); None in reports built before it existed.
 
     The text layout lives in :mod:`sinklens.analysis.report_text`, file writing in
     :mod:`sinklens.analysis.report_files`; :meth:`summary` and :meth:`save` call them.
@@ -77,6 +80,7 @@ class SinkReport:
     settings: dict[str, Any] = field(default_factory=dict)
     causal: CausalCheck | None = None
     skipped: dict[str, str] = field(default_factory=dict)
+    value_drain: ValueDrain | None = None
 
     # ------------------------------------------------------------------------------- numbers
     def massive_dims(self) -> list[int]:
@@ -139,6 +143,7 @@ class SinkReport:
             "normalized_disparity": self.normalized.to_dict(dims=self.massive_dims() or None),
             "query_key_locking": self.locking.to_dict() if self.locking is not None
             else {"skipped": self.skipped.get("query_key_locking")},
+            **({"value_drain": self.value_drain.to_dict()} if self.value_drain is not None else {}),
         })
 
 
@@ -205,8 +210,11 @@ def analyze(
         NormalizedDisparityReducer(model, sink_position=sink_position),
         *([] if no_locking is not None else [QKLockingReducer(model, sink_position=sink_position)]),
     ]
+    # Value drain (what the sink writes) rides the same pass; its result is the last one.
+    reducers.append(ValueDrainReducer(model, settings=ValueDrainSettings(sink_position=sink_position)))
     desc = "sinklens analyze" if options.desc == RunOptions.desc else options.desc
     results = stream(model, batches, reducers, options=options.replace(desc=desc))
+    value_drain = results.pop()
     locking = None if no_locking is not None else results.pop()
     sinks, variance, massive, *neuron_results, normalized = results
     neurons, weight_neurons, causal = None, None, None
@@ -233,6 +241,7 @@ def analyze(
         weight_neurons=weight_neurons,
         normalized=normalized,
         locking=locking,
+        value_drain=value_drain,
         seconds=time.perf_counter() - start,
         settings={"batch_size": options.batch_size, "max_length": options.max_length,
                   "sink_threshold": sink_settings.sink_threshold, "abs_threshold": abs_threshold,

@@ -48,6 +48,10 @@ def figure_makers(report: SinkReport) -> dict[str, Callable[[], Any]]:
         makers["massive_dim_path.png"] = lambda: neurons.plot_dim_path(report.neurons)
     if report.neurons is not None:
         makers["w_out_sparsity.png"] = lambda: neurons.plot_row_sparsity(report.neurons)
+    if report.value_drain is not None:
+        from sinklens.plotting import value_drain
+
+        makers["value_drain.png"] = lambda: value_drain.plot_value_drain(report.value_drain)
     return makers
 
 

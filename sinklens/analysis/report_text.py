@@ -45,6 +45,7 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
         ["layer", "Gu sink rate", "attn to sink", "var ratio z", "var ratio zW_O", "norm ratio", "max |x| sink"],
         layer_rows(report),
     )]
+    lines.append(variance_sources_line(report))
     dims = h["massive_dims"]
     rule = " and ".join(
         ([f"|x| > {report.massive.abs_threshold:g}"] if report.massive.abs_threshold is not None else [])
@@ -53,6 +54,8 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
     lines += ["", f"Massive dimensions at position {p}: {dims or 'none'} ({rule})"]
     lines += neuron_lines(report)
     lines += disparity_lines(report, dims)
+    if report.value_drain is not None:
+        lines += ["", value_drain_line(report)]
     lock = report.locking
     lines += [
         "",
@@ -117,6 +120,34 @@ def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:
             f"(sinklens: ln1.hook_normalized); after gain {float(nd.ratio_sink_after_gain[i, d]):.1f} vs "
             f"{float(nd.ratio_other_after_gain[i, d]):.2f} (the paper's: input layernorm output)")
     return lines
+
+
+def variance_sources_line(report: SinkReport) -> str:
+    """One line under the table: what "var ratio" means (sinklens' across-sequence definition) and Li et al.'s
+    per-position feature-std ratio of the o_proj input beside it, by layer."""
+    p = report.sink_position
+    var = report.variance
+    head = (f"var ratio z / zW_O (sinklens): variance over sequences around the all-position mean, position {p} "
+            "over the rest; zW_O in residual units (through any post-attention norm)")
+    if var.feature_std is None:
+        return head
+    ratio = var.discrepancy(p, of="feature_std")
+    return (head + f"\nfeature std ratio (Li et al.'s code: std over the o_proj input's features per token, mean "
+            f"over sequences), position {p} / rest, by layer: " + " ".join(f"{float(r):.2f}" for r in ratio))
+
+
+def value_drain_line(report: SinkReport) -> str:
+    """One line: how many sink heads are no-op / broadcast / partial, with the thresholds that made them."""
+    drain = report.value_drain
+    counts = drain.counts()
+    n_sink = counts["no-op"] + counts["broadcast"] + counts["partial"]
+    return (
+        f"Value drain at position {drain.sink_position}: {n_sink} sink heads (attention to it >= "
+        f"{drain.sink_head_threshold:g}): {counts['no-op']} no-op (sink's write share < {drain.no_op_share:g}), "
+        f"{counts['broadcast']} broadcast (>= {drain.broadcast_share:g}), {counts['partial']} partial; "
+        "writes in residual units" + (f" through the post-attention norm in layers {drain.post_norm_layers}"
+                                      if drain.post_norm_layers else "")
+    )
 
 
 def layer_rows(report: SinkReport) -> list[list[str]]:

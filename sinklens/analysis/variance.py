@@ -20,11 +20,42 @@ deviation here. The across-sequence variance with a per-position mean is also ke
 
 The same definition is applied to
 
-* ``result_var``: the head's own contribution to the residual stream, ``z_h · W_O[l, h]``
-  (computed from the ``W_O`` weights inside the ``hook_z`` fold, averaged over ``d_model``
-  coordinates), so :meth:`VarianceResult.preservation` can tell whether ``W_O`` keeps the
-  first token's excess;
-* ``attn_out_var``: ``blocks.{l}.hook_attn_out`` (all heads plus bias, averaged over ``d_model``).
+* ``result_var``: the head's own contribution *where it reaches the residual stream*, averaged over
+  ``d_model`` coordinates, so :meth:`VarianceResult.preservation` can tell whether the output
+  projection keeps the first token's excess. Without a post-attention norm this is
+  ``z_h · W_O[l, h]``. With one (Gemma 2/3: ``blocks.{l}.ln1_post``, applied to the attention output
+  before the residual add) it is ``(z_h · W_O[l, h]) ⊙ g / s[b, t]``: at a fixed position an RMS norm
+  is linear once its scale is known, with ``s[b, t]`` read from ``blocks.{l}.ln1_post.hook_scale``
+  (the RMS of the whole attention output at that token) and ``g`` the norm's effective gain (see
+  :func:`post_attention_gain`; Gemma's ``1 + w``). The per-head terms plus ``b_O ⊙ g / s``
+  sum exactly to ``ln1_post.hook_out`` (tested).
+  ``result_var_pre_norm`` keeps ``z_h · W_O[l, h]`` (equal to ``result_var`` on pre-norm models);
+* ``attn_out_var``: ``blocks.{l}.hook_attn_out`` (all heads plus bias, averaged over ``d_model``; on
+  post-norm bridges this hook is after ``ln1_post``, i.e. in residual units too).
+
+**The paper's measure, beside ours** (``feature_std``, ``feature_std_head``): Li et al.'s per-position
+spread over the *feature* dimension of the output projection's input, exactly as their code computes
+it (Siquan-Li/Head-wise-RMSNorm at commit 23793e0, ``attention_sink.ipynb``, cell 2 "Variance
+Discrepancy Across Positions", Sec. 3.1 / Fig. 4: a forward pre-hook on ``self_attn.o_proj``
+(notebook line 142) takes ``hidden_states.std(dim=-1)`` per token (line 122), then
+``layer_stats[l].mean(axis=0)`` over samples (line 160); cell 8, Fig. 7, does the same, line 712)::
+
+    feature_std[l, t]         = mean_{sequences b valid at t}  std_c  z[b, t, :, :].flatten()[c]
+    feature_std_head[l, h, t] = mean_{sequences b valid at t}  std_c  z[b, t, h, c]
+
+``std`` is ``torch.std``'s default: centred on the token's own feature mean, Bessel-corrected
+(``1/(n − 1)``); the concatenated ``o_proj`` input is ``hook_z`` flattened head-major (tested against a
+pre-hook on the Hugging Face ``o_proj``). It is a mean of standard deviations over sequences, not a
+variance across sequences: a constant first-token vector with a large spread over its coordinates
+scores high here and zero in ``z_var_seq``. The per-head version is our choice (their analysis code
+measures the concatenated input only): the same estimator restricted to one head's ``d_head``
+coordinates; their ``model.py`` calibrates HeadNorm from a per-head std with ``unbiased=False`` at
+``t = 0`` (``init_headnorm_stats``), which differs by the constant ``sqrt((d_head − 1) / d_head)``
+and leaves every ratio between positions unchanged. Under uniform attention over i.i.d. Gaussian
+values with independent coordinates, ``E feature_std_head[t] = c₄(d_head) σ / sqrt(t + 1)`` (tested).
+Their random-input check (cell 26, line 2424) measures something else: the std *across samples* per
+(position, dimension), averaged over dimensions — an across-sequence spread like ``z_var_seq`` (a mean of
+standard deviations rather than a variance).
 
 Predictions, beside the measurement:
 
@@ -46,7 +77,18 @@ once position 0 is a sink, its output is nearly the same vector in every sequenc
 to the others' mean. Without BOS (``prepend_bos=False``) the picture is the same (> 1 in layers
 0-2 and 10-12), and the across-sequence variance ``z_var_seq`` at position 0 drops to ~0 from
 layer 12 on even though the first token differs between sequences. The uniform law predicts a
-ratio of 16.3 for these lengths; ``W_O`` keeps the ratio (head-median ``preservation`` 0.7-1.1).
+ratio of 16.3 for these lengths; ``W_O`` keeps the ratio (head-median ``preservation`` 0.7-1.1;
+SmolLM2 has no post-attention norm, so residual units change nothing there). Li et al.'s feature-std
+ratio of the concatenated ``o_proj`` input (position 0 over the rest; 64 windows of 64 tokens of the
+same docstrings, BOS first, as in ``benchmarks/bench_analyze.py``) tells the same story: 1.8, 2.3, 2.1
+in layers 0-2 and 3.1, 2.8 in layers 10-11, 1.2 in layer 7, 0.94-0.99 in layers 3-6 and 8-9, and
+0.43-0.80 in layers 12-29, where the sink's head outputs are *less* spread over their features than
+later tokens'.
+
+Grouped-query attention: key/value head ``j`` serves query heads ``j·r … (j+1)·r − 1`` with
+``r = n_heads / n_kv_heads`` (Hugging Face's ``repeat_kv``, i.e. ``repeat_interleave``), so
+``value_var`` of query head ``h`` is that of key/value head ``h // r`` (tested against the Hugging
+Face model).
 """
 
 from __future__ import annotations
@@ -61,15 +103,59 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.analysis._common import grow, options_from_legacy, position_index
-from sinklens.errors import InvalidArgumentError
+from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import ATTN_OUT, PATTERN, V, Z, model_device, model_dims, resolve_layers, weight
+from sinklens.hooks import ATTN_OUT, PATTERN, V, Z, hook_name, model_device, model_dims, resolve_layers, weight
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
 from sinklens.validate import choice
 
-Site = Literal["z", "z_seq", "result", "attn_out"]
+Site = Literal["z", "z_seq", "result", "result_pre_norm", "attn_out", "feature_std", "feature_std_head"]
+
+#: Scale hook of the post-attention norm (Gemma 2/3: before the residual add), relative to ``blocks.{l}``.
+POST_ATTN_SCALE = "ln1_post.hook_scale"
+
+#: Where each number of :class:`VarianceResult` comes from (written into ``to_dict`` and summary rows).
+SOURCES = {
+    "z_var": "sinklens: variance across (sequence, position) around the overall mean, per position",
+    "z_var_seq": "sinklens: variance across sequences around the per-position mean",
+    "result_var": "sinklens: z_var's definition applied to the head's write in residual units (through any post-attention norm)",
+    "feature_std": "Li et al. (Siquan-Li/Head-wise-RMSNorm@23793e0 attention_sink.ipynb cell 2): mean over sequences of "
+                   "torch.std over the features of the o_proj input (all heads concatenated) at each position",
+    "feature_std_head": "sinklens variant of Li et al.'s feature_std: the same estimator over one head's d_head features",
+}
+
+
+def post_attention_gain(model: Any, layer: int) -> Float[Tensor, " d_model"] | None:
+    """The effective per-dimension gain ``g`` of ``layer``'s post-attention norm, or None if it has none.
+
+    A block has a post-attention norm when it exposes ``blocks.{layer}.ln1_post.hook_scale`` (Gemma 2/3
+    bridges and TransformerLens 3.x models with ``use_normalization_before_and_after``). The gain is
+    read by probing the norm module itself with ``a·e_c`` rows (one-hot, RMS ``1e3``), so it is the
+    gain the model applies whatever the weight convention (Gemma stores ``w`` and multiplies by
+    ``1 + w``; TransformerLens 3.x stores ``1 + w``). The norm must be a pure RMS norm (no centring,
+    no bias): then ``ln1_post(x) = x ⊙ g / s`` with ``s`` = ``hook_scale``, exactly linear at a fixed
+    position. Anything else raises :class:`~sinklens.errors.UnsupportedArchitectureError`.
+
+    Examples:
+        >>> from sinklens.testing.zoo import zoo_model
+        >>> post_attention_gain(zoo_model("gemma2"), 0)[:3]  # Gemma initialises w = 0: gain 1 + 0
+        tensor([1., 1., 1.])
+        >>> post_attention_gain(zoo_model("llama"), 0) is None
+        True
+    """
+    from sinklens.residual_units import post_norm_map
+
+    norm = post_norm_map(model, layer, "attn")  # probes the norm module: the gain whatever the convention
+    if norm.is_identity:
+        return None
+    if norm.center or (norm.bias is not None and bool(norm.bias.abs().max() > 0)):
+        raise UnsupportedArchitectureError(
+            f"The post-attention norm of layer {layer} is not a pure RMS norm (it centres or adds a bias); "
+            "sinklens maps head outputs through RMS post-norms only."
+        )
+    return norm.gain.float().cpu()
 
 
 def _global_centred(
@@ -103,7 +189,8 @@ class VarianceResult:
     Attributes:
         z_var: ``hook_z`` variance around the overall per-(layer, head, coordinate) mean.
         z_var_seq: ``hook_z`` variance across sequences around the per-position mean.
-        result_var: variance of ``z_h · W_O[l, h]`` (same centring as ``z_var``), over ``d_model``.
+        result_var: variance of the head's write in residual units (``z_h · W_O[l, h]``, through the
+            post-attention norm where there is one; same centring as ``z_var``), over ``d_model``.
         attn_out_var: variance of ``hook_attn_out`` (same centring), over ``d_model``.
         value_var: ``σ_v²`` per (layer, head), from ``hook_v`` over all valid positions.
         attn_sq: mean over sequences of ``Σ_j A_tj²`` (1/(t+1) under uniform attention).
@@ -111,6 +198,11 @@ class VarianceResult:
         layers: the model layer of each row.
         n_sequences: sequences streamed.
         prepend_bos: whether position 0 was a prepended BOS token.
+        result_var_pre_norm: variance of ``z_h · W_O[l, h]`` before any post-attention norm (equal to
+            ``result_var`` on pre-norm models).
+        feature_std: Li et al.'s per-position feature std of the concatenated ``o_proj`` input (module docstring).
+        feature_std_head: the same per head.
+        post_norm_layers: the analysed layers whose heads pass through a post-attention norm.
     """
 
     z_var: Float[Tensor, "layer head pos"]
@@ -123,6 +215,10 @@ class VarianceResult:
     layers: list[int]
     n_sequences: int
     prepend_bos: bool
+    result_var_pre_norm: Float[Tensor, "layer head pos"] | None = None
+    feature_std: Float[Tensor, "layer pos"] | None = None
+    feature_std_head: Float[Tensor, "layer head pos"] | None = None
+    post_norm_layers: list[int] | None = None
 
     @property
     def pred_pattern(self) -> Float[Tensor, "layer head pos"]:
@@ -144,9 +240,15 @@ class VarianceResult:
         return idx
 
     def variance(self, of: Site = "z") -> Tensor:
-        """The measured variance of one site: ``z_var``, ``z_var_seq``, ``result_var`` or ``attn_out_var``."""
-        sites = {"z": self.z_var, "z_seq": self.z_var_seq, "result": self.result_var, "attn_out": self.attn_out_var}
-        return sites[choice(of, sorted(sites), what="of")]
+        """The measured per-position spread of one site: ``z_var``, ``z_var_seq``, ``result_var``,
+        ``result_var_pre_norm``, ``attn_out_var``, or Li et al.'s ``feature_std`` / ``feature_std_head``."""
+        sites = {"z": self.z_var, "z_seq": self.z_var_seq, "result": self.result_var,
+                 "result_pre_norm": self.result_var_pre_norm, "attn_out": self.attn_out_var,
+                 "feature_std": self.feature_std, "feature_std_head": self.feature_std_head}
+        got = sites[choice(of, sorted(sites), what="of")]
+        if got is None:
+            raise InvalidArgumentError(f"of={of!r} was not measured in this result (made by an older sinklens).")
+        return got
 
     def rest_positions(self, position: int = 0) -> list[int]:
         """The positions the discrepancy compares against: valid ``t >= 1`` with ``t != position``."""
@@ -158,16 +260,18 @@ class VarianceResult:
 
         The rest (:meth:`rest_positions`) are the valid positions ``t >= 1`` other than
         ``position``, weighted by how many sequences reach them (each valid token counts once).
-        Shape ``[layer, head]`` for ``of`` in ``"z"``, ``"z_seq"``, ``"result"``; ``[layer]`` for
-        ``"attn_out"``. Under uniform attention over ``T`` positions the ratio for position 0 is
+        Shape ``[layer, head]`` for ``of`` in ``"z"``, ``"z_seq"``, ``"result"``, ``"result_pre_norm"``,
+        ``"feature_std_head"``; ``[layer]`` for ``"attn_out"`` and ``"feature_std"`` (a ratio of standard
+        deviations for the two ``feature_std`` sites, of variances otherwise). Under uniform attention over ``T`` positions the ratio for position 0 is
         about ``T / ln T`` already, so compare it with the same ratio of :attr:`pred_uniform`.
         """
         return self.ratio_of(self.variance(of), position)
 
     def preservation(self, position: int = 0) -> Float[Tensor, "layer head"]:
-        """How much of the discrepancy survives the output projection: ``discrepancy(of="result") /
-        discrepancy(of="z")`` per (layer, head). 1 = ``W_O`` keeps the first token's excess variance
-        (relative to the rest), < 1 = it shrinks it, > 1 = it amplifies it."""
+        """How much of the discrepancy reaches the residual stream: ``discrepancy(of="result") /
+        discrepancy(of="z")`` per (layer, head), with ``result`` in residual units (through the
+        post-attention norm where there is one). 1 = the output projection keeps the first token's
+        excess variance (relative to the rest), < 1 = it shrinks it, > 1 = it amplifies it."""
         return self.discrepancy(position, of="result") / self.discrepancy(position, of="z")
 
     def rows(self) -> list[dict[str, Any]]:
@@ -180,6 +284,11 @@ class VarianceResult:
             "pred_uniform": self.pred_uniform.tolist(),
             "attn_sq": self.attn_sq.tolist(),
         }
+        if self.result_var_pre_norm is not None:
+            cols["result_var_pre_norm"] = self.result_var_pre_norm.tolist()
+        if self.feature_std_head is not None:
+            cols["feature_std_head"] = self.feature_std_head.tolist()
+        feature_std = self.feature_std.tolist() if self.feature_std is not None else None
         out_var = self.attn_out_var.tolist()
         counts = self.counts.tolist()
         value_var = self.value_var.tolist()
@@ -191,6 +300,7 @@ class VarianceResult:
                 "count": counts[t],
                 "value_var": value_var[i][h],
                 "attn_out_var": out_var[i][t],
+                **({"feature_std": feature_std[i][t]} if feature_std is not None else {}),
                 **{name: col[i][h][t] for name, col in cols.items()},
             }
             for i, layer in enumerate(self.layers)
@@ -200,8 +310,13 @@ class VarianceResult:
 
     def summary_rows(self, position: int = 0) -> list[dict[str, Any]]:
         """One row per (layer, head): discrepancy ratios at ``position`` of z, of the measured and
-        uniform predictions, of ``z · W_O``, the preservation ratio, and the layer's ``attn_out`` ratio."""
+        uniform predictions, of the head's write in residual units, the preservation ratio, the layer's
+        ``attn_out`` ratio, and Li et al.'s feature-std ratios (per head and of the concatenated
+        ``o_proj`` input); ``sources`` names where each definition comes from."""
         z = self.discrepancy(position, of="z")
+        li = self.feature_std_head is not None and self.feature_std is not None
+        std_head = self.discrepancy(position, of="feature_std_head") if li else None
+        std_all = self.discrepancy(position, of="feature_std") if li else None
         res = self.discrepancy(position, of="result")
         out = self.discrepancy(position, of="attn_out")
         pred = self.ratio_of(self.pred_pattern, position)
@@ -218,6 +333,11 @@ class VarianceResult:
                 "preservation": float(res[i, h] / z[i, h]),
                 "discrepancy_attn_out": float(out[i]),
                 "value_var": float(self.value_var[i, h]),
+                **({"feature_std_ratio_head": float(std_head[i, h]), "feature_std_ratio": float(std_all[i]),
+                    "sources": {"discrepancy_z": SOURCES["z_var"], "discrepancy_result": SOURCES["result_var"],
+                                "feature_std_ratio": SOURCES["feature_std"],
+                                "feature_std_ratio_head": SOURCES["feature_std_head"]}}
+                   if li else {}),
             }
             for i, layer in enumerate(self.layers)
             for h in range(self.z_var.shape[1])
@@ -235,7 +355,22 @@ class VarianceResult:
     def to_dict(self, position: int = 0) -> dict[str, Any]:
         """JSON-ready: settings, per-(layer, head) discrepancies at ``position``, head-mean curves."""
         z = self.discrepancy(position, of="z")
+        li: dict[str, Any] = {}
+        if self.feature_std is not None and self.feature_std_head is not None:
+            li = {"li_feature_std": {
+                "source": SOURCES["feature_std"],
+                "source_head": SOURCES["feature_std_head"],
+                "feature_std": self.feature_std.tolist(),
+                "feature_std_head_mean": self.feature_std_head.mean(dim=1).tolist(),
+                "ratio": self.discrepancy(position, of="feature_std").tolist(),
+                "ratio_head": self.discrepancy(position, of="feature_std_head").tolist(),
+            }}
         return to_json({
+            "sources": {k: SOURCES[k] for k in ("z_var", "z_var_seq", "result_var")},
+            "post_norm_layers": list(self.post_norm_layers or []),
+            **({"discrepancy_result_pre_norm": self.discrepancy(position, of="result_pre_norm").tolist()}
+               if self.result_var_pre_norm is not None else {}),
+            **li,
             "layers": list(self.layers),
             "n_sequences": self.n_sequences,
             "prepend_bos": self.prepend_bos,
@@ -267,6 +402,13 @@ class VarianceResult:
 
         return plot_variance_by_position(self, layers=layers, heads=heads, path=path)
 
+    def plot_feature_std(self, path: str | Path | None = None, *, layers: Sequence[int] | None = None) -> Any:
+        """Li et al.'s per-position feature std by position, log-log (see
+        :func:`sinklens.plotting.variance.plot_feature_std_by_position`)."""
+        from sinklens.plotting.variance import plot_feature_std_by_position
+
+        return plot_feature_std_by_position(self, layers=layers, path=path)
+
     def plot_discrepancy(self, path: str | Path | None = None, *, position: int = 0) -> Any:
         """Discrepancy-ratio heatmaps, layer × head, for z and z·W_O (see
         :func:`sinklens.plotting.variance.plot_discrepancy`)."""
@@ -276,13 +418,16 @@ class VarianceResult:
 
 
 class VarianceReducer(Reducer[VarianceResult]):
-    """Streams ``hook_v``, ``hook_pattern``, ``hook_z`` and ``hook_attn_out`` into a :class:`VarianceResult`.
+    """Streams ``hook_v``, ``hook_pattern``, ``hook_z``, ``hook_attn_out`` (and ``ln1_post.hook_scale`` on
+    post-norm layers) into a :class:`VarianceResult`.
 
     Per layer it keeps (float64, positions grown to the longest batch seen): ``Σ z`` per
     (head, position, coordinate), ``Σ |z|²`` and ``Σ |z W_O|²`` per (head, position), ``Σ attn_out``
     per (position, coordinate) and ``Σ |attn_out|²`` per position, ``Σ_b Σ_j A_tj²`` per (head,
-    position), and ``Σ v``, ``Σ |v|²`` per (kv head, coordinate) pooled over positions. ``Σ z W_O``
-    is not stored: it is ``(Σ z) W_O``, applied at :meth:`result` time.
+    position), ``Σ v``, ``Σ |v|²`` per (kv head, coordinate) pooled over positions, and Li et al.'s
+    ``Σ_b std`` per (head, position) and per position. ``Σ z W_O`` is not stored: it is ``(Σ z) W_O``,
+    applied at :meth:`result` time. On a post-norm layer ``z`` waits in the batch's fold state until
+    ``ln1_post.hook_scale`` fires, and ``Σ z/s``, ``Σ |(z/s) W_O ⊙ g|²`` are kept as well.
     """
 
     statistics = ("z_s1", "z_s2", "r_s2", "a_sq", "o_s1", "o_s2", "n", "v_s1", "v_s2", "v_n", "n_seq", "prepend_bos")
@@ -297,6 +442,13 @@ class VarianceReducer(Reducer[VarianceResult]):
         self.w_o = w_o
         self.gram = w_o @ w_o.transpose(-1, -2)  # [layer, head, d_head, d_head]
         self.gram32 = self.gram.float()
+        gains = {layer: post_attention_gain(model, layer) for layer in self.layers}
+        self.post_norm = [layer for layer, g in gains.items() if g is not None]
+        # Residual-unit output map M = W_O diag(g) (g = 1 without a post-norm), and its Gram matrix.
+        g = torch.stack([gains[l] if gains[l] is not None else torch.ones(dims.d_model) for l in self.layers])
+        m_res = w_o * g.to(self.device, torch.float64)[:, None, None, :]
+        self.gram_res = m_res @ m_res.transpose(-1, -2)
+        self.gram_res32 = self.gram_res.float()
         self.reset()
 
     def reset(self) -> None:
@@ -305,9 +457,13 @@ class VarianceReducer(Reducer[VarianceResult]):
         self.z_s1 = torch.zeros(n_l, dims.n_heads, 0, dims.d_head, **f64)
         self.z_s2 = torch.zeros(n_l, dims.n_heads, 0, **f64)
         self.r_s2 = torch.zeros(n_l, dims.n_heads, 0, **f64)
+        self.zs_s1 = torch.zeros(n_l, dims.n_heads, 0, dims.d_head, **f64)  # Σ z/s (post-norm layers)
+        self.rs_s2 = torch.zeros(n_l, dims.n_heads, 0, **f64)  # Σ |(z/s) W_O ⊙ g|² (post-norm layers)
         self.a_sq = torch.zeros(n_l, dims.n_heads, 0, **f64)
         self.o_s1 = torch.zeros(n_l, 0, dims.d_model, **f64)
         self.o_s2 = torch.zeros(n_l, 0, **f64)
+        self.fs_head = torch.zeros(n_l, dims.n_heads, 0, **f64)  # Σ_b std over a head's features
+        self.fs_all = torch.zeros(n_l, 0, **f64)  # Σ_b std over the concatenated o_proj input
         self.n = torch.zeros(0, **f64)
         self.v_s1 = torch.zeros(n_l, dims.n_kv_heads, dims.d_head, **f64)  # [layer, kv_head, d_head]
         self.v_s2 = torch.zeros(n_l, dims.n_kv_heads, **f64)
@@ -317,14 +473,17 @@ class VarianceReducer(Reducer[VarianceResult]):
 
     def _reserve(self, n: int) -> None:
         """Grow every per-position sum to ``n`` positions (zeros for new positions)."""
-        self.z_s1, self.z_s2, self.r_s2, self.a_sq = (grow(t, 2, n) for t in (self.z_s1, self.z_s2, self.r_s2, self.a_sq))
-        self.o_s1, self.o_s2 = grow(self.o_s1, 1, n), grow(self.o_s2, 1, n)
+        self.z_s1, self.zs_s1 = grow(self.z_s1, 2, n), grow(self.zs_s1, 2, n)
+        self.z_s2, self.r_s2, self.rs_s2, self.a_sq, self.fs_head = (
+            grow(t, 2, n) for t in (self.z_s2, self.r_s2, self.rs_s2, self.a_sq, self.fs_head))
+        self.o_s1, self.o_s2, self.fs_all = grow(self.o_s1, 1, n), grow(self.o_s2, 1, n), grow(self.fs_all, 1, n)
         self.n = grow(self.n, 0, n)
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         self._reserve(batch.tokens.shape[1])
         w = batch.valid.to(self.device, torch.float64)  # [batch, pos]
         w32 = w.float()
+        waiting: dict[int, Tensor] = {}  # post-norm layers: hook_z until ln1_post.hook_scale fires
 
         def fold_v(v: Tensor, layer: int) -> None:  # [batch, pos, kv_head, d_head]
             row, v = self.row[layer], v.float()
@@ -341,10 +500,30 @@ class VarianceReducer(Reducer[VarianceResult]):
         def fold_z(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]
             row, z = self.row[layer], z.float()
             n = z.shape[1]
+            sq, total = z.square().sum(-1), z.sum(-1)  # Σ_c z², Σ_c z per (b, t, head)
             self.z_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
-            self.z_s2[row, :, :n] += (z.square().sum(-1) * w32[..., None]).sum(0).T.double()
+            self.z_s2[row, :, :n] += (sq * w32[..., None]).sum(0).T.double()
             zg = torch.einsum("bphd,hde->bphe", z, self.gram32[row])  # |z W_O|² = z G zᵀ
             self.r_s2[row, :, :n] += ((zg * z).sum(-1) * w32[..., None]).sum(0).T.double()
+            # Li et al.: torch.std (Bessel) over the features at each token, summed over sequences; from the
+            # same Σ z² and Σ z (one pass), in float64: std² = (Σ z² − (Σ z)² / n) / (n − 1).
+            sq, total = sq.double(), total.double()
+            d, big = z.shape[-1], z.shape[-1] * z.shape[-2]
+            std_head = ((sq - total.square() / d) / (d - 1)).clamp(min=0).sqrt()
+            std_all = ((sq.sum(-1) - total.sum(-1).square() / big) / (big - 1)).clamp(min=0).sqrt()
+            self.fs_head[row, :, :n] += (std_head * w[..., None]).sum(0).T
+            self.fs_all[row, :n] += (std_all * w).sum(0)
+            if layer in self.post_norm:
+                waiting[layer] = z.clone()
+
+        def fold_scale(scale: Tensor, layer: int) -> None:  # [batch, pos, 1]: RMS of the attention output
+            row, z = self.row[layer], waiting.pop(layer)
+            n = z.shape[1]
+            u = w32 / scale.to(self.device, torch.float32).reshape(z.shape[:2])  # valid weight / s[b, t]
+            zs = z * u[..., None, None]
+            self.zs_s1[row, :, :n] += zs.sum(0).transpose(0, 1).double()
+            zg = torch.einsum("bphd,hde->bphe", z, self.gram_res32[row])  # |z W_O ⊙ g|²
+            self.rs_s2[row, :, :n] += ((zg * z).sum(-1) * (u * u)[..., None]).sum(0).T.double()
 
         def fold_attn_out(out: Tensor, layer: int) -> None:  # [batch, pos, d_model]
             row, out = self.row[layer], out.float()
@@ -352,8 +531,9 @@ class VarianceReducer(Reducer[VarianceResult]):
             self.o_s1[row, :n] += (out * w32[..., None]).sum(0).double()
             self.o_s2[row, :n] += (out.square().sum(-1) * w32).sum(0).double()
 
-        hooks = [hook for site, fold in ((V, fold_v), (PATTERN, fold_pattern), (Z, fold_z), (ATTN_OUT, fold_attn_out))
-                 for hook in per_layer_hooks(site, self.layers, fold)]
+        sites = ((V, fold_v), (PATTERN, fold_pattern), (Z, fold_z), (ATTN_OUT, fold_attn_out))
+        hooks = [hook for site, fold in sites for hook in per_layer_hooks(site, self.layers, fold)]
+        hooks += per_layer_hooks(POST_ATTN_SCALE, self.post_norm, fold_scale)
         return BatchFold(hooks, state=w)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
@@ -373,12 +553,17 @@ class VarianceReducer(Reducer[VarianceResult]):
         z_s1, z_s2 = self.z_s1[:, :, :p], self.z_s2[:, :, :p]
         z_var = _global_centred(z_s1, z_s2, n, d_head)
         z_var_seq = (z_s2 - z_s1.square().sum(-1) / n) / (n * d_head)
-        result_var = _global_centred(z_s1, self.r_s2[:, :, :p], n, d_model, gram=self.gram)
+        result_pre = _global_centred(z_s1, self.r_s2[:, :, :p], n, d_model, gram=self.gram)
+        result_var = result_pre.clone()
+        for layer in self.post_norm:
+            row = self.row[layer]
+            result_var[row] = _global_centred(self.zs_s1[row, :, :p], self.rs_s2[row, :, :p], n, d_model,
+                                              gram=self.gram_res[row])
         out_var = _global_centred(self.o_s1[:, :p], self.o_s2[:, :p], n, d_model)
         v_mean = self.v_s1 / self.v_n
         value_var = (self.v_s2 / self.v_n - v_mean.square().sum(-1)) / d_head  # [layer, kv_head]
         n_heads = self.dims.n_heads
-        if value_var.shape[1] != n_heads:
+        if value_var.shape[1] != n_heads:  # kv head j serves query heads j*r .. (j+1)*r - 1 (HF repeat_kv)
             value_var = value_var.repeat_interleave(n_heads // value_var.shape[1], dim=1)
         attn_sq = self.a_sq[:, :, :p] / n
 
@@ -396,6 +581,10 @@ class VarianceReducer(Reducer[VarianceResult]):
             layers=list(self.layers),
             n_sequences=self.n_seq,
             prepend_bos=self.prepend_bos,
+            result_var_pre_norm=out(result_pre),
+            feature_std=out(self.fs_all[:, :p] / n),
+            feature_std_head=out(self.fs_head[:, :, :p] / n),
+            post_norm_layers=list(self.post_norm),
         )
 
 

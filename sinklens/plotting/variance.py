@@ -88,3 +88,35 @@ def plot_discrepancy(result: Any, *, position: int = 0, path: str | Path | None 
         ax.set_title(f"{title}: position {position} / rest", fontsize=9)
         fig.colorbar(image, ax=ax)
     return finish(fig, path)
+
+
+def plot_feature_std_by_position(
+    result: Any,
+    *,
+    layers: Sequence[int] | None = None,
+    path: str | Path | None = None,
+) -> Any:
+    """Li et al.'s per-position feature std against position + 1 (log-log), one panel per layer: the std over
+    the concatenated ``o_proj`` input (``feature_std``, their code's measure, solid), the head mean of the per-head
+    version (``feature_std_head``, dashed), and the uniform-attention law ``feature_std[0] / sqrt(t + 1)`` (dotted).
+
+    Args:
+        layers: model layers to draw (default: up to 4 evenly spaced analysed layers).
+    """
+    if result.feature_std is None or result.feature_std_head is None:
+        raise ValueError("This VarianceResult has no feature std (made by an older sinklens); measure it again.")
+    rows = _rows(result, layers)
+    fig, axes = new_figure(1, len(rows), width=4.2, height=3.6)
+    x = np.arange(1, result.feature_std.shape[-1] + 1)
+    for ax, row in zip(axes[0], rows):
+        concat = result.feature_std[row].numpy()
+        ax.plot(x, concat, color="tab:blue", lw=2, label="std over o_proj input (Li et al.)")
+        ax.plot(x, result.feature_std_head[row].mean(dim=0).numpy(), color="tab:green", ls="--", label="per head (mean)")
+        ax.plot(x, concat[0] / np.sqrt(x), color="gray", ls=":", label="std[0] / sqrt(t+1)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("position t + 1")
+        ax.set_title(f"layer {result.layers[row]}", fontsize=9)
+    axes[0, 0].set_ylabel("feature std (mean over sequences)")
+    axes[0, 0].legend(fontsize=7)
+    return finish(fig, path)

@@ -136,6 +136,11 @@ def test_exports_and_plots(tiny_llama, tmp_path):
         torch.testing.assert_close(torch.as_tensor(measured), got.z_var[row, [0, 1]].mean(0))
         torch.testing.assert_close(torch.as_tensor(pattern), got.pred_pattern[row, [0, 1]].mean(0))
         torch.testing.assert_close(torch.as_tensor(uniform), got.pred_uniform[row, [0, 1]].mean(0))
+    fig = got.plot_feature_std(tmp_path / "std.png", layers=[1])
+    concat, per_head, law = (torch.as_tensor(line.get_ydata()) for line in fig.axes[0].get_lines())
+    torch.testing.assert_close(concat, got.feature_std[1])
+    torch.testing.assert_close(per_head, got.feature_std_head[1].mean(0))
+    torch.testing.assert_close(law.float(), got.feature_std[1, 0] / torch.arange(1, concat.shape[0] + 1).sqrt(), rtol=1e-5, atol=1e-7)
     fig = got.plot_discrepancy(tmp_path / "disc.png")
     assert isinstance(fig, matplotlib.figure.Figure) and (tmp_path / "disc.png").stat().st_size > 0
     z_image, result_image = (ax.images[0].get_array() for ax in fig.axes if ax.images)
@@ -155,3 +160,177 @@ def test_bad_arguments(tiny_llama):
         got.plot(layers=[9])
     with pytest.raises(ValueError, match="heads"):
         got.plot(heads=[7])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Architecture zoo: residual units through post-norms, Li et al.'s per-position feature std, GQA order.
+# Every reference below is computed from the plain Hugging Face model of the same weights (no sinklens or
+# TransformerLens code), one sequence at a time.
+
+from sinklens.analysis.variance import post_attention_gain  # noqa: E402
+from sinklens.testing import transformer_lens_major  # noqa: E402
+from sinklens.testing.planted_values import c4, gaussian_values, uniform_attention  # noqa: E402
+from sinklens.testing.zoo import zoo_hf_model, zoo_model  # noqa: E402
+
+ZOO_PROMPTS = ["t5 t6 t7 t8 t9 t10 t11 t12", "t13 t14 t15", "t20 t9 t31 t7 t40 t41", "t3 t4 t5 t6 t7 t8 t9 t10 t11 t12"]
+needs_bridge = pytest.mark.skipif(transformer_lens_major() < 4, reason="zoo HF twins share weights only under TL 4.x")
+
+
+def _zoo_pair(family):
+    """The sinklens model and its plain HF twin; Gemma's post-attention norm gets a gain far from 1."""
+    model, hf = zoo_model(family), zoo_hf_model(family)
+    if family == "gemma2":
+        with torch.no_grad():
+            for layer in range(model.cfg.n_layers):
+                w = torch.linspace(-0.5, 2.0, model.cfg.d_model)
+                w[3] = 40.0  # gain 41 on dimension 3
+                model.original_model.model.layers[layer].post_attention_layernorm.weight.copy_(w)
+                hf.model.layers[layer].post_attention_layernorm.weight.copy_(w)
+    return model, hf
+
+
+def _hf_layers(family, hf):
+    if family == "neox":
+        return [(layer.attention.dense, None) for layer in hf.gpt_neox.layers]
+    return [(layer.self_attn.o_proj, getattr(layer, "post_attention_layernorm", None) if family == "gemma2" else None)
+            for layer in hf.model.layers]
+
+
+def _hf_sequences(model, prompts):
+    return [b.tokens[i][b.valid[i]] for b in as_batches(model, prompts, batch_size=3) for i in range(b.tokens.shape[0])]
+
+
+def _hf_o_proj_inputs(family, hf, seqs):
+    """Per layer, per sequence: o_proj input [pos, n_heads * d_head], o_proj output [pos, d_model], v_proj output."""
+    layers = _hf_layers(family, hf)
+    got = {name: [[] for _ in layers] for name in ("z", "o")}
+    def keep(i):
+        def hook(mod, args, out):
+            got["z"][i].append(args[0][0].double())
+            got["o"][i].append(out[0].double())
+
+        return hook
+
+    handles = [o_proj.register_forward_hook(keep(i)) for i, (o_proj, _) in enumerate(layers)]
+    try:
+        with torch.no_grad():
+            for seq in seqs:
+                hf(seq[None])
+    finally:
+        for h in handles:
+            h.remove()
+    return got
+
+
+@needs_bridge
+@pytest.mark.parametrize("family", ["llama", "gemma2", "neox"])
+def test_li_feature_std_and_residual_writes_match_hf(family):
+    """Li et al.'s measure exactly as their notebook computes it (a hook on ``o_proj``'s input, ``.std(dim=-1)``
+    per token, mean over samples), and each head's write where it reaches the residual stream."""
+    model, hf = _zoo_pair(family)
+    got = measure_variance(model, ZOO_PROMPTS, options=QUIET.replace(batch_size=3))
+    seqs = _hf_sequences(model, ZOO_PROMPTS)
+    acts = _hf_o_proj_inputs(family, hf, seqs)
+    n_heads, d_head = model.cfg.n_heads, model.cfg.d_head
+    width = max(len(s) for s in seqs)
+    assert got.post_norm_layers == ([0, 1] if family == "gemma2" else [])
+    for layer, (o_proj, post_norm) in enumerate(_hf_layers(family, hf)):
+        zs = acts["z"][layer]
+        std_all = torch.stack([torch.stack([z[t].float().std(dim=-1) for z in zs if len(z) > t]).mean() for t in range(width)])
+        std_head = torch.stack([torch.stack([z[t].view(n_heads, d_head).float().std(dim=-1) for z in zs if len(z) > t]).mean(0)
+                                for t in range(width)], -1)
+        torch.testing.assert_close(got.feature_std[layer], std_all, rtol=1e-4, atol=1e-7)
+        torch.testing.assert_close(got.feature_std_head[layer], std_head, rtol=1e-4, atol=1e-7)
+        w = o_proj.weight.double()  # [d_model, n_heads * d_head]
+        writes, writes_pre = [], []
+        for z, o in zip(zs, acts["o"][layer]):
+            per_head = torch.stack([z[:, h * d_head:(h + 1) * d_head] @ w[:, h * d_head:(h + 1) * d_head].T
+                                    for h in range(n_heads)], 1)  # [pos, head, d_model]
+            writes_pre.append(per_head)
+            if post_norm is not None:  # Gemma: x / sqrt(mean(x²) + eps) * (1 + w)
+                s = (o.pow(2).mean(-1, keepdim=True) + post_norm.eps).sqrt()
+                per_head = per_head / s[:, None] * (1 + post_norm.weight.double())
+            writes.append(per_head)
+        result_var, _ = _centred_var(writes)
+        pre_var, _ = _centred_var(writes_pre)
+        torch.testing.assert_close(got.result_var[layer], result_var.float(), rtol=2e-4, atol=1e-8)
+        torch.testing.assert_close(got.result_var_pre_norm[layer], pre_var.float(), rtol=2e-4, atol=1e-8)
+    if family == "gemma2":  # the post-norm's gain of 41 on one dimension changes the answer
+        assert float((got.result_var / got.result_var_pre_norm).min()) > 10
+    else:
+        torch.testing.assert_close(got.result_var, got.result_var_pre_norm)
+    payload = got.to_dict()
+    assert "Li et al." in payload["li_feature_std"]["source"] and "o_proj" in payload["li_feature_std"]["source"]
+    row = got.summary_rows()[0]
+    c = got.counts[1:]  # the rest is count-weighted, as for every discrepancy ratio
+    rest = (got.feature_std[0, 1:] * c).sum() / c.sum()
+    assert row["feature_std_ratio"] == pytest.approx(float(got.feature_std[0, 0] / rest), rel=1e-4)
+    assert "Li et al." in row["sources"]["feature_std_ratio"]
+
+
+def test_post_norm_affine_map_reproduces_hook_out():
+    """At a fixed position the post-attention RMS norm is ``x ⊙ g / s``: the per-head writes mapped with the
+    probed gain and ``hook_scale`` add up to ``ln1_post.hook_out`` exactly (TransformerLens 3.x and 4.x), and
+    the probed gain is the gain the model applies (Gemma's ``1 + w`` on 4.x, the stored ``w`` on 3.x)."""
+    model = zoo_model("gemma2")
+    w = torch.linspace(-0.5, 2.0, model.cfg.d_model)
+    w[3] = 40.0
+    with torch.no_grad():
+        for layer in range(2):
+            if transformer_lens_major() >= 4:
+                model.original_model.model.layers[layer].post_attention_layernorm.weight.copy_(w)
+            else:
+                model.blocks[layer].ln1_post.w.copy_(w)
+    expected_gain = 1 + w if transformer_lens_major() >= 4 else w
+    names = ("attn.hook_z", "ln1_post.hook_scale", "hook_attn_out")  # hook_attn_out: after ln1_post on 3.x and 4.x
+    _, cache = model.run_with_cache(model.to_tokens(ZOO_PROMPTS[3]), names_filter=lambda n: n.endswith(names))
+    w_o = weight(model, "W_O")
+    b_o = getattr(model, "b_O", None)
+    for layer in range(2):
+        gain = post_attention_gain(model, layer)
+        torch.testing.assert_close(gain, expected_gain, rtol=1e-5, atol=1e-5)
+        z = cache[f"blocks.{layer}.attn.hook_z"][0]
+        s = cache[f"blocks.{layer}.ln1_post.hook_scale"][0]
+        raw = torch.einsum("phd,hdm->pm", z, w_o[layer]) + (b_o[layer].detach() if b_o is not None else 0.0)
+        mapped = raw * gain / s
+        torch.testing.assert_close(mapped, cache[f"blocks.{layer}.hook_attn_out"][0], rtol=1e-4, atol=1e-4)
+    assert post_attention_gain(zoo_model("llama"), 0) is None
+
+
+@needs_bridge
+def test_gqa_value_variance_follows_hf_repeat_kv_order():
+    """Llama zoo: 4 query heads share 2 key/value heads; query head h reads kv head h // 2 (HF ``repeat_kv``)."""
+    model, hf = _zoo_pair("llama")
+    assert (model.cfg.n_heads, model.cfg.n_key_value_heads) == (4, 2)
+    got = measure_variance(model, ZOO_PROMPTS, options=QUIET)
+    seqs = _hf_sequences(model, ZOO_PROMPTS)
+    for layer, block in enumerate(hf.model.layers):
+        vs = []
+        handle = block.self_attn.v_proj.register_forward_hook(lambda mod, args, out: vs.append(out[0].double()) and None)
+        with torch.no_grad():
+            for seq in seqs:
+                hf(seq[None])
+        handle.remove()
+        v = torch.cat(vs).view(-1, 2, model.cfg.d_head)  # [tokens, kv_head, d_head]
+        per_kv = ((v - v.mean(0)) ** 2).mean(dim=(0, 2))
+        expected = per_kv[torch.arange(4) // 2]
+        torch.testing.assert_close(got.value_var[layer], expected.float(), rtol=1e-4, atol=1e-8)
+        wrong = per_kv[torch.arange(4) % 2]  # the other plausible order gives a different answer
+        assert float((wrong - expected).abs().max()) > 1e-3 * float(expected.max())
+
+
+def test_li_feature_std_follows_the_uniform_law():
+    """Planted: i.i.d. N(0, 1) values and uniform attention in layer 0. The head output at position t is the
+    mean of t + 1 values, so E feature_std_head[t] = c4(d_head) / sqrt(t + 1) (analytic), and the std of the
+    concatenated o_proj input scales as 1 / sqrt(t + 1) as well."""
+    model = zoo_model("llama")
+    batches = random_token_batches(model, n_sequences=1024, seq_len=12, batch_size=256, seed=0)
+    got = measure_variance(model, batches, layers=[0],
+                           options=QUIET.replace(extra_hooks=[*gaussian_values(0, seed=1), *uniform_attention(0)]))
+    t = torch.arange(12)
+    scaled = got.feature_std_head[0] * (t + 1).sqrt() / c4(model.cfg.d_head)  # [head, pos], ≈ 1
+    assert float((scaled - 1).abs().max()) < 0.05, scaled
+    law = got.feature_std[0] * (t + 1).sqrt() / got.feature_std[0, 0]
+    assert float((law - 1).abs().max()) < 0.05, law
+    # Same numbers as the across-sequence definition's law, for the variance of z.
+    torch.testing.assert_close(got.z_var[0] * (t + 1), torch.ones(4, 12), rtol=0.1, atol=0.0)

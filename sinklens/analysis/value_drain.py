@@ -1,0 +1,384 @@
+"""Value drain: does a sink head's attention to the sink *write* anything?
+
+A sink head sends most of its attention to one key (the sink). Two mechanisms fit that picture: the
+sink's value is (nearly) zero, so the head parks attention there and writes almost nothing (a
+**no-op**: attention used as a switch, Bondarenko et al. 2023's "no update"); or the sink's value
+carries a signal that every query receives (a **broadcast**). :class:`ValueDrainReducer` tells them
+apart per layer × head in one streaming pass, from ``blocks.{l}.attn.hook_v``,
+``blocks.{l}.attn.hook_pattern`` and, on post-norm layers, ``blocks.{l}.ln1_post.hook_scale``.
+
+**Definitions.** For layer ``l``, query head ``h`` and the sink position ``p`` (``sink_position``):
+
+* the value of key ``k`` seen by head ``h`` is ``v_k = hook_v[b, k, h // r]`` with
+  ``r = n_heads / n_kv_heads`` (grouped-query attention: key/value head ``j`` serves query heads
+  ``j·r … (j+1)·r − 1``, Hugging Face's ``repeat_kv``; tested against the Hugging Face model);
+* the write of key ``k`` into query ``q``, **in residual units**, is the norm of what reaches the
+  residual stream through that key::
+
+      write[b, q, k] = A[b, h, q, k] · ‖(v_k · W_O[l, h]) ⊙ g‖ / s[b, q]
+
+  where ``A`` is ``hook_pattern``; without a post-attention norm ``g = 1`` and ``s = 1``; with one
+  (Gemma 2/3), ``g`` is the norm's effective gain (:func:`~sinklens.analysis.variance.post_attention_gain`,
+  Gemma's ``1 + w``) and ``s[b, q]`` is ``ln1_post.hook_scale`` at the query (the RMS of the whole
+  attention output there): at a fixed query the RMS norm is linear, so this is exactly the key's share
+  of ``ln1_post.hook_out`` (biases aside);
+* the counted queries ``Q`` are the real (non-padding) queries ``q != p`` that can see the sink in
+  layer ``l`` (:meth:`~sinklens.visibility.Visibility.batch_mask`: causal or bidirectional, sliding
+  windows, padding); the query at the sink itself is left out (on a decoder it sees only itself);
+* ``attn_sink`` = mean over ``Q`` of ``A[q, p]``; ``write_sink`` = mean over ``Q`` of ``write[q, p]``;
+* ``write_other`` = mean over the (query, key) pairs with ``q`` in ``Q`` and ``k != p`` visible to
+  ``q`` of ``write[q, k]`` (the write of a typical other key into a query); ``attn_other`` the same
+  mean of ``A[q, k]``;
+* ``write_share`` = ``Σ_Q write[q, p] / Σ_Q Σ_{k visible to q} write[q, k]``: the sink's share of the
+  head's total write magnitude (the sum of the per-key write norms, an upper bound of the norm of the
+  head's output), pooled over every counted query;
+* value norms beside them: ``value_norm_sink`` = mean over sequences of ``‖v_p‖``, ``out_norm_sink``
+  = mean over sequences of ``‖v_p · W_O[l, h]‖`` (before any post-norm), and ``value_norm_other`` /
+  ``out_norm_other`` the same means over every other real key.
+
+**Classification** (:class:`ValueDrainSettings`): a head is a *sink head* when
+``attn_sink >= sink_head_threshold``; a sink head is ``"no-op"`` when ``write_share < no_op_share``
+(the sink takes the attention and writes almost nothing), ``"broadcast"`` when
+``write_share >= broadcast_share`` (the sink's value is a substantial part of what the head writes, so
+it carries a signal shared by every query), and ``"partial"`` in between; other heads are ``"none"``.
+
+Measured on SmolLM2-135M-Instruct (64 windows of 64 tokens of stdlib docstrings, BOS first, as in
+``benchmarks/bench_analyze.py``; sink position 0): 201 of 270 heads are sink heads (none in layers
+0-2 and 10-11); 7 are no-op (layers 18, 21, 22, 22, 23, 27, 28), 70 broadcast, 124 partial. Over the
+sink heads the median attention to the sink is 0.52 and the median write share 0.25 (10th-90th
+percentile 0.14-0.45): the sink's value is small (median ``‖v_sink‖ / ‖v_other‖`` 0.25,
+``‖v_sink W_O‖ / ‖v_other W_O‖`` 0.24) but far from zero, so most of SmolLM2's sink heads still write
+a quarter of their output from the sink.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from sinklens.analysis._common import SettingsFields, check_sink_position, options_from_legacy, row_index
+from sinklens.analysis.variance import POST_ATTN_SCALE, post_attention_gain
+from sinklens.errors import InvalidArgumentError
+from sinklens.export import to_json
+from sinklens.hooks import PATTERN, V, model_device, model_dims, resolve_layers, weight
+from sinklens.inputs import Inputs, TokenBatch
+from sinklens.options import RunOptions
+from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
+from sinklens.validate import finite_number, positive_int
+from sinklens.visibility import attention_visibility
+
+Kind = Literal["no-op", "broadcast", "partial", "none"]
+KINDS: tuple[str, ...] = ("no-op", "broadcast", "partial", "none")
+
+
+@dataclass(frozen=True)
+class ValueDrainSettings:
+    """Settings of a value-drain analysis.
+
+    Attributes:
+        sink_position: the key position treated as the sink (default 0).
+        sink_head_threshold: a head is a sink head when its mean attention to the sink over the counted
+            queries (``attn_sink``) is at least this (in (0, 1]; default 0.3, Gu et al.'s ``ε``).
+        no_op_share: a sink head whose ``write_share`` is below this is ``"no-op"`` (default 0.1: the
+            sink supplies under a tenth of the head's write while taking at least ``sink_head_threshold``
+            of its attention).
+        broadcast_share: a sink head whose ``write_share`` is at least this is ``"broadcast"`` (default
+            0.3); must be ``>= no_op_share``. Between the two a sink head is ``"partial"``.
+    """
+
+    sink_position: int = 0
+    sink_head_threshold: float = 0.3
+    no_op_share: float = 0.1
+    broadcast_share: float = 0.3
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "sink_position", positive_int(self.sink_position, what="sink_position", minimum=0))
+        set_(self, "sink_head_threshold", finite_number(self.sink_head_threshold, what="sink_head_threshold",
+                                                        low=0.0, high=1.0, low_open=True))
+        set_(self, "no_op_share", finite_number(self.no_op_share, what="no_op_share", low=0.0, high=1.0))
+        set_(self, "broadcast_share", finite_number(self.broadcast_share, what="broadcast_share", low=0.0, high=1.0))
+        if self.broadcast_share < self.no_op_share:
+            raise InvalidArgumentError(
+                f"broadcast_share={self.broadcast_share} must be >= no_op_share={self.no_op_share}."
+            )
+
+
+@dataclass
+class ValueDrain(SettingsFields):
+    """Per layer × head: attention to the sink against what the sink actually writes (module docstring).
+
+    Attributes:
+        attn_sink / attn_other: mean attention to the sink / to another visible key, per counted query.
+        write_sink / write_other: mean write (residual units) of the sink / of another visible key into a query.
+        write_share: the sink's share of the head's total write magnitude.
+        value_norm_sink / value_norm_other: mean ``‖v‖`` of the sink / of the other real keys.
+        out_norm_sink / out_norm_other: mean ``‖v · W_O‖`` (before any post-norm) of the same.
+        n_queries: counted queries (``Q``) per layer.
+        layers: the model layer of each row.
+        n_sequences: sequences streamed.
+        post_norm_layers: analysed layers whose writes were mapped through a post-attention norm.
+        settings: the :class:`ValueDrainSettings` used (its fields also read as attributes).
+    """
+
+    attn_sink: Float[Tensor, "layer head"]
+    attn_other: Float[Tensor, "layer head"]
+    write_sink: Float[Tensor, "layer head"]
+    write_other: Float[Tensor, "layer head"]
+    write_share: Float[Tensor, "layer head"]
+    value_norm_sink: Float[Tensor, "layer head"]
+    value_norm_other: Float[Tensor, "layer head"]
+    out_norm_sink: Float[Tensor, "layer head"]
+    out_norm_other: Float[Tensor, "layer head"]
+    n_queries: Float[Tensor, " layer"]
+    layers: list[int]
+    n_sequences: int
+    post_norm_layers: list[int] = field(default_factory=list)
+    settings: ValueDrainSettings = field(default_factory=ValueDrainSettings)
+
+    def sink_heads(self) -> Bool[Tensor, "layer head"]:
+        """Heads with ``attn_sink >= sink_head_threshold``."""
+        return self.attn_sink >= self.settings.sink_head_threshold
+
+    def kinds(self) -> list[list[str]]:
+        """Per [layer][head]: ``"no-op"``, ``"broadcast"``, ``"partial"`` or ``"none"`` (module docstring)."""
+        s = self.settings
+        sink = self.sink_heads().tolist()
+        share = self.write_share.tolist()
+        return [
+            [("none" if not sink[i][h] else "no-op" if share[i][h] < s.no_op_share
+              else "broadcast" if share[i][h] >= s.broadcast_share else "partial")
+             for h in range(len(share[i]))]
+            for i in range(len(share))
+        ]
+
+    def kind(self, layer: int, head: int) -> str:
+        """The class of one head (model layer ``layer``)."""
+        return self.kinds()[row_index(self.layers, layer)][head]
+
+    def heads(self, kind: Kind) -> list[tuple[int, int]]:
+        """``(layer, head)`` pairs of one class, in layer-then-head order."""
+        if kind not in KINDS:
+            raise InvalidArgumentError(f"kind={kind!r}; expected one of {list(KINDS)}.")
+        return [(layer, h) for i, layer in enumerate(self.layers) for h, k in enumerate(self.kinds()[i]) if k == kind]
+
+    def counts(self) -> dict[str, int]:
+        """How many heads fall in each class."""
+        flat = [k for row in self.kinds() for k in row]
+        return {k: flat.count(k) for k in KINDS}
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One row per (layer, head) with every number and the class."""
+        kinds = self.kinds()
+        cols = {name: getattr(self, name).tolist() for name in (
+            "attn_sink", "attn_other", "write_sink", "write_other", "write_share",
+            "value_norm_sink", "value_norm_other", "out_norm_sink", "out_norm_other")}
+        return [
+            {"layer": layer, "head": h, "kind": kinds[i][h], **{k: v[i][h] for k, v in cols.items()}}
+            for i, layer in enumerate(self.layers)
+            for h in range(self.attn_sink.shape[1])
+        ]
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready (strict JSON via :func:`sinklens.export.to_json`): settings, per-(layer, head)
+        numbers, classes and class counts."""
+        return to_json({
+            "definition": "sinklens value drain: write[q,k] = A[q,k] * ||(v_k W_O) * g|| / s_q in residual units "
+                          "(g, s: post-attention norm gain and scale, 1 without one); write_share = sum_Q write[q,sink] "
+                          "/ sum_Q sum_k write[q,k]",
+            "settings": self.settings,
+            "layers": list(self.layers),
+            "n_sequences": self.n_sequences,
+            "post_norm_layers": list(self.post_norm_layers),
+            "n_queries": self.n_queries,
+            "attn_sink": self.attn_sink,
+            "attn_other": self.attn_other,
+            "write_sink": self.write_sink,
+            "write_other": self.write_other,
+            "write_share": self.write_share,
+            "value_norm_sink": self.value_norm_sink,
+            "value_norm_other": self.value_norm_other,
+            "out_norm_sink": self.out_norm_sink,
+            "out_norm_other": self.out_norm_other,
+            "kinds": self.kinds(),
+            "counts": self.counts(),
+        }, digits=None)
+
+    def plot(self, path: str | Path | None = None) -> Any:
+        """Write share vs attention to the sink, and the class map (see
+        :func:`sinklens.plotting.value_drain.plot_value_drain`)."""
+        from sinklens.plotting.value_drain import plot_value_drain
+
+        return plot_value_drain(self, path=path)
+
+
+def _quad_norm(v: Float[Tensor, "batch key head d_head"], gram: Float[Tensor, "head d_head d_head"]) -> Tensor:
+    """``sqrt(v G vᵀ)`` per (batch, key, head): the norm of ``v W`` for ``G = W Wᵀ`` without forming ``v W``."""
+    return (torch.einsum("bkhd,hde->bkhe", v, gram) * v).sum(-1).clamp(min=0).sqrt()
+
+
+class ValueDrainReducer(Reducer[ValueDrain]):
+    """Streams ``hook_v``, ``hook_pattern`` (and ``ln1_post.hook_scale`` on post-norm layers) into a :class:`ValueDrain`.
+
+    Per layer it keeps float64 sums over the counted queries (``Σ A[q, p]``, ``Σ write[q, p]``, the total
+    write, the other keys' write and attention and their pair count, the query count) and over keys
+    (``Σ ‖v‖``, ``Σ ‖v W_O‖`` for the sink and for the other real keys). A layer's activations wait in
+    the batch's fold state until all of its hooks have fired, then are folded and dropped.
+    """
+
+    def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None,
+                 settings: ValueDrainSettings = ValueDrainSettings()):
+        dims = model_dims(model)
+        self.dims, self.settings = dims, settings
+        self.layers = resolve_layers(layers, dims.n_layers)
+        self.row = {layer: i for i, layer in enumerate(self.layers)}
+        self.device = model_device(model)
+        self.visibility = attention_visibility(model)
+        w_o = weight(model, "W_O")[self.layers].to(self.device, torch.float64)  # [layer, head, d_head, d_model]
+        gains = {layer: post_attention_gain(model, layer) for layer in self.layers}
+        self.post_norm = [layer for layer, g in gains.items() if g is not None]
+        # ‖v W_O[h]‖² = v G vᵀ with G = W_O[h] W_O[h]ᵀ; in residual units W_O[h] diag(g) takes W_O[h]'s place.
+        self.gram = (w_o @ w_o.transpose(-1, -2)).float()  # [layer, head, d_head, d_head]
+        g = torch.stack([gains[l] if gains[l] is not None else torch.ones(dims.d_model) for l in self.layers])
+        w_res = w_o * g.to(self.device, torch.float64)[:, None, None, :]
+        self.gram_res = (w_res @ w_res.transpose(-1, -2)).float()
+        if dims.n_heads % dims.n_kv_heads:
+            raise InvalidArgumentError(f"{dims.n_heads} query heads cannot share {dims.n_kv_heads} key/value heads evenly.")
+        # Query head h reads key/value head h // r (Hugging Face repeat_kv / repeat_interleave order).
+        self.kv_of = torch.arange(dims.n_heads, device=self.device) // (dims.n_heads // dims.n_kv_heads)
+        self.reset()
+
+    def reset(self) -> None:
+        n_l, n_h = len(self.layers), self.dims.n_heads
+        zeros = lambda *shape: torch.zeros(*shape, device=self.device, dtype=torch.float64)  # noqa: E731
+        self.sums = {name: zeros(n_l, n_h) for name in (
+            "attn_sink", "write_sink", "write_total", "write_other", "attn_other",
+            "vn_sink", "vn_other", "on_sink", "on_other")}
+        self.n_q = zeros(n_l)
+        self.n_pairs = zeros(n_l)
+        self.n_keys = zeros(n_l)
+        self.n_seq = 0
+
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        check_sink_position(batch, self.settings.sink_position)
+        valid = batch.valid.to(self.device)
+        waiting: dict[int, dict[str, Tensor]] = {}
+        needed = {layer: {"v", "pattern"} | ({"scale"} if layer in self.post_norm else set()) for layer in self.layers}
+
+        def keep(name: str) -> Any:
+            def fold(act: Tensor, layer: int) -> None:
+                got = waiting.setdefault(layer, {})
+                got[name] = act.detach().to(self.device, torch.float32, copy=True)  # one device for every statistic
+                if set(got) == needed[layer]:
+                    self._fold_layer(layer, waiting.pop(layer), valid)
+
+            return fold
+
+        hooks = per_layer_hooks(V, self.layers, keep("v")) + per_layer_hooks(PATTERN, self.layers, keep("pattern"))
+        hooks += per_layer_hooks(POST_ATTN_SCALE, self.post_norm, keep("scale"))
+        return BatchFold(hooks, state=waiting)
+
+    def _fold_layer(self, layer: int, acts: dict[str, Tensor], valid: Tensor) -> None:
+        row, p = self.row[layer], self.settings.sink_position
+        v, pattern = acts["v"], acts["pattern"]  # [batch, key, kv_head, d_head], [batch, head, query, key]
+        if v.shape[2] != self.dims.n_heads:
+            v = v[:, :, self.kv_of]  # [batch, key, head, d_head]
+        n_pos = pattern.shape[-1]
+        valid = valid[:, :n_pos]
+        value_norm = v.norm(dim=-1)  # [batch, key, head]
+        out_norm = _quad_norm(v, self.gram[row])  # ‖v_k W_O[h]‖
+        if layer in self.post_norm:
+            res_norm = _quad_norm(v, self.gram_res[row])  # ‖(v_k W_O[h]) ⊙ g‖
+            inv_scale = 1.0 / acts["scale"].reshape(pattern.shape[0], n_pos)  # 1 / s[b, q]
+        else:
+            res_norm, inv_scale = out_norm, torch.ones(pattern.shape[0], n_pos, device=pattern.device)
+        seen = self.visibility.batch_mask(layer, valid)  # [batch, query, key]
+        queries = seen[:, :, p].clone()
+        queries[:, p] = False  # Q: real queries != p that see the sink
+        pairs = seen & queries[:, :, None]  # (q in Q, k visible to q)
+        others = pairs.clone()
+        others[:, :, p] = False
+        write = pattern * res_norm.permute(0, 2, 1)[:, :, None, :] * inv_scale[:, None, :, None]  # [b, h, q, k]
+        zero = torch.zeros((), device=pattern.device)
+        q_mask = queries[:, None, :]  # [batch, 1, query]
+        s = self.sums
+        s["attn_sink"][row] += torch.where(q_mask, pattern[..., p], zero).sum(dim=(0, 2)).double()
+        s["write_sink"][row] += torch.where(q_mask, write[..., p], zero).sum(dim=(0, 2)).double()
+        s["write_total"][row] += torch.where(pairs[:, None], write, zero).sum(dim=(0, 2, 3)).double()
+        s["write_other"][row] += torch.where(others[:, None], write, zero).sum(dim=(0, 2, 3)).double()
+        s["attn_other"][row] += torch.where(others[:, None], pattern, zero).sum(dim=(0, 2, 3)).double()
+        keys = valid.clone()
+        keys[:, p] = False
+        k_mask = keys[:, :, None]  # [batch, key, 1]
+        s["vn_sink"][row] += value_norm[:, p].sum(0).double()
+        s["on_sink"][row] += out_norm[:, p].sum(0).double()
+        s["vn_other"][row] += torch.where(k_mask, value_norm, zero).sum(dim=(0, 1)).double()
+        s["on_other"][row] += torch.where(k_mask, out_norm, zero).sum(dim=(0, 1)).double()
+        self.n_q[row] += queries.sum()
+        self.n_pairs[row] += others.sum()
+        self.n_keys[row] += keys.sum()
+
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        if fold.state:
+            raise RuntimeError(f"Value drain: hooks of layers {sorted(fold.state)} did not all fire in this forward pass.")
+        self.n_seq += batch.tokens.shape[0]
+
+    def result(self) -> ValueDrain:
+        if self.n_seq == 0:
+            raise InvalidArgumentError("No sequences were streamed; nothing to measure.")
+        s = self.sums
+
+        def per(total: Tensor, count: Tensor | int) -> Tensor:
+            count = count[:, None] if isinstance(count, Tensor) else count
+            return (total / count).float().cpu()
+
+        return ValueDrain(
+            attn_sink=per(s["attn_sink"], self.n_q),
+            attn_other=per(s["attn_other"], self.n_pairs),
+            write_sink=per(s["write_sink"], self.n_q),
+            write_other=per(s["write_other"], self.n_pairs),
+            write_share=(s["write_sink"] / s["write_total"]).float().cpu(),
+            value_norm_sink=per(s["vn_sink"], self.n_seq),
+            value_norm_other=per(s["vn_other"], self.n_keys),
+            out_norm_sink=per(s["on_sink"], self.n_seq),
+            out_norm_other=per(s["on_other"], self.n_keys),
+            n_queries=self.n_q.float().cpu(),
+            layers=list(self.layers),
+            n_sequences=self.n_seq,
+            post_norm_layers=list(self.post_norm),
+            settings=self.settings,
+        )
+
+
+def measure_value_drain(
+    model: Any,
+    inputs: Inputs | None = None,
+    *,
+    layers: int | Sequence[int] | None = None,
+    settings: ValueDrainSettings = ValueDrainSettings(),
+    options: RunOptions = RunOptions(),
+    **deprecated: Any,
+) -> ValueDrain:
+    """Measure, per layer × head, attention to the sink against what the sink writes (module docstring).
+
+    Args:
+        inputs: prompts, token ids or :class:`~sinklens.inputs.TokenBatch` es (default: the built-in prompts).
+        layers: which layers (default all).
+        settings: sink position and classification thresholds (:class:`ValueDrainSettings`).
+        options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar.
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> drain = measure_value_drain(tiny_model(), ["t5 t6 t7 t8", "t3 t4"], options=RunOptions(progress=False))
+        >>> drain.write_share.shape, sorted(drain.counts())
+        (torch.Size([2, 4]), ['broadcast', 'no-op', 'none', 'partial'])
+    """
+    options = options_from_legacy(options, deprecated, "measure_value_drain")
+    (result,) = run(model, inputs, ValueDrainReducer(model, layers=layers, settings=settings), options=options)
+    return result

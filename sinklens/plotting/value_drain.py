@@ -1,0 +1,57 @@
+"""Figure for :class:`~sinklens.analysis.value_drain.ValueDrain`: attention to the sink against what it writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sinklens.plotting.style import finish, new_figure
+
+#: Marker colour of each head class.
+KIND_COLORS = {"no-op": "tab:blue", "broadcast": "tab:red", "partial": "tab:orange", "none": "lightgray"}
+
+
+def plot_value_drain(result: Any, *, path: str | Path | None = None) -> Any:
+    """Two panels, a pure function of the result's public fields.
+
+    Left: one point per (layer, head), attention to the sink (``attn_sink``, x) against the sink's share
+    of the head's write (``write_share``, y), coloured by class, with the classification thresholds
+    (``sink_head_threshold`` vertical, ``no_op_share`` and ``broadcast_share`` horizontal). Right: the
+    layer × head map of ``write_share``; sink heads are marked with their class letter (n = no-op,
+    b = broadcast, p = partial).
+    """
+    fig, axes = new_figure(1, 2, width=4.6, height=3.8)
+    ax = axes[0, 0]
+    kinds = result.kinds()
+    x, y = result.attn_sink.numpy(), result.write_share.numpy()
+    for kind, color in KIND_COLORS.items():
+        mask = np.array([[k == kind for k in row] for row in kinds], dtype=bool).reshape(x.shape)
+        if mask.any():
+            ax.scatter(x[mask], y[mask], s=18, color=color, label=kind, zorder=3 if kind != "none" else 2)
+    s = result.settings
+    ax.axvline(s.sink_head_threshold, color="k", ls=":", lw=1)
+    ax.axhline(s.no_op_share, color="tab:blue", ls="--", lw=1)
+    ax.axhline(s.broadcast_share, color="tab:red", ls="--", lw=1)
+    ax.set_xlim(0, 1.02)
+    ax.set_ylim(0, 1.02)
+    ax.set_xlabel("mean attention to the sink")
+    ax.set_ylabel("sink's share of the head's write")
+    ax.set_title(f"value drain (sink position {s.sink_position})", fontsize=9)
+    ax.legend(fontsize=7)
+    ax = axes[0, 1]
+    image = ax.imshow(y, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, origin="lower")
+    letters = {"no-op": "n", "broadcast": "b", "partial": "p"}
+    for i, row in enumerate(kinds):
+        for h, kind in enumerate(row):
+            if kind in letters:
+                ax.text(h, i, letters[kind], ha="center", va="center", fontsize=7, color="w")
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    n_layers = len(result.layers)
+    ax.set_yticks(range(n_layers))
+    ax.set_yticklabels([str(layer) for layer in result.layers], fontsize=6 if n_layers > 16 else 8)
+    ax.set_title("write share of the sink", fontsize=9)
+    fig.colorbar(image, ax=ax)
+    return finish(fig, path)

@@ -1,0 +1,219 @@
+import json
+
+import matplotlib.figure
+import pytest
+import torch
+
+from sinklens.analysis.value_drain import ValueDrainReducer, ValueDrainSettings, measure_value_drain
+from sinklens.errors import InvalidArgumentError
+from sinklens.inputs import as_batches, random_token_batches
+from sinklens.streaming import stream
+from sinklens.testing import QUIET, transformer_lens_major
+from sinklens.testing.planted_values import planted_sink
+from sinklens.testing.zoo import zoo_hf_model, zoo_model
+
+pytestmark = pytest.mark.models
+
+PROMPTS = ["t5 t6 t7 t8 t9 t10 t11 t12", "t13 t14 t15", "t20 t9 t31 t7 t40 t41", "t3 t4 t5 t6 t7 t8 t9 t10 t11 t12"]
+needs_bridge = pytest.mark.skipif(transformer_lens_major() < 4, reason="zoo HF twins share weights only under TL 4.x")
+FIELDS = ("attn_sink", "attn_other", "write_sink", "write_other", "write_share",
+          "value_norm_sink", "value_norm_other", "out_norm_sink", "out_norm_other")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return zoo_model("llama")
+
+
+@pytest.mark.parametrize("value", ["zero", "broadcast"])
+def test_planted_no_op_and_broadcast_sinks(llama, value):
+    """Head (0, 1) gives key 0 exactly 0.8 of every later query's attention. With key 0's value zeroed the
+    sink writes nothing (write share 0, "no-op"); with a large value it dominates the head's write ("broadcast")."""
+    batches = random_token_batches(llama, n_sequences=16, seq_len=10, batch_size=8, seed=0)
+    got = measure_value_drain(llama, batches, options=QUIET.replace(extra_hooks=planted_sink(llama, 0, 1, value=value)))
+    assert float(got.attn_sink[0, 1]) == pytest.approx(0.8, abs=1e-5)
+    assert float(got.n_queries[0]) == 16 * 9  # every query but the sink's own sees the sink
+    if value == "zero":
+        assert float(got.write_share[0, 1]) < 1e-6 and float(got.write_sink[0, 1]) < 1e-6
+        assert float(got.value_norm_sink[0, 1]) == 0.0 and float(got.value_norm_sink[0, 0]) == 0.0  # kv group of head 1
+        assert got.kind(0, 1) == "no-op"
+    else:
+        assert float(got.write_share[0, 1]) > 0.9
+        assert got.kind(0, 1) == "broadcast"
+    # The unplanted heads spread attention over the keys (mean attention to key 0 ~ 0.21): not sink heads.
+    assert got.heads("none") == [(0, 0), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
+    assert got.counts()[value.replace("zero", "no-op")] == 1
+
+
+def _hf_reference(family, model, hf, prompts):
+    """Every ValueDrain field from the plain HF model, one sequence at a time, with explicit loops."""
+    cfg = hf.config
+    n_layers, n_heads, n_kv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
+    d_head = cfg.hidden_size // n_heads
+    layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers
+    seqs = [b.tokens[i][b.valid[i]] for b in as_batches(model, prompts, batch_size=3) for i in range(b.tokens.shape[0])]
+    sums = {name: torch.zeros(n_layers, n_heads, dtype=torch.float64) for name in
+            ("attn_sink", "attn_other", "write_sink", "write_other", "write_total", "vn_sink", "vn_other", "on_sink", "on_other")}
+    n_q, n_pairs, n_keys = torch.zeros(n_layers), torch.zeros(n_layers), torch.zeros(n_layers)
+    for seq in seqs:
+        got = {"v": {}, "o": {}}
+        handles = []
+        for l, layer in enumerate(hf.model.layers):
+            handles.append(layer.self_attn.v_proj.register_forward_hook(
+                lambda m, a, out, l=l: got["v"].__setitem__(l, out[0].double())))
+            handles.append(layer.self_attn.o_proj.register_forward_hook(
+                lambda m, a, out, l=l: got["o"].__setitem__(l, out[0].double())))
+        with torch.no_grad():
+            attentions = hf(seq[None], output_attentions=True).attentions
+        for h in handles:
+            h.remove()
+        T = len(seq)
+        for l, layer in enumerate(hf.model.layers):
+            A = attentions[l][0].double()  # [head, q, k]
+            v = got["v"][l].view(T, n_kv, d_head)
+            w = layer.self_attn.o_proj.weight.double()
+            post = getattr(layer, "post_attention_layernorm", None) if family == "gemma2" else None
+            gain = (1 + post.weight.double()) if post is not None else torch.ones(cfg.hidden_size, dtype=torch.float64)
+            s = ((got["o"][l].pow(2).mean(-1) + post.eps).sqrt() if post is not None else torch.ones(T, dtype=torch.float64))
+            window = cfg.sliding_window if layer_types[l] == "sliding_attention" else None
+            for h in range(n_heads):
+                vh = v[:, h // (n_heads // n_kv)]  # HF repeat_kv: kv head h // r
+                out = vh @ w[:, h * d_head:(h + 1) * d_head].T
+                vn, on, rn = vh.norm(dim=-1), out.norm(dim=-1), (out * gain).norm(dim=-1)
+                sums["vn_sink"][l, h] += vn[0]
+                sums["on_sink"][l, h] += on[0]
+                sums["vn_other"][l, h] += vn[1:].sum()
+                sums["on_other"][l, h] += on[1:].sum()
+                for q in range(1, T):
+                    if window is not None and q >= window:
+                        continue  # this query cannot see the sink
+                    sums["attn_sink"][l, h] += A[h, q, 0]
+                    sums["write_sink"][l, h] += A[h, q, 0] * rn[0] / s[q]
+                    for k in range(q + 1):
+                        if window is not None and q - k >= window:
+                            continue
+                        sums["write_total"][l, h] += A[h, q, k] * rn[k] / s[q]
+                        if k:
+                            sums["write_other"][l, h] += A[h, q, k] * rn[k] / s[q]
+                            sums["attn_other"][l, h] += A[h, q, k]
+                            n_pairs[l] += 1 / n_heads
+                    n_q[l] += 1 / n_heads
+            n_keys[l] += T - 1
+    n_seq = len(seqs)
+    return {
+        "attn_sink": sums["attn_sink"] / n_q[:, None], "write_sink": sums["write_sink"] / n_q[:, None],
+        "attn_other": sums["attn_other"] / n_pairs[:, None], "write_other": sums["write_other"] / n_pairs[:, None],
+        "write_share": sums["write_sink"] / sums["write_total"],
+        "value_norm_sink": sums["vn_sink"] / n_seq, "out_norm_sink": sums["on_sink"] / n_seq,
+        "value_norm_other": sums["vn_other"] / n_keys[:, None], "out_norm_other": sums["on_other"] / n_keys[:, None],
+        "n_queries": n_q,
+    }
+
+
+@needs_bridge
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_matches_hf_reference(family):
+    """Every number against the plain HF model: attention weights, v_proj outputs, o_proj weights and, for
+    Gemma 2, the post-attention norm (gain 1 + w, far from 1 on one dimension; scale from the o_proj output)
+    and its sliding-window layer (queries beyond the window do not see the sink and are not counted)."""
+    model, hf = zoo_model(family), zoo_hf_model(family)
+    if family == "gemma2":
+        with torch.no_grad():
+            for layer in range(model.cfg.n_layers):
+                w = torch.linspace(-0.5, 2.0, model.cfg.d_model)
+                w[3] = 40.0
+                model.original_model.model.layers[layer].post_attention_layernorm.weight.copy_(w)
+                hf.model.layers[layer].post_attention_layernorm.weight.copy_(w)
+    got = measure_value_drain(model, PROMPTS, options=QUIET.replace(batch_size=3))
+    ref = _hf_reference(family, model, hf, PROMPTS)
+    assert got.post_norm_layers == ([0, 1] if family == "gemma2" else [])
+    torch.testing.assert_close(got.n_queries, ref["n_queries"].float(), rtol=1e-6, atol=1e-4)
+    for name in FIELDS:
+        torch.testing.assert_close(getattr(got, name), ref[name].float(), rtol=1e-4, atol=1e-6, msg=name)
+
+
+@needs_bridge
+def test_gqa_grouping_order_matches_hf(llama):
+    """4 query heads, 2 kv heads: query head h reads kv head h // 2 (HF repeat_kv), not h % 2."""
+    hf = zoo_hf_model("llama")
+    assert (llama.cfg.n_heads, llama.cfg.n_key_value_heads) == (4, 2)
+    got = measure_value_drain(llama, PROMPTS, options=QUIET)
+    seqs = [b.tokens[i][b.valid[i]] for b in as_batches(llama, PROMPTS) for i in range(b.tokens.shape[0])]
+    for l, layer in enumerate(hf.model.layers):
+        firsts = []
+        handle = layer.self_attn.v_proj.register_forward_hook(lambda m, a, out: firsts.append(out[0, 0].double()) and None)
+        with torch.no_grad():
+            for seq in seqs:
+                hf(seq[None])
+        handle.remove()
+        v0 = torch.stack(firsts).view(len(seqs), 2, -1)  # [seq, kv_head, d_head] at the sink
+        per_kv = v0.norm(dim=-1).mean(0)
+        torch.testing.assert_close(got.value_norm_sink[l], per_kv[torch.arange(4) // 2].float(), rtol=1e-5, atol=1e-7)
+        assert float((per_kv[torch.arange(4) % 2] - per_kv[torch.arange(4) // 2]).abs().max()) > 1e-3  # orders differ
+
+
+def test_padding_and_batch_size_do_not_matter(llama):
+    together = measure_value_drain(llama, PROMPTS, options=QUIET.replace(batch_size=4))
+    alone = [b for p in PROMPTS for b in as_batches(llama, [p])]
+    (single,) = stream(llama, alone, [ValueDrainReducer(llama)], options=QUIET)
+    for name in (*FIELDS, "n_queries"):
+        torch.testing.assert_close(getattr(together, name), getattr(single, name), rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_exports_and_plot(llama, tmp_path):
+    got = measure_value_drain(llama, PROMPTS, options=QUIET.replace(extra_hooks=planted_sink(llama, 1, 2, value="zero")))
+    payload = json.loads(json.dumps(got.to_dict(), allow_nan=False))
+    assert payload["kinds"][1][2] == "no-op" and payload["counts"]["no-op"] == 1
+    assert payload["settings"]["sink_head_threshold"] == 0.3
+    assert len(got.rows()) == 8 and got.rows()[6]["kind"] == "no-op"
+    fig = got.plot(tmp_path / "drain.png")
+    assert isinstance(fig, matplotlib.figure.Figure) and (tmp_path / "drain.png").stat().st_size > 0
+    image = fig.axes[1].images[0].get_array()
+    torch.testing.assert_close(torch.as_tensor(image.data), got.write_share)
+    points = {tuple(map(float, xy)) for coll in fig.axes[0].collections for xy in coll.get_offsets()}
+    assert (float(got.attn_sink[1, 2]), float(got.write_share[1, 2])) in points
+
+
+def test_settings_are_validated(llama):
+    with pytest.raises(InvalidArgumentError, match="broadcast_share"):
+        ValueDrainSettings(no_op_share=0.5, broadcast_share=0.2)
+    with pytest.raises(InvalidArgumentError, match="sink_head_threshold"):
+        ValueDrainSettings(sink_head_threshold=0.0)
+    with pytest.raises(InvalidArgumentError, match="sink_position"):
+        measure_value_drain(llama, ["t5 t6"], settings=ValueDrainSettings(sink_position=9), options=QUIET)
+    with pytest.raises((ValueError, TypeError), match="kind"):
+        measure_value_drain(llama, ["t5 t6"], options=QUIET).heads("sink")
+
+
+def test_classification_rule():
+    """Sink heads (attn_sink >= 0.3) split at write_share 0.1 (no-op below) and 0.3 (broadcast from)."""
+    from sinklens.analysis.value_drain import ValueDrain
+
+    attn = torch.tensor([[0.29, 0.3, 0.9, 0.9, 0.9, 0.9]])
+    share = torch.tensor([[0.01, 0.0999, 0.1, 0.2999, 0.3, 0.95]])
+    zeros = torch.zeros_like(attn)
+    drain = ValueDrain(attn_sink=attn, attn_other=zeros, write_sink=zeros, write_other=zeros, write_share=share,
+                       value_norm_sink=zeros, value_norm_other=zeros, out_norm_sink=zeros, out_norm_other=zeros,
+                       n_queries=torch.ones(1), layers=[0], n_sequences=1)
+    assert drain.kinds() == [["none", "no-op", "partial", "partial", "broadcast", "broadcast"]]
+    strict = ValueDrain(**{**drain.__dict__, "settings": ValueDrainSettings(no_op_share=0.2, broadcast_share=0.9)})
+    assert strict.kinds() == [["none", "no-op", "no-op", "partial", "partial", "broadcast"]]
+    assert strict.no_op_share == 0.2  # settings read as attributes
+
+
+def test_analyze_reports_value_drain_and_li_feature_std(llama, tmp_path):
+    from sinklens.analysis.report import analyze
+    from sinklens.analysis.report_files import figure_makers
+
+    report = analyze(llama, PROMPTS, abs_threshold=None, rel_threshold=3.0, options=QUIET)
+    alone = measure_value_drain(llama, PROMPTS, options=QUIET)
+    for name in FIELDS:
+        torch.testing.assert_close(getattr(report.value_drain, name), getattr(alone, name), msg=name)
+    text = report.summary(timing=False)
+    assert "Value drain at position 0:" in text and "Li et al." in text
+    report.save(tmp_path, figures=False)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["value_drain"]["kinds"] == alone.kinds()
+    assert "Li et al." in data["variance"]["li_feature_std"]["source"]
+    fig = figure_makers(report)["value_drain.png"]()
+    torch.testing.assert_close(torch.as_tensor(fig.axes[1].images[0].get_array().data), alone.write_share)
