@@ -60,6 +60,9 @@ def _random(model):  # fixed-length sequences for the origins reducers: 7 sequen
 
 
 #: name -> (reducer factory, inputs). Every Reducer subclass in sinklens is here (see test_every_reducer_is_covered).
+from sinklens.analysis.value_drain import ValueDrainReducer  # noqa: E402
+from sinklens.analysis.verify import _ResidAtSink  # noqa: E402
+
 REDUCERS = {
     "AttentionReceivedReducer": (lambda m: AttentionReceivedReducer(m, min_query=1), _text),
     "SinkReducer": (lambda m: SinkReducer(m, top_k=5), _text),
@@ -76,6 +79,8 @@ REDUCERS = {
     "TokenPreferenceReducer": (lambda m: TokenPreferenceReducer(m, SEQ_LEN), _random),
     "PositionalReducer": (lambda m: PositionalReducer(m, SEQ_LEN), _random),
     "ContractionReducer": (lambda m: ContractionReducer(m, SEQ_LEN), _random),
+    "ValueDrainReducer": (ValueDrainReducer, _text),
+    "_ResidAtSink": (lambda m: _ResidAtSink(m, 0, [0, 1, 2]), _text),
     "_LastFinalState": (
         lambda m: _LastFinalState(m, _RandomInputs(7, SEQ_LEN, 3, mode="token", high=64, seed=1, device=torch.device("cpu"))),
         _random),

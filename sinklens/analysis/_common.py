@@ -109,7 +109,7 @@ def row_index(labels: Sequence[int], label: int, *, what: str = "Layer") -> int:
     return list(labels).index(label)
 
 
-def grow(t: Tensor, dim: int, size: int, fill: float | bool = 0.0) -> Tensor:
+def grow(t: Tensor, dim: int, size: int, fill: float | int | bool = 0.0) -> Tensor:
     """Pad ``t`` along ``dim`` with ``fill`` up to ``size`` (no-op if already that large)."""
     if t.shape[dim] >= size:
         return t

@@ -469,7 +469,8 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
     Settings: ``settings=SuperNeuronSettings(...)`` or its fields as keyword arguments.
     """
 
-    statistics = ("sink_sum", "other_sq", "other_max", "resid", "attn", "mlp", "n_sequences", "n_other")
+    statistics = ("sink_sum", "sink_scaled_sum", "inv_scale_sum", "head_sum", "attn_inv_scale_sum", "other_sq", "other_max",
+                  "resid", "attn", "mlp", "n_sequences", "n_other")
     maxima = ("other_max",)
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None,

@@ -48,7 +48,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from sinklens.analysis._common import SettingsFields, no_unknown_kwargs, options_from_legacy, position_index, renamed
+from sinklens.analysis._common import SettingsFields, grow, no_unknown_kwargs, options_from_legacy, position_index, renamed
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, model_dims
@@ -489,6 +489,14 @@ class SinkResult(SettingsFields):
         return plot_received_by_position(self, layers=layers, path=path)
 
 
+def _merge_position_tokens(mine: Tensor, theirs: Tensor) -> Tensor:
+    """Combine two per-position token records (-2 unseen, -1 varies, else the one token id seen there)."""
+    n = max(mine.numel(), theirs.numel())
+    mine, theirs = grow(mine, 0, n, fill=-2), grow(theirs, 0, n, fill=-2)
+    agree = torch.where(mine == theirs, mine, torch.full_like(mine, -1))
+    return torch.where(mine == -2, theirs, torch.where(theirs == -2, mine, agree))
+
+
 @dataclass
 class _SinkBatch:
     """Per-batch state of :class:`SinkReducer` (lives in the batch's :class:`~sinklens.streaming.BatchFold`)."""
@@ -520,8 +528,9 @@ class SinkReducer(Reducer[SinkResult]):
     deprecated ``eps=`` and ``min_queries=`` are accepted for ``sink_threshold=`` and ``min_query_count=``).
     """
 
-    statistics = ("attention", "seq_hits", "seq_counts", "tok_first", "tok_later", "top_vals", "top_share", "top_meta",
-                  "prepend_bos", "n_seq")
+    statistics = ("attention", "seq_hits", "seq_counts", "gu_hits", "gu_counts", "shortfall", "n_real_queries",
+                  "pos_ids", "tok_first", "tok_later", "top_vals", "top_share", "top_meta", "prepend_bos", "special_tokens",
+                  "n_seq")
 
     def __init__(
         self,
@@ -665,7 +674,11 @@ class SinkReducer(Reducer[SinkResult]):
         shares = torch.cat([self.top_share, other.top_share.to(dev)])
         meta = torch.cat([self.top_meta, meta])
         keep = torch.topk(vals, min(self.settings.top_k, vals.numel())).indices
-        merge_statistics(self, other, [name for name in self.statistics if not name.startswith("top_")])
+        pos_ids = _merge_position_tokens(self.pos_ids, other.pos_ids.to(self.pos_ids.device))
+        merge_statistics(self, other, [name for name in self.statistics
+                                       if not name.startswith("top_") and name not in ("pos_ids", "special_tokens")])
+        self.pos_ids = pos_ids
+        self.special_tokens = other.special_tokens or self.special_tokens  # the later batches' record, like prepend_bos
         self.tok_first[3], self.tok_later[3] = maxima
         self.top_vals, self.top_share, self.top_meta = vals[keep], shares[keep], meta[keep]
 

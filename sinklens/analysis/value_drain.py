@@ -254,6 +254,8 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         self.kv_of = torch.arange(dims.n_heads, device=self.device) // (dims.n_heads // dims.n_kv_heads)
         self.reset()
 
+    statistics = ("sums", "n_q", "n_pairs", "n_keys", "n_seq")
+
     def reset(self) -> None:
         n_l, n_h = len(self.layers), self.dims.n_heads
         zeros = lambda *shape: torch.zeros(*shape, device=self.device, dtype=torch.float64)  # noqa: E731

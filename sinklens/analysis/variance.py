@@ -430,7 +430,8 @@ class VarianceReducer(Reducer[VarianceResult]):
     ``ln1_post.hook_scale`` fires, and ``Σ z/s``, ``Σ |(z/s) W_O ⊙ g|²`` are kept as well.
     """
 
-    statistics = ("z_s1", "z_s2", "r_s2", "a_sq", "o_s1", "o_s2", "n", "v_s1", "v_s2", "v_n", "n_seq", "prepend_bos")
+    statistics = ("z_s1", "z_s2", "r_s2", "zs_s1", "rs_s2", "fs_head", "fs_all", "a_sq", "o_s1", "o_s2", "n", "v_s1",
+                  "v_s2", "v_n", "n_seq", "prepend_bos")
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None):
         dims = model_dims(model)

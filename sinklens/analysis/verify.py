@@ -97,6 +97,8 @@ class CausalCheck:
 class _ResidAtSink(Reducer[Tensor]):
     """Mean over sequences of the residual stream at the sink, at the given residual-stream indices."""
 
+    statistics = ("sums", "n")
+
     def __init__(self, model: Any, sink: int, streams: Sequence[int]):
         self.n_layers, self.d_model = model_dims(model).n_layers, model_dims(model).d_model
         self.sink, self.streams, self.device = sink, list(streams), model_device(model)
