@@ -15,7 +15,9 @@ from sinklens.analysis.normalized_disparity import normalized_disparity
 from sinklens.analysis.qk_locking import query_key_locking
 from sinklens.analysis.report import SinkReport, analyze
 from sinklens.analysis.sinks import SinkResult, find_sinks
+from sinklens.analysis.value_drain import ValueDrain, measure_value_drain
 from sinklens.analysis.variance import VarianceResult, measure_variance
+from sinklens.analysis.verify import CausalCheck, verify_attribution
 from sinklens.analysis.weight_super_neurons import super_neurons_from_weights
 from sinklens.errors import (
     ModelFileNotFoundError,
@@ -23,6 +25,7 @@ from sinklens.errors import (
     PatternNotExposedError,
     SequenceTooLongError,
     SinklensError,
+    UnsupportedArchitectureError,
     UnknownHookError,
     UnknownModelError,
 )
@@ -42,6 +45,7 @@ from sinklens.origins import (
     positional_discrepancy, token_preference,
 )
 from sinklens.streaming import BatchFold, Reducer, run, stream
+from sinklens.visibility import Visibility, attention_visibility
 
 __version__ = "0.1.0"
 
@@ -53,6 +57,9 @@ __all__ = [
     "find_sinks", "find_super_neurons", "load_model", "measure_variance", "normalized_disparity",
     "patch_sink", "query_key_locking", "random_token_batches", "remove_sink", "run", "stdlib_text_prompts",
     "stream", "super_neurons_from_weights", "sweep",
+    # architecture awareness (issue 8)
+    "CausalCheck", "UnsupportedArchitectureError", "ValueDrain", "Visibility", "attention_visibility",
+    "measure_value_drain", "verify_attribution",
     # origins (issue 9)
     "ContractionResult", "FingerprintResult", "PositionalDiscrepancy", "TokenPreference", "contraction",
     "fingerprint", "positional_discrepancy", "token_preference",

@@ -8,6 +8,8 @@
 * :mod:`~sinklens.analysis.weight_super_neurons` — super-neuron candidates from weights alone;
 * :mod:`~sinklens.analysis.normalized_disparity` — dimension disparity after the norm;
 * :mod:`~sinklens.analysis.qk_locking` — query–key locking on the sink key;
+* :mod:`~sinklens.analysis.value_drain` — what the sink writes: no-op vs broadcast sink heads;
+* :mod:`~sinklens.analysis.verify` — the causal check: zero each massive dimension's top writers;
 * :mod:`~sinklens.analysis.report` — :func:`~sinklens.analysis.report.analyze` (all of them in one
   pass) and :class:`~sinklens.analysis.report.SinkReport`; its text layout is in
   :mod:`~sinklens.analysis.report_text`, its files in :mod:`~sinklens.analysis.report_files`.
