@@ -25,9 +25,13 @@ def test_before_and_after_gain_match_full_cache_references(family):
         pytest.skip(str(err))
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():  # a gain far from 1 and uneven over dims, so that before and after differ
-        for block in model.original_model.model.layers:
-            w = block.input_layernorm.weight
-            w.copy_(torch.rand(w.shape, generator=gen) * 4.0 - (1.0 if family == "gemma2" else 0.0))
+        if hasattr(model, "original_model"):  # TransformerBridge: the HF norm (Gemma multiplies by 1 + w)
+            gains = [block.input_layernorm.weight for block in model.original_model.model.layers]
+            offset = 1.0 if family == "gemma2" else 0.0
+        else:  # HookedTransformer 3.x: ln1.w is the gain itself
+            gains, offset = [block.ln1.w for block in model.blocks], 0.0
+        for w in gains:
+            w.copy_(torch.rand(w.shape, generator=gen) * 4.0 - offset)
     found = normalized_disparity(model, PROMPTS, options=QUIET.replace(batch_size=2))
     L, d = model.cfg.n_layers, model.cfg.d_model
     sums = {k: torch.zeros(L, d) for k in ("before", "after", "before_o", "after_o")}
@@ -36,7 +40,11 @@ def test_before_and_after_gain_match_full_cache_references(family):
         _, cache = model.run_with_cache(model.to_tokens(prompt), names_filter=lambda n: ".ln1.hook_" in n)
         for layer in range(L):
             before = _ratios(cache[f"blocks.{layer}.ln1.hook_normalized"][0])
-            after = _ratios(cache[f"blocks.{layer}.ln1.hook_out"][0])  # the norm's own output: after the gain
+            if f"blocks.{layer}.ln1.hook_out" in cache:  # the norm's own output: after the gain
+                after = _ratios(cache[f"blocks.{layer}.ln1.hook_out"][0])
+            else:  # TransformerLens 3.x exposes no ln1.hook_out: the gain applied by hand
+                ln1 = model.blocks[layer].ln1
+                after = _ratios(cache[f"blocks.{layer}.ln1.hook_normalized"][0] * ln1.w + getattr(ln1, "b", 0.0))
             sums["before"][layer] += before[0]
             sums["after"][layer] += after[0]
             sums["before_o"][layer] += before[1:].sum(0)

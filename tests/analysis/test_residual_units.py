@@ -34,7 +34,11 @@ def _randomise_post_norms(model, seed=1):
 
 @pytest.fixture(scope="module", params=POST_NORM_FAMILIES)
 def post_norm_model(request):
-    return _randomise_post_norms(_zoo(request.param))
+    model = _zoo(request.param)
+    if not hasattr(model, "original_model"):  # the references below are the Hugging Face norms themselves
+        pytest.skip("HF-reference post-norm tests need a TransformerBridge; on TransformerLens 3.x the post-norm "
+                    "map is checked against hook outputs in tests/analysis/test_variance.py")
+    return _randomise_post_norms(model)
 
 
 def _cache(model, tokens=TOKENS):
