@@ -118,3 +118,19 @@ def test_positional_over_training_equals_each_checkpoint_measured_alone(tmp_path
     assert ratio.shape == (3, 2) and not torch.allclose(ratio[0], ratio[2])  # the checkpoints differ
     with pytest.raises(Exception, match="keeps no checkpoint of step 4"):
         load_step_model(tmp_path, 4)
+
+
+def test_compare_prints_persistence_and_positional_over_checkpoints(tmp_path, capsys):
+    from sinklens.cli import main
+
+    train(_cfg(), out_dir=tmp_path / "run", progress=False)
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "run"), "--smoothing", "1", "--out", str(tmp_path / "cmp.png"),
+                 "--positional", "--n-sequences", "8", "--seq-len", "8"]) == 0
+    out = capsys.readouterr().out
+    last = _evals(tmp_path / "run")[6]
+    assert f"preference Spearman {last['persistence_spearman']:.3f}" in out
+    traj = positional_over_training(tmp_path / "run", n_sequences=8, seq_len=8)
+    for step, row in zip(traj.steps, traj.first_token_ratio().tolist()):
+        assert f"step {step:>7}: " + "  ".join(f"{v:8.3g}" for v in row) in out
+    assert (tmp_path / "cmp.png").stat().st_size > 1000 and (tmp_path / "positional.png").stat().st_size > 1000
