@@ -117,7 +117,7 @@ def snapshot(
         >>> from sinklens.testing import tiny_model
         >>> snap = snapshot(tiny_model(), n_sequences=8, seq_len=4)
         >>> snap.probs.shape, snap.direction.shape, round(float(snap.direction.norm()), 4)
-        (torch.Size([64]), torch.Size([32]), 1.0)
+        (torch.Size([64]), torch.Size([16]), 1.0)
     """
     batches = random_batches(model, n_sequences=n_sequences, seq_len=seq_len, prepend_bos=False, seed=seed, options=options)
     with torch.no_grad():
