@@ -82,7 +82,7 @@ def docstring_corpus(path: Path) -> Path:
 def task_config(task: str, variant: str, seed: int, args: argparse.Namespace) -> TrainConfig:
     """The run config of one (task, variant, seed); only ``model.variant`` and ``seed`` differ between runs."""
     if task == "backcopy":
-        model = {"family": "gpt2", "n_layers": 3, "d_model": 64, "n_heads": 4, "n_ctx": 64, "d_vocab": 64}
+        model = {"family": "gpt2", "n_layers": 3, "d_model": 64, "n_heads": 1, "n_ctx": 64, "d_vocab": 64}
         data = {"source": "bigram-backcopy", "seq_len": 64, "vocab_size": 64, "seed": 1234}
         lr = 3e-3
     elif task == "text":
@@ -187,36 +187,54 @@ def main() -> None:
     parser.add_argument("--task", choices=["backcopy", "text"], default="backcopy")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=800)
-    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--seq-len", type=int, default=None)
     parser.add_argument("--lr", type=float, default=None)
-    parser.add_argument("--eval-interval", type=int, default=50)
+    parser.add_argument("--eval-interval", type=int, default=100)
     parser.add_argument("--smoothing", type=int, default=20)
     parser.add_argument("--target-loss", type=float, default=None)
     parser.add_argument("--target-margin", type=float, default=0.02)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--runs-dir", default=None,
+                        help="save each finished run here and reuse it (lets several processes split the variants)")
+    parser.add_argument("--no-summary", action="store_true", help="only train (and save to --runs-dir)")
+    parser.add_argument("--summary-only", action="store_true", help="only summarize runs saved in --runs-dir")
     parser.add_argument("--cache", default=os.environ.get("SINKLENS_CACHE", str(Path.home() / ".cache" / "sinklens")))
     parser.add_argument("--out", default=None, help="results JSON (default benchmarks/results/convergence_<task>.json)")
     parser.add_argument("--figure", default=None, help="PNG (default assets/convergence_<task>.png)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if "baseline" not in args.variants:
+    if "baseline" not in args.variants and not args.no_summary:
         raise SystemExit("--variants must include baseline (it defines the target loss)")
 
     started = time.time()
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {v: {} for v in args.variants}
-    wall: dict[str, list[float]] = {v: [] for v in args.variants}
+    wall: dict[str, dict[int, float]] = {v: {} for v in args.variants}
+    cache = Path(args.runs_dir) if args.runs_dir else None
     for seed in args.seeds:  # seeds outermost: an interrupted study still has every variant for the first seeds
         for variant in args.variants:
             cfg = task_config(args.task, variant, seed, args)
+            done = cache / f"{args.task}_{variant}_seed{seed}.json" if cache is not None else None
+            if done is not None and done.is_file():  # a run finished by this or another process (same config)
+                saved = json.loads(done.read_text())
+                if saved["config"] == cfg.to_dict():
+                    runs[variant][seed], wall[variant][seed] = saved["history"], saved["wall_s"]
+                    continue
+            if args.summary_only:
+                raise SystemExit(f"--summary-only: no finished run for {variant} seed {seed} in {cache}")
             t0 = time.time()
             result = train(cfg, progress=False)
-            wall[variant].append(time.time() - t0)
+            wall[variant][seed] = time.time() - t0
             runs[variant][seed] = result.history
+            if done is not None:
+                write_json(done, {"config": cfg.to_dict(), "wall_s": wall[variant][seed], "history": result.history},
+                           digits=None, indent=None)
             last = result.evals()[-1]
-            print(f"{variant:>20} seed {seed}: {wall[variant][-1]:6.1f}s  val_loss {last['val_loss']:.4f}  "
+            print(f"{variant:>20} seed {seed}: {wall[variant][seed]:6.1f}s  val_loss {last['val_loss']:.4f}  "
                   f"sink_rate {last['sink_rate']:.3f}  attn_to_first {last['attn_to_first']:.3f}", flush=True)
+    if args.no_summary:
+        return
 
     summary = summarize(runs, smoothing=args.smoothing, target=args.target_loss, margin=args.target_margin)
     for variant, row in summary["variants"].items():
@@ -231,7 +249,8 @@ def main() -> None:
         "machine": {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
                     "cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
                     "threads": torch.get_num_threads(), "gpu": None},
-        "wall_s_total": time.time() - started, "wall_s_per_run": wall, "summary": summary,
+        "wall_s_this_process": time.time() - started, "wall_s_per_run": wall,
+        "wall_s_runs_sum": sum(w for by_seed in wall.values() for w in by_seed.values()), "summary": summary,
         "curves": {v: {str(s): [{k: x[k] for k in ("step", "loss")} if x["kind"] == "train" else
                                 {k: x[k] for k in ("step", "val_loss", "sink_rate", "attn_to_first")}
                                 for x in lines if x["kind"] in ("train", "eval")] for s, lines in by_seed.items()}
@@ -241,10 +260,10 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     write_json(out, record, digits=6)
     figure = Path(args.figure) if args.figure else ROOT / "assets" / f"convergence_{args.task}.png"
-    title = {"backcopy": "bigram-backcopy, GPT-2 blocks, 3 layers, d_model 64",
+    title = {"backcopy": "bigram-backcopy, GPT-2 blocks, 3 layers × 1 head, d_model 64",
              "text": "stdlib docstrings, BPE 512, Llama blocks, 4 layers, d_model 256"}[args.task]
     plot(runs, summary, smoothing=args.smoothing, title=f"{title} ({len(args.seeds)} seeds)", path=figure)
-    print(f"wall {record['wall_s_total']:.0f}s; results {out}; figure {figure}")
+    print(f"wall {record['wall_s_this_process']:.0f}s (runs: {record['wall_s_runs_sum']:.0f}s); results {out}; figure {figure}")
     json.dumps(record["summary"], allow_nan=True)  # summary printable even with NaN bounds
 
 
