@@ -15,6 +15,7 @@ sequences in identical order) and several model seeds each, through :func:`sinkl
 * ``sink_rate`` over training: at every evaluation, the share of (layer, head) pairs whose mean
   attention on position 0 (queries ``q >= 1``) exceeds ε = 0.3 (Gu et al. 2024), averaged over
   held-out sequences (:class:`sinklens.train.sink_metrics.SinkMetrics`).
+* ``sink_onset``: the first evaluation step whose sink rate exceeds 0.3 (None: never).
 
 Tasks (``--task``):
 
@@ -142,6 +143,8 @@ def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]], *, smoothing: in
             "final_val_loss": [f["val_loss"] for f in finals], "final_val_loss_mean": vmean, "final_val_loss_ci95": [vlo, vhi],
             "final_sink_rate": [f["sink_rate"] for f in finals], "final_sink_rate_mean": smean, "final_sink_rate_ci95": [slo, shi],
             "final_attn_to_first": [f["attn_to_first"] for f in finals],
+            "sink_onset": {seed: next((x["step"] for x in lines if x["kind"] == "eval" and x["sink_rate"] > 0.3), None)
+                           for seed, lines in by_seed.items()},
         }
     return out
 
