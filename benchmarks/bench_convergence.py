@@ -12,6 +12,9 @@ sequences in identical order) and several model seeds each, through :func:`sinkl
   that never reaches it is counted as "never" and left out of the mean (the count is reported).
   The 95% interval is Student's t over seeds (``scipy.stats.t``, n − 1 degrees of freedom).
 * ``final_val_loss``: the last evaluation's validation loss (fixed held-out batches), mean and 95% t-interval.
+* ``paired_vs_baseline``: per seed, the variant's steps to target and final validation loss minus the
+  baseline's (same seed, same data), with their mean and 95% t-interval — the fairer comparison,
+  because runs on identical batches share most of their noise.
 * ``sink_rate`` over training: at every evaluation, the share of (layer, head) pairs whose mean
   attention on position 0 (queries ``q >= 1``) exceeds ε = 0.3 (Gu et al. 2024), averaged over
   held-out sequences (:class:`sinklens.train.sink_metrics.SinkMetrics`).
@@ -146,6 +149,18 @@ def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]], *, smoothing: in
             "sink_onset": {seed: next((x["step"] for x in lines if x["kind"] == "eval" and x["sink_rate"] > 0.3), None)
                            for seed, lines in by_seed.items()},
         }
+    base = out["variants"].get("baseline")
+    for variant, row in out["variants"].items():
+        if variant == "baseline" or base is None:
+            continue
+        seeds = [s for s in row["steps_to_target"] if row["steps_to_target"][s] is not None
+                 and base["steps_to_target"].get(s) is not None]
+        diffs = [float(row["steps_to_target"][s] - base["steps_to_target"][s]) for s in seeds]
+        mean, lo, hi = t_interval(diffs)
+        vdiffs = [a - b for a, b in zip(row["final_val_loss"], base["final_val_loss"])]
+        vmean, vlo, vhi = t_interval(vdiffs)
+        row["paired_vs_baseline"] = {"steps_diff": diffs, "steps_diff_mean": mean, "steps_diff_ci95": [lo, hi],
+                                     "val_loss_diff": vdiffs, "val_loss_diff_mean": vmean, "val_loss_diff_ci95": [vlo, vhi]}
     return out
 
 
@@ -254,9 +269,11 @@ def main() -> None:
                     "threads": torch.get_num_threads(), "gpu": None},
         "wall_s_this_process": time.time() - started, "wall_s_per_run": wall,
         "wall_s_runs_sum": sum(w for by_seed in wall.values() for w in by_seed.values()), "summary": summary,
+        # curves: the training loss every 10th step and every evaluation
         "curves": {v: {str(s): [{k: x[k] for k in ("step", "loss")} if x["kind"] == "train" else
                                 {k: x[k] for k in ("step", "val_loss", "sink_rate", "attn_to_first")}
-                                for x in lines if x["kind"] in ("train", "eval")] for s, lines in by_seed.items()}
+                                for x in lines if x["kind"] == "eval" or (x["kind"] == "train" and x["step"] % 10 == 0)]
+                       for s, lines in by_seed.items()}
                    for v, by_seed in runs.items()},
     }
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"convergence_{args.task}.json"
