@@ -4,10 +4,18 @@ Examples::
 
     sinklens compare runs/baseline runs/headwise --out compare.png
     sinklens compare runs/* --target-loss 2.5
+    sinklens compare runs/baseline --positional      # positional discrepancy at init and each kept checkpoint
 
 Prints, per run, the final training loss, the last evaluation's sink metrics and the number of
 steps its smoothed training loss took to reach the target (default: the first run's final
-smoothed loss, so "steps to reach the baseline's final loss" when the baseline comes first).
+smoothed loss, so "steps to reach the baseline's final loss" when the baseline comes first), and,
+when the run recorded them, the persistence of its step-0 bias (``persistence_*``). The figure has
+one panel per metric.
+
+``--positional`` evaluates :func:`sinklens.origins.positional.positional_over_training` on every run:
+the variance of position 0's attention output relative to the later half of the sequence, per
+layer, at init (``RUN_DIR@init``) and at every kept checkpoint (train with ``--set keep_every=1``
+and a ``checkpoint_interval`` to keep them all), printed and plotted (``positional.png``).
 """
 
 from __future__ import annotations
@@ -26,6 +34,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--smoothing", type=int, default=10, help="moving-average window of the training loss")
     parser.add_argument("--out", help="figure path (default: compare.png in the first run directory)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--positional", action="store_true",
+                        help="also evaluate the positional discrepancy at init and at every kept checkpoint")
+    parser.add_argument("--n-sequences", type=int, default=64, help="random sequences for --positional")
+    parser.add_argument("--seq-len", type=int, default=32, help="their length (capped at the run's data.seq_len)")
     parser.set_defaults(func=run)
     return parser
 
@@ -80,6 +92,29 @@ def run(args: argparse.Namespace) -> int:
         for row in rows:
             steps = row["steps_to_target"]
             extra = f", sink_rate {row['sink_rate']:.3f}" if "sink_rate" in row else ""
+            if "persistence_spearman" in row:
+                extra += (f", vs step 0: preference Spearman {row['persistence_spearman']:.3f} / Kendall "
+                          f"{row['persistence_kendall']:.3f}, direction |cos| {row['persistence_direction_cos']:.3f}")
             print(f"{row['run']}: final loss {row['final_loss']:.4f}, steps to target {steps if steps is not None else 'never'}{extra}")
     print(f"figure: {out}")
+    if args.positional:
+        positional(args, list(runs), out.with_name("positional.png"))
     return 0
+
+
+def positional(args: argparse.Namespace, labels: list[str], out: Path) -> None:
+    """Print and plot the first-token attention-output variance ratio per layer over each run's checkpoints."""
+    from sinklens.options import RunOptions
+    from sinklens.origins.positional import positional_over_training
+    from sinklens.plotting.training import plot_positional_over_training
+
+    trajectories = {}
+    for label, run_dir in zip(labels, args.runs):
+        traj = positional_over_training(run_dir, n_sequences=args.n_sequences, seq_len=args.seq_len,
+                                        options=RunOptions(progress=False))
+        trajectories[label] = traj
+        print(f"{label}: attention-output variance at position 0 / later half, by layer")
+        for step, row in zip(traj.steps, traj.first_token_ratio("attn_out_var").tolist()):
+            print(f"  step {step:>7}: " + "  ".join(f"{v:8.3g}" for v in row))
+    plot_positional_over_training(trajectories, path=out)
+    print(f"figure: {out}")

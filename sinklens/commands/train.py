@@ -126,5 +126,9 @@ def run(args: argparse.Namespace) -> int:
             f"final eval: val_loss {last['val_loss']:.4f}, sink_rate {last['sink_rate']:.3f}, "
             f"first_token_norm_ratio {last['first_token_norm_ratio']:.2f}, variance_ratio {last['variance_ratio']:.2f}"
         )
+        if "persistence_spearman" in last:
+            print(f"persistence of the step-0 bias: token-preference Spearman {last['persistence_spearman']:.3f}, "
+                  f"Kendall {last['persistence_kendall']:.3f}, contraction direction |cos| "
+                  f"{last['persistence_direction_cos']:.3f}")
     print(f"run directory: {out}")
     return 0

@@ -1,31 +1,154 @@
 """Persistence: how much of the init-time bias a trained model keeps.
 
-Two numbers between a model and a reference (typically its own step 0, ``RUN_DIR@init``), both on
-the same random inputs (:func:`~sinklens.origins.preference.token_preference` and
-:func:`~sinklens.origins.contraction.contraction` with equal ``n_sequences``, ``seq_len``, ``seed``):
+Both measures compare a model with a reference (typically its own step 0, ``RUN_DIR@init``) on the
+same random inputs (``n_sequences`` uniform token sequences of ``seq_len`` ids, seeded by ``seed``;
+:func:`sinklens.inputs.random_token_batches`, no BOS). One forward pass per batch gives, for each
+model, a :class:`PreferenceSnapshot`:
 
-* ``preference_corr``: Pearson correlation over the vocabulary of ``log`` pooled mean next-token
-  probabilities (log, because the preferences span orders of magnitude — our choice);
-* ``direction_cos``: ``|cos|`` between the two dominant directions (top singular vectors) of the final
-  hidden states (the ``final`` site; both models must share ``d_model``).
+* ``probs``: the pooled mean next-token distribution over every position
+  (:attr:`~sinklens.origins.preference.TokenPreference.probs`);
+* ``direction``: the dominant direction of the final hidden states (input of the unembedding, after
+  the final norm): the top eigenvector of the uncentred second moment ``Σ h hᵀ`` over every
+  sequence and position, exactly the ``final`` site's
+  :attr:`~sinklens.origins.contraction.SiteStats.direction` of
+  :func:`~sinklens.origins.contraction.contraction`.
 
-Not recorded by the trainer yet: call it on checkpoints. Measured on the tiny test runs (d_model 64,
-std-0.02 init): the init preferences are nearly uniform, so they are fragile — after 3 AdamW steps at
-lr 1e-4 ``preference_corr`` is above 0.8, but 2 steps at lr 1e-2 already bring it to about 0, while
-the SeedPrint test still finds the lineage after 20 such steps.
+:func:`compare_snapshots` turns two snapshots into:
+
+* ``preference_corr``: Pearson correlation over the vocabulary of ``log probs`` (log, because the
+  preferences span orders of magnitude — our choice);
+* ``preference_spearman`` / ``preference_kendall``: Spearman's ρ and Kendall's τ-b (``scipy.stats``)
+  between the two token rankings by ``probs`` — does the same token order persist?;
+* ``direction_cos``: ``|cos|`` between the two directions (the sign of an eigenvector is arbitrary).
+
+The trainer records these against its step 0 at every evaluation (``eval.persistence_sequences``;
+metrics ``persistence_*``, see :mod:`sinklens.train.persistence`). Measured on the tiny test runs
+(d_model 64, std-0.02 init): the init preferences are nearly uniform, so they are fragile — after 3
+AdamW steps at lr 1e-4 ``preference_corr`` is above 0.8, but 2 steps at lr 1e-2 already bring it to
+about 0, while the SeedPrint test still finds the lineage after 20 such steps.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
+from jaxtyping import Float
+from torch import Tensor
 
 from sinklens.errors import IncompatibleModelsError
-from sinklens.hooks import model_dims
+from sinklens.hooks import model_device, model_dims
+from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions
-from sinklens.origins.contraction import contraction
-from sinklens.origins.preference import token_preference
+from sinklens.origins.contraction import _SiteAccumulator
+from sinklens.origins.preference import TokenPreferenceReducer, random_batches
+from sinklens.origins.sites import final_state_site
+from sinklens.streaming import BatchFold, Reducer, stream
+
+
+@dataclass
+class PreferenceSnapshot:
+    """A model's token preference and final contraction direction on fixed random inputs.
+
+    Attributes:
+        probs: ``[vocab]`` pooled mean next-token distribution.
+        direction: ``[d_model]`` dominant direction of the final hidden states (unit norm).
+        n_sequences, seq_len, seed: the random inputs they were measured on.
+    """
+
+    probs: Float[Tensor, " vocab"]
+    direction: Float[Tensor, " d_model"]
+    n_sequences: int
+    seq_len: int
+    seed: int
+
+    def inputs(self) -> dict[str, int]:
+        return {"n_sequences": self.n_sequences, "seq_len": self.seq_len, "seed": self.seed}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists (float32 values, exact as JSON numbers) for :func:`sinklens.export.write_json`."""
+        return {**self.inputs(), "probs": self.probs.tolist(), "direction": self.direction.tolist()}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> PreferenceSnapshot:
+        return cls(torch.tensor(data["probs"], dtype=torch.float32), torch.tensor(data["direction"], dtype=torch.float32),
+                   int(data["n_sequences"]), int(data["seq_len"]), int(data["seed"]))
+
+
+class FinalDirectionReducer(Reducer[Float[Tensor, " d_model"]]):
+    """Streams only the ``final`` site's dominant direction (the contraction measure, one site)."""
+
+    def __init__(self, model: Any, seq_len: int) -> None:
+        self.site, self.finish = final_state_site(model)
+        self.seq_len, self.d_model, self.device = seq_len, model_dims(model).d_model, model_device(model)
+        self.reset()
+
+    def reset(self) -> None:
+        self.acc = _SiteAccumulator("final", self.seq_len, self.d_model, self.device, True)
+        self.seen = 0
+
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        start = self.seen
+
+        def fold(act: Tensor, hook: Any) -> None:
+            self.acc.fold(self.finish(act), 0, start)
+
+        return BatchFold([(self.site, fold)])
+
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        self.seen += batch.tokens.shape[0]
+
+    def result(self) -> Float[Tensor, " d_model"]:
+        return self.acc.result(0).direction
+
+
+def snapshot(
+    model: Any,
+    *,
+    n_sequences: int = 64,
+    seq_len: int = 16,
+    seed: int = 0,
+    options: RunOptions = RunOptions(progress=False, desc="persistence"),
+) -> PreferenceSnapshot:
+    """The :class:`PreferenceSnapshot` of ``model`` (one streamed pass; no gradients, hooks removed after).
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> snap = snapshot(tiny_model(), n_sequences=8, seq_len=4)
+        >>> snap.probs.shape, snap.direction.shape, round(float(snap.direction.norm()), 4)
+        (torch.Size([64]), torch.Size([16]), 1.0)
+    """
+    batches = random_batches(model, n_sequences=n_sequences, seq_len=seq_len, prepend_bos=False, seed=seed, options=options)
+    with torch.no_grad():
+        pref, direction = stream(model, batches, [TokenPreferenceReducer(model, seq_len), FinalDirectionReducer(model, seq_len)],
+                                 options=options)
+    return PreferenceSnapshot(pref.probs.float(), direction.float(), n_sequences, seq_len, seed)
+
+
+def compare_snapshots(current: PreferenceSnapshot, reference: PreferenceSnapshot) -> dict[str, float]:
+    """``preference_corr``, ``preference_spearman``, ``preference_kendall``, ``direction_cos`` (module docstring)."""
+    from scipy import stats
+
+    if current.inputs() != reference.inputs():
+        raise IncompatibleModelsError(f"Snapshots on different inputs: {current.inputs()} vs {reference.inputs()}.")
+    if current.probs.shape != reference.probs.shape or current.direction.shape != reference.direction.shape:
+        raise IncompatibleModelsError(
+            f"persistence needs the same d_vocab and d_model, got {tuple(current.probs.shape) + tuple(current.direction.shape)} "
+            f"and {tuple(reference.probs.shape) + tuple(reference.direction.shape)}."
+        )
+    pa, pb = current.probs.double(), reference.probs.double()
+    la, lb = pa.clamp_min(1e-30).log(), pb.clamp_min(1e-30).log()
+    corr = float(torch.corrcoef(torch.stack([la, lb]))[0, 1])
+    a, b = pa.numpy(), pb.numpy()
+    ra, rb = stats.rankdata(a), stats.rankdata(b)
+    spearman = 1.0 if (ra == rb).all() else float(stats.spearmanr(a, b).statistic)  # exact 1 for the same ranking
+    kendall = float(stats.kendalltau(a, b).statistic)
+    da, db = current.direction.double(), reference.direction.double()
+    cos = float((da @ db).abs() / (da.norm() * db.norm()))
+    clip = lambda x: min(1.0, max(-1.0, x))  # noqa: E731 - rounding can leave 1 + 2e-16
+    return {"preference_corr": clip(corr), "preference_spearman": clip(spearman), "preference_kendall": clip(kendall),
+            "direction_cos": clip(cos)}
 
 
 def persistence(
@@ -37,13 +160,13 @@ def persistence(
     seed: int = 0,
     options: RunOptions = RunOptions(progress=False, desc="persistence"),
 ) -> dict[str, float]:
-    """``{"preference_corr", "direction_cos"}`` of ``model`` against ``reference`` (see the module docstring).
+    """:func:`compare_snapshots` of ``model`` against ``reference`` on the same random inputs.
 
     Examples:
         >>> from sinklens.testing import tiny_model
         >>> m = tiny_model()
         >>> {k: round(v, 6) for k, v in persistence(m, m, n_sequences=8, seq_len=4).items()}
-        {'preference_corr': 1.0, 'direction_cos': 1.0}
+        {'preference_corr': 1.0, 'preference_spearman': 1.0, 'preference_kendall': 1.0, 'direction_cos': 1.0}
     """
     a, b = model_dims(model), model_dims(reference)
     if (a.d_model, a.d_vocab) != (b.d_model, b.d_vocab):
@@ -51,9 +174,4 @@ def persistence(
             f"persistence needs the same d_model and d_vocab, got {(a.d_model, a.d_vocab)} and {(b.d_model, b.d_vocab)}."
         )
     common = dict(n_sequences=n_sequences, seq_len=seq_len, seed=seed, options=options)
-    pa, pb = token_preference(model, **common).probs, token_preference(reference, **common).probs
-    la, lb = pa.double().clamp_min(1e-30).log(), pb.double().clamp_min(1e-30).log()
-    corr = float(torch.corrcoef(torch.stack([la, lb]))[0, 1])
-    da = contraction(model, **common).site("final").direction
-    db = contraction(reference, **common).site("final").direction
-    return {"preference_corr": corr, "direction_cos": float((da @ db).abs() / (da.norm() * db.norm()))}
+    return compare_snapshots(snapshot(model, **common), snapshot(reference, **common))

@@ -160,3 +160,70 @@ def positional_discrepancy(
                              options=options)
     (result,) = stream(model, batches, [PositionalReducer(model, seq_len)], options=options)
     return result
+
+
+@dataclass
+class PositionalTrajectory:
+    """:class:`PositionalDiscrepancy` of one training run at init and at each kept checkpoint.
+
+    Attributes:
+        steps: optimizer steps, increasing; 0 is ``RUN_DIR@init``.
+        results: the discrepancy at each step, all on the same random inputs.
+    """
+
+    steps: list[int]
+    results: list[PositionalDiscrepancy]
+
+    def first_token_ratio(self, name: str = "attn_out_var") -> Float[Tensor, "step layer"]:
+        """``[step, layer]`` :meth:`PositionalDiscrepancy.first_token_ratio` at every step."""
+        return torch.stack([r.first_token_ratio(name) for r in self.results])
+
+    def summary(self) -> dict[str, Any]:
+        return {"steps": self.steps, **{name: self.first_token_ratio(name).tolist()
+                                         for name in ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")}}
+
+
+def positional_over_training(
+    run_dir: Any,
+    *,
+    steps: Any = None,
+    n_sequences: int = 128,
+    seq_len: int = 32,
+    prepend_bos: bool = False,
+    seed: int = 0,
+    options: RunOptions = RunOptions(progress=False, desc="positional"),
+) -> PositionalTrajectory:
+    """:func:`positional_discrepancy` of a ``sinklens train`` run at step 0 and at every kept checkpoint.
+
+    Step 0 is ``RUN_DIR@init`` (the run's exact initial weights); the other steps are the verified
+    checkpoints in ``RUN_DIR/checkpoints/`` (train with ``keep_every=K`` to keep every K-th one; by
+    default a run keeps only its newest two). Every step sees the same ``n_sequences`` random
+    sequences of ``min(seq_len, data.seq_len)`` tokens.
+
+    Args:
+        steps: the steps to evaluate (default: 0 and every kept checkpoint).
+
+    Examples:
+        >>> import tempfile
+        >>> from sinklens.train.config import TrainConfig
+        >>> from sinklens.train.loop import train
+        >>> cfg = TrainConfig.from_dict({"model": {"n_layers": 1, "d_model": 16, "n_ctx": 8, "d_vocab": 16},
+        ...     "data": {"seq_len": 8, "vocab_size": 16}, "eval": {"interval": 0}, "steps": 4, "batch_size": 4,
+        ...     "device": "cpu", "checkpoint_interval": 2, "keep_every": 1})
+        >>> run = tempfile.mkdtemp()
+        >>> _ = train(cfg, out_dir=run, progress=False)
+        >>> traj = positional_over_training(run, n_sequences=8)
+        >>> traj.steps, tuple(traj.first_token_ratio().shape)
+        ([0, 2, 4], (3, 1))
+    """
+    from sinklens.train.checkpoint import checkpoint_steps, load_step_model, load_train_config
+
+    cfg = load_train_config(run_dir)
+    wanted = sorted({0, *checkpoint_steps(run_dir)}) if steps is None else sorted({int(s) for s in steps})
+    seq_len = min(int(seq_len), cfg.data.seq_len)
+    results = []
+    for step in wanted:
+        model = load_step_model(run_dir, step)
+        results.append(positional_discrepancy(model, n_sequences=n_sequences, seq_len=seq_len, prepend_bos=prepend_bos,
+                                              seed=seed, options=options))
+    return PositionalTrajectory(wanted, results)

@@ -17,6 +17,18 @@ SINK_PANELS = {
     "variance_ratio": "var(z[0]) / var(z[t≥1]) (hook_z, mean over heads)",
 }
 
+#: Persistence of the step-0 bias (:mod:`sinklens.train.persistence`), plotted when a run has them.
+PERSISTENCE_PANELS = {
+    "persistence_spearman": "token-preference Spearman ρ with step 0",
+    "persistence_direction_cos": "|cos| of the contraction direction with step 0",
+}
+
+
+def default_panels(runs: Mapping[str, Sequence[dict[str, Any]]]) -> tuple[str, ...]:
+    """``"loss"``, the sink panels, and the persistence panels that at least one run recorded."""
+    present = {key for lines in runs.values() for line in lines if line.get("kind") == "eval" for key in line}
+    return ("loss", *SINK_PANELS, *[p for p in PERSISTENCE_PANELS if p in present])
+
 
 def load_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The lines of ``run_dir/metrics.jsonl`` (``kind="train"`` and ``kind="eval"``)."""
@@ -45,7 +57,7 @@ def smooth(values: Sequence[float], window: int) -> list[float]:
 def plot_training(
     runs: Mapping[str, Sequence[dict[str, Any]]],
     *,
-    panels: Sequence[str] = ("loss", *SINK_PANELS),
+    panels: Sequence[str] | None = None,
     smoothing: int = 10,
     path: str | Path | None = None,
 ) -> Any:
@@ -54,9 +66,10 @@ def plot_training(
 
     Args:
         runs: ``{label: metrics lines}`` (see :func:`load_metrics`).
-        panels: ``"loss"`` and/or eval metric names.
+        panels: ``"loss"`` and/or eval metric names (default: :func:`default_panels`).
         path: save the figure there (PNG) when given.
     """
+    panels = default_panels(runs) if panels is None else tuple(panels)
     fig, axes = new_figure(1, len(panels), width=4.2, height=3.4)
     for ax, panel in zip(axes[0], panels):
         for label, lines in runs.items():
@@ -67,7 +80,8 @@ def plot_training(
                 evals = [line for line in lines if line["kind"] == "eval" and line.get(panel) is not None]
                 ax.plot([line["step"] for line in evals], [line[panel] for line in evals], marker="o", ms=3, label=label)
         ax.set_xlabel("step")
-        ax.set_title("training loss (nats)" if panel == "loss" else SINK_PANELS.get(panel, panel), fontsize=9)
+        ax.set_title("training loss (nats)" if panel == "loss" else {**SINK_PANELS, **PERSISTENCE_PANELS}.get(panel, panel),
+                     fontsize=9)
         if panel in ("first_token_norm_ratio", "variance_ratio"):
             ax.set_yscale("log")
     axes[0][0].legend(fontsize=8)
@@ -89,3 +103,24 @@ def steps_to_loss(lines: Sequence[dict[str, Any]], target: float, *, smoothing: 
         if value <= target:
             return int(line["step"])
     return None
+
+
+def plot_positional_over_training(
+    trajectories: Mapping[str, Any], *, name: str = "attn_out_var", path: str | Path | None = None
+) -> Any:
+    """One panel per run: position 0's ``name`` relative to the later half of the sequence
+    (:meth:`~sinklens.origins.positional.PositionalTrajectory.first_token_ratio`, log scale) against
+    the training step, one line per layer; step 0 is the run's initialization."""
+    fig, axes = new_figure(1, len(trajectories), width=4.2, height=3.4)
+    for ax, (label, traj) in zip(axes[0], trajectories.items()):
+        ratio = traj.first_token_ratio(name)  # (step, layer)
+        for layer in range(ratio.shape[1]):
+            ax.plot(traj.steps, ratio[:, layer].tolist(), marker="o", ms=3, label=f"layer {layer}")
+        ax.axhline(1.0, color="grey", lw=0.8, ls=":")
+        ax.set_yscale("log")
+        ax.set_xlabel("step")
+        ax.set_title(f"{label}: {name} at position 0 / later half", fontsize=9)
+    axes[0][0].legend(fontsize=8)
+    if path is not None:
+        save_figure(fig, path, close=False)
+    return fig

@@ -140,8 +140,9 @@ def save_checkpoint(
     _fsync_dir(run_dir)
     earlier = [p for s, p in _step_dirs(run_dir) if s < step]
     keep = {final.name} | ({earlier[0].name} if earlier else set())
-    for _, path in _step_dirs(run_dir):  # keep the new checkpoint and the newest one before it
-        if path.name not in keep:
+    every = cfg.keep_every * cfg.checkpoint_interval
+    for s, path in _step_dirs(run_dir):  # keep the new checkpoint, the newest one before it, every keep_every-th
+        if path.name not in keep and not (every and s % every == 0):
             shutil.rmtree(path, ignore_errors=True)
     return final
 
@@ -348,7 +349,7 @@ def clean_stale(run_dir: str | Path) -> list[Path]:
 def clear_run(run_dir: str | Path) -> None:
     """Delete a run's checkpoints, metrics and tokenizer (for ``overwrite=True``); other files stay."""
     run_dir = Path(run_dir)
-    for name in (POINTER, CONFIG, METRICS, WEIGHTS, OPTIMIZER, STATE):
+    for name in (POINTER, CONFIG, METRICS, WEIGHTS, OPTIMIZER, STATE, "persistence_ref.json"):
         (run_dir / name).unlink(missing_ok=True)
     for name in (CHECKPOINTS, TOKENIZER):
         shutil.rmtree(run_dir / name, ignore_errors=True)
@@ -386,5 +387,59 @@ def load_trained_model(run_dir: str | Path, device: str | torch.device | None = 
         from sinklens.train.tokenizer import load_tokenizer
 
         model.tokenizer = load_tokenizer(str(ckpt.run_dir / TOKENIZER))
+    model.train_config = cfg
+    return model.eval()
+
+
+def checkpoint_steps(run_dir: str | Path) -> list[int]:
+    """The steps of the verified checkpoints kept in ``run_dir/checkpoints/``, oldest first.
+
+    Only the newest checkpoint and its fallback are kept unless the run set ``keep_every``; broken
+    step directories are skipped with a warning.
+    """
+    run_dir = Path(run_dir)
+    if not is_run_dir(run_dir):
+        raise RunNotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG} or {POINTER}.")
+    steps = []
+    for step, path in sorted(_step_dirs(run_dir)):
+        problem = verify_checkpoint(path)
+        if problem is None:
+            steps.append(step)
+        else:
+            warnings.warn(f"Skipping the broken checkpoint of step {step} in {str(run_dir)!r}: {problem}.", stacklevel=2)
+    return steps
+
+
+def load_step_model(run_dir: str | Path, step: int, device: str | torch.device | None = None) -> Any:
+    """The :class:`~sinklens.train.model.SinkLM` of the kept checkpoint of ``step``, verified, in eval mode.
+
+    Step 0 (never written as a checkpoint) is the run's initialization, ``RUN_DIR@init``
+    (:func:`sinklens.origins.init.sinklm_at_init` with the run's config and seed).
+    """
+    from sinklens.train.model import SinkLM
+
+    run_dir = Path(run_dir)
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    cfg = load_train_config(run_dir)
+    if step == 0:
+        from sinklens.origins.init import sinklm_at_init
+
+        model = sinklm_at_init(cfg.model, cfg.seed, device=device)
+    else:
+        path = run_dir / CHECKPOINTS / _step_dir_name(step)
+        if not path.is_dir():
+            raise RunNotFoundError(
+                f"{str(run_dir)!r} keeps no checkpoint of step {step}; kept steps: {checkpoint_steps(run_dir)} "
+                f"(train with keep_every=K to keep every K-th checkpoint)."
+            )
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            raise CorruptCheckpointError(f"The checkpoint of step {step} in {str(run_dir)!r} is broken: {problem}.")
+        model = SinkLM(cfg.model).to(device)
+        _load_weights(model, path / WEIGHTS, str(device))
+    if (run_dir / TOKENIZER).is_dir():
+        from sinklens.train.tokenizer import load_tokenizer
+
+        model.tokenizer = load_tokenizer(str(run_dir / TOKENIZER))
     model.train_config = cfg
     return model.eval()

@@ -297,12 +297,20 @@ class EvalConfig(_Part):
         batches, batch_size: held-out batches used by every evaluation (the same ones each time).
         sink_threshold: a head is a sink head when the mean attention its queries put on position 0
             exceeds this (the ε of Gu et al. 2024, "When attention sink emerges").
+        persistence_sequences: random token sequences on which every evaluation compares the
+            model's token preference and final contraction direction with step 0
+            (:mod:`sinklens.train.persistence`; metrics ``persistence_*``); 0 disables.
+        persistence_seq_len: their length (capped at ``data.seq_len``).
+        persistence_seed: the seed that draws them.
     """
 
     interval: int = 50
     batches: int = 2
     batch_size: int = 16
     sink_threshold: float = 0.3
+    persistence_sequences: int = 8
+    persistence_seq_len: int = 32
+    persistence_seed: int = 0
 
     def __post_init__(self) -> None:
         self.interval = positive_int(self.interval, what="eval.interval", minimum=0)
@@ -310,6 +318,11 @@ class EvalConfig(_Part):
         self.batch_size = positive_int(self.batch_size, what="eval.batch_size")
         self.sink_threshold = finite_number(self.sink_threshold, what="eval.sink_threshold", low=0.0, high=1.0,
                                             low_open=True, high_open=True)
+        self.persistence_sequences = positive_int(self.persistence_sequences, what="eval.persistence_sequences", minimum=0)
+        if self.persistence_sequences == 1:
+            raise InvalidArgumentError("eval.persistence_sequences must be 0 (off) or at least 2, got 1.")
+        self.persistence_seq_len = positive_int(self.persistence_seq_len, what="eval.persistence_seq_len", minimum=2)
+        self.persistence_seed = as_int(self.persistence_seed, what="eval.persistence_seed")
 
 
 _PARTS: dict[str, type[_Part]] = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "eval": EvalConfig}
@@ -333,6 +346,9 @@ class TrainConfig(_Part):
             ``"restart:positions=16"``).
         log_interval, checkpoint_interval: write a metrics line / a checkpoint every this many steps
             (a checkpoint is always written at the end when the run has an output directory).
+        keep_every: keep every ``keep_every``-th checkpoint (the steps that are multiples of
+            ``keep_every × checkpoint_interval``) in ``checkpoints/``, e.g. to analyse a run over
+            training; 0 (default) keeps only the newest checkpoint and the one before it.
         on_nonfinite: what a step whose loss or gradient norm is NaN/inf does: ``"stop"`` ends the
             run with :class:`~sinklens.errors.TrainingDivergedError` (the last finite checkpoint
             stays); ``"skip"`` drops that step's update and goes on, stopping the same way after
@@ -353,6 +369,7 @@ class TrainConfig(_Part):
     interventions: list[str] = field(default_factory=list)
     log_interval: int = 1
     checkpoint_interval: int = 0
+    keep_every: int = 0
     on_nonfinite: OnNonFinite = "stop"
     max_skips: int = 10
 
@@ -378,6 +395,7 @@ class TrainConfig(_Part):
         self.on_nonfinite = choice(self.on_nonfinite, typing.get_args(OnNonFinite), what="on_nonfinite")
         self.log_interval = positive_int(self.log_interval, what="log_interval")
         self.checkpoint_interval = positive_int(self.checkpoint_interval, what="checkpoint_interval", minimum=0)
+        self.keep_every = positive_int(self.keep_every, what="keep_every", minimum=0)
         self.max_skips = positive_int(self.max_skips, what="max_skips")
         if isinstance(self.interventions, str) or not all(isinstance(s, str) for s in self.interventions):
             raise InvalidArgumentError(f"interventions must be a list of 'name:key=value' strings, got {self.interventions!r}.")

@@ -3,9 +3,9 @@
 :func:`train` builds a :class:`~sinklens.train.model.SinkLM` from ``cfg.model`` (seeded by
 ``cfg.seed``), a :class:`~sinklens.train.data.TokenSource` from ``cfg.data`` (ordered by
 ``cfg.data.seed`` only), AdamW with warmup + cosine decay (:func:`get_lr`), and then for every step:
-evaluate (every ``eval.interval`` steps: validation loss and sink metrics), accumulate gradients
-over ``grad_accum`` micro-batches (bf16 autocast on CUDA only), clip, step, log a JSON line,
-checkpoint. Training-time interventions (``(hook_name, fn)`` pairs, e.g. from
+evaluate (every ``eval.interval`` steps: validation loss, sink metrics, persistence of the step-0
+bias), accumulate gradients over ``grad_accum`` micro-batches (bf16 autocast on CUDA only), clip,
+step, log a JSON line, checkpoint. Training-time interventions (``(hook_name, fn)`` pairs, e.g. from
 :mod:`sinklens.interventions`) are attached with ``model.hooks(...)`` around every forward, so a
 model can be pretrained with its sink moved. Under ``torchrun`` the model is wrapped in DDP.
 
@@ -46,6 +46,7 @@ from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source
 from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
 from sinklens.train.model import next_token_loss
+from sinklens.train.persistence import PersistenceTracker
 from sinklens.validate import writable_dir
 
 Hooks = list[tuple[str, HookFn]]
@@ -174,7 +175,8 @@ class TrainResult:
         model: the trained (unwrapped) :class:`~sinklens.train.model.SinkLM`, in train mode.
         history: the metrics lines (also in ``out_dir/metrics.jsonl``): ``kind="train"`` lines
             with ``loss`` (mean over the step's batch), ``lr``, ``grad_norm`` (before clipping),
-            ``tokens_per_s``, ``mfu``; ``kind="eval"`` lines with ``val_loss`` and sink metrics.
+            ``tokens_per_s``, ``mfu``; ``kind="eval"`` lines with ``val_loss``, sink metrics and
+            ``persistence_*`` (correlations with step 0, :mod:`sinklens.train.persistence`).
         out_dir: the run directory, or None.
     """
 
@@ -318,6 +320,10 @@ def train(
 
             model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         val_batches, val_targets = eval_batches(source, cfg, device) if cfg.eval.interval and dist.is_main else ([], [])
+        persist = PersistenceTracker(cfg, out, lambda m: hooks if m is raw_model else resolve_interventions(
+            m, [*cfg.interventions, *interventions]))
+        if resume and dist.is_main:
+            persist.resume(device)
         flops_per_token = raw_model.flops_per_token(cfg.data.seq_len)
         tokens_per_step = cfg.batch_size * cfg.data.seq_len
         metrics_file = open(out / "metrics.jsonl", "a") if out is not None and dist.is_main else None  # noqa: SIM115
@@ -332,7 +338,7 @@ def train(
             from sinklens.train.sink_metrics import evaluate
 
             metrics = evaluate(raw_model, val_batches, val_targets, threshold=cfg.eval.sink_threshold, extra_hooks=hooks)
-            log({"kind": "eval", "step": step, **metrics.scalars()})
+            log({"kind": "eval", "step": step, **metrics.scalars(), **persist.measure(raw_model)})
 
         def checkpoint(step: int) -> None:
             if out is not None and dist.is_main:

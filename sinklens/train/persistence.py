@@ -1,0 +1,95 @@
+"""Persistence of the init-time bias, recorded by the trainer at every evaluation.
+
+At each evaluation :class:`PersistenceTracker` takes a
+:class:`~sinklens.origins.persistence.PreferenceSnapshot` of the model (``eval.persistence_sequences``
+uniform random sequences of ``min(eval.persistence_seq_len, data.seq_len)`` tokens, seed
+``eval.persistence_seed``, training-time interventions attached) and compares it with the snapshot of
+step 0 (:func:`~sinklens.origins.persistence.compare_snapshots`). The eval line gets
+
+* ``persistence_spearman``, ``persistence_kendall``: rank correlations of the token-preference
+  ranking with step 0;
+* ``persistence_log_corr``: Pearson correlation of the log mean probabilities with step 0;
+* ``persistence_direction_cos``: ``|cos|`` of the final contraction direction with step 0's.
+
+The step-0 snapshot is the one taken at the first evaluation of a fresh run (so every value at step 0
+is exactly 1) and is saved as strict JSON in ``RUN_DIR/persistence_ref.json`` (float32 values, exact);
+a resumed run reads it back and records the same numbers as an uninterrupted one. A run directory
+without that file (older runs, or persistence switched on later) gets it rebuilt from the run's
+step-0 weights (``torch.manual_seed(seed); SinkLM(cfg.model)``, i.e. ``RUN_DIR@init``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sinklens.export import write_json
+from sinklens.options import RunOptions
+from sinklens.origins.persistence import PreferenceSnapshot, compare_snapshots, snapshot
+from sinklens.train.config import TrainConfig
+
+REFERENCE = "persistence_ref.json"
+#: eval-line key of each :func:`~sinklens.origins.persistence.compare_snapshots` value.
+KEYS = {"preference_spearman": "persistence_spearman", "preference_kendall": "persistence_kendall",
+        "preference_corr": "persistence_log_corr", "direction_cos": "persistence_direction_cos"}
+
+
+class PersistenceTracker:
+    """Step-0 snapshot of a run and the ``persistence_*`` metrics of later evaluations.
+
+    Args:
+        cfg: the run's config (``eval.persistence_*``; ``model`` and ``seed`` to rebuild step 0).
+        out: the run directory, or None (the reference then lives in memory only).
+        hooks_for: ``model -> [(hook_name, fn)]``, the training-time interventions for a model.
+    """
+
+    def __init__(self, cfg: TrainConfig, out: Path | None, hooks_for: Callable[[Any], list]) -> None:
+        self.cfg, self.out, self.hooks_for = cfg, out, hooks_for
+        self.n_sequences = cfg.eval.persistence_sequences
+        self.seq_len = min(cfg.eval.persistence_seq_len, cfg.data.seq_len)
+        self.seed = cfg.eval.persistence_seed
+        self.reference: PreferenceSnapshot | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cfg.eval.interval) and self.n_sequences > 0
+
+    def _snapshot(self, model: Any) -> PreferenceSnapshot:
+        options = RunOptions(progress=False, batch_size=max(self.n_sequences, 1), extra_hooks=tuple(self.hooks_for(model)))
+        was_training = model.training
+        model.eval()
+        try:
+            return snapshot(model, n_sequences=self.n_sequences, seq_len=self.seq_len, seed=self.seed, options=options)
+        finally:
+            model.train(was_training)
+
+    def resume(self, device: Any) -> None:
+        """Read the step-0 snapshot of a resumed run; rebuild it from the step-0 weights when missing or stale."""
+        if not self.enabled:
+            return
+        path = self.out / REFERENCE if self.out is not None else None
+        if path is not None and path.is_file():
+            ref = PreferenceSnapshot.from_dict(json.loads(path.read_text()))
+            if ref.inputs() == {"n_sequences": self.n_sequences, "seq_len": self.seq_len, "seed": self.seed}:
+                self.reference = ref
+                return
+        from sinklens.origins.init import sinklm_at_init
+
+        self.reference = self._snapshot(sinklm_at_init(self.cfg.model, self.cfg.seed, device=device))
+        self._save()
+
+    def _save(self) -> None:
+        if self.out is not None and self.reference is not None:
+            write_json(self.out / REFERENCE, self.reference.to_dict(), digits=None, indent=None)
+
+    def measure(self, model: Any) -> dict[str, float]:
+        """The ``persistence_*`` values of ``model`` (the first call of a fresh run sets the reference)."""
+        if not self.enabled:
+            return {}
+        current = self._snapshot(model)
+        if self.reference is None:
+            self.reference = current
+            self._save()
+        return {KEYS[k]: v for k, v in compare_snapshots(current, self.reference).items()}
