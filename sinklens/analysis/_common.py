@@ -1,12 +1,12 @@
 """Small helpers shared by the analyzers: the sink-position checks, residual-stream indices, row
-lookup, growing running sums, settings given as keywords, and keyword renames with a deprecation warning."""
+lookup, growing running sums, and keyword renames with a deprecation warning."""
 
 from __future__ import annotations
 
 import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -14,9 +14,8 @@ from torch import Tensor
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import RESID_POST, RESID_PRE, hook_name
 from sinklens.inputs import TokenBatch
+from sinklens.options import no_unknown_kwargs, settings_from  # noqa: F401  (re-exported for the analyzers)
 from sinklens.validate import optional_index_list, positive_int
-
-S = TypeVar("S")
 
 #: Floor for denominators (norms, medians) so that an all-zero row gives 0, not NaN.
 TINY = 1e-12
@@ -167,48 +166,3 @@ def options_from_legacy(options: Any, kwargs: dict[str, Any], where: str, *, las
     warnings.warn(f"{where}({', '.join(f'{k}=' for k in legacy)}) is deprecated; pass options=RunOptions(...).",
                   DeprecationWarning, stacklevel=3)
     return options.replace(**legacy)
-
-
-def settings_from(
-    cls: type[S], settings: S | None, kwargs: dict[str, Any], where: str, *,
-    renames: dict[str, str] | None = None, defaults: dict[str, Any] | None = None,
-) -> S:
-    """The frozen settings of one analysis, from ``settings=`` and/or its fields given as keywords.
-
-    The keywords in ``kwargs`` named after fields of the dataclass ``cls`` are popped and replace those
-    of ``settings`` (``cls(**defaults)`` when None). ``renames`` maps deprecated keyword names to current
-    field names (using one warns; giving both with different values raises). Any other keyword left in
-    ``kwargs`` raises ``TypeError`` like Python does.
-
-    Examples:
-        >>> @dataclasses.dataclass(frozen=True)
-        ... class Demo:
-        ...     threshold: float = 0.3
-        ...     top_k: int = 5
-        >>> settings_from(Demo, None, {"top_k": 2}, "demo")
-        Demo(threshold=0.3, top_k=2)
-        >>> settings_from(Demo, Demo(0.5), {}, "demo", defaults={"top_k": 9})
-        Demo(threshold=0.5, top_k=5)
-        >>> settings_from(Demo, None, {"topk": 2}, "demo")
-        Traceback (most recent call last):
-        ...
-        TypeError: demo() got unexpected keyword arguments ['topk'].
-    """
-    for old, new in (renames or {}).items():
-        if old in kwargs:
-            warnings.warn(f"{old}= is deprecated; use {new}= (same meaning).", DeprecationWarning, stacklevel=3)
-            old_value = kwargs.pop(old)
-            if new in kwargs and kwargs[new] != old_value:
-                raise InvalidArgumentError(f"Got both {new}={kwargs[new]!r} and its deprecated name {old}={old_value!r}.")
-            kwargs[new] = old_value
-    given = {f.name: kwargs.pop(f.name) for f in dataclasses.fields(cls) if f.name in kwargs}
-    no_unknown_kwargs(kwargs, where)
-    if settings is None:
-        return cls(**((defaults or {}) | given))
-    return dataclasses.replace(settings, **given) if given else settings
-
-
-def no_unknown_kwargs(kwargs: dict[str, Any], where: str) -> None:
-    """Raise ``TypeError`` like Python does if keywords are left over after the deprecated ones were popped."""
-    if kwargs:
-        raise TypeError(f"{where}() got unexpected keyword arguments {sorted(kwargs)}.")
