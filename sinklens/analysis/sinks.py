@@ -48,7 +48,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from sinklens.analysis._common import SettingsFields, grow, options_from_legacy, position_index, settings_from
+from sinklens.analysis._common import SettingsFields, grow, layer_head_position_rows, options_from_legacy, position_index, settings_from
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, model_dims
@@ -412,22 +412,11 @@ class SinkResult(SettingsFields):
 
     def rows(self) -> list[dict[str, Any]]:
         """Long format, one row per (layer, head, key position): ``received`` and ``sink_frac``."""
-        received = self.received.tolist()
-        frac = self.seq_sink_frac.tolist()
-        n_q = self.n_queries.tolist()
-        return [
-            {
-                "layer": layer,
-                "head": h,
-                "position": k,
-                "received": received[i][h][k],
-                "sink_frac": frac[i][h][k],
-                "n_queries": n_q[k],
-            }
-            for i, layer in enumerate(self.layers)
-            for h in range(self.received.shape[1])
-            for k in range(self.received.shape[2])
-        ]
+        return layer_head_position_rows(self.layers, *self.received.shape[1:], {
+            "received": ("layer head pos", self.received),
+            "sink_frac": ("layer head pos", self.seq_sink_frac),
+            "n_queries": ("pos", self.n_queries),
+        })
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary: settings, sink positions, rates, received attention, sink tokens."""
