@@ -70,7 +70,8 @@ def check_model_dir(folder: str | Path) -> None:
         check_safetensors(file)
 
 
-def _sha256(path: Path) -> str:
+def sha256_file(path: Path) -> str:
+    """Hex SHA-256 of the file at ``path``, read in 4 MiB chunks."""
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -78,12 +79,25 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+def file_mismatch(path: Path, size: int, sha256: str) -> str | None:
+    """What is wrong with ``path`` against the size and SHA-256 a manifest recorded for it: missing,
+    another size (truncated?) or another checksum; None when it matches."""
+    if not path.is_file():
+        return f"{path} is missing"
+    if path.stat().st_size != size:
+        return f"{path} has {path.stat().st_size} bytes, the manifest says {size} (truncated?)"
+    actual = sha256_file(path)
+    if actual != sha256:
+        return f"{path} fails its SHA-256 checksum: sha256 {actual[:12]}..., the manifest says {str(sha256)[:12]}..."
+    return None
+
+
 def write_manifest(folder: str | Path) -> Path:
     """Record size and sha256 of every file in ``folder`` (not recursing) in ``folder/MANIFEST``."""
     from sinklens.export import write_json
 
     folder = Path(folder)
-    files = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)}
+    files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
     return write_json(folder / MANIFEST, {"format": 1, "files": files})
 
@@ -99,11 +113,7 @@ def verify_manifest(folder: str | Path) -> str | None:
     except (ValueError, KeyError, TypeError, OSError):
         return "the manifest is unreadable"
     for name, entry in files.items():
-        path = folder / name
-        if not path.is_file():
-            return f"{name} is missing"
-        if path.stat().st_size != entry["size"]:
-            return f"{name} has {path.stat().st_size} bytes, expected {entry['size']}"
-        if _sha256(path) != entry["sha256"]:
-            return f"{name} does not match its sha256"
+        problem = file_mismatch(folder / name, entry["size"], entry["sha256"])
+        if problem is not None:
+            return problem
     return None

@@ -1,7 +1,9 @@
 """The one object that carries run settings: how prompts become batches and how a pass is shown.
 
 Every analyzer, experiment and :func:`sinklens.run` takes ``options=RunOptions(...)`` instead of
-re-declaring these keyword arguments, so the defaults cannot drift between functions.
+re-declaring these keyword arguments, so the defaults cannot drift between functions. Likewise each
+analysis holds one frozen settings dataclass; :func:`settings_from` builds it from ``settings=`` and/or
+its fields given as keywords.
 
 Examples:
     >>> opts = RunOptions(batch_size=4, progress=False)
@@ -16,13 +18,17 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from sinklens.errors import InvalidArgumentError
 from sinklens.validate import positive_int
+
+S = TypeVar("S")
 
 HookFn = Callable[..., Any]
 
@@ -71,3 +77,48 @@ class RunOptions:
     def replace(self, **changes: Any) -> RunOptions:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def settings_from(
+    cls: type[S], settings: S | None, kwargs: dict[str, Any], where: str, *,
+    renames: dict[str, str] | None = None, defaults: dict[str, Any] | None = None,
+) -> S:
+    """The frozen settings of one analysis, from ``settings=`` and/or its fields given as keywords.
+
+    The keywords in ``kwargs`` named after fields of the dataclass ``cls`` are popped and replace those
+    of ``settings`` (``cls(**defaults)`` when None). ``renames`` maps deprecated keyword names to current
+    field names (using one warns; giving both with different values raises). Any other keyword left in
+    ``kwargs`` raises ``TypeError`` like Python does.
+
+    Examples:
+        >>> @dataclass(frozen=True)
+        ... class Demo:
+        ...     threshold: float = 0.3
+        ...     top_k: int = 5
+        >>> settings_from(Demo, None, {"top_k": 2}, "demo")
+        Demo(threshold=0.3, top_k=2)
+        >>> settings_from(Demo, Demo(0.5), {}, "demo", defaults={"top_k": 9})
+        Demo(threshold=0.5, top_k=5)
+        >>> settings_from(Demo, None, {"topk": 2}, "demo")
+        Traceback (most recent call last):
+        ...
+        TypeError: demo() got unexpected keyword arguments ['topk'].
+    """
+    for old, new in (renames or {}).items():
+        if old in kwargs:
+            warnings.warn(f"{old}= is deprecated; use {new}= (same meaning).", DeprecationWarning, stacklevel=3)
+            old_value = kwargs.pop(old)
+            if new in kwargs and kwargs[new] != old_value:
+                raise InvalidArgumentError(f"Got both {new}={kwargs[new]!r} and its deprecated name {old}={old_value!r}.")
+            kwargs[new] = old_value
+    given = {f.name: kwargs.pop(f.name) for f in dataclasses.fields(cls) if f.name in kwargs}
+    no_unknown_kwargs(kwargs, where)
+    if settings is None:
+        return cls(**((defaults or {}) | given))
+    return dataclasses.replace(settings, **given) if given else settings
+
+
+def no_unknown_kwargs(kwargs: dict[str, Any], where: str) -> None:
+    """Raise ``TypeError`` like Python does if keywords are left over after the deprecated ones were popped."""
+    if kwargs:
+        raise TypeError(f"{where}() got unexpected keyword arguments {sorted(kwargs)}.")

@@ -61,7 +61,7 @@ def _random(model):  # fixed-length sequences for the origins reducers: 7 sequen
 
 #: name -> (reducer factory, inputs). Every Reducer subclass in sinklens is here (see test_every_reducer_is_covered).
 from sinklens.analysis.value_drain import ValueDrainReducer  # noqa: E402
-from sinklens.analysis.verify import _ResidAtSink  # noqa: E402
+from sinklens.analysis.weight_super_neurons import SinkMeanReducer  # noqa: E402
 
 REDUCERS = {
     "AttentionReceivedReducer": (lambda m: AttentionReceivedReducer(m, min_query=1), _text),
@@ -80,7 +80,9 @@ REDUCERS = {
     "PositionalReducer": (lambda m: PositionalReducer(m, SEQ_LEN), _random),
     "ContractionReducer": (lambda m: ContractionReducer(m, SEQ_LEN), _random),
     "ValueDrainReducer": (ValueDrainReducer, _text),
-    "_ResidAtSink": (lambda m: _ResidAtSink(m, 0, [0, 1, 2]), _text),
+    "SinkMeanReducer": (
+        lambda m: SinkMeanReducer(m, 0, ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_pre", "blocks.1.hook_resid_post"]),
+        _text),
     "_LastFinalState": (
         lambda m: _LastFinalState(m, _RandomInputs(7, SEQ_LEN, 3, mode="token", high=64, seed=1, device=torch.device("cpu"))),
         _random),

@@ -82,12 +82,17 @@ LOAD_ROWS = [
 ]
 
 
+def _raises_naming(error: type[BaseException], words: list[str], call, *args, **kwargs) -> None:
+    """``call(*args, **kwargs)`` raises ``error`` with every one of ``words`` in its message."""
+    with pytest.raises(error) as info:
+        call(*args, **kwargs)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
 @pytest.mark.parametrize(("spec", "kwargs", "error", "words"), [r[1:] for r in LOAD_ROWS], ids=[r[0] for r in LOAD_ROWS])
 def test_load_model_bad_specs(no_gpu, spec, kwargs, error, words):
-    with pytest.raises(error) as info:
-        loading.load_model(spec, **kwargs)
-    for word in words:
-        assert word in str(info.value)
+    _raises_naming(error, words, loading.load_model, spec, **kwargs)
 
 
 def test_mps_device_is_refused_where_there_is_no_mps(monkeypatch):
@@ -191,10 +196,7 @@ FILE_ROWS = [
 def test_corrupt_model_files(tmp_path, monkeypatch, make, error, words):
     monkeypatch.setenv("SINKLENS_CACHE", str(tmp_path / "cache"))
     spec = make(tmp_path)
-    with pytest.raises(error) as info:
-        loading.load_model(str(spec), device="cpu")
-    for word in words:
-        assert word in str(info.value)
+    _raises_naming(error, words, loading.load_model, str(spec), device="cpu")
 
 
 def test_safetensors_checks_accept_a_whole_file(tmp_path):
@@ -336,10 +338,7 @@ INPUT_ROWS = [
 
 @pytest.mark.parametrize(("call", "error", "words"), [r[1:] for r in INPUT_ROWS], ids=[r[0] for r in INPUT_ROWS])
 def test_bad_inputs(tiny_llama, call, error, words):
-    with pytest.raises(error) as info:
-        call(tiny_llama)
-    for word in words:
-        assert word in str(info.value)
+    _raises_naming(error, words, call, tiny_llama)
 
 
 def test_numpy_and_tensor_scalars_are_numbers(tiny_llama):
@@ -423,10 +422,7 @@ TEXT_FILE_ROWS = [
 
 @pytest.mark.parametrize(("make", "words"), [r[1:] for r in TEXT_FILE_ROWS], ids=[r[0] for r in TEXT_FILE_ROWS])
 def test_bad_prompt_files(tmp_path, make, words):
-    with pytest.raises(InputFileError) as info:
-        validate.text_lines(make(tmp_path), what="--prompts")
-    for word in words:
-        assert word in str(info.value)
+    _raises_naming(InputFileError, words, validate.text_lines, make(tmp_path), what="--prompts")
 
 
 def test_prompt_file_lines_are_stripped(tmp_path):
@@ -443,10 +439,7 @@ WRITABLE_ROWS = [
 
 @pytest.mark.parametrize(("make", "words"), [r[1:] for r in WRITABLE_ROWS], ids=[r[0] for r in WRITABLE_ROWS])
 def test_unwritable_output_folders(tmp_path, make, words):
-    with pytest.raises(OutputNotWritableError) as info:
-        validate.writable_dir(make(tmp_path), what="--out")
-    for word in words:
-        assert word in str(info.value)
+    _raises_naming(OutputNotWritableError, words, validate.writable_dir, make(tmp_path), what="--out")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -473,10 +466,7 @@ VALIDATOR_ROWS = [
 
 @pytest.mark.parametrize("call, words", [r[1:] for r in VALIDATOR_ROWS], ids=[r[0] for r in VALIDATOR_ROWS])
 def test_validators(call, words):
-    with pytest.raises(InvalidArgumentError) as info:
-        call()
-    for word in words:
-        assert word in str(info.value)
+    _raises_naming(InvalidArgumentError, words, call)
 
 
 def test_validators_accept_numpy_and_tensor_scalars():

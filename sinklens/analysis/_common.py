@@ -14,6 +14,7 @@ from torch import Tensor
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import RESID_POST, RESID_PRE, hook_name
 from sinklens.inputs import TokenBatch
+from sinklens.options import no_unknown_kwargs, settings_from  # noqa: F401  (re-exported for the analyzers)
 from sinklens.validate import optional_index_list, positive_int
 
 #: Floor for denominators (norms, medians) so that an all-zero row gives 0, not NaN.
@@ -109,6 +110,34 @@ def row_index(labels: Sequence[int], label: int, *, what: str = "Layer") -> int:
     return list(labels).index(label)
 
 
+def layer_head_position_rows(
+    layers: Sequence[int], n_heads: int, n_positions: int, columns: dict[str, tuple[str, Tensor | None]],
+) -> list[dict[str, Any]]:
+    """Long format: one row per (layer, head, position) with ``layer``, ``head``, ``position`` and, in order,
+    every column. A column is ``(axes, tensor)``: ``axes`` names the tensor's dimensions among
+    ``"layer head pos"`` (e.g. ``"layer pos"``: one value for every head); a None tensor is left out.
+
+    Examples:
+        >>> rows = layer_head_position_rows([3], 2, 1, {"x": ("layer head pos", torch.tensor([[[1.0], [2.0]]])),
+        ...                                             "n": ("pos", torch.tensor([7])), "no": ("pos", None)})
+        >>> rows
+        [{'layer': 3, 'head': 0, 'position': 0, 'x': 1.0, 'n': 7}, {'layer': 3, 'head': 1, 'position': 0, 'x': 2.0, 'n': 7}]
+    """
+    lists = {name: (axes.split(), t.tolist()) for name, (axes, t) in columns.items() if t is not None}
+    rows = []
+    for i, layer in enumerate(layers):
+        for h in range(n_heads):
+            for p in range(n_positions):
+                at = {"layer": i, "head": h, "pos": p}
+                row = {"layer": layer, "head": h, "position": p}
+                for name, (axes, values) in lists.items():
+                    for axis in axes:
+                        values = values[at[axis]]
+                    row[name] = values
+                rows.append(row)
+    return rows
+
+
 def grow(t: Tensor, dim: int, size: int, fill: float | int | bool = 0.0) -> Tensor:
     """Pad ``t`` along ``dim`` with ``fill`` up to ``size`` (no-op if already that large)."""
     if t.shape[dim] >= size:
@@ -165,9 +194,3 @@ def options_from_legacy(options: Any, kwargs: dict[str, Any], where: str, *, las
     warnings.warn(f"{where}({', '.join(f'{k}=' for k in legacy)}) is deprecated; pass options=RunOptions(...).",
                   DeprecationWarning, stacklevel=3)
     return options.replace(**legacy)
-
-
-def no_unknown_kwargs(kwargs: dict[str, Any], where: str) -> None:
-    """Raise ``TypeError`` like Python does if keywords are left over after the deprecated ones were popped."""
-    if kwargs:
-        raise TypeError(f"{where}() got unexpected keyword arguments {sorted(kwargs)}.")

@@ -31,11 +31,11 @@ from sinklens.analysis._common import (
     SettingsFields,
     check_sink_position,
     grow,
-    no_unknown_kwargs,
     options_from_legacy,
     renamed,
     resolve_streams,
     row_index,
+    settings_from,
     sink_position_arg,
     stream_hook,
 )
@@ -274,10 +274,7 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
     ):
         dims = model_dims(model)
         streams = renamed(settings_kwargs, "layers", "streams", streams, None)
-        if settings is None:
-            settings = MassiveSettings(**settings_kwargs)
-        else:
-            no_unknown_kwargs(settings_kwargs, "MassiveActivationsReducer")
+        settings = settings_from(MassiveSettings, settings, settings_kwargs, "MassiveActivationsReducer")
         if settings.top_k > dims.d_model:
             raise InvalidArgumentError(f"top_k must be in [1, {dims.d_model}] (d_model), got {settings.top_k}.")
         self.settings = settings
@@ -425,13 +422,9 @@ def find_massive_activations(
     inputs: Inputs | None = None,
     *,
     streams: int | Sequence[int] | None = None,
-    abs_threshold: float | None = MassiveSettings.abs_threshold,
-    rel_threshold: float | None = MassiveSettings.rel_threshold,
-    sink_position: int = MassiveSettings.sink_position,
-    top_k: int = MassiveSettings.top_k,
-    max_rows: int = MassiveSettings.max_rows,
+    settings: MassiveSettings | None = None,
     options: RunOptions = RunOptions(),
-    **deprecated: Any,
+    **settings_kwargs: Any,
 ) -> MassiveActivations:
     """Find massive activations in the residual stream (Sun et al. 2024 thresholds by default).
 
@@ -439,7 +432,9 @@ def find_massive_activations(
         inputs: anything :func:`sinklens.inputs.as_batches` accepts (None = the built-in prompts).
         streams: residual-stream indices (``0..n_layers``; ``n_layers`` = final ``hook_resid_post``); None = all.
             ``layers=`` is its deprecated name.
-        abs_threshold, rel_threshold, sink_position, top_k, max_rows: see :class:`MassiveSettings`.
+        settings: the analysis settings (default ``MassiveSettings()``: Sun et al.'s thresholds).
+        **settings_kwargs: any field of :class:`MassiveSettings` as a keyword (``abs_threshold=``,
+            ``rel_threshold=``, ``sink_position=``, ``top_k=``, ``max_rows=``), replacing that of ``settings``.
         options: batching, BOS, truncation, extra hooks and progress bar.
 
     Examples:
@@ -449,9 +444,8 @@ def find_massive_activations(
         >>> found.massive_dims("sink"), found.first_stream(5), found.massive_dims("other")
         ([5], 1, [])
     """
-    options = options_from_legacy(options, deprecated, "find_massive_activations", last=False)
-    streams = renamed(deprecated, "layers", "streams", streams, None)
-    no_unknown_kwargs(deprecated, "find_massive_activations")
-    settings = MassiveSettings(abs_threshold, rel_threshold, sink_position, top_k, max_rows)
+    options = options_from_legacy(options, settings_kwargs, "find_massive_activations", last=False)
+    streams = renamed(settings_kwargs, "layers", "streams", streams, None)
+    settings = settings_from(MassiveSettings, settings, settings_kwargs, "find_massive_activations")
     (result,) = run(model, inputs, MassiveActivationsReducer(model, streams=streams, settings=settings), options=options)
     return result

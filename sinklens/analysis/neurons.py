@@ -50,6 +50,7 @@ from sinklens.analysis._common import (
     other_positions,
     resolve_streams,
     row_index,
+    settings_from,
     sink_position_arg,
     stream_hook,
 )
@@ -671,27 +672,20 @@ def find_super_neurons(
     inputs: Inputs | None = None,
     *,
     layers: int | Sequence[int] | None = None,
-    sink_position: int = SuperNeuronSettings.sink_position,
-    dims: Sequence[int] | None = None,
-    position_threshold: float = SuperNeuronSettings.position_threshold,
-    neuron_threshold: float = SuperNeuronSettings.neuron_threshold,
-    dim_threshold: float = SuperNeuronSettings.dim_threshold,
-    max_dims: int = SuperNeuronSettings.max_dims,
-    erase_fraction: float = SuperNeuronSettings.erase_fraction,
-    top_k: int = SuperNeuronSettings.top_k,
-    row_top_k: int = SuperNeuronSettings.row_top_k,
+    settings: SuperNeuronSettings | None = None,
     options: RunOptions = RunOptions(),
-    **deprecated: Any,
+    **settings_kwargs: Any,
 ) -> SuperNeurons:
     """Find super neurons at ``sink_position`` and the blocks/neurons that write each massive dimension.
 
     Args:
         inputs: anything :func:`sinklens.inputs.as_batches` accepts (None = the built-in prompts).
         layers: model layers whose neurons are analysed (None = all). The residual path always uses all.
-        dims: massive residual dimensions to attribute (None: detected at the sink with ``dim_threshold``,
-            at most ``max_dims``; e.g. pass ``MassiveActivations.massive_dims()``).
-        sink_position, position_threshold, neuron_threshold, dim_threshold, max_dims, erase_fraction, top_k,
-            row_top_k: see :class:`SuperNeuronSettings`.
+        settings: the analysis settings (default ``SuperNeuronSettings()``).
+        **settings_kwargs: any field of :class:`SuperNeuronSettings` as a keyword, replacing that of ``settings``:
+            ``sink_position=``, ``dims=`` (massive residual dimensions to attribute; None: detected at the sink
+            with ``dim_threshold``, at most ``max_dims``; e.g. pass ``MassiveActivations.massive_dims()``),
+            ``position_threshold=``, ``neuron_threshold=``, ...
         options: batching, BOS, truncation, extra hooks and progress bar.
 
     Examples:
@@ -701,11 +695,7 @@ def find_super_neurons(
         >>> found.dims, found.top(5, 1)[0][:2], found.path(5).write_layer
         ([5], (0, 7), 0)
     """
-    options = options_from_legacy(options, deprecated, "find_super_neurons")
-    settings = SuperNeuronSettings(
-        sink_position=sink_position, dims=None if dims is None else tuple(dims), position_threshold=position_threshold,
-        neuron_threshold=neuron_threshold, dim_threshold=dim_threshold, max_dims=max_dims,
-        erase_fraction=erase_fraction, top_k=top_k, row_top_k=row_top_k,
-    )
+    options = options_from_legacy(options, settings_kwargs, "find_super_neurons", last=False)
+    settings = settings_from(SuperNeuronSettings, settings, settings_kwargs, "find_super_neurons")
     (result,) = run(model, inputs, SuperNeuronReducer(model, layers=layers, settings=settings), options=options)
     return result

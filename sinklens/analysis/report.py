@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from sinklens.analysis._common import options_from_legacy
+from sinklens.analysis._common import options_from_legacy, renamed, settings_from
 from sinklens.analysis.disparity import MassiveActivations, MassiveActivationsReducer, MassiveSettings
 from sinklens.analysis.neurons import SuperNeuronReducer, SuperNeurons, SuperNeuronSettings
 from sinklens.analysis.normalized_disparity import NormalizedDisparity, NormalizedDisparityReducer
 from sinklens.analysis.qk_locking import QKLocking, QKLockingReducer, qk_locking_reason
-from sinklens.analysis.sinks import SinkReducer, SinkResult, SinkSettings
+from sinklens.analysis.sinks import SINK_RENAMES, SinkReducer, SinkResult, SinkSettings
 from sinklens.analysis.value_drain import ValueDrain, ValueDrainReducer, ValueDrainSettings
 from sinklens.analysis.variance import VarianceReducer, VarianceResult
 from sinklens.analysis.verify import CausalCheck, verify_attribution
@@ -186,10 +186,8 @@ def analyze(
     """
     start = time.perf_counter()
     options = options_from_legacy(options, deprecated, "analyze", last=False)
-    sink_settings = SinkSettings.from_kwargs("analyze", deprecated, sink_threshold=sink_threshold,
-                                             min_query=SinkSettings.min_query, min_query_count=SinkSettings.min_query_count,
-                                             min_head_share=SinkSettings.min_head_share,
-                                             outlier_factor=SinkSettings.outlier_factor, top_k=SinkSettings.top_k)
+    sink_threshold = renamed(deprecated, "eps", "sink_threshold", sink_threshold, SinkSettings.sink_threshold)
+    sink_settings = settings_from(SinkSettings, SinkSettings(sink_threshold), deprecated, "analyze", renames=SINK_RENAMES)
     massive_settings = MassiveSettings(abs_threshold=abs_threshold, rel_threshold=rel_threshold, sink_position=sink_position)
     batches = as_batches(model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos,
                          max_length=options.max_length)

@@ -48,7 +48,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from sinklens.analysis._common import SettingsFields, grow, no_unknown_kwargs, options_from_legacy, position_index, renamed
+from sinklens.analysis._common import SettingsFields, grow, layer_head_position_rows, options_from_legacy, position_index, settings_from
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, model_dims
@@ -92,6 +92,10 @@ def _check_threshold(value: Any) -> float:
     return finite_number(value, what="sink_threshold", low=0.0, high=1.0, low_open=True, high_open=True)
 
 
+#: Deprecated keyword names of :class:`SinkSettings` fields (old -> current).
+SINK_RENAMES = {"eps": "sink_threshold", "min_queries": "min_query_count"}
+
+
 @dataclass(frozen=True)
 class SinkSettings:
     """The settings of one sink analysis, held by both :class:`SinkReducer` and :class:`SinkResult`.
@@ -127,13 +131,6 @@ class SinkSettings:
         set_(self, "outlier_factor", finite_number(self.outlier_factor, what="outlier_factor", low=1.0, low_open=True))
         set_(self, "top_k", positive_int(self.top_k, what="top_k", minimum=0))
 
-    @classmethod
-    def from_kwargs(cls, where: str, kwargs: dict[str, Any], **given: Any) -> SinkSettings:
-        """Build from keyword arguments, accepting the deprecated names ``eps`` and ``min_queries``."""
-        given["sink_threshold"] = renamed(kwargs, "eps", "sink_threshold", given["sink_threshold"], cls.sink_threshold)
-        given["min_query_count"] = renamed(kwargs, "min_queries", "min_query_count", given["min_query_count"], cls.min_query_count)
-        no_unknown_kwargs(kwargs, where)
-        return cls(**given)
 
 
 @dataclass
@@ -244,7 +241,7 @@ class SinkResult(SettingsFields):
     n_queries_by_layer: Float[Tensor, "layer key_pos"] | None = None
     tokenizer: Any = field(default=None, repr=False, compare=False)
 
-    _renamed: ClassVar[dict[str, str]] = {"eps": "sink_threshold", "min_queries": "min_query_count"}
+    _renamed: ClassVar[dict[str, str]] = SINK_RENAMES
 
     # ---- rates -------------------------------------------------------------------------------
     def position_index(self, position: int) -> int:
@@ -415,22 +412,11 @@ class SinkResult(SettingsFields):
 
     def rows(self) -> list[dict[str, Any]]:
         """Long format, one row per (layer, head, key position): ``received`` and ``sink_frac``."""
-        received = self.received.tolist()
-        frac = self.seq_sink_frac.tolist()
-        n_q = self.n_queries.tolist()
-        return [
-            {
-                "layer": layer,
-                "head": h,
-                "position": k,
-                "received": received[i][h][k],
-                "sink_frac": frac[i][h][k],
-                "n_queries": n_q[k],
-            }
-            for i, layer in enumerate(self.layers)
-            for h in range(self.received.shape[1])
-            for k in range(self.received.shape[2])
-        ]
+        return layer_head_position_rows(self.layers, *self.received.shape[1:], {
+            "received": ("layer head pos", self.received),
+            "sink_frac": ("layer head pos", self.seq_sink_frac),
+            "n_queries": ("pos", self.n_queries),
+        })
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary: settings, sink positions, rates, received attention, sink tokens."""
@@ -541,13 +527,7 @@ class SinkReducer(Reducer[SinkResult]):
         max_pos: int | None = None,
         **settings_kwargs: Any,
     ):
-        if settings is None:
-            given = {f: settings_kwargs.pop(f) for f in SinkSettings.__dataclass_fields__ if f in settings_kwargs}
-            defaults = {f: getattr(SinkSettings, f) for f in SinkSettings.__dataclass_fields__}
-            settings = SinkSettings.from_kwargs("SinkReducer", settings_kwargs, **(defaults | given))
-        else:
-            no_unknown_kwargs(settings_kwargs, "SinkReducer")
-        self.settings = settings
+        self.settings = settings = settings_from(SinkSettings, settings, settings_kwargs, "SinkReducer", renames=SINK_RENAMES)
         self.attention = AttentionReceivedReducer(model, layers=layers, min_query=settings.min_query, max_pos=max_pos)
         self.layers = self.attention.layers
         self.n_heads = model_dims(model).n_heads
@@ -742,14 +722,9 @@ def find_sinks(
     inputs: Inputs | None = None,
     *,
     layers: int | Sequence[int] | None = None,
-    sink_threshold: float = SinkSettings.sink_threshold,
-    min_query: int = SinkSettings.min_query,
-    min_query_count: int = SinkSettings.min_query_count,
-    min_head_share: float = SinkSettings.min_head_share,
-    outlier_factor: float = SinkSettings.outlier_factor,
-    top_k: int = SinkSettings.top_k,
+    settings: SinkSettings | None = None,
     options: RunOptions = RunOptions(),
-    **deprecated: Any,
+    **settings_kwargs: Any,
 ) -> SinkResult:
     """Find attention sinks: received attention per layer × head × key, sink rates, sink tokens.
 
@@ -757,8 +732,9 @@ def find_sinks(
         inputs: prompts, token ids or :class:`~sinklens.inputs.TokenBatch` es (default: the built-in
             prompt set), see :func:`~sinklens.inputs.as_batches`.
         layers: which layers (default all; negatives count from the end).
-        sink_threshold, min_query, min_query_count, min_head_share, outlier_factor, top_k: the
-            analysis settings, see :class:`SinkSettings` (``eps=`` and ``min_queries=`` are
+        settings: the analysis settings (default ``SinkSettings()``).
+        **settings_kwargs: any field of :class:`SinkSettings` as a keyword (``sink_threshold=``,
+            ``min_query=``, ...), replacing that of ``settings`` (``eps=`` and ``min_queries=`` are
             deprecated names of ``sink_threshold=`` and ``min_query_count=``).
         options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar.
 
@@ -770,10 +746,7 @@ def find_sinks(
         >>> 0.0 <= result.sink_rate(position=0) <= 1.0
         True
     """
-    options = options_from_legacy(options, deprecated, "find_sinks", last=False)
-    settings = SinkSettings.from_kwargs(
-        "find_sinks", deprecated, sink_threshold=sink_threshold, min_query=min_query,
-        min_query_count=min_query_count, min_head_share=min_head_share, outlier_factor=outlier_factor, top_k=top_k,
-    )
+    options = options_from_legacy(options, settings_kwargs, "find_sinks", last=False)
+    settings = settings_from(SinkSettings, settings, settings_kwargs, "find_sinks", renames=SINK_RENAMES)
     (result,) = run(model, inputs, SinkReducer(model, layers=layers, settings=settings), options=options)
     return result

@@ -62,7 +62,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from sinklens.analysis._common import SettingsFields, check_sink_position, options_from_legacy, row_index
+from sinklens.analysis._common import SettingsFields, check_sink_position, options_from_legacy, row_index, settings_from
 from sinklens.analysis.variance import POST_ATTN_SCALE, post_attention_gain
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
@@ -363,16 +363,18 @@ def measure_value_drain(
     inputs: Inputs | None = None,
     *,
     layers: int | Sequence[int] | None = None,
-    settings: ValueDrainSettings = ValueDrainSettings(),
+    settings: ValueDrainSettings | None = None,
     options: RunOptions = RunOptions(),
-    **deprecated: Any,
+    **settings_kwargs: Any,
 ) -> ValueDrain:
     """Measure, per layer × head, attention to the sink against what the sink writes (module docstring).
 
     Args:
         inputs: prompts, token ids or :class:`~sinklens.inputs.TokenBatch` es (default: the built-in prompts).
         layers: which layers (default all).
-        settings: sink position and classification thresholds (:class:`ValueDrainSettings`).
+        settings: sink position and classification thresholds (default ``ValueDrainSettings()``).
+        **settings_kwargs: any field of :class:`ValueDrainSettings` as a keyword (``sink_position=``,
+            ``sink_head_threshold=``, ...), replacing that of ``settings``.
         options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar.
 
     Examples:
@@ -381,6 +383,7 @@ def measure_value_drain(
         >>> drain.write_share.shape, sorted(drain.counts())
         (torch.Size([2, 4]), ['broadcast', 'no-op', 'none', 'partial'])
     """
-    options = options_from_legacy(options, deprecated, "measure_value_drain")
+    options = options_from_legacy(options, settings_kwargs, "measure_value_drain", last=False)
+    settings = settings_from(ValueDrainSettings, settings, settings_kwargs, "measure_value_drain")
     (result,) = run(model, inputs, ValueDrainReducer(model, layers=layers, settings=settings), options=options)
     return result

@@ -102,7 +102,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import grow, options_from_legacy, position_index
+from sinklens.analysis._common import grow, layer_head_position_rows, options_from_legacy, position_index
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
 from sinklens.hooks import ATTN_OUT, PATTERN, V, Z, hook_name, model_device, model_dims, resolve_layers, weight
@@ -276,37 +276,21 @@ class VarianceResult:
 
     def rows(self) -> list[dict[str, Any]]:
         """Long format, one row per (layer, head, position) with every measured and predicted number."""
-        cols = {
-            "z_var": self.z_var.tolist(),
-            "z_var_seq": self.z_var_seq.tolist(),
-            "result_var": self.result_var.tolist(),
-            "pred_pattern": self.pred_pattern.tolist(),
-            "pred_uniform": self.pred_uniform.tolist(),
-            "attn_sq": self.attn_sq.tolist(),
-        }
-        if self.result_var_pre_norm is not None:
-            cols["result_var_pre_norm"] = self.result_var_pre_norm.tolist()
-        if self.feature_std_head is not None:
-            cols["feature_std_head"] = self.feature_std_head.tolist()
-        feature_std = self.feature_std.tolist() if self.feature_std is not None else None
-        out_var = self.attn_out_var.tolist()
-        counts = self.counts.tolist()
-        value_var = self.value_var.tolist()
-        return [
-            {
-                "layer": layer,
-                "head": h,
-                "position": t,
-                "count": counts[t],
-                "value_var": value_var[i][h],
-                "attn_out_var": out_var[i][t],
-                **({"feature_std": feature_std[i][t]} if feature_std is not None else {}),
-                **{name: col[i][h][t] for name, col in cols.items()},
-            }
-            for i, layer in enumerate(self.layers)
-            for h in range(self.z_var.shape[1])
-            for t in range(self.z_var.shape[2])
-        ]
+        lhp = "layer head pos"
+        return layer_head_position_rows(self.layers, *self.z_var.shape[1:], {
+            "count": ("pos", self.counts),
+            "value_var": ("layer head", self.value_var),
+            "attn_out_var": ("layer pos", self.attn_out_var),
+            "feature_std": ("layer pos", self.feature_std),
+            "z_var": (lhp, self.z_var),
+            "z_var_seq": (lhp, self.z_var_seq),
+            "result_var": (lhp, self.result_var),
+            "pred_pattern": (lhp, self.pred_pattern),
+            "pred_uniform": (lhp, self.pred_uniform),
+            "attn_sq": (lhp, self.attn_sq),
+            "result_var_pre_norm": (lhp, self.result_var_pre_norm),
+            "feature_std_head": (lhp, self.feature_std_head),
+        })
 
     def summary_rows(self, position: int = 0) -> list[dict[str, Any]]:
         """One row per (layer, head): discrepancy ratios at ``position`` of z, of the measured and

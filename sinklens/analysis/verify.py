@@ -24,14 +24,15 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sinklens.analysis._common import TINY, check_sink_position, stream_hook
+from sinklens.analysis._common import TINY, stream_hook
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.analysis.neurons import SuperNeurons
+from sinklens.analysis.weight_super_neurons import SinkMeanReducer
 from sinklens.export import to_json
-from sinklens.hooks import model_device, model_dims
+from sinklens.hooks import model_dims
 from sinklens.inputs import Inputs, TokenBatch, as_batches
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, bound_hooks, stream
+from sinklens.streaming import stream
 from sinklens.validate import positive_int
 
 #: Queries before this position are left out of the sink's received attention (as in ``SinkSettings.min_query``).
@@ -94,41 +95,12 @@ class CausalCheck:
                         "min_query": MIN_QUERY, "checks": self.checks})
 
 
-class _ResidAtSink(Reducer[Tensor]):
-    """Mean over sequences of the residual stream at the sink, at the given residual-stream indices."""
-
-    statistics = ("sums", "n")
-
-    def __init__(self, model: Any, sink: int, streams: Sequence[int]):
-        self.n_layers, self.d_model = model_dims(model).n_layers, model_dims(model).d_model
-        self.sink, self.streams, self.device = sink, list(streams), model_device(model)
-        self.reset()
-
-    def reset(self) -> None:
-        self.sums = torch.zeros(len(self.streams), self.d_model, device=self.device, dtype=torch.float64)
-        self.n = 0
-
-    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
-        check_sink_position(batch, self.sink)
-
-        def fold(act: Tensor, i: int) -> None:
-            self.sums[i] += act[:, self.sink].double().sum(0)
-
-        names = [stream_hook(s, self.n_layers) for s in self.streams]
-        return BatchFold(bound_hooks(names, range(len(names)), fold))
-
-    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
-        self.n += batch.tokens.shape[0]
-
-    def result(self) -> Tensor:
-        return (self.sums / max(self.n, 1)).float().cpu()
-
-
 def _measure(model: Any, batches: Sequence[TokenBatch], sink: int, streams: Sequence[int], hooks: list,
              options: RunOptions) -> tuple[Tensor, float]:
     """(residual at the sink at ``streams``, mean received attention of the sink) with ``hooks`` attached."""
     attention = AttentionReceivedReducer(model, min_query=MIN_QUERY)
-    resid, received = stream(model, batches, [_ResidAtSink(model, sink, streams), attention],
+    at_sink = SinkMeanReducer(model, sink, [stream_hook(s, model_dims(model).n_layers) for s in streams])
+    resid, received = stream(model, batches, [at_sink, attention],
                              options=options.replace(extra_hooks=tuple(options.extra_hooks) + tuple(hooks), progress=False))
     return resid, float(torch.nanmean(received.received[:, :, sink]))
 

@@ -27,10 +27,10 @@ from sinklens.analysis._common import check_sink_position, options_from_legacy, 
 from sinklens.analysis.neurons import row_sparsity
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import LN2_NORMALIZED, model_device, model_dims, resolve_layers, weight
+from sinklens.hooks import LN2_NORMALIZED, hook_name, model_device, model_dims, resolve_layers, weight
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, run
 from sinklens.validate import as_int, positive_int
 
 
@@ -48,39 +48,50 @@ class SinkInput:
     x: Float[Tensor, "layer d_model"]
 
 
-class SinkInputReducer(Reducer[SinkInput]):
-    """Streams ``blocks.{l}.<site>`` at ``sink_position`` into a per-layer mean (:class:`SinkInput`)."""
+class SinkMeanReducer(Reducer[Tensor]):
+    """Mean over sequences of ``act[:, sink]`` at each of the hooks ``names``: a ``[hook, d_model]`` tensor
+    (float64 sums, float32 result). A hook TransformerLens 3.x runs more than once per forward (``ln1.hook_normalized``
+    once per q/k/v input) is folded on its first call only."""
 
     statistics = ("sums", "n")
 
-    def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None, site: str = LN2_NORMALIZED):
-        dims = model_dims(model)
-        self.layers = resolve_layers(layers, dims.n_layers)
-        self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.sink, self.site = sink_position_arg(sink_position), site
-        self.d_model, self.device = dims.d_model, model_device(model)
+    def __init__(self, model: Any, sink: int, names: Sequence[str]):
+        self.sink, self.names = sink_position_arg(sink), list(names)
+        self.d_model, self.device = model_dims(model).d_model, model_device(model)
         self.reset()
 
     def reset(self) -> None:
-        self.sums = torch.zeros(len(self.layers), self.d_model, device=self.device, dtype=torch.float64)
+        self.sums = torch.zeros(len(self.names), self.d_model, device=self.device, dtype=torch.float64)
         self.n = 0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         check_sink_position(batch, self.sink)
 
-        def fold(act: Tensor, layer: int) -> None:  # [batch, pos, d_model]
-            self.sums[self.row[layer]] += act[:, self.sink].double().sum(0)
+        def fold(act: Tensor, row: int) -> None:  # [batch, pos, d_model]
+            self.sums[row] += act[:, self.sink].double().sum(0)
 
-        # TL 3.x runs ln1.hook_normalized once per q/k/v input: fold the first call only.
-        return BatchFold(per_layer_hooks(self.site, self.layers, once_per_forward(fold)))
+        return BatchFold(bound_hooks(self.names, range(len(self.names)), once_per_forward(fold)))
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.n += batch.valid.shape[0]
 
-    def result(self) -> SinkInput:
+    def result(self) -> Tensor:
         if self.n == 0:
             raise InvalidArgumentError("No batches were streamed; nothing to summarise.")
-        return SinkInput(list(self.layers), self.sink, self.site, (self.sums / self.n).float().cpu())
+        return (self.sums / self.n).float().cpu()
+
+
+class SinkInputReducer(SinkMeanReducer):
+    """Streams ``blocks.{l}.<site>`` at ``sink_position`` into a per-layer mean (:class:`SinkInput`)."""
+
+    def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None, site: str = LN2_NORMALIZED):
+        self.layers = resolve_layers(layers, model_dims(model).n_layers)
+        self.row = {layer: i for i, layer in enumerate(self.layers)}
+        self.site = site
+        super().__init__(model, sink_position, [hook_name(layer, site) for layer in self.layers])
+
+    def result(self) -> SinkInput:  # type: ignore[override]
+        return SinkInput(list(self.layers), self.sink, self.site, super().result())
 
 
 def sink_inputs(

@@ -11,7 +11,7 @@ All return ``(hook_name, fn)`` pairs and never modify the tensor they receive.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 import torch
@@ -29,6 +29,19 @@ ClampMode = Literal["set", "bound"]
 def _positions_or_all(positions: Any, n_ctx: int) -> list[int] | None:
     """``None`` (every position) or validated positions."""
     return None if positions is None else positions_arg(positions, n_ctx)
+
+
+def _edit_columns(act: Tensor, pos: list[int] | None, idx: list[int], new: Callable[[Tensor], Tensor]) -> Tensor:
+    """A copy of ``act`` (``[batch, pos, dim]``) whose columns ``idx`` at positions ``pos`` (None: every
+    position) are ``new(old columns)``; a named error if a position lies beyond this sequence."""
+    if pos is not None:
+        check_in_sequence(pos, act.shape[1])
+    p = slice(None) if pos is None else pos
+    out = act.clone()
+    rows = out[:, p]
+    rows[..., idx] = new(rows[..., idx])
+    out[:, p] = rows
+    return out
 
 
 def edit_neurons(
@@ -78,23 +91,15 @@ def edit_neurons(
     names = [hook_name(layer, MLP_POST) for layer in per_layer]
     check_hook_names(model, names)
 
-    def fn(act: Tensor, hook: Any) -> Tensor:  # act: [batch, pos, d_mlp]
-        idx = per_layer[layer_of(hook.name)]
-        p = slice(None) if pos is None else pos
-        if pos is not None:
-            check_in_sequence(pos, act.shape[1])
-        out = act.clone()
-        sub = out[:, p][..., idx]
+    def new(sub: Tensor) -> Tensor:
         if mode == "zero":
-            new = torch.zeros_like(sub)
-        elif mode == "scale":
-            new = sub * value
-        else:
-            new = torch.full_like(sub, value)
-        rows = out[:, p]
-        rows[..., idx] = new
-        out[:, p] = rows
-        return out
+            return torch.zeros_like(sub)
+        if mode == "scale":
+            return sub * value
+        return torch.full_like(sub, value)
+
+    def fn(act: Tensor, hook: Any) -> Tensor:  # act: [batch, pos, d_mlp]
+        return _edit_columns(act, pos, per_layer[layer_of(hook.name)], new)
 
     return [(name, fn) for name in names]
 
@@ -124,15 +129,11 @@ def clamp_dims(
     names = [hook_name(layer, site) for layer in layers_arg(layers, md.n_layers)]
     check_hook_names(model, names)
 
+    def new(sub: Tensor) -> Tensor:
+        return torch.full_like(sub, value) if mode == "set" else sub.clamp(-value, value)
+
     def fn(act: Tensor, hook: Any) -> Tensor:  # act: [batch, pos, d_model]
-        if pos is not None:
-            check_in_sequence(pos, act.shape[1])
-        p = slice(None) if pos is None else pos
-        out = act.clone()
-        rows = out[:, p]
-        rows[..., idx] = torch.full_like(rows[..., idx], value) if mode == "set" else rows[..., idx].clamp(-value, value)
-        out[:, p] = rows
-        return out
+        return _edit_columns(act, pos, idx, new)
 
     return [(name, fn) for name in names]
 
@@ -157,12 +158,8 @@ def transplant_dims(
     names = [hook_name(layer, site) for layer in layers_arg(layers, md.n_layers)]
     check_hook_names(model, names)
 
-    def fn(act: Tensor, hook: Any) -> Tensor:
-        check_in_sequence([*pos, src], act.shape[1])
-        out = act.clone()
-        rows = out[:, pos]
-        rows[..., idx] = act[:, src, idx][:, None, :].expand(-1, len(pos), -1)
-        out[:, pos] = rows
-        return out
+    def fn(act: Tensor, hook: Any) -> Tensor:  # act: [batch, pos, d_model]
+        check_in_sequence([src], act.shape[1])
+        return _edit_columns(act, pos, idx, lambda sub: act[:, src, idx][:, None, :].expand_as(sub))
 
     return [(name, fn) for name in names]

@@ -47,10 +47,10 @@ from torch import Tensor
 
 from sinklens.hooks import MLP_POST, RESID_MID, RESID_POST, RESID_PRE, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch
-from sinklens.options import RunOptions
-from sinklens.origins.preference import random_batches
+from sinklens.options import RunOptions, settings_from
+from sinklens.origins.preference import RandomInputs, stream_random
 from sinklens.origins.sites import final_state_site, unembedding
-from sinklens.streaming import BatchFold, Reducer, merge_statistics, stream
+from sinklens.streaming import BatchFold, Reducer, merge_statistics
 
 _ACTIVATIONS = {
     "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
@@ -285,14 +285,15 @@ class ContractionReducer(Reducer[ContractionResult]):
 
 def contraction(
     model: Any,
+    random: RandomInputs | None = None,
     *,
-    n_sequences: int = 128,
-    seq_len: int = 32,
-    prepend_bos: bool = False,
-    seed: int = 0,
     options: RunOptions = RunOptions(progress=False, desc="contraction"),
+    **random_kwargs: Any,
 ) -> ContractionResult:
     """Inter- and intra-sequence concentration per sublayer on random inputs (see the module docstring).
+
+    ``random`` (or its fields as keywords: ``n_sequences=``, ``seq_len=``, ``prepend_bos=``, ``seed=``)
+    are the :class:`~sinklens.origins.preference.RandomInputs` (default 128 sequences of 32 tokens).
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -302,7 +303,5 @@ def contraction(
         >>> res.share("inter_mean").shape
         torch.Size([2, 2])
     """
-    batches = random_batches(model, n_sequences=n_sequences, seq_len=seq_len, prepend_bos=prepend_bos, seed=seed,
-                             options=options)
-    (result,) = stream(model, batches, [ContractionReducer(model, seq_len, prepend_bos=prepend_bos)], options=options)
-    return result
+    random = settings_from(RandomInputs, random, random_kwargs, "contraction")
+    return stream_random(model, random, ContractionReducer(model, random.seq_len, prepend_bos=random.prepend_bos), options)

@@ -29,9 +29,9 @@ from torch import Tensor
 
 from sinklens.hooks import ATTN_OUT, RESID_MID, Z, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch
-from sinklens.options import RunOptions
-from sinklens.origins.preference import random_batches
-from sinklens.streaming import BatchFold, Reducer, stream
+from sinklens.options import RunOptions, settings_from
+from sinklens.origins.preference import RandomInputs, stream_random
+from sinklens.streaming import BatchFold, Reducer
 
 
 def relative_to_later(x: Float[Tensor, "... pos"]) -> Float[Tensor, "... pos"]:
@@ -141,14 +141,15 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
 
 def positional_discrepancy(
     model: Any,
+    random: RandomInputs | None = None,
     *,
-    n_sequences: int = 128,
-    seq_len: int = 32,
-    prepend_bos: bool = False,
-    seed: int = 0,
     options: RunOptions = RunOptions(progress=False, desc="positional"),
+    **random_kwargs: Any,
 ) -> PositionalDiscrepancy:
     """Per layer and position: across-sequence variance and mean norm of attention outputs and residuals.
+
+    ``random`` (or its fields as keywords: ``n_sequences=``, ``seq_len=``, ``prepend_bos=``, ``seed=``)
+    are the :class:`~sinklens.origins.preference.RandomInputs` (default 128 sequences of 32 tokens).
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -156,10 +157,8 @@ def positional_discrepancy(
         >>> pd.head_var.shape, bool(pd.first_token_ratio("attn_out_var")[0] > 1)
         (torch.Size([2, 4, 8]), True)
     """
-    batches = random_batches(model, n_sequences=n_sequences, seq_len=seq_len, prepend_bos=prepend_bos, seed=seed,
-                             options=options)
-    (result,) = stream(model, batches, [PositionalReducer(model, seq_len)], options=options)
-    return result
+    random = settings_from(RandomInputs, random, random_kwargs, "positional_discrepancy")
+    return stream_random(model, random, PositionalReducer(model, random.seq_len), options)
 
 
 @dataclass

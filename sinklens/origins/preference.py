@@ -38,9 +38,9 @@ from torch import Tensor
 
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch, random_token_batches
-from sinklens.options import RunOptions
+from sinklens.options import RunOptions, settings_from
 from sinklens.origins.sites import final_state_site, logits_from_final
-from sinklens.streaming import BatchFold, Reducer, stream
+from sinklens.streaming import R, BatchFold, Reducer, stream
 from sinklens.validate import positive_int
 
 
@@ -144,26 +144,46 @@ class TokenPreferenceReducer(Reducer[TokenPreference]):
         return TokenPreference((self.prob_sum / max(self.n, 1)).float().cpu(), self.counts.cpu(), self.n, self.prepend_bos)
 
 
-def random_batches(model: Any, *, n_sequences: int, seq_len: int, prepend_bos: bool, seed: int,
-                   options: RunOptions) -> list[TokenBatch]:
+@dataclass(frozen=True)
+class RandomInputs:
+    """The random inputs every origins measure runs on: ``n_sequences`` sequences of ``seq_len`` token ids
+    drawn uniformly from ``[0, d_vocab)`` (:func:`sinklens.inputs.random_token_batches` with ``seed``),
+    with the BOS token at position 0 if ``prepend_bos``. Both sizes must be >= 2."""
+
+    n_sequences: int = 128
+    seq_len: int = 32
+    prepend_bos: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "n_sequences", positive_int(self.n_sequences, what="n_sequences", minimum=2))
+        object.__setattr__(self, "seq_len", positive_int(self.seq_len, what="seq_len", minimum=2))
+
+
+def random_batches(model: Any, random: RandomInputs, options: RunOptions) -> list[TokenBatch]:
     """Uniform random token batches on the model's device (the inputs of every origins measure)."""
-    n_sequences = positive_int(n_sequences, what="n_sequences", minimum=2)
-    seq_len = positive_int(seq_len, what="seq_len", minimum=2)
-    batches = random_token_batches(model, n_sequences=n_sequences, seq_len=seq_len, batch_size=options.batch_size,
-                                   prepend_bos=prepend_bos, seed=seed)
+    batches = random_token_batches(model, n_sequences=random.n_sequences, seq_len=random.seq_len,
+                                   batch_size=options.batch_size, prepend_bos=random.prepend_bos, seed=random.seed)
     return [b.to(model_device(model)) for b in batches]
+
+
+def stream_random(model: Any, random: RandomInputs, reducer: Reducer[R], options: RunOptions) -> R:
+    """Stream ``reducer`` over :func:`random_batches` and return its result."""
+    (result,) = stream(model, random_batches(model, random, options), [reducer], options=options)
+    return result
 
 
 def token_preference(
     model: Any,
+    random: RandomInputs | None = None,
     *,
-    n_sequences: int = 256,
-    seq_len: int = 32,
-    prepend_bos: bool = False,
-    seed: int = 0,
     options: RunOptions = RunOptions(progress=False, desc="token preference"),
+    **random_kwargs: Any,
 ) -> TokenPreference:
     """Mean next-token distribution and argmax counts over ``n_sequences`` random sequences.
+
+    ``random`` (or its fields as keywords: ``n_sequences=``, ``seq_len=``, ``prepend_bos=``, ``seed=``)
+    are the :class:`RandomInputs`; the default here is 256 sequences.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -171,7 +191,5 @@ def token_preference(
         >>> pref.mean_probs.shape, round(float(pref.probs.sum()), 4)
         (torch.Size([4, 64]), 1.0)
     """
-    batches = random_batches(model, n_sequences=n_sequences, seq_len=seq_len, prepend_bos=prepend_bos, seed=seed,
-                             options=options)
-    (pref,) = stream(model, batches, [TokenPreferenceReducer(model, seq_len, prepend_bos=prepend_bos)], options=options)
-    return pref
+    random = settings_from(RandomInputs, random, random_kwargs, "token_preference", defaults={"n_sequences": 256})
+    return stream_random(model, random, TokenPreferenceReducer(model, random.seq_len, prepend_bos=random.prepend_bos), options)

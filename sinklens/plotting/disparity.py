@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sinklens.plotting.style import finish, new_figure
+from sinklens.plotting.style import finish, new_figure, paired_bars
 
 
 def _stream_labels(result: Any) -> list[str]:
@@ -44,9 +44,8 @@ def plot_top_dims(result: Any, *, stream: int | None = None, k: int = 10, path: 
     row = result.streams.index(stream)
     fig, axes = new_figure(width=7.0, height=4.0)
     ax = axes[0, 0]
-    xs = list(range(len(top)))
-    ax.bar([x - 0.2 for x in xs], [v for _, v in top], width=0.4, label=f"position {result.sink_position}")
-    ax.bar([x + 0.2 for x in xs], [float(result.max_abs_other[row, d]) for d, _ in top], width=0.4, label="other positions")
+    xs = paired_bars(ax, [v for _, v in top], [float(result.max_abs_other[row, d]) for d, _ in top],
+                     (f"position {result.sink_position}", "other positions"))
     ax.set_xticks(xs, [str(d) for d, _ in top])
     ax.set_yscale("log")
     ax.set_xlabel("residual dimension")

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from sinklens.plotting.style import finish, new_figure
+from sinklens.plotting.style import finish, new_figure, paired_bars
 
 
 def plot_rank_probability(prefs: dict[str, Any], *, path: str | Path | None = None) -> Any:
@@ -48,9 +48,7 @@ def plot_contraction(result: Any, *, path: str | Path | None = None) -> Any:
     ax.legend(fontsize=8)
     ax = axes[0, 1]
     share = result.share("inter_mean").numpy()
-    layers = np.arange(share.shape[0])
-    ax.bar(layers - 0.2, share[:, 0], width=0.4, label="attention")
-    ax.bar(layers + 0.2, share[:, 1], width=0.4, label="MLP")
+    paired_bars(ax, share[:, 0], share[:, 1], ("attention", "MLP"))
     ax.set_xlabel("layer")
     ax.set_ylabel("share of the inter-sequence change")
     ax.set_title(f"who concentrates ({result.activation}: E[f(z)] = {result.activation_mean_at_zero:.3f})")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 # The backend is left to matplotlib: it picks Agg on headless machines and inline in Jupyter.
 import matplotlib.pyplot as plt
+import numpy as np
 
 
 def new_figure(n_rows: int = 1, n_cols: int = 1, *, width: float = 6.0, height: float = 4.0, **kw: Any):
@@ -31,3 +33,12 @@ def finish(fig: Any, path: str | Path | None) -> Any:
     if path is not None:
         save_figure(fig, path, close=False)
     return fig
+
+
+def paired_bars(ax: Any, left: Sequence[float] | np.ndarray, right: Sequence[float] | np.ndarray,
+                labels: tuple[str, str]) -> np.ndarray:
+    """Two series as side-by-side bars (width 0.4 each) at x = 0, 1, ...; returns those x positions."""
+    x = np.arange(len(left))
+    ax.bar(x - 0.2, left, width=0.4, label=labels[0])
+    ax.bar(x + 0.2, right, width=0.4, label=labels[1])
+    return x

@@ -3,7 +3,7 @@ first-token discrepancy."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +28,23 @@ def _heads(result: Any, heads: int | Sequence[int] | None) -> list[int]:
     return optional_index_list(heads, result.z_var.shape[1], what="heads", allow_negative=False)
 
 
+def _position_panels(rows: list[int], n_positions: int, draw: Callable[[Any, int, np.ndarray], str], *,
+                     ylabel: str, path: str | Path | None) -> Any:
+    """One log-log panel per layer row against position + 1: ``draw(ax, row, x)`` plots its lines and
+    returns the panel's title."""
+    fig, axes = new_figure(1, len(rows), width=4.2, height=3.6)
+    x = np.arange(1, n_positions + 1)
+    for ax, row in zip(axes[0], rows):
+        title = draw(ax, row, x)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("position t + 1")
+        ax.set_title(title, fontsize=9)
+    axes[0, 0].set_ylabel(ylabel)
+    axes[0, 0].legend(fontsize=7)
+    return finish(fig, path)
+
+
 def plot_variance_by_position(
     result: Any,
     *,
@@ -42,12 +59,10 @@ def plot_variance_by_position(
         layers: model layers to draw (default: up to 4 evenly spaced analysed layers).
         heads: one head, several, or ``None`` for the mean over all heads of the layer.
     """
-    rows = _rows(result, layers)
     head_idx = _heads(result, heads)
-    fig, axes = new_figure(1, len(rows), width=4.2, height=3.6)
-    x = np.arange(1, result.z_var.shape[-1] + 1)
     label_heads = "mean of heads" if heads is None else f"heads {head_idx}"
-    for ax, row in zip(axes[0], rows):
+
+    def draw(ax: Any, row: int, x: np.ndarray) -> str:
         for name, series, style in (
             ("measured Var(z)", result.z_var, dict(color="tab:blue", lw=2)),
             ("σ_v² Σ A² (pattern)", result.pred_pattern, dict(color="tab:orange", ls="--")),
@@ -56,13 +71,10 @@ def plot_variance_by_position(
             y = series[row, head_idx].mean(dim=0).numpy()
             ax.plot(x, y, label=name, **style)
         ax.scatter([1], [float(result.z_var[row, head_idx, 0].mean())], color="tab:red", zorder=3, s=20)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("position t + 1")
-        ax.set_title(f"layer {result.layers[row]} ({label_heads})", fontsize=9)
-    axes[0, 0].set_ylabel("variance of z (per coordinate)")
-    axes[0, 0].legend(fontsize=7)
-    return finish(fig, path)
+        return f"layer {result.layers[row]} ({label_heads})"
+
+    return _position_panels(_rows(result, layers), result.z_var.shape[-1], draw,
+                            ylabel="variance of z (per coordinate)", path=path)
 
 
 def plot_discrepancy(result: Any, *, position: int = 0, path: str | Path | None = None) -> Any:
@@ -105,18 +117,13 @@ def plot_feature_std_by_position(
     """
     if result.feature_std is None or result.feature_std_head is None:
         raise ValueError("This VarianceResult has no feature std (made by an older sinklens); measure it again.")
-    rows = _rows(result, layers)
-    fig, axes = new_figure(1, len(rows), width=4.2, height=3.6)
-    x = np.arange(1, result.feature_std.shape[-1] + 1)
-    for ax, row in zip(axes[0], rows):
+
+    def draw(ax: Any, row: int, x: np.ndarray) -> str:
         concat = result.feature_std[row].numpy()
         ax.plot(x, concat, color="tab:blue", lw=2, label="std over o_proj input (Li et al.)")
         ax.plot(x, result.feature_std_head[row].mean(dim=0).numpy(), color="tab:green", ls="--", label="per head (mean)")
         ax.plot(x, concat[0] / np.sqrt(x), color="gray", ls=":", label="std[0] / sqrt(t+1)")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("position t + 1")
-        ax.set_title(f"layer {result.layers[row]}", fontsize=9)
-    axes[0, 0].set_ylabel("feature std (mean over sequences)")
-    axes[0, 0].legend(fontsize=7)
-    return finish(fig, path)
+        return f"layer {result.layers[row]}"
+
+    return _position_panels(_rows(result, layers), result.feature_std.shape[-1], draw,
+                            ylabel="feature std (mean over sequences)", path=path)

@@ -149,14 +149,6 @@ def _plant_reader(w: _Weights, layer: int, neuron: int, read_dim: int, write_dim
 def planted_model(
     arch: Literal["llama", "gpt2"] = "llama",
     *,
-    n_layers: int = 2,
-    d_model: int = 16,
-    n_heads: int = 4,
-    n_kv_heads: int | None = None,
-    d_mlp: int = 32,
-    n_ctx: int = 64,
-    d_vocab: int = 64,
-    seed: int = 0,
     layer: int = 0,
     neuron: int = 7,
     dim: int = 5,
@@ -166,9 +158,12 @@ def planted_model(
     qk_layer: int | None = None,
     qk_head: int = 1,
     common_dim: int = 9,
+    **model_kwargs: Any,
 ) -> tuple[Any, PlantedSpec]:
     """A :func:`~sinklens.testing.tiny_model` with a planted super neuron (see the module docstring).
 
+    ``model_kwargs`` (``n_layers=``, ``d_model=``, ``n_heads=``, ``n_kv_heads=``, ``d_mlp=``, ``n_ctx=``,
+    ``d_vocab=``, ``seed=``) go to :func:`~sinklens.testing.tiny_model`, with its defaults.
     Returns the model and a :class:`PlantedSpec` with the planted locations.
 
     Examples:
@@ -178,6 +173,8 @@ def planted_model(
         >>> bool(resid[0, 5].abs() > 100), float(resid[1:, 5].abs().max())
         (True, 0.0)
     """
+    model = tiny_model(arch, **model_kwargs)
+    n_layers, d_model = model.cfg.n_layers, model.cfg.d_model
     used = {dim, bos_dim} | ({common_dim} if qk_layer is not None else set())
     if len(used) != (3 if qk_layer is not None else 2) or max(used) >= d_model or min(used) < 0:
         raise ValueError(f"dim={dim}, bos_dim={bos_dim}, common_dim={common_dim} must be distinct and in [0, {d_model}).")
@@ -187,10 +184,6 @@ def planted_model(
         raise ValueError(f"erase_layer={erase_layer} must lie in ({layer}, {n_layers}).")
     if qk_layer is not None and not layer < qk_layer < n_layers:
         raise ValueError(f"qk_layer={qk_layer} must lie in ({layer}, {n_layers}).")
-    model = tiny_model(
-        arch, n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, d_mlp=d_mlp,
-        n_ctx=n_ctx, d_vocab=d_vocab, seed=seed,
-    )
     w = _Weights(model, arch)
     protected = sorted(used)
     with torch.no_grad():

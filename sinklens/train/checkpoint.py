@@ -30,7 +30,6 @@ is the whole data state, and resuming reproduces the uninterrupted loss curve ex
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -47,6 +46,7 @@ import torch
 
 from sinklens.errors import CorruptCheckpointError, RunNotFoundError
 from sinklens.export import write_json, write_text_atomic
+from sinklens.model_files import file_mismatch, sha256_file
 from sinklens.train.config import TrainConfig
 
 CONFIG, WEIGHTS, OPTIMIZER, STATE, TOKENIZER = "config.json", "model.safetensors", "optimizer.pt", "trainer_state.pt", "tokenizer"
@@ -70,14 +70,6 @@ def _fsync_dir(path: Path) -> None:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as handle:
         os.fsync(handle.fileno())
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def _step_dir_name(step: int) -> str:
@@ -122,7 +114,7 @@ def save_checkpoint(
         names = [n for n in (CONFIG, WEIGHTS, OPTIMIZER, STATE) if (tmp / n).is_file()]
         for name in names:
             _fsync_file(tmp / name)
-        files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": _sha256(tmp / n)} for n in names}
+        files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in names}
         write_json(tmp / MANIFEST, {"format": 2, "step": step, "files": files}, digits=None)
         _fsync_dir(tmp)
         final = root / _step_dir_name(step)
@@ -170,13 +162,9 @@ def verify_checkpoint(path: str | Path) -> str | None:
         if name not in files:
             return f"{path / MANIFEST} lists no {name}"
     for name, meta in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{file} is missing"
-        if file.stat().st_size != meta["bytes"]:
-            return f"{file} has {file.stat().st_size} bytes, the manifest says {meta['bytes']} (truncated?)"
-        if _sha256(file) != meta["sha256"]:
-            return f"{file} fails its SHA-256 checksum"
+        problem = file_mismatch(path / name, meta["bytes"], meta["sha256"])
+        if problem is not None:
+            return problem
     return None
 
 

@@ -46,6 +46,27 @@ def _cache(model, tokens=TOKENS):
     return cache
 
 
+#: Prompts and the super-neuron search shared by the streamed-vs-cache tests of the post-norm contributions.
+PROMPTS = ["t5 t9 t13 t17", "t30 t8 t8 t40 t2", "t11 t12"]
+
+
+def _find_all_dims(model):
+    return find_super_neurons(model, PROMPTS, dims=list(range(model.cfg.d_model)), options=QUIET.replace(batch_size=2))
+
+
+def _hf_post_norm(model, layer, site):
+    """The Hugging Face post norm after block ``layer``'s attention (``site="attn"``) or MLP (``"mlp"``)."""
+    return getattr(model.original_model.model.layers[layer],
+                   "post_attention_layernorm" if site == "attn" else "post_feedforward_layernorm")
+
+
+def _post_norm_scale_at_sink(model, cache, layer, site):
+    """Gemma's ``(1 + w) / rms(x)`` of that post norm at position 0 of one cached sequence (eps from the HF config)."""
+    x = cache[f"blocks.{layer}.{'ln1_post' if site == 'attn' else 'ln2_post'}.hook_in"][0, 0]
+    rms = (x.pow(2).mean() + model.original_model.config.rms_norm_eps).sqrt()
+    return (1.0 + _hf_post_norm(model, layer, site).weight.detach()) / rms
+
+
 def test_post_norm_map_reproduces_the_norm_output(post_norm_model):
     """gain ⊙ x / hook_scale, with Gemma's gain = 1 + w, is the post norm's hook_out (and hook_attn/mlp_out)."""
     cache = _cache(post_norm_model)
@@ -53,8 +74,7 @@ def test_post_norm_map_reproduces_the_norm_output(post_norm_model):
         for site, norm, out in (("attn", "ln1_post", "hook_attn_out"), ("mlp", "ln2_post", "hook_mlp_out")):
             pm = post_norm_map(post_norm_model, layer, site)
             assert pm.convention == "1+w" and not pm.center
-            hf_norm = getattr(post_norm_model.original_model.model.layers[layer],
-                              "post_attention_layernorm" if site == "attn" else "post_feedforward_layernorm")
+            hf_norm = _hf_post_norm(post_norm_model, layer, site)
             torch.testing.assert_close(pm.gain, 1.0 + hf_norm.weight.detach())
             x = cache[f"blocks.{layer}.{norm}.hook_in"]
             # an independent RMS (eps from the HF config), not the hook_scale value
@@ -98,18 +118,15 @@ def test_pre_norm_contributions_are_act_times_w_out(family):
 def test_streamed_contributions_equal_a_full_cache_reference(post_norm_model):
     """The reducer's residual-unit contributions (mean over sequences at the sink) vs per-sequence hook maths."""
     model = post_norm_model
-    prompts = ["t5 t9 t13 t17", "t30 t8 t8 t40 t2", "t11 t12"]
-    found = find_super_neurons(model, prompts, dims=list(range(model.cfg.d_model)), options=QUIET.replace(batch_size=2))
+    found = _find_all_dims(model)
     L, d = model.cfg.n_layers, model.cfg.d_model
-    ref, offset = torch.zeros(L, model.cfg.d_mlp, d), torch.zeros(L, d)
-    for prompt in prompts:
+    ref = torch.zeros(L, model.cfg.d_mlp, d)
+    for prompt in PROMPTS:
         cache = _cache(model, model.to_tokens(prompt))
         for layer in range(L):
-            x = cache[f"blocks.{layer}.ln2_post.hook_in"][0, 0]
-            rms = (x.pow(2).mean() + model.original_model.config.rms_norm_eps).sqrt()
-            gain = 1.0 + model.original_model.model.layers[layer].post_feedforward_layernorm.weight.detach()
-            ref[layer] += cache[f"blocks.{layer}.mlp.hook_post"][0, 0][:, None] * model.W_out[layer].detach() * gain / rms
-    ref /= len(prompts)
+            scale = _post_norm_scale_at_sink(model, cache, layer, "mlp")
+            ref[layer] += cache[f"blocks.{layer}.mlp.hook_post"][0, 0][:, None] * model.W_out[layer].detach() * scale
+    ref /= len(PROMPTS)
     torch.testing.assert_close(found.contribution, ref, rtol=1e-4, atol=1e-4)
     assert found.post_norm_blocks == list(range(L))
     torch.testing.assert_close(found.contribution.sum(1) + found.mlp_offset_sink, found.mlp_out_sink, rtol=1e-4, atol=1e-4)
@@ -118,19 +135,15 @@ def test_streamed_contributions_equal_a_full_cache_reference(post_norm_model):
 def test_head_contributions_through_the_post_attention_norm(post_norm_model):
     """Per head: mean over sequences of z_h W_O[h] × (1 + w) / rms(attention output) at the sink (full cache)."""
     model = post_norm_model
-    prompts = ["t5 t9 t13 t17", "t30 t8 t8 t40 t2", "t11 t12"]
-    found = find_super_neurons(model, prompts, dims=list(range(model.cfg.d_model)), options=QUIET.replace(batch_size=2))
+    found = _find_all_dims(model)
     L, H, d = model.cfg.n_layers, model.cfg.n_heads, model.cfg.d_model
     ref = torch.zeros(L, H, d)
-    for prompt in prompts:
+    for prompt in PROMPTS:
         cache = _cache(model, model.to_tokens(prompt))
         for layer in range(L):
-            x = cache[f"blocks.{layer}.ln1_post.hook_in"][0, 0]
-            rms = (x.pow(2).mean() + model.original_model.config.rms_norm_eps).sqrt()
-            gain = 1.0 + model.original_model.model.layers[layer].post_attention_layernorm.weight.detach()
             z = cache[f"blocks.{layer}.attn.hook_z"][0, 0]  # [head, d_head]
-            ref[layer] += torch.einsum("hk,hkd->hd", z, model.W_O[layer].detach()) * gain / rms
-    torch.testing.assert_close(found.head_contribution, ref / len(prompts), rtol=1e-4, atol=1e-4)
+            ref[layer] += torch.einsum("hk,hkd->hd", z, model.W_O[layer].detach()) * _post_norm_scale_at_sink(model, cache, layer, "attn")
+    torch.testing.assert_close(found.head_contribution, ref / len(PROMPTS), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(found.head_contribution.sum(1) + found.attn_offset_sink, found.attn_out_sink,
                                rtol=1e-4, atol=1e-4)
 
