@@ -61,6 +61,7 @@ def _random(model):  # fixed-length sequences for the origins reducers: 7 sequen
 
 #: name -> (reducer factory, inputs). Every Reducer subclass in sinklens is here (see test_every_reducer_is_covered).
 from sinklens.analysis.value_drain import ValueDrainReducer  # noqa: E402
+from sinklens.origins.persistence import FinalDirectionReducer  # noqa: E402
 from sinklens.analysis.weight_super_neurons import SinkMeanReducer  # noqa: E402
 
 REDUCERS = {
@@ -80,6 +81,7 @@ REDUCERS = {
     "PositionalReducer": (lambda m: PositionalReducer(m, SEQ_LEN), _random),
     "ContractionReducer": (lambda m: ContractionReducer(m, SEQ_LEN), _random),
     "ValueDrainReducer": (ValueDrainReducer, _text),
+    "FinalDirectionReducer": (lambda m: FinalDirectionReducer(m, SEQ_LEN), _random),
     "SinkMeanReducer": (
         lambda m: SinkMeanReducer(m, 0, ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_pre", "blocks.1.hook_resid_post"]),
         _text),

@@ -42,7 +42,7 @@ from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions
 from sinklens.origins.contraction import _SiteAccumulator
-from sinklens.origins.preference import TokenPreferenceReducer, random_batches
+from sinklens.origins.preference import RandomInputs, TokenPreferenceReducer, random_batches
 from sinklens.origins.sites import final_state_site
 from sinklens.streaming import BatchFold, Reducer, stream
 
@@ -79,6 +79,8 @@ class PreferenceSnapshot:
 class FinalDirectionReducer(Reducer[Float[Tensor, " d_model"]]):
     """Streams only the ``final`` site's dominant direction (the contraction measure, one site)."""
 
+    statistics = ("acc", "seen")
+
     def __init__(self, model: Any, seq_len: int) -> None:
         self.site, self.finish = final_state_site(model)
         self.seq_len, self.d_model, self.device = seq_len, model_dims(model).d_model, model_device(model)
@@ -98,6 +100,11 @@ class FinalDirectionReducer(Reducer[Float[Tensor, " d_model"]]):
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.seen += batch.tokens.shape[0]
+
+    def merge(self, other: FinalDirectionReducer) -> None:
+        """As :meth:`ContractionReducer.merge` for its one site: halves swap after an odd number of sequences."""
+        self.acc.merge(other.acc, swap_halves=self.seen % 2 == 1)
+        self.seen += other.seen
 
     def result(self) -> Float[Tensor, " d_model"]:
         return self.acc.result(0).direction
@@ -119,7 +126,8 @@ def snapshot(
         >>> snap.probs.shape, snap.direction.shape, round(float(snap.direction.norm()), 4)
         (torch.Size([64]), torch.Size([16]), 1.0)
     """
-    batches = random_batches(model, n_sequences=n_sequences, seq_len=seq_len, prepend_bos=False, seed=seed, options=options)
+    random = RandomInputs(n_sequences=n_sequences, seq_len=seq_len, prepend_bos=False, seed=seed)
+    batches = random_batches(model, random, options)
     with torch.no_grad():
         pref, direction = stream(model, batches, [TokenPreferenceReducer(model, seq_len), FinalDirectionReducer(model, seq_len)],
                                  options=options)
