@@ -9,7 +9,9 @@ sinklens' own trained models, so everything built on this module works on all th
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterable, Sequence
+import functools
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -157,12 +159,44 @@ def expand_kv_heads(weight: Float[Tensor, "... kv_head a b"], n_heads: int) -> F
     return weight.repeat_interleave(n_heads // n_kv, dim=-3)
 
 
+_WEIGHT_CACHES: dict[int, dict[str, Tensor]] = {}
+
+
+@contextmanager
+def cached_weights(model: Any) -> Iterator[None]:
+    """Within the block, :func:`weight` stacks each of ``model``'s weights once (the analyzers of one
+    ``analyze`` pass share them); the stacked copies are dropped when the block ends, so nothing stays
+    in memory and later in-place edits of the weights are always seen."""
+    key = id(model)
+    outer = key in _WEIGHT_CACHES
+    _WEIGHT_CACHES.setdefault(key, {})
+    try:
+        yield
+    finally:
+        if not outer:
+            _WEIGHT_CACHES.pop(key, None)
+
+
+def with_cached_weights(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorate a function whose first argument is a model so that it runs inside :func:`cached_weights`."""
+
+    @functools.wraps(fn)
+    def wrapped(model: Any, *args: Any, **kwargs: Any) -> Any:
+        with cached_weights(model):
+            return fn(model, *args, **kwargs)
+
+    return wrapped
+
+
 def weight(model: Any, name: str) -> Tensor:
     """A stacked weight property (``W_Q``, ``W_K``, ``W_V``, ``W_O``, ``W_in``, ``W_gate``, ``W_out``, ``W_E``, ``W_U``).
 
     Key/value weights are expanded to one slice per query head. Raises ``AttributeError`` with
     the model's type if it does not expose that weight.
     """
+    cache = _WEIGHT_CACHES.get(id(model))
+    if cache is not None and name in cache:
+        return cache[name]
     try:
         w = getattr(model, name)
     except AttributeError as err:
@@ -172,6 +206,8 @@ def weight(model: Any, name: str) -> Tensor:
     w = w.detach()
     if name in ("W_K", "W_V"):
         w = expand_kv_heads(w, model_dims(model).n_heads)
+    if cache is not None:
+        cache[name] = w
     return w
 
 
@@ -185,6 +221,9 @@ def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
     present = [n for n in names if n in model.hook_dict]
     if not present:
         return []
+    known = getattr(model, "_sinklens_silent_hooks", None)
+    if known is not None and tuple(present) in known:
+        return known[tuple(present)]
     fired: set[str] = set()
 
     def record(name: str):
@@ -196,4 +235,10 @@ def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
     tokens = torch.zeros(1, 2, dtype=torch.long, device=model_device(model))
     with torch.inference_mode(), model.hooks(fwd_hooks=[(n, record(n)) for n in present]):
         model(tokens, return_type=None)
-    return [n for n in present if n not in fired]
+    silent = [n for n in present if n not in fired]
+    try:  # which hooks a model runs does not change: probe once per model and hook set
+        known = model.__dict__.setdefault("_sinklens_silent_hooks", {})
+        known[tuple(present)] = silent
+    except AttributeError:
+        pass
+    return silent

@@ -647,7 +647,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             offset[block] = pm.linear(offset[block], torch.tensor([1.0 / inv], device=heads.device)) + pm.offset(offset[block])
         err = float((heads.sum(1) + offset - attn).abs().max())
         size = float(attn.abs().max())
-        dtype = weight(self.model, "W_O").dtype
+        dtype = self._W_O.dtype if getattr(self, "_W_O", None) is not None else next(self.model.parameters()).dtype
         if err > max(1e-3, 50 * torch.finfo(dtype).eps) * size + 1e-5:
             warnings.warn(f"Head contributions at the sink do not add up to hook_attn_out (max error {err:.3g} vs max "
                           f"|hook_attn_out| {size:.3g}): they are approximate for this model.", RuntimeWarning, stacklevel=3)
@@ -660,7 +660,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         target = mlp[self.layers]
         err = float((rebuilt - target).abs().max()) if target.numel() else 0.0
         size = float(target.abs().max()) if target.numel() else 0.0
-        dtype = weight(self.model, "W_out").dtype
+        dtype = W_res.dtype
         if err > max(1e-3, 50 * torch.finfo(dtype).eps) * size + 1e-5:
             warnings.warn(f"Neuron contributions at the sink do not add up to hook_mlp_out (max error {err:.3g} vs "
                           f"max |hook_mlp_out| {size:.3g}): this model's MLP output is not act × W_out + b_out "

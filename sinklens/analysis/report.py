@@ -26,6 +26,7 @@ from sinklens.analysis.variance import VarianceReducer, VarianceResult
 from sinklens.analysis.verify import CausalCheck, verify_attribution
 from sinklens.analysis.weight_super_neurons import SinkInputReducer, WeightNeurons, super_neurons_from_weights
 from sinklens.export import to_json
+from sinklens.hooks import with_cached_weights
 from sinklens.inputs import Inputs, as_batches
 from sinklens.options import RunOptions
 from sinklens.residual_units import neuron_reason
@@ -147,6 +148,7 @@ class SinkReport:
         })
 
 
+@with_cached_weights  # the analyzers of one pass stack each weight once
 def analyze(
     model: Any,
     inputs: Inputs | None = None,
