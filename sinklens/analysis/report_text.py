@@ -70,7 +70,10 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
 def neuron_lines(report: SinkReport) -> list[str]:
     """Dimension paths, super neurons and the causal check (contributions in residual units)."""
     if report.neurons is None:
-        return [f"  super neurons and dimension paths {report.skipped.get('super_neurons', 'skipped')}"]
+        lines = [f"  super neurons and dimension paths {report.skipped.get('super_neurons', 'skipped')}"]
+        if "causal_check" in report.skipped:  # --verify was asked for: say why it did not run
+            lines += ["", f"Causal check {report.skipped['causal_check']}"]
+        return lines
     lines = []
     for path in report.neurons.paths:
         neurons = ", ".join(f"L{l}N{n} ({c:+.1f})" for l, n, c in path.top_neurons[:3])

@@ -236,5 +236,6 @@ def test_analyze_skips_the_neuron_section_of_a_moe_model_with_a_note(tmp_path):
     data = report.to_dict()
     assert "mixture of experts" in data["super_neurons"]["skipped"] and data["headline"]["super_neurons"] == []
     assert "super neurons and dimension paths skipped: the MLP is a mixture of experts" in report.summary()
+    assert "Causal check skipped: the MLP is a mixture of experts" in report.summary()
     written = report.save(tmp_path)
     assert not any("neuron" in p.name for p in written)
