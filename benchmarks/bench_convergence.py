@@ -40,14 +40,12 @@ Example::
 from __future__ import annotations
 
 import argparse
-import ast
 import json
 import math
 import os
 import platform
 import statistics
 import sys
-import sysconfig
 import time
 from pathlib import Path
 from typing import Any
@@ -55,6 +53,7 @@ from typing import Any
 import torch
 
 from sinklens.export import write_json
+from sinklens.inputs import stdlib_docstrings
 from sinklens.plotting.training import smooth, steps_to_loss
 from sinklens.train.config import TrainConfig
 from sinklens.train.loop import train
@@ -67,17 +66,7 @@ def docstring_corpus(path: Path) -> Path:
     """Write the standard library's docstrings (modules, classes, functions; > 40 characters) to ``path`` once."""
     if path.is_file():
         return path
-    texts = []
-    for source in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        try:
-            tree = ast.parse(source.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc and len(doc) > 40:
-                    texts.append(doc)
+    texts = [doc for doc in stdlib_docstrings() if len(doc) > 40]
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n\n".join(texts), encoding="utf-8")
     return path

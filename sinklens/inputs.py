@@ -24,7 +24,7 @@ from __future__ import annotations
 import ast
 import random
 import sysconfig
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -128,29 +128,39 @@ def builtin_prompts() -> list[str]:
     return list(BUILTIN_PROMPTS)
 
 
-def stdlib_text_prompts(n_prompts: IntLike = 16, *, n_chars: IntLike = 800, seed: IntLike = 0) -> list[str]:
-    """Real text available offline: docstrings from the Python standard library's own sources.
-
-    Docstrings of at least 30 words without doctest examples (English prose written by people),
-    read from the running interpreter's ``stdlib`` directory: the same call gives the same text on
-    every machine with the same Python build.
-    """
-    n_prompts = positive_int(n_prompts, what="n_prompts")
-    n_chars = positive_int(n_chars, what="n_chars")
-    seed = as_int(seed, what="seed")
+def stdlib_docstrings() -> Iterator[str]:
+    """Every docstring (module, class, function) of the running interpreter's top-level ``stdlib/*.py``
+    files, in file order then ``ast.walk`` order; files that do not parse or read are skipped. The one
+    walker behind :func:`stdlib_text_prompts` and the text corpus of ``benchmarks/bench_convergence.py``."""
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    docs: list[str] = []
     for path in sorted(stdlib.glob("*.py")):
         try:
             tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, OSError):
+        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
             continue
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module, ast.AsyncFunctionDef)):
                 doc = ast.get_docstring(node)
-                # Prose only: long enough, and no doctest examples (code, not text).
-                if doc and len(doc) >= 200 and ">>>" not in doc and len(doc.split()) >= 30:
-                    docs.append(" ".join(doc.split())[:n_chars])
+                if doc:
+                    yield doc
+
+
+def stdlib_text_prompts(n_prompts: IntLike = 16, *, n_chars: IntLike = 800, seed: IntLike = 0) -> list[str]:
+    """Real text available offline: docstrings from the Python standard library's own sources.
+
+    Docstrings of at least 30 words without doctest examples (English prose written by people),
+    read from the running interpreter's ``stdlib`` directory (:func:`stdlib_docstrings`): the same call
+    gives the same text on every machine with the same Python build.
+    """
+    n_prompts = positive_int(n_prompts, what="n_prompts")
+    n_chars = positive_int(n_chars, what="n_chars")
+    seed = as_int(seed, what="seed")
+    docs = [
+        " ".join(doc.split())[:n_chars]
+        for doc in stdlib_docstrings()
+        # Prose only: long enough, and no doctest examples (code, not text).
+        if len(doc) >= 200 and ">>>" not in doc and len(doc.split()) >= 30
+    ]
     random.Random(seed).shuffle(docs)
     return docs[:n_prompts]
 
