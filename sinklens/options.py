@@ -81,14 +81,15 @@ class RunOptions:
 
 def settings_from(
     cls: type[S], settings: S | None, kwargs: dict[str, Any], where: str, *,
-    renames: dict[str, str] | None = None, defaults: dict[str, Any] | None = None,
+    renames: dict[str, str] | None = None, defaults: dict[str, Any] | None = None, stacklevel: int = 3,
 ) -> S:
     """The frozen settings of one analysis, from ``settings=`` and/or its fields given as keywords.
 
     The keywords in ``kwargs`` named after fields of the dataclass ``cls`` are popped and replace those
     of ``settings`` (``cls(**defaults)`` when None). ``renames`` maps deprecated keyword names to current
     field names (using one warns; giving both with different values raises). Any other keyword left in
-    ``kwargs`` raises ``TypeError`` like Python does.
+    ``kwargs`` raises ``TypeError`` like Python does. A deprecation warning is attributed ``stacklevel``
+    frames up (3: the caller of the public function that calls this).
 
     Examples:
         >>> @dataclass(frozen=True)
@@ -106,7 +107,7 @@ def settings_from(
     """
     for old, new in (renames or {}).items():
         if old in kwargs:
-            warnings.warn(f"{old}= is deprecated; use {new}= (same meaning).", DeprecationWarning, stacklevel=3)
+            warnings.warn(f"{old}= is deprecated; use {new}= (same meaning).", DeprecationWarning, stacklevel=stacklevel)
             old_value = kwargs.pop(old)
             if new in kwargs and kwargs[new] != old_value:
                 raise InvalidArgumentError(f"Got both {new}={kwargs[new]!r} and its deprecated name {old}={old_value!r}.")

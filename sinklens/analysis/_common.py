@@ -15,6 +15,7 @@ from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import RESID_POST, RESID_PRE, hook_name
 from sinklens.inputs import TokenBatch
 from sinklens.options import no_unknown_kwargs, settings_from  # noqa: F401  (re-exported for the analyzers)
+from sinklens.streaming import run
 from sinklens.validate import optional_index_list, positive_int
 
 #: Floor for denominators (norms, medians) so that an all-zero row gives 0, not NaN.
@@ -183,14 +184,46 @@ def renamed(kwargs: dict[str, Any], old: str, new: str, value: Any, default: Any
 _RUN_FIELDS = ("batch_size", "prepend_bos", "max_length", "extra_hooks", "progress", "device", "desc")
 
 
-def options_from_legacy(options: Any, kwargs: dict[str, Any], where: str, *, last: bool = True) -> Any:
+def options_from_legacy(options: Any, kwargs: dict[str, Any], where: str, *, last: bool = True,
+                        stacklevel: int = 3) -> Any:
     """``options`` with any sinklens-0.1 run keywords (``batch_size=``, ``progress=``, ...) popped from
-    ``kwargs`` folded in, with a :class:`DeprecationWarning`. With ``last`` no other keyword may be left."""
+    ``kwargs`` folded in, with a :class:`DeprecationWarning` (attributed ``stacklevel`` frames up: 3 = the
+    caller of the public function that calls this). With ``last`` no other keyword may be left."""
     legacy = {name: kwargs.pop(name) for name in _RUN_FIELDS if name in kwargs}
     if last:
         no_unknown_kwargs(kwargs, where)
     if not legacy:
         return options
     warnings.warn(f"{where}({', '.join(f'{k}=' for k in legacy)}) is deprecated; pass options=RunOptions(...).",
-                  DeprecationWarning, stacklevel=3)
+                  DeprecationWarning, stacklevel=stacklevel)
     return options.replace(**legacy)
+
+
+def run_analyzer(
+    model: Any,
+    inputs: Any,
+    reducer: Callable[..., Any],
+    *,
+    where: str,
+    options: Any,
+    kwargs: dict[str, Any],
+    settings_cls: type | None = None,
+    settings: Any = None,
+    renames: dict[str, str] | None = None,
+    **reducer_kwargs: Any,
+) -> Any:
+    """The body every public analyzer shares: resolve its keywords, build its reducer, stream, return the result.
+
+    ``kwargs`` (the public function's ``**settings_kwargs`` / ``**deprecated``) first gives up any
+    sinklens-0.1 run keywords (folded into ``options`` by :func:`options_from_legacy`). With
+    ``settings_cls`` the rest resolve ``settings`` (:func:`~sinklens.options.settings_from`, with the
+    deprecated names in ``renames``), passed on as the reducer's ``settings=``; without it, none may be
+    left. Then ``reducer(model, **reducer_kwargs)`` is streamed over ``inputs`` by
+    :func:`sinklens.streaming.run` and its result returned. ``where`` names the public function in
+    errors and warnings, which point at its caller.
+    """
+    options = options_from_legacy(options, kwargs, where, last=settings_cls is None, stacklevel=4)
+    if settings_cls is not None:
+        reducer_kwargs["settings"] = settings_from(settings_cls, settings, kwargs, where, renames=renames, stacklevel=4)
+    (result,) = run(model, inputs, reducer(model, **reducer_kwargs), options=options)
+    return result

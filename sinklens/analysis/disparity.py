@@ -31,10 +31,10 @@ from sinklens.analysis._common import (
     SettingsFields,
     check_sink_position,
     grow,
-    options_from_legacy,
     renamed,
     resolve_streams,
     row_index,
+    run_analyzer,
     settings_from,
     sink_position_arg,
     stream_hook,
@@ -44,7 +44,7 @@ from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, bound_hooks, merge_statistics, run
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, merge_statistics
 from sinklens.validate import finite_number, positive_int
 
 
@@ -444,8 +444,6 @@ def find_massive_activations(
         >>> found.massive_dims("sink"), found.first_stream(5), found.massive_dims("other")
         ([5], 1, [])
     """
-    options = options_from_legacy(options, settings_kwargs, "find_massive_activations", last=False)
     streams = renamed(settings_kwargs, "layers", "streams", streams, None)
-    settings = settings_from(MassiveSettings, settings, settings_kwargs, "find_massive_activations")
-    (result,) = run(model, inputs, MassiveActivationsReducer(model, streams=streams, settings=settings), options=options)
-    return result
+    return run_analyzer(model, inputs, MassiveActivationsReducer, where="find_massive_activations", options=options,
+                        kwargs=settings_kwargs, settings_cls=MassiveSettings, settings=settings, streams=streams)

@@ -46,11 +46,10 @@ from sinklens.analysis._common import TINY as _TINY
 from sinklens.analysis._common import (
     SettingsFields,
     check_sink_position,
-    options_from_legacy,
     other_positions,
     resolve_streams,
     row_index,
-    settings_from,
+    run_analyzer,
     sink_position_arg,
     stream_hook,
 )
@@ -60,7 +59,7 @@ from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, Z, model_device, model_d
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.residual_units import check_neuron_mlp, post_norm_map
-from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks, run
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
 from sinklens.validate import as_int, finite_number, positive_int
 
 
@@ -695,7 +694,5 @@ def find_super_neurons(
         >>> found.dims, found.top(5, 1)[0][:2], found.path(5).write_layer
         ([5], (0, 7), 0)
     """
-    options = options_from_legacy(options, settings_kwargs, "find_super_neurons", last=False)
-    settings = settings_from(SuperNeuronSettings, settings, settings_kwargs, "find_super_neurons")
-    (result,) = run(model, inputs, SuperNeuronReducer(model, layers=layers, settings=settings), options=options)
-    return result
+    return run_analyzer(model, inputs, SuperNeuronReducer, where="find_super_neurons", options=options,
+                        kwargs=settings_kwargs, settings_cls=SuperNeuronSettings, settings=settings, layers=layers)

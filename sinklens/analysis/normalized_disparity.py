@@ -26,14 +26,14 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
-from sinklens.analysis._common import check_sink_position, once_per_forward, options_from_legacy, other_positions, row_index, sink_position_arg
+from sinklens.analysis._common import check_sink_position, once_per_forward, other_positions, row_index, run_analyzer, sink_position_arg
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import LN1_NORMALIZED, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.residual_units import norm_map
-from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
+from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
 
 
 @dataclass
@@ -174,6 +174,5 @@ def normalized_disparity(
         >>> nd.top_dim(1), bool(nd.ratio_sink[1, 5] > 100), float(nd.ratio_other[1, 5])
         (5, True, 0.0)
     """
-    options = options_from_legacy(options, deprecated, "normalized_disparity")
-    reducer = NormalizedDisparityReducer(model, sink_position=sink_position, layers=layers)
-    return run(model, inputs, reducer, options=options)[0]
+    return run_analyzer(model, inputs, NormalizedDisparityReducer, where="normalized_disparity", options=options,
+                        kwargs=deprecated, sink_position=sink_position, layers=layers)

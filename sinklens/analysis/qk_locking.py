@@ -16,13 +16,13 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
-from sinklens.analysis._common import check_sink_position, options_from_legacy, sink_position_arg
+from sinklens.analysis._common import check_sink_position, run_analyzer, sink_position_arg
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
 from sinklens.hooks import K, Q, SCORES, expand_kv_heads, hook_name, model_device, model_dims, resolve_layers, silent_hooks
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
+from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
 from sinklens.validate import positive_int
 from sinklens.visibility import attention_visibility
 
@@ -264,6 +264,5 @@ def query_key_locking(
         >>> float(lock.pos_share_sink[1, 1]), bool(lock.key_pc_cosine[1, 1] > 0.9)
         (1.0, True)
     """
-    options = options_from_legacy(options, deprecated, "query_key_locking")
-    reducer = QKLockingReducer(model, sink_position=sink_position, layers=layers, n_components=n_components)
-    return run(model, inputs, reducer, options=options)[0]
+    return run_analyzer(model, inputs, QKLockingReducer, where="query_key_locking", options=options, kwargs=deprecated,
+                        sink_position=sink_position, layers=layers, n_components=n_components)

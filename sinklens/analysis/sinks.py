@@ -48,13 +48,13 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from sinklens.analysis._common import SettingsFields, grow, layer_head_position_rows, options_from_legacy, position_index, settings_from
+from sinklens.analysis._common import SettingsFields, grow, layer_head_position_rows, position_index, run_analyzer, settings_from
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, model_dims
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, merge_statistics, per_layer_hooks, run
+from sinklens.streaming import BatchFold, Reducer, merge_statistics, per_layer_hooks
 from sinklens.validate import choice, finite_number, positive_int
 
 #: ``"gu"``: Gu et al.'s code (key's own query included); ``"sinklens"``: queries from ``min_query`` on;
@@ -746,7 +746,5 @@ def find_sinks(
         >>> 0.0 <= result.sink_rate(position=0) <= 1.0
         True
     """
-    options = options_from_legacy(options, settings_kwargs, "find_sinks", last=False)
-    settings = settings_from(SinkSettings, settings, settings_kwargs, "find_sinks", renames=SINK_RENAMES)
-    (result,) = run(model, inputs, SinkReducer(model, layers=layers, settings=settings), options=options)
-    return result
+    return run_analyzer(model, inputs, SinkReducer, where="find_sinks", options=options, kwargs=settings_kwargs,
+                        settings_cls=SinkSettings, settings=settings, renames=SINK_RENAMES, layers=layers)

@@ -62,14 +62,14 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from sinklens.analysis._common import SettingsFields, check_sink_position, options_from_legacy, row_index, settings_from
+from sinklens.analysis._common import SettingsFields, check_sink_position, row_index, run_analyzer
 from sinklens.analysis.variance import POST_ATTN_SCALE, post_attention_gain
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, V, model_device, model_dims, resolve_layers, weight
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
+from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
 from sinklens.validate import finite_number, positive_int
 from sinklens.visibility import attention_visibility
 
@@ -383,7 +383,5 @@ def measure_value_drain(
         >>> drain.write_share.shape, sorted(drain.counts())
         (torch.Size([2, 4]), ['broadcast', 'no-op', 'none', 'partial'])
     """
-    options = options_from_legacy(options, settings_kwargs, "measure_value_drain", last=False)
-    settings = settings_from(ValueDrainSettings, settings, settings_kwargs, "measure_value_drain")
-    (result,) = run(model, inputs, ValueDrainReducer(model, layers=layers, settings=settings), options=options)
-    return result
+    return run_analyzer(model, inputs, ValueDrainReducer, where="measure_value_drain", options=options,
+                        kwargs=settings_kwargs, settings_cls=ValueDrainSettings, settings=settings, layers=layers)

@@ -102,13 +102,13 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import grow, layer_head_position_rows, options_from_legacy, position_index
+from sinklens.analysis._common import grow, layer_head_position_rows, position_index, run_analyzer
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
 from sinklens.hooks import ATTN_OUT, PATTERN, V, Z, hook_name, model_device, model_dims, resolve_layers, weight
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
+from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
 from sinklens.validate import choice
 
 Site = Literal["z", "z_seq", "result", "result_pre_norm", "attn_out", "feature_std", "feature_std_head"]
@@ -600,6 +600,5 @@ def measure_variance(
         >>> result.z_var.shape, result.discrepancy(0).shape
         (torch.Size([2, 4, 6]), torch.Size([2, 4]))
     """
-    options = options_from_legacy(options, deprecated, "measure_variance")
-    (result,) = run(model, inputs, VarianceReducer(model, layers=layers), options=options)
-    return result
+    return run_analyzer(model, inputs, VarianceReducer, where="measure_variance", options=options, kwargs=deprecated,
+                        layers=layers)

@@ -23,14 +23,14 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
-from sinklens.analysis._common import check_sink_position, options_from_legacy, once_per_forward, row_index, sink_position_arg
+from sinklens.analysis._common import check_sink_position, once_per_forward, row_index, run_analyzer, sink_position_arg
 from sinklens.analysis.neurons import row_sparsity
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import LN2_NORMALIZED, hook_name, model_device, model_dims, resolve_layers, weight
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, bound_hooks, run
+from sinklens.streaming import BatchFold, Reducer, bound_hooks
 from sinklens.validate import as_int, positive_int
 
 
@@ -104,9 +104,8 @@ def sink_inputs(
     **deprecated: Any,
 ) -> SinkInput:
     """Mean ``ln2.hook_normalized`` at ``sink_position`` per layer (the input every FFN neuron reads there)."""
-    options = options_from_legacy(options, deprecated, "sink_inputs")
-    reducer = SinkInputReducer(model, sink_position=sink_position, layers=layers)
-    return run(model, inputs, reducer, options=options)[0]
+    return run_analyzer(model, inputs, SinkInputReducer, where="sink_inputs", options=options, kwargs=deprecated,
+                        sink_position=sink_position, layers=layers)
 
 
 @dataclass
