@@ -17,12 +17,14 @@
    never pays a compile.
 
 The constants come from ``benchmarks/bench_train.py headnorm`` at the head-wise RMSNorm authors'
-CPU configuration (4 layers, d_model 256, sequence 256, batch 16; see ``benchmarks/RESULTS.md``,
-"Against the authors' trainer"): a compiled step takes about 0.55 of an eager one (1.83× the tokens/s),
-so :data:`SAVED_FRACTION` for the CPU is a conservative 0.35; the first compiled step took 82 s cold and
-8–19 s with inductor's on-disk cache warm on the shared 2-core machine, so :data:`COMPILE_SECONDS` for the
-CPU is 60 s (the cold cost of a quiet machine, about 45 s, plus margin). At that configuration on a quiet
-machine (eager step ≈ 0.9 s) ``"auto"`` compiles runs of about 190 steps or more.
+CPU configuration (4 layers, d_model 256, sequence 256, batch 16; ``benchmarks/RESULTS.md``,
+"Against the authors' trainer"), on a shared 2-core machine: a compiled step took 0.35–0.55 of an
+eager one, so :data:`SAVED_FRACTION` for the CPU is a conservative 0.35; the compile (first compiled
+step minus an eager one) took 82–133 s with a cold inductor cache under load 4–9 and 4–56 s with the
+cache warm, so :data:`COMPILE_SECONDS` for the CPU is 60 s, between the two (most runs after the
+first on a machine find the cache warm). At that configuration on a quiet machine (eager step ≈ 0.9 s)
+``"auto"`` compiles runs of about 190 steps or more; on the loaded machine (eager steps of 5–16 s)
+from the 100-step minimum. The CUDA constants are estimates (no GPU was lent when they were set).
 
 Whatever the mode, a compile that fails (no compiler, an unsupported operator, an inductor error)
 never ends the run: :func:`compile_failed_warning` explains it in one line and the trainer goes on
