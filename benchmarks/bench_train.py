@@ -5,7 +5,7 @@ Modes::
     python benchmarks/bench_train.py throughput [--steps 20]        # CPU, one process, side by side
     python benchmarks/bench_train.py throughput --gpu               # 124M Llama-style, seq 1024, bf16
     python benchmarks/bench_train.py convergence [--steps 300 --seeds 0 1 2]
-    python benchmarks/bench_train.py headnorm --theirs PATH [--repeats 3 --steps 12 --compile]
+    python benchmarks/bench_train.py headnorm --theirs PATH [--repeats 3 --steps 12 --compile --auto --cold-cache]
 
 ``throughput`` times the sinklens trainer's step (``forward_backward`` + clip + AdamW, the code
 :func:`sinklens.train.loop.train` runs) against a minimal PyTorch Llama-style loop written here
@@ -20,8 +20,11 @@ Siquan-Li/Head-wise-RMSNorm at ``--theirs``, run from a temporary folder, never 
 ``sinklens train`` alternately as separate processes at their CPU configuration (4 layers, 4 heads,
 d_model 256, SwiGLU 1024, sequence 256, batch 16, vocabulary 512, fp32, HeadNorm on, no eval),
 both on the same random nanoGPT-style ``train.bin``; it reports each run's median tokens/s over
-the steps after ``--warmup``, the medians over repeats, their ratio, and (with ``--compile``,
-which compiles ours with ``torch.compile``) the first step's time, i.e. the compile time.
+the steps after ``--warmup`` (after the first compiled step for a run that compiled), the medians
+over repeats, their ratios and the medians of the paired ratios, the load average at each repeat,
+and the compile seconds of ``--compile`` (``compile=true``) and ``--auto`` (``compile=auto``, the
+default, on a run configured for ``--planned-steps`` steps and stopped once ``--steps`` steps after
+the decision are logged); ``--cold-cache`` gives the first repeat a fresh inductor cache.
 """
 
 from __future__ import annotations
@@ -206,22 +209,66 @@ def _their_run(theirs: Path, data: Path, steps: int, their_compile: bool) -> lis
     return [16 * 256 / (t / 1000) for t in ms]
 
 
-def _our_run(data: Path, steps: int, compile_: bool) -> list[float]:
-    """``sinklens train`` at the same configuration; tokens/s of every step (from metrics.jsonl)."""
+def _our_run(data: Path, steps: int, compile_: str, *, planned_steps: int | None = None,
+             cache_dir: str | None = None) -> tuple[list[float], list[bool], dict[str, Any] | None]:
+    """``sinklens train`` at the same configuration: tokens/s and ``compiled`` of every step (from
+    metrics.jsonl), and the ``kind="compile"`` line if any.
+
+    ``planned_steps``: the run is configured for this many steps (so ``compile=auto`` sees a
+    realistic run length and decides as it would for it) and stopped once ``steps`` train lines
+    after the compile decision are written. ``cache_dir``: inductor's on-disk cache (a fresh folder
+    measures a cold compile).
+    """
+    import os
     import subprocess
     import sys
     import tempfile
 
+    env = dict(os.environ, **({"TORCHINDUCTOR_CACHE_DIR": cache_dir} if cache_dir else {}))
     with tempfile.TemporaryDirectory(prefix="headnorm-ours-") as tmp:
         cmd = [sys.executable, "-m", "sinklens.cli", "train", "--preset", "headnorm-cpu", "--data", str(data),
-               "--seq-len", "256", "--batch-size", "16", "--steps", str(steps), "--device", "cpu", "--no-progress",
-               "--set", "eval.interval=0", "--set", f"compile={compile_}", "--out", f"{tmp}/run"]
-        subprocess.run(cmd, capture_output=True, text=True, check=True)
-        lines = [json.loads(x) for x in Path(tmp, "run", "metrics.jsonl").read_text().splitlines()]
-    return [x["tokens_per_s"] for x in lines if x["kind"] == "train"]
+               "--seq-len", "256", "--batch-size", "16", "--steps", str(planned_steps or steps), "--device", "cpu",
+               "--no-progress", "--set", "eval.interval=0", "--set", f"compile={compile_}", "--out", f"{tmp}/run"]
+        metrics = Path(tmp, "run", "metrics.jsonl")
+
+        def lines() -> list[dict[str, Any]]:
+            text = metrics.read_text() if metrics.is_file() else ""
+            return [json.loads(x) for x in text.splitlines() if x.strip().endswith("}")]
+
+        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        try:
+            while proc.poll() is None:
+                got = lines()
+                done_at = next((x["step"] for x in got if x["kind"] == "compile"), None)
+                decided = done_at is not None or len(got) > 3  # "auto" decides after 2 probe steps
+                after = [x for x in got if x["kind"] == "train" and (done_at is None or x["step"] >= done_at)]
+                if planned_steps and decided and len(after) >= steps:
+                    proc.terminate()
+                    break
+                time.sleep(0.5)
+            proc.wait()
+            if proc.returncode not in (0, -15):
+                raise RuntimeError(proc.stderr.read()[-2000:])
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        got = lines()
+    train_lines = [x for x in got if x["kind"] == "train"]
+    compile_line = next((x for x in got if x["kind"] == "compile"), None)
+    return [x["tokens_per_s"] for x in train_lines], [bool(x.get("compiled")) for x in train_lines], compile_line
+
+
+def _steady(tokens_per_s: list[float], compiled: list[bool], warmup: int) -> float:
+    """Median tokens/s of the steady steps: after ``warmup`` steps, or for a run that compiled,
+    after its first compiled step (which holds the compilation)."""
+    if any(compiled):
+        first = compiled.index(True)
+        return statistics.median(tokens_per_s[first + 1:])
+    return statistics.median(tokens_per_s[warmup:])
 
 
 def headnorm(args) -> dict:
+    import os
     import tempfile
 
     import numpy as np
@@ -234,22 +281,34 @@ def headnorm(args) -> dict:
     rng.integers(0, 512, size=2_000_000, dtype=np.uint16).tofile(data / "train.bin")
     rng.integers(0, 512, size=200_000, dtype=np.uint16).tofile(data / "val.bin")
     (data / "meta.pkl").write_bytes(__import__("pickle").dumps({"vocab_size": 512}))
-    ours = ["sinklens"] + (["sinklens_compiled"] if args.compile else [])
+    ours = {"sinklens_eager": "false"}
+    if args.compile:
+        ours["sinklens_compiled"] = "true"
+    if args.auto:
+        ours["sinklens_auto"] = "auto"
     runs: dict[str, list[float]] = {name: [] for name in ["theirs", *ours]}
-    first_step_s: dict[str, list[float]] = {name: [] for name in ours}
+    compile_s: dict[str, list[float | None]] = {name: [] for name in ours if name != "sinklens_eager"}
+    load: list[float] = []
     for repeat in range(args.repeats):  # alternate, so machine noise hits every trainer alike
+        load.append(os.getloadavg()[0])
         runs["theirs"].append(statistics.median(_their_run(theirs, data, args.steps, args.their_compile)[args.warmup:]))
-        for name in ours:
-            o = _our_run(data, args.steps, name == "sinklens_compiled")
-            runs[name].append(statistics.median(o[args.warmup:]))
-            first_step_s[name].append(16 * 256 / o[0])
-        print(f"repeat {repeat}: " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in runs.items())
-              + f" (first step, s: {', '.join(f'{k} {v[-1]:.1f}' for k, v in first_step_s.items())})", flush=True)
+        for name, mode in ours.items():
+            cold = args.cold_cache and repeat == 0 and mode != "false"
+            cache = tempfile.mkdtemp(prefix="inductor-cold-") if cold else None
+            planned = args.planned_steps if mode == "auto" else None
+            tps, compiled, line = _our_run(data, args.steps, mode, planned_steps=planned, cache_dir=cache)
+            runs[name].append(_steady(tps, compiled, args.warmup))
+            if name in compile_s:
+                compile_s[name].append(line["compile_s"] if line else None)
+        print(f"repeat {repeat} (load {load[-1]:.1f}): " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in runs.items())
+              + f" (compile s: {', '.join(f'{k} {v[-1]}' for k, v in compile_s.items())})", flush=True)
     row: dict[str, Any] = {name: statistics.median(v) for name, v in runs.items()}
     for name in ours:
         row[f"ratio_{name}"] = row[name] / row["theirs"]
+        row[f"paired_ratio_{name}"] = statistics.median(o / t for o, t in zip(runs[name], runs["theirs"]))
     row["per_repeat"] = runs
-    row["first_step_s"] = first_step_s
+    row["compile_s"] = compile_s
+    row["load_average"] = load
     print(json.dumps(row))
     return row
 
@@ -259,7 +318,11 @@ def main() -> None:
     parser.add_argument("mode", choices=["throughput", "convergence", "headnorm"])
     parser.add_argument("--theirs", help="headnorm: a checkout of Siquan-Li/Head-wise-RMSNorm")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--compile", action="store_true", help="headnorm: sinklens train with compile=true")
+    parser.add_argument("--compile", action="store_true", help="headnorm: also sinklens train with compile=true")
+    parser.add_argument("--auto", action="store_true", help="headnorm: also sinklens train with compile=auto (the "
+                        "default), configured for --planned-steps and stopped after --steps steps")
+    parser.add_argument("--planned-steps", type=int, default=2000, help="headnorm --auto: the run length auto sees")
+    parser.add_argument("--cold-cache", action="store_true", help="headnorm: repeat 0 compiles with a fresh inductor cache")
     parser.add_argument("--their-compile", action="store_true", help="headnorm: their train.py with --compile=True")
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--steps", type=int, default=None)

@@ -130,5 +130,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"persistence of the step-0 bias: token-preference Spearman {last['persistence_spearman']:.3f}, "
                   f"Kendall {last['persistence_kendall']:.3f}, contraction direction |cos| "
                   f"{last['persistence_direction_cos']:.3f}")
+    info = result.compile
+    if info:
+        seconds = f", first compiled step {info['compile_s']:.1f} s beyond an eager one" if info.get("compile_s") else ""
+        print(f"compile: {'on' if info['compiled'] else 'off'} ({info['reason']}{seconds})"
+              + (f"; {info['error']}" if info.get("error") else ""))
     print(f"run directory: {out}")
     return 0

@@ -76,6 +76,18 @@ def _step_dir_name(step: int) -> str:
     return f"step-{step:06d}"
 
 
+def unwrap_model(model: Any) -> Any:
+    """The plain module inside DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers, so a
+    checkpoint's weight names never carry a ``module.`` or ``_orig_mod.`` prefix and load into an
+    eager model whether the run trained compiled or not."""
+    while True:
+        inner = getattr(model, "_orig_mod", None) or (
+            model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None)
+        if inner is None:
+            return model
+        model = inner
+
+
 def save_checkpoint(
     run_dir: str | Path,
     *,
@@ -99,7 +111,7 @@ def save_checkpoint(
     tmp.mkdir()
     try:
         write_json(tmp / CONFIG, cfg.to_dict(), digits=None)
-        save_model(model, str(tmp / WEIGHTS))
+        save_model(unwrap_model(model), str(tmp / WEIGHTS))
         state = {
             "step": step,
             "torch_rng": torch.get_rng_state(),
@@ -303,6 +315,7 @@ def load_checkpoint(
 ) -> int:
     """Restore weights, optimizer, grad-scaler and RNG states from :func:`load_run`; return the step to resume at."""
     ckpt = load_run(run_dir)
+    model = unwrap_model(model)
     device = next(model.parameters()).device
     _load_weights(model, ckpt.path / WEIGHTS, str(device))
     if optimizer is not None and (ckpt.path / OPTIMIZER).is_file():

@@ -340,7 +340,14 @@ class TrainConfig(_Part):
         seed: model initialisation (and dropout) seed; the data order depends only on ``data.seed``.
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
         autocast: mixed precision on CUDA (``"bfloat16"``); ignored on CPU, which trains in float32.
-        compile: wrap the model in ``torch.compile`` (hooks added during training then graph-break).
+        compile: ``torch.compile`` the model for training: ``"auto"`` (default) compiles when it is
+            safe (CPU or CUDA, a C++ compiler for CPU inductor, no training-time intervention hooks,
+            not distributed) and pays off: the run has at least 100 steps left and, timed over its
+            first two eager steps, ``steps_left × step_time × 0.35`` (CPU; 0.2 on CUDA) exceeds the
+            ~60 s a compile costs, i.e. at the head-wise RMSNorm authors' CPU config about 190 steps
+            or more; shorter runs (every test) stay eager. ``True`` always compiles, ``False`` never.
+            A failed compile warns in one line and the run goes on eagerly; checkpoints always
+            hold the uncompiled ``state_dict``. See :mod:`sinklens.train.compile`.
         interventions: training-time interventions, ``"name:key=value,key=value"`` spec strings of
             the intervention registry (:func:`sinklens.interventions.registry.build`, e.g.
             ``"restart:positions=16"``).
@@ -365,7 +372,7 @@ class TrainConfig(_Part):
     seed: int = 0
     device: str = "auto"
     autocast: Autocast = "bfloat16"
-    compile: bool = False
+    compile: bool | Literal["auto"] = "auto"
     interventions: list[str] = field(default_factory=list)
     log_interval: int = 1
     checkpoint_interval: int = 0
@@ -391,6 +398,8 @@ class TrainConfig(_Part):
                 f"data.seq_len={self.data.seq_len} is longer than the model context model.n_ctx={self.model.n_ctx}; "
                 f"lower data.seq_len or raise model.n_ctx."
             )
+        if self.compile not in (True, False, "auto") or self.compile in (0, 1) and not isinstance(self.compile, bool):
+            raise InvalidArgumentError(f"compile must be true, false or 'auto', got {self.compile!r}.")
         self.autocast = choice(self.autocast, typing.get_args(Autocast), what="autocast")
         self.on_nonfinite = choice(self.on_nonfinite, typing.get_args(OnNonFinite), what="on_nonfinite")
         self.log_interval = positive_int(self.log_interval, what="log_interval")

@@ -39,6 +39,7 @@ from sinklens.inputs import TokenBatch
 from sinklens.streaming import HookFn
 from sinklens.errors import InvalidArgumentError, RunExistsError, RunNotFoundError, TrainingDivergedError
 from sinklens.export import json_line, write_json
+from sinklens.train.compile import CompileSwitch
 from sinklens.train.checkpoint import (
     clean_stale, clear_run, has_checkpoint, is_run_dir, load_checkpoint, save_checkpoint, write_metrics,
 )
@@ -178,11 +179,17 @@ class TrainResult:
             ``tokens_per_s``, ``mfu``; ``kind="eval"`` lines with ``val_loss``, sink metrics and
             ``persistence_*`` (correlations with step 0, :mod:`sinklens.train.persistence`).
         out_dir: the run directory, or None.
+        compile: whether this process trained compiled and why (``TrainConfig.compile``, see
+            :mod:`sinklens.train.compile`): ``mode``, ``compiled``, ``reason``, ``compile_s``
+            (seconds the first compiled step took beyond an eager one), ``error`` (a failed
+            compile, after which the run went on eagerly). Also a ``kind="compile"`` metrics line
+            when a compile was attempted, and ``compiled`` on every ``kind="train"`` line.
     """
 
     model: Any
     history: list[dict[str, Any]] = field(default_factory=list)
     out_dir: Path | None = None
+    compile: dict[str, Any] = field(default_factory=dict)
 
     def losses(self) -> list[float]:
         return [line["loss"] for line in self.history if line["kind"] == "train"]
@@ -313,12 +320,18 @@ def train(
             write_metrics(out, history)  # a resumed run keeps only the lines before its checkpoint
 
         raw_model = model
-        if cfg.compile:
-            model = torch.compile(model)
-        if dist.enabled:
+        stop = cfg.steps if until is None else min(int(until), cfg.steps)
+
+        def wrap(module: Any) -> Any:  # what a step calls: the (possibly compiled) model, in DDP when distributed
+            if not dist.enabled:
+                return module
             from torch.nn.parallel import DistributedDataParallel as DDP
 
-            model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+            return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
+
+        # compile=True now, False never, "auto" when safe and the run is long enough (sinklens.train.compile)
+        switch = CompileSwitch(cfg.compile, raw_model, wrap, device, hooks=bool(hooks), distributed=dist.enabled,
+                               steps_left=stop - start_step)
         val_batches, val_targets = eval_batches(source, cfg, device) if cfg.eval.interval and dist.is_main else ([], [])
         persist = PersistenceTracker(cfg, out, lambda m: hooks if m is raw_model else resolve_interventions(
             m, [*cfg.interventions, *interventions]))
@@ -346,11 +359,28 @@ def train(
 
         # ---- the loop
         try:
-            model.train()
-            stop = cfg.steps if until is None else min(int(until), cfg.steps)
+            raw_model.train()
             bar = tqdm(range(start_step, stop), desc="train", disable=not (progress and dist.is_main), initial=start_step,
                        total=cfg.steps)
             skipped = 0
+            step_s: float | None = None  # wall time of the last step (timed while "auto" probes)
+
+            def micro_steps(model: Any, rows: Tensor) -> Tensor:
+                """Forward and backward of every micro-batch of the step; the summed (unscaled) loss."""
+                loss_sum = torch.zeros((), device=device)
+                for micro in range(cfg.grad_accum):
+                    sync = micro == cfg.grad_accum - 1 or not dist.enabled
+                    with contextlib.nullcontext() if sync else model.no_sync():
+                        loss_sum += forward_backward(
+                            model,
+                            micro_batch(rows, micro, cfg, dist),
+                            hooks=hooks,
+                            loss_scale=(scaler.get_scale() if scaler is not None else 1.0) / cfg.grad_accum,
+                            autocast=autocast,
+                            hook_owner=raw_model,
+                        )
+                return loss_sum
+
             for step in bar:
                 if cfg.eval.interval and dist.is_main and step % cfg.eval.interval == 0:
                     run_eval(step)
@@ -359,21 +389,22 @@ def train(
                 for group in optimizer.param_groups:
                     group["lr"] = lr
 
+                switch.maybe_decide(step - start_step, stop - step, step_s)
+                first_compiled = switch.compiled and switch.compile_s is None
+                timing = switch.decision is None or first_compiled  # sync and time this step
+                if timing and device.type == "cuda":
+                    torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
                 rows = source.batch("train", step, cfg.batch_size).to(device, non_blocking=True)  # (B, T+1)
-                loss_sum = torch.zeros((), device=device)
-                for micro in range(cfg.grad_accum):
-                    sync = micro == cfg.grad_accum - 1 or not dist.enabled
-                    with contextlib.nullcontext() if sync else model.no_sync():
-                        loss = forward_backward(
-                            model,
-                            micro_batch(rows, micro, cfg, dist),
-                            hooks=hooks,
-                            loss_scale=(scaler.get_scale() if scaler is not None else 1.0) / cfg.grad_accum,
-                            autocast=autocast,
-                            hook_owner=raw_model,
-                        )
-                    loss_sum += loss
+                if first_compiled:
+                    try:  # compilation happens here; a failure never ends the run
+                        loss_sum = micro_steps(switch.model, rows)
+                    except Exception as error:  # noqa: BLE001 - any compiler error: retry this step eagerly
+                        optimizer.zero_grad(set_to_none=True)
+                        warnings.warn(switch.fall_back(error), stacklevel=2)
+                        loss_sum = micro_steps(switch.model, rows)
+                else:
+                    loss_sum = micro_steps(switch.model, rows)
                 if scaler is not None:  # float16 only: gradients were scaled, unscale before clipping
                     scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf"),
@@ -403,6 +434,15 @@ def train(
                 else:
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
+                if timing:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize(device)
+                    elapsed = time.perf_counter() - t0
+                    if first_compiled:  # compiled now, or failed and went on eagerly (switch.error)
+                        if switch.compiled:
+                            switch.compile_s = elapsed - (step_s or 0.0)
+                        log({"kind": "compile", "step": step, **switch.summary()})
+                    step_s = elapsed
 
                 if step % cfg.log_interval == 0 or step == cfg.steps - 1:
                     if dist.enabled:
@@ -413,6 +453,7 @@ def train(
                     log({
                         "kind": "train", "step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                         "tokens_per_s": tokens_per_s, "mfu": estimate_mfu(flops_per_token, tokens_per_s, device),
+                        "compiled": switch.compiled,
                     })
                     bar.set_postfix(loss=f"{loss_value:.4f}")
                 if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step + 1 < stop:
@@ -424,6 +465,6 @@ def train(
         finally:
             if metrics_file is not None:
                 metrics_file.close()
-        return TrainResult(model=raw_model, history=history, out_dir=out)
+        return TrainResult(model=raw_model, history=history, out_dir=out, compile=switch.summary())
     finally:
         cleanup_distributed(dist)
