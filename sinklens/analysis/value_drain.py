@@ -63,10 +63,10 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from sinklens.analysis._common import SettingsFields, check_sink_position, options_from_legacy, row_index, settings_from
-from sinklens.analysis.variance import POST_ATTN_SCALE, post_attention_gain
+from sinklens.analysis.variance import POST_ATTN_SCALE, attention_output_grams, post_attention_gain
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import PATTERN, V, model_device, model_dims, resolve_layers, weight
+from sinklens.hooks import PATTERN, V, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, run
@@ -240,14 +240,11 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.device = model_device(model)
         self.visibility = attention_visibility(model)
-        w_o = weight(model, "W_O")[self.layers].to(self.device, torch.float64)  # [layer, head, d_head, d_model]
         gains = {layer: post_attention_gain(model, layer) for layer in self.layers}
         self.post_norm = [layer for layer, g in gains.items() if g is not None]
         # ‖v W_O[h]‖² = v G vᵀ with G = W_O[h] W_O[h]ᵀ; in residual units W_O[h] diag(g) takes W_O[h]'s place.
-        self.gram = (w_o @ w_o.transpose(-1, -2)).float()  # [layer, head, d_head, d_head]
-        g = torch.stack([gains[l] if gains[l] is not None else torch.ones(dims.d_model) for l in self.layers])
-        w_res = w_o * g.to(self.device, torch.float64)[:, None, None, :]
-        self.gram_res = (w_res @ w_res.transpose(-1, -2)).float()
+        gram, gram_res = attention_output_grams(model, self.layers)  # [layer, head, d_head, d_head], float64
+        self.gram, self.gram_res = gram.to(self.device).float(), gram_res.to(self.device).float()
         if dims.n_heads % dims.n_kv_heads:
             raise InvalidArgumentError(f"{dims.n_heads} query heads cannot share {dims.n_kv_heads} key/value heads evenly.")
         # Query head h reads key/value head h // r (Hugging Face repeat_kv / repeat_interleave order).
