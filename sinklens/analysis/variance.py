@@ -172,8 +172,11 @@ def attention_output_grams(model: Any, layers: Sequence[int]) -> tuple[Float[Ten
             w_o = layer_weight(model, "W_O", layer).to(device, torch.float64)  # [head, d_head, d_model]
             grams.append(w_o @ w_o.transpose(-1, -2))
             gain = post_attention_gain(model, layer)
-            m_res = w_o if gain is None else w_o * gain.to(device, torch.float64)
-            grams_res.append(m_res @ m_res.transpose(-1, -2))
+            if gain is None:  # no post norm: the residual-unit map is W_O itself
+                grams_res.append(grams[-1])
+            else:
+                m_res = w_o * gain.to(device, torch.float64)
+                grams_res.append(m_res @ m_res.transpose(-1, -2))
         return torch.stack(grams), torch.stack(grams_res)
 
     gram, gram_res = weight_cached(model, ("attention_output_grams", tuple(layers)), compute)
