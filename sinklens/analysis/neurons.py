@@ -55,7 +55,7 @@ from sinklens.analysis._common import (
 )
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, Z, model_device, model_dims, resolve_layers, weight
+from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, Z, layer_weight, model_device, model_dims, resolve_layers, weight, weight_cached
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.residual_units import check_neuron_mlp, post_norm_map
@@ -143,6 +143,36 @@ def row_sparsity(rows: Float[Tensor, "*rows d"], k: int = 1) -> tuple[Float[Tens
     top = sq.amax(dim=-1) if k == 1 else sq.topk(k, dim=-1).values.sum(-1)
     share = top / sq.sum(-1).clamp_min(_TINY)
     return kurt, share
+
+
+def mlp_weight_statistics(model: Any, layers: Sequence[int], row_top_k: int = 1) -> dict[str, Tensor | None]:
+    """Weight-only statistics of each neuron of ``layers``, each ``[layer, neuron]`` float32 on the model's device.
+
+    ``in_norm`` / ``gate_norm``: ``‖W_in[:, n]‖`` / ``‖W_gate[:, n]‖`` (``gate_norm`` None without a gated MLP);
+    ``out_norm``: ``‖W_out[n]‖``; ``out_kurtosis`` / ``out_top_share``: :func:`row_sparsity` of ``W_out[n]``
+    with ``row_top_k``. Computed one layer at a time from :func:`~sinklens.hooks.layer_weight` (no stacked
+    copy of the weights) and kept until the weights change (:func:`~sinklens.hooks.weight_cached`).
+    """
+
+    def compute() -> dict[str, Tensor | None]:
+        out: dict[str, list[Tensor]] = {name: [] for name in ("in_norm", "gate_norm", "out_norm", "out_kurtosis", "out_top_share")}
+        gated = True
+        for layer in layers:
+            out["in_norm"].append(layer_weight(model, "W_in", layer).float().norm(dim=0))
+            if gated:
+                try:
+                    out["gate_norm"].append(layer_weight(model, "W_gate", layer).float().norm(dim=0))
+                except AttributeError:
+                    gated = False
+            w_out = layer_weight(model, "W_out", layer).float().contiguous()  # [neuron, d_model]
+            out["out_norm"].append(w_out.norm(dim=-1))
+            kurt, share = row_sparsity(w_out, row_top_k)
+            out["out_kurtosis"].append(kurt)
+            out["out_top_share"].append(share)
+        return {name: torch.stack(rows) if rows and (gated or name != "gate_norm") else None for name, rows in out.items()}
+
+    stats = weight_cached(model, ("mlp_weight_statistics", tuple(layers), row_top_k), compute)
+    return {name: None if t is None else t.clone() for name, t in stats.items()}  # callers own their copies
 
 
 @dataclass(frozen=True)
@@ -500,7 +530,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         self.post_norm_blocks = [b for b, pm in enumerate(self.maps) if not pm.is_identity]
         self.attn_maps = [post_norm_map(model, block, "attn") for block in range(d.n_layers)]
         self.n_heads = d.n_heads
-        self._W_O: Tensor | None = None
+        self._heads_dtype: torch.dtype | None = None  # float32 once head writes were folded
         self.reset()
 
     def reset(self) -> None:
@@ -570,10 +600,10 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             self.inv_scale_sum[block] += inv.sum()
             if block in fold.state["post"]:
                 self.sink_scaled_sum[self.row[block]] += (fold.state["post"][block] * inv[:, None]).sum(0)
-        if fold.state["z"] and self._W_O is None:  # stacked once: a bridge builds the property on every read
-            self._W_O = weight(self.model, "W_O").float()  # [layer, head, d_head, d_model]
         for block, z in fold.state["z"].items():
-            write = torch.einsum("bhk,hkd->bhd", z.float(), self._W_O[block].to(z.device)).double()
+            self._heads_dtype = torch.float32
+            w_o = layer_weight(self.model, "W_O", block).float().to(z.device)  # [head, d_head, d_model]: a view, no stack
+            write = torch.einsum("bhk,hkd->bhd", z.float(), w_o).double()
             scale = fold.state["attn_scale"].get(block)
             if scale is not None:
                 inv = 1.0 / scale
@@ -594,24 +624,29 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         is_outlier = (position_ratio >= cfg.position_threshold) & (neuron_ratio >= cfg.neuron_threshold)
         resid, attn, mlp = (t.float() / self.n_sequences for t in (self.resid, self.attn, self.mlp))
         dims = list(cfg.dims) if cfg.dims is not None else massive_dims_from_resid(resid, cfg.dim_threshold, cfg.max_dims)
-        W_out = weight(self.model, "W_out")[self.layers].float().to(sink_act.device)  # [layer, neuron, d_model]
+        dev = sink_act.device
         # Residual units: act × W_out without a post norm; mean(act / scale) × gain ⊙ C(W_out) through one.
         res_act = sink_act.clone()
-        W_res = W_out.clone()
-        offset = torch.stack([mlp_out_bias(self.model, b).float().to(sink_act.device) for b in range(self.n_layers)])
+        offset = torch.stack([mlp_out_bias(self.model, b).float().to(dev) for b in range(self.n_layers)])
         for block in self.post_norm_blocks:
             pm, inv = self.maps[block], float(self.inv_scale_sum[block]) / self.n_sequences
             offset[block] = pm.linear(offset[block], torch.tensor([1.0 / inv], device=offset.device)) + pm.offset(offset[block])
             if block in self.row:
-                i = self.row[block]
-                res_act[i] = (self.sink_scaled_sum[i] / self.n_sequences).float()
-                W_res[i] = pm.linear(W_out[i], torch.ones(1, device=W_out.device))
-        self._check_identity(res_act, W_res, offset, mlp)
+                res_act[self.row[block]] = (self.sink_scaled_sum[self.row[block]] / self.n_sequences).float()
+        rebuilt, w_dims = [], []  # one layer's W_out at a time: no stacked copy
+        for i, layer in enumerate(self.layers):
+            w_res = layer_weight(self.model, "W_out", layer).float().to(dev)  # [neuron, d_model]
+            if not self.maps[layer].is_identity:
+                w_res = self.maps[layer].linear(w_res, torch.ones(1, device=dev))
+            rebuilt.append(res_act[i] @ w_res)
+            w_dims.append(w_res[:, dims])
+        self._check_identity(torch.stack(rebuilt) + offset[self.layers], mlp)
         heads, attn_offset = self._heads(attn)
-        contribution = res_act[:, :, None] * W_res[:, :, dims]
+        contribution = res_act[:, :, None] * torch.stack(w_dims)
         peaks = resid[:, dims].abs().amax(dim=0) if dims else torch.zeros(0)
         is_super = (contribution.abs() >= cfg.super_share * peaks.clamp_min(_TINY)).any(dim=-1)
-        kurt, share = row_sparsity(W_out, cfg.row_top_k)
+        stats = mlp_weight_statistics(self.model, self.layers, cfg.row_top_k)
+        kurt, share = stats["out_kurtosis"], stats["out_top_share"]
         result = SuperNeurons(
             layers=list(self.layers), settings=cfg, dims=list(dims),
             sink_act=sink_act.cpu(), other_rms=other_rms.cpu(), other_max_abs=self.other_max.cpu(),
@@ -646,20 +681,18 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             offset[block] = pm.linear(offset[block], torch.tensor([1.0 / inv], device=heads.device)) + pm.offset(offset[block])
         err = float((heads.sum(1) + offset - attn).abs().max())
         size = float(attn.abs().max())
-        dtype = self._W_O.dtype if getattr(self, "_W_O", None) is not None else next(self.model.parameters()).dtype
+        dtype = self._heads_dtype or next(self.model.parameters()).dtype
         if err > max(1e-3, 50 * torch.finfo(dtype).eps) * size + 1e-5:
             warnings.warn(f"Head contributions at the sink do not add up to hook_attn_out (max error {err:.3g} vs max "
                           f"|hook_attn_out| {size:.3g}): they are approximate for this model.", RuntimeWarning, stacklevel=3)
         return heads, offset
 
-    def _check_identity(self, res_act: Tensor, W_res: Tensor, offset: Tensor, mlp: Tensor) -> None:
-        """Warn if ``Σ_n contribution + offset`` misses the mean ``hook_mlp_out`` at the sink (a model whose MLP
-        output is not ``post W_out + b_out`` through its post norm: the contributions would not be exact)."""
-        rebuilt = torch.einsum("ln,lnd->ld", res_act, W_res) + offset[self.layers]
+    def _check_identity(self, rebuilt: Tensor, mlp: Tensor, dtype: torch.dtype = torch.float32) -> None:
+        """Warn if ``rebuilt`` (``Σ_n contribution + offset`` per layer) misses the mean ``hook_mlp_out`` at the sink (a
+        model whose MLP output is not ``post W_out + b_out`` through its post norm: the contributions would not be exact)."""
         target = mlp[self.layers]
         err = float((rebuilt - target).abs().max()) if target.numel() else 0.0
         size = float(target.abs().max()) if target.numel() else 0.0
-        dtype = W_res.dtype
         if err > max(1e-3, 50 * torch.finfo(dtype).eps) * size + 1e-5:
             warnings.warn(f"Neuron contributions at the sink do not add up to hook_mlp_out (max error {err:.3g} vs "
                           f"max |hook_mlp_out| {size:.3g}): this model's MLP output is not act × W_out + b_out "

@@ -127,14 +127,13 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
 
         def fold(act: Tensor, layer: int) -> None:  # [batch, pos, d_model]
             i, x, pm = self.row[layer], act.float(), self.maps[layer]
-            for g, y in enumerate((x, x * pm.gain.float().to(x.device) + pm.offset(x))):
-                a = y.abs()
-                rest = (a.sum(-1, keepdim=True) - a) / (a.shape[-1] - 1)
-                r = a / rest.clamp_min(_TINY)
-                self.sink_sum[g, i] += r[:, self.sink].double().sum(0)
-                ro = r * other[..., None]
-                self.other_sum[g, i] += ro.double().sum(dim=(0, 1))
-                self.other_max[g, i] = torch.maximum(self.other_max[g, i], ro.amax(dim=(0, 1)))
+            a = torch.stack((x, x * pm.gain.float().to(x.device) + pm.offset(x))).abs_()  # [before/after gain, ...]
+            rest = (a.sum(-1, keepdim=True) - a) / (a.shape[-1] - 1)
+            r = a / rest.clamp_min(_TINY)
+            self.sink_sum[:, i] += r[:, :, self.sink].double().sum(1)
+            ro = r * other[..., None]
+            self.other_sum[:, i] += ro.double().sum(dim=(1, 2))
+            self.other_max[:, i] = torch.maximum(self.other_max[:, i], ro.amax(dim=(1, 2)))
 
         # TL 3.x runs ln1.hook_normalized once per q/k/v input: fold the first call only.
         return BatchFold(per_layer_hooks(self.site, self.layers, once_per_forward(fold)))

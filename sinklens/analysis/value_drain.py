@@ -63,10 +63,10 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from sinklens.analysis._common import SettingsFields, check_sink_position, row_index, run_analyzer
-from sinklens.analysis.variance import POST_ATTN_SCALE, post_attention_gain
+from sinklens.analysis.variance import POST_ATTN_SCALE, attention_output_grams, post_attention_gain
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import PATTERN, V, model_device, model_dims, resolve_layers, weight
+from sinklens.hooks import PATTERN, V, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
@@ -240,14 +240,11 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.device = model_device(model)
         self.visibility = attention_visibility(model)
-        w_o = weight(model, "W_O")[self.layers].to(self.device, torch.float64)  # [layer, head, d_head, d_model]
         gains = {layer: post_attention_gain(model, layer) for layer in self.layers}
         self.post_norm = [layer for layer, g in gains.items() if g is not None]
         # ‖v W_O[h]‖² = v G vᵀ with G = W_O[h] W_O[h]ᵀ; in residual units W_O[h] diag(g) takes W_O[h]'s place.
-        self.gram = (w_o @ w_o.transpose(-1, -2)).float()  # [layer, head, d_head, d_head]
-        g = torch.stack([gains[l] if gains[l] is not None else torch.ones(dims.d_model) for l in self.layers])
-        w_res = w_o * g.to(self.device, torch.float64)[:, None, None, :]
-        self.gram_res = (w_res @ w_res.transpose(-1, -2)).float()
+        gram, gram_res = attention_output_grams(model, self.layers)  # [layer, head, d_head, d_head], float64
+        self.gram, self.gram_res = gram.to(self.device).float(), gram_res.to(self.device).float()
         if dims.n_heads % dims.n_kv_heads:
             raise InvalidArgumentError(f"{dims.n_heads} query heads cannot share {dims.n_kv_heads} key/value heads evenly.")
         # Query head h reads key/value head h // r (Hugging Face repeat_kv / repeat_interleave order).
@@ -276,8 +273,9 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         def keep(name: str) -> Any:
             def fold(act: Tensor, layer: int) -> None:
                 got = waiting.setdefault(layer, {})
-                got[name] = act.detach().to(self.device, torch.float32, copy=True)  # one device for every statistic
-                if set(got) == needed[layer]:
+                last = set(got) | {name} == needed[layer]  # the layer's last hook: fold now, no need for a copy
+                got[name] = act.detach().to(self.device, torch.float32, copy=not last)  # one device for every statistic
+                if last:
                     self._fold_layer(layer, waiting.pop(layer), valid)
 
             return fold
@@ -304,17 +302,22 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         queries = seen[:, :, p].clone()
         queries[:, p] = False  # Q: real queries != p that see the sink
         pairs = seen & queries[:, :, None]  # (q in Q, k visible to q)
-        others = pairs.clone()
-        others[:, :, p] = False
-        write = pattern * res_norm.permute(0, 2, 1)[:, :, None, :] * inv_scale[:, None, :, None]  # [b, h, q, k]
+        # write[b, h, q, k] = A[b, h, q, k] ‖v_k W_O[h]‖ / s[b, q]; summed over q first (float32, 1 pass over A):
+        # attn_k = Σ_q A and write_k = Σ_q A / s over the counted pairs, then float64 for everything else.
         zero = torch.zeros((), device=pattern.device)
-        q_mask = queries[:, None, :]  # [batch, 1, query]
+        masked = pattern.masked_fill(~pairs[:, None], 0.0)  # [b, h, q, k] (NaN/inf outside the pairs never enter)
+        attn_k = masked.sum(2).double()  # [b, h, k]
+        inv_q = torch.where(queries, inv_scale, zero)  # [b, q]
+        key_norm = torch.where(valid[:, :, None], res_norm, zero).permute(0, 2, 1)  # [b, h, k]
+        write_k = torch.einsum("bhqk,bq->bhk", masked, inv_q).double() * key_norm.double()
         s = self.sums
-        s["attn_sink"][row] += torch.where(q_mask, pattern[..., p], zero).sum(dim=(0, 2)).double()
-        s["write_sink"][row] += torch.where(q_mask, write[..., p], zero).sum(dim=(0, 2)).double()
-        s["write_total"][row] += torch.where(pairs[:, None], write, zero).sum(dim=(0, 2, 3)).double()
-        s["write_other"][row] += torch.where(others[:, None], write, zero).sum(dim=(0, 2, 3)).double()
-        s["attn_other"][row] += torch.where(others[:, None], pattern, zero).sum(dim=(0, 2, 3)).double()
+        attn_sink, write_sink = attn_k[..., p].sum(0), write_k[..., p].sum(0)  # pairs (q, p) are exactly q in Q
+        write_total = write_k.sum(dim=(0, 2))
+        s["attn_sink"][row] += attn_sink
+        s["write_sink"][row] += write_sink
+        s["write_total"][row] += write_total
+        s["write_other"][row] += write_total - write_sink  # the other keys: every pair but (q, p)
+        s["attn_other"][row] += attn_k.sum(dim=(0, 2)) - attn_sink
         keys = valid.clone()
         keys[:, p] = False
         k_mask = keys[:, :, None]  # [batch, key, 1]
@@ -323,7 +326,7 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         s["vn_other"][row] += torch.where(k_mask, value_norm, zero).sum(dim=(0, 1)).double()
         s["on_other"][row] += torch.where(k_mask, out_norm, zero).sum(dim=(0, 1)).double()
         self.n_q[row] += queries.sum()
-        self.n_pairs[row] += others.sum()
+        self.n_pairs[row] += pairs.sum() - queries.sum()
         self.n_keys[row] += keys.sum()
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:

@@ -105,7 +105,7 @@ from torch import Tensor
 from sinklens.analysis._common import grow, layer_head_position_rows, position_index, run_analyzer
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import ATTN_OUT, PATTERN, V, Z, hook_name, model_device, model_dims, resolve_layers, weight
+from sinklens.hooks import ATTN_OUT, PATTERN, V, Z, hook_name, layer_weight, model_device, model_dims, resolve_layers, weight_cached
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
@@ -156,6 +156,31 @@ def post_attention_gain(model: Any, layer: int) -> Float[Tensor, " d_model"] | N
             "sinklens maps head outputs through RMS post-norms only."
         )
     return norm.gain.float().cpu()
+
+
+def attention_output_grams(model: Any, layers: Sequence[int]) -> tuple[Float[Tensor, "layer head d_head d_head"], Float[Tensor, "layer head d_head d_head"]]:
+    """Float64 Gram matrices ``W_O[h] W_O[h]ᵀ`` and, in residual units, ``(W_O[h] diag(g))(W_O[h] diag(g))ᵀ`` per layer.
+
+    ``g`` is :func:`post_attention_gain` (1 without a post-attention norm), so ``‖z W_O[h]‖² = z G zᵀ``.
+    Computed one layer at a time from :func:`~sinklens.hooks.layer_weight` (no stacked ``W_O``), on the
+    model's device, and kept until the weights change (:func:`~sinklens.hooks.weight_cached`); callers get copies.
+    """
+
+    def compute() -> tuple[Tensor, Tensor]:
+        device, grams, grams_res = model_device(model), [], []
+        for layer in layers:
+            w_o = layer_weight(model, "W_O", layer).to(device, torch.float64)  # [head, d_head, d_model]
+            grams.append(w_o @ w_o.transpose(-1, -2))
+            gain = post_attention_gain(model, layer)
+            if gain is None:  # no post norm: the residual-unit map is W_O itself
+                grams_res.append(grams[-1])
+            else:
+                m_res = w_o * gain.to(device, torch.float64)
+                grams_res.append(m_res @ m_res.transpose(-1, -2))
+        return torch.stack(grams), torch.stack(grams_res)
+
+    gram, gram_res = weight_cached(model, ("attention_output_grams", tuple(layers)), compute)
+    return gram.clone(), gram_res.clone()
 
 
 def _global_centred(
@@ -423,16 +448,11 @@ class VarianceReducer(Reducer[VarianceResult]):
         self.layers = resolve_layers(layers, dims.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.device = model_device(model)
-        w_o = weight(model, "W_O")[self.layers].to(self.device, torch.float64)  # [layer, head, d_head, d_model]
-        self.w_o = w_o
-        self.gram = w_o @ w_o.transpose(-1, -2)  # [layer, head, d_head, d_head]
-        self.gram32 = self.gram.float()
         gains = {layer: post_attention_gain(model, layer) for layer in self.layers}
         self.post_norm = [layer for layer, g in gains.items() if g is not None]
-        # Residual-unit output map M = W_O diag(g) (g = 1 without a post-norm), and its Gram matrix.
-        g = torch.stack([gains[l] if gains[l] is not None else torch.ones(dims.d_model) for l in self.layers])
-        m_res = w_o * g.to(self.device, torch.float64)[:, None, None, :]
-        self.gram_res = m_res @ m_res.transpose(-1, -2)
+        # Gram matrices of W_O and of the residual-unit output map M = W_O diag(g) (g = 1 without a post-norm).
+        self.gram, self.gram_res = (g.to(self.device) for g in attention_output_grams(model, self.layers))
+        self.gram32 = self.gram.float()
         self.gram_res32 = self.gram_res.float()
         self.reset()
 

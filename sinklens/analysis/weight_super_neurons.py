@@ -24,10 +24,10 @@ from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
 from sinklens.analysis._common import check_sink_position, once_per_forward, row_index, run_analyzer, sink_position_arg
-from sinklens.analysis.neurons import row_sparsity
+from sinklens.analysis.neurons import mlp_weight_statistics
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import LN2_NORMALIZED, hook_name, model_device, model_dims, resolve_layers, weight
+from sinklens.hooks import LN2_NORMALIZED, hook_name, layer_weight, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, bound_hooks
@@ -168,9 +168,11 @@ class WeightNeurons:
                         "sink_position": self.sink_position, "rows": self.rows(k)})
 
 
-def _cosine_rows(x: Float[Tensor, "layer d"], w: Float[Tensor, "layer d neuron"]) -> Float[Tensor, "layer neuron"]:
-    num = torch.einsum("ld,ldn->ln", x, w)
-    return num / (x.norm(dim=-1, keepdim=True) * w.norm(dim=1)).clamp_min(_TINY)
+def _cosine_rows(x: Float[Tensor, "layer d"], num: Float[Tensor, "layer neuron"],
+                 norms: Float[Tensor, "layer neuron"]) -> Float[Tensor, "layer neuron"]:
+    """Cosine of ``x[l]`` with each column ``n`` of a weight ``w[l]``, given ``num[l, n] = x[l] · w[l][:, n]`` and
+    ``norms[l, n] = ‖w[l][:, n]‖``."""
+    return num / (x.norm(dim=-1, keepdim=True) * norms).clamp_min(_TINY)
 
 
 def super_neurons_from_weights(
@@ -206,30 +208,30 @@ def super_neurons_from_weights(
     bad = [x for x in dims if not 0 <= x < d.d_model]
     if bad:
         raise InvalidArgumentError(f"dims {bad} are out of range for d_model={d.d_model} (0..{d.d_model - 1}).")
-    W_in = weight(model, "W_in")[layer_list].float().cpu()  # [layer, d_model, neuron]
-    W_out = weight(model, "W_out")[layer_list].float().cpu()  # [layer, neuron, d_model]
-    try:
-        W_gate = weight(model, "W_gate")[layer_list].float().cpu()
-    except AttributeError:
-        W_gate = None
-    in_norm, out_norm = W_in.norm(dim=1), W_out.norm(dim=-1)
-    gate_norm = None if W_gate is None else W_gate.norm(dim=1)
+    stats = mlp_weight_statistics(model, layer_list, row_top_k)  # per layer, kept until the weights change
+    in_norm, gate_norm, out_norm = (None if stats[k] is None else stats[k].cpu() for k in ("in_norm", "gate_norm", "out_norm"))
     in_ratio, out_ratio = _median_ratio(in_norm), _median_ratio(out_norm)
     gate_ratio = None if gate_norm is None else _median_ratio(gate_norm)
     score = in_ratio * out_ratio * (gate_ratio if gate_ratio is not None else 1.0)
-    # Reuse (kurtosis, top-k share) of these W_out rows when the caller already has them (analyze does).
-    kurt, share = w_out_sparsity if w_out_sparsity is not None else row_sparsity(W_out, row_top_k)
+    # (kurtosis, top-k share) of these W_out rows: the caller's if given, else the cached ones.
+    kurt, share = w_out_sparsity if w_out_sparsity is not None else (stats["out_kurtosis"].cpu(), stats["out_top_share"].cpu())
+    # One layer's weights at a time (views, no stacked copies): W_out's columns at ``dims``, x · W_in / W_gate.
+    out_dim_weight = torch.stack([layer_weight(model, "W_out", l)[:, dims].float().cpu() for l in layer_list])
     align_in = align_gate = None
     if sink_input is not None:
         missing = [l for l in layer_list if l not in sink_input.layers]
         if missing:
             raise InvalidArgumentError(f"sink_input has no layers {missing}; it covers {sink_input.layers}.")
         x = sink_input.x[[sink_input.layers.index(l) for l in layer_list]].float()
-        align_in = _cosine_rows(x, W_in)
-        align_gate = None if W_gate is None else _cosine_rows(x, W_gate)
+
+        def reads(name: str) -> Tensor:  # [layer, neuron]: x[l] · w[l][:, n]
+            return torch.stack([x[i] @ layer_weight(model, name, l).float().to(x.device) for i, l in enumerate(layer_list)])
+
+        align_in = _cosine_rows(x, reads("W_in"), in_norm.to(x.device))
+        align_gate = None if gate_norm is None else _cosine_rows(x, reads("W_gate"), gate_norm.to(x.device))
     return WeightNeurons(
         layers=layer_list, in_norm=in_norm, gate_norm=gate_norm, out_norm=out_norm, in_norm_ratio=in_ratio,
         gate_norm_ratio=gate_ratio, out_norm_ratio=out_ratio, out_kurtosis=kurt, out_top_share=share,
         row_top_k=row_top_k, score=score, align_in=align_in, align_gate=align_gate, dims=dims,
-        out_dim_weight=W_out[:, :, dims], sink_position=None if sink_input is None else sink_input.sink_position,
+        out_dim_weight=out_dim_weight, sink_position=None if sink_input is None else sink_input.sink_position,
     )

@@ -30,7 +30,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.hooks import Z, check_hook_names, hook_name, model_device, model_dims
+from sinklens.hooks import Z, check_hook_names, hook_name, model_device, model_dims, weight_fingerprint
 from sinklens.inputs import TokenBatch, random_token_batches
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, check_in_sequence, heads_arg, layers_arg, positions_arg
 from sinklens.options import RunOptions
@@ -41,7 +41,6 @@ Reference = Union[Literal["random", "batch"], Tensor, Mapping[int, Tensor]]
 
 #: model -> {"fingerprint": weight fingerprint, "means": {settings: {layer: mean}}}; see :func:`weight_fingerprint`.
 _CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
-_SAMPLES_PER_TENSOR = 16
 
 
 class MeanActivationReducer(Reducer[dict[int, Tensor]]):
@@ -83,31 +82,6 @@ class MeanActivationReducer(Reducer[dict[int, Tensor]]):
         return {layer: (s / self.count).float() for layer, s in self.sums.items()}
 
 
-def weight_fingerprint(model: Any) -> tuple:
-    """A cheap key that changes when the model's weights change; it guards the reference-mean cache.
-
-    Per parameter: its storage address (``data_ptr``, changes when ``.data`` or the parameter is
-    replaced), its autograd version counter (``_version``, bumped by every in-place op on the
-    tensor: optimizer steps, ``p.mul_(...)`` under ``no_grad``, ``copy_``/``load_state_dict``) and
-    ``{n}`` evenly strided sampled values (which catch in-place writes through a ``.data`` alias,
-    which bypass the version counter, when they touch a sampled entry, e.g. rescaling a matrix).
-    Costs one small gather per parameter tensor, not a pass over the weights.
-    """
-    parts = []
-    with torch.no_grad():
-        for param in model.parameters():
-            try:
-                version = param._version
-            except RuntimeError:  # an inference tensor has no version counter
-                version = -1
-            flat = param.detach().reshape(-1)
-            step = max(flat.numel() // _SAMPLES_PER_TENSOR, 1)
-            sample = flat[::step][:_SAMPLES_PER_TENSOR].double().cpu()
-            parts.append((param.data_ptr(), version, tuple(param.shape), tuple(sample.tolist())))
-    return tuple(parts)
-
-
-weight_fingerprint.__doc__ = weight_fingerprint.__doc__.replace("{n}", str(_SAMPLES_PER_TENSOR))
 
 
 def reference_mean(
