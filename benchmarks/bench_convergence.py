@@ -78,11 +78,11 @@ def task_config(task: str, variant: str, seed: int, args: argparse.Namespace) ->
         model = {"family": "gpt2", "n_layers": 3, "d_model": 64, "n_heads": 1, "n_ctx": 64, "d_vocab": 64}
         data = {"source": "bigram-backcopy", "seq_len": 64, "vocab_size": 64, "seed": 1234}
         lr = 3e-3
-    elif task == "text-small":  # no BOS: position 0 is an arbitrary token, marked only by the causal mask
+    elif task == "text-small":  # without --bos, position 0 is an arbitrary token, marked only by the causal mask
         corpus = docstring_corpus(Path(args.cache) / "stdlib_docstrings.txt")
-        model = {"family": "llama", "n_layers": args.layers or 2, "d_model": args.d_model or 64, "n_heads": 4,
-                 "n_ctx": args.seq_len or 64, "d_vocab": "auto"}
-        data = {"source": "text", "path": str(corpus), "tokenizer": "bpe", "vocab_size": 512, "bos": False,
+        model = {"family": args.family, "n_layers": args.layers or 2, "d_model": args.d_model or 64,
+                 "n_heads": args.heads or 4, "n_ctx": args.seq_len or 64, "d_vocab": "auto"}
+        data = {"source": "text", "path": str(corpus), "tokenizer": "bpe", "vocab_size": 512, "bos": args.bos,
                 "seq_len": args.seq_len or 64, "seed": 1234, "cache_dir": str(Path(args.cache) / "data")}
         lr = 3e-3
     elif task == "text":
@@ -203,6 +203,9 @@ def main() -> None:
     parser.add_argument("--task", choices=["backcopy", "text", "text-small"], default="backcopy")
     parser.add_argument("--layers", type=int, default=None, help="text-small: layers (default 2)")
     parser.add_argument("--d-model", type=int, default=None, help="text-small: d_model (default 64)")
+    parser.add_argument("--heads", type=int, default=None, help="text-small: heads per layer (default 4)")
+    parser.add_argument("--family", choices=["llama", "gpt2"], default="llama", help="text-small: block family")
+    parser.add_argument("--bos", action="store_true", help="text-small: start every sequence with BOS")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=1500)
@@ -282,8 +285,8 @@ def main() -> None:
     figure = Path(args.figure) if args.figure else ROOT / "assets" / f"convergence_{args.task}.png"
     title = {"backcopy": "bigram-backcopy, GPT-2 blocks, 3 layers × 1 head, d_model 64",
              "text": "stdlib docstrings, BPE 512, Llama blocks, 4 layers, d_model 256",
-             "text-small": f"stdlib docstrings, BPE 512, no BOS, Llama blocks, {cfg.model.n_layers} layers, "
-                           f"d_model {cfg.model.d_model}"}[args.task]
+             "text-small": f"stdlib docstrings, BPE 512, {'BOS' if args.bos else 'no BOS'}, {cfg.model.family} "
+                           f"blocks, {cfg.model.n_layers} layers × {cfg.model.n_heads} heads, d_model {cfg.model.d_model}"}[args.task]
     plot(runs, summary, smoothing=args.smoothing, title=f"{title} ({len(args.seeds)} seeds)", path=figure)
     print(f"wall {record['wall_s_this_process']:.0f}s (runs: {record['wall_s_runs_sum']:.0f}s); results {out}; figure {figure}")
     json.dumps(record["summary"], allow_nan=True)  # summary printable even with NaN bounds
