@@ -28,6 +28,12 @@ Tasks (``--task``):
   of every module, class and function, > 40 characters), a 512-token BPE trained on them
   (:mod:`sinklens.train.tokenizer`), a Llama-style model (RoPE, SwiGLU) of 4 layers, d_model 256;
   every sequence starts with ``<|endoftext|>`` as BOS.
+* ``text-small``: the same corpus and tokenizer, a smaller model (``--family`` llama or gpt2,
+  ``--layers`` 2, ``--heads`` 4, ``--d-model`` 64 by default) and **no BOS** unless ``--bos``: windows
+  start at arbitrary tokens, so position 0 is marked only by the causal mask.
+
+A variant may name an option mode after a colon: ``variance_calibrated:position_amplify`` trains
+``variance_calibrated`` with ``variant_options={"mode": "position_amplify"}``.
 
 Writes ``benchmarks/results/convergence_<task>.json`` (strict JSON: config, machine, command, wall
 time, per-run curves, summary) and ``assets/convergence_<task>.png``.
