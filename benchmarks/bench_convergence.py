@@ -28,6 +28,12 @@ Tasks (``--task``):
   of every module, class and function, > 40 characters), a 512-token BPE trained on them
   (:mod:`sinklens.train.tokenizer`), a Llama-style model (RoPE, SwiGLU) of 4 layers, d_model 256;
   every sequence starts with ``<|endoftext|>`` as BOS.
+* ``text-small``: the same corpus and tokenizer, a smaller model (``--family`` llama or gpt2,
+  ``--layers`` 2, ``--heads`` 4, ``--d-model`` 64 by default) and **no BOS** unless ``--bos``: windows
+  start at arbitrary tokens, so position 0 is marked only by the causal mask.
+
+A variant may name an option mode after a colon: ``variance_calibrated:position_amplify`` trains
+``variance_calibrated`` with ``variant_options={"mode": "position_amplify"}``.
 
 Writes ``benchmarks/results/convergence_<task>.json`` (strict JSON: config, machine, command, wall
 time, per-run curves, summary) and ``assets/convergence_<task>.png``.
@@ -78,6 +84,13 @@ def task_config(task: str, variant: str, seed: int, args: argparse.Namespace) ->
         model = {"family": "gpt2", "n_layers": 3, "d_model": 64, "n_heads": 1, "n_ctx": 64, "d_vocab": 64}
         data = {"source": "bigram-backcopy", "seq_len": 64, "vocab_size": 64, "seed": 1234}
         lr = 3e-3
+    elif task == "text-small":  # without --bos, position 0 is an arbitrary token, marked only by the causal mask
+        corpus = docstring_corpus(Path(args.cache) / "stdlib_docstrings.txt")
+        model = {"family": args.family, "n_layers": args.layers or 2, "d_model": args.d_model or 64,
+                 "n_heads": args.heads or 4, "n_ctx": args.seq_len or 64, "d_vocab": "auto"}
+        data = {"source": "text", "path": str(corpus), "tokenizer": "bpe", "vocab_size": 512, "bos": args.bos,
+                "seq_len": args.seq_len or 64, "seed": 1234, "cache_dir": str(Path(args.cache) / "data")}
+        lr = 3e-3
     elif task == "text":
         corpus = docstring_corpus(Path(args.cache) / "stdlib_docstrings.txt")
         model = {"family": "llama", "n_layers": 4, "d_model": 256, "n_heads": 4, "n_ctx": args.seq_len or 64,
@@ -89,8 +102,10 @@ def task_config(task: str, variant: str, seed: int, args: argparse.Namespace) ->
         raise ValueError(f"Unknown task {task!r}; expected 'backcopy' or 'text'.")
     if args.seq_len and task == "backcopy":
         model["n_ctx"] = data["seq_len"] = args.seq_len
+    name, _, mode = variant.partition(":")  # "variance_calibrated:attenuate" picks a calibration mode
+    options = {"mode": mode} if mode else {}
     return TrainConfig.from_dict({
-        "model": {**model, "variant": variant},
+        "model": {**model, "variant": name, "variant_options": options},
         "data": data,
         "optim": {"lr": args.lr or lr, "warmup_steps": 20},
         "eval": {"interval": args.eval_interval, "batches": 1, "batch_size": 32, "persistence_sequences": 0},
@@ -191,7 +206,12 @@ def plot(runs: dict[str, dict[int, list[dict[str, Any]]]], summary: dict[str, An
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=["backcopy", "text"], default="backcopy")
+    parser.add_argument("--task", choices=["backcopy", "text", "text-small"], default="backcopy")
+    parser.add_argument("--layers", type=int, default=None, help="text-small: layers (default 2)")
+    parser.add_argument("--d-model", type=int, default=None, help="text-small: d_model (default 64)")
+    parser.add_argument("--heads", type=int, default=None, help="text-small: heads per layer (default 4)")
+    parser.add_argument("--family", choices=["llama", "gpt2"], default="llama", help="text-small: block family")
+    parser.add_argument("--bos", action="store_true", help="text-small: start every sequence with BOS")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=1500)
@@ -270,7 +290,9 @@ def main() -> None:
     write_json(out, record, digits=6)
     figure = Path(args.figure) if args.figure else ROOT / "assets" / f"convergence_{args.task}.png"
     title = {"backcopy": "bigram-backcopy, GPT-2 blocks, 3 layers × 1 head, d_model 64",
-             "text": "stdlib docstrings, BPE 512, Llama blocks, 4 layers, d_model 256"}[args.task]
+             "text": "stdlib docstrings, BPE 512, Llama blocks, 4 layers, d_model 256",
+             "text-small": f"stdlib docstrings, BPE 512, {'BOS' if args.bos else 'no BOS'}, {cfg.model.family} "
+                           f"blocks, {cfg.model.n_layers} layers × {cfg.model.n_heads} heads, d_model {cfg.model.d_model}"}[args.task]
     plot(runs, summary, smoothing=args.smoothing, title=f"{title} ({len(args.seeds)} seeds)", path=figure)
     print(f"wall {record['wall_s_this_process']:.0f}s (runs: {record['wall_s_runs_sum']:.0f}s); results {out}; figure {figure}")
     json.dumps(record["summary"], allow_nan=True)  # summary printable even with NaN bounds

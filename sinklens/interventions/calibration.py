@@ -15,7 +15,9 @@ Calibration divides that factor out, per batch element, head and query:
 ``s_t`` is read from ``blocks.l.attn.hook_pattern`` (after any earlier hook on it) and applied at
 ``blocks.l.attn.hook_z``, the raw aggregation; only query positions in ``positions`` (default all)
 are rescaled. The trainer variant ``variance_calibrated`` (:mod:`sinklens.train.variants`) applies
-the same ``amplify`` rescaling inside the model, at its own hook ``attn.hook_z_calibrated``.
+the same ``amplify`` rescaling inside the model (its default mode), at its own hook
+``attn.hook_z_calibrated``. Its ``attenuate`` mode differs from this one: ``min_t' s_t'`` reads later
+queries, which a causal LM must not, so the trainer uses the fixed reference ``1/n_ctx`` instead.
 
 Examples:
     >>> import torch

@@ -38,7 +38,7 @@ Add your own with :func:`register_attention_variant`.
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import torch
 import torch.nn.functional as F
@@ -348,36 +348,70 @@ for _name, _cls in [
 
 
 # --- variance calibration (origins helper, issue 9) ------------------------------------------------
+CalibrationMode = Literal["amplify", "attenuate", "position_amplify", "position_attenuate"]
+CALIBRATION_MODES: tuple[str, ...] = ("amplify", "attenuate", "position_amplify", "position_attenuate")
+
+
 class VarianceCalibrated(AttentionVariant):
-    """Variance-calibrated softmax attention: ``z'_t = z_t / sqrt(Σ_j A_tj²)`` per head.
+    """Variance-calibrated softmax attention: each head's output ``z_t`` times a per-position factor.
 
-    Aggregation shrinks a head output's variance by ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under uniform
-    causal attention, 1 at ``t = 0``); dividing it out makes the variance position-independent
-    (*Transformers Are Born Biased*, arXiv 2602.05927). The same rescaling as the ``amplify`` mode
-    of :func:`sinklens.interventions.calibration.variance_calibration`. The raw aggregation stays at
-    ``attn.hook_z``; the calibrated output, which enters ``W_O``, is at ``attn.hook_z_calibrated``.
+    Aggregation shrinks a head output's variance by ``s_t = Σ_j A_tj²`` (for values of variance σ²,
+    independent across positions: ``Var(z_t) = σ² s_t``; ``s_t = 1/(t+1)`` under uniform causal
+    attention and always 1 at ``t = 0``, which is the positional discrepancy of *Transformers Are
+    Born Biased*, arXiv 2602.05927). The paper names calibration strategies that amplify or
+    attenuate by position but publishes no code; the four modes (option ``mode``) are our
+    definitions from that law, each causal (the factor at ``t`` depends only on positions ``≤ t``)
+    and each making ``Var(z_t)`` position-independent under uniform attention:
 
-    Explicit path: ``s_t`` from the attention weights (after ``hook_attn_scores`` edits). Fast path
-    (SDPA for ``z``): ``s_t = exp(LSE_j(2 x_tj) − 2 LSE_j(x_tj))`` from the causal logits ``x``,
-    recomputed from this layer's queries and keys (so it still builds the ``T × T`` logits, but no
-    pattern). The two paths compute the same function (tested).
+    ==========================  ==========================================  ============================
+    mode                        factor at query ``t`` (per batch row, head)  variance under uniform attn
+    ==========================  ==========================================  ============================
+    ``amplify`` (default)       ``1 / sqrt(s_t)``                            σ² (the first token's)
+    ``attenuate``               ``sqrt(s_ref / s_t)``, ``s_ref = 1/n_ctx``   σ²/n_ctx (the last one's)
+    ``position_amplify``        ``sqrt(t + 1)``                              σ²
+    ``position_attenuate``      ``sqrt((t + 1) / n_ctx)``                    σ²/n_ctx
+    ==========================  ==========================================  ============================
+
+    ``attenuate``'s reference is the contraction of the most-aggregated position a causal model can
+    have, the last position of a full context under uniform attention (``1/n_ctx``): a constant, so
+    no future token leaks in (a per-sequence ``min_t s_t``, as in the post-hoc intervention
+    :func:`sinklens.interventions.calibration.variance_calibration`, would read later queries).
+    The ``position_*`` modes are data-independent (the law's factor, not the actual pattern's).
+    The data-dependent modes leave a head that attends only to one key (``s_t = 1``, e.g. a
+    dormant head on BOS) at factor 1 (``amplify``) or ``1/sqrt(n_ctx)`` (``attenuate``), so
+    relative to spread attention they *reward* concentrating on one key; the positional modes
+    scale a BOS-attending head's output by ``sqrt(t + 1)`` like any other.
+
+    The raw aggregation stays at ``attn.hook_z``; the calibrated output, which enters ``W_O``, is
+    at ``attn.hook_z_calibrated``. Explicit path (data-dependent modes): ``s_t`` from the attention
+    weights (after ``hook_attn_scores`` edits). Fast path (SDPA for ``z``): ``s_t = exp(LSE_j(2 x_tj)
+    − 2 LSE_j(x_tj))`` from the causal logits ``x``, recomputed from this layer's queries and keys
+    (so it still builds the ``T × T`` logits, but no pattern). The two paths compute the same
+    function (tested). The positional modes need no pattern at all.
     """
 
     hook_sites = ("hook_z_calibrated",)
     output_site = "hook_z_calibrated"
+    defaults: ClassVar[dict[str, Any]] = {"mode": "amplify"}
 
     def __init__(self, **sizes_and_options: Any) -> None:
         super().__init__(**sizes_and_options)
+        if self.options["mode"] not in CALIBRATION_MODES:
+            raise InvalidArgumentError(
+                f"variance_calibrated mode must be one of {list(CALIBRATION_MODES)}, got {self.options['mode']!r}."
+            )
+        self.mode: str = self.options["mode"]
         self._qk: tuple[Tensor, Tensor] | None = None
         self._sumsq: Tensor | None = None
 
     def transform_qk(self, q: Tensor, k: Tensor, attn: nn.Module) -> tuple[Tensor, Tensor]:
-        self._qk = (q, k)
+        self._qk = (q, k) if self.mode in ("amplify", "attenuate") else None
         return q, k
 
     def normalize(self, scores: Tensor) -> Tensor:
         pattern = super().normalize(scores)
-        self._sumsq = pattern.float().pow(2).sum(dim=-1)  # (B, nh, T)
+        if self.mode in ("amplify", "attenuate"):
+            self._sumsq = pattern.float().pow(2).sum(dim=-1)  # (B, nh, T)
         return pattern
 
     def _sumsq_from_logits(self, attn: nn.Module) -> Tensor:
@@ -393,11 +427,22 @@ class VarianceCalibrated(AttentionVariant):
         x = x.masked_fill(~causal, float("-inf"))
         return torch.exp(torch.logsumexp(2 * x, dim=-1) - 2 * torch.logsumexp(x, dim=-1))
 
-    def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
+    def factor(self, z: Tensor, attn: nn.Module) -> Float[Tensor, "batch pos head 1"]:
+        """The multiplier of ``z`` for this forward (see the table in the class docstring), float32."""
+        T = z.shape[1]
+        if self.mode.startswith("position_"):
+            f = torch.arange(1, T + 1, device=z.device, dtype=torch.float32).sqrt()
+            if self.mode == "position_attenuate":
+                f = f / math.sqrt(self.n_ctx)
+            return f[None, :, None, None]
         s = self._sumsq if self._sumsq is not None else self._sumsq_from_logits(attn)
+        f = torch.where(s > 0, s, torch.ones_like(s)).rsqrt().transpose(1, 2)[..., None]  # (B, T, nh, 1)
+        return f / math.sqrt(self.n_ctx) if self.mode == "attenuate" else f
+
+    def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
+        f = self.factor(z, attn)
         self._sumsq, self._qk = None, None
-        factor = torch.where(s > 0, s, torch.ones_like(s)).rsqrt().transpose(1, 2)[..., None]  # (B, T, nh, 1)
-        return attn.hook_z_calibrated(z * factor.to(z.dtype))
+        return attn.hook_z_calibrated(z * f.to(z.dtype))
 
 
 register_attention_variant("variance_calibrated", VarianceCalibrated)

@@ -44,10 +44,22 @@ def test_factors_by_mode():
     assert bool((amp >= 1 - 1e-6).all()) and bool((att <= 1 + 1e-6).all())
 
 
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_variant_fast_path_equals_explicit_path_and_the_hooks(family):
+MODES = ["amplify", "attenuate", "position_amplify", "position_attenuate"]
+N_CTX = 16  # _model's n_ctx
+
+
+def _expected_factor(mode, pattern):
+    """The mode's multiplier of z, ``[batch, pos, head, 1]``, written out from the variant's docstring table."""
+    s = pattern.pow(2).sum(-1).transpose(1, 2)[..., None]  # (B, T, H, 1)
+    t1 = torch.arange(1, pattern.shape[-1] + 1, dtype=torch.float32)[None, :, None, None].expand_as(s)
+    return {"amplify": 1 / s.sqrt(), "attenuate": (1 / N_CTX / s).sqrt(),
+            "position_amplify": t1.sqrt(), "position_attenuate": (t1 / N_CTX).sqrt()}[mode]
+
+
+@pytest.mark.parametrize("family,mode", [("llama", m) for m in MODES] + [("gpt2", "amplify"), ("gpt2", "position_attenuate")])
+def test_variant_fast_path_equals_explicit_path_and_the_hooks(family, mode):
     gqa = {"n_kv_heads": 2} if family == "llama" else {}  # grouped-query attention on the llama side
-    model = _model("variance_calibrated", family=family, **gqa)
+    model = _model("variance_calibrated", family=family, variant_options={"mode": mode}, **gqa)
     tokens = torch.randint(0, 2048, (3, 12), generator=torch.Generator().manual_seed(0))
     fast = model(tokens)
     assert not model.blocks[0].attn.needs_explicit()
@@ -58,7 +70,7 @@ def test_variant_fast_path_equals_explicit_path_and_the_hooks(family):
     torch.testing.assert_close(fast, explicit, atol=1e-5, rtol=1e-5)
     for layer in range(2):
         pattern, z = cache[f"blocks.{layer}.attn.hook_pattern"], cache[f"blocks.{layer}.attn.hook_z"]
-        expected = z / pattern.pow(2).sum(-1).sqrt().transpose(1, 2)[..., None]
+        expected = z * _expected_factor(mode, pattern)
         torch.testing.assert_close(cache[f"blocks.{layer}.attn.hook_z_calibrated"], expected, atol=1e-6, rtol=1e-5)
     # gradients agree between the paths
     model.zero_grad()
@@ -68,10 +80,48 @@ def test_variant_fast_path_equals_explicit_path_and_the_hooks(family):
     with model.hooks(fwd_hooks=[("blocks.0.attn.hook_pattern", lambda a, hook: None)]):
         model(tokens, return_type="loss").backward()
     torch.testing.assert_close(model.blocks[0].attn.W_K.grad, g_fast, atol=1e-6, rtol=1e-4)
-    # a baseline model with the same weights plus the amplify hooks computes the same logits
-    base = _model("baseline", family=family, **gqa)
-    base.load_state_dict(model.state_dict())
-    with torch.no_grad():
-        hooked = base.run_with_hooks(tokens, fwd_hooks=variance_calibration(base))
-    torch.testing.assert_close(hooked, fast.detach(), atol=1e-5, rtol=1e-5)
     assert model.head_output_site == "attn.hook_z_calibrated"
+    if mode == "amplify":  # a baseline model with the same weights plus the amplify hooks computes the same logits
+        base = _model("baseline", family=family, **gqa)
+        base.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            hooked = base.run_with_hooks(tokens, fwd_hooks=variance_calibration(base))
+        torch.testing.assert_close(hooked, fast.detach(), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_mode_cancels_the_uniform_attention_law(mode):
+    """Layer 0 with W_Q = 0 attends uniformly, so Var(z_t) = σ²/(t+1); every mode makes it flat, at its level."""
+    model = _model("variance_calibrated", family="llama", variant_options={"mode": mode})
+    with torch.no_grad():
+        model.blocks[0].attn.W_Q.zero_()
+    tokens = torch.randint(0, 2048, (1024, N_CTX), generator=torch.Generator().manual_seed(1))
+    names = {"blocks.0.attn.hook_z", "blocks.0.attn.hook_z_calibrated"}
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)
+    raw = cache["blocks.0.attn.hook_z"].var(dim=0).mean(-1)  # (pos, head): variance over sequences, mean over d_head
+    cal = cache["blocks.0.attn.hook_z_calibrated"].var(dim=0).mean(-1)
+    assert float((raw[0] / raw[-1]).min()) > 10  # ~16 = n_ctx before calibration
+    level = raw[0] if mode.endswith("amplify") else raw[0] / N_CTX  # σ² (first token's) or σ²/n_ctx (last one's)
+    ratio = cal / level
+    assert float((ratio - 1).abs().max()) < 0.2, ratio
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_calibration_is_causal(mode):
+    """Changing the tokens after position 5 leaves every calibrated head output at positions <= 5 unchanged."""
+    model = _model("variance_calibrated", family="llama", variant_options={"mode": mode})
+    a = torch.randint(0, 2048, (2, 12), generator=torch.Generator().manual_seed(2))
+    b = a.clone()
+    b[:, 6:] = torch.randint(0, 2048, (2, 6), generator=torch.Generator().manual_seed(3))
+    name = "blocks.1.attn.hook_z_calibrated"
+    with torch.no_grad():
+        za = model.run_with_cache(a, names_filter=lambda n: n == name)[1][name]
+        zb = model.run_with_cache(b, names_filter=lambda n: n == name)[1][name]
+    torch.testing.assert_close(za[:, :6], zb[:, :6], atol=1e-6, rtol=1e-5)
+    assert float((za[:, 6:] - zb[:, 6:]).abs().max()) > 1e-3  # and the later ones do change
+
+
+def test_unknown_mode_is_refused_with_the_accepted_ones():
+    with pytest.raises(ValueError, match="'sideways'.*|position_amplify"):
+        _model("variance_calibrated", variant_options={"mode": "sideways"})
