@@ -110,6 +110,7 @@ def task_config(task: str, variant: str, seed: int, args: argparse.Namespace) ->
         "optim": {"lr": args.lr or lr, "warmup_steps": 20},
         "eval": {"interval": args.eval_interval, "batches": 1, "batch_size": 32, "persistence_sequences": 0},
         "steps": args.steps, "batch_size": args.batch_size, "seed": seed, "device": "cpu", "log_interval": 1,
+        "compile": False,  # the eager path the study describes, the same on every machine (not "auto")
     })
 
 
