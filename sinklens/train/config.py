@@ -340,12 +340,11 @@ class TrainConfig(_Part):
         seed: model initialisation (and dropout) seed; the data order depends only on ``data.seed``.
         device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
         autocast: mixed precision on CUDA (``"bfloat16"``); ignored on CPU, which trains in float32.
-        compile: ``torch.compile`` the model for training: ``"auto"`` (default) compiles when it is
-            safe (CPU or CUDA, a C++ compiler for CPU inductor, no training-time intervention hooks,
-            not distributed) and pays off: the run has at least 100 steps left and, timed over its
-            first two eager steps, ``steps_left × step_time × 0.35`` (CPU; 0.2 on CUDA) exceeds the
-            ~60 s a compile costs, i.e. at the head-wise RMSNorm authors' CPU config about 190 steps
-            or more; shorter runs (every test) stay eager. ``True`` always compiles, ``False`` never.
+        compile: ``torch.compile`` the model for training: ``"auto"`` (default) compiles a CUDA run
+            when it is safe (no training-time intervention hooks, not distributed) and long enough
+            (after two timed eager steps, ``steps_left × step_time × 0.2`` exceeds the ~60 s a
+            compile costs); it never compiles a CPU run, where a compiled step measured no faster
+            than an eager one on a quiet machine. ``True`` always compiles, ``False`` never.
             A failed compile warns in one line and the run goes on eagerly; checkpoints always
             hold the uncompiled ``state_dict``. See :mod:`sinklens.train.compile`.
         interventions: training-time interventions, ``"name:key=value,key=value"`` spec strings of

@@ -17,14 +17,19 @@ CPU = torch.device("cpu")
 
 
 def test_auto_rule_compares_expected_saving_with_compile_cost():
-    # saving = steps_left × step_s × SAVED_FRACTION["cpu"] (0.35) against COMPILE_SECONDS["cpu"] (60 s)
-    assert tc.SAVED_FRACTION["cpu"] == 0.35 and tc.COMPILE_SECONDS["cpu"] == 60.0 and tc.AUTO_MIN_STEPS == 100
-    yes = tc.decide("auto", blocker=None, steps_left=1000, step_seconds=0.2, device=CPU)  # 70 s >= 60 s
-    no = tc.decide("auto", blocker=None, steps_left=800, step_seconds=0.2, device=CPU)  # 56 s < 60 s
-    assert yes.compile and "70 s expected saving" in yes.reason
+    # saving = steps_left × step_s × SAVED_FRACTION[device] against COMPILE_SECONDS[device] (60 s)
+    assert tc.SAVED_FRACTION == {"cpu": 0.0, "cuda": 0.2} and tc.COMPILE_SECONDS["cuda"] == 60.0
+    assert tc.AUTO_MIN_STEPS == 100
+    cuda = torch.device("cuda")  # only its type is read: no GPU needed
+    yes = tc.decide("auto", blocker=None, steps_left=1500, step_seconds=0.2, device=cuda)  # 60 s >= 60 s
+    no = tc.decide("auto", blocker=None, steps_left=1400, step_seconds=0.2, device=cuda)  # 56 s < 60 s
+    assert yes.compile and "60 s expected saving" in yes.reason
     assert not no.compile and "56 s expected saving" in no.reason
-    assert not tc.decide("auto", blocker=None, steps_left=99, step_seconds=100.0, device=CPU).compile  # too short
-    assert not tc.decide("auto", blocker=None, steps_left=10**6, step_seconds=None, device=CPU).compile  # untimed
+    # On a CPU "auto" never compiles: a compiled step measured no faster on a quiet machine.
+    cpu_long = tc.decide("auto", blocker=None, steps_left=10**6, step_seconds=10.0, device=CPU)
+    assert not cpu_long.compile and "0 s expected saving" in cpu_long.reason
+    assert not tc.decide("auto", blocker=None, steps_left=99, step_seconds=100.0, device=cuda).compile  # too short
+    assert not tc.decide("auto", blocker=None, steps_left=10**6, step_seconds=None, device=cuda).compile  # untimed
     assert not tc.decide("auto", blocker="no C++ compiler", steps_left=10**6, step_seconds=1.0, device=CPU).compile
     assert tc.decide(True, blocker="x", steps_left=1, step_seconds=None, device=CPU).compile
     assert not tc.decide(False, blocker=None, steps_left=10**6, step_seconds=9.0, device=CPU).compile
