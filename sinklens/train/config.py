@@ -498,6 +498,8 @@ def parse_args(base: TrainConfig, args: list[str] | tuple[str, ...], *, prog: st
     """
     import tyro
 
+    # Booleans as users type them (``--compile false``, ``--on_nonfinite ...``) in tyro's spelling.
+    args = [a if a.startswith("-") or a.lower() not in ("true", "false") else _tyro_value(a) for a in args]
     if "-h" in args or "--help" in args:
         tyro.cli(TrainConfig, default=base, args=list(args), prog=prog, config=(tyro.conf.FlagConversionOff,))
     buffer = io.StringIO()

@@ -10,7 +10,7 @@ from _train_cfg import build_cfg
 
 from sinklens.errors import InvalidArgumentError
 from sinklens.train import compile as tc
-from sinklens.train.config import TrainConfig, apply_overrides
+from sinklens.train.config import TrainConfig, apply_overrides, parse_args
 from sinklens.train.loop import train
 
 CPU = torch.device("cpu")
@@ -48,6 +48,9 @@ def test_config_accepts_true_false_auto():
     assert TrainConfig().compile == "auto"
     assert [apply_overrides(TrainConfig(), [f"compile={v}"]).compile for v in ("true", "false", "auto")] == [True, False, "auto"]
     assert TrainConfig.from_dict({**TrainConfig().to_dict(), "compile": False}).compile is False  # old config.json
+    # the CLI flag as users type it (lower case), as the README spells it
+    assert [parse_args(TrainConfig(), ["--compile", v]).compile for v in ("true", "false", "auto", "False")] == [
+        True, False, "auto", False]
     with pytest.raises(InvalidArgumentError, match="compile"):
         apply_overrides(TrainConfig(), ["compile=yes"])
 
