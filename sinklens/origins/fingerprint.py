@@ -274,7 +274,8 @@ class _LastFinalState(Reducer[Tensor]):
             hooks.append(("hook_embed", lambda act, hook: emb.to(act.dtype)))
 
         def keep(act: Tensor, hook: Any) -> None:
-            self.rows.append(self.finish(act[:, -1:, :])[:, 0, :].float().cpu())
+            # clone: a view would keep the whole [batch, pos, d_model] activation alive for the run
+            self.rows.append(self.finish(act[:, -1:, :])[:, 0, :].clone().float().cpu())
 
         hooks.append((self.site, keep))
         if self.site == "unembed.hook_in":
