@@ -584,7 +584,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         hooks += bound_hooks([self.maps[b].scale_hook for b in blocks_pn], blocks_pn, fold_scale)
 
         def fold_z(act: Tensor, block: int) -> None:  # [batch, pos, head, d_head]
-            state["z"][block] = act[:, s].float()
+            state["z"][block] = act[:, s].clone().float()  # a copy: a view would hold every layer's hook_z to end_batch
 
         def fold_attn_scale(act: Tensor, block: int) -> None:
             state["attn_scale"][block] = act[:, s].reshape(act.shape[0]).double()
