@@ -44,10 +44,14 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.export import write_json
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
-    from sinklens.origins.fingerprint import fingerprint
-    from sinklens.validate import writable_file
+    from sinklens.origins.fingerprint import check_test_arguments, fingerprint
+    from sinklens.validate import positive_int, writable_file
 
     json_path = writable_file(args.json, what="--json") if args.json else None
+    check_test_arguments(args.buffer_k, args.identity_mode, args.alpha)  # before the models load and run
+    positive_int(args.samples, what="--samples", minimum=2)
+    if args.seq_len is not None:
+        positive_int(args.seq_len, what="--seq-len")
     options = RunOptions(batch_size=args.batch_size, progress=not args.no_progress, device=args.device, desc="SeedPrint")
     model_a = load_model(args.model_a, device=args.device, check_patterns=False)
     model_b = load_model(args.model_b, device=args.device, check_patterns=False)

@@ -155,6 +155,17 @@ def per_dim_kendall(a: Float[Tensor, "sample dim"], b: Float[Tensor, "sample dim
     return torch.tensor(taus, dtype=torch.float64)
 
 
+def check_test_arguments(buffer_k: Any, identity_mode: Any, alpha: Any) -> tuple[int, IdentityMode, float]:
+    """``(buffer_k, identity_mode, alpha)`` validated: ``buffer_k >= 1``, a known mode, ``0 < alpha < 1``.
+
+    :func:`fingerprint` and the CLI call it before any model is loaded or run, so a typo costs
+    nothing rather than a whole run."""
+    buffer_k = positive_int(buffer_k, what="buffer_k")
+    identity_mode = choice(identity_mode, ("coset", "base"), what="identity_mode")
+    alpha = finite_number(alpha, what="alpha", low=0.0, high=1.0, low_open=True, high_open=True)
+    return buffer_k, identity_mode, alpha  # type: ignore[return-value]
+
+
 def seedprint_test(
     hidden_a: Float[Tensor, "sample dim"],
     hidden_b: Float[Tensor, "sample dim"],
@@ -176,9 +187,7 @@ def seedprint_test(
             f"SeedPrint needs two [samples, hidden] matrices of the same shape, got {tuple(hidden_a.shape)} "
             f"and {tuple(hidden_b.shape)}."
         )
-    buffer_k = positive_int(buffer_k, what="buffer_k")
-    identity_mode = choice(identity_mode, ("coset", "base"), what="identity_mode")  # type: ignore[assignment]
-    alpha = finite_number(alpha, what="alpha", low=0.0, high=1.0, low_open=True, high_open=True)
+    buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
     n, d = hidden_a.shape
     if n < 2:
         raise InvalidArgumentError(f"SeedPrint needs at least 2 samples for Kendall tau, got {n}.")
@@ -378,6 +387,8 @@ def fingerprint(
     """
     from sinklens.loading import load_model
 
+    buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
+    n_samples = positive_int(n_samples, what="n_samples", minimum=2)
     model_a = load_model(model_a, check_patterns=False) if isinstance(model_a, str) else model_a
     model_b = load_model(model_b, check_patterns=False) if isinstance(model_b, str) else model_b
     da, db = model_dims(model_a), model_dims(model_b)

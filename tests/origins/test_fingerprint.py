@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sinklens import load_model
-from sinklens.errors import IncompatibleModelsError
+from sinklens.errors import IncompatibleModelsError, InvalidArgumentError
 from sinklens.options import RunOptions
 from sinklens.origins.fingerprint import (_LastFinalState, _RandomInputs, final_hidden_states, fingerprint,
                                           kendall_tau_null_std, seedprint_test)
@@ -120,3 +120,28 @@ def test_cli_writes_strict_json(trained_runs, tmp_path, capsys):
     assert data["same_lineage"] is True and data["p_value"] < 0.01 and data["n_dims"] == 64 and data["z"] > 5
     assert "SAME lineage" in capsys.readouterr().out
     assert main(["fingerprint", "tiny-nonexistent", str(trained_runs[1])]) == 2
+
+
+@pytest.mark.parametrize(("kwargs", "named"), [
+    ({"alpha": 2.0}, "alpha"), ({"alpha": float("nan")}, "alpha"), ({"buffer_k": 0}, "buffer_k"),
+    ({"n_samples": 1}, "n_samples"),
+])
+def test_bad_arguments_are_refused_before_any_model_loads(tmp_path, kwargs, named):
+    """A typo in the test's settings is reported at once, not after both models have run (30 min on SmolLM2
+    at the authors' N): the specs here do not exist, so only an up-front check can name the argument."""
+    missing = str(tmp_path / "no-such-model")
+    with pytest.raises(InvalidArgumentError, match=named):
+        fingerprint(missing, missing, **kwargs)
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--alpha", "2"], "alpha"), (["--buffer-k", "0"], "buffer_k"), (["--samples", "1"], "--samples"),
+    (["--seq-len", "0"], "--seq-len"),
+])
+def test_cli_refuses_bad_arguments_before_loading(tmp_path, capsys, flags, named):
+    from sinklens.cli import main
+
+    missing = str(tmp_path / "no-such-model")
+    assert main(["fingerprint", missing, missing, *flags]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "No model" not in err and "Traceback" not in err
