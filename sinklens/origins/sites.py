@@ -15,13 +15,24 @@ def final_state_site(model: Any) -> tuple[str, Callable[[Tensor], Tensor]]:
     """The hook that carries the final hidden state, and the function that finishes it.
 
     ``unembed.hook_in`` (TransformerBridge: the input of the unembedding, after the final norm) when
-    the model has it; otherwise the last block's ``hook_resid_post`` followed by ``model.ln_final``
-    (HookedTransformer, SinkLM; weight processing off, so this is the model's own final norm).
+    the model has it and runs it in a forward without logits; otherwise the last block's
+    ``hook_resid_post`` followed by ``model.ln_final`` (HookedTransformer, whose ``return_type=None``
+    forward skips the unembedding, and SinkLM; weight processing off, so this is the model's own final norm).
     """
-    if "unembed.hook_in" in model.hook_dict:
+    if "unembed.hook_in" in model.hook_dict and not _is_hooked_transformer(model):
         return "unembed.hook_in", lambda x: x
     last = model_dims(model).n_layers - 1
     return f"blocks.{last}.hook_resid_post", model.ln_final
+
+
+def _is_hooked_transformer(model: Any) -> bool:
+    """A ``HookedTransformer`` (or subclass) lists ``unembed.hook_in`` (TransformerLens 3.9) but its forward
+    with ``return_type=None``, which reducers use, stops before the unembedding, so the hook never runs."""
+    try:
+        from transformer_lens import HookedTransformer
+    except ImportError:
+        return False
+    return isinstance(model, HookedTransformer)
 
 
 def unembedding(model: Any) -> tuple[Tensor, Tensor | None]:

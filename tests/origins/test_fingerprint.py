@@ -89,6 +89,20 @@ def test_features_do_not_depend_on_batch_size(trained_runs):
     torch.testing.assert_close(a, b)
 
 
+def test_final_states_are_what_the_unembedding_reads(tiny):
+    """On the bridge (4.x) and HookedTransformer (3.x) alike, the kept state times ``W_U`` is the model's own
+    last-position logits (the 3.x forward without logits skips ``unembed``, whose hook it lists)."""
+    from sinklens.origins.sites import logits_from_final
+
+    states = final_hidden_states(tiny, n_samples=6, seq_len=8, vocab_limit=32, seed=3,
+                                 options=RunOptions(batch_size=4, progress=False))
+    source = _RandomInputs(6, 8, 4, mode="token", high=32, seed=3, device=torch.device("cpu"))
+    tokens = torch.cat([batch.tokens for batch in source])
+    with torch.no_grad():
+        logits = tiny(tokens, return_type="logits")[:, -1].float()
+    torch.testing.assert_close(logits_from_final(tiny, states), logits, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("batch_size", [1, 4])
 def test_kept_features_own_their_memory(tiny, batch_size):
     """Each batch keeps only its ``[batch, d_model]`` last-position rows, never a view that holds the whole
