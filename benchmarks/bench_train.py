@@ -210,14 +210,15 @@ def _their_run(theirs: Path, data: Path, steps: int, their_compile: bool) -> lis
 
 
 def _our_run(data: Path, steps: int, compile_: str, *, planned_steps: int | None = None,
-             cache_dir: str | None = None) -> tuple[list[float], list[bool], dict[str, Any] | None]:
+             cache_dir: str | None = None, cpu_matmul: str = "auto") -> tuple[list[float], list[bool], dict[str, Any] | None]:
     """``sinklens train`` at the same configuration: tokens/s and ``compiled`` of every step (from
     metrics.jsonl), and the ``kind="compile"`` line if any.
 
     ``planned_steps``: the run is configured for this many steps (so ``compile=auto`` sees a
     realistic run length and decides as it would for it) and stopped once ``steps`` train lines
     after the compile decision are written. ``cache_dir``: inductor's on-disk cache (a fresh folder
-    measures a cold compile).
+    measures a cold compile). ``cpu_matmul``: ``TrainConfig.cpu_matmul`` (``"aten"`` measures the
+    run without the oneDNN matmul).
     """
     import os
     import subprocess
@@ -228,7 +229,8 @@ def _our_run(data: Path, steps: int, compile_: str, *, planned_steps: int | None
     with tempfile.TemporaryDirectory(prefix="headnorm-ours-") as tmp:
         cmd = [sys.executable, "-m", "sinklens.cli", "train", "--preset", "headnorm-cpu", "--data", str(data),
                "--seq-len", "256", "--batch-size", "16", "--steps", str(planned_steps or steps), "--device", "cpu",
-               "--no-progress", "--set", "eval.interval=0", "--set", f"compile={compile_}", "--out", f"{tmp}/run"]
+               "--no-progress", "--set", "eval.interval=0", "--set", f"compile={compile_}",
+               "--set", f"cpu_matmul={cpu_matmul}", "--out", f"{tmp}/run"]
         metrics = Path(tmp, "run", "metrics.jsonl")
 
         def lines() -> list[dict[str, Any]]:
@@ -282,12 +284,14 @@ def headnorm(args) -> dict:
     rng.integers(0, 512, size=200_000, dtype=np.uint16).tofile(data / "val.bin")
     (data / "meta.pkl").write_bytes(__import__("pickle").dumps({"vocab_size": 512}))
     ours = {"sinklens_eager": "false"}
+    if args.aten:
+        ours["sinklens_eager_aten"] = "false"
     if args.compile:
         ours["sinklens_compiled"] = "true"
     if args.auto:
         ours["sinklens_auto"] = "auto"
     runs: dict[str, list[float]] = {name: [] for name in ["theirs", *ours]}
-    compile_s: dict[str, list[float | None]] = {name: [] for name in ours if name != "sinklens_eager"}
+    compile_s: dict[str, list[float | None]] = {name: [] for name, mode in ours.items() if mode != "false"}
     load: list[float] = []
     for repeat in range(args.repeats):  # alternate, so machine noise hits every trainer alike
         load.append(os.getloadavg()[0])
@@ -296,7 +300,8 @@ def headnorm(args) -> dict:
             cold = args.cold_cache and repeat == 0 and mode != "false"
             cache = tempfile.mkdtemp(prefix="inductor-cold-") if cold else None
             planned = args.planned_steps if mode == "auto" else None
-            tps, compiled, line = _our_run(data, args.steps, mode, planned_steps=planned, cache_dir=cache)
+            tps, compiled, line = _our_run(data, args.steps, mode, planned_steps=planned, cache_dir=cache,
+                                           cpu_matmul="aten" if name.endswith("_aten") else "auto")
             runs[name].append(_steady(tps, compiled, args.warmup))
             if name in compile_s:
                 compile_s[name].append(line["compile_s"] if line else None)
@@ -323,6 +328,8 @@ def main() -> None:
                         "default), configured for --planned-steps and stopped after --steps steps")
     parser.add_argument("--planned-steps", type=int, default=2000, help="headnorm --auto: the run length auto sees")
     parser.add_argument("--cold-cache", action="store_true", help="headnorm: repeat 0 compiles with a fresh inductor cache")
+    parser.add_argument("--aten", action="store_true", help="headnorm: also sinklens eager with cpu_matmul=aten "
+                        "(PyTorch's default CPU matmul instead of oneDNN)")
     parser.add_argument("--their-compile", action="store_true", help="headnorm: their train.py with --compile=True")
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--steps", type=int, default=None)

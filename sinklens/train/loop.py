@@ -40,12 +40,14 @@ from sinklens.streaming import HookFn
 from sinklens.errors import InvalidArgumentError, RunExistsError, RunNotFoundError, TrainingDivergedError
 from sinklens.export import json_line, write_json
 from sinklens.train.compile import CompileSwitch
+from sinklens.train.allocator import retained_cpu_memory
 from sinklens.train.checkpoint import (
     clean_stale, clear_run, has_checkpoint, is_run_dir, load_checkpoint, save_checkpoint, write_metrics,
 )
 from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source
 from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
+from sinklens.train.matmul import cpu_matmul_backend, set_cpu_matmul
 from sinklens.train.model import next_token_loss
 from sinklens.train.persistence import PersistenceTracker
 from sinklens.validate import writable_dir
@@ -184,12 +186,18 @@ class TrainResult:
             (seconds the first compiled step took beyond an eager one), ``error`` (a failed
             compile, after which the run went on eagerly). Also a ``kind="compile"`` metrics line
             when a compile was attempted, and ``compiled`` on every ``kind="train"`` line.
+        cpu: the CPU fast paths of the run: ``matmul`` (``"onednn"`` or ``"aten"``, the backend
+            ``TrainConfig.cpu_matmul`` resolved to, :mod:`sinklens.train.matmul`),
+            ``matmul_fallback_reason`` (why ``"auto"`` fell back to aten, else None) and
+            ``retained_memory`` (freed memory kept mapped during a CPU run,
+            :mod:`sinklens.train.allocator`).
     """
 
     model: Any
     history: list[dict[str, Any]] = field(default_factory=list)
     out_dir: Path | None = None
     compile: dict[str, Any] = field(default_factory=dict)
+    cpu: dict[str, Any] = field(default_factory=dict)
 
     def losses(self) -> list[float]:
         return [line["loss"] for line in self.history if line["kind"] == "train"]
@@ -283,7 +291,10 @@ def train(
     check_interventions([*cfg.interventions, *interventions])
     _check_run_dir(out, resume=resume, overwrite=overwrite)
     dist, device = init_distributed(cfg.device)
+    matmul_before = cpu_matmul_backend()["requested"]
+    resources = contextlib.ExitStack()
     try:
+        set_cpu_matmul(cfg.cpu_matmul)  # raises before any work when "onednn" is asked for and missing
         # ---- data: the order depends on cfg.data only; d_vocab="auto" is resolved here, once
         source = build_source(cfg.data, d_vocab=None if cfg.model.d_vocab == "auto" else cfg.model.d_vocab)
         cfg = _resolve_vocab(cfg, source)
@@ -358,6 +369,9 @@ def train(
                 save_checkpoint(out, model=raw_model, optimizer=optimizer, cfg=cfg, step=step, scaler=scaler)
 
         # ---- the loop
+        retained = resources.enter_context(retained_cpu_memory(device.type == "cpu"))
+        backend = cpu_matmul_backend()
+        cpu = {"matmul": backend["resolved"], "matmul_fallback_reason": backend["reason"], "retained_memory": retained}
         try:
             raw_model.train()
             bar = tqdm(range(start_step, stop), desc="train", disable=not (progress and dist.is_main), initial=start_step,
@@ -465,6 +479,8 @@ def train(
         finally:
             if metrics_file is not None:
                 metrics_file.close()
-        return TrainResult(model=raw_model, history=history, out_dir=out, compile=switch.summary())
+        return TrainResult(model=raw_model, history=history, out_dir=out, compile=switch.summary(), cpu=cpu)
     finally:
+        resources.close()
+        set_cpu_matmul(matmul_before)
         cleanup_distributed(dist)

@@ -49,6 +49,7 @@ from transformer_lens.HookedRootModule import HookedRootModule
 
 from sinklens.errors import InvalidArgumentError, SequenceTooLongError
 from sinklens.train.config import ModelConfig
+from sinklens.train.matmul import matmul
 from sinklens.train.variants import AttentionVariant, HeadwiseRMSNorm, get_attention_variant
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -190,7 +191,7 @@ class Attention(nn.Module):
         B, T, D = x.shape
         H, Hkv = self.cfg.n_heads, self.cfg.n_key_value_heads
         w = torch.cat([self.W_Q, self.W_K, self.W_V], dim=0).to(x.dtype)  # (H + 2Hkv, D, dh)
-        qkv = (x @ w.transpose(0, 1).reshape(D, -1)).view(B, T, H + 2 * Hkv, -1)  # (B, T, H + 2Hkv, dh)
+        qkv = matmul(x, w.transpose(0, 1).reshape(D, -1)).view(B, T, H + 2 * Hkv, -1)  # (B, T, H + 2Hkv, dh)
         q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
         if self.has_bias:
             q, k, v = q + self.b_Q.to(q.dtype), k + self.b_K.to(k.dtype), v + self.b_V.to(v.dtype)
@@ -230,7 +231,7 @@ class Attention(nn.Module):
         z = self.hook_z(self.aggregate(q, k, v, explicit=self.needs_explicit()))
         z = self.variant.transform_z(z, x, self)
         B, T = z.shape[:2]
-        out = z.reshape(B, T, -1) @ self.W_O.to(z.dtype).flatten(0, 1)  # (B, T, H·dh) @ (H·dh, D)
+        out = matmul(z.reshape(B, T, -1), self.W_O.to(z.dtype).flatten(0, 1))  # (B, T, H·dh) @ (H·dh, D)
         return out + self.b_O.to(out.dtype) if self.has_bias else out
 
 
@@ -254,12 +255,12 @@ class MLP(nn.Module):
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if self.gated:
-            pre = self.hook_pre(x @ self.W_gate.to(x.dtype))
-            post = self.hook_post(F.silu(pre) * self.hook_pre_linear(x @ self.W_in.to(x.dtype)))
-            return post @ self.W_out.to(post.dtype)
-        pre = self.hook_pre(x @ self.W_in.to(x.dtype) + self.b_in.to(x.dtype))
+            pre = self.hook_pre(matmul(x, self.W_gate.to(x.dtype)))
+            post = self.hook_post(F.silu(pre) * self.hook_pre_linear(matmul(x, self.W_in.to(x.dtype))))
+            return matmul(post, self.W_out.to(post.dtype))
+        pre = self.hook_pre(matmul(x, self.W_in.to(x.dtype)) + self.b_in.to(x.dtype))
         post = self.hook_post(F.gelu(pre, approximate="tanh"))
-        return post @ self.W_out.to(post.dtype) + self.b_out.to(post.dtype)
+        return matmul(post, self.W_out.to(post.dtype)) + self.b_out.to(post.dtype)
 
 
 class Block(nn.Module):
@@ -392,7 +393,7 @@ class SinkLM(HookedRootModule):
         if return_type is None:
             return None
         x = self.ln_final(resid)
-        logits = x @ self.W_E.to(x.dtype).T
+        logits = matmul(x, self.W_E.to(x.dtype).T)
         if return_type == "logits":
             return logits
         loss = next_token_loss(logits[:, :-1], tokens[:, 1:])

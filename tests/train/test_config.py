@@ -49,6 +49,7 @@ def test_overrides_parse_types_and_nest():
         (["optim.lr=inf"], "optim.lr must be a finite number, got inf"),
         (["steps=ten"], "Error parsing --steps: invalid literal for int\\(\\) with base 10: 'ten'"),
         (["model.family=bert"], "invalid choice 'bert' for argument '--model.family'"),
+        (["cpu_matmul=mkl"], "invalid choice 'mkl' for argument '--cpu-matmul'"),
         (["data.source=text"], "needs data.path"),
         (["lr"], "not of the form"),
     ],

@@ -1,12 +1,22 @@
-"""The trainer's fused fast paths compute what the explicit, hookable paths compute."""
+"""The trainer's fast paths compute what the explicit, hookable paths and plain products compute."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
+from sinklens.errors import InvalidArgumentError
+from sinklens.train import matmul as matmul_mod
+from sinklens.train.allocator import _glibc
 from sinklens.train.config import ModelConfig
-from sinklens.train.model import RMSNorm, SinkLM
+from sinklens.train.loop import train
+from sinklens.train.model import RMSNorm, SinkLM, next_token_loss
 from sinklens.train.variants import _rms_norm
+from _train_cfg import build_cfg
 
 
 def _explicit_rms(x, w, eps):
@@ -54,3 +64,136 @@ def test_model_logits_do_not_depend_on_the_norm_path():
     hooks = [(f"blocks.{l}.ln{i}.hook_scale", lambda s, hook: s) for l in range(2) for i in (1, 2)]
     slow = model.run_with_hooks(tokens, fwd_hooks=hooks + [("ln_final.hook_scale", lambda s, hook: s)])
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- oneDNN matmul (sinklens.train.matmul)
+
+
+@pytest.fixture
+def restore_backend():
+    before = matmul_mod.cpu_matmul_backend()["requested"]
+    yield
+    matmul_mod.set_cpu_matmul(before)
+
+
+def _count_onednn_calls(monkeypatch) -> list[int]:
+    calls = [0]
+    real = matmul_mod._linear
+
+    def spy(x, weight):
+        calls[0] += 1
+        return real(x, weight)
+
+    monkeypatch.setattr(matmul_mod, "_linear", spy)
+    return calls
+
+
+def test_auto_uses_onednn_where_torch_has_it(restore_backend):
+    # the CI machine is x86-64 Linux with a oneDNN build of torch: auto must pick it there
+    has_it = torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    assert matmul_mod.set_cpu_matmul("auto") == ("onednn" if has_it else "aten")
+    assert matmul_mod.cpu_matmul_backend()["reason"] is None if has_it else "oneDNN" in matmul_mod.cpu_matmul_backend()["reason"]
+
+
+@pytest.mark.parametrize("shape", [(5, 24), (2, 7, 24)])
+def test_onednn_matmul_and_its_gradients_match_a_float64_product(shape, restore_backend, monkeypatch):
+    if matmul_mod.set_cpu_matmul("auto") != "onednn":
+        pytest.skip("this torch build has no oneDNN inner product")
+    calls = _count_onednn_calls(monkeypatch)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(*shape, generator=gen, requires_grad=True)
+    w_t = torch.randn(40, 24, generator=gen, requires_grad=True)  # w = w_tᵀ: a transposed (strided) weight
+    g = torch.randn(*shape[:-1], 40, generator=gen)
+    out = matmul_mod.matmul(x, w_t.T)
+    out.backward(g)
+    assert calls[0] == 2  # forward and input gradient went through oneDNN
+    x64, w64 = x.detach().double(), w_t.detach().double().T
+    torch.testing.assert_close(out.detach().double(), x64 @ w64, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad.double(), g.double() @ w64.T, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w_t.grad.double(), (x64.reshape(-1, 24).T @ g.double().reshape(-1, 40)).T, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-gpt2"])
+def test_model_logits_and_gradients_do_not_depend_on_the_matmul_backend(preset, restore_backend, monkeypatch):
+    if matmul_mod.set_cpu_matmul("auto") != "onednn":
+        pytest.skip("this torch build has no oneDNN inner product")
+    calls = _count_onednn_calls(monkeypatch)
+    torch.manual_seed(4)
+    model = SinkLM(ModelConfig.from_preset(preset, variant="headwise_rms", n_ctx=16, d_vocab=32))
+    tokens = torch.randint(0, 32, (3, 12))
+    results = {}
+    for backend in ("aten", "onednn"):
+        matmul_mod.set_cpu_matmul(backend)
+        calls[0] = 0
+        model.zero_grad()
+        logits = model(tokens)
+        next_token_loss(logits[:, :-1], tokens[:, 1:]).backward()
+        results[backend] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, calls[0])
+    (ref, ref_grads, aten_calls), (got, grads, onednn_calls) = results["aten"], results["onednn"]
+    assert aten_calls == 0
+    # per layer: qkv, W_O, the MLP's products (W_gate, W_in, W_out or W_in, W_out); plus the
+    # unembedding — the forward and the input gradient of each
+    per_layer = 5 if preset == "tiny" else 4
+    assert onednn_calls == 2 * (per_layer * model.cfg.n_layers + 1)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_cpu_matmul_errors_name_the_value_and_the_reason(restore_backend, monkeypatch):
+    with pytest.raises(InvalidArgumentError, match=r"cpu_matmul must be one of .*'mkl'"):
+        matmul_mod.set_cpu_matmul("mkl")
+    monkeypatch.setattr(matmul_mod, "_onednn_problem", lambda: "this torch build has no oneDNN (mkldnn)")
+    with pytest.raises(InvalidArgumentError, match=r"cpu_matmul='onednn' is not available: this torch build has no oneDNN"):
+        matmul_mod.set_cpu_matmul("onednn")
+    assert matmul_mod.set_cpu_matmul("auto") == "aten"  # auto falls back and says why
+    assert matmul_mod.cpu_matmul_backend()["reason"] == "this torch build has no oneDNN (mkldnn)"
+    x, w = torch.randn(3, 8), torch.randn(8, 5)
+    torch.testing.assert_close(matmul_mod.matmul(x, w), x @ w)
+
+
+def test_train_runs_on_the_configured_backend_and_restores_the_previous_one(restore_backend, monkeypatch):
+    matmul_mod.set_cpu_matmul("auto")
+    calls = _count_onednn_calls(monkeypatch)
+    result = train(build_cfg(steps=2, cpu_matmul="aten"), progress=False)
+    assert result.cpu["matmul"] == "aten" and calls[0] == 0
+    assert result.cpu["retained_memory"] == (_glibc() is not None)
+    assert matmul_mod.cpu_matmul_backend()["requested"] == "auto"  # restored after the run
+    if matmul_mod.cpu_matmul_backend()["resolved"] == "onednn":
+        result = train(build_cfg(steps=2), progress=False)
+        assert result.cpu["matmul"] == "onednn" and calls[0] > 0
+
+
+# ---------------------------------------------------------------- kept heap memory (sinklens.train.allocator)
+
+_FAULTS = """
+import resource, torch
+from sinklens.train.allocator import retained_cpu_memory
+from sinklens.train.config import ModelConfig
+from sinklens.train.model import SinkLM
+torch.manual_seed(0)
+model = SinkLM(ModelConfig.from_preset("tiny", n_ctx=256, d_vocab=64))
+tokens = torch.randint(0, 64, (32, 256))
+def faults():  # minor page faults of one training step's forward and backward
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    model(tokens, return_type="loss").backward()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults()
+plain = min(faults() for _ in range(3))  # the steadiest of three steps
+with retained_cpu_memory() as active:
+    faults()  # the first step maps the heap once
+    kept = min(faults() for _ in range(3))
+print(active, plain, kept)
+"""
+
+
+@pytest.mark.skipif(_glibc() is None, reason="glibc only")
+def test_retained_memory_stops_the_per_step_page_faults():
+    # glibc's default threshold, fixed (its dynamic raise depends on the order of earlier frees): every
+    # freed block of >= 128 KiB is unmapped, as in a long CPU run's steady state
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(128 * 1024)}
+    out = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, check=True, env=env).stdout.split()
+    active, plain, kept = out[0] == "True", int(out[1]), int(out[2])
+    assert active
+    assert plain > 2000, plain  # freed activations are unmapped, so every step faults them in again
+    assert kept < plain / 20, (plain, kept)  # kept mapped: a step takes ~1 fault (92,500 without)
