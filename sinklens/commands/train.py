@@ -135,5 +135,10 @@ def run(args: argparse.Namespace) -> int:
         seconds = f", first compiled step {info['compile_s']:.1f} s beyond an eager one" if info.get("compile_s") else ""
         print(f"compile: {'on' if info['compiled'] else 'off'} ({info['reason']}{seconds})"
               + (f"; {info['error']}" if info.get("error") else ""))
+    cpu = result.cpu
+    if cpu.get("device") == "cpu":  # say which CPU fast paths the run had
+        why = f" ({cpu['matmul_fallback_reason']})" if cpu.get("matmul_fallback_reason") else ""
+        kept = ", freed memory kept mapped" if cpu.get("retained_memory") else ""
+        print(f"cpu: matmul {cpu['matmul']}{why}{kept}")
     print(f"run directory: {out}")
     return 0

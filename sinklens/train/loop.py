@@ -186,8 +186,9 @@ class TrainResult:
             (seconds the first compiled step took beyond an eager one), ``error`` (a failed
             compile, after which the run went on eagerly). Also a ``kind="compile"`` metrics line
             when a compile was attempted, and ``compiled`` on every ``kind="train"`` line.
-        cpu: the CPU fast paths of the run: ``matmul`` (``"onednn"`` or ``"aten"``, the backend
-            ``TrainConfig.cpu_matmul`` resolved to, :mod:`sinklens.train.matmul`),
+        cpu: the CPU fast paths of the run: ``device`` (the device type it trained on),
+            ``matmul`` (``"onednn"`` or ``"aten"``: the backend ``TrainConfig.cpu_matmul`` resolved
+            to, used for CPU float32 products only, :mod:`sinklens.train.matmul`),
             ``matmul_fallback_reason`` (why ``"auto"`` fell back to aten, else None) and
             ``retained_memory`` (freed memory kept mapped during a CPU run,
             :mod:`sinklens.train.allocator`).
@@ -371,7 +372,8 @@ def train(
         # ---- the loop
         retained = resources.enter_context(retained_cpu_memory(device.type == "cpu"))
         backend = cpu_matmul_backend()
-        cpu = {"matmul": backend["resolved"], "matmul_fallback_reason": backend["reason"], "retained_memory": retained}
+        cpu = {"device": device.type, "matmul": backend["resolved"], "matmul_fallback_reason": backend["reason"],
+               "retained_memory": retained}
         try:
             raw_model.train()
             bar = tqdm(range(start_step, stop), desc="train", disable=not (progress and dist.is_main), initial=start_step,
