@@ -29,6 +29,7 @@ from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
 from sinklens.train.config import CpuMatmul
+from sinklens.validate import choice
 
 __all__ = ["CpuMatmul", "cpu_matmul_backend", "matmul", "set_cpu_matmul"]
 
@@ -71,8 +72,7 @@ def set_cpu_matmul(mode: CpuMatmul | str = "auto") -> str:
         InvalidArgumentError: ``mode`` is not one of :data:`CPU_MATMULS`, or ``"onednn"`` was asked
             for and this torch build cannot provide it (the message says why).
     """
-    if mode not in CPU_MATMULS:
-        raise InvalidArgumentError(f"cpu_matmul must be one of {list(CPU_MATMULS)}, got {mode!r}.")
+    mode = choice(mode, CPU_MATMULS, what="cpu_matmul")
     problem = None if mode == "aten" else _onednn_problem()
     if mode == "onednn" and problem is not None:
         raise InvalidArgumentError(f"cpu_matmul='onednn' is not available: {problem}; use 'auto' or 'aten'.")
