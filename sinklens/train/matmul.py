@@ -29,6 +29,7 @@ from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
 from sinklens.train.config import CpuMatmul
+from sinklens.train.dispatch import eager_cpu_float32
 from sinklens.validate import choice
 
 __all__ = ["CpuMatmul", "cpu_matmul_backend", "matmul", "set_cpu_matmul"]
@@ -110,21 +111,6 @@ class _OneDnnMatmul(torch.autograd.Function):
         return grad_x, grad_w
 
 
-def _compiling() -> bool:
-    """True while torch.compile traces (``torch.compiler.is_compiling``, torch >= 2.3)."""
-    is_compiling = getattr(torch.compiler, "is_compiling", None)
-    return bool(is_compiling and is_compiling())
-
-
-def _autocast_on() -> bool:
-    if hasattr(torch, "is_autocast_enabled"):
-        try:
-            return torch.is_autocast_enabled("cpu")
-        except TypeError:  # torch < 2.4: no device argument
-            pass
-    return torch.is_autocast_cpu_enabled()
-
-
 def matmul(x: Float[Tensor, "*batch d_in"], w: Float[Tensor, "d_in d_out"]) -> Float[Tensor, "*batch d_out"]:
     """``x @ w``, on oneDNN when the backend is ``"onednn"`` and this is a CPU float32 product
     outside autocast and ``torch.compile``; on ``aten`` otherwise.
@@ -134,17 +120,7 @@ def matmul(x: Float[Tensor, "*batch d_in"], w: Float[Tensor, "d_in d_out"]) -> F
         >>> torch.allclose(matmul(x, w), x @ w, rtol=1e-5, atol=1e-5)
         True
     """
-    if (
-        x.device.type != "cpu"
-        or x.dtype != torch.float32
-        or w.dtype != torch.float32
-        or w.ndim != 2
-        or x.ndim < 2
-        or x.numel() == 0
-        or _resolved() != "onednn"
-        or _compiling()
-        or _autocast_on()
-    ):
+    if w.ndim != 2 or x.ndim < 2 or x.numel() == 0 or not eager_cpu_float32(x, w) or _resolved() != "onednn":
         return x @ w
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return _OneDnnMatmul.apply(x, w)

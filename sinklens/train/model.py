@@ -50,6 +50,8 @@ from transformer_lens.HookedRootModule import HookedRootModule
 from sinklens.errors import InvalidArgumentError, SequenceTooLongError
 from sinklens.train.config import ModelConfig
 from sinklens.train.matmul import matmul
+from sinklens.train.rms_norm import rms_norm
+from sinklens.train.rotary import RotaryTables, rope
 from sinklens.train.variants import AttentionVariant, HeadwiseRMSNorm, get_attention_variant
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -82,15 +84,12 @@ def _hooked(hp: HookPoint) -> bool:
     return bool(hp.fwd_hooks or hp.bwd_hooks or hp._forward_hooks or hp._backward_hooks)
 
 
-_FUSED_RMS_NORM = hasattr(F, "rms_norm")  # torch >= 2.4
-
-
 class RMSNorm(nn.Module):
     """``w ⊙ x / sqrt(mean(x²) + eps)`` (computed in float32); ``hook_normalized`` includes ``w``.
 
-    Fast path: one ``F.rms_norm`` call (fused kernel, gain included) when ``x`` and ``w`` are
-    float32 and nothing is hooked on ``hook_scale``; otherwise the explicit path, which materialises
-    the scale for ``hook_scale``. The two agree to float32 rounding (tested).
+    Fast path when nothing is hooked on ``hook_scale``: :func:`sinklens.train.rms_norm.rms_norm`
+    (``F.rms_norm``, or on a CPU in training its closed-form backward); otherwise the explicit path,
+    which materialises the scale for ``hook_scale``. The two agree to float32 rounding (tested).
     """
 
     def __init__(self, d_model: int, eps: float) -> None:
@@ -101,8 +100,8 @@ class RMSNorm(nn.Module):
         self.hook_normalized = HookPoint()
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        if _FUSED_RMS_NORM and x.dtype == torch.float32 and self.w.dtype == torch.float32 and not _hooked(self.hook_scale):
-            return self.hook_normalized(F.rms_norm(x, self.w.shape, self.w, self.eps))
+        if not _hooked(self.hook_scale):
+            return self.hook_normalized(rms_norm(x, self.w, self.eps))
         xf = x.float()
         scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.hook_normalized((xf / scale).to(x.dtype) * self.w.to(x.dtype))
@@ -154,14 +153,10 @@ class Attention(nn.Module):
         )
         self.rotary = cfg.family == "llama"
         if self.rotary:
-            inv_freq = 1.0 / (cfg.rope_base ** (torch.arange(0, dh, 2, dtype=torch.float64) / dh))
-            angles = torch.outer(torch.arange(cfg.n_ctx, dtype=torch.float64), inv_freq)
-            angles = torch.cat([angles, angles], dim=-1)  # (n_ctx, d_head), rotate-half convention
-            self.register_buffer("rope_cos", angles.cos().float(), persistent=False)
-            self.register_buffer("rope_sin", angles.sin().float(), persistent=False)
-            # rotate_half(x) * sin == roll(x, d_head/2) * signed_sin: one kernel instead of neg + cat
-            signed = torch.cat([-angles[:, : dh // 2].sin(), angles[:, dh // 2 :].sin()], dim=-1)
-            self.register_buffer("rope_signed_sin", signed.float(), persistent=False)
+            tables = RotaryTables(cfg.n_ctx, dh, cfg.rope_base)
+            self.register_buffer("rope_cos", tables.cos, persistent=False)
+            self.register_buffer("rope_signed_sin", tables.signed_sin, persistent=False)
+            self.register_buffer("rope_signed_sin_back", tables.signed_sin_back, persistent=False)
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
@@ -175,12 +170,8 @@ class Attention(nn.Module):
             setattr(self, site, HookPoint())
 
     def _rope(self, x: Tensor) -> Tensor:
-        """``x·cos + rotate_half(x)·sin`` (rotate-half convention), ``rotate_half(x)·sin`` computed as
-        ``roll(x, d_head/2)·signed_sin``."""
-        T = x.shape[1]
-        cos = self.rope_cos[:T, None, :].to(x.dtype)
-        sin = self.rope_signed_sin[:T, None, :].to(x.dtype)
-        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin
+        """Rotary position embedding, rotate-half convention (:func:`sinklens.train.rotary.rope`)."""
+        return rope(x, self.rope_cos, self.rope_signed_sin, self.rope_signed_sin_back)
 
     def project(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor, Tensor]:
         """Queries ``[batch, pos, head, d_head]`` and keys/values ``[batch, pos, kv_head, d_head]``, hooked.

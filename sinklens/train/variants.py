@@ -46,6 +46,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from sinklens.errors import InvalidArgumentError
+from sinklens.train.rms_norm import rms_norm
 
 
 class AttentionVariant(nn.Module):
@@ -115,15 +116,6 @@ class Baseline(AttentionVariant):
     """Causal softmax attention."""
 
 
-def _rms_norm(x: Tensor, eps: float) -> Tensor:
-    """``x / sqrt(mean(x², -1) + eps)`` computed in float32, returned in ``x``'s dtype
-    (``F.rms_norm``'s fused kernel where torch has it)."""
-    xf = x.float()
-    if hasattr(F, "rms_norm"):
-        return F.rms_norm(xf, xf.shape[-1:], None, eps).to(x.dtype)
-    return (xf * torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)).to(x.dtype)
-
-
 class HeadwiseRMSNorm(AttentionVariant):
     """Head-wise RMSNorm: ``z_normed[t, h] = g_h ⊙ z[t, h] / sqrt(mean_d z[t, h, d]² + eps)``.
 
@@ -154,7 +146,7 @@ class HeadwiseRMSNorm(AttentionVariant):
         self.gain._no_weight_decay = True  # type: ignore[attr-defined]
 
     def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
-        return attn.hook_z_normed(_rms_norm(z, self.options["eps"]) * self.gain.to(z.dtype))
+        return attn.hook_z_normed(rms_norm(z, self.gain, self.options["eps"]))
 
 
 class Gated(AttentionVariant):
@@ -208,8 +200,8 @@ class QKNorm(AttentionVariant):
 
     def transform_qk(self, q: Tensor, k: Tensor, attn: nn.Module) -> tuple[Tensor, Tensor]:
         eps = self.options["eps"]
-        q = attn.hook_q_normed(_rms_norm(q, eps) * self.q_gain.to(q.dtype))
-        k = attn.hook_k_normed(_rms_norm(k, eps) * self.k_gain.to(k.dtype))
+        q = attn.hook_q_normed(rms_norm(q, self.q_gain, eps))
+        k = attn.hook_k_normed(rms_norm(k, self.k_gain, eps))
         return q, k
 
 
