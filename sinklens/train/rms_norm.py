@@ -13,8 +13,9 @@ saves ``x̂ = x / rms`` and ``1/rms`` only and computes the gradients in closed 
     dw = Σ_rows dy ⊙ x̂
     dx = (1/rms) ⊙ (g − x̂ ⊙ mean_d(g ⊙ x̂)),   g = dy ⊙ w
 
-Measured fwd + bwd on the project's 2-core CPU: 2.3 vs 4.7 ms for ``[16, 256, 256]``, 3.0 vs
-4.8 ms for head-wise ``[16, 256, 4, 64]`` (``benchmarks/RESULTS.md``). Same float32 arithmetic up to
+Measured forward + backward on the project's 2-core CPU: 1.65 vs 3.10 ms for ``[16, 256, 256]``
+with a ``[256]`` gain, 2.2 vs 3.5 ms for head-wise ``[16, 256, 4, 64]`` with a ``[4, 64]`` gain
+(``benchmarks/RESULTS.md``). Same float32 arithmetic up to
 summation order (tested against ``F.rms_norm`` and float64). It runs only where
 :func:`~sinklens.train.dispatch.eager_cpu_float32` holds and a gradient is needed; elsewhere
 (CUDA, bfloat16, autocast, ``torch.compile``, inference) ``F.rms_norm`` runs.

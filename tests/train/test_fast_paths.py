@@ -15,7 +15,10 @@ from sinklens.train.allocator import _glibc
 from sinklens.train.config import ModelConfig
 from sinklens.train.loop import train
 from sinklens.train.model import RMSNorm, SinkLM, next_token_loss
+from sinklens.train import rms_norm as rms_norm_mod
+from sinklens.train import rotary as rotary_mod
 from sinklens.train.rms_norm import rms_norm
+from sinklens.train.rotary import RotaryTables, rope
 from _train_cfg import build_cfg
 
 
@@ -64,6 +67,136 @@ def test_model_logits_do_not_depend_on_the_norm_path():
     hooks = [(f"blocks.{l}.ln{i}.hook_scale", lambda s, hook: s) for l in range(2) for i in (1, 2)]
     slow = model.run_with_hooks(tokens, fwd_hooks=hooks + [("ln_final.hook_scale", lambda s, hook: s)])
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- CPU kernels: RMSNorm, rotary
+
+
+def _rms_reference(x, w, eps):
+    """float64 ``w ⊙ x / sqrt(mean(x²) + eps)`` over the last axis (independent of sinklens)."""
+    x = x.double()
+    out = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return out if w is None else out * w.double()
+
+
+def _rotate_half_reference(x, cos, sin):
+    """float64 RoPE as Llama / TransformerLens write it: ``x·cos + rotate_half(x)·sin``."""
+    x1, x2 = x.double().chunk(2, dim=-1)
+    return x.double() * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+@pytest.mark.parametrize("w_shape", [None, (16,), (3, 16)], ids=["no-gain", "gain-d", "gain-per-head"])
+def test_rms_norm_backward_is_the_exact_gradient(w_shape):
+    # the closed-form backward against autograd's numerical Jacobian, in float64
+    gen = torch.Generator().manual_seed(5)
+    x = (torch.randn(2, 4, 3, 16, generator=gen, dtype=torch.float64) * 3).requires_grad_()
+    w = None if w_shape is None else (torch.rand(*w_shape, generator=gen, dtype=torch.float64) + 0.5).requires_grad_()
+    inputs = (x,) if w is None else (x, w)
+    assert torch.autograd.gradcheck(lambda *t: rms_norm_mod._RMSNormFunction.apply(t[0], t[1] if len(t) > 1 else None, 1e-6), inputs)
+
+
+@pytest.mark.parametrize("w_shape", [None, (16,), (3, 16)], ids=["no-gain", "gain-d", "gain-per-head"])
+def test_rms_norm_fast_path_matches_float64_and_f_rms_norm(w_shape, monkeypatch):
+    calls = []
+    real = rms_norm_mod._RMSNormFunction.apply
+    monkeypatch.setattr(rms_norm_mod._RMSNormFunction, "apply", lambda *a: calls.append(1) or real(*a))
+    gen = torch.Generator().manual_seed(6)
+    x0 = torch.randn(2, 5, 3, 16, generator=gen) * 4
+    w0 = None if w_shape is None else torch.rand(*w_shape, generator=gen) + 0.5
+    dy = torch.randn(2, 5, 3, 16, generator=gen)
+    grads = {}
+    for path in ("fast", "plain"):
+        x = x0.clone().requires_grad_()
+        w = None if w0 is None else w0.clone().requires_grad_()
+        if path == "plain":  # the same call with the CPU kernel switched off: F.rms_norm and autograd
+            monkeypatch.setattr(rms_norm_mod, "eager_cpu_float32", lambda *t: False)
+        y = rms_norm(x, w, 1e-6)
+        y.backward(dy)
+        grads[path] = (y.detach(), x.grad, None if w is None else w.grad)
+    assert len(calls) == 1  # the fast path ran once, the plain one did not
+    (y, gx, gw), (y_ref, gx_ref, gw_ref) = grads["fast"], grads["plain"]
+    torch.testing.assert_close(y.double(), _rms_reference(x0, w0, 1e-6), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-6)
+    x64 = x0.double().requires_grad_()
+    _rms_reference(x64, w0, 1e-6).backward(dy.double())
+    torch.testing.assert_close(gx.double(), x64.grad, rtol=1e-5, atol=1e-6)
+    if w0 is not None:
+        torch.testing.assert_close(gw, gw_ref, rtol=1e-5, atol=1e-5)
+
+
+def test_rotary_backward_is_the_exact_gradient_and_matches_rotate_half():
+    tables = RotaryTables(n_ctx=8, d_head=6, base=10000.0)
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(2, 8, 3, 6, generator=gen, dtype=torch.float64, requires_grad=True)
+    cos, sin, back = (t[:, None, :].double() for t in (tables.cos, tables.signed_sin, tables.signed_sin_back))
+    assert torch.autograd.gradcheck(lambda t: rotary_mod._RotaryFunction.apply(t, cos, sin, back), (x,))
+    # the fast path (float32, with a gradient) and the plain one against the rotate-half formula
+    angles = torch.outer(torch.arange(8, dtype=torch.float64), 1.0 / 10000.0 ** (torch.arange(0, 6, 2, dtype=torch.float64) / 6))
+    angles = torch.cat([angles, angles], dim=-1)[:, None, :]
+    x32 = x.detach().float().requires_grad_()
+    dy = torch.randn(2, 8, 3, 6, generator=gen)
+    fast = rope(x32, tables.cos, tables.signed_sin, tables.signed_sin_back)
+    assert fast.grad_fn.name().startswith("_RotaryFunction")
+    fast.backward(dy)
+    with torch.no_grad():
+        plain = rope(x32, tables.cos, tables.signed_sin, tables.signed_sin_back)
+    x64 = x.detach().clone().requires_grad_()
+    ref = _rotate_half_reference(x64, angles.cos(), angles.sin())
+    ref.backward(dy.double())
+    torch.testing.assert_close(fast.detach().double(), ref.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(plain.double(), ref.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x32.grad.double(), x64.grad, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["baseline", "headwise_rms", "qk_norm"])
+def test_model_gradients_do_not_depend_on_the_cpu_kernels(variant, monkeypatch):
+    # the whole model with the RMSNorm and rotary kernels on, then off (F.rms_norm and autograd)
+    counts = {"rms": 0, "rope": 0}
+    for mod, cls, key in ((rms_norm_mod, rms_norm_mod._RMSNormFunction, "rms"), (rotary_mod, rotary_mod._RotaryFunction, "rope")):
+        real = cls.apply
+        monkeypatch.setattr(cls, "apply", lambda *a, _real=real, _key=key: counts.__setitem__(_key, counts[_key] + 1) or _real(*a))
+    torch.manual_seed(8)
+    options = {"init": "ones"} if variant == "headwise_rms" else {}
+    model = SinkLM(ModelConfig.from_preset("tiny", variant=variant, variant_options=options, n_ctx=16, d_vocab=32))
+    with torch.no_grad():  # gains away from 1, so a wrong gain gradient shows
+        for name, p in model.named_parameters():
+            if p.ndim <= 2 and ("ln" in name or "gain" in name):
+                p.mul_(torch.rand_like(p) + 0.5)
+    tokens = torch.randint(0, 32, (3, 12))
+    results = {}
+    for path in ("fast", "plain"):
+        if path == "plain":
+            for mod in (rms_norm_mod, rotary_mod):
+                monkeypatch.setattr(mod, "eager_cpu_float32", lambda *t: False)
+        model.zero_grad()
+        logits = model(tokens)
+        next_token_loss(logits[:, :-1], tokens[:, 1:]).backward()
+        results[path] = (logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
+        if path == "fast":
+            n = model.cfg.n_layers
+            extra = {"baseline": 0, "headwise_rms": n, "qk_norm": 2 * n}[variant]
+            assert counts == {"rms": 2 * n + 1 + extra, "rope": 2 * n}, counts
+    (got, grads), (ref, ref_grads) = results["fast"], results["plain"]
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    for name, grad in ref_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_cpu_kernels_stand_aside_without_a_gradient_or_under_autocast(monkeypatch):
+    calls = []
+    for cls in (rms_norm_mod._RMSNormFunction, rotary_mod._RotaryFunction):
+        real = cls.apply
+        monkeypatch.setattr(cls, "apply", lambda *a, _real=real: calls.append(1) or _real(*a))
+    model = SinkLM(ModelConfig.from_preset("tiny", n_ctx=16, d_vocab=32))
+    tokens = torch.randint(0, 32, (2, 8))
+    with torch.no_grad():
+        model(tokens)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(tokens)
+    assert calls == []
+    model(tokens)
+    assert calls  # and with a gradient they run
 
 
 # ---------------------------------------------------------------- oneDNN matmul (sinklens.train.matmul)
