@@ -26,7 +26,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from sinklens.specs import split_spec
 from sinklens.train.config import DATA_SOURCES, TrainConfig, load_config
+from sinklens.train.variants import attention_variants
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -35,7 +37,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--out", help="run directory (metrics, checkpoints, figures); required")
     parser.add_argument("--config", help="a .json or .toml TrainConfig (flags and --set override it)")
     parser.add_argument("--preset", help="model preset of ModelConfig.from_preset (default: 'tiny' without --config)")
-    parser.add_argument("--variant", help="attention variant (baseline, headwise_rms, gated, qk_norm, sigmoid, sink_logit, softpick)")
+    parser.add_argument("--variant", metavar="NAME[:K=V,...]",
+                        help=f"attention variant, one of {attention_variants()}, with options after a colon, "
+                             "e.g. headwise_rms:gain=shared or variance_calibrated:mode=position_amplify "
+                             "(same as --set model.variant_options.K=V)")
     parser.add_argument("--data", help=f"one of {list(DATA_SOURCES[:2])}, a text file/folder, a nanoGPT folder "
                                        "with train.bin, a .bin file, or hf:<dataset name>")
     parser.add_argument("--steps", help="alias of --steps of the config")
@@ -84,7 +89,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         base = base.replace(model=ModelConfig.from_preset(args.preset or "tiny"))
     sets = []
     if args.variant:
-        sets.append(f"model.variant={args.variant}")
+        name, options = split_spec(args.variant, what="attention variant")
+        sets.append(f"model.variant={name}")
+        sets += [f"model.variant_options.{key}={value!r}" for key, value in options.items()]
     if args.data:
         sets += _data_overrides(args.data)
     for flag, key in (("steps", "steps"), ("batch_size", "batch_size"), ("seq_len", "data.seq_len"), ("lr", "optim.lr"),

@@ -20,7 +20,6 @@ Examples:
 
 from __future__ import annotations
 
-import ast
 import difflib
 import inspect
 from collections.abc import Callable, Mapping
@@ -28,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from sinklens.errors import InvalidArgumentError, UnknownInterventionError
+from sinklens.specs import parse_value, split_spec
 
 if TYPE_CHECKING:
     from sinklens.options import HookFn
@@ -165,35 +165,6 @@ def get(name: str, *, role: Role | None = None) -> Intervention:
     return entry
 
 
-def _split_args(text: str) -> list[str]:
-    """Split ``a=1,b=[1,2]`` at top-level commas."""
-    parts, depth, current = [], 0, ""
-    for char in text:
-        if char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth -= 1
-        if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
-        else:
-            current += char
-    return [p for p in parts + [current] if p.strip()]
-
-
-def parse_value(text: str) -> Any:
-    """A spec value: a Python literal (``16``, ``[0, 1]``, ``2.5``, ``None``) or else a bare string.
-
-    Examples:
-        >>> parse_value("[0, 1]"), parse_value("zero"), parse_value("2.5")
-        ([0, 1], 'zero', 2.5)
-    """
-    try:
-        return ast.literal_eval(text.strip())
-    except (ValueError, SyntaxError):
-        return text.strip()
-
-
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
     """Split ``"name:key=value,key=value"`` into the canonical name and its keyword arguments.
 
@@ -201,15 +172,7 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
         >>> parse_spec("restart:positions=16,layers=[0,1]")
         ('restart', {'positions': 16, 'layers': [0, 1]})
     """
-    if not isinstance(spec, str) or not spec.strip():
-        raise InvalidArgumentError(f"An intervention spec must be a non-empty string 'name:key=value,...', got {spec!r}.")
-    name, _, args = spec.partition(":")
-    kwargs: dict[str, Any] = {}
-    for item in _split_args(args):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip().isidentifier():
-            raise InvalidArgumentError(f"Intervention argument {item!r} in {spec!r} is not of the form key=value.")
-        kwargs[key.strip()] = parse_value(value)
+    name, kwargs = split_spec(spec, what="intervention")
     return get(name).name, kwargs
 
 

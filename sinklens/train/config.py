@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sinklens.errors import InvalidArgumentError
+from sinklens.specs import parse_value
 from sinklens.train.variants import get_attention_variant
 from sinklens.validate import as_int, choice, finite_number, positive_int
 
@@ -468,8 +469,9 @@ def overrides_to_args(cfg: TrainConfig, overrides: list[str] | tuple[str, ...]) 
     """``["optim.lr=3e-4", ...]`` → tyro arguments ``["--optim.lr", "3e-4", ...]``.
 
     Keys are checked against the dataclass fields here (the message names the known keys); values
-    are left to tyro. ``model.variant_options.NAME=value`` (a free-form mapping tyro does not parse)
-    is returned separately as ``{NAME: literal}``.
+    are left to tyro. The variant's options (a free-form mapping tyro does not parse) are returned
+    separately as ``{NAME: value}``, from ``model.variant_options.NAME=value`` or from a whole
+    mapping, ``model.variant_options={'gain': 'shared'}``; either adds to the options already set.
     """
     args: list[str] = []
     variant_options: dict[str, Any] = {}
@@ -480,10 +482,16 @@ def overrides_to_args(cfg: TrainConfig, overrides: list[str] | tuple[str, ...]) 
             raise InvalidArgumentError(f"Override {item!r} is not of the form 'section.key=value' (e.g. 'optim.lr=3e-4').")
         *parents, leaf = key.split(".")
         if parents[:2] == ["model", "variant_options"] and len(parents) == 2:
-            try:
-                variant_options[leaf] = ast.literal_eval(raw.strip())
-            except (ValueError, SyntaxError):
-                variant_options[leaf] = raw.strip()
+            variant_options[leaf] = parse_value(raw)
+            continue
+        if parents == ["model"] and leaf == "variant_options":
+            mapping = parse_value(raw)
+            if not isinstance(mapping, dict) or not all(isinstance(k, str) for k in mapping):
+                raise InvalidArgumentError(
+                    f"model.variant_options takes a mapping such as {{'gain': 'shared'}}, got {raw.strip()!r}; "
+                    "or set one option with model.variant_options.NAME=VALUE."
+                )
+            variant_options.update(mapping)
             continue
         cls: type = TrainConfig
         for i, part in enumerate(parents):

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
 from sinklens.cli import main
+from sinklens.loading import load_model
 from sinklens.train.checkpoint import load_run
 
 pytestmark = pytest.mark.models
@@ -47,3 +49,32 @@ def test_cli_errors_are_clear(tmp_path, capsys):
     assert "Unknown config key 'optim.lrr'" in capsys.readouterr().err
     assert main(["train", "--out", str(tmp_path), "--data", str(tmp_path / "missing_folder")]) == 2
     assert "neither a text file nor a folder" in capsys.readouterr().err
+
+
+def test_variant_options_after_a_colon(tmp_path, capsys):
+    out = tmp_path / "calibrated"
+    code = main(["train", "--preset", "tiny", "--variant", "variance_calibrated:mode=position_amplify", "--data",
+                 "bigram-backcopy", "--steps", "2", "--out", str(out), *TINY])
+    assert code == 0, capsys.readouterr().err
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["model"]["variant"] == "variance_calibrated"
+    assert cfg["model"]["variant_options"] == {"mode": "position_amplify"}
+    model = load_model(out)
+    assert model.blocks[0].attn.variant.options["mode"] == "position_amplify"  # the built model has the option
+
+
+@pytest.mark.parametrize(
+    "variant, message",
+    [
+        ("headwise_rms:gain", "Attention variant argument 'gain' in 'headwise_rms:gain' is not of the form key=value"),
+        ("headwise_rms:gain=shard", "headwise_rms gain must be 'per_head' or 'shared', got 'shard'"),
+        ("headwise_rms:gian=shared", r"Unknown option\(s\) \['gian'\] for attention variant"),
+        ("headwsie_rms:gain=shared", "Unknown attention variant 'headwsie_rms'"),
+    ],
+)
+def test_bad_variant_specs_are_one_line_errors(tmp_path, capsys, variant, message):
+    out = tmp_path / "run"
+    assert main(["train", "--preset", "tiny", "--variant", variant, "--out", str(out), *TINY]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err, err
+    assert not out.exists()  # nothing written

@@ -34,6 +34,12 @@ def test_overrides_parse_types_and_nest():
     assert cfg.model.variant_options == {"gain": "shared"} and cfg.data.path is None
 
 
+def test_variant_options_as_a_whole_mapping_add_to_those_set():
+    cfg = apply_overrides(build_cfg(), ["model.variant=headwise_rms", "model.variant_options.init=ones",
+                                        "model.variant_options={'gain': 'shared', 'eps': 1e-5}"])
+    assert cfg.model.variant_options == {"init": "ones", "gain": "shared", "eps": 1e-5}
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [
@@ -52,6 +58,8 @@ def test_overrides_parse_types_and_nest():
         (["cpu_matmul=mkl"], "invalid choice 'mkl' for argument '--cpu-matmul'"),
         (["data.source=text"], "needs data.path"),
         (["lr"], "not of the form"),
+        (["model.variant_options=shared"], r"model.variant_options takes a mapping such as \{'gain': 'shared'\}, got 'shared'"),
+        (["model.variant_options=[1, 2]"], "model.variant_options takes a mapping"),
     ],
 )
 def test_bad_configs_raise_clear_errors(overrides, match):
