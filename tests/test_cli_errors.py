@@ -132,6 +132,9 @@ GENERIC_ROWS = [
     ("intervene-missing-model", lambda f: ["intervene", "--method", "self-only", "--position", "2", "--model",
                                            "./no/such/model"], EXIT_USAGE, ["./no/such/model"]),
     ("compare-not-a-run", lambda f: ["compare", _p(f, "no-run")], None, ["no-run"]),
+    # checked before the model loads: the missing model is never reached
+    ("intervene-negative-position", lambda f: ["intervene", "--method", "self-only", "--position", "-3", "--model",
+                                               "./no/such/model"], EXIT_USAGE, ["--position must be an integer >= 0, got -3"]),
 ]
 
 

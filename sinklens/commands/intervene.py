@@ -79,13 +79,15 @@ def _method_options(entry: registry.Intervention, args: argparse.Namespace) -> d
 
 def check_args(args: argparse.Namespace) -> registry.Intervention:
     """Validate everything that needs no model (method, lists, output paths), before the model loads."""
-    from sinklens.validate import writable_dir, writable_file
+    from sinklens.validate import positive_int, writable_dir, writable_file
 
     entry = registry.get(args.method)
     if entry.role not in ("create", "remove"):
         raise InvalidArgumentError(f"--method {args.method} is neither a create nor a remove intervention.")
     if entry.role == "create" and args.position is None:
         raise InvalidArgumentError(f"--method {args.method} needs --position K (the position to turn into a sink).")
+    if args.position is not None:  # its upper bound (the prompt) is checked once the model has tokenized it
+        positive_int(args.position, what="--position", minimum=0)
     if entry.name == "edit_neurons" and args.layers is None:
         raise InvalidArgumentError(
             "--method edit-neurons needs --layers: a neuron index names a different neuron in each layer."
