@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from sinklens.errors import InvalidArgumentError, UnknownInterventionError
-from sinklens.specs import parse_value, split_spec
+from sinklens.specs import split_spec
 
 if TYPE_CHECKING:
     from sinklens.options import HookFn
