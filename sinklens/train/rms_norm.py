@@ -18,7 +18,10 @@ with a ``[256]`` gain, 2.2 vs 3.5 ms for head-wise ``[16, 256, 4, 64]`` with a `
 (``benchmarks/RESULTS.md``). Same float32 arithmetic up to
 summation order (tested against ``F.rms_norm`` and float64). It runs only where
 :func:`~sinklens.train.dispatch.eager_cpu_float32` holds and a gradient is needed; elsewhere
-(CUDA, bfloat16, autocast, ``torch.compile``, inference) ``F.rms_norm`` runs.
+(CUDA, bfloat16, autocast, ``torch.compile``, inference) ``F.rms_norm`` runs. The closed-form
+backward is not itself differentiable: a second derivative through it (``create_graph=True``)
+raises torch's ``once_differentiable`` error instead of returning a wrong number; compute such
+derivatives in float64, where ``F.rms_norm`` runs.
 """
 
 from __future__ import annotations

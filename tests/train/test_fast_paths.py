@@ -125,6 +125,22 @@ def test_rms_norm_fast_path_matches_float64_and_f_rms_norm(w_shape, monkeypatch)
         torch.testing.assert_close(gw, gw_ref, rtol=1e-5, atol=1e-5)
 
 
+def test_rms_norm_second_derivative_raises_instead_of_being_wrong():
+    # the closed-form backward is computed from saved x̂, 1/rms: differentiating it again would miss
+    # their dependence on x, so it must refuse; float64 (F.rms_norm) gives the true second derivative
+    x = torch.randn(3, 8, requires_grad=True)
+    (g,) = torch.autograd.grad(rms_norm(x, None, 1e-6).pow(3).sum(), x, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        g.sum().backward()
+    x64 = x.detach().double().requires_grad_()
+    (g64,) = torch.autograd.grad(rms_norm(x64, None, 1e-6).pow(3).sum(), x64, create_graph=True)
+    g64.sum().backward()
+    ref = x.detach().double().requires_grad_()
+    (g_ref,) = torch.autograd.grad(_rms_reference(ref, None, 1e-6).pow(3).sum(), ref, create_graph=True)
+    g_ref.sum().backward()
+    torch.testing.assert_close(x64.grad, ref.grad, rtol=1e-5, atol=1e-6)
+
+
 def test_rotary_backward_is_the_exact_gradient_and_matches_rotate_half():
     tables = RotaryTables(n_ctx=8, d_head=6, base=10000.0)
     gen = torch.Generator().manual_seed(7)
