@@ -23,12 +23,21 @@ def _autocast_on() -> bool:
     return torch.is_autocast_cpu_enabled()
 
 
+def _functorch_active() -> bool:
+    """True inside ``torch.func`` transforms (``grad``, ``vmap``, ``jacrev``...), where autograd
+    functions without a ``setup_context`` cannot run."""
+    active = getattr(torch._C, "_are_functorch_transforms_active", None)
+    return bool(active and active())
+
+
 def eager_cpu_float32(*tensors: Tensor) -> bool:
-    """True when every tensor is a CPU float32 one and no autocast or ``torch.compile`` tracing is
-    active: where the trainer's hand-written CPU kernels (:func:`sinklens.train.matmul.matmul`'s oneDNN path,
-    :func:`sinklens.train.rms_norm.rms_norm`'s closed-form backward) apply."""
+    """True when every tensor is a CPU float32 one and no autocast, ``torch.compile`` tracing or
+    ``torch.func`` transform is active: where the trainer's hand-written CPU kernels
+    (:func:`sinklens.train.matmul.matmul`'s oneDNN path, :func:`sinklens.train.rms_norm.rms_norm`'s
+    and :func:`sinklens.train.rotary.rope`'s closed-form backwards) apply."""
     return (
         all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
         and not _compiling()
         and not _autocast_on()
+        and not _functorch_active()
     )

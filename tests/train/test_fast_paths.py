@@ -199,6 +199,29 @@ def test_model_gradients_do_not_depend_on_the_cpu_kernels(variant, monkeypatch):
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # torch's vmap fallback for SDPA
+def test_torch_func_transforms_run_through_the_plain_ops():
+    # torch.func.grad / vmap cannot run autograd functions without setup_context: the CPU kernels
+    # (oneDNN matmul, RMSNorm, RoPE) must stand aside there, and the gradients must be the same
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(9)
+    model = SinkLM(ModelConfig.from_preset("tiny", variant="headwise_rms", n_ctx=16, d_vocab=32))
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    tokens = torch.randint(0, 32, (3, 8))
+
+    def loss(p, rows):
+        return next_token_loss(functional_call(model, p, (rows,))[:, :-1], rows[:, 1:])
+
+    got = grad(loss)(params, tokens)
+    next_token_loss(model(tokens)[:, :-1], tokens[:, 1:]).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    per_sequence = vmap(grad(loss), in_dims=(None, 0))(params, tokens[:, None])  # per-example gradients
+    for name in params:
+        torch.testing.assert_close(per_sequence[name].mean(0), got[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_cpu_kernels_stand_aside_without_a_gradient_or_under_autocast(monkeypatch):
     calls = []
     for cls in (rms_norm_mod._RMSNormFunction, rotary_mod._RotaryFunction):
