@@ -14,8 +14,9 @@ Backends (:data:`CpuMatmul`), chosen per process with :func:`set_cpu_matmul` (th
 ``TrainConfig.cpu_matmul``): ``"auto"`` (default) uses oneDNN when this torch build has the kernel
 and it passes a numerical self-check against a float64 product, else ``aten``; ``"onednn"``
 insists (an error when it is missing); ``"aten"`` never uses it. Whatever the backend, a product
-runs on ``aten`` when it is not a CPU float32 one, under autocast or while ``torch.compile``
-traces (inductor then picks its own kernels).
+runs on ``aten`` when it is not a CPU float32 one, under autocast, inside ``torch.func``
+transforms, or while ``torch.compile`` traces (inductor then picks its own kernels); see
+:func:`sinklens.train.dispatch.eager_cpu_float32`.
 """
 
 from __future__ import annotations

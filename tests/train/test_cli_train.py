@@ -70,6 +70,9 @@ def test_variant_options_after_a_colon(tmp_path, capsys):
         ("headwise_rms:gain=shard", "headwise_rms gain must be 'per_head' or 'shared', got 'shard'"),
         ("headwise_rms:gian=shared", r"Unknown option\(s\) \['gian'\] for attention variant"),
         ("headwsie_rms:gain=shared", "Unknown attention variant 'headwsie_rms'"),
+        # a non-positive eps made the run diverge at step 0 (NaN) instead of being refused
+        ("qk_norm:eps=-1", r"attention variant QKNorm option eps must be in \(0, inf\], got -1"),
+        ("headwise_rms:eps=0", r"attention variant HeadwiseRMSNorm option eps must be in \(0, inf\], got 0"),
     ],
 )
 def test_bad_variant_specs_are_one_line_errors(tmp_path, capsys, variant, message):
