@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import functools
+import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
@@ -20,7 +21,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.errors import UnknownHookError
+from sinklens.errors import UnknownHookError, UnsupportedArchitectureError
 
 #: Per-layer hook sites used across sinklens, relative to ``blocks.{layer}``.
 PATTERN = "attn.hook_pattern"
@@ -309,6 +310,23 @@ def weight_cached(model: Any, key: Hashable, compute: Callable[[], Any]) -> Any:
 _STAT_CACHES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
+def _probed(model: Any, key: Hashable, probe: Callable[[], Any]) -> Any:
+    """``probe()`` once per model and ``key``: what a model's forward pass does with its hooks does not change."""
+    known = getattr(model, "_sinklens_probes", None)
+    if known is not None and key in known:
+        return known[key]
+    value = probe()
+    try:
+        model.__dict__.setdefault("_sinklens_probes", {})[key] = value
+    except AttributeError:
+        pass
+    return value
+
+
+def _probe_tokens(model: Any, n: int) -> Tensor:
+    return torch.zeros(1, n, dtype=torch.long, device=model_device(model))
+
+
 def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
     """The hooks among ``names`` that exist on ``model`` but never run in a forward pass (a 2-token probe).
 
@@ -319,24 +337,86 @@ def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
     present = [n for n in names if n in model.hook_dict]
     if not present:
         return []
-    known = getattr(model, "_sinklens_silent_hooks", None)
-    if known is not None and tuple(present) in known:
-        return known[tuple(present)]
-    fired: set[str] = set()
 
-    def record(name: str):
-        def hook(act: Any, hook: Any) -> None:
-            fired.add(name)
+    def probe() -> list[str]:
+        fired: set[str] = set()
 
-        return hook
+        def record(name: str):
+            def hook(act: Any, hook: Any) -> None:
+                fired.add(name)
 
-    tokens = torch.zeros(1, 2, dtype=torch.long, device=model_device(model))
-    with torch.inference_mode(), model.hooks(fwd_hooks=[(n, record(n)) for n in present]):
-        model(tokens, return_type=None)
-    silent = [n for n in present if n not in fired]
-    try:  # which hooks a model runs does not change: probe once per model and hook set
-        known = model.__dict__.setdefault("_sinklens_silent_hooks", {})
-        known[tuple(present)] = silent
-    except AttributeError:
-        pass
-    return silent
+            return hook
+
+        with torch.inference_mode(), model.hooks(fwd_hooks=[(n, record(n)) for n in present]):
+            model(_probe_tokens(model, 2), return_type=None)
+        return [n for n in present if n not in fired]
+
+    return _probed(model, ("silent", tuple(present)), probe)
+
+
+def post_hoc_attention(model: Any) -> str | None:
+    """Why ``model``'s ``hook_attn_scores`` / ``hook_pattern`` are reports fired after its attention has run
+    rather than seams inside it, or None when they are seams (edits there change what the heads compute).
+
+    A TransformerBridge whose attention delegates to the Hugging Face module (BERT in TransformerLens 4.x)
+    fires both hooks once that module has returned, with its post-softmax weights: an edit of either is
+    discarded (TransformerLens only warns), ``hook_attn_scores`` holds probabilities rather than logits, and
+    ``hook_pattern`` fires after ``hook_z``. Mask interventions, variance calibration and the score
+    statistics of query-key locking refuse such a model.
+
+    Probed once per model with a 3-token forward in which layer 0's ``hook_attn_scores`` lets every query
+    see only its own key: if any other key keeps attention in ``hook_pattern``, or ``hook_pattern`` fires
+    after ``hook_z``, the hooks are post hoc.
+    """
+    names = [hook_name(0, site) for site in (SCORES, PATTERN, Z)]
+    if any(n not in model.hook_dict for n in names[:2]):
+        return None
+
+    def probe() -> str | None:
+        order: list[str] = []
+        seen: dict[str, Tensor] = {}
+
+        def only_own_key(scores: Tensor, hook: Any) -> Tensor:
+            order.append(SCORES)
+            n_q, n_k = scores.shape[-2:]
+            own = torch.eye(n_k, dtype=torch.bool, device=scores.device)[n_k - n_q:]
+            return scores.masked_fill(~own, float("-inf"))
+
+        def record(name: str):
+            def hook(act: Tensor, hook: Any) -> None:
+                order.append(name)
+                seen[name] = act.detach()
+
+            return hook
+
+        hooks = [(names[0], only_own_key), (names[1], record(PATTERN))]
+        if names[2] in model.hook_dict:
+            hooks.append((names[2], record(Z)))
+        with warnings.catch_warnings(), torch.inference_mode(), model.hooks(fwd_hooks=hooks):
+            warnings.simplefilter("ignore")  # TransformerLens' "edit is discarded" warning: reported below instead
+            model(_probe_tokens(model, 3), return_type=None)
+        pattern = seen.get(PATTERN)
+        if pattern is None:
+            return None
+        n_q, n_k = pattern.shape[-2:]
+        other_keys = ~torch.eye(n_k, dtype=torch.bool, device=pattern.device)[n_k - n_q:]
+        discarded = bool((pattern.float().abs() * other_keys).amax() > 0)
+        late = Z in order and order.index(PATTERN) > order.index(Z)
+        if not (discarded or late):
+            return None
+        return ("its attention runs inside the wrapped Hugging Face module and TransformerLens fires "
+                "hook_attn_scores and hook_pattern afterwards, with the post-softmax weights (an edit there is "
+                "discarded, and hook_attn_scores holds probabilities, not pre-softmax scores)")
+
+    return _probed(model, "post_hoc_attention", probe)
+
+
+def require_attention_seams(model: Any, what: str) -> None:
+    """Raise :class:`~sinklens.errors.UnsupportedArchitectureError` if ``model``'s attention hooks are post hoc
+    (:func:`post_hoc_attention`): ``what`` (e.g. ``"mask interventions"``) would silently do nothing there."""
+    reason = post_hoc_attention(model)
+    if reason is not None:
+        raise UnsupportedArchitectureError(
+            f"{what.capitalize()} need to edit the attention scores or pattern, which this model does not allow: "
+            f"{reason}. Analyses that only read activations (find_sinks, measure_variance, ...) work on it."
+        )

@@ -37,7 +37,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.hooks import PATTERN, Z, check_hook_names, hook_name, model_dims, resolve_layers
+from sinklens.hooks import PATTERN, Z, check_hook_names, hook_name, model_dims, require_attention_seams, resolve_layers
 from sinklens.interventions.masks import Hooks, positions_arg
 from sinklens.validate import choice
 
@@ -87,6 +87,7 @@ def variance_calibration(
     layer_list = resolve_layers(layers, dims.n_layers)
     names = [hook_name(layer, site) for layer in layer_list for site in (PATTERN, Z)]
     check_hook_names(model, names)
+    require_attention_seams(model, "variance calibration")  # it needs hook_pattern before hook_z
     factors: dict[int, Tensor] = {}
     hooks: Hooks = []
     for layer in layer_list:

@@ -8,7 +8,13 @@ which the keys a query may no longer see are set to ``-inf``; the caller's tenso
 Masked value: TransformerLens 3.x fills the causal mask with ``-inf``, the 4.x ``TransformerBridge``
 (like Hugging Face) with ``torch.finfo(dtype).min``. Both give exactly zero probability after the
 softmax; sinklens always writes ``-inf`` and guarantees that every query keeps at least one visible
-key (its own position), so no softmax row is empty and every ``hook_pattern`` row still sums to 1.
+key (its own position), so no softmax row is empty and every ``hook_pattern`` row still sums to 1
+(on a model with learned sink logits, gpt-oss, to 1 minus the sink logit's share, as without the mask:
+a self-only token then splits its attention between its own key and the sink logit, as position 0 does).
+
+Models whose attention hooks are fired after the fact (the TransformerLens 4.x BERT bridge, see
+:func:`sinklens.hooks.post_hoc_attention`) would discard the edit: every factory here refuses them with
+:class:`~sinklens.errors.UnsupportedArchitectureError`.
 
 Queries are addressed by absolute position: when scores cover fewer queries than keys (generation
 with a KV cache), the queries are taken to be the last ``n_query`` positions.
@@ -26,7 +32,7 @@ import torch
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.hooks import SCORES, hook_name, model_dims
+from sinklens.hooks import SCORES, hook_name, model_dims, require_attention_seams
 from sinklens.options import HookFn
 from sinklens.validate import index_list, optional_index_list
 from sinklens.visibility import attention_visibility
@@ -83,6 +89,7 @@ def _block_scores(scores: Tensor, blocked: Tensor, head_list: list[int] | None) 
 
 def _mask_hooks(model: Any, block: BlockFn, *, layers, heads) -> Hooks:
     """Hooks that set ``block(query_positions, n_key)`` entries of the scores to ``-inf``."""
+    require_attention_seams(model, "mask interventions")
     dims = model_dims(model)
     layer_list = layers_arg(layers, dims.n_layers)
     head_list = heads_arg(heads, dims.n_heads)
@@ -185,6 +192,7 @@ def custom_mask(model: Any, allowed: Tensor, *, layers=None, heads=None) -> Hook
     dims = model_dims(model)
     if allowed.ndim >= 3 and allowed.shape[-3] not in (1, dims.n_heads):
         raise InvalidArgumentError(f"allowed has {allowed.shape[-3]} heads; the model has {dims.n_heads} (or pass 1 to broadcast).")
+    require_attention_seams(model, "mask interventions")
     layer_list = layers_arg(layers, dims.n_layers)
     head_list = heads_arg(heads, dims.n_heads)
     visibility = attention_visibility(model)

@@ -1,0 +1,105 @@
+"""Attention interventions on every family of the zoo: a mask either takes effect exactly or is refused.
+
+TransformerLens 4.x runs BERT's attention inside the Hugging Face module and fires ``hook_attn_scores`` /
+``hook_pattern`` afterwards with the post-softmax weights, so an edit there is discarded (TransformerLens
+only warns). Before sinklens checked for this, ``sinklens intervene --method self-only`` on BERT printed
+"ratio 1.00" for every layer and query-key locking counted probabilities as scores.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sinklens.analysis.qk_locking import query_key_locking
+from sinklens.errors import UnsupportedArchitectureError
+from sinklens.hooks import PATTERN, SCORES, hook_name, post_hoc_attention
+from sinklens.interventions import block_keys, custom_mask, restart, self_only
+from sinklens.interventions.calibration import variance_calibration
+from sinklens.testing.zoo import FAMILIES, FamilyUnavailableError, zoo_model
+
+from _zoo_reference import TL4
+
+pytestmark = pytest.mark.models
+
+#: Families whose attention hooks are fired after the fact, per installed TransformerLens.
+POST_HOC = {"bert"} if TL4 else set()
+TOKENS = torch.tensor([[0, 5, 6, 7, 8, 9, 10]])
+TARGET = 3
+
+
+def _model(family: str):
+    try:
+        return zoo_model(family)
+    except FamilyUnavailableError as err:
+        pytest.skip(str(err))
+
+
+def _sink_logits(model, layer: int) -> torch.Tensor | None:
+    """gpt-oss's learned per-head sink logits ``[head]`` from the Hugging Face model behind the bridge."""
+    for name, param in model.named_parameters():
+        if name.replace("._original_component", "").endswith(f"layers.{layer}.self_attn.sinks"):
+            return param.detach()
+    raise AssertionError("no sink logits found on the gpt-oss model")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_self_only_takes_effect_exactly_or_is_refused(family):
+    """Where the hooks are seams, ``self_only`` leaves the target with attention on its own key only:
+    weight 1, or on gpt-oss ``exp(s) / (exp(s) + exp(sink_h))`` from its unmasked score ``s`` and the head's
+    sink logit (as position 0 splits it). Where they are not, every attention edit refuses up front."""
+    model = _model(family)
+    if family in POST_HOC:
+        assert "post-softmax" in post_hoc_attention(model)
+        allowed = torch.ones(len(TOKENS[0]), len(TOKENS[0]), dtype=torch.bool)
+        for build in (lambda: self_only(model, positions=TARGET), lambda: block_keys(model, positions=0),
+                      lambda: restart(model, positions=TARGET), lambda: custom_mask(model, allowed),
+                      lambda: variance_calibration(model)):
+            with pytest.raises(UnsupportedArchitectureError, match="discarded"):
+                build()
+        with pytest.raises(UnsupportedArchitectureError, match="post-softmax"):
+            query_key_locking(model, TOKENS)
+        return
+    assert post_hoc_attention(model) is None
+    layer = 0
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(key: str):
+        def hook(act, hook):
+            seen[key] = act.detach().clone()
+
+        return hook
+
+    hooks = [(hook_name(layer, SCORES), keep("scores"))] + self_only(model, positions=TARGET, layers=[layer])
+    hooks.append((hook_name(layer, PATTERN), keep("pattern")))
+    model.run_with_hooks(TOKENS, fwd_hooks=hooks)
+    row = seen["pattern"][0, :, TARGET].double()  # [head, key]
+    others = torch.ones(row.shape[-1], dtype=torch.bool)
+    others[TARGET] = False
+    assert torch.equal(row[:, others], torch.zeros_like(row[:, others]))
+    sinks = _sink_logits(model, layer) if family == "gptoss" else None
+    if sinks is None:
+        expected = torch.ones(row.shape[0], dtype=torch.float64)
+    else:
+        own = seen["scores"][0, :, TARGET, TARGET].double()
+        expected = torch.sigmoid(own - sinks.double())
+        assert float(expected.max()) < 0.99  # the sink logit really takes a share here
+    torch.testing.assert_close(row[:, TARGET], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_cli_intervene_refuses_a_post_hoc_model(tmp_path, capsys):
+    """``sinklens intervene --method self-only`` on BERT (TransformerLens 4.x): one line, exit 2, no figure."""
+    if not TL4:
+        pytest.skip("BERT's bridge is TransformerLens 4.x")
+    from sinklens.cli import main
+    from sinklens.testing.zoo import zoo_dir
+
+    out = tmp_path / "out"
+    code = main(["intervene", "--model", str(zoo_dir("bert")), "--method", "self-only", "--position", "3",
+                 "--text", "t5 t6 t7 t8 t9", "--out", str(out)])
+    assert code == 2
+    err = capsys.readouterr().err
+    ours = [line for line in err.splitlines() if line.startswith("sinklens")]  # (transformers prints progress)
+    assert "Traceback" not in err and len(ours) == 1
+    assert ours[0].startswith("sinklens intervene: error: Mask interventions") and "post-softmax" in ours[0]
+    assert not (out / "intervention.png").exists()
