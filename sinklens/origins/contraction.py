@@ -6,7 +6,8 @@ MLP nonlinearities concentrate representations *across* sequences, attention's a
 concentrates them *within* a sequence. The paper has no public code; the measures are defined here.
 
 Sites, in forward order: ``embed`` (``blocks.0.hook_resid_pre``), then per layer ``l``:
-``attn l`` (``blocks.l.hook_resid_mid``, after the attention write) and ``mlp l``
+``attn l`` (``blocks.l.hook_resid_mid``, after the attention write; in a parallel block, GPT-NeoX/Pythia,
+``hook_resid_pre + hook_attn_out``: see :func:`~sinklens.origins.sites.after_attention_hooks`) and ``mlp l``
 (``blocks.l.hook_resid_post``, after the MLP write); and ``final`` (the input of the unembedding,
 after the final norm). Inputs are :func:`sinklens.inputs.random_token_batches` (uniform ids, seeded).
 The *counted positions* are all positions, or positions ``>= 1`` when a BOS was prepended (BOS is the
@@ -45,11 +46,11 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.hooks import MLP_POST, RESID_MID, RESID_POST, RESID_PRE, hook_name, model_device, model_dims
+from sinklens.hooks import MLP_POST, RESID_POST, RESID_PRE, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions, settings_from
 from sinklens.origins.preference import RandomInputs, stream_random
-from sinklens.origins.sites import final_state_site, unembedding
+from sinklens.origins.sites import after_attention_hooks, final_state_site, unembedding
 from sinklens.streaming import BatchFold, Reducer, merge_statistics
 
 _ACTIVATIONS = {
@@ -223,9 +224,10 @@ class ContractionReducer(Reducer[ContractionResult]):
         self.first = 1 if prepend_bos else 0
         self.device = model_device(model)
         self.final_site, self.finish = final_state_site(model)
-        self.names: list[tuple[str, str, bool]] = [("embed", hook_name(0, RESID_PRE), True)]
+        # (site, hook name or None for the residual after attention, directions computed there)
+        self.names: list[tuple[str, str | None, bool]] = [("embed", hook_name(0, RESID_PRE), True)]
         for layer in range(dims.n_layers):
-            self.names.append((f"attn {layer}", hook_name(layer, RESID_MID), False))
+            self.names.append((f"attn {layer}", None, False))
             self.names.append((f"mlp {layer}", hook_name(layer, RESID_POST), True))
         self.reset()
 
@@ -248,7 +250,12 @@ class ContractionReducer(Reducer[ContractionResult]):
             return fn
 
         for site, hook, _ in self.names:
-            hooks.append((hook, bind(site)))
+            if hook is not None:
+                hooks.append((hook, bind(site)))
+        def after_attention(layer: int, x: Tensor) -> None:
+            self.acc[f"attn {layer}"].fold(x, self.first, start)
+
+        hooks += after_attention_hooks(self.model, range(self.dims.n_layers), after_attention)
         hooks.append((self.final_site, bind("final", self.finish)))
         if self.dims.d_mlp and all(hook_name(layer, MLP_POST) in self.model.hook_dict for layer in range(self.dims.n_layers)):
             for layer in range(self.dims.n_layers):

@@ -14,7 +14,8 @@ For an activation ``a[n, t]`` (sequence ``n`` of ``N`` random sequences, positio
   (our choice of reference), for both measures.
 
 Sites: ``attn_out`` = ``blocks.l.hook_attn_out`` (the attention write), ``resid`` =
-``blocks.l.hook_resid_mid`` (the residual right after it), and ``head`` = ``blocks.l.attn.hook_z``
+``blocks.l.hook_resid_mid`` (the residual right after it; in a parallel block, GPT-NeoX/Pythia,
+``hook_resid_pre + hook_attn_out``: see :func:`~sinklens.origins.sites.after_attention_hooks`), and ``head`` = ``blocks.l.attn.hook_z``
 per head (``variance[l, h, t]`` over ``d_head``). Inputs are uniform random tokens without BOS by default.
 """
 
@@ -27,10 +28,11 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.hooks import ATTN_OUT, RESID_MID, Z, hook_name, model_device, model_dims
+from sinklens.hooks import ATTN_OUT, Z, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions, settings_from
 from sinklens.origins.preference import RandomInputs, stream_random
+from sinklens.origins.sites import after_attention_hooks
 from sinklens.streaming import BatchFold, Reducer
 
 
@@ -110,6 +112,7 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
     statistics = ("attn", "resid", "head", "n")
 
     def __init__(self, model: Any, seq_len: int) -> None:
+        self.model = model
         self.dims = model_dims(model)
         self.seq_len = seq_len
         self.device = model_device(model)
@@ -123,10 +126,9 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
         self.n = 0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
-        hooks = []
+        hooks = after_attention_hooks(self.model, range(self.dims.n_layers), self.resid.add)
         for layer in range(self.dims.n_layers):
             hooks.append((hook_name(layer, ATTN_OUT), lambda act, hook, l=layer: self.attn.add(l, act)))
-            hooks.append((hook_name(layer, RESID_MID), lambda act, hook, l=layer: self.resid.add(l, act)))
             hooks.append((hook_name(layer, Z), lambda act, hook, l=layer: self.head.add(l, act.transpose(1, 2))))
         return BatchFold(hooks)
 

@@ -1,14 +1,45 @@
-"""Hook sites the origins measures share: the final hidden state and the unembedding, on any model."""
+"""Hook sites the origins measures share: the residual after each attention write, the final hidden
+state and the unembedding, on any model."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from sinklens.hooks import model_dims
+from sinklens.hooks import ATTN_OUT, RESID_MID, RESID_PRE, check_hook_names, hook_name, model_dims, silent_hooks
+from sinklens.options import HookFn
+
+
+def after_attention_hooks(model: Any, layers: Sequence[int], consume: Callable[[int, Tensor], None]) -> list[tuple[str, HookFn]]:
+    """Hooks that call ``consume(layer, x)`` with each layer's residual right after its attention write.
+
+    In a sequential block that is ``blocks.l.hook_resid_mid``. A parallel block (GPT-NeoX/Pythia, GPT-J:
+    attention and MLP both read ``hook_resid_pre`` and both write to ``hook_resid_post``) has no
+    ``hook_resid_mid``; there ``x = hook_resid_pre + hook_attn_out``, the residual with the attention write
+    alone, so that ``hook_resid_post - x`` is the MLP write. Counting attention first is a convention
+    there (both read the same input); in a sequential block it is the order of the computation.
+    """
+    mid = [hook_name(layer, RESID_MID) for layer in layers]
+    if all(name in model.hook_dict for name in mid) and not silent_hooks(model, mid[:1]):
+        return [(name, lambda act, hook, layer=layer: consume(layer, act)) for layer, name in zip(layers, mid)]
+    names = [hook_name(layer, site) for layer in layers for site in (RESID_PRE, ATTN_OUT)]
+    check_hook_names(model, names)
+    block_input: dict[int, Tensor] = {}
+
+    def keep(act: Tensor, hook: Any, layer: int) -> None:
+        block_input[layer] = act
+
+    def add(act: Tensor, hook: Any, layer: int) -> None:
+        consume(layer, block_input.pop(layer) + act)
+
+    hooks: list[tuple[str, HookFn]] = []
+    for layer in layers:
+        hooks.append((hook_name(layer, RESID_PRE), lambda act, hook, layer=layer: keep(act, hook, layer)))
+        hooks.append((hook_name(layer, ATTN_OUT), lambda act, hook, layer=layer: add(act, hook, layer)))
+    return hooks
 
 
 def final_state_site(model: Any) -> tuple[str, Callable[[Tensor], Tensor]]:

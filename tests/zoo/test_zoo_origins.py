@@ -1,0 +1,73 @@
+"""The init-time measures on every family of the zoo: the residual after each attention write.
+
+``contraction``'s ``attn l`` sites and ``positional_discrepancy``'s ``resid`` are the residual right after
+layer ``l``'s attention write. Sequential blocks expose it as ``hook_resid_mid``; parallel blocks
+(GPT-NeoX/Pythia) have no such hook and ``sinklens origins`` used to stop there with "Unknown hook
+'blocks.0.hook_resid_mid'". There it is ``resid_pre + attn_out``, checked here against the plain Hugging
+Face model (its layer input plus a hook on its attention module's output) under TransformerLens 4.x.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sinklens.inputs import random_token_batches
+from sinklens.options import RunOptions
+from sinklens.origins.contraction import contraction
+from sinklens.origins.positional import positional_discrepancy
+from sinklens.testing.zoo import FAMILIES, FamilyUnavailableError, zoo_hf_model, zoo_model
+
+from _zoo_reference import TL4
+
+pytestmark = pytest.mark.models
+
+N, T, SEED = 10, 6, 5
+OPTS = RunOptions(batch_size=4, progress=False)
+
+
+def _after_attention_reference(family: str, model, tokens: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer ``[N, T, d_model]``: the residual right after the attention write, computed without sinklens."""
+    n_layers = model.cfg.n_layers
+    if family == "neox" and TL4:
+        assert "blocks.0.hook_resid_mid" not in model.hook_dict  # the premise: no such hook on a parallel block
+        hf = zoo_hf_model(family)
+        attn_out: dict[int, torch.Tensor] = {}
+        handles = [layer.attention.register_forward_hook(
+            lambda mod, args, out, i=i: attn_out.__setitem__(i, out[0].detach()))
+            for i, layer in enumerate(hf.gpt_neox.layers)]
+        try:
+            with torch.no_grad():
+                hidden = hf(tokens, output_hidden_states=True).hidden_states
+        finally:
+            for h in handles:
+                h.remove()
+        return [hidden[i] + attn_out[i] for i in range(n_layers)]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    if family == "neox":  # TransformerLens 3.x parallel block: its own hooks, and the block's bookkeeping
+        for i in range(n_layers):
+            total = cache[f"blocks.{i}.hook_resid_pre"] + cache[f"blocks.{i}.hook_attn_out"] + cache[f"blocks.{i}.hook_mlp_out"]
+            torch.testing.assert_close(total, cache[f"blocks.{i}.hook_resid_post"], rtol=1e-5, atol=1e-6)
+        return [cache[f"blocks.{i}.hook_resid_pre"] + cache[f"blocks.{i}.hook_attn_out"] for i in range(n_layers)]
+    return [cache[f"blocks.{i}.hook_resid_mid"] for i in range(n_layers)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_after_attention_sites_match_an_independent_residual(family):
+    """``attn l`` inter-sequence concentration (pairwise cosines) and the ``resid`` variance across
+    sequences equal those of the reference residual after attention, on every family."""
+    try:
+        model = zoo_model(family)
+    except FamilyUnavailableError as err:
+        pytest.skip(str(err))
+    res = contraction(model, n_sequences=N, seq_len=T, seed=SEED, options=OPTS)
+    pd = positional_discrepancy(model, n_sequences=N, seq_len=T, seed=SEED, options=OPTS)
+    tokens = torch.cat([b.tokens for b in random_token_batches(model, n_sequences=N, seq_len=T, batch_size=N, seed=SEED)])
+    eye = torch.eye(N, dtype=torch.bool)
+    for layer, x in enumerate(_after_attention_reference(family, model, tokens)):
+        h = torch.nn.functional.normalize(x.double(), dim=-1)
+        inter = torch.stack([(h[:, t] @ h[:, t].T)[~eye].mean() for t in range(T)])
+        torch.testing.assert_close(res.site(f"attn {layer}").inter, inter.float(), rtol=1e-4, atol=1e-5)
+        var = x.double().var(dim=0, unbiased=False).mean(-1)
+        torch.testing.assert_close(pd.resid_var[layer], var.float(), rtol=1e-4, atol=1e-9)
