@@ -43,7 +43,9 @@ inside the forward hook.
 Caveats measured here (tests/origins): the analytic null treats the ``N`` samples as independent;
 with a vocabulary not much larger than ``N`` the random sequences repeat their last token, samples
 become dependent and unrelated models test positive far above ``α`` (15 % of pairs at ``d_vocab = 64``,
-``N = 300``; 0.7 % at ``d_vocab = 4096``). Embedding mode probes the transformer body only when the
+``N = 300``; 0.7 % at ``d_vocab = 4096``). :func:`fingerprint` then adds a caveat to its result (printed
+and written to JSON) when more than 25 % of the samples are expected to share their last token
+(:func:`shared_last_token_share`: 99 % at 64 ids, 7 % at 4096). Embedding mode probes the transformer body only when the
 blocks dominate the residual stream: in tiny, shallow models with std-0.02 weights the shared random
 input passes almost unchanged to the output and unrelated models look related (use token mode there).
 
@@ -87,6 +89,9 @@ DEFAULT_SEED = 42
 DEFAULT_ALPHA = 0.01
 DEFAULT_SAMPLES = 2000  # test_foundation_models.py --num_samples (10000 for their toy models)
 DEFAULT_SEQ_LEN = 1024  # --fingerprint_len
+#: Token mode: above this expected share of samples whose last token another sample also ends with, the
+#: result carries a caveat (samples dependent, analytic p-value anti-conservative; module docstring).
+MAX_SHARED_LAST_TOKEN = 0.25
 
 InputMode = Literal["token", "embedding"]
 IdentityMode = Literal["coset", "base"]
@@ -108,6 +113,8 @@ class FingerprintResult:
         dims: the identity dimensions (sorted).
         tau: per-dimension Kendall τ, in the order of ``dims``.
         settings: how the features were made (input mode, sequence length, seed, ...).
+        caveats: reasons the analytic p-value may not be trusted for these settings (empty when none);
+            printed by :meth:`summary` and written to JSON.
     """
 
     p_value: float
@@ -121,6 +128,7 @@ class FingerprintResult:
     dims: list[int]
     tau: Float[Tensor, " dim"]
     settings: dict[str, Any] = field(default_factory=dict)
+    caveats: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for :func:`sinklens.export.write_json`."""
@@ -128,12 +136,25 @@ class FingerprintResult:
             "p_value": self.p_value, "z": self.z, "tau_mean": self.tau_mean, "n_dims": self.n_dims,
             "n_samples": self.n_samples, "same_lineage": self.same_lineage, "alpha": self.alpha,
             "log10_p": self.log10_p, "dims": self.dims, "tau": self.tau.tolist(), "settings": self.settings,
+            "caveats": self.caveats,
         }
 
     def summary(self) -> str:
         verdict = "SAME lineage" if self.same_lineage else "no evidence of shared lineage"
-        return (f"SeedPrint: {verdict} (p = {self.p_value:.3g}, z = {self.z:.2f}, mean tau = {self.tau_mean:.4f}, "
+        line = (f"SeedPrint: {verdict} (p = {self.p_value:.3g}, z = {self.z:.2f}, mean tau = {self.tau_mean:.4f}, "
                 f"{self.n_dims} identity dims, {self.n_samples} samples, alpha = {self.alpha})")
+        return "\n".join([line, *(f"  caveat: {c}" for c in self.caveats)])
+
+
+def shared_last_token_share(n_samples: int, vocab: int) -> float:
+    """Expected share of ``n_samples`` uniform random sequences over ``vocab`` ids whose last token another
+    sample also ends with: ``1 - (1 - 1/vocab)^(n_samples - 1)``.
+
+    Examples:
+        >>> round(shared_last_token_share(300, 4096), 3), round(shared_last_token_share(64, 64), 3)
+        (0.07, 0.629)
+    """
+    return 1.0 - (1.0 - 1.0 / vocab) ** (n_samples - 1)
 
 
 def identity_dims(hidden: Float[Tensor, "sample dim"], buffer_k: int) -> list[int]:
@@ -408,4 +429,17 @@ def fingerprint(
     result = seedprint_test(hidden_a, hidden_b, buffer_k=buffer_k, identity_mode=identity_mode, alpha=alpha)
     result.settings.update({"input": input, "seq_len": seq_len, "seed": seed, "vocab_limit": vocab,
                             **({"embedding_mu": stats[0], "embedding_sigma": stats[1]} if stats else {})})
+    shared = shared_last_token_share(n_samples, vocab)
+    if input == "token" and shared > MAX_SHARED_LAST_TOKEN:
+        result.caveats.append(
+            f"the {n_samples} random sequences end in one of only {vocab} token ids, so about {shared:.0%} of them "
+            "share their last token with another sample; the samples are then dependent and the analytic p-value "
+            "is too small (unrelated models test positive far above alpha). At most "
+            f"{_samples_for_share(MAX_SHARED_LAST_TOKEN, vocab)} samples keep that share under "
+            f"{MAX_SHARED_LAST_TOKEN:.0%} for this vocabulary.")
     return result
+
+
+def _samples_for_share(share: float, vocab: int) -> int:
+    """The largest ``N`` with :func:`shared_last_token_share` ``(N, vocab) <= share``."""
+    return 1 + int(math.log(1.0 - share) / math.log(1.0 - 1.0 / vocab)) if vocab > 1 else 1

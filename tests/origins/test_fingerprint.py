@@ -70,6 +70,26 @@ def test_false_positive_rate_stays_near_alpha_over_unrelated_inits():
     assert abs(float(zs.mean())) < 0.4 and 0.6 < float(zs.std()) < 1.5  # z is close to N(0, 1) under the null
 
 
+def test_a_small_vocabulary_gets_a_caveat_where_the_null_breaks_down():
+    """300 random sequences over 64 token ids: about 99% share their last token with another sample, so
+    samples are dependent. Unrelated inits then test positive far above alpha, and every result says so;
+    over 4096 ids (7% shared) there is no caveat."""
+    from sinklens.origins.init import sinklm_at_init
+    from sinklens.train.config import ModelConfig
+
+    base = dict(family="llama", n_layers=2, d_model=32, n_heads=4, d_mlp=64, n_ctx=16)
+    small = [sinklm_at_init(ModelConfig.from_dict(base | {"d_vocab": 64}), s) for s in range(8)]
+    results = [fingerprint(small[i], small[j], n_samples=300, seq_len=8, options=OPTS)
+               for i in range(8) for j in range(i + 1, 8)]
+    assert all(len(r.caveats) == 1 and "99% of them share their last token" in r.caveats[0] for r in results)
+    assert "caveat: the 300 random sequences end in one of only 64 token ids" in results[0].summary()
+    assert results[0].to_dict()["caveats"] == results[0].caveats
+    positives = sum(r.same_lineage for r in results)
+    assert positives >= 3, positives  # 28 unrelated pairs at alpha = 0.01: 0.28 expected if calibrated
+    large = [sinklm_at_init(ModelConfig.from_dict(base | {"d_vocab": 4096}), s) for s in range(2)]
+    assert fingerprint(*large, n_samples=300, seq_len=8, options=OPTS).caveats == []
+
+
 def test_embedding_mode_feeds_the_random_vectors(trained_runs):
     model = load_model(trained_runs[1], check_patterns=False)
     common = dict(n_samples=20, seq_len=8, options=OPTS)
