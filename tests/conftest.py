@@ -18,6 +18,15 @@ def _seed():
     torch.manual_seed(0)
 
 
+@pytest.fixture(autouse=True)
+def _close_figures():
+    """Plot functions leave their figure open, as pyplot does (a notebook shows it); tests close them."""
+    yield
+    import matplotlib.pyplot as plt
+
+    plt.close("all")
+
+
 @pytest.fixture(scope="session")
 def tiny_llama():
     from sinklens.testing import tiny_model

@@ -41,8 +41,12 @@ def post_norm_model(request):
     return _randomise_post_norms(model)
 
 
+#: Block hooks a TransformerBridge keeps gated off unless asked (run_with_cache would warn it skipped them).
+_GATED_OFF = ("_input", "hook_result", "hook_attn_in", "hook_mlp_in")
+
+
 def _cache(model, tokens=TOKENS):
-    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.startswith("blocks."))
+    _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.startswith("blocks.") and not n.endswith(_GATED_OFF))
     return cache
 
 
@@ -175,7 +179,7 @@ def test_planted_super_neuron_behind_a_post_norm_is_ranked_first_and_is_causal(f
     assert found.super_neurons()[0] == (spec.layer, spec.neuron)
     assert (spec.decoy_layer, spec.decoy_neuron) not in found.super_neurons()
     # the raw act × W_out ranking would have put the decoy first, by the planted factor
-    raw = lambda l, n: float(found.sink_act[l, n] * model.W_out[l][n, spec.dim])  # noqa: E731
+    raw = lambda l, n: float(found.sink_act[l, n] * model.W_out[l][n, spec.dim].detach())  # noqa: E731
     assert raw(spec.decoy_layer, spec.decoy_neuron) == pytest.approx(10 * raw(spec.layer, spec.neuron), rel=1e-3)
     # the planted contribution is the whole residual value it leaves behind
     assert top[0][2] == pytest.approx(float(found.resid_sink[spec.layer + 1, spec.dim]), rel=1e-4)

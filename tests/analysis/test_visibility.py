@@ -66,13 +66,11 @@ def test_visibility_is_read_from_the_model():
 
 
 def test_qk_locking_counts_only_queries_that_see_the_sink():
-    """Mistral (window 4): of a sequence of n tokens only queries 1..3 see the sink at 0 (not n - 1 of them)."""
+    """Mistral (window 4): of a sequence of n tokens only queries 1..3 see the sink at 0 (not n - 1 of them).
+    (BERT, whose queries before and after the sink would count, is refused by the TransformerLens 4.x bridge:
+    tests/zoo/test_zoo_interventions.py.)"""
     model = zoo_model("mistral")
     batches = as_batches(model, PROMPTS, batch_size=2)
     (got,) = stream(model, batches, [QKLockingReducer(model, sink_position=0)], options=QUIET)
     lengths = [s.numel() for s in real_sequences(batches)]
     assert got.n_queries == sum(min(n - 1, 3) for n in lengths)
-    bert = zoo_model("bert")
-    batches = as_batches(bert, PROMPTS, batch_size=2)
-    (got,) = stream(bert, batches, [QKLockingReducer(bert, sink_position=2)], options=QUIET)
-    assert got.n_queries == sum(n - 1 for n in (s.numel() for s in real_sequences(batches)))  # before and after
