@@ -193,13 +193,15 @@ def moe_reason(model: Any) -> str | None:
     """Why this model's MLPs have no per-neuron attribution, or None when they do.
 
     A mixture-of-experts MLP (``cfg.num_experts``, or router hooks such as ``mlp.hook_router_scores``)
-    has no single ``W_out`` per layer and its ``mlp.hook_post`` never fires.
+    has no single ``W_out`` per layer and its ``mlp.hook_post`` holds no per-neuron activations (the
+    TransformerLens 4.x gpt-oss bridge fires it with the MLP's ``d_model`` output).
     """
     n_experts = getattr(model.cfg, "num_experts", None)
     routed = any(name.startswith("blocks.0.mlp.") and ("router" in name or "expert" in name) for name in model.hook_dict)
     if (n_experts or 0) > 1 or routed:
         return (f"the MLP is a mixture of experts ({n_experts or 'several'} experts per layer, routed per token): "
-                "there is no single W_out per layer and mlp.hook_post never fires, so neurons cannot be attributed")
+                "there is no single W_out per layer and mlp.hook_post holds no per-neuron activations, so neurons cannot "
+                "be attributed")
     return None
 
 

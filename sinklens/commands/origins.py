@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {s.name:<10} {s.inter_mean:>8.3f} {s.intra:>8.3f} {extra}")
     share = con.share("inter_mean")
     print(f"  share of the inter-sequence change: attention {float(share[:, 0].sum()):.2f}, MLP {float(share[:, 1].sum()):.2f}; "
-          f"{con.activation}: E[f(z)] = {con.activation_mean_at_zero:.3f} for z ~ N(0, 1)")
+          f"{con.asymmetry_text()}")
     ratio = pos.first_token_ratio("attn_out_var")
     print(f"\npositional discrepancy: attention-output variance at position 0 / later half, by layer: "
           + " ".join(f"{float(r):.2g}" for r in ratio))

@@ -34,6 +34,9 @@ For hidden states ``h[n, t]`` (sequence ``n``, position ``t``) at a site, ``û =
   ``activation_mean_at_zero`` = ``E[f(z)]``, ``z ~ N(0, 1)``, of the MLP nonlinearity ``f`` (the gate's,
   for gated MLPs), by the trapezoid rule on [-12, 12] — the asymmetry: 0 for an odd ``f``,
   ``1/(2√π) ≈ 0.2821`` for GELU, ``≈ 0.2066`` for SiLU, ``1/√(2π) ≈ 0.3989`` for ReLU.
+  Not measured (NaN, and ``mlp_skipped`` says why) for a mixture-of-experts MLP: its ``hook_post`` holds
+  no per-neuron activations (the TransformerLens 4.x gpt-oss bridge fires it with the ``d_model`` output)
+  and its experts' nonlinearity is not ``cfg.act_fn`` (gpt-oss: a clamped ``x·σ(1.702x)`` GLU).
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions, settings_from
 from sinklens.origins.preference import RandomInputs, stream_random
 from sinklens.origins.sites import after_attention_hooks, final_state_site, unembedding
+from sinklens.residual_units import moe_reason
 from sinklens.streaming import BatchFold, Reducer, merge_statistics
 
 _ACTIVATIONS = {
@@ -112,6 +116,7 @@ class ContractionResult:
     n_sequences: int
     prepend_bos: bool
     extra: dict[str, Any] = field(default_factory=dict)
+    mlp_skipped: str | None = None
 
     def site(self, name: str) -> SiteStats:
         for s in self.sites:
@@ -136,6 +141,12 @@ class ContractionResult:
         """0-based rank of ``token`` when all tokens are sorted by decreasing alignment."""
         return int((self.alignment > self.alignment[token]).sum())
 
+    def asymmetry_text(self) -> str:
+        """One line on the MLP nonlinearity's asymmetry ``E[f(z)]``, or why it was not measured."""
+        if self.mlp_skipped is not None:
+            return f"MLP asymmetry not measured: {self.mlp_skipped}"
+        return f"{self.activation}: E[f(z)] = {self.activation_mean_at_zero:.3f} for z ~ N(0, 1)"
+
     def summary(self) -> dict[str, Any]:
         return {
             "sites": [{"site": s.name, "inter": s.inter_mean, "intra": s.intra,
@@ -144,7 +155,8 @@ class ContractionResult:
                       for s in self.sites],
             "share_inter": self.share("inter_mean").tolist(), "share_intra": self.share("intra").tolist(),
             "activation": self.activation, "activation_mean_at_zero": self.activation_mean_at_zero,
-            "mlp_post_mean": self.mlp_post_mean.tolist(), "n_sequences": self.n_sequences,
+            "mlp_post_mean": self.mlp_post_mean.tolist(), "mlp_skipped": self.mlp_skipped,
+            "n_sequences": self.n_sequences,
         }
 
 
@@ -224,6 +236,7 @@ class ContractionReducer(Reducer[ContractionResult]):
         self.first = 1 if prepend_bos else 0
         self.device = model_device(model)
         self.final_site, self.finish = final_state_site(model)
+        self.mlp_skipped = moe_reason(model)
         # (site, hook name or None for the residual after attention, directions computed there)
         self.names: list[tuple[str, str | None, bool]] = [("embed", hook_name(0, RESID_PRE), True)]
         for layer in range(dims.n_layers):
@@ -257,7 +270,8 @@ class ContractionReducer(Reducer[ContractionResult]):
 
         hooks += after_attention_hooks(self.model, range(self.dims.n_layers), after_attention)
         hooks.append((self.final_site, bind("final", self.finish)))
-        if self.dims.d_mlp and all(hook_name(layer, MLP_POST) in self.model.hook_dict for layer in range(self.dims.n_layers)):
+        per_neuron = self.dims.d_mlp and self.mlp_skipped is None
+        if per_neuron and all(hook_name(layer, MLP_POST) in self.model.hook_dict for layer in range(self.dims.n_layers)):
             for layer in range(self.dims.n_layers):
                 def post(act: Tensor, hook: Any, layer: int = layer) -> None:
                     self.mlp_post[layer] += act[:, self.first:].double().mean(dim=-1).sum()
@@ -283,10 +297,14 @@ class ContractionReducer(Reducer[ContractionResult]):
         w = w.float().cpu()
         alignment = (final @ w) / w.norm(dim=0).clamp_min(1e-30)
         act = activation_name(self.model)
+        mlp_post_mean = (self.mlp_post / max(self.mlp_count, 1)).float().cpu()
+        asymmetry = activation_mean_at_zero(act)
+        if self.mlp_skipped is not None:
+            mlp_post_mean, asymmetry = torch.full_like(mlp_post_mean, float("nan")), float("nan")
         return ContractionResult(
-            sites=sites, n_layers=self.dims.n_layers, alignment=alignment,
-            mlp_post_mean=(self.mlp_post / max(self.mlp_count, 1)).float().cpu(), activation=act,
-            activation_mean_at_zero=activation_mean_at_zero(act), n_sequences=self.seen, prepend_bos=self.prepend_bos,
+            sites=sites, n_layers=self.dims.n_layers, alignment=alignment, mlp_post_mean=mlp_post_mean,
+            activation=act, activation_mean_at_zero=asymmetry, n_sequences=self.seen, prepend_bos=self.prepend_bos,
+            mlp_skipped=self.mlp_skipped,
         )
 
 

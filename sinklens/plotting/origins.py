@@ -51,7 +51,9 @@ def plot_contraction(result: Any, *, path: str | Path | None = None) -> Any:
     paired_bars(ax, share[:, 0], share[:, 1], ("attention", "MLP"))
     ax.set_xlabel("layer")
     ax.set_ylabel("share of the inter-sequence change")
-    ax.set_title(f"who concentrates ({result.activation}: E[f(z)] = {result.activation_mean_at_zero:.3f})")
+    asymmetry = (f"{result.activation}: E[f(z)] = {result.activation_mean_at_zero:.3f}" if result.mlp_skipped is None
+                 else "mixture of experts: no MLP asymmetry")
+    ax.set_title(f"who concentrates ({asymmetry})")
     ax.legend(fontsize=8)
     return finish(fig, path)
 

@@ -71,3 +71,30 @@ def test_after_attention_sites_match_an_independent_residual(family):
         torch.testing.assert_close(res.site(f"attn {layer}").inter, inter.float(), rtol=1e-4, atol=1e-5)
         var = x.double().var(dim=0, unbiased=False).mean(-1)
         torch.testing.assert_close(pd.resid_var[layer], var.float(), rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_mlp_asymmetry_is_per_neuron_or_not_claimed(family):
+    """``mlp_post_mean[l]`` is the mean of the per-neuron ``mlp.hook_post`` (``[..., d_mlp]``) over sequences,
+    positions and neurons, as a full cache gives it. A mixture of experts has no such activations (the 4.x
+    gpt-oss bridge fires ``hook_post`` with the ``d_model`` output, and its experts' GLU is not ``cfg.act_fn``):
+    there the numbers are NaN, ``null`` in JSON, and ``mlp_skipped`` says why."""
+    try:
+        model = zoo_model(family)
+    except FamilyUnavailableError as err:
+        pytest.skip(str(err))
+    res = contraction(model, n_sequences=N, seq_len=T, seed=SEED, options=OPTS)
+    if family == "gptoss":
+        assert "mixture of experts" in res.mlp_skipped and "not measured" in res.asymmetry_text()
+        assert bool(res.mlp_post_mean.isnan().all()) and res.activation_mean_at_zero != res.activation_mean_at_zero
+        summary = res.summary()
+        assert summary["mlp_skipped"] == res.mlp_skipped
+        return
+    assert res.mlp_skipped is None and "E[f(z)]" in res.asymmetry_text()
+    tokens = torch.cat([b.tokens for b in random_token_batches(model, n_sequences=N, seq_len=T, batch_size=N, seed=SEED)])
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens, names_filter=lambda n: n.endswith("mlp.hook_post"))
+    for layer in range(model.cfg.n_layers):
+        post = cache[f"blocks.{layer}.mlp.hook_post"]
+        assert post.shape[-1] == model.cfg.d_mlp
+        assert float(res.mlp_post_mean[layer]) == pytest.approx(float(post.double().mean()), rel=1e-4, abs=1e-7)
