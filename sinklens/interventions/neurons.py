@@ -17,9 +17,10 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from sinklens.errors import InvalidArgumentError
+from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.hooks import MLP_POST, RESID_POST, check_hook_names, hook_name, layer_of, model_dims
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, check_in_sequence, layers_arg, positions_arg
+from sinklens.residual_units import moe_reason
 from sinklens.validate import choice, finite_number, index, index_list
 
 NeuronMode = Literal["zero", "scale", "set"]
@@ -62,6 +63,11 @@ def edit_neurons(
         mode, value: ``value`` must be finite.
         positions: token positions to edit (default all).
 
+    Raises:
+        UnsupportedArchitectureError: a mixture-of-experts MLP (:func:`sinklens.residual_units.moe_reason`):
+            it has no per-neuron ``hook_post`` to edit (the TransformerLens 4.x gpt-oss bridge fires it with the
+            ``d_model`` output, whose columns are not neurons).
+
     Examples:
         >>> from sinklens.testing import tiny_model
         >>> [n for n, _ in edit_neurons(tiny_model(), {1: [3, 4]})]
@@ -69,6 +75,9 @@ def edit_neurons(
     """
     mode = choice(mode, ("zero", "scale", "set"), what="mode")
     value = finite_number(value, what="value")
+    reason = moe_reason(model)
+    if reason is not None:
+        raise UnsupportedArchitectureError(f"Neuron edits are not supported for this model: {reason}.")
     dims = model_dims(model)
     if isinstance(neurons, Mapping):
         if layers is not None:

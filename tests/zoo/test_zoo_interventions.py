@@ -14,9 +14,9 @@ import torch
 from sinklens.analysis.qk_locking import query_key_locking
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.hooks import PATTERN, SCORES, hook_name, post_hoc_attention
-from sinklens.interventions import block_keys, custom_mask, restart, self_only
+from sinklens.interventions import block_keys, custom_mask, edit_neurons, restart, self_only
 from sinklens.interventions.calibration import variance_calibration
-from sinklens.testing.zoo import FAMILIES, FamilyUnavailableError, zoo_model
+from sinklens.testing.zoo import FAMILIES, MOE_FAMILIES, POST_NORM_FAMILIES, FamilyUnavailableError, zoo_model
 
 from _zoo_reference import TL4
 
@@ -103,3 +103,35 @@ def test_cli_intervene_refuses_a_post_hoc_model(tmp_path, capsys):
     assert "Traceback" not in err and len(ours) == 1
     assert ours[0].startswith("sinklens intervene: error: Mask interventions") and "post-softmax" in ours[0]
     assert not (out / "intervention.png").exists()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_neuron_edits_zero_one_neuron_or_are_refused(family):
+    """Zeroing neuron 3 of layer 0 removes exactly ``act_3 · W_out[0][3]`` from ``hook_mlp_out`` (where no norm
+    follows the MLP); a mixture of experts, whose ``hook_post`` is not per neuron (the 4.x gpt-oss bridge fires
+    it with the ``d_model`` output), refuses instead of editing a column of that output."""
+    model = _model(family)
+    if family in MOE_FAMILIES:
+        with pytest.raises(UnsupportedArchitectureError, match="mixture of experts"):
+            edit_neurons(model, {0: [3]})
+        return
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(key: str):
+        def hook(act, hook):
+            seen[key] = act.detach().clone()
+
+        return hook
+
+    names = ("blocks.0.mlp.hook_post", "blocks.0.hook_mlp_out")
+    model.run_with_hooks(TOKENS, fwd_hooks=[(n, keep(f"clean {n}")) for n in names])
+    model.run_with_hooks(TOKENS, fwd_hooks=edit_neurons(model, {0: [3]}) + [(n, keep(f"edited {n}")) for n in names])
+    post = seen["clean blocks.0.mlp.hook_post"]
+    assert post.shape[-1] == model.cfg.d_mlp and float(post[..., 3].abs().max()) > 0
+    assert torch.equal(seen["edited blocks.0.mlp.hook_post"][..., 3], torch.zeros_like(post[..., 3]))
+    change = seen["clean blocks.0.hook_mlp_out"] - seen["edited blocks.0.hook_mlp_out"]
+    if family in POST_NORM_FAMILIES or family == "bert":
+        assert float(change.abs().max()) > 0  # through the post norm: changed, not by the raw row
+    else:
+        expected = post[..., 3:4] * model.W_out[0][3].detach()
+        torch.testing.assert_close(change, expected, rtol=1e-4, atol=1e-6)
