@@ -394,7 +394,7 @@ def post_hoc_attention(model: Any) -> str | None:
             hooks.append((names[2], record(Z)))
         with warnings.catch_warnings(), torch.inference_mode(), model.hooks(fwd_hooks=hooks):
             warnings.simplefilter("ignore")  # TransformerLens' "edit is discarded" warning: reported below instead
-            model(_probe_tokens(model, 3), return_type=None)
+            model(_probe_tokens(model, min(3, model_dims(model).n_ctx)), return_type=None)
         pattern = seen.get(PATTERN)
         if pattern is None:
             return None
