@@ -29,7 +29,7 @@ def test_finetuned_smollm2_keeps_its_lineage():
         opt.step()
         opt.zero_grad()
     tuned.eval()
-    moved = max(float((p - q).abs().max()) for p, q in zip(tuned.parameters(), original.parameters()))
+    moved = max(float((p - q).detach().abs().max()) for p, q in zip(tuned.parameters(), original.parameters()))
     assert moved > 1e-5  # the weights did change
     h_tuned = final_hidden_states(tuned, **feats)
     same = seedprint_test(h_orig, h_tuned)
