@@ -417,6 +417,6 @@ def require_attention_seams(model: Any, what: str) -> None:
     reason = post_hoc_attention(model)
     if reason is not None:
         raise UnsupportedArchitectureError(
-            f"{what.capitalize()} need to edit the attention scores or pattern, which this model does not allow: "
+            f"{what.capitalize()} cannot run on this model, whose attention scores and pattern cannot be edited: "
             f"{reason}. Analyses that only read activations (find_sinks, measure_variance, ...) work on it."
         )
