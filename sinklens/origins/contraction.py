@@ -265,6 +265,7 @@ class ContractionReducer(Reducer[ContractionResult]):
         for site, hook, _ in self.names:
             if hook is not None:
                 hooks.append((hook, bind(site)))
+
         def after_attention(layer: int, x: Tensor) -> None:
             self.acc[f"attn {layer}"].fold(x, self.first, start)
 
