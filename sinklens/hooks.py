@@ -37,8 +37,6 @@ MLP_OUT = "hook_mlp_out"
 RESID_PRE = "hook_resid_pre"
 RESID_MID = "hook_resid_mid"
 RESID_POST = "hook_resid_post"
-LN1_NORMALIZED = "ln1.hook_normalized"
-LN2_NORMALIZED = "ln2.hook_normalized"
 
 
 def hook_name(layer: int, site: str) -> str:

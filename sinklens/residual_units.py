@@ -50,8 +50,8 @@ POST_NORMS: dict[str, str] = {"attn": "ln1_post", "mlp": "ln2_post"}
 @dataclass(frozen=True)
 class NormMap:
     """A norm at a fixed position as an affine map: how one block output (``site``: ``"attn"`` or ``"mlp"``)
-    of ``layer`` reaches the residual stream through its post norm (:func:`post_norm_map`), or any norm of
-    the block (``site`` = the norm's name, :func:`norm_map`).
+    of ``layer`` reaches the residual stream through its post norm (:func:`post_norm_map`), or the norm that
+    sublayer ``site`` of ``layer`` reads (:func:`input_norm`).
 
     Attributes:
         layer / site: the block and which of its outputs (or which norm).
@@ -60,6 +60,8 @@ class NormMap:
         bias: the norm's additive bias (``[d_model]``, zeros for RMSNorm); None for the identity.
         center: whether the norm removes the mean first (LayerNorm) — a linear step as well.
         convention: ``"none"`` (identity), ``"w"`` (gain = the stored weight) or ``"1+w"`` (Gemma).
+        path: the norm's module path (set by :func:`input_norm`: on a post-LN model an input norm is the
+            previous block's ``ln2`` or the embedding LayerNorm, not ``blocks.{layer}.{norm}``).
     """
 
     layer: int
@@ -69,6 +71,7 @@ class NormMap:
     bias: Float[Tensor, " d_model"] | None = None
     center: bool = False
     convention: str = "none"
+    path: str | None = None
 
     @property
     def is_identity(self) -> bool:
@@ -78,7 +81,9 @@ class NormMap:
     @property
     def scale_hook(self) -> str | None:
         """The hook whose value is the norm's per-position divisor (None for the identity)."""
-        return None if self.norm is None else hook_name(self.layer, f"{self.norm}.hook_scale")
+        if self.norm is None:
+            return None
+        return f"{self.path}.hook_scale" if self.path else hook_name(self.layer, f"{self.norm}.hook_scale")
 
     def linear(self, x: Float[Tensor, "*batch d_model"], scale: Tensor | None = None) -> Float[Tensor, "*batch d_model"]:
         """The linear part of the map: what a write ``x`` into the norm's input adds to its output.
@@ -126,10 +131,6 @@ def _norm_of(site: str) -> str:
     return POST_NORMS[site]
 
 
-def _module(model: Any, layer: int, norm: str) -> Any:
-    return getattr(model.blocks[layer], norm)
-
-
 def _param(module: Any, *names: str) -> Tensor | None:
     for name in names:
         value = getattr(module, name, None)
@@ -149,21 +150,51 @@ def post_norm_map(model: Any, layer: int, site: Site) -> PostNormMap:
     norm = _norm_of(site)
     if not has_post_norm(model, layer, site):
         return NormMap(layer, site, None)
-    return _probed_map(model, layer, norm, site)
+    return NormMap(layer, site, norm, **_probed_norm(model, hook_name(layer, norm)))
 
 
-def norm_map(model: Any, layer: int, norm: str) -> NormMap:
-    """The :class:`NormMap` of any norm of ``blocks.{layer}`` (``"ln1"``: the input layernorm, ``"ln2"``, ...),
-    probed like :func:`post_norm_map`. ``gain ⊙ hook_normalized + bias`` is then the norm's output *after* its
-    learned gain, on TransformerLens versions without a ``hook_out`` on norms as well (a norm whose gain was folded
-    into the next weights, e.g. ``fold_ln=True`` on 3.x, has gain 1)."""
-    if hook_name(layer, f"{norm}.hook_normalized") not in model.hook_dict:
-        raise InvalidArgumentError(f"blocks.{layer} has no norm {norm!r} (no {hook_name(layer, norm + '.hook_normalized')}).")
-    return _probed_map(model, layer, norm, norm)
+def input_norm(model: Any, layer: int, site: Site) -> NormMap:
+    """The norm whose output ``blocks.{layer}``'s ``site`` sublayer (``"attn"`` or ``"mlp"``) reads, as a
+    :class:`NormMap` probed like :func:`post_norm_map`; its ``path`` is the norm's module path (hooks
+    ``{path}.hook_normalized`` / ``.hook_scale``). ``gain ⊙ hook_normalized + bias`` is then the norm's output *after* its learned gain,
+    on TransformerLens versions without a ``hook_out`` on norms as well (a norm whose gain was folded into the
+    next weights, e.g. ``fold_ln=True`` on 3.x, has gain 1).
+
+    Pre-norm blocks, Gemma's sandwich norms and parallel blocks read ``blocks.{l}.ln1`` (attention) and
+    ``blocks.{l}.ln2`` (MLP). A post-LN block (BERT, :func:`post_ln_reason`) names its norms after what they
+    follow: ``ln1`` normalises the attention's *output*, so its attention reads the previous block's ``ln2``
+    (layer 0: the embedding LayerNorm) and its MLP reads its own ``ln1``.
+
+    Examples:
+        >>> from sinklens.testing.zoo import zoo_model
+        >>> input_norm(zoo_model("llama"), 1, "attn").path, input_norm(zoo_model("bert"), 1, "attn").path
+        ('blocks.1.ln1', 'blocks.0.ln2')
+    """
+    _norm_of(site)  # validates site
+    if post_ln_reason(model) is None:
+        path = f"blocks.{layer}.{'ln1' if site == 'attn' else 'ln2'}"
+    elif site == "mlp":
+        path = f"blocks.{layer}.ln1"
+    elif layer > 0:
+        path = f"blocks.{layer - 1}.ln2"
+    else:
+        path = next((p for p in EMBED_NORMS if f"{p}.hook_normalized" in model.hook_dict), None)
+        if path is None:
+            raise UnsupportedArchitectureError(
+                "This post-LN model exposes no embedding LayerNorm hook (looked for "
+                f"{[p + '.hook_normalized' for p in EMBED_NORMS]}), so layer 0's attention input norm cannot be read.")
+    if f"{path}.hook_normalized" not in model.hook_dict:
+        raise UnsupportedArchitectureError(f"Block {layer}'s {site} reads {path}, which has no hook {path}.hook_normalized.")
+    return NormMap(layer, site, path.rsplit(".", 1)[-1], path=path, **_probed_norm(model, path))
 
 
-def _probed_map(model: Any, layer: int, norm: str, site: str) -> NormMap:
-    module = _module(model, layer, norm)
+#: Module paths of a post-LN model's embedding LayerNorm (TransformerLens 4.x bridge, 3.x ``HookedEncoder``).
+EMBED_NORMS: tuple[str, ...] = ("embed_ln", "embed.ln")
+
+
+def _probed_norm(model: Any, path: str) -> dict[str, Any]:
+    """Run the norm at module ``path`` on a probe vector: its ``gain``, ``bias``, ``center`` and ``convention``."""
+    module = model.get_submodule(path)
     w = _param(module, "w", "weight")
     b = _param(module, "b", "bias")
     d_model = model_dims(model).d_model
@@ -182,10 +213,10 @@ def _probed_map(model: Any, layer: int, norm: str, site: str) -> NormMap:
         for convention, gain in (("w", w.float()), ("1+w", 1.0 + w.float())):
             expected = gain * x / scale + bias
             if torch.allclose(expected, out, rtol=1e-3, atol=1e-3 * float(out.abs().max()) + 1e-6):
-                return NormMap(layer, site, norm, gain, bias, center, convention)
+                return {"gain": gain, "bias": bias, "center": center, "convention": convention}
     raise UnsupportedArchitectureError(
-        f"Cannot express blocks.{layer}.{norm} as gain ⊙ x / scale + bias (tried gain = w and 1 + w, with and "
-        "without mean removal): contributions through this post norm cannot be put in residual units."
+        f"Cannot express {path} as gain ⊙ x / scale + bias (tried gain = w and 1 + w, with and "
+        "without mean removal): contributions through this norm cannot be put in residual units."
     )
 
 

@@ -1,18 +1,21 @@
 """Dimension disparity after normalisation: does the sink's massive dimension survive the norm?
 
 For a token's vector ``x``, ``r_d = |x_d| / mean_{j != d} |x_j|`` (each dimension against the mean of the
-token's other dimensions), at the sink versus at other tokens, read at two places of layer ``l``'s input
-layernorm (what its queries, keys and values read) and reported side by side:
+token's other dimensions), at the sink versus at other tokens, read at two places of the norm whose output
+layer ``l``'s attention reads (its queries, keys and values) and reported side by side:
 
-* **before the gain** (sinklens' own, ``ratio_sink`` / ``ratio_other`` / ``ratio_other_max``):
-  ``blocks.{l}.ln1.hook_normalized``, the normalised vector before the norm's learned gain (and bias), on
-  every TransformerLens version;
-* **after the gain** (the paper's, ``*_after_gain``): the input layernorm's *output*, ``gain ⊙
-  hook_normalized + bias`` with the norm's effective gain (Gemma: ``1 + w``; see
-  :func:`sinklens.residual_units.norm_map`), which equals ``ln1.hook_out`` on a ``TransformerBridge``. This is
-  where the paper reads the disparity; a large gain on the massive dimension makes the two differ.
+* **before the gain** (sinklens' own, ``ratio_sink`` / ``ratio_other`` / ``ratio_other_max``): that norm's
+  ``hook_normalized``, the normalised vector before its learned gain (and bias), on every TransformerLens
+  version;
+* **after the gain** (the paper's, ``*_after_gain``): the norm's *output*, ``gain ⊙ hook_normalized + bias``
+  with the norm's effective gain (Gemma: ``1 + w``; see :func:`sinklens.residual_units.input_norm`), which
+  equals its ``hook_out`` on a ``TransformerBridge``. This is where the paper reads the disparity; a large
+  gain on the massive dimension makes the two differ.
 
-The ratio formula is the same for both; only the read site differs.
+The norm is ``blocks.{l}.ln1`` on pre-norm models (Llama, GPT-2, Gemma, Pythia, ...). A post-LN model (BERT)
+normalises *after* each residual add and its ``ln1`` follows the attention, so there the norm is the previous
+block's ``ln2`` (layer 0: the embedding LayerNorm), whose output is ``blocks.{l}.hook_resid_pre``; ``site``
+says which norm was read. The ratio formula is the same everywhere; only the read site differs.
 """
 
 from __future__ import annotations
@@ -29,11 +32,11 @@ from sinklens.analysis._common import TINY as _TINY
 from sinklens.analysis._common import check_sink_position, once_per_forward, other_positions, row_index, run_analyzer, sink_position_arg
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import LN1_NORMALIZED, model_device, model_dims, resolve_layers
+from sinklens.hooks import model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.residual_units import norm_map
-from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
+from sinklens.residual_units import input_norm
+from sinklens.streaming import BatchFold, Reducer, bound_hooks
 
 
 @dataclass
@@ -48,6 +51,9 @@ class NormalizedDisparity:
         ratio_other: before the gain: mean of ``r_d`` over all other valid tokens; ``ratio_other_max``: its maximum.
         ratio_sink_after_gain / ratio_other_after_gain / ratio_other_max_after_gain: the same, read after the gain
             (the input layernorm's output, the paper's site).
+        site: ``"ln1.hook_normalized"``, or on a post-LN model which norm each layer reads.
+        norms: per layer, the module path of the norm read (``blocks.{l}.ln1``; post-LN: ``blocks.{l-1}.ln2``,
+            ``embed_ln``).
     """
 
     layers: list[int]
@@ -60,11 +66,12 @@ class NormalizedDisparity:
     ratio_sink_after_gain: Float[Tensor, "layer dim"] | None = None
     ratio_other_after_gain: Float[Tensor, "layer dim"] | None = None
     ratio_other_max_after_gain: Float[Tensor, "layer dim"] | None = None
+    norms: list[str] | None = None
 
-    #: Where each pair of numbers is read (shown in the JSON and the summary).
+    #: Where each pair of numbers is read (shown in the JSON and the summary); ``site`` names the norm.
     SOURCES = {
-        "before_gain": "sinklens: blocks.{l}.ln1.hook_normalized (normalised, before the learned gain)",
-        "after_gain": "the paper's: input layernorm output = gain * ln1.hook_normalized + bias (after the gain)",
+        "before_gain": "sinklens: the attention's input norm's hook_normalized (normalised, before the learned gain)",
+        "after_gain": "the paper's: that norm's output = gain * hook_normalized + bias (after the gain)",
     }
 
     def top_dim(self, layer: int) -> int:
@@ -92,25 +99,28 @@ class NormalizedDisparity:
         return out
 
     def to_dict(self, dims: list[int] | None = None) -> dict[str, Any]:
-        return to_json({"layers": self.layers, "sink_position": self.sink_position, "site": self.site,
+        return to_json({"layers": self.layers, "sink_position": self.sink_position, "site": self.site, "norms": self.norms,
                         "sources": self.SOURCES, "n_sequences": self.n_sequences, "rows": self.rows(dims)})
 
 
 class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
-    """Streams ``blocks.{l}.ln1.hook_normalized`` into :class:`NormalizedDisparity` (``[layer, dim]`` sums only),
-    before the gain and, mapped through the norm's gain and bias, after it."""
+    """Streams the ``hook_normalized`` of each layer's attention input norm (:func:`~sinklens.residual_units.input_norm`)
+    into :class:`NormalizedDisparity` (``[layer, dim]`` sums only), before the gain and, mapped through the norm's gain
+    and bias, after it."""
 
     statistics = ("sink_sum", "other_sum", "other_max", "n_sequences", "n_other")
     maxima = ("other_max",)
 
-    def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None, site: str = LN1_NORMALIZED):
+    def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None):
         d = model_dims(model)
         self.layers = resolve_layers(layers, d.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.sink, self.site, self.d_model = sink_position_arg(sink_position), site, d.d_model
+        self.sink, self.d_model = sink_position_arg(sink_position), d.d_model
         self.device = model_device(model)
-        norm = site.split(".")[0]
-        self.maps = {layer: norm_map(model, layer, norm) for layer in self.layers}
+        self.maps = {layer: input_norm(model, layer, "attn") for layer in self.layers}
+        paths = {m.path == f"blocks.{m.layer}.ln1" for m in self.maps.values()}
+        self.site = "ln1.hook_normalized" if paths == {True} else "post-LN: " + ", ".join(
+            f"layer {layer} reads {m.path}" for layer, m in self.maps.items())
         self.reset()
 
     def reset(self) -> None:
@@ -136,7 +146,8 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
             self.other_max[:, i] = torch.maximum(self.other_max[:, i], ro.amax(dim=(1, 2)))
 
         # TL 3.x runs ln1.hook_normalized once per q/k/v input: fold the first call only.
-        return BatchFold(per_layer_hooks(self.site, self.layers, once_per_forward(fold)))
+        names = [f"{self.maps[layer].path}.hook_normalized" for layer in self.layers]
+        return BatchFold(bound_hooks(names, self.layers, once_per_forward(fold)))
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.n_sequences += batch.valid.shape[0]
@@ -150,7 +161,7 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
         return NormalizedDisparity(
             list(self.layers), self.sink, self.site, sink[0], other[0], self.other_max[0].cpu(), self.n_sequences,
             ratio_sink_after_gain=sink[1], ratio_other_after_gain=other[1],
-            ratio_other_max_after_gain=self.other_max[1].cpu(),
+            ratio_other_max_after_gain=self.other_max[1].cpu(), norms=[self.maps[layer].path for layer in self.layers],
         )
 
 
@@ -163,8 +174,9 @@ def normalized_disparity(
     options: RunOptions = RunOptions(),
     **deprecated: Any,
 ) -> NormalizedDisparity:
-    """Dimension disparity of each layer's input layernorm, at the sink vs other tokens, before its gain
-    (``ln1.hook_normalized``, sinklens) and after it (the norm's output, the paper's site).
+    """Dimension disparity of each layer's attention input norm, at the sink vs other tokens, before its gain
+    (``ln1.hook_normalized`` on pre-norm models, sinklens) and after it (the norm's output, the paper's site).
+    On a post-LN model (BERT) the norm is the previous block's ``ln2`` (see the module docstring).
 
     Examples:
         >>> from sinklens.testing.planted import planted_model

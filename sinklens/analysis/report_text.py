@@ -118,9 +118,10 @@ def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:
                  "(layer where the sink's ratio before the gain peaks):"]
     for d in list(dims)[:2]:
         i = int(nd.ratio_sink[:, d].argmax())
+        norm = nd.norms[i] if nd.norms else f"blocks.{nd.layers[i]}.ln1"
         lines.append(
             f"  dim {d}, layer {nd.layers[i]}: before gain {float(nd.ratio_sink[i, d]):.1f} vs {float(nd.ratio_other[i, d]):.2f} "
-            f"(sinklens: ln1.hook_normalized); after gain {float(nd.ratio_sink_after_gain[i, d]):.1f} vs "
+            f"(sinklens: {norm}.hook_normalized); after gain {float(nd.ratio_sink_after_gain[i, d]):.1f} vs "
             f"{float(nd.ratio_other_after_gain[i, d]):.2f} (the paper's: input layernorm output)")
     return lines
 

@@ -4,7 +4,9 @@
 (``W_in[l, :, n]``, ``W_gate[l, :, n]``) and write vector (``W_out[l, n, :]``) are compared with its
 layer's typical neuron (norm / median norm), and the channel sparsity of its ``W_out`` row is
 measured. Given a :class:`SinkInput` from one cheap forward (:func:`sink_inputs`: the sink token's
-mean ``ln2.hook_normalized``), it adds the cosine between that input and each read vector.
+mean ``hook_normalized`` of the norm the MLP reads, ``ln2`` on pre-norm models and ``ln1`` on a post-LN
+model such as BERT, see :func:`sinklens.residual_units.input_norm`), it adds the cosine between that input
+and each read vector. A mixture-of-experts MLP has no single ``W_in``/``W_out`` per layer and is refused.
 
 ``hook_normalized`` is the normalised vector *before* the norm's learned gain (and bias), on every
 TransformerLens version. Weights are read as stored: on a post-norm model (Gemma 2/3) a ``W_out`` row is the
@@ -25,11 +27,12 @@ from torch import Tensor
 from sinklens.analysis._common import TINY as _TINY
 from sinklens.analysis._common import check_sink_position, once_per_forward, row_index, run_analyzer, sink_position_arg
 from sinklens.analysis.neurons import mlp_weight_statistics
-from sinklens.errors import InvalidArgumentError
+from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import LN2_NORMALIZED, hook_name, layer_weight, model_device, model_dims, resolve_layers
+from sinklens.hooks import layer_weight, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
+from sinklens.residual_units import input_norm, moe_reason
 from sinklens.streaming import BatchFold, Reducer, bound_hooks
 from sinklens.validate import as_int, positive_int
 
@@ -40,7 +43,8 @@ def _median_ratio(x: Float[Tensor, "layer neuron"]) -> Float[Tensor, "layer neur
 
 @dataclass
 class SinkInput:
-    """Mean over sequences of a normalised hook (default ``ln2.hook_normalized``) at the sink position."""
+    """Mean over sequences of the MLP's input norm's ``hook_normalized`` at the sink position (``site``:
+    ``"ln2.hook_normalized"``, or ``"ln1.hook_normalized"`` on a post-LN model)."""
 
     layers: list[int]
     sink_position: int
@@ -82,13 +86,15 @@ class SinkMeanReducer(Reducer[Tensor]):
 
 
 class SinkInputReducer(SinkMeanReducer):
-    """Streams ``blocks.{l}.<site>`` at ``sink_position`` into a per-layer mean (:class:`SinkInput`)."""
+    """Streams the ``hook_normalized`` of each layer's MLP input norm (:func:`~sinklens.residual_units.input_norm`)
+    at ``sink_position`` into a per-layer mean (:class:`SinkInput`)."""
 
-    def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None, site: str = LN2_NORMALIZED):
+    def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None):
         self.layers = resolve_layers(layers, model_dims(model).n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.site = site
-        super().__init__(model, sink_position, [hook_name(layer, site) for layer in self.layers])
+        paths = [input_norm(model, layer, "mlp").path for layer in self.layers]
+        self.site = paths[0].rsplit(".", 1)[-1] + ".hook_normalized" if paths else "ln2.hook_normalized"
+        super().__init__(model, sink_position, [f"{path}.hook_normalized" for path in paths])
 
     def result(self) -> SinkInput:  # type: ignore[override]
         return SinkInput(list(self.layers), self.sink, self.site, super().result())
@@ -103,7 +109,8 @@ def sink_inputs(
     options: RunOptions = RunOptions(),
     **deprecated: Any,
 ) -> SinkInput:
-    """Mean ``ln2.hook_normalized`` at ``sink_position`` per layer (the input every FFN neuron reads there)."""
+    """Mean normalised MLP input at ``sink_position`` per layer (``ln2.hook_normalized``; ``ln1`` on a post-LN model):
+    the input every FFN neuron reads there, before the norm's gain."""
     return run_analyzer(model, inputs, SinkInputReducer, where="sink_inputs", options=options, kwargs=deprecated,
                         sink_position=sink_position, layers=layers)
 
@@ -119,7 +126,7 @@ class WeightNeurons:
             in the ``row_top_k`` largest entries).
         score: ``in_norm_ratio × gate_norm_ratio × out_norm_ratio`` (gate factor 1 when not gated): how much
             larger than typical the neuron's read and write vectors are. Ranking key of :meth:`top`.
-        align_in / align_gate: cosine between the sink's mean ``ln2.hook_normalized`` and ``W_in[l, :, n]`` /
+        align_in / align_gate: cosine between the sink's mean normalised MLP input (:class:`SinkInput`) and ``W_in[l, :, n]`` /
             ``W_gate[l, :, n]`` (None unless a :class:`SinkInput` was given).
         dims / out_dim_weight: ``W_out[l, n, d]`` for each requested dimension ``d``.
     """
@@ -200,6 +207,9 @@ def super_neurons_from_weights(
         >>> super_neurons_from_weights(model).top(1)[0][:2]
         (0, 7)
     """
+    reason = moe_reason(model)
+    if reason is not None:
+        raise UnsupportedArchitectureError(f"super_neurons_from_weights cannot rank neurons on this model: {reason}.")
     d = model_dims(model)
     layer_list = resolve_layers(layers, d.n_layers)
     if not 1 <= positive_int(row_top_k, what="row_top_k") <= d.d_model:

@@ -1,0 +1,137 @@
+"""Which norm each sublayer reads, on every family of the zoo.
+
+A pre-norm block's attention reads ``blocks.{l}.ln1`` and its MLP ``blocks.{l}.ln2``. A post-LN block (BERT)
+names its norms after what they follow: its ``ln1`` normalises the attention's *output*. ``normalized_disparity``
+used to read ``ln1`` there and report it as "the input layernorm (what queries, keys and values read)", and
+``sink_inputs`` read ``ln2``, the norm after the MLP. Here the reference is the input the plain Hugging Face
+attention and MLP modules receive (forward pre-hooks on the model behind the bridge, its own forward; under
+TransformerLens 3.x the block's own ``ln1`` module applied to ``hook_resid_pre``), with every norm's gain and
+bias perturbed so that before and after the gain differ.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sinklens.analysis.normalized_disparity import normalized_disparity
+from sinklens.analysis.weight_super_neurons import sink_inputs, super_neurons_from_weights
+from sinklens.errors import UnsupportedArchitectureError
+from sinklens.options import RunOptions
+from sinklens.residual_units import input_norm
+from sinklens.testing.zoo import FAMILIES, MOE_FAMILIES, FamilyUnavailableError, zoo_model
+
+from _zoo_reference import TL4
+
+pytestmark = pytest.mark.models
+
+OPTS = RunOptions(batch_size=3, progress=False)
+SINK = 0
+
+#: Module paths (``{i}``: the layer) of each family's Hugging Face attention and MLP modules.
+HF_MODULES = {
+    "gpt2": ("transformer.h.{i}.attn", "transformer.h.{i}.mlp"),
+    "neox": ("gpt_neox.layers.{i}.attention", "gpt_neox.layers.{i}.mlp"),
+    "bert": ("bert.encoder.layer.{i}.attention.self", "bert.encoder.layer.{i}.intermediate"),
+}
+DECODER_MODULES = ("model.layers.{i}.self_attn", "model.layers.{i}.mlp")
+
+
+def _model(family: str):
+    try:
+        model = zoo_model(family)
+    except FamilyUnavailableError as err:
+        pytest.skip(str(err))
+    torch_model = model.original_model if TL4 else model
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # every norm gets a non-trivial gain (one dimension large) and bias
+        for name, module in torch_model.named_modules():
+            if "norm" not in type(module).__name__.lower():
+                continue
+            for pname, p in module.named_parameters(recurse=False):
+                p.add_(0.5 * torch.randn(p.shape, generator=gen, dtype=p.dtype))
+                if pname in ("weight", "w"):
+                    p[3] += 20.0
+    return model
+
+
+def _tokens(model) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(2)
+    return torch.randint(5, model.cfg.d_vocab, (6, 9), generator=gen)
+
+
+def _sublayer_inputs(family: str, model, tokens: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
+    """``{("attn" | "mlp", layer): [batch, pos, d_model]}``: what each sublayer reads, without sinklens."""
+    n_layers = model.cfg.n_layers
+    if not TL4:
+        with torch.no_grad():
+            _, cache = model.run_with_cache(tokens)
+            return {("attn", i): model.blocks[i].ln1(cache[f"blocks.{i}.hook_resid_pre"]) for i in range(n_layers)}
+    hf = model.original_model
+    captured: dict[tuple[str, int], torch.Tensor] = {}
+    handles = []
+    for kind, template in zip(("attn", "mlp"), HF_MODULES.get(family, DECODER_MODULES)):
+        for i in range(n_layers):
+            def grab(module, args, kwargs, key=(kind, i)):
+                captured.setdefault(key, (args[0] if args else kwargs["hidden_states"]).detach())
+            handles.append(hf.get_submodule(template.format(i=i)).register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            hf(tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    return captured
+
+
+def _ratio(x: torch.Tensor) -> torch.Tensor:
+    a = x.double().abs()
+    return a / ((a.sum(-1, keepdim=True) - a) / (a.shape[-1] - 1))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_normalized_disparity_reads_what_the_attention_reads(family):
+    """After the gain, ``ratio_sink`` is the disparity of the very vector each layer's attention receives."""
+    model = _model(family)
+    tokens = _tokens(model)
+    nd = normalized_disparity(model, tokens, sink_position=SINK, options=OPTS)
+    reference = _sublayer_inputs(family, model, tokens)
+    for i, layer in enumerate(nd.layers):
+        expected = _ratio(reference[("attn", layer)])[:, SINK].mean(0)
+        torch.testing.assert_close(nd.ratio_sink_after_gain[i].double(), expected, rtol=1e-4, atol=1e-5)
+    if family == "bert":
+        assert nd.norms == ["embed_ln", "blocks.0.ln2"] and nd.site.startswith("post-LN")
+    else:
+        assert nd.norms == [f"blocks.{layer}.ln1" for layer in nd.layers] and nd.site == "ln1.hook_normalized"
+
+
+@pytest.mark.skipif(not TL4, reason="the reference hooks the Hugging Face modules behind a TransformerBridge")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_input_norms_are_the_norms_whose_output_each_sublayer_reads(family):
+    """``input_norm``'s path is the norm whose ``hook_out`` is the attention's / MLP's input, and ``sink_inputs``
+    is that norm's ``hook_normalized`` at the sink, averaged over sequences."""
+    model = _model(family)
+    tokens = _tokens(model)
+    reference = _sublayer_inputs(family, model, tokens)
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    for (kind, layer), x in reference.items():
+        if kind == "mlp" and family in MOE_FAMILIES:
+            continue  # the router reads the norm too; its experts are not one MLP
+        path = input_norm(model, layer, kind).path
+        torch.testing.assert_close(cache[f"{path}.hook_out"], x, rtol=1e-5, atol=1e-5)
+    if family in MOE_FAMILIES:
+        return
+    si = sink_inputs(model, tokens, sink_position=SINK, options=OPTS)
+    for i, layer in enumerate(si.layers):
+        path = input_norm(model, layer, "mlp").path
+        torch.testing.assert_close(si.x[i], cache[f"{path}.hook_normalized"][:, SINK].mean(0), rtol=1e-5, atol=1e-6)
+    assert si.site == ("ln1.hook_normalized" if family == "bert" else "ln2.hook_normalized")
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_weight_ranking_refuses_a_mixture_of_experts(family):
+    """A mixture of experts has no single ``W_in``/``W_out`` per layer: a named refusal, not an AttributeError."""
+    model = _model(family)
+    with pytest.raises(UnsupportedArchitectureError, match="mixture of experts"):
+        super_neurons_from_weights(model)
