@@ -20,6 +20,12 @@ residual units is ``linear(c_n, scale)`` and the post-norm's output is exactly
 ``Σ_n linear(c_n, scale) + linear(b, scale) + bias``; ``hook_mlp_out`` / ``hook_attn_out`` are that
 output on every TransformerLens version. For a block without a post norm the map is the identity.
 
+A **post-LN** block (BERT) normalises the residual stream *plus* each output, ``ln1(resid_pre + attn_out)``
+and ``ln2(resid_mid + mlp_out)``. At one position that is the same affine map of the output, plus the
+residual's own ``gain ⊙ C(resid) / scale``, so :func:`post_norm_map` gives ``ln1`` / ``ln2`` there (what a
+head's write adds to the stream; see :func:`post_norm_name`). Neuron attribution still refuses post-LN
+models (:func:`post_ln_reason`): the stream itself is re-normalised every half block.
+
 Examples:
     >>> from sinklens.testing.zoo import zoo_model
     >>> m = post_norm_map(zoo_model("gemma2"), 0, "mlp")
@@ -122,7 +128,17 @@ PostNormMap = NormMap
 
 def has_post_norm(model: Any, layer: int, site: Site) -> bool:
     """Whether ``blocks.{layer}``'s ``site`` output passes through a post norm (its ``hook_scale`` exists)."""
-    return hook_name(layer, f"{_norm_of(site)}.hook_scale") in model.hook_dict
+    return hook_name(layer, f"{post_norm_name(model, site)}.hook_scale") in model.hook_dict
+
+
+def post_norm_name(model: Any, site: Site) -> str:
+    """The norm that follows a block's ``site`` output: ``ln1_post`` / ``ln2_post`` (Gemma 2/3's sandwich norms);
+    on a post-LN model (BERT, :func:`post_ln_reason`) ``ln1`` / ``ln2``, which normalise the residual stream
+    *plus* that output. At a fixed position both are affine in the output, so a write ``w`` reaches the stream
+    as ``gain ⊙ C(w) / scale`` either way; on a post-LN model the residual's own term and the bias are added
+    beside it, and do not depend on the write."""
+    norm = _norm_of(site)
+    return norm.removesuffix("_post") if post_ln_reason(model) is not None else norm
 
 
 def _norm_of(site: str) -> str:
@@ -147,7 +163,7 @@ def post_norm_map(model: Any, layer: int, site: Site) -> PostNormMap:
     candidate that reproduces the module's output; if none does, raises
     :class:`~sinklens.errors.UnsupportedArchitectureError`.
     """
-    norm = _norm_of(site)
+    norm = post_norm_name(model, site)
     if not has_post_norm(model, layer, site):
         return NormMap(layer, site, None)
     return NormMap(layer, site, norm, **_probed_norm(model, hook_name(layer, norm)))

@@ -5,7 +5,8 @@ sink's value is (nearly) zero, so the head parks attention there and writes almo
 **no-op**: attention used as a switch, Bondarenko et al. 2023's "no update"); or the sink's value
 carries a signal that every query receives (a **broadcast**). :class:`ValueDrainReducer` tells them
 apart per layer × head in one streaming pass, from ``blocks.{l}.attn.hook_v``,
-``blocks.{l}.attn.hook_pattern`` and, on post-norm layers, ``blocks.{l}.ln1_post.hook_scale``.
+``blocks.{l}.attn.hook_pattern`` and, on post-norm layers, the post-attention norm's ``hook_scale``
+(``blocks.{l}.ln1_post``; on a post-LN model such as BERT ``blocks.{l}.ln1``).
 
 **Definitions.** For layer ``l``, query head ``h`` and the sink position ``p`` (``sink_position``):
 
@@ -15,13 +16,16 @@ apart per layer × head in one streaming pass, from ``blocks.{l}.attn.hook_v``,
 * the write of key ``k`` into query ``q``, **in residual units**, is the norm of what reaches the
   residual stream through that key::
 
-      write[b, q, k] = A[b, h, q, k] · ‖(v_k · W_O[l, h]) ⊙ g‖ / s[b, q]
+      write[b, q, k] = A[b, h, q, k] · ‖C(v_k · W_O[l, h]) ⊙ g‖ / s[b, q]
 
   where ``A`` is ``hook_pattern``; without a post-attention norm ``g = 1`` and ``s = 1``; with one
   (Gemma 2/3), ``g`` is the norm's effective gain (:func:`~sinklens.analysis.variance.post_attention_gain`,
   Gemma's ``1 + w``) and ``s[b, q]`` is ``ln1_post.hook_scale`` at the query (the RMS of the whole
   attention output there): at a fixed query the RMS norm is linear, so this is exactly the key's share
-  of ``ln1_post.hook_out`` (biases aside);
+  of ``ln1_post.hook_out`` (biases aside); ``C`` is the identity there. On a post-LN model (BERT) the
+  norm is ``ln1``, a LayerNorm of ``resid_pre`` plus the attention output: ``C`` removes the mean over
+  ``d_model``, ``g`` is its weight and ``s`` its ``hook_scale`` (see
+  :func:`~sinklens.analysis.variance.post_attention_map`);
 * the counted queries ``Q`` are the real (non-padding) queries ``q != p`` that can see the sink in
   layer ``l`` (:meth:`~sinklens.visibility.Visibility.batch_mask`: causal or bidirectional, sliding
   windows, padding); the query at the sink itself is left out (on a decoder it sees only itself);
@@ -63,13 +67,13 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from sinklens.analysis._common import SettingsFields, check_sink_position, row_index, run_analyzer
-from sinklens.analysis.variance import POST_ATTN_SCALE, attention_output_grams, post_attention_gain
+from sinklens.analysis.variance import attention_output_grams, post_attention_map
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, V, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
 from sinklens.validate import finite_number, positive_int
 from sinklens.visibility import attention_visibility
 
@@ -224,7 +228,7 @@ def _quad_norm(v: Float[Tensor, "batch key head d_head"], gram: Float[Tensor, "h
 
 
 class ValueDrainReducer(Reducer[ValueDrain]):
-    """Streams ``hook_v``, ``hook_pattern`` (and ``ln1_post.hook_scale`` on post-norm layers) into a :class:`ValueDrain`.
+    """Streams ``hook_v``, ``hook_pattern`` (and the post-attention norm's ``hook_scale`` on post-norm layers) into a :class:`ValueDrain`.
 
     Per layer it keeps float64 sums over the counted queries (``Σ A[q, p]``, ``Σ write[q, p]``, the total
     write, the other keys' write and attention and their pair count, the query count) and over keys
@@ -240,8 +244,9 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.device = model_device(model)
         self.visibility = attention_visibility(model)
-        gains = {layer: post_attention_gain(model, layer) for layer in self.layers}
-        self.post_norm = [layer for layer, g in gains.items() if g is not None]
+        norms = {layer: post_attention_map(model, layer) for layer in self.layers}
+        self.post_norm = [layer for layer, norm in norms.items() if norm is not None]
+        self.scale_hooks = [norms[layer].scale_hook for layer in self.post_norm]
         # ‖v W_O[h]‖² = v G vᵀ with G = W_O[h] W_O[h]ᵀ; in residual units W_O[h] diag(g) takes W_O[h]'s place.
         gram, gram_res = attention_output_grams(model, self.layers)  # [layer, head, d_head, d_head], float64
         self.gram, self.gram_res = gram.to(self.device).float(), gram_res.to(self.device).float()
@@ -281,7 +286,7 @@ class ValueDrainReducer(Reducer[ValueDrain]):
             return fold
 
         hooks = per_layer_hooks(V, self.layers, keep("v")) + per_layer_hooks(PATTERN, self.layers, keep("pattern"))
-        hooks += per_layer_hooks(POST_ATTN_SCALE, self.post_norm, keep("scale"))
+        hooks += bound_hooks(self.scale_hooks, self.post_norm, keep("scale"))
         return BatchFold(hooks, state=waiting)
 
     def _fold_layer(self, layer: int, acts: dict[str, Tensor], valid: Tensor) -> None:
@@ -294,7 +299,7 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         value_norm = v.norm(dim=-1)  # [batch, key, head]
         out_norm = _quad_norm(v, self.gram[row])  # ‖v_k W_O[h]‖
         if layer in self.post_norm:
-            res_norm = _quad_norm(v, self.gram_res[row])  # ‖(v_k W_O[h]) ⊙ g‖
+            res_norm = _quad_norm(v, self.gram_res[row])  # ‖C(v_k W_O[h]) ⊙ g‖
             inv_scale = 1.0 / acts["scale"].reshape(pattern.shape[0], n_pos)  # 1 / s[b, q]
         else:
             res_norm, inv_scale = out_norm, torch.ones(pattern.shape[0], n_pos, device=pattern.device)

@@ -28,10 +28,15 @@ The same definition is applied to
   is linear once its scale is known, with ``s[b, t]`` read from ``blocks.{l}.ln1_post.hook_scale``
   (the RMS of the whole attention output at that token) and ``g`` the norm's effective gain (see
   :func:`post_attention_gain`; Gemma's ``1 + w``). The per-head terms plus ``b_O ⊙ g / s``
-  sum exactly to ``ln1_post.hook_out`` (tested).
+  sum exactly to ``ln1_post.hook_out`` (tested). On a post-LN model (BERT) the norm after the attention
+  is ``blocks.{l}.ln1``, a LayerNorm of ``resid_pre`` plus the attention output: a head's write reaches
+  the stream as ``C(z_h · W_O[l, h]) ⊙ g / s[b, t]`` (``C``: mean removal over ``d_model``, ``s`` its
+  ``hook_scale``), beside the residual's own term and the bias (tested against the Hugging Face model).
   ``result_var_pre_norm`` keeps ``z_h · W_O[l, h]`` (equal to ``result_var`` on pre-norm models);
 * ``attn_out_var``: ``blocks.{l}.hook_attn_out`` (all heads plus bias, averaged over ``d_model``; on
-  post-norm bridges this hook is after ``ln1_post``, i.e. in residual units too).
+  post-norm bridges this hook is after ``ln1_post``, i.e. in residual units too; on the TransformerLens 4.x
+  BERT bridge it is ``ln1``'s output, the LayerNorm of ``resid_pre`` *plus* the attention output, so there it
+  includes the residual stream and is not the attention's write).
 
 **The paper's measure, beside ours** (``feature_std``, ``feature_std_head``): Li et al.'s per-position
 spread over the *feature* dimension of the output projection's input, exactly as their code computes
@@ -108,13 +113,13 @@ from sinklens.export import to_json
 from sinklens.hooks import ATTN_OUT, PATTERN, V, Z, hook_name, layer_weight, model_device, model_dims, resolve_layers, weight_cached
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
+from sinklens.residual_units import NormMap, post_ln_reason, post_norm_map
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
 from sinklens.validate import choice
 
 Site = Literal["z", "z_seq", "result", "result_pre_norm", "attn_out", "feature_std", "feature_std_head"]
 
 #: Scale hook of the post-attention norm (Gemma 2/3: before the residual add), relative to ``blocks.{l}``.
-POST_ATTN_SCALE = "ln1_post.hook_scale"
 
 #: Where each number of :class:`VarianceResult` comes from (written into ``to_dict`` and summary rows).
 SOURCES = {
@@ -127,16 +132,31 @@ SOURCES = {
 }
 
 
+def post_attention_map(model: Any, layer: int) -> NormMap | None:
+    """``layer``'s post-attention norm as an affine map (:func:`~sinklens.residual_units.post_norm_map`), or None.
+
+    Gemma 2/3 bridges and TransformerLens 3.x models with ``use_normalization_before_and_after`` have
+    ``blocks.{layer}.ln1_post``, an RMS norm of the attention output; a post-LN model (BERT) has ``ln1``, a
+    LayerNorm of ``resid_pre`` plus the attention output (it centres and adds a bias). Either way a head's
+    write ``w`` reaches the stream as ``gain ⊙ C(w) / s`` with ``s`` the norm's ``hook_scale`` (``scale_hook``).
+    """
+    norm = post_norm_map(model, layer, "attn")  # probes the norm module: the gain whatever the convention
+    if norm.is_identity:
+        return None
+    if norm.center and post_ln_reason(model) is None:
+        raise UnsupportedArchitectureError(
+            f"The post-attention norm of layer {layer} centres its input (a LayerNorm of the attention output alone); "
+            "sinklens maps head outputs through RMS post-norms, and through the LayerNorm of a post-LN block."
+        )
+    return norm
+
+
 def post_attention_gain(model: Any, layer: int) -> Float[Tensor, " d_model"] | None:
     """The effective per-dimension gain ``g`` of ``layer``'s post-attention norm, or None if it has none.
 
-    A block has a post-attention norm when it exposes ``blocks.{layer}.ln1_post.hook_scale`` (Gemma 2/3
-    bridges and TransformerLens 3.x models with ``use_normalization_before_and_after``). The gain is
-    read by probing the norm module itself with ``a·e_c`` rows (one-hot, RMS ``1e3``), so it is the
-    gain the model applies whatever the weight convention (Gemma stores ``w`` and multiplies by
-    ``1 + w``; TransformerLens 3.x stores ``1 + w``). The norm must be a pure RMS norm (no centring,
-    no bias): then ``ln1_post(x) = x ⊙ g / s`` with ``s`` = ``hook_scale``, exactly linear at a fixed
-    position. Anything else raises :class:`~sinklens.errors.UnsupportedArchitectureError`.
+    The norm is :func:`post_attention_map`'s. The gain is read by probing the norm module itself, so it
+    is the gain the model applies whatever the weight convention (Gemma stores ``w`` and multiplies by
+    ``1 + w``; TransformerLens 3.x stores ``1 + w``).
 
     Examples:
         >>> from sinklens.testing.zoo import zoo_model
@@ -145,23 +165,16 @@ def post_attention_gain(model: Any, layer: int) -> Float[Tensor, " d_model"] | N
         >>> post_attention_gain(zoo_model("llama"), 0) is None
         True
     """
-    from sinklens.residual_units import post_norm_map
-
-    norm = post_norm_map(model, layer, "attn")  # probes the norm module: the gain whatever the convention
-    if norm.is_identity:
-        return None
-    if norm.center or (norm.bias is not None and bool(norm.bias.abs().max() > 0)):
-        raise UnsupportedArchitectureError(
-            f"The post-attention norm of layer {layer} is not a pure RMS norm (it centres or adds a bias); "
-            "sinklens maps head outputs through RMS post-norms only."
-        )
-    return norm.gain.float().cpu()
+    norm = post_attention_map(model, layer)
+    return None if norm is None else norm.gain.float().cpu()
 
 
 def attention_output_grams(model: Any, layers: Sequence[int]) -> tuple[Float[Tensor, "layer head d_head d_head"], Float[Tensor, "layer head d_head d_head"]]:
-    """Float64 Gram matrices ``W_O[h] W_O[h]ᵀ`` and, in residual units, ``(W_O[h] diag(g))(W_O[h] diag(g))ᵀ`` per layer.
+    """Float64 Gram matrices ``W_O[h] W_O[h]ᵀ`` and, in residual units, ``M_h M_hᵀ`` per layer.
 
-    ``g`` is :func:`post_attention_gain` (1 without a post-attention norm), so ``‖z W_O[h]‖² = z G zᵀ``.
+    ``M_h = C(W_O[h]) diag(g)``, with ``g`` the post-attention norm's gain and ``C`` its mean removal over
+    ``d_model`` when it centres (:func:`post_attention_map`; ``M_h = W_O[h]`` without a post-attention norm),
+    so ``‖z W_O[h]‖² = z G zᵀ``.
     Computed one layer at a time from :func:`~sinklens.hooks.layer_weight` (no stacked ``W_O``), on the
     model's device, and kept until the weights change (:func:`~sinklens.hooks.weight_cached`); callers get copies.
     """
@@ -171,11 +184,12 @@ def attention_output_grams(model: Any, layers: Sequence[int]) -> tuple[Float[Ten
         for layer in layers:
             w_o = layer_weight(model, "W_O", layer).to(device, torch.float64)  # [head, d_head, d_model]
             grams.append(w_o @ w_o.transpose(-1, -2))
-            gain = post_attention_gain(model, layer)
-            if gain is None:  # no post norm: the residual-unit map is W_O itself
+            norm = post_attention_map(model, layer)
+            if norm is None:  # no post norm: the residual-unit map is W_O itself
                 grams_res.append(grams[-1])
             else:
-                m_res = w_o * gain.to(device, torch.float64)
+                m_res = w_o - w_o.mean(-1, keepdim=True) if norm.center else w_o
+                m_res = m_res * norm.gain.to(device, torch.float64)
                 grams_res.append(m_res @ m_res.transpose(-1, -2))
         return torch.stack(grams), torch.stack(grams_res)
 
@@ -427,7 +441,7 @@ class VarianceResult:
 
 
 class VarianceReducer(Reducer[VarianceResult]):
-    """Streams ``hook_v``, ``hook_pattern``, ``hook_z``, ``hook_attn_out`` (and ``ln1_post.hook_scale`` on
+    """Streams ``hook_v``, ``hook_pattern``, ``hook_z``, ``hook_attn_out`` (and the post-attention norm's ``hook_scale`` on
     post-norm layers) into a :class:`VarianceResult`.
 
     Per layer it keeps (float64, positions grown to the longest batch seen): ``Σ z`` per
@@ -436,7 +450,7 @@ class VarianceReducer(Reducer[VarianceResult]):
     position), ``Σ v``, ``Σ |v|²`` per (kv head, coordinate) pooled over positions, and Li et al.'s
     ``Σ_b std`` per (head, position) and per position. ``Σ z W_O`` is not stored: it is ``(Σ z) W_O``,
     applied at :meth:`result` time. On a post-norm layer ``z`` waits in the batch's fold state until
-    ``ln1_post.hook_scale`` fires, and ``Σ z/s``, ``Σ |(z/s) W_O ⊙ g|²`` are kept as well.
+    the post-attention norm's ``hook_scale`` fires (``ln1_post``; post-LN: ``ln1``), and ``Σ z/s``, ``Σ |(z/s) W_O ⊙ g|²`` are kept as well.
     """
 
     statistics = ("z_s1", "z_s2", "r_s2", "zs_s1", "rs_s2", "fs_head", "fs_all", "a_sq", "o_s1", "o_s2", "n", "v_s1",
@@ -448,9 +462,10 @@ class VarianceReducer(Reducer[VarianceResult]):
         self.layers = resolve_layers(layers, dims.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.device = model_device(model)
-        gains = {layer: post_attention_gain(model, layer) for layer in self.layers}
-        self.post_norm = [layer for layer, g in gains.items() if g is not None]
-        # Gram matrices of W_O and of the residual-unit output map M = W_O diag(g) (g = 1 without a post-norm).
+        norms = {layer: post_attention_map(model, layer) for layer in self.layers}
+        self.post_norm = [layer for layer, norm in norms.items() if norm is not None]
+        self.scale_hooks = [norms[layer].scale_hook for layer in self.post_norm]
+        # Gram matrices of W_O and of the residual-unit output map M = C(W_O) diag(g) (W_O without a post-norm).
         self.gram, self.gram_res = (g.to(self.device) for g in attention_output_grams(model, self.layers))
         self.gram32 = self.gram.float()
         self.gram_res32 = self.gram_res.float()
@@ -488,7 +503,7 @@ class VarianceReducer(Reducer[VarianceResult]):
         self._reserve(batch.tokens.shape[1])
         w = batch.valid.to(self.device, torch.float64)  # [batch, pos]
         w32 = w.float()
-        waiting: dict[int, Tensor] = {}  # post-norm layers: hook_z until ln1_post.hook_scale fires
+        waiting: dict[int, Tensor] = {}  # post-norm layers: hook_z until the post-attention norm's hook_scale fires
 
         def fold_v(v: Tensor, layer: int) -> None:  # [batch, pos, kv_head, d_head]
             row, v = self.row[layer], v.float()
@@ -538,7 +553,7 @@ class VarianceReducer(Reducer[VarianceResult]):
 
         sites = ((V, fold_v), (PATTERN, fold_pattern), (Z, fold_z), (ATTN_OUT, fold_attn_out))
         hooks = [hook for site, fold in sites for hook in per_layer_hooks(site, self.layers, fold)]
-        hooks += per_layer_hooks(POST_ATTN_SCALE, self.post_norm, fold_scale)
+        hooks += bound_hooks(self.scale_hooks, self.post_norm, fold_scale)
         return BatchFold(hooks, state=w)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:

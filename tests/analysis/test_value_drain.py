@@ -48,7 +48,14 @@ def test_planted_no_op_and_broadcast_sinks(llama, value):
 def _hf_reference(family, model, hf, prompts):
     """Every ValueDrain field from the plain HF model, one sequence at a time, with explicit loops."""
     cfg = hf.config
-    n_layers, n_heads, n_kv = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads
+    bert = family == "bert"
+    n_layers, n_heads = cfg.num_hidden_layers, cfg.num_attention_heads
+    n_kv = n_heads if bert else cfg.num_key_value_heads
+    blocks = hf.bert.encoder.layer if bert else hf.model.layers
+    # v_proj, o_proj and the norm after the attention (post-LN BERT: LayerNorm of resid + o; Gemma 2: RMS of o)
+    parts = [(b.attention.self.value, b.attention.output.dense, b.attention.output.LayerNorm) if bert else
+             (b.self_attn.v_proj, b.self_attn.o_proj,
+              getattr(b, "post_attention_layernorm", None) if family == "gemma2" else None) for b in blocks]
     d_head = cfg.hidden_size // n_heads
     layer_types = getattr(cfg, "layer_types", None) or ["full_attention"] * n_layers
     seqs = [b.tokens[i][b.valid[i]] for b in as_batches(model, prompts, batch_size=3) for i in range(b.tokens.shape[0])]
@@ -56,30 +63,36 @@ def _hf_reference(family, model, hf, prompts):
             ("attn_sink", "attn_other", "write_sink", "write_other", "write_total", "vn_sink", "vn_other", "on_sink", "on_other")}
     n_q, n_pairs, n_keys = torch.zeros(n_layers), torch.zeros(n_layers), torch.zeros(n_layers)
     for seq in seqs:
-        got = {"v": {}, "o": {}}
+        got = {"v": {}, "o": {}, "ln_in": {}}
         handles = []
-        for l, layer in enumerate(hf.model.layers):
-            handles.append(layer.self_attn.v_proj.register_forward_hook(
-                lambda m, a, out, l=l: got["v"].__setitem__(l, out[0].double())))
-            handles.append(layer.self_attn.o_proj.register_forward_hook(
-                lambda m, a, out, l=l: got["o"].__setitem__(l, out[0].double())))
+        for l, (v_proj, o_proj, post) in enumerate(parts):
+            handles.append(v_proj.register_forward_hook(lambda m, a, out, l=l: got["v"].__setitem__(l, out[0].double())))
+            handles.append(o_proj.register_forward_hook(lambda m, a, out, l=l: got["o"].__setitem__(l, out[0].double())))
+            if bert:
+                handles.append(post.register_forward_hook(lambda m, a, out, l=l: got["ln_in"].__setitem__(l, a[0][0].double())))
         with torch.no_grad():
             attentions = hf(seq[None], output_attentions=True).attentions
         for h in handles:
             h.remove()
         T = len(seq)
-        for l, layer in enumerate(hf.model.layers):
+        for l, (_, o_proj, post) in enumerate(parts):
             A = attentions[l][0].double()  # [head, q, k]
             v = got["v"][l].view(T, n_kv, d_head)
-            w = layer.self_attn.o_proj.weight.double()
-            post = getattr(layer, "post_attention_layernorm", None) if family == "gemma2" else None
-            gain = (1 + post.weight.double()) if post is not None else torch.ones(cfg.hidden_size, dtype=torch.float64)
-            s = ((got["o"][l].pow(2).mean(-1) + post.eps).sqrt() if post is not None else torch.ones(T, dtype=torch.float64))
+            w = o_proj.weight.double()
+            if bert:  # LayerNorm(resid + o): (x - mean x) / sqrt(var x + eps) * weight + bias
+                gain = post.weight.double()
+                s = (got["ln_in"][l].var(-1, unbiased=False) + post.eps).sqrt()
+            elif post is not None:  # Gemma 2: o / sqrt(mean(o²) + eps) * (1 + w)
+                gain = 1 + post.weight.double()
+                s = (got["o"][l].pow(2).mean(-1) + post.eps).sqrt()
+            else:
+                gain, s = torch.ones(cfg.hidden_size, dtype=torch.float64), torch.ones(T, dtype=torch.float64)
             window = cfg.sliding_window if layer_types[l] == "sliding_attention" else None
             for h in range(n_heads):
                 vh = v[:, h // (n_heads // n_kv)]  # HF repeat_kv: kv head h // r
                 out = vh @ w[:, h * d_head:(h + 1) * d_head].T
-                vn, on, rn = vh.norm(dim=-1), out.norm(dim=-1), (out * gain).norm(dim=-1)
+                centred = out - out.mean(-1, keepdim=True) if bert else out
+                vn, on, rn = vh.norm(dim=-1), out.norm(dim=-1), (centred * gain).norm(dim=-1)
                 sums["vn_sink"][l, h] += vn[0]
                 sums["on_sink"][l, h] += on[0]
                 sums["vn_other"][l, h] += vn[1:].sum()
@@ -89,7 +102,7 @@ def _hf_reference(family, model, hf, prompts):
                         continue  # this query cannot see the sink
                     sums["attn_sink"][l, h] += A[h, q, 0]
                     sums["write_sink"][l, h] += A[h, q, 0] * rn[0] / s[q]
-                    for k in range(q + 1):
+                    for k in range(T if bert else q + 1):  # an encoder's query sees every key
                         if window is not None and q - k >= window:
                             continue
                         sums["write_total"][l, h] += A[h, q, k] * rn[k] / s[q]
@@ -111,12 +124,21 @@ def _hf_reference(family, model, hf, prompts):
 
 
 @needs_bridge
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "bert"])
 def test_matches_hf_reference(family):
     """Every number against the plain HF model: attention weights, v_proj outputs, o_proj weights and, for
     Gemma 2, the post-attention norm (gain 1 + w, far from 1 on one dimension; scale from the o_proj output)
-    and its sliding-window layer (queries beyond the window do not see the sink and are not counted)."""
+    and its sliding-window layer (queries beyond the window do not see the sink and are not counted); for
+    BERT, the post-LN LayerNorm after the attention (mean removal, gain, scale from resid + o) and
+    bidirectional attention."""
     model, hf = zoo_model(family), zoo_hf_model(family)
+    if family == "bert":
+        with torch.no_grad():
+            for ours, theirs in zip(model.original_model.bert.encoder.layer, hf.bert.encoder.layer):
+                w = torch.linspace(-0.5, 2.0, model.cfg.d_model)
+                w[3] = 40.0
+                for layer in (ours, theirs):
+                    layer.attention.output.LayerNorm.weight.copy_(w)
     if family == "gemma2":
         with torch.no_grad():
             for layer in range(model.cfg.n_layers):
@@ -126,7 +148,7 @@ def test_matches_hf_reference(family):
                 hf.model.layers[layer].post_attention_layernorm.weight.copy_(w)
     got = measure_value_drain(model, PROMPTS, options=QUIET.replace(batch_size=3))
     ref = _hf_reference(family, model, hf, PROMPTS)
-    assert got.post_norm_layers == ([0, 1] if family == "gemma2" else [])
+    assert got.post_norm_layers == ([0, 1] if family in ("gemma2", "bert") else [])
     torch.testing.assert_close(got.n_queries, ref["n_queries"].float(), rtol=1e-6, atol=1e-4)
     for name in FIELDS:
         torch.testing.assert_close(getattr(got, name), ref[name].float(), rtol=1e-4, atol=1e-6, msg=name)

@@ -177,8 +177,18 @@ needs_bridge = pytest.mark.skipif(transformer_lens_major() < 4, reason="zoo HF t
 
 
 def _zoo_pair(family):
-    """The sinklens model and its plain HF twin; Gemma's post-attention norm gets a gain far from 1."""
+    """The sinklens model and its plain HF twin; Gemma's post-attention norm gets a gain far from 1, BERT's
+    post-attention LayerNorm a gain far from 1 and a bias."""
     model, hf = zoo_model(family), zoo_hf_model(family)
+    if family == "bert":
+        with torch.no_grad():
+            for ours, theirs in zip(model.original_model.bert.encoder.layer, hf.bert.encoder.layer):
+                w = torch.linspace(-0.5, 2.0, model.cfg.d_model)
+                w[3] = 40.0
+                b = torch.linspace(1.0, -1.0, model.cfg.d_model)
+                for layer in (ours, theirs):
+                    layer.attention.output.LayerNorm.weight.copy_(w)
+                    layer.attention.output.LayerNorm.bias.copy_(b)
     if family == "gemma2":
         with torch.no_grad():
             for layer in range(model.cfg.n_layers):
@@ -190,6 +200,8 @@ def _zoo_pair(family):
 
 
 def _hf_layers(family, hf):
+    if family == "bert":  # post-LN: the LayerNorm after the attention normalises resid_pre + its output
+        return [(layer.attention.output.dense, layer.attention.output.LayerNorm) for layer in hf.bert.encoder.layer]
     if family == "neox":
         return [(layer.attention.dense, None) for layer in hf.gpt_neox.layers]
     return [(layer.self_attn.o_proj, getattr(layer, "post_attention_layernorm", None) if family == "gemma2" else None)
@@ -201,9 +213,10 @@ def _hf_sequences(model, prompts):
 
 
 def _hf_o_proj_inputs(family, hf, seqs):
-    """Per layer, per sequence: o_proj input [pos, n_heads * d_head], o_proj output [pos, d_model], v_proj output."""
+    """Per layer, per sequence: o_proj input [pos, n_heads * d_head], o_proj output [pos, d_model] and, for a
+    post-LN model, the input of the LayerNorm after the attention [pos, d_model]."""
     layers = _hf_layers(family, hf)
-    got = {name: [[] for _ in layers] for name in ("z", "o")}
+    got = {name: [[] for _ in layers] for name in ("z", "o", "ln_in")}
     def keep(i):
         def hook(mod, args, out):
             got["z"][i].append(args[0][0].double())
@@ -212,6 +225,9 @@ def _hf_o_proj_inputs(family, hf, seqs):
         return hook
 
     handles = [o_proj.register_forward_hook(keep(i)) for i, (o_proj, _) in enumerate(layers)]
+    if family == "bert":
+        handles += [norm.register_forward_hook(lambda mod, args, out, i=i: got["ln_in"][i].append(args[0][0].double()))
+                    for i, (_, norm) in enumerate(layers)]
     try:
         with torch.no_grad():
             for seq in seqs:
@@ -223,7 +239,7 @@ def _hf_o_proj_inputs(family, hf, seqs):
 
 
 @needs_bridge
-@pytest.mark.parametrize("family", ["llama", "gemma2", "neox"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "neox", "bert"])
 def test_li_feature_std_and_residual_writes_match_hf(family):
     """Li et al.'s measure exactly as their notebook computes it (a hook on ``o_proj``'s input, ``.std(dim=-1)``
     per token, mean over samples), and each head's write where it reaches the residual stream."""
@@ -233,7 +249,7 @@ def test_li_feature_std_and_residual_writes_match_hf(family):
     acts = _hf_o_proj_inputs(family, hf, seqs)
     n_heads, d_head = model.cfg.n_heads, model.cfg.d_head
     width = max(len(s) for s in seqs)
-    assert got.post_norm_layers == ([0, 1] if family == "gemma2" else [])
+    assert got.post_norm_layers == ([0, 1] if family in ("gemma2", "bert") else [])
     for layer, (o_proj, post_norm) in enumerate(_hf_layers(family, hf)):
         zs = acts["z"][layer]
         std_all = torch.stack([torch.stack([z[t].float().std(dim=-1) for z in zs if len(z) > t]).mean() for t in range(width)])
@@ -243,11 +259,15 @@ def test_li_feature_std_and_residual_writes_match_hf(family):
         torch.testing.assert_close(got.feature_std_head[layer], std_head, rtol=1e-4, atol=1e-7)
         w = o_proj.weight.double()  # [d_model, n_heads * d_head]
         writes, writes_pre = [], []
-        for z, o in zip(zs, acts["o"][layer]):
+        for j, (z, o) in enumerate(zip(zs, acts["o"][layer])):
             per_head = torch.stack([z[:, h * d_head:(h + 1) * d_head] @ w[:, h * d_head:(h + 1) * d_head].T
                                     for h in range(n_heads)], 1)  # [pos, head, d_model]
             writes_pre.append(per_head)
-            if post_norm is not None:  # Gemma: x / sqrt(mean(x²) + eps) * (1 + w)
+            if family == "bert":  # LayerNorm(resid + o): a head's share is (x - mean x) / sqrt(var + eps) * w
+                x = acts["ln_in"][layer][j]
+                s = (x.var(-1, unbiased=False, keepdim=True) + post_norm.eps).sqrt()
+                per_head = (per_head - per_head.mean(-1, keepdim=True)) / s[:, None] * post_norm.weight.double()
+            elif post_norm is not None:  # Gemma: x / sqrt(mean(x²) + eps) * (1 + w)
                 s = (o.pow(2).mean(-1, keepdim=True) + post_norm.eps).sqrt()
                 per_head = per_head / s[:, None] * (1 + post_norm.weight.double())
             writes.append(per_head)
@@ -255,8 +275,8 @@ def test_li_feature_std_and_residual_writes_match_hf(family):
         pre_var, _ = _centred_var(writes_pre)
         torch.testing.assert_close(got.result_var[layer], result_var.float(), rtol=2e-4, atol=1e-8)
         torch.testing.assert_close(got.result_var_pre_norm[layer], pre_var.float(), rtol=2e-4, atol=1e-8)
-    if family == "gemma2":  # the post-norm's gain of 41 on one dimension changes the answer
-        assert float((got.result_var / got.result_var_pre_norm).min()) > 10
+    if family in ("gemma2", "bert"):  # the post-norm's gain of 41 (40) on one dimension changes the answer
+        assert float((got.result_var / got.result_var_pre_norm).min()) > (10 if family == "gemma2" else 2)
     else:
         torch.testing.assert_close(got.result_var, got.result_var_pre_norm)
     payload = got.to_dict()
