@@ -169,12 +169,34 @@ def post_norm_map(model: Any, layer: int, site: Site) -> PostNormMap:
     return NormMap(layer, site, norm, **_probed_norm(model, hook_name(layer, norm)))
 
 
+def input_norm_path(model: Any, layer: int, site: Site) -> str:
+    """The module path of the norm whose output ``blocks.{layer}``'s ``site`` sublayer reads (see :func:`input_norm`),
+    without probing it."""
+    _norm_of(site)  # validates site
+    hooks = model.hook_dict  # a property that builds a dict on some TransformerLens versions: read it once
+    if post_ln_reason(model) is None:
+        path = f"blocks.{layer}.{'ln1' if site == 'attn' else 'ln2'}"
+    elif site == "mlp":
+        path = f"blocks.{layer}.ln1"
+    elif layer > 0:
+        path = f"blocks.{layer - 1}.ln2"
+    else:
+        path = next((p for p in EMBED_NORMS if f"{p}.hook_normalized" in hooks), None)
+        if path is None:
+            raise UnsupportedArchitectureError(
+                "This post-LN model exposes no embedding LayerNorm hook (looked for "
+                f"{[p + '.hook_normalized' for p in EMBED_NORMS]}), so layer 0's attention input norm cannot be read.")
+    if f"{path}.hook_normalized" not in hooks:
+        raise UnsupportedArchitectureError(f"Block {layer}'s {site} reads {path}, which has no hook {path}.hook_normalized.")
+    return path
+
+
 def input_norm(model: Any, layer: int, site: Site) -> NormMap:
     """The norm whose output ``blocks.{layer}``'s ``site`` sublayer (``"attn"`` or ``"mlp"``) reads, as a
     :class:`NormMap` probed like :func:`post_norm_map`; its ``path`` is the norm's module path (hooks
-    ``{path}.hook_normalized`` / ``.hook_scale``). ``gain ⊙ hook_normalized + bias`` is then the norm's output *after* its learned gain,
-    on TransformerLens versions without a ``hook_out`` on norms as well (a norm whose gain was folded into the
-    next weights, e.g. ``fold_ln=True`` on 3.x, has gain 1).
+    ``{path}.hook_normalized`` / ``.hook_scale``). ``gain ⊙ hook_normalized + bias`` is then the norm's
+    output *after* its learned gain, on TransformerLens versions without a ``hook_out`` on norms as well (a
+    norm whose gain was folded into the next weights, e.g. ``fold_ln=True`` on 3.x, has gain 1).
 
     Pre-norm blocks, Gemma's sandwich norms and parallel blocks read ``blocks.{l}.ln1`` (attention) and
     ``blocks.{l}.ln2`` (MLP). A post-LN block (BERT, :func:`post_ln_reason`) names its norms after what they
@@ -186,21 +208,7 @@ def input_norm(model: Any, layer: int, site: Site) -> NormMap:
         >>> input_norm(zoo_model("llama"), 1, "attn").path, input_norm(zoo_model("bert"), 1, "attn").path
         ('blocks.1.ln1', 'blocks.0.ln2')
     """
-    _norm_of(site)  # validates site
-    if post_ln_reason(model) is None:
-        path = f"blocks.{layer}.{'ln1' if site == 'attn' else 'ln2'}"
-    elif site == "mlp":
-        path = f"blocks.{layer}.ln1"
-    elif layer > 0:
-        path = f"blocks.{layer - 1}.ln2"
-    else:
-        path = next((p for p in EMBED_NORMS if f"{p}.hook_normalized" in model.hook_dict), None)
-        if path is None:
-            raise UnsupportedArchitectureError(
-                "This post-LN model exposes no embedding LayerNorm hook (looked for "
-                f"{[p + '.hook_normalized' for p in EMBED_NORMS]}), so layer 0's attention input norm cannot be read.")
-    if f"{path}.hook_normalized" not in model.hook_dict:
-        raise UnsupportedArchitectureError(f"Block {layer}'s {site} reads {path}, which has no hook {path}.hook_normalized.")
+    path = input_norm_path(model, layer, site)
     return NormMap(layer, site, path.rsplit(".", 1)[-1], path=path, **_probed_norm(model, path))
 
 

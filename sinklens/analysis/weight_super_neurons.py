@@ -32,7 +32,7 @@ from sinklens.export import to_json
 from sinklens.hooks import layer_weight, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.residual_units import input_norm, moe_reason
+from sinklens.residual_units import input_norm_path, moe_reason
 from sinklens.streaming import BatchFold, Reducer, bound_hooks
 from sinklens.validate import as_int, positive_int
 
@@ -86,13 +86,13 @@ class SinkMeanReducer(Reducer[Tensor]):
 
 
 class SinkInputReducer(SinkMeanReducer):
-    """Streams the ``hook_normalized`` of each layer's MLP input norm (:func:`~sinklens.residual_units.input_norm`)
+    """Streams the ``hook_normalized`` of each layer's MLP input norm (:func:`~sinklens.residual_units.input_norm_path`)
     at ``sink_position`` into a per-layer mean (:class:`SinkInput`)."""
 
     def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None):
         self.layers = resolve_layers(layers, model_dims(model).n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
-        paths = [input_norm(model, layer, "mlp").path for layer in self.layers]
+        paths = [input_norm_path(model, layer, "mlp") for layer in self.layers]
         self.site = paths[0].rsplit(".", 1)[-1] + ".hook_normalized" if paths else "ln2.hook_normalized"
         super().__init__(model, sink_position, [f"{path}.hook_normalized" for path in paths])
 
