@@ -1,4 +1,5 @@
-"""Independent references for the visibility tests: plain Hugging Face attentions, one sequence at a time.
+"""Independent references for the visibility tests: plain Hugging Face attentions, one sequence at a time
+(and :func:`perturb_post_attention_norms`, which the residual-unit references share).
 
 Nothing here imports sinklens' visibility, attention or sink code: which query sees which key is written
 out from the Hugging Face config by hand, so a wrong :mod:`sinklens.visibility` cannot agree with it.
@@ -34,3 +35,23 @@ def visible_by_hand(config, layer: int, n: int, *, encoder: bool) -> torch.Tenso
     if sliding:
         seen = seen & (q - k < window)
     return seen
+
+
+def perturb_post_attention_norms(family: str, *hf_models) -> None:
+    """Give the norm after each attention a gain far from 1 (40 on dimension 3; Gemma stores ``w`` for a gain
+    ``1 + w``) in every Hugging Face model given, so residual units differ from raw writes: Gemma 2's
+    ``post_attention_layernorm``, and BERT's post-LN attention LayerNorm (with a bias as well)."""
+    for hf in hf_models:
+        if family == "gemma2":
+            norms = [(layer.post_attention_layernorm, None) for layer in hf.model.layers]
+        elif family == "bert":
+            norms = [(layer.attention.output.LayerNorm, "bias") for layer in hf.bert.encoder.layer]
+        else:
+            continue
+        with torch.no_grad():
+            for norm, bias in norms:
+                w = torch.linspace(-0.5, 2.0, norm.weight.numel())
+                w[3] = 40.0
+                norm.weight.copy_(w)
+                if bias is not None:
+                    norm.bias.copy_(torch.linspace(1.0, -1.0, norm.weight.numel()))

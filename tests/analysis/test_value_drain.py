@@ -12,6 +12,8 @@ from sinklens.testing import QUIET, transformer_lens_major
 from sinklens.testing.planted_values import planted_sink
 from sinklens.testing.zoo import zoo_hf_model, zoo_model
 
+from _hf_reference import perturb_post_attention_norms
+
 pytestmark = pytest.mark.models
 
 PROMPTS = ["t5 t6 t7 t8 t9 t10 t11 t12", "t13 t14 t15", "t20 t9 t31 t7 t40 t41", "t3 t4 t5 t6 t7 t8 t9 t10 t11 t12"]
@@ -132,20 +134,7 @@ def test_matches_hf_reference(family):
     BERT, the post-LN LayerNorm after the attention (mean removal, gain, scale from resid + o) and
     bidirectional attention."""
     model, hf = zoo_model(family), zoo_hf_model(family)
-    if family == "bert":
-        with torch.no_grad():
-            for ours, theirs in zip(model.original_model.bert.encoder.layer, hf.bert.encoder.layer):
-                w = torch.linspace(-0.5, 2.0, model.cfg.d_model)
-                w[3] = 40.0
-                for layer in (ours, theirs):
-                    layer.attention.output.LayerNorm.weight.copy_(w)
-    if family == "gemma2":
-        with torch.no_grad():
-            for layer in range(model.cfg.n_layers):
-                w = torch.linspace(-0.5, 2.0, model.cfg.d_model)
-                w[3] = 40.0
-                model.original_model.model.layers[layer].post_attention_layernorm.weight.copy_(w)
-                hf.model.layers[layer].post_attention_layernorm.weight.copy_(w)
+    perturb_post_attention_norms(family, model.original_model, hf)
     got = measure_value_drain(model, PROMPTS, options=QUIET.replace(batch_size=3))
     ref = _hf_reference(family, model, hf, PROMPTS)
     assert got.post_norm_layers == ([0, 1] if family in ("gemma2", "bert") else [])

@@ -172,6 +172,8 @@ from sinklens.testing import transformer_lens_major  # noqa: E402
 from sinklens.testing.planted_values import c4, gaussian_values, uniform_attention  # noqa: E402
 from sinklens.testing.zoo import zoo_hf_model, zoo_model  # noqa: E402
 
+from _hf_reference import perturb_post_attention_norms  # noqa: E402
+
 ZOO_PROMPTS = ["t5 t6 t7 t8 t9 t10 t11 t12", "t13 t14 t15", "t20 t9 t31 t7 t40 t41", "t3 t4 t5 t6 t7 t8 t9 t10 t11 t12"]
 needs_bridge = pytest.mark.skipif(transformer_lens_major() < 4, reason="zoo HF twins share weights only under TL 4.x")
 
@@ -180,22 +182,7 @@ def _zoo_pair(family):
     """The sinklens model and its plain HF twin; Gemma's post-attention norm gets a gain far from 1, BERT's
     post-attention LayerNorm a gain far from 1 and a bias."""
     model, hf = zoo_model(family), zoo_hf_model(family)
-    if family == "bert":
-        with torch.no_grad():
-            for ours, theirs in zip(model.original_model.bert.encoder.layer, hf.bert.encoder.layer):
-                w = torch.linspace(-0.5, 2.0, model.cfg.d_model)
-                w[3] = 40.0
-                b = torch.linspace(1.0, -1.0, model.cfg.d_model)
-                for layer in (ours, theirs):
-                    layer.attention.output.LayerNorm.weight.copy_(w)
-                    layer.attention.output.LayerNorm.bias.copy_(b)
-    if family == "gemma2":
-        with torch.no_grad():
-            for layer in range(model.cfg.n_layers):
-                w = torch.linspace(-0.5, 2.0, model.cfg.d_model)
-                w[3] = 40.0  # gain 41 on dimension 3
-                model.original_model.model.layers[layer].post_attention_layernorm.weight.copy_(w)
-                hf.model.layers[layer].post_attention_layernorm.weight.copy_(w)
+    perturb_post_attention_norms(family, model.original_model, hf)
     return model, hf
 
 
