@@ -37,6 +37,9 @@ Examples:
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -45,7 +48,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
-from sinklens.hooks import hook_name, model_dims
+from sinklens.hooks import hook_name, model_device, model_dims
 
 Site = Literal["attn", "mlp"]
 
@@ -216,6 +219,20 @@ def input_norm(model: Any, layer: int, site: Site) -> NormMap:
 EMBED_NORMS: tuple[str, ...] = ("embed_ln", "embed.ln")
 
 
+@contextmanager
+def _hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
+    """Run ``module`` without the forward hooks on it and its submodules (a probe must not reach a reducer's hook
+    functions: sinklens keeps its hook trampolines attached between batches)."""
+    saved = [(m, m._forward_hooks, m._forward_pre_hooks) for m in module.modules()]
+    try:
+        for m, _, _ in saved:
+            m._forward_hooks, m._forward_pre_hooks = OrderedDict(), OrderedDict()
+        yield
+    finally:
+        for m, hooks, pre_hooks in saved:
+            m._forward_hooks, m._forward_pre_hooks = hooks, pre_hooks
+
+
 def _probed_norm(model: Any, path: str) -> dict[str, Any]:
     """Run the norm at module ``path`` on a probe vector: its ``gain``, ``bias``, ``center`` and ``convention``."""
     module = model.get_submodule(path)
@@ -227,7 +244,7 @@ def _probed_norm(model: Any, path: str) -> dict[str, Any]:
     gen = torch.Generator().manual_seed(0)
     probe = torch.randn(1, 1, d_model, generator=gen, dtype=torch.float32) * 1e3
     probe = probe.to(device=w.device, dtype=w.dtype)
-    with torch.inference_mode():
+    with torch.inference_mode(), _hooks_silenced(module):
         out = module(probe).float()[0, 0]
     p = probe.float()[0, 0]
     bias = torch.zeros(d_model, device=w.device) if b is None else b.float()
@@ -242,6 +259,26 @@ def _probed_norm(model: Any, path: str) -> dict[str, Any]:
         f"Cannot express {path} as gain ⊙ x / scale + bias (tried gain = w and 1 + w, with and "
         "without mean removal): contributions through this norm cannot be put in residual units."
     )
+
+
+def mlp_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
+    """``b_out[layer]``, or zeros for a bias-free MLP (TransformerBridge exposes no ``b_out`` then)."""
+    return _bias(model, "b_out", layer)
+
+
+def attn_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
+    """``b_O[layer]``, or zeros for a bias-free attention output."""
+    return _bias(model, "b_O", layer)
+
+
+def _bias(model: Any, name: str, layer: int) -> Tensor:
+    try:
+        b = getattr(model, name)
+    except AttributeError:
+        b = None
+    if b is None:
+        return torch.zeros(model_dims(model).d_model, device=model_device(model))
+    return b[layer].detach()
 
 
 def moe_reason(model: Any) -> str | None:

@@ -58,29 +58,9 @@ from sinklens.export import to_json
 from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, Z, layer_weight, model_device, model_dims, resolve_layers, weight, weight_cached
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.residual_units import check_neuron_mlp, post_norm_map
+from sinklens.residual_units import attn_out_bias, check_neuron_mlp, mlp_out_bias, post_norm_map
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
 from sinklens.validate import as_int, finite_number, positive_int
-
-
-def mlp_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
-    """``b_out[layer]``, or zeros for a bias-free MLP (TransformerBridge exposes no ``b_out`` then)."""
-    return _bias(model, "b_out", layer)
-
-
-def attn_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
-    """``b_O[layer]``, or zeros for a bias-free attention output."""
-    return _bias(model, "b_O", layer)
-
-
-def _bias(model: Any, name: str, layer: int) -> Tensor:
-    try:
-        b = getattr(model, name)
-    except AttributeError:
-        b = None
-    if b is None:
-        return torch.zeros(model_dims(model).d_model, device=model_device(model))
-    return b[layer].detach()
 
 
 def neuron_contributions(

@@ -13,9 +13,11 @@ For an activation ``a[n, t]`` (sequence ``n`` of ``N`` random sequences, positio
 * ``relative[t] = x[t] / mean_{t' ≥ ⌊T/2⌋} x[t']`` — relative to the later half of the sequence
   (our choice of reference), for both measures.
 
-Sites: ``attn_out`` = ``blocks.l.hook_attn_out`` (the attention write), ``resid`` =
-``blocks.l.hook_resid_mid`` (the residual right after it; in a parallel block, GPT-NeoX/Pythia,
-``hook_resid_pre + hook_attn_out``: see :func:`~sinklens.origins.sites.after_attention_hooks`), and ``head`` = ``blocks.l.attn.hook_z``
+Sites: ``attn_out`` = ``blocks.l.hook_attn_out`` (the attention write; on a post-LN model, BERT, the write
+mapped through the LayerNorm that follows it: see :func:`~sinklens.origins.sites.attention_write_hooks`),
+``resid`` = ``blocks.l.hook_resid_mid`` (the residual right after it; in a parallel block, GPT-NeoX/Pythia,
+``hook_resid_pre + hook_attn_out``; post-LN: ``ln1``'s output; see
+:func:`~sinklens.origins.sites.after_attention_hooks`), and ``head`` = ``blocks.l.attn.hook_z``
 per head (``variance[l, h, t]`` over ``d_head``). Inputs are uniform random tokens without BOS by default.
 """
 
@@ -28,11 +30,11 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.hooks import ATTN_OUT, Z, hook_name, model_device, model_dims
+from sinklens.hooks import Z, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions, settings_from
 from sinklens.origins.preference import RandomInputs, stream_random
-from sinklens.origins.sites import after_attention_hooks
+from sinklens.origins.sites import after_attention_hooks, attention_write_hooks
 from sinklens.streaming import BatchFold, Reducer
 
 
@@ -126,9 +128,9 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
         self.n = 0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
-        hooks = after_attention_hooks(self.model, range(self.dims.n_layers), self.resid.add)
-        for layer in range(self.dims.n_layers):
-            hooks.append((hook_name(layer, ATTN_OUT), lambda act, hook, l=layer: self.attn.add(l, act)))
+        layers = range(self.dims.n_layers)
+        hooks = after_attention_hooks(self.model, layers, self.resid.add) + attention_write_hooks(self.model, layers, self.attn.add)
+        for layer in layers:
             hooks.append((hook_name(layer, Z), lambda act, hook, l=layer: self.head.add(l, act.transpose(1, 2))))
         return BatchFold(hooks)
 

@@ -26,9 +26,38 @@ N, T, SEED = 10, 6, 5
 OPTS = RunOptions(batch_size=4, progress=False)
 
 
+def _bert_reference(model, tokens: torch.Tensor) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Post-LN BERT, from the Hugging Face modules behind the bridge: per layer the residual after the attention
+    (the output of the LayerNorm of ``hidden + dense(context)``) and the attention write where it reaches it,
+    ``weight ⊙ (w − mean w) / sqrt(var(LayerNorm input) + eps)`` with ``w`` the dense output (bias included)."""
+    layers = model.original_model.bert.encoder.layer
+    got: dict[tuple[str, int], torch.Tensor] = {}
+    handles = []
+    for i, layer in enumerate(layers):
+        out = layer.attention.output
+        handles.append(out.dense.register_forward_hook(lambda m, a, o, i=i: got.__setitem__(("dense", i), o.detach())))
+        handles.append(out.LayerNorm.register_forward_hook(
+            lambda m, a, o, i=i: got.update({("ln_in", i): a[0].detach(), ("ln_out", i): o.detach()})))
+    try:
+        with torch.no_grad():
+            model.original_model(tokens)
+    finally:
+        for h in handles:
+            h.remove()
+    resid, writes = [], []
+    for i, layer in enumerate(layers):
+        norm, w = layer.attention.output.LayerNorm, got[("dense", i)]
+        s = (got[("ln_in", i)].var(-1, unbiased=False, keepdim=True) + norm.eps).sqrt()
+        resid.append(got[("ln_out", i)])
+        writes.append((w - w.mean(-1, keepdim=True)) / s * norm.weight.detach())
+    return resid, writes
+
+
 def _after_attention_reference(family: str, model, tokens: torch.Tensor) -> list[torch.Tensor]:
     """Per layer ``[N, T, d_model]``: the residual right after the attention write, computed without sinklens."""
     n_layers = model.cfg.n_layers
+    if family == "bert":
+        return _bert_reference(model, tokens)[0]
     if family == "neox" and TL4:
         assert "blocks.0.hook_resid_mid" not in model.hook_dict  # the premise: no such hook on a parallel block
         hf = zoo_hf_model(family)
@@ -56,7 +85,8 @@ def _after_attention_reference(family: str, model, tokens: torch.Tensor) -> list
 @pytest.mark.parametrize("family", FAMILIES)
 def test_after_attention_sites_match_an_independent_residual(family):
     """``attn l`` inter-sequence concentration (pairwise cosines) and the ``resid`` variance across
-    sequences equal those of the reference residual after attention, on every family."""
+    sequences equal those of the reference residual after attention, on every family; on post-LN BERT the
+    reference comes from the Hugging Face modules, and the ``attn_out`` variance is checked too."""
     try:
         model = zoo_model(family)
     except FamilyUnavailableError as err:
@@ -71,6 +101,10 @@ def test_after_attention_sites_match_an_independent_residual(family):
         torch.testing.assert_close(res.site(f"attn {layer}").inter, inter.float(), rtol=1e-4, atol=1e-5)
         var = x.double().var(dim=0, unbiased=False).mean(-1)
         torch.testing.assert_close(pd.resid_var[layer], var.float(), rtol=1e-4, atol=1e-9)
+    if family == "bert":  # post-LN: the attention write as it reaches the stream, not the 4.x hook_attn_out
+        for layer, w in enumerate(_bert_reference(model, tokens)[1]):
+            var = w.double().var(dim=0, unbiased=False).mean(-1)
+            torch.testing.assert_close(pd.attn_out_var[layer], var.float(), rtol=1e-4, atol=1e-9)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
