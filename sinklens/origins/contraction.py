@@ -34,7 +34,7 @@ For hidden states ``h[n, t]`` (sequence ``n``, position ``t``) at a site, ``û =
   ``activation_mean_at_zero`` = ``E[f(z)]``, ``z ~ N(0, 1)``, of the MLP nonlinearity ``f`` (the gate's,
   for gated MLPs), by the trapezoid rule on [-12, 12] — the asymmetry: 0 for an odd ``f``,
   ``1/(2√π) ≈ 0.2821`` for GELU, ``≈ 0.2066`` for SiLU, ``1/√(2π) ≈ 0.3989`` for ReLU.
-  Not measured (NaN, and ``mlp_skipped`` says why) for a mixture-of-experts MLP: its ``hook_post`` holds
+  Not measured (NaN, ``activation`` None, and ``mlp_skipped`` says why) for a mixture-of-experts MLP: its ``hook_post`` holds
   no per-neuron activations (the TransformerLens 4.x gpt-oss bridge fires it with the ``d_model`` output)
   and its experts' nonlinearity is not ``cfg.act_fn`` (gpt-oss: a clamped ``x·σ(1.702x)`` GLU).
 """
@@ -111,7 +111,7 @@ class ContractionResult:
     n_layers: int
     alignment: Float[Tensor, " vocab"]
     mlp_post_mean: Float[Tensor, " layer"]
-    activation: str
+    activation: str | None
     activation_mean_at_zero: float
     n_sequences: int
     prepend_bos: bool
@@ -300,8 +300,8 @@ class ContractionReducer(Reducer[ContractionResult]):
         act = activation_name(self.model)
         mlp_post_mean = (self.mlp_post / max(self.mlp_count, 1)).float().cpu()
         asymmetry = activation_mean_at_zero(act)
-        if self.mlp_skipped is not None:
-            mlp_post_mean, asymmetry = torch.full_like(mlp_post_mean, float("nan")), float("nan")
+        if self.mlp_skipped is not None:  # cfg.act_fn is not the experts' nonlinearity either: no name to report
+            mlp_post_mean, asymmetry, act = torch.full_like(mlp_post_mean, float("nan")), float("nan"), None
         return ContractionResult(
             sites=sites, n_layers=self.dims.n_layers, alignment=alignment, mlp_post_mean=mlp_post_mean,
             activation=act, activation_mean_at_zero=asymmetry, n_sequences=self.seen, prepend_bos=self.prepend_bos,
