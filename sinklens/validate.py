@@ -139,14 +139,15 @@ def choice(value: Any, options: Sequence[str], *, what: str) -> str:
     raise InvalidArgumentError(f"{what} must be one of {list(options)}, got {value!r}.{hint}")
 
 
-def writable_dir(path: Any, *, what: str) -> Path:
+def writable_dir(path: Any, *, what: str, create: bool = True) -> Path:
     """A folder that exists or can be created, and that we can write into; checked before any work.
 
-    Creates the folder (and parents) if needed. Raises :class:`~sinklens.errors.OutputNotWritableError`
-    naming the path otherwise. ``''`` is rejected rather than read as the current directory.
+    Creates the folder (and parents) if needed; with ``create=False`` only checks that it could be (its
+    nearest existing ancestor is a writable folder), so a command refused later leaves no empty folder
+    behind (the writers create it). Raises :class:`~sinklens.errors.OutputNotWritableError` naming the
+    path otherwise. ``''`` is rejected rather than read as the current directory.
     """
     import os
-
 
     from sinklens.errors import OutputNotWritableError
 
@@ -155,6 +156,14 @@ def writable_dir(path: Any, *, what: str) -> Path:
     folder = Path(path).expanduser()
     if folder.exists() and not folder.is_dir():
         raise OutputNotWritableError(f"{what} {str(folder)!r} exists and is not a folder.")
+    if not create:
+        existing = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+        if not existing.is_dir():
+            raise OutputNotWritableError(f"{what} {str(folder)!r} cannot be created: {str(existing)!r} is not a folder.")
+        if not os.access(existing, os.W_OK | os.X_OK):
+            raise OutputNotWritableError(f"{what} {str(folder)!r} " + (
+                "is not writable." if existing == folder.absolute() else f"cannot be created: {str(existing)!r} is not writable."))
+        return folder
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -165,9 +174,8 @@ def writable_dir(path: Any, *, what: str) -> Path:
 
 
 def writable_file(path: Any, *, what: str) -> Path:
-    """A file path whose folder exists (or can be created) and is writable, and that is not a folder."""
-
-
+    """A file path whose folder exists (or can be created) and is writable, and that is not a folder;
+    nothing is created (the writer creates the folder)."""
     from sinklens.errors import OutputNotWritableError
 
     if path is None or str(path).strip() == "":
@@ -175,7 +183,7 @@ def writable_file(path: Any, *, what: str) -> Path:
     file = Path(path).expanduser()
     if file.is_dir():
         raise OutputNotWritableError(f"{what} {str(file)!r} is a folder; give a file path.")
-    writable_dir(file.parent if str(file.parent) else ".", what=f"the folder of {what}")
+    writable_dir(file.parent if str(file.parent) else ".", what=f"the folder of {what}", create=False)
     if file.exists():
         import os
 

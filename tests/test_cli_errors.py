@@ -147,6 +147,23 @@ def test_other_commands_map_errors_to_one_line(files, tmp_path, make_args, code,
         assert word in done.stderr
 
 
+@pytest.mark.parametrize("command", [
+    ["origins", "--sequences", "1"],
+    ["intervene", "--method", "self-only", "--position", "2", "--model", "./no/such/model"],
+    ["intervene", "--method", "self-only", "--position", "2", "--json", "{out}/result.json", "--model", "./no/such/model"],
+], ids=["origins-bad-sequences", "intervene-missing-model", "intervene-json-folder"])
+def test_a_refused_command_leaves_no_out_folder(tmp_path, capsys, command):
+    """A refusal found after ``--out`` (or ``--json``'s folder) was checked creates no folder: the check only
+    asks whether it could be created."""
+    out = tmp_path / "new" / "out"
+    args = [arg.replace("{out}", str(out)) for arg in command]
+    if "--json" not in args:
+        args += ["--out", str(out)]
+    assert main(args) in (EXIT_USAGE, EXIT_FAILURE)
+    assert "Traceback" not in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize(
     ("args", "env"),
     [

@@ -101,7 +101,7 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
     if args.json:
         writable_file(args.json, what="--json")
     if args.out:
-        writable_dir(args.out, what="--out")
+        writable_dir(args.out, what="--out", create=False)
     return entry
 
 

@@ -41,7 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.origins import contraction, positional_discrepancy, token_preference
     from sinklens.validate import positive_int, writable_dir
 
-    out = writable_dir(args.out, what="--out")
+    out = writable_dir(args.out, what="--out", create=False)
     positive_int(args.sequences, what="--sequences", minimum=2)
     positive_int(args.seq_len, what="--seq-len", minimum=2)
     start = time.perf_counter()
