@@ -6,7 +6,9 @@ used to read ``ln1`` there and report it as "the input layernorm (what queries, 
 ``sink_inputs`` read ``ln2``, the norm after the MLP. Here the reference is the input the plain Hugging Face
 attention and MLP modules receive (forward pre-hooks on the model behind the bridge, its own forward; under
 TransformerLens 3.x the block's own ``ln1`` module applied to ``hook_resid_pre``), with every norm's gain and
-bias perturbed so that before and after the gain differ.
+bias perturbed so that before and after the gain differ. A TransformerLens 3.x ``HookedEncoder`` (whose
+``hook_attn_out`` and ``hook_resid_mid`` fire *before* ``ln1``, unlike the 4.x bridge's) is checked against its
+own cache.
 """
 
 from __future__ import annotations
@@ -135,3 +137,56 @@ def test_weight_ranking_refuses_a_mixture_of_experts(family):
     model = _model(family)
     with pytest.raises(UnsupportedArchitectureError, match="mixture of experts"):
         super_neurons_from_weights(model)
+
+
+def _tl3_encoder():
+    """A TransformerLens 3.x ``HookedEncoder`` (post-LN BERT blocks) built from a config, with seeded weights
+    (3.x leaves a config-built encoder's parameters uninitialised) and non-trivial LayerNorm gains and biases.
+    Under 3.x its ``hook_attn_out`` is the raw attention write and ``hook_resid_mid`` is ``resid_pre`` plus it,
+    before ``ln1``: the opposite of the 4.x bridge, which fires both after a LayerNorm."""
+    import warnings
+
+    from transformer_lens import HookedEncoder, HookedTransformerConfig
+
+    cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_heads=4, d_head=4, d_mlp=32, n_ctx=64, d_vocab=64,
+                                  act_fn="gelu", normalization_type="LN", original_architecture="BertForMaskedLM")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # 3.x points encoder users to 4.x
+        model = HookedEncoder(cfg, move_to_device=False)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".ln" in f".{name}":
+                p.copy_((1.0 if name.endswith(".w") else 0.0) + 0.5 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() > 1 else 0.05))
+    return model.eval()
+
+
+@pytest.mark.skipif(TL4, reason="TransformerLens 3.x HookedEncoder (the 4.x bridge's BERT is checked above)")
+def test_tl3_encoder_reads_the_post_ln_sites():
+    """On a 3.x ``HookedEncoder``: normalised disparity reads ``embed.ln`` / the previous ``ln2`` (whose outputs are
+    ``hook_resid_pre``); positional discrepancy's attention write is ``ln1.w ⊙ C(hook_attn_out) / ln1.hook_scale``
+    and its residual after attention is ``ln1``'s output, computed here from the model's own cache."""
+    from sinklens.inputs import random_token_batches
+    from sinklens.origins.positional import positional_discrepancy
+
+    model = _tl3_encoder()
+    tokens = _tokens(model)
+    nd = normalized_disparity(model, tokens, sink_position=SINK, options=OPTS.replace(prepend_bos=False))
+    assert nd.norms == ["embed.ln", "blocks.0.ln2"]
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    for layer in nd.layers:
+        expected = _ratio(cache[f"blocks.{layer}.hook_resid_pre"])[:, SINK].mean(0)
+        torch.testing.assert_close(nd.ratio_sink_after_gain[layer].double(), expected, rtol=1e-4, atol=1e-4)
+    pd = positional_discrepancy(model, n_sequences=8, seq_len=6, seed=3)
+    tokens = torch.cat([b.tokens for b in random_token_batches(model, n_sequences=8, seq_len=6, batch_size=8, seed=3)])
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    for layer, block in enumerate(model.blocks):
+        w, s = cache[f"blocks.{layer}.hook_attn_out"].double(), cache[f"blocks.{layer}.ln1.hook_scale"].double()
+        write = (w - w.mean(-1, keepdim=True)) / s * block.ln1.w.detach().double()
+        torch.testing.assert_close(pd.attn_out_var[layer].double(), write.var(0, unbiased=False).mean(-1), rtol=1e-4, atol=1e-9)
+        after = block.ln1(cache[f"blocks.{layer}.hook_resid_mid"]).detach().double()
+        torch.testing.assert_close(pd.resid_var[layer].double(), after.var(0, unbiased=False).mean(-1), rtol=1e-4, atol=1e-9)
