@@ -149,7 +149,8 @@ def _tl3_encoder():
     from transformer_lens import HookedEncoder, HookedTransformerConfig
 
     cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_heads=4, d_head=4, d_mlp=32, n_ctx=64, d_vocab=64,
-                                  act_fn="gelu", normalization_type="LN", original_architecture="BertForMaskedLM")
+                                  act_fn="gelu", normalization_type="LN", original_architecture="BertForMaskedLM",
+                                  attention_dir="bidirectional")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)  # 3.x points encoder users to 4.x
         model = HookedEncoder(cfg, move_to_device=False)
@@ -190,3 +191,32 @@ def test_tl3_encoder_reads_the_post_ln_sites():
         torch.testing.assert_close(pd.attn_out_var[layer].double(), write.var(0, unbiased=False).mean(-1), rtol=1e-4, atol=1e-9)
         after = block.ln1(cache[f"blocks.{layer}.hook_resid_mid"]).detach().double()
         torch.testing.assert_close(pd.resid_var[layer].double(), after.var(0, unbiased=False).mean(-1), rtol=1e-4, atol=1e-9)
+
+
+@pytest.mark.skipif(TL4, reason="TransformerLens 3.x HookedEncoder: an encoder whose attention hooks run in order")
+def test_tl3_encoder_query_key_locking_counts_queries_on_both_sides_of_the_sink():
+    """Query–key locking's encoder branch: every position other than the sink queries it, those before it too.
+    Checked against the cache (``hook_q``, ``hook_k``, pre-softmax ``hook_attn_scores``) with the sink inside the
+    sequence, so queries on both sides count."""
+    from sinklens.analysis.qk_locking import query_key_locking
+
+    model = _tl3_encoder()
+    tokens = _tokens(model)
+    sink = 3
+    got = query_key_locking(model, tokens, sink_position=sink, options=OPTS.replace(prepend_bos=False))
+    with torch.no_grad():
+        _, cache = model.run_with_cache(tokens)
+    queries = torch.arange(tokens.shape[1]) != sink  # an encoder: every other position sees the sink
+    for layer in got.layers:
+        q = cache[f"blocks.{layer}.attn.hook_q"].double()[:, queries]  # [batch, query, head, d_head]
+        k_sink = torch.nn.functional.normalize(cache[f"blocks.{layer}.attn.hook_k"].double()[:, sink], dim=-1)
+        energy = torch.einsum("bqhd,bhd->bqh", q, k_sink).square().sum((0, 1)) / q.square().sum((0, 1, 3))
+        torch.testing.assert_close(got.key_query_energy[layer].double(), energy, rtol=1e-4, atol=1e-6)
+        scores = cache[f"blocks.{layer}.attn.hook_attn_scores"].double()[:, :, queries]  # [batch, head, query, key]
+        to_sink = scores[..., sink]
+        others = torch.cat([scores[..., :sink], scores[..., sink + 1:]], dim=-1)
+        torch.testing.assert_close(got.mean_score_sink[layer].double(), to_sink.mean((0, 2)), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.pos_share_sink[layer].double(), (to_sink > 0).double().mean((0, 2)), rtol=0, atol=1e-6)
+        torch.testing.assert_close(got.mean_score_other[layer].double(), others.mean((0, 2, 3)), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got.pos_share_other[layer].double(), (others > 0).double().mean((0, 2, 3)), rtol=0, atol=1e-6)
+    assert got.n_queries == tokens.shape[0] * (tokens.shape[1] - 1)
