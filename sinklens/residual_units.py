@@ -37,7 +37,6 @@ Examples:
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -223,14 +222,14 @@ EMBED_NORMS: tuple[str, ...] = ("embed_ln", "embed.ln")
 def _hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
     """Run ``module`` without the forward hooks on it and its submodules (a probe must not reach a reducer's hook
     functions: sinklens keeps its hook trampolines attached between batches)."""
-    saved = [(m, m._forward_hooks, m._forward_pre_hooks) for m in module.modules()]
+    saved = [(table, dict(table)) for m in module.modules() for table in (m._forward_hooks, m._forward_pre_hooks) if table]
     try:
-        for m, _, _ in saved:
-            m._forward_hooks, m._forward_pre_hooks = OrderedDict(), OrderedDict()
+        for table, _ in saved:
+            table.clear()  # emptied in place: no module attribute is set (a bridge re-collects aliases on that)
         yield
     finally:
-        for m, hooks, pre_hooks in saved:
-            m._forward_hooks, m._forward_pre_hooks = hooks, pre_hooks
+        for table, hooks in saved:
+            table.update(hooks)
 
 
 def _probed_norm(model: Any, path: str) -> dict[str, Any]:
