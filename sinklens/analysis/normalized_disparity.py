@@ -118,8 +118,8 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
         self.sink, self.d_model = sink_position_arg(sink_position), d.d_model
         self.device = model_device(model)
         self.maps = {layer: input_norm(model, layer, "attn") for layer in self.layers}
-        paths = {m.path == f"blocks.{m.layer}.ln1" for m in self.maps.values()}
-        self.site = "ln1.hook_normalized" if paths == {True} else "post-LN: " + ", ".join(
+        pre_norm = all(m.path == f"blocks.{m.layer}.ln1" for m in self.maps.values())
+        self.site = "ln1.hook_normalized" if pre_norm else "post-LN: " + ", ".join(
             f"layer {layer} reads {m.path}" for layer, m in self.maps.items())
         self.reset()
 
