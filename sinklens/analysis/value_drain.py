@@ -67,7 +67,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from sinklens.analysis._common import SettingsFields, check_sink_position, row_index, run_analyzer
-from sinklens.analysis.variance import attention_output_grams, post_attention_map
+from sinklens.analysis.variance import attention_output_grams, post_attention_scale_hooks
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, V, model_device, model_dims, resolve_layers
@@ -228,7 +228,8 @@ def _quad_norm(v: Float[Tensor, "batch key head d_head"], gram: Float[Tensor, "h
 
 
 class ValueDrainReducer(Reducer[ValueDrain]):
-    """Streams ``hook_v``, ``hook_pattern`` (and the post-attention norm's ``hook_scale`` on post-norm layers) into a :class:`ValueDrain`.
+    """Streams ``hook_v``, ``hook_pattern`` (and the post-attention norm's ``hook_scale`` on post-norm layers) into a
+    :class:`ValueDrain`.
 
     Per layer it keeps float64 sums over the counted queries (``Σ A[q, p]``, ``Σ write[q, p]``, the total
     write, the other keys' write and attention and their pair count, the query count) and over keys
@@ -244,9 +245,8 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.device = model_device(model)
         self.visibility = attention_visibility(model)
-        norms = {layer: post_attention_map(model, layer) for layer in self.layers}
-        self.post_norm = [layer for layer, norm in norms.items() if norm is not None]
-        self.scale_hooks = [norms[layer].scale_hook for layer in self.post_norm]
+        self.scale_hooks = post_attention_scale_hooks(model, self.layers)
+        self.post_norm = list(self.scale_hooks)
         # ‖v W_O[h]‖² = v G vᵀ with G = W_O[h] W_O[h]ᵀ; in residual units W_O[h] diag(g) takes W_O[h]'s place.
         gram, gram_res = attention_output_grams(model, self.layers)  # [layer, head, d_head, d_head], float64
         self.gram, self.gram_res = gram.to(self.device).float(), gram_res.to(self.device).float()
@@ -286,7 +286,7 @@ class ValueDrainReducer(Reducer[ValueDrain]):
             return fold
 
         hooks = per_layer_hooks(V, self.layers, keep("v")) + per_layer_hooks(PATTERN, self.layers, keep("pattern"))
-        hooks += bound_hooks(self.scale_hooks, self.post_norm, keep("scale"))
+        hooks += bound_hooks(list(self.scale_hooks.values()), self.post_norm, keep("scale"))
         return BatchFold(hooks, state=waiting)
 
     def _fold_layer(self, layer: int, acts: dict[str, Tensor], valid: Tensor) -> None:

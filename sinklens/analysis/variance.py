@@ -119,8 +119,6 @@ from sinklens.validate import choice
 
 Site = Literal["z", "z_seq", "result", "result_pre_norm", "attn_out", "feature_std", "feature_std_head"]
 
-#: Scale hook of the post-attention norm (Gemma 2/3: before the residual add), relative to ``blocks.{l}``.
-
 #: Where each number of :class:`VarianceResult` comes from (written into ``to_dict`` and summary rows).
 SOURCES = {
     "z_var": "sinklens: variance across (sequence, position) around the overall mean, per position",
@@ -149,6 +147,13 @@ def post_attention_map(model: Any, layer: int) -> NormMap | None:
             "sinklens maps head outputs through RMS post-norms, and through the LayerNorm of a post-LN block."
         )
     return norm
+
+
+def post_attention_scale_hooks(model: Any, layers: Sequence[int]) -> dict[int, str]:
+    """``{layer: hook}``: the ``hook_scale`` of each layer's post-attention norm (:func:`post_attention_map`);
+    layers without one are left out."""
+    norms = {layer: post_attention_map(model, layer) for layer in layers}
+    return {layer: norm.scale_hook for layer, norm in norms.items() if norm is not None}
 
 
 def post_attention_gain(model: Any, layer: int) -> Float[Tensor, " d_model"] | None:
@@ -441,8 +446,8 @@ class VarianceResult:
 
 
 class VarianceReducer(Reducer[VarianceResult]):
-    """Streams ``hook_v``, ``hook_pattern``, ``hook_z``, ``hook_attn_out`` (and the post-attention norm's ``hook_scale`` on
-    post-norm layers) into a :class:`VarianceResult`.
+    """Streams ``hook_v``, ``hook_pattern``, ``hook_z``, ``hook_attn_out`` (and the post-attention norm's
+    ``hook_scale`` on post-norm layers) into a :class:`VarianceResult`.
 
     Per layer it keeps (float64, positions grown to the longest batch seen): ``Σ z`` per
     (head, position, coordinate), ``Σ |z|²`` and ``Σ |z W_O|²`` per (head, position), ``Σ attn_out``
@@ -450,7 +455,8 @@ class VarianceReducer(Reducer[VarianceResult]):
     position), ``Σ v``, ``Σ |v|²`` per (kv head, coordinate) pooled over positions, and Li et al.'s
     ``Σ_b std`` per (head, position) and per position. ``Σ z W_O`` is not stored: it is ``(Σ z) W_O``,
     applied at :meth:`result` time. On a post-norm layer ``z`` waits in the batch's fold state until
-    the post-attention norm's ``hook_scale`` fires (``ln1_post``; post-LN: ``ln1``), and ``Σ z/s``, ``Σ |(z/s) W_O ⊙ g|²`` are kept as well.
+    the post-attention norm's ``hook_scale`` fires (``ln1_post``; post-LN: ``ln1``), and ``Σ z/s``,
+    ``Σ |(z/s) W_O ⊙ g|²`` are kept as well.
     """
 
     statistics = ("z_s1", "z_s2", "r_s2", "zs_s1", "rs_s2", "fs_head", "fs_all", "a_sq", "o_s1", "o_s2", "n", "v_s1",
@@ -462,9 +468,8 @@ class VarianceReducer(Reducer[VarianceResult]):
         self.layers = resolve_layers(layers, dims.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.device = model_device(model)
-        norms = {layer: post_attention_map(model, layer) for layer in self.layers}
-        self.post_norm = [layer for layer, norm in norms.items() if norm is not None]
-        self.scale_hooks = [norms[layer].scale_hook for layer in self.post_norm]
+        self.scale_hooks = post_attention_scale_hooks(model, self.layers)
+        self.post_norm = list(self.scale_hooks)
         # Gram matrices of W_O and of the residual-unit output map M = C(W_O) diag(g) (W_O without a post-norm).
         self.gram, self.gram_res = (g.to(self.device) for g in attention_output_grams(model, self.layers))
         self.gram32 = self.gram.float()
@@ -553,7 +558,7 @@ class VarianceReducer(Reducer[VarianceResult]):
 
         sites = ((V, fold_v), (PATTERN, fold_pattern), (Z, fold_z), (ATTN_OUT, fold_attn_out))
         hooks = [hook for site, fold in sites for hook in per_layer_hooks(site, self.layers, fold)]
-        hooks += bound_hooks(self.scale_hooks, self.post_norm, fold_scale)
+        hooks += bound_hooks(list(self.scale_hooks.values()), self.post_norm, fold_scale)
         return BatchFold(hooks, state=w)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:

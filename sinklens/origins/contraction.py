@@ -34,9 +34,9 @@ For hidden states ``h[n, t]`` (sequence ``n``, position ``t``) at a site, ``û =
   ``activation_mean_at_zero`` = ``E[f(z)]``, ``z ~ N(0, 1)``, of the MLP nonlinearity ``f`` (the gate's,
   for gated MLPs), by the trapezoid rule on [-12, 12] — the asymmetry: 0 for an odd ``f``,
   ``1/(2√π) ≈ 0.2821`` for GELU, ``≈ 0.2066`` for SiLU, ``1/√(2π) ≈ 0.3989`` for ReLU.
-  Not measured (NaN, ``activation`` None, and ``mlp_skipped`` says why) for a mixture-of-experts MLP: its ``hook_post`` holds
-  no per-neuron activations (the TransformerLens 4.x gpt-oss bridge fires it with the ``d_model`` output)
-  and its experts' nonlinearity is not ``cfg.act_fn`` (gpt-oss: a clamped ``x·σ(1.702x)`` GLU).
+  Not measured (NaN, ``activation`` None, and ``mlp_skipped`` says why) for a mixture-of-experts MLP: its
+  ``hook_post`` holds no per-neuron activations (the TransformerLens 4.x gpt-oss bridge fires it with the
+  ``d_model`` output) and its experts' nonlinearity is not ``cfg.act_fn`` (gpt-oss: a clamped ``x·σ(1.702x)`` GLU).
 """
 
 from __future__ import annotations
