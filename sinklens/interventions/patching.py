@@ -31,12 +31,12 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from sinklens.analysis.attention import AttentionReceivedReducer
-from sinklens.errors import InvalidArgumentError
-from sinklens.hooks import ATTN_OUT, MLP_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, model_dims
+from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
+from sinklens.hooks import ATTN_OUT, MLP_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, model_dims, silent_hooks
 from sinklens.inputs import Inputs, TokenBatch, as_batches
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, heads_arg, layers_arg, positions_arg
 from sinklens.options import RunOptions
-
+from sinklens.residual_units import post_ln_reason
 from sinklens.validate import choice, index
 
 PatchSite = Literal["resid_pre", "resid_mid", "attn_out", "mlp_out", "z", "z_pos"]
@@ -65,6 +65,32 @@ _SITES: dict[str, tuple[str, PatchSetter, tuple[str, ...]]] = {
     "z": (Z, _set_head, ("head",)),
     "z_pos": (Z, _set_pos_head, ("pos", "head")),
 }
+
+
+def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, str]:
+    """The hook that carries ``site`` in each of ``layers``, where patching one position patches what the site names.
+
+    That is ``blocks.{l}.hook_{site}``, except for the attention write of a post-LN block (BERT): the
+    TransformerLens 4.x bridge fires ``hook_attn_out`` with ``ln1(resid_pre + write)``, the residual included, so
+    ``"attn_out"`` (``z·W_O + b_O`` at each position) is patched at ``attn.hook_z``, all heads at once (3.x's
+    ``HookedEncoder`` fires the write itself there: same numbers). The same bridge fires ``hook_resid_mid`` at
+    ``ln2``'s input, after the MLP; patching a position there equals patching it right after the attention,
+    since ``ln1``, the MLP and ``ln2`` each act on one position at a time. A parallel block (GPT-NeoX/Pythia)
+    has no residual between its attention and its MLP: ``"resid_mid"`` is refused there with
+    :class:`~sinklens.errors.UnsupportedArchitectureError`.
+    """
+    hook_site = _SITES[site][0]
+    if site == "attn_out" and post_ln_reason(model) is not None:
+        return {layer: hook_name(layer, Z) for layer in layers}
+    names = {layer: hook_name(layer, hook_site) for layer in layers}
+    if site == "resid_mid" and (any(n not in model.hook_dict for n in names.values())
+                                or silent_hooks(model, [names[layers[0]]])):
+        raise UnsupportedArchitectureError(
+            f"site 'resid_mid': this model's blocks have no residual between attention and MLP ({names[layers[0]]} "
+            "is missing or never runs): in a parallel block (GPT-NeoX/Pythia, GPT-J) both read hook_resid_pre. "
+            "Patch 'attn_out', 'mlp_out' or 'resid_pre' instead.")
+    return names
+
 
 @dataclass
 class SinkPatchResult:
@@ -149,7 +175,8 @@ def patch_sink(
         hooks: the intervention (any ``(hook_name, fn)`` list).
         target: the position whose received attention is measured.
         site: ``"resid_pre"``/``"resid_mid"``/``"attn_out"``/``"mlp_out"`` (by layer × position),
-            ``"z"`` (by layer × head, all positions) or ``"z_pos"`` (layer × position × head).
+            ``"z"`` (by layer × head, all positions) or ``"z_pos"`` (layer × position × head); the hook each is
+            patched at, per architecture, is :func:`patch_hook_names`'s.
         layers, positions, heads: restrict the components patched (default all) — each patch is
             one forward pass, so restrict on large models.
         metric_layers: layers the metric averages over (default all).
@@ -164,7 +191,7 @@ def patch_sink(
     if legacy:
         raise InvalidArgumentError(f"patch_sink has no option {sorted(legacy)[0]!r}.")
     site = choice(site, sorted(_SITES), what="site")
-    hook_site, setter, axes = _SITES[site]
+    _, setter, axes = _SITES[site]
     dims = model_dims(model)
     batches = as_batches(model, tokens, batch_size=10**9, prepend_bos=options.prepend_bos, max_length=options.max_length)
     (batch,) = batches
@@ -184,7 +211,8 @@ def patch_sink(
     if "head" in axes:
         coords["head"] = list(range(dims.n_heads)) if heads is None else heads_arg(heads, dims.n_heads)
     metric_layers = layers_arg(metric_layers, dims.n_layers)
-    names = [hook_name(layer, hook_site) for layer in coords["layer"]]
+    patch_names = patch_hook_names(model, site, coords["layer"])
+    names = sorted(set(patch_names.values()))
     check_hook_names(model, names + [name for name, _ in hooks])
 
     reducer = AttentionReceivedReducer(model, layers=metric_layers, min_query=target + 1)
@@ -215,7 +243,7 @@ def patch_sink(
         for cell in tqdm(grid, desc="patch", disable=not options.progress, leave=False):
             layer = coords["layer"][cell[0]]
             idx = tuple(coords[a][i] for a, i in zip(axes, cell[1:]))
-            name = hook_name(layer, hook_site)
+            name = patch_names[layer]
 
             def patch(act: Tensor, hook: Any, name: str = name, idx: tuple[int, ...] = idx) -> Tensor:
                 out = act.clone()

@@ -23,7 +23,7 @@ from sinklens.options import RunOptions
 from sinklens.residual_units import input_norm
 from sinklens.testing.zoo import FAMILIES, MOE_FAMILIES, FamilyUnavailableError, zoo_model
 
-from _zoo_reference import TL4
+from _zoo_reference import TL4, tl3_encoder
 
 pytestmark = pytest.mark.models
 
@@ -139,31 +139,6 @@ def test_weight_ranking_refuses_a_mixture_of_experts(family):
         super_neurons_from_weights(model)
 
 
-def _tl3_encoder():
-    """A TransformerLens 3.x ``HookedEncoder`` (post-LN BERT blocks) built from a config, with seeded weights
-    (3.x leaves a config-built encoder's parameters uninitialised) and non-trivial LayerNorm gains and biases.
-    Under 3.x its ``hook_attn_out`` is the raw attention write and ``hook_resid_mid`` is ``resid_pre`` plus it,
-    before ``ln1``: the opposite of the 4.x bridge, which fires both after a LayerNorm."""
-    import warnings
-
-    from transformer_lens import HookedEncoder, HookedTransformerConfig
-
-    cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_heads=4, d_head=4, d_mlp=32, n_ctx=64, d_vocab=64,
-                                  act_fn="gelu", normalization_type="LN", original_architecture="BertForMaskedLM",
-                                  attention_dir="bidirectional")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # 3.x points encoder users to 4.x
-        model = HookedEncoder(cfg, move_to_device=False)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".ln" in f".{name}":
-                p.copy_((1.0 if name.endswith(".w") else 0.0) + 0.5 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() > 1 else 0.05))
-    return model.eval()
-
-
 @pytest.mark.skipif(TL4, reason="TransformerLens 3.x HookedEncoder (the 4.x bridge's BERT is checked above)")
 def test_tl3_encoder_reads_the_post_ln_sites():
     """On a 3.x ``HookedEncoder``: normalised disparity reads ``embed.ln`` / the previous ``ln2`` (whose outputs are
@@ -172,7 +147,7 @@ def test_tl3_encoder_reads_the_post_ln_sites():
     from sinklens.inputs import random_token_batches
     from sinklens.origins.positional import positional_discrepancy
 
-    model = _tl3_encoder()
+    model = tl3_encoder()
     tokens = _tokens(model)
     nd = normalized_disparity(model, tokens, sink_position=SINK, options=OPTS.replace(prepend_bos=False))
     assert nd.norms == ["embed.ln", "blocks.0.ln2"]
@@ -200,7 +175,7 @@ def test_tl3_encoder_query_key_locking_counts_queries_on_both_sides_of_the_sink(
     sequence, so queries on both sides count."""
     from sinklens.analysis.qk_locking import query_key_locking
 
-    model = _tl3_encoder()
+    model = tl3_encoder()
     tokens = _tokens(model)
     sink = 3
     got = query_key_locking(model, tokens, sink_position=sink, options=OPTS.replace(prepend_bos=False))
