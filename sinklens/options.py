@@ -123,3 +123,29 @@ def no_unknown_kwargs(kwargs: dict[str, Any], where: str) -> None:
     """Raise ``TypeError`` like Python does if keywords are left over after the deprecated ones were popped."""
     if kwargs:
         raise TypeError(f"{where}() got unexpected keyword arguments {sorted(kwargs)}.")
+
+
+def options_from_legacy(options: RunOptions, kwargs: dict[str, Any], where: str, *, last: bool = True,
+                        stacklevel: int = 3) -> RunOptions:
+    """``options`` with any sinklens-0.1 run keywords (``batch_size=``, ``progress=``, ..., any field of
+    :class:`RunOptions`) popped from ``kwargs`` folded in, with a :class:`DeprecationWarning` (attributed
+    ``stacklevel`` frames up: 3 = the caller of the public function that calls this). With ``last`` no other
+    keyword may be left (:func:`no_unknown_kwargs`).
+
+    Examples:
+        >>> import warnings
+        >>> kwargs = {"batch_size": 2, "top_k": 5}
+        >>> with warnings.catch_warnings(record=True) as caught:
+        ...     warnings.simplefilter("always")
+        ...     opts = options_from_legacy(RunOptions(), kwargs, "demo", last=False)
+        >>> opts.batch_size, kwargs, str(caught[0].message)
+        (2, {'top_k': 5}, 'demo(batch_size=) is deprecated; pass options=RunOptions(...).')
+    """
+    legacy = {f.name: kwargs.pop(f.name) for f in dataclasses.fields(RunOptions) if f.name in kwargs}
+    if last:
+        no_unknown_kwargs(kwargs, where)
+    if not legacy:
+        return options
+    warnings.warn(f"{where}({', '.join(f'{k}=' for k in legacy)}) is deprecated; pass options=RunOptions(...).",
+                  DeprecationWarning, stacklevel=stacklevel)
+    return options.replace(**legacy)

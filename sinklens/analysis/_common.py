@@ -14,7 +14,7 @@ from torch import Tensor
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import RESID_POST, RESID_PRE, hook_name
 from sinklens.inputs import TokenBatch
-from sinklens.options import no_unknown_kwargs, settings_from  # noqa: F401  (re-exported for the analyzers)
+from sinklens.options import no_unknown_kwargs, options_from_legacy, settings_from  # noqa: F401  (re-exported for the analyzers)
 from sinklens.streaming import run
 from sinklens.validate import optional_index_list, positive_int
 
@@ -179,24 +179,6 @@ def renamed(kwargs: dict[str, Any], old: str, new: str, value: Any, default: Any
             raise InvalidArgumentError(f"Got both {new}={value!r} and its deprecated name {old}={old_value!r}.")
         return old_value
     return value
-
-
-_RUN_FIELDS = ("batch_size", "prepend_bos", "max_length", "extra_hooks", "progress", "device", "desc")
-
-
-def options_from_legacy(options: Any, kwargs: dict[str, Any], where: str, *, last: bool = True,
-                        stacklevel: int = 3) -> Any:
-    """``options`` with any sinklens-0.1 run keywords (``batch_size=``, ``progress=``, ...) popped from
-    ``kwargs`` folded in, with a :class:`DeprecationWarning` (attributed ``stacklevel`` frames up: 3 = the
-    caller of the public function that calls this). With ``last`` no other keyword may be left."""
-    legacy = {name: kwargs.pop(name) for name in _RUN_FIELDS if name in kwargs}
-    if last:
-        no_unknown_kwargs(kwargs, where)
-    if not legacy:
-        return options
-    warnings.warn(f"{where}({', '.join(f'{k}=' for k in legacy)}) is deprecated; pass options=RunOptions(...).",
-                  DeprecationWarning, stacklevel=stacklevel)
-    return options.replace(**legacy)
 
 
 def run_analyzer(

@@ -34,7 +34,7 @@ from sinklens.hooks import RESID_POST, model_dims
 from sinklens.inputs import Inputs, TokenBatch, as_batches, right_align
 from sinklens.interventions import registry
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, layers_arg
-from sinklens.options import RunOptions
+from sinklens.options import RunOptions, options_from_legacy
 from sinklens.streaming import BatchFold, Reducer, forward, per_layer_hooks, stream
 from sinklens.validate import index, index_list
 
@@ -80,21 +80,6 @@ def intervention_hooks(
     if entry.sink_option and entry.sink_option not in options:
         options[entry.sink_option] = sink
     return entry.name, entry(model, positions=positions, layers=layers, **options)
-
-
-_LEGACY_OPTIONS = ("batch_size", "prepend_bos", "progress", "max_length")
-
-
-def _options_with_legacy(options: RunOptions, kw: dict[str, Any], where: str) -> RunOptions:
-    """Move 0.1 keywords (``batch_size=``, ``prepend_bos=``, ``progress=``) out of ``kw`` into ``options``, warning."""
-    legacy = {k: kw.pop(k) for k in _LEGACY_OPTIONS if k in kw}
-    if not legacy:
-        return options
-    warnings.warn(
-        f"{where}({', '.join(f'{k}=' for k in legacy)}) is deprecated; pass options=RunOptions(...).",
-        DeprecationWarning, stacklevel=3,
-    )
-    return options.replace(**legacy)
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -372,7 +357,7 @@ def measure_intervention(
         options: batching and progress (:class:`~sinklens.options.RunOptions`); its ``extra_hooks``
             run in both the clean and the intervened run.
     """
-    options = _options_with_legacy(options, legacy, "measure_intervention")
+    options = options_from_legacy(options, legacy, "measure_intervention", last=False)
     if legacy:
         raise InvalidArgumentError(f"measure_intervention has no option {sorted(legacy)[0]!r}.")
     dims_m = model_dims(model)
@@ -421,7 +406,7 @@ def create_sink(
         >>> res.method, res.received_before.shape, len(res.to_dict()["after"])
         ('self_only', torch.Size([2, 4]), 2)
     """
-    options = _options_with_legacy(options, method_options, "create_sink")
+    options = options_from_legacy(options, method_options, "create_sink", last=False)
     position = index(position, model_dims(model).n_ctx, what="position", allow_negative=False)
     sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
     name, hooks = _hooks_for(model, method, "create", position, layers, sink, dims, method_options)
@@ -460,7 +445,7 @@ def remove_sink(
     ``"edit_neurons"`` (0.1: ``"ablate_neurons"``; zero ``neurons=`` at the sink in the given
     ``layers=``, which are required).
     """
-    options = _options_with_legacy(options, method_options, "remove_sink")
+    options = options_from_legacy(options, method_options, "remove_sink", last=False)
     sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
     name, hooks = _hooks_for(model, method, "remove", sink, layers, sink, dims, method_options)
     return measure_intervention(
@@ -489,7 +474,7 @@ def sweep(
     ``layers`` (the intervened set as a list, ``None`` = all), ``alpha`` and the per-layer numbers
     of :meth:`InterventionResult.rows`. ``options.progress`` shows a bar over configurations.
     """
-    options = _options_with_legacy(options, method_options, "sweep")
+    options = options_from_legacy(options, method_options, "sweep", last=False)
     dims_m = model_dims(model)
     positions = index_list(positions, dims_m.n_ctx, what="position", allow_negative=False)
     sink = index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)

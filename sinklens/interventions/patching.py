@@ -35,7 +35,7 @@ from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.hooks import ATTN_OUT, MLP_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, model_dims, silent_hooks
 from sinklens.inputs import Inputs, TokenBatch, as_batches
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, heads_arg, layers_arg, positions_arg
-from sinklens.options import RunOptions
+from sinklens.options import RunOptions, options_from_legacy
 from sinklens.residual_units import post_ln_reason
 from sinklens.validate import choice, index
 
@@ -182,12 +182,7 @@ def patch_sink(
         metric_layers: layers the metric averages over (default all).
         options: ``prepend_bos``/``max_length`` for text inputs and ``progress`` (a bar over patches).
     """
-    if "prepend_bos" in legacy:  # sinklens 0.1 keyword
-        import warnings
-
-        warnings.warn("patch_sink(prepend_bos=) is deprecated; pass options=RunOptions(prepend_bos=...).",
-                      DeprecationWarning, stacklevel=2)
-        options = options.replace(prepend_bos=legacy.pop("prepend_bos"))
+    options = options_from_legacy(options, legacy, "patch_sink", last=False)
     if legacy:
         raise InvalidArgumentError(f"patch_sink has no option {sorted(legacy)[0]!r}.")
     site = choice(site, sorted(_SITES), what="site")
