@@ -33,10 +33,11 @@ The same definition is applied to
   the stream as ``C(z_h · W_O[l, h]) ⊙ g / s[b, t]`` (``C``: mean removal over ``d_model``, ``s`` its
   ``hook_scale``), beside the residual's own term and the bias (tested against the Hugging Face model).
   ``result_var_pre_norm`` keeps ``z_h · W_O[l, h]`` (equal to ``result_var`` on pre-norm models);
-* ``attn_out_var``: ``blocks.{l}.hook_attn_out`` (all heads plus bias, averaged over ``d_model``; on
-  post-norm bridges this hook is after ``ln1_post``, i.e. in residual units too; on the TransformerLens 4.x
-  BERT bridge it is ``ln1``'s output, the LayerNorm of ``resid_pre`` *plus* the attention output, so there it
-  includes the residual stream and is not the attention's write).
+* ``attn_out_var``: the attention's whole write (all heads plus bias, averaged over ``d_model``) where it
+  reaches the stream (:func:`~sinklens.residual_sites.attention_write_hooks`): ``blocks.{l}.hook_attn_out``
+  on pre-norm blocks, after ``ln1_post`` on Gemma's sandwich blocks (in residual units too), and on a post-LN
+  model (BERT) ``C(z·W_O + b_O) ⊙ g / s`` through ``ln1``, whose output (TransformerLens 4.x's
+  ``hook_attn_out`` there) would include the residual stream.
 
 **The paper's measure, beside ours** (``feature_std``, ``feature_std_head``): Li et al.'s per-position
 spread over the *feature* dimension of the output projection's input, exactly as their code computes
@@ -110,9 +111,10 @@ from torch import Tensor
 from sinklens.analysis._common import grow, layer_head_position_rows, position_index, run_analyzer
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import ATTN_OUT, PATTERN, V, Z, hook_name, layer_weight, model_device, model_dims, resolve_layers, weight_cached
+from sinklens.hooks import PATTERN, V, Z, hook_name, layer_weight, model_device, model_dims, resolve_layers, weight_cached
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
+from sinklens.residual_sites import attention_write_hooks
 from sinklens.residual_units import NormMap, post_ln_reason, post_norm_map
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
 from sinklens.validate import choice
@@ -235,7 +237,8 @@ class VarianceResult:
         z_var_seq: ``hook_z`` variance across sequences around the per-position mean.
         result_var: variance of the head's write in residual units (``z_h · W_O[l, h]``, through the
             post-attention norm where there is one; same centring as ``z_var``), over ``d_model``.
-        attn_out_var: variance of ``hook_attn_out`` (same centring), over ``d_model``.
+        attn_out_var: variance of the attention's write where it reaches the stream (same centring), over
+            ``d_model``: ``hook_attn_out`` except on post-LN models (module docstring).
         value_var: ``σ_v²`` per (layer, head), from ``hook_v`` over all valid positions.
         attn_sq: mean over sequences of ``Σ_j A_tj²`` (1/(t+1) under uniform attention).
         counts: sequences valid at each position.
@@ -446,8 +449,9 @@ class VarianceResult:
 
 
 class VarianceReducer(Reducer[VarianceResult]):
-    """Streams ``hook_v``, ``hook_pattern``, ``hook_z``, ``hook_attn_out`` (and the post-attention norm's
-    ``hook_scale`` on post-norm layers) into a :class:`VarianceResult`.
+    """Streams ``hook_v``, ``hook_pattern``, ``hook_z``, the attention write
+    (:func:`~sinklens.residual_sites.attention_write_hooks`) and the post-attention norm's ``hook_scale`` on
+    post-norm layers into a :class:`VarianceResult`.
 
     Per layer it keeps (float64, positions grown to the longest batch seen): ``Σ z`` per
     (head, position, coordinate), ``Σ |z|²`` and ``Σ |z W_O|²`` per (head, position), ``Σ attn_out``
@@ -464,6 +468,7 @@ class VarianceReducer(Reducer[VarianceResult]):
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None):
         dims = model_dims(model)
+        self.model = model
         self.dims = dims
         self.layers = resolve_layers(layers, dims.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
@@ -556,8 +561,9 @@ class VarianceReducer(Reducer[VarianceResult]):
             self.o_s1[row, :n] += (out * w32[..., None]).sum(0).double()
             self.o_s2[row, :n] += (out.square().sum(-1) * w32).sum(0).double()
 
-        sites = ((V, fold_v), (PATTERN, fold_pattern), (Z, fold_z), (ATTN_OUT, fold_attn_out))
+        sites = ((V, fold_v), (PATTERN, fold_pattern), (Z, fold_z))
         hooks = [hook for site, fold in sites for hook in per_layer_hooks(site, self.layers, fold)]
+        hooks += attention_write_hooks(self.model, self.layers, lambda layer, out: fold_attn_out(out, layer))
         hooks += bound_hooks(list(self.scale_hooks.values()), self.post_norm, fold_scale)
         return BatchFold(hooks, state=w)
 

@@ -7,7 +7,7 @@ concentrates them *within* a sequence. The paper has no public code; the measure
 
 Sites, in forward order: ``embed`` (``blocks.0.hook_resid_pre``), then per layer ``l``:
 ``attn l`` (``blocks.l.hook_resid_mid``, after the attention write; in a parallel block, GPT-NeoX/Pythia,
-``hook_resid_pre + hook_attn_out``: see :func:`~sinklens.origins.sites.after_attention_hooks`) and ``mlp l``
+``hook_resid_pre + hook_attn_out``: see :func:`~sinklens.residual_sites.after_attention_hooks`) and ``mlp l``
 (``blocks.l.hook_resid_post``, after the MLP write); and ``final`` (the input of the unembedding,
 after the final norm). Inputs are :func:`sinklens.inputs.random_token_batches` (uniform ids, seeded).
 The *counted positions* are all positions, or positions ``>= 1`` when a BOS was prepended (BOS is the
@@ -53,7 +53,8 @@ from sinklens.hooks import MLP_POST, RESID_POST, RESID_PRE, hook_name, model_dev
 from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions, settings_from
 from sinklens.origins.preference import RandomInputs, stream_random
-from sinklens.origins.sites import after_attention_hooks, final_state_site, unembedding
+from sinklens.origins.sites import final_state_site, unembedding
+from sinklens.residual_sites import after_attention_hooks
 from sinklens.residual_units import moe_reason
 from sinklens.streaming import BatchFold, Reducer, merge_statistics
 

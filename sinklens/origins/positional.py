@@ -14,10 +14,10 @@ For an activation ``a[n, t]`` (sequence ``n`` of ``N`` random sequences, positio
   (our choice of reference), for both measures.
 
 Sites: ``attn_out`` = ``blocks.l.hook_attn_out`` (the attention write; on a post-LN model, BERT, the write
-mapped through the LayerNorm that follows it: see :func:`~sinklens.origins.sites.attention_write_hooks`),
+mapped through the LayerNorm that follows it: see :func:`~sinklens.residual_sites.attention_write_hooks`),
 ``resid`` = ``blocks.l.hook_resid_mid`` (the residual right after it; in a parallel block, GPT-NeoX/Pythia,
 ``hook_resid_pre + hook_attn_out``; post-LN: ``ln1``'s output; see
-:func:`~sinklens.origins.sites.after_attention_hooks`), and ``head`` = ``blocks.l.attn.hook_z``
+:func:`~sinklens.residual_sites.after_attention_hooks`), and ``head`` = ``blocks.l.attn.hook_z``
 per head (``variance[l, h, t]`` over ``d_head``). Inputs are uniform random tokens without BOS by default.
 """
 
@@ -34,7 +34,7 @@ from sinklens.hooks import Z, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions, settings_from
 from sinklens.origins.preference import RandomInputs, stream_random
-from sinklens.origins.sites import after_attention_hooks, attention_write_hooks
+from sinklens.residual_sites import after_attention_hooks, attention_write_hooks
 from sinklens.streaming import BatchFold, Reducer
 
 

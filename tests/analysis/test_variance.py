@@ -229,7 +229,8 @@ def _hf_o_proj_inputs(family, hf, seqs):
 @pytest.mark.parametrize("family", ["llama", "gemma2", "neox", "bert"])
 def test_li_feature_std_and_residual_writes_match_hf(family):
     """Li et al.'s measure exactly as their notebook computes it (a hook on ``o_proj``'s input, ``.std(dim=-1)``
-    per token, mean over samples), and each head's write where it reaches the residual stream."""
+    per token, mean over samples), and each head's write, and the whole attention's, where it reaches the
+    residual stream (on BERT through the LayerNorm that follows; its output would include the residual)."""
     model, hf = _zoo_pair(family)
     got = measure_variance(model, ZOO_PROMPTS, options=QUIET.replace(batch_size=3))
     seqs = _hf_sequences(model, ZOO_PROMPTS)
@@ -245,7 +246,7 @@ def test_li_feature_std_and_residual_writes_match_hf(family):
         torch.testing.assert_close(got.feature_std[layer], std_all, rtol=1e-4, atol=1e-7)
         torch.testing.assert_close(got.feature_std_head[layer], std_head, rtol=1e-4, atol=1e-7)
         w = o_proj.weight.double()  # [d_model, n_heads * d_head]
-        writes, writes_pre = [], []
+        writes, writes_pre, whole = [], [], []
         for j, (z, o) in enumerate(zip(zs, acts["o"][layer])):
             per_head = torch.stack([z[:, h * d_head:(h + 1) * d_head] @ w[:, h * d_head:(h + 1) * d_head].T
                                     for h in range(n_heads)], 1)  # [pos, head, d_model]
@@ -254,12 +255,17 @@ def test_li_feature_std_and_residual_writes_match_hf(family):
                 x = acts["ln_in"][layer][j]
                 s = (x.var(-1, unbiased=False, keepdim=True) + post_norm.eps).sqrt()
                 per_head = (per_head - per_head.mean(-1, keepdim=True)) / s[:, None] * post_norm.weight.double()
+                o = (o - o.mean(-1, keepdim=True)) / s * post_norm.weight.double()  # the whole write, bias included
             elif post_norm is not None:  # Gemma: x / sqrt(mean(x²) + eps) * (1 + w)
                 s = (o.pow(2).mean(-1, keepdim=True) + post_norm.eps).sqrt()
                 per_head = per_head / s[:, None] * (1 + post_norm.weight.double())
+                o = post_norm(o.float()).double()
             writes.append(per_head)
+            whole.append(o)
         result_var, _ = _centred_var(writes)
         pre_var, _ = _centred_var(writes_pre)
+        out_var, _ = _centred_var(whole)  # the attention's write where it reaches the stream
+        torch.testing.assert_close(got.attn_out_var[layer], out_var.float(), rtol=2e-4, atol=1e-8)
         torch.testing.assert_close(got.result_var[layer], result_var.float(), rtol=2e-4, atol=1e-8)
         torch.testing.assert_close(got.result_var_pre_norm[layer], pre_var.float(), rtol=2e-4, atol=1e-8)
     if family in ("gemma2", "bert"):  # the post-norm's gain of 41 (40) on one dimension changes the answer

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from sinklens.analysis.normalized_disparity import normalized_disparity
+from sinklens.analysis.variance import measure_variance
 from sinklens.analysis.weight_super_neurons import sink_inputs, super_neurons_from_weights
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.options import RunOptions
@@ -142,8 +143,9 @@ def test_weight_ranking_refuses_a_mixture_of_experts(family):
 @pytest.mark.skipif(TL4, reason="TransformerLens 3.x HookedEncoder (the 4.x bridge's BERT is checked above)")
 def test_tl3_encoder_reads_the_post_ln_sites():
     """On a 3.x ``HookedEncoder``: normalised disparity reads ``embed.ln`` / the previous ``ln2`` (whose outputs are
-    ``hook_resid_pre``); positional discrepancy's attention write is ``ln1.w ⊙ C(hook_attn_out) / ln1.hook_scale``
-    and its residual after attention is ``ln1``'s output, computed here from the model's own cache."""
+    ``hook_resid_pre``); positional discrepancy's (and variance's ``attn_out``) attention write is
+    ``ln1.w ⊙ C(hook_attn_out) / ln1.hook_scale`` and its residual after attention is ``ln1``'s output, computed
+    here from the model's own cache."""
     from sinklens.inputs import random_token_batches
     from sinklens.origins.positional import positional_discrepancy
 
@@ -160,10 +162,13 @@ def test_tl3_encoder_reads_the_post_ln_sites():
     tokens = torch.cat([b.tokens for b in random_token_batches(model, n_sequences=8, seq_len=6, batch_size=8, seed=3)])
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens)
+    variance = measure_variance(model, tokens, options=OPTS.replace(prepend_bos=False))
     for layer, block in enumerate(model.blocks):
         w, s = cache[f"blocks.{layer}.hook_attn_out"].double(), cache[f"blocks.{layer}.ln1.hook_scale"].double()
         write = (w - w.mean(-1, keepdim=True)) / s * block.ln1.w.detach().double()
         torch.testing.assert_close(pd.attn_out_var[layer].double(), write.var(0, unbiased=False).mean(-1), rtol=1e-4, atol=1e-9)
+        centred = (write - write.mean((0, 1))).square().mean((0, -1))  # about the mean over every (sequence, position)
+        torch.testing.assert_close(variance.attn_out_var[layer].double(), centred, rtol=1e-4, atol=1e-9)
         after = block.ln1(cache[f"blocks.{layer}.hook_resid_mid"]).detach().double()
         torch.testing.assert_close(pd.resid_var[layer].double(), after.var(0, unbiased=False).mean(-1), rtol=1e-4, atol=1e-9)
 

@@ -1,0 +1,86 @@
+"""Where each block's attention write and the residual right after it are read, with one meaning on every
+architecture: sequential pre-norm blocks, Gemma's sandwich norms, parallel blocks (GPT-NeoX/Pythia) and post-LN
+blocks (BERT), on TransformerLens 3.x and 4.x. Shared by the analyzers (variance's ``attn_out``) and the origins
+measures (contraction, positional discrepancy)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sinklens.hooks import ATTN_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, layer_weight, silent_hooks
+from sinklens.options import HookFn
+from sinklens.residual_units import attn_out_bias, input_norm, post_ln_reason, post_norm_map
+
+__all__ = ["after_attention_hooks", "attention_write_hooks"]
+
+
+def after_attention_hooks(model: Any, layers: Sequence[int], consume: Callable[[int, Tensor], None]) -> list[tuple[str, HookFn]]:
+    """Hooks that call ``consume(layer, x)`` with each layer's residual right after its attention write.
+
+    In a sequential block that is ``blocks.l.hook_resid_mid``. A parallel block (GPT-NeoX/Pythia, GPT-J:
+    attention and MLP both read ``hook_resid_pre`` and both write to ``hook_resid_post``) has no
+    ``hook_resid_mid``; there ``x = hook_resid_pre + hook_attn_out``, the residual with the attention write
+    alone, so that ``hook_resid_post - x`` is the MLP write. Counting attention first is a convention
+    there (both read the same input); in a sequential block it is the order of the computation.
+
+    A post-LN block (BERT) carries ``ln1(resid_pre + attention write)`` forward, the input of its MLP; the
+    TransformerLens 4.x bridge fires its ``hook_resid_mid`` later, at the input of ``ln2`` (after the MLP), so
+    there ``x`` is read as ``ln1``'s output: ``gain ⊙ ln1.hook_normalized + bias`` (on every version).
+    """
+    if post_ln_reason(model) is not None:
+        maps = {layer: input_norm(model, layer, "mlp") for layer in layers}
+
+        def normed(act: Tensor, layer: int) -> None:
+            norm = maps[layer]
+            consume(layer, act * norm.gain.to(act.device, act.dtype) + norm.offset(act))
+
+        return [(f"{maps[layer].path}.hook_normalized", lambda act, hook, layer=layer: normed(act, layer)) for layer in layers]
+    mid = [hook_name(layer, RESID_MID) for layer in layers]
+    if all(name in model.hook_dict for name in mid) and not silent_hooks(model, mid[:1]):
+        return [(name, lambda act, hook, layer=layer: consume(layer, act)) for layer, name in zip(layers, mid)]
+    names = [hook_name(layer, site) for layer in layers for site in (RESID_PRE, ATTN_OUT)]
+    check_hook_names(model, names)
+    block_input: dict[int, Tensor] = {}
+
+    def keep(act: Tensor, hook: Any, layer: int) -> None:
+        block_input[layer] = act
+
+    def add(act: Tensor, hook: Any, layer: int) -> None:
+        consume(layer, block_input.pop(layer) + act)
+
+    hooks: list[tuple[str, HookFn]] = []
+    for layer in layers:
+        hooks.append((hook_name(layer, RESID_PRE), lambda act, hook, layer=layer: keep(act, hook, layer)))
+        hooks.append((hook_name(layer, ATTN_OUT), lambda act, hook, layer=layer: add(act, hook, layer)))
+    return hooks
+
+
+def attention_write_hooks(model: Any, layers: Sequence[int], consume: Callable[[int, Tensor], None]) -> list[tuple[str, HookFn]]:
+    """Hooks that call ``consume(layer, w)`` with each layer's attention write where it reaches the residual stream.
+
+    That is ``blocks.l.hook_attn_out`` on pre-norm blocks (the write itself) and on Gemma's sandwich blocks (the
+    hook fires after ``ln1_post``). A post-LN block (BERT) normalises ``resid_pre`` and the write together, and
+    TransformerLens fires ``hook_attn_out`` with that LayerNorm's output on the 4.x bridge (residual included)
+    and with the raw write on 3.x; there the write is rebuilt as ``z·W_O + b_O`` from ``attn.hook_z`` and mapped
+    through the LayerNorm at its scale, ``gain ⊙ C(write) / s`` (:func:`~sinklens.residual_units.post_norm_map`,
+    ``s`` = ``ln1.hook_scale``): what the write adds to the stream.
+    """
+    if post_ln_reason(model) is None:
+        return [(hook_name(layer, ATTN_OUT), lambda act, hook, layer=layer: consume(layer, act)) for layer in layers]
+    maps = {layer: post_norm_map(model, layer, "attn") for layer in layers}
+    raw: dict[int, Tensor] = {}
+
+    def write(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]
+        w_o = layer_weight(model, "W_O", layer).to(z.device, z.dtype)  # [head, d_head, d_model]
+        raw[layer] = torch.einsum("bphd,hdm->bpm", z, w_o) + attn_out_bias(model, layer).to(z.device, z.dtype)
+
+    hooks: list[tuple[str, HookFn]] = []
+    for layer in layers:
+        hooks.append((hook_name(layer, Z), lambda act, hook, layer=layer: write(act, layer)))
+        hooks.append((maps[layer].scale_hook,
+                      lambda act, hook, layer=layer: consume(layer, maps[layer].linear(raw.pop(layer), act))))
+    return hooks
