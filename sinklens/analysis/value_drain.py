@@ -66,7 +66,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
-from sinklens.analysis._common import SettingsFields, check_sink_position, row_index, run_analyzer
+from sinklens.analysis._common import SettingsFields, check_sink_position, row_index, run_analyzer, sink_position_arg
 from sinklens.analysis.variance import attention_output_grams, post_attention_scale_hooks
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
@@ -74,7 +74,7 @@ from sinklens.hooks import PATTERN, V, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
-from sinklens.validate import finite_number, positive_int
+from sinklens.validate import finite_number
 from sinklens.visibility import attention_visibility
 
 Kind = Literal["no-op", "broadcast", "partial", "none"]
@@ -103,7 +103,7 @@ class ValueDrainSettings:
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        set_(self, "sink_position", positive_int(self.sink_position, what="sink_position", minimum=0))
+        set_(self, "sink_position", sink_position_arg(self.sink_position))
         set_(self, "sink_head_threshold", finite_number(self.sink_head_threshold, what="sink_head_threshold",
                                                         low=0.0, high=1.0, low_open=True))
         set_(self, "no_op_share", finite_number(self.no_op_share, what="no_op_share", low=0.0, high=1.0))
