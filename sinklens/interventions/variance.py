@@ -221,7 +221,9 @@ def amplify(
         positions: token positions to amplify.
         alpha: amplification factor, ``> 0`` (``< 1`` shrinks the deviation).
         site: per-layer hook site, e.g. ``"attn.hook_z"`` (default), ``"attn.hook_v"``,
-            ``"hook_attn_out"``, ``"hook_resid_pre"``.
+            ``"hook_attn_out"``, ``"hook_resid_pre"``: the activation as TransformerLens fires it there (on
+            the 4.x BERT bridge ``hook_attn_out`` carries ``ln1``'s output, the residual included; amplify
+            ``attn.hook_z`` for the attention's write on every model).
         layers: layers to intervene in (default all).
         heads: only these heads (per-head sites only; for ``hook_v`` under grouped-query attention
             on TransformerLens 4.x these index key/value heads).
