@@ -305,16 +305,18 @@ def post_ln_reason(model: Any) -> str | None:
     """Why this model's block outputs do not add up in its residual stream, or None when they do.
 
     A post-LN model (BERT and its relatives) applies a LayerNorm *after* each residual add, so the stream
-    is re-normalised after every sublayer: no write of a neuron or head reaches it as an additive term,
-    and dimension paths (each block's step = its attention plus MLP output) would not mean what they
-    mean on a pre-norm model. Detected from the Hugging Face ``model_type`` behind a bridge, or a
-    TransformerLens 3.x ``HookedEncoder``.
+    is re-normalised after every sublayer: a write reaches it only through that norm (linearly at a given
+    scale, which is how head writes are put in residual units there: :func:`post_norm_map`), and dimension
+    paths (each block's step = its attention plus MLP output) would not mean what they mean on a pre-norm
+    model. Detected from the Hugging Face ``model_type`` behind a bridge, or a TransformerLens 3.x
+    ``HookedEncoder``.
     """
     config = getattr(getattr(model, "original_model", None), "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type in POST_LN_MODEL_TYPES or type(model).__name__ == "HookedEncoder":
-        return (f"the model ({model_type or type(model).__name__}) normalises after each residual add (post-LN), "
-                "so neuron and head writes are not additive in its residual stream")
+        return (f"the model ({model_type or type(model).__name__}) normalises after each residual add (post-LN), so "
+                "its residual stream is re-normalised by every block instead of summing the blocks' writes: the "
+                "neuron paths that build the sink's massive dimensions step by step do not exist there")
     return None
 
 
