@@ -3,7 +3,7 @@
 Modes::
 
     python benchmarks/bench_train.py throughput [--steps 20]        # CPU, one process, side by side
-    python benchmarks/bench_train.py throughput --gpu               # 124M Llama-style, seq 1024, bf16
+    python benchmarks/bench_train.py throughput --gpu [--compile]   # 124M Llama-style, seq 1024, bf16
     python benchmarks/bench_train.py convergence [--steps 300 --seeds 0 1 2]
     python benchmarks/bench_train.py headnorm --theirs PATH [--repeats 3 --steps 12 --compile --auto --cold-cache]
 
@@ -11,7 +11,8 @@ Modes::
 :func:`sinklens.train.loop.train` runs) against a minimal PyTorch Llama-style loop written here
 (same shapes, same batch, same optimizer), interleaved in one process so machine noise hits both;
 it reports tokens/s and the ratio, for ``baseline`` and ``headwise_rms``. Warm-up steps are not timed.
-``--gpu`` uses the ``124m`` preset at sequence 1024 in bf16 autocast and also reports MFU.
+``--gpu`` uses the ``124m`` preset at sequence 1024 in bf16 autocast and also reports MFU; ``--compile``
+runs both models through ``torch.compile`` (as ``compile=auto`` does for a long CUDA run).
 ``convergence`` trains baseline and headwise_rms on the same offline text (the Python standard
 library's ``*.py`` sources, byte tokenizer) for several seeds and reports the steps each needs to
 reach the baseline's final loss; the figure goes to ``assets/train_convergence.png``.
@@ -121,10 +122,13 @@ def throughput(args) -> dict:
         ref = RefLM(cfg.model).to(device)
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=device.type == "cuda")
         source = build_source(cfg.data)
+        # --compile: both models through torch.compile (what compile=auto does for a long CUDA run); the
+        # compilation happens in the warm-up steps, which are not timed
+        run_ours, run_ref = (torch.compile(ours), torch.compile(ref)) if args.compile else (ours, ref)
 
         def step_ours(s):
             rows = source.batch("train", s, batch).to(device)
-            forward_backward(ours, micro_batch(rows, 0, cfg, DistContext()), autocast=amp)
+            forward_backward(run_ours, micro_batch(rows, 0, cfg, DistContext()), autocast=amp, hook_owner=ours)
             torch.nn.utils.clip_grad_norm_(ours.parameters(), 1.0)
             opt_ours.step()
             opt_ours.zero_grad(set_to_none=True)
@@ -132,7 +136,7 @@ def throughput(args) -> dict:
         def step_ref(s):
             rows = source.batch("train", s, batch).to(device)
             with amp:
-                logits = ref(rows[:, :-1])
+                logits = run_ref(rows[:, :-1])
             F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten()).backward()
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
             opt_ref.step()
@@ -323,7 +327,8 @@ def main() -> None:
     parser.add_argument("mode", choices=["throughput", "convergence", "headnorm"])
     parser.add_argument("--theirs", help="headnorm: a checkout of Siquan-Li/Head-wise-RMSNorm")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--compile", action="store_true", help="headnorm: also sinklens train with compile=true")
+    parser.add_argument("--compile", action="store_true", help="headnorm: also sinklens train with compile=true; "
+                        "throughput: torch.compile both models (compiled in the untimed warm-up steps)")
     parser.add_argument("--auto", action="store_true", help="headnorm: also sinklens train with compile=auto (the "
                         "default), configured for --planned-steps and stopped after --steps steps")
     parser.add_argument("--planned-steps", type=int, default=2000, help="headnorm --auto: the run length auto sees")
