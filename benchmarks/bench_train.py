@@ -275,6 +275,7 @@ def _steady(tokens_per_s: list[float], compiled: list[bool], warmup: int) -> flo
 
 def headnorm(args) -> dict:
     import os
+    import shutil
     import tempfile
 
     import numpy as np
@@ -297,20 +298,26 @@ def headnorm(args) -> dict:
     runs: dict[str, list[float]] = {name: [] for name in ["theirs", *ours]}
     compile_s: dict[str, list[float | None]] = {name: [] for name, mode in ours.items() if mode != "false"}
     load: list[float] = []
-    for repeat in range(args.repeats):  # alternate, so machine noise hits every trainer alike
-        load.append(os.getloadavg()[0])
-        runs["theirs"].append(statistics.median(_their_run(theirs, data, args.steps, args.their_compile)[args.warmup:]))
-        for name, mode in ours.items():
-            cold = args.cold_cache and repeat == 0 and mode != "false"
-            cache = tempfile.mkdtemp(prefix="inductor-cold-") if cold else None
-            planned = args.planned_steps if mode == "auto" else None
-            tps, compiled, line = _our_run(data, args.steps, mode, planned_steps=planned, cache_dir=cache,
-                                           cpu_matmul="aten" if name.endswith("_aten") else "auto")
-            runs[name].append(_steady(tps, compiled, args.warmup))
-            if name in compile_s:
-                compile_s[name].append(line["compile_s"] if line else None)
-        print(f"repeat {repeat} (load {load[-1]:.1f}): " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in runs.items())
-              + f" (compile s: {', '.join(f'{k} {v[-1]}' for k, v in compile_s.items())})", flush=True)
+    scratch = [data]  # removed at the end, with any cold inductor cache
+    try:
+        for repeat in range(args.repeats):  # alternate, so machine noise hits every trainer alike
+            load.append(os.getloadavg()[0])
+            runs["theirs"].append(statistics.median(_their_run(theirs, data, args.steps, args.their_compile)[args.warmup:]))
+            for name, mode in ours.items():
+                cold = args.cold_cache and repeat == 0 and mode != "false"
+                cache = tempfile.mkdtemp(prefix="inductor-cold-") if cold else None
+                scratch += [Path(cache)] if cache else []
+                planned = args.planned_steps if mode == "auto" else None
+                tps, compiled, line = _our_run(data, args.steps, mode, planned_steps=planned, cache_dir=cache,
+                                               cpu_matmul="aten" if name.endswith("_aten") else "auto")
+                runs[name].append(_steady(tps, compiled, args.warmup))
+                if name in compile_s:
+                    compile_s[name].append(line["compile_s"] if line else None)
+            print(f"repeat {repeat} (load {load[-1]:.1f}): " + ", ".join(f"{k} {v[-1]:.0f} tok/s" for k, v in runs.items())
+                  + f" (compile s: {', '.join(f'{k} {v[-1]}' for k, v in compile_s.items())})", flush=True)
+    finally:
+        for folder in scratch:
+            shutil.rmtree(folder, ignore_errors=True)
     row: dict[str, Any] = {name: statistics.median(v) for name, v in runs.items()}
     for name in ours:
         row[f"ratio_{name}"] = row[name] / row["theirs"]

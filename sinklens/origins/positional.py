@@ -213,11 +213,12 @@ def positional_over_training(
         >>> cfg = TrainConfig.from_dict({"model": {"n_layers": 1, "d_model": 16, "n_ctx": 8, "d_vocab": 16},
         ...     "data": {"seq_len": 8, "vocab_size": 16}, "eval": {"interval": 0}, "steps": 4, "batch_size": 4,
         ...     "device": "cpu", "checkpoint_interval": 2, "keep_every": 1})
-        >>> run = tempfile.mkdtemp()
-        >>> _ = train(cfg, out_dir=run, progress=False)
-        >>> traj = positional_over_training(run, n_sequences=8)
+        >>> tmp = tempfile.TemporaryDirectory()
+        >>> _ = train(cfg, out_dir=tmp.name, progress=False)
+        >>> traj = positional_over_training(tmp.name, n_sequences=8)
         >>> traj.steps, tuple(traj.first_token_ratio().shape)
         ([0, 2, 4], (3, 1))
+        >>> tmp.cleanup()
     """
     from sinklens.train.checkpoint import checkpoint_steps, load_step_model, load_train_config
 
