@@ -30,7 +30,9 @@ Tasks (``--task``):
   every sequence starts with ``<|endoftext|>`` as BOS.
 * ``text-small``: the same corpus and tokenizer, a smaller model (``--family`` llama or gpt2,
   ``--layers`` 2, ``--heads`` 4, ``--d-model`` 64 by default) and **no BOS** unless ``--bos``: windows
-  start at arbitrary tokens, so position 0 is marked only by the causal mask.
+  start at arbitrary tokens, so position 0 is marked only by the causal mask. ``--corpus stdlib`` trains on
+  every ``*.py`` file of the standard library instead (the docstrings, ≈ 0.4M tokens, repeat within a few
+  thousand steps).
 
 A variant may name an option mode after a colon: ``variance_calibrated:position_amplify`` trains
 ``variance_calibrated`` with ``variant_options={"mode": "position_amplify"}``.
@@ -52,6 +54,7 @@ import os
 import platform
 import statistics
 import sys
+import sysconfig
 import time
 from pathlib import Path
 from typing import Any
@@ -78,6 +81,15 @@ def docstring_corpus(path: Path) -> Path:
     return path
 
 
+def text_corpus(args: argparse.Namespace) -> dict[str, str]:
+    """The ``data`` fields of the real-text corpus: ``--corpus docstrings`` (the standard library's docstrings,
+    ≈ 0.9 MB, ≈ 0.4M BPE-512 tokens: repeated many times by a few thousand steps) or ``stdlib`` (every ``*.py``
+    file of the standard library, up to 40M characters: no repetition at CPU scale)."""
+    if args.corpus == "stdlib":
+        return {"source": "text", "path": sysconfig.get_paths()["stdlib"], "glob": "**/*.py", "max_tokens": 40_000_000}
+    return {"source": "text", "path": str(docstring_corpus(Path(args.cache) / "stdlib_docstrings.txt"))}
+
+
 def task_config(task: str, variant: str, seed: int, args: argparse.Namespace) -> TrainConfig:
     """The run config of one (task, variant, seed); only ``model.variant`` and ``seed`` differ between runs."""
     if task == "backcopy":
@@ -85,10 +97,9 @@ def task_config(task: str, variant: str, seed: int, args: argparse.Namespace) ->
         data = {"source": "bigram-backcopy", "seq_len": 64, "vocab_size": 64, "seed": 1234}
         lr = 3e-3
     elif task == "text-small":  # without --bos, position 0 is an arbitrary token, marked only by the causal mask
-        corpus = docstring_corpus(Path(args.cache) / "stdlib_docstrings.txt")
         model = {"family": args.family, "n_layers": args.layers or 2, "d_model": args.d_model or 64,
                  "n_heads": args.heads or 4, "n_ctx": args.seq_len or 64, "d_vocab": "auto"}
-        data = {"source": "text", "path": str(corpus), "tokenizer": "bpe", "vocab_size": 512, "bos": args.bos,
+        data = {**text_corpus(args), "tokenizer": "bpe", "vocab_size": 512, "bos": args.bos,
                 "seq_len": args.seq_len or 64, "seed": 1234, "cache_dir": str(Path(args.cache) / "data")}
         lr = 3e-3
     elif task == "text":
@@ -213,6 +224,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=None, help="text-small: heads per layer (default 4)")
     parser.add_argument("--family", choices=["llama", "gpt2"], default="llama", help="text-small: block family")
     parser.add_argument("--bos", action="store_true", help="text-small: start every sequence with BOS")
+    parser.add_argument("--corpus", choices=["docstrings", "stdlib"], default="docstrings",
+                        help="text-small: the standard library's docstrings (default) or all its *.py sources")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS))
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--steps", type=int, default=1500)
@@ -292,7 +305,8 @@ def main() -> None:
     figure = Path(args.figure) if args.figure else ROOT / "assets" / f"convergence_{args.task}.png"
     title = {"backcopy": "bigram-backcopy, GPT-2 blocks, 3 layers × 1 head, d_model 64",
              "text": "stdlib docstrings, BPE 512, Llama blocks, 4 layers, d_model 256",
-             "text-small": f"stdlib docstrings, BPE 512, {'BOS' if args.bos else 'no BOS'}, {cfg.model.family} "
+             "text-small": f"stdlib {'sources' if args.corpus == 'stdlib' else 'docstrings'}, BPE 512, "
+                           f"{'BOS' if args.bos else 'no BOS'}, {cfg.model.family} "
                            f"blocks, {cfg.model.n_layers} layers × {cfg.model.n_heads} heads, d_model {cfg.model.d_model}"}[args.task]
     plot(runs, summary, smoothing=args.smoothing, title=f"{title} ({len(args.seeds)} seeds)", path=figure)
     print(f"wall {record['wall_s_this_process']:.0f}s (runs: {record['wall_s_runs_sum']:.0f}s); results {out}; figure {figure}")
