@@ -81,7 +81,7 @@ def docstring_corpus(path: Path) -> Path:
     return path
 
 
-def text_corpus(args: argparse.Namespace) -> dict[str, str]:
+def text_corpus(args: argparse.Namespace) -> dict[str, Any]:
     """The ``data`` fields of the real-text corpus: ``--corpus docstrings`` (the standard library's docstrings,
     ≈ 0.9 MB, ≈ 0.4M BPE-512 tokens: repeated many times by a few thousand steps) or ``stdlib`` (every ``*.py``
     file of the standard library, up to 40M characters: no repetition at CPU scale)."""

@@ -15,7 +15,14 @@ from sinklens.hooks import ATTN_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, 
 from sinklens.options import HookFn
 from sinklens.residual_units import attn_out_bias, input_norm, post_ln_reason, post_norm_map
 
-__all__ = ["after_attention_hooks", "attention_write_hooks"]
+__all__ = ["after_attention_hooks", "attention_write_hooks", "has_resid_mid"]
+
+
+def has_resid_mid(model: Any, layers: Sequence[int]) -> bool:
+    """True when every one of ``layers`` lists ``hook_resid_mid`` and it runs (probed on the first): False for a
+    parallel block (GPT-NeoX/Pythia, GPT-J), which has no residual between its attention and its MLP."""
+    mid = [hook_name(layer, RESID_MID) for layer in layers]
+    return all(name in model.hook_dict for name in mid) and not silent_hooks(model, mid[:1])
 
 
 def after_attention_hooks(model: Any, layers: Sequence[int], consume: Callable[[int, Tensor], None]) -> list[tuple[str, HookFn]]:
@@ -39,9 +46,8 @@ def after_attention_hooks(model: Any, layers: Sequence[int], consume: Callable[[
             consume(layer, act * norm.gain.to(act.device, act.dtype) + norm.offset(act))
 
         return [(f"{maps[layer].path}.hook_normalized", lambda act, hook, layer=layer: normed(act, layer)) for layer in layers]
-    mid = [hook_name(layer, RESID_MID) for layer in layers]
-    if all(name in model.hook_dict for name in mid) and not silent_hooks(model, mid[:1]):
-        return [(name, lambda act, hook, layer=layer: consume(layer, act)) for layer, name in zip(layers, mid)]
+    if has_resid_mid(model, layers):
+        return [(hook_name(layer, RESID_MID), lambda act, hook, layer=layer: consume(layer, act)) for layer in layers]
     names = [hook_name(layer, site) for layer in layers for site in (RESID_PRE, ATTN_OUT)]
     check_hook_names(model, names)
     block_input: dict[int, Tensor] = {}

@@ -32,10 +32,11 @@ from tqdm.auto import tqdm
 
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
-from sinklens.hooks import ATTN_OUT, MLP_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, model_dims, silent_hooks
+from sinklens.hooks import ATTN_OUT, MLP_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, model_dims
 from sinklens.inputs import Inputs, TokenBatch, as_batches
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, heads_arg, layers_arg, positions_arg
 from sinklens.options import RunOptions, options_from_legacy
+from sinklens.residual_sites import has_resid_mid
 from sinklens.residual_units import post_ln_reason
 from sinklens.validate import choice, index
 
@@ -83,8 +84,7 @@ def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, 
     if site == "attn_out" and post_ln_reason(model) is not None:
         return {layer: hook_name(layer, Z) for layer in layers}
     names = {layer: hook_name(layer, hook_site) for layer in layers}
-    if site == "resid_mid" and (any(n not in model.hook_dict for n in names.values())
-                                or silent_hooks(model, [names[layers[0]]])):
+    if site == "resid_mid" and not has_resid_mid(model, layers):
         raise UnsupportedArchitectureError(
             f"site 'resid_mid': this model's blocks have no residual between attention and MLP ({names[layers[0]]} "
             "is missing or never runs): in a parallel block (GPT-NeoX/Pythia, GPT-J) both read hook_resid_pre. "
