@@ -122,6 +122,7 @@ def task_config(task: str, variant: str, seed: int, args: argparse.Namespace) ->
         "eval": {"interval": args.eval_interval, "batches": 1, "batch_size": 32, "persistence_sequences": 0},
         "steps": args.steps, "batch_size": args.batch_size, "seed": seed, "device": "cpu", "log_interval": 1,
         "compile": False,  # the eager path the study describes, the same on every machine (not "auto")
+        "cpu_autocast": args.cpu_autocast,
     })
 
 
@@ -237,6 +238,8 @@ def main() -> None:
     parser.add_argument("--target-loss", type=float, default=None)
     parser.add_argument("--target-margin", type=float, default=0.02)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cpu-autocast", choices=["none", "bfloat16"], default="none",
+                        help="TrainConfig.cpu_autocast: bfloat16 mixed precision (default: float32)")
     parser.add_argument("--runs-dir", default=None,
                         help="save each finished run here and reuse it (lets several processes split the variants)")
     parser.add_argument("--no-summary", action="store_true", help="only train (and save to --runs-dir)")

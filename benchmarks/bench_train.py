@@ -5,14 +5,15 @@ Modes::
     python benchmarks/bench_train.py throughput [--steps 20]        # CPU, one process, side by side
     python benchmarks/bench_train.py throughput --gpu [--compile]   # 124M Llama-style, seq 1024, bf16
     python benchmarks/bench_train.py convergence [--steps 300 --seeds 0 1 2]
-    python benchmarks/bench_train.py headnorm --theirs PATH [--repeats 3 --steps 12 --compile --auto --cold-cache]
+    python benchmarks/bench_train.py headnorm --theirs PATH [--repeats 3 --steps 12 --compile --auto --cold-cache --bf16]
 
 ``throughput`` times the sinklens trainer's step (``forward_backward`` + clip + AdamW, the code
 :func:`sinklens.train.loop.train` runs) against a minimal PyTorch Llama-style loop written here
 (same shapes, same batch, same optimizer), interleaved in one process so machine noise hits both;
 it reports tokens/s and the ratio, for ``baseline`` and ``headwise_rms``. Warm-up steps are not timed.
 ``--gpu`` uses the ``124m`` preset at sequence 1024 in bf16 autocast and also reports MFU; ``--compile``
-runs both models through ``torch.compile`` (as ``compile=auto`` does for a long CUDA run).
+runs both models through ``torch.compile`` (as ``compile=auto`` does for a long CUDA run); ``--bf16``
+(CPU) runs both under bfloat16 autocast (``TrainConfig.cpu_autocast``).
 ``convergence`` trains baseline and headwise_rms on the same offline text (the Python standard
 library's ``*.py`` sources, byte tokenizer) for several seeds and reports the steps each needs to
 reach the baseline's final loss; the figure goes to ``assets/train_convergence.png``.
@@ -25,7 +26,9 @@ the steps after ``--warmup`` (after the first compiled step for a run that compi
 over repeats, their ratios and the medians of the paired ratios, the load average at each repeat,
 and the compile seconds of ``--compile`` (``compile=true``) and ``--auto`` (``compile=auto``, the
 default, on a run configured for ``--planned-steps`` steps and stopped once ``--steps`` steps after
-the decision are logged); ``--cold-cache`` gives the first repeat a fresh inductor cache.
+the decision are logged); ``--cold-cache`` gives the first repeat a fresh inductor cache; ``--bf16``
+adds ``sinklens train`` with ``cpu_autocast=bfloat16`` (mixed precision, which their ``train.py``
+does not offer on a CPU: its CPU context is a ``nullcontext``).
 """
 
 from __future__ import annotations
@@ -111,7 +114,8 @@ def throughput(args) -> dict:
     else:
         model_cfg = {"n_layers": 4, "d_model": 128, "n_heads": 4, "n_ctx": 128, "d_vocab": 256}
         seq, batch = 128, args.batch or 8
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if args.gpu else torch.autocast("cpu", enabled=False)
+    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if args.gpu
+           else torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16))
     results = {}
     for variant in ("baseline", "headwise_rms"):
         cfg = TrainConfig.from_dict({"model": {**model_cfg, "variant": variant}, "data": {"seq_len": seq, "vocab_size": model_cfg["d_vocab"]},
@@ -214,7 +218,8 @@ def _their_run(theirs: Path, data: Path, steps: int, their_compile: bool) -> lis
 
 
 def _our_run(data: Path, steps: int, compile_: str, *, planned_steps: int | None = None,
-             cache_dir: str | None = None, cpu_matmul: str = "auto") -> tuple[list[float], list[bool], dict[str, Any] | None]:
+             cache_dir: str | None = None, cpu_matmul: str = "auto",
+             cpu_autocast: str = "none") -> tuple[list[float], list[bool], dict[str, Any] | None]:
     """``sinklens train`` at the same configuration: tokens/s and ``compiled`` of every step (from
     metrics.jsonl), and the ``kind="compile"`` line if any.
 
@@ -222,7 +227,8 @@ def _our_run(data: Path, steps: int, compile_: str, *, planned_steps: int | None
     realistic run length and decides as it would for it) and stopped once ``steps`` train lines
     after the compile decision are written. ``cache_dir``: inductor's on-disk cache (a fresh folder
     measures a cold compile). ``cpu_matmul``: ``TrainConfig.cpu_matmul`` (``"aten"`` measures the
-    run without the oneDNN matmul).
+    run without the oneDNN matmul). ``cpu_autocast``: ``TrainConfig.cpu_autocast`` (``"bfloat16"``:
+    mixed precision, not their float32 arithmetic).
     """
     import os
     import subprocess
@@ -234,7 +240,7 @@ def _our_run(data: Path, steps: int, compile_: str, *, planned_steps: int | None
         cmd = [sys.executable, "-m", "sinklens.cli", "train", "--preset", "headnorm-cpu", "--data", str(data),
                "--seq-len", "256", "--batch-size", "16", "--steps", str(planned_steps or steps), "--device", "cpu",
                "--no-progress", "--set", "eval.interval=0", "--set", f"compile={compile_}",
-               "--set", f"cpu_matmul={cpu_matmul}", "--out", f"{tmp}/run"]
+               "--set", f"cpu_matmul={cpu_matmul}", "--set", f"cpu_autocast={cpu_autocast}", "--out", f"{tmp}/run"]
         metrics = Path(tmp, "run", "metrics.jsonl")
 
         def lines() -> list[dict[str, Any]]:
@@ -291,6 +297,8 @@ def headnorm(args) -> dict:
     ours = {"sinklens_eager": "false"}
     if args.aten:
         ours["sinklens_eager_aten"] = "false"
+    if args.bf16:
+        ours["sinklens_eager_bf16"] = "false"
     if args.compile:
         ours["sinklens_compiled"] = "true"
     if args.auto:
@@ -309,7 +317,8 @@ def headnorm(args) -> dict:
                 scratch += [Path(cache)] if cache else []
                 planned = args.planned_steps if mode == "auto" else None
                 tps, compiled, line = _our_run(data, args.steps, mode, planned_steps=planned, cache_dir=cache,
-                                               cpu_matmul="aten" if name.endswith("_aten") else "auto")
+                                               cpu_matmul="aten" if name.endswith("_aten") else "auto",
+                                               cpu_autocast="bfloat16" if name.endswith("_bf16") else "none")
                 runs[name].append(_steady(tps, compiled, args.warmup))
                 if name in compile_s:
                     compile_s[name].append(line["compile_s"] if line else None)
@@ -342,6 +351,8 @@ def main() -> None:
     parser.add_argument("--cold-cache", action="store_true", help="headnorm: repeat 0 compiles with a fresh inductor cache")
     parser.add_argument("--aten", action="store_true", help="headnorm: also sinklens eager with cpu_matmul=aten "
                         "(PyTorch's default CPU matmul instead of oneDNN)")
+    parser.add_argument("--bf16", action="store_true", help="headnorm: also sinklens eager with cpu_autocast=bfloat16; "
+                        "throughput (CPU): both models under CPU bfloat16 autocast")
     parser.add_argument("--their-compile", action="store_true", help="headnorm: their train.py with --compile=True")
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--steps", type=int, default=None)

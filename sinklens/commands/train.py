@@ -146,6 +146,8 @@ def run(args: argparse.Namespace) -> int:
     if cpu.get("device") == "cpu":  # say which CPU fast paths the run had
         why = f" ({cpu['matmul_fallback_reason']})" if cpu.get("matmul_fallback_reason") else ""
         kept = ", freed memory kept mapped" if cpu.get("retained_memory") else ""
-        print(f"cpu: matmul {cpu['matmul']}{why}{kept}")
+        mixed = cpu.get("autocast", "none")
+        products = f"{mixed} autocast (products in {mixed} on aten)" if mixed != "none" else f"matmul {cpu['matmul']}{why}"
+        print(f"cpu: {products}{kept}")
     print(f"run directory: {out}")
     return 0

@@ -4,8 +4,9 @@
 ``cfg.seed``), a :class:`~sinklens.train.data.TokenSource` from ``cfg.data`` (ordered by
 ``cfg.data.seed`` only), AdamW with warmup + cosine decay (:func:`get_lr`), and then for every step:
 evaluate (every ``eval.interval`` steps: validation loss, sink metrics, persistence of the step-0
-bias), accumulate gradients over ``grad_accum`` micro-batches (bf16 autocast on CUDA only), clip,
-step, log a JSON line, checkpoint. Training-time interventions (``(hook_name, fn)`` pairs, e.g. from
+bias), accumulate gradients over ``grad_accum`` micro-batches (under ``cfg.autocast`` on CUDA and
+``cfg.cpu_autocast`` on a CPU: :mod:`sinklens.train.precision`), clip, step, log a JSON line,
+checkpoint. Training-time interventions (``(hook_name, fn)`` pairs, e.g. from
 :mod:`sinklens.interventions`) are attached with ``model.hooks(...)`` around every forward, so a
 model can be pretrained with its sink moved. Under ``torchrun`` the model is wrapped in DDP.
 
@@ -48,6 +49,7 @@ from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source
 from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
 from sinklens.train.matmul import cpu_matmul_backend, set_cpu_matmul
+from sinklens.train.precision import mixed_precision
 from sinklens.train.model import next_token_loss
 from sinklens.train.persistence import PersistenceTracker
 from sinklens.validate import writable_dir
@@ -191,7 +193,8 @@ class TrainResult:
             to, used for CPU float32 products only, :mod:`sinklens.train.matmul`),
             ``matmul_fallback_reason`` (why ``"auto"`` fell back to aten, else None) and
             ``retained_memory`` (freed memory kept mapped during a CPU run,
-            :mod:`sinklens.train.allocator`).
+            :mod:`sinklens.train.allocator`), ``autocast`` (the forward's autocast dtype,
+            ``"bfloat16"``/``"float16"``, or ``"none"``: :mod:`sinklens.train.precision`).
     """
 
     model: Any
@@ -311,10 +314,8 @@ def train(
         model = SinkLM(cfg.model).to(device)
         model.tokenizer = source.tokenizer
         optimizer = configure_optimizer(model, cfg.optim, device)
-        use_amp = device.type == "cuda" and cfg.autocast != "none"
-        amp_dtype = torch.bfloat16 if cfg.autocast == "bfloat16" else torch.float16
-        autocast = torch.autocast(device_type="cuda", dtype=amp_dtype) if use_amp else contextlib.nullcontext()
-        scaler = torch.amp.GradScaler("cuda") if use_amp and amp_dtype == torch.float16 else None
+        precision = mixed_precision(cfg, device)
+        autocast, scaler = precision.autocast, precision.scaler
         hooks = resolve_interventions(model, [*cfg.interventions, *interventions])
 
         # ---- the run directory: written only from here on
@@ -373,7 +374,7 @@ def train(
         retained = resources.enter_context(retained_cpu_memory(device.type == "cpu"))
         backend = cpu_matmul_backend()
         cpu = {"device": device.type, "matmul": backend["resolved"], "matmul_fallback_reason": backend["reason"],
-               "retained_memory": retained}
+               "retained_memory": retained, "autocast": precision.dtype}
         try:
             raw_model.train()
             bar = tqdm(range(start_step, stop), desc="train", disable=not (progress and dist.is_main), initial=start_step,

@@ -34,6 +34,14 @@ def test_overrides_parse_types_and_nest():
     assert cfg.model.variant_options == {"gain": "shared"} and cfg.data.path is None
 
 
+def test_a_literal_none_stays_a_string_where_the_field_lists_it():
+    # autocast / cpu_autocast list "none" among their values: it is not Python's None there
+    cfg = apply_overrides(build_cfg(autocast="float16", cpu_autocast="bfloat16"), ["autocast=none", "cpu_autocast=none"])
+    assert cfg.autocast == "none" and cfg.cpu_autocast == "none"
+    cfg = apply_overrides(cfg, ["cpu_autocast=bfloat16", "optim.min_lr=none", "compile=auto"])
+    assert cfg.cpu_autocast == "bfloat16" and cfg.optim.min_lr is None and cfg.compile == "auto"
+
+
 def test_variant_options_as_a_whole_mapping_add_to_those_set():
     cfg = apply_overrides(build_cfg(), ["model.variant=headwise_rms", "model.variant_options.init=ones",
                                         "model.variant_options={'gain': 'shared', 'eps': 1e-5}"])

@@ -1,0 +1,80 @@
+"""Mixed precision of a training run: the autocast context of every forward and the loss scaler.
+
+On CUDA, ``TrainConfig.autocast`` (``"bfloat16"`` by default) runs the forward under
+``torch.autocast``; ``"float16"`` adds a ``GradScaler``. On a CPU, ``TrainConfig.cpu_autocast``
+(``"none"`` by default: float32 throughout) may ask for ``"bfloat16"``: matmuls and attention run
+in bfloat16 under ``torch.autocast("cpu")``, while weights, gradients, AdamW's state, the loss and
+every evaluation stay float32 (the usual mixed-precision recipe, as on a GPU). On a CPU with native
+bfloat16 dot products (``avx512_bf16``, ``amx_bf16``; ARM ``bf16``) a bfloat16 matmul measured 2.6×
+a float32 one here, and a whole ``headnorm-cpu`` step ≈1.5× (``benchmarks/RESULTS.md``). A CPU
+without them emulates bfloat16 and is likely slower than float32: the run warns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["MixedPrecision", "mixed_precision", "native_cpu_bf16"]
+
+#: CPU feature flags (``/proc/cpuinfo``) of native bfloat16 arithmetic.
+_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
+
+
+@functools.cache
+def native_cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this CPU has native bfloat16 dot products: True/False from the first ``flags`` (x86:
+    ``avx512_bf16``, ``amx_bf16``) or ``Features`` (ARM: ``bf16``) line of ``cpuinfo``; None where
+    that file is missing or has no such line (not Linux)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return None
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip().lower() in ("flags", "features"):
+            return bool(_BF16_FLAGS & set(value.split()))
+    return None
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """The forward's autocast context and the loss scaler (float16 on CUDA only) of one run.
+
+    Attributes:
+        autocast: a reusable context manager entered around every forward (``nullcontext`` when
+            the run is float32 throughout).
+        dtype: the autocast dtype's name (``"bfloat16"``, ``"float16"``) or ``"none"``.
+        scaler: ``torch.amp.GradScaler`` for float16 on CUDA, else None.
+    """
+
+    autocast: Any
+    dtype: str
+    scaler: torch.amp.GradScaler | None = None
+
+
+def mixed_precision(cfg: Any, device: torch.device) -> MixedPrecision:
+    """The mixed precision ``cfg`` (a :class:`~sinklens.train.config.TrainConfig`) asks for on ``device``:
+    ``cfg.autocast`` on CUDA, ``cfg.cpu_autocast`` on a CPU, float32 elsewhere. Warns when bfloat16
+    is asked of a CPU without native bfloat16 arithmetic."""
+    if device.type == "cuda" and cfg.autocast != "none":
+        dtype = torch.bfloat16 if cfg.autocast == "bfloat16" else torch.float16
+        scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None
+        return MixedPrecision(torch.autocast(device_type="cuda", dtype=dtype), cfg.autocast, scaler)
+    if device.type == "cpu" and cfg.cpu_autocast == "bfloat16":
+        if native_cpu_bf16() is False:
+            warnings.warn(
+                "cpu_autocast='bfloat16' on a CPU without native bfloat16 instructions (no avx512_bf16 / "
+                "amx_bf16 in /proc/cpuinfo): bfloat16 is emulated there and likely slower than float32; "
+                "set cpu_autocast='none' to train in float32.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        return MixedPrecision(torch.autocast(device_type="cpu", dtype=torch.bfloat16), "bfloat16")
+    return MixedPrecision(contextlib.nullcontext(), "none")
