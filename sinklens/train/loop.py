@@ -49,9 +49,9 @@ from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source
 from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
 from sinklens.train.matmul import cpu_matmul_backend, set_cpu_matmul
-from sinklens.train.precision import mixed_precision
 from sinklens.train.model import next_token_loss
 from sinklens.train.persistence import PersistenceTracker
+from sinklens.train.precision import mixed_precision
 from sinklens.validate import writable_dir
 
 Hooks = list[tuple[str, HookFn]]
