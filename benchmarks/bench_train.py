@@ -28,7 +28,8 @@ and the compile seconds of ``--compile`` (``compile=true``) and ``--auto`` (``co
 default, on a run configured for ``--planned-steps`` steps and stopped once ``--steps`` steps after
 the decision are logged); ``--cold-cache`` gives the first repeat a fresh inductor cache; ``--bf16``
 adds ``sinklens train`` with ``cpu_autocast=bfloat16`` (mixed precision, which their ``train.py``
-does not offer on a CPU: its CPU context is a ``nullcontext``).
+does not offer on a CPU: its CPU context is a ``nullcontext``), and with ``--compile`` a compiled
+bfloat16 run too.
 """
 
 from __future__ import annotations
@@ -299,6 +300,8 @@ def headnorm(args) -> dict:
         ours["sinklens_eager_aten"] = "false"
     if args.bf16:
         ours["sinklens_eager_bf16"] = "false"
+    if args.bf16 and args.compile:
+        ours["sinklens_compiled_bf16"] = "true"
     if args.compile:
         ours["sinklens_compiled"] = "true"
     if args.auto:
