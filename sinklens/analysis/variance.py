@@ -74,7 +74,11 @@ Predictions, beside the measurement:
 
 Each batch is reduced in float32 (so the hooks cost little next to the forward) and folded into
 float64 running sums (sum, sum of squares, counts per position) on the model's device; no
-activation outlives its hook.
+activation outlives its hook. The variances come from those sums in one pass (``Σx²/n − (Σx/n)²``
+and the centred forms above), so where the true variance is ≈ 0 (a BOS output identical in every
+sequence, in ``z_var_seq``) float32 rounding of the per-batch sums leaves a residue of about
+``1e-7 · mean(x²)`` of either sign; negative residues are reported as 0, as a variance cannot be
+negative (:mod:`sinklens.origins.positional` does the same).
 
 Measured on SmolLM2-135M-Instruct (64 stdlib docstrings, 64 tokens each, with BOS): the
 head-median discrepancy ``discrepancy(0)`` is 5.4, 11.4, 2.8 in layers 0-2 and 6.0, 9.9, 1.2 in
@@ -223,7 +227,7 @@ def _global_centred(
     else:
         cross, sq = torch.einsum("...e,...pe->...p", mean, s1), (mean * mean).sum(-1)
     total = s2 - 2 * cross + n * sq[..., None]
-    return total / (n * n_coords)
+    return (total / (n * n_coords)).clamp(min=0)
 
 
 @dataclass
@@ -583,7 +587,7 @@ class VarianceReducer(Reducer[VarianceResult]):
         d_head, d_model = self.dims.d_head, self.dims.d_model
         z_s1, z_s2 = self.z_s1[:, :, :p], self.z_s2[:, :, :p]
         z_var = _global_centred(z_s1, z_s2, n, d_head)
-        z_var_seq = (z_s2 - z_s1.square().sum(-1) / n) / (n * d_head)
+        z_var_seq = ((z_s2 - z_s1.square().sum(-1) / n) / (n * d_head)).clamp(min=0)
         result_pre = _global_centred(z_s1, self.r_s2[:, :, :p], n, d_model, gram=self.gram)
         result_var = result_pre.clone()
         for layer in self.post_norm:
@@ -592,7 +596,7 @@ class VarianceReducer(Reducer[VarianceResult]):
                                               gram=self.gram_res[row])
         out_var = _global_centred(self.o_s1[:, :p], self.o_s2[:, :p], n, d_model)
         v_mean = self.v_s1 / self.v_n
-        value_var = (self.v_s2 / self.v_n - v_mean.square().sum(-1)) / d_head  # [layer, kv_head]
+        value_var = ((self.v_s2 / self.v_n - v_mean.square().sum(-1)) / d_head).clamp(min=0)  # [layer, kv_head]
         n_heads = self.dims.n_heads
         if value_var.shape[1] != n_heads:  # kv head j serves query heads j*r .. (j+1)*r - 1 (HF repeat_kv)
             value_var = value_var.repeat_interleave(n_heads // value_var.shape[1], dim=1)
