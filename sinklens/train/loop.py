@@ -186,8 +186,10 @@ class TrainResult:
         compile: whether this process trained compiled and why (``TrainConfig.compile``, see
             :mod:`sinklens.train.compile`): ``mode``, ``compiled``, ``reason``, ``compile_s``
             (seconds the first compiled step took beyond an eager one), ``error`` (a failed
-            compile, after which the run went on eagerly). Also a ``kind="compile"`` metrics line
-            when a compile was attempted, and ``compiled`` on every ``kind="train"`` line.
+            compile, after which the run went on eagerly), ``eager_step_s`` and
+            ``compiled_step_s`` (``"auto"``'s timings: it keeps the compiled model only where it
+            measured faster). Also a ``kind="compile"`` metrics line when a compile was attempted
+            and another when ``"auto"`` checked it, and ``compiled`` on every ``kind="train"`` line.
         cpu: the CPU fast paths of the run: ``device`` (the device type it trained on),
             ``matmul`` (``"onednn"`` or ``"aten"``: the backend ``TrainConfig.cpu_matmul`` resolved
             to, used for CPU float32 products only, :mod:`sinklens.train.matmul`),
@@ -408,7 +410,7 @@ def train(
 
                 switch.maybe_decide(step - start_step, stop - step, step_s)
                 first_compiled = switch.compiled and switch.compile_s is None
-                timing = switch.decision is None or first_compiled  # sync and time this step
+                timing = switch.decision is None or first_compiled or switch.checking  # sync and time this step
                 if timing and device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
@@ -422,6 +424,7 @@ def train(
                         loss_sum = micro_steps(switch.model, rows)
                 else:
                     loss_sum = micro_steps(switch.model, rows)
+                step_compiled = switch.compiled  # before "auto" may go back to eager after this step
                 if scaler is not None:  # float16 only: gradients were scaled, unscale before clipping
                     scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf"),
@@ -459,6 +462,8 @@ def train(
                         if switch.compiled:
                             switch.compile_s = elapsed - (step_s or 0.0)
                         log({"kind": "compile", "step": step, **switch.summary()})
+                    elif switch.record_compiled_step(elapsed):  # "auto" kept the compiled model or went back
+                        log({"kind": "compile", "step": step, **switch.summary()})
                     step_s = elapsed
 
                 if step % cfg.log_interval == 0 or step == cfg.steps - 1:
@@ -470,7 +475,7 @@ def train(
                     log({
                         "kind": "train", "step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                         "tokens_per_s": tokens_per_s, "mfu": estimate_mfu(flops_per_token, tokens_per_s, device),
-                        "compiled": switch.compiled,
+                        "compiled": step_compiled,
                     })
                     bar.set_postfix(loss=f"{loss_value:.4f}")
                 if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step + 1 < stop:
