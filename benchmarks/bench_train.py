@@ -12,7 +12,7 @@ Modes::
 (same shapes, same batch, same optimizer), interleaved in one process so machine noise hits both;
 it reports tokens/s and the ratio, for ``baseline`` and ``headwise_rms``. Warm-up steps are not timed.
 ``--gpu`` uses the ``124m`` preset at sequence 1024 in bf16 autocast and also reports MFU; ``--compile``
-runs both models through ``torch.compile`` (as ``compile=auto`` does for a long CUDA run); ``--bf16``
+runs both models through ``torch.compile`` (as ``compile=auto`` does for a long run); ``--bf16``
 (CPU) runs both under bfloat16 autocast (``TrainConfig.cpu_autocast``).
 ``convergence`` trains baseline and headwise_rms on the same offline text (the Python standard
 library's ``*.py`` sources, byte tokenizer) for several seeds and reports the steps each needs to
@@ -127,7 +127,7 @@ def throughput(args) -> dict:
         ref = RefLM(cfg.model).to(device)
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=device.type == "cuda")
         source = build_source(cfg.data)
-        # --compile: both models through torch.compile (what compile=auto does for a long CUDA run); the
+        # --compile: both models through torch.compile (what compile=auto does for a long run); the
         # compilation happens in the warm-up steps, which are not timed
         run_ours, run_ref = (torch.compile(ours), torch.compile(ref)) if args.compile else (ours, ref)
 
