@@ -5,7 +5,7 @@ Modes::
     python benchmarks/bench_train.py throughput [--steps 20]        # CPU, one process, side by side
     python benchmarks/bench_train.py throughput --gpu [--compile]   # 124M Llama-style, seq 1024, bf16
     python benchmarks/bench_train.py convergence [--steps 300 --seeds 0 1 2]
-    python benchmarks/bench_train.py headnorm --theirs PATH [--repeats 3 --steps 12 --compile --auto --cold-cache --bf16]
+    python benchmarks/bench_train.py headnorm --theirs PATH [--repeats 3 --steps 12 --compile --auto --cold-cache --bf16 --prime]
 
 ``throughput`` times the sinklens trainer's step (``forward_backward`` + clip + AdamW, the code
 :func:`sinklens.train.loop.train` runs) against a minimal PyTorch Llama-style loop written here
@@ -26,7 +26,8 @@ the steps after ``--warmup`` (after the first compiled step for a run that compi
 over repeats, their ratios and the medians of the paired ratios, the load average at each repeat,
 and the compile seconds of ``--compile`` (``compile=true``) and ``--auto`` (``compile=auto``, the
 default, on a run configured for ``--planned-steps`` steps and stopped once ``--steps`` steps after
-the decision are logged); ``--cold-cache`` gives the first repeat a fresh inductor cache; ``--bf16``
+the decision are logged); ``--cold-cache`` gives the first repeat a fresh inductor cache; ``--prime``
+runs every trainer once, untimed, before the repeats; ``--bf16``
 adds ``sinklens train`` with ``cpu_autocast=bfloat16`` (mixed precision, which their ``train.py``
 does not offer on a CPU: its CPU context is a ``nullcontext``), and with ``--compile`` a compiled
 bfloat16 run too.
@@ -311,6 +312,10 @@ def headnorm(args) -> dict:
     load: list[float] = []
     scratch = [data]  # removed at the end, with any cold inductor cache
     try:
+        if args.prime:  # one untimed run of each trainer first: the first process of an invocation can run slow
+            _their_run(theirs, data, args.steps, args.their_compile)
+            for mode in dict.fromkeys(ours.values()):
+                _our_run(data, args.steps, mode)
         for repeat in range(args.repeats):  # alternate, so machine noise hits every trainer alike
             load.append(os.getloadavg()[0])
             runs["theirs"].append(statistics.median(_their_run(theirs, data, args.steps, args.their_compile)[args.warmup:]))
@@ -357,6 +362,8 @@ def main() -> None:
     parser.add_argument("--bf16", action="store_true", help="headnorm: also sinklens eager with cpu_autocast=bfloat16; "
                         "throughput (CPU): both models under CPU bfloat16 autocast")
     parser.add_argument("--their-compile", action="store_true", help="headnorm: their train.py with --compile=True")
+    parser.add_argument("--prime", action="store_true", help="headnorm: one untimed run of every trainer before the "
+                        "repeats (on an Intel Xeon the first run of an invocation, always theirs, was 7-15%% slower)")
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--warmup", type=int, default=3)
