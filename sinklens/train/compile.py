@@ -27,8 +27,8 @@ CPU configuration (4 layers, d_model 256, sequence 256, batch 16; ``benchmarks/R
 "Against the authors' trainer"). Whether a compiled CPU step is faster depends on the CPU: on the
 project's 2-core Intel Xeon (AMX) a compiled step took 0.90 of an eager one (9602 vs 8660 tokens/s,
 3 alternated repeats), on its 2-core AMD EPYC, quiet, it was no faster (3604 vs 3634 tokens/s, an
-older tree). Hence :data:`SAVED_FRACTION` of 0.1 for the CPU as the expectation and the measured
-check of step 3 for the machines where it does not hold. The compile itself (first compiled step
+older tree). Hence :data:`SAVED_FRACTION` of 0.1 for the CPU as the expectation, and the measured
+check (3. above) for the machines where it does not hold. The compile itself (first compiled step
 minus an eager one) took 82–133 s with a cold inductor cache on a loaded machine and 3–56 s with the
 cache warm, hence :data:`COMPILE_SECONDS` of 60 s: a CPU run compiles when
 ``steps_left × t × 0.1 ≥ 60 s`` (about 1300 steps of that configuration). The CUDA constants are
