@@ -58,6 +58,7 @@ Examples:
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 import shutil
 import statistics
@@ -161,9 +162,22 @@ def decide(
     return CompileDecision(saving >= cost, f"auto: {verdict}")
 
 
+@functools.lru_cache(maxsize=None)
+def _isolates_recompiles() -> bool:
+    """Whether this torch's ``torch.compile`` takes ``isolate_recompiles`` (newer releases)."""
+    return "isolate_recompiles" in inspect.signature(torch.compile).parameters
+
+
 def compile_model(model: torch.nn.Module) -> torch.nn.Module:
-    """``torch.compile(model, **COMPILE_KWARGS)``; compilation itself happens at the first call."""
-    return torch.compile(model, **COMPILE_KWARGS)
+    """``torch.compile(model, **COMPILE_KWARGS)``; compilation itself happens at the first call.
+
+    Where torch has it, the call gets its own recompilation budget (``isolate_recompiles=True``).
+    By default every ``torch.compile`` of ``SinkLM`` shares dynamo's per-code-object limit of 8
+    compiled entries, so in a process that trains many differently shaped models (a notebook
+    sweeping variants) the ninth would run eagerly while the run reported it compiled.
+    """
+    extra: dict[str, Any] = {"isolate_recompiles": True} if _isolates_recompiles() else {}
+    return torch.compile(model, **extra, **COMPILE_KWARGS)
 
 
 class CompileSwitch:

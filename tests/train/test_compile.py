@@ -232,3 +232,39 @@ def test_failed_compile_warns_and_trains_on_eagerly(tmp_path):
     assert got["compile"]["compiled"] is False and "no inductor here" in got["compile"]["error"]
     assert got["failed_losses"] == got["eager_losses"]  # the failed step was redone eagerly from the same state
     assert got["kinds"] == ["compile", "train", "train", "train", "train"]
+
+
+_MANY_MODELS = r"""
+import json, sys
+sys.path.insert(0, "tests/train")
+from _train_cfg import build_cfg
+from sinklens.train import compile as tc
+from sinklens.train.loop import train
+
+calls = []
+def counting_backend(gm, example_inputs):  # called once for every graph dynamo really compiles
+    calls.append(1)
+    return gm.forward
+
+tc.COMPILE_KWARGS = {"backend": counting_backend}
+seen = []
+for i in range(10):  # ten differently shaped models trained compiled in one process, as in a notebook sweep
+    before, d = len(calls), 16 + 8 * i
+    result = train(build_cfg(steps=2, compile=True, model={"d_model": d, "d_mlp": 2 * d}), progress=False)
+    seen.append([result.compile["compiled"], len(calls) - before])
+print(json.dumps(seen))
+"""
+
+
+def test_a_run_reported_compiled_was_compiled_in_a_process_that_trains_many_models(tmp_path):
+    # dynamo keeps at most 8 compiled entries per code object, shared by every torch.compile of SinkLM
+    # unless the call isolates its recompiles: without that the 9th and 10th models ran eagerly, reported compiled.
+    import subprocess
+    import sys
+
+    if not tc._isolates_recompiles():
+        pytest.skip(f"torch {torch.__version__}'s torch.compile has no isolate_recompiles")
+    done = subprocess.run([sys.executable, "-c", _MANY_MODELS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen == [[True, 1]] * 10
