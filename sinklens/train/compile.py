@@ -246,8 +246,7 @@ class CompileSwitch:
         self.compiled_step_s, self._check = statistics.median(self._check), None
         keep = self.compiled_step_s < self.eager_step_s
         if not keep:
-            self.model = self.wrap(self.raw_model)
-            self.compiled = False
+            self._run_eagerly()
         verdict = (f"a compiled step took {self.compiled_step_s:.3g} s against {self.eager_step_s:.3g} s eager "
                    f"(median of {AUTO_CHECK_STEPS}), so {'kept compiled' if keep else 'back to eager'}")
         self.decision = CompileDecision(keep, f"{self.decision.reason}; {verdict}")
@@ -256,9 +255,12 @@ class CompileSwitch:
     def fall_back(self, error: BaseException) -> str:
         """Switch to the eager model after a failed compile; returns the warning."""
         self.error = compile_failed_warning(error)
+        self._run_eagerly()
+        return self.error
+
+    def _run_eagerly(self) -> None:
         self.model = self.wrap(self.raw_model)
         self.compiled = False
-        return self.error
 
     def summary(self) -> dict[str, Any]:
         """The ``kind="compile"`` metrics fields: mode, whether compiled, why, compile seconds, error, and
