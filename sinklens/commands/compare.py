@@ -68,13 +68,14 @@ def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoot
 def run(args: argparse.Namespace) -> int:
     from sinklens.errors import InvalidArgumentError
     from sinklens.export import dumps
-    from sinklens.plotting.training import load_metrics, plot_training
+    from sinklens.plotting.training import plot_training
+    from sinklens.train.checkpoint import read_metrics
 
     if args.labels and len(args.labels) != len(args.runs):
         raise InvalidArgumentError(f"--labels has {len(args.labels)} entries for {len(args.runs)} runs.")
     runs = {}
     for i, run_dir in enumerate(args.runs):
-        lines = load_metrics(run_dir)
+        lines = read_metrics(run_dir)
         if args.labels:
             label = args.labels[i]
         else:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,14 +27,6 @@ def default_panels(runs: Mapping[str, Sequence[dict[str, Any]]]) -> tuple[str, .
     """``"loss"``, the sink panels, and the persistence panels that at least one run recorded."""
     present = {key for lines in runs.values() for line in lines if line.get("kind") == "eval" for key in line}
     return ("loss", *SINK_PANELS, *[p for p in PERSISTENCE_PANELS if p in present])
-
-
-def load_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The lines of ``run_dir/metrics.jsonl`` (``kind="train"`` and ``kind="eval"``)."""
-    path = Path(run_dir) / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{str(run_dir)!r} has no metrics.jsonl; is it a sinklens training run directory?")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def smooth(values: Sequence[float], window: int) -> list[float]:
@@ -65,7 +56,7 @@ def plot_training(
     steps) and the evaluation metrics of :class:`~sinklens.train.sink_metrics.SinkMetrics`.
 
     Args:
-        runs: ``{label: metrics lines}`` (see :func:`load_metrics`).
+        runs: ``{label: metrics lines}`` (see :func:`sinklens.train.checkpoint.read_metrics`).
         panels: ``"loss"`` and/or eval metric names (default: :func:`default_panels`).
         path: save the figure there (PNG) when given.
     """

@@ -19,7 +19,9 @@ A process killed at any point therefore leaves either the old checkpoint or the 
 never a mix. Reading (:func:`load_run`) verifies the manifest's sizes and checksums; if the current
 checkpoint is broken it falls back, with a warning, to the newest good earlier one, and raises
 :class:`~sinklens.errors.CorruptCheckpointError` when none is good. :func:`clean_stale` removes
-temporary directories left by killed processes.
+temporary directories left by killed processes. ``metrics.jsonl`` is appended a line at a time; a
+last line cut short by a kill is dropped with a warning when it is read (:func:`read_metrics`), and a
+resume rewrites the file up to its checkpoint's step.
 
 Run directories of sinklens 0.1 (the checkpoint files directly in the run directory, no
 ``checkpoint.json``) still load and resume.
@@ -355,6 +357,41 @@ def clear_run(run_dir: str | Path) -> None:
     for name in (CHECKPOINTS, TOKENIZER):
         shutil.rmtree(run_dir / name, ignore_errors=True)
     clean_stale(run_dir)
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The lines of ``run_dir/metrics.jsonl`` (``kind="train"``, ``"eval"``, ``"compile"``, ``"nonfinite"``).
+
+    The trainer appends one line per write, so a process killed in the middle of a write (or a full
+    disk) can leave a last line without its newline that is not JSON: that line is dropped with a
+    ``RuntimeWarning`` (a ``--resume`` rewrites the file from its checkpoint's step anyway). A line
+    that is not JSON anywhere else is damage this cannot explain and raises.
+
+    Raises:
+        RunNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
+        CorruptCheckpointError: a line other than a torn last one is not a JSON object.
+    """
+    path = Path(run_dir) / METRICS
+    if not path.is_file():
+        raise RunNotFoundError(f"{str(run_dir)!r} has no {METRICS}; is it a sinklens training run directory?")
+    text = path.read_text(encoding="utf-8", errors="replace")
+    rows = text.splitlines()
+    lines: list[dict[str, Any]] = []
+    for number, row in enumerate(rows, start=1):
+        if not row.strip():
+            continue
+        try:
+            line = json.loads(row)
+        except json.JSONDecodeError as error:
+            if number == len(rows) and not text.endswith("\n"):
+                warnings.warn(f"{path}: its last line is cut short ({error.msg} at column {error.colno}), as when "
+                              "the run was stopped while writing it; that line is ignored.", RuntimeWarning, stacklevel=2)
+                break
+            raise CorruptCheckpointError(f"{path}: line {number} is not JSON ({error.msg} at column {error.colno}).") from None
+        if not isinstance(line, dict):
+            raise CorruptCheckpointError(f"{path}: line {number} is not a JSON object, got {row[:80]!r}.")
+        lines.append(line)
+    return lines
 
 
 def write_metrics(run_dir: str | Path, lines: list[dict[str, Any]]) -> None:

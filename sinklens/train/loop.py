@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import inspect
-import json
 import math
 import time
 import warnings
@@ -43,7 +42,8 @@ from sinklens.export import json_line, write_json
 from sinklens.train.compile import CompileSwitch
 from sinklens.train.allocator import retained_cpu_memory
 from sinklens.train.checkpoint import (
-    clean_stale, clear_run, has_checkpoint, is_run_dir, load_checkpoint, save_checkpoint, write_metrics,
+    clean_stale, clear_run, has_checkpoint, is_run_dir, load_checkpoint, read_metrics, save_checkpoint,
+    write_metrics,
 )
 from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source
@@ -212,12 +212,11 @@ class TrainResult:
         return [line for line in self.history if line["kind"] == "eval"]
 
 
-def _read_history(path: Path, before_step: int) -> list[dict[str, Any]]:
+def _read_history(run_dir: Path, before_step: int) -> list[dict[str, Any]]:
     """Metrics lines of an interrupted run up to (not including) ``before_step`` (evals at it kept out too)."""
-    if not path.is_file():
+    if not (run_dir / "metrics.jsonl").is_file():
         return []
-    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return [line for line in lines if line["step"] < before_step]
+    return [line for line in read_metrics(run_dir) if line["step"] < before_step]
 
 
 def _check_run_dir(out: Path | None, *, resume: bool, overwrite: bool) -> None:
@@ -325,7 +324,7 @@ def train(
         history: list[dict[str, Any]] = []
         if out is not None and resume:
             start_step = load_checkpoint(out, model=model, optimizer=optimizer, scaler=scaler)
-            history = _read_history(out / "metrics.jsonl", start_step)
+            history = _read_history(out, start_step)
         if out is not None and dist.is_main:
             writable_dir(out, what="out_dir")
             if overwrite:

@@ -16,7 +16,7 @@ import sinklens
 import sinklens.train.checkpoint as ckpt_mod
 from sinklens.cli import main
 from sinklens.errors import CorruptCheckpointError, RunExistsError, RunNotFoundError, TrainingDivergedError
-from sinklens.train.checkpoint import load_run, load_trained_model, save_checkpoint
+from sinklens.train.checkpoint import load_run, load_trained_model, read_metrics, save_checkpoint
 from sinklens.train.loop import train
 
 pytestmark = pytest.mark.models
@@ -173,6 +173,47 @@ def test_unfinished_and_missing_runs_give_named_errors(tmp_path, monkeypatch):
         train(build_cfg(steps=2), out_dir=tmp_path / "run", resume=True, progress=False)
     with pytest.raises(RunNotFoundError, match="not a sinklens run directory"):
         load_run(tmp_path / "nothing")
+
+
+def test_a_metrics_line_cut_short_by_a_kill_neither_blocks_resume_nor_compare(tmp_path, capsys):
+    """A process killed while appending to metrics.jsonl leaves a last line without its newline: resume
+    and ``sinklens compare`` drop it with a warning, and the resumed run equals an uninterrupted one."""
+    cfg = build_cfg(steps=6)
+    full = train(cfg, out_dir=tmp_path / "full", progress=False)
+    train(cfg, out_dir=tmp_path / "cut", progress=False, until=3)
+    with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "step": 3, "loss": 5.2')  # the torn write of step 3's line
+    with pytest.warns(RuntimeWarning, match="last line is cut short"):
+        assert len(read_metrics(tmp_path / "cut")) == 3
+    with pytest.warns(RuntimeWarning, match="last line is cut short"):
+        resumed = train(cfg, out_dir=tmp_path / "cut", progress=False, resume=True)
+    assert resumed.losses() == pytest.approx(full.losses(), abs=1e-6)
+    lines = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["step"] for line in lines] == list(range(6))
+
+    with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:
+        f.write('{"kind": "train", "st')
+    capsys.readouterr()
+    with pytest.warns(RuntimeWarning, match="last line is cut short"):
+        assert main(["compare", str(tmp_path / "cut"), "--out", str(tmp_path / "c.png")]) == 0
+    assert "final loss" in capsys.readouterr().out
+
+
+def test_a_damaged_metrics_file_and_a_missing_run_are_named_errors(tmp_path, capsys):
+    train(build_cfg(steps=3), out_dir=tmp_path / "run", progress=False)
+    path = tmp_path / "run" / "metrics.jsonl"
+    rows = path.read_text().splitlines()
+    path.write_text("\n".join([rows[0], rows[1][:20], rows[2]]) + "\n")  # damage inside, not a torn last line
+    with pytest.raises(CorruptCheckpointError, match="metrics.jsonl: line 2 is not JSON"):
+        read_metrics(tmp_path / "run")
+    path.write_text("[1, 2]\n")
+    with pytest.raises(CorruptCheckpointError, match="line 1 is not a JSON object"):
+        read_metrics(tmp_path / "run")
+    with pytest.raises(RunNotFoundError, match="has no metrics.jsonl"):
+        read_metrics(tmp_path / "nothing")
+    capsys.readouterr()
+    assert main(["compare", str(tmp_path / "nothing")]) == 2  # a wrong path is the user's mistake
+    assert "has no metrics.jsonl" in capsys.readouterr().err
 
 
 def test_a_sinklens_01_run_directory_still_loads_and_resumes(tmp_path):
