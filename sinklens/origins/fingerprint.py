@@ -42,10 +42,24 @@ inside the forward hook.
 
 Caveats measured here (tests/origins): the analytic null treats the ``N`` samples as independent;
 with a vocabulary not much larger than ``N`` the random sequences repeat their last token, samples
-become dependent and unrelated models test positive far above ``α`` (15 % of pairs at ``d_vocab = 64``,
-``N = 300``; 0.7 % at ``d_vocab = 4096``). :func:`fingerprint` then adds a caveat to its result (printed
-and written to JSON) when more than 25 % of the samples are expected to share their last token
-(:func:`shared_last_token_share`: 99 % at 64 ids, 7 % at 4096). Embedding mode probes the transformer body only when the
+become dependent, the spread of ``z`` under the null widens, and unrelated models test positive above
+``α``. Measured over the 780 pairs of 40 unrelated inits (2 layers, ``d_model`` 32, ``N = 300``):
+
+==============  ============  ==============  =====================
+``d_vocab``     shared share  ``z`` std        false positives
+==============  ============  ==============  =====================
+16384, 4096     2 %, 7 %      1.06, 1.07      1.0 %, 1.0 %
+1024            25 %          1.20            1.4 %
+512             44 %          1.29            2.4 %
+256             69 %          1.46            4.5 %
+64              99 %          2.4             18 % (190 pairs)
+==============  ============  ==============  =====================
+
+:func:`fingerprint` adds a caveat to its result (printed and written to JSON) when more than a third
+of the samples are expected to share their last token (:func:`shared_last_token_share`; where the
+false-positive rate reaches about ``2α``), and a positive test is then reported as
+``verdict = "inconclusive"`` rather than same lineage (``same_lineage`` keeps the authors' rule,
+``p < α``). Embedding mode probes the transformer body only when the
 blocks dominate the residual stream: in tiny, shallow models with std-0.02 weights the shared random
 input passes almost unchanged to the output and unrelated models look related (use token mode there).
 
@@ -90,8 +104,10 @@ DEFAULT_ALPHA = 0.01
 DEFAULT_SAMPLES = 2000  # test_foundation_models.py --num_samples (10000 for their toy models)
 DEFAULT_SEQ_LEN = 1024  # --fingerprint_len
 #: Token mode: above this expected share of samples whose last token another sample also ends with, the
-#: result carries a caveat (samples dependent, analytic p-value anti-conservative; module docstring).
-MAX_SHARED_LAST_TOKEN = 0.25
+#: result carries a caveat and a positive test is ``"inconclusive"`` (samples dependent, analytic p-value
+#: anti-conservative; module docstring). Measured false-positive rates at alpha 0.01 put it where the
+#: rate reaches about twice alpha: 1.4% at a 25% share, 2.4% at 44%.
+MAX_SHARED_LAST_TOKEN = 1 / 3
 
 InputMode = Literal["token", "embedding"]
 IdentityMode = Literal["coset", "base"]
@@ -115,6 +131,9 @@ class FingerprintResult:
         settings: how the features were made (input mode, sequence length, seed, ...).
         caveats: reasons the analytic p-value may not be trusted for these settings (empty when none);
             printed by :meth:`summary` and written to JSON.
+        verdict: what the result supports: ``"same_lineage"`` (``p < alpha``, no caveat),
+            ``"no_evidence"`` (``p >= alpha``; a caveat only makes ``p`` too small, so this stands), or
+            ``"inconclusive"`` (``p < alpha`` under a caveat: unrelated models pass there too).
     """
 
     p_value: float
@@ -136,11 +155,18 @@ class FingerprintResult:
             "p_value": self.p_value, "z": self.z, "tau_mean": self.tau_mean, "n_dims": self.n_dims,
             "n_samples": self.n_samples, "same_lineage": self.same_lineage, "alpha": self.alpha,
             "log10_p": self.log10_p, "dims": self.dims, "tau": self.tau.tolist(), "settings": self.settings,
-            "caveats": self.caveats,
+            "caveats": self.caveats, "verdict": self.verdict,
         }
 
+    @property
+    def verdict(self) -> Literal["same_lineage", "no_evidence", "inconclusive"]:
+        if not self.same_lineage:
+            return "no_evidence"
+        return "inconclusive" if self.caveats else "same_lineage"
+
     def summary(self) -> str:
-        verdict = "SAME lineage" if self.same_lineage else "no evidence of shared lineage"
+        verdict = {"same_lineage": "SAME lineage", "no_evidence": "no evidence of shared lineage",
+                   "inconclusive": "INCONCLUSIVE, p < alpha but the test is not valid here (caveat below)"}[self.verdict]
         line = (f"SeedPrint: {verdict} (p = {self.p_value:.3g}, z = {self.z:.2f}, mean tau = {self.tau_mean:.4f}, "
                 f"{self.n_dims} identity dims, {self.n_samples} samples, alpha = {self.alpha})")
         return "\n".join([line, *(f"  caveat: {c}" for c in self.caveats)])
@@ -434,7 +460,7 @@ def fingerprint(
         result.caveats.append(
             f"the {n_samples} random sequences end in one of only {vocab} token ids, so about {shared:.0%} of them "
             "share their last token with another sample; the samples are then dependent and the analytic p-value "
-            "is too small (unrelated models test positive far above alpha). At most "
+            "is too small (unrelated models test positive above alpha). At most "
             f"{_samples_for_share(MAX_SHARED_LAST_TOKEN, vocab)} samples keep that share under "
             f"{MAX_SHARED_LAST_TOKEN:.0%} for this vocabulary.")
     return result

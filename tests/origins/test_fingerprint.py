@@ -84,10 +84,19 @@ def test_a_small_vocabulary_gets_a_caveat_where_the_null_breaks_down():
     assert all(len(r.caveats) == 1 and "99% of them share their last token" in r.caveats[0] for r in results)
     assert "caveat: the 300 random sequences end in one of only 64 token ids" in results[0].summary()
     assert results[0].to_dict()["caveats"] == results[0].caveats
-    positives = sum(r.same_lineage for r in results)
-    assert positives >= 3, positives  # 28 unrelated pairs at alpha = 0.01: 0.28 expected if calibrated
+    positives = [r for r in results if r.same_lineage]
+    assert len(positives) >= 3, len(positives)  # 28 unrelated pairs at alpha = 0.01: 0.28 expected if calibrated
+    # p < alpha there is no finding: every such positive is reported inconclusive, never "SAME lineage"
+    assert all(r.verdict == "inconclusive" and r.to_dict()["verdict"] == "inconclusive" for r in positives)
+    assert all("INCONCLUSIVE" in r.summary() and "SAME lineage" not in r.summary() for r in positives)
+    assert {r.verdict for r in results if not r.same_lineage} <= {"no_evidence"}
     large = [sinklm_at_init(ModelConfig.from_dict(base | {"d_vocab": 4096}), s) for s in range(2)]
     assert fingerprint(*large, n_samples=300, seq_len=8, options=OPTS).caveats == []
+    same = fingerprint(large[0], large[0], n_samples=300, seq_len=8, options=OPTS)
+    assert same.verdict == "same_lineage" and same.summary().startswith("SeedPrint: SAME lineage")
+    # 300 samples over 1024 ids (25% shared; 1.4% false positives measured) stay under the caveat
+    assert fingerprint(*[sinklm_at_init(ModelConfig.from_dict(base | {"d_vocab": 1024}), s) for s in range(2)],
+                       n_samples=300, seq_len=8, options=OPTS).caveats == []
 
 
 def test_embedding_mode_feeds_the_random_vectors(trained_runs):
