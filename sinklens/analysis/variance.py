@@ -116,7 +116,7 @@ from torch import Tensor
 from sinklens.analysis._common import grow, layer_head_position_rows, position_index, run_analyzer
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import PATTERN, V, Z, hook_name, layer_weight, model_device, model_dims, resolve_layers, weight_cached
+from sinklens.hooks import PATTERN, V, Z, layer_weight, model_device, model_dims, resolve_layers, weight_cached
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.residual_sites import attention_write_hooks

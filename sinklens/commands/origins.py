@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  share of the inter-sequence change: attention {float(share[:, 0].sum()):.2f}, MLP {float(share[:, 1].sum()):.2f}; "
           f"{con.asymmetry_text()}")
     ratio = pos.first_token_ratio("attn_out_var")
-    print(f"\npositional discrepancy: attention-output variance at position 0 / later half, by layer: "
+    print("\npositional discrepancy: attention-output variance at position 0 / later half, by layer: "
           + " ".join(f"{float(r):.2g}" for r in ratio))
     write_json(out / "origins.json", {"model": str(args.model), "init_seed": args.init_seed, "token_preference": ps,
                                       "contraction": con.summary(), "positional": pos.summary()})

@@ -94,7 +94,7 @@ class PositionResidualReducer(Reducer[tuple[Tensor, Tensor]]):
 
     statistics = ("vec", "norm", "count")
 
-    def __init__(self, model: Any, positions: Sequence[int], *, site: str = RESID_POST, layers=None):
+    def __init__(self, model: Any, positions: Sequence[int], *, site: str = RESID_POST, layers: IndexLike | None = None):
         dims = model_dims(model)
         self.layers = layers_arg(layers, dims.n_layers)
         self.positions = [index(p, dims.n_ctx, what="position", allow_negative=False) for p in positions]
@@ -189,7 +189,7 @@ def run_stats(
     *,
     target: int,
     sink: int = 0,
-    layers=None,
+    layers: IndexLike | None = None,
     loss: bool = True,
     options: RunOptions = RunOptions(progress=False),
 ) -> RunStats:
@@ -308,7 +308,8 @@ def _default_dims(before: RunStats, n: int = 3) -> list[int]:
 
 
 def compare_runs(
-    before: RunStats, after: RunStats, *, method: str, target: int, sink: int, layers: list[int], dims=None, options=None
+    before: RunStats, after: RunStats, *, method: str, target: int, sink: int, layers: list[int],
+    dims: IndexLike | None = None, options: dict[str, Any] | None = None,
 ) -> InterventionResult:
     """Combine a clean and an intervened :class:`RunStats` into an :class:`InterventionResult`."""
     if dims is None:
@@ -382,7 +383,7 @@ def create_sink(
     position: IntLike,
     *,
     method: str = "self_only",
-    layers=None,
+    layers: IndexLike | None = None,
     sink: IntLike = 0,
     dims: IndexLike | None = None,
     loss: bool = True,
@@ -431,7 +432,7 @@ def remove_sink(
     *,
     sink: IntLike = 0,
     method: str = "block_keys",
-    layers=None,
+    layers: IndexLike | None = None,
     dims: IndexLike | None = None,
     loss: bool = True,
     options: RunOptions = RunOptions(progress=False),

@@ -87,7 +87,7 @@ def _block_scores(scores: Tensor, blocked: Tensor, head_list: list[int] | None) 
     return scores.masked_fill(blocked, float("-inf"))
 
 
-def _mask_hooks(model: Any, block: BlockFn, *, layers, heads) -> Hooks:
+def _mask_hooks(model: Any, block: BlockFn, *, layers: IndexLike | None, heads: IndexLike | None) -> Hooks:
     """Hooks that set ``block(query_positions, n_key)`` entries of the scores to ``-inf``."""
     require_attention_seams(model, "mask interventions")
     dims = model_dims(model)
@@ -105,7 +105,7 @@ def _mask_hooks(model: Any, block: BlockFn, *, layers, heads) -> Hooks:
     return [(hook_name(layer, SCORES), fn) for layer in layer_list]
 
 
-def self_only(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike | None = None) -> Hooks:
+def self_only(model: Any, *, positions: IndexLike, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
     """Make each token at ``positions`` attend only to itself (its whole attention on its own key).
 
     Such a token aggregates a single value, so its head outputs keep the full value variance like
@@ -128,7 +128,7 @@ def self_only(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike
     return _mask_hooks(model, block, layers=layers, heads=heads)
 
 
-def restart(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike | None = None) -> Hooks:
+def restart(model: Any, *, positions: IndexLike, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
     """A restart mask: queries at ``q >= k`` cannot see keys ``< k``, so ``k`` acts as a new first token.
 
     With several positions the sequence is cut into independent segments at each of them. In a
@@ -155,7 +155,7 @@ def restart(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike |
     return _mask_hooks(model, block, layers=layers, heads=heads)
 
 
-def block_keys(model: Any, *, positions: IndexLike, layers=None, heads: IndexLike | None = None) -> Hooks:
+def block_keys(model: Any, *, positions: IndexLike, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
     """Hide the keys at ``positions`` from every later query (e.g. ``positions=0`` removes the sink).
 
     The blocked token still attends to itself (its own row is unchanged), so the softmax of every
@@ -171,7 +171,7 @@ def block_keys(model: Any, *, positions: IndexLike, layers=None, heads: IndexLik
     return _mask_hooks(model, block, layers=layers, heads=heads)
 
 
-def custom_mask(model: Any, allowed: Tensor, *, layers=None, heads=None) -> Hooks:
+def custom_mask(model: Any, allowed: Tensor, *, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
     """Apply a user-supplied boolean mask: ``allowed[..., q, k]`` True = query ``q`` may attend to key ``k``.
 
     ``allowed`` is ``[query, key]``, ``[head, query, key]`` or ``[batch, head, query, key]`` and must

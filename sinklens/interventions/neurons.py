@@ -11,7 +11,7 @@ All return ``(hook_name, fn)`` pairs and never modify the tensor they receive.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import torch
@@ -52,7 +52,7 @@ def edit_neurons(
     mode: NeuronMode = "zero",
     value: NumberLike = 0.0,
     positions: IndexLike | None = None,
-    layers=None,
+    layers: IndexLike | None = None,
 ) -> Hooks:
     """Zero (``mode="zero"``), multiply by ``value`` (``"scale"``) or set to ``value`` (``"set"``) FFN neurons.
 
@@ -121,7 +121,7 @@ def clamp_dims(
     mode: ClampMode = "set",
     value: NumberLike = 0.0,
     site: str = RESID_POST,
-    layers=None,
+    layers: IndexLike | None = None,
 ) -> Hooks:
     """Set residual dimensions to ``value`` (``mode="set"``) or bound them to ``[-value, value]`` (``"bound"``).
 
@@ -154,7 +154,7 @@ def transplant_dims(
     positions: IndexLike,
     source: IntLike = 0,
     site: str = RESID_POST,
-    layers=None,
+    layers: IndexLike | None = None,
 ) -> Hooks:
     """Copy residual dimensions ``dims`` from position ``source`` to ``positions`` (same sequence, same run).
 

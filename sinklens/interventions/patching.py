@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.hooks import ATTN_OUT, MLP_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, model_dims
-from sinklens.inputs import Inputs, TokenBatch, as_batches
+from sinklens.inputs import Inputs, as_batches
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, heads_arg, layers_arg, positions_arg
 from sinklens.options import RunOptions, options_from_legacy
 from sinklens.residual_sites import has_resid_mid
@@ -161,10 +161,10 @@ def patch_sink(
     *,
     target: IntLike = 0,
     site: PatchSite = "resid_pre",
-    layers=None,
+    layers: IndexLike | None = None,
     positions: IndexLike | None = None,
     heads: IndexLike | None = None,
-    metric_layers=None,
+    metric_layers: IndexLike | None = None,
     options: RunOptions = RunOptions(progress=False),
     **legacy: Any,
 ) -> SinkPatchResult:

@@ -22,7 +22,7 @@ use ``reference="batch"``.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any, Literal, Union
 
 import torch
@@ -52,7 +52,7 @@ class MeanActivationReducer(Reducer[dict[int, Tensor]]):
 
     statistics = ("sums", "count")
 
-    def __init__(self, model: Any, site: str, *, layers=None, skip_first: IntLike = 1):
+    def __init__(self, model: Any, site: str, *, layers: IndexLike | None = None, skip_first: IntLike = 1):
         dims = model_dims(model)
         self.layers = layers_arg(layers, dims.n_layers)
         self.site = site
@@ -88,7 +88,7 @@ def reference_mean(
     model: Any,
     *,
     site: str = Z,
-    layers=None,
+    layers: IndexLike | None = None,
     n_sequences: IntLike = 32,
     seq_len: IntLike = 64,
     skip_first: IntLike = 1,
@@ -208,7 +208,7 @@ def amplify(
     positions: IndexLike,
     alpha: NumberLike,
     site: str = Z,
-    layers=None,
+    layers: IndexLike | None = None,
     heads: IndexLike | None = None,
     reference: Reference = "random",
     **reference_kw: Any,
@@ -271,7 +271,7 @@ def calibrate(
     *,
     positions: IndexLike = 0,
     site: str = Z,
-    layers=None,
+    layers: IndexLike | None = None,
     heads: IndexLike | None = None,
     eps: NumberLike = 1e-6,
 ) -> Hooks:

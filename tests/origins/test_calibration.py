@@ -63,7 +63,6 @@ def test_variant_fast_path_equals_explicit_path_and_the_hooks(family, mode):
     tokens = torch.randint(0, 2048, (3, 12), generator=torch.Generator().manual_seed(0))
     fast = model(tokens)
     assert not model.blocks[0].attn.needs_explicit()
-    cached: dict[str, torch.Tensor] = {}
     names = {f"blocks.{l}.attn.{s}" for l in range(2) for s in ("hook_pattern", "hook_z", "hook_z_calibrated")}
     with torch.no_grad():
         explicit, cache = model.run_with_cache(tokens, names_filter=lambda n: n in names)

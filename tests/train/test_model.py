@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.errors import SequenceTooLongError
@@ -39,7 +38,7 @@ PER_LAYER = [
 def test_hook_names_and_cache_shapes_follow_transformerlens(family):
     model = build(family)
     B, T = 3, 12
-    H, Hkv, dh, D, M, V = 4, 2, 4, 16, 32, 32
+    H, Hkv, dh, D, M = 4, 2, 4, 16, 32
     expected = {"hook_embed": (B, T, D), "ln_final.hook_normalized": (B, T, D), "ln_final.hook_scale": (B, T, 1)}
     if family == "gpt2":
         expected["hook_pos_embed"] = (B, T, D)
