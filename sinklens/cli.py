@@ -8,7 +8,9 @@ applies the error contract:
 * a failure (I/O, no network, a corrupt file) prints one line and exits with 1; an unexpected
   exception prints ``sinklens CMD: internal error: ...`` and exits with 1;
 * Ctrl-C exits with 130;
-* ``--debug`` (anywhere on the command line) or ``SINKLENS_DEBUG=1`` also prints the traceback.
+* ``--debug`` (anywhere on the command line) or ``SINKLENS_DEBUG=1`` also prints the traceback;
+* a warning prints as one line ``sinklens CMD: warning: ...`` (Python's format, with the source line,
+  under ``--debug``).
 
 The mapping from exception to exit code is :func:`sinklens.errors.exit_code_for`.
 """
@@ -16,10 +18,13 @@ The mapping from exception to exit code is :func:`sinklens.errors.exit_code_for`
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import sys
 import traceback
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from sinklens.errors import EXIT_FAILURE, EXIT_INTERRUPTED, exit_code_for, is_internal_error, one_line
@@ -107,9 +112,25 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_FAILURE
     try:
-        return int(args.func(args) or 0)
+        with _cli_warnings(args.command, debug=debug):
+            return int(args.func(args) or 0)
     except (Exception, KeyboardInterrupt) as err:
         return report_error(args.command, err, debug=debug)
+
+
+@contextlib.contextmanager
+def _cli_warnings(command: str, *, debug: bool) -> Iterator[None]:
+    """Warnings print as ``sinklens CMD: warning: ...`` (one line per warning, no source path or code line)
+    unless ``debug``; Python's own format comes back afterwards."""
+    if debug:
+        yield
+        return
+    before = warnings.formatwarning
+    warnings.formatwarning = lambda message, category, *rest, **kw: f"sinklens {command}: warning: {message}\n"
+    try:
+        yield
+    finally:
+        warnings.formatwarning = before
 
 
 if __name__ == "__main__":

@@ -49,6 +49,25 @@ def hook_name(layer: int, site: str) -> str:
     return f"blocks.{layer}.{site}"
 
 
+def head_output_site(model: Any) -> str:
+    """The attention hook site whose per-head outputs enter ``W_O``: ``attn.hook_z`` on every
+    TransformerLens model, and on a sinklens :class:`~sinklens.train.model.SinkLM` whose attention
+    variant transforms the aggregated output first (head-wise RMSNorm, output gate, variance
+    calibration) that variant's own site, which the model declares as ``head_output_site``
+    (``attn.hook_z_normed``, ``attn.hook_z_gated``, ``attn.hook_z_calibrated``).
+
+    ``attn.hook_z`` always holds the value aggregation ``Σ_k A_qk v_k`` itself; what a head *writes*
+    (``z · W_O``) is read at this site.
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> head_output_site(tiny_model())
+        'attn.hook_z'
+    """
+    site = getattr(model, "head_output_site", None)
+    return site if isinstance(site, str) else Z
+
+
 def layer_of(name: str) -> int:
     """Layer index of a per-layer hook name.
 

@@ -101,6 +101,12 @@ ANALYZE_ROWS = [
     ("out-empty", lambda f: ["--out", ""], EXIT_USAGE, ["--out is empty"]),
     ("seq-len-beyond-context", lambda f: ["--model", str(f["tiny"]), "--random-tokens", "2", "--seq-len", "65"],
      EXIT_USAGE, ["65", "64"]),
+    ("max-length-with-random-tokens", lambda f: ["--random-tokens", "2", "--max-length", "8"], EXIT_USAGE,
+     ["--max-length 8 truncates text prompts", "--seq-len"]),
+    ("seq-len-with-text", lambda f: ["--text", "t2", "--seq-len", "8"], EXIT_USAGE,
+     ["--seq-len 8 sets the length of --random-tokens", "--max-length"]),
+    ("seq-len-with-the-built-in-prompts", lambda f: ["--model", str(f["tiny"]), "--seq-len", "8"], EXIT_USAGE,
+     ["--seq-len 8 sets the length of --random-tokens", "text prompts"]),
     ("unknown-flag", lambda f: ["--bogus"], EXIT_USAGE, ["unrecognized arguments: --bogus"]),
 ]
 
@@ -261,3 +267,18 @@ def test_a_sub_command_that_fails_to_import_is_reported_not_dropped(monkeypatch,
     with pytest.raises(SystemExit):
         main(["--help"])
     assert "compare" in capsys.readouterr().out  # still listed
+
+
+def test_a_warning_is_one_line_naming_the_command_and_python_format_under_debug(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    lines = [json.dumps({"kind": "train", "step": i, "loss": 5.0 - i / 10}) for i in range(3)]
+    (run / "metrics.jsonl").write_text("\n".join(lines) + '\n{"kind": "train", "st')  # a write cut short by a kill
+    done = sinklens("compare", str(run), "--out", str(tmp_path / "c.png"))
+    assert done.returncode == 0, done.stderr
+    assert done.stderr.splitlines() == [f"sinklens compare: warning: {run / 'metrics.jsonl'}: its last line is cut short "
+                                        "(Unterminated string starting at, column 19), as when the run was stopped while "
+                                        "writing it; that line is ignored."]
+    debug = sinklens("compare", str(run), "--out", str(tmp_path / "c.png"), "--debug")
+    assert "RuntimeWarning: " in debug.stderr and "compare.py" in debug.stderr
+

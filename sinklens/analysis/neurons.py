@@ -55,7 +55,7 @@ from sinklens.analysis._common import (
 )
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, Z, layer_weight, model_device, model_dims, resolve_layers, weight, weight_cached
+from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, head_output_site, layer_weight, model_device, model_dims, resolve_layers, weight, weight_cached
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.residual_units import attn_out_bias, check_neuron_mlp, mlp_out_bias, post_norm_map
@@ -285,7 +285,8 @@ class SuperNeurons(SettingsFields):
             norm plus its bias), so ``contribution.sum(neuron) + mlp_offset_sink[l, dims] == mlp_out_sink[l, dims]``.
         post_norm_blocks: blocks whose MLP output passes a post norm (their contributions went through it).
         head_contribution: ``[block, head, n_dims]`` each head's residual-unit contribution to ``dims`` at the sink:
-            mean over sequences of ``z_h W_O[block, h]`` (``attn.hook_z`` at the sink) taken through the
+            mean over sequences of ``z_h W_O[block, h]`` (``z_h`` at the sink from the head output site,
+            :func:`~sinklens.hooks.head_output_site`: ``attn.hook_z``, or a SinkLM variant's own) taken through the
             post-attention norm (``ln1_post``: ``× gain / scale``) when there is one; with ``attn_offset_sink``
             (``b_O`` through the norm, plus its bias) it adds up to ``attn_out_sink``.
     """
@@ -569,7 +570,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         def fold_attn_scale(act: Tensor, block: int) -> None:
             state["attn_scale"][block] = act[:, s].reshape(act.shape[0]).double()
 
-        hooks += per_layer_hooks(Z, blocks, fold_z)
+        hooks += per_layer_hooks(head_output_site(self.model), blocks, fold_z)
         attn_pn = [b for b in blocks if not self.attn_maps[b].is_identity]
         hooks += bound_hooks([self.attn_maps[b].scale_hook for b in attn_pn], attn_pn, fold_attn_scale)
         return BatchFold(hooks, state)

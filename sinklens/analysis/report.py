@@ -21,7 +21,7 @@ from sinklens.analysis.neurons import SuperNeuronReducer, SuperNeurons, SuperNeu
 from sinklens.analysis.normalized_disparity import NormalizedDisparity, NormalizedDisparityReducer
 from sinklens.analysis.qk_locking import QKLocking, QKLockingReducer, qk_locking_reason
 from sinklens.analysis.sinks import SINK_RENAMES, SinkReducer, SinkResult, SinkSettings
-from sinklens.analysis.value_drain import ValueDrain, ValueDrainReducer, ValueDrainSettings
+from sinklens.analysis.value_drain import ValueDrain, ValueDrainReducer, ValueDrainSettings, value_drain_reason
 from sinklens.analysis.variance import VarianceReducer, VarianceResult
 from sinklens.analysis.verify import CausalCheck, verify_attribution
 from sinklens.analysis.weight_super_neurons import SinkInputReducer, WeightNeurons, super_neurons_from_weights
@@ -59,7 +59,8 @@ class SinkReport:
             massive dimension's top writers at the sink), else None.
         skipped: section name -> why it was skipped (e.g. ``"super_neurons"`` on a mixture-of-experts model).
         value_drain: :class:`~sinklens.analysis.value_drain.ValueDrain` (what the sink writes: no-op or
-            broadcast sink heads); None in reports built before it existed.
+            broadcast sink heads); None when skipped (a SinkLM variant that transforms the head output before
+            ``W_O``: see ``skipped``) and in reports built before it existed.
 
     The text layout lives in :mod:`sinklens.analysis.report_text`, file writing in
     :mod:`sinklens.analysis.report_files`; :meth:`summary` and :meth:`save` call them.
@@ -144,7 +145,8 @@ class SinkReport:
             "normalized_disparity": self.normalized.to_dict(dims=self.massive_dims() or None),
             "query_key_locking": self.locking.to_dict() if self.locking is not None
             else {"skipped": self.skipped.get("query_key_locking")},
-            **({"value_drain": self.value_drain.to_dict()} if self.value_drain is not None else {}),
+            "value_drain": self.value_drain.to_dict() if self.value_drain is not None
+            else {"skipped": self.skipped.get("value_drain")},
         })
 
 
@@ -211,10 +213,14 @@ def analyze(
         *([] if no_locking is not None else [QKLockingReducer(model, sink_position=sink_position)]),
     ]
     # Value drain (what the sink writes) rides the same pass; its result is the last one.
-    reducers.append(ValueDrainReducer(model, settings=ValueDrainSettings(sink_position=sink_position)))
+    no_drain = value_drain_reason(model)
+    if no_drain is not None:
+        skipped["value_drain"] = f"skipped: {no_drain}"
+    else:
+        reducers.append(ValueDrainReducer(model, settings=ValueDrainSettings(sink_position=sink_position)))
     desc = "sinklens analyze" if options.desc == RunOptions.desc else options.desc
     results = stream(model, batches, reducers, options=options.replace(desc=desc))
-    value_drain = results.pop()
+    value_drain = None if no_drain is not None else results.pop()
     locking = None if no_locking is not None else results.pop()
     sinks, variance, massive, *neuron_results, normalized = results
     neurons, weight_neurons, causal = None, None, None

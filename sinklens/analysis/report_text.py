@@ -56,6 +56,8 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
     lines += disparity_lines(report, dims)
     if report.value_drain is not None:
         lines += ["", value_drain_line(report)]
+    elif "value_drain" in report.skipped:
+        lines += ["", f"Value drain {report.skipped['value_drain']}"]
     lock = report.locking
     lines += [
         "",

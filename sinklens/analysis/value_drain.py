@@ -70,7 +70,8 @@ from sinklens.analysis._common import SettingsFields, check_sink_position, row_i
 from sinklens.analysis.variance import attention_output_grams, post_attention_scale_hooks
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import PATTERN, V, model_device, model_dims, resolve_layers
+from sinklens.errors import UnsupportedArchitectureError
+from sinklens.hooks import PATTERN, V, Z, head_output_site, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
@@ -222,6 +223,22 @@ class ValueDrain(SettingsFields):
         return plot_value_drain(self, path=path)
 
 
+def value_drain_reason(model: Any) -> str | None:
+    """Why value drain cannot be measured on ``model``, or None when it can.
+
+    The per-key write ``A[q, k] · ‖v_k · W_O‖`` holds when ``W_O`` reads the aggregation ``hook_z`` itself.
+    A sinklens :class:`~sinklens.train.model.SinkLM` whose attention variant transforms that aggregation
+    first (head-wise RMSNorm, an output gate, variance calibration: :func:`~sinklens.hooks.head_output_site`)
+    writes ``T_q(Σ_k A[q, k] v_k) · W_O``, where a key's share depends on the query's transform, so the
+    analysis refuses rather than report writes the model does not make.
+    """
+    site = head_output_site(model)
+    if site == Z:
+        return None
+    return (f"the model transforms each head's aggregated output before W_O (W_O reads blocks.{{l}}.{site}, not "
+            f"blocks.{{l}}.{Z}), so a key's write is not A[q, k] · v_k · W_O")
+
+
 def _quad_norm(v: Float[Tensor, "batch key head d_head"], gram: Float[Tensor, "head d_head d_head"]) -> Tensor:
     """``sqrt(v G vᵀ)`` per (batch, key, head): the norm of ``v W`` for ``G = W Wᵀ`` without forming ``v W``."""
     return (torch.einsum("bkhd,hde->bkhe", v, gram) * v).sum(-1).clamp(min=0).sqrt()
@@ -239,6 +256,9 @@ class ValueDrainReducer(Reducer[ValueDrain]):
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None,
                  settings: ValueDrainSettings = ValueDrainSettings()):
+        reason = value_drain_reason(model)
+        if reason is not None:
+            raise UnsupportedArchitectureError(f"Value drain is not supported for this model: {reason}.")
         dims = model_dims(model)
         self.dims, self.settings = dims, settings
         self.layers = resolve_layers(layers, dims.n_layers)

@@ -32,7 +32,11 @@ The same definition is applied to
   is ``blocks.{l}.ln1``, a LayerNorm of ``resid_pre`` plus the attention output: a head's write reaches
   the stream as ``C(z_h · W_O[l, h]) ⊙ g / s[b, t]`` (``C``: mean removal over ``d_model``, ``s`` its
   ``hook_scale``), beside the residual's own term and the bias (tested against the Hugging Face model).
-  ``result_var_pre_norm`` keeps ``z_h · W_O[l, h]`` (equal to ``result_var`` on pre-norm models);
+  ``result_var_pre_norm`` keeps ``z_h · W_O[l, h]`` (equal to ``result_var`` on pre-norm models).
+  Here ``z_h`` is what enters ``W_O`` (:func:`~sinklens.hooks.head_output_site`): ``hook_z`` on every
+  TransformerLens model; on a sinklens :class:`~sinklens.train.model.SinkLM` whose variant transforms the
+  aggregation first, that variant's site (``hook_z_normed`` for head-wise RMSNorm, ``hook_z_gated``,
+  ``hook_z_calibrated``), so the write is the model's own (``z_var`` stays on ``hook_z``, the aggregation);
 * ``attn_out_var``: the attention's whole write (all heads plus bias, averaged over ``d_model``) where it
   reaches the stream (:func:`~sinklens.residual_sites.attention_write_hooks`): ``blocks.{l}.hook_attn_out``
   on pre-norm blocks, after ``ln1_post`` on Gemma's sandwich blocks (in residual units too), and on a post-LN
@@ -51,7 +55,8 @@ Discrepancy Across Positions", Sec. 3.1 / Fig. 4: a forward pre-hook on ``self_a
 
 ``std`` is ``torch.std``'s default: centred on the token's own feature mean, Bessel-corrected
 (``1/(n − 1)``); the concatenated ``o_proj`` input is ``hook_z`` flattened head-major (tested against a
-pre-hook on the Hugging Face ``o_proj``). It is a mean of standard deviations over sequences, not a
+pre-hook on the Hugging Face ``o_proj``; on a SinkLM variant, the head output site above, which is what its
+``W_O`` reads). It is a mean of standard deviations over sequences, not a
 variance across sequences: a constant first-token vector with a large spread over its coordinates
 scores high here and zero in ``z_var_seq``. The per-head version is our choice (their analysis code
 measures the concatenated input only): the same estimator restricted to one head's ``d_head``
@@ -116,7 +121,7 @@ from torch import Tensor
 from sinklens.analysis._common import grow, layer_head_position_rows, position_index, run_analyzer
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import PATTERN, V, Z, layer_weight, model_device, model_dims, resolve_layers, weight_cached
+from sinklens.hooks import PATTERN, V, Z, head_output_site, layer_weight, model_device, model_dims, resolve_layers, weight_cached
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.residual_sites import attention_write_hooks
@@ -130,7 +135,8 @@ Site = Literal["z", "z_seq", "result", "result_pre_norm", "attn_out", "feature_s
 SOURCES = {
     "z_var": "sinklens: variance across (sequence, position) around the overall mean, per position",
     "z_var_seq": "sinklens: variance across sequences around the per-position mean",
-    "result_var": "sinklens: z_var's definition applied to the head's write in residual units (through any post-attention norm)",
+    "result_var": "sinklens: z_var's definition applied to the head's write in residual units (the head output that "
+                  "enters W_O, through any post-attention norm)",
     "feature_std": "Li et al. (Siquan-Li/Head-wise-RMSNorm@23793e0 attention_sink.ipynb cell 2): mean over sequences of "
                    "torch.std over the features of the o_proj input (all heads concatenated) at each position",
     "feature_std_head": "sinklens variant of Li et al.'s feature_std: the same estimator over one head's d_head features",
@@ -241,7 +247,8 @@ class VarianceResult:
         z_var: ``hook_z`` variance around the overall per-(layer, head, coordinate) mean.
         z_var_seq: ``hook_z`` variance across sequences around the per-position mean.
         result_var: variance of the head's write in residual units (``z_h · W_O[l, h]``, through the
-            post-attention norm where there is one; same centring as ``z_var``), over ``d_model``.
+            post-attention norm where there is one; same centring as ``z_var``), over ``d_model``;
+            ``z_h`` is read at ``output_site``.
         attn_out_var: variance of the attention's write where it reaches the stream (same centring), over
             ``d_model``: ``hook_attn_out`` except on post-LN models (module docstring).
         value_var: ``σ_v²`` per (layer, head), from ``hook_v`` over all valid positions.
@@ -255,6 +262,9 @@ class VarianceResult:
         feature_std: Li et al.'s per-position feature std of the concatenated ``o_proj`` input (module docstring).
         feature_std_head: the same per head.
         post_norm_layers: the analysed layers whose heads pass through a post-attention norm.
+        output_site: the attention hook site of the head outputs that enter ``W_O``
+            (:func:`~sinklens.hooks.head_output_site`): where ``result_var``, ``result_var_pre_norm`` and
+            ``feature_std`` read ``z_h``.
     """
 
     z_var: Float[Tensor, "layer head pos"]
@@ -271,6 +281,7 @@ class VarianceResult:
     feature_std: Float[Tensor, "layer pos"] | None = None
     feature_std_head: Float[Tensor, "layer head pos"] | None = None
     post_norm_layers: list[int] | None = None
+    output_site: str = Z
 
     @property
     def pred_pattern(self) -> Float[Tensor, "layer head pos"]:
@@ -404,6 +415,7 @@ class VarianceResult:
         return to_json({
             "sources": {k: SOURCES[k] for k in ("z_var", "z_var_seq", "result_var")},
             "post_norm_layers": list(self.post_norm_layers or []),
+            "output_site": self.output_site,
             **({"discrepancy_result_pre_norm": self.discrepancy(position, of="result_pre_norm").tolist()}
                if self.result_var_pre_norm is not None else {}),
             **li,
@@ -454,7 +466,8 @@ class VarianceResult:
 
 
 class VarianceReducer(Reducer[VarianceResult]):
-    """Streams ``hook_v``, ``hook_pattern``, ``hook_z``, the attention write
+    """Streams ``hook_v``, ``hook_pattern``, ``hook_z`` (and the head output site where a model has its own,
+    :func:`~sinklens.hooks.head_output_site`), the attention write
     (:func:`~sinklens.residual_sites.attention_write_hooks`) and the post-attention norm's ``hook_scale`` on
     post-norm layers into a :class:`VarianceResult`.
 
@@ -468,7 +481,7 @@ class VarianceReducer(Reducer[VarianceResult]):
     ``Σ |(z/s) W_O ⊙ g|²`` are kept as well.
     """
 
-    statistics = ("z_s1", "z_s2", "r_s2", "zs_s1", "rs_s2", "fs_head", "fs_all", "a_sq", "o_s1", "o_s2", "n", "v_s1",
+    statistics = ("z_s1", "z_s2", "out_s1", "r_s2", "zs_s1", "rs_s2", "fs_head", "fs_all", "a_sq", "o_s1", "o_s2", "n", "v_s1",
                   "v_s2", "v_n", "n_seq", "prepend_bos")
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None):
@@ -480,6 +493,7 @@ class VarianceReducer(Reducer[VarianceResult]):
         self.device = model_device(model)
         self.scale_hooks = post_attention_scale_hooks(model, self.layers)
         self.post_norm = list(self.scale_hooks)
+        self.output_site = head_output_site(model)
         # Gram matrices of W_O and of the residual-unit output map M = C(W_O) diag(g) (W_O without a post-norm).
         self.gram, self.gram_res = (g.to(self.device) for g in attention_output_grams(model, self.layers))
         self.gram32 = self.gram.float()
@@ -491,6 +505,7 @@ class VarianceReducer(Reducer[VarianceResult]):
         f64 = dict(device=self.device, dtype=torch.float64)
         self.z_s1 = torch.zeros(n_l, dims.n_heads, 0, dims.d_head, **f64)
         self.z_s2 = torch.zeros(n_l, dims.n_heads, 0, **f64)
+        self.out_s1 = torch.zeros(n_l, dims.n_heads, 0, dims.d_head, **f64)  # Σ of the head output site (≠ hook_z)
         self.r_s2 = torch.zeros(n_l, dims.n_heads, 0, **f64)
         self.zs_s1 = torch.zeros(n_l, dims.n_heads, 0, dims.d_head, **f64)  # Σ z/s (post-norm layers)
         self.rs_s2 = torch.zeros(n_l, dims.n_heads, 0, **f64)  # Σ |(z/s) W_O ⊙ g|² (post-norm layers)
@@ -508,7 +523,7 @@ class VarianceReducer(Reducer[VarianceResult]):
 
     def _reserve(self, n: int) -> None:
         """Grow every per-position sum to ``n`` positions (zeros for new positions)."""
-        self.z_s1, self.zs_s1 = grow(self.z_s1, 2, n), grow(self.zs_s1, 2, n)
+        self.z_s1, self.zs_s1, self.out_s1 = grow(self.z_s1, 2, n), grow(self.zs_s1, 2, n), grow(self.out_s1, 2, n)
         self.z_s2, self.r_s2, self.rs_s2, self.a_sq, self.fs_head = (
             grow(t, 2, n) for t in (self.z_s2, self.r_s2, self.rs_s2, self.a_sq, self.fs_head))
         self.o_s1, self.o_s2, self.fs_all = grow(self.o_s1, 1, n), grow(self.o_s2, 1, n), grow(self.fs_all, 1, n)
@@ -532,12 +547,22 @@ class VarianceReducer(Reducer[VarianceResult]):
             sq = pattern.float().square().sum(dim=-1)  # Σ_k A_qk², [batch, head, query]
             self.a_sq[self.row[layer], :, : sq.shape[2]] += (sq * w32[:, None]).sum(0).double()
 
-        def fold_z(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]
+        separate = self.output_site != Z  # a SinkLM variant: W_O reads its own site, not hook_z
+
+        def fold_z(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]: the aggregation
+            row, z = self.row[layer], z.float()
+            n = z.shape[1]
+            self.z_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
+            self.z_s2[row, :, :n] += (z.square().sum(-1) * w32[..., None]).sum(0).T.double()
+            if not separate:
+                fold_out(z, layer)
+
+        def fold_out(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]: what enters W_O
             row, z = self.row[layer], z.float()
             n = z.shape[1]
             sq, total = z.square().sum(-1), z.sum(-1)  # Σ_c z², Σ_c z per (b, t, head)
-            self.z_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
-            self.z_s2[row, :, :n] += (sq * w32[..., None]).sum(0).T.double()
+            if separate:
+                self.out_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
             zg = torch.einsum("bphd,hde->bphe", z, self.gram32[row])  # |z W_O|² = z G zᵀ
             self.r_s2[row, :, :n] += ((zg * z).sum(-1) * w32[..., None]).sum(0).T.double()
             # Li et al.: torch.std (Bessel) over the features at each token, summed over sequences; from the
@@ -566,7 +591,7 @@ class VarianceReducer(Reducer[VarianceResult]):
             self.o_s1[row, :n] += (out * w32[..., None]).sum(0).double()
             self.o_s2[row, :n] += (out.square().sum(-1) * w32).sum(0).double()
 
-        sites = ((V, fold_v), (PATTERN, fold_pattern), (Z, fold_z))
+        sites = ((V, fold_v), (PATTERN, fold_pattern), (Z, fold_z), *(((self.output_site, fold_out),) if separate else ()))
         hooks = [hook for site, fold in sites for hook in per_layer_hooks(site, self.layers, fold)]
         hooks += attention_write_hooks(self.model, self.layers, lambda layer, out: fold_attn_out(out, layer))
         hooks += bound_hooks(list(self.scale_hooks.values()), self.post_norm, fold_scale)
@@ -589,7 +614,8 @@ class VarianceReducer(Reducer[VarianceResult]):
         z_s1, z_s2 = self.z_s1[:, :, :p], self.z_s2[:, :, :p]
         z_var = _global_centred(z_s1, z_s2, n, d_head)
         z_var_seq = ((z_s2 - z_s1.square().sum(-1) / n) / (n * d_head)).clamp(min=0)
-        result_pre = _global_centred(z_s1, self.r_s2[:, :, :p], n, d_model, gram=self.gram)
+        out_s1 = self.out_s1[:, :, :p] if self.output_site != Z else z_s1
+        result_pre = _global_centred(out_s1, self.r_s2[:, :, :p], n, d_model, gram=self.gram)
         result_var = result_pre.clone()
         for layer in self.post_norm:
             row = self.row[layer]
@@ -621,6 +647,7 @@ class VarianceReducer(Reducer[VarianceResult]):
             feature_std=out(self.fs_all[:, :p] / n),
             feature_std_head=out(self.fs_head[:, :, :p] / n),
             post_norm_layers=list(self.post_norm),
+            output_site=self.output_site,
         )
 
 

@@ -6,8 +6,9 @@ import argparse
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-from sinklens.errors import InvalidArgumentError
+from sinklens.errors import InvalidArgumentError, SequenceTooLongError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -23,8 +24,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--prompts", metavar="FILE", help="a text file with one prompt per line")
     source.add_argument("--stdlib-text", type=int, metavar="N", help="N docstrings from the Python standard library")
     source.add_argument("--random-tokens", type=int, metavar="N", help="N uniformly random token sequences")
-    parser.add_argument("--seq-len", type=int, default=64, help="length of random-token sequences (default: %(default)s)")
-    parser.add_argument("--max-length", type=int, default=128, help="truncate prompts to this many tokens (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help=f"length of random-token sequences (default: {_DEFAULT_SEQ_LEN}, at most the model's context)")
+    parser.add_argument("--max-length", type=int, default=None,
+                        help=f"truncate text prompts to this many tokens (default: {_DEFAULT_MAX_LENGTH})")
     parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (it moves the sink)")
     parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
@@ -45,10 +48,17 @@ def _check_args(args: argparse.Namespace) -> None:
     if not str(args.model).strip():
         raise InvalidArgumentError(f"--model is empty ({args.model!r}); give a model name, a path or a Hub id.")
     positive_int(args.batch_size, what="--batch-size")
-    positive_int(args.seq_len, what="--seq-len")
+    optional_positive_int(args.seq_len, what="--seq-len")
     optional_positive_int(args.max_length, what="--max-length")
     optional_positive_int(args.random_tokens, what="--random-tokens")
     optional_positive_int(args.stdlib_text, what="--stdlib-text")
+    text_flag = _text_flag(args)
+    if args.random_tokens is not None and args.max_length is not None:
+        raise InvalidArgumentError(f"--max-length {args.max_length} truncates text prompts; --random-tokens sequences "
+                                   "are --seq-len tokens long.")
+    if text_flag is not None and args.seq_len is not None:
+        raise InvalidArgumentError(f"--seq-len {args.seq_len} sets the length of --random-tokens sequences; "
+                                   f"{text_flag} prompts are cut with --max-length.")
     if args.text is not None:
         empty = [i for i, t in enumerate(args.text) if not t.strip()]
         if empty:
@@ -62,7 +72,12 @@ def _check_args(args: argparse.Namespace) -> None:
     args.out = writable_dir(args.out, what="--out")
 
 
-def _inputs(args: argparse.Namespace, model) -> object:
+def _text_flag(args: argparse.Namespace) -> str | None:
+    """The text-source flag given (``--text``, ``--prompts`` or ``--stdlib-text``), or None."""
+    return "--text" if args.text else "--prompts" if args.prompts else "--stdlib-text" if args.stdlib_text else None
+
+
+def _inputs(args: argparse.Namespace, model: Any) -> object:
     """The analysis inputs the flags ask for (``None``: the built-in prompts).
 
     A model without a tokenizer (a ``sinklens train`` run on synthetic data) is analysed on random
@@ -76,20 +91,31 @@ def _inputs(args: argparse.Namespace, model) -> object:
 
     prepend_bos = not args.no_bos
     has_tokenizer = getattr(model, "tokenizer", None) is not None
+    if has_tokenizer and args.random_tokens is None and args.seq_len is not None:
+        raise InvalidArgumentError(f"--seq-len {args.seq_len} sets the length of --random-tokens sequences, and this "
+                                   "analysis runs on text prompts (cut them with --max-length).")
+    if not has_tokenizer and args.max_length is not None:
+        raise InvalidArgumentError(f"--max-length {args.max_length} truncates text prompts, and the model "
+                                   f"{str(args.model)!r} has no tokenizer; set the random sequences' length with --seq-len.")
+    n_ctx = model_dims(model).n_ctx
+    if args.seq_len is not None and args.seq_len > n_ctx:
+        raise SequenceTooLongError(f"--seq-len {args.seq_len} is longer than the model's context of {n_ctx} tokens "
+                                   "(cfg.n_ctx); pass a shorter --seq-len.")
+    seq_len = _DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
     if not has_tokenizer and args.random_tokens is None:
-        flag = "--text" if args.text else "--prompts" if args.prompts else "--stdlib-text" if args.stdlib_text else None
+        flag = _text_flag(args)
         if flag is not None:
             raise InvalidArgumentError(f"{flag} needs a tokenizer, and the model {str(args.model)!r} has none "
                                        "(trained on synthetic data?); use --random-tokens N.")
-        n_ctx = model_dims(model).n_ctx
-        seq_len = min(args.seq_len, n_ctx)
+        if args.seq_len is None:
+            seq_len = min(seq_len, n_ctx)
         if distributed.is_main():
             print(f"sinklens analyze: {str(args.model)!r} has no tokenizer (trained on synthetic data?); analysing "
                   f"{_DEFAULT_RANDOM} random-token sequences of {seq_len} tokens instead", file=sys.stderr)
         return random_token_batches(model, n_sequences=_DEFAULT_RANDOM, seq_len=seq_len, batch_size=args.batch_size,
                                     prepend_bos=False)
     if args.random_tokens is not None:
-        return random_token_batches(model, n_sequences=args.random_tokens, seq_len=args.seq_len,
+        return random_token_batches(model, n_sequences=args.random_tokens, seq_len=seq_len,
                                     batch_size=args.batch_size, prepend_bos=prepend_bos and has_tokenizer)
     if args.text:
         return list(args.text)
@@ -101,6 +127,8 @@ def _inputs(args: argparse.Namespace, model) -> object:
 
 
 _DEFAULT_RANDOM = 16
+_DEFAULT_SEQ_LEN = 64
+_DEFAULT_MAX_LENGTH = 128
 
 
 def run(args: argparse.Namespace) -> int:
@@ -139,7 +167,7 @@ def _analyze(args: argparse.Namespace, device: str | None) -> int:
         _inputs(args, model),
         model_name=str(args.model),
         verify=args.verify,
-        options=RunOptions(batch_size=args.batch_size, prepend_bos=not args.no_bos, max_length=args.max_length),
+        options=RunOptions(batch_size=args.batch_size, prepend_bos=not args.no_bos, max_length=args.max_length or _DEFAULT_MAX_LENGTH),
     )
     if not main:
         return 0

@@ -157,3 +157,28 @@ def _tiny_hooked_transformer(arch: Arch, n_layers, d_model, n_heads, n_kv_heads,
         raise ValueError(f"Unknown arch {arch!r}; expected 'llama' or 'gpt2'.")
     model = HookedTransformer(cfg, tokenizer=word_tokenizer(d_vocab))
     return model.eval()
+
+
+def tiny_sinklm(variant: str = "baseline", *, family: Literal["llama", "gpt2"] = "llama", seed: int = 0,
+                **variant_options: Any) -> Any:
+    """A step-0 :class:`~sinklens.train.model.SinkLM` (2 layers, d_model 32, 4 heads, context 16, vocabulary 512)
+    with one of the trainer's attention variants, built as ``sinklens train`` builds it for ``seed``. A
+    ``headwise_rms`` model gets gains drawn from [0.5, 2] (seeded), so its norm is more than a rescale.
+
+    Examples:
+        >>> tiny_sinklm("gated", granularity="headwise").head_output_site
+        'attn.hook_z_gated'
+    """
+    from sinklens.origins.init import sinklm_at_init
+    from sinklens.train.config import ModelConfig
+
+    cfg = ModelConfig.from_dict(dict(family=family, n_layers=2, d_model=32, n_heads=4, d_mlp=64, n_ctx=16, d_vocab=512,
+                                     variant=variant, variant_options=variant_options))
+    model = sinklm_at_init(cfg, seed)
+    if variant == "headwise_rms":
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for block in model.blocks:
+                gain = block.attn.variant.gain
+                gain.copy_(torch.rand(gain.shape, generator=gen) * 1.5 + 0.5)
+    return model

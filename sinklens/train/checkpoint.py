@@ -384,10 +384,10 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
             line = json.loads(row)
         except json.JSONDecodeError as error:
             if number == len(rows) and not text.endswith("\n"):
-                warnings.warn(f"{path}: its last line is cut short ({error.msg} at column {error.colno}), as when "
+                warnings.warn(f"{path}: its last line is cut short ({error.msg}, column {error.colno}), as when "
                               "the run was stopped while writing it; that line is ignored.", RuntimeWarning, stacklevel=2)
                 break
-            raise CorruptCheckpointError(f"{path}: line {number} is not JSON ({error.msg} at column {error.colno}).") from None
+            raise CorruptCheckpointError(f"{path}: line {number} is not JSON ({error.msg}, column {error.colno}).") from None
         if not isinstance(line, dict):
             raise CorruptCheckpointError(f"{path}: line {number} is not a JSON object, got {row[:80]!r}.")
         lines.append(line)

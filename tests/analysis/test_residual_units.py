@@ -1,5 +1,7 @@
 """Contributions in residual units: exact through post norms (Gemma 2/3), act × W_out on pre-norm models."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -160,6 +162,28 @@ def test_head_contributions_add_up_on_pre_norm_models(family):
                                options=QUIET)
     torch.testing.assert_close(found.head_contribution.sum(1) + found.attn_offset_sink, found.attn_out_sink,
                                rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(("variant", "options"), [("headwise_rms", {}), ("gated", {"granularity": "elementwise"}),
+                                                  ("variance_calibrated", {"mode": "attenuate"})])
+def test_head_contributions_of_a_sinklens_variant_are_what_its_w_o_reads(variant, options):
+    """A SinkLM variant transforms the aggregation before W_O: per head, the mean over sequences of
+    out_h W_O[h] at the sink with ``out`` its own head output site, and they add up to hook_attn_out, with no
+    "approximate" warning (hook_z there missed it by about the whole output)."""
+    from sinklens.testing import tiny_sinklm
+
+    model = tiny_sinklm(variant, **options)
+    tokens = torch.randint(0, 512, (6, 12), generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        found = find_super_neurons(model, tokens, dims=list(range(32)), options=QUIET)
+    _, cache = model.run_with_cache(tokens)
+    w_o = model.W_O.detach()
+    ref = torch.stack([torch.einsum("bhk,hkd->hd", cache[f"blocks.{layer}.{model.head_output_site}"][:, 0], w_o[layer])
+                       for layer in range(2)]) / tokens.shape[0]
+    torch.testing.assert_close(found.head_contribution, ref, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(found.head_contribution.sum(1) + found.attn_offset_sink, found.attn_out_sink,
+                               rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize("family", POST_NORM_FAMILIES)

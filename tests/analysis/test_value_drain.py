@@ -1,4 +1,5 @@
 import json
+import re
 
 import matplotlib.figure
 import pytest
@@ -228,3 +229,26 @@ def test_analyze_reports_value_drain_and_li_feature_std(llama, tmp_path):
     assert "Li et al." in data["variance"]["li_feature_std"]["source"]
     fig = figure_makers(report)["value_drain.png"]()
     torch.testing.assert_close(torch.as_tensor(fig.axes[1].images[0].get_array().data), alone.write_share)
+
+
+@pytest.mark.parametrize("variant", ["headwise_rms", "gated", "variance_calibrated"])
+def test_a_variant_that_transforms_the_head_output_is_refused_and_analyze_says_why(variant, tmp_path):
+    """W_O reads the variant's own site there, so a key's write is not A[q, k] v_k W_O: a named refusal, and
+    ``analyze`` reports every other section with value drain marked skipped (text and strict JSON)."""
+    from sinklens.analysis.report import analyze
+    from sinklens.errors import UnsupportedArchitectureError
+    from sinklens.testing import tiny_sinklm
+
+    model = tiny_sinklm(variant)
+    tokens = torch.randint(0, 512, (4, 12), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(UnsupportedArchitectureError, match=re.escape(f"W_O reads blocks.{{l}}.{model.head_output_site}, not")):
+        measure_value_drain(model, tokens, options=QUIET)
+    report = analyze(model, tokens, options=QUIET)
+    assert report.value_drain is None and report.variance.output_site == model.head_output_site
+    assert "Value drain skipped: the model transforms each head's aggregated output" in report.summary()
+    report.save(tmp_path)
+    data = json.loads((tmp_path / "report.json").read_text())
+    assert data["value_drain"]["skipped"].startswith("skipped: the model transforms")
+    assert not (tmp_path / "value_drain.png").exists()
+    baseline = tiny_sinklm("baseline")  # the aggregation is what W_O reads: measured as on any model
+    assert measure_value_drain(baseline, tokens, options=QUIET).attn_sink.shape == (2, 4)

@@ -8,7 +8,7 @@ from sinklens.analysis.variance import VarianceReducer, measure_variance
 from sinklens.hooks import weight
 from sinklens.inputs import as_batches, random_token_batches
 from sinklens.streaming import stream
-from sinklens.testing import QUIET, VARIED_PROMPTS
+from sinklens.testing import QUIET, VARIED_PROMPTS, tiny_sinklm
 
 pytestmark = pytest.mark.models
 
@@ -365,3 +365,50 @@ def test_li_feature_std_follows_the_uniform_law():
     assert float((law - 1).abs().max()) < 0.05, law
     # Same numbers as the across-sequence definition's law, for the variance of z.
     torch.testing.assert_close(got.z_var[0] * (t + 1), torch.ones(4, 12), rtol=0.1, atol=0.0)
+
+
+# ---------------------------------------------------------------- sinklens' own attention variants
+VARIANTS = [("headwise_rms", {}), ("gated", {"granularity": "elementwise"}), ("gated", {"granularity": "headwise"}),
+            ("variance_calibrated", {"mode": "amplify"})]
+
+
+@pytest.mark.parametrize(("variant", "options"), VARIANTS, ids=["headwise_rms", "gated-elementwise", "gated-headwise", "variance_calibrated"])
+def test_a_sinklens_variant_is_measured_where_its_w_o_reads(variant, options):
+    """On a SinkLM whose variant transforms the aggregation before W_O, ``result_var`` and Li et al.'s feature std
+    come from that variant's own site (what W_O reads), ``z_var`` from ``hook_z`` (the aggregation itself)."""
+    model = tiny_sinklm(variant, seed=3, **options)
+    tokens = torch.randint(0, 512, (24, 10), generator=torch.Generator().manual_seed(0))
+    got = measure_variance(model, tokens, options=QUIET.replace(batch_size=8))
+    site = model.head_output_site
+    assert got.output_site == site != "attn.hook_z" and got.to_dict()["output_site"] == site
+    w_o = weight(model, "W_O").double()
+    _, cache = model.run_with_cache(tokens)
+    for layer in range(2):
+        out = cache[f"blocks.{layer}.{site}"].double()  # [batch, pos, head, d_head]
+        write = torch.einsum("bphd,hdm->bphm", out, w_o[layer])
+        b_o = weight(model, "b_O")[layer].double()
+        torch.testing.assert_close(write.sum(2) + b_o, cache[f"blocks.{layer}.hook_attn_out"].double(), atol=1e-5, rtol=1e-5)
+        result_var, _ = _centred_var(list(write))
+        z_var, _ = _centred_var(list(cache[f"blocks.{layer}.attn.hook_z"].double()))
+        assert_close_to_scale(got.result_var[layer], result_var.float(), rtol=1e-4, msg="result_var")
+        assert_close_to_scale(got.z_var[layer], z_var.float(), rtol=1e-4, msg="z_var")
+        feature_std = out.flatten(2).std(dim=-1).mean(0)  # Li et al.: torch.std over the o_proj input, mean over sequences
+        torch.testing.assert_close(got.feature_std[layer], feature_std.float(), rtol=1e-4, atol=1e-6)
+        raw, _ = _centred_var([torch.einsum("phd,hdm->phm", z, w_o[layer]) for z in cache[f"blocks.{layer}.attn.hook_z"].double()])
+        assert float((raw - result_var).abs().max() / result_var.abs().max()) > 0.05  # the site matters here
+
+
+def test_headwise_rmsnorm_restores_write_parity_under_uniform_attention():
+    """Li et al.'s mechanism, planted: uniform attention over zero-mean values gives the aggregation the σ²/(t+1)
+    law (position 0 about 4x the rest over 8 positions, around the global mean), and head-wise RMSNorm with unit gains gives every
+    position's write the same variance (ratio 1), which ``result_var`` must show."""
+    model = tiny_sinklm("headwise_rms", init="ones")
+    with torch.no_grad():
+        for block in model.blocks:
+            block.attn.W_Q.zero_()
+            block.attn.variant.gain.fill_(1.0)
+    tokens = torch.randint(0, 512, (1024, 8), generator=torch.Generator().manual_seed(1))
+    got = measure_variance(model, tokens, options=QUIET.replace(batch_size=256))
+    z_ratio, write_ratio = got.discrepancy(0, of="z")[0], got.discrepancy(0, of="result")[0]  # layer 0
+    assert float(z_ratio.min()) > 3.0, z_ratio  # measured 3.97-4.12
+    assert float((write_ratio - 1).abs().max()) < 0.05, write_ratio  # measured 0.998-1.015
