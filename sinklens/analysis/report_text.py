@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sinklens.hooks import Z
+
 if TYPE_CHECKING:
     from sinklens.analysis.report import SinkReport
 
@@ -133,8 +135,9 @@ def variance_sources_line(report: SinkReport) -> str:
     per-position feature-std ratio of the o_proj input beside it, by layer."""
     p = report.sink_position
     var = report.variance
+    site = "" if var.output_site == Z else f", z for zW_O read at {var.output_site} (what W_O reads in this model)"
     head = (f"var ratio z / zW_O (sinklens): variance over sequences around the all-position mean, position {p} "
-            "over the rest; zW_O in residual units (through any post-attention norm)")
+            f"over the rest; zW_O in residual units (through any post-attention norm){site}")
     if var.feature_std is None:
         return head
     ratio = var.discrepancy(p, of="feature_std")

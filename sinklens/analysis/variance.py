@@ -481,8 +481,8 @@ class VarianceReducer(Reducer[VarianceResult]):
     ``Σ |(z/s) W_O ⊙ g|²`` are kept as well.
     """
 
-    statistics = ("z_s1", "z_s2", "out_s1", "r_s2", "zs_s1", "rs_s2", "fs_head", "fs_all", "a_sq", "o_s1", "o_s2", "n", "v_s1",
-                  "v_s2", "v_n", "n_seq", "prepend_bos")
+    statistics = ("z_s1", "z_s2", "out_s1", "r_s2", "zs_s1", "rs_s2", "fs_head", "fs_all", "a_sq", "o_s1", "o_s2", "n",
+                  "v_s1", "v_s2", "v_n", "n_seq", "prepend_bos")
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None):
         dims = model_dims(model)
@@ -552,15 +552,16 @@ class VarianceReducer(Reducer[VarianceResult]):
         def fold_z(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]: the aggregation
             row, z = self.row[layer], z.float()
             n = z.shape[1]
+            sq = z.square().sum(-1)  # Σ_c z² per (b, t, head)
             self.z_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
-            self.z_s2[row, :, :n] += (z.square().sum(-1) * w32[..., None]).sum(0).T.double()
+            self.z_s2[row, :, :n] += (sq * w32[..., None]).sum(0).T.double()
             if not separate:
-                fold_out(z, layer)
+                fold_out(z, layer, sq)
 
-        def fold_out(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]: what enters W_O
+        def fold_out(z: Tensor, layer: int, sq: Tensor | None = None) -> None:  # [batch, pos, head, d_head]: enters W_O
             row, z = self.row[layer], z.float()
             n = z.shape[1]
-            sq, total = z.square().sum(-1), z.sum(-1)  # Σ_c z², Σ_c z per (b, t, head)
+            sq, total = z.square().sum(-1) if sq is None else sq, z.sum(-1)  # Σ_c z², Σ_c z per (b, t, head)
             if separate:
                 self.out_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
             zg = torch.einsum("bphd,hde->bphe", z, self.gram32[row])  # |z W_O|² = z G zᵀ

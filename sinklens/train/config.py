@@ -21,7 +21,7 @@ Examples:
     >>> apply_overrides(cfg, ["optim.lr=nan"])
     Traceback (most recent call last):
     ...
-    sinklens.errors.InvalidArgumentError: Invalid config ...optim.lr must be a finite number, got nan...
+    sinklens.errors.InvalidArgumentError: optim.lr must be a finite number, got nan.
 """
 
 from __future__ import annotations
@@ -550,9 +550,36 @@ def parse_args(base: TrainConfig, args: list[str] | tuple[str, ...], *, prog: st
         with contextlib.redirect_stderr(buffer), contextlib.redirect_stdout(buffer):
             return tyro.cli(TrainConfig, default=base, args=list(args), prog=prog, config=(tyro.conf.FlagConversionOff,))
     except SystemExit:
-        lines = [line.strip(" │╭╮╰╯─-") for line in buffer.getvalue().splitlines()]
-        text = re.sub(r"\s+", " ", " ".join(line for line in lines if line and not line.startswith("For full helptext")))
-        raise InvalidArgumentError(f"Invalid config {list(args)}: {text.strip()}") from None
+        raise InvalidArgumentError(_tyro_error(buffer.getvalue())) from None
+
+
+#: Titles of tyro's error panels, which it repeats in the panel's first line.
+_TYRO_TITLES = ("Value error", "Unrecognized options", "Invalid choice", "Parsing error", "Required options",
+                "Missing required arguments")
+
+
+def _tyro_error(panel: str) -> str:
+    """tyro's error panel as one line: frame, panel title, help pointer and argument helptext dropped.
+
+    A field's own validation (``__post_init__``) comes back as tyro's "Error parsing <section>: <our
+    message>", and our message names the field: only it is kept. A flag tyro itself could not parse
+    keeps tyro's wording (``Error parsing --steps: invalid literal for int() ...``).
+
+    Examples:
+        >>> _tyro_error("╭─ Value error ─╮\\n│ Error parsing optim: optim.lr must be a finite number, got nan. │")
+        'optim.lr must be a finite number, got nan.'
+        >>> _tyro_error("╭─ Unrecognized options ─╮\\n│ Unrecognized options: --until │\\n│ For full helptext, run x │")
+        'Unrecognized options: --until'
+    """
+    lines = [line.strip(" │╭╮╰╯─-") for line in panel.splitlines()]
+    text = re.sub(r"\s+", " ", " ".join(line for line in lines if line and not line.startswith("For full helptext")))
+    text = text.split(" Argument helptext:")[0].strip()
+    for title in _TYRO_TITLES:
+        if text.startswith(title + " "):
+            text = text[len(title) + 1:]
+            break
+    own = re.match(r"Error parsing (?!-)[\w.]+: (.+)$", text)
+    return own.group(1) if own else text
 
 
 def apply_overrides(cfg: TrainConfig, overrides: list[str] | tuple[str, ...]) -> TrainConfig:

@@ -245,6 +245,7 @@ def test_a_variant_that_transforms_the_head_output_is_refused_and_analyze_says_w
         measure_value_drain(model, tokens, options=QUIET)
     report = analyze(model, tokens, options=QUIET)
     assert report.value_drain is None and report.variance.output_site == model.head_output_site
+    assert f"z for zW_O read at {model.head_output_site} (what W_O reads in this model)" in report.summary()
     assert "Value drain skipped: the model transforms each head's aggregated output" in report.summary()
     report.save(tmp_path)
     data = json.loads((tmp_path / "report.json").read_text())
