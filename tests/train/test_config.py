@@ -92,3 +92,19 @@ def test_lr_schedule_warmup_cosine_floor():
     assert lrs[14] == pytest.approx(0.1 + 0.5 * (1 + math.cos(math.pi * 0.5)) * 0.9)  # cosine midpoint 0.55
     assert all(a >= b for a, b in zip(lrs[4:24], lrs[5:25]))  # monotone decay
     assert lrs[24:] == pytest.approx([0.1] * 6)  # floor after decay_steps
+
+
+def test_config_errors_are_one_clean_line():
+    """A field's own validation comes back as its own message alone; tyro's errors lose the panel title tyro
+    repeats ("Value error Error parsing TrainConfig: ...", "Unrecognized options Unrecognized options: ...")."""
+    from sinklens.train.config import parse_args
+
+    with pytest.raises(ValueError) as own:
+        apply_overrides(build_cfg(), ["steps=0"])
+    assert str(own.value) == "steps must be an integer >= 1, got 0."
+    with pytest.raises(ValueError) as unknown:
+        parse_args(build_cfg(), ["--until", "20"])
+    assert str(unknown.value) == "Unrecognized options: --until, 20"
+    with pytest.raises(ValueError) as typed:
+        parse_args(build_cfg(), ["--optim.lr", "abc"])
+    assert str(typed.value) == "Error parsing --optim.lr: could not convert string to float: 'abc'"
