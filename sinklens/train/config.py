@@ -196,8 +196,8 @@ class OptimConfig(_Part):
         decay_steps: step where the cosine reaches ``min_lr`` (None: the run's total ``steps``).
         weight_decay: decoupled weight decay, applied only to parameters with >= 2 dimensions.
         grad_clip: clip the global gradient norm to this value (0 disables clipping).
-        fused: AdamW implementation: None picks fused on CUDA and the multi-tensor ``foreach`` one
-            elsewhere; True forces fused, False the ``foreach`` one.
+        fused: AdamW implementation: None picks the fused kernel on CUDA and the CPU and the
+            multi-tensor ``foreach`` one elsewhere; True forces fused, False the ``foreach`` one.
     """
 
     lr: float = 1e-3

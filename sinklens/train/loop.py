@@ -82,14 +82,19 @@ def get_lr(step: int, optim: OptimConfig, total_steps: int) -> float:
     return optim.final_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (optim.lr - optim.final_lr)
 
 
+#: Device types whose AdamW ``fused=None`` resolves to the fused kernel.
+FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+
+
 def configure_optimizer(model: Any, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW over ``model.param_groups`` (no weight decay on <2-D parameters).
 
-    ``optim.fused=None``: the fused kernel on CUDA, the multi-tensor (``foreach``) one elsewhere,
-    so one step is a handful of kernels whatever the number of parameters.
+    ``optim.fused=None``: the fused kernel on CUDA and on the CPU (one pass over each parameter: at the
+    ``headnorm-cpu`` configuration 1.5 ms a step against 12–21 ms for the multi-tensor ``foreach`` one,
+    ``benchmarks/RESULTS.md``), the ``foreach`` one on other devices.
     """
     params = inspect.signature(torch.optim.AdamW).parameters
-    fused = (device.type == "cuda" and "fused" in params) if optim.fused is None else bool(optim.fused)
+    fused = (device.type in FUSED_ADAMW_DEVICES and "fused" in params) if optim.fused is None else bool(optim.fused)
     extra: dict[str, Any] = {"fused": True} if fused else ({"foreach": True} if "foreach" in params else {})
     return torch.optim.AdamW(
         model.param_groups(optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **extra

@@ -128,3 +128,20 @@ def test_auto_vocab_is_resolved_once_from_the_data(tmp_path, monkeypatch):
         from sinklens.train.model import SinkLM
 
         SinkLM(cfg.model)
+
+
+def test_adamw_is_fused_on_the_cpu_by_default_and_trains_as_the_foreach_one_does():
+    """``optim.fused=None`` takes the fused AdamW kernel on the CPU (one pass per parameter, about 10x faster a step
+    at the authors' configuration); it is the same update as the multi-tensor one, to float32 rounding."""
+    from sinklens.train.config import OptimConfig
+    from sinklens.train.model import SinkLM
+
+    cfg = build_cfg()
+    for fused, want in ((None, True), (True, True), (False, None)):
+        opt = loop.configure_optimizer(SinkLM(cfg.model), OptimConfig(fused=fused), torch.device("cpu"))
+        assert opt.defaults["fused"] is want and opt.defaults["foreach"] is (None if want else True)
+    default = train(build_cfg(steps=20), progress=False)
+    foreach = train(build_cfg(steps=20, optim={"fused": False}), progress=False)
+    assert default.losses() == pytest.approx(foreach.losses(), rel=1e-5, abs=1e-6)
+    for p, q in zip(default.model.parameters(), foreach.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-6)
