@@ -68,6 +68,18 @@ def head_output_site(model: Any) -> str:
     return site if isinstance(site, str) else Z
 
 
+def head_output_gain(model: Any, layer: int) -> Tensor | None:
+    """``γ[head, d_head]`` when layer ``layer``'s head outputs (at :func:`head_output_site`) are
+    ``c[b, t, h] · (γ[h] ⊙ hook_z[b, t, h])``, a scalar per token and head times a fixed gain: ones where the
+    site is ``attn.hook_z`` (``c = 1``), a SinkLM variant's declared gain otherwise (``head_output_gain``), or
+    None when the variant's transform is not of that form (an element-wise gate)."""
+    if head_output_site(model) == Z:
+        dims = model_dims(model)
+        return torch.ones(dims.n_heads, dims.d_head)
+    gain = getattr(model, "head_output_gain", None)
+    return gain(layer) if callable(gain) else None
+
+
 def layer_of(name: str) -> int:
     """Layer index of a per-layer hook name.
 

@@ -25,7 +25,13 @@ apart per layer × head in one streaming pass, from ``blocks.{l}.attn.hook_v``,
   of ``ln1_post.hook_out`` (biases aside); ``C`` is the identity there. On a post-LN model (BERT) the
   norm is ``ln1``, a LayerNorm of ``resid_pre`` plus the attention output: ``C`` removes the mean over
   ``d_model``, ``g`` is its weight and ``s`` its ``hook_scale`` (see
-  :func:`~sinklens.analysis.variance.post_attention_map`);
+  :func:`~sinklens.analysis.variance.post_attention_map`). On a sinklens
+  :class:`~sinklens.train.model.SinkLM` whose variant transforms the aggregation before ``W_O`` as
+  ``c[q, h] · (γ[h] ⊙ z)`` (head-wise RMSNorm: ``γ`` its gain, ``c = 1 / rms(z_q)``; variance calibration
+  and a head-wise gate: ``γ = 1``; :func:`~sinklens.hooks.head_output_gain`), ``W_O[l, h]`` becomes
+  ``diag(γ[h]) W_O[l, h]`` and ``1 / s[b, q]`` becomes ``|c[b, q, h]| / s[b, q]``, with ``c`` read per query as
+  ``⟨out, γ ⊙ z⟩ / ‖γ ⊙ z‖²`` from ``hook_z`` and the variant's output site: exactly the key's share of what
+  the head writes. An element-wise gate has no such scale and is refused (:func:`value_drain_reason`);
 * the counted queries ``Q`` are the real (non-padding) queries ``q != p`` that can see the sink in
   layer ``l`` (:meth:`~sinklens.visibility.Visibility.batch_mask`: causal or bidirectional, sliding
   windows, padding); the query at the sink itself is left out (on a decoder it sees only itself);
@@ -37,7 +43,7 @@ apart per layer × head in one streaming pass, from ``blocks.{l}.attn.hook_v``,
   head's total write magnitude (the sum of the per-key write norms, an upper bound of the norm of the
   head's output), pooled over every counted query;
 * value norms beside them: ``value_norm_sink`` = mean over sequences of ``‖v_p‖``, ``out_norm_sink``
-  = mean over sequences of ``‖v_p · W_O[l, h]‖`` (before any post-norm), and ``value_norm_other`` /
+  = mean over sequences of ``‖v_p · W_O[l, h]‖`` (before any post-norm or variant transform), and ``value_norm_other`` /
   ``out_norm_other`` the same means over every other real key.
 
 **Classification** (:class:`ValueDrainSettings`): a head is a *sink head* when
@@ -71,7 +77,7 @@ from sinklens.analysis.variance import attention_output_grams, post_attention_sc
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.errors import UnsupportedArchitectureError
-from sinklens.hooks import PATTERN, V, Z, head_output_site, model_device, model_dims, resolve_layers
+from sinklens.hooks import PATTERN, V, Z, head_output_gain, head_output_site, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
@@ -195,8 +201,9 @@ class ValueDrain(SettingsFields):
         numbers, classes and class counts."""
         return to_json({
             "definition": "sinklens value drain: write[q,k] = A[q,k] * ||(v_k W_O) * g|| / s_q in residual units "
-                          "(g, s: post-attention norm gain and scale, 1 without one); write_share = sum_Q write[q,sink] "
-                          "/ sum_Q sum_k write[q,k]",
+                          "(g, s: post-attention norm gain and scale, 1 without one; on a SinkLM variant whose head "
+                          "output is c_q (gamma * z), v_k W_O becomes (gamma * v_k) W_O and 1/s_q becomes |c_q|/s_q); "
+                          "write_share = sum_Q write[q,sink] / sum_Q sum_k write[q,k]",
             "settings": self.settings,
             "layers": list(self.layers),
             "n_sequences": self.n_sequences,
@@ -226,17 +233,31 @@ class ValueDrain(SettingsFields):
 def value_drain_reason(model: Any) -> str | None:
     """Why value drain cannot be measured on ``model``, or None when it can.
 
-    The per-key write ``A[q, k] · ‖v_k · W_O‖`` holds when ``W_O`` reads the aggregation ``hook_z`` itself.
-    A sinklens :class:`~sinklens.train.model.SinkLM` whose attention variant transforms that aggregation
-    first (head-wise RMSNorm, an output gate, variance calibration: :func:`~sinklens.hooks.head_output_site`)
-    writes ``T_q(Σ_k A[q, k] v_k) · W_O``, where a key's share depends on the query's transform, so the
-    analysis refuses rather than report writes the model does not make.
+    A key's write ``A[q, k] · (v_k ⊙ m_q) · W_O`` is defined when a head's output is linear in its values at
+    a fixed query. That holds where ``W_O`` reads the aggregation ``hook_z`` itself (``m = 1``) and for a
+    sinklens :class:`~sinklens.train.model.SinkLM` variant whose output is ``c[q, h] · (γ[h] ⊙ z)``
+    (:func:`~sinklens.hooks.head_output_gain`: head-wise RMSNorm, variance calibration, a head-wise gate).
+    An element-wise gate (``gated``, ``granularity="elementwise"``) mixes a per-coordinate factor of the
+    query into every key's write, which the analysis does not split, so it refuses there.
     """
     site = head_output_site(model)
     if site == Z:
         return None
-    return (f"the model transforms each head's aggregated output before W_O (W_O reads blocks.{{l}}.{site}, not "
-            f"blocks.{{l}}.{Z}), so a key's write is not A[q, k] · v_k · W_O")
+    bad = [layer for layer in range(model_dims(model).n_layers) if head_output_gain(model, layer) is None]
+    if not bad:
+        return None
+    return (f"the model transforms each head's aggregated output before W_O coordinate by coordinate "
+            f"(W_O reads blocks.{{l}}.{site}, not a scalar multiple of blocks.{{l}}.{Z}; layers {bad}), so a "
+            "key's write is not split by this analysis")
+
+
+def _output_scale(z: Float[Tensor, "batch pos head d_head"], out: Float[Tensor, "batch pos head d_head"],
+                  gain: Float[Tensor, "head d_head"]) -> Float[Tensor, "batch pos head"]:
+    """``c`` with ``out = c · (γ ⊙ z)`` per (batch, token, head): the least-squares fit ``⟨out, γz⟩ / ‖γz‖²``,
+    exact for a transform of that form; 0 where ``γ ⊙ z`` is 0 (the head wrote nothing there)."""
+    gz = z * gain
+    den = gz.square().sum(-1)
+    return torch.where(den > 0, (out * gz).sum(-1) / den.clamp(min=torch.finfo(den.dtype).tiny), torch.zeros_like(den))
 
 
 def _quad_norm(v: Float[Tensor, "batch key head d_head"], gram: Float[Tensor, "head d_head d_head"]) -> Tensor:
@@ -245,8 +266,8 @@ def _quad_norm(v: Float[Tensor, "batch key head d_head"], gram: Float[Tensor, "h
 
 
 class ValueDrainReducer(Reducer[ValueDrain]):
-    """Streams ``hook_v``, ``hook_pattern`` (and the post-attention norm's ``hook_scale`` on post-norm layers) into a
-    :class:`ValueDrain`.
+    """Streams ``hook_v``, ``hook_pattern`` (the post-attention norm's ``hook_scale`` on post-norm layers, and
+    ``hook_z`` with a SinkLM variant's output site where one transforms the aggregation) into a :class:`ValueDrain`.
 
     Per layer it keeps float64 sums over the counted queries (``Σ A[q, p]``, ``Σ write[q, p]``, the total
     write, the other keys' write and attention and their pair count, the query count) and over keys
@@ -269,7 +290,12 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         self.post_norm = list(self.scale_hooks)
         # ‖v W_O[h]‖² = v G vᵀ with G = W_O[h] W_O[h]ᵀ; in residual units W_O[h] diag(g) takes W_O[h]'s place.
         gram, gram_res = attention_output_grams(model, self.layers)  # [layer, head, d_head, d_head], float64
-        self.gram, self.gram_res = gram.to(self.device).float(), gram_res.to(self.device).float()
+        self.gram = gram.to(self.device).float()
+        # A SinkLM variant's head output is c[q, h] · (γ[h] ⊙ z): a key's write goes through diag(γ[h]) W_O[h].
+        self.output_site = head_output_site(model)
+        gain = torch.stack([head_output_gain(model, layer) for layer in self.layers]).to(self.device, torch.float64)
+        self.gain = gain.float()  # [layer, head, d_head]
+        self.gram_res = (gram_res.to(self.device) * gain[..., :, None] * gain[..., None, :]).float()
         if dims.n_heads % dims.n_kv_heads:
             raise InvalidArgumentError(f"{dims.n_heads} query heads cannot share {dims.n_kv_heads} key/value heads evenly.")
         # Query head h reads key/value head h // r (Hugging Face repeat_kv / repeat_interleave order).
@@ -293,7 +319,9 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         check_sink_position(batch, self.settings.sink_position)
         valid = batch.valid.to(self.device)
         waiting: dict[int, dict[str, Tensor]] = {}
-        needed = {layer: {"v", "pattern"} | ({"scale"} if layer in self.post_norm else set()) for layer in self.layers}
+        transformed = {"z", "out"} if self.output_site != Z else set()  # c[q, h] from the aggregation and the output
+        needed = {layer: {"v", "pattern"} | transformed | ({"scale"} if layer in self.post_norm else set())
+                  for layer in self.layers}
 
         def keep(name: str) -> Any:
             def fold(act: Tensor, layer: int) -> None:
@@ -306,6 +334,8 @@ class ValueDrainReducer(Reducer[ValueDrain]):
             return fold
 
         hooks = per_layer_hooks(V, self.layers, keep("v")) + per_layer_hooks(PATTERN, self.layers, keep("pattern"))
+        if transformed:
+            hooks += per_layer_hooks(Z, self.layers, keep("z")) + per_layer_hooks(self.output_site, self.layers, keep("out"))
         hooks += bound_hooks(list(self.scale_hooks.values()), self.post_norm, keep("scale"))
         return BatchFold(hooks, state=waiting)
 
@@ -318,23 +348,28 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         valid = valid[:, :n_pos]
         value_norm = v.norm(dim=-1)  # [batch, key, head]
         out_norm = _quad_norm(v, self.gram[row])  # ‖v_k W_O[h]‖
-        if layer in self.post_norm:
-            res_norm = _quad_norm(v, self.gram_res[row])  # ‖C(v_k W_O[h]) ⊙ g‖
-            inv_scale = 1.0 / acts["scale"].reshape(pattern.shape[0], n_pos)  # 1 / s[b, q]
+        transformed = "out" in acts
+        if layer in self.post_norm or transformed:
+            res_norm = _quad_norm(v, self.gram_res[row])  # ‖C((γ ⊙ v_k) W_O[h]) ⊙ g‖
         else:
-            res_norm, inv_scale = out_norm, torch.ones(pattern.shape[0], n_pos, device=pattern.device)
+            res_norm = out_norm
+        inv_scale = torch.ones(pattern.shape[0], 1, n_pos, device=pattern.device)  # [b, head, q]: c[q, h] / s[b, q]
+        if layer in self.post_norm:
+            inv_scale = inv_scale / acts["scale"].reshape(pattern.shape[0], 1, n_pos)  # 1 / s[b, q]
+        if transformed:
+            inv_scale = inv_scale * _output_scale(acts["z"], acts["out"], self.gain[row]).transpose(1, 2)
         seen = self.visibility.batch_mask(layer, valid)  # [batch, query, key]
         queries = seen[:, :, p].clone()
         queries[:, p] = False  # Q: real queries != p that see the sink
         pairs = seen & queries[:, :, None]  # (q in Q, k visible to q)
-        # write[b, h, q, k] = A[b, h, q, k] ‖v_k W_O[h]‖ / s[b, q]; summed over q first (float32, 1 pass over A):
-        # attn_k = Σ_q A and write_k = Σ_q A / s over the counted pairs, then float64 for everything else.
+        # write[b, h, q, k] = A[b, h, q, k] ‖v_k W_O[h]‖ |c[b, q, h]| / s[b, q]; summed over q first (float32, 1
+        # pass over A): attn_k = Σ_q A and write_k = Σ_q A |c| / s over the counted pairs, then float64.
         zero = torch.zeros((), device=pattern.device)
         masked = pattern.masked_fill(~pairs[:, None], 0.0)  # [b, h, q, k] (NaN/inf outside the pairs never enter)
         attn_k = masked.sum(2).double()  # [b, h, k]
-        inv_q = torch.where(queries, inv_scale, zero)  # [b, q]
+        inv_q = torch.where(queries[:, None], inv_scale.abs(), zero)  # [b, head, q] (head 1 when it does not vary)
         key_norm = torch.where(valid[:, :, None], res_norm, zero).permute(0, 2, 1)  # [b, h, k]
-        write_k = torch.einsum("bhqk,bq->bhk", masked, inv_q).double() * key_norm.double()
+        write_k = torch.einsum("bhqk,bhq->bhk", masked, inv_q.expand(-1, masked.shape[1], -1)).double() * key_norm.double()
         s = self.sums
         attn_sink, write_sink = attn_k[..., p].sum(0), write_k[..., p].sum(0)  # pairs (q, p) are exactly q in Q
         write_total = write_k.sum(dim=(0, 2))

@@ -439,6 +439,11 @@ class SinkLM(HookedRootModule):
         """Attention hook site (``attn.hook_z`` / ``attn.hook_z_normed`` / ``attn.hook_z_gated``) that enters ``W_O``."""
         return "attn." + self.blocks[0].attn.variant.output_site
 
+    def head_output_gain(self, layer: int) -> Float[Tensor, "head d_head"] | None:
+        """``γ`` of layer ``layer``'s head outputs when they are ``c[b, t, h] · (γ[h] ⊙ hook_z[b, t, h])``
+        (:meth:`~sinklens.train.variants.AttentionVariant.output_gain`), else None."""
+        return self.blocks[layer].attn.variant.output_gain()
+
     # ------------------------------------------------------ weight properties
     def _stack(self, get) -> Tensor:
         return torch.stack([get(block) for block in self.blocks], dim=0)

@@ -58,7 +58,8 @@ class AttentionVariant(nn.Module):
             so the fused ``F.scaled_dot_product_attention`` may replace it.
         hook_sites: names of extra ``HookPoint`` s the attention module creates for this variant
             (e.g. ``"hook_z_normed"`` → ``blocks.{l}.attn.hook_z_normed``).
-        output_site: the attention hook holding the head outputs that enter ``W_O``.
+        output_site: the attention hook holding the head outputs that enter ``W_O``; :meth:`output_gain` says
+            whether that output is a scalar per token and head times a fixed gain.
         defaults: accepted ``variant_options`` and their default values.
 
     A variant is built from plain sizes (``n_heads``, ``d_head``, ``d_model``, ``n_ctx``,
@@ -116,6 +117,14 @@ class AttentionVariant(nn.Module):
         """Transform the aggregated head outputs before ``W_O`` (identity by default)."""
         return z
 
+    def output_gain(self) -> Float[Tensor, "head d_head"] | None:
+        """``γ`` when :meth:`transform_z` is ``c[b, t, h] · (γ[h] ⊙ z[b, t, h])``: one scalar per token and head
+        times a fixed gain (ones by default; the head-wise RMSNorm's gain), float32 on the CPU. None when the
+        transform is not of that form (an element-wise gate). A head's output is then linear in the values at a
+        fixed token, so analyzers can split it into per-key writes (value drain) with ``c`` read from
+        ``attn.hook_z`` and the output site."""
+        return torch.ones(self.n_heads, self.d_head)
+
 
 class Baseline(AttentionVariant):
     """Causal softmax attention."""
@@ -153,6 +162,10 @@ class HeadwiseRMSNorm(AttentionVariant):
     def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
         return attn.hook_z_normed(rms_norm(z, self.gain, self.options["eps"]))
 
+    def output_gain(self) -> Tensor:
+        """The gain, ``[n_heads, d_head]`` (a shared one repeated per head); ``c = 1 / rms(z)``."""
+        return self.gain.detach().float().cpu().expand(self.n_heads, self.d_head).clone()
+
 
 class Gated(AttentionVariant):
     """Gated attention (Qiu et al. 2025): ``z'[t, h] = z[t, h] ⊙ sigmoid(x[t] W_G[h])``.
@@ -186,6 +199,10 @@ class Gated(AttentionVariant):
             return attn.hook_z_gated(z * gate)
         gate = attn.hook_gate(torch.sigmoid(torch.einsum("bpd,hd->bph", x, self.W_G.to(x.dtype))))
         return attn.hook_z_gated(z * gate[..., None])
+
+    def output_gain(self) -> Tensor | None:
+        """Ones for a head-wise gate (``c`` is the gate); None for an element-wise one."""
+        return None if self.W_G.ndim == 3 else super().output_gain()
 
 
 class QKNorm(AttentionVariant):

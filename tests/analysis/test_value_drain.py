@@ -231,25 +231,80 @@ def test_analyze_reports_value_drain_and_li_feature_std(llama, tmp_path):
     torch.testing.assert_close(torch.as_tensor(fig.axes[1].images[0].get_array().data), alone.write_share)
 
 
-@pytest.mark.parametrize("variant", ["headwise_rms", "gated", "variance_calibrated"])
-def test_a_variant_that_transforms_the_head_output_is_refused_and_analyze_says_why(variant, tmp_path):
-    """W_O reads the variant's own site there, so a key's write is not A[q, k] v_k W_O: a named refusal, and
-    ``analyze`` reports every other section with value drain marked skipped (text and strict JSON)."""
+def _variant_reference(model, tokens, variant, *, naive=False):
+    """Brute force from a full cache, without the Gram or scale tricks: per query q, the head output is
+    ``m_q ⊙ Σ_k A[q, k] v_k`` with ``m_q`` from the variant's own definition (γ / rms(z) for head-wise RMSNorm,
+    ``1 / sqrt(Σ_k A²)`` for variance calibration in ``amplify`` mode, the gate for a head-wise gate), so key k
+    writes ``A[q, k] · ‖(m_q ⊙ v_k) W_O‖``. Sink at 0, causal, no padding. ``naive``: ``m = 1``, as if W_O
+    read ``hook_z``."""
+    _, cache = model.run_with_cache(tokens)
+    out = {name: torch.zeros(2, 4, dtype=torch.float64) for name in ("attn_sink", "write_sink", "write_other", "write_share")}
+    for layer in range(2):
+        A = cache[f"blocks.{layer}.attn.hook_pattern"].double()  # [b, h, q, k]
+        v = cache[f"blocks.{layer}.attn.hook_v"].double()  # [b, k, h, d]
+        z = cache[f"blocks.{layer}.attn.hook_z"].double()
+        if variant == "headwise_rms":
+            gain = model.blocks[layer].attn.variant.gain.detach().double()
+            m = gain / (z.square().mean(-1, keepdim=True) + 1e-6).sqrt()  # [b, q, h, d]
+        elif variant == "variance_calibrated":
+            m = A.square().sum(-1).rsqrt().transpose(1, 2)[..., None].expand_as(z)
+        else:
+            m = cache[f"blocks.{layer}.attn.hook_gate"].double()[..., None].expand_as(z)
+        if naive:
+            m = torch.ones_like(z)
+        site = "attn.hook_z" if naive else model.head_output_site
+        torch.testing.assert_close(torch.einsum("bhqk,bkhd->bqhd", A, v) * m, cache[f"blocks.{layer}.{site}"].double(),
+                                   atol=1e-5, rtol=1e-4)
+        w_o = model.W_O[layer].detach().double()  # [h, d, d_model]
+        keyed = torch.einsum("bqhd,bkhd->bhqkd", m, v)  # m_q ⊙ v_k
+        write = A * torch.einsum("bhqkd,hdm->bhqkm", keyed, w_o).norm(dim=-1)  # [b, h, q, k]
+        T = A.shape[-1]
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        causal[0] = False  # the query at the sink is not counted
+        other = causal.clone()
+        other[:, 0] = False
+        out["attn_sink"][layer] = A[:, :, 1:, 0].mean(dim=(0, 2))
+        out["write_sink"][layer] = write[:, :, 1:, 0].mean(dim=(0, 2))
+        out["write_other"][layer] = (write * other).sum(dim=(0, 2, 3)) / (other.sum() * A.shape[0])
+        out["write_share"][layer] = write[:, :, 1:, 0].sum(dim=(0, 2)) / (write * causal).sum(dim=(0, 2, 3))
+    return out
+
+
+@pytest.mark.parametrize(("variant", "options"), [("headwise_rms", {}), ("headwise_rms", {"gain": "shared"}),
+                                                  ("variance_calibrated", {"mode": "amplify"}),
+                                                  ("gated", {"granularity": "headwise"})])
+def test_a_variant_with_one_scale_per_query_head_splits_into_the_writes_it_makes(variant, options):
+    """Head-wise RMSNorm, variance calibration and a head-wise gate give each head's output as c[q, h] · (γ ⊙ z):
+    the per-key writes go through that scale and gain (brute force above); hook_z alone would be wrong."""
+    from sinklens.testing import tiny_sinklm
+
+    model = tiny_sinklm(variant, **options)
+    tokens = torch.randint(0, 512, (5, 12), generator=torch.Generator().manual_seed(0))
+    got = measure_value_drain(model, tokens, options=QUIET.replace(batch_size=2))
+    ref = _variant_reference(model, tokens, variant)
+    for name, want in ref.items():
+        torch.testing.assert_close(getattr(got, name), want.float(), rtol=1e-4, atol=1e-6, msg=name)
+    naive = _variant_reference(model, tokens, variant, naive=True)["write_sink"]
+    assert float(((naive - ref["write_sink"]).abs() / ref["write_sink"]).min()) > 0.05  # hook_z alone: other numbers
+
+
+def test_an_elementwise_gate_is_refused_and_analyze_says_why(tmp_path):
+    """An element-wise gate multiplies each coordinate of the query's output by its own factor: value drain
+    refuses, naming both sites, and ``analyze`` reports every other section with value drain marked skipped."""
     from sinklens.analysis.report import analyze
     from sinklens.errors import UnsupportedArchitectureError
     from sinklens.testing import tiny_sinklm
 
-    model = tiny_sinklm(variant)
+    model = tiny_sinklm("gated", granularity="elementwise")
     tokens = torch.randint(0, 512, (4, 12), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(UnsupportedArchitectureError, match=re.escape(f"W_O reads blocks.{{l}}.{model.head_output_site}, not")):
+    with pytest.raises(UnsupportedArchitectureError, match=re.escape("W_O reads blocks.{l}.attn.hook_z_gated, not a scalar")):
         measure_value_drain(model, tokens, options=QUIET)
     report = analyze(model, tokens, options=QUIET)
-    assert report.value_drain is None and report.variance.output_site == model.head_output_site
-    assert f"z for zW_O read at {model.head_output_site} (what W_O reads in this model)" in report.summary()
+    assert report.value_drain is None and report.variance.output_site == "attn.hook_z_gated"
+    assert "z for zW_O read at attn.hook_z_gated (what W_O reads in this model)" in report.summary()
     assert "Value drain skipped: the model transforms each head's aggregated output" in report.summary()
     report.save(tmp_path)
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["value_drain"]["skipped"].startswith("skipped: the model transforms")
     assert not (tmp_path / "value_drain.png").exists()
-    baseline = tiny_sinklm("baseline")  # the aggregation is what W_O reads: measured as on any model
-    assert measure_value_drain(baseline, tokens, options=QUIET).attn_sink.shape == (2, 4)
+    assert analyze(tiny_sinklm("headwise_rms"), tokens, options=QUIET).value_drain is not None
