@@ -74,9 +74,8 @@ from torch import Tensor
 
 from sinklens.analysis._common import SettingsFields, check_sink_position, row_index, run_analyzer, sink_position_arg
 from sinklens.analysis.variance import attention_output_grams, post_attention_scale_hooks
-from sinklens.errors import InvalidArgumentError
+from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.errors import UnsupportedArchitectureError
 from sinklens.hooks import PATTERN, V, Z, head_output_gain, head_output_site, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
@@ -335,7 +334,8 @@ class ValueDrainReducer(Reducer[ValueDrain]):
 
         hooks = per_layer_hooks(V, self.layers, keep("v")) + per_layer_hooks(PATTERN, self.layers, keep("pattern"))
         if transformed:
-            hooks += per_layer_hooks(Z, self.layers, keep("z")) + per_layer_hooks(self.output_site, self.layers, keep("out"))
+            hooks += per_layer_hooks(Z, self.layers, keep("z"))
+            hooks += per_layer_hooks(self.output_site, self.layers, keep("out"))
         hooks += bound_hooks(list(self.scale_hooks.values()), self.post_norm, keep("scale"))
         return BatchFold(hooks, state=waiting)
 
@@ -369,7 +369,8 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         attn_k = masked.sum(2).double()  # [b, h, k]
         inv_q = torch.where(queries[:, None], inv_scale.abs(), zero)  # [b, head, q] (head 1 when it does not vary)
         key_norm = torch.where(valid[:, :, None], res_norm, zero).permute(0, 2, 1)  # [b, h, k]
-        write_k = torch.einsum("bhqk,bhq->bhk", masked, inv_q.expand(-1, masked.shape[1], -1)).double() * key_norm.double()
+        inv_q = inv_q.expand(-1, masked.shape[1], -1)
+        write_k = torch.einsum("bhqk,bhq->bhk", masked, inv_q).double() * key_norm.double()
         s = self.sums
         attn_sink, write_sink = attn_k[..., p].sum(0), write_k[..., p].sum(0)  # pairs (q, p) are exactly q in Q
         write_total = write_k.sum(dim=(0, 2))

@@ -592,7 +592,7 @@ class VarianceReducer(Reducer[VarianceResult]):
             self.o_s1[row, :n] += (out * w32[..., None]).sum(0).double()
             self.o_s2[row, :n] += (out.square().sum(-1) * w32).sum(0).double()
 
-        sites = ((V, fold_v), (PATTERN, fold_pattern), (Z, fold_z), *(((self.output_site, fold_out),) if separate else ()))
+        sites = [(V, fold_v), (PATTERN, fold_pattern), (Z, fold_z)] + ([(self.output_site, fold_out)] if separate else [])
         hooks = [hook for site, fold in sites for hook in per_layer_hooks(site, self.layers, fold)]
         hooks += attention_write_hooks(self.model, self.layers, lambda layer, out: fold_attn_out(out, layer))
         hooks += bound_hooks(list(self.scale_hooks.values()), self.post_norm, fold_scale)

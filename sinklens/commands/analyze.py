@@ -167,7 +167,8 @@ def _analyze(args: argparse.Namespace, device: str | None) -> int:
         _inputs(args, model),
         model_name=str(args.model),
         verify=args.verify,
-        options=RunOptions(batch_size=args.batch_size, prepend_bos=not args.no_bos, max_length=args.max_length or _DEFAULT_MAX_LENGTH),
+        options=RunOptions(batch_size=args.batch_size, prepend_bos=not args.no_bos,
+                           max_length=args.max_length or _DEFAULT_MAX_LENGTH),
     )
     if not main:
         return 0

@@ -42,7 +42,7 @@ from sinklens.export import json_line, write_json
 from sinklens.train.compile import CompileSwitch
 from sinklens.train.allocator import retained_cpu_memory
 from sinklens.train.checkpoint import (
-    clean_stale, clear_run, has_checkpoint, is_run_dir, load_checkpoint, read_metrics, save_checkpoint,
+    METRICS, clean_stale, clear_run, has_checkpoint, is_run_dir, load_checkpoint, read_metrics, save_checkpoint,
     write_metrics,
 )
 from sinklens.train.config import OptimConfig, TrainConfig
@@ -219,7 +219,7 @@ class TrainResult:
 
 def _read_history(run_dir: Path, before_step: int) -> list[dict[str, Any]]:
     """Metrics lines of an interrupted run up to (not including) ``before_step`` (evals at it kept out too)."""
-    if not (run_dir / "metrics.jsonl").is_file():
+    if not (run_dir / METRICS).is_file():
         return []
     return [line for line in read_metrics(run_dir) if line["step"] < before_step]
 
