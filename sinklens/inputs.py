@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import random
 import sysconfig
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,25 +240,44 @@ def tokenize_prompts(
     pad_id = tok.pad_token_id
     if pad_id is None:
         pad_id = tok.eos_token_id or 0
-    special_ids = set(getattr(tok, "all_special_ids", []) or [])
     special: tuple[str, ...] = (tok.convert_ids_to_tokens(bos),) if bos is not None else ()
     rows = []
     for prompt in prompts:
+        body = tok(prompt, add_special_tokens=False)["input_ids"]
+        if not body:
+            raise InvalidArgumentError(
+                f"Prompt {prompt!r} tokenises to no tokens (the model's tokenizer gives no ids for its text)."
+            )
         if encoder and prepend_bos:  # the tokenizer's own special tokens, added its own way
             ids = encoder_ids(tok, prompt, max_length)
-            special = tuple(tok.convert_ids_to_tokens(i) for i in ids if i in special_ids) if not rows else special
+            if not rows:
+                special = tuple(tok.convert_ids_to_tokens(i) for i in added_ids(ids, body))
         else:
-            ids = tok(prompt, add_special_tokens=False)["input_ids"]
-            if bos is not None:
-                ids = [bos, *ids]
+            ids = [bos, *body] if bos is not None else list(body)
         if max_length is not None:
             ids = ids[:max_length]
         _check_length(len(ids), n_ctx)
-        if not ids:
-            raise InvalidArgumentError(f"Prompt {prompt!r} tokenises to no tokens.")
         rows.append(torch.tensor(ids, dtype=torch.long))
     return [_pad_right(rows[i : i + batch_size], pad_id, prepend_bos and bool(special), special)
             for i in range(0, len(rows), batch_size)]
+
+
+def added_ids(ids: Sequence[int], body: Sequence[int]) -> list[int]:
+    """The ids of ``ids`` that are not in ``body`` (the same text encoded without special tokens), in order:
+    the special tokens a tokenizer added, not those that stand for text (an ``[UNK]`` for an unknown word).
+
+    Examples:
+        >>> added_ids([2, 7, 1, 1, 3], [7, 1, 1])
+        [2, 3]
+    """
+    left = Counter(body)
+    added = []
+    for i in ids:
+        if left[i] > 0:
+            left[i] -= 1
+        else:
+            added.append(i)
+    return added
 
 
 def encoder_ids(tok: Any, text: str, max_length: int | None = None) -> list[int]:

@@ -309,6 +309,8 @@ INPUT_ROWS = [
     ("empty-list", lambda m: as_batches_(m, []), InvalidArgumentError, ["No prompts"]),
     ("prompt-tokenising-to-nothing", lambda m: tokenize_prompts_(m, ["   "], prepend_bos=False), InvalidArgumentError,
      ["'   '"]),
+    ("prompt-tokenising-to-nothing-after-bos", lambda m: tokenize_prompts_(m, ["t2", "   "]), InvalidArgumentError,
+     ["'   '", "no tokens"]),
     ("dict-input", lambda m: as_batches_(m, {"text": "t2"}), InvalidArgumentError, ["dict"]),
     ("int-input", lambda m: as_batches_(m, 5), InvalidArgumentError, ["int"]),
     ("token-id-equal-to-vocab", lambda m: as_batches_(m, torch.tensor([[0, 5, 64]])), InvalidArgumentError,

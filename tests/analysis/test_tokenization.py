@@ -27,6 +27,9 @@ def test_encoder_gets_cls_and_sep_the_tokenizers_own_way():
         assert real == own(prompt, add_special_tokens=True)["input_ids"]
         assert real[0] == CLS and real[-1] == SEP and UNK not in real
     assert batch.special_tokens == ("[CLS]", "[SEP]")
+    (unknown,) = as_batches(model, ["t5 qwerty t6 zzz"])  # words out of the vocabulary become [UNK] ...
+    assert unknown.tokens[0].tolist() == [CLS, 5, UNK, 6, UNK, SEP]
+    assert unknown.special_tokens == ("[CLS]", "[SEP]")  # ... which stand for text: not "added"
     (short,) = as_batches(model, PROMPTS[:1], max_length=4)
     assert short.tokens[0].tolist() == [CLS, 5, 6, SEP]  # truncation keeps the final [SEP]
     (bare,) = as_batches(model, PROMPTS[:1], prepend_bos=False)
