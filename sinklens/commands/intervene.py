@@ -7,7 +7,7 @@ Example::
 prints, per layer, the attention received by position K (mean over heads and over the queries
 after K) before and after, and writes the same to ``--json`` as ``{"layers", "before", "after", ...}``
 (plus the per-head values, the sink's attention, residual norms, tracked dims and losses; strict
-JSON: a value that is not a finite number, e.g. the losses with ``--no-loss``, is ``null``).
+JSON: a value that is not a finite number, e.g. the losses with ``--no-loss`` or on an encoder, is ``null``).
 
 ``--method`` is any intervention of :mod:`sinklens.interventions.registry`, with hyphens or
 underscores: create methods (``self-only``, ``restart``, ``amplify``, ``transplant-dims``) turn
@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from sinklens.errors import InvalidArgumentError
+from sinklens.inputs import is_encoder
 from sinklens.interventions import registry
 from sinklens.interventions.experiments import InterventionResult, create_sink, remove_sink
 
@@ -59,7 +60,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--site", default=None, help="hook site for amplify/calibrate (default attn.hook_z)")
     parser.add_argument("--dims", default=None, help="residual dims for transplant-dims/clamp-dims, e.g. '507'")
     parser.add_argument("--neurons", default=None, help="FFN neurons for edit-neurons, e.g. '12,99' (needs --layers)")
-    parser.add_argument("--no-loss", action="store_true", help="skip the next-token loss (two fewer forward passes)")
+    parser.add_argument("--no-loss", action="store_true", help="skip the next-token loss (two fewer forward passes; encoders have none)")
     parser.add_argument("--json", default=None, help="write the result as strict JSON to this file")
     parser.add_argument("--out", default=None, help="directory for the figure intervention.png")
     parser.set_defaults(func=run)
@@ -108,7 +109,7 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
 def intervene(model: Any, args: argparse.Namespace) -> InterventionResult:
     """The command's logic on an already-loaded model (used by :func:`run` and the tests)."""
     entry = check_args(args)
-    common = dict(layers=_int_list(args.layers, "--layers"), dims=_int_list(args.dims, "--dims"), loss=not args.no_loss)
+    common = dict(layers=_int_list(args.layers, "--layers"), dims=_int_list(args.dims, "--dims"), loss=False if args.no_loss else None)
     kw = _method_options(entry, args)
     if entry.role == "create":
         return create_sink(model, args.text, args.position, method=entry.name, **common, **kw)
@@ -129,6 +130,13 @@ def format_table(result: InterventionResult) -> str:
     return "\n".join(lines)
 
 
+def loss_note(model: Any, args: argparse.Namespace) -> str | None:
+    """Why the loss line is missing when the user did not ask for ``--no-loss`` (an encoder has no next-token loss)."""
+    if not args.no_loss and is_encoder(model):
+        return "next-token loss: not defined for an encoder (bidirectional attention); left out"
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from sinklens.export import write_json
     from sinklens.loading import load_model
@@ -137,6 +145,8 @@ def run(args: argparse.Namespace) -> int:
     model = load_model(args.model)
     result = intervene(model, args)
     print(format_table(result))
+    if note := loss_note(model, args):
+        print(note)
     if args.json:
         write_json(args.json, result.to_dict())
     if args.out:

@@ -12,7 +12,8 @@ Attention received is measured with
 :func:`sinklens.stream` (``options.extra_hooks`` = the intervention), averaged over the queries after the
 target (``min_query = target + 1``) and over sequences; the residual statistics come from a second
 small reducer on ``hook_resid_post`` in the same forward pass. The loss is the mean next-token
-cross-entropy (:func:`next_token_cross_entropy`) in a separate forward with the same hooks.
+cross-entropy (:func:`next_token_cross_entropy`) in a separate forward with the same hooks; encoders have
+none (:func:`wants_next_token_loss`).
 """
 
 from __future__ import annotations
@@ -29,14 +30,14 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from sinklens.analysis.attention import AttentionReceivedReducer
-from sinklens.errors import InvalidArgumentError
+from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.hooks import RESID_POST, model_dims
-from sinklens.inputs import Inputs, TokenBatch, as_batches, right_align
+from sinklens.inputs import Inputs, TokenBatch, as_batches, is_encoder, right_align
 from sinklens.interventions import registry
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, layers_arg
 from sinklens.options import RunOptions, options_from_legacy
 from sinklens.streaming import BatchFold, Reducer, forward, per_layer_hooks, stream
-from sinklens.validate import index, index_list
+from sinklens.validate import as_bool, index, index_list
 
 #: What :func:`measure_intervention` accepts: hooks, a registry spec string, or a callable ``model -> hooks``.
 Intervention = Union[Hooks, str, Callable[..., Any]]
@@ -158,6 +159,25 @@ def next_token_cross_entropy(
     return float(per_token[mask].double().sum()), int(mask.sum())
 
 
+def wants_next_token_loss(model: Any, loss: bool | None) -> bool:
+    """Whether to compute the next-token loss: ``None`` means "where it is defined", i.e. on decoders.
+
+    An encoder (bidirectional attention, e.g. BERT) has no next-token loss: every position sees the token it
+    would predict, and its head is a masked-LM head. ``loss=True`` there raises
+    :class:`~sinklens.errors.UnsupportedArchitectureError` rather than report a number that means nothing.
+    """
+    if loss is None:
+        return not is_encoder(model)
+    loss = as_bool(loss, what="loss")
+    if loss and is_encoder(model):
+        raise UnsupportedArchitectureError(
+            "loss=True on an encoder (bidirectional attention): a next-token loss is not defined there, since every "
+            "position sees the token it would predict. Use loss=False, or the default loss=None, which skips it on "
+            "encoders (CLI: the loss line is left out)."
+        )
+    return loss
+
+
 def _next_token_loss(model: Any, batches: Sequence[TokenBatch], hooks: Hooks) -> float:
     """Mean next-token cross-entropy over real (non-padded) predicted tokens, with ``hooks`` attached."""
     total, count = 0.0, 0
@@ -190,13 +210,15 @@ def run_stats(
     target: int,
     sink: int = 0,
     layers: IndexLike | None = None,
-    loss: bool = True,
+    loss: bool | None = None,
     options: RunOptions = RunOptions(progress=False),
 ) -> RunStats:
-    """Attention to ``target`` and ``sink`` (queries after ``target``), residuals at both, and the loss.
+    """Attention to ``target`` and ``sink`` (queries after ``target``), residuals at both, and the loss
+    (:func:`wants_next_token_loss` decides whether ``loss`` computes it; NaN when it does not).
 
     ``hooks`` run after ``options.extra_hooks`` in every forward (the loss included).
     """
+    loss = wants_next_token_loss(model, loss)
     _check_queries_after(batches, target, sink)
     att = AttentionReceivedReducer(model, layers=layers, min_query=target + 1)
     res = PositionResidualReducer(model, [target, sink], layers=layers)
@@ -340,7 +362,7 @@ def measure_intervention(
     sink: IntLike = 0,
     method: str | None = None,
     dims: IndexLike | None = None,
-    loss: bool = True,
+    loss: bool | None = None,
     options: RunOptions = RunOptions(progress=False),
     **legacy: Any,
 ) -> InterventionResult:
@@ -354,7 +376,8 @@ def measure_intervention(
         sink: the original sink position.
         method: the name recorded in the result (default: the spec's name, or ``"custom"``).
         dims: residual dimensions to track (default: the sink's 3 largest, see :class:`InterventionResult`).
-        loss: also compute the next-token loss (one extra forward per batch and run).
+        loss: also compute the next-token loss (one extra forward per batch and run); None (default): on
+            decoders only (see :func:`wants_next_token_loss`).
         options: batching and progress (:class:`~sinklens.options.RunOptions`); its ``extra_hooks``
             run in both the clean and the intervened run.
     """
@@ -386,7 +409,7 @@ def create_sink(
     layers: IndexLike | None = None,
     sink: IntLike = 0,
     dims: IndexLike | None = None,
-    loss: bool = True,
+    loss: bool | None = None,
     options: RunOptions = RunOptions(progress=False),
     **method_options: Any,
 ) -> InterventionResult:
@@ -434,7 +457,7 @@ def remove_sink(
     method: str = "block_keys",
     layers: IndexLike | None = None,
     dims: IndexLike | None = None,
-    loss: bool = True,
+    loss: bool | None = None,
     options: RunOptions = RunOptions(progress=False),
     **method_options: Any,
 ) -> InterventionResult:

@@ -135,3 +135,35 @@ def test_neuron_edits_zero_one_neuron_or_are_refused(family):
     else:
         expected = post[..., 3:4] * model.W_out[0][3].detach()
         torch.testing.assert_close(change, expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("family", ["bert", "llama"])
+def test_next_token_loss_only_where_it_is_defined(family):
+    """A decoder's loss is the mean next-token cross-entropy of its logits; an encoder has none (it sees the
+    token it would predict), so the default leaves it NaN (JSON null, no CLI line) and ``loss=True`` refuses."""
+    import argparse
+    import math
+
+    from sinklens.commands.intervene import loss_note
+    from sinklens.inputs import as_batches
+    from sinklens.interventions import create_sink
+
+    model = _model(family)
+    prompts = ["t5 t6 t7 t8 t9 t10", "t11 t12 t13 t14 t15"]
+    res = create_sink(model, prompts, TARGET, method="amplify", alpha=1.0)
+    args = argparse.Namespace(no_loss=False)
+    if family == "bert":
+        assert math.isnan(res.loss_before) and math.isnan(res.loss_after)
+        assert "encoder" in loss_note(model, args)
+        with pytest.raises(UnsupportedArchitectureError, match="encoder"):
+            create_sink(model, prompts, TARGET, method="amplify", loss=True)
+        return
+    assert loss_note(model, args) is None
+    total, count = 0.0, 0
+    for prompt in prompts:  # one at a time: no padding
+        (batch,) = as_batches(model, [prompt])
+        logits = model(batch.tokens, return_type="logits")[0, :-1].double()
+        total += float(torch.nn.functional.cross_entropy(logits, batch.tokens[0, 1:], reduction="sum"))
+        count += batch.tokens.shape[1] - 1
+    assert res.loss_before == pytest.approx(total / count, rel=1e-5)
+    assert res.loss_after == pytest.approx(res.loss_before, rel=1e-5)  # alpha = 1: the identity
