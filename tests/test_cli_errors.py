@@ -107,6 +107,10 @@ ANALYZE_ROWS = [
      ["--seq-len 8 sets the length of --random-tokens", "--max-length"]),
     ("seq-len-with-the-built-in-prompts", lambda f: ["--model", str(f["tiny"]), "--seq-len", "8"], EXIT_USAGE,
      ["--seq-len 8 sets the length of --random-tokens", "text prompts"]),
+    ("seq-len-one", lambda f: ["--random-tokens", "2", "--seq-len", "1"], EXIT_USAGE, ["--seq-len", ">= 2, got 1"]),
+    ("max-length-one", lambda f: ["--text", "t2 t3", "--max-length", "1"], EXIT_USAGE, ["--max-length", ">= 2, got 1"]),
+    ("one-token-text-without-bos", lambda f: ["--model", str(f["tiny"]), "--text", "t2", "--no-bos"], EXIT_USAGE,
+     ["Every sequence is 1 token long", "at least 2 tokens"]),
     ("unknown-flag", lambda f: ["--bogus"], EXIT_USAGE, ["unrecognized arguments: --bogus"]),
 ]
 

@@ -140,7 +140,8 @@ class MassiveActivations(SettingsFields):
         max_abs_by_pos: max over sequences and dimensions of ``|x[p, d]|``, per position.
         norm_mean: mean over sequences of the L2 norm of ``x[p]``.
         norm_ratio: mean over sequences of ``||x[p]|| / median_{q != p} ||x[q]||`` (q over the valid positions
-            of the same sequence): how much bigger position ``p`` is than a typical token.
+            of the same sequence): how much bigger position ``p`` is than a typical token; ``inf`` when that
+            median is 0 in some sequence (e.g. all other positions have a zero residual), NaN where undefined.
         topk_energy: mean over sequences of the share of ``||x[p]||²`` in its ``top_k`` largest squared entries.
         count_sink / count_other: number of sink tokens / other tokens at which dimension ``d`` is massive.
         n_sink_tokens / n_other_tokens: the numbers of tokens those counts are out of.
@@ -355,7 +356,7 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
             norms = energy.sqrt()
             self.norm_sum[i, :width] += (norms * valid).double().sum(0)
             nr = norm_ratio_to_others(norms, valid)
-            self.norm_ratio_sum[i, :width] += nr.nan_to_num(0.0).double().sum(0)
+            self.norm_ratio_sum[i, :width] += nr.masked_fill(nr.isnan(), 0.0).double().sum(0)  # inf stays inf
             self.norm_ratio_count[i, :width] += (~nr.isnan()).double().sum(0)
             top = sq.amax(dim=-1) if top_k == 1 else sq.topk(top_k, dim=-1).values.sum(-1)
             self.energy_sum[i, :width] += (top / energy.clamp_min(tiny) * valid).double().sum(0)

@@ -8,6 +8,7 @@ after the pass, fed by the sink token's mean MLP input that the pass collected.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,12 +26,19 @@ from sinklens.analysis.value_drain import ValueDrain, ValueDrainReducer, ValueDr
 from sinklens.analysis.variance import VarianceReducer, VarianceResult
 from sinklens.analysis.verify import CausalCheck, verify_attribution
 from sinklens.analysis.weight_super_neurons import SinkInputReducer, WeightNeurons, super_neurons_from_weights
+from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import with_cached_weights
 from sinklens.inputs import Inputs, as_batches
 from sinklens.options import RunOptions
 from sinklens.residual_units import neuron_reason
 from sinklens.streaming import stream
+
+
+def _max_or_nan(values: torch.Tensor) -> float:
+    """The largest value, ignoring NaN (``inf`` stays ``inf``); NaN when every value is NaN."""
+    finite_or_inf = values[~values.isnan()]
+    return float(finite_or_inf.max()) if finite_or_inf.numel() else math.nan
 
 
 @dataclass
@@ -101,7 +109,7 @@ class SinkReport:
             "position_0": self.sinks.describe_start(),
             "mean_attention_to_sink": float(torch.nanmean(self.sinks.received[:, :, p])),
             "massive_dims": self.massive_dims(),
-            "max_norm_ratio_at_sink": float(torch.nan_to_num(self.massive.norm_ratio[:, p]).max()),
+            "max_norm_ratio_at_sink": _max_or_nan(self.massive.norm_ratio[:, p]),
             "super_neurons": self.neurons.super_neurons()[:8] if self.neurons is not None else [],
             "variance_discrepancy_median": float(torch.nanmedian(disc)),
             "layers_with_variance_discrepancy_above_1": int((disc.nanmedian(dim=1).values > 1).sum()),
@@ -195,6 +203,12 @@ def analyze(
     massive_settings = MassiveSettings(abs_threshold=abs_threshold, rel_threshold=rel_threshold, sink_position=sink_position)
     batches = as_batches(model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos,
                          max_length=options.max_length)
+    longest = max(int(b.valid.sum(dim=1).max()) for b in batches)
+    if longest < 2:
+        raise InvalidArgumentError(
+            f"Every sequence is {longest} token long: analyze compares the sink position with later ones, so it needs "
+            "sequences of at least 2 tokens (longer prompts, a larger max_length, or prepend_bos=True)."
+        )
     moe = neuron_reason(model)  # a mixture-of-experts or post-LN model has no additive neuron writes: skip
     skipped = {"super_neurons": f"skipped: {moe}"} if moe is not None else {}
     no_locking = qk_locking_reason(model)

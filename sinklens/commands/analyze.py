@@ -48,8 +48,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if not str(args.model).strip():
         raise InvalidArgumentError(f"--model is empty ({args.model!r}); give a model name, a path or a Hub id.")
     positive_int(args.batch_size, what="--batch-size")
-    optional_positive_int(args.seq_len, what="--seq-len")
-    optional_positive_int(args.max_length, what="--max-length")
+    optional_positive_int(args.seq_len, what="--seq-len", minimum=2)  # the sink and a later position
+    optional_positive_int(args.max_length, what="--max-length", minimum=2)
     optional_positive_int(args.random_tokens, what="--random-tokens")
     optional_positive_int(args.stdlib_text, what="--stdlib-text")
     text_flag = _text_flag(args)

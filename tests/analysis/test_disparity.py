@@ -4,6 +4,8 @@ import matplotlib.figure
 import pytest
 import torch
 
+import sinklens
+
 from sinklens.analysis.disparity import MassiveActivationsReducer, find_massive_activations
 from sinklens.inputs import as_batches
 from sinklens.streaming import stream
@@ -141,3 +143,21 @@ def test_result_serialises_and_plots(tiny, tmp_path):
 def test_bad_inputs_raise_clear_errors(tiny_llama, kwargs, match):
     with pytest.raises(ValueError, match=match):
         find_massive_activations(tiny_llama, ["t3 t4 t5"], **kwargs)
+
+
+def test_a_norm_ratio_over_zero_norms_is_inf_not_the_largest_float(tiny_llama):
+    """Rotary Llama: stream 0 is the token embedding. With it zeroed at every position but the first,
+    position 0's norm over the median of the others is x / 0 = inf in every sequence, and must stay inf
+    (a float32 maximum of 3.4e38 printed as a 39-digit ratio was the bug); the others' ratios are 0."""
+    def zero_after_first(embed, hook):
+        embed = embed.clone()
+        embed[:, 1:] = 0.0
+        return embed
+
+    options = QUIET.replace(batch_size=2, extra_hooks=[("hook_embed", zero_after_first)])
+    found = find_massive_activations(tiny_llama, PROMPTS, options=options)
+    assert math.isinf(found.norm_ratio[0, 0]) and found.norm_ratio[0, 0] > 0
+    assert (found.norm_ratio[0, 1:].nan_to_num(0.0) == 0).all()
+    report = sinklens.analyze(tiny_llama, PROMPTS, options=options)
+    assert math.isinf(report.headline()["max_norm_ratio_at_sink"])
+    assert "inf" in report.summary() and "3402823" not in report.summary()
