@@ -141,6 +141,14 @@ def model_device(model: Any) -> torch.device:
         return torch.device(getattr(model.cfg, "device", None) or "cpu")
 
 
+def model_dtype(model: Any) -> torch.dtype:
+    """The dtype of the model's floating-point parameters (its activations' dtype): float32 when it has none."""
+    for param in getattr(model, "parameters", lambda: ())():
+        if param.dtype.is_floating_point:
+            return param.dtype
+    return torch.float32
+
+
 def check_hook_names(model: Any, names: Iterable[str]) -> None:
     """Raise :class:`UnknownHookError` naming the closest real hooks if any name is missing.
 

@@ -241,8 +241,12 @@ def _probed_norm(model: Any, path: str) -> dict[str, Any]:
     if w is None:
         w = torch.ones(d_model)
     gen = torch.Generator().manual_seed(0)
-    probe = torch.randn(1, 1, d_model, generator=gen, dtype=torch.float32) * 1e3
+    # A mean as large as the spread, so that removing it (LayerNorm) or not (RMSNorm) changes the output by O(1),
+    # far above the tolerance below even in bfloat16.
+    probe = (torch.randn(1, 1, d_model, generator=gen, dtype=torch.float32) + 1.0) * 1e3
     probe = probe.to(device=w.device, dtype=w.dtype)
+    # The norm runs in the model's dtype: a bfloat16 output is within a few of its eps (2^-8) of the exact one.
+    tol = max(1e-3, 4 * torch.finfo(w.dtype).eps) if w.dtype.is_floating_point else 1e-3
     with torch.inference_mode(), _hooks_silenced(module):
         out = module(probe).float()[0, 0]
     p = probe.float()[0, 0]
@@ -252,7 +256,7 @@ def _probed_norm(model: Any, path: str) -> dict[str, Any]:
         scale = x.square().mean().sqrt()
         for convention, gain in (("w", w.float()), ("1+w", 1.0 + w.float())):
             expected = gain * x / scale + bias
-            if torch.allclose(expected, out, rtol=1e-3, atol=1e-3 * float(out.abs().max()) + 1e-6):
+            if torch.allclose(expected, out, rtol=tol, atol=tol * float(out.abs().max()) + 1e-6):
                 return {"gain": gain, "bias": bias, "center": center, "convention": convention}
     raise UnsupportedArchitectureError(
         f"Cannot express {path} as gain ⊙ x / scale + bias (tried gain = w and 1 + w, with and "

@@ -55,7 +55,10 @@ from sinklens.analysis._common import (
 )
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import ATTN_OUT, MLP_OUT, MLP_POST, head_output_site, layer_weight, model_device, model_dims, resolve_layers, weight, weight_cached
+from sinklens.hooks import (
+    ATTN_OUT, MLP_OUT, MLP_POST, head_output_site, layer_weight, model_device, model_dims, model_dtype, resolve_layers,
+    weight, weight_cached,
+)
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.residual_units import attn_out_bias, check_neuron_mlp, mlp_out_bias, post_norm_map
@@ -511,7 +514,6 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         self.post_norm_blocks = [b for b, pm in enumerate(self.maps) if not pm.is_identity]
         self.attn_maps = [post_norm_map(model, block, "attn") for block in range(d.n_layers)]
         self.n_heads = d.n_heads
-        self._heads_dtype: torch.dtype | None = None  # float32 once head writes were folded
         self.reset()
 
     def reset(self) -> None:
@@ -582,7 +584,6 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             if block in fold.state["post"]:
                 self.sink_scaled_sum[self.row[block]] += (fold.state["post"][block] * inv[:, None]).sum(0)
         for block, z in fold.state["z"].items():
-            self._heads_dtype = torch.float32
             w_o = layer_weight(self.model, "W_O", block).float().to(z.device)  # [head, d_head, d_model]: a view, no stack
             write = torch.einsum("bhk,hkd->bhd", z.float(), w_o).double()
             scale = fold.state["attn_scale"].get(block)
@@ -662,19 +663,24 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             offset[block] = pm.linear(offset[block], torch.tensor([1.0 / inv], device=heads.device)) + pm.offset(offset[block])
         err = float((heads.sum(1) + offset - attn).abs().max())
         size = float(attn.abs().max())
-        dtype = self._heads_dtype or next(self.model.parameters()).dtype
-        if err > max(1e-3, 50 * torch.finfo(dtype).eps) * size + 1e-5:
+        if err > self._rebuild_tolerance() * size + 1e-5:
             warnings.warn(f"Head contributions at the sink do not add up to hook_attn_out (max error {err:.3g} vs max "
                           f"|hook_attn_out| {size:.3g}): they are approximate for this model.", RuntimeWarning, stacklevel=3)
         return heads, offset
 
-    def _check_identity(self, rebuilt: Tensor, mlp: Tensor, dtype: torch.dtype = torch.float32) -> None:
+    def _rebuild_tolerance(self) -> float:
+        """Relative error allowed between a float32 rebuild and the model's own output: that output was rounded
+        to the model's dtype (bfloat16 keeps 8 bits, a relative error up to 2^-8 per value), hence 8 of its eps,
+        and at least 1e-3 (float32 sums over thousands of terms)."""
+        return max(1e-3, 8 * torch.finfo(model_dtype(self.model)).eps)
+
+    def _check_identity(self, rebuilt: Tensor, mlp: Tensor) -> None:
         """Warn if ``rebuilt`` (``Σ_n contribution + offset`` per layer) misses the mean ``hook_mlp_out`` at the sink (a
         model whose MLP output is not ``post W_out + b_out`` through its post norm: the contributions would not be exact)."""
         target = mlp[self.layers]
         err = float((rebuilt - target).abs().max()) if target.numel() else 0.0
         size = float(target.abs().max()) if target.numel() else 0.0
-        if err > max(1e-3, 50 * torch.finfo(dtype).eps) * size + 1e-5:
+        if err > self._rebuild_tolerance() * size + 1e-5:
             warnings.warn(f"Neuron contributions at the sink do not add up to hook_mlp_out (max error {err:.3g} vs "
                           f"max |hook_mlp_out| {size:.3g}): this model's MLP output is not act × W_out + b_out "
                           "through its post norm, so contributions are approximate.", RuntimeWarning, stacklevel=3)

@@ -51,7 +51,7 @@ from torch import Tensor
 from sinklens.analysis._common import SettingsFields, grow, layer_head_position_rows, position_index, run_analyzer, settings_from
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.export import to_json
-from sinklens.hooks import PATTERN, model_dims
+from sinklens.hooks import PATTERN, model_dims, model_dtype
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, merge_statistics, per_layer_hooks
@@ -71,7 +71,8 @@ RATE_DEFINITIONS: dict[str, str] = {
     "mean": "share of (layer, head) whose pooled mean received attention > sink_threshold",
 }
 
-#: Rows of a softmax pattern sum to 1 within this; a larger mean shortfall means a virtual sink.
+#: Rows of a float32 softmax pattern sum to 1 within this; a larger mean shortfall means a virtual sink. A model in
+#: a lower precision gets twice its dtype's eps (bfloat16: 0.016), as its pattern entries are rounded to it.
 ROW_SUM_TOLERANCE = 1e-5
 
 
@@ -210,7 +211,8 @@ class SinkResult(SettingsFields):
         unattended: ``[layer, head]`` mean over real queries of ``1 - Σ_k pattern[l, h, q, k]``, the sum over the
             real keys the query can see (0 for softmax; attention leaking to padding would show here too).
         virtual_sink: ``unattended`` when the model has learned sink logits (a ``sinks`` parameter) or its
-            pattern rows do not sum to 1 (mean shortfall above ``1e-5``): the mass each head gives its
+            pattern rows do not sum to 1 (mean shortfall above ``1e-5``; in bfloat16 or float16, above twice the
+            dtype's eps): the mass each head gives its
             virtual sink; ``None`` otherwise.
         position_token_ids: per key position, the token id found there in every sequence, ``-1`` where
             sequences differ.
@@ -534,6 +536,7 @@ class SinkReducer(Reducer[SinkResult]):
         self.d_vocab = model_dims(model).d_vocab
         self.tokenizer = getattr(model, "tokenizer", None)
         self.sink_logits = has_sink_logits(model)
+        self.row_sum_tolerance = max(ROW_SUM_TOLERANCE, 2 * torch.finfo(model_dtype(model)).eps)
         self.reset()
 
     def reset(self) -> None:
@@ -687,7 +690,7 @@ class SinkReducer(Reducer[SinkResult]):
         frac = (self.seq_hits[:, :, :n] / seq_counts[:, None].clamp(min=1)).float().cpu()
         gu_frac = (self.gu_hits[:, :, :n] / self.gu_counts[:, None, :n].clamp(min=1)).float().cpu()
         unattended = (self.shortfall / max(self.n_real_queries, 1.0)).float().cpu()
-        virtual = unattended if self.sink_logits or bool(unattended.abs().max() > ROW_SUM_TOLERANCE) else None
+        virtual = unattended if self.sink_logits or bool(unattended.abs().max() > self.row_sum_tolerance) else None
         occurrences = [
             SinkOccurrence(seq, pos, tok, self._decode(tok), val, share)
             for val, share, (seq, pos, tok) in zip(

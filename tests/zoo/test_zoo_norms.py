@@ -13,10 +13,13 @@ own cache.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
 from sinklens.analysis.normalized_disparity import normalized_disparity
+from sinklens.analysis.report import analyze
 from sinklens.analysis.variance import measure_variance
 from sinklens.analysis.weight_super_neurons import sink_inputs, super_neurons_from_weights
 from sinklens.errors import UnsupportedArchitectureError
@@ -130,6 +133,29 @@ def test_input_norms_are_the_norms_whose_output_each_sublayer_reads(family):
         path = input_norm(model, layer, "mlp").path
         torch.testing.assert_close(si.x[i], cache[f"{path}.hook_normalized"][:, SINK].mean(0), rtol=1e-5, atol=1e-6)
     assert si.site == ("ln1.hook_normalized" if family == "bert" else "ln2.hook_normalized")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_norms_are_identified_the_same_in_bfloat16(family):
+    """A bfloat16 norm's output is off by up to 2^-8 of each value: the probe still names the same kind of norm
+    (mean removed or not, gain ``w`` or ``1 + w``) as in float32, with the same gain and bias, and the head and
+    neuron writes rebuilt in float32 add up to the bfloat16 model's outputs without a warning, and no virtual
+    sink is reported where there is none."""
+    model = _model(family)
+    sites = [(layer, kind) for layer in range(model.cfg.n_layers) for kind in ("attn", "mlp")]
+    ref = {key: input_norm(model, *key) for key in sites}
+    model.to(torch.bfloat16)
+    for key in sites:
+        got = input_norm(model, *key)
+        assert (got.path, got.center, got.convention) == (ref[key].path, ref[key].center, ref[key].convention), key
+        torch.testing.assert_close(got.gain, ref[key].gain, rtol=2**-7, atol=2**-7)  # the weights rounded to bfloat16
+        torch.testing.assert_close(got.bias, ref[key].bias, rtol=2**-7, atol=2**-7)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        report = analyze(model, _tokens(model), abs_threshold=None, rel_threshold=3.0, options=OPTS)
+    assert report.sinks.received.isfinite().all()
+    # Rows of a bfloat16 softmax sum to 1 only within its rounding: no virtual sink unless the model has sink logits.
+    assert (report.sinks.virtual_sink is not None) == (family == "gptoss")
 
 
 @pytest.mark.parametrize("family", MOE_FAMILIES)
