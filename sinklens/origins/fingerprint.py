@@ -202,14 +202,17 @@ def per_dim_kendall(a: Float[Tensor, "sample dim"], b: Float[Tensor, "sample dim
     return torch.tensor(taus, dtype=torch.float64)
 
 
-def check_test_arguments(buffer_k: Any, identity_mode: Any, alpha: Any) -> tuple[int, IdentityMode, float]:
+def check_test_arguments(
+    buffer_k: Any, identity_mode: Any, alpha: Any, *, cli: bool = False
+) -> tuple[int, IdentityMode, float]:
     """``(buffer_k, identity_mode, alpha)`` validated: ``buffer_k >= 1``, a known mode, ``0 < alpha < 1``.
 
     :func:`fingerprint` and the CLI call it before any model is loaded or run, so a typo costs
-    nothing rather than a whole run."""
-    buffer_k = positive_int(buffer_k, what="buffer_k")
-    identity_mode = choice(identity_mode, ("coset", "base"), what="identity_mode")
-    alpha = finite_number(alpha, what="alpha", low=0.0, high=1.0, low_open=True, high_open=True)
+    nothing rather than a whole run; ``cli=True`` names the flags (``--buffer-k``) in the errors."""
+    name = (lambda arg: "--" + arg.replace("_", "-")) if cli else (lambda arg: arg)
+    buffer_k = positive_int(buffer_k, what=name("buffer_k"))
+    identity_mode = choice(identity_mode, ("coset", "base"), what=name("identity_mode"))
+    alpha = finite_number(alpha, what=name("alpha"), low=0.0, high=1.0, low_open=True, high_open=True)
     return buffer_k, identity_mode, alpha  # type: ignore[return-value]
 
 

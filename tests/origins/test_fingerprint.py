@@ -178,8 +178,9 @@ def test_bad_arguments_are_refused_before_any_model_loads(tmp_path, kwargs, name
 
 
 @pytest.mark.parametrize(("flags", "named"), [
-    (["--alpha", "2"], "alpha"), (["--buffer-k", "0"], "buffer_k"), (["--samples", "1"], "--samples"),
-    (["--seq-len", "0"], "--seq-len"),
+    (["--alpha", "2"], "--alpha must be in (0, 1), got 2"), (["--buffer-k", "0"], "--buffer-k must be"),
+    (["--samples", "1"], "--samples"), (["--seq-len", "0"], "--seq-len"), (["--batch-size", "0"], "--batch-size"),
+    (["--device", "cdua"], "--device"),
 ])
 def test_cli_refuses_bad_arguments_before_loading(tmp_path, capsys, flags, named):
     from sinklens.cli import main
