@@ -27,7 +27,7 @@ from typing import Any, Union
 
 import torch
 
-from sinklens.errors import InvalidArgumentError
+from sinklens.errors import InvalidArgumentError, SequenceTooLongError
 
 #: What a count or length argument accepts: a Python int, a numpy integer or a 0-d integer tensor
 #: (checked and converted by :func:`as_int` / :func:`positive_int`).
@@ -366,3 +366,18 @@ def text_lines(path: Any, *, what: str) -> list[str]:
     if not lines:
         raise InputFileError(f"{what} file {str(file)!r} has no non-empty lines.")
     return lines
+
+
+def seq_len_within_context(seq_len: int | None, n_ctx: int, *, what: str = "--seq-len",
+                           context: str = "the model's context", note: str = "cfg.n_ctx") -> None:
+    """Refuse a sequence length (a CLI flag, ``what``) longer than a context of ``n_ctx`` tokens; None passes.
+
+    Examples:
+        >>> seq_len_within_context(65, 64)
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.SequenceTooLongError: --seq-len 65 is longer than the model's context of 64 tokens (cfg.n_ctx); pass a shorter --seq-len.
+    """
+    if seq_len is not None and seq_len > n_ctx:
+        raise SequenceTooLongError(f"{what} {seq_len} is longer than {context} of {n_ctx} tokens ({note}); "
+                                   f"pass a shorter {what}.")

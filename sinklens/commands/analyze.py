@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sinklens.errors import InvalidArgumentError, SequenceTooLongError
+from sinklens.errors import InvalidArgumentError
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -87,7 +87,7 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
     from sinklens import distributed
     from sinklens.hooks import model_dims
     from sinklens.inputs import random_token_batches, stdlib_text_prompts
-    from sinklens.validate import text_lines
+    from sinklens.validate import seq_len_within_context, text_lines
 
     prepend_bos = not args.no_bos
     has_tokenizer = getattr(model, "tokenizer", None) is not None
@@ -98,9 +98,7 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
         raise InvalidArgumentError(f"--max-length {args.max_length} truncates text prompts, and the model "
                                    f"{str(args.model)!r} has no tokenizer; set the random sequences' length with --seq-len.")
     n_ctx = model_dims(model).n_ctx
-    if args.seq_len is not None and args.seq_len > n_ctx:
-        raise SequenceTooLongError(f"--seq-len {args.seq_len} is longer than the model's context of {n_ctx} tokens "
-                                   "(cfg.n_ctx); pass a shorter --seq-len.")
+    seq_len_within_context(args.seq_len, n_ctx)
     seq_len = _DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
     if not has_tokenizer and args.random_tokens is None:
         flag = _text_flag(args)

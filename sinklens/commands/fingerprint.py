@@ -41,13 +41,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sinklens.errors import SequenceTooLongError
     from sinklens.export import write_json
     from sinklens.hooks import model_dims
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
     from sinklens.origins.fingerprint import check_test_arguments, fingerprint
-    from sinklens.validate import device, positive_int, writable_file
+    from sinklens.validate import device, positive_int, seq_len_within_context, writable_file
 
     json_path = writable_file(args.json, what="--json") if args.json else None
     check_test_arguments(args.buffer_k, args.identity_mode, args.alpha, cli=True)  # before the models load and run
@@ -60,10 +59,8 @@ def run(args: argparse.Namespace) -> int:
     options = RunOptions(batch_size=args.batch_size, progress=not args.no_progress, device=args.device, desc="SeedPrint")
     model_a = load_model(args.model_a, device=args.device, check_patterns=False)
     model_b = load_model(args.model_b, device=args.device, check_patterns=False)
-    n_ctx = min(model_dims(model_a).n_ctx, model_dims(model_b).n_ctx)
-    if args.seq_len is not None and args.seq_len > n_ctx:
-        raise SequenceTooLongError(f"--seq-len {args.seq_len} is longer than the models' context of {n_ctx} tokens "
-                                   "(the smaller cfg.n_ctx of the two); pass a shorter --seq-len.")
+    seq_len_within_context(args.seq_len, min(model_dims(model_a).n_ctx, model_dims(model_b).n_ctx),
+                           context="the models' context", note="the smaller cfg.n_ctx of the two")
     result = fingerprint(model_a, model_b, n_samples=args.samples, seq_len=args.seq_len, input=args.input,
                          buffer_k=args.buffer_k, identity_mode=args.identity_mode, alpha=args.alpha,
                          seed=args.seed, options=options)

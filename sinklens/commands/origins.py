@@ -35,13 +35,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sinklens.errors import SequenceTooLongError
     from sinklens.export import write_json
     from sinklens.hooks import model_dims
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
     from sinklens.origins import contraction, positional_discrepancy, token_preference
-    from sinklens.validate import device, positive_int, writable_dir
+    from sinklens.validate import device, positive_int, seq_len_within_context, writable_dir
 
     out = writable_dir(args.out, what="--out", create=False)
     positive_int(args.sequences, what="--sequences", minimum=2)
@@ -52,10 +51,7 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     print(f"loading {args.model}{'' if args.init_seed is None else f' at init (seed {args.init_seed})'} ...", file=sys.stderr)
     model = load_model(args.model, device=args.device, init_seed=args.init_seed, check_patterns=False)
-    n_ctx = model_dims(model).n_ctx
-    if args.seq_len > n_ctx:
-        raise SequenceTooLongError(f"--seq-len {args.seq_len} is longer than the model's context of {n_ctx} tokens "
-                                   "(cfg.n_ctx); pass a shorter --seq-len.")
+    seq_len_within_context(args.seq_len, model_dims(model).n_ctx)
     opts = RunOptions(batch_size=args.batch_size, progress=True)
     common = dict(n_sequences=args.sequences, seq_len=args.seq_len, prepend_bos=args.bos, seed=args.seed)
     pref = token_preference(model, **common, options=opts.replace(desc="token preference"))
