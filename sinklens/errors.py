@@ -94,6 +94,10 @@ class RunExistsError(SinklensError, FileExistsError):
     """A new training run aimed at a directory that already holds a run (pass resume or overwrite)."""
 
 
+class ResumeMismatchError(SinklensError, ValueError):
+    """A resume whose config changes what the run is (its model, data or initialisation seed)."""
+
+
 class TrainingDivergedError(SinklensError, RuntimeError):
     """A training step whose loss or gradient norm is NaN or infinite (the last finite checkpoint is kept)."""
 

@@ -7,7 +7,8 @@ Examples::
     sinklens train --config run.toml --set optim.lr=3e-4 --set data.seq_len=128 --out runs/a   # same
     sinklens train --data ~/corpus --data.tokenizer bpe --data.vocab_size 2048 --out runs/text
     sinklens train --data bigram-backcopy --intervention restart:positions=16 --out runs/moved
-    sinklens train --out runs/hw --resume          # continue an interrupted run
+    sinklens train --out runs/hw --resume          # continue an interrupted run, with its own config
+    sinklens train --out runs/hw --resume --steps 600   # ... and train it longer
     torchrun --nproc_per_node 2 -m sinklens.cli train ... # DDP
 
 Every field of the run's TrainConfig is a flag (``--optim.lr``, ``--model.n_layers``,
@@ -55,7 +56,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--intervention", dest="interventions", action="append", default=[], metavar="NAME:K=V,...",
                         help="training-time intervention of the registry, e.g. restart:positions=16 (repeatable)")
     run_mode = parser.add_mutually_exclusive_group()
-    run_mode.add_argument("--resume", action="store_true", help="continue from the newest good checkpoint in --out")
+    run_mode.add_argument("--resume", action="store_true", help="continue the run in --out from its newest good checkpoint, with its own config; other "
+                          "flags may change steps, optim, eval..., not the model, data or seed")
     run_mode.add_argument("--overwrite", action="store_true", help="delete the run already in --out and start afresh")
     parser.add_argument("--fields", action="store_true", help="list every config field flag (tyro) and exit")
     parser.add_argument("--no-progress", action="store_true")
@@ -76,16 +78,23 @@ def _data_overrides(spec: str) -> list[str]:
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
-    """The run's :class:`TrainConfig`: config file or preset, then the short flags and ``--set``
-    overrides, then the tyro field flags (``args.config_flags``), parsed and validated in one go.
+    """The run's :class:`TrainConfig`: config file, the run's own config (``--resume``) or preset,
+    then the short flags and ``--set`` overrides, then the tyro field flags (``args.config_flags``),
+    parsed and validated in one go.
 
     For text, memmap and hf data ``model.d_vocab`` is ``"auto"`` (the training loop sets it to the
     data's vocabulary) unless a flag says otherwise.
     """
+    from sinklens.train.checkpoint import load_train_config
     from sinklens.train.config import ModelConfig, overrides_to_args, parse_args
 
-    base = load_config(args.config) if args.config else TrainConfig()
-    if args.preset or not args.config:
+    if args.config:
+        base = load_config(args.config)
+    elif args.resume and args.out:
+        base = load_train_config(args.out)  # --resume continues the run with its own config
+    else:
+        base = TrainConfig()
+    if args.preset or not (args.config or args.resume):
         base = base.replace(model=ModelConfig.from_preset(args.preset or "tiny"))
     sets = []
     if args.variant:
@@ -123,6 +132,10 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if result.history:
         plot_training({cfg.model.variant: result.history}, path=out / "figures" / "training.png")
+    resumes = [line for line in result.history if line["kind"] == "resume"]
+    if args.resume and resumes:
+        changed = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in resumes[-1]["changes"].items())
+        print(f"resumed at step {resumes[-1]['step']}" + (f" with {changed}" if changed else " with the run's config"))
     losses = result.losses()
     evals = result.evals()
     if losses:

@@ -26,6 +26,10 @@ resume rewrites the file up to its checkpoint's step.
 Run directories of sinklens 0.1 (the checkpoint files directly in the run directory, no
 ``checkpoint.json``) still load and resume.
 
+A resume continues a run as it was: :func:`resume_changes` refuses a config that changes the run's
+model, data or initialisation seed, and lists what else it changes (steps, optimizer, evaluation...),
+which the trainer records as a ``kind="resume"`` metrics line.
+
 The data order is a pure function of ``(data.seed, step)`` (:mod:`sinklens.train.data`), so the step
 is the whole data state, and resuming reproduces the uninterrupted loss curve exactly on CPU.
 """
@@ -46,7 +50,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from sinklens.errors import CorruptCheckpointError, RunNotFoundError
+from sinklens.errors import (
+    CorruptCheckpointError,
+    ResumeMismatchError,
+    RunNotFoundError,
+)
 from sinklens.export import write_json, write_text_atomic
 from sinklens.model_files import file_mismatch, sha256_file
 from sinklens.train.config import TrainConfig
@@ -54,6 +62,12 @@ from sinklens.train.config import TrainConfig
 CONFIG, WEIGHTS, OPTIMIZER, STATE, TOKENIZER = "config.json", "model.safetensors", "optimizer.pt", "trainer_state.pt", "tokenizer"
 POINTER, MANIFEST, CHECKPOINTS, METRICS = "checkpoint.json", "manifest.json", "checkpoints", "metrics.jsonl"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+
+#: The fields of a :class:`TrainConfig` that say what a run *is* (dotted keys; a prefix ending in
+#: ``.`` covers a whole section): a resume may not change them (:func:`resume_changes`).
+RUN_IDENTITY: tuple[str, ...] = ("model.", "data.", "seed")
+#: Fields inside :data:`RUN_IDENTITY` that say where things are kept, not what they are.
+RESUME_FREE: frozenset[str] = frozenset({"data.cache_dir"})
 
 
 def _fsync_dir(path: Path) -> None:
@@ -291,6 +305,50 @@ def load_run(run_dir: str | Path) -> RunCheckpoint:
     )
 
 
+def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` → ``{"a.b": 1}``, values as JSON gives them back (tuples become lists)."""
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            flat.update(_dotted(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = json.loads(json.dumps(value))
+    return flat
+
+
+def resume_changes(saved: TrainConfig, requested: TrainConfig, *, run_dir: str | Path) -> dict[str, list[Any]]:
+    """What ``requested`` changes in the config of the run it resumes: ``{dotted key: [saved, requested]}``.
+
+    A resume may change how the run goes on (``steps``, ``optim.*``, ``eval.*``, ``batch_size``,
+    ``compile``, ``device``, ``interventions``...). It may not change what the run is
+    (:data:`RUN_IDENTITY`: the model, the data and the initialisation seed, which the restored
+    weights, data order and RNG states already fix). ``model.d_vocab="auto"`` matches any vocabulary.
+
+    Examples:
+        >>> run = TrainConfig()
+        >>> resume_changes(run, run.replace(steps=600), run_dir="runs/a")
+        {'steps': [300, 600]}
+
+    Raises:
+        ResumeMismatchError: ``requested`` changes a field of :data:`RUN_IDENTITY`; the message names
+            each such field with both values.
+    """
+    old, new = _dotted(saved.to_dict()), _dotted(requested.to_dict())
+    if new.get("model.d_vocab") == "auto":
+        new["model.d_vocab"] = old.get("model.d_vocab")
+    changes = {key: [old.get(key), new.get(key)] for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)}
+    fixed = [key for key in changes if key.startswith(RUN_IDENTITY) and key not in RESUME_FREE]
+    if fixed:
+        listed = "; ".join(f"{key} is {changes[key][1]!r} here but {changes[key][0]!r} in the run" for key in fixed)
+        raise ResumeMismatchError(
+            f"Cannot resume {str(run_dir)!r} with another model, data or seed: {listed}. A resume continues the run "
+            "with its own config (sinklens train --out DIR --resume, or train(sinklens.train.checkpoint.load_train_config(DIR), out_dir=DIR, resume=True)); "
+            "it may change steps, optim, eval and the like. For another model or data start a new run "
+            "(another out_dir, or --overwrite)."
+        )
+    return changes
+
+
 def _torch_load(path: Path, **kwargs: Any) -> Any:
     try:
         return torch.load(path, weights_only=False, **kwargs)
@@ -313,15 +371,24 @@ def _load_weights(model: Any, path: Path, device: str) -> None:
 
 
 def load_checkpoint(
-    run_dir: str | Path, *, model: Any, optimizer: torch.optim.Optimizer | None = None, scaler: Any = None
+    run: str | Path | RunCheckpoint, *, model: Any, optimizer: torch.optim.Optimizer | None = None, scaler: Any = None
 ) -> int:
-    """Restore weights, optimizer, grad-scaler and RNG states from :func:`load_run`; return the step to resume at."""
-    ckpt = load_run(run_dir)
+    """Restore weights, optimizer, grad-scaler and RNG states from ``run`` (a run directory, read with
+    :func:`load_run`, or a checkpoint it returned); return the step to resume at.
+
+    The optimizer's state (AdamW moments and step counts) comes from the checkpoint; its
+    hyperparameters (betas, eps, weight decay, fused...) stay those ``optimizer`` was built with, so a
+    resume that changes ``optim`` takes effect (``torch.optim.Optimizer.load_state_dict`` alone would
+    put the saved ones back)."""
+    ckpt = run if isinstance(run, RunCheckpoint) else load_run(run)
     model = unwrap_model(model)
     device = next(model.parameters()).device
     _load_weights(model, ckpt.path / WEIGHTS, str(device))
     if optimizer is not None and (ckpt.path / OPTIMIZER).is_file():
+        configured = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
         optimizer.load_state_dict(_torch_load(ckpt.path / OPTIMIZER, map_location=device))
+        for group, settings in zip(optimizer.param_groups, configured):
+            group.update(settings)
     state = _torch_load(ckpt.path / STATE)
     torch.set_rng_state(state["torch_rng"])
     if state["cuda_rng"] is not None and torch.cuda.is_available():

@@ -42,8 +42,8 @@ from sinklens.export import json_line, write_json
 from sinklens.train.compile import CompileSwitch
 from sinklens.train.allocator import retained_cpu_memory
 from sinklens.train.checkpoint import (
-    METRICS, clean_stale, clear_run, has_checkpoint, is_run_dir, load_checkpoint, read_metrics, save_checkpoint,
-    write_metrics,
+    METRICS, clean_stale, clear_run, has_checkpoint, is_run_dir, load_checkpoint, load_run, read_metrics, resume_changes,
+    save_checkpoint, write_metrics,
 )
 from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source
@@ -186,7 +186,9 @@ class TrainResult:
         history: the metrics lines (also in ``out_dir/metrics.jsonl``): ``kind="train"`` lines
             with ``loss`` (mean over the step's batch), ``lr``, ``grad_norm`` (before clipping),
             ``tokens_per_s``, ``mfu``; ``kind="eval"`` lines with ``val_loss``, sink metrics and
-            ``persistence_*`` (correlations with step 0, :mod:`sinklens.train.persistence`).
+            ``persistence_*`` (correlations with step 0, :mod:`sinklens.train.persistence`); in a
+            resumed run a ``kind="resume"`` line where it was picked up (``step``, ``changes``:
+            ``{config key: [before, now]}``).
         out_dir: the run directory, or None.
         compile: whether this process trained compiled and why (``TrainConfig.compile``, see
             :mod:`sinklens.train.compile`): ``mode``, ``compiled``, ``reason``, ``compile_s``
@@ -281,7 +283,10 @@ def train(
             ``checkpoints/``, ``tokenizer/``; see :mod:`sinklens.train.checkpoint`); None keeps
             everything in memory.
         resume: continue from the newest good checkpoint in ``out_dir`` (its step, weights,
-            optimizer, RNG); the loss curve continues exactly as if the run had not stopped.
+            optimizer, RNG); the loss curve continues exactly as if the run had not stopped. ``cfg``
+            is the run's own (``load_train_config(out_dir)``), changed at most in how the run goes
+            on (``steps``, ``optim``, ``eval``...: :func:`~sinklens.train.checkpoint.resume_changes`);
+            a ``kind="resume"`` metrics line records the step and those changes.
         overwrite: delete the run already in ``out_dir`` and start afresh. Without ``resume`` or
             ``overwrite``, a folder that holds a run raises :class:`~sinklens.errors.RunExistsError`.
         interventions: extra training-time interventions on top of ``cfg.interventions`` (callables
@@ -291,6 +296,7 @@ def train(
             the schedule still spans ``cfg.steps``, and ``resume=True`` continues from there.
 
     Raises:
+        ResumeMismatchError: ``resume=True`` with a ``cfg`` whose model, data or seed differ from the run's.
         TrainingDivergedError: a step's loss or gradient norm was NaN/inf (``cfg.on_nonfinite="stop"``,
             or more than ``cfg.max_skips`` skipped steps in a row); the last finite checkpoint is kept
             and metrics.jsonl ends with a ``kind="nonfinite"`` line.
@@ -300,6 +306,8 @@ def train(
     out = Path(out_dir).expanduser() if out_dir is not None else None
     check_interventions([*cfg.interventions, *interventions])
     _check_run_dir(out, resume=resume, overwrite=overwrite)
+    resumed_from = load_run(out) if out is not None and resume else None  # verified once: compared, then loaded
+    resume_changed = resume_changes(resumed_from.config, cfg, run_dir=out) if resumed_from is not None else {}
     dist, device = init_distributed(cfg.device)
     matmul_before = cpu_matmul_backend()["requested"]
     resources = contextlib.ExitStack()
@@ -327,8 +335,8 @@ def train(
         # ---- the run directory: written only from here on
         start_step = 0
         history: list[dict[str, Any]] = []
-        if out is not None and resume:
-            start_step = load_checkpoint(out, model=model, optimizer=optimizer, scaler=scaler)
+        if resumed_from is not None:
+            start_step = load_checkpoint(resumed_from, model=model, optimizer=optimizer, scaler=scaler)
             history = _read_history(out, start_step)
         if out is not None and dist.is_main:
             writable_dir(out, what="out_dir")
@@ -365,6 +373,9 @@ def train(
             if metrics_file is not None:
                 metrics_file.write(json_line(line) + "\n")  # strict JSON: a non-finite number is written null
                 metrics_file.flush()
+
+        if resumed_from is not None and dist.is_main:  # where the run was picked up again, and what changed then
+            log({"kind": "resume", "step": start_step, "changes": resume_changed})
 
         def run_eval(step: int) -> None:
             from sinklens.train.sink_metrics import evaluate

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import warnings
 
@@ -15,8 +16,14 @@ from _train_cfg import build_cfg
 import sinklens
 import sinklens.train.checkpoint as ckpt_mod
 from sinklens.cli import main
-from sinklens.errors import CorruptCheckpointError, RunExistsError, RunNotFoundError, TrainingDivergedError
-from sinklens.train.checkpoint import load_run, load_trained_model, read_metrics, save_checkpoint
+from sinklens.errors import (
+    CorruptCheckpointError, ResumeMismatchError, RunExistsError, RunNotFoundError, TrainingDivergedError,
+)
+from sinklens.train.checkpoint import (
+    load_checkpoint, load_run, load_train_config, load_trained_model, read_metrics, save_checkpoint,
+)
+from sinklens.train.loop import configure_optimizer
+from sinklens.train.model import SinkLM
 from sinklens.train.loop import train
 
 pytestmark = pytest.mark.models
@@ -64,6 +71,70 @@ def test_cli_refuses_existing_run_and_bad_values_before_touching_it(tmp_path, ca
     assert _snapshot(tmp_path) == before
     assert main(["train", "--steps", "4", "--overwrite", "--optim.warmup_steps", "1", *tiny]) == 0
     assert json.loads((tmp_path / "config.json").read_text())["optim"]["warmup_steps"] == 1
+
+
+# ------------------------------------------------------------------ a resume continues the run as it was
+
+HEADWISE = {"model": {"variant": "headwise_rms"}}
+
+
+def test_resume_refuses_another_model_data_or_seed_before_touching_the_run(tmp_path):
+    train(build_cfg(steps=6, **HEADWISE), out_dir=tmp_path, progress=False, until=3)
+    before = _snapshot(tmp_path)
+    for change, named in [
+        ({"model": {"variant": "baseline"}}, "model.variant is 'baseline' here but 'headwise_rms' in the run"),
+        ({**HEADWISE, "data": {"alpha": 0.2}}, "data.alpha is 0.2 here but 0.05 in the run"),
+        ({**HEADWISE, "seed": 7}, "seed is 7 here but 0 in the run"),
+        ({"model": {"variant": "headwise_rms", "d_mlp": 48}}, "model.d_mlp is 48 here but 32 in the run"),
+    ]:
+        with pytest.raises(ResumeMismatchError, match=re.escape(named)):
+            train(build_cfg(steps=6, **change), out_dir=tmp_path, resume=True, progress=False)
+    assert _snapshot(tmp_path) == before  # refused before anything was written
+
+
+def test_resume_applies_and_records_changes_to_how_the_run_goes_on(tmp_path):
+    cfg = build_cfg(steps=6, **HEADWISE)
+    train(cfg, out_dir=tmp_path / "a", progress=False, until=3)
+    shutil.copytree(tmp_path / "a", tmp_path / "b")
+    same = train(cfg, out_dir=tmp_path / "a", resume=True, progress=False)
+    changed_cfg = build_cfg(steps=8, optim={"weight_decay": 0.9, "beta2": 0.5}, **HEADWISE)
+    changed = train(changed_cfg, out_dir=tmp_path / "b", resume=True, progress=False)
+    resumes = [[x for x in run.history if x["kind"] == "resume"] for run in (same, changed)]
+    assert resumes[0] == [{"kind": "resume", "step": 3, "changes": {}}]
+    assert resumes[1] == [{"kind": "resume", "step": 3, "changes": {
+        "optim.beta2": [0.95, 0.5], "optim.weight_decay": [0.1, 0.9], "steps": [6, 8]}}]
+    assert read_metrics(tmp_path / "b")[3] == resumes[1][0]
+    # step 3's loss comes before its update; from step 4 on the new betas and decay (and schedule) act
+    assert changed.losses()[:4] == same.losses()[:4] and changed.losses()[4] != pytest.approx(same.losses()[4], abs=1e-6)
+
+    # the optimizer keeps the configured hyperparameters and takes its moments from the checkpoint
+    model = SinkLM(changed_cfg.model)
+    optimizer = configure_optimizer(model, changed_cfg.optim, torch.device("cpu"))
+    saved = torch.load(load_run(tmp_path / "a").path / "optimizer.pt", weights_only=False)  # trained with cfg
+    assert load_checkpoint(tmp_path / "a", model=model, optimizer=optimizer) == 6
+    assert [(g["weight_decay"], g["betas"]) for g in optimizer.param_groups] == [(0.9, (0.9, 0.5)), (0.0, (0.9, 0.5))]
+    assert [g["weight_decay"] for g in saved["param_groups"]] == [0.1, 0.0]  # what load_state_dict alone would restore
+    state = optimizer.state_dict()["state"]
+    assert all(torch.equal(state[i]["exp_avg_sq"], saved["state"][i]["exp_avg_sq"]) for i in saved["state"])
+
+
+def test_cli_resume_takes_the_runs_own_config(tmp_path, capsys):
+    cfg = build_cfg(steps=6, **HEADWISE)
+    full = train(cfg, out_dir=tmp_path / "full", progress=False)
+    train(cfg, out_dir=tmp_path / "cut", progress=False, until=3)
+    assert load_train_config(tmp_path / "cut").model.variant == "headwise_rms"
+    assert main(["train", "--out", str(tmp_path / "cut"), "--resume", "--no-progress"]) == 0  # no other flag
+    printed = capsys.readouterr().out
+    assert "resumed at step 3 with the run's config" in printed and "trained headwise_rms for 6 steps" in printed
+    assert [x["loss"] for x in read_metrics(tmp_path / "cut") if x["kind"] == "train"] == pytest.approx(full.losses(), abs=1e-6)
+
+    assert main(["train", "--out", str(tmp_path / "cut"), "--resume", "--steps", "7", "--no-progress"]) == 0
+    assert "resumed at step 6 with steps 6 -> 7" in capsys.readouterr().out
+    assert main(["train", "--out", str(tmp_path / "cut"), "--resume", "--variant", "baseline"]) == 2
+    err = capsys.readouterr().err
+    assert "model.variant is 'baseline' here but 'headwise_rms' in the run" in err and "Traceback" not in err
+    assert main(["train", "--out", str(tmp_path / "nothing"), "--resume"]) == 2
+    assert "'" + str(tmp_path / "nothing") + "' is not a sinklens run directory" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ atomic checkpoints
@@ -189,7 +260,8 @@ def test_a_metrics_line_cut_short_by_a_kill_neither_blocks_resume_nor_compare(tm
         resumed = train(cfg, out_dir=tmp_path / "cut", progress=False, resume=True)
     assert resumed.losses() == pytest.approx(full.losses(), abs=1e-6)
     lines = [json.loads(x) for x in (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()]
-    assert [line["step"] for line in lines] == list(range(6))
+    assert [(line["kind"], line["step"]) for line in lines] == [
+        ("train", 0), ("train", 1), ("train", 2), ("resume", 3), ("train", 3), ("train", 4), ("train", 5)]
 
     with open(tmp_path / "cut" / "metrics.jsonl", "a") as f:
         f.write('{"kind": "train", "st')
