@@ -34,13 +34,14 @@ import torch
 from jaxtyping import Bool, Int
 from torch import Tensor
 
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, SequenceTooLongError
 from sinklens.hooks import model_device, model_dims
 from sinklens.validate import IntLike, as_bool, as_int, check_vocab, optional_positive_int, positive_int, prompt_list, token_ids
 
 
-@dataclass
-class TokenBatch:
+@dataclass(repr=False)
+class TokenBatch(CompactRepr):
     """A right-padded batch of token ids.
 
     Attributes:

@@ -46,6 +46,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.hooks import hook_name, model_device, model_dims
 
@@ -55,8 +56,8 @@ Site = Literal["attn", "mlp"]
 POST_NORMS: dict[str, str] = {"attn": "ln1_post", "mlp": "ln2_post"}
 
 
-@dataclass(frozen=True)
-class NormMap:
+@dataclass(frozen=True, repr=False)
+class NormMap(CompactRepr):
     """A norm at a fixed position as an affine map: how one block output (``site``: ``"attn"`` or ``"mlp"``)
     of ``layer`` reaches the residual stream through its post norm (:func:`post_norm_map`), or the norm that
     sublayer ``site`` of ``layer`` reads (:func:`input_norm`).

@@ -15,6 +15,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from sinklens.display import CompactRepr
 from sinklens.hooks import PATTERN, model_device, model_dims, resolve_layers
 from sinklens.inputs import TokenBatch
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
@@ -25,8 +26,8 @@ from sinklens.visibility import Visibility, attention_visibility
 QueryWeights = dict[int, Float[Tensor, "batch query key"]]
 
 
-@dataclass
-class AttentionReceived:
+@dataclass(repr=False)
+class AttentionReceived(CompactRepr):
     """Mean attention each key position receives, per layer × head.
 
     Attributes:

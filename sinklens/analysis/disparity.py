@@ -39,6 +39,7 @@ from sinklens.analysis._common import (
     sink_position_arg,
     stream_hook,
 )
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
@@ -120,8 +121,8 @@ def norm_ratio_to_others(norms: Float[Tensor, "batch pos"], valid: Tensor) -> Fl
     return ratio.masked_fill(~valid | (count < 2), float("nan"))
 
 
-@dataclass
-class MassiveActivations(SettingsFields):
+@dataclass(repr=False)
+class MassiveActivations(SettingsFields, CompactRepr):
     """Massive activations and dimension disparity of the residual stream (see the module docstring).
 
     Rows are residual-stream indices ``streams`` (``s < n_layers``: ``blocks.{s}.hook_resid_pre``; ``n_layers``:

@@ -53,6 +53,7 @@ from sinklens.analysis._common import (
     sink_position_arg,
     stream_hook,
 )
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import (
@@ -230,8 +231,8 @@ class BlockStep:
     top_heads: list[tuple[int, float]] = field(default_factory=list)
 
 
-@dataclass
-class MassiveDimPath:
+@dataclass(repr=False)
+class MassiveDimPath(CompactRepr):
     """How one massive residual dimension at the sink is written and erased across blocks.
 
     Attributes:
@@ -267,8 +268,8 @@ class MassiveDimPath:
         return to_json(self)
 
 
-@dataclass
-class SuperNeurons(SettingsFields):
+@dataclass(repr=False)
+class SuperNeurons(SettingsFields, CompactRepr):
     """Super neurons at the sink and the paths of the massive dimensions (see the module docstring).
 
     Attributes:

@@ -30,6 +30,7 @@ from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
 from sinklens.analysis._common import check_sink_position, once_per_forward, other_positions, row_index, run_analyzer, sink_position_arg
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims, resolve_layers
@@ -39,8 +40,8 @@ from sinklens.residual_units import input_norm
 from sinklens.streaming import BatchFold, Reducer, bound_hooks
 
 
-@dataclass
-class NormalizedDisparity:
+@dataclass(repr=False)
+class NormalizedDisparity(CompactRepr):
     """Dimension disparity of the input layernorm, before and after its gain (see the module docstring).
 
     For a token's vector ``x``, ``r_d = |x_d| / mean_{j != d} |x_j|``.

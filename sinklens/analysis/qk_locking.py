@@ -17,6 +17,7 @@ from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
 from sinklens.analysis._common import check_sink_position, run_analyzer, sink_position_arg
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
 from sinklens.hooks import K, Q, SCORES, expand_kv_heads, hook_name, model_device, model_dims, post_hoc_attention, resolve_layers, silent_hooks
@@ -47,8 +48,8 @@ def qk_locking_reason(model: Any) -> str | None:
     return post_hoc_attention(model)
 
 
-@dataclass
-class QKLocking:
+@dataclass(repr=False)
+class QKLocking(CompactRepr):
     """Query–key locking per layer × head (see the module docstring).
 
     Queries are those of real positions other than the sink that can attend to the sink in that layer

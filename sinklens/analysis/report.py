@@ -26,6 +26,7 @@ from sinklens.analysis.value_drain import ValueDrain, ValueDrainReducer, ValueDr
 from sinklens.analysis.variance import VarianceReducer, VarianceResult
 from sinklens.analysis.verify import CausalCheck, verify_attribution
 from sinklens.analysis.weight_super_neurons import SinkInputReducer, WeightNeurons, super_neurons_from_weights
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import with_cached_weights
@@ -41,8 +42,8 @@ def _max_or_nan(values: torch.Tensor) -> float:
     return float(finite_or_inf.max()) if finite_or_inf.numel() else math.nan
 
 
-@dataclass
-class SinkReport:
+@dataclass(repr=False)
+class SinkReport(CompactRepr):
     """Where a model's attention sinks are and what causes them, from one streaming pass.
 
     Attributes:

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from sinklens.analysis._common import SettingsFields, grow, layer_head_position_rows, position_index, run_analyzer, settings_from
 from sinklens.analysis.attention import AttentionReceivedReducer
+from sinklens.display import CompactRepr
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, model_dims, model_dtype
 from sinklens.inputs import Inputs, TokenBatch
@@ -134,8 +135,8 @@ class SinkSettings:
 
 
 
-@dataclass
-class TokenSinkStats:
+@dataclass(repr=False)
+class TokenSinkStats(CompactRepr):
     """Received attention per token id, pooled over all its occurrences (one group of positions).
 
     Attributes:
@@ -183,8 +184,8 @@ class SinkOccurrence:
     head_share: float
 
 
-@dataclass
-class SinkResult(SettingsFields):
+@dataclass(repr=False)
+class SinkResult(SettingsFields, CompactRepr):
     """Where attention sinks are, how strong, and which tokens they sit on.
 
     Attributes:

@@ -74,6 +74,7 @@ from torch import Tensor
 
 from sinklens.analysis._common import SettingsFields, check_sink_position, row_index, run_analyzer, sink_position_arg
 from sinklens.analysis.variance import attention_output_grams, post_attention_scale_hooks
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, V, Z, head_output_gain, head_output_site, model_device, model_dims, resolve_layers
@@ -120,8 +121,8 @@ class ValueDrainSettings:
             )
 
 
-@dataclass
-class ValueDrain(SettingsFields):
+@dataclass(repr=False)
+class ValueDrain(SettingsFields, CompactRepr):
     """Per layer × head: attention to the sink against what the sink actually writes (module docstring).
 
     Attributes:

@@ -119,6 +119,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.analysis._common import grow, layer_head_position_rows, position_index, run_analyzer
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, V, Z, head_output_site, layer_weight, model_device, model_dims, resolve_layers, weight_cached
@@ -237,8 +238,8 @@ def _global_centred(
     return (total / (n * n_coords)).clamp(min=0)
 
 
-@dataclass
-class VarianceResult:
+@dataclass(repr=False)
+class VarianceResult(CompactRepr):
     """Variance of head outputs by position, with the pattern-based and uniform-attention predictions.
 
     See the module docstring for the exact definitions. Positions with no valid token are NaN.

@@ -27,6 +27,7 @@ from torch import Tensor
 from sinklens.analysis._common import TINY as _TINY
 from sinklens.analysis._common import check_sink_position, once_per_forward, row_index, run_analyzer, sink_position_arg
 from sinklens.analysis.neurons import mlp_weight_statistics
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
 from sinklens.hooks import layer_weight, model_device, model_dims, resolve_layers
@@ -41,8 +42,8 @@ def _median_ratio(x: Float[Tensor, "layer neuron"]) -> Float[Tensor, "layer neur
     return x / x.median(dim=-1, keepdim=True).values.clamp_min(_TINY)
 
 
-@dataclass
-class SinkInput:
+@dataclass(repr=False)
+class SinkInput(CompactRepr):
     """Mean over sequences of the MLP's input norm's ``hook_normalized`` at the sink position (``site``:
     ``"ln2.hook_normalized"``, or ``"ln1.hook_normalized"`` on a post-LN model)."""
 
@@ -115,8 +116,8 @@ def sink_inputs(
                         sink_position=sink_position, layers=layers)
 
 
-@dataclass
-class WeightNeurons:
+@dataclass(repr=False)
+class WeightNeurons(CompactRepr):
     """Weight-only super-neuron statistics per layer × neuron (see the module docstring).
 
     Attributes:

@@ -30,6 +30,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from sinklens.analysis.attention import AttentionReceivedReducer
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.hooks import RESID_POST, model_dims
 from sinklens.inputs import Inputs, TokenBatch, as_batches, is_encoder, right_align
@@ -134,8 +135,8 @@ class PositionResidualReducer(Reducer[tuple[Tensor, Tensor]]):
         return (self.vec / self.count).float(), (self.norm / self.count).float()
 
 
-@dataclass
-class RunStats:
+@dataclass(repr=False)
+class RunStats(CompactRepr):
     """Sink statistics of one (possibly intervened) run; see :class:`InterventionResult`."""
 
     received: Float[Tensor, "layer head"]
@@ -235,8 +236,8 @@ def run_stats(
     )
 
 
-@dataclass
-class InterventionResult:
+@dataclass(repr=False)
+class InterventionResult(CompactRepr):
     """What an intervention did to the sinks, per layer (and head).
 
     Attributes:

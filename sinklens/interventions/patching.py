@@ -31,6 +31,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from sinklens.analysis.attention import AttentionReceivedReducer
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.hooks import ATTN_OUT, MLP_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, model_dims
 from sinklens.inputs import Inputs, as_batches
@@ -92,8 +93,8 @@ def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, 
     return names
 
 
-@dataclass
-class SinkPatchResult:
+@dataclass(repr=False)
+class SinkPatchResult(CompactRepr):
     """Sink metric after patching each component; see the module docstring.
 
     Attributes:

@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from jaxtyping import Float
 from torch import Tensor
 
+from sinklens.display import CompactRepr
 from sinklens.hooks import MLP_POST, RESID_POST, RESID_PRE, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions, settings_from
@@ -89,8 +90,8 @@ def activation_mean_at_zero(name: str) -> float:
     return float(torch.trapezoid(fn(z) * density, z))
 
 
-@dataclass
-class SiteStats:
+@dataclass(repr=False)
+class SiteStats(CompactRepr):
     """Concentration at one site (see the module docstring)."""
 
     name: str
@@ -104,8 +105,8 @@ class SiteStats:
     direction_mean_cos: float | None = None
 
 
-@dataclass
-class ContractionResult:
+@dataclass(repr=False)
+class ContractionResult(CompactRepr):
     """Per-site concentration, sublayer shares, final-direction alignment and MLP asymmetry."""
 
     sites: list[SiteStats]

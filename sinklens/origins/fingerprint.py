@@ -87,6 +87,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from sinklens.display import CompactRepr
 from sinklens.errors import IncompatibleModelsError, InvalidArgumentError
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch
@@ -113,8 +114,8 @@ InputMode = Literal["token", "embedding"]
 IdentityMode = Literal["coset", "base"]
 
 
-@dataclass
-class FingerprintResult:
+@dataclass(repr=False)
+class FingerprintResult(CompactRepr):
     """The outcome of one SeedPrint test.
 
     Attributes:

@@ -37,6 +37,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from sinklens.display import CompactRepr
 from sinklens.errors import IncompatibleModelsError
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch
@@ -47,8 +48,8 @@ from sinklens.origins.sites import final_state_site
 from sinklens.streaming import BatchFold, Reducer, stream
 
 
-@dataclass
-class PreferenceSnapshot:
+@dataclass(repr=False)
+class PreferenceSnapshot(CompactRepr):
     """A model's token preference and final contraction direction on fixed random inputs.
 
     Attributes:

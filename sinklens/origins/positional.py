@@ -30,6 +30,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from sinklens.display import CompactRepr
 from sinklens.hooks import Z, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions, settings_from
@@ -49,8 +50,8 @@ def relative_to_later(x: Float[Tensor, "... pos"]) -> Float[Tensor, "... pos"]:
     return x / x[..., T // 2 :].mean(dim=-1, keepdim=True)
 
 
-@dataclass
-class PositionalDiscrepancy:
+@dataclass(repr=False)
+class PositionalDiscrepancy(CompactRepr):
     """Across-sequence variance and mean norm of each position's outputs, per layer.
 
     Attributes:

@@ -36,6 +36,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
+from sinklens.display import CompactRepr
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch, random_token_batches
 from sinklens.options import RunOptions, settings_from
@@ -44,8 +45,8 @@ from sinklens.streaming import R, BatchFold, Reducer, stream
 from sinklens.validate import positive_int
 
 
-@dataclass
-class TokenPreference:
+@dataclass(repr=False)
+class TokenPreference(CompactRepr):
     """Mean next-token distribution and argmax counts on random inputs (see the module docstring).
 
     Attributes:

@@ -35,6 +35,7 @@ from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from sinklens.display import CompactRepr
 from sinklens.inputs import TokenBatch
 from sinklens.streaming import HookFn
 from sinklens.errors import InvalidArgumentError, RunExistsError, RunNotFoundError, TrainingDivergedError
@@ -177,8 +178,8 @@ def eval_batches(source: TokenSource, cfg: TrainConfig, device: torch.device) ->
     return batches, targets
 
 
-@dataclass
-class TrainResult:
+@dataclass(repr=False)
+class TrainResult(CompactRepr):
     """What :func:`train` returns.
 
     Attributes:

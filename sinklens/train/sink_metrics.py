@@ -19,6 +19,7 @@ from torch import Tensor
 
 from sinklens.analysis.sinks import SinkReducer
 from sinklens.analysis.variance import VarianceReducer
+from sinklens.display import CompactRepr
 from sinklens.hooks import RESID_POST, model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import HookFn, RunOptions
@@ -63,8 +64,8 @@ class FirstTokenNormReducer(Reducer[Float[Tensor, " layer"]]):
         return ((self.sums[0] / self.counts[0]) / (self.sums[1] / self.counts[1])).float().cpu()
 
 
-@dataclass
-class SinkMetrics:
+@dataclass(repr=False)
+class SinkMetrics(CompactRepr):
     """Sink metrics of one evaluation.
 
     Attributes:
