@@ -72,7 +72,7 @@ def report_error(command: str, err: BaseException, *, debug: bool, stream: Any =
     if debug:
         traceback.print_exception(type(err), err, err.__traceback__, file=stream)
     if code == EXIT_INTERRUPTED:
-        print(f"sinklens {command}: interrupted", file=stream)
+        print(f"sinklens {command}: interrupted" + (f": {one_line(err)}" if str(err) else ""), file=stream)
     elif is_internal_error(err):
         hint = "" if debug else f" (rerun with --debug or {DEBUG_ENV}=1 for the traceback, and report it)"
         print(f"sinklens {command}: internal error: {type(err).__name__}: {one_line(err)}{hint}", file=stream)

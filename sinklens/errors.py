@@ -98,6 +98,10 @@ class ResumeMismatchError(SinklensError, ValueError):
     """A resume whose config changes what the run is (its model, data or initialisation seed)."""
 
 
+class TrainingInterrupted(KeyboardInterrupt):
+    """A training run stopped by Ctrl-C or SIGTERM after a whole step, its checkpoint written (exit code 130)."""
+
+
 class TrainingDivergedError(SinklensError, RuntimeError):
     """A training step whose loss or gradient norm is NaN or infinite (the last finite checkpoint is kept)."""
 

@@ -38,7 +38,9 @@ from tqdm.auto import tqdm
 from sinklens.display import CompactRepr
 from sinklens.inputs import TokenBatch
 from sinklens.streaming import HookFn
-from sinklens.errors import InvalidArgumentError, RunExistsError, RunNotFoundError, TrainingDivergedError
+from sinklens.errors import (
+    InvalidArgumentError, RunExistsError, RunNotFoundError, TrainingDivergedError, TrainingInterrupted,
+)
 from sinklens.export import json_line, write_json
 from sinklens.train.compile import CompileSwitch
 from sinklens.train.allocator import retained_cpu_memory
@@ -49,6 +51,7 @@ from sinklens.train.checkpoint import (
 from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source
 from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
+from sinklens.train.interrupt import StopSignals
 from sinklens.train.matmul import cpu_matmul_backend, set_cpu_matmul
 from sinklens.train.model import next_token_loss
 from sinklens.train.persistence import PersistenceTracker
@@ -259,6 +262,20 @@ def _resolve_vocab(cfg: TrainConfig, source: TokenSource) -> TrainConfig:
     return cfg
 
 
+def _interrupted(
+    signal_name: str, step: int, start_step: int, steps: int, out: Path | None, checkpoint: Callable[[int], None]
+) -> TrainingInterrupted:
+    """Checkpoint the ``step`` steps done (when any were done since ``start_step``) and say so."""
+    if step > start_step and out is not None:
+        checkpoint(step)
+        kept = f"its checkpoint is saved in {str(out)!r}; continue with --resume (train(..., resume=True))"
+    elif out is not None:
+        kept = f"no step had finished since step {start_step}, so the run in {str(out)!r} is as it was"
+    else:
+        kept = "nothing was saved (no out_dir)"
+    return TrainingInterrupted(f"{signal_name} at step {step} of {steps}: training stopped after a whole step; {kept}.")
+
+
 # ----------------------------------------------------------------------------------------------
 # The loop
 
@@ -298,6 +315,9 @@ def train(
 
     Raises:
         ResumeMismatchError: ``resume=True`` with a ``cfg`` whose model, data or seed differ from the run's.
+        TrainingInterrupted: Ctrl-C or SIGTERM (not in DDP runs): the step in progress finished, the
+            steps done were checkpointed, and the run can go on with ``resume=True``; a second signal
+            stops at once (:mod:`sinklens.train.interrupt`).
         TrainingDivergedError: a step's loss or gradient norm was NaN/inf (``cfg.on_nonfinite="stop"``,
             or more than ``cfg.max_skips`` skipped steps in a row); the last finite checkpoint is kept
             and metrics.jsonl ends with a ``kind="nonfinite"`` line.
@@ -390,6 +410,7 @@ def train(
 
         # ---- the loop
         retained = resources.enter_context(retained_cpu_memory(device.type == "cpu"))
+        stops = resources.enter_context(StopSignals(enabled=not dist.enabled))  # Ctrl-C: finish the step, checkpoint
         backend = cpu_matmul_backend()
         cpu = {"device": device.type, "matmul": backend["resolved"], "matmul_fallback_reason": backend["reason"],
                "retained_memory": retained, "autocast": precision.dtype}
@@ -417,6 +438,8 @@ def train(
                 return loss_sum
 
             for step in bar:
+                if stops.received:
+                    raise _interrupted(stops.received, step, start_step, cfg.steps, out, checkpoint)
                 if cfg.eval.interval and dist.is_main and step % cfg.eval.interval == 0:
                     run_eval(step)
 

@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import warnings
 
 import pytest
@@ -18,10 +19,13 @@ import sinklens.train.checkpoint as ckpt_mod
 from sinklens.cli import main
 from sinklens.errors import (
     CorruptCheckpointError, ResumeMismatchError, RunExistsError, RunNotFoundError, TrainingDivergedError,
+    TrainingInterrupted,
 )
 from sinklens.train.checkpoint import (
     load_checkpoint, load_run, load_train_config, load_trained_model, read_metrics, save_checkpoint,
 )
+from sinklens.train import loop as _loop
+from sinklens.train.interrupt import StopSignals
 from sinklens.train.loop import configure_optimizer
 from sinklens.train.model import SinkLM
 from sinklens.train.loop import train
@@ -137,6 +141,84 @@ def test_cli_resume_takes_the_runs_own_config(tmp_path, capsys):
     assert "'" + str(tmp_path / "nothing") + "' is not a sinklens run directory" in capsys.readouterr().err
 
 
+# ------------------------------------------------------------------ Ctrl-C and SIGTERM
+
+
+def _signal_at_forward(n: int, sig: signal.Signals = signal.SIGINT):
+    """A training-time intervention that changes nothing and sends ``sig`` to this process in the n-th forward."""
+    calls = []
+
+    def hooks(model):
+        def fn(x, hook):
+            calls.append(1)
+            if len(calls) == n:
+                signal.raise_signal(sig)
+            return x
+        return [("blocks.0.hook_resid_pre", fn)]
+    return hooks
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_finishes_the_step_checkpoints_it_and_resume_goes_on_exactly(tmp_path, sig):
+    cfg = build_cfg(steps=8)
+    full = train(cfg, out_dir=tmp_path / "full", progress=False)
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with pytest.raises(TrainingInterrupted, match=rf"{sig.name} at step 4 of 8: .*checkpoint is saved in .*--resume"):
+        train(cfg, out_dir=tmp_path / "cut", progress=False, interventions=[_signal_at_forward(4, sig)])  # in step 3
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before  # handlers given back
+    assert load_run(tmp_path / "cut").step == 4  # steps 0-3 done: step 3 was finished, not cut
+    assert [x["step"] for x in read_metrics(tmp_path / "cut")] == [0, 1, 2, 3]
+    resumed = train(cfg, out_dir=tmp_path / "cut", resume=True, progress=False)
+    assert resumed.losses() == pytest.approx(full.losses(), abs=1e-6)
+    assert all(torch.equal(p, q) for p, q in zip(resumed.model.parameters(), full.model.parameters()))
+
+
+def test_a_signal_without_out_dir_or_before_a_step_saves_nothing_and_says_so(tmp_path):
+    with pytest.raises(TrainingInterrupted, match="SIGINT at step 2 of 5: .*nothing was saved"):
+        train(build_cfg(steps=5), progress=False, interventions=[_signal_at_forward(2)])
+    # a signal before the first step of a resumed process finished: the run stays as it was
+    message = str(_loop._interrupted("SIGINT", 2, 2, 5, tmp_path, lambda step: pytest.fail("no checkpoint expected")))
+    assert message == (f"SIGINT at step 2 of 5: training stopped after a whole step; no step had finished since step 2, "
+                       f"so the run in {str(tmp_path)!r} is as it was.")
+
+
+def test_a_second_signal_stops_at_once_and_an_ignored_one_stays_ignored():
+    with StopSignals() as stops:
+        assert stops.active and signal.getsignal(signal.SIGINT) == stops._handle
+        signal.raise_signal(signal.SIGINT)
+        assert stops.received == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # given back at the second
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with StopSignals():
+            assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # a background job's ignored signal
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not StopSignals(enabled=False).__enter__().active
+
+
+def test_cli_ctrl_c_checkpoints_and_exits_130(tmp_path, capsys, monkeypatch):
+    real = _loop.forward_backward
+    calls = []
+
+    def forward_backward(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            signal.raise_signal(signal.SIGINT)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_loop, "forward_backward", forward_backward)
+    tiny = ["--preset", "tiny", "--set", "model.d_model=16", "--set", "model.n_ctx=16", "--set", "model.d_vocab=24",
+            "--set", "data.vocab_size=24", "--seq-len", "16", "--batch-size", "8", "--device", "cpu", "--no-progress",
+            "--set", "eval.interval=0", "--data", "bigram-backcopy", "--steps", "6", "--out", str(tmp_path)]
+    assert main(["train", *tiny]) == 130
+    err = capsys.readouterr().err
+    assert "sinklens train: interrupted: SIGINT at step 3 of 6: training stopped after a whole step" in err
+    assert "Traceback" not in err and load_run(tmp_path).step == 3
+
+
 # ------------------------------------------------------------------ atomic checkpoints
 
 OPS = ("write_text_atomic", "save_model", "torch_save", "fsync_dir", "replace")
@@ -229,12 +311,10 @@ def test_a_corrupt_current_checkpoint_falls_back_to_the_previous_one(tmp_path):
 
 
 def test_unfinished_and_missing_runs_give_named_errors(tmp_path, monkeypatch):
-    import sinklens.train.loop as loop
-
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(loop, "save_checkpoint", interrupted)  # killed before its first checkpoint
+    monkeypatch.setattr(_loop, "save_checkpoint", interrupted)  # killed before its first checkpoint
     with pytest.raises(KeyboardInterrupt):
         train(build_cfg(steps=2), out_dir=tmp_path / "run", progress=False)
     assert (tmp_path / "run" / "config.json").is_file()

@@ -1,0 +1,70 @@
+"""Ctrl-C and SIGTERM during training: finish the step in progress, checkpoint it, then stop.
+
+Without this, a ``KeyboardInterrupt`` lands wherever the process happens to be (mid-backward, or
+between two parameters' updates) and the run keeps only its last periodic checkpoint: with the
+default ``checkpoint_interval=0`` that is none at all, so an interrupted run lost every step.
+
+:class:`StopSignals` replaces the SIGINT and SIGTERM handlers while the training loop runs. The first
+signal only sets :attr:`StopSignals.received`; the loop checks it between steps, writes a checkpoint
+of the steps done and raises :class:`~sinklens.errors.TrainingInterrupted` (a ``KeyboardInterrupt``,
+so notebooks and the CLI treat it as one; exit code 130). A second signal interrupts at once. The
+handlers are installed only in the main thread, never over a signal the process ignores (a job
+started in the background with ``&``), and not in DDP runs, where the processes would have to agree
+on the step to stop at.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+from types import FrameType
+from typing import Any
+
+__all__ = ["StopSignals"]
+
+#: The signals a run stops cleanly on.
+SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    """Context manager: while active, the first SIGINT/SIGTERM is recorded instead of raised.
+
+    Attributes:
+        received: the first signal's name (``"SIGINT"``, ``"SIGTERM"``), or None.
+        active: whether the handlers were installed (main thread and ``enabled``).
+
+    Examples:
+        >>> with StopSignals() as stops:
+        ...     signal.raise_signal(signal.SIGINT)  # the step goes on
+        ...     stops.received
+        'SIGINT'
+    """
+
+    def __init__(self, enabled: bool = True) -> None:
+        self.active = enabled and threading.current_thread() is threading.main_thread()
+        self.received: str | None = None
+        self._previous: dict[signal.Signals, Any] = {}
+
+    def __enter__(self) -> StopSignals:
+        if self.active:
+            for sig in SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._restore()
+
+    def _restore(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received is not None:  # the second signal: stop now, without a checkpoint
+            self._restore()
+            raise KeyboardInterrupt
+        self.received = signal.Signals(signum).name
+        print(f"\n{self.received}: stopping after this step and saving a checkpoint (again to stop at once)",
+              file=sys.stderr, flush=True)
