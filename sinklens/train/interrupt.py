@@ -35,10 +35,12 @@ class StopSignals:
         active: whether the handlers were installed (main thread and ``enabled``).
 
     Examples:
+        >>> previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal
         >>> with StopSignals() as stops:
         ...     signal.raise_signal(signal.SIGINT)  # the step goes on
         ...     stops.received
         'SIGINT'
+        >>> _ = signal.signal(signal.SIGINT, previous)
     """
 
     def __init__(self, enabled: bool = True) -> None:

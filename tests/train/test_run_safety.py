@@ -144,6 +144,17 @@ def test_cli_resume_takes_the_runs_own_config(tmp_path, capsys):
 # ------------------------------------------------------------------ Ctrl-C and SIGTERM
 
 
+@pytest.fixture
+def terminal_signals():
+    """SIGINT and SIGTERM as a terminal process has them. A job started in the background (``&``, ``nohup``,
+    some CI runners) inherits SIGINT ignored, and StopSignals rightly leaves an ignored signal alone."""
+    previous = {sig: signal.signal(sig, handler) for sig, handler in
+                ((signal.SIGINT, signal.default_int_handler), (signal.SIGTERM, signal.SIG_DFL))}
+    yield
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
 def _signal_at_forward(n: int, sig: signal.Signals = signal.SIGINT):
     """A training-time intervention that changes nothing and sends ``sig`` to this process in the n-th forward."""
     calls = []
@@ -159,6 +170,7 @@ def _signal_at_forward(n: int, sig: signal.Signals = signal.SIGINT):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+@pytest.mark.usefixtures("terminal_signals")
 def test_a_signal_finishes_the_step_checkpoints_it_and_resume_goes_on_exactly(tmp_path, sig):
     cfg = build_cfg(steps=8)
     full = train(cfg, out_dir=tmp_path / "full", progress=False)
@@ -173,6 +185,7 @@ def test_a_signal_finishes_the_step_checkpoints_it_and_resume_goes_on_exactly(tm
     assert all(torch.equal(p, q) for p, q in zip(resumed.model.parameters(), full.model.parameters()))
 
 
+@pytest.mark.usefixtures("terminal_signals")
 def test_a_signal_without_out_dir_or_before_a_step_saves_nothing_and_says_so(tmp_path):
     with pytest.raises(TrainingInterrupted, match="SIGINT at step 2 of 5: .*nothing was saved"):
         train(build_cfg(steps=5), progress=False, interventions=[_signal_at_forward(2)])
@@ -182,6 +195,7 @@ def test_a_signal_without_out_dir_or_before_a_step_saves_nothing_and_says_so(tmp
                        f"so the run in {str(tmp_path)!r} is as it was.")
 
 
+@pytest.mark.usefixtures("terminal_signals")
 def test_a_second_signal_stops_at_once_and_an_ignored_one_stays_ignored():
     with StopSignals() as stops:
         assert stops.active and signal.getsignal(signal.SIGINT) == stops._handle
@@ -199,6 +213,7 @@ def test_a_second_signal_stops_at_once_and_an_ignored_one_stays_ignored():
     assert not StopSignals(enabled=False).__enter__().active
 
 
+@pytest.mark.usefixtures("terminal_signals")
 def test_cli_ctrl_c_checkpoints_and_exits_130(tmp_path, capsys, monkeypatch):
     real = _loop.forward_backward
     calls = []
