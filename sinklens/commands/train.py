@@ -56,8 +56,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--intervention", dest="interventions", action="append", default=[], metavar="NAME:K=V,...",
                         help="training-time intervention of the registry, e.g. restart:positions=16 (repeatable)")
     run_mode = parser.add_mutually_exclusive_group()
-    run_mode.add_argument("--resume", action="store_true", help="continue the run in --out from its newest good checkpoint, with its own config; other "
-                          "flags may change steps, optim, eval..., not the model, data or seed")
+    run_mode.add_argument("--resume", action="store_true",
+                          help="continue the run in --out from its newest good checkpoint, with its own config; "
+                               "other flags may change steps, optim, eval..., not the model, data or seed")
     run_mode.add_argument("--overwrite", action="store_true", help="delete the run already in --out and start afresh")
     parser.add_argument("--fields", action="store_true", help="list every config field flag (tyro) and exit")
     parser.add_argument("--no-progress", action="store_true")

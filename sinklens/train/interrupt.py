@@ -32,7 +32,8 @@ class StopSignals:
 
     Attributes:
         received: the first signal's name (``"SIGINT"``, ``"SIGTERM"``), or None.
-        active: whether the handlers were installed (main thread and ``enabled``).
+        active: whether it handles signals at all (``enabled`` and in the main thread); even then a
+            signal the process ignores is left ignored.
 
     Examples:
         >>> previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal

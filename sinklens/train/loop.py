@@ -404,9 +404,12 @@ def train(
             metrics = evaluate(raw_model, val_batches, val_targets, threshold=cfg.eval.sink_threshold, extra_hooks=hooks)
             log({"kind": "eval", "step": step, **metrics.scalars(), **persist.measure(raw_model)})
 
-        def checkpoint(step: int) -> None:
-            if out is not None and dist.is_main:
+        saved_steps: set[int] = set()
+
+        def checkpoint(step: int) -> None:  # once per step: Ctrl-C right after a periodic checkpoint writes none
+            if out is not None and dist.is_main and step not in saved_steps:
                 save_checkpoint(out, model=raw_model, optimizer=optimizer, cfg=cfg, step=step, scaler=scaler)
+                saved_steps.add(step)
 
         # ---- the loop
         retained = resources.enter_context(retained_cpu_memory(device.type == "cpu"))

@@ -186,6 +186,17 @@ def test_a_signal_finishes_the_step_checkpoints_it_and_resume_goes_on_exactly(tm
 
 
 @pytest.mark.usefixtures("terminal_signals")
+def test_a_signal_right_after_a_periodic_checkpoint_does_not_write_it_again(tmp_path, monkeypatch):
+    steps = []
+    real = _loop.save_checkpoint
+    monkeypatch.setattr(_loop, "save_checkpoint", lambda *args, **kwargs: steps.append(kwargs["step"]) or real(*args, **kwargs))
+    with pytest.raises(TrainingInterrupted, match="SIGINT at step 4 of 8"):
+        train(build_cfg(steps=8, checkpoint_interval=2), out_dir=tmp_path, progress=False,
+              interventions=[_signal_at_forward(4)])
+    assert steps == [2, 4] and load_run(tmp_path).step == 4
+
+
+@pytest.mark.usefixtures("terminal_signals")
 def test_a_signal_without_out_dir_or_before_a_step_saves_nothing_and_says_so(tmp_path):
     with pytest.raises(TrainingInterrupted, match="SIGINT at step 2 of 5: .*nothing was saved"):
         train(build_cfg(steps=5), progress=False, interventions=[_signal_at_forward(2)])
