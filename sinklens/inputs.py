@@ -37,7 +37,7 @@ from torch import Tensor
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, SequenceTooLongError
 from sinklens.hooks import model_device, model_dims
-from sinklens.validate import IntLike, as_bool, as_int, check_vocab, optional_positive_int, positive_int, prompt_list, token_ids
+from sinklens.validate import IntLike, as_bool, as_seed, check_vocab, optional_positive_int, positive_int, prompt_list, token_ids
 
 
 @dataclass(repr=False)
@@ -156,7 +156,7 @@ def stdlib_text_prompts(n_prompts: IntLike = 16, *, n_chars: IntLike = 800, seed
     """
     n_prompts = positive_int(n_prompts, what="n_prompts")
     n_chars = positive_int(n_chars, what="n_chars")
-    seed = as_int(seed, what="seed")
+    seed = as_seed(seed, what="seed")
     docs = [
         " ".join(doc.split())[:n_chars]
         for doc in stdlib_docstrings()
@@ -330,7 +330,7 @@ def random_token_batches(
     seq_len = positive_int(seq_len, what="seq_len")
     batch_size = positive_int(batch_size, what="batch_size")
     prepend_bos = as_bool(prepend_bos, what="prepend_bos")
-    seed = as_int(seed, what="seed")
+    seed = as_seed(seed, what="seed")
     dims = model_dims(model)
     _check_length(seq_len, dims.n_ctx)
     gen = torch.Generator().manual_seed(seed)

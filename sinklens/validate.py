@@ -45,6 +45,29 @@ def as_int(value: Any, *, what: str) -> int:
     return int(value)
 
 
+#: The largest seed :func:`as_seed` accepts: ``torch.manual_seed``'s unsigned 64-bit range.
+MAX_SEED = 2**64 - 1
+
+
+def as_seed(value: Any, *, what: str = "seed") -> int:
+    """``value`` as a random seed: an integer in ``0 .. 2**64 - 1``, the range ``torch.manual_seed`` takes as is.
+
+    A negative seed is refused rather than remapped (torch would silently use ``2**64 + seed``, numpy refuses it).
+
+    Examples:
+        >>> as_seed(3)
+        3
+        >>> as_seed(-1, what="--seed")
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.InvalidArgumentError: --seed must be an integer from 0 to 2**64 - 1, got -1.
+    """
+    seed = as_int(value, what=what)
+    if not 0 <= seed <= MAX_SEED:
+        raise InvalidArgumentError(f"{what} must be an integer from 0 to 2**64 - 1, got {seed}.")
+    return seed
+
+
 def as_float(value: Any, *, what: str) -> float:
     """``value`` as a Python float (ints, numpy scalars and 0-d tensors accepted; bools and strings not)."""
     if isinstance(value, torch.Tensor):

@@ -147,6 +147,20 @@ GENERIC_ROWS = [
      ["--seq-len 65 is longer than the model's context of 64 tokens"]),
     ("fingerprint-seq-len-beyond-context", lambda f: ["fingerprint", str(f["tiny"]), str(f["tiny"]), "--seq-len", "65"],
      EXIT_USAGE, ["--seq-len 65 is longer than the models' context of 64 tokens"]),
+    # seeds: torch.manual_seed's 0..2**64-1, named with their minus sign (a wrapped panel line once lost it)
+    ("train-seed-negative", lambda f: ["train", "--out", _p(f, "run"), "--seed", "-1"], EXIT_USAGE,
+     ["seed must be an integer from 0 to 2**64 - 1, got -1."]),
+    ("train-data-seed-too-large", lambda f: ["train", "--out", _p(f, "run"), "--data-seed", str(2**64)], EXIT_USAGE,
+     [f"data.seed must be an integer from 0 to 2**64 - 1, got {2**64}."]),
+    ("origins-init-seed-too-large", lambda f: ["origins", "--model", "./no/such/model", "--init-seed", str(10**20)],
+     EXIT_USAGE, [f"--init-seed must be an integer from 0 to 2**64 - 1, got {10**20}."]),
+    ("origins-seed-negative", lambda f: ["origins", "--model", "./no/such/model", "--seed", "-3"], EXIT_USAGE,
+     ["--seed must be an integer from 0 to 2**64 - 1, got -3."]),
+    ("origins-init-spec-negative-seed", lambda f: ["origins", "--model", f"{f['tiny']}@init:-4", "--no-figures",
+                                                   "--out", _p(f, "o")], EXIT_USAGE,
+     ["@init:-4' must be an integer from 0 to 2**64 - 1, got -4."]),
+    ("fingerprint-seed-too-large", lambda f: ["fingerprint", "./no/such/a", "./no/such/b", "--seed", str(10**20)],
+     EXIT_USAGE, [f"--seed must be an integer from 0 to 2**64 - 1, got {10**20}."]),
     ("intervene-unknown-method", lambda f: ["intervene", "--method", "nope"], EXIT_USAGE, ["'nope'"]),
     ("intervene-missing-model", lambda f: ["intervene", "--method", "self-only", "--position", "2", "--model",
                                            "./no/such/model"], EXIT_USAGE, ["./no/such/model"]),
@@ -295,3 +309,17 @@ def test_a_warning_is_one_line_naming_the_command_and_python_format_under_debug(
     debug = sinklens("compare", str(run), "--out", str(tmp_path / "c.png"), "--debug")
     assert "RuntimeWarning: " in debug.stderr and "compare.py" in debug.stderr
 
+
+
+@pytest.mark.parametrize("command", ["analyze", "intervene", "train", "compare", "origins", "fingerprint"])
+def test_help_is_plain_text_with_its_examples(command, capsys):
+    """``--help`` shows the module's examples without reStructuredText quoting (``code``, :mod:, ``::``)."""
+    with pytest.raises(SystemExit) as exit_:
+        main([command, "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert f"usage: sinklens {command}" in text
+    assert "``" not in text and ":mod:" not in text and ":func:" not in text
+    assert not [line for line in text.splitlines() if line.endswith("::")]
+    if command != "analyze":
+        assert f"    sinklens {command} " in text or f"-m sinklens.cli {command}" in text  # an example survived

@@ -23,11 +23,12 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from sinklens.commands import plain_help
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("compare", help="compare training runs (loss, sink metrics, steps to a target loss)",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("runs", nargs="+", help="run directories written by `sinklens train`")
     parser.add_argument("--labels", nargs="+", help="legend labels (default: variant @ directory name)")
     parser.add_argument("--target-loss", type=float, help="loss target for steps-to-target (default: first run's final loss)")

@@ -13,6 +13,7 @@ See :mod:`sinklens.origins.fingerprint` for the algorithm, taken step by step fr
 from __future__ import annotations
 
 import argparse
+from sinklens.commands import plain_help
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -21,7 +22,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     )
 
     parser = subparsers.add_parser("fingerprint", help="SeedPrint lineage test between two models",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model_a", metavar="A", help="first model spec")
     parser.add_argument("model_b", metavar="B", help="second model spec")
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="random sequences N (default %(default)s)")
@@ -46,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
     from sinklens.origins.fingerprint import check_test_arguments, fingerprint
-    from sinklens.validate import device, positive_int, seq_len_within_context, writable_file
+    from sinklens.validate import as_seed, device, positive_int, seq_len_within_context, writable_file
 
     json_path = writable_file(args.json, what="--json") if args.json else None
     check_test_arguments(args.buffer_k, args.identity_mode, args.alpha, cli=True)  # before the models load and run
@@ -54,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
     if args.seq_len is not None:
         positive_int(args.seq_len, what="--seq-len")
     positive_int(args.batch_size, what="--batch-size")
+    as_seed(args.seed, what="--seed")
     if args.device is not None:
         device(args.device, what="--device")
     options = RunOptions(batch_size=args.batch_size, progress=not args.no_progress, device=args.device, desc="SeedPrint")

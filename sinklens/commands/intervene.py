@@ -26,6 +26,7 @@ from sinklens.errors import InvalidArgumentError
 from sinklens.inputs import is_encoder
 from sinklens.interventions import registry
 from sinklens.interventions.experiments import InterventionResult, create_sink, remove_sink
+from sinklens.commands import plain_help
 
 
 def _int_list(text: str | None, flag: str) -> list[int] | None:
@@ -49,7 +50,7 @@ def _method_help() -> str:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "intervene", help="create or remove a sink with an intervention and report the attention it receives",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--method", required=True, help=_method_help())
     parser.add_argument("--position", type=int, default=None, help="position K to turn into a sink (create methods); the sink for remove methods (default 0)")

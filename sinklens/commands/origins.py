@@ -14,11 +14,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from sinklens.commands import plain_help
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("origins", help="init-time token preference, contraction and positional discrepancy",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="smollm2-135m", help="model spec (default: %(default)s); SPEC@init:S works too")
     parser.add_argument("--init-seed", type=int, default=None,
                         help="re-initialise the architecture with this seed (default: the weights as loaded)")
@@ -40,12 +41,15 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
     from sinklens.origins import contraction, positional_discrepancy, token_preference
-    from sinklens.validate import device, positive_int, seq_len_within_context, writable_dir
+    from sinklens.validate import as_seed, device, positive_int, seq_len_within_context, writable_dir
 
     out = writable_dir(args.out, what="--out", create=False)
     positive_int(args.sequences, what="--sequences", minimum=2)
     positive_int(args.seq_len, what="--seq-len", minimum=2)
     positive_int(args.batch_size, what="--batch-size")
+    as_seed(args.seed, what="--seed")
+    if args.init_seed is not None:
+        as_seed(args.init_seed, what="--init-seed")
     if args.device is not None:
         device(args.device, what="--device")
     start = time.perf_counter()

@@ -30,11 +30,12 @@ from pathlib import Path
 from sinklens.specs import split_spec
 from sinklens.train.config import DATA_SOURCES, TrainConfig, load_config
 from sinklens.train.variants import attention_variants
+from sinklens.commands import plain_help
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("train", help="pretrain a small LM and track its attention sinks",
-                                   description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+                                   description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="run directory (metrics, checkpoints, figures); required")
     parser.add_argument("--config", help="a .json or .toml TrainConfig (flags and --set override it)")
     parser.add_argument("--preset", help="model preset of ModelConfig.from_preset (default: 'tiny' without --config)")

@@ -94,7 +94,7 @@ from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions
 from sinklens.origins.sites import final_state_site
 from sinklens.streaming import BatchFold, Reducer, stream
-from sinklens.validate import choice, finite_number, positive_int
+from sinklens.validate import as_seed, choice, finite_number, positive_int
 
 #: The authors' constants (``seedprint.py`` / ``utils.py`` of YnezT0311/SeedPrints).
 DEFAULT_BUFFER_K = 400
@@ -380,6 +380,7 @@ def final_hidden_states(
     dims = model_dims(model)
     n_samples = positive_int(n_samples, what="n_samples", minimum=2)
     seq_len = positive_int(seq_len, what="seq_len")
+    seed = as_seed(seed, what="seed")
     if seq_len > dims.n_ctx:
         raise InvalidArgumentError(f"seq_len={seq_len} exceeds the model's context window n_ctx={dims.n_ctx}.")
     input = choice(input, ("token", "embedding"), what="input")  # type: ignore[assignment]
@@ -440,6 +441,7 @@ def fingerprint(
 
     buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
     n_samples = positive_int(n_samples, what="n_samples", minimum=2)
+    seed = as_seed(seed, what="seed")
     model_a = load_model(model_a, check_patterns=False) if isinstance(model_a, str) else model_a
     model_b = load_model(model_b, check_patterns=False) if isinstance(model_b, str) else model_b
     da, db = model_dims(model_a), model_dims(model_b)

@@ -33,7 +33,7 @@ from typing import Any, Literal
 import torch
 
 from sinklens.errors import InvalidArgumentError, UnknownModelError
-from sinklens.validate import as_int, choice, finite_number
+from sinklens.validate import as_seed, choice, finite_number
 
 Scheme = Literal["native", "normal", "torch"]
 _INIT_SPEC = re.compile(r"^(?P<base>.+)@init(?::(?P<seed>-?\d+))?$")
@@ -68,7 +68,7 @@ def parse_init_spec(spec: str) -> InitSpec | None:
     if match is None:
         raise InvalidArgumentError(f"Bad init spec {spec!r}: write SPEC@init or SPEC@init:SEED with an integer SEED.")
     seed = match.group("seed")
-    return InitSpec(match.group("base"), None if seed is None else int(seed))
+    return InitSpec(match.group("base"), None if seed is None else as_seed(int(seed), what=f"the seed of {spec!r}"))
 
 
 def _reinit(model: torch.nn.Module, scheme: str, std: float, seed: int) -> None:
@@ -183,7 +183,7 @@ def load_at_init(
     """
     scheme = choice(scheme, ("native", "normal", "torch"), what="scheme")  # type: ignore[assignment]
     std = finite_number(std, what="std", low=0.0, low_open=True)
-    seed = None if init_seed is None else as_int(init_seed, what="init_seed")
+    seed = None if init_seed is None else as_seed(init_seed, what="init_seed")
     if not isinstance(spec, (str, Path)):
         return _model_at_init(spec, 0 if seed is None else seed, device=device, dtype=dtype, scheme=scheme, std=std)
     parsed = parse_init_spec(str(spec)) or InitSpec(str(spec), None)

@@ -42,7 +42,7 @@ from sinklens.inputs import TokenBatch, random_token_batches
 from sinklens.options import RunOptions, settings_from
 from sinklens.origins.sites import final_state_site, logits_from_final
 from sinklens.streaming import R, BatchFold, Reducer, stream
-from sinklens.validate import positive_int
+from sinklens.validate import as_seed, positive_int
 
 
 @dataclass(repr=False)
@@ -159,6 +159,7 @@ class RandomInputs:
     def __post_init__(self) -> None:
         object.__setattr__(self, "n_sequences", positive_int(self.n_sequences, what="n_sequences", minimum=2))
         object.__setattr__(self, "seq_len", positive_int(self.seq_len, what="seq_len", minimum=2))
+        object.__setattr__(self, "seed", as_seed(self.seed, what="seed"))
 
 
 def random_batches(model: Any, random: RandomInputs, options: RunOptions) -> list[TokenBatch]:

@@ -57,7 +57,7 @@ from sinklens.errors import (
 )
 from sinklens.export import write_json, write_text_atomic
 from sinklens.model_files import file_mismatch, sha256_file
-from sinklens.train.config import TrainConfig
+from sinklens.train.config import LOCAL_DATA_SOURCES, TrainConfig
 
 CONFIG, WEIGHTS, OPTIMIZER, STATE, TOKENIZER = "config.json", "model.safetensors", "optimizer.pt", "trainer_state.pt", "tokenizer"
 POINTER, MANIFEST, CHECKPOINTS, METRICS = "checkpoint.json", "manifest.json", "checkpoints", "metrics.jsonl"
@@ -322,7 +322,8 @@ def resume_changes(saved: TrainConfig, requested: TrainConfig, *, run_dir: str |
     A resume may change how the run goes on (``steps``, ``optim.*``, ``eval.*``, ``batch_size``,
     ``compile``, ``device``, ``interventions``...). It may not change what the run is
     (:data:`RUN_IDENTITY`: the model, the data and the initialisation seed, which the restored
-    weights, data order and RNG states already fix). ``model.d_vocab="auto"`` matches any vocabulary.
+    weights, data order and RNG states already fix). ``model.d_vocab="auto"`` matches any vocabulary;
+    a local ``data.path`` matches another spelling of the same file or folder (relative ones from here).
 
     Examples:
         >>> run = TrainConfig()
@@ -336,6 +337,8 @@ def resume_changes(saved: TrainConfig, requested: TrainConfig, *, run_dir: str |
     old, new = _dotted(saved.to_dict()), _dotted(requested.to_dict())
     if new.get("model.d_vocab") == "auto":
         new["model.d_vocab"] = old.get("model.d_vocab")
+    if saved.data.source in LOCAL_DATA_SOURCES and _same_path(old.get("data.path"), new.get("data.path")):
+        new["data.path"] = old.get("data.path")  # one file, named from two folders (or before paths were absolute)
     changes = {key: [old.get(key), new.get(key)] for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)}
     fixed = [key for key in changes if key.startswith(RUN_IDENTITY) and key not in RESUME_FREE]
     if fixed:
@@ -347,6 +350,13 @@ def resume_changes(saved: TrainConfig, requested: TrainConfig, *, run_dir: str |
             "(another out_dir, or --overwrite)."
         )
     return changes
+
+
+def _same_path(a: Any, b: Any) -> bool:
+    """Whether two ``data.path`` values name the same file or folder (relative ones from this folder)."""
+    if not a or not b:
+        return a == b
+    return Path(str(a)).expanduser().resolve() == Path(str(b)).expanduser().resolve()
 
 
 def _torch_load(path: Path, **kwargs: Any) -> Any:

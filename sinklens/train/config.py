@@ -31,6 +31,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import os
 import re
 import typing
 from dataclasses import asdict, dataclass, field, fields
@@ -40,7 +41,7 @@ from typing import Any, Literal
 from sinklens.errors import InvalidArgumentError
 from sinklens.specs import parse_value
 from sinklens.train.variants import get_attention_variant
-from sinklens.validate import as_int, choice, finite_number, positive_int
+from sinklens.validate import as_seed, choice, finite_number, positive_int
 
 Family = Literal["llama", "gpt2"]
 DType = Literal["float32", "bfloat16", "float16", "float64"]
@@ -53,6 +54,8 @@ OnNonFinite = Literal["stop", "skip"]
 #: CPU float32 matmul backend of the model (:mod:`sinklens.train.matmul`).
 CpuMatmul = Literal["auto", "onednn", "aten"]
 DATA_SOURCES: tuple[str, ...] = typing.get_args(DataSource)
+#: The ``data.source`` values whose ``data.path`` is a file or folder on this machine.
+LOCAL_DATA_SOURCES: tuple[str, ...] = ("text", "memmap")
 
 #: Size/architecture presets for :meth:`ModelConfig.from_preset`. ``tiny`` runs in tests on a CPU;
 #: ``124m`` is the GPT-2-small shape (12 layers, d_model 768, 12 heads, n_ctx 1024, 50304 vocab,
@@ -282,7 +285,8 @@ class DataConfig(_Part):
         if self.source not in DATA_SOURCES:
             raise InvalidArgumentError(f"Unknown data.source {self.source!r}; expected one of {list(DATA_SOURCES)}.")
         self.seq_len = positive_int(self.seq_len, what="data.seq_len")
-        self.seed = as_int(self.seed, what="data.seed")
+        self.seed = as_seed(self.seed, what="data.seed")
+        self.task_seed = as_seed(self.task_seed, what="data.task_seed")
         self.val_fraction = finite_number(self.val_fraction, what="data.val_fraction", low=0.0, high=1.0, low_open=True, high_open=True)
         self.tokenizer = choice(self.tokenizer, typing.get_args(TokenizerKind), what="data.tokenizer")
         if self.source in ("text", "memmap", "hf") and not self.path:
@@ -291,6 +295,22 @@ class DataConfig(_Part):
         self.n_triggers = positive_int(self.n_triggers, what="data.n_triggers", minimum=0)
         self.alpha = finite_number(self.alpha, what="data.alpha", low=0.0, low_open=True)
         self.max_tokens = positive_int(self.max_tokens, what="data.max_tokens")
+
+    def with_absolute_path(self) -> DataConfig:
+        """This config with a local ``path`` (sources :data:`LOCAL_DATA_SOURCES`) made absolute, ``~``
+        expanded, symbolic links kept: what :func:`sinklens.train.train` records in a run's
+        ``config.json``, so that the run names the same data from whatever folder it is resumed in.
+
+        Examples:
+            >>> import os
+            >>> DataConfig(source="text", path="corpus.txt").with_absolute_path().path == os.path.abspath("corpus.txt")
+            True
+            >>> DataConfig(source="hf", path="roneneldan/TinyStories").with_absolute_path().path
+            'roneneldan/TinyStories'
+        """
+        if self.source not in LOCAL_DATA_SOURCES or not self.path:
+            return self
+        return dataclasses.replace(self, path=os.path.abspath(Path(str(self.path)).expanduser()))
 
 
 @dataclass
@@ -327,7 +347,7 @@ class EvalConfig(_Part):
         if self.persistence_sequences == 1:
             raise InvalidArgumentError("eval.persistence_sequences must be 0 (off) or at least 2, got 1.")
         self.persistence_seq_len = positive_int(self.persistence_seq_len, what="eval.persistence_seq_len", minimum=2)
-        self.persistence_seed = as_int(self.persistence_seed, what="eval.persistence_seed")
+        self.persistence_seed = as_seed(self.persistence_seed, what="eval.persistence_seed")
 
 
 _PARTS: dict[str, type[_Part]] = {"model": ModelConfig, "optim": OptimConfig, "data": DataConfig, "eval": EvalConfig}
@@ -412,7 +432,7 @@ class TrainConfig(_Part):
         self.steps = positive_int(self.steps, what="steps")
         self.batch_size = positive_int(self.batch_size, what="batch_size")
         self.grad_accum = positive_int(self.grad_accum, what="grad_accum")
-        self.seed = as_int(self.seed, what="seed")
+        self.seed = as_seed(self.seed, what="seed")
         if self.batch_size % self.grad_accum:
             raise InvalidArgumentError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}.")
         if self.data.seq_len > self.model.n_ctx:
@@ -570,9 +590,13 @@ def _tyro_error(panel: str) -> str:
         'optim.lr must be a finite number, got nan.'
         >>> _tyro_error("╭─ Unrecognized options ─╮\\n│ Unrecognized options: --until │\\n│ For full helptext, run x │")
         'Unrecognized options: --until'
+        >>> _tyro_error(" Value error \\n ------ \\n  Error parsing TrainConfig: seed must be ..., got  \\n  -1.  \\n  ------")
+        'seed must be ..., got -1.'
     """
-    lines = [line.strip(" │╭╮╰╯─-") for line in panel.splitlines()]
-    text = re.sub(r"\s+", " ", " ".join(line for line in lines if line and not line.startswith("For full helptext")))
+    # Box characters go; a rule of ASCII dashes goes as a whole line, never a value's minus sign.
+    lines = [line.strip(" │╭╮╰╯─") for line in panel.splitlines()]
+    kept = [line for line in lines if line.strip("-") and not line.startswith("For full helptext")]
+    text = re.sub(r"\s+", " ", " ".join(kept))
     text = text.split(" Argument helptext:")[0].strip()
     for title in _TYRO_TITLES:
         if text.startswith(title + " "):

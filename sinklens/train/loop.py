@@ -325,6 +325,7 @@ def train(
     from sinklens.train.model import SinkLM
 
     out = Path(out_dir).expanduser() if out_dir is not None else None
+    cfg = cfg.replace(data=cfg.data.with_absolute_path())  # config.json names the same data from any folder
     check_interventions([*cfg.interventions, *interventions])
     _check_run_dir(out, resume=resume, overwrite=overwrite)
     resumed_from = load_run(out) if out is not None and resume else None  # verified once: compared, then loaded

@@ -53,6 +53,7 @@ from sinklens.train.matmul import matmul
 from sinklens.train.rms_norm import rms_norm
 from sinklens.train.rotary import RotaryTables, rope
 from sinklens.train.variants import AttentionVariant, HeadwiseRMSNorm, get_attention_variant
+from sinklens.validate import as_seed
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
@@ -570,7 +571,7 @@ def calibrate_headwise_gains(
         raise ValueError(f"calibrate_headwise_gains needs a headwise_rms model, got variant {model.cfg.variant!r}.")
     ref = model.W_E
     if tokens is None:
-        gen = torch.Generator().manual_seed(int(seed))
+        gen = torch.Generator().manual_seed(as_seed(seed, what="seed"))
         T = min(64, model.cfg.n_ctx)
         z0 = []
         for attn in attns:

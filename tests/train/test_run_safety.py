@@ -22,7 +22,7 @@ from sinklens.errors import (
     TrainingInterrupted,
 )
 from sinklens.train.checkpoint import (
-    load_checkpoint, load_run, load_train_config, load_trained_model, read_metrics, save_checkpoint,
+    load_checkpoint, load_run, load_train_config, load_trained_model, read_metrics, resume_changes, save_checkpoint,
 )
 from sinklens.train import loop as _loop
 from sinklens.train.interrupt import StopSignals
@@ -139,6 +139,41 @@ def test_cli_resume_takes_the_runs_own_config(tmp_path, capsys):
     assert "model.variant is 'baseline' here but 'headwise_rms' in the run" in err and "Traceback" not in err
     assert main(["train", "--out", str(tmp_path / "nothing"), "--resume"]) == 2
     assert "'" + str(tmp_path / "nothing") + "' is not a sinklens run directory" in capsys.readouterr().err
+
+
+def test_a_text_run_resumes_from_any_folder_and_refuses_another_file(tmp_path, monkeypatch, capsys):
+    """config.json records the data file absolutely; a resume names it from anywhere, another file is refused."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    text = " ".join(f"word{i % 37} and then some more text {i}" for i in range(400))
+    (tmp_path / "a" / "corpus.txt").write_text(text)
+    (tmp_path / "b" / "copy.txt").write_text(text)  # same bytes, another file: still another run's data
+    cfg = build_cfg(steps=6, model={"d_vocab": "auto"},
+                    data={"source": "text", "path": "corpus.txt", "tokenizer": "byte", "vocab_size": None,
+                          "cache_dir": str(tmp_path / "cache")})
+    monkeypatch.chdir(tmp_path / "a")
+    full = train(cfg, out_dir=tmp_path / "full", progress=False)
+    for name in ("cut", "cut2"):
+        train(cfg, out_dir=tmp_path / name, progress=False, until=3)
+    assert load_train_config(tmp_path / "cut").data.path == str(tmp_path / "a" / "corpus.txt")
+
+    monkeypatch.chdir(tmp_path / "b")  # from another folder: the run's own config, or the same file named from here
+    assert main(["train", "--out", "../cut", "--resume", "--no-progress"]) == 0
+    assert main(["train", "--out", "../cut2", "--resume", "--data", "../a/corpus.txt", "--no-progress"]) == 0
+    capsys.readouterr()
+    for name in ("cut", "cut2"):
+        losses = [x["loss"] for x in read_metrics(tmp_path / name) if x["kind"] == "train"]
+        assert losses == pytest.approx(full.losses(), abs=1e-6)
+    before = _snapshot(tmp_path / "cut")
+    assert main(["train", "--out", "../cut", "--resume", "--steps", "8", "--data", "copy.txt"]) == 2
+    err = capsys.readouterr().err
+    assert f"data.path is '{tmp_path / 'b' / 'copy.txt'}' here but '{tmp_path / 'a' / 'corpus.txt'}' in the run" in err
+    assert _snapshot(tmp_path / "cut") == before
+
+    # a run written before paths were recorded absolutely: its relative path still matches from its folder
+    saved = load_train_config(tmp_path / "cut").replace(data={**cfg.data.to_dict(), "path": "corpus.txt"})
+    monkeypatch.chdir(tmp_path / "a")
+    assert resume_changes(saved, saved.replace(data=saved.data.with_absolute_path()), run_dir="r") == {}
 
 
 # ------------------------------------------------------------------ Ctrl-C and SIGTERM
