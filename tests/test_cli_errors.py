@@ -218,24 +218,49 @@ def test_error_is_exactly_one_line(tmp_path):
     assert done.stderr.splitlines() == ["sinklens analyze: error: --random-tokens must be an integer >= 1, got 0."]
 
 
-def test_run_without_a_tokenizer_is_analysed_on_random_tokens(tmp_path):
-    """A ``sinklens train`` run on synthetic data has no tokenizer: analyze uses random tokens and says so."""
+@pytest.fixture(scope="module")
+def tokenless_run(tmp_path_factory) -> Path:
+    """A ``sinklens train`` run directory as a synthetic task leaves it: weights, no tokenizer."""
     from sinklens.train.checkpoint import save_checkpoint
-    from sinklens.train.config import TrainConfig
+    from sinklens.train.config import ModelConfig, TrainConfig
     from sinklens.train.model import SinkLM
-    from sinklens.train.config import ModelConfig
 
+    run = tmp_path_factory.mktemp("tokenless") / "run"
     cfg = TrainConfig.from_dict({**TrainConfig().to_dict(), "model": ModelConfig.from_preset("tiny").to_dict()})
-    save_checkpoint(tmp_path / "run", model=SinkLM(cfg.model), optimizer=None, cfg=cfg, step=0)
-    done = sinklens("analyze", "--model", str(tmp_path / "run"), "--out", str(tmp_path / "out"), "--no-figures",
+    save_checkpoint(run, model=SinkLM(cfg.model), optimizer=None, cfg=cfg, step=0)
+    return run
+
+
+def test_run_without_a_tokenizer_is_analysed_on_random_tokens(tokenless_run, tmp_path):
+    """A ``sinklens train`` run on synthetic data has no tokenizer: analyze uses random tokens and says so."""
+    done = sinklens("analyze", "--model", str(tokenless_run), "--out", str(tmp_path / "out"), "--no-figures",
                     "--batch-size", "4", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "no tokenizer" in done.stderr and "16 random-token sequences" in done.stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["n_sequences"] == 16
-    refused = sinklens("analyze", "--model", str(tmp_path / "run"), "--text", "hello", "--out", str(tmp_path / "o2"))
+    refused = sinklens("analyze", "--model", str(tokenless_run), "--text", "hello", "--out", str(tmp_path / "o2"))
     assert refused.returncode == EXIT_USAGE and "--text needs a tokenizer" in refused.stderr
     assert "Traceback" not in refused.stderr
+
+
+def test_run_without_a_tokenizer_is_intervened_on_random_tokens(tokenless_run, tmp_path):
+    """intervene runs such a model on random tokens too (it used to ask for token ids, which a CLI cannot pass)."""
+    done = sinklens("intervene", "--model", str(tokenless_run), "--method", "block-keys", "--json", "b.json", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert "no tokenizer" in done.stderr and "16 random-token sequences of 64 tokens" in done.stderr
+    blocked = json.loads((tmp_path / "b.json").read_text())
+    assert min(blocked["before"]) > 0.0 and blocked["after"] == [0.0] * len(blocked["before"])  # no query sees key 0
+    asked = sinklens("intervene", "--model", str(tokenless_run), "--method", "self-only", "--position", "6",
+                     "--random-tokens", "3", "--seq-len", "8", "--json", "s.json", cwd=tmp_path)
+    assert asked.returncode == 0 and "no tokenizer" not in asked.stderr, asked.stderr
+    assert json.loads((tmp_path / "s.json").read_text())["target"] == 6
+    for args, words in ((["--text", "hello"], "--text needs a tokenizer, and the model"),
+                        (["--random-tokens", "3", "--seq-len", "8", "--position", "8"], "No query after position 8"),
+                        (["--text", "hello", "--seq-len", "8"], "--seq-len 8 sets the length of --random-tokens")):
+        refused = sinklens("intervene", "--model", str(tokenless_run), "--method", "self-only", "--position", "2", *args)
+        assert refused.returncode == EXIT_USAGE and words in refused.stderr, refused.stderr
+        assert "Traceback" not in refused.stderr
 
 
 def test_good_run_still_works(files, tmp_path):

@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
 import re
+import sys
+from typing import TYPE_CHECKING, Any
+
+from sinklens.errors import InvalidArgumentError
+
+if TYPE_CHECKING:
+    from sinklens.inputs import TokenBatch
 
 
 def plain_help(docstring: str | None) -> str:
@@ -19,3 +27,43 @@ def plain_help(docstring: str | None) -> str:
     text = re.sub(r":(?:mod|func|class|meth|data|attr):`~?([^`]+)`", r"\1", docstring or "")
     text = text.replace("``", "")
     return re.sub(r"::$", ":", text, flags=re.MULTILINE)
+
+
+#: Random-token inputs of ``analyze`` and ``intervene``: ``--random-tokens N`` sequences of ``--seq-len``
+#: tokens, and what a model without a tokenizer (a run on a synthetic task) is run on unasked.
+DEFAULT_RANDOM_SEQUENCES = 16
+DEFAULT_RANDOM_SEQ_LEN = 64
+
+
+def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, text_flag: str | None,
+                        prepend_bos: bool) -> list[TokenBatch] | None:
+    """The random-token batches a command runs on, or None when it runs on text.
+
+    ``args.random_tokens`` sequences of ``args.seq_len`` tokens (default :data:`DEFAULT_RANDOM_SEQ_LEN`)
+    when asked for. A model without a tokenizer cannot read text: it runs on
+    :data:`DEFAULT_RANDOM_SEQUENCES` sequences of ``min(64, n_ctx)`` tokens without BOS, with a line on
+    stderr saying so, and a text flag (``text_flag``, e.g. ``"--text"``) given for it is an error.
+    """
+    from sinklens import distributed
+    from sinklens.hooks import model_dims
+    from sinklens.inputs import random_token_batches
+    from sinklens.validate import seq_len_within_context
+
+    has_tokenizer = getattr(model, "tokenizer", None) is not None
+    n_ctx = model_dims(model).n_ctx
+    seq_len_within_context(args.seq_len, n_ctx)
+    batch_size = getattr(args, "batch_size", 8)
+    if args.random_tokens is not None:
+        return random_token_batches(model, n_sequences=args.random_tokens, seq_len=args.seq_len or DEFAULT_RANDOM_SEQ_LEN,
+                                    batch_size=batch_size, prepend_bos=prepend_bos and has_tokenizer)
+    if has_tokenizer:
+        return None
+    if text_flag is not None:
+        raise InvalidArgumentError(f"{text_flag} needs a tokenizer, and the model {str(args.model)!r} has none "
+                                   "(trained on synthetic data?); use --random-tokens N.")
+    seq_len = args.seq_len or min(DEFAULT_RANDOM_SEQ_LEN, n_ctx)
+    if distributed.is_main():
+        print(f"sinklens {command}: {str(args.model)!r} has no tokenizer (trained on synthetic data?); running on "
+              f"{DEFAULT_RANDOM_SEQUENCES} random-token sequences of {seq_len} tokens instead", file=sys.stderr)
+    return random_token_batches(model, n_sequences=DEFAULT_RANDOM_SEQUENCES, seq_len=seq_len, batch_size=batch_size,
+                                prepend_bos=False)

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sinklens.commands import DEFAULT_RANDOM_SEQ_LEN
 from sinklens.errors import InvalidArgumentError
 
 
@@ -25,7 +26,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     source.add_argument("--stdlib-text", type=int, metavar="N", help="N docstrings from the Python standard library")
     source.add_argument("--random-tokens", type=int, metavar="N", help="N uniformly random token sequences")
     parser.add_argument("--seq-len", type=int, default=None,
-                        help=f"length of random-token sequences (default: {_DEFAULT_SEQ_LEN}, at most the model's context)")
+                        help=f"length of random-token sequences (default: {DEFAULT_RANDOM_SEQ_LEN}, at most the model's context)")
     parser.add_argument("--max-length", type=int, default=None,
                         help=f"truncate text prompts to this many tokens (default: {_DEFAULT_MAX_LENGTH})")
     parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (it moves the sink)")
@@ -81,15 +82,13 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
     """The analysis inputs the flags ask for (``None``: the built-in prompts).
 
     A model without a tokenizer (a ``sinklens train`` run on synthetic data) is analysed on random
-    tokens (``--random-tokens``, default 16 sequences), and a line on stderr says so; text flags are
-    refused for it.
+    tokens (:func:`sinklens.commands.random_token_inputs`: 16 sequences unless ``--random-tokens``
+    says otherwise), and a line on stderr says so; text flags are refused for it.
     """
-    from sinklens import distributed
-    from sinklens.hooks import model_dims
-    from sinklens.inputs import random_token_batches, stdlib_text_prompts
-    from sinklens.validate import seq_len_within_context, text_lines
+    from sinklens.commands import random_token_inputs
+    from sinklens.inputs import stdlib_text_prompts
+    from sinklens.validate import text_lines
 
-    prepend_bos = not args.no_bos
     has_tokenizer = getattr(model, "tokenizer", None) is not None
     if has_tokenizer and args.random_tokens is None and args.seq_len is not None:
         raise InvalidArgumentError(f"--seq-len {args.seq_len} sets the length of --random-tokens sequences, and this "
@@ -97,24 +96,9 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
     if not has_tokenizer and args.max_length is not None:
         raise InvalidArgumentError(f"--max-length {args.max_length} truncates text prompts, and the model "
                                    f"{str(args.model)!r} has no tokenizer; set the random sequences' length with --seq-len.")
-    n_ctx = model_dims(model).n_ctx
-    seq_len_within_context(args.seq_len, n_ctx)
-    seq_len = _DEFAULT_SEQ_LEN if args.seq_len is None else args.seq_len
-    if not has_tokenizer and args.random_tokens is None:
-        flag = _text_flag(args)
-        if flag is not None:
-            raise InvalidArgumentError(f"{flag} needs a tokenizer, and the model {str(args.model)!r} has none "
-                                       "(trained on synthetic data?); use --random-tokens N.")
-        if args.seq_len is None:
-            seq_len = min(seq_len, n_ctx)
-        if distributed.is_main():
-            print(f"sinklens analyze: {str(args.model)!r} has no tokenizer (trained on synthetic data?); analysing "
-                  f"{_DEFAULT_RANDOM} random-token sequences of {seq_len} tokens instead", file=sys.stderr)
-        return random_token_batches(model, n_sequences=_DEFAULT_RANDOM, seq_len=seq_len, batch_size=args.batch_size,
-                                    prepend_bos=False)
-    if args.random_tokens is not None:
-        return random_token_batches(model, n_sequences=args.random_tokens, seq_len=seq_len,
-                                    batch_size=args.batch_size, prepend_bos=prepend_bos and has_tokenizer)
+    batches = random_token_inputs(model, args, command="analyze", text_flag=_text_flag(args), prepend_bos=not args.no_bos)
+    if batches is not None:
+        return batches
     if args.text:
         return list(args.text)
     if args.prompts is not None:
@@ -124,8 +108,6 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
     return None  # the built-in prompt set
 
 
-_DEFAULT_RANDOM = 16
-_DEFAULT_SEQ_LEN = 64
 _DEFAULT_MAX_LENGTH = 128
 
 

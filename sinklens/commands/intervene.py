@@ -14,6 +14,10 @@ underscores: create methods (``self-only``, ``restart``, ``amplify``, ``transpla
 position K into a sink; remove methods (``block-keys``, ``calibrate``, ``clamp-dims``,
 ``edit-neurons``) take away the sink at ``--position`` (default 0). The sinklens 0.1 names
 (``variance``, ``transplant``, ``block``, ``clamp``, ``ablate-neurons``) still work.
+
+The input is ``--text`` (default: the built-in prompts) or ``--random-tokens N`` sequences of
+``--seq-len`` tokens; a model without a tokenizer (a run on a synthetic task) runs on 16 random-token
+sequences unasked, and says so.
 """
 
 from __future__ import annotations
@@ -22,11 +26,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from sinklens.commands import DEFAULT_RANDOM_SEQ_LEN, plain_help, random_token_inputs
 from sinklens.errors import InvalidArgumentError
 from sinklens.inputs import is_encoder
 from sinklens.interventions import registry
 from sinklens.interventions.experiments import InterventionResult, create_sink, remove_sink
-from sinklens.commands import plain_help
 
 
 def _int_list(text: str | None, flag: str) -> list[int] | None:
@@ -55,7 +59,11 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--method", required=True, help=_method_help())
     parser.add_argument("--position", type=int, default=None, help="position K to turn into a sink (create methods); the sink for remove methods (default 0)")
     parser.add_argument("--model", default="smollm2-135m", help="model spec for sinklens.loading.load_model (default smollm2-135m)")
-    parser.add_argument("--text", action="append", default=None, help="input text (repeatable; default: the built-in prompts)")
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--text", action="append", default=None, help="input text (repeatable; default: the built-in prompts)")
+    source.add_argument("--random-tokens", type=int, metavar="N", default=None, help="N uniformly random token sequences instead")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help=f"length of --random-tokens sequences (default: {DEFAULT_RANDOM_SEQ_LEN}, at most the model's context)")
     parser.add_argument("--layers", default=None, help="layers to intervene in, e.g. '0,1,2' (default all; required by edit-neurons)")
     parser.add_argument("--alpha", type=float, default=None, help="amplification factor for --method amplify (default 8)")
     parser.add_argument("--site", default=None, help="hook site for amplify/calibrate (default attn.hook_z)")
@@ -81,7 +89,7 @@ def _method_options(entry: registry.Intervention, args: argparse.Namespace) -> d
 
 def check_args(args: argparse.Namespace) -> registry.Intervention:
     """Validate everything that needs no model (method, lists, output paths), before the model loads."""
-    from sinklens.validate import positive_int, writable_dir, writable_file
+    from sinklens.validate import optional_positive_int, positive_int, writable_dir, writable_file
 
     entry = registry.get(args.method)
     if entry.role not in ("create", "remove"):
@@ -90,6 +98,10 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
         raise InvalidArgumentError(f"--method {args.method} needs --position K (the position to turn into a sink).")
     if args.position is not None:  # its upper bound (the prompt) is checked once the model has tokenized it
         positive_int(args.position, what="--position", minimum=0)
+    optional_positive_int(args.random_tokens, what="--random-tokens")
+    optional_positive_int(args.seq_len, what="--seq-len", minimum=2)  # the sink and a later position
+    if args.seq_len is not None and args.text is not None:
+        raise InvalidArgumentError(f"--seq-len {args.seq_len} sets the length of --random-tokens sequences, not of --text.")
     if entry.name == "edit_neurons" and args.layers is None:
         raise InvalidArgumentError(
             "--method edit-neurons needs --layers: a neuron index names a different neuron in each layer."
@@ -112,9 +124,12 @@ def intervene(model: Any, args: argparse.Namespace) -> InterventionResult:
     entry = check_args(args)
     common = dict(layers=_int_list(args.layers, "--layers"), dims=_int_list(args.dims, "--dims"), loss=False if args.no_loss else None)
     kw = _method_options(entry, args)
+    batches = random_token_inputs(model, args, command="intervene", text_flag="--text" if args.text else None,
+                                  prepend_bos=True)
+    inputs = args.text if batches is None else batches
     if entry.role == "create":
-        return create_sink(model, args.text, args.position, method=entry.name, **common, **kw)
-    return remove_sink(model, args.text, sink=args.position or 0, method=entry.name, **common, **kw)
+        return create_sink(model, inputs, args.position, method=entry.name, **common, **kw)
+    return remove_sink(model, inputs, sink=args.position or 0, method=entry.name, **common, **kw)
 
 
 def format_table(result: InterventionResult) -> str:
