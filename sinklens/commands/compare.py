@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections import Counter
 from pathlib import Path
+
 from sinklens.commands import plain_help
 
 
@@ -66,24 +68,48 @@ def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoot
     return rows
 
 
-def run(args: argparse.Namespace) -> int:
+def run_labels(run_dirs: list[str], labels: list[str] | None = None) -> list[str]:
+    """One distinct label per run: ``labels`` as given, else ``"<variant> @ <folder name>"``, or
+    ``"<variant> @ <path as given>"`` where two runs share a folder name (``runs/a``, ``old/a``).
+
+    Raises:
+        InvalidArgumentError: ``labels`` has another length or a label twice, or a run is given twice.
+    """
     from sinklens.errors import InvalidArgumentError
+
+    twice = [path for path, n in Counter(str(Path(r).resolve()) for r in run_dirs).items() if n > 1]
+    if twice:
+        raise InvalidArgumentError(f"The run {twice[0]!r} is given twice; compare each run once.")
+    if labels:
+        if len(labels) != len(run_dirs):
+            raise InvalidArgumentError(f"--labels has {len(labels)} entries for {len(run_dirs)} runs.")
+        repeated = [label for label, n in Counter(labels).items() if n > 1]
+        if repeated:
+            raise InvalidArgumentError(f"--labels gives {repeated[0]!r} to more than one run; each run needs its own label.")
+        return list(labels)
+
+    def variant(run_dir: str) -> str:
+        cfg_path = Path(run_dir) / "config.json"
+        return json.loads(cfg_path.read_text())["model"]["variant"] if cfg_path.is_file() else "?"
+
+    short = [f"{variant(r)} @ {Path(r).name}" for r in run_dirs]
+    counts = Counter(short)
+    return [label if counts[label] == 1 else f"{variant(r)} @ {r}" for label, r in zip(short, run_dirs)]
+
+
+def run(args: argparse.Namespace) -> int:
     from sinklens.export import dumps
     from sinklens.plotting.training import plot_training
     from sinklens.train.checkpoint import read_metrics
+    from sinklens.validate import finite_number, positive_int
 
-    if args.labels and len(args.labels) != len(args.runs):
-        raise InvalidArgumentError(f"--labels has {len(args.labels)} entries for {len(args.runs)} runs.")
-    runs = {}
-    for i, run_dir in enumerate(args.runs):
-        lines = read_metrics(run_dir)
-        if args.labels:
-            label = args.labels[i]
-        else:
-            cfg_path = Path(run_dir) / "config.json"
-            variant = json.loads(cfg_path.read_text())["model"]["variant"] if cfg_path.is_file() else "?"
-            label = f"{variant} @ {Path(run_dir).name}"
-        runs[label] = lines
+    positive_int(args.smoothing, what="--smoothing")
+    if args.target_loss is not None:
+        finite_number(args.target_loss, what="--target-loss", low=0.0, low_open=True)
+    if args.positional:
+        positive_int(args.n_sequences, what="--n-sequences", minimum=2)
+        positive_int(args.seq_len, what="--seq-len", minimum=2)
+    runs = {label: read_metrics(run_dir) for label, run_dir in zip(run_labels(args.runs, args.labels), args.runs)}
     rows = summarize(runs, target=args.target_loss, smoothing=args.smoothing)
     out = Path(args.out) if args.out else Path(args.runs[0]) / "compare.png"
     plot_training(runs, smoothing=args.smoothing, path=out)

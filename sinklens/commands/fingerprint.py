@@ -13,6 +13,7 @@ See :mod:`sinklens.origins.fingerprint` for the algorithm, taken step by step fr
 from __future__ import annotations
 
 import argparse
+
 from sinklens.commands import plain_help
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
 from sinklens.commands import plain_help
 
 

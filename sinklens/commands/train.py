@@ -27,10 +27,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from sinklens.commands import plain_help
 from sinklens.specs import split_spec
 from sinklens.train.config import DATA_SOURCES, TrainConfig, load_config
 from sinklens.train.variants import attention_variants
-from sinklens.commands import plain_help
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:

@@ -81,3 +81,28 @@ def test_bad_variant_specs_are_one_line_errors(tmp_path, capsys, variant, messag
     err = capsys.readouterr().err
     assert re.search(message, err) and "Traceback" not in err, err
     assert not out.exists()  # nothing written
+
+
+def test_compare_keeps_runs_that_share_a_folder_name_and_refuses_bad_options(tmp_path, capsys):
+    """Two runs named ``a`` in different folders are two rows (one used to replace the other silently)."""
+    paths = [str(tmp_path / "x" / "a"), str(tmp_path / "y" / "a")]
+    for seed, path in enumerate(paths):
+        assert main(["train", "--preset", "tiny", "--data", "bigram-backcopy", "--steps", "3", "--seed", str(seed),
+                     "--out", path, *TINY]) == 0
+    capsys.readouterr()
+    assert main(["compare", *paths, "--smoothing", "1", "--out", str(tmp_path / "cmp.png"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.split("figure:")[0])
+    assert [r["run"] for r in rows] == [f"baseline @ {p}" for p in paths]
+    finals = [[json.loads(x)["loss"] for x in (tmp_path / d / "a" / "metrics.jsonl").read_text().splitlines()
+               if json.loads(x)["kind"] == "train"][-1] for d in ("x", "y")]
+    assert [r["final_loss"] for r in rows] == finals and finals[0] != finals[1]  # each row is its own run
+    for args, message in (
+        ([paths[0], str(tmp_path / "x" / "." / "a")], f"The run '{paths[0]}' is given twice"),
+        ([*paths, "--labels", "same", "same"], "--labels gives 'same' to more than one run"),
+        ([paths[0], "--smoothing", "0"], "--smoothing must be an integer >= 1, got 0."),
+        ([paths[0], "--target-loss", "nan"], "--target-loss must be a finite number, got nan."),
+        ([paths[0], "--target-loss", "-1"], "--target-loss must be in (0, inf], got -1."),
+    ):
+        assert main(["compare", *args]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
