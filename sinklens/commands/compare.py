@@ -92,9 +92,10 @@ def run_labels(run_dirs: list[str], labels: list[str] | None = None) -> list[str
         cfg_path = Path(run_dir) / "config.json"
         return json.loads(cfg_path.read_text())["model"]["variant"] if cfg_path.is_file() else "?"
 
-    short = [f"{variant(r)} @ {Path(r).name}" for r in run_dirs]
+    variants = [variant(r) for r in run_dirs]
+    short = [f"{v} @ {Path(r).name}" for v, r in zip(variants, run_dirs)]
     counts = Counter(short)
-    return [label if counts[label] == 1 else f"{variant(r)} @ {r}" for label, r in zip(short, run_dirs)]
+    return [label if counts[label] == 1 else f"{v} @ {r}" for label, v, r in zip(short, variants, run_dirs)]
 
 
 def run(args: argparse.Namespace) -> int:
