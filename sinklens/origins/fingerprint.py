@@ -168,9 +168,21 @@ class FingerprintResult(CompactRepr):
     def summary(self) -> str:
         verdict = {"same_lineage": "SAME lineage", "no_evidence": "no evidence of shared lineage",
                    "inconclusive": "INCONCLUSIVE, p < alpha but the test is not valid here (caveat below)"}[self.verdict]
-        line = (f"SeedPrint: {verdict} (p = {self.p_value:.3g}, z = {self.z:.2f}, mean tau = {self.tau_mean:.4f}, "
+        line = (f"SeedPrint: {verdict} ({format_p_value(self.p_value, self.log10_p)}, z = {self.z:.2f}, mean tau = {self.tau_mean:.4f}, "
                 f"{self.n_dims} identity dims, {self.n_samples} samples, alpha = {self.alpha})")
         return "\n".join([line, *(f"  caveat: {c}" for c in self.caveats)])
+
+
+def format_p_value(p_value: float, log10_p: float) -> str:
+    """``"p = 0.0123"``, or ``"p = 10^-412.3"`` from ``log10_p`` where ``p_value`` underflows float64 to 0.
+
+    Examples:
+        >>> format_p_value(0.01234, -1.9087), format_p_value(0.0, -412.345)
+        ('p = 0.0123', 'p = 10^-412.3')
+    """
+    if p_value > 0.0 or not math.isfinite(log10_p):
+        return f"p = {p_value:.3g}"
+    return f"p = 10^{log10_p:.1f}"
 
 
 def shared_last_token_share(n_samples: int, vocab: int) -> float:

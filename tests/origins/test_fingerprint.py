@@ -44,6 +44,17 @@ def test_seedprint_statistic_matches_a_hand_computation():
     assert kendall_tau_null_std(50) == pytest.approx(math.sqrt(210 / 22050))
 
 
+def test_a_p_value_below_float64_is_printed_from_its_logarithm():
+    from scipy.stats import norm
+
+    hidden = torch.randn(300, 64, generator=torch.Generator().manual_seed(0))
+    res = seedprint_test(hidden, hidden.clone(), buffer_k=64)  # tau = 1 in every dim: z ~ 206
+    assert res.p_value == 0.0 and res.z > 200
+    assert res.log10_p == pytest.approx((math.log(2) + norm.logsf(res.z)) / math.log(10), rel=1e-12)
+    assert res.log10_p < -9000
+    assert f"(p = 10^{res.log10_p:.1f}, z = " in res.summary() and "p = 0," not in res.summary()
+
+
 def test_run_keeps_the_lineage_of_its_own_init_only(trained_runs):
     run1, run2 = (str(trained_runs[s]) for s in (1, 2))
     same = _fp(f"{run1}@init", run1)
