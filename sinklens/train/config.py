@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import difflib
 import dataclasses
 import io
 import json
@@ -80,7 +81,10 @@ def _check_unknown(cls: type, data: dict[str, Any]) -> None:
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        raise InvalidArgumentError(f"Unknown {cls.__name__} keys {unknown}; known keys are {sorted(known)}.")
+        close = {key: difflib.get_close_matches(str(key), known, n=1) for key in unknown}
+        hints = [f"{match[0]!r}" + (f" for {key!r}" if len(unknown) > 1 else "") for key, match in close.items() if match]
+        hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
+        raise InvalidArgumentError(f"Unknown {cls.__name__} keys {unknown}{hint}; known keys are {sorted(known)}.")
 
 
 def _optional_int(value: Any, *, what: str, minimum: int = 1) -> int | None:
@@ -458,7 +462,7 @@ class TrainConfig(_Part):
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         """A config from ``to_dict()`` output (a ``config.json``), sinklens 0.1 files included."""
         _check_unknown(cls, data)
-        data = {k: _PARTS[k].from_dict(v) if k in _PARTS and isinstance(v, dict) else v for k, v in data.items()}
+        data = {k: _PARTS[k].from_dict(v) if k in _PARTS and not isinstance(v, _PARTS[k]) else v for k, v in data.items()}
         return super().from_dict.__func__(cls, data)  # type: ignore[attr-defined]
 
     def replace(self, **changes: Any) -> TrainConfig:
@@ -472,15 +476,16 @@ def load_config(path: str | Path) -> TrainConfig:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Config file {str(path)!r} does not exist.")
-    if path.suffix == ".json":
-        data = json.loads(path.read_text())
-    elif path.suffix == ".toml":
-        import tomllib
-
-        data = tomllib.loads(path.read_text())
-    else:
+    if path.suffix not in (".json", ".toml"):
         raise InvalidArgumentError(f"Config file {str(path)!r} must end in .json or .toml.")
-    return TrainConfig.from_dict(data)
+    import tomllib
+
+    try:
+        text = path.read_text()
+        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+        return TrainConfig.from_dict(data)
+    except ValueError as error:  # a syntax error (JSON, TOML, not UTF-8), an unknown key or a bad value
+        raise InvalidArgumentError(f"Config file {str(path)!r}: {error}") from error
 
 
 # ------------------------------------------------------------------------------------------------

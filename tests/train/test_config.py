@@ -8,6 +8,7 @@ import math
 import pytest
 from _train_cfg import build_cfg
 
+from sinklens.errors import InvalidArgumentError
 from sinklens.train.config import OptimConfig, TrainConfig, apply_overrides, load_config
 from sinklens.train.loop import get_lr
 
@@ -82,6 +83,24 @@ def test_unknown_keys_in_files_and_missing_file(tmp_path):
         TrainConfig.from_dict({"data": {"sequence": 3}})
     with pytest.raises(FileNotFoundError, match="does not exist"):
         load_config(tmp_path / "missing.toml")
+
+
+@pytest.mark.parametrize(
+    "name, text, match",
+    [
+        ("typo.toml", "steps = 3\n[model]\nn_layerz = 2\n",
+         r"Config file '.*typo\.toml': Unknown ModelConfig keys \['n_layerz'\] \(did you mean 'n_layers'\?\)"),
+        ("two.toml", "stepz = 3\nbatchsize = 2\n", r"\(did you mean 'batch_size' for 'batchsize', 'steps' for 'stepz'\?\)"),
+        ("value.toml", "[model]\nn_layers = 'x'\n", r"Config file '.*value\.toml': model\.n_layers must be an integer, got 'x'"),
+        ("syntax.toml", "steps = 3\n[model\n", r"Config file '.*syntax\.toml': Expected ']'.*line 2"),
+        ("syntax.json", '{"steps": 3,}', r"Config file '.*syntax\.json': Expecting property name"),
+        ("table.toml", "model = 3\n", r"Config file '.*table\.toml': ModelConfig must be given as a mapping of its fields, got 3"),
+    ],
+)
+def test_a_bad_config_file_is_named_in_its_error(tmp_path, name, text, match):
+    (tmp_path / name).write_text(text)
+    with pytest.raises(InvalidArgumentError, match=match):
+        load_config(tmp_path / name)
 
 
 def test_lr_schedule_warmup_cosine_floor():
