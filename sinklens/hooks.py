@@ -21,7 +21,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.errors import UnknownHookError, UnsupportedArchitectureError
+from sinklens.errors import InvalidArgumentError, UnknownHookError, UnsupportedArchitectureError
 
 #: Per-layer hook sites used across sinklens, relative to ``blocks.{layer}``.
 PATTERN = "attn.hook_pattern"
@@ -139,6 +139,30 @@ def model_device(model: Any) -> torch.device:
         return next(model.parameters()).device
     except (StopIteration, AttributeError):
         return torch.device(getattr(model.cfg, "device", None) or "cpu")
+
+
+def check_model_device(model: Any, device: torch.device | None) -> None:
+    """Raise :class:`~sinklens.errors.InvalidArgumentError` unless the model runs on ``device``
+    (:attr:`RunOptions.device <sinklens.options.RunOptions.device>`; None: no check).
+
+    The model's device is that of its first parameter (:func:`model_device`); ``cuda`` matches any
+    ``cuda:N``, ``cuda:1`` only that GPU.
+
+    Examples:
+        >>> check_model_device(torch.nn.Linear(2, 2), torch.device("cpu"))
+        >>> check_model_device(torch.nn.Linear(2, 2), torch.device("cuda"))
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.InvalidArgumentError: RunOptions(device='cuda'), but the model runs on cpu: move it first (model.to('cuda')) or leave device=None.
+    """
+    if device is None:
+        return
+    actual = model_device(model)
+    if actual.type != device.type or device.index is not None and (actual.index or 0) != device.index:
+        raise InvalidArgumentError(
+            f"RunOptions(device={str(device)!r}), but the model runs on {actual}: move it first "
+            f"(model.to({str(device)!r})) or leave device=None."
+        )
 
 
 def model_dtype(model: Any) -> torch.dtype:

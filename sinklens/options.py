@@ -18,6 +18,7 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -26,6 +27,7 @@ from typing import Any, TypeVar
 import torch
 
 from sinklens.errors import InvalidArgumentError
+from sinklens.validate import device as as_device
 from sinklens.validate import positive_int
 
 S = TypeVar("S")
@@ -49,7 +51,11 @@ class RunOptions:
         extra_hooks: ``(hook_name, fn)`` pairs added to every forward before the analyzers' own, e.g.
             an intervention, so the analyzers measure the intervened model.
         progress: show a tqdm bar over batches.
-        device: where batches and statistics live; None = the device of the model's parameters.
+        device: the device the model must run on, checked before the pass: a model whose first parameter
+            is elsewhere raises :class:`~sinklens.errors.InvalidArgumentError` naming both (rather than
+            running where it is); a device this machine lacks raises
+            :class:`~sinklens.errors.DeviceUnavailableError`. None (default) = no check. Batches and
+            statistics always live on the device of the model's first parameter.
         desc: label of the progress bar.
     """
 
@@ -67,12 +73,7 @@ class RunOptions:
             object.__setattr__(self, "max_length", positive_int(self.max_length, what="max_length"))
         object.__setattr__(self, "extra_hooks", tuple(self.extra_hooks))
         if self.device is not None:
-            try:
-                object.__setattr__(self, "device", torch.device(self.device))
-            except (RuntimeError, TypeError) as err:
-                from sinklens.errors import InvalidArgumentError
-
-                raise InvalidArgumentError(f"device {self.device!r} is not a torch device ({err}).") from None
+            object.__setattr__(self, "device", as_device(self.device))
 
     def replace(self, **changes: Any) -> RunOptions:
         """A copy with some fields changed (validated again)."""
@@ -103,7 +104,7 @@ def settings_from(
         >>> settings_from(Demo, None, {"topk": 2}, "demo")
         Traceback (most recent call last):
         ...
-        TypeError: demo() got unexpected keyword arguments ['topk'].
+        TypeError: demo() got unexpected keyword arguments ['topk'] (did you mean 'top_k'?).
     """
     for old, new in (renames or {}).items():
         if old in kwargs:
@@ -112,17 +113,45 @@ def settings_from(
             if new in kwargs and kwargs[new] != old_value:
                 raise InvalidArgumentError(f"Got both {new}={kwargs[new]!r} and its deprecated name {old}={old_value!r}.")
             kwargs[new] = old_value
-    given = {f.name: kwargs.pop(f.name) for f in dataclasses.fields(cls) if f.name in kwargs}
-    no_unknown_kwargs(kwargs, where)
+    names = [f.name for f in dataclasses.fields(cls)]
+    given = {name: kwargs.pop(name) for name in names if name in kwargs}
+    no_unknown_kwargs(kwargs, where, known=names)
     if settings is None:
         return cls(**((defaults or {}) | given))
     return dataclasses.replace(settings, **given) if given else settings
 
 
-def no_unknown_kwargs(kwargs: dict[str, Any], where: str) -> None:
-    """Raise ``TypeError`` like Python does if keywords are left over after the deprecated ones were popped."""
+def no_unknown_kwargs(kwargs: dict[str, Any], where: str, *, known: Sequence[str] = ()) -> None:
+    """Raise ``TypeError`` like Python does if keywords are left over after the deprecated ones were popped,
+    suggesting the closest of ``known`` for a likely typo.
+
+    Examples:
+        >>> no_unknown_kwargs({"sink_treshold": 0.3}, "demo", known=["sink_threshold", "top_k"])
+        Traceback (most recent call last):
+        ...
+        TypeError: demo() got unexpected keyword arguments ['sink_treshold'] (did you mean 'sink_threshold'?).
+    """
     if kwargs:
-        raise TypeError(f"{where}() got unexpected keyword arguments {sorted(kwargs)}.")
+        hints = [match[0] for key in sorted(kwargs) if (match := difflib.get_close_matches(key, known, n=1))]
+        hint = f" (did you mean {', '.join(map(repr, hints))}?)" if hints else ""
+        raise TypeError(f"{where}() got unexpected keyword arguments {sorted(kwargs)}{hint}.")
+
+
+def checked_options(options: Any, where: str | None = None) -> RunOptions:
+    """``options`` when it is a :class:`RunOptions`, else an :class:`~sinklens.errors.InvalidArgumentError`
+    saying what was given and how to build one (a dict is the usual slip).
+
+    Examples:
+        >>> checked_options({"batch_size": 2}, "find_sinks")
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.InvalidArgumentError: find_sinks(options=...) takes a sinklens.RunOptions, got dict {'batch_size': 2}; pass options=RunOptions(**{'batch_size': 2}).
+    """
+    if isinstance(options, RunOptions):
+        return options
+    build = f"RunOptions(**{options!r:.80})" if isinstance(options, dict) else "RunOptions(batch_size=..., progress=...)"
+    raise InvalidArgumentError(f"{f'{where}(options=...)' if where else 'options='} takes a sinklens.RunOptions, got "
+                               f"{type(options).__name__} {options!r:.80}; pass options={build}.")
 
 
 def options_from_legacy(options: RunOptions, kwargs: dict[str, Any], where: str, *, last: bool = True,
@@ -141,6 +170,7 @@ def options_from_legacy(options: RunOptions, kwargs: dict[str, Any], where: str,
         >>> opts.batch_size, kwargs, str(caught[0].message)
         (2, {'top_k': 5}, 'demo(batch_size=) is deprecated; pass options=RunOptions(...).')
     """
+    options = checked_options(options, where)
     legacy = {f.name: kwargs.pop(f.name) for f in dataclasses.fields(RunOptions) if f.name in kwargs}
     if last:
         no_unknown_kwargs(kwargs, where)

@@ -48,9 +48,9 @@ from tqdm.auto import tqdm
 from sinklens.errors import PatternNotExposedError, UnsupportedArchitectureError
 from torch import Tensor
 
-from sinklens.hooks import check_hook_names, hook_name
+from sinklens.hooks import check_hook_names, check_model_device, hook_name
 from sinklens.inputs import Inputs, TokenBatch, as_batches, is_encoder, right_align
-from sinklens.options import HookFn, RunOptions
+from sinklens.options import HookFn, RunOptions, checked_options
 
 
 R = TypeVar("R")
@@ -368,6 +368,8 @@ def stream(
     """
     from sinklens import distributed
 
+    options = checked_options(options, "stream")
+    check_model_device(model, options.device)
     batches = distributed.local_batches(batches)  # all of them, unless sharded over torchrun processes
     on_device = _stats_device_if_split(model)
     requested: set[str] = set()
@@ -433,6 +435,7 @@ def run(model: Any, inputs: Inputs | None, *reducers: Reducer[Any], options: Run
 
     ``inputs`` is anything :func:`~sinklens.inputs.as_batches` accepts (None = the built-in prompts).
     """
+    options = checked_options(options, "run")
     batches = as_batches(
         model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos, max_length=options.max_length
     )

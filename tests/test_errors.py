@@ -6,6 +6,7 @@ the bad value (and, where there is one, what would be accepted).
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import random
@@ -341,6 +342,38 @@ INPUT_ROWS = [
 @pytest.mark.parametrize(("call", "error", "words"), [r[1:] for r in INPUT_ROWS], ids=[r[0] for r in INPUT_ROWS])
 def test_bad_inputs(tiny_llama, call, error, words):
     _raises_naming(error, words, call, tiny_llama)
+
+
+def test_run_options_device_is_one_this_machine_has_and_the_model_runs_on(no_gpu, tiny_llama):
+    from sinklens import find_sinks
+    from sinklens.options import RunOptions
+
+    with pytest.raises(DeviceUnavailableError, match=r"device 'cuda' needs a CUDA GPU, and this machine has none"):
+        RunOptions(device="cuda")
+    with pytest.raises(InvalidArgumentError, match=r"Unknown device 'tpu'"):
+        RunOptions(device="tpu")
+    elsewhere = copy.deepcopy(tiny_llama).to("meta")
+    with pytest.raises(InvalidArgumentError, match=r"RunOptions\(device='cpu'\), but the model runs on meta: move it first"):
+        find_sinks(elsewhere, "t2 t3", options=RunOptions(device="cpu", progress=False))
+    checked = find_sinks(tiny_llama, "t2 t3 t4", options=RunOptions(device="cpu", progress=False))
+    assert torch.equal(checked.received, find_sinks(tiny_llama, "t2 t3 t4", options=RunOptions(progress=False)).received)
+
+
+@pytest.mark.parametrize("where", ["find_sinks", "run", "token_preference", "final_hidden_states"])
+def test_options_that_are_not_run_options_are_refused_by_name(tiny_llama, where):
+    import sinklens
+    from sinklens.origins.fingerprint import final_hidden_states
+    from sinklens.origins.preference import token_preference
+
+    call = {
+        "find_sinks": lambda o: sinklens.find_sinks(tiny_llama, "t2 t3", options=o),
+        "run": lambda o: sinklens.run(tiny_llama, "t2 t3", options=o),
+        "token_preference": lambda o: token_preference(tiny_llama, n_sequences=4, seq_len=4, options=o),
+        "final_hidden_states": lambda o: final_hidden_states(tiny_llama, n_samples=4, seq_len=4, options=o),
+    }[where]
+    with pytest.raises(InvalidArgumentError, match=r"options.* takes a sinklens\.RunOptions, got dict \{'batch_size': 2\}; "
+                                                   r"pass options=RunOptions\(\*\*\{'batch_size': 2\}\)"):
+        call({"batch_size": 2})
 
 
 def test_numpy_and_tensor_scalars_are_numbers(tiny_llama):

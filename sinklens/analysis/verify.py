@@ -31,7 +31,7 @@ from sinklens.analysis.weight_super_neurons import SinkMeanReducer
 from sinklens.export import to_json
 from sinklens.hooks import model_dims
 from sinklens.inputs import Inputs, TokenBatch, as_batches
-from sinklens.options import RunOptions
+from sinklens.options import RunOptions, checked_options
 from sinklens.streaming import stream
 from sinklens.validate import positive_int
 
@@ -151,6 +151,7 @@ def verify_attribution(
     """
     from sinklens.interventions.neurons import edit_neurons
 
+    options = checked_options(options, "verify_attribution")
     max_writers = positive_int(max_writers, what="max_writers")
     sink = neurons.sink_position
     batches = as_batches(model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos,

@@ -91,7 +91,7 @@ from sinklens.display import CompactRepr
 from sinklens.errors import IncompatibleModelsError, InvalidArgumentError
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch
-from sinklens.options import RunOptions
+from sinklens.options import RunOptions, checked_options
 from sinklens.origins.sites import final_state_site
 from sinklens.streaming import BatchFold, Reducer, stream
 from sinklens.validate import as_seed, choice, finite_number, positive_int
@@ -389,6 +389,7 @@ def final_hidden_states(
         embedding_stats: ``(μ, σ)`` for embedding mode (default: those of the model's ``W_E``).
         options: ``batch_size``, ``progress``, ``desc`` are used.
     """
+    options = checked_options(options, "final_hidden_states")
     dims = model_dims(model)
     n_samples = positive_int(n_samples, what="n_samples", minimum=2)
     seq_len = positive_int(seq_len, what="seq_len")

@@ -39,7 +39,7 @@ from torch import Tensor
 from sinklens.display import CompactRepr
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch, random_token_batches
-from sinklens.options import RunOptions, settings_from
+from sinklens.options import RunOptions, checked_options, settings_from
 from sinklens.origins.sites import final_state_site, logits_from_final
 from sinklens.streaming import R, BatchFold, Reducer, stream
 from sinklens.validate import as_seed, positive_int
@@ -164,6 +164,7 @@ class RandomInputs:
 
 def random_batches(model: Any, random: RandomInputs, options: RunOptions) -> list[TokenBatch]:
     """Uniform random token batches on the model's device (the inputs of every origins measure)."""
+    options = checked_options(options)
     batches = random_token_batches(model, n_sequences=random.n_sequences, seq_len=random.seq_len,
                                    batch_size=options.batch_size, prepend_bos=random.prepend_bos, seed=random.seed)
     return [b.to(model_device(model)) for b in batches]

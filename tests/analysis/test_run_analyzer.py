@@ -68,3 +68,8 @@ def test_public_analyzer_equals_its_reducer_streamed_by_hand():
 def test_unknown_keyword_names_the_analyzer():
     with pytest.raises(TypeError, match=r"measure_variance\(\) got unexpected keyword arguments \['bogus'\]"):
         measure_variance(tiny_model(), PROMPTS, bogus=1)
+    with pytest.raises(TypeError, match=r"find_sinks\(\) got unexpected keyword arguments \['sink_treshold'\] "
+                                        r"\(did you mean 'sink_threshold'\?\)\.$"):
+        find_sinks(tiny_model(), PROMPTS, sink_treshold=0.5)
+    with pytest.raises(TypeError, match=r"\['bogus'\]\.$"):  # nothing close: no suggestion
+        find_sinks(tiny_model(), PROMPTS, bogus=1)
