@@ -154,7 +154,7 @@ def checked_options(options: Any, where: str | None = None) -> RunOptions:
                                f"{type(options).__name__} {options!r:.80}; pass options={build}.")
 
 
-def options_from_legacy(options: RunOptions, kwargs: dict[str, Any], where: str, *, last: bool = True,
+def options_from_legacy(options: Any, kwargs: dict[str, Any], where: str, *, last: bool = True,
                         stacklevel: int = 3) -> RunOptions:
     """``options`` with any sinklens-0.1 run keywords (``batch_size=``, ``progress=``, ..., any field of
     :class:`RunOptions`) popped from ``kwargs`` folded in, with a :class:`DeprecationWarning` (attributed

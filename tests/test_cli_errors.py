@@ -46,6 +46,8 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "bad.gguf").write_bytes(b"PK\x03\x04" * 16)
     (root / "short.gguf").write_bytes(b"GGUF" + struct.pack("<I", 3))
     (root / "bad_config.json").write_text("{")
+    (root / "value.toml").write_text("[model]\nn_layers = 'x'\n")
+    (root / "table.toml").write_text("model = 3\n")
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=1)
@@ -147,6 +149,11 @@ GENERIC_ROWS = [
      ["--seq-len 65 is longer than the model's context of 64 tokens"]),
     ("fingerprint-seq-len-beyond-context", lambda f: ["fingerprint", str(f["tiny"]), str(f["tiny"]), "--seq-len", "65"],
      EXIT_USAGE, ["--seq-len 65 is longer than the models' context of 64 tokens"]),
+    # a config file's bad value or shape is named with the file
+    ("train-config-bad-value", lambda f: ["train", "--config", str(f["root"] / "value.toml"), "--out", _p(f, "run")],
+     EXIT_USAGE, ["value.toml': model.n_layers must be an integer, got 'x' (str)."]),
+    ("train-config-section-not-a-table", lambda f: ["train", "--config", str(f["root"] / "table.toml"), "--out", _p(f, "run")],
+     EXIT_USAGE, ["table.toml': ModelConfig must be given as a mapping of its fields, got 3."]),
     # seeds: torch.manual_seed's 0..2**64-1, named with their minus sign (a wrapped panel line once lost it)
     ("train-seed-negative", lambda f: ["train", "--out", _p(f, "run"), "--seed", "-1"], EXIT_USAGE,
      ["seed must be an integer from 0 to 2**64 - 1, got -1."]),

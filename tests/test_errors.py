@@ -359,20 +359,18 @@ def test_run_options_device_is_one_this_machine_has_and_the_model_runs_on(no_gpu
     assert torch.equal(checked.received, find_sinks(tiny_llama, "t2 t3 t4", options=RunOptions(progress=False)).received)
 
 
-@pytest.mark.parametrize("where", ["find_sinks", "run", "token_preference", "final_hidden_states"])
+@pytest.mark.parametrize("where", ["find_sinks", "run", "final_hidden_states"])
 def test_options_that_are_not_run_options_are_refused_by_name(tiny_llama, where):
     import sinklens
     from sinklens.origins.fingerprint import final_hidden_states
-    from sinklens.origins.preference import token_preference
 
     call = {
-        "find_sinks": lambda o: sinklens.find_sinks(tiny_llama, "t2 t3", options=o),
-        "run": lambda o: sinklens.run(tiny_llama, "t2 t3", options=o),
-        "token_preference": lambda o: token_preference(tiny_llama, n_sequences=4, seq_len=4, options=o),
-        "final_hidden_states": lambda o: final_hidden_states(tiny_llama, n_samples=4, seq_len=4, options=o),
+        "find_sinks": lambda o: _unchecked(sinklens.find_sinks)(tiny_llama, "t2 t3", options=o),
+        "run": lambda o: _unchecked(sinklens.run)(tiny_llama, "t2 t3", options=o),
+        "final_hidden_states": lambda o: _unchecked(final_hidden_states)(tiny_llama, n_samples=4, seq_len=4, options=o),
     }[where]
-    with pytest.raises(InvalidArgumentError, match=r"options.* takes a sinklens\.RunOptions, got dict \{'batch_size': 2\}; "
-                                                   r"pass options=RunOptions\(\*\*\{'batch_size': 2\}\)"):
+    with pytest.raises(InvalidArgumentError, match=rf"{where}\(options=\.\.\.\) takes a sinklens\.RunOptions, got dict "
+                                                   r"\{'batch_size': 2\}; pass options=RunOptions\(\*\*\{'batch_size': 2\}\)"):
         call({"batch_size": 2})
 
 
