@@ -206,6 +206,7 @@ class MassiveActivations(SettingsFields, CompactRepr):
 
     def top_dims(self, stream: int, k: int = 5, where: Literal["sink", "other"] = "sink") -> list[tuple[int, float]]:
         """The ``k`` dimensions with the largest max ``|x|`` at one residual-stream index, with that max."""
+        k = positive_int(k, what="k")
         size = (self.max_abs_sink if where == "sink" else self.max_abs_other)[self._row(stream)]
         vals, idx = size.topk(min(k, size.numel()))
         return [(int(i), float(v)) for i, v in zip(idx, vals)]

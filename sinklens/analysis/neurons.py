@@ -318,14 +318,19 @@ class SuperNeurons(SettingsFields, CompactRepr):
     head_contribution: Float[Tensor, "block head n_dims"] | None = None
     attn_offset_sink: Float[Tensor, "block d_model"] | None = None
 
+    def _ranking(self, dim: int, k: Any, sign: float | None) -> tuple[int, int, float]:
+        """``(k, column of dim, sign)`` for :meth:`top` and :meth:`top_heads`: ``k`` checked, ``dim`` analysed,
+        the sign of its peak unless given."""
+        k = positive_int(k, what="k")
+        path = self.path(dim)
+        return k, self.dims.index(path.dim), (1.0 if path.peak_value >= 0 else -1.0) if sign is None else sign
+
     def top_heads(self, dim: int, block: int, k: int = 3, *, sign: float | None = None) -> list[tuple[int, float]]:
         """``(head, contribution)`` of block ``block``'s ``k`` heads writing most into ``dim`` in the peak's direction
         (or ``sign``), residual units, best first."""
         if self.head_contribution is None:
             return []
-        j = self.dims.index(self.path(dim).dim)
-        if sign is None:
-            sign = 1.0 if self.path(dim).peak_value >= 0 else -1.0
+        k, j, sign = self._ranking(dim, k, sign)
         col = sign * self.head_contribution[block, :, j]
         vals, idx = col.topk(min(k, col.numel()))
         return [(int(h), float(sign * v)) for h, v in zip(idx, vals)]
@@ -358,9 +363,7 @@ class SuperNeurons(SettingsFields, CompactRepr):
         """``(layer, neuron, contribution)`` of the ``k`` neurons writing most into ``dim`` in its peak's direction
         (residual units), best first; ``block`` restricts to one layer's neurons (empty if it was not analysed),
         ``sign`` (+1/-1) overrides the direction (e.g. -peak sign for erasers)."""
-        j = self.dims.index(self.path(dim).dim)
-        if sign is None:
-            sign = 1.0 if self.path(dim).peak_value >= 0 else -1.0
+        k, j, sign = self._ranking(dim, k, sign)
         contrib = self.contribution[:, :, j]
         rows = list(range(len(self.layers)))
         if block is not None:

@@ -5,19 +5,21 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sinklens.plotting.style import finish, new_figure, paired_bars
+from sinklens.analysis.disparity import MassiveActivations
+from sinklens.plotting.style import expect_result, finish, new_figure, paired_bars
 
 
 def _stream_labels(result: Any) -> list[str]:
     return [str(s) if s < result.n_layers else "out" for s in result.streams]
 
 
-def plot_massive_by_layer(result: Any, *, path: str | Path | None = None) -> Any:
+def plot_massive_by_layer(result: MassiveActivations, *, path: str | Path | None = None) -> Any:
     """Max ``|x|`` per residual-stream index at the sink position vs all other positions, log scale.
 
     The median ``|x|`` (the denominator of the relative threshold) and the absolute threshold are drawn
     for reference.
     """
+    expect_result(result, MassiveActivations, "plot_massive_by_layer")
     fig, axes = new_figure(width=7.0, height=4.0)
     ax = axes[0, 0]
     xs = list(range(len(result.streams)))
@@ -36,9 +38,10 @@ def plot_massive_by_layer(result: Any, *, path: str | Path | None = None) -> Any
     return finish(fig, path)
 
 
-def plot_top_dims(result: Any, *, stream: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
+def plot_top_dims(result: MassiveActivations, *, stream: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
     """Bar chart of the ``k`` dimensions with the largest ``|x|`` at the sink, beside their max elsewhere,
     at one residual-stream index (default: the last)."""
+    expect_result(result, MassiveActivations, "plot_top_dims")
     stream = result.streams[-1] if stream is None else stream
     top = result.top_dims(stream, k, "sink")
     row = result.streams.index(stream)
@@ -55,8 +58,9 @@ def plot_top_dims(result: Any, *, stream: int | None = None, k: int = 10, path: 
     return finish(fig, path)
 
 
-def plot_position_profile(result: Any, *, path: str | Path | None = None) -> Any:
+def plot_position_profile(result: MassiveActivations, *, path: str | Path | None = None) -> Any:
     """Per-position norm ratio (to the median of the other positions) and top-k energy share, per layer."""
+    expect_result(result, MassiveActivations, "plot_position_profile")
     import matplotlib.pyplot as plt
 
     fig, axes = new_figure(1, 2, width=5.5, height=4.0)

@@ -5,16 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sinklens.plotting.style import new_figure, save_figure
+from sinklens.interventions.experiments import InterventionResult
+from sinklens.interventions.patching import SinkPatchResult
+from sinklens.plotting.style import expect_result, new_figure, save_figure
 
 
-def plot_intervention(result: Any, path: str | Path | None = None) -> Any:
+def plot_intervention(result: InterventionResult, path: str | Path | None = None) -> Any:
     """Two panels for an :class:`~sinklens.interventions.experiments.InterventionResult`.
 
     Left: head-averaged attention received per layer by the target (solid) and the original sink
     (dashed), before (grey) and after (colour) the intervention. Right: the target's
     ``hook_resid_post`` norm per layer before and after, on a log scale.
     """
+    expect_result(result, InterventionResult, "plot_intervention")
     fig, axes = new_figure(1, 2, width=5.5, height=3.6)
     ax, ax2 = axes[0]
     layers = result.layers
@@ -34,8 +37,9 @@ def plot_intervention(result: Any, path: str | Path | None = None) -> Any:
     return fig
 
 
-def plot_patching(result: Any, path: str | Path | None = None) -> Any:
+def plot_patching(result: SinkPatchResult, path: str | Path | None = None) -> Any:
     """Heat map of the fraction of the sink metric each patched component restores."""
+    expect_result(result, SinkPatchResult, "plot_patching")
     import matplotlib.pyplot as plt
 
     restored = result.restored

@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sinklens.plotting.style import finish, new_figure
+from sinklens.analysis.neurons import SuperNeurons
+from sinklens.errors import InvalidArgumentError
+from sinklens.plotting.style import expect_result, finish, new_figure
 
 
 def _dim(result: Any, dim: int | None) -> int:
@@ -16,9 +18,10 @@ def _dim(result: Any, dim: int | None) -> int:
     return dim
 
 
-def plot_contributions(result: Any, *, dim: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
+def plot_contributions(result: SuperNeurons, *, dim: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
     """Bar chart of the ``k`` neurons writing most into ``dim`` at the sink, in residual units (``sink_act ×
     W_out[l, n, dim]``, taken through the post-MLP norm on post-norm models; see :mod:`sinklens.analysis.neurons`)."""
+    expect_result(result, SuperNeurons, "plot_contributions")
     dim = _dim(result, dim)
     top = result.top(dim, k)
     fig, axes = new_figure(width=7.0, height=4.0)
@@ -32,9 +35,10 @@ def plot_contributions(result: Any, *, dim: int | None = None, k: int = 10, path
     return finish(fig, path)
 
 
-def plot_row_sparsity(result: Any, *, path: str | Path | None = None) -> Any:
+def plot_row_sparsity(result: SuperNeurons, *, path: str | Path | None = None) -> Any:
     """Scatter of every neuron's ``W_out`` row kurtosis vs its top-k mass share; super neurons (by residual-unit
     contribution, ``is_super``) in red."""
+    expect_result(result, SuperNeurons, "plot_row_sparsity")
     fig, axes = new_figure(width=6.0, height=4.5)
     ax = axes[0, 0]
     kurt, share = result.row_kurtosis.flatten(), result.row_top_share.flatten()
@@ -49,15 +53,19 @@ def plot_row_sparsity(result: Any, *, path: str | Path | None = None) -> Any:
     return finish(fig, path)
 
 
-def plot_dim_path(result: Any, *, dim: int | None = None, path: str | Path | None = None) -> Any:
+def plot_dim_path(result: SuperNeurons, *, dim: int | None = None, path: str | Path | None = None) -> Any:
     """Residual value of ``dim`` at the sink per stream index, with each block's attention and MLP step."""
+    expect_result(result, SuperNeurons, "plot_dim_path")
     dim = _dim(result, dim)
+    d_model = result.resid_sink.shape[1]
+    if not isinstance(dim, int) or isinstance(dim, bool) or not 0 <= dim < d_model:
+        raise InvalidArgumentError(f"dim must be a residual dimension in 0..{d_model - 1}, got {dim!r}.")
     fig, axes = new_figure(width=7.0, height=4.0)
     ax = axes[0, 0]
     n = result.attn_out_sink.shape[0]
-    ax.plot(range(n + 1), result.resid_sink[:, dim], "o-", color="black", label="residual (input of block)")
-    ax.bar([x + 0.3 for x in range(n)], result.attn_out_sink[:, dim], width=0.3, label="attn_out", color="tab:orange")
-    ax.bar([x + 0.6 for x in range(n)], result.mlp_out_sink[:, dim], width=0.3, label="mlp_out", color="tab:green")
+    ax.plot(range(n + 1), result.resid_sink[:, dim].numpy(), "o-", color="black", label="residual (input of block)")
+    ax.bar([x + 0.3 for x in range(n)], result.attn_out_sink[:, dim].numpy(), width=0.3, label="attn_out", color="tab:orange")
+    ax.bar([x + 0.6 for x in range(n)], result.mlp_out_sink[:, dim].numpy(), width=0.3, label="mlp_out", color="tab:green")
     ax.set_xlabel("block")
     ax.set_ylabel(f"dim {dim} at position {result.sink_position}")
     ax.set_title(f"Where dim {dim} is written and erased")

@@ -12,12 +12,20 @@ from typing import Any
 
 import numpy as np
 
-from sinklens.plotting.style import finish, new_figure, paired_bars
+from sinklens.origins.contraction import ContractionResult
+from sinklens.origins.positional import PositionalDiscrepancy
+from sinklens.origins.preference import TokenPreference
+from sinklens.plotting.style import expect_result, finish, new_figure, paired_bars
 
 
-def plot_rank_probability(prefs: dict[str, Any], *, path: str | Path | None = None) -> Any:
+def plot_rank_probability(prefs: dict[str, TokenPreference], *, path: str | Path | None = None) -> Any:
     """Pooled mean next-token probability against its rank (log–log), one line per labelled result,
     with the uniform level ``1/d_vocab`` dotted."""
+    if not isinstance(prefs, dict):
+        raise TypeError(f"plot_rank_probability needs {{label: TokenPreference}}, got {type(prefs).__name__}; "
+                        "pass e.g. {'my model': token_preference(model)}.")
+    for pref in prefs.values():
+        expect_result(pref, TokenPreference, "plot_rank_probability")
     fig, axes = new_figure(1, 1, width=6.0, height=4.0)
     ax = axes[0, 0]
     for label, pref in prefs.items():
@@ -33,9 +41,10 @@ def plot_rank_probability(prefs: dict[str, Any], *, path: str | Path | None = No
     return finish(fig, path)
 
 
-def plot_contraction(result: Any, *, path: str | Path | None = None) -> Any:
+def plot_contraction(result: ContractionResult, *, path: str | Path | None = None) -> Any:
     """Inter- and intra-sequence mean cosine at every site (embed, attn l, mlp l, final), and each
     sublayer's share of the change in inter-sequence concentration."""
+    expect_result(result, ContractionResult, "plot_contraction")
     fig, axes = new_figure(1, 2, width=6.0, height=4.0)
     names = [s.name for s in result.sites]
     x = np.arange(len(names))
@@ -58,9 +67,10 @@ def plot_contraction(result: Any, *, path: str | Path | None = None) -> Any:
     return finish(fig, path)
 
 
-def plot_positional(result: Any, *, path: str | Path | None = None) -> Any:
+def plot_positional(result: PositionalDiscrepancy, *, path: str | Path | None = None) -> Any:
     """Across-sequence variance of each position's attention output relative to the later half of the
     sequence, per layer (log y), and the first-token ratio by layer."""
+    expect_result(result, PositionalDiscrepancy, "plot_positional")
     fig, axes = new_figure(1, 2, width=6.0, height=4.0)
     rel = result.relative("attn_out_var").numpy()
     ax = axes[0, 0]

@@ -8,7 +8,8 @@ from typing import Any
 
 import torch
 
-from sinklens.plotting.style import finish, new_figure
+from sinklens.analysis.sinks import SinkResult
+from sinklens.plotting.style import expect_result, finish, new_figure
 
 
 def _main_sink(result: Any, position: int | None) -> int:
@@ -18,12 +19,13 @@ def _main_sink(result: Any, position: int | None) -> int:
     return sinks[0] if sinks else 0
 
 
-def plot_sink_heatmap(result: Any, *, position: int | None = None, path: str | Path | None = None) -> Any:
+def plot_sink_heatmap(result: SinkResult, *, position: int | None = None, path: str | Path | None = None) -> Any:
     """Layer × head heatmap of the mean attention each head gives to one key position.
 
     ``position=None`` uses the first detected sink (position 0 if none). Cells whose pooled mean
     exceeds ``sink_threshold`` are marked with a dot. Returns the figure; saves a PNG if ``path`` is given.
     """
+    expect_result(result, SinkResult, "plot_sink_heatmap")
     pos = _main_sink(result, position)
     values = torch.nan_to_num(result.received[:, :, pos], nan=0.0)
     n_layers, n_heads = values.shape
@@ -50,10 +52,11 @@ def _token_label(result: Any, pos: int) -> str:
     return f" {token!r}" if token is not None else ""
 
 
-def plot_sink_rate(result: Any, *, position: int | None = None, path: str | Path | None = None) -> Any:
+def plot_sink_rate(result: SinkResult, *, position: int | None = None, path: str | Path | None = None) -> Any:
     """Gu et al.'s sink rate for one position (:meth:`~sinklens.analysis.sinks.SinkResult.sink_rate`,
     ``method="gu"``): per head (share of sequences with ``α^Gu > sink_threshold``, left) and per layer
     (share of heads, averaged over sequences, right)."""
+    expect_result(result, SinkResult, "plot_sink_rate")
     pos = _main_sink(result, position)
     frac = result.head_is_sink(method="gu")[:, :, pos]
     fig, axes = new_figure(1, 2, width=4.5, height=max(3.0, 0.2 * frac.shape[0] + 1.5))
@@ -72,13 +75,14 @@ def plot_sink_rate(result: Any, *, position: int | None = None, path: str | Path
 
 
 def plot_received_by_position(
-    result: Any, *, layers: Sequence[int] | None = None, path: str | Path | None = None
+    result: SinkResult, *, layers: Sequence[int] | None = None, path: str | Path | None = None
 ) -> Any:
     """Mean attention received (over heads) vs key position, one line per layer, log y.
 
     ``layers`` are model layers (default: up to 6 evenly spaced analysed layers). Detected sinks
     are marked with dashed vertical lines; the black line is the mean over all analysed layers.
     """
+    expect_result(result, SinkResult, "plot_received_by_position")
     if layers is None:
         step = max(1, len(result.layers) // 6)
         chosen = result.layers[::step][:6]

@@ -11,6 +11,20 @@ import matplotlib.pyplot as plt
 import numpy as np
 
 
+def expect_result(result: Any, kind: type, where: str) -> None:
+    """Raise ``TypeError`` naming ``where``, the result class it draws and what it was given instead.
+
+    Examples:
+        >>> expect_result("x", str, "plot_demo")
+        >>> expect_result([3], str, "plot_demo")
+        Traceback (most recent call last):
+        ...
+        TypeError: plot_demo needs a str, got a list.
+    """
+    if not isinstance(result, kind):
+        raise TypeError(f"{where} needs a {kind.__name__}, got a {type(result).__name__}.")
+
+
 def new_figure(n_rows: int = 1, n_cols: int = 1, *, width: float = 6.0, height: float = 4.0, **kw: Any):
     """A figure with ``n_rows × n_cols`` axes of ``width × height`` inches each."""
     fig, axes = plt.subplots(n_rows, n_cols, figsize=(width * n_cols, height * n_rows), squeeze=False, **kw)

@@ -7,13 +7,14 @@ from typing import Any
 
 import numpy as np
 
-from sinklens.plotting.style import finish, new_figure
+from sinklens.analysis.value_drain import ValueDrain
+from sinklens.plotting.style import expect_result, finish, new_figure
 
 #: Marker colour of each head class.
 KIND_COLORS = {"no-op": "tab:blue", "broadcast": "tab:red", "partial": "tab:orange", "none": "lightgray"}
 
 
-def plot_value_drain(result: Any, *, path: str | Path | None = None) -> Any:
+def plot_value_drain(result: ValueDrain, *, path: str | Path | None = None) -> Any:
     """Two panels, a pure function of the result's public fields.
 
     Left: one point per (layer, head), attention to the sink (``attn_sink``, x) against the sink's share
@@ -22,6 +23,7 @@ def plot_value_drain(result: Any, *, path: str | Path | None = None) -> Any:
     layer × head map of ``write_share``; sink heads are marked with their class letter (n = no-op,
     b = broadcast, p = partial).
     """
+    expect_result(result, ValueDrain, "plot_value_drain")
     fig, axes = new_figure(1, 2, width=4.6, height=3.8)
     ax = axes[0, 0]
     kinds = result.kinds()

@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from sinklens.plotting.style import finish, new_figure
+from sinklens.analysis.variance import VarianceResult
+from sinklens.plotting.style import expect_result, finish, new_figure
 from sinklens.validate import optional_index_list
 
 
@@ -46,7 +47,7 @@ def _position_panels(rows: list[int], n_positions: int, draw: Callable[[Any, int
 
 
 def plot_variance_by_position(
-    result: Any,
+    result: VarianceResult,
     *,
     layers: Sequence[int] | None = None,
     heads: int | Sequence[int] | None = None,
@@ -59,6 +60,7 @@ def plot_variance_by_position(
         layers: model layers to draw (default: up to 4 evenly spaced analysed layers).
         heads: one head, several, or ``None`` for the mean over all heads of the layer.
     """
+    expect_result(result, VarianceResult, "plot_variance_by_position")
     head_idx = _heads(result, heads)
     label_heads = "mean of heads" if heads is None else f"heads {head_idx}"
 
@@ -77,9 +79,10 @@ def plot_variance_by_position(
                             ylabel="variance of z (per coordinate)", path=path)
 
 
-def plot_discrepancy(result: Any, *, position: int = 0, path: str | Path | None = None) -> Any:
+def plot_discrepancy(result: VarianceResult, *, position: int = 0, path: str | Path | None = None) -> Any:
     """Layer × head heatmaps of the variance-discrepancy ratio at ``position`` for ``z`` (left) and
     for the head's output ``z · W_O`` (right), on a log colour scale centred at 1."""
+    expect_result(result, VarianceResult, "plot_discrepancy")
     from matplotlib.colors import LogNorm
 
     z = result.discrepancy(position, of="z")
@@ -103,7 +106,7 @@ def plot_discrepancy(result: Any, *, position: int = 0, path: str | Path | None 
 
 
 def plot_feature_std_by_position(
-    result: Any,
+    result: VarianceResult,
     *,
     layers: Sequence[int] | None = None,
     path: str | Path | None = None,
@@ -115,6 +118,7 @@ def plot_feature_std_by_position(
     Args:
         layers: model layers to draw (default: up to 4 evenly spaced analysed layers).
     """
+    expect_result(result, VarianceResult, "plot_feature_std_by_position")
     if result.feature_std is None or result.feature_std_head is None:
         raise ValueError("This VarianceResult has no feature std (made by an older sinklens); measure it again.")
 
