@@ -162,7 +162,8 @@ def test_next_token_loss_only_where_it_is_defined(family):
     total, count = 0.0, 0
     for prompt in prompts:  # one at a time: no padding
         (batch,) = as_batches(model, [prompt])
-        logits = model(batch.tokens, return_type="logits")[0, :-1].double()
+        with torch.no_grad():
+            logits = model(batch.tokens, return_type="logits")[0, :-1].double()
         total += float(torch.nn.functional.cross_entropy(logits, batch.tokens[0, 1:], reduction="sum"))
         count += batch.tokens.shape[1] - 1
     assert res.loss_before == pytest.approx(total / count, rel=1e-5)
