@@ -94,6 +94,11 @@ class RunExistsError(SinklensError, FileExistsError):
     """A new training run aimed at a directory that already holds a run (pass resume or overwrite)."""
 
 
+class OutputExistsError(SinklensError, FileExistsError):
+    """A command whose output would replace a finished result (an analysis's ``report.json``, a ``--json``
+    file); pass ``--overwrite`` or another output path."""
+
+
 class ResumeMismatchError(SinklensError, ValueError):
     """A resume whose config changes what the run is (its model, data or initialisation seed)."""
 
@@ -113,7 +118,7 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 # e.g. a missing model file (a FileNotFoundError, hence an OSError) is a usage error.
 _USAGE_CLASSES: tuple[type[BaseException], ...] = (
     ModelFileNotFoundError, DataFileNotFoundError, OutputNotWritableError, DeviceUnavailableError, InputFileError,
-    RunExistsError,
+    RunExistsError, OutputExistsError,
 )
 
 

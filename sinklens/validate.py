@@ -215,6 +215,34 @@ def writable_file(path: Any, *, what: str) -> Path:
     return file
 
 
+def no_finished_output(paths: Sequence[Path], *, overwrite: bool, flag: str) -> None:
+    """Refuse to replace a finished result: raise :class:`~sinklens.errors.OutputExistsError` naming the
+    first of ``paths`` that exists and when it was written, unless ``overwrite`` (the command's ``--overwrite``).
+
+    Examples:
+        >>> import tempfile
+        >>> folder = Path(tempfile.mkdtemp())
+        >>> no_finished_output([folder / "report.json"], overwrite=False, flag="--out")  # nothing there yet
+        >>> _ = (folder / "report.json").write_text("{}")
+        >>> no_finished_output([folder / "report.json"], overwrite=True, flag="--out")
+        >>> no_finished_output([folder / "report.json"], overwrite=False, flag="--out")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.OutputExistsError: --out would replace ... (written ... UTC), a finished result; pass --overwrite to replace it, or another --out.
+    """
+    from datetime import datetime, timezone
+
+    from sinklens.errors import OutputExistsError
+
+    if overwrite:
+        return
+    for path in paths:
+        if path.exists():
+            when = datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc).strftime("%Y-%m-%d %H:%M")
+            raise OutputExistsError(f"{flag} would replace {str(path)!r} (written {when} UTC), a finished result; "
+                                    f"pass --overwrite to replace it, or another {flag}.")
+
+
 # --- inputs, devices and dtypes (issue 11): checked once, at the boundary ----------------------------
 
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from sinklens.analysis.report import analyze
+from sinklens.analysis.report_files import FIGURE_FILES
 from sinklens.analysis.sinks import find_sinks
 from sinklens.analysis.variance import measure_variance
 from sinklens.cli import main
@@ -37,6 +38,7 @@ def test_report_saves_json_summary_and_figures(tiny, tmp_path):
     assert "sink rate" in (tmp_path / "summary.txt").read_text()
     pngs = [p for p in written if p.suffix == ".png"]
     assert len(pngs) >= 6 and all(p.stat().st_size > 5000 for p in pngs)
+    assert {p.name for p in pngs} <= set(FIGURE_FILES)  # the names a later save clears when it does not redraw them
 
 
 def test_cli_analyze_on_a_local_model_directory(tmp_path, capsys):
@@ -56,6 +58,17 @@ def test_cli_analyze_on_a_local_model_directory(tmp_path, capsys):
     assert "Sink positions" in printed and "layer" in printed
     data = json.loads((tmp_path / "out" / "report.json").read_text())
     assert data["n_sequences"] == 2 and len(data["sinks"]["received"]) == 2
+
+    # a second analysis is refused before the model loads, leaving the first one as it was
+    before = {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()}
+    assert main(["analyze", "--model", "no-such-model", "--out", str(tmp_path / "out")]) == 2
+    assert "--out would replace" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in (tmp_path / "out").iterdir()} == before
+    # --overwrite replaces it whole: no figure of the first analysis is left beside the second
+    assert main(["analyze", "--model", str(tmp_path / "model"), "--text", "t4 t5 t6", "--out", str(tmp_path / "out"),
+                 "--device", "cpu", "--overwrite", "--no-figures"]) == 0
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["report.json", "summary.txt"]
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["n_sequences"] == 1
 
 
 def test_cli_reports_bad_input_without_a_traceback(tmp_path, capsys):

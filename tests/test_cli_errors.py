@@ -47,6 +47,10 @@ def files(tmp_path_factory) -> dict[str, Path]:
     (root / "short.gguf").write_bytes(b"GGUF" + struct.pack("<I", 3))
     (root / "bad_config.json").write_text("{")
     (root / "value.toml").write_text("[model]\nn_layers = 'x'\n")
+    (root / "done").mkdir()
+    for name in ("report.json", "origins.json", "intervention.png"):
+        (root / "done" / name).write_text("{}")
+    (root / "done.json").write_text("{}")
     (root / "table.toml").write_text("model = 3\n")
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
@@ -149,6 +153,18 @@ GENERIC_ROWS = [
      ["--seq-len 65 is longer than the model's context of 64 tokens"]),
     ("fingerprint-seq-len-beyond-context", lambda f: ["fingerprint", str(f["tiny"]), str(f["tiny"]), "--seq-len", "65"],
      EXIT_USAGE, ["--seq-len 65 is longer than the models' context of 64 tokens"]),
+    # a finished result is never replaced without --overwrite (checked before any model loads)
+    ("analyze-over-a-report", lambda f: ["analyze", "--model", "./no/such/model", "--out", str(f["root"] / "done")],
+     EXIT_USAGE, ["--out would replace", "report.json", "pass --overwrite to replace it"]),
+    ("origins-over-a-report", lambda f: ["origins", "--model", "./no/such/model", "--out", str(f["root"] / "done")],
+     EXIT_USAGE, ["--out would replace", "origins.json"]),
+    ("fingerprint-over-a-json", lambda f: ["fingerprint", "./no/a", "./no/b", "--json", str(f["root"] / "done.json")],
+     EXIT_USAGE, ["--json would replace", "done.json"]),
+    ("intervene-over-a-json", lambda f: ["intervene", "--method", "self-only", "--position", "2", "--model", "./no/m",
+                                         "--json", str(f["root"] / "done.json")], EXIT_USAGE, ["--json would replace"]),
+    ("intervene-over-a-figure", lambda f: ["intervene", "--method", "self-only", "--position", "2", "--model", "./no/m",
+                                           "--out", str(f["root"] / "done")], EXIT_USAGE, ["--out would replace",
+                                                                                          "intervention.png"]),
     # a config file's bad value or shape is named with the file
     ("train-config-bad-value", lambda f: ["train", "--config", str(f["root"] / "value.toml"), "--out", _p(f, "run")],
      EXIT_USAGE, ["value.toml': model.n_layers must be an integer, got 'x' (str)."]),

@@ -29,6 +29,7 @@ from sinklens.errors import (
     ModelFileNotFoundError,
     ModelLoadError,
     OfflineModelError,
+    OutputExistsError,
     OutputNotWritableError,
     PatternNotExposedError,
     SequenceTooLongError,
@@ -542,6 +543,7 @@ EXIT_ROWS = [
     ("sequence-too-long", lambda: SequenceTooLongError("x"), EXIT_USAGE),
     ("device-unavailable", lambda: DeviceUnavailableError("x"), EXIT_USAGE),
     ("input-file", lambda: InputFileError("x"), EXIT_USAGE),
+    ("output-exists", lambda: OutputExistsError("x"), EXIT_USAGE),  # a FileExistsError, i.e. an OSError
     ("output-not-writable", lambda: OutputNotWritableError("x"), EXIT_USAGE),
     ("config-value-error", _raised_in_sinklens, EXIT_USAGE),
     ("config-json-syntax", _json_error, EXIT_USAGE),

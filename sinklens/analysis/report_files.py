@@ -13,11 +13,22 @@ if TYPE_CHECKING:
     from sinklens.analysis.report import SinkReport
 
 
+#: Every figure a report may have (:func:`figure_makers` draws those its sections support).
+FIGURE_FILES = (
+    "attention_to_sink.png", "sink_rate.png", "attention_by_position.png", "variance_by_position.png",
+    "variance_discrepancy.png", "massive_activations.png", "super_neurons.png", "massive_dim_path.png",
+    "w_out_sparsity.png", "value_drain.png",
+)
+
+
 def save_report(report: SinkReport, out_dir: str | Path, *, figures: bool = True) -> list[Path]:
     """Write ``report.json``, ``summary.txt`` and (unless ``figures=False``) PNG figures; return the paths.
 
     Each file is written to a temporary file and renamed into place, so an interrupted save never
-    leaves a half-written ``report.json`` (an earlier complete one stays as it was).
+    leaves a half-written ``report.json`` (an earlier complete one stays as it was). A figure of an
+    earlier report in ``out_dir`` that this one does not draw (a section it skipped, or
+    ``figures=False``) is removed, so the folder never mixes two analyses. (``sinklens analyze``
+    refuses a folder holding a report unless ``--overwrite``.)
     """
     from sinklens.analysis.report_text import format_summary
 
@@ -27,6 +38,9 @@ def save_report(report: SinkReport, out_dir: str | Path, *, figures: bool = True
     written = [write_json(out / "report.json", data, digits=None, indent=1), write_text_atomic(out / "summary.txt", text)]
     if figures:
         written += save_figures(report, out)
+    for name in FIGURE_FILES:
+        if out / name not in written:
+            (out / name).unlink(missing_ok=True)
     return written
 
 

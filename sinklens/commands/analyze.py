@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sinklens.commands import DEFAULT_RANDOM_SEQ_LEN
+from sinklens.commands import DEFAULT_RANDOM_SEQ_LEN, add_overwrite_flag
 from sinklens.errors import InvalidArgumentError
 
 
@@ -34,6 +34,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--out", default="sinklens-report", help="output folder (default: %(default)s)")
+    add_overwrite_flag(parser, "the analysis already in --out (report.json, summary.txt, figures)")
     parser.add_argument("--no-figures", action="store_true", help="write report.json only")
     parser.add_argument("--verify", action="store_true",
                         help="causal check: zero each massive dimension's top writing neurons at the sink and report "
@@ -44,7 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     """Every flag checked before the model loads (named errors, exit code 2); ``--out`` is created
     and checked for writing here, so an unwritable folder is found before the analysis, not after."""
-    from sinklens.validate import device, dtype, optional_positive_int, positive_int, text_lines, writable_dir
+    from sinklens.validate import (device, dtype, no_finished_output, optional_positive_int, positive_int, text_lines,
+                                   writable_dir)
 
     if not str(args.model).strip():
         raise InvalidArgumentError(f"--model is empty ({args.model!r}); give a model name, a path or a Hub id.")
@@ -71,6 +73,7 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.dtype is not None:
         dtype(args.dtype, what="--dtype")
     args.out = writable_dir(args.out, what="--out")
+    no_finished_output([args.out / "report.json", args.out / "summary.txt"], overwrite=args.overwrite, flag="--out")
 
 
 def _text_flag(args: argparse.Namespace) -> str | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from sinklens.commands import plain_help
+from sinklens.commands import add_overwrite_flag, plain_help
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -37,6 +37,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--device", default=None)
     parser.add_argument("--json", metavar="FILE", help="write the result as JSON (p_value, z, n_dims, same_lineage, ...)")
+    add_overwrite_flag(parser, "an earlier --json file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run)
     return parser
@@ -48,9 +49,10 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
     from sinklens.origins.fingerprint import check_test_arguments, fingerprint
-    from sinklens.validate import as_seed, device, positive_int, seq_len_within_context, writable_file
+    from sinklens.validate import as_seed, device, no_finished_output, positive_int, seq_len_within_context, writable_file
 
     json_path = writable_file(args.json, what="--json") if args.json else None
+    no_finished_output([json_path] if json_path else [], overwrite=args.overwrite, flag="--json")
     check_test_arguments(args.buffer_k, args.identity_mode, args.alpha, cli=True)  # before the models load and run
     positive_int(args.samples, what="--samples", minimum=2)
     if args.seq_len is not None:

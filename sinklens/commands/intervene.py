@@ -26,7 +26,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from sinklens.commands import DEFAULT_RANDOM_SEQ_LEN, plain_help, random_token_inputs
+from sinklens.commands import DEFAULT_RANDOM_SEQ_LEN, add_overwrite_flag, plain_help, random_token_inputs
 from sinklens.errors import InvalidArgumentError
 from sinklens.inputs import is_encoder
 from sinklens.interventions import registry
@@ -72,6 +72,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--no-loss", action="store_true", help="skip the next-token loss (two fewer forward passes; encoders have none)")
     parser.add_argument("--json", default=None, help="write the result as strict JSON to this file")
     parser.add_argument("--out", default=None, help="directory for the figure intervention.png")
+    add_overwrite_flag(parser, "an earlier --json file or --out figure")
     parser.set_defaults(func=run)
     return parser
 
@@ -89,7 +90,7 @@ def _method_options(entry: registry.Intervention, args: argparse.Namespace) -> d
 
 def check_args(args: argparse.Namespace) -> registry.Intervention:
     """Validate everything that needs no model (method, lists, output paths), before the model loads."""
-    from sinklens.validate import optional_positive_int, positive_int, writable_dir, writable_file
+    from sinklens.validate import no_finished_output, optional_positive_int, positive_int, writable_dir, writable_file
 
     entry = registry.get(args.method)
     if entry.role not in ("create", "remove"):
@@ -112,10 +113,12 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
     for option in entry.requires:
         if getattr(args, option, None) is None:
             raise InvalidArgumentError(f"--method {args.method} needs --{option} ({entry.requires[option]}).")
+    overwrite = getattr(args, "overwrite", False)
     if args.json:
-        writable_file(args.json, what="--json")
+        no_finished_output([writable_file(args.json, what="--json")], overwrite=overwrite, flag="--json")
     if args.out:
-        writable_dir(args.out, what="--out", create=False)
+        out = writable_dir(args.out, what="--out", create=False)
+        no_finished_output([out / "intervention.png"], overwrite=overwrite, flag="--out")
     return entry
 
 

@@ -15,7 +15,7 @@ import argparse
 import sys
 import time
 
-from sinklens.commands import plain_help
+from sinklens.commands import add_overwrite_flag, plain_help
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -31,6 +31,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default="origins-report", help="output folder (default %(default)s)")
+    add_overwrite_flag(parser, "the origins.json and figures already in --out")
     parser.add_argument("--no-figures", action="store_true")
     parser.set_defaults(func=run)
     return parser
@@ -42,9 +43,10 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
     from sinklens.origins import contraction, positional_discrepancy, token_preference
-    from sinklens.validate import as_seed, device, positive_int, seq_len_within_context, writable_dir
+    from sinklens.validate import as_seed, device, no_finished_output, positive_int, seq_len_within_context, writable_dir
 
     out = writable_dir(args.out, what="--out", create=False)
+    no_finished_output([out / "origins.json"], overwrite=args.overwrite, flag="--out")
     positive_int(args.sequences, what="--sequences", minimum=2)
     positive_int(args.seq_len, what="--seq-len", minimum=2)
     positive_int(args.batch_size, what="--batch-size")
