@@ -37,6 +37,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+#: The figures ``origins`` draws (unless ``--no-figures``, which removes any left by an earlier run).
+FIGURE_FILES = ("rank_probability.png", "contraction.png", "positional.png")
+
+
 def run(args: argparse.Namespace) -> int:
     from sinklens.export import write_json
     from sinklens.hooks import model_dims
@@ -90,8 +94,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_figures:
         from sinklens.plotting.origins import plot_contraction, plot_positional, plot_rank_probability
 
-        plot_rank_probability({str(args.model): pref}, path=out / "rank_probability.png")
-        plot_contraction(con, path=out / "contraction.png")
-        plot_positional(pos, path=out / "positional.png")
+        plot_rank_probability({str(args.model): pref}, path=out / FIGURE_FILES[0])
+        plot_contraction(con, path=out / FIGURE_FILES[1])
+        plot_positional(pos, path=out / FIGURE_FILES[2])
+    else:  # an earlier run's figures must not sit beside this origins.json
+        for name in FIGURE_FILES:
+            (out / name).unlink(missing_ok=True)
     print(f"\nwrote {out}/origins.json{' and 3 figures' if not args.no_figures else ''} in {time.perf_counter() - start:.1f} s")
     return 0

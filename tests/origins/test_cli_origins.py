@@ -23,6 +23,13 @@ def test_origins_cli_writes_report(trained_runs, tmp_path, capsys):
     assert len(data["positional"]["attn_out_var"]) == 2 and data["positional"]["attn_out_var"][0] > 1
     assert {p.name for p in out.glob("*.png")} == {"rank_probability.png", "contraction.png", "positional.png"}
     assert "token preference over 16 random sequences" in capsys.readouterr().out
+    # a second run into the same folder is refused; --overwrite --no-figures leaves no figure of the first
+    assert main(["origins", "--model", "./no/such/model", "--out", str(out)]) == 2
+    assert "--out would replace" in capsys.readouterr().err
+    assert main(["origins", "--model", f"{trained_runs[1]}@init", "--sequences", "4", "--seq-len", "8", "--out", str(out),
+                 "--overwrite", "--no-figures"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["origins.json"]
+    assert json.loads((out / "origins.json").read_text())["token_preference"]["n_sequences"] == 4
 
 
 def test_origins_cli_user_mistakes_exit_cleanly(tmp_path, capsys):
