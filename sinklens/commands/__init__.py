@@ -38,7 +38,7 @@ DEFAULT_RANDOM_SEQ_LEN = 64
 def add_overwrite_flag(parser: argparse.ArgumentParser, finished: str) -> None:
     """``--overwrite``: replace ``finished`` (what the command refuses to write over without it)."""
     parser.add_argument("--overwrite", action="store_true",
-                        help=f"replace {finished} (without it, the command refuses to write over a finished result)")
+                        help=f"replace {finished}; without it, the command refuses to write over a finished result")
 
 
 def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, text_flag: str | None,

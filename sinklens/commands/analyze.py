@@ -34,8 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
     parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
     parser.add_argument("--out", default="sinklens-report", help="output folder (default: %(default)s)")
-    add_overwrite_flag(parser, "the analysis already in --out (report.json, summary.txt, figures)")
-    parser.add_argument("--no-figures", action="store_true", help="write report.json only")
+    add_overwrite_flag(parser, "the analysis already in --out: report.json, summary.txt, figures")
+    parser.add_argument("--no-figures", action="store_true", help="write report.json and summary.txt only (and remove figures of an earlier analysis in --out)")
     parser.add_argument("--verify", action="store_true",
                         help="causal check: zero each massive dimension's top writing neurons at the sink and report "
                         "how much of the dimension and of the sink's attention disappears (one extra pass per dimension)")

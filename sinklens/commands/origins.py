@@ -32,7 +32,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--device", default=None)
     parser.add_argument("--out", default="origins-report", help="output folder (default %(default)s)")
     add_overwrite_flag(parser, "the origins.json and figures already in --out")
-    parser.add_argument("--no-figures", action="store_true")
+    parser.add_argument("--no-figures", action="store_true", help="write origins.json only (and remove figures of an earlier run in --out)")
     parser.set_defaults(func=run)
     return parser
 
