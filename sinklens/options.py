@@ -18,7 +18,6 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from sinklens.errors import InvalidArgumentError
+from sinklens.validate import closest
 from sinklens.validate import device as as_device
 from sinklens.validate import positive_int
 
@@ -132,7 +132,7 @@ def no_unknown_kwargs(kwargs: dict[str, Any], where: str, *, known: Sequence[str
         TypeError: demo() got unexpected keyword arguments ['sink_treshold'] (did you mean 'sink_threshold'?).
     """
     if kwargs:
-        hints = [match[0] for key in sorted(kwargs) if (match := difflib.get_close_matches(key, known, n=1))]
+        hints = [match for key in sorted(kwargs) if (match := closest(key, known)) is not None]
         hint = f" (did you mean {', '.join(map(repr, hints))}?)" if hints else ""
         raise TypeError(f"{where}() got unexpected keyword arguments {sorted(kwargs)}{hint}.")
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Union
 
@@ -151,14 +151,31 @@ def optional_index_list(values: Any, size: int, *, what: str, allow_negative: bo
     return index_list(values, size, what=what, allow_negative=allow_negative)
 
 
+def closest(value: Any, known: Iterable[str]) -> str | None:
+    """The entry of ``known`` closest to ``value`` (``difflib``'s ratio of at least 0.6), or None: a typo's fix.
+
+    Examples:
+        >>> closest("n_layerz", ["n_layers", "d_model"]), closest("zzz", ["n_layers"])
+        ('n_layers', None)
+    """
+    import difflib
+
+    close = difflib.get_close_matches(str(value), list(known), n=1)
+    return close[0] if close else None
+
+
+def did_you_mean(value: Any, known: Iterable[str]) -> str:
+    """``" (did you mean 'x'?)"`` for the :func:`closest` entry of ``known``, or ``""`` when none is close."""
+    match = closest(value, known)
+    return f" (did you mean {match!r}?)" if match is not None else ""
+
+
 def choice(value: Any, options: Sequence[str], *, what: str) -> str:
     """One of ``options`` (a ``Literal`` mode), with a did-you-mean hint."""
     if value in options:
         return value
-    import difflib
-
-    close = difflib.get_close_matches(str(value), list(options), n=1)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
+    close = closest(value, options)
+    hint = f" Did you mean {close!r}?" if close is not None else ""
     raise InvalidArgumentError(f"{what} must be one of {list(options)}, got {value!r}.{hint}")
 
 

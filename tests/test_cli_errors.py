@@ -153,6 +153,14 @@ GENERIC_ROWS = [
      ["--seq-len 65 is longer than the model's context of 64 tokens"]),
     ("fingerprint-seq-len-beyond-context", lambda f: ["fingerprint", str(f["tiny"]), str(f["tiny"]), "--seq-len", "65"],
      EXIT_USAGE, ["--seq-len 65 is longer than the models' context of 64 tokens"]),
+    # a typo in a name gets the closest known one; a task too big for its vocabulary names both
+    ("train-variant-typo", lambda f: ["train", "--out", _p(f, "run"), "--variant", "headwise_rmss"], EXIT_USAGE,
+     ["Unknown attention variant 'headwise_rmss' (did you mean 'headwise_rms'?)"]),
+    ("train-preset-typo", lambda f: ["train", "--out", _p(f, "run"), "--preset", "tinyy"], EXIT_USAGE,
+     ["Unknown model preset 'tinyy' (did you mean 'tiny'?)"]),
+    ("train-backcopy-vocab-too-small", lambda f: ["train", "--out", _p(f, "run"), "--data", "bigram-backcopy",
+                                                  "--set", "model.d_vocab=3"], EXIT_USAGE,
+     ["data.n_triggers=3 needs a vocabulary of at least 5 tokens", "got 3"]),
     # a finished result is never replaced without --overwrite (checked before any model loads)
     ("analyze-over-a-report", lambda f: ["analyze", "--model", "./no/such/model", "--out", str(f["root"] / "done")],
      EXIT_USAGE, ["--out would replace", "report.json", "pass --overwrite to replace it"]),

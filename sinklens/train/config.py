@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import difflib
 import dataclasses
 import io
 import json
@@ -42,7 +41,7 @@ from typing import Any, Literal
 from sinklens.errors import InvalidArgumentError
 from sinklens.specs import parse_value
 from sinklens.train.variants import get_attention_variant
-from sinklens.validate import as_seed, choice, finite_number, positive_int
+from sinklens.validate import as_seed, choice, closest, did_you_mean, finite_number, positive_int
 
 Family = Literal["llama", "gpt2"]
 DType = Literal["float32", "bfloat16", "float16", "float64"]
@@ -81,8 +80,8 @@ def _check_unknown(cls: type, data: dict[str, Any]) -> None:
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        close = {key: difflib.get_close_matches(str(key), known, n=1) for key in unknown}
-        hints = [f"{match[0]!r}" + (f" for {key!r}" if len(unknown) > 1 else "") for key, match in close.items() if match]
+        close = {key: closest(key, known) for key in unknown}
+        hints = [f"{match!r}" + (f" for {key!r}" if len(unknown) > 1 else "") for key, match in close.items() if match]
         hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
         raise InvalidArgumentError(f"Unknown {cls.__name__} keys {unknown}{hint}; known keys are {sorted(known)}.")
 
@@ -188,7 +187,8 @@ class ModelConfig(_Part):
             16
         """
         if name not in PRESETS:
-            raise InvalidArgumentError(f"Unknown model preset {name!r}; known presets are {sorted(PRESETS)}.")
+            raise InvalidArgumentError(f"Unknown model preset {name!r}{did_you_mean(name, PRESETS)}; known presets are "
+                                       f"{sorted(PRESETS)}.")
         return cls.from_dict({**PRESETS[name], **overrides})
 
 

@@ -42,7 +42,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from sinklens.errors import DataFileNotFoundError, OfflineDataError
+from sinklens.errors import DataFileNotFoundError, InvalidArgumentError, OfflineDataError
 from sinklens.train.config import DataConfig
 
 Split = Literal["train", "val"]
@@ -131,7 +131,11 @@ class BackcopySource(MarkovSource):
     def __init__(self, *, vocab_size: int, seq_len: int, seed: int, n_triggers: int = 3, alpha: float = 0.1, task_seed: int = 0):
         super().__init__(vocab_size=vocab_size, seq_len=seq_len, seed=seed, alpha=alpha, task_seed=task_seed)
         if not 0 <= n_triggers < vocab_size - 1:
-            raise ValueError(f"n_triggers must be in [0, {vocab_size - 2}] for vocab_size={vocab_size}, got {n_triggers}.")
+            raise InvalidArgumentError(
+                f"data.n_triggers={n_triggers} needs a vocabulary of at least {n_triggers + 2} tokens (BOS, the triggers "
+                f"and one other), got {vocab_size} (data.vocab_size, or model.d_vocab when it is unset); lower "
+                f"data.n_triggers or raise the vocabulary."
+            )
         self.triggers: Int[Tensor, " n_triggers"] = torch.from_numpy(self._task_rng.permutation(vocab_size - 1)[:n_triggers] + 1)
         self.is_trigger: Bool[Tensor, " vocab"] = torch.zeros(vocab_size, dtype=torch.bool)
         self.is_trigger[self.triggers] = True

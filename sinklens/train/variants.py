@@ -46,7 +46,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.validate import finite_number
+from sinklens.validate import did_you_mean, finite_number
 from sinklens.train.rms_norm import rms_norm
 
 
@@ -341,7 +341,8 @@ def get_attention_variant(name: str) -> type[AttentionVariant]:
     try:
         return _VARIANTS[name]
     except KeyError:
-        raise InvalidArgumentError(f"Unknown attention variant {name!r}; known variants are {sorted(_VARIANTS)}.") from None
+        raise InvalidArgumentError(f"Unknown attention variant {name!r}{did_you_mean(name, _VARIANTS)}; known variants "
+                                   f"are {sorted(_VARIANTS)}.") from None
 
 
 def attention_variants() -> list[str]:
