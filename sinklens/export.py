@@ -18,7 +18,7 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +78,14 @@ def write_text_atomic(path: str | Path, text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def remove_stale(folder: Path, names: Sequence[str], *, written: Sequence[Path] = ()) -> None:
+    """Delete ``folder/name`` for each of ``names`` not among ``written``: outputs of an earlier run that this
+    one did not write again (so a folder never mixes two runs' files)."""
+    for name in names:
+        if folder / name not in written:
+            (folder / name).unlink(missing_ok=True)
 
 
 def write_json(path: str | Path, value: Any, *, digits: int | None = 6, indent: int | None = 2) -> Path:

@@ -26,9 +26,8 @@ from typing import Any, TypeVar
 import torch
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.validate import closest
+from sinklens.validate import closest, positive_int
 from sinklens.validate import device as as_device
-from sinklens.validate import positive_int
 
 S = TypeVar("S")
 

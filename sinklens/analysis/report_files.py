@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from sinklens.export import write_json, write_text_atomic
+from sinklens.export import remove_stale, write_json, write_text_atomic
 from sinklens.validate import writable_dir
 
 if TYPE_CHECKING:
@@ -38,9 +38,7 @@ def save_report(report: SinkReport, out_dir: str | Path, *, figures: bool = True
     written = [write_json(out / "report.json", data, digits=None, indent=1), write_text_atomic(out / "summary.txt", text)]
     if figures:
         written += save_figures(report, out)
-    for name in FIGURE_FILES:
-        if out / name not in written:
-            (out / name).unlink(missing_ok=True)
+    remove_stale(out, FIGURE_FILES, written=written)
     return written
 
 

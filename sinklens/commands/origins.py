@@ -42,7 +42,7 @@ FIGURE_FILES = ("rank_probability.png", "contraction.png", "positional.png")
 
 
 def run(args: argparse.Namespace) -> int:
-    from sinklens.export import write_json
+    from sinklens.export import remove_stale, write_json
     from sinklens.hooks import model_dims
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
@@ -98,7 +98,6 @@ def run(args: argparse.Namespace) -> int:
         plot_contraction(con, path=out / FIGURE_FILES[1])
         plot_positional(pos, path=out / FIGURE_FILES[2])
     else:  # an earlier run's figures must not sit beside this origins.json
-        for name in FIGURE_FILES:
-            (out / name).unlink(missing_ok=True)
+        remove_stale(out, FIGURE_FILES)
     print(f"\nwrote {out}/origins.json{' and 3 figures' if not args.no_figures else ''} in {time.perf_counter() - start:.1f} s")
     return 0

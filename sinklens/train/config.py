@@ -80,7 +80,7 @@ def _check_unknown(cls: type, data: dict[str, Any]) -> None:
     known = {f.name for f in fields(cls)}
     unknown = sorted(set(data) - known)
     if unknown:
-        close = {key: closest(key, known) for key in unknown}
+        close = {key: closest(key, sorted(known)) for key in unknown}
         hints = [f"{match!r}" + (f" for {key!r}" if len(unknown) > 1 else "") for key, match in close.items() if match]
         hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
         raise InvalidArgumentError(f"Unknown {cls.__name__} keys {unknown}{hint}; known keys are {sorted(known)}.")
