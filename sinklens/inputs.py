@@ -360,6 +360,8 @@ def as_batches(
     Accepts a string, a list of strings, an int tensor ``[batch, pos]`` (all tokens valid; its
     first column counts as BOS when ``prepend_bos``), one :class:`TokenBatch` or a list of them
     (left-padded batches are right-aligned, :func:`right_align`). ``None`` means the built-in prompt set.
+    ``max_length`` keeps the first ``max_length`` tokens of every sequence (BOS included), whichever
+    form it came in: tokenized text, a token tensor or a :class:`TokenBatch`.
 
     Every argument is checked here, once (:mod:`sinklens.validate`): ``batch_size`` and
     ``max_length`` must be positive, a prompt list must hold only strings, and every token id must
@@ -378,7 +380,6 @@ def as_batches(
         batches = [inputs]
     elif isinstance(inputs, Tensor):
         inputs = token_ids(inputs, dims.d_vocab, what="token ids")
-        _check_length(inputs.shape[1], dims.n_ctx)
         valid = torch.ones(inputs.shape, dtype=torch.bool)
         batches = [
             TokenBatch(inputs[i : i + batch_size], valid[i : i + batch_size], prepend_bos)
@@ -405,6 +406,43 @@ def as_batches(
             raise InvalidArgumentError(
                 f"TokenBatch {i}: tokens {tuple(b.tokens.shape)} and valid {tuple(b.valid.shape)} must be equal 2-D shapes."
             )
-        _check_length(b.tokens.shape[1], dims.n_ctx)
         check_vocab(b.tokens, dims.d_vocab, what=f"token ids (batch {i})")
-    return [right_align(b).to(device) for b in batches]
+    batches = [_first_tokens(right_align(b), max_length) for b in batches]
+    for b in batches:
+        _check_length(b.tokens.shape[1], dims.n_ctx)
+    return [b.to(device) for b in batches]
+
+
+def require_a_later_position(batches: Sequence[TokenBatch], *, what: str) -> None:
+    """Refuse ``batches`` in which no sequence has a position after the first.
+
+    Every analysis of :mod:`sinklens.analysis` compares the sink position with later ones (the attention
+    they pay it, their variance, their activations), so on 1-token sequences it would measure nothing and
+    return empty or NaN statistics; ``what`` (e.g. ``"find_sinks"``) names the caller in the error.
+    """
+    longest = max(int(b.valid.sum(dim=1).max()) for b in batches)
+    if longest < 2:
+        raise InvalidArgumentError(
+            f"Every sequence is {longest} token long: {what} compares the sink position with later ones, so it needs "
+            "sequences of at least 2 tokens (longer prompts, a larger max_length, or prepend_bos=True)."
+        )
+
+
+def padded_to(batch: TokenBatch, width: int) -> TokenBatch:
+    """A right-padded ``batch`` at least ``width`` positions wide: padding columns (token 0, ``valid`` False)
+    appended when it is narrower, so a hook at a fixed position finds it in every batch; no real token's
+    activations change (padding is masked, see :func:`sinklens.streaming.forward`)."""
+    missing = width - batch.tokens.shape[1]
+    if missing <= 0:
+        return batch
+    rows = batch.tokens.shape[0]
+    tokens = torch.cat([batch.tokens, batch.tokens.new_zeros(rows, missing)], dim=1)
+    valid = torch.cat([batch.valid, batch.valid.new_zeros(rows, missing)], dim=1)
+    return TokenBatch(tokens, valid, batch.prepend_bos, batch.special_tokens)
+
+
+def _first_tokens(batch: TokenBatch, max_length: int | None) -> TokenBatch:
+    """A right-padded ``batch`` cut to its first ``max_length`` positions (None or a shorter batch: unchanged)."""
+    if max_length is None or batch.tokens.shape[1] <= max_length:
+        return batch
+    return TokenBatch(batch.tokens[:, :max_length], batch.valid[:, :max_length], batch.prepend_bos, batch.special_tokens)

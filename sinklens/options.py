@@ -45,8 +45,9 @@ class RunOptions:
             special token of the model, never ``[UNK]``), an encoder's ``[CLS] … [SEP]`` added the tokenizer's
             own way (see :mod:`sinklens.inputs`); for token tensors the first column is taken to be BOS.
             Results record what position 0 was (``SinkResult.describe_start()``).
-        max_length: truncate each tokenized prompt to this many tokens (BOS included); None keeps
-            everything up to ``cfg.n_ctx``.
+        max_length: keep the first ``max_length`` tokens of every sequence (BOS included): tokenized prompts,
+            token tensors and :class:`~sinklens.inputs.TokenBatch` es alike; None keeps everything up to
+            ``cfg.n_ctx``.
         extra_hooks: ``(hook_name, fn)`` pairs added to every forward before the analyzers' own, e.g.
             an intervention, so the analyzers measure the intervened model.
         progress: show a tqdm bar over batches.

@@ -71,6 +71,28 @@ def test_cli_analyze_on_a_local_model_directory(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "report.json").read_text())["n_sequences"] == 1
 
 
+def test_cli_analyze_cuts_text_to_the_default_max_length_and_keeps_random_tokens_whole(tmp_path, monkeypatch):
+    """The default ``--max-length`` cuts text prompts; ``--random-tokens`` sequences keep their ``--seq-len``
+    (``max_length`` now cuts token batches too, so the command must not pass its text default for them)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import sinklens.commands.analyze as analyze_command
+    from sinklens.testing import word_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    word_tokenizer(64).save_pretrained(tmp_path / "model")
+    monkeypatch.setattr(analyze_command, "_DEFAULT_MAX_LENGTH", 4)
+    width = {}
+    for name, source in (("text", ["--text", "t4 t5 t6 t7 t8 t9 t10"]), ("random", ["--random-tokens", "2", "--seq-len", "10"])):
+        assert main(["analyze", "--model", str(tmp_path / "model"), *source, "--out", str(tmp_path / name),
+                     "--device", "cpu", "--no-figures"]) == 0
+        width[name] = len(json.loads((tmp_path / name / "report.json").read_text())["sinks"]["received"][0][0])
+    assert width == {"text": 4, "random": 10}
+
+
 def test_cli_reports_bad_input_without_a_traceback(tmp_path, capsys):
     assert main(["analyze", "--model", "no-such-model", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

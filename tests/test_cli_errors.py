@@ -148,6 +148,15 @@ GENERIC_ROWS = [
      ["--batch-size must be an integer >= 1, got 0"]),
     ("origins-device", lambda f: ["origins", "--model", "./no/such/model", "--device", "cdua"], EXIT_USAGE,
      ["--device", "'cdua'"]),
+    # --batch-size, --device and --dtype mean the same in analyze, intervene, origins and fingerprint
+    ("intervene-batch-size", lambda f: ["intervene", "--method", "self-only", "--position", "2", "--model", "./no/m",
+                                        "--batch-size", "0"], EXIT_USAGE, ["--batch-size must be an integer >= 1, got 0"]),
+    ("intervene-device", lambda f: ["intervene", "--method", "self-only", "--position", "2", "--model", "./no/m",
+                                    "--device", "cdua"], EXIT_USAGE, ["--device", "'cdua'"]),
+    ("origins-dtype", lambda f: ["origins", "--model", "./no/such/model", "--dtype", "int64"], EXIT_USAGE,
+     ["--dtype", "int64", "floating"]),
+    ("fingerprint-dtype", lambda f: ["fingerprint", "./no/a", "./no/b", "--dtype", "float13"], EXIT_USAGE,
+     ["--dtype", "'float13'"]),
     ("origins-seq-len-beyond-context", lambda f: ["origins", "--model", str(f["tiny"]), "--seq-len", "65",
                                                   "--no-figures", "--out", _p(f, "o")], EXIT_USAGE,
      ["--seq-len 65 is longer than the model's context of 64 tokens"]),
@@ -379,3 +388,21 @@ def test_help_is_plain_text_with_its_examples(command, capsys):
     assert not [line for line in text.splitlines() if line.endswith("::")]
     if command != "analyze":
         assert f"    sinklens {command} " in text or f"-m sinklens.cli {command}" in text  # an example survived
+
+
+@pytest.mark.parametrize("command", ["analyze", "intervene", "origins", "fingerprint"])
+def test_model_flags_are_the_same_in_every_command(command):
+    """``--batch-size``, ``--device`` and ``--dtype`` exist in every command that runs a model, each with the
+    same help text (one definition), and the commands' defaults are the ones their help states."""
+    from sinklens.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+    flags = {a.option_strings[0]: a for a in sub._actions if a.option_strings}
+    reference = {a.option_strings[0]: a for a in next(a for a in parser._actions if a.dest == "command")
+                 .choices["analyze"]._actions if a.option_strings}
+    for flag in ("--batch-size", "--device", "--dtype"):
+        assert flag in flags, f"{command} has no {flag}"
+        assert flags[flag].help == reference[flag].help
+    assert flags["--device"].default is None and flags["--dtype"].default is None
+    assert flags["--batch-size"].default >= 1 and "%(default)s" in flags["--batch-size"].help

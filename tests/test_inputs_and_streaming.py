@@ -36,6 +36,33 @@ def test_sequences_longer_than_the_context_are_refused_or_truncated(tiny_llama):
     assert batch.tokens.shape == (1, 64)
 
 
+def test_max_length_cuts_every_form_of_input_alike(tiny_llama):
+    """``max_length`` keeps the first tokens of text, token tensors and TokenBatches (left-padded ones too),
+    so a tensor longer than the context runs once it is cut, and the analysis equals one of the cut tokens."""
+    tokens = torch.arange(2, 2 + 2 * 70).remainder(60).add(2).reshape(2, 70)  # 70 > n_ctx = 64
+    (cut,) = as_batches(tiny_llama, tokens, max_length=8)
+    assert cut.tokens.tolist() == tokens[:, :8].tolist() and bool(cut.valid.all())
+    left = sinklens.TokenBatch(torch.tensor([[1, 1, 7, 8, 9, 10], [3, 4, 5, 6, 7, 8]]),
+                               torch.tensor([[False, False, True, True, True, True], [True] * 6]), False)
+    (cut_left,) = as_batches(tiny_llama, left, max_length=3)
+    assert cut_left.tokens.tolist() == [[7, 8, 9], [3, 4, 5]] and bool(cut_left.valid.all())
+    (text,) = as_batches(tiny_llama, ["t5 t6 t7 t8 t9"], max_length=3)
+    assert text.tokens.tolist() == [[0, 5, 6]]
+    options = QUIET.replace(max_length=8)
+    assert torch.equal(sinklens.find_sinks(tiny_llama, tokens, options=options).received,
+                       sinklens.find_sinks(tiny_llama, tokens[:, :8].clone(), options=QUIET).received)
+
+
+@pytest.mark.parametrize("analyzer", ["find_sinks", "measure_variance", "find_massive_activations", "find_super_neurons",
+                                      "measure_value_drain", "normalized_disparity", "query_key_locking"])
+def test_an_analysis_of_sequences_without_a_later_position_is_refused_by_name(tiny_llama, analyzer):
+    """Every analyzer compares the sink with later positions: 1-token sequences would give empty statistics
+    whose exports fail later (``SinkResult.to_dict`` named "0..-1"), so the call itself refuses them."""
+    with pytest.raises(ValueError, match=f"Every sequence is 1 token long: {analyzer} compares"):
+        getattr(sinklens, analyzer)(tiny_llama, ["t5", "t6"], options=QUIET.replace(prepend_bos=False))
+    getattr(sinklens, analyzer)(tiny_llama, ["t5", "t6 t7"], options=QUIET.replace(prepend_bos=False))  # one is enough
+
+
 def test_bad_inputs_are_named(tiny_llama):
     with pytest.raises(ValueError, match="No prompts"):
         as_batches(tiny_llama, [])

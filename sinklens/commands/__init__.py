@@ -35,6 +35,25 @@ DEFAULT_RANDOM_SEQUENCES = 16
 DEFAULT_RANDOM_SEQ_LEN = 64
 
 
+def add_model_flags(parser: argparse.ArgumentParser, *, batch_size: int) -> None:
+    """``--batch-size``, ``--device`` and ``--dtype``: how a command runs its model, with one meaning, default
+    and help in every command (checked by :func:`check_model_flags` before the model loads)."""
+    parser.add_argument("--batch-size", type=int, default=batch_size, help="sequences per forward pass (default: %(default)s)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
+    parser.add_argument("--dtype", default=None, help="parameter dtype: float32 (default), bfloat16, float16")
+
+
+def check_model_flags(args: argparse.Namespace) -> None:
+    """The flags of :func:`add_model_flags`, each refused by name when it is wrong (before the model loads)."""
+    from sinklens.validate import device, dtype, positive_int
+
+    positive_int(args.batch_size, what="--batch-size")
+    if args.device is not None:
+        device(args.device, what="--device")
+    if args.dtype is not None:
+        dtype(args.dtype, what="--dtype")
+
+
 def add_overwrite_flag(parser: argparse.ArgumentParser, finished: str) -> None:
     """``--overwrite``: replace ``finished`` (what the command refuses to write over without it)."""
     parser.add_argument("--overwrite", action="store_true",

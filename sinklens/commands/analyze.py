@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sinklens.commands import DEFAULT_RANDOM_SEQ_LEN, add_overwrite_flag
+from sinklens.commands import DEFAULT_RANDOM_SEQ_LEN, add_model_flags, add_overwrite_flag, check_model_flags
 from sinklens.errors import InvalidArgumentError
 
 
@@ -30,9 +30,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--max-length", type=int, default=None,
                         help=f"truncate text prompts to this many tokens (default: {_DEFAULT_MAX_LENGTH})")
     parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (it moves the sink)")
-    parser.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default: %(default)s)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, help="float32 (default), bfloat16, float16")
+    add_model_flags(parser, batch_size=8)
     parser.add_argument("--out", default="sinklens-report", help="output folder (default: %(default)s)")
     add_overwrite_flag(parser, "the analysis already in --out: report.json, summary.txt, figures")
     parser.add_argument("--no-figures", action="store_true", help="write report.json and summary.txt only (and remove figures of an earlier analysis in --out)")
@@ -45,12 +43,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     """Every flag checked before the model loads (named errors, exit code 2); ``--out`` is created
     and checked for writing here, so an unwritable folder is found before the analysis, not after."""
-    from sinklens.validate import (device, dtype, no_finished_output, optional_positive_int, positive_int, text_lines,
-                                   writable_dir)
+    from sinklens.validate import no_finished_output, optional_positive_int, text_lines, writable_dir
 
     if not str(args.model).strip():
         raise InvalidArgumentError(f"--model is empty ({args.model!r}); give a model name, a path or a Hub id.")
-    positive_int(args.batch_size, what="--batch-size")
+    check_model_flags(args)
     optional_positive_int(args.seq_len, what="--seq-len", minimum=2)  # the sink and a later position
     optional_positive_int(args.max_length, what="--max-length", minimum=2)
     optional_positive_int(args.random_tokens, what="--random-tokens")
@@ -68,10 +65,6 @@ def _check_args(args: argparse.Namespace) -> None:
             raise InvalidArgumentError(f"--text prompt {empty[0] + 1} of {len(args.text)} is empty; give non-empty text.")
     if args.prompts is not None:
         text_lines(args.prompts, what="--prompts")
-    if args.device is not None:
-        device(args.device, what="--device")
-    if args.dtype is not None:
-        dtype(args.dtype, what="--dtype")
     args.out = writable_dir(args.out, what="--out")
     no_finished_output([args.out / "report.json", args.out / "summary.txt"], overwrite=args.overwrite, flag="--out")
 
@@ -145,13 +138,15 @@ def _analyze(args: argparse.Namespace, device: str | None) -> int:
     if main:
         print(f"loading {args.model} ...", file=sys.stderr)
     model = load_model(args.model, device=device, dtype=args.dtype)
+    inputs = _inputs(args, model)
+    text = inputs is None or isinstance(inputs[0], str)  # random-token batches keep their --seq-len
     report = analyze(
         model,
-        _inputs(args, model),
+        inputs,
         model_name=str(args.model),
         verify=args.verify,
         options=RunOptions(batch_size=args.batch_size, prepend_bos=not args.no_bos,
-                           max_length=args.max_length or _DEFAULT_MAX_LENGTH),
+                           max_length=args.max_length or _DEFAULT_MAX_LENGTH if text else None),
     )
     if not main:
         return 0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 
-from sinklens.commands import add_overwrite_flag, plain_help
+from sinklens.commands import add_model_flags, add_overwrite_flag, check_model_flags, plain_help
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -34,8 +34,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--identity-mode", choices=("coset", "base"), default="coset")
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="decision threshold on p (default %(default)s)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the random inputs (default %(default)s)")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--device", default=None)
+    add_model_flags(parser, batch_size=16)
     parser.add_argument("--json", metavar="FILE", help="write the result as JSON (p_value, z, n_dims, same_lineage, ...)")
     add_overwrite_flag(parser, "an earlier --json file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -49,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
     from sinklens.origins.fingerprint import check_test_arguments, fingerprint
-    from sinklens.validate import as_seed, device, no_finished_output, positive_int, seq_len_within_context, writable_file
+    from sinklens.validate import as_seed, no_finished_output, positive_int, seq_len_within_context, writable_file
 
     json_path = writable_file(args.json, what="--json") if args.json else None
     no_finished_output([json_path] if json_path else [], overwrite=args.overwrite, flag="--json")
@@ -57,13 +56,11 @@ def run(args: argparse.Namespace) -> int:
     positive_int(args.samples, what="--samples", minimum=2)
     if args.seq_len is not None:
         positive_int(args.seq_len, what="--seq-len")
-    positive_int(args.batch_size, what="--batch-size")
+    check_model_flags(args)
     as_seed(args.seed, what="--seed")
-    if args.device is not None:
-        device(args.device, what="--device")
     options = RunOptions(batch_size=args.batch_size, progress=not args.no_progress, device=args.device, desc="SeedPrint")
-    model_a = load_model(args.model_a, device=args.device, check_patterns=False)
-    model_b = load_model(args.model_b, device=args.device, check_patterns=False)
+    model_a = load_model(args.model_a, device=args.device, dtype=args.dtype, check_patterns=False)
+    model_b = load_model(args.model_b, device=args.device, dtype=args.dtype, check_patterns=False)
     seq_len_within_context(args.seq_len, min(model_dims(model_a).n_ctx, model_dims(model_b).n_ctx),
                            context="the models' context", note="the smaller cfg.n_ctx of the two")
     result = fingerprint(model_a, model_b, n_samples=args.samples, seq_len=args.seq_len, input=args.input,

@@ -26,11 +26,13 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from sinklens.commands import DEFAULT_RANDOM_SEQ_LEN, add_overwrite_flag, plain_help, random_token_inputs
+from sinklens.commands import (DEFAULT_RANDOM_SEQ_LEN, add_model_flags, add_overwrite_flag, check_model_flags, plain_help,
+                               random_token_inputs)
 from sinklens.errors import InvalidArgumentError
 from sinklens.inputs import is_encoder
 from sinklens.interventions import registry
 from sinklens.interventions.experiments import InterventionResult, create_sink, remove_sink
+from sinklens.options import RunOptions
 
 
 def _int_list(text: str | None, flag: str) -> list[int] | None:
@@ -69,6 +71,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--site", default=None, help="hook site for amplify/calibrate (default attn.hook_z)")
     parser.add_argument("--dims", default=None, help="residual dims for transplant-dims/clamp-dims, e.g. '507'")
     parser.add_argument("--neurons", default=None, help="FFN neurons for edit-neurons, e.g. '12,99' (needs --layers)")
+    add_model_flags(parser, batch_size=8)
     parser.add_argument("--no-loss", action="store_true", help="skip the next-token loss (two fewer forward passes; encoders have none)")
     parser.add_argument("--json", default=None, help="write the result as strict JSON to this file")
     parser.add_argument("--out", default=None, help="directory for the figure intervention.png")
@@ -97,6 +100,7 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
         raise InvalidArgumentError(f"--method {args.method} is neither a create nor a remove intervention.")
     if entry.role == "create" and args.position is None:
         raise InvalidArgumentError(f"--method {args.method} needs --position K (the position to turn into a sink).")
+    check_model_flags(args)
     if args.position is not None:  # its upper bound (the prompt) is checked once the model has tokenized it
         positive_int(args.position, what="--position", minimum=0)
     optional_positive_int(args.random_tokens, what="--random-tokens")
@@ -125,7 +129,9 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
 def intervene(model: Any, args: argparse.Namespace) -> InterventionResult:
     """The command's logic on an already-loaded model (used by :func:`run` and the tests)."""
     entry = check_args(args)
-    common = dict(layers=_int_list(args.layers, "--layers"), dims=_int_list(args.dims, "--dims"), loss=False if args.no_loss else None)
+    common = dict(layers=_int_list(args.layers, "--layers"), dims=_int_list(args.dims, "--dims"),
+                  loss=False if args.no_loss else None,
+                  options=RunOptions(batch_size=args.batch_size, device=args.device, progress=False))
     kw = _method_options(entry, args)
     batches = random_token_inputs(model, args, command="intervene", text_flag="--text" if args.text else None,
                                   prepend_bos=True)
@@ -161,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.loading import load_model
 
     check_args(args)  # usage errors before the model loads
-    model = load_model(args.model)
+    model = load_model(args.model, device=args.device, dtype=args.dtype)
     result = intervene(model, args)
     print(format_table(result))
     if note := loss_note(model, args):

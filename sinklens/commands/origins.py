@@ -15,7 +15,7 @@ import argparse
 import sys
 import time
 
-from sinklens.commands import add_overwrite_flag, plain_help
+from sinklens.commands import add_model_flags, add_overwrite_flag, check_model_flags, plain_help
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -28,8 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default %(default)s)")
     parser.add_argument("--bos", action="store_true", help="prepend the BOS token (position 0 then leaves the summaries)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--device", default=None)
+    add_model_flags(parser, batch_size=16)
     parser.add_argument("--out", default="origins-report", help="output folder (default %(default)s)")
     add_overwrite_flag(parser, "the origins.json and figures already in --out")
     parser.add_argument("--no-figures", action="store_true", help="write origins.json only (and remove figures of an earlier run in --out)")
@@ -47,21 +46,19 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
     from sinklens.origins import contraction, positional_discrepancy, token_preference
-    from sinklens.validate import as_seed, device, no_finished_output, positive_int, seq_len_within_context, writable_dir
+    from sinklens.validate import as_seed, no_finished_output, positive_int, seq_len_within_context, writable_dir
 
     out = writable_dir(args.out, what="--out", create=False)
     no_finished_output([out / "origins.json"], overwrite=args.overwrite, flag="--out")
     positive_int(args.sequences, what="--sequences", minimum=2)
     positive_int(args.seq_len, what="--seq-len", minimum=2)
-    positive_int(args.batch_size, what="--batch-size")
+    check_model_flags(args)
     as_seed(args.seed, what="--seed")
     if args.init_seed is not None:
         as_seed(args.init_seed, what="--init-seed")
-    if args.device is not None:
-        device(args.device, what="--device")
     start = time.perf_counter()
     print(f"loading {args.model}{'' if args.init_seed is None else f' at init (seed {args.init_seed})'} ...", file=sys.stderr)
-    model = load_model(args.model, device=args.device, init_seed=args.init_seed, check_patterns=False)
+    model = load_model(args.model, device=args.device, dtype=args.dtype, init_seed=args.init_seed, check_patterns=False)
     seq_len_within_context(args.seq_len, model_dims(model).n_ctx)
     opts = RunOptions(batch_size=args.batch_size, progress=True)
     common = dict(n_sequences=args.sequences, seq_len=args.seq_len, prepend_bos=args.bos, seed=args.seed)
