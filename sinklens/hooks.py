@@ -481,3 +481,43 @@ def require_attention_seams(model: Any, what: str) -> None:
             f"{what.capitalize()} cannot run on this model, whose attention scores and pattern cannot be edited: "
             f"{reason}. Analyses that only read activations (find_sinks, measure_variance, ...) work on it."
         )
+
+
+def resid_mid_is_a_copy(model: Any) -> bool:
+    """True when an edit returned from ``blocks.l.hook_resid_mid`` reaches the MLP but not the residual stream.
+
+    The TransformerLens 4.x bridges of sequential blocks (Llama, Gemma, GPT-2, Qwen, Mistral, ...) fire
+    ``hook_resid_mid`` as ``ln2.hook_in``: it reads the residual after the attention write, but the block adds
+    its MLP output to its own copy of that residual, so an edit there changes what the MLP reads and not
+    ``hook_resid_post``. 3.x's ``HookedTransformer`` and :class:`~sinklens.train.model.SinkLM` carry the edit.
+    :func:`sinklens.residual_sites.on_the_residual_stream` moves such an edit to where it reaches the stream.
+
+    Probed once per model with a 2-token forward that adds 1 at layer 0's ``hook_resid_mid`` and checks whether
+    ``hook_resid_post − hook_mlp_out`` moved with it (False when one of those hooks is missing).
+    """
+    names = [hook_name(0, site) for site in (RESID_MID, MLP_OUT, RESID_POST)]
+    if any(n not in model.hook_dict for n in names):
+        return False
+
+    def probe() -> bool:
+        seen: dict[str, Tensor] = {}
+
+        def shift(act: Tensor, hook: Any) -> Tensor:
+            seen["mid"] = act.detach().float().clone()
+            return act + 1.0
+
+        def record(name: str):
+            def hook(act: Tensor, hook: Any) -> None:
+                seen[name] = act.detach().float().clone()
+
+            return hook
+
+        hooks = [(names[0], shift), (names[1], record("mlp")), (names[2], record("post"))]
+        with torch.inference_mode(), model.hooks(fwd_hooks=hooks):
+            model(_probe_tokens(model, 2), return_type=None)
+        if len(seen) < 3:
+            return False
+        skip = seen["post"] - seen["mlp"]  # the residual the block carried past its MLP
+        return bool((skip - seen["mid"]).abs().max() < (skip - seen["mid"] - 1.0).abs().max())
+
+    return _probed(model, "resid_mid_is_a_copy", probe)

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sinklens.hooks import ATTN_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, layer_weight, silent_hooks
+from sinklens.hooks import (ATTN_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, layer_weight, resid_mid_is_a_copy,
+                            silent_hooks)
 from sinklens.options import HookFn
 from sinklens.residual_units import attn_out_bias, input_norm, post_ln_reason, post_norm_map
 
-__all__ = ["after_attention_hooks", "attention_write_hooks", "has_resid_mid"]
+__all__ = ["after_attention_hooks", "attention_write_hooks", "has_resid_mid", "on_the_residual_stream"]
 
 
 def has_resid_mid(model: Any, layers: Sequence[int]) -> bool:
@@ -23,6 +24,49 @@ def has_resid_mid(model: Any, layers: Sequence[int]) -> bool:
     parallel block (GPT-NeoX/Pythia, GPT-J), which has no residual between its attention and its MLP."""
     mid = [hook_name(layer, RESID_MID) for layer in layers]
     return all(name in model.hook_dict for name in mid) and not silent_hooks(model, mid[:1])
+
+
+def on_the_residual_stream(model: Any, hooks: Sequence[tuple[str, HookFn]]) -> list[tuple[str, HookFn]]:
+    """``hooks`` with every edit at ``blocks.l.hook_resid_mid`` made where it reaches the residual stream.
+
+    On a model where that hook is a copy (:func:`~sinklens.hooks.resid_mid_is_a_copy`: the TransformerLens 4.x
+    bridges), an edit ``f`` there is applied to the attention write instead, ``blocks.l.hook_attn_out``, which
+    the block adds to its residual: with ``r`` = ``hook_resid_pre`` of the same pass (read by an added hook)
+    and ``w`` the write, the write becomes ``w + f(r + w) − (r + w)``, so the residual after the attention and
+    the MLP's input are both ``f(r + w)``, as the hook carries on 3.x (up to float rounding at the edited
+    entries; entries ``f`` leaves alone are untouched). ``f`` is called with the ``hook_resid_mid`` hook point
+    and may return None (an in-place edit). Other hooks, and every hook on a model whose ``hook_resid_mid``
+    carries edits, are returned as they are. A post-LN block (BERT) is left alone: its residual is
+    ``ln1(r + w)``, which :func:`sinklens.interventions.patch_hook_names` documents.
+    """
+    hooks = list(hooks)
+    if not any(name.endswith("." + RESID_MID) for name, _ in hooks) or post_ln_reason(model) is not None:
+        return hooks
+    if not resid_mid_is_a_copy(model):
+        return hooks
+    moved: list[tuple[str, HookFn]] = []
+    for name, fn in hooks:
+        if not name.endswith("." + RESID_MID):
+            moved.append((name, fn))
+            continue
+        block = name[: -len(RESID_MID)]
+        moved.extend(_edit_through_the_write(block, model.hook_dict[name], fn))
+    return moved
+
+
+def _edit_through_the_write(block: str, mid_hook: Any, fn: HookFn) -> list[tuple[str, HookFn]]:
+    """The two hooks of :func:`on_the_residual_stream` for one block (``block`` = ``"blocks.l."``)."""
+    block_input: list[Tensor] = []
+
+    def keep(act: Tensor, hook: Any) -> None:
+        block_input.append(act)
+
+    def write(act: Tensor, hook: Any) -> Tensor:
+        resid = block_input.pop() + act
+        edited = fn(resid, hook=mid_hook)
+        return act + ((resid if edited is None else edited) - resid)
+
+    return [(block + RESID_PRE, keep), (block + ATTN_OUT, write)]
 
 
 def after_attention_hooks(model: Any, layers: Sequence[int], consume: Callable[[int, Tensor], None]) -> list[tuple[str, HookFn]]:

@@ -39,15 +39,16 @@ import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
+from jaxtyping import Bool
+from torch import Tensor
 from tqdm.auto import tqdm
 
 from sinklens.errors import PatternNotExposedError, UnsupportedArchitectureError
-from torch import Tensor
-
 from sinklens.hooks import check_hook_names, check_model_device, hook_name
 from sinklens.inputs import Inputs, TokenBatch, as_batches, is_encoder, right_align
 from sinklens.options import HookFn, RunOptions, checked_options
@@ -320,6 +321,25 @@ def accepts_attention_mask(model: Any) -> bool:
     return "attention_mask" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
+#: The real-token mask of the padded batch :func:`forward` is running (None outside one); see :func:`real_tokens`.
+_RUNNING_MASK: ContextVar[Tensor | None] = ContextVar("sinklens_real_tokens", default=None)
+
+
+def real_tokens(n_batch: int, n_pos: int) -> Bool[Tensor, "batch pos"] | None:
+    """Which positions of the padded batch :func:`forward` is running are real tokens, if it is ``n_batch × n_pos``.
+
+    Hooks that take statistics over positions (``amplify``'s batch reference, ``calibrate``, variance
+    calibration's ``attenuate``) read it so that padding does not enter them and no real token's result
+    depends on the batch size. None when no padded batch of that shape is running: outside
+    :func:`forward` (a hook in the user's own ``run_with_hooks`` sees every position as real), for an
+    unpadded batch, or for an activation of another shape.
+    """
+    mask = _RUNNING_MASK.get()
+    if mask is None or tuple(mask.shape) != (n_batch, n_pos):
+        return None
+    return mask
+
+
 def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
     """Run ``model`` on one batch the way every analyzer does: a padded batch is right-aligned
     (:func:`~sinklens.inputs.right_align`) and passes ``attention_mask=batch.valid`` so no real token
@@ -327,18 +347,23 @@ def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
     size or the padding side. A model without an ``attention_mask`` argument runs a right-padded batch as
     it is when it is causal (pads come after every real token, so they change nothing); a padded batch on a
     bidirectional model without one is refused (:class:`~sinklens.errors.UnsupportedArchitectureError`).
+    While a padded batch runs, its real-token mask is what :func:`real_tokens` returns to hooks.
     """
     batch = right_align(batch)
     if not batch.padded:
         return model(batch.tokens, **kwargs)
     if accepts_attention_mask(model):
-        return model(batch.tokens, attention_mask=batch.valid.long(), **kwargs)
-    if is_encoder(model):
+        kwargs["attention_mask"] = batch.valid.long()
+    elif is_encoder(model):
         raise UnsupportedArchitectureError(
             f"{type(model).__name__} takes no attention_mask, so a padded batch cannot run on this bidirectional "
             "model without real tokens attending to padding; use batch_size=1 or equal-length inputs."
         )
-    return model(batch.tokens, **kwargs)
+    running = _RUNNING_MASK.set(batch.valid)
+    try:
+        return model(batch.tokens, **kwargs)
+    finally:
+        _RUNNING_MASK.reset(running)
 
 
 def stream(

@@ -6,6 +6,13 @@ or ``sinklens.stream(..., options=RunOptions(extra_hooks=hooks))`` so the analyz
 and with each other (concatenate the lists). The functions never modify the activation they
 receive; they return a new tensor.
 
+A factory given ``site="hook_resid_mid"`` (:func:`amplify`, :func:`calibrate`, :func:`clamp_dims`,
+:func:`transplant_dims`, and :func:`patch_sink`'s ``"resid_mid"``) edits the residual stream after the
+attention on every version: on the TransformerLens 4.x bridges that hook is a copy read by the MLP, which the
+block does not carry on from, so the edit is made through the attention write there
+(:func:`sinklens.residual_sites.on_the_residual_stream`; the hook names it returns are then
+``hook_resid_pre`` and ``hook_attn_out``).
+
 * masks (``hook_attn_scores``): :func:`self_only`, :func:`restart`, :func:`block_keys`, :func:`custom_mask`
 * variance: :func:`amplify` (``x ← μ + α(x − μ)``), :func:`calibrate`, :func:`reference_mean`
 * neurons and dimensions: :func:`edit_neurons`, :func:`clamp_dims`, :func:`transplant_dims`

@@ -9,8 +9,8 @@ Calibration divides that factor out, per batch element, head and query:
 * ``mode="amplify"``: ``z_t ← z_t / sqrt(s_t)`` — every position gets the variance of a single value
   (``σ²``, the first token's); factors are ≥ 1.
 * ``mode="attenuate"``: ``z_t ← z_t · sqrt(min_t' s_t' / s_t)`` — every position is brought down to
-  the most-aggregated position's level (``min`` over the query positions of the sequence, per head);
-  factors are ≤ 1.
+  the most-aggregated position's level (``min`` over the query positions of the sequence, per head;
+  the real tokens of a padded batch that sinklens runs); factors are ≤ 1.
 
 ``s_t`` is read from ``blocks.l.attn.hook_pattern`` (after any earlier hook on it) and applied at
 ``blocks.l.attn.hook_z``, the raw aggregation; only query positions in ``positions`` (default all)
@@ -34,22 +34,26 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-from jaxtyping import Float
+from jaxtyping import Bool, Float
 from torch import Tensor
 
 from sinklens.hooks import PATTERN, Z, check_hook_names, hook_name, model_dims, require_attention_seams, resolve_layers
-from sinklens.interventions.masks import Hooks, positions_arg
+from sinklens.interventions.masks import Hooks, check_in_sequence, positions_arg
+from sinklens.streaming import real_tokens
 from sinklens.validate import choice
 
 Mode = Literal["amplify", "attenuate"]
 
 
 def calibration_factor(
-    pattern: Float[Tensor, "batch head query key"], mode: Mode = "amplify"
+    pattern: Float[Tensor, "batch head query key"], mode: Mode = "amplify",
+    queries: Bool[Tensor, "batch query"] | None = None,
 ) -> Float[Tensor, "batch query head"]:
     """The multiplier of ``z`` per (batch, query, head): ``1/sqrt(s_t)`` or ``sqrt(min s / s_t)``.
 
     ``s_t = Σ_j A_tj²`` in float32; rows with no attention mass (all-zero, ``s_t = 0``) keep factor 1.
+    ``queries`` (default: every query) are the rows the ``attenuate`` minimum is taken over: the real tokens
+    of a padded batch, so that padding rows do not set the level.
 
     Examples:
         >>> A = torch.tril(torch.ones(3, 3)) / torch.arange(1, 4)[:, None]  # uniform causal
@@ -62,7 +66,9 @@ def calibration_factor(
     if mode == "amplify":
         factor = s_safe.rsqrt()
     else:
-        floor = torch.where(alive, s, torch.full_like(s, float("inf"))).amin(dim=-1, keepdim=True)
+        counted = alive if queries is None else alive & queries[:, None, :].to(alive.device)
+        floor = torch.where(counted, s, torch.full_like(s, float("inf"))).amin(dim=-1, keepdim=True)
+        floor = torch.where(torch.isinf(floor), torch.ones_like(floor), floor)  # no row counted: factor 1
         factor = (floor / s_safe).sqrt()
     return torch.where(alive, factor, torch.ones_like(factor)).transpose(1, 2)  # (B, T, H)
 
@@ -92,15 +98,16 @@ def variance_calibration(
     hooks: Hooks = []
     for layer in layer_list:
         def keep(pattern: Tensor, hook: Any, layer: int = layer) -> None:
-            factors[layer] = calibration_factor(pattern, mode)
+            factors[layer] = calibration_factor(pattern, mode, real_tokens(pattern.shape[0], pattern.shape[-2]))
 
         def rescale(z: Tensor, hook: Any, layer: int = layer) -> Tensor:  # z: (B, T, H, dh)
             f = factors.pop(layer)
             if f.shape[2] != z.shape[2]:  # grouped-query hook_z over kv heads is not expected; guard anyway
                 raise ValueError(f"hook_z has {z.shape[2]} heads but the pattern {f.shape[2]}.")
             if pos is not None:
+                check_in_sequence(pos, z.shape[1])  # as every other factory: a position beyond the sequence is named
                 mask = torch.zeros(z.shape[1], dtype=torch.bool, device=z.device)
-                mask[[p for p in pos if p < z.shape[1]]] = True
+                mask[pos] = True
                 f = torch.where(mask[None, :, None], f, torch.ones_like(f))
             return z * f[..., None].to(z.dtype)
 

@@ -33,7 +33,8 @@ from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.hooks import RESID_POST, model_dims
-from sinklens.inputs import Inputs, TokenBatch, as_batches, is_encoder, right_align
+from sinklens.export import to_json
+from sinklens.inputs import Inputs, TokenBatch, as_batches, is_encoder, padded_to, right_align
 from sinklens.interventions import registry
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, layers_arg
 from sinklens.options import RunOptions, options_from_legacy
@@ -221,6 +222,9 @@ def run_stats(
     """
     loss = wants_next_token_loss(model, loss)
     _check_queries_after(batches, target, sink)
+    # a batch of sequences that all end before the target or the sink still has those positions (as padding),
+    # so an intervention there finds them, whatever the batch size (its sequences are left as they are)
+    batches = [padded_to(b, max(target, sink) + 1) for b in batches]
     att = AttentionReceivedReducer(model, layers=layers, min_query=target + 1)
     res = PositionResidualReducer(model, [target, sink], layers=layers)
     all_hooks = [*options.extra_hooks, *hooks]
@@ -305,8 +309,9 @@ class InterventionResult(CompactRepr):
         return out
 
     def to_dict(self) -> dict:
-        """JSON-ready: ``layers``, ``before``/``after`` (head-averaged attention to the target), and the rest."""
-        return {
+        """JSON-ready (strict: a loss that was not computed, NaN, is None): ``layers``, ``before``/``after``
+        (head-averaged attention to the target), and the rest, at full precision (:func:`~sinklens.export.to_json`)."""
+        return to_json({
             "method": self.method, "target": self.target, "sink": self.sink, "layers": list(self.layers),
             "before": self.received_layer_before.tolist(), "after": self.received_layer_after.tolist(),
             "received_before": self.received_before.tolist(), "received_after": self.received_after.tolist(),
@@ -315,7 +320,7 @@ class InterventionResult(CompactRepr):
             "dims": list(self.dims), "dims_before": self.dims_before.tolist(), "dims_after": self.dims_after.tolist(),
             "sink_dims": self.sink_dims.tolist(), "loss_before": self.loss_before, "loss_after": self.loss_after,
             "options": {k: v for k, v in self.options.items() if isinstance(v, (int, float, str, bool, list, type(None)))},
-        }
+        }, digits=None)
 
     def plot(self, path: Any = None) -> Any:
         """Attention to target and sink and the target's residual norm, before vs after (see plotting.interventions)."""

@@ -20,6 +20,7 @@ from torch import Tensor
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.hooks import MLP_POST, RESID_POST, check_hook_names, hook_name, layer_of, model_dims
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, check_in_sequence, layers_arg, positions_arg
+from sinklens.residual_sites import on_the_residual_stream
 from sinklens.residual_units import moe_reason
 from sinklens.validate import choice, finite_number, index, index_list
 
@@ -144,7 +145,7 @@ def clamp_dims(
     def fn(act: Tensor, hook: Any) -> Tensor:  # act: [batch, pos, d_model]
         return _edit_columns(act, pos, idx, new)
 
-    return [(name, fn) for name in names]
+    return on_the_residual_stream(model, [(name, fn) for name in names])
 
 
 def transplant_dims(
@@ -171,4 +172,4 @@ def transplant_dims(
         check_in_sequence([src], act.shape[1])
         return _edit_columns(act, pos, idx, lambda sub: act[:, src, idx][:, None, :].expand_as(sub))
 
-    return [(name, fn) for name in names]
+    return on_the_residual_stream(model, [(name, fn) for name in names])

@@ -37,7 +37,7 @@ from sinklens.hooks import ATTN_OUT, MLP_OUT, RESID_MID, RESID_PRE, Z, check_hoo
 from sinklens.inputs import Inputs, as_batches
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, heads_arg, layers_arg, positions_arg
 from sinklens.options import RunOptions, options_from_legacy
-from sinklens.residual_sites import has_resid_mid
+from sinklens.residual_sites import has_resid_mid, on_the_residual_stream
 from sinklens.residual_units import post_ln_reason
 from sinklens.validate import choice, index
 
@@ -77,7 +77,10 @@ def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, 
     ``"attn_out"`` (``z·W_O + b_O`` at each position) is patched at ``attn.hook_z``, all heads at once (3.x's
     ``HookedEncoder`` fires the write itself there: same numbers). The same bridge fires ``hook_resid_mid`` at
     ``ln2``'s input, after the MLP; patching a position there equals patching it right after the attention,
-    since ``ln1``, the MLP and ``ln2`` each act on one position at a time. A parallel block (GPT-NeoX/Pythia)
+    since ``ln1``, the MLP and ``ln2`` each act on one position at a time. On the 4.x bridges of sequential
+    pre-norm blocks ``hook_resid_mid`` is a copy that the residual stream does not carry on from
+    (:func:`~sinklens.hooks.resid_mid_is_a_copy`); :func:`patch_sink` applies the patch through the attention
+    write there (:func:`~sinklens.residual_sites.on_the_residual_stream`), so it patches the stream on every version. A parallel block (GPT-NeoX/Pythia)
     has no residual between its attention and its MLP: ``"resid_mid"`` is refused there with
     :class:`~sinklens.errors.UnsupportedArchitectureError`.
     """
@@ -101,7 +104,8 @@ class SinkPatchResult(CompactRepr):
         site: what was patched (``"resid_pre"``, ``"z"`` …).
         axes: names of the axes of ``values`` (``("layer", "pos")``, ``("layer", "head")``, …).
         coords: the layer / position / head of each index along each axis.
-        values: the metric of the patched intervened run, one entry per component.
+        values: the metric of the patched intervened run, one entry per component, in float64 like ``clean``
+            and ``intervened`` (so a patch that gives back the clean run restores exactly 1).
         clean: the metric without intervention.
         intervened: the metric with the intervention and no patch.
         target: the position whose received attention is the metric.
@@ -232,7 +236,8 @@ def patch_sink(
         with model.hooks(fwd_hooks=[(n, lambda act, hook, n=n: keep(act, hook, n)) for n in names] + fold.hooks):
             model(tokens_t, return_type=None)
         clean = metric()
-        with model.hooks(fwd_hooks=list(hooks) + fold.hooks):
+        hooks = on_the_residual_stream(model, hooks)
+        with model.hooks(fwd_hooks=hooks + fold.hooks):
             model(tokens_t, return_type=None)
         intervened = metric()
         grid = list(itertools.product(*(range(len(v)) for v in coords.values())))
@@ -246,10 +251,10 @@ def patch_sink(
                 setter(out, clean_acts[name], idx)
                 return out
 
-            with model.hooks(fwd_hooks=list(hooks) + [(name, patch)] + fold.hooks):
+            with model.hooks(fwd_hooks=hooks + on_the_residual_stream(model, [(name, patch)]) + fold.hooks):
                 model(tokens_t, return_type=None)
             values[cell] = metric()
     return SinkPatchResult(
-        site=site, axes=("layer", *axes), coords=coords, values=values.float(), clean=clean, intervened=intervened,
+        site=site, axes=("layer", *axes), coords=coords, values=values, clean=clean, intervened=intervened,
         target=target, metric_layers=metric_layers,
     )

@@ -34,7 +34,8 @@ from sinklens.hooks import Z, check_hook_names, hook_name, model_device, model_d
 from sinklens.inputs import TokenBatch, random_token_batches
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, check_in_sequence, heads_arg, layers_arg, positions_arg
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, stream
+from sinklens.residual_sites import on_the_residual_stream
+from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, real_tokens, stream
 from sinklens.validate import choice, finite_number, positive_int
 
 Reference = Union[Literal["random", "batch"], Tensor, Mapping[int, Tensor]]
@@ -169,14 +170,29 @@ def _reference_for(model: Any, reference: Reference, site: str, layers: list[int
     return means
 
 
-def _others_mean(act: Tensor, targets: list[int]) -> Tensor:
-    """Mean over positions ``>= 1`` that are not targets, per sequence: ``[batch, 1, ...]``."""
+def _other_positions(act: Tensor, targets: list[int]) -> Tensor:
+    """``[batch, pos]``: the positions ``>= 1`` that are not targets and are real tokens (padding of a batch that
+    :func:`sinklens.streaming.forward` runs is left out, :func:`~sinklens.streaming.real_tokens`)."""
     keep = torch.ones(act.shape[1], dtype=torch.bool, device=act.device)
     keep[0] = False
     keep[targets] = False
     if not bool(keep.any()):
         raise InvalidArgumentError("The sequence has no position other than 0 and the targets to take statistics from.")
-    return act[:, keep].mean(dim=1, keepdim=True)
+    keep = keep.expand(act.shape[0], -1)
+    real = real_tokens(act.shape[0], act.shape[1])
+    return keep if real is None else keep & real.to(act.device)
+
+
+def _mean_over(x: Tensor, where: Tensor) -> Tensor:
+    """Mean of ``x`` ``[batch, pos, ...]`` over the positions ``where`` ``[batch, pos]`` is True, per sequence:
+    ``[batch, 1, ...]`` (0 for a sequence with none)."""
+    weight = where.to(x.dtype).reshape(*where.shape, *[1] * (x.ndim - 2))
+    return (x * weight).sum(dim=1, keepdim=True) / weight.sum(dim=1, keepdim=True).clamp_min(1.0)
+
+
+def _others_mean(act: Tensor, targets: list[int]) -> Tensor:
+    """Mean over the real positions ``>= 1`` that are not targets, per sequence: ``[batch, 1, ...]``."""
+    return _mean_over(act, _other_positions(act, targets))
 
 
 def _reference_at(mean: Tensor, act: Tensor) -> Tensor:
@@ -230,7 +246,8 @@ def amplify(
         reference: ``"random"`` (default: :func:`reference_mean` over random tokens, cached and
             computed when the hooks are built),
             ``"batch"`` (per sequence, the mean over the run's positions other than 0 and the
-            targets — no cache, right for training), a tensor, or ``{layer: tensor}``.
+            targets — no cache, right for training; padding of a batch that sinklens runs is left out,
+            so the result does not depend on the batch size), a tensor, or ``{layer: tensor}``.
         **reference_kw: passed to :func:`reference_mean` (``n_sequences``, ``seq_len``, ``seed``...).
 
     Examples:
@@ -263,7 +280,7 @@ def amplify(
         out[:, pos] = x + delta
         return out
 
-    return per_layer_hooks(site, layer_list, fn)
+    return on_the_residual_stream(model, per_layer_hooks(site, layer_list, fn))
 
 
 def calibrate(
@@ -279,7 +296,7 @@ def calibrate(
 
     Per sequence (and per head for ``[batch, pos, head, d_head]`` sites), with ``μ`` the mean and
     ``s = sqrt(mean_t ||x_t − μ||²)`` the root-mean-square deviation over the positions ``t >= 1``
-    that are not targets, each target becomes ``μ + (x − μ) · s / ||x − μ||``: same direction, the
+    that are not targets (and are real tokens: padding of a batch that sinklens runs is left out), each target becomes ``μ + (x − μ) · s / ||x − μ||``: same direction, the
     typical size. Norms are over the last dimension. The default target is the sink at position 0.
     """
     dims = model_dims(model)
@@ -292,11 +309,9 @@ def calibrate(
 
     def fn(act: Tensor, hook: Any) -> Tensor:
         check_in_sequence(pos, act.shape[1])
-        mu = _others_mean(act, pos)
-        keep = torch.ones(act.shape[1], dtype=torch.bool, device=act.device)
-        keep[0] = False
-        keep[pos] = False
-        rms = (act[:, keep] - mu).norm(dim=-1, keepdim=True).pow(2).mean(dim=1, keepdim=True).sqrt()
+        others = _other_positions(act, pos)
+        mu = _mean_over(act, others)
+        rms = _mean_over((act - mu).norm(dim=-1, keepdim=True).pow(2), others).sqrt()
         x = act[:, pos]
         dev = x - mu
         scale = rms / dev.norm(dim=-1, keepdim=True).clamp_min(eps)
@@ -308,7 +323,7 @@ def calibrate(
         out[:, pos] = new
         return out
 
-    return [(name, fn) for name in names]
+    return on_the_residual_stream(model, [(name, fn) for name in names])
 
 
 def deviation_norm(act: Float[Tensor, "batch pos *feature"], mean: Tensor) -> Float[Tensor, "batch pos *head"]:

@@ -89,6 +89,7 @@ from torch import Tensor
 
 from sinklens.display import CompactRepr
 from sinklens.errors import IncompatibleModelsError, InvalidArgumentError
+from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions, checked_options
@@ -151,13 +152,14 @@ class FingerprintResult(CompactRepr):
     caveats: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        """Plain data for :func:`sinklens.export.write_json`."""
-        return {
+        """Strict-JSON-ready data (non-finite numbers, e.g. ``tau_mean`` with no dimension compared, are None; full
+        precision), as :func:`sinklens.export.write_json` writes it."""
+        return to_json({
             "p_value": self.p_value, "z": self.z, "tau_mean": self.tau_mean, "n_dims": self.n_dims,
             "n_samples": self.n_samples, "same_lineage": self.same_lineage, "alpha": self.alpha,
             "log10_p": self.log10_p, "dims": self.dims, "tau": self.tau.tolist(), "settings": self.settings,
             "caveats": self.caveats, "verdict": self.verdict,
-        }
+        }, digits=None)
 
     @property
     def verdict(self) -> Literal["same_lineage", "no_evidence", "inconclusive"]:

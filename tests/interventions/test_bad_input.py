@@ -25,6 +25,7 @@ from sinklens.interventions import (
     amplify, block_keys, calibrate, clamp_dims, create_sink, custom_mask, edit_neurons, measure_intervention,
     patch_sink, reference_mean, remove_sink, restart, self_only, sweep, transplant_dims,
 )
+from sinklens.interventions.calibration import variance_calibration
 from sinklens.options import RunOptions
 
 pytestmark = pytest.mark.models
@@ -50,6 +51,8 @@ PYTHON_CASES = [
     ("position float", lambda m, t: self_only(m, positions=[2.5]), InvalidArgumentError, "2.5"),
     ("positions empty", lambda m, t: amplify(m, positions=[], alpha=2, reference="batch"), InvalidArgumentError, "empty list"),
     ("position past the sequence", lambda m, t: m.run_with_hooks(t, fwd_hooks=self_only(m, positions=20)), InvalidArgumentError, "Position 20"),
+    ("variance calibration past the sequence",
+     lambda m, t: m.run_with_hooks(t, fwd_hooks=variance_calibration(m, positions=20)), InvalidArgumentError, "Position 20"),
     ("clamp value nan", lambda m, t: clamp_dims(m, [1], value=math.nan), InvalidArgumentError, "nan"),
     ("clamp bound negative", lambda m, t: clamp_dims(m, [1], mode="bound", value=-2.0), InvalidArgumentError, "-2"),
     ("clamp dims empty", lambda m, t: clamp_dims(m, []), InvalidArgumentError, "empty list"),

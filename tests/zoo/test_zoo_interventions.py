@@ -14,7 +14,8 @@ import torch
 from sinklens.analysis.qk_locking import query_key_locking
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.hooks import PATTERN, SCORES, hook_name, post_hoc_attention
-from sinklens.interventions import block_keys, custom_mask, edit_neurons, restart, self_only
+from sinklens.interventions import (amplify, block_keys, calibrate, clamp_dims, custom_mask, edit_neurons, restart, self_only,
+                                    transplant_dims)
 from sinklens.interventions.calibration import variance_calibration
 from sinklens.testing.zoo import FAMILIES, MOE_FAMILIES, POST_NORM_FAMILIES, FamilyUnavailableError, zoo_model
 
@@ -168,3 +169,34 @@ def test_next_token_loss_only_where_it_is_defined(family):
         count += batch.tokens.shape[1] - 1
     assert res.loss_before == pytest.approx(total / count, rel=1e-5)
     assert res.loss_after == pytest.approx(res.loss_before, rel=1e-5)  # alpha = 1: the identity
+
+
+RESID_MID_EDITS = {
+    "clamp_dims": lambda m: clamp_dims(m, [1, 3], positions=2, site="hook_resid_mid", layers=0, value=7.0),
+    "transplant_dims": lambda m: transplant_dims(m, [1, 3], positions=2, site="hook_resid_mid", layers=0),
+    "amplify": lambda m: amplify(m, positions=2, site="hook_resid_mid", layers=0, alpha=5.0, reference="batch"),
+    "calibrate": lambda m: calibrate(m, positions=2, site="hook_resid_mid", layers=0),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(RESID_MID_EDITS))
+@pytest.mark.parametrize("family", [f for f in FAMILIES if f not in ("neox", "bert")])
+def test_an_edit_at_resid_mid_reaches_the_residual_stream(family, edit):
+    """What the MLP reads at ``hook_resid_mid`` is what the block carries on past it (``hook_resid_post −
+    hook_mlp_out``), edit included. On the 4.x bridges the hook is a copy only the MLP reads: before the edit
+    went through the attention write there, the stream kept the unedited residual (off by the edit, e.g. 7 − x
+    in the clamped dimensions) while the MLP read the edited one."""
+    model = _model(family)
+    seen: dict[str, torch.Tensor] = {}
+
+    def keep(key: str):
+        return lambda act, hook: seen.__setitem__(key, act.detach().clone())
+
+    reads = [(hook_name(0, site), keep(site)) for site in ("hook_resid_mid", "hook_mlp_out", "hook_resid_post")]
+    with torch.no_grad():
+        model.run_with_hooks(TOKENS.repeat(2, 1), fwd_hooks=RESID_MID_EDITS[edit](model) + reads, return_type=None)
+    carried = seen["hook_resid_post"] - seen["hook_mlp_out"]
+    scale = float(seen["hook_resid_mid"].abs().max())
+    assert float((carried - seen["hook_resid_mid"]).abs().max()) <= 1e-5 * scale
+    if edit == "clamp_dims":
+        assert carried[:, 2, [1, 3]].flatten().tolist() == pytest.approx([7.0] * 4, abs=1e-4)
