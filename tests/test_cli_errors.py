@@ -52,6 +52,7 @@ def files(tmp_path_factory) -> dict[str, Path]:
         (root / "done" / name).write_text("{}")
     (root / "done.json").write_text("{}")
     (root / "table.toml").write_text("model = 3\n")
+    (root / "bos.json").write_text('{"data": {"source": "text", "path": "corpus.txt", "bos": "false"}}')
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
                          num_attention_heads=4, max_position_embeddings=64, bos_token_id=0, eos_token_id=1)
@@ -142,6 +143,9 @@ GENERIC_ROWS = [
      ["optim.lr", "-1"]),
     ("train-config-syntax", lambda f: ["train", "--out", _p(f, "run"), "--config", _p(f, "bad_config.json")], EXIT_USAGE,
      ["error:"]),
+    # a string where a boolean belongs (truthy "false") used to be stored and trained with BOS
+    ("train-config-bos-string", lambda f: ["train", "--out", _p(f, "run"), "--config", str(f["root"] / "bos.json")],
+     EXIT_USAGE, ["data.bos must be True or False, got 'false' (str)"]),
     ("train-config-missing", lambda f: ["train", "--out", _p(f, "run"), "--config", _p(f, "missing.toml")], None,
      ["missing.toml"]),
     ("origins-batch-size", lambda f: ["origins", "--model", "./no/such/model", "--batch-size", "0"], EXIT_USAGE,

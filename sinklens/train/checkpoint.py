@@ -143,7 +143,9 @@ def save_checkpoint(
         for name in names:
             _fsync_file(tmp / name)
         files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in names}
-        write_json(tmp / MANIFEST, {"format": 2, "step": step, "files": files}, digits=None)
+        every = cfg.keep_every * cfg.checkpoint_interval
+        kept = bool(every and step % every == 0)  # a keeper of the run that wrote it, whatever a resume changes later
+        write_json(tmp / MANIFEST, {"format": 2, "step": step, "files": files, "kept": kept}, digits=None)
         _fsync_dir(tmp)
         final = root / _step_dir_name(step)
         if final.exists():  # an orphan from a killed process (never current: the pointer is switched last)
@@ -160,11 +162,21 @@ def save_checkpoint(
     _fsync_dir(run_dir)
     earlier = [p for s, p in _step_dirs(run_dir) if s < step]
     keep = {final.name} | ({earlier[0].name} if earlier else set())
-    every = cfg.keep_every * cfg.checkpoint_interval
     for s, path in _step_dirs(run_dir):  # keep the new checkpoint, the newest one before it, every keep_every-th
-        if path.name not in keep and not (every and s % every == 0):
+        if path.name not in keep and not _kept(path, s, every):
             shutil.rmtree(path, ignore_errors=True)
     return final
+
+
+def _kept(path: Path, step: int, every: int) -> bool:
+    """Whether the step directory ``path`` is one that ``keep_every`` keeps: as its manifest recorded when it was
+    written (so a resume that changes ``checkpoint_interval`` or ``keep_every`` never prunes an earlier keeper), or,
+    for a checkpoint written before manifests recorded it, ``step`` a multiple of the current ``every``."""
+    try:
+        recorded = json.loads((path / MANIFEST).read_text()).get("kept")
+    except (OSError, ValueError, AttributeError):
+        recorded = None
+    return bool(recorded) if isinstance(recorded, bool) else bool(every and step % every == 0)
 
 
 def _pointer(run_dir: Path) -> tuple[int, Path] | None:

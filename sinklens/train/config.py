@@ -41,7 +41,7 @@ from typing import Any, Literal
 from sinklens.errors import InvalidArgumentError
 from sinklens.specs import parse_value
 from sinklens.train.variants import get_attention_variant
-from sinklens.validate import as_seed, choice, closest, did_you_mean, finite_number, positive_int
+from sinklens.validate import as_bool, as_seed, choice, closest, did_you_mean, finite_number, positive_int
 
 Family = Literal["llama", "gpt2"]
 DType = Literal["float32", "bfloat16", "float16", "float64"]
@@ -56,6 +56,8 @@ CpuMatmul = Literal["auto", "onednn", "aten"]
 DATA_SOURCES: tuple[str, ...] = typing.get_args(DataSource)
 #: The ``data.source`` values whose ``data.path`` is a file or folder on this machine.
 LOCAL_DATA_SOURCES: tuple[str, ...] = ("text", "memmap")
+#: The synthetic tasks of :mod:`sinklens.train.data`: every sequence starts with the task's BOS token (id 0).
+SYNTHETIC_SOURCES: tuple[str, ...] = ("bigram-backcopy", "markov")
 
 #: Size/architecture presets for :meth:`ModelConfig.from_preset`. ``tiny`` runs in tests on a CPU;
 #: ``124m`` is the GPT-2-small shape (12 layers, d_model 768, 12 heads, n_ctx 1024, 50304 vocab,
@@ -257,6 +259,9 @@ class DataConfig(_Part):
             stream for synthetic tasks). ``memmap`` uses ``val.bin`` when it exists.
         tokenizer: ``"byte"`` (256 bytes + ``<|endoftext|>``) or ``"bpe"`` trained on the train split
             with the ``tokenizers`` library (``vocab_size`` tokens), cached under ``cache_dir``.
+        bos: start every sequence with the tokenizer's BOS token (text and hf data). The synthetic tasks
+            always start with theirs (id 0) and refuse False; ``memmap`` windows are raw token ids, nanoGPT
+            style (no BOS id is known), whatever ``bos`` says.
         vocab_size: BPE size; for synthetic tasks the number of tokens (BOS included); for ``memmap``
             the token range when the folder has no ``meta.pkl``.
         glob: files to read from a ``text`` folder.
@@ -293,6 +298,11 @@ class DataConfig(_Part):
         self.task_seed = as_seed(self.task_seed, what="data.task_seed")
         self.val_fraction = finite_number(self.val_fraction, what="data.val_fraction", low=0.0, high=1.0, low_open=True, high_open=True)
         self.tokenizer = choice(self.tokenizer, typing.get_args(TokenizerKind), what="data.tokenizer")
+        self.bos = as_bool(self.bos, what="data.bos")
+        if not self.bos and self.source in SYNTHETIC_SOURCES:
+            raise InvalidArgumentError(
+                f"data.bos=False: the {self.source} task always starts its sequences with its BOS token (id 0), "
+                "the fixed position-0 token of the task; bos applies to text and hf data.")
         if self.source in ("text", "memmap", "hf") and not self.path:
             raise InvalidArgumentError(f"data.source={self.source!r} needs data.path (a file, folder or dataset name).")
         self.vocab_size = _optional_int(self.vocab_size, what="data.vocab_size", minimum=2)

@@ -262,6 +262,46 @@ def _resolve_vocab(cfg: TrainConfig, source: TokenSource) -> TrainConfig:
     return cfg
 
 
+def try_interventions(model: Any, hooks: Hooks, cfg: TrainConfig) -> None:
+    """Run the hooks of the training-time interventions given as registry specs once, on the shortest sequences
+    the run feeds them (``data.seq_len``, and ``eval.persistence_seq_len`` when persistence is measured), before
+    the run directory is touched, so that one that cannot run there (a position past those sequences) is an
+    error up front rather than at the first evaluation, with ``config.json`` already written. (A callable
+    intervention is the caller's own code and is not called before the run.)"""
+    if not hooks:
+        return
+    lengths = {"data.seq_len": cfg.data.seq_len}
+    if cfg.eval.interval and cfg.eval.persistence_sequences:
+        lengths["eval.persistence_seq_len"] = min(cfg.eval.persistence_seq_len, cfg.data.seq_len)
+    flag, length = min(lengths.items(), key=lambda item: item[1])
+    tokens = torch.zeros(1, length, dtype=torch.long, device=next(model.parameters()).device)
+    try:
+        with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+            model(tokens)
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(
+            f"A training-time intervention cannot run on the run's {length}-token sequences ({flag}={length}): {error}"
+            + (" Raise eval.persistence_seq_len, or set eval.persistence_sequences=0 to measure no persistence."
+               if flag.startswith("eval.") else "")
+        ) from None
+
+
+def _keep_finite_weights(step: int, start_step: int, saved: set[int], resumed: bool, out: Path | None,
+                         checkpoint: Callable[[int], None]) -> str:
+    """What a run that diverged at ``step`` keeps, and say it: its last finite checkpoint (the newest of ``saved``,
+    or the one it resumed from) stays current; a run with none checkpoints its finite weights after ``step``
+    steps (the bad update was dropped), so that it is never lost."""
+    if out is None:
+        return "nothing was saved (no out_dir)"
+    if saved or resumed:
+        return f"its last finite checkpoint (step {max(saved, default=start_step)}) in {str(out)!r} is kept"
+    if step > start_step:
+        checkpoint(step)
+        return (f"it had no checkpoint, so its finite weights after step {step} are checkpointed in {str(out)!r} "
+                "(--resume continues from there)")
+    return f"no step had finished, so {str(out)!r} holds no checkpoint"
+
+
 def _interrupted(
     signal_name: str, step: int, start_step: int, steps: int, out: Path | None, checkpoint: Callable[[int], None]
 ) -> TrainingInterrupted:
@@ -353,6 +393,8 @@ def train(
         precision = mixed_precision(cfg, device)
         autocast, scaler = precision.autocast, precision.scaler
         hooks = resolve_interventions(model, [*cfg.interventions, *interventions])
+        specs = [item for item in [*cfg.interventions, *interventions] if isinstance(item, str)]
+        try_interventions(model, resolve_interventions(model, specs), cfg)  # fresh hooks: a trial leaves no state
 
         # ---- the run directory: written only from here on
         start_step = 0
@@ -360,6 +402,13 @@ def train(
         if resumed_from is not None:
             start_step = load_checkpoint(resumed_from, model=model, optimizer=optimizer, scaler=scaler)
             history = _read_history(out, start_step)
+        stop = cfg.steps if until is None else min(int(until), cfg.steps)
+        if start_step >= stop:  # nothing to train: re-saving would replace step `stop`'s checkpoint, prune later ones
+            asked = f"steps={cfg.steps}" + ("" if until is None else f" and until={until}")
+            raise InvalidArgumentError(
+                f"The run in {str(out)!r} is at step {start_step} already; {asked} leave nothing to train. "
+                f"Pass a larger --steps (train(..., resume=True) with cfg.steps > {start_step}) to continue it."
+            )
         if out is not None and dist.is_main:
             writable_dir(out, what="out_dir")
             if overwrite:
@@ -369,7 +418,6 @@ def train(
             write_metrics(out, history)  # a resumed run keeps only the lines before its checkpoint
 
         raw_model = model
-        stop = cfg.steps if until is None else min(int(until), cfg.steps)
 
         def wrap(module: Any) -> Any:  # what a step calls: the (possibly compiled) model, in DDP when distributed
             if not dist.enabled:
@@ -411,6 +459,10 @@ def train(
             if out is not None and dist.is_main and step not in saved_steps:
                 save_checkpoint(out, model=raw_model, optimizer=optimizer, cfg=cfg, step=step, scaler=scaler)
                 saved_steps.add(step)
+
+        def periodic_checkpoint(steps_done: int) -> None:
+            if cfg.checkpoint_interval and steps_done % cfg.checkpoint_interval == 0 and steps_done < stop:
+                checkpoint(steps_done)
 
         # ---- the loop
         retained = resources.enter_context(retained_cpu_memory(device.type == "cpu"))
@@ -481,7 +533,8 @@ def train(
                             "grad_norm": float(grad_norm), "lr": lr, "action": cfg.on_nonfinite}
                     log(line)
                     if cfg.on_nonfinite == "stop" or skipped > cfg.max_skips:
-                        kept = f"the last finite checkpoint in {str(out)!r} is kept" if out is not None else "nothing was saved"
+                        kept = _keep_finite_weights(step, start_step, saved_steps, resumed_from is not None, out,
+                                                    checkpoint)
                         why = "on_nonfinite='stop'" if cfg.on_nonfinite == "stop" else f"{skipped} skipped steps in a row"
                         raise TrainingDivergedError(
                             f"Training diverged at step {step}: loss {line['loss']}, gradient norm {line['grad_norm']} "
@@ -489,6 +542,7 @@ def train(
                             f"or set on_nonfinite='skip' to drop such steps."
                         )
                     warnings.warn(f"Step {step}: non-finite loss or gradient; the update was skipped.", stacklevel=2)
+                    periodic_checkpoint(step + 1)  # a skipped step is still a step: its checkpoint is due as usual
                     continue
                 skipped = 0
                 if scaler is not None:
@@ -521,8 +575,7 @@ def train(
                         "compiled": step_compiled,
                     })
                     bar.set_postfix(loss=f"{loss_value:.4f}")
-                if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step + 1 < stop:
-                    checkpoint(step + 1)
+                periodic_checkpoint(step + 1)
 
             if cfg.eval.interval and dist.is_main and stop == cfg.steps:
                 run_eval(cfg.steps)

@@ -69,6 +69,7 @@ def test_variant_options_as_a_whole_mapping_add_to_those_set():
         (["lr"], "not of the form"),
         (["model.variant_options=shared"], r"model.variant_options takes a mapping such as \{'gain': 'shared'\}, got 'shared'"),
         (["model.variant_options=[1, 2]"], "model.variant_options takes a mapping"),
+        (["data.bos=false"], "data.bos=False: the bigram-backcopy task always starts its sequences with its BOS token"),
     ],
 )
 def test_bad_configs_raise_clear_errors(overrides, match):
@@ -126,3 +127,4 @@ def test_config_errors_are_one_clean_line():
     with pytest.raises(ValueError) as typed:
         parse_args(build_cfg(), ["--optim.lr", "abc"])
     assert str(typed.value) == "Error parsing --optim.lr: could not convert string to float: 'abc'"
+

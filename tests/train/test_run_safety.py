@@ -467,7 +467,7 @@ def _explode_at(step_to_break: int):
 
 def test_a_diverging_run_stops_keeps_its_last_finite_checkpoint_and_writes_strict_json(tmp_path):
     cfg = build_cfg(steps=10, checkpoint_interval=2)
-    with pytest.raises(TrainingDivergedError, match="Training diverged at step 5: loss nan.*last finite checkpoint"):
+    with pytest.raises(TrainingDivergedError, match=r"Training diverged at step 5: loss nan.*last finite checkpoint \(step 4\)"):
         train(cfg, out_dir=tmp_path, interventions=[_explode_at(5)], progress=False)
     got = load_run(tmp_path)
     assert got.step == 4  # the checkpoint written before the NaN step, still current
@@ -506,3 +506,70 @@ def test_cli_exits_nonzero_on_divergence(tmp_path, capsys):
                  "--set", "optim.warmup_steps=0", "--set", "optim.grad_clip=0", "--out", str(tmp_path)])
     assert code == 1  # a failure of the work, not of the command line (sinklens.errors.exit_code_for)
     assert "Training diverged at step" in capsys.readouterr().err
+
+
+def _checkpoint_steps(run_dir) -> list[int]:
+    return sorted(int(p.name.split("-")[1]) for p in (run_dir / "checkpoints").iterdir() if p.name.startswith("step-"))
+
+
+def test_a_diverging_run_without_checkpoints_checkpoints_its_finite_weights(tmp_path):
+    """checkpoint_interval=0 (the default) wrote no checkpoint before the NaN, and the error said one was kept:
+    the run was lost. Now its finite weights after the steps done are saved and say so."""
+    with pytest.raises(TrainingDivergedError, match="it had no checkpoint, so its finite weights after step 5 are checkpointed"):
+        train(build_cfg(steps=10), out_dir=tmp_path, interventions=[_explode_at(5)], progress=False)
+    assert load_run(tmp_path).step == 5 and _checkpoint_steps(tmp_path) == [5]
+    assert all(torch.isfinite(p).all() for p in load_trained_model(tmp_path).parameters())
+    uninterrupted = train(build_cfg(steps=10), until=5, progress=False).model  # the same 5 steps, never diverged
+    saved = load_trained_model(tmp_path).state_dict()
+    assert all(torch.equal(saved[k], v) for k, v in uninterrupted.state_dict().items())
+
+
+def test_a_resume_with_nothing_left_to_train_is_refused_and_touches_nothing(tmp_path):
+    """``--resume --steps 20`` on a run at step 30 used to save the step-30 weights as step-20's checkpoint
+    (deleting the real one) and then prune step 30."""
+    train(build_cfg(steps=6, checkpoint_interval=2, keep_every=1), out_dir=tmp_path, progress=False)
+    before = _snapshot(tmp_path)
+    for steps in (4, 6):
+        with pytest.raises(ValueError, match=f"is at step 6 already; steps={steps} leave nothing to train"):
+            train(build_cfg(steps=steps, checkpoint_interval=2, keep_every=1), out_dir=tmp_path, resume=True, progress=False)
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_skipped_step_still_gets_its_periodic_checkpoint(tmp_path):
+    calls = {"n": 0}
+
+    def flaky(model):  # NaN in step 1's forward only
+        def fn(resid, hook):
+            calls["n"] += 1
+            return resid * float("nan") if calls["n"] == 2 else resid
+
+        return [("blocks.0.hook_resid_post", fn)]
+
+    with pytest.warns(UserWarning, match="Step 1: non-finite"):
+        train(build_cfg(steps=8, checkpoint_interval=2, keep_every=1, on_nonfinite="skip"), out_dir=tmp_path,
+              interventions=[flaky], progress=False)
+    assert _checkpoint_steps(tmp_path) == [2, 4, 6, 8]  # step 2's was skipped with the step before it
+
+
+def test_a_resume_that_changes_the_checkpoint_interval_keeps_the_earlier_keepers(tmp_path):
+    train(build_cfg(steps=4, checkpoint_interval=1, keep_every=2), out_dir=tmp_path, progress=False)
+    assert _checkpoint_steps(tmp_path) == [2, 3, 4]  # keepers 2, 4; 3 the newest before the last
+    train(build_cfg(steps=9, checkpoint_interval=3, keep_every=2), out_dir=tmp_path, resume=True, progress=False)
+    assert _checkpoint_steps(tmp_path) == [2, 4, 6, 9]  # 2 and 4 were keepers when written; 6 is one now
+
+
+def test_an_intervention_that_cannot_run_on_the_runs_sequences_is_refused_before_the_run_is_written(tmp_path):
+    """A position inside the context but past the persistence sequences (or the training sequences) used to fail
+    at the first evaluation, after config.json was written (and after --overwrite had cleared the old run)."""
+    train(build_cfg(steps=2), out_dir=tmp_path, progress=False)
+    before = _snapshot(tmp_path)
+    persistence = {"eval": {"interval": 1, "persistence_sequences": 2, "persistence_seq_len": 8}}
+    with pytest.raises(ValueError, match=r"run's 8-token sequences \(eval.persistence_seq_len=8\): Position 12 is out of "
+                                         r"range.*Raise eval.persistence_seq_len"):
+        train(build_cfg(steps=2, **persistence), out_dir=tmp_path, overwrite=True, interventions=["restart:positions=12"],
+              progress=False)
+    with pytest.raises(ValueError, match=r"run's 10-token sequences \(data.seq_len=10\): Position 12"):
+        train(build_cfg(steps=2, data={"seq_len": 10}), out_dir=tmp_path, overwrite=True,
+              interventions=["restart:positions=12"], progress=False)
+    assert _snapshot(tmp_path) == before
+    train(build_cfg(steps=2, **persistence), out_dir=tmp_path / "ok", interventions=["restart:positions=6"], progress=False)
