@@ -296,8 +296,9 @@ def calibrate(
 
     Per sequence (and per head for ``[batch, pos, head, d_head]`` sites), with ``μ`` the mean and
     ``s = sqrt(mean_t ||x_t − μ||²)`` the root-mean-square deviation over the positions ``t >= 1``
-    that are not targets (and are real tokens: padding of a batch that sinklens runs is left out), each target becomes ``μ + (x − μ) · s / ||x − μ||``: same direction, the
-    typical size. Norms are over the last dimension. The default target is the sink at position 0.
+    that are not targets (and are real tokens: padding of a batch that sinklens runs is left out), each
+    target becomes ``μ + (x − μ) · s / ||x − μ||``: same direction, the typical size. Norms are over the last
+    dimension. The default target is the sink at position 0.
     """
     dims = model_dims(model)
     pos = positions_arg(positions, dims.n_ctx)
