@@ -97,7 +97,9 @@ def layer_of(name: str) -> int:
 class ModelDims:
     """The sizes of a model that sinklens needs, read from its ``cfg``.
 
-    ``n_kv_heads`` equals ``n_heads`` unless the model uses grouped-query attention.
+    ``n_kv_heads`` equals ``n_heads`` unless the model uses grouped-query attention; ``d_mlp`` is 0 for a model
+    without MLPs (``cfg.attn_only``: TransformerLens 3.x keeps a nonzero ``cfg.d_mlp`` there); ``d_vocab_out`` is
+    the number of logits (``cfg.d_vocab_out``, ``d_vocab`` unless the model predicts another vocabulary).
     """
 
     n_layers: int
@@ -108,6 +110,7 @@ class ModelDims:
     d_mlp: int
     n_ctx: int
     d_vocab: int
+    d_vocab_out: int
 
 
 def model_dims(model: Any) -> ModelDims:
@@ -120,7 +123,8 @@ def model_dims(model: Any) -> ModelDims:
         )
     n_heads = int(cfg.n_heads)
     n_kv = getattr(cfg, "n_key_value_heads", None) or getattr(cfg, "n_kv_heads", None) or n_heads
-    d_mlp = getattr(cfg, "d_mlp", None) or 0
+    d_mlp = 0 if getattr(cfg, "attn_only", False) is True else getattr(cfg, "d_mlp", None) or 0
+    d_vocab_out = getattr(cfg, "d_vocab_out", None)
     return ModelDims(
         n_layers=int(cfg.n_layers),
         n_heads=n_heads,
@@ -130,6 +134,7 @@ def model_dims(model: Any) -> ModelDims:
         d_mlp=int(d_mlp),
         n_ctx=int(cfg.n_ctx),
         d_vocab=int(cfg.d_vocab),
+        d_vocab_out=int(d_vocab_out) if isinstance(d_vocab_out, int) and d_vocab_out > 0 else int(cfg.d_vocab),
     )
 
 

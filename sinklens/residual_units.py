@@ -190,6 +190,10 @@ def input_norm_path(model: Any, layer: int, site: Site) -> str:
                 "This post-LN model exposes no embedding LayerNorm hook (looked for "
                 f"{[p + '.hook_normalized' for p in EMBED_NORMS]}), so layer 0's attention input norm cannot be read.")
     if f"{path}.hook_normalized" not in hooks:
+        if getattr(model.cfg, "normalization_type", "") is None:
+            raise UnsupportedArchitectureError(
+                f"This model has no normalization (cfg.normalization_type=None): block {layer}'s {site} reads the raw "
+                "residual, so there is no norm input to measure (normalized disparity, the MLP input at the sink).")
         raise UnsupportedArchitectureError(f"Block {layer}'s {site} reads {path}, which has no hook {path}.hook_normalized.")
     return path
 
@@ -326,7 +330,9 @@ def post_ln_reason(model: Any) -> str | None:
 
 
 def neuron_reason(model: Any) -> str | None:
-    """Why neurons cannot be attributed in residual units on ``model`` (mixture of experts or post-LN), or None."""
+    """Why neurons cannot be attributed in residual units on ``model`` (no MLP, mixture of experts or post-LN), or None."""
+    if model_dims(model).d_mlp <= 0:
+        return "the model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0), so there are no neurons"
     return moe_reason(model) or post_ln_reason(model)
 
 

@@ -505,7 +505,8 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             if bad:
                 raise InvalidArgumentError(f"dims {bad} are out of range for d_model={d.d_model} (0..{d.d_model - 1}).")
         if d.d_mlp <= 0:
-            raise InvalidArgumentError("This model has no MLP (cfg.d_mlp is 0): there are no neurons to analyse.")
+            raise InvalidArgumentError("This model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0): there are no "
+                                       "neurons to analyse.")
         check_neuron_mlp(model)
         self.model = model
         self.settings = settings

@@ -16,10 +16,16 @@ The norm is ``blocks.{l}.ln1`` on pre-norm models (Llama, GPT-2, Gemma, Pythia, 
 normalises *after* each residual add and its ``ln1`` follows the attention, so there the norm is the previous
 block's ``ln2`` (layer 0: the embedding LayerNorm), whose output is ``blocks.{l}.hook_resid_pre``; ``site``
 says which norm was read. The ratio formula is the same everywhere; only the read site differs.
+
+A TransformerLens 3.x ``HookedTransformer`` whose weights were processed (``fold_ln``, the default of its
+``from_pretrained``) has norms without a gain (``normalization_type`` ``LNPre``/``RMSPre``: the gain is folded
+into the next weights), so there "after the gain" equals "before the gain"; :func:`normalized_disparity` warns.
+:func:`sinklens.load_model` loads without weight processing.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -137,6 +143,8 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
         other = other_positions(batch, self.sink)
 
         def fold(act: Tensor, layer: int) -> None:  # [batch, pos, d_model]
+            if act.ndim == 4:  # TL 3.x use_split_qkv_input: [batch, pos, head, d_model], one equal copy per head
+                act = act[:, :, 0]
             i, x, pm = self.row[layer], act.float(), self.maps[layer]
             a = torch.stack((x, x * pm.gain.float().to(x.device) + pm.offset(x))).abs_()  # [before/after gain, ...]
             rest = (a.sum(-1, keepdim=True) - a) / (a.shape[-1] - 1)
@@ -186,5 +194,11 @@ def normalized_disparity(
         >>> nd.top_dim(1), bool(nd.ratio_sink[1, 5] > 100), float(nd.ratio_other[1, 5])
         (5, True, 0.0)
     """
+    if str(getattr(model.cfg, "normalization_type", "")).endswith("Pre"):
+        warnings.warn(f"normalized_disparity: this model's norms have no gain (cfg.normalization_type="
+                      f"{model.cfg.normalization_type!r}: TransformerLens folded it into the next weights, fold_ln), so the "
+                      "after-gain ratios (the paper's site) equal the before-gain ones; load the model without weight "
+                      "processing (sinklens.load_model, or from_pretrained_no_processing) for the paper's numbers.",
+                      RuntimeWarning, stacklevel=2)
     return run_analyzer(model, inputs, NormalizedDisparityReducer, where="normalized_disparity", options=options,
                         kwargs=deprecated, sink_position=sink_position, layers=layers)

@@ -6,7 +6,10 @@ sink's value is (nearly) zero, so the head parks attention there and writes almo
 carries a signal that every query receives (a **broadcast**). :class:`ValueDrainReducer` tells them
 apart per layer × head in one streaming pass, from ``blocks.{l}.attn.hook_v``,
 ``blocks.{l}.attn.hook_pattern`` and, on post-norm layers, the post-attention norm's ``hook_scale``
-(``blocks.{l}.ln1_post``; on a post-LN model such as BERT ``blocks.{l}.ln1``).
+(``blocks.{l}.ln1_post``; on a post-LN model such as BERT ``blocks.{l}.ln1``). The write is read from
+``hook_v``: on a TransformerLens 3.x model loaded with ``fold_value_biases`` (its ``from_pretrained``
+default) ``b_V`` has moved into ``b_O``, so the values and the write share differ from the unprocessed model's
+(load without weight processing, as :func:`sinklens.load_model` does, for the numbers defined here).
 
 **Definitions.** For layer ``l``, query head ``h`` and the sink position ``p`` (``sink_position``):
 

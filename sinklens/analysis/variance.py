@@ -56,7 +56,9 @@ Discrepancy Across Positions", Sec. 3.1 / Fig. 4: a forward pre-hook on ``self_a
 ``std`` is ``torch.std``'s default: centred on the token's own feature mean, Bessel-corrected
 (``1/(n − 1)``); the concatenated ``o_proj`` input is ``hook_z`` flattened head-major (tested against a
 pre-hook on the Hugging Face ``o_proj``; on a SinkLM variant, the head output site above, which is what its
-``W_O`` reads). It is a mean of standard deviations over sequences, not a
+``W_O`` reads; on a TransformerLens 3.x model loaded with ``fold_value_biases``, ``hook_z`` lacks ``b_V``,
+which that processing moves into ``b_O``, so it is no longer the ``o_proj`` input). It is a mean of standard
+deviations over sequences, not a
 variance across sequences: a constant first-token vector with a large spread over its coordinates
 scores high here and zero in ``z_var_seq``. The per-head version is our choice (their analysis code
 measures the concatenated input only): the same estimator restricted to one head's ``d_head``

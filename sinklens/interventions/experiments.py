@@ -165,11 +165,13 @@ def wants_next_token_loss(model: Any, loss: bool | None) -> bool:
     """Whether to compute the next-token loss: ``None`` means "where it is defined", i.e. on decoders.
 
     An encoder (bidirectional attention, e.g. BERT) has no next-token loss: every position sees the token it
-    would predict, and its head is a masked-LM head. ``loss=True`` there raises
+    would predict, and its head is a masked-LM head; nor has a model whose output vocabulary is smaller than its
+    input one (``cfg.d_vocab_out < d_vocab``, algorithmic toy tasks): some next tokens have no logit. ``loss=True`` there raises
     :class:`~sinklens.errors.UnsupportedArchitectureError` rather than report a number that means nothing.
     """
+    dims = model_dims(model)
     if loss is None:
-        return not is_encoder(model)
+        return not is_encoder(model) and dims.d_vocab_out >= dims.d_vocab
     loss = as_bool(loss, what="loss")
     if loss and is_encoder(model):
         raise UnsupportedArchitectureError(
@@ -177,6 +179,11 @@ def wants_next_token_loss(model: Any, loss: bool | None) -> bool:
             "position sees the token it would predict. Use loss=False, or the default loss=None, which skips it on "
             "encoders (CLI: the loss line is left out)."
         )
+    if loss and dims.d_vocab_out < dims.d_vocab:
+        raise UnsupportedArchitectureError(
+            f"loss=True on a model that reads {dims.d_vocab} tokens and predicts {dims.d_vocab_out} (cfg.d_vocab_out): "
+            "an input token past the output vocabulary has no logit, so the next-token loss is not defined. Use "
+            "loss=False, or the default loss=None, which skips it on such models.")
     return loss
 
 

@@ -241,8 +241,8 @@ def amplify(
             the 4.x BERT bridge ``hook_attn_out`` carries ``ln1``'s output, the residual included; amplify
             ``attn.hook_z`` for the attention's write on every model).
         layers: layers to intervene in (default all).
-        heads: only these heads (per-head sites only; for ``hook_v`` under grouped-query attention
-            on TransformerLens 4.x these index key/value heads).
+        heads: only these heads (per-head sites only; for ``hook_v`` under grouped-query attention, which holds
+            the ``n_kv_heads`` key/value heads on both TransformerLens versions, these index key/value heads).
         reference: ``"random"`` (default: :func:`reference_mean` over random tokens, cached and
             computed when the hooks are built),
             ``"batch"`` (per sequence, the mean over the run's positions other than 0 and the

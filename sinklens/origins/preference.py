@@ -121,7 +121,7 @@ class TokenPreferenceReducer(Reducer[TokenPreference]):
     def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
         self.model = model
         self.site, self.finish = final_state_site(model)
-        self.seq_len, self.d_vocab, self.prepend_bos = seq_len, model_dims(model).d_vocab, prepend_bos
+        self.seq_len, self.d_vocab, self.prepend_bos = seq_len, model_dims(model).d_vocab_out, prepend_bos  # the logits
         self.device = model_device(model)
         self.reset()
 

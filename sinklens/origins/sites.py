@@ -17,12 +17,18 @@ def final_state_site(model: Any) -> tuple[str, Callable[[Tensor], Tensor]]:
     ``unembed.hook_in`` (TransformerBridge: the input of the unembedding, after the final norm) when
     the model has it and runs it in a forward without logits; otherwise the last block's
     ``hook_resid_post`` followed by ``model.ln_final`` (HookedTransformer, whose ``return_type=None``
-    forward skips the unembedding, and SinkLM; weight processing off, so this is the model's own final norm).
+    forward skips the unembedding, and SinkLM), or by nothing when the model has no final norm
+    (``normalization_type=None``). On a HookedTransformer whose weights TransformerLens processed
+    (``fold_ln``, its ``from_pretrained`` default), ``ln_final`` has no gain (folded into ``W_U``): the state
+    is then the normalized residual before the gain, and measures of its direction (contraction's ``final``
+    site, SeedPrint's features) differ from the unprocessed model's, while logits and token preference do not;
+    :func:`sinklens.load_model` loads without processing.
     """
     if "unembed.hook_in" in model.hook_dict and not _is_hooked_transformer(model):
         return "unembed.hook_in", lambda x: x
     last = model_dims(model).n_layers - 1
-    return f"blocks.{last}.hook_resid_post", model.ln_final
+    final_norm = getattr(model, "ln_final", None)
+    return f"blocks.{last}.hook_resid_post", final_norm if final_norm is not None else (lambda x: x)
 
 
 def _is_hooked_transformer(model: Any) -> bool:
