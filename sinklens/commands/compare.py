@@ -12,6 +12,14 @@ smoothed loss, so "steps to reach the baseline's final loss" when the baseline c
 when the run recorded them, the persistence of its step-0 bias (``persistence_*``). The figure has
 one panel per metric.
 
+The smoothed training loss at a logged step ``s`` is the mean of the losses logged at the steps
+``s - smoothing < t <= s`` (``--smoothing`` counts training steps, not logged lines). Runs logged
+at different ``log_interval`` are summarized on the steps all of them logged: each run keeps its
+training losses at the multiples of the least common multiple of the runs' log intervals (each
+run's interval being the most common gap between its logged steps) and at its own last logged
+step. Two runs with the same loss at those steps get the same final loss and steps to target
+(which is then one of those steps) whatever their intervals; the figure shows every logged point.
+
 ``--positional`` evaluates :func:`sinklens.origins.positional.positional_over_training` on every run:
 the variance of position 0's attention output relative to the later half of the sequence, per
 layer, at init (``RUN_DIR@init``) and at every kept checkpoint (train with ``--set keep_every=1``
@@ -34,7 +42,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("runs", nargs="+", help="run directories written by `sinklens train`")
     parser.add_argument("--labels", nargs="+", help="legend labels (default: variant @ directory name)")
     parser.add_argument("--target-loss", type=float, help="loss target for steps-to-target (default: first run's final loss)")
-    parser.add_argument("--smoothing", type=int, default=10, help="moving-average window of the training loss")
+    parser.add_argument("--smoothing", type=int, default=10,
+                        help="moving-average window of the training loss, in training steps: the mean of the "
+                             "losses logged in the last SMOOTHING steps (default 10)")
     parser.add_argument("--out", help="figure path (default: compare.png in the first run directory)")
     parser.add_argument("--json", action="store_true", help="print the summary as JSON")
     parser.add_argument("--positional", action="store_true",
@@ -45,14 +55,64 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def log_interval(lines: list[dict]) -> int:
+    """The number of steps between a run's logged training losses: the most common gap between
+    consecutive logged ``train`` steps (1 with fewer than two lines).
+
+    Examples:
+        >>> log_interval([{"kind": "train", "step": s} for s in (0, 5, 10, 15, 17)])
+        5
+    """
+    steps = [line["step"] for line in lines if line["kind"] == "train"]
+    gaps = Counter(b - a for a, b in zip(steps, steps[1:]) if b > a)
+    return gaps.most_common(1)[0][0] if gaps else 1
+
+
+def on_common_steps(runs: dict[str, list[dict]]) -> tuple[dict[str, list[dict]], int]:
+    """``runs`` with only the training lines at steps every run logged, and that interval.
+
+    The interval is the least common multiple of the runs' :func:`log_interval`; each run keeps its
+    training lines at its multiples and at the run's last logged training step (runs end at their
+    own ``steps - 1``, which is always logged); other lines (evals...) are kept. With one interval
+    for all runs nothing is dropped.
+
+    Examples:
+        >>> every = {"a": [{"kind": "train", "step": s} for s in range(8)],
+        ...          "b": [{"kind": "train", "step": s} for s in (0, 3, 6, 7)]}
+        >>> kept, interval = on_common_steps(every)
+        >>> interval, [line["step"] for line in kept["a"]]
+        (3, [0, 3, 6, 7])
+    """
+    import math
+
+    interval = math.lcm(*(log_interval(lines) for lines in runs.values())) if runs else 1
+    if interval == 1:
+        return dict(runs), 1
+    kept = {}
+    for label, lines in runs.items():
+        last = max((line["step"] for line in lines if line["kind"] == "train"), default=None)
+        kept[label] = [line for line in lines
+                       if line["kind"] != "train" or line["step"] % interval == 0 or line["step"] == last]
+    return kept, interval
+
+
 def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoothing: int = 10) -> list[dict]:
-    """Per run: final smoothed loss, steps to ``target`` (default: the first run's final smoothed loss), last eval."""
+    """Per run: final smoothed loss, steps to ``target`` (default: the first run's final smoothed loss), last eval.
+
+    The smoothed loss at a logged step ``s`` is the mean of the training losses logged at the steps
+    ``s - smoothing < t <= s`` (:func:`sinklens.plotting.training.smooth`), computed on the steps all
+    runs logged (:func:`on_common_steps`); ``final_loss`` is its value at the run's last logged
+    step, ``steps_to_target`` the first of those steps where it is ``<= target`` (None if never),
+    ``common_log_interval`` the interval of the steps used (1: every logged step).
+    """
     from sinklens.plotting.training import smooth, steps_to_loss
 
+    runs, interval = on_common_steps(runs)
     finals = {}
     for label, lines in runs.items():
-        losses = [line["loss"] for line in lines if line["kind"] == "train"]
-        finals[label] = smooth(losses, smoothing)[-1] if losses else float("nan")
+        train = [line for line in lines if line["kind"] == "train"]
+        steps = [line["step"] for line in train]
+        finals[label] = smooth([line["loss"] for line in train], smoothing, steps=steps)[-1] if train else float("nan")
     if target is None:
         target = next(iter(finals.values()))
     rows = []
@@ -63,6 +123,7 @@ def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoot
             "final_loss": finals[label],
             "target_loss": target,
             "steps_to_target": steps_to_loss(lines, target, smoothing=smoothing),
+            "common_log_interval": interval,
             **({k: v for k, v in evals[-1].items() if k not in ("kind",)} if evals else {}),
         })
     return rows
@@ -117,7 +178,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(dumps(rows, digits=None, indent=1))
     else:
-        print(f"target loss {rows[0]['target_loss']:.4f} (smoothed over {args.smoothing} steps)")
+        every = rows[0]["common_log_interval"]
+        print(f"target loss {rows[0]['target_loss']:.4f} (training loss = mean of the losses logged in the last "
+              f"{args.smoothing} steps" + (f", at the steps all runs logged: every {every} and each run's last" if every > 1
+                                           else "") + ")")
         for row in rows:
             steps = row["steps_to_target"]
             extra = f", sink_rate {row['sink_rate']:.3f}" if "sink_rate" in row else ""

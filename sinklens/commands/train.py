@@ -15,9 +15,14 @@ Every field of the run's TrainConfig is a flag (``--optim.lr``, ``--model.n_laye
 ``--on_nonfinite skip``...; list them with ``sinklens train --fields``), parsed from the config
 dataclasses by tyro; ``--set section.key=value`` is the same thing in the 0.1 spelling. The short
 flags below are aliases applied first; the config file (``--config``) and ``--preset`` give the
-base. An invalid value (``--optim.lr nan``, an unknown variant, an unknown intervention) is an
-error before anything runs, and an existing run directory is never replaced unless ``--resume`` or
-``--overwrite`` says so.
+base: the preset's model fields first, then the config file's ``[model]`` keys over them (the
+file's other tables as written), so ``--config run.toml --preset small`` keeps the file's variant
+and whatever model fields it sets. ``d_mlp`` and ``n_kv_heads`` that neither the preset's own
+definition, the file nor a flag sets are derived from the final fields, after every override
+(``--preset tiny --model.d_model 128`` gets the ``d_mlp`` of d_model 128, see
+:class:`~sinklens.train.config.ModelConfig`). An invalid value (``--optim.lr nan``, an unknown
+variant, an unknown intervention) is an error before anything runs, and an existing run directory is
+never replaced unless ``--resume`` or ``--overwrite`` says so.
 
 Writes ``OUT/metrics.jsonl``, ``OUT/config.json``, the checkpoints and ``OUT/figures/training.png``.
 """
@@ -38,7 +43,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                                    description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", help="run directory (metrics, checkpoints, figures); required")
     parser.add_argument("--config", help="a .json or .toml TrainConfig (flags and --set override it)")
-    parser.add_argument("--preset", help="model preset of ModelConfig.from_preset (default: 'tiny' without --config)")
+    parser.add_argument("--preset", help="model preset of ModelConfig.from_preset (default: 'tiny' without --config): "
+                                         "the base of the model fields; a --config file's [model] keys and the "
+                                         "--model.* flags override it, and d_mlp / n_kv_heads that none of them sets "
+                                         "follow the final d_model / family / n_heads")
     parser.add_argument("--variant", metavar="NAME[:K=V,...]",
                         help=f"attention variant, one of {attention_variants()}, with options after a colon, "
                              "e.g. headwise_rms:gain=shared or variance_calibrated:mode=position_amplify "
@@ -79,25 +87,50 @@ def _data_overrides(spec: str) -> list[str]:
     return ["data.source=text", f"data.path={path}", "model.d_vocab=auto"]
 
 
+def _model_table(path: str) -> dict:
+    """The ``[model]`` table of a config file as written (the keys it sets), ``{}`` without one."""
+    import json
+    import tomllib
+
+    text = Path(path).read_text()
+    table = (json.loads(text) if Path(path).suffix == ".json" else tomllib.loads(text)).get("model", {})
+    return dict(table) if isinstance(table, dict) else {}
+
+
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """The run's :class:`TrainConfig`: config file, the run's own config (``--resume``) or preset,
     then the short flags and ``--set`` overrides, then the tyro field flags (``args.config_flags``),
     parsed and validated in one go.
 
+    With both ``--preset`` and ``--config``, the model is the preset with the file's ``[model]`` keys
+    over it. The derived model fields (``ModelConfig.DERIVED``: ``n_kv_heads``, ``d_mlp``) that
+    neither the preset's definition nor the config file sets (a resumed run's own config sets all)
+    are left None in the base and derived from the final fields when the flags are applied, so they
+    follow ``--model.d_model``, ``--model.family`` or ``--model.n_heads``.
+
     For text, memmap and hf data ``model.d_vocab`` is ``"auto"`` (the training loop sets it to the
     data's vocabulary) unless a flag says otherwise.
     """
-    from sinklens.train.checkpoint import load_train_config
-    from sinklens.train.config import ModelConfig, overrides_to_args, parse_args
+    from dataclasses import fields, replace
 
+    from sinklens.train.checkpoint import load_train_config
+    from sinklens.train.config import PRESETS, ModelConfig, overrides_to_args, parse_args
+
+    explicit: set[str] = set()  # model fields set by the preset's definition, the config file or the run
     if args.config:
         base = load_config(args.config)
+        explicit |= set(_model_table(args.config))
     elif args.resume and args.out:
         base = load_train_config(args.out)  # --resume continues the run with its own config
+        explicit |= {f.name for f in fields(ModelConfig)}
     else:
         base = TrainConfig()
     if args.preset or not (args.config or args.resume):
-        base = base.replace(model=ModelConfig.from_preset(args.preset or "tiny"))
+        name = args.preset or "tiny"
+        file_model = _model_table(args.config) if args.config else {}
+        base = base.replace(model=ModelConfig.from_preset(name, **file_model))
+        explicit |= set(PRESETS[name])
+    base = replace(base, model=base.model.unset_derived(keep=explicit))
     sets = []
     if args.variant:
         name, options = split_spec(args.variant, what="attention variant")
@@ -113,7 +146,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         sets.append(f"interventions={list(args.interventions)!r}")
     flags, variant_options = overrides_to_args(base, sets + list(args.overrides))
     cfg = parse_args(base, flags + list(getattr(args, "config_flags", [])))
-    if variant_options:
+    if variant_options or any(getattr(cfg.model, name) is None for name in ModelConfig.DERIVED):
+        # rebuilding the model fills any derived field still None (config.json is always complete)
         cfg = cfg.replace(model={**cfg.model.to_dict(), "variant_options": {**cfg.model.variant_options, **variant_options}})
     return cfg
 

@@ -29,19 +29,38 @@ def default_panels(runs: Mapping[str, Sequence[dict[str, Any]]]) -> tuple[str, .
     return ("loss", *SINK_PANELS, *[p for p in PERSISTENCE_PANELS if p in present])
 
 
-def smooth(values: Sequence[float], window: int) -> list[float]:
-    """Trailing moving average over ``window`` points (the first points average what exists).
+def smooth(values: Sequence[float], window: int, *, steps: Sequence[int] | None = None) -> list[float]:
+    """Trailing moving average over the last ``window`` training steps, in steps, not logged points.
+
+    The smoothed value at a logged step ``s`` is the plain mean of the values logged at the steps
+    ``t`` with ``s - window < t <= s``: all ``window`` of them for a run logged every step, about
+    ``window / k`` (at least the one at ``s``) for a run logged every ``k`` steps, and what exists
+    near the start. ``steps`` are the (increasing) steps the values were logged at; without them
+    value ``i`` is step ``i``, i.e. a run logged every step.
+
+    Raises:
+        InvalidArgumentError: ``window`` is not a positive integer, or ``steps`` has another length.
 
     Examples:
         >>> smooth([1.0, 3.0, 5.0, 7.0], 2)
         [1.0, 2.0, 4.0, 6.0]
+        >>> smooth([1.0, 3.0, 5.0, 7.0], 10, steps=[0, 5, 10, 15])  # window (s-10, s]: two logged points
+        [1.0, 2.0, 4.0, 6.0]
     """
-    out, total = [], 0.0
-    for i, value in enumerate(values):
+    from sinklens.errors import InvalidArgumentError
+    from sinklens.validate import positive_int
+
+    window = positive_int(window, what="smoothing window (steps)")
+    steps = range(len(values)) if steps is None else steps
+    if len(steps) != len(values):
+        raise InvalidArgumentError(f"smooth got {len(values)} values for {len(steps)} steps.")
+    out, total, first = [], 0.0, 0
+    for i, (step, value) in enumerate(zip(steps, values)):
         total += value
-        if i >= window:
-            total -= values[i - window]
-        out.append(total / min(i + 1, window))
+        while steps[first] <= step - window:  # drop the values logged before the window (s - window, s]
+            total -= values[first]
+            first += 1
+        out.append(total / (i + 1 - first))
     return out
 
 
@@ -52,8 +71,8 @@ def plot_training(
     smoothing: int = 10,
     path: str | Path | None = None,
 ) -> Any:
-    """One panel per metric, one line per run: training loss (moving average over ``smoothing``
-    steps) and the evaluation metrics of :class:`~sinklens.train.sink_metrics.SinkMetrics`.
+    """One panel per metric, one line per run: training loss (mean of the losses logged in the last
+    ``smoothing`` training steps, :func:`smooth`) and the evaluation metrics of :class:`~sinklens.train.sink_metrics.SinkMetrics`.
 
     Args:
         runs: ``{label: metrics lines}`` (see :func:`sinklens.train.checkpoint.read_metrics`).
@@ -66,7 +85,8 @@ def plot_training(
         for label, lines in runs.items():
             if panel == "loss":
                 train = [line for line in lines if line["kind"] == "train"]
-                ax.plot([line["step"] for line in train], smooth([line["loss"] for line in train], smoothing), label=label)
+                steps = [line["step"] for line in train]
+                ax.plot(steps, smooth([line["loss"] for line in train], smoothing, steps=steps), label=label)
             else:
                 evals = [line for line in lines if line["kind"] == "eval" and line.get(panel) is not None]
                 ax.plot([line["step"] for line in evals], [line[panel] for line in evals], marker="o", ms=3, label=label)
@@ -82,7 +102,11 @@ def plot_training(
 
 
 def steps_to_loss(lines: Sequence[dict[str, Any]], target: float, *, smoothing: int = 10) -> int | None:
-    """First step at which the smoothed training loss is ``<= target`` (None if never).
+    """First logged step at which the smoothed training loss is ``<= target`` (None if never).
+
+    The smoothed loss at a logged step ``s`` is the mean of the training losses logged at the steps
+    ``s - smoothing < t <= s`` (:func:`smooth`), so ``smoothing`` counts training steps whatever the
+    run's ``log_interval``; the answer is one of the logged steps.
 
     Examples:
         >>> lines = [{"kind": "train", "step": s, "loss": l} for s, l in enumerate([4.0, 3.0, 2.0, 1.0])]
@@ -90,7 +114,8 @@ def steps_to_loss(lines: Sequence[dict[str, Any]], target: float, *, smoothing: 
         (2, None)
     """
     train = [line for line in lines if line["kind"] == "train"]
-    for line, value in zip(train, smooth([line["loss"] for line in train], smoothing)):
+    steps = [line["step"] for line in train]
+    for line, value in zip(train, smooth([line["loss"] for line in train], smoothing, steps=steps)):
         if value <= target:
             return int(line["step"])
     return None

@@ -124,7 +124,22 @@ class ModelConfig(_Part):
     checked when the model is built. ``d_vocab="auto"`` takes the vocabulary of the training data
     (resolved once, by :func:`sinklens.train.loop.train`). ``dtype`` is stored as a string so the
     config stays JSON.
+
+    Two fields are *derived* when left None (:attr:`DERIVED`), from the other fields' final values
+    when the config is built: ``n_kv_heads`` defaults to ``n_heads`` (no GQA) and ``d_mlp`` to
+    ``4 * d_model`` for ``gpt2`` and to ``8 * d_model / 3`` rounded up to a multiple of 8 for
+    ``llama`` (SwiGLU with about the parameters of a 4x GELU MLP). A built config always holds the
+    derived numbers, so a run's ``config.json`` is complete. ``sinklens train`` derives them after
+    every override (:meth:`unset_derived`), so ``--preset tiny --model.d_model 128`` gets
+    ``d_mlp=344``, not the preset's 176, unless the preset, the config file or a flag sets ``d_mlp``.
+
+    Examples:
+        >>> ModelConfig(d_model=128).d_mlp, ModelConfig(family="gpt2").d_mlp, ModelConfig(n_heads=2).n_kv_heads
+        (344, 256, 2)
     """
+
+    #: Fields that None means "derive from the others" (see above), in the order they are derived.
+    DERIVED: typing.ClassVar[tuple[str, ...]] = ("n_kv_heads", "d_mlp")
 
     family: Family = "llama"
     n_layers: int = 2
@@ -179,6 +194,23 @@ class ModelConfig(_Part):
     def n_key_value_heads(self) -> int:
         """Alias of ``n_kv_heads`` (the name TransformerLens 4.x uses)."""
         return int(self.n_kv_heads or self.n_heads)
+
+    def unset_derived(self, *, keep: typing.Iterable[str] = ()) -> ModelConfig:
+        """A copy whose :attr:`DERIVED` fields not named in ``keep`` are None again: a template for
+        building a config whose other fields still change (as tyro does from a default instance);
+        the config built from it derives them from its own fields. The copy itself is not validated
+        again and is not meant to build a model.
+
+        Examples:
+            >>> template = ModelConfig.from_preset("tiny").unset_derived()
+            >>> template.d_mlp is None, ModelConfig.from_dict({**template.to_dict(), "d_model": 128}).d_mlp
+            (True, 344)
+        """
+        copy = dataclasses.replace(self)
+        for name in self.DERIVED:
+            if name not in keep:
+                setattr(copy, name, None)
+        return copy
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:

@@ -403,7 +403,7 @@ def train(
             start_step = load_checkpoint(resumed_from, model=model, optimizer=optimizer, scaler=scaler)
             history = _read_history(out, start_step)
         stop = cfg.steps if until is None else min(int(until), cfg.steps)
-        if start_step >= stop:  # nothing to train: re-saving would replace step `stop`'s checkpoint, prune later ones
+        if resumed_from is not None and start_step >= stop:  # re-saving would replace step `stop`'s checkpoint
             asked = f"steps={cfg.steps}" + ("" if until is None else f" and until={until}")
             raise InvalidArgumentError(
                 f"The run in {str(out)!r} is at step {start_step} already; {asked} leave nothing to train. "

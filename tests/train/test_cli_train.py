@@ -106,3 +106,50 @@ def test_compare_keeps_runs_that_share_a_folder_name_and_refuses_bad_options(tmp
         assert main(["compare", *args]) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, err
+
+
+def _build(tmp_path, *argv):
+    """The TrainConfig `sinklens train ARGV --out DIR` would run, parsed as the CLI does (nothing trained)."""
+    from sinklens.cli import build_parser
+    from sinklens.commands.train import build_config
+
+    args, extra = build_parser().parse_known_args(["train", "--out", str(tmp_path / "run"), *argv])
+    args.config_flags = extra
+    return build_config(args)
+
+
+def test_derived_model_fields_follow_later_overrides(tmp_path):
+    """d_mlp and n_kv_heads nobody set are derived from the final d_model / family / n_heads (they kept
+    the preset's values, and --model.n_heads 2 failed with "n_kv_heads=4 must divide n_heads=2")."""
+    from sinklens.train.config import ModelConfig
+
+    assert _build(tmp_path, "--preset", "tiny", "--model.d_model", "128").model.d_mlp == ModelConfig(d_model=128).d_mlp == 344
+    assert _build(tmp_path, "--preset", "tiny", "--set", "model.family=gpt2").model.d_mlp == 4 * 64
+    model = _build(tmp_path, "--preset", "tiny", "--model.n_heads", "2").model
+    assert (model.n_heads, model.n_kv_heads) == (2, 2)
+    # set explicitly (a flag, the preset's own definition, a config file): kept
+    assert _build(tmp_path, "--preset", "tiny", "--model.d_model", "128", "--set", "model.d_mlp=100").model.d_mlp == 100
+    assert _build(tmp_path, "--preset", "headnorm-cpu", "--model.d_model", "512").model.d_mlp == 1024
+    (tmp_path / "gqa.toml").write_text("[model]\nn_kv_heads = 2\n")
+    model = _build(tmp_path, "--config", str(tmp_path / "gqa.toml"), "--model.d_model", "128").model
+    assert (model.n_kv_heads, model.d_mlp) == (2, 344)
+
+
+def test_config_file_model_table_applies_over_the_preset(tmp_path):
+    """``--config FILE --preset P``: the preset is the base, the file's [model] keys go over it (the
+    whole table used to be replaced by the preset's, silently)."""
+    (tmp_path / "c1.toml").write_text('steps = 4\n[model]\nn_layers = 1\nd_model = 32\nvariant = "headwise_rms"\n'
+                                      '[model.variant_options]\ngain = "shared"\n')
+    model = _build(tmp_path, "--config", str(tmp_path / "c1.toml"), "--preset", "tiny-gpt2").model
+    assert (model.variant, model.variant_options) == ("headwise_rms", {"gain": "shared"})
+    assert (model.n_layers, model.d_model, model.family, model.n_heads) == (1, 32, "gpt2", 4)  # file, then preset
+    assert model.d_mlp == 4 * 32
+
+
+def test_derived_fields_are_written_to_the_run_config(tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["train", "--preset", "tiny", "--model.n_heads", "2", "--steps", "1", "--out", str(out), *TINY])
+    assert code == 0, capsys.readouterr().err
+    model = json.loads((out / "config.json").read_text())["model"]
+    assert (model["d_model"], model["n_heads"], model["n_kv_heads"], model["d_mlp"]) == (16, 2, 2, 48)  # complete
+    assert load_model(out).cfg.n_heads == 2
