@@ -359,8 +359,10 @@ def train(
             steps done were checkpointed, and the run can go on with ``resume=True``; a second signal
             stops at once (:mod:`sinklens.train.interrupt`).
         TrainingDivergedError: a step's loss or gradient norm was NaN/inf (``cfg.on_nonfinite="stop"``,
-            or more than ``cfg.max_skips`` skipped steps in a row); the last finite checkpoint is kept
-            and metrics.jsonl ends with a ``kind="nonfinite"`` line.
+            or more than ``cfg.max_skips`` skipped steps in a row); the last finite checkpoint is kept (a
+            run with none checkpoints its finite weights) and metrics.jsonl ends with a ``kind="nonfinite"`` line.
+        InvalidArgumentError: among others, ``resume=True`` on a run already at ``cfg.steps`` (or ``until``), or
+            a registry intervention that cannot run on the run's sequences (checked before ``out_dir`` is touched).
     """
     from sinklens.train.model import SinkLM
 
