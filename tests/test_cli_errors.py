@@ -281,8 +281,15 @@ def test_run_without_a_tokenizer_is_analysed_on_random_tokens(tokenless_run, tmp
                     "--batch-size", "4", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert "no tokenizer" in done.stderr and "16 random-token sequences" in done.stderr
+    assert "each starting with the task's BOS token 0 as in training" in done.stderr
     report = json.loads((tmp_path / "out" / "report.json").read_text())
     assert report["n_sequences"] == 16
+    # the synthetic task starts every training sequence with token 0: so do the analysed ones (its sink's token)
+    assert report["sinks"]["prepend_bos"] is True and report["sinks"]["position_tokens"]["0"] == "id 0"
+    no_bos = sinklens("analyze", "--model", str(tokenless_run), "--out", str(tmp_path / "nb"), "--no-figures", "--no-bos",
+                      cwd=tmp_path)
+    assert no_bos.returncode == 0 and "BOS token 0" not in no_bos.stderr, no_bos.stderr
+    assert json.loads((tmp_path / "nb" / "report.json").read_text())["sinks"]["prepend_bos"] is False
     refused = sinklens("analyze", "--model", str(tokenless_run), "--text", "hello", "--out", str(tmp_path / "o2"))
     assert refused.returncode == EXIT_USAGE and "--text needs a tokenizer" in refused.stderr
     assert "Traceback" not in refused.stderr

@@ -66,8 +66,10 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
 
     ``args.random_tokens`` sequences of ``args.seq_len`` tokens (default :data:`DEFAULT_RANDOM_SEQ_LEN`)
     when asked for. A model without a tokenizer cannot read text: it runs on
-    :data:`DEFAULT_RANDOM_SEQUENCES` sequences of ``min(64, n_ctx)`` tokens without BOS, with a line on
-    stderr saying so, and a text flag (``text_flag``, e.g. ``"--text"``) given for it is an error.
+    :data:`DEFAULT_RANDOM_SEQUENCES` sequences of ``min(64, n_ctx)`` tokens, with a line on stderr saying so,
+    and a text flag (``text_flag``, e.g. ``"--text"``) given for it is an error. Random sequences start with
+    BOS when ``prepend_bos`` and the model has one: its tokenizer's, or token 0 for a run trained on a
+    synthetic task (:func:`trained_with_bos_zero`); otherwise they have none.
     """
     from sinklens import distributed
     from sinklens.hooks import model_dims
@@ -78,9 +80,10 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
     n_ctx = model_dims(model).n_ctx
     seq_len_within_context(args.seq_len, n_ctx)
     batch_size = getattr(args, "batch_size", 8)
+    bos = prepend_bos and (has_tokenizer or trained_with_bos_zero(model))
     if args.random_tokens is not None:
         return random_token_batches(model, n_sequences=args.random_tokens, seq_len=args.seq_len or DEFAULT_RANDOM_SEQ_LEN,
-                                    batch_size=batch_size, prepend_bos=prepend_bos and has_tokenizer)
+                                    batch_size=batch_size, prepend_bos=bos)
     if has_tokenizer:
         return None
     if text_flag is not None:
@@ -88,7 +91,18 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
                                    "(trained on synthetic data?); use --random-tokens N.")
     seq_len = args.seq_len or min(DEFAULT_RANDOM_SEQ_LEN, n_ctx)
     if distributed.is_main():
+        start = ", each starting with the task's BOS token 0 as in training" if bos else ""
         print(f"sinklens {command}: {str(args.model)!r} has no tokenizer (trained on synthetic data?); running on "
-              f"{DEFAULT_RANDOM_SEQUENCES} random-token sequences of {seq_len} tokens instead", file=sys.stderr)
+              f"{DEFAULT_RANDOM_SEQUENCES} random-token sequences of {seq_len} tokens{start} instead", file=sys.stderr)
     return random_token_batches(model, n_sequences=DEFAULT_RANDOM_SEQUENCES, seq_len=seq_len, batch_size=batch_size,
-                                prepend_bos=False)
+                                prepend_bos=bos)
+
+
+def trained_with_bos_zero(model: Any) -> bool:
+    """Whether ``model`` is a ``sinklens train`` run on a synthetic task (``model.train_config``), whose every
+    training sequence starts with the task's BOS token, id 0: random-token inputs then start with it too (unless
+    ``--no-bos``), so the analysis sees the position-0 token the model learned its sink on."""
+    from sinklens.train.config import SYNTHETIC_SOURCES
+
+    train_config = getattr(model, "train_config", None)
+    return getattr(getattr(train_config, "data", None), "source", None) in SYNTHETIC_SOURCES
