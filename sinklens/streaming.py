@@ -461,7 +461,13 @@ def run(model: Any, inputs: Inputs | None, *reducers: Reducer[Any], options: Run
     ``inputs`` is anything :func:`~sinklens.inputs.as_batches` accepts (None = the built-in prompts).
     """
     options = checked_options(options, "run")
-    batches = as_batches(
-        model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos, max_length=options.max_length
-    )
-    return stream(model, batches, list(reducers), options=options)
+    return stream(model, batches_for(model, inputs, options), list(reducers), options=options)
+
+
+def batches_for(model: Any, inputs: Inputs | None, options: RunOptions) -> list[TokenBatch]:
+    """``inputs`` as :class:`~sinklens.inputs.TokenBatch` es the way ``options`` says (its ``batch_size``,
+    ``prepend_bos`` and ``max_length``, :func:`~sinklens.inputs.as_batches`), once ``options.device`` is checked
+    against the model's (:func:`~sinklens.hooks.check_model_device`: before the batches move to its device)."""
+    check_model_device(model, options.device)
+    return as_batches(model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos,
+                      max_length=options.max_length)

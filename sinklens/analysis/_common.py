@@ -12,10 +12,10 @@ import torch
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.hooks import RESID_POST, RESID_PRE, check_model_device, hook_name
-from sinklens.inputs import TokenBatch, as_batches, require_a_later_position
+from sinklens.hooks import RESID_POST, RESID_PRE, hook_name
+from sinklens.inputs import TokenBatch, require_a_later_position
 from sinklens.options import no_unknown_kwargs, options_from_legacy, settings_from  # noqa: F401  (re-exported for the analyzers)
-from sinklens.streaming import stream
+from sinklens.streaming import batches_for, stream
 from sinklens.validate import optional_index_list, positive_int
 
 #: Floor for denominators (norms, medians) so that an all-zero row gives 0, not NaN.
@@ -200,7 +200,7 @@ def run_analyzer(
     sinklens-0.1 run keywords (folded into ``options`` by :func:`options_from_legacy`). With
     ``settings_cls`` the rest resolve ``settings`` (:func:`~sinklens.options.settings_from`, with the
     deprecated names in ``renames``), passed on as the reducer's ``settings=``; without it, none may be
-    left. Then ``inputs`` are tokenized (:func:`~sinklens.inputs.as_batches`; sequences that all end
+    left. Then ``inputs`` are tokenized (:func:`~sinklens.streaming.batches_for`; sequences that all end
     at the sink are refused, :func:`~sinklens.inputs.require_a_later_position`), ``reducer(model,
     **reducer_kwargs)`` is streamed over them (:func:`sinklens.streaming.stream`) and its result returned. ``where`` names the public function in
     errors and warnings, which point at its caller.
@@ -208,9 +208,7 @@ def run_analyzer(
     options = options_from_legacy(options, kwargs, where, last=settings_cls is None, stacklevel=4)
     if settings_cls is not None:
         reducer_kwargs["settings"] = settings_from(settings_cls, settings, kwargs, where, renames=renames, stacklevel=4)
-    check_model_device(model, options.device)  # before the batches move to the model's device
-    batches = as_batches(model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos,
-                         max_length=options.max_length)
+    batches = batches_for(model, inputs, options)
     require_a_later_position(batches, what=where)
     (result,) = stream(model, batches, [reducer(model, **reducer_kwargs)], options=options)
     return result

@@ -28,11 +28,11 @@ from sinklens.analysis.verify import CausalCheck, verify_attribution
 from sinklens.analysis.weight_super_neurons import SinkInputReducer, WeightNeurons, super_neurons_from_weights
 from sinklens.display import CompactRepr
 from sinklens.export import to_json
-from sinklens.hooks import check_model_device, with_cached_weights
-from sinklens.inputs import Inputs, as_batches, require_a_later_position
+from sinklens.hooks import with_cached_weights
+from sinklens.inputs import Inputs, require_a_later_position
 from sinklens.options import RunOptions
 from sinklens.residual_units import neuron_reason
-from sinklens.streaming import stream
+from sinklens.streaming import batches_for, stream
 
 
 def _max_or_nan(values: torch.Tensor) -> float:
@@ -201,9 +201,7 @@ def analyze(
     sink_threshold = renamed(deprecated, "eps", "sink_threshold", sink_threshold, SinkSettings.sink_threshold)
     sink_settings = settings_from(SinkSettings, SinkSettings(sink_threshold), deprecated, "analyze", renames=SINK_RENAMES)
     massive_settings = MassiveSettings(abs_threshold=abs_threshold, rel_threshold=rel_threshold, sink_position=sink_position)
-    check_model_device(model, options.device)  # before the batches move to the model's device
-    batches = as_batches(model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos,
-                         max_length=options.max_length)
+    batches = batches_for(model, inputs, options)
     require_a_later_position(batches, what="analyze")
     moe = neuron_reason(model)  # a mixture-of-experts or post-LN model has no additive neuron writes: skip
     skipped = {"super_neurons": f"skipped: {moe}"} if moe is not None else {}

@@ -30,9 +30,9 @@ from sinklens.analysis.neurons import SuperNeurons
 from sinklens.analysis.weight_super_neurons import SinkMeanReducer
 from sinklens.export import to_json
 from sinklens.hooks import model_dims
-from sinklens.inputs import Inputs, TokenBatch, as_batches
+from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions, checked_options
-from sinklens.streaming import stream
+from sinklens.streaming import batches_for, stream
 from sinklens.validate import positive_int
 
 #: Queries before this position are left out of the sink's received attention (as in ``SinkSettings.min_query``).
@@ -154,8 +154,7 @@ def verify_attribution(
     options = checked_options(options, "verify_attribution")
     max_writers = positive_int(max_writers, what="max_writers")
     sink = neurons.sink_position
-    batches = as_batches(model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos,
-                         max_length=options.max_length)
+    batches = batches_for(model, inputs, options)
     paths = neurons.paths
     streams = sorted({p.peak_layer for p in paths})
     result = CausalCheck(sink, causal_threshold=causal_threshold)

@@ -34,11 +34,11 @@ from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.hooks import RESID_POST, model_dims
 from sinklens.export import to_json
-from sinklens.inputs import Inputs, TokenBatch, as_batches, is_encoder, padded_to, right_align
+from sinklens.inputs import Inputs, TokenBatch, is_encoder, padded_to, right_align
 from sinklens.interventions import registry
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, layers_arg
 from sinklens.options import RunOptions, options_from_legacy
-from sinklens.streaming import BatchFold, Reducer, forward, per_layer_hooks, stream
+from sinklens.streaming import BatchFold, Reducer, batches_for, forward, per_layer_hooks, stream
 from sinklens.validate import as_bool, index, index_list
 
 #: What :func:`measure_intervention` accepts: hooks, a registry spec string, or a callable ``model -> hooks``.
@@ -405,8 +405,7 @@ def measure_intervention(
         name = registry.parse_spec(intervention)[0]
         method = method or name
     hooks = registry.build(model, intervention) if isinstance(intervention, str) or callable(intervention) else list(intervention)
-    batches = as_batches(model, tokens, batch_size=options.batch_size, prepend_bos=options.prepend_bos,
-                         max_length=options.max_length)
+    batches = batches_for(model, tokens, options)
     layers = list(range(dims_m.n_layers))
     before = run_stats(model, batches, [], target=target, sink=sink, loss=loss, options=options)
     after = run_stats(model, batches, hooks, target=target, sink=sink, loss=loss, options=options)
@@ -522,8 +521,7 @@ def sweep(
     if any(a is not None for a in alphas) and "alpha" not in entry.options():
         raise InvalidArgumentError(f"alphas= only applies to methods with an alpha option, not {entry.name!r}.")
     dims = _check_dims(model, dims)
-    batches = as_batches(model, tokens, batch_size=options.batch_size, prepend_bos=options.prepend_bos,
-                         max_length=options.max_length)
+    batches = batches_for(model, tokens, options)
     quiet = options.replace(progress=False)
     rows: list[dict] = []
     clean: dict[int, RunStats] = {}
