@@ -445,7 +445,9 @@ class TrainConfig(_Part):
         on_nonfinite: what a step whose loss or gradient norm is NaN/inf does: ``"stop"`` ends the
             run with :class:`~sinklens.errors.TrainingDivergedError` (the last finite checkpoint
             stays); ``"skip"`` drops that step's update and goes on, stopping the same way after
-            ``max_skips`` skipped steps in a row.
+            ``max_skips`` skipped steps in a row. Under ``autocast="float16"`` on CUDA only a non-finite
+            loss counts: an inf/NaN gradient with a finite loss is the loss scaler's, which skips that
+            update and lowers its scale, as float16 training expects.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -147,16 +147,20 @@ def forward_backward(
     loss_scale: float = 1.0,
     autocast: Any = contextlib.nullcontext(),
     hook_owner: Any = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Tensor:
     """One micro-step: next-token cross-entropy of ``rows[:, 1:]`` given ``rows[:, :-1]``, backward
-    of ``loss * loss_scale``; returns the unscaled loss (detached). ``hook_owner`` is the module that
-    owns the hook points (the unwrapped model when ``model`` is DDP or compiled)."""
+    of ``loss * loss_scale`` (multiplied by float16's loss ``scaler`` when given, through
+    ``scaler.scale`` so that its ``unscale_``/``step`` see it); returns the unscaled loss (detached).
+    ``hook_owner`` is the module that owns the hook points (the unwrapped model when ``model`` is DDP
+    or compiled)."""
     inputs, targets = rows[:, :-1], rows[:, 1:]
     owner = hook_owner if hook_owner is not None else model
     with autocast, owner.hooks(fwd_hooks=list(hooks)) if hooks else contextlib.nullcontext():
         logits = model(inputs, return_type="logits")  # (B, T, V)
     loss = next_token_loss(logits, targets)
-    (loss * loss_scale if loss_scale != 1.0 else loss).backward()
+    scaled = loss * loss_scale if loss_scale != 1.0 else loss
+    (scaler.scale(scaled) if scaler is not None else scaled).backward()
     return loss.detach()
 
 
@@ -489,9 +493,10 @@ def train(
                             model,
                             micro_batch(rows, micro, cfg, dist),
                             hooks=hooks,
-                            loss_scale=(scaler.get_scale() if scaler is not None else 1.0) / cfg.grad_accum,
+                            loss_scale=1.0 / cfg.grad_accum,
                             autocast=autocast,
                             hook_owner=raw_model,
+                            scaler=scaler,
                         )
                 return loss_sum
 
@@ -526,8 +531,10 @@ def train(
                     scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf"),
                                                            foreach=True)
-                # one host sync per step: a NaN/inf loss or gradient must never reach the weights
-                finite = scaler is not None or bool(torch.isfinite(loss_sum + grad_norm))
+                # one host sync per step: a NaN/inf loss or gradient must never reach the weights. Under float16's
+                # loss scaler an inf/NaN gradient with a finite loss is the scaler's to handle (it skips that update
+                # and lowers the scale); a non-finite loss is divergence either way.
+                finite = bool(torch.isfinite(loss_sum if scaler is not None else loss_sum + grad_norm))
                 if not finite:
                     optimizer.zero_grad(set_to_none=True)
                     skipped += 1

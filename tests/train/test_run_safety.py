@@ -3,6 +3,7 @@ named errors for broken or unfinished runs, strict JSON everywhere."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -573,3 +574,58 @@ def test_an_intervention_that_cannot_run_on_the_runs_sequences_is_refused_before
               interventions=["restart:positions=12"], progress=False)
     assert _snapshot(tmp_path) == before
     train(build_cfg(steps=2, **persistence), out_dir=tmp_path / "ok", interventions=["restart:positions=6"], progress=False)
+
+
+class _InfGradient(torch.autograd.Function):
+    """Identity forward; an inf gradient backward (an overflow in float16's scaled backward)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * float("inf")
+
+
+def _with_a_loss_scaler(monkeypatch) -> list:
+    """Train on the CPU as float16 on CUDA would: under a ``GradScaler`` (no autocast); returns the scalers made."""
+    from sinklens.train import loop
+    from sinklens.train.precision import MixedPrecision
+
+    made = []
+
+    def fake(cfg, device):
+        made.append(torch.amp.GradScaler("cpu", init_scale=2.0**8))
+        return MixedPrecision(contextlib.nullcontext(), "float16", made[-1])
+
+    monkeypatch.setattr(loop, "mixed_precision", fake)
+    return made
+
+
+def test_under_a_loss_scaler_a_nonfinite_loss_still_stops_the_run(tmp_path, monkeypatch):
+    """The float16 path crashed at its first step (the loss was multiplied by ``get_scale()`` by hand, so
+    ``unscale_`` found no scale: "Attempted unscale_ but _scale is None"), and it skipped the check
+    altogether: a NaN loss would have run to the end with exit 0 while the scaler skipped every update."""
+    _with_a_loss_scaler(monkeypatch)
+    with pytest.raises(TrainingDivergedError, match=r"Training diverged at step 5: loss nan.*last finite checkpoint \(step 4\)"):
+        train(build_cfg(steps=10, checkpoint_interval=2), out_dir=tmp_path, interventions=[_explode_at(5)], progress=False)
+    assert load_run(tmp_path).step == 4
+
+
+def test_under_a_loss_scaler_an_inf_gradient_is_the_scalers_to_skip(monkeypatch):
+    scalers = _with_a_loss_scaler(monkeypatch)
+    calls = {"n": 0}
+
+    def overflow_once(model):  # an inf gradient in step 2's backward only; every loss stays finite
+        def fn(resid, hook):
+            calls["n"] += 1
+            return _InfGradient.apply(resid) if calls["n"] == 3 else resid
+
+        return [("blocks.0.hook_resid_post", fn)]
+
+    result = train(build_cfg(steps=5), interventions=[overflow_once], progress=False)
+    assert [x["step"] for x in result.history if x["kind"] == "train"] == [0, 1, 2, 3, 4]  # no step dropped by sinklens
+    assert not any(x["kind"] == "nonfinite" for x in result.history)
+    assert scalers[0].get_scale() == 2.0**7  # the scaler skipped step 2's update and halved its scale once
+    assert all(torch.isfinite(p).all() for p in result.model.parameters())
