@@ -39,8 +39,8 @@ class RunOptions:
     """Settings of one streaming run, shared by every analyzer and experiment.
 
     Attributes:
-        batch_size: prompts per forward pass (results do not depend on it: padded batches run with an
-            attention mask, left-padded ones are right-aligned first; see :func:`sinklens.streaming.forward`).
+        batch_size: prompts per forward pass (results do not depend on it: padded batches are right-aligned
+            and an encoder's run with an attention mask; see :func:`sinklens.streaming.forward`).
         prepend_bos: add the model's own special tokens to each text prompt: a decoder's BOS token (a real
             special token of the model, never ``[UNK]``), an encoder's ``[CLS] … [SEP]`` added the tokenizer's
             own way (see :mod:`sinklens.inputs`); for token tensors the first column is taken to be BOS.

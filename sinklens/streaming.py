@@ -342,23 +342,25 @@ def real_tokens(n_batch: int, n_pos: int) -> Bool[Tensor, "batch pos"] | None:
 
 def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
     """Run ``model`` on one batch the way every analyzer does: a padded batch is right-aligned
-    (:func:`~sinklens.inputs.right_align`) and passes ``attention_mask=batch.valid`` so no real token
-    attends to padding (decoders and encoders alike), and no real token's activations depend on the batch
-    size or the padding side. A model without an ``attention_mask`` argument runs a right-padded batch as
-    it is when it is causal (pads come after every real token, so they change nothing); a padded batch on a
-    bidirectional model without one is refused (:class:`~sinklens.errors.UnsupportedArchitectureError`).
+    (:func:`~sinklens.inputs.right_align`), so no real token's activations depend on the batch size or the
+    padding side. A causal model runs it as it is: its pads come after every real token, so no real token
+    sees them. (An ``attention_mask`` would add nothing for real tokens and leave a pad query past a sliding
+    window with no visible key: float64 attention turns that row into NaN, which then reaches real queries
+    through the additive mask.) An encoder gets ``attention_mask=batch.valid`` so no real token attends to
+    padding; a padded batch on an encoder without that argument is refused
+    (:class:`~sinklens.errors.UnsupportedArchitectureError`).
     While a padded batch runs, its real-token mask is what :func:`real_tokens` returns to hooks.
     """
     batch = right_align(batch)
     if not batch.padded:
         return model(batch.tokens, **kwargs)
-    if accepts_attention_mask(model):
+    if is_encoder(model):
+        if not accepts_attention_mask(model):
+            raise UnsupportedArchitectureError(
+                f"{type(model).__name__} takes no attention_mask, so a padded batch cannot run on this bidirectional "
+                "model without real tokens attending to padding; use batch_size=1 or equal-length inputs."
+            )
         kwargs["attention_mask"] = batch.valid.long()
-    elif is_encoder(model):
-        raise UnsupportedArchitectureError(
-            f"{type(model).__name__} takes no attention_mask, so a padded batch cannot run on this bidirectional "
-            "model without real tokens attending to padding; use batch_size=1 or equal-length inputs."
-        )
     running = _RUNNING_MASK.set(batch.valid)
     try:
         return model(batch.tokens, **kwargs)
@@ -378,8 +380,8 @@ def stream(
     ``options.extra_hooks`` run before the reducers' own hooks on every forward (e.g. an
     intervention from :mod:`sinklens.interventions`, so analyzers measure the intervened model);
     ``options.progress`` shows a tqdm bar over batches. The other fields of ``options`` concern
-    tokenization and are used by :func:`run`. Left-padded batches are right-aligned first and padded
-    batches run with an attention mask (:func:`forward`).
+    tokenization and are used by :func:`run`. Padded batches are right-aligned and an encoder's run with an
+    attention mask (:func:`forward`).
 
     Hooks are attached through ``model.hooks(...)`` (one trampoline per hook name, kept across
     batches), so they are removed even if a hook raises. For a model split over devices, each

@@ -203,9 +203,9 @@ class QKLockingReducer(Reducer[QKLocking]):
             qmask, other_keys = masks(layer)
             sc = act.float()
             at_sink = sc[:, :, :, s]
-            m = qmask[:, None].float()
-            self.pos_sink[i] += ((at_sink > 0).float() * m).sum(dim=(0, 2)).double()
-            self.sum_sink[i] += (at_sink * m).sum(dim=(0, 2)).double()
+            m = qmask[:, None]  # a query that cannot see the sink may score -inf there (TransformerLens 3.x)
+            self.pos_sink[i] += ((at_sink > 0) & m).sum(dim=(0, 2)).double()
+            self.sum_sink[i] += torch.where(m, at_sink, 0.0).sum(dim=(0, 2)).double()
             mo = other_keys[:, None]
             self.pos_other[i] += ((sc > 0) & mo).sum(dim=(0, 2, 3)).double()
             self.sum_other[i] += torch.where(mo, sc, 0.0).sum(dim=(0, 2, 3)).double()

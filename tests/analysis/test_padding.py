@@ -1,4 +1,5 @@
-"""Results do not depend on the batch size or the padding side (padded batches run with an attention mask)."""
+"""Results do not depend on the batch size or the padding side (padded batches are right-aligned; encoders run them
+with an attention mask, causal models without one: their pads follow every real token)."""
 
 import pytest
 import torch
@@ -62,6 +63,19 @@ def test_results_do_not_depend_on_batch_size_or_padding_side(family):
             for name, value in reference.items():
                 torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, equal_nan=True,
                                            msg=lambda m, n=name, s=side, bs=batch_size: f"{n} ({s} padding, batch {bs}): {m}")
+
+
+@pytest.mark.parametrize("family", ["gemma2", "mistral"])
+def test_a_float64_sliding_window_model_gives_the_same_numbers_padded(family):
+    """With an attention mask, a pad query past the window sees no key; in float64 the attention turns that row
+    into NaN, whose values then reach real queries through the additive mask (gemma2 Gu rate 0.875 → 0.375,
+    received NaN). A causal model now runs a right-aligned batch without a mask: its pads follow every real token."""
+    model = _family(family).to(torch.float64)
+    reference = _numbers(model, as_batches(model, PROMPTS, batch_size=1))
+    got = _numbers(model, as_batches(model, PROMPTS, batch_size=8))
+    assert bool(torch.isfinite(reference["received"]).all())
+    for name, value in reference.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=1e-6, equal_nan=True, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def test_right_align_moves_left_padding_and_refuses_holes():

@@ -71,6 +71,33 @@ def test_query_key_locking_streaming_equals_full_cache(tiny):
     assert got.n_queries == n_s
 
 
+@pytest.mark.parametrize("family, sink_position", [("llama", 1), ("gemma2", 0)])
+def test_mean_scores_leave_queries_that_cannot_see_the_sink_out(family, sink_position):
+    """TransformerLens 3.x writes -inf into hook_attn_scores where a query cannot see a key (query 0 against key 1,
+    a query past gemma2's sliding window), and ``-inf * 0`` made mean_score_sink NaN for every head there."""
+    from sinklens.testing.zoo import zoo_model
+
+    model = zoo_model(family)
+    s = sink_position
+    lock = query_key_locking(model, PROMPTS, sink_position=s, options=QUIET.replace(batch_size=3))
+    L, H = model.cfg.n_layers, model.cfg.n_heads
+    total, count = torch.zeros(L, H, dtype=torch.float64), torch.zeros(L, dtype=torch.float64)
+    skipped = 0
+    for prompt in PROMPTS:
+        _, cache = model.run_with_cache(model.to_tokens(prompt))
+        for layer in range(L):
+            scores = cache[f"blocks.{layer}.attn.hook_attn_scores"][0].double()  # [head, q, k]
+            for t in range(s + 1, scores.shape[1]):
+                if bool((scores[:, t, s] < -1e30).all()):  # masked: -inf on 3.x, the dtype's minimum on 4.x
+                    skipped += 1
+                    continue
+                total[layer] += scores[:, t, s]
+                count[layer] += 1
+    assert skipped > 0 or s > 0  # the case at stake: some query cannot see the sink (window), or query 0 (s = 1)
+    assert bool(torch.isfinite(lock.mean_score_sink).all())
+    torch.testing.assert_close(lock.mean_score_sink.double(), total / count[:, None], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
