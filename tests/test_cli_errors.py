@@ -200,6 +200,8 @@ GENERIC_ROWS = [
      EXIT_USAGE, [f"--init-seed must be an integer from 0 to 2**64 - 1, got {10**20}."]),
     ("origins-seed-negative", lambda f: ["origins", "--model", "./no/such/model", "--seed", "-3"], EXIT_USAGE,
      ["--seed must be an integer from 0 to 2**64 - 1, got -3."]),
+    ("origins-one-token-after-bos", lambda f: ["origins", "--model", "./no/such/model", "--seq-len", "2", "--bos"],
+     EXIT_USAGE, ["--seq-len=2 with --bos leaves 1 random token after the BOS", "use --seq-len >= 3"]),
     ("origins-init-spec-negative-seed", lambda f: ["origins", "--model", f"{f['tiny']}@init:-4", "--no-figures",
                                                    "--out", _p(f, "o")], EXIT_USAGE,
      ["@init:-4' must be an integer from 0 to 2**64 - 1, got -4."]),

@@ -46,12 +46,14 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
     from sinklens.origins import contraction, positional_discrepancy, token_preference
+    from sinklens.origins.preference import random_tokens_after_bos
     from sinklens.validate import as_seed, no_finished_output, positive_int, seq_len_within_context, writable_dir
 
     out = writable_dir(args.out, what="--out", create=False)
     no_finished_output([out / "origins.json"], overwrite=args.overwrite, flag="--out")
     positive_int(args.sequences, what="--sequences", minimum=2)
     positive_int(args.seq_len, what="--seq-len", minimum=2)
+    random_tokens_after_bos(args.seq_len, args.bos, what="--seq-len", bos="--bos")
     check_model_flags(args)
     as_seed(args.seed, what="--seed")
     if args.init_seed is not None:
@@ -84,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"  share of the inter-sequence change: attention {float(share[:, 0].sum()):.2f}, MLP {float(share[:, 1].sum()):.2f}; "
           f"{con.asymmetry_text()}")
     ratio = pos.first_token_ratio("attn_out_var")
-    print("\npositional discrepancy: attention-output variance at position 0 / later half, by layer: "
+    print(f"\npositional discrepancy: attention-output variance at position {pos.first_counted} / later half, by layer: "
           + " ".join(f"{float(r):.2g}" for r in ratio))
     write_json(out / "origins.json", {"model": str(args.model), "init_seed": args.init_seed, "token_preference": ps,
                                       "contraction": con.summary(), "positional": pos.summary()})

@@ -241,7 +241,7 @@ def _model_at_init(model: Any, seed: int, *, device: str, dtype: torch.dtype, sc
     if isinstance(model, SinkLM):
         fresh = sinklm_at_init(model.cfg, seed, device=device, scheme=scheme, std=std)
         fresh.tokenizer = model.tokenizer
-        return fresh
+        return fresh.to(dtype)
     hf = getattr(model, "original_model", None)
     if hf is not None and hasattr(hf, "config"):
         return hf_at_init(hf.config, seed, device=device, dtype=dtype, scheme=scheme, std=std,

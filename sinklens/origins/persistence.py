@@ -21,6 +21,10 @@ model, a :class:`PreferenceSnapshot`:
   between the two token rankings by ``probs`` — does the same token order persist?;
 * ``direction_cos``: ``|cos|`` between the two directions (the sign of an eigenvector is arbitrary).
 
+A correlation with a constant preference vector (a uniform distribution, e.g. from a zero-initialised
+unembedding) is undefined: it is NaN (``null`` in ``metrics.jsonl``), never a number. Two identical
+rankings give Spearman's ρ = 1 exactly.
+
 The trainer records these against its step 0 at every evaluation (``eval.persistence_sequences``;
 metrics ``persistence_*``, see :mod:`sinklens.train.persistence`). Measured on the tiny test runs
 (d_model 64, std-0.02 init): the init preferences are nearly uniform, so they are fragile — after 3
@@ -30,6 +34,7 @@ about 0, while the SeedPrint test still finds the lineage after 20 such steps.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -155,7 +160,7 @@ def compare_snapshots(current: PreferenceSnapshot, reference: PreferenceSnapshot
     kendall = float(stats.kendalltau(a, b).statistic)
     da, db = current.direction.double(), reference.direction.double()
     cos = float((da @ db).abs() / (da.norm() * db.norm()))
-    clip = lambda x: min(1.0, max(-1.0, x))  # noqa: E731 - rounding can leave 1 + 2e-16
+    clip = lambda x: x if math.isnan(x) else min(1.0, max(-1.0, x))  # noqa: E731 - rounding can leave 1 + 2e-16
     return {"preference_corr": clip(corr), "preference_spearman": clip(spearman), "preference_kendall": clip(kendall),
             "direction_cos": clip(cos)}
 

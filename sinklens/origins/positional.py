@@ -58,6 +58,8 @@ class PositionalDiscrepancy(CompactRepr):
         attn_out_var, attn_out_norm, resid_var, resid_norm: ``[layer, pos]``.
         head_var: ``[layer, head, pos]`` from ``attn.hook_z``.
         n_sequences: ``N``.
+        prepend_bos: whether position 0 held the BOS token (the same token in every sequence, so its
+            variance across sequences is 0); the first-token ratio then reads position 1.
     """
 
     attn_out_var: Float[Tensor, "layer pos"]
@@ -66,19 +68,26 @@ class PositionalDiscrepancy(CompactRepr):
     resid_norm: Float[Tensor, "layer pos"]
     head_var: Float[Tensor, "layer head pos"]
     n_sequences: int
+    prepend_bos: bool = False
+
+    @property
+    def first_counted(self) -> int:
+        """The first position of a random token: 0, or 1 after a prepended BOS."""
+        return 1 if self.prepend_bos else 0
 
     def relative(self, name: str) -> Tensor:
         """``relative_to_later`` of one field (e.g. ``"attn_out_var"``)."""
         return relative_to_later(getattr(self, name))
 
     def first_token_ratio(self, name: str = "attn_out_var") -> Float[Tensor, " layer"]:
-        """``relative(name)[..., 0]``: position 0 relative to the later half of the sequence."""
-        return self.relative(name)[..., 0]
+        """``relative(name)[..., first_counted]``: the first random token (position 0, or 1 after a prepended
+        BOS) relative to the later half of the sequence."""
+        return self.relative(name)[..., self.first_counted]
 
     def summary(self) -> dict[str, Any]:
         return {name: self.first_token_ratio(name).tolist()
                 for name in ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")} | {
-            "n_sequences": self.n_sequences}
+            "n_sequences": self.n_sequences, "position": self.first_counted}
 
 
 class _Moments:
@@ -114,10 +123,10 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
 
     statistics = ("attn", "resid", "head", "n")
 
-    def __init__(self, model: Any, seq_len: int) -> None:
+    def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
         self.model = model
         self.dims = model_dims(model)
-        self.seq_len = seq_len
+        self.seq_len, self.prepend_bos = seq_len, prepend_bos
         self.device = model_device(model)
         self.reset()
 
@@ -141,7 +150,7 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
     def result(self) -> PositionalDiscrepancy:
         n = self.n
         return PositionalDiscrepancy(self.attn.variance(n), self.attn.mean_norm(n), self.resid.variance(n),
-                                     self.resid.mean_norm(n), self.head.variance(n), n)
+                                     self.resid.mean_norm(n), self.head.variance(n), n, self.prepend_bos)
 
 
 def positional_discrepancy(
@@ -163,7 +172,7 @@ def positional_discrepancy(
         (torch.Size([2, 4, 8]), True)
     """
     random = settings_from(RandomInputs, random, random_kwargs, "positional_discrepancy")
-    return stream_random(model, random, PositionalReducer(model, random.seq_len), options)
+    return stream_random(model, random, PositionalReducer(model, random.seq_len, prepend_bos=random.prepend_bos), options)
 
 
 @dataclass

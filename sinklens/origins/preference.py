@@ -11,7 +11,8 @@ Per position ``t`` (streamed, nothing larger than ``[L, d_vocab]`` is kept):
 
 * ``mean_probs[t, j] = (1/N) Σ_n softmax(logits[n, t])_j`` — the mean next-token distribution, with
   ``logits = final_state @ W_U + b_U`` (``final_state``: the input of the unembedding, after the final
-  norm; see :func:`sinklens.origins.sites.final_state_site`), softmax in float32, sums in float64.
+  norm; see :func:`sinklens.origins.sites.final_state_site`), soft-capped as the model's forward caps
+  them (Gemma 2's ``c · tanh(logits / c)``), softmax in float32, sums in float64.
 * ``argmax_counts[t, j]`` — how many of the ``N`` sequences have ``j`` as their argmax at ``t``.
 
 Summaries pool the *counted positions*: every position, except position 0 when a BOS was prepended
@@ -37,6 +38,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from sinklens.display import CompactRepr
+from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch, random_token_batches
 from sinklens.options import RunOptions, checked_options, settings_from
@@ -149,7 +151,8 @@ class TokenPreferenceReducer(Reducer[TokenPreference]):
 class RandomInputs:
     """The random inputs every origins measure runs on: ``n_sequences`` sequences of ``seq_len`` token ids
     drawn uniformly from ``[0, d_vocab)`` (:func:`sinklens.inputs.random_token_batches` with ``seed``),
-    with the BOS token at position 0 if ``prepend_bos``. Both sizes must be >= 2."""
+    with the BOS token at position 0 if ``prepend_bos``. Both sizes must be >= 2, and at least 2 random tokens
+    must follow a BOS (``seq_len >= 3`` with ``prepend_bos``): contraction's intra-sequence cosine pairs them."""
 
     n_sequences: int = 128
     seq_len: int = 32
@@ -160,6 +163,17 @@ class RandomInputs:
         object.__setattr__(self, "n_sequences", positive_int(self.n_sequences, what="n_sequences", minimum=2))
         object.__setattr__(self, "seq_len", positive_int(self.seq_len, what="seq_len", minimum=2))
         object.__setattr__(self, "seed", as_seed(self.seed, what="seed"))
+        random_tokens_after_bos(self.seq_len, self.prepend_bos, what="seq_len")
+
+
+def random_tokens_after_bos(seq_len: int, prepend_bos: bool, *, what: str = "seq_len", bos: str = "prepend_bos=True") -> None:
+    """Refuse a ``seq_len`` that leaves fewer than 2 random tokens after a prepended BOS (the BOS is the same
+    token in every sequence and leaves the summaries; one position has no intra-sequence cosine)."""
+    if prepend_bos and seq_len < 3:
+        raise InvalidArgumentError(
+            f"{what}={seq_len} with {bos} leaves {seq_len - 1} random token after the BOS; the origins measures "
+            f"need at least 2 (contraction's intra-sequence cosine pairs positions): use {what} >= 3."
+        )
 
 
 def random_batches(model: Any, random: RandomInputs, options: RunOptions) -> list[TokenBatch]:

@@ -49,7 +49,12 @@ def unembedding(model: Any) -> tuple[Tensor, Tensor | None]:
 
 
 def logits_from_final(model: Any, final: Tensor) -> Tensor:
-    """``final @ W_U + b_U`` in float32."""
+    """The model's logits from its final hidden state, in float32: ``final @ W_U + b_U``, then soft-capped
+    as ``c · tanh(logits / c)`` when the model caps its output logits (``cfg.output_logits_soft_cap``
+    ``c > 0``: Gemma 2), as its own forward does."""
     w, b = unembedding(model)
     out = final.float() @ w.float().to(final.device)
-    return out + b.float().to(final.device) if b is not None else out
+    if b is not None:
+        out = out + b.float().to(final.device)
+    cap = float(getattr(getattr(model, "cfg", None), "output_logits_soft_cap", -1.0) or -1.0)
+    return cap * torch.tanh(out / cap) if cap > 0 else out

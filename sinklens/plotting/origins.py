@@ -85,7 +85,7 @@ def plot_positional(result: PositionalDiscrepancy, *, path: str | Path | None = 
         ax.semilogy(result.first_token_ratio(name).numpy(), "o-", label=name)
     ax.axhline(1.0, color="grey", ls=":")
     ax.set_xlabel("layer")
-    ax.set_ylabel("position 0 / later positions")
+    ax.set_ylabel(f"position {result.first_counted} / later half")
     ax.set_title("positional discrepancy")
     ax.legend(fontsize=8)
     return finish(fig, path)

@@ -61,3 +61,14 @@ def test_bad_init_specs_name_the_value():
         parse_init_spec("x@init:abc")
     with pytest.raises(InvalidArgumentError, match="std"):
         load_at_init("x@init", scheme="normal", std=-1.0)
+
+
+def test_a_sinklm_at_init_honours_dtype():
+    """``load_at_init(sinklm, dtype=torch.float64)`` returned float32 (the other model kinds honoured it)."""
+    from sinklens.testing.models import tiny_sinklm
+
+    model = tiny_sinklm(seed=0)
+    wide = load_at_init(model, init_seed=1, dtype=torch.float64)
+    plain = load_at_init(model, init_seed=1)
+    assert {p.dtype for p in wide.parameters()} == {torch.float64}
+    assert all(torch.equal(w, p.double()) for w, p in zip(wide.parameters(), plain.parameters()))

@@ -55,6 +55,25 @@ def test_mean_distribution_equals_a_full_forward_average():
     assert pref.top(1)[0]["rel_uniform"] == pytest.approx(float(p.max()) * 128, rel=1e-5)
 
 
+def test_token_preference_soft_caps_logits_as_the_model_does():
+    """Gemma 2 caps its output logits at 30 (``30 · tanh(x / 30)``); token preference used the raw product, so
+    with logits past the cap its distribution was off the model's own by up to 0.23 (max/median 4 vs 1.7)."""
+    from sinklens.inputs import random_token_batches
+    from sinklens.testing.zoo import zoo_model
+
+    model = zoo_model("gemma2")
+    assert model.cfg.output_logits_soft_cap == 30.0
+    with torch.no_grad():
+        hf = getattr(model, "original_model", None)  # the bridge's HF model, or the HookedTransformer's own unembed
+        (hf.lm_head.weight if hf is not None else model.unembed.W_U).mul_(2000.0)
+    batches = random_token_batches(model, n_sequences=8, seq_len=6, batch_size=8, seed=0)
+    with torch.no_grad():
+        logits = model(batches[0].tokens).float()
+    assert float(logits.abs().max()) > 25.0  # the cap is in play
+    pref = token_preference(model, n_sequences=8, seq_len=6, seed=0, options=OPTS)
+    torch.testing.assert_close(pref.mean_probs, torch.softmax(logits, dim=-1).mean(0), atol=1e-5, rtol=1e-4)
+
+
 def test_argmax_entropy_and_gini_by_hand():
     counts = torch.zeros(2, 4, dtype=torch.long)
     counts[1] = torch.tensor([0, 1, 1, 2])
@@ -131,6 +150,30 @@ def test_uniform_attention_shrinks_head_variance_as_one_over_t_plus_one():
     ratio = law / law.mean(dim=-1, keepdim=True)
     assert float((ratio - 1).abs().max()) < 0.2, ratio
     assert float(pd.first_token_ratio("attn_out_var")[0]) > 3  # position 0 varies most
+
+
+def test_with_a_bos_the_first_token_ratio_reads_the_first_random_token():
+    """The BOS is the same token in every sequence (variance 0 across them): the ratio read it, so ``--bos``
+    always printed 0 for every layer."""
+    model = _gpt2(seed=6, d_vocab=2048)
+    pd = positional_discrepancy(model, n_sequences=64, seq_len=8, prepend_bos=True, options=OPTS)
+    assert float(pd.attn_out_var[:, 0].max()) < 1e-10 and pd.first_counted == 1
+    torch.testing.assert_close(pd.first_token_ratio("attn_out_var"), pd.relative("attn_out_var")[:, 1])
+    assert float(pd.first_token_ratio("attn_out_var").min()) > 0.1
+    assert pd.summary()["position"] == 1
+    plain = positional_discrepancy(model, n_sequences=64, seq_len=8, options=OPTS)
+    assert plain.first_counted == 0 and plain.summary()["position"] == 0
+
+
+@pytest.mark.parametrize("measure", [token_preference, contraction, positional_discrepancy])
+def test_one_random_token_after_a_bos_is_refused(measure):
+    """seq_len=2 with a BOS left one counted position: contraction reported intra 0.000 (undefined), the
+    positional ratio 1 by construction."""
+    from sinklens.errors import InvalidArgumentError
+
+    with pytest.raises(InvalidArgumentError, match=r"seq_len=2 with prepend_bos=True leaves 1 random token after the BOS"):
+        measure(_gpt2(), n_sequences=4, seq_len=2, prepend_bos=True, options=OPTS)
+    measure(_gpt2(), n_sequences=4, seq_len=3, prepend_bos=True, options=OPTS)
 
 
 def test_positional_measures_match_a_full_cache():

@@ -134,3 +134,20 @@ def test_compare_prints_persistence_and_positional_over_checkpoints(tmp_path, ca
     for step, row in zip(traj.steps, traj.first_token_ratio().tolist()):
         assert f"step {step:>7}: " + "  ".join(f"{v:8.3g}" for v in row) in out
     assert (tmp_path / "cmp.png").stat().st_size > 1000 and (tmp_path / "positional.png").stat().st_size > 1000
+
+
+def test_a_constant_preference_gives_undefined_correlations_not_minus_one():
+    """A uniform preference (zero-initialised unembedding) has no ranking: scipy says NaN, and a clip to
+    [-1, 1] turned that into -1.0, "perfectly anti-correlated"."""
+    from sinklens.origins.persistence import PreferenceSnapshot, compare_snapshots
+
+    g = torch.Generator().manual_seed(0)
+    direction = torch.nn.functional.normalize(torch.randn(16, generator=g), dim=0)
+    uniform = PreferenceSnapshot(torch.full((64,), 1 / 64), direction, 8, 4, 0)
+    peaked = PreferenceSnapshot(torch.softmax(torch.randn(64, generator=g), 0), direction, 8, 4, 0)
+    got = compare_snapshots(peaked, uniform)
+    for name in ("preference_corr", "preference_spearman", "preference_kendall"):
+        assert math.isnan(got[name]), (name, got[name])
+    assert got["direction_cos"] == pytest.approx(1.0)
+    same = compare_snapshots(peaked, peaked)
+    assert same["preference_spearman"] == 1.0 and same["preference_kendall"] == pytest.approx(1.0)
