@@ -282,7 +282,7 @@ def attn_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
 def _bias(model: Any, name: str, layer: int) -> Tensor:
     try:
         b = getattr(model, name)
-    except AttributeError:
+    except (AttributeError, TypeError):  # TypeError: the 3.9 bridge stacks the blocks' missing (None) biases
         b = None
     if b is None:
         return torch.zeros(model_dims(model).d_model, device=model_device(model))

@@ -82,3 +82,16 @@ def test_embedded_smollm2_matches_its_dequantised_weights(smollm2):
     tokens = smollm2.to_tokens("Attention sinks are tokens that soak up attention.")
     with torch.no_grad():
         torch.testing.assert_close(smollm2(tokens), hf(tokens).logits, atol=1e-3, rtol=1e-4)
+
+
+@pytest.mark.models
+def test_a_bias_free_model_loaded_from_a_folder_has_zero_output_biases():
+    """TransformerLens 3.9's bridge stacks the blocks' missing MLP biases into a TypeError (``torch.stack`` of
+    None), which ended ``sinklens analyze`` of a Llama folder in an internal error under 3.x."""
+    from sinklens.residual_units import attn_out_bias, mlp_out_bias
+    from sinklens.testing.zoo import zoo_dir
+
+    model = loading.load_model(str(zoo_dir("llama")), device="cpu")
+    for layer in range(model.cfg.n_layers):
+        assert torch.equal(mlp_out_bias(model, layer), torch.zeros(model.cfg.d_model))
+        assert torch.equal(attn_out_bias(model, layer), torch.zeros(model.cfg.d_model))
