@@ -68,6 +68,7 @@ def run(args: argparse.Namespace) -> int:
                          seed=args.seed, options=options)
     print(f"A = {args.model_a}\nB = {args.model_b}\n{result.summary()}")
     if json_path is not None:
-        write_json(json_path, {"model_a": args.model_a, "model_b": args.model_b, **result.to_dict()})
+        # full precision: p_value and alpha may differ in the 7th digit, and the file must say which is smaller
+        write_json(json_path, {"model_a": args.model_a, "model_b": args.model_b, **result.to_dict()}, digits=None)
         print(f"wrote {json_path}")
     return 0
