@@ -38,6 +38,10 @@ class DataFileNotFoundError(SinklensError, FileNotFoundError):
     """A training data path (text file or folder, memmap ``.bin``) that does not exist or holds no data."""
 
 
+class ConfigFileNotFoundError(SinklensError, FileNotFoundError):
+    """A training config file (``--config``) that does not exist."""
+
+
 class OfflineDataError(SinklensError, OSError):
     """A Hugging Face dataset that cannot be streamed because there is no network."""
 
@@ -117,7 +121,8 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 # Usage errors: fixing the command line fixes them. Checked before the generic rules below, so that
 # e.g. a missing model file (a FileNotFoundError, hence an OSError) is a usage error.
 _USAGE_CLASSES: tuple[type[BaseException], ...] = (
-    ModelFileNotFoundError, DataFileNotFoundError, OutputNotWritableError, DeviceUnavailableError, InputFileError,
+    ModelFileNotFoundError, DataFileNotFoundError, ConfigFileNotFoundError, OutputNotWritableError, DeviceUnavailableError,
+    InputFileError,
     RunExistsError, OutputExistsError,
 )
 
@@ -130,7 +135,8 @@ def exit_code_for(err: BaseException) -> int:
       ``LookupError`` or ``TypeError`` (``InvalidArgumentError``, ``UnknownModelError``,
       ``SequenceTooLongError``, ``UnknownInterventionError``, ``UnknownHookError``, ``InputFileError``,
       ``DeviceUnavailableError`` ...), the missing-file and unwritable-output errors
-      (``ModelFileNotFoundError``, ``DataFileNotFoundError``, ``OutputNotWritableError``), a
+      (``ModelFileNotFoundError``, ``DataFileNotFoundError``, ``ConfigFileNotFoundError``,
+      ``OutputNotWritableError``), a
       malformed JSON/TOML config file, and a plain ``ValueError``/``TypeError`` raised by sinklens'
       own validation code (config ``__post_init__`` checks). argparse exits with 2 by itself.
     * 1 (failure) — the command was fine but the work failed: ``OSError`` (I/O, no network:

@@ -406,6 +406,15 @@ def device(value: Any, *, what: str = "device") -> torch.device:
     raise InvalidArgumentError(f"Unknown {what} {value!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'.")
 
 
+def refuse_binary(file: Path, head: bytes, *, what: str, give: str = "a UTF-8 text file") -> None:
+    """Raise :class:`~sinklens.errors.InputFileError` naming ``file`` when ``head`` (its first bytes) holds a NUL
+    byte in its first 8 KiB: a binary file is not text (``--prompts``, a text corpus to train on)."""
+    from sinklens.errors import InputFileError
+
+    if b"\x00" in head[:8192]:
+        raise InputFileError(f"{what} file {str(file)!r} is a binary file (it holds NUL bytes); give {give}.")
+
+
 def text_lines(path: Any, *, what: str) -> list[str]:
     """The non-empty, stripped lines of a UTF-8 text file; a missing file, a folder, a binary or
     non-UTF-8 file and a file with no text raise :class:`~sinklens.errors.InputFileError` naming the path."""
@@ -422,8 +431,7 @@ def text_lines(path: Any, *, what: str) -> list[str]:
         raw = file.read_bytes()
     except OSError as err:
         raise InputFileError(f"{what} file {str(file)!r} cannot be read: {err.strerror or err}.") from None
-    if b"\x00" in raw[:8192]:
-        raise InputFileError(f"{what} file {str(file)!r} is a binary file (it holds NUL bytes); give a UTF-8 text file.")
+    refuse_binary(file, raw, what=what)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:

@@ -92,8 +92,9 @@ def _model_table(path: str) -> dict:
     import json
     import tomllib
 
-    text = Path(path).read_text()
-    table = (json.loads(text) if Path(path).suffix == ".json" else tomllib.loads(text)).get("model", {})
+    file = Path(path).expanduser()
+    text = file.read_text()
+    table = (json.loads(text) if file.suffix == ".json" else tomllib.loads(text)).get("model", {})
     return dict(table) if isinstance(table, dict) else {}
 
 

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from sinklens.errors import InvalidArgumentError
+from sinklens.errors import ConfigFileNotFoundError, InputFileError, InvalidArgumentError
 from sinklens.specs import parse_value
 from sinklens.train.variants import get_attention_variant
 from sinklens.validate import as_bool, as_seed, choice, closest, did_you_mean, finite_number, positive_int
@@ -444,8 +444,9 @@ class TrainConfig(_Part):
             training; 0 (default) keeps only the newest checkpoint and the one before it.
         on_nonfinite: what a step whose loss or gradient norm is NaN/inf does: ``"stop"`` ends the
             run with :class:`~sinklens.errors.TrainingDivergedError` (the last finite checkpoint
-            stays); ``"skip"`` drops that step's update and goes on, stopping the same way after
-            ``max_skips`` skipped steps in a row. Under ``autocast="float16"`` on CUDA only a non-finite
+            stays); ``"skip"`` drops that step's update and goes on: up to ``max_skips`` steps in a row
+            are skipped, and a non-finite step right after them stops the run the same way (its
+            ``kind="nonfinite"`` metrics line says ``"action": "stop"``). Under ``autocast="float16"`` on CUDA only a non-finite
             loss counts: an inf/NaN gradient with a finite loss is the loss scaler's, which skips that
             update and lowers its scale, as float16 training expects.
     """
@@ -517,9 +518,11 @@ class TrainConfig(_Part):
 
 def load_config(path: str | Path) -> TrainConfig:
     """Read a :class:`TrainConfig` from a ``.json`` or ``.toml`` file (nested tables ``[model]``, ``[optim]``...)."""
-    path = Path(path)
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise InputFileError(f"Config file {str(path)!r} is a folder; give a .json or .toml file.")
     if not path.is_file():
-        raise FileNotFoundError(f"Config file {str(path)!r} does not exist.")
+        raise ConfigFileNotFoundError(f"Config file {str(path)!r} does not exist.")
     if path.suffix not in (".json", ".toml"):
         raise InvalidArgumentError(f"Config file {str(path)!r} must end in .json or .toml.")
     import tomllib

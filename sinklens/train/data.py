@@ -42,8 +42,9 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from sinklens.errors import DataFileNotFoundError, InvalidArgumentError, OfflineDataError
+from sinklens.errors import DataFileNotFoundError, InputFileError, InvalidArgumentError, OfflineDataError
 from sinklens.train.config import DataConfig
+from sinklens.validate import refuse_binary
 
 Split = Literal["train", "val"]
 _SPLIT_ID = {"train": 0, "val": 1}
@@ -256,6 +257,18 @@ def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> t
     return train, val, tokenizer
 
 
+def _refuse_binary(file: Path) -> None:
+    """Raise :class:`~sinklens.errors.InputFileError` if ``file`` is binary (:func:`sinklens.validate.refuse_binary`,
+    the rule ``--prompts`` follows: a binary file is not text to train on) or cannot be read."""
+    try:
+        with open(file, "rb") as fh:
+            head = fh.read(8192)
+    except OSError as err:
+        raise InputFileError(f"data file {str(file)!r} cannot be read: {err.strerror or err}.") from None
+    refuse_binary(file, head, what="data",
+                  give="UTF-8 text files (or narrow data.glob), or pre-tokenised ids as a nanoGPT .bin file")
+
+
 def text_source(cfg: DataConfig) -> StreamSource:
     """Local text: a file, or the files matching ``cfg.glob`` under a folder (read in sorted order).
 
@@ -269,6 +282,8 @@ def text_source(cfg: DataConfig) -> StreamSource:
             break
         chosen.append(f)
         size += f.stat().st_size
+    for f in chosen:
+        _refuse_binary(f)
     stamp = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in chosen]
 
     def load_docs() -> list[str]:
@@ -285,35 +300,78 @@ def text_source(cfg: DataConfig) -> StreamSource:
                         bos_id=tokenizer.bos_token_id if cfg.bos else None, tokenizer=tokenizer)
 
 
+#: Token ids of a ``.bin`` file: nanoGPT writes uint16.
+MEMMAP_DTYPE = np.uint16
+#: Tokens read at a time when a ``.bin`` file's largest id is checked (32 MiB of uint16).
+_MAX_ID_CHUNK = 1 << 24
+
+
+def _open_bin(file: Path, *, what: str) -> np.memmap:
+    """``file`` as a read-only uint16 memmap; an empty file or one whose size is not a whole number of
+    tokens raises :class:`~sinklens.errors.DataFileNotFoundError` naming it (nothing else is touched)."""
+    size = file.stat().st_size
+    width = np.dtype(MEMMAP_DTYPE).itemsize
+    if size == 0:
+        raise DataFileNotFoundError(f"{what} {str(file)!r} is empty; a .bin file holds uint16 token ids (nanoGPT layout).")
+    if size % width:
+        raise DataFileNotFoundError(
+            f"{what} {str(file)!r} has {size} bytes, not a whole number of {width}-byte uint16 token ids; it is not "
+            f"a nanoGPT .bin file (or it is truncated)."
+        )
+    return np.memmap(file, dtype=MEMMAP_DTYPE, mode="r")
+
+
+def _max_id(tokens: np.ndarray) -> int:
+    """The largest id in a token array, read in chunks (a memmap is never loaded whole)."""
+    top = 0
+    for start in range(0, len(tokens), _MAX_ID_CHUNK):
+        top = max(top, int(tokens[start : start + _MAX_ID_CHUNK].max()))
+    return top
+
+
 def memmap_source(cfg: DataConfig) -> StreamSource:
     """nanoGPT layout: a folder with ``train.bin`` and ``val.bin`` (uint16), or one ``.bin`` file
     whose tail ``val_fraction`` is held out. The vocabulary size comes from ``meta.pkl``
     (``vocab_size``), else ``data.vocab_size``, else the largest id + 1. Windows are raw (no BOS added).
+
+    Checked before any training (one chunked pass over the ids): an empty file, a size that is not a whole
+    number of uint16 tokens (:class:`~sinklens.errors.DataFileNotFoundError`), and an id at or above the
+    vocabulary of ``meta.pkl`` or ``data.vocab_size`` (:class:`~sinklens.errors.InvalidArgumentError`).
     """
     path = Path(str(cfg.path)).expanduser()
     meta_path = (path if path.is_dir() else path.parent) / "meta.pkl"
     if path.is_dir():
         if not (path / "train.bin").is_file():
             raise DataFileNotFoundError(f"No train.bin in {str(path)!r} (nanoGPT layout: train.bin, val.bin).")
-        train = np.memmap(path / "train.bin", dtype=np.uint16, mode="r")
+        train = _open_bin(path / "train.bin", what="data file")
         if (path / "val.bin").is_file():
-            val = np.memmap(path / "val.bin", dtype=np.uint16, mode="r")
+            val = _open_bin(path / "val.bin", what="data file")
         else:
             cut = int(len(train) * (1 - cfg.val_fraction))
             train, val = train[:cut], train[cut:]
     elif path.is_file():
-        whole = np.memmap(path, dtype=np.uint16, mode="r")
+        whole = _open_bin(path, what="data.path")
         cut = int(len(whole) * (1 - cfg.val_fraction))
         train, val = whole[:cut], whole[cut:]
     else:
         raise DataFileNotFoundError(f"data.path {str(path)!r} is neither a .bin file nor a folder with train.bin.")
+    largest = max(_max_id(train), _max_id(val))
     if meta_path.is_file():
         with open(meta_path, "rb") as fh:
             vocab_size = int(pickle.load(fh)["vocab_size"])
+        origin = f"vocab_size of {str(meta_path)!r}"
     elif cfg.vocab_size is not None:
-        vocab_size = cfg.vocab_size
+        vocab_size, origin = cfg.vocab_size, f"data.vocab_size={cfg.vocab_size}"
     else:
-        vocab_size = int(max(train.max(initial=0), val.max(initial=0))) + 1
+        vocab_size, origin = largest + 1, "the largest id + 1"
+    if largest >= vocab_size:
+        raise InvalidArgumentError(
+            f"The token ids of {str(path)!r} go up to {largest}, but the vocabulary is {vocab_size} tokens "
+            f"({origin}, ids 0..{vocab_size - 1}); "
+            + ("check that meta.pkl belongs to these .bin files." if meta_path.is_file() else
+               f"set data.vocab_size to at least {largest + 1} (e.g. --data.vocab_size {largest + 1}), or check that "
+               f"the .bin file is the one meant.")
+        )
     return StreamSource(train, val, seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=vocab_size, bos_id=None)
 
 
@@ -349,6 +407,26 @@ def hf_source(cfg: DataConfig) -> StreamSource:
                         bos_id=tokenizer.bos_token_id if cfg.bos else None, tokenizer=tokenizer)
 
 
+#: The largest vocabulary of a synthetic task: its transition table and that table's running sums are two
+#: dense ``vocab × vocab`` float64 tables (1 GiB together at 8192 tokens, about 38 GiB at GPT-2's 50304).
+MAX_SYNTHETIC_VOCAB = 8192
+
+
+def check_synthetic_vocab(source: str, vocab: int, *, from_model: bool = False) -> None:
+    """Refuse a synthetic-task vocabulary whose dense transition tables would not fit in memory sanely
+    (more than :data:`MAX_SYNTHETIC_VOCAB` tokens), before they are allocated and before a run starts."""
+    if vocab <= MAX_SYNTHETIC_VOCAB:
+        return
+    gib = 2 * 8 * vocab * vocab / 2**30
+    where = "model.d_vocab, as data.vocab_size is unset" if from_model else "data.vocab_size"
+    raise InvalidArgumentError(
+        f"data.source={source!r} with a vocabulary of {vocab} tokens ({where}) would need two dense "
+        f"{vocab}x{vocab} float64 tables ({gib:.1f} GiB); synthetic tasks allow at most {MAX_SYNTHETIC_VOCAB} tokens. "
+        f"Set data.vocab_size smaller (e.g. --data.vocab_size 256; model.d_vocab may stay larger) or model.d_vocab, "
+        f"or train on text data (--data PATH)."
+    )
+
+
 def build_source(cfg: DataConfig, *, d_vocab: int | None = None) -> TokenSource:
     """The :class:`TokenSource` a :class:`DataConfig` describes.
 
@@ -359,6 +437,7 @@ def build_source(cfg: DataConfig, *, d_vocab: int | None = None) -> TokenSource:
         vocab = cfg.vocab_size or d_vocab
         if vocab is None:
             raise ValueError(f"data.source={cfg.source!r} needs data.vocab_size or the model's d_vocab.")
+        check_synthetic_vocab(cfg.source, vocab, from_model=cfg.vocab_size is None)
         if cfg.source == "markov":
             return MarkovSource(vocab_size=vocab, seq_len=cfg.seq_len, seed=cfg.seed, alpha=cfg.alpha, task_seed=cfg.task_seed)
         return BackcopySource(vocab_size=vocab, seq_len=cfg.seq_len, seed=cfg.seed, n_triggers=cfg.n_triggers,

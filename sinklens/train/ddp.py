@@ -33,13 +33,23 @@ class DistContext:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``"auto"`` → ``cuda`` when available, else ``cpu``; any other name is passed to ``torch.device``."""
+    """``"auto"`` → ``cuda`` when available, else ``cpu``; any other name must be a device this machine has
+    (checked by :func:`sinklens.validate.device`, as every other command checks ``--device``).
+
+    Raises:
+        InvalidArgumentError: an unknown name (``"gpu"``) or a device training cannot use (``"meta"``).
+        DeviceUnavailableError: ``cuda`` without a GPU, ``cuda:3`` with one GPU, ``mps`` off a Mac.
+    """
+    from sinklens.errors import InvalidArgumentError
+    from sinklens.validate import device as checked_device
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device={name!r} asks for CUDA, but torch.cuda.is_available() is False; use 'cpu' or 'auto'.")
-    return device
+    try:
+        return checked_device(name, what="device")
+    except InvalidArgumentError:  # the same refusal, naming 'auto' too
+        raise InvalidArgumentError(f"Unknown device {name!r}; use 'auto' (CUDA when available, else the CPU), 'cpu', "
+                                   f"'cuda', 'cuda:N' or 'mps'.") from None
 
 
 def init_distributed(device: str) -> tuple[DistContext, torch.device]:

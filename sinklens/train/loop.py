@@ -246,8 +246,16 @@ def _check_run_dir(out: Path | None, *, resume: bool, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise InvalidArgumentError(f"out_dir {str(out)!r} exists and is not a folder.")
     if resume and not has_checkpoint(out):
-        raise RunNotFoundError(f"resume=True but {str(out)!r} holds no checkpoint to resume from.")
+        again = (" It stopped before its first checkpoint, so there is nothing to continue: start it again with "
+                 "overwrite=True (--overwrite instead of --resume), or pick another out_dir.") if is_run_dir(out) else ""
+        raise RunNotFoundError(f"resume=True but {str(out)!r} holds no checkpoint to resume from.{again}")
     if not resume and not overwrite and is_run_dir(out):
+        if not has_checkpoint(out):  # a run that failed before its first checkpoint: --resume cannot continue it
+            raise RunExistsError(
+                f"{str(out)!r} already holds a training run that stopped before its first checkpoint (it has "
+                f"config.json or metrics.jsonl but nothing to resume from). Start it again with overwrite=True "
+                f"(--overwrite), which deletes what it left, or pick another out_dir."
+            )
         raise RunExistsError(
             f"{str(out)!r} already holds a training run. Continue it with resume=True (--resume), replace it "
             f"with overwrite=True (--overwrite), or pick another out_dir."
@@ -363,7 +371,7 @@ def train(
             steps done were checkpointed, and the run can go on with ``resume=True``; a second signal
             stops at once (:mod:`sinklens.train.interrupt`).
         TrainingDivergedError: a step's loss or gradient norm was NaN/inf (``cfg.on_nonfinite="stop"``,
-            or more than ``cfg.max_skips`` skipped steps in a row); the last finite checkpoint is kept (a
+            or a non-finite step right after ``cfg.max_skips`` skipped steps in a row); the last finite checkpoint is kept (a
             run with none checkpoints its finite weights) and metrics.jsonl ends with a ``kind="nonfinite"`` line.
         InvalidArgumentError: among others, ``resume=True`` on a run already at ``cfg.steps`` (or ``until``), or
             a registry intervention that cannot run on the run's sequences (checked before ``out_dir`` is touched).
@@ -538,17 +546,23 @@ def train(
                 if not finite:
                     optimizer.zero_grad(set_to_none=True)
                     skipped += 1
+                    # "skip" drops up to max_skips non-finite steps in a row; the next one stops the run
+                    stopping = cfg.on_nonfinite == "stop" or skipped > cfg.max_skips
                     line = {"kind": "nonfinite", "step": step, "loss": float(loss_sum) / cfg.grad_accum,
-                            "grad_norm": float(grad_norm), "lr": lr, "action": cfg.on_nonfinite}
+                            "grad_norm": float(grad_norm), "lr": lr, "action": "stop" if stopping else "skip"}
                     log(line)
-                    if cfg.on_nonfinite == "stop" or skipped > cfg.max_skips:
+                    if stopping:
                         kept = _keep_finite_weights(step, start_step, saved_steps, resumed_from is not None, out,
                                                     checkpoint)
-                        why = "on_nonfinite='stop'" if cfg.on_nonfinite == "stop" else f"{skipped} skipped steps in a row"
+                        if cfg.on_nonfinite == "stop":
+                            why, advice = "on_nonfinite='stop'", "or set on_nonfinite='skip' to drop such steps"
+                        else:
+                            why = f"non-finite again after max_skips={cfg.max_skips} skipped steps in a row"
+                            advice = "or raise max_skips to skip more such steps in a row"
                         raise TrainingDivergedError(
                             f"Training diverged at step {step}: loss {line['loss']}, gradient norm {line['grad_norm']} "
                             f"(lr {lr:.3g}); stopped ({why}), {kept}. Lower optim.lr, raise optim.warmup_steps, "
-                            f"or set on_nonfinite='skip' to drop such steps."
+                            f"{advice}."
                         )
                     warnings.warn(f"Step {step}: non-finite loss or gradient; the update was skipped.", stacklevel=2)
                     periodic_checkpoint(step + 1)  # a skipped step is still a step: its checkpoint is due as usual
