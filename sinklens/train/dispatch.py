@@ -5,7 +5,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["eager_cpu_float32"]
+__all__ = ["at_least_float32", "eager_cpu_float32"]
+
+
+def at_least_float32(x: Tensor) -> Tensor:
+    """``x`` in the dtype its norms, softmaxes and sums run in: float32 for half precision and float32, float64
+    kept as it is (a float64 model stays float64 throughout, e.g. for ``torch.autograd.gradcheck``)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def _compiling() -> bool:

@@ -49,6 +49,7 @@ from transformer_lens.HookedRootModule import HookedRootModule
 
 from sinklens.errors import InvalidArgumentError, SequenceTooLongError
 from sinklens.train.config import ModelConfig
+from sinklens.train.dispatch import at_least_float32
 from sinklens.train.matmul import matmul
 from sinklens.train.rms_norm import rms_norm
 from sinklens.train.rotary import RotaryTables, rope
@@ -72,7 +73,7 @@ def next_token_loss(
         >>> round(next_token_loss(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 2]])).item(), 6) == round(math.log(4), 6)
         True
     """
-    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    return F.cross_entropy(at_least_float32(logits).flatten(0, 1), targets.flatten())
 
 
 def _no_decay(p: nn.Parameter) -> nn.Parameter:
@@ -103,7 +104,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if not _hooked(self.hook_scale):
             return self.hook_normalized(rms_norm(x, self.w, self.eps))
-        xf = x.float()
+        xf = at_least_float32(x)
         scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.hook_normalized((xf / scale).to(x.dtype) * self.w.to(x.dtype))
 
@@ -120,7 +121,7 @@ class LayerNorm(nn.Module):
         self.hook_normalized = HookPoint()
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        xf = x.float()
+        xf = at_least_float32(x)
         xf = xf - xf.mean(-1, keepdim=True)
         scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
         return self.hook_normalized(((xf / scale).to(x.dtype) * self.w.to(x.dtype)) + self.b.to(x.dtype))
@@ -220,6 +221,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         q, k, v = self.project(x)
+        self.variant.aggregating(q, k)
         z = self.hook_z(self.aggregate(q, k, v, explicit=self.needs_explicit()))
         z = self.variant.transform_z(z, x, self)
         B, T = z.shape[:2]

@@ -32,7 +32,7 @@ from jaxtyping import Float
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from sinklens.train.dispatch import eager_cpu_float32
+from sinklens.train.dispatch import at_least_float32, eager_cpu_float32
 
 __all__ = ["rms_norm"]
 
@@ -81,7 +81,7 @@ def rms_norm(
     fused = hasattr(F, "rms_norm")  # torch >= 2.4
     if fused and w is not None and w.ndim == 1 and x.dtype == w.dtype == torch.float32:
         return F.rms_norm(x, w.shape, w, eps)
-    xf = x.float()
+    xf = at_least_float32(x)
     normed = F.rms_norm(xf, xf.shape[-1:], None, eps) if fused else xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     normed = normed.to(x.dtype)
     return normed if w is None else normed * w.to(x.dtype)

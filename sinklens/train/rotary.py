@@ -27,13 +27,14 @@ __all__ = ["RotaryTables", "rope"]
 
 class RotaryTables:
     """The angle tables for ``n_ctx`` positions and ``d_head`` (even): ``cos``, ``signed_sin`` and
-    ``signed_sin_back = roll(signed_sin, d_head/2)``, each ``[n_ctx, d_head]``, float32."""
+    ``signed_sin_back = roll(signed_sin, d_head/2)``, each ``[n_ctx, d_head]``, float64 (a model's buffers follow
+    its dtype, so a float64 model keeps them exact)."""
 
     def __init__(self, n_ctx: int, d_head: int, base: float) -> None:
         inv_freq = 1.0 / (base ** (torch.arange(0, d_head, 2, dtype=torch.float64) / d_head))
         angles = torch.outer(torch.arange(n_ctx, dtype=torch.float64), inv_freq)  # (n_ctx, d_head/2)
-        self.cos = torch.cat([angles.cos(), angles.cos()], dim=-1).float()
-        self.signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1).float()
+        self.cos = torch.cat([angles.cos(), angles.cos()], dim=-1)
+        self.signed_sin = torch.cat([-angles.sin(), angles.sin()], dim=-1)
         self.signed_sin_back = self.signed_sin.roll(d_head // 2, dims=-1)
 
 

@@ -46,6 +46,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from sinklens.errors import InvalidArgumentError
+from sinklens.train.dispatch import at_least_float32
 from sinklens.validate import did_you_mean, finite_number
 from sinklens.train.rms_norm import rms_norm
 
@@ -97,6 +98,11 @@ class AttentionVariant(nn.Module):
     ) -> tuple[Tensor, Tensor]:
         """Transform queries and keys before RoPE (identity by default)."""
         return q, k
+
+    def aggregating(
+        self, q: Float[Tensor, "batch pos head d_head"], k: Float[Tensor, "batch pos kv_head d_head"]
+    ) -> None:
+        """See the queries and keys the aggregation runs on (after RoPE and its hooks); nothing by default."""
 
     def logits(self, scores: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batch head query key"]:
         """The logits the normaliser sees, from scaled, causally masked (``-inf``) dot products."""
@@ -254,7 +260,7 @@ class SigmoidAttention(AttentionVariant):
         return scores + self.bias
 
     def normalize(self, scores: Tensor) -> Tensor:
-        return torch.sigmoid(scores.float()).to(scores.dtype)  # sigmoid(-inf) = 0 masks
+        return torch.sigmoid(at_least_float32(scores)).to(scores.dtype)  # sigmoid(-inf) = 0 masks
 
 
 class SinkLogit(AttentionVariant):
@@ -297,7 +303,7 @@ class Softpick(AttentionVariant):
     defaults: ClassVar[dict[str, Any]] = {"eps": 1e-6}
 
     def normalize(self, scores: Tensor) -> Tensor:
-        x = scores.float()
+        x = at_least_float32(scores)
         window = torch.isfinite(x)
         x = torch.where(window, x, torch.zeros_like(x))  # keep inf out of both branches (NaN-free grads)
         m = torch.where(window, x, torch.full_like(x, -torch.inf)).amax(dim=-1, keepdim=True)
@@ -401,8 +407,8 @@ class VarianceCalibrated(AttentionVariant):
     at ``attn.hook_z_calibrated``. Explicit path (data-dependent modes): ``s_t`` from the attention
     weights (after ``hook_attn_scores`` edits). Fast path (SDPA for ``z``): ``s_t = exp(LSE_j(2 x_tj)
     − 2 LSE_j(x_tj))`` from the causal logits ``x``, recomputed from this layer's queries and keys
-    (so it still builds the ``T × T`` logits, but no pattern). The two paths compute the same
-    function (tested). The positional modes need no pattern at all.
+    (so it still builds the ``T × T`` logits, but no pattern), from the queries and keys the aggregation
+    runs on, so edits at ``hook_rot_q``/``hook_rot_k`` count. The two paths compute the same function (tested). The positional modes need no pattern at all.
     """
 
     hook_sites = ("hook_z_calibrated",)
@@ -419,34 +425,32 @@ class VarianceCalibrated(AttentionVariant):
         self._qk: tuple[Tensor, Tensor] | None = None
         self._sumsq: Tensor | None = None
 
-    def transform_qk(self, q: Tensor, k: Tensor, attn: nn.Module) -> tuple[Tensor, Tensor]:
+    def aggregating(self, q: Tensor, k: Tensor) -> None:
         self._qk = (q, k) if self.mode in ("amplify", "attenuate") else None
-        return q, k
 
     def normalize(self, scores: Tensor) -> Tensor:
         pattern = super().normalize(scores)
         if self.mode in ("amplify", "attenuate"):
-            self._sumsq = pattern.float().pow(2).sum(dim=-1)  # (B, nh, T)
+            self._sumsq = at_least_float32(pattern).pow(2).sum(dim=-1)  # (B, nh, T)
         return pattern
 
     def _sumsq_from_logits(self, attn: nn.Module) -> Tensor:
-        q, k = self._qk  # (B, T, nh, hs) before RoPE
-        if getattr(attn, "rotary", False):
-            q, k = attn._rope(q), attn._rope(k)
+        q, k = self._qk  # (B, T, nh, hs): those the aggregation ran on (after RoPE and hook_rot_q/k edits)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        x = (q.float() @ k.float().transpose(-2, -1)) / math.sqrt(self.d_head)  # (B, nh, T, T)
+        x = (at_least_float32(q) @ at_least_float32(k).transpose(-2, -1)) / math.sqrt(self.d_head)  # (B, nh, T, T)
         T = x.shape[-1]
         causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
         x = x.masked_fill(~causal, float("-inf"))
         return torch.exp(torch.logsumexp(2 * x, dim=-1) - 2 * torch.logsumexp(x, dim=-1))
 
     def factor(self, z: Tensor, attn: nn.Module) -> Float[Tensor, "batch pos head 1"]:
-        """The multiplier of ``z`` for this forward (see the table in the class docstring), float32."""
+        """The multiplier of ``z`` for this forward (see the table in the class docstring), float32 (float64 for a
+        float64 model)."""
         T = z.shape[1]
         if self.mode.startswith("position_"):
-            f = torch.arange(1, T + 1, device=z.device, dtype=torch.float32).sqrt()
+            f = torch.arange(1, T + 1, device=z.device, dtype=torch.promote_types(z.dtype, torch.float32)).sqrt()
             if self.mode == "position_attenuate":
                 f = f / math.sqrt(self.n_ctx)
             return f[None, :, None, None]

@@ -87,6 +87,23 @@ def test_fast_path_equals_explicit_path(variant, family):
     assert not model.blocks[0].attn.needs_explicit() or variant in ("sigmoid", "sink_logit", "softpick")
 
 
+@pytest.mark.parametrize("mode", ["amplify", "attenuate"])
+def test_variance_calibration_fast_path_sees_edits_of_the_rotated_keys(mode):
+    """The fast path recomputed s_t from the queries and keys before RoPE, so an edit at hook_rot_k changed the
+    pattern but not the factor (1.29 where uniform attention gives sqrt(2) = 1.41)."""
+    model = build("variance_calibrated", variant_options={"mode": mode})
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [("blocks.0.attn.hook_rot_k", lambda k, hook: k * 0.0),  # every logit 0: uniform causal attention
+             ("blocks.0.attn.hook_z", lambda z, hook: seen.__setitem__("z", z.detach().clone())),
+             ("blocks.0.attn.hook_z_calibrated", lambda z, hook: seen.__setitem__("zc", z.detach().clone()))]
+    with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+        assert not model.blocks[0].attn.needs_explicit()
+        model(tokens())
+    factor = (seen["zc"] / seen["z"])[:, :, :, 0]  # (batch, pos, head)
+    expected = torch.arange(1, 13, dtype=torch.float32).sqrt() / (math.sqrt(16) if mode == "attenuate" else 1.0)
+    torch.testing.assert_close(factor, expected[None, :, None].expand_as(factor), rtol=1e-4, atol=1e-5)
+
+
 def test_run_with_cache_of_patterns_takes_the_explicit_path():
     model = build("headwise_rms")
     seen = []
@@ -306,3 +323,24 @@ def test_custom_variant_plugs_in():
     model = build("test_uniform")
     pattern = cached(model, tokens(), "blocks.0.attn.hook_pattern")["blocks.0.attn.hook_pattern"]
     torch.testing.assert_close(pattern[0, 0], torch.ones(12, 12).tril() / torch.arange(1, 13.0)[:, None])
+
+
+@pytest.mark.parametrize("variant", [*VARIANTS, "variance_calibrated"])
+def test_a_float64_model_is_float64_throughout(variant):
+    """``dtype="float64"`` ran its norms, RoPE tables, sigmoid/softpick and calibration in float32 (float64 rms_norm
+    off by 5.6e-7, gradcheck failing). Now its gradient passes ``torch.autograd.gradcheck`` at float64 tolerances."""
+    model = build(variant, n_layers=1, dtype="float64")
+    toks = tokens(batch=1, pos=5)
+    x0 = torch.randn(1, 5, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(2), requires_grad=True)
+
+    def logits(x):
+        with model.hooks(fwd_hooks=[("hook_embed", lambda a, hook: x)]):
+            return model(toks)
+
+    assert logits(x0).dtype == torch.float64
+    assert torch.autograd.gradcheck(logits, (x0,), eps=1e-6, atol=1e-7, rtol=1e-6)
+    attn = model.blocks[0].attn  # the RoPE tables are float64-exact (they were rounded to float32 first: 1.5e-8)
+    freq = 1.0 / (model.cfg.rope_base ** (torch.arange(0, 4, 2, dtype=torch.float64) / 4))
+    angles = torch.arange(16, dtype=torch.float64)[:, None] * freq
+    torch.testing.assert_close(attn.rope_cos, torch.cat([angles.cos(), angles.cos()], dim=-1), rtol=0, atol=1e-15)
+    torch.testing.assert_close(attn.rope_signed_sin, torch.cat([-angles.sin(), angles.sin()], dim=-1), rtol=0, atol=1e-15)
