@@ -202,11 +202,14 @@ def bos_token_id(model: Any) -> int:
     )
 
 
-def _check_length(length: int, n_ctx: int) -> None:
+def _check_length(length: int, n_ctx: int, *, random_tokens: bool = False) -> None:
+    """Refuse a sequence longer than the context, naming the Python argument and the CLI flag that shorten it
+    (``seq_len`` / ``--seq-len`` for random tokens, ``max_length`` / ``--max-length`` for prompts)."""
     if length > n_ctx:
+        fix = (f"pass seq_len={n_ctx} or shorter (CLI: --seq-len {n_ctx})" if random_tokens else
+               f"pass max_length={n_ctx} or shorter to truncate (CLI: --max-length {n_ctx}), or shorter prompts")
         raise SequenceTooLongError(
-            f"A sequence of {length} tokens is longer than the model's context of {n_ctx} tokens "
-            f"(cfg.n_ctx); pass max_length={n_ctx} or shorter to truncate."
+            f"A sequence of {length} tokens is longer than the model's context of {n_ctx} tokens (cfg.n_ctx); {fix}."
         )
 
 
@@ -332,7 +335,7 @@ def random_token_batches(
     prepend_bos = as_bool(prepend_bos, what="prepend_bos")
     seed = as_seed(seed, what="seed")
     dims = model_dims(model)
-    _check_length(seq_len, dims.n_ctx)
+    _check_length(seq_len, dims.n_ctx, random_tokens=True)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, dims.d_vocab, (n_sequences, seq_len), generator=gen)
     special: tuple[str, ...] = ()

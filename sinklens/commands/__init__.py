@@ -64,8 +64,8 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
                         prepend_bos: bool) -> list[TokenBatch] | None:
     """The random-token batches a command runs on, or None when it runs on text.
 
-    ``args.random_tokens`` sequences of ``args.seq_len`` tokens (default :data:`DEFAULT_RANDOM_SEQ_LEN`)
-    when asked for. A model without a tokenizer cannot read text: it runs on
+    ``args.random_tokens`` sequences of ``args.seq_len`` tokens (default :data:`DEFAULT_RANDOM_SEQ_LEN`, capped at
+    the model's ``n_ctx``; a ``--seq-len`` beyond it is refused) when asked for. A model without a tokenizer cannot read text: it runs on
     :data:`DEFAULT_RANDOM_SEQUENCES` sequences of ``min(64, n_ctx)`` tokens, with a line on stderr saying so,
     and a text flag (``text_flag``, e.g. ``"--text"``) given for it is an error. Random sequences start with
     BOS when ``prepend_bos`` and the model has one: its tokenizer's, or token 0 for a run trained on a
@@ -81,15 +81,16 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
     seq_len_within_context(args.seq_len, n_ctx)
     batch_size = getattr(args, "batch_size", 8)
     bos = prepend_bos and (has_tokenizer or trained_with_bos_zero(model))
+    # the default is capped at the model's context; a --seq-len beyond it was refused just above
+    seq_len = args.seq_len or min(DEFAULT_RANDOM_SEQ_LEN, n_ctx)
     if args.random_tokens is not None:
-        return random_token_batches(model, n_sequences=args.random_tokens, seq_len=args.seq_len or DEFAULT_RANDOM_SEQ_LEN,
+        return random_token_batches(model, n_sequences=args.random_tokens, seq_len=seq_len,
                                     batch_size=batch_size, prepend_bos=bos)
     if has_tokenizer:
         return None
     if text_flag is not None:
         raise InvalidArgumentError(f"{text_flag} needs a tokenizer, and the model {str(args.model)!r} has none "
                                    "(trained on synthetic data?); use --random-tokens N.")
-    seq_len = args.seq_len or min(DEFAULT_RANDOM_SEQ_LEN, n_ctx)
     if distributed.is_main():
         start = ", each starting with the task's BOS token 0 as in training" if bos else ""
         print(f"sinklens {command}: {str(args.model)!r} has no tokenizer (trained on synthetic data?); running on "

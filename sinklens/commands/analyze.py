@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--seq-len", type=int, default=None,
                         help=f"length of random-token sequences (default: {DEFAULT_RANDOM_SEQ_LEN}, at most the model's context)")
     parser.add_argument("--max-length", type=int, default=None,
-                        help=f"truncate text prompts to this many tokens (default: {_DEFAULT_MAX_LENGTH})")
+                        help=f"truncate text prompts to this many tokens (default: {_DEFAULT_MAX_LENGTH}, at most the model's context)")
     parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (it moves the sink)")
     add_model_flags(parser, batch_size=8)
     parser.add_argument("--out", default="sinklens-report", help="output folder (default: %(default)s)")
@@ -130,6 +130,7 @@ def _run(args: argparse.Namespace) -> int:
 def _analyze(args: argparse.Namespace, device: str | None) -> int:
     from sinklens import distributed
     from sinklens.analysis.report import analyze
+    from sinklens.hooks import model_dims
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
 
@@ -140,13 +141,15 @@ def _analyze(args: argparse.Namespace, device: str | None) -> int:
     model = load_model(args.model, device=device, dtype=args.dtype)
     inputs = _inputs(args, model)
     text = inputs is None or isinstance(inputs[0], str)  # random-token batches keep their --seq-len
+    # the default cut is capped at the model's context; an explicit --max-length is used as given
+    max_length = args.max_length or min(_DEFAULT_MAX_LENGTH, model_dims(model).n_ctx)
     report = analyze(
         model,
         inputs,
         model_name=str(args.model),
         verify=args.verify,
         options=RunOptions(batch_size=args.batch_size, prepend_bos=not args.no_bos,
-                           max_length=args.max_length or _DEFAULT_MAX_LENGTH if text else None),
+                           max_length=max_length if text else None),
     )
     if not main:
         return 0

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -45,8 +46,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--smoothing", type=int, default=10,
                         help="moving-average window of the training loss, in training steps: the mean of the "
                              "losses logged in the last SMOOTHING steps (default 10)")
-    parser.add_argument("--out", help="figure path (default: compare.png in the first run directory)")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    parser.add_argument("--out", help="figure file (default: compare.png in the first run directory); its suffix "
+                                      "picks the format (.png when it has none)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the summary as JSON (stdout holds only the JSON; the other lines go to stderr)")
     parser.add_argument("--positional", action="store_true",
                         help="also evaluate the positional discrepancy at init and at every kept checkpoint")
     parser.add_argument("--n-sequences", type=int, default=64, help="random sequences for --positional")
@@ -150,13 +153,45 @@ def run_labels(run_dirs: list[str], labels: list[str] | None = None) -> list[str
         return list(labels)
 
     def variant(run_dir: str) -> str:
+        from sinklens.errors import CorruptCheckpointError
+
         cfg_path = Path(run_dir) / "config.json"
-        return json.loads(cfg_path.read_text())["model"]["variant"] if cfg_path.is_file() else "?"
+        if not cfg_path.is_file():
+            return "?"
+        try:  # the trainer's error for a damaged run (sinklens.train.checkpoint.load_train_config)
+            return json.loads(cfg_path.read_text())["model"]["variant"]
+        except ValueError as err:
+            raise CorruptCheckpointError(f"{str(cfg_path)!r} is not valid JSON ({err}).") from None
+        except (KeyError, TypeError):
+            raise CorruptCheckpointError(f"{str(cfg_path)!r} has no model.variant; is it a sinklens run's config?") from None
 
     variants = [variant(r) for r in run_dirs]
     short = [f"{v} @ {Path(r).name}" for v, r in zip(variants, run_dirs)]
     counts = Counter(short)
     return [label if counts[label] == 1 else f"{v} @ {r}" for label, v, r in zip(short, variants, run_dirs)]
+
+
+def figure_path(path: str | Path, *, what: str = "--out") -> Path:
+    """The file a figure is saved to: ``path``, with ``.png`` added when it has no suffix (as matplotlib would),
+    checked before any work: a writable file, not a folder, with a suffix matplotlib can save.
+
+    Raises:
+        OutputNotWritableError: ``path`` is empty, a folder, or in a folder that cannot be created or written.
+        InvalidArgumentError: its suffix is not a format matplotlib saves.
+    """
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    from sinklens.errors import InvalidArgumentError
+    from sinklens.validate import writable_file
+
+    out = writable_file(path, what=what)
+    if not out.suffix:
+        out = writable_file(out.with_name(out.name + ".png"), what=what)
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if out.suffix[1:].lower() not in formats:
+        raise InvalidArgumentError(f"{what} {str(out)!r}: matplotlib cannot save a {out.suffix!r} figure; "
+                                   f"use one of {', '.join('.' + f for f in sorted(formats))}.")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -171,9 +206,10 @@ def run(args: argparse.Namespace) -> int:
     if args.positional:
         positive_int(args.n_sequences, what="--n-sequences", minimum=2)
         positive_int(args.seq_len, what="--seq-len", minimum=2)
+    out = figure_path(args.out if args.out is not None else Path(args.runs[0]) / "compare.png")
+    info = sys.stderr if args.json else sys.stdout  # with --json, stdout holds only the JSON
     runs = {label: read_metrics(run_dir) for label, run_dir in zip(run_labels(args.runs, args.labels), args.runs)}
     rows = summarize(runs, target=args.target_loss, smoothing=args.smoothing)
-    out = Path(args.out) if args.out else Path(args.runs[0]) / "compare.png"
     plot_training(runs, smoothing=args.smoothing, path=out)
     if args.json:
         print(dumps(rows, digits=None, indent=1))
@@ -189,14 +225,15 @@ def run(args: argparse.Namespace) -> int:
                 extra += (f", vs step 0: preference Spearman {row['persistence_spearman']:.3f} / Kendall "
                           f"{row['persistence_kendall']:.3f}, direction |cos| {row['persistence_direction_cos']:.3f}")
             print(f"{row['run']}: final loss {row['final_loss']:.4f}, steps to target {steps if steps is not None else 'never'}{extra}")
-    print(f"figure: {out}")
+    print(f"figure: {out}", file=info)
     if args.positional:
-        positional(args, list(runs), out.with_name("positional.png"))
+        positional(args, list(runs), out.with_name("positional.png"), file=info)
     return 0
 
 
-def positional(args: argparse.Namespace, labels: list[str], out: Path) -> None:
-    """Print and plot the first-token attention-output variance ratio per layer over each run's checkpoints."""
+def positional(args: argparse.Namespace, labels: list[str], out: Path, *, file=None) -> None:
+    """Print (to ``file``, default stdout) and plot the first-token attention-output variance ratio per layer over
+    each run's checkpoints."""
     from sinklens.options import RunOptions
     from sinklens.origins.positional import positional_over_training
     from sinklens.plotting.training import plot_positional_over_training
@@ -206,8 +243,8 @@ def positional(args: argparse.Namespace, labels: list[str], out: Path) -> None:
         traj = positional_over_training(run_dir, n_sequences=args.n_sequences, seq_len=args.seq_len,
                                         options=RunOptions(progress=False))
         trajectories[label] = traj
-        print(f"{label}: attention-output variance at position 0 / later half, by layer")
+        print(f"{label}: attention-output variance at position 0 / later half, by layer", file=file)
         for step, row in zip(traj.steps, traj.first_token_ratio("attn_out_var").tolist()):
-            print(f"  step {step:>7}: " + "  ".join(f"{v:8.3g}" for v in row))
+            print(f"  step {step:>7}: " + "  ".join(f"{v:8.3g}" for v in row), file=file)
     plot_positional_over_training(trajectories, path=out)
-    print(f"figure: {out}")
+    print(f"figure: {out}", file=file)

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.origins.fingerprint import check_test_arguments, fingerprint
     from sinklens.validate import as_seed, no_finished_output, positive_int, seq_len_within_context, writable_file
 
-    json_path = writable_file(args.json, what="--json") if args.json else None
+    json_path = writable_file(args.json, what="--json") if args.json is not None else None  # '' is refused by name
     no_finished_output([json_path] if json_path else [], overwrite=args.overwrite, flag="--json")
     check_test_arguments(args.buffer_k, args.identity_mode, args.alpha, cli=True)  # before the models load and run
     positive_int(args.samples, what="--samples", minimum=2)

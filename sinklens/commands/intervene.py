@@ -44,6 +44,9 @@ def _int_list(text: str | None, flag: str) -> list[int] | None:
         raise InvalidArgumentError(f"{flag} expects integers separated by commas, got {text!r}.") from None
     if not values:
         raise InvalidArgumentError(f"{flag} is empty; give at least one integer (e.g. {flag} 0,1).")
+    repeated = [v for i, v in enumerate(values) if v in values[:i]]
+    if repeated:  # the Python API keeps the first of each (validate.index_list); on the command line it is a typo
+        raise InvalidArgumentError(f"{flag} {text!r} gives {repeated[0]} more than once; give each value once.")
     return values
 
 
@@ -118,9 +121,9 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
         if getattr(args, option, None) is None:
             raise InvalidArgumentError(f"--method {args.method} needs --{option} ({entry.requires[option]}).")
     overwrite = getattr(args, "overwrite", False)
-    if args.json:
+    if args.json is not None:  # '' is refused by name, not read as "no file"
         no_finished_output([writable_file(args.json, what="--json")], overwrite=overwrite, flag="--json")
-    if args.out:
+    if args.out is not None:
         out = writable_dir(args.out, what="--out", create=False)
         no_finished_output([out / "intervention.png"], overwrite=overwrite, flag="--out")
     return entry
@@ -172,8 +175,8 @@ def run(args: argparse.Namespace) -> int:
     print(format_table(result))
     if note := loss_note(model, args):
         print(note)
-    if args.json:
+    if args.json is not None:
         write_json(args.json, result.to_dict())
-    if args.out:
+    if args.out is not None:
         result.plot(Path(args.out) / "intervention.png")
     return 0

@@ -40,6 +40,28 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 FIGURE_FILES = ("rank_probability.png", "contraction.png", "positional.png")
 
 
+def check_init_seed(model: str, init_seed: int) -> None:
+    """Refuse ``--init-seed S`` beside a ``--model SPEC@init:T`` with another seed ``T`` (the API lets ``init_seed``
+    override the spec's seed; on the command line two different seeds are a mistake, and origins.json would record
+    both); the same seed twice, or ``SPEC@init`` without one, passes.
+
+    Examples:
+        >>> check_init_seed("runs/a@init:3", 3)
+        >>> check_init_seed("runs/a@init:3", 4)
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.InvalidArgumentError: --init-seed 4 conflicts with the seed 3 of --model 'runs/a@init:3'; give the seed once (--model runs/a@init:4, or --model runs/a@init --init-seed 4).
+    """
+    from sinklens.errors import InvalidArgumentError
+    from sinklens.origins.init import parse_init_spec
+
+    parsed = parse_init_spec(str(model))
+    if parsed is not None and parsed.seed is not None and parsed.seed != init_seed:
+        raise InvalidArgumentError(
+            f"--init-seed {init_seed} conflicts with the seed {parsed.seed} of --model {str(model)!r}; give the seed once "
+            f"(--model {parsed.base}@init:{init_seed}, or --model {parsed.base}@init --init-seed {init_seed}).")
+
+
 def run(args: argparse.Namespace) -> int:
     from sinklens.export import remove_stale, write_json
     from sinklens.hooks import model_dims
@@ -58,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     as_seed(args.seed, what="--seed")
     if args.init_seed is not None:
         as_seed(args.init_seed, what="--init-seed")
+        check_init_seed(args.model, args.init_seed)
     start = time.perf_counter()
     print(f"loading {args.model}{'' if args.init_seed is None else f' at init (seed {args.init_seed})'} ...", file=sys.stderr)
     model = load_model(args.model, device=args.device, dtype=args.dtype, init_seed=args.init_seed, check_patterns=False)
