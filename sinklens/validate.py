@@ -415,6 +415,19 @@ def refuse_binary(file: Path, head: bytes, *, what: str, give: str = "a UTF-8 te
         raise InputFileError(f"{what} file {str(file)!r} is a binary file (it holds NUL bytes); give {give}.")
 
 
+def utf8_text(file: Path, raw: bytes, *, what: str) -> str:
+    """``raw`` (the bytes of ``file``) decoded as UTF-8; other bytes raise :class:`~sinklens.errors.InputFileError`
+    naming the file, the first bad byte and its offset (never silently replaced)."""
+    from sinklens.errors import InputFileError
+
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise InputFileError(
+            f"{what} file {str(file)!r} is not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start})."
+        ) from None
+
+
 def text_lines(path: Any, *, what: str) -> list[str]:
     """The non-empty, stripped lines of a UTF-8 text file; a missing file, a folder, a binary or
     non-UTF-8 file and a file with no text raise :class:`~sinklens.errors.InputFileError` naming the path."""
@@ -432,12 +445,7 @@ def text_lines(path: Any, *, what: str) -> list[str]:
     except OSError as err:
         raise InputFileError(f"{what} file {str(file)!r} cannot be read: {err.strerror or err}.") from None
     refuse_binary(file, raw, what=what)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise InputFileError(
-            f"{what} file {str(file)!r} is not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start})."
-        ) from None
+    text = utf8_text(file, raw, what=what)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         raise InputFileError(f"{what} file {str(file)!r} has no non-empty lines.")

@@ -44,7 +44,7 @@ from torch import Tensor
 
 from sinklens.errors import DataFileNotFoundError, InputFileError, InvalidArgumentError, OfflineDataError
 from sinklens.train.config import DataConfig
-from sinklens.validate import refuse_binary
+from sinklens.validate import refuse_binary, utf8_text
 
 Split = Literal["train", "val"]
 _SPLIT_ID = {"train": 0, "val": 1}
@@ -273,7 +273,9 @@ def text_source(cfg: DataConfig) -> StreamSource:
     """Local text: a file, or the files matching ``cfg.glob`` under a folder (read in sorted order).
 
     At most about ``cfg.max_tokens`` characters are read. Documents are tokenised with the byte
-    tokenizer or a BPE trained on the train split, joined with ``<|endoftext|>``, and cached.
+    tokenizer or a BPE trained on the train split, joined with ``<|endoftext|>``, and cached. A binary
+    or non-UTF-8 file is refused by name (:class:`~sinklens.errors.InputFileError`), never decoded with
+    replacement characters.
     """
     files = _text_files(cfg)
     chosen, size = [], 0
@@ -289,7 +291,7 @@ def text_source(cfg: DataConfig) -> StreamSource:
     def load_docs() -> list[str]:
         docs, total = [], 0
         for f in chosen:
-            text = f.read_text(encoding="utf-8", errors="replace")[: cfg.max_tokens - total]
+            text = utf8_text(f, f.read_bytes(), what="data")[: cfg.max_tokens - total]
             total += len(text)
             if text:
                 docs.append(text)

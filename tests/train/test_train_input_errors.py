@@ -194,6 +194,19 @@ def test_binary_text_data_is_refused_like_binary_prompts(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_text_data_that_is_not_utf8_is_refused_not_replaced(tmp_path, capsys):
+    """Training text was read with errors="replace": a Latin-1 corpus trained on U+FFFD silently."""
+    data = tmp_path / "latin1.txt"
+    data.write_bytes(("caf\xe9 au lait, " * 40).encode("latin-1"))
+    out = tmp_path / "run"
+    code, err = _train([*TINY, "--device", "cpu", "--data", str(data), "--out", str(out)], capsys)
+    assert code == 2 and "latin1.txt' is not UTF-8 text (byte 0xe9 at offset 3)" in err, err
+    assert not out.exists()
+    data.write_text("café au lait, " * 40, encoding="utf-8")  # the same text in UTF-8 trains
+    code, err = _train([*TINY, "--device", "cpu", "--data", str(data), "--out", str(out)], capsys)
+    assert code == 0, err
+
+
 # ------------------------------------------------------------------ 7. max_skips
 
 
