@@ -34,6 +34,7 @@ import hashlib
 import json
 import os
 import pickle
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -274,8 +275,9 @@ def text_source(cfg: DataConfig) -> StreamSource:
 
     At most about ``cfg.max_tokens`` characters are read. Documents are tokenised with the byte
     tokenizer or a BPE trained on the train split, joined with ``<|endoftext|>``, and cached. A binary
-    or non-UTF-8 file is refused by name (:class:`~sinklens.errors.InputFileError`), never decoded with
-    replacement characters.
+    file is refused by name (:class:`~sinklens.errors.InputFileError`); a file that is not UTF-8 is
+    read with replacement characters and named in a warning (a corpus such as the standard library
+    holds a few Latin-1 test modules on purpose).
     """
     files = _text_files(cfg)
     chosen, size = [], 0
@@ -289,12 +291,24 @@ def text_source(cfg: DataConfig) -> StreamSource:
     stamp = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in chosen]
 
     def load_docs() -> list[str]:
-        docs, total = [], 0
+        docs, total, not_utf8 = [], 0, []
         for f in chosen:
-            text = utf8_text(f, f.read_bytes(), what="data")[: cfg.max_tokens - total]
+            raw = f.read_bytes()
+            try:
+                text = utf8_text(f, raw, what="data")
+            except InputFileError as err:  # e.g. the standard library's deliberately Latin-1 test modules
+                not_utf8.append(str(err).removeprefix("data file ").rstrip("."))
+                text = raw.decode("utf-8", errors="replace")
+            text = text[: cfg.max_tokens - total]
             total += len(text)
             if text:
                 docs.append(text)
+        if not_utf8:
+            warnings.warn(
+                f"{len(not_utf8)} data file(s) are not UTF-8 text; their undecodable bytes were replaced by U+FFFD: "
+                + "; ".join(not_utf8[:5]) + ("; ..." if len(not_utf8) > 5 else ""),
+                stacklevel=2,
+            )
         return docs
 
     train, val, tokenizer = _tokenize_cached(cfg, {"files": stamp, "max": cfg.max_tokens}, load_docs)
