@@ -98,6 +98,10 @@ class RunExistsError(SinklensError, FileExistsError):
     """A new training run aimed at a directory that already holds a run (pass resume or overwrite)."""
 
 
+class RunLockedError(RunExistsError):
+    """A training run aimed at a directory that another process is training right now (its ``.lock`` is held)."""
+
+
 class OutputExistsError(SinklensError, FileExistsError):
     """A command whose output would replace a finished result (an analysis's ``report.json``, a ``--json``
     file); pass ``--overwrite`` or another output path."""

@@ -63,12 +63,36 @@ def dumps(value: Any, *, digits: int | None = 6, indent: int | None = 2) -> str:
     return json.dumps(to_json(value, digits), indent=indent, allow_nan=False)
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it where ``/proc`` tells it (Linux), else set and restored."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def default_file_mode() -> int:
+    """The permission bits a plain ``open(path, "w")`` gives a new file: ``0o666`` less the umask."""
+    return 0o666 & ~_umask()
+
+
 def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically (temporary file in the same folder, fsync, rename)."""
+    """Write ``text`` to ``path`` atomically (temporary file in the same folder, fsync, rename).
+
+    The file gets the mode a plain ``open()`` would give it (``0o666`` less the umask), not ``mkstemp``'s ``0o600``.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, default_file_mode())
         with os.fdopen(fd, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()

@@ -4,7 +4,11 @@ A run directory holds::
 
     config.json                 TrainConfig.to_dict() of the run
     metrics.jsonl               one strict-JSON line per logged step / evaluation
-    tokenizer/                  the text tokenizer (save_pretrained), when the run trained on text
+    tokenizer/                  the text tokenizer (save_pretrained, written atomically; a resume rewrites
+                                one that is missing or does not load), when the run trained on text
+    data_fingerprint.json       what the data is beyond its config (tokenizer and token-stream hashes,
+                                :func:`sinklens.train.data.data_fingerprint`): a resume refuses other data
+    .lock                       held (``fcntl.flock``) by the process training the run: one trainer at a time
     checkpoints/step-000040/    one checkpoint: model.safetensors (weights, tied embeddings once),
                                 optimizer.pt (AdamW state), trainer_state.pt (step, torch/CUDA/numpy/
                                 python RNG states, grad-scaler state), config.json, and
@@ -23,6 +27,11 @@ temporary directories left by killed processes. ``metrics.jsonl`` is appended a 
 last line cut short by a kill is dropped with a warning when it is read (:func:`read_metrics`), and a
 resume rewrites the file up to its checkpoint's step.
 
+``overwrite=True`` moves the old run's own files (never another tool's) into ``.overwritten-*/``
+(:func:`set_aside_run`), deletes them once the new run's first checkpoint is written, and puts them
+back if the new run fails before that. A folder that is not a run but holds files a run would replace
+or be loaded with (another tool's ``config.json``, ``model.safetensors``, ``tokenizer/``) is refused.
+
 Run directories of sinklens 0.1 (the checkpoint files directly in the run directory, no
 ``checkpoint.json``) still load and resume.
 
@@ -36,6 +45,7 @@ is the whole data state, and resuming reproduces the uninterrupted loss curve ex
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -53,15 +63,26 @@ import torch
 from sinklens.errors import (
     CorruptCheckpointError,
     ResumeMismatchError,
+    RunLockedError,
     RunNotFoundError,
 )
-from sinklens.export import write_json, write_text_atomic
+from sinklens.export import default_file_mode, write_json, write_text_atomic
 from sinklens.model_files import file_mismatch, sha256_file
 from sinklens.train.config import LOCAL_DATA_SOURCES, TrainConfig
 
 CONFIG, WEIGHTS, OPTIMIZER, STATE, TOKENIZER = "config.json", "model.safetensors", "optimizer.pt", "trainer_state.pt", "tokenizer"
 POINTER, MANIFEST, CHECKPOINTS, METRICS = "checkpoint.json", "manifest.json", "checkpoints", "metrics.jsonl"
+FINGERPRINT, PERSISTENCE, FIGURE, LOCK = "data_fingerprint.json", "persistence_ref.json", "figures/training.png", ".lock"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
+#: The files and folders of a run directory that the run itself writes (``checkpoints/`` holds its ``step-*`` and
+#: ``.tmp-*`` folders): ``overwrite=True`` replaces these and nothing else.
+RUN_ENTRIES: tuple[str, ...] = (POINTER, CONFIG, METRICS, FINGERPRINT, PERSISTENCE, TOKENIZER, FIGURE,
+                                WEIGHTS, OPTIMIZER, STATE)
+#: Names that a folder which is not a sinklens run may not hold for a new run to start there: what the run would
+#: replace, or what loading the run would then pick up beside it (another tool's model or tokenizer).
+FOREIGN_BLOCKERS: tuple[str, ...] = (CONFIG, POINTER, CHECKPOINTS, TOKENIZER, WEIGHTS, OPTIMIZER, STATE, PERSISTENCE,
+                                     FINGERPRINT, FIGURE, "pytorch_model.bin", "model.safetensors.index.json",
+                                     "tokenizer.json", "tokenizer_config.json")
 
 #: The fields of a :class:`TrainConfig` that say what a run *is* (dotted keys; a prefix ending in
 #: ``.`` covers a whole section): a resume may not change them (:func:`resume_changes`).
@@ -128,6 +149,7 @@ def save_checkpoint(
     try:
         write_json(tmp / CONFIG, cfg.to_dict(), digits=None)
         save_model(unwrap_model(model), str(tmp / WEIGHTS))
+        os.chmod(tmp / WEIGHTS, default_file_mode())  # safetensors may create it 0600; give it open()'s mode
         state = {
             "step": step,
             "torch_rng": torch.get_rng_state(),
@@ -157,7 +179,7 @@ def save_checkpoint(
     _fsync_dir(root)
     tokenizer = getattr(model, "tokenizer", None)
     if tokenizer is not None and not (run_dir / TOKENIZER).is_dir():
-        tokenizer.save_pretrained(str(run_dir / TOKENIZER))
+        save_tokenizer(run_dir, tokenizer)
     write_json(run_dir / POINTER, {"format": 2, "step": step, "dir": f"{CHECKPOINTS}/{final.name}"}, digits=None)
     _fsync_dir(run_dir)
     earlier = [p for s, p in _step_dirs(run_dir) if s < step]
@@ -166,6 +188,46 @@ def save_checkpoint(
         if path.name not in keep and not _kept(path, s, every):
             shutil.rmtree(path, ignore_errors=True)
     return final
+
+
+def save_tokenizer(run_dir: str | Path, tokenizer: Any) -> Path:
+    """Write ``run_dir/tokenizer/`` atomically: ``save_pretrained`` into a temporary ``.tmp-tokenizer-*`` folder
+    (removed by :func:`clean_stale` if the process dies), fsynced, then renamed over any earlier (broken) one, so a
+    kill never leaves a half-written tokenizer that a resume would keep and ``analyze`` fail on."""
+    run_dir = Path(run_dir)
+    target = run_dir / TOKENIZER
+    tag = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = run_dir / f".tmp-tokenizer-{tag}"
+    try:
+        tokenizer.save_pretrained(str(tmp))
+        for file in tmp.iterdir():
+            if file.is_file():
+                _fsync_file(file)
+        _fsync_dir(tmp)
+        if target.exists() or target.is_symlink():  # a broken one: out of the way first (os.replace needs an empty target)
+            old = run_dir / f".tmp-tokenizer-old-{tag}"
+            os.replace(target, old)
+            shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink(missing_ok=True)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(run_dir)
+    return target
+
+
+def tokenizer_problem(run_dir: str | Path) -> str | None:
+    """None if ``run_dir/tokenizer/`` loads, else what is wrong with it (missing, or why it does not load)."""
+    path = Path(run_dir) / TOKENIZER
+    if not path.is_dir():
+        return f"{str(path)!r} is missing"
+    from sinklens.train.tokenizer import load_tokenizer
+
+    try:
+        load_tokenizer(str(path))
+    except Exception as err:  # noqa: BLE001 - a truncated or foreign file, whatever the parser raises
+        return f"{str(path)!r} does not load ({type(err).__name__}: {' '.join(str(err).split())[:200]})"
+    return None
 
 
 def _kept(path: Path, step: int, every: int) -> bool:
@@ -438,14 +500,205 @@ def clean_stale(run_dir: str | Path) -> list[Path]:
     return removed
 
 
-def clear_run(run_dir: str | Path) -> None:
-    """Delete a run's checkpoints, metrics and tokenizer (for ``overwrite=True``); other files stay."""
+def _own_entries(run_dir: Path) -> list[str]:
+    """The entries of ``run_dir`` (relative paths) that the run wrote itself: :data:`RUN_ENTRIES` and the
+    ``step-*`` / ``.tmp-*`` folders in ``checkpoints/``; nothing else under it."""
+    names = [name for name in RUN_ENTRIES if (run_dir / name).exists() or (run_dir / name).is_symlink()]
+    root = run_dir / CHECKPOINTS
+    if root.is_dir():
+        names += [f"{CHECKPOINTS}/{p.name}" for p in sorted(root.iterdir())
+                  if _STEP_DIR.match(p.name) or p.name.startswith(".tmp-")]
+    return names
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _prune_empty(run_dir: Path) -> None:
+    for folder in (CHECKPOINTS, "figures"):
+        with contextlib.suppress(OSError):  # only when empty: other files in it stay
+            (run_dir / folder).rmdir()
+
+
+def set_aside_run(run_dir: str | Path) -> Path | None:
+    """Move the run in ``run_dir`` (its own files only, :func:`_own_entries`) into ``run_dir/.overwritten-PID-*/``
+    for ``overwrite=True``; return that folder (None when there was nothing to move).
+
+    The new run deletes it (:func:`discard_set_aside`) once its first checkpoint is written, and puts it back
+    (:func:`restore_set_aside`) when it fails before that, so an overwrite that fails (out of memory in the first
+    step, a divergence, Ctrl-C) never loses the run it was to replace."""
     run_dir = Path(run_dir)
-    for name in (POINTER, CONFIG, METRICS, WEIGHTS, OPTIMIZER, STATE, "persistence_ref.json"):
-        (run_dir / name).unlink(missing_ok=True)
-    for name in (CHECKPOINTS, TOKENIZER):
-        shutil.rmtree(run_dir / name, ignore_errors=True)
     clean_stale(run_dir)
+    names = _own_entries(run_dir)
+    if not names:
+        return None
+    aside = run_dir / f".overwritten-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    for name in names:
+        (aside / name).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(run_dir / name, aside / name)
+    _prune_empty(run_dir)
+    _fsync_dir(run_dir)
+    return aside
+
+
+def restore_set_aside(run_dir: str | Path, aside: Path) -> None:
+    """Undo :func:`set_aside_run`: delete what the new run wrote and move the old run back."""
+    run_dir = Path(run_dir)
+    for name in _own_entries(run_dir):
+        _remove(run_dir / name)
+    for path in sorted(aside.rglob("*")):
+        name = path.relative_to(aside).as_posix()
+        if name in RUN_ENTRIES or (name.startswith(f"{CHECKPOINTS}/") and name.count("/") == 1):
+            (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+            os.replace(path, run_dir / name)
+    shutil.rmtree(aside, ignore_errors=True)
+    _prune_empty(run_dir)
+    _fsync_dir(run_dir)
+
+
+def discard_set_aside(run_dir: str | Path) -> None:
+    """Delete the runs that :func:`set_aside_run` moved aside in ``run_dir`` (also those of a killed overwrite)."""
+    for path in Path(run_dir).glob(".overwritten-*"):
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def clear_run(run_dir: str | Path) -> None:
+    """Delete a run's own checkpoints, metrics, tokenizer and figure at once; other files stay (``train`` itself
+    uses :func:`set_aside_run`, which keeps the old run until the new one has a checkpoint)."""
+    run_dir = Path(run_dir)
+    clean_stale(run_dir)
+    for name in _own_entries(run_dir):
+        _remove(run_dir / name)
+    _prune_empty(run_dir)
+
+
+def foreign_entries(run_dir: str | Path) -> list[str]:
+    """The entries of a folder that is *not* a sinklens run that a new run there would replace or be confused with
+    (:data:`FOREIGN_BLOCKERS`: e.g. a Hugging Face model's ``config.json``, ``model.safetensors``, ``tokenizer/``)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir() or is_run_dir(run_dir):
+        return []
+    return [name for name in FOREIGN_BLOCKERS if (run_dir / name).exists() or (run_dir / name).is_symlink()]
+
+
+def write_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> None:
+    """Store the run's data fingerprint (:func:`sinklens.train.data.data_fingerprint`) in ``run_dir``."""
+    write_json(Path(run_dir) / FINGERPRINT, {"format": 1, **fingerprint}, digits=None)
+
+
+def check_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> bool:
+    """Compare the data a resume built with the fingerprint its run stored at its first start; return whether the
+    run had one (a run written before fingerprints were stored resumes unchecked).
+
+    Raises:
+        ResumeMismatchError: the tokenizer or a token stream differs (e.g. the corpus was rewritten in place, so
+            a BPE was retrained and the ids remapped); the message names what changed.
+        CorruptCheckpointError: the stored fingerprint is not readable JSON.
+    """
+    path = Path(run_dir) / FINGERPRINT
+    if not path.is_file():
+        return False
+    try:
+        stored = json.loads(path.read_text())
+        if not isinstance(stored, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as err:
+        raise CorruptCheckpointError(f"{str(path)!r} is unreadable ({err}).") from None
+    labels = {"tokenizer": "the tokenizer (its vocabulary and merges)", "vocab_size": "the vocabulary size",
+              "train": "the train token stream", "val": "the validation token stream"}
+    changed = []
+    for key, label in labels.items():
+        if stored.get(key) != fingerprint.get(key):
+            before, now = stored.get(key), fingerprint.get(key)
+            if key in ("train", "val"):
+                before = f"{stored.get(key + '_tokens')} tokens, sha256 {str(before)[:12]}"
+                now = f"{fingerprint.get(key + '_tokens')} tokens, sha256 {str(now)[:12]}"
+            elif key == "tokenizer":
+                before, now = f"sha256 {str(before)[:12]}", f"sha256 {str(now)[:12]}"
+            changed.append(f"{label} is {now} now but {before} in the run")
+    if changed:
+        raise ResumeMismatchError(
+            f"Cannot resume {str(run_dir)!r}: its data changed since the run started ({'; '.join(changed)}), though "
+            f"the config names the same data. Restore the data the run trained on, or start a new run (another "
+            f"out_dir, or --overwrite)."
+        )
+    return True
+
+
+class RunLock:
+    """An exclusive, non-blocking lock on a run directory (``fcntl.flock`` on ``run_dir/.lock``), held while a
+    process trains there, so that a second trainer (a fresh run, ``--overwrite`` or ``--resume``) on the same
+    folder is refused up front (:class:`~sinklens.errors.RunLockedError`, naming the holder's pid) instead of
+    the two runs overwriting each other. The lock file holds the holder's pid and is removed on release; a
+    folder the lock created is removed again if nothing else was written into it. Where ``fcntl`` is missing
+    (Windows) or the filesystem refuses locks, no lock is taken."""
+
+    def __init__(self, run_dir: str | Path) -> None:
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK
+        self.fd: int | None = None
+        self.created = False
+
+    def __enter__(self) -> RunLock:
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover - Windows
+            return self
+        if self.run_dir.exists() and not self.run_dir.is_dir():
+            return self  # refused by the caller's checks
+        try:
+            self.created = not self.run_dir.exists()
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            return self  # unwritable: the caller's writable_dir names it
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+            except OSError:
+                return self
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                self._remove_created_dir()
+                raise RunLockedError(
+                    f"{str(self.run_dir)!r} is being trained by another process (pid {holder}); wait for it to "
+                    f"finish or stop it, or pick another out_dir."
+                ) from None
+            except OSError as err:  # e.g. a filesystem without locks (ENOLCK)
+                os.close(fd)
+                warnings.warn(f"Cannot lock {str(self.path)!r} ({err.strerror or err}); training without a lock.",
+                              RuntimeWarning, stacklevel=2)
+                return self
+            try:  # the holder before us may have removed the file it locked: lock the file now at the path
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self.fd = fd
+        return self
+
+    def _remove_created_dir(self) -> None:
+        if self.created:
+            with contextlib.suppress(OSError):
+                self.run_dir.rmdir()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.fd is None:
+            return
+        self.path.unlink(missing_ok=True)  # while still held: see the samestat check above
+        os.close(self.fd)
+        self.fd = None
+        self._remove_created_dir()
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -458,7 +711,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
     Raises:
         RunNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
-        CorruptCheckpointError: a line other than a torn last one is not a JSON object.
+        CorruptCheckpointError: a line other than a torn last one is not a JSON object, or a line lacks a
+            string ``kind`` or a whole-number ``step`` (the message names the line number).
     """
     path = Path(run_dir) / METRICS
     if not path.is_file():
@@ -479,6 +733,12 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
             raise CorruptCheckpointError(f"{path}: line {number} is not JSON ({error.msg}, column {error.colno}).") from None
         if not isinstance(line, dict):
             raise CorruptCheckpointError(f"{path}: line {number} is not a JSON object, got {row[:80]!r}.")
+        step, kind = line.get("step"), line.get("kind")
+        if not isinstance(kind, str):
+            raise CorruptCheckpointError(f"{path}: line {number} has no string \"kind\" (got {kind!r}): {row[:80]!r}.")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise CorruptCheckpointError(
+                f"{path}: line {number} has no whole-number \"step\" >= 0 (got {step!r}): {row[:80]!r}.")
         lines.append(line)
     return lines
 

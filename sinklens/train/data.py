@@ -443,6 +443,46 @@ def check_synthetic_vocab(source: str, vocab: int, *, from_model: bool = False) 
     )
 
 
+#: Bytes hashed at each of the sampled places of a memmapped ``.bin`` stream (its first and last bytes and
+#: ``_SAMPLED_CHUNKS - 2`` evenly spaced places between), so that fingerprinting a huge file reads a few MiB only.
+_SAMPLE_BYTES = 1 << 20
+_SAMPLED_CHUNKS = 8
+
+
+def _stream_digest(stream: np.ndarray) -> str:
+    """SHA-256 of a token stream: of all its bytes when it is in memory (text, hf: already read), of its length,
+    dtype and sampled chunks when it is a memmap (a large ``.bin`` file is never read whole)."""
+    digest = hashlib.sha256(f"{len(stream)}/{np.dtype(stream.dtype).str}/".encode())
+    if not isinstance(stream, np.memmap):
+        digest.update(np.ascontiguousarray(stream).tobytes())
+        return digest.hexdigest()
+    width = max(1, _SAMPLE_BYTES // np.dtype(stream.dtype).itemsize)
+    if len(stream) <= width * _SAMPLED_CHUNKS:
+        starts = range(0, len(stream), width)
+    else:
+        last = len(stream) - width
+        starts = sorted({round(i * last / (_SAMPLED_CHUNKS - 1)) for i in range(_SAMPLED_CHUNKS)})
+    for start in starts:
+        digest.update(np.ascontiguousarray(stream[start : start + width]).tobytes())
+    return digest.hexdigest()
+
+
+def data_fingerprint(source: TokenSource) -> dict[str, Any]:
+    """What a run's data *is*, beyond its config: ``{"tokenizer": sha256 of the tokenizer's definition or None,
+    "train"/"val": sha256 of each token stream}`` for a token stream (text, memmap, hf); ``{}`` for a synthetic
+    task, which its config fixes whole. A resume compares it with the one its run stored at its first start, so
+    that a corpus rewritten in place (a retrained BPE, remapped ids) is refused instead of trained on silently."""
+    if not isinstance(source, StreamSource):
+        return {}
+    tokenizer = source.tokenizer
+    return {
+        "tokenizer": None if tokenizer is None else hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode()).hexdigest(),
+        "vocab_size": int(source.vocab_size),
+        **{split: _stream_digest(stream) for split, stream in source.streams.items()},
+        **{f"{split}_tokens": int(len(stream)) for split, stream in source.streams.items()},
+    }
+
+
 def build_source(cfg: DataConfig, *, d_vocab: int | None = None) -> TokenSource:
     """The :class:`TokenSource` a :class:`DataConfig` describes.
 

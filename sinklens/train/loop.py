@@ -39,17 +39,19 @@ from sinklens.display import CompactRepr
 from sinklens.inputs import TokenBatch
 from sinklens.streaming import HookFn
 from sinklens.errors import (
-    InvalidArgumentError, RunExistsError, RunNotFoundError, TrainingDivergedError, TrainingInterrupted,
+    InvalidArgumentError, OutputExistsError, RunExistsError, RunNotFoundError, TrainingDivergedError,
+    TrainingInterrupted,
 )
 from sinklens.export import json_line, write_json
 from sinklens.train.compile import CompileSwitch
 from sinklens.train.allocator import retained_cpu_memory
 from sinklens.train.checkpoint import (
-    METRICS, clean_stale, clear_run, has_checkpoint, is_run_dir, load_checkpoint, load_run, read_metrics, resume_changes,
-    save_checkpoint, write_metrics,
+    METRICS, TOKENIZER, RunLock, check_data_fingerprint, clean_stale, discard_set_aside, foreign_entries,
+    has_checkpoint, is_run_dir, load_checkpoint, load_run, read_metrics, restore_set_aside, resume_changes,
+    save_checkpoint, save_tokenizer, set_aside_run, tokenizer_problem, write_data_fingerprint, write_metrics,
 )
 from sinklens.train.config import OptimConfig, TrainConfig
-from sinklens.train.data import TokenSource, build_source
+from sinklens.train.data import TokenSource, build_source, data_fingerprint
 from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
 from sinklens.train.interrupt import StopSignals
 from sinklens.train.matmul import cpu_matmul_backend, set_cpu_matmul
@@ -245,6 +247,14 @@ def _check_run_dir(out: Path | None, *, resume: bool, overwrite: bool) -> None:
         return
     if out.exists() and not out.is_dir():
         raise InvalidArgumentError(f"out_dir {str(out)!r} exists and is not a folder.")
+    foreign = foreign_entries(out)
+    if foreign and not resume:
+        raise OutputExistsError(
+            f"out_dir {str(out)!r} is not a sinklens training run but holds {', '.join(foreign)} (another tool's "
+            f"files?), which a run there would replace or be loaded with; "
+            + ("overwrite=True (--overwrite) only replaces a sinklens run. " if overwrite else "")
+            + "Pick an empty or new out_dir."
+        )
     if resume and not has_checkpoint(out):
         again = (" It stopped before its first checkpoint, so there is nothing to continue: start it again with "
                  "overwrite=True (--overwrite instead of --resume), or pick another out_dir.") if is_run_dir(out) else ""
@@ -274,32 +284,51 @@ def _resolve_vocab(cfg: TrainConfig, source: TokenSource) -> TrainConfig:
     return cfg
 
 
-def try_interventions(model: Any, hooks: Hooks, cfg: TrainConfig) -> None:
-    """Run the hooks of the training-time interventions given as registry specs once, on the shortest sequences
-    the run feeds them (``data.seq_len``, and ``eval.persistence_seq_len`` when persistence is measured), before
-    the run directory is touched, so that one that cannot run there (a position past those sequences) is an
-    error up front rather than at the first evaluation, with ``config.json`` already written. (A callable
-    intervention is the caller's own code and is not called before the run.)"""
+def try_interventions(model: Any, hooks: Hooks, cfg: TrainConfig) -> bool:
+    """Run the hooks of the training-time interventions given as registry specs once on the run's training
+    sequences (``data.seq_len`` tokens), before the run directory is touched, so that one that cannot run there (a
+    position past those sequences) is an error up front rather than at the first step, with ``config.json``
+    already written. (A callable intervention is the caller's own code and is not called before the run.)
+
+    Returns whether they also run on the persistence probe's shorter sequences (``eval.persistence_seq_len``, when
+    persistence is measured); where they do not (a position past the probe's sequences, which would not exist on
+    them anyway), the probe measures the model without them, at step 0 and later alike, so that the metric still
+    compares like with like.
+
+    Raises:
+        InvalidArgumentError: they cannot run on the training sequences; the message names ``data.seq_len``.
+    """
     if not hooks:
-        return
-    lengths = {"data.seq_len": cfg.data.seq_len}
-    if cfg.eval.interval and cfg.eval.persistence_sequences:
-        lengths["eval.persistence_seq_len"] = min(cfg.eval.persistence_seq_len, cfg.data.seq_len)
-    flag, length = min(lengths.items(), key=lambda item: item[1])
-    tokens = torch.zeros(1, length, dtype=torch.long, device=next(model.parameters()).device)
-    try:
-        with torch.no_grad(), model.hooks(fwd_hooks=hooks):
-            model(tokens)
-    except InvalidArgumentError as error:
-        raise InvalidArgumentError(
-            f"A training-time intervention cannot run on the run's {length}-token sequences ({flag}={length}): {error}"
-            + (" Raise eval.persistence_seq_len, or set eval.persistence_sequences=0 to measure no persistence."
-               if flag.startswith("eval.") else "")
-        ) from None
+        return True
+    device = next(model.parameters()).device
+
+    def runs_on(length: int) -> InvalidArgumentError | None:
+        tokens = torch.zeros(1, length, dtype=torch.long, device=device)
+        try:
+            with torch.no_grad(), model.hooks(fwd_hooks=hooks):
+                model(tokens)
+        except InvalidArgumentError as error:
+            return error
+        return None
+
+    error = runs_on(cfg.data.seq_len)
+    if error is not None:
+        raise InvalidArgumentError(f"A training-time intervention cannot run on the run's {cfg.data.seq_len}-token "
+                                   f"training sequences (data.seq_len={cfg.data.seq_len}): {error}") from None
+    probe = min(cfg.eval.persistence_seq_len, cfg.data.seq_len)
+    if not (cfg.eval.interval and cfg.eval.persistence_sequences) or probe >= cfg.data.seq_len:
+        return True
+    error = runs_on(probe)
+    if error is None:
+        return True
+    warnings.warn(f"The training-time interventions cannot run on the persistence probe's {probe}-token sequences "
+                  f"(eval.persistence_seq_len={cfg.eval.persistence_seq_len}): {error} Persistence is measured without "
+                  f"them; raise eval.persistence_seq_len to measure it with them.", stacklevel=3)
+    return False
 
 
 def _keep_finite_weights(step: int, start_step: int, saved: set[int], resumed: bool, out: Path | None,
-                         checkpoint: Callable[[int], None]) -> str:
+                         checkpoint: Callable[[int], None], weights_problem: Callable[[], str | None] = lambda: None) -> str:
     """What a run that diverged at ``step`` keeps, and say it: its last finite checkpoint (the newest of ``saved``,
     or the one it resumed from) stays current; a run with none checkpoints its finite weights after ``step``
     steps (the bad update was dropped), so that it is never lost."""
@@ -308,6 +337,9 @@ def _keep_finite_weights(step: int, start_step: int, saved: set[int], resumed: b
     if saved or resumed:
         return f"its last finite checkpoint (step {max(saved, default=start_step)}) in {str(out)!r} is kept"
     if step > start_step:
+        bad = weights_problem()
+        if bad is not None:  # an earlier update (with a finite loss) already broke them: nothing finite to keep
+            return f"it had no checkpoint, and its weights after step {step} are not finite ({bad}), so none was written"
         checkpoint(step)
         return (f"it had no checkpoint, so its finite weights after step {step} are checkpointed in {str(out)!r} "
                 "(--resume continues from there)")
@@ -357,8 +389,12 @@ def train(
             is the run's own (``load_train_config(out_dir)``), changed at most in how the run goes
             on (``steps``, ``optim``, ``eval``...: :func:`~sinklens.train.checkpoint.resume_changes`);
             a ``kind="resume"`` metrics line records the step and those changes.
-        overwrite: delete the run already in ``out_dir`` and start afresh. Without ``resume`` or
-            ``overwrite``, a folder that holds a run raises :class:`~sinklens.errors.RunExistsError`.
+        overwrite: replace the run already in ``out_dir`` and start afresh: its own files are moved
+            aside, deleted at the new run's first checkpoint and restored if the new run fails before it.
+            Without ``resume`` or ``overwrite``, a folder that holds a run raises
+            :class:`~sinklens.errors.RunExistsError`; one that holds another tool's files (a model's
+            ``config.json``, ``model.safetensors``, ``tokenizer/``) raises
+            :class:`~sinklens.errors.OutputExistsError` either way.
         interventions: extra training-time interventions on top of ``cfg.interventions`` (callables
             ``model -> [(hook_name, fn)]`` are accepted here; only strings are stored in the config).
         progress: tqdm bar over steps.
@@ -366,32 +402,76 @@ def train(
             the schedule still spans ``cfg.steps``, and ``resume=True`` continues from there.
 
     Raises:
-        ResumeMismatchError: ``resume=True`` with a ``cfg`` whose model, data or seed differ from the run's.
+        ResumeMismatchError: ``resume=True`` with a ``cfg`` whose model, data or seed differ from the run's, or
+            data that changed since the run started (its stored fingerprint: tokenizer, token streams).
+        RunLockedError: another process is training in ``out_dir`` (it holds ``out_dir/.lock``).
         TrainingInterrupted: Ctrl-C or SIGTERM (not in DDP runs): the step in progress finished, the
             steps done were checkpointed, and the run can go on with ``resume=True``; a second signal
             stops at once (:mod:`sinklens.train.interrupt`).
         TrainingDivergedError: a step's loss or gradient norm was NaN/inf (``cfg.on_nonfinite="stop"``,
             or a non-finite step right after ``cfg.max_skips`` skipped steps in a row); the last finite checkpoint is kept (a
-            run with none checkpoints its finite weights) and metrics.jsonl ends with a ``kind="nonfinite"`` line.
+            run with none checkpoints its finite weights) and metrics.jsonl ends with a ``kind="nonfinite"`` line; also
+            weights that turned NaN/inf after a finite loss, found when a checkpoint is due (never checkpointed).
         InvalidArgumentError: among others, ``resume=True`` on a run already at ``cfg.steps`` (or ``until``), or
             a registry intervention that cannot run on the run's sequences (checked before ``out_dir`` is touched).
     """
-    from sinklens.train.model import SinkLM
 
     out = Path(out_dir).expanduser() if out_dir is not None else None
     cfg = cfg.replace(data=cfg.data.with_absolute_path())  # config.json names the same data from any folder
     check_interventions([*cfg.interventions, *interventions])
+    if cfg.keep_every and not cfg.checkpoint_interval:
+        warnings.warn(f"keep_every={cfg.keep_every} keeps every {cfg.keep_every}-th periodic checkpoint, but "
+                      "checkpoint_interval=0 writes none: only the final checkpoint and its fallback are kept. Set "
+                      "checkpoint_interval (e.g. --set checkpoint_interval=100) to keep periodic ones.", stacklevel=2)
+    # one trainer per run directory (only the process that writes it, rank 0, holds the lock)
+    with RunLock(out) if out is not None and _writes_run_dir() else contextlib.nullcontext():
+        return _train(cfg, out, resume=resume, overwrite=overwrite, interventions=interventions, progress=progress,
+                      until=until)
+
+
+def _writes_run_dir() -> bool:
+    """Whether this process writes the run directory: rank 0 under ``torchrun`` (see :func:`init_distributed`), the
+    only process otherwise."""
+    import os
+
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        return int(os.environ["RANK"]) == 0
+    return True
+
+
+def _check_weights_finite(model: Any) -> str | None:
+    """None if every parameter of ``model`` is finite, else which are not (one host sync: checkpoints only)."""
+    params = list(model.named_parameters())
+    flags = torch.stack([torch.isfinite(p).all() for _, p in params]).tolist()
+    bad = [name for (name, _), ok in zip(params, flags) if not ok]
+    if not bad:
+        return None
+    return f"{len(bad)} of {len(params)} parameter tensors hold NaN/inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
+
+
+def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool, interventions: Sequence[Intervention],
+           progress: bool, until: int | None) -> TrainResult:
+    """:func:`train` once the run directory is locked."""
+    from sinklens.train.model import SinkLM
+
     _check_run_dir(out, resume=resume, overwrite=overwrite)
     resumed_from = load_run(out) if out is not None and resume else None  # verified once: compared, then loaded
     resume_changed = resume_changes(resumed_from.config, cfg, run_dir=out) if resumed_from is not None else {}
     dist, device = init_distributed(cfg.device)
     matmul_before = cpu_matmul_backend()["requested"]
     resources = contextlib.ExitStack()
+    overwritten: list[Path] = []  # the run that overwrite=True replaces, until the new one's first checkpoint
     try:
         set_cpu_matmul(cfg.cpu_matmul)  # raises before any work when "onednn" is asked for and missing
         # ---- data: the order depends on cfg.data only; d_vocab="auto" is resolved here, once
         source = build_source(cfg.data, d_vocab=None if cfg.model.d_vocab == "auto" else cfg.model.d_vocab)
         cfg = _resolve_vocab(cfg, source)
+        fingerprint = data_fingerprint(source)  # what the data is beyond its config (tokenizer, token streams)
+        fingerprinted = resumed_from is not None and check_data_fingerprint(out, fingerprint)
+        if resumed_from is not None and not fingerprinted and fingerprint:
+            warnings.warn(f"The run in {str(out)!r} was written before runs stored a fingerprint of their data, so "
+                          "this resume cannot check that the data (tokenizer, token ids) is what it trained on; later "
+                          "resumes check it against the data used from here on.", stacklevel=3)
         per_rank, rem = divmod(cfg.batch_size // cfg.grad_accum, dist.world_size)
         if rem or per_rank == 0:
             raise InvalidArgumentError(
@@ -408,7 +488,11 @@ def train(
         autocast, scaler = precision.autocast, precision.scaler
         hooks = resolve_interventions(model, [*cfg.interventions, *interventions])
         specs = [item for item in [*cfg.interventions, *interventions] if isinstance(item, str)]
-        try_interventions(model, resolve_interventions(model, specs), cfg)  # fresh hooks: a trial leaves no state
+        # fresh hooks: a trial leaves no state. The persistence probe runs without the spec interventions where
+        # they cannot run on its shorter sequences (try_interventions says why)
+        probe_all = try_interventions(model, resolve_interventions(model, specs), cfg)
+        probed = [item for item in [*cfg.interventions, *interventions] if probe_all or not isinstance(item, str)]
+        probe_hooks = hooks if probe_all else resolve_interventions(model, probed)
 
         # ---- the run directory: written only from here on
         start_step = 0
@@ -425,11 +509,19 @@ def train(
             )
         if out is not None and dist.is_main:
             writable_dir(out, what="out_dir")
-            if overwrite:
-                clear_run(out)
+            if overwrite:  # the old run is moved aside: deleted at the new run's first checkpoint, restored on failure
+                overwritten.extend(p for p in [set_aside_run(out)] if p is not None)
             clean_stale(out)
             write_json(out / "config.json", cfg.to_dict(), digits=None)
             write_metrics(out, history)  # a resumed run keeps only the lines before its checkpoint
+            if not fingerprinted:
+                write_data_fingerprint(out, fingerprint)
+            if resumed_from is not None and source.tokenizer is not None:  # a kill may have left it broken or missing
+                problem = tokenizer_problem(out)
+                if problem is not None:
+                    if (out / TOKENIZER).exists():
+                        warnings.warn(f"{problem}; it is written again from the data's tokenizer.", stacklevel=3)
+                    save_tokenizer(out, source.tokenizer)
 
         raw_model = model
 
@@ -444,8 +536,8 @@ def train(
         switch = CompileSwitch(cfg.compile, raw_model, wrap, device, hooks=bool(hooks), distributed=dist.enabled,
                                steps_left=stop - start_step)
         val_batches, val_targets = eval_batches(source, cfg, device) if cfg.eval.interval and dist.is_main else ([], [])
-        persist = PersistenceTracker(cfg, out, lambda m: hooks if m is raw_model else resolve_interventions(
-            m, [*cfg.interventions, *interventions]))
+        persist = PersistenceTracker(cfg, out, lambda m: probe_hooks if m is raw_model else resolve_interventions(
+            m, probed))
         if resume and dist.is_main:
             persist.resume(device)
         flops_per_token = raw_model.flops_per_token(cfg.data.seq_len)
@@ -469,10 +561,29 @@ def train(
 
         saved_steps: set[int] = set()
 
+        def last_checkpoint() -> str:
+            if saved_steps or resumed_from is not None:
+                return f"its last finite checkpoint (step {max(saved_steps, default=start_step)}) in {str(out)!r} is kept"
+            return f"{str(out)!r} holds no checkpoint of this run"
+
         def checkpoint(step: int) -> None:  # once per step: Ctrl-C right after a periodic checkpoint writes none
-            if out is not None and dist.is_main and step not in saved_steps:
+            if out is not None and step not in saved_steps:
+                bad = _check_weights_finite(raw_model)  # at checkpoints only: never a per-step host sync
+                if bad is not None:  # a finite loss, yet the update left NaN/inf weights: never checkpoint them
+                    log({"kind": "nonfinite", "step": step, "weights": bad, "lr": get_lr(max(step - 1, 0), cfg.optim,
+                                                                                         cfg.steps), "action": "stop"})
+                    raise TrainingDivergedError(
+                        f"Training diverged: the weights after step {step} are not finite ({bad}); the checkpoint of "
+                        f"step {step} was not written and {last_checkpoint()}. Lower optim.lr, raise "
+                        f"optim.warmup_steps or set optim.grad_clip."
+                    )
+                if not dist.is_main:
+                    return
                 save_checkpoint(out, model=raw_model, optimizer=optimizer, cfg=cfg, step=step, scaler=scaler)
                 saved_steps.add(step)
+                if overwritten:  # the new run has a checkpoint: the run it replaces goes now
+                    discard_set_aside(out)
+                    overwritten.clear()
 
         def periodic_checkpoint(steps_done: int) -> None:
             if cfg.checkpoint_interval and steps_done % cfg.checkpoint_interval == 0 and steps_done < stop:
@@ -553,7 +664,7 @@ def train(
                     log(line)
                     if stopping:
                         kept = _keep_finite_weights(step, start_step, saved_steps, resumed_from is not None, out,
-                                                    checkpoint)
+                                                    checkpoint, lambda: _check_weights_finite(raw_model))
                         if cfg.on_nonfinite == "stop":
                             why, advice = "on_nonfinite='stop'", "or set on_nonfinite='skip' to drop such steps"
                         else:
@@ -607,6 +718,10 @@ def train(
             if metrics_file is not None:
                 metrics_file.close()
         return TrainResult(model=raw_model, history=history, out_dir=out, compile=switch.summary(), cpu=cpu)
+    except BaseException:
+        if overwritten:  # failed before its first checkpoint: the run it was to replace comes back
+            restore_set_aside(out, overwritten[0])
+        raise
     finally:
         resources.close()
         set_cpu_matmul(matmul_before)
