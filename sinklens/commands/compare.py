@@ -10,7 +10,15 @@ Prints, per run, the final training loss, the last evaluation's sink metrics and
 steps its smoothed training loss took to reach the target (default: the first run's final
 smoothed loss, so "steps to reach the baseline's final loss" when the baseline comes first), and,
 when the run recorded them, the persistence of its step-0 bias (``persistence_*``). The figure has
-one panel per metric.
+one panel per metric. A metric that is undefined (NaN, written ``null`` in ``metrics.jsonl``) prints
+as ``n/a`` (``null`` with ``--json``).
+
+Each run also gets a status: ``diverged`` when a metrics line says it stopped on a non-finite loss
+or gradient (``kind="nonfinite"``, ``"action": "stop"``; its final loss and steps to target are those
+of its last finite steps), ``incomplete`` when its last logged step is short of its config's
+``steps`` (interrupted, or still running), else ``finished``; ``--json`` has it as ``status``, with
+``steps_done`` and the config's ``steps``. A default target that is undefined (the first run has no
+training loss logged) is an error: pass ``--target-loss``.
 
 The smoothed training loss at a logged step ``s`` is the mean of the losses logged at the steps
 ``s - smoothing < t <= s`` (``--smoothing`` counts training steps, not logged lines). Runs logged
@@ -52,10 +60,69 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="print the summary as JSON (stdout holds only the JSON; the other lines go to stderr)")
     parser.add_argument("--positional", action="store_true",
                         help="also evaluate the positional discrepancy at init and at every kept checkpoint")
-    parser.add_argument("--n-sequences", type=int, default=64, help="random sequences for --positional")
-    parser.add_argument("--seq-len", type=int, default=32, help="their length (capped at the run's data.seq_len)")
+    parser.add_argument("--n-sequences", type=int, default=64, help="random sequences for --positional (default %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=32, help="their length (default %(default)s, capped at the run's data.seq_len)")
     parser.set_defaults(func=run)
     return parser
+
+
+def metric_text(value, spec: str = ".4f") -> str:
+    """``value`` formatted with ``spec``, or ``"n/a"`` (padded to the spec's width) for an undefined metric:
+    None (a NaN that ``metrics.jsonl`` stores as ``null``), NaN or infinite.
+
+    Examples:
+        >>> metric_text(0.12345, ".3f"), metric_text(None, ".3f"), metric_text(float("nan"), "6.2f")
+        ('0.123', 'n/a', '   n/a')
+    """
+    import math
+    import re
+
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+        return format(value, spec)
+    width = re.match(r"[<>^=]?[+\- ]?0?(\d*)", spec).group(1)
+    return "n/a".rjust(int(width) if width else 0)
+
+
+def run_status(lines: list[dict], steps: int | None) -> dict:
+    """``{"status", "steps_done", "steps"}`` of a run from its metrics lines and its config's ``steps``
+    (None when unknown): ``"diverged"`` when a ``kind="nonfinite"`` line has ``"action": "stop"`` at or
+    after its last training step (a resume from before it drops it), ``"incomplete"`` when fewer than
+    ``steps`` steps were logged (a line at step ``s`` is the ``s + 1``-th step), else ``"finished"``
+    (``"unknown"`` without ``steps``).
+
+    Examples:
+        >>> run_status([{"kind": "train", "step": 0}, {"kind": "nonfinite", "step": 1, "action": "stop"}], 10)
+        {'status': 'diverged', 'steps_done': 1, 'steps': 10}
+        >>> run_status([{"kind": "train", "step": s} for s in range(4)], 10)["status"]
+        'incomplete'
+    """
+    done = max((line["step"] + 1 for line in lines if line.get("kind") == "train"), default=0)
+    stops = [line["step"] for line in lines if line.get("kind") == "nonfinite" and line.get("action") == "stop"]
+    skipped = max((line["step"] + 1 for line in lines if line.get("kind") == "nonfinite"), default=0)
+    if stops and max(stops) >= done:
+        return {"status": "diverged", "steps_done": max(stops), "steps": steps}
+    done = max(done, skipped)
+    status = "unknown" if steps is None else "incomplete" if done < steps else "finished"
+    return {"status": status, "steps_done": done, "steps": steps}
+
+
+def status_text(row: dict) -> str:
+    """A row's status for the table: ``finished``, ``diverged at step 3 of 100``, ``incomplete: 40 of 100 steps``."""
+    steps = row.get("steps")
+    if row["status"] == "diverged":
+        return f"diverged at step {row['steps_done']}" + (f" of {steps}" if steps is not None else "")
+    if row["status"] == "incomplete":
+        return f"incomplete: {row['steps_done']} of {steps} steps"
+    return row["status"]
+
+
+def planned_steps(run_dir: str | Path) -> int | None:
+    """The ``steps`` of a run's ``config.json`` (None when it has none)."""
+    try:
+        steps = json.loads((Path(run_dir) / "config.json").read_text()).get("steps")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return steps if isinstance(steps, int) else None
 
 
 def log_interval(lines: list[dict]) -> int:
@@ -99,17 +166,26 @@ def on_common_steps(runs: dict[str, list[dict]]) -> tuple[dict[str, list[dict]],
     return kept, interval
 
 
-def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoothing: int = 10) -> list[dict]:
+def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoothing: int = 10,
+              steps: dict[str, int | None] | None = None) -> list[dict]:
     """Per run: final smoothed loss, steps to ``target`` (default: the first run's final smoothed loss), last eval.
 
     The smoothed loss at a logged step ``s`` is the mean of the training losses logged at the steps
     ``s - smoothing < t <= s`` (:func:`sinklens.plotting.training.smooth`), computed on the steps all
     runs logged (:func:`on_common_steps`); ``final_loss`` is its value at the run's last logged
     step, ``steps_to_target`` the first of those steps where it is ``<= target`` (None if never),
-    ``common_log_interval`` the interval of the steps used (1: every logged step).
+    ``common_log_interval`` the interval of the steps used (1: every logged step), and the run's
+    :func:`run_status` (``steps``: each run's config ``steps``, by label).
+
+    Raises:
+        InvalidArgumentError: no ``target`` and the first run's final loss is undefined (no training line).
     """
+    import math
+
+    from sinklens.errors import InvalidArgumentError
     from sinklens.plotting.training import smooth, steps_to_loss
 
+    statuses = {label: run_status(lines, (steps or {}).get(label)) for label, lines in runs.items()}
     runs, interval = on_common_steps(runs)
     finals = {}
     for label, lines in runs.items():
@@ -117,7 +193,12 @@ def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoot
         steps = [line["step"] for line in train]
         finals[label] = smooth([line["loss"] for line in train], smoothing, steps=steps)[-1] if train else float("nan")
     if target is None:
-        target = next(iter(finals.values()))
+        first, target = next(iter(finals.items()))
+        if not math.isfinite(target):
+            raise InvalidArgumentError(
+                f"The first run, {first!r}, has no finite training loss logged ({statuses[first]['status']}, "
+                f"{statuses[first]['steps_done']} steps), so there is no default target loss; pass --target-loss, "
+                "or put a run with training losses first.")
     rows = []
     for label, lines in runs.items():
         evals = [line for line in lines if line["kind"] == "eval"]
@@ -127,6 +208,7 @@ def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoot
             "target_loss": target,
             "steps_to_target": steps_to_loss(lines, target, smoothing=smoothing),
             "common_log_interval": interval,
+            **statuses[label],
             **({k: v for k, v in evals[-1].items() if k not in ("kind",)} if evals else {}),
         })
     return rows
@@ -208,23 +290,27 @@ def run(args: argparse.Namespace) -> int:
         positive_int(args.seq_len, what="--seq-len", minimum=2)
     out = figure_path(args.out if args.out is not None else Path(args.runs[0]) / "compare.png")
     info = sys.stderr if args.json else sys.stdout  # with --json, stdout holds only the JSON
-    runs = {label: read_metrics(run_dir) for label, run_dir in zip(run_labels(args.runs, args.labels), args.runs)}
-    rows = summarize(runs, target=args.target_loss, smoothing=args.smoothing)
+    labels = run_labels(args.runs, args.labels)
+    runs = {label: read_metrics(run_dir) for label, run_dir in zip(labels, args.runs)}
+    rows = summarize(runs, target=args.target_loss, smoothing=args.smoothing,
+                     steps={label: planned_steps(run_dir) for label, run_dir in zip(labels, args.runs)})
     plot_training(runs, smoothing=args.smoothing, path=out)
     if args.json:
         print(dumps(rows, digits=None, indent=1))
     else:
         every = rows[0]["common_log_interval"]
-        print(f"target loss {rows[0]['target_loss']:.4f} (training loss = mean of the losses logged in the last "
+        print(f"target loss {metric_text(rows[0]['target_loss'])} (training loss = mean of the losses logged in the last "
               f"{args.smoothing} steps" + (f", at the steps all runs logged: every {every} and each run's last" if every > 1
                                            else "") + ")")
         for row in rows:
             steps = row["steps_to_target"]
-            extra = f", sink_rate {row['sink_rate']:.3f}" if "sink_rate" in row else ""
+            extra = f", sink_rate {metric_text(row['sink_rate'], '.3f')}" if "sink_rate" in row else ""
             if "persistence_spearman" in row:
-                extra += (f", vs step 0: preference Spearman {row['persistence_spearman']:.3f} / Kendall "
-                          f"{row['persistence_kendall']:.3f}, direction |cos| {row['persistence_direction_cos']:.3f}")
-            print(f"{row['run']}: final loss {row['final_loss']:.4f}, steps to target {steps if steps is not None else 'never'}{extra}")
+                extra += (f", vs step 0: preference Spearman {metric_text(row['persistence_spearman'], '.3f')} / Kendall "
+                          f"{metric_text(row.get('persistence_kendall'), '.3f')}, direction |cos| "
+                          f"{metric_text(row.get('persistence_direction_cos'), '.3f')}")
+            print(f"{row['run']}: {status_text(row)}, final loss {metric_text(row['final_loss'])}, "
+                  f"steps to target {steps if steps is not None else 'never'}{extra}")
     print(f"figure: {out}", file=info)
     if args.positional:
         positional(args, list(runs), out.with_name("positional.png"), file=info)
@@ -245,6 +331,6 @@ def positional(args: argparse.Namespace, labels: list[str], out: Path, *, file=N
         trajectories[label] = traj
         print(f"{label}: attention-output variance at position 0 / later half, by layer", file=file)
         for step, row in zip(traj.steps, traj.first_token_ratio("attn_out_var").tolist()):
-            print(f"  step {step:>7}: " + "  ".join(f"{v:8.3g}" for v in row), file=file)
+            print(f"  step {step:>7}: " + "  ".join(metric_text(v, "8.3g") for v in row), file=file)
     plot_positional_over_training(trajectories, path=out)
     print(f"figure: {out}", file=file)

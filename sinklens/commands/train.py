@@ -98,6 +98,29 @@ def _model_table(path: str) -> dict:
     return dict(table) if isinstance(table, dict) else {}
 
 
+def _resumable_config(out: str) -> TrainConfig | None:
+    """The config ``--resume`` continues the run in ``out`` with: its ``config.json``, else (that file lost)
+    the config saved in its newest good checkpoint, with a warning (the resume writes ``config.json`` again);
+    None for a run with neither (it stopped before its first checkpoint), for :func:`~sinklens.train.loop.train`
+    to refuse the resume as it refuses a fresh run there.
+
+    Raises:
+        RunNotFoundError: ``out`` is not a run directory at all.
+    """
+    import warnings
+
+    from sinklens.train.checkpoint import CONFIG, has_checkpoint, is_run_dir, load_run, load_train_config
+
+    if (Path(out).expanduser() / CONFIG).is_file() or not is_run_dir(Path(out).expanduser()):
+        return load_train_config(Path(out).expanduser())
+    if not has_checkpoint(Path(out).expanduser()):
+        return None
+    checkpoint = load_run(Path(out).expanduser())
+    warnings.warn(f"{str(out)!r} has no {CONFIG}; resuming with the config saved in its checkpoint of step "
+                  f"{checkpoint.step} ({str(checkpoint.path)!r}), which the resume writes back to {CONFIG}.", stacklevel=2)
+    return checkpoint.config
+
+
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """The run's :class:`TrainConfig`: config file, the run's own config (``--resume``) or preset,
     then the short flags and ``--set`` overrides, then the tyro field flags (``args.config_flags``),
@@ -114,17 +137,17 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     """
     from dataclasses import fields, replace
 
-    from sinklens.train.checkpoint import load_train_config
     from sinklens.train.config import PRESETS, ModelConfig, overrides_to_args, parse_args
 
     explicit: set[str] = set()  # model fields set by the preset's definition, the config file or the run
+    resumed = _resumable_config(args.out) if args.resume and args.out and not args.config else None
     if args.config:
         base = load_config(args.config)
         explicit |= set(_model_table(args.config))
-    elif args.resume and args.out:
-        base = load_train_config(args.out)  # --resume continues the run with its own config
+    elif resumed is not None:
+        base = resumed  # --resume continues the run with its own config
         explicit |= {f.name for f in fields(ModelConfig)}
-    else:
+    else:  # (a --resume with nothing to resume from is refused by train(), as a fresh run there would be)
         base = TrainConfig()
     if args.preset or not (args.config or args.resume):
         name = args.preset or "tiny"
@@ -154,9 +177,11 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sinklens.commands.compare import metric_text
     from sinklens.errors import InvalidArgumentError
     from sinklens.plotting.training import plot_training
     from sinklens.train.loop import train
+    from sinklens.validate import writable_file
 
     if args.fields:
         from sinklens.train.config import parse_args
@@ -165,10 +190,14 @@ def run(args: argparse.Namespace) -> int:
     if not args.out:
         raise InvalidArgumentError("sinklens train needs --out, the run directory.")
     cfg = build_config(args)
+    # the figure is drawn after training: a figures path that cannot be written is refused before it
+    figure = Path(args.out).expanduser() / "figures" / "training.png"
+    if figure.parent.parent.is_dir() or not figure.parent.parent.exists():  # (--out a file: train() says so)
+        writable_file(figure, what="the training figure")
     result = train(cfg, out_dir=args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
     out = Path(args.out)
     if result.history:
-        plot_training({cfg.model.variant: result.history}, path=out / "figures" / "training.png")
+        plot_training({cfg.model.variant: result.history}, path=figure)
     resumes = [line for line in result.history if line["kind"] == "resume"]
     if args.resume and resumes:
         changed = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in resumes[-1]["changes"].items())
@@ -176,17 +205,19 @@ def run(args: argparse.Namespace) -> int:
     losses = result.losses()
     evals = result.evals()
     if losses:
-        print(f"trained {cfg.model.variant} for {cfg.steps} steps: loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+        print(f"trained {cfg.model.variant} for {cfg.steps} steps: loss {metric_text(losses[0])} -> "
+              f"{metric_text(losses[-1])}")
     if evals:
         last = evals[-1]
         print(
-            f"final eval: val_loss {last['val_loss']:.4f}, sink_rate {last['sink_rate']:.3f}, "
-            f"first_token_norm_ratio {last['first_token_norm_ratio']:.2f}, variance_ratio {last['variance_ratio']:.2f}"
+            f"final eval: val_loss {metric_text(last.get('val_loss'))}, sink_rate {metric_text(last.get('sink_rate'), '.3f')}, "
+            f"first_token_norm_ratio {metric_text(last.get('first_token_norm_ratio'), '.2f')}, "
+            f"variance_ratio {metric_text(last.get('variance_ratio'), '.2f')}"
         )
         if "persistence_spearman" in last:
-            print(f"persistence of the step-0 bias: token-preference Spearman {last['persistence_spearman']:.3f}, "
-                  f"Kendall {last['persistence_kendall']:.3f}, contraction direction |cos| "
-                  f"{last['persistence_direction_cos']:.3f}")
+            print(f"persistence of the step-0 bias: token-preference Spearman "
+                  f"{metric_text(last['persistence_spearman'], '.3f')}, Kendall {metric_text(last.get('persistence_kendall'), '.3f')}, "
+                  f"contraction direction |cos| {metric_text(last.get('persistence_direction_cos'), '.3f')}")
     info = result.compile
     if info:
         seconds = f", first compiled step {info['compile_s']:.1f} s beyond an eager one" if info.get("compile_s") else ""

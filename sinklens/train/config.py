@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sinklens.errors import ConfigFileNotFoundError, InputFileError, InvalidArgumentError
-from sinklens.specs import parse_value
+from sinklens.specs import _split_args, parse_value
 from sinklens.train.variants import get_attention_variant
 from sinklens.validate import as_bool, as_seed, choice, closest, did_you_mean, finite_number, positive_int
 
@@ -560,6 +560,60 @@ def _tyro_value(text: str, field_type: Any = None) -> str:
     return {"none": "None", "null": "None", "true": "True", "false": "False"}.get(stripped.lower(), stripped)
 
 
+def _list_value(key: str, raw: str) -> list[str]:
+    """The items of a list-typed ``--set`` value (``interventions``): one item as written
+    (``restart:positions=4``), a Python list (``['restart:positions=4', 'zero']``), or the same list
+    unquoted (``[restart:positions=4,scale=2,zero]``). Unquoted, the list is split at its top-level
+    commas and a piece with ``=`` before any ``:`` is another ``key=value`` of the spec before it (a
+    spec's name has neither), so the split is unambiguous.
+
+    Raises:
+        InvalidArgumentError: brackets that do not match, quotes in an unquoted list, or a list that
+            starts with ``key=value``; the message names the key and the value.
+
+    Examples:
+        >>> _list_value("interventions", "[restart:positions=4,scale=2, zero]")
+        ['restart:positions=4,scale=2', 'zero']
+        >>> _list_value("interventions", "['restart:positions=[4, 8]']")
+        ['restart:positions=[4, 8]']
+    """
+    text = raw.strip()
+    if not text.startswith("["):
+        return [raw]
+    try:
+        value = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        value = None
+    if isinstance(value, list):
+        return [str(v) for v in value]
+
+    def bad(why: str) -> InvalidArgumentError:
+        return InvalidArgumentError(
+            f"{key}={text!r}: {why}; write a list of spec strings as {key}=[restart:positions=16] (several: "
+            f"{key}=[NAME:K=V,K=V,NAME2]), or quoted, {key}=\"['restart:positions=16']\".")
+
+    depth = 0
+    for i, char in enumerate(text):
+        depth += (char in "([{") - (char in ")]}")
+        if depth < 0:
+            raise bad(f"the {char!r} at character {i + 1} closes nothing")
+        if depth == 0 and i != len(text) - 1:
+            raise bad("it goes on after the list's closing ']'")
+    if depth:
+        raise bad("a bracket is never closed")
+    if any(q in text for q in "'\""):
+        raise bad("it mixes quoted and unquoted items")
+    specs: list[str] = []
+    for piece in (p.strip() for p in _split_args(text[1:-1])):
+        if "=" in piece.partition(":")[0]:  # key=value: one more option of the spec before it
+            if not specs:
+                raise bad(f"{piece!r} is an option with no spec name before it")
+            specs[-1] += "," + piece
+        else:
+            specs.append(piece)
+    return specs
+
+
 def overrides_to_args(cfg: TrainConfig, overrides: list[str] | tuple[str, ...]) -> tuple[list[str], dict[str, Any]]:
     """``["optim.lr=3e-4", ...]`` → tyro arguments ``["--optim.lr", "3e-4", ...]``.
 
@@ -597,8 +651,7 @@ def overrides_to_args(cfg: TrainConfig, overrides: list[str] | tuple[str, ...]) 
         if leaf not in known or leaf in _PARTS:
             raise InvalidArgumentError(f"Unknown config key {key!r}; known keys here are {sorted(known)}.")
         if typing.get_origin(_field_type(cls, leaf)) is list:
-            values = ast.literal_eval(raw) if raw.strip().startswith("[") else [raw]
-            args += [f"--{key}", *[str(v) for v in values]]
+            args += [f"--{key}", *_list_value(key, raw)]
         else:
             args += [f"--{key}", _tyro_value(raw, _field_type(cls, leaf))]
     return args, variant_options
