@@ -5,19 +5,24 @@ Example::
     sinklens intervene --method self-only --position 10 --text "The quick brown fox ..." --json out.json
 
 prints, per layer, the attention received by position K (mean over heads and over the queries
-after K) before and after, and writes the same to ``--json`` as ``{"layers", "before", "after", ...}``
+after K) before and after, and writes the same, at full precision (``InterventionResult.to_dict()``), to
+``--json`` as ``{"layers", "before", "after", ...}``
 (plus the per-head values, the sink's attention, residual norms, tracked dims and losses; strict
 JSON: a value that is not a finite number, e.g. the losses with ``--no-loss`` or on an encoder, is ``null``).
 
 ``--method`` is any intervention of :mod:`sinklens.interventions.registry`, with hyphens or
 underscores: create methods (``self-only``, ``restart``, ``amplify``, ``transplant-dims``) turn
 position K into a sink; remove methods (``block-keys``, ``calibrate``, ``clamp-dims``,
-``edit-neurons``) take away the sink at ``--position`` (default 0). The sinklens 0.1 names
-(``variance``, ``transplant``, ``block``, ``clamp``, ``ablate-neurons``) still work.
+``edit-neurons``, ``variance-calibration``, in its ``attenuate`` mode) take away the sink at ``--position``
+(default 0). The sinklens 0.1 names (``variance``, ``transplant``, ``block``, ``clamp``, ``ablate-neurons``)
+still work.
 
 The input is ``--text`` (default: the built-in prompts) or ``--random-tokens N`` sequences of
 ``--seq-len`` tokens; a model without a tokenizer (a run on a synthetic task) runs on 16 random-token
-sequences unasked, and says so.
+sequences unasked, and says so. Text prompts get the model's BOS (an encoder's ``[CLS] … [SEP]``) and random
+sequences start with it (a model trained on a synthetic task: its BOS token 0), unless ``--no-bos``, as in
+``sinklens analyze``; the JSON records it under ``options`` (``prepend_bos``, ``special_tokens``) with the
+method's options.
 """
 
 from __future__ import annotations
@@ -74,9 +79,10 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--site", default=None, help="hook site for amplify/calibrate (default attn.hook_z)")
     parser.add_argument("--dims", default=None, help="residual dims for transplant-dims/clamp-dims, e.g. '507'")
     parser.add_argument("--neurons", default=None, help="FFN neurons for edit-neurons, e.g. '12,99' (needs --layers)")
+    parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (it moves the sink)")
     add_model_flags(parser, batch_size=8)
     parser.add_argument("--no-loss", action="store_true", help="skip the next-token loss (two fewer forward passes; encoders have none)")
-    parser.add_argument("--json", default=None, help="write the result as strict JSON to this file")
+    parser.add_argument("--json", default=None, help="write the result as strict JSON to this file (full precision, as InterventionResult.to_dict())")
     parser.add_argument("--out", default=None, help="directory for the figure intervention.png")
     add_overwrite_flag(parser, "an earlier --json file or --out figure")
     parser.set_defaults(func=run)
@@ -134,10 +140,11 @@ def intervene(model: Any, args: argparse.Namespace) -> InterventionResult:
     entry = check_args(args)
     common = dict(layers=_int_list(args.layers, "--layers"), dims=_int_list(args.dims, "--dims"),
                   loss=False if args.no_loss else None,
-                  options=RunOptions(batch_size=args.batch_size, device=args.device, progress=False))
+                  options=RunOptions(batch_size=args.batch_size, device=args.device, prepend_bos=not args.no_bos,
+                                     progress=False))
     kw = _method_options(entry, args)
     batches = random_token_inputs(model, args, command="intervene", text_flag="--text" if args.text else None,
-                                  prepend_bos=True)
+                                  prepend_bos=not args.no_bos)
     inputs = args.text if batches is None else batches
     if entry.role == "create":
         return create_sink(model, inputs, args.position, method=entry.name, **common, **kw)
@@ -176,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     if note := loss_note(model, args):
         print(note)
     if args.json is not None:
-        write_json(args.json, result.to_dict())
+        write_json(args.json, result.to_dict(), digits=None)  # full precision, as to_dict()
     if args.out is not None:
         result.plot(Path(args.out) / "intervention.png")
     return 0

@@ -11,7 +11,10 @@ A factory given ``site="hook_resid_mid"`` (:func:`amplify`, :func:`calibrate`, :
 attention on every version: on the TransformerLens 4.x bridges that hook is a copy read by the MLP, which the
 block does not carry on from, so the edit is made through the attention write there
 (:func:`sinklens.residual_sites.on_the_residual_stream`; the hook names it returns are then
-``hook_resid_pre`` and ``hook_attn_out``).
+``hook_resid_pre`` and ``hook_attn_out``). On a post-LN block (BERT) the residual after the attention is
+``resid_pre + write``, before ``ln1``: 3.x's ``HookedEncoder`` fires ``hook_resid_mid`` there, the 4.x bridge
+after the MLP, so the edit factories edit the bridge's ``ln1.hook_in`` instead
+(:func:`sinklens.interventions.sites.edit_site`); :func:`patch_sink` patches a whole position, the same at either.
 
 * masks (``hook_attn_scores``): :func:`self_only`, :func:`restart`, :func:`block_keys`, :func:`custom_mask`
 * variance: :func:`amplify` (``x ← μ + α(x − μ)``), :func:`calibrate`, :func:`reference_mean`
@@ -21,7 +24,7 @@ block does not carry on from, so the edit is made through the attention write th
 
 Every factory is registered under one canonical name in :mod:`sinklens.interventions.registry`
 (``self_only``, ``restart``, ``amplify``, ``transplant_dims``, ``block_keys``, ``calibrate``,
-``clamp_dims``, ``edit_neurons``; the CLI also accepts hyphens, and the sinklens 0.1 names
+``clamp_dims``, ``edit_neurons``, ``variance_calibration``; the CLI also accepts hyphens, and the sinklens 0.1 names
 ``variance``, ``transplant``, ``block``, ``clamp``, ``ablate_neurons`` still work). Experiments, the
 trainer and ``sinklens intervene`` build hooks by those names.
 """

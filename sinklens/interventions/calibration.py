@@ -2,21 +2,29 @@
 
 A head's output at query ``t`` is ``z_t = Σ_j A_tj v_j``. For values with variance ``σ²`` that are
 independent across positions, ``Var(z_t) = σ² Σ_j A_tj²``: aggregation shrinks the variance by the
-factor ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under uniform causal attention, and always 1 at ``t = 0``,
-which is why the first token stands out; *Transformers Are Born Biased*, arXiv 2602.05927).
+factor ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under uniform causal attention; at ``t = 0`` of a causal model
+``A_00 = 1`` and ``s_0 = 1``, which is why the first token stands out; *Transformers Are Born Biased*, arXiv
+2602.05927). A model with learned sink logits (gpt-oss) gives part of every row to the sink logit, no key,
+so its rows sum to less than 1 and ``s_0 = A_00² < 1`` (about 0.25 when ``A_00 ≈ 0.5``); an encoder's
+position 0 attends to every key, so there too ``s_0 < 1``.
 Calibration divides that factor out, per batch element, head and query:
 
 * ``mode="amplify"``: ``z_t ← z_t / sqrt(s_t)`` — every position gets the variance of a single value
-  (``σ²``, the first token's); factors are ≥ 1.
+  (``σ²``, the first token's on an ordinary causal model); factors are ≥ 1. At position 0 of a causal model
+  without sink logits the factor is exactly 1, so ``positions=0`` alone is refused there (it would do
+  nothing); with sink logits it is ``1/A_00`` (about 2), which *strengthens* the sink.
 * ``mode="attenuate"``: ``z_t ← z_t · sqrt(min_t' s_t' / s_t)`` — every position is brought down to
   the most-aggregated position's level (``min`` over the query positions of the sequence, per head;
   the real tokens of a padded batch that sinklens runs); factors are ≤ 1.
 
 ``s_t`` is read from ``blocks.l.attn.hook_pattern`` (after any earlier hook on it) and applied at
 ``blocks.l.attn.hook_z``, the raw aggregation; only query positions in ``positions`` (default all)
-are rescaled. The trainer variant ``variance_calibrated`` (:mod:`sinklens.train.variants`) applies
-the same ``amplify`` rescaling inside the model (its default mode), at its own hook
-``attn.hook_z_calibrated``. Its ``attenuate`` mode differs from this one: ``min_t' s_t'`` reads later
+are rescaled. As the registry's ``remove`` intervention (:func:`~sinklens.interventions.remove_sink`,
+``sinklens intervene --method variance-calibration``, with ``positions`` = the sink) the default mode is
+``attenuate``: the sink's head outputs are brought down to the most-aggregated query's level, which takes
+the sink away; calling :func:`variance_calibration` directly keeps ``amplify`` as its default. The trainer
+variant ``variance_calibrated`` (:mod:`sinklens.train.variants`) applies the same ``amplify`` rescaling
+inside the model (its default mode), at its own hook ``attn.hook_z_calibrated``. Its ``attenuate`` mode differs from this one: ``min_t' s_t'`` reads later
 queries, which a causal LM must not, so the trainer uses the fixed reference ``1/n_ctx`` instead.
 
 Examples:
@@ -37,10 +45,12 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import PATTERN, Z, check_hook_names, hook_name, model_dims, require_attention_seams, resolve_layers
 from sinklens.interventions.masks import Hooks, check_in_sequence, positions_arg
 from sinklens.streaming import real_tokens
 from sinklens.validate import choice
+from sinklens.visibility import attention_visibility
 
 Mode = Literal["amplify", "attenuate"]
 
@@ -73,6 +83,22 @@ def calibration_factor(
     return torch.where(alive, factor, torch.ones_like(factor)).transpose(1, 2)  # (B, T, H)
 
 
+def _refuse_identity_at_first_position(model: Any) -> None:
+    """Raise :class:`~sinklens.errors.InvalidArgumentError` when ``mode="amplify"`` at position 0 alone is the
+    identity: on a causal model without sink logits query 0 sees key 0 only, so ``s_0 = A_00² = 1`` and its
+    factor is exactly 1 (an encoder's position 0 and a sink-logit model's are not: they are left to run)."""
+    from sinklens.analysis.sinks import has_sink_logits
+
+    if attention_visibility(model).causal and not has_sink_logits(model):
+        raise InvalidArgumentError(
+            "variance_calibration(mode='amplify', positions=[0]) does nothing on this model: in a causal model "
+            "without sink logits query 0 attends only to key 0, so s_0 = sum_j A_0j^2 = 1 and its factor "
+            "1/sqrt(s_0) is exactly 1. To take the sink away use mode='attenuate' (the default of remove_sink and "
+            "`sinklens intervene --method variance-calibration`); to give later positions the first token's "
+            "variance pass positions=None or positions after 0."
+        )
+
+
 def variance_calibration(
     model: Any,
     *,
@@ -86,10 +112,16 @@ def variance_calibration(
         positions: query positions to rescale (None = every position).
         layers: layers (None = all).
         mode: ``"amplify"`` or ``"attenuate"``.
+
+    Raises:
+        InvalidArgumentError: ``mode="amplify"`` with ``positions=0`` alone on a causal model without sink
+            logits, where every factor is exactly 1 (see the module docstring).
     """
     mode = choice(mode, ("amplify", "attenuate"), what="mode")  # type: ignore[assignment]
     dims = model_dims(model)
     pos = None if positions is None else positions_arg(positions, dims.n_ctx)
+    if mode == "amplify" and pos == [0]:
+        _refuse_identity_at_first_position(model)
     layer_list = resolve_layers(layers, dims.n_layers)
     names = [hook_name(layer, site) for layer in layer_list for site in (PATTERN, Z)]
     check_hook_names(model, names)

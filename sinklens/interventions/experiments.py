@@ -18,12 +18,14 @@ none (:func:`wants_next_token_loss`).
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
@@ -266,6 +268,12 @@ class InterventionResult(CompactRepr):
         dims_before/after: ``[layer, dim]`` the target's mean ``hook_resid_post`` in those dims.
         sink_dims: ``[layer, dim]`` the sink's values in the clean run, for comparison.
         loss_before/after: mean next-token cross-entropy over all real tokens (nats).
+        options: how the run was made, for the record: every option the intervention's factory ran with
+            (``create_sink`` / ``remove_sink`` and a spec string: the factory's keyword defaults, the registry's
+            defaults and the options given, e.g. ``alpha``, ``site``, ``heads``, ``mode``, and ``layers``, the
+            intervened layers, None = all; a spec string also its ``positions``; plain hooks: none) and the
+            inputs' ``prepend_bos``, ``special_tokens`` (those the tokenizer added, e.g. ``["[CLS]", "[SEP]"]``;
+            empty for token tensors) and ``max_length``. Values are plain JSON values (:func:`plain_options`).
     """
 
     method: str
@@ -326,7 +334,7 @@ class InterventionResult(CompactRepr):
             "resid_norm_before": self.resid_norm_before.tolist(), "resid_norm_after": self.resid_norm_after.tolist(),
             "dims": list(self.dims), "dims_before": self.dims_before.tolist(), "dims_after": self.dims_after.tolist(),
             "sink_dims": self.sink_dims.tolist(), "loss_before": self.loss_before, "loss_after": self.loss_after,
-            "options": {k: v for k, v in self.options.items() if isinstance(v, (int, float, str, bool, list, type(None)))},
+            "options": plain_options(self.options),
         }, digits=None)
 
     def plot(self, path: Any = None) -> Any:
@@ -334,6 +342,34 @@ class InterventionResult(CompactRepr):
         from sinklens.plotting.interventions import plot_intervention
 
         return plot_intervention(self, path=path)
+
+
+def _plain_option(value: Any) -> Any:
+    """One recorded option as a plain JSON value (:func:`~sinklens.export.to_json` at full precision), or a short
+    description of a value that is not data worth recording: a tensor or array of more than 64 entries (e.g. a
+    reference mean), or anything JSON cannot hold (a callable)."""
+    size = value.numel() if isinstance(value, Tensor) else value.size if isinstance(value, np.ndarray) else 0
+    if size > 64:
+        return f"tensor of shape {list(value.shape)} ({value.dtype})"
+    try:
+        return to_json(value, digits=None)
+    except TypeError:
+        return f"{type(value).__name__} {getattr(value, '__name__', '')}".strip()
+
+
+def plain_options(options: Mapping[str, Any]) -> dict[str, Any]:
+    """``options`` with every value a plain JSON value (:func:`_plain_option`; non-finite floats as None)."""
+    return {str(k): _plain_option(v) for k, v in options.items()}
+
+
+def _run_record(batches: Sequence[TokenBatch], options: RunOptions) -> dict[str, Any]:
+    """What the inputs were: ``prepend_bos`` and the ``special_tokens`` the batches got, and ``max_length``."""
+    first = batches[0] if batches else None
+    return {
+        "prepend_bos": bool(first.prepend_bos) if first is not None else options.prepend_bos,
+        "special_tokens": list(first.special_tokens) if first is not None else [],
+        "max_length": options.max_length,
+    }
 
 
 def _default_dims(before: RunStats, n: int = 3) -> list[int]:
@@ -398,18 +434,37 @@ def measure_intervention(
     if legacy:
         raise InvalidArgumentError(f"measure_intervention has no option {sorted(legacy)[0]!r}.")
     dims_m = model_dims(model)
+    index(target, dims_m.n_ctx, what="target position", allow_negative=False)  # named before the hooks are built
+    index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
+    _check_dims(model, dims)
+    recorded: dict[str, Any] = {}
+    if isinstance(intervention, str):
+        name, spec_kwargs = registry.parse_spec(intervention)
+        method = method or name
+        recorded = _effective_options(registry.get(name), spec_kwargs)
+        if "positions" in spec_kwargs:
+            recorded["positions"] = spec_kwargs["positions"]
+    hooks = registry.build(model, intervention) if isinstance(intervention, str) or callable(intervention) else list(intervention)
+    return _measure(model, tokens, hooks, target=target, sink=sink, method=method, dims=dims, loss=loss,
+                    options=options, recorded=recorded)
+
+
+def _measure(
+    model: Any, tokens: Inputs, hooks: Hooks, *, target: IntLike, sink: IntLike, method: str | None,
+    dims: IndexLike | None, loss: bool | None, options: RunOptions, recorded: Mapping[str, Any],
+) -> InterventionResult:
+    """:func:`measure_intervention` on built hooks; ``recorded`` (the intervention's options) and the inputs'
+    settings (:func:`_run_record`) go to :attr:`InterventionResult.options`."""
+    dims_m = model_dims(model)
     target = index(target, dims_m.n_ctx, what="target position", allow_negative=False)
     sink = index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
     dims = _check_dims(model, dims)
-    if isinstance(intervention, str):
-        name = registry.parse_spec(intervention)[0]
-        method = method or name
-    hooks = registry.build(model, intervention) if isinstance(intervention, str) or callable(intervention) else list(intervention)
     batches = batches_for(model, tokens, options)
     layers = list(range(dims_m.n_layers))
     before = run_stats(model, batches, [], target=target, sink=sink, loss=loss, options=options)
     after = run_stats(model, batches, hooks, target=target, sink=sink, loss=loss, options=options)
-    return compare_runs(before, after, method=method or "custom", target=target, sink=sink, layers=layers, dims=dims)
+    return compare_runs(before, after, method=method or "custom", target=target, sink=sink, layers=layers, dims=dims,
+                        options={**plain_options(recorded), **_run_record(batches, options)})
 
 
 def create_sink(
@@ -445,20 +500,36 @@ def create_sink(
     options = options_from_legacy(options, method_options, "create_sink", last=False)
     position = index(position, model_dims(model).n_ctx, what="position", allow_negative=False)
     sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
-    name, hooks = _hooks_for(model, method, "create", position, layers, sink, dims, method_options)
-    return measure_intervention(
-        model, tokens, hooks, target=position, sink=sink, method=name, dims=dims, loss=loss, options=options,
-    )
+    name, hooks, recorded = _hooks_for(model, method, "create", position, layers, sink, dims, method_options)
+    return _measure(model, tokens, hooks, target=position, sink=sink, method=name, dims=dims, loss=loss,
+                    options=options, recorded=recorded)
 
 
 def _hooks_for(model: Any, method: str, role: registry.Role, positions: int, layers: Any, sink: int, dims: Any,
-               method_options: dict[str, Any]) -> tuple[str, Hooks]:
-    """Hooks of ``method`` for create/remove_sink: ``dims`` doubles as the factory's ``dims`` when it needs one."""
+               method_options: dict[str, Any]) -> tuple[str, Hooks, dict[str, Any]]:
+    """``(name, hooks, recorded options)`` of ``method`` for create/remove_sink: ``dims`` doubles as the factory's
+    ``dims`` when it needs one; the recorded options are the entry's defaults, the options passed (the sink
+    option included) and ``layers`` (None = all)."""
     entry = registry.get(method, role=role)
     if "dims" in entry.requires and "dims" not in method_options and dims is not None:
         method_options = {**method_options, "dims": dims}
-    return intervention_hooks(model, entry.name, role=role, positions=positions, layers=layers, sink=sink,
-                              **method_options)
+    method_options = dict(method_options)
+    name, hooks = intervention_hooks(model, entry.name, role=role, positions=positions, layers=layers, sink=sink,
+                                     **method_options)
+    if entry.sink_option and entry.sink_option not in method_options:
+        method_options[entry.sink_option] = sink
+    return name, hooks, {**_effective_options(entry, method_options), "layers": layers}
+
+
+def _effective_options(entry: registry.Intervention, given: Mapping[str, Any]) -> dict[str, Any]:
+    """The options ``entry``'s factory ran with: its keyword defaults (``site="attn.hook_z"``, ``heads=None``...),
+    then the registry's defaults (``alpha=8``), then ``given``; ``positions`` is left out (the result's target)."""
+    params = list(inspect.signature(entry.factory).parameters.values())[1:]
+    signature = {p.name: p.default for p in params
+                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty}
+    out = {**signature, **entry.defaults, **given}
+    out.pop("positions", None)
+    return out
 
 
 def remove_sink(
@@ -483,10 +554,9 @@ def remove_sink(
     """
     options = options_from_legacy(options, method_options, "remove_sink", last=False)
     sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
-    name, hooks = _hooks_for(model, method, "remove", sink, layers, sink, dims, method_options)
-    return measure_intervention(
-        model, tokens, hooks, target=sink, sink=sink, method=name, dims=dims, loss=loss, options=options,
-    )
+    name, hooks, recorded = _hooks_for(model, method, "remove", sink, layers, sink, dims, method_options)
+    return _measure(model, tokens, hooks, target=sink, sink=sink, method=name, dims=dims, loss=loss,
+                    options=options, recorded=recorded)
 
 
 def sweep(
@@ -528,7 +598,7 @@ def sweep(
     configs = list(itertools.product(positions, layer_sets, alphas))
     for position, layer_set, alpha in tqdm(configs, desc="sweep", disable=not options.progress):
         extra = dict(method_options) if alpha is None else {**method_options, "alpha": alpha}
-        name, hooks = _hooks_for(model, entry.name, "create", position, layer_set, sink, dims, extra)
+        name, hooks, _ = _hooks_for(model, entry.name, "create", position, layer_set, sink, dims, extra)
         if position not in clean:
             clean[position] = run_stats(model, batches, [], target=position, sink=sink, loss=loss, options=quiet)
         after = run_stats(model, batches, hooks, target=position, sink=sink, loss=loss, options=quiet)

@@ -174,9 +174,11 @@ def block_keys(model: Any, *, positions: IndexLike, layers: IndexLike | None = N
 def custom_mask(model: Any, allowed: Tensor, *, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
     """Apply a user-supplied boolean mask: ``allowed[..., q, k]`` True = query ``q`` may attend to key ``k``.
 
-    ``allowed`` is ``[query, key]``, ``[head, query, key]`` or ``[batch, head, query, key]`` and must
-    match the sequence length of the run (checked in the hook). It is combined with the model's own
-    attention layout in each layer (:mod:`sinklens.visibility`: causal, sliding window or bidirectional;
+    ``allowed`` is ``[query, key]``, ``[head, query, key]`` or ``[batch, head, query, key]`` over absolute
+    positions ``0..n-1``: a run of ``T <= n`` positions uses its top-left ``[T, T]`` block (so a mask sized for
+    the longest prompt works whatever the batching, which pads each batch only to its own longest prompt); a
+    run longer than ``n`` raises :class:`~sinklens.errors.InvalidArgumentError` (checked in the hook). It is
+    combined with the model's own attention layout in each layer (:mod:`sinklens.visibility`: causal, sliding window or bidirectional;
     keys the model hides stay hidden whatever ``allowed`` says). Every query must keep at
     least one visible key: a row with none raises :class:`~sinklens.errors.InvalidArgumentError` (its softmax would be undefined).
     Unlike the other factories the diagonal is not protected: a False diagonal entry is honoured
@@ -199,13 +201,14 @@ def custom_mask(model: Any, allowed: Tensor, *, layers: IndexLike | None = None,
 
     def fn(scores: Tensor, hook: Any, layer: int) -> Tensor:
         n_q, n_k = scores.shape[-2:]
-        if allowed.shape[-1] != n_k:
+        if allowed.shape[-1] < n_k:
             raise InvalidArgumentError(
-                f"allowed is {tuple(allowed.shape)} but the run has {n_k} positions: the last two dims must be ({n_k}, {n_k})."
+                f"allowed is {tuple(allowed.shape)} but the run has {n_k} positions: the last two dims must be at "
+                f"least ({n_k}, {n_k}) (a larger mask is cut to the run's positions)."
             )
         if allowed.ndim == 4 and allowed.shape[0] not in (1, scores.shape[0]):
             raise InvalidArgumentError(f"allowed has batch size {allowed.shape[0]}, the run has {scores.shape[0]}.")
-        mask = allowed.to(scores.device)[..., n_k - n_q :, :]
+        mask = allowed.to(scores.device)[..., n_k - n_q : n_k, :n_k]  # absolute positions: the run's top-left block
         model_mask = visibility.visible(layer, n_k, scores.device)[n_k - n_q :]
         visible = mask & model_mask
         if not bool(visible.any(dim=-1).all()):

@@ -20,6 +20,7 @@ from torch import Tensor
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.hooks import MLP_POST, RESID_POST, check_hook_names, hook_name, layer_of, model_dims
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, check_in_sequence, layers_arg, positions_arg
+from sinklens.interventions.sites import edit_site
 from sinklens.residual_sites import on_the_residual_stream
 from sinklens.residual_units import moe_reason
 from sinklens.validate import choice, finite_number, index, index_list
@@ -127,7 +128,9 @@ def clamp_dims(
     """Set residual dimensions to ``value`` (``mode="set"``) or bound them to ``[-value, value]`` (``"bound"``).
 
     The default targets the sink (position 0) at ``hook_resid_post``: ``clamp_dims(model, 507)``
-    removes SmolLM2's massive activation.
+    removes SmolLM2's massive activation. ``site="hook_resid_mid"`` edits the residual right after the
+    attention, ``resid_pre + write``, on every model, where the MLP's branch reads it (the 4.x BERT bridge fires
+    that hook after the MLP: the edit is made at ``ln1.hook_in`` there, :func:`~sinklens.interventions.sites.edit_site`).
     """
     mode = choice(mode, ("set", "bound"), what="mode")
     value = finite_number(value, what="value")
@@ -136,7 +139,7 @@ def clamp_dims(
     md = model_dims(model)
     idx = index_list(dims, md.d_model, what="residual dimension", allow_negative=False)
     pos = _positions_or_all(positions, md.n_ctx)
-    names = [hook_name(layer, site) for layer in layers_arg(layers, md.n_layers)]
+    names = [hook_name(layer, edit_site(model, site)) for layer in layers_arg(layers, md.n_layers)]
     check_hook_names(model, names)
 
     def new(sub: Tensor) -> Tensor:
@@ -159,13 +162,13 @@ def transplant_dims(
 ) -> Hooks:
     """Copy residual dimensions ``dims`` from position ``source`` to ``positions`` (same sequence, same run).
 
-    With the sink as source, the targets receive its massive activation.
+    With the sink as source, the targets receive its massive activation. ``site`` as in :func:`clamp_dims`.
     """
     md = model_dims(model)
     idx = index_list(dims, md.d_model, what="residual dimension", allow_negative=False)
     pos = positions_arg(positions, md.n_ctx)
     src = index(source, md.n_ctx, what="source position", allow_negative=False)
-    names = [hook_name(layer, site) for layer in layers_arg(layers, md.n_layers)]
+    names = [hook_name(layer, edit_site(model, site)) for layer in layers_arg(layers, md.n_layers)]
     check_hook_names(model, names)
 
     def fn(act: Tensor, hook: Any) -> Tensor:  # act: [batch, pos, d_model]

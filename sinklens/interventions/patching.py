@@ -9,7 +9,8 @@ the mean attention received by ``target`` from the queries after it, averaged ov
 ``metric_layers`` and the batch — is recomputed.
 
 ``restored = (patched − intervened) / (clean − intervened)``: 1 means that component alone brings
-the clean sink back, 0 that it does nothing.
+the clean sink back, 0 that it does nothing. It is defined only when the intervention moved the metric
+beyond the rounding of the pattern's dtype (:attr:`SinkPatchResult.gap_tolerance`).
 
 The loop is the one of TransformerLens' ``patching.generic_activation_patch`` with its three patch
 setters (``[:, pos]``, ``[:, :, head]``, ``[:, pos, head]`` of the clean activation written into a
@@ -33,7 +34,8 @@ from tqdm.auto import tqdm
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
-from sinklens.hooks import ATTN_OUT, MLP_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, model_dims
+from sinklens.hooks import (ATTN_OUT, MLP_OUT, PATTERN, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, model_dims,
+                            model_dtype)
 from sinklens.inputs import Inputs, as_batches
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, heads_arg, layers_arg, positions_arg
 from sinklens.options import RunOptions, options_from_legacy
@@ -96,6 +98,26 @@ def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, 
     return names
 
 
+def relative_gap_tolerance(dtype: str | torch.dtype) -> float:
+    """The relative size below which a change of the sink metric is rounding of ``dtype`` patterns: the dtype's
+    machine epsilon (float32: 1.2e-7; float16: 9.8e-4; bfloat16: 7.8e-3).
+
+    The metric averages attention weights, each rounded to ``dtype`` (a relative error up to ``eps / 2``), so two
+    forwards that compute the same sink in a different order give metrics that differ by a fraction of ``eps``
+    of its size (BERT with a calibration whose effect vanishes: 0.1 eps); an intervention of the smallest
+    measurable size moves it by more (an offset component patched back on the zoo models: 1.5 eps and up).
+
+    Examples:
+        >>> relative_gap_tolerance("float32") == torch.finfo(torch.float32).eps, relative_gap_tolerance(torch.bfloat16)
+        (True, 0.0078125)
+    """
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(dtype, torch.dtype):
+            dtype = torch.float32
+    return torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps
+
+
 @dataclass(repr=False)
 class SinkPatchResult(CompactRepr):
     """Sink metric after patching each component; see the module docstring.
@@ -110,6 +132,8 @@ class SinkPatchResult(CompactRepr):
         intervened: the metric with the intervention and no patch.
         target: the position whose received attention is the metric.
         metric_layers: layers the metric averages over.
+        pattern_dtype: the dtype of the ``hook_pattern`` the metric is read from (the model's, e.g.
+            ``"float32"``): it sets how small a ``clean − intervened`` gap is rounding (:attr:`gap_tolerance`).
     """
 
     site: str
@@ -120,25 +144,48 @@ class SinkPatchResult(CompactRepr):
     intervened: float
     target: int
     metric_layers: list[int]
+    pattern_dtype: str = "float32"
+
+    @property
+    def gap_tolerance(self) -> float:
+        """The largest ``|clean − intervened|`` that is rounding, not an effect: the pattern dtype's relative
+        precision (:func:`relative_gap_tolerance` of :attr:`pattern_dtype`, 1.2e-7 for float32) times the
+        metric's size, ``max(|clean|, |intervened|)``."""
+        return relative_gap_tolerance(self.pattern_dtype) * max(abs(self.clean), abs(self.intervened))
+
+    @property
+    def has_effect(self) -> bool:
+        """True when the intervention moved the metric beyond rounding (:attr:`gap_tolerance`): only then is
+        :attr:`restored` defined."""
+        return abs(self.clean - self.intervened) > self.gap_tolerance
 
     @property
     def restored(self) -> Float[Tensor, "..."]:
-        """``(patched − intervened) / (clean − intervened)``: the fraction of the sink each patch restores."""
+        """``(patched − intervened) / (clean − intervened)``: the fraction of the sink each patch restores.
+
+        Raises :class:`~sinklens.errors.InvalidArgumentError` when the gap is rounding (:attr:`has_effect` False):
+        dividing by it would turn float noise into restored fractions of 0 or 1.
+        """
         gap = self.clean - self.intervened
-        if abs(gap) < 1e-12:
+        if not self.has_effect:
             raise InvalidArgumentError(
-                "The intervention did not change the metric (clean == intervened); nothing to restore."
+                f"The intervention did not change the metric beyond {self.pattern_dtype} rounding: clean "
+                f"{self.clean:.9g} − intervened {self.intervened:.9g} = {gap:.3g}, within {self.gap_tolerance:.3g} "
+                f"({relative_gap_tolerance(self.pattern_dtype):.3g} of the metric, the {self.pattern_dtype} "
+                "precision of the attention weights it averages); nothing to restore."
             )
         return (self.values - self.intervened) / gap
 
     def to_rows(self) -> list[dict]:
-        """One plain row per component: its coordinates, the patched metric and ``restored`` (None if undefined)."""
+        """One plain row per component: its coordinates, the patched metric and ``restored`` (None when the
+        intervention had no effect beyond rounding, :attr:`has_effect`)."""
         gap = self.clean - self.intervened
+        effect = self.has_effect
         rows = []
         for idx in itertools.product(*(range(len(self.coords[a])) for a in self.axes)):
             value = float(self.values[idx])
             row: dict[str, Any] = {a: self.coords[a][i] for a, i in zip(self.axes, idx)}
-            row.update(value=value, restored=(value - self.intervened) / gap if abs(gap) >= 1e-12 else None)
+            row.update(value=value, restored=(value - self.intervened) / gap if effect else None)
             rows.append(row)
         return rows
 
@@ -230,10 +277,16 @@ def patch_sink(
     def keep(act: Tensor, hook: Any, name: str) -> None:
         clean_acts[name] = act.detach().clone()
 
+    pattern_dtype: list[torch.dtype] = []
+
+    def dtype_of(pattern: Tensor, hook: Any) -> None:
+        pattern_dtype.append(pattern.dtype)
+
     tokens_t = batch.tokens
     values = torch.zeros([len(v) for v in coords.values()], dtype=torch.float64)
     with torch.inference_mode():
-        with model.hooks(fwd_hooks=[(n, lambda act, hook, n=n: keep(act, hook, n)) for n in names] + fold.hooks):
+        dtype_hook = [(hook_name(metric_layers[0], PATTERN), dtype_of)]
+        with model.hooks(fwd_hooks=[(n, lambda act, hook, n=n: keep(act, hook, n)) for n in names] + fold.hooks + dtype_hook):
             model(tokens_t, return_type=None)
         clean = metric()
         hooks = on_the_residual_stream(model, hooks)
@@ -257,4 +310,5 @@ def patch_sink(
     return SinkPatchResult(
         site=site, axes=("layer", *axes), coords=coords, values=values, clean=clean, intervened=intervened,
         target=target, metric_layers=metric_layers,
+        pattern_dtype=str(pattern_dtype[0] if pattern_dtype else model_dtype(model)).removeprefix("torch."),
     )

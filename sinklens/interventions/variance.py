@@ -30,13 +30,14 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.hooks import Z, check_hook_names, hook_name, model_device, model_dims, weight_fingerprint
+from sinklens.hooks import K, V, Z, ModelDims, check_hook_names, hook_name, model_device, model_dims, weight_fingerprint
 from sinklens.inputs import TokenBatch, random_token_batches
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, check_in_sequence, heads_arg, layers_arg, positions_arg
+from sinklens.interventions.sites import edit_site
 from sinklens.options import RunOptions
 from sinklens.residual_sites import on_the_residual_stream
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, real_tokens, stream
-from sinklens.validate import choice, finite_number, positive_int
+from sinklens.validate import choice, finite_number, index_list, positive_int
 
 Reference = Union[Literal["random", "batch"], Tensor, Mapping[int, Tensor]]
 
@@ -218,6 +219,21 @@ def _head_select(act: Tensor, heads: list[int] | None) -> Tensor | None:
     return sel[:, None]  # broadcast over d_head
 
 
+#: Per-head sites that hold the key/value heads: ``n_kv_heads`` of them under grouped-query attention, on both
+#: TransformerLens versions (the query heads share them in groups).
+KV_SITES = (K, V)
+
+
+def _site_heads(heads: IndexLike | None, site: str, dims: ModelDims) -> list[int] | None:
+    """Validate ``heads=`` for ``site`` when the hooks are built: key/value heads at ``attn.hook_k``/``attn.hook_v``
+    of a grouped-query model (``0..n_kv_heads-1``), query heads elsewhere (``0..n_heads-1``); None = all."""
+    if heads is None or site not in KV_SITES or dims.n_kv_heads == dims.n_heads:
+        return heads_arg(heads, dims.n_heads)
+    return index_list(heads, dims.n_kv_heads, allow_negative=False,
+                      what=f"heads= at {site} indexes the {dims.n_kv_heads} key/value heads of this grouped-query "
+                           f"model (its {dims.n_heads} query heads share them); head")
+
+
 def amplify(
     model: Any,
     *,
@@ -239,10 +255,13 @@ def amplify(
         site: per-layer hook site, e.g. ``"attn.hook_z"`` (default), ``"attn.hook_v"``,
             ``"hook_attn_out"``, ``"hook_resid_pre"``: the activation as TransformerLens fires it there (on
             the 4.x BERT bridge ``hook_attn_out`` carries ``ln1``'s output, the residual included; amplify
-            ``attn.hook_z`` for the attention's write on every model).
+            ``attn.hook_z`` for the attention's write on every model). ``hook_resid_mid`` is the residual right
+            after the attention, ``resid_pre + write``, on every model (the 4.x BERT bridge edits it at
+            ``ln1.hook_in``, :func:`~sinklens.interventions.sites.edit_site`).
         layers: layers to intervene in (default all).
-        heads: only these heads (per-head sites only; for ``hook_v`` under grouped-query attention, which holds
-            the ``n_kv_heads`` key/value heads on both TransformerLens versions, these index key/value heads).
+        heads: only these heads (per-head sites only; for ``hook_k``/``hook_v`` under grouped-query attention,
+            which hold the ``n_kv_heads`` key/value heads on both TransformerLens versions, these index key/value
+            heads, ``0..n_kv_heads-1``, checked when the hooks are built).
         reference: ``"random"`` (default: :func:`reference_mean` over random tokens, cached and
             computed when the hooks are built),
             ``"batch"`` (per sequence, the mean over the run's positions other than 0 and the
@@ -264,7 +283,8 @@ def amplify(
     dims = model_dims(model)
     pos = positions_arg(positions, dims.n_ctx)
     layer_list = layers_arg(layers, dims.n_layers)
-    heads = heads_arg(heads, dims.n_heads)
+    heads = _site_heads(heads, site, dims)
+    site = edit_site(model, site)
     check_hook_names(model, [hook_name(layer, site) for layer in layer_list])
     means = _reference_for(model, reference, site, layer_list, reference_kw)
 
@@ -298,14 +318,16 @@ def calibrate(
     ``s = sqrt(mean_t ||x_t − μ||²)`` the root-mean-square deviation over the positions ``t >= 1``
     that are not targets (and are real tokens: padding of a batch that sinklens runs is left out), each
     target becomes ``μ + (x − μ) · s / ||x − μ||``: same direction, the typical size. Norms are over the last
-    dimension. The default target is the sink at position 0.
+    dimension. The default target is the sink at position 0. ``site`` and ``heads`` as in :func:`amplify`
+    (``hook_resid_mid`` is the residual right after the attention on every model; key/value heads at
+    ``attn.hook_k``/``attn.hook_v`` of a grouped-query model).
     """
     dims = model_dims(model)
     pos = positions_arg(positions, dims.n_ctx)
     layer_list = layers_arg(layers, dims.n_layers)
-    heads = heads_arg(heads, dims.n_heads)
+    heads = _site_heads(heads, site, dims)
     eps = finite_number(eps, what="eps", low=0.0, low_open=True)
-    names = [hook_name(layer, site) for layer in layer_list]
+    names = [hook_name(layer, edit_site(model, site)) for layer in layer_list]
     check_hook_names(model, names)
 
     def fn(act: Tensor, hook: Any) -> Tensor:
