@@ -102,7 +102,9 @@ def right_align(batch: TokenBatch) -> TokenBatch:
     return TokenBatch(tokens, prefix, batch.prepend_bos, batch.special_tokens)
 
 
-Inputs = Union[str, Sequence[str], Tensor, TokenBatch, Sequence[TokenBatch]]
+#: What the analyzers take: a string, any iterable of strings (a list, a generator, a numpy array of strings),
+#: a token tensor ``[batch, pos]``, one :class:`TokenBatch` or an iterable of them.
+Inputs = Union[str, Iterable[str], Tensor, TokenBatch, Iterable[TokenBatch]]
 
 #: A small, varied prompt set used when no text is given.
 BUILTIN_PROMPTS: tuple[str, ...] = (
@@ -215,7 +217,7 @@ def _check_length(length: int, n_ctx: int, *, random_tokens: bool = False) -> No
 
 def tokenize_prompts(
     model: Any,
-    prompts: Sequence[str],
+    prompts: str | Iterable[str],
     *,
     batch_size: IntLike = 8,
     prepend_bos: bool = True,
@@ -226,10 +228,16 @@ def tokenize_prompts(
     Args:
         prepend_bos: decoders: put the tokenizer's BOS token at position 0 (the sink moves with it);
             encoders: add the tokenizer's own special tokens (``[CLS] … [SEP]``) its own way. See the module docstring.
+        prompts: a string or any iterable of strings (a list, a generator, a numpy array of strings).
         max_length: truncate each prompt to this many tokens (special tokens included; an encoder keeps its
-            final ``[SEP]``); without it a prompt longer than ``cfg.n_ctx`` raises :class:`SequenceTooLongError`.
+            final ``[SEP]``, so with ``prepend_bos`` it needs room for one text token besides ``[CLS]`` and
+            ``[SEP]``: ``max_length`` < 3 is refused there); without it a prompt longer than ``cfg.n_ctx``
+            raises :class:`SequenceTooLongError`.
+
+    A prompt that tokenises to no tokens (``""``) or is not valid Unicode (a lone surrogate such as ``"\\ud800"``)
+    is refused with :class:`~sinklens.errors.InvalidArgumentError` naming its index.
     """
-    prompts = prompt_list(prompts)
+    prompts = prompt_list(_materialised(prompts))
     batch_size = positive_int(batch_size, what="batch_size")
     prepend_bos = as_bool(prepend_bos, what="prepend_bos")
     max_length = optional_positive_int(max_length, what="max_length")
@@ -245,17 +253,31 @@ def tokenize_prompts(
     if pad_id is None:
         pad_id = tok.eos_token_id or 0
     special: tuple[str, ...] = (tok.convert_ids_to_tokens(bos),) if bos is not None else ()
+    for i, prompt in enumerate(prompts):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise InvalidArgumentError(
+                f"prompts[{i}] ({prompt!r:.80}) is not valid Unicode text: it holds a lone surrogate "
+                f"{prompt[err.start]!r} at character {err.start}, which no tokenizer can encode."
+            ) from None
     rows = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         body = tok(prompt, add_special_tokens=False)["input_ids"]
         if not body:
             raise InvalidArgumentError(
-                f"Prompt {prompt!r} tokenises to no tokens (the model's tokenizer gives no ids for its text)."
+                f"prompts[{i}] ({prompt!r:.80}) tokenises to no tokens (the model's tokenizer gives no ids for its text)."
             )
         if encoder and prepend_bos:  # the tokenizer's own special tokens, added its own way
             ids = encoder_ids(tok, prompt, max_length)
             if not rows:
-                special = tuple(tok.convert_ids_to_tokens(i) for i in added_ids(ids, body))
+                special = tuple(tok.convert_ids_to_tokens(i) for i in added_ids(encoder_ids(tok, prompt), body))
+                if max_length is not None and max_length <= len(special):
+                    raise InvalidArgumentError(
+                        f"max_length={max_length} leaves no room for text on this encoder: the special tokens it "
+                        f"adds ({' … '.join(special)}) take {len(special)} positions of every sequence, so "
+                        f"max_length must be at least {len(special) + 1} (or pass prepend_bos=False, CLI: --no-bos)."
+                    )
         else:
             ids = [bos, *body] if bos is not None else list(body)
         if max_length is not None:
@@ -366,9 +388,15 @@ def as_batches(
     ``max_length`` keeps the first ``max_length`` tokens of every sequence (BOS included), whichever
     form it came in: tokenized text, a token tensor or a :class:`TokenBatch`.
 
+    Prompts may come as any iterable of strings (a list, a generator, a numpy array of strings).
+
     Every argument is checked here, once (:mod:`sinklens.validate`): ``batch_size`` and
     ``max_length`` must be positive, a prompt list must hold only strings, and every token id must
     lie in ``0..d_vocab-1`` (checked on the CPU before the batches move to the model's device).
+    A :class:`TokenBatch` must hold integer ``tokens`` (made ``long``) and a bool ``valid`` mask (a 0/1 integer
+    mask is made bool), at least one row and one position (:func:`checked_batch`); several must share
+    ``prepend_bos`` and ``special_tokens`` (a result records one start). Refusals are
+    :class:`~sinklens.errors.InvalidArgumentError` naming the batch.
     """
     batch_size = positive_int(batch_size, what="batch_size")
     prepend_bos = as_bool(prepend_bos, what="prepend_bos")
@@ -388,47 +416,144 @@ def as_batches(
             TokenBatch(inputs[i : i + batch_size], valid[i : i + batch_size], prepend_bos)
             for i in range(0, inputs.shape[0], batch_size)
         ]
-    elif isinstance(inputs, str) or (isinstance(inputs, Sequence) and isinstance(inputs[0], str)):
-        batches = tokenize_prompts(model, prompt_list(inputs), batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
+    elif isinstance(inputs, str):
+        batches = tokenize_prompts(model, [inputs], batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
     elif isinstance(inputs, Iterable) and not isinstance(inputs, (bytes, dict)):
-        batches = list(inputs)
-        for i, b in enumerate(batches):
+        items = _materialised(inputs)
+        if not items:
+            raise InvalidArgumentError("No inputs given: the iterable of prompts or TokenBatch objects is empty.")
+        if isinstance(items[0], str):  # prompts: a list, tuple, generator or numpy array of strings
+            items = tokenize_prompts(model, items, batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
+        for i, b in enumerate(items):
             if not isinstance(b, TokenBatch):
                 raise InvalidArgumentError(
                     f"inputs[{i}] is a {type(b).__name__} ({b!r:.60}); expected strings, a token tensor "
                     "[batch, pos], or TokenBatch objects."
                 )
-        if not batches:
-            raise InvalidArgumentError("No inputs given: the iterable of TokenBatch objects is empty.")
+        batches = items
     else:
         raise InvalidArgumentError(
             f"Cannot use {type(inputs).__name__} as input; expected strings, a token tensor or TokenBatch."
         )
-    for i, b in enumerate(batches):
-        if b.tokens.shape != b.valid.shape or b.tokens.ndim != 2:
-            raise InvalidArgumentError(
-                f"TokenBatch {i}: tokens {tuple(b.tokens.shape)} and valid {tuple(b.valid.shape)} must be equal 2-D shapes."
-            )
-        check_vocab(b.tokens, dims.d_vocab, what=f"token ids (batch {i})")
+    batches = [checked_batch(b, i, dims.d_vocab) for i, b in enumerate(batches)]
+    _same_start(batches)
     batches = [_first_tokens(right_align(b), max_length) for b in batches]
     for b in batches:
         _check_length(b.tokens.shape[1], dims.n_ctx)
     return [b.to(device) for b in batches]
 
 
-def require_a_later_position(batches: Sequence[TokenBatch], *, what: str) -> None:
-    """Refuse ``batches`` in which no sequence has a position after the first.
+def require_a_later_position(
+    batches: Sequence[TokenBatch], *, what: str, sink_position: int | None = None, bidirectional: bool = False,
+) -> None:
+    """Refuse ``batches`` in which no sequence has a position after the sink, before any forward pass.
 
     Every analysis of :mod:`sinklens.analysis` compares the sink position with later ones (the attention
-    they pay it, their variance, their activations), so on 1-token sequences it would measure nothing and
-    return empty or NaN statistics; ``what`` (e.g. ``"find_sinks"``) names the caller in the error.
+    they pay it, their variance, their activations), so on sequences that end at the sink it would measure
+    nothing and return empty or NaN statistics; ``what`` (e.g. ``"find_sinks"``) names the caller in the error.
+
+    Without ``sink_position`` (analyzers that measure every position) some sequence must have 2 tokens. With
+    it, every sequence must reach ``sink_position`` (the first that does not is named by its index among all
+    the sequences, counted across batches) and some sequence must have a query that sees the sink: a
+    position after it (``sink_position + 2`` tokens) on a causal model, any other position on a
+    ``bidirectional`` one (an encoder).
     """
-    longest = max(int(b.valid.sum(dim=1).max()) for b in batches)
-    if longest < 2:
+    lengths = torch.cat([b.valid.sum(dim=1).cpu() for b in batches])
+    if sink_position is not None:
+        short = (lengths <= sink_position).nonzero().flatten()
+        if short.numel():
+            i = int(short[0])
+            raise InvalidArgumentError(
+                f"sink_position={sink_position} is beyond sequence {i} (counting from 0 across all batches), which has "
+                f"{int(lengths[i])} token{'' if int(lengths[i]) == 1 else 's'}: every sequence needs a token at "
+                f"sink_position (it must be at most {int(lengths.min()) - 1} for these inputs)."
+            )
+    sink = sink_position or 0
+    needed = max(sink + 1, 2) if bidirectional else sink + 2
+    longest = int(lengths.max())
+    if longest < needed:
+        size = f"{'at most ' if int(lengths.min()) != longest else ''}{longest} token{'' if longest == 1 else 's'}"
+        at = f" (sink_position={sink})" if sink_position is not None and sink else ""
         raise InvalidArgumentError(
-            f"Every sequence is {longest} token long: {what} compares the sink position with later ones, so it needs "
-            "sequences of at least 2 tokens (longer prompts, a larger max_length, or prepend_bos=True)."
+            f"Every sequence is {size} long: {what} compares the sink position{at} with later ones, so it needs "
+            f"at least one sequence of {needed} tokens or more (longer prompts, a larger max_length, "
+            f"{'a smaller sink_position' if sink else 'or prepend_bos=True'})."
         )
+
+
+def checked_batch(batch: Any, index: int, d_vocab: int) -> TokenBatch:
+    """``batch`` (the ``index``-th given) checked and normalised: ``tokens`` an integer tensor ``[batch, pos]``
+    (returned as ``long``; a float tensor would be read as embeddings by a TransformerBridge) with every id in
+    ``0..d_vocab-1``; ``valid`` a bool tensor of the same shape (a 0/1 integer mask is converted to bool; any other
+    dtype or value is refused, since ``~valid`` on an integer mask is a bitwise not); at least one row and one position.
+    Every refusal is an :class:`~sinklens.errors.InvalidArgumentError` naming the batch.
+
+    Examples:
+        >>> b = TokenBatch(torch.tensor([[3, 4]]), torch.tensor([[True, False]]), False)
+        >>> b.tokens, b.valid = b.tokens.int(), b.valid.long()  # as built without runtime type checks
+        >>> b = checked_batch(b, 0, 10)
+        >>> b.tokens.dtype, b.valid.tolist()
+        (torch.int64, [[True, False]])
+    """
+    where = f"TokenBatch {index}"
+    tokens, valid = batch.tokens, batch.valid
+    for name, t in (("tokens", tokens), ("valid", valid)):
+        if not isinstance(t, Tensor):
+            raise InvalidArgumentError(f"{where}: {name} must be a tensor [batch, pos], got {type(t).__name__}.")
+    if tokens.shape != valid.shape or tokens.ndim != 2:
+        raise InvalidArgumentError(
+            f"{where}: tokens {tuple(tokens.shape)} and valid {tuple(valid.shape)} must be equal 2-D shapes."
+        )
+    if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+        raise InvalidArgumentError(
+            f"{where} is empty (tokens of shape {tuple(tokens.shape)}): it needs at least one sequence and one position."
+        )
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise InvalidArgumentError(
+            f"{where}: tokens must be integer token ids, got dtype {tokens.dtype} (a model would read a float "
+            "tensor as embeddings); pass tokens.long()."
+        )
+    if valid.dtype != torch.bool:
+        if valid.dtype.is_floating_point or valid.dtype.is_complex:
+            raise InvalidArgumentError(
+                f"{where}: valid must be a bool mask (True at real tokens), got dtype {valid.dtype}; pass valid.bool()."
+            )
+        odd = (valid != 0) & (valid != 1)
+        if bool(odd.any()):
+            at = [int(i) for i in odd.nonzero()[0].tolist()]
+            raise InvalidArgumentError(
+                f"{where}: valid must be a bool mask or 0/1 integers, got {int(valid[tuple(at)])} at {at} "
+                f"(dtype {valid.dtype})."
+            )
+        valid = valid.bool()
+    check_vocab(tokens, d_vocab, what=f"token ids (batch {index})")
+    if tokens.dtype == torch.long and valid is batch.valid:
+        return batch
+    return TokenBatch(tokens.long(), valid, batch.prepend_bos, batch.special_tokens)
+
+
+def _same_start(batches: Sequence[TokenBatch]) -> None:
+    """Refuse batches made differently (``prepend_bos`` or ``special_tokens`` differ): a result pools every
+    sequence and records one start (what position 0 is), so mixing them would mislabel some of them."""
+    first = batches[0]
+    for i, b in enumerate(batches[1:], start=1):
+        if (b.prepend_bos, tuple(b.special_tokens)) != (first.prepend_bos, tuple(first.special_tokens)):
+            raise InvalidArgumentError(
+                f"TokenBatch 0 has prepend_bos={first.prepend_bos!r}, special_tokens={tuple(first.special_tokens)!r} "
+                f"but TokenBatch {i} has prepend_bos={b.prepend_bos!r}, special_tokens={tuple(b.special_tokens)!r}: "
+                "a result pools all sequences and records one start, so every batch must be made the same way "
+                "(analyse them separately)."
+            )
+
+
+def _materialised(prompts: Any) -> Any:
+    """``prompts`` with an iterable that is not a sequence (a generator, a numpy array) read into a list, its
+    numpy strings as ``str``; a string, a sequence or a non-iterable is returned as it is (for :func:`prompt_list`)."""
+    if isinstance(prompts, (str, bytes, dict, Tensor)) or not isinstance(prompts, Iterable):
+        return prompts
+    if isinstance(prompts, Sequence) and type(prompts).__module__ != "numpy":
+        return list(prompts)
+    return [str(p) if isinstance(p, str) else p for p in prompts]
 
 
 def padded_to(batch: TokenBatch, width: int) -> TokenBatch:

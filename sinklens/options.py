@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 import torch
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.validate import closest, positive_int
+from sinklens.validate import as_bool, closest, positive_int
 from sinklens.validate import device as as_device
 
 S = TypeVar("S")
@@ -46,8 +46,10 @@ class RunOptions:
             own way (see :mod:`sinklens.inputs`); for token tensors the first column is taken to be BOS.
             Results record what position 0 was (``SinkResult.describe_start()``).
         max_length: keep the first ``max_length`` tokens of every sequence (BOS included): tokenized prompts,
-            token tensors and :class:`~sinklens.inputs.TokenBatch` es alike; None keeps everything up to
-            ``cfg.n_ctx``.
+            token tensors and :class:`~sinklens.inputs.TokenBatch` es alike. None (default) truncates nothing:
+            a sequence longer than the model's context ``cfg.n_ctx`` then raises
+            :class:`~sinklens.errors.SequenceTooLongError` (it is never cut to ``cfg.n_ctx`` silently), and so
+            does one still longer than ``cfg.n_ctx`` after a ``max_length`` above it.
         extra_hooks: ``(hook_name, fn)`` pairs added to every forward before the analyzers' own, e.g.
             an intervention, so the analyzers measure the intervened model.
         progress: show a tqdm bar over batches.
@@ -71,13 +73,45 @@ class RunOptions:
         object.__setattr__(self, "batch_size", positive_int(self.batch_size, what="batch_size"))
         if self.max_length is not None:
             object.__setattr__(self, "max_length", positive_int(self.max_length, what="max_length"))
-        object.__setattr__(self, "extra_hooks", tuple(self.extra_hooks))
+        object.__setattr__(self, "prepend_bos", as_bool(self.prepend_bos, what="RunOptions.prepend_bos"))
+        object.__setattr__(self, "progress", as_bool(self.progress, what="RunOptions.progress"))
+        object.__setattr__(self, "extra_hooks", hook_pairs(self.extra_hooks, what="RunOptions.extra_hooks"))
         if self.device is not None:
             object.__setattr__(self, "device", as_device(self.device))
 
     def replace(self, **changes: Any) -> RunOptions:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def hook_pairs(hooks: Any, *, what: str) -> tuple[tuple[str, HookFn], ...]:
+    """``hooks`` as a tuple of ``(hook_name, fn)`` pairs, as ``run_with_hooks(fwd_hooks=...)`` takes them; anything
+    else (a dict, a bare function, a 1-tuple, a name that is not a string, an ``fn`` that is not callable) raises
+    :class:`~sinklens.errors.InvalidArgumentError` naming it, instead of failing inside the first forward pass.
+
+    Examples:
+        >>> hook_pairs([("blocks.0.hook_resid_pre", print)], what="extra_hooks")[0][0]
+        'blocks.0.hook_resid_pre'
+        >>> hook_pairs({"blocks.0.hook_resid_pre": print}, what="extra_hooks")
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.InvalidArgumentError: extra_hooks must be a list of (hook_name, fn) pairs, got a dict; pass list(d.items()) for a dict of hook name -> fn.
+    """
+    if isinstance(hooks, dict):
+        raise InvalidArgumentError(f"{what} must be a list of (hook_name, fn) pairs, got a dict; pass list(d.items()) "
+                                   "for a dict of hook name -> fn.")
+    if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Sequence):
+        raise InvalidArgumentError(f"{what} must be a list of (hook_name, fn) pairs, got {type(hooks).__name__}.")
+    pairs = []
+    for i, pair in enumerate(hooks):
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise InvalidArgumentError(f"{what}[{i}] must be a (hook_name, fn) pair, got {pair!r}.")
+        name, fn = pair
+        if not isinstance(name, str) or not callable(fn):
+            raise InvalidArgumentError(f"{what}[{i}] must be a (hook_name, fn) pair with a string name and a callable fn, "
+                                       f"got ({name!r}, {fn!r}).")
+        pairs.append((name, fn))
+    return tuple(pairs)
 
 
 def settings_from(

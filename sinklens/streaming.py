@@ -390,8 +390,10 @@ def stream(
     Under :func:`sinklens.distributed.session` (``torchrun``) each process streams its contiguous share
     of ``batches`` and the reducers' statistics are combined (:meth:`Reducer.merge`, in rank order)
     before :meth:`Reducer.result`, so every process returns what a one-process run would.
-    Raises :class:`~sinklens.errors.PatternNotExposedError` if a hook the reducers asked for never
-    ran (typically ``hook_pattern`` on a model using a fused attention kernel).
+    Raises :class:`~sinklens.errors.PatternNotExposedError` if a hook the reducers asked for, or one of
+    ``options.extra_hooks``, never ran (typically ``hook_pattern`` on a model using a fused attention kernel,
+    or TransformerLens 3's ``attn.hook_result`` without ``cfg.use_attn_result``): an intervention that never
+    runs would otherwise leave the results unchanged without a word.
     """
     from sinklens import distributed
 
@@ -400,6 +402,7 @@ def stream(
     batches = distributed.local_batches(batches)  # all of them, unless sharded over torchrun processes
     on_device = _stats_device_if_split(model)
     requested: set[str] = set()
+    extra: set[str] = set()
     table = _HookTable()
     with torch.inference_mode(), ExitStack() as attached:
         names: list[str] | None = None
@@ -409,6 +412,7 @@ def stream(
             n_streamed += 1
             batch = right_align(batch)
             hooks = list(options.extra_hooks)
+            extra.update(name for name, _ in hooks)
             folds = [reducer.fwd_hooks(batch) for reducer in reducers]
             for fold in folds:
                 for name, fn in fold.hooks:
@@ -425,6 +429,16 @@ def stream(
             for reducer, fold in zip(reducers, folds):
                 reducer.end_batch(batch, fold)
     fired = table.fired
+    silent = sorted(extra - fired) if n_streamed else []
+    if silent:
+        raise PatternNotExposedError(
+            f"extra_hooks on {silent[:4]}{'...' if len(silent) > 4 else ''} never ran during the forward pass, so they "
+            "changed and measured nothing (an intervention there would be silently ignored). The model has these hook "
+            "points but does not run them here: e.g. TransformerLens 3 runs attn.hook_result only with "
+            "cfg.use_attn_result=True (model.set_use_attn_result(True)), a TransformerBridge does not run every hook it "
+            "lists (e.g. attn.hook_rot_q on some architectures), and a fused attention kernel skips hook_pattern. "
+            "Hook a point that runs."
+        )
     missing = sorted(requested - fired)
     if missing:
         raise PatternNotExposedError(

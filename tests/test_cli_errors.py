@@ -117,7 +117,7 @@ ANALYZE_ROWS = [
     ("seq-len-one", lambda f: ["--random-tokens", "2", "--seq-len", "1"], EXIT_USAGE, ["--seq-len", ">= 2, got 1"]),
     ("max-length-one", lambda f: ["--text", "t2 t3", "--max-length", "1"], EXIT_USAGE, ["--max-length", ">= 2, got 1"]),
     ("one-token-text-without-bos", lambda f: ["--model", str(f["tiny"]), "--text", "t2", "--no-bos"], EXIT_USAGE,
-     ["Every sequence is 1 token long", "at least 2 tokens"]),
+     ["Every sequence is 1 token long", "at least one sequence of 2 tokens"]),
     ("unknown-flag", lambda f: ["--bogus"], EXIT_USAGE, ["unrecognized arguments: --bogus"]),
 ]
 

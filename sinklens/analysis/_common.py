@@ -13,7 +13,7 @@ from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import RESID_POST, RESID_PRE, hook_name
-from sinklens.inputs import TokenBatch, require_a_later_position
+from sinklens.inputs import TokenBatch, is_encoder, require_a_later_position
 from sinklens.options import no_unknown_kwargs, options_from_legacy, settings_from  # noqa: F401  (re-exported for the analyzers)
 from sinklens.streaming import batches_for, stream
 from sinklens.validate import optional_index_list, positive_int
@@ -39,10 +39,12 @@ def sink_position_arg(sink_position: Any) -> int:
 def check_sink_position(batch: TokenBatch, sink_position: int) -> None:
     """Raise :class:`~sinklens.errors.InvalidArgumentError` if a sequence of ``batch`` is too short
     to have a token at ``sink_position``."""
-    shortest = int(batch.lengths.min())
+    lengths = batch.lengths
+    shortest = int(lengths.min())
     if not 0 <= sink_position < shortest:
+        row = int(lengths.argmin())
         raise InvalidArgumentError(
-            f"sink_position={sink_position} is beyond a sequence of {shortest} tokens in this batch; "
+            f"sink_position={sink_position} is beyond sequence {row} of this batch, which has {shortest} tokens; "
             f"it must lie in [0, {shortest - 1}] for every sequence."
         )
 
@@ -181,6 +183,20 @@ def renamed(kwargs: dict[str, Any], old: str, new: str, value: Any, default: Any
     return value
 
 
+def analyzer_sink_position(reducer_kwargs: dict[str, Any]) -> int | None:
+    """The sink position an analyzer's reducer will be built with: its ``sink_position=`` keyword, else the
+    ``sink_position`` field of its ``settings=``; None for an analyzer without one (e.g. ``find_sinks``).
+
+    Examples:
+        >>> analyzer_sink_position({"sink_position": 2}), analyzer_sink_position({"layers": None})
+        (2, None)
+    """
+    if "sink_position" in reducer_kwargs:
+        return sink_position_arg(reducer_kwargs["sink_position"])
+    value = getattr(reducer_kwargs.get("settings"), "sink_position", None)
+    return None if value is None else sink_position_arg(value)
+
+
 def run_analyzer(
     model: Any,
     inputs: Any,
@@ -200,8 +216,11 @@ def run_analyzer(
     sinklens-0.1 run keywords (folded into ``options`` by :func:`options_from_legacy`). With
     ``settings_cls`` the rest resolve ``settings`` (:func:`~sinklens.options.settings_from`, with the
     deprecated names in ``renames``), passed on as the reducer's ``settings=``; without it, none may be
-    left. Then ``inputs`` are tokenized (:func:`~sinklens.streaming.batches_for`; sequences that all end
-    at the sink are refused, :func:`~sinklens.inputs.require_a_later_position`), ``reducer(model,
+    left. Then ``inputs`` are tokenized (:func:`~sinklens.streaming.batches_for`) and checked before any
+    forward pass (:func:`~sinklens.inputs.require_a_later_position`): for an analyzer with a sink position
+    (:func:`analyzer_sink_position`) every sequence must reach it (the first that does not is named by its
+    index) and some sequence must have a query that sees it; sequences that all end at the sink are refused.
+    Then ``reducer(model,
     **reducer_kwargs)`` is streamed over them (:func:`sinklens.streaming.stream`) and its result returned. ``where`` names the public function in
     errors and warnings, which point at its caller.
     """
@@ -209,6 +228,7 @@ def run_analyzer(
     if settings_cls is not None:
         reducer_kwargs["settings"] = settings_from(settings_cls, settings, kwargs, where, renames=renames, stacklevel=4)
     batches = batches_for(model, inputs, options)
-    require_a_later_position(batches, what=where)
+    require_a_later_position(batches, what=where, sink_position=analyzer_sink_position(reducer_kwargs),
+                             bidirectional=is_encoder(model))
     (result,) = stream(model, batches, [reducer(model, **reducer_kwargs)], options=options)
     return result

@@ -148,8 +148,12 @@ class MassiveActivations(SettingsFields, CompactRepr):
         n_sink_tokens / n_other_tokens: the numbers of tokens those counts are out of.
         events: ``(stream, position, dim)`` of every location that was massive in at least one sequence,
             sorted by ``|event_value|`` descending, at most ``max_rows`` (``n_events`` before truncation).
-        event_value: the largest-magnitude signed value seen there; ``event_ratio``: its ratio to that
-            sequence's median ``|x|``.
+        event_value: the largest-magnitude signed value seen there; ``event_ratio``: ``|event_value|`` divided by
+            the median ``|x|`` of the sequence it was seen in (over that sequence's valid positions and all
+            dimensions at that stream): how many times a typical entry of its own hidden state it is. When several
+            sequences reach that same largest ``|x|`` (with BOS at position 0 every sequence has the same sink
+            activation), the ratio is the largest of theirs (the sequence with the smallest median), then the larger
+            signed value: the record depends only on the set of sequences, not on their order or batching.
     """
 
     streams: list[int]
@@ -253,11 +257,42 @@ class MassiveActivations(SettingsFields, CompactRepr):
         return plot_position_profile(self, path=path)
 
 
+def _top_of_batch(
+    x: Float[Tensor, "batch pos d"], a: Float[Tensor, "batch pos d"], median: Float[Tensor, " batch"],
+) -> tuple[Float[Tensor, "pos d"], Float[Tensor, "pos d"], Float[Tensor, "pos d"]]:
+    """Per ``(pos, d)``: the largest ``|x|`` over the batch (``a``: ``|x|``, -1 at padding), its signed value and its
+    ratio to the median ``|x|`` of its sequence, ties broken the way :func:`_beats` breaks them: among the sequences
+    tied at that ``|x|`` (with BOS at position 0 every sequence is), the one with the smallest median (the largest
+    ratio), then the larger signed value. Which sequence wins does not depend on their order in the batch."""
+    best = a.amax(dim=0)
+    tied = a == best[None]
+    med = median[:, None, None]
+    low = torch.where(tied, med, torch.full_like(med, float("inf"))).amin(dim=0)
+    tied &= med == low[None]
+    value = torch.where(tied, x, torch.full_like(x[:1], float("-inf"))).amax(dim=0)
+    return best, value, best / low
+
+
+def _beats(abs_a: Tensor, ratio_a: Tensor, value_a: Tensor, abs_b: Tensor, ratio_b: Tensor, value_b: Tensor) -> Tensor:
+    """Where record ``a`` replaces record ``b`` as the one kept at a massive location: a larger ``|x|``, or the same
+    ``|x|`` and a larger ratio to its sequence's median, or both the same and a larger signed value. A total order on
+    the records, so the one kept does not depend on the order sequences, batches or merged reducers come in.
+
+    Examples:
+        >>> t = torch.tensor
+        >>> _beats(t([5.0, 5.0, 5.0]), t([2.0, 3.0, 3.0]), t([5.0, -5.0, 5.0]),
+        ...        t([4.0, 5.0, 5.0]), t([9.0, 2.0, 3.0]), t([4.0, 5.0, -5.0])).tolist()
+        [True, True, True]
+    """
+    same_abs = abs_a == abs_b
+    return (abs_a > abs_b) | (same_abs & (ratio_a > ratio_b)) | (same_abs & (ratio_a == ratio_b) & (value_a > value_b))
+
+
 class MassiveActivationsReducer(Reducer[MassiveActivations]):
     """Streams residual-stream hooks into :class:`MassiveActivations`, keeping only running statistics.
 
     Per residual-stream index it keeps ``[pos, dim]`` running maxima of ``|x|`` (with the signed value and
-    ratio at the maximum), a boolean "was massive" map, per-dimension counts of massive sink/other tokens and
+    ratio at the maximum; ties go to the larger ratio, then the larger value, :func:`_beats`), a boolean "was massive" map, per-dimension counts of massive sink/other tokens and
     ``[pos]`` sums of norms, norm ratios and top-k energy shares. The position axis grows with the longest
     batch seen. Activations never outlive their hook.
     """
@@ -346,11 +381,10 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
             self.count_sink[i] += at_sink
             self.count_other[i] += massive.sum(dim=(0, 1)) - at_sink
             self.exceeded[i, :width] |= massive.any(dim=0)
-            best, idx = (a if all_valid else a.masked_fill(~valid[..., None], -1.0)).max(dim=0)  # [pos, d]
-            better = best > self.max_abs[i, :width]
+            best, value, r = _top_of_batch(x, a if all_valid else a.masked_fill(~valid[..., None], -1.0), med_c)
+            better = _beats(best, r, value, self.max_abs[i, :width], self.ratio_at_max[i, :width],
+                            self.value_at_max[i, :width])
             self.max_abs[i, :width] = torch.where(better, best, self.max_abs[i, :width])
-            value = x.gather(0, idx[None]).squeeze(0)
-            r = best / med_c[idx]
             self.value_at_max[i, :width] = torch.where(better, value, self.value_at_max[i, :width])
             self.ratio_at_max[i, :width] = torch.where(better, r, self.ratio_at_max[i, :width])
             sq = x * x
@@ -375,14 +409,17 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
         self.prepend_bos = batch.prepend_bos
 
     def merge(self, other: MassiveActivationsReducer) -> None:
-        """Sums and counts add and "was massive" ORs; per (stream, position, dimension) the larger ``|x|``
-        wins with its signed value and ratio (this reducer's on a tie, as the earlier batch does in one pass).
+        """Sums and counts add and "was massive" ORs; per (stream, position, dimension) the record with the larger
+        ``|x|`` wins with its signed value and ratio, a tie going to the larger ratio, then the larger value (as within
+        one pass, :func:`_beats`), so the result does not depend on which reducer saw which sequences.
         Both are first padded to the longer position axis (``other`` in place)."""
         width = max(self.max_abs.shape[1], other.max_abs.shape[1])
         self._grow(width)
         other._grow(width)
         argmax = ("max_abs", "value_at_max", "ratio_at_max")
-        better = other.max_abs.to(self.max_abs.device) > self.max_abs
+        dev = self.max_abs.device
+        better = _beats(other.max_abs.to(dev), other.ratio_at_max.to(dev), other.value_at_max.to(dev),
+                        self.max_abs, self.ratio_at_max, self.value_at_max)
         for name in argmax:
             setattr(self, name, torch.where(better, getattr(other, name).to(better.device), getattr(self, name)))
         merge_statistics(self, other, [name for name in self.statistics if name not in argmax])

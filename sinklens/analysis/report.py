@@ -29,7 +29,7 @@ from sinklens.analysis.weight_super_neurons import SinkInputReducer, WeightNeuro
 from sinklens.display import CompactRepr
 from sinklens.export import to_json
 from sinklens.hooks import with_cached_weights
-from sinklens.inputs import Inputs, require_a_later_position
+from sinklens.inputs import Inputs, is_encoder, require_a_later_position
 from sinklens.options import RunOptions
 from sinklens.residual_units import neuron_reason
 from sinklens.streaming import batches_for, stream
@@ -202,7 +202,8 @@ def analyze(
     sink_settings = settings_from(SinkSettings, SinkSettings(sink_threshold), deprecated, "analyze", renames=SINK_RENAMES)
     massive_settings = MassiveSettings(abs_threshold=abs_threshold, rel_threshold=rel_threshold, sink_position=sink_position)
     batches = batches_for(model, inputs, options)
-    require_a_later_position(batches, what="analyze")
+    require_a_later_position(batches, what="analyze", sink_position=massive_settings.sink_position,
+                             bidirectional=is_encoder(model))
     moe = neuron_reason(model)  # a mixture-of-experts or post-LN model has no additive neuron writes: skip
     skipped = {"super_neurons": f"skipped: {moe}"} if moe is not None else {}
     no_locking = qk_locking_reason(model)

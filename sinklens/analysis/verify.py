@@ -96,12 +96,14 @@ class CausalCheck:
 
 
 def _measure(model: Any, batches: Sequence[TokenBatch], sink: int, streams: Sequence[int], hooks: list,
-             options: RunOptions) -> tuple[Tensor, float]:
-    """(residual at the sink at ``streams``, mean received attention of the sink) with ``hooks`` attached."""
+             options: RunOptions, what: str) -> tuple[Tensor, float]:
+    """(residual at the sink at ``streams``, mean received attention of the sink) with ``hooks`` attached; the
+    progress bar (``options.progress``) is labelled ``what``."""
     attention = AttentionReceivedReducer(model, min_query=MIN_QUERY)
     at_sink = SinkMeanReducer(model, sink, [stream_hook(s, model_dims(model).n_layers) for s in streams])
     resid, received = stream(model, batches, [at_sink, attention],
-                             options=options.replace(extra_hooks=tuple(options.extra_hooks) + tuple(hooks), progress=False))
+                             options=options.replace(extra_hooks=tuple(options.extra_hooks) + tuple(hooks),
+                                                     desc=f"verify_attribution: {what}"))
     return resid, float(torch.nanmean(received.received[:, :, sink]))
 
 
@@ -138,6 +140,11 @@ def verify_attribution(
         neurons: the :class:`SuperNeurons` result whose ``paths`` are checked.
         writers: ``{dim: [(layer, neuron), ...]}`` to zero instead of the attributed writers (e.g. a control).
         max_writers: at most this many attributed writers per dimension.
+        causal_threshold: a dimension's attribution is called causal (``CausalCheck.is_causal``, "attribution
+            is causal" in the summary) when zeroing its writers removes at least this share of it,
+            ``dim_removed >= causal_threshold`` (default 0.5).
+        options: run settings (:class:`~sinklens.options.RunOptions`). Besides the baseline pass (no ablation)
+            there is one pass per massive dimension, each over all of ``inputs``.
 
     Examples:
         >>> from sinklens.analysis.neurons import find_super_neurons
@@ -160,7 +167,7 @@ def verify_attribution(
     result = CausalCheck(sink, causal_threshold=causal_threshold)
     if not paths:
         return result
-    before, attn_before = _measure(model, batches, sink, streams, [], options)
+    before, attn_before = _measure(model, batches, sink, streams, [], options, "baseline")
     for path in paths:
         if writers is not None and path.dim in writers:
             chosen = [(int(l), int(n), _contribution(neurons, int(l), int(n), path.dim)) for l, n in writers[path.dim]]
@@ -170,7 +177,7 @@ def verify_attribution(
         for l, n, _ in chosen:
             per_layer.setdefault(l, []).append(n)
         hooks = edit_neurons(model, per_layer, positions=[sink])
-        after, attn_after = _measure(model, batches, sink, streams, hooks, options)
+        after, attn_after = _measure(model, batches, sink, streams, hooks, options, f"dim {path.dim} ablated")
         i = streams.index(path.peak_layer)
         v0, v1 = float(before[i, path.dim]), float(after[i, path.dim])
         result.checks.append(DimCheck(

@@ -90,3 +90,16 @@ def test_cli_analyze_verify(tmp_path, capsys):
     data = json.loads((tmp_path / "out" / "report.json").read_text())
     assert data["settings"]["verify"] is True and data["causal_check"]["sink_position"] == 0
     assert len(data["causal_check"]["checks"]) == len(data["super_neurons"]["paths"])
+
+
+def test_the_ablation_passes_show_progress(planted, capsys):
+    """With ``progress=True`` each of the 1 + n_dims passes over the inputs shows a labelled bar (they were forced
+    quiet: a long causal check on a real model showed nothing for minutes)."""
+    model, spec = planted
+    neurons = find_super_neurons(model, PLANTED_PROMPTS, options=QUIET)
+    capsys.readouterr()
+    verify_attribution(model, PLANTED_PROMPTS, neurons, options=QUIET.replace(progress=True, batch_size=1))
+    shown = capsys.readouterr().err
+    assert "verify_attribution: baseline" in shown and f"verify_attribution: dim {spec.dim} ablated" in shown, shown[-300:]
+    verify_attribution(model, PLANTED_PROMPTS, neurons, options=QUIET)
+    assert "verify_attribution" not in capsys.readouterr().err
