@@ -11,7 +11,7 @@ Accepted specs:
 * a local ``.gguf`` file (dequantised and cached the same way);
 * a run directory written by ``sinklens train``;
 * an already-built TransformerLens model (``TransformerBridge``, ``HookedTransformer`` or a
-  sinklens ``SinkLM``), passed through unchanged.
+  sinklens ``SinkLM``), returned as it is unless ``device`` / ``dtype`` are given (then moved in place).
 
 Numerics: Hugging Face models are loaded with weight processing off (the bridge's default), so
 logits and activations equal the Hugging Face model's, with eager attention so that
@@ -240,6 +240,40 @@ def _is_tl_model(obj: Any) -> bool:
     return hasattr(obj, "hook_dict") and hasattr(obj, "cfg")
 
 
+def _built_model_to(model: Any, device: str | torch.device | None, dtype: torch.dtype | str | None) -> Any:
+    """An already-built model, moved to ``device`` and cast to ``dtype`` where they are given.
+
+    Both are checked like for any other spec (:class:`~sinklens.errors.InvalidArgumentError` for an unknown
+    name, :class:`~sinklens.errors.DeviceUnavailableError` for a device this machine lacks). ``None`` (the
+    default) leaves the model where it is and in its own dtype: a user's float64 or bfloat16 model, or a
+    CPU model on a GPU machine, is never converted unasked. A move is in place (``nn.Module.to``) and
+    TransformerLens' ``cfg.device`` / ``cfg.dtype`` follow it.
+    """
+    from sinklens.validate import device as valid_device
+
+    target_device = None if device is None else valid_device(device, what="device")
+    target_dtype = None if dtype is None else _as_dtype(dtype)
+    params = list(model.parameters())
+    if target_device is not None and (not params or _device_differs(params[0].device, target_device)):
+        model = _module_to(model, target_device)
+    if target_dtype is not None and (not params or any(p.dtype != target_dtype for p in params if p.is_floating_point())):
+        model = _module_to(model, target_dtype)
+    return model
+
+
+def _device_differs(current: torch.device, target: torch.device) -> bool:
+    """True unless ``current`` is already ``target`` (a target without an index, ``"cuda"``, takes any GPU)."""
+    return current.type != target.type or (target.index is not None and current.index != target.index)
+
+
+def _module_to(model: Any, target: torch.device | torch.dtype) -> Any:
+    """``model.to(target)``; TransformerLens' own ``to`` (which updates ``cfg``) is called without its print."""
+    if (getattr(type(model).to, "__module__", None) or "").startswith("transformer_lens"):  # HookedTransformer, bridge
+        return model.to(str(target) if isinstance(target, torch.device) else target, print_details=False)
+    moved = model.to(target)
+    return model if moved is None else moved
+
+
 def _is_sinklens_run(path: Path) -> bool:
     try:
         from sinklens.train.checkpoint import is_run_dir
@@ -281,9 +315,12 @@ def load_model(
 
     Args:
         spec: ``"smollm2-135m"`` (default), a local HF directory, a Hub name, a ``.gguf`` file,
-            a ``sinklens train`` run directory, or a TransformerLens model (returned as is).
-        device: ``"cpu"``, ``"cuda"``, ...; default CUDA when available.
-        dtype: parameter dtype (default float32): a floating ``torch.dtype`` or its name.
+            a ``sinklens train`` run directory, or a TransformerLens model (returned as is when
+            ``device`` and ``dtype`` are None; otherwise moved / cast in place with ``.to`` and returned).
+        device: ``"cpu"``, ``"cuda"``, ...; default (None) CUDA when available, and for an already-built
+            model: where it is (it is never moved unasked).
+        dtype: parameter dtype: a floating ``torch.dtype`` or its name; default (None) float32, and for an
+            already-built model: its own dtype (a float64 or bfloat16 model is never converted unasked).
         check_patterns: run a 2-token forward to check that ``hook_pattern`` is exposed.
         init_seed: the same architecture with fresh weights from its own init scheme, seeded;
             also written ``SPEC@init:S`` (``RUN_DIR@init`` = a run's step-0 weights), see
@@ -297,7 +334,7 @@ def load_model(
         OfflineModelError: a Hub name while the Hub cannot be reached.
         CorruptModelFileError: a truncated or corrupt GGUF or safetensors file.
         ModelLoadError: a local model folder that transformers / TransformerLens cannot load.
-        InvalidArgumentError: an unknown dtype or device name.
+        InvalidArgumentError: an unknown dtype or device name (for an already-built model too).
         DeviceUnavailableError: a device this machine does not have (``cuda`` without a GPU).
         PatternNotExposedError: a model whose attention hides ``hook_pattern``.
     """
@@ -306,7 +343,7 @@ def load_model(
 
         model = load_at_init(spec, init_seed=init_seed, device=str(device or _default_device()), dtype=_as_dtype(dtype))
     elif _is_tl_model(spec):
-        model = spec
+        model = _built_model_to(spec, device, dtype)
     else:
         if not isinstance(spec, (str, Path)):
             raise UnknownModelError(
@@ -320,9 +357,23 @@ def load_model(
         device = _as_device(device)
         torch_dtype = _as_dtype(dtype)
         model = _load_from_spec(str(spec), device, torch_dtype)
+    eager_experts_in_float64(model)
     if check_patterns:
         check_pattern_exposed(model)
     return model
+
+
+def eager_experts_in_float64(model: Any) -> None:
+    """Run a float64 mixture of experts (gpt-oss) with transformers' eager expert loop instead of
+    ``torch._grouped_mm``, which has no float64 kernel ("Expected mat_a to be Float32, BFloat16 or Float16"):
+    the same products, summed per expert (a float64 and a float32 zoo gpt-oss give attention equal to 3e-8).
+    Models in other dtypes, and models without experts, are left as they are."""
+    if not any(p.dtype == torch.float64 for p in model.parameters()):
+        return
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if hasattr(config, "_experts_implementation") and config._experts_implementation != "eager":
+            config._experts_implementation = "eager"
 
 
 def _load_from_spec(spec: str, device: str, dtype: torch.dtype) -> Any:

@@ -95,3 +95,21 @@ def test_a_bias_free_model_loaded_from_a_folder_has_zero_output_biases():
     for layer in range(model.cfg.n_layers):
         assert torch.equal(mlp_out_bias(model, layer), torch.zeros(model.cfg.d_model))
         assert torch.equal(attn_out_bias(model, layer), torch.zeros(model.cfg.d_model))
+
+
+@pytest.mark.models
+@pytest.mark.skipif(__import__("sinklens.testing", fromlist=["x"]).transformer_lens_major() < 4,
+                    reason="gpt-oss is a TransformerLens 4 zoo family")
+def test_a_float64_mixture_of_experts_runs_with_the_eager_expert_loop():
+    """``load_model(gpt_oss, dtype="float64")`` failed in its first forward pass: torch's grouped matmul, which
+    transformers uses for the experts, has no float64 kernel. The eager loop computes the same products."""
+    import sinklens
+    from sinklens.testing import QUIET
+    from sinklens.testing.zoo import zoo_model
+
+    prompts = ["t3 t4 t5 t6 t7", "t9 t8 t7"]
+    ref = sinklens.find_sinks(zoo_model("gptoss"), prompts, options=QUIET).received
+    model = loading.load_model(zoo_model("gptoss"), dtype="float64")
+    assert next(model.parameters()).dtype == torch.float64
+    got = sinklens.find_sinks(model, prompts, options=QUIET).received
+    torch.testing.assert_close(got.float(), ref, rtol=1e-5, atol=1e-6)

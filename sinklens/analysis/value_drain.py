@@ -61,7 +61,8 @@ Measured on SmolLM2-135M-Instruct (64 windows of 64 tokens of stdlib docstrings,
 sink heads the median attention to the sink is 0.52 and the median write share 0.25 (10th-90th
 percentile 0.14-0.45): the sink's value is small (median ``‖v_sink‖ / ‖v_other‖`` 0.25,
 ``‖v_sink W_O‖ / ‖v_other W_O‖`` 0.24) but far from zero, so most of SmolLM2's sink heads still write
-a quarter of their output from the sink.
+a quarter of their output from the sink. (On 64 separate docstrings cut to 64 tokens instead, ``sinklens analyze
+--stdlib-text 64 --max-length 64``, 188 heads are sink heads: 5 no-op, 62 broadcast, 121 partial.)
 """
 
 from __future__ import annotations

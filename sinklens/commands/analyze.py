@@ -36,7 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-figures", action="store_true", help="write report.json and summary.txt only (and remove figures of an earlier analysis in --out)")
     parser.add_argument("--verify", action="store_true",
                         help="causal check: zero each massive dimension's top writing neurons at the sink and report "
-                        "how much of the dimension and of the sink's attention disappears (one extra pass per dimension)")
+                        "how much of the dimension and of the sink's attention disappears (extra passes over the inputs: one "
+                        "baseline pass plus one per massive dimension)")
     parser.set_defaults(func=run)
 
 
@@ -133,6 +134,7 @@ def _analyze(args: argparse.Namespace, device: str | None) -> int:
     from sinklens.hooks import model_dims
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
+    from sinklens.validate import seq_len_within_context
 
     start = time.perf_counter()
     main = distributed.is_main()
@@ -141,8 +143,10 @@ def _analyze(args: argparse.Namespace, device: str | None) -> int:
     model = load_model(args.model, device=device, dtype=args.dtype)
     inputs = _inputs(args, model)
     text = inputs is None or isinstance(inputs[0], str)  # random-token batches keep their --seq-len
-    # the default cut is capped at the model's context; an explicit --max-length is used as given
-    max_length = args.max_length or min(_DEFAULT_MAX_LENGTH, model_dims(model).n_ctx)
+    n_ctx = model_dims(model).n_ctx
+    # the default cut is capped at the model's context; an explicit --max-length beyond it is refused by name
+    seq_len_within_context(args.max_length, n_ctx, what="--max-length")
+    max_length = args.max_length or min(_DEFAULT_MAX_LENGTH, n_ctx)
     report = analyze(
         model,
         inputs,

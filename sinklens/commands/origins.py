@@ -27,7 +27,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--sequences", type=int, default=128, help="random sequences N (default %(default)s)")
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default %(default)s)")
     parser.add_argument("--bos", action="store_true", help="prepend the BOS token (position 0 then leaves the summaries)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default %(default)s)")
     add_model_flags(parser, batch_size=16)
     parser.add_argument("--out", default="origins-report", help="output folder (default %(default)s)")
     add_overwrite_flag(parser, "the origins.json and figures already in --out")
