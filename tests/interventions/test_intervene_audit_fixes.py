@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import json
-import warnings
 
 import pytest
 import torch
@@ -30,6 +29,7 @@ from sinklens.interventions import (
 from sinklens.interventions.calibration import variance_calibration
 from sinklens.options import RunOptions
 from sinklens.testing import transformer_lens_major
+from sinklens.testing.zoo import tl3_encoder
 
 pytestmark = pytest.mark.models
 
@@ -129,27 +129,6 @@ def test_variance_calibration_removes_rather_than_strengthens_a_sink_logit_model
 # ----------------------------------------------------------------------------- 2. hook_resid_mid on BERT
 
 
-def _tl3_encoder():
-    """A TransformerLens 3.x ``HookedEncoder`` (post-LN BERT blocks) with seeded weights and non-trivial LayerNorms;
-    its ``hook_resid_mid`` is ``resid_pre + attention write``, before ``ln1``."""
-    from transformer_lens import HookedEncoder, HookedTransformerConfig
-
-    cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_heads=4, d_head=4, d_mlp=32, n_ctx=64, d_vocab=64,
-                                  act_fn="gelu", normalization_type="LN", original_architecture="BertForMaskedLM",
-                                  attention_dir="bidirectional")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        model = HookedEncoder(cfg, move_to_device=False)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".ln" in f".{name}":
-                p.copy_((1.0 if name.endswith(".w") else 0.0) + 0.5 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() > 1 else 0.05))
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def bert():
     """``(model, ln1 module, MLP module)`` of layer 0 of a post-LN BERT: the 4.x bridge's Hugging Face modules
@@ -160,7 +139,7 @@ def bert():
         model = zoo_model("bert")
         layer = model.original_model.bert.encoder.layer[0]
         return model, layer.attention.output.LayerNorm, layer.intermediate
-    model = _tl3_encoder()
+    model = tl3_encoder()
     return model, model.blocks[0].ln1, model.blocks[0].mlp
 
 

@@ -27,7 +27,8 @@ from sinklens.options import RunOptions
 from sinklens.residual_units import input_norm
 from sinklens.testing.zoo import FAMILIES, MOE_FAMILIES, FamilyUnavailableError, zoo_model
 
-from _zoo_reference import TL4, tl3_encoder
+from _zoo_reference import TL4
+from sinklens.testing.zoo import tl3_encoder
 
 pytestmark = pytest.mark.models
 

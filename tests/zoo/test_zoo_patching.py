@@ -23,7 +23,8 @@ from sinklens.hooks import resid_mid_is_a_copy
 from sinklens.interventions.patching import patch_hook_names, patch_sink
 from sinklens.testing.zoo import FAMILIES, FamilyUnavailableError, zoo_model
 
-from _zoo_reference import TL4, tl3_encoder
+from _zoo_reference import TL4
+from sinklens.testing.zoo import tl3_encoder
 
 pytestmark = pytest.mark.models
 
