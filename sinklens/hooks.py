@@ -488,6 +488,28 @@ def require_attention_seams(model: Any, what: str) -> None:
         )
 
 
+def attends_to_later_keys(model: Any) -> bool:
+    """True when query 0 of layer 0 gives attention to key 1: the model attends both ways (an encoder).
+
+    Probed once per model with a 2-token forward that reads ``blocks.0.attn.hook_pattern`` (False when that hook
+    is missing or never runs). A causal model's mask gives ``A[0, 1] = 0`` exactly, with or without sliding
+    windows or sink logits; an encoder gives it a share of every row. :func:`sinklens.visibility.attention_direction`
+    uses it because a model's ``cfg.attention_dir`` can be wrong: TransformerLens 3.9's ``TransformerBridge``
+    leaves BERT at ``"causal"``.
+    """
+    name = hook_name(0, PATTERN)
+    if name not in model.hook_dict:
+        return False
+
+    def probe() -> bool:
+        seen: list[Tensor] = []
+        with torch.inference_mode(), model.hooks(fwd_hooks=[(name, lambda act, hook: seen.append(act[..., 0, 1]))]):
+            model(_probe_tokens(model, 2), return_type=None)
+        return bool(seen) and bool((seen[0].float() > 0).any())
+
+    return _probed(model, "attends_to_later_keys", probe)
+
+
 def resid_mid_is_a_copy(model: Any) -> bool:
     """True when an edit returned from ``blocks.l.hook_resid_mid`` reaches the MLP but not the residual stream.
 

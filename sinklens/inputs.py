@@ -333,8 +333,11 @@ def encoder_ids(tok: Any, text: str, max_length: int | None = None) -> list[int]
 
 
 def is_encoder(model: Any) -> bool:
-    """True for bidirectional models (``cfg.attention_dir == "bidirectional"``, e.g. BERT)."""
-    return getattr(getattr(model, "cfg", None), "attention_dir", "causal") == "bidirectional"
+    """True for bidirectional models (e.g. BERT): :func:`sinklens.visibility.attention_direction`, which checks
+    ``cfg.attention_dir`` against the model's own attention."""
+    from sinklens.visibility import attention_direction
+
+    return getattr(model, "cfg", None) is not None and attention_direction(model) == "bidirectional"
 
 
 def random_token_batches(
@@ -407,6 +410,7 @@ def as_batches(
         raise InvalidArgumentError("No prompts given: pass at least one string, token sequence or TokenBatch.")
     dims = model_dims(model)
     device = model_device(model)
+    is_encoder(model)  # probed here, once per model, before any caller attaches its hooks for the pass
     if isinstance(inputs, TokenBatch):
         batches = [inputs]
     elif isinstance(inputs, Tensor):

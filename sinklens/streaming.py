@@ -399,6 +399,7 @@ def stream(
 
     options = checked_options(options, "stream")
     check_model_device(model, options.device)
+    is_encoder(model)  # its one probe forward runs now, not inside the pass with the hooks attached
     batches = distributed.local_batches(batches)  # all of them, unless sharded over torchrun processes
     on_device = _stats_device_if_split(model)
     requested: set[str] = set()

@@ -9,7 +9,8 @@ to ``k``:
 * **padding**: neither a padded query nor a padded key counts (:meth:`Visibility.batch_mask`).
 
 The layout is read from the model, never assumed: ``cfg.attention_dir`` (``"causal"`` or
-``"bidirectional"``; TransformerLens 3.x and 4.x both set it), per-layer windows from TransformerLens 3.x's
+``"bidirectional"``; TransformerLens 3.x and 4.x both set it), checked by a 2-token probe where it says causal
+(:func:`attention_direction`: TransformerLens 3.9's bridge leaves BERT at causal), per-layer windows from TransformerLens 3.x's
 ``cfg.attn_types``/``cfg.window_size``, or from the Hugging Face config behind a ``TransformerBridge``
 (``layer_types`` with ``"sliding_attention"`` entries and ``sliding_window``; a ``sliding_window`` without
 ``layer_types`` applies to every layer unless ``use_sliding_window`` is false). Attention layouts that
@@ -129,6 +130,25 @@ def _tl_windows(cfg: Any, n_layers: int) -> tuple[int | None, ...]:
     return tuple(int(window) if t == "local" else None for t in attn_types)
 
 
+def attention_direction(model: Any) -> str:
+    """``"causal"`` or ``"bidirectional"``: ``cfg.attention_dir``, unless the model attends both ways while its
+    config says causal (:func:`~sinklens.hooks.attends_to_later_keys`, one 2-token probe per model):
+    TransformerLens 3.9's ``TransformerBridge`` leaves BERT at ``"causal"``, which made sinklens read an
+    encoder's attention to later keys as a sink logit's mass and give it a next-token loss.
+
+    Raises:
+        UnsupportedArchitectureError: ``cfg.attention_dir`` is neither.
+    """
+    from sinklens.hooks import attends_to_later_keys
+
+    direction = getattr(model.cfg, "attention_dir", "causal") or "causal"
+    if direction not in ("causal", "bidirectional"):
+        raise UnsupportedArchitectureError(f"cfg.attention_dir={direction!r}; expected 'causal' or 'bidirectional'.")
+    if direction == "causal" and attends_to_later_keys(model):
+        return "bidirectional"
+    return direction
+
+
 def attention_visibility(model: Any) -> Visibility:
     """The :class:`Visibility` of any TransformerLens-style model (bridge, HookedTransformer, sinklens run).
 
@@ -139,9 +159,7 @@ def attention_visibility(model: Any) -> Visibility:
     """
     cfg = model.cfg
     n_layers = int(cfg.n_layers)
-    direction = getattr(cfg, "attention_dir", "causal") or "causal"
-    if direction not in ("causal", "bidirectional"):
-        raise UnsupportedArchitectureError(f"cfg.attention_dir={direction!r}; expected 'causal' or 'bidirectional'.")
+    direction = attention_direction(model)
     config = _hf_config(model)
     windows = _hf_windows(config, n_layers) if config is not None else _tl_windows(cfg, n_layers)
     if len(windows) != n_layers:
