@@ -141,7 +141,8 @@ class FingerprintResult(CompactRepr):
         tau_mean: ``τ̄``, the mean per-dimension Kendall τ.
         n_dims: ``k``, the number of identity dimensions kept (intersection of both bottom-k sets).
         n_samples: ``N``.
-        same_lineage: ``p_value < alpha``.
+        same_lineage: ``p_value < alpha`` (the authors' rule); None when the statistic is :attr:`undefined`
+            (``p`` NaN), so that no reader takes an unmeasured pair for unrelated models.
         alpha: the decision threshold.
         log10_p: ``(log 2 + log Φ̄(z)) / log 10`` (not clipped at 0, as in the authors' code).
         dims: the identity dimensions (sorted).
@@ -160,7 +161,7 @@ class FingerprintResult(CompactRepr):
     tau_mean: float
     n_dims: int
     n_samples: int
-    same_lineage: bool
+    same_lineage: bool | None
     alpha: float
     log10_p: float
     dims: list[int]
@@ -291,7 +292,7 @@ def seedprint_test(
 
     When the statistic is undefined — fewer than :data:`MIN_DIMS` identity dimensions shared (``coset``),
     or a τ that is NaN because a normalised column is constant over the samples — ``z``, ``p_value`` and
-    ``log10_p`` are NaN (``null`` in JSON), ``same_lineage`` is False, a caveat says why and the
+    ``log10_p`` are NaN (``null`` in JSON), ``same_lineage`` is None, a caveat says why and the
     :attr:`~FingerprintResult.verdict` is ``"inconclusive"``: no number was measured, so it is no evidence
     either way.
 
@@ -348,7 +349,8 @@ def seedprint_test(
     else:
         z = log_p = p_value = float("nan")
     return FingerprintResult(
-        p_value=p_value, z=z, tau_mean=tau_mean, n_dims=k, n_samples=n, same_lineage=p_value < alpha,
+        p_value=p_value, z=z, tau_mean=tau_mean, n_dims=k, n_samples=n,
+        same_lineage=None if math.isnan(p_value) else p_value < alpha,
         alpha=alpha, log10_p=log_p / math.log(10.0), dims=dims, tau=tau,
         settings={"buffer_k": buffer_k, "identity_mode": identity_mode, "temperature": TEMPERATURE},
         caveats=caveats,

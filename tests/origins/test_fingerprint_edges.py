@@ -52,13 +52,13 @@ def test_one_shared_identity_dim_is_inconclusive_not_no_evidence():
     b = h + 0.01 * torch.randn(200, 8, generator=g) + torch.tensor([-5.0, 0, -4, 0, 0, 0, 0, 0])
     res = seedprint_test(a, b, buffer_k=2)
     assert res.dims == [0] and res.n_dims == 1 and res.undefined
-    assert res.verdict == "inconclusive" and not res.same_lineage
+    assert res.verdict == "inconclusive" and res.same_lineage is None  # not False: nothing was measured
     assert math.isnan(res.p_value) and math.isnan(res.z) and math.isnan(res.tau_mean)
     assert len(res.caveats) == 1 and res.caveats[0].startswith("only 1 identity dim (of the bottom 2 of each model)")
     assert res.summary().startswith("SeedPrint: INCONCLUSIVE, the statistic is undefined here")
     assert "no evidence of shared lineage" not in res.summary()
     data = json.loads(json.dumps(res.to_dict(), allow_nan=False))  # strict JSON
-    assert data["p_value"] is None and data["z"] is None and data["verdict"] == "inconclusive"
+    assert data["p_value"] is None and data["z"] is None and data["verdict"] == "inconclusive" and data["same_lineage"] is None
     assert data["caveats"] == res.caveats
     # no shared dim at all (bottom-1 sets disjoint at buffer_k = 2 of 4 dims)
     none = seedprint_test(h[:, :4] + torch.tensor([-5.0, -4, 0, 0]), h[:, :4] + torch.tensor([0.0, 0, -5, -4]),
