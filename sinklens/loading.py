@@ -417,6 +417,13 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype) -> Any:
         )
     offline_hint = f"Without network use the embedded model {DEFAULT_MODEL!r}, a local directory, or a .gguf file."
     if not _hub_reachable():
+        owner = Path(spec.split("/")[0]).expanduser()
+        if owner.is_dir():  # offline, 'zoo/nope' beside a folder 'zoo': a missing local path, not a Hub id
+            raise ModelFileNotFoundError(
+                f"No model file or directory at {spec!r} (resolved to {str(path.resolve())!r}); the folder "
+                f"{str(owner)!r} holds {sorted(p.name for p in owner.iterdir())[:8]}. (Read as a Hugging Face Hub "
+                "id it cannot be fetched either: the Hub cannot be reached.)"
+            )
         raise OfflineModelError(f"{spec!r} looks like a Hugging Face Hub id, but the Hub cannot be reached. {offline_hint}")
     try:
         return _boot_hf(spec, device, dtype)

@@ -113,3 +113,16 @@ def test_a_float64_mixture_of_experts_runs_with_the_eager_expert_loop():
     assert next(model.parameters()).dtype == torch.float64
     got = sinklens.find_sinks(model, prompts, options=QUIET).received
     torch.testing.assert_close(got.float(), ref, rtol=1e-5, atol=1e-6)
+
+
+def test_a_missing_path_under_an_existing_folder_is_named_as_a_missing_path_offline(tmp_path, monkeypatch):
+    """``--model zoo/nope`` beside a folder ``zoo`` used to read "looks like a Hugging Face Hub id, but the Hub
+    cannot be reached" (exit 1), with no word that the local path is missing."""
+    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout=3.0: False)
+    (tmp_path / "zoo" / "llama").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelFileNotFoundError, match=r"No model file or directory at 'zoo/nope' .*the folder 'zoo' "
+                                                     r"holds \['llama'\]"):
+        loading.load_model("zoo/nope")
+    with pytest.raises(OfflineModelError, match="looks like a Hugging Face Hub id"):  # no such folder: a Hub id
+        loading.load_model("org/nope")
