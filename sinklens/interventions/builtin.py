@@ -22,9 +22,10 @@ register("block_keys", masks.block_keys, role="remove",
          summary="no query may attend to the keys at `positions`")
 register("calibrate", variance.calibrate, role="remove",
          summary="rescale head outputs so `positions` has the spread of later positions")
-register("variance_calibration", calibration.variance_calibration, role="remove", defaults={"mode": "attenuate"},
-         summary="scale head outputs at `positions` by sqrt(min_t' s_t' / s_t), s_t = sum_j A_tj^2: the sink down to "
-                 "the most-aggregated query's level (option mode, default attenuate; mode=amplify divides by sqrt(s_t))")
+register("variance_calibration", calibration.variance_calibration, role="remove", sink_defaults={"mode": "attenuate"},
+         summary="remove_sink: scale the sink's head outputs by sqrt(min_t' s_t' / s_t), s_t = sum_j A_tj^2, down to "
+                 "the most-aggregated query's level (mode=attenuate); as a spec (trainer, measure_intervention) "
+                 "mode=amplify by default: divide by sqrt(s_t), causal")
 register("clamp_dims", neurons.clamp_dims, role="remove", requires={"dims": _DIMS},
          summary="set (or bound) residual dimensions `dims` at `positions`")
 register("edit_neurons", neurons.edit_neurons, role="remove", requires={"neurons": "neurons=[...] (FFN neuron indices)"},

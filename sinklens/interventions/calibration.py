@@ -22,7 +22,9 @@ Calibration divides that factor out, per batch element, head and query:
 are rescaled. As the registry's ``remove`` intervention (:func:`~sinklens.interventions.remove_sink`,
 ``sinklens intervene --method variance-calibration``, with ``positions`` = the sink) the default mode is
 ``attenuate``: the sink's head outputs are brought down to the most-aggregated query's level, which takes
-the sink away; calling :func:`variance_calibration` directly keeps ``amplify`` as its default. The trainer
+the sink away; calling :func:`variance_calibration` directly, and a spec string (``registry.build``, training-time
+``--intervention variance_calibration``), keep ``amplify``: ``attenuate``'s minimum reads later queries, which a
+causal LM in training must not. The trainer
 variant ``variance_calibrated`` (:mod:`sinklens.train.variants`) applies the same ``amplify`` rescaling
 inside the model (its default mode), at its own hook ``attn.hook_z_calibrated``. Its ``attenuate`` mode differs from this one: ``min_t' s_t'`` reads later
 queries, which a causal LM must not, so the trainer uses the fixed reference ``1/n_ctx`` instead.

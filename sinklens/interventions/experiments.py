@@ -508,12 +508,12 @@ def create_sink(
 def _hooks_for(model: Any, method: str, role: registry.Role, positions: int, layers: Any, sink: int, dims: Any,
                method_options: dict[str, Any]) -> tuple[str, Hooks, dict[str, Any]]:
     """``(name, hooks, recorded options)`` of ``method`` for create/remove_sink: ``dims`` doubles as the factory's
-    ``dims`` when it needs one; the recorded options are the entry's defaults, the options passed (the sink
+    ``dims`` when it needs one, and the entry's ``sink_defaults`` fill options not given; the recorded options are the entry's defaults, the options passed (the sink
     option included) and ``layers`` (None = all)."""
     entry = registry.get(method, role=role)
     if "dims" in entry.requires and "dims" not in method_options and dims is not None:
         method_options = {**method_options, "dims": dims}
-    method_options = dict(method_options)
+    method_options = {**entry.sink_defaults, **method_options}  # e.g. variance_calibration's mode="attenuate"
     name, hooks = intervention_hooks(model, entry.name, role=role, positions=positions, layers=layers, sink=sink,
                                      **method_options)
     if entry.sink_option and entry.sink_option not in method_options:

@@ -45,6 +45,11 @@ class Intervention:
         requires: options the factory cannot run without, beyond ``positions`` (option -> what to pass),
             e.g. ``{"dims": "dims=[...] (residual dimensions)"}``; a call without one raises a clear error.
         defaults: option values used when the caller gives none (e.g. ``alpha=8`` for ``amplify``).
+        sink_defaults: option values that :func:`~sinklens.interventions.create_sink` /
+            :func:`~sinklens.interventions.remove_sink` (and ``sinklens intervene``) use when the caller gives
+            none, on top of ``defaults``; :func:`build` (trainer specs, ``measure_intervention``) does not use
+            them, so a stored spec keeps its meaning (``variance_calibration`` removes a sink in mode
+            ``attenuate``, which reads later queries; as a spec it stays ``amplify``, which is causal).
         sink_option: the factory's keyword for the original sink position, if it uses one
             (``transplant_dims`` copies from ``source``); :func:`~sinklens.interventions.create_sink`
             fills it from its ``sink=``.
@@ -57,6 +62,7 @@ class Intervention:
     requires: Mapping[str, str] = field(default_factory=dict)
     defaults: Mapping[str, Any] = field(default_factory=dict)
     sink_option: str | None = None
+    sink_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def options(self) -> list[str]:
         """The keyword options the factory accepts (after ``model``)."""
@@ -104,11 +110,12 @@ def register(
     requires: Mapping[str, str] | None = None,
     defaults: Mapping[str, Any] | None = None,
     sink_option: str | None = None,
+    sink_defaults: Mapping[str, Any] | None = None,
 ) -> Intervention:
     """Register ``factory`` under ``name``; raises ``ValueError`` if the name is taken.
 
     ``factory(model, *, positions, layers=None, **options) -> hooks``; see :class:`Intervention`
-    for ``requires``, ``defaults`` and ``sink_option``.
+    for ``requires``, ``defaults``, ``sink_option`` and ``sink_defaults``.
     """
     key = canonical(name)
     if not key.isidentifier():
@@ -117,7 +124,8 @@ def register(
         raise ValueError(f"An intervention named {key!r} is already registered.")
     if role not in ("create", "remove", "edit"):
         raise InvalidArgumentError(f"role must be 'create', 'remove' or 'edit', got {role!r}.")
-    entry = Intervention(key, role, factory, summary, dict(requires or {}), dict(defaults or {}), sink_option)
+    entry = Intervention(key, role, factory, summary, dict(requires or {}), dict(defaults or {}), sink_option,
+                         dict(sink_defaults or {}))
     _REGISTRY[key] = entry
     return entry
 

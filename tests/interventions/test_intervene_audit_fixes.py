@@ -66,7 +66,7 @@ def test_remove_sink_variance_calibration_attenuates_the_sink(tiny, toks, captur
     fix the entry ran mode="amplify", whose factor at position 0 is exactly 1: nothing changed."""
     z0, p0 = "blocks.0.attn.hook_z", "blocks.0.attn.hook_pattern"
     clean = capture(tiny, toks, [z0, p0])
-    got = capture(tiny, toks, [z0], registry.get("variance_calibration")(tiny, positions=0))[z0]
+    got = capture(tiny, toks, [z0], registry.get("variance_calibration")(tiny, positions=0, mode="attenuate"))[z0]
     s = clean[p0].double().pow(2).sum(-1)  # [batch, head, query]
     factor = (s.amin(dim=-1) / s[..., 0]).sqrt()  # [batch, head]: the sink's factor
     torch.testing.assert_close(s[..., 0], torch.ones_like(s[..., 0]))  # causal: A_00 = 1
@@ -116,7 +116,7 @@ def test_variance_calibration_removes_rather_than_strengthens_a_sink_logit_model
     with torch.inference_mode():
         _, clean = model.run_with_cache(toks, names_filter=[z0, p0])
         store = {}
-        model.run_with_hooks(toks, fwd_hooks=registry.get("variance_calibration")(model, positions=0)
+        model.run_with_hooks(toks, fwd_hooks=registry.get("variance_calibration")(model, positions=0, mode="attenuate")
                              + [(z0, lambda z, hook: store.__setitem__("z", z.clone()))])
     s = clean[p0].double().pow(2).sum(-1)
     assert float(s[..., 0].max()) < 0.9  # sink logits: A_00 < 1
@@ -375,3 +375,19 @@ def test_cli_no_bos_on_a_run_without_a_tokenizer(tmp_path, capsys):
         assert bool((torch.cat([b.tokens[:, 0] for b in batches]) == 0).all()) is bos
         direct = remove_sink(model, batches, method="block_keys", loss=False, options=QUIET).to_dict()
         assert written["before"] == direct["before"] and written["options"]["prepend_bos"] is bos
+
+
+def test_variance_calibration_as_a_spec_stays_causal_amplify():
+    """remove_sink's attenuate default must not reach specs: a training-time ``--intervention variance_calibration``
+    stored as that string would have switched a run to attenuate (whose floor reads later queries) on resume."""
+    from sinklens.interventions import registry
+    from sinklens.interventions.calibration import variance_calibration
+    from sinklens.testing.zoo import zoo_model
+
+    model = zoo_model("llama")
+    tokens = torch.tensor([[0, 5, 6, 7, 8, 9, 10, 11]])
+    spec = model.run_with_hooks(tokens, fwd_hooks=registry.build(model, "variance_calibration"))
+    amplify = model.run_with_hooks(tokens, fwd_hooks=variance_calibration(model, mode="amplify"))
+    torch.testing.assert_close(spec, amplify, rtol=0, atol=0)
+    prefix = model.run_with_hooks(tokens[:, :5], fwd_hooks=registry.build(model, "variance_calibration"))
+    torch.testing.assert_close(spec[:, :5], prefix, rtol=1e-5, atol=1e-5)  # causal: later tokens change nothing

@@ -27,7 +27,7 @@ def test_calibrated_head_variance_is_equal_at_every_position_under_uniform_atten
         model.blocks[0].attn.b_Q.zero_()
     opts = RunOptions(batch_size=128, progress=False)
     raw = positional_discrepancy(model, n_sequences=512, seq_len=8, options=opts).head_var[0]
-    hooks = registry.build(model, "variance_calibration", layers=[0], mode="amplify")
+    hooks = registry.build(model, "variance_calibration", layers=[0])  # a spec: amplify, causal
     cal = positional_discrepancy(model, n_sequences=512, seq_len=8, options=opts.replace(extra_hooks=hooks)).head_var[0]
     flat = cal / cal.mean(dim=-1, keepdim=True)
     assert float((flat - 1).abs().max()) < 0.2, flat  # position-independent after calibration
