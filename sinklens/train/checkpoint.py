@@ -28,8 +28,10 @@ last line cut short by a kill is dropped with a warning when it is read (:func:`
 resume rewrites the file up to its checkpoint's step.
 
 ``overwrite=True`` moves the old run's own files (never another tool's) into ``.overwritten-*/``
-(:func:`set_aside_run`), deletes them once the new run's first checkpoint is written, and puts them
-back if the new run fails before that. A folder that is not a run but holds files a run would replace
+(:func:`set_aside_run`), deletes them once the new run writes its first regular (periodic or final)
+checkpoint, and puts them back if the new run fails before any checkpoint, or is killed then
+(:func:`recover_set_aside`, at the next start); a replacement that diverges or is interrupted after a
+checkpoint of its own keeps it, and the old run stays set aside, named in a warning. A folder that is not a run but holds files a run would replace
 or be loaded with (another tool's ``config.json``, ``model.safetensors``, ``tokenizer/``) is refused.
 
 Run directories of sinklens 0.1 (the checkpoint files directly in the run directory, no
@@ -560,10 +562,37 @@ def restore_set_aside(run_dir: str | Path, aside: Path) -> None:
     _fsync_dir(run_dir)
 
 
+def set_aside_runs(run_dir: str | Path) -> list[Path]:
+    """The folders :func:`set_aside_run` left in ``run_dir``, newest first."""
+    found = [p for p in Path(run_dir).glob(".overwritten-*") if p.is_dir()]
+    return sorted(found, key=lambda p: p.stat().st_mtime, reverse=True)
+
+
 def discard_set_aside(run_dir: str | Path) -> None:
-    """Delete the runs that :func:`set_aside_run` moved aside in ``run_dir`` (also those of a killed overwrite)."""
-    for path in Path(run_dir).glob(".overwritten-*"):
+    """Delete the runs that :func:`set_aside_run` moved aside in ``run_dir`` (also those of a killed overwrite):
+    called once the run in ``run_dir`` has written a regular checkpoint, which is what ``overwrite=True`` asked for."""
+    for path in set_aside_runs(run_dir):
         shutil.rmtree(path, ignore_errors=True)
+
+
+def recover_set_aside(run_dir: str | Path) -> str | None:
+    """Put back a run that an ``overwrite=True`` killed before its first checkpoint (SIGKILL, out of memory) left in
+    ``run_dir/.overwritten-*``; say what was done (None when there was nothing).
+
+    Called by a trainer that holds the run directory's lock, before it looks at the folder: where ``run_dir`` holds
+    no checkpoint, the newest set-aside run comes back (the replacement never got as far as one); where it holds
+    one (the replacement stopped on a divergence or Ctrl-C after a checkpoint of its own), the set-aside runs stay
+    where they are, named, until the run reaches a regular checkpoint (:func:`discard_set_aside`)."""
+    aside = set_aside_runs(run_dir)
+    if not aside:
+        return None
+    if has_checkpoint(run_dir):
+        return (f"{str(run_dir)!r} still holds the run an earlier overwrite replaced, in {[str(p) for p in aside]} "
+                "(the replacement stopped after a checkpoint of its own); it is deleted once this run writes a "
+                "regular checkpoint. Move its files back into the folder to keep it instead.")
+    restore_set_aside(run_dir, aside[0])
+    return (f"An overwrite of {str(run_dir)!r} was killed before its first checkpoint: the run it was replacing, "
+            f"set aside in {str(aside[0])!r}, is put back.")
 
 
 def clear_run(run_dir: str | Path) -> None:

@@ -454,7 +454,7 @@ def _stream_digest(stream: np.ndarray) -> str:
     dtype and sampled chunks when it is a memmap (a large ``.bin`` file is never read whole)."""
     digest = hashlib.sha256(f"{len(stream)}/{np.dtype(stream.dtype).str}/".encode())
     if not isinstance(stream, np.memmap):
-        digest.update(np.ascontiguousarray(stream).tobytes())
+        digest.update(memoryview(np.ascontiguousarray(stream)))  # no copy of an in-memory stream
         return digest.hexdigest()
     width = max(1, _SAMPLE_BYTES // np.dtype(stream.dtype).itemsize)
     if len(stream) <= width * _SAMPLED_CHUNKS:
@@ -463,7 +463,7 @@ def _stream_digest(stream: np.ndarray) -> str:
         last = len(stream) - width
         starts = sorted({round(i * last / (_SAMPLED_CHUNKS - 1)) for i in range(_SAMPLED_CHUNKS)})
     for start in starts:
-        digest.update(np.ascontiguousarray(stream[start : start + width]).tobytes())
+        digest.update(memoryview(np.ascontiguousarray(stream[start : start + width])))
     return digest.hexdigest()
 
 

@@ -47,8 +47,9 @@ from sinklens.train.compile import CompileSwitch
 from sinklens.train.allocator import retained_cpu_memory
 from sinklens.train.checkpoint import (
     METRICS, TOKENIZER, RunLock, check_data_fingerprint, clean_stale, discard_set_aside, foreign_entries,
-    has_checkpoint, is_run_dir, load_checkpoint, load_run, read_metrics, restore_set_aside, resume_changes,
-    save_checkpoint, save_tokenizer, set_aside_run, tokenizer_problem, write_data_fingerprint, write_metrics,
+    has_checkpoint, is_run_dir, load_checkpoint, load_run, read_metrics, recover_set_aside, restore_set_aside,
+    resume_changes, save_checkpoint, save_tokenizer, set_aside_run, set_aside_runs, tokenizer_problem,
+    write_data_fingerprint, write_metrics,
 )
 from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source, data_fingerprint
@@ -328,7 +329,7 @@ def try_interventions(model: Any, hooks: Hooks, cfg: TrainConfig) -> bool:
 
 
 def _keep_finite_weights(step: int, start_step: int, saved: set[int], resumed: bool, out: Path | None,
-                         checkpoint: Callable[[int], None], weights_problem: Callable[[], str | None] = lambda: None) -> str:
+                         checkpoint: Callable[..., None], weights_problem: Callable[[], str | None] = lambda: None) -> str:
     """What a run that diverged at ``step`` keeps, and say it: its last finite checkpoint (the newest of ``saved``,
     or the one it resumed from) stays current; a run with none checkpoints its finite weights after ``step``
     steps (the bad update was dropped), so that it is never lost."""
@@ -340,18 +341,18 @@ def _keep_finite_weights(step: int, start_step: int, saved: set[int], resumed: b
         bad = weights_problem()
         if bad is not None:  # an earlier update (with a finite loss) already broke them: nothing finite to keep
             return f"it had no checkpoint, and its weights after step {step} are not finite ({bad}), so none was written"
-        checkpoint(step)
+        checkpoint(step, regular=False)
         return (f"it had no checkpoint, so its finite weights after step {step} are checkpointed in {str(out)!r} "
                 "(--resume continues from there)")
     return f"no step had finished, so {str(out)!r} holds no checkpoint"
 
 
 def _interrupted(
-    signal_name: str, step: int, start_step: int, steps: int, out: Path | None, checkpoint: Callable[[int], None]
+    signal_name: str, step: int, start_step: int, steps: int, out: Path | None, checkpoint: Callable[..., None]
 ) -> TrainingInterrupted:
     """Checkpoint the ``step`` steps done (when any were done since ``start_step``) and say so."""
     if step > start_step and out is not None:
-        checkpoint(step)
+        checkpoint(step, regular=False)
         kept = f"its checkpoint is saved in {str(out)!r}; continue with --resume (train(..., resume=True))"
     elif out is not None:
         kept = f"no step had finished since step {start_step}, so the run in {str(out)!r} is as it was"
@@ -454,6 +455,10 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
     """:func:`train` once the run directory is locked."""
     from sinklens.train.model import SinkLM
 
+    if out is not None and out.is_dir() and _writes_run_dir():
+        recovered = recover_set_aside(out)  # an overwrite killed before its first checkpoint: the old run comes back
+        if recovered is not None:
+            warnings.warn(recovered, stacklevel=3)
     _check_run_dir(out, resume=resume, overwrite=overwrite)
     resumed_from = load_run(out) if out is not None and resume else None  # verified once: compared, then loaded
     resume_changed = resume_changes(resumed_from.config, cfg, run_dir=out) if resumed_from is not None else {}
@@ -560,13 +565,16 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
             log({"kind": "eval", "step": step, **metrics.scalars(), **persist.measure(raw_model)})
 
         saved_steps: set[int] = set()
+        leftovers = [] if out is None else set_aside_runs(out)  # runs an earlier overwrite set aside (named, kept)
 
         def last_checkpoint() -> str:
             if saved_steps or resumed_from is not None:
                 return f"its last finite checkpoint (step {max(saved_steps, default=start_step)}) in {str(out)!r} is kept"
             return f"{str(out)!r} holds no checkpoint of this run"
 
-        def checkpoint(step: int) -> None:  # once per step: Ctrl-C right after a periodic checkpoint writes none
+        def checkpoint(step: int, *, regular: bool = True) -> None:  # once per step: Ctrl-C right after a periodic
+            # checkpoint writes none. regular=False: what a divergence or Ctrl-C saves; the run an overwrite replaces
+            # is deleted only after a regular (periodic or final) one
             if out is not None and step not in saved_steps:
                 bad = _check_weights_finite(raw_model)  # at checkpoints only: never a per-step host sync
                 if bad is not None:  # a finite loss, yet the update left NaN/inf weights: never checkpoint them
@@ -581,8 +589,12 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
                     return
                 save_checkpoint(out, model=raw_model, optimizer=optimizer, cfg=cfg, step=step, scaler=scaler)
                 saved_steps.add(step)
-                if overwritten:  # the new run has a checkpoint: the run it replaces goes now
+                if regular and (overwritten or leftovers):  # a regular checkpoint: the run it replaces goes now
                     discard_set_aside(out)
+                    overwritten.clear()
+                    leftovers.clear()
+                elif overwritten:  # a divergence or Ctrl-C after this checkpoint keeps both: say where the old one is
+                    leftovers.extend(overwritten)
                     overwritten.clear()
 
         def periodic_checkpoint(steps_done: int) -> None:
@@ -718,9 +730,13 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
             if metrics_file is not None:
                 metrics_file.close()
         return TrainResult(model=raw_model, history=history, out_dir=out, compile=switch.summary(), cpu=cpu)
-    except BaseException:
-        if overwritten:  # failed before its first checkpoint: the run it was to replace comes back
+    except BaseException as error:
+        if overwritten:  # failed before any checkpoint: the run it was to replace comes back
             restore_set_aside(out, overwritten[0])
+        elif out is not None and set_aside_runs(out) and isinstance(error, (TrainingDivergedError, TrainingInterrupted)):
+            warnings.warn(f"The run this overwrite replaced is kept in {[str(p) for p in set_aside_runs(out)]}: it is "
+                          "deleted once this run writes a regular checkpoint (move its files back to keep it).",
+                          stacklevel=2)
         raise
     finally:
         resources.close()

@@ -221,6 +221,39 @@ def test_an_overwrite_that_fails_before_its_first_checkpoint_restores_the_old_ru
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-000004"]
 
 
+def test_an_overwrite_killed_before_its_first_checkpoint_is_undone_at_the_next_start(tmp_path):
+    """A SIGKILL (the OOM killer) between setting the old run aside and the new run's first checkpoint left the
+    old run hidden in .overwritten-*: every later command said the folder held no checkpoint, and the --overwrite
+    they advised deleted it. The next start now puts it back first."""
+    train(build_cfg(steps=3), out_dir=tmp_path, progress=False)
+    before = _snapshot(tmp_path)
+    aside = ckpt_mod.set_aside_run(tmp_path)  # what the killed overwrite had done ...
+    write_text_atomic(tmp_path / "config.json", json.dumps(build_cfg(steps=9, seed=5).to_dict()))  # ... and written
+    assert aside is not None and not ckpt_mod.has_checkpoint(tmp_path)
+    with pytest.warns(UserWarning, match="was killed before its first checkpoint: the run it was replacing"):
+        with pytest.raises(RunExistsError):  # the old run is back, and a plain run does not replace it
+            train(build_cfg(steps=3), out_dir=tmp_path, progress=False)
+    assert _snapshot(tmp_path) == before and not list(tmp_path.glob(".overwritten-*"))
+    assert load_run(tmp_path).step == 3
+
+
+def test_an_overwrite_that_diverges_after_saving_its_weights_keeps_the_old_run_aside(tmp_path):
+    """A replacement that diverges saves its finite weights (so that it is never lost); that salvage checkpoint
+    used to delete the run it replaced. The old run now stays set aside, named, until a regular checkpoint."""
+    train(build_cfg(steps=3), out_dir=tmp_path, progress=False)
+    old = load_trained_model(tmp_path).state_dict()
+    wild = build_cfg(steps=6, seed=5, optim={"lr": 1e30, "warmup_steps": 0, "grad_clip": 0.0})
+    with pytest.warns(UserWarning, match="The run this overwrite replaced is kept in"):
+        with pytest.raises(TrainingDivergedError):
+            train(wild, out_dir=tmp_path, overwrite=True, progress=False)
+    (aside,) = tmp_path.glob(".overwritten-*")
+    kept = load_trained_model(aside).state_dict()
+    assert all(torch.equal(kept[k], old[k]) for k in old)  # the old run, whole, in the set-aside folder
+    with pytest.warns(UserWarning, match="still holds the run an earlier overwrite replaced"):
+        train(build_cfg(steps=4, seed=5), out_dir=tmp_path, overwrite=True, progress=False)
+    assert not list(tmp_path.glob(".overwritten-*"))  # a regular checkpoint: now it goes
+
+
 # ------------------------------------------------------------------ 6. the tokenizer
 
 
