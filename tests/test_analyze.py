@@ -196,3 +196,14 @@ def test_report_json_paths_are_in_residual_units_on_a_post_norm_model(tmp_path):
     assert [w["block"] for w in path["writers"]] == [spec.layer] and path["erasers"] == []
     assert data["super_neurons"]["super_neurons"] == [[spec.layer, spec.neuron]]
     assert data["super_neurons"]["post_norm_blocks"] == [0, 1]
+
+
+def test_the_report_records_the_dtype_and_device_it_ran_in(tiny):
+    """A float64 and a bfloat16 run of one model wrote identical settings, so their report.json files could not be
+    told apart."""
+    import copy
+
+    for dtype in (torch.float64, torch.bfloat16):
+        model = copy.deepcopy(tiny).to(dtype)
+        settings = analyze(model, TINY_PROMPTS, options=QUIET).to_dict()["settings"]
+        assert (settings["dtype"], settings["device"]) == (str(dtype).removeprefix("torch."), "cpu")

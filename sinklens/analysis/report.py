@@ -28,7 +28,7 @@ from sinklens.analysis.verify import CausalCheck, verify_attribution
 from sinklens.analysis.weight_super_neurons import SinkInputReducer, WeightNeurons, super_neurons_from_weights
 from sinklens.display import CompactRepr
 from sinklens.export import to_json
-from sinklens.hooks import with_cached_weights
+from sinklens.hooks import model_device, model_dtype, with_cached_weights
 from sinklens.inputs import Inputs, is_encoder, require_a_later_position
 from sinklens.options import RunOptions
 from sinklens.residual_units import neuron_reason
@@ -260,7 +260,8 @@ def analyze(
         seconds=time.perf_counter() - start,
         settings={"batch_size": options.batch_size, "max_length": options.max_length,
                   "sink_threshold": sink_settings.sink_threshold, "abs_threshold": abs_threshold,
-                  "rel_threshold": rel_threshold, "verify": verify},
+                  "rel_threshold": rel_threshold, "verify": verify,
+                  "dtype": str(model_dtype(model)).removeprefix("torch."), "device": str(model_device(model))},
         causal=causal,
         skipped=skipped,
     )

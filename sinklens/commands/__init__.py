@@ -40,7 +40,7 @@ def add_model_flags(parser: argparse.ArgumentParser, *, batch_size: int) -> None
     and help in every command (checked by :func:`check_model_flags` before the model loads)."""
     parser.add_argument("--batch-size", type=int, default=batch_size, help="sequences per forward pass (default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, help="parameter dtype: float32 (default), bfloat16, float16")
+    parser.add_argument("--dtype", default=None, help="parameter dtype: float32 (default), float64, bfloat16, float16")
 
 
 def check_model_flags(args: argparse.Namespace) -> None:
