@@ -500,6 +500,12 @@ def create_sink(
     options = options_from_legacy(options, method_options, "create_sink", last=False)
     position = index(position, model_dims(model).n_ctx, what="position", allow_negative=False)
     sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
+    if position == sink:
+        raise InvalidArgumentError(
+            f"position={position} is the sink itself (sink={sink}): create_sink makes a new sink at another position "
+            f"and compares it with the original one; pass a position other than {sink} (or remove_sink to take this "
+            "one away)."
+        )
     name, hooks, recorded = _hooks_for(model, method, "create", position, layers, sink, dims, method_options)
     return _measure(model, tokens, hooks, target=position, sink=sink, method=name, dims=dims, loss=loss,
                     options=options, recorded=recorded)

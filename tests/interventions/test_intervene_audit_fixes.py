@@ -391,3 +391,16 @@ def test_variance_calibration_as_a_spec_stays_causal_amplify():
     torch.testing.assert_close(spec, amplify, rtol=0, atol=0)
     prefix = model.run_with_hooks(tokens[:, :5], fwd_hooks=registry.build(model, "variance_calibration"))
     torch.testing.assert_close(spec[:, :5], prefix, rtol=1e-5, atol=1e-5)  # causal: later tokens change nothing
+
+
+def test_creating_a_sink_where_the_sink_already_is_is_refused(tmp_path):
+    """``intervene --method restart --position 0`` ran as a no-op (ratio 1.00 in every layer) with exit 0."""
+    from sinklens.errors import InvalidArgumentError
+    from sinklens.interventions.experiments import create_sink
+    from sinklens.testing.zoo import zoo_model
+
+    model = zoo_model("llama")
+    with pytest.raises(InvalidArgumentError, match=r"position=0 is the sink itself \(sink=0\)"):
+        create_sink(model, ["t3 t4 t5 t6"], 0, method="restart")
+    with pytest.raises(InvalidArgumentError, match=r"position=2 is the sink itself \(sink=2\)"):
+        create_sink(model, ["t3 t4 t5 t6"], 2, sink=2, method="self_only")
