@@ -435,9 +435,9 @@ def _writes_run_dir() -> bool:
     only process otherwise."""
     import os
 
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        return int(os.environ["RANK"]) == 0
-    return True
+    from sinklens.distributed import launched_by_torchrun
+
+    return not launched_by_torchrun() or int(os.environ["RANK"]) == 0
 
 
 def _check_weights_finite(model: Any) -> str | None:
