@@ -427,7 +427,7 @@ def as_batches(
         if not items:
             raise InvalidArgumentError("No inputs given: the iterable of prompts or TokenBatch objects is empty.")
         if isinstance(items[0], str):  # prompts: a list, tuple, generator or numpy array of strings
-            items = tokenize_prompts(model, items, batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
+            items = tokenize_prompts(model, prompt_list(items), batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
         for i, b in enumerate(items):
             if not isinstance(b, TokenBatch):
                 raise InvalidArgumentError(
