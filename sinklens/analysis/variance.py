@@ -564,19 +564,16 @@ class VarianceReducer(Reducer[VarianceResult]):
         def fold_out(z: Tensor, layer: int, sq: Tensor | None = None) -> None:  # [batch, pos, head, d_head]: enters W_O
             row, z = self.row[layer], z.float()
             n = z.shape[1]
-            sq, total = z.square().sum(-1) if sq is None else sq, z.sum(-1)  # Σ_c z², Σ_c z per (b, t, head)
+            sq = z.square().sum(-1) if sq is None else sq  # Σ_c z² per (b, t, head)
             if separate:
                 self.out_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
             zg = torch.einsum("bphd,hde->bphe", z, self.gram32[row])  # |z W_O|² = z G zᵀ
             self.r_s2[row, :, :n] += ((zg * z).sum(-1) * w32[..., None]).sum(0).T.double()
-            # Li et al.: torch.std (Bessel) over the features at each token, summed over sequences; from the
-            # same Σ z² and Σ z (one pass), in float64: std² = (Σ z² − (Σ z)² / n) / (n − 1).
-            sq, total = sq.double(), total.double()
-            d, big = z.shape[-1], z.shape[-1] * z.shape[-2]
-            std_head = ((sq - total.square() / d) / (d - 1)).clamp(min=0).sqrt()
-            std_all = ((sq.sum(-1) - total.sum(-1).square() / big) / (big - 1)).clamp(min=0).sqrt()
-            self.fs_head[row, :, :n] += (std_head * w[..., None]).sum(0).T
-            self.fs_all[row, :n] += (std_all * w).sum(0)
+            # Li et al.: torch.std (Bessel) over the features at each token, as their code calls it (its two passes
+            # keep a large common mean from cancelling the spread), averaged over sequences.
+            std_head, std_all = z.std(-1), z.flatten(-2).std(-1)  # [b, t, head], [b, t]
+            self.fs_head[row, :, :n] += (std_head.double() * w[..., None]).sum(0).T
+            self.fs_all[row, :n] += (std_all.double() * w).sum(0)
             if layer in self.post_norm:
                 waiting[layer] = z.clone()
 

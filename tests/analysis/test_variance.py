@@ -412,3 +412,19 @@ def test_headwise_rmsnorm_restores_write_parity_under_uniform_attention():
     z_ratio, write_ratio = got.discrepancy(0, of="z")[0], got.discrepancy(0, of="result")[0]  # layer 0
     assert float(z_ratio.min()) > 3.0, z_ratio  # measured 3.97-4.12
     assert float((write_ratio - 1).abs().max()) < 0.05, write_ratio  # measured 0.998-1.015
+
+
+def test_li_feature_std_keeps_its_precision_under_a_large_common_mean():
+    """Li et al.'s ``torch.std`` per token stays exact when the head outputs share a mean ~10⁴ times their spread
+    (a common offset added at ``hook_z``): a one-pass ``Σz² − (Σz)²/n`` in float32 loses the spread to rounding
+    there (relative error ≈ 0.4 at this offset)."""
+    model = tiny_sinklm(seed=0)
+    tokens = torch.randint(0, 512, (12, 10), generator=torch.Generator().manual_seed(5))
+    offset = tuple((f"blocks.{layer}.attn.hook_z", lambda z, hook: z + 1000.0) for layer in range(model.cfg.n_layers))
+    got = measure_variance(model, tokens, options=QUIET.replace(batch_size=4, extra_hooks=offset))
+    with model.hooks(fwd_hooks=list(offset)):
+        _, cache = model.run_with_cache(tokens, names_filter=lambda name: name.endswith("attn.hook_z"))
+    for layer in range(model.cfg.n_layers):
+        z = cache[f"blocks.{layer}.attn.hook_z"].double()  # [batch, pos, head, d_head], offset included
+        torch.testing.assert_close(got.feature_std[layer], z.flatten(2).std(dim=-1).mean(0).float(), rtol=1e-4, atol=0)
+        torch.testing.assert_close(got.feature_std_head[layer], z.std(dim=-1).mean(0).T.float(), rtol=1e-4, atol=0)
