@@ -8,8 +8,8 @@ Hooks (``l`` = layer; shapes ``[batch, pos, ...]`` unless stated):
 - ``hook_embed`` ``[b, p, d_model]``: ``W_E[tokens]``; ``hook_pos_embed`` (gpt2): learned positions.
 - ``blocks.{l}.hook_resid_pre`` / ``hook_resid_mid`` / ``hook_resid_post`` ``[b, p, d_model]``.
 - ``blocks.{l}.ln1.hook_scale`` ``[b, p, 1]`` (the RMS, or std for gpt2, divided out) and
-  ``ln1.hook_normalized`` ``[b, p, d_model]`` (norm output including its gain and bias); same for
-  ``ln2`` and ``ln_final``.
+  ``ln1.hook_normalized`` ``[b, p, d_model]`` (the normalised vector *before* the norm's gain and bias, as
+  in TransformerLens: the norm's output is ``w ⊙ hook_normalized (+ b)``); same for ``ln2`` and ``ln_final``.
 - ``blocks.{l}.attn.hook_q`` ``[b, p, head, d_head]``, ``hook_k``/``hook_v`` ``[b, p, kv_head, d_head]``:
   ``x W + b`` before any qk-norm and RoPE; ``hook_rot_q``/``hook_rot_k`` (llama): after RoPE.
 - ``blocks.{l}.attn.hook_attn_scores`` ``[b, head, q, k]``: the logits ``q·k/sqrt(d_head)`` (plus the
@@ -87,11 +87,12 @@ def _hooked(hp: HookPoint) -> bool:
 
 
 class RMSNorm(nn.Module):
-    """``w ⊙ x / sqrt(mean(x²) + eps)`` (computed in float32); ``hook_normalized`` includes ``w``.
+    """``w ⊙ x / sqrt(mean(x²) + eps)`` (computed in float32); ``hook_normalized`` is ``x / sqrt(...)``, before
+    ``w``, as TransformerLens' ``RMSNorm`` has it (so analyzers read the same site on a SinkLM).
 
-    Fast path when nothing is hooked on ``hook_scale``: :func:`sinklens.train.rms_norm.rms_norm`
+    Fast path when nothing is hooked on ``hook_scale`` or ``hook_normalized``: :func:`sinklens.train.rms_norm.rms_norm`
     (``F.rms_norm``, or on a CPU in training its closed-form backward); otherwise the explicit path,
-    which materialises the scale for ``hook_scale``. The two agree to float32 rounding (tested).
+    which materialises the scale and the normalised vector for the hooks. The two agree to float32 rounding (tested).
     """
 
     def __init__(self, d_model: int, eps: float) -> None:
@@ -102,15 +103,16 @@ class RMSNorm(nn.Module):
         self.hook_normalized = HookPoint()
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
-        if not _hooked(self.hook_scale):
-            return self.hook_normalized(rms_norm(x, self.w, self.eps))
+        if not (_hooked(self.hook_scale) or _hooked(self.hook_normalized)):
+            return rms_norm(x, self.w, self.eps)
         xf = at_least_float32(x)
         scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
-        return self.hook_normalized((xf / scale).to(x.dtype) * self.w.to(x.dtype))
+        return self.hook_normalized((xf / scale).to(x.dtype)) * self.w.to(x.dtype)
 
 
 class LayerNorm(nn.Module):
-    """``w ⊙ (x - mean) / sqrt(var + eps) + b`` (float32); ``hook_normalized`` includes ``w`` and ``b``."""
+    """``w ⊙ (x - mean) / sqrt(var + eps) + b`` (float32); ``hook_normalized`` is ``(x - mean) / sqrt(...)``, before
+    ``w`` and ``b``, as in TransformerLens' ``LayerNorm``."""
 
     def __init__(self, d_model: int, eps: float) -> None:
         super().__init__()
@@ -124,7 +126,7 @@ class LayerNorm(nn.Module):
         xf = at_least_float32(x)
         xf = xf - xf.mean(-1, keepdim=True)
         scale = self.hook_scale((xf.pow(2).mean(-1, keepdim=True) + self.eps).sqrt())
-        return self.hook_normalized(((xf / scale).to(x.dtype) * self.w.to(x.dtype)) + self.b.to(x.dtype))
+        return self.hook_normalized((xf / scale).to(x.dtype)) * self.w.to(x.dtype) + self.b.to(x.dtype)
 
 
 class Attention(nn.Module):

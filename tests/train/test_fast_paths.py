@@ -14,7 +14,7 @@ from sinklens.train import matmul as matmul_mod
 from sinklens.train.allocator import _glibc
 from sinklens.train.config import ModelConfig
 from sinklens.train.loop import train
-from sinklens.train.model import RMSNorm, SinkLM, next_token_loss
+from sinklens.train.model import LayerNorm, RMSNorm, SinkLM, next_token_loss
 from sinklens.train import rms_norm as rms_norm_mod
 from sinklens.train import rotary as rotary_mod
 from sinklens.train.rms_norm import rms_norm
@@ -49,6 +49,32 @@ def test_rms_norm_fast_path_matches_the_formula_and_hooked_path():
     torch.testing.assert_close(fast_in.grad, slow_in.grad, rtol=1e-5, atol=1e-6)
     (scale,) = scales
     torch.testing.assert_close(scale.double(), x.double().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_hook_normalized_is_before_the_gain_as_in_transformerlens(kind):
+    """``hook_normalized`` holds the normalised vector before ``w`` (and ``b``), as TransformerLens' norms do, so
+    analyzers that read it (normalized disparity, weight-based super neurons) see the same site on a SinkLM; hooking
+    it alone takes the explicit path, whose output equals the fast one."""
+    torch.manual_seed(3)
+    norm = RMSNorm(32, 1e-6) if kind == "rms" else LayerNorm(32, 1e-5)
+    with torch.no_grad():
+        norm.w.copy_(torch.rand(32) + 0.5)
+        if kind == "layer":
+            norm.b.normal_()
+    x = torch.randn(3, 5, 32) * 4 + 1.0
+    fast = norm(x)
+    seen = []
+    norm.hook_normalized.add_hook(lambda n, hook: seen.append(n) or n)
+    hooked = norm(x)
+    norm.hook_normalized.remove_hooks()
+    xd = x.double() - (x.double().mean(-1, keepdim=True) if kind == "layer" else 0)
+    normalised = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + norm.eps)  # independent, float64
+    (got,) = seen
+    torch.testing.assert_close(got.double(), normalised, rtol=1e-5, atol=1e-5)
+    output = normalised * norm.w.detach().double() + (norm.b.detach().double() if kind == "layer" else 0)
+    torch.testing.assert_close(hooked.double(), output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.double(), output, rtol=1e-5, atol=1e-5)
 
 
 def test_head_rms_norm_matches_the_authors_formula():

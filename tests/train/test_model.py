@@ -70,9 +70,15 @@ def test_weight_properties_have_transformerlens_shapes_and_drive_the_hooks(famil
     assert (model.W_gate is None) == (family == "gpt2")
     if family == "llama":
         assert model.W_gate.shape == (L, D, M)
+    with torch.no_grad():  # gains and biases away from 1 and 0: the attention reads w ⊙ hook_normalized (+ b)
+        for block in model.blocks:
+            block.ln1.w.uniform_(0.5, 2.0)
+            if family == "gpt2":
+                block.ln1.b.normal_()
     _, cache = model.run_with_cache(tokens())
     for layer in range(L):
-        x = cache[f"blocks.{layer}.ln1.hook_normalized"]
+        ln1 = model.blocks[layer].ln1
+        x = cache[f"blocks.{layer}.ln1.hook_normalized"] * ln1.w + (ln1.b if family == "gpt2" else 0)
         q = torch.einsum("bpd,hdk->bphk", x, model.W_Q[layer]) + model.b_Q[layer]
         v = torch.einsum("bpd,hdk->bphk", x, model.W_V[layer]) + model.b_V[layer]
         torch.testing.assert_close(cache[f"blocks.{layer}.attn.hook_q"], q)

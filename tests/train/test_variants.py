@@ -282,9 +282,12 @@ def test_softpick_matches_its_formula_and_rows_can_be_empty():
 @pytest.mark.parametrize("granularity", ["elementwise", "headwise"])
 def test_gate_is_sigmoid_of_attention_input(granularity):
     model = build("gated", variant_options={"granularity": granularity})
+    with torch.no_grad():  # the gate reads the norm's output, w ⊙ hook_normalized
+        for block in model.blocks:
+            block.ln1.w.uniform_(0.5, 2.0)
     cache = cached(model, tokens(), "ln1.hook_normalized", "attn.hook_z", "attn.hook_gate", "attn.hook_z_gated")
     for layer in range(2):
-        x = cache[f"blocks.{layer}.ln1.hook_normalized"]
+        x = cache[f"blocks.{layer}.ln1.hook_normalized"] * model.blocks[layer].ln1.w
         W_G = model.blocks[layer].attn.variant.W_G
         if granularity == "elementwise":
             gate = torch.sigmoid(torch.einsum("bpd,hdk->bphk", x, W_G))
