@@ -1,8 +1,13 @@
 """Dimension disparity after normalisation: does the sink's massive dimension survive the norm?
 
-For a token's vector ``x``, ``r_d = |x_d| / mean_{j != d} |x_j|`` (each dimension against the mean of the
-token's other dimensions), at the sink versus at other tokens, read at two places of the norm whose output
-layer ``l``'s attention reads (its queries, keys and values) and reported side by side:
+For a token's vector ``x``, each dimension's magnitude ``|x_d|`` against the mean magnitude of the token's other
+dimensions, ``m_d = mean_{j != d} |x_j|``, at the sink versus at other tokens. As the paper's code computes it
+(Siquan-Li/Head-wise-RMSNorm at 23793e0, ``attention_sink.ipynb`` cell 16: ``avg_target_abs / avg_others_abs``),
+the ratio is one of averages, ``mean |x_d| / mean m_d``, over the sequences' sink tokens (``ratio_sink*``) or over
+all other valid tokens (``ratio_other*``, sinklens'), not a mean of per-token ratios; the two agree when the sink
+token is the same in every sequence (a BOS). ``ratio_other_max*`` is the largest per-token ratio
+``|x_d| / m_d`` at a non-sink token. Each is read at two places of the norm whose output layer ``l``'s attention
+reads (its queries, keys and values) and reported side by side:
 
 * **before the gain** (sinklens' own, ``ratio_sink`` / ``ratio_other`` / ``ratio_other_max``): that norm's
   ``hook_normalized``, the normalised vector before its learned gain (and bias), on every TransformerLens
@@ -50,12 +55,14 @@ from sinklens.streaming import BatchFold, Reducer, bound_hooks
 class NormalizedDisparity(CompactRepr):
     """Dimension disparity of the input layernorm, before and after its gain (see the module docstring).
 
-    For a token's vector ``x``, ``r_d = |x_d| / mean_{j != d} |x_j|``.
+    For a token's vector ``x``, ``m_d = mean_{j != d} |x_j|``; a ratio is ``mean |x_d| / mean m_d`` over tokens
+    (a ratio of averages, as the paper's code: module docstring).
 
     Attributes:
-        ratio_sink: before the gain (``ln1.hook_normalized``, sinklens): mean over sequences of ``r_d`` at
-            ``sink_position``.
-        ratio_other: before the gain: mean of ``r_d`` over all other valid tokens; ``ratio_other_max``: its maximum.
+        ratio_sink: before the gain (``ln1.hook_normalized``, sinklens): ``mean |x_d| / mean m_d`` over the
+            sequences' tokens at ``sink_position``.
+        ratio_other: before the gain: the same over all other valid tokens; ``ratio_other_max``: the largest
+            per-token ``|x_d| / m_d`` among them.
         ratio_sink_after_gain / ratio_other_after_gain / ratio_other_max_after_gain: the same, read after the gain
             (the input layernorm's output, the paper's site).
         site: ``"ln1.hook_normalized"``, or on a post-LN model which norm each layer reads.
@@ -115,7 +122,7 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
     into :class:`NormalizedDisparity` (``[layer, dim]`` sums only), before the gain and, mapped through the norm's gain
     and bias, after it."""
 
-    statistics = ("sink_sum", "other_sum", "other_max", "n_sequences", "n_other")
+    statistics = ("sink_abs", "sink_rest", "other_abs", "other_rest", "other_max", "n_sequences", "n_other")
     maxima = ("other_max",)
 
     def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None):
@@ -132,8 +139,9 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
 
     def reset(self) -> None:
         n, dev = len(self.layers), self.device
-        self.sink_sum = torch.zeros(2, n, self.d_model, device=dev, dtype=torch.float64)  # [before/after gain, ...]
-        self.other_sum = torch.zeros(2, n, self.d_model, device=dev, dtype=torch.float64)
+        # Σ |x_d| and Σ m_d over the sink tokens / the other tokens: [before/after gain, layer, dim]
+        self.sink_abs, self.sink_rest, self.other_abs, self.other_rest = (
+            torch.zeros(2, n, self.d_model, device=dev, dtype=torch.float64) for _ in range(4))
         self.other_max = torch.zeros(2, n, self.d_model, device=dev, dtype=torch.float32)
         self.n_sequences = 0
         self.n_other = 0
@@ -147,12 +155,14 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
                 act = act[:, :, 0]
             i, x, pm = self.row[layer], act.float(), self.maps[layer]
             a = torch.stack((x, x * pm.gain.float().to(x.device) + pm.offset(x))).abs_()  # [before/after gain, ...]
-            rest = (a.sum(-1, keepdim=True) - a) / (a.shape[-1] - 1)
-            r = a / rest.clamp_min(_TINY)
-            self.sink_sum[:, i] += r[:, :, self.sink].double().sum(1)
-            ro = r * other[..., None]
-            self.other_sum[:, i] += ro.double().sum(dim=(1, 2))
-            self.other_max[:, i] = torch.maximum(self.other_max[:, i], ro.amax(dim=(1, 2)))
+            rest = (a.sum(-1, keepdim=True) - a) / (a.shape[-1] - 1)  # m_d
+            self.sink_abs[:, i] += a[:, :, self.sink].double().sum(1)
+            self.sink_rest[:, i] += rest[:, :, self.sink].double().sum(1)
+            weight = other[..., None].to(a.dtype)
+            self.other_abs[:, i] += (a * weight).double().sum(dim=(1, 2))
+            self.other_rest[:, i] += (rest * weight).double().sum(dim=(1, 2))
+            per_token = a / rest.clamp_min(_TINY) * weight
+            self.other_max[:, i] = torch.maximum(self.other_max[:, i], per_token.amax(dim=(1, 2)))
 
         # TL 3.x runs ln1.hook_normalized once per q/k/v input: fold the first call only.
         names = [f"{self.maps[layer].path}.hook_normalized" for layer in self.layers]
@@ -165,8 +175,9 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
     def result(self) -> NormalizedDisparity:
         if self.n_sequences == 0:
             raise InvalidArgumentError("No batches were streamed; nothing to summarise.")
-        other = (self.other_sum / self.n_other if self.n_other else torch.full_like(self.other_sum, float("nan"))).float().cpu()
-        sink = (self.sink_sum / self.n_sequences).float().cpu()
+        sink = (self.sink_abs / self.sink_rest.clamp_min(_TINY)).float().cpu()
+        other = (self.other_abs / self.other_rest.clamp_min(_TINY) if self.n_other
+                 else torch.full_like(self.other_abs, float("nan"))).float().cpu()
         return NormalizedDisparity(
             list(self.layers), self.sink, self.site, sink[0], other[0], self.other_max[0].cpu(), self.n_sequences,
             ratio_sink_after_gain=sink[1], ratio_other_after_gain=other[1],

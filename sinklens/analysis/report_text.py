@@ -118,7 +118,7 @@ def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:
     nd = report.normalized
     if not dims or nd.ratio_sink_after_gain is None:
         return []
-    lines = ["", "Normalised disparity r_d = |x_d| / mean_{j!=d} |x_j| at the sink vs other tokens "
+    lines = ["", "Normalised disparity mean |x_d| / mean(mean_{j!=d} |x_j|) over the sink tokens vs other tokens "
                  "(layer where the sink's ratio before the gain peaks):"]
     for d in list(dims)[:2]:
         i = int(nd.ratio_sink[:, d].argmax())

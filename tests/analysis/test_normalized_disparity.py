@@ -37,18 +37,19 @@ def test_normalized_disparity_streaming_equals_full_cache(tiny):
     batches = as_batches(tiny, PROMPTS, batch_size=2)
     (got,) = stream(tiny, batches, [NormalizedDisparityReducer(tiny)], options=QUIET)
     L, D = tiny.cfg.n_layers, tiny.cfg.d_model
-    sink, other, n_other = torch.zeros(L, D), torch.zeros(L, D), 0
+    # Σ |x_d| and Σ mean_{j != d} |x_j| over the sink tokens / the other tokens (a ratio of averages, as the paper)
+    sums = {key: torch.zeros(L, D) for key in ("sink_abs", "sink_rest", "other_abs", "other_rest")}
     for prompt in PROMPTS:
         _, cache = tiny.run_with_cache(tiny.to_tokens(prompt), names_filter=lambda n: n.endswith("ln1.hook_normalized"))
         for layer in range(L):
             x = cache[f"blocks.{layer}.ln1.hook_normalized"][0].abs()
             for p in range(x.shape[0]):
                 for d in range(D):
-                    r = x[p, d] / torch.cat([x[p, :d], x[p, d + 1 :]]).mean()
-                    (sink if p == 0 else other)[layer, d] += r
-        n_other += x.shape[0] - 1
-    torch.testing.assert_close(got.ratio_sink, sink / len(PROMPTS), rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(got.ratio_other, other / n_other, rtol=1e-4, atol=1e-5)
+                    where = "sink" if p == 0 else "other"
+                    sums[f"{where}_abs"][layer, d] += x[p, d]
+                    sums[f"{where}_rest"][layer, d] += torch.cat([x[p, :d], x[p, d + 1 :]]).mean()
+    torch.testing.assert_close(got.ratio_sink, sums["sink_abs"] / sums["sink_rest"], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.ratio_other, sums["other_abs"] / sums["other_rest"], rtol=1e-4, atol=1e-5)
 
 
 def test_bad_sink_position(tiny_llama):

@@ -91,9 +91,11 @@ def _sublayer_inputs(family: str, model, tokens: torch.Tensor) -> dict[tuple[str
     return captured
 
 
-def _ratio(x: torch.Tensor) -> torch.Tensor:
-    a = x.double().abs()
-    return a / ((a.sum(-1, keepdim=True) - a) / (a.shape[-1] - 1))
+def _paper_ratio(x: torch.Tensor, position: int) -> torch.Tensor:
+    """The paper's disparity at ``position`` of ``x [batch, pos, d_model]`` (attention_sink.ipynb cell 16): the mean
+    over sequences of ``|x_d|`` over the mean over sequences of the other dimensions' mean ``|x_j|``."""
+    a = x.double().abs()[:, position]
+    return a.mean(0) / ((a.sum(-1, keepdim=True) - a) / (a.shape[-1] - 1)).mean(0)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -104,7 +106,7 @@ def test_normalized_disparity_reads_what_the_attention_reads(family):
     nd = normalized_disparity(model, tokens, sink_position=SINK, options=OPTS)
     reference = _sublayer_inputs(family, model, tokens)
     for i, layer in enumerate(nd.layers):
-        expected = _ratio(reference[("attn", layer)])[:, SINK].mean(0)
+        expected = _paper_ratio(reference[("attn", layer)], SINK)
         torch.testing.assert_close(nd.ratio_sink_after_gain[i].double(), expected, rtol=1e-4, atol=1e-5)
     if family == "bert":
         assert nd.norms == ["embed_ln", "blocks.0.ln2"] and nd.site.startswith("post-LN")
@@ -183,7 +185,7 @@ def test_tl3_encoder_reads_the_post_ln_sites():
     with torch.no_grad():
         _, cache = model.run_with_cache(tokens)
     for layer in nd.layers:
-        expected = _ratio(cache[f"blocks.{layer}.hook_resid_pre"])[:, SINK].mean(0)
+        expected = _paper_ratio(cache[f"blocks.{layer}.hook_resid_pre"], SINK)
         torch.testing.assert_close(nd.ratio_sink_after_gain[layer].double(), expected, rtol=1e-4, atol=1e-4)
     pd = positional_discrepancy(model, n_sequences=8, seq_len=6, seed=3)
     tokens = torch.cat([b.tokens for b in random_token_batches(model, n_sequences=8, seq_len=6, batch_size=8, seed=3)])
