@@ -15,9 +15,10 @@ sequences in identical order) and several model seeds each, through :func:`sinkl
 * ``paired_vs_baseline``: per seed, the variant's steps to target and final validation loss minus the
   baseline's (same seed, same data), with their mean and 95% t-interval — the fairer comparison,
   because runs on identical batches share most of their noise.
-* ``sink_rate`` over training: at every evaluation, the share of (layer, head) pairs whose mean
-  attention on position 0 (queries ``q >= 1``) exceeds ε = 0.3 (Gu et al. 2024), averaged over
-  held-out sequences (:class:`sinklens.train.sink_metrics.SinkMetrics`).
+* ``sinklens_sink_rate`` over training: at every evaluation, the share of (layer, head) pairs whose mean
+  attention on position 0 over the queries ``q >= 1`` exceeds ε = 0.3 (sinklens' variant of Gu et al. 2024's
+  sink rate, which also counts query 0), averaged over held-out sequences
+  (:class:`sinklens.train.sink_metrics.SinkMetrics`; the study below was recorded with it).
 * ``sink_onset``: the first evaluation step whose sink rate exceeds 0.3 (None: never).
 
 Tasks (``--task``):
@@ -64,6 +65,7 @@ import torch
 from sinklens.export import write_json
 from sinklens.inputs import stdlib_docstrings
 from sinklens.plotting.training import smooth, steps_to_loss
+from sinklens.train.checkpoint import with_current_metric_names
 from sinklens.train.config import TrainConfig
 from sinklens.train.loop import train
 
@@ -155,15 +157,15 @@ def summarize(runs: dict[str, dict[int, list[dict[str, Any]]]], *, smoothing: in
         finals = [[x for x in lines if x["kind"] == "eval"][-1] for lines in by_seed.values()]
         mean, lo, hi = t_interval([float(s) for s in reached])
         vmean, vlo, vhi = t_interval([f["val_loss"] for f in finals])
-        smean, slo, shi = t_interval([f["sink_rate"] for f in finals])
+        smean, slo, shi = t_interval([f["sinklens_sink_rate"] for f in finals])
         out["variants"][variant] = {
             "steps_to_target": steps, "reached": f"{len(reached)}/{len(steps)}",
             "steps_mean": mean, "steps_ci95": [lo, hi],
             "final_train_loss_smoothed": {seed: final_smoothed(lines) for seed, lines in by_seed.items()},
             "final_val_loss": [f["val_loss"] for f in finals], "final_val_loss_mean": vmean, "final_val_loss_ci95": [vlo, vhi],
-            "final_sink_rate": [f["sink_rate"] for f in finals], "final_sink_rate_mean": smean, "final_sink_rate_ci95": [slo, shi],
+            "final_sink_rate": [f["sinklens_sink_rate"] for f in finals], "final_sink_rate_mean": smean, "final_sink_rate_ci95": [slo, shi],
             "final_attn_to_first": [f["attn_to_first"] for f in finals],
-            "sink_onset": {seed: next((x["step"] for x in lines if x["kind"] == "eval" and x["sink_rate"] > 0.3), None)
+            "sink_onset": {seed: next((x["step"] for x in lines if x["kind"] == "eval" and x["sinklens_sink_rate"] > 0.3), None)
                            for seed, lines in by_seed.items()},
         }
     base = out["variants"].get("baseline")
@@ -196,7 +198,7 @@ def plot(runs: dict[str, dict[int, list[dict[str, Any]]]], summary: dict[str, An
         axes[0][0].plot(steps[:n], mean, color=color, label=variant)
         axes[0][0].fill_between(steps[:n], [min(c[j] for c in curves) for j in range(n)],
                                 [max(c[j] for c in curves) for j in range(n)], color=color, alpha=0.15)
-        for key, ax in (("val_loss", axes[0][1]), ("sink_rate", axes[0][2])):
+        for key, ax in (("val_loss", axes[0][1]), ("sinklens_sink_rate", axes[0][2])):
             evals = [[x for x in lines if x["kind"] == "eval"] for lines in by_seed.values()]
             xs = [x["step"] for x in evals[0]]
             ys = [statistics.fmean(e[j][key] for e in evals) for j in range(len(xs))]
@@ -206,7 +208,7 @@ def plot(runs: dict[str, dict[int, list[dict[str, Any]]]], summary: dict[str, An
     axes[0][0].axhline(summary["target_loss"], color="grey", ls=":", lw=1)
     axes[0][0].set_title(f"training loss (smoothed {smoothing}), target dotted", fontsize=9)
     axes[0][1].set_title("validation loss (nats)", fontsize=9)
-    axes[0][2].set_title("sink rate at position 0 (ε = 0.3)", fontsize=9)
+    axes[0][2].set_title("sinklens sink rate at position 0 (queries ≥ 1, ε = 0.3)", fontsize=9)
     for ax in axes[0]:
         ax.set_xlabel("step")
     lo = min(summary["variants"][v]["final_val_loss_mean"] for v in runs)
@@ -263,7 +265,8 @@ def main() -> None:
             if done is not None and done.is_file():  # a run finished by this or another process (same config)
                 saved = json.loads(done.read_text())
                 if saved["config"] == cfg.to_dict():
-                    runs[variant][seed], wall[variant][seed] = saved["history"], saved["wall_s"]
+                    runs[variant][seed] = [with_current_metric_names(line) for line in saved["history"]]
+                    wall[variant][seed] = saved["wall_s"]
                     continue
             if args.summary_only:
                 raise SystemExit(f"--summary-only: no finished run for {variant} seed {seed} in {cache}")
@@ -276,7 +279,7 @@ def main() -> None:
                            digits=None, indent=None)
             last = result.evals()[-1]
             print(f"{variant:>20} seed {seed}: {wall[variant][seed]:6.1f}s  val_loss {last['val_loss']:.4f}  "
-                  f"sink_rate {last['sink_rate']:.3f}  attn_to_first {last['attn_to_first']:.3f}", flush=True)
+                  f"sinklens_sink_rate {last['sinklens_sink_rate']:.3f}  attn_to_first {last['attn_to_first']:.3f}", flush=True)
     if args.no_summary:
         return
 
@@ -297,7 +300,7 @@ def main() -> None:
         "wall_s_runs_sum": sum(w for by_seed in wall.values() for w in by_seed.values()), "summary": summary,
         # curves: the training loss every 10th step and every evaluation
         "curves": {v: {str(s): [{k: x[k] for k in ("step", "loss")} if x["kind"] == "train" else
-                                {k: x[k] for k in ("step", "val_loss", "sink_rate", "attn_to_first")}
+                                {k: x[k] for k in ("step", "val_loss", "sinklens_sink_rate", "attn_to_first")}
                                 for x in lines if x["kind"] == "eval" or (x["kind"] == "train" and x["step"] % 10 == 0)]
                        for s, lines in by_seed.items()}
                    for v, by_seed in runs.items()},

@@ -32,7 +32,7 @@ def _run_dir(root: Path, name: str, *, losses=(4.0, 3.5, 3.0, 2.6, 2.4, 2.2), co
     run = root / name
     run.mkdir()
     lines = [{"kind": "train", "step": s, "loss": loss} for s, loss in enumerate(losses)]
-    lines.append({"kind": "eval", "step": len(losses) - 1, "sink_rate": 0.5})
+    lines.append({"kind": "eval", "step": len(losses) - 1, "sink_rate": 0.5, "sinklens_sink_rate": 0.5})
     (run / "metrics.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
     (run / "config.json").write_text(config if config is not None else json.dumps({"model": {"variant": "baseline"}}))
     return run

@@ -304,7 +304,7 @@ def run(args: argparse.Namespace) -> int:
                                            else "") + ")")
         for row in rows:
             steps = row["steps_to_target"]
-            extra = f", sink_rate {metric_text(row['sink_rate'], '.3f')}" if "sink_rate" in row else ""
+            extra = "".join(f", {key} {metric_text(row[key], '.3f')}" for key in ("sink_rate", "sinklens_sink_rate") if key in row)
             if "persistence_spearman" in row:
                 extra += (f", vs step 0: preference Spearman {metric_text(row['persistence_spearman'], '.3f')} / Kendall "
                           f"{metric_text(row.get('persistence_kendall'), '.3f')}, direction |cos| "

@@ -210,7 +210,8 @@ def run(args: argparse.Namespace) -> int:
     if evals:
         last = evals[-1]
         print(
-            f"final eval: val_loss {metric_text(last.get('val_loss'))}, sink_rate {metric_text(last.get('sink_rate'), '.3f')}, "
+            f"final eval: val_loss {metric_text(last.get('val_loss'))}, sink_rate {metric_text(last.get('sink_rate'), '.3f')} "
+            f"(Gu et al.; sinklens_sink_rate {metric_text(last.get('sinklens_sink_rate'), '.3f')}), "
             f"first_token_norm_ratio {metric_text(last.get('first_token_norm_ratio'), '.2f')}, "
             f"variance_ratio {metric_text(last.get('variance_ratio'), '.2f')}"
         )

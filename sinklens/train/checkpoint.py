@@ -736,7 +736,9 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     The trainer appends one line per write, so a process killed in the middle of a write (or a full
     disk) can leave a last line without its newline that is not JSON: that line is dropped with a
     ``RuntimeWarning`` (a ``--resume`` rewrites the file from its checkpoint's step anyway). A line
-    that is not JSON anywhere else is damage this cannot explain and raises.
+    that is not JSON anywhere else is damage this cannot explain and raises. An evaluation line written
+    before 2026-11-25 logged sinklens' sink-rate variant as ``sink_rate``; it is returned under its own name,
+    ``sinklens_sink_rate`` (``sink_rate`` is Gu et al.'s since: :class:`~sinklens.train.sink_metrics.SinkMetrics`).
 
     Raises:
         RunNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
@@ -768,8 +770,17 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise CorruptCheckpointError(
                 f"{path}: line {number} has no whole-number \"step\" >= 0 (got {step!r}): {row[:80]!r}.")
-        lines.append(line)
+        lines.append(with_current_metric_names(line))
     return lines
+
+
+def with_current_metric_names(line: dict[str, Any]) -> dict[str, Any]:
+    """``line`` with today's metric names: an evaluation line written before 2026-11-25 held sinklens' sink-rate
+    variant (queries ``q >= 1``) under ``sink_rate``, which now means Gu et al.'s; it becomes ``sinklens_sink_rate``."""
+    if line.get("kind") == "eval" and "sink_rate" in line and "sinklens_sink_rate" not in line:
+        line = dict(line)
+        line["sinklens_sink_rate"] = line.pop("sink_rate")
+    return line
 
 
 def write_metrics(run_dir: str | Path, lines: list[dict[str, Any]]) -> None:

@@ -73,10 +73,12 @@ class SinkMetrics(CompactRepr):
         attention_to_first: ``[layer, head]`` mean attention on key 0 over the queries ``q >= 1`` that can
             see it (every later query in a full-attention layer, the first ``w - 1`` in a sliding window of
             ``w``), pooled over sequences (:class:`~sinklens.analysis.sinks.SinkResult` ``received[:, :, 0]``).
-        sink_rate: sinklens' variant of Gu et al. (2024)'s sink rate at position 0 (``method="sinklens"``):
-            share of (layer, head) pairs whose per-sequence mean attention on key 0 over those queries
-            exceeds ε = ``threshold``, averaged over sequences. Unlike Gu et al.'s code it leaves out the
-            query at position 0 (weight 1 by construction); ``SinkResult.sink_rate(method="gu")`` is theirs.
+        sink_rate: Gu et al. (2024)'s sink rate at position 0 as their code computes it
+            (``SinkResult.sink_rate(method="gu")``): share of (sequence, layer, head) whose mean attention on
+            key 0 over every query that sees it, query 0 included, exceeds ε = ``threshold``.
+        sinklens_sink_rate: sinklens' variant (``method="sinklens"``): the same over the queries ``q >= 1``,
+            leaving out query 0's weight 1 by construction (what metric lines written before 2026-11-25 logged
+            as ``sink_rate``; :func:`~sinklens.train.checkpoint.read_metrics` renames it on those).
         threshold: that ε.
         norm_ratio: ``[layer]`` first-token norm ratio of ``hook_resid_post`` (:class:`FirstTokenNormReducer`).
         variance_ratio: ``[layer, head]`` variance discrepancy of the raw head outputs ``hook_z`` at
@@ -89,6 +91,7 @@ class SinkMetrics(CompactRepr):
     val_loss: float
     attention_to_first: Float[Tensor, "layer head"]
     sink_rate: float
+    sinklens_sink_rate: float
     threshold: float
     norm_ratio: Float[Tensor, " layer"]
     variance_ratio: Float[Tensor, "layer head"]
@@ -100,6 +103,7 @@ class SinkMetrics(CompactRepr):
         return {
             "val_loss": self.val_loss,
             "sink_rate": self.sink_rate,
+            "sinklens_sink_rate": self.sinklens_sink_rate,
             "attn_to_first": float(self.attention_to_first.mean()),
             "first_token_norm_ratio": float(self.norm_ratio.max()),
             "variance_ratio": float(self.variance_ratio.mean()),
@@ -142,7 +146,8 @@ def evaluate(
     return SinkMetrics(
         val_loss=float(torch.stack(losses).mean()),
         attention_to_first=sinks.received[:, :, 0],
-        sink_rate=float(sinks.sink_rate_by_layer(position=0, method="sinklens").mean()),
+        sink_rate=sinks.sink_rate(position=0, method="gu"),
+        sinklens_sink_rate=sinks.sink_rate(position=0, method="sinklens"),
         threshold=threshold,
         norm_ratio=norms,
         variance_ratio=variance.discrepancy(0, of="z"),

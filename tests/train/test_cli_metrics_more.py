@@ -42,13 +42,14 @@ def test_metric_text_prints_undefined_values_as_na():
 
 
 def test_compare_prints_null_eval_metrics_as_na_and_json_stays_strict(tmp_path, capsys):
-    eval_line = {"kind": "eval", "step": 2, "val_loss": 5.5, "sink_rate": None, "first_token_norm_ratio": None,
+    eval_line = {"kind": "eval", "step": 2, "val_loss": 5.5, "sink_rate": None, "sinklens_sink_rate": None,
+                 "first_token_norm_ratio": None,
                  "variance_ratio": None, "persistence_spearman": 1.0, "persistence_kendall": None,
                  "persistence_direction_cos": None}
     run = _write_run(tmp_path / "run", _train_lines([5.6, 5.5]) + [eval_line], steps=2)
     assert main(["compare", str(run), "--out", str(tmp_path / "c.png")]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
-    assert "sink_rate n/a" in out and "Kendall n/a" in out and "|cos| n/a" in out, out
+    assert "sink_rate n/a" in out and "sinklens_sink_rate n/a" in out and "Kendall n/a" in out and "|cos| n/a" in out, out
     assert main(["compare", str(run), "--out", str(tmp_path / "c.png"), "--json"]) == 0
     text = capsys.readouterr().out
     (row,) = json.loads(text)  # strict JSON: null, never NaN or "n/a"

@@ -30,7 +30,7 @@ def test_tiny_run_lowers_loss_and_logs(tmp_path):
     assert [e["step"] for e in evals] == [0, 15, 30]
     assert evals[-1]["val_loss"] < evals[0]["val_loss"]
     for e in evals:
-        assert 0 <= e["sink_rate"] <= 1 and e["first_token_norm_ratio"] > 0 and e["variance_ratio"] > 0
+        assert 0 <= e["sink_rate"] <= 1 and 0 <= e["sinklens_sink_rate"] <= 1 and e["first_token_norm_ratio"] > 0 and e["variance_ratio"] > 0
 
 
 def _record_batches(monkeypatch) -> list[torch.Tensor]:
