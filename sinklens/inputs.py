@@ -24,6 +24,7 @@ from __future__ import annotations
 import ast
 import random
 import sysconfig
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -415,6 +416,7 @@ def as_batches(
         batches = [inputs]
     elif isinstance(inputs, Tensor):
         inputs = token_ids(inputs, dims.d_vocab, what="token ids")
+        warn_if_padded(model, inputs)
         valid = torch.ones(inputs.shape, dtype=torch.bool)
         batches = [
             TokenBatch(inputs[i : i + batch_size], valid[i : i + batch_size], prepend_bos)
@@ -445,6 +447,38 @@ def as_batches(
     for b in batches:
         _check_length(b.tokens.shape[1], dims.n_ctx)
     return [b.to(device) for b in batches]
+
+
+def _end_runs(tokens: Tensor, token: int) -> tuple[Tensor, Tensor]:
+    """Per row of ``tokens [batch, pos]``: how many copies of ``token`` it starts with and ends with."""
+    same = (tokens == token).long()
+    leading = same.cumprod(dim=1).sum(dim=1)
+    trailing = same.flip(1).cumprod(dim=1).sum(dim=1)
+    return leading, trailing
+
+
+def warn_if_padded(model: Any, tokens: Int[Tensor, "batch pos"]) -> None:
+    """Warn when a token tensor looks padded: its rows begin or end with runs of the tokenizer's pad token of
+    different lengths, as ``model.to_tokens(list_of_prompts)`` pads prompts of different lengths.
+
+    Every position of a plain token tensor counts as a real token (that is its contract), so padding would be
+    measured as text: received attention, sink rates and variances all change. The warning names the rows and
+    the two ways to say what is real: the prompts themselves, or a :class:`TokenBatch` with its ``valid`` mask.
+    """
+    pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
+    if not isinstance(pad, int) or tokens.ndim != 2 or tokens.shape[0] < 2:
+        return
+    leading, trailing = _end_runs(tokens, pad)
+    for side, runs in (("end", trailing), ("start", leading)):
+        if int(runs.max()) > 0 and int(runs.min()) != int(runs.max()) and int(runs.max()) < tokens.shape[1]:
+            rows = [int(i) for i in torch.nonzero(runs > runs.min()).flatten()]
+            warnings.warn(
+                f"token ids: rows {rows[:6]}{'...' if len(rows) > 6 else ''} {side} with up to {int(runs.max())} copies of "
+                f"the tokenizer's pad token (id {pad}), as model.to_tokens pads a list of prompts of different lengths. "
+                "Every position of a token tensor counts as a real token, so the padding would be analysed as text. "
+                "Pass the prompts themselves, or TokenBatch(tokens, valid) with valid marking the real tokens.",
+                RuntimeWarning, stacklevel=3)
+            return
 
 
 def require_a_later_position(

@@ -38,7 +38,8 @@ import copy
 import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from contextlib import ExitStack
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
@@ -368,6 +369,29 @@ def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
         _RUNNING_MASK.reset(running)
 
 
+@contextmanager
+def eval_mode(model: Any) -> Iterator[None]:
+    """Run ``model`` in eval mode inside the block, then give every submodule back the mode it had.
+
+    A model left in train mode (after ``model.train()``, or as a trainer leaves it) would apply dropout in every
+    analysis pass, so numbers would change from run to run and with the batch size; sinklens measures the model
+    as it runs at inference. The modes are restored module by module, so a model whose submodules the user set
+    to different modes gets exactly those back (also when the block raises).
+    """
+    if not isinstance(model, torch.nn.Module):
+        yield
+        return
+    was_training = model.training
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()  # through the model's own eval(): a wrapper may pass it on to a model it holds
+    try:
+        yield
+    finally:
+        model.train(was_training)
+        for m, mode in modes:
+            m.training = mode
+
+
 def stream(
     model: Any,
     batches: Sequence[TokenBatch],
@@ -383,6 +407,7 @@ def stream(
     tokenization and are used by :func:`run`. Padded batches are right-aligned and an encoder's run with an
     attention mask (:func:`forward`).
 
+    The model runs in eval mode (:func:`eval_mode`: no dropout; each submodule's mode is restored afterwards).
     Hooks are attached through ``model.hooks(...)`` (one trampoline per hook name, kept across
     batches), so they are removed even if a hook raises. For a model split over devices, each
     reducer hook reads its activation moved to the first parameter's device, where statistics live.
@@ -399,6 +424,13 @@ def stream(
 
     options = checked_options(options, "stream")
     check_model_device(model, options.device)
+    with eval_mode(model):
+        return _stream(model, batches, reducers, options)
+
+
+def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reducer[Any]], options: RunOptions) -> list[Any]:
+    from sinklens import distributed
+
     is_encoder(model)  # its one probe forward runs now, not inside the pass with the hooks attached
     batches = distributed.local_batches(batches)  # all of them, unless sharded over torchrun processes
     on_device = _stats_device_if_split(model)

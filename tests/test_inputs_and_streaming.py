@@ -155,3 +155,58 @@ def test_old_links_module_still_imports_with_a_warning():
     with pytest.warns(DeprecationWarning, match="import query_key_locking from sinklens.analysis.qk_locking"):
         from sinklens.analysis.links import query_key_locking as old
     assert old is query_key_locking
+
+
+def test_analyzers_measure_a_model_left_in_train_mode_without_dropout_and_give_its_modes_back():
+    """A model in train mode (dropout 0.1 in the Hugging Face GPT-2 config) is measured as at inference: the same
+    numbers as in eval mode, for any batch size; afterwards every submodule has the mode it had (a mixed state
+    included), also when the pass raises."""
+    from sinklens.testing import tiny_model
+
+    model = tiny_model("gpt2", n_layers=2, n_ctx=32)
+    dropouts = [m for m in model.modules() if isinstance(m, torch.nn.Dropout) and m.p > 0]
+    model.eval()
+    reference = sinklens.find_sinks(model, TINY_PROMPTS, options=QUIET).received
+    model.train()
+    next(iter(dropouts or list(model.modules())[1:])).eval()  # a mixed state, as a user may leave it
+    modes = {name: m.training for name, m in model.named_modules()}
+    for batch_size in (8, 1):
+        got = sinklens.find_sinks(model, TINY_PROMPTS, options=QUIET.replace(batch_size=batch_size)).received
+        torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6)
+    # TransformerLens 4.x runs Hugging Face's GPT-2 with dropout 0.1; a 3.x HookedTransformer has no dropout
+    assert dropouts or not hasattr(model, "original_model")
+    assert {name: m.training for name, m in model.named_modules()} == modes
+
+    def fails(act, hook):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        sinklens.find_sinks(model, TINY_PROMPTS, options=QUIET.replace(extra_hooks=(("blocks.0.hook_resid_pre", fails),)))
+    assert {name: m.training for name, m in model.named_modules()} == modes
+
+
+def test_a_token_tensor_padded_by_to_tokens_is_named_in_a_warning():
+    """``model.to_tokens(prompts)`` right-pads prompts of different lengths with the pad token; a plain tensor counts
+    every position as real, so sinklens warns (naming the padded rows and the two fixes) instead of measuring the
+    padding as text without a word. The same prompts as strings, the tensor with its mask, or rows of one length
+    raise no warning, and the mask gives the strings' numbers."""
+    import warnings
+
+    from sinklens.inputs import TokenBatch
+    from sinklens.testing import VARIED_PROMPTS, tiny_model
+
+    model = tiny_model("llama", n_layers=2, n_ctx=32)
+    tokens = model.to_tokens(VARIED_PROMPTS)
+    lengths = [len(model.to_tokens(p)[0]) for p in VARIED_PROMPTS]
+    assert len(set(lengths)) > 1
+    with pytest.warns(RuntimeWarning, match=r"pad token .*TokenBatch\(tokens, valid\)") as caught:
+        sinklens.find_sinks(model, tokens, options=QUIET)
+    shorter = [i for i, n in enumerate(lengths) if n < max(lengths)]
+    assert str(shorter[:6])[1:-1] in str(caught[0].message)
+    valid = torch.arange(tokens.shape[1])[None, :] < torch.tensor(lengths)[:, None]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        from_strings = sinklens.find_sinks(model, VARIED_PROMPTS, options=QUIET)
+        masked = sinklens.find_sinks(model, [TokenBatch(tokens, valid, True)], options=QUIET)
+        sinklens.find_sinks(model, tokens[:, : min(lengths)], options=QUIET)  # one length: nothing padded
+    torch.testing.assert_close(masked.received, from_strings.received)
