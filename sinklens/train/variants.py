@@ -143,7 +143,9 @@ class HeadwiseRMSNorm(AttentionVariant):
     RMS over ``d_head`` of each head's output after value aggregation and before ``W_O``, eps 1e-6,
     a learnable gain of shape ``[n_heads, d_head]`` (``gain="per_head"``, their paper configuration)
     or ``[d_head]`` shared by all heads (``gain="shared"``). ``init="first_token"`` (default)
-    calibrates the gain as they do, see :func:`sinklens.train.model.calibrate_headwise_gains`;
+    calibrates the gain with their formula (the first token's output std on a standard-normal input), averaged
+    over 8 seeded draws where they take one, which makes the gains less noisy
+    (:func:`sinklens.train.model.calibrate_headwise_gains`; ``n_sequences=1`` there is their single draw);
     ``init="ones"`` leaves it at 1. The raw aggregation stays visible at ``attn.hook_z`` (what the
     variance analyzers measure); the normalised output is at ``attn.hook_z_normed``.
 
