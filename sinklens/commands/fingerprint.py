@@ -7,6 +7,9 @@ Examples::
     sinklens fingerprint smollm2-135m runs/ft --samples 500 --seq-len 128
 
 A and B are any ``--model`` spec (embedded name, HF directory, .gguf, run directory, ``SPEC@init:S``).
+They may have different hidden sizes with ``--input token`` (the default; ``--identity-mode coset`` compares the
+identity dims both share, as the authors' ``run_test`` does); ``--input embedding`` needs equal hidden sizes and
+is refused otherwise (exit 2, the message names both sizes).
 See :mod:`sinklens.origins.fingerprint` for the algorithm, taken step by step from the authors' code.
 """
 
@@ -29,7 +32,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, help="random sequences N (default %(default)s)")
     parser.add_argument("--seq-len", type=int, default=None,
                         help=f"tokens per sequence (default min({DEFAULT_SEQ_LEN}, n_ctx of both))")
-    parser.add_argument("--input", choices=("token", "embedding"), default="token", help="random input kind")
+    parser.add_argument("--input", choices=("token", "embedding"), default="token",
+                        help="random input kind (embedding needs equal hidden sizes; token does not)")
     parser.add_argument("--buffer-k", type=int, default=DEFAULT_BUFFER_K, help="bottom-k identity dims (default %(default)s)")
     parser.add_argument("--identity-mode", choices=("coset", "base"), default="coset")
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="decision threshold on p (default %(default)s)")

@@ -25,8 +25,13 @@ The algorithm, step by step (the authors' constants in brackets):
 3. Identity dimensions: for each model, the ``k`` dimensions with the smallest mean over the ``N``
    samples (``torch.topk(mean, k, largest=False)``) [``k = buffer_k = 400``, their
    ``DEFAULT_BUFFER_K``; their README says "10 % of the output size" but the code uses 400]; here ``k`` is
-   clipped to ``d_model`` for models narrower than 400. ``coset`` mode keeps the intersection of
+   clipped to each model's own ``d_model`` for models narrower than 400. ``coset`` mode keeps the intersection of
    the two sets (sorted); ``base`` mode only model A's (then the result depends on order).
+   The two models may differ in hidden size, as in theirs (``run_test``, ``seedprint.py`` lines 216-227 at
+   commit 1ceb956, never compares widths): identity dims are indices, the coset holds only dims below both
+   widths, and both features are read at those dims. In token mode only (their README: token input "is the
+   only viable option when comparing models with different hidden sizes"); embedding mode and ``base`` mode
+   with one of A's dims outside B's width (where their ``hs_target[:, idx]`` raises) are refused by name.
 4. Normalisation: a row-wise softmax at temperature 10 over the selected dimensions,
    ``softmax(h[:, idx] / 10, dim=1)`` [``normalize_features(..., "softmax_T10")``].
 5. Per-dimension Kendall τ across the ``N`` samples between the two models (``scipy.stats.kendalltau``,
@@ -131,7 +136,7 @@ InputMode = Literal["token", "embedding"]
 IdentityMode = Literal["coset", "base"]
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class FingerprintResult(CompactRepr):
     """The outcome of one SeedPrint test.
 
@@ -139,7 +144,8 @@ class FingerprintResult(CompactRepr):
         p_value: ``min(1, 2 · P(Z > z))`` under the analytic null (NaN when :attr:`undefined`).
         z: ``τ̄ / (σ_τ(N) / sqrt(k))``.
         tau_mean: ``τ̄``, the mean per-dimension Kendall τ.
-        n_dims: ``k``, the number of identity dimensions kept (intersection of both bottom-k sets).
+        n_dims: ``k``, the number of identity dimensions kept (intersection of both bottom-k sets; every one
+            below both widths when the models' hidden sizes differ).
         n_samples: ``N``.
         same_lineage: ``p_value < alpha`` (the authors' rule); None when the statistic is :attr:`undefined`
             (``p`` NaN), so that no reader takes an unmeasured pair for unrelated models.
@@ -147,7 +153,8 @@ class FingerprintResult(CompactRepr):
         log10_p: ``(log 2 + log Φ̄(z)) / log 10`` (not clipped at 0, as in the authors' code).
         dims: the identity dimensions (sorted).
         tau: per-dimension Kendall τ, in the order of ``dims``.
-        settings: how the features were made (input mode, sequence length, seed, ...).
+        settings: how the features were made (input mode, sequence length, seed, ...); ``widths`` is
+            ``[d_A, d_B]``, the two feature widths (hidden sizes), which may differ.
         caveats: reasons the analytic p-value may not be trusted for these settings (empty when none);
             printed by :meth:`summary` and written to JSON.
         verdict: what the result supports: ``"same_lineage"`` (``p < alpha``, no caveat),
@@ -200,8 +207,11 @@ class FingerprintResult(CompactRepr):
                         "INCONCLUSIVE, p < alpha but the test is not valid here (caveat below)")
         verdict = {"same_lineage": "SAME lineage", "no_evidence": "no evidence of shared lineage",
                    "inconclusive": inconclusive}[self.verdict]
+        widths = self.settings.get("widths")
+        shared = (f" (hidden sizes {widths[0]} and {widths[1]})"
+                  if isinstance(widths, (list, tuple)) and len(widths) == 2 and widths[0] != widths[1] else "")
         line = (f"SeedPrint: {verdict} ({format_p_value(self.p_value, self.log10_p)}, z = {self.z:.2f}, mean tau = {self.tau_mean:.4f}, "
-                f"{self.n_dims} identity dims, {self.n_samples} samples, alpha = {self.alpha})")
+                f"{self.n_dims} identity dims{shared}, {self.n_samples} samples, alpha = {self.alpha})")
         return "\n".join([line, *(f"  caveat: {c}" for c in self.caveats)])
 
 
@@ -280,15 +290,35 @@ def _finite_features(hidden: Float[Tensor, "sample dim"], what: str) -> Float[Te
     return hidden
 
 
+def _base_dims_within(dims: list[int], d_a: int, d_b: int) -> None:
+    """Refuse ``identity_mode="base"`` where one of A's identity ``dims`` is outside B's width ``d_b``: the authors'
+    ``hs_target[:, idx]`` (``seedprint.py`` line 227) raises there, so their method gives no number to reproduce."""
+    outside = [dim for dim in dims if dim >= d_b]
+    if outside:
+        raise IncompatibleModelsError(
+            f"identity_mode='base' reads model B at model A's identity dims, but {len(outside)} of A's {len(dims)} "
+            f"(dims {_first(outside)}) are outside B's width: hidden sizes {d_a} (A) and {d_b} (B). Use "
+            "identity_mode='coset' (--identity-mode coset, the default), which keeps only the dims both models place "
+            "lowest and so works for different hidden sizes.")
+
+
 def seedprint_test(
-    hidden_a: Float[Tensor, "sample dim"],
-    hidden_b: Float[Tensor, "sample dim"],
+    hidden_a: Float[Tensor, "sample dim_a"],
+    hidden_b: Float[Tensor, "sample dim_b"],
     *,
     buffer_k: int = DEFAULT_BUFFER_K,
     identity_mode: IdentityMode = "coset",
     alpha: float = DEFAULT_ALPHA,
 ) -> FingerprintResult:
     """Steps 3–7 of the module docstring on two feature matrices (rows = the same inputs).
+
+    The matrices may differ in width (models of different hidden sizes), as in the authors' ``run_test``
+    (``seedprint.py`` lines 216-227 at commit 1ceb956), which never compares the widths: each matrix gets its
+    own bottom-``k`` set (``k`` clipped to that matrix's width here), and ``coset`` mode keeps their intersection,
+    so every kept dimension exists in both and both are indexed at the same dims (``hidden_a[:, dims]``,
+    ``hidden_b[:, dims]``). ``base`` mode indexes B at A's bottom-``k`` dims (lines 221 and 227), which their code
+    can do only when every one of them is below B's width (``hs_target[:, idx]`` raises otherwise): then the
+    numbers are theirs, else an :class:`IncompatibleModelsError` names both widths and the dims out of range.
 
     When the statistic is undefined — fewer than :data:`MIN_DIMS` identity dimensions shared (``coset``),
     or a τ that is NaN because a normalised column is constant over the samples — ``z``, ``p_value`` and
@@ -297,29 +327,32 @@ def seedprint_test(
     either way.
 
     Raises:
-        IncompatibleModelsError: the matrices differ in shape.
+        IncompatibleModelsError: a matrix that is not 2-D, a different number of samples (rows), or
+            ``identity_mode="base"`` with one of A's identity dims outside B's width.
         InvalidArgumentError: ``buffer_k < 2``, an unknown ``identity_mode``, ``alpha`` outside (0, 1), fewer
             than 2 samples, or a non-finite feature (inf or NaN: the model's output overflowed).
     """
     from scipy.stats import norm
 
-    if hidden_a.ndim != 2 or hidden_a.shape != hidden_b.shape:
+    if hidden_a.ndim != 2 or hidden_b.ndim != 2 or hidden_a.shape[0] != hidden_b.shape[0]:
         raise IncompatibleModelsError(
-            f"SeedPrint needs two [samples, hidden] matrices of the same shape, got {tuple(hidden_a.shape)} "
-            f"and {tuple(hidden_b.shape)}."
+            f"SeedPrint needs two [samples, hidden] matrices over the same samples (the same number of rows; the "
+            f"widths may differ), got {tuple(hidden_a.shape)} and {tuple(hidden_b.shape)}."
         )
     buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
-    n, d = hidden_a.shape
+    n, d_a = hidden_a.shape
+    d_b = hidden_b.shape[1]
     if n < 2:
         raise InvalidArgumentError(f"SeedPrint needs at least 2 samples for Kendall tau, got {n}.")
     a = _finite_features(hidden_a.detach().float().cpu(), "hidden_a")
     b = _finite_features(hidden_b.detach().float().cpu(), "hidden_b")
-    k_eff = min(buffer_k, d)
-    bottom_a = identity_dims(a, k_eff)
+    k_a, k_b = min(buffer_k, d_a), min(buffer_k, d_b)  # each model's own bottom-k, clipped to its own width
+    bottom_a = identity_dims(a, k_a)
     if identity_mode == "coset":
-        dims = sorted(set(bottom_a) & set(identity_dims(b, k_eff)))
+        dims = sorted(set(bottom_a) & set(identity_dims(b, k_b)))
     else:
         dims = sorted(set(bottom_a))
+        _base_dims_within(dims, d_a, d_b)
     k = len(dims)
     caveats = []
     if k >= MIN_DIMS:
@@ -337,11 +370,12 @@ def seedprint_test(
         tau = torch.full((k,), float("nan"), dtype=torch.float64)
         tau_mean = float("nan")
         caveats.append(
-            f"only {k} identity dim{'' if k == 1 else 's'} (of the bottom {k_eff} of each model) "
-            f"{'is' if k == 1 else 'are'} shared, and the test needs at least {MIN_DIMS}: the softmax over one "
+            f"only {k} identity dim{'' if k == 1 else 's'} "
+            + (f"(of the bottom {k_a} of each model) " if k_a == k_b else f"(of the bottom {k_a} of A and {k_b} of B) ")
+            + f"{'is' if k == 1 else 'are'} shared, and the test needs at least {MIN_DIMS}: the softmax over one "
             "dimension is constant, so Kendall tau is undefined: no evidence either way"
             + (" (identity_mode='coset' compares the dims both models place lowest; try a larger buffer_k)."
-               if identity_mode == "coset" and k_eff < d else "."))
+               if identity_mode == "coset" and (k_a < d_a or k_b < d_b) else "."))
     if math.isfinite(tau_mean):
         z = tau_mean / max(kendall_tau_null_std(n) / math.sqrt(k), 1e-10)
         log_p = math.log(2.0) + float(norm.logsf(z))
@@ -352,7 +386,8 @@ def seedprint_test(
         p_value=p_value, z=z, tau_mean=tau_mean, n_dims=k, n_samples=n,
         same_lineage=None if math.isnan(p_value) else p_value < alpha,
         alpha=alpha, log10_p=log_p / math.log(10.0), dims=dims, tau=tau,
-        settings={"buffer_k": buffer_k, "identity_mode": identity_mode, "temperature": TEMPERATURE},
+        settings={"buffer_k": buffer_k, "identity_mode": identity_mode, "temperature": TEMPERATURE,
+                  "widths": [d_a, d_b]},
         caveats=caveats,
     )
 
@@ -551,8 +586,13 @@ def fingerprint(
         n_samples: ``N`` random sequences (authors: 2000 for foundation models, 10000 for toys).
         seq_len: ``L`` (default ``min(1024, n_ctx_a, n_ctx_b)``; the authors use 1024).
         input: ``"token"`` or ``"embedding"``.
-        buffer_k: bottom-k identity dimensions per model (400; clipped to ``d_model``).
+        buffer_k: bottom-k identity dimensions per model (400; clipped to each model's own ``d_model``).
         identity_mode: ``"coset"`` (intersection, symmetric) or ``"base"`` (model A's only).
+
+    Models of different hidden sizes (``d_model``) are compared in token mode as the authors' ``run_test`` compares
+    them (``seedprint.py`` lines 216-227 at commit 1ceb956; their README: token input "is the only viable option
+    when comparing models with different hidden sizes"): ``coset`` keeps the identity dims both models share, all
+    below the smaller width (see :func:`seedprint_test`). ``settings["widths"]`` records both widths.
         alpha: decision threshold on ``p``.
         seed: seed of the random inputs (42 as theirs).
         options: batch size, progress bar (tqdm) and its label.
@@ -563,7 +603,11 @@ def fingerprint(
         (:func:`shared_input_z`; above :func:`max_shared_input_z` a caveat makes a positive inconclusive).
 
     Raises:
-        IncompatibleModelsError: the two models have different hidden sizes.
+        IncompatibleModelsError: different hidden sizes with ``input="embedding"`` (one random
+            ``[N, L, d_model]`` input cannot feed both; the authors' ``test_foundation_models.py`` draws it for
+            one ``hidden_size``, lines 157-166, and their README requires equal sizes), refused before any forward
+            pass; or ``identity_mode="base"`` where one of A's identity dims is outside B's width (refused before
+            B runs; see :func:`seedprint_test`).
         InvalidArgumentError: a bad setting (``buffer_k < 2``, ...), checked before any model loads, or a
             model whose final states are not finite (named A or B).
 
@@ -579,22 +623,26 @@ def fingerprint(
     buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
     n_samples = positive_int(n_samples, what="n_samples", minimum=2)
     seed = as_seed(seed, what="seed")
+    input = choice(input, ("token", "embedding"), what="input")  # type: ignore[assignment]
     model_a = load_model(model_a, check_patterns=False) if isinstance(model_a, str) else model_a
     model_b = load_model(model_b, check_patterns=False) if isinstance(model_b, str) else model_b
     da, db = model_dims(model_a), model_dims(model_b)
-    if da.d_model != db.d_model:
+    if input == "embedding" and da.d_model != db.d_model:
+        # before any forward pass: one [N, L, d_model] input cannot be fed to both (theirs neither)
         raise IncompatibleModelsError(
-            f"SeedPrint compares hidden dimensions one to one, so both models need the same hidden size; got "
-            f"d_model={da.d_model} and d_model={db.d_model}."
-        )
+            f"input='embedding' feeds both models the same random [samples, seq_len, d_model] embeddings, so both "
+            f"need the same hidden size; got d_model={da.d_model} (A) and d_model={db.d_model} (B). Use "
+            "input='token' (--input token, the default), which works for different hidden sizes, as the "
+            "SeedPrints authors recommend for them.")
     seq_len = min(DEFAULT_SEQ_LEN, da.n_ctx, db.n_ctx) if seq_len is None else positive_int(seq_len, what="seq_len")
-    input = choice(input, ("token", "embedding"), what="input")  # type: ignore[assignment]
     stats = embedding_stats_at_init([model_a, model_b], seed=seed) if input == "embedding" else None
     vocab = min(TOKEN_VOCAB, da.d_vocab, db.d_vocab)
     common = dict(n_samples=n_samples, seq_len=seq_len, input=input, seed=seed, vocab_limit=vocab,
                   embedding_stats=stats)
     hidden_a = _finite_features(
         final_hidden_states(model_a, **common, options=options.replace(desc=f"{options.desc} A")), "model A's final states")
+    if identity_mode == "base" and da.d_model > db.d_model:  # refused before B runs (seedprint_test would, after)
+        _base_dims_within(sorted(identity_dims(hidden_a, min(buffer_k, da.d_model))), da.d_model, db.d_model)
     hidden_b = _finite_features(
         final_hidden_states(model_b, **common, options=options.replace(desc=f"{options.desc} B")), "model B's final states")
     result = seedprint_test(hidden_a, hidden_b, buffer_k=buffer_k, identity_mode=identity_mode, alpha=alpha)

@@ -158,9 +158,12 @@ def test_kept_features_own_their_memory(tiny, batch_size):
         assert row.untyped_storage().nbytes() == row.numel() * row.element_size()
 
 
-def test_different_hidden_sizes_are_a_clear_error(tiny_llama, trained_runs):
-    with pytest.raises(IncompatibleModelsError, match="d_model=16 and d_model=64"):
-        fingerprint(tiny_llama, str(trained_runs[1]), n_samples=10, seq_len=4, options=OPTS)
+def test_different_hidden_sizes_are_a_clear_error_in_embedding_mode_only(tiny_llama, trained_runs):
+    """One random [N, L, d_model] embedding input cannot feed both; token mode compares them (test_fingerprint_widths)."""
+    with pytest.raises(IncompatibleModelsError, match=r"d_model=16 \(A\) and d_model=64 \(B\)"):
+        fingerprint(tiny_llama, str(trained_runs[1]), n_samples=10, seq_len=4, input="embedding", options=OPTS)
+    res = fingerprint(tiny_llama, str(trained_runs[1]), n_samples=10, seq_len=4, options=OPTS)
+    assert res.settings["widths"] == [16, 64] and max(res.dims) < 16
 
 
 def test_cli_writes_strict_json(trained_runs, tmp_path, capsys):
