@@ -1,20 +1,32 @@
-"""Short reprs for result objects: what a notebook shows when a cell ends with ``find_sinks(...)``.
+"""Short reprs and structural equality for result objects.
+
+Reprs: what a notebook shows when a cell ends with ``find_sinks(...)``.
 
 A dataclass's own ``repr`` prints every tensor's values, which for a ``[layer, head, key_pos]``
 result is hundreds of lines of numbers. Results instead mix in :class:`CompactRepr` (and are
 declared ``@dataclass(repr=False)`` so the dataclass does not replace it): one field a line,
 tensors as their shape and dtype, long lists and dicts as their length, small settings objects and
 scalars as they are. The values stay one attribute away (``result.received``).
+
+Equality: a dataclass's own ``==`` compares its fields as a tuple, which raises for a field that holds a
+tensor of more than one value ("Boolean value of Tensor ... is ambiguous") and calls NaN unequal to
+itself. Results therefore also mix in :class:`StructuralEq` (:class:`CompactRepr` includes it) and are
+declared ``@dataclass(repr=False, eq=False)`` so the dataclass does not replace it: two results are equal
+when they are of the same class and every compared field is equal by :func:`same_value` (tensors:
+same shape, dtype and values, NaN equal to NaN). Like any dataclass with ``eq``, they are unhashable.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import numbers
+from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
-__all__ = ["CompactRepr", "compact_repr", "short_value"]
+__all__ = ["CompactRepr", "StructuralEq", "compact_repr", "same_value", "short_value"]
 
 #: Lists, tuples and dicts of at most this many scalar items are shown whole.
 MAX_SHOWN_ITEMS = 8
@@ -68,8 +80,92 @@ def compact_repr(obj: Any) -> str:
     return f"{type(obj).__name__}(\n" + "\n".join(lines) + "\n)"
 
 
-class CompactRepr:
-    """Mixin for result dataclasses (declared ``@dataclass(repr=False)``): ``repr`` is :func:`compact_repr`."""
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, numbers.Number) and not isinstance(value, bool) and value != value
+
+
+def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    a, b = a.detach(), b.detach().to(a.device)
+    if a.is_complex():
+        return _same_tensor(torch.view_as_real(a), torch.view_as_real(b))
+    same = a == b
+    if a.is_floating_point():
+        same |= a.isnan() & b.isnan()
+    return bool(same.all())
+
+
+def _same_array(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    try:
+        return bool(np.array_equal(a, b, equal_nan=True))
+    except TypeError:  # a dtype without NaN (object, str)
+        return bool(np.array_equal(a, b))
+
+
+def same_value(a: Any, b: Any) -> bool:
+    """Structural equality of two field values, the rule behind :class:`StructuralEq`.
+
+    * tensors: same shape and dtype and equal values, NaN equal to NaN (on any device); numpy arrays alike;
+    * numbers: ``a == b``, or both NaN;
+    * lists and tuples (the same kind, same length), and mappings (the same keys): item by item;
+    * dataclass instances (nested results, settings): the same class and every field with ``compare=True``;
+    * anything else: ``a == b``, False where that has no single truth value.
+
+    Examples:
+        >>> same_value({"x": torch.tensor([1.0, float("nan")])}, {"x": torch.tensor([1.0, float("nan")])})
+        True
+        >>> same_value(torch.zeros(2), torch.zeros(2, dtype=torch.float64)), same_value([1, 2], (1, 2))
+        (False, False)
+    """
+    if a is b:
+        return True
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_tensor(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and _same_array(a, b)
+    if dataclasses.is_dataclass(a) and not isinstance(a, type):
+        return type(a) is type(b) and all(same_value(getattr(a, f.name), getattr(b, f.name))
+                                          for f in dataclasses.fields(a) if f.compare)
+    if isinstance(a, Mapping) or isinstance(b, Mapping):
+        return (isinstance(a, Mapping) and isinstance(b, Mapping) and a.keys() == b.keys()
+                and all(same_value(a[k], b[k]) for k in a))
+    if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
+        return (isinstance(a, list) == isinstance(b, list) and isinstance(a, tuple) == isinstance(b, tuple)
+                and len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b)))
+    if _is_nan(a) or _is_nan(b):
+        return _is_nan(a) and _is_nan(b)
+    try:
+        return bool(a == b)
+    except (TypeError, ValueError, RuntimeError):  # no single truth value
+        return False
+
+
+class StructuralEq:
+    """Mixin for result dataclasses (declared ``@dataclass(eq=False)``): structural ``==``, no hash.
+
+    ``a == b`` when ``a`` and ``b`` are of the same class and every dataclass field with ``compare=True`` is
+    equal by :func:`same_value`: tensors in shape, dtype and values with NaN equal to NaN, lists, dicts and
+    nested results item by item, floats with NaN equal to NaN. An object of another class is never equal.
+    Fields declared ``field(compare=False)`` are left out (a tokenizer, a wall time).
+    Results are mutable, so (as dataclasses with ``eq``) they are unhashable: ``hash(result)`` raises TypeError.
+    """
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not type(self):
+            return NotImplemented
+        if not dataclasses.is_dataclass(self):  # a plain subclass: its attributes
+            return same_value(vars(self), vars(other))
+        return same_value(self, other)
+
+
+class CompactRepr(StructuralEq):
+    """Mixin for result dataclasses (declared ``@dataclass(repr=False, eq=False)``): ``repr`` is
+    :func:`compact_repr`, ``==`` is structural (:class:`StructuralEq`)."""
 
     def __repr__(self) -> str:
         return compact_repr(self)

@@ -41,7 +41,7 @@ from sinklens.hooks import model_device, model_dims
 from sinklens.validate import IntLike, as_bool, as_seed, check_vocab, optional_positive_int, positive_int, prompt_list, token_ids
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class TokenBatch(CompactRepr):
     """A right-padded batch of token ids.
 

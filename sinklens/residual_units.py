@@ -56,7 +56,7 @@ Site = Literal["attn", "mlp"]
 POST_NORMS: dict[str, str] = {"attn": "ln1_post", "mlp": "ln2_post"}
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(frozen=True, repr=False, eq=False)
 class NormMap(CompactRepr):
     """A norm at a fixed position as an affine map: how one block output (``site``: ``"attn"`` or ``"mlp"``)
     of ``layer`` reaches the residual stream through its post norm (:func:`post_norm_map`), or the norm that

@@ -26,7 +26,7 @@ from sinklens.visibility import Visibility, attention_visibility
 QueryWeights = dict[int, Float[Tensor, "batch query key"]]
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class AttentionReceived(CompactRepr):
     """Mean attention each key position receives, per layer × head.
 

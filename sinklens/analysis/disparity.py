@@ -121,7 +121,7 @@ def norm_ratio_to_others(norms: Float[Tensor, "batch pos"], valid: Tensor) -> Fl
     return ratio.masked_fill(~valid | (count < 2), float("nan"))
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class MassiveActivations(SettingsFields, CompactRepr):
     """Massive activations and dimension disparity of the residual stream (see the module docstring).
 

@@ -53,7 +53,7 @@ from sinklens.analysis._common import (
     sink_position_arg,
     stream_hook,
 )
-from sinklens.display import CompactRepr
+from sinklens.display import CompactRepr, StructuralEq
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import (
@@ -206,8 +206,8 @@ class SuperNeuronSettings:
             set_(self, name, finite_number(getattr(self, name), what=name, low=0.0, high=1.0, low_open=True))
 
 
-@dataclass
-class BlockStep:
+@dataclass(eq=False)
+class BlockStep(StructuralEq):
     """One block's step in a massive dimension at the sink (residual units: after any post norm).
 
     Attributes:
@@ -231,7 +231,7 @@ class BlockStep:
     top_heads: list[tuple[int, float]] = field(default_factory=list)
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class MassiveDimPath(CompactRepr):
     """How one massive residual dimension at the sink is written and erased across blocks.
 
@@ -268,7 +268,7 @@ class MassiveDimPath(CompactRepr):
         return to_json(self)
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class SuperNeurons(SettingsFields, CompactRepr):
     """Super neurons at the sink and the paths of the massive dimensions (see the module docstring).
 

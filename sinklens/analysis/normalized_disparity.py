@@ -51,7 +51,7 @@ from sinklens.residual_units import input_norm
 from sinklens.streaming import BatchFold, Reducer, bound_hooks
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class NormalizedDisparity(CompactRepr):
     """Dimension disparity of the input layernorm, before and after its gain (see the module docstring).
 

@@ -48,7 +48,7 @@ def qk_locking_reason(model: Any) -> str | None:
     return post_hoc_attention(model)
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class QKLocking(CompactRepr):
     """Query–key locking per layer × head (see the module docstring).
 

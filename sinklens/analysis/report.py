@@ -41,7 +41,7 @@ def _max_or_nan(values: torch.Tensor) -> float:
     return float(finite_or_inf.max()) if finite_or_inf.numel() else math.nan
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class SinkReport(CompactRepr):
     """Where a model's attention sinks are and what causes them, from one streaming pass.
 
@@ -61,7 +61,7 @@ class SinkReport(CompactRepr):
         normalized: :class:`~sinklens.analysis.normalized_disparity.NormalizedDisparity` (disparity after the norm).
         locking: :class:`~sinklens.analysis.qk_locking.QKLocking` (query–key locking); None when skipped
             (rotated queries/keys not exposed: see ``skipped``).
-        seconds: wall time of the pass.
+        seconds: wall time of the pass (left out of ``==``: two reports of the same inputs are equal).
         settings: the run and analyzer settings (batch size, truncation, thresholds).
         causal: :class:`~sinklens.analysis.verify.CausalCheck` from ``analyze(..., verify=True)`` (zeroing each
             massive dimension's top writers at the sink), else None.
@@ -86,7 +86,7 @@ class SinkReport(CompactRepr):
     weight_neurons: WeightNeurons | None
     normalized: NormalizedDisparity
     locking: QKLocking | None
-    seconds: float
+    seconds: float = field(compare=False)  # timing: two analyses of the same inputs are equal
     settings: dict[str, Any] = field(default_factory=dict)
     causal: CausalCheck | None = None
     skipped: dict[str, str] = field(default_factory=dict)

@@ -50,7 +50,7 @@ from torch import Tensor
 
 from sinklens.analysis._common import SettingsFields, grow, layer_head_position_rows, position_index, run_analyzer, settings_from
 from sinklens.analysis.attention import AttentionReceivedReducer
-from sinklens.display import CompactRepr
+from sinklens.display import CompactRepr, StructuralEq
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, model_dims, model_dtype
 from sinklens.inputs import Inputs, TokenBatch
@@ -135,7 +135,7 @@ class SinkSettings:
 
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class TokenSinkStats(CompactRepr):
     """Received attention per token id, pooled over all its occurrences (one group of positions).
 
@@ -172,8 +172,8 @@ class TokenSinkStats(CompactRepr):
         ]
 
 
-@dataclass
-class SinkOccurrence:
+@dataclass(eq=False)
+class SinkOccurrence(StructuralEq):
     """One (sequence, position) whose layer-head-mean received attention is among the largest seen."""
 
     sequence: int
@@ -184,7 +184,7 @@ class SinkOccurrence:
     head_share: float
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class SinkResult(SettingsFields, CompactRepr):
     """Where attention sinks are, how strong, and which tokens they sit on.
 

@@ -125,7 +125,7 @@ class ValueDrainSettings:
             )
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class ValueDrain(SettingsFields, CompactRepr):
     """Per layer × head: attention to the sink against what the sink actually writes (module docstring).
 

@@ -240,7 +240,7 @@ def _global_centred(
     return (total / (n * n_coords)).clamp(min=0)
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class VarianceResult(CompactRepr):
     """Variance of head outputs by position, with the pattern-based and uniform-attention predictions.
 

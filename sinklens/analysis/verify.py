@@ -28,6 +28,7 @@ from sinklens.analysis._common import TINY, stream_hook
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.analysis.neurons import SuperNeurons
 from sinklens.analysis.weight_super_neurons import SinkMeanReducer
+from sinklens.display import StructuralEq
 from sinklens.export import to_json
 from sinklens.hooks import model_dims
 from sinklens.inputs import Inputs, TokenBatch
@@ -39,8 +40,8 @@ from sinklens.validate import positive_int
 MIN_QUERY = 1
 
 
-@dataclass
-class DimCheck:
+@dataclass(eq=False)
+class DimCheck(StructuralEq):
     """The causal check of one massive dimension (see the module docstring).
 
     Attributes:
@@ -63,8 +64,8 @@ class DimCheck:
     attention_removed: float
 
 
-@dataclass
-class CausalCheck:
+@dataclass(eq=False)
+class CausalCheck(StructuralEq):
     """Result of :func:`verify_attribution`: one :class:`DimCheck` per massive dimension.
 
     ``causal_threshold``: a dimension's attribution is called causal when ``dim_removed`` reaches it (default 0.5).

@@ -42,7 +42,7 @@ def _median_ratio(x: Float[Tensor, "layer neuron"]) -> Float[Tensor, "layer neur
     return x / x.median(dim=-1, keepdim=True).values.clamp_min(_TINY)
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class SinkInput(CompactRepr):
     """Mean over sequences of the MLP's input norm's ``hook_normalized`` at the sink position (``site``:
     ``"ln2.hook_normalized"``, or ``"ln1.hook_normalized"`` on a post-LN model)."""
@@ -116,7 +116,7 @@ def sink_inputs(
                         sink_position=sink_position, layers=layers)
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class WeightNeurons(CompactRepr):
     """Weight-only super-neuron statistics per layer × neuron (see the module docstring).
 

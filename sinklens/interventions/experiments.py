@@ -138,7 +138,7 @@ class PositionResidualReducer(Reducer[tuple[Tensor, Tensor]]):
         return (self.vec / self.count).float(), (self.norm / self.count).float()
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class RunStats(CompactRepr):
     """Sink statistics of one (possibly intervened) run; see :class:`InterventionResult`."""
 
@@ -249,7 +249,7 @@ def run_stats(
     )
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class InterventionResult(CompactRepr):
     """What an intervention did to the sinks, per layer (and head).
 
@@ -565,6 +565,10 @@ def remove_sink(
                     options=options, recorded=recorded)
 
 
+#: :func:`sweep`'s own keywords (after ``model`` and ``tokens``); any other goes to the method's factory.
+SWEEP_KEYWORDS = ("method", "positions", "layer_sets", "alphas", "sink", "dims", "loss", "options")
+
+
 def sweep(
     model: Any,
     tokens: Inputs,
@@ -576,7 +580,7 @@ def sweep(
     sink: IntLike = 0,
     dims: IndexLike | None = None,
     loss: bool = False,
-    options: RunOptions = RunOptions(),
+    options: RunOptions = RunOptions(progress=False),
     **method_options: Any,
 ) -> list[dict]:
     """Run :func:`create_sink` over positions × layer sets × α; one tidy row per (config, layer).
@@ -584,7 +588,11 @@ def sweep(
     The clean run of each position is computed once. ``alphas`` only applies to methods with an
     ``alpha`` option (``amplify``; ``None`` = the method's default). Rows carry ``position``,
     ``layers`` (the intervened set as a list, ``None`` = all), ``alpha`` and the per-layer numbers
-    of :meth:`InterventionResult.rows`. ``options.progress`` shows a bar over configurations.
+    of :meth:`InterventionResult.rows`. Other keywords go to the method's factory, as in :func:`create_sink`;
+    one that neither sweep nor the method takes is named with sweep's own keywords (:data:`SWEEP_KEYWORDS`).
+    ``options``: batching and progress; like :func:`create_sink`, :func:`remove_sink`,
+    :func:`measure_intervention` and :func:`~sinklens.interventions.patching.patch_sink`, no progress bar
+    by default (``options=RunOptions(progress=True)`` shows one over the configurations).
     """
     options = options_from_legacy(options, method_options, "sweep", last=False)
     dims_m = model_dims(model)
@@ -604,7 +612,17 @@ def sweep(
     configs = list(itertools.product(positions, layer_sets, alphas))
     for position, layer_set, alpha in tqdm(configs, desc="sweep", disable=not options.progress):
         extra = dict(method_options) if alpha is None else {**method_options, "alpha": alpha}
-        name, hooks, _ = _hooks_for(model, entry.name, "create", position, layer_set, sink, dims, extra)
+        try:
+            name, hooks, _ = _hooks_for(model, entry.name, "create", position, layer_set, sink, dims, extra)
+        except InvalidArgumentError as err:
+            unknown = [k for k in method_options if k not in entry.options() and repr(k) in str(err)]
+            if not unknown:
+                raise
+            raise InvalidArgumentError(
+                f"sweep has no option {unknown[0]!r}: its keywords are {list(SWEEP_KEYWORDS)} (alphas=[...]: the "
+                f"values of α to sweep, for methods with an alpha option such as amplify); other keywords go to the "
+                f"method {entry.name!r}, which does not take it either: {err}"
+            ) from None
         if position not in clean:
             clean[position] = run_stats(model, batches, [], target=position, sink=sink, loss=loss, options=quiet)
         after = run_stats(model, batches, hooks, target=position, sink=sink, loss=loss, options=quiet)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 import torch
@@ -34,6 +34,7 @@ from tqdm.auto import tqdm
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
+from sinklens.export import to_json
 from sinklens.hooks import (ATTN_OUT, MLP_OUT, PATTERN, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, model_dims,
                             model_dtype)
 from sinklens.inputs import Inputs, as_batches
@@ -118,7 +119,7 @@ def relative_gap_tolerance(dtype: str | torch.dtype) -> float:
     return torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class SinkPatchResult(CompactRepr):
     """Sink metric after patching each component; see the module docstring.
 
@@ -188,6 +189,15 @@ class SinkPatchResult(CompactRepr):
             row.update(value=value, restored=(value - self.intervened) / gap if effect else None)
             rows.append(row)
         return rows
+
+    def to_dict(self) -> dict[str, Any]:
+        """Strict-JSON-ready data (:func:`~sinklens.export.to_json`: full precision, a non-finite number is None):
+        every field (``values`` as nested lists along ``axes``), ``has_effect``, ``gap_tolerance`` and
+        ``restored`` (:attr:`restored`, the same shape as ``values``; None when :attr:`has_effect` is False).
+        :meth:`to_rows` has the same numbers one row per component."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        return to_json({**data, "has_effect": self.has_effect, "gap_tolerance": self.gap_tolerance,
+                        "restored": self.restored if self.has_effect else None}, digits=None)
 
     def top(self, n: int = 5) -> list[tuple[dict[str, int], float]]:
         """The ``n`` components that restore the most, as ``({axis: index}, restored)``."""

@@ -21,6 +21,7 @@ use ``reference="batch"``.
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Mapping
 from typing import Any, Literal, Union
@@ -145,7 +146,11 @@ def _reference_for(model: Any, reference: Reference, site: str, layers: list[int
             allowed = ("n_sequences", "seq_len", "skip_first", "seed", "cache")
             unknown = sorted(k for k in kw if k not in allowed)
             if unknown:
-                raise InvalidArgumentError(f"amplify has no option {unknown[0]!r}; reference_mean options are {list(allowed)}.")
+                own = [name for name in inspect.signature(amplify).parameters if name not in ("model", "reference_kw")]
+                raise InvalidArgumentError(
+                    f"amplify has no option {unknown[0]!r}; its options are {own} and, with reference='random', "
+                    f"reference_mean's {list(allowed)}."
+                )
             return reference_mean(model, site=site, layers=layers, **kw)
     if kw:
         raise InvalidArgumentError(

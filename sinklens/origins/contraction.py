@@ -50,6 +50,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.display import CompactRepr
+from sinklens.export import to_json
 from sinklens.hooks import MLP_POST, RESID_POST, RESID_PRE, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions, settings_from
@@ -90,7 +91,7 @@ def activation_mean_at_zero(name: str) -> float:
     return float(torch.trapezoid(fn(z) * density, z))
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class SiteStats(CompactRepr):
     """Concentration at one site (see the module docstring)."""
 
@@ -105,7 +106,7 @@ class SiteStats(CompactRepr):
     direction_mean_cos: float | None = None
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class ContractionResult(CompactRepr):
     """Per-site concentration, sublayer shares, final-direction alignment and MLP asymmetry."""
 
@@ -160,6 +161,16 @@ class ContractionResult(CompactRepr):
             "mlp_post_mean": self.mlp_post_mean.tolist(), "mlp_skipped": self.mlp_skipped,
             "n_sequences": self.n_sequences,
         }
+
+    def to_dict(self) -> dict[str, Any]:
+        """Strict-JSON-ready data (:func:`~sinklens.export.to_json`: full precision, a non-finite number is None):
+        :meth:`summary`, each site's ``inter`` per position as ``inter_by_position``, ``n_layers``,
+        ``prepend_bos``, the ``[vocab]`` ``alignment`` and ``extra``."""
+        summary = self.summary()
+        for row, site in zip(summary["sites"], self.sites):
+            row["inter_by_position"] = site.inter
+        return to_json({**summary, "n_layers": self.n_layers, "prepend_bos": self.prepend_bos,
+                        "alignment": self.alignment, "extra": self.extra}, digits=None)
 
 
 class _SiteAccumulator:

@@ -53,7 +53,7 @@ from sinklens.origins.sites import final_state_site
 from sinklens.streaming import BatchFold, Reducer, stream
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class PreferenceSnapshot(CompactRepr):
     """A model's token preference and final contraction direction on fixed random inputs.
 

@@ -23,14 +23,15 @@ per head (``variance[l, h, t]`` over ``d_head``). Inputs are uniform random toke
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.display import CompactRepr
+from sinklens.display import CompactRepr, StructuralEq
+from sinklens.export import to_json
 from sinklens.hooks import Z, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions, settings_from
@@ -50,7 +51,7 @@ def relative_to_later(x: Float[Tensor, "... pos"]) -> Float[Tensor, "... pos"]:
     return x / x[..., T // 2 :].mean(dim=-1, keepdim=True)
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class PositionalDiscrepancy(CompactRepr):
     """Across-sequence variance and mean norm of each position's outputs, per layer.
 
@@ -88,6 +89,16 @@ class PositionalDiscrepancy(CompactRepr):
         return {name: self.first_token_ratio(name).tolist()
                 for name in ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")} | {
             "n_sequences": self.n_sequences, "position": self.first_counted}
+
+    def to_dict(self) -> dict[str, Any]:
+        """Strict-JSON-ready data (:func:`~sinklens.export.to_json`: full precision, a non-finite number is None):
+        every field (``[layer, pos]`` and ``[layer, head, pos]`` lists, ``n_sequences``, ``prepend_bos``),
+        ``position`` (:attr:`first_counted`) and ``first_token_ratio``: :meth:`summary`'s ``[layer]`` ratios by name."""
+        summary = self.summary()
+        position = summary.pop("position")
+        summary.pop("n_sequences")
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        return to_json({**data, "position": position, "first_token_ratio": summary}, digits=None)
 
 
 class _Moments:
@@ -175,8 +186,8 @@ def positional_discrepancy(
     return stream_random(model, random, PositionalReducer(model, random.seq_len, prepend_bos=random.prepend_bos), options)
 
 
-@dataclass
-class PositionalTrajectory:
+@dataclass(eq=False)
+class PositionalTrajectory(StructuralEq):
     """:class:`PositionalDiscrepancy` of one training run at init and at each kept checkpoint.
 
     Attributes:

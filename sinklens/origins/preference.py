@@ -39,6 +39,7 @@ from torch import Tensor
 
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
+from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch, random_token_batches
 from sinklens.options import RunOptions, checked_options, settings_from
@@ -47,7 +48,7 @@ from sinklens.streaming import R, BatchFold, Reducer, stream
 from sinklens.validate import as_seed, positive_int
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class TokenPreference(CompactRepr):
     """Mean next-token distribution and argmax counts on random inputs (see the module docstring).
 
@@ -113,6 +114,14 @@ class TokenPreference(CompactRepr):
             "argmax_entropy": self.argmax_entropy, "argmax_entropy_uniform": math.log(self.mean_probs.shape[1]),
             "argmax_gini": self.argmax_gini, "top": self.top(10),
         }
+
+    def to_dict(self) -> dict[str, Any]:
+        """Strict-JSON-ready data (:func:`~sinklens.export.to_json`: full precision, a non-finite number is None):
+        :meth:`summary`, ``first_counted``, and over the counted positions the pooled distribution ``probs`` and
+        the argmax counts ``argmax_total`` (``[vocab]`` each; ``mean_probs`` per position is left out, it is
+        ``seq_len`` times larger)."""
+        return to_json({**self.summary(), "first_counted": self.first_counted, "probs": self.probs,
+                        "argmax_total": self.argmax_total}, digits=None)
 
 
 class TokenPreferenceReducer(Reducer[TokenPreference]):

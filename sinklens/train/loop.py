@@ -188,7 +188,7 @@ def eval_batches(source: TokenSource, cfg: TrainConfig, device: torch.device) ->
     return batches, targets
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class TrainResult(CompactRepr):
     """What :func:`train` returns.
 

@@ -64,7 +64,7 @@ class FirstTokenNormReducer(Reducer[Float[Tensor, " layer"]]):
         return ((self.sums[0] / self.counts[0]) / (self.sums[1] / self.counts[1])).float().cpu()
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class SinkMetrics(CompactRepr):
     """Sink metrics of one evaluation.
 
