@@ -100,15 +100,49 @@ def test_cli_reports_bad_input_without_a_traceback(tmp_path, capsys):
     assert main(["analyze", "--prompts", str(tmp_path / "missing.txt"), "--model", "x"]) == 2
 
 
+def _w_out(model, layer):
+    """``W_out[layer]`` ``[d_mlp, d_model]`` as the model multiplies it: the Hugging Face ``down_proj`` behind a
+    TransformerLens 4.x bridge, the HookedTransformer's own weight (as TransformerLens 3.x processed it) otherwise."""
+    hf = getattr(model, "original_model", None)
+    if hf is not None:
+        return hf.model.layers[layer].mlp.down_proj.weight.T
+    return model.blocks[layer].mlp.W_out
+
+
+def _sink_dim_reference(model, batches, dim):
+    """Plain ``run_with_cache`` code, no sinklens: the mean over sequences at position 0 of residual dimension ``dim``
+    at every stream index (``s < n_layers``: ``blocks.{s}.hook_resid_pre``; ``n_layers``: the last ``hook_resid_post``),
+    and each neuron's mean write into it at position 0, ``mlp.hook_post[b, 0, n] × W_out[l, n, dim]`` (a pre-norm
+    model: what the neuron adds to the residual stream)."""
+    n_layers = model.cfg.n_layers
+    streams = [f"blocks.{s}.hook_resid_pre" for s in range(n_layers)] + [f"blocks.{n_layers - 1}.hook_resid_post"]
+    posts = [f"blocks.{layer}.mlp.hook_post" for layer in range(n_layers)]
+    resid = torch.zeros(n_layers + 1, dtype=torch.float64)
+    contrib = torch.zeros(n_layers, model.cfg.d_mlp, dtype=torch.float64)
+    n_seq = 0
+    for batch in batches:
+        assert bool(batch.valid[:, 0].all())  # right padding: a causal decoder's position 0 never sees it
+        with torch.inference_mode():
+            _, cache = model.run_with_cache(batch.tokens, names_filter=lambda n: n in streams or n in posts)
+        n_seq += batch.tokens.shape[0]
+        resid += torch.stack([cache[name][:, 0, dim].double().sum() for name in streams])
+        for layer, name in enumerate(posts):
+            w = _w_out(model, layer)[:, dim].detach().double()
+            contrib[layer] += (cache[name][:, 0].double() * w).sum(dim=0)
+    return resid / n_seq, contrib / n_seq
+
+
 @pytest.mark.slow
 def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_path):
     """Measured on SmolLM2-135M-Instruct (8 stdlib docstrings, 48 tokens, BOS prepended): position 0
     is the only sink; residual dimension 507 at position 0 reaches ~25,000 from block 12 on (median
     |x| ~2), written by block 11's MLP, mostly by neurons 1229 and 1487, whose W_out rows put >95%
     of their mass on one channel."""
-    from sinklens.inputs import stdlib_text_prompts
+    from sinklens.inputs import as_batches, stdlib_text_prompts
+    from sinklens.testing import transformer_lens_major
 
-    report = analyze(smollm2, stdlib_text_prompts(8), verify=True, options=QUIET.replace(max_length=48))
+    prompts = stdlib_text_prompts(8)
+    report = analyze(smollm2, prompts, verify=True, options=QUIET.replace(max_length=48))
     assert report.sinks.sink_positions == [0]
     assert report.sinks.sink_rate(position=0) > 0.5
     late = report.sinks.received[12:, :, 0]
@@ -119,10 +153,20 @@ def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_
     writers = {(layer, neuron) for layer, neuron, _ in path.top_neurons[:2]}
     assert writers == {(11, 1229), (11, 1487)}
     assert report.neurons.neuron_row(11, 1229)["row_top_share"] > 0.9
-    # SmolLM2 is pre-norm: residual-unit contributions are act x W_out, the numbers of sinklens 0.2 (measured).
-    assert (path.peak_layer, path.peak_value) == (12, pytest.approx(24926.2, abs=0.5))
-    assert path.top_neurons[0] == (11, 1229, pytest.approx(18008.2, abs=0.5))
-    assert path.top_neurons[1] == (11, 1487, pytest.approx(6786.7, abs=0.5))
+    # The peak and the top writers against plain run_with_cache code on the same tokens (SmolLM2 is pre-norm:
+    # a neuron's residual-unit contribution is its activation at the sink times its W_out entry).
+    resid, contrib = _sink_dim_reference(smollm2, as_batches(smollm2, prompts, max_length=48), 507)
+    peak = int(resid.abs().argmax())
+    assert (path.peak_layer, path.peak_value) == (peak, pytest.approx(float(resid[peak]), rel=1e-5))
+    top = contrib.flatten().topk(2)  # the peak is positive: the largest contributions write towards it
+    expected = [(int(i) // contrib.shape[1], int(i) % contrib.shape[1], float(v)) for v, i in zip(*top)]
+    assert [(layer, n) for layer, n, _ in path.top_neurons[:2]] == [(layer, n) for layer, n, _ in expected]
+    for (_, _, got), (_, _, ref) in zip(path.top_neurons[:2], expected):
+        assert got == pytest.approx(ref, rel=1e-5)
+    # The same run_with_cache numbers are README's headline (TransformerLens 4.x bridge, float32).
+    if transformer_lens_major() >= 4:
+        assert (peak, float(resid[peak])) == (12, pytest.approx(24926.2, abs=0.5))
+        assert [round(v, 1) for _, _, v in expected] == [pytest.approx(18008.2, abs=0.5), pytest.approx(6786.7, abs=0.5)]
     assert [w.block for w in path.writers] == [11] and [e.block for e in path.erasers] == [28, 29]
     assert report.neurons.post_norm_blocks == [] and report.neurons.super_neurons()[0] == (11, 1229)
     # The causal check: zeroing L11N1229 and L11N1487 at position 0 removes 99% of dim 507 (24926 -> 131) and
