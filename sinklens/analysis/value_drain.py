@@ -99,7 +99,9 @@ class ValueDrainSettings:
     Attributes:
         sink_position: the key position treated as the sink (default 0).
         sink_head_threshold: a head is a sink head when its mean attention to the sink over the counted
-            queries (``attn_sink``) is at least this (in (0, 1]; default 0.3, Gu et al.'s ``ε``).
+            queries (``attn_sink``) is at least this (in (0, 1]; default 0.3, the value of Gu et al.'s ``ε``; the rule
+            is sinklens' own: attention pooled over sequences, the sink's own query left out, ``>=`` where their
+            sink rate uses ``>`` per sequence).
         no_op_share: a sink head whose ``write_share`` is below this is ``"no-op"`` (default 0.1: the
             sink supplies under a tenth of the head's write while taking at least ``sink_head_threshold``
             of its attention).
