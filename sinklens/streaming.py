@@ -420,8 +420,6 @@ def stream(
     or TransformerLens 3's ``attn.hook_result`` without ``cfg.use_attn_result``): an intervention that never
     runs would otherwise leave the results unchanged without a word.
     """
-    from sinklens import distributed
-
     options = checked_options(options, "stream")
     check_model_device(model, options.device)
     with eval_mode(model):

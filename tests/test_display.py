@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
-import pkgutil
 import re
 
 import pytest
@@ -12,21 +10,12 @@ import torch
 
 import sinklens
 from sinklens.display import CompactRepr, compact_repr, short_value
+from sinklens.testing import public_dataclasses
 
 
 def _public_result_classes() -> list[type]:
     """Every public dataclass in sinklens with a tensor-typed field (the objects a user prints)."""
-    found = {}
-    for info in pkgutil.walk_packages(sinklens.__path__, "sinklens."):
-        if info.name.startswith("sinklens.cli") or ".commands" in info.name:
-            continue
-        module = importlib.import_module(info.name)
-        for name, obj in vars(module).items():
-            if (isinstance(obj, type) and dataclasses.is_dataclass(obj) and not name.startswith("_")
-                    and obj.__module__ == info.name
-                    and any("Tensor" in str(f.type) for f in dataclasses.fields(obj))):
-                found[f"{info.name}.{name}"] = obj
-    return [found[key] for key in sorted(found)]
+    return public_dataclasses(lambda cls: any("Tensor" in str(f.type) for f in dataclasses.fields(cls)))
 
 
 def test_every_public_result_class_has_the_compact_repr():

@@ -4,11 +4,8 @@
 from __future__ import annotations
 
 import copy
-import dataclasses
-import importlib
 import json
 import math
-import pkgutil
 
 import pytest
 import torch
@@ -17,7 +14,7 @@ import sinklens
 from sinklens.display import CompactRepr, StructuralEq, same_value
 from sinklens.errors import InvalidArgumentError
 from sinklens.interventions import block_keys
-from sinklens.testing import QUIET, TINY_PROMPTS, tiny_model
+from sinklens.testing import QUIET, TINY_PROMPTS, public_dataclasses, tiny_model
 
 OTHER_PROMPTS = ["t2 t3 t4 t5 t6 t7 t8", "t8 t7 t6 t5", "t1 t1 t2 t3 t4 t5 t6 t7 t8 t9"]
 
@@ -136,16 +133,7 @@ def test_same_value_rules():
 
 def _structural_classes() -> list[type]:
     """Every public dataclass in sinklens with the CompactRepr mixin, and the result dataclasses nested in them."""
-    found = {}
-    for info in pkgutil.walk_packages(sinklens.__path__, "sinklens."):
-        if info.name.startswith("sinklens.cli") or ".commands" in info.name:
-            continue
-        module = importlib.import_module(info.name)
-        for name, obj in vars(module).items():
-            if (isinstance(obj, type) and dataclasses.is_dataclass(obj) and not name.startswith("_")
-                    and obj.__module__ == info.name and (issubclass(obj, StructuralEq) or issubclass(obj, CompactRepr))):
-                found[obj.__qualname__] = obj  # an alias of a class is found once
-    return [found[key] for key in sorted(found)]
+    return public_dataclasses(lambda cls: issubclass(cls, (StructuralEq, CompactRepr)))
 
 
 @pytest.mark.parametrize("cls", _structural_classes(), ids=lambda c: c.__name__)

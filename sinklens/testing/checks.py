@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from sinklens.options import RunOptions
@@ -33,3 +34,24 @@ def attached_hook_count(model: Any) -> int:
 def no_hooks_left(model: Any) -> bool:
     """True if no hook point of the model carries a forward or backward hook."""
     return attached_hook_count(model) == 0
+
+
+def public_dataclasses(keep: Callable[[type], bool]) -> list[type]:
+    """Every public dataclass defined in sinklens (command-line modules aside) for which ``keep(cls)`` is true,
+    each once, sorted by module and name: what tests of a contract that every result class must meet walk."""
+    import dataclasses
+    import importlib
+    import pkgutil
+
+    import sinklens
+
+    found = {}
+    for info in pkgutil.walk_packages(sinklens.__path__, "sinklens."):
+        if info.name.startswith("sinklens.cli") or ".commands" in info.name:
+            continue
+        module = importlib.import_module(info.name)
+        for name, obj in vars(module).items():
+            if (isinstance(obj, type) and dataclasses.is_dataclass(obj) and not name.startswith("_")
+                    and obj.__module__ == info.name and keep(obj)):
+                found[f"{info.name}.{obj.__qualname__}"] = obj  # an alias of a class is found once
+    return [found[key] for key in sorted(found)]
