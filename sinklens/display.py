@@ -150,7 +150,8 @@ class StructuralEq:
     equal by :func:`same_value`: tensors in shape, dtype and values with NaN equal to NaN, lists, dicts and
     nested results item by item, floats with NaN equal to NaN. An object of another class is never equal.
     Fields declared ``field(compare=False)`` are left out (a tokenizer, a wall time).
-    Results are mutable, so (as dataclasses with ``eq``) they are unhashable: ``hash(result)`` raises TypeError.
+    Results are mutable, so (as dataclasses with ``eq``) they are unhashable: ``hash(result)`` raises TypeError; a
+    frozen one may define a ``__hash__`` over its non-tensor fields (:class:`~sinklens.residual_units.NormMap`).
     """
 
     __hash__ = None  # type: ignore[assignment]

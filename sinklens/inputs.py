@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import random
+import sys
 import sysconfig
 import warnings
 from collections import Counter
@@ -457,12 +458,29 @@ def _end_runs(tokens: Tensor, token: int) -> tuple[Tensor, Tensor]:
     return leading, trailing
 
 
+def _caller_outside_sinklens(warning_frame: Any) -> int:
+    """The ``stacklevel``, counted from ``warning_frame`` (the frame that calls ``warnings.warn``), of the first
+    frame outside the sinklens package, so a warning names the user's line, however deep the call that raised it."""
+    root = str(Path(__file__).resolve().parent)
+
+    def inside(frame: Any) -> bool:  # sinklens, or a runtime type checker's wrapper around one of its functions
+        name, module = frame.f_code.co_filename, str(frame.f_globals.get("__name__", ""))
+        return (name.startswith("<") or module.split(".")[0] in ("jaxtyping", "beartype", "typeguard")
+                or str(Path(name).resolve()).startswith(root))
+
+    level, frame = 1, warning_frame
+    while frame is not None and inside(frame):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def warn_if_padded(model: Any, tokens: Int[Tensor, "batch pos"]) -> None:
     """Warn when a token tensor looks padded: its rows begin or end with runs of the tokenizer's pad token of
     different lengths, as ``model.to_tokens(list_of_prompts)`` pads prompts of different lengths.
 
-    Every position of a plain token tensor counts as a real token (that is its contract), so padding would be
-    measured as text: received attention, sink rates and variances all change. The warning names the rows and
+    A run of at least two pad tokens counts (a single pad id at a row's end is also how text ends where the pad
+    token is EOS, as in GPT-2). Every position of a plain token tensor counts as a real token (that is its
+    contract), so padding would be measured as text: received attention, sink rates and variances all change. The warning names the rows and
     the two ways to say what is real: the prompts themselves, or a :class:`TokenBatch` with its ``valid`` mask.
     """
     pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
@@ -470,14 +488,15 @@ def warn_if_padded(model: Any, tokens: Int[Tensor, "batch pos"]) -> None:
         return
     leading, trailing = _end_runs(tokens, pad)
     for side, runs in (("end", trailing), ("start", leading)):
-        if int(runs.max()) > 0 and int(runs.min()) != int(runs.max()) and int(runs.max()) < tokens.shape[1]:
+        # A run of at least two: one pad id at a row's end is also how text ends where pad is EOS (GPT-2).
+        if int(runs.max()) >= 2 and int(runs.min()) != int(runs.max()) and int(runs.max()) < tokens.shape[1]:
             rows = [int(i) for i in torch.nonzero(runs > runs.min()).flatten()]
             warnings.warn(
                 f"token ids: rows {rows[:6]}{'...' if len(rows) > 6 else ''} {side} with up to {int(runs.max())} copies of "
                 f"the tokenizer's pad token (id {pad}), as model.to_tokens pads a list of prompts of different lengths. "
                 "Every position of a token tensor counts as a real token, so the padding would be analysed as text. "
                 "Pass the prompts themselves, or TokenBatch(tokens, valid) with valid marking the real tokens.",
-                RuntimeWarning, stacklevel=3)
+                RuntimeWarning, stacklevel=_caller_outside_sinklens(sys._getframe()))
             return
 
 

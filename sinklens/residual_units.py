@@ -82,6 +82,10 @@ class NormMap(CompactRepr):
     convention: str = "none"
     path: str | None = None
 
+    def __hash__(self) -> int:
+        """Frozen, so hashable: by its fields other than the tensors (equal maps, by ``==``, hash equal)."""
+        return hash((type(self), self.layer, self.site, self.norm, self.center, self.convention, self.path))
+
     @property
     def is_identity(self) -> bool:
         """True when the output enters the residual stream unchanged (no post norm)."""

@@ -376,13 +376,17 @@ def eval_mode(model: Any) -> Iterator[None]:
     A model left in train mode (after ``model.train()``, or as a trainer leaves it) would apply dropout in every
     analysis pass, so numbers would change from run to run and with the batch size; sinklens measures the model
     as it runs at inference. The modes are restored module by module, so a model whose submodules the user set
-    to different modes gets exactly those back (also when the block raises).
+    to different modes gets exactly those back (also when the block raises); on a TransformerBridge that includes
+    the Hugging Face model it wraps (``original_model``), which is not among its ``modules()``. Only a
+    ``torch.nn.Module`` is switched: another wrapper is run as it is, in whatever mode the model it holds is in.
     """
     if not isinstance(model, torch.nn.Module):
         yield
         return
     was_training = model.training
-    modes = [(m, m.training) for m in model.modules()]
+    inner = getattr(model, "original_model", None)
+    modules = {id(m): m for root in (model, inner) if isinstance(root, torch.nn.Module) for m in root.modules()}
+    modes = [(m, m.training) for m in modules.values()]
     model.eval()  # through the model's own eval(): a wrapper may pass it on to a model it holds
     try:
         yield

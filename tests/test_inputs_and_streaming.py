@@ -157,6 +157,13 @@ def test_old_links_module_still_imports_with_a_warning():
     assert old is query_key_locking
 
 
+def _modes(model):
+    """Every submodule's train/eval flag, a 4.x bridge's wrapped Hugging Face model's included."""
+    inner = getattr(model, "original_model", None)
+    return {**{name: m.training for name, m in model.named_modules()},
+            **({f"hf.{name}": m.training for name, m in inner.named_modules()} if inner is not None else {})}
+
+
 def test_analyzers_measure_a_model_left_in_train_mode_without_dropout_and_give_its_modes_back():
     """A model in train mode (dropout 0.1 in the Hugging Face GPT-2 config) is measured as at inference: the same
     numbers as in eval mode, for any batch size; afterwards every submodule has the mode it had (a mixed state
@@ -168,21 +175,38 @@ def test_analyzers_measure_a_model_left_in_train_mode_without_dropout_and_give_i
     model.eval()
     reference = sinklens.find_sinks(model, TINY_PROMPTS, options=QUIET).received
     model.train()
-    next(iter(dropouts or list(model.modules())[1:])).eval()  # a mixed state, as a user may leave it
-    modes = {name: m.training for name, m in model.named_modules()}
+    mixed = next(iter(dropouts or list(model.modules())[1:]))
+    mixed.eval()  # a mixed state, as a user may leave it
+    inner = getattr(model, "original_model", None)  # a 4.x bridge's Hugging Face model: not among its modules()
+    inner_drop = next((m for m in inner.modules() if isinstance(m, torch.nn.Dropout)), None) if inner is not None else None
+    if inner_drop is not None:
+        inner_drop.eval()
+    modes = _modes(model)
     for batch_size in (8, 1):
         got = sinklens.find_sinks(model, TINY_PROMPTS, options=QUIET.replace(batch_size=batch_size)).received
         torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-6)
     # TransformerLens 4.x runs Hugging Face's GPT-2 with dropout 0.1; a 3.x HookedTransformer has no dropout
     assert dropouts or not hasattr(model, "original_model")
-    assert {name: m.training for name, m in model.named_modules()} == modes
+    # The experiments' own forward passes (patching, the intervention loss) run in eval mode too
+    tokens = torch.randint(0, model.cfg.d_vocab, (4, 12), generator=torch.Generator().manual_seed(0))
+    model.eval()
+    patched = sinklens.patch_sink(model, tokens, [], target=0, site="z").clean
+    loss = sinklens.create_sink(model, tokens, 3, loss=True).loss_before
+    model.train()
+    mixed.eval()
+    if inner_drop is not None:
+        inner_drop.eval()
+    assert sinklens.patch_sink(model, tokens, [], target=0, site="z").clean == patched
+    assert sinklens.create_sink(model, tokens, 3, loss=True).loss_before == loss
+    assert _modes(model) == modes
+    assert _modes(model) == modes
 
     def fails(act, hook):
         raise RuntimeError("boom")
 
     with pytest.raises(RuntimeError, match="boom"):
         sinklens.find_sinks(model, TINY_PROMPTS, options=QUIET.replace(extra_hooks=(("blocks.0.hook_resid_pre", fails),)))
-    assert {name: m.training for name, m in model.named_modules()} == modes
+    assert _modes(model) == modes
 
 
 def test_a_token_tensor_padded_by_to_tokens_is_named_in_a_warning():
@@ -201,6 +225,7 @@ def test_a_token_tensor_padded_by_to_tokens_is_named_in_a_warning():
     assert len(set(lengths)) > 1
     with pytest.warns(RuntimeWarning, match=r"pad token .*TokenBatch\(tokens, valid\)") as caught:
         sinklens.find_sinks(model, tokens, options=QUIET)
+    assert caught[0].filename == __file__  # the warning names the user's line, not sinklens' internals
     shorter = [i for i, n in enumerate(lengths) if n < max(lengths)]
     assert str(shorter[:6])[1:-1] in str(caught[0].message)
     valid = torch.arange(tokens.shape[1])[None, :] < torch.tensor(lengths)[:, None]
@@ -209,4 +234,7 @@ def test_a_token_tensor_padded_by_to_tokens_is_named_in_a_warning():
         from_strings = sinklens.find_sinks(model, VARIED_PROMPTS, options=QUIET)
         masked = sinklens.find_sinks(model, [TokenBatch(tokens, valid, True)], options=QUIET)
         sinklens.find_sinks(model, tokens[:, : min(lengths)], options=QUIET)  # one length: nothing padded
+        one_pad = tokens[:, : min(lengths)].clone()
+        one_pad[0, -1] = model.tokenizer.pad_token_id  # one text ending in the pad id (EOS where pad is EOS)
+        sinklens.find_sinks(model, one_pad, options=QUIET)
     torch.testing.assert_close(masked.received, from_strings.received)

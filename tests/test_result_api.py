@@ -139,7 +139,17 @@ def _structural_classes() -> list[type]:
 @pytest.mark.parametrize("cls", _structural_classes(), ids=lambda c: c.__name__)
 def test_every_result_class_uses_the_structural_eq(cls):
     assert cls.__eq__ is StructuralEq.__eq__, f"declare {cls.__qualname__} @dataclass(..., eq=False)"
-    assert cls.__hash__ is None
+    frozen = cls.__dataclass_params__.frozen
+    assert (cls.__hash__ is None) != frozen, "a mutable result is unhashable; a frozen one keeps a hash"
+
+
+def test_a_frozen_norm_map_hashes_consistently_with_its_equality():
+    from sinklens.residual_units import NormMap
+
+    a = NormMap(1, "attn", "ln1_post", torch.tensor([1.0, float("nan")]), torch.zeros(2), False, "w", "blocks.1.ln1_post")
+    b = copy.deepcopy(a)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert a != NormMap(1, "attn", "ln1_post", torch.tensor([2.0, 0.0]), torch.zeros(2), False, "w", "blocks.1.ln1_post")
 
 
 def test_the_small_result_records_compare_structurally():

@@ -40,7 +40,7 @@ from sinklens.inputs import Inputs, TokenBatch, is_encoder, padded_to, right_ali
 from sinklens.interventions import registry
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, layers_arg
 from sinklens.options import RunOptions, options_from_legacy
-from sinklens.streaming import BatchFold, Reducer, batches_for, forward, per_layer_hooks, stream
+from sinklens.streaming import BatchFold, Reducer, batches_for, eval_mode, forward, per_layer_hooks, stream
 from sinklens.validate import as_bool, index, index_list
 
 #: What :func:`measure_intervention` accepts: hooks, a registry spec string, or a callable ``model -> hooks``.
@@ -192,7 +192,7 @@ def wants_next_token_loss(model: Any, loss: bool | None) -> bool:
 def _next_token_loss(model: Any, batches: Sequence[TokenBatch], hooks: Hooks) -> float:
     """Mean next-token cross-entropy over real (non-padded) predicted tokens, with ``hooks`` attached."""
     total, count = 0.0, 0
-    with torch.inference_mode(), model.hooks(fwd_hooks=list(hooks)):
+    with torch.inference_mode(), eval_mode(model), model.hooks(fwd_hooks=list(hooks)):  # no dropout, as in stream
         for batch in batches:
             batch = right_align(batch)
             logits = forward(model, batch, return_type="logits")  # [batch, pos, d_vocab], padding masked

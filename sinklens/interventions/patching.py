@@ -42,6 +42,7 @@ from sinklens.interventions.masks import Hooks, IndexLike, IntLike, heads_arg, l
 from sinklens.options import RunOptions, options_from_legacy
 from sinklens.residual_sites import has_resid_mid, on_the_residual_stream
 from sinklens.residual_units import post_ln_reason
+from sinklens.streaming import eval_mode
 from sinklens.validate import choice, index
 
 PatchSite = Literal["resid_pre", "resid_mid", "attn_out", "mlp_out", "z", "z_pos"]
@@ -294,7 +295,7 @@ def patch_sink(
 
     tokens_t = batch.tokens
     values = torch.zeros([len(v) for v in coords.values()], dtype=torch.float64)
-    with torch.inference_mode():
+    with torch.inference_mode(), eval_mode(model):  # no dropout: the model as it runs at inference (streaming.eval_mode)
         dtype_hook = [(hook_name(metric_layers[0], PATTERN), dtype_of)]
         with model.hooks(fwd_hooks=[(n, lambda act, hook, n=n: keep(act, hook, n)) for n in names] + fold.hooks + dtype_hook):
             model(tokens_t, return_type=None)

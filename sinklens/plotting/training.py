@@ -16,15 +16,18 @@ SINK_PANELS = {
     "variance_ratio": "var(z[0]) / var(z[t≥1]) (hook_z, mean over heads)",
 }
 
-#: Persistence of the step-0 bias (:mod:`sinklens.train.persistence`), plotted when a run has them.
+#: Eval metrics plotted when at least one run has them: sinklens' sink-rate variant (every run since it was
+#: logged, and runs from before Gu et al.'s rate was, whose only sink rate it is) and the persistence of the
+#: step-0 bias (:mod:`sinklens.train.persistence`).
 PERSISTENCE_PANELS = {
+    "sinklens_sink_rate": "sinklens sink rate at position 0 (queries ≥ 1, ε)",
     "persistence_spearman": "token-preference Spearman ρ with step 0",
     "persistence_direction_cos": "|cos| of the contraction direction with step 0",
 }
 
 
 def default_panels(runs: Mapping[str, Sequence[dict[str, Any]]]) -> tuple[str, ...]:
-    """``"loss"``, the sink panels, and the persistence panels that at least one run recorded."""
+    """``"loss"``, the sink panels, and the optional panels (:data:`PERSISTENCE_PANELS`) at least one run recorded."""
     present = {key for lines in runs.values() for line in lines if line.get("kind") == "eval" for key in line}
     return ("loss", *SINK_PANELS, *[p for p in PERSISTENCE_PANELS if p in present])
 

@@ -162,3 +162,20 @@ def test_evaluate_metrics_equal_hand_computed_references_on_padded_batches():
     assert scalars["first_token_norm_ratio"] == pytest.approx(float(norm_ratio.max()), rel=1e-5)
     assert scalars["variance_ratio"] == pytest.approx(float(z_ratio.mean()), rel=1e-4)
     assert scalars["attn_out_variance_ratio"] == pytest.approx(float(out_ratio.max()), rel=1e-4)
+
+
+def test_an_older_runs_sink_rate_is_plotted_under_its_own_name(tmp_path):
+    """compare's figure keeps an older run's sink-rate curve: its variant (read as ``sinklens_sink_rate``) gets its
+    own panel, with every evaluation plotted, beside Gu et al.'s panel, which the run never logged."""
+    from sinklens.plotting.training import plot_training
+
+    lines = [{"kind": "train", "step": s, "loss": 3.0 - 0.1 * s} for s in range(6)]
+    lines += [{"kind": "eval", "step": s, "val_loss": 3.0, "sink_rate": r} for s, r in ((0, 0.0), (3, 0.25), (5, 0.5))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    fig = plot_training({"old": read_metrics(tmp_path)})
+    titles = {ax.get_title(): ax for ax in fig.axes}
+    variant = next(ax for title, ax in titles.items() if title.startswith("sinklens sink rate"))
+    (curve,) = variant.get_lines()
+    assert list(curve.get_xdata()) == [0, 3, 5] and list(curve.get_ydata()) == [0.0, 0.25, 0.5]
+    gu = next(ax for title, ax in titles.items() if "Gu et al." in title)
+    assert all(len(line.get_xdata()) == 0 for line in gu.get_lines())
