@@ -386,14 +386,20 @@ def eval_mode(model: Any) -> Iterator[None]:
     was_training = model.training
     inner = getattr(model, "original_model", None)
     modules = {id(m): m for root in (model, inner) if isinstance(root, torch.nn.Module) for m in root.modules()}
-    modes = [(m, m.training) for m in modules.values()]
+    training = [m for m in modules.values() if m.training]
+    if not training:  # already in eval mode (as sinklens.load_model returns it): nothing to switch or restore
+        yield
+        return
     model.eval()  # through the model's own eval(): a wrapper may pass it on to a model it holds
     try:
         yield
     finally:
-        model.train(was_training)
-        for m, mode in modes:
-            m.training = mode
+        if was_training:
+            model.train()
+        for m in modules.values():
+            m.training = False
+        for m in training:
+            m.training = True
 
 
 def stream(

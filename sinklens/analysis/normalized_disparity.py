@@ -155,13 +155,17 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
                 act = act[:, :, 0]
             i, x, pm = self.row[layer], act.float(), self.maps[layer]
             a = torch.stack((x, x * pm.gain.float().to(x.device) + pm.offset(x))).abs_()  # [before/after gain, ...]
-            rest = (a.sum(-1, keepdim=True) - a) / (a.shape[-1] - 1)  # m_d
-            self.sink_abs[:, i] += a[:, :, self.sink].double().sum(1)
-            self.sink_rest[:, i] += rest[:, :, self.sink].double().sum(1)
-            weight = other[..., None].to(a.dtype)
-            self.other_abs[:, i] += (a * weight).double().sum(dim=(1, 2))
-            self.other_rest[:, i] += (rest * weight).double().sum(dim=(1, 2))
-            per_token = a / rest.clamp_min(_TINY) * weight
+            n_rest = a.shape[-1] - 1
+            total = a.sum(-1, keepdim=True)  # Σ_j |x_j| per token
+            rest = (total - a) / n_rest  # m_d
+            self.sink_abs[:, i] += a[:, :, self.sink].sum(1).double()
+            self.sink_rest[:, i] += rest[:, :, self.sink].sum(1).double()
+            weight = other.to(a.dtype)  # [batch, pos]: the other valid tokens
+            abs_other = torch.einsum("kbpd,bp->kd", a, weight)  # Σ over those tokens of |x_d|
+            total_other = torch.einsum("kbp,bp->k", total.squeeze(-1), weight)
+            self.other_abs[:, i] += abs_other.double()
+            self.other_rest[:, i] += ((total_other[:, None] - abs_other) / n_rest).double()  # Σ m_d, without m itself
+            per_token = a.div_(rest.clamp_min_(_TINY)).mul_(weight[None, :, :, None])  # |x_d| / m_d, 0 off the others
             self.other_max[:, i] = torch.maximum(self.other_max[:, i], per_token.amax(dim=(1, 2)))
 
         # TL 3.x runs ln1.hook_normalized once per q/k/v input: fold the first call only.

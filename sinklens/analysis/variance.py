@@ -569,9 +569,17 @@ class VarianceReducer(Reducer[VarianceResult]):
                 self.out_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
             zg = torch.einsum("bphd,hde->bphe", z, self.gram32[row])  # |z W_O|² = z G zᵀ
             self.r_s2[row, :, :n] += ((zg * z).sum(-1) * w32[..., None]).sum(0).T.double()
-            # Li et al.: torch.std (Bessel) over the features at each token, as their code calls it (its two passes
-            # keep a large common mean from cancelling the spread), averaged over sequences.
-            std_head, std_all = z.std(-1), z.flatten(-2).std(-1)  # [b, t, head], [b, t]
+            # Li et al.: torch.std (Bessel) over the features at each token, as their code calls it, averaged over
+            # sequences. Two passes, as torch.std makes them (a large common mean must not cancel the spread): centre
+            # each head on its mean, then the whole token's sum of squares about its overall mean is the heads' own
+            # plus d_head × (head mean − token mean)², all terms >= 0.
+            d, big = z.shape[-1], z.shape[-1] * z.shape[-2]
+            head_mean = z.mean(-1, keepdim=True)  # [b, t, head, 1]
+            within = (z - head_mean).square().sum(-1)  # [b, t, head]
+            head_mean = head_mean.squeeze(-1)
+            between = (head_mean - head_mean.mean(-1, keepdim=True)).square().sum(-1) * d  # [b, t]
+            std_head = (within / (d - 1)).sqrt()
+            std_all = ((within.sum(-1) + between) / (big - 1)).sqrt()
             self.fs_head[row, :, :n] += (std_head.double() * w[..., None]).sum(0).T
             self.fs_all[row, :n] += (std_all.double() * w).sum(0)
             if layer in self.post_norm:
