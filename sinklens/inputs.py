@@ -480,8 +480,9 @@ def warn_if_padded(model: Any, tokens: Int[Tensor, "batch pos"]) -> None:
 
     A run of at least two pad tokens counts (a single pad id at a row's end is also how text ends where the pad
     token is EOS, as in GPT-2). Every position of a plain token tensor counts as a real token (that is its
-    contract), so padding would be measured as text: received attention, sink rates and variances all change. The warning names the rows and
-    the two ways to say what is real: the prompts themselves, or a :class:`TokenBatch` with its ``valid`` mask.
+    contract), so padding would be measured as text: received attention, sink rates and variances all change.
+    The warning names the rows and the two ways to say what is real: the prompts themselves, or a
+    :class:`TokenBatch` with its ``valid`` mask.
     """
     pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
     if not isinstance(pad, int) or tokens.ndim != 2 or tokens.shape[0] < 2:

@@ -19,7 +19,7 @@ SINK_PANELS = {
 #: Eval metrics plotted when at least one run has them: sinklens' sink-rate variant (every run since it was
 #: logged, and runs from before Gu et al.'s rate was, whose only sink rate it is) and the persistence of the
 #: step-0 bias (:mod:`sinklens.train.persistence`).
-PERSISTENCE_PANELS = {
+OPTIONAL_PANELS = {
     "sinklens_sink_rate": "sinklens sink rate at position 0 (queries ≥ 1, ε)",
     "persistence_spearman": "token-preference Spearman ρ with step 0",
     "persistence_direction_cos": "|cos| of the contraction direction with step 0",
@@ -27,9 +27,9 @@ PERSISTENCE_PANELS = {
 
 
 def default_panels(runs: Mapping[str, Sequence[dict[str, Any]]]) -> tuple[str, ...]:
-    """``"loss"``, the sink panels, and the optional panels (:data:`PERSISTENCE_PANELS`) at least one run recorded."""
+    """``"loss"``, the sink panels, and the optional panels (:data:`OPTIONAL_PANELS`) at least one run recorded."""
     present = {key for lines in runs.values() for line in lines if line.get("kind") == "eval" for key in line}
-    return ("loss", *SINK_PANELS, *[p for p in PERSISTENCE_PANELS if p in present])
+    return ("loss", *SINK_PANELS, *[p for p in OPTIONAL_PANELS if p in present])
 
 
 def smooth(values: Sequence[float], window: int, *, steps: Sequence[int] | None = None) -> list[float]:
@@ -94,7 +94,7 @@ def plot_training(
                 evals = [line for line in lines if line["kind"] == "eval" and line.get(panel) is not None]
                 ax.plot([line["step"] for line in evals], [line[panel] for line in evals], marker="o", ms=3, label=label)
         ax.set_xlabel("step")
-        ax.set_title("training loss (nats)" if panel == "loss" else {**SINK_PANELS, **PERSISTENCE_PANELS}.get(panel, panel),
+        ax.set_title("training loss (nats)" if panel == "loss" else {**SINK_PANELS, **OPTIONAL_PANELS}.get(panel, panel),
                      fontsize=9)
         if panel in ("first_token_norm_ratio", "variance_ratio"):
             ax.set_yscale("log")
