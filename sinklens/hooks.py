@@ -279,35 +279,56 @@ def weight(model: Any, name: str) -> Tensor:
     return w
 
 
-_SAMPLES_PER_TENSOR = 16
+@functools.lru_cache(maxsize=256)
+def _checksum_vector(length: int, salt: int, device: torch.device, dtype: torch.dtype) -> Tensor:
+    """Fixed weights in [0.5, 1.5) for :func:`weight_fingerprint`'s checksum, the same in every process."""
+    generator = torch.Generator().manual_seed(1_000_003 * length + salt)
+    return (torch.rand(length, generator=generator, dtype=torch.float64) + 0.5).to(device=device, dtype=dtype)
+
+
+def _weight_checksum(param: Tensor) -> Tensor:
+    """``sᵀ X r`` over the whole tensor viewed as ``X = [rows, last dim]``, with fixed weights ``r`` and ``s``
+    (:func:`_checksum_vector`): one matrix-vector product, so it reads every entry once. Any edit bigger than the
+    product's rounding (≈ 1e-7 of the entries' size) moves it, a permutation of rows or columns included."""
+    x = param.detach()
+    x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float64, device=x.device)
+    if not x.dtype.is_floating_point or x.element_size() < 4:  # half precision, integers: float32 products
+        x = x.float()
+    rows = x @ _checksum_vector(x.shape[1], 1, x.device, x.dtype)
+    return rows.double() @ _checksum_vector(x.shape[0], 2, x.device, torch.float64)
 
 
 def weight_fingerprint(model: Any) -> tuple:
-    """A cheap key that changes when the model's weights change; it guards the caches of weight-only
+    """A key that changes when the model's weights change; it guards the caches of weight-only
     quantities (:func:`weight_cached`, the reference means of :mod:`sinklens.interventions.variance`).
 
     Per parameter: its storage address (``data_ptr``, changes when ``.data`` or the parameter is
-    replaced), its autograd version counter (``_version``, bumped by every in-place op on the
-    tensor: optimizer steps, ``p.mul_(...)`` under ``no_grad``, ``copy_``/``load_state_dict``) and
-    ``{n}`` evenly strided sampled values (which catch in-place writes through a ``.data`` alias,
-    which bypass the version counter, when they touch a sampled entry, e.g. rescaling a matrix).
-    Costs one small gather per parameter tensor, not a pass over the weights.
+    replaced), its autograd version counter (``_version``, bumped by every in-place op on the tensor:
+    optimizer steps, ``p.mul_(...)`` under ``no_grad``, ``copy_``/``load_state_dict``), its shape, and a
+    checksum of every entry (:func:`_weight_checksum`), which catches in-place writes through a ``.data``
+    alias (they bypass the version counter), wherever they land. One read of the weights (about 30 ms
+    for a 135M-parameter model on two CPU cores) and one host transfer per device.
     """
-    parts = []
+    keys, sums = [], []
     with torch.no_grad():
         for param in model.parameters():
             try:
                 version = param._version
             except RuntimeError:  # an inference tensor has no version counter
                 version = -1
-            flat = param.detach().reshape(-1)
-            step = max(flat.numel() // _SAMPLES_PER_TENSOR, 1)
-            sample = flat[::step][:_SAMPLES_PER_TENSOR].double().cpu()
-            parts.append((param.data_ptr(), version, tuple(param.shape), tuple(sample.tolist())))
-    return tuple(parts)
-
-
-weight_fingerprint.__doc__ = weight_fingerprint.__doc__.replace("{n}", str(_SAMPLES_PER_TENSOR))
+            keys.append((param.data_ptr(), version, tuple(param.shape)))
+            sums.append(None if param.is_meta else _weight_checksum(param))
+    by_device: dict[torch.device, list[int]] = {}
+    for i, value in enumerate(sums):
+        if value is not None:
+            by_device.setdefault(value.device, []).append(i)
+    values: list[float | None] = [None] * len(sums)
+    for where in by_device.values():
+        for i, value in zip(where, torch.stack([sums[i] for i in where]).cpu().tolist()):
+            values[i] = value
+    return tuple(key + (value,) for key, value in zip(keys, values))
 
 
 #: (site, leading shape) of the per-block weight behind each stacked weight property.
@@ -351,7 +372,7 @@ def weight_cached(model: Any, key: Hashable, compute: Callable[[], Any]) -> Any:
 
     For quantities that depend on the weights alone (norms, kurtoses, Gram matrices of weight slices):
     repeated analyses of one model compute them once. The fingerprint is taken on every call (a small
-    gather per parameter, about 40 ms for a 135M-parameter model), once per :func:`cached_weights` block.
+    read of the weights, about 30 ms for a 135M-parameter model), once per :func:`cached_weights` block.
     """
     stack = _WEIGHT_CACHES.get(id(model))
     if stack is not None and "__fingerprint__" in stack:

@@ -105,7 +105,7 @@ def test_reference_cache_follows_in_place_weight_edits(toks, capture):
     for layer in range(model.cfg.n_layers):
         torch.testing.assert_close(second[layer], fresh[layer])
         assert not torch.allclose(second[layer], first[layer])
-    for p in model.parameters():  # through a .data alias: no version bump, caught by the sampled values
+    for p in model.parameters():  # through a .data alias: no version bump, caught by the checksum
         if p.ndim == 2:
             p.data.mul_(0.5)
     third = reference_mean(model, **kw)
