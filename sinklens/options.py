@@ -46,7 +46,9 @@ class RunOptions:
             own way (see :mod:`sinklens.inputs`); for token tensors the first column is taken to be BOS.
             Results record what position 0 was (``SinkResult.describe_start()``).
         max_length: keep the first ``max_length`` tokens of every sequence (BOS included): tokenized prompts,
-            token tensors and :class:`~sinklens.inputs.TokenBatch` es alike. None (default) truncates nothing:
+            token tensors and :class:`~sinklens.inputs.TokenBatch` es alike, except that an encoder's text
+            prompt keeps its final ``[SEP]`` (``[CLS]`` + the first ``max_length - 2`` tokens + ``[SEP]``, as its
+            tokenizer truncates) while token inputs are cut as given. None (default) truncates nothing:
             a sequence longer than the model's context ``cfg.n_ctx`` then raises
             :class:`~sinklens.errors.SequenceTooLongError` (it is never cut to ``cfg.n_ctx`` silently), and so
             does one still longer than ``cfg.n_ctx`` after a ``max_length`` above it.
@@ -117,6 +119,7 @@ def hook_pairs(hooks: Any, *, what: str) -> tuple[tuple[str, HookFn], ...]:
 def settings_from(
     cls: type[S], settings: S | None, kwargs: dict[str, Any], where: str, *,
     renames: dict[str, str] | None = None, defaults: dict[str, Any] | None = None, stacklevel: int = 3,
+    argument: str = "settings",
 ) -> S:
     """The frozen settings of one analysis, from ``settings=`` and/or its fields given as keywords.
 
@@ -124,7 +127,9 @@ def settings_from(
     of ``settings`` (``cls(**defaults)`` when None). ``renames`` maps deprecated keyword names to current
     field names (using one warns; giving both with different values raises). Any other keyword left in
     ``kwargs`` raises ``TypeError`` like Python does. A deprecation warning is attributed ``stacklevel``
-    frames up (3: the caller of the public function that calls this).
+    frames up (3: the caller of the public function that calls this). A ``settings`` that is not a ``cls``
+    (e.g. ``contraction(model, 64)`` for ``n_sequences=64``) raises
+    :class:`~sinklens.errors.InvalidArgumentError` naming ``argument``, the parameter it was passed as.
 
     Examples:
         >>> @dataclass(frozen=True)
@@ -140,6 +145,11 @@ def settings_from(
         ...
         TypeError: demo() got unexpected keyword arguments ['topk'] (did you mean 'top_k'?).
     """
+    names = [f.name for f in dataclasses.fields(cls)]
+    if settings is not None and not isinstance(settings, cls):
+        raise InvalidArgumentError(
+            f"{where}: {argument}= must be a {cls.__name__}, got {type(settings).__name__} {settings!r}; "
+            f"pass its fields as keywords instead (e.g. {names[0]}=...).")
     for old, new in (renames or {}).items():
         if old in kwargs:
             warnings.warn(f"{old}= is deprecated; use {new}= (same meaning).", DeprecationWarning, stacklevel=stacklevel)
@@ -147,7 +157,6 @@ def settings_from(
             if new in kwargs and kwargs[new] != old_value:
                 raise InvalidArgumentError(f"Got both {new}={kwargs[new]!r} and its deprecated name {old}={old_value!r}.")
             kwargs[new] = old_value
-    names = [f.name for f in dataclasses.fields(cls)]
     given = {name: kwargs.pop(name) for name in names if name in kwargs}
     no_unknown_kwargs(kwargs, where, known=names)
     if settings is None:

@@ -375,6 +375,21 @@ def test_options_that_are_not_run_options_are_refused_by_name(tiny_llama, where)
         call({"batch_size": 2})
 
 
+@pytest.mark.parametrize("where", ["contraction", "token_preference", "positional_discrepancy", "find_sinks"])
+def test_settings_of_the_wrong_type_are_refused_by_name(tiny_llama, where):
+    """``contraction(model, 64)`` meant ``n_sequences=64``: the error names the parameter and its type."""
+    import sinklens
+
+    if where == "find_sinks":
+        call = lambda: _unchecked(sinklens.find_sinks)(tiny_llama, "t2 t3", settings={"sink_threshold": 0.5})  # noqa: E731
+        words = r"find_sinks: settings= must be a SinkSettings, got dict \{'sink_threshold': 0\.5\}; pass its fields as keywords"
+    else:
+        call = lambda: _unchecked(getattr(sinklens.origins, where))(tiny_llama, 64)  # noqa: E731
+        words = rf"{where}: random= must be a RandomInputs, got int 64; pass its fields as keywords instead \(e\.g\. n_sequences=\.\.\.\)"
+    with pytest.raises(InvalidArgumentError, match=words):
+        call()
+
+
 def test_numpy_and_tensor_scalars_are_numbers(tiny_llama):
     """numpy integers and 0-d integer tensors are accepted wherever an int is."""
     batches = as_batches(tiny_llama, ["t2 t3 t4 t5", "t6 t7", "t8"], batch_size=np.int64(2), max_length=torch.tensor(3))

@@ -342,5 +342,5 @@ def contraction(
         >>> res.share("inter_mean").shape
         torch.Size([2, 2])
     """
-    random = settings_from(RandomInputs, random, random_kwargs, "contraction")
+    random = settings_from(RandomInputs, random, random_kwargs, "contraction", argument="random")
     return stream_random(model, random, ContractionReducer(model, random.seq_len, prepend_bos=random.prepend_bos), options)

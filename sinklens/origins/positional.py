@@ -182,7 +182,7 @@ def positional_discrepancy(
         >>> pd.head_var.shape, bool(pd.first_token_ratio("attn_out_var")[0] > 1)
         (torch.Size([2, 4, 8]), True)
     """
-    random = settings_from(RandomInputs, random, random_kwargs, "positional_discrepancy")
+    random = settings_from(RandomInputs, random, random_kwargs, "positional_discrepancy", argument="random")
     return stream_random(model, random, PositionalReducer(model, random.seq_len, prepend_bos=random.prepend_bos), options)
 
 

@@ -217,5 +217,6 @@ def token_preference(
         >>> pref.mean_probs.shape, round(float(pref.probs.sum()), 4)
         (torch.Size([4, 64]), 1.0)
     """
-    random = settings_from(RandomInputs, random, random_kwargs, "token_preference", defaults={"n_sequences": 256})
+    random = settings_from(RandomInputs, random, random_kwargs, "token_preference", defaults={"n_sequences": 256},
+                           argument="random")
     return stream_random(model, random, TokenPreferenceReducer(model, random.seq_len, prepend_bos=random.prepend_bos), options)
