@@ -13,7 +13,7 @@ import functools
 import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,7 +75,7 @@ def head_output_gain(model: Any, layer: int) -> Tensor | None:
     None when the variant's transform is not of that form (an element-wise gate)."""
     if head_output_site(model) == Z:
         dims = model_dims(model)
-        return torch.ones(dims.n_heads, dims.d_head)
+        return torch.ones(dims.n_heads, dims.d_head, dtype=torch.float32)
     gain = getattr(model, "head_output_gain", None)
     return gain(layer) if callable(gain) else None
 
@@ -397,17 +397,93 @@ def weight_cached(model: Any, key: Hashable, compute: Callable[[], Any]) -> Any:
 _STAT_CACHES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
+#: model -> {probe key: answer}; see :func:`_probed`.
+_PROBES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+@contextmanager
+def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
+    """Run ``module`` without the forward hooks on it and its submodules: the user's (permanent, ``add_hook``,
+    ``with model.hooks(...)``) and sinklens' own trampolines, which stay attached between batches. Hooks added
+    inside the block run; the tables are given back as they were when the block ends (also when it raises)."""
+    saved = [(table, dict(table)) for m in module.modules() for table in (m._forward_hooks, m._forward_pre_hooks) if table]
+    try:
+        for table, _ in saved:
+            table.clear()  # emptied in place: no module attribute is set (a bridge re-collects aliases on that)
+        yield
+    finally:
+        for table, hooks in saved:
+            table.clear()
+            table.update(hooks)
+
+
+@contextmanager
+def eval_mode(model: Any) -> Iterator[None]:
+    """Run ``model`` in eval mode inside the block, then give every submodule back the mode it had.
+
+    A model left in train mode (after ``model.train()``, or as a trainer leaves it) would apply dropout in every
+    analysis pass, so numbers would change from run to run and with the batch size; sinklens measures the model
+    as it runs at inference. The modes are restored module by module, so a model whose submodules the user set
+    to different modes gets exactly those back (also when the block raises); on a TransformerBridge that includes
+    the Hugging Face model it wraps (``original_model``), which is not among its ``modules()``. Only a
+    ``torch.nn.Module`` is switched: another wrapper is run as it is, in whatever mode the model it holds is in.
+    """
+    if not isinstance(model, torch.nn.Module):
+        yield
+        return
+    was_training = model.training
+    inner = getattr(model, "original_model", None)
+    modules = {id(m): m for root in (model, inner) if isinstance(root, torch.nn.Module) for m in root.modules()}
+    training = [m for m in modules.values() if m.training]
+    if not training:  # already in eval mode (as sinklens.load_model returns it): nothing to switch or restore
+        yield
+        return
+    model.eval()  # through the model's own eval(): a wrapper may pass it on to a model it holds
+    try:
+        yield
+    finally:
+        if was_training:
+            model.train()
+        for m in modules.values():
+            m.training = False
+        for m in training:
+            m.training = True
+
+
+def refuse_meta_model(model: Any) -> None:
+    """Raise :class:`~sinklens.errors.InvalidArgumentError` when the model's parameters are on the ``meta`` device
+    (shapes without values: nothing can be measured on it)."""
+    if model_device(model).type == "meta":
+        raise InvalidArgumentError(
+            "The model's parameters are on the meta device (shapes without values), so nothing can be measured: "
+            "materialise it first (model.to_empty(device='cpu') then load_state_dict, or load it with real weights).")
+
+
 def _probed(model: Any, key: Hashable, probe: Callable[[], Any]) -> Any:
-    """``probe()`` once per model and ``key``: what a model's forward pass does with its hooks does not change."""
-    known = getattr(model, "_sinklens_probes", None)
+    """``probe()`` once per model and ``key``: what the architecture's forward pass does with hooks.
+
+    The probe describes the model, not the state a notebook left it in: it runs with every hook already on the
+    model silenced (:func:`hooks_silenced`: a user's attention edit must not make a causal model look like an
+    encoder, now or in later calls) and in eval mode (:func:`eval_mode`: no dropout, so no draw from the global
+    random number generator). Answers are kept per model (a weak reference: nothing is stored on the model).
+    """
+    known = _PROBES.get(model) if _weakrefable(model) else None
     if known is not None and key in known:
         return known[key]
-    value = probe()
-    try:
-        model.__dict__.setdefault("_sinklens_probes", {})[key] = value
-    except AttributeError:
-        pass
+    refuse_meta_model(model)
+    with hooks_silenced(model) if isinstance(model, torch.nn.Module) else nullcontext(), eval_mode(model):
+        value = probe()
+    if _weakrefable(model):
+        _PROBES.setdefault(model, {})[key] = value
     return value
+
+
+def _weakrefable(model: Any) -> bool:
+    try:
+        weakref.ref(model)
+    except TypeError:
+        return False
+    return True
 
 
 def _probe_tokens(model: Any, n: int) -> Tensor:

@@ -37,8 +37,6 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -48,7 +46,7 @@ from torch import Tensor
 
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
-from sinklens.hooks import hook_name, model_device, model_dims
+from sinklens.hooks import hook_name, hooks_silenced, model_device, model_dims
 
 Site = Literal["attn", "mlp"]
 
@@ -227,20 +225,6 @@ def input_norm(model: Any, layer: int, site: Site) -> NormMap:
 EMBED_NORMS: tuple[str, ...] = ("embed_ln", "embed.ln")
 
 
-@contextmanager
-def _hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
-    """Run ``module`` without the forward hooks on it and its submodules (a probe must not reach a reducer's hook
-    functions: sinklens keeps its hook trampolines attached between batches)."""
-    saved = [(table, dict(table)) for m in module.modules() for table in (m._forward_hooks, m._forward_pre_hooks) if table]
-    try:
-        for table, _ in saved:
-            table.clear()  # emptied in place: no module attribute is set (a bridge re-collects aliases on that)
-        yield
-    finally:
-        for table, hooks in saved:
-            table.update(hooks)
-
-
 def _probed_norm(model: Any, path: str) -> dict[str, Any]:
     """Run the norm at module ``path`` on a probe vector: its ``gain``, ``bias``, ``center`` and ``convention``."""
     module = model.get_submodule(path)
@@ -248,7 +232,7 @@ def _probed_norm(model: Any, path: str) -> dict[str, Any]:
     b = _param(module, "b", "bias")
     d_model = model_dims(model).d_model
     if w is None:
-        w = torch.ones(d_model)
+        w = torch.ones(d_model, dtype=torch.float32)
     gen = torch.Generator().manual_seed(0)
     # A mean as large as the spread, so that removing it (LayerNorm) or not (RMSNorm) changes the output by O(1),
     # far above the tolerance below even in bfloat16.
@@ -256,10 +240,10 @@ def _probed_norm(model: Any, path: str) -> dict[str, Any]:
     probe = probe.to(device=w.device, dtype=w.dtype)
     # The norm runs in the model's dtype: a bfloat16 output is within a few of its eps (2^-8) of the exact one.
     tol = max(1e-3, 4 * torch.finfo(w.dtype).eps) if w.dtype.is_floating_point else 1e-3
-    with torch.inference_mode(), _hooks_silenced(module):
+    with torch.inference_mode(), hooks_silenced(module):
         out = module(probe).float()[0, 0]
     p = probe.float()[0, 0]
-    bias = torch.zeros(d_model, device=w.device) if b is None else b.float()
+    bias = torch.zeros(d_model, device=w.device, dtype=torch.float32) if b is None else b.float()
     for center in (False, True):
         x = p - p.mean() if center else p
         scale = x.square().mean().sqrt()

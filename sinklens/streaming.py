@@ -49,7 +49,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from sinklens.errors import PatternNotExposedError, UnsupportedArchitectureError
-from sinklens.hooks import check_hook_names, check_model_device, hook_name
+from sinklens.hooks import check_hook_names, check_model_device, eval_mode, hook_name, refuse_meta_model
 from sinklens.inputs import Inputs, TokenBatch, as_batches, is_encoder, right_align
 from sinklens.options import HookFn, RunOptions, checked_options
 
@@ -368,39 +368,6 @@ def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
         _RUNNING_MASK.reset(running)
 
 
-@contextmanager
-def eval_mode(model: Any) -> Iterator[None]:
-    """Run ``model`` in eval mode inside the block, then give every submodule back the mode it had.
-
-    A model left in train mode (after ``model.train()``, or as a trainer leaves it) would apply dropout in every
-    analysis pass, so numbers would change from run to run and with the batch size; sinklens measures the model
-    as it runs at inference. The modes are restored module by module, so a model whose submodules the user set
-    to different modes gets exactly those back (also when the block raises); on a TransformerBridge that includes
-    the Hugging Face model it wraps (``original_model``), which is not among its ``modules()``. Only a
-    ``torch.nn.Module`` is switched: another wrapper is run as it is, in whatever mode the model it holds is in.
-    """
-    if not isinstance(model, torch.nn.Module):
-        yield
-        return
-    was_training = model.training
-    inner = getattr(model, "original_model", None)
-    modules = {id(m): m for root in (model, inner) if isinstance(root, torch.nn.Module) for m in root.modules()}
-    training = [m for m in modules.values() if m.training]
-    if not training:  # already in eval mode (as sinklens.load_model returns it): nothing to switch or restore
-        yield
-        return
-    model.eval()  # through the model's own eval(): a wrapper may pass it on to a model it holds
-    try:
-        yield
-    finally:
-        if was_training:
-            model.train()
-        for m in modules.values():
-            m.training = False
-        for m in training:
-            m.training = True
-
-
 def stream(
     model: Any,
     batches: Sequence[TokenBatch],
@@ -431,6 +398,7 @@ def stream(
     """
     options = checked_options(options, "stream")
     check_model_device(model, options.device)
+    refuse_meta_model(model)
     with eval_mode(model):
         return _stream(model, batches, reducers, options)
 
@@ -525,5 +493,6 @@ def batches_for(model: Any, inputs: Inputs | None, options: RunOptions) -> list[
     ``prepend_bos`` and ``max_length``, :func:`~sinklens.inputs.as_batches`), once ``options.device`` is checked
     against the model's (:func:`~sinklens.hooks.check_model_device`: before the batches move to its device)."""
     check_model_device(model, options.device)
+    refuse_meta_model(model)
     return as_batches(model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos,
                       max_length=options.max_length)

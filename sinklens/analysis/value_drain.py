@@ -360,7 +360,7 @@ class ValueDrainReducer(Reducer[ValueDrain]):
             res_norm = _quad_norm(v, self.gram_res[row])  # ‖C((γ ⊙ v_k) W_O[h]) ⊙ g‖
         else:
             res_norm = out_norm
-        inv_scale = torch.ones(pattern.shape[0], 1, n_pos, device=pattern.device)  # [b, head, q]: c[q, h] / s[b, q]
+        inv_scale = torch.ones(pattern.shape[0], 1, n_pos, device=pattern.device, dtype=pattern.dtype)  # [b, head, q]: c[q, h] / s[b, q]
         if layer in self.post_norm:
             inv_scale = inv_scale / acts["scale"].reshape(pattern.shape[0], 1, n_pos)  # 1 / s[b, q]
         if transformed:
@@ -371,7 +371,7 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         pairs = seen & queries[:, :, None]  # (q in Q, k visible to q)
         # write[b, h, q, k] = A[b, h, q, k] ‖v_k W_O[h]‖ |c[b, q, h]| / s[b, q]; summed over q first (float32, 1
         # pass over A): attn_k = Σ_q A and write_k = Σ_q A |c| / s over the counted pairs, then float64.
-        zero = torch.zeros((), device=pattern.device)
+        zero = torch.zeros((), device=pattern.device, dtype=pattern.dtype)
         masked = pattern.masked_fill(~pairs[:, None], 0.0)  # [b, h, q, k] (NaN/inf outside the pairs never enter)
         attn_k = masked.sum(2).double()  # [b, h, k]
         inv_q = torch.where(queries[:, None], inv_scale.abs(), zero)  # [b, head, q] (head 1 when it does not vary)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 import weakref
 from collections.abc import Mapping
+from contextlib import nullcontext
 from typing import Any, Literal, Union
 
 import torch
@@ -31,7 +32,9 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.hooks import K, V, Z, ModelDims, check_hook_names, hook_name, model_device, model_dims, weight_fingerprint
+from sinklens.hooks import (
+    K, V, Z, ModelDims, check_hook_names, hook_name, hooks_silenced, model_device, model_dims, weight_fingerprint,
+)
 from sinklens.inputs import TokenBatch, random_token_batches
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, check_in_sequence, heads_arg, layers_arg, positions_arg
 from sinklens.interventions.sites import edit_site
@@ -105,8 +108,10 @@ def reference_mean(
     because position 0 is the sink and its activations are atypical. Returns ``{layer: mean}``
     with the activation's trailing shape, on the model's device.
 
-    The cache is keyed by the model, the settings and :func:`weight_fingerprint`: after the weights
-    change in place (a training step, an edit) the next call recomputes the mean.
+    The mean is the model's own: hooks already on the model (a user's permanent hook, ``with
+    model.hooks(...)``, another intervention) are silenced while it is computed (:func:`~sinklens.hooks.hooks_silenced`),
+    so it depends on the weights alone. The cache is keyed by the model, the settings and :func:`weight_fingerprint`:
+    after the weights change in place (a training step, an edit) the next call recomputes the mean.
     """
     dims = model_dims(model)
     layer_list = layers_arg(layers, dims.n_layers)
@@ -125,7 +130,8 @@ def reference_mean(
         batches = random_token_batches(model, n_sequences=n_sequences, seq_len=seq_len, seed=int(seed))
         batches = [b.to(model_device(model)) for b in batches]
         reducer = MeanActivationReducer(model, site, layers=layer_list, skip_first=skip_first)
-        (means,) = stream(model, batches, [reducer], options=RunOptions(progress=False, desc="reference mean"))
+        with hooks_silenced(model) if isinstance(model, torch.nn.Module) else nullcontext():  # the weights' mean
+            (means,) = stream(model, batches, [reducer], options=RunOptions(progress=False, desc="reference mean"))
         store[key] = {layer: m.clone() for layer, m in means.items()}  # clone: leave inference mode
     return store[key]
 
