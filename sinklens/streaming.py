@@ -37,8 +37,8 @@ from __future__ import annotations
 import copy
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import ExitStack, contextmanager
+from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar

@@ -66,6 +66,7 @@ def test_weight_statistics_follow_edits_that_miss_any_strided_sample():
     fresh_variance = measure_variance(model, VARIED_PROMPTS, options=QUIET)
     fresh_drain = measure_value_drain(model, VARIED_PROMPTS, options=QUIET)
     assert not torch.allclose(fresh_variance.result_var, variance.result_var)  # the edit changes the numbers
+    assert not torch.allclose(fresh_drain.write_sink, drain.write_sink)
     torch.testing.assert_close(edited_variance.result_var, fresh_variance.result_var)
     torch.testing.assert_close(edited_drain.write_sink, fresh_drain.write_sink)
     torch.testing.assert_close(edited_drain.write_other, fresh_drain.write_other)
