@@ -114,8 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with _cli_warnings(args.command, debug=debug):
             return int(args.func(args) or 0)
+    except BrokenPipeError:  # `sinklens analyze | head`: the reader left; files were written, say nothing more
+        _stdout_to_devnull()
+        return EXIT_FAILURE
     except (Exception, KeyboardInterrupt) as err:
         return report_error(args.command, err, debug=debug)
+
+
+def _stdout_to_devnull() -> None:
+    """Point standard output at /dev/null, so that Python's flush at exit does not hit the closed pipe again
+    (as the ``signal`` module's documentation advises for SIGPIPE)."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # no real file descriptor (e.g. a captured stdout): nothing to redirect
+        pass
 
 
 @contextlib.contextmanager

@@ -195,3 +195,27 @@ def test_intervene_repeated_index_refused(flag, capsys):
     err = capsys.readouterr().err
     _clean(err)
     assert f"{flag} '0,1,0'" in err and "0 more than once" in err
+
+
+@pytest.mark.parametrize("command", ["analyze", "fingerprint"])
+def test_output_piped_into_a_reader_that_leaves_ends_quietly(tmp_path, command):
+    """``sinklens analyze | head -1``: the reader closes the pipe; the report is still written, and the command
+    ends with exit 1 and nothing on stderr (no "error: Broken pipe", no traceback from the flush at exit)."""
+    import subprocess
+    import sys
+
+    model = str(zoo_dir("gpt2"))
+    out = tmp_path / "g"
+    argv, written = {
+        "analyze": (["analyze", "--model", model, "--stdlib-text", "2", "--out", str(out), "--no-figures"],
+                    out / "report.json"),
+        "fingerprint": (["fingerprint", model, model, "--samples", "8", "--json", str(tmp_path / "f.json")],
+                        tmp_path / "f.json"),
+    }[command]
+    proc = subprocess.Popen([sys.executable, "-m", "sinklens.cli", *argv, "--device", "cpu"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc.stdout.close()  # the reader is gone before the first line is printed
+    err = proc.stderr.read()
+    assert proc.wait(timeout=600) == EXIT_FAILURE
+    assert "rror" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+    assert _strict_json(written.read_text())

@@ -157,8 +157,8 @@ def _analyze(args: argparse.Namespace, device: str | None) -> int:
     )
     if not main:
         return 0
+    written = report.save(args.out, figures=not args.no_figures)  # first: a closed stdout must not lose the analysis
     print(report.summary())
-    written = report.save(args.out, figures=not args.no_figures)
     print(f"\nwrote {len(written)} files to {args.out}/ in {time.perf_counter() - start:.1f} s "
           f"(report.json{', figures' if not args.no_figures else ''})")
     return 0

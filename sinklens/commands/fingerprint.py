@@ -70,9 +70,10 @@ def run(args: argparse.Namespace) -> int:
     result = fingerprint(model_a, model_b, n_samples=args.samples, seq_len=args.seq_len, input=args.input,
                          buffer_k=args.buffer_k, identity_mode=args.identity_mode, alpha=args.alpha,
                          seed=args.seed, options=options)
-    print(f"A = {args.model_a}\nB = {args.model_b}\n{result.summary()}")
-    if json_path is not None:
+    if json_path is not None:  # written first: a closed stdout (`| head`) must not lose the result
         # full precision: p_value and alpha may differ in the 7th digit, and the file must say which is smaller
         write_json(json_path, {"model_a": args.model_a, "model_b": args.model_b, **result.to_dict()}, digits=None)
+    print(f"A = {args.model_a}\nB = {args.model_b}\n{result.summary()}")
+    if json_path is not None:
         print(f"wrote {json_path}")
     return 0
