@@ -126,7 +126,7 @@ def _stdout_to_devnull() -> None:
     (as the ``signal`` module's documentation advises for SIGPIPE)."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):  # no real file descriptor (e.g. a captured stdout): nothing to redirect
+    except (AttributeError, OSError, ValueError):  # no real file descriptor (a captured stdout): nothing to redirect
         pass
 
 

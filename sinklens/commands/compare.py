@@ -41,6 +41,7 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 from sinklens.commands import plain_help
 
@@ -295,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
     rows = summarize(runs, target=args.target_loss, smoothing=args.smoothing,
                      steps={label: planned_steps(run_dir) for label, run_dir in zip(labels, args.runs)})
     plot_training(runs, smoothing=args.smoothing, path=out)
+    # every file first: a reader that closes stdout (`| head`) must not cost the positional figure
+    trajectories = positional(args, list(runs), out.with_name("positional.png")) if args.positional else None
     if args.json:
         print(dumps(rows, digits=None, indent=1))
     else:
@@ -312,25 +315,30 @@ def run(args: argparse.Namespace) -> int:
             print(f"{row['run']}: {status_text(row)}, final loss {metric_text(row['final_loss'])}, "
                   f"steps to target {steps if steps is not None else 'never'}{extra}")
     print(f"figure: {out}", file=info)
-    if args.positional:
-        positional(args, list(runs), out.with_name("positional.png"), file=info)
+    if trajectories is not None:
+        print_positional(trajectories, out.with_name("positional.png"), file=info)
     return 0
 
 
-def positional(args: argparse.Namespace, labels: list[str], out: Path, *, file=None) -> None:
-    """Print (to ``file``, default stdout) and plot the first-token attention-output variance ratio per layer over
-    each run's checkpoints."""
+def positional(args: argparse.Namespace, labels: list[str], out: Path) -> dict[str, Any]:
+    """Measure the positional discrepancy over each run's checkpoints and plot it to ``out``; the trajectories by
+    run label."""
     from sinklens.options import RunOptions
     from sinklens.origins.positional import positional_over_training
     from sinklens.plotting.training import plot_positional_over_training
 
-    trajectories = {}
-    for label, run_dir in zip(labels, args.runs):
-        traj = positional_over_training(run_dir, n_sequences=args.n_sequences, seq_len=args.seq_len,
-                                        options=RunOptions(progress=False))
-        trajectories[label] = traj
+    trajectories = {label: positional_over_training(run_dir, n_sequences=args.n_sequences, seq_len=args.seq_len,
+                                                    options=RunOptions(progress=False))
+                    for label, run_dir in zip(labels, args.runs)}
+    plot_positional_over_training(trajectories, path=out)
+    return trajectories
+
+
+def print_positional(trajectories: dict[str, Any], out: Path, *, file=None) -> None:
+    """Print (to ``file``, default stdout) the first-token attention-output variance ratio per layer over each
+    run's checkpoints, and where its figure is."""
+    for label, traj in trajectories.items():
         print(f"{label}: attention-output variance at position 0 / later half, by layer", file=file)
         for step, row in zip(traj.steps, traj.first_token_ratio("attn_out_var").tolist()):
             print(f"  step {step:>7}: " + "  ".join(metric_text(v, "8.3g") for v in row), file=file)
-    plot_positional_over_training(trajectories, path=out)
     print(f"figure: {out}", file=file)

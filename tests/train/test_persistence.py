@@ -151,3 +151,25 @@ def test_a_constant_preference_gives_undefined_correlations_not_minus_one():
     assert got["direction_cos"] == pytest.approx(1.0)
     same = compare_snapshots(peaked, peaked)
     assert same["preference_spearman"] == 1.0 and same["preference_kendall"] == pytest.approx(1.0)
+
+
+def test_compare_writes_every_figure_before_printing(tmp_path, capsys, monkeypatch):
+    """A reader that closes stdout at the first line (``sinklens compare ... | head -1``) still gets both figures."""
+    import sys
+
+    from sinklens.cli import main
+    from sinklens.errors import EXIT_FAILURE
+
+    class ClosedPipe:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    train(_cfg(eval={"interval": 0}), out_dir=tmp_path / "run", progress=False)
+    monkeypatch.setattr(sys, "stdout", ClosedPipe())
+    assert main(["compare", str(tmp_path / "run"), "--smoothing", "1", "--out", str(tmp_path / "cmp.png"),
+                 "--positional", "--n-sequences", "8", "--seq-len", "8"]) == EXIT_FAILURE
+    assert (tmp_path / "cmp.png").stat().st_size > 1000 and (tmp_path / "positional.png").stat().st_size > 1000
+    assert capsys.readouterr().err == ""
