@@ -179,11 +179,12 @@ def run(args: argparse.Namespace) -> int:
     check_args(args)  # usage errors before the model loads
     model = load_model(args.model, device=args.device, dtype=args.dtype)
     result = intervene(model, args)
-    print(format_table(result))
-    if note := loss_note(model, args):
-        print(note)
+    # files first: a reader that closes stdout (`| head`) must not cost them
     if args.json is not None:
         write_json(args.json, result.to_dict(), digits=None)  # full precision, as to_dict()
     if args.out is not None:
         result.plot(Path(args.out) / "intervention.png")
+    print(format_table(result))
+    if note := loss_note(model, args):
+        print(note)
     return 0
