@@ -6,7 +6,14 @@ Examples::
     sinklens origins --model runs/a@init
     sinklens origins --model runs/a            # the trained model, for comparison
 
-Prints the summaries and writes ``origins.json`` plus three PNG figures into ``--out``.
+Prints the summaries and writes ``origins.json`` plus three PNG figures into ``--out``. ``origins.json``
+records ``init_seed``, the seed the weights were drawn with (``--init-seed``, the ``S`` of ``SPEC@init:S``,
+a run's own seed for ``RUN@init``, else 0 for ``SPEC@init``; null for the weights as loaded).
+
+On a bidirectional encoder (BERT) token preference is skipped (its logits at ``t`` predict the token at
+``t``, not the next one): ``token_preference`` is null in ``origins.json``, ``token_preference_skipped``
+says why, and ``rank_probability.png`` is not drawn. Contraction and positional discrepancy run, with a
+note that an encoder's queries all average every position (no positional discrepancy is expected).
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Any
 
 from sinklens.commands import add_model_flags, add_overwrite_flag, check_model_flags, plain_help
 
@@ -62,6 +70,78 @@ def check_init_seed(model: str, init_seed: int) -> None:
             f"(--model {parsed.base}@init:{init_seed}, or --model {parsed.base}@init --init-seed {init_seed}).")
 
 
+def effective_init_seed(model_spec: str, init_seed: int | None, model: Any) -> int | None:
+    """The seed the loaded weights were drawn with: ``init_seed`` when given, else the ``S`` of ``SPEC@init:S``,
+    else for ``SPEC@init`` the run's own seed (a ``sinklens train`` run: ``model.train_config.seed``) or 0
+    (:func:`sinklens.origins.init.load_at_init`); None for a spec without ``@init`` (the weights as loaded).
+
+    Examples:
+        >>> effective_init_seed("runs/a@init:3", None, None), effective_init_seed("gpt2@init", None, None)
+        (3, 0)
+        >>> effective_init_seed("gpt2", None, None) is None, effective_init_seed("gpt2", 5, None)
+        (True, 5)
+    """
+    from sinklens.origins.init import parse_init_spec
+
+    if init_seed is not None:
+        return init_seed
+    parsed = parse_init_spec(str(model_spec))
+    if parsed is None:
+        return None
+    if parsed.seed is not None:
+        return parsed.seed
+    train_config = getattr(model, "train_config", None)
+    return int(train_config.seed) if train_config is not None else 0
+
+
+def check_bos(model: Any, model_spec: str) -> None:
+    """Refuse ``--bos`` on a model whose tokenizer names no BOS (or CLS) token, in this command's words
+    (the library's refusal suggests ``--no-bos``, which ``origins`` does not have: leaving ``--bos`` out is the default).
+
+    Raises:
+        InvalidArgumentError: naming the model spec and the tokenizer's ``bos_token``.
+    """
+    from sinklens.errors import InvalidArgumentError
+    from sinklens.inputs import bos_token_id
+
+    if getattr(model, "tokenizer", None) is None:  # random_token_batches puts token 0 at position 0
+        return
+    try:
+        bos_token_id(model)
+    except InvalidArgumentError as err:
+        tok = model.tokenizer
+        bos, unk = getattr(tok, "bos_token", None), getattr(tok, "unk_token_id", None)
+        unknown = ", the unknown token" if unk is not None and getattr(tok, "bos_token_id", None) == unk else ""
+        raise InvalidArgumentError(
+            f"--bos: the tokenizer of {model_spec!r} has no BOS (or CLS) token of its own (bos_token={bos!r}{unknown}); "
+            "run without --bos.") from err
+
+
+def _skip_reason(model: Any) -> str | None:
+    """Why token preference cannot run on ``model`` (an encoder), or None."""
+    from sinklens.errors import UnsupportedArchitectureError
+    from sinklens.origins.preference import refuse_encoder
+
+    try:
+        refuse_encoder(model, "token preference")
+    except UnsupportedArchitectureError as err:
+        return str(err)
+    return None
+
+
+def _print_preference(ps: dict[str, Any], con: Any, tok: Any) -> None:
+    print(f"\ntoken preference over {ps['n_sequences']} random sequences x {ps['seq_len']} tokens:")
+    print(f"  max/median probability ratio {ps['max_median_ratio']:.3g}; argmax entropy {ps['argmax_entropy']:.3f} "
+          f"nats (uniform {ps['argmax_entropy_uniform']:.3f}); argmax Gini {ps['argmax_gini']:.3f}")
+    if ps["argmax_ties"]:
+        print(f"  {ps['argmax_ties']} predictions with a tied largest logit have no argmax and are not counted")
+    for row in ps["top"][:5]:
+        text = repr(tok.decode([row["token"]])) if tok is not None else ""
+        rank = con.alignment_rank(row["token"])
+        print(f"  token {row['token']:>6} {text:<14} p = {row['prob']:.3g} ({row['rel_uniform']:.1f}x uniform), "
+              f"alignment rank {rank}")
+
+
 def run(args: argparse.Namespace) -> int:
     from sinklens.export import remove_stale, write_json
     from sinklens.hooks import model_dims
@@ -85,21 +165,33 @@ def run(args: argparse.Namespace) -> int:
     print(f"loading {args.model}{'' if args.init_seed is None else f' at init (seed {args.init_seed})'} ...", file=sys.stderr)
     model = load_model(args.model, device=args.device, dtype=args.dtype, init_seed=args.init_seed, check_patterns=False)
     seq_len_within_context(args.seq_len, model_dims(model).n_ctx)
+    if args.bos:
+        check_bos(model, str(args.model))
     opts = RunOptions(batch_size=args.batch_size, progress=True)
     common = dict(n_sequences=args.sequences, seq_len=args.seq_len, prepend_bos=args.bos, seed=args.seed)
-    pref = token_preference(model, **common, options=opts.replace(desc="token preference"))
+    skipped = _skip_reason(model)
+    pref = None if skipped else token_preference(model, **common, options=opts.replace(desc="token preference"))
     con = contraction(model, **common, options=opts.replace(desc="contraction"))
     pos = positional_discrepancy(model, **common, options=opts.replace(desc="positional"))
-    ps = pref.summary()
-    print(f"\ntoken preference over {ps['n_sequences']} random sequences x {ps['seq_len']} tokens:")
-    print(f"  max/median probability ratio {ps['max_median_ratio']:.3g}; argmax entropy {ps['argmax_entropy']:.3f} "
-          f"nats (uniform {ps['argmax_entropy_uniform']:.3f}); argmax Gini {ps['argmax_gini']:.3f}")
-    tok = getattr(model, "tokenizer", None)
-    for row in ps["top"][:5]:
-        text = repr(tok.decode([row["token"]])) if tok is not None else ""
-        rank = con.alignment_rank(row["token"])
-        print(f"  token {row['token']:>6} {text:<14} p = {row['prob']:.3g} ({row['rel_uniform']:.1f}x uniform), "
-              f"alignment rank {rank}")
+    ps = None if pref is None else pref.summary()
+    # files first: a reader that closes stdout (`| head`) must not cost them
+    init_seed = effective_init_seed(str(args.model), args.init_seed, model)
+    write_json(out / "origins.json", {"model": str(args.model), "init_seed": init_seed, "token_preference": ps,
+                                      **({"token_preference_skipped": skipped} if skipped else {}),
+                                      "contraction": con.summary(), "positional": pos.summary()})
+    drawn = () if args.no_figures else _draw(out, str(args.model), pref, con, pos)
+    remove_stale(out, [f for f in FIGURE_FILES if f not in drawn])  # an earlier run's figures must not stay
+    _print_results(ps, skipped, con, pos, getattr(model, "tokenizer", None))
+    print(f"\nwrote {out}/origins.json{f' and {len(drawn)} figures' if drawn else ''} in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _print_results(ps: dict[str, Any] | None, skipped: str | None, con: Any, pos: Any, tok: Any) -> None:
+    """The three measures' tables on stdout."""
+    if ps is None:
+        print(f"\ntoken preference skipped: {skipped}")
+    else:
+        _print_preference(ps, con, tok)
     print("\ncontraction (mean cosine; inter = across sequences, intra = within a sequence):")
     print(f"  {'site':<10} {'inter':>8} {'intra':>8} {'dir share':>10} {'stability':>10}")
     for s in con.sites:
@@ -111,15 +203,16 @@ def run(args: argparse.Namespace) -> int:
     ratio = pos.first_token_ratio("attn_out_var")
     print(f"\npositional discrepancy: attention-output variance at position {pos.first_counted} / later half, by layer: "
           + " ".join(f"{float(r):.2g}" for r in ratio))
-    write_json(out / "origins.json", {"model": str(args.model), "init_seed": args.init_seed, "token_preference": ps,
-                                      "contraction": con.summary(), "positional": pos.summary()})
-    if not args.no_figures:
-        from sinklens.plotting.origins import plot_contraction, plot_positional, plot_rank_probability
+    if not pos.causal:
+        print("  (bidirectional encoder: every query averages all positions, so no positional discrepancy is expected)")
 
-        plot_rank_probability({str(args.model): pref}, path=out / FIGURE_FILES[0])
-        plot_contraction(con, path=out / FIGURE_FILES[1])
-        plot_positional(pos, path=out / FIGURE_FILES[2])
-    else:  # an earlier run's figures must not sit beside this origins.json
-        remove_stale(out, FIGURE_FILES)
-    print(f"\nwrote {out}/origins.json{' and 3 figures' if not args.no_figures else ''} in {time.perf_counter() - start:.1f} s")
-    return 0
+
+def _draw(out: Any, label: str, pref: Any, con: Any, pos: Any) -> tuple[str, ...]:
+    """Draw the figures into ``out`` (the rank–probability plot only when token preference ran); their names."""
+    from sinklens.plotting.origins import plot_contraction, plot_positional, plot_rank_probability
+
+    if pref is not None:
+        plot_rank_probability({label: pref}, path=out / FIGURE_FILES[0])
+    plot_contraction(con, path=out / FIGURE_FILES[1])
+    plot_positional(pos, path=out / FIGURE_FILES[2])
+    return FIGURE_FILES if pref is not None else FIGURE_FILES[1:]

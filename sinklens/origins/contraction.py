@@ -13,12 +13,18 @@ after the final norm). Inputs are :func:`sinklens.inputs.random_token_batches` (
 The *counted positions* are all positions, or positions ``>= 1`` when a BOS was prepended (BOS is the
 same token in every sequence, so it would trivially be "concentrated" — our choice).
 
-For hidden states ``h[n, t]`` (sequence ``n``, position ``t``) at a site, ``û = h / ‖h‖``:
+For hidden states ``h[n, t]`` (sequence ``n``, position ``t``) at a site, ``û = h / ‖h‖``. A state with
+``‖h‖ = 0`` (e.g. the token whose embedding row a Hugging Face init zeroes, ``padding_idx``, on a bias-free
+model) has no direction: it is left out of every cosine mean below (our choice; including it as cosine 0
+would pull the means towards 0 by the share of zero states), and ``zero_states`` counts such states over
+the counted positions:
 
-* ``inter[t] = mean_{n ≠ m} cos(h[n, t], h[m, t]) = (‖Σ_n û[n, t]‖² − N) / (N (N − 1))``
-  (inter-sequence concentration at position ``t``); ``inter_mean``: its mean over counted positions.
-* ``intra = mean_n mean_{t ≠ t'} cos(h[n, t], h[n, t'])`` over counted positions, each sequence's
-  term ``(‖Σ_t û[n, t]‖² − T)/(T (T − 1))`` (intra-sequence concentration).
+* ``inter[t] = mean_{n ≠ m} cos(h[n, t], h[m, t])`` over the ``k_t`` sequences whose state at ``t`` is
+  non-zero, ``= (‖Σ_n û[n, t]‖² − k_t) / (k_t (k_t − 1))`` (inter-sequence concentration at position ``t``;
+  NaN when ``k_t < 2``); ``inter_mean``: its mean over the counted positions where it is defined (NaN if none).
+* ``intra = mean_n mean_{t ≠ t'} cos(h[n, t], h[n, t'])`` over counted positions, each sequence's term
+  ``(‖Σ_t û[n, t]‖² − k_n)/(k_n (k_n − 1))`` over its ``k_n`` non-zero counted states; sequences with
+  ``k_n < 2`` are left out of the mean (NaN if every sequence is) (intra-sequence concentration).
 * ``direction``: the top right singular vector of the uncentred matrix of counted states (rows
   ``h[n, t]``) = the top eigenvector of ``M = Σ h hᵀ``, signed so that ``direction · mean ≥ 0``;
   ``direction_share = λ₁ / trace(M)`` (the share of ``Σ‖h‖²`` along it); ``mean_direction`` =
@@ -30,10 +36,16 @@ For hidden states ``h[n, t]`` (sequence ``n``, position ``t``) at a site, ``û =
   (each sublayer's share of the total change; the same for ``intra``).
 * ``alignment``: ``cos(final direction, W_U[:, j])`` for every token ``j`` (the final direction is in
   the space the unembedding reads); :meth:`ContractionResult.alignment_rank` gives the rank of a token.
-* ``mlp_post_mean[l]``: mean of ``blocks.l.mlp.hook_post`` over counted positions and neurons, and
-  ``activation_mean_at_zero`` = ``E[f(z)]``, ``z ~ N(0, 1)``, of the MLP nonlinearity ``f`` (the gate's,
-  for gated MLPs), by the trapezoid rule on [-12, 12] — the asymmetry: 0 for an odd ``f``,
-  ``1/(2√π) ≈ 0.2821`` for GELU, ``≈ 0.2066`` for SiLU, ``1/√(2π) ≈ 0.3989`` for ReLU.
+* ``mlp_act_mean[l]``: mean of the nonlinearity's output ``f(pre)`` over counted positions and neurons,
+  ``pre`` = ``blocks.l.mlp.hook_pre`` (the gate's pre-activation on a gated MLP) — the measured counterpart
+  of ``activation_mean_at_zero`` = ``E[f(z)]``, ``z ~ N(0, 1)``, of the MLP nonlinearity ``f`` (``cfg.act_fn``),
+  by the trapezoid rule on [-12, 12] — the asymmetry: 0 for an odd ``f``, ``1/(2√π) ≈ 0.2821`` for GELU,
+  ``≈ 0.2066`` for SiLU, ``1/√(2π) ≈ 0.3989`` for ReLU. On an ungated MLP ``f(pre)`` is ``mlp.hook_post``
+  itself; on a gated one (``mlp.hook_pre_linear`` exists: Llama/SwiGLU, Gemma, SinkLM llama) it is computed
+  here as ``f(hook_pre)`` (NaN for an ``f`` not in the table above). ``gated_mlp`` says which.
+* ``mlp_post_mean[l]``: mean of ``blocks.l.mlp.hook_post`` over counted positions and neurons. Ungated:
+  equal to ``mlp_act_mean``. Gated: ``hook_post = f(gate) · up`` includes the ``up`` projection, a factor
+  symmetric around 0 at init, so its mean is ≈ 0 whatever ``f``: it does *not* measure the asymmetry.
   Not measured (NaN, ``activation`` None, and ``mlp_skipped`` says why) for a mixture-of-experts MLP: its
   ``hook_post`` holds no per-neuron activations (the TransformerLens 4.x gpt-oss bridge fires it with the
   ``d_model`` output) and its experts' nonlinearity is not ``cfg.act_fn`` (gpt-oss: a clamped ``x·σ(1.702x)`` GLU).
@@ -51,7 +63,7 @@ from torch import Tensor
 
 from sinklens.display import CompactRepr
 from sinklens.export import to_json
-from sinklens.hooks import MLP_POST, RESID_POST, RESID_PRE, hook_name, model_device, model_dims
+from sinklens.hooks import MLP_POST, MLP_PRE, RESID_POST, RESID_PRE, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import RunOptions, settings_from
 from sinklens.origins.preference import RandomInputs, stream_random
@@ -74,6 +86,12 @@ def activation_name(model: Any) -> str:
     if name is None and getattr(cfg, "family", None) is not None:
         name = "silu" if cfg.family == "llama" else "gelu_new"
     return str(name)
+
+
+def is_gated_mlp(model: Any) -> bool:
+    """True when layer 0's MLP is gated, ``hook_post = f(gate) · up``: it exposes ``mlp.hook_pre_linear``
+    (the ``up`` branch; TransformerLens bridges and HookedTransformers with ``gated_mlp``, SinkLM llama)."""
+    return hook_name(0, "mlp.hook_pre_linear") in model.hook_dict
 
 
 def activation_mean_at_zero(name: str) -> float:
@@ -104,6 +122,7 @@ class SiteStats(CompactRepr):
     mean_direction: Float[Tensor, " d_model"] | None = None
     direction_stability: float | None = None
     direction_mean_cos: float | None = None
+    zero_states: int = 0
 
 
 @dataclass(repr=False, eq=False)
@@ -120,6 +139,8 @@ class ContractionResult(CompactRepr):
     prepend_bos: bool
     extra: dict[str, Any] = field(default_factory=dict)
     mlp_skipped: str | None = None
+    mlp_act_mean: Float[Tensor, " layer"] | None = None
+    gated_mlp: bool = False
 
     def site(self, name: str) -> SiteStats:
         for s in self.sites:
@@ -148,17 +169,22 @@ class ContractionResult(CompactRepr):
         """One line on the MLP nonlinearity's asymmetry ``E[f(z)]``, or why it was not measured."""
         if self.mlp_skipped is not None:
             return f"MLP asymmetry not measured: {self.mlp_skipped}"
-        return f"{self.activation}: E[f(z)] = {self.activation_mean_at_zero:.3f} for z ~ N(0, 1)"
+        text = f"{self.activation}: E[f(z)] = {self.activation_mean_at_zero:.3f} for z ~ N(0, 1)"
+        if self.mlp_act_mean is not None:
+            text += ("; measured mean f(gate pre-activation) by layer " if self.gated_mlp else "; measured mean f(pre) by layer ")
+            text += " ".join(f"{float(v):.3g}" for v in self.mlp_act_mean)
+        return text
 
     def summary(self) -> dict[str, Any]:
         return {
-            "sites": [{"site": s.name, "inter": s.inter_mean, "intra": s.intra,
+            "sites": [{"site": s.name, "inter": s.inter_mean, "intra": s.intra, "zero_states": s.zero_states,
                        **({"direction_share": s.direction_share, "direction_stability": s.direction_stability,
                            "direction_vs_mean_cos": s.direction_mean_cos} if s.direction is not None else {})}
                       for s in self.sites],
             "share_inter": self.share("inter_mean").tolist(), "share_intra": self.share("intra").tolist(),
             "activation": self.activation, "activation_mean_at_zero": self.activation_mean_at_zero,
-            "mlp_post_mean": self.mlp_post_mean.tolist(), "mlp_skipped": self.mlp_skipped,
+            "mlp_act_mean": None if self.mlp_act_mean is None else self.mlp_act_mean.tolist(),
+            "mlp_post_mean": self.mlp_post_mean.tolist(), "gated_mlp": self.gated_mlp, "mlp_skipped": self.mlp_skipped,
             "n_sequences": self.n_sequences,
         }
 
@@ -174,11 +200,16 @@ class ContractionResult(CompactRepr):
 
 
 class _SiteAccumulator:
+    """Running sums for one site: ``Σ_n û[n, t]`` and the non-zero count per position, the intra-sequence
+    cosine terms and how many sequences have one, and (``directions``) the even/odd second moments."""
+
     def __init__(self, name: str, seq_len: int, d: int, device: torch.device, directions: bool) -> None:
         self.name, self.directions = name, directions
         self.unit_sum = torch.zeros(seq_len, d, dtype=torch.float64, device=device)
-        self.intra_sum, self.n = 0.0, 0
+        self.nonzero = torch.zeros(seq_len, dtype=torch.float64, device=device)  # k_t
+        self.n = 0
         self.intra_terms = torch.zeros((), dtype=torch.float64, device=device)
+        self.intra_count = torch.zeros((), dtype=torch.float64, device=device)  # sequences with k_n >= 2
         if directions:
             self.moments = torch.zeros(2, d, d, dtype=torch.float64, device=device)  # even / odd sequences
             self.sums = torch.zeros(2, d, dtype=torch.float64, device=device)
@@ -186,12 +217,16 @@ class _SiteAccumulator:
     def fold(self, h: Tensor, first: int, start_index: int) -> None:  # h: [batch, pos, d]
         raw = h.detach()
         h = raw.double()
-        u = h / h.norm(dim=-1, keepdim=True).clamp_min(1e-30)
+        norm = h.norm(dim=-1, keepdim=True)
+        u = h / norm.clamp_min(1e-300)  # a zero state stays 0 and is not counted in k
+        live = (norm[..., 0] > 0).double()  # [batch, pos]
         self.unit_sum += u.sum(dim=0)
-        uc = u[:, first:]
-        T = uc.shape[1]
-        if T > 1:
-            self.intra_terms += ((uc.sum(dim=1).pow(2).sum(dim=-1) - T) / (T * (T - 1))).sum()
+        self.nonzero += live.sum(dim=0)
+        k = live[:, first:].sum(dim=1)  # k_n over the counted positions
+        pairs = k >= 2
+        term = (u[:, first:].sum(dim=1).pow(2).sum(dim=-1) - k) / (k * (k - 1)).clamp_min(1)
+        self.intra_terms += term[pairs].sum()
+        self.intra_count += pairs.sum()
         self.n += h.shape[0]
         if self.directions:
             hc = raw[:, first:].float()  # float32 products (fast on CPU), float64 running sums
@@ -205,9 +240,10 @@ class _SiteAccumulator:
         """Add ``other``'s sums (the same site, the sequences after this one's); ``swap_halves`` when this
         accumulator saw an odd number of sequences, so ``other``'s even sequences are odd ones overall."""
         self.unit_sum += other.unit_sum.to(self.unit_sum.device)
-        self.intra_sum += other.intra_sum
+        self.nonzero += other.nonzero.to(self.nonzero.device)
         self.n += other.n
         self.intra_terms += other.intra_terms.to(self.intra_terms.device)
+        self.intra_count += other.intra_count.to(self.intra_count.device)
         if self.directions:
             order = [1, 0] if swap_halves else [0, 1]
             self.moments += other.moments[order].to(self.moments.device)
@@ -222,9 +258,15 @@ class _SiteAccumulator:
         return v, float(evals[-1] / evals.clamp_min(0).sum().clamp_min(1e-300))
 
     def result(self, first: int) -> SiteStats:
-        N = self.n
-        inter = (self.unit_sum.pow(2).sum(dim=-1) - N) / (N * (N - 1))
-        stats = SiteStats(self.name, inter.float().cpu(), float(inter[first:].mean()), float(self.intra_terms) / N)
+        k = self.nonzero
+        inter = (self.unit_sum.pow(2).sum(dim=-1) - k) / (k * (k - 1))
+        inter = torch.where(k >= 2, inter, torch.full_like(inter, float("nan")))
+        counted = inter[first:]
+        inter_mean = float(counted.nanmean()) if bool(counted.isfinite().any()) else float("nan")
+        pairs = float(self.intra_count)
+        intra = float(self.intra_terms) / pairs if pairs > 0 else float("nan")
+        zero = int(round(self.n * (k.numel() - first) - float(k[first:].sum())))
+        stats = SiteStats(self.name, inter.float().cpu(), inter_mean, intra, zero_states=zero)
         if self.directions:
             m, s = self.moments.sum(0), self.sums.sum(0)
             v, share = self._top(m, s)
@@ -241,7 +283,7 @@ class _SiteAccumulator:
 class ContractionReducer(Reducer[ContractionResult]):
     """Streams :class:`ContractionResult` (one forward per batch; ``d_model²`` moments at direction sites)."""
 
-    statistics = ("acc", "mlp_post", "mlp_count", "seen")
+    statistics = ("acc", "mlp_post", "mlp_act", "mlp_count", "seen")
 
     def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
         dims = model_dims(model)
@@ -250,6 +292,8 @@ class ContractionReducer(Reducer[ContractionResult]):
         self.device = model_device(model)
         self.final_site, self.finish = final_state_site(model)
         self.mlp_skipped = moe_reason(model)
+        self.gated = self.mlp_skipped is None and is_gated_mlp(model)
+        self.act_fn = _ACTIVATIONS.get(activation_name(model))
         # (site, hook name or None for the residual after attention, directions computed there)
         self.names: list[tuple[str, str | None, bool]] = [("embed", hook_name(0, RESID_PRE), True)]
         for layer in range(dims.n_layers):
@@ -262,6 +306,7 @@ class ContractionReducer(Reducer[ContractionResult]):
         self.acc = {name: _SiteAccumulator(name, self.seq_len, d, self.device, dirs) for name, _, dirs in self.names}
         self.acc["final"] = _SiteAccumulator("final", self.seq_len, d, self.device, True)
         self.mlp_post = torch.zeros(self.dims.n_layers, dtype=torch.float64, device=self.device)
+        self.mlp_act = torch.zeros(self.dims.n_layers, dtype=torch.float64, device=self.device)
         self.mlp_count = 0
         self.seen = 0
 
@@ -284,14 +329,32 @@ class ContractionReducer(Reducer[ContractionResult]):
 
         hooks += after_attention_hooks(self.model, range(self.dims.n_layers), after_attention)
         hooks.append((self.final_site, bind("final", self.finish)))
-        per_neuron = self.dims.d_mlp and self.mlp_skipped is None
-        if per_neuron and all(hook_name(layer, MLP_POST) in self.model.hook_dict for layer in range(self.dims.n_layers)):
-            for layer in range(self.dims.n_layers):
-                def post(act: Tensor, hook: Any, layer: int = layer) -> None:
-                    self.mlp_post[layer] += act[:, self.first:].double().mean(dim=-1).sum()
-
-                hooks.append((hook_name(layer, MLP_POST), post))
+        hooks += self._mlp_hooks()
         return BatchFold(hooks)
+
+    def _mlp_hooks(self) -> list[tuple[str, Any]]:
+        """Hooks adding each layer's per-row mean of ``mlp.hook_post`` to ``mlp_post`` and of ``f(pre)`` to
+        ``mlp_act`` (``hook_post`` itself on an ungated MLP, ``f(mlp.hook_pre)`` on a gated one); none for a
+        mixture of experts or a model without the per-neuron hooks."""
+        layers = range(self.dims.n_layers)
+        per_neuron = self.dims.d_mlp and self.mlp_skipped is None
+        if not per_neuron or not all(hook_name(layer, MLP_POST) in self.model.hook_dict for layer in layers):
+            return []
+        hooks = []
+        for layer in layers:
+            def post(act: Tensor, hook: Any, layer: int = layer) -> None:
+                mean = act[:, self.first:].double().mean(dim=-1).sum()
+                self.mlp_post[layer] += mean
+                if not self.gated:
+                    self.mlp_act[layer] += mean
+
+            hooks.append((hook_name(layer, MLP_POST), post))
+            if self.gated and self.act_fn is not None:
+                def pre(act: Tensor, hook: Any, layer: int = layer) -> None:
+                    self.mlp_act[layer] += self.act_fn(act[:, self.first:].double()).mean(dim=-1).sum()
+
+                hooks.append((hook_name(layer, MLP_PRE), pre))
+        return hooks
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.seen += batch.tokens.shape[0]
@@ -302,7 +365,7 @@ class ContractionReducer(Reducer[ContractionResult]):
         of sequences (the halves are by global sequence index)."""
         for name, acc in self.acc.items():
             acc.merge(other.acc[name], swap_halves=self.seen % 2 == 1)
-        merge_statistics(self, other, ("mlp_post", "mlp_count", "seen"))
+        merge_statistics(self, other, ("mlp_post", "mlp_act", "mlp_count", "seen"))
 
     def result(self) -> ContractionResult:
         sites = [self.acc[name].result(self.first) for name, _, _ in self.names] + [self.acc["final"].result(self.first)]
@@ -312,13 +375,17 @@ class ContractionReducer(Reducer[ContractionResult]):
         alignment = (final @ w) / w.norm(dim=0).clamp_min(1e-30)
         act = activation_name(self.model)
         mlp_post_mean = (self.mlp_post / max(self.mlp_count, 1)).float().cpu()
+        mlp_act_mean = (self.mlp_act / max(self.mlp_count, 1)).float().cpu()
+        if self.gated and self.act_fn is None:  # f(pre) cannot be computed for an unknown f
+            mlp_act_mean = torch.full_like(mlp_act_mean, float("nan"))
         asymmetry = activation_mean_at_zero(act)
         if self.mlp_skipped is not None:  # cfg.act_fn is not the experts' nonlinearity either: no name to report
             mlp_post_mean, asymmetry, act = torch.full_like(mlp_post_mean, float("nan")), float("nan"), None
+            mlp_act_mean = mlp_post_mean.clone()
         return ContractionResult(
             sites=sites, n_layers=self.dims.n_layers, alignment=alignment, mlp_post_mean=mlp_post_mean,
             activation=act, activation_mean_at_zero=asymmetry, n_sequences=self.seen, prepend_bos=self.prepend_bos,
-            mlp_skipped=self.mlp_skipped,
+            mlp_skipped=self.mlp_skipped, mlp_act_mean=mlp_act_mean, gated_mlp=self.gated,
         )
 
 

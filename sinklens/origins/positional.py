@@ -19,6 +19,11 @@ mapped through the LayerNorm that follows it: see :func:`~sinklens.residual_site
 ``hook_resid_pre + hook_attn_out``; post-LN: ``ln1``'s output; see
 :func:`~sinklens.residual_sites.after_attention_hooks`), and ``head`` = ``blocks.l.attn.hook_z``
 per head (``variance[l, h, t]`` over ``d_head``). Inputs are uniform random tokens without BOS by default.
+
+On a bidirectional encoder (BERT) every query averages all ``T`` values, so the premise above does not
+hold: the numbers are computed the same way and mean the same (the across-sequence variance of position
+``t`` relative to the later half), but no positional discrepancy is expected from aggregation, and the
+first-token ratio is ≈ 1 on random inputs (``causal`` is False; ``sinklens origins`` prints that note).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from sinklens.options import RunOptions, settings_from
 from sinklens.origins.preference import RandomInputs, stream_random
 from sinklens.residual_sites import after_attention_hooks, attention_write_hooks
 from sinklens.streaming import BatchFold, Reducer
+from sinklens.visibility import attention_direction
 
 
 def relative_to_later(x: Float[Tensor, "... pos"]) -> Float[Tensor, "... pos"]:
@@ -61,6 +67,7 @@ class PositionalDiscrepancy(CompactRepr):
         n_sequences: ``N``.
         prepend_bos: whether position 0 held the BOS token (the same token in every sequence, so its
             variance across sequences is 0); the first-token ratio then reads position 1.
+        causal: False for a bidirectional encoder, where no positional discrepancy is expected (module docstring).
     """
 
     attn_out_var: Float[Tensor, "layer pos"]
@@ -70,6 +77,7 @@ class PositionalDiscrepancy(CompactRepr):
     head_var: Float[Tensor, "layer head pos"]
     n_sequences: int
     prepend_bos: bool = False
+    causal: bool = True
 
     @property
     def first_counted(self) -> int:
@@ -88,7 +96,7 @@ class PositionalDiscrepancy(CompactRepr):
     def summary(self) -> dict[str, Any]:
         return {name: self.first_token_ratio(name).tolist()
                 for name in ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")} | {
-            "n_sequences": self.n_sequences, "position": self.first_counted}
+            "n_sequences": self.n_sequences, "position": self.first_counted, "causal": self.causal}
 
     def to_dict(self) -> dict[str, Any]:
         """Strict-JSON-ready data (:func:`~sinklens.export.to_json`: full precision, a non-finite number is None):
@@ -97,6 +105,7 @@ class PositionalDiscrepancy(CompactRepr):
         summary = self.summary()
         position = summary.pop("position")
         summary.pop("n_sequences")
+        summary.pop("causal")
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         return to_json({**data, "position": position, "first_token_ratio": summary}, digits=None)
 
@@ -139,6 +148,7 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
         self.dims = model_dims(model)
         self.seq_len, self.prepend_bos = seq_len, prepend_bos
         self.device = model_device(model)
+        self.causal = attention_direction(model) == "causal"
         self.reset()
 
     def reset(self) -> None:
@@ -161,7 +171,7 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
     def result(self) -> PositionalDiscrepancy:
         n = self.n
         return PositionalDiscrepancy(self.attn.variance(n), self.attn.mean_norm(n), self.resid.variance(n),
-                                     self.resid.mean_norm(n), self.head.variance(n), n, self.prepend_bos)
+                                     self.resid.mean_norm(n), self.head.variance(n), n, self.prepend_bos, self.causal)
 
 
 def positional_discrepancy(

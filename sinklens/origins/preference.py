@@ -13,7 +13,15 @@ Per position ``t`` (streamed, nothing larger than ``[L, d_vocab]`` is kept):
   ``logits = final_state @ W_U + b_U`` (``final_state``: the input of the unembedding, after the final
   norm; see :func:`sinklens.origins.sites.final_state_site`), soft-capped as the model's forward caps
   them (Gemma 2's ``c · tanh(logits / c)``), softmax in float32, sums in float64.
-* ``argmax_counts[t, j]`` — how many of the ``N`` sequences have ``j`` as their argmax at ``t``.
+* ``argmax_counts[t, j]`` — how many of the ``N`` sequences have ``j`` as their argmax at ``t``. A
+  prediction whose largest logit is shared by two or more tokens (e.g. all logits 0: a zero final state on a
+  bias-free model, which ``torch.argmax`` would give to token 0) has no argmax: it is counted in
+  ``argmax_ties[t]`` instead, and left out of every argmax summary (our choice); ``mean_probs`` includes it.
+
+Causal models only: on a bidirectional encoder (BERT) the logits at ``t`` predict the token at ``t``, which
+the model sees, not the next one, so there is no next-token preference to measure;
+:func:`token_preference` (and :func:`~sinklens.origins.persistence.snapshot`) refuse such a model with
+:class:`~sinklens.errors.UnsupportedArchitectureError`.
 
 Summaries pool the *counted positions*: every position, except position 0 when a BOS was prepended
 (its prediction follows a fixed token and is the same for all sequences — our choice).
@@ -21,7 +29,7 @@ Summaries pool the *counted positions*: every position, except position 0 when a
 * ``probs = mean_t mean_probs[t]`` — the pooled mean distribution;
 * ``max_median_ratio = max_j probs_j / median_j probs_j`` (``torch.median``: the lower median);
 * ``top(k)``: the ``k`` most probable tokens with ``probs_j`` and ``probs_j · d_vocab`` (relative to uniform);
-* ``argmax_entropy``: Shannon entropy (nats) of ``c / Σc`` with ``c = Σ_t argmax_counts[t]``
+* ``argmax_entropy``: Shannon entropy (nats) of ``c / Σc`` with ``c = Σ_t argmax_counts[t]`` (ties left out)
   (``log d_vocab`` when every token is the argmax equally often, 0 when one token always wins);
 * ``argmax_gini``: Gini coefficient of ``c`` over all ``d_vocab`` tokens,
   ``Σ_i Σ_j |c_i − c_j| / (2 V Σ c)`` (0 = equal counts, ``1 − 1/V`` = one token takes all).
@@ -38,7 +46,7 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from sinklens.display import CompactRepr
-from sinklens.errors import InvalidArgumentError
+from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch, random_token_batches
@@ -54,15 +62,18 @@ class TokenPreference(CompactRepr):
 
     Attributes:
         mean_probs: ``[pos, vocab]`` mean softmax over the ``N`` sequences.
-        argmax_counts: ``[pos, vocab]`` argmax counts.
+        argmax_counts: ``[pos, vocab]`` argmax counts (predictions with a tied maximum left out).
         n_sequences: ``N``.
         prepend_bos: whether position 0 held BOS (then it is left out of the summaries).
+        argmax_ties: ``[pos]`` how many sequences had their largest logit shared by several tokens (no argmax);
+            None = not recorded (all zero).
     """
 
     mean_probs: Float[Tensor, "pos vocab"]
     argmax_counts: Int[Tensor, "pos vocab"]
     n_sequences: int
     prepend_bos: bool
+    argmax_ties: Int[Tensor, " pos"] | None = None
 
     @property
     def first_counted(self) -> int:
@@ -112,8 +123,13 @@ class TokenPreference(CompactRepr):
             "n_sequences": self.n_sequences, "seq_len": int(self.mean_probs.shape[0]), "prepend_bos": self.prepend_bos,
             "d_vocab": int(self.mean_probs.shape[1]), "max_median_ratio": self.max_median_ratio,
             "argmax_entropy": self.argmax_entropy, "argmax_entropy_uniform": math.log(self.mean_probs.shape[1]),
-            "argmax_gini": self.argmax_gini, "top": self.top(10),
+            "argmax_gini": self.argmax_gini, "argmax_ties": self.ties_total, "top": self.top(10),
         }
+
+    @property
+    def ties_total(self) -> int:
+        """Predictions at the counted positions whose largest logit was tied (left out of the argmax counts)."""
+        return 0 if self.argmax_ties is None else int(self.argmax_ties[self.first_counted :].sum())
 
     def to_dict(self) -> dict[str, Any]:
         """Strict-JSON-ready data (:func:`~sinklens.export.to_json`: full precision, a non-finite number is None):
@@ -127,9 +143,10 @@ class TokenPreference(CompactRepr):
 class TokenPreferenceReducer(Reducer[TokenPreference]):
     """Streams :class:`TokenPreference` from the final hidden state of every position."""
 
-    statistics = ("prob_sum", "counts", "n")
+    statistics = ("prob_sum", "counts", "ties", "n")
 
     def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
+        refuse_encoder(model, "token_preference")
         self.model = model
         self.site, self.finish = final_state_site(model)
         self.seq_len, self.d_vocab, self.prepend_bos = seq_len, model_dims(model).d_vocab_out, prepend_bos  # the logits
@@ -139,13 +156,17 @@ class TokenPreferenceReducer(Reducer[TokenPreference]):
     def reset(self) -> None:
         self.prob_sum = torch.zeros(self.seq_len, self.d_vocab, dtype=torch.float64, device=self.device)
         self.counts = torch.zeros(self.seq_len, self.d_vocab, dtype=torch.long, device=self.device)
+        self.ties = torch.zeros(self.seq_len, dtype=torch.long, device=self.device)
         self.n = 0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         def fold(act: Tensor, hook: Any) -> None:  # act: [batch, pos, d_model]
-            probs = torch.softmax(logits_from_final(self.model, self.finish(act)), dim=-1)  # (B, T, V)
-            self.prob_sum += probs.sum(dim=0).double()
-            self.counts.scatter_add_(1, probs.argmax(dim=-1).T, torch.ones_like(probs[..., 0], dtype=torch.long).T)
+            logits = logits_from_final(self.model, self.finish(act))  # (B, T, V)
+            self.prob_sum += torch.softmax(logits, dim=-1).sum(dim=0).double()
+            top = logits.max(dim=-1, keepdim=True).values
+            tied = (logits == top).sum(dim=-1) > 1  # (B, T): no argmax
+            self.ties += tied.sum(dim=0)
+            self.counts.scatter_add_(1, logits.argmax(dim=-1).T, (~tied).long().T)
 
         return BatchFold([(self.site, fold)])
 
@@ -153,7 +174,24 @@ class TokenPreferenceReducer(Reducer[TokenPreference]):
         self.n += batch.tokens.shape[0]
 
     def result(self) -> TokenPreference:
-        return TokenPreference((self.prob_sum / max(self.n, 1)).float().cpu(), self.counts.cpu(), self.n, self.prepend_bos)
+        return TokenPreference((self.prob_sum / max(self.n, 1)).float().cpu(), self.counts.cpu(), self.n, self.prepend_bos,
+                               self.ties.cpu())
+
+
+def refuse_encoder(model: Any, what: str) -> None:
+    """Refuse a bidirectional model (:func:`sinklens.visibility.attention_direction`) for a next-token measure.
+
+    Raises:
+        UnsupportedArchitectureError: naming ``what`` and the model's class: an encoder's logits at ``t``
+            predict the token at ``t`` itself, so their mean is no next-token preference.
+    """
+    from sinklens.visibility import attention_direction
+
+    if attention_direction(model) == "bidirectional":
+        raise UnsupportedArchitectureError(
+            f"{what} needs a causal (next-token) model, but {type(model).__name__} "
+            f"({getattr(model.cfg, 'model_name', None) or 'this model'}) attends both ways (an encoder such as BERT): its "
+            "logits at position t predict the token at t, which it sees, so their mean is no next-token preference.")
 
 
 @dataclass(frozen=True)

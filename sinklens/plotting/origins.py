@@ -58,6 +58,7 @@ def plot_contraction(result: ContractionResult, *, path: str | Path | None = Non
     ax = axes[0, 1]
     share = result.share("inter_mean").numpy()
     paired_bars(ax, share[:, 0], share[:, 1], ("attention", "MLP"))
+    integer_ticks(ax)  # integer layers, not matplotlib's 0.25 steps
     ax.set_xlabel("layer")
     ax.set_ylabel("share of the inter-sequence change")
     asymmetry = (f"{result.activation}: E[f(z)] = {result.activation_mean_at_zero:.3f}" if result.mlp_skipped is None
@@ -67,23 +68,43 @@ def plot_contraction(result: ContractionResult, *, path: str | Path | None = Non
     return finish(fig, path)
 
 
+def integer_ticks(ax: Any) -> None:
+    """Major x ticks at integers only (layers, positions), at most matplotlib's usual number of them."""
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
+def positive_or_nan(values: np.ndarray) -> np.ndarray:
+    """``values`` with every entry that is not > 0 (or not finite) replaced by NaN: a log axis cannot show it,
+    and matplotlib would otherwise clip it to the axis floor or stretch the axis down to it."""
+    values = np.asarray(values, dtype=float)
+    return np.where(np.isfinite(values) & (values > 0), values, np.nan)
+
+
 def plot_positional(result: PositionalDiscrepancy, *, path: str | Path | None = None) -> Any:
     """Across-sequence variance of each position's attention output relative to the later half of the
-    sequence, per layer (log y), and the first-token ratio by layer."""
+    sequence, per layer (log y), from the first random token (:attr:`~PositionalDiscrepancy.first_counted`:
+    a prepended BOS, the same in every sequence, has variance 0 and is not drawn), and the first-token ratio
+    by layer (integer layer ticks). Values that are not positive are left out of the log axes."""
     expect_result(result, PositionalDiscrepancy, "plot_positional")
     fig, axes = new_figure(1, 2, width=6.0, height=4.0)
     rel = result.relative("attn_out_var").numpy()
+    first = result.first_counted
     ax = axes[0, 0]
     step = max(1, rel.shape[0] // 6)
     for layer in range(0, rel.shape[0], step):
-        ax.semilogy(np.arange(rel.shape[1]), rel[layer], label=f"layer {layer}")
+        ax.semilogy(np.arange(first, rel.shape[1]), positive_or_nan(rel[layer, first:]), label=f"layer {layer}")
+    integer_ticks(ax)
     ax.set_xlabel("position")
     ax.set_ylabel("attn-out variance / later-half mean")
     ax.legend(fontsize=7)
     ax = axes[0, 1]
+    layers = np.arange(rel.shape[0])
     for name in ("attn_out_var", "resid_var", "attn_out_norm"):
-        ax.semilogy(result.first_token_ratio(name).numpy(), "o-", label=name)
+        ax.semilogy(layers, positive_or_nan(result.first_token_ratio(name).numpy()), "o-", label=name)
     ax.axhline(1.0, color="grey", ls=":")
+    integer_ticks(ax)
     ax.set_xlabel("layer")
     ax.set_ylabel(f"position {result.first_counted} / later half")
     ax.set_title("positional discrepancy")
