@@ -197,7 +197,7 @@ def test_intervene_repeated_index_refused(flag, capsys):
     assert f"{flag} '0,1,0'" in err and "0 more than once" in err
 
 
-@pytest.mark.parametrize("command", ["analyze", "fingerprint", "intervene"])
+@pytest.mark.parametrize("command", ["analyze", "fingerprint", "intervene", "origins"])
 def test_output_piped_into_a_reader_that_leaves_ends_quietly(tmp_path, command):
     """``sinklens analyze | head -1``: the reader closes the pipe; the report is still written, and the command
     ends with exit 1 and nothing on stderr (no "error: Broken pipe", no traceback from the flush at exit)."""
@@ -211,6 +211,8 @@ def test_output_piped_into_a_reader_that_leaves_ends_quietly(tmp_path, command):
                     out / "report.json"),
         "fingerprint": (["fingerprint", model, model, "--samples", "8", "--json", str(tmp_path / "f.json")],
                         tmp_path / "f.json"),
+        "origins": (["origins", "--model", model, "--sequences", "4", "--seq-len", "8", "--out", str(out), "--no-figures"],
+                    out / "origins.json"),
         "intervene": (["intervene", "--model", model, "--method", "self-only", "--position", "2", "--random-tokens", "2",
                        "--no-loss", "--json", str(tmp_path / "i.json")], tmp_path / "i.json"),
     }[command]

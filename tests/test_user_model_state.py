@@ -115,3 +115,26 @@ def test_a_model_on_the_meta_device_is_refused_by_name(call):
     }[call]
     with pytest.raises(InvalidArgumentError, match="meta device .*materialise it first"):
         run()
+
+
+@pytest.mark.parametrize("setup", ["train with block 0 in eval", "eval with block 1 in train"])
+def test_fingerprint_gives_every_submodule_its_own_mode_back(setup):
+    from sinklens.origins.fingerprint import final_hidden_states
+
+    def modes(model):
+        found = {name: m.training for name, m in model.named_modules()}
+        inner = getattr(model, "original_model", None)
+        return found | ({f"hf.{n}": m.training for n, m in inner.named_modules()} if inner is not None else {})
+
+    model = _small("gpt2")
+    if setup.startswith("train"):
+        model.train()
+        model.blocks[0].eval()
+    else:
+        model.eval()
+        model.blocks[1].train()
+    before = modes(model)
+    final_hidden_states(model, n_samples=4, seq_len=8, options=QUIET)
+    assert modes(model) == before
+    sinklens.fingerprint(model, _small("gpt2", seed=1), n_samples=8, seq_len=8, buffer_k=2, options=QUIET)
+    assert modes(model) == before

@@ -556,12 +556,7 @@ def final_hidden_states(
     source = _RandomInputs(n_samples, seq_len, options.batch_size, mode=input, high=high, seed=seed,
                            device=model_device(model), d_model=dims.d_model, mu=mu, sigma=sigma)
     reducer = _LastFinalState(model, source)
-    was_training = getattr(model, "training", False)
-    model.eval()
-    try:
-        (hidden,) = stream(model, source, [reducer], options=options)  # type: ignore[arg-type]
-    finally:
-        model.train(was_training)
+    (hidden,) = stream(model, source, [reducer], options=options)  # type: ignore[arg-type]  # eval mode, modes restored
     return hidden
 
 
