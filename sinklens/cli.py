@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_FAILURE
     try:
-        with _cli_warnings(args.command, debug=debug):
+        with _cli_warnings(args.command, debug=debug), _sigterm_as_interrupt():
             return int(args.func(args) or 0)
     except BrokenPipeError:  # `sinklens analyze | head`: the reader left; files were written, say nothing more
         _stdout_to_devnull()
@@ -128,6 +128,29 @@ def _stdout_to_devnull() -> None:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (AttributeError, OSError, ValueError):  # no real file descriptor (a captured stdout): nothing to redirect
         pass
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a scheduler's stop, ``timeout``, ``kill``) is handled as Ctrl-C while the command runs: the same
+    clean-ups run (staging folders, temporary files, an empty ``--out``) and it ends with ``sinklens CMD:
+    interrupted``, exit 130. Left alone where SIGTERM is ignored or outside the main thread. ``sinklens train``
+    installs its own handler inside (checkpoint first, then stop)."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
 
 
 @contextlib.contextmanager

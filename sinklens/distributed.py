@@ -71,6 +71,12 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def writes_outputs() -> bool:
+    """Whether this process writes the command's files: rank 0 under ``torchrun`` (known from the launcher's
+    environment, before any process group exists), the only process otherwise."""
+    return not launched_by_torchrun() or int(os.environ["RANK"]) == 0
+
+
 def active() -> bool:
     """True inside :func:`session` with more than one process."""
     return _SESSION is not None and _SESSION.world_size > 1 and dist.is_initialized()

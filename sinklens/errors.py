@@ -107,6 +107,11 @@ class OutputExistsError(SinklensError, FileExistsError):
     file); pass ``--overwrite`` or another output path."""
 
 
+class OutputLockedError(OutputExistsError):
+    """A command writing a result folder (``analyze``/``origins --out``) that another sinklens process is writing
+    right now (its ``.sinklens.lock`` is held)."""
+
+
 class ResumeMismatchError(SinklensError, ValueError):
     """A resume whose config changes what the run is (its model, data or initialisation seed)."""
 

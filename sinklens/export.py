@@ -17,8 +17,10 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -82,26 +84,99 @@ def default_file_mode() -> int:
     return 0o666 & ~_umask()
 
 
-def write_text_atomic(path: str | Path, text: str) -> Path:
-    """Write ``text`` to ``path`` atomically (temporary file in the same folder, fsync, rename).
+def write_text_atomic(path: str | Path, text: str, *, replace: bool = True) -> Path:
+    """Write ``text`` to ``path`` atomically (temporary file in the same folder, fsync, rename; see
+    :func:`write_atomic`, also for ``replace``).
 
     The file gets the mode a plain ``open()`` would give it (``0o666`` less the umask), not ``mkstemp``'s ``0o600``.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        if hasattr(os, "fchmod"):
-            os.fchmod(fd, default_file_mode())
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+    def write(tmp: Path) -> None:
+        with open(tmp, "w", encoding="utf-8") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+
+    return write_atomic(path, write, replace=replace)
+
+
+def write_atomic(path: str | Path, write: Any, *, replace: bool = True) -> Path:
+    """Have ``write(tmp)`` write a temporary file beside ``path``, then rename it onto ``path``: a reader never sees
+    a half-written file, and an interrupted write leaves the earlier file as it was (the temporary one is removed).
+    A file system error is an :class:`~sinklens.errors.OutputNotWritableError` naming ``path`` (not the temporary
+    file); the file gets the mode a plain ``open()`` would give it.
+
+    ``replace=False`` (a command without ``--overwrite``): the file is linked into place only if ``path`` does not
+    exist at that moment, checked and done in one step (``os.link``), so a file another process wrote there while
+    this one computed is never replaced: :class:`~sinklens.errors.OutputExistsError` instead.
+    """
+    from sinklens.errors import OutputExistsError, OutputNotWritableError
+
+    path = Path(path)
+    tmp: Path | None = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=f".tmp{path.suffix}", dir=path.parent)
+        tmp = Path(name)
+        if hasattr(os, "fchmod"):
+            os.fchmod(fd, default_file_mode())
+        os.close(fd)
+        write(tmp)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _link_new(tmp, path)
+    except FileExistsError:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        raise OutputExistsError(f"{str(path)!r} was written by another process while this one ran; it is kept. "
+                                "Pass --overwrite to replace it, or choose another path.") from None
+    except OSError as err:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        raise OutputNotWritableError(f"Cannot write {str(path)!r}: {err.strerror or err}.") from err
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _link_new(tmp: Path, path: Path) -> None:
+    """Move ``tmp`` to ``path`` unless ``path`` exists (``FileExistsError``): a hard link then an unlink, or, where
+    the file system has no hard links, an existence check and a rename."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here (some network or FUSE file systems)
+        if path.exists():
+            raise FileExistsError(path) from None
+        os.replace(tmp, path)
+        return
+    tmp.unlink()
+
+
+@contextmanager
+def staged_outputs(folder: str | Path, *, marker: str, owned: Sequence[str] = ()) -> Iterator[Path]:
+    """Write a result's files into a staging folder inside ``folder`` (yielded); when the block ends without an
+    error they replace the earlier result in ``folder``: its ``marker`` (the file that says a result is finished,
+    e.g. ``report.json``) is removed first, then every name of ``owned`` (the files such a result may hold, e.g.
+    its figures) that the new one did not write, then the new files are renamed in, the marker last. An error or
+    Ctrl-C inside the block leaves ``folder`` exactly as it was (the staging folder is removed), so an earlier
+    result is never half replaced and a folder never mixes two results' files.
+    """
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(prefix=".sinklens-staging-", dir=folder))
+    try:
+        yield stage
+        names = sorted(entry.name for entry in stage.iterdir())
+        (folder / marker).unlink(missing_ok=True)
+        remove_stale(folder, owned, written=[folder / name for name in names])
+        for name in sorted(names, key=lambda name: name == marker):
+            os.replace(stage / name, folder / name)
+    finally:
+        shutil.rmtree(stage, ignore_errors=True)
 
 
 def remove_stale(folder: Path, names: Sequence[str], *, written: Sequence[Path] = ()) -> None:
@@ -112,9 +187,11 @@ def remove_stale(folder: Path, names: Sequence[str], *, written: Sequence[Path] 
             (folder / name).unlink(missing_ok=True)
 
 
-def write_json(path: str | Path, value: Any, *, digits: int | None = 6, indent: int | None = 2) -> Path:
-    """Write ``value`` as strict JSON to ``path``, atomically; returns the path."""
-    return write_text_atomic(path, dumps(value, digits=digits, indent=indent) + "\n")
+def write_json(path: str | Path, value: Any, *, digits: int | None = 6, indent: int | None = 2,
+               replace: bool = True) -> Path:
+    """Write ``value`` as strict JSON to ``path``, atomically (``replace=False``: never over an existing file, see
+    :func:`write_atomic`); returns the path."""
+    return write_text_atomic(path, dumps(value, digits=digits, indent=indent) + "\n", replace=replace)
 
 
 def json_line(value: Any, *, digits: int | None = None) -> str:

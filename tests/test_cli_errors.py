@@ -384,7 +384,7 @@ def test_a_warning_is_one_line_naming_the_command_and_python_format_under_debug(
     assert done.stderr.splitlines() == [f"sinklens compare: warning: {run / 'metrics.jsonl'}: its last line is cut short "
                                         "(Unterminated string starting at, column 19), as when the run was stopped while "
                                         "writing it; that line is ignored."]
-    debug = sinklens("compare", str(run), "--out", str(tmp_path / "c.png"), "--debug")
+    debug = sinklens("compare", str(run), "--out", str(tmp_path / "c.png"), "--overwrite", "--debug")
     assert "RuntimeWarning: " in debug.stderr and "compare.py" in debug.stderr
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
-from sinklens.export import remove_stale, write_json, write_text_atomic
+from sinklens.export import staged_outputs, write_json, write_text_atomic
 from sinklens.validate import writable_dir
 
 if TYPE_CHECKING:
@@ -24,10 +24,10 @@ FIGURE_FILES = (
 def save_report(report: SinkReport, out_dir: str | Path, *, figures: bool = True) -> list[Path]:
     """Write ``report.json``, ``summary.txt`` and (unless ``figures=False``) PNG figures; return the paths.
 
-    Each file is written to a temporary file and renamed into place, so an interrupted save never
-    leaves a half-written ``report.json`` (an earlier complete one stays as it was). A figure of an
-    earlier report in ``out_dir`` that this one does not draw (a section it skipped, or
-    ``figures=False``) is removed, so the folder never mixes two analyses. (``sinklens analyze``
+    Every file is written into a staging folder first and renamed into ``out_dir`` once all are written
+    (:func:`sinklens.export.staged_outputs`, ``report.json`` last), so an error or Ctrl-C while saving leaves an
+    earlier report there exactly as it was. A figure of an earlier report that this one does not draw (a section
+    it skipped, or ``figures=False``) is removed, so the folder never mixes two analyses. (``sinklens analyze``
     refuses a folder holding a report unless ``--overwrite``.)
     """
     from sinklens.analysis.report_text import format_summary
@@ -35,11 +35,11 @@ def save_report(report: SinkReport, out_dir: str | Path, *, figures: bool = True
     out = writable_dir(out_dir, what="out_dir")
     data = report.to_dict()  # computed before anything is written
     text = format_summary(report) + "\n"
-    written = [write_json(out / "report.json", data, digits=None, indent=1), write_text_atomic(out / "summary.txt", text)]
-    if figures:
-        written += save_figures(report, out)
-    remove_stale(out, FIGURE_FILES, written=written)
-    return written
+    with staged_outputs(out, marker="report.json", owned=FIGURE_FILES) as stage:
+        staged = [write_json(stage / "report.json", data, digits=None, indent=1), write_text_atomic(stage / "summary.txt", text)]
+        if figures:
+            staged += save_figures(report, stage)
+    return [out / path.name for path in staged]
 
 
 def figure_makers(report: SinkReport) -> dict[str, Callable[[], Any]]:

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sinklens.errors import InvalidArgumentError
@@ -58,6 +61,55 @@ def add_overwrite_flag(parser: argparse.ArgumentParser, finished: str) -> None:
     """``--overwrite``: replace ``finished`` (what the command refuses to write over without it)."""
     parser.add_argument("--overwrite", action="store_true",
                         help=f"replace {finished}; without it, the command refuses to write over a finished result")
+
+
+@contextlib.contextmanager
+def result_folder(out: Path, finished: Sequence[str], *, overwrite: bool, flag: str = "--out",
+                  existed: bool = True) -> Iterator[None]:
+    """Hold ``out`` for this command while it computes and writes a result there.
+
+    A :class:`~sinklens.folder_lock.FolderLock` on ``out/.sinklens.lock`` (rank 0 only under ``torchrun``) refuses a
+    second sinklens process writing the same folder (:class:`~sinklens.errors.OutputLockedError`); under it the
+    command's ``finished`` files are looked for again (:func:`~sinklens.validate.no_finished_output`: a process
+    that finished there after the command's first check would otherwise be replaced without ``--overwrite``).
+    On any failure an ``out`` that did not exist before (``existed=False``) and is left empty is removed.
+    """
+    from sinklens.distributed import writes_outputs
+    from sinklens.folder_lock import OUTPUT_LOCK, FolderLock
+    from sinklens.validate import no_finished_output
+
+    try:
+        with FolderLock(out, OUTPUT_LOCK) if writes_outputs() else contextlib.nullcontext():
+            no_finished_output([out / name for name in finished], overwrite=overwrite, flag=flag)
+            yield
+    except BaseException:
+        if not existed and out.is_dir() and not any(out.iterdir()):
+            out.rmdir()
+        raise
+
+
+def outside_run_internals(path: Path, *, what: str, file: bool) -> None:
+    """Refuse an output ``path`` (a folder, or a ``file``) where a sinklens training run keeps its own files: under
+    a run's ``checkpoints/`` (training prunes its step folders, and whatever else is in them) or ``tokenizer/``, or
+    one of the files at a run's top level (``config.json``, ``metrics.jsonl``, ...), which an ``--overwrite`` would
+    replace and break the run. Raises :class:`~sinklens.errors.OutputNotWritableError` naming the run."""
+    from sinklens.errors import OutputNotWritableError
+    from sinklens.train.checkpoint import CHECKPOINTS, RUN_ENTRIES, TOKENIZER, is_run_dir
+
+    target = path.expanduser().absolute()
+    folder = target.parent if file else target
+    for run in (folder, *folder.parents):
+        if not is_run_dir(run):
+            continue
+        inside = target.relative_to(run).parts
+        if inside and inside[0] in (CHECKPOINTS, TOKENIZER):
+            raise OutputNotWritableError(
+                f"{what} {str(path)!r} is inside the {inside[0]}/ folder of the training run {str(run)!r}, which the "
+                "trainer manages (it deletes old step folders with everything in them); choose a folder outside it.")
+        if file and len(inside) == 1 and inside[0] in RUN_ENTRIES:
+            raise OutputNotWritableError(
+                f"{what} {str(path)!r} is the file {inside[0]} of the training run {str(run)!r}; replacing it would "
+                "break the run. Choose another file name.")
 
 
 def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, text_flag: str | None,

@@ -8,7 +8,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sinklens.commands import DEFAULT_RANDOM_SEQ_LEN, add_model_flags, add_overwrite_flag, check_model_flags
+from sinklens.commands import (
+    DEFAULT_RANDOM_SEQ_LEN, add_model_flags, add_overwrite_flag, check_model_flags, outside_run_internals, result_folder,
+)
 from sinklens.errors import InvalidArgumentError
 
 
@@ -66,6 +68,7 @@ def _check_args(args: argparse.Namespace) -> None:
             raise InvalidArgumentError(f"--text prompt {empty[0] + 1} of {len(args.text)} is empty; give non-empty text.")
     if args.prompts is not None:
         text_lines(args.prompts, what="--prompts")
+    outside_run_internals(Path(args.out), what="--out", file=False)
     args.out = writable_dir(args.out, what="--out")
     no_finished_output([args.out / "report.json", args.out / "summary.txt"], overwrite=args.overwrite, flag="--out")
 
@@ -111,12 +114,8 @@ _DEFAULT_MAX_LENGTH = 128
 def run(args: argparse.Namespace) -> int:
     out_existed = Path(args.out).expanduser().exists()
     _check_args(args)
-    try:
+    with result_folder(args.out, ["report.json", "summary.txt"], overwrite=args.overwrite, existed=out_existed):
         return _run(args)
-    except BaseException:
-        if not out_existed and not any(args.out.iterdir()):  # leave no empty --out behind a failed run
-            args.out.rmdir()
-        raise
 
 
 def _run(args: argparse.Namespace) -> int:

@@ -20,6 +20,11 @@ of its last finite steps), ``incomplete`` when its last logged step is short of 
 ``steps_done`` and the config's ``steps``. A default target that is undefined (the first run has no
 training loss logged) is an error: pass ``--target-loss``.
 
+A ``train`` line whose ``loss`` is missing, ``null``, NaN, infinite or not a number is an error naming the
+file and line: ``sinklens train`` never writes one (a step with a non-finite loss is logged as a
+``kind="nonfinite"`` line, and only evaluation metrics are written ``null``), so such a line comes from a
+damaged, hand-edited or foreign file, and dropping it would change the run's smoothed loss unseen.
+
 The smoothed training loss at a logged step ``s`` is the mean of the losses logged at the steps
 ``s - smoothing < t <= s`` (``--smoothing`` counts training steps, not logged lines). Runs logged
 at different ``log_interval`` are summarized on the steps all of them logged: each run keeps its
@@ -31,7 +36,11 @@ step. Two runs with the same loss at those steps get the same final loss and ste
 ``--positional`` evaluates :func:`sinklens.origins.positional.positional_over_training` on every run:
 the variance of position 0's attention output relative to the later half of the sequence, per
 layer, at init (``RUN_DIR@init``) and at every kept checkpoint (train with ``--set keep_every=1``
-and a ``checkpoint_interval`` to keep them all), printed and plotted (``positional.png``).
+and a ``checkpoint_interval`` to keep them all), printed and plotted beside the ``--out`` figure, named after
+it (``compare.png`` -> ``compare-positional.png``).
+
+An existing figure at either path (an earlier ``compare``'s, or another command's file) is not replaced
+unless ``--overwrite`` is given; this is checked before any work.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from sinklens.commands import plain_help
+from sinklens.commands import add_overwrite_flag, plain_help
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -56,13 +65,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="moving-average window of the training loss, in training steps: the mean of the "
                              "losses logged in the last SMOOTHING steps (default 10)")
     parser.add_argument("--out", help="figure file (default: compare.png in the first run directory); its suffix "
-                                      "picks the format (.png when it has none)")
+                                      "picks the format (.png when it has none); --positional's figure goes beside "
+                                      "it as <stem>-positional<suffix>")
     parser.add_argument("--json", action="store_true",
                         help="print the summary as JSON (stdout holds only the JSON; the other lines go to stderr)")
     parser.add_argument("--positional", action="store_true",
                         help="also evaluate the positional discrepancy at init and at every kept checkpoint")
     parser.add_argument("--n-sequences", type=int, default=64, help="random sequences for --positional (default %(default)s)")
     parser.add_argument("--seq-len", type=int, default=32, help="their length (default %(default)s, capped at the run's data.seq_len)")
+    add_overwrite_flag(parser, "an existing --out figure (and, with --positional, its <stem>-positional figure)")
     parser.set_defaults(func=run)
     return parser
 
@@ -277,11 +288,24 @@ def figure_path(path: str | Path, *, what: str = "--out") -> Path:
     return out
 
 
+def positional_figure_path(out: Path) -> Path:
+    """Where ``--positional`` draws its figure: beside the ``--out`` figure ``out``, named after it, so that it never
+    takes another command's file name (``origins`` writes ``positional.png``).
+
+    Examples:
+        >>> positional_figure_path(Path("runs/a/compare.png")).as_posix()
+        'runs/a/compare-positional.png'
+        >>> positional_figure_path(Path("figs/loss.pdf")).as_posix()
+        'figs/loss-positional.pdf'
+    """
+    return out.with_name(f"{out.stem}-positional{out.suffix}")
+
+
 def run(args: argparse.Namespace) -> int:
     from sinklens.export import dumps
     from sinklens.plotting.training import plot_training
     from sinklens.train.checkpoint import read_metrics
-    from sinklens.validate import finite_number, positive_int
+    from sinklens.validate import finite_number, no_finished_output, positive_int
 
     positive_int(args.smoothing, what="--smoothing")
     if args.target_loss is not None:
@@ -290,14 +314,17 @@ def run(args: argparse.Namespace) -> int:
         positive_int(args.n_sequences, what="--n-sequences", minimum=2)
         positive_int(args.seq_len, what="--seq-len", minimum=2)
     out = figure_path(args.out if args.out is not None else Path(args.runs[0]) / "compare.png")
+    positional_out = figure_path(positional_figure_path(out), what="--out") if args.positional else None
+    no_finished_output([out] + ([positional_out] if positional_out else []), overwrite=getattr(args, "overwrite", False),
+                       flag="--out")
     info = sys.stderr if args.json else sys.stdout  # with --json, stdout holds only the JSON
     labels = run_labels(args.runs, args.labels)
-    runs = {label: read_metrics(run_dir) for label, run_dir in zip(labels, args.runs)}
+    runs = {label: read_metrics(run_dir) for label, run_dir in zip(labels, args.runs)}  # a bad loss: named error
     rows = summarize(runs, target=args.target_loss, smoothing=args.smoothing,
                      steps={label: planned_steps(run_dir) for label, run_dir in zip(labels, args.runs)})
     plot_training(runs, smoothing=args.smoothing, path=out)
     # every file first: a reader that closes stdout (`| head`) must not cost the positional figure
-    trajectories = positional(args, list(runs), out.with_name("positional.png")) if args.positional else None
+    trajectories = positional(args, list(runs), positional_out) if positional_out is not None else None
     if args.json:
         print(dumps(rows, digits=None, indent=1))
     else:
@@ -316,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
                   f"steps to target {steps if steps is not None else 'never'}{extra}")
     print(f"figure: {out}", file=info)
     if trajectories is not None:
-        print_positional(trajectories, out.with_name("positional.png"), file=info)
+        print_positional(trajectories, positional_out, file=info)
     return 0
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 
-from sinklens.commands import add_model_flags, add_overwrite_flag, check_model_flags, plain_help
+from sinklens.commands import add_model_flags, add_overwrite_flag, check_model_flags, outside_run_internals, plain_help
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -55,6 +55,8 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.validate import as_seed, no_finished_output, positive_int, seq_len_within_context, writable_file
 
     json_path = writable_file(args.json, what="--json") if args.json is not None else None  # '' is refused by name
+    if json_path is not None:
+        outside_run_internals(json_path, what="--json", file=True)
     no_finished_output([json_path] if json_path else [], overwrite=args.overwrite, flag="--json")
     check_test_arguments(args.buffer_k, args.identity_mode, args.alpha, cli=True)  # before the models load and run
     positive_int(args.samples, what="--samples", minimum=2)
@@ -72,7 +74,8 @@ def run(args: argparse.Namespace) -> int:
                          seed=args.seed, options=options)
     if json_path is not None:  # written first: a closed stdout (`| head`) must not lose the result
         # full precision: p_value and alpha may differ in the 7th digit, and the file must say which is smaller
-        write_json(json_path, {"model_a": args.model_a, "model_b": args.model_b, **result.to_dict()}, digits=None)
+        write_json(json_path, {"model_a": args.model_a, "model_b": args.model_b, **result.to_dict()}, digits=None,
+                   replace=args.overwrite)
     print(f"A = {args.model_a}\nB = {args.model_b}\n{result.summary()}")
     if json_path is not None:
         print(f"wrote {json_path}")

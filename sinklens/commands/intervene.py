@@ -31,8 +31,10 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from sinklens.commands import (DEFAULT_RANDOM_SEQ_LEN, add_model_flags, add_overwrite_flag, check_model_flags, plain_help,
-                               random_token_inputs)
+from sinklens.commands import (
+    DEFAULT_RANDOM_SEQ_LEN, add_model_flags, add_overwrite_flag, check_model_flags, outside_run_internals, plain_help,
+    random_token_inputs,
+)
 from sinklens.errors import InvalidArgumentError
 from sinklens.inputs import is_encoder
 from sinklens.interventions import registry
@@ -128,8 +130,11 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
             raise InvalidArgumentError(f"--method {args.method} needs --{option} ({entry.requires[option]}).")
     overwrite = getattr(args, "overwrite", False)
     if args.json is not None:  # '' is refused by name, not read as "no file"
-        no_finished_output([writable_file(args.json, what="--json")], overwrite=overwrite, flag="--json")
+        json_path = writable_file(args.json, what="--json")
+        outside_run_internals(json_path, what="--json", file=True)
+        no_finished_output([json_path], overwrite=overwrite, flag="--json")
     if args.out is not None:
+        outside_run_internals(Path(args.out), what="--out", file=False)
         out = writable_dir(args.out, what="--out", create=False)
         no_finished_output([out / "intervention.png"], overwrite=overwrite, flag="--out")
     return entry
@@ -181,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
     result = intervene(model, args)
     # files first: a reader that closes stdout (`| head`) must not cost them
     if args.json is not None:
-        write_json(args.json, result.to_dict(), digits=None)  # full precision, as to_dict()
+        write_json(args.json, result.to_dict(), digits=None, replace=args.overwrite)  # full precision, as to_dict()
     if args.out is not None:
         result.plot(Path(args.out) / "intervention.png")
     print(format_table(result))

@@ -21,9 +21,12 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-from sinklens.commands import add_model_flags, add_overwrite_flag, check_model_flags, plain_help
+from sinklens.commands import (
+    add_model_flags, add_overwrite_flag, check_model_flags, outside_run_internals, plain_help, result_folder,
+)
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -143,14 +146,10 @@ def _print_preference(ps: dict[str, Any], con: Any, tok: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sinklens.export import remove_stale, write_json
-    from sinklens.hooks import model_dims
-    from sinklens.loading import load_model
-    from sinklens.options import RunOptions
-    from sinklens.origins import contraction, positional_discrepancy, token_preference
     from sinklens.origins.preference import random_tokens_after_bos
-    from sinklens.validate import as_seed, no_finished_output, positive_int, seq_len_within_context, writable_dir
+    from sinklens.validate import as_seed, no_finished_output, positive_int, writable_dir
 
+    outside_run_internals(Path(args.out), what="--out", file=False)
     out = writable_dir(args.out, what="--out", create=False)
     no_finished_output([out / "origins.json"], overwrite=args.overwrite, flag="--out")
     positive_int(args.sequences, what="--sequences", minimum=2)
@@ -161,6 +160,19 @@ def run(args: argparse.Namespace) -> int:
     if args.init_seed is not None:
         as_seed(args.init_seed, what="--init-seed")
         check_init_seed(args.model, args.init_seed)
+    with result_folder(out, ["origins.json"], overwrite=args.overwrite):
+        return _measure(args, out)
+
+
+def _measure(args: argparse.Namespace, out: Any) -> int:
+    """Load the model, run the three measures, write ``origins.json`` and the figures into ``out``, print."""
+    from sinklens.export import staged_outputs, write_json
+    from sinklens.hooks import model_dims
+    from sinklens.loading import load_model
+    from sinklens.options import RunOptions
+    from sinklens.origins import contraction, positional_discrepancy, token_preference
+    from sinklens.validate import seq_len_within_context
+
     start = time.perf_counter()
     print(f"loading {args.model}{'' if args.init_seed is None else f' at init (seed {args.init_seed})'} ...", file=sys.stderr)
     model = load_model(args.model, device=args.device, dtype=args.dtype, init_seed=args.init_seed, check_patterns=False)
@@ -174,13 +186,14 @@ def run(args: argparse.Namespace) -> int:
     con = contraction(model, **common, options=opts.replace(desc="contraction"))
     pos = positional_discrepancy(model, **common, options=opts.replace(desc="positional"))
     ps = None if pref is None else pref.summary()
-    # files first: a reader that closes stdout (`| head`) must not cost them
+    # files first (a reader that closes stdout, `| head`, must not cost them), all at once (staged_outputs): an
+    # error or Ctrl-C while writing leaves an earlier result as it was, and figures it does not draw are removed
     init_seed = effective_init_seed(str(args.model), args.init_seed, model)
-    write_json(out / "origins.json", {"model": str(args.model), "init_seed": init_seed, "token_preference": ps,
-                                      **({"token_preference_skipped": skipped} if skipped else {}),
-                                      "contraction": con.summary(), "positional": pos.summary()})
-    drawn = () if args.no_figures else _draw(out, str(args.model), pref, con, pos)
-    remove_stale(out, [f for f in FIGURE_FILES if f not in drawn])  # an earlier run's figures must not stay
+    with staged_outputs(out, marker="origins.json", owned=FIGURE_FILES) as stage:
+        write_json(stage / "origins.json", {"model": str(args.model), "init_seed": init_seed, "token_preference": ps,
+                                            **({"token_preference_skipped": skipped} if skipped else {}),
+                                            "contraction": con.summary(), "positional": pos.summary()})
+        drawn = () if args.no_figures else _draw(stage, str(args.model), pref, con, pos)
     _print_results(ps, skipped, con, pos, getattr(model, "tokenizer", None))
     print(f"\nwrote {out}/origins.json{f' and {len(drawn)} figures' if drawn else ''} in {time.perf_counter() - start:.1f} s")
     return 0

@@ -176,7 +176,13 @@ class ContractionResult(CompactRepr):
         return text
 
     def summary(self) -> dict[str, Any]:
-        return {
+        """The measurements as strict-JSON-ready plain data (what ``sinklens origins`` writes under ``"contraction"``
+        in ``origins.json``): per site its ``inter`` (mean over positions) and ``intra`` concentration and
+        ``zero_states`` (with the direction statistics when measured), the sublayer shares ``share_inter`` and
+        ``share_intra`` (``[layer, (attn, mlp)]``), the MLP asymmetry and ``n_sequences``. Full precision, and an
+        undefined (non-finite) number is None, as in :meth:`to_dict`, which adds the per-position and ``[vocab]``
+        data."""
+        return to_json({
             "sites": [{"site": s.name, "inter": s.inter_mean, "intra": s.intra, "zero_states": s.zero_states,
                        **({"direction_share": s.direction_share, "direction_stability": s.direction_stability,
                            "direction_vs_mean_cos": s.direction_mean_cos} if s.direction is not None else {})}
@@ -186,7 +192,7 @@ class ContractionResult(CompactRepr):
             "mlp_act_mean": None if self.mlp_act_mean is None else self.mlp_act_mean.tolist(),
             "mlp_post_mean": self.mlp_post_mean.tolist(), "gated_mlp": self.gated_mlp, "mlp_skipped": self.mlp_skipped,
             "n_sequences": self.n_sequences,
-        }
+        }, digits=None)
 
     def to_dict(self) -> dict[str, Any]:
         """Strict-JSON-ready data (:func:`~sinklens.export.to_json`: full precision, a non-finite number is None):

@@ -94,9 +94,14 @@ class PositionalDiscrepancy(CompactRepr):
         return self.relative(name)[..., self.first_counted]
 
     def summary(self) -> dict[str, Any]:
-        return {name: self.first_token_ratio(name).tolist()
-                for name in ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")} | {
-            "n_sequences": self.n_sequences, "position": self.first_counted, "causal": self.causal}
+        """The first counted token's ratios as strict-JSON-ready plain data (what ``sinklens origins`` writes under
+        ``"positional"`` in ``origins.json``): ``[layer]`` :meth:`first_token_ratio` lists for ``attn_out_var``,
+        ``attn_out_norm``, ``resid_var`` and ``resid_norm``, with ``n_sequences``, ``position``
+        (:attr:`first_counted`) and ``causal``. Full precision, and an undefined ratio (a zero later-half
+        variance, as in a zero-weight model) is None, as in :meth:`to_dict`, which adds every field."""
+        return to_json({name: self.first_token_ratio(name).tolist()
+                        for name in ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")} | {
+            "n_sequences": self.n_sequences, "position": self.first_counted, "causal": self.causal}, digits=None)
 
     def to_dict(self) -> dict[str, Any]:
         """Strict-JSON-ready data (:func:`~sinklens.export.to_json`: full precision, a non-finite number is None):
@@ -213,8 +218,11 @@ class PositionalTrajectory(StructuralEq):
         return torch.stack([r.first_token_ratio(name) for r in self.results])
 
     def summary(self) -> dict[str, Any]:
-        return {"steps": self.steps, **{name: self.first_token_ratio(name).tolist()
-                                         for name in ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")}}
+        """``steps`` and, by ratio name, the ``[step, layer]`` :meth:`first_token_ratio` lists, strict-JSON-ready
+        (full precision, an undefined ratio is None)."""
+        return to_json({"steps": self.steps, **{name: self.first_token_ratio(name).tolist()
+                                                 for name in ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")}},
+                       digits=None)
 
 
 def positional_over_training(

@@ -32,11 +32,18 @@ def new_figure(n_rows: int = 1, n_cols: int = 1, *, width: float = 6.0, height: 
 
 
 def save_figure(fig: Any, path: str | Path, *, dpi: int = 120, close: bool = True) -> Path:
-    """Save ``fig`` as PNG (creating parent folders) and close it unless ``close=False``."""
+    """Save ``fig`` (creating parent folders) and close it unless ``close=False``; returns the path written.
+
+    The format is the path's suffix (a path without one gets ``.png``, as matplotlib adds). Written atomically
+    (:func:`sinklens.export.write_atomic`): an interrupted save leaves an earlier figure at ``path`` as it was.
+    """
+    from sinklens.export import write_atomic
+
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.suffix:
+        path = path.with_suffix(".png")
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format=path.suffix[1:].lower()))
     if close:
         plt.close(fig)
     return path

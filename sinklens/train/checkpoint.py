@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import random
 import re
@@ -69,6 +70,7 @@ from sinklens.errors import (
     RunNotFoundError,
 )
 from sinklens.export import default_file_mode, write_json, write_text_atomic
+from sinklens.folder_lock import FolderLock
 from sinklens.model_files import file_mismatch, sha256_file
 from sinklens.train.config import LOCAL_DATA_SOURCES, TrainConfig
 
@@ -658,76 +660,18 @@ def check_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> 
     return True
 
 
-class RunLock:
-    """An exclusive, non-blocking lock on a run directory (``fcntl.flock`` on ``run_dir/.lock``), held while a
-    process trains there, so that a second trainer (a fresh run, ``--overwrite`` or ``--resume``) on the same
-    folder is refused up front (:class:`~sinklens.errors.RunLockedError`, naming the holder's pid) instead of
-    the two runs overwriting each other. The lock file holds the holder's pid and is removed on release; a
-    folder the lock created is removed again if nothing else was written into it. Where ``fcntl`` is missing
-    (Windows) or the filesystem refuses locks, no lock is taken."""
+class RunLock(FolderLock):
+    """:class:`~sinklens.folder_lock.FolderLock` on a run directory (``run_dir/.lock``), held while a process trains
+    there: a second trainer (a fresh run, ``--overwrite`` or ``--resume``) on the same folder is refused up front
+    (:class:`~sinklens.errors.RunLockedError`, naming the holder's pid) instead of the two runs overwriting each
+    other."""
 
     def __init__(self, run_dir: str | Path) -> None:
-        self.run_dir = Path(run_dir)
-        self.path = self.run_dir / LOCK
-        self.fd: int | None = None
-        self.created = False
+        super().__init__(run_dir, LOCK)
 
-    def __enter__(self) -> RunLock:
-        try:
-            import fcntl
-        except ImportError:  # pragma: no cover - Windows
-            return self
-        if self.run_dir.exists() and not self.run_dir.is_dir():
-            return self  # refused by the caller's checks
-        try:
-            self.created = not self.run_dir.exists()
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            return self  # unwritable: the caller's writable_dir names it
-        while True:
-            try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-            except OSError:
-                return self
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                holder = os.read(fd, 64).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
-                self._remove_created_dir()
-                raise RunLockedError(
-                    f"{str(self.run_dir)!r} is being trained by another process (pid {holder}); wait for it to "
-                    f"finish or stop it, or pick another out_dir."
-                ) from None
-            except OSError as err:  # e.g. a filesystem without locks (ENOLCK)
-                os.close(fd)
-                warnings.warn(f"Cannot lock {str(self.path)!r} ({err.strerror or err}); training without a lock.",
-                              RuntimeWarning, stacklevel=2)
-                return self
-            try:  # the holder before us may have removed the file it locked: lock the file now at the path
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
-            except FileNotFoundError:
-                same = False
-            if same:
-                break
-            os.close(fd)
-        os.ftruncate(fd, 0)
-        os.write(fd, f"{os.getpid()}\n".encode())
-        self.fd = fd
-        return self
-
-    def _remove_created_dir(self) -> None:
-        if self.created:
-            with contextlib.suppress(OSError):
-                self.run_dir.rmdir()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.fd is None:
-            return
-        self.path.unlink(missing_ok=True)  # while still held: see the samestat check above
-        os.close(self.fd)
-        self.fd = None
-        self._remove_created_dir()
+    def refusal(self, holder: str) -> Exception:
+        return RunLockedError(f"{str(self.folder)!r} is being trained by another process (pid {holder}); wait for it "
+                              f"to finish or stop it, or pick another out_dir.")
 
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
@@ -742,8 +686,9 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
     Raises:
         RunNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
-        CorruptCheckpointError: a line other than a torn last one is not a JSON object, or a line lacks a
-            string ``kind`` or a whole-number ``step`` (the message names the line number).
+        CorruptCheckpointError: a line other than a torn last one is not a JSON object, a line lacks a
+            string ``kind`` or a whole-number ``step``, or a ``kind="train"`` line lacks a finite number ``loss``
+            (the trainer logs a non-finite step as a ``kind="nonfinite"`` line); the message names the line number.
     """
     path = Path(run_dir) / METRICS
     if not path.is_file():
@@ -770,6 +715,13 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise CorruptCheckpointError(
                 f"{path}: line {number} has no whole-number \"step\" >= 0 (got {step!r}): {row[:80]!r}.")
+        loss = line.get("loss")
+        if kind == "train" and (isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss)):
+            got = "no \"loss\"" if "loss" not in line else f"\"loss\": {json.dumps(loss, allow_nan=True)}"
+            raise CorruptCheckpointError(
+                f"{path}: line {number} is a \"train\" line with {got}, not a finite number. sinklens train never writes "
+                "one (a non-finite step is logged as a \"nonfinite\" line), so the file was damaged or edited; fix or "
+                "remove that line.")
         lines.append(with_current_metric_names(line))
     return lines
 

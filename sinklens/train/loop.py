@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 from sinklens.display import CompactRepr
 from sinklens.inputs import TokenBatch
 from sinklens.streaming import HookFn
+from sinklens.distributed import writes_outputs
 from sinklens.errors import (
     InvalidArgumentError, OutputExistsError, RunExistsError, RunNotFoundError, TrainingDivergedError,
     TrainingInterrupted,
@@ -425,19 +426,9 @@ def train(
                       "checkpoint_interval=0 writes none: only the final checkpoint and its fallback are kept. Set "
                       "checkpoint_interval (e.g. --set checkpoint_interval=100) to keep periodic ones.", stacklevel=2)
     # one trainer per run directory (only the process that writes it, rank 0, holds the lock)
-    with RunLock(out) if out is not None and _writes_run_dir() else contextlib.nullcontext():
+    with RunLock(out) if out is not None and writes_outputs() else contextlib.nullcontext():
         return _train(cfg, out, resume=resume, overwrite=overwrite, interventions=interventions, progress=progress,
                       until=until)
-
-
-def _writes_run_dir() -> bool:
-    """Whether this process writes the run directory: rank 0 under ``torchrun`` (see :func:`init_distributed`), the
-    only process otherwise."""
-    import os
-
-    from sinklens.distributed import launched_by_torchrun
-
-    return not launched_by_torchrun() or int(os.environ["RANK"]) == 0
 
 
 def _check_weights_finite(model: Any) -> str | None:
@@ -455,7 +446,7 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
     """:func:`train` once the run directory is locked."""
     from sinklens.train.model import SinkLM
 
-    if out is not None and out.is_dir() and _writes_run_dir():
+    if out is not None and out.is_dir() and writes_outputs():
         recovered = recover_set_aside(out)  # an overwrite killed before its first checkpoint: the old run comes back
         if recovered is not None:
             warnings.warn(recovered, stacklevel=3)

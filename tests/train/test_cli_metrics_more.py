@@ -50,7 +50,7 @@ def test_compare_prints_null_eval_metrics_as_na_and_json_stays_strict(tmp_path, 
     assert main(["compare", str(run), "--out", str(tmp_path / "c.png")]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "sink_rate n/a" in out and "sinklens_sink_rate n/a" in out and "Kendall n/a" in out and "|cos| n/a" in out, out
-    assert main(["compare", str(run), "--out", str(tmp_path / "c.png"), "--json"]) == 0
+    assert main(["compare", str(run), "--out", str(tmp_path / "c.png"), "--overwrite", "--json"]) == 0
     text = capsys.readouterr().out
     (row,) = json.loads(text)  # strict JSON: null, never NaN or "n/a"
     assert row["sink_rate"] is None and row["persistence_kendall"] is None and "NaN" not in text
@@ -91,7 +91,7 @@ def test_compare_marks_diverged_and_incomplete_runs(tmp_path, capsys):
         "good": "finished", "div": "diverged", "short": "incomplete", "skip": "finished"}
     assert (rows["div"]["steps_done"], rows["div"]["steps"]) == (1, 10)
     assert (rows["short"]["steps_done"], rows["short"]["steps"]) == (2, 10)
-    assert main(["compare", *runs, "--smoothing", "1", "--out", str(tmp_path / "c.png")]) == 0
+    assert main(["compare", *runs, "--smoothing", "1", "--out", str(tmp_path / "c.png"), "--overwrite"]) == 0
     table = {line.split(":")[0].split(" @ ")[1]: line for line in capsys.readouterr().out.splitlines() if " @ " in line}
     assert "diverged at step 1 of 10" in table["div"] and "incomplete: 2 of 10 steps" in table["short"], table
     assert "finished" in table["good"] and "finished" in table["skip"], table

@@ -133,7 +133,7 @@ def test_compare_prints_persistence_and_positional_over_checkpoints(tmp_path, ca
     traj = positional_over_training(tmp_path / "run", n_sequences=8, seq_len=8)
     for step, row in zip(traj.steps, traj.first_token_ratio().tolist()):
         assert f"step {step:>7}: " + "  ".join(f"{v:8.3g}" for v in row) in out
-    assert (tmp_path / "cmp.png").stat().st_size > 1000 and (tmp_path / "positional.png").stat().st_size > 1000
+    assert (tmp_path / "cmp.png").stat().st_size > 1000 and (tmp_path / "cmp-positional.png").stat().st_size > 1000
 
 
 def test_a_constant_preference_gives_undefined_correlations_not_minus_one():
@@ -171,5 +171,5 @@ def test_compare_writes_every_figure_before_printing(tmp_path, capsys, monkeypat
     monkeypatch.setattr(sys, "stdout", ClosedPipe())
     assert main(["compare", str(tmp_path / "run"), "--smoothing", "1", "--out", str(tmp_path / "cmp.png"),
                  "--positional", "--n-sequences", "8", "--seq-len", "8"]) == EXIT_FAILURE
-    assert (tmp_path / "cmp.png").stat().st_size > 1000 and (tmp_path / "positional.png").stat().st_size > 1000
+    assert (tmp_path / "cmp.png").stat().st_size > 1000 and (tmp_path / "cmp-positional.png").stat().st_size > 1000
     assert capsys.readouterr().err == ""

@@ -144,11 +144,13 @@ def test_the_lock_is_held_while_training(tmp_path, monkeypatch):
 
 
 def test_only_rank_0_of_a_distributed_run_takes_the_lock(monkeypatch):
+    from sinklens.distributed import writes_outputs
+
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
-    assert not _loop._writes_run_dir()
+    assert not writes_outputs()
     monkeypatch.setenv("RANK", "0")
-    assert _loop._writes_run_dir()
+    assert writes_outputs()
 
 
 # ------------------------------------------------------------------ 4. non-finite weights
