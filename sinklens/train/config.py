@@ -422,7 +422,7 @@ class TrainConfig(_Part):
             (after two timed eager steps, ``steps_left × step_time × f`` exceeds the ~60 s a
             compile costs, ``f`` = 0.2 on CUDA, 0.1 on a CPU), then times three compiled steps and
             goes back to eager unless they were faster (a compiled CPU step measured 0.90 of an
-            eager one on an Intel Xeon, no faster on an AMD EPYC). ``True`` always compiles,
+            eager one on an Intel Xeon, 0.94 on an AMD EPYC). ``True`` always compiles,
             ``False`` never.
             A failed compile warns in one line and the run goes on eagerly; checkpoints always
             hold the uncompiled ``state_dict``. See :mod:`sinklens.train.compile`.

@@ -1,11 +1,11 @@
-"""Where the trainer's hand-written CPU kernels may run: eager CPU float32 work only."""
+"""Where the trainer's hand-written CPU kernels may run: CPU float32 work outside autocast and ``torch.func``."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
-__all__ = ["at_least_float32", "eager_cpu_float32"]
+__all__ = ["at_least_float32", "cpu_float32", "eager_cpu_float32", "is_compiling"]
 
 
 def at_least_float32(x: Tensor) -> Tensor:
@@ -14,10 +14,10 @@ def at_least_float32(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def _compiling() -> bool:
+def is_compiling() -> bool:
     """True while torch.compile traces (``torch.compiler.is_compiling``, torch >= 2.3)."""
-    is_compiling = getattr(torch.compiler, "is_compiling", None)
-    return bool(is_compiling and is_compiling())
+    probe = getattr(torch.compiler, "is_compiling", None)
+    return bool(probe and probe())
 
 
 def _autocast_on() -> bool:
@@ -36,14 +36,21 @@ def _functorch_active() -> bool:
     return bool(active and active())
 
 
+def cpu_float32(*tensors: Tensor, compiling: bool = False) -> bool:
+    """True when every tensor is a CPU float32 one and no autocast or ``torch.func`` transform is
+    active: where the trainer's hand-written CPU kernels apply. While ``torch.compile`` traces it is
+    ``compiling``: True for a kernel that is a custom operator, which inductor keeps as one opaque call
+    (:func:`sinklens.train.matmul.matmul`'s oneDNN product), False for an ``autograd.Function``, which
+    the graph should see as the plain operations it replaces (inductor fuses those itself)."""
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return False
+    if is_compiling():
+        return compiling and not _autocast_on()
+    return not _autocast_on() and not _functorch_active()
+
+
 def eager_cpu_float32(*tensors: Tensor) -> bool:
-    """True when every tensor is a CPU float32 one and no autocast, ``torch.compile`` tracing or
-    ``torch.func`` transform is active: where the trainer's hand-written CPU kernels
-    (:func:`sinklens.train.matmul.matmul`'s oneDNN path, :func:`sinklens.train.rms_norm.rms_norm`'s
-    and :func:`sinklens.train.rotary.rope`'s closed-form backwards) apply."""
-    return (
-        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
-        and not _compiling()
-        and not _autocast_on()
-        and not _functorch_active()
-    )
+    """:func:`cpu_float32` outside ``torch.compile``: where the trainer's ``autograd.Function`` kernels
+    (:func:`sinklens.train.rms_norm.rms_norm`'s and :func:`sinklens.train.rotary.rope`'s closed-form
+    backwards) apply."""
+    return cpu_float32(*tensors)

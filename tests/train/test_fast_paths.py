@@ -395,3 +395,64 @@ def test_retained_memory_stops_the_per_step_page_faults():
     assert active
     assert plain > 2000, plain  # freed activations are unmapped, so every step faults them in again
     assert kept < plain / 20, (plain, kept)  # kept mapped: a step takes ~1 fault (92,500 without)
+
+
+
+_COMPILED_PRODUCTS = r"""
+import json
+import torch
+from sinklens.train import matmul as mm
+from sinklens.train.config import ModelConfig
+from sinklens.train.model import SinkLM, next_token_loss
+
+ops = []
+def backend(gm, example_inputs):  # dynamo's graph as traced, run as it is (no inductor)
+    ops.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
+    return gm.forward
+
+torch.manual_seed(5)
+model = SinkLM(ModelConfig.from_preset("tiny", variant="headwise_rms", n_ctx=16, d_vocab=32))
+tokens = torch.randint(0, 32, (3, 12))
+out = {"has_onednn": mm.set_cpu_matmul("auto") == "onednn" and mm._onednn_mm is not None}
+grads = {}
+for name in ("aten", "onednn"):
+    mm.set_cpu_matmul(name if out["has_onednn"] else "aten")
+    torch._dynamo.reset()
+    ops.clear()
+    model.zero_grad()
+    logits = torch.compile(model, backend=backend)(tokens)
+    next_token_loss(logits[:, :-1], tokens[:, 1:]).backward()
+    out[name] = {"graphs": len(ops), "onednn_ops": sum(g.count("sinklens.onednn_mm.default") for g in ops)}
+    grads[name] = [logits.detach()] + [p.grad.clone() for p in model.parameters()]
+out["max_diff"] = max(float((a - b).abs().max() / (b.abs().max() + 1e-6)) for a, b in zip(grads["aten"], grads["onednn"]))
+mm.set_cpu_matmul("auto")
+ops.clear()
+torch._dynamo.reset()
+f = torch.compile(mm.matmul, backend=backend)
+x, w = torch.randn(4, 8), torch.randn(8, 3)
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    f(x, w)
+f(x.double(), w.double())
+out["other_dtypes_ops"] = sum(g.count("sinklens.onednn_mm.default") for g in ops)
+out["other_dtypes_graphs"] = len(ops)
+print(json.dumps(out))
+"""
+
+
+def test_a_compiled_model_keeps_the_onednn_products_in_one_graph():
+    # torch.compile must see each oneDNN product as one custom operator (not trace it back to aten::mm),
+    # in a single graph with no break, and give the aten backend's logits and gradients; under autocast
+    # and for float64 the compiled products stay on aten. In a subprocess: pytest's jaxtyping/beartype
+    # instrumentation of sinklens is not traceable by dynamo.
+    import json
+
+    done = subprocess.run([sys.executable, "-c", _COMPILED_PRODUCTS], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    if not out["has_onednn"]:
+        pytest.skip("no oneDNN inner product or no torch.library.custom_op in this torch")
+    assert out["aten"] == {"graphs": 1, "onednn_ops": 0}
+    # qkv, W_O, gate, in, out per layer (2 layers) and the unembedding
+    assert out["onednn"] == {"graphs": 1, "onednn_ops": 5 * 2 + 1}
+    assert out["max_diff"] < 1e-4
+    assert out["other_dtypes_graphs"] >= 2 and out["other_dtypes_ops"] == 0
