@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["at_least_float32", "cpu_float32", "eager_cpu_float32", "is_compiling"]
+__all__ = ["at_least_float32", "cpu_float32", "eager_cpu_float32", "is_compiling", "is_exporting"]
 
 
 def at_least_float32(x: Tensor) -> Tensor:
@@ -17,6 +17,12 @@ def at_least_float32(x: Tensor) -> Tensor:
 def is_compiling() -> bool:
     """True while torch.compile traces (``torch.compiler.is_compiling``, torch >= 2.3)."""
     probe = getattr(torch.compiler, "is_compiling", None)
+    return bool(probe and probe())
+
+
+def is_exporting() -> bool:
+    """True while ``torch.export`` traces (``torch.compiler.is_exporting``, torch >= 2.5)."""
+    probe = getattr(torch.compiler, "is_exporting", None)
     return bool(probe and probe())
 
 

@@ -19,7 +19,9 @@ transforms; see :func:`sinklens.train.dispatch.cpu_float32`. A ``torch.compile``
 the oneDNN product as the custom operator ``torch.ops.sinklens.onednn_mm`` (torch >= 2.4):
 inductor fuses the element-wise work between the products and calls oneDNN for them (a compiled
 ``headnorm-cpu`` step on the AMD EPYC: 1.05× an eager one, where with inductor's own ``aten::mm``
-it was no faster).
+it was no faster). ``"auto"`` is resolved (the self-check) once, when this module is imported, so
+that no trace runs it; ``torch.export`` keeps ``aten``'s products, so an exported program loads
+without sinklens.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
 from sinklens.train.config import CpuMatmul
-from sinklens.train.dispatch import cpu_float32, is_compiling
+from sinklens.train.dispatch import cpu_float32, is_compiling, is_exporting
 from sinklens.validate import choice
 
 __all__ = ["CpuMatmul", "cpu_matmul_backend", "matmul", "set_cpu_matmul"]
@@ -57,7 +59,7 @@ def _onednn_problem() -> str | None:
     if not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         return "this torch build has no torch.ops.mkldnn._linear_pointwise"
     gen = torch.Generator().manual_seed(0)
-    x, w, g = (torch.randn(*shape, generator=gen) for shape in ((3, 5, 16), (16, 12), (3, 5, 12)))
+    x, w, g = (torch.randn(*shape, generator=gen, device="cpu") for shape in ((3, 5, 16), (16, 12), (3, 5, 12)))
     try:
         products = (_linear(x, w.T), _linear(g, w))
     except RuntimeError as error:
@@ -167,10 +169,17 @@ def matmul(x: Float[Tensor, "*batch d_in"], w: Float[Tensor, "d_in d_out"]) -> F
         >>> torch.allclose(matmul(x, w), x @ w, rtol=1e-5, atol=1e-5)
         True
     """
-    if w.ndim != 2 or x.ndim < 2 or x.numel() == 0 or not cpu_float32(x, w, compiling=True) or _resolved() != "onednn":
+    if w.ndim != 2 or x.ndim < 2 or x.numel() == 0 or not cpu_float32(x, w, compiling=True):
         return x @ w
     if is_compiling():
-        return x @ w if _onednn_mm is None else _onednn_mm(x, w)
+        # the backend as resolved (no self-check inside a trace); an exported program keeps aten's products
+        onednn = _onednn_mm is not None and _backend["resolved"] == "onednn" and not is_exporting()
+        return _onednn_mm(x, w) if onednn else x @ w
+    if _resolved() != "onednn":
+        return x @ w
     if torch.is_grad_enabled() and (x.requires_grad or w.requires_grad):
         return _OneDnnMatmul.apply(x, w)
     return _linear(x, w.T)
+
+
+_resolved()  # once per process, at import: a torch.compile trace must not run the self-check (it breaks the graph)

@@ -405,6 +405,7 @@ from sinklens.train import matmul as mm
 from sinklens.train.config import ModelConfig
 from sinklens.train.model import SinkLM, next_token_loss
 
+out = {"resolved_at_import": mm._backend["resolved"]}
 ops = []
 def backend(gm, example_inputs):  # dynamo's graph as traced, run as it is (no inductor)
     ops.append([str(n.target) for n in gm.graph.nodes if n.op == "call_function"])
@@ -413,10 +414,11 @@ def backend(gm, example_inputs):  # dynamo's graph as traced, run as it is (no i
 torch.manual_seed(5)
 model = SinkLM(ModelConfig.from_preset("tiny", variant="headwise_rms", n_ctx=16, d_vocab=32))
 tokens = torch.randint(0, 32, (3, 12))
-out = {"has_onednn": mm.set_cpu_matmul("auto") == "onednn" and mm._onednn_mm is not None}
+out["has_onednn"] = mm._onednn_problem() is None and mm._onednn_mm is not None
 grads = {}
-for name in ("aten", "onednn"):
-    mm.set_cpu_matmul(name if out["has_onednn"] else "aten")
+for name in ("onednn", "aten"):  # first as a fresh process compiles, before anything set a backend
+    if name == "aten":
+        mm.set_cpu_matmul("aten")
     torch._dynamo.reset()
     ops.clear()
     model.zero_grad()
@@ -424,6 +426,9 @@ for name in ("aten", "onednn"):
     next_token_loss(logits[:, :-1], tokens[:, 1:]).backward()
     out[name] = {"graphs": len(ops), "onednn_ops": sum(g.count("sinklens.onednn_mm.default") for g in ops)}
     grads[name] = [logits.detach()] + [p.grad.clone() for p in model.parameters()]
+mm.set_cpu_matmul("auto")
+exported = torch.export.export(model.eval(), (tokens,))  # a program that loads without sinklens
+out["exported_ops"] = sorted({str(n.target) for n in exported.graph.nodes if "sinklens" in str(n.target)})
 out["max_diff"] = max(float((a - b).abs().max() / (b.abs().max() + 1e-6)) for a, b in zip(grads["aten"], grads["onednn"]))
 mm.set_cpu_matmul("auto")
 ops.clear()
@@ -441,8 +446,9 @@ print(json.dumps(out))
 
 def test_a_compiled_model_keeps_the_onednn_products_in_one_graph():
     # torch.compile must see each oneDNN product as one custom operator (not trace it back to aten::mm),
-    # in a single graph with no break, and give the aten backend's logits and gradients; under autocast
-    # and for float64 the compiled products stay on aten. In a subprocess: pytest's jaxtyping/beartype
+    # in a single graph with no break (also in a fresh process, where the backend's self-check must not
+    # run inside the trace), and give the aten backend's logits and gradients; under autocast, for
+    # float64 and in torch.export the products stay on aten. In a subprocess: pytest's jaxtyping/beartype
     # instrumentation of sinklens is not traceable by dynamo.
     import json
 
@@ -451,8 +457,10 @@ def test_a_compiled_model_keeps_the_onednn_products_in_one_graph():
     out = json.loads(done.stdout.strip().splitlines()[-1])
     if not out["has_onednn"]:
         pytest.skip("no oneDNN inner product or no torch.library.custom_op in this torch")
+    assert out["resolved_at_import"] == "onednn"  # resolved at import, never by a self-check inside a trace
     assert out["aten"] == {"graphs": 1, "onednn_ops": 0}
     # qkv, W_O, gate, in, out per layer (2 layers) and the unembedding
     assert out["onednn"] == {"graphs": 1, "onednn_ops": 5 * 2 + 1}
     assert out["max_diff"] < 1e-4
     assert out["other_dtypes_graphs"] >= 2 and out["other_dtypes_ops"] == 0
+    assert out["exported_ops"] == []  # torch.export keeps aten's products
