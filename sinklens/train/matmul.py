@@ -149,7 +149,8 @@ def _define_onednn_mm() -> Any:
 
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, Tensor | None]:
         x, w = ctx.saved_tensors
-        grad_x = onednn_mm(grad, w.T) if ctx.needs_input_grad[0] else None  # the op again: opaque in the backward graph too
+        # the operator again, so that the compiled backward graph keeps it opaque too
+        grad_x = onednn_mm(grad, w.T) if ctx.needs_input_grad[0] else None
         grad_w = _weight_grad(x, grad) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w
 
