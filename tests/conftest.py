@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 
 import matplotlib
 import pytest
@@ -10,6 +11,21 @@ import torch
 matplotlib.use("Agg")
 # Tiny models run fastest single-threaded; the SmolLM2 tests are few and short.
 torch.set_num_threads(1)
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Under ``pytest -n logical`` each worker keeps one core busy, so the notebook kernels and command-line
+    # processes a test starts run single-threaded too: two OpenMP threads on a core that another worker
+    # holds spin-wait (tutorial 01 took 147 s instead of 23 on 2 cores).
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Run the long items first: those marked ``slow`` and the tutorials (each executed notebook takes
+    10-90 s). With ``pytest -n logical`` (the README's test command) the workers then share out the short
+    tests behind them and finish together, instead of one starting a four-minute test at the end."""
+    def long_first(item) -> int:
+        return 0 if item.get_closest_marker("slow") or item.path.suffix == ".ipynb" else 1
+
+    items.sort(key=long_first)  # stable: the collection order within each group is kept
 
 
 @pytest.fixture(autouse=True)
