@@ -39,6 +39,10 @@ SCRIPT = textwrap.dedent(
     rows = build_source(cfg.data).batch("train", 0, cfg.batch_size)
     forward_backward(model, micro_batch(rows, 0, cfg, ctx), hook_owner=raw)
     grads = {{n: p.grad.clone() for n, p in raw.named_parameters()}}
+    # train() destroys the process group when it ends; a DDP wrapper still alive then keeps gloo's threads
+    # (and their tensors) into interpreter finalization, which now and then aborts the process (SIGABRT,
+    # "terminate called without an active exception", seen under load; pytorch PR 179291)
+    del model
     result = train(cfg, progress=False)  # the real loop, wrapped in DDP by itself
     if ctx.rank == 0:
         torch.save({{"grads": grads, "params": result.model.state_dict(), "losses": result.losses()}}, {out!r})
