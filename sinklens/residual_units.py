@@ -200,6 +200,18 @@ def input_norm_path(model: Any, layer: int, site: Site) -> str:
     return path
 
 
+def input_norm_reason(model: Any, site: Site) -> str | None:
+    """Why the input norm of some ``site`` sublayer (``"attn"`` or ``"mlp"``) cannot be read on ``model`` (no
+    normalization at all, ``cfg.normalization_type=None``, or a norm without a ``hook_normalized``), or None when
+    every layer's can: what :func:`input_norm_path` would refuse, for a caller that skips rather than fails."""
+    try:
+        for layer in range(model_dims(model).n_layers):
+            input_norm_path(model, layer, site)
+    except UnsupportedArchitectureError as err:
+        return str(err).rstrip(".")
+    return None
+
+
 def input_norm(model: Any, layer: int, site: Site) -> NormMap:
     """The norm whose output ``blocks.{layer}``'s ``site`` sublayer (``"attn"`` or ``"mlp"``) reads, as a
     :class:`NormMap` probed like :func:`post_norm_map`; its ``path`` is the norm's module path (hooks
@@ -317,11 +329,17 @@ def post_ln_reason(model: Any) -> str | None:
     return None
 
 
-def neuron_reason(model: Any) -> str | None:
-    """Why neurons cannot be attributed in residual units on ``model`` (no MLP, mixture of experts or post-LN), or None."""
+def no_mlp_reason(model: Any) -> str | None:
+    """Why ``model`` has no neurons at all (an attention-only model: TransformerLens 3.x keeps ``cfg.d_mlp`` at its
+    default when ``cfg.attn_only`` is set, so both are read), or None when its blocks have MLPs."""
     if model_dims(model).d_mlp <= 0:
         return "the model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0), so there are no neurons"
-    return moe_reason(model) or post_ln_reason(model)
+    return None
+
+
+def neuron_reason(model: Any) -> str | None:
+    """Why neurons cannot be attributed in residual units on ``model`` (no MLP, mixture of experts or post-LN), or None."""
+    return no_mlp_reason(model) or moe_reason(model) or post_ln_reason(model)
 
 
 def check_neuron_mlp(model: Any) -> None:

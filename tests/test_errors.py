@@ -375,6 +375,15 @@ def test_options_that_are_not_run_options_are_refused_by_name(tiny_llama, where)
         call({"batch_size": 2})
 
 
+@pytest.mark.parametrize("hooks", [3, "blocks.0.hook_resid_pre", [("blocks.0.hook_resid_pre",)]])
+def test_patch_sink_refuses_hooks_that_are_not_hook_pairs_by_name(tiny_llama, hooks):
+    """``patch_sink(model, tokens, 3)`` ended in ``TypeError: 'int' object is not iterable``."""
+    from sinklens.interventions import patch_sink
+
+    with pytest.raises(InvalidArgumentError, match=r"hooks(\[0\])? must be a (list of )?\(hook_name, fn\) pair"):
+        _unchecked(patch_sink)(tiny_llama, torch.tensor([[1, 2, 3, 4]]), hooks)
+
+
 @pytest.mark.parametrize("where", ["contraction", "token_preference", "positional_discrepancy", "find_sinks"])
 def test_settings_of_the_wrong_type_are_refused_by_name(tiny_llama, where):
     """``contraction(model, 64)`` meant ``n_sequences=64``: the error names the parameter and its type."""

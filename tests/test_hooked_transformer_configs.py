@@ -8,6 +8,7 @@ Skipped on TransformerLens 4.x (no ``HookedTransformer``); ``test_tl3_compat`` r
 from __future__ import annotations
 
 import importlib.metadata
+import json
 
 import pytest
 import torch
@@ -49,6 +50,46 @@ def test_an_attention_only_model_is_analysed_without_its_missing_neurons():
     assert float(report.sinks.received.sum()) > 0
     with pytest.raises(InvalidArgumentError, match=r"This model has no MLP \(attention-only"):
         sinklens.find_super_neurons(model, _tokens(), options=QUIET)
+
+
+def test_an_attention_only_model_refuses_neuron_edits_and_mlp_patches_by_their_cause():
+    """These ended in ``AttributeError: ... no weight property 'W_in'``, "neuron 0 is out of range: expected an
+    integer in 0..-1", and a ``resid_mid`` refusal that blamed a parallel block and suggested ``mlp_out``."""
+    from sinklens.interventions import block_keys, edit_neurons, patch_sink, remove_sink
+
+    model, tokens = _model(attn_only=True), _tokens()
+    no_mlp = r"no MLP \(attention-only: cfg.attn_only, or cfg.d_mlp 0\)"
+    with pytest.raises(UnsupportedArchitectureError, match="super_neurons_from_weights cannot rank neurons .*" + no_mlp):
+        sinklens.super_neurons_from_weights(model)
+    with pytest.raises(UnsupportedArchitectureError, match="Neuron edits are not supported .*" + no_mlp):
+        edit_neurons(model, [0], layers=[0])
+    with pytest.raises(UnsupportedArchitectureError, match="Neuron edits are not supported .*" + no_mlp):
+        remove_sink(model, tokens, method="edit_neurons", neurons=[0], layers=[0])
+    hooks = block_keys(model, positions=0, layers=[0])
+    for site in ("resid_mid", "mlp_out"):
+        with pytest.raises(UnsupportedArchitectureError, match=rf"site '{site}': this model has no MLP .*Patch 'attn_out'"):
+            patch_sink(model, tokens, hooks, site=site)
+    patched = patch_sink(model, tokens, hooks, site="attn_out", layers=[0])  # what the refusal suggests runs
+    assert patched.coords["layer"] == [0] and patched.values.shape[0] == 1
+
+
+def test_analyze_on_a_model_without_normalization_skips_only_what_reads_a_norm():
+    """``analyze`` refused the whole model for its normalized-disparity section; every other section runs as alone."""
+    model, tokens = _model(normalization_type=None), _tokens()
+    report = sinklens.analyze(model, tokens, options=QUIET)
+    assert set(report.skipped) == {"normalized_disparity", "mlp_input_alignment"}
+    assert report.skipped["normalized_disparity"].startswith("skipped: This model has no normalization")
+    assert report.normalized is None
+    assert report.weight_neurons is not None and report.weight_neurons.align_in is None
+    alone = sinklens.find_sinks(model, tokens, options=QUIET)
+    assert torch.equal(report.sinks.received, alone.received)
+    neurons = sinklens.find_super_neurons(model, tokens, options=QUIET)
+    assert torch.equal(report.neurons.contribution, neurons.contribution)
+    drain = sinklens.measure_value_drain(model, tokens, options=QUIET)
+    assert torch.equal(report.value_drain.attn_sink, drain.attn_sink)
+    exported = json.loads(json.dumps(report.to_dict(), allow_nan=False))
+    assert exported["normalized_disparity"] == {"skipped": report.skipped["normalized_disparity"]}
+    assert "Normalised disparity skipped: This model has no normalization" in report.summary()
 
 
 def test_a_model_without_normalization_runs_the_origins_and_names_what_it_lacks():

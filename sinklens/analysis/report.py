@@ -31,7 +31,7 @@ from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dtype, with_cached_weights
 from sinklens.inputs import Inputs, is_encoder, require_a_later_position
 from sinklens.options import RunOptions
-from sinklens.residual_units import neuron_reason
+from sinklens.residual_units import input_norm_reason, neuron_reason
 from sinklens.streaming import batches_for, stream
 
 
@@ -57,8 +57,10 @@ class SinkReport(CompactRepr):
         neurons: :class:`~sinklens.analysis.neurons.SuperNeurons` (super neurons and dimension paths, in residual
             units); None when skipped (a mixture-of-experts MLP: see ``skipped``).
         weight_neurons: :class:`~sinklens.analysis.weight_super_neurons.WeightNeurons` (super neurons from weights);
-            None when skipped.
-        normalized: :class:`~sinklens.analysis.normalized_disparity.NormalizedDisparity` (disparity after the norm).
+            None when skipped; without its read-vector alignments (``align_in``/``align_gate`` None) on a model
+            without normalization (``skipped["mlp_input_alignment"]``).
+        normalized: :class:`~sinklens.analysis.normalized_disparity.NormalizedDisparity` (disparity after the norm);
+            None when skipped (a model without normalization, ``cfg.normalization_type=None``: see ``skipped``).
         locking: :class:`~sinklens.analysis.qk_locking.QKLocking` (query–key locking); None when skipped
             (rotated queries/keys not exposed: see ``skipped``).
         seconds: wall time of the pass (left out of ``==``: two reports of the same inputs are equal).
@@ -84,7 +86,7 @@ class SinkReport(CompactRepr):
     massive: MassiveActivations
     neurons: SuperNeurons | None
     weight_neurons: WeightNeurons | None
-    normalized: NormalizedDisparity
+    normalized: NormalizedDisparity | None
     locking: QKLocking | None
     seconds: float = field(compare=False)  # timing: two analyses of the same inputs are equal
     settings: dict[str, Any] = field(default_factory=dict)
@@ -150,7 +152,8 @@ class SinkReport(CompactRepr):
             else {"skipped": self.skipped.get("super_neurons")},
             "causal_check": self.causal.to_dict() if self.causal is not None else None,
             "skipped": self.skipped,
-            "normalized_disparity": self.normalized.to_dict(dims=self.massive_dims() or None),
+            "normalized_disparity": self.normalized.to_dict(dims=self.massive_dims() or None)
+            if self.normalized is not None else {"skipped": self.skipped.get("normalized_disparity")},
             "query_key_locking": self.locking.to_dict() if self.locking is not None
             else {"skipped": self.skipped.get("query_key_locking")},
             "value_drain": self.value_drain.to_dict() if self.value_drain is not None
@@ -209,16 +212,24 @@ def analyze(
     no_locking = qk_locking_reason(model)
     if no_locking is not None:
         skipped["query_key_locking"] = f"skipped: {no_locking}"
+    # A model without normalization (cfg.normalization_type=None) has no norm input to read: the sections
+    # that read one (normalised disparity; the MLP input that the weight ranking aligns with) are skipped.
+    no_norm = input_norm_reason(model, "attn")
+    if no_norm is not None:
+        skipped["normalized_disparity"] = f"skipped: {no_norm}"
+    no_mlp_input = None if moe is not None else input_norm_reason(model, "mlp")
+    if no_mlp_input is not None:
+        skipped["mlp_input_alignment"] = f"skipped: {no_mlp_input}"
     neuron_reducers = [] if moe is not None else [
         SuperNeuronReducer(model, settings=SuperNeuronSettings(sink_position=sink_position)),
-        SinkInputReducer(model, sink_position=sink_position),
+        *([] if no_mlp_input is not None else [SinkInputReducer(model, sink_position=sink_position)]),
     ]
     reducers = [
         SinkReducer(model, settings=sink_settings),
         VarianceReducer(model),
         MassiveActivationsReducer(model, settings=massive_settings),
         *neuron_reducers,
-        NormalizedDisparityReducer(model, sink_position=sink_position),
+        *([] if no_norm is not None else [NormalizedDisparityReducer(model, sink_position=sink_position)]),
         *([] if no_locking is not None else [QKLockingReducer(model, sink_position=sink_position)]),
     ]
     # Value drain (what the sink writes) rides the same pass; its result is the last one.
@@ -231,10 +242,12 @@ def analyze(
     results = stream(model, batches, reducers, options=options.replace(desc=desc))
     value_drain = None if no_drain is not None else results.pop()
     locking = None if no_locking is not None else results.pop()
-    sinks, variance, massive, *neuron_results, normalized = results
-    neurons, weight_neurons, causal = None, None, None
-    if neuron_results:
-        neurons, sink_input = neuron_results
+    normalized = None if no_norm is not None else results.pop()
+    sink_input = None if moe is not None or no_mlp_input is not None else results.pop()
+    neurons = None if moe is not None else results.pop()
+    sinks, variance, massive = results
+    weight_neurons, causal = None, None
+    if neurons is not None:
         weight_neurons = super_neurons_from_weights(
             model, dims=neurons.dims or None, sink_input=sink_input,
             w_out_sparsity=(neurons.row_kurtosis, neurons.row_top_share),  # same rows, same k: computed once

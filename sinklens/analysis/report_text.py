@@ -116,6 +116,8 @@ def neuron_lines(report: SinkReport) -> list[str]:
 def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:
     """Normalised disparity of the first massive dims, before and after the input layernorm's gain, each labelled."""
     nd = report.normalized
+    if nd is None:  # a model without normalization: say why the section is missing
+        return ["", f"Normalised disparity {report.skipped.get('normalized_disparity', 'skipped')}"]
     if not dims or nd.ratio_sink_after_gain is None:
         return []
     lines = ["", "Normalised disparity mean |x_d| / mean(mean_{j!=d} |x_j|) over the sink tokens vs other tokens "

@@ -33,7 +33,7 @@ from sinklens.export import to_json
 from sinklens.hooks import layer_weight, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.residual_units import input_norm_path, moe_reason
+from sinklens.residual_units import input_norm_path, moe_reason, no_mlp_reason
 from sinklens.streaming import BatchFold, Reducer, bound_hooks
 from sinklens.validate import as_int, positive_int
 
@@ -208,7 +208,7 @@ def super_neurons_from_weights(
         >>> super_neurons_from_weights(model).top(1)[0][:2]
         (0, 7)
     """
-    reason = moe_reason(model)
+    reason = no_mlp_reason(model) or moe_reason(model)
     if reason is not None:
         raise UnsupportedArchitectureError(f"super_neurons_from_weights cannot rank neurons on this model: {reason}.")
     d = model_dims(model)

@@ -22,7 +22,7 @@ from sinklens.hooks import MLP_POST, RESID_POST, check_hook_names, hook_name, la
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, check_in_sequence, layers_arg, positions_arg
 from sinklens.interventions.sites import edit_site
 from sinklens.residual_sites import on_the_residual_stream
-from sinklens.residual_units import moe_reason
+from sinklens.residual_units import moe_reason, no_mlp_reason
 from sinklens.validate import choice, finite_number, index, index_list
 
 NeuronMode = Literal["zero", "scale", "set"]
@@ -66,7 +66,8 @@ def edit_neurons(
         positions: token positions to edit (default all).
 
     Raises:
-        UnsupportedArchitectureError: a mixture-of-experts MLP (:func:`sinklens.residual_units.moe_reason`):
+        UnsupportedArchitectureError: an attention-only model (no MLP, :func:`sinklens.residual_units.no_mlp_reason`),
+            or a mixture-of-experts MLP (:func:`sinklens.residual_units.moe_reason`):
             it has no per-neuron ``hook_post`` to edit (the TransformerLens 4.x gpt-oss bridge fires it with the
             ``d_model`` output, whose columns are not neurons).
 
@@ -77,7 +78,7 @@ def edit_neurons(
     """
     mode = choice(mode, ("zero", "scale", "set"), what="mode")
     value = finite_number(value, what="value")
-    reason = moe_reason(model)
+    reason = no_mlp_reason(model) or moe_reason(model)
     if reason is not None:
         raise UnsupportedArchitectureError(f"Neuron edits are not supported for this model: {reason}.")
     dims = model_dims(model)

@@ -39,9 +39,9 @@ from sinklens.hooks import (ATTN_OUT, MLP_OUT, PATTERN, RESID_MID, RESID_PRE, Z,
                             model_dtype)
 from sinklens.inputs import Inputs, as_batches
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, heads_arg, layers_arg, positions_arg
-from sinklens.options import RunOptions, options_from_legacy
+from sinklens.options import RunOptions, hook_pairs, options_from_legacy
 from sinklens.residual_sites import has_resid_mid, on_the_residual_stream
-from sinklens.residual_units import post_ln_reason
+from sinklens.residual_units import no_mlp_reason, post_ln_reason
 from sinklens.streaming import eval_mode
 from sinklens.validate import choice, index
 
@@ -86,12 +86,18 @@ def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, 
     (:func:`~sinklens.hooks.resid_mid_is_a_copy`); :func:`patch_sink` applies the patch through the attention
     write there (:func:`~sinklens.residual_sites.on_the_residual_stream`), so it patches the stream on every version. A parallel block (GPT-NeoX/Pythia)
     has no residual between its attention and its MLP: ``"resid_mid"`` is refused there with
-    :class:`~sinklens.errors.UnsupportedArchitectureError`.
+    :class:`~sinklens.errors.UnsupportedArchitectureError`, and an attention-only model (no MLP) refuses both
+    ``"resid_mid"`` and ``"mlp_out"``.
     """
     hook_site = _SITES[site][0]
     if site == "attn_out" and post_ln_reason(model) is not None:
         return {layer: hook_name(layer, Z) for layer in layers}
     names = {layer: hook_name(layer, hook_site) for layer in layers}
+    if site in ("resid_mid", "mlp_out") and no_mlp_reason(model) is not None:
+        raise UnsupportedArchitectureError(
+            f"site {site!r}: this model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0), so its blocks have "
+            "neither an MLP output nor a residual between attention and MLP. Patch 'attn_out', 'resid_pre', 'z' or "
+            "'z_pos' instead.")
     if site == "resid_mid" and not has_resid_mid(model, layers):
         raise UnsupportedArchitectureError(
             f"site 'resid_mid': this model's blocks have no residual between attention and MLP ({names[layers[0]]} "
@@ -249,6 +255,7 @@ def patch_sink(
     if legacy:
         raise InvalidArgumentError(f"patch_sink has no option {sorted(legacy)[0]!r}.")
     site = choice(site, sorted(_SITES), what="site")
+    hooks = list(hook_pairs(hooks, what="hooks"))
     _, setter, axes = _SITES[site]
     dims = model_dims(model)
     batches = as_batches(model, tokens, batch_size=10**9, prepend_bos=options.prepend_bos, max_length=options.max_length)

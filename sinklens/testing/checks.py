@@ -27,12 +27,18 @@ QUIET = RunOptions(progress=False)
 
 
 def attached_hook_count(model: Any) -> int:
-    """Number of forward and backward hooks attached to the model's hook points (0 after any sinklens call)."""
+    """Number of forward and backward hooks attached to the model's hook points.
+
+    A sinklens call leaves this count as it found it. It is not always 0 on a fresh model: the
+    TransformerLens 4.x BERT bridge attaches 4 hooks per layer of its own when it is built (on its
+    MLP input and output hook points), so compare the count before and after a call rather than with 0.
+    """
     return sum(len(hp.fwd_hooks) + len(hp.bwd_hooks) for hp in model.hook_dict.values())
 
 
 def no_hooks_left(model: Any) -> bool:
-    """True if no hook point of the model carries a forward or backward hook."""
+    """True if no hook point of the model carries a forward or backward hook (see :func:`attached_hook_count`
+    for models that carry hooks of their own from the start)."""
     return attached_hook_count(model) == 0
 
 
