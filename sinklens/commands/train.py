@@ -98,29 +98,6 @@ def _model_table(path: str) -> dict:
     return dict(table) if isinstance(table, dict) else {}
 
 
-def _resumable_config(out: str) -> TrainConfig | None:
-    """The config ``--resume`` continues the run in ``out`` with: its ``config.json``, else (that file lost)
-    the config saved in its newest good checkpoint, with a warning (the resume writes ``config.json`` again);
-    None for a run with neither (it stopped before its first checkpoint), for :func:`~sinklens.train.loop.train`
-    to refuse the resume as it refuses a fresh run there.
-
-    Raises:
-        RunNotFoundError: ``out`` is not a run directory at all.
-    """
-    import warnings
-
-    from sinklens.train.checkpoint import CONFIG, has_checkpoint, is_run_dir, load_run, load_train_config
-
-    if (Path(out).expanduser() / CONFIG).is_file() or not is_run_dir(Path(out).expanduser()):
-        return load_train_config(Path(out).expanduser())
-    if not has_checkpoint(Path(out).expanduser()):
-        return None
-    checkpoint = load_run(Path(out).expanduser())
-    warnings.warn(f"{str(out)!r} has no {CONFIG}; resuming with the config saved in its checkpoint of step "
-                  f"{checkpoint.step} ({str(checkpoint.path)!r}), which the resume writes back to {CONFIG}.", stacklevel=2)
-    return checkpoint.config
-
-
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """The run's :class:`TrainConfig`: config file, the run's own config (``--resume``) or preset,
     then the short flags and ``--set`` overrides, then the tyro field flags (``args.config_flags``),
@@ -137,10 +114,11 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     """
     from dataclasses import fields, replace
 
+    from sinklens.train.checkpoint import resume_config
     from sinklens.train.config import PRESETS, ModelConfig, overrides_to_args, parse_args
 
     explicit: set[str] = set()  # model fields set by the preset's definition, the config file or the run
-    resumed = _resumable_config(args.out) if args.resume and args.out and not args.config else None
+    resumed = resume_config(args.out) if args.resume and args.out and not args.config else None
     if args.config:
         base = load_config(args.config)
         explicit |= set(_model_table(args.config))

@@ -394,6 +394,30 @@ def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+def resume_config(out: str | Path) -> TrainConfig | None:
+    """The config ``--resume`` continues the run in ``out`` with: its ``config.json``, else (that file lost)
+    the config saved in its newest good checkpoint, with a warning (the resume writes ``config.json`` again);
+    None for a run with neither (it stopped before its first checkpoint), for :func:`~sinklens.train.loop.train`
+    to refuse the resume as it refuses a fresh run there. ``sinklens train --resume`` starts from it, and so does
+    ``train(resume_config(DIR), out_dir=DIR, resume=True)``. Where an ``--overwrite`` of ``out`` was killed before
+    its first checkpoint, the run it replaced comes back when training starts
+    (:func:`recover_set_aside`), so that run's config is the one read.
+
+    Raises:
+        RunNotFoundError: ``out`` is not a run directory at all.
+    """
+    run_dir = Path(out).expanduser()
+    run_dir = set_aside_to_recover(run_dir) or run_dir
+    if (run_dir / CONFIG).is_file() or not is_run_dir(run_dir):
+        return load_train_config(run_dir)
+    if not has_checkpoint(run_dir):
+        return None
+    checkpoint = load_run(run_dir)
+    warnings.warn(f"{str(out)!r} has no {CONFIG}; resuming with the config saved in its checkpoint of step "
+                  f"{checkpoint.step} ({str(checkpoint.path)!r}), which the resume writes back to {CONFIG}.", stacklevel=2)
+    return checkpoint.config
+
+
 def resume_changes(saved: TrainConfig, requested: TrainConfig, *, run_dir: str | Path) -> dict[str, list[Any]]:
     """What ``requested`` changes in the config of the run it resumes: ``{dotted key: [saved, requested]}``.
 
@@ -423,7 +447,7 @@ def resume_changes(saved: TrainConfig, requested: TrainConfig, *, run_dir: str |
         listed = "; ".join(f"{key} is {changes[key][1]!r} here but {changes[key][0]!r} in the run" for key in fixed)
         raise ResumeMismatchError(
             f"Cannot resume {str(run_dir)!r} with another model, data or seed: {listed}. A resume continues the run "
-            "with its own config (sinklens train --out DIR --resume, or train(sinklens.train.checkpoint.load_train_config(DIR), out_dir=DIR, resume=True)); "
+            "with its own config (sinklens train --out DIR --resume, or train(sinklens.train.checkpoint.resume_config(DIR), out_dir=DIR, resume=True)); "
             "it may change steps, optim, eval and the like. For another model or data start a new run "
             "(another out_dir, or --overwrite)."
         )
@@ -577,6 +601,14 @@ def discard_set_aside(run_dir: str | Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def set_aside_to_recover(run_dir: str | Path) -> Path | None:
+    """The run that :func:`recover_set_aside` puts back in ``run_dir`` at the next start: the newest one an
+    ``overwrite=True`` set aside, where ``run_dir`` holds no checkpoint (the replacement was killed before its
+    first); None otherwise. A ``--resume`` reads that run's config, not the killed replacement's."""
+    aside = set_aside_runs(run_dir)
+    return aside[0] if aside and not has_checkpoint(run_dir) else None
+
+
 def recover_set_aside(run_dir: str | Path) -> str | None:
     """Put back a run that an ``overwrite=True`` killed before its first checkpoint (SIGKILL, out of memory) left in
     ``run_dir/.overwritten-*``; say what was done (None when there was nothing).
@@ -585,16 +617,16 @@ def recover_set_aside(run_dir: str | Path) -> str | None:
     no checkpoint, the newest set-aside run comes back (the replacement never got as far as one); where it holds
     one (the replacement stopped on a divergence or Ctrl-C after a checkpoint of its own), the set-aside runs stay
     where they are, named, until the run reaches a regular checkpoint (:func:`discard_set_aside`)."""
-    aside = set_aside_runs(run_dir)
-    if not aside:
-        return None
-    if has_checkpoint(run_dir):
-        return (f"{str(run_dir)!r} still holds the run an earlier overwrite replaced, in {[str(p) for p in aside]} "
-                "(the replacement stopped after a checkpoint of its own); it is deleted once this run writes a "
-                "regular checkpoint. Move its files back into the folder to keep it instead.")
-    restore_set_aside(run_dir, aside[0])
+    back = set_aside_to_recover(run_dir)
+    if back is None:
+        aside = set_aside_runs(run_dir)
+        return None if not aside else (
+            f"{str(run_dir)!r} still holds the run an earlier overwrite replaced, in {[str(p) for p in aside]} "
+            "(the replacement stopped after a checkpoint of its own); it is deleted once this run writes a "
+            "regular checkpoint. Move its files back into the folder to keep it instead.")
+    restore_set_aside(run_dir, back)
     return (f"An overwrite of {str(run_dir)!r} was killed before its first checkpoint: the run it was replacing, "
-            f"set aside in {str(aside[0])!r}, is put back.")
+            f"set aside in {str(back)!r}, is put back.")
 
 
 def clear_run(run_dir: str | Path) -> None:

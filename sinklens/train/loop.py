@@ -388,7 +388,7 @@ def train(
             everything in memory.
         resume: continue from the newest good checkpoint in ``out_dir`` (its step, weights,
             optimizer, RNG); the loss curve continues exactly as if the run had not stopped. ``cfg``
-            is the run's own (``load_train_config(out_dir)``), changed at most in how the run goes
+            is the run's own (:func:`~sinklens.train.checkpoint.resume_config`), changed at most in how the run goes
             on (``steps``, ``optim``, ``eval``...: :func:`~sinklens.train.checkpoint.resume_changes`);
             a ``kind="resume"`` metrics line records the step and those changes.
         overwrite: replace the run already in ``out_dir`` and start afresh: its own files are moved

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -237,6 +239,27 @@ def test_an_overwrite_killed_before_its_first_checkpoint_is_undone_at_the_next_s
             train(build_cfg(steps=3), out_dir=tmp_path, progress=False)
     assert _snapshot(tmp_path) == before and not list(tmp_path.glob(".overwritten-*"))
     assert load_run(tmp_path).step == 3
+
+
+def test_a_resume_after_a_killed_overwrite_continues_the_old_run_with_its_own_config(tmp_path):
+    """``--resume`` read the killed replacement's config.json before train() put the old run back: the old run
+    went on with the replacement's lr and steps (or was refused over a model nobody asked for)."""
+    from sinklens.train.checkpoint import resume_config
+
+    train(build_cfg(steps=3), out_dir=tmp_path, progress=False)
+    own = ckpt_mod.load_train_config(tmp_path)
+    ckpt_mod.set_aside_run(tmp_path)  # the killed overwrite: old run aside, its own config.json written
+    killed = build_cfg(steps=9, optim={"lr": 3e-4})
+    write_text_atomic(tmp_path / "config.json", json.dumps(killed.to_dict()))
+    assert resume_config(tmp_path) == own  # the run that comes back, not the killed one
+    assert ckpt_mod.load_train_config(tmp_path) == killed  # (what the folder holds until the next start)
+    done = subprocess.run([sys.executable, "-m", "sinklens.cli", "train", "--out", str(tmp_path), "--resume", "--steps", "5",
+                           "--no-progress"], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "is put back" in done.stderr and "resumed at step 3 with steps 3 -> 5" in done.stdout
+    assert ckpt_mod.load_train_config(tmp_path) == own.replace(steps=5)
+    (line,) = [m for m in read_metrics(tmp_path) if m.get("kind") == "resume"]
+    assert line["changes"] == {"steps": [3, 5]}
 
 
 def test_an_overwrite_that_diverges_after_saving_its_weights_keeps_the_old_run_aside(tmp_path):
