@@ -60,7 +60,7 @@ from sinklens.train.matmul import cpu_matmul_backend, set_cpu_matmul
 from sinklens.train.model import next_token_loss
 from sinklens.train.persistence import PersistenceTracker
 from sinklens.train.precision import mixed_precision
-from sinklens.validate import writable_dir
+from sinklens.validate import positive_int, writable_dir
 
 Hooks = list[tuple[str, HookFn]]
 #: A training-time intervention: a registry spec string ``"name:key=value,..."`` or ``model -> hooks``.
@@ -397,11 +397,14 @@ def train(
             :class:`~sinklens.errors.RunExistsError`; one that holds another tool's files (a model's
             ``config.json``, ``model.safetensors``, ``tokenizer/``) raises
             :class:`~sinklens.errors.OutputExistsError` either way.
-        interventions: extra training-time interventions on top of ``cfg.interventions`` (callables
-            ``model -> [(hook_name, fn)]`` are accepted here; only strings are stored in the config).
+        interventions: extra training-time interventions on top of ``cfg.interventions``: registry spec strings
+            are added to ``cfg.interventions`` (so ``config.json`` stores them and a resume applies them again);
+            callables ``model -> [(hook_name, fn)]``, which no file can store, run after them and must be passed
+            again on resume.
         progress: tqdm bar over steps.
         until: stop (and checkpoint) after this many steps of ``cfg.steps`` — a time-limited job;
-            the schedule still spans ``cfg.steps``, and ``resume=True`` continues from there.
+            the schedule still spans ``cfg.steps``, and ``resume=True`` continues from there. An integer
+            ``>= 0`` (0 writes the step-0 checkpoint only).
 
     Raises:
         ResumeMismatchError: ``resume=True`` with a ``cfg`` whose model, data or seed differ from the run's, or
@@ -419,8 +422,20 @@ def train(
     """
 
     out = Path(out_dir).expanduser() if out_dir is not None else None
+    if until is not None:
+        until = positive_int(until, what="until", minimum=0)
     cfg = cfg.replace(data=cfg.data.with_absolute_path())  # config.json names the same data from any folder
     check_interventions([*cfg.interventions, *interventions])
+    # Registry specs are part of the run: stored with cfg.interventions in config.json, so a resume applies them.
+    specs = [item for item in interventions if isinstance(item, str)]
+    twice = [spec for spec in specs if spec in cfg.interventions]
+    if twice:
+        raise InvalidArgumentError(
+            f"intervention {twice[0]!r} is given twice: in cfg.interventions (a resumed run's config stores the ones "
+            "it was trained with) and in interventions=; pass it once.")
+    if specs:
+        cfg = cfg.replace(interventions=[*cfg.interventions, *specs])
+        interventions = [item for item in interventions if not isinstance(item, str)]
     if cfg.keep_every and not cfg.checkpoint_interval:
         warnings.warn(f"keep_every={cfg.keep_every} keeps every {cfg.keep_every}-th periodic checkpoint, but "
                       "checkpoint_interval=0 writes none: only the final checkpoint and its fallback are kept. Set "
@@ -496,7 +511,7 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
         if resumed_from is not None:
             start_step = load_checkpoint(resumed_from, model=model, optimizer=optimizer, scaler=scaler)
             history = _read_history(out, start_step)
-        stop = cfg.steps if until is None else min(int(until), cfg.steps)
+        stop = cfg.steps if until is None else min(until, cfg.steps)
         if resumed_from is not None and start_step >= stop:  # re-saving would replace step `stop`'s checkpoint
             asked = f"steps={cfg.steps}" + ("" if until is None else f" and until={until}")
             raise InvalidArgumentError(

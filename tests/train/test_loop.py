@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from _train_cfg import build_cfg
 
 import sinklens.train.loop as loop
+from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import SCORES, hook_name
 from sinklens.train.loop import resolve_interventions, train
 
@@ -93,6 +95,36 @@ def test_interventions_are_applied_during_training():
     by_callable = train(build_cfg(steps=4), interventions=[lambda m: restart(m, positions=8)], progress=False)
     assert by_name.losses() == by_callable.losses()  # the spec string resolves to masks.restart
     assert by_name.losses()[1:] != plain[1:]
+
+
+def test_spec_interventions_passed_to_train_are_stored_and_a_resume_applies_them(tmp_path):
+    """``train(cfg, interventions=["restart:..."])`` trained with the spec but left it out of config.json: a resume
+    from the run's own config went on without it (losses off from step 6) and recorded no change."""
+    from sinklens.train.checkpoint import read_metrics, resume_config
+
+    spec = ["restart:positions=8"]
+    whole = train(build_cfg(steps=8), out_dir=tmp_path / "whole", interventions=spec, progress=False)
+    assert json.loads((tmp_path / "whole" / "config.json").read_text())["interventions"] == spec
+    train(build_cfg(steps=8), out_dir=tmp_path / "cut", interventions=spec, until=4, progress=False)
+    train(resume_config(tmp_path / "cut"), out_dir=tmp_path / "cut", resume=True, progress=False)
+    resumed = [m["loss"] for m in read_metrics(tmp_path / "cut") if m["kind"] == "train"]
+    assert resumed == whole.losses()
+    assert train(build_cfg(steps=8), progress=False).losses()[5:] != resumed[5:]  # the spec matters after step 4
+    with pytest.raises(InvalidArgumentError, match=r"intervention 'restart:positions=8' is given twice"):
+        train(resume_config(tmp_path / "cut").replace(steps=10), out_dir=tmp_path / "cut", resume=True,
+              interventions=spec, progress=False)
+
+
+@pytest.mark.parametrize("until, words", [(-3, "until must be an integer >= 0, got -3"),
+                                          (2.7, "until must be an integer, got 2.7"),
+                                          ("5", "until must be an integer, got '5'")])
+def test_until_is_checked_before_anything_runs(tmp_path, until, words):
+    """``until=-3`` wrote a checkpoint ``step--00003`` that later refused the run; 2.7 was cut to 2."""
+    import inspect
+
+    with pytest.raises(InvalidArgumentError, match=re.escape(words)):
+        inspect.unwrap(train)(build_cfg(steps=4), out_dir=tmp_path / "run", until=until, progress=False)
+    assert not (tmp_path / "run").exists()
 
 
 def test_resolve_interventions_errors(tmp_path):
