@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import copy
 import dataclasses
 import io
 import json
@@ -206,11 +207,11 @@ class ModelConfig(_Part):
             >>> template.d_mlp is None, ModelConfig.from_dict({**template.to_dict(), "d_model": 128}).d_mlp
             (True, 344)
         """
-        copy = dataclasses.replace(self)
+        template = dataclasses.replace(self)
         for name in self.DERIVED:
             if name not in keep:
-                setattr(copy, name, None)
-        return copy
+                setattr(template, name, None)
+        return template
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
@@ -663,11 +664,20 @@ def parse_args(base: TrainConfig, args: list[str] | tuple[str, ...], *, prog: st
     Raises :class:`~sinklens.errors.InvalidArgumentError` with tyro's message (unknown flag, a
     value of the wrong type, a field outside its range) instead of exiting. ``--help`` prints every
     field and raises ``SystemExit(0)``.
+
+    A ``--model.variant`` other than ``base``'s starts from no variant options: ``base``'s were for its own
+    variant (a config file's ``variant_options`` would otherwise be checked against the variant named here).
     """
     import tyro
 
     # Booleans as users type them (``--compile false``, ``--on_nonfinite ...``) in tyro's spelling.
     args = [a if a.startswith("-") or a.lower() not in ("true", "false") else _tyro_value(a) for a in args]
+    variant = _last_flag_value(args, "--model.variant")
+    if variant is not None and variant != base.model.variant and base.model.variant_options:
+        model = copy.copy(base.model)  # a copy, not a rebuild: fields left unset for tyro stay unset
+        model.variant_options = {}
+        base = copy.copy(base)
+        base.model = model
     if "-h" in args or "--help" in args:
         tyro.cli(TrainConfig, default=base, args=list(args), prog=prog, config=(tyro.conf.FlagConversionOff,))
     buffer = io.StringIO()
@@ -676,6 +686,22 @@ def parse_args(base: TrainConfig, args: list[str] | tuple[str, ...], *, prog: st
             return tyro.cli(TrainConfig, default=base, args=list(args), prog=prog, config=(tyro.conf.FlagConversionOff,))
     except SystemExit:
         raise InvalidArgumentError(_tyro_error(buffer.getvalue())) from None
+
+
+def _last_flag_value(args: list[str], flag: str) -> str | None:
+    """The value the last ``flag VALUE`` or ``flag=VALUE`` in ``args`` gives (tyro keeps the last), or None.
+
+    Examples:
+        >>> _last_flag_value(["--model.variant", "gated", "--steps", "3", "--model.variant=baseline"], "--model.variant")
+        'baseline'
+    """
+    value = None
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif arg.startswith(flag + "="):
+            value = arg[len(flag) + 1:]
+    return value
 
 
 #: Titles of tyro's error panels, which it repeats in the panel's first line.

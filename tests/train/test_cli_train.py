@@ -146,6 +146,26 @@ def test_config_file_model_table_applies_over_the_preset(tmp_path):
     assert model.d_mlp == 4 * 32
 
 
+def test_a_variant_named_over_a_config_file_starts_from_its_own_options(tmp_path):
+    """``--config FILE --variant NAME`` checked FILE's variant options (``mode``, for variance_calibrated) against
+    NAME and refused an option the user never typed; the same variant keeps the file's options."""
+    from sinklens.train.config import TrainConfig, apply_overrides
+
+    (tmp_path / "vc.toml").write_text('steps = 2\n[model]\nvariant = "variance_calibrated"\n'
+                                      'variant_options = {mode = "position_amplify"}\n')
+    vc = str(tmp_path / "vc.toml")
+    model = _build(tmp_path, "--config", vc, "--variant", "baseline").model
+    assert (model.variant, model.variant_options) == ("baseline", {})
+    model = _build(tmp_path, "--config", vc, "--variant", "headwise_rms:gain=shared", "--model.d_model", "128").model
+    assert (model.variant, model.variant_options, model.d_mlp) == ("headwise_rms", {"gain": "shared"}, 344)
+    model = _build(tmp_path, "--config", vc, "--model.variant", "gated").model  # the tyro field flag too
+    assert (model.variant, model.variant_options) == ("gated", {})
+    model = _build(tmp_path, "--config", vc, "--variant", "variance_calibrated").model  # the same variant: kept
+    assert model.variant_options == {"mode": "position_amplify"}
+    cfg = TrainConfig.from_dict({"model": {"variant": "variance_calibrated", "variant_options": {"mode": "attenuate"}}})
+    assert apply_overrides(cfg, ["model.variant=baseline"]).model.variant_options == {}
+
+
 def test_derived_fields_are_written_to_the_run_config(tmp_path, capsys):
     out = tmp_path / "run"
     code = main(["train", "--preset", "tiny", "--model.n_heads", "2", "--steps", "1", "--out", str(out), *TINY])
