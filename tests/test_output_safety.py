@@ -108,11 +108,12 @@ def test_outputs_are_refused_among_a_training_runs_own_files(tmp_path, capsys):
         ["fingerprint", model, model, "--json", str(run / "config.json"), "--overwrite"],
         ["intervene", "--model", model, "--method", "self-only", "--position", "2", "--random-tokens", "2",
          "--json", str(step / "manifest.json"), "--overwrite"],
+        ["compare", str(run), "--out", str(step / "compare.png")],  # was written there, then pruned with the step
     ]
     for argv in calls:
         assert main(argv) == EXIT_USAGE, argv
     err = capsys.readouterr().err
-    assert err.count("which the trainer manages") == 3 and err.count("replacing it would break the run") == 1, err
+    assert err.count("which the trainer manages") == 4 and err.count("replacing it would break the run") == 1, err
     assert "is inside the checkpoints/ folder of the training run" in err
     assert _snapshot(run) == before
     assert _analyze(run) == 0  # the run's own folder is fine: nothing of the run's is replaced

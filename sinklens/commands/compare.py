@@ -52,7 +52,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from sinklens.commands import add_overwrite_flag, plain_help
+from sinklens.commands import add_overwrite_flag, outside_run_internals, plain_help
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -267,10 +267,12 @@ def run_labels(run_dirs: list[str], labels: list[str] | None = None) -> list[str
 
 def figure_path(path: str | Path, *, what: str = "--out") -> Path:
     """The file a figure is saved to: ``path``, with ``.png`` added when it has no suffix (as matplotlib would),
-    checked before any work: a writable file, not a folder, with a suffix matplotlib can save.
+    checked before any work: a writable file, not a folder, with a suffix matplotlib can save, outside the folders
+    a training run manages (:func:`~sinklens.commands.outside_run_internals`).
 
     Raises:
-        OutputNotWritableError: ``path`` is empty, a folder, or in a folder that cannot be created or written.
+        OutputNotWritableError: ``path`` is empty, a folder, in a folder that cannot be created or written, or
+            inside a run's ``checkpoints/`` or ``tokenizer/`` (or one of its own files).
         InvalidArgumentError: its suffix is not a format matplotlib saves.
     """
     from matplotlib.backend_bases import FigureCanvasBase
@@ -285,6 +287,7 @@ def figure_path(path: str | Path, *, what: str = "--out") -> Path:
     if out.suffix[1:].lower() not in formats:
         raise InvalidArgumentError(f"{what} {str(out)!r}: matplotlib cannot save a {out.suffix!r} figure; "
                                    f"use one of {', '.join('.' + f for f in sorted(formats))}.")
+    outside_run_internals(out, what=what, file=True)
     return out
 
 
