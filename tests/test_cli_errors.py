@@ -211,6 +211,10 @@ GENERIC_ROWS = [
     ("intervene-missing-model", lambda f: ["intervene", "--method", "self-only", "--position", "2", "--model",
                                            "./no/such/model"], EXIT_USAGE, ["./no/such/model"]),
     ("compare-not-a-run", lambda f: ["compare", _p(f, "no-run")], None, ["no-run"]),
+    # --seq-len sets random sequences' length: on the built-in text prompts it did nothing, in silence
+    ("intervene-seq-len-with-the-built-in-prompts", lambda f: ["intervene", "--method", "self-only", "--position", "2",
+                                                               "--model", str(f["tiny"]), "--seq-len", "8"], EXIT_USAGE,
+     ["--seq-len 8 sets the length of --random-tokens sequences, and this intervene runs on text prompts."]),
     # checked before the model loads: the missing model is never reached
     ("intervene-negative-position", lambda f: ["intervene", "--method", "self-only", "--position", "-3", "--model",
                                                "./no/such/model"], EXIT_USAGE, ["--position must be an integer >= 0, got -3"]),

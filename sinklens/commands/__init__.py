@@ -117,7 +117,8 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
     """The random-token batches a command runs on, or None when it runs on text.
 
     ``args.random_tokens`` sequences of ``args.seq_len`` tokens (default :data:`DEFAULT_RANDOM_SEQ_LEN`, capped at
-    the model's ``n_ctx``; a ``--seq-len`` beyond it is refused) when asked for. A model without a tokenizer cannot read text: it runs on
+    the model's ``n_ctx``; a ``--seq-len`` beyond it is refused, and so is one for a run on text, where it would do
+    nothing) when asked for. A model without a tokenizer cannot read text: it runs on
     :data:`DEFAULT_RANDOM_SEQUENCES` sequences of ``min(64, n_ctx)`` tokens, with a line on stderr saying so,
     and a text flag (``text_flag``, e.g. ``"--text"``) given for it is an error. Random sequences start with
     BOS when ``prepend_bos`` and the model has one: its tokenizer's, or token 0 for a run trained on a
@@ -139,6 +140,10 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
         return random_token_batches(model, n_sequences=args.random_tokens, seq_len=seq_len,
                                     batch_size=batch_size, prepend_bos=bos)
     if has_tokenizer:
+        if args.seq_len is not None:
+            cut = " (cut them with --max-length)" if hasattr(args, "max_length") else ""
+            raise InvalidArgumentError(f"--seq-len {args.seq_len} sets the length of --random-tokens sequences, and "
+                                       f"this {command} runs on text prompts{cut}.")
         return None
     if text_flag is not None:
         raise InvalidArgumentError(f"{text_flag} needs a tokenizer, and the model {str(args.model)!r} has none "

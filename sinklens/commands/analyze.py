@@ -90,9 +90,6 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
     from sinklens.validate import text_lines
 
     has_tokenizer = getattr(model, "tokenizer", None) is not None
-    if has_tokenizer and args.random_tokens is None and args.seq_len is not None:
-        raise InvalidArgumentError(f"--seq-len {args.seq_len} sets the length of --random-tokens sequences, and this "
-                                   "analysis runs on text prompts (cut them with --max-length).")
     if not has_tokenizer and args.max_length is not None:
         raise InvalidArgumentError(f"--max-length {args.max_length} truncates text prompts, and the model "
                                    f"{str(args.model)!r} has no tokenizer; set the random sequences' length with --seq-len.")

@@ -27,6 +27,7 @@ from typing import Any
 from sinklens.commands import (
     add_model_flags, add_overwrite_flag, check_model_flags, outside_run_internals, plain_help, result_folder,
 )
+from sinklens.origins.preference import RandomInputs, random_tokens_after_bos
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -36,7 +37,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--init-seed", type=int, default=None,
                         help="re-initialise the architecture with this seed (default: the weights as loaded)")
     parser.add_argument("--sequences", type=int, default=128, help="random sequences N (default %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (default %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help=f"tokens per sequence (default {RandomInputs.seq_len}, at most the model's context)")
     parser.add_argument("--bos", action="store_true", help="prepend the BOS token (position 0 then leaves the summaries)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default %(default)s)")
     add_model_flags(parser, batch_size=16)
@@ -146,15 +148,15 @@ def _print_preference(ps: dict[str, Any], con: Any, tok: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sinklens.origins.preference import random_tokens_after_bos
     from sinklens.validate import as_seed, no_finished_output, positive_int, writable_dir
 
     outside_run_internals(Path(args.out), what="--out", file=False)
     out = writable_dir(args.out, what="--out", create=False)
     no_finished_output([out / "origins.json"], overwrite=args.overwrite, flag="--out")
     positive_int(args.sequences, what="--sequences", minimum=2)
-    positive_int(args.seq_len, what="--seq-len", minimum=2)
-    random_tokens_after_bos(args.seq_len, args.bos, what="--seq-len", bos="--bos")
+    if args.seq_len is not None:  # the default is capped at the model's context once it is loaded
+        positive_int(args.seq_len, what="--seq-len", minimum=2)
+        random_tokens_after_bos(args.seq_len, args.bos, what="--seq-len", bos="--bos")
     check_model_flags(args)
     as_seed(args.seed, what="--seed")
     if args.init_seed is not None:
@@ -176,11 +178,14 @@ def _measure(args: argparse.Namespace, out: Any) -> int:
     start = time.perf_counter()
     print(f"loading {args.model}{'' if args.init_seed is None else f' at init (seed {args.init_seed})'} ...", file=sys.stderr)
     model = load_model(args.model, device=args.device, dtype=args.dtype, init_seed=args.init_seed, check_patterns=False)
-    seq_len_within_context(args.seq_len, model_dims(model).n_ctx)
+    n_ctx = model_dims(model).n_ctx
+    seq_len_within_context(args.seq_len, n_ctx)
+    seq_len = args.seq_len or min(RandomInputs.seq_len, n_ctx)
+    random_tokens_after_bos(seq_len, args.bos, what="--seq-len", bos="--bos")
     if args.bos:
         check_bos(model, str(args.model))
     opts = RunOptions(batch_size=args.batch_size, progress=True)
-    common = dict(n_sequences=args.sequences, seq_len=args.seq_len, prepend_bos=args.bos, seed=args.seed)
+    common = dict(n_sequences=args.sequences, seq_len=seq_len, prepend_bos=args.bos, seed=args.seed)
     skipped = _skip_reason(model)
     pref = None if skipped else token_preference(model, **common, options=opts.replace(desc="token preference"))
     con = contraction(model, **common, options=opts.replace(desc="contraction"))

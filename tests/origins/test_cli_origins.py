@@ -39,3 +39,16 @@ def test_origins_cli_user_mistakes_exit_cleanly(tmp_path, capsys):
     assert main(["origins", "--model", "x@init:notanint", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "no-such-model" in err and "notanint" in err and "Traceback" not in err
+
+
+def test_origins_default_seq_len_is_capped_at_the_models_context(trained_runs, tmp_path, capsys):
+    """The default --seq-len 32 was refused on these n_ctx-16 runs ("--seq-len 32 is longer than the model's
+    context"), though nobody passed it; analyze, intervene and fingerprint already capped their defaults."""
+    from sinklens.cli import main
+
+    code = main(["origins", "--model", f"{trained_runs[1]}@init", "--sequences", "4", "--no-figures",
+                 "--out", str(tmp_path / "rep")])
+    assert code == 0, capsys.readouterr().err
+    assert json.loads((tmp_path / "rep" / "origins.json").read_text())["token_preference"]["seq_len"] == 16
+    assert main(["origins", "--model", f"{trained_runs[1]}@init", "--seq-len", "17", "--out", str(tmp_path / "r2")]) == 2
+    assert "--seq-len 17 is longer than the model's context of 16 tokens" in capsys.readouterr().err
