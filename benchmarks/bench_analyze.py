@@ -33,7 +33,7 @@ def _batches(model, n_prompts: int, seq_len: int, batch_size: int):
     """``n_prompts`` windows of exactly ``seq_len`` tokens (BOS + natural text from stdlib docstrings)."""
     from sinklens.inputs import as_batches, stdlib_text_prompts
 
-    text = " ".join(stdlib_text_prompts(10_000, n_chars=4000))
+    text = " ".join(stdlib_text_prompts(None, n_chars=4000))  # all of them
     ids = model.tokenizer(text, add_special_tokens=False)["input_ids"][: n_prompts * (seq_len - 1)]
     if len(ids) < n_prompts * (seq_len - 1):
         raise ValueError(f"Not enough stdlib text for {n_prompts} x {seq_len} tokens.")

@@ -22,6 +22,7 @@ what position 0 is (:meth:`sinklens.analysis.sinks.SinkResult.describe_start`).
 from __future__ import annotations
 
 import ast
+import platform
 import random
 import sys
 import sysconfig
@@ -151,14 +152,19 @@ def stdlib_docstrings() -> Iterator[str]:
                     yield doc
 
 
-def stdlib_text_prompts(n_prompts: IntLike = 16, *, n_chars: IntLike = 800, seed: IntLike = 0) -> list[str]:
+def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 800, seed: IntLike = 0,
+                        what: str = "n_prompts") -> list[str]:
     """Real text available offline: docstrings from the Python standard library's own sources.
 
     Docstrings of at least 30 words without doctest examples (English prose written by people),
     read from the running interpreter's ``stdlib`` directory (:func:`stdlib_docstrings`): the same call
-    gives the same text on every machine with the same Python build.
+    gives the same text on every machine with the same Python build. ``n_prompts`` of them, each cut to
+    ``n_chars`` characters, in an order shuffled by ``seed``; None gives all. A build holds several hundred
+    (941 on CPython 3.11); asking for more is refused, naming how many there are (``what`` names the
+    argument in that message, e.g. ``"--stdlib-text"``).
     """
-    n_prompts = positive_int(n_prompts, what="n_prompts")
+    if n_prompts is not None:
+        n_prompts = positive_int(n_prompts, what=what)
     n_chars = positive_int(n_chars, what="n_chars")
     seed = as_seed(seed, what="seed")
     docs = [
@@ -168,6 +174,13 @@ def stdlib_text_prompts(n_prompts: IntLike = 16, *, n_chars: IntLike = 800, seed
         if len(doc) >= 200 and ">>>" not in doc and len(doc.split()) >= 30
     ]
     random.Random(seed).shuffle(docs)
+    if n_prompts is None:
+        return docs
+    if n_prompts > len(docs):
+        raise InvalidArgumentError(
+            f"{what} {n_prompts} asks for more docstrings than this Python's standard library holds: {len(docs)} of "
+            f"at least 30 words without doctest examples (Python {platform.python_version()}); pass at most "
+            f"{len(docs)}.")
     return docs[:n_prompts]
 
 

@@ -118,6 +118,8 @@ ANALYZE_ROWS = [
     ("max-length-one", lambda f: ["--text", "t2 t3", "--max-length", "1"], EXIT_USAGE, ["--max-length", ">= 2, got 1"]),
     ("one-token-text-without-bos", lambda f: ["--model", str(f["tiny"]), "--text", "t2", "--no-bos"], EXIT_USAGE,
      ["Every sequence is 1 token long", "at least one sequence of 2 tokens"]),
+    ("stdlib-text-beyond-the-library", lambda f: ["--model", str(f["tiny"]), "--stdlib-text", "100000"], EXIT_USAGE,
+     ["--stdlib-text 100000 asks for more docstrings than this Python's standard library holds", "pass at most"]),
     ("unknown-flag", lambda f: ["--bogus"], EXIT_USAGE, ["unrecognized arguments: --bogus"]),
 ]
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import sinklens
-from sinklens.errors import PatternNotExposedError, SequenceTooLongError, UnknownHookError
+from sinklens.errors import InvalidArgumentError, PatternNotExposedError, SequenceTooLongError, UnknownHookError
 from sinklens.inputs import as_batches, random_token_batches, stdlib_text_prompts, tokenize_prompts
 from sinklens.streaming import BatchFold, Reducer, stream
 from sinklens.testing import QUIET, TINY_PROMPTS, attached_hook_count
@@ -84,6 +84,18 @@ def test_stdlib_text_is_real_prose():
     prompts = stdlib_text_prompts(4)
     assert len(prompts) == 4 and all(len(p.split()) > 20 for p in prompts)
     assert prompts == stdlib_text_prompts(4)
+
+
+def test_stdlib_text_refuses_more_prompts_than_the_library_holds():
+    """``--stdlib-text 5000`` ran on the 941 there are (on CPython 3.11), and nothing said so."""
+    import re
+
+    every = stdlib_text_prompts(None)
+    assert len(every) > 100 and every[:4] == stdlib_text_prompts(4)
+    assert stdlib_text_prompts(len(every)) == every
+    with pytest.raises(InvalidArgumentError, match=re.escape(f"n_prompts {len(every) + 1} asks for more docstrings "
+                                                             f"than this Python's standard library holds: {len(every)} ")):
+        stdlib_text_prompts(len(every) + 1)
 
 
 class _Raises(Reducer):

@@ -101,7 +101,7 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
     if args.prompts is not None:
         return text_lines(args.prompts, what="--prompts")
     if args.stdlib_text is not None:
-        return stdlib_text_prompts(args.stdlib_text)
+        return stdlib_text_prompts(args.stdlib_text, what="--stdlib-text")
     return None  # the built-in prompt set
 
 
