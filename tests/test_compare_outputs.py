@@ -131,7 +131,9 @@ def test_positional_figure_is_named_after_out_and_never_takes_origins_file(tmp_p
     argv = ["compare", str(run), "--positional", "--n-sequences", "2", "--seq-len", "4", "--out", str(shared / "compare.png")]
     capsys.readouterr()
     assert main(argv) == 0, capsys.readouterr().err
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
+    assert "positional (run)" in captured.err and "3/3" in captured.err  # a bar over the checkpoints (it was silent)
     assert origins_figure.read_bytes() == b"origins' figure"
     positional = shared / "compare-positional.png"
     assert positional.stat().st_size > 1000 and f"figure: {positional}" in printed

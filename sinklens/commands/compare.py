@@ -358,7 +358,7 @@ def positional(args: argparse.Namespace, labels: list[str], out: Path) -> dict[s
     from sinklens.plotting.training import plot_positional_over_training
 
     trajectories = {label: positional_over_training(run_dir, n_sequences=args.n_sequences, seq_len=args.seq_len,
-                                                    options=RunOptions(progress=False))
+                                                    options=RunOptions(progress=True, desc="positional"))
                     for label, run_dir in zip(labels, args.runs)}
     plot_positional_over_training(trajectories, path=out)
     return trajectories

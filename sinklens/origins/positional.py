@@ -29,17 +29,19 @@ first-token ratio is ≈ 1 on random inputs (``causal`` is False; ``sinklens ori
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from sinklens.display import CompactRepr, StructuralEq
 from sinklens.export import to_json
 from sinklens.hooks import Z, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch
-from sinklens.options import RunOptions, settings_from
+from sinklens.options import RunOptions, checked_options, settings_from
 from sinklens.origins.preference import RandomInputs, stream_random
 from sinklens.residual_sites import after_attention_hooks, attention_write_hooks
 from sinklens.streaming import BatchFold, Reducer
@@ -244,6 +246,7 @@ def positional_over_training(
 
     Args:
         steps: the steps to evaluate (default: 0 and every kept checkpoint).
+        options: batching; ``progress`` shows one bar over the checkpoints (each one's pass runs without its own).
 
     Examples:
         >>> import tempfile
@@ -264,9 +267,10 @@ def positional_over_training(
     cfg = load_train_config(run_dir)
     wanted = sorted({0, *checkpoint_steps(run_dir)}) if steps is None else sorted({int(s) for s in steps})
     seq_len = min(int(seq_len), cfg.data.seq_len)
+    options = checked_options(options)
     results = []
-    for step in wanted:
+    for step in tqdm(wanted, desc=f"{options.desc} ({Path(run_dir).name})", unit="checkpoint", disable=not options.progress):
         model = load_step_model(run_dir, step)
         results.append(positional_discrepancy(model, n_sequences=n_sequences, seq_len=seq_len, prepend_bos=prepend_bos,
-                                              seed=seed, options=options))
+                                              seed=seed, options=options.replace(progress=False)))
     return PositionalTrajectory(wanted, results)
