@@ -1,13 +1,14 @@
 """Runs the model-facing tests (``-m models``) again under TransformerLens 3.x ``HookedTransformer``.
 
 The main suite runs on TransformerLens 4.x (``TransformerBridge``). This test builds (once, cached
-in ``.venv-tl3`` at the repository root) a second environment with ``transformer-lens>=3,<4`` and the
+in ``.venv-tl3`` at the repository root, and again whenever ``pyproject.toml`` changes) a second environment with ``transformer-lens>=3,<4`` and the
 same sinklens checkout, and runs every test marked ``models`` there, so analyzers and interventions
 are checked against both model classes in one ``pytest`` call.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import sys
@@ -24,13 +25,17 @@ def _python() -> Path:
 
 
 def _ensure_tl3_env() -> None:
+    """The environment, installed again when ``pyproject.toml`` changed since it was built (a new test dependency,
+    e.g. pytest-xdist for the ``addopts``, would otherwise be missing from it)."""
     marker = VENV / ".sinklens-ready"
-    if marker.exists():
+    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if marker.is_file() and marker.read_text().strip() == wanted:
         return
-    subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
+    if not _python().exists():
+        subprocess.run([sys.executable, "-m", "venv", str(VENV)], check=True)
     pip = [str(_python()), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
     subprocess.run([*pip, "torch==2.13.0", "transformer-lens>=3,<4", "-e", f"{ROOT}[test]"], check=True)
-    marker.touch()
+    marker.write_text(wanted)
 
 
 @pytest.mark.slow
