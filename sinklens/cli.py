@@ -1,4 +1,4 @@
-"""The ``sinklens`` command line: ``sinklens analyze | intervene | train | compare``.
+"""The ``sinklens`` command line: ``sinklens analyze | intervene | train | compare | origins | fingerprint``.
 
 Each sub-command lives in its own module under :mod:`sinklens.commands` and exposes
 ``add_parser(subparsers)`` (which sets ``func`` on its parser) — this file only dispatches and

@@ -2,10 +2,10 @@
 
 Every source ends up as a list of :class:`TokenBatch` — right-padded token ids plus a ``valid``
 mask. Right padding keeps every sequence's first token at position 0 (where the sink lives); a batch
-given left-padded is right-aligned first (:func:`right_align`). A padded batch runs with an attention
-mask (:func:`sinklens.streaming.forward`), so pads change no real token's activations (causal or
-bidirectional) and results do not depend on the batch size or the padding side; analyzers drop padded
-positions from their reductions.
+given left-padded is right-aligned first (:func:`right_align`). Pads change no real token's activations: an
+encoder's padded batch runs with an attention mask, and a causal model needs none, since its right-side pads come
+after every real token (:func:`sinklens.streaming.forward`). So results do not depend on the batch size or the
+padding side; analyzers drop padded positions from their reductions.
 
 What position 0 is (``prepend_bos``):
 

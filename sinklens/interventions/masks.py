@@ -16,8 +16,12 @@ Models whose attention hooks are fired after the fact (the TransformerLens 4.x B
 :func:`sinklens.hooks.post_hoc_attention`) would discard the edit: every factory here refuses them with
 :class:`~sinklens.errors.UnsupportedArchitectureError`.
 
-Queries are addressed by absolute position: when scores cover fewer queries than keys (generation
-with a KV cache), the queries are taken to be the last ``n_query`` positions.
+Queries are addressed by absolute position: when scores cover fewer queries than keys (a generation step
+with a KV cache on a TransformerLens 3.x ``HookedTransformer``, whose scores hold every cached key), the queries
+are taken to be the last ``n_query`` positions. The TransformerLens 4.x bridge (4.3) shows a cached step's hook
+only the new token's own key (scores ``[batch, head, 1, 1]``), so no mask can act there: on a bridge, a
+``1 x 1`` score after a longer forward through the same hooks raises :class:`~sinklens.errors.InvalidArgumentError` asking for
+``generate(..., use_past_kv_cache=False)`` instead of leaving the step unmasked in silence.
 """
 
 from __future__ import annotations
@@ -94,8 +98,19 @@ def _mask_hooks(model: Any, block: BlockFn, *, layers: IndexLike | None, heads: 
     layer_list = layers_arg(layers, dims.n_layers)
     head_list = heads_arg(heads, dims.n_heads)
 
+    # A bridge (it wraps a Hugging Face model) shows a cached generate() step's hook only the new key.
+    bridge = getattr(model, "original_model", None) is not None
+    longest = [0]  # the most keys a forward through these hooks has shown them
+
     def fn(scores: Tensor, hook: Any) -> Tensor:  # scores: [batch, head, query, key]
         n_q, n_k = scores.shape[-2:]
+        if bridge and n_q == n_k == 1 and longest[0] > 1:
+            raise InvalidArgumentError(
+                f"{hook.name} shows one query and one key after a forward of {longest[0]} keys: a generate() step with "
+                "a KV cache, whose earlier keys the TransformerLens 4.x bridge leaves out of hook_attn_scores, so the "
+                "mask cannot act on it. Generate with use_past_kv_cache=False while a mask is attached (or attach "
+                "fresh hooks for a separate 1-token forward).")
+        longest[0] = max(longest[0], n_k)
         q_pos = torch.arange(n_k - n_q, n_k, device=scores.device)
         blocked = block(q_pos, n_k).to(scores.device)  # [query, key] or [batch, head, query, key]
         k_pos = torch.arange(n_k, device=scores.device)

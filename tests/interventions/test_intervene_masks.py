@@ -111,3 +111,24 @@ def test_errors(tiny, toks):
     no_row[3, :4] = False
     with pytest.raises(ValueError, match="no visible key"):
         tiny.run_with_hooks(toks, fwd_hooks=custom_mask(tiny, no_row))
+
+
+def test_a_mask_under_kv_cached_generation_acts_or_refuses(tiny_llama):
+    """The TransformerLens 4.x bridge shows a cached generate() step's hook_attn_scores only the new key ([.., 1, 1]):
+    block_keys(0) then left every cached step unmasked, in silence (restart at 4 said 'out of range for a sequence
+    of 1 tokens'). A bridge now refuses; TransformerLens 3.x, whose scores hold every cached key, masks them."""
+    from sinklens.errors import InvalidArgumentError
+
+    tokens = torch.tensor([[0, 5, 9, 17, 33, 41]])
+    kw = dict(max_new_tokens=4, do_sample=False, verbose=False, prepend_bos=False, stop_at_eos=False)
+    with tiny_llama.hooks(fwd_hooks=block_keys(tiny_llama, positions=0)):
+        masked = tiny_llama.generate(tokens, use_past_kv_cache=False, **kw)
+    logits = tiny_llama.run_with_hooks(tokens, fwd_hooks=block_keys(tiny_llama, positions=0))
+    assert int(masked[0, 6]) == int(logits[0, -1].argmax())  # each step sees the whole masked prefix
+    with tiny_llama.hooks(fwd_hooks=block_keys(tiny_llama, positions=0)):
+        if getattr(tiny_llama, "original_model", None) is not None:  # a bridge
+            with pytest.raises(InvalidArgumentError, match=r"one query and one key after a forward of 6 keys: a "
+                                                           r"generate\(\) step with a KV cache.*use_past_kv_cache=False"):
+                tiny_llama.generate(tokens, use_past_kv_cache=True, **kw)
+        else:
+            assert torch.equal(tiny_llama.generate(tokens, use_past_kv_cache=True, **kw), masked)
