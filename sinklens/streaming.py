@@ -118,15 +118,22 @@ class Reducer(ABC, Generic[R]):
         shape first, as :func:`~sinklens.analysis._common.grow` does), lists concatenate, dicts merge
         key-wise, nested reducers (and helpers with a ``merge`` method) merge, and a flag (``prepend_bos``
         of the latest batch) takes ``other``'s value; the names in :attr:`maxima` take the elementwise
-        maximum. Reducers holding an argmax, a top-k or a sequence index override this.
+        maximum. Reducers holding an argmax, a top-k or a sequence index override this. A reducer that
+        declares no :attr:`statistics` (and does not override this) raises ``NotImplementedError``: merging
+        nothing would leave ``other``'s sequences out of the result in silence.
         """
-        merge_statistics(self, other, self.statistics)
+        merge_statistics(self, other, self._declared_statistics())
 
     def state_dict(self) -> dict[str, Any]:
         """The running statistics named in :attr:`statistics`, every tensor copied to the CPU."""
+        return {name: _state_of(getattr(self, name)) for name in self._declared_statistics()}
+
+    def _declared_statistics(self) -> tuple[str, ...]:
+        """:attr:`statistics`, or ``NotImplementedError`` naming the reducer when it declares none."""
         if not self.statistics:
-            raise NotImplementedError(f"{type(self).__name__} does not declare its statistics; it cannot be merged.")
-        return {name: _state_of(getattr(self, name)) for name in self.statistics}
+            raise NotImplementedError(f"{type(self).__name__} does not declare its statistics (the class attribute "
+                                      "statistics = ('name', ...)); it cannot be merged.")
+        return self.statistics
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Replace the running statistics by ``state`` (from :meth:`state_dict`), on this reducer's device."""

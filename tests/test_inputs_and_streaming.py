@@ -118,6 +118,44 @@ def test_a_hook_that_raises_leaves_no_hook_behind(tiny_llama):
     assert attached_hook_count(tiny_llama) == 0
 
 
+class _Counts(Reducer):
+    """Counts the sequences it sees: a user's reducer, with or without its ``statistics`` declared."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.n = 0
+
+    def fwd_hooks(self, batch):
+        return BatchFold([])
+
+    def end_batch(self, batch, fold):
+        self.n += int(batch.tokens.shape[0])
+
+    def result(self):
+        return self.n
+
+
+class _DeclaredCounts(_Counts):
+    statistics = ("n",)
+
+
+def test_merging_a_reducer_that_declares_no_statistics_is_refused(tiny_llama):
+    """The default merge() merged nothing for such a reducer: a.merge(b) kept a's 2 sequences and lost b's 3."""
+    a, b = _Counts(), _Counts()
+    stream(tiny_llama, as_batches(tiny_llama, ["t3 t4", "t5 t6"]), [a], options=QUIET)
+    stream(tiny_llama, as_batches(tiny_llama, ["t3", "t4 t5", "t6"]), [b], options=QUIET)
+    with pytest.raises(NotImplementedError, match=r"_Counts does not declare its statistics \(the class attribute"):
+        a.merge(b)
+    assert a.result() == 2
+    declared, other = _DeclaredCounts(), _DeclaredCounts()
+    stream(tiny_llama, as_batches(tiny_llama, ["t3 t4", "t5 t6"]), [declared], options=QUIET)
+    stream(tiny_llama, as_batches(tiny_llama, ["t3", "t4 t5", "t6"]), [other], options=QUIET)
+    declared.merge(other)
+    assert declared.result() == 5
+
+
 def test_unknown_hook_names_are_caught_before_the_forward(tiny_llama):
     with pytest.raises(UnknownHookError, match="did you mean 'blocks.0.hook_resid_pre'"):
         stream(tiny_llama, as_batches(tiny_llama, ["t3"]), [],
