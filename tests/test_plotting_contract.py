@@ -72,3 +72,40 @@ def test_indices_of_the_neuron_and_dimension_figures_are_checked():
         massive.top_dims(massive.streams[-1], 0)
     with pytest.raises(InvalidArgumentError, match=r"k must be an integer >= 1, got -2"):
         neurons.top(5, -2)
+
+
+def test_layer_rows_are_labelled_with_the_analysed_layers():
+    """``plot_sink_rate`` on ``layers=[1, 3]`` labelled its heatmap rows -0.5 ... 1.5 (row numbers), not 1 and 3."""
+    import matplotlib.pyplot as plt
+
+    from sinklens import RunOptions, find_sinks, measure_value_drain
+    from sinklens.inputs import random_token_batches
+    from sinklens.testing import tiny_model
+
+    model = tiny_model(n_layers=4)
+    inputs = random_token_batches(model, n_sequences=4, seq_len=10, prepend_bos=True, seed=0)
+    sinks = find_sinks(model, inputs, layers=[1, 3], options=RunOptions(progress=False))
+    for fig, ax in ((sinks.plot_sink_rate(), 0), (sinks.plot(), 0),
+                    (measure_value_drain(model, inputs, layers=[1, 3], options=RunOptions(progress=False)).plot(), 1)):
+        rows = fig.axes[ax]
+        assert list(rows.get_yticks()) == [0, 1] and [t.get_text() for t in rows.get_yticklabels()] == ["1", "3"]
+        plt.close(fig)
+    fig = sinks.plot_sink_rate()
+    assert list(fig.axes[1].get_yticks()) == [1, 3]  # the by-layer bars stand at the layers themselves
+    plt.close(fig)
+
+
+def test_positional_over_training_titles_the_position_it_plots():
+    """After a prepended BOS the curves are position 1's (``first_counted``); the title said position 0."""
+    import matplotlib.pyplot as plt
+
+    from sinklens.origins import PositionalTrajectory, positional_discrepancy
+    from sinklens.plotting.training import plot_positional_over_training
+    from sinklens.testing import tiny_model
+
+    results = [positional_discrepancy(tiny_model(seed=s), n_sequences=8, seq_len=8, prepend_bos=True) for s in (0, 1)]
+    fig = plot_positional_over_training({"run": PositionalTrajectory(steps=[0, 10], results=results)})
+    assert fig.axes[0].get_title() == "run: attn_out_var at position 1 / later half"
+    plotted = list(fig.axes[0].get_lines()[0].get_ydata())
+    assert plotted == [float(r.relative("attn_out_var")[0, 1]) for r in results]
+    plt.close(fig)

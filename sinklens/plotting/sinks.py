@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from sinklens.analysis.sinks import SinkResult
-from sinklens.plotting.style import expect_result, finish, new_figure
+from sinklens.plotting.style import expect_result, finish, label_layer_rows, new_figure
 
 
 def _main_sink(result: Any, position: int | None) -> int:
@@ -37,9 +37,7 @@ def plot_sink_heatmap(result: SinkResult, *, position: int | None = None, path: 
         ax.scatter(marked[:, 1].numpy(), marked[:, 0].numpy(), s=12, c="white", marker="o", label=f"> ε = {result.sink_threshold}")
         ax.legend(loc="upper right", fontsize=7, framealpha=0.6)
     ax.set_xlabel("head")
-    ax.set_ylabel("layer")
-    ax.set_yticks(range(n_layers))
-    ax.set_yticklabels([str(layer) for layer in result.layers], fontsize=6 if n_layers > 16 else 8)
+    label_layer_rows(ax, result.layers)
     ax.set_title(f"mean attention to position {pos}{_token_label(result, pos)} "
                  f"(Gu et al. sink rate {result.sink_rate(position=pos):.2f})")
     fig.colorbar(image, ax=ax, label="mean attention received")
@@ -62,7 +60,7 @@ def plot_sink_rate(result: SinkResult, *, position: int | None = None, path: str
     fig, axes = new_figure(1, 2, width=4.5, height=max(3.0, 0.2 * frac.shape[0] + 1.5))
     image = axes[0, 0].imshow(frac.numpy(), aspect="auto", cmap="magma", vmin=0.0, vmax=1.0, origin="lower")
     axes[0, 0].set_xlabel("head")
-    axes[0, 0].set_ylabel("layer")
+    label_layer_rows(axes[0, 0], result.layers)
     axes[0, 0].set_title(f"share of sequences with α > {result.sink_threshold} (position {pos}{_token_label(result, pos)})")
     fig.colorbar(image, ax=axes[0, 0])
     by_layer = result.sink_rate_by_layer(position=pos)
@@ -70,6 +68,7 @@ def plot_sink_rate(result: SinkResult, *, position: int | None = None, path: str
     axes[0, 1].set_xlim(0, 1)
     axes[0, 1].set_xlabel(f"sink rate, Gu et al. (ε = {result.sink_threshold})")
     axes[0, 1].set_ylabel("layer")
+    axes[0, 1].set_yticks(result.layers)  # the bars stand at the layers themselves
     axes[0, 1].set_title(f"by layer; overall {result.sink_rate(position=pos):.2f}")
     return finish(fig, path)
 

@@ -56,6 +56,14 @@ def finish(fig: Any, path: str | Path | None) -> Any:
     return fig
 
 
+def label_layer_rows(ax: Any, layers: Sequence[int]) -> None:
+    """Label the rows of an ``imshow`` whose row ``i`` is model layer ``layers[i]``: a tick per row, named after
+    its layer (analysed layers may be a subset, e.g. ``layers=[1, 3]``), on a y axis called "layer"."""
+    ax.set_ylabel("layer")
+    ax.set_yticks(range(len(layers)))
+    ax.set_yticklabels([str(layer) for layer in layers], fontsize=6 if len(layers) > 16 else 8)
+
+
 def paired_bars(ax: Any, left: Sequence[float] | np.ndarray, right: Sequence[float] | np.ndarray,
                 labels: tuple[str, str]) -> np.ndarray:
     """Two series as side-by-side bars (width 0.4 each) at x = 0, 1, ...; returns those x positions."""

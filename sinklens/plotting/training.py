@@ -127,9 +127,10 @@ def steps_to_loss(lines: Sequence[dict[str, Any]], target: float, *, smoothing: 
 def plot_positional_over_training(
     trajectories: Mapping[str, Any], *, name: str = "attn_out_var", path: str | Path | None = None
 ) -> Any:
-    """One panel per run: position 0's ``name`` relative to the later half of the sequence
+    """One panel per run: the first random token's ``name`` relative to the later half of the sequence
     (:meth:`~sinklens.origins.positional.PositionalTrajectory.first_token_ratio`, log scale) against
-    the training step, one line per layer; step 0 is the run's initialization."""
+    the training step, one line per layer; step 0 is the run's initialization. The title names that token's
+    position: 0, or 1 after a prepended BOS (``first_counted``)."""
     fig, axes = new_figure(1, len(trajectories), width=4.2, height=3.4)
     for ax, (label, traj) in zip(axes[0], trajectories.items()):
         ratio = traj.first_token_ratio(name)  # (step, layer)
@@ -138,7 +139,8 @@ def plot_positional_over_training(
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
         ax.set_yscale("log")
         ax.set_xlabel("step")
-        ax.set_title(f"{label}: {name} at position 0 / later half", fontsize=9)
+        position = traj.results[0].first_counted if traj.results else 0
+        ax.set_title(f"{label}: {name} at position {position} / later half", fontsize=9)
     axes[0][0].legend(fontsize=8)
     if path is not None:
         save_figure(fig, path, close=False)

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from sinklens.analysis.value_drain import ValueDrain
-from sinklens.plotting.style import expect_result, finish, new_figure
+from sinklens.plotting.style import expect_result, finish, label_layer_rows, new_figure
 
 #: Marker colour of each head class.
 KIND_COLORS = {"no-op": "tab:blue", "broadcast": "tab:red", "partial": "tab:orange", "none": "lightgray"}
@@ -50,10 +50,7 @@ def plot_value_drain(result: ValueDrain, *, path: str | Path | None = None) -> A
             if kind in letters:
                 ax.text(h, i, letters[kind], ha="center", va="center", fontsize=7, color="w")
     ax.set_xlabel("head")
-    ax.set_ylabel("layer")
-    n_layers = len(result.layers)
-    ax.set_yticks(range(n_layers))
-    ax.set_yticklabels([str(layer) for layer in result.layers], fontsize=6 if n_layers > 16 else 8)
+    label_layer_rows(ax, result.layers)
     ax.set_title("write share of the sink", fontsize=9)
     fig.colorbar(image, ax=ax)
     return finish(fig, path)

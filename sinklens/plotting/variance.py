@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from sinklens.analysis.variance import VarianceResult
-from sinklens.plotting.style import expect_result, finish, new_figure
+from sinklens.plotting.style import expect_result, finish, label_layer_rows, new_figure
 from sinklens.validate import optional_index_list
 
 
@@ -97,9 +97,7 @@ def plot_discrepancy(result: VarianceResult, *, position: int = 0, path: str | P
     for ax, values, title in ((axes[0, 0], z, "Var(z)"), (axes[0, 1], res, "Var(z · W_O)")):
         image = ax.imshow(values.clamp(min=1e-12).numpy(), aspect="auto", cmap="RdBu_r", norm=norm, origin="lower")
         ax.set_xlabel("head")
-        ax.set_ylabel("layer")
-        ax.set_yticks(range(n_layers))
-        ax.set_yticklabels([str(layer) for layer in result.layers], fontsize=6 if n_layers > 16 else 8)
+        label_layer_rows(ax, result.layers)
         ax.set_title(f"{title}: position {position} / rest", fontsize=9)
         fig.colorbar(image, ax=ax)
     return finish(fig, path)
