@@ -61,7 +61,8 @@ def plot_sink_rate(result: SinkResult, *, position: int | None = None, path: str
     image = axes[0, 0].imshow(frac.numpy(), aspect="auto", cmap="magma", vmin=0.0, vmax=1.0, origin="lower")
     axes[0, 0].set_xlabel("head")
     label_layer_rows(axes[0, 0], result.layers)
-    axes[0, 0].set_title(f"share of sequences with α > {result.sink_threshold} (position {pos}{_token_label(result, pos)})")
+    axes[0, 0].set_title(f"share of sequences with α > {result.sink_threshold} (position {pos}{_token_label(result, pos)})",
+                         fontsize=9)
     fig.colorbar(image, ax=axes[0, 0])
     by_layer = result.sink_rate_by_layer(position=pos)
     axes[0, 1].barh(result.layers, by_layer.numpy(), color="tab:purple")
