@@ -1,9 +1,9 @@
-"""Behaviour that the documentation promises and the code once did not keep.
+"""Behaviour the documentation promises.
 
 * ``load_model(model, device=..., dtype=...)`` checks and applies both for an already-built model, and
-  leaves the model alone when they are not given;
+  leaves the model alone when they are not given (docs/models.md);
 * ``sinklens analyze --max-length L`` beyond the model's context is refused by name (exit code 2), as
-  ``--seq-len`` is.
+  ``--seq-len`` is (docs/cli.md, "Shared flags and rules").
 """
 
 from __future__ import annotations

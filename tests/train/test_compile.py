@@ -50,7 +50,7 @@ def test_config_accepts_true_false_auto():
     assert TrainConfig().compile == "auto"
     assert [apply_overrides(TrainConfig(), [f"compile={v}"]).compile for v in ("true", "false", "auto")] == [True, False, "auto"]
     assert TrainConfig.from_dict({**TrainConfig().to_dict(), "compile": False}).compile is False  # old config.json
-    # the CLI flag as users type it (lower case), as the README spells it
+    # the CLI flag as users type it (lower case), as docs/training.md spells it
     assert [parse_args(TrainConfig(), ["--compile", v]).compile for v in ("true", "false", "auto", "False")] == [
         True, False, "auto", False]
     with pytest.raises(InvalidArgumentError, match="compile"):
