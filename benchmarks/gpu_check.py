@@ -204,10 +204,12 @@ def part_analysis(args: argparse.Namespace, emit) -> None:
 
 def _run_logged(cmd: list[str], cwd: Path, log: Path, timeout: float) -> str | None:
     """Run ``cmd`` with output to ``log``; None when it exited 0, else why not (with the log's last line)."""
+    if timeout < 20:
+        return "not run: time budget spent"
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         try:
-            code = proc.wait(timeout=max(timeout, 1))
+            code = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
@@ -249,13 +251,14 @@ def part_trainer(args: argparse.Namespace, emit) -> None:
         lines = [json.loads(x) for x in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
         train = [x for x in lines if x.get("kind") == "train"][3:]
         compile_s = next((x.get("compile_s") for x in lines if x.get("kind") == "compile"), None)
+        peak = next((x.get("peak_flops") for x in lines if x.get("kind") == "device"), None)
         if failed or not train:
             ours[variant] = None
             emit(row(f"sinklens train {variant}", "tokens/s", None, status="error", note=failed or "no steps logged"))
         else:
             ours[variant] = dict(tokens_per_s=statistics.median(x["tokens_per_s"] for x in train),
                                  mfu=statistics.median(x["mfu"] for x in train) if train[0].get("mfu") else None,
-                                 compile_s=compile_s)
+                                 compile_s=compile_s, peak_flops=peak)
         if theirs_dir is None:
             continue
         hn = "True" if variant == "headwise_rms" else "False"
@@ -285,7 +288,8 @@ def part_trainer(args: argparse.Namespace, emit) -> None:
             continue
         emit(row(f"sinklens train {variant}", "MFU (trainer's mfu field)", run["mfu"], goal=f">= {MFU_GOAL}",
                  status=judged(run["mfu"], MFU_GOAL, at_most=False) if not args.tiny else "info",
-                 note="" if run["mfu"] is not None else "no peak known for this device"))
+                 note=f"of a {run['peak_flops'] / 1e12:.0f} TFLOP/s dense bf16 peak" if run["peak_flops"] else
+                 "" if run["mfu"] is not None else "no peak known for this device", peak_flops=run["peak_flops"]))
         if run["compile_s"] is not None:
             emit(row(f"sinklens train {variant}", "compile time", run["compile_s"], "s"))
 
@@ -364,7 +368,8 @@ def _lane(args: argparse.Namespace, env: dict, budget: float) -> list[dict]:
         status = "pass" if done.returncode == 0 and counts["passed"] else "fail"
         return [row("test lane", f"tests/devices on {args.device}", value, goal="0 failed, 0 errors", status=status,
                     note="; ".join(x for x in [note, *failed[:5]] if x), **counts)]
-    last = [x for x in text.splitlines() if x.strip()][-1:]
+    lines = [x.strip() for x in text.splitlines() if x.strip()]
+    last = ([x for x in lines if re.search("error", x, re.IGNORECASE) and "usage:" not in x] or lines)[-1:]
     return [row("test lane", f"tests/devices on {args.device}", None, status="error",
                 note=f"pytest exit {done.returncode}: {last[0][:240] if last else 'no output'}" + (f"; {note}" if note else ""))]
 
@@ -384,7 +389,7 @@ def table(rows: list[dict]) -> str:
     lines = [(r["component"], r["metric"], _fmt(r["value"], r["unit"], r.get("peak_gib")),
               _fmt(r["reference"], r["unit"], r.get("reference_peak_gib")),
               "-" if r["ratio"] is None else f"{r['ratio']:.3f}x", r["goal"] or "-",
-              r["status"] + (f": {r['note']}" if r["note"] and r["status"] in ("error", "skipped") else ""))
+              r["status"] + (f": {r['note']}" if r["note"] and r["status"] in ("error", "skipped", "fail") else ""))
              for r in rows]
     widths = [max(len(str(x[i])) for x in [head, *lines]) for i in range(len(head) - 1)]
     fmt = "  ".join(f"{{:{w}}}" for w in widths) + "  {}"
