@@ -47,8 +47,9 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 PARTS = ("lane", "analysis", "trainer")
-#: Seconds each part may take on one H100/H200, and all of it (setup included) at most; --budget changes them.
-BUDGET_S = {"lane": 110, "analysis": 125, "trainer": 220, "total": 465}
+#: Seconds each part may take on one H100/H200 and all of it (setup included); the trainer, last, gets what the
+#: others left of the total. --budget changes them.
+BUDGET_S = {"lane": 110, "analysis": 125, "trainer": 300, "total": 465}
 ANALYZERS = ("analyze", "find_sinks", "find_massive_activations", "find_super_neurons", "measure_variance",
              "measure_value_drain")
 ANALYZE_GOAL, TRAIN_GOAL, HEADNORM_GOAL, MFU_GOAL = 1.15, 1.15, 0.97, 0.5
@@ -107,18 +108,17 @@ def part_env(args: argparse.Namespace, emit) -> None:
               transformers=ver("transformers"), python=sys.version.split()[0]))
 
 
-def _timed(fn, sync, reps: int) -> tuple[float, float | None]:
+def _timed(fn, cuda: bool, reps: int) -> tuple[float, float | None]:
     """Median seconds of ``reps`` synchronised runs after one warm-up, and the peak GiB allocated (CUDA)."""
     import torch
 
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     fn()
     sync()
-    cuda = torch.cuda.is_available() and sync is not _no_sync
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times = []
     for _ in range(reps):
-        sync()
         t0 = time.perf_counter()
         fn()
         sync()
@@ -126,80 +126,86 @@ def _timed(fn, sync, reps: int) -> tuple[float, float | None]:
     return statistics.median(times), (torch.cuda.max_memory_allocated() / 2**30 if cuda else None)
 
 
-def _no_sync() -> None:
-    pass
-
-
 def part_analysis(args: argparse.Namespace, emit) -> None:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    import sinklens
-    from sinklens import RunOptions
-
     deadline = time.monotonic() + args.budget - 5
-    device, reps = args.device, 1 if args.tiny else 3
-    sync = (lambda: torch.cuda.synchronize()) if device.startswith("cuda") else _no_sync
-    n_seq, seq_len, bs = SEQUENCES["tiny" if args.tiny else "full"]
     for name, shape, dtype_name, goal_shape in TINY_SHAPES if args.tiny else SHAPES:
         component = f"{name} {dtype_name}"
         if time.monotonic() > deadline:
             emit(row(component, "all", None, status="skipped", note="time budget spent"))
             continue
-        dtype = getattr(torch, dtype_name)
-        folder = Path(args.work) / name
-        torch.manual_seed(0)
-        with torch.device(device):  # random init on the device: seconds for 1.1B parameters
-            hf = LlamaForCausalLM(LlamaConfig(max_position_embeddings=2048, tie_word_embeddings=True, **shape))
-        hf.to(dtype).save_pretrained(folder)  # no tokenizer: load_model runs it on token ids
-        del hf
-        tokens = torch.randint(0, shape["vocab_size"], (n_seq, seq_len), generator=torch.Generator().manual_seed(0))
-        tokens[:, 0] = 0
-        n_tokens = n_seq * seq_len
-        hfm = LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=dtype).to(device).eval()
-        chunks = [tokens[i:i + bs].to(device) for i in range(0, n_seq, bs)]
+        try:
+            _analysis_shape(args, emit, component, Path(args.work) / name, shape, dtype_name, goal_shape, deadline)
+        except Exception as err:  # reported as a row; the next shape still runs
+            emit(row(component, "model", None, status="error", note=f"{type(err).__name__}: {err}"[:300]))
+        finally:
+            shutil.rmtree(Path(args.work) / name, ignore_errors=True)
 
-        def eager_forward():
-            with torch.inference_mode():
-                for chunk in chunks:
-                    hfm(chunk, output_attentions=True)
 
-        ref_s, ref_peak = _timed(eager_forward, sync, reps)
-        emit(row(component, "HF eager forward, output_attentions", ref_s, "s", peak_gib=ref_peak,
-                 tokens_per_s=n_tokens / ref_s, note=f"{n_seq}x{seq_len} tokens, batch {bs}: the reference"))
-        del hfm, chunks
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-        model = sinklens.load_model(folder, device=device, dtype=dtype_name)
-        batches = sinklens.as_batches(model, tokens, batch_size=bs, prepend_bos=True)
-        options = RunOptions(progress=False, batch_size=bs)
-        noop = [(f"blocks.{layer}.attn.hook_pattern", lambda act, hook: None) for layer in range(model.cfg.n_layers)]
+def _analysis_shape(args: argparse.Namespace, emit, component: str, folder: Path, shape: dict, dtype_name: str,
+                    goal_shape: bool, deadline: float) -> None:
+    """The rows of one random-init Llama shape: the eager forward, then the bridge and each analyzer."""
+    import gc
 
-        def bridge_forward():
-            with torch.inference_mode(), model.hooks(fwd_hooks=noop):
-                for b in batches:
-                    model(b.tokens, return_type=None)
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
-        runs = [("bridge forward, no-op hook_pattern", bridge_forward)]
-        runs += [(fn, lambda fn=fn: getattr(sinklens, fn)(model, batches, options=options)) for fn in ANALYZERS]
-        for label, fn in runs:
-            if time.monotonic() > deadline:
-                emit(row(component, label, None, status="skipped", note="time budget spent"))
-                continue
-            try:
-                s, peak = _timed(fn, sync, reps)
-            except Exception as err:  # reported as a row; the next analyzer still runs
-                emit(row(component, label, None, status="error", note=f"{type(err).__name__}: {err}"[:300]))
-                continue
-            goal = label == "analyze" and goal_shape
-            emit(row(component, label, s, "s", reference=ref_s, ratio=s / ref_s, peak_gib=peak,
-                     reference_peak_gib=ref_peak, tokens_per_s=n_tokens / s,
-                     goal=f"<= {ANALYZE_GOAL}x" if goal else "",
-                     status=judged(s / ref_s, ANALYZE_GOAL, at_most=True) if goal else "info"))
-        del model, batches
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
-        shutil.rmtree(folder, ignore_errors=True)
+    import sinklens
+
+    device, reps, cuda = args.device, 1 if args.tiny else 3, args.device.startswith("cuda")
+    n_seq, seq_len, bs = SEQUENCES["tiny" if args.tiny else "full"]
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    with torch.device(device):  # random init on the device: seconds for 1.1B parameters
+        hf = LlamaForCausalLM(LlamaConfig(max_position_embeddings=2048, tie_word_embeddings=True, **shape))
+    hf.to(dtype).save_pretrained(folder)  # no tokenizer: load_model runs it on token ids
+    del hf
+    tokens = torch.randint(0, shape["vocab_size"], (n_seq, seq_len), generator=torch.Generator().manual_seed(0))
+    tokens[:, 0] = 0
+    n_tokens = n_seq * seq_len
+    hfm = LlamaForCausalLM.from_pretrained(folder, attn_implementation="eager", dtype=dtype).to(device).eval()
+    chunks = [tokens[i:i + bs].to(device) for i in range(0, n_seq, bs)]
+
+    def eager_forward():
+        with torch.inference_mode():
+            for chunk in chunks:
+                hfm(chunk, output_attentions=True)
+
+    ref_s, ref_peak = _timed(eager_forward, cuda, reps)
+    emit(row(component, "HF eager forward, output_attentions", ref_s, "s", peak_gib=ref_peak,
+             tokens_per_s=n_tokens / ref_s, note=f"{n_seq}x{seq_len} tokens, batch {bs}: the reference"))
+    del hfm, chunks
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+    model = sinklens.load_model(folder, device=device, dtype=dtype_name)
+    batches = sinklens.as_batches(model, tokens, batch_size=bs, prepend_bos=True)
+    options = sinklens.RunOptions(progress=False, batch_size=bs)
+    noop = [(f"blocks.{layer}.attn.hook_pattern", lambda act, hook: None) for layer in range(model.cfg.n_layers)]
+
+    def bridge_forward():
+        with torch.inference_mode(), model.hooks(fwd_hooks=noop):
+            for b in batches:
+                model(b.tokens, return_type=None)
+
+    runs = [("bridge forward, no-op hook_pattern", bridge_forward)]
+    runs += [(fn, lambda fn=fn: getattr(sinklens, fn)(model, batches, options=options)) for fn in ANALYZERS]
+    for label, fn in runs:
+        if time.monotonic() > deadline:
+            emit(row(component, label, None, status="skipped", note="time budget spent"))
+            continue
+        try:
+            s, peak = _timed(fn, cuda, reps)
+        except Exception as err:  # reported as a row; the next analyzer still runs
+            emit(row(component, label, None, status="error", note=f"{type(err).__name__}: {err}"[:300]))
+            continue
+        goal = label == "analyze" and goal_shape
+        emit(row(component, label, s, "s", reference=ref_s, ratio=s / ref_s, peak_gib=peak,
+                 reference_peak_gib=ref_peak, tokens_per_s=n_tokens / s, goal=f"<= {ANALYZE_GOAL}x" if goal else "",
+                 status=judged(s / ref_s, ANALYZE_GOAL, at_most=True) if goal else "info"))
+    del model, batches
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
 
 
 def _run_logged(cmd: list[str], cwd: Path, log: Path, timeout: float) -> str | None:
