@@ -25,7 +25,8 @@ runs over is a row of the table and the others still run:
   Goals: sinklens >= 1.15x theirs, HeadNorm >= 0.97x baseline, MFU >= 0.5.
 
 Exit status: 0 when every row passed or is informational, and on a machine without CUDA (it says
-``no GPU: ...`` and checks nothing); 1 when a row failed its goal or a part failed; 2 when torch is missing.
+``no GPU: ...`` and checks nothing); 1 when a row failed its goal or a part failed; 2 for a usage error or
+when torch is missing.
 """
 
 from __future__ import annotations
@@ -452,6 +453,13 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [x for x in parts if x not in PARTS] + [x for x in budgets if x not in BUDGET_S]
     if unknown:
         p.error(f"unknown part(s) {unknown}; the parts are {list(PARTS)} (and 'total' for --budget)")
+    if args.authors and not (Path(args.authors, "train.py").is_file() and Path(args.authors, "config", "headnorm.py").is_file()):
+        p.error(f"--authors {args.authors!r} has no train.py and config/headnorm.py: pass a checkout of "
+                "Siquan-Li/Head-wise-RMSNorm")
+    if args.steps is not None and args.steps < 4:
+        p.error(f"--steps {args.steps}: at least 4 (tokens/s is the median after the first 3 steps)")
+    if args.wheels and not Path(args.wheels).is_dir():
+        p.error(f"--wheels {args.wheels!r} is not a folder")
     work = Path(tempfile.mkdtemp(prefix="sinklens-gpu-check-"))
     paths = [str(REPO), *([args.site] if args.wheels else []), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1",
