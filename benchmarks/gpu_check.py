@@ -257,7 +257,7 @@ def part_trainer(args: argparse.Namespace, emit) -> None:
         failed = _run_logged(cmd, REPO, work / f"sinklens_{variant}.log", min(150, deadline - time.monotonic()))
         lines = [json.loads(x) for x in open(out / "metrics.jsonl")] if (out / "metrics.jsonl").exists() else []
         train = [x for x in lines if x.get("kind") == "train"][3:]
-        compile_s = next((x.get("compile_s") for x in lines if x.get("kind") == "compile"), None)
+        compiled = next((x for x in lines if x.get("kind") == "compile"), {})
         peak = next((x.get("peak_flops") for x in lines if x.get("kind") == "device"), None)
         if failed or not train:
             ours[variant] = None
@@ -265,7 +265,8 @@ def part_trainer(args: argparse.Namespace, emit) -> None:
         else:
             ours[variant] = dict(tokens_per_s=statistics.median(x["tokens_per_s"] for x in train),
                                  mfu=statistics.median(x["mfu"] for x in train) if train[0].get("mfu") else None,
-                                 compile_s=compile_s, peak_flops=peak)
+                                 compile_s=compiled.get("compile_s"), compile_error=compiled.get("error"),
+                                 peak_flops=peak)
         if theirs_dir is None:
             continue
         hn = "True" if variant == "headwise_rms" else "False"
@@ -297,8 +298,9 @@ def part_trainer(args: argparse.Namespace, emit) -> None:
                  status=judged(run["mfu"], MFU_GOAL, at_most=False) if not args.tiny else "info",
                  note=f"of a {run['peak_flops'] / 1e12:.0f} TFLOP/s dense bf16 peak" if run["peak_flops"] else
                  "" if run["mfu"] is not None else "no peak known for this device", peak_flops=run["peak_flops"]))
-        if run["compile_s"] is not None:
-            emit(row(f"sinklens train {variant}", "compile time", run["compile_s"], "s"))
+        if run["compile_s"] is not None or run["compile_error"]:  # a failed compile trained eagerly
+            emit(row(f"sinklens train {variant}", "first compiled step", run["compile_s"], "s",
+                     status="error" if run["compile_error"] else "info", note=str(run["compile_error"] or "")[:300]))
 
 
 # ---------------------------------------------------------------- the orchestrator (standard library only)
