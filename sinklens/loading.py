@@ -193,7 +193,8 @@ def _hub_reachable(timeout: float = 3.0) -> bool:
         return False
 
 
-def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype) -> Any:
+def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bool = True) -> Any:
+    """``TransformerBridge.boot_transformers``; ``tokenizer=False`` boots without one (``model.tokenizer`` None)."""
     try:
         from transformer_lens.model_bridge import TransformerBridge
     except ImportError as err:
@@ -201,15 +202,31 @@ def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype) -> Any:
             "Loading Hugging Face models and GGUF files needs TransformerLens 4.x (TransformerBridge); this "
             "is TransformerLens 3.x. Build a HookedTransformer yourself and pass it to sinklens instead."
         ) from err
+    if tokenizer:
+        return TransformerBridge.boot_transformers(name_or_dir, device=device, dtype=dtype)
+    # boot_transformers has no switch for "no tokenizer"; it skips loading one for audio and vision models,
+    # and that test is what is answered here, for this one call.
+    from unittest import mock
 
-    return TransformerBridge.boot_transformers(name_or_dir, device=device, dtype=dtype)
+    from transformer_lens.model_bridge.sources.transformers import source
+
+    with mock.patch.object(source, "skip_tokenizer_for_modality", lambda cfg: True):
+        return TransformerBridge.boot_transformers(name_or_dir, device=device, dtype=dtype)
+
+
+#: Files any Hugging Face tokenizer is saved with (one of them at least).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt",
+                    "spiece.model")
 
 
 def _boot_local(folder: Path, device: str, dtype: torch.dtype) -> Any:
-    """Boot a local Hugging Face folder after checking its files; wrap load failures in named errors."""
+    """Boot a local Hugging Face folder after checking its files; wrap load failures in named errors.
+
+    A folder without tokenizer files (a random-init ``save_pretrained``) loads without a tokenizer and runs
+    on token ids, as a ``sinklens train`` run on a synthetic task does."""
     check_model_dir(folder)
     try:
-        return _boot_hf(str(folder), device, dtype)
+        return _boot_hf(str(folder), device, dtype, tokenizer=any((folder / f).exists() for f in _TOKENIZER_FILES))
     except (UnknownModelError, CorruptModelFileError):
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as err:

@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -68,6 +70,29 @@ def test_local_hf_directory_matches_hugging_face_logits(tmp_path):
     tokens = torch.tensor([[0, 5, 9, 33, 2, 17]])
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_hf_folder_without_tokenizer_loads_and_is_analysed_on_random_tokens(tmp_path, capsys):
+    """A random-init ``save_pretrained`` has no tokenizer files; transformers then fails to build one from the
+    config ("Couldn't instantiate the backend tokenizer"), which failed ``load_model``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sinklens.cli import main
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, max_position_embeddings=64)
+    hf = LlamaForCausalLM(config).eval()
+    hf.save_pretrained(tmp_path / "m")
+    model = loading.load_model(tmp_path / "m", device="cpu")
+    assert model.tokenizer is None
+    tokens = torch.tensor([[0, 5, 9, 33, 2, 17]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), hf(tokens).logits, atol=1e-5, rtol=1e-5)
+    assert main(["analyze", "--model", str(tmp_path / "m"), "--device", "cpu", "--no-figures",
+                 "--out", str(tmp_path / "a")]) == 0
+    assert "has no tokenizer" in capsys.readouterr().err
+    assert json.loads((tmp_path / "a" / "report.json").read_text())["n_sequences"] == 16
 
 
 @pytest.mark.slow
