@@ -10,9 +10,14 @@ A run directory holds::
                                 :func:`sinklens.train.data.data_fingerprint`): a resume refuses other data
     .lock                       held (``fcntl.flock``) by the process training the run: one trainer at a time
     checkpoints/step-000040/    one checkpoint: model.safetensors (weights, tied embeddings once),
-                                optimizer.pt (AdamW state), trainer_state.pt (step, torch/CUDA/numpy/
-                                python RNG states, grad-scaler state), config.json, and
+                                trainer_state.safetensors (AdamW moments, torch/CUDA RNG states),
+                                trainer_state.json (step, numpy/python RNG states, grad-scaler state,
+                                the optimizer's other state), config.json, and
                                 manifest.json (step, size and SHA-256 of each of those files)
+
+Nothing in a run directory is pickled: loading a run reads JSON and safetensors only, so a crafted file
+cannot run code. A checkpoint holding ``optimizer.pt`` / ``trainer_state.pt`` (pickles of earlier builds)
+is refused, named, never unpickled.
     checkpoint.json             the pointer: which step directory is the current checkpoint
 
 Writing a checkpoint (:func:`save_checkpoint`): the files go into a fresh temporary directory
@@ -33,9 +38,6 @@ checkpoint, and puts them back if the new run fails before any checkpoint, or is
 (:func:`recover_set_aside`, at the next start); a replacement that diverges or is interrupted after a
 checkpoint of its own keeps it, and the old run stays set aside, named in a warning. A folder that is not a run but holds files a run would replace
 or be loaded with (another tool's ``config.json``, ``model.safetensors``, ``tokenizer/``) is refused.
-
-Run directories of sinklens 0.1 (the checkpoint files directly in the run directory, no
-``checkpoint.json``) still load and resume.
 
 A resume continues a run as it was: :func:`resume_changes` refuses a config that changes the run's
 model, data or initialisation seed, and lists what else it changes (steps, optimizer, evaluation...),
@@ -74,17 +76,19 @@ from sinklens.folder_lock import FolderLock
 from sinklens.model_files import file_mismatch, sha256_file
 from sinklens.train.config import LOCAL_DATA_SOURCES, TrainConfig
 
-CONFIG, WEIGHTS, OPTIMIZER, STATE, TOKENIZER = "config.json", "model.safetensors", "optimizer.pt", "trainer_state.pt", "tokenizer"
+CONFIG, WEIGHTS, STATE, TENSORS, TOKENIZER = ("config.json", "model.safetensors", "trainer_state.json",
+                                              "trainer_state.safetensors", "tokenizer")
+#: Trainer state pickled by earlier sinklens builds: never loaded (unpickling a file can run code), only named.
+PICKLED = ("trainer_state.pt", "optimizer.pt")
 POINTER, MANIFEST, CHECKPOINTS, METRICS = "checkpoint.json", "manifest.json", "checkpoints", "metrics.jsonl"
 FINGERPRINT, PERSISTENCE, FIGURE, LOCK = "data_fingerprint.json", "persistence_ref.json", "figures/training.png", ".lock"
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 #: The files and folders of a run directory that the run itself writes (``checkpoints/`` holds its ``step-*`` and
 #: ``.tmp-*`` folders): ``overwrite=True`` replaces these and nothing else.
-RUN_ENTRIES: tuple[str, ...] = (POINTER, CONFIG, METRICS, FINGERPRINT, PERSISTENCE, TOKENIZER, FIGURE,
-                                WEIGHTS, OPTIMIZER, STATE)
+RUN_ENTRIES: tuple[str, ...] = (POINTER, CONFIG, METRICS, FINGERPRINT, PERSISTENCE, TOKENIZER, FIGURE)
 #: Names that a folder which is not a sinklens run may not hold for a new run to start there: what the run would
 #: replace, or what loading the run would then pick up beside it (another tool's model or tokenizer).
-FOREIGN_BLOCKERS: tuple[str, ...] = (CONFIG, POINTER, CHECKPOINTS, TOKENIZER, WEIGHTS, OPTIMIZER, STATE, PERSISTENCE,
+FOREIGN_BLOCKERS: tuple[str, ...] = (CONFIG, POINTER, CHECKPOINTS, TOKENIZER, WEIGHTS, *PICKLED, PERSISTENCE,
                                      FINGERPRINT, FIGURE, "pytorch_model.bin", "model.safetensors.index.json",
                                      "tokenizer.json", "tokenizer_config.json")
 
@@ -143,7 +147,7 @@ def save_checkpoint(
     See the module docstring for the order of operations; the previous checkpoint stays current
     until ``checkpoint.json`` names the new one.
     """
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file, save_model
 
     run_dir = Path(run_dir)
     root = run_dir / CHECKPOINTS
@@ -154,18 +158,10 @@ def save_checkpoint(
         write_json(tmp / CONFIG, cfg.to_dict(), digits=None)
         save_model(unwrap_model(model), str(tmp / WEIGHTS))
         os.chmod(tmp / WEIGHTS, default_file_mode())  # safetensors may create it 0600; give it open()'s mode
-        state = {
-            "step": step,
-            "torch_rng": torch.get_rng_state(),
-            "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "numpy_rng": np.random.get_state(),
-            "python_rng": random.getstate(),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-        }
-        torch.save(state, tmp / STATE)
-        if optimizer is not None:
-            torch.save(optimizer.state_dict(), tmp / OPTIMIZER)
-        names = [n for n in (CONFIG, WEIGHTS, OPTIMIZER, STATE) if (tmp / n).is_file()]
+        state, tensors = trainer_state(step, optimizer, scaler)
+        write_json(tmp / STATE, state, digits=None, indent=None)
+        save_file(tensors, str(tmp / TENSORS))
+        names = [CONFIG, WEIGHTS, STATE, TENSORS]
         for name in names:
             _fsync_file(tmp / name)
         files = {n: {"bytes": (tmp / n).stat().st_size, "sha256": sha256_file(tmp / n)} for n in names}
@@ -264,7 +260,11 @@ def verify_checkpoint(path: str | Path) -> str | None:
         return f"{path} has no {MANIFEST} (an unfinished write)"
     except (OSError, ValueError, KeyError, TypeError) as err:
         return f"{path / MANIFEST} is unreadable ({err})"
-    for name in (WEIGHTS, STATE):
+    pickled = [name for name in PICKLED if (path / name).exists()]
+    if pickled:
+        return (f"{path / pickled[0]} is pickled trainer state (an earlier sinklens build's format), which sinklens "
+                "never loads: unpickling a file can run code")
+    for name in (WEIGHTS, STATE, TENSORS):
         if name not in files:
             return f"{path / MANIFEST} lists no {name}"
     for name, meta in files.items():
@@ -280,8 +280,7 @@ class RunCheckpoint:
 
     Attributes:
         run_dir: the run directory.
-        path: the folder holding ``model.safetensors``, ``trainer_state.pt`` and ``optimizer.pt``
-            (the run directory itself for a sinklens 0.1 run).
+        path: the step folder holding ``model.safetensors`` and the trainer state.
         step: optimizer steps done when it was written.
         config: the run's :class:`TrainConfig`.
     """
@@ -293,7 +292,7 @@ class RunCheckpoint:
 
 
 def is_run_dir(path: str | Path) -> bool:
-    """True if ``path`` holds a sinklens training run (finished, interrupted, or 0.1-style).
+    """True if ``path`` holds a sinklens training run (finished or interrupted).
 
     A run is recognised by ``checkpoint.json``, a ``checkpoints/`` folder, a ``metrics.jsonl``, or a
     ``config.json`` that is a :class:`TrainConfig` (keys ``model``, ``optim``, ``data``).
@@ -310,14 +309,10 @@ def is_run_dir(path: str | Path) -> bool:
     return isinstance(data, dict) and {"model", "optim", "data"} <= set(data)
 
 
-def _legacy_checkpoint(run_dir: Path) -> bool:
-    return all((run_dir / name).is_file() for name in (WEIGHTS, STATE))
-
-
 def has_checkpoint(run_dir: str | Path) -> bool:
     """True if ``run_dir`` names a checkpoint to resume from (not yet verified: :func:`load_run` does that)."""
     run_dir = Path(run_dir)
-    return _pointer(run_dir) is not None or any(_step_dirs(run_dir)) or _legacy_checkpoint(run_dir)
+    return _pointer(run_dir) is not None or any(_step_dirs(run_dir))
 
 
 def _step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
@@ -370,9 +365,10 @@ def load_run(run_dir: str | Path) -> RunCheckpoint:
                 )
             return RunCheckpoint(run_dir, path, step, load_train_config(path))
         problems.append(problem)
-    if not problems and _legacy_checkpoint(run_dir):  # a sinklens 0.1 run directory
-        state = _torch_load(run_dir / STATE)
-        return RunCheckpoint(run_dir, run_dir, int(state["step"]), load_train_config(run_dir))
+    pickled = [name for name in PICKLED if (run_dir / name).exists()]
+    if not candidates and pickled:
+        problems.append(f"{run_dir / pickled[0]} is pickled trainer state (an earlier sinklens build's format), which "
+                        "sinklens never loads: unpickling a file can run code")
     if problems:
         raise CorruptCheckpointError(f"No good checkpoint in {str(run_dir)!r}: {'; '.join(problems)}.")
     if (run_dir / POINTER).exists():
@@ -461,15 +457,6 @@ def _same_path(a: Any, b: Any) -> bool:
     return Path(str(a)).expanduser().resolve() == Path(str(b)).expanduser().resolve()
 
 
-def _torch_load(path: Path, **kwargs: Any) -> Any:
-    try:
-        return torch.load(path, weights_only=False, **kwargs)
-    except FileNotFoundError:
-        raise CorruptCheckpointError(f"{str(path)!r} is missing.") from None
-    except Exception as err:  # a truncated or foreign file
-        raise CorruptCheckpointError(f"{str(path)!r} cannot be read ({type(err).__name__}: {err}).") from None
-
-
 def _load_weights(model: Any, path: Path, device: str) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import load_model
@@ -480,6 +467,76 @@ def _load_weights(model: Any, path: Path, device: str) -> None:
         raise CorruptCheckpointError(f"{str(path)!r} is missing.") from None
     except (SafetensorError, RuntimeError, OSError) as err:
         raise CorruptCheckpointError(f"{str(path)!r} cannot be loaded ({type(err).__name__}: {err}).") from None
+
+
+def trainer_state(step: int, optimizer: Any, scaler: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """What a resume needs beyond the weights, as ``(JSON object, tensors)``: the step, the Python, numpy and torch
+    (CPU, CUDA) RNG states, the grad scaler's state, and the optimizer's state dict (its tensors under
+    ``optimizer.{param}.{key}``, everything else in the JSON object). No pickle: loading runs no code."""
+    numpy = np.random.get_state(legacy=False)
+    numpy["state"] = {"key": numpy["state"]["key"].tolist(), "pos": int(numpy["state"]["pos"])}
+    version, internal, gauss = random.getstate()
+    tensors = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        tensors.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    state: dict[str, Any] = {"format": 3, "step": step, "python_rng": [version, list(internal), gauss],
+                             "numpy_rng": numpy, "scaler": scaler.state_dict() if scaler is not None else None}
+    if optimizer is not None:
+        saved = optimizer.state_dict()
+        plain: dict[str, dict[str, Any]] = {}
+        for param, entries in saved["state"].items():
+            for key, value in entries.items():
+                if isinstance(value, torch.Tensor):
+                    tensors[f"optimizer.{param}.{key}"] = value.detach().contiguous()
+                else:
+                    plain.setdefault(str(param), {})[key] = value
+        groups = [{k: v for k, v in g.items() if not isinstance(v, torch.Tensor)} for g in saved["param_groups"]]
+        state["optimizer"] = {"param_groups": groups, "state": plain}
+    return state, tensors
+
+
+def read_trainer_state(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The JSON object and tensors :func:`trainer_state` wrote into the step folder ``path``."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    try:
+        state = json.loads((path / STATE).read_text(encoding="utf-8"))
+        tensors = load_file(str(path / TENSORS), device="cpu")
+    except (OSError, ValueError, SafetensorError) as err:
+        raise CorruptCheckpointError(f"The trainer state in {str(path)!r} cannot be read ({type(err).__name__}: "
+                                     f"{err}).") from None
+    if not isinstance(state, dict) or state.get("format") != 3 or not isinstance(state.get("step"), int):
+        raise CorruptCheckpointError(f"{str(path / STATE)!r} is not a sinklens trainer state (format 3, a step).")
+    return state, tensors
+
+
+def restore_trainer_state(state: dict[str, Any], tensors: dict[str, torch.Tensor], optimizer: Any, scaler: Any) -> None:
+    """Put back what :func:`trainer_state` saved. The optimizer's hyperparameters (betas, eps, weight decay,
+    fused...) stay those ``optimizer`` was built with, so a resume that changes ``optim`` takes effect
+    (``torch.optim.Optimizer.load_state_dict`` alone would put the saved ones back)."""
+    if optimizer is not None and state.get("optimizer") is not None:
+        saved = state["optimizer"]
+        params: dict[int, dict[str, Any]] = {int(p): dict(v) for p, v in saved["state"].items()}
+        for name, value in tensors.items():
+            if name.startswith("optimizer."):
+                param, key = name[len("optimizer."):].split(".", 1)
+                params.setdefault(int(param), {})[key] = value
+        configured = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
+        optimizer.load_state_dict({"state": params, "param_groups": saved["param_groups"]})
+        for group, settings in zip(optimizer.param_groups, configured):
+            group.update(settings)
+    torch.set_rng_state(tensors["rng.torch"])
+    cuda = [tensors[f"rng.cuda.{i}"] for i in range(sum(name.startswith("rng.cuda.") for name in tensors))]
+    if cuda and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(cuda)
+    numpy = state["numpy_rng"]
+    np.random.set_state({**numpy, "state": {"key": np.asarray(numpy["state"]["key"], dtype=np.uint32),
+                                            "pos": numpy["state"]["pos"]}})
+    version, internal, gauss = state["python_rng"]
+    random.setstate((version, tuple(internal), gauss))
+    if scaler is not None and state.get("scaler"):
+        scaler.load_state_dict(state["scaler"])
 
 
 def load_checkpoint(
@@ -496,26 +553,19 @@ def load_checkpoint(
     model = unwrap_model(model)
     device = next(model.parameters()).device
     _load_weights(model, ckpt.path / WEIGHTS, str(device))
-    if optimizer is not None and (ckpt.path / OPTIMIZER).is_file():
-        configured = [{key: value for key, value in group.items() if key != "params"} for group in optimizer.param_groups]
-        optimizer.load_state_dict(_torch_load(ckpt.path / OPTIMIZER, map_location=device))
-        for group, settings in zip(optimizer.param_groups, configured):
-            group.update(settings)
-    state = _torch_load(ckpt.path / STATE)
-    torch.set_rng_state(state["torch_rng"])
-    if state["cuda_rng"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda_rng"])
-    np.random.set_state(state["numpy_rng"])
-    random.setstate(state["python_rng"])
-    if scaler is not None and state.get("scaler") is not None:
-        scaler.load_state_dict(state["scaler"])
+    state, tensors = read_trainer_state(ckpt.path)
+    try:
+        restore_trainer_state(state, tensors, optimizer, scaler)
+    except (KeyError, TypeError, ValueError, RuntimeError) as err:
+        raise CorruptCheckpointError(f"The trainer state in {str(ckpt.path)!r} does not fit this run "
+                                     f"({type(err).__name__}: {err}).") from None
     return int(state["step"])
 
 
 def clean_stale(run_dir: str | Path) -> list[Path]:
     """Remove what killed processes left in a run directory; return what was removed.
 
-    Temporary checkpoint folders (``checkpoints/.tmp-*``, ``.tmp-*`` of sinklens 0.1) and step
+    Temporary checkpoint folders (``checkpoints/.tmp-*``, ``.tmp-tokenizer-*``) and step
     folders newer than the current checkpoint (renamed but never made current).
     """
     run_dir = Path(run_dir)

@@ -23,7 +23,8 @@ from sinklens.errors import (
     TrainingInterrupted,
 )
 from sinklens.train.checkpoint import (
-    load_checkpoint, load_run, load_train_config, load_trained_model, read_metrics, resume_changes, save_checkpoint,
+    load_checkpoint, load_run, load_train_config, load_trained_model, read_metrics, read_trainer_state, resume_changes,
+    save_checkpoint,
 )
 from sinklens.train import loop as _loop
 from sinklens.train.interrupt import StopSignals
@@ -115,12 +116,13 @@ def test_resume_applies_and_records_changes_to_how_the_run_goes_on(tmp_path):
     # the optimizer keeps the configured hyperparameters and takes its moments from the checkpoint
     model = SinkLM(changed_cfg.model)
     optimizer = configure_optimizer(model, changed_cfg.optim, torch.device("cpu"))
-    saved = torch.load(load_run(tmp_path / "a").path / "optimizer.pt", weights_only=False)  # trained with cfg
+    saved, tensors = read_trainer_state(load_run(tmp_path / "a").path)  # trained with cfg
     assert load_checkpoint(tmp_path / "a", model=model, optimizer=optimizer) == 6
     assert [(g["weight_decay"], g["betas"]) for g in optimizer.param_groups] == [(0.9, (0.9, 0.5)), (0.0, (0.9, 0.5))]
-    assert [g["weight_decay"] for g in saved["param_groups"]] == [0.1, 0.0]  # what load_state_dict alone would restore
+    assert [g["weight_decay"] for g in saved["optimizer"]["param_groups"]] == [0.1, 0.0]  # what load_state_dict would restore
     state = optimizer.state_dict()["state"]
-    assert all(torch.equal(state[i]["exp_avg_sq"], saved["state"][i]["exp_avg_sq"]) for i in saved["state"])
+    assert len(state) == len(model.state_dict()) > 0
+    assert all(torch.equal(state[i]["exp_avg_sq"], tensors[f"optimizer.{i}.exp_avg_sq"]) for i in state)
 
 
 def test_cli_resume_takes_the_runs_own_config(tmp_path, capsys):
@@ -340,8 +342,7 @@ def test_a_kill_at_every_point_of_a_checkpoint_write_leaves_one_consistent_check
             assert got.step in (2, 4)
             for p, q in zip(model.parameters(), expected.parameters()):
                 torch.testing.assert_close(p, q, atol=0, rtol=0)  # weights and step always belong together
-            state = torch.load(got.path / "trainer_state.pt", weights_only=False)
-            assert state["step"] == got.step
+            assert read_trainer_state(got.path)[0]["step"] == got.step
             ckpt_mod.clean_stale(run)
             assert not list(run.rglob(".tmp-*"))  # temporaries of the killed write are cleaned up
     assert killed_points >= 8  # the kill really hit the write at many points
@@ -362,7 +363,7 @@ def test_a_corrupt_current_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert [x["step"] for x in resumed.history if x["kind"] == "train"] == list(range(6))
     assert load_run(tmp_path).step == 6
 
-    data = tmp_path / "checkpoints" / "step-000004" / "trainer_state.pt"
+    data = tmp_path / "checkpoints" / "step-000004" / "trainer_state.json"
     data.write_bytes(b"garbage")
     weights = tmp_path / "checkpoints" / "step-000006" / "model.safetensors"
     weights.write_bytes(b"x" * weights.stat().st_size)  # same size, wrong content
@@ -430,23 +431,45 @@ def test_a_damaged_metrics_file_and_a_missing_run_are_named_errors(tmp_path, cap
     assert "has no metrics.jsonl" in capsys.readouterr().err
 
 
-def test_a_sinklens_01_run_directory_still_loads_and_resumes(tmp_path):
-    """0.1 layout: model.safetensors, optimizer.pt, trainer_state.pt, config.json in the run directory."""
-    cfg = build_cfg(steps=4)
-    full = train(cfg, out_dir=tmp_path / "full", progress=False)
-    train(cfg, out_dir=tmp_path / "old", progress=False, until=2)
-    old = tmp_path / "old"
-    current = load_run(old).path
-    for name in ("model.safetensors", "optimizer.pt", "trainer_state.pt"):
-        shutil.move(current / name, old / name)
-    shutil.rmtree(old / "checkpoints")
-    (old / "checkpoint.json").unlink()
-    config = json.loads((old / "config.json").read_text())
-    del config["on_nonfinite"], config["max_skips"]  # fields a 0.1 config.json does not have
-    (old / "config.json").write_text(json.dumps(config))
-    assert load_run(old).step == 2 and load_run(old).path == old
-    resumed = train(cfg, out_dir=old, resume=True, progress=False)
-    assert resumed.losses() == pytest.approx(full.losses(), abs=1e-6)
+class _Payload:
+    """Unpickling this creates ``path``: what a crafted ``trainer_state.pt`` could do (run any code)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_crafted_pickle_in_a_run_is_refused_never_unpickled(tmp_path, capsys):
+    """Pickled trainer state (``trainer_state.pt`` / ``optimizer.pt``, as earlier builds wrote, with a manifest that
+    matches them) is named and refused by ``train --resume`` and ``analyze --model RUN``; it is never unpickled."""
+    marker = tmp_path / "marker"
+    train(build_cfg(steps=4), out_dir=tmp_path / "run", progress=False, until=2)
+    step = load_run(tmp_path / "run").path
+    files = {}
+    for name in ("trainer_state.json", "trainer_state.safetensors"):
+        (step / name).unlink()
+    for name in ("trainer_state.pt", "optimizer.pt"):
+        torch.save({"step": 2, "state": _Payload(marker)}, step / name)
+    for name in ("config.json", "model.safetensors", "trainer_state.pt", "optimizer.pt"):
+        files[name] = {"bytes": (step / name).stat().st_size, "sha256": ckpt_mod.sha256_file(step / name)}
+    (step / "manifest.json").write_text(json.dumps({"format": 2, "step": 2, "files": files, "kept": False}))
+    flat = tmp_path / "flat"  # the pickles beside the weights in the run folder itself, no checkpoints/
+    flat.mkdir()
+    for name in ("config.json", "model.safetensors", "trainer_state.pt", "optimizer.pt"):
+        shutil.copy(step / name, flat / name)
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "run"), "--resume", "--no-progress"]) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "trainer_state.pt is pickled trainer state" in err and "never loads" in err and "Traceback" not in err
+    for run in (tmp_path / "run", flat):
+        assert main(["analyze", "--model", str(run), "--text", "a b", "--out", str(tmp_path / "report")]) != 0
+        err = " ".join(capsys.readouterr().err.split())
+        assert "trainer_state.pt is pickled trainer state" in err and "Traceback" not in err
+        with pytest.raises(CorruptCheckpointError, match="never loads: unpickling a file can run code"):
+            sinklens.load_model(run, device="cpu")
+    assert not marker.exists()
 
 
 # ------------------------------------------------------------------ divergence
