@@ -67,9 +67,11 @@ import torch
 
 from sinklens.errors import (
     CorruptCheckpointError,
+    OutputNotWritableError,
     ResumeMismatchError,
     RunLockedError,
     RunNotFoundError,
+    SinklensError,
 )
 from sinklens.export import default_file_mode, write_json, write_text_atomic
 from sinklens.folder_lock import FolderLock
@@ -146,10 +148,29 @@ def save_checkpoint(
 
     See the module docstring for the order of operations; the previous checkpoint stays current
     until ``checkpoint.json`` names the new one.
+
+    Raises:
+        OutputNotWritableError: a write failed (a full disk, a lost mount): the message says why and which
+            checkpoint is still the current one.
     """
+    from safetensors import SafetensorError
+
+    try:
+        return _save_checkpoint(Path(run_dir), model=model, optimizer=optimizer, cfg=cfg, step=step, scaler=scaler)
+    except (OSError, SafetensorError) as err:
+        if isinstance(err, SinklensError):
+            raise
+        current = _pointer(Path(run_dir))
+        kept = f"its checkpoint of step {current[0]} is kept" if current else "it has no earlier checkpoint"
+        why = err.strerror if isinstance(err, OSError) and err.strerror else " ".join(str(err).split())
+        raise OutputNotWritableError(
+            f"Could not write the checkpoint of step {step} into {str(run_dir)!r} ({why}); {kept}. Free space "
+            "and continue with --resume.") from err
+
+
+def _save_checkpoint(run_dir: Path, *, model: Any, optimizer: Any, cfg: TrainConfig, step: int, scaler: Any) -> Path:
     from safetensors.torch import save_file, save_model
 
-    run_dir = Path(run_dir)
     root = run_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".tmp-{_step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -242,12 +263,17 @@ def _kept(path: Path, step: int, every: int) -> bool:
 
 
 def _pointer(run_dir: Path) -> tuple[int, Path] | None:
-    """``(step, directory)`` named by ``checkpoint.json``, or None if there is none or it is unreadable."""
+    """``(step, directory)`` named by ``checkpoint.json``, or None if there is none, it is unreadable, or it names
+    anything but ``checkpoints/step-N`` of its own step (e.g. a folder outside the run)."""
     try:
         data = json.loads((run_dir / POINTER).read_text())
-        return int(data["step"]), run_dir / str(data["dir"])
+        step = int(data["step"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    path = run_dir / CHECKPOINTS / _step_dir_name(step)
+    if data.get("dir") != f"{CHECKPOINTS}/{path.name}" or path.is_symlink() or path.parent.is_symlink():
+        return None  # a folder outside the run's checkpoints/ is never followed
+    return step, path
 
 
 def verify_checkpoint(path: str | Path) -> str | None:
@@ -319,7 +345,8 @@ def _step_dirs(run_dir: Path) -> list[tuple[int, Path]]:
     root = run_dir / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := _STEP_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()]
     return sorted(found, reverse=True)
 
 
@@ -351,9 +378,12 @@ def load_run(run_dir: str | Path) -> RunCheckpoint:
         raise RunNotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG} or {POINTER}.")
     pointer = _pointer(run_dir)
     candidates = _step_dirs(run_dir)
+    problems: list[str] = []
     if pointer is not None:
         candidates = [pointer] + [(s, p) for s, p in candidates if s < pointer[0]]
-    problems: list[str] = []
+    elif (run_dir / POINTER).exists():
+        problems.append(f"{run_dir / POINTER} is unreadable or names a folder other than its step's "
+                        f"{CHECKPOINTS}/step-N (never followed)")
     for step, path in candidates:
         problem = verify_checkpoint(path)
         if problem is None:
@@ -371,8 +401,6 @@ def load_run(run_dir: str | Path) -> RunCheckpoint:
                         "sinklens never loads: unpickling a file can run code")
     if problems:
         raise CorruptCheckpointError(f"No good checkpoint in {str(run_dir)!r}: {'; '.join(problems)}.")
-    if (run_dir / POINTER).exists():
-        raise CorruptCheckpointError(f"{str(run_dir / POINTER)!r} is unreadable and no checkpoint folder is left.")
     raise RunNotFoundError(
         f"The run in {str(run_dir)!r} has no checkpoint yet (it stopped before its first one was written); "
         f"train it again, or with --resume after a checkpoint exists."
@@ -765,6 +793,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     that is not JSON anywhere else is damage this cannot explain and raises. An evaluation line written
     before 2026-11-25 logged sinklens' sink-rate variant as ``sink_rate``; it is returned under its own name,
     ``sinklens_sink_rate`` (``sink_rate`` is Gu et al.'s since: :class:`~sinklens.train.sink_metrics.SinkMetrics`).
+    Of several ``train`` (or ``eval``) lines of one step (a run resumed without its later lines cut), the last is kept.
 
     Raises:
         RunNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
@@ -805,7 +834,9 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
                 "one (a non-finite step is logged as a \"nonfinite\" line), so the file was damaged or edited; fix or "
                 "remove that line.")
         lines.append(with_current_metric_names(line))
-    return lines
+    last = {(line["kind"], line["step"]): i for i, line in enumerate(lines)}
+    return [line for i, line in enumerate(lines) if line["kind"] not in ("train", "eval")
+            or last[line["kind"], line["step"]] == i]
 
 
 def with_current_metric_names(line: dict[str, Any]) -> dict[str, Any]:

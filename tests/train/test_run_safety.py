@@ -373,6 +373,52 @@ def test_a_corrupt_current_checkpoint_falls_back_to_the_previous_one(tmp_path):
         sinklens.load_model(tmp_path, device="cpu")
 
 
+def test_a_pointer_out_of_the_run_is_never_followed(tmp_path):
+    train(build_cfg(steps=4, checkpoint_interval=2), out_dir=tmp_path / "a", progress=False)
+    train(build_cfg(steps=2, seed=1), out_dir=tmp_path / "b", progress=False)
+    pointer, own = tmp_path / "a" / "checkpoint.json", tmp_path / "a" / "checkpoints" / "step-000004"
+    (tmp_path / "a" / "checkpoints" / "step-000006").symlink_to(tmp_path / "b" / "checkpoints" / "step-000002")
+    for step, target in ((4, "../b/checkpoints/step-000002"), (4, str(tmp_path / "b" / "checkpoints" / "step-000002")),
+                         (6, "checkpoints/step-000006")):
+        pointer.write_text(json.dumps({"format": 2, "step": step, "dir": target}))
+        with pytest.warns(UserWarning, match="names a folder other than its step's checkpoints/step-N"):
+            assert load_run(tmp_path / "a").path == own  # the run's own newest checkpoint, never b's
+    shutil.rmtree(own.parent)  # no checkpoint of its own left
+    pointer.write_text(json.dumps({"format": 2, "step": 2, "dir": "../b/checkpoints/step-000002"}))
+    with pytest.raises(CorruptCheckpointError, match="checkpoint.json is unreadable or names a folder other than"):
+        load_run(tmp_path / "a")
+
+
+def test_a_full_disk_while_checkpointing_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    cfg = build_cfg(steps=4, checkpoint_interval=2)
+    full = train(cfg, out_dir=tmp_path / "full", progress=False)
+    run = tmp_path / "run"
+    train(cfg, out_dir=run, progress=False, until=2)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def serializer_no_space(*args, **kwargs):  # how safetensors reports it
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    for module, name, fn in ((safetensors.torch, "save_model", serializer_no_space), (ckpt_mod, "write_json", no_space)):
+        with monkeypatch.context() as m:
+            m.setattr(module, name, fn)
+            assert main(["train", "--out", str(run), "--resume", "--no-progress"]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "Could not write the checkpoint of step 4" in err and "No space left on device" in err, err
+        assert "its checkpoint of step 2 is kept" in err and "internal error" not in err, err
+        assert load_run(run).step == 2 and not list((run / "checkpoints").glob(".tmp-*"))
+    resumed = train(cfg, out_dir=run, resume=True, progress=False)  # space again: the run goes on exactly
+    assert resumed.losses() == pytest.approx(full.losses(), abs=1e-6)
+
+
 def test_unfinished_and_missing_runs_give_named_errors(tmp_path, monkeypatch):
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
