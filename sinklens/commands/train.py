@@ -114,7 +114,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     """
     from dataclasses import fields, replace
 
-    from sinklens.train.checkpoint import resume_config
+    from sinklens.train.run_folder import resume_config
     from sinklens.train.config import PRESETS, ModelConfig, overrides_to_args, parse_args
 
     explicit: set[str] = set()  # model fields set by the preset's definition, the config file or the run

@@ -23,9 +23,10 @@ from sinklens.errors import (
     TrainingInterrupted,
 )
 from sinklens.train.checkpoint import (
-    load_checkpoint, load_run, load_train_config, load_trained_model, read_metrics, read_trainer_state, resume_changes,
-    save_checkpoint,
+    load_checkpoint, load_run, load_train_config, load_trained_model, read_metrics, save_checkpoint,
 )
+from sinklens.train.trainer_state import read_trainer_state
+from sinklens.train.run_folder import clean_stale, resume_changes
 from sinklens.train import loop as _loop
 from sinklens.train.interrupt import StopSignals
 from sinklens.train.loop import configure_optimizer
@@ -285,7 +286,7 @@ def test_cli_ctrl_c_checkpoints_and_exits_130(tmp_path, capsys, monkeypatch):
 
 # ------------------------------------------------------------------ atomic checkpoints
 
-OPS = ("write_text_atomic", "save_model", "torch_save", "fsync_dir", "replace")
+OPS = ("write_json", "save_model", "save_file", "fsync", "replace")
 
 
 def _kill_after(monkeypatch, op: str, n: int):
@@ -305,10 +306,10 @@ def _kill_after(monkeypatch, op: str, n: int):
         return wrapped
 
     targets = {
-        "write_text_atomic": (ckpt_mod, "write_json", ckpt_mod.write_json),
+        "write_json": (ckpt_mod, "write_json", ckpt_mod.write_json),
         "save_model": (safetensors.torch, "save_model", safetensors.torch.save_model),
-        "torch_save": (ckpt_mod.torch, "save", torch.save),
-        "fsync_dir": (ckpt_mod, "_fsync_dir", ckpt_mod._fsync_dir),
+        "save_file": (safetensors.torch, "save_file", safetensors.torch.save_file),
+        "fsync": (ckpt_mod, "_fsync", ckpt_mod._fsync),
         "replace": (ckpt_mod.os, "replace", os.replace),
     }
     module, name, fn = targets[op]
@@ -343,7 +344,7 @@ def test_a_kill_at_every_point_of_a_checkpoint_write_leaves_one_consistent_check
             for p, q in zip(model.parameters(), expected.parameters()):
                 torch.testing.assert_close(p, q, atol=0, rtol=0)  # weights and step always belong together
             assert read_trainer_state(got.path)[0]["step"] == got.step
-            ckpt_mod.clean_stale(run)
+            clean_stale(run)
             assert not list(run.rglob(".tmp-*"))  # temporaries of the killed write are cleaned up
     assert killed_points >= 8  # the kill really hit the write at many points
 
