@@ -19,7 +19,6 @@ uninterrupted run exactly. The run folder around the checkpoints is :mod:`sinkle
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -50,13 +49,17 @@ RUN_ENTRIES: tuple[str, ...] = (POINTER, CONFIG, METRICS, FINGERPRINT, PERSISTEN
 
 
 def _fsync(path: Path) -> None:
-    """Flush a file or a folder (its entries) to disk; a platform without folder descriptors skips folders."""
-    with contextlib.suppress(IsADirectoryError, PermissionError):
+    """Flush a file or a folder (its entries) to disk; a folder that cannot be (no folder descriptors, a filesystem
+    refusing it) is skipped, a file's failure (a full disk) raises."""
+    try:
         fd = os.open(path, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
             os.close(fd)
+    except OSError:
+        if not path.is_dir():
+            raise
 
 
 def _remove(path: Path) -> None:
