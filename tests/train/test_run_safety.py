@@ -374,6 +374,24 @@ def test_a_corrupt_current_checkpoint_falls_back_to_the_previous_one(tmp_path):
         sinklens.load_model(tmp_path, device="cpu")
 
 
+def test_a_trainer_state_that_does_not_fit_is_a_named_error(tmp_path, capsys):
+    """A consistent manifest over a trainer_state.json of the wrong shape: refused by name, no internal error."""
+    train(build_cfg(steps=4), out_dir=tmp_path, progress=False, until=2)
+    step = load_run(tmp_path).path
+    for bad in ({"python_rng": "x"}, {"format": 2}):
+        state = {**json.loads((step / "trainer_state.json").read_text()), **bad}
+        (step / "trainer_state.json").write_text(json.dumps(state))
+        manifest = json.loads((step / "manifest.json").read_text())
+        manifest["files"]["trainer_state.json"] = {"bytes": (step / "trainer_state.json").stat().st_size,
+                                                   "sha256": ckpt_mod.sha256_file(step / "trainer_state.json")}
+        (step / "manifest.json").write_text(json.dumps(manifest))
+        capsys.readouterr()
+        assert main(["train", "--out", str(tmp_path), "--resume", "--no-progress"]) == 1
+        err = " ".join(capsys.readouterr().err.split())
+        assert ("does not fit this run" if "python_rng" in bad else "is not a sinklens trainer state") in err, err
+        assert "internal error" not in err and load_run(tmp_path).step == 2
+
+
 def test_a_pointer_out_of_the_run_is_never_followed(tmp_path):
     train(build_cfg(steps=4, checkpoint_interval=2), out_dir=tmp_path / "a", progress=False)
     train(build_cfg(steps=2, seed=1), out_dir=tmp_path / "b", progress=False)
