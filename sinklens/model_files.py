@@ -63,11 +63,37 @@ def check_model_dir(folder: str | Path) -> None:
     """Check a Hugging Face model folder: ``config.json`` parses and every ``*.safetensors`` is whole."""
     folder = Path(folder)
     try:
-        json.loads((folder / "config.json").read_text(encoding="utf-8"))
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):
         raise CorruptModelFileError(f"{str(folder / 'config.json')!r} is not valid JSON.") from None
+    check_config_fields(config, str(folder / "config.json"))
     for file in sorted(folder.glob("*.safetensors")):
         check_safetensors(file)
+
+
+#: Size fields of a Hugging Face ``config.json`` (each family's spelling) that must be whole numbers >= 1.
+SIZE_FIELDS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "num_attention_heads", "n_head",
+               "num_key_value_heads", "intermediate_size", "vocab_size", "head_dim")
+
+
+def check_config_fields(config: object, where: str) -> None:
+    """Raise :class:`CorruptModelFileError` naming the field when a Hugging Face ``config`` (the parsed ``where``)
+    is not a JSON object, sets a size (:data:`SIZE_FIELDS`) that is not a whole number >= 1, or splits
+    ``hidden_size`` or the attention heads unevenly (without an explicit ``head_dim``)."""
+    if not isinstance(config, dict):
+        raise CorruptModelFileError(f"{where!r} is not a JSON object.")
+    for name in SIZE_FIELDS:
+        value = config.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CorruptModelFileError(f"{where!r} sets {name}={value!r}; it must be a whole number >= 1.")
+    width = config.get("hidden_size", config.get("n_embd"))
+    heads = config.get("num_attention_heads", config.get("n_head"))
+    kv_heads = config.get("num_key_value_heads")
+    if width and heads and config.get("head_dim") is None and width % heads:
+        raise CorruptModelFileError(f"{where!r} sets hidden_size={width}, not divisible by num_attention_heads={heads}.")
+    if heads and kv_heads and heads % kv_heads:
+        raise CorruptModelFileError(f"{where!r} sets num_attention_heads={heads}, not divisible by "
+                                    f"num_key_value_heads={kv_heads}.")
 
 
 def sha256_file(path: Path) -> str:

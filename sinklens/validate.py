@@ -429,7 +429,7 @@ def utf8_text(file: Path, raw: bytes, *, what: str) -> str:
 
 
 def text_lines(path: Any, *, what: str) -> list[str]:
-    """The non-empty, stripped lines of a UTF-8 text file; a missing file, a folder, a binary or
+    """The non-empty, stripped lines of a UTF-8 text file; a missing file, a folder, a pipe or device, a binary or
     non-UTF-8 file and a file with no text raise :class:`~sinklens.errors.InputFileError` naming the path."""
     from sinklens.errors import InputFileError
 
@@ -440,6 +440,9 @@ def text_lines(path: Any, *, what: str) -> list[str]:
         raise InputFileError(f"{what} file {str(file)!r} does not exist.")
     if file.is_dir():
         raise InputFileError(f"{what} {str(file)!r} is a folder; give a text file with one prompt per line.")
+    if not file.is_file():  # a pipe would block, a device like /dev/urandom never ends
+        raise InputFileError(f"{what} {str(file)!r} is not a regular file (a pipe or a device); give a text file "
+                             "with one prompt per line.")
     try:
         raw = file.read_bytes()
     except OSError as err:

@@ -239,3 +239,35 @@ def test_run_options_refuse_flags_that_are_not_booleans(field):
     with pytest.raises(InvalidArgumentError, match=re.escape(f"RunOptions.{field} must be True or False, got 'no' (str)")):
         unchecked_options(**{field: "no"})
     assert getattr(unchecked_options(**{field: np.bool_(False)}), field) is False
+
+
+def test_prompts_from_a_pipe_or_a_device_are_refused_without_reading(tmp_path, capsys):
+    """``--prompts`` on a FIFO would block forever, on ``/dev/urandom`` read until memory runs out."""
+    import os
+    import threading
+
+    from sinklens.cli import main
+    from sinklens.errors import InputFileError
+    from sinklens.validate import text_lines
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    raised = []
+
+    def read() -> None:
+        try:
+            text_lines(fifo, what="--prompts")
+        except InputFileError as err:
+            raised.append(str(err))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(timeout=10)
+    if reader.is_alive():  # blocked in open(): give it a writer and an end of file before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        reader.join(timeout=10)
+    assert raised and "is not a regular file (a pipe or a device)" in raised[0]
+    for path in (fifo, "/dev/urandom"):
+        assert main(["analyze", "--prompts", str(path), "--out", str(tmp_path / "out")]) == 2
+        err = capsys.readouterr().err
+        assert "is not a regular file" in err and str(path) in err

@@ -1,10 +1,11 @@
 import json
+import re
 
 import pytest
 import torch
 
 from sinklens import loading
-from sinklens.errors import ModelFileNotFoundError, OfflineModelError, PatternNotExposedError, UnknownModelError
+from sinklens.errors import CorruptModelFileError, ModelFileNotFoundError, OfflineModelError, PatternNotExposedError, UnknownModelError
 from sinklens.testing import word_tokenizer
 
 
@@ -151,3 +152,16 @@ def test_a_missing_path_under_an_existing_folder_is_named_as_a_missing_path_offl
         loading.load_model("zoo/nope")
     with pytest.raises(OfflineModelError, match="looks like a Hugging Face Hub id"):  # no such folder: a Hub id
         loading.load_model("org/nope")
+
+
+@pytest.mark.parametrize(("fields", "words"), [
+    ({"num_hidden_layers": -1}, "sets num_hidden_layers=-1; it must be a whole number >= 1"),
+    ({"hidden_size": 30, "num_attention_heads": 4}, "hidden_size=30, not divisible by num_attention_heads=4"),
+    ({"num_key_value_heads": 3}, "num_attention_heads=4, not divisible by num_key_value_heads=3"),
+])
+def test_a_hugging_face_config_with_a_bad_size_names_the_field(tmp_path, fields, words):
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "intermediate_size": 64, "vocab_size": 100, **fields}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(CorruptModelFileError, match=re.escape(words)):
+        loading.load_model(tmp_path, device="cpu")

@@ -114,7 +114,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     """
     from dataclasses import fields, replace
 
-    from sinklens.train.checkpoint import resume_config
+    from sinklens.train.run_folder import resume_config
     from sinklens.train.config import PRESETS, ModelConfig, overrides_to_args, parse_args
 
     explicit: set[str] = set()  # model fields set by the preset's definition, the config file or the run
@@ -127,7 +127,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         explicit |= {f.name for f in fields(ModelConfig)}
     else:  # (a --resume with nothing to resume from is refused by train(), as a fresh run there would be)
         base = TrainConfig()
-    if args.preset or not (args.config or args.resume):
+    if resumed is None and (args.preset or not (args.config or args.resume)):  # a resumed run's model is its own
         name = args.preset or "tiny"
         file_model = _model_table(args.config) if args.config else {}
         base = base.replace(model=ModelConfig.from_preset(name, **file_model))

@@ -345,6 +345,25 @@ def _max_id(tokens: np.ndarray) -> int:
     return top
 
 
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain data only (dicts, lists, strings, numbers): any class or function is refused, so a crafted
+    ``meta.pkl`` cannot run code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"it names {module}.{name}, and only plain data is read")
+
+
+def _meta_vocab_size(path: Path) -> int:
+    """``vocab_size`` of nanoGPT's ``meta.pkl`` at ``path``, read without running code."""
+    try:
+        with open(path, "rb") as fh:
+            meta = _PlainUnpickler(fh).load()
+        return int(meta["vocab_size"])
+    except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, IndexError) as err:
+        raise InputFileError(f"{str(path)!r} is not nanoGPT's meta.pkl, a plain dict with an integer vocab_size "
+                             f"({type(err).__name__}: {err}).") from None
+
+
 def memmap_source(cfg: DataConfig) -> StreamSource:
     """nanoGPT layout: a folder with ``train.bin`` and ``val.bin`` (uint16), or one ``.bin`` file
     whose tail ``val_fraction`` is held out. The vocabulary size comes from ``meta.pkl``
@@ -373,8 +392,7 @@ def memmap_source(cfg: DataConfig) -> StreamSource:
         raise DataFileNotFoundError(f"data.path {str(path)!r} is neither a .bin file nor a folder with train.bin.")
     largest = max(_max_id(train), _max_id(val))
     if meta_path.is_file():
-        with open(meta_path, "rb") as fh:
-            vocab_size = int(pickle.load(fh)["vocab_size"])
+        vocab_size = _meta_vocab_size(meta_path)
         origin = f"vocab_size of {str(meta_path)!r}"
     elif cfg.vocab_size is not None:
         vocab_size, origin = cfg.vocab_size, f"data.vocab_size={cfg.vocab_size}"

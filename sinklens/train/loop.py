@@ -47,10 +47,12 @@ from sinklens.export import json_line, write_json
 from sinklens.train.compile import CompileSwitch
 from sinklens.train.allocator import retained_cpu_memory
 from sinklens.train.checkpoint import (
-    METRICS, TOKENIZER, RunLock, check_data_fingerprint, clean_stale, discard_set_aside, foreign_entries,
-    has_checkpoint, is_run_dir, load_checkpoint, load_run, read_metrics, recover_set_aside, restore_set_aside,
-    resume_changes, save_checkpoint, save_tokenizer, set_aside_run, set_aside_runs, tokenizer_problem,
-    write_data_fingerprint, write_metrics,
+    METRICS, TOKENIZER, has_checkpoint, is_run_dir, load_checkpoint, load_run, read_metrics, save_checkpoint,
+    save_tokenizer, write_metrics,
+)
+from sinklens.train.run_folder import (
+    RunLock, check_data_fingerprint, clean_stale, discard_set_aside, foreign_entries, recover_set_aside,
+    restore_set_aside, resume_changes, set_aside_run, set_aside_runs, tokenizer_problem, write_data_fingerprint,
 )
 from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source, data_fingerprint
@@ -388,8 +390,8 @@ def train(
             everything in memory.
         resume: continue from the newest good checkpoint in ``out_dir`` (its step, weights,
             optimizer, RNG); the loss curve continues exactly as if the run had not stopped. ``cfg``
-            is the run's own (:func:`~sinklens.train.checkpoint.resume_config`), changed at most in how the run goes
-            on (``steps``, ``optim``, ``eval``...: :func:`~sinklens.train.checkpoint.resume_changes`);
+            is the run's own (:func:`~sinklens.train.run_folder.resume_config`), changed at most in how the run goes
+            on (``steps``, ``optim``, ``eval``...: :func:`~sinklens.train.run_folder.resume_changes`);
             a ``kind="resume"`` metrics line records the step and those changes.
         overwrite: replace the run already in ``out_dir`` and start afresh: its own files are moved
             aside, deleted at the new run's first checkpoint and restored if the new run fails before it.

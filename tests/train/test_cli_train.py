@@ -173,3 +173,16 @@ def test_derived_fields_are_written_to_the_run_config(tmp_path, capsys):
     model = json.loads((out / "config.json").read_text())["model"]
     assert (model["d_model"], model["n_heads"], model["n_kv_heads"], model["d_mlp"]) == (16, 2, 2, 48)  # complete
     assert load_model(out).cfg.n_heads == 2
+
+
+def test_resume_with_the_first_commands_preset_and_flags_keeps_the_runs_config(tmp_path, capsys):
+    """``--preset tiny --set model.n_heads=2`` (n_kv_heads derived: 2), re-run with ``--resume``: the preset is not
+    applied over the run's config again (it set n_kv_heads=4, refused against n_heads=2)."""
+    first = ["train", "--preset", "tiny", "--set", "model.n_heads=2", "--data", "bigram-backcopy", "--out",
+             str(tmp_path / "run"), *TINY]
+    assert main([*first, "--steps", "2"]) == 0
+    assert load_run(tmp_path / "run").config.model.n_kv_heads == 2
+    capsys.readouterr()
+    assert main([*first, "--steps", "4", "--resume"]) == 0, capsys.readouterr().err
+    assert "resumed at step 2 with steps 2 -> 4" in capsys.readouterr().out
+    assert load_run(tmp_path / "run").step == 4

@@ -73,3 +73,15 @@ def test_compare_cli_prints_step_units(tmp_path, capsys):
     assert "mean of the losses logged in the last 10 steps, at the steps all runs logged: every 5" in printed, printed
     rows = [line.split(": ", 1)[1] for line in printed.splitlines() if line.startswith("? @ L")]
     assert len(rows) == 2 and rows[0] == rows[1], printed
+
+
+def test_compare_takes_the_last_line_of_a_repeated_step(tmp_path, capsys):
+    """A resumed run whose later lines were not cut holds steps 3..5 twice: the later lines are the run's."""
+    run = tmp_path / "resumed"
+    run.mkdir()
+    first = [{"kind": "train", "step": s, "loss": 9.0} for s in range(6)]
+    again = [{"kind": "train", "step": s, "loss": 1.0 + s} for s in range(3, 6)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in first + again))
+    assert main(["compare", str(run), "--out", str(tmp_path / "c.png")]) == 0
+    # smoothed over the last 10 steps, one line per step: (9 + 9 + 9 + 4 + 5 + 6) / 6 (with the repeats 69 / 9)
+    assert "final loss 7.0000" in capsys.readouterr().out

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sinklens.errors import DataFileNotFoundError
+from sinklens.errors import DataFileNotFoundError, InputFileError
 from sinklens.train.config import DataConfig
 from sinklens.train.data import BackcopySource, MarkovSource, build_source
 
@@ -72,6 +72,26 @@ def test_memmap_folder_and_single_file_splits(tmp_path):
     tr, va = one.batch("train", 0, 200), one.batch("val", 0, 200)
     assert tr.max() < 4000 and va.min() >= 4000  # tail 20% held out, windows never cross the cut
     assert (tr[:, 1:] - tr[:, :-1] == 1).all()  # contiguous windows
+
+
+class _Payload:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):  # unpickling this creates the file: what a crafted meta.pkl could do
+        return (open, (self.path, "w"))
+
+
+def test_a_crafted_meta_pkl_is_refused_never_run(tmp_path):
+    (tmp_path / "nano").mkdir()
+    np.arange(1000, dtype=np.uint16).tofile(tmp_path / "nano" / "train.bin")
+    marker = tmp_path / "marker"
+    (tmp_path / "nano" / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 300, "x": _Payload(marker)}))
+    with pytest.raises(InputFileError, match=r"meta.pkl' is not nanoGPT's meta.pkl.*names io.open"):
+        build_source(DataConfig(source="memmap", path=str(tmp_path / "nano"), seq_len=16))
+    assert not marker.exists()
+    (tmp_path / "nano" / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 1000, "itos": {0: "a"}}))
+    assert build_source(DataConfig(source="memmap", path=str(tmp_path / "nano"), seq_len=16)).vocab_size == 1000
 
 
 def test_text_folder_byte_and_bpe(tmp_path):

@@ -100,7 +100,8 @@ def test_interventions_are_applied_during_training():
 def test_spec_interventions_passed_to_train_are_stored_and_a_resume_applies_them(tmp_path):
     """``train(cfg, interventions=["restart:..."])`` trained with the spec but left it out of config.json: a resume
     from the run's own config went on without it (losses off from step 6) and recorded no change."""
-    from sinklens.train.checkpoint import read_metrics, resume_config
+    from sinklens.train.checkpoint import read_metrics
+    from sinklens.train.run_folder import resume_config
 
     spec = ["restart:positions=8"]
     whole = train(build_cfg(steps=8), out_dir=tmp_path / "whole", interventions=spec, progress=False)

@@ -23,8 +23,10 @@ from sinklens.errors import (
     TrainingInterrupted,
 )
 from sinklens.train.checkpoint import (
-    load_checkpoint, load_run, load_train_config, load_trained_model, read_metrics, resume_changes, save_checkpoint,
+    load_checkpoint, load_run, load_train_config, load_trained_model, read_metrics, save_checkpoint,
 )
+from sinklens.train.trainer_state import read_trainer_state
+from sinklens.train.run_folder import clean_stale, resume_changes
 from sinklens.train import loop as _loop
 from sinklens.train.interrupt import StopSignals
 from sinklens.train.loop import configure_optimizer
@@ -115,12 +117,13 @@ def test_resume_applies_and_records_changes_to_how_the_run_goes_on(tmp_path):
     # the optimizer keeps the configured hyperparameters and takes its moments from the checkpoint
     model = SinkLM(changed_cfg.model)
     optimizer = configure_optimizer(model, changed_cfg.optim, torch.device("cpu"))
-    saved = torch.load(load_run(tmp_path / "a").path / "optimizer.pt", weights_only=False)  # trained with cfg
+    saved, tensors = read_trainer_state(load_run(tmp_path / "a").path)  # trained with cfg
     assert load_checkpoint(tmp_path / "a", model=model, optimizer=optimizer) == 6
     assert [(g["weight_decay"], g["betas"]) for g in optimizer.param_groups] == [(0.9, (0.9, 0.5)), (0.0, (0.9, 0.5))]
-    assert [g["weight_decay"] for g in saved["param_groups"]] == [0.1, 0.0]  # what load_state_dict alone would restore
+    assert [g["weight_decay"] for g in saved["optimizer"]["param_groups"]] == [0.1, 0.0]  # what load_state_dict would restore
     state = optimizer.state_dict()["state"]
-    assert all(torch.equal(state[i]["exp_avg_sq"], saved["state"][i]["exp_avg_sq"]) for i in saved["state"])
+    assert len(state) == len(model.state_dict()) > 0
+    assert all(torch.equal(state[i]["exp_avg_sq"], tensors[f"optimizer.{i}.exp_avg_sq"]) for i in state)
 
 
 def test_cli_resume_takes_the_runs_own_config(tmp_path, capsys):
@@ -283,7 +286,7 @@ def test_cli_ctrl_c_checkpoints_and_exits_130(tmp_path, capsys, monkeypatch):
 
 # ------------------------------------------------------------------ atomic checkpoints
 
-OPS = ("write_text_atomic", "save_model", "torch_save", "fsync_dir", "replace")
+OPS = ("write_json", "save_model", "save_file", "fsync", "replace")
 
 
 def _kill_after(monkeypatch, op: str, n: int):
@@ -303,10 +306,10 @@ def _kill_after(monkeypatch, op: str, n: int):
         return wrapped
 
     targets = {
-        "write_text_atomic": (ckpt_mod, "write_json", ckpt_mod.write_json),
+        "write_json": (ckpt_mod, "write_json", ckpt_mod.write_json),
         "save_model": (safetensors.torch, "save_model", safetensors.torch.save_model),
-        "torch_save": (ckpt_mod.torch, "save", torch.save),
-        "fsync_dir": (ckpt_mod, "_fsync_dir", ckpt_mod._fsync_dir),
+        "save_file": (safetensors.torch, "save_file", safetensors.torch.save_file),
+        "fsync": (ckpt_mod, "_fsync", ckpt_mod._fsync),
         "replace": (ckpt_mod.os, "replace", os.replace),
     }
     module, name, fn = targets[op]
@@ -340,9 +343,8 @@ def test_a_kill_at_every_point_of_a_checkpoint_write_leaves_one_consistent_check
             assert got.step in (2, 4)
             for p, q in zip(model.parameters(), expected.parameters()):
                 torch.testing.assert_close(p, q, atol=0, rtol=0)  # weights and step always belong together
-            state = torch.load(got.path / "trainer_state.pt", weights_only=False)
-            assert state["step"] == got.step
-            ckpt_mod.clean_stale(run)
+            assert read_trainer_state(got.path)[0]["step"] == got.step
+            clean_stale(run)
             assert not list(run.rglob(".tmp-*"))  # temporaries of the killed write are cleaned up
     assert killed_points >= 8  # the kill really hit the write at many points
 
@@ -362,7 +364,7 @@ def test_a_corrupt_current_checkpoint_falls_back_to_the_previous_one(tmp_path):
     assert [x["step"] for x in resumed.history if x["kind"] == "train"] == list(range(6))
     assert load_run(tmp_path).step == 6
 
-    data = tmp_path / "checkpoints" / "step-000004" / "trainer_state.pt"
+    data = tmp_path / "checkpoints" / "step-000004" / "trainer_state.json"
     data.write_bytes(b"garbage")
     weights = tmp_path / "checkpoints" / "step-000006" / "model.safetensors"
     weights.write_bytes(b"x" * weights.stat().st_size)  # same size, wrong content
@@ -370,6 +372,70 @@ def test_a_corrupt_current_checkpoint_falls_back_to_the_previous_one(tmp_path):
         load_run(tmp_path)
     with pytest.raises(CorruptCheckpointError, match="No good checkpoint"):
         sinklens.load_model(tmp_path, device="cpu")
+
+
+def test_a_trainer_state_that_does_not_fit_is_a_named_error(tmp_path, capsys):
+    """A consistent manifest over a trainer_state.json of the wrong shape: refused by name, no internal error."""
+    train(build_cfg(steps=4), out_dir=tmp_path, progress=False, until=2)
+    step = load_run(tmp_path).path
+    for bad in ({"python_rng": "x"}, {"format": 2}):
+        state = {**json.loads((step / "trainer_state.json").read_text()), **bad}
+        (step / "trainer_state.json").write_text(json.dumps(state))
+        manifest = json.loads((step / "manifest.json").read_text())
+        manifest["files"]["trainer_state.json"] = {"bytes": (step / "trainer_state.json").stat().st_size,
+                                                   "sha256": ckpt_mod.sha256_file(step / "trainer_state.json")}
+        (step / "manifest.json").write_text(json.dumps(manifest))
+        capsys.readouterr()
+        assert main(["train", "--out", str(tmp_path), "--resume", "--no-progress"]) == 1
+        err = " ".join(capsys.readouterr().err.split())
+        assert ("does not fit this run" if "python_rng" in bad else "is not a sinklens trainer state") in err, err
+        assert "internal error" not in err and load_run(tmp_path).step == 2
+
+
+def test_a_pointer_out_of_the_run_is_never_followed(tmp_path):
+    train(build_cfg(steps=4, checkpoint_interval=2), out_dir=tmp_path / "a", progress=False)
+    train(build_cfg(steps=2, seed=1), out_dir=tmp_path / "b", progress=False)
+    pointer, own = tmp_path / "a" / "checkpoint.json", tmp_path / "a" / "checkpoints" / "step-000004"
+    (tmp_path / "a" / "checkpoints" / "step-000006").symlink_to(tmp_path / "b" / "checkpoints" / "step-000002")
+    for step, target in ((4, "../b/checkpoints/step-000002"), (4, str(tmp_path / "b" / "checkpoints" / "step-000002")),
+                         (6, "checkpoints/step-000006")):
+        pointer.write_text(json.dumps({"format": 2, "step": step, "dir": target}))
+        with pytest.warns(UserWarning, match="names a folder other than its step's checkpoints/step-N"):
+            assert load_run(tmp_path / "a").path == own  # the run's own newest checkpoint, never b's
+    shutil.rmtree(own.parent)  # no checkpoint of its own left
+    pointer.write_text(json.dumps({"format": 2, "step": 2, "dir": "../b/checkpoints/step-000002"}))
+    with pytest.raises(CorruptCheckpointError, match="checkpoint.json is unreadable or names a folder other than"):
+        load_run(tmp_path / "a")
+
+
+def test_a_full_disk_while_checkpointing_keeps_the_last_good_checkpoint(tmp_path, monkeypatch, capsys):
+    import errno
+
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    cfg = build_cfg(steps=4, checkpoint_interval=2)
+    full = train(cfg, out_dir=tmp_path / "full", progress=False)
+    run = tmp_path / "run"
+    train(cfg, out_dir=run, progress=False, until=2)
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def serializer_no_space(*args, **kwargs):  # how safetensors reports it
+        raise SafetensorError('Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: '
+                              '"No space left on device" })')
+
+    for module, name, fn in ((safetensors.torch, "save_model", serializer_no_space), (ckpt_mod, "write_json", no_space)):
+        with monkeypatch.context() as m:
+            m.setattr(module, name, fn)
+            assert main(["train", "--out", str(run), "--resume", "--no-progress"]) == 2
+        err = " ".join(capsys.readouterr().err.split())
+        assert "Could not write the checkpoint of step 4" in err and "No space left on device" in err, err
+        assert "its checkpoint of step 2 is kept" in err and "internal error" not in err, err
+        assert load_run(run).step == 2 and not list((run / "checkpoints").glob(".tmp-*"))
+    resumed = train(cfg, out_dir=run, resume=True, progress=False)  # space again: the run goes on exactly
+    assert resumed.losses() == pytest.approx(full.losses(), abs=1e-6)
 
 
 def test_unfinished_and_missing_runs_give_named_errors(tmp_path, monkeypatch):
@@ -430,23 +496,45 @@ def test_a_damaged_metrics_file_and_a_missing_run_are_named_errors(tmp_path, cap
     assert "has no metrics.jsonl" in capsys.readouterr().err
 
 
-def test_a_sinklens_01_run_directory_still_loads_and_resumes(tmp_path):
-    """0.1 layout: model.safetensors, optimizer.pt, trainer_state.pt, config.json in the run directory."""
-    cfg = build_cfg(steps=4)
-    full = train(cfg, out_dir=tmp_path / "full", progress=False)
-    train(cfg, out_dir=tmp_path / "old", progress=False, until=2)
-    old = tmp_path / "old"
-    current = load_run(old).path
-    for name in ("model.safetensors", "optimizer.pt", "trainer_state.pt"):
-        shutil.move(current / name, old / name)
-    shutil.rmtree(old / "checkpoints")
-    (old / "checkpoint.json").unlink()
-    config = json.loads((old / "config.json").read_text())
-    del config["on_nonfinite"], config["max_skips"]  # fields a 0.1 config.json does not have
-    (old / "config.json").write_text(json.dumps(config))
-    assert load_run(old).step == 2 and load_run(old).path == old
-    resumed = train(cfg, out_dir=old, resume=True, progress=False)
-    assert resumed.losses() == pytest.approx(full.losses(), abs=1e-6)
+class _Payload:
+    """Unpickling this creates ``path``: what a crafted ``trainer_state.pt`` could do (run any code)."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_a_crafted_pickle_in_a_run_is_refused_never_unpickled(tmp_path, capsys):
+    """Pickled trainer state (``trainer_state.pt`` / ``optimizer.pt``, as earlier builds wrote, with a manifest that
+    matches them) is named and refused by ``train --resume`` and ``analyze --model RUN``; it is never unpickled."""
+    marker = tmp_path / "marker"
+    train(build_cfg(steps=4), out_dir=tmp_path / "run", progress=False, until=2)
+    step = load_run(tmp_path / "run").path
+    files = {}
+    for name in ("trainer_state.json", "trainer_state.safetensors"):
+        (step / name).unlink()
+    for name in ("trainer_state.pt", "optimizer.pt"):
+        torch.save({"step": 2, "state": _Payload(marker)}, step / name)
+    for name in ("config.json", "model.safetensors", "trainer_state.pt", "optimizer.pt"):
+        files[name] = {"bytes": (step / name).stat().st_size, "sha256": ckpt_mod.sha256_file(step / name)}
+    (step / "manifest.json").write_text(json.dumps({"format": 2, "step": 2, "files": files, "kept": False}))
+    flat = tmp_path / "flat"  # the pickles beside the weights in the run folder itself, no checkpoints/
+    flat.mkdir()
+    for name in ("config.json", "model.safetensors", "trainer_state.pt", "optimizer.pt"):
+        shutil.copy(step / name, flat / name)
+    capsys.readouterr()
+    assert main(["train", "--out", str(tmp_path / "run"), "--resume", "--no-progress"]) != 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "trainer_state.pt is pickled trainer state" in err and "never loads" in err and "Traceback" not in err
+    for run in (tmp_path / "run", flat):
+        assert main(["analyze", "--model", str(run), "--text", "a b", "--out", str(tmp_path / "report")]) != 0
+        err = " ".join(capsys.readouterr().err.split())
+        assert "trainer_state.pt is pickled trainer state" in err and "Traceback" not in err
+        with pytest.raises(CorruptCheckpointError, match="never loads: unpickling a file can run code"):
+            sinklens.load_model(run, device="cpu")
+    assert not marker.exists()
 
 
 # ------------------------------------------------------------------ divergence

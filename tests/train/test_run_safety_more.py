@@ -20,9 +20,9 @@ from sinklens.errors import (
 )
 from sinklens.export import write_text_atomic
 from sinklens.train import loop as _loop
-from sinklens.train.checkpoint import (
-    RunLock, load_run, load_trained_model, read_metrics, save_checkpoint, tokenizer_problem,
-)
+import sinklens.train.run_folder as run_folder
+from sinklens.train.checkpoint import load_run, load_trained_model, read_metrics, save_checkpoint
+from sinklens.train.run_folder import RunLock, tokenizer_problem
 from sinklens.train.loop import train
 
 pytestmark = pytest.mark.models
@@ -231,7 +231,7 @@ def test_an_overwrite_killed_before_its_first_checkpoint_is_undone_at_the_next_s
     they advised deleted it. The next start now puts it back first."""
     train(build_cfg(steps=3), out_dir=tmp_path, progress=False)
     before = _snapshot(tmp_path)
-    aside = ckpt_mod.set_aside_run(tmp_path)  # what the killed overwrite had done ...
+    aside = run_folder.set_aside_run(tmp_path)  # what the killed overwrite had done ...
     write_text_atomic(tmp_path / "config.json", json.dumps(build_cfg(steps=9, seed=5).to_dict()))  # ... and written
     assert aside is not None and not ckpt_mod.has_checkpoint(tmp_path)
     with pytest.warns(UserWarning, match="was killed before its first checkpoint: the run it was replacing"):
@@ -244,11 +244,11 @@ def test_an_overwrite_killed_before_its_first_checkpoint_is_undone_at_the_next_s
 def test_a_resume_after_a_killed_overwrite_continues_the_old_run_with_its_own_config(tmp_path):
     """``--resume`` read the killed replacement's config.json before train() put the old run back: the old run
     went on with the replacement's lr and steps (or was refused over a model nobody asked for)."""
-    from sinklens.train.checkpoint import resume_config
+    from sinklens.train.run_folder import resume_config
 
     train(build_cfg(steps=3), out_dir=tmp_path, progress=False)
     own = ckpt_mod.load_train_config(tmp_path)
-    ckpt_mod.set_aside_run(tmp_path)  # the killed overwrite: old run aside, its own config.json written
+    run_folder.set_aside_run(tmp_path)  # the killed overwrite: old run aside, its own config.json written
     killed = build_cfg(steps=9, optim={"lr": 3e-4})
     write_text_atomic(tmp_path / "config.json", json.dumps(killed.to_dict()))
     assert resume_config(tmp_path) == own  # the run that comes back, not the killed one
