@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sinklens.errors import ConfigFileNotFoundError, InputFileError, InvalidArgumentError
+from sinklens.options import SEQ_LEN, SINK_THRESHOLD
 from sinklens.specs import _split_args, parse_value
 from sinklens.train.variants import get_attention_variant
 from sinklens.validate import as_bool, as_seed, choice, closest, did_you_mean, finite_number, positive_int
@@ -307,7 +308,7 @@ class DataConfig(_Part):
 
     source: DataSource = "bigram-backcopy"
     path: str | None = None
-    seq_len: int = 64
+    seq_len: int = SEQ_LEN
     seed: int = 1234
     val_fraction: float = 0.1
     bos: bool = True
@@ -379,9 +380,9 @@ class EvalConfig(_Part):
     interval: int = 50
     batches: int = 2
     batch_size: int = 16
-    sink_threshold: float = 0.3
+    sink_threshold: float = SINK_THRESHOLD
     persistence_sequences: int = 8
-    persistence_seq_len: int = 32
+    persistence_seq_len: int = SEQ_LEN
     persistence_seed: int = 0
 
     def __post_init__(self) -> None:
