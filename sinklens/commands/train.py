@@ -33,8 +33,7 @@ import argparse
 from pathlib import Path
 
 from sinklens.commands import plain_help
-from sinklens.specs import split_spec
-from sinklens.train.config import DATA_SOURCES, TrainConfig, load_config
+from sinklens.train.config import DATA_SOURCES, TrainConfig
 from sinklens.train.variants import attention_variants
 
 
@@ -99,23 +98,23 @@ def _model_table(path: str) -> dict:
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
-    """The run's :class:`TrainConfig`: config file, the run's own config (``--resume``) or preset,
-    then the short flags and ``--set`` overrides, then the tyro field flags (``args.config_flags``),
-    parsed and validated in one go.
+    """The run's :class:`TrainConfig`: config file, the run's own config (``--resume``) or preset, then the short
+    flags, ``--set`` items and field flags (``args.config_flags``), applied in that order and validated once.
 
     With both ``--preset`` and ``--config``, the model is the preset with the file's ``[model]`` keys
     over it. The derived model fields (``ModelConfig.DERIVED``: ``n_kv_heads``, ``d_mlp``) that
     neither the preset's definition nor the config file sets (a resumed run's own config sets all)
-    are left None in the base and derived from the final fields when the flags are applied, so they
-    follow ``--model.d_model``, ``--model.family`` or ``--model.n_heads``.
-
-    For text, memmap and hf data ``model.d_vocab`` is ``"auto"`` (the training loop sets it to the
-    data's vocabulary) unless a flag says otherwise.
+    are derived from the final fields, so they follow ``--model.d-model``, ``--model.family`` or
+    ``--model.n-heads``. For text, memmap and hf data ``model.d_vocab`` is ``"auto"`` (the data's
+    vocabulary) unless a flag says otherwise.
     """
     from dataclasses import fields, replace
 
+    from sinklens.specs import split_spec
     from sinklens.train.checkpoint import resume_config
-    from sinklens.train.config import PRESETS, ModelConfig, overrides_to_args, parse_args
+    from sinklens.train.config import (
+        PRESETS, ModelConfig, TrainConfig, flags_to_pairs, load_config, overrides_to_pairs, set_values,
+    )
 
     explicit: set[str] = set()  # model fields set by the preset's definition, the config file or the run
     resumed = resume_config(args.out) if args.resume and args.out and not args.config else None
@@ -133,25 +132,21 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         base = base.replace(model=ModelConfig.from_preset(name, **file_model))
         explicit |= set(PRESETS[name])
     base = replace(base, model=base.model.unset_derived(keep=explicit))
-    sets = []
+    pairs = []
     if args.variant:
         name, options = split_spec(args.variant, what="attention variant")
-        sets.append(f"model.variant={name}")
-        sets += [f"model.variant_options.{key}={value!r}" for key, value in options.items()]
+        pairs.append(("model.variant", name, "--variant"))
+        pairs += [(f"model.variant_options.{key}", repr(value), "--variant") for key, value in options.items()]
     if args.data:
-        sets += _data_overrides(args.data)
+        pairs += [(*item.split("=", 1), "--data") for item in _data_overrides(args.data)]
     for flag, key in (("steps", "steps"), ("batch_size", "batch_size"), ("seq_len", "data.seq_len"), ("lr", "optim.lr"),
                       ("seed", "seed"), ("data_seed", "data.seed"), ("device", "device")):
         if getattr(args, flag) is not None:
-            sets.append(f"{key}={getattr(args, flag)}")
+            pairs.append((key, getattr(args, flag), "--" + flag.replace("_", "-")))
     if args.interventions:
-        sets.append(f"interventions={list(args.interventions)!r}")
-    flags, variant_options = overrides_to_args(base, sets + list(args.overrides))
-    cfg = parse_args(base, flags + list(getattr(args, "config_flags", [])))
-    if variant_options or any(getattr(cfg.model, name) is None for name in ModelConfig.DERIVED):
-        # rebuilding the model fills any derived field still None (config.json is always complete)
-        cfg = cfg.replace(model={**cfg.model.to_dict(), "variant_options": {**cfg.model.variant_options, **variant_options}})
-    return cfg
+        pairs.append(("interventions", repr(list(args.interventions)), "--intervention"))
+    pairs += overrides_to_pairs(args.overrides) + flags_to_pairs(getattr(args, "config_flags", []))
+    return set_values(base, pairs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,9 +157,10 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.validate import writable_file
 
     if args.fields:
-        from sinklens.train.config import parse_args
+        from sinklens.train.config import fields_help
 
-        parse_args(TrainConfig(), ["--help"])
+        print(fields_help())
+        return 0
     if not args.out:
         raise InvalidArgumentError("sinklens train needs --out, the run directory.")
     cfg = build_config(args)

@@ -210,7 +210,7 @@ def test_text_data_that_is_not_utf8_is_named_in_a_warning(tmp_path, capsys):
 def test_max_skips_allows_that_many_skipped_steps_then_stops(tmp_path, capsys):
     out = tmp_path / "run"
     code, err = _train([*TINY, *SYNTH, "--device", "cpu", "--steps", "20", "--lr", "1e30", "--set",
-                        "optim.warmup_steps=0", "--set", "optim.grad_clip=0", "--on_nonfinite", "skip", "--set",
+                        "optim.warmup_steps=0", "--set", "optim.grad_clip=0", "--on-nonfinite", "skip", "--set",
                         "max_skips=3", "--out", str(out)], capsys)
     assert code == 1, err  # a failure of the work
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
