@@ -197,7 +197,7 @@ class ModelConfig(_Part):
 
     def unset_derived(self, *, keep: typing.Iterable[str] = ()) -> ModelConfig:
         """A copy whose :attr:`DERIVED` fields not named in ``keep`` are None again: a template for
-        building a config whose other fields still change (as tyro does from a default instance);
+        building a config whose other fields still change (as ``sinklens train`` does from a preset);
         the config built from it derives them from its own fields. The copy itself is not validated
         again and is not meant to build a model.
 
