@@ -130,7 +130,7 @@ class ModelConfig(_Part):
     ``4 * d_model`` for ``gpt2`` and to ``8 * d_model / 3`` rounded up to a multiple of 8 for
     ``llama`` (SwiGLU with about the parameters of a 4x GELU MLP). A built config always holds the
     derived numbers, so a run's ``config.json`` is complete. ``sinklens train`` derives them after
-    every override (:meth:`unset_derived`), so ``--preset tiny --model.d_model 128`` gets
+    every override (:meth:`unset_derived`), so ``--preset tiny --model.d-model 128`` gets
     ``d_mlp=344``, not the preset's 176, unless the preset, the config file or a flag sets ``d_mlp``.
 
     Examples:

@@ -69,7 +69,7 @@ def test_bin_ids_beyond_the_vocabulary_are_refused_before_the_run_folder(tmp_pat
     code, err = _train([*TINY, "--device", "cpu", "--data", str(data), "--set", "data.vocab_size=100",
                         "--out", str(out)], capsys)
     assert code == 2, err
-    assert "go up to 299" in err and "data.vocab_size=100" in err and "--data.vocab_size 300" in err
+    assert "go up to 299" in err and "data.vocab_size=100" in err and "--data.vocab-size 300" in err
     assert not out.exists()
     # the vocabulary of a meta.pkl is checked the same way
     folder = tmp_path / "nano"
