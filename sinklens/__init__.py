@@ -9,43 +9,48 @@ Examples:
     2
 """
 
-from sinklens.analysis.disparity import MassiveActivations, find_massive_activations
-from sinklens.analysis.neurons import SuperNeurons, find_super_neurons
-from sinklens.analysis.normalized_disparity import normalized_disparity
-from sinklens.analysis.qk_locking import query_key_locking
-from sinklens.analysis.report import SinkReport, analyze
-from sinklens.analysis.sinks import SinkResult, find_sinks
-from sinklens.analysis.value_drain import ValueDrain, measure_value_drain
-from sinklens.analysis.variance import VarianceResult, measure_variance
-from sinklens.analysis.verify import CausalCheck, verify_attribution
-from sinklens.analysis.weight_super_neurons import super_neurons_from_weights
-from sinklens.errors import (
-    ModelFileNotFoundError,
-    OfflineModelError,
-    PatternNotExposedError,
-    SequenceTooLongError,
-    SinklensError,
-    UnsupportedArchitectureError,
-    UnknownHookError,
-    UnknownModelError,
-)
-from sinklens.inputs import TokenBatch, as_batches, builtin_prompts, random_token_batches, stdlib_text_prompts
-from sinklens.interventions import (
-    InterventionResult,
-    SinkPatchResult,
-    create_sink,
-    patch_sink,
-    remove_sink,
-    sweep,
-)
-from sinklens.loading import load_model
-from sinklens.options import RunOptions
-from sinklens.origins import (
-    ContractionResult, FingerprintResult, PositionalDiscrepancy, TokenPreference, contraction, fingerprint,
-    positional_discrepancy, token_preference,
-)
-from sinklens.streaming import BatchFold, Reducer, run, stream
-from sinklens.visibility import Visibility, attention_visibility
+import importlib
+from typing import Any
+
+# Names are imported on first use (PEP 562), so that `sinklens --help` and `import sinklens.errors` do not pay
+# for torch and TransformerLens.
+_EXPORTS = {
+    "sinklens.analysis.disparity": ("MassiveActivations", "find_massive_activations"),
+    "sinklens.analysis.neurons": ("SuperNeurons", "find_super_neurons"),
+    "sinklens.analysis.normalized_disparity": ("normalized_disparity",),
+    "sinklens.analysis.qk_locking": ("query_key_locking",),
+    "sinklens.analysis.report": ("SinkReport", "analyze"),
+    "sinklens.analysis.sinks": ("SinkResult", "find_sinks"),
+    "sinklens.analysis.value_drain": ("ValueDrain", "measure_value_drain"),
+    "sinklens.analysis.variance": ("VarianceResult", "measure_variance"),
+    "sinklens.analysis.verify": ("CausalCheck", "verify_attribution"),
+    "sinklens.analysis.weight_super_neurons": ("super_neurons_from_weights",),
+    "sinklens.errors": ("ModelFileNotFoundError", "OfflineModelError", "PatternNotExposedError", "SequenceTooLongError",
+                        "SinklensError", "UnsupportedArchitectureError", "UnknownHookError", "UnknownModelError"),
+    "sinklens.inputs": ("TokenBatch", "as_batches", "builtin_prompts", "random_token_batches", "stdlib_text_prompts"),
+    "sinklens.interventions": ("InterventionResult", "SinkPatchResult", "create_sink", "patch_sink", "remove_sink",
+                               "sweep"),
+    "sinklens.loading": ("load_model",),
+    "sinklens.options": ("RunOptions",),
+    "sinklens.origins": ("ContractionResult", "FingerprintResult", "PositionalDiscrepancy", "TokenPreference",
+                         "contraction", "fingerprint", "positional_discrepancy", "token_preference"),
+    "sinklens.streaming": ("BatchFold", "Reducer", "run", "stream"),
+    "sinklens.visibility": ("Visibility", "attention_visibility"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'sinklens' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_MODULE_OF])
+
 
 __version__ = "0.1.0"
 

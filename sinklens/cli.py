@@ -99,10 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
     unavailable = getattr(args, "_unavailable", None)
     debug = bool(getattr(args, "debug", False)) or _debug_from_env() or (unavailable is not None and "--debug" in extra)
-    # `train` hands field flags (--optim.lr 3e-4) to tyro; for any other command leftovers are an error
-    # (exit 2, like parse_args, with the sub-command's usage line)
+    # `train` parses its config field flags (--optim.lr 3e-4) itself; for any other command leftovers are an
+    # error (exit 2, like parse_args, with the sub-command's usage line and the closest flag)
     if extra and unavailable is None and not getattr(args, "accepts_config_flags", False):
-        _subparser(parser, args.command).error(f"unrecognized arguments: {' '.join(extra)}")
+        import difflib
+
+        command = _subparser(parser, args.command)
+        match = difflib.get_close_matches(extra[0], list(command._option_string_actions), n=1)
+        command.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {match[0]}?)" if match else ""))
     args.config_flags = extra
     if unavailable is not None:
         if debug:

@@ -21,15 +21,27 @@ import dataclasses
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.validate import as_bool, closest, positive_int
-from sinklens.validate import device as as_device
+
+if TYPE_CHECKING:
+    import torch
 
 S = TypeVar("S")
+
+# The defaults every entry point shares: the API, the trainer's metrics and each ``sinklens`` command take
+# them from here (this module imports no torch, so ``--help`` can print them quickly).
+
+#: A head is a sink head when the mean attention its queries put on the sink exceeds this: the ε of
+#: Gu et al. 2024, "When attention sink emerges" (``find_sinks``, ``measure_value_drain``, training evals).
+SINK_THRESHOLD = 0.3
+#: Sequences per forward pass of an analysis (``RunOptions.batch_size``, every command's ``--batch-size``,
+#: the trainer's evaluation batches). Results do not depend on it.
+BATCH_SIZE = 8
+#: Tokens per random-token sequence (``--random-tokens``, origins measures, ``compare --positional``, the
+#: trainer's persistence metrics) and per training sequence (``data.seq_len``); capped at the model's context.
+SEQ_LEN = 64
 
 HookFn = Callable[..., Any]
 
@@ -63,7 +75,7 @@ class RunOptions:
         desc: label of the progress bar.
     """
 
-    batch_size: int = 8
+    batch_size: int = BATCH_SIZE
     prepend_bos: bool = True
     max_length: int | None = None
     extra_hooks: Sequence[tuple[str, HookFn]] = field(default=(), compare=False)
@@ -72,6 +84,9 @@ class RunOptions:
     desc: str = "sinklens"
 
     def __post_init__(self) -> None:
+        from sinklens.validate import as_bool, positive_int
+        from sinklens.validate import device as as_device
+
         object.__setattr__(self, "batch_size", positive_int(self.batch_size, what="batch_size"))
         if self.max_length is not None:
             object.__setattr__(self, "max_length", positive_int(self.max_length, what="max_length"))
@@ -174,6 +189,8 @@ def no_unknown_kwargs(kwargs: dict[str, Any], where: str, *, known: Sequence[str
         ...
         TypeError: demo() got unexpected keyword arguments ['sink_treshold'] (did you mean 'sink_threshold'?).
     """
+    from sinklens.validate import closest
+
     if kwargs:
         hints = [match for key in sorted(kwargs) if (match := closest(key, known)) is not None]
         hint = f" (did you mean {', '.join(map(repr, hints))}?)" if hints else ""

@@ -196,7 +196,7 @@ GENERIC_ROWS = [
     # seeds: torch.manual_seed's 0..2**64-1, named with their minus sign (a wrapped panel line once lost it)
     ("train-seed-negative", lambda f: ["train", "--out", _p(f, "run"), "--seed", "-1"], EXIT_USAGE,
      ["seed must be an integer from 0 to 2**64 - 1, got -1."]),
-    ("train-data-seed-too-large", lambda f: ["train", "--out", _p(f, "run"), "--data-seed", str(2**64)], EXIT_USAGE,
+    ("train-data-seed-too-large", lambda f: ["train", "--out", _p(f, "run"), "--data.seed", str(2**64)], EXIT_USAGE,
      [f"data.seed must be an integer from 0 to 2**64 - 1, got {2**64}."]),
     ("origins-init-seed-too-large", lambda f: ["origins", "--model", "./no/such/model", "--init-seed", str(10**20)],
      EXIT_USAGE, [f"--init-seed must be an integer from 0 to 2**64 - 1, got {10**20}."]),

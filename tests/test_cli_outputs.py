@@ -38,13 +38,13 @@ def _run_dir(root: Path, name: str, *, losses=(4.0, 3.5, 3.0, 2.6, 2.4, 2.2), co
     return run
 
 
-# 1. compare --json: stdout holds only the JSON
+# 1. compare --json -: stdout holds only the JSON
 
 
 def test_compare_json_stdout_is_only_strict_json(tmp_path, capsys):
     a, b = _run_dir(tmp_path, "a"), _run_dir(tmp_path, "b", losses=(4.0, 3.0, 2.0, 1.5, 1.2, 1.0))
     fig = tmp_path / "c.png"
-    assert main(["compare", str(a), str(b), "--json", "--out", str(fig), "--smoothing", "2"]) == 0
+    assert main(["compare", str(a), str(b), "--json", "-", "--out", str(fig), "--smoothing", "2"]) == 0
     out, err = capsys.readouterr()
     rows = _strict_json(out)  # "Extra data" when the figure line followed the JSON
     assert [row["run"] for row in rows] == ["baseline @ a", "baseline @ b"]

@@ -77,7 +77,7 @@ def test_null_eval_metrics_and_nonfinite_lines_are_still_accepted(tmp_path, caps
     lines += [{"kind": "eval", "step": 2, "sink_rate": None, "val_loss": None},
               {"kind": "nonfinite", "step": 3, "loss": None, "grad_norm": None, "lr": 1.0, "action": "stop"}]
     run = _run_dir(tmp_path, "div", lines)
-    assert main(["compare", str(run), "--out", str(tmp_path / "c.png"), "--json"]) == 0
+    assert main(["compare", str(run), "--out", str(tmp_path / "c.png"), "--json", "-"]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["status"] == "diverged" and row["val_loss"] is None
 

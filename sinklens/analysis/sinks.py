@@ -54,7 +54,7 @@ from sinklens.display import CompactRepr, StructuralEq
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, model_dims, model_dtype
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.options import RunOptions
+from sinklens.options import SINK_THRESHOLD, RunOptions
 from sinklens.streaming import BatchFold, Reducer, merge_statistics, per_layer_hooks
 from sinklens.validate import choice, finite_number, positive_int
 
@@ -117,7 +117,7 @@ class SinkSettings:
         top_k: how many single occurrences at positions >= 1 to keep (0: none).
     """
 
-    sink_threshold: float = 0.3
+    sink_threshold: float = SINK_THRESHOLD
     min_query: int = 1
     min_query_count: int = 4
     min_head_share: float = 0.25

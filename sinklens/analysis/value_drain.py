@@ -83,7 +83,7 @@ from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, V, Z, head_output_gain, head_output_site, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.options import RunOptions
+from sinklens.options import SINK_THRESHOLD, RunOptions
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
 from sinklens.validate import finite_number
 from sinklens.visibility import attention_visibility
@@ -110,7 +110,7 @@ class ValueDrainSettings:
     """
 
     sink_position: int = 0
-    sink_head_threshold: float = 0.3
+    sink_head_threshold: float = SINK_THRESHOLD
     no_op_share: float = 0.1
     broadcast_share: float = 0.3
 

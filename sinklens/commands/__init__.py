@@ -4,46 +4,73 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import re
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sinklens.errors import InvalidArgumentError
+from sinklens.options import BATCH_SIZE, SEQ_LEN
 
 if TYPE_CHECKING:
     from sinklens.inputs import TokenBatch
 
 
-def plain_help(docstring: str | None) -> str:
-    """A command module's reStructuredText docstring as terminal help: ``code`` and roles unquoted.
-
-    Examples:
-        >>> print(plain_help("``sinklens train``: see :mod:`sinklens.train`.\\n\\nExamples::\\n\\n    sinklens train"))
-        sinklens train: see sinklens.train.
-        <BLANKLINE>
-        Examples:
-        <BLANKLINE>
-            sinklens train
-    """
-    text = re.sub(r":(?:mod|func|class|meth|data|attr):`~?([^`]+)`", r"\1", docstring or "")
-    text = text.replace("``", "")
-    return re.sub(r"::$", ":", text, flags=re.MULTILINE)
-
-
-#: Random-token inputs of ``analyze`` and ``intervene``: ``--random-tokens N`` sequences of ``--seq-len``
-#: tokens, and what a model without a tokenizer (a run on a synthetic task) is run on unasked.
+#: Random-token sequences a model without a tokenizer (a run on a synthetic task) is run on unasked.
 DEFAULT_RANDOM_SEQUENCES = 16
-DEFAULT_RANDOM_SEQ_LEN = 64
 
 
-def add_model_flags(parser: argparse.ArgumentParser, *, batch_size: int) -> None:
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Help at most 100 columns wide (less on a narrower terminal); descriptions keep their own line breaks."""
+
+    def __init__(self, prog: str) -> None:
+        import shutil
+
+        super().__init__(prog, width=min(shutil.get_terminal_size().columns, 100) - 2, max_help_position=26)
+
+
+def add_command(subparsers: Any, name: str, doc: str | None, *, help: str) -> argparse.ArgumentParser:
+    """The parser of the sub-command ``name``: ``help`` in ``sinklens --help``; its module's docstring ``doc``
+    (plain text) as the description."""
+    return subparsers.add_parser(name, help=help, description=doc, formatter_class=HelpFormatter)
+
+
+def add_model_flags(parser: argparse.ArgumentParser) -> None:
     """``--batch-size``, ``--device`` and ``--dtype``: how a command runs its model, with one meaning, default
-    and help in every command (checked by :func:`check_model_flags` before the model loads)."""
-    parser.add_argument("--batch-size", type=int, default=batch_size, help="sequences per forward pass (default: %(default)s)")
+    (:data:`sinklens.options.BATCH_SIZE`) and help in every command (checked by :func:`check_model_flags`)."""
+    parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, metavar="N", help="sequences per forward pass (default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
-    parser.add_argument("--dtype", default=None, help="parameter dtype: float32 (default), float64, bfloat16, float16")
+    parser.add_argument("--dtype", default=None, help="float32 (default), float64, bfloat16, float16")
+
+
+def add_json_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--json FILE``: ``what`` as strict JSON in FILE (``-``: on stdout, the tables then go to stderr), the same
+    flag in every command (checked by :func:`json_target`, written by :func:`write_json_target`)."""
+    parser.add_argument("--json", metavar="FILE", default=None,
+                        help=f"write {what} as strict JSON to FILE (-: to stdout)")
+
+
+def json_target(path: str | None, *, overwrite: bool) -> Path | str | None:
+    """The ``--json`` target before any work: None, ``"-"`` (stdout) or a writable file outside a training run's own
+    files that holds no finished result unless ``overwrite`` (an empty ``''`` is refused by name)."""
+    from sinklens.validate import no_finished_output, writable_file
+
+    if path is None or path == "-":
+        return path
+    file = writable_file(path, what="--json")
+    outside_run_internals(file, what="--json", file=True)
+    no_finished_output([file], overwrite=overwrite, flag="--json")
+    return file
+
+
+def write_json_target(target: Path | str | None, data: Any, *, overwrite: bool) -> None:
+    """Write ``data`` to the ``--json`` target at full precision (strict JSON: NaN and inf as null)."""
+    from sinklens.export import dumps, write_json
+
+    if target == "-":
+        print(dumps(data, digits=None, indent=1))
+    elif target is not None:
+        write_json(target, data, digits=None, replace=overwrite)
 
 
 def check_model_flags(args: argparse.Namespace) -> None:
@@ -60,7 +87,7 @@ def check_model_flags(args: argparse.Namespace) -> None:
 def add_overwrite_flag(parser: argparse.ArgumentParser, finished: str) -> None:
     """``--overwrite``: replace ``finished`` (what the command refuses to write over without it)."""
     parser.add_argument("--overwrite", action="store_true",
-                        help=f"replace {finished}; without it, the command refuses to write over a finished result")
+                        help=f"replace {finished} (refused without it)")
 
 
 @contextlib.contextmanager
@@ -116,10 +143,10 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
                         prepend_bos: bool) -> list[TokenBatch] | None:
     """The random-token batches a command runs on, or None when it runs on text.
 
-    ``args.random_tokens`` sequences of ``args.seq_len`` tokens (default :data:`DEFAULT_RANDOM_SEQ_LEN`, capped at
+    ``args.random_tokens`` sequences of ``args.seq_len`` tokens (default :data:`~sinklens.options.SEQ_LEN`, capped at
     the model's ``n_ctx``; a ``--seq-len`` beyond it is refused, and so is one for a run on text, where it would do
     nothing) when asked for. A model without a tokenizer cannot read text: it runs on
-    :data:`DEFAULT_RANDOM_SEQUENCES` sequences of ``min(64, n_ctx)`` tokens, with a line on stderr saying so,
+    :data:`DEFAULT_RANDOM_SEQUENCES` sequences of ``min(SEQ_LEN, n_ctx)`` tokens, with a line on stderr saying so,
     and a text flag (``text_flag``, e.g. ``"--text"``) given for it is an error. Random sequences start with
     BOS when ``prepend_bos`` and the model has one: its tokenizer's, or token 0 for a run trained on a
     synthetic task (:func:`trained_with_bos_zero`); otherwise they have none.
@@ -132,10 +159,10 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
     has_tokenizer = getattr(model, "tokenizer", None) is not None
     n_ctx = model_dims(model).n_ctx
     seq_len_within_context(args.seq_len, n_ctx)
-    batch_size = getattr(args, "batch_size", 8)
+    batch_size = getattr(args, "batch_size", BATCH_SIZE)
     bos = prepend_bos and (has_tokenizer or trained_with_bos_zero(model))
     # the default is capped at the model's context; a --seq-len beyond it was refused just above
-    seq_len = args.seq_len or min(DEFAULT_RANDOM_SEQ_LEN, n_ctx)
+    seq_len = args.seq_len or min(SEQ_LEN, n_ctx)
     if args.random_tokens is not None:
         return random_token_batches(model, n_sequences=args.random_tokens, seq_len=seq_len,
                                     batch_size=batch_size, prepend_bos=bos)

@@ -1,4 +1,11 @@
-"""``sinklens analyze``: run every analyzer on a model and write a report (summary, JSON, figures)."""
+"""Run the sink, variance, massive-activation, super-neuron and mechanism analyzers in one pass;
+print a summary table and write report.json, summary.txt and PNG figures to --out.
+
+Examples:
+    sinklens analyze                                   # SmolLM2-135M on the built-in prompts
+    sinklens analyze --model gpt2 --prompts prompts.txt --out gpt2-report
+    sinklens analyze --model runs/hw --random-tokens 32 --seq-len 128
+"""
 
 from __future__ import annotations
 
@@ -9,37 +16,35 @@ from pathlib import Path
 from typing import Any
 
 from sinklens.commands import (
-    DEFAULT_RANDOM_SEQ_LEN, add_model_flags, add_overwrite_flag, check_model_flags, outside_run_internals, result_folder,
+    add_command, add_model_flags, add_overwrite_flag, check_model_flags, outside_run_internals, result_folder,
 )
 from sinklens.errors import InvalidArgumentError
+from sinklens.options import SEQ_LEN
+
+#: Text prompts are cut to this many tokens unless --max-length says otherwise (at most the model's context).
+_DEFAULT_MAX_LENGTH = 128
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        "analyze",
-        help="find a model's attention sinks and their causes",
-        description="Run the sink, variance, massive-activation, super-neuron and mechanism analyzers in one "
-        "streaming pass; print a summary table and write report.json plus PNG figures.",
-    )
-    parser.add_argument("--model", default="smollm2-135m", help="model spec for sinklens.load_model (default: %(default)s)")
+    parser = add_command(subparsers, "analyze", __doc__, help="find a model's attention sinks and their causes")
+    parser.add_argument("--model", default="smollm2-135m", help="model name, folder, .gguf or Hub id (default: %(default)s)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--text", nargs="+", metavar="T", help="one or more prompts")
     source.add_argument("--prompts", metavar="FILE", help="a text file with one prompt per line")
     source.add_argument("--stdlib-text", type=int, metavar="N", help="N docstrings from the Python standard library")
     source.add_argument("--random-tokens", type=int, metavar="N", help="N uniformly random token sequences")
-    parser.add_argument("--seq-len", type=int, default=None,
-                        help=f"length of random-token sequences (default: {DEFAULT_RANDOM_SEQ_LEN}, at most the model's context)")
-    parser.add_argument("--max-length", type=int, default=None,
-                        help=f"truncate text prompts to this many tokens (default: {_DEFAULT_MAX_LENGTH}, at most the model's context)")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="N",
+                        help=f"tokens per random sequence (default: {SEQ_LEN}, at most the model's context)")
+    parser.add_argument("--max-length", type=int, default=None, metavar="N",
+                        help=f"cut text prompts to N tokens (default: {_DEFAULT_MAX_LENGTH}, at most the model's context)")
     parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (it moves the sink)")
-    add_model_flags(parser, batch_size=8)
-    parser.add_argument("--out", default="sinklens-report", help="output folder (default: %(default)s)")
-    add_overwrite_flag(parser, "the analysis already in --out: report.json, summary.txt, figures")
-    parser.add_argument("--no-figures", action="store_true", help="write report.json and summary.txt only (and remove figures of an earlier analysis in --out)")
+    add_model_flags(parser)
+    parser.add_argument("--out", default="sinklens-report", metavar="DIR", help="output folder (default: %(default)s)")
+    add_overwrite_flag(parser, "the analysis already in --out")
+    parser.add_argument("--no-figures", action="store_true", help="write report.json and summary.txt only")
     parser.add_argument("--verify", action="store_true",
-                        help="causal check: zero each massive dimension's top writing neurons at the sink and report "
-                        "how much of the dimension and of the sink's attention disappears (extra passes over the inputs: one "
-                        "baseline pass plus one per massive dimension)")
+                        help="zero each massive dimension's top writing neurons at the sink and report how much "
+                        "of the dimension and of the sink's attention disappears (one extra pass per dimension)")
     parser.set_defaults(func=run)
 
 
@@ -103,9 +108,6 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
     if args.stdlib_text is not None:
         return stdlib_text_prompts(args.stdlib_text, what="--stdlib-text")
     return None  # the built-in prompt set
-
-
-_DEFAULT_MAX_LENGTH = 128
 
 
 def run(args: argparse.Namespace) -> int:

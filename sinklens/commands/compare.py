@@ -1,46 +1,16 @@
-"""``sinklens compare``: loss and sink metrics of several training runs on shared axes.
+"""Loss and sink metrics of several training runs on shared axes.
 
-Examples::
+Prints, per run, its status (finished, diverged, incomplete), final training loss, last sink
+metrics and the steps its smoothed loss (mean over the last SMOOTHING steps) took to reach the
+target (default: the first run's final loss); runs logged at different intervals are compared on
+the steps all logged. An undefined metric prints as n/a (null in --json). --positional measures
+the positional discrepancy at init and at each kept checkpoint (--set keep_every=1 keeps them
+all), drawn beside the --out figure (compare.png -> compare-positional.png).
 
+Examples:
     sinklens compare runs/baseline runs/headwise --out compare.png
-    sinklens compare runs/* --target-loss 2.5
-    sinklens compare runs/baseline --positional      # positional discrepancy at init and each kept checkpoint
-
-Prints, per run, the final training loss, the last evaluation's sink metrics and the number of
-steps its smoothed training loss took to reach the target (default: the first run's final
-smoothed loss, so "steps to reach the baseline's final loss" when the baseline comes first), and,
-when the run recorded them, the persistence of its step-0 bias (``persistence_*``). The figure has
-one panel per metric. A metric that is undefined (NaN, written ``null`` in ``metrics.jsonl``) prints
-as ``n/a`` (``null`` with ``--json``).
-
-Each run also gets a status: ``diverged`` when a metrics line says it stopped on a non-finite loss
-or gradient (``kind="nonfinite"``, ``"action": "stop"``; its final loss and steps to target are those
-of its last finite steps), ``incomplete`` when its last logged step is short of its config's
-``steps`` (interrupted, or still running), else ``finished``; ``--json`` has it as ``status``, with
-``steps_done`` and the config's ``steps``. A default target that is undefined (the first run has no
-training loss logged) is an error: pass ``--target-loss``.
-
-A ``train`` line whose ``loss`` is missing, ``null``, NaN, infinite or not a number is an error naming the
-file and line: ``sinklens train`` never writes one (a step with a non-finite loss is logged as a
-``kind="nonfinite"`` line, and only evaluation metrics are written ``null``), so such a line comes from a
-damaged, hand-edited or foreign file, and dropping it would change the run's smoothed loss unseen.
-
-The smoothed training loss at a logged step ``s`` is the mean of the losses logged at the steps
-``s - smoothing < t <= s`` (``--smoothing`` counts training steps, not logged lines). Runs logged
-at different ``log_interval`` are summarized on the steps all of them logged: each run keeps its
-training losses at the multiples of the least common multiple of the runs' log intervals (each
-run's interval being the most common gap between its logged steps) and at its own last logged
-step. Two runs with the same loss at those steps get the same final loss and steps to target
-(which is then one of those steps) whatever their intervals; the figure shows every logged point.
-
-``--positional`` evaluates :func:`sinklens.origins.positional.positional_over_training` on every run:
-the variance of position 0's attention output relative to the later half of the sequence, per
-layer, at init (``RUN_DIR@init``) and at every kept checkpoint (train with ``--set keep_every=1``
-and a ``checkpoint_interval`` to keep them all), printed and plotted beside the ``--out`` figure, named after
-it (``compare.png`` -> ``compare-positional.png``).
-
-An existing figure at either path (an earlier ``compare``'s, or another command's file) is not replaced
-unless ``--overwrite`` is given; this is checked before any work.
+    sinklens compare runs/* --target-loss 2.5 --json summary.json
+    sinklens compare runs/baseline --positional
 """
 
 from __future__ import annotations
@@ -52,28 +22,24 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from sinklens.commands import add_overwrite_flag, outside_run_internals, plain_help
+from sinklens.commands import add_command, add_json_flag, add_overwrite_flag, json_target, outside_run_internals, write_json_target
+from sinklens.options import SEQ_LEN
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("compare", help="compare training runs (loss, sink metrics, steps to a target loss)",
-                                   description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("runs", nargs="+", help="run directories written by `sinklens train`")
-    parser.add_argument("--labels", nargs="+", help="legend labels (default: variant @ directory name)")
-    parser.add_argument("--target-loss", type=float, help="loss target for steps-to-target (default: first run's final loss)")
-    parser.add_argument("--smoothing", type=int, default=10,
-                        help="moving-average window of the training loss, in training steps: the mean of the "
-                             "losses logged in the last SMOOTHING steps (default 10)")
-    parser.add_argument("--out", help="figure file (default: compare.png in the first run directory); its suffix "
-                                      "picks the format (.png when it has none); --positional's figure goes beside "
-                                      "it as <stem>-positional<suffix>")
-    parser.add_argument("--json", action="store_true",
-                        help="print the summary as JSON (stdout holds only the JSON; the other lines go to stderr)")
-    parser.add_argument("--positional", action="store_true",
-                        help="also evaluate the positional discrepancy at init and at every kept checkpoint")
-    parser.add_argument("--n-sequences", type=int, default=64, help="random sequences for --positional (default %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=32, help="their length (default %(default)s, capped at the run's data.seq_len)")
-    add_overwrite_flag(parser, "an existing --out figure (and, with --positional, its <stem>-positional figure)")
+    parser = add_command(subparsers, "compare", __doc__, help="compare training runs (loss, sink metrics, steps to a target loss)")
+    parser.add_argument("runs", nargs="+", metavar="RUN", help="run folders written by sinklens train")
+    parser.add_argument("--labels", nargs="+", help="legend labels (default: variant @ folder name)")
+    parser.add_argument("--target-loss", type=float, metavar="LOSS", help="target of steps-to-target (default: first run's final loss)")
+    parser.add_argument("--smoothing", type=int, default=10, help="moving-average window, in training steps (default: %(default)s)")
+    parser.add_argument("--out", metavar="FILE", help="figure file, .png unless its suffix says otherwise "
+                                                      "(default: compare.png in the first run's folder)")
+    add_json_flag(parser, "the summary")
+    parser.add_argument("--positional", action="store_true", help="also measure the positional discrepancy over training")
+    parser.add_argument("--n-sequences", type=int, default=64, metavar="N", help="random sequences of --positional (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=SEQ_LEN, metavar="N",
+                        help="their length (default: %(default)s, at most the run's data.seq_len)")
+    add_overwrite_flag(parser, "an existing --out figure or --json file")
     parser.set_defaults(func=run)
     return parser
 
@@ -305,7 +271,6 @@ def positional_figure_path(out: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    from sinklens.export import dumps
     from sinklens.plotting.training import plot_training
     from sinklens.train.checkpoint import read_metrics
     from sinklens.validate import finite_number, no_finished_output, positive_int
@@ -318,9 +283,9 @@ def run(args: argparse.Namespace) -> int:
         positive_int(args.seq_len, what="--seq-len", minimum=2)
     out = figure_path(args.out if args.out is not None else Path(args.runs[0]) / "compare.png")
     positional_out = figure_path(positional_figure_path(out), what="--out") if args.positional else None
-    no_finished_output([out] + ([positional_out] if positional_out else []), overwrite=getattr(args, "overwrite", False),
-                       flag="--out")
-    info = sys.stderr if args.json else sys.stdout  # with --json, stdout holds only the JSON
+    no_finished_output([out] + ([positional_out] if positional_out else []), overwrite=args.overwrite, flag="--out")
+    target = json_target(args.json, overwrite=args.overwrite)
+    info = sys.stderr if target == "-" else sys.stdout  # with --json -, stdout holds only the JSON
     labels = run_labels(args.runs, args.labels)
     runs = {label: read_metrics(run_dir) for label, run_dir in zip(labels, args.runs)}  # a bad loss: named error
     rows = summarize(runs, target=args.target_loss, smoothing=args.smoothing,
@@ -328,9 +293,8 @@ def run(args: argparse.Namespace) -> int:
     plot_training(runs, smoothing=args.smoothing, path=out)
     # every file first: a reader that closes stdout (`| head`) must not cost the positional figure
     trajectories = positional(args, list(runs), positional_out) if positional_out is not None else None
-    if args.json:
-        print(dumps(rows, digits=None, indent=1))
-    else:
+    write_json_target(target, rows, overwrite=args.overwrite)
+    if target != "-":
         every = rows[0]["common_log_interval"]
         print(f"target loss {metric_text(rows[0]['target_loss'])} (training loss = mean of the losses logged in the last "
               f"{args.smoothing} steps" + (f", at the steps all runs logged: every {every} and each run's last" if every > 1

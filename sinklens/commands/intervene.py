@@ -1,45 +1,29 @@
-"""``sinklens intervene``: apply one intervention and print the attention a position receives, per layer.
+"""Apply one intervention; print, per layer, the attention a position receives before and after it.
 
-Example::
+Create methods (self-only, restart, amplify, transplant-dims) turn --position K into a sink; remove
+methods (block-keys, calibrate, clamp-dims, edit-neurons, variance-calibration) take the sink away.
 
-    sinklens intervene --method self-only --position 10 --text "The quick brown fox ..." --json out.json
-
-prints, per layer, the attention received by position K (mean over heads and over the queries
-after K) before and after, and writes the same, at full precision (``InterventionResult.to_dict()``), to
-``--json`` as ``{"layers", "before", "after", ...}``
-(plus the per-head values, the sink's attention, residual norms, tracked dims and losses; strict
-JSON: a value that is not a finite number, e.g. the losses with ``--no-loss`` or on an encoder, is ``null``).
-
-``--method`` is any intervention of :mod:`sinklens.interventions.registry`, with hyphens or
-underscores: create methods (``self-only``, ``restart``, ``amplify``, ``transplant-dims``) turn
-position K into a sink; remove methods (``block-keys``, ``calibrate``, ``clamp-dims``,
-``edit-neurons``, ``variance-calibration``, in its ``attenuate`` mode) take away the sink at ``--position``
-(default 0). The sinklens 0.1 names (``variance``, ``transplant``, ``block``, ``clamp``, ``ablate-neurons``)
-still work.
-
-The input is ``--text`` (default: the built-in prompts) or ``--random-tokens N`` sequences of
-``--seq-len`` tokens; a model without a tokenizer (a run on a synthetic task) runs on 16 random-token
-sequences unasked, and says so. Text prompts get the model's BOS (an encoder's ``[CLS] … [SEP]``) and random
-sequences start with it (a model trained on a synthetic task: its BOS token 0), unless ``--no-bos``, as in
-``sinklens analyze``; the JSON records it under ``options`` (``prepend_bos``, ``special_tokens``) with the
-method's options.
+Examples:
+    sinklens intervene --method self-only --position 10 --text "The quick brown fox" --json out.json
+    sinklens intervene --method block-keys --random-tokens 8 --out figs
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from sinklens.commands import (
-    DEFAULT_RANDOM_SEQ_LEN, add_model_flags, add_overwrite_flag, check_model_flags, outside_run_internals, plain_help,
-    random_token_inputs,
+    add_command, add_json_flag, add_model_flags, add_overwrite_flag, check_model_flags, json_target,
+    outside_run_internals, random_token_inputs, write_json_target,
 )
 from sinklens.errors import InvalidArgumentError
-from sinklens.inputs import is_encoder
-from sinklens.interventions import registry
-from sinklens.interventions.experiments import InterventionResult, create_sink, remove_sink
-from sinklens.options import RunOptions
+from sinklens.options import SEQ_LEN
+
+if TYPE_CHECKING:
+    from sinklens.interventions import registry
+    from sinklens.interventions.experiments import InterventionResult
 
 
 def _int_list(text: str | None, flag: str) -> list[int] | None:
@@ -57,35 +41,28 @@ def _int_list(text: str | None, flag: str) -> list[int] | None:
     return values
 
 
-def _method_help() -> str:
-    create = ", ".join(n.replace("_", "-") for n in registry.names("create"))
-    remove = ", ".join(n.replace("_", "-") for n in registry.names("remove"))
-    return f"intervention (create: {create}; remove: {remove})"
-
-
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "intervene", help="create or remove a sink with an intervention and report the attention it receives",
-        description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--method", required=True, help=_method_help())
-    parser.add_argument("--position", type=int, default=None, help="position K to turn into a sink (create methods); the sink for remove methods (default 0)")
-    parser.add_argument("--model", default="smollm2-135m", help="model spec for sinklens.loading.load_model (default smollm2-135m)")
+    parser = add_command(subparsers, "intervene", __doc__,
+                         help="create or remove a sink with an intervention and report the attention it receives")
+    parser.add_argument("--method", required=True, help="intervention name, with hyphens or underscores")
+    parser.add_argument("--position", type=int, default=None, metavar="K",
+                        help="position to turn into a sink (create); the sink to remove (remove; default 0)")
+    parser.add_argument("--model", default="smollm2-135m", help="model name, folder, .gguf or Hub id (default: %(default)s)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--text", action="append", default=None, help="input text (repeatable; default: the built-in prompts)")
-    source.add_argument("--random-tokens", type=int, metavar="N", default=None, help="N uniformly random token sequences instead")
-    parser.add_argument("--seq-len", type=int, default=None,
-                        help=f"length of --random-tokens sequences (default: {DEFAULT_RANDOM_SEQ_LEN}, at most the model's context)")
-    parser.add_argument("--layers", default=None, help="layers to intervene in, e.g. '0,1,2' (default all; required by edit-neurons)")
-    parser.add_argument("--alpha", type=float, default=None, help="amplification factor for --method amplify (default 8)")
-    parser.add_argument("--site", default=None, help="hook site for amplify/calibrate (default attn.hook_z)")
-    parser.add_argument("--dims", default=None, help="residual dims for transplant-dims/clamp-dims, e.g. '507'")
-    parser.add_argument("--neurons", default=None, help="FFN neurons for edit-neurons, e.g. '12,99' (needs --layers)")
+    source.add_argument("--text", action="append", default=None, help="input text (repeatable)")
+    source.add_argument("--random-tokens", type=int, metavar="N", default=None, help="N uniformly random token sequences")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="N",
+                        help=f"tokens per random sequence (default: {SEQ_LEN}, at most the model's context)")
+    parser.add_argument("--layers", default=None, help="layers to intervene in, e.g. 0,1,2 (default: all)")
+    parser.add_argument("--alpha", type=float, default=None, help="amplification factor of amplify (default: 8)")
+    parser.add_argument("--site", default=None, help="hook site of amplify / calibrate (default: attn.hook_z)")
+    parser.add_argument("--dims", default=None, help="residual dims of transplant-dims / clamp-dims, e.g. 507")
+    parser.add_argument("--neurons", default=None, help="FFN neurons of edit-neurons, e.g. 12,99 (needs --layers)")
     parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (it moves the sink)")
-    add_model_flags(parser, batch_size=8)
-    parser.add_argument("--no-loss", action="store_true", help="skip the next-token loss (two fewer forward passes; encoders have none)")
-    parser.add_argument("--json", default=None, help="write the result as strict JSON to this file (full precision, as InterventionResult.to_dict())")
-    parser.add_argument("--out", default=None, help="directory for the figure intervention.png")
+    add_model_flags(parser)
+    parser.add_argument("--no-loss", action="store_true", help="skip the next-token loss (two fewer passes)")
+    add_json_flag(parser, "the result")
+    parser.add_argument("--out", default=None, metavar="DIR", help="folder for the figure intervention.png")
     add_overwrite_flag(parser, "an earlier --json file or --out figure")
     parser.set_defaults(func=run)
     return parser
@@ -104,7 +81,8 @@ def _method_options(entry: registry.Intervention, args: argparse.Namespace) -> d
 
 def check_args(args: argparse.Namespace) -> registry.Intervention:
     """Validate everything that needs no model (method, lists, output paths), before the model loads."""
-    from sinklens.validate import no_finished_output, optional_positive_int, positive_int, writable_dir, writable_file
+    from sinklens.interventions import registry
+    from sinklens.validate import no_finished_output, optional_positive_int, positive_int, writable_dir
 
     entry = registry.get(args.method)
     if entry.role not in ("create", "remove"):
@@ -129,10 +107,7 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
         if getattr(args, option, None) is None:
             raise InvalidArgumentError(f"--method {args.method} needs --{option} ({entry.requires[option]}).")
     overwrite = getattr(args, "overwrite", False)
-    if args.json is not None:  # '' is refused by name, not read as "no file"
-        json_path = writable_file(args.json, what="--json")
-        outside_run_internals(json_path, what="--json", file=True)
-        no_finished_output([json_path], overwrite=overwrite, flag="--json")
+    json_target(args.json, overwrite=overwrite)
     if args.out is not None:
         outside_run_internals(Path(args.out), what="--out", file=False)
         out = writable_dir(args.out, what="--out", create=False)
@@ -142,6 +117,9 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
 
 def intervene(model: Any, args: argparse.Namespace) -> InterventionResult:
     """The command's logic on an already-loaded model (used by :func:`run` and the tests)."""
+    from sinklens.interventions.experiments import create_sink, remove_sink
+    from sinklens.options import RunOptions
+
     entry = check_args(args)
     common = dict(layers=_int_list(args.layers, "--layers"), dims=_int_list(args.dims, "--dims"),
                   loss=False if args.no_loss else None,
@@ -172,24 +150,31 @@ def format_table(result: InterventionResult) -> str:
 
 def loss_note(model: Any, args: argparse.Namespace) -> str | None:
     """Why the loss line is missing when the user did not ask for ``--no-loss`` (an encoder has no next-token loss)."""
+    from sinklens.inputs import is_encoder
+
     if not args.no_loss and is_encoder(model):
         return "next-token loss: not defined for an encoder (bidirectional attention); left out"
     return None
 
 
 def run(args: argparse.Namespace) -> int:
-    from sinklens.export import write_json
+    import sys
+
     from sinklens.loading import load_model
 
-    check_args(args)  # usage errors before the model loads
+    target = json_target(args.json, overwrite=args.overwrite)  # usage errors before the model loads
+    check_args(args)
     model = load_model(args.model, device=args.device, dtype=args.dtype)
     result = intervene(model, args)
     # files first: a reader that closes stdout (`| head`) must not cost them
-    if args.json is not None:
-        write_json(args.json, result.to_dict(), digits=None, replace=args.overwrite)  # full precision, as to_dict()
+    if target != "-":
+        write_json_target(target, result.to_dict(), overwrite=args.overwrite)
     if args.out is not None:
         result.plot(Path(args.out) / "intervention.png")
-    print(format_table(result))
+    info = sys.stderr if target == "-" else sys.stdout
+    print(format_table(result), file=info)
     if note := loss_note(model, args):
-        print(note)
+        print(note, file=info)
+    if target == "-":
+        write_json_target(target, result.to_dict(), overwrite=args.overwrite)
     return 0

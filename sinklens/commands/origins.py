@@ -1,19 +1,14 @@
-"""``sinklens origins``: the init-time picture of a model — token preference, contraction, positional discrepancy.
+"""The init-time picture of a model: token preference, contraction and positional discrepancy on random
+token sequences. Prints the summaries and writes origins.json plus three PNG figures to --out.
 
-Examples::
+origins.json records init_seed, the seed the weights were drawn with (--init-seed, the S of
+SPEC@init:S, a run's own seed for RUN@init, 0 for SPEC@init; null for the weights as loaded).
+On an encoder (BERT) token preference is skipped, and origins.json says why.
 
+Examples:
     sinklens origins --model smollm2-135m --init-seed 0 --out origins-report
     sinklens origins --model runs/a@init
     sinklens origins --model runs/a            # the trained model, for comparison
-
-Prints the summaries and writes ``origins.json`` plus three PNG figures into ``--out``. ``origins.json``
-records ``init_seed``, the seed the weights were drawn with (``--init-seed``, the ``S`` of ``SPEC@init:S``,
-a run's own seed for ``RUN@init``, else 0 for ``SPEC@init``; null for the weights as loaded).
-
-On a bidirectional encoder (BERT) token preference is skipped (its logits at ``t`` predict the token at
-``t``, not the next one): ``token_preference`` is null in ``origins.json``, ``token_preference_skipped``
-says why, and ``rank_probability.png`` is not drawn. Contraction and positional discrepancy run, with a
-note that an encoder's queries all average every position (no positional discrepancy is expected).
 """
 
 from __future__ import annotations
@@ -25,26 +20,26 @@ from pathlib import Path
 from typing import Any
 
 from sinklens.commands import (
-    add_model_flags, add_overwrite_flag, check_model_flags, outside_run_internals, plain_help, result_folder,
+    add_command, add_model_flags, add_overwrite_flag, check_model_flags, outside_run_internals, result_folder,
 )
-from sinklens.origins.preference import RandomInputs, random_tokens_after_bos
+from sinklens.options import SEQ_LEN
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("origins", help="init-time token preference, contraction and positional discrepancy",
-                                   description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2-135m", help="model spec (default: %(default)s); SPEC@init:S works too")
-    parser.add_argument("--init-seed", type=int, default=None,
+    parser = add_command(subparsers, "origins", __doc__,
+                         help="init-time token preference, contraction and positional discrepancy")
+    parser.add_argument("--model", default="smollm2-135m", help="model spec, SPEC@init:S too (default: %(default)s)")
+    parser.add_argument("--init-seed", type=int, default=None, metavar="S",
                         help="re-initialise the architecture with this seed (default: the weights as loaded)")
-    parser.add_argument("--sequences", type=int, default=128, help="random sequences N (default %(default)s)")
-    parser.add_argument("--seq-len", type=int, default=None,
-                        help=f"tokens per sequence (default {RandomInputs.seq_len}, at most the model's context)")
+    parser.add_argument("--sequences", type=int, default=128, metavar="N", help="random sequences (default: %(default)s)")
+    parser.add_argument("--seq-len", type=int, default=None, metavar="N",
+                        help=f"tokens per sequence (default: {SEQ_LEN}, at most the model's context)")
     parser.add_argument("--bos", action="store_true", help="prepend the BOS token (position 0 then leaves the summaries)")
-    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default %(default)s)")
-    add_model_flags(parser, batch_size=16)
-    parser.add_argument("--out", default="origins-report", help="output folder (default %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: %(default)s)")
+    add_model_flags(parser)
+    parser.add_argument("--out", default="origins-report", metavar="DIR", help="output folder (default: %(default)s)")
     add_overwrite_flag(parser, "the origins.json and figures already in --out")
-    parser.add_argument("--no-figures", action="store_true", help="write origins.json only (and remove figures of an earlier run in --out)")
+    parser.add_argument("--no-figures", action="store_true", help="write origins.json only")
     parser.set_defaults(func=run)
     return parser
 
@@ -148,6 +143,7 @@ def _print_preference(ps: dict[str, Any], con: Any, tok: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from sinklens.origins.preference import random_tokens_after_bos
     from sinklens.validate import as_seed, no_finished_output, positive_int, writable_dir
 
     outside_run_internals(Path(args.out), what="--out", file=False)
@@ -173,6 +169,7 @@ def _measure(args: argparse.Namespace, out: Any) -> int:
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
     from sinklens.origins import contraction, positional_discrepancy, token_preference
+    from sinklens.origins.preference import random_tokens_after_bos
     from sinklens.validate import seq_len_within_context
 
     start = time.perf_counter()
@@ -180,7 +177,7 @@ def _measure(args: argparse.Namespace, out: Any) -> int:
     model = load_model(args.model, device=args.device, dtype=args.dtype, init_seed=args.init_seed, check_patterns=False)
     n_ctx = model_dims(model).n_ctx
     seq_len_within_context(args.seq_len, n_ctx)
-    seq_len = args.seq_len or min(RandomInputs.seq_len, n_ctx)
+    seq_len = args.seq_len or min(SEQ_LEN, n_ctx)
     random_tokens_after_bos(seq_len, args.bos, what="--seq-len", bos="--bos")
     if args.bos:
         check_bos(model, str(args.model))

@@ -1,83 +1,65 @@
-"""``sinklens train``: pretrain a small LM with a chosen attention variant and track its sinks.
+"""Pretrain a small LM with an attention variant and track its sinks: OUT/config.json, metrics.jsonl,
+checkpoints, figures/training.png. A run folder is replaced only with --resume or --overwrite.
 
-Examples::
+Every config field is a flag, its key with hyphens (--optim.lr, --data.seq-len; --fields lists
+them); --set KEY=VALUE takes the key as config files write it (--set data.seq_len=128). Applied
+in order: --config or --preset, the flags below, --set, the field flags.
 
-    sinklens train --preset tiny --variant headwise_rms --data bigram-backcopy --steps 300 --out runs/hw
-    sinklens train --config run.toml --optim.lr 3e-4 --data.seq_len 128 --out runs/a
-    sinklens train --config run.toml --set optim.lr=3e-4 --set data.seq_len=128 --out runs/a   # same
-    sinklens train --data ~/corpus --data.tokenizer bpe --data.vocab_size 2048 --out runs/text
-    sinklens train --data bigram-backcopy --intervention restart:positions=16 --out runs/moved
-    sinklens train --out runs/hw --resume          # continue an interrupted run, with its own config
-    sinklens train --out runs/hw --resume --steps 600   # ... and train it longer
-    torchrun --nproc_per_node 2 -m sinklens.cli train ... # DDP
-
-Every field of the run's TrainConfig is a flag (``--optim.lr``, ``--model.n_layers``,
-``--on_nonfinite skip``...; list them with ``sinklens train --fields``), parsed from the config
-dataclasses by tyro; ``--set section.key=value`` is the same thing in the 0.1 spelling. The short
-flags below are aliases applied first; the config file (``--config``) and ``--preset`` give the
-base: the preset's model fields first, then the config file's ``[model]`` keys over them (the
-file's other tables as written), so ``--config run.toml --preset small`` keeps the file's variant
-and whatever model fields it sets. ``d_mlp`` and ``n_kv_heads`` that neither the preset's own
-definition, the file nor a flag sets are derived from the final fields, after every override
-(``--preset tiny --model.d_model 128`` gets the ``d_mlp`` of d_model 128, see
-:class:`~sinklens.train.config.ModelConfig`). An invalid value (``--optim.lr nan``, an unknown
-variant, an unknown intervention) is an error before anything runs, and an existing run directory is
-never replaced unless ``--resume`` or ``--overwrite`` says so.
-
-Writes ``OUT/metrics.jsonl``, ``OUT/config.json``, the checkpoints and ``OUT/figures/training.png``.
+Examples:
+    sinklens train --preset tiny --variant headwise_rms --data bigram-backcopy --out runs/hw
+    sinklens train --config run.toml --optim.lr 3e-4 --data.seq-len 128 --out runs/a
+    sinklens train --out runs/hw --resume --steps 600   # continue a run, and train it longer
 """
 
 from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from sinklens.commands import plain_help
-from sinklens.specs import split_spec
-from sinklens.train.config import DATA_SOURCES, TrainConfig, load_config
-from sinklens.train.variants import attention_variants
+from sinklens.commands import add_command
+from sinklens.options import SEQ_LEN
+
+if TYPE_CHECKING:
+    from sinklens.train.config import TrainConfig
+
+#: The data sources named on the command line (``DATA_SOURCES`` of :mod:`sinklens.train.config` has the same
+#: first two, a test keeps them equal); any other --data is a path or hf:NAME.
+SYNTHETIC_DATA = ("bigram-backcopy", "markov")
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser("train", help="pretrain a small LM and track its attention sinks",
-                                   description=plain_help(__doc__), formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", help="run directory (metrics, checkpoints, figures); required")
-    parser.add_argument("--config", help="a .json or .toml TrainConfig (flags and --set override it)")
-    parser.add_argument("--preset", help="model preset of ModelConfig.from_preset (default: 'tiny' without --config): "
-                                         "the base of the model fields; a --config file's [model] keys and the "
-                                         "--model.* flags override it, and d_mlp / n_kv_heads that none of them sets "
-                                         "follow the final d_model / family / n_heads")
-    parser.add_argument("--variant", metavar="NAME[:K=V,...]",
-                        help=f"attention variant, one of {attention_variants()}, with options after a colon, "
-                             "e.g. headwise_rms:gain=shared or variance_calibrated:mode=position_amplify "
-                             "(same as --set model.variant_options.K=V)")
-    parser.add_argument("--data", help=f"one of {list(DATA_SOURCES[:2])}, a text file/folder, a nanoGPT folder "
-                                       "with train.bin, a .bin file, or hf:<dataset name>")
-    parser.add_argument("--steps", help="alias of --steps of the config")
-    parser.add_argument("--batch-size", help="alias of --batch_size")
-    parser.add_argument("--seq-len", help="alias of --data.seq_len")
-    parser.add_argument("--lr", help="alias of --optim.lr")
-    parser.add_argument("--seed", help="alias of --seed: model init seed (the data order depends only on data.seed)")
-    parser.add_argument("--data-seed", help="alias of --data.seed")
-    parser.add_argument("--device", help="alias of --device: auto (default), cpu, cuda, cuda:1 ...")
+    parser = add_command(subparsers, "train", __doc__, help="pretrain a small LM and track its attention sinks")
+    parser.add_argument("--out", metavar="DIR", help="run folder (metrics, checkpoints, figures); required")
+    parser.add_argument("--config", metavar="FILE", help="a .json or .toml TrainConfig")
+    parser.add_argument("--preset", help="model preset: tiny (default without --config), small, 124m, ...")
+    parser.add_argument("--variant", metavar="SPEC",
+                        help="attention variant NAME[:K=V,...], e.g. headwise_rms:gain=shared")
+    parser.add_argument("--data", metavar="SOURCE",
+                        help=f"{' or '.join(SYNTHETIC_DATA)}, a text file or folder, a nanoGPT folder or .bin, hf:NAME")
+    parser.add_argument("--steps", metavar="N", help="optimizer steps (default: 300)")
+    parser.add_argument("--batch-size", metavar="N", help="sequences per optimizer step (default: 16)")
+    parser.add_argument("--seq-len", metavar="N", help=f"short for --data.seq-len (default: {SEQ_LEN})")
+    parser.add_argument("--lr", metavar="LR", help="short for --optim.lr (default: 0.001)")
+    parser.add_argument("--seed", metavar="S", help="model init seed; the data order depends on --data.seed only")
+    parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override any config field, e.g. --set optim.lr=3e-4 (repeatable; applied last)")
-    parser.add_argument("--intervention", dest="interventions", action="append", default=[], metavar="NAME:K=V,...",
-                        help="training-time intervention of the registry, e.g. restart:positions=16 (repeatable)")
+                        help="set any config field, e.g. --set optim.lr=3e-4 (repeatable)")
+    parser.add_argument("--intervention", dest="interventions", action="append", default=[], metavar="SPEC",
+                        help="training-time intervention, e.g. restart:positions=16 (repeatable)")
     run_mode = parser.add_mutually_exclusive_group()
     run_mode.add_argument("--resume", action="store_true",
-                          help="continue the run in --out from its newest good checkpoint, with its own config; "
-                               "other flags may change steps, optim, eval..., not the model, data or seed")
-    run_mode.add_argument("--overwrite", action="store_true", help="delete the run already in --out and start afresh")
-    parser.add_argument("--fields", action="store_true", help="list every config field flag (tyro) and exit")
-    parser.add_argument("--no-progress", action="store_true")
+                          help="continue the run in --out from its newest good checkpoint, with its config")
+    run_mode.add_argument("--overwrite", action="store_true", help="delete the run in --out and start afresh")
+    parser.add_argument("--fields", action="store_true", help="list every config field flag and exit")
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run, accepts_config_flags=True)
     return parser
 
 
 def _data_overrides(spec: str) -> list[str]:
     """``--data`` → ``data.source`` / ``data.path`` overrides; text, memmap and hf data set ``model.d_vocab=auto``."""
-    if spec in DATA_SOURCES:
+    if spec in SYNTHETIC_DATA:
         return [f"data.source={spec}"]
     if spec.startswith("hf:"):
         return ["data.source=hf", f"data.path={spec[3:]}", "model.d_vocab=auto"]
@@ -99,23 +81,23 @@ def _model_table(path: str) -> dict:
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
-    """The run's :class:`TrainConfig`: config file, the run's own config (``--resume``) or preset,
-    then the short flags and ``--set`` overrides, then the tyro field flags (``args.config_flags``),
-    parsed and validated in one go.
+    """The run's :class:`TrainConfig`: config file, the run's own config (``--resume``) or preset, then the short
+    flags, ``--set`` items and field flags (``args.config_flags``), applied in that order and validated once.
 
     With both ``--preset`` and ``--config``, the model is the preset with the file's ``[model]`` keys
     over it. The derived model fields (``ModelConfig.DERIVED``: ``n_kv_heads``, ``d_mlp``) that
     neither the preset's definition nor the config file sets (a resumed run's own config sets all)
-    are left None in the base and derived from the final fields when the flags are applied, so they
-    follow ``--model.d_model``, ``--model.family`` or ``--model.n_heads``.
-
-    For text, memmap and hf data ``model.d_vocab`` is ``"auto"`` (the training loop sets it to the
-    data's vocabulary) unless a flag says otherwise.
+    are derived from the final fields, so they follow ``--model.d-model``, ``--model.family`` or
+    ``--model.n-heads``. For text, memmap and hf data ``model.d_vocab`` is ``"auto"`` (the data's
+    vocabulary) unless a flag says otherwise.
     """
     from dataclasses import fields, replace
 
+    from sinklens.specs import split_spec
     from sinklens.train.run_folder import resume_config
-    from sinklens.train.config import PRESETS, ModelConfig, overrides_to_args, parse_args
+    from sinklens.train.config import (
+        PRESETS, ModelConfig, TrainConfig, flags_to_pairs, load_config, overrides_to_pairs, set_values,
+    )
 
     explicit: set[str] = set()  # model fields set by the preset's definition, the config file or the run
     resumed = resume_config(args.out) if args.resume and args.out and not args.config else None
@@ -133,25 +115,21 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         base = base.replace(model=ModelConfig.from_preset(name, **file_model))
         explicit |= set(PRESETS[name])
     base = replace(base, model=base.model.unset_derived(keep=explicit))
-    sets = []
+    pairs = []
     if args.variant:
         name, options = split_spec(args.variant, what="attention variant")
-        sets.append(f"model.variant={name}")
-        sets += [f"model.variant_options.{key}={value!r}" for key, value in options.items()]
+        pairs.append(("model.variant", name, "--variant"))
+        pairs += [(f"model.variant_options.{key}", repr(value), "--variant") for key, value in options.items()]
     if args.data:
-        sets += _data_overrides(args.data)
+        pairs += [(*item.split("=", 1), "--data") for item in _data_overrides(args.data)]
     for flag, key in (("steps", "steps"), ("batch_size", "batch_size"), ("seq_len", "data.seq_len"), ("lr", "optim.lr"),
-                      ("seed", "seed"), ("data_seed", "data.seed"), ("device", "device")):
+                      ("seed", "seed"), ("device", "device")):
         if getattr(args, flag) is not None:
-            sets.append(f"{key}={getattr(args, flag)}")
+            pairs.append((key, getattr(args, flag), "--" + flag.replace("_", "-")))
     if args.interventions:
-        sets.append(f"interventions={list(args.interventions)!r}")
-    flags, variant_options = overrides_to_args(base, sets + list(args.overrides))
-    cfg = parse_args(base, flags + list(getattr(args, "config_flags", [])))
-    if variant_options or any(getattr(cfg.model, name) is None for name in ModelConfig.DERIVED):
-        # rebuilding the model fills any derived field still None (config.json is always complete)
-        cfg = cfg.replace(model={**cfg.model.to_dict(), "variant_options": {**cfg.model.variant_options, **variant_options}})
-    return cfg
+        pairs.append(("interventions", repr(list(args.interventions)), "--intervention"))
+    pairs += overrides_to_pairs(args.overrides) + flags_to_pairs(getattr(args, "config_flags", []))
+    return set_values(base, pairs)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -162,9 +140,10 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.validate import writable_file
 
     if args.fields:
-        from sinklens.train.config import parse_args
+        from sinklens.train.config import fields_help
 
-        parse_args(TrainConfig(), ["--help"])
+        print(fields_help())
+        return 0
     if not args.out:
         raise InvalidArgumentError("sinklens train needs --out, the run directory.")
     cfg = build_config(args)

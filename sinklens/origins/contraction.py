@@ -405,7 +405,7 @@ def contraction(
     """Inter- and intra-sequence concentration per sublayer on random inputs (see the module docstring).
 
     ``random`` (or its fields as keywords: ``n_sequences=``, ``seq_len=``, ``prepend_bos=``, ``seed=``)
-    are the :class:`~sinklens.origins.preference.RandomInputs` (default 128 sequences of 32 tokens).
+    are the :class:`~sinklens.origins.preference.RandomInputs` (default 128 sequences of SEQ_LEN = 64 tokens).
 
     Examples:
         >>> from sinklens.testing import tiny_model

@@ -571,7 +571,7 @@ def fingerprint(
     identity_mode: IdentityMode = "coset",
     alpha: float = DEFAULT_ALPHA,
     seed: int = DEFAULT_SEED,
-    options: RunOptions = RunOptions(batch_size=16, desc="SeedPrint"),
+    options: RunOptions = RunOptions(desc="SeedPrint"),
 ) -> FingerprintResult:
     """SeedPrint lineage test between two models (see the module docstring for every step).
 

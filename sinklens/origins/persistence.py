@@ -46,7 +46,7 @@ from sinklens.display import CompactRepr
 from sinklens.errors import IncompatibleModelsError
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch
-from sinklens.options import RunOptions
+from sinklens.options import SEQ_LEN, RunOptions
 from sinklens.origins.contraction import _SiteAccumulator
 from sinklens.origins.preference import RandomInputs, TokenPreferenceReducer, random_batches
 from sinklens.origins.sites import final_state_site
@@ -120,7 +120,7 @@ def snapshot(
     model: Any,
     *,
     n_sequences: int = 64,
-    seq_len: int = 16,
+    seq_len: int = SEQ_LEN,
     seed: int = 0,
     options: RunOptions = RunOptions(progress=False, desc="persistence"),
 ) -> PreferenceSnapshot:
@@ -170,7 +170,7 @@ def persistence(
     reference: Any,
     *,
     n_sequences: int = 64,
-    seq_len: int = 16,
+    seq_len: int = SEQ_LEN,
     seed: int = 0,
     options: RunOptions = RunOptions(progress=False, desc="persistence"),
 ) -> dict[str, float]:

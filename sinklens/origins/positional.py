@@ -41,7 +41,7 @@ from sinklens.display import CompactRepr, StructuralEq
 from sinklens.export import to_json
 from sinklens.hooks import Z, hook_name, model_device, model_dims
 from sinklens.inputs import TokenBatch
-from sinklens.options import RunOptions, checked_options, settings_from
+from sinklens.options import SEQ_LEN, RunOptions, checked_options, settings_from
 from sinklens.origins.preference import RandomInputs, stream_random
 from sinklens.residual_sites import after_attention_hooks, attention_write_hooks
 from sinklens.streaming import BatchFold, Reducer
@@ -191,7 +191,7 @@ def positional_discrepancy(
     """Per layer and position: across-sequence variance and mean norm of attention outputs and residuals.
 
     ``random`` (or its fields as keywords: ``n_sequences=``, ``seq_len=``, ``prepend_bos=``, ``seed=``)
-    are the :class:`~sinklens.origins.preference.RandomInputs` (default 128 sequences of 32 tokens).
+    are the :class:`~sinklens.origins.preference.RandomInputs` (default 128 sequences of SEQ_LEN = 64 tokens).
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -232,7 +232,7 @@ def positional_over_training(
     *,
     steps: Any = None,
     n_sequences: int = 128,
-    seq_len: int = 32,
+    seq_len: int = SEQ_LEN,
     prepend_bos: bool = False,
     seed: int = 0,
     options: RunOptions = RunOptions(progress=False, desc="positional"),

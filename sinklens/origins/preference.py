@@ -50,7 +50,7 @@ from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch, random_token_batches
-from sinklens.options import RunOptions, checked_options, settings_from
+from sinklens.options import SEQ_LEN, RunOptions, checked_options, settings_from
 from sinklens.origins.sites import final_state_site, logits_from_final
 from sinklens.streaming import R, BatchFold, Reducer, stream
 from sinklens.validate import as_seed, positive_int
@@ -202,7 +202,7 @@ class RandomInputs:
     must follow a BOS (``seq_len >= 3`` with ``prepend_bos``): contraction's intra-sequence cosine pairs them."""
 
     n_sequences: int = 128
-    seq_len: int = 32
+    seq_len: int = SEQ_LEN
     prepend_bos: bool = False
     seed: int = 0
 

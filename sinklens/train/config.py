@@ -7,9 +7,9 @@ and the bad value) and round-trips through ``to_dict``/``from_dict`` (a run's ``
 exactly ``TrainConfig.to_dict()``; ``config.json`` files of sinklens 0.1 still load). Unknown keys
 raise, naming the known ones.
 
-Command-line values are parsed by `tyro <https://brentyi.github.io/tyro/>`_ from these dataclasses
-(:func:`parse_args`); :func:`apply_overrides` turns ``"section.key=value"`` strings (``--set``) into
-the same arguments, so there is one parser and no hand-written type coercion.
+Command-line values are parsed from these dataclasses' fields and types (:func:`parse_args` for flags
+such as ``--optim.lr 3e-4``, :func:`apply_overrides` for ``--set optim.lr=3e-4``): one parser, and the
+dataclasses validate the result once.
 
 Examples:
     >>> cfg = TrainConfig.from_dict({"steps": 10, "optim": {"lr": 1e-3}})
@@ -27,19 +27,18 @@ Examples:
 from __future__ import annotations
 
 import ast
-import contextlib
-import copy
 import dataclasses
-import io
 import json
 import os
 import re
+import types
 import typing
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
 from sinklens.errors import ConfigFileNotFoundError, InputFileError, InvalidArgumentError
+from sinklens.options import SEQ_LEN, SINK_THRESHOLD
 from sinklens.specs import _split_args, parse_value
 from sinklens.train.variants import get_attention_variant
 from sinklens.validate import as_bool, as_seed, choice, closest, did_you_mean, finite_number, positive_int
@@ -131,7 +130,7 @@ class ModelConfig(_Part):
     ``4 * d_model`` for ``gpt2`` and to ``8 * d_model / 3`` rounded up to a multiple of 8 for
     ``llama`` (SwiGLU with about the parameters of a 4x GELU MLP). A built config always holds the
     derived numbers, so a run's ``config.json`` is complete. ``sinklens train`` derives them after
-    every override (:meth:`unset_derived`), so ``--preset tiny --model.d_model 128`` gets
+    every override (:meth:`unset_derived`), so ``--preset tiny --model.d-model 128`` gets
     ``d_mlp=344``, not the preset's 176, unless the preset, the config file or a flag sets ``d_mlp``.
 
     Examples:
@@ -198,7 +197,7 @@ class ModelConfig(_Part):
 
     def unset_derived(self, *, keep: typing.Iterable[str] = ()) -> ModelConfig:
         """A copy whose :attr:`DERIVED` fields not named in ``keep`` are None again: a template for
-        building a config whose other fields still change (as tyro does from a default instance);
+        building a config whose other fields still change (as ``sinklens train`` does from a preset);
         the config built from it derives them from its own fields. The copy itself is not validated
         again and is not meant to build a model.
 
@@ -307,7 +306,7 @@ class DataConfig(_Part):
 
     source: DataSource = "bigram-backcopy"
     path: str | None = None
-    seq_len: int = 64
+    seq_len: int = SEQ_LEN
     seed: int = 1234
     val_fraction: float = 0.1
     bos: bool = True
@@ -379,9 +378,9 @@ class EvalConfig(_Part):
     interval: int = 50
     batches: int = 2
     batch_size: int = 16
-    sink_threshold: float = 0.3
+    sink_threshold: float = SINK_THRESHOLD
     persistence_sequences: int = 8
-    persistence_seq_len: int = 32
+    persistence_seq_len: int = SEQ_LEN
     persistence_seed: int = 0
 
     def __post_init__(self) -> None:
@@ -537,28 +536,222 @@ def load_config(path: str | Path) -> TrainConfig:
 
 
 # ------------------------------------------------------------------------------------------------
-# Command-line values: tyro parses them from the dataclasses above
+# Command-line values: one parser over the dataclass fields above. A field's key is its config path
+# (``optim.lr``, ``data.seq_len``: config files and ``--set``); its flag is the key with hyphens
+# (``--optim.lr``, ``--data.seq-len``), as every other sinklens flag is spelled.
 
 
-def _field_type(cls: type, name: str) -> Any:
-    return typing.get_type_hints(cls)[name]
+def flag_name(key: str) -> str:
+    """The command-line flag of a config key.
+
+    Examples:
+        >>> flag_name("data.seq_len"), flag_name("on_nonfinite")
+        ('--data.seq-len', '--on-nonfinite')
+    """
+    return "--" + key.replace("_", "-")
 
 
-def _literal_choices(tp: Any) -> set[str]:
-    """Every ``Literal`` value a field type admits, as strings (``Literal["bfloat16", "none"] | None``
-    → ``{"bfloat16", "none"}``)."""
-    if typing.get_origin(tp) is Literal:
-        return {str(v) for v in typing.get_args(tp)}
-    return set().union(*(_literal_choices(a) for a in typing.get_args(tp)))
+def config_fields() -> dict[str, tuple[type, Any]]:
+    """Every settable field by key, ``{"optim.lr": (OptimConfig, float), ...}``, with its type."""
+    keys: dict[str, tuple[type, Any]] = {}
+    for name, tp in typing.get_type_hints(TrainConfig).items():
+        if name in _PARTS:
+            keys |= {f"{name}.{leaf}": (_PARTS[name], t) for leaf, t in typing.get_type_hints(_PARTS[name]).items()
+                     if leaf != "DERIVED"}
+        else:
+            keys[name] = (TrainConfig, tp)
+    return keys
 
 
-def _tyro_value(text: str, field_type: Any = None) -> str:
-    """``--set`` spellings of None and booleans (``none``, ``true``) in tyro's (``None``, ``True``);
-    a value the field's ``Literal`` lists (``autocast=none``) is kept as written."""
-    stripped = text.strip()
-    if stripped in _literal_choices(field_type):
-        return stripped
-    return {"none": "None", "null": "None", "true": "True", "false": "False"}.get(stripped.lower(), stripped)
+def _members(tp: Any) -> tuple[Any, ...]:
+    return typing.get_args(tp) if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union else (tp,)
+
+
+def type_text(tp: Any) -> str:
+    """A field type as ``--fields`` shows it: ``INT``, ``FLOAT|none``, ``{llama,gpt2}``, ``INT|auto``.
+
+    Examples:
+        >>> type_text(int | None), type_text(Literal["a", "b"]), type_text(bool | Literal["auto"])
+        ('INT|none', '{a,b}', 'true|false|auto')
+    """
+    names = {int: "INT", float: "FLOAT", str: "TEXT", bool: "true|false", type(None): "none"}
+    parts = []
+    for member in _members(tp):
+        if typing.get_origin(member) is Literal:
+            choices = ",".join(map(str, typing.get_args(member)))
+            parts.append(f"{{{choices}}}" if len(_members(tp)) == 1 else choices.replace(",", "|"))
+        else:
+            parts.append(names.get(member, "LIST" if typing.get_origin(member) is list else "MAPPING"))
+    return "|".join(parts)
+
+
+def parse_field(key: str, raw: str, tp: Any, *, what: str | None = None) -> Any:
+    """``raw`` as a value of the field ``key`` of type ``tp``: a ``Literal`` choice as written, ``none``/``null``
+    where None is allowed, ``true``/``false`` for a boolean, then an integer, a number or text, in the order the
+    type lists them. The range of a value is the dataclass's to check (``__post_init__``).
+
+    Raises:
+        InvalidArgumentError: naming ``what`` (default ``key``), the value and what it could be.
+
+    Examples:
+        >>> parse_field("optim.min_lr", "none", float | None), parse_field("model.d_vocab", "auto", int | Literal["auto"])
+        (None, 'auto')
+        >>> parse_field("steps", "ten", int)
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.InvalidArgumentError: steps must be an integer, got 'ten'.
+    """
+    what = what or key
+    text = raw.strip()
+    members = _members(tp)
+    choices = [v for m in members if typing.get_origin(m) is Literal for v in typing.get_args(m)]
+    for value in choices:
+        if text == str(value):
+            return value
+    if type(None) in members and text.lower() in ("none", "null"):
+        return None
+    for member in members:
+        try:
+            if member is bool and text.lower() in ("true", "false"):
+                return text.lower() == "true"
+            if member in (int, float):
+                return member(text)
+        except ValueError:
+            continue
+        if member is str:
+            return raw
+        if typing.get_origin(member) is list:
+            return _list_value(key, raw)
+    kinds = {int: "an integer", float: "a number", bool: "true or false", type(None): "none"}
+    expected = [kinds[m] for m in members if m in kinds] + [repr(v) for v in choices]
+    if choices and len(expected) == len(choices):
+        raise InvalidArgumentError(f"{what} must be one of {choices}, got {text!r}{did_you_mean(text, map(str, choices))}.")
+    raise InvalidArgumentError(f"{what} must be {' or '.join(expected)}, got {text!r}.")
+
+
+def set_values(base: TrainConfig, pairs: typing.Iterable[tuple[str, str, str]]) -> TrainConfig:
+    """``base`` with ``(key, raw value, what)`` triples applied in order, then validated once by the dataclasses.
+
+    ``what`` names the value in errors (the flag or ``--set`` item the user typed). ``model.variant_options``
+    takes a mapping (``{'gain': 'shared'}``) and ``model.variant_options.NAME`` one option; either adds to the
+    options already set. A ``model.variant`` other than ``base``'s starts from no variant options: ``base``'s
+    were for its own variant.
+    """
+    fields_by_key = config_fields()
+    data = base.to_dict()
+    variant_options: dict[str, Any] = {}
+    for key, raw, what in pairs:
+        *parents, leaf = key.split(".")
+        if parents[:2] == ["model", "variant_options"] and len(parents) == 2:
+            variant_options[leaf] = parse_value(raw)
+            continue
+        if key == "model.variant_options":
+            mapping = parse_value(raw)
+            if not isinstance(mapping, dict) or not all(isinstance(k, str) for k in mapping):
+                raise InvalidArgumentError(
+                    f"model.variant_options takes a mapping such as {{'gain': 'shared'}}, got {raw.strip()!r}; "
+                    "or set one option with model.variant_options.NAME=VALUE.")
+            variant_options.update(mapping)
+            continue
+        if key not in fields_by_key:
+            if parents and (len(parents) > 1 or parents[0] not in _PARTS):
+                raise InvalidArgumentError(f"Unknown config section {'.'.join(parents)!r} of {what}"
+                                           f"{did_you_mean(parents[0], _PARTS)}.")
+            known = [k.rpartition(".")[2] for k in fields_by_key if k.rpartition(".")[0] == ".".join(parents)]
+            raise InvalidArgumentError(f"Unknown config key {key!r}{did_you_mean(key, fields_by_key)}; known keys "
+                                       f"here are {sorted(known)}.")
+        section = data[parents[0]] if parents else data
+        section[leaf] = parse_field(key, raw, fields_by_key[key][1], what=what)
+    if data["model"]["variant"] != base.model.variant:
+        data["model"]["variant_options"] = {}
+    data["model"]["variant_options"] = {**data["model"]["variant_options"], **variant_options}
+    return TrainConfig.from_dict(data)
+
+
+def overrides_to_pairs(overrides: typing.Iterable[str]) -> list[tuple[str, str, str]]:
+    """``--set`` items ``"section.key=value"`` as ``(key, value, item)`` triples for :func:`set_values`."""
+    pairs = []
+    for item in overrides:
+        key, sep, raw = str(item).partition("=")
+        if not sep or not key.strip():
+            raise InvalidArgumentError(f"Override {item!r} is not of the form 'section.key=value' (e.g. 'optim.lr=3e-4').")
+        pairs.append((key.strip(), raw, key.strip()))
+    return pairs
+
+
+def flags_to_pairs(args: list[str] | tuple[str, ...]) -> list[tuple[str, str, str]]:
+    """Field flags ``--optim.lr 3e-4``, ``--data.seq-len=128``, ``--compile`` (a boolean alone: true) as
+    ``(key, value, flag)`` triples for :func:`set_values`.
+
+    Raises:
+        InvalidArgumentError: an unknown flag (with the closest one), or a flag without its value.
+
+    Examples:
+        >>> flags_to_pairs(["--optim.lr", "3e-4", "--data.seq-len=128"])
+        [('optim.lr', '3e-4', '--optim.lr'), ('data.seq_len', '128', '--data.seq-len')]
+        >>> flags_to_pairs(["--data.seq_len", "128"])
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.InvalidArgumentError: Unknown flag --data.seq_len (did you mean --data.seq-len?); sinklens train --fields lists them.
+    """
+    fields_by_key = config_fields()
+    flags = {flag_name(key): key for key in fields_by_key} | {"--model.variant-options": "model.variant_options"}
+    pairs, i = [], 0
+    while i < len(args):
+        name, eq, value = str(args[i]).partition("=")
+        if name not in flags:
+            match = closest(name, flags)
+            hint = f" (did you mean {match}?)" if match else ""
+            raise InvalidArgumentError(f"Unknown flag {args[i]}{hint}; sinklens train --fields lists them.")
+        key = flags[name]
+        if not eq:
+            if i + 1 < len(args) and not str(args[i + 1]).startswith("--"):
+                value, i = str(args[i + 1]), i + 1
+            elif bool in _members(fields_by_key.get(key, (None, None))[1]):
+                value = "true"
+            else:
+                raise InvalidArgumentError(f"{name} needs a value.")
+        pairs.append((key, value, name))
+        i += 1
+    return pairs
+
+
+def parse_args(base: TrainConfig, args: list[str] | tuple[str, ...]) -> TrainConfig:
+    """``base`` with field flags (``--optim.lr 3e-4 --model.n-layers 2``) applied and validated (see
+    :func:`flags_to_pairs`, :func:`set_values`); errors are one :class:`~sinklens.errors.InvalidArgumentError`."""
+    return set_values(base, flags_to_pairs(args))
+
+
+def apply_overrides(cfg: TrainConfig, overrides: list[str] | tuple[str, ...]) -> TrainConfig:
+    """Apply ``"a.b=value"`` overrides (``--set`` on the command line) and validate the result.
+
+    Raises :class:`~sinklens.errors.InvalidArgumentError` (a ``ValueError``) for a malformed
+    override, an unknown key or an invalid resulting config.
+    """
+    return set_values(cfg, overrides_to_pairs(overrides))
+
+
+def fields_help() -> str:
+    """The text of ``sinklens train --fields``: one line per field flag, its type, default and the first sentence
+    of its description in the dataclass docstring."""
+    defaults = TrainConfig().to_dict()
+    lines = ["Every TrainConfig field is a flag (--KEY VALUE; --set KEY=VALUE and config files use the key):"]
+    for key, (cls, tp) in config_fields().items():
+        *parents, leaf = key.split(".")
+        default = defaults[parents[0]][leaf] if parents else defaults[leaf]
+        head = f"  {flag_name(key)} {type_text(tp)} = {default}"
+        line = f"{head:<50} {_field_doc(cls, leaf)}".rstrip()
+        lines.append(line if len(line) <= 100 else line[:97] + "...")
+    return "\n".join(lines)
+
+
+def _field_doc(cls: type, name: str) -> str:
+    """The first sentence of ``name``'s entry in ``cls``'s ``Attributes:`` docstring section, plain text."""
+    doc = cls.__doc__ or ""
+    match = re.search(rf"^\s+(?:[\w, ]*\b)?{name}\b[\w, ]*:\s(.+?)(?:\.\s|\.$|\n\s*\n|\n\s+\w[\w, ]*:\s)",
+                      doc.split("Attributes:", 1)[-1] if "Attributes:" in doc else "", re.MULTILINE | re.DOTALL)
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", match.group(1)) if match else ""
+    return re.sub(r"\s+", " ", text.replace("``", "")).strip()
 
 
 def _list_value(key: str, raw: str) -> list[str]:
@@ -613,138 +806,3 @@ def _list_value(key: str, raw: str) -> list[str]:
         else:
             specs.append(piece)
     return specs
-
-
-def overrides_to_args(cfg: TrainConfig, overrides: list[str] | tuple[str, ...]) -> tuple[list[str], dict[str, Any]]:
-    """``["optim.lr=3e-4", ...]`` → tyro arguments ``["--optim.lr", "3e-4", ...]``.
-
-    Keys are checked against the dataclass fields here (the message names the known keys); values
-    are left to tyro. The variant's options (a free-form mapping tyro does not parse) are returned
-    separately as ``{NAME: value}``, from ``model.variant_options.NAME=value`` or from a whole
-    mapping, ``model.variant_options={'gain': 'shared'}``; either adds to the options already set.
-    """
-    args: list[str] = []
-    variant_options: dict[str, Any] = {}
-    for item in overrides:
-        key, sep, raw = str(item).partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise InvalidArgumentError(f"Override {item!r} is not of the form 'section.key=value' (e.g. 'optim.lr=3e-4').")
-        *parents, leaf = key.split(".")
-        if parents[:2] == ["model", "variant_options"] and len(parents) == 2:
-            variant_options[leaf] = parse_value(raw)
-            continue
-        if parents == ["model"] and leaf == "variant_options":
-            mapping = parse_value(raw)
-            if not isinstance(mapping, dict) or not all(isinstance(k, str) for k in mapping):
-                raise InvalidArgumentError(
-                    f"model.variant_options takes a mapping such as {{'gain': 'shared'}}, got {raw.strip()!r}; "
-                    "or set one option with model.variant_options.NAME=VALUE."
-                )
-            variant_options.update(mapping)
-            continue
-        cls: type = TrainConfig
-        for i, part in enumerate(parents):
-            if cls is not TrainConfig or part not in _PARTS:
-                raise InvalidArgumentError(f"Unknown config section {'.'.join(parents[: i + 1])!r} in override {item!r}.")
-            cls = _PARTS[part]
-        known = [f.name for f in fields(cls)]
-        if leaf not in known or leaf in _PARTS:
-            raise InvalidArgumentError(f"Unknown config key {key!r}; known keys here are {sorted(known)}.")
-        if typing.get_origin(_field_type(cls, leaf)) is list:
-            args += [f"--{key}", *_list_value(key, raw)]
-        else:
-            args += [f"--{key}", _tyro_value(raw, _field_type(cls, leaf))]
-    return args, variant_options
-
-
-def parse_args(base: TrainConfig, args: list[str] | tuple[str, ...], *, prog: str = "sinklens train") -> TrainConfig:
-    """``base`` with tyro-style arguments (``--optim.lr 3e-4 --model.n-layers 2``) applied and validated.
-
-    Raises :class:`~sinklens.errors.InvalidArgumentError` with tyro's message (unknown flag, a
-    value of the wrong type, a field outside its range) instead of exiting. ``--help`` prints every
-    field and raises ``SystemExit(0)``.
-
-    A ``--model.variant`` other than ``base``'s starts from no variant options: ``base``'s were for its own
-    variant (a config file's ``variant_options`` would otherwise be checked against the variant named here).
-    """
-    import tyro
-
-    # Booleans as users type them (``--compile false``, ``--on_nonfinite ...``) in tyro's spelling.
-    args = [a if a.startswith("-") or a.lower() not in ("true", "false") else _tyro_value(a) for a in args]
-    variant = _last_flag_value(args, "--model.variant")
-    if variant is not None and variant != base.model.variant and base.model.variant_options:
-        model = copy.copy(base.model)  # a copy, not a rebuild: fields left unset for tyro stay unset
-        model.variant_options = {}
-        base = copy.copy(base)
-        base.model = model
-    if "-h" in args or "--help" in args:
-        tyro.cli(TrainConfig, default=base, args=list(args), prog=prog, config=(tyro.conf.FlagConversionOff,))
-    buffer = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(buffer), contextlib.redirect_stdout(buffer):
-            return tyro.cli(TrainConfig, default=base, args=list(args), prog=prog, config=(tyro.conf.FlagConversionOff,))
-    except SystemExit:
-        raise InvalidArgumentError(_tyro_error(buffer.getvalue())) from None
-
-
-def _last_flag_value(args: list[str], flag: str) -> str | None:
-    """The value the last ``flag VALUE`` or ``flag=VALUE`` in ``args`` gives (tyro keeps the last), or None.
-
-    Examples:
-        >>> _last_flag_value(["--model.variant", "gated", "--steps", "3", "--model.variant=baseline"], "--model.variant")
-        'baseline'
-    """
-    value = None
-    for i, arg in enumerate(args):
-        if arg == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif arg.startswith(flag + "="):
-            value = arg[len(flag) + 1:]
-    return value
-
-
-#: Titles of tyro's error panels, which it repeats in the panel's first line.
-_TYRO_TITLES = ("Value error", "Unrecognized options", "Invalid choice", "Parsing error", "Required options",
-                "Missing required arguments")
-
-
-def _tyro_error(panel: str) -> str:
-    """tyro's error panel as one line: frame, panel title, help pointer and argument helptext dropped.
-
-    A field's own validation (``__post_init__``) comes back as tyro's "Error parsing <section>: <our
-    message>", and our message names the field: only it is kept. A flag tyro itself could not parse
-    keeps tyro's wording (``Error parsing --steps: invalid literal for int() ...``).
-
-    Examples:
-        >>> _tyro_error("╭─ Value error ─╮\\n│ Error parsing optim: optim.lr must be a finite number, got nan. │")
-        'optim.lr must be a finite number, got nan.'
-        >>> _tyro_error("╭─ Unrecognized options ─╮\\n│ Unrecognized options: --until │\\n│ For full helptext, run x │")
-        'Unrecognized options: --until'
-        >>> _tyro_error(" Value error \\n ------ \\n  Error parsing TrainConfig: seed must be ..., got  \\n  -1.  \\n  ------")
-        'seed must be ..., got -1.'
-    """
-    # Box characters go; a rule of ASCII dashes goes as a whole line, never a value's minus sign.
-    lines = [line.strip(" │╭╮╰╯─") for line in panel.splitlines()]
-    kept = [line for line in lines if line.strip("-") and not line.startswith("For full helptext")]
-    text = re.sub(r"\s+", " ", " ".join(kept))
-    text = text.split(" Argument helptext:")[0].strip()
-    for title in _TYRO_TITLES:
-        if text.startswith(title + " "):
-            text = text[len(title) + 1:]
-            break
-    own = re.match(r"Error parsing (?!-)[\w.]+: (.+)$", text)
-    return own.group(1) if own else text
-
-
-def apply_overrides(cfg: TrainConfig, overrides: list[str] | tuple[str, ...]) -> TrainConfig:
-    """Apply ``"a.b=value"`` overrides (``--set`` on the command line) and validate the result.
-
-    Raises :class:`~sinklens.errors.InvalidArgumentError` (a ``ValueError``) for a malformed
-    override, an unknown key or an invalid resulting config.
-    """
-    args, variant_options = overrides_to_args(cfg, overrides)
-    cfg = parse_args(cfg, args) if args else cfg
-    if variant_options:
-        cfg = cfg.replace(model={**cfg.model.to_dict(), "variant_options": {**cfg.model.variant_options, **variant_options}})
-    return cfg

@@ -403,7 +403,7 @@ def memmap_source(cfg: DataConfig) -> StreamSource:
             f"The token ids of {str(path)!r} go up to {largest}, but the vocabulary is {vocab_size} tokens "
             f"({origin}, ids 0..{vocab_size - 1}); "
             + ("check that meta.pkl belongs to these .bin files." if meta_path.is_file() else
-               f"set data.vocab_size to at least {largest + 1} (e.g. --data.vocab_size {largest + 1}), or check that "
+               f"set data.vocab_size to at least {largest + 1} (e.g. --data.vocab-size {largest + 1}), or check that "
                f"the .bin file is the one meant.")
         )
     return StreamSource(train, val, seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=vocab_size, bos_id=None)
@@ -456,7 +456,7 @@ def check_synthetic_vocab(source: str, vocab: int, *, from_model: bool = False) 
     raise InvalidArgumentError(
         f"data.source={source!r} with a vocabulary of {vocab} tokens ({where}) would need two dense "
         f"{vocab}x{vocab} float64 tables ({gib:.1f} GiB); synthetic tasks allow at most {MAX_SYNTHETIC_VOCAB} tokens. "
-        f"Set data.vocab_size smaller (e.g. --data.vocab_size 256; model.d_vocab may stay larger) or model.d_vocab, "
+        f"Set data.vocab_size smaller (e.g. --data.vocab-size 256; model.d_vocab may stay larger) or model.d_vocab, "
         f"or train on text data (--data PATH)."
     )
 

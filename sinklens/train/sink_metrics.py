@@ -22,7 +22,7 @@ from sinklens.analysis.variance import VarianceReducer
 from sinklens.display import CompactRepr
 from sinklens.hooks import RESID_POST, model_device, model_dims
 from sinklens.inputs import TokenBatch
-from sinklens.options import HookFn, RunOptions
+from sinklens.options import SINK_THRESHOLD, HookFn, RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, stream
 from sinklens.train.model import next_token_loss
 
@@ -116,7 +116,7 @@ def evaluate(
     batches: Sequence[TokenBatch],
     targets: Sequence[Tensor],
     *,
-    threshold: float = 0.3,
+    threshold: float = SINK_THRESHOLD,
     extra_hooks: Sequence[tuple[str, HookFn]] = (),
 ) -> SinkMetrics:
     """Validation loss and sink metrics of ``model`` on fixed evaluation batches.

@@ -50,7 +50,7 @@ def test_compare_prints_null_eval_metrics_as_na_and_json_stays_strict(tmp_path, 
     assert main(["compare", str(run), "--out", str(tmp_path / "c.png")]) == 0, capsys.readouterr().err
     out = capsys.readouterr().out
     assert "sink_rate n/a" in out and "sinklens_sink_rate n/a" in out and "Kendall n/a" in out and "|cos| n/a" in out, out
-    assert main(["compare", str(run), "--out", str(tmp_path / "c.png"), "--overwrite", "--json"]) == 0
+    assert main(["compare", str(run), "--out", str(tmp_path / "c.png"), "--overwrite", "--json", "-"]) == 0
     text = capsys.readouterr().out
     (row,) = json.loads(text)  # strict JSON: null, never NaN or "n/a"
     assert row["sink_rate"] is None and row["persistence_kendall"] is None and "NaN" not in text
@@ -85,7 +85,7 @@ def test_compare_marks_diverged_and_incomplete_runs(tmp_path, capsys):
         {"kind": "nonfinite", "step": 1, "loss": None, "grad_norm": None, "lr": 1.0, "action": "skip"}]
         + _train_lines([4.0, 3.5], start=2), steps=4)
     runs = [str(good), str(diverged), str(short), str(skipped)]
-    assert main(["compare", *runs, "--smoothing", "1", "--out", str(tmp_path / "c.png"), "--json"]) == 0
+    assert main(["compare", *runs, "--smoothing", "1", "--out", str(tmp_path / "c.png"), "--json", "-"]) == 0
     rows = {row["run"].split(" @ ")[1]: row for row in json.loads(capsys.readouterr().out)}
     assert {name: row["status"] for name, row in rows.items()} == {
         "good": "finished", "div": "diverged", "short": "incomplete", "skip": "finished"}
@@ -104,7 +104,7 @@ def test_compare_refuses_a_nan_default_target(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "--target-loss" in err and "empty" in err and "Traceback" not in err, err
     assert main(["compare", str(empty), str(good), "--target-loss", "3.5", "--smoothing", "1",
-                 "--out", str(tmp_path / "c.png"), "--json"]) == 0
+                 "--out", str(tmp_path / "c.png"), "--json", "-"]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert [row["status"] for row in rows] == ["incomplete", "finished"] and rows[0]["final_loss"] is None
     assert rows[1]["steps_to_target"] == 2
@@ -137,10 +137,10 @@ def test_unquoted_list_overrides(value, expected):
 
 @pytest.mark.parametrize("value", ["[", "[restart:positions=4", "[a]]", "[scale=2]", "['a', b]", "[a]x"])
 def test_malformed_list_overrides_are_named_errors(value):
-    from sinklens.train.config import TrainConfig, overrides_to_args
+    from sinklens.train.config import TrainConfig, apply_overrides
 
     with pytest.raises(InvalidArgumentError) as info:
-        overrides_to_args(TrainConfig(), [f"interventions={value}"])
+        apply_overrides(TrainConfig(), [f"interventions={value}"])
     assert "interventions" in str(info.value) and repr(value) in str(info.value)
     assert "interventions=[restart:positions=16]" in str(info.value)
 

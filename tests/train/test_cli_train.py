@@ -34,7 +34,7 @@ def test_train_then_compare(tmp_path, capsys):
         assert cfg["model"]["d_model"] == 16 and cfg["data"]["seq_len"] == 16 and cfg["steps"] == 6
     capsys.readouterr()
     assert main(["compare", str(tmp_path / "baseline"), str(tmp_path / "headwise_rms"), "--smoothing", "1",
-                 "--out", str(tmp_path / "cmp.png"), "--json"]) == 0
+                 "--out", str(tmp_path / "cmp.png"), "--json", "-"]) == 0
     rows = json.loads(capsys.readouterr().out.split("figure:")[0])
     assert [r["run"] for r in rows] == ["baseline @ baseline", "headwise_rms @ headwise_rms"]
     lines = [json.loads(x) for x in (tmp_path / "baseline" / "metrics.jsonl").read_text().splitlines()]
@@ -90,7 +90,7 @@ def test_compare_keeps_runs_that_share_a_folder_name_and_refuses_bad_options(tmp
         assert main(["train", "--preset", "tiny", "--data", "bigram-backcopy", "--steps", "3", "--seed", str(seed),
                      "--out", path, *TINY]) == 0
     capsys.readouterr()
-    assert main(["compare", *paths, "--smoothing", "1", "--out", str(tmp_path / "cmp.png"), "--json"]) == 0
+    assert main(["compare", *paths, "--smoothing", "1", "--out", str(tmp_path / "cmp.png"), "--json", "-"]) == 0
     rows = json.loads(capsys.readouterr().out.split("figure:")[0])
     assert [r["run"] for r in rows] == [f"baseline @ {p}" for p in paths]
     finals = [[json.loads(x)["loss"] for x in (tmp_path / d / "a" / "metrics.jsonl").read_text().splitlines()
@@ -123,15 +123,15 @@ def test_derived_model_fields_follow_later_overrides(tmp_path):
     the preset's values, and --model.n_heads 2 failed with "n_kv_heads=4 must divide n_heads=2")."""
     from sinklens.train.config import ModelConfig
 
-    assert _build(tmp_path, "--preset", "tiny", "--model.d_model", "128").model.d_mlp == ModelConfig(d_model=128).d_mlp == 344
+    assert _build(tmp_path, "--preset", "tiny", "--model.d-model", "128").model.d_mlp == ModelConfig(d_model=128).d_mlp == 344
     assert _build(tmp_path, "--preset", "tiny", "--set", "model.family=gpt2").model.d_mlp == 4 * 64
-    model = _build(tmp_path, "--preset", "tiny", "--model.n_heads", "2").model
+    model = _build(tmp_path, "--preset", "tiny", "--model.n-heads", "2").model
     assert (model.n_heads, model.n_kv_heads) == (2, 2)
     # set explicitly (a flag, the preset's own definition, a config file): kept
-    assert _build(tmp_path, "--preset", "tiny", "--model.d_model", "128", "--set", "model.d_mlp=100").model.d_mlp == 100
-    assert _build(tmp_path, "--preset", "headnorm-cpu", "--model.d_model", "512").model.d_mlp == 1024
+    assert _build(tmp_path, "--preset", "tiny", "--model.d-model", "128", "--set", "model.d_mlp=100").model.d_mlp == 100
+    assert _build(tmp_path, "--preset", "headnorm-cpu", "--model.d-model", "512").model.d_mlp == 1024
     (tmp_path / "gqa.toml").write_text("[model]\nn_kv_heads = 2\n")
-    model = _build(tmp_path, "--config", str(tmp_path / "gqa.toml"), "--model.d_model", "128").model
+    model = _build(tmp_path, "--config", str(tmp_path / "gqa.toml"), "--model.d-model", "128").model
     assert (model.n_kv_heads, model.d_mlp) == (2, 344)
 
 
@@ -156,9 +156,9 @@ def test_a_variant_named_over_a_config_file_starts_from_its_own_options(tmp_path
     vc = str(tmp_path / "vc.toml")
     model = _build(tmp_path, "--config", vc, "--variant", "baseline").model
     assert (model.variant, model.variant_options) == ("baseline", {})
-    model = _build(tmp_path, "--config", vc, "--variant", "headwise_rms:gain=shared", "--model.d_model", "128").model
+    model = _build(tmp_path, "--config", vc, "--variant", "headwise_rms:gain=shared", "--model.d-model", "128").model
     assert (model.variant, model.variant_options, model.d_mlp) == ("headwise_rms", {"gain": "shared"}, 344)
-    model = _build(tmp_path, "--config", vc, "--model.variant", "gated").model  # the tyro field flag too
+    model = _build(tmp_path, "--config", vc, "--model.variant", "gated").model  # the field flag too
     assert (model.variant, model.variant_options) == ("gated", {})
     model = _build(tmp_path, "--config", vc, "--variant", "variance_calibrated").model  # the same variant: kept
     assert model.variant_options == {"mode": "position_amplify"}
@@ -168,7 +168,7 @@ def test_a_variant_named_over_a_config_file_starts_from_its_own_options(tmp_path
 
 def test_derived_fields_are_written_to_the_run_config(tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(["train", "--preset", "tiny", "--model.n_heads", "2", "--steps", "1", "--out", str(out), *TINY])
+    code = main(["train", "--preset", "tiny", "--model.n-heads", "2", "--steps", "1", "--out", str(out), *TINY])
     assert code == 0, capsys.readouterr().err
     model = json.loads((out / "config.json").read_text())["model"]
     assert (model["d_model"], model["n_heads"], model["n_kv_heads"], model["d_mlp"]) == (16, 2, 2, 48)  # complete

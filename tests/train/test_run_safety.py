@@ -76,7 +76,7 @@ def test_cli_refuses_existing_run_and_bad_values_before_touching_it(tmp_path, ca
         assert main(["train", "--overwrite", *tiny, *bad]) == 2, bad
         assert message in capsys.readouterr().err
     assert _snapshot(tmp_path) == before
-    assert main(["train", "--steps", "4", "--overwrite", "--optim.warmup_steps", "1", *tiny]) == 0
+    assert main(["train", "--steps", "4", "--overwrite", "--optim.warmup-steps", "1", *tiny]) == 0
     assert json.loads((tmp_path / "config.json").read_text())["optim"]["warmup_steps"] == 1
 
 

@@ -69,7 +69,7 @@ def test_bin_ids_beyond_the_vocabulary_are_refused_before_the_run_folder(tmp_pat
     code, err = _train([*TINY, "--device", "cpu", "--data", str(data), "--set", "data.vocab_size=100",
                         "--out", str(out)], capsys)
     assert code == 2, err
-    assert "go up to 299" in err and "data.vocab_size=100" in err and "--data.vocab_size 300" in err
+    assert "go up to 299" in err and "data.vocab_size=100" in err and "--data.vocab-size 300" in err
     assert not out.exists()
     # the vocabulary of a meta.pkl is checked the same way
     folder = tmp_path / "nano"
@@ -210,7 +210,7 @@ def test_text_data_that_is_not_utf8_is_named_in_a_warning(tmp_path, capsys):
 def test_max_skips_allows_that_many_skipped_steps_then_stops(tmp_path, capsys):
     out = tmp_path / "run"
     code, err = _train([*TINY, *SYNTH, "--device", "cpu", "--steps", "20", "--lr", "1e30", "--set",
-                        "optim.warmup_steps=0", "--set", "optim.grad_clip=0", "--on_nonfinite", "skip", "--set",
+                        "optim.warmup_steps=0", "--set", "optim.grad_clip=0", "--on-nonfinite", "skip", "--set",
                         "max_skips=3", "--out", str(out)], capsys)
     assert code == 1, err  # a failure of the work
     lines = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
