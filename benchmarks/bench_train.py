@@ -5,14 +5,14 @@ Modes::
     python benchmarks/bench_train.py throughput [--steps 20]        # CPU, one process, side by side
     python benchmarks/bench_train.py throughput --gpu [--compile]   # 124M Llama-style, seq 1024, bf16
     python benchmarks/bench_train.py convergence [--steps 300 --seeds 0 1 2]
-    python benchmarks/bench_train.py headnorm --theirs PATH [--repeats 3 --steps 12 --compile --auto --cold-cache --bf16 --prime]
+    python benchmarks/bench_train.py headnorm --theirs PATH [--repeats 3 --steps 12 --compile --cold-cache --bf16 --prime]
 
 ``throughput`` times the sinklens trainer's step (``forward_backward`` + clip + AdamW, the code
 :func:`sinklens.train.loop.train` runs) against a minimal PyTorch Llama-style loop written here
 (same shapes, same batch, same optimizer), interleaved in one process so machine noise hits both;
 it reports tokens/s and the ratio, for ``baseline`` and ``headwise_rms``. Warm-up steps are not timed.
 ``--gpu`` uses the ``124m`` preset at sequence 1024 in bf16 autocast and also reports MFU; ``--compile``
-runs both models through ``torch.compile`` (as ``compile=auto`` does for a long run); ``--bf16``
+runs both models through ``torch.compile`` (as ``compile=auto`` does on CUDA); ``--bf16``
 (CPU) runs both under bfloat16 autocast (``TrainConfig.cpu_autocast``).
 ``convergence`` trains baseline and headwise_rms on the same offline text (the Python standard
 library's ``*.py`` sources, byte tokenizer) for several seeds and reports the steps each needs to
@@ -24,9 +24,8 @@ d_model 256, SwiGLU 1024, sequence 256, batch 16, vocabulary 512, fp32, HeadNorm
 both on the same random nanoGPT-style ``train.bin``; it reports each run's median tokens/s over
 the steps after ``--warmup`` (after the first compiled step for a run that compiled), the medians
 over repeats, their ratios and the medians of the paired ratios, the load average at each repeat,
-and the compile seconds of ``--compile`` (``compile=true``) and ``--auto`` (``compile=auto``, the
-default, on a run configured for ``--planned-steps`` steps and stopped once ``--steps`` steps after
-the decision are logged); ``--cold-cache`` gives the first repeat a fresh inductor cache; ``--prime``
+and the compile seconds of ``--compile`` (``compile=true``); ``--cold-cache`` gives the first repeat
+a fresh inductor cache; ``--prime``
 runs every trainer once, untimed, before the repeats; ``--bf16``
 adds ``sinklens train`` with ``cpu_autocast=bfloat16`` (mixed precision, which their ``train.py``
 does not offer on a CPU: its CPU context is a ``nullcontext``), and with ``--compile`` a compiled
@@ -127,7 +126,7 @@ def throughput(args) -> dict:
         ref = RefLM(cfg.model).to(device)
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=device.type == "cuda")
         source = build_source(cfg.data)
-        # --compile: both models through torch.compile (what compile=auto does for a long run); the
+        # --compile: both models through torch.compile (what compile=auto does on CUDA); the
         # compilation happens in the warm-up steps, which are not timed
         run_ours, run_ref = (torch.compile(ours), torch.compile(ref)) if args.compile else (ours, ref)
 
@@ -218,18 +217,13 @@ def _their_run(theirs: Path, data: Path, steps: int, their_compile: bool) -> lis
     return [16 * 256 / (t / 1000) for t in ms]
 
 
-def _our_run(data: Path, steps: int, compile_: str, *, planned_steps: int | None = None,
-             cache_dir: str | None = None, cpu_matmul: str = "auto",
+def _our_run(data: Path, steps: int, compile_: str, *, cache_dir: str | None = None,
              cpu_autocast: str = "none") -> tuple[list[float], list[bool], dict[str, Any] | None]:
     """``sinklens train`` at the same configuration: tokens/s and ``compiled`` of every step (from
     metrics.jsonl), and the ``kind="compile"`` line if any.
 
-    ``planned_steps``: the run is configured for this many steps (so ``compile=auto`` sees a
-    realistic run length and decides as it would for it) and stopped once ``steps`` train lines
-    after the compile decision are written. ``cache_dir``: inductor's on-disk cache (a fresh folder
-    measures a cold compile). ``cpu_matmul``: ``TrainConfig.cpu_matmul`` (``"aten"`` measures the
-    run without the oneDNN matmul). ``cpu_autocast``: ``TrainConfig.cpu_autocast`` (``"bfloat16"``:
-    mixed precision, not their float32 arithmetic).
+    ``cache_dir``: inductor's on-disk cache (a fresh folder measures a cold compile).
+    ``cpu_autocast``: ``TrainConfig.cpu_autocast`` (``"bfloat16"``: mixed precision, not their float32 arithmetic).
     """
     import os
     import subprocess
@@ -239,33 +233,13 @@ def _our_run(data: Path, steps: int, compile_: str, *, planned_steps: int | None
     env = dict(os.environ, **({"TORCHINDUCTOR_CACHE_DIR": cache_dir} if cache_dir else {}))
     with tempfile.TemporaryDirectory(prefix="headnorm-ours-") as tmp:
         cmd = [sys.executable, "-m", "sinklens.cli", "train", "--preset", "headnorm-cpu", "--data", str(data),
-               "--seq-len", "256", "--batch-size", "16", "--steps", str(planned_steps or steps), "--device", "cpu",
+               "--seq-len", "256", "--batch-size", "16", "--steps", str(steps), "--device", "cpu",
                "--no-progress", "--set", "eval.interval=0", "--set", f"compile={compile_}",
-               "--set", f"cpu_matmul={cpu_matmul}", "--set", f"cpu_autocast={cpu_autocast}", "--out", f"{tmp}/run"]
-        metrics = Path(tmp, "run", "metrics.jsonl")
-
-        def lines() -> list[dict[str, Any]]:
-            text = metrics.read_text() if metrics.is_file() else ""
-            return [json.loads(x) for x in text.splitlines() if x.strip().endswith("}")]
-
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        try:
-            while proc.poll() is None:
-                got = lines()
-                done_at = next((x["step"] for x in got if x["kind"] == "compile"), None)
-                decided = done_at is not None or len(got) > 3  # "auto" decides after 2 probe steps
-                after = [x for x in got if x["kind"] == "train" and (done_at is None or x["step"] >= done_at)]
-                if planned_steps and decided and len(after) >= steps:
-                    proc.terminate()
-                    break
-                time.sleep(0.5)
-            proc.wait()
-            if proc.returncode not in (0, -15):
-                raise RuntimeError(proc.stderr.read()[-2000:])
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        got = lines()
+               "--set", f"cpu_autocast={cpu_autocast}", "--out", f"{tmp}/run"]
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        if done.returncode:
+            raise RuntimeError(done.stderr[-2000:])
+        got = [json.loads(x) for x in Path(tmp, "run", "metrics.jsonl").read_text().splitlines() if x.strip()]
     train_lines = [x for x in got if x["kind"] == "train"]
     compile_line = next((x for x in got if x["kind"] == "compile"), None)
     return [x["tokens_per_s"] for x in train_lines], [bool(x.get("compiled")) for x in train_lines], compile_line
@@ -296,16 +270,12 @@ def headnorm(args) -> dict:
     rng.integers(0, 512, size=200_000, dtype=np.uint16).tofile(data / "val.bin")
     (data / "meta.pkl").write_bytes(__import__("pickle").dumps({"vocab_size": 512}))
     ours = {"sinklens_eager": "false"}
-    if args.aten:
-        ours["sinklens_eager_aten"] = "false"
     if args.bf16:
         ours["sinklens_eager_bf16"] = "false"
     if args.bf16 and args.compile:
         ours["sinklens_compiled_bf16"] = "true"
     if args.compile:
         ours["sinklens_compiled"] = "true"
-    if args.auto:
-        ours["sinklens_auto"] = "auto"
     runs: dict[str, list[float]] = {name: [] for name in ["theirs", *ours]}
     compile_s: dict[str, list[float | None]] = {name: [] for name, mode in ours.items() if mode != "false"}
     load: list[float] = []
@@ -322,9 +292,7 @@ def headnorm(args) -> dict:
                 cold = args.cold_cache and repeat == 0 and mode != "false"
                 cache = tempfile.mkdtemp(prefix="inductor-cold-") if cold else None
                 scratch += [Path(cache)] if cache else []
-                planned = args.planned_steps if mode == "auto" else None
-                tps, compiled, line = _our_run(data, args.steps, mode, planned_steps=planned, cache_dir=cache,
-                                               cpu_matmul="aten" if name.endswith("_aten") else "auto",
+                tps, compiled, line = _our_run(data, args.steps, mode, cache_dir=cache,
                                                cpu_autocast="bfloat16" if name.endswith("_bf16") else "none")
                 runs[name].append(_steady(tps, compiled, args.warmup))
                 if name in compile_s:
@@ -352,12 +320,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="headnorm: also sinklens train with compile=true; "
                         "throughput: torch.compile both models (compiled in the untimed warm-up steps)")
-    parser.add_argument("--auto", action="store_true", help="headnorm: also sinklens train with compile=auto (the "
-                        "default), configured for --planned-steps and stopped after --steps steps")
-    parser.add_argument("--planned-steps", type=int, default=2000, help="headnorm --auto: the run length auto sees")
     parser.add_argument("--cold-cache", action="store_true", help="headnorm: repeat 0 compiles with a fresh inductor cache")
-    parser.add_argument("--aten", action="store_true", help="headnorm: also sinklens eager with cpu_matmul=aten "
-                        "(PyTorch's default CPU matmul instead of oneDNN)")
     parser.add_argument("--bf16", action="store_true", help="headnorm: also sinklens eager with cpu_autocast=bfloat16; "
                         "throughput (CPU): both models under CPU bfloat16 autocast")
     parser.add_argument("--their-compile", action="store_true", help="headnorm: their train.py with --compile=True")

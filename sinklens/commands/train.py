@@ -198,16 +198,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{metric_text(last['persistence_spearman'], '.3f')}, Kendall {metric_text(last.get('persistence_kendall'), '.3f')}, "
                   f"contraction direction |cos| {metric_text(last.get('persistence_direction_cos'), '.3f')}")
     info = result.compile
-    if info:
-        seconds = f", first compiled step {info['compile_s']:.1f} s beyond an eager one" if info.get("compile_s") else ""
-        print(f"compile: {'on' if info['compiled'] else 'off'} ({info['reason']}{seconds})"
-              + (f"; {info['error']}" if info.get("error") else ""))
-    cpu = result.cpu
-    if cpu.get("device") == "cpu":  # say which CPU fast paths the run had
-        why = f" ({cpu['matmul_fallback_reason']})" if cpu.get("matmul_fallback_reason") else ""
-        kept = ", freed memory kept mapped" if cpu.get("retained_memory") else ""
-        mixed = cpu.get("autocast", "none")
-        products = f"{mixed} autocast (products in {mixed} on aten)" if mixed != "none" else f"matmul {cpu['matmul']}{why}"
-        print(f"cpu: {products}{kept}")
+    seconds = f", first compiled step {info['compile_s']:.1f} s" if info.get("compile_s") else ""
+    print(f"device: {result.device}, autocast {result.autocast}, compile {'on' if info.get('compiled') else 'off'}"
+          f"{seconds}" + (f"; {info['error']}" if info.get("error") else ""))
     print(f"run directory: {out}")
     return 0

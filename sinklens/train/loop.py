@@ -44,8 +44,6 @@ from sinklens.errors import (
     TrainingInterrupted,
 )
 from sinklens.export import json_line, write_json
-from sinklens.train.compile import CompileSwitch
-from sinklens.train.allocator import retained_cpu_memory
 from sinklens.train.checkpoint import (
     METRICS, TOKENIZER, RunLock, check_data_fingerprint, clean_stale, discard_set_aside, foreign_entries,
     has_checkpoint, is_run_dir, load_checkpoint, load_run, read_metrics, recover_set_aside, restore_set_aside,
@@ -56,7 +54,6 @@ from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source, data_fingerprint
 from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
 from sinklens.train.interrupt import StopSignals
-from sinklens.train.matmul import cpu_matmul_backend, set_cpu_matmul
 from sinklens.train.model import next_token_loss
 from sinklens.train.persistence import PersistenceTracker
 from sinklens.train.precision import mixed_precision
@@ -92,6 +89,28 @@ def get_lr(step: int, optim: OptimConfig, total_steps: int) -> float:
 
 #: Device types whose AdamW ``fused=None`` resolves to the fused kernel.
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+
+#: Extra keyword arguments of every ``torch.compile`` call the trainer makes (tests set a cheap backend).
+COMPILE_KWARGS: dict[str, Any] = {}
+
+
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``torch.compile(model, **COMPILE_KWARGS)``; compilation itself happens at the first call.
+
+    Where torch has it, the call gets its own recompilation budget (``isolate_recompiles=True``): every
+    ``torch.compile`` of ``SinkLM`` otherwise shares dynamo's per-code-object limit of 8 compiled entries,
+    so in a process that trains many differently shaped models the ninth would run eagerly.
+    """
+    extra = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+    return torch.compile(model, **extra, **COMPILE_KWARGS)
+
+
+def compile_failed_warning(error: BaseException) -> str:
+    """The one-line warning of a compile that failed (the run continues eagerly)."""
+    text = " ".join(str(error).split())  # one line: dynamo's messages span several
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return (f"torch.compile failed ({type(error).__name__}: {text}); training continues eagerly. "
+            f"Set compile=false to skip the attempt.")
 
 
 def configure_optimizer(model: Any, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
@@ -202,27 +221,21 @@ class TrainResult(CompactRepr):
             resumed run a ``kind="resume"`` line where it was picked up (``step``, ``changes``:
             ``{config key: [before, now]}``).
         out_dir: the run directory, or None.
-        compile: whether this process trained compiled and why (``TrainConfig.compile``, see
-            :mod:`sinklens.train.compile`): ``mode``, ``compiled``, ``reason``, ``compile_s``
-            (seconds the first compiled step took beyond an eager one), ``error`` (a failed
-            compile, after which the run went on eagerly), ``eager_step_s`` and
-            ``compiled_step_s`` (``"auto"``'s timings: it keeps the compiled model only where it
-            measured faster). Also a ``kind="compile"`` metrics line when a compile was attempted
-            and another when ``"auto"`` checked it, and ``compiled`` on every ``kind="train"`` line.
-        cpu: the CPU fast paths of the run: ``device`` (the device type it trained on),
-            ``matmul`` (``"onednn"`` or ``"aten"``: the backend ``TrainConfig.cpu_matmul`` resolved
-            to, used for CPU float32 products only, :mod:`sinklens.train.matmul`),
-            ``matmul_fallback_reason`` (why ``"auto"`` fell back to aten, else None) and
-            ``retained_memory`` (freed memory kept mapped during a CPU run,
-            :mod:`sinklens.train.allocator`), ``autocast`` (the forward's autocast dtype,
-            ``"bfloat16"``/``"float16"``, or ``"none"``: :mod:`sinklens.train.precision`).
+        compile: whether this process trained compiled (``TrainConfig.compile``): ``compiled``,
+            ``compile_s`` (wall seconds of the first compiled step, compilation included) and ``error``
+            (a failed compile, after which the run went on eagerly); also the ``kind="compile"`` metrics
+            line written when a compile was attempted.
+        device: the device type the run trained on (``"cpu"``, ``"cuda"``).
+        autocast: the forward's autocast dtype, ``"bfloat16"``/``"float16"``, or ``"none"``
+            (:mod:`sinklens.train.precision`).
     """
 
     model: Any
     history: list[dict[str, Any]] = field(default_factory=list)
     out_dir: Path | None = None
     compile: dict[str, Any] = field(default_factory=dict)
-    cpu: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    autocast: str = "none"
 
     def losses(self) -> list[float]:
         return [line["loss"] for line in self.history if line["kind"] == "train"]
@@ -469,11 +482,9 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
     resumed_from = load_run(out) if out is not None and resume else None  # verified once: compared, then loaded
     resume_changed = resume_changes(resumed_from.config, cfg, run_dir=out) if resumed_from is not None else {}
     dist, device = init_distributed(cfg.device)
-    matmul_before = cpu_matmul_backend()["requested"]
     resources = contextlib.ExitStack()
     overwritten: list[Path] = []  # the run that overwrite=True replaces, until the new one's first checkpoint
     try:
-        set_cpu_matmul(cfg.cpu_matmul)  # raises before any work when "onednn" is asked for and missing
         # ---- data: the order depends on cfg.data only; d_vocab="auto" is resolved here, once
         source = build_source(cfg.data, d_vocab=None if cfg.model.d_vocab == "auto" else cfg.model.d_vocab)
         cfg = _resolve_vocab(cfg, source)
@@ -543,9 +554,10 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
 
             return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
 
-        # compile=True now, False never, "auto" when safe and the run is long enough (sinklens.train.compile)
-        switch = CompileSwitch(cfg.compile, raw_model, wrap, device, hooks=bool(hooks), distributed=dist.enabled,
-                               steps_left=stop - start_step)
+        # compile=True always, False never, "auto" on CUDA only
+        compiled = cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda")
+        compile_info: dict[str, Any] = {"compiled": compiled, "compile_s": None, "error": None}
+        step_model = wrap(compile_model(raw_model) if compiled else raw_model)
         val_batches, val_targets = eval_batches(source, cfg, device) if cfg.eval.interval and dist.is_main else ([], [])
         persist = PersistenceTracker(cfg, out, lambda m: probe_hooks if m is raw_model else resolve_interventions(
             m, probed))
@@ -608,17 +620,12 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
                 checkpoint(steps_done)
 
         # ---- the loop
-        retained = resources.enter_context(retained_cpu_memory(device.type == "cpu"))
         stops = resources.enter_context(StopSignals(enabled=not dist.enabled))  # Ctrl-C: finish the step, checkpoint
-        backend = cpu_matmul_backend()
-        cpu = {"device": device.type, "matmul": backend["resolved"], "matmul_fallback_reason": backend["reason"],
-               "retained_memory": retained, "autocast": precision.dtype}
         try:
             raw_model.train()
             bar = tqdm(range(start_step, stop), desc="train", disable=not (progress and dist.is_main), initial=start_step,
                        total=cfg.steps)
             skipped = 0
-            step_s: float | None = None  # wall time of the last step (timed while "auto" probes)
 
             def micro_steps(model: Any, rows: Tensor) -> Tensor:
                 """Forward and backward of every micro-batch of the step; the summed (unscaled) loss."""
@@ -647,23 +654,20 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
                 for group in optimizer.param_groups:
                     group["lr"] = lr
 
-                switch.maybe_decide(step - start_step, stop - step, step_s)
-                first_compiled = switch.compiled and switch.compile_s is None
-                timing = switch.decision is None or first_compiled or switch.checking  # sync and time this step
-                if timing and device.type == "cuda":
-                    torch.cuda.synchronize(device)
+                first_compiled = compiled and step == start_step
                 t0 = time.perf_counter()
                 rows = source.batch("train", step, cfg.batch_size).to(device, non_blocking=True)  # (B, T+1)
                 if first_compiled:
                     try:  # compilation happens here; a failure never ends the run
-                        loss_sum = micro_steps(switch.model, rows)
+                        loss_sum = micro_steps(step_model, rows)
                     except Exception as error:  # noqa: BLE001 - any compiler error: retry this step eagerly
                         optimizer.zero_grad(set_to_none=True)
-                        warnings.warn(switch.fall_back(error), stacklevel=2)
-                        loss_sum = micro_steps(switch.model, rows)
+                        compiled, step_model = False, wrap(raw_model)
+                        compile_info.update(compiled=False, error=compile_failed_warning(error))
+                        warnings.warn(compile_info["error"], stacklevel=2)
+                        loss_sum = micro_steps(step_model, rows)
                 else:
-                    loss_sum = micro_steps(switch.model, rows)
-                step_compiled = switch.compiled  # before "auto" may go back to eager after this step
+                    loss_sum = micro_steps(step_model, rows)
                 if scaler is not None:  # float16 only: gradients were scaled, unscale before clipping
                     scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf"),
@@ -703,17 +707,12 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
                 else:
                     optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-                if timing:
+                if first_compiled:  # compiled now, or failed and went on eagerly (compile_info["error"])
                     if device.type == "cuda":
                         torch.cuda.synchronize(device)
-                    elapsed = time.perf_counter() - t0
-                    if first_compiled:  # compiled now, or failed and went on eagerly (switch.error)
-                        if switch.compiled:
-                            switch.compile_s = elapsed - (step_s or 0.0)
-                        log({"kind": "compile", "step": step, **switch.summary()})
-                    elif switch.record_compiled_step(elapsed):  # "auto" kept the compiled model or went back
-                        log({"kind": "compile", "step": step, **switch.summary()})
-                    step_s = elapsed
+                    if compiled:
+                        compile_info["compile_s"] = time.perf_counter() - t0
+                    log({"kind": "compile", "step": step, **compile_info})
 
                 if step % cfg.log_interval == 0 or step == cfg.steps - 1:
                     if dist.enabled:
@@ -724,7 +723,7 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
                     log({
                         "kind": "train", "step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
                         "tokens_per_s": tokens_per_s, "mfu": estimate_mfu(flops_per_token, tokens_per_s, device),
-                        "compiled": step_compiled,
+                        "compiled": compiled,
                     })
                     bar.set_postfix(loss=f"{loss_value:.4f}")
                 periodic_checkpoint(step + 1)
@@ -735,7 +734,8 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
         finally:
             if metrics_file is not None:
                 metrics_file.close()
-        return TrainResult(model=raw_model, history=history, out_dir=out, compile=switch.summary(), cpu=cpu)
+        return TrainResult(model=raw_model, history=history, out_dir=out, compile=compile_info, device=device.type,
+                           autocast=precision.dtype)
     except BaseException as error:
         if overwritten:  # failed before any checkpoint: the run it was to replace comes back
             restore_set_aside(out, overwritten[0])
@@ -746,5 +746,4 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
         raise
     finally:
         resources.close()
-        set_cpu_matmul(matmul_before)
         cleanup_distributed(dist)

@@ -64,7 +64,7 @@ def test_variant_options_as_a_whole_mapping_add_to_those_set():
         (["optim.lr=inf"], "optim.lr must be a finite number, got inf"),
         (["steps=ten"], "Error parsing --steps: invalid literal for int\\(\\) with base 10: 'ten'"),
         (["model.family=bert"], "invalid choice 'bert' for argument '--model.family'"),
-        (["cpu_matmul=mkl"], "invalid choice 'mkl' for argument '--cpu-matmul'"),
+        (["autocast=fp8"], "invalid choice 'fp8' for argument '--autocast'"),
         (["data.source=text"], "needs data.path"),
         (["lr"], "not of the form"),
         (["model.variant_options=shared"], r"model.variant_options takes a mapping such as \{'gain': 'shared'\}, got 'shared'"),
