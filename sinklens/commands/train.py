@@ -201,5 +201,11 @@ def run(args: argparse.Namespace) -> int:
     seconds = f", first compiled step {info['compile_s']:.1f} s" if info.get("compile_s") else ""
     print(f"device: {result.device}, autocast {result.autocast}, compile {'on' if info.get('compiled') else 'off'}"
           f"{seconds}" + (f"; {info['error']}" if info.get("error") else ""))
+    gpu = next((line for line in result.history if line["kind"] == "device"), None)
+    mfus = sorted(line["mfu"] for line in result.history if line["kind"] == "train" and line.get("mfu") is not None)
+    if gpu is not None:
+        peak = f"{gpu['peak_flops'] / 1e12:.1f} TFLOP/s dense bf16 peak" if gpu["peak_flops"] else "unknown peak"
+        mfu = f"MFU {mfus[len(mfus) // 2]:.3f} (median over logged steps) of its {peak}" if mfus else f"MFU: {peak}"
+        print(f"gpu: {gpu['device']}, {mfu}")
     print(f"run directory: {out}")
     return 0

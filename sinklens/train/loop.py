@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import re
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -54,7 +55,6 @@ from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source, data_fingerprint
 from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
 from sinklens.train.interrupt import StopSignals
-from sinklens.train.model import next_token_loss
 from sinklens.train.persistence import PersistenceTracker
 from sinklens.train.precision import mixed_precision
 from sinklens.validate import positive_int, writable_dir
@@ -63,8 +63,13 @@ Hooks = list[tuple[str, HookFn]]
 #: A training-time intervention: a registry spec string ``"name:key=value,..."`` or ``model -> hooks``.
 Intervention = Union[str, Callable[[Any], Hooks]]
 
-#: Dense bf16 peak FLOP/s per GPU, for the MFU estimate (matched against the device name).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165e12, "3090": 71e12}
+#: Dense (no sparsity) bfloat16 tensor-core peak FLOP/s of each GPU, from the vendors' datasheets, for MFU:
+#: the first key found as a whole word in ``torch.cuda.get_device_name()`` (so "L4" does not match "L40S").
+PEAK_FLOPS: dict[str, float] = {
+    "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989.4e12, "H200": 989.4e12, "GH200": 989.4e12, "H800": 989.4e12,
+    "B200": 2250e12, "A100": 312e12, "A800": 312e12, "L40S": 362.05e12, "L40": 181.05e12, "L4": 121e12,
+    "A10": 125e12, "RTX 4090": 165.2e12, "RTX 3090": 71e12,
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -180,21 +185,54 @@ def forward_backward(
     inputs, targets = rows[:, :-1], rows[:, 1:]
     owner = hook_owner if hook_owner is not None else model
     with autocast, owner.hooks(fwd_hooks=list(hooks)) if hooks else contextlib.nullcontext():
-        logits = model(inputs, return_type="logits")  # (B, T, V)
-    loss = next_token_loss(logits, targets)
+        loss = model(inputs, return_type="loss", targets=targets)  # inside the compiled graph when compiled
     scaled = loss * loss_scale if loss_scale != 1.0 else loss
     (scaler.scale(scaled) if scaler is not None else scaled).backward()
     return loss.detach()
 
 
+def peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak FLOP/s of the GPU called ``device_name`` (:data:`PEAK_FLOPS`), None if unknown.
+
+    Examples:
+        >>> peak_flops("NVIDIA H100 PCIe"), peak_flops("NVIDIA H200"), peak_flops("NVIDIA L40S"), peak_flops("Tesla T4")
+        (756000000000000.0, 989400000000000.0, 362050000000000.0, None)
+    """
+    for key, value in PEAK_FLOPS.items():
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name):
+            return value
+    return None
+
+
 def estimate_mfu(flops_per_token: float, tokens_per_s: float, device: torch.device) -> float | None:
     """Model FLOPs utilisation: ``flops_per_token × tokens/s`` over the GPU's dense bf16 peak
-    (:data:`PEAK_FLOPS`); None on CPU or an unknown GPU."""
+    (:func:`peak_flops` of ``torch.cuda.get_device_name``); None on a CPU or an unknown GPU."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    peak = next((value for key, value in PEAK_FLOPS.items() if key in name), None)
+    peak = peak_flops(torch.cuda.get_device_name(device))
     return None if peak is None else flops_per_token * tokens_per_s / peak
+
+
+def fetch_rows(source: TokenSource, step: int, cfg: TrainConfig, device: torch.device) -> Tensor:
+    """The training rows of ``step``, ``(batch, seq_len + 1)``, on ``device``; on CUDA copied from pinned
+    memory without blocking, so the copy overlaps the GPU's work on the step before."""
+    rows = source.batch("train", step, cfg.batch_size)
+    if device.type == "cuda":
+        rows = rows.pin_memory()
+    return rows.to(device, non_blocking=True)
+
+
+def attention_kernels(device: torch.device) -> Any:
+    """The SDPA kernel preference of a training step: on a Hopper or newer GPU cuDNN's fused attention first
+    (faster than FlashAttention-2 there), then flash, memory-efficient and math; elsewhere torch's default."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+        return contextlib.nullcontext()
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)
 
 
 def eval_batches(source: TokenSource, cfg: TrainConfig, device: torch.device) -> tuple[list[TokenBatch], list[Tensor]]:
@@ -626,6 +664,12 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
             bar = tqdm(range(start_step, stop), desc="train", disable=not (progress and dist.is_main), initial=start_step,
                        total=cfg.steps)
             skipped = 0
+            next_rows: Tensor | None = None  # the next step's rows, fetched while the GPU works on this one
+            resources.enter_context(attention_kernels(device))
+            if device.type == "cuda" and dist.is_main:  # the peak that the train lines' mfu divides by
+                name = torch.cuda.get_device_name(device)
+                log({"kind": "device", "step": start_step, "device": name, "peak_flops": peak_flops(name),
+                     "peak": "dense bfloat16 tensor-core peak FLOP/s (sinklens.train.loop.PEAK_FLOPS)"})
 
             def micro_steps(model: Any, rows: Tensor) -> Tensor:
                 """Forward and backward of every micro-batch of the step; the summed (unscaled) loss."""
@@ -656,7 +700,7 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
 
                 first_compiled = compiled and step == start_step
                 t0 = time.perf_counter()
-                rows = source.batch("train", step, cfg.batch_size).to(device, non_blocking=True)  # (B, T+1)
+                rows = next_rows if next_rows is not None else fetch_rows(source, step, cfg, device)  # (B, T+1)
                 if first_compiled:
                     try:  # compilation happens here; a failure never ends the run
                         loss_sum = micro_steps(step_model, rows)
@@ -668,6 +712,7 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
                         loss_sum = micro_steps(step_model, rows)
                 else:
                     loss_sum = micro_steps(step_model, rows)
+                next_rows = fetch_rows(source, step + 1, cfg, device) if step + 1 < stop else None
                 if scaler is not None:  # float16 only: gradients were scaled, unscale before clipping
                     scaler.unscale_(optimizer)
                 grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf"),

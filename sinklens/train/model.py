@@ -59,7 +59,10 @@ def next_token_loss(
     logits: Float[Tensor, "batch pos d_vocab"], targets: Int[Tensor, "batch pos"]
 ) -> Float[Tensor, ""]:
     """The one next-token cross-entropy of the trainer: mean over every ``batch × pos`` prediction
-    of ``-log softmax(logits[b, t])[targets[b, t]]`` in nats, computed in float32.
+    of ``-log softmax(logits[b, t])[targets[b, t]]`` in nats, computed in float32. Under
+    ``torch.compile`` (the trainer computes it inside the compiled forward) the float32 upcast is
+    fused into the log-softmax reduction, so the ``[batch, pos, d_vocab]`` logits are never copied
+    to float32 in memory.
 
     ``logits[:, t]`` must already be aligned with ``targets[:, t]`` (the model's prediction for the
     token that follows position ``t``). Used by :meth:`SinkLM.forward`, the training step and the
@@ -378,6 +381,8 @@ class SinkLM(HookedRootModule):
         self,
         tokens: Int[Tensor, "batch pos"],
         return_type: Literal["logits", "loss", "both", None] = "logits",
+        *,
+        targets: Int[Tensor, "batch pos"] | None = None,
     ) -> Any:
         """Run the model.
 
@@ -387,6 +392,9 @@ class SinkLM(HookedRootModule):
                 cross-entropy (nats) over all ``batch × (pos - 1)`` predictions ``logits[:, t]`` →
                 ``tokens[:, t + 1]``, in float32; ``"both"`` → ``(logits, loss)``; ``None`` → ``None``
                 (for hook-only runs).
+            targets: the token each position predicts, ``[batch, pos]``: the loss is then over all
+                ``batch × pos`` predictions ``logits[:, t]`` → ``targets[:, t]`` (the trainer passes
+                ``rows[:, 1:]`` for ``rows[:, :-1]``, so the loss runs inside a compiled forward).
 
         Raises:
             SequenceTooLongError: ``pos > cfg.n_ctx``.
@@ -411,7 +419,7 @@ class SinkLM(HookedRootModule):
         logits = x @ self.W_E.to(x.dtype).T
         if return_type == "logits":
             return logits
-        loss = next_token_loss(logits[:, :-1], tokens[:, 1:])
+        loss = next_token_loss(logits[:, :-1], tokens[:, 1:]) if targets is None else next_token_loss(logits, targets)
         if return_type == "loss":
             return loss
         if return_type == "both":

@@ -250,6 +250,13 @@ loss = compiled(toks, return_type="loss")
 loss.backward()
 assert model.blocks[0].attn.variant.gain.grad is not None
 assert torch.allclose(loss, model(toks, return_type="loss"))
+# the trainer's call: the loss (float32 upcast and all) inside the one graph, under bf16 autocast too
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    step = compiled(toks[:, :-1], return_type="loss", targets=toks[:, 1:])
+    explained = torch._dynamo.explain(model)(toks[:, :-1], return_type="loss", targets=toks[:, 1:])
+assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained
+assert any("cross_entropy" in str(n.target) for n in explained.graphs[0].graph.nodes)
+assert step.dtype == torch.float32
 print("ok")
 """
 
@@ -338,6 +345,17 @@ def test_model_logits_do_not_depend_on_the_norm_path():
     hooks = [(f"blocks.{l}.ln{i}.hook_scale", lambda s, hook: s) for l in range(2) for i in (1, 2)]
     slow = model.run_with_hooks(tokens, fwd_hooks=hooks + [("ln_final.hook_scale", lambda s, hook: s)])
     torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+def test_loss_with_targets_is_the_mean_cross_entropy_of_every_position():
+    model = build(seed=4)
+    rows = tokens(batch=2, pos=9)
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    got = model(inputs, return_type="loss", targets=targets)
+    logp = torch.log_softmax(model(inputs).double(), dim=-1)  # independent float64 reference
+    ref = -logp.gather(-1, targets[..., None]).mean()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got, next_token_loss(model(inputs), targets))  # the same number the evaluation reports
 
 
 def test_rope_matches_the_rotate_half_formula_in_float64():
