@@ -52,6 +52,8 @@ Autocast = Literal["bfloat16", "float16", "none"]
 #: Mixed precision of a CPU run (:mod:`sinklens.train.precision`).
 CpuAutocast = Literal["bfloat16", "none"]
 OnNonFinite = Literal["stop", "skip"]
+#: Where the trainer sends its metrics besides ``metrics.jsonl`` (:mod:`sinklens.train.loggers`).
+LogTo = Literal["none", "wandb", "tensorboard"]
 DATA_SOURCES: tuple[str, ...] = typing.get_args(DataSource)
 #: The ``data.source`` values whose ``data.path`` is a file or folder on this machine.
 LOCAL_DATA_SOURCES: tuple[str, ...] = ("text", "memmap")
@@ -422,6 +424,9 @@ class TrainConfig(_Part):
         interventions: training-time interventions, ``"name:key=value,key=value"`` spec strings of
             the intervention registry (:func:`sinklens.interventions.registry.build`, e.g.
             ``"restart:positions=16"``).
+        log: also send the metrics to ``"wandb"`` (project ``sinklens``, run named after ``out_dir``) or
+            ``"tensorboard"`` (event files in ``out_dir/tensorboard``); ``"none"`` (default) writes
+            ``metrics.jsonl`` only. Needs ``pip install 'sinklens[wandb]'`` / ``'sinklens[tensorboard]'``.
         log_interval, checkpoint_interval: write a metrics line / a checkpoint every this many steps
             (a checkpoint is always written at the end when the run has an output directory).
         keep_every: keep every ``keep_every``-th checkpoint (the steps that are multiples of
@@ -449,6 +454,7 @@ class TrainConfig(_Part):
     cpu_autocast: CpuAutocast = "none"
     compile: bool | Literal["auto"] = "auto"
     interventions: list[str] = field(default_factory=list)
+    log: LogTo = "none"
     log_interval: int = 1
     checkpoint_interval: int = 0
     keep_every: int = 0
@@ -478,6 +484,7 @@ class TrainConfig(_Part):
         self.autocast = choice(self.autocast, typing.get_args(Autocast), what="autocast")
         self.cpu_autocast = choice(self.cpu_autocast, typing.get_args(CpuAutocast), what="cpu_autocast")
         self.on_nonfinite = choice(self.on_nonfinite, typing.get_args(OnNonFinite), what="on_nonfinite")
+        self.log = choice(self.log, typing.get_args(LogTo), what="log")
         self.log_interval = positive_int(self.log_interval, what="log_interval")
         self.checkpoint_interval = positive_int(self.checkpoint_interval, what="checkpoint_interval", minimum=0)
         self.keep_every = positive_int(self.keep_every, what="keep_every", minimum=0)

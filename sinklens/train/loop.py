@@ -55,6 +55,7 @@ from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source, data_fingerprint
 from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
 from sinklens.train.interrupt import StopSignals
+from sinklens.train.loggers import MetricsLog, check_log
 from sinklens.train.persistence import PersistenceTracker
 from sinklens.train.precision import mixed_precision
 from sinklens.validate import positive_int, writable_dir
@@ -477,6 +478,7 @@ def train(
         until = positive_int(until, what="until", minimum=0)
     cfg = cfg.replace(data=cfg.data.with_absolute_path())  # config.json names the same data from any folder
     check_interventions([*cfg.interventions, *interventions])
+    check_log(cfg.log)
     # Registry specs are part of the run: stored with cfg.interventions in config.json, so a resume applies them.
     specs = [item for item in interventions if isinstance(item, str)]
     twice = [spec for spec in specs if spec in cfg.interventions]
@@ -604,12 +606,17 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
         flops_per_token = raw_model.flops_per_token(cfg.data.seq_len)
         tokens_per_step = cfg.batch_size * cfg.data.seq_len
         metrics_file = open(out / "metrics.jsonl", "a") if out is not None and dist.is_main else None  # noqa: SIM115
+        external = MetricsLog(cfg.log, cfg.to_dict(), out) if cfg.log != "none" and dist.is_main else None
+        if external is not None:
+            resources.callback(external.close)
 
         def log(line: dict[str, Any]) -> None:
             history.append(line)
             if metrics_file is not None:
                 metrics_file.write(json_line(line) + "\n")  # strict JSON: a non-finite number is written null
                 metrics_file.flush()
+            if external is not None:
+                external.write(line)
 
         if resumed_from is not None and dist.is_main:  # where the run was picked up again, and what changed then
             log({"kind": "resume", "step": start_step, "changes": resume_changed})
