@@ -11,7 +11,8 @@ Modes::
 :func:`sinklens.train.loop.train` runs) against a minimal PyTorch Llama-style loop written here
 (same shapes, same batch, same optimizer), interleaved in one process so machine noise hits both;
 it reports tokens/s and the ratio, for ``baseline`` and ``headwise_rms``. Warm-up steps are not timed.
-``--gpu`` uses the ``124m`` preset at sequence 1024 in bf16 autocast and also reports MFU; ``--compile``
+``--gpu`` uses the ``124m`` preset at sequence 1024 in bf16 autocast on random tokens (vocabulary 50304,
+too large for the synthetic tasks) and also reports MFU; ``--compile``
 runs both models through ``torch.compile`` (as ``compile=auto`` does on CUDA); ``--bf16``
 (CPU) runs both under bfloat16 autocast (``TrainConfig.cpu_autocast``).
 ``convergence`` trains baseline and headwise_rms on the same offline text (the Python standard
@@ -50,7 +51,7 @@ from torch import nn
 from sinklens.train.config import TrainConfig
 from sinklens.train.data import build_source
 from sinklens.train.ddp import DistContext
-from sinklens.train.loop import configure_optimizer, estimate_mfu, forward_backward, micro_batch
+from sinklens.train.loop import configure_optimizer, estimate_mfu, forward_backward, micro_batch, peak_flops
 from sinklens.train.model import SinkLM
 
 
@@ -90,11 +91,12 @@ class RefLM(nn.Module):
         self.blocks = nn.ModuleList([RefBlock(cfg.d_model, cfg.n_heads, cfg.d_mlp, cfg.n_ctx) for _ in range(cfg.n_layers)])
         self.norm = nn.RMSNorm(cfg.d_model)
 
-    def forward(self, idx):
+    def forward(self, idx, targets):  # the loss inside the forward, as nanoGPT (and sinklens' trainer) compute it
         x = self.wte(idx)
         for b in self.blocks:
             x = b(x)
-        return self.norm(x) @ self.wte.weight.T
+        logits = self.norm(x) @ self.wte.weight.T
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 # ---------------------------------------------------------------- throughput
@@ -117,31 +119,38 @@ def throughput(args) -> dict:
     amp = (torch.autocast("cuda", dtype=torch.bfloat16) if args.gpu
            else torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16))
     results = {}
+    vocab = model_cfg["d_vocab"]
     for variant in ("baseline", "headwise_rms"):
-        cfg = TrainConfig.from_dict({"model": {**model_cfg, "variant": variant}, "data": {"seq_len": seq, "vocab_size": model_cfg["d_vocab"]},
+        cfg = TrainConfig.from_dict({"model": {**model_cfg, "variant": variant}, "data": {"seq_len": seq, "vocab_size": min(vocab, 256)},
                                      "batch_size": batch, "steps": args.steps, "device": str(device)})
         torch.manual_seed(0)
         ours = SinkLM(cfg.model).to(device)
         opt_ours = configure_optimizer(ours, cfg.optim, device)
         ref = RefLM(cfg.model).to(device)
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=device.type == "cuda")
-        source = build_source(cfg.data)
+        source = None if args.gpu else build_source(cfg.data)
+
+        def batch_rows(s):  # (batch, seq + 1): the synthetic task on a CPU, random tokens at the 124M vocabulary on a GPU
+            if source is not None:
+                return source.batch("train", s, batch).to(device)
+            gen = torch.Generator().manual_seed(s)
+            return torch.randint(0, vocab, (batch, seq + 1), generator=gen).pin_memory().to(device, non_blocking=True)
         # --compile: both models through torch.compile (what compile=auto does on CUDA); the
         # compilation happens in the warm-up steps, which are not timed
         run_ours, run_ref = (torch.compile(ours), torch.compile(ref)) if args.compile else (ours, ref)
 
         def step_ours(s):
-            rows = source.batch("train", s, batch).to(device)
+            rows = batch_rows(s)
             forward_backward(run_ours, micro_batch(rows, 0, cfg, DistContext()), autocast=amp, hook_owner=ours)
             torch.nn.utils.clip_grad_norm_(ours.parameters(), 1.0)
             opt_ours.step()
             opt_ours.zero_grad(set_to_none=True)
 
         def step_ref(s):
-            rows = source.batch("train", s, batch).to(device)
+            rows = batch_rows(s)
             with amp:
-                logits = run_ref(rows[:, :-1])
-            F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten()).backward()
+                loss = run_ref(rows[:, :-1], rows[:, 1:])
+            loss.backward()
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
             opt_ref.step()
             opt_ref.zero_grad(set_to_none=True)
@@ -160,9 +169,10 @@ def throughput(args) -> dict:
         row["ratio"] = row["sinklens"] / row["reference"]
         if device.type == "cuda":
             row["mfu"] = estimate_mfu(ours.flops_per_token(seq), row["sinklens"], device)
+            row["peak"] = f"{torch.cuda.get_device_name()} dense bf16 {peak_flops(torch.cuda.get_device_name()) or 0:.3g} FLOP/s"
         results[variant] = row
         print(f"{variant}: sinklens {row['sinklens']:.0f} tok/s, reference {row['reference']:.0f} tok/s, "
-              f"ratio {row['ratio']:.2f}" + (f", MFU {row['mfu']:.3f}" if row.get("mfu") else ""))
+              f"ratio {row['ratio']:.2f}" + (f", MFU {row['mfu']:.3f} of the {row['peak']}" if row.get("mfu") else ""))
     return results
 
 
