@@ -10,6 +10,13 @@ checkpoint. Training-time interventions (``(hook_name, fn)`` pairs, e.g. from
 :mod:`sinklens.interventions`) are attached with ``model.hooks(...)`` around every forward, so a
 model can be pretrained with its sink moved. Under ``torchrun`` the model is wrapped in DDP.
 
+``_train`` reads top to bottom: ``_build`` (data, model, optimizer, interventions), ``_open_run_dir``
+(resume, then the run folder), ``_prepare_loop`` (compile, metrics files), then for each step
+``_evaluate``, ``_train_step`` and ``_checkpoint``; the run's state travels in one ``_Run``.
+On CUDA the model and its loss are compiled (``compile="auto"``), the forward runs under bfloat16
+autocast, AdamW is fused, the next step's rows are copied from pinned memory while the GPU works,
+and the host waits for the device once per step (the finite-loss check) and once per logged step.
+
 Examples:
     >>> from sinklens.train.config import OptimConfig
     >>> opt = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10)
@@ -28,6 +35,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Union
 
@@ -509,288 +517,83 @@ def _check_weights_finite(model: Any) -> str | None:
     return f"{len(bad)} of {len(params)} parameter tensors hold NaN/inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
 
 
+@dataclass(eq=False)
+class _Run:
+    """The state of one training run in this process, passed to the set-up, step, eval and checkpoint functions."""
+
+    cfg: TrainConfig
+    out: Path | None
+    dist: DistContext
+    device: torch.device
+    source: TokenSource
+    model: Any  # the plain SinkLM: hooks, evaluation and checkpoints use it
+    optimizer: torch.optim.Optimizer
+    precision: Any
+    hooks: Hooks
+    probe_hooks: Hooks
+    probed: list[Intervention]
+    resumed: bool = False
+    start_step: int = 0
+    stop: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    step_model: Any = None  # what a step calls: the model, compiled and/or in DDP
+    compile_info: dict[str, Any] = field(default_factory=dict)
+    persist: Any = None
+    val_batches: list[TokenBatch] = field(default_factory=list)
+    val_targets: list[Tensor] = field(default_factory=list)
+    metrics_file: Any = None
+    external: MetricsLog | None = None
+    saved_steps: set[int] = field(default_factory=set)
+    overwritten: list[Path] = field(default_factory=list)  # the run overwrite=True replaces, until a first checkpoint
+    leftovers: list[Path] = field(default_factory=list)  # runs an earlier overwrite set aside (named, kept)
+    skipped: int = 0  # non-finite steps skipped in a row
+    flops_per_token: float = 0.0
+
+
 def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool, interventions: Sequence[Intervention],
            progress: bool, until: int | None) -> TrainResult:
-    """:func:`train` once the run directory is locked."""
-    from sinklens.train.model import SinkLM
-
+    """:func:`train` once the run directory is locked: set up, then step, evaluate and checkpoint."""
     if out is not None and out.is_dir() and writes_outputs():
         recovered = recover_set_aside(out)  # an overwrite killed before its first checkpoint: the old run comes back
         if recovered is not None:
             warnings.warn(recovered, stacklevel=3)
     _check_run_dir(out, resume=resume, overwrite=overwrite)
     resumed_from = load_run(out) if out is not None and resume else None  # verified once: compared, then loaded
-    resume_changed = resume_changes(resumed_from.config, cfg, run_dir=out) if resumed_from is not None else {}
+    changes = resume_changes(resumed_from.config, cfg, run_dir=out) if resumed_from is not None else {}
     dist, device = init_distributed(cfg.device)
     resources = contextlib.ExitStack()
-    overwritten: list[Path] = []  # the run that overwrite=True replaces, until the new one's first checkpoint
+    run: _Run | None = None
     try:
-        # ---- data: the order depends on cfg.data only; d_vocab="auto" is resolved here, once
-        source = build_source(cfg.data, d_vocab=None if cfg.model.d_vocab == "auto" else cfg.model.d_vocab)
-        cfg = _resolve_vocab(cfg, source)
-        fingerprint = data_fingerprint(source)  # what the data is beyond its config (tokenizer, token streams)
-        fingerprinted = resumed_from is not None and check_data_fingerprint(out, fingerprint)
-        if resumed_from is not None and not fingerprinted and fingerprint:
-            warnings.warn(f"The run in {str(out)!r} was written before runs stored a fingerprint of their data, so "
-                          "this resume cannot check that the data (tokenizer, token ids) is what it trained on; later "
-                          "resumes check it against the data used from here on.", stacklevel=3)
-        per_rank, rem = divmod(cfg.batch_size // cfg.grad_accum, dist.world_size)
-        if rem or per_rank == 0:
-            raise InvalidArgumentError(
-                f"batch_size={cfg.batch_size} does not split into grad_accum={cfg.grad_accum} micro-batches "
-                f"over {dist.world_size} processes; use a multiple of {cfg.grad_accum * dist.world_size}."
-            )
-
-        # ---- model, optimizer, interventions: init depends on cfg.seed; all built before out_dir is touched
-        torch.manual_seed(cfg.seed)
-        model = SinkLM(cfg.model).to(device)
-        model.tokenizer = source.tokenizer
-        optimizer = configure_optimizer(model, cfg.optim, device)
-        precision = mixed_precision(cfg, device)
-        autocast, scaler = precision.autocast, precision.scaler
-        hooks = resolve_interventions(model, [*cfg.interventions, *interventions])
-        specs = [item for item in [*cfg.interventions, *interventions] if isinstance(item, str)]
-        # fresh hooks: a trial leaves no state. The persistence probe runs without the spec interventions where
-        # they cannot run on its shorter sequences (try_interventions says why)
-        probe_all = try_interventions(model, resolve_interventions(model, specs), cfg)
-        probed = [item for item in [*cfg.interventions, *interventions] if probe_all or not isinstance(item, str)]
-        probe_hooks = hooks if probe_all else resolve_interventions(model, probed)
-
-        # ---- the run directory: written only from here on
-        start_step = 0
-        history: list[dict[str, Any]] = []
-        if resumed_from is not None:
-            start_step = load_checkpoint(resumed_from, model=model, optimizer=optimizer, scaler=scaler)
-            history = _read_history(out, start_step)
-        stop = cfg.steps if until is None else min(until, cfg.steps)
-        if resumed_from is not None and start_step >= stop:  # re-saving would replace step `stop`'s checkpoint
-            asked = f"steps={cfg.steps}" + ("" if until is None else f" and until={until}")
-            raise InvalidArgumentError(
-                f"The run in {str(out)!r} is at step {start_step} already; {asked} leave nothing to train. "
-                f"Pass a larger --steps (train(..., resume=True) with cfg.steps > {start_step}) to continue it."
-            )
-        if out is not None and dist.is_main:
-            writable_dir(out, what="out_dir")
-            if overwrite:  # the old run is moved aside: deleted at the new run's first checkpoint, restored on failure
-                overwritten.extend(p for p in [set_aside_run(out)] if p is not None)
-            clean_stale(out)
-            write_json(out / "config.json", cfg.to_dict(), digits=None)
-            write_metrics(out, history)  # a resumed run keeps only the lines before its checkpoint
-            if not fingerprinted:
-                write_data_fingerprint(out, fingerprint)
-            if resumed_from is not None and source.tokenizer is not None:  # a kill may have left it broken or missing
-                problem = tokenizer_problem(out)
-                if problem is not None:
-                    if (out / TOKENIZER).exists():
-                        warnings.warn(f"{problem}; it is written again from the data's tokenizer.", stacklevel=3)
-                    save_tokenizer(out, source.tokenizer)
-
-        raw_model = model
-
-        def wrap(module: Any) -> Any:  # what a step calls: the (possibly compiled) model, in DDP when distributed
-            if not dist.enabled:
-                return module
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
-
-        # compile=True always, False never, "auto" on CUDA only
-        compiled = cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda")
-        compile_info: dict[str, Any] = {"compiled": compiled, "compile_s": None, "error": None}
-        step_model = wrap(compile_model(raw_model) if compiled else raw_model)
-        val_batches, val_targets = eval_batches(source, cfg, device) if cfg.eval.interval and dist.is_main else ([], [])
-        persist = PersistenceTracker(cfg, out, lambda m: probe_hooks if m is raw_model else resolve_interventions(
-            m, probed))
-        if resume and dist.is_main:
-            persist.resume(device)
-        flops_per_token = raw_model.flops_per_token(cfg.data.seq_len)
-        tokens_per_step = cfg.batch_size * cfg.data.seq_len
-        metrics_file = open(out / "metrics.jsonl", "a") if out is not None and dist.is_main else None  # noqa: SIM115
-        external = MetricsLog(cfg.log, cfg.to_dict(), out) if cfg.log != "none" and dist.is_main else None
-        if external is not None:
-            resources.callback(external.close)
-
-        def log(line: dict[str, Any]) -> None:
-            history.append(line)
-            if metrics_file is not None:
-                metrics_file.write(json_line(line) + "\n")  # strict JSON: a non-finite number is written null
-                metrics_file.flush()
-            if external is not None:
-                external.write(line)
-
+        run = _build(cfg, out, dist, device, interventions, resumed=resumed_from is not None)
+        _open_run_dir(run, resumed_from, overwrite=overwrite, until=until)
+        _prepare_loop(run, resources)
         if resumed_from is not None and dist.is_main:  # where the run was picked up again, and what changed then
-            log({"kind": "resume", "step": start_step, "changes": resume_changed})
-
-        def run_eval(step: int) -> None:
-            from sinklens.train.sink_metrics import evaluate
-
-            metrics = evaluate(raw_model, val_batches, val_targets, threshold=cfg.eval.sink_threshold, extra_hooks=hooks)
-            log({"kind": "eval", "step": step, **metrics.scalars(), **persist.measure(raw_model)})
-
-        saved_steps: set[int] = set()
-        leftovers = [] if out is None else set_aside_runs(out)  # runs an earlier overwrite set aside (named, kept)
-
-        def last_checkpoint() -> str:
-            if saved_steps or resumed_from is not None:
-                return f"its last finite checkpoint (step {max(saved_steps, default=start_step)}) in {str(out)!r} is kept"
-            return f"{str(out)!r} holds no checkpoint of this run"
-
-        def checkpoint(step: int, *, regular: bool = True) -> None:  # once per step: Ctrl-C right after a periodic
-            # checkpoint writes none. regular=False: what a divergence or Ctrl-C saves; the run an overwrite replaces
-            # is deleted only after a regular (periodic or final) one
-            if out is not None and step not in saved_steps:
-                bad = _check_weights_finite(raw_model)  # at checkpoints only: never a per-step host sync
-                if bad is not None:  # a finite loss, yet the update left NaN/inf weights: never checkpoint them
-                    log({"kind": "nonfinite", "step": step, "weights": bad, "lr": get_lr(max(step - 1, 0), cfg.optim,
-                                                                                         cfg.steps), "action": "stop"})
-                    raise TrainingDivergedError(
-                        f"Training diverged: the weights after step {step} are not finite ({bad}); the checkpoint of "
-                        f"step {step} was not written and {last_checkpoint()}. Lower optim.lr, raise "
-                        f"optim.warmup_steps or set optim.grad_clip."
-                    )
-                if not dist.is_main:
-                    return
-                save_checkpoint(out, model=raw_model, optimizer=optimizer, cfg=cfg, step=step, scaler=scaler)
-                saved_steps.add(step)
-                if regular and (overwritten or leftovers):  # a regular checkpoint: the run it replaces goes now
-                    discard_set_aside(out)
-                    overwritten.clear()
-                    leftovers.clear()
-                elif overwritten:  # a divergence or Ctrl-C after this checkpoint keeps both: say where the old one is
-                    leftovers.extend(overwritten)
-                    overwritten.clear()
-
-        def periodic_checkpoint(steps_done: int) -> None:
-            if cfg.checkpoint_interval and steps_done % cfg.checkpoint_interval == 0 and steps_done < stop:
-                checkpoint(steps_done)
-
-        # ---- the loop
+            _log(run, {"kind": "resume", "step": run.start_step, "changes": changes})
         stops = resources.enter_context(StopSignals(enabled=not dist.enabled))  # Ctrl-C: finish the step, checkpoint
-        try:
-            raw_model.train()
-            bar = tqdm(range(start_step, stop), desc="train", disable=not (progress and dist.is_main), initial=start_step,
-                       total=cfg.steps)
-            skipped = 0
-            next_rows: Tensor | None = None  # the next step's rows, fetched while the GPU works on this one
-            resources.enter_context(attention_kernels(device))
-            if device.type == "cuda" and dist.is_main:  # the peak that the train lines' mfu divides by
-                name = torch.cuda.get_device_name(device)
-                log({"kind": "device", "step": start_step, "device": name, "peak_flops": peak_flops(name),
-                     "peak": "dense bfloat16 tensor-core peak FLOP/s (sinklens.train.loop.PEAK_FLOPS)"})
-
-            def micro_steps(model: Any, rows: Tensor) -> Tensor:
-                """Forward and backward of every micro-batch of the step; the summed (unscaled) loss."""
-                loss_sum = torch.zeros((), device=device)
-                for micro in range(cfg.grad_accum):
-                    sync = micro == cfg.grad_accum - 1 or not dist.enabled
-                    with contextlib.nullcontext() if sync else model.no_sync():
-                        loss_sum += forward_backward(
-                            model,
-                            micro_batch(rows, micro, cfg, dist),
-                            hooks=hooks,
-                            loss_scale=1.0 / cfg.grad_accum,
-                            autocast=autocast,
-                            hook_owner=raw_model,
-                            scaler=scaler,
-                        )
-                return loss_sum
-
-            for step in bar:
-                if stops.received:
-                    raise _interrupted(stops.received, step, start_step, cfg.steps, out, checkpoint)
-                if cfg.eval.interval and dist.is_main and step % cfg.eval.interval == 0:
-                    run_eval(step)
-
-                lr = get_lr(step, cfg.optim, cfg.steps)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-
-                first_compiled = compiled and step == start_step
-                t0 = time.perf_counter()
-                rows = next_rows if next_rows is not None else fetch_rows(source, step, cfg, device)  # (B, T+1)
-                if first_compiled:
-                    try:  # compilation happens here; a failure never ends the run
-                        loss_sum = micro_steps(step_model, rows)
-                    except Exception as error:  # noqa: BLE001 - any compiler error: retry this step eagerly
-                        optimizer.zero_grad(set_to_none=True)
-                        compiled, step_model = False, wrap(raw_model)
-                        compile_info.update(compiled=False, error=compile_failed_warning(error))
-                        warnings.warn(compile_info["error"], stacklevel=2)
-                        loss_sum = micro_steps(step_model, rows)
-                else:
-                    loss_sum = micro_steps(step_model, rows)
-                next_rows = fetch_rows(source, step + 1, cfg, device) if step + 1 < stop else None
-                if scaler is not None:  # float16 only: gradients were scaled, unscale before clipping
-                    scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf"),
-                                                           foreach=True)
-                # one host sync per step: a NaN/inf loss or gradient must never reach the weights. Under float16's
-                # loss scaler an inf/NaN gradient with a finite loss is the scaler's to handle (it skips that update
-                # and lowers the scale); a non-finite loss is divergence either way.
-                finite = bool(torch.isfinite(loss_sum if scaler is not None else loss_sum + grad_norm))
-                if not finite:
-                    optimizer.zero_grad(set_to_none=True)
-                    skipped += 1
-                    # "skip" drops up to max_skips non-finite steps in a row; the next one stops the run
-                    stopping = cfg.on_nonfinite == "stop" or skipped > cfg.max_skips
-                    line = {"kind": "nonfinite", "step": step, "loss": float(loss_sum) / cfg.grad_accum,
-                            "grad_norm": float(grad_norm), "lr": lr, "action": "stop" if stopping else "skip"}
-                    log(line)
-                    if stopping:
-                        kept = _keep_finite_weights(step, start_step, saved_steps, resumed_from is not None, out,
-                                                    checkpoint, lambda: _check_weights_finite(raw_model))
-                        if cfg.on_nonfinite == "stop":
-                            why, advice = "on_nonfinite='stop'", "or set on_nonfinite='skip' to drop such steps"
-                        else:
-                            why = f"non-finite again after max_skips={cfg.max_skips} skipped steps in a row"
-                            advice = "or raise max_skips to skip more such steps in a row"
-                        raise TrainingDivergedError(
-                            f"Training diverged at step {step}: loss {line['loss']}, gradient norm {line['grad_norm']} "
-                            f"(lr {lr:.3g}); stopped ({why}), {kept}. Lower optim.lr, raise optim.warmup_steps, "
-                            f"{advice}."
-                        )
-                    warnings.warn(f"Step {step}: non-finite loss or gradient; the update was skipped.", stacklevel=2)
-                    periodic_checkpoint(step + 1)  # a skipped step is still a step: its checkpoint is due as usual
-                    continue
-                skipped = 0
-                if scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if first_compiled:  # compiled now, or failed and went on eagerly (compile_info["error"])
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    if compiled:
-                        compile_info["compile_s"] = time.perf_counter() - t0
-                    log({"kind": "compile", "step": step, **compile_info})
-
-                if step % cfg.log_interval == 0 or step == cfg.steps - 1:
-                    if dist.enabled:
-                        torch.distributed.all_reduce(loss_sum, op=torch.distributed.ReduceOp.AVG)
-                    loss_value = float(loss_sum) / cfg.grad_accum  # .item() syncs the device
-                    dt = time.perf_counter() - t0
-                    tokens_per_s = tokens_per_step / dt
-                    log({
-                        "kind": "train", "step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                        "tokens_per_s": tokens_per_s, "mfu": estimate_mfu(flops_per_token, tokens_per_s, device),
-                        "compiled": compiled,
-                    })
-                    bar.set_postfix(loss=f"{loss_value:.4f}")
-                periodic_checkpoint(step + 1)
-
-            if cfg.eval.interval and dist.is_main and stop == cfg.steps:
-                run_eval(cfg.steps)
-            checkpoint(stop)
-        finally:
-            if metrics_file is not None:
-                metrics_file.close()
-        return TrainResult(model=raw_model, history=history, out_dir=out, compile=compile_info, device=device.type,
-                           autocast=precision.dtype)
+        run.model.train()
+        bar = tqdm(range(run.start_step, run.stop), desc="train", disable=not (progress and dist.is_main),
+                   initial=run.start_step, total=run.cfg.steps)
+        next_rows: Tensor | None = None  # the next step's rows, fetched while the GPU works on this one
+        for step in bar:
+            if stops.received:
+                raise _interrupted(stops.received, step, run.start_step, run.cfg.steps, out, partial(_checkpoint, run))
+            if run.cfg.eval.interval and dist.is_main and step % run.cfg.eval.interval == 0:
+                _evaluate(run, step)
+            rows = next_rows if next_rows is not None else fetch_rows(run.source, step, run.cfg, device)  # (B, T+1)
+            next_rows, loss = _train_step(run, step, rows)
+            if loss is not None:
+                bar.set_postfix(loss=f"{loss:.4f}")
+            _periodic_checkpoint(run, step + 1)
+        if run.cfg.eval.interval and dist.is_main and run.stop == run.cfg.steps:
+            _evaluate(run, run.cfg.steps)
+        _checkpoint(run, run.stop)
+        return TrainResult(model=run.model, history=run.history, out_dir=out, compile=run.compile_info,
+                           device=device.type, autocast=run.precision.dtype)
     except BaseException as error:
-        if overwritten:  # failed before any checkpoint: the run it was to replace comes back
-            restore_set_aside(out, overwritten[0])
+        if run is not None and run.metrics_file is not None:
+            run.metrics_file.close()
+        if run is not None and run.overwritten:  # failed before any checkpoint: the run it was to replace comes back
+            restore_set_aside(out, run.overwritten[0])
         elif out is not None and set_aside_runs(out) and isinstance(error, (TrainingDivergedError, TrainingInterrupted)):
             warnings.warn(f"The run this overwrite replaced is kept in {[str(p) for p in set_aside_runs(out)]}: it is "
                           "deleted once this run writes a regular checkpoint (move its files back to keep it).",
@@ -799,3 +602,264 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
     finally:
         resources.close()
         cleanup_distributed(dist)
+
+
+def _build(cfg: TrainConfig, out: Path | None, dist: DistContext, device: torch.device,
+           interventions: Sequence[Intervention], *, resumed: bool) -> _Run:
+    """Data, model, optimizer and interventions, all built before ``out_dir`` is touched. The data order depends on
+    ``cfg.data`` only (``d_vocab="auto"`` is resolved here, once); the initialisation on ``cfg.seed``."""
+    from sinklens.train.model import SinkLM
+
+    source = build_source(cfg.data, d_vocab=None if cfg.model.d_vocab == "auto" else cfg.model.d_vocab)
+    cfg = _resolve_vocab(cfg, source)
+    per_rank, rem = divmod(cfg.batch_size // cfg.grad_accum, dist.world_size)
+    if rem or per_rank == 0:
+        raise InvalidArgumentError(
+            f"batch_size={cfg.batch_size} does not split into grad_accum={cfg.grad_accum} micro-batches "
+            f"over {dist.world_size} processes; use a multiple of {cfg.grad_accum * dist.world_size}."
+        )
+    torch.manual_seed(cfg.seed)
+    model = SinkLM(cfg.model).to(device)
+    model.tokenizer = source.tokenizer
+    optimizer = configure_optimizer(model, cfg.optim, device)
+    every = [*cfg.interventions, *interventions]
+    hooks = resolve_interventions(model, every)
+    # fresh hooks: a trial leaves no state. The persistence probe runs without the spec interventions where
+    # they cannot run on its shorter sequences (try_interventions says why)
+    probe_all = try_interventions(model, resolve_interventions(model, [i for i in every if isinstance(i, str)]), cfg)
+    probed = [item for item in every if probe_all or not isinstance(item, str)]
+    probe_hooks = hooks if probe_all else resolve_interventions(model, probed)
+    return _Run(cfg=cfg, out=out, dist=dist, device=device, source=source, model=model, optimizer=optimizer,
+                precision=mixed_precision(cfg, device), hooks=hooks, probe_hooks=probe_hooks, probed=probed,
+                resumed=resumed)
+
+
+def _open_run_dir(run: _Run, resumed_from: Any, *, overwrite: bool, until: int | None) -> None:
+    """Load the checkpoint a resume continues from, then write the run directory (only from here on)."""
+    cfg, out = run.cfg, run.out
+    fingerprint = data_fingerprint(run.source)  # what the data is beyond its config (tokenizer, token streams)
+    fingerprinted = resumed_from is not None and check_data_fingerprint(out, fingerprint)
+    if resumed_from is not None and not fingerprinted and fingerprint:
+        warnings.warn(f"The run in {str(out)!r} was written before runs stored a fingerprint of their data, so "
+                      "this resume cannot check that the data (tokenizer, token ids) is what it trained on; later "
+                      "resumes check it against the data used from here on.", stacklevel=4)
+    if resumed_from is not None:
+        run.start_step = load_checkpoint(resumed_from, model=run.model, optimizer=run.optimizer,
+                                         scaler=run.precision.scaler)
+        run.history = _read_history(out, run.start_step)
+    run.stop = cfg.steps if until is None else min(until, cfg.steps)
+    if resumed_from is not None and run.start_step >= run.stop:  # re-saving would replace step `stop`'s checkpoint
+        asked = f"steps={cfg.steps}" + ("" if until is None else f" and until={until}")
+        raise InvalidArgumentError(
+            f"The run in {str(out)!r} is at step {run.start_step} already; {asked} leave nothing to train. "
+            f"Pass a larger --steps (train(..., resume=True) with cfg.steps > {run.start_step}) to continue it."
+        )
+    if out is None or not run.dist.is_main:
+        return
+    writable_dir(out, what="out_dir")
+    if overwrite:  # the old run is moved aside: deleted at the new run's first checkpoint, restored on failure
+        run.overwritten.extend(p for p in [set_aside_run(out)] if p is not None)
+    clean_stale(out)
+    write_json(out / "config.json", cfg.to_dict(), digits=None)
+    write_metrics(out, run.history)  # a resumed run keeps only the lines before its checkpoint
+    if not fingerprinted:
+        write_data_fingerprint(out, fingerprint)
+    if resumed_from is not None and run.source.tokenizer is not None:  # a kill may have left it broken or missing
+        problem = tokenizer_problem(out)
+        if problem is not None:
+            if (out / TOKENIZER).exists():
+                warnings.warn(f"{problem}; it is written again from the data's tokenizer.", stacklevel=4)
+            save_tokenizer(out, run.source.tokenizer)
+
+
+def _wrap(run: _Run, module: Any) -> Any:
+    """What a step calls: the (possibly compiled) model, in DDP when distributed."""
+    if not run.dist.enabled:
+        return module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(module, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+
+
+def _prepare_loop(run: _Run, resources: contextlib.ExitStack) -> None:
+    """Compile (``compile=True``, or ``"auto"`` on CUDA), the evaluation batches, the persistence probe, the metrics
+    files and the attention kernels of the loop."""
+    cfg, out, device, main = run.cfg, run.out, run.device, run.dist.is_main
+    run.flops_per_token = run.model.flops_per_token(cfg.data.seq_len)
+    compiled = cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda")
+    run.compile_info = {"compiled": compiled, "compile_s": None, "error": None}
+    run.step_model = _wrap(run, compile_model(run.model) if compiled else run.model)
+    if cfg.eval.interval and main:
+        run.val_batches, run.val_targets = eval_batches(run.source, cfg, device)
+    run.persist = PersistenceTracker(cfg, out, lambda m: run.probe_hooks if m is run.model else resolve_interventions(
+        m, run.probed))
+    if run.resumed and main:
+        run.persist.resume(device)
+    run.leftovers = [] if out is None else set_aside_runs(out)
+    if out is not None and main:
+        run.metrics_file = resources.enter_context(open(out / "metrics.jsonl", "a"))  # noqa: SIM115
+    if cfg.log != "none" and main:
+        run.external = MetricsLog(cfg.log, cfg.to_dict(), out)
+        resources.callback(run.external.close)
+    resources.enter_context(attention_kernels(device))
+    if device.type == "cuda" and main:  # the peak that the train lines' mfu divides by
+        name = torch.cuda.get_device_name(device)
+        _log(run, {"kind": "device", "step": run.start_step, "device": name, "peak_flops": peak_flops(name),
+                   "peak": "dense bfloat16 tensor-core peak FLOP/s (sinklens.train.loop.PEAK_FLOPS)"})
+
+
+def _log(run: _Run, line: dict[str, Any]) -> None:
+    """Add a metrics line to the history, ``metrics.jsonl`` and the ``cfg.log`` library."""
+    run.history.append(line)
+    if run.metrics_file is not None:
+        run.metrics_file.write(json_line(line) + "\n")  # strict JSON: a non-finite number is written null
+        run.metrics_file.flush()
+    if run.external is not None:
+        run.external.write(line)
+
+
+def _evaluate(run: _Run, step: int) -> None:
+    """Validation loss, sink metrics and persistence of the step-0 bias, as a ``kind="eval"`` line."""
+    from sinklens.train.sink_metrics import evaluate
+
+    metrics = evaluate(run.model, run.val_batches, run.val_targets, threshold=run.cfg.eval.sink_threshold,
+                       extra_hooks=run.hooks)
+    _log(run, {"kind": "eval", "step": step, **metrics.scalars(), **run.persist.measure(run.model)})
+
+
+def _micro_steps(run: _Run, rows: Tensor) -> Tensor:
+    """Forward and backward of every micro-batch of the step; the summed (unscaled) loss, on the device."""
+    cfg, model = run.cfg, run.step_model
+    loss_sum = torch.zeros((), device=run.device)
+    for micro in range(cfg.grad_accum):
+        sync = micro == cfg.grad_accum - 1 or not run.dist.enabled
+        with contextlib.nullcontext() if sync else model.no_sync():
+            loss_sum += forward_backward(model, micro_batch(rows, micro, cfg, run.dist), hooks=run.hooks,
+                                         loss_scale=1.0 / cfg.grad_accum, autocast=run.precision.autocast,
+                                         hook_owner=run.model, scaler=run.precision.scaler)
+    return loss_sum
+
+
+def _first_compiled_micro_steps(run: _Run, rows: Tensor) -> Tensor:
+    """:func:`_micro_steps` of the first compiled step, where compilation happens: a compile that fails warns and
+    the step runs again eagerly, so it never ends the run."""
+    try:
+        return _micro_steps(run, rows)
+    except Exception as error:  # noqa: BLE001 - any compiler error: retry this step eagerly
+        run.optimizer.zero_grad(set_to_none=True)
+        run.step_model = _wrap(run, run.model)
+        run.compile_info.update(compiled=False, error=compile_failed_warning(error))
+        warnings.warn(run.compile_info["error"], stacklevel=4)
+        return _micro_steps(run, rows)
+
+
+def _train_step(run: _Run, step: int, rows: Tensor) -> tuple[Tensor | None, float | None]:
+    """One optimizer step on ``rows``; returns the next step's rows (fetched while the device works) and the
+    step's loss when it was logged (None otherwise)."""
+    cfg, optimizer, scaler, device = run.cfg, run.optimizer, run.precision.scaler, run.device
+    lr = get_lr(step, cfg.optim, cfg.steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    first_compiled = run.compile_info["compiled"] and step == run.start_step
+    t0 = time.perf_counter()
+    loss_sum = _first_compiled_micro_steps(run, rows) if first_compiled else _micro_steps(run, rows)
+    next_rows = fetch_rows(run.source, step + 1, cfg, device) if step + 1 < run.stop else None
+    if scaler is not None:  # float16 only: gradients were scaled, unscale before clipping
+        scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip or float("inf"), foreach=True)
+    # one host sync per step: a NaN/inf loss or gradient must never reach the weights. Under float16's loss scaler
+    # an inf/NaN gradient with a finite loss is the scaler's to handle (it skips that update and lowers the scale);
+    # a non-finite loss is divergence either way.
+    if not bool(torch.isfinite(loss_sum if scaler is not None else loss_sum + grad_norm)):
+        _skip_nonfinite(run, step, loss_sum, grad_norm, lr)
+        return next_rows, None
+    run.skipped = 0
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if first_compiled:  # compiled now, or failed and went on eagerly (compile_info["error"])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if run.compile_info["compiled"]:
+            run.compile_info["compile_s"] = time.perf_counter() - t0
+        _log(run, {"kind": "compile", "step": step, **run.compile_info})
+    if step % cfg.log_interval and step != cfg.steps - 1:
+        return next_rows, None
+    if run.dist.enabled:
+        torch.distributed.all_reduce(loss_sum, op=torch.distributed.ReduceOp.AVG)
+    loss = float(loss_sum) / cfg.grad_accum  # syncs the device: once per logged step
+    tokens_per_s = cfg.batch_size * cfg.data.seq_len / (time.perf_counter() - t0)
+    _log(run, {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+               "tokens_per_s": tokens_per_s,
+               "mfu": estimate_mfu(run.flops_per_token, tokens_per_s, device),
+               "compiled": run.compile_info["compiled"]})
+    return next_rows, loss
+
+
+def _skip_nonfinite(run: _Run, step: int, loss_sum: Tensor, grad_norm: Tensor, lr: float) -> None:
+    """A step whose loss or gradient is NaN/inf: its update is dropped and logged; ``on_nonfinite="skip"`` goes on
+    for up to ``max_skips`` such steps in a row, otherwise the run stops with its last finite weights kept."""
+    cfg = run.cfg
+    run.optimizer.zero_grad(set_to_none=True)
+    run.skipped += 1
+    stopping = cfg.on_nonfinite == "stop" or run.skipped > cfg.max_skips
+    line = {"kind": "nonfinite", "step": step, "loss": float(loss_sum) / cfg.grad_accum,
+            "grad_norm": float(grad_norm), "lr": lr, "action": "stop" if stopping else "skip"}
+    _log(run, line)
+    if not stopping:
+        warnings.warn(f"Step {step}: non-finite loss or gradient; the update was skipped.", stacklevel=4)
+        return  # a skipped step is still a step: its periodic checkpoint is due as usual
+    kept = _keep_finite_weights(step, run.start_step, run.saved_steps, run.resumed, run.out, partial(_checkpoint, run),
+                                lambda: _check_weights_finite(run.model))
+    if cfg.on_nonfinite == "stop":
+        why, advice = "on_nonfinite='stop'", "or set on_nonfinite='skip' to drop such steps"
+    else:
+        why = f"non-finite again after max_skips={cfg.max_skips} skipped steps in a row"
+        advice = "or raise max_skips to skip more such steps in a row"
+    raise TrainingDivergedError(
+        f"Training diverged at step {step}: loss {line['loss']}, gradient norm {line['grad_norm']} "
+        f"(lr {lr:.3g}); stopped ({why}), {kept}. Lower optim.lr, raise optim.warmup_steps, {advice}."
+    )
+
+
+def _last_checkpoint(run: _Run) -> str:
+    if run.saved_steps or run.resumed:
+        return f"its last finite checkpoint (step {max(run.saved_steps, default=run.start_step)}) in {str(run.out)!r} is kept"
+    return f"{str(run.out)!r} holds no checkpoint of this run"
+
+
+def _checkpoint(run: _Run, step: int, *, regular: bool = True) -> None:
+    """Checkpoint the weights after ``step`` steps, once per step (Ctrl-C right after a periodic checkpoint writes
+    none). ``regular=False``: what a divergence or Ctrl-C saves; the run an overwrite replaces is deleted only after
+    a regular (periodic or final) one."""
+    out = run.out
+    if out is None or step in run.saved_steps:
+        return
+    bad = _check_weights_finite(run.model)  # at checkpoints only: never a per-step host sync
+    if bad is not None:  # a finite loss, yet the update left NaN/inf weights: never checkpoint them
+        _log(run, {"kind": "nonfinite", "step": step, "weights": bad,
+                   "lr": get_lr(max(step - 1, 0), run.cfg.optim, run.cfg.steps), "action": "stop"})
+        raise TrainingDivergedError(
+            f"Training diverged: the weights after step {step} are not finite ({bad}); the checkpoint of "
+            f"step {step} was not written and {_last_checkpoint(run)}. Lower optim.lr, raise "
+            f"optim.warmup_steps or set optim.grad_clip."
+        )
+    if not run.dist.is_main:
+        return
+    save_checkpoint(out, model=run.model, optimizer=run.optimizer, cfg=run.cfg, step=step, scaler=run.precision.scaler)
+    run.saved_steps.add(step)
+    if regular and (run.overwritten or run.leftovers):  # a regular checkpoint: the run it replaces goes now
+        discard_set_aside(out)
+        run.overwritten.clear()
+        run.leftovers.clear()
+    elif run.overwritten:  # a divergence or Ctrl-C after this checkpoint keeps both: say where the old one is
+        run.leftovers.extend(run.overwritten)
+        run.overwritten.clear()
+
+
+def _periodic_checkpoint(run: _Run, steps_done: int) -> None:
+    if run.cfg.checkpoint_interval and steps_done % run.cfg.checkpoint_interval == 0 and steps_done < run.stop:
+        _checkpoint(run, steps_done)
