@@ -5,14 +5,15 @@ Modes::
     python benchmarks/bench_train.py throughput [--steps 20]        # CPU, one process, side by side
     python benchmarks/bench_train.py throughput --gpu [--compile]   # 124M Llama-style, seq 1024, bf16
     python benchmarks/bench_train.py convergence [--steps 300 --seeds 0 1 2]
-    python benchmarks/bench_train.py headnorm --theirs PATH [--repeats 3 --steps 12 --compile --auto --cold-cache --bf16 --prime]
+    python benchmarks/bench_train.py headnorm --theirs PATH [--repeats 3 --steps 12 --compile --cold-cache --bf16 --prime]
 
 ``throughput`` times the sinklens trainer's step (``forward_backward`` + clip + AdamW, the code
 :func:`sinklens.train.loop.train` runs) against a minimal PyTorch Llama-style loop written here
 (same shapes, same batch, same optimizer), interleaved in one process so machine noise hits both;
 it reports tokens/s and the ratio, for ``baseline`` and ``headwise_rms``. Warm-up steps are not timed.
-``--gpu`` uses the ``124m`` preset at sequence 1024 in bf16 autocast and also reports MFU; ``--compile``
-runs both models through ``torch.compile`` (as ``compile=auto`` does for a long run); ``--bf16``
+``--gpu`` uses the ``124m`` preset at sequence 1024 in bf16 autocast on random tokens (vocabulary 50304,
+too large for the synthetic tasks) and also reports MFU; ``--compile``
+runs both models through ``torch.compile`` (as ``compile=auto`` does on CUDA); ``--bf16``
 (CPU) runs both under bfloat16 autocast (``TrainConfig.cpu_autocast``).
 ``convergence`` trains baseline and headwise_rms on the same offline text (the Python standard
 library's ``*.py`` sources, byte tokenizer) for several seeds and reports the steps each needs to
@@ -24,9 +25,8 @@ d_model 256, SwiGLU 1024, sequence 256, batch 16, vocabulary 512, fp32, HeadNorm
 both on the same random nanoGPT-style ``train.bin``; it reports each run's median tokens/s over
 the steps after ``--warmup`` (after the first compiled step for a run that compiled), the medians
 over repeats, their ratios and the medians of the paired ratios, the load average at each repeat,
-and the compile seconds of ``--compile`` (``compile=true``) and ``--auto`` (``compile=auto``, the
-default, on a run configured for ``--planned-steps`` steps and stopped once ``--steps`` steps after
-the decision are logged); ``--cold-cache`` gives the first repeat a fresh inductor cache; ``--prime``
+and the compile seconds of ``--compile`` (``compile=true``); ``--cold-cache`` gives the first repeat
+a fresh inductor cache; ``--prime``
 runs every trainer once, untimed, before the repeats; ``--bf16``
 adds ``sinklens train`` with ``cpu_autocast=bfloat16`` (mixed precision, which their ``train.py``
 does not offer on a CPU: its CPU context is a ``nullcontext``), and with ``--compile`` a compiled
@@ -51,7 +51,7 @@ from torch import nn
 from sinklens.train.config import TrainConfig
 from sinklens.train.data import build_source
 from sinklens.train.ddp import DistContext
-from sinklens.train.loop import configure_optimizer, estimate_mfu, forward_backward, micro_batch
+from sinklens.train.loop import configure_optimizer, estimate_mfu, forward_backward, micro_batch, peak_flops
 from sinklens.train.model import SinkLM
 
 
@@ -91,11 +91,12 @@ class RefLM(nn.Module):
         self.blocks = nn.ModuleList([RefBlock(cfg.d_model, cfg.n_heads, cfg.d_mlp, cfg.n_ctx) for _ in range(cfg.n_layers)])
         self.norm = nn.RMSNorm(cfg.d_model)
 
-    def forward(self, idx):
+    def forward(self, idx, targets):  # the loss inside the forward, as nanoGPT (and sinklens' trainer) compute it
         x = self.wte(idx)
         for b in self.blocks:
             x = b(x)
-        return self.norm(x) @ self.wte.weight.T
+        logits = self.norm(x) @ self.wte.weight.T
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 # ---------------------------------------------------------------- throughput
@@ -118,31 +119,38 @@ def throughput(args) -> dict:
     amp = (torch.autocast("cuda", dtype=torch.bfloat16) if args.gpu
            else torch.autocast("cpu", dtype=torch.bfloat16, enabled=args.bf16))
     results = {}
+    vocab = model_cfg["d_vocab"]
     for variant in ("baseline", "headwise_rms"):
-        cfg = TrainConfig.from_dict({"model": {**model_cfg, "variant": variant}, "data": {"seq_len": seq, "vocab_size": model_cfg["d_vocab"]},
+        cfg = TrainConfig.from_dict({"model": {**model_cfg, "variant": variant}, "data": {"seq_len": seq, "vocab_size": min(vocab, 256)},
                                      "batch_size": batch, "steps": args.steps, "device": str(device)})
         torch.manual_seed(0)
         ours = SinkLM(cfg.model).to(device)
         opt_ours = configure_optimizer(ours, cfg.optim, device)
         ref = RefLM(cfg.model).to(device)
         opt_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=device.type == "cuda")
-        source = build_source(cfg.data)
-        # --compile: both models through torch.compile (what compile=auto does for a long run); the
+        source = None if args.gpu else build_source(cfg.data)
+
+        def batch_rows(s):  # (batch, seq + 1): the synthetic task on a CPU, random tokens at the 124M vocabulary on a GPU
+            if source is not None:
+                return source.batch("train", s, batch).to(device)
+            gen = torch.Generator().manual_seed(s)
+            return torch.randint(0, vocab, (batch, seq + 1), generator=gen).pin_memory().to(device, non_blocking=True)
+        # --compile: both models through torch.compile (what compile=auto does on CUDA); the
         # compilation happens in the warm-up steps, which are not timed
         run_ours, run_ref = (torch.compile(ours), torch.compile(ref)) if args.compile else (ours, ref)
 
         def step_ours(s):
-            rows = source.batch("train", s, batch).to(device)
+            rows = batch_rows(s)
             forward_backward(run_ours, micro_batch(rows, 0, cfg, DistContext()), autocast=amp, hook_owner=ours)
             torch.nn.utils.clip_grad_norm_(ours.parameters(), 1.0)
             opt_ours.step()
             opt_ours.zero_grad(set_to_none=True)
 
         def step_ref(s):
-            rows = source.batch("train", s, batch).to(device)
+            rows = batch_rows(s)
             with amp:
-                logits = run_ref(rows[:, :-1])
-            F.cross_entropy(logits.float().flatten(0, 1), rows[:, 1:].flatten()).backward()
+                loss = run_ref(rows[:, :-1], rows[:, 1:])
+            loss.backward()
             torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0)
             opt_ref.step()
             opt_ref.zero_grad(set_to_none=True)
@@ -161,9 +169,10 @@ def throughput(args) -> dict:
         row["ratio"] = row["sinklens"] / row["reference"]
         if device.type == "cuda":
             row["mfu"] = estimate_mfu(ours.flops_per_token(seq), row["sinklens"], device)
+            row["peak"] = f"{torch.cuda.get_device_name()} dense bf16 {peak_flops(torch.cuda.get_device_name()) or 0:.3g} FLOP/s"
         results[variant] = row
         print(f"{variant}: sinklens {row['sinklens']:.0f} tok/s, reference {row['reference']:.0f} tok/s, "
-              f"ratio {row['ratio']:.2f}" + (f", MFU {row['mfu']:.3f}" if row.get("mfu") else ""))
+              f"ratio {row['ratio']:.2f}" + (f", MFU {row['mfu']:.3f} of the {row['peak']}" if row.get("mfu") else ""))
     return results
 
 
@@ -218,18 +227,13 @@ def _their_run(theirs: Path, data: Path, steps: int, their_compile: bool) -> lis
     return [16 * 256 / (t / 1000) for t in ms]
 
 
-def _our_run(data: Path, steps: int, compile_: str, *, planned_steps: int | None = None,
-             cache_dir: str | None = None, cpu_matmul: str = "auto",
+def _our_run(data: Path, steps: int, compile_: str, *, cache_dir: str | None = None,
              cpu_autocast: str = "none") -> tuple[list[float], list[bool], dict[str, Any] | None]:
     """``sinklens train`` at the same configuration: tokens/s and ``compiled`` of every step (from
     metrics.jsonl), and the ``kind="compile"`` line if any.
 
-    ``planned_steps``: the run is configured for this many steps (so ``compile=auto`` sees a
-    realistic run length and decides as it would for it) and stopped once ``steps`` train lines
-    after the compile decision are written. ``cache_dir``: inductor's on-disk cache (a fresh folder
-    measures a cold compile). ``cpu_matmul``: ``TrainConfig.cpu_matmul`` (``"aten"`` measures the
-    run without the oneDNN matmul). ``cpu_autocast``: ``TrainConfig.cpu_autocast`` (``"bfloat16"``:
-    mixed precision, not their float32 arithmetic).
+    ``cache_dir``: inductor's on-disk cache (a fresh folder measures a cold compile).
+    ``cpu_autocast``: ``TrainConfig.cpu_autocast`` (``"bfloat16"``: mixed precision, not their float32 arithmetic).
     """
     import os
     import subprocess
@@ -239,33 +243,13 @@ def _our_run(data: Path, steps: int, compile_: str, *, planned_steps: int | None
     env = dict(os.environ, **({"TORCHINDUCTOR_CACHE_DIR": cache_dir} if cache_dir else {}))
     with tempfile.TemporaryDirectory(prefix="headnorm-ours-") as tmp:
         cmd = [sys.executable, "-m", "sinklens.cli", "train", "--preset", "headnorm-cpu", "--data", str(data),
-               "--seq-len", "256", "--batch-size", "16", "--steps", str(planned_steps or steps), "--device", "cpu",
+               "--seq-len", "256", "--batch-size", "16", "--steps", str(steps), "--device", "cpu",
                "--no-progress", "--set", "eval.interval=0", "--set", f"compile={compile_}",
-               "--set", f"cpu_matmul={cpu_matmul}", "--set", f"cpu_autocast={cpu_autocast}", "--out", f"{tmp}/run"]
-        metrics = Path(tmp, "run", "metrics.jsonl")
-
-        def lines() -> list[dict[str, Any]]:
-            text = metrics.read_text() if metrics.is_file() else ""
-            return [json.loads(x) for x in text.splitlines() if x.strip().endswith("}")]
-
-        proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-        try:
-            while proc.poll() is None:
-                got = lines()
-                done_at = next((x["step"] for x in got if x["kind"] == "compile"), None)
-                decided = done_at is not None or len(got) > 3  # "auto" decides after 2 probe steps
-                after = [x for x in got if x["kind"] == "train" and (done_at is None or x["step"] >= done_at)]
-                if planned_steps and decided and len(after) >= steps:
-                    proc.terminate()
-                    break
-                time.sleep(0.5)
-            proc.wait()
-            if proc.returncode not in (0, -15):
-                raise RuntimeError(proc.stderr.read()[-2000:])
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        got = lines()
+               "--set", f"cpu_autocast={cpu_autocast}", "--out", f"{tmp}/run"]
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+        if done.returncode:
+            raise RuntimeError(done.stderr[-2000:])
+        got = [json.loads(x) for x in Path(tmp, "run", "metrics.jsonl").read_text().splitlines() if x.strip()]
     train_lines = [x for x in got if x["kind"] == "train"]
     compile_line = next((x for x in got if x["kind"] == "compile"), None)
     return [x["tokens_per_s"] for x in train_lines], [bool(x.get("compiled")) for x in train_lines], compile_line
@@ -296,16 +280,12 @@ def headnorm(args) -> dict:
     rng.integers(0, 512, size=200_000, dtype=np.uint16).tofile(data / "val.bin")
     (data / "meta.pkl").write_bytes(__import__("pickle").dumps({"vocab_size": 512}))
     ours = {"sinklens_eager": "false"}
-    if args.aten:
-        ours["sinklens_eager_aten"] = "false"
     if args.bf16:
         ours["sinklens_eager_bf16"] = "false"
     if args.bf16 and args.compile:
         ours["sinklens_compiled_bf16"] = "true"
     if args.compile:
         ours["sinklens_compiled"] = "true"
-    if args.auto:
-        ours["sinklens_auto"] = "auto"
     runs: dict[str, list[float]] = {name: [] for name in ["theirs", *ours]}
     compile_s: dict[str, list[float | None]] = {name: [] for name, mode in ours.items() if mode != "false"}
     load: list[float] = []
@@ -322,9 +302,7 @@ def headnorm(args) -> dict:
                 cold = args.cold_cache and repeat == 0 and mode != "false"
                 cache = tempfile.mkdtemp(prefix="inductor-cold-") if cold else None
                 scratch += [Path(cache)] if cache else []
-                planned = args.planned_steps if mode == "auto" else None
-                tps, compiled, line = _our_run(data, args.steps, mode, planned_steps=planned, cache_dir=cache,
-                                               cpu_matmul="aten" if name.endswith("_aten") else "auto",
+                tps, compiled, line = _our_run(data, args.steps, mode, cache_dir=cache,
                                                cpu_autocast="bfloat16" if name.endswith("_bf16") else "none")
                 runs[name].append(_steady(tps, compiled, args.warmup))
                 if name in compile_s:
@@ -352,12 +330,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--compile", action="store_true", help="headnorm: also sinklens train with compile=true; "
                         "throughput: torch.compile both models (compiled in the untimed warm-up steps)")
-    parser.add_argument("--auto", action="store_true", help="headnorm: also sinklens train with compile=auto (the "
-                        "default), configured for --planned-steps and stopped after --steps steps")
-    parser.add_argument("--planned-steps", type=int, default=2000, help="headnorm --auto: the run length auto sees")
     parser.add_argument("--cold-cache", action="store_true", help="headnorm: repeat 0 compiles with a fresh inductor cache")
-    parser.add_argument("--aten", action="store_true", help="headnorm: also sinklens eager with cpu_matmul=aten "
-                        "(PyTorch's default CPU matmul instead of oneDNN)")
     parser.add_argument("--bf16", action="store_true", help="headnorm: also sinklens eager with cpu_autocast=bfloat16; "
                         "throughput (CPU): both models under CPU bfloat16 autocast")
     parser.add_argument("--their-compile", action="store_true", help="headnorm: their train.py with --compile=True")

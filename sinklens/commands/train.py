@@ -177,16 +177,14 @@ def run(args: argparse.Namespace) -> int:
                   f"{metric_text(last['persistence_spearman'], '.3f')}, Kendall {metric_text(last.get('persistence_kendall'), '.3f')}, "
                   f"contraction direction |cos| {metric_text(last.get('persistence_direction_cos'), '.3f')}")
     info = result.compile
-    if info:
-        seconds = f", first compiled step {info['compile_s']:.1f} s beyond an eager one" if info.get("compile_s") else ""
-        print(f"compile: {'on' if info['compiled'] else 'off'} ({info['reason']}{seconds})"
-              + (f"; {info['error']}" if info.get("error") else ""))
-    cpu = result.cpu
-    if cpu.get("device") == "cpu":  # say which CPU fast paths the run had
-        why = f" ({cpu['matmul_fallback_reason']})" if cpu.get("matmul_fallback_reason") else ""
-        kept = ", freed memory kept mapped" if cpu.get("retained_memory") else ""
-        mixed = cpu.get("autocast", "none")
-        products = f"{mixed} autocast (products in {mixed} on aten)" if mixed != "none" else f"matmul {cpu['matmul']}{why}"
-        print(f"cpu: {products}{kept}")
+    seconds = f", first compiled step {info['compile_s']:.1f} s" if info.get("compile_s") else ""
+    print(f"device: {result.device}, autocast {result.autocast}, compile {'on' if info.get('compiled') else 'off'}"
+          f"{seconds}" + (f"; {info['error']}" if info.get("error") else ""))
+    gpu = next((line for line in result.history if line["kind"] == "device"), None)
+    mfus = sorted(line["mfu"] for line in result.history if line["kind"] == "train" and line.get("mfu") is not None)
+    if gpu is not None:
+        peak = f"{gpu['peak_flops'] / 1e12:.1f} TFLOP/s dense bf16 peak" if gpu["peak_flops"] else "unknown peak"
+        mfu = f"MFU {mfus[len(mfus) // 2]:.3f} (median over logged steps) of its {peak}" if mfus else f"MFU: {peak}"
+        print(f"gpu: {gpu['device']}, {mfu}")
     print(f"run directory: {out}")
     return 0

@@ -51,8 +51,8 @@ Autocast = Literal["bfloat16", "float16", "none"]
 #: Mixed precision of a CPU run (:mod:`sinklens.train.precision`).
 CpuAutocast = Literal["bfloat16", "none"]
 OnNonFinite = Literal["stop", "skip"]
-#: CPU float32 matmul backend of the model (:mod:`sinklens.train.matmul`).
-CpuMatmul = Literal["auto", "onednn", "aten"]
+#: Where the trainer sends its metrics besides ``metrics.jsonl`` (:mod:`sinklens.train.loggers`).
+LogTo = Literal["none", "wandb", "tensorboard"]
 DATA_SOURCES: tuple[str, ...] = typing.get_args(DataSource)
 #: The ``data.source`` values whose ``data.path`` is a file or folder on this machine.
 LOCAL_DATA_SOURCES: tuple[str, ...] = ("text", "memmap")
@@ -417,26 +417,15 @@ class TrainConfig(_Part):
             (``avx512_bf16``/``amx_bf16``) a ``headnorm-cpu`` step measured ≈1.5× a float32 one on an
             AMD EPYC and ≈1.8× on an Intel Xeon with AMX; a CPU without it warns, as it emulates
             bfloat16 (:mod:`sinklens.train.precision`).
-        compile: ``torch.compile`` the model for training: ``"auto"`` (default) compiles a run
-            when it is safe (no training-time intervention hooks, not distributed) and long enough
-            (after two timed eager steps, ``steps_left × step_time × f`` exceeds the ~60 s a
-            compile costs, ``f`` = 0.2 on CUDA, 0.1 on a CPU), then times three compiled steps and
-            goes back to eager unless they were faster (a compiled CPU step measured 0.90 of an
-            eager one on an Intel Xeon, 0.94 on an AMD EPYC). ``True`` always compiles,
-            ``False`` never.
-            A failed compile warns in one line and the run goes on eagerly; checkpoints always
-            hold the uncompiled ``state_dict``. See :mod:`sinklens.train.compile`.
-        cpu_matmul: the model's float32 matmuls on a CPU: ``"auto"`` (default) through oneDNN when
-            this torch build has it and it passes a self-check, else PyTorch's default (MKL);
-            ``"onednn"`` insists; ``"aten"`` keeps PyTorch's default. Same float32 arithmetic;
-            oneDNN measured ≈1.3× faster on the trainer's forward and input-gradient products and
-            ≈1.1× on a whole ``headnorm-cpu`` step (:mod:`sinklens.train.matmul`,
-            ``benchmarks/RESULTS.md``).
-            A CPU run also keeps freed memory mapped for reuse while it trains
-            (:mod:`sinklens.train.allocator`).
+        compile: ``torch.compile`` the model and its loss for training: ``"auto"`` (default) on
+            CUDA and not elsewhere, ``True`` always, ``False`` never. A failed compile warns in one
+            line and the run goes on eagerly; checkpoints always hold the uncompiled ``state_dict``.
         interventions: training-time interventions, ``"name:key=value,key=value"`` spec strings of
             the intervention registry (:func:`sinklens.interventions.registry.build`, e.g.
             ``"restart:positions=16"``).
+        log: also send the metrics to ``"wandb"`` (project ``sinklens``, run named after ``out_dir``) or
+            ``"tensorboard"`` (event files in ``out_dir/tensorboard``); ``"none"`` (default) writes
+            ``metrics.jsonl`` only. Needs ``pip install 'sinklens[wandb]'`` / ``'sinklens[tensorboard]'``.
         log_interval, checkpoint_interval: write a metrics line / a checkpoint every this many steps
             (a checkpoint is always written at the end when the run has an output directory).
         keep_every: keep every ``keep_every``-th checkpoint (the steps that are multiples of
@@ -463,8 +452,8 @@ class TrainConfig(_Part):
     autocast: Autocast = "bfloat16"
     cpu_autocast: CpuAutocast = "none"
     compile: bool | Literal["auto"] = "auto"
-    cpu_matmul: CpuMatmul = "auto"
     interventions: list[str] = field(default_factory=list)
+    log: LogTo = "none"
     log_interval: int = 1
     checkpoint_interval: int = 0
     keep_every: int = 0
@@ -494,7 +483,7 @@ class TrainConfig(_Part):
         self.autocast = choice(self.autocast, typing.get_args(Autocast), what="autocast")
         self.cpu_autocast = choice(self.cpu_autocast, typing.get_args(CpuAutocast), what="cpu_autocast")
         self.on_nonfinite = choice(self.on_nonfinite, typing.get_args(OnNonFinite), what="on_nonfinite")
-        self.cpu_matmul = choice(self.cpu_matmul, typing.get_args(CpuMatmul), what="cpu_matmul")
+        self.log = choice(self.log, typing.get_args(LogTo), what="log")
         self.log_interval = positive_int(self.log_interval, what="log_interval")
         self.checkpoint_interval = positive_int(self.checkpoint_interval, what="checkpoint_interval", minimum=0)
         self.keep_every = positive_int(self.keep_every, what="keep_every", minimum=0)

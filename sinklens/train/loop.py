@@ -10,6 +10,13 @@ checkpoint. Training-time interventions (``(hook_name, fn)`` pairs, e.g. from
 :mod:`sinklens.interventions`) are attached with ``model.hooks(...)`` around every forward, so a
 model can be pretrained with its sink moved. Under ``torchrun`` the model is wrapped in DDP.
 
+``_train`` reads top to bottom: ``_build`` (data, model, optimizer, interventions), ``_open_run_dir``
+(resume, then the run folder), ``_prepare_loop`` (compile, metrics files), then for each step
+``_evaluate``, ``_train_step`` and ``_checkpoint``; the run's state travels in one ``_Run``.
+On CUDA the model and its loss are compiled (``compile="auto"``), the forward runs under bfloat16
+autocast, AdamW is fused, the next step's rows are copied from pinned memory while the GPU works,
+and the host waits for the device once per step (the finite-loss check) and once per logged step.
+
 Examples:
     >>> from sinklens.train.config import OptimConfig
     >>> opt = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10)
@@ -23,10 +30,12 @@ import contextlib
 import dataclasses
 import inspect
 import math
+import re
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, Union
 
@@ -44,8 +53,6 @@ from sinklens.errors import (
     TrainingInterrupted,
 )
 from sinklens.export import json_line, write_json
-from sinklens.train.compile import CompileSwitch
-from sinklens.train.allocator import retained_cpu_memory
 from sinklens.train.checkpoint import (
     METRICS, TOKENIZER, has_checkpoint, is_run_dir, load_checkpoint, load_run, read_metrics, save_checkpoint,
     save_tokenizer, write_metrics,
@@ -58,8 +65,7 @@ from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source, data_fingerprint
 from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
 from sinklens.train.interrupt import StopSignals
-from sinklens.train.matmul import cpu_matmul_backend, set_cpu_matmul
-from sinklens.train.model import next_token_loss
+from sinklens.train.loggers import MetricsLog, check_log
 from sinklens.train.persistence import PersistenceTracker
 from sinklens.train.precision import mixed_precision
 from sinklens.validate import positive_int, writable_dir
@@ -68,8 +74,13 @@ Hooks = list[tuple[str, HookFn]]
 #: A training-time intervention: a registry spec string ``"name:key=value,..."`` or ``model -> hooks``.
 Intervention = Union[str, Callable[[Any], Hooks]]
 
-#: Dense bf16 peak FLOP/s per GPU, for the MFU estimate (matched against the device name).
-PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12, "4090": 165e12, "3090": 71e12}
+#: Dense (no sparsity) bfloat16 tensor-core peak FLOP/s of each GPU, from the vendors' datasheets, for MFU:
+#: the first key found as a whole word in ``torch.cuda.get_device_name()`` (so "L4" does not match "L40S").
+PEAK_FLOPS: dict[str, float] = {
+    "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989.4e12, "H200": 989.4e12, "GH200": 989.4e12, "H800": 989.4e12,
+    "B200": 2250e12, "A100": 312e12, "A800": 312e12, "L40S": 362.05e12, "L40": 181.05e12, "L4": 121e12,
+    "A10": 125e12, "RTX 4090": 165.2e12, "RTX 3090": 71e12,
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,6 +105,28 @@ def get_lr(step: int, optim: OptimConfig, total_steps: int) -> float:
 
 #: Device types whose AdamW ``fused=None`` resolves to the fused kernel.
 FUSED_ADAMW_DEVICES = ("cuda", "cpu")
+
+#: Extra keyword arguments of every ``torch.compile`` call the trainer makes (tests set a cheap backend).
+COMPILE_KWARGS: dict[str, Any] = {}
+
+
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``torch.compile(model, **COMPILE_KWARGS)``; compilation itself happens at the first call.
+
+    Where torch has it, the call gets its own recompilation budget (``isolate_recompiles=True``): every
+    ``torch.compile`` of ``SinkLM`` otherwise shares dynamo's per-code-object limit of 8 compiled entries,
+    so in a process that trains many differently shaped models the ninth would run eagerly.
+    """
+    extra = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+    return torch.compile(model, **extra, **COMPILE_KWARGS)
+
+
+def compile_failed_warning(error: BaseException) -> str:
+    """The one-line warning of a compile that failed (the run continues eagerly)."""
+    text = " ".join(str(error).split())  # one line: dynamo's messages span several
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return (f"torch.compile failed ({type(error).__name__}: {text}); training continues eagerly. "
+            f"Set compile=false to skip the attempt.")
 
 
 def configure_optimizer(model: Any, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
@@ -163,21 +196,54 @@ def forward_backward(
     inputs, targets = rows[:, :-1], rows[:, 1:]
     owner = hook_owner if hook_owner is not None else model
     with autocast, owner.hooks(fwd_hooks=list(hooks)) if hooks else contextlib.nullcontext():
-        logits = model(inputs, return_type="logits")  # (B, T, V)
-    loss = next_token_loss(logits, targets)
+        loss = model(inputs, return_type="loss", targets=targets)  # inside the compiled graph when compiled
     scaled = loss * loss_scale if loss_scale != 1.0 else loss
     (scaler.scale(scaled) if scaler is not None else scaled).backward()
     return loss.detach()
 
 
+def peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak FLOP/s of the GPU called ``device_name`` (:data:`PEAK_FLOPS`), None if unknown.
+
+    Examples:
+        >>> peak_flops("NVIDIA H100 PCIe"), peak_flops("NVIDIA H200"), peak_flops("NVIDIA L40S"), peak_flops("Tesla T4")
+        (756000000000000.0, 989400000000000.0, 362050000000000.0, None)
+    """
+    for key, value in PEAK_FLOPS.items():
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name):
+            return value
+    return None
+
+
 def estimate_mfu(flops_per_token: float, tokens_per_s: float, device: torch.device) -> float | None:
     """Model FLOPs utilisation: ``flops_per_token × tokens/s`` over the GPU's dense bf16 peak
-    (:data:`PEAK_FLOPS`); None on CPU or an unknown GPU."""
+    (:func:`peak_flops` of ``torch.cuda.get_device_name``); None on a CPU or an unknown GPU."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    peak = next((value for key, value in PEAK_FLOPS.items() if key in name), None)
+    peak = peak_flops(torch.cuda.get_device_name(device))
     return None if peak is None else flops_per_token * tokens_per_s / peak
+
+
+def fetch_rows(source: TokenSource, step: int, cfg: TrainConfig, device: torch.device) -> Tensor:
+    """The training rows of ``step``, ``(batch, seq_len + 1)``, on ``device``; on CUDA copied from pinned
+    memory without blocking, so the copy overlaps the GPU's work on the step before."""
+    rows = source.batch("train", step, cfg.batch_size)
+    if device.type == "cuda":
+        rows = rows.pin_memory()
+    return rows.to(device, non_blocking=True)
+
+
+def attention_kernels(device: torch.device) -> Any:
+    """The SDPA kernel preference of a training step: on a Hopper or newer GPU cuDNN's fused attention first
+    (faster than FlashAttention-2 there), then flash, memory-efficient and math; elsewhere torch's default."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+        return contextlib.nullcontext()
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)
 
 
 def eval_batches(source: TokenSource, cfg: TrainConfig, device: torch.device) -> tuple[list[TokenBatch], list[Tensor]]:
@@ -204,27 +270,21 @@ class TrainResult(CompactRepr):
             resumed run a ``kind="resume"`` line where it was picked up (``step``, ``changes``:
             ``{config key: [before, now]}``).
         out_dir: the run directory, or None.
-        compile: whether this process trained compiled and why (``TrainConfig.compile``, see
-            :mod:`sinklens.train.compile`): ``mode``, ``compiled``, ``reason``, ``compile_s``
-            (seconds the first compiled step took beyond an eager one), ``error`` (a failed
-            compile, after which the run went on eagerly), ``eager_step_s`` and
-            ``compiled_step_s`` (``"auto"``'s timings: it keeps the compiled model only where it
-            measured faster). Also a ``kind="compile"`` metrics line when a compile was attempted
-            and another when ``"auto"`` checked it, and ``compiled`` on every ``kind="train"`` line.
-        cpu: the CPU fast paths of the run: ``device`` (the device type it trained on),
-            ``matmul`` (``"onednn"`` or ``"aten"``: the backend ``TrainConfig.cpu_matmul`` resolved
-            to, used for CPU float32 products only, :mod:`sinklens.train.matmul`),
-            ``matmul_fallback_reason`` (why ``"auto"`` fell back to aten, else None) and
-            ``retained_memory`` (freed memory kept mapped during a CPU run,
-            :mod:`sinklens.train.allocator`), ``autocast`` (the forward's autocast dtype,
-            ``"bfloat16"``/``"float16"``, or ``"none"``: :mod:`sinklens.train.precision`).
+        compile: whether this process trained compiled (``TrainConfig.compile``): ``compiled``,
+            ``compile_s`` (wall seconds of the first compiled step, compilation included) and ``error``
+            (a failed compile, after which the run went on eagerly); also the ``kind="compile"`` metrics
+            line written when a compile was attempted.
+        device: the device type the run trained on (``"cpu"``, ``"cuda"``).
+        autocast: the forward's autocast dtype, ``"bfloat16"``/``"float16"``, or ``"none"``
+            (:mod:`sinklens.train.precision`).
     """
 
     model: Any
     history: list[dict[str, Any]] = field(default_factory=list)
     out_dir: Path | None = None
     compile: dict[str, Any] = field(default_factory=dict)
-    cpu: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    autocast: str = "none"
 
     def losses(self) -> list[float]:
         return [line["loss"] for line in self.history if line["kind"] == "train"]
@@ -428,6 +488,7 @@ def train(
         until = positive_int(until, what="until", minimum=0)
     cfg = cfg.replace(data=cfg.data.with_absolute_path())  # config.json names the same data from any folder
     check_interventions([*cfg.interventions, *interventions])
+    check_log(cfg.log)
     # Registry specs are part of the run: stored with cfg.interventions in config.json, so a resume applies them.
     specs = [item for item in interventions if isinstance(item, str)]
     twice = [spec for spec in specs if spec in cfg.interventions]
@@ -458,289 +519,83 @@ def _check_weights_finite(model: Any) -> str | None:
     return f"{len(bad)} of {len(params)} parameter tensors hold NaN/inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
 
 
+@dataclass(eq=False)
+class _Run:
+    """The state of one training run in this process, passed to the set-up, step, eval and checkpoint functions."""
+
+    cfg: TrainConfig
+    out: Path | None
+    dist: DistContext
+    device: torch.device
+    source: TokenSource
+    model: Any  # the plain SinkLM: hooks, evaluation and checkpoints use it
+    optimizer: torch.optim.Optimizer
+    precision: Any
+    hooks: Hooks
+    probe_hooks: Hooks
+    probed: list[Intervention]
+    resumed: bool = False
+    start_step: int = 0
+    stop: int = 0
+    history: list[dict[str, Any]] = field(default_factory=list)
+    step_model: Any = None  # what a step calls: the model, compiled and/or in DDP
+    compile_info: dict[str, Any] = field(default_factory=dict)
+    persist: Any = None
+    val_batches: list[TokenBatch] = field(default_factory=list)
+    val_targets: list[Tensor] = field(default_factory=list)
+    metrics_file: Any = None
+    external: MetricsLog | None = None
+    saved_steps: set[int] = field(default_factory=set)
+    overwritten: list[Path] = field(default_factory=list)  # the run overwrite=True replaces, until a first checkpoint
+    leftovers: list[Path] = field(default_factory=list)  # runs an earlier overwrite set aside (named, kept)
+    skipped: int = 0  # non-finite steps skipped in a row
+    flops_per_token: float = 0.0
+
+
 def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool, interventions: Sequence[Intervention],
            progress: bool, until: int | None) -> TrainResult:
-    """:func:`train` once the run directory is locked."""
-    from sinklens.train.model import SinkLM
-
+    """:func:`train` once the run directory is locked: set up, then step, evaluate and checkpoint."""
     if out is not None and out.is_dir() and writes_outputs():
         recovered = recover_set_aside(out)  # an overwrite killed before its first checkpoint: the old run comes back
         if recovered is not None:
             warnings.warn(recovered, stacklevel=3)
     _check_run_dir(out, resume=resume, overwrite=overwrite)
     resumed_from = load_run(out) if out is not None and resume else None  # verified once: compared, then loaded
-    resume_changed = resume_changes(resumed_from.config, cfg, run_dir=out) if resumed_from is not None else {}
+    changes = resume_changes(resumed_from.config, cfg, run_dir=out) if resumed_from is not None else {}
     dist, device = init_distributed(cfg.device)
-    matmul_before = cpu_matmul_backend()["requested"]
     resources = contextlib.ExitStack()
-    overwritten: list[Path] = []  # the run that overwrite=True replaces, until the new one's first checkpoint
+    run: _Run | None = None
     try:
-        set_cpu_matmul(cfg.cpu_matmul)  # raises before any work when "onednn" is asked for and missing
-        # ---- data: the order depends on cfg.data only; d_vocab="auto" is resolved here, once
-        source = build_source(cfg.data, d_vocab=None if cfg.model.d_vocab == "auto" else cfg.model.d_vocab)
-        cfg = _resolve_vocab(cfg, source)
-        fingerprint = data_fingerprint(source)  # what the data is beyond its config (tokenizer, token streams)
-        fingerprinted = resumed_from is not None and check_data_fingerprint(out, fingerprint)
-        if resumed_from is not None and not fingerprinted and fingerprint:
-            warnings.warn(f"The run in {str(out)!r} was written before runs stored a fingerprint of their data, so "
-                          "this resume cannot check that the data (tokenizer, token ids) is what it trained on; later "
-                          "resumes check it against the data used from here on.", stacklevel=3)
-        per_rank, rem = divmod(cfg.batch_size // cfg.grad_accum, dist.world_size)
-        if rem or per_rank == 0:
-            raise InvalidArgumentError(
-                f"batch_size={cfg.batch_size} does not split into grad_accum={cfg.grad_accum} micro-batches "
-                f"over {dist.world_size} processes; use a multiple of {cfg.grad_accum * dist.world_size}."
-            )
-
-        # ---- model, optimizer, interventions: init depends on cfg.seed; all built before out_dir is touched
-        torch.manual_seed(cfg.seed)
-        model = SinkLM(cfg.model).to(device)
-        model.tokenizer = source.tokenizer
-        optimizer = configure_optimizer(model, cfg.optim, device)
-        precision = mixed_precision(cfg, device)
-        autocast, scaler = precision.autocast, precision.scaler
-        hooks = resolve_interventions(model, [*cfg.interventions, *interventions])
-        specs = [item for item in [*cfg.interventions, *interventions] if isinstance(item, str)]
-        # fresh hooks: a trial leaves no state. The persistence probe runs without the spec interventions where
-        # they cannot run on its shorter sequences (try_interventions says why)
-        probe_all = try_interventions(model, resolve_interventions(model, specs), cfg)
-        probed = [item for item in [*cfg.interventions, *interventions] if probe_all or not isinstance(item, str)]
-        probe_hooks = hooks if probe_all else resolve_interventions(model, probed)
-
-        # ---- the run directory: written only from here on
-        start_step = 0
-        history: list[dict[str, Any]] = []
-        if resumed_from is not None:
-            start_step = load_checkpoint(resumed_from, model=model, optimizer=optimizer, scaler=scaler)
-            history = _read_history(out, start_step)
-        stop = cfg.steps if until is None else min(until, cfg.steps)
-        if resumed_from is not None and start_step >= stop:  # re-saving would replace step `stop`'s checkpoint
-            asked = f"steps={cfg.steps}" + ("" if until is None else f" and until={until}")
-            raise InvalidArgumentError(
-                f"The run in {str(out)!r} is at step {start_step} already; {asked} leave nothing to train. "
-                f"Pass a larger --steps (train(..., resume=True) with cfg.steps > {start_step}) to continue it."
-            )
-        if out is not None and dist.is_main:
-            writable_dir(out, what="out_dir")
-            if overwrite:  # the old run is moved aside: deleted at the new run's first checkpoint, restored on failure
-                overwritten.extend(p for p in [set_aside_run(out)] if p is not None)
-            clean_stale(out)
-            write_json(out / "config.json", cfg.to_dict(), digits=None)
-            write_metrics(out, history)  # a resumed run keeps only the lines before its checkpoint
-            if not fingerprinted:
-                write_data_fingerprint(out, fingerprint)
-            if resumed_from is not None and source.tokenizer is not None:  # a kill may have left it broken or missing
-                problem = tokenizer_problem(out)
-                if problem is not None:
-                    if (out / TOKENIZER).exists():
-                        warnings.warn(f"{problem}; it is written again from the data's tokenizer.", stacklevel=3)
-                    save_tokenizer(out, source.tokenizer)
-
-        raw_model = model
-
-        def wrap(module: Any) -> Any:  # what a step calls: the (possibly compiled) model, in DDP when distributed
-            if not dist.enabled:
-                return module
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            return DDP(module, device_ids=[device.index] if device.type == "cuda" else None)
-
-        # compile=True now, False never, "auto" when safe and the run is long enough (sinklens.train.compile)
-        switch = CompileSwitch(cfg.compile, raw_model, wrap, device, hooks=bool(hooks), distributed=dist.enabled,
-                               steps_left=stop - start_step)
-        val_batches, val_targets = eval_batches(source, cfg, device) if cfg.eval.interval and dist.is_main else ([], [])
-        persist = PersistenceTracker(cfg, out, lambda m: probe_hooks if m is raw_model else resolve_interventions(
-            m, probed))
-        if resume and dist.is_main:
-            persist.resume(device)
-        flops_per_token = raw_model.flops_per_token(cfg.data.seq_len)
-        tokens_per_step = cfg.batch_size * cfg.data.seq_len
-        metrics_file = open(out / "metrics.jsonl", "a") if out is not None and dist.is_main else None  # noqa: SIM115
-
-        def log(line: dict[str, Any]) -> None:
-            history.append(line)
-            if metrics_file is not None:
-                metrics_file.write(json_line(line) + "\n")  # strict JSON: a non-finite number is written null
-                metrics_file.flush()
-
+        run = _build(cfg, out, dist, device, interventions, resumed=resumed_from is not None)
+        _open_run_dir(run, resumed_from, overwrite=overwrite, until=until)
+        _prepare_loop(run, resources)
         if resumed_from is not None and dist.is_main:  # where the run was picked up again, and what changed then
-            log({"kind": "resume", "step": start_step, "changes": resume_changed})
-
-        def run_eval(step: int) -> None:
-            from sinklens.train.sink_metrics import evaluate
-
-            metrics = evaluate(raw_model, val_batches, val_targets, threshold=cfg.eval.sink_threshold, extra_hooks=hooks)
-            log({"kind": "eval", "step": step, **metrics.scalars(), **persist.measure(raw_model)})
-
-        saved_steps: set[int] = set()
-        leftovers = [] if out is None else set_aside_runs(out)  # runs an earlier overwrite set aside (named, kept)
-
-        def last_checkpoint() -> str:
-            if saved_steps or resumed_from is not None:
-                return f"its last finite checkpoint (step {max(saved_steps, default=start_step)}) in {str(out)!r} is kept"
-            return f"{str(out)!r} holds no checkpoint of this run"
-
-        def checkpoint(step: int, *, regular: bool = True) -> None:  # once per step: Ctrl-C right after a periodic
-            # checkpoint writes none. regular=False: what a divergence or Ctrl-C saves; the run an overwrite replaces
-            # is deleted only after a regular (periodic or final) one
-            if out is not None and step not in saved_steps:
-                bad = _check_weights_finite(raw_model)  # at checkpoints only: never a per-step host sync
-                if bad is not None:  # a finite loss, yet the update left NaN/inf weights: never checkpoint them
-                    log({"kind": "nonfinite", "step": step, "weights": bad, "lr": get_lr(max(step - 1, 0), cfg.optim,
-                                                                                         cfg.steps), "action": "stop"})
-                    raise TrainingDivergedError(
-                        f"Training diverged: the weights after step {step} are not finite ({bad}); the checkpoint of "
-                        f"step {step} was not written and {last_checkpoint()}. Lower optim.lr, raise "
-                        f"optim.warmup_steps or set optim.grad_clip."
-                    )
-                if not dist.is_main:
-                    return
-                save_checkpoint(out, model=raw_model, optimizer=optimizer, cfg=cfg, step=step, scaler=scaler)
-                saved_steps.add(step)
-                if regular and (overwritten or leftovers):  # a regular checkpoint: the run it replaces goes now
-                    discard_set_aside(out)
-                    overwritten.clear()
-                    leftovers.clear()
-                elif overwritten:  # a divergence or Ctrl-C after this checkpoint keeps both: say where the old one is
-                    leftovers.extend(overwritten)
-                    overwritten.clear()
-
-        def periodic_checkpoint(steps_done: int) -> None:
-            if cfg.checkpoint_interval and steps_done % cfg.checkpoint_interval == 0 and steps_done < stop:
-                checkpoint(steps_done)
-
-        # ---- the loop
-        retained = resources.enter_context(retained_cpu_memory(device.type == "cpu"))
+            _log(run, {"kind": "resume", "step": run.start_step, "changes": changes})
         stops = resources.enter_context(StopSignals(enabled=not dist.enabled))  # Ctrl-C: finish the step, checkpoint
-        backend = cpu_matmul_backend()
-        cpu = {"device": device.type, "matmul": backend["resolved"], "matmul_fallback_reason": backend["reason"],
-               "retained_memory": retained, "autocast": precision.dtype}
-        try:
-            raw_model.train()
-            bar = tqdm(range(start_step, stop), desc="train", disable=not (progress and dist.is_main), initial=start_step,
-                       total=cfg.steps)
-            skipped = 0
-            step_s: float | None = None  # wall time of the last step (timed while "auto" probes)
-
-            def micro_steps(model: Any, rows: Tensor) -> Tensor:
-                """Forward and backward of every micro-batch of the step; the summed (unscaled) loss."""
-                loss_sum = torch.zeros((), device=device)
-                for micro in range(cfg.grad_accum):
-                    sync = micro == cfg.grad_accum - 1 or not dist.enabled
-                    with contextlib.nullcontext() if sync else model.no_sync():
-                        loss_sum += forward_backward(
-                            model,
-                            micro_batch(rows, micro, cfg, dist),
-                            hooks=hooks,
-                            loss_scale=1.0 / cfg.grad_accum,
-                            autocast=autocast,
-                            hook_owner=raw_model,
-                            scaler=scaler,
-                        )
-                return loss_sum
-
-            for step in bar:
-                if stops.received:
-                    raise _interrupted(stops.received, step, start_step, cfg.steps, out, checkpoint)
-                if cfg.eval.interval and dist.is_main and step % cfg.eval.interval == 0:
-                    run_eval(step)
-
-                lr = get_lr(step, cfg.optim, cfg.steps)
-                for group in optimizer.param_groups:
-                    group["lr"] = lr
-
-                switch.maybe_decide(step - start_step, stop - step, step_s)
-                first_compiled = switch.compiled and switch.compile_s is None
-                timing = switch.decision is None or first_compiled or switch.checking  # sync and time this step
-                if timing and device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
-                rows = source.batch("train", step, cfg.batch_size).to(device, non_blocking=True)  # (B, T+1)
-                if first_compiled:
-                    try:  # compilation happens here; a failure never ends the run
-                        loss_sum = micro_steps(switch.model, rows)
-                    except Exception as error:  # noqa: BLE001 - any compiler error: retry this step eagerly
-                        optimizer.zero_grad(set_to_none=True)
-                        warnings.warn(switch.fall_back(error), stacklevel=2)
-                        loss_sum = micro_steps(switch.model, rows)
-                else:
-                    loss_sum = micro_steps(switch.model, rows)
-                step_compiled = switch.compiled  # before "auto" may go back to eager after this step
-                if scaler is not None:  # float16 only: gradients were scaled, unscale before clipping
-                    scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), cfg.optim.grad_clip or float("inf"),
-                                                           foreach=True)
-                # one host sync per step: a NaN/inf loss or gradient must never reach the weights. Under float16's
-                # loss scaler an inf/NaN gradient with a finite loss is the scaler's to handle (it skips that update
-                # and lowers the scale); a non-finite loss is divergence either way.
-                finite = bool(torch.isfinite(loss_sum if scaler is not None else loss_sum + grad_norm))
-                if not finite:
-                    optimizer.zero_grad(set_to_none=True)
-                    skipped += 1
-                    # "skip" drops up to max_skips non-finite steps in a row; the next one stops the run
-                    stopping = cfg.on_nonfinite == "stop" or skipped > cfg.max_skips
-                    line = {"kind": "nonfinite", "step": step, "loss": float(loss_sum) / cfg.grad_accum,
-                            "grad_norm": float(grad_norm), "lr": lr, "action": "stop" if stopping else "skip"}
-                    log(line)
-                    if stopping:
-                        kept = _keep_finite_weights(step, start_step, saved_steps, resumed_from is not None, out,
-                                                    checkpoint, lambda: _check_weights_finite(raw_model))
-                        if cfg.on_nonfinite == "stop":
-                            why, advice = "on_nonfinite='stop'", "or set on_nonfinite='skip' to drop such steps"
-                        else:
-                            why = f"non-finite again after max_skips={cfg.max_skips} skipped steps in a row"
-                            advice = "or raise max_skips to skip more such steps in a row"
-                        raise TrainingDivergedError(
-                            f"Training diverged at step {step}: loss {line['loss']}, gradient norm {line['grad_norm']} "
-                            f"(lr {lr:.3g}); stopped ({why}), {kept}. Lower optim.lr, raise optim.warmup_steps, "
-                            f"{advice}."
-                        )
-                    warnings.warn(f"Step {step}: non-finite loss or gradient; the update was skipped.", stacklevel=2)
-                    periodic_checkpoint(step + 1)  # a skipped step is still a step: its checkpoint is due as usual
-                    continue
-                skipped = 0
-                if scaler is not None:
-                    scaler.step(optimizer)
-                    scaler.update()
-                else:
-                    optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                if timing:
-                    if device.type == "cuda":
-                        torch.cuda.synchronize(device)
-                    elapsed = time.perf_counter() - t0
-                    if first_compiled:  # compiled now, or failed and went on eagerly (switch.error)
-                        if switch.compiled:
-                            switch.compile_s = elapsed - (step_s or 0.0)
-                        log({"kind": "compile", "step": step, **switch.summary()})
-                    elif switch.record_compiled_step(elapsed):  # "auto" kept the compiled model or went back
-                        log({"kind": "compile", "step": step, **switch.summary()})
-                    step_s = elapsed
-
-                if step % cfg.log_interval == 0 or step == cfg.steps - 1:
-                    if dist.enabled:
-                        torch.distributed.all_reduce(loss_sum, op=torch.distributed.ReduceOp.AVG)
-                    loss_value = float(loss_sum) / cfg.grad_accum  # .item() syncs the device
-                    dt = time.perf_counter() - t0
-                    tokens_per_s = tokens_per_step / dt
-                    log({
-                        "kind": "train", "step": step, "loss": loss_value, "lr": lr, "grad_norm": float(grad_norm),
-                        "tokens_per_s": tokens_per_s, "mfu": estimate_mfu(flops_per_token, tokens_per_s, device),
-                        "compiled": step_compiled,
-                    })
-                    bar.set_postfix(loss=f"{loss_value:.4f}")
-                periodic_checkpoint(step + 1)
-
-            if cfg.eval.interval and dist.is_main and stop == cfg.steps:
-                run_eval(cfg.steps)
-            checkpoint(stop)
-        finally:
-            if metrics_file is not None:
-                metrics_file.close()
-        return TrainResult(model=raw_model, history=history, out_dir=out, compile=switch.summary(), cpu=cpu)
+        run.model.train()
+        bar = tqdm(range(run.start_step, run.stop), desc="train", disable=not (progress and dist.is_main),
+                   initial=run.start_step, total=run.cfg.steps)
+        next_rows: Tensor | None = None  # the next step's rows, fetched while the GPU works on this one
+        for step in bar:
+            if stops.received:
+                raise _interrupted(stops.received, step, run.start_step, run.cfg.steps, out, partial(_checkpoint, run))
+            if run.cfg.eval.interval and dist.is_main and step % run.cfg.eval.interval == 0:
+                _evaluate(run, step)
+            rows = next_rows if next_rows is not None else fetch_rows(run.source, step, run.cfg, device)  # (B, T+1)
+            next_rows, loss = _train_step(run, step, rows)
+            if loss is not None:
+                bar.set_postfix(loss=f"{loss:.4f}")
+            _periodic_checkpoint(run, step + 1)
+        if run.cfg.eval.interval and dist.is_main and run.stop == run.cfg.steps:
+            _evaluate(run, run.cfg.steps)
+        _checkpoint(run, run.stop)
+        return TrainResult(model=run.model, history=run.history, out_dir=out, compile=run.compile_info,
+                           device=device.type, autocast=run.precision.dtype)
     except BaseException as error:
-        if overwritten:  # failed before any checkpoint: the run it was to replace comes back
-            restore_set_aside(out, overwritten[0])
+        if run is not None and run.metrics_file is not None:
+            run.metrics_file.close()
+        if run is not None and run.overwritten:  # failed before any checkpoint: the run it was to replace comes back
+            restore_set_aside(out, run.overwritten[0])
         elif out is not None and set_aside_runs(out) and isinstance(error, (TrainingDivergedError, TrainingInterrupted)):
             warnings.warn(f"The run this overwrite replaced is kept in {[str(p) for p in set_aside_runs(out)]}: it is "
                           "deleted once this run writes a regular checkpoint (move its files back to keep it).",
@@ -748,5 +603,265 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
         raise
     finally:
         resources.close()
-        set_cpu_matmul(matmul_before)
         cleanup_distributed(dist)
+
+
+def _build(cfg: TrainConfig, out: Path | None, dist: DistContext, device: torch.device,
+           interventions: Sequence[Intervention], *, resumed: bool) -> _Run:
+    """Data, model, optimizer and interventions, all built before ``out_dir`` is touched. The data order depends on
+    ``cfg.data`` only (``d_vocab="auto"`` is resolved here, once); the initialisation on ``cfg.seed``."""
+    from sinklens.train.model import SinkLM
+
+    source = build_source(cfg.data, d_vocab=None if cfg.model.d_vocab == "auto" else cfg.model.d_vocab)
+    cfg = _resolve_vocab(cfg, source)
+    per_rank, rem = divmod(cfg.batch_size // cfg.grad_accum, dist.world_size)
+    if rem or per_rank == 0:
+        raise InvalidArgumentError(
+            f"batch_size={cfg.batch_size} does not split into grad_accum={cfg.grad_accum} micro-batches "
+            f"over {dist.world_size} processes; use a multiple of {cfg.grad_accum * dist.world_size}."
+        )
+    torch.manual_seed(cfg.seed)
+    model = SinkLM(cfg.model).to(device)
+    model.tokenizer = source.tokenizer
+    optimizer = configure_optimizer(model, cfg.optim, device)
+    every = [*cfg.interventions, *interventions]
+    hooks = resolve_interventions(model, every)
+    # fresh hooks: a trial leaves no state. The persistence probe runs without the spec interventions where
+    # they cannot run on its shorter sequences (try_interventions says why)
+    probe_all = try_interventions(model, resolve_interventions(model, [i for i in every if isinstance(i, str)]), cfg)
+    probed = [item for item in every if probe_all or not isinstance(item, str)]
+    probe_hooks = hooks if probe_all else resolve_interventions(model, probed)
+    return _Run(cfg=cfg, out=out, dist=dist, device=device, source=source, model=model, optimizer=optimizer,
+                precision=mixed_precision(cfg, device), hooks=hooks, probe_hooks=probe_hooks, probed=probed,
+                resumed=resumed)
+
+
+def _open_run_dir(run: _Run, resumed_from: Any, *, overwrite: bool, until: int | None) -> None:
+    """Load the checkpoint a resume continues from, then write the run directory (only from here on)."""
+    cfg, out = run.cfg, run.out
+    fingerprint = data_fingerprint(run.source)  # what the data is beyond its config (tokenizer, token streams)
+    fingerprinted = resumed_from is not None and check_data_fingerprint(out, fingerprint)
+    if resumed_from is not None and not fingerprinted and fingerprint:
+        warnings.warn(f"The run in {str(out)!r} was written before runs stored a fingerprint of their data, so "
+                      "this resume cannot check that the data (tokenizer, token ids) is what it trained on; later "
+                      "resumes check it against the data used from here on.", stacklevel=4)
+    if resumed_from is not None:
+        run.start_step = load_checkpoint(resumed_from, model=run.model, optimizer=run.optimizer,
+                                         scaler=run.precision.scaler)
+        run.history = _read_history(out, run.start_step)
+    run.stop = cfg.steps if until is None else min(until, cfg.steps)
+    if resumed_from is not None and run.start_step >= run.stop:  # re-saving would replace step `stop`'s checkpoint
+        asked = f"steps={cfg.steps}" + ("" if until is None else f" and until={until}")
+        raise InvalidArgumentError(
+            f"The run in {str(out)!r} is at step {run.start_step} already; {asked} leave nothing to train. "
+            f"Pass a larger --steps (train(..., resume=True) with cfg.steps > {run.start_step}) to continue it."
+        )
+    if out is None or not run.dist.is_main:
+        return
+    writable_dir(out, what="out_dir")
+    if overwrite:  # the old run is moved aside: deleted at the new run's first checkpoint, restored on failure
+        run.overwritten.extend(p for p in [set_aside_run(out)] if p is not None)
+    clean_stale(out)
+    write_json(out / "config.json", cfg.to_dict(), digits=None)
+    write_metrics(out, run.history)  # a resumed run keeps only the lines before its checkpoint
+    if not fingerprinted:
+        write_data_fingerprint(out, fingerprint)
+    if resumed_from is not None and run.source.tokenizer is not None:  # a kill may have left it broken or missing
+        problem = tokenizer_problem(out)
+        if problem is not None:
+            if (out / TOKENIZER).exists():
+                warnings.warn(f"{problem}; it is written again from the data's tokenizer.", stacklevel=4)
+            save_tokenizer(out, run.source.tokenizer)
+
+
+def _wrap(run: _Run, module: Any) -> Any:
+    """What a step calls: the (possibly compiled) model, in DDP when distributed."""
+    if not run.dist.enabled:
+        return module
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    return DDP(module, device_ids=[run.device.index] if run.device.type == "cuda" else None)
+
+
+def _prepare_loop(run: _Run, resources: contextlib.ExitStack) -> None:
+    """Compile (``compile=True``, or ``"auto"`` on CUDA), the evaluation batches, the persistence probe, the metrics
+    files and the attention kernels of the loop."""
+    cfg, out, device, main = run.cfg, run.out, run.device, run.dist.is_main
+    run.flops_per_token = run.model.flops_per_token(cfg.data.seq_len)
+    compiled = cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda")
+    run.compile_info = {"compiled": compiled, "compile_s": None, "error": None}
+    run.step_model = _wrap(run, compile_model(run.model) if compiled else run.model)
+    if cfg.eval.interval and main:
+        run.val_batches, run.val_targets = eval_batches(run.source, cfg, device)
+    run.persist = PersistenceTracker(cfg, out, lambda m: run.probe_hooks if m is run.model else resolve_interventions(
+        m, run.probed))
+    if run.resumed and main:
+        run.persist.resume(device)
+    run.leftovers = [] if out is None else set_aside_runs(out)
+    if out is not None and main:
+        run.metrics_file = resources.enter_context(open(out / "metrics.jsonl", "a"))  # noqa: SIM115
+    if cfg.log != "none" and main:
+        run.external = MetricsLog(cfg.log, cfg.to_dict(), out)
+        resources.callback(run.external.close)
+    resources.enter_context(attention_kernels(device))
+    if device.type == "cuda" and main:  # the peak that the train lines' mfu divides by
+        name = torch.cuda.get_device_name(device)
+        _log(run, {"kind": "device", "step": run.start_step, "device": name, "peak_flops": peak_flops(name),
+                   "peak": "dense bfloat16 tensor-core peak FLOP/s (sinklens.train.loop.PEAK_FLOPS)"})
+
+
+def _log(run: _Run, line: dict[str, Any]) -> None:
+    """Add a metrics line to the history, ``metrics.jsonl`` and the ``cfg.log`` library."""
+    run.history.append(line)
+    if run.metrics_file is not None:
+        run.metrics_file.write(json_line(line) + "\n")  # strict JSON: a non-finite number is written null
+        run.metrics_file.flush()
+    if run.external is not None:
+        run.external.write(line)
+
+
+def _evaluate(run: _Run, step: int) -> None:
+    """Validation loss, sink metrics and persistence of the step-0 bias, as a ``kind="eval"`` line."""
+    from sinklens.train.sink_metrics import evaluate
+
+    metrics = evaluate(run.model, run.val_batches, run.val_targets, threshold=run.cfg.eval.sink_threshold,
+                       extra_hooks=run.hooks)
+    _log(run, {"kind": "eval", "step": step, **metrics.scalars(), **run.persist.measure(run.model)})
+
+
+def _micro_steps(run: _Run, rows: Tensor) -> Tensor:
+    """Forward and backward of every micro-batch of the step; the summed (unscaled) loss, on the device."""
+    cfg, model = run.cfg, run.step_model
+    loss_sum = torch.zeros((), device=run.device)
+    for micro in range(cfg.grad_accum):
+        sync = micro == cfg.grad_accum - 1 or not run.dist.enabled
+        with contextlib.nullcontext() if sync else model.no_sync():
+            loss_sum += forward_backward(model, micro_batch(rows, micro, cfg, run.dist), hooks=run.hooks,
+                                         loss_scale=1.0 / cfg.grad_accum, autocast=run.precision.autocast,
+                                         hook_owner=run.model, scaler=run.precision.scaler)
+    return loss_sum
+
+
+def _first_compiled_micro_steps(run: _Run, rows: Tensor) -> Tensor:
+    """:func:`_micro_steps` of the first compiled step, where compilation happens: a compile that fails warns and
+    the step runs again eagerly, so it never ends the run."""
+    try:
+        return _micro_steps(run, rows)
+    except Exception as error:  # noqa: BLE001 - any compiler error: retry this step eagerly
+        run.optimizer.zero_grad(set_to_none=True)
+        run.step_model = _wrap(run, run.model)
+        run.compile_info.update(compiled=False, error=compile_failed_warning(error))
+        warnings.warn(run.compile_info["error"], stacklevel=4)
+        return _micro_steps(run, rows)
+
+
+def _train_step(run: _Run, step: int, rows: Tensor) -> tuple[Tensor | None, float | None]:
+    """One optimizer step on ``rows``; returns the next step's rows (fetched while the device works) and the
+    step's loss when it was logged (None otherwise)."""
+    cfg, optimizer, scaler, device = run.cfg, run.optimizer, run.precision.scaler, run.device
+    lr = get_lr(step, cfg.optim, cfg.steps)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    first_compiled = run.compile_info["compiled"] and step == run.start_step
+    t0 = time.perf_counter()
+    loss_sum = _first_compiled_micro_steps(run, rows) if first_compiled else _micro_steps(run, rows)
+    next_rows = fetch_rows(run.source, step + 1, cfg, device) if step + 1 < run.stop else None
+    if scaler is not None:  # float16 only: gradients were scaled, unscale before clipping
+        scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip or float("inf"), foreach=True)
+    # one host sync per step: a NaN/inf loss or gradient must never reach the weights. Under float16's loss scaler
+    # an inf/NaN gradient with a finite loss is the scaler's to handle (it skips that update and lowers the scale);
+    # a non-finite loss is divergence either way.
+    if not bool(torch.isfinite(loss_sum if scaler is not None else loss_sum + grad_norm)):
+        _skip_nonfinite(run, step, loss_sum, grad_norm, lr)
+        return next_rows, None
+    run.skipped = 0
+    if scaler is not None:
+        scaler.step(optimizer)
+        scaler.update()
+    else:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    if first_compiled:  # compiled now, or failed and went on eagerly (compile_info["error"])
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if run.compile_info["compiled"]:
+            run.compile_info["compile_s"] = time.perf_counter() - t0
+        _log(run, {"kind": "compile", "step": step, **run.compile_info})
+    if step % cfg.log_interval and step != cfg.steps - 1:
+        return next_rows, None
+    if run.dist.enabled:
+        torch.distributed.all_reduce(loss_sum, op=torch.distributed.ReduceOp.AVG)
+    loss = float(loss_sum) / cfg.grad_accum  # syncs the device: once per logged step
+    tokens_per_s = cfg.batch_size * cfg.data.seq_len / (time.perf_counter() - t0)
+    _log(run, {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
+               "tokens_per_s": tokens_per_s,
+               "mfu": estimate_mfu(run.flops_per_token, tokens_per_s, device),
+               "compiled": run.compile_info["compiled"]})
+    return next_rows, loss
+
+
+def _skip_nonfinite(run: _Run, step: int, loss_sum: Tensor, grad_norm: Tensor, lr: float) -> None:
+    """A step whose loss or gradient is NaN/inf: its update is dropped and logged; ``on_nonfinite="skip"`` goes on
+    for up to ``max_skips`` such steps in a row, otherwise the run stops with its last finite weights kept."""
+    cfg = run.cfg
+    run.optimizer.zero_grad(set_to_none=True)
+    run.skipped += 1
+    stopping = cfg.on_nonfinite == "stop" or run.skipped > cfg.max_skips
+    line = {"kind": "nonfinite", "step": step, "loss": float(loss_sum) / cfg.grad_accum,
+            "grad_norm": float(grad_norm), "lr": lr, "action": "stop" if stopping else "skip"}
+    _log(run, line)
+    if not stopping:
+        warnings.warn(f"Step {step}: non-finite loss or gradient; the update was skipped.", stacklevel=4)
+        return  # a skipped step is still a step: its periodic checkpoint is due as usual
+    kept = _keep_finite_weights(step, run.start_step, run.saved_steps, run.resumed, run.out, partial(_checkpoint, run),
+                                lambda: _check_weights_finite(run.model))
+    if cfg.on_nonfinite == "stop":
+        why, advice = "on_nonfinite='stop'", "or set on_nonfinite='skip' to drop such steps"
+    else:
+        why = f"non-finite again after max_skips={cfg.max_skips} skipped steps in a row"
+        advice = "or raise max_skips to skip more such steps in a row"
+    raise TrainingDivergedError(
+        f"Training diverged at step {step}: loss {line['loss']}, gradient norm {line['grad_norm']} "
+        f"(lr {lr:.3g}); stopped ({why}), {kept}. Lower optim.lr, raise optim.warmup_steps, {advice}."
+    )
+
+
+def _last_checkpoint(run: _Run) -> str:
+    if run.saved_steps or run.resumed:
+        return f"its last finite checkpoint (step {max(run.saved_steps, default=run.start_step)}) in {str(run.out)!r} is kept"
+    return f"{str(run.out)!r} holds no checkpoint of this run"
+
+
+def _checkpoint(run: _Run, step: int, *, regular: bool = True) -> None:
+    """Checkpoint the weights after ``step`` steps, once per step (Ctrl-C right after a periodic checkpoint writes
+    none). ``regular=False``: what a divergence or Ctrl-C saves; the run an overwrite replaces is deleted only after
+    a regular (periodic or final) one."""
+    out = run.out
+    if out is None or step in run.saved_steps:
+        return
+    bad = _check_weights_finite(run.model)  # at checkpoints only: never a per-step host sync
+    if bad is not None:  # a finite loss, yet the update left NaN/inf weights: never checkpoint them
+        _log(run, {"kind": "nonfinite", "step": step, "weights": bad,
+                   "lr": get_lr(max(step - 1, 0), run.cfg.optim, run.cfg.steps), "action": "stop"})
+        raise TrainingDivergedError(
+            f"Training diverged: the weights after step {step} are not finite ({bad}); the checkpoint of "
+            f"step {step} was not written and {_last_checkpoint(run)}. Lower optim.lr, raise "
+            f"optim.warmup_steps or set optim.grad_clip."
+        )
+    if not run.dist.is_main:
+        return
+    save_checkpoint(out, model=run.model, optimizer=run.optimizer, cfg=run.cfg, step=step, scaler=run.precision.scaler)
+    run.saved_steps.add(step)
+    if regular and (run.overwritten or run.leftovers):  # a regular checkpoint: the run it replaces goes now
+        discard_set_aside(out)
+        run.overwritten.clear()
+        run.leftovers.clear()
+    elif run.overwritten:  # a divergence or Ctrl-C after this checkpoint keeps both: say where the old one is
+        run.leftovers.extend(run.overwritten)
+        run.overwritten.clear()
+
+
+def _periodic_checkpoint(run: _Run, steps_done: int) -> None:
+    if run.cfg.checkpoint_interval and steps_done % run.cfg.checkpoint_interval == 0 and steps_done < run.stop:
+        _checkpoint(run, steps_done)

@@ -49,11 +49,7 @@ from transformer_lens.HookedRootModule import HookedRootModule
 
 from sinklens.errors import InvalidArgumentError, SequenceTooLongError
 from sinklens.train.config import ModelConfig
-from sinklens.train.dispatch import at_least_float32
-from sinklens.train.matmul import matmul
-from sinklens.train.rms_norm import rms_norm
-from sinklens.train.rotary import RotaryTables, rope
-from sinklens.train.variants import AttentionVariant, HeadwiseRMSNorm, get_attention_variant
+from sinklens.train.variants import AttentionVariant, HeadwiseRMSNorm, at_least_float32, get_attention_variant, rms_norm
 from sinklens.validate import as_seed
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -63,7 +59,10 @@ def next_token_loss(
     logits: Float[Tensor, "batch pos d_vocab"], targets: Int[Tensor, "batch pos"]
 ) -> Float[Tensor, ""]:
     """The one next-token cross-entropy of the trainer: mean over every ``batch × pos`` prediction
-    of ``-log softmax(logits[b, t])[targets[b, t]]`` in nats, computed in float32.
+    of ``-log softmax(logits[b, t])[targets[b, t]]`` in nats, computed in float32. Under
+    ``torch.compile`` (the trainer computes it inside the compiled forward) the float32 upcast is
+    fused into the log-softmax reduction, so the ``[batch, pos, d_vocab]`` logits are never copied
+    to float32 in memory.
 
     ``logits[:, t]`` must already be aligned with ``targets[:, t]`` (the model's prediction for the
     token that follows position ``t``). Used by :meth:`SinkLM.forward`, the training step and the
@@ -74,6 +73,31 @@ def next_token_loss(
         True
     """
     return F.cross_entropy(at_least_float32(logits).flatten(0, 1), targets.flatten())
+
+
+def rotary_tables(n_ctx: int, d_head: int, base: float) -> tuple[Tensor, Tensor]:
+    """``cos`` and ``sin`` of the RoPE angles ``t·θ_i`` (``θ_i = base^(-2i/d_head)``), each ``[n_ctx, d_head]``
+    with the ``d_head/2`` frequencies repeated for both halves (rotate-half convention), float64."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, d_head, 2, dtype=torch.float64) / d_head))
+    angles = torch.outer(torch.arange(n_ctx, dtype=torch.float64), inv_freq).repeat(1, 2)  # (n_ctx, d_head)
+    return angles.cos(), angles.sin()
+
+
+def rope(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Tensor) -> Float[Tensor, "batch pos head d_head"]:
+    """Rotate ``x[:, t]`` by the angles of position ``t``: ``x ⊙ cos + rotate_half(x) ⊙ sin`` with
+    ``rotate_half(x) = [-x₂, x₁]`` for the two halves of ``d_head`` (Llama / TransformerLens), in ``x``'s dtype.
+
+    Examples:
+        >>> cos, sin = rotary_tables(n_ctx=3, d_head=2, base=10000.0)
+        >>> rope(torch.tensor([1.0, 0.0]).expand(1, 3, 1, 2), cos, sin)[0, :, 0]  # (cos t, sin t)
+        tensor([[ 1.0000,  0.0000],
+                [ 0.5403,  0.8415],
+                [-0.4161,  0.9093]])
+    """
+    T = x.shape[1]
+    cos, sin = cos[:T, None, :].to(x.dtype), sin[:T, None, :].to(x.dtype)  # (T, 1, d_head)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
 def _no_decay(p: nn.Parameter) -> nn.Parameter:
@@ -90,9 +114,8 @@ class RMSNorm(nn.Module):
     """``w ⊙ x / sqrt(mean(x²) + eps)`` (computed in float32); ``hook_normalized`` is ``x / sqrt(...)``, before
     ``w``, as TransformerLens' ``RMSNorm`` has it (so analyzers read the same site on a SinkLM).
 
-    Fast path when nothing is hooked on ``hook_scale`` or ``hook_normalized``: :func:`sinklens.train.rms_norm.rms_norm`
-    (``F.rms_norm``, or on a CPU in training its closed-form backward); otherwise the explicit path,
-    which materialises the scale and the normalised vector for the hooks. The two agree to float32 rounding (tested).
+    Fast path when nothing is hooked on ``hook_scale`` or ``hook_normalized``: :func:`sinklens.train.variants.rms_norm`
+    (``F.rms_norm``); otherwise the explicit path, which materialises the scale and the normalised vector for the hooks. The two agree to float32 rounding (tested).
     """
 
     def __init__(self, d_model: int, eps: float) -> None:
@@ -157,10 +180,9 @@ class Attention(nn.Module):
         )
         self.rotary = cfg.family == "llama"
         if self.rotary:
-            tables = RotaryTables(cfg.n_ctx, dh, cfg.rope_base)
-            self.register_buffer("rope_cos", tables.cos, persistent=False)
-            self.register_buffer("rope_signed_sin", tables.signed_sin, persistent=False)
-            self.register_buffer("rope_signed_sin_back", tables.signed_sin_back, persistent=False)
+            cos, sin = rotary_tables(cfg.n_ctx, dh, cfg.rope_base)  # computed once, moved with the model
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
         self.hook_q = HookPoint()
         self.hook_k = HookPoint()
         self.hook_v = HookPoint()
@@ -174,8 +196,8 @@ class Attention(nn.Module):
             setattr(self, site, HookPoint())
 
     def _rope(self, x: Tensor) -> Tensor:
-        """Rotary position embedding, rotate-half convention (:func:`sinklens.train.rotary.rope`)."""
-        return rope(x, self.rope_cos, self.rope_signed_sin, self.rope_signed_sin_back)
+        """Rotary position embedding, rotate-half convention (:func:`rope`)."""
+        return rope(x, self.rope_cos, self.rope_sin)
 
     def project(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor, Tensor]:
         """Queries ``[batch, pos, head, d_head]`` and keys/values ``[batch, pos, kv_head, d_head]``, hooked.
@@ -186,7 +208,7 @@ class Attention(nn.Module):
         B, T, D = x.shape
         H, Hkv = self.cfg.n_heads, self.cfg.n_key_value_heads
         w = torch.cat([self.W_Q, self.W_K, self.W_V], dim=0).to(x.dtype)  # (H + 2Hkv, D, dh)
-        qkv = matmul(x, w.transpose(0, 1).reshape(D, -1)).view(B, T, H + 2 * Hkv, -1)  # (B, T, H + 2Hkv, dh)
+        qkv = (x @ w.transpose(0, 1).reshape(D, -1)).view(B, T, H + 2 * Hkv, -1)  # (B, T, H + 2Hkv, dh)
         q, k, v = qkv.split([H, Hkv, Hkv], dim=2)
         if self.has_bias:
             q, k, v = q + self.b_Q.to(q.dtype), k + self.b_K.to(k.dtype), v + self.b_V.to(v.dtype)
@@ -227,7 +249,7 @@ class Attention(nn.Module):
         z = self.hook_z(self.aggregate(q, k, v, explicit=self.needs_explicit()))
         z = self.variant.transform_z(z, x, self)
         B, T = z.shape[:2]
-        out = matmul(z.reshape(B, T, -1), self.W_O.to(z.dtype).flatten(0, 1))  # (B, T, H·dh) @ (H·dh, D)
+        out = z.reshape(B, T, -1) @ self.W_O.to(z.dtype).flatten(0, 1)  # (B, T, H·dh) @ (H·dh, D)
         return out + self.b_O.to(out.dtype) if self.has_bias else out
 
 
@@ -251,12 +273,12 @@ class MLP(nn.Module):
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if self.gated:
-            pre = self.hook_pre(matmul(x, self.W_gate.to(x.dtype)))
-            post = self.hook_post(F.silu(pre) * self.hook_pre_linear(matmul(x, self.W_in.to(x.dtype))))
-            return matmul(post, self.W_out.to(post.dtype))
-        pre = self.hook_pre(matmul(x, self.W_in.to(x.dtype)) + self.b_in.to(x.dtype))
+            pre = self.hook_pre(x @ self.W_gate.to(x.dtype))
+            post = self.hook_post(F.silu(pre) * self.hook_pre_linear(x @ self.W_in.to(x.dtype)))
+            return post @ self.W_out.to(post.dtype)
+        pre = self.hook_pre(x @ self.W_in.to(x.dtype) + self.b_in.to(x.dtype))
         post = self.hook_post(F.gelu(pre, approximate="tanh"))
-        return matmul(post, self.W_out.to(post.dtype)) + self.b_out.to(post.dtype)
+        return post @ self.W_out.to(post.dtype) + self.b_out.to(post.dtype)
 
 
 class Block(nn.Module):
@@ -359,6 +381,8 @@ class SinkLM(HookedRootModule):
         self,
         tokens: Int[Tensor, "batch pos"],
         return_type: Literal["logits", "loss", "both", None] = "logits",
+        *,
+        targets: Int[Tensor, "batch pos"] | None = None,
     ) -> Any:
         """Run the model.
 
@@ -368,6 +392,9 @@ class SinkLM(HookedRootModule):
                 cross-entropy (nats) over all ``batch × (pos - 1)`` predictions ``logits[:, t]`` →
                 ``tokens[:, t + 1]``, in float32; ``"both"`` → ``(logits, loss)``; ``None`` → ``None``
                 (for hook-only runs).
+            targets: the token each position predicts, ``[batch, pos]``: the loss is then over all
+                ``batch × pos`` predictions ``logits[:, t]`` → ``targets[:, t]`` (the trainer passes
+                ``rows[:, 1:]`` for ``rows[:, :-1]``, so the loss runs inside a compiled forward).
 
         Raises:
             SequenceTooLongError: ``pos > cfg.n_ctx``.
@@ -389,10 +416,10 @@ class SinkLM(HookedRootModule):
         if return_type is None:
             return None
         x = self.ln_final(resid)
-        logits = matmul(x, self.W_E.to(x.dtype).T)
+        logits = x @ self.W_E.to(x.dtype).T
         if return_type == "logits":
             return logits
-        loss = next_token_loss(logits[:, :-1], tokens[:, 1:])
+        loss = next_token_loss(logits[:, :-1], tokens[:, 1:]) if targets is None else next_token_loss(logits, targets)
         if return_type == "loss":
             return loss
         if return_type == "both":

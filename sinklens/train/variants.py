@@ -46,9 +46,35 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.train.dispatch import at_least_float32
 from sinklens.validate import did_you_mean, finite_number
-from sinklens.train.rms_norm import rms_norm
+
+
+def at_least_float32(x: Tensor) -> Tensor:
+    """``x`` in the dtype its norms, softmaxes and sums run in: float32 for half precision and float32, float64
+    kept as it is (a float64 model stays float64 throughout, e.g. for ``torch.autograd.gradcheck``)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def rms_norm(
+    x: Float[Tensor, "*batch d"], w: Float[Tensor, "*w_shape"] | None, eps: float
+) -> Float[Tensor, "*batch d"]:
+    """``w ⊙ x / sqrt(mean(x², -1) + eps)``: the RMS over the last axis of ``x``, computed in
+    float32; the normalised ``x`` is cast to ``x``'s dtype before ``w`` (or None, for no gain)
+    multiplies it, broadcast against the trailing axes of ``x``. Serves the pre-norms (``w`` of
+    shape ``[d_model]``), head-wise RMSNorm (``[n_heads, d_head]`` over ``z[batch, pos, head, d_head]``)
+    and QK-norm.
+
+    Examples:
+        >>> rms_norm(torch.tensor([[3.0, 4.0]]), None, 0.0)  # rms of (3, 4) is sqrt(12.5)
+        tensor([[0.8485, 1.1314]])
+    """
+    xf = at_least_float32(x)
+    if hasattr(F, "rms_norm"):  # torch >= 2.4
+        normed = F.rms_norm(xf, xf.shape[-1:], None, eps)
+    else:
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    normed = normed.to(x.dtype)
+    return normed if w is None else normed * w.to(x.dtype)
 
 
 class AttentionVariant(nn.Module):

@@ -24,7 +24,7 @@ def test_train_then_compare(tmp_path, capsys):
                      "--out", str(tmp_path / variant), "--intervention", "restart:positions=8", *TINY])
         assert code == 0
         printed = capsys.readouterr().out
-        assert "cpu: matmul onednn, freed memory kept mapped" in printed or "cpu: matmul aten" in printed, printed
+        assert "device: cpu, autocast none, compile off" in printed, printed
         run = tmp_path / variant
         assert (run / "metrics.jsonl").is_file() and (load_run(run).path / "model.safetensors").is_file()
         assert load_run(run).step == 6 and (run / "checkpoint.json").is_file()

@@ -67,6 +67,7 @@ def test_variant_options_as_a_whole_mapping_add_to_those_set():
         (["model.family=lama"], r"\(did you mean 'llama'\?\)"),
         (["optim.min_lr=low"], "optim.min_lr must be a number or none, got 'low'"),
         (["data.seq-len=8"], r"Unknown config key 'data.seq-len' \(did you mean 'data.seq_len'\?\)"),
+        (["autocast=fp8"], r"autocast must be one of .*got 'fp8'"),
         (["data.source=text"], "needs data.path"),
         (["lr"], "not of the form"),
         (["model.variant_options=shared"], r"model.variant_options takes a mapping such as \{'gain': 'shared'\}, got 'shared'"),

@@ -12,7 +12,8 @@ from sinklens.errors import SequenceTooLongError
 from sinklens.inputs import random_token_batches
 from sinklens.options import RunOptions
 from sinklens.streaming import stream
-from sinklens.train.model import SinkLM
+from sinklens.train.model import LayerNorm, RMSNorm, SinkLM, next_token_loss, rope, rotary_tables
+from sinklens.train.variants import rms_norm
 from sinklens.train.config import PRESETS, ModelConfig
 
 TINY = dict(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, d_mlp=32, n_ctx=16, d_vocab=32)
@@ -249,6 +250,13 @@ loss = compiled(toks, return_type="loss")
 loss.backward()
 assert model.blocks[0].attn.variant.gain.grad is not None
 assert torch.allclose(loss, model(toks, return_type="loss"))
+# the trainer's call: the loss (float32 upcast and all) inside the one graph, under bf16 autocast too
+with torch.autocast("cpu", dtype=torch.bfloat16):
+    step = compiled(toks[:, :-1], return_type="loss", targets=toks[:, 1:])
+    explained = torch._dynamo.explain(model)(toks[:, :-1], return_type="loss", targets=toks[:, 1:])
+assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained
+assert any("cross_entropy" in str(n.target) for n in explained.graphs[0].graph.nodes)
+assert step.dtype == torch.float32
 print("ok")
 """
 
@@ -261,3 +269,124 @@ def test_torch_compile_captures_one_graph():
 
     done = subprocess.run([sys.executable, "-c", _COMPILE_SCRIPT], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- norms, RoPE: fast and hooked paths
+
+
+def _explicit_rms(x, w, eps):
+    return x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def test_rms_norm_fast_path_matches_the_formula_and_hooked_path():
+    torch.manual_seed(0)
+    norm = RMSNorm(32, 1e-6)
+    with torch.no_grad():
+        norm.w.copy_(torch.rand(32) + 0.5)
+    x = torch.randn(3, 5, 32) * 4
+    fast_in = x.clone().requires_grad_()
+    fast = norm(fast_in)
+    fast.square().sum().backward()
+
+    scales = []
+    norm.hook_scale.add_hook(lambda s, hook: scales.append(s) or s)  # a hook on hook_scale: explicit path
+    slow_in = x.clone().requires_grad_()
+    slow = norm(slow_in)
+    slow.square().sum().backward()
+    norm.hook_scale.remove_hooks()
+
+    ref = _explicit_rms(x.double(), norm.w.detach().double(), 1e-6)
+    torch.testing.assert_close(fast.double(), ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(slow.double(), ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fast_in.grad, slow_in.grad, rtol=1e-5, atol=1e-6)
+    (scale,) = scales
+    torch.testing.assert_close(scale.double(), x.double().pow(2).mean(-1, keepdim=True).add(1e-6).sqrt(), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_hook_normalized_is_before_the_gain_as_in_transformerlens(kind):
+    """``hook_normalized`` holds the normalised vector before ``w`` (and ``b``), as TransformerLens' norms do, so
+    analyzers that read it (normalized disparity, weight-based super neurons) see the same site on a SinkLM; hooking
+    it alone takes the explicit path, whose output equals the fast one."""
+    torch.manual_seed(3)
+    norm = RMSNorm(32, 1e-6) if kind == "rms" else LayerNorm(32, 1e-5)
+    with torch.no_grad():
+        norm.w.copy_(torch.rand(32) + 0.5)
+        if kind == "layer":
+            norm.b.normal_()
+    x = torch.randn(3, 5, 32) * 4 + 1.0
+    fast = norm(x)
+    seen = []
+    norm.hook_normalized.add_hook(lambda n, hook: seen.append(n) or n)
+    hooked = norm(x)
+    norm.hook_normalized.remove_hooks()
+    xd = x.double() - (x.double().mean(-1, keepdim=True) if kind == "layer" else 0)
+    normalised = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + norm.eps)  # independent, float64
+    (got,) = seen
+    torch.testing.assert_close(got.double(), normalised, rtol=1e-5, atol=1e-5)
+    output = normalised * norm.w.detach().double() + (norm.b.detach().double() if kind == "layer" else 0)
+    torch.testing.assert_close(hooked.double(), output, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.double(), output, rtol=1e-5, atol=1e-5)
+
+
+def test_head_rms_norm_matches_the_authors_formula():
+    # HeadRMSNorm of Siquan-Li/Head-wise-RMSNorm: x * rsqrt(mean(x², -1) + eps), per head over d_head
+    torch.manual_seed(1)
+    z = torch.randn(2, 7, 4, 16) * 3
+    ref = z.double() * torch.rsqrt(z.double().pow(2).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(rms_norm(z, None, 1e-6).double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_model_logits_do_not_depend_on_the_norm_path():
+    torch.manual_seed(2)
+    model = SinkLM(ModelConfig.from_preset("tiny", variant="headwise_rms", n_ctx=16, d_vocab=32))
+    tokens = torch.randint(0, 32, (2, 12))
+    fast = model(tokens)
+    hooks = [(f"blocks.{l}.ln{i}.hook_scale", lambda s, hook: s) for l in range(2) for i in (1, 2)]
+    slow = model.run_with_hooks(tokens, fwd_hooks=hooks + [("ln_final.hook_scale", lambda s, hook: s)])
+    torch.testing.assert_close(fast, slow, rtol=1e-5, atol=1e-5)
+
+
+def test_loss_with_targets_is_the_mean_cross_entropy_of_every_position():
+    model = build(seed=4)
+    rows = tokens(batch=2, pos=9)
+    inputs, targets = rows[:, :-1], rows[:, 1:]
+    got = model(inputs, return_type="loss", targets=targets)
+    logp = torch.log_softmax(model(inputs).double(), dim=-1)  # independent float64 reference
+    ref = -logp.gather(-1, targets[..., None]).mean()
+    torch.testing.assert_close(got.double(), ref, rtol=1e-6, atol=1e-6)
+    assert torch.equal(got, next_token_loss(model(inputs), targets))  # the same number the evaluation reports
+
+
+def test_rope_matches_the_rotate_half_formula_in_float64():
+    # Llama / TransformerLens RoPE: x·cos(tθ) + rotate_half(x)·sin(tθ), θ_i = base^(-2i/d), independent float64
+    cos, sin = rotary_tables(n_ctx=8, d_head=6, base=10000.0)
+    x = torch.randn(2, 8, 3, 6, generator=torch.Generator().manual_seed(7))
+    angles = torch.outer(torch.arange(8, dtype=torch.float64), 1.0 / 10000.0 ** (torch.arange(0, 6, 2, dtype=torch.float64) / 6))
+    x1, x2 = x.double().chunk(2, dim=-1)
+    c, s = angles.cos()[:, None], angles.sin()[:, None]
+    ref = torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+    torch.testing.assert_close(rope(x, cos, sin).double(), ref, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(rope(x.double(), cos, sin), ref, rtol=0, atol=1e-12)
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop:UserWarning")  # torch's vmap fallback for SDPA
+def test_torch_func_transforms_run_through_the_plain_ops():
+    # torch.func.grad / vmap run through the model and give autograd's gradients
+    from torch.func import functional_call, grad, vmap
+
+    torch.manual_seed(9)
+    model = SinkLM(ModelConfig.from_preset("tiny", variant="headwise_rms", n_ctx=16, d_vocab=32))
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    tokens = torch.randint(0, 32, (3, 8))
+
+    def loss(p, rows):
+        return next_token_loss(functional_call(model, p, (rows,))[:, :-1], rows[:, 1:])
+
+    got = grad(loss)(params, tokens)
+    next_token_loss(model(tokens)[:, :-1], tokens[:, 1:]).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(got[name], p.grad, rtol=1e-4, atol=1e-6, msg=name)
+    per_sequence = vmap(grad(loss), in_dims=(None, 0))(params, tokens[:, None])  # per-example gradients
+    for name in params:
+        torch.testing.assert_close(per_sequence[name].mean(0), got[name], rtol=1e-4, atol=1e-6, msg=name)

@@ -40,7 +40,7 @@ def test_cpu_bfloat16_autocast_runs_the_forward_in_bfloat16_and_keeps_weights_fl
 
     cfg = build_cfg(steps=2, cpu_autocast="bfloat16")
     result = train(cfg, progress=False, interventions=[record_q])
-    assert result.cpu["autocast"] == "bfloat16"
+    assert result.autocast == "bfloat16"
     assert seen == [torch.bfloat16, torch.bfloat16]
     assert all(p.dtype == torch.float32 for p in result.model.parameters())
     bf16, fp32 = _first_step_loss(cfg, autocast=True), _first_step_loss(cfg, autocast=False)
@@ -48,7 +48,7 @@ def test_cpu_bfloat16_autocast_runs_the_forward_in_bfloat16_and_keeps_weights_fl
     assert result.losses()[0] == bf16  # the same operations, bit for bit
 
     default = train(build_cfg(steps=1), progress=False, interventions=[record_q])
-    assert default.cpu["autocast"] == "none" and seen[-1] == torch.float32
+    assert default.autocast == "none" and seen[-1] == torch.float32
     assert default.losses()[0] == fp32
 
 
@@ -66,7 +66,7 @@ def test_cli_trains_under_cpu_autocast_and_says_so(tmp_path, capsys):
     code = main(["train", "--preset", "tiny", "--steps", "2", "--device", "cpu", "--no-progress", "--cpu-autocast",
                  "bfloat16", "--set", "eval.interval=0", "--out", str(tmp_path / "run")])
     assert code == 0
-    assert "cpu: bfloat16 autocast (products in bfloat16 on aten)" in capsys.readouterr().out
+    assert "device: cpu, autocast bfloat16, compile off" in capsys.readouterr().out
     assert '"cpu_autocast": "bfloat16"' in (tmp_path / "run" / "config.json").read_text()
 
 

@@ -346,4 +346,4 @@ def test_a_float64_model_is_float64_throughout(variant):
     freq = 1.0 / (model.cfg.rope_base ** (torch.arange(0, 4, 2, dtype=torch.float64) / 4))
     angles = torch.arange(16, dtype=torch.float64)[:, None] * freq
     torch.testing.assert_close(attn.rope_cos, torch.cat([angles.cos(), angles.cos()], dim=-1), rtol=0, atol=1e-15)
-    torch.testing.assert_close(attn.rope_signed_sin, torch.cat([-angles.sin(), angles.sin()], dim=-1), rtol=0, atol=1e-15)
+    torch.testing.assert_close(attn.rope_sin, torch.cat([angles.sin(), angles.sin()], dim=-1), rtol=0, atol=1e-15)

@@ -1,0 +1,67 @@
+"""Send the trainer's metrics to Weights & Biases or TensorBoard, beside ``metrics.jsonl``.
+
+``TrainConfig.log`` picks the library: ``"none"`` (default), ``"wandb"`` or ``"tensorboard"``. The
+library is imported only when asked for (``pip install 'sinklens[wandb]'`` or
+``'sinklens[tensorboard]'``); ``metrics.jsonl`` is written either way and stays the run's record.
+Every number of a ``kind="train"`` or ``kind="eval"`` metrics line is logged as the scalar
+``train/<key>`` or ``eval/<key>`` at the line's ``step``; other lines (resume, compile,
+nonfinite, device) are not sent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+from typing import Any
+
+from sinklens.errors import InvalidArgumentError
+
+#: The package each ``TrainConfig.log`` value imports, and the extra that installs it.
+PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
+
+
+def check_log(kind: str) -> None:
+    """Raise :class:`~sinklens.errors.InvalidArgumentError` when ``log=kind`` asks for a library that is not
+    installed (checked before the run starts; nothing is imported)."""
+    package = PACKAGES.get(kind)
+    if package is not None and importlib.util.find_spec(package) is None:
+        raise InvalidArgumentError(
+            f"log={kind!r} needs the {package} package, which is not installed: pip install 'sinklens[{kind}]' "
+            f"(or set log='none'; metrics.jsonl is written either way)."
+        )
+
+
+class MetricsLog:
+    """One run's Weights & Biases run or TensorBoard writer (``out_dir/tensorboard``, or torch's default
+    ``runs/`` folder without an ``out_dir``); :meth:`write` takes the trainer's metrics lines."""
+
+    def __init__(self, kind: str, config: dict[str, Any], out: Path | None) -> None:
+        self.kind = kind
+        if kind == "wandb":
+            import wandb
+
+            self.run = wandb.init(project="sinklens", name=out.name if out is not None else None,
+                                  dir=str(out) if out is not None else None, config=config)
+        else:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.run = SummaryWriter(log_dir=str(out / "tensorboard") if out is not None else None)
+
+    def write(self, line: dict[str, Any]) -> None:
+        if line.get("kind") not in ("train", "eval"):
+            return
+        scalars = {f"{line['kind']}/{key}": float(value) for key, value in line.items()
+                   if key not in ("kind", "step") and isinstance(value, (int, float)) and not isinstance(value, bool)
+                   and math.isfinite(value)}
+        if self.kind == "wandb":
+            self.run.log(scalars, step=line["step"])
+        else:
+            for key, value in scalars.items():
+                self.run.add_scalar(key, value, global_step=line["step"])
+
+    def close(self) -> None:
+        if self.kind == "wandb":
+            self.run.finish()
+        else:
+            self.run.close()
