@@ -229,7 +229,3 @@ def fake_cuda() -> Iterator[FakeCuda]:
         torch.__future__.set_swap_module_params_on_conversion(swap)
         _ACTIVE.remove(state)
 
-
-def to_fake_cuda(model: torch.nn.Module) -> torch.nn.Module:
-    """``model`` with every parameter and buffer on the pretend device (call inside :func:`fake_cuda`)."""
-    return model.to(DEVICE)
