@@ -62,17 +62,35 @@ class TokenBatch(CompactRepr):
     prepend_bos: bool
     special_tokens: tuple[str, ...] = ()
 
+    _host_facts = None  # (lengths, right_aligned) read from valid once (host_lengths); no annotation: not a field
+
     @property
     def lengths(self) -> Int[Tensor, " batch"]:
         return self.valid.sum(dim=1)
 
+    def host_lengths(self) -> tuple[int, ...]:
+        """Each row's number of real tokens as Python ints. Read from ``valid`` with one transfer the first
+        time (none for a batch moved from the CPU by :meth:`to`), then kept: every per-batch question about
+        lengths and padding is answered on the host, without waiting for a GPU."""
+        return self._facts()[0]
+
+    def _facts(self) -> tuple[tuple[int, ...], bool]:
+        if self._host_facts is None:
+            lengths = self.valid.sum(dim=1)
+            aligned = (self.valid == (torch.arange(self.valid.shape[1], device=self.valid.device) < lengths[:, None])).all()
+            *rows, flag = torch.cat([lengths, aligned.long()[None]]).tolist()  # one transfer
+            self._host_facts = (tuple(rows), bool(flag))
+        return self._host_facts
+
     @property
     def padded(self) -> bool:
         """True if any position is padding."""
-        return not bool(self.valid.all())
+        return any(n < self.valid.shape[1] for n in self.host_lengths())
 
     def to(self, device: torch.device | str) -> TokenBatch:
-        return TokenBatch(self.tokens.to(device), self.valid.to(device), self.prepend_bos, self.special_tokens)
+        moved = TokenBatch(self.tokens.to(device), self.valid.to(device), self.prepend_bos, self.special_tokens)
+        moved._host_facts = self._facts() if self.valid.device.type == "cpu" else self._host_facts
+        return moved
 
 
 def right_align(batch: TokenBatch) -> TokenBatch:
@@ -87,13 +105,14 @@ def right_align(batch: TokenBatch) -> TokenBatch:
         >>> right_align(b).tokens.tolist(), right_align(b).valid.sum(dim=1).tolist()
         ([[7, 8, 0, 0], [5, 6, 7, 8]], [2, 4])
     """
+    host_lengths, aligned = batch._facts()
+    if aligned:
+        return batch
     valid = batch.valid
     n = valid.shape[1]
     lengths = valid.sum(dim=1)
     pos = torch.arange(n, device=valid.device)
     prefix = pos[None, :] < lengths[:, None]
-    if bool((valid == prefix).all()):
-        return batch
     start = valid.float().argmax(dim=1)  # first real position of each row
     if not bool((valid == ((pos[None] >= start[:, None]) & (pos[None] < (start + lengths)[:, None]))).all()):
         raise InvalidArgumentError(
@@ -102,7 +121,9 @@ def right_align(batch: TokenBatch) -> TokenBatch:
         )
     index = (pos[None, :] + start[:, None]).clamp(max=n - 1)
     tokens = torch.where(prefix, batch.tokens.gather(1, index), batch.tokens.gather(1, index.new_zeros(index.shape)))
-    return TokenBatch(tokens, prefix, batch.prepend_bos, batch.special_tokens)
+    aligned_batch = TokenBatch(tokens, prefix, batch.prepend_bos, batch.special_tokens)
+    aligned_batch._host_facts = (host_lengths, True)
+    return aligned_batch
 
 
 #: What the analyzers take: a string, any iterable of strings (a list, a generator, a numpy array of strings),
@@ -529,7 +550,7 @@ def require_a_later_position(
     position after it (``sink_position + 2`` tokens) on a causal model, any other position on a
     ``bidirectional`` one (an encoder).
     """
-    lengths = torch.cat([b.valid.sum(dim=1).cpu() for b in batches])
+    lengths = torch.tensor([n for b in batches for n in b.host_lengths()], dtype=torch.long)
     if sink_position is not None:
         short = (lengths <= sink_position).nonzero().flatten()
         if short.numel():

@@ -244,7 +244,7 @@ def _probed_norm(model: Any, path: str) -> dict[str, Any]:
     b = _param(module, "b", "bias")
     d_model = model_dims(model).d_model
     if w is None:
-        w = torch.ones(d_model, dtype=torch.float32)
+        w = torch.ones(d_model, dtype=torch.float32, device=model_device(model))
     gen = torch.Generator().manual_seed(0)
     # A mean as large as the spread, so that removing it (LayerNorm) or not (RMSNorm) changes the output by O(1),
     # far above the tolerance below even in bfloat16.

@@ -18,6 +18,13 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--device", default="cpu",
+        help="device of the GPU lane (tests/devices): cpu (default: the lane runs on sinklens.testing.fake_cuda's "
+             "pretend CUDA device), fake-cuda, cuda or cuda:N (skipped when CUDA is absent)")
+
+
 def pytest_collection_modifyitems(config, items):
     """Run the long items first: those marked ``slow`` and the tutorials (each executed notebook takes
     10-90 s). With ``pytest -n logical`` (the README's test command) the workers then share out the short

@@ -39,10 +39,10 @@ def sink_position_arg(sink_position: Any) -> int:
 def check_sink_position(batch: TokenBatch, sink_position: int) -> None:
     """Raise :class:`~sinklens.errors.InvalidArgumentError` if a sequence of ``batch`` is too short
     to have a token at ``sink_position``."""
-    lengths = batch.lengths
-    shortest = int(lengths.min())
+    lengths = batch.host_lengths()
+    shortest = min(lengths)
     if not 0 <= sink_position < shortest:
-        row = int(lengths.argmin())
+        row = lengths.index(shortest)
         raise InvalidArgumentError(
             f"sink_position={sink_position} is beyond sequence {row} of this batch, which has {shortest} tokens; "
             f"it must lie in [0, {shortest - 1}] for every sequence."

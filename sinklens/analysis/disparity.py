@@ -85,20 +85,22 @@ class MassiveSettings:
         object.__setattr__(self, "max_rows", positive_int(self.max_rows, what="max_rows", minimum=0))
 
 
-def sequence_median_abs(x: Float[Tensor, "batch pos d"], valid: Tensor) -> Float[Tensor, " batch"]:
-    """Median of ``|x|`` over each sequence's valid positions and all dimensions.
+def sequence_median_abs(x: Float[Tensor, "batch pos d"], lengths: Sequence[int]) -> Float[Tensor, " batch"]:
+    """Median of ``|x|`` over each sequence's real positions (its first ``lengths[b]``: a right-padded batch)
+    and all dimensions.
 
     For an even count this is the lower of the two middle values (``torch.nanmedian``'s convention);
-    NaN for a sequence with no valid position. Uses ``kthvalue`` (a selection, not a sort).
+    NaN for a sequence with no real position. Uses ``kthvalue`` (a selection, not a sort); the lengths are
+    host ints (:meth:`~sinklens.inputs.TokenBatch.host_lengths`), so nothing waits for the device.
     """
     a = x.abs()
-    if bool(valid.all()):
+    if all(n == a.shape[1] for n in lengths):
         flat = a.flatten(1)
         return flat.kthvalue((flat.shape[1] + 1) // 2, dim=1).values
     out = torch.full((a.shape[0],), float("nan"), dtype=a.dtype, device=a.device)
-    for b in range(a.shape[0]):
-        row = a[b][valid[b]].flatten()
-        if row.numel():
+    for b, n in enumerate(lengths):
+        if n:
+            row = a[b, :n].flatten()
             out[b] = row.kthvalue((row.numel() + 1) // 2).values
     return out
 
@@ -362,13 +364,14 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
         valid = batch.valid
         abs_threshold, rel_threshold, top_k = self.settings.abs_threshold, self.settings.rel_threshold, self.settings.top_k
 
-        all_valid = bool(valid.all())
+        lengths = batch.host_lengths()
+        all_valid = not batch.padded
         tiny = torch.finfo(torch.float32).tiny
 
         def fold(act: Tensor, i: int) -> None:  # act: [batch, pos, d_model]; i: row of the stream
             x = act.float()
             a = x.abs()
-            med = sequence_median_abs(x, valid)
+            med = sequence_median_abs(x, lengths)
             med_c = med.clamp_min(tiny)
             # Thresholds are compared without materialising the full ratio tensor a / median.
             massive = torch.ones_like(a, dtype=torch.bool) if abs_threshold is None else a > abs_threshold

@@ -630,7 +630,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         self._check_identity(torch.stack(rebuilt) + offset[self.layers], mlp)
         heads, attn_offset = self._heads(attn)
         contribution = res_act[:, :, None] * torch.stack(w_dims)
-        peaks = resid[:, dims].abs().amax(dim=0) if dims else torch.zeros(0)
+        peaks = resid[:, dims].abs().amax(dim=0) if dims else resid.new_zeros(0)
         is_super = (contribution.abs() >= cfg.super_share * peaks.clamp_min(_TINY)).any(dim=-1)
         stats = mlp_weight_statistics(self.model, self.layers, cfg.row_top_k)
         kurt, share = stats["out_kurtosis"], stats["out_top_share"]

@@ -259,7 +259,7 @@ def analyze(
     return SinkReport(
         model_name=model_name or type(model).__name__,
         n_sequences=int(sum(b.tokens.shape[0] for b in batches)),
-        n_tokens=int(sum(int(b.valid.sum()) for b in batches)),
+        n_tokens=sum(sum(b.host_lengths()) for b in batches),
         prepend_bos=bool(batches[0].prepend_bos),
         sink_position=sink_position,
         sinks=sinks,

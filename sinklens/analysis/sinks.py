@@ -478,6 +478,11 @@ class SinkResult(SettingsFields, CompactRepr):
         return plot_received_by_position(self, layers=layers, path=path)
 
 
+def _top(values: Tensor, k: int) -> Tensor:
+    """Indices of the ``k`` largest ``values``, largest first; of equal values the earlier comes first."""
+    return torch.sort(values, descending=True, stable=True).indices[:k]
+
+
 def _merge_position_tokens(mine: Tensor, theirs: Tensor) -> Tensor:
     """Combine two per-position token records (-2 unseen, -1 varies, else the one token id seen there)."""
     n = max(mine.numel(), theirs.numel())
@@ -620,28 +625,29 @@ class SinkReducer(Reducer[SinkResult]):
             n = state.q_count[layer].shape[1]
             self.seq_counts[row, :n] += (state.q_count[layer] > 0).sum(dim=0).double()
             self.gu_counts[row, :n] += (state.gu_count[layer] > 0).sum(dim=0).double()
-        self.n_real_queries += float(batch.valid.sum())
+        self.n_real_queries += float(sum(batch.host_lengths()))
         self._record_position_tokens(batch)
         q_count = torch.stack(list(state.q_count.values())).amax(dim=0)  # most counted queries over layers
-        n = q_count.shape[1]
+        n_batch, n = q_count.shape
         counted = (q_count >= self.settings.min_query_count) & batch.valid
         tokens = batch.tokens.to(counted.device)
         position = torch.arange(n, device=counted.device)
+        # Every position is folded, those not counted with weight 0 (amax: the lowest value), so no step
+        # depends on how many were counted and nothing waits for the device.
         for table, where in ((self.tok_first, counted & (position == 0)), (self.tok_later, counted & (position > 0))):
-            ids = tokens[where]
-            recv = state.recv[where]
-            table[0].index_add_(0, ids, torch.ones_like(recv))
-            table[1].index_add_(0, ids, recv)
-            table[2].index_add_(0, ids, state.share[where])
-            table[3].scatter_reduce_(0, ids, recv, reduce="amax")
+            ids = torch.where(where, tokens, 0).flatten()
+            table[0].index_add_(0, ids, where.flatten().to(table.dtype))
+            table[1].index_add_(0, ids, torch.where(where, state.recv, 0.0).flatten())
+            table[2].index_add_(0, ids, torch.where(where, state.share, 0.0).flatten())
+            table[3].scatter_reduce_(0, ids, torch.where(where, state.recv, -math.inf).flatten(), reduce="amax")
         if self.settings.top_k:
             where = counted & (position > 0)
-            seq_idx, pos_idx = torch.nonzero(where, as_tuple=True)
-            meta = torch.stack([seq_idx + self.n_seq, pos_idx, tokens[seq_idx, pos_idx]], dim=1)
-            vals = torch.cat([self.top_vals, state.recv[where]])
-            shares = torch.cat([self.top_share, state.share[where]])
+            seq_idx = torch.arange(n_batch, device=counted.device)[:, None].expand(n_batch, n) + self.n_seq
+            meta = torch.stack([seq_idx, position.expand(n_batch, n), tokens], dim=-1).flatten(0, 1)
+            vals = torch.cat([self.top_vals, torch.where(where, state.recv, -math.inf).flatten()])  # -inf: not counted
+            shares = torch.cat([self.top_share, state.share.flatten()])
             meta = torch.cat([self.top_meta, meta])
-            keep = torch.topk(vals, min(self.settings.top_k, vals.numel())).indices
+            keep = _top(vals, self.settings.top_k)
             self.top_vals, self.top_share, self.top_meta = vals[keep], shares[keep], meta[keep]
         self.n_seq += batch.tokens.shape[0]
 
@@ -657,7 +663,7 @@ class SinkReducer(Reducer[SinkResult]):
         vals = torch.cat([self.top_vals, other.top_vals.to(dev)])
         shares = torch.cat([self.top_share, other.top_share.to(dev)])
         meta = torch.cat([self.top_meta, meta])
-        keep = torch.topk(vals, min(self.settings.top_k, vals.numel())).indices
+        keep = _top(vals, self.settings.top_k)
         pos_ids = _merge_position_tokens(self.pos_ids, other.pos_ids.to(self.pos_ids.device))
         merge_statistics(self, other, [name for name in self.statistics
                                        if not name.startswith("top_") and name not in ("pos_ids", "special_tokens")])
@@ -692,10 +698,11 @@ class SinkReducer(Reducer[SinkResult]):
         gu_frac = (self.gu_hits[:, :, :n] / self.gu_counts[:, None, :n].clamp(min=1)).float().cpu()
         unattended = (self.shortfall / max(self.n_real_queries, 1.0)).float().cpu()
         virtual = unattended if self.sink_logits or bool(unattended.abs().max() > self.row_sum_tolerance) else None
+        real = self.top_vals > -math.inf  # the top list holds -inf for positions not counted while it fills
         occurrences = [
             SinkOccurrence(seq, pos, tok, self._decode(tok), val, share)
             for val, share, (seq, pos, tok) in zip(
-                self.top_vals.tolist(), self.top_share.tolist(), self.top_meta.tolist()
+                self.top_vals[real].tolist(), self.top_share[real].tolist(), self.top_meta[real].tolist()
             )
         ]
         return SinkResult(

@@ -294,7 +294,7 @@ class VarianceResult(CompactRepr):
     @property
     def pred_uniform(self) -> Float[Tensor, "layer head pos"]:
         """Uniform-attention law ``σ_v² / (t + 1)``."""
-        t = torch.arange(self.z_var.shape[-1], dtype=self.z_var.dtype)
+        t = torch.arange(self.z_var.shape[-1], dtype=self.z_var.dtype, device=self.z_var.device)
         return self.value_var[:, :, None] / (t + 1)
 
     def position_index(self, position: int) -> int:

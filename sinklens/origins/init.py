@@ -147,7 +147,7 @@ def hf_at_init(source: str | Any, seed: int, *, device: str, dtype: torch.dtype,
         torch.manual_seed(seed)
         hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
         _reinit(hf, scheme, std, seed)
-    hf = hf.to(dtype).eval()
+    hf = hf.to(device=device, dtype=dtype).eval()  # boot_transformers records a given hf_model's device, moves nothing
     kwargs = {"tokenizer": tokenizer} if tokenizer is not None else {}
     return TransformerBridge.boot_transformers(str(name), hf_model=hf, device=device, dtype=dtype, **kwargs)
 

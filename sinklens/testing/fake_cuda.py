@@ -1,0 +1,231 @@
+"""A pretend CUDA device on a CPU-only build: tensors that say ``cuda:0`` but hold real CPU data.
+
+Inside :func:`fake_cuda`, anything made or moved with ``device="cuda"`` (factory functions, ``.to``,
+``.cuda()``, ``model.to("cuda")``) is a :class:`FakeCudaTensor`: its ``.device`` is ``cuda:0``, every op on
+it runs on the CPU data it wraps, and ``.cpu()``, ``.item()`` and ``.tolist()`` give real numbers. An op
+that mixes it with a plain CPU tensor of one or more dimensions raises the ``RuntimeError`` a GPU raises
+("Expected all tensors to be on the same device"), with the CUDA exceptions kept (a copy between devices,
+CPU index tensors, 0-dim CPU tensors as scalars). So a model moved to this device finds, on any machine,
+the code that makes a tensor without the activations' device or mixes a ``.cpu()`` result back in, and
+gives the CPU's numbers when there is none.
+
+:attr:`FakeCuda.host_syncs` counts the operations that wait for a GPU: a value read on the host
+(``.item()``, ``bool``/``float``/``int`` of a tensor, ``.tolist()``), a copy to the host (``.cpu()``,
+``.to("cpu")``) and ops whose output shape depends on the data (``nonzero``, boolean-mask indexing,
+``masked_select``, ``unique``, ``torch.equal``).
+
+Examples:
+    >>> import torch
+    >>> with fake_cuda() as device:
+    ...     w = torch.nn.Linear(3, 2).to("cuda").weight
+    ...     x = torch.ones(4, 3, device="cuda")
+    ...     y = x @ w.T
+    ...     print(y.device, y.sum().item() == y.cpu().sum().item(), device.host_syncs)
+    cuda:0 True 2
+    >>> with fake_cuda():
+    ...     torch.ones(3, device="cuda") + torch.zeros(3)
+    Traceback (most recent call last):
+    ...
+    RuntimeError: Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! (aten.add.Tensor)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+from unittest import mock
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+#: The device fake tensors report.
+DEVICE = torch.device("cuda", 0)
+_CPU = torch.device("cpu")
+aten = torch.ops.aten
+
+#: Ops that read device data on the host or whose output shape depends on it: each waits for a GPU.
+_SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default, aten.equal.default,
+             aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default, aten.is_nonzero.default}
+#: Ops CUDA runs with CPU tensors among their arguments: a copy across devices and CPU index tensors.
+_CROSS_DEVICE = {aten.copy_.default, aten._to_copy.default, aten.index.Tensor, aten.index_put_.default,
+                 aten.index_put.default, aten._index_put_impl_.default}
+
+
+class FakeCudaTensor(torch.Tensor):
+    """A tensor whose ``.device`` is ``cuda:0`` and whose data is the CPU tensor ``self.cpu_data``."""
+
+    cpu_data: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, real: torch.Tensor) -> FakeCudaTensor:
+        with torch.inference_mode(False):  # a view of a normal tensor must be normal (it shares a version counter)
+            fake = torch.Tensor._make_wrapper_subclass(
+                cls, real.shape, strides=real.stride(), storage_offset=real.storage_offset(), dtype=real.dtype,
+                layout=real.layout, device=_CPU, requires_grad=real.requires_grad)
+        fake.cpu_data = real
+        return fake
+
+    # Torch's own kernels see a CPU tensor (so autograd runs on this build); Python code sees cuda:0.
+    device = property(lambda self: DEVICE)
+    is_cuda = property(lambda self: True)
+    is_cpu = property(lambda self: False)
+
+    def get_device(self) -> int:
+        return 0
+
+    def untyped_storage(self) -> torch.UntypedStorage:  # what shares memory with what (safetensors asks)
+        return self.cpu_data.untyped_storage()
+
+    def data_ptr(self) -> int:
+        return self.cpu_data.data_ptr()
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        return f"FakeCudaTensor({self.cpu_data!r}, device='cuda:0')"
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return _dispatch(func, args, kwargs or {})
+
+
+class FakeCuda:
+    """The state of one :func:`fake_cuda` block: :attr:`host_syncs` counts the host synchronisations."""
+
+    def __init__(self) -> None:
+        self.host_syncs = 0
+
+
+_ACTIVE: list[FakeCuda] = []
+
+
+def _is_cuda(device: Any) -> bool:
+    return device is not None and not isinstance(device, int) and torch.device(device).type == "cuda"
+
+
+def _map(fn: Any, value: Any) -> Any:
+    """``value`` with ``fn`` applied to each tensor in it (op arguments and outputs: tensors in lists, tuples, dicts)."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(_map(fn, v) for v in value)
+    if isinstance(value, dict):
+        return {k: _map(fn, v) for k, v in value.items()}
+    return value
+
+
+def _tensors(value: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        found.append(value)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            _tensors(v, found)
+    elif isinstance(value, dict):
+        _tensors(list(value.values()), found)
+    return found
+
+
+def _wrap(value: Any) -> Any:
+    return _map(lambda t: t if isinstance(t, FakeCudaTensor) else FakeCudaTensor(t), value)
+
+
+def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
+    tensors = _tensors((args, kwargs), [])
+    fakes = [t for t in tensors if isinstance(t, FakeCudaTensor)]
+    if fakes and func not in _CROSS_DEVICE and any(not isinstance(t, FakeCudaTensor) and t.dim() > 0 for t in tensors):
+        raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices, cuda:0 and "
+                           f"cpu! ({func})")
+    to_host = (func is aten._to_copy.default and kwargs.get("device") is not None and not _is_cuda(kwargs["device"])
+               or func is aten.copy_.default and not isinstance(args[0], FakeCudaTensor))
+    if fakes and _ACTIVE and (func in _SYNC_OPS or to_host or func is aten.index.Tensor and any(
+            i is not None and i.dtype == torch.bool for i in args[1])):
+        _ACTIVE[-1].host_syncs += 1
+    by_real = {id(t.cpu_data): t for t in fakes}
+    real_args, real_kwargs = _map(lambda t: t.cpu_data if isinstance(t, FakeCudaTensor) else t, (args, kwargs))
+    made_here = _is_cuda(real_kwargs.get("device"))
+    if made_here:
+        real_kwargs["device"] = _CPU
+    out = func(*real_args, **real_kwargs)
+    if to_host or not (fakes or made_here):
+        return out
+    return _map(lambda t: by_real[id(t)] if id(t) in by_real else FakeCudaTensor(t), out)
+
+
+class _ToHost(torch.autograd.Function):
+    """A fake tensor's data as a plain CPU tensor, with gradients flowing back to the fake one."""
+
+    @staticmethod
+    def forward(ctx: Any, fake: FakeCudaTensor) -> torch.Tensor:
+        return fake.cpu_data.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> FakeCudaTensor:
+        return FakeCudaTensor(grad)
+
+
+def _to_host(fake: FakeCudaTensor) -> torch.Tensor:
+    if _ACTIVE:
+        _ACTIVE[-1].host_syncs += 1
+    return _ToHost.apply(fake)
+
+
+class _FakeCudaMode(TorchFunctionMode):
+    """Turns ``device="cuda"`` in a call into CPU data wrapped as :class:`FakeCudaTensor` (a CPU-only build
+    refuses to make a CUDA tensor before any dispatch could see it)."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.to, torch.Tensor.cuda):
+            if func is torch.Tensor.cuda:
+                device, dtype = DEVICE, None
+            else:
+                device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})
+            if _is_cuda(device):
+                self_ = args[0]
+                real = self_.cpu_data if isinstance(self_, FakeCudaTensor) else self_
+                moved = real.to(dtype=dtype or real.dtype, copy=bool(kwargs.get("copy", False)))
+                return self_ if moved is real and isinstance(self_, FakeCudaTensor) else FakeCudaTensor(moved)
+            if isinstance(args[0], FakeCudaTensor) and device is not None:  # to the host (a CPU kernel sees no move)
+                return _to_host(args[0]).to(*args[1:], **kwargs)
+        elif func is torch.Tensor.cpu and isinstance(args[0], FakeCudaTensor):
+            return _to_host(args[0])
+        elif func is torch.Tensor.tolist and isinstance(args[0], FakeCudaTensor):
+            return _to_host(args[0]).tolist()
+        elif func in (torch.Tensor.numpy, torch.Tensor.__array__) and isinstance(args[0], FakeCudaTensor):
+            raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
+                            "host memory first.")
+        elif func in (torch.Tensor.pin_memory, torch.Tensor.is_pinned):
+            return args[0] if func is torch.Tensor.pin_memory else False
+        elif _is_cuda(kwargs.get("device")) and func is not torch._C._nn._parse_to:  # (Module.to parses, then calls .to)
+            return _wrap(func(*args, **{**kwargs, "device": _CPU}))
+        return func(*args, **kwargs)
+
+
+#: What ``torch.cuda`` answers inside :func:`fake_cuda`: one GPU, named as what it is.
+_CUDA_API: dict[str, Any] = {
+    "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
+    "get_device_name": lambda device=None: "sinklens fake CUDA (CPU)", "synchronize": lambda device=None: None,
+}
+
+
+@contextlib.contextmanager
+def fake_cuda() -> Iterator[FakeCuda]:
+    """A block in which ``cuda`` is the pretend device above; yields its :class:`FakeCuda` (host-sync count).
+
+    In the block ``torch.cuda`` answers as for one GPU (:data:`_CUDA_API`), so code that checks for one
+    (``--device cuda``, ``device=None`` meaning "CUDA when available") takes the pretend one.
+    """
+    state = FakeCuda()
+    _ACTIVE.append(state)
+    swap = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)  # model.to() keeps each parameter object
+    try:
+        with _FakeCudaMode(), contextlib.ExitStack() as patches:
+            for name, value in _CUDA_API.items():
+                patches.enter_context(mock.patch(f"torch.cuda.{name}", value))
+            yield state
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swap)
+        _ACTIVE.remove(state)
+
