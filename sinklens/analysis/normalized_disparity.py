@@ -196,7 +196,6 @@ def normalized_disparity(
     sink_position: int = 0,
     layers: int | Sequence[int] | None = None,
     options: RunOptions = RunOptions(),
-    **deprecated: Any,
 ) -> NormalizedDisparity:
     """Dimension disparity of each layer's attention input norm, at the sink vs other tokens, before its gain
     (``ln1.hook_normalized`` on pre-norm models, sinklens) and after it (the norm's output, the paper's site).
@@ -216,4 +215,4 @@ def normalized_disparity(
                       "processing (sinklens.load_model, or from_pretrained_no_processing) for the paper's numbers.",
                       RuntimeWarning, stacklevel=2)
     return run_analyzer(model, inputs, NormalizedDisparityReducer, where="normalized_disparity", options=options,
-                        kwargs=deprecated, sink_position=sink_position, layers=layers)
+                        sink_position=sink_position, layers=layers)

@@ -42,7 +42,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Float, Int
@@ -92,10 +92,6 @@ def has_sink_logits(model: Any) -> bool:
 
 def _check_threshold(value: Any) -> float:
     return finite_number(value, what="sink_threshold", low=0.0, high=1.0, low_open=True, high_open=True)
-
-
-#: Deprecated keyword names of :class:`SinkSettings` fields (old -> current).
-SINK_RENAMES = {"eps": "sink_threshold", "min_queries": "min_query_count"}
 
 
 @dataclass(frozen=True)
@@ -243,8 +239,6 @@ class SinkResult(SettingsFields, CompactRepr):
     attention: dict[str, Any] | None = None
     n_queries_by_layer: Float[Tensor, "layer key_pos"] | None = None
     tokenizer: Any = field(default=None, repr=False, compare=False)
-
-    _renamed: ClassVar[dict[str, str]] = SINK_RENAMES
 
     # ---- rates -------------------------------------------------------------------------------
     def position_index(self, position: int) -> int:
@@ -513,8 +507,7 @@ class SinkReducer(Reducer[SinkResult]):
     Gu's ``α^Gu_b`` costs no second pass over the pattern: it is ``α_b``'s column sum plus the rows of
     the queries before ``min_query`` (one row by default), divided by the number of queries that see the key.
 
-    Settings are given either as ``settings=SinkSettings(...)`` or as its fields, keyword arguments (the
-    deprecated ``eps=`` and ``min_queries=`` are accepted for ``sink_threshold=`` and ``min_query_count=``).
+    Settings are given either as ``settings=SinkSettings(...)`` or as its fields, keyword arguments.
     """
 
     statistics = ("attention", "seq_hits", "seq_counts", "gu_hits", "gu_counts", "shortfall", "n_real_queries",
@@ -530,7 +523,7 @@ class SinkReducer(Reducer[SinkResult]):
         max_pos: int | None = None,
         **settings_kwargs: Any,
     ):
-        self.settings = settings = settings_from(SinkSettings, settings, settings_kwargs, "SinkReducer", renames=SINK_RENAMES)
+        self.settings = settings = settings_from(SinkSettings, settings, settings_kwargs, "SinkReducer")
         self.attention = AttentionReceivedReducer(model, layers=layers, min_query=settings.min_query, max_pos=max_pos)
         self.layers = self.attention.layers
         self.n_heads = model_dims(model).n_heads
@@ -738,8 +731,7 @@ def find_sinks(
         layers: which layers (default all; negatives count from the end).
         settings: the analysis settings (default ``SinkSettings()``).
         **settings_kwargs: any field of :class:`SinkSettings` as a keyword (``sink_threshold=``,
-            ``min_query=``, ...), replacing that of ``settings`` (``eps=`` and ``min_queries=`` are
-            deprecated names of ``sink_threshold=`` and ``min_query_count=``).
+            ``min_query=``, ...), replacing that of ``settings``.
         options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar.
 
     Examples:
@@ -751,4 +743,4 @@ def find_sinks(
         True
     """
     return run_analyzer(model, inputs, SinkReducer, where="find_sinks", options=options, kwargs=settings_kwargs,
-                        settings_cls=SinkSettings, settings=settings, renames=SINK_RENAMES, layers=layers)
+                        settings_cls=SinkSettings, settings=settings, layers=layers)

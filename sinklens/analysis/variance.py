@@ -666,7 +666,6 @@ def measure_variance(
     *,
     layers: int | Sequence[int] | None = None,
     options: RunOptions = RunOptions(),
-    **deprecated: Any,
 ) -> VarianceResult:
     """Measure value-aggregation variance per layer × head × position, with its predictions.
 
@@ -687,5 +686,5 @@ def measure_variance(
         >>> result.z_var.shape, result.discrepancy(0).shape
         (torch.Size([2, 4, 6]), torch.Size([2, 4]))
     """
-    return run_analyzer(model, inputs, VarianceReducer, where="measure_variance", options=options, kwargs=deprecated,
+    return run_analyzer(model, inputs, VarianceReducer, where="measure_variance", options=options,
                         layers=layers)

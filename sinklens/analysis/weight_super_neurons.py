@@ -108,11 +108,10 @@ def sink_inputs(
     sink_position: int = 0,
     layers: int | Sequence[int] | None = None,
     options: RunOptions = RunOptions(),
-    **deprecated: Any,
 ) -> SinkInput:
     """Mean normalised MLP input at ``sink_position`` per layer (``ln2.hook_normalized``; ``ln1`` on a post-LN model):
     the input every FFN neuron reads there, before the norm's gain."""
-    return run_analyzer(model, inputs, SinkInputReducer, where="sink_inputs", options=options, kwargs=deprecated,
+    return run_analyzer(model, inputs, SinkInputReducer, where="sink_inputs", options=options,
                         sink_position=sink_position, layers=layers)
 
 

@@ -229,15 +229,9 @@ def test_hooks_support_backward_for_training(tiny, toks, no_hooks_left):
     assert no_hooks_left(tiny)
 
 
-def test_sinklens_0_1_run_keywords_warn_and_take_effect(tiny, toks, capsys):
-    """Every field of ``RunOptions`` given as a 0.1 keyword is folded into ``options`` with one deprecation warning,
-    by one helper for analyzers, experiments and patching."""
+def test_run_options_take_effect_in_experiments_and_patching(tiny, toks, capsys):
     cut = block_keys(tiny, positions=0)
-    with pytest.warns(DeprecationWarning, match=r"create_sink\(extra_hooks=\) is deprecated"):
-        old = create_sink(tiny, toks, 5, method="restart", extra_hooks=cut)
     new = create_sink(tiny, toks, 5, method="restart", options=RunOptions(progress=False, extra_hooks=cut))
-    assert float(old.sink_before.abs().max()) == 0.0  # the extra hooks ran in the clean run too
-    torch.testing.assert_close(old.received_after, new.received_after, rtol=0, atol=0)
-    with pytest.warns(DeprecationWarning, match=r"patch_sink\(progress=\) is deprecated"):
-        patch_sink(tiny, toks, block_keys(tiny, positions=0), site="z", layers=0, progress=True)
+    assert float(new.sink_before.abs().max()) == 0.0  # the extra hooks ran in the clean run too
+    patch_sink(tiny, toks, block_keys(tiny, positions=0), site="z", layers=0, options=RunOptions(progress=True))
     assert "patch" in capsys.readouterr().err  # the progress bar was shown
