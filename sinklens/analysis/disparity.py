@@ -147,11 +147,8 @@ class MassiveActivations(SettingsFields, CompactRepr):
         events: ``(stream, position, dim)`` of every location that was massive in at least one sequence,
             sorted by ``|event_value|`` descending, at most ``max_rows`` (``n_events`` before truncation).
         event_value: the largest-magnitude signed value seen there; ``event_ratio``: ``|event_value|`` divided by
-            the median ``|x|`` of the sequence it was seen in (over that sequence's valid positions and all
-            dimensions at that stream): how many times a typical entry of its own hidden state it is. When several
-            sequences reach that same largest ``|x|`` (with BOS at position 0 every sequence has the same sink
-            activation), the ratio is the largest of theirs (the sequence with the smallest median), then the larger
-            signed value: the record depends only on the set of sequences, not on their order or batching.
+            the median ``|x|`` of the sequence it was seen in (its valid positions, all dimensions at that stream).
+            Ties in ``|x|`` go to the larger ratio, then the larger value, so batching does not change the record.
     """
 
     streams: list[int]

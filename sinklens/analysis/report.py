@@ -69,8 +69,7 @@ class SinkReport(CompactRepr):
             massive dimension's top writers at the sink), else None.
         skipped: section name -> why it was skipped (e.g. ``"super_neurons"`` on a mixture-of-experts model).
         value_drain: :class:`~sinklens.analysis.value_drain.ValueDrain` (what the sink writes: no-op or
-            broadcast sink heads); None when skipped (a SinkLM variant with an element-wise output gate: see
-            ``skipped``) and in reports built before it existed.
+            broadcast sink heads); None when skipped (see ``skipped``).
 
     The text layout lives in :mod:`sinklens.analysis.report_text`, file writing in
     :mod:`sinklens.analysis.report_files`; :meth:`summary` and :meth:`save` call them.
