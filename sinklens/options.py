@@ -38,27 +38,19 @@ class RunOptions:
     """Settings of one streaming run, shared by every analyzer and experiment.
 
     Attributes:
-        batch_size: prompts per forward pass (results do not depend on it: padded batches are right-aligned
-            and an encoder's run with an attention mask; see :func:`sinklens.streaming.forward`).
-        prepend_bos: add the model's own special tokens to each text prompt: a decoder's BOS token (a real
-            special token of the model, never ``[UNK]``), an encoder's ``[CLS] … [SEP]`` added the tokenizer's
-            own way (see :mod:`sinklens.inputs`); for token tensors the first column is taken to be BOS.
-            Results record what position 0 was (``SinkResult.describe_start()``).
-        max_length: keep the first ``max_length`` tokens of every sequence (BOS included): tokenized prompts,
-            token tensors and :class:`~sinklens.inputs.TokenBatch` es alike, except that an encoder's text
-            prompt keeps its final ``[SEP]`` (``[CLS]`` + the first ``max_length - 2`` tokens + ``[SEP]``, as its
-            tokenizer truncates) while token inputs are cut as given. None (default) truncates nothing:
-            a sequence longer than the model's context ``cfg.n_ctx`` then raises
-            :class:`~sinklens.errors.SequenceTooLongError` (it is never cut to ``cfg.n_ctx`` silently), and so
-            does one still longer than ``cfg.n_ctx`` after a ``max_length`` above it.
+        batch_size: prompts per forward pass (results do not depend on it, see
+            :func:`sinklens.streaming.forward`).
+        prepend_bos: add the model's own special tokens to each text prompt (a decoder's BOS, an encoder's
+            ``[CLS] … [SEP]``, see :mod:`sinklens.inputs`); for token tensors the first column is taken to be
+            BOS. Results record what position 0 was (``SinkResult.describe_start()``).
+        max_length: keep the first ``max_length`` tokens of every sequence (BOS included; an encoder's text
+            prompt keeps its final ``[SEP]``). None truncates nothing: a sequence longer than ``cfg.n_ctx``
+            raises :class:`~sinklens.errors.SequenceTooLongError`.
         extra_hooks: ``(hook_name, fn)`` pairs added to every forward before the analyzers' own, e.g.
             an intervention, so the analyzers measure the intervened model.
         progress: show a tqdm bar over batches.
-        device: the device the model must run on, checked before the pass: a model whose first parameter
-            is elsewhere raises :class:`~sinklens.errors.InvalidArgumentError` naming both (rather than
-            running where it is); a device this machine lacks raises
-            :class:`~sinklens.errors.DeviceUnavailableError`. None (default) = no check. Batches and
-            statistics always live on the device of the model's first parameter.
+        device: the device the model must run on, checked before the pass (None: no check); batches and
+            statistics live on the device of the model's first parameter.
         desc: label of the progress bar.
     """
 

@@ -215,14 +215,9 @@ def input_norm_reason(model: Any, site: Site) -> str | None:
 def input_norm(model: Any, layer: int, site: Site) -> NormMap:
     """The norm whose output ``blocks.{layer}``'s ``site`` sublayer (``"attn"`` or ``"mlp"``) reads, as a
     :class:`NormMap` probed like :func:`post_norm_map`; its ``path`` is the norm's module path (hooks
-    ``{path}.hook_normalized`` / ``.hook_scale``). ``gain ⊙ hook_normalized + bias`` is then the norm's
-    output *after* its learned gain, on TransformerLens versions without a ``hook_out`` on norms as well (a
-    norm whose gain was folded into the next weights, e.g. ``fold_ln=True`` on 3.x, has gain 1).
-
-    Pre-norm blocks, Gemma's sandwich norms and parallel blocks read ``blocks.{l}.ln1`` (attention) and
-    ``blocks.{l}.ln2`` (MLP). A post-LN block (BERT, :func:`post_ln_reason`) names its norms after what they
-    follow: ``ln1`` normalises the attention's *output*, so its attention reads the previous block's ``ln2``
-    (layer 0: the embedding LayerNorm) and its MLP reads its own ``ln1``.
+    ``{path}.hook_normalized`` / ``.hook_scale``), and ``gain ⊙ hook_normalized + bias`` the norm's output.
+    Pre-norm blocks read ``blocks.{l}.ln1`` (attention) and ``blocks.{l}.ln2`` (MLP); on a post-LN block
+    (BERT) the attention reads the previous block's ``ln2`` (layer 0: the embedding LayerNorm), the MLP ``ln1``.
 
     Examples:
         >>> from sinklens.testing.zoo import zoo_model
