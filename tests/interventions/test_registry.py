@@ -1,6 +1,5 @@
 """The one intervention registry: names, aliases, uniform calls, required options, and its users."""
 
-import warnings
 
 import pytest
 import torch
@@ -91,12 +90,3 @@ def test_deprecated_register_method_warns_and_forwards(tiny, toks):
     finally:
         registry.unregister("legacy_restart")
     assert "legacy_restart" not in registry.names()
-
-
-def test_legacy_run_keywords_still_work_with_a_warning(tiny, toks):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        res = remove_sink(tiny, toks, method="block", batch_size=1, progress=False, loss=False)
-    assert any("options=RunOptions" in str(w.message) for w in caught)
-    ref = remove_sink(tiny, toks, method="block", loss=False, options=QUIET)
-    torch.testing.assert_close(res.received_before, ref.received_before)
