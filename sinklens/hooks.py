@@ -51,7 +51,7 @@ def hook_name(layer: int, site: str) -> str:
 
 def head_output_site(model: Any) -> str:
     """The attention hook site whose per-head outputs enter ``W_O``: ``attn.hook_z`` on every TransformerLens
-    model; on a :class:`~sinklens.train.model.SinkLM` variant that transforms the aggregation first, the site the
+    model; on a SinkLM variant that transforms the aggregation first, the site the
     model declares as ``head_output_site`` (``attn.hook_z_normed``, ``hook_z_gated``, ``hook_z_calibrated``).
 
     Examples:
