@@ -3,9 +3,9 @@ statistics are combined, and every process ends with what a one-process run give
 
 ``torchrun --nproc_per_node N -m sinklens.cli analyze ...`` runs the command in N processes. Inside
 :func:`session` (the CLI opens one), :func:`sinklens.streaming.stream` gives process ``r`` the ``r``-th
-contiguous share of the batches (:func:`shard_bounds`), and :func:`combine_across_ranks` gathers every
-reducer's statistics to every process and merges them in rank order, which is sequence order: results
-equal one process's up to float64 rounding. NCCL on CUDA, gloo on the CPU; outside :func:`session`
+contiguous share of the batches (:func:`shard_bounds`); then every reducer's statistics are gathered to
+every process and merged in rank order, which is sequence order: results equal one process's up to
+float64 rounding. NCCL on CUDA, gloo on the CPU; outside :func:`session`
 nothing is sharded.
 
 Examples:
