@@ -176,9 +176,7 @@ def analyze(
     """Run every sink analyzer on ``model`` in one streaming pass and return a :class:`SinkReport`.
 
     Args:
-        inputs: prompts, token ids or TokenBatches (default: the built-in prompt set); see
-            :func:`sinklens.inputs.as_batches`. Use :func:`sinklens.inputs.random_token_batches` for
-            the theory's random-token setting.
+        inputs: anything :func:`sinklens.inputs.as_batches` accepts (None: the built-in prompts).
         sink_position: position whose causes are analysed (variance, massive dims, neurons, normalised disparity, locking).
         sink_threshold: Gu et al.'s sink-rate threshold ``ε``.
         abs_threshold / rel_threshold: massive-activation thresholds (Sun et al.: |x| > 100 and

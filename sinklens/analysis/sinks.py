@@ -723,8 +723,7 @@ def find_sinks(
     """Find attention sinks: received attention per layer × head × key, sink rates, sink tokens.
 
     Args:
-        inputs: prompts, token ids or :class:`~sinklens.inputs.TokenBatch` es (default: the built-in
-            prompt set), see :func:`~sinklens.inputs.as_batches`.
+        inputs: anything :func:`sinklens.inputs.as_batches` accepts (None: the built-in prompts).
         layers: which layers (default all; negatives count from the end).
         settings: the analysis settings (default ``SinkSettings()``).
         **settings_kwargs: any field of :class:`SinkSettings` as a keyword (``sink_threshold=``,

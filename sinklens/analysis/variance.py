@@ -618,10 +618,8 @@ def measure_variance(
     """Measure value-aggregation variance per layer × head × position, with its predictions.
 
     Args:
-        inputs: prompts, token ids or :class:`~sinklens.inputs.TokenBatch` es (default: the built-in
-            prompt set), see :func:`~sinklens.inputs.as_batches`. The variances are across
-            sequences, so use many (e.g. :func:`~sinklens.inputs.random_token_batches` for the
-            theory's setting, or a few hundred natural prompts).
+        inputs: anything :func:`sinklens.inputs.as_batches` accepts (None: the built-in prompts). The
+            variances are across sequences, so use many (e.g. :func:`~sinklens.inputs.random_token_batches`).
         layers: which layers (default all).
         options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar.
 
