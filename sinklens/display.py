@@ -1,19 +1,10 @@
 """Short reprs and structural equality for result objects.
 
-Reprs: what a notebook shows when a cell ends with ``find_sinks(...)``.
-
-A dataclass's own ``repr`` prints every tensor's values, which for a ``[layer, head, key_pos]``
-result is hundreds of lines of numbers. Results instead mix in :class:`CompactRepr` (and are
-declared ``@dataclass(repr=False)`` so the dataclass does not replace it): one field a line,
-tensors as their shape and dtype, long lists and dicts as their length, small settings objects and
-scalars as they are. The values stay one attribute away (``result.received``).
-
-Equality: a dataclass's own ``==`` compares its fields as a tuple, which raises for a field that holds a
-tensor of more than one value ("Boolean value of Tensor ... is ambiguous") and calls NaN unequal to
-itself. Results therefore also mix in :class:`StructuralEq` (:class:`CompactRepr` includes it) and are
-declared ``@dataclass(repr=False, eq=False)`` so the dataclass does not replace it: two results are equal
-when they are of the same class and every compared field is equal by :func:`same_value` (tensors:
-same shape, dtype and values, NaN equal to NaN). Like any dataclass with ``eq``, they are unhashable.
+Results mix in :class:`CompactRepr` and are declared ``@dataclass(repr=False, eq=False)``: the repr
+shows one field a line, tensors as their shape and dtype, long lists and dicts as their length.
+:class:`StructuralEq` (included in :class:`CompactRepr`) makes two results equal when they are of the
+same class and every compared field is equal by :func:`same_value` (tensors: same shape, dtype and
+values, NaN equal to NaN). Like any dataclass with ``eq``, they are unhashable.
 """
 
 from __future__ import annotations

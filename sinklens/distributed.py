@@ -2,17 +2,11 @@
 statistics are combined, and every process ends with what a one-process run gives.
 
 ``torchrun --nproc_per_node N -m sinklens.cli analyze ...`` runs the command in N processes. Inside
-:func:`session` (the CLI opens one), :func:`sinklens.streaming.stream` gives process ``r`` the
-``r``-th contiguous share of the batches (:func:`shard_bounds`; the first ``n_batches % N`` processes
-get one batch more, a process may get none), and after the last batch
-:func:`combine_across_ranks` gathers every reducer's statistics (:meth:`~sinklens.streaming.Reducer.state_dict`,
-on the CPU) to every process and merges them in rank order (:meth:`~sinklens.streaming.Reducer.merge`).
-Rank order is sequence order, so statistics that record a sequence index (the top sink occurrences)
-or depend on it (even/odd halves) come out as in one process; sums agree up to float64 rounding.
-
-The process group uses NCCL when the processes run on CUDA and gloo on the CPU; the launcher's
-environment is read by :func:`sinklens.train.ddp.init_distributed`, which training uses too. Outside
-:func:`session` (including under a training DDP run) nothing is sharded.
+:func:`session` (the CLI opens one), :func:`sinklens.streaming.stream` gives process ``r`` the ``r``-th
+contiguous share of the batches (:func:`shard_bounds`); then every reducer's statistics are gathered to
+every process and merged in rank order, which is sequence order: results equal one process's up to
+float64 rounding. NCCL on CUDA, gloo on the CPU; outside :func:`session`
+nothing is sharded.
 
 Examples:
     >>> shard_bounds(5, rank=0, world_size=2), shard_bounds(5, rank=1, world_size=2)

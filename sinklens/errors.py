@@ -141,16 +141,10 @@ def exit_code_for(err: BaseException) -> int:
 
     * 130 — ``KeyboardInterrupt`` (Ctrl-C).
     * 2 (usage) — the arguments are wrong: any :class:`SinklensError` that is also a ``ValueError``,
-      ``LookupError`` or ``TypeError`` (``InvalidArgumentError``, ``UnknownModelError``,
-      ``SequenceTooLongError``, ``UnknownInterventionError``, ``UnknownHookError``, ``InputFileError``,
-      ``DeviceUnavailableError`` ...), the missing-file and unwritable-output errors
-      (``ModelFileNotFoundError``, ``DataFileNotFoundError``, ``ConfigFileNotFoundError``,
-      ``OutputNotWritableError``), a
-      malformed JSON/TOML config file, and a plain ``ValueError``/``TypeError`` raised by sinklens'
-      own validation code (config ``__post_init__`` checks). argparse exits with 2 by itself.
-    * 1 (failure) — the command was fine but the work failed: ``OSError`` (I/O, no network:
-      ``OfflineModelError``), ``CorruptModelFileError``, ``ModelLoadError``, ``PatternNotExposedError``,
-      and every unexpected exception (reported as an internal error).
+      ``LookupError`` or ``TypeError``, the missing-file and unwritable-output errors, a malformed config
+      file, and a plain ``ValueError``/``TypeError`` from sinklens' own validation code.
+    * 1 (failure) — the work failed: ``OSError``, ``CorruptModelFileError``, ``ModelLoadError``,
+      ``PatternNotExposedError`` and every unexpected exception (reported as an internal error).
 
     Examples:
         >>> exit_code_for(InvalidArgumentError("batch_size must be >= 1, got 0."))

@@ -50,14 +50,9 @@ def hook_name(layer: int, site: str) -> str:
 
 
 def head_output_site(model: Any) -> str:
-    """The attention hook site whose per-head outputs enter ``W_O``: ``attn.hook_z`` on every
-    TransformerLens model, and on a sinklens :class:`~sinklens.train.model.SinkLM` whose attention
-    variant transforms the aggregated output first (head-wise RMSNorm, output gate, variance
-    calibration) that variant's own site, which the model declares as ``head_output_site``
-    (``attn.hook_z_normed``, ``attn.hook_z_gated``, ``attn.hook_z_calibrated``).
-
-    ``attn.hook_z`` always holds the value aggregation ``Σ_k A_qk v_k`` itself; what a head *writes*
-    (``z · W_O``) is read at this site.
+    """The attention hook site whose per-head outputs enter ``W_O``: ``attn.hook_z`` on every TransformerLens
+    model; on a SinkLM variant that transforms the aggregation first, the site the
+    model declares as ``head_output_site`` (``attn.hook_z_normed``, ``hook_z_gated``, ``hook_z_calibrated``).
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -69,10 +64,8 @@ def head_output_site(model: Any) -> str:
 
 
 def head_output_gain(model: Any, layer: int) -> Tensor | None:
-    """``γ[head, d_head]`` when layer ``layer``'s head outputs (at :func:`head_output_site`) are
-    ``c[b, t, h] · (γ[h] ⊙ hook_z[b, t, h])``, a scalar per token and head times a fixed gain: ones where the
-    site is ``attn.hook_z`` (``c = 1``), a SinkLM variant's declared gain otherwise (``head_output_gain``), or
-    None when the variant's transform is not of that form (an element-wise gate)."""
+    """``γ[head, d_head]`` when layer ``layer``'s head outputs are ``c[b, t, h] · (γ[h] ⊙ hook_z[b, t, h])``:
+    ones at ``attn.hook_z``, a SinkLM variant's declared gain, or None for another transform (an element-wise gate)."""
     if head_output_site(model) == Z:
         dims = model_dims(model)
         return torch.ones(dims.n_heads, dims.d_head, dtype=torch.float32)
@@ -304,12 +297,9 @@ def weight_fingerprint(model: Any) -> tuple:
     """A key that changes when the model's weights change; it guards the caches of weight-only
     quantities (:func:`weight_cached`, the reference means of :mod:`sinklens.interventions.variance`).
 
-    Per parameter: its storage address (``data_ptr``, changes when ``.data`` or the parameter is
-    replaced), its autograd version counter (``_version``, bumped by every in-place op on the tensor:
-    optimizer steps, ``p.mul_(...)`` under ``no_grad``, ``copy_``/``load_state_dict``), its shape, and a
-    checksum of every entry (:func:`_weight_checksum`), which catches in-place writes through a ``.data``
-    alias (they bypass the version counter), wherever they land. One read of the weights (about 30 ms
-    for a 135M-parameter model on two CPU cores) and one host transfer per device.
+    Per parameter: its storage address, its autograd version counter (bumped by in-place ops), its shape
+    and a checksum of every entry (:func:`_weight_checksum`, which catches writes through a ``.data``
+    alias). One read of the weights (about 30 ms for 135M parameters) and one host transfer per device.
     """
     keys, sums = [], []
     with torch.no_grad():
@@ -338,10 +328,8 @@ _BLOCK_WEIGHTS = {"W_in": "mlp", "W_gate": "mlp", "W_out": "mlp", "W_Q": "attn",
 def layer_weight(model: Any, name: str, layer: int) -> Tensor:
     """One layer's slice of a stacked weight property, ``weight(model, name)[layer]``, without stacking.
 
-    Reads ``model.blocks[layer].{mlp|attn}.{name}`` (a view on TransformerBridge, HookedTransformer and
-    sinklens models: no copy) when it has the stacked slice's shape; otherwise (or inside
-    :func:`cached_weights` once the stack exists) slices the stacked property. Key/value weights are
-    expanded to one slice per query head as in :func:`weight`. Detached; may be non-contiguous.
+    Reads ``model.blocks[layer].{mlp|attn}.{name}`` (a view, no copy) when it has the stacked slice's shape,
+    else slices the stacked property. Key/value weights are expanded per query head. Detached.
     """
     cache = _WEIGHT_CACHES.get(id(model))
     if cache is not None and name in cache:
@@ -370,9 +358,8 @@ def layer_weight(model: Any, name: str, layer: int) -> Tensor:
 def weight_cached(model: Any, key: Hashable, compute: Callable[[], Any]) -> Any:
     """``compute()``, kept per model under ``key`` until the model's weights change (:func:`weight_fingerprint`).
 
-    For quantities that depend on the weights alone (norms, kurtoses, Gram matrices of weight slices):
-    repeated analyses of one model compute them once. The fingerprint is taken on every call (a small
-    read of the weights, about 30 ms for a 135M-parameter model), once per :func:`cached_weights` block.
+    For quantities that depend on the weights alone; the fingerprint is taken on every call, or once per
+    :func:`cached_weights` block.
     """
     stack = _WEIGHT_CACHES.get(id(model))
     if stack is not None and "__fingerprint__" in stack:
@@ -421,12 +408,9 @@ def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
 def eval_mode(model: Any) -> Iterator[None]:
     """Run ``model`` in eval mode inside the block, then give every submodule back the mode it had.
 
-    A model left in train mode (after ``model.train()``, or as a trainer leaves it) would apply dropout in every
-    analysis pass, so numbers would change from run to run and with the batch size; sinklens measures the model
-    as it runs at inference. The modes are restored module by module, so a model whose submodules the user set
-    to different modes gets exactly those back (also when the block raises); on a TransformerBridge that includes
-    the Hugging Face model it wraps (``original_model``), which is not among its ``modules()``. Only a
-    ``torch.nn.Module`` is switched: another wrapper is run as it is, in whatever mode the model it holds is in.
+    sinklens measures the model as it runs at inference (no dropout). Modes are restored module by module
+    (also when the block raises), a TransformerBridge's wrapped ``original_model`` included. Only a
+    ``torch.nn.Module`` is switched.
     """
     if not isinstance(model, torch.nn.Module):
         yield
@@ -462,10 +446,8 @@ def refuse_meta_model(model: Any) -> None:
 def _probed(model: Any, key: Hashable, probe: Callable[[], Any]) -> Any:
     """``probe()`` once per model and ``key``: what the architecture's forward pass does with hooks.
 
-    The probe describes the model, not the state a notebook left it in: it runs with every hook already on the
-    model silenced (:func:`hooks_silenced`: a user's attention edit must not make a causal model look like an
-    encoder, now or in later calls) and in eval mode (:func:`eval_mode`: no dropout, so no draw from the global
-    random number generator). Answers are kept per model (a weak reference: nothing is stored on the model).
+    The probe runs with the model's own hooks silenced (:func:`hooks_silenced`) and in eval mode
+    (:func:`eval_mode`), so it describes the architecture; answers are kept per model in a weak map.
     """
     known = _PROBES.get(model) if _weakrefable(model) else None
     if known is not None and key in known:
@@ -493,9 +475,8 @@ def _probe_tokens(model: Any, n: int) -> Tensor:
 def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
     """The hooks among ``names`` that exist on ``model`` but never run in a forward pass (a 2-token probe).
 
-    Some TransformerBridge adapters list hook points that their attention code bypasses (the GPT-NeoX
-    bridge lists ``attn.hook_rot_q``/``hook_rot_k`` but never runs them); an analyzer that needs such a
-    hook refuses up front instead of failing after a whole pass.
+    Some TransformerBridge adapters list hook points their attention code bypasses (GPT-NeoX's
+    ``attn.hook_rot_q``/``hook_rot_k``); an analyzer that needs one refuses up front.
     """
     present = [n for n in names if n in model.hook_dict]
     if not present:
@@ -522,14 +503,9 @@ def post_hoc_attention(model: Any) -> str | None:
     rather than seams inside it, or None when they are seams (edits there change what the heads compute).
 
     A TransformerBridge whose attention delegates to the Hugging Face module (BERT in TransformerLens 4.x)
-    fires both hooks once that module has returned, with its post-softmax weights: an edit of either is
-    discarded (TransformerLens only warns), ``hook_attn_scores`` holds probabilities rather than logits, and
-    ``hook_pattern`` fires after ``hook_z``. Mask interventions, variance calibration and the score
-    statistics of query-key locking refuse such a model.
-
-    Probed once per model with a 3-token forward in which layer 0's ``hook_attn_scores`` lets every query
-    see only its own key: if any other key keeps attention in ``hook_pattern``, or ``hook_pattern`` fires
-    after ``hook_z``, the hooks are post hoc.
+    fires both after that module returned: edits are discarded. Probed once per model with a 3-token forward
+    in which layer 0's ``hook_attn_scores`` lets every query see only its own key: if another key keeps
+    attention in ``hook_pattern``, or ``hook_pattern`` fires after ``hook_z``, the hooks are post hoc.
     """
     names = [hook_name(0, site) for site in (SCORES, PATTERN, Z)]
     if any(n not in model.hook_dict for n in names[:2]):
@@ -589,10 +565,8 @@ def attends_to_later_keys(model: Any) -> bool:
     """True when query 0 of layer 0 gives attention to key 1: the model attends both ways (an encoder).
 
     Probed once per model with a 2-token forward that reads ``blocks.0.attn.hook_pattern`` (False when that hook
-    is missing or never runs). A causal model's mask gives ``A[0, 1] = 0`` exactly, with or without sliding
-    windows or sink logits; an encoder gives it a share of every row. :func:`sinklens.visibility.attention_direction`
-    uses it because a model's ``cfg.attention_dir`` can be wrong: TransformerLens 3.9's ``TransformerBridge``
-    leaves BERT at ``"causal"``.
+    is missing or never runs): a causal mask gives ``A[0, 1] = 0`` exactly. Used because ``cfg.attention_dir``
+    can be wrong (TransformerLens 3.9's bridge leaves BERT at ``"causal"``).
     """
     name = hook_name(0, PATTERN)
     if name not in model.hook_dict:
@@ -610,13 +584,9 @@ def attends_to_later_keys(model: Any) -> bool:
 def resid_mid_is_a_copy(model: Any) -> bool:
     """True when an edit returned from ``blocks.l.hook_resid_mid`` reaches the MLP but not the residual stream.
 
-    The TransformerLens 4.x bridges of sequential blocks (Llama, Gemma, GPT-2, Qwen, Mistral, ...) fire
-    ``hook_resid_mid`` as ``ln2.hook_in``: it reads the residual after the attention write, but the block adds
-    its MLP output to its own copy of that residual, so an edit there changes what the MLP reads and not
-    ``hook_resid_post``. 3.x's ``HookedTransformer`` and :class:`~sinklens.train.model.SinkLM` carry the edit.
-    :func:`sinklens.residual_sites.on_the_residual_stream` moves such an edit to where it reaches the stream.
-
-    Probed once per model with a 2-token forward that adds 1 at layer 0's ``hook_resid_mid`` and checks whether
+    The TransformerLens 4.x bridges of sequential blocks fire ``hook_resid_mid`` as ``ln2.hook_in``, on a copy
+    of the residual (:func:`sinklens.residual_sites.on_the_residual_stream` moves such an edit). Probed once per
+    model with a 2-token forward that adds 1 at layer 0's ``hook_resid_mid`` and checks whether
     ``hook_resid_post − hook_mlp_out`` moved with it (False when one of those hooks is missing).
     """
     names = [hook_name(0, site) for site in (RESID_MID, MLP_OUT, RESID_POST)]

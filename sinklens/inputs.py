@@ -1,19 +1,16 @@
 """Inputs for the analyzers: natural text, a built-in prompt set and random-token sequences.
 
-Every source ends up as a list of :class:`TokenBatch` — right-padded token ids plus a ``valid``
-mask. Right padding keeps every sequence's first token at position 0 (where the sink lives); a batch
-given left-padded is right-aligned first (:func:`right_align`). Pads change no real token's activations: an
-encoder's padded batch runs with an attention mask, and a causal model needs none, since its right-side pads come
-after every real token (:func:`sinklens.streaming.forward`). So results do not depend on the batch size or the
-padding side; analyzers drop padded positions from their reductions.
+Every source ends up as a list of :class:`TokenBatch`: right-padded token ids plus a ``valid`` mask.
+Right padding keeps every sequence's first token at position 0 (where the sink lives); pads change no
+real token's activations (:func:`sinklens.streaming.forward`), so results do not depend on the batch
+size or the padding side.
 
 What position 0 is (``prepend_bos``):
 
-* **decoders**: ``prepend_bos=True`` puts the tokenizer's BOS token in front of each text, and only a real
-  special token of the model (never the ``[UNK]`` a bridge may fill in); ``False`` starts with the text's
-  first token.
-* **encoders** (bidirectional, e.g. BERT): ``prepend_bos=True`` adds the tokenizer's own special tokens the
-  tokenizer's own way (``tokenizer(text, add_special_tokens=True)``: ``[CLS] … [SEP]``); ``False`` adds none.
+* **decoders**: ``prepend_bos=True`` puts the tokenizer's BOS token (a real special token of the model,
+  never ``[UNK]``) in front of each text; ``False`` starts with the text's first token.
+* **encoders** (e.g. BERT): ``prepend_bos=True`` adds ``[CLS] … [SEP]`` as
+  ``tokenizer(text, add_special_tokens=True)`` does; ``False`` adds none.
 
 Each batch records the special tokens it got in :attr:`TokenBatch.special_tokens`, and the results say
 what position 0 is (:meth:`sinklens.analysis.sinks.SinkResult.describe_start`).
@@ -177,12 +174,9 @@ def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 80
                         what: str = "n_prompts") -> list[str]:
     """Real text available offline: docstrings from the Python standard library's own sources.
 
-    Docstrings of at least 30 words without doctest examples (English prose written by people),
-    read from the running interpreter's ``stdlib`` directory (:func:`stdlib_docstrings`): the same call
-    gives the same text on every machine with the same Python build. ``n_prompts`` of them, each cut to
-    ``n_chars`` characters, in an order shuffled by ``seed``; None gives all. A build holds several hundred
-    (941 on CPython 3.11); asking for more is refused, naming how many there are (``what`` names the
-    argument in that message, e.g. ``"--stdlib-text"``).
+    Docstrings of at least 30 words without doctest examples, read from the running interpreter's
+    ``stdlib`` directory (:func:`stdlib_docstrings`; 941 on CPython 3.11). ``n_prompts`` of them (None:
+    all), each cut to ``n_chars`` characters, shuffled by ``seed``; ``what`` names the argument in errors.
     """
     if n_prompts is not None:
         n_prompts = positive_int(n_prompts, what=what)
@@ -261,17 +255,10 @@ def tokenize_prompts(
 ) -> list[TokenBatch]:
     """Tokenise prompts with the model's tokenizer into right-padded batches.
 
-    Args:
-        prepend_bos: decoders: put the tokenizer's BOS token at position 0 (the sink moves with it);
-            encoders: add the tokenizer's own special tokens (``[CLS] … [SEP]``) its own way. See the module docstring.
-        prompts: a string or any iterable of strings (a list, a generator, a numpy array of strings).
-        max_length: truncate each prompt to this many tokens (special tokens included; an encoder keeps its
-            final ``[SEP]``, so with ``prepend_bos`` it needs room for one text token besides ``[CLS]`` and
-            ``[SEP]``: ``max_length`` < 3 is refused there); without it a prompt longer than ``cfg.n_ctx``
-            raises :class:`SequenceTooLongError`.
-
-    A prompt that tokenises to no tokens (``""``) or is not valid Unicode (a lone surrogate such as ``"\\ud800"``)
-    is refused with :class:`~sinklens.errors.InvalidArgumentError` naming its index.
+    ``prepend_bos`` adds the model's special tokens (module docstring). ``max_length`` truncates each prompt
+    (special tokens included; an encoder keeps its final ``[SEP]``, so it must be >= 3 there); without it a
+    prompt longer than ``cfg.n_ctx`` raises :class:`SequenceTooLongError`. An empty prompt or one that is
+    not valid Unicode raises :class:`~sinklens.errors.InvalidArgumentError` naming its index.
     """
     prompts = prompt_list(_materialised(prompts))
     batch_size = positive_int(batch_size, what="batch_size")
@@ -421,21 +408,14 @@ def as_batches(
 ) -> list[TokenBatch]:
     """Normalise any accepted input into right-padded :class:`TokenBatch` es on the model's device.
 
-    Accepts a string, a list of strings, an int tensor ``[batch, pos]`` (all tokens valid; its
+    Accepts a string or any iterable of strings, an int tensor ``[batch, pos]`` (all tokens valid; its
     first column counts as BOS when ``prepend_bos``), one :class:`TokenBatch` or a list of them
-    (left-padded batches are right-aligned, :func:`right_align`). ``None`` means the built-in prompt set.
-    ``max_length`` keeps the first ``max_length`` tokens of every sequence (BOS included), whichever
-    form it came in: tokenized text, a token tensor or a :class:`TokenBatch`.
+    (right-aligned, :func:`right_align`); ``None`` means the built-in prompt set. ``max_length`` keeps the
+    first ``max_length`` tokens of every sequence (BOS included), whatever form it came in.
 
-    Prompts may come as any iterable of strings (a list, a generator, a numpy array of strings).
-
-    Every argument is checked here, once (:mod:`sinklens.validate`): ``batch_size`` and
-    ``max_length`` must be positive, a prompt list must hold only strings, and every token id must
-    lie in ``0..d_vocab-1`` (checked on the CPU before the batches move to the model's device).
-    A :class:`TokenBatch` must hold integer ``tokens`` (made ``long``) and a bool ``valid`` mask (a 0/1 integer
-    mask is made bool), at least one row and one position (:func:`checked_batch`); several must share
-    ``prepend_bos`` and ``special_tokens`` (a result records one start). Refusals are
-    :class:`~sinklens.errors.InvalidArgumentError` naming the batch.
+    Every argument is checked here, once: token ids must lie in ``0..d_vocab-1`` (checked on the CPU),
+    batches are normalised by :func:`checked_batch` and must share ``prepend_bos`` and ``special_tokens``.
+    Refusals are :class:`~sinklens.errors.InvalidArgumentError`.
     """
     batch_size = positive_int(batch_size, what="batch_size")
     prepend_bos = as_bool(prepend_bos, what="prepend_bos")
@@ -512,11 +492,8 @@ def warn_if_padded(model: Any, tokens: Int[Tensor, "batch pos"]) -> None:
     """Warn when a token tensor looks padded: its rows begin or end with runs of the tokenizer's pad token of
     different lengths, as ``model.to_tokens(list_of_prompts)`` pads prompts of different lengths.
 
-    A run of at least two pad tokens counts (a single pad id at a row's end is also how text ends where the pad
-    token is EOS, as in GPT-2). Every position of a plain token tensor counts as a real token (that is its
-    contract), so padding would be measured as text: received attention, sink rates and variances all change.
-    The warning names the rows and the two ways to say what is real: the prompts themselves, or a
-    :class:`TokenBatch` with its ``valid`` mask.
+    Only runs of at least two pad tokens count (one pad id at a row's end is how text ends where pad is EOS,
+    as in GPT-2). Every position of a token tensor counts as real, so padding would be measured as text.
     """
     pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
     if not isinstance(pad, int) or tokens.ndim != 2 or tokens.shape[0] < 2:
@@ -540,15 +517,10 @@ def require_a_later_position(
 ) -> None:
     """Refuse ``batches`` in which no sequence has a position after the sink, before any forward pass.
 
-    Every analysis of :mod:`sinklens.analysis` compares the sink position with later ones (the attention
-    they pay it, their variance, their activations), so on sequences that end at the sink it would measure
-    nothing and return empty or NaN statistics; ``what`` (e.g. ``"find_sinks"``) names the caller in the error.
-
-    Without ``sink_position`` (analyzers that measure every position) some sequence must have 2 tokens. With
-    it, every sequence must reach ``sink_position`` (the first that does not is named by its index among all
-    the sequences, counted across batches) and some sequence must have a query that sees the sink: a
-    position after it (``sink_position + 2`` tokens) on a causal model, any other position on a
-    ``bidirectional`` one (an encoder).
+    Without ``sink_position`` some sequence must have 2 tokens. With it, every sequence must reach
+    ``sink_position`` (the first that does not is named by its index across batches) and some query must
+    see the sink: a later position on a causal model, any other on a ``bidirectional`` one. ``what`` names
+    the caller in the error.
     """
     lengths = torch.tensor([n for b in batches for n in b.host_lengths()], dtype=torch.long)
     if sink_position is not None:
@@ -574,11 +546,9 @@ def require_a_later_position(
 
 
 def checked_batch(batch: Any, index: int, d_vocab: int) -> TokenBatch:
-    """``batch`` (the ``index``-th given) checked and normalised: ``tokens`` an integer tensor ``[batch, pos]``
-    (returned as ``long``; a float tensor would be read as embeddings by a TransformerBridge) with every id in
-    ``0..d_vocab-1``; ``valid`` a bool tensor of the same shape (a 0/1 integer mask is converted to bool; any other
-    dtype or value is refused, since ``~valid`` on an integer mask is a bitwise not); at least one row and one position.
-    Every refusal is an :class:`~sinklens.errors.InvalidArgumentError` naming the batch.
+    """``batch`` (the ``index``-th given) checked and normalised: integer ``tokens [batch, pos]`` (made ``long``)
+    with ids in ``0..d_vocab-1``; a ``valid`` mask of the same shape, bool or 0/1 integers (made bool); at least
+    one row and one position. Refusals are :class:`~sinklens.errors.InvalidArgumentError` naming the batch.
 
     Examples:
         >>> b = TokenBatch(torch.tensor([[3, 4]]), torch.tensor([[True, False]]), False)

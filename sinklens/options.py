@@ -18,7 +18,6 @@ Examples:
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -51,27 +50,19 @@ class RunOptions:
     """Settings of one streaming run, shared by every analyzer and experiment.
 
     Attributes:
-        batch_size: prompts per forward pass (results do not depend on it: padded batches are right-aligned
-            and an encoder's run with an attention mask; see :func:`sinklens.streaming.forward`).
-        prepend_bos: add the model's own special tokens to each text prompt: a decoder's BOS token (a real
-            special token of the model, never ``[UNK]``), an encoder's ``[CLS] … [SEP]`` added the tokenizer's
-            own way (see :mod:`sinklens.inputs`); for token tensors the first column is taken to be BOS.
-            Results record what position 0 was (``SinkResult.describe_start()``).
-        max_length: keep the first ``max_length`` tokens of every sequence (BOS included): tokenized prompts,
-            token tensors and :class:`~sinklens.inputs.TokenBatch` es alike, except that an encoder's text
-            prompt keeps its final ``[SEP]`` (``[CLS]`` + the first ``max_length - 2`` tokens + ``[SEP]``, as its
-            tokenizer truncates) while token inputs are cut as given. None (default) truncates nothing:
-            a sequence longer than the model's context ``cfg.n_ctx`` then raises
-            :class:`~sinklens.errors.SequenceTooLongError` (it is never cut to ``cfg.n_ctx`` silently), and so
-            does one still longer than ``cfg.n_ctx`` after a ``max_length`` above it.
+        batch_size: prompts per forward pass (results do not depend on it, see
+            :func:`sinklens.streaming.forward`).
+        prepend_bos: add the model's own special tokens to each text prompt (a decoder's BOS, an encoder's
+            ``[CLS] … [SEP]``, see :mod:`sinklens.inputs`); for token tensors the first column is taken to be
+            BOS. Results record what position 0 was (``SinkResult.describe_start()``).
+        max_length: keep the first ``max_length`` tokens of every sequence (BOS included; an encoder's text
+            prompt keeps its final ``[SEP]``). None truncates nothing: a sequence longer than ``cfg.n_ctx``
+            raises :class:`~sinklens.errors.SequenceTooLongError`.
         extra_hooks: ``(hook_name, fn)`` pairs added to every forward before the analyzers' own, e.g.
             an intervention, so the analyzers measure the intervened model.
         progress: show a tqdm bar over batches.
-        device: the device the model must run on, checked before the pass: a model whose first parameter
-            is elsewhere raises :class:`~sinklens.errors.InvalidArgumentError` naming both (rather than
-            running where it is); a device this machine lacks raises
-            :class:`~sinklens.errors.DeviceUnavailableError`. None (default) = no check. Batches and
-            statistics always live on the device of the model's first parameter.
+        device: the device the model must run on, checked before the pass (None: no check); batches and
+            statistics live on the device of the model's first parameter.
         desc: label of the progress bar.
     """
 
@@ -133,18 +124,14 @@ def hook_pairs(hooks: Any, *, what: str) -> tuple[tuple[str, HookFn], ...]:
 
 def settings_from(
     cls: type[S], settings: S | None, kwargs: dict[str, Any], where: str, *,
-    renames: dict[str, str] | None = None, defaults: dict[str, Any] | None = None, stacklevel: int = 3,
-    argument: str = "settings",
+    defaults: dict[str, Any] | None = None, argument: str = "settings",
 ) -> S:
     """The frozen settings of one analysis, from ``settings=`` and/or its fields given as keywords.
 
     The keywords in ``kwargs`` named after fields of the dataclass ``cls`` are popped and replace those
-    of ``settings`` (``cls(**defaults)`` when None). ``renames`` maps deprecated keyword names to current
-    field names (using one warns; giving both with different values raises). Any other keyword left in
-    ``kwargs`` raises ``TypeError`` like Python does. A deprecation warning is attributed ``stacklevel``
-    frames up (3: the caller of the public function that calls this). A ``settings`` that is not a ``cls``
-    (e.g. ``contraction(model, 64)`` for ``n_sequences=64``) raises
-    :class:`~sinklens.errors.InvalidArgumentError` naming ``argument``, the parameter it was passed as.
+    of ``settings`` (``cls(**defaults)`` when None); any other keyword raises ``TypeError`` like Python
+    does. A ``settings`` that is not a ``cls`` raises :class:`~sinklens.errors.InvalidArgumentError`
+    naming ``argument``, the parameter it was passed as.
 
     Examples:
         >>> @dataclass(frozen=True)
@@ -165,13 +152,6 @@ def settings_from(
         raise InvalidArgumentError(
             f"{where}: {argument}= must be a {cls.__name__}, got {type(settings).__name__} {settings!r}; "
             f"pass its fields as keywords instead (e.g. {names[0]}=...).")
-    for old, new in (renames or {}).items():
-        if old in kwargs:
-            warnings.warn(f"{old}= is deprecated; use {new}= (same meaning).", DeprecationWarning, stacklevel=stacklevel)
-            old_value = kwargs.pop(old)
-            if new in kwargs and kwargs[new] != old_value:
-                raise InvalidArgumentError(f"Got both {new}={kwargs[new]!r} and its deprecated name {old}={old_value!r}.")
-            kwargs[new] = old_value
     given = {name: kwargs.pop(name) for name in names if name in kwargs}
     no_unknown_kwargs(kwargs, where, known=names)
     if settings is None:
@@ -180,8 +160,8 @@ def settings_from(
 
 
 def no_unknown_kwargs(kwargs: dict[str, Any], where: str, *, known: Sequence[str] = ()) -> None:
-    """Raise ``TypeError`` like Python does if keywords are left over after the deprecated ones were popped,
-    suggesting the closest of ``known`` for a likely typo.
+    """Raise ``TypeError`` like Python does if any keyword is left in ``kwargs``, suggesting the closest
+    of ``known`` for a likely typo.
 
     Examples:
         >>> no_unknown_kwargs({"sink_treshold": 0.3}, "demo", known=["sink_threshold", "top_k"])
@@ -213,29 +193,3 @@ def checked_options(options: Any, where: str | None = None) -> RunOptions:
     raise InvalidArgumentError(f"{f'{where}(options=...)' if where else 'options='} takes a sinklens.RunOptions, got "
                                f"{type(options).__name__} {options!r:.80}; pass options={build}.")
 
-
-def options_from_legacy(options: Any, kwargs: dict[str, Any], where: str, *, last: bool = True,
-                        stacklevel: int = 3) -> RunOptions:
-    """``options`` with any sinklens-0.1 run keywords (``batch_size=``, ``progress=``, ..., any field of
-    :class:`RunOptions`) popped from ``kwargs`` folded in, with a :class:`DeprecationWarning` (attributed
-    ``stacklevel`` frames up: 3 = the caller of the public function that calls this). With ``last`` no other
-    keyword may be left (:func:`no_unknown_kwargs`).
-
-    Examples:
-        >>> import warnings
-        >>> kwargs = {"batch_size": 2, "top_k": 5}
-        >>> with warnings.catch_warnings(record=True) as caught:
-        ...     warnings.simplefilter("always")
-        ...     opts = options_from_legacy(RunOptions(), kwargs, "demo", last=False)
-        >>> opts.batch_size, kwargs, str(caught[0].message)
-        (2, {'top_k': 5}, 'demo(batch_size=) is deprecated; pass options=RunOptions(...).')
-    """
-    options = checked_options(options, where)
-    legacy = {f.name: kwargs.pop(f.name) for f in dataclasses.fields(RunOptions) if f.name in kwargs}
-    if last:
-        no_unknown_kwargs(kwargs, where)
-    if not legacy:
-        return options
-    warnings.warn(f"{where}({', '.join(f'{k}=' for k in legacy)}) is deprecated; pass options=RunOptions(...).",
-                  DeprecationWarning, stacklevel=stacklevel)
-    return options.replace(**legacy)

@@ -29,15 +29,11 @@ def has_resid_mid(model: Any, layers: Sequence[int]) -> bool:
 def on_the_residual_stream(model: Any, hooks: Sequence[tuple[str, HookFn]]) -> list[tuple[str, HookFn]]:
     """``hooks`` with every edit at ``blocks.l.hook_resid_mid`` made where it reaches the residual stream.
 
-    On a model where that hook is a copy (:func:`~sinklens.hooks.resid_mid_is_a_copy`: the TransformerLens 4.x
-    bridges), an edit ``f`` there is applied to the attention write instead, ``blocks.l.hook_attn_out``, which
-    the block adds to its residual: with ``r`` = ``hook_resid_pre`` of the same pass (read by an added hook)
-    and ``w`` the write, the write becomes ``w + f(r + w) − (r + w)``, so the residual after the attention and
-    the MLP's input are both ``f(r + w)``, as the hook carries on 3.x (up to float rounding at the edited
-    entries; entries ``f`` leaves alone are untouched). ``f`` is called with the ``hook_resid_mid`` hook point
-    and may return None (an in-place edit). Other hooks, and every hook on a model whose ``hook_resid_mid``
-    carries edits, are returned as they are. A post-LN block (BERT) is left alone: its residual is
-    ``ln1(r + w)``, which :func:`sinklens.interventions.patch_hook_names` documents.
+    On a model where that hook is a copy (:func:`~sinklens.hooks.resid_mid_is_a_copy`), an edit ``f`` there is
+    applied to the attention write ``w`` at ``blocks.l.hook_attn_out`` instead: with ``r`` = ``hook_resid_pre``,
+    the write becomes ``w + f(r + w) − (r + w)``, so the residual after the attention is ``f(r + w)``. ``f`` is
+    called with the ``hook_resid_mid`` hook point and may return None (an in-place edit). Other hooks, models
+    whose ``hook_resid_mid`` carries edits and post-LN blocks (BERT) are left as they are.
     """
     hooks = list(hooks)
     if not any(name.endswith("." + RESID_MID) for name, _ in hooks) or post_ln_reason(model) is not None:
@@ -72,15 +68,9 @@ def _edit_through_the_write(block: str, mid_hook: Any, fn: HookFn) -> list[tuple
 def after_attention_hooks(model: Any, layers: Sequence[int], consume: Callable[[int, Tensor], None]) -> list[tuple[str, HookFn]]:
     """Hooks that call ``consume(layer, x)`` with each layer's residual right after its attention write.
 
-    In a sequential block that is ``blocks.l.hook_resid_mid``. A parallel block (GPT-NeoX/Pythia, GPT-J:
-    attention and MLP both read ``hook_resid_pre`` and both write to ``hook_resid_post``) has no
-    ``hook_resid_mid``; there ``x = hook_resid_pre + hook_attn_out``, the residual with the attention write
-    alone, so that ``hook_resid_post - x`` is the MLP write. Counting attention first is a convention
-    there (both read the same input); in a sequential block it is the order of the computation.
-
-    A post-LN block (BERT) carries ``ln1(resid_pre + attention write)`` forward, the input of its MLP; the
-    TransformerLens 4.x bridge fires its ``hook_resid_mid`` later, at the input of ``ln2`` (after the MLP), so
-    there ``x`` is read as ``ln1``'s output: ``gain ⊙ ln1.hook_normalized + bias`` (on every version).
+    In a sequential block that is ``blocks.l.hook_resid_mid``. A parallel block (GPT-NeoX/Pythia, GPT-J) has
+    none; there ``x = hook_resid_pre + hook_attn_out``, so that ``hook_resid_post - x`` is the MLP write. A
+    post-LN block (BERT) reads ``x`` as ``ln1``'s output, ``gain ⊙ ln1.hook_normalized + bias``.
     """
     if post_ln_reason(model) is not None:
         maps = {layer: input_norm(model, layer, "mlp") for layer in layers}
@@ -112,12 +102,9 @@ def after_attention_hooks(model: Any, layers: Sequence[int], consume: Callable[[
 def attention_write_hooks(model: Any, layers: Sequence[int], consume: Callable[[int, Tensor], None]) -> list[tuple[str, HookFn]]:
     """Hooks that call ``consume(layer, w)`` with each layer's attention write where it reaches the residual stream.
 
-    That is ``blocks.l.hook_attn_out`` on pre-norm blocks (the write itself) and on Gemma's sandwich blocks (the
-    hook fires after ``ln1_post``). A post-LN block (BERT) normalises ``resid_pre`` and the write together, and
-    TransformerLens fires ``hook_attn_out`` with that LayerNorm's output on the 4.x bridge (residual included)
-    and with the raw write on 3.x; there the write is rebuilt as ``z·W_O + b_O`` from ``attn.hook_z`` and mapped
-    through the LayerNorm at its scale, ``gain ⊙ C(write) / s`` (:func:`~sinklens.residual_units.post_norm_map`,
-    ``s`` = ``ln1.hook_scale``): what the write adds to the stream.
+    That is ``blocks.l.hook_attn_out`` on pre-norm and Gemma sandwich blocks. On a post-LN block (BERT) the
+    write is rebuilt as ``z·W_O + b_O`` from ``attn.hook_z`` and mapped through ``ln1`` at its scale,
+    ``gain ⊙ C(write) / s`` (:func:`~sinklens.residual_units.post_norm_map`, ``s`` = ``ln1.hook_scale``).
     """
     if post_ln_reason(model) is None:
         return [(hook_name(layer, ATTN_OUT), lambda act, hook, layer=layer: consume(layer, act)) for layer in layers]

@@ -9,22 +9,18 @@ is known::
     y = gain ⊙ C(x) / scale + bias
 
 with ``x`` the norm's input (the raw block output), ``C`` the identity (RMSNorm) or mean removal
-(LayerNorm, linear too), ``scale = blocks.{l}.ln{1,2}_post.hook_scale`` at that position (the
-divisor: ``hook_normalized = C(x) / hook_scale`` on TransformerLens 3.x and 4.x alike), ``gain`` the
-effective per-dimension gain and ``bias`` the norm's bias (zero for RMSNorm). Gemma's RMSNorm stores
-``w`` and multiplies by ``1 + w``; :func:`post_norm_map` finds which convention a model uses by
-running its norm module on a probe vector and comparing (never by the model's class name).
+(LayerNorm), ``scale = blocks.{l}.ln{1,2}_post.hook_scale`` at that position
+(``hook_normalized = C(x) / hook_scale``), ``gain`` the effective per-dimension gain (Gemma's
+``1 + w``, found by running the norm module on a probe vector) and ``bias`` the norm's bias.
 
-So if ``x = Σ_n c_n + b`` (neurons ``c_n = post_n W_out[n]``, bias ``b``), each neuron's write in
-residual units is ``linear(c_n, scale)`` and the post-norm's output is exactly
-``Σ_n linear(c_n, scale) + linear(b, scale) + bias``; ``hook_mlp_out`` / ``hook_attn_out`` are that
-output on every TransformerLens version. For a block without a post norm the map is the identity.
+So if ``x = Σ_n c_n + b`` (neurons ``c_n = post_n W_out[n]``), each neuron's write in residual units is
+``linear(c_n, scale)`` and the norm's output (``hook_mlp_out`` / ``hook_attn_out``) is exactly
+``Σ_n linear(c_n, scale) + linear(b, scale) + bias``. Without a post norm the map is the identity.
 
-A **post-LN** block (BERT) normalises the residual stream *plus* each output, ``ln1(resid_pre + attn_out)``
-and ``ln2(resid_mid + mlp_out)``. At one position that is the same affine map of the output, plus the
-residual's own ``gain ⊙ C(resid) / scale``, so :func:`post_norm_map` gives ``ln1`` / ``ln2`` there (what a
-head's write adds to the stream; see :func:`post_norm_name`). Neuron attribution still refuses post-LN
-models (:func:`post_ln_reason`): the stream itself is re-normalised every half block.
+A **post-LN** block (BERT) normalises the residual *plus* each output, ``ln1(resid_pre + attn_out)`` and
+``ln2(resid_mid + mlp_out)``: the same affine map of the output plus the residual's own term, so
+:func:`post_norm_map` gives ``ln1`` / ``ln2`` there. Neuron attribution refuses post-LN models
+(:func:`post_ln_reason`).
 
 Examples:
     >>> from sinklens.testing.zoo import zoo_model
@@ -215,14 +211,9 @@ def input_norm_reason(model: Any, site: Site) -> str | None:
 def input_norm(model: Any, layer: int, site: Site) -> NormMap:
     """The norm whose output ``blocks.{layer}``'s ``site`` sublayer (``"attn"`` or ``"mlp"``) reads, as a
     :class:`NormMap` probed like :func:`post_norm_map`; its ``path`` is the norm's module path (hooks
-    ``{path}.hook_normalized`` / ``.hook_scale``). ``gain ⊙ hook_normalized + bias`` is then the norm's
-    output *after* its learned gain, on TransformerLens versions without a ``hook_out`` on norms as well (a
-    norm whose gain was folded into the next weights, e.g. ``fold_ln=True`` on 3.x, has gain 1).
-
-    Pre-norm blocks, Gemma's sandwich norms and parallel blocks read ``blocks.{l}.ln1`` (attention) and
-    ``blocks.{l}.ln2`` (MLP). A post-LN block (BERT, :func:`post_ln_reason`) names its norms after what they
-    follow: ``ln1`` normalises the attention's *output*, so its attention reads the previous block's ``ln2``
-    (layer 0: the embedding LayerNorm) and its MLP reads its own ``ln1``.
+    ``{path}.hook_normalized`` / ``.hook_scale``), and ``gain ⊙ hook_normalized + bias`` the norm's output.
+    Pre-norm blocks read ``blocks.{l}.ln1`` (attention) and ``blocks.{l}.ln2`` (MLP); on a post-LN block
+    (BERT) the attention reads the previous block's ``ln2`` (layer 0: the embedding LayerNorm), the MLP ``ln1``.
 
     Examples:
         >>> from sinklens.testing.zoo import zoo_model

@@ -113,14 +113,9 @@ class Reducer(ABC, Generic[R]):
         """Fold the statistics of ``other`` (the same reducer, run over the sequences that come *after*
         this one's) into this one, so that :meth:`result` is what one pass over both would give.
 
-        The default combines every attribute named in :attr:`statistics` by :func:`merge_sum`: tensors
-        and numbers add (tensors that grow with the sequence length are padded with zeros to the larger
-        shape first, as :func:`~sinklens.analysis._common.grow` does), lists concatenate, dicts merge
-        key-wise, nested reducers (and helpers with a ``merge`` method) merge, and a flag (``prepend_bos``
-        of the latest batch) takes ``other``'s value; the names in :attr:`maxima` take the elementwise
-        maximum. Reducers holding an argmax, a top-k or a sequence index override this. A reducer that
-        declares no :attr:`statistics` (and does not override this) raises ``NotImplementedError``: merging
-        nothing would leave ``other``'s sequences out of the result in silence.
+        The default combines every attribute named in :attr:`statistics` by :func:`merge_sum` (those in
+        :attr:`maxima` by :func:`merge_max`). Reducers holding an argmax, a top-k or a sequence index
+        override this. A reducer that declares no :attr:`statistics` raises ``NotImplementedError``.
         """
         merge_statistics(self, other, self._declared_statistics())
 
@@ -157,7 +152,8 @@ class Reducer(ABC, Generic[R]):
 
 
 def merge_sum(mine: Any, theirs: Any) -> Any:
-    """``mine`` combined with ``theirs`` as :meth:`Reducer.merge` describes (the default rules).
+    """``mine`` combined with ``theirs``: tensors and numbers add (padded with zeros to the larger shape),
+    lists concatenate, dicts merge key-wise, objects with a ``merge`` method merge, a flag takes ``theirs``.
 
     Examples:
         >>> merge_sum(torch.ones(2, 1), torch.ones(1, 3))
@@ -335,11 +331,8 @@ _RUNNING_MASK: ContextVar[Tensor | None] = ContextVar("sinklens_real_tokens", de
 def real_tokens(n_batch: int, n_pos: int) -> Bool[Tensor, "batch pos"] | None:
     """Which positions of the padded batch :func:`forward` is running are real tokens, if it is ``n_batch × n_pos``.
 
-    Hooks that take statistics over positions (``amplify``'s batch reference, ``calibrate``, variance
-    calibration's ``attenuate``) read it so that padding does not enter them and no real token's result
-    depends on the batch size. None when no padded batch of that shape is running: outside
-    :func:`forward` (a hook in the user's own ``run_with_hooks`` sees every position as real), for an
-    unpadded batch, or for an activation of another shape.
+    Hooks that take statistics over positions read it so that padding does not enter them. None when no
+    padded batch of that shape is running (outside :func:`forward`, an unpadded batch, another shape).
     """
     mask = _RUNNING_MASK.get()
     if mask is None or tuple(mask.shape) != (n_batch, n_pos):
@@ -348,15 +341,12 @@ def real_tokens(n_batch: int, n_pos: int) -> Bool[Tensor, "batch pos"] | None:
 
 
 def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
-    """Run ``model`` on one batch the way every analyzer does: a padded batch is right-aligned
-    (:func:`~sinklens.inputs.right_align`), so no real token's activations depend on the batch size or the
-    padding side. A causal model runs it as it is: its pads come after every real token, so no real token
-    sees them. (An ``attention_mask`` would add nothing for real tokens and leave a pad query past a sliding
-    window with no visible key: float64 attention turns that row into NaN, which then reaches real queries
-    through the additive mask.) An encoder gets ``attention_mask=batch.valid`` so no real token attends to
-    padding; a padded batch on an encoder without that argument is refused
-    (:class:`~sinklens.errors.UnsupportedArchitectureError`).
-    While a padded batch runs, its real-token mask is what :func:`real_tokens` returns to hooks.
+    """Run ``model`` on one batch the way every analyzer does.
+
+    A padded batch is right-aligned (:func:`~sinklens.inputs.right_align`): a causal model runs it without a
+    mask, as its pads come after every real token. An encoder gets ``attention_mask=batch.valid``; one that
+    takes no mask is refused (:class:`~sinklens.errors.UnsupportedArchitectureError`). While a padded batch
+    runs, its real-token mask is what :func:`real_tokens` returns to hooks.
     """
     batch = right_align(batch)
     if not batch.padded:
@@ -384,24 +374,15 @@ def stream(
 ) -> list[Any]:
     """Run every reducer over every batch with one forward pass per batch; return their results.
 
-    ``options.extra_hooks`` run before the reducers' own hooks on every forward (e.g. an
-    intervention from :mod:`sinklens.interventions`, so analyzers measure the intervened model);
-    ``options.progress`` shows a tqdm bar over batches. The other fields of ``options`` concern
-    tokenization and are used by :func:`run`. Padded batches are right-aligned and an encoder's run with an
-    attention mask (:func:`forward`).
+    ``options.extra_hooks`` run before the reducers' own hooks on every forward (e.g. an intervention,
+    so analyzers measure the intervened model). The model runs in eval mode (:func:`eval_mode`); hooks are
+    attached through ``model.hooks(...)``, so they are removed even if one raises. On a model split over
+    devices each reducer hook reads its activation on the first parameter's device. Under
+    :func:`sinklens.distributed.session` each process streams its share of ``batches`` and the statistics
+    are merged in rank order before :meth:`Reducer.result`.
 
-    The model runs in eval mode (:func:`eval_mode`: no dropout; each submodule's mode is restored afterwards).
-    Hooks are attached through ``model.hooks(...)`` (one trampoline per hook name, kept across
-    batches), so they are removed even if a hook raises. For a model split over devices, each
-    reducer hook reads its activation moved to the first parameter's device, where statistics live.
-
-    Under :func:`sinklens.distributed.session` (``torchrun``) each process streams its contiguous share
-    of ``batches`` and the reducers' statistics are combined (:meth:`Reducer.merge`, in rank order)
-    before :meth:`Reducer.result`, so every process returns what a one-process run would.
-    Raises :class:`~sinklens.errors.PatternNotExposedError` if a hook the reducers asked for, or one of
-    ``options.extra_hooks``, never ran (typically ``hook_pattern`` on a model using a fused attention kernel,
-    or TransformerLens 3's ``attn.hook_result`` without ``cfg.use_attn_result``): an intervention that never
-    runs would otherwise leave the results unchanged without a word.
+    Raises :class:`~sinklens.errors.PatternNotExposedError` if a requested hook or one of
+    ``options.extra_hooks`` never ran (e.g. ``hook_pattern`` under a fused attention kernel).
     """
     options = checked_options(options, "stream")
     check_model_device(model, options.device)

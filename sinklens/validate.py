@@ -260,7 +260,7 @@ def no_finished_output(paths: Sequence[Path], *, overwrite: bool, flag: str) -> 
                                     f"pass --overwrite to replace it, or another {flag}.")
 
 
-# --- inputs, devices and dtypes (issue 11): checked once, at the boundary ----------------------------
+# --- inputs, devices and dtypes: checked once, at the boundary ----------------------------------------
 
 
 def optional_positive_int(value: Any, *, what: str, minimum: int = 1) -> int | None:

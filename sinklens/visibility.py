@@ -8,13 +8,10 @@ to ``k``:
   ``q - k < w`` (Hugging Face's and TransformerLens' convention: the query and the ``w - 1`` tokens before it);
 * **padding**: neither a padded query nor a padded key counts (:meth:`Visibility.batch_mask`).
 
-The layout is read from the model, never assumed: ``cfg.attention_dir`` (``"causal"`` or
-``"bidirectional"``; TransformerLens 3.x and 4.x both set it), checked by a 2-token probe where it says causal
-(:func:`attention_direction`: TransformerLens 3.9's bridge leaves BERT at causal), per-layer windows from TransformerLens 3.x's
-``cfg.attn_types``/``cfg.window_size``, or from the Hugging Face config behind a ``TransformerBridge``
-(``layer_types`` with ``"sliding_attention"`` entries and ``sliding_window``; a ``sliding_window`` without
-``layer_types`` applies to every layer unless ``use_sliding_window`` is false). Attention layouts that
-visibility cannot describe (chunked attention) are refused with :class:`UnsupportedArchitectureError`.
+The layout is read from the model: ``cfg.attention_dir``, checked by a 2-token probe where it says causal
+(:func:`attention_direction`), and per-layer windows from ``cfg.attn_types``/``cfg.window_size`` or the
+Hugging Face config behind a bridge (``layer_types``, ``sliding_window``, ``use_sliding_window``). Layouts
+it cannot describe (chunked attention) raise :class:`UnsupportedArchitectureError`.
 
 Examples:
     >>> vis = Visibility(causal=True, windows=(None, 2))

@@ -202,15 +202,9 @@ def test_an_interrupted_save_leaves_the_previous_report_whole(tiny_llama, tmp_pa
 
 
 @pytest.mark.models
-def test_run_keywords_of_sinklens_0_1_still_work_with_a_warning(tiny_llama):
-    new = analyze(tiny_llama, PROMPTS, abs_threshold=None, rel_threshold=3.0, options=QUIET.replace(batch_size=2))
-    with pytest.warns(DeprecationWarning, match=r"analyze\(batch_size=, progress=\) is deprecated"):
-        old = analyze(tiny_llama, PROMPTS, abs_threshold=None, rel_threshold=3.0, batch_size=2, progress=False)
-    torch.testing.assert_close(old.sinks.received, new.sinks.received, equal_nan=True)
-    assert old.settings == new.settings and old.settings["batch_size"] == 2
-    with pytest.warns(DeprecationWarning, match="eps= is deprecated"):
-        assert analyze(tiny_llama, PROMPTS, eps=0.2, options=QUIET, abs_threshold=None,
-                       rel_threshold=3.0).sinks.sink_threshold == 0.2
+def test_sink_threshold_and_unknown_keywords(tiny_llama):
+    assert analyze(tiny_llama, PROMPTS, sink_threshold=0.2, options=QUIET, abs_threshold=None,
+                   rel_threshold=3.0).sinks.sink_threshold == 0.2
     with pytest.raises(TypeError, match="unexpected keyword"):
         analyze(tiny_llama, PROMPTS, batchsize=2, options=QUIET)
 

@@ -199,14 +199,6 @@ def test_reset_makes_a_reducer_reusable(tiny_llama):
     torch.testing.assert_close(again[5].key_query_energy, first[5].key_query_energy)
 
 
-def test_old_links_module_still_imports_with_a_warning():
-    from sinklens.analysis.qk_locking import query_key_locking
-
-    with pytest.warns(DeprecationWarning, match="import query_key_locking from sinklens.analysis.qk_locking"):
-        from sinklens.analysis.links import query_key_locking as old
-    assert old is query_key_locking
-
-
 def _modes(model):
     """Every submodule's train/eval flag, a 4.x bridge's wrapped Hugging Face model's included."""
     inner = getattr(model, "original_model", None)

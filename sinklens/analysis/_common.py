@@ -1,10 +1,9 @@
 """Small helpers shared by the analyzers: the sink-position checks, residual-stream indices, row
-lookup, growing running sums, and keyword renames with a deprecation warning."""
+lookup, growing running sums and the body every public analyzer shares."""
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -14,7 +13,7 @@ from torch import Tensor
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import RESID_POST, RESID_PRE, hook_name
 from sinklens.inputs import TokenBatch, is_encoder, require_a_later_position
-from sinklens.options import no_unknown_kwargs, options_from_legacy, settings_from  # noqa: F401  (re-exported for the analyzers)
+from sinklens.options import checked_options, settings_from
 from sinklens.streaming import batches_for, stream
 from sinklens.validate import optional_index_list, positive_int
 
@@ -77,18 +76,11 @@ def stream_hook(stream_index: int, n_layers: int) -> str:
 class SettingsFields:
     """Mixin for results that hold a frozen ``settings`` dataclass: its fields read as attributes.
 
-    ``result.sink_threshold`` is ``result.settings.sink_threshold``. ``_renamed`` maps deprecated
-    attribute names to current ones (reading one warns).
+    ``result.sink_threshold`` is ``result.settings.sink_threshold``.
     """
-
-    _renamed: dict[str, str] = {}
 
     def __getattr__(self, name: str) -> Any:  # called only when normal lookup fails
         settings = self.__dict__.get("settings")
-        current = type(self)._renamed.get(name)
-        if current is not None:
-            warnings.warn(f"{type(self).__name__}.{name} is deprecated; use .{current}.", DeprecationWarning, stacklevel=2)
-            return getattr(self, current)
         if settings is not None and name in {f.name for f in dataclasses.fields(settings)}:
             return getattr(settings, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
@@ -168,21 +160,6 @@ def once_per_forward(fold: Callable[[Any, Any], None]) -> Callable[[Any, Any], N
     return wrapped
 
 
-def renamed(kwargs: dict[str, Any], old: str, new: str, value: Any, default: Any) -> Any:
-    """Resolve a renamed keyword: pop ``old`` from ``kwargs`` (warning), else ``value``.
-
-    ``value`` is what the caller passed under the new name (``default`` if not given). Raises if both
-    names were given with different values, or if any other unknown keyword is left in ``kwargs``.
-    """
-    if old in kwargs:
-        warnings.warn(f"{old}= is deprecated; use {new}= (same meaning).", DeprecationWarning, stacklevel=3)
-        old_value = kwargs.pop(old)
-        if value is not default and value != old_value:
-            raise InvalidArgumentError(f"Got both {new}={value!r} and its deprecated name {old}={old_value!r}.")
-        return old_value
-    return value
-
-
 def analyzer_sink_position(reducer_kwargs: dict[str, Any]) -> int | None:
     """The sink position an analyzer's reducer will be built with: its ``sink_position=`` keyword, else the
     ``sink_position`` field of its ``settings=``; None for an analyzer without one (e.g. ``find_sinks``).
@@ -204,29 +181,23 @@ def run_analyzer(
     *,
     where: str,
     options: Any,
-    kwargs: dict[str, Any],
+    kwargs: dict[str, Any] | None = None,
     settings_cls: type | None = None,
     settings: Any = None,
-    renames: dict[str, str] | None = None,
     **reducer_kwargs: Any,
 ) -> Any:
     """The body every public analyzer shares: resolve its keywords, build its reducer, stream, return the result.
 
-    ``kwargs`` (the public function's ``**settings_kwargs`` / ``**deprecated``) first gives up any
-    sinklens-0.1 run keywords (folded into ``options`` by :func:`options_from_legacy`). With
-    ``settings_cls`` the rest resolve ``settings`` (:func:`~sinklens.options.settings_from`, with the
-    deprecated names in ``renames``), passed on as the reducer's ``settings=``; without it, none may be
-    left. Then ``inputs`` are tokenized (:func:`~sinklens.streaming.batches_for`) and checked before any
-    forward pass (:func:`~sinklens.inputs.require_a_later_position`): for an analyzer with a sink position
-    (:func:`analyzer_sink_position`) every sequence must reach it (the first that does not is named by its
-    index) and some sequence must have a query that sees it; sequences that all end at the sink are refused.
-    Then ``reducer(model,
-    **reducer_kwargs)`` is streamed over them (:func:`sinklens.streaming.stream`) and its result returned. ``where`` names the public function in
-    errors and warnings, which point at its caller.
+    With ``settings_cls``, ``settings`` and the field keywords in ``kwargs`` (the public function's
+    ``**settings_kwargs``) make the reducer's ``settings=`` (:func:`~sinklens.options.settings_from`).
+    ``inputs`` are tokenized and checked before any forward pass
+    (:func:`~sinklens.inputs.require_a_later_position`): for an analyzer with a sink position every
+    sequence must reach it and some query must see it. Then ``reducer(model, **reducer_kwargs)`` is
+    streamed over them (:func:`sinklens.streaming.stream`). ``where`` names the public function in errors.
     """
-    options = options_from_legacy(options, kwargs, where, last=settings_cls is None, stacklevel=4)
+    options = checked_options(options, where)
     if settings_cls is not None:
-        reducer_kwargs["settings"] = settings_from(settings_cls, settings, kwargs, where, renames=renames, stacklevel=4)
+        reducer_kwargs["settings"] = settings_from(settings_cls, settings, kwargs or {}, where)
     batches = batches_for(model, inputs, options)
     require_a_later_position(batches, what=where, sink_position=analyzer_sink_position(reducer_kwargs),
                              bidirectional=is_encoder(model))

@@ -17,11 +17,10 @@ block ``s``); ``s = n_layers`` is the final ``blocks.{n_layers-1}.hook_resid_pos
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Float, Int
@@ -31,7 +30,6 @@ from sinklens.analysis._common import (
     SettingsFields,
     check_sink_position,
     grow,
-    renamed,
     resolve_streams,
     row_index,
     run_analyzer,
@@ -132,7 +130,7 @@ class MassiveActivations(SettingsFields, CompactRepr):
     other valid (non-padding) position.
 
     Attributes:
-        streams: the residual-stream index of each row (``layers`` is its deprecated name).
+        streams: the residual-stream index of each row.
         hooks: the hook name of each row.
         settings: the :class:`MassiveSettings` of the run; its fields also read as attributes
             (``result.sink_position``, ``result.abs_threshold``, ...).
@@ -151,11 +149,8 @@ class MassiveActivations(SettingsFields, CompactRepr):
         events: ``(stream, position, dim)`` of every location that was massive in at least one sequence,
             sorted by ``|event_value|`` descending, at most ``max_rows`` (``n_events`` before truncation).
         event_value: the largest-magnitude signed value seen there; ``event_ratio``: ``|event_value|`` divided by
-            the median ``|x|`` of the sequence it was seen in (over that sequence's valid positions and all
-            dimensions at that stream): how many times a typical entry of its own hidden state it is. When several
-            sequences reach that same largest ``|x|`` (with BOS at position 0 every sequence has the same sink
-            activation), the ratio is the largest of theirs (the sequence with the smallest median), then the larger
-            signed value: the record depends only on the set of sequences, not on their order or batching.
+            the median ``|x|`` of the sequence it was seen in (its valid positions, all dimensions at that stream).
+            Ties in ``|x|`` go to the larger ratio, then the larger value, so batching does not change the record.
     """
 
     streams: list[int]
@@ -181,9 +176,6 @@ class MassiveActivations(SettingsFields, CompactRepr):
     prepend_bos: bool = True
     n_layers: int = field(default=0)
 
-    #: ``layers`` was the old name of ``streams`` (residual-stream indices ``0..n_layers``, not layers).
-    _renamed: ClassVar[dict[str, str]] = {"layers": "streams"}
-
     def _row(self, stream: int) -> int:
         return row_index(self.streams, stream, what="Residual stream index")
 
@@ -204,11 +196,6 @@ class MassiveActivations(SettingsFields, CompactRepr):
         counts = self.count_sink if where == "sink" else self.count_other
         hit = (counts[:, dim] > 0).nonzero().flatten()
         return self.streams[int(hit[0])] if hit.numel() else None
-
-    def first_layer(self, dim: int, where: Literal["sink", "other"] = "sink") -> int | None:
-        """Deprecated name of :meth:`first_stream`."""
-        warnings.warn("first_layer is deprecated; use first_stream.", DeprecationWarning, stacklevel=2)
-        return self.first_stream(dim, where)
 
     def top_dims(self, stream: int, k: int = 5, where: Literal["sink", "other"] = "sink") -> list[tuple[int, float]]:
         """The ``k`` dimensions with the largest max ``|x|`` at one residual-stream index, with that max."""
@@ -313,7 +300,6 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
         **settings_kwargs: Any,
     ):
         dims = model_dims(model)
-        streams = renamed(settings_kwargs, "layers", "streams", streams, None)
         settings = settings_from(MassiveSettings, settings, settings_kwargs, "MassiveActivationsReducer")
         if settings.top_k > dims.d_model:
             raise InvalidArgumentError(f"top_k must be in [1, {dims.d_model}] (d_model), got {settings.top_k}.")
@@ -474,7 +460,6 @@ def find_massive_activations(
     Args:
         inputs: anything :func:`sinklens.inputs.as_batches` accepts (None = the built-in prompts).
         streams: residual-stream indices (``0..n_layers``; ``n_layers`` = final ``hook_resid_post``); None = all.
-            ``layers=`` is its deprecated name.
         settings: the analysis settings (default ``MassiveSettings()``: Sun et al.'s thresholds).
         **settings_kwargs: any field of :class:`MassiveSettings` as a keyword (``abs_threshold=``,
             ``rel_threshold=``, ``sink_position=``, ``top_k=``, ``max_rows=``), replacing that of ``settings``.
@@ -487,6 +472,5 @@ def find_massive_activations(
         >>> found.massive_dims("sink"), found.first_stream(5), found.massive_dims("other")
         ([5], 1, [])
     """
-    streams = renamed(settings_kwargs, "layers", "streams", streams, None)
     return run_analyzer(model, inputs, MassiveActivationsReducer, where="find_massive_activations", options=options,
                         kwargs=settings_kwargs, settings_cls=MassiveSettings, settings=settings, streams=streams)

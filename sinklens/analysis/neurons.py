@@ -4,17 +4,14 @@ Definitions (activations are ``blocks.{l}.mlp.hook_post``, i.e. what multiplies 
 
 * ``sink_act[l, n]``: mean over sequences of the neuron's activation at the sink.
 * ``contribution[l, n, j]``: mean over sequences of what the neuron adds to the **residual stream** in
-  dimension ``dims[j]`` at the sink — its write ``act × W_out[l, n]`` taken through block ``l``'s post-MLP
-  norm when there is one (Gemma 2/3: ``blocks.{l}.ln2_post``, an affine map at a fixed position, see
-  :mod:`sinklens.residual_units`): ``(act / scale) × gain ⊙ W_out[l, n]`` with ``scale`` read from
-  ``blocks.{l}.ln2_post.hook_scale`` at the sink of each sequence. Summed over neurons and added to
-  ``mlp_offset_sink[l]`` (``b_out`` through the norm, plus the norm's bias) it is exactly the mean
-  ``hook_mlp_out`` at the sink (the post norm's output). Without a post norm it is ``sink_act × W_out``.
+  dimension ``dims[j]`` at the sink: ``act × W_out[l, n]``, through block ``l``'s post-MLP norm when there
+  is one (Gemma 2/3 ``ln2_post``: ``(act / scale) × gain ⊙ W_out[l, n]``, ``scale`` from its ``hook_scale``,
+  :mod:`sinklens.residual_units`). Summed over neurons plus ``mlp_offset_sink[l]`` it is exactly the mean
+  ``hook_mlp_out`` at the sink.
 * A neuron is a **super neuron** when its ``|contribution|`` to some analysed massive dimension reaches
   ``super_share`` (default 5%) of that dimension's peak ``|value|``; :meth:`SuperNeurons.super_neurons`
   ranks them by that contribution (largest ``|contribution|`` first).
-* Activation-outlier statistics, kept as extra columns (``is_outlier``, sinklens ≤ 0.2's "super neuron"):
-  ``other_rms`` (RMS of the activation over every other valid position), ``position_ratio = |sink_act| /
+* Activation-outlier statistics (``is_outlier``): ``other_rms`` (RMS of the activation over every other valid position), ``position_ratio = |sink_act| /
   other_rms``, ``neuron_ratio = |sink_act| / median_n' |sink_act[l, n']|``; ``is_outlier`` when both reach
   their thresholds (default 10 each). An outlier whose write a post norm shrinks is not a super neuron.
 * ``W_out`` row sparsity: Pearson kurtosis of ``W_out[l, n, :]`` over ``d_model`` (3 for a Gaussian row,
@@ -26,8 +23,7 @@ stream index ``s`` (the residual is averaged over sequences at the sink position
 :class:`MassiveDimPath` lists every block that writes it (a step ``hook_attn_out + hook_mlp_out`` at the sink —
 both already in residual units, after any post norm — towards the peak's sign of at least ``path_share`` of the
 peak) and every block that erases it (a step back of at least that share), in block order, each with its
-attention/MLP split and its top neurons. Parallel blocks (GPT-NeoX/Pythia: attention and MLP both read
-``hook_resid_pre``) are handled alike: the block's step is still ``attn_out + mlp_out``.
+attention/MLP split and its top neurons (parallel blocks alike).
 """
 
 from __future__ import annotations
@@ -72,12 +68,9 @@ def neuron_contributions(
 ) -> Float[Tensor, "*batch neuron d_model"]:
     """Each neuron's write into the residual stream, in residual units.
 
-    Without a post-MLP norm: ``post[..., n] × W_out[layer, n, :]``; summed over neurons this is
-    ``hook_mlp_out − b_out`` (every TransformerLens MLP computes ``hook_post @ W_out + b_out``).
-    With one (Gemma 2/3), the write is taken through the norm's affine map at each position
-    (:func:`sinklens.residual_units.post_norm_map`), so ``scale`` — the value of
-    ``blocks.{layer}.ln2_post.hook_scale`` at the same positions (``[*batch]`` or ``[*batch, 1]``) — is
-    required; summed over neurons and added to :func:`mlp_offset` it is exactly ``hook_mlp_out``.
+    ``post[..., n] × W_out[layer, n, :]``, taken through the post-MLP norm's affine map where there is one
+    (:func:`sinklens.residual_units.post_norm_map`; ``scale``: its ``hook_scale`` at the same positions, then
+    required). Summed over neurons and added to :func:`mlp_offset` it is exactly ``hook_mlp_out``.
     """
     W_out = weight(model, "W_out")[layer]
     writes = post[..., :, None] * W_out.to(post.dtype)
@@ -134,8 +127,7 @@ def mlp_weight_statistics(model: Any, layers: Sequence[int], row_top_k: int = 1)
 
     ``in_norm`` / ``gate_norm``: ``‖W_in[:, n]‖`` / ``‖W_gate[:, n]‖`` (``gate_norm`` None without a gated MLP);
     ``out_norm``: ``‖W_out[n]‖``; ``out_kurtosis`` / ``out_top_share``: :func:`row_sparsity` of ``W_out[n]``
-    with ``row_top_k``. Computed one layer at a time from :func:`~sinklens.hooks.layer_weight` (no stacked
-    copy of the weights) and kept until the weights change (:func:`~sinklens.hooks.weight_cached`).
+    with ``row_top_k``. Kept until the weights change (:func:`~sinklens.hooks.weight_cached`).
     """
 
     def compute() -> dict[str, Tensor | None]:
@@ -170,7 +162,7 @@ class SuperNeuronSettings:
             ``neuron_ratio`` (``is_outlier``).
         dim_threshold: a dimension is massive if ``|resid[s, d]|`` exceeds this × the median ``|resid[s, :]|``.
         max_dims: at most this many detected dimensions.
-        erase_fraction: the legacy single ``erase_layer`` must undo at least this share of the peak.
+        erase_fraction: ``MassiveDimPath.erase_layer`` must undo at least this share of the peak.
         top_k: top neurons listed per dimension (and per writer/eraser block) in :class:`MassiveDimPath`.
         row_top_k: entries counted in ``row_top_share``.
         path_share: a block is listed as a writer (eraser) of a dimension when its step at the sink moves the

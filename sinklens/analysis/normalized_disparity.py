@@ -10,22 +10,14 @@ token is the same in every sequence (a BOS). ``ratio_other_max*`` is the largest
 reads (its queries, keys and values) and reported side by side:
 
 * **before the gain** (sinklens' own, ``ratio_sink`` / ``ratio_other`` / ``ratio_other_max``): that norm's
-  ``hook_normalized``, the normalised vector before its learned gain (and bias), on every TransformerLens
-  version;
-* **after the gain** (the paper's, ``*_after_gain``): the norm's *output*, ``gain ⊙ hook_normalized + bias``
-  with the norm's effective gain (Gemma: ``1 + w``; see :func:`sinklens.residual_units.input_norm`), which
-  equals its ``hook_out`` on a ``TransformerBridge``. This is where the paper reads the disparity; a large
-  gain on the massive dimension makes the two differ.
+  ``hook_normalized``, the normalised vector before its learned gain (and bias);
+* **after the gain** (the paper's, ``*_after_gain``): the norm's output, ``gain ⊙ hook_normalized + bias``
+  with its effective gain (:func:`sinklens.residual_units.input_norm`). A large gain on the massive
+  dimension makes the two differ.
 
-The norm is ``blocks.{l}.ln1`` on pre-norm models (Llama, GPT-2, Gemma, Pythia, ...). A post-LN model (BERT)
-normalises *after* each residual add and its ``ln1`` follows the attention, so there the norm is the previous
-block's ``ln2`` (layer 0: the embedding LayerNorm), whose output is ``blocks.{l}.hook_resid_pre``; ``site``
-says which norm was read. The ratio formula is the same everywhere; only the read site differs.
-
-A TransformerLens 3.x ``HookedTransformer`` whose weights were processed (``fold_ln``, the default of its
-``from_pretrained``) has norms without a gain (``normalization_type`` ``LNPre``/``RMSPre``: the gain is folded
-into the next weights), so there "after the gain" equals "before the gain"; :func:`normalized_disparity` warns.
-:func:`sinklens.load_model` loads without weight processing.
+The norm is ``blocks.{l}.ln1`` on pre-norm models; on a post-LN model (BERT) it is the previous block's
+``ln2`` (layer 0: the embedding LayerNorm); ``site`` says which was read. On a model loaded with
+``fold_ln`` the norms have no gain, so both readings agree; :func:`normalized_disparity` warns.
 """
 
 from __future__ import annotations
@@ -196,7 +188,6 @@ def normalized_disparity(
     sink_position: int = 0,
     layers: int | Sequence[int] | None = None,
     options: RunOptions = RunOptions(),
-    **deprecated: Any,
 ) -> NormalizedDisparity:
     """Dimension disparity of each layer's attention input norm, at the sink vs other tokens, before its gain
     (``ln1.hook_normalized`` on pre-norm models, sinklens) and after it (the norm's output, the paper's site).
@@ -216,4 +207,4 @@ def normalized_disparity(
                       "processing (sinklens.load_model, or from_pretrained_no_processing) for the paper's numbers.",
                       RuntimeWarning, stacklevel=2)
     return run_analyzer(model, inputs, NormalizedDisparityReducer, where="normalized_disparity", options=options,
-                        kwargs=deprecated, sink_position=sink_position, layers=layers)
+                        sink_position=sink_position, layers=layers)

@@ -256,7 +256,6 @@ def query_key_locking(
     layers: int | Sequence[int] | None = None,
     n_components: int = 1,
     options: RunOptions = RunOptions(),
-    **deprecated: Any,
 ) -> QKLocking:
     """Measure query–key locking on the sink key per layer × head (see :class:`QKLocking`).
 
@@ -267,5 +266,5 @@ def query_key_locking(
         >>> float(lock.pos_share_sink[1, 1]), bool(lock.key_pc_cosine[1, 1] > 0.9)
         (1.0, True)
     """
-    return run_analyzer(model, inputs, QKLockingReducer, where="query_key_locking", options=options, kwargs=deprecated,
+    return run_analyzer(model, inputs, QKLockingReducer, where="query_key_locking", options=options,
                         sink_position=sink_position, layers=layers, n_components=n_components)

@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from sinklens.analysis._common import options_from_legacy, renamed, settings_from
+from sinklens.analysis._common import checked_options
 from sinklens.analysis.disparity import MassiveActivations, MassiveActivationsReducer, MassiveSettings
 from sinklens.analysis.neurons import SuperNeuronReducer, SuperNeurons, SuperNeuronSettings
 from sinklens.analysis.normalized_disparity import NormalizedDisparity, NormalizedDisparityReducer
 from sinklens.analysis.qk_locking import QKLocking, QKLockingReducer, qk_locking_reason
-from sinklens.analysis.sinks import SINK_RENAMES, SinkReducer, SinkResult, SinkSettings
+from sinklens.analysis.sinks import SinkReducer, SinkResult, SinkSettings
 from sinklens.analysis.value_drain import ValueDrain, ValueDrainReducer, ValueDrainSettings, value_drain_reason
 from sinklens.analysis.variance import VarianceReducer, VarianceResult
 from sinklens.analysis.verify import CausalCheck, verify_attribution
@@ -69,8 +69,7 @@ class SinkReport(CompactRepr):
             massive dimension's top writers at the sink), else None.
         skipped: section name -> why it was skipped (e.g. ``"super_neurons"`` on a mixture-of-experts model).
         value_drain: :class:`~sinklens.analysis.value_drain.ValueDrain` (what the sink writes: no-op or
-            broadcast sink heads); None when skipped (a SinkLM variant with an element-wise output gate: see
-            ``skipped``) and in reports built before it existed.
+            broadcast sink heads); None when skipped (see ``skipped``).
 
     The text layout lives in :mod:`sinklens.analysis.report_text`, file writing in
     :mod:`sinklens.analysis.report_files`; :meth:`summary` and :meth:`save` call them.
@@ -173,16 +172,13 @@ def analyze(
     model_name: str | None = None,
     verify: bool = False,
     options: RunOptions = RunOptions(),
-    **deprecated: Any,
 ) -> SinkReport:
     """Run every sink analyzer on ``model`` in one streaming pass and return a :class:`SinkReport`.
 
     Args:
-        inputs: prompts, token ids or TokenBatches (default: the built-in prompt set); see
-            :func:`sinklens.inputs.as_batches`. Use :func:`sinklens.inputs.random_token_batches` for
-            the theory's random-token setting.
+        inputs: anything :func:`sinklens.inputs.as_batches` accepts (None: the built-in prompts).
         sink_position: position whose causes are analysed (variance, massive dims, neurons, normalised disparity, locking).
-        sink_threshold: Gu et al.'s sink-rate threshold ``ε`` (``eps=`` is its deprecated name).
+        sink_threshold: Gu et al.'s sink-rate threshold ``ε``.
         abs_threshold / rel_threshold: massive-activation thresholds (Sun et al.: |x| > 100 and
             > 1000x the median |x|); for small models use e.g. ``abs_threshold=None, rel_threshold=50``.
         model_name: what to call the model in the report (default: its class name).
@@ -200,9 +196,8 @@ def analyze(
         (2, torch.Size([2, 4]))
     """
     start = time.perf_counter()
-    options = options_from_legacy(options, deprecated, "analyze", last=False)
-    sink_threshold = renamed(deprecated, "eps", "sink_threshold", sink_threshold, SinkSettings.sink_threshold)
-    sink_settings = settings_from(SinkSettings, SinkSettings(sink_threshold), deprecated, "analyze", renames=SINK_RENAMES)
+    options = checked_options(options, "analyze")
+    sink_settings = SinkSettings(sink_threshold)
     massive_settings = MassiveSettings(abs_threshold=abs_threshold, rel_threshold=rel_threshold, sink_position=sink_position)
     batches = batches_for(model, inputs, options)
     require_a_later_position(batches, what="analyze", sink_position=massive_settings.sink_position,

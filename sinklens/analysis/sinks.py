@@ -29,11 +29,8 @@ padded queries and keys never count.
   tokens**: per token id, the layer-head-mean received attention over every occurrence, kept in
   vocabulary-sized running sums (exact and bounded), plus the top-k single occurrences.
 
-Measured on SmolLM2-135M-Instruct (64 stdlib docstrings of Python 3.11, 64 tokens, BOS ``<|im_start|>``):
-``sink_positions == [0]``; at position 0 (``sink_threshold`` 0.3) Gu et al.'s sink rate is 0.644 and sinklens'
-variant 0.631 (the number sinklens reported before it carried both), 0 in layers 0-2 and 10-11, 0.3-0.5 in
-layers 3-9 and 0.7-1.0 in layers 12-29; mean attention received by position 0 is 0.3-0.75 in those layers.
-No later token comes close.
+Measured on SmolLM2-135M-Instruct (64 stdlib docstrings, 64 tokens, BOS): ``sink_positions == [0]``, Gu et
+al.'s sink rate 0.644 at position 0 (sinklens' variant 0.631), 0 in layers 0-2 and 10-11.
 """
 
 from __future__ import annotations
@@ -42,7 +39,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, Literal
 
 import torch
 from jaxtyping import Float, Int
@@ -92,10 +89,6 @@ def has_sink_logits(model: Any) -> bool:
 
 def _check_threshold(value: Any) -> float:
     return finite_number(value, what="sink_threshold", low=0.0, high=1.0, low_open=True, high_open=True)
-
-
-#: Deprecated keyword names of :class:`SinkSettings` fields (old -> current).
-SINK_RENAMES = {"eps": "sink_threshold", "min_queries": "min_query_count"}
 
 
 @dataclass(frozen=True)
@@ -243,8 +236,6 @@ class SinkResult(SettingsFields, CompactRepr):
     attention: dict[str, Any] | None = None
     n_queries_by_layer: Float[Tensor, "layer key_pos"] | None = None
     tokenizer: Any = field(default=None, repr=False, compare=False)
-
-    _renamed: ClassVar[dict[str, str]] = SINK_RENAMES
 
     # ---- rates -------------------------------------------------------------------------------
     def position_index(self, position: int) -> int:
@@ -518,8 +509,7 @@ class SinkReducer(Reducer[SinkResult]):
     Gu's ``α^Gu_b`` costs no second pass over the pattern: it is ``α_b``'s column sum plus the rows of
     the queries before ``min_query`` (one row by default), divided by the number of queries that see the key.
 
-    Settings are given either as ``settings=SinkSettings(...)`` or as its fields, keyword arguments (the
-    deprecated ``eps=`` and ``min_queries=`` are accepted for ``sink_threshold=`` and ``min_query_count=``).
+    Settings are given either as ``settings=SinkSettings(...)`` or as its fields, keyword arguments.
     """
 
     statistics = ("attention", "seq_hits", "seq_counts", "gu_hits", "gu_counts", "shortfall", "n_real_queries",
@@ -535,7 +525,7 @@ class SinkReducer(Reducer[SinkResult]):
         max_pos: int | None = None,
         **settings_kwargs: Any,
     ):
-        self.settings = settings = settings_from(SinkSettings, settings, settings_kwargs, "SinkReducer", renames=SINK_RENAMES)
+        self.settings = settings = settings_from(SinkSettings, settings, settings_kwargs, "SinkReducer")
         self.attention = AttentionReceivedReducer(model, layers=layers, min_query=settings.min_query, max_pos=max_pos)
         self.layers = self.attention.layers
         self.n_heads = model_dims(model).n_heads
@@ -740,13 +730,11 @@ def find_sinks(
     """Find attention sinks: received attention per layer × head × key, sink rates, sink tokens.
 
     Args:
-        inputs: prompts, token ids or :class:`~sinklens.inputs.TokenBatch` es (default: the built-in
-            prompt set), see :func:`~sinklens.inputs.as_batches`.
+        inputs: anything :func:`sinklens.inputs.as_batches` accepts (None: the built-in prompts).
         layers: which layers (default all; negatives count from the end).
         settings: the analysis settings (default ``SinkSettings()``).
         **settings_kwargs: any field of :class:`SinkSettings` as a keyword (``sink_threshold=``,
-            ``min_query=``, ...), replacing that of ``settings`` (``eps=`` and ``min_queries=`` are
-            deprecated names of ``sink_threshold=`` and ``min_query_count=``).
+            ``min_query=``, ...), replacing that of ``settings``.
         options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar.
 
     Examples:
@@ -758,4 +746,4 @@ def find_sinks(
         True
     """
     return run_analyzer(model, inputs, SinkReducer, where="find_sinks", options=options, kwargs=settings_kwargs,
-                        settings_cls=SinkSettings, settings=settings, renames=SINK_RENAMES, layers=layers)
+                        settings_cls=SinkSettings, settings=settings, layers=layers)

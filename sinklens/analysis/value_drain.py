@@ -1,68 +1,45 @@
 """Value drain: does a sink head's attention to the sink *write* anything?
 
-A sink head sends most of its attention to one key (the sink). Two mechanisms fit that picture: the
-sink's value is (nearly) zero, so the head parks attention there and writes almost nothing (a
-**no-op**: attention used as a switch, Bondarenko et al. 2023's "no update"); or the sink's value
-carries a signal that every query receives (a **broadcast**). :class:`ValueDrainReducer` tells them
-apart per layer × head in one streaming pass, from ``blocks.{l}.attn.hook_v``,
-``blocks.{l}.attn.hook_pattern`` and, on post-norm layers, the post-attention norm's ``hook_scale``
-(``blocks.{l}.ln1_post``; on a post-LN model such as BERT ``blocks.{l}.ln1``). The write is read from
-``hook_v``: on a TransformerLens 3.x model loaded with ``fold_value_biases`` (its ``from_pretrained``
-default) ``b_V`` has moved into ``b_O``, so the values and the write share differ from the unprocessed model's
-(load without weight processing, as :func:`sinklens.load_model` does, for the numbers defined here).
+A sink head sends most of its attention to one key (the sink). Either the sink's value is (nearly)
+zero, so the head parks attention there and writes almost nothing (a **no-op**, Bondarenko et al.
+2023's "no update"), or the sink's value carries a signal every query receives (a **broadcast**).
+:class:`ValueDrainReducer` tells them apart per layer × head in one streaming pass, from
+``blocks.{l}.attn.hook_v``, ``blocks.{l}.attn.hook_pattern`` and, on post-norm layers, the
+post-attention norm's ``hook_scale`` (``ln1_post``; on a post-LN model such as BERT ``ln1``).
 
 **Definitions.** For layer ``l``, query head ``h`` and the sink position ``p`` (``sink_position``):
 
 * the value of key ``k`` seen by head ``h`` is ``v_k = hook_v[b, k, h // r]`` with
-  ``r = n_heads / n_kv_heads`` (grouped-query attention: key/value head ``j`` serves query heads
-  ``j·r … (j+1)·r − 1``, Hugging Face's ``repeat_kv``; tested against the Hugging Face model);
+  ``r = n_heads / n_kv_heads`` (grouped-query attention, as Hugging Face's ``repeat_kv``);
 * the write of key ``k`` into query ``q``, **in residual units**, is the norm of what reaches the
   residual stream through that key::
 
       write[b, q, k] = A[b, h, q, k] · ‖C(v_k · W_O[l, h]) ⊙ g‖ / s[b, q]
 
-  where ``A`` is ``hook_pattern``; without a post-attention norm ``g = 1`` and ``s = 1``; with one
-  (Gemma 2/3), ``g`` is the norm's effective gain (:func:`~sinklens.analysis.variance.post_attention_gain`,
-  Gemma's ``1 + w``) and ``s[b, q]`` is ``ln1_post.hook_scale`` at the query (the RMS of the whole
-  attention output there): at a fixed query the RMS norm is linear, so this is exactly the key's share
-  of ``ln1_post.hook_out`` (biases aside); ``C`` is the identity there. On a post-LN model (BERT) the
-  norm is ``ln1``, a LayerNorm of ``resid_pre`` plus the attention output: ``C`` removes the mean over
-  ``d_model``, ``g`` is its weight and ``s`` its ``hook_scale`` (see
-  :func:`~sinklens.analysis.variance.post_attention_map`). On a sinklens
-  :class:`~sinklens.train.model.SinkLM` whose variant transforms the aggregation before ``W_O`` as
-  ``c[q, h] · (γ[h] ⊙ z)`` (head-wise RMSNorm: ``γ`` its gain, ``c = 1 / rms(z_q)``; variance calibration
-  and a head-wise gate: ``γ = 1``; :func:`~sinklens.hooks.head_output_gain`), ``W_O[l, h]`` becomes
-  ``diag(γ[h]) W_O[l, h]`` and ``1 / s[b, q]`` becomes ``|c[b, q, h]| / s[b, q]``, with ``c`` read per query as
-  ``⟨out, γ ⊙ z⟩ / ‖γ ⊙ z‖²`` from ``hook_z`` and the variant's output site: exactly the key's share of what
-  the head writes. An element-wise gate has no such scale and is refused (:func:`value_drain_reason`);
-* the counted queries ``Q`` are the real (non-padding) queries ``q != p`` that can see the sink in
-  layer ``l`` (:meth:`~sinklens.visibility.Visibility.batch_mask`: causal or bidirectional, sliding
-  windows, padding); the query at the sink itself is left out (on a decoder it sees only itself);
+  where ``A`` is ``hook_pattern``; without a post-attention norm ``g = 1``, ``s = 1``; with one
+  (Gemma 2/3) ``g`` is its effective gain (:func:`~sinklens.analysis.variance.post_attention_gain`)
+  and ``s[b, q]`` its ``hook_scale`` at the query; on a post-LN model ``C`` removes the mean over
+  ``d_model`` (:func:`~sinklens.analysis.variance.post_attention_map`), elsewhere it is the identity.
+  On a SinkLM variant that scales the aggregation before ``W_O`` as ``c[q, h] · (γ[h] ⊙ z)``
+  (:func:`~sinklens.hooks.head_output_gain`), ``W_O`` becomes ``diag(γ[h]) W_O`` and ``1 / s`` becomes
+  ``|c| / s``, with ``c`` read per query from ``hook_z`` and the variant's output site; an element-wise
+  gate has no such scale and is refused (:func:`value_drain_reason`);
+* the counted queries ``Q`` are the real queries ``q != p`` that can see the sink in layer ``l``
+  (:meth:`~sinklens.visibility.Visibility.batch_mask`);
 * ``attn_sink`` = mean over ``Q`` of ``A[q, p]``; ``write_sink`` = mean over ``Q`` of ``write[q, p]``;
-* ``write_other`` = mean over the (query, key) pairs with ``q`` in ``Q`` and ``k != p`` visible to
-  ``q`` of ``write[q, k]`` (the write of a typical other key into a query); ``attn_other`` the same
-  mean of ``A[q, k]``;
+* ``write_other`` / ``attn_other``: the same means over the pairs ``q`` in ``Q``, ``k != p`` visible to ``q``;
 * ``write_share`` = ``Σ_Q write[q, p] / Σ_Q Σ_{k visible to q} write[q, k]``: the sink's share of the
-  head's total write magnitude (the sum of the per-key write norms, an upper bound of the norm of the
-  head's output), pooled over every counted query;
-* value norms beside them: ``value_norm_sink`` = mean over sequences of ``‖v_p‖``, ``out_norm_sink``
-  = mean over sequences of ``‖v_p · W_O[l, h]‖`` (before any post-norm or variant transform), and ``value_norm_other`` /
-  ``out_norm_other`` the same means over every other real key.
+  head's total write magnitude, pooled over every counted query;
+* ``value_norm_sink`` = mean over sequences of ``‖v_p‖``, ``out_norm_sink`` = of ``‖v_p · W_O[l, h]‖``
+  (before any norm or variant), ``value_norm_other`` / ``out_norm_other`` over every other real key.
 
 **Classification** (:class:`ValueDrainSettings`): a head is a *sink head* when
-``attn_sink >= sink_head_threshold``; a sink head is ``"no-op"`` when ``write_share < no_op_share``
-(the sink takes the attention and writes almost nothing), ``"broadcast"`` when
-``write_share >= broadcast_share`` (the sink's value is a substantial part of what the head writes, so
-it carries a signal shared by every query), and ``"partial"`` in between; other heads are ``"none"``.
+``attn_sink >= sink_head_threshold``; a sink head is ``"no-op"`` when ``write_share < no_op_share``,
+``"broadcast"`` when ``write_share >= broadcast_share`` and ``"partial"`` in between; other heads are
+``"none"``.
 
-Measured on SmolLM2-135M-Instruct (64 windows of 64 tokens of stdlib docstrings, BOS first, as in
-``benchmarks/bench_analyze.py``; sink position 0): 201 of 270 heads are sink heads (none in layers
-0-2 and 10-11); 7 are no-op (layers 18, 21, 22, 22, 23, 27, 28), 70 broadcast, 124 partial. Over the
-sink heads the median attention to the sink is 0.52 and the median write share 0.25 (10th-90th
-percentile 0.14-0.45): the sink's value is small (median ``‖v_sink‖ / ‖v_other‖`` 0.25,
-``‖v_sink W_O‖ / ‖v_other W_O‖`` 0.24) but far from zero, so most of SmolLM2's sink heads still write
-a quarter of their output from the sink. (On 64 separate docstrings cut to 64 tokens instead, ``sinklens analyze
---stdlib-text 64 --max-length 64``, 188 heads are sink heads: 5 no-op, 62 broadcast, 121 partial.)
+Measured on SmolLM2-135M-Instruct (64 windows of 64 tokens, sink position 0): 201 of 270 heads are
+sink heads, 7 no-op, 70 broadcast, 124 partial; median write share 0.25.
 """
 
 from __future__ import annotations

@@ -3,110 +3,58 @@
 A head's output at position ``t`` is ``z_t = Σ_{j<=t} A_tj v_j``. If the values ``v_j`` are
 independent across positions with a common mean ``μ`` and per-coordinate variance ``σ_v²`` (and
 independent of ``A``), then ``E z_t = μ`` and ``E|z_t − μ|² / d_head = σ_v² · E[Σ_j A_tj²]``, which
-is ``σ_v² / (t + 1)`` under uniform attention: the first token (``t = 0``) keeps the full variance of
-one value, later tokens average it away. :class:`VarianceReducer` measures both sides in one
-streaming pass.
+is ``σ_v² / (t + 1)`` under uniform attention: the first token keeps the full variance of one value,
+later tokens average it away. :class:`VarianceReducer` measures both sides in one streaming pass.
 
 **Definition** (``z_var``, used throughout). For layer ``l``, head ``h`` and position ``t``::
 
     z_var[l, h, t] = mean_c  mean_{sequences b valid at t}  (z[b, t, h, c] − m[l, h, c])²
 
 where ``z`` is ``blocks.{l}.attn.hook_z`` and ``m[l, h, c]`` is the mean of ``z[..., h, c]`` over
-*all* valid (sequence, position) pairs. Centring on one mean for all positions (instead of on a
-per-position mean) is what makes the law above exact *and* counts a position whose output sits
-far from the others — a constant BOS output has zero variance across sequences but a large
-deviation here. The across-sequence variance with a per-position mean is also kept
-(``z_var_seq``). Both use ``1/n`` (not ``1/(n−1)``).
+*all* valid (sequence, position) pairs. One mean for all positions makes the law above exact and
+counts a position whose output sits far from the others (a constant BOS output has zero variance
+across sequences but a large deviation here). ``z_var_seq`` centres on the per-position mean
+instead. Both use ``1/n``.
 
 The same definition is applied to
 
-* ``result_var``: the head's own contribution *where it reaches the residual stream*, averaged over
-  ``d_model`` coordinates, so :meth:`VarianceResult.preservation` can tell whether the output
-  projection keeps the first token's excess. Without a post-attention norm this is
-  ``z_h · W_O[l, h]``. With one (Gemma 2/3: ``blocks.{l}.ln1_post``, applied to the attention output
-  before the residual add) it is ``(z_h · W_O[l, h]) ⊙ g / s[b, t]``: at a fixed position an RMS norm
-  is linear once its scale is known, with ``s[b, t]`` read from ``blocks.{l}.ln1_post.hook_scale``
-  (the RMS of the whole attention output at that token) and ``g`` the norm's effective gain (see
-  :func:`post_attention_gain`; Gemma's ``1 + w``). The per-head terms plus ``b_O ⊙ g / s``
-  sum exactly to ``ln1_post.hook_out`` (tested). On a post-LN model (BERT) the norm after the attention
-  is ``blocks.{l}.ln1``, a LayerNorm of ``resid_pre`` plus the attention output: a head's write reaches
-  the stream as ``C(z_h · W_O[l, h]) ⊙ g / s[b, t]`` (``C``: mean removal over ``d_model``, ``s`` its
-  ``hook_scale``), beside the residual's own term and the bias (tested against the Hugging Face model).
-  ``result_var_pre_norm`` keeps ``z_h · W_O[l, h]`` (equal to ``result_var`` on pre-norm models).
-  Here ``z_h`` is what enters ``W_O`` (:func:`~sinklens.hooks.head_output_site`): ``hook_z`` on every
-  TransformerLens model; on a sinklens :class:`~sinklens.train.model.SinkLM` whose variant transforms the
-  aggregation first, that variant's site (``hook_z_normed`` for head-wise RMSNorm, ``hook_z_gated``,
-  ``hook_z_calibrated``), so the write is the model's own (``z_var`` stays on ``hook_z``, the aggregation);
-* ``attn_out_var``: the attention's whole write (all heads plus bias, averaged over ``d_model``) where it
-  reaches the stream (:func:`~sinklens.residual_sites.attention_write_hooks`): ``blocks.{l}.hook_attn_out``
-  on pre-norm blocks, after ``ln1_post`` on Gemma's sandwich blocks (in residual units too), and on a post-LN
-  model (BERT) ``C(z·W_O + b_O) ⊙ g / s`` through ``ln1``, whose output (TransformerLens 4.x's
-  ``hook_attn_out`` there) would include the residual stream.
+* ``result_var``: the head's write where it reaches the residual stream, averaged over ``d_model``:
+  ``z_h · W_O[l, h]``, through any post-attention norm as ``(z_h · W_O[l, h]) ⊙ g / s[b, t]`` (Gemma's
+  ``ln1_post``; ``s`` from its ``hook_scale``, ``g`` its effective gain, :func:`post_attention_gain`),
+  or on a post-LN model (BERT, ``ln1``) ``C(z_h · W_O[l, h]) ⊙ g / s`` with ``C`` the mean removal. The
+  per-head terms plus the bias sum to the norm's output (tested). ``result_var_pre_norm`` keeps
+  ``z_h · W_O[l, h]``. ``z_h`` is what enters ``W_O`` (:func:`~sinklens.hooks.head_output_site`:
+  ``hook_z``, or a SinkLM variant's ``hook_z_normed`` / ``hook_z_gated`` / ``hook_z_calibrated``);
+* ``attn_out_var``: the attention's whole write (all heads plus bias) where it reaches the stream
+  (:func:`~sinklens.residual_sites.attention_write_hooks`).
 
-**The paper's measure, beside ours** (``feature_std``, ``feature_std_head``): Li et al.'s per-position
-spread over the *feature* dimension of the output projection's input, exactly as their code computes
-it (Siquan-Li/Head-wise-RMSNorm at commit 23793e0, ``attention_sink.ipynb``, cell 2 "Variance
-Discrepancy Across Positions", Sec. 3.1 / Fig. 4: a forward pre-hook on ``self_attn.o_proj``
-(notebook line 142) takes ``hidden_states.std(dim=-1)`` per token (line 122), then
-``layer_stats[l].mean(axis=0)`` over samples (line 160); cell 8, Fig. 7, does the same, line 712)::
+**The paper's measure** (``feature_std``, ``feature_std_head``): Li et al.'s per-position spread over
+the feature dimension of the output projection's input, as their code computes it
+(Siquan-Li/Head-wise-RMSNorm@23793e0, ``attention_sink.ipynb`` cell 2, Sec. 3.1 / Fig. 4: a pre-hook
+on ``self_attn.o_proj`` takes ``hidden_states.std(dim=-1)`` per token, then the mean over samples)::
 
     feature_std[l, t]         = mean_{sequences b valid at t}  std_c  z[b, t, :, :].flatten()[c]
     feature_std_head[l, h, t] = mean_{sequences b valid at t}  std_c  z[b, t, h, c]
 
-``std`` is ``torch.std``'s default: centred on the token's own feature mean, Bessel-corrected
-(``1/(n − 1)``); the concatenated ``o_proj`` input is ``hook_z`` flattened head-major (tested against a
-pre-hook on the Hugging Face ``o_proj``; on a SinkLM variant, the head output site above, which is what its
-``W_O`` reads; on a TransformerLens 3.x model loaded with ``fold_value_biases``, ``hook_z`` lacks ``b_V``,
-which that processing moves into ``b_O``, so it is no longer the ``o_proj`` input). It is a mean of standard
-deviations over sequences, not a
-variance across sequences: a constant first-token vector with a large spread over its coordinates
-scores high here and zero in ``z_var_seq``. The per-head version is our choice (their analysis code
-measures the concatenated input only): the same estimator restricted to one head's ``d_head``
-coordinates; their ``model.py`` calibrates HeadNorm from a per-head std with ``unbiased=False`` at
-``t = 0`` (``init_headnorm_stats``), which differs by the constant ``sqrt((d_head − 1) / d_head)``
-and leaves every ratio between positions unchanged. Under uniform attention over i.i.d. Gaussian
-values with independent coordinates, ``E feature_std_head[t] = c₄(d_head) σ / sqrt(t + 1)`` (tested).
-Their random-input check (cell 26, line 2424) measures something else: the std *across samples* per
-(position, dimension), averaged over dimensions — an across-sequence spread like ``z_var_seq`` (a mean of
-standard deviations rather than a variance).
+``std`` is ``torch.std``'s default (Bessel-corrected, centred on the token's own feature mean); the
+``o_proj`` input is ``hook_z`` flattened head-major (tested against a pre-hook on Hugging Face's
+``o_proj``). It is a mean of standard deviations over sequences, not a variance across sequences.
+The per-head version is ours (the same estimator over one head's ``d_head`` coordinates). Under
+uniform attention over i.i.d. Gaussian values, ``E feature_std_head[t] = c₄(d_head) σ / sqrt(t + 1)``
+(tested).
 
 Predictions, beside the measurement:
 
 * ``value_var[l, h] = σ_v²``: variance of ``blocks.{l}.attn.hook_v`` over all valid (sequence,
-  position) pairs around its overall mean, averaged over ``d_head`` (key/value heads expanded to
-  query heads under grouped-query attention);
+  position) pairs around its overall mean, averaged over ``d_head`` (key/value head ``h // r`` for
+  query head ``h`` under grouped-query attention, ``r = n_heads / n_kv_heads``, as ``repeat_kv``);
 * ``pred_pattern = σ_v² · attn_sq`` with ``attn_sq[l, h, t]`` = mean over sequences of
   ``Σ_j pattern[l, h, t, j]²`` (the actual attention pattern);
 * ``pred_uniform = σ_v² / (t + 1)``.
 
-Each batch is reduced in float32 (so the hooks cost little next to the forward) and folded into
-float64 running sums (sum, sum of squares, counts per position) on the model's device; no
-activation outlives its hook. The variances come from those sums in one pass (``Σx²/n − (Σx/n)²``
-and the centred forms above), so where the true variance is ≈ 0 (a BOS output identical in every
-sequence, in ``z_var_seq``) float32 rounding of the per-batch sums leaves a residue of up to about
-``1e-6 · mean(x²)`` of either sign, which depends on the batching and the CPU's kernels; negative
-residues are reported as 0, as a variance cannot be negative (:mod:`sinklens.origins.positional`
-does the same).
-
-Measured on SmolLM2-135M-Instruct (64 stdlib docstrings, 64 tokens each, with BOS): the
-head-median discrepancy ``discrepancy(0)`` is 5.4, 11.4, 2.8 in layers 0-2 and 6.0, 9.9, 1.2 in
-layers 10-12, but 0.1-0.9 in the sink-dominated layers 3-9 and 13-29 (> 1 in 7 of 30 layers):
-once position 0 is a sink, its output is nearly the same vector in every sequence and sits close
-to the others' mean. Without BOS (``prepend_bos=False``) the picture is the same (> 1 in layers
-0-2 and 10-12), and the across-sequence variance ``z_var_seq`` at position 0 drops to ~0 from
-layer 12 on even though the first token differs between sequences. The uniform law predicts a
-ratio of 16.3 for these lengths; ``W_O`` keeps the ratio (head-median ``preservation`` 0.7-1.1;
-SmolLM2 has no post-attention norm, so residual units change nothing there). Li et al.'s feature-std
-ratio of the concatenated ``o_proj`` input (position 0 over the rest; 64 windows of 64 tokens of the
-same docstrings, BOS first, as in ``benchmarks/bench_analyze.py``) tells the same story: 1.8, 2.3, 2.1
-in layers 0-2 and 3.1, 2.8 in layers 10-11, 1.2 in layer 7, 0.94-0.99 in layers 3-6 and 8-9, and
-0.43-0.80 in layers 12-29, where the sink's head outputs are *less* spread over their features than
-later tokens'.
-
-Grouped-query attention: key/value head ``j`` serves query heads ``j·r … (j+1)·r − 1`` with
-``r = n_heads / n_kv_heads`` (Hugging Face's ``repeat_kv``, i.e. ``repeat_interleave``), so
-``value_var`` of query head ``h`` is that of key/value head ``h // r`` (tested against the Hugging
-Face model).
+Each batch is reduced in float32 and folded into float64 running sums on the model's device. The
+variances come from those sums (``Σx²/n − (Σx/n)²``), so a true variance of ≈ 0 can leave a float32
+residue of about ``1e-6 · mean(x²)``; negative residues are reported as 0.
 """
 
 from __future__ import annotations
@@ -666,15 +614,12 @@ def measure_variance(
     *,
     layers: int | Sequence[int] | None = None,
     options: RunOptions = RunOptions(),
-    **deprecated: Any,
 ) -> VarianceResult:
     """Measure value-aggregation variance per layer × head × position, with its predictions.
 
     Args:
-        inputs: prompts, token ids or :class:`~sinklens.inputs.TokenBatch` es (default: the built-in
-            prompt set), see :func:`~sinklens.inputs.as_batches`. The variances are across
-            sequences, so use many (e.g. :func:`~sinklens.inputs.random_token_batches` for the
-            theory's setting, or a few hundred natural prompts).
+        inputs: anything :func:`sinklens.inputs.as_batches` accepts (None: the built-in prompts). The
+            variances are across sequences, so use many (e.g. :func:`~sinklens.inputs.random_token_batches`).
         layers: which layers (default all).
         options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar.
 
@@ -687,5 +632,5 @@ def measure_variance(
         >>> result.z_var.shape, result.discrepancy(0).shape
         (torch.Size([2, 4, 6]), torch.Size([2, 4]))
     """
-    return run_analyzer(model, inputs, VarianceReducer, where="measure_variance", options=options, kwargs=deprecated,
+    return run_analyzer(model, inputs, VarianceReducer, where="measure_variance", options=options,
                         layers=layers)

@@ -8,10 +8,9 @@ mean ``hook_normalized`` of the norm the MLP reads, ``ln2`` on pre-norm models a
 model such as BERT, see :func:`sinklens.residual_units.input_norm`), it adds the cosine between that input
 and each read vector. A mixture-of-experts MLP has no single ``W_in``/``W_out`` per layer and is refused.
 
-``hook_normalized`` is the normalised vector *before* the norm's learned gain (and bias), on every
-TransformerLens version. Weights are read as stored: on a post-norm model (Gemma 2/3) a ``W_out`` row is the
-neuron's write *before* the post-MLP norm, whose per-dimension gain can change its sparsity; the forward-pass
-analysis (:mod:`sinklens.analysis.neurons`) measures contributions in residual units instead.
+``hook_normalized`` is the normalised vector before the norm's gain. Weights are read as stored: on a
+post-norm model (Gemma 2/3) a ``W_out`` row is the write before the post-MLP norm; the forward-pass
+analysis (:mod:`sinklens.analysis.neurons`) measures contributions in residual units.
 """
 
 from __future__ import annotations
@@ -108,11 +107,10 @@ def sink_inputs(
     sink_position: int = 0,
     layers: int | Sequence[int] | None = None,
     options: RunOptions = RunOptions(),
-    **deprecated: Any,
 ) -> SinkInput:
     """Mean normalised MLP input at ``sink_position`` per layer (``ln2.hook_normalized``; ``ln1`` on a post-LN model):
     the input every FFN neuron reads there, before the norm's gain."""
-    return run_analyzer(model, inputs, SinkInputReducer, where="sink_inputs", options=options, kwargs=deprecated,
+    return run_analyzer(model, inputs, SinkInputReducer, where="sink_inputs", options=options,
                         sink_position=sink_position, layers=layers)
 
 

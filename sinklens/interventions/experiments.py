@@ -39,7 +39,7 @@ from sinklens.export import to_json
 from sinklens.inputs import Inputs, TokenBatch, is_encoder, padded_to, right_align
 from sinklens.interventions import registry
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, layers_arg
-from sinklens.options import RunOptions, options_from_legacy
+from sinklens.options import RunOptions, checked_options
 from sinklens.streaming import BatchFold, Reducer, batches_for, eval_mode, forward, per_layer_hooks, stream
 from sinklens.validate import as_bool, index, index_list
 
@@ -413,7 +413,6 @@ def measure_intervention(
     dims: IndexLike | None = None,
     loss: bool | None = None,
     options: RunOptions = RunOptions(progress=False),
-    **legacy: Any,
 ) -> InterventionResult:
     """Measure any intervention: the same statistics without and with it (see :class:`InterventionResult`).
 
@@ -430,9 +429,7 @@ def measure_intervention(
         options: batching and progress (:class:`~sinklens.options.RunOptions`); its ``extra_hooks``
             run in both the clean and the intervened run.
     """
-    options = options_from_legacy(options, legacy, "measure_intervention", last=False)
-    if legacy:
-        raise InvalidArgumentError(f"measure_intervention has no option {sorted(legacy)[0]!r}.")
+    options = checked_options(options, "measure_intervention")
     dims_m = model_dims(model)
     index(target, dims_m.n_ctx, what="target position", allow_negative=False)  # named before the hooks are built
     index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
@@ -497,7 +494,7 @@ def create_sink(
         >>> res.method, res.received_before.shape, len(res.to_dict()["after"])
         ('self_only', torch.Size([2, 4]), 2)
     """
-    options = options_from_legacy(options, method_options, "create_sink", last=False)
+    options = checked_options(options, "create_sink")
     position = index(position, model_dims(model).n_ctx, what="position", allow_negative=False)
     sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
     if position == sink:
@@ -558,7 +555,7 @@ def remove_sink(
     ``"edit_neurons"`` (0.1: ``"ablate_neurons"``; zero ``neurons=`` at the sink in the given
     ``layers=``, which are required).
     """
-    options = options_from_legacy(options, method_options, "remove_sink", last=False)
+    options = checked_options(options, "remove_sink")
     sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
     name, hooks, recorded = _hooks_for(model, method, "remove", sink, layers, sink, dims, method_options)
     return _measure(model, tokens, hooks, target=sink, sink=sink, method=name, dims=dims, loss=loss,
@@ -594,7 +591,7 @@ def sweep(
     :func:`measure_intervention` and :func:`~sinklens.interventions.patching.patch_sink`, no progress bar
     by default (``options=RunOptions(progress=True)`` shows one over the configurations).
     """
-    options = options_from_legacy(options, method_options, "sweep", last=False)
+    options = checked_options(options, "sweep")
     dims_m = model_dims(model)
     positions = index_list(positions, dims_m.n_ctx, what="position", allow_negative=False)
     sink = index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)

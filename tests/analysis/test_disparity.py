@@ -29,8 +29,7 @@ def test_planted_massive_activation_found_exactly(planted):
     assert found.massive_dims("other") == []
     # Written by block 0's MLP: massive in the inputs of blocks 1 and 2, erased by block 2.
     assert found.first_stream(spec.dim) == spec.layer + 1
-    with pytest.warns(DeprecationWarning):
-        assert found.first_layer(spec.dim) == spec.layer + 1 and found.layers == found.streams == [0, 1, 2, 3]
+    assert found.streams == [0, 1, 2, 3]
     assert found.count_sink[:, spec.dim].tolist() == [0, len(PROMPTS), len(PROMPTS), 0]
     assert found.count_sink.sum() == 2 * len(PROMPTS)
     assert {(r["stream"], r["position"], r["dim"]) for r in found.rows()} == {(1, 0, spec.dim), (2, 0, spec.dim)}
@@ -132,7 +131,7 @@ def test_result_serialises_and_plots(tiny, tmp_path):
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(layers=[7]), "out of range"),
+        (dict(streams=[7]), "out of range"),
         (dict(abs_threshold=None, rel_threshold=None), "At least one"),
         (dict(rel_threshold=-1.0), "rel_threshold"),
         (dict(abs_threshold=math.nan), "abs_threshold"),

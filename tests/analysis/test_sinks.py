@@ -183,7 +183,6 @@ def test_exports_and_plots(tiny_llama, tmp_path):
     [
         (dict(sink_threshold=0.0), r"sink_threshold must be in \(0, 1\), got 0"),
         (dict(sink_threshold=1.5), r"sink_threshold must be in \(0, 1\), got 1.5"),
-        (dict(eps=1.5), r"sink_threshold must be in \(0, 1\), got 1.5"),  # the deprecated name
         (dict(layers=[7]), "out of range"),
         (dict(min_query=-1), "min_query"),
         (dict(min_head_share=0.0), "min_head_share"),
@@ -206,18 +205,9 @@ def test_bad_queries(tiny_llama):
         result.sink_rate(method="median")
 
 
-def test_deprecated_names_warn_and_mean_the_same(tiny_llama):
-    new = find_sinks(tiny_llama, PROMPTS, sink_threshold=0.15, min_query_count=3, options=QUIET)
-    with pytest.warns(DeprecationWarning, match="eps= is deprecated"):
-        old = find_sinks(tiny_llama, PROMPTS, eps=0.15, min_queries=3, options=QUIET)
-    torch.testing.assert_close(old.seq_sink_frac, new.seq_sink_frac)
-    assert old.settings == new.settings
-    with pytest.warns(DeprecationWarning, match="use .sink_threshold"):
-        assert old.eps == 0.15
-    with pytest.warns(DeprecationWarning):
-        reducer = SinkReducer(tiny_llama, eps=0.2, min_query=0, top_k=4)  # the constructor other areas call
+def test_settings_as_keywords(tiny_llama):
+    reducer = SinkReducer(tiny_llama, sink_threshold=0.2, min_query=0, top_k=4)  # the constructor other areas call
     assert (reducer.settings.sink_threshold, reducer.settings.min_query, reducer.settings.top_k) == (0.2, 0, 4)
+    assert find_sinks(tiny_llama, PROMPTS, sink_threshold=0.15, options=QUIET).sink_threshold == 0.15
     with pytest.raises(TypeError, match="unexpected keyword"):
         find_sinks(tiny_llama, PROMPTS, epsilon=0.2, options=QUIET)
-    with pytest.raises(ValueError, match="both sink_threshold=0.2 and its deprecated name eps=0.3"):
-        find_sinks(tiny_llama, PROMPTS, sink_threshold=0.2, eps=0.3, options=QUIET)

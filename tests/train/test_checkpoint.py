@@ -68,7 +68,8 @@ def test_run_directory_loads_with_load_model_and_passes_through_analyze(tmp_path
     tokens = torch.randint(2, 24, (4, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), trained.to("cpu").eval()(tokens))
-    report = sinklens.analyze(model, tokens, batch_size=2, progress=False, abs_threshold=None, rel_threshold=3.0)
+    report = sinklens.analyze(model, tokens, abs_threshold=None, rel_threshold=3.0,
+                              options=RunOptions(batch_size=2, progress=False))
     assert report.n_sequences == 4 and report.n_tokens == 48
     assert report.sinks.received.shape == (2, 4, 12)
     assert torch.isfinite(report.variance.z_var).all()
