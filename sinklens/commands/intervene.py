@@ -14,8 +14,7 @@ JSON: a value that is not a finite number, e.g. the losses with ``--no-loss`` or
 underscores: create methods (``self-only``, ``restart``, ``amplify``, ``transplant-dims``) turn
 position K into a sink; remove methods (``block-keys``, ``calibrate``, ``clamp-dims``,
 ``edit-neurons``, ``variance-calibration``, in its ``attenuate`` mode) take away the sink at ``--position``
-(default 0). The sinklens 0.1 names (``variance``, ``transplant``, ``block``, ``clamp``, ``ablate-neurons``)
-still work.
+(default 0).
 
 The input is ``--text`` (default: the built-in prompts) or ``--random-tokens N`` sequences of
 ``--seq-len`` tokens; a model without a tokenizer (a run on a synthetic task) runs on 16 random-token

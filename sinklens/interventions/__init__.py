@@ -24,8 +24,7 @@ after the MLP, so the edit factories edit the bridge's ``ln1.hook_in`` instead
 
 Every factory is registered under one canonical name in :mod:`sinklens.interventions.registry`
 (``self_only``, ``restart``, ``amplify``, ``transplant_dims``, ``block_keys``, ``calibrate``,
-``clamp_dims``, ``edit_neurons``, ``variance_calibration``; the CLI also accepts hyphens, and the sinklens 0.1 names
-``variance``, ``transplant``, ``block``, ``clamp``, ``ablate_neurons`` still work). Experiments, the
+``clamp_dims``, ``edit_neurons``, ``variance_calibration``; the CLI also accepts hyphens). Experiments, the
 trainer and ``sinklens intervene`` build hooks by those names.
 """
 
@@ -34,7 +33,6 @@ from sinklens.interventions.experiments import (
     InterventionResult,
     create_sink,
     measure_intervention,
-    register_method,
     remove_sink,
     sweep,
 )
@@ -46,6 +44,6 @@ from sinklens.interventions.variance import amplify, calibrate, clear_reference_
 __all__ = [
     "InterventionResult", "SinkPatchResult", "amplify", "block_keys", "calibrate", "clamp_dims",
     "clear_reference_cache", "create_sink", "custom_mask", "edit_neurons", "measure_intervention",
-    "patch_sink", "reference_mean", "register_method", "registry", "remove_sink", "restart", "self_only", "sweep",
+    "patch_sink", "reference_mean", "registry", "remove_sink", "restart", "self_only", "sweep",
     "transplant_dims",
 ]

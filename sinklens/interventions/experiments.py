@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -39,7 +38,7 @@ from sinklens.export import to_json
 from sinklens.inputs import Inputs, TokenBatch, is_encoder, padded_to, right_align
 from sinklens.interventions import registry
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, layers_arg
-from sinklens.options import RunOptions, options_from_legacy
+from sinklens.options import RunOptions, checked_options
 from sinklens.streaming import BatchFold, Reducer, batches_for, eval_mode, forward, per_layer_hooks, stream
 from sinklens.validate import as_bool, index, index_list
 
@@ -47,30 +46,6 @@ from sinklens.validate import as_bool, index, index_list
 Intervention = Union[Hooks, str, Callable[..., Any]]
 
 # ----------------------------------------------------------------------------- building hooks by name
-
-
-def register_method(kind: str, name: str, builder: Callable[..., Hooks]) -> None:
-    """Deprecated (sinklens 0.1): use :func:`sinklens.interventions.registry.register`.
-
-    ``builder(model, target, sink, layers, **kw)`` is wrapped into the registry's uniform signature
-    ``factory(model, *, positions, layers=None, **options)`` (``positions`` is passed as ``target``
-    for ``create`` methods and as the sink for ``remove`` methods, as 0.1 did).
-    """
-    warnings.warn(
-        "register_method is deprecated; use sinklens.interventions.registry.register(name, factory, role=..., "
-        "summary=...) with factory(model, *, positions, layers=None, **options).",
-        DeprecationWarning, stacklevel=2,
-    )
-    if kind not in ("create", "remove"):
-        raise InvalidArgumentError(f"kind must be 'create' or 'remove', got {kind!r}.")
-
-    def factory(model: Any, *, positions: Any, layers: Any = None, sink: int = 0, **options: Any) -> Hooks:
-        if kind == "remove":  # 0.1 passed the sink as both target and sink
-            return builder(model, positions, positions, layers, **options)
-        return builder(model, positions, sink, layers, **options)
-
-    registry.register(name, factory, role=kind, summary=f"{name} (registered through the deprecated register_method)",
-                      sink_option="sink")
 
 
 def intervention_hooks(
@@ -413,7 +388,6 @@ def measure_intervention(
     dims: IndexLike | None = None,
     loss: bool | None = None,
     options: RunOptions = RunOptions(progress=False),
-    **legacy: Any,
 ) -> InterventionResult:
     """Measure any intervention: the same statistics without and with it (see :class:`InterventionResult`).
 
@@ -430,9 +404,7 @@ def measure_intervention(
         options: batching and progress (:class:`~sinklens.options.RunOptions`); its ``extra_hooks``
             run in both the clean and the intervened run.
     """
-    options = options_from_legacy(options, legacy, "measure_intervention", last=False)
-    if legacy:
-        raise InvalidArgumentError(f"measure_intervention has no option {sorted(legacy)[0]!r}.")
+    options = checked_options(options, "measure_intervention")
     dims_m = model_dims(model)
     index(target, dims_m.n_ctx, what="target position", allow_negative=False)  # named before the hooks are built
     index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
@@ -497,7 +469,7 @@ def create_sink(
         >>> res.method, res.received_before.shape, len(res.to_dict()["after"])
         ('self_only', torch.Size([2, 4]), 2)
     """
-    options = options_from_legacy(options, method_options, "create_sink", last=False)
+    options = checked_options(options, "create_sink")
     position = index(position, model_dims(model).n_ctx, what="position", allow_negative=False)
     sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
     if position == sink:
@@ -558,7 +530,7 @@ def remove_sink(
     ``"edit_neurons"`` (0.1: ``"ablate_neurons"``; zero ``neurons=`` at the sink in the given
     ``layers=``, which are required).
     """
-    options = options_from_legacy(options, method_options, "remove_sink", last=False)
+    options = checked_options(options, "remove_sink")
     sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
     name, hooks, recorded = _hooks_for(model, method, "remove", sink, layers, sink, dims, method_options)
     return _measure(model, tokens, hooks, target=sink, sink=sink, method=name, dims=dims, loss=loss,
@@ -594,7 +566,7 @@ def sweep(
     :func:`measure_intervention` and :func:`~sinklens.interventions.patching.patch_sink`, no progress bar
     by default (``options=RunOptions(progress=True)`` shows one over the configurations).
     """
-    options = options_from_legacy(options, method_options, "sweep", last=False)
+    options = checked_options(options, "sweep")
     dims_m = model_dims(model)
     positions = index_list(positions, dims_m.n_ctx, what="position", allow_negative=False)
     sink = index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
@@ -641,5 +613,4 @@ def sweep(
 __all__ = [
     "InterventionResult", "RunStats", "PositionResidualReducer", "create_sink", "remove_sink", "sweep",
     "measure_intervention", "run_stats", "compare_runs", "intervention_hooks", "next_token_cross_entropy",
-    "register_method",
 ]

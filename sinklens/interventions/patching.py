@@ -39,7 +39,7 @@ from sinklens.hooks import (ATTN_OUT, MLP_OUT, PATTERN, RESID_MID, RESID_PRE, Z,
                             model_dtype)
 from sinklens.inputs import Inputs, as_batches
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, heads_arg, layers_arg, positions_arg
-from sinklens.options import RunOptions, hook_pairs, options_from_legacy
+from sinklens.options import RunOptions, checked_options, hook_pairs
 from sinklens.residual_sites import has_resid_mid, on_the_residual_stream
 from sinklens.residual_units import no_mlp_reason, post_ln_reason
 from sinklens.streaming import eval_mode
@@ -235,7 +235,6 @@ def patch_sink(
     heads: IndexLike | None = None,
     metric_layers: IndexLike | None = None,
     options: RunOptions = RunOptions(progress=False),
-    **legacy: Any,
 ) -> SinkPatchResult:
     """Patch clean activations into the intervened run, one component at a time, and measure the sink.
 
@@ -251,9 +250,7 @@ def patch_sink(
         metric_layers: layers the metric averages over (default all).
         options: ``prepend_bos``/``max_length`` for text inputs and ``progress`` (a bar over patches).
     """
-    options = options_from_legacy(options, legacy, "patch_sink", last=False)
-    if legacy:
-        raise InvalidArgumentError(f"patch_sink has no option {sorted(legacy)[0]!r}.")
+    options = checked_options(options, "patch_sink")
     site = choice(site, sorted(_SITES), what="site")
     hooks = list(hook_pairs(hooks, what="hooks"))
     _, setter, axes = _SITES[site]

@@ -92,8 +92,6 @@ class Intervention:
 
 
 _REGISTRY: dict[str, Intervention] = {}
-#: Old names kept working (with the name they now point to); see :func:`get`.
-_ALIASES: dict[str, str] = {}
 
 
 def canonical(name: str) -> str:
@@ -120,7 +118,7 @@ def register(
     key = canonical(name)
     if not key.isidentifier():
         raise InvalidArgumentError(f"An intervention name must be an identifier (hyphens allowed), got {name!r}.")
-    if key in _REGISTRY or key in _ALIASES:
+    if key in _REGISTRY:
         raise ValueError(f"An intervention named {key!r} is already registered.")
     if role not in ("create", "remove", "edit"):
         raise InvalidArgumentError(f"role must be 'create', 'remove' or 'edit', got {role!r}.")
@@ -131,25 +129,14 @@ def register(
 
 
 def unregister(name: str) -> None:
-    """Remove a registered name (and the aliases that point to it); unknown names raise :class:`UnknownInterventionError`."""
-    key = get(name).name
-    del _REGISTRY[key]
-    for old in [old for old, new in _ALIASES.items() if new == key]:
-        del _ALIASES[old]
+    """Remove a registered name; unknown names raise :class:`UnknownInterventionError`."""
+    del _REGISTRY[get(name).name]
 
 
-def register_alias(old: str, new: str) -> None:
-    """Keep an old name working: ``get(old)`` returns the entry of ``new``."""
-    _ALIASES[canonical(old)] = canonical(new)
-
-
-def names(role: Role | None = None, *, aliases: bool = False) -> list[str]:
-    """Registered names (canonical, sorted), optionally of one role; ``aliases=True`` adds the old names."""
+def names(role: Role | None = None) -> list[str]:
+    """Registered names (canonical, sorted), optionally of one role."""
     _load_builtins()
-    out = [n for n, e in _REGISTRY.items() if role is None or e.role == role]
-    if aliases:
-        out += [old for old, new in _ALIASES.items() if role is None or _REGISTRY[new].role == role]
-    return sorted(out)
+    return sorted(n for n, e in _REGISTRY.items() if role is None or e.role == role)
 
 
 def get(name: str, *, role: Role | None = None) -> Intervention:
@@ -158,7 +145,6 @@ def get(name: str, *, role: Role | None = None) -> Intervention:
     if not isinstance(name, str):
         raise InvalidArgumentError(f"An intervention name must be a string, got {name!r}.")
     key = canonical(name)
-    key = _ALIASES.get(key, key)
     entry = _REGISTRY.get(key)
     if entry is not None and role is not None and entry.role != role:
         raise UnknownInterventionError(
@@ -166,7 +152,7 @@ def get(name: str, *, role: Role | None = None) -> Intervention:
         )
     if entry is None:
         choices = names(role)
-        close = difflib.get_close_matches(key, names(role, aliases=True), n=2)
+        close = difflib.get_close_matches(key, choices, n=2)
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         what = f"{role} intervention" if role else "intervention"
         raise UnknownInterventionError(f"Unknown {what} {name!r}; registered: {choices}.{hint}")

@@ -70,7 +70,7 @@ def test_to_dict_is_strict_json_when_no_loss_was_computed(tiny, toks):
 
 
 def test_remove_sink_block_zeroes_received(tiny, toks):
-    res = remove_sink(tiny, toks, method="block")
+    res = remove_sink(tiny, toks, method="block_keys")
     assert res.target == 0 and float(res.received_after.abs().max()) == 0.0
     assert float(res.received_before.min()) > 0
     assert res.received_before.shape == (tiny.cfg.n_layers, tiny.cfg.n_heads)
@@ -86,7 +86,7 @@ def test_create_sink_restart_hides_old_sink(tiny, toks):
 
 
 def test_identity_intervention_changes_nothing(tiny, toks):
-    res = create_sink(tiny, toks, 4, method="variance", alpha=1.0, reference="batch")
+    res = create_sink(tiny, toks, 4, method="amplify", alpha=1.0, reference="batch")
     torch.testing.assert_close(res.received_after, res.received_before)
     torch.testing.assert_close(res.resid_norm_after, res.resid_norm_before)
     assert res.loss_after == pytest.approx(res.loss_before, abs=1e-9)
@@ -101,7 +101,7 @@ def test_self_only_measures_and_plots(tiny, toks, tmp_path):
 
 
 def test_sweep_rows(tiny, toks):
-    rows = sweep(tiny, toks, method="variance", positions=[3, 6], layer_sets=[None, [1]], alphas=[2.0, 5.0],
+    rows = sweep(tiny, toks, method="amplify", positions=[3, 6], layer_sets=[None, [1]], alphas=[2.0, 5.0],
                  reference="batch", options=RunOptions(progress=False))
     assert len(rows) == 2 * 2 * 2 * tiny.cfg.n_layers
     assert {"position", "layers", "alpha", "layer", "received_before", "received_after"} <= rows[0].keys()
@@ -168,7 +168,7 @@ def test_cli_intervene(tiny, tmp_path, monkeypatch, capsys):
     printed = capsys.readouterr().out
     assert "layer" in printed and f"{data['after'][0]:8.4f}" in printed
     assert (tmp_path / "intervention.png").exists()
-    assert cli.main(["intervene", "--method", "variance", "--text", text]) == 2  # no --position
+    assert cli.main(["intervene", "--method", "amplify", "--text", text]) == 2  # no --position
     assert cli.main(["intervene", "--method", "self-only", "--position", "500", "--text", text]) == 2
 
 
@@ -180,9 +180,9 @@ def test_errors(tiny, toks):
     with pytest.raises(ValueError, match="No query after"):
         create_sink(tiny, toks, 11)
     with pytest.raises(ValueError, match="needs dims"):
-        remove_sink(tiny, toks, method="clamp")
+        remove_sink(tiny, toks, method="clamp_dims")
     with pytest.raises(ValueError, match="needs neurons"):
-        remove_sink(tiny, toks, method="ablate-neurons")
+        remove_sink(tiny, toks, method="edit-neurons")
 
 
 def test_works_inside_hooks_context_and_leaves_no_hooks(tiny, toks, no_hooks_left):
@@ -229,15 +229,10 @@ def test_hooks_support_backward_for_training(tiny, toks, no_hooks_left):
     assert no_hooks_left(tiny)
 
 
-def test_sinklens_0_1_run_keywords_warn_and_take_effect(tiny, toks, capsys):
-    """Every field of ``RunOptions`` given as a 0.1 keyword is folded into ``options`` with one deprecation warning,
-    by one helper for analyzers, experiments and patching."""
+def test_run_options_extra_hooks_and_progress_take_effect(tiny, toks, capsys):
+    """``options.extra_hooks`` run in the clean run too; ``options.progress`` shows patch_sink's bar."""
     cut = block_keys(tiny, positions=0)
-    with pytest.warns(DeprecationWarning, match=r"create_sink\(extra_hooks=\) is deprecated"):
-        old = create_sink(tiny, toks, 5, method="restart", extra_hooks=cut)
-    new = create_sink(tiny, toks, 5, method="restart", options=RunOptions(progress=False, extra_hooks=cut))
-    assert float(old.sink_before.abs().max()) == 0.0  # the extra hooks ran in the clean run too
-    torch.testing.assert_close(old.received_after, new.received_after, rtol=0, atol=0)
-    with pytest.warns(DeprecationWarning, match=r"patch_sink\(progress=\) is deprecated"):
-        patch_sink(tiny, toks, block_keys(tiny, positions=0), site="z", layers=0, progress=True)
+    res = create_sink(tiny, toks, 5, method="restart", options=RunOptions(progress=False, extra_hooks=cut))
+    assert float(res.sink_before.abs().max()) == 0.0  # the extra hooks ran in the clean run too
+    patch_sink(tiny, toks, block_keys(tiny, positions=0), site="z", layers=0, options=RunOptions(progress=True))
     assert "patch" in capsys.readouterr().err  # the progress bar was shown

@@ -1,13 +1,11 @@
-"""The one intervention registry: names, aliases, uniform calls, required options, and its users."""
-
-import warnings
+"""The one intervention registry: names, uniform calls, required options, and its users."""
 
 import pytest
 import torch
 
 from sinklens.errors import InvalidArgumentError, UnknownInterventionError
 from sinklens.interventions import (
-    amplify, clamp_dims, create_sink, measure_intervention, register_method, registry, remove_sink, restart,
+    amplify, clamp_dims, create_sink, measure_intervention, registry, remove_sink, restart,
 )
 from sinklens.options import RunOptions
 
@@ -16,12 +14,12 @@ pytestmark = pytest.mark.models
 QUIET = RunOptions(progress=False)
 
 
-def test_canonical_names_roles_and_old_aliases():
+def test_canonical_names_and_roles():
     assert registry.names("create") == ["amplify", "restart", "self_only", "transplant_dims"]
     assert registry.names("remove") == ["block_keys", "calibrate", "clamp_dims", "edit_neurons", "variance_calibration"]
-    old = {"variance": "amplify", "transplant": "transplant_dims", "block": "block_keys", "clamp": "clamp_dims",
-           "ablate-neurons": "edit_neurons", "self-only": "self_only", "Transplant_Dims": None}
-    for name, canonical in old.items():
+    spelled = {"transplant-dims": "transplant_dims", "block_keys": "block_keys", "edit-neurons": "edit_neurons",
+               "self-only": "self_only", "Transplant_Dims": None}
+    for name, canonical in spelled.items():
         if canonical is None:  # names are case-sensitive identifiers
             with pytest.raises(UnknownInterventionError, match="Did you mean 'transplant_dims'"):
                 registry.get(name)
@@ -42,11 +40,11 @@ def test_spec_string_builds_the_same_hooks_as_the_factory(tiny, toks):
 
 def test_required_and_unknown_options_get_clear_errors(tiny):
     with pytest.raises(InvalidArgumentError, match=r"'clamp_dims' needs dims=\[\.\.\.\]"):
-        registry.get("clamp")(tiny, positions=0)
+        registry.get("clamp_dims")(tiny, positions=0)
     with pytest.raises(InvalidArgumentError, match=r"'transplant_dims' needs dims="):
-        registry.build(tiny, "transplant:positions=4")
+        registry.build(tiny, "transplant_dims:positions=4")
     with pytest.raises(InvalidArgumentError, match=r"'edit_neurons' needs neurons="):
-        registry.get("ablate_neurons")(tiny, positions=0, layers=[0])
+        registry.get("edit_neurons")(tiny, positions=0, layers=[0])
     with pytest.raises(InvalidArgumentError, match="needs explicit layers"):
         registry.get("edit_neurons")(tiny, positions=0, neurons=[1])
     with pytest.raises(InvalidArgumentError, match="'restart' has no option 'alpha'"):
@@ -57,13 +55,13 @@ def test_required_and_unknown_options_get_clear_errors(tiny):
     assert [n for n, _ in hooks] == [n for n, _ in clamp_dims(tiny, [1], positions=0, layers=[0])]
 
 
-def test_old_and_new_names_give_the_same_experiment(tiny, toks):
-    old = create_sink(tiny, toks, 4, method="variance", reference="batch", options=QUIET)  # default alpha 8
+def test_registry_defaults_and_names_in_experiments(tiny, toks):
+    default = create_sink(tiny, toks, 4, method="amplify", reference="batch", options=QUIET)  # default alpha 8
     new = create_sink(tiny, toks, 4, method="amplify", alpha=8.0, reference="batch", options=QUIET)
-    assert old.method == new.method == "amplify"
-    torch.testing.assert_close(old.received_after, new.received_after)
+    assert default.method == new.method == "amplify"
+    torch.testing.assert_close(default.received_after, new.received_after)
     assert not torch.allclose(new.received_after, new.received_before)
-    removed = remove_sink(tiny, toks, method="block", loss=False, options=QUIET)
+    removed = remove_sink(tiny, toks, method="block-keys", loss=False, options=QUIET)
     assert removed.method == "block_keys" and float(removed.received_after.abs().max()) == 0.0
 
 
@@ -73,30 +71,3 @@ def test_measure_intervention_takes_a_spec_string(tiny, toks):
     assert by_spec.method == "restart" and by_hooks.method == "custom"
     torch.testing.assert_close(by_spec.received_after, by_hooks.received_after)
     assert float(by_spec.sink_after.abs().max()) == 0.0
-
-
-def test_deprecated_register_method_warns_and_forwards(tiny, toks):
-    calls = []
-
-    def builder(model, target, sink, layers, **kw):
-        calls.append((target, sink, layers))
-        return restart(model, positions=target, layers=layers)
-
-    with pytest.warns(DeprecationWarning, match="register_method is deprecated"):
-        register_method("create", "legacy_restart", builder)
-    try:
-        res = create_sink(tiny, toks, 5, method="legacy-restart", sink=0, layers=[1], loss=False, options=QUIET)
-        assert calls == [(5, 0, [1])] and res.method == "legacy_restart"
-        assert float(res.sink_after[1].abs().max()) == 0.0 and float(res.sink_after[0].min()) > 0
-    finally:
-        registry.unregister("legacy_restart")
-    assert "legacy_restart" not in registry.names()
-
-
-def test_legacy_run_keywords_still_work_with_a_warning(tiny, toks):
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        res = remove_sink(tiny, toks, method="block", batch_size=1, progress=False, loss=False)
-    assert any("options=RunOptions" in str(w.message) for w in caught)
-    ref = remove_sink(tiny, toks, method="block", loss=False, options=QUIET)
-    torch.testing.assert_close(res.received_before, ref.received_before)
