@@ -42,17 +42,13 @@ class Intervention:
     """A registered intervention: its name, role, factory and a one-line summary.
 
     Attributes:
-        requires: options the factory cannot run without, beyond ``positions`` (option -> what to pass),
-            e.g. ``{"dims": "dims=[...] (residual dimensions)"}``; a call without one raises a clear error.
+        requires: options the factory cannot run without, beyond ``positions`` (option -> what to pass).
         defaults: option values used when the caller gives none (e.g. ``alpha=8`` for ``amplify``).
-        sink_defaults: option values that :func:`~sinklens.interventions.create_sink` /
-            :func:`~sinklens.interventions.remove_sink` (and ``sinklens intervene``) use when the caller gives
-            none, on top of ``defaults``; :func:`build` (trainer specs, ``measure_intervention``) does not use
-            them, so a stored spec keeps its meaning (``variance_calibration`` removes a sink in mode
-            ``attenuate``, which reads later queries; as a spec it stays ``amplify``, which is causal).
-        sink_option: the factory's keyword for the original sink position, if it uses one
-            (``transplant_dims`` copies from ``source``); :func:`~sinklens.interventions.create_sink`
-            fills it from its ``sink=``.
+        sink_defaults: extra defaults that only :func:`~sinklens.interventions.create_sink` /
+            :func:`~sinklens.interventions.remove_sink` use, not :func:`build`, so a stored spec keeps its
+            meaning (``variance_calibration`` removes a sink in mode ``attenuate``, a spec stays ``amplify``).
+        sink_option: the factory's keyword for the original sink position (``transplant_dims``' ``source``),
+            filled from ``create_sink``'s ``sink=``.
     """
 
     name: str
@@ -70,10 +66,8 @@ class Intervention:
         return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
     def __call__(self, model: Any, **options: Any) -> Hooks:
-        """The hooks of this intervention: ``factory(model, **defaults | options)``, checked first.
-
-        Raises :class:`~sinklens.errors.InvalidArgumentError` naming a missing required option or an
-        option the factory does not take (instead of a bare ``TypeError``).
+        """``factory(model, **defaults | options)``; a missing required or unknown option raises
+        :class:`~sinklens.errors.InvalidArgumentError`.
         """
         kwargs = {**self.defaults, **options}
         params = list(inspect.signature(self.factory).parameters.values())[1:]
@@ -197,8 +191,3 @@ def _load_builtins() -> None:
         _LOADED = True
         import sinklens.interventions.builtin  # noqa: F401
 
-
-def as_mapping() -> Mapping[str, Intervention]:
-    """A read-only view of the registry (name -> entry)."""
-    _load_builtins()
-    return dict(_REGISTRY)
