@@ -43,7 +43,7 @@ from sinklens.errors import (
     SinklensError,
     UnknownModelError,
 )
-from sinklens.model_files import MANIFEST, check_gguf, check_model_dir, check_safetensors, verify_manifest, write_manifest
+from sinklens.model_files import check_gguf, check_model_dir, check_safetensors, verify_manifest, write_manifest
 
 #: The embedded default model and where it comes from.
 DEFAULT_MODEL = "smollm2-135m"
@@ -118,10 +118,9 @@ def convert_gguf(gguf_path: str | Path) -> Path:
     """Dequantise a GGUF file into a cached Hugging Face directory (safetensors + tokenizer); return it.
 
     The conversion (about 40 s for SmolLM2-135M on 2 CPU cores) runs once per file; the cached copy
-    is keyed by the file's path, size and modification time. After the conversion a sha256 manifest
-    (``sinklens-manifest.json``) of the folder is written; every later call checks it, and a cache
-    that no longer matches (a crash half-way, a full disk, an edited file) is deleted and rebuilt.
-    A cache from before manifests is checked structurally (safetensors headers and sizes) and gets one.
+    is keyed by the file's path, size and modification time, with a sha256 manifest
+    (``sinklens-manifest.json``) that every later call checks: a cache that does not match it, or has
+    none, is deleted and rebuilt.
 
     Raises:
         CorruptModelFileError: the GGUF file is truncated or not a GGUF file.
@@ -130,26 +129,12 @@ def convert_gguf(gguf_path: str | Path) -> Path:
     check_gguf(gguf_path)
     out = _converted_dir(gguf_path)
     if out.exists():
-        problem = _converted_cache_problem(out)
+        problem = verify_manifest(out)
         if problem is None:
             return out
         print(f"sinklens: the converted cache {out} is broken ({problem}); rebuilding it", file=sys.stderr)
         shutil.rmtree(out, ignore_errors=True)
     return _convert(gguf_path, out)
-
-
-def _converted_cache_problem(out: Path) -> str | None:
-    """Why the converted folder ``out`` cannot be used, or ``None`` when it is whole."""
-    if not (out / MANIFEST).exists():  # written before manifests existed: check the structure, then trust it
-        try:
-            check_model_dir(out)
-        except (CorruptModelFileError, OSError) as err:
-            return str(err)
-        if not any(out.glob("*.safetensors")):
-            return "no weights"
-        write_manifest(out)
-        return None
-    return verify_manifest(out)
 
 
 def _convert(gguf_path: Path, out: Path) -> Path:
@@ -331,28 +316,23 @@ def load_model(
     """Load a model sinklens can analyse, from a name, a path or an existing model.
 
     Args:
-        spec: ``"smollm2-135m"`` (default), a local HF directory, a Hub name, a ``.gguf`` file,
-            a ``sinklens train`` run directory, or a TransformerLens model (returned as is when
-            ``device`` and ``dtype`` are None; otherwise moved / cast in place with ``.to`` and returned).
-        device: ``"cpu"``, ``"cuda"``, ...; default (None) CUDA when available, and for an already-built
-            model: where it is (it is never moved unasked).
-        dtype: parameter dtype: a floating ``torch.dtype`` or its name; default (None) float32, and for an
-            already-built model: its own dtype (a float64 or bfloat16 model is never converted unasked).
+        spec: ``"smollm2-135m"`` (default), a local HF directory, a Hub name, a ``.gguf`` file, a ``sinklens
+            train`` run directory, or a TransformerLens model (moved / cast in place only when ``device`` or
+            ``dtype`` is given).
+        device: ``"cpu"``, ``"cuda"``, ...; default CUDA when available (a built model stays where it is).
+        dtype: a floating ``torch.dtype`` or its name; default float32 (a built model keeps its own).
         check_patterns: run a 2-token forward to check that ``hook_pattern`` is exposed.
-        init_seed: the same architecture with fresh weights from its own init scheme, seeded;
-            also written ``SPEC@init:S`` (``RUN_DIR@init`` = a run's step-0 weights), see
-            :mod:`sinklens.origins.init`.
+        init_seed: the same architecture with fresh weights, seeded; also written ``SPEC@init:S``
+            (``RUN_DIR@init`` = a run's step-0 weights), see :mod:`sinklens.origins.init`.
 
     Raises:
         UnknownModelError: a name that is neither embedded, a path, nor a Hub id; an empty spec.
-        ModelFileNotFoundError: a path that does not exist (anything that looks like a path and is not
-            a plausible Hub id ``org/name``: it starts with ``.``, ``/`` or ``~``, ends in ``.gguf``,
-            ``.safetensors`` or ``.bin``, or holds a path separator other than one ``/``).
+        ModelFileNotFoundError: a path that does not exist (anything path-like that is not a plausible Hub id).
         OfflineModelError: a Hub name while the Hub cannot be reached.
         CorruptModelFileError: a truncated or corrupt GGUF or safetensors file.
         ModelLoadError: a local model folder that transformers / TransformerLens cannot load.
-        InvalidArgumentError: an unknown dtype or device name (for an already-built model too).
-        DeviceUnavailableError: a device this machine does not have (``cuda`` without a GPU).
+        InvalidArgumentError: an unknown dtype or device name.
+        DeviceUnavailableError: a device this machine does not have.
         PatternNotExposedError: a model whose attention hides ``hook_pattern``.
     """
     if init_seed is not None or (isinstance(spec, (str, Path)) and "@init" in str(spec)):

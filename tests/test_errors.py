@@ -242,8 +242,9 @@ def _flip_a_byte(path: Path) -> None:
         (lambda out: _truncated(out / "model.safetensors"), "bytes"),
         (lambda out: (out / "model.safetensors").unlink(), "missing"),
         (lambda out: (out / MANIFEST).write_text("{"), "manifest"),
+        (lambda out: (out / MANIFEST).unlink(), "no manifest"),
     ],
-    ids=["flipped-byte", "truncated", "deleted", "bad-manifest"],
+    ids=["flipped-byte", "truncated", "deleted", "bad-manifest", "no-manifest"],
 )
 def test_broken_converted_cache_is_detected_and_rebuilt(tmp_path, fake_conversion, capsys, damage, words):
     gguf = _gguf_header(tmp_path / "m.gguf")
@@ -256,20 +257,6 @@ def test_broken_converted_cache_is_detected_and_rebuilt(tmp_path, fake_conversio
     assert fake_conversion.calls == 2 and verify_manifest(out) is None
     err = capsys.readouterr().err
     assert "rebuilding" in err and words in err
-
-
-def test_cache_from_before_manifests_is_checked_then_trusted(tmp_path, fake_conversion):
-    gguf = _gguf_header(tmp_path / "m.gguf")
-    out = loading._converted_dir(gguf)
-    out.mkdir(parents=True)
-    (out / "config.json").write_text("{}")
-    _safetensors(out / "model.safetensors")
-    assert loading.convert_gguf(gguf) == out and fake_conversion.calls == 0
-    assert verify_manifest(out) is None  # the manifest was written on first use
-    _truncated(out / "model.safetensors")
-    (out / MANIFEST).unlink()  # an old, truncated cache: rebuilt
-    loading.convert_gguf(gguf)
-    assert fake_conversion.calls == 1
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ Each entry follows the registry's uniform signature ``factory(model, *, position
 from __future__ import annotations
 
 from sinklens.interventions import calibration, masks, neurons, variance
-from sinklens.interventions.registry import register, register_alias
+from sinklens.interventions.registry import register
 
 _DIMS = "dims=[...] (residual dimensions, e.g. 507 for SmolLM2)"
 
@@ -31,7 +31,3 @@ register("clamp_dims", neurons.clamp_dims, role="remove", requires={"dims": _DIM
 register("edit_neurons", neurons.edit_neurons, role="remove", requires={"neurons": "neurons=[...] (FFN neuron indices)"},
          summary="zero, scale or set FFN neurons `neurons` at `positions` (needs explicit layers)")
 
-# The names of sinklens 0.1 experiments and CLI, kept working.
-for _old, _new in {"variance": "amplify", "transplant": "transplant_dims", "block": "block_keys",
-                   "clamp": "clamp_dims", "ablate_neurons": "edit_neurons"}.items():
-    register_alias(_old, _new)

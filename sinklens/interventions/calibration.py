@@ -1,33 +1,21 @@
 """Variance calibration: make each head's output variance independent of the position.
 
-A head's output at query ``t`` is ``z_t = Σ_j A_tj v_j``. For values with variance ``σ²`` that are
-independent across positions, ``Var(z_t) = σ² Σ_j A_tj²``: aggregation shrinks the variance by the
-factor ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under uniform causal attention; at ``t = 0`` of a causal model
-``A_00 = 1`` and ``s_0 = 1``, which is why the first token stands out; *Transformers Are Born Biased*, arXiv
-2602.05927). A model with learned sink logits (gpt-oss) gives part of every row to the sink logit, no key,
-so its rows sum to less than 1 and ``s_0 = A_00² < 1`` (about 0.25 when ``A_00 ≈ 0.5``); an encoder's
-position 0 attends to every key, so there too ``s_0 < 1``.
-Calibration divides that factor out, per batch element, head and query:
+A head's output at query ``t`` is ``z_t = Σ_j A_tj v_j``; for independent values of variance ``σ²``,
+``Var(z_t) = σ² s_t`` with ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under uniform causal attention, ``s_0 = 1`` at
+position 0 of a causal model: why the first token stands out; *Transformers Are Born Biased*, arXiv
+2602.05927). With learned sink logits (gpt-oss) or in an encoder, ``s_0 < 1``. Calibration divides the
+factor out, per batch element, head and query:
 
-* ``mode="amplify"``: ``z_t ← z_t / sqrt(s_t)`` — every position gets the variance of a single value
-  (``σ²``, the first token's on an ordinary causal model); factors are ≥ 1. At position 0 of a causal model
-  without sink logits the factor is exactly 1, so ``positions=0`` alone is refused there (it would do
-  nothing); with sink logits it is ``1/A_00`` (about 2), which *strengthens* the sink.
-* ``mode="attenuate"``: ``z_t ← z_t · sqrt(min_t' s_t' / s_t)`` — every position is brought down to
-  the most-aggregated position's level (``min`` over the query positions of the sequence, per head;
-  the real tokens of a padded batch that sinklens runs); factors are ≤ 1.
+* ``mode="amplify"``: ``z_t ← z_t / sqrt(s_t)``, the variance of a single value; factors ≥ 1. At position 0
+  of a causal model without sink logits the factor is exactly 1, so ``positions=0`` alone is refused there.
+* ``mode="attenuate"``: ``z_t ← z_t · sqrt(min_t' s_t' / s_t)``, down to the most-aggregated query's level
+  (``min`` over the sequence's real query positions, per head); factors ≤ 1.
 
-``s_t`` is read from ``blocks.l.attn.hook_pattern`` (after any earlier hook on it) and applied at
-``blocks.l.attn.hook_z``, the raw aggregation; only query positions in ``positions`` (default all)
-are rescaled. As the registry's ``remove`` intervention (:func:`~sinklens.interventions.remove_sink`,
-``sinklens intervene --method variance-calibration``, with ``positions`` = the sink) the default mode is
-``attenuate``: the sink's head outputs are brought down to the most-aggregated query's level, which takes
-the sink away; calling :func:`variance_calibration` directly, and a spec string (``registry.build``, training-time
-``--intervention variance_calibration``), keep ``amplify``: ``attenuate``'s minimum reads later queries, which a
-causal LM in training must not. The trainer
-variant ``variance_calibrated`` (:mod:`sinklens.train.variants`) applies the same ``amplify`` rescaling
-inside the model (its default mode), at its own hook ``attn.hook_z_calibrated``. Its ``attenuate`` mode differs from this one: ``min_t' s_t'`` reads later
-queries, which a causal LM must not, so the trainer uses the fixed reference ``1/n_ctx`` instead.
+``s_t`` is read from ``blocks.l.attn.hook_pattern`` and applied at ``blocks.l.attn.hook_z``, at the query
+``positions`` (default all). As the registry's ``remove`` intervention (:func:`~sinklens.interventions.remove_sink`,
+``sinklens intervene --method variance-calibration``) the default mode is ``attenuate``; called directly or as
+a spec string it is ``amplify``, since ``attenuate`` reads later queries, which a causal LM in training must
+not (the trainer variant ``variance_calibrated`` uses the fixed reference ``1/n_ctx`` instead).
 
 Examples:
     >>> import torch
@@ -63,9 +51,8 @@ def calibration_factor(
 ) -> Float[Tensor, "batch query head"]:
     """The multiplier of ``z`` per (batch, query, head): ``1/sqrt(s_t)`` or ``sqrt(min s / s_t)``.
 
-    ``s_t = Σ_j A_tj²`` in float32; rows with no attention mass (all-zero, ``s_t = 0``) keep factor 1.
-    ``queries`` (default: every query) are the rows the ``attenuate`` minimum is taken over: the real tokens
-    of a padded batch, so that padding rows do not set the level.
+    ``s_t = Σ_j A_tj²`` in float32; all-zero rows keep factor 1. ``queries`` (default all) are the rows the
+    ``attenuate`` minimum is taken over (the real tokens of a padded batch).
 
     Examples:
         >>> A = torch.tril(torch.ones(3, 3)) / torch.arange(1, 4)[:, None]  # uniform causal
@@ -86,9 +73,7 @@ def calibration_factor(
 
 
 def _refuse_identity_at_first_position(model: Any) -> None:
-    """Raise :class:`~sinklens.errors.InvalidArgumentError` when ``mode="amplify"`` at position 0 alone is the
-    identity: on a causal model without sink logits query 0 sees key 0 only, so ``s_0 = A_00² = 1`` and its
-    factor is exactly 1 (an encoder's position 0 and a sink-logit model's are not: they are left to run)."""
+    """Refuse ``mode="amplify"`` at position 0 alone where it is the identity (causal, no sink logits: ``s_0 = 1``)."""
     from sinklens.analysis.sinks import has_sink_logits
 
     if attention_visibility(model).causal and not has_sink_logits(model):
@@ -116,8 +101,7 @@ def variance_calibration(
         mode: ``"amplify"`` or ``"attenuate"``.
 
     Raises:
-        InvalidArgumentError: ``mode="amplify"`` with ``positions=0`` alone on a causal model without sink
-            logits, where every factor is exactly 1 (see the module docstring).
+        InvalidArgumentError: ``mode="amplify"`` with ``positions=0`` alone where every factor is exactly 1.
     """
     mode = choice(mode, ("amplify", "attenuate"), what="mode")  # type: ignore[assignment]
     dims = model_dims(model)

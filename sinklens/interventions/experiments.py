@@ -1,26 +1,20 @@
 """Experiments: what an intervention does to the sinks.
 
-:func:`measure_intervention` runs a model twice over the same tokens — without and with a list of
-intervention hooks — and reports, per layer (and head), the attention received by a target
-position and by the original sink, the target's residual norm and massive dimensions, and the
-next-token loss. :func:`create_sink` and :func:`remove_sink` build the hooks from a method name of
-the one intervention registry (:mod:`sinklens.interventions.registry`); :func:`sweep` varies
-positions, layer sets and α and returns tidy rows.
+:func:`measure_intervention` runs a model twice over the same tokens, without and with intervention hooks,
+and reports per layer (and head) the attention received by a target position and by the original sink, the
+target's residual norm and massive dimensions, and the next-token loss. :func:`create_sink` and
+:func:`remove_sink` build the hooks by registry name; :func:`sweep` varies positions, layer sets and α.
 
-Attention received is measured with
-:class:`~sinklens.analysis.attention.AttentionReceivedReducer` through
-:func:`sinklens.stream` (``options.extra_hooks`` = the intervention), averaged over the queries after the
-target (``min_query = target + 1``) and over sequences; the residual statistics come from a second
-small reducer on ``hook_resid_post`` in the same forward pass. The loss is the mean next-token
-cross-entropy (:func:`next_token_cross_entropy`) in a separate forward with the same hooks; encoders have
-none (:func:`wants_next_token_loss`).
+Attention received: :class:`~sinklens.analysis.attention.AttentionReceivedReducer` through
+:func:`sinklens.stream`, averaged over the queries after the target (``min_query = target + 1``) and over
+sequences; residual statistics from ``hook_resid_post`` in the same pass. The loss is the mean next-token
+cross-entropy (:func:`next_token_cross_entropy`) in a separate forward with the same hooks; encoders have none.
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
-import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Union
@@ -49,38 +43,11 @@ Intervention = Union[Hooks, str, Callable[..., Any]]
 # ----------------------------------------------------------------------------- building hooks by name
 
 
-def register_method(kind: str, name: str, builder: Callable[..., Hooks]) -> None:
-    """Deprecated (sinklens 0.1): use :func:`sinklens.interventions.registry.register`.
-
-    ``builder(model, target, sink, layers, **kw)`` is wrapped into the registry's uniform signature
-    ``factory(model, *, positions, layers=None, **options)`` (``positions`` is passed as ``target``
-    for ``create`` methods and as the sink for ``remove`` methods, as 0.1 did).
-    """
-    warnings.warn(
-        "register_method is deprecated; use sinklens.interventions.registry.register(name, factory, role=..., "
-        "summary=...) with factory(model, *, positions, layers=None, **options).",
-        DeprecationWarning, stacklevel=2,
-    )
-    if kind not in ("create", "remove"):
-        raise InvalidArgumentError(f"kind must be 'create' or 'remove', got {kind!r}.")
-
-    def factory(model: Any, *, positions: Any, layers: Any = None, sink: int = 0, **options: Any) -> Hooks:
-        if kind == "remove":  # 0.1 passed the sink as both target and sink
-            return builder(model, positions, positions, layers, **options)
-        return builder(model, positions, sink, layers, **options)
-
-    registry.register(name, factory, role=kind, summary=f"{name} (registered through the deprecated register_method)",
-                      sink_option="sink")
-
-
 def intervention_hooks(
     model: Any, method: str, *, role: registry.Role | None, positions: Any, layers: Any = None, sink: IntLike = 0,
     **options: Any,
 ) -> tuple[str, Hooks]:
-    """``(canonical name, hooks)`` of the registered intervention ``method`` (hyphens or underscores).
-
-    ``sink`` goes to the entry's ``sink_option`` (e.g. ``transplant_dims``' ``source``) unless given.
-    """
+    """``(canonical name, hooks)`` of the registered ``method``; ``sink`` fills the entry's ``sink_option`` unless given."""
     entry = registry.get(method, role=role)
     if entry.sink_option and entry.sink_option not in options:
         options[entry.sink_option] = sink
@@ -164,12 +131,11 @@ def next_token_cross_entropy(
 
 
 def wants_next_token_loss(model: Any, loss: bool | None) -> bool:
-    """Whether to compute the next-token loss: ``None`` means "where it is defined", i.e. on decoders.
+    """Whether to compute the next-token loss; ``None`` means "where it is defined".
 
-    An encoder (bidirectional attention, e.g. BERT) has no next-token loss: every position sees the token it
-    would predict, and its head is a masked-LM head; nor has a model whose output vocabulary is smaller than its
-    input one (``cfg.d_vocab_out < d_vocab``, algorithmic toy tasks): some next tokens have no logit. ``loss=True`` there raises
-    :class:`~sinklens.errors.UnsupportedArchitectureError` rather than report a number that means nothing.
+    It is not defined on an encoder (every position sees the token it would predict) nor where
+    ``cfg.d_vocab_out < d_vocab`` (some next tokens have no logit); ``loss=True`` there raises
+    :class:`~sinklens.errors.UnsupportedArchitectureError`.
     """
     dims = model_dims(model)
     if loss is None:
@@ -224,10 +190,8 @@ def run_stats(
     loss: bool | None = None,
     options: RunOptions = RunOptions(progress=False),
 ) -> RunStats:
-    """Attention to ``target`` and ``sink`` (queries after ``target``), residuals at both, and the loss
-    (:func:`wants_next_token_loss` decides whether ``loss`` computes it; NaN when it does not).
-
-    ``hooks`` run after ``options.extra_hooks`` in every forward (the loss included).
+    """Attention to ``target`` and ``sink`` (queries after ``target``), residuals at both, and the loss (NaN when
+    :func:`wants_next_token_loss` says no); ``hooks`` run after ``options.extra_hooks`` in every forward.
     """
     loss = wants_next_token_loss(model, loss)
     _check_queries_after(batches, target, sink)
@@ -255,25 +219,20 @@ class InterventionResult(CompactRepr):
 
     Attributes:
         method: the intervention's name.
-        target: the position whose sink-ness is measured (the new sink for ``create_sink``, the
-            original sink for ``remove_sink``).
-        sink: the original sink position (0 unless told otherwise).
+        target: the position measured (the new sink for ``create_sink``, the original one for ``remove_sink``).
+        sink: the original sink position.
         layers: the model layer of each row.
-        received_before/after: ``[layer, head]`` mean attention that ``target`` receives from the
-            queries after it (``hook_pattern``, averaged over those queries and over sequences).
+        received_before/after: ``[layer, head]`` mean attention ``target`` receives from the queries after it
+            (``hook_pattern``, averaged over those queries and over sequences).
         sink_before/after: the same for the original sink, over the same queries.
         resid_norm_before/after: ``[layer]`` mean L2 norm of the target's ``hook_resid_post``.
         dims: tracked residual dimensions (default: the 3 largest ``|x|`` of the sink's mean
-            ``hook_resid_post`` in the clean run, taken at the layer where the sink is largest).
+            ``hook_resid_post`` in the clean run, at the layer where the sink is largest).
         dims_before/after: ``[layer, dim]`` the target's mean ``hook_resid_post`` in those dims.
-        sink_dims: ``[layer, dim]`` the sink's values in the clean run, for comparison.
+        sink_dims: ``[layer, dim]`` the sink's values in the clean run.
         loss_before/after: mean next-token cross-entropy over all real tokens (nats).
-        options: how the run was made, for the record: every option the intervention's factory ran with
-            (``create_sink`` / ``remove_sink`` and a spec string: the factory's keyword defaults, the registry's
-            defaults and the options given, e.g. ``alpha``, ``site``, ``heads``, ``mode``, and ``layers``, the
-            intervened layers, None = all; a spec string also its ``positions``; plain hooks: none) and the
-            inputs' ``prepend_bos``, ``special_tokens`` (those the tokenizer added, e.g. ``["[CLS]", "[SEP]"]``;
-            empty for token tensors) and ``max_length``. Values are plain JSON values (:func:`plain_options`).
+        options: every option the intervention ran with (factory and registry defaults, the options given,
+            ``layers``) and the inputs' ``prepend_bos``, ``special_tokens`` and ``max_length``, as plain JSON.
     """
 
     method: str
@@ -324,8 +283,9 @@ class InterventionResult(CompactRepr):
         return out
 
     def to_dict(self) -> dict:
-        """JSON-ready (strict: a loss that was not computed, NaN, is None): ``layers``, ``before``/``after``
-        (head-averaged attention to the target), and the rest, at full precision (:func:`~sinklens.export.to_json`)."""
+        """JSON-ready at full precision (a loss not computed, NaN, is None): ``layers``, ``before``/``after``
+        (head-averaged attention to the target) and every other field.
+        """
         return to_json({
             "method": self.method, "target": self.target, "sink": self.sink, "layers": list(self.layers),
             "before": self.received_layer_before.tolist(), "after": self.received_layer_after.tolist(),
@@ -345,9 +305,9 @@ class InterventionResult(CompactRepr):
 
 
 def _plain_option(value: Any) -> Any:
-    """One recorded option as a plain JSON value (:func:`~sinklens.export.to_json` at full precision), or a short
-    description of a value that is not data worth recording: a tensor or array of more than 64 entries (e.g. a
-    reference mean), or anything JSON cannot hold (a callable)."""
+    """One recorded option as a plain JSON value, or a short description for a tensor of more than 64 entries or
+    anything JSON cannot hold.
+    """
     size = value.numel() if isinstance(value, Tensor) else value.size if isinstance(value, np.ndarray) else 0
     if size > 64:
         return f"tensor of shape {list(value.shape)} ({value.dtype})"
@@ -418,16 +378,14 @@ def measure_intervention(
 
     Args:
         tokens: strings, a token tensor ``[batch, pos]`` or TokenBatch es (see :func:`sinklens.as_batches`).
-        intervention: a list of ``(hook_name, fn)`` pairs, a registry spec string
-            (``"restart:positions=5"``, see :mod:`sinklens.interventions.registry`) or a callable ``model -> hooks``.
+        intervention: ``(hook_name, fn)`` pairs, a registry spec string (``"restart:positions=5"``) or a callable
+            ``model -> hooks``.
         target: position whose received attention / residual is reported.
         sink: the original sink position.
         method: the name recorded in the result (default: the spec's name, or ``"custom"``).
-        dims: residual dimensions to track (default: the sink's 3 largest, see :class:`InterventionResult`).
-        loss: also compute the next-token loss (one extra forward per batch and run); None (default): on
-            decoders only (see :func:`wants_next_token_loss`).
-        options: batching and progress (:class:`~sinklens.options.RunOptions`); its ``extra_hooks``
-            run in both the clean and the intervened run.
+        dims: residual dimensions to track (default: the sink's 3 largest).
+        loss: also compute the next-token loss; None (default): where defined (:func:`wants_next_token_loss`).
+        options: batching and progress; its ``extra_hooks`` run in both the clean and the intervened run.
     """
     options = checked_options(options, "measure_intervention")
     dims_m = model_dims(model)
@@ -450,8 +408,7 @@ def _measure(
     model: Any, tokens: Inputs, hooks: Hooks, *, target: IntLike, sink: IntLike, method: str | None,
     dims: IndexLike | None, loss: bool | None, options: RunOptions, recorded: Mapping[str, Any],
 ) -> InterventionResult:
-    """:func:`measure_intervention` on built hooks; ``recorded`` (the intervention's options) and the inputs'
-    settings (:func:`_run_record`) go to :attr:`InterventionResult.options`."""
+    """:func:`measure_intervention` on built hooks; ``recorded`` and the inputs' settings go to ``result.options``."""
     dims_m = model_dims(model)
     target = index(target, dims_m.n_ctx, what="target position", allow_negative=False)
     sink = index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
@@ -479,13 +436,10 @@ def create_sink(
 ) -> InterventionResult:
     """Turn the token at ``position`` into a sink and measure the effect.
 
-    ``method`` is a ``create`` intervention of :mod:`sinklens.interventions.registry` (``-`` or
-    ``_``; sinklens 0.1 names still work): ``"self_only"`` (it attends only to itself),
-    ``"restart"`` (it becomes a new first token), ``"amplify"`` (0.1: ``"variance"``;
-    :func:`~sinklens.interventions.variance.amplify` with ``alpha=8`` by default at
-    ``site="attn.hook_z"``), ``"transplant_dims"`` (0.1: ``"transplant"``; copy the sink's
-    residual ``dims=`` onto it). ``method_options`` go to the factory (``alpha``, ``site``,
-    ``heads``...); ``dims`` is both the tracked dimensions and, for methods that need ``dims``, theirs.
+    ``method`` is a ``create`` intervention of the registry (``-`` or ``_``): ``"self_only"``, ``"restart"``,
+    ``"amplify"`` (``alpha=8`` by default at ``site="attn.hook_z"``) or ``"transplant_dims"`` (copy the sink's
+    residual ``dims=`` onto it). ``method_options`` go to the factory; ``dims`` is both the tracked dimensions
+    and, for methods that need ``dims``, theirs.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -511,8 +465,8 @@ def create_sink(
 def _hooks_for(model: Any, method: str, role: registry.Role, positions: int, layers: Any, sink: int, dims: Any,
                method_options: dict[str, Any]) -> tuple[str, Hooks, dict[str, Any]]:
     """``(name, hooks, recorded options)`` of ``method`` for create/remove_sink: ``dims`` doubles as the factory's
-    ``dims`` when it needs one, and the entry's ``sink_defaults`` fill options not given; the recorded options are the entry's defaults, the options passed (the sink
-    option included) and ``layers`` (None = all)."""
+    ``dims`` when it needs one, and the entry's ``sink_defaults`` fill options not given.
+    """
     entry = registry.get(method, role=role)
     if "dims" in entry.requires and "dims" not in method_options and dims is not None:
         method_options = {**method_options, "dims": dims}
@@ -525,8 +479,9 @@ def _hooks_for(model: Any, method: str, role: registry.Role, positions: int, lay
 
 
 def _effective_options(entry: registry.Intervention, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The options ``entry``'s factory ran with: its keyword defaults (``site="attn.hook_z"``, ``heads=None``...),
-    then the registry's defaults (``alpha=8``), then ``given``; ``positions`` is left out (the result's target)."""
+    """The options ``entry``'s factory ran with: its keyword defaults, then the registry's, then ``given``
+    (``positions`` left out).
+    """
     params = list(inspect.signature(entry.factory).parameters.values())[1:]
     signature = {p.name: p.default for p in params
                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty}
@@ -549,11 +504,9 @@ def remove_sink(
 ) -> InterventionResult:
     """Remove the sink at ``sink`` and measure the effect (the target is the sink itself).
 
-    ``method`` is a ``remove`` intervention of the registry: ``"block_keys"`` (0.1: ``"block"``; hide
-    it from every later query), ``"calibrate"`` (:func:`~sinklens.interventions.variance.calibrate`
-    its head outputs), ``"clamp_dims"`` (0.1: ``"clamp"``; set its residual ``dims=`` to ``value=0``),
-    ``"edit_neurons"`` (0.1: ``"ablate_neurons"``; zero ``neurons=`` at the sink in the given
-    ``layers=``, which are required).
+    ``method`` is a ``remove`` intervention of the registry: ``"block_keys"``, ``"calibrate"``,
+    ``"variance_calibration"``, ``"clamp_dims"`` (needs ``dims=``) or ``"edit_neurons"`` (needs ``neurons=``
+    and ``layers=``).
     """
     options = checked_options(options, "remove_sink")
     sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
@@ -582,14 +535,10 @@ def sweep(
 ) -> list[dict]:
     """Run :func:`create_sink` over positions × layer sets × α; one tidy row per (config, layer).
 
-    The clean run of each position is computed once. ``alphas`` only applies to methods with an
-    ``alpha`` option (``amplify``; ``None`` = the method's default). Rows carry ``position``,
-    ``layers`` (the intervened set as a list, ``None`` = all), ``alpha`` and the per-layer numbers
-    of :meth:`InterventionResult.rows`. Other keywords go to the method's factory, as in :func:`create_sink`;
-    one that neither sweep nor the method takes is named with sweep's own keywords (:data:`SWEEP_KEYWORDS`).
-    ``options``: batching and progress; like :func:`create_sink`, :func:`remove_sink`,
-    :func:`measure_intervention` and :func:`~sinklens.interventions.patching.patch_sink`, no progress bar
-    by default (``options=RunOptions(progress=True)`` shows one over the configurations).
+    The clean run of each position is computed once. ``alphas`` applies to methods with an ``alpha`` option
+    (``None`` = the method's default). Rows carry ``position``, ``layers`` (the intervened set, ``None`` = all),
+    ``alpha`` and the numbers of :meth:`InterventionResult.rows`. Other keywords go to the method's factory.
+    ``options``: batching and progress (a bar over the configurations; off by default).
     """
     options = checked_options(options, "sweep")
     dims_m = model_dims(model)
@@ -638,5 +587,4 @@ def sweep(
 __all__ = [
     "InterventionResult", "RunStats", "PositionResidualReducer", "create_sink", "remove_sink", "sweep",
     "measure_intervention", "run_stats", "compare_runs", "intervention_hooks", "next_token_cross_entropy",
-    "register_method",
 ]

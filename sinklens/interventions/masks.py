@@ -1,27 +1,18 @@
 """Attention-mask interventions through ``blocks.{l}.attn.hook_attn_scores``.
 
-Each factory returns ``(hook_name, fn)`` pairs for ``model.run_with_hooks``, ``model.hooks`` or
-``sinklens.stream(..., options=RunOptions(extra_hooks=...))``. The hook receives the pre-softmax scores
-``[batch, head, query, key]`` (already masked by the model: causal, sliding window or padding) and returns a *new* tensor in
-which the keys a query may no longer see are set to ``-inf``; the caller's tensor is never modified.
+The hook receives the pre-softmax scores ``[batch, head, query, key]`` (already masked by the model) and
+returns a *new* tensor in which the keys a query may not see are ``-inf``. Every query keeps at least one
+visible key (its own position), so every ``hook_pattern`` row still sums to 1 (with learned sink logits,
+gpt-oss, to 1 minus the sink logit's share).
 
-Masked value: TransformerLens 3.x fills the causal mask with ``-inf``, the 4.x ``TransformerBridge``
-(like Hugging Face) with ``torch.finfo(dtype).min``. Both give exactly zero probability after the
-softmax; sinklens always writes ``-inf`` and guarantees that every query keeps at least one visible
-key (its own position), so no softmax row is empty and every ``hook_pattern`` row still sums to 1
-(on a model with learned sink logits, gpt-oss, to 1 minus the sink logit's share, as without the mask:
-a self-only token then splits its attention between its own key and the sink logit, as position 0 does).
-
-Models whose attention hooks are fired after the fact (the TransformerLens 4.x BERT bridge, see
-:func:`sinklens.hooks.post_hoc_attention`) would discard the edit: every factory here refuses them with
+Models whose attention hooks fire after the fact (the TransformerLens 4.x BERT bridge,
+:func:`sinklens.hooks.post_hoc_attention`) would discard the edit and are refused with
 :class:`~sinklens.errors.UnsupportedArchitectureError`.
 
-Queries are addressed by absolute position: when scores cover fewer queries than keys (a generation step
-with a KV cache on a TransformerLens 3.x ``HookedTransformer``, whose scores hold every cached key), the queries
-are taken to be the last ``n_query`` positions. The TransformerLens 4.x bridge (4.3) shows a cached step's hook
-only the new token's own key (scores ``[batch, head, 1, 1]``), so no mask can act there: on a bridge, a
-``1 x 1`` score after a longer forward through the same hooks raises :class:`~sinklens.errors.InvalidArgumentError` asking for
-``generate(..., use_past_kv_cache=False)`` instead of leaving the step unmasked in silence.
+Queries are addressed by absolute position: scores with fewer queries than keys (a KV-cached generation step
+on a 3.x ``HookedTransformer``) are taken to be the last ``n_query`` positions. A 4.x bridge shows a cached
+step only the new token's key (``1 x 1`` scores), where no mask can act: that raises
+:class:`~sinklens.errors.InvalidArgumentError` asking for ``generate(..., use_past_kv_cache=False)``.
 """
 
 from __future__ import annotations
@@ -121,10 +112,7 @@ def _mask_hooks(model: Any, block: BlockFn, *, layers: IndexLike | None, heads: 
 
 
 def self_only(model: Any, *, positions: IndexLike, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
-    """Make each token at ``positions`` attend only to itself (its whole attention on its own key).
-
-    Such a token aggregates a single value, so its head outputs keep the full value variance like
-    the first token does; this is the mask that turns an arbitrary token into a sink.
+    """Make each token at ``positions`` attend only to itself, so it aggregates a single value like the first token.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -187,17 +175,13 @@ def block_keys(model: Any, *, positions: IndexLike, layers: IndexLike | None = N
 
 
 def custom_mask(model: Any, allowed: Tensor, *, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
-    """Apply a user-supplied boolean mask: ``allowed[..., q, k]`` True = query ``q`` may attend to key ``k``.
+    """Apply a boolean mask: ``allowed[..., q, k]`` True = query ``q`` may attend to key ``k``.
 
-    ``allowed`` is ``[query, key]``, ``[head, query, key]`` or ``[batch, head, query, key]`` over absolute
-    positions ``0..n-1``: a run of ``T <= n`` positions uses its top-left ``[T, T]`` block (so a mask sized for
-    the longest prompt works whatever the batching, which pads each batch only to its own longest prompt); a
-    run longer than ``n`` raises :class:`~sinklens.errors.InvalidArgumentError` (checked in the hook). It is
-    combined with the model's own attention layout in each layer (:mod:`sinklens.visibility`: causal, sliding window or bidirectional;
-    keys the model hides stay hidden whatever ``allowed`` says). Every query must keep at
-    least one visible key: a row with none raises :class:`~sinklens.errors.InvalidArgumentError` (its softmax would be undefined).
-    Unlike the other factories the diagonal is not protected: a False diagonal entry is honoured
-    as long as the row keeps another visible key.
+    ``allowed`` is ``[query, key]``, ``[head, query, key]`` or ``[batch, head, query, key]`` over absolute positions
+    ``0..n-1``; a run of ``T <= n`` positions uses its top-left ``[T, T]`` block, a longer run raises
+    :class:`~sinklens.errors.InvalidArgumentError`. Keys the model hides (:mod:`sinklens.visibility`) stay hidden.
+    The diagonal is not protected, but a row with no visible key raises
+    :class:`~sinklens.errors.InvalidArgumentError`.
     """
     if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
         raise InvalidArgumentError(f"allowed must be a bool tensor, got {getattr(allowed, 'dtype', type(allowed).__name__)}.")

@@ -59,17 +59,14 @@ def edit_neurons(
     """Zero (``mode="zero"``), multiply by ``value`` (``"scale"``) or set to ``value`` (``"set"``) FFN neurons.
 
     Args:
-        neurons: neuron indices into ``d_mlp`` applied in every layer of ``layers`` (which must then be
-            given explicitly: an index names a different neuron in each layer), or a mapping
-            ``{layer: [neurons]}`` (then ``layers`` must be left None).
+        neurons: indices into ``d_mlp`` applied in every layer of ``layers`` (then required: an index names a
+            different neuron in each layer), or ``{layer: [neurons]}`` (then ``layers`` must be None).
         mode, value: ``value`` must be finite.
         positions: token positions to edit (default all).
 
     Raises:
-        UnsupportedArchitectureError: an attention-only model (no MLP, :func:`sinklens.residual_units.no_mlp_reason`),
-            or a mixture-of-experts MLP (:func:`sinklens.residual_units.moe_reason`):
-            it has no per-neuron ``hook_post`` to edit (the TransformerLens 4.x gpt-oss bridge fires it with the
-            ``d_model`` output, whose columns are not neurons).
+        UnsupportedArchitectureError: an attention-only model or a mixture-of-experts MLP (no per-neuron
+            ``hook_post``).
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -128,10 +125,9 @@ def clamp_dims(
 ) -> Hooks:
     """Set residual dimensions to ``value`` (``mode="set"``) or bound them to ``[-value, value]`` (``"bound"``).
 
-    The default targets the sink (position 0) at ``hook_resid_post``: ``clamp_dims(model, 507)``
-    removes SmolLM2's massive activation. ``site="hook_resid_mid"`` edits the residual right after the
-    attention, ``resid_pre + write``, on every model, where the MLP's branch reads it (the 4.x BERT bridge fires
-    that hook after the MLP: the edit is made at ``ln1.hook_in`` there, :func:`~sinklens.interventions.sites.edit_site`).
+    The default targets the sink (position 0) at ``hook_resid_post``: ``clamp_dims(model, 507)`` removes
+    SmolLM2's massive activation. ``site="hook_resid_mid"`` is the residual right after the attention on every
+    model (:func:`~sinklens.interventions.sites.edit_site`).
     """
     mode = choice(mode, ("set", "bound"), what="mode")
     value = finite_number(value, what="value")

@@ -1,22 +1,15 @@
 """Activation patching on sink metrics: which components carry a sink?
 
-The recipe of attribution/activation-patching tutorials, with a sink metric instead of a logit
-difference. Two runs on the same tokens: *clean* (no hooks) and *intervened* (the given hooks, e.g.
-:func:`~sinklens.interventions.masks.block_keys` that removes the sink, or an amplification that
-creates one). For each component (a layer × position of the residual stream, a layer × head of
-``attn.hook_z``, …) the clean activation is patched into the intervened run and the metric —
-the mean attention received by ``target`` from the queries after it, averaged over heads, the
-``metric_layers`` and the batch — is recomputed.
+Two runs on the same tokens: *clean* (no hooks) and *intervened* (the given hooks, e.g.
+:func:`~sinklens.interventions.masks.block_keys`). For each component (a layer × position of the residual
+stream, a layer × head of ``attn.hook_z``, …) the clean activation is patched into the intervened run and the
+metric is recomputed: the mean attention received by ``target`` from the queries after it, averaged over
+heads, ``metric_layers`` and the batch.
 
-``restored = (patched − intervened) / (clean − intervened)``: 1 means that component alone brings
-the clean sink back, 0 that it does nothing. It is defined only when the intervention moved the metric
-beyond the rounding of the pattern's dtype (:attr:`SinkPatchResult.gap_tolerance`).
-
-The loop is the one of TransformerLens' ``patching.generic_activation_patch`` with its three patch
-setters (``[:, pos]``, ``[:, :, head]``, ``[:, pos, head]`` of the clean activation written into a
-copy of the intervened one), written out here so that it needs no data frame: one forward per
-component, with the intervention hooks attached through ``model.hooks`` and the metric measured by
-an :class:`~sinklens.analysis.attention.AttentionReceivedReducer` that is reset after every forward.
+``restored = (patched − intervened) / (clean − intervened)``: 1 means that component alone brings the clean
+sink back, 0 that it does nothing; defined only when the intervention moved the metric beyond the rounding of
+the pattern's dtype (:attr:`SinkPatchResult.gap_tolerance`). The loop is TransformerLens'
+``patching.generic_activation_patch`` with its three setters, one forward per component.
 """
 
 from __future__ import annotations
@@ -76,18 +69,11 @@ _SITES: dict[str, tuple[str, PatchSetter, tuple[str, ...]]] = {
 def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, str]:
     """The hook that carries ``site`` in each of ``layers``, where patching one position patches what the site names.
 
-    That is ``blocks.{l}.hook_{site}``, except for the attention write of a post-LN block (BERT): the
-    TransformerLens 4.x bridge fires ``hook_attn_out`` with ``ln1(resid_pre + write)``, the residual included, so
-    ``"attn_out"`` (``z·W_O + b_O`` at each position) is patched at ``attn.hook_z``, all heads at once (3.x's
-    ``HookedEncoder`` fires the write itself there: same numbers). The same bridge fires ``hook_resid_mid`` at
-    ``ln2``'s input, after the MLP; patching a position there equals patching it right after the attention,
-    since ``ln1``, the MLP and ``ln2`` each act on one position at a time. On the 4.x bridges of sequential
-    pre-norm blocks ``hook_resid_mid`` is a copy that the residual stream does not carry on from
-    (:func:`~sinklens.hooks.resid_mid_is_a_copy`); :func:`patch_sink` applies the patch through the attention
-    write there (:func:`~sinklens.residual_sites.on_the_residual_stream`), so it patches the stream on every version. A parallel block (GPT-NeoX/Pythia)
-    has no residual between its attention and its MLP: ``"resid_mid"`` is refused there with
-    :class:`~sinklens.errors.UnsupportedArchitectureError`, and an attention-only model (no MLP) refuses both
-    ``"resid_mid"`` and ``"mlp_out"``.
+    ``blocks.{l}.hook_{site}``, except ``"attn_out"`` on a post-LN block (BERT), patched at ``attn.hook_z`` (the
+    4.x bridge's ``hook_attn_out`` includes the residual). :func:`patch_sink` applies ``hook_resid_mid`` patches
+    through :func:`~sinklens.residual_sites.on_the_residual_stream`. A parallel block (GPT-NeoX/Pythia) refuses
+    ``"resid_mid"`` and an attention-only model ``"resid_mid"`` and ``"mlp_out"``, with
+    :class:`~sinklens.errors.UnsupportedArchitectureError`.
     """
     hook_site = _SITES[site][0]
     if site == "attn_out" and post_ln_reason(model) is not None:
@@ -110,11 +96,6 @@ def relative_gap_tolerance(dtype: str | torch.dtype) -> float:
     """The relative size below which a change of the sink metric is rounding of ``dtype`` patterns: the dtype's
     machine epsilon (float32: 1.2e-7; float16: 9.8e-4; bfloat16: 7.8e-3).
 
-    The metric averages attention weights, each rounded to ``dtype`` (a relative error up to ``eps / 2``), so two
-    forwards that compute the same sink in a different order give metrics that differ by a fraction of ``eps``
-    of its size (BERT with a calibration whose effect vanishes: 0.1 eps); an intervention of the smallest
-    measurable size moves it by more (an offset component patched back on the zoo models: 1.5 eps and up).
-
     Examples:
         >>> relative_gap_tolerance("float32") == torch.finfo(torch.float32).eps, relative_gap_tolerance(torch.bfloat16)
         (True, 0.0078125)
@@ -134,14 +115,12 @@ class SinkPatchResult(CompactRepr):
         site: what was patched (``"resid_pre"``, ``"z"`` …).
         axes: names of the axes of ``values`` (``("layer", "pos")``, ``("layer", "head")``, …).
         coords: the layer / position / head of each index along each axis.
-        values: the metric of the patched intervened run, one entry per component, in float64 like ``clean``
-            and ``intervened`` (so a patch that gives back the clean run restores exactly 1).
+        values: the metric of the patched intervened run per component, float64 like ``clean`` and ``intervened``.
         clean: the metric without intervention.
         intervened: the metric with the intervention and no patch.
         target: the position whose received attention is the metric.
         metric_layers: layers the metric averages over.
-        pattern_dtype: the dtype of the ``hook_pattern`` the metric is read from (the model's, e.g.
-            ``"float32"``): it sets how small a ``clean − intervened`` gap is rounding (:attr:`gap_tolerance`).
+        pattern_dtype: the dtype of the ``hook_pattern`` read (sets :attr:`gap_tolerance`).
     """
 
     site: str
@@ -156,9 +135,9 @@ class SinkPatchResult(CompactRepr):
 
     @property
     def gap_tolerance(self) -> float:
-        """The largest ``|clean − intervened|`` that is rounding, not an effect: the pattern dtype's relative
-        precision (:func:`relative_gap_tolerance` of :attr:`pattern_dtype`, 1.2e-7 for float32) times the
-        metric's size, ``max(|clean|, |intervened|)``."""
+        """The largest ``|clean − intervened|`` that is rounding: :func:`relative_gap_tolerance` of :attr:`pattern_dtype`
+        times ``max(|clean|, |intervened|)``.
+        """
         return relative_gap_tolerance(self.pattern_dtype) * max(abs(self.clean), abs(self.intervened))
 
     @property
@@ -171,8 +150,7 @@ class SinkPatchResult(CompactRepr):
     def restored(self) -> Float[Tensor, "..."]:
         """``(patched − intervened) / (clean − intervened)``: the fraction of the sink each patch restores.
 
-        Raises :class:`~sinklens.errors.InvalidArgumentError` when the gap is rounding (:attr:`has_effect` False):
-        dividing by it would turn float noise into restored fractions of 0 or 1.
+        Raises :class:`~sinklens.errors.InvalidArgumentError` when :attr:`has_effect` is False.
         """
         gap = self.clean - self.intervened
         if not self.has_effect:
@@ -185,8 +163,7 @@ class SinkPatchResult(CompactRepr):
         return (self.values - self.intervened) / gap
 
     def to_rows(self) -> list[dict]:
-        """One plain row per component: its coordinates, the patched metric and ``restored`` (None when the
-        intervention had no effect beyond rounding, :attr:`has_effect`)."""
+        """One plain row per component: its coordinates, the patched metric and ``restored`` (None without effect)."""
         gap = self.clean - self.intervened
         effect = self.has_effect
         rows = []
@@ -198,10 +175,9 @@ class SinkPatchResult(CompactRepr):
         return rows
 
     def to_dict(self) -> dict[str, Any]:
-        """Strict-JSON-ready data (:func:`~sinklens.export.to_json`: full precision, a non-finite number is None):
-        every field (``values`` as nested lists along ``axes``), ``has_effect``, ``gap_tolerance`` and
-        ``restored`` (:attr:`restored`, the same shape as ``values``; None when :attr:`has_effect` is False).
-        :meth:`to_rows` has the same numbers one row per component."""
+        """Strict-JSON-ready data at full precision: every field, ``has_effect``, ``gap_tolerance`` and ``restored``
+        (None when :attr:`has_effect` is False).
+        """
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         return to_json({**data, "has_effect": self.has_effect, "gap_tolerance": self.gap_tolerance,
                         "restored": self.restored if self.has_effect else None}, digits=None)
@@ -239,16 +215,14 @@ def patch_sink(
     """Patch clean activations into the intervened run, one component at a time, and measure the sink.
 
     Args:
-        tokens: one batch of inputs (strings or ``[batch, pos]`` ids); all sequences must have the same length.
+        tokens: one batch of inputs (strings or ``[batch, pos]`` ids) of equal length.
         hooks: the intervention (any ``(hook_name, fn)`` list).
         target: the position whose received attention is measured.
-        site: ``"resid_pre"``/``"resid_mid"``/``"attn_out"``/``"mlp_out"`` (by layer × position),
-            ``"z"`` (by layer × head, all positions) or ``"z_pos"`` (layer × position × head); the hook each is
-            patched at, per architecture, is :func:`patch_hook_names`'s.
-        layers, positions, heads: restrict the components patched (default all) — each patch is
-            one forward pass, so restrict on large models.
+        site: ``"resid_pre"``/``"resid_mid"``/``"attn_out"``/``"mlp_out"`` (layer × position), ``"z"`` (layer ×
+            head) or ``"z_pos"`` (layer × position × head); the hooks are :func:`patch_hook_names`'s.
+        layers, positions, heads: restrict the components patched (default all; one forward each).
         metric_layers: layers the metric averages over (default all).
-        options: ``prepend_bos``/``max_length`` for text inputs and ``progress`` (a bar over patches).
+        options: ``prepend_bos``/``max_length`` for text inputs and ``progress``.
     """
     options = checked_options(options, "patch_sink")
     site = choice(site, sorted(_SITES), what="site")

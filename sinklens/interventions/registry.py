@@ -42,17 +42,13 @@ class Intervention:
     """A registered intervention: its name, role, factory and a one-line summary.
 
     Attributes:
-        requires: options the factory cannot run without, beyond ``positions`` (option -> what to pass),
-            e.g. ``{"dims": "dims=[...] (residual dimensions)"}``; a call without one raises a clear error.
+        requires: options the factory cannot run without, beyond ``positions`` (option -> what to pass).
         defaults: option values used when the caller gives none (e.g. ``alpha=8`` for ``amplify``).
-        sink_defaults: option values that :func:`~sinklens.interventions.create_sink` /
-            :func:`~sinklens.interventions.remove_sink` (and ``sinklens intervene``) use when the caller gives
-            none, on top of ``defaults``; :func:`build` (trainer specs, ``measure_intervention``) does not use
-            them, so a stored spec keeps its meaning (``variance_calibration`` removes a sink in mode
-            ``attenuate``, which reads later queries; as a spec it stays ``amplify``, which is causal).
-        sink_option: the factory's keyword for the original sink position, if it uses one
-            (``transplant_dims`` copies from ``source``); :func:`~sinklens.interventions.create_sink`
-            fills it from its ``sink=``.
+        sink_defaults: extra defaults that only :func:`~sinklens.interventions.create_sink` /
+            :func:`~sinklens.interventions.remove_sink` use, not :func:`build`, so a stored spec keeps its
+            meaning (``variance_calibration`` removes a sink in mode ``attenuate``, a spec stays ``amplify``).
+        sink_option: the factory's keyword for the original sink position (``transplant_dims``' ``source``),
+            filled from ``create_sink``'s ``sink=``.
     """
 
     name: str
@@ -70,10 +66,8 @@ class Intervention:
         return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
     def __call__(self, model: Any, **options: Any) -> Hooks:
-        """The hooks of this intervention: ``factory(model, **defaults | options)``, checked first.
-
-        Raises :class:`~sinklens.errors.InvalidArgumentError` naming a missing required option or an
-        option the factory does not take (instead of a bare ``TypeError``).
+        """``factory(model, **defaults | options)``; a missing required or unknown option raises
+        :class:`~sinklens.errors.InvalidArgumentError`.
         """
         kwargs = {**self.defaults, **options}
         params = list(inspect.signature(self.factory).parameters.values())[1:]
@@ -92,8 +86,6 @@ class Intervention:
 
 
 _REGISTRY: dict[str, Intervention] = {}
-#: Old names kept working (with the name they now point to); see :func:`get`.
-_ALIASES: dict[str, str] = {}
 
 
 def canonical(name: str) -> str:
@@ -120,7 +112,7 @@ def register(
     key = canonical(name)
     if not key.isidentifier():
         raise InvalidArgumentError(f"An intervention name must be an identifier (hyphens allowed), got {name!r}.")
-    if key in _REGISTRY or key in _ALIASES:
+    if key in _REGISTRY:
         raise ValueError(f"An intervention named {key!r} is already registered.")
     if role not in ("create", "remove", "edit"):
         raise InvalidArgumentError(f"role must be 'create', 'remove' or 'edit', got {role!r}.")
@@ -131,25 +123,14 @@ def register(
 
 
 def unregister(name: str) -> None:
-    """Remove a registered name (and the aliases that point to it); unknown names raise :class:`UnknownInterventionError`."""
-    key = get(name).name
-    del _REGISTRY[key]
-    for old in [old for old, new in _ALIASES.items() if new == key]:
-        del _ALIASES[old]
+    """Remove a registered name; unknown names raise :class:`UnknownInterventionError`."""
+    del _REGISTRY[get(name).name]
 
 
-def register_alias(old: str, new: str) -> None:
-    """Keep an old name working: ``get(old)`` returns the entry of ``new``."""
-    _ALIASES[canonical(old)] = canonical(new)
-
-
-def names(role: Role | None = None, *, aliases: bool = False) -> list[str]:
-    """Registered names (canonical, sorted), optionally of one role; ``aliases=True`` adds the old names."""
+def names(role: Role | None = None) -> list[str]:
+    """Registered names (canonical, sorted), optionally of one role."""
     _load_builtins()
-    out = [n for n, e in _REGISTRY.items() if role is None or e.role == role]
-    if aliases:
-        out += [old for old, new in _ALIASES.items() if role is None or _REGISTRY[new].role == role]
-    return sorted(out)
+    return sorted(n for n, e in _REGISTRY.items() if role is None or e.role == role)
 
 
 def get(name: str, *, role: Role | None = None) -> Intervention:
@@ -158,7 +139,6 @@ def get(name: str, *, role: Role | None = None) -> Intervention:
     if not isinstance(name, str):
         raise InvalidArgumentError(f"An intervention name must be a string, got {name!r}.")
     key = canonical(name)
-    key = _ALIASES.get(key, key)
     entry = _REGISTRY.get(key)
     if entry is not None and role is not None and entry.role != role:
         raise UnknownInterventionError(
@@ -166,7 +146,7 @@ def get(name: str, *, role: Role | None = None) -> Intervention:
         )
     if entry is None:
         choices = names(role)
-        close = difflib.get_close_matches(key, names(role, aliases=True), n=2)
+        close = difflib.get_close_matches(key, choices, n=2)
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         what = f"{role} intervention" if role else "intervention"
         raise UnknownInterventionError(f"Unknown {what} {name!r}; registered: {choices}.{hint}")
@@ -211,8 +191,3 @@ def _load_builtins() -> None:
         _LOADED = True
         import sinklens.interventions.builtin  # noqa: F401
 
-
-def as_mapping() -> Mapping[str, Intervention]:
-    """A read-only view of the registry (name -> entry)."""
-    _load_builtins()
-    return dict(_REGISTRY)

@@ -1,22 +1,16 @@
 """Variance interventions: amplify a token's deviation from the mean, or calibrate the sink's away.
 
-The theory: a head's output ``z`` at position ``t`` averages ``t + 1`` values, so its variance
-shrinks like ``σ²/(t+1)`` and the first token, which averages a single value, stands out. Two
-hook factories act on that directly:
+A head's output ``z`` at position ``t`` averages ``t + 1`` values, so its variance shrinks like ``σ²/(t+1)``
+and the first token, which averages a single value, stands out.
 
-* :func:`amplify` — mean-centred amplification ``x ← μ + α (x − μ)`` of the tokens at
-  ``positions`` at one hook site (``attn.hook_z``, ``attn.hook_v``, ``hook_attn_out``,
-  ``hook_resid_pre`` …). ``α > 1`` gives a mid-sequence token first-token-like statistics.
-* :func:`calibrate` — the reverse: rescale the target's deviation ``x − μ`` (per head for
-  ``z``/``v``) to the root-mean-square deviation of the other positions of the same sequence, so the
-  sink no longer differs from them.
+* :func:`amplify`: ``x ← μ + α (x − μ)`` of the tokens at ``positions`` at one hook site; ``α > 1`` gives a
+  mid-sequence token first-token-like statistics.
+* :func:`calibrate`: rescale the target's deviation ``x − μ`` (per head for ``z``/``v``) to the
+  root-mean-square deviation of the other positions of the same sequence.
 
-The reference mean ``μ`` of :func:`amplify` defaults to the mean of the activation over many
-random-token positions (:func:`reference_mean`; position 0 left out), computed once per model,
-site and settings with :func:`sinklens.stream` and cached; the cache is keyed by a fingerprint of the
-weights (:func:`weight_fingerprint`), so after an in-place weight change the next call recomputes it.
-Hooks hold the mean of the weights they were built with: a training loop that builds them once should
-use ``reference="batch"``.
+:func:`amplify`'s default ``μ`` is :func:`reference_mean`, cached per model, site, settings and
+:func:`weight_fingerprint` of the weights; hooks keep the mean they were built with, so a training loop
+should use ``reference="batch"``.
 """
 
 from __future__ import annotations
@@ -28,7 +22,6 @@ from contextlib import nullcontext
 from typing import Any, Literal, Union
 
 import torch
-from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
@@ -88,8 +81,6 @@ class MeanActivationReducer(Reducer[dict[int, Tensor]]):
         return {layer: (s / self.count).float() for layer, s in self.sums.items()}
 
 
-
-
 def reference_mean(
     model: Any,
     *,
@@ -103,15 +94,10 @@ def reference_mean(
 ) -> dict[int, Tensor]:
     """Mean of ``blocks.{l}.{site}`` over random-token positions, per layer (cached per model and weights).
 
-    Computed with :func:`sinklens.stream` over :func:`sinklens.inputs.random_token_batches`
-    (``n_sequences × seq_len`` uniform tokens, no BOS); positions ``< skip_first`` are left out
-    because position 0 is the sink and its activations are atypical. Returns ``{layer: mean}``
-    with the activation's trailing shape, on the model's device.
-
-    The mean is the model's own: hooks already on the model (a user's permanent hook, ``with
-    model.hooks(...)``, another intervention) are silenced while it is computed (:func:`~sinklens.hooks.hooks_silenced`),
-    so it depends on the weights alone. The cache is keyed by the model, the settings and :func:`weight_fingerprint`:
-    after the weights change in place (a training step, an edit) the next call recomputes the mean.
+    Streams ``n_sequences × seq_len`` uniform tokens (no BOS, :func:`sinklens.inputs.random_token_batches`),
+    leaving out positions ``< skip_first`` (position 0 is the sink). Hooks already on the model are silenced
+    (:func:`~sinklens.hooks.hooks_silenced`), so the mean depends on the weights alone. Returns
+    ``{layer: mean}`` with the activation's trailing shape, on the model's device.
     """
     dims = model_dims(model)
     layer_list = layers_arg(layers, dims.n_layers)
@@ -263,21 +249,15 @@ def amplify(
     Args:
         positions: token positions to amplify.
         alpha: amplification factor, ``> 0`` (``< 1`` shrinks the deviation).
-        site: per-layer hook site, e.g. ``"attn.hook_z"`` (default), ``"attn.hook_v"``,
-            ``"hook_attn_out"``, ``"hook_resid_pre"``: the activation as TransformerLens fires it there (on
-            the 4.x BERT bridge ``hook_attn_out`` carries ``ln1``'s output, the residual included; amplify
-            ``attn.hook_z`` for the attention's write on every model). ``hook_resid_mid`` is the residual right
-            after the attention, ``resid_pre + write``, on every model (the 4.x BERT bridge edits it at
-            ``ln1.hook_in``, :func:`~sinklens.interventions.sites.edit_site`).
+        site: per-layer hook site, e.g. ``"attn.hook_z"`` (default), ``"attn.hook_v"``, ``"hook_attn_out"``,
+            ``"hook_resid_pre"``; ``hook_resid_mid`` is the residual right after the attention on every model
+            (:func:`~sinklens.interventions.sites.edit_site`).
         layers: layers to intervene in (default all).
-        heads: only these heads (per-head sites only; for ``hook_k``/``hook_v`` under grouped-query attention,
-            which hold the ``n_kv_heads`` key/value heads on both TransformerLens versions, these index key/value
-            heads, ``0..n_kv_heads-1``, checked when the hooks are built).
-        reference: ``"random"`` (default: :func:`reference_mean` over random tokens, cached and
-            computed when the hooks are built),
-            ``"batch"`` (per sequence, the mean over the run's positions other than 0 and the
-            targets — no cache, right for training; padding of a batch that sinklens runs is left out,
-            so the result does not depend on the batch size), a tensor, or ``{layer: tensor}``.
+        heads: only these heads (per-head sites; at ``hook_k``/``hook_v`` under grouped-query attention these
+            index the ``n_kv_heads`` key/value heads).
+        reference: ``"random"`` (default: :func:`reference_mean`, computed when the hooks are built),
+            ``"batch"`` (per sequence, the mean over its real positions other than 0 and the targets; no
+            cache, right for training), a tensor, or ``{layer: tensor}``.
         **reference_kw: passed to :func:`reference_mean` (``n_sequences``, ``seq_len``, ``seed``...).
 
     Examples:
@@ -359,7 +339,3 @@ def calibrate(
 
     return on_the_residual_stream(model, [(name, fn) for name in names])
 
-
-def deviation_norm(act: Float[Tensor, "batch pos *feature"], mean: Tensor) -> Float[Tensor, "batch pos *head"]:
-    """``||x − μ||`` over the last dimension (per head for per-head sites): what :func:`amplify` scales by α."""
-    return (act - mean).norm(dim=-1)

@@ -1,54 +1,35 @@
 """Contraction of token representations at initialization, by layer and sublayer.
 
-*Transformers Are Born Biased* (Li, Tong, Wang et al., 2026, arXiv 2602.05927) explains init-time
-token preference by a contraction of hidden states along a seed-dependent direction: asymmetric
-MLP nonlinearities concentrate representations *across* sequences, attention's aggregation
-concentrates them *within* a sequence. The paper has no public code; the measures are defined here.
+*Transformers Are Born Biased* (Li, Tong, Wang et al., 2026, arXiv 2602.05927) explains init-time token
+preference by a contraction of hidden states along a seed-dependent direction: MLP nonlinearities concentrate
+representations *across* sequences, attention *within* a sequence. The paper has no public code; the measures
+are defined here.
 
-Sites, in forward order: ``embed`` (``blocks.0.hook_resid_pre``), then per layer ``l``:
-``attn l`` (``blocks.l.hook_resid_mid``, after the attention write; in a parallel block, GPT-NeoX/Pythia,
-``hook_resid_pre + hook_attn_out``: see :func:`~sinklens.residual_sites.after_attention_hooks`) and ``mlp l``
-(``blocks.l.hook_resid_post``, after the MLP write); and ``final`` (the input of the unembedding,
-after the final norm). Inputs are :func:`sinklens.inputs.random_token_batches` (uniform ids, seeded).
-The *counted positions* are all positions, or positions ``>= 1`` when a BOS was prepended (BOS is the
-same token in every sequence, so it would trivially be "concentrated" — our choice).
+Sites, in forward order: ``embed`` (``blocks.0.hook_resid_pre``), per layer ``l`` ``attn l`` (the residual
+right after the attention write, :func:`~sinklens.residual_sites.after_attention_hooks`) and ``mlp l``
+(``blocks.l.hook_resid_post``), and ``final`` (the input of the unembedding). Inputs are uniform random ids
+(seeded). The *counted positions* are all, or ``>= 1`` when a BOS was prepended (our choice). With
+``û = h / ‖h‖``; states with ``‖h‖ = 0`` have no direction and are left out of every cosine mean (our choice),
+counted in ``zero_states``:
 
-For hidden states ``h[n, t]`` (sequence ``n``, position ``t``) at a site, ``û = h / ‖h‖``. A state with
-``‖h‖ = 0`` (e.g. the token whose embedding row a Hugging Face init zeroes, ``padding_idx``, on a bias-free
-model) has no direction: it is left out of every cosine mean below (our choice; including it as cosine 0
-would pull the means towards 0 by the share of zero states), and ``zero_states`` counts such states over
-the counted positions:
-
-* ``inter[t] = mean_{n ≠ m} cos(h[n, t], h[m, t])`` over the ``k_t`` sequences whose state at ``t`` is
-  non-zero, ``= (‖Σ_n û[n, t]‖² − k_t) / (k_t (k_t − 1))`` (inter-sequence concentration at position ``t``;
-  NaN when ``k_t < 2``); ``inter_mean``: its mean over the counted positions where it is defined (NaN if none).
-* ``intra = mean_n mean_{t ≠ t'} cos(h[n, t], h[n, t'])`` over counted positions, each sequence's term
-  ``(‖Σ_t û[n, t]‖² − k_n)/(k_n (k_n − 1))`` over its ``k_n`` non-zero counted states; sequences with
-  ``k_n < 2`` are left out of the mean (NaN if every sequence is) (intra-sequence concentration).
-* ``direction``: the top right singular vector of the uncentred matrix of counted states (rows
-  ``h[n, t]``) = the top eigenvector of ``M = Σ h hᵀ``, signed so that ``direction · mean ≥ 0``;
-  ``direction_share = λ₁ / trace(M)`` (the share of ``Σ‖h‖²`` along it); ``mean_direction`` =
-  ``Σ h / ‖Σ h‖``; ``direction_stability = |cos|`` between the directions computed from the
-  even- and the odd-numbered sequences (1 = the same direction from disjoint samples).
-  Computed at ``embed``, every ``mlp l`` site and ``final`` (``d_model²`` floats per site and half).
-* ``delta_inter[l] = (inter_mean(attn l) − inter_mean(before), inter_mean(mlp l) − inter_mean(attn l))``
-  with ``before`` the previous site; ``share_inter = delta_inter / (inter_mean(mlp L−1) − inter_mean(embed))``
-  (each sublayer's share of the total change; the same for ``intra``).
-* ``alignment``: ``cos(final direction, W_U[:, j])`` for every token ``j`` (the final direction is in
-  the space the unembedding reads); :meth:`ContractionResult.alignment_rank` gives the rank of a token.
-* ``mlp_act_mean[l]``: mean of the nonlinearity's output ``f(pre)`` over counted positions and neurons,
-  ``pre`` = ``blocks.l.mlp.hook_pre`` (the gate's pre-activation on a gated MLP) — the measured counterpart
-  of ``activation_mean_at_zero`` = ``E[f(z)]``, ``z ~ N(0, 1)``, of the MLP nonlinearity ``f`` (``cfg.act_fn``),
-  by the trapezoid rule on [-12, 12] — the asymmetry: 0 for an odd ``f``, ``1/(2√π) ≈ 0.2821`` for GELU,
-  ``≈ 0.2066`` for SiLU, ``1/√(2π) ≈ 0.3989`` for ReLU. On an ungated MLP ``f(pre)`` is ``mlp.hook_post``
-  itself; on a gated one (``mlp.hook_pre_linear`` exists: Llama/SwiGLU, Gemma, SinkLM llama) it is computed
-  here as ``f(hook_pre)`` (NaN for an ``f`` not in the table above). ``gated_mlp`` says which.
-* ``mlp_post_mean[l]``: mean of ``blocks.l.mlp.hook_post`` over counted positions and neurons. Ungated:
-  equal to ``mlp_act_mean``. Gated: ``hook_post = f(gate) · up`` includes the ``up`` projection, a factor
-  symmetric around 0 at init, so its mean is ≈ 0 whatever ``f``: it does *not* measure the asymmetry.
-  Not measured (NaN, ``activation`` None, and ``mlp_skipped`` says why) for a mixture-of-experts MLP: its
-  ``hook_post`` holds no per-neuron activations (the TransformerLens 4.x gpt-oss bridge fires it with the
-  ``d_model`` output) and its experts' nonlinearity is not ``cfg.act_fn`` (gpt-oss: a clamped ``x·σ(1.702x)`` GLU).
+* ``inter[t] = mean_{n ≠ m} cos(h[n, t], h[m, t]) = (‖Σ_n û[n, t]‖² − k_t) / (k_t (k_t − 1))`` over the ``k_t``
+  non-zero states at ``t`` (NaN when ``k_t < 2``); ``inter_mean``: its mean over the counted positions.
+* ``intra = mean_n mean_{t ≠ t'} cos(h[n, t], h[n, t'])`` over counted positions, sequences with fewer than
+  2 non-zero states left out.
+* ``direction``: the top eigenvector of ``M = Σ h hᵀ`` over counted states, signed so that
+  ``direction · mean ≥ 0``; ``direction_share = λ₁ / trace(M)``; ``mean_direction = Σ h / ‖Σ h‖``;
+  ``direction_stability = |cos|`` between the directions of the even- and odd-numbered sequences. At
+  ``embed``, every ``mlp l`` site and ``final``.
+* ``delta_inter[l] = (inter_mean(attn l) − inter_mean(before), inter_mean(mlp l) − inter_mean(attn l))``;
+  ``share_inter = delta_inter / (inter_mean(mlp L−1) − inter_mean(embed))`` (the same for ``intra``).
+* ``alignment``: ``cos(final direction, W_U[:, j])`` for every token ``j``.
+* ``mlp_act_mean[l]``: mean of the nonlinearity's output ``f(pre)`` over counted positions and neurons
+  (``pre`` = ``blocks.l.mlp.hook_pre``; on a gated MLP computed here as ``f(hook_pre)``, NaN for an unknown
+  ``f``), the measured counterpart of ``activation_mean_at_zero = E[f(z)]``, ``z ~ N(0, 1)``: 0 for an odd
+  ``f``, ``≈ 0.2821`` for GELU, ``≈ 0.2066`` for SiLU, ``≈ 0.3989`` for ReLU.
+* ``mlp_post_mean[l]``: mean of ``blocks.l.mlp.hook_post``; on a gated MLP it includes the ``up`` factor,
+  symmetric at init, so it does *not* measure the asymmetry. Not measured (NaN, ``mlp_skipped`` says why)
+  for a mixture-of-experts MLP.
 """
 
 from __future__ import annotations
@@ -89,8 +70,7 @@ def activation_name(model: Any) -> str:
 
 
 def is_gated_mlp(model: Any) -> bool:
-    """True when layer 0's MLP is gated, ``hook_post = f(gate) · up``: it exposes ``mlp.hook_pre_linear``
-    (the ``up`` branch; TransformerLens bridges and HookedTransformers with ``gated_mlp``, SinkLM llama)."""
+    """True when layer 0's MLP is gated (``hook_post = f(gate) · up``): it exposes ``mlp.hook_pre_linear``."""
     return hook_name(0, "mlp.hook_pre_linear") in model.hook_dict
 
 

@@ -3,83 +3,36 @@
 A re-implementation of the test of *SeedPrints: Fingerprints Can Even Tell Which Seed Your Large
 Language Model Was Trained From* (Tong, Wang, Li et al., ICLR 2026, arXiv 2509.26404), following
 the authors' code (github.com/YnezT0311/SeedPrints, ``seedprint.py`` ``run_test`` with its defaults
-``method="analytical"``, ``identity_mode="coset"``, ``use_agg=False``; inputs as ``utils.py``
-``generate_random_tokens`` / ``generate_random_embeddings`` and ``get_hidden_states_from_*``).
+``method="analytical"``, ``identity_mode="coset"``, ``use_agg=False``). The authors' constants in brackets:
 
-The algorithm, step by step (the authors' constants in brackets):
+1. Inputs. ``token`` mode: ``N`` sequences of ``L`` ids drawn by ``torch.randint(0, V)`` after seeding with
+   ``seed`` [42], no BOS [``V = 32000``; here ``min(32000, d_vocab_a, d_vocab_b)``]. ``embedding`` mode:
+   embeddings ``~ N(μ, σ)`` ``[N, L, d_model]`` fed in place of ``hook_embed`` (learned position embeddings
+   still added), with ``μ, σ`` those of the token embedding of freshly *initialized* models
+   (:func:`embedding_stats_at_init`), one seeded ``[L, d_model]`` draw per sample.
+2. Features: the final hidden state (after the final norm) at the last position, ``[N, d_model]``, float32.
+3. Identity dimensions: per model the ``k`` dims with the smallest mean over samples [``k = buffer_k = 400``],
+   ``k`` clipped to the model's ``d_model``. ``coset`` keeps the intersection of both sets, ``base`` model A's.
+   Models of different widths are compared in token mode only, at dims below both widths.
+4. Normalisation: ``softmax(h[:, idx] / 10, dim=1)`` [``"softmax_T10"``].
+5. Per-dimension Kendall τ-b across the ``N`` samples (``scipy.stats.kendalltau``) and its mean ``τ̄``.
+6. Analytic null: each τ ``~ N(0, 2(2N+5) / (9N(N-1)))``, the ``k`` taus independent:
+   ``z = τ̄ / (σ_τ / sqrt(k))``.
+7. ``p = min(1, 2 · Φ̄(z))`` (twice the upper tail, so ``z < 0`` gives ``p = 1``); same lineage when
+   ``p < α`` [``α = 0.01``].
 
-1. Inputs. ``token`` mode: ``N`` sequences of ``L`` token ids drawn uniformly from
-   ``[0, V)`` by ``torch.randint`` after seeding with ``seed`` [42], one tensor ``[N, L]``, no BOS
-   [``V = 32000``; here ``V = min(32000, d_vocab_a, d_vocab_b)`` so every id is valid for both
-   models — for SmolLM2 (49152) the ids are exactly theirs]. ``embedding`` mode: random embeddings
-   ``~ N(μ, σ)`` ``[N, L, d_model]`` fed in place of the token embedding (``hook_embed``; learned
-   position embeddings are still added, as Hugging Face ``inputs_embeds`` does). ``μ, σ`` are the
-   mean and std of the token embedding of a freshly *initialized* model, as theirs
-   (:func:`embedding_stats_at_init`: each model's architecture re-drawn by
-   :func:`~sinklens.origins.init.load_at_init` with ``seed``, the two matrices pooled so the test does
-   not depend on argument order; theirs use one init model, picked by hidden size or the base model's
-   seed, with an unseeded RNG). The draws are seeded with ``seed``, one ``[L, d_model]`` block per
-   sample, so they do not depend on the batch size.
-2. Features: the final hidden state (after the final norm: what enters the unembedding; their
-   ``last_hidden_state[:, -1, :]``) at the last position, ``[N, d_model]`` per model, float32.
-3. Identity dimensions: for each model, the ``k`` dimensions with the smallest mean over the ``N``
-   samples (``torch.topk(mean, k, largest=False)``) [``k = buffer_k = 400``, their
-   ``DEFAULT_BUFFER_K``; their README says "10 % of the output size" but the code uses 400]; here ``k`` is
-   clipped to each model's own ``d_model`` for models narrower than 400. ``coset`` mode keeps the intersection of
-   the two sets (sorted); ``base`` mode only model A's (then the result depends on order).
-   The two models may differ in hidden size, as in theirs (``run_test``, ``seedprint.py`` lines 216-227 at
-   commit 1ceb956, never compares widths): identity dims are indices, the coset holds only dims below both
-   widths, and both features are read at those dims. In token mode only (their README: token input "is the
-   only viable option when comparing models with different hidden sizes"); embedding mode and ``base`` mode
-   with one of A's dims outside B's width (where their ``hs_target[:, idx]`` raises) are refused by name.
-4. Normalisation: a row-wise softmax at temperature 10 over the selected dimensions,
-   ``softmax(h[:, idx] / 10, dim=1)`` [``normalize_features(..., "softmax_T10")``].
-5. Per-dimension Kendall τ across the ``N`` samples between the two models (``scipy.stats.kendalltau``,
-   its default τ-b) and their mean ``τ̄`` over the ``k`` kept dimensions.
-6. Analytic null: each τ is ``~ N(0, 2(2N+5) / (9N(N-1)))`` under independence and the ``k`` taus
-   are taken as independent, so ``z = τ̄ / (σ_τ / sqrt(k))``.
-7. ``p = min(1, 2 · Φ̄(z))`` computed as ``exp(log 2 + logsf(z))`` (as they do: twice the upper
-   tail, so a negative ``z`` gives ``p = 1``); same lineage when ``p < α`` [``α = 0.01``].
+Beyond the vocabulary bound and the clipping of ``k``: ``buffer_k = 1`` is refused; with fewer than two
+shared identity dims or a non-finite τ̄ the result is ``z = p = NaN``, ``verdict = "inconclusive"``
+(theirs: ``p = 1``); non-finite features are refused.
 
-Where this differs from theirs: the vocabulary bound and the clipping of ``k`` (above); the
-pooled, seeded init embedding statistics (for a TransformerLens 3.x ``HookedTransformer`` the init is
-TransformerLens' own, ``σ = cfg.initializer_range``, not Hugging Face's); ``buffer_k = 1`` is refused, and with fewer than two shared
-identity dimensions (the softmax over one dimension is constant) or a non-finite τ̄ (a constant column)
-the result is ``z = p = NaN`` with ``verdict = "inconclusive"`` and a caveat (theirs gives ``z = NaN``
-and ``p = min(1, NaN) = 1``, which reads as "no evidence"); non-finite features are refused
-(``InvalidArgumentError``). Kendall τ runs in one process (theirs uses a pool for ``k > 100``; same numbers).
-Memory is ``O(N · d_model)`` per model: each batch is reduced to its last-position final state
-inside the forward hook.
-
-Caveats measured here (tests/origins): the analytic null treats the ``N`` samples as independent;
-with a vocabulary not much larger than ``N`` the random sequences repeat their last token, samples
-become dependent, the spread of ``z`` under the null widens, and unrelated models test positive above
-``α``. Measured over the 780 pairs of 40 unrelated inits (2 layers, ``d_model`` 32, ``N = 300``):
-
-==============  ============  ==============  =====================
-``d_vocab``     shared share  ``z`` std        false positives
-==============  ============  ==============  =====================
-16384, 4096     2 %, 7 %      1.06, 1.07      1.0 %, 1.0 %
-1024            25 %          1.20            1.4 %
-512             44 %          1.29            2.4 %
-256             69 %          1.46            4.5 %
-64              99 %          2.4             18 % (190 pairs)
-==============  ============  ==============  =====================
-
-:func:`fingerprint` adds a caveat to its result (printed and written to JSON) when more than a third
-of the samples are expected to share their last token (:func:`shared_last_token_share`; where the
-false-positive rate reaches about ``2α``), and a positive test is then reported as
-``verdict = "inconclusive"`` rather than same lineage (``same_lineage`` keeps the authors' rule,
-``p < α``). Embedding mode probes the transformer body only when the
-blocks dominate the residual stream: in tiny, shallow models with std-0.02 weights the shared random
-input passes almost unchanged to the output and unrelated models look related (66 pairs of unrelated
-2- and 4-layer SinkLM inits, ``d_model`` 32–256, ``N = 300``: 100 % positive, ``z`` 42–216). Each
-embedding-mode result therefore carries :func:`shared_input_z`, the ``z`` the shared input alone
-predicts for unrelated models (it matched their mean ``z``: 126 vs 130, 20.1 vs 20.1), and a caveat,
-with a positive reported ``"inconclusive"``, when it exceeds :func:`max_shared_input_z` (0.52 at
-``α = 0.01``: the shift at which the false-positive rate reaches ``2α``). Where the blocks dominate
-(the same SinkLMs with std-0.2 or std-1 weights, 120 pairs each; SmolLM2-135M, trained and at init)
-it is near 0, and unrelated pairs test positive at 1–2 % as in token mode.
+Caveats: with a vocabulary not much larger than ``N`` the samples repeat their last token and become
+dependent, and unrelated models test positive above ``α`` (780 pairs of unrelated inits, ``d_model`` 32,
+``N = 300``: 1.0 % false positives at ``d_vocab`` 4096, 1.4 % at 1024, 2.4 % at 512, 4.5 % at 256, 18 % at 64).
+:func:`fingerprint` adds a caveat, and reports a positive as ``"inconclusive"``, when more than a third of
+the samples are expected to share their last token (:func:`shared_last_token_share`). In embedding mode,
+small shallow models pass the shared input almost unchanged to the output (unrelated pairs: 100 %
+positive); each such result carries :func:`shared_input_z`, the ``z`` the shared input alone predicts,
+with a caveat when it exceeds :func:`max_shared_input_z` (0.52 at ``α = 0.01``).
 
 Examples:
     >>> import torch
@@ -144,23 +97,17 @@ class FingerprintResult(CompactRepr):
         p_value: ``min(1, 2 · P(Z > z))`` under the analytic null (NaN when :attr:`undefined`).
         z: ``τ̄ / (σ_τ(N) / sqrt(k))``.
         tau_mean: ``τ̄``, the mean per-dimension Kendall τ.
-        n_dims: ``k``, the number of identity dimensions kept (intersection of both bottom-k sets; every one
-            below both widths when the models' hidden sizes differ).
+        n_dims: ``k``, the number of identity dimensions kept.
         n_samples: ``N``.
-        same_lineage: ``p_value < alpha`` (the authors' rule); None when the statistic is :attr:`undefined`
-            (``p`` NaN), so that no reader takes an unmeasured pair for unrelated models.
+        same_lineage: ``p_value < alpha`` (the authors' rule); None when :attr:`undefined`.
         alpha: the decision threshold.
-        log10_p: ``(log 2 + log Φ̄(z)) / log 10`` (not clipped at 0, as in the authors' code).
+        log10_p: ``(log 2 + log Φ̄(z)) / log 10`` (not clipped at 0).
         dims: the identity dimensions (sorted).
         tau: per-dimension Kendall τ, in the order of ``dims``.
-        settings: how the features were made (input mode, sequence length, seed, ...); ``widths`` is
-            ``[d_A, d_B]``, the two feature widths (hidden sizes), which may differ.
-        caveats: reasons the analytic p-value may not be trusted for these settings (empty when none);
-            printed by :meth:`summary` and written to JSON.
-        verdict: what the result supports: ``"same_lineage"`` (``p < alpha``, no caveat),
-            ``"no_evidence"`` (``p >= alpha``; the caveats of :func:`fingerprint` only make ``p`` too small,
-            so this stands), or ``"inconclusive"`` (``p < alpha`` under a caveat: unrelated models pass there
-            too; or the statistic is :attr:`undefined`, ``p`` NaN).
+        settings: how the features were made; ``widths`` is ``[d_A, d_B]``.
+        caveats: reasons the analytic p-value may not be trusted here (printed and written to JSON).
+        verdict: ``"same_lineage"`` (``p < alpha``, no caveat), ``"no_evidence"`` (``p >= alpha``) or
+            ``"inconclusive"`` (``p < alpha`` under a caveat, or :attr:`undefined`).
     """
 
     p_value: float
@@ -177,8 +124,7 @@ class FingerprintResult(CompactRepr):
     caveats: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        """Strict-JSON-ready data: non-finite numbers (``z``, ``p_value``, ``tau_mean`` when :attr:`undefined`) are
-        None, floats keep full precision (write it with ``write_json(path, ..., digits=None)``, as the CLI does)."""
+        """Strict-JSON-ready data at full precision; non-finite numbers are None."""
         return to_json({
             "p_value": self.p_value, "z": self.z, "tau_mean": self.tau_mean, "n_dims": self.n_dims,
             "n_samples": self.n_samples, "same_lineage": self.same_lineage, "alpha": self.alpha,
@@ -188,8 +134,7 @@ class FingerprintResult(CompactRepr):
 
     @property
     def undefined(self) -> bool:
-        """True when the statistic could not be computed: fewer than :data:`MIN_DIMS` identity dims compared, or a
-        non-finite ``tau_mean`` (a constant normalised column); ``z`` and ``p_value`` are then NaN."""
+        """True when fewer than :data:`MIN_DIMS` identity dims were compared or ``tau_mean`` is not finite."""
         return self.n_dims < MIN_DIMS or not math.isfinite(self.tau_mean)
 
     @property
@@ -262,10 +207,8 @@ def check_test_arguments(
 ) -> tuple[int, IdentityMode, float]:
     """``(buffer_k, identity_mode, alpha)`` validated: ``buffer_k >= 2``, a known mode, ``0 < alpha < 1``.
 
-    ``buffer_k = 1`` is refused: the softmax over a single identity dimension is the constant 1, so its
-    Kendall τ is undefined and the test can say nothing. :func:`fingerprint` and the CLI call this before
-    any model is loaded or run, so a typo costs nothing rather than a whole run; ``cli=True`` names the
-    flags (``--buffer-k``) in the errors."""
+    Called before any model loads; ``cli=True`` names the flags (``--buffer-k``) in the errors.
+    """
     name = (lambda arg: "--" + arg.replace("_", "-")) if cli else (lambda arg: arg)
     buffer_k = positive_int(buffer_k, what=name("buffer_k"), minimum=MIN_DIMS)
     identity_mode = choice(identity_mode, ("coset", "base"), what=name("identity_mode"))
@@ -291,8 +234,9 @@ def _finite_features(hidden: Float[Tensor, "sample dim"], what: str) -> Float[Te
 
 
 def _base_dims_within(dims: list[int], d_a: int, d_b: int) -> None:
-    """Refuse ``identity_mode="base"`` where one of A's identity ``dims`` is outside B's width ``d_b``: the authors'
-    ``hs_target[:, idx]`` (``seedprint.py`` line 227) raises there, so their method gives no number to reproduce."""
+    """Refuse ``identity_mode="base"`` where one of A's identity ``dims`` is outside B's width ``d_b`` (the authors'
+    ``hs_target[:, idx]`` raises there).
+    """
     outside = [dim for dim in dims if dim >= d_b]
     if outside:
         raise IncompatibleModelsError(
@@ -310,27 +254,17 @@ def seedprint_test(
     identity_mode: IdentityMode = "coset",
     alpha: float = DEFAULT_ALPHA,
 ) -> FingerprintResult:
-    """Steps 3–7 of the module docstring on two feature matrices (rows = the same inputs).
+    """Steps 3–7 of the module docstring on two feature matrices (rows = the same inputs; widths may differ).
 
-    The matrices may differ in width (models of different hidden sizes), as in the authors' ``run_test``
-    (``seedprint.py`` lines 216-227 at commit 1ceb956), which never compares the widths: each matrix gets its
-    own bottom-``k`` set (``k`` clipped to that matrix's width here), and ``coset`` mode keeps their intersection,
-    so every kept dimension exists in both and both are indexed at the same dims (``hidden_a[:, dims]``,
-    ``hidden_b[:, dims]``). ``base`` mode indexes B at A's bottom-``k`` dims (lines 221 and 227), which their code
-    can do only when every one of them is below B's width (``hs_target[:, idx]`` raises otherwise): then the
-    numbers are theirs, else an :class:`IncompatibleModelsError` names both widths and the dims out of range.
-
-    When the statistic is undefined — fewer than :data:`MIN_DIMS` identity dimensions shared (``coset``),
-    or a τ that is NaN because a normalised column is constant over the samples — ``z``, ``p_value`` and
-    ``log10_p`` are NaN (``null`` in JSON), ``same_lineage`` is None, a caveat says why and the
-    :attr:`~FingerprintResult.verdict` is ``"inconclusive"``: no number was measured, so it is no evidence
-    either way.
+    ``coset`` mode indexes both at the intersection of their bottom-``k`` sets; ``base`` mode indexes B at A's.
+    When fewer than :data:`MIN_DIMS` dims are shared or a normalised column is constant, ``z``, ``p_value`` and
+    ``log10_p`` are NaN, ``same_lineage`` is None and a caveat says why.
 
     Raises:
-        IncompatibleModelsError: a matrix that is not 2-D, a different number of samples (rows), or
-            ``identity_mode="base"`` with one of A's identity dims outside B's width.
-        InvalidArgumentError: ``buffer_k < 2``, an unknown ``identity_mode``, ``alpha`` outside (0, 1), fewer
-            than 2 samples, or a non-finite feature (inf or NaN: the model's output overflowed).
+        IncompatibleModelsError: a matrix that is not 2-D, different numbers of rows, or ``base`` mode with
+            one of A's identity dims outside B's width.
+        InvalidArgumentError: a bad ``buffer_k``/``identity_mode``/``alpha``, fewer than 2 samples, or a
+            non-finite feature.
     """
     from scipy.stats import norm
 
@@ -396,12 +330,9 @@ def seedprint_test(
 class _RandomInputs(Sequence):
     """``N`` random inputs in batches, generated lazily from one seeded generator.
 
-    Token mode yields :class:`TokenBatch` es of ``randint(0, high)``; embedding mode yields batches of
-    zeros (a placeholder for the token ids) and draws the batch's ``N(μ, σ)`` embeddings in
-    :meth:`embeddings`, in the same order, one ``torch.normal`` call of ``[L, d_model]`` per sample.
-    Both are chunking-invariant: the inputs do not depend on ``batch_size`` (one call for a whole batch
-    would not be: ``torch.normal`` fills its output in blocks of 16, so the draws after a batch whose size
-    is not a multiple of 16 start elsewhere in the stream).
+    Token mode yields :class:`TokenBatch` es of ``randint(0, high)``; embedding mode yields placeholder ids and
+    draws the ``N(μ, σ)`` embeddings in :meth:`embeddings`, one ``[L, d_model]`` ``torch.normal`` call per sample,
+    so the inputs do not depend on ``batch_size``.
     """
 
     def __init__(self, n: int, seq_len: int, batch_size: int, *, mode: str, high: int, seed: int,
@@ -481,16 +412,11 @@ class _LastFinalState(Reducer[Tensor]):
 
 def embedding_stats_at_init(models: Sequence[Any], *, seed: int = DEFAULT_SEED) -> tuple[float, float]:
     """``(μ, σ)`` of embedding mode: mean and (unbiased) std of the token embedding ``W_E`` of each model's
-    architecture at initialization, as the authors take them from a freshly initialized model
-    (``utils.py`` ``generate_random_embeddings`` on ``test_foundation_models.py``'s ``DIM_INIT_FN[hidden_size]()``
-    or ``test_toy_models.py``'s ``init-{arch}-seed-{base_seed}``), never from the trained weights.
+    architecture at initialization, never of the trained weights (as the authors do).
 
-    Each model is re-drawn by :func:`sinklens.origins.init.load_at_init` (``init_seed=seed``, native
-    scheme, float32, CPU): Hugging Face ``from_config`` (Llama-style: ``N(0, initializer_range²)``,
-    so ``σ ≈ 0.02``), ``SinkLM(cfg)``, or a TransformerLens 3.x ``HookedTransformer``'s own
-    ``init_weights`` (``σ = cfg.initializer_range``, ``0.8 / sqrt(d_model)`` by default). The entries
-    of both models' matrices are pooled (one matrix when the two draws are identical, as for one
-    architecture), so the inputs do not depend on argument order.
+    Each model is re-drawn by :func:`sinklens.origins.init.load_at_init` (``init_seed=seed``, native scheme,
+    float32, CPU); the entries of both matrices are pooled (once when identical), so the order of the models
+    does not matter.
 
     Examples:
         >>> from sinklens.testing import tiny_sinklm
@@ -521,18 +447,14 @@ def final_hidden_states(
     embedding_stats: tuple[float, float] | None = None,
     options: RunOptions = RunOptions(),
 ) -> Float[Tensor, "sample d_model"]:
-    """Step 1–2: the last-position final hidden states of ``model`` on SeedPrint's random inputs.
+    """Steps 1–2: the last-position final hidden states of ``model`` on SeedPrint's random inputs.
 
     Args:
-        model: a TransformerBridge, HookedTransformer or SinkLM.
-        n_samples: ``N`` random sequences.
-        seq_len: ``L`` tokens each (no BOS).
-        input: ``"token"`` (uniform ids in ``[0, vocab_limit)``) or ``"embedding"`` (``N(μ, σ)``
-            vectors replacing ``hook_embed``).
+        n_samples, seq_len: ``N`` random sequences of ``L`` tokens (no BOS).
+        input: ``"token"`` (uniform ids below ``vocab_limit``, default ``min(32000, d_vocab)``) or
+            ``"embedding"`` (``N(μ, σ)`` vectors replacing ``hook_embed``; ``embedding_stats`` default:
+            :func:`embedding_stats_at_init` of the model).
         seed: seeds the input generator.
-        vocab_limit: token ids are drawn below this (default ``min(32000, d_vocab)``).
-        embedding_stats: ``(μ, σ)`` for embedding mode (default: :func:`embedding_stats_at_init` of the
-            model with ``seed``).
         options: ``batch_size``, ``progress``, ``desc`` are used.
     """
     options = checked_options(options, "final_hidden_states")
@@ -576,35 +498,25 @@ def fingerprint(
     """SeedPrint lineage test between two models (see the module docstring for every step).
 
     Args:
-        model_a, model_b: TransformerLens models (bridge, HookedTransformer, SinkLM) or specs for
-            :func:`sinklens.load_model` (``"run_dir"``, ``"run_dir@init"``, ``"smollm2-135m@init:3"``).
+        model_a, model_b: TransformerLens models or specs for :func:`sinklens.load_model`
+            (``"run_dir"``, ``"run_dir@init"``, ``"smollm2-135m@init:3"``).
         n_samples: ``N`` random sequences (authors: 2000 for foundation models, 10000 for toys).
-        seq_len: ``L`` (default ``min(1024, n_ctx_a, n_ctx_b)``; the authors use 1024).
-        input: ``"token"`` or ``"embedding"``.
-        buffer_k: bottom-k identity dimensions per model (400; clipped to each model's own ``d_model``).
+        seq_len: ``L`` (default ``min(1024, n_ctx_a, n_ctx_b)``).
+        input: ``"token"`` or ``"embedding"`` (same hidden size only).
+        buffer_k: bottom-k identity dimensions per model (clipped to each ``d_model``).
         identity_mode: ``"coset"`` (intersection, symmetric) or ``"base"`` (model A's only).
-
-    Models of different hidden sizes (``d_model``) are compared in token mode as the authors' ``run_test`` compares
-    them (``seedprint.py`` lines 216-227 at commit 1ceb956; their README: token input "is the only viable option
-    when comparing models with different hidden sizes"): ``coset`` keeps the identity dims both models share, all
-    below the smaller width (see :func:`seedprint_test`). ``settings["widths"]`` records both widths.
         alpha: decision threshold on ``p``.
-        seed: seed of the random inputs (42 as theirs).
-        options: batch size, progress bar (tqdm) and its label.
+        seed: seed of the random inputs.
+        options: batch size, progress bar and its label.
 
     Returns:
         The :class:`FingerprintResult`; ``settings`` adds the input settings, and in embedding mode
-        ``embedding_mu``, ``embedding_sigma`` (:func:`embedding_stats_at_init`) and ``shared_input_z``
-        (:func:`shared_input_z`; above :func:`max_shared_input_z` a caveat makes a positive inconclusive).
+        ``embedding_mu``, ``embedding_sigma`` and ``shared_input_z``.
 
     Raises:
-        IncompatibleModelsError: different hidden sizes with ``input="embedding"`` (one random
-            ``[N, L, d_model]`` input cannot feed both; the authors' ``test_foundation_models.py`` draws it for
-            one ``hidden_size``, lines 157-166, and their README requires equal sizes), refused before any forward
-            pass; or ``identity_mode="base"`` where one of A's identity dims is outside B's width (refused before
-            B runs; see :func:`seedprint_test`).
-        InvalidArgumentError: a bad setting (``buffer_k < 2``, ...), checked before any model loads, or a
-            model whose final states are not finite (named A or B).
+        IncompatibleModelsError: different hidden sizes in embedding mode, or ``base`` mode with one of A's
+            identity dims outside B's width (both before B runs).
+        InvalidArgumentError: a bad setting (checked before any model loads), or non-finite final states.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -672,21 +584,12 @@ def shared_input_z(
     inputs: Float[Tensor, "sample dim"],
     dims: list[int],
 ) -> float:
-    """The ``z`` that the shared input alone is expected to give two otherwise unrelated models (embedding mode).
+    """The ``z`` that the shared input alone is expected to give two unrelated models (embedding mode; sinklens' own check).
 
-    Embedding mode feeds both models the same random vectors, and the residual stream carries the input
-    to the output; where the blocks add little to it, unrelated models' features are both copies of one
-    input and the test's null (independent features) fails. This measures that, sinklens' own check
-    (not in the paper): ``inputs`` are the last-position input embeddings ``[N, d_model]``, normalised like
-    the features (softmax at temperature 10 over the test's identity ``dims``); ``τ_A``, ``τ_B`` are the
-    mean per-dimension Kendall τ between each model's normalised features and them. Taking each model's
-    features as ``ρ · input + independent rest`` (Gaussian: ``ρ = sin(π τ / 2)``), the input makes the
-    features of A and B correlate by ``ρ_A ρ_B``, a Kendall τ of ``(2/π) arcsin(ρ_A ρ_B)``; divided by
-    the null's ``σ_τ(N) / sqrt(k)`` that is the ``z`` it adds. Means are taken before the product, so
-    the sampling noise of the per-dimension τ does not bias it upward for a model tested against itself.
-    Measured on 66 pairs of unrelated 2-layer SinkLM inits (``d_model`` 32, N = 300, L = 16) with the
-    input std scaled down from 0.02: mean ``z`` 129.8 / 20.1 / 1.8 against this 126.4 / 20.1 / 1.9.
-    NaN with fewer than 2 dims.
+    ``τ_A``, ``τ_B``: mean per-dimension Kendall τ between each model's normalised features and the last-position
+    input embeddings ``inputs`` (normalised alike, over ``dims``). With features ``ρ · input + independent rest``
+    (Gaussian: ``ρ = sin(π τ / 2)``), A and B correlate by ``ρ_A ρ_B``, a Kendall τ of ``(2/π) arcsin(ρ_A ρ_B)``;
+    divided by ``σ_τ(N) / sqrt(k)`` that is the ``z`` it adds. NaN with fewer than 2 dims.
     """
     k = len(dims)
     if k < MIN_DIMS:

@@ -1,35 +1,21 @@
 """Persistence: how much of the init-time bias a trained model keeps.
 
-Both measures compare a model with a reference (typically its own step 0, ``RUN_DIR@init``) on the
-same random inputs (``n_sequences`` uniform token sequences of ``seq_len`` ids, seeded by ``seed``;
-:func:`sinklens.inputs.random_token_batches`, no BOS). One forward pass per batch gives, for each
-model, a :class:`PreferenceSnapshot`:
+Both measures compare a model with a reference (typically its own step 0, ``RUN_DIR@init``) on the same
+random inputs (``n_sequences`` uniform sequences of ``seq_len`` ids, seeded, no BOS). One pass gives each
+model a :class:`PreferenceSnapshot`: ``probs``, the pooled mean next-token distribution
+(:attr:`~sinklens.origins.preference.TokenPreference.probs`), and ``direction``, the top eigenvector of
+``Σ h hᵀ`` of the final hidden states over every sequence and position (the ``final`` site's
+:attr:`~sinklens.origins.contraction.SiteStats.direction`). :func:`compare_snapshots` gives:
 
-* ``probs``: the pooled mean next-token distribution over every position
-  (:attr:`~sinklens.origins.preference.TokenPreference.probs`);
-* ``direction``: the dominant direction of the final hidden states (input of the unembedding, after
-  the final norm): the top eigenvector of the uncentred second moment ``Σ h hᵀ`` over every
-  sequence and position, exactly the ``final`` site's
-  :attr:`~sinklens.origins.contraction.SiteStats.direction` of
-  :func:`~sinklens.origins.contraction.contraction`.
-
-:func:`compare_snapshots` turns two snapshots into:
-
-* ``preference_corr``: Pearson correlation over the vocabulary of ``log probs`` (log, because the
-  preferences span orders of magnitude — our choice);
+* ``preference_corr``: Pearson correlation over the vocabulary of ``log probs`` (our choice: the
+  preferences span orders of magnitude);
 * ``preference_spearman`` / ``preference_kendall``: Spearman's ρ and Kendall's τ-b (``scipy.stats``)
-  between the two token rankings by ``probs`` — does the same token order persist?;
-* ``direction_cos``: ``|cos|`` between the two directions (the sign of an eigenvector is arbitrary).
+  between the two token rankings by ``probs``;
+* ``direction_cos``: ``|cos|`` between the two directions (an eigenvector's sign is arbitrary).
 
-A correlation with a constant preference vector (a uniform distribution, e.g. from a zero-initialised
-unembedding) is undefined: it is NaN (``null`` in ``metrics.jsonl``), never a number. Two identical
-rankings give Spearman's ρ = 1 exactly.
-
-The trainer records these against its step 0 at every evaluation (``eval.persistence_sequences``;
-metrics ``persistence_*``, see :mod:`sinklens.train.persistence`). Measured on the tiny test runs
-(d_model 64, std-0.02 init): the init preferences are nearly uniform, so they are fragile — after 3
-AdamW steps at lr 1e-4 ``preference_corr`` is above 0.8, but 2 steps at lr 1e-2 already bring it to
-about 0, while the SeedPrint test still finds the lineage after 20 such steps.
+A correlation with a constant preference vector is NaN (``null`` in ``metrics.jsonl``); identical rankings
+give ρ = 1 exactly. The trainer records these against its step 0 at every evaluation
+(:mod:`sinklens.train.persistence`).
 """
 
 from __future__ import annotations

@@ -1,29 +1,20 @@
 """Positional discrepancy: the first token is aggregated least, so its outputs vary most.
 
-*Transformers Are Born Biased* (arXiv 2602.05927) links the attention sink to a positional
-discrepancy of the intra-sequence contraction: a head's output at position ``t`` averages ``t + 1``
-values, so its variance across inputs shrinks (``σ²/(t+1)`` under uniform attention), and position 0
-(one value) stands out. The paper has no public code; the measures are defined here.
+*Transformers Are Born Biased* (arXiv 2602.05927): a head's output at position ``t`` averages ``t + 1``
+values, so its variance across inputs shrinks (``σ²/(t+1)`` under uniform attention) and position 0 stands
+out. The paper has no public code; the measures are defined here. For an activation ``a[n, t]`` (sequence
+``n`` of ``N`` random sequences, position ``t``), per layer:
 
-For an activation ``a[n, t]`` (sequence ``n`` of ``N`` random sequences, position ``t``), per layer:
-
-* ``variance[t] = (1/d) Σ_d Var_n(a[n, t, d])`` (population variance across sequences, averaged over
-  the ``d`` features) = ``((1/N) Σ_n ‖a[n, t]‖² − ‖ā[t]‖²) / d``;
+* ``variance[t] = (1/d) Σ_d Var_n(a[n, t, d])`` (population variance across sequences, averaged over the
+  ``d`` features) = ``((1/N) Σ_n ‖a[n, t]‖² − ‖ā[t]‖²) / d``;
 * ``norm[t] = (1/N) Σ_n ‖a[n, t]‖``;
-* ``relative[t] = x[t] / mean_{t' ≥ ⌊T/2⌋} x[t']`` — relative to the later half of the sequence
-  (our choice of reference), for both measures.
+* ``relative[t] = x[t] / mean_{t' ≥ ⌊T/2⌋} x[t']`` (our choice of reference: the later half), for both.
 
-Sites: ``attn_out`` = ``blocks.l.hook_attn_out`` (the attention write; on a post-LN model, BERT, the write
-mapped through the LayerNorm that follows it: see :func:`~sinklens.residual_sites.attention_write_hooks`),
-``resid`` = ``blocks.l.hook_resid_mid`` (the residual right after it; in a parallel block, GPT-NeoX/Pythia,
-``hook_resid_pre + hook_attn_out``; post-LN: ``ln1``'s output; see
-:func:`~sinklens.residual_sites.after_attention_hooks`), and ``head`` = ``blocks.l.attn.hook_z``
-per head (``variance[l, h, t]`` over ``d_head``). Inputs are uniform random tokens without BOS by default.
-
-On a bidirectional encoder (BERT) every query averages all ``T`` values, so the premise above does not
-hold: the numbers are computed the same way and mean the same (the across-sequence variance of position
-``t`` relative to the later half), but no positional discrepancy is expected from aggregation, and the
-first-token ratio is ≈ 1 on random inputs (``causal`` is False; ``sinklens origins`` prints that note).
+Sites: ``attn_out`` = ``blocks.l.hook_attn_out`` (the attention write,
+:func:`~sinklens.residual_sites.attention_write_hooks`), ``resid`` = the residual right after it
+(:func:`~sinklens.residual_sites.after_attention_hooks`), and ``head`` = ``blocks.l.attn.hook_z`` per head
+(variance over ``d_head``). Inputs are uniform random tokens without BOS by default. On an encoder every
+query averages all ``T`` values, so no discrepancy is expected (``causal`` is False).
 """
 
 from __future__ import annotations
@@ -237,16 +228,14 @@ def positional_over_training(
     seed: int = 0,
     options: RunOptions = RunOptions(progress=False, desc="positional"),
 ) -> PositionalTrajectory:
-    """:func:`positional_discrepancy` of a ``sinklens train`` run at step 0 and at every kept checkpoint.
+    """:func:`positional_discrepancy` of a ``sinklens train`` run at step 0 (``RUN_DIR@init``) and at every kept checkpoint.
 
-    Step 0 is ``RUN_DIR@init`` (the run's exact initial weights); the other steps are the verified
-    checkpoints in ``RUN_DIR/checkpoints/`` (train with ``keep_every=K`` to keep every K-th one; by
-    default a run keeps only its newest two). Every step sees the same ``n_sequences`` random
-    sequences of ``min(seq_len, data.seq_len)`` tokens.
+    Every step sees the same ``n_sequences`` random sequences of ``min(seq_len, data.seq_len)`` tokens (train
+    with ``keep_every=K`` to keep every K-th checkpoint).
 
     Args:
         steps: the steps to evaluate (default: 0 and every kept checkpoint).
-        options: batching; ``progress`` shows one bar over the checkpoints (each one's pass runs without its own).
+        options: batching; ``progress`` shows one bar over the checkpoints.
 
     Examples:
         >>> import tempfile

@@ -1,36 +1,24 @@
 """Token preference on random inputs: which next tokens a model favours before it has seen any data.
 
-From *Transformers Are Born Biased* (Li, Tong, Wang et al., 2026, arXiv 2602.05927): across random
-input sequences a randomly initialised transformer predicts some tokens with probabilities orders
-of magnitude above others. The paper has no public code; every number here is defined below.
+From *Transformers Are Born Biased* (Li, Tong, Wang et al., 2026, arXiv 2602.05927): a randomly initialised
+transformer predicts some tokens with probabilities orders of magnitude above others. The paper has no public
+code; every number here is defined below. Inputs: ``N`` sequences of ``L`` ids drawn uniformly from
+``[0, d_vocab)`` (seeded), optionally with BOS at position 0. Per position ``t``:
 
-Inputs: ``N`` sequences of ``L`` token ids drawn uniformly from ``[0, d_vocab)``
-(:func:`sinklens.inputs.random_token_batches`, seeded), optionally with the BOS token at position 0.
+* ``mean_probs[t, j] = (1/N) Σ_n softmax(logits[n, t])_j``, with ``logits = final_state @ W_U + b_U``
+  (:func:`sinklens.origins.sites.final_state_site`), soft-capped as the model's forward caps them,
+  softmax in float32, sums in float64.
+* ``argmax_counts[t, j]``: how many sequences have ``j`` as their argmax at ``t``; a prediction whose largest
+  logit is shared by several tokens counts in ``argmax_ties[t]`` instead and leaves every argmax summary.
 
-Per position ``t`` (streamed, nothing larger than ``[L, d_vocab]`` is kept):
+Causal models only: an encoder's logits at ``t`` predict the token at ``t``, which it sees
+(:class:`~sinklens.errors.UnsupportedArchitectureError`). Summaries pool the *counted positions*: all,
+except position 0 when a BOS was prepended (our choice).
 
-* ``mean_probs[t, j] = (1/N) Σ_n softmax(logits[n, t])_j`` — the mean next-token distribution, with
-  ``logits = final_state @ W_U + b_U`` (``final_state``: the input of the unembedding, after the final
-  norm; see :func:`sinklens.origins.sites.final_state_site`), soft-capped as the model's forward caps
-  them (Gemma 2's ``c · tanh(logits / c)``), softmax in float32, sums in float64.
-* ``argmax_counts[t, j]`` — how many of the ``N`` sequences have ``j`` as their argmax at ``t``. A
-  prediction whose largest logit is shared by two or more tokens (e.g. all logits 0: a zero final state on a
-  bias-free model, which ``torch.argmax`` would give to token 0) has no argmax: it is counted in
-  ``argmax_ties[t]`` instead, and left out of every argmax summary (our choice); ``mean_probs`` includes it.
-
-Causal models only: on a bidirectional encoder (BERT) the logits at ``t`` predict the token at ``t``, which
-the model sees, not the next one, so there is no next-token preference to measure;
-:func:`token_preference` (and :func:`~sinklens.origins.persistence.snapshot`) refuse such a model with
-:class:`~sinklens.errors.UnsupportedArchitectureError`.
-
-Summaries pool the *counted positions*: every position, except position 0 when a BOS was prepended
-(its prediction follows a fixed token and is the same for all sequences — our choice).
-
-* ``probs = mean_t mean_probs[t]`` — the pooled mean distribution;
+* ``probs = mean_t mean_probs[t]``, the pooled mean distribution;
 * ``max_median_ratio = max_j probs_j / median_j probs_j`` (``torch.median``: the lower median);
 * ``top(k)``: the ``k`` most probable tokens with ``probs_j`` and ``probs_j · d_vocab`` (relative to uniform);
-* ``argmax_entropy``: Shannon entropy (nats) of ``c / Σc`` with ``c = Σ_t argmax_counts[t]`` (ties left out)
-  (``log d_vocab`` when every token is the argmax equally often, 0 when one token always wins);
+* ``argmax_entropy``: Shannon entropy (nats) of ``c / Σc``, ``c = Σ_t argmax_counts[t]``;
 * ``argmax_gini``: Gini coefficient of ``c`` over all ``d_vocab`` tokens,
   ``Σ_i Σ_j |c_i − c_j| / (2 V Σ c)`` (0 = equal counts, ``1 − 1/V`` = one token takes all).
 """
@@ -179,12 +167,7 @@ class TokenPreferenceReducer(Reducer[TokenPreference]):
 
 
 def refuse_encoder(model: Any, what: str) -> None:
-    """Refuse a bidirectional model (:func:`sinklens.visibility.attention_direction`) for a next-token measure.
-
-    Raises:
-        UnsupportedArchitectureError: naming ``what`` and the model's class: an encoder's logits at ``t``
-            predict the token at ``t`` itself, so their mean is no next-token preference.
-    """
+    """Raise :class:`~sinklens.errors.UnsupportedArchitectureError` naming ``what`` for a bidirectional model."""
     from sinklens.visibility import attention_direction
 
     if attention_direction(model) == "bidirectional":
@@ -196,10 +179,10 @@ def refuse_encoder(model: Any, what: str) -> None:
 
 @dataclass(frozen=True)
 class RandomInputs:
-    """The random inputs every origins measure runs on: ``n_sequences`` sequences of ``seq_len`` token ids
-    drawn uniformly from ``[0, d_vocab)`` (:func:`sinklens.inputs.random_token_batches` with ``seed``),
-    with the BOS token at position 0 if ``prepend_bos``. Both sizes must be >= 2, and at least 2 random tokens
-    must follow a BOS (``seq_len >= 3`` with ``prepend_bos``): contraction's intra-sequence cosine pairs them."""
+    """The random inputs every origins measure runs on: ``n_sequences`` sequences of ``seq_len`` ids drawn uniformly
+    from ``[0, d_vocab)`` with ``seed``, BOS at position 0 if ``prepend_bos``. Sizes >= 2, and at least 2 random
+    tokens after a BOS.
+    """
 
     n_sequences: int = 128
     seq_len: int = SEQ_LEN
@@ -214,8 +197,7 @@ class RandomInputs:
 
 
 def random_tokens_after_bos(seq_len: int, prepend_bos: bool, *, what: str = "seq_len", bos: str = "prepend_bos=True") -> None:
-    """Refuse a ``seq_len`` that leaves fewer than 2 random tokens after a prepended BOS (the BOS is the same
-    token in every sequence and leaves the summaries; one position has no intra-sequence cosine)."""
+    """Refuse a ``seq_len`` that leaves fewer than 2 random tokens after a prepended BOS."""
     if prepend_bos and seq_len < 3:
         raise InvalidArgumentError(
             f"{what}={seq_len} with {bos} leaves {seq_len - 1} random token after the BOS; the origins measures "

@@ -14,15 +14,10 @@ from sinklens.hooks import model_dims
 def final_state_site(model: Any) -> tuple[str, Callable[[Tensor], Tensor]]:
     """The hook that carries the final hidden state, and the function that finishes it.
 
-    ``unembed.hook_in`` (TransformerBridge: the input of the unembedding, after the final norm) when
-    the model has it and runs it in a forward without logits; otherwise the last block's
-    ``hook_resid_post`` followed by ``model.ln_final`` (HookedTransformer, whose ``return_type=None``
-    forward skips the unembedding, and SinkLM), or by nothing when the model has no final norm
-    (``normalization_type=None``). On a HookedTransformer whose weights TransformerLens processed
-    (``fold_ln``, its ``from_pretrained`` default), ``ln_final`` has no gain (folded into ``W_U``): the state
-    is then the normalized residual before the gain, and measures of its direction (contraction's ``final``
-    site, SeedPrint's features) differ from the unprocessed model's, while logits and token preference do not;
-    :func:`sinklens.load_model` loads without processing.
+    ``unembed.hook_in`` (TransformerBridge) when the model runs it in a forward without logits; otherwise the last
+    block's ``hook_resid_post`` followed by ``model.ln_final`` (HookedTransformer, SinkLM), or by nothing without a
+    final norm. On a HookedTransformer with ``fold_ln`` the gain is folded into ``W_U``, so direction measures
+    differ from the unprocessed model's (:func:`sinklens.load_model` loads without processing).
     """
     if "unembed.hook_in" in model.hook_dict and not _is_hooked_transformer(model):
         return "unembed.hook_in", lambda x: x

@@ -7,7 +7,7 @@ from typing import Any
 
 from sinklens.interventions.experiments import InterventionResult
 from sinklens.interventions.patching import SinkPatchResult
-from sinklens.plotting.style import expect_result, new_figure, save_figure
+from sinklens.plotting.style import expect_result, finish, new_figure
 
 
 def plot_intervention(result: InterventionResult, path: str | Path | None = None) -> Any:
@@ -32,9 +32,7 @@ def plot_intervention(result: InterventionResult, path: str | Path | None = None
     ax2.plot(layers, result.resid_norm_after, color="C3", label="after")
     ax2.set(xlabel="layer", ylabel=f"‖resid_post‖ at pos {result.target}", yscale="log")
     ax2.legend(fontsize=7)
-    if path is not None:
-        save_figure(fig, path, close=False)
-    return fig
+    return finish(fig, path)
 
 
 def plot_patching(result: SinkPatchResult, path: str | Path | None = None) -> Any:
@@ -55,6 +53,4 @@ def plot_patching(result: SinkPatchResult, path: str | Path | None = None) -> An
     ax.set_yticks(range(len(result.coords["layer"])), [str(v) for v in result.coords["layer"]])
     ax.set_xticks(range(len(result.coords[axes[1]])), [str(v) for v in result.coords[axes[1]]], fontsize=7)
     plt.colorbar(im, ax=ax, label="fraction restored")
-    if path is not None:
-        save_figure(fig, path, close=False)
-    return fig
+    return finish(fig, path)

@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from sinklens.plotting.style import new_figure, save_figure
+from sinklens.plotting.style import finish, new_figure
 
 #: Eval metrics plotted by default, with their axis labels.
 SINK_PANELS = {
@@ -33,16 +33,10 @@ def default_panels(runs: Mapping[str, Sequence[dict[str, Any]]]) -> tuple[str, .
 
 
 def smooth(values: Sequence[float], window: int, *, steps: Sequence[int] | None = None) -> list[float]:
-    """Trailing moving average over the last ``window`` training steps, in steps, not logged points.
+    """Trailing moving average over the last ``window`` training steps (in steps, not logged points).
 
-    The smoothed value at a logged step ``s`` is the plain mean of the values logged at the steps
-    ``t`` with ``s - window < t <= s``: all ``window`` of them for a run logged every step, about
-    ``window / k`` (at least the one at ``s``) for a run logged every ``k`` steps, and what exists
-    near the start. ``steps`` are the (increasing) steps the values were logged at; without them
-    value ``i`` is step ``i``, i.e. a run logged every step.
-
-    Raises:
-        InvalidArgumentError: ``window`` is not a positive integer, or ``steps`` has another length.
+    The value at a logged step ``s`` is the mean of the values logged at steps ``s - window < t <= s``; ``steps``
+    are the increasing steps the values were logged at (default: value ``i`` is step ``i``).
 
     Examples:
         >>> smooth([1.0, 3.0, 5.0, 7.0], 2)
@@ -99,17 +93,12 @@ def plot_training(
         if panel in ("first_token_norm_ratio", "variance_ratio"):
             ax.set_yscale("log")
     axes[0][0].legend(fontsize=8)
-    if path is not None:
-        save_figure(fig, path, close=False)
-    return fig
+    return finish(fig, path)
 
 
 def steps_to_loss(lines: Sequence[dict[str, Any]], target: float, *, smoothing: int = 10) -> int | None:
-    """First logged step at which the smoothed training loss is ``<= target`` (None if never).
-
-    The smoothed loss at a logged step ``s`` is the mean of the training losses logged at the steps
-    ``s - smoothing < t <= s`` (:func:`smooth`), so ``smoothing`` counts training steps whatever the
-    run's ``log_interval``; the answer is one of the logged steps.
+    """First logged step at which the :func:`smooth` ed training loss (``smoothing`` training steps) is ``<= target``;
+    None if never.
 
     Examples:
         >>> lines = [{"kind": "train", "step": s, "loss": l} for s, l in enumerate([4.0, 3.0, 2.0, 1.0])]
@@ -142,6 +131,4 @@ def plot_positional_over_training(
         position = traj.results[0].first_counted if traj.results else 0
         ax.set_title(f"{label}: {name} at position {position} / later half", fontsize=9)
     axes[0][0].legend(fontsize=8)
-    if path is not None:
-        save_figure(fig, path, close=False)
-    return fig
+    return finish(fig, path)

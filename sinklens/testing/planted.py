@@ -1,24 +1,17 @@
 """Tiny models with hand-planted sink mechanisms, so analyzers can be tested against known answers.
 
-:func:`planted_model` takes a :func:`sinklens.testing.tiny_model` and edits its weights in place
-(the Hugging Face weights under a TransformerLens 4.x ``TransformerBridge``, the parameters of a
-3.x ``HookedTransformer``) to plant, with everything written in TransformerLens conventions:
+:func:`planted_model` edits the weights of a :func:`sinklens.testing.tiny_model` in place (TransformerLens
+conventions) to plant:
 
-* **a distinctive BOS direction**: the BOS embedding gets a large entry in ``bos_dim``; no other
-  token, positional embedding, attention output or MLP output writes into ``bos_dim``, so only
-  position 0 ever has a non-zero ``bos_dim``;
-* **a super neuron** ``(layer, neuron)``: its ``W_in`` (and ``W_gate``) column reads ``bos_dim``
-  only, so it fires strongly at the BOS token and (almost) nowhere else, and its ``W_out`` row is a
-  one-hot into ``dim``; nothing else writes into ``dim``, so the residual stream at position 0 carries
-  a massive activation in ``dim`` from ``blocks.{layer + 1}.hook_resid_pre`` on, and every other
-  position has exactly 0 there;
-* optionally **an eraser neuron** ``(erase_layer, erase_neuron)`` that reads ``dim`` and writes
-  ``-dim`` back, taking the massive activation down again;
-* optionally **query–key locking** in head ``(qk_layer, qk_head)``: every non-BOS token shares an
-  embedding direction ``common_dim`` (nothing else writes there); the head's queries read only
-  ``common_dim`` and its key reads ``dim``, so every query scores the BOS key positively, while its
-  scores against other keys have random signs. On rotary models the query/key use the
-  lowest-frequency rotary pair, so the alignment survives rotation over short contexts.
+* **a BOS direction**: the BOS embedding gets a large entry in ``bos_dim``, which nothing else writes, so only
+  position 0 is non-zero there;
+* **a super neuron** ``(layer, neuron)`` that reads only ``bos_dim`` and writes a one-hot into ``dim``, which
+  nothing else writes: position 0 carries a massive activation in ``dim`` from
+  ``blocks.{layer + 1}.hook_resid_pre`` on, every other position exactly 0;
+* optionally **an eraser neuron** ``(erase_layer, erase_neuron)`` that reads ``dim`` and writes ``-dim`` back;
+* optionally **query–key locking** in head ``(qk_layer, qk_head)``: every non-BOS token shares a direction
+  ``common_dim``; the head's queries read only it and its keys read ``dim``, so every query scores the BOS key
+  positively (on rotary models through the lowest-frequency pair).
 """
 
 from __future__ import annotations
@@ -162,9 +155,7 @@ def planted_model(
 ) -> tuple[Any, PlantedSpec]:
     """A :func:`~sinklens.testing.tiny_model` with a planted super neuron (see the module docstring).
 
-    ``model_kwargs`` (``n_layers=``, ``d_model=``, ``n_heads=``, ``n_kv_heads=``, ``d_mlp=``, ``n_ctx=``,
-    ``d_vocab=``, ``seed=``) go to :func:`~sinklens.testing.tiny_model`, with its defaults.
-    Returns the model and a :class:`PlantedSpec` with the planted locations.
+    ``model_kwargs`` go to :func:`~sinklens.testing.tiny_model`. Returns the model and a :class:`PlantedSpec`.
 
     Examples:
         >>> model, spec = planted_model(n_layers=2, layer=0, neuron=7, dim=5)
@@ -237,11 +228,10 @@ class PostNormPlantedSpec:
 
     Attributes:
         family: the zoo family (``gemma2`` or ``gemma3``).
-        layer / neuron: the planted super neuron; its block's post-MLP norm multiplies ``dim`` by ``gain``.
-        decoy_layer / decoy_neuron: a neuron whose raw write ``act × W_out[n, dim]`` at the sink is
-            ``decoy_ratio`` times the planted one's, but whose block's post-MLP norm multiplies ``dim`` by
-            ``decoy_gain`` (small), so it adds almost nothing to the residual stream.
-        dim: the massive residual dimension; ``bos_dim``: the BOS-only embedding direction both neurons read.
+        layer / neuron: the super neuron; its block's post-MLP norm multiplies ``dim`` by ``gain``.
+        decoy_layer / decoy_neuron: a neuron whose raw write at the sink is ``decoy_ratio`` times the super
+            neuron's, behind a post-MLP gain of ``decoy_gain`` (small) on ``dim``.
+        dim: the massive residual dimension; ``bos_dim``: the BOS-only direction both neurons read.
     """
 
     family: str
@@ -273,21 +263,11 @@ def planted_post_norm_model(
 ) -> tuple[Any, PostNormPlantedSpec]:
     """A zoo post-norm model (:func:`sinklens.testing.zoo.zoo_model`) with a super neuron behind a large post-norm gain.
 
-    Planted in the Hugging Face weights (Gemma conventions: RMSNorm gain ``1 + w``):
-
-    * the BOS embedding alone has a large entry in ``bos_dim``; nothing but the two neurons below writes
-      ``dim`` or ``bos_dim`` (those rows of every ``o_proj`` / ``down_proj`` and those embedding columns are 0);
-    * the **super neuron** ``(layer, neuron)`` reads ``bos_dim`` (gate and up projections) and writes
-      ``W_out[neuron, dim] = 1``; block ``layer``'s post-MLP norm (``post_feedforward_layernorm``,
-      ``blocks.{layer}.ln2_post``) has gain ``gain`` on ``dim``, so the residual stream at the BOS carries a
-      massive value in ``dim`` from ``blocks.{layer + 1}.hook_resid_pre`` on;
-    * the **decoy** ``(decoy_layer, decoy_neuron)`` reads ``bos_dim`` too and writes ``dim`` with a raw
-      ``act × W_out`` ``decoy_ratio`` times the super neuron's (calibrated on one forward), but its block's
-      post-MLP norm has gain ``decoy_gain`` on ``dim``: an activation-times-weight ranking puts it first, a
-      residual-unit ranking last.
-
-    Raises :class:`~sinklens.testing.zoo.FamilyUnavailableError` under TransformerLens 3.x (the planter edits
-    the weights a 4.x ``TransformerBridge`` wraps).
+    Planted in the Hugging Face weights (Gemma RMSNorm gain ``1 + w``): a BOS-only ``bos_dim``; the super neuron
+    reads it and writes ``dim``, and block ``layer``'s ``post_feedforward_layernorm`` has gain ``gain`` on ``dim``;
+    the decoy writes ``dim`` with a raw ``act × W_out`` ``decoy_ratio`` times larger but behind gain ``decoy_gain``:
+    an activation-times-weight ranking puts it first, a residual-unit ranking last. Raises
+    :class:`~sinklens.testing.zoo.FamilyUnavailableError` under TransformerLens 3.x.
 
     Examples:
         >>> model, spec = planted_post_norm_model("gemma2")

@@ -28,7 +28,6 @@ from sinklens.hooks import SCORES, V, hook_name, model_dims
 __all__ = ["c4", "gaussian_values", "planted_sink", "uniform_attention"]
 
 
-
 def c4(n: int) -> float:
     """``E[s] / σ`` for the Bessel-corrected sample standard deviation ``s`` of ``n`` i.i.d. normal values.
 

@@ -73,7 +73,7 @@ PYTHON_CASES = [
     ("mask length", lambda m, t: m.run_with_hooks(t, fwd_hooks=custom_mask(m, torch.ones(8, 8, dtype=torch.bool))), InvalidArgumentError, "(8, 8)"),
     ("unknown method", lambda m, t: create_sink(m, t, 3, method="teleport", options=Q), UnknownInterventionError, "'teleport'"),
     ("wrong role", lambda m, t: create_sink(m, t, 3, method="block-keys", options=Q), UnknownInterventionError, "'block-keys'"),
-    ("method needs dims", lambda m, t: remove_sink(m, t, method="clamp", options=Q), InvalidArgumentError, "dims="),
+    ("method needs dims", lambda m, t: remove_sink(m, t, method="clamp_dims", options=Q), InvalidArgumentError, "dims="),
     ("method needs neurons", lambda m, t: remove_sink(m, t, method="edit_neurons", layers=[0], options=Q), InvalidArgumentError, "neurons="),
     ("no query after target", lambda m, t: create_sink(m, t, 11, options=Q), InvalidArgumentError, "position 11"),
     ("sink past the text", lambda m, t: create_sink(m, t, 3, sink=40, options=Q), InvalidArgumentError, "sink position 40"),
@@ -123,7 +123,7 @@ def _cli(*args: str, tmp_path: Path) -> subprocess.CompletedProcess:
 CLI_CASES = [
     ("unknown method", ["--method", "teleport", "--position", "3"], "'teleport'"),
     ("create needs a position", ["--method", "self-only"], "--position"),
-    ("edit-neurons needs layers", ["--method", "ablate-neurons", "--neurons", "1,2"], "--layers"),
+    ("edit-neurons needs layers", ["--method", "edit-neurons", "--neurons", "1,2"], "--layers"),
     ("clamp needs dims", ["--method", "clamp-dims"], "--dims"),
     ("alpha for a mask", ["--method", "restart", "--position", "3", "--alpha", "2"], "--alpha"),
     ("bad layer list", ["--method", "self-only", "--position", "3", "--layers", "0,x"], "'0,x'"),
