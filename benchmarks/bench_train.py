@@ -50,7 +50,7 @@ from torch import nn
 
 from sinklens.train.config import TrainConfig
 from sinklens.train.data import build_source
-from sinklens.train.ddp import DistContext
+from sinklens.distributed.ddp import DistContext
 from sinklens.train.loop import configure_optimizer, estimate_mfu, forward_backward, micro_batch
 from sinklens.train.model import SinkLM
 

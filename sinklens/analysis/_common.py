@@ -141,15 +141,6 @@ def layer_head_position_rows(
     return rows
 
 
-def grow(t: Tensor, dim: int, size: int, fill: float | int | bool = 0.0) -> Tensor:
-    """Pad ``t`` along ``dim`` with ``fill`` up to ``size`` (no-op if already that large)."""
-    if t.shape[dim] >= size:
-        return t
-    shape = list(t.shape)
-    shape[dim] = size - t.shape[dim]
-    return torch.cat([t, torch.full(shape, fill, dtype=t.dtype, device=t.device)], dim=dim)
-
-
 def once_per_forward(fold: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
     """Wrap a ``fold(act, key)`` so that it runs only on the first call per key within one forward pass.
 

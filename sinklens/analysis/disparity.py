@@ -30,7 +30,6 @@ from torch import Tensor
 from sinklens.analysis._common import (
     SettingsFields,
     check_sink_position,
-    grow,
     renamed,
     resolve_streams,
     row_index,
@@ -45,7 +44,7 @@ from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, bound_hooks, merge_statistics
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow, merge_statistics
 from sinklens.validate import finite_number, positive_int
 
 

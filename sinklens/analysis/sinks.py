@@ -48,14 +48,14 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from sinklens.analysis._common import SettingsFields, grow, layer_head_position_rows, position_index, run_analyzer, settings_from
+from sinklens.analysis._common import SettingsFields, layer_head_position_rows, position_index, run_analyzer, settings_from
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.display import CompactRepr, StructuralEq
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, model_dims, model_dtype
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, merge_statistics, per_layer_hooks
+from sinklens.streaming import BatchFold, Reducer, grow, merge_statistics, per_layer_hooks
 from sinklens.validate import choice, finite_number, positive_int
 
 #: ``"gu"``: Gu et al.'s code (key's own query included); ``"sinklens"``: queries from ``min_query`` on;

@@ -120,7 +120,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import grow, layer_head_position_rows, position_index, run_analyzer
+from sinklens.analysis._common import layer_head_position_rows, position_index, run_analyzer
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
@@ -129,7 +129,7 @@ from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.residual_sites import attention_write_hooks
 from sinklens.residual_units import NormMap, post_ln_reason, post_norm_map
-from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow, per_layer_hooks
 from sinklens.validate import choice
 
 Site = Literal["z", "z_seq", "result", "result_pre_norm", "attn_out", "feature_std", "feature_std_head"]

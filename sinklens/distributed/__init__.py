@@ -5,13 +5,13 @@ statistics are combined, and every process ends with what a one-process run give
 :func:`session` (the CLI opens one), :func:`sinklens.streaming.stream` gives process ``r`` the
 ``r``-th contiguous share of the batches (:func:`shard_bounds`; the first ``n_batches % N`` processes
 get one batch more, a process may get none), and after the last batch
-:func:`combine_across_ranks` gathers every reducer's statistics (:meth:`~sinklens.streaming.Reducer.state_dict`,
+:func:`sinklens.streaming.combine_across_ranks` gathers every reducer's statistics (:meth:`~sinklens.streaming.Reducer.state_dict`,
 on the CPU) to every process and merges them in rank order (:meth:`~sinklens.streaming.Reducer.merge`).
 Rank order is sequence order, so statistics that record a sequence index (the top sink occurrences)
 or depend on it (even/odd halves) come out as in one process; sums agree up to float64 rounding.
 
 The process group uses NCCL when the processes run on CUDA and gloo on the CPU; the launcher's
-environment is read by :func:`sinklens.train.ddp.init_distributed`, which training uses too. Outside
+environment is read by :func:`sinklens.distributed.ddp.init_distributed`, which training uses too. Outside
 :func:`session` (including under a training DDP run) nothing is sharded.
 
 Examples:
@@ -26,14 +26,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TypeVar
 
 import torch.distributed as dist
 
-from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
-
-if TYPE_CHECKING:
-    from sinklens.streaming import Reducer
+from sinklens.distributed.ddp import DistContext, cleanup_distributed, init_distributed
 
 T = TypeVar("T")
 
@@ -115,35 +112,11 @@ def local_batches(batches: Sequence[T]) -> Sequence[T]:
     return [batches[i] for i in range(start, stop)]
 
 
-def combine_across_ranks(reducers: Sequence[Reducer[Any]], *, n_local_batches: int) -> None:
-    """Give every process's ``reducers`` the statistics of all processes (no-op unless :func:`active`).
-
-    Each process sends its reducers' :meth:`~sinklens.streaming.Reducer.state_dict` (CPU tensors) with
-    its number of batches to all others (``all_gather_object``); then, in every process, each reducer
-    takes the first non-empty rank's state and merges the later ranks' states into it in rank order.
-    Processes that streamed no batch are skipped, so their reset statistics never count.
-    """
-    if not active() or not reducers:
-        return
-    payload = (n_local_batches, [reducer.state_dict() for reducer in reducers])
-    gathered: list[Any] = [None] * world_size()
-    dist.all_gather_object(gathered, payload)
-    states = [r_states for n, r_states in gathered if n > 0]
-    if not states:
-        return
-    for i, reducer in enumerate(reducers):
-        reducer.load_state_dict(states[0][i])
-        for r_states in states[1:]:
-            other = reducer.shallow_copy()
-            other.load_state_dict(r_states[i])
-            reducer.merge(other)
-
-
 def barrier() -> None:
     """Wait for every process (no-op unless :func:`active`)."""
     if active():
         dist.barrier()
 
 
-__all__ = ["active", "barrier", "launched_by_torchrun", "combine_across_ranks", "is_main", "local_batches", "rank", "session",
+__all__ = ["active", "barrier", "launched_by_torchrun", "is_main", "local_batches", "rank", "session",
            "shard_bounds", "world_size"]

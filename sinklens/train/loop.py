@@ -54,7 +54,7 @@ from sinklens.train.checkpoint import (
 )
 from sinklens.train.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source, data_fingerprint
-from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
+from sinklens.distributed.ddp import DistContext, cleanup_distributed, init_distributed
 from sinklens.train.interrupt import StopSignals
 from sinklens.train.matmul import cpu_matmul_backend, set_cpu_matmul
 from sinklens.train.model import next_token_loss

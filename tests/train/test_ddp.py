@@ -13,7 +13,7 @@ import torch
 from _train_cfg import build_cfg
 
 from sinklens.train.data import build_source
-from sinklens.train.ddp import DistContext
+from sinklens.distributed.ddp import DistContext
 from sinklens.train.loop import forward_backward, micro_batch, train
 from sinklens.train.model import SinkLM
 
@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from _train_cfg import build_cfg
     from sinklens.train.data import build_source
-    from sinklens.train.ddp import init_distributed
+    from sinklens.distributed.ddp import init_distributed
     from sinklens.train.loop import forward_backward, micro_batch, train
     from sinklens.train.model import SinkLM
     from torch.nn.parallel import DistributedDataParallel as DDP
