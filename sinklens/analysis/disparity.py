@@ -20,7 +20,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -235,26 +234,6 @@ class MassiveActivations(SettingsFields, CompactRepr):
             "topk_energy": self.topk_energy, "n_sink_tokens": self.n_sink_tokens,
             "n_other_tokens": self.n_other_tokens, "n_events": self.n_events, "events": self.rows(),
         })
-
-    def plot(self, path: str | Path | None = None) -> Any:
-        """Max ``|x|`` per layer at the sink vs other positions, with the median, on a log scale."""
-        from sinklens.plotting.disparity import plot_massive_by_layer
-
-        return plot_massive_by_layer(self, path=path)
-
-    def plot_top_dims(self, stream: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
-        """Bar chart of the ``k`` largest dimensions at the sink vs other positions at one residual-stream
-        index (default: the last)."""
-        from sinklens.plotting.disparity import plot_top_dims
-
-        return plot_top_dims(self, stream=stream, k=k, path=path)
-
-    def plot_positions(self, path: str | Path | None = None) -> Any:
-        """Norm ratio and top-k energy share per position, one line per layer."""
-        from sinklens.plotting.disparity import plot_position_profile
-
-        return plot_position_profile(self, path=path)
-
 
 def _top_of_batch(
     x: Float[Tensor, "batch pos d"], a: Float[Tensor, "batch pos d"], median: Float[Tensor, " batch"],

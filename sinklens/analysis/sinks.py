@@ -41,7 +41,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -457,26 +456,6 @@ class SinkResult(SettingsFields, CompactRepr):
             "top_sinks": self.top_sinks(20),
             "top_occurrences": self.top_occurrences,
         }, digits=None)
-
-    # ---- plots -------------------------------------------------------------------------------
-    def plot(self, path: str | Path | None = None, *, position: int | None = None) -> Any:
-        """Layer × head heatmap of attention to the main sink (see :func:`sinklens.plotting.sinks.plot_sink_heatmap`)."""
-        from sinklens.plotting.sinks import plot_sink_heatmap
-
-        return plot_sink_heatmap(self, position=position, path=path)
-
-    def plot_sink_rate(self, path: str | Path | None = None, *, position: int | None = None) -> Any:
-        """Per-head and per-layer sink rate (see :func:`sinklens.plotting.sinks.plot_sink_rate`)."""
-        from sinklens.plotting.sinks import plot_sink_rate
-
-        return plot_sink_rate(self, position=position, path=path)
-
-    def plot_received(self, path: str | Path | None = None, *, layers: Sequence[int] | None = None) -> Any:
-        """Received attention vs key position (see :func:`sinklens.plotting.sinks.plot_received_by_position`)."""
-        from sinklens.plotting.sinks import plot_received_by_position
-
-        return plot_received_by_position(self, layers=layers, path=path)
-
 
 def _merge_position_tokens(mine: Tensor, theirs: Tensor) -> Tensor:
     """Combine two per-position token records (-2 unseen, -1 varies, else the one token id seen there)."""

@@ -69,7 +69,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -227,14 +226,6 @@ class ValueDrain(SettingsFields, CompactRepr):
             "kinds": self.kinds(),
             "counts": self.counts(),
         }, digits=None)
-
-    def plot(self, path: str | Path | None = None) -> Any:
-        """Write share vs attention to the sink, and the class map (see
-        :func:`sinklens.plotting.value_drain.plot_value_drain`)."""
-        from sinklens.plotting.value_drain import plot_value_drain
-
-        return plot_value_drain(self, path=path)
-
 
 def value_drain_reason(model: Any) -> str | None:
     """Why value drain cannot be measured on ``model``, or None when it can.

@@ -180,6 +180,7 @@ def loss_note(model: Any, args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     from sinklens.export import write_json
     from sinklens.loading import load_model
+    from sinklens.plotting.interventions import plot_intervention  # matplotlib: only when a figure is drawn
 
     check_args(args)  # usage errors before the model loads
     model = load_model(args.model, device=args.device, dtype=args.dtype)
@@ -188,7 +189,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json is not None:
         write_json(args.json, result.to_dict(), digits=None, replace=args.overwrite)  # full precision, as to_dict()
     if args.out is not None:
-        result.plot(Path(args.out) / "intervention.png")
+        plot_intervention(result, Path(args.out) / "intervention.png")
     print(format_table(result))
     if note := loss_note(model, args):
         print(note)

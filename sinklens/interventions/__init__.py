@@ -29,7 +29,7 @@ Every factory is registered under one canonical name in :mod:`sinklens.intervent
 trainer and ``sinklens intervene`` build hooks by those names.
 """
 
-from sinklens.interventions import registry
+from sinklens.interventions import builtin, registry  # builtin registers the built-in interventions
 from sinklens.interventions.experiments import (
     InterventionResult,
     create_sink,

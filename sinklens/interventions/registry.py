@@ -145,7 +145,6 @@ def register_alias(old: str, new: str) -> None:
 
 def names(role: Role | None = None, *, aliases: bool = False) -> list[str]:
     """Registered names (canonical, sorted), optionally of one role; ``aliases=True`` adds the old names."""
-    _load_builtins()
     out = [n for n, e in _REGISTRY.items() if role is None or e.role == role]
     if aliases:
         out += [old for old, new in _ALIASES.items() if role is None or _REGISTRY[new].role == role]
@@ -154,7 +153,6 @@ def names(role: Role | None = None, *, aliases: bool = False) -> list[str]:
 
 def get(name: str, *, role: Role | None = None) -> Intervention:
     """The entry registered as ``name`` (hyphens or underscores); a did-you-mean error otherwise."""
-    _load_builtins()
     if not isinstance(name, str):
         raise InvalidArgumentError(f"An intervention name must be a string, got {name!r}.")
     key = canonical(name)
@@ -201,18 +199,6 @@ def check_spec(spec: str | Callable[[Any], Hooks], **overrides: Any) -> None:
         parse_spec(spec)
 
 
-_LOADED = False
-
-
-def _load_builtins() -> None:
-    """Import the modules that register the built-in interventions (once, lazily: no import cycle)."""
-    global _LOADED
-    if not _LOADED:
-        _LOADED = True
-        import sinklens.interventions.builtin  # noqa: F401
-
-
 def as_mapping() -> Mapping[str, Intervention]:
     """A read-only view of the registry (name -> entry)."""
-    _load_builtins()
     return dict(_REGISTRY)

@@ -8,6 +8,7 @@ import torch
 from sinklens.analysis.value_drain import ValueDrainReducer, ValueDrainSettings, measure_value_drain
 from sinklens.errors import InvalidArgumentError
 from sinklens.inputs import as_batches, random_token_batches
+from sinklens.plotting.value_drain import plot_value_drain
 from sinklens.streaming import stream
 from sinklens.testing import QUIET, transformer_lens_major
 from sinklens.testing.planted_values import planted_sink
@@ -178,7 +179,7 @@ def test_exports_and_plot(llama, tmp_path):
     assert payload["kinds"][1][2] == "no-op" and payload["counts"]["no-op"] == 1
     assert payload["settings"]["sink_head_threshold"] == 0.3
     assert len(got.rows()) == 8 and got.rows()[6]["kind"] == "no-op"
-    fig = got.plot(tmp_path / "drain.png")
+    fig = plot_value_drain(got, path=tmp_path / "drain.png")
     assert isinstance(fig, matplotlib.figure.Figure) and (tmp_path / "drain.png").stat().st_size > 0
     image = fig.axes[1].images[0].get_array()
     torch.testing.assert_close(torch.as_tensor(image.data), got.write_share)
