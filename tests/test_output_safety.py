@@ -44,7 +44,7 @@ def finished(tmp_path_factory) -> Path:
 def test_a_failure_while_saving_leaves_the_earlier_analysis_as_it_was(finished, tmp_path, monkeypatch, capsys):
     import shutil
 
-    from sinklens.analysis import report_files
+    from sinklens.plotting import report as report_files
 
     out = tmp_path / "report"
     shutil.copytree(finished, out)
