@@ -22,6 +22,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError, UnknownHookError, UnsupportedArchitectureError
+from sinklens.validate import optional_index_list
 
 #: Per-layer hook sites used across sinklens, relative to ``blocks.{layer}``.
 PATTERN = "attn.hook_pattern"
@@ -51,7 +52,7 @@ def hook_name(layer: int, site: str) -> str:
 
 def head_output_site(model: Any) -> str:
     """The attention hook site whose per-head outputs enter ``W_O``: ``attn.hook_z`` on every
-    TransformerLens model, and on a sinklens :class:`~sinklens.train.model.SinkLM` whose attention
+    TransformerLens model, and on a sinklens :class:`~sinklens.sinklm.model.SinkLM` whose attention
     variant transforms the aggregated output first (head-wise RMSNorm, output gate, variance
     calibration) that variant's own site, which the model declares as ``head_output_site``
     (``attn.hook_z_normed``, ``attn.hook_z_gated``, ``attn.hook_z_calibrated``).
@@ -208,8 +209,6 @@ def resolve_layers(layers: int | Sequence[int] | None, n_layers: int) -> list[in
         >>> resolve_layers(None, 3), resolve_layers(-1, 3), resolve_layers([0, 2], 3)
         ([0, 1, 2], [2], [0, 2])
     """
-    from sinklens.validate import optional_index_list
-
     return optional_index_list(layers, n_layers, what="Layer")
 
 
@@ -613,7 +612,7 @@ def resid_mid_is_a_copy(model: Any) -> bool:
     The TransformerLens 4.x bridges of sequential blocks (Llama, Gemma, GPT-2, Qwen, Mistral, ...) fire
     ``hook_resid_mid`` as ``ln2.hook_in``: it reads the residual after the attention write, but the block adds
     its MLP output to its own copy of that residual, so an edit there changes what the MLP reads and not
-    ``hook_resid_post``. 3.x's ``HookedTransformer`` and :class:`~sinklens.train.model.SinkLM` carry the edit.
+    ``hook_resid_post``. 3.x's ``HookedTransformer`` and :class:`~sinklens.sinklm.model.SinkLM` carry the edit.
     :func:`sinklens.residual_sites.on_the_residual_stream` moves such an edit to where it reaches the stream.
 
     Probed once per model with a 2-token forward that adds 1 at layer 0's ``hook_resid_mid`` and checks whether

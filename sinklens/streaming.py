@@ -329,7 +329,7 @@ class _HookTable:
 
 def accepts_attention_mask(model: Any) -> bool:
     """True if ``model(tokens, attention_mask=...)`` is accepted (TransformerLens 3.x ``HookedTransformer`` and
-    4.x ``TransformerBridge`` both are; sinklens' own :class:`~sinklens.train.model.SinkLM` is not)."""
+    4.x ``TransformerBridge`` both are; sinklens' own :class:`~sinklens.sinklm.model.SinkLM` is not)."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):

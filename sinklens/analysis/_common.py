@@ -16,7 +16,7 @@ from sinklens.hooks import RESID_POST, RESID_PRE, hook_name
 from sinklens.inputs import TokenBatch, is_encoder, require_a_later_position
 from sinklens.options import no_unknown_kwargs, options_from_legacy, settings_from  # noqa: F401  (re-exported for the analyzers)
 from sinklens.streaming import batches_for, stream
-from sinklens.validate import optional_index_list, positive_int
+from sinklens.validate import index_list, optional_index_list, positive_int
 
 #: Floor for denominators (norms, medians) so that an all-zero row gives 0, not NaN.
 TINY = 1e-12
@@ -101,8 +101,6 @@ def position_index(position: Any, n_positions: int) -> int:
         >>> position_index(-1, 6)
         5
     """
-    from sinklens.validate import index_list
-
     return index_list(position, n_positions, what="position")[0]
 
 

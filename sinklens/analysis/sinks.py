@@ -79,7 +79,7 @@ ROW_SUM_TOLERANCE = 1e-5
 def has_sink_logits(model: Any) -> bool:
     """True if the model has learned per-head sink logits: a parameter named ``sinks`` (gpt-oss, in the
     Hugging Face model behind a bridge or in the model itself) or a sinklens ``sink_logit`` attention variant
-    (:class:`~sinklens.train.model.SinkLM` with ``cfg.variant == "sink_logit"``)."""
+    (:class:`~sinklens.sinklm.model.SinkLM` with ``cfg.variant == "sink_logit"``)."""
     if getattr(getattr(model, "cfg", None), "variant", None) == "sink_logit":
         return True
     for root in (getattr(model, "original_model", None), model):

@@ -29,7 +29,7 @@ default) ``b_V`` has moved into ``b_O``, so the values and the write share diffe
   norm is ``ln1``, a LayerNorm of ``resid_pre`` plus the attention output: ``C`` removes the mean over
   ``d_model``, ``g`` is its weight and ``s`` its ``hook_scale`` (see
   :func:`~sinklens.analysis.variance.post_attention_map`). On a sinklens
-  :class:`~sinklens.train.model.SinkLM` whose variant transforms the aggregation before ``W_O`` as
+  :class:`~sinklens.sinklm.model.SinkLM` whose variant transforms the aggregation before ``W_O`` as
   ``c[q, h] · (γ[h] ⊙ z)`` (head-wise RMSNorm: ``γ`` its gain, ``c = 1 / rms(z_q)``; variance calibration
   and a head-wise gate: ``γ = 1``; :func:`~sinklens.hooks.head_output_gain`), ``W_O[l, h]`` becomes
   ``diag(γ[h]) W_O[l, h]`` and ``1 / s[b, q]`` becomes ``|c[b, q, h]| / s[b, q]``, with ``c`` read per query as
@@ -232,7 +232,7 @@ def value_drain_reason(model: Any) -> str | None:
 
     A key's write ``A[q, k] · (v_k ⊙ m_q) · W_O`` is defined when a head's output is linear in its values at
     a fixed query. That holds where ``W_O`` reads the aggregation ``hook_z`` itself (``m = 1``) and for a
-    sinklens :class:`~sinklens.train.model.SinkLM` variant whose output is ``c[q, h] · (γ[h] ⊙ z)``
+    sinklens :class:`~sinklens.sinklm.model.SinkLM` variant whose output is ``c[q, h] · (γ[h] ⊙ z)``
     (:func:`~sinklens.hooks.head_output_gain`: head-wise RMSNorm, variance calibration, a head-wise gate).
     An element-wise gate (``gated``, ``granularity="elementwise"``) mixes a per-coordinate factor of the
     query into every key's write, which the analysis does not split, so it refuses there.

@@ -34,7 +34,7 @@ The same definition is applied to
   ``hook_scale``), beside the residual's own term and the bias (tested against the Hugging Face model).
   ``result_var_pre_norm`` keeps ``z_h · W_O[l, h]`` (equal to ``result_var`` on pre-norm models).
   Here ``z_h`` is what enters ``W_O`` (:func:`~sinklens.hooks.head_output_site`): ``hook_z`` on every
-  TransformerLens model; on a sinklens :class:`~sinklens.train.model.SinkLM` whose variant transforms the
+  TransformerLens model; on a sinklens :class:`~sinklens.sinklm.model.SinkLM` whose variant transforms the
   aggregation first, that variant's site (``hook_z_normed`` for head-wise RMSNorm, ``hook_z_gated``,
   ``hook_z_calibrated``), so the write is the model's own (``z_var`` stays on ``hook_z``, the aggregation);
 * ``attn_out_var``: the attention's whole write (all heads plus bias, averaged over ``d_model``) where it

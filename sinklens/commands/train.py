@@ -20,7 +20,7 @@ file's other tables as written), so ``--config run.toml --preset small`` keeps t
 and whatever model fields it sets. ``d_mlp`` and ``n_kv_heads`` that neither the preset's own
 definition, the file nor a flag sets are derived from the final fields, after every override
 (``--preset tiny --model.d_model 128`` gets the ``d_mlp`` of d_model 128, see
-:class:`~sinklens.train.config.ModelConfig`). An invalid value (``--optim.lr nan``, an unknown
+:class:`~sinklens.sinklm.config.ModelConfig`). An invalid value (``--optim.lr nan``, an unknown
 variant, an unknown intervention) is an error before anything runs, and an existing run directory is
 never replaced unless ``--resume`` or ``--overwrite`` says so.
 
@@ -34,8 +34,8 @@ from pathlib import Path
 
 from sinklens.commands import plain_help
 from sinklens.specs import split_spec
-from sinklens.train.config import DATA_SOURCES, TrainConfig, load_config
-from sinklens.train.variants import attention_variants
+from sinklens.sinklm.config import DATA_SOURCES, TrainConfig, load_config
+from sinklens.sinklm.variants import attention_variants
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -114,8 +114,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     """
     from dataclasses import fields, replace
 
-    from sinklens.train.checkpoint import resume_config
-    from sinklens.train.config import PRESETS, ModelConfig, overrides_to_args, parse_args
+    from sinklens.sinklm.checkpoint import resume_config
+    from sinklens.sinklm.config import PRESETS, ModelConfig, overrides_to_args, parse_args
 
     explicit: set[str] = set()  # model fields set by the preset's definition, the config file or the run
     resumed = resume_config(args.out) if args.resume and args.out and not args.config else None
@@ -162,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.validate import writable_file
 
     if args.fields:
-        from sinklens.train.config import parse_args
+        from sinklens.sinklm.config import parse_args
 
         parse_args(TrainConfig(), ["--help"])
     if not args.out:

@@ -25,7 +25,7 @@ are rescaled. As the registry's ``remove`` intervention (:func:`~sinklens.interv
 the sink away; calling :func:`variance_calibration` directly, and a spec string (``registry.build``, training-time
 ``--intervention variance_calibration``), keep ``amplify``: ``attenuate``'s minimum reads later queries, which a
 causal LM in training must not. The trainer
-variant ``variance_calibrated`` (:mod:`sinklens.train.variants`) applies the same ``amplify`` rescaling
+variant ``variance_calibrated`` (:mod:`sinklens.sinklm.variants`) applies the same ``amplify`` rescaling
 inside the model (its default mode), at its own hook ``attn.hook_z_calibrated``. Its ``attenuate`` mode differs from this one: ``min_t' s_t'`` reads later
 queries, which a causal LM must not, so the trainer uses the fixed reference ``1/n_ctx`` instead.
 
@@ -47,6 +47,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from sinklens.analysis.sinks import has_sink_logits
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import PATTERN, Z, check_hook_names, hook_name, model_dims, require_attention_seams, resolve_layers
 from sinklens.interventions.masks import Hooks, check_in_sequence, positions_arg
@@ -89,8 +90,6 @@ def _refuse_identity_at_first_position(model: Any) -> None:
     """Raise :class:`~sinklens.errors.InvalidArgumentError` when ``mode="amplify"`` at position 0 alone is the
     identity: on a causal model without sink logits query 0 sees key 0 only, so ``s_0 = A_00² = 1`` and its
     factor is exactly 1 (an encoder's position 0 and a sink-logit model's are not: they are left to run)."""
-    from sinklens.analysis.sinks import has_sink_logits
-
     if attention_visibility(model).causal and not has_sink_logits(model):
         raise InvalidArgumentError(
             "variance_calibration(mode='amplify', positions=[0]) does nothing on this model: in a causal model "

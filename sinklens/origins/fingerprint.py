@@ -16,7 +16,7 @@ The algorithm, step by step (the authors' constants in brackets):
    position embeddings are still added, as Hugging Face ``inputs_embeds`` does). ``μ, σ`` are the
    mean and std of the token embedding of a freshly *initialized* model, as theirs
    (:func:`embedding_stats_at_init`: each model's architecture re-drawn by
-   :func:`~sinklens.origins.init.load_at_init` with ``seed``, the two matrices pooled so the test does
+   :func:`~sinklens.loading.init.load_at_init` with ``seed``, the two matrices pooled so the test does
    not depend on argument order; theirs use one init model, picked by hidden size or the base model's
    seed, with an unseeded RNG). The draws are seeded with ``seed``, one ``[L, d_model]`` block per
    sample, so they do not depend on the batch size.
@@ -110,6 +110,8 @@ from sinklens.errors import IncompatibleModelsError, InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch
+from sinklens.loading import load_model
+from sinklens.loading.init import load_at_init
 from sinklens.options import RunOptions, checked_options
 from sinklens.origins.sites import final_state_site
 from sinklens.streaming import BatchFold, Reducer, stream
@@ -485,7 +487,7 @@ def embedding_stats_at_init(models: Sequence[Any], *, seed: int = DEFAULT_SEED) 
     (``utils.py`` ``generate_random_embeddings`` on ``test_foundation_models.py``'s ``DIM_INIT_FN[hidden_size]()``
     or ``test_toy_models.py``'s ``init-{arch}-seed-{base_seed}``), never from the trained weights.
 
-    Each model is re-drawn by :func:`sinklens.origins.init.load_at_init` (``init_seed=seed``, native
+    Each model is re-drawn by :func:`sinklens.loading.init.load_at_init` (``init_seed=seed``, native
     scheme, float32, CPU): Hugging Face ``from_config`` (Llama-style: ``N(0, initializer_range²)``,
     so ``σ ≈ 0.02``), ``SinkLM(cfg)``, or a TransformerLens 3.x ``HookedTransformer``'s own
     ``init_weights`` (``σ = cfg.initializer_range``, ``0.8 / sqrt(d_model)`` by default). The entries
@@ -498,8 +500,6 @@ def embedding_stats_at_init(models: Sequence[Any], *, seed: int = DEFAULT_SEED) 
         >>> abs(mu) < 2e-3, round(sigma, 2)
         (True, 0.02)
     """
-    from sinklens.origins.init import load_at_init
-
     seed = as_seed(seed, what="seed")
     draws: list[Tensor] = []
     for model in {id(m): m for m in models}.values():
@@ -613,8 +613,6 @@ def fingerprint(
         >>> fingerprint(a, a, n_samples=64, seq_len=8, options=opts).same_lineage
         True
     """
-    from sinklens.loading import load_model
-
     buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
     n_samples = positive_int(n_samples, what="n_samples", minimum=2)
     seed = as_seed(seed, what="seed")

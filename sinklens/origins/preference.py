@@ -54,6 +54,7 @@ from sinklens.options import RunOptions, checked_options, settings_from
 from sinklens.origins.sites import final_state_site, logits_from_final
 from sinklens.streaming import R, BatchFold, Reducer, stream
 from sinklens.validate import as_seed, positive_int
+from sinklens.visibility import attention_direction
 
 
 @dataclass(repr=False, eq=False)
@@ -185,8 +186,6 @@ def refuse_encoder(model: Any, what: str) -> None:
         UnsupportedArchitectureError: naming ``what`` and the model's class: an encoder's logits at ``t``
             predict the token at ``t`` itself, so their mean is no next-token preference.
     """
-    from sinklens.visibility import attention_direction
-
     if attention_direction(model) == "bidirectional":
         raise UnsupportedArchitectureError(
             f"{what} needs a causal (next-token) model, but {type(model).__name__} "

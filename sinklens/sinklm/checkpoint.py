@@ -69,10 +69,12 @@ from sinklens.errors import (
     RunLockedError,
     RunNotFoundError,
 )
-from sinklens.export import default_file_mode, write_json, write_text_atomic
+from sinklens.export import default_file_mode, json_line, write_json, write_text_atomic
 from sinklens.folder_lock import FolderLock
 from sinklens.model_files import file_mismatch, sha256_file
-from sinklens.train.config import LOCAL_DATA_SOURCES, TrainConfig
+from sinklens.sinklm.config import LOCAL_DATA_SOURCES, TrainConfig
+from sinklens.sinklm.init import sinklm_at_init
+from sinklens.sinklm.tokenizer import load_tokenizer
 
 CONFIG, WEIGHTS, OPTIMIZER, STATE, TOKENIZER = "config.json", "model.safetensors", "optimizer.pt", "trainer_state.pt", "tokenizer"
 POINTER, MANIFEST, CHECKPOINTS, METRICS = "checkpoint.json", "manifest.json", "checkpoints", "metrics.jsonl"
@@ -225,8 +227,6 @@ def tokenizer_problem(run_dir: str | Path) -> str | None:
     path = Path(run_dir) / TOKENIZER
     if not path.is_dir():
         return f"{str(path)!r} is missing"
-    from sinklens.train.tokenizer import load_tokenizer
-
     try:
         load_tokenizer(str(path))
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file, whatever the parser raises
@@ -447,7 +447,7 @@ def resume_changes(saved: TrainConfig, requested: TrainConfig, *, run_dir: str |
         listed = "; ".join(f"{key} is {changes[key][1]!r} here but {changes[key][0]!r} in the run" for key in fixed)
         raise ResumeMismatchError(
             f"Cannot resume {str(run_dir)!r} with another model, data or seed: {listed}. A resume continues the run "
-            "with its own config (sinklens train --out DIR --resume, or train(sinklens.train.checkpoint.resume_config(DIR), out_dir=DIR, resume=True)); "
+            "with its own config (sinklens train --out DIR --resume, or train(sinklens.sinklm.checkpoint.resume_config(DIR), out_dir=DIR, resume=True)); "
             "it may change steps, optim, eval and the like. For another model or data start a new run "
             "(another out_dir, or --overwrite)."
         )
@@ -769,13 +769,11 @@ def with_current_metric_names(line: dict[str, Any]) -> dict[str, Any]:
 
 def write_metrics(run_dir: str | Path, lines: list[dict[str, Any]]) -> None:
     """Replace ``metrics.jsonl`` atomically with ``lines`` (strict JSON, one per line)."""
-    from sinklens.export import json_line
-
     write_text_atomic(Path(run_dir) / METRICS, "".join(json_line(line) + "\n" for line in lines))
 
 
 def load_trained_model(run_dir: str | Path, device: str | torch.device | None = None) -> Any:
-    """Load a trained :class:`~sinklens.train.model.SinkLM` from a run directory, in eval mode.
+    """Load a trained :class:`~sinklens.sinklm.model.SinkLM` from a run directory, in eval mode.
 
     Uses the newest good checkpoint (:func:`load_run`). The model gets its text tokenizer as
     ``model.tokenizer`` (a ``PreTrainedTokenizerFast``) when the run trained on text, so analyzers
@@ -786,7 +784,7 @@ def load_trained_model(run_dir: str | Path, device: str | torch.device | None = 
         RunNotFoundError: not a run directory, or no checkpoint written yet.
         CorruptCheckpointError: no checkpoint passes verification.
     """
-    from sinklens.train.model import SinkLM
+    from sinklens.sinklm.model import SinkLM
 
     ckpt = load_run(run_dir)
     cfg = ckpt.config
@@ -795,8 +793,6 @@ def load_trained_model(run_dir: str | Path, device: str | torch.device | None = 
     model.to(device)
     _load_weights(model, ckpt.path / WEIGHTS, str(device))
     if (ckpt.run_dir / TOKENIZER).is_dir():
-        from sinklens.train.tokenizer import load_tokenizer
-
         model.tokenizer = load_tokenizer(str(ckpt.run_dir / TOKENIZER))
     model.train_config = cfg
     return model.eval()
@@ -822,19 +818,17 @@ def checkpoint_steps(run_dir: str | Path) -> list[int]:
 
 
 def load_step_model(run_dir: str | Path, step: int, device: str | torch.device | None = None) -> Any:
-    """The :class:`~sinklens.train.model.SinkLM` of the kept checkpoint of ``step``, verified, in eval mode.
+    """The :class:`~sinklens.sinklm.model.SinkLM` of the kept checkpoint of ``step``, verified, in eval mode.
 
     Step 0 (never written as a checkpoint) is the run's initialization, ``RUN_DIR@init``
-    (:func:`sinklens.origins.init.sinklm_at_init` with the run's config and seed).
+    (:func:`sinklens.loading.init.sinklm_at_init` with the run's config and seed).
     """
-    from sinklens.train.model import SinkLM
+    from sinklens.sinklm.model import SinkLM
 
     run_dir = Path(run_dir)
     device = torch.device(device) if device is not None else torch.device("cpu")
     cfg = load_train_config(run_dir)
     if step == 0:
-        from sinklens.origins.init import sinklm_at_init
-
         model = sinklm_at_init(cfg.model, cfg.seed, device=device)
     else:
         path = run_dir / CHECKPOINTS / _step_dir_name(step)
@@ -849,8 +843,6 @@ def load_step_model(run_dir: str | Path, step: int, device: str | torch.device |
         model = SinkLM(cfg.model).to(device)
         _load_weights(model, path / WEIGHTS, str(device))
     if (run_dir / TOKENIZER).is_dir():
-        from sinklens.train.tokenizer import load_tokenizer
-
         model.tokenizer = load_tokenizer(str(run_dir / TOKENIZER))
     model.train_config = cfg
     return model.eval()

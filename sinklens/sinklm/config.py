@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from sinklens.errors import ConfigFileNotFoundError, InputFileError, InvalidArgumentError
-from sinklens.specs import _split_args, parse_value
-from sinklens.train.variants import get_attention_variant
+from sinklens.specs import split_args, parse_value
+from sinklens.sinklm.variants import get_attention_variant
 from sinklens.validate import as_bool, as_seed, choice, closest, did_you_mean, finite_number, positive_int
 
 Family = Literal["llama", "gpt2"]
@@ -52,7 +52,7 @@ Autocast = Literal["bfloat16", "float16", "none"]
 #: Mixed precision of a CPU run (:mod:`sinklens.train.precision`).
 CpuAutocast = Literal["bfloat16", "none"]
 OnNonFinite = Literal["stop", "skip"]
-#: CPU float32 matmul backend of the model (:mod:`sinklens.train.matmul`).
+#: CPU float32 matmul backend of the model (:mod:`sinklens.sinklm.matmul`).
 CpuMatmul = Literal["auto", "onednn", "aten"]
 DATA_SOURCES: tuple[str, ...] = typing.get_args(DataSource)
 #: The ``data.source`` values whose ``data.path`` is a file or folder on this machine.
@@ -116,11 +116,11 @@ class _Part:
 
 @dataclass
 class ModelConfig(_Part):
-    """Shape and attention variant of a :class:`sinklens.train.model.SinkLM`.
+    """Shape and attention variant of a :class:`sinklens.sinklm.model.SinkLM`.
 
     ``family="llama"``: RMSNorm, SwiGLU, RoPE, tied embeddings, optional GQA (``n_kv_heads``).
     ``family="gpt2"``: LayerNorm, GELU, learned positions, tied embeddings.
-    ``variant`` names an attention variant registered in :mod:`sinklens.train.variants`;
+    ``variant`` names an attention variant registered in :mod:`sinklens.sinklm.variants`;
     ``variant_options`` are passed to it (e.g. ``{"gain": "per_head", "init": "first_token"}``) and
     checked when the model is built. ``d_vocab="auto"`` takes the vocabulary of the training data
     (resolved once, by :func:`sinklens.train.loop.train`). ``dtype`` is stored as a string so the
@@ -431,7 +431,7 @@ class TrainConfig(_Part):
             this torch build has it and it passes a self-check, else PyTorch's default (MKL);
             ``"onednn"`` insists; ``"aten"`` keeps PyTorch's default. Same float32 arithmetic;
             oneDNN measured ≈1.3× faster on the trainer's forward and input-gradient products and
-            ≈1.1× on a whole ``headnorm-cpu`` step (:mod:`sinklens.train.matmul`,
+            ≈1.1× on a whole ``headnorm-cpu`` step (:mod:`sinklens.sinklm.matmul`,
             ``benchmarks/RESULTS.md``).
             A CPU run also keeps freed memory mapped for reuse while it trains
             (:mod:`sinklens.train.allocator`).
@@ -605,7 +605,7 @@ def _list_value(key: str, raw: str) -> list[str]:
     if any(q in text for q in "'\""):
         raise bad("it mixes quoted and unquoted items")
     specs: list[str] = []
-    for piece in (p.strip() for p in _split_args(text[1:-1])):
+    for piece in (p.strip() for p in split_args(text[1:-1])):
         if "=" in piece.partition(":")[0]:  # key=value: one more option of the spec before it
             if not specs:
                 raise bad(f"{piece!r} is an option with no spec name before it")

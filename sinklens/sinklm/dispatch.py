@@ -46,7 +46,7 @@ def cpu_float32(*tensors: Tensor, compiling: bool = False) -> bool:
     """True when every tensor is a CPU float32 one and no autocast or ``torch.func`` transform is
     active: where the trainer's hand-written CPU kernels apply. While ``torch.compile`` traces it is
     ``compiling``: True for a kernel that is a custom operator, which inductor keeps as one opaque call
-    (:func:`sinklens.train.matmul.matmul`'s oneDNN product), False for an ``autograd.Function``, which
+    (:func:`sinklens.sinklm.matmul.matmul`'s oneDNN product), False for an ``autograd.Function``, which
     the graph should see as the plain operations it replaces (inductor fuses those itself)."""
     if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
         return False
@@ -57,6 +57,6 @@ def cpu_float32(*tensors: Tensor, compiling: bool = False) -> bool:
 
 def eager_cpu_float32(*tensors: Tensor) -> bool:
     """:func:`cpu_float32` outside ``torch.compile``: where the trainer's ``autograd.Function`` kernels
-    (:func:`sinklens.train.rms_norm.rms_norm`'s and :func:`sinklens.train.rotary.rope`'s closed-form
+    (:func:`sinklens.sinklm.rms_norm.rms_norm`'s and :func:`sinklens.sinklm.rotary.rope`'s closed-form
     backwards) apply."""
     return cpu_float32(*tensors)

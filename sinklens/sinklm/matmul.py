@@ -1,4 +1,4 @@
-"""The dense products ``x @ w`` of :class:`~sinklens.train.model.SinkLM`, through oneDNN on CPU.
+"""The dense products ``x @ w`` of :class:`~sinklens.sinklm.model.SinkLM`, through oneDNN on CPU.
 
 PyTorch's float32 ``aten::mm`` on x86 CPUs calls MKL's ``sgemm``. On the project's AMD EPYC
 (Zen 4, 2 cores) that measured 120–170 GFLOP/s for the trainer's shapes, where oneDNN's float32
@@ -15,7 +15,7 @@ Backends (:data:`CpuMatmul`), chosen per process with :func:`set_cpu_matmul` (th
 and it passes a numerical self-check against a float64 product, else ``aten``; ``"onednn"``
 insists (an error when it is missing); ``"aten"`` never uses it. Whatever the backend, a product
 runs on ``aten`` when it is not a CPU float32 one, under autocast, or inside ``torch.func``
-transforms; see :func:`sinklens.train.dispatch.cpu_float32`. A ``torch.compile``-d model calls
+transforms; see :func:`sinklens.sinklm.dispatch.cpu_float32`. A ``torch.compile``-d model calls
 the oneDNN product as the custom operator ``torch.ops.sinklens.onednn_mm`` (torch >= 2.4):
 inductor fuses the element-wise work between the products and calls oneDNN for them (a compiled
 ``headnorm-cpu`` step on the AMD EPYC: 1.05× an eager one, where with inductor's own ``aten::mm``
@@ -35,8 +35,8 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.train.config import CpuMatmul
-from sinklens.train.dispatch import cpu_float32, is_compiling, is_exporting
+from sinklens.sinklm.config import CpuMatmul
+from sinklens.sinklm.dispatch import cpu_float32, is_compiling, is_exporting
 from sinklens.validate import choice
 
 __all__ = ["CpuMatmul", "cpu_matmul_backend", "matmul", "set_cpu_matmul"]

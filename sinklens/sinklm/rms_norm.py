@@ -1,4 +1,4 @@
-"""RMSNorm for :class:`~sinklens.train.model.SinkLM`, with a closed-form backward on CPU.
+"""RMSNorm for :class:`~sinklens.sinklm.model.SinkLM`, with a closed-form backward on CPU.
 
 ``rms_norm(x, w, eps) = w ⊙ x / sqrt(mean_d(x²) + eps)``, normalising over the last axis of ``x``
 in float32. It serves the model's pre-norms (``w`` of shape ``[d_model]``), head-wise RMSNorm
@@ -17,7 +17,7 @@ Measured forward + backward on the project's 2-core CPU: 1.65 vs 3.10 ms for ``[
 with a ``[256]`` gain, 2.2 vs 3.5 ms for head-wise ``[16, 256, 4, 64]`` with a ``[4, 64]`` gain
 (``benchmarks/RESULTS.md``). Same float32 arithmetic up to
 summation order (tested against ``F.rms_norm`` and float64). It runs only where
-:func:`~sinklens.train.dispatch.eager_cpu_float32` holds and a gradient is needed; elsewhere
+:func:`~sinklens.sinklm.dispatch.eager_cpu_float32` holds and a gradient is needed; elsewhere
 (CUDA, bfloat16, autocast, ``torch.compile``, inference) ``F.rms_norm`` runs. The closed-form
 backward is not itself differentiable: a second derivative through it (``create_graph=True``)
 raises torch's ``once_differentiable`` error instead of returning a wrong number; compute such
@@ -32,7 +32,7 @@ from jaxtyping import Float
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from sinklens.train.dispatch import at_least_float32, eager_cpu_float32
+from sinklens.sinklm.dispatch import at_least_float32, eager_cpu_float32
 
 __all__ = ["rms_norm"]
 

@@ -1,11 +1,11 @@
-"""Rotary position embedding of :class:`~sinklens.train.model.SinkLM` (rotate-half convention).
+"""Rotary position embedding of :class:`~sinklens.sinklm.model.SinkLM` (rotate-half convention).
 
 ``rope(x)[t] = x[t] ⊙ cos(t θ) + rotate_half(x[t]) ⊙ sin(t θ)``, with ``rotate_half(x) = [−x₂, x₁]``
 for the two halves of ``d_head`` (Llama / TransformerLens). It is computed as
 ``x ⊙ cos + roll(x, d_head/2) ⊙ signed_sin`` with ``signed_sin = [−sin₁, sin₂]``: one ``roll``
 instead of a negation and a concatenation.
 
-On eager CPU float32 work with a gradient (:func:`~sinklens.train.dispatch.eager_cpu_float32`)
+On eager CPU float32 work with a gradient (:func:`~sinklens.sinklm.dispatch.eager_cpu_float32`)
 :class:`_RotaryFunction` runs it as one product and one fused multiply-add, and its backward, the
 transposed rotation ``dy ⊙ cos + roll(dy, d_head/2) ⊙ roll(signed_sin, d_head/2)``, the same way,
 saving nothing but the angle tables: 3 element-wise passes each way where autograd runs 4 forward
@@ -20,7 +20,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.train.dispatch import eager_cpu_float32
+from sinklens.sinklm.dispatch import eager_cpu_float32
 
 __all__ = ["RotaryTables", "rope"]
 

@@ -28,7 +28,7 @@ CPU configuration (4 layers, d_model 256, sequence 256, batch 16; ``benchmarks/R
 project's 2-core Intel Xeon (AMX) a compiled step took 0.90 of an eager one (9602 vs 8660 tokens/s,
 3 alternated repeats); on its 2-core AMD EPYC, quiet, it was no faster (3604 vs 3634 tokens/s, an
 older tree) while inductor put its own ``aten::mm`` (MKL) in place of the oneDNN products; since they
-stay oneDNN in the compiled graph (:mod:`sinklens.train.matmul`) it takes 0.94 of an eager one (5584 vs
+stay oneDNN in the compiled graph (:mod:`sinklens.sinklm.matmul`) it takes 0.94 of an eager one (5584 vs
 5237 tokens/s, 4 alternated repeats). Hence :data:`SAVED_FRACTION` of 0.1 for the CPU as the expectation,
 and the measured check (3. above) for the machines where it does not hold. The compile itself (first compiled step
 minus an eager one) took 82–133 s with a cold inductor cache on a loaded machine and 3–56 s with the

@@ -1,6 +1,6 @@
 """The training loop: read it top to bottom, like nanoGPT's ``train.py``.
 
-:func:`train` builds a :class:`~sinklens.train.model.SinkLM` from ``cfg.model`` (seeded by
+:func:`train` builds a :class:`~sinklens.sinklm.model.SinkLM` from ``cfg.model`` (seeded by
 ``cfg.seed``), a :class:`~sinklens.train.data.TokenSource` from ``cfg.data`` (ordered by
 ``cfg.data.seed`` only), AdamW with warmup + cosine decay (:func:`get_lr`), and then for every step:
 evaluate (every ``eval.interval`` steps: validation loss, sink metrics, persistence of the step-0
@@ -11,7 +11,7 @@ checkpoint. Training-time interventions (``(hook_name, fn)`` pairs, e.g. from
 model can be pretrained with its sink moved. Under ``torchrun`` the model is wrapped in DDP.
 
 Examples:
-    >>> from sinklens.train.config import OptimConfig
+    >>> from sinklens.sinklm.config import OptimConfig
     >>> opt = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10)
     >>> [round(get_lr(s, opt, total_steps=100), 6) for s in (0, 9, 10, 55, 100, 200)]
     [0.0001, 0.001, 0.001, 0.00055, 0.0001, 0.0001]
@@ -46,18 +46,18 @@ from sinklens.errors import (
 from sinklens.export import json_line, write_json
 from sinklens.train.compile import CompileSwitch
 from sinklens.train.allocator import retained_cpu_memory
-from sinklens.train.checkpoint import (
+from sinklens.sinklm.checkpoint import (
     METRICS, TOKENIZER, RunLock, check_data_fingerprint, clean_stale, discard_set_aside, foreign_entries,
     has_checkpoint, is_run_dir, load_checkpoint, load_run, read_metrics, recover_set_aside, restore_set_aside,
     resume_changes, save_checkpoint, save_tokenizer, set_aside_run, set_aside_runs, tokenizer_problem,
     write_data_fingerprint, write_metrics,
 )
-from sinklens.train.config import OptimConfig, TrainConfig
+from sinklens.sinklm.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source, data_fingerprint
 from sinklens.distributed.ddp import DistContext, cleanup_distributed, init_distributed
 from sinklens.train.interrupt import StopSignals
-from sinklens.train.matmul import cpu_matmul_backend, set_cpu_matmul
-from sinklens.train.model import next_token_loss
+from sinklens.sinklm.matmul import cpu_matmul_backend, set_cpu_matmul
+from sinklens.sinklm.model import next_token_loss
 from sinklens.train.persistence import PersistenceTracker
 from sinklens.train.precision import mixed_precision
 from sinklens.validate import positive_int, writable_dir
@@ -194,7 +194,7 @@ class TrainResult(CompactRepr):
     """What :func:`train` returns.
 
     Attributes:
-        model: the trained (unwrapped) :class:`~sinklens.train.model.SinkLM`, in train mode.
+        model: the trained (unwrapped) :class:`~sinklens.sinklm.model.SinkLM`, in train mode.
         history: the metrics lines (also in ``out_dir/metrics.jsonl``): ``kind="train"`` lines
             with ``loss`` (mean over the step's batch), ``lr``, ``grad_norm`` (before clipping),
             ``tokens_per_s``, ``mfu``; ``kind="eval"`` lines with ``val_loss``, sink metrics and
@@ -211,7 +211,7 @@ class TrainResult(CompactRepr):
             and another when ``"auto"`` checked it, and ``compiled`` on every ``kind="train"`` line.
         cpu: the CPU fast paths of the run: ``device`` (the device type it trained on),
             ``matmul`` (``"onednn"`` or ``"aten"``: the backend ``TrainConfig.cpu_matmul`` resolved
-            to, used for CPU float32 products only, :mod:`sinklens.train.matmul`),
+            to, used for CPU float32 products only, :mod:`sinklens.sinklm.matmul`),
             ``matmul_fallback_reason`` (why ``"auto"`` fell back to aten, else None) and
             ``retained_memory`` (freed memory kept mapped during a CPU run,
             :mod:`sinklens.train.allocator`), ``autocast`` (the forward's autocast dtype,
@@ -384,12 +384,12 @@ def train(
 
     Args:
         out_dir: run directory (``config.json``, ``metrics.jsonl``, ``checkpoint.json`` and
-            ``checkpoints/``, ``tokenizer/``; see :mod:`sinklens.train.checkpoint`); None keeps
+            ``checkpoints/``, ``tokenizer/``; see :mod:`sinklens.sinklm.checkpoint`); None keeps
             everything in memory.
         resume: continue from the newest good checkpoint in ``out_dir`` (its step, weights,
             optimizer, RNG); the loss curve continues exactly as if the run had not stopped. ``cfg``
-            is the run's own (:func:`~sinklens.train.checkpoint.resume_config`), changed at most in how the run goes
-            on (``steps``, ``optim``, ``eval``...: :func:`~sinklens.train.checkpoint.resume_changes`);
+            is the run's own (:func:`~sinklens.sinklm.checkpoint.resume_config`), changed at most in how the run goes
+            on (``steps``, ``optim``, ``eval``...: :func:`~sinklens.sinklm.checkpoint.resume_changes`);
             a ``kind="resume"`` metrics line records the step and those changes.
         overwrite: replace the run already in ``out_dir`` and start afresh: its own files are moved
             aside, deleted at the new run's first checkpoint and restored if the new run fails before it.
@@ -459,7 +459,7 @@ def _check_weights_finite(model: Any) -> str | None:
 def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool, interventions: Sequence[Intervention],
            progress: bool, until: int | None) -> TrainResult:
     """:func:`train` once the run directory is locked."""
-    from sinklens.train.model import SinkLM
+    from sinklens.sinklm.model import SinkLM
 
     if out is not None and out.is_dir() and writes_outputs():
         recovered = recover_set_aside(out)  # an overwrite killed before its first checkpoint: the old run comes back

@@ -10,7 +10,7 @@ from _train_cfg import build_cfg
 
 from sinklens.errors import InvalidArgumentError
 from sinklens.train import compile as tc
-from sinklens.train.config import TrainConfig, apply_overrides, parse_args
+from sinklens.sinklm.config import TrainConfig, apply_overrides, parse_args
 from sinklens.train.loop import train
 
 CPU = torch.device("cpu")
@@ -146,9 +146,9 @@ sys.path.insert(0, "tests/train")
 from _train_cfg import build_cfg
 from safetensors.torch import load_file
 from sinklens.train import compile as tc
-from sinklens.train.checkpoint import load_trained_model
+from sinklens.sinklm.checkpoint import load_trained_model
 from sinklens.train.loop import train
-from sinklens.train.model import SinkLM
+from sinklens.sinklm.model import SinkLM
 
 # "auto" decides to compile any run of 2+ steps left, at no cost, with dynamo's (fast) eager backend
 tc.AUTO_MIN_STEPS, tc.COMPILE_SECONDS, tc.COMPILE_KWARGS = 2, {"cpu": 0.0}, {"backend": "eager"}

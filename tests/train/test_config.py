@@ -9,7 +9,7 @@ import pytest
 from _train_cfg import build_cfg
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.train.config import OptimConfig, TrainConfig, apply_overrides, load_config
+from sinklens.sinklm.config import OptimConfig, TrainConfig, apply_overrides, load_config
 from sinklens.train.loop import get_lr
 
 
@@ -116,7 +116,7 @@ def test_lr_schedule_warmup_cosine_floor():
 def test_config_errors_are_one_clean_line():
     """A field's own validation comes back as its own message alone; tyro's errors lose the panel title tyro
     repeats ("Value error Error parsing TrainConfig: ...", "Unrecognized options Unrecognized options: ...")."""
-    from sinklens.train.config import parse_args
+    from sinklens.sinklm.config import parse_args
 
     with pytest.raises(ValueError) as own:
         apply_overrides(build_cfg(), ["steps=0"])

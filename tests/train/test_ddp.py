@@ -15,7 +15,7 @@ from _train_cfg import build_cfg
 from sinklens.train.data import build_source
 from sinklens.distributed.ddp import DistContext
 from sinklens.train.loop import forward_backward, micro_batch, train
-from sinklens.train.model import SinkLM
+from sinklens.sinklm.model import SinkLM
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
     from sinklens.train.data import build_source
     from sinklens.distributed.ddp import init_distributed
     from sinklens.train.loop import forward_backward, micro_batch, train
-    from sinklens.train.model import SinkLM
+    from sinklens.sinklm.model import SinkLM
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)

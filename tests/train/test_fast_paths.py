@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.train import matmul as matmul_mod
+from sinklens.sinklm import matmul as matmul_mod
 from sinklens.train.allocator import _glibc
-from sinklens.train.config import ModelConfig
+from sinklens.sinklm.config import ModelConfig
 from sinklens.train.loop import train
-from sinklens.train.model import LayerNorm, RMSNorm, SinkLM, next_token_loss
-from sinklens.train import rms_norm as rms_norm_mod
-from sinklens.train import rotary as rotary_mod
-from sinklens.train.rms_norm import rms_norm
-from sinklens.train.rotary import RotaryTables, rope
+from sinklens.sinklm.model import LayerNorm, RMSNorm, SinkLM, next_token_loss
+from sinklens.sinklm import rms_norm as rms_norm_mod
+from sinklens.sinklm import rotary as rotary_mod
+from sinklens.sinklm.rms_norm import rms_norm
+from sinklens.sinklm.rotary import RotaryTables, rope
 from _train_cfg import build_cfg
 
 
@@ -264,7 +264,7 @@ def test_cpu_kernels_stand_aside_without_a_gradient_or_under_autocast(monkeypatc
     assert calls  # and with a gradient they run
 
 
-# ---------------------------------------------------------------- oneDNN matmul (sinklens.train.matmul)
+# ---------------------------------------------------------------- oneDNN matmul (sinklens.sinklm.matmul)
 
 
 @pytest.fixture
@@ -367,8 +367,8 @@ def test_train_runs_on_the_configured_backend_and_restores_the_previous_one(rest
 _FAULTS = """
 import resource, torch
 from sinklens.train.allocator import retained_cpu_memory
-from sinklens.train.config import ModelConfig
-from sinklens.train.model import SinkLM
+from sinklens.sinklm.config import ModelConfig
+from sinklens.sinklm.model import SinkLM
 torch.manual_seed(0)
 model = SinkLM(ModelConfig.from_preset("tiny", n_ctx=256, d_vocab=64))
 tokens = torch.randint(0, 64, (32, 256))
@@ -401,9 +401,9 @@ def test_retained_memory_stops_the_per_step_page_faults():
 _COMPILED_PRODUCTS = r"""
 import json
 import torch
-from sinklens.train import matmul as mm
-from sinklens.train.config import ModelConfig
-from sinklens.train.model import SinkLM, next_token_loss
+from sinklens.sinklm import matmul as mm
+from sinklens.sinklm.config import ModelConfig
+from sinklens.sinklm.model import SinkLM, next_token_loss
 
 out = {"resolved_at_import": mm._backend["resolved"]}
 ops = []
