@@ -8,6 +8,9 @@ them all from the source).
 from __future__ import annotations
 
 import ast
+import pkgutil
+import re
+import tomllib
 from pathlib import Path
 
 import grimp
@@ -55,6 +58,14 @@ def test_layers_only_point_down(monkeypatch, capsys):
     monkeypatch.chdir(ROOT)
     failed = lint_imports(config_filename=str(ROOT / "pyproject.toml"), no_cache=True, no_logo=True)
     assert failed == 0, capsys.readouterr().out
+
+
+def test_every_top_level_module_has_a_layer():
+    """A module the contract does not name would be free to import anything."""
+    contract = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]["contracts"][0]
+    named = {name for layer in contract["layers"] for name in re.split(r"\s*[|:]\s*", layer)}
+    modules = {f"sinklens.{m.name}" for m in pkgutil.iter_modules([str(PACKAGE)])}
+    assert modules == named
 
 
 def private_names_across_packages() -> list[str]:
