@@ -27,7 +27,7 @@ Tasks (``--task``):
   GPT-2-style blocks (learned absolute positions), BOS at position 0.
 * ``text``: docstrings of the Python standard library's top-level modules (``ast.get_docstring``
   of every module, class and function, > 40 characters), a 512-token BPE trained on them
-  (:mod:`sinklens.train.tokenizer`), a Llama-style model (RoPE, SwiGLU) of 4 layers, d_model 256;
+  (:mod:`sinklens.sinklm.tokenizer`), a Llama-style model (RoPE, SwiGLU) of 4 layers, d_model 256;
   every sequence starts with ``<|endoftext|>`` as BOS.
 * ``text-small``: the same corpus and tokenizer, a smaller model (``--family`` llama or gpt2,
   ``--layers`` 2, ``--heads`` 4, ``--d-model`` 64 by default) and **no BOS** unless ``--bos``: windows
@@ -65,8 +65,8 @@ import torch
 from sinklens.export import write_json
 from sinklens.inputs import stdlib_docstrings
 from sinklens.plotting.training import smooth, steps_to_loss
-from sinklens.train.checkpoint import with_current_metric_names
-from sinklens.train.config import TrainConfig
+from sinklens.sinklm.checkpoint import with_current_metric_names
+from sinklens.sinklm.config import TrainConfig
 from sinklens.train.loop import train
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -48,11 +48,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sinklens.train.config import TrainConfig
+from sinklens.sinklm.config import TrainConfig
 from sinklens.train.data import build_source
-from sinklens.train.ddp import DistContext
+from sinklens.distributed.ddp import DistContext
 from sinklens.train.loop import configure_optimizer, estimate_mfu, forward_backward, micro_batch, peak_flops
-from sinklens.train.model import SinkLM
+from sinklens.sinklm.model import SinkLM
 
 
 # ---------------------------------------------------------------- reference minimal Llama-style model

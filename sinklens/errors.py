@@ -85,7 +85,7 @@ class IncompatibleModelsError(SinklensError, ValueError):
     """Two models that cannot be compared as asked (e.g. different hidden sizes for a SeedPrint test)."""
 
 
-# ---- trainer run directories (sinklens.train.checkpoint, sinklens.train.loop)
+# ---- trainer run directories (sinklens.sinklm.checkpoint, sinklens.train.loop)
 class RunNotFoundError(ModelFileNotFoundError):
     """A path that is not a sinklens run directory, or a run that has no checkpoint yet."""
 

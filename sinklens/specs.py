@@ -11,7 +11,7 @@ from sinklens.errors import InvalidArgumentError
 __all__ = ["parse_value", "split_spec"]
 
 
-def _split_args(text: str) -> list[str]:
+def split_args(text: str) -> list[str]:
     """Split ``a=1,b=[1,2]`` at top-level commas."""
     parts, depth, current = [], 0, ""
     for char in text:
@@ -55,7 +55,7 @@ def split_spec(spec: str, *, what: str) -> tuple[str, dict[str, Any]]:
         raise InvalidArgumentError(f"An {what} spec must be a non-empty string 'name:key=value,...', got {spec!r}.")
     name, _, args = spec.partition(":")
     kwargs: dict[str, Any] = {}
-    for item in _split_args(args):
+    for item in split_args(args):
         key, sep, value = item.partition("=")
         if not sep or not key.strip().isidentifier():
             raise InvalidArgumentError(f"{what.capitalize()} argument {item!r} in {spec!r} is not of the form key=value.")

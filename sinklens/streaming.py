@@ -44,10 +44,12 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
 
 import torch
+import torch.distributed as dist
 from jaxtyping import Bool
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from sinklens import distributed
 from sinklens.errors import PatternNotExposedError, UnsupportedArchitectureError
 from sinklens.hooks import check_hook_names, check_model_device, eval_mode, hook_name, refuse_meta_model
 from sinklens.inputs import Inputs, TokenBatch, as_batches, is_encoder, right_align
@@ -212,9 +214,16 @@ def _lowest(dtype: torch.dtype) -> float | bool:
     return torch.finfo(dtype).min if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
-def _pad_to(t: Tensor, size: Sequence[int], fill: float | bool = 0.0) -> Tensor:
-    from sinklens.analysis._common import grow
+def grow(t: Tensor, dim: int, size: int, fill: float | int | bool = 0.0) -> Tensor:
+    """Pad ``t`` along ``dim`` with ``fill`` up to ``size`` (no-op if already that large)."""
+    if t.shape[dim] >= size:
+        return t
+    shape = list(t.shape)
+    shape[dim] = size - t.shape[dim]
+    return torch.cat([t, torch.full(shape, fill, dtype=t.dtype, device=t.device)], dim=dim)
 
+
+def _pad_to(t: Tensor, size: Sequence[int], fill: float | bool = 0.0) -> Tensor:
     for dim, n in enumerate(size):
         t = grow(t, dim, n, fill)
     return t
@@ -316,7 +325,7 @@ class _HookTable:
 
 def accepts_attention_mask(model: Any) -> bool:
     """True if ``model(tokens, attention_mask=...)`` is accepted (TransformerLens 3.x ``HookedTransformer`` and
-    4.x ``TransformerBridge`` both are; sinklens' own :class:`~sinklens.train.model.SinkLM` is not)."""
+    4.x ``TransformerBridge`` both are; sinklens' own :class:`~sinklens.sinklm.model.SinkLM` is not)."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -392,8 +401,6 @@ def stream(
 
 
 def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reducer[Any]], options: RunOptions) -> list[Any]:
-    from sinklens import distributed
-
     is_encoder(model)  # its one probe forward runs now, not inside the pass with the hooks attached
     batches = distributed.local_batches(batches)  # all of them, unless sharded over torchrun processes
     on_device = _stats_device_if_split(model)
@@ -443,7 +450,7 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
             "hides hook_pattern). Load the model with eager attention (sinklens.load_model does) "
             "or use TransformerBridge.boot_transformers, which forces it."
         )
-    distributed.combine_across_ranks(reducers, n_local_batches=n_streamed)
+    combine_across_ranks(reducers, n_local_batches=n_streamed)
     return [reducer.result() for reducer in reducers]
 
 
@@ -465,6 +472,30 @@ def _moved_to(fn: HookFn, device: torch.device) -> HookFn:
         return fn(act.to(device) if isinstance(act, Tensor) else act, hook=hook)
 
     return moved
+
+
+def combine_across_ranks(reducers: Sequence[Reducer[Any]], *, n_local_batches: int) -> None:
+    """Give every process's ``reducers`` the statistics of all processes (no-op unless :func:`sinklens.distributed.active`).
+
+    Each process sends its reducers' :meth:`~sinklens.streaming.Reducer.state_dict` (CPU tensors) with
+    its number of batches to all others (``all_gather_object``); then, in every process, each reducer
+    takes the first non-empty rank's state and merges the later ranks' states into it in rank order.
+    Processes that streamed no batch are skipped, so their reset statistics never count.
+    """
+    if not distributed.active() or not reducers:
+        return
+    payload = (n_local_batches, [reducer.state_dict() for reducer in reducers])
+    gathered: list[Any] = [None] * distributed.world_size()
+    dist.all_gather_object(gathered, payload)
+    states = [r_states for n, r_states in gathered if n > 0]
+    if not states:
+        return
+    for i, reducer in enumerate(reducers):
+        reducer.load_state_dict(states[0][i])
+        for r_states in states[1:]:
+            other = reducer.shallow_copy()
+            other.load_state_dict(r_states[i])
+            reducer.merge(other)
 
 
 def run(model: Any, inputs: Inputs | None, *reducers: Reducer[Any], options: RunOptions = RunOptions()) -> list[Any]:

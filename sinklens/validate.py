@@ -27,7 +27,14 @@ from typing import Any, Union
 
 import torch
 
-from sinklens.errors import InvalidArgumentError, SequenceTooLongError
+from sinklens.errors import (
+    DeviceUnavailableError,
+    InputFileError,
+    InvalidArgumentError,
+    OutputExistsError,
+    OutputNotWritableError,
+    SequenceTooLongError,
+)
 
 #: What a count or length argument accepts: a Python int, a numpy integer or a 0-d integer tensor
 #: (checked and converted by :func:`as_int` / :func:`positive_int`).
@@ -189,8 +196,6 @@ def writable_dir(path: Any, *, what: str, create: bool = True) -> Path:
     """
     import os
 
-    from sinklens.errors import OutputNotWritableError
-
     if path is None or str(path).strip() == "":
         raise OutputNotWritableError(f"{what} is empty; give a folder path (use '.' for the current folder).")
     folder = Path(path).expanduser()
@@ -216,8 +221,6 @@ def writable_dir(path: Any, *, what: str, create: bool = True) -> Path:
 def writable_file(path: Any, *, what: str) -> Path:
     """A file path whose folder exists (or can be created) and is writable, and that is not a folder;
     nothing is created (the writer creates the folder)."""
-    from sinklens.errors import OutputNotWritableError
-
     if path is None or str(path).strip() == "":
         raise OutputNotWritableError(f"{what} is empty; give a file path.")
     file = Path(path).expanduser()
@@ -248,8 +251,6 @@ def no_finished_output(paths: Sequence[Path], *, overwrite: bool, flag: str) -> 
         sinklens.errors.OutputExistsError: --out would replace ... (written ... UTC), a finished result; pass --overwrite to replace it, or another --out.
     """
     from datetime import datetime, timezone
-
-    from sinklens.errors import OutputExistsError
 
     if overwrite:
         return
@@ -378,8 +379,6 @@ def device(value: Any, *, what: str = "device") -> torch.device:
         ...
         sinklens.errors.InvalidArgumentError: Unknown device 'gpu'; use 'cpu', 'cuda', 'cuda:N' or 'mps'.
     """
-    from sinklens.errors import DeviceUnavailableError
-
     if isinstance(value, torch.device):
         dev = value
     else:
@@ -409,8 +408,6 @@ def device(value: Any, *, what: str = "device") -> torch.device:
 def refuse_binary(file: Path, head: bytes, *, what: str, give: str = "a UTF-8 text file") -> None:
     """Raise :class:`~sinklens.errors.InputFileError` naming ``file`` when ``head`` (its first bytes) holds a NUL
     byte in its first 8 KiB: a binary file is not text (``--prompts``, a text corpus to train on)."""
-    from sinklens.errors import InputFileError
-
     if b"\x00" in head[:8192]:
         raise InputFileError(f"{what} file {str(file)!r} is a binary file (it holds NUL bytes); give {give}.")
 
@@ -418,8 +415,6 @@ def refuse_binary(file: Path, head: bytes, *, what: str, give: str = "a UTF-8 te
 def utf8_text(file: Path, raw: bytes, *, what: str) -> str:
     """``raw`` (the bytes of ``file``) decoded as UTF-8; other bytes raise :class:`~sinklens.errors.InputFileError`
     naming the file, the first bad byte and its offset (never silently replaced)."""
-    from sinklens.errors import InputFileError
-
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -431,8 +426,6 @@ def utf8_text(file: Path, raw: bytes, *, what: str) -> str:
 def text_lines(path: Any, *, what: str) -> list[str]:
     """The non-empty, stripped lines of a UTF-8 text file; a missing file, a folder, a pipe or device, a binary or
     non-UTF-8 file and a file with no text raise :class:`~sinklens.errors.InputFileError` naming the path."""
-    from sinklens.errors import InputFileError
-
     if path is None or str(path).strip() == "":
         raise InputFileError(f"{what} is empty; give the path of a text file with one prompt per line.")
     file = Path(path).expanduser()

@@ -35,6 +35,7 @@ from jaxtyping import Bool
 from torch import Tensor
 
 from sinklens.errors import UnsupportedArchitectureError
+from sinklens.hooks import attends_to_later_keys
 
 
 @dataclass(frozen=True)
@@ -136,8 +137,6 @@ def attention_direction(model: Any) -> str:
     Raises:
         UnsupportedArchitectureError: ``cfg.attention_dir`` is neither.
     """
-    from sinklens.hooks import attends_to_later_keys
-
     direction = getattr(model.cfg, "attention_dir", "causal") or "causal"
     if direction not in ("causal", "bidirectional"):
         raise UnsupportedArchitectureError(f"cfg.attention_dir={direction!r}; expected 'causal' or 'bidirectional'.")

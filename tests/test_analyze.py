@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from sinklens.analysis.report import analyze
-from sinklens.analysis.report_files import FIGURE_FILES
+from sinklens.plotting.report import FIGURE_FILES, save_report
 from sinklens.analysis.sinks import find_sinks
 from sinklens.analysis.variance import measure_variance
 from sinklens.cli import main
@@ -31,7 +31,7 @@ def test_one_shared_pass_equals_each_analyzer_alone(tiny):
 @pytest.mark.models
 def test_report_saves_json_summary_and_figures(tiny, tmp_path):
     report = analyze(tiny, PROMPTS, abs_threshold=None, rel_threshold=3.0, options=QUIET)
-    written = report.save(tmp_path)
+    written = save_report(report, tmp_path)
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["n_sequences"] == 3 and data["prepend_bos"] is True
     assert data["headline"]["sink_rate"] == pytest.approx(report.sinks.sink_rate(position=0), rel=1e-5)
@@ -175,7 +175,7 @@ def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_
     assert [(l, n) for l, n, _ in check.writers] == [(11, 1229), (11, 1487)]
     assert check.dim_removed > 0.95 and check.attention_removed > 0.4
     assert float(report.massive.norm_ratio[12, 0]) > 50
-    report.save(tmp_path, figures=False)
+    save_report(report, tmp_path, figures=False)
 
 
 @pytest.mark.models
@@ -183,7 +183,7 @@ def test_an_interrupted_save_leaves_the_previous_report_whole(tiny_llama, tmp_pa
     import os
 
     first = analyze(tiny_llama, PROMPTS[:2], abs_threshold=None, rel_threshold=3.0, options=QUIET)
-    first.save(tmp_path, figures=False)
+    save_report(first, tmp_path, figures=False)
     before = (tmp_path / "report.json").read_text()
     second = analyze(tiny_llama, PROMPTS, abs_threshold=None, rel_threshold=3.0, options=QUIET)
 
@@ -192,12 +192,12 @@ def test_an_interrupted_save_leaves_the_previous_report_whole(tiny_llama, tmp_pa
 
     monkeypatch.setattr(os, "fsync", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        second.save(tmp_path, figures=False)
+        save_report(second, tmp_path, figures=False)
     monkeypatch.undo()
     assert (tmp_path / "report.json").read_text() == before  # the earlier complete report, untouched
     assert json.loads(before)["n_sequences"] == 2
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "summary.txt"]  # no temporary left
-    second.save(tmp_path, figures=False)
+    save_report(second, tmp_path, figures=False)
     assert json.loads((tmp_path / "report.json").read_text())["n_sequences"] == 3
 
 
@@ -223,7 +223,7 @@ def test_report_json_paths_are_in_residual_units_on_a_post_norm_model(tmp_path):
     from sinklens.testing import PLANTED_PROMPTS
 
     report = analyze(model, PLANTED_PROMPTS, abs_threshold=None, rel_threshold=50.0, options=QUIET)
-    report.save(tmp_path, figures=False)
+    save_report(report, tmp_path, figures=False)
     data = json.loads((tmp_path / "report.json").read_text())
     (path,) = data["super_neurons"]["paths"]
     assert path["dim"] == spec.dim

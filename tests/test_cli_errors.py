@@ -273,9 +273,9 @@ def test_error_is_exactly_one_line(tmp_path):
 @pytest.fixture(scope="module")
 def tokenless_run(tmp_path_factory) -> Path:
     """A ``sinklens train`` run directory as a synthetic task leaves it: weights, no tokenizer."""
-    from sinklens.train.checkpoint import save_checkpoint
-    from sinklens.train.config import ModelConfig, TrainConfig
-    from sinklens.train.model import SinkLM
+    from sinklens.sinklm.checkpoint import save_checkpoint
+    from sinklens.sinklm.config import ModelConfig, TrainConfig
+    from sinklens.sinklm.model import SinkLM
 
     run = tmp_path_factory.mktemp("tokenless") / "run"
     cfg = TrainConfig.from_dict({**TrainConfig().to_dict(), "model": ModelConfig.from_preset("tiny").to_dict()})
@@ -359,9 +359,9 @@ def test_ctrl_c_exits_130(monkeypatch, capsys, tmp_path):
 
 
 def test_no_network_is_a_failure_not_a_usage_error(monkeypatch, capsys, tmp_path):
-    from sinklens import loading
+    from sinklens import model_files
 
-    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(model_files, "hub_reachable", lambda timeout=3.0: False)
     assert main(["analyze", "--model", "org/model", "--out", str(tmp_path / "o")]) == EXIT_FAILURE
     err = capsys.readouterr().err
     assert "'org/model'" in err and "smollm2-135m" in err and "Traceback" not in err

@@ -62,7 +62,7 @@ def test_compare_refuses_a_train_line_without_a_finite_loss_naming_file_and_line
 
 
 def test_read_metrics_raises_the_named_error(tmp_path):
-    from sinklens.train.checkpoint import read_metrics
+    from sinklens.sinklm.checkpoint import read_metrics
 
     run = _run_dir(tmp_path, "r", [{"kind": "train", "step": 0, "loss": 3.0}, {"kind": "train", "step": 1, "loss": None}])
     with pytest.raises(CorruptCheckpointError, match=r"metrics.jsonl: line 2 is a \"train\" line with \"loss\": null"):
@@ -113,7 +113,7 @@ def test_the_refusal_comes_before_the_work(tmp_path, capsys):
 
 def test_positional_figure_is_named_after_out_and_never_takes_origins_file(tmp_path, capsys):
     """``origins --out D`` writes ``D/positional.png``; ``compare --positional --out D/compare.png`` replaced it."""
-    from sinklens.train.config import TrainConfig
+    from sinklens.sinklm.config import TrainConfig
     from sinklens.train.loop import train
 
     cfg = TrainConfig.from_dict({  # as tests/train/_train_cfg.py's build_cfg, 1 layer, 2 steps

@@ -1,7 +1,7 @@
 """Scale-out: reducers merge their statistics, and ``torchrun`` runs equal one-process runs.
 
 * Every reducer in the package, streamed over a split of the batches and merged (through
-  ``state_dict``/``load_state_dict``, as :func:`sinklens.distributed.combine_across_ranks` does), gives
+  ``state_dict``/``load_state_dict``, as :func:`sinklens.streaming.combine_across_ranks` does), gives
   the one-pass result: exact for maxima, counts and sequence indices, 1e-6 for float sums.
 * ``torchrun --nproc_per_node 2 -m sinklens.cli analyze`` (gloo, CPU) writes the report a
   one-process run writes, with an odd number of batches (unequal shards), only rank 0 writing; and

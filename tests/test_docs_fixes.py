@@ -21,7 +21,7 @@ def _dtype(model) -> torch.dtype:
 
 
 def _sink_lm():
-    from sinklens.train.model import ModelConfig, SinkLM
+    from sinklens.sinklm.model import ModelConfig, SinkLM
 
     torch.manual_seed(0)
     return SinkLM(ModelConfig.from_preset("tiny", n_ctx=16, d_vocab=32))

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from sinklens import loading, validate
+from sinklens import loading, model_files, validate
 from sinklens.errors import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
@@ -104,7 +104,7 @@ def test_mps_device_is_refused_where_there_is_no_mps(monkeypatch):
 
 
 def test_plausible_hub_id_goes_to_the_hub(monkeypatch):
-    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(model_files, "hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(OfflineModelError, match="org-1/model_2.5"):
         loading.load_model("org-1/model_2.5")
 
@@ -154,10 +154,10 @@ def _hf_dir(tmp_path: Path, *, config: str | None = None, weights: str = "ok") -
 
 
 def _run_dir(tmp_path: Path, damage: str) -> Path:
-    from sinklens.train.checkpoint import save_checkpoint
-    from sinklens.train.config import TrainConfig
-    from sinklens.train.model import SinkLM
-    from sinklens.train.config import ModelConfig
+    from sinklens.sinklm.checkpoint import save_checkpoint
+    from sinklens.sinklm.config import TrainConfig
+    from sinklens.sinklm.model import SinkLM
+    from sinklens.sinklm.config import ModelConfig
 
     cfg = TrainConfig.from_dict({**TrainConfig().to_dict(), "model": ModelConfig.from_preset("tiny").to_dict()})
     run = save_checkpoint(tmp_path / "run", model=SinkLM(cfg.model), optimizer=None, cfg=cfg, step=0)
@@ -225,7 +225,7 @@ class _FakeConversion:
 def fake_conversion(tmp_path, monkeypatch):
     monkeypatch.setenv("SINKLENS_CACHE", str(tmp_path / "cache"))
     fake = _FakeConversion()
-    monkeypatch.setattr(loading, "_convert", fake)
+    monkeypatch.setattr(model_files, "_convert", fake)
     return fake
 
 
@@ -248,12 +248,12 @@ def _flip_a_byte(path: Path) -> None:
 )
 def test_broken_converted_cache_is_detected_and_rebuilt(tmp_path, fake_conversion, capsys, damage, words):
     gguf = _gguf_header(tmp_path / "m.gguf")
-    out = loading.convert_gguf(gguf)
+    out = model_files.convert_gguf(gguf)
     assert fake_conversion.calls == 1 and verify_manifest(out) is None
-    assert loading.convert_gguf(gguf) == out and fake_conversion.calls == 1  # a whole cache is reused
+    assert model_files.convert_gguf(gguf) == out and fake_conversion.calls == 1  # a whole cache is reused
     damage(out)
     assert verify_manifest(out) is not None
-    assert loading.convert_gguf(gguf) == out
+    assert model_files.convert_gguf(gguf) == out
     assert fake_conversion.calls == 2 and verify_manifest(out) is None
     err = capsys.readouterr().err
     assert "rebuilding" in err and words in err
@@ -536,7 +536,7 @@ def _caught(call, kind: type[BaseException]):
 
 
 def _bad_optim_config():
-    from sinklens.train.config import OptimConfig
+    from sinklens.sinklm.config import OptimConfig
 
     OptimConfig(lr=-1.0)
 

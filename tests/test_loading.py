@@ -4,7 +4,7 @@ import re
 import pytest
 import torch
 
-from sinklens import loading
+from sinklens import loading, model_files
 from sinklens.errors import CorruptModelFileError, ModelFileNotFoundError, OfflineModelError, PatternNotExposedError, UnknownModelError
 from sinklens.testing import word_tokenizer
 
@@ -28,7 +28,7 @@ def test_bad_specs_raise_named_errors(spec, error, words):
 
 
 def test_hub_id_without_network_names_the_offline_default(monkeypatch):
-    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(model_files, "hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(OfflineModelError, match="smollm2-135m"):
         loading.load_model("HuggingFaceTB/SmolLM2-135M")
 
@@ -37,7 +37,7 @@ def test_hub_download_failure_becomes_offline_error(monkeypatch):
     def refuse(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co'")
 
-    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout=3.0: True)
+    monkeypatch.setattr(model_files, "hub_reachable", lambda timeout=3.0: True)
     monkeypatch.setattr(loading, "_boot_hf", refuse)
     with pytest.raises(OfflineModelError, match="couldn't connect"):
         loading.load_model("org/model")
@@ -101,8 +101,8 @@ def test_embedded_smollm2_matches_its_dequantised_weights(smollm2):
     """The bridge's logits equal those of the cached dequantised HF model (eager attention)."""
     from transformers import AutoModelForCausalLM
 
-    gguf = loading._fetch_embedded_gguf("smollm2-135m")
-    converted = loading.convert_gguf(gguf)  # cached: returns at once
+    gguf = model_files.fetch_embedded_gguf("smollm2-135m")
+    converted = model_files.convert_gguf(gguf)  # cached: returns at once
     assert (smollm2.cfg.n_layers, smollm2.cfg.n_heads, smollm2.cfg.d_model) == (30, 9, 576)
     hf = AutoModelForCausalLM.from_pretrained(converted, attn_implementation="eager").eval()
     tokens = smollm2.to_tokens("Attention sinks are tokens that soak up attention.")
@@ -144,7 +144,7 @@ def test_a_float64_mixture_of_experts_runs_with_the_eager_expert_loop():
 def test_a_missing_path_under_an_existing_folder_is_named_as_a_missing_path_offline(tmp_path, monkeypatch):
     """``--model zoo/nope`` beside a folder ``zoo`` used to read "looks like a Hugging Face Hub id, but the Hub
     cannot be reached" (exit 1), with no word that the local path is missing."""
-    monkeypatch.setattr(loading, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(model_files, "hub_reachable", lambda timeout=3.0: False)
     (tmp_path / "zoo" / "llama").mkdir(parents=True)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ModelFileNotFoundError, match=r"No model file or directory at 'zoo/nope' .*the folder 'zoo' "

@@ -44,7 +44,7 @@ def finished(tmp_path_factory) -> Path:
 def test_a_failure_while_saving_leaves_the_earlier_analysis_as_it_was(finished, tmp_path, monkeypatch, capsys):
     import shutil
 
-    from sinklens.analysis import report_files
+    from sinklens.plotting import report as report_files
 
     out = tmp_path / "report"
     shutil.copytree(finished, out)
@@ -90,7 +90,7 @@ def test_a_json_file_written_meanwhile_is_kept_without_overwrite(tmp_path):
 
 
 def test_outputs_are_refused_among_a_training_runs_own_files(tmp_path, capsys):
-    from sinklens.train.config import TrainConfig
+    from sinklens.sinklm.config import TrainConfig
     from sinklens.train.loop import train
 
     run = tmp_path / "run"

@@ -57,6 +57,7 @@ def test_rank_probability_needs_a_labelled_mapping():
 def test_indices_of_the_neuron_and_dimension_figures_are_checked():
     from sinklens import find_massive_activations, find_super_neurons
     from sinklens.options import RunOptions
+    from sinklens.plotting.neurons import plot_dim_path
     from sinklens.testing.planted import planted_model
 
     model, spec = planted_model(n_layers=2, layer=0, neuron=7, dim=5)
@@ -65,8 +66,8 @@ def test_indices_of_the_neuron_and_dimension_figures_are_checked():
     massive = find_massive_activations(model, "t3 t4 t5 t6", options=quiet)
     d_model = model.cfg.d_model
     with pytest.raises(InvalidArgumentError, match=rf"dim must be a residual dimension in 0\.\.{d_model - 1}, got {d_model}"):
-        neurons.plot_path(dim=d_model)
-    line = neurons.plot_path(dim=3).axes[0].get_lines()[0]  # any residual dimension may be drawn
+        plot_dim_path(neurons, dim=d_model)
+    line = plot_dim_path(neurons, dim=3).axes[0].get_lines()[0]  # any residual dimension may be drawn
     assert list(line.get_ydata()) == pytest.approx(neurons.resid_sink[:, 3].tolist())
     with pytest.raises(InvalidArgumentError, match=r"k must be an integer >= 1, got 0"):
         massive.top_dims(massive.streams[-1], 0)
@@ -80,17 +81,19 @@ def test_layer_rows_are_labelled_with_the_analysed_layers():
 
     from sinklens import RunOptions, find_sinks, measure_value_drain
     from sinklens.inputs import random_token_batches
+    from sinklens.plotting.sinks import plot_sink_heatmap, plot_sink_rate
+    from sinklens.plotting.value_drain import plot_value_drain
     from sinklens.testing import tiny_model
 
     model = tiny_model(n_layers=4)
     inputs = random_token_batches(model, n_sequences=4, seq_len=10, prepend_bos=True, seed=0)
     sinks = find_sinks(model, inputs, layers=[1, 3], options=RunOptions(progress=False))
-    for fig, ax in ((sinks.plot_sink_rate(), 0), (sinks.plot(), 0),
-                    (measure_value_drain(model, inputs, layers=[1, 3], options=RunOptions(progress=False)).plot(), 1)):
+    for fig, ax in ((plot_sink_rate(sinks), 0), (plot_sink_heatmap(sinks), 0),
+                    (plot_value_drain(measure_value_drain(model, inputs, layers=[1, 3], options=RunOptions(progress=False))), 1)):
         rows = fig.axes[ax]
         assert list(rows.get_yticks()) == [0, 1] and [t.get_text() for t in rows.get_yticklabels()] == ["1", "3"]
         plt.close(fig)
-    fig = sinks.plot_sink_rate()
+    fig = plot_sink_rate(sinks)
     assert list(fig.axes[1].get_yticks()) == [1, 3]  # the by-layer bars stand at the layers themselves
     plt.close(fig)
 

@@ -11,8 +11,8 @@
 * :mod:`~sinklens.analysis.value_drain` — what the sink writes: no-op vs broadcast sink heads;
 * :mod:`~sinklens.analysis.verify` — the causal check: zero each massive dimension's top writers;
 * :mod:`~sinklens.analysis.report` — :func:`~sinklens.analysis.report.analyze` (all of them in one
-  pass) and :class:`~sinklens.analysis.report.SinkReport`; its text layout is in
-  :mod:`~sinklens.analysis.report_text`, its files in :mod:`~sinklens.analysis.report_files`.
+  pass) and :class:`~sinklens.analysis.report.SinkReport` with its text summary; its files and figures
+  are written by :func:`sinklens.plotting.report.save_report`.
 
 Each public analyzer takes ``(model, inputs=None, *, <its settings>, options=RunOptions())``; each
 reducer follows :class:`sinklens.streaming.Reducer` and holds the same frozen settings dataclass as

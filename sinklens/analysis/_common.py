@@ -7,7 +7,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
@@ -15,7 +14,7 @@ from sinklens.hooks import RESID_POST, RESID_PRE, hook_name
 from sinklens.inputs import TokenBatch, is_encoder, require_a_later_position
 from sinklens.options import checked_options, settings_from
 from sinklens.streaming import batches_for, stream
-from sinklens.validate import optional_index_list, positive_int
+from sinklens.validate import index_list, optional_index_list, positive_int
 
 #: Floor for denominators (norms, medians) so that an all-zero row gives 0, not NaN.
 TINY = 1e-12
@@ -93,8 +92,6 @@ def position_index(position: Any, n_positions: int) -> int:
         >>> position_index(-1, 6)
         5
     """
-    from sinklens.validate import index_list
-
     return index_list(position, n_positions, what="position")[0]
 
 
@@ -131,15 +128,6 @@ def layer_head_position_rows(
                     row[name] = values
                 rows.append(row)
     return rows
-
-
-def grow(t: Tensor, dim: int, size: int, fill: float | int | bool = 0.0) -> Tensor:
-    """Pad ``t`` along ``dim`` with ``fill`` up to ``size`` (no-op if already that large)."""
-    if t.shape[dim] >= size:
-        return t
-    shape = list(t.shape)
-    shape[dim] = size - t.shape[dim]
-    return torch.cat([t, torch.full(shape, fill, dtype=t.dtype, device=t.device)], dim=dim)
 
 
 def once_per_forward(fold: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:

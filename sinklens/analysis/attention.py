@@ -16,6 +16,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.display import CompactRepr
+from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import PATTERN, model_device, model_dims, resolve_layers
 from sinklens.inputs import TokenBatch
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
@@ -74,8 +75,6 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
         dims = model_dims(model)
         self.min_query = positive_int(min_query, what="min_query", minimum=0)
         if self.min_query >= dims.n_ctx:
-            from sinklens.errors import InvalidArgumentError
-
             raise InvalidArgumentError(f"min_query must be in [0, {dims.n_ctx - 1}] (the model's positions), got {min_query}.")
         self.layers = resolve_layers(layers, dims.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -29,7 +28,6 @@ from torch import Tensor
 from sinklens.analysis._common import (
     SettingsFields,
     check_sink_position,
-    grow,
     resolve_streams,
     row_index,
     run_analyzer,
@@ -43,7 +41,7 @@ from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
-from sinklens.streaming import BatchFold, Reducer, bound_hooks, merge_statistics
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow, merge_statistics
 from sinklens.validate import finite_number, positive_int
 
 
@@ -225,26 +223,6 @@ class MassiveActivations(SettingsFields, CompactRepr):
             "topk_energy": self.topk_energy, "n_sink_tokens": self.n_sink_tokens,
             "n_other_tokens": self.n_other_tokens, "n_events": self.n_events, "events": self.rows(),
         })
-
-    def plot(self, path: str | Path | None = None) -> Any:
-        """Max ``|x|`` per layer at the sink vs other positions, with the median, on a log scale."""
-        from sinklens.plotting.disparity import plot_massive_by_layer
-
-        return plot_massive_by_layer(self, path=path)
-
-    def plot_top_dims(self, stream: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
-        """Bar chart of the ``k`` largest dimensions at the sink vs other positions at one residual-stream
-        index (default: the last)."""
-        from sinklens.plotting.disparity import plot_top_dims
-
-        return plot_top_dims(self, stream=stream, k=k, path=path)
-
-    def plot_positions(self, path: str | Path | None = None) -> Any:
-        """Norm ratio and top-k energy share per position, one line per layer."""
-        from sinklens.plotting.disparity import plot_position_profile
-
-        return plot_position_profile(self, path=path)
-
 
 def _top_of_batch(
     x: Float[Tensor, "batch pos d"], a: Float[Tensor, "batch pos d"], median: Float[Tensor, " batch"],

@@ -31,7 +31,6 @@ from __future__ import annotations
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -405,25 +404,6 @@ class SuperNeurons(SettingsFields, CompactRepr):
             "activation_outliers": [list(x) for x in self.outliers()],
             "paths": [p.to_dict() for p in self.paths], "rows": self.rows(k),
         })
-
-    def plot(self, dim: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
-        """Bar chart of the top neurons' contributions to ``dim`` (default: the first massive dim)."""
-        from sinklens.plotting.neurons import plot_contributions
-
-        return plot_contributions(self, dim=dim, k=k, path=path)
-
-    def plot_sparsity(self, path: str | Path | None = None) -> Any:
-        """``W_out`` row kurtosis vs top-k mass share, super neurons highlighted."""
-        from sinklens.plotting.neurons import plot_row_sparsity
-
-        return plot_row_sparsity(self, path=path)
-
-    def plot_path(self, dim: int | None = None, path: str | Path | None = None) -> Any:
-        """The dimension's residual value at the sink per layer, with the attention and MLP steps."""
-        from sinklens.plotting.neurons import plot_dim_path
-
-        return plot_dim_path(self, dim=dim, path=path)
-
 
 def massive_dims_from_resid(resid: Float[Tensor, "stream d_model"], threshold: float, max_dims: int) -> list[int]:
     """Dims whose ``|resid[s, d]|`` exceeds ``threshold`` × median ``|resid[s, :]|`` at some ``s``, peak first."""

@@ -38,21 +38,20 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from sinklens.analysis._common import SettingsFields, grow, layer_head_position_rows, position_index, run_analyzer, settings_from
+from sinklens.analysis._common import SettingsFields, layer_head_position_rows, position_index, run_analyzer, settings_from
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.display import CompactRepr, StructuralEq
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, model_dims, model_dtype
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import SINK_THRESHOLD, RunOptions
-from sinklens.streaming import BatchFold, Reducer, merge_statistics, per_layer_hooks
+from sinklens.streaming import BatchFold, Reducer, grow, merge_statistics, per_layer_hooks
 from sinklens.validate import choice, finite_number, positive_int
 
 #: ``"gu"``: Gu et al.'s code (key's own query included); ``"sinklens"``: queries from ``min_query`` on;
@@ -77,7 +76,7 @@ ROW_SUM_TOLERANCE = 1e-5
 def has_sink_logits(model: Any) -> bool:
     """True if the model has learned per-head sink logits: a parameter named ``sinks`` (gpt-oss, in the
     Hugging Face model behind a bridge or in the model itself) or a sinklens ``sink_logit`` attention variant
-    (:class:`~sinklens.train.model.SinkLM` with ``cfg.variant == "sink_logit"``)."""
+    (:class:`~sinklens.sinklm.model.SinkLM` with ``cfg.variant == "sink_logit"``)."""
     if getattr(getattr(model, "cfg", None), "variant", None) == "sink_logit":
         return True
     for root in (getattr(model, "original_model", None), model):
@@ -448,26 +447,6 @@ class SinkResult(SettingsFields, CompactRepr):
             "top_sinks": self.top_sinks(20),
             "top_occurrences": self.top_occurrences,
         }, digits=None)
-
-    # ---- plots -------------------------------------------------------------------------------
-    def plot(self, path: str | Path | None = None, *, position: int | None = None) -> Any:
-        """Layer × head heatmap of attention to the main sink (see :func:`sinklens.plotting.sinks.plot_sink_heatmap`)."""
-        from sinklens.plotting.sinks import plot_sink_heatmap
-
-        return plot_sink_heatmap(self, position=position, path=path)
-
-    def plot_sink_rate(self, path: str | Path | None = None, *, position: int | None = None) -> Any:
-        """Per-head and per-layer sink rate (see :func:`sinklens.plotting.sinks.plot_sink_rate`)."""
-        from sinklens.plotting.sinks import plot_sink_rate
-
-        return plot_sink_rate(self, position=position, path=path)
-
-    def plot_received(self, path: str | Path | None = None, *, layers: Sequence[int] | None = None) -> Any:
-        """Received attention vs key position (see :func:`sinklens.plotting.sinks.plot_received_by_position`)."""
-        from sinklens.plotting.sinks import plot_received_by_position
-
-        return plot_received_by_position(self, layers=layers, path=path)
-
 
 def _top(values: Tensor, k: int) -> Tensor:
     """Indices of the ``k`` largest ``values``, largest first; of equal values the earlier comes first."""

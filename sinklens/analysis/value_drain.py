@@ -46,7 +46,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -205,20 +204,12 @@ class ValueDrain(SettingsFields, CompactRepr):
             "counts": self.counts(),
         }, digits=None)
 
-    def plot(self, path: str | Path | None = None) -> Any:
-        """Write share vs attention to the sink, and the class map (see
-        :func:`sinklens.plotting.value_drain.plot_value_drain`)."""
-        from sinklens.plotting.value_drain import plot_value_drain
-
-        return plot_value_drain(self, path=path)
-
-
 def value_drain_reason(model: Any) -> str | None:
     """Why value drain cannot be measured on ``model``, or None when it can.
 
     A key's write ``A[q, k] · (v_k ⊙ m_q) · W_O`` is defined when a head's output is linear in its values at
     a fixed query. That holds where ``W_O`` reads the aggregation ``hook_z`` itself (``m = 1``) and for a
-    sinklens :class:`~sinklens.train.model.SinkLM` variant whose output is ``c[q, h] · (γ[h] ⊙ z)``
+    sinklens :class:`~sinklens.sinklm.model.SinkLM` variant whose output is ``c[q, h] · (γ[h] ⊙ z)``
     (:func:`~sinklens.hooks.head_output_gain`: head-wise RMSNorm, variance calibration, a head-wise gate).
     An element-wise gate (``gated``, ``granularity="elementwise"``) mixes a per-coordinate factor of the
     query into every key's write, which the analysis does not split, so it refuses there.

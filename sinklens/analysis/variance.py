@@ -61,14 +61,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import grow, layer_head_position_rows, position_index, run_analyzer
+from sinklens.analysis._common import layer_head_position_rows, position_index, run_analyzer
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
@@ -77,7 +76,7 @@ from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.residual_sites import attention_write_hooks
 from sinklens.residual_units import NormMap, post_ln_reason, post_norm_map
-from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow, per_layer_hooks
 from sinklens.validate import choice
 
 Site = Literal["z", "z_seq", "result", "result_pre_norm", "attn_out", "feature_std", "feature_std_head"]
@@ -387,34 +386,6 @@ class VarianceResult(CompactRepr):
             "pred_uniform_head_mean": self.pred_uniform.mean(dim=1).tolist(),
             "attn_out_var": self.attn_out_var.tolist(),
         }, digits=None)
-
-    def plot(
-        self,
-        path: str | Path | None = None,
-        *,
-        layers: Sequence[int] | None = None,
-        heads: int | Sequence[int] | None = None,
-    ) -> Any:
-        """Variance vs position, log-log, with both predictions (see
-        :func:`sinklens.plotting.variance.plot_variance_by_position`)."""
-        from sinklens.plotting.variance import plot_variance_by_position
-
-        return plot_variance_by_position(self, layers=layers, heads=heads, path=path)
-
-    def plot_feature_std(self, path: str | Path | None = None, *, layers: Sequence[int] | None = None) -> Any:
-        """Li et al.'s per-position feature std by position, log-log (see
-        :func:`sinklens.plotting.variance.plot_feature_std_by_position`)."""
-        from sinklens.plotting.variance import plot_feature_std_by_position
-
-        return plot_feature_std_by_position(self, layers=layers, path=path)
-
-    def plot_discrepancy(self, path: str | Path | None = None, *, position: int = 0) -> Any:
-        """Discrepancy-ratio heatmaps, layer × head, for z and z·W_O (see
-        :func:`sinklens.plotting.variance.plot_discrepancy`)."""
-        from sinklens.plotting.variance import plot_discrepancy
-
-        return plot_discrepancy(self, position=position, path=path)
-
 
 class VarianceReducer(Reducer[VarianceResult]):
     """Streams ``hook_v``, ``hook_pattern``, ``hook_z`` (and the head output site where a model has its own,

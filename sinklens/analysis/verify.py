@@ -32,6 +32,7 @@ from sinklens.display import StructuralEq
 from sinklens.export import to_json
 from sinklens.hooks import model_dims
 from sinklens.inputs import Inputs, TokenBatch
+from sinklens.interventions.neurons import edit_neurons
 from sinklens.options import RunOptions, checked_options
 from sinklens.streaming import batches_for, stream
 from sinklens.validate import positive_int
@@ -157,8 +158,6 @@ def verify_attribution(
         >>> [(c.dim, c.writers[0][:2], round(c.dim_removed, 2)) for c in check.checks]
         [(5, (0, 7), 1.0)]
     """
-    from sinklens.interventions.neurons import edit_neurons
-
     options = checked_options(options, "verify_attribution")
     max_writers = positive_int(max_writers, what="max_writers")
     sink = neurons.sink_position

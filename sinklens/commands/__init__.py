@@ -121,7 +121,7 @@ def outside_run_internals(path: Path, *, what: str, file: bool) -> None:
     one of the files at a run's top level (``config.json``, ``metrics.jsonl``, ...), which an ``--overwrite`` would
     replace and break the run. Raises :class:`~sinklens.errors.OutputNotWritableError` naming the run."""
     from sinklens.errors import OutputNotWritableError
-    from sinklens.train.checkpoint import CHECKPOINTS, RUN_ENTRIES, TOKENIZER, is_run_dir
+    from sinklens.sinklm.checkpoint import CHECKPOINTS, RUN_ENTRIES, TOKENIZER, is_run_dir
 
     target = path.expanduser().absolute()
     folder = target.parent if file else target
@@ -187,7 +187,7 @@ def trained_with_bos_zero(model: Any) -> bool:
     """Whether ``model`` is a ``sinklens train`` run on a synthetic task (``model.train_config``), whose every
     training sequence starts with the task's BOS token, id 0: random-token inputs then start with it too (unless
     ``--no-bos``), so the analysis sees the position-0 token the model learned its sink on."""
-    from sinklens.train.config import SYNTHETIC_SOURCES
+    from sinklens.sinklm.config import SYNTHETIC_SOURCES
 
     train_config = getattr(model, "train_config", None)
     return getattr(getattr(train_config, "data", None), "source", None) in SYNTHETIC_SOURCES

@@ -132,6 +132,7 @@ def _analyze(args: argparse.Namespace, device: str | None) -> int:
     from sinklens.hooks import model_dims
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
+    from sinklens.plotting.report import save_report  # matplotlib: not for --help
     from sinklens.validate import seq_len_within_context
 
     start = time.perf_counter()
@@ -155,7 +156,7 @@ def _analyze(args: argparse.Namespace, device: str | None) -> int:
     )
     if not main:
         return 0
-    written = report.save(args.out, figures=not args.no_figures)  # first: a closed stdout must not lose the analysis
+    written = save_report(report, args.out, figures=not args.no_figures)  # first: a closed stdout must not lose the analysis
     print(report.summary())
     print(f"\nwrote {len(written)} files to {args.out}/ in {time.perf_counter() - start:.1f} s "
           f"(report.json{', figures' if not args.no_figures else ''})")

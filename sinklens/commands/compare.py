@@ -218,7 +218,7 @@ def run_labels(run_dirs: list[str], labels: list[str] | None = None) -> list[str
         cfg_path = Path(run_dir) / "config.json"
         if not cfg_path.is_file():
             return "?"
-        try:  # the trainer's error for a damaged run (sinklens.train.checkpoint.load_train_config)
+        try:  # the trainer's error for a damaged run (sinklens.sinklm.checkpoint.load_train_config)
             return json.loads(cfg_path.read_text())["model"]["variant"]
         except ValueError as err:
             raise CorruptCheckpointError(f"{str(cfg_path)!r} is not valid JSON ({err}).") from None
@@ -272,7 +272,7 @@ def positional_figure_path(out: Path) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     from sinklens.plotting.training import plot_training
-    from sinklens.train.checkpoint import read_metrics
+    from sinklens.sinklm.checkpoint import read_metrics
     from sinklens.validate import finite_number, no_finished_output, positive_int
 
     positive_int(args.smoothing, what="--smoothing")

@@ -161,6 +161,7 @@ def run(args: argparse.Namespace) -> int:
     import sys
 
     from sinklens.loading import load_model
+    from sinklens.plotting.interventions import plot_intervention  # matplotlib: only when a figure is drawn
 
     target = json_target(args.json, overwrite=args.overwrite)  # usage errors before the model loads
     check_args(args)
@@ -170,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
     if target != "-":
         write_json_target(target, result.to_dict(), overwrite=args.overwrite)
     if args.out is not None:
-        result.plot(Path(args.out) / "intervention.png")
+        plot_intervention(result, Path(args.out) / "intervention.png")
     info = sys.stderr if target == "-" else sys.stdout
     print(format_table(result), file=info)
     if note := loss_note(model, args):

@@ -61,7 +61,7 @@ def check_init_seed(model: str, init_seed: int) -> None:
         sinklens.errors.InvalidArgumentError: --init-seed 4 conflicts with the seed 3 of --model 'runs/a@init:3'; give the seed once (--model runs/a@init:4, or --model runs/a@init --init-seed 4).
     """
     from sinklens.errors import InvalidArgumentError
-    from sinklens.origins.init import parse_init_spec
+    from sinklens.loading.init import parse_init_spec
 
     parsed = parse_init_spec(str(model))
     if parsed is not None and parsed.seed is not None and parsed.seed != init_seed:
@@ -73,7 +73,7 @@ def check_init_seed(model: str, init_seed: int) -> None:
 def effective_init_seed(model_spec: str, init_seed: int | None, model: Any) -> int | None:
     """The seed the loaded weights were drawn with: ``init_seed`` when given, else the ``S`` of ``SPEC@init:S``,
     else for ``SPEC@init`` the run's own seed (a ``sinklens train`` run: ``model.train_config.seed``) or 0
-    (:func:`sinklens.origins.init.load_at_init`); None for a spec without ``@init`` (the weights as loaded).
+    (:func:`sinklens.loading.init.load_at_init`); None for a spec without ``@init`` (the weights as loaded).
 
     Examples:
         >>> effective_init_seed("runs/a@init:3", None, None), effective_init_seed("gpt2@init", None, None)
@@ -81,7 +81,7 @@ def effective_init_seed(model_spec: str, init_seed: int | None, model: Any) -> i
         >>> effective_init_seed("gpt2", None, None) is None, effective_init_seed("gpt2", 5, None)
         (True, 5)
     """
-    from sinklens.origins.init import parse_init_spec
+    from sinklens.loading.init import parse_init_spec
 
     if init_seed is not None:
         return init_seed

@@ -21,9 +21,9 @@ from sinklens.commands import add_command
 from sinklens.options import SEQ_LEN
 
 if TYPE_CHECKING:
-    from sinklens.train.config import TrainConfig
+    from sinklens.sinklm.config import TrainConfig
 
-#: The data sources named on the command line (``DATA_SOURCES`` of :mod:`sinklens.train.config` has the same
+#: The data sources named on the command line (``DATA_SOURCES`` of :mod:`sinklens.sinklm.config` has the same
 #: first two, a test keeps them equal); any other --data is a path or hf:NAME.
 SYNTHETIC_DATA = ("bigram-backcopy", "markov")
 
@@ -94,8 +94,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     from dataclasses import fields, replace
 
     from sinklens.specs import split_spec
-    from sinklens.train.run_folder import resume_config
-    from sinklens.train.config import (
+    from sinklens.sinklm.run_folder import resume_config
+    from sinklens.sinklm.config import (
         PRESETS, ModelConfig, TrainConfig, flags_to_pairs, load_config, overrides_to_pairs, set_values,
     )
 
@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.validate import writable_file
 
     if args.fields:
-        from sinklens.train.config import fields_help
+        from sinklens.sinklm.config import fields_help
 
         print(fields_help())
         return 0

@@ -16,7 +16,7 @@ Every factory is registered under one name in :mod:`sinklens.interventions.regis
 hyphens); experiments, the trainer and ``sinklens intervene`` build hooks by those names.
 """
 
-from sinklens.interventions import registry
+from sinklens.interventions import builtin, registry  # builtin registers the built-in interventions
 from sinklens.interventions.experiments import (
     InterventionResult,
     create_sink,

@@ -35,6 +35,7 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from sinklens.analysis.sinks import has_sink_logits
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import PATTERN, Z, check_hook_names, hook_name, model_dims, require_attention_seams, resolve_layers
 from sinklens.interventions.masks import Hooks, check_in_sequence, positions_arg
@@ -74,8 +75,6 @@ def calibration_factor(
 
 def _refuse_identity_at_first_position(model: Any) -> None:
     """Refuse ``mode="amplify"`` at position 0 alone where it is the identity (causal, no sink logits: ``s_0 = 1``)."""
-    from sinklens.analysis.sinks import has_sink_logits
-
     if attention_visibility(model).causal and not has_sink_logits(model):
         raise InvalidArgumentError(
             "variance_calibration(mode='amplify', positions=[0]) does nothing on this model: in a causal model "

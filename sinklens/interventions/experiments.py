@@ -297,13 +297,6 @@ class InterventionResult(CompactRepr):
             "options": plain_options(self.options),
         }, digits=None)
 
-    def plot(self, path: Any = None) -> Any:
-        """Attention to target and sink and the target's residual norm, before vs after (see plotting.interventions)."""
-        from sinklens.plotting.interventions import plot_intervention
-
-        return plot_intervention(self, path=path)
-
-
 def _plain_option(value: Any) -> Any:
     """One recorded option as a plain JSON value, or a short description for a tensor of more than 64 entries or
     anything JSON cannot hold.

@@ -192,13 +192,6 @@ class SinkPatchResult(CompactRepr):
             out.append(({a: self.coords[a][int(i)] for a, i in zip(self.axes, multi)}, float(flat[idx])))
         return out
 
-    def plot(self, path: Any = None) -> Any:
-        """Heat map of :attr:`restored` (2-D sites; ``z_pos`` is summed over positions)."""
-        from sinklens.plotting.interventions import plot_patching
-
-        return plot_patching(self, path=path)
-
-
 def patch_sink(
     model: Any,
     tokens: Inputs,

@@ -129,13 +129,11 @@ def unregister(name: str) -> None:
 
 def names(role: Role | None = None) -> list[str]:
     """Registered names (canonical, sorted), optionally of one role."""
-    _load_builtins()
     return sorted(n for n, e in _REGISTRY.items() if role is None or e.role == role)
 
 
 def get(name: str, *, role: Role | None = None) -> Intervention:
     """The entry registered as ``name`` (hyphens or underscores); a did-you-mean error otherwise."""
-    _load_builtins()
     if not isinstance(name, str):
         raise InvalidArgumentError(f"An intervention name must be a string, got {name!r}.")
     key = canonical(name)
@@ -180,14 +178,4 @@ def check_spec(spec: str | Callable[[Any], Hooks], **overrides: Any) -> None:
     if not callable(spec):
         parse_spec(spec)
 
-
-_LOADED = False
-
-
-def _load_builtins() -> None:
-    """Import the modules that register the built-in interventions (once, lazily: no import cycle)."""
-    global _LOADED
-    if not _LOADED:
-        _LOADED = True
-        import sinklens.interventions.builtin  # noqa: F401
 

@@ -63,6 +63,8 @@ from sinklens.errors import IncompatibleModelsError, InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch
+from sinklens.loading import load_model
+from sinklens.loading.init import load_at_init
 from sinklens.options import RunOptions, checked_options
 from sinklens.origins.sites import final_state_site
 from sinklens.streaming import BatchFold, Reducer, stream
@@ -414,7 +416,7 @@ def embedding_stats_at_init(models: Sequence[Any], *, seed: int = DEFAULT_SEED) 
     """``(μ, σ)`` of embedding mode: mean and (unbiased) std of the token embedding ``W_E`` of each model's
     architecture at initialization, never of the trained weights (as the authors do).
 
-    Each model is re-drawn by :func:`sinklens.origins.init.load_at_init` (``init_seed=seed``, native scheme,
+    Each model is re-drawn by :func:`sinklens.loading.init.load_at_init` (``init_seed=seed``, native scheme,
     float32, CPU); the entries of both matrices are pooled (once when identical), so the order of the models
     does not matter.
 
@@ -424,8 +426,6 @@ def embedding_stats_at_init(models: Sequence[Any], *, seed: int = DEFAULT_SEED) 
         >>> abs(mu) < 2e-3, round(sigma, 2)
         (True, 0.02)
     """
-    from sinklens.origins.init import load_at_init
-
     seed = as_seed(seed, what="seed")
     draws: list[Tensor] = []
     for model in {id(m): m for m in models}.values():
@@ -525,8 +525,6 @@ def fingerprint(
         >>> fingerprint(a, a, n_samples=64, seq_len=8, options=opts).same_lineage
         True
     """
-    from sinklens.loading import load_model
-
     buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
     n_samples = positive_int(n_samples, what="n_samples", minimum=2)
     seed = as_seed(seed, what="seed")

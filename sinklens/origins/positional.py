@@ -35,6 +35,7 @@ from sinklens.inputs import TokenBatch
 from sinklens.options import SEQ_LEN, RunOptions, checked_options, settings_from
 from sinklens.origins.preference import RandomInputs, stream_random
 from sinklens.residual_sites import after_attention_hooks, attention_write_hooks
+from sinklens.sinklm.checkpoint import checkpoint_steps, load_step_model, load_train_config
 from sinklens.streaming import BatchFold, Reducer
 from sinklens.visibility import attention_direction
 
@@ -239,7 +240,7 @@ def positional_over_training(
 
     Examples:
         >>> import tempfile
-        >>> from sinklens.train.config import TrainConfig
+        >>> from sinklens.sinklm.config import TrainConfig
         >>> from sinklens.train.loop import train
         >>> cfg = TrainConfig.from_dict({"model": {"n_layers": 1, "d_model": 16, "n_ctx": 8, "d_vocab": 16},
         ...     "data": {"seq_len": 8, "vocab_size": 16}, "eval": {"interval": 0}, "steps": 4, "batch_size": 4,
@@ -251,8 +252,6 @@ def positional_over_training(
         ([0, 2, 4], (3, 1))
         >>> tmp.cleanup()
     """
-    from sinklens.train.checkpoint import checkpoint_steps, load_step_model, load_train_config
-
     cfg = load_train_config(run_dir)
     wanted = sorted({0, *checkpoint_steps(run_dir)}) if steps is None else sorted({int(s) for s in steps})
     seq_len = min(int(seq_len), cfg.data.seq_len)

@@ -42,6 +42,7 @@ from sinklens.options import SEQ_LEN, RunOptions, checked_options, settings_from
 from sinklens.origins.sites import final_state_site, logits_from_final
 from sinklens.streaming import R, BatchFold, Reducer, stream
 from sinklens.validate import as_seed, positive_int
+from sinklens.visibility import attention_direction
 
 
 @dataclass(repr=False, eq=False)
@@ -168,8 +169,6 @@ class TokenPreferenceReducer(Reducer[TokenPreference]):
 
 def refuse_encoder(model: Any, what: str) -> None:
     """Raise :class:`~sinklens.errors.UnsupportedArchitectureError` naming ``what`` for a bidirectional model."""
-    from sinklens.visibility import attention_direction
-
     if attention_direction(model) == "bidirectional":
         raise UnsupportedArchitectureError(
             f"{what} needs a causal (next-token) model, but {type(model).__name__} "

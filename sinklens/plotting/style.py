@@ -10,6 +10,8 @@ from typing import Any
 import matplotlib.pyplot as plt
 import numpy as np
 
+from sinklens.export import write_atomic
+
 
 def expect_result(result: Any, kind: type, where: str) -> None:
     """Raise ``TypeError`` naming ``where``, the result class it draws and what it was given instead.
@@ -37,8 +39,6 @@ def save_figure(fig: Any, path: str | Path, *, dpi: int = 120, close: bool = Tru
     The format is the path's suffix (a path without one gets ``.png``, as matplotlib adds). Written atomically
     (:func:`sinklens.export.write_atomic`): an interrupted save leaves an earlier figure at ``path`` as it was.
     """
-    from sinklens.export import write_atomic
-
     path = Path(path)
     if not path.suffix:
         path = path.with_suffix(".png")

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from sinklens.plotting.style import finish, new_figure
+from sinklens.errors import InvalidArgumentError
+from sinklens.validate import positive_int
 
 #: Eval metrics plotted by default, with their axis labels.
 SINK_PANELS = {
@@ -44,9 +46,6 @@ def smooth(values: Sequence[float], window: int, *, steps: Sequence[int] | None 
         >>> smooth([1.0, 3.0, 5.0, 7.0], 10, steps=[0, 5, 10, 15])  # window (s-10, s]: two logged points
         [1.0, 2.0, 4.0, 6.0]
     """
-    from sinklens.errors import InvalidArgumentError
-    from sinklens.validate import positive_int
-
     window = positive_int(window, what="smoothing window (steps)")
     steps = range(len(values)) if steps is None else steps
     if len(steps) != len(values):
@@ -72,7 +71,7 @@ def plot_training(
     ``smoothing`` training steps, :func:`smooth`) and the evaluation metrics of :class:`~sinklens.train.sink_metrics.SinkMetrics`.
 
     Args:
-        runs: ``{label: metrics lines}`` (see :func:`sinklens.train.checkpoint.read_metrics`).
+        runs: ``{label: metrics lines}`` (see :func:`sinklens.sinklm.checkpoint.read_metrics`).
         panels: ``"loss"`` and/or eval metric names (default: :func:`default_panels`).
         path: save the figure there (PNG) when given.
     """

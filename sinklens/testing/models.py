@@ -18,6 +18,9 @@ from typing import Any, Literal
 
 import torch
 
+from sinklens.sinklm.config import ModelConfig
+from sinklens.sinklm.init import sinklm_at_init
+
 Arch = Literal["llama", "gpt2"]
 
 
@@ -161,7 +164,7 @@ def _tiny_hooked_transformer(arch: Arch, n_layers, d_model, n_heads, n_kv_heads,
 
 def tiny_sinklm(variant: str = "baseline", *, family: Literal["llama", "gpt2"] = "llama", seed: int = 0,
                 **variant_options: Any) -> Any:
-    """A step-0 :class:`~sinklens.train.model.SinkLM` (2 layers, d_model 32, 4 heads, context 16, vocabulary 512)
+    """A step-0 :class:`~sinklens.sinklm.model.SinkLM` (2 layers, d_model 32, 4 heads, context 16, vocabulary 512)
     with one of the trainer's attention variants, built as ``sinklens train`` builds it for ``seed``. A
     ``headwise_rms`` model gets gains drawn from [0.5, 2] (seeded), so its norm is more than a rescale.
 
@@ -169,9 +172,6 @@ def tiny_sinklm(variant: str = "baseline", *, family: Literal["llama", "gpt2"] =
         >>> tiny_sinklm("gated", granularity="headwise").head_output_site
         'attn.hook_z_gated'
     """
-    from sinklens.origins.init import sinklm_at_init
-    from sinklens.train.config import ModelConfig
-
     cfg = ModelConfig.from_dict(dict(family=family, n_layers=2, d_model=32, n_heads=4, d_mlp=64, n_ctx=16, d_vocab=512,
                                      variant=variant, variant_options=variant_options))
     model = sinklm_at_init(cfg, seed)

@@ -4,7 +4,7 @@ Every source is a :class:`TokenSource`. ``source.batch(split, step, n)`` returns
 ``seq_len + 1`` tokens (inputs ``[:, :-1]``, targets ``[:, 1:]``) drawn with a generator seeded
 by ``(data.seed, split, step)`` only, so
 
-* two runs with the same :class:`~sinklens.train.config.DataConfig` see identical batches in
+* two runs with the same :class:`~sinklens.sinklm.config.DataConfig` see identical batches in
   identical order, whatever their model, variant or model seed;
 * resuming at step ``s`` needs no data state beyond ``s``;
 * DDP processes draw the same global batch and each keeps its own rows.
@@ -21,7 +21,7 @@ Synthetic tasks:
   ``x_{t+1} = x_{t-1}`` whenever ``x_t`` is a trigger and ``t >= 2``.
 
 Examples:
-    >>> from sinklens.train.config import DataConfig
+    >>> from sinklens.sinklm.config import DataConfig
     >>> src = build_source(DataConfig(source="bigram-backcopy", seq_len=8, vocab_size=16))
     >>> x = src.batch("train", step=0, n=2)
     >>> x.shape, bool((x[:, 0] == src.bos_id).all()), bool((x == src.batch("train", 0, 2)).all())
@@ -44,7 +44,7 @@ from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
 from sinklens.errors import DataFileNotFoundError, InputFileError, InvalidArgumentError, OfflineDataError
-from sinklens.train.config import DataConfig
+from sinklens.sinklm.config import DataConfig
 from sinklens.validate import refuse_binary
 
 Split = Literal["train", "val"]
@@ -230,7 +230,7 @@ def _encode(tokenizer: Any, docs: list[str]) -> np.ndarray:
 
 def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> tuple[np.ndarray, np.ndarray, Any]:
     """Tokenise documents once and cache ``train.npy``, ``val.npy`` and the tokenizer by a content key."""
-    from sinklens.train.tokenizer import byte_tokenizer, load_tokenizer, train_bpe
+    from sinklens.sinklm.tokenizer import byte_tokenizer, load_tokenizer, train_bpe
 
     key_parts = {**key_parts, "tokenizer": cfg.tokenizer, "vocab_size": cfg.vocab_size, "val": cfg.val_fraction, "v": 1}
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -1,6 +1,6 @@
 """The training loop: read it top to bottom, like nanoGPT's ``train.py``.
 
-:func:`train` builds a :class:`~sinklens.train.model.SinkLM` from ``cfg.model`` (seeded by
+:func:`train` builds a :class:`~sinklens.sinklm.model.SinkLM` from ``cfg.model`` (seeded by
 ``cfg.seed``), a :class:`~sinklens.train.data.TokenSource` from ``cfg.data`` (ordered by
 ``cfg.data.seed`` only), AdamW with warmup + cosine decay (:func:`get_lr`), and then for every step:
 evaluate (every ``eval.interval`` steps: validation loss, sink metrics, persistence of the step-0
@@ -18,7 +18,7 @@ autocast, AdamW is fused, the next step's rows are copied from pinned memory whi
 and the host waits for the device once per step (the finite-loss check) and once per logged step.
 
 Examples:
-    >>> from sinklens.train.config import OptimConfig
+    >>> from sinklens.sinklm.config import OptimConfig
     >>> opt = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10)
     >>> [round(get_lr(s, opt, total_steps=100), 6) for s in (0, 9, 10, 55, 100, 200)]
     [0.0001, 0.001, 0.001, 0.00055, 0.0001, 0.0001]
@@ -53,17 +53,17 @@ from sinklens.errors import (
     TrainingInterrupted,
 )
 from sinklens.export import json_line, write_json
-from sinklens.train.checkpoint import (
+from sinklens.sinklm.checkpoint import (
     METRICS, TOKENIZER, has_checkpoint, is_run_dir, load_checkpoint, load_run, read_metrics, save_checkpoint,
     save_tokenizer, write_metrics,
 )
-from sinklens.train.run_folder import (
+from sinklens.sinklm.run_folder import (
     RunLock, check_data_fingerprint, clean_stale, discard_set_aside, foreign_entries, recover_set_aside,
     restore_set_aside, resume_changes, set_aside_run, set_aside_runs, tokenizer_problem, write_data_fingerprint,
 )
-from sinklens.train.config import OptimConfig, TrainConfig
+from sinklens.sinklm.config import OptimConfig, TrainConfig
 from sinklens.train.data import TokenSource, build_source, data_fingerprint
-from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
+from sinklens.distributed.ddp import DistContext, cleanup_distributed, init_distributed
 from sinklens.train.interrupt import StopSignals
 from sinklens.train.loggers import MetricsLog, check_log
 from sinklens.train.persistence import PersistenceTracker
@@ -262,7 +262,7 @@ class TrainResult(CompactRepr):
     """What :func:`train` returns.
 
     Attributes:
-        model: the trained (unwrapped) :class:`~sinklens.train.model.SinkLM`, in train mode.
+        model: the trained (unwrapped) :class:`~sinklens.sinklm.model.SinkLM`, in train mode.
         history: the metrics lines (also in ``out_dir/metrics.jsonl``): ``kind="train"`` lines
             with ``loss`` (mean over the step's batch), ``lr``, ``grad_norm`` (before clipping),
             ``tokens_per_s``, ``mfu``; ``kind="eval"`` lines with ``val_loss``, sink metrics and
@@ -446,12 +446,12 @@ def train(
 
     Args:
         out_dir: run directory (``config.json``, ``metrics.jsonl``, ``checkpoint.json`` and
-            ``checkpoints/``, ``tokenizer/``; see :mod:`sinklens.train.checkpoint`); None keeps
+            ``checkpoints/``, ``tokenizer/``; see :mod:`sinklens.sinklm.checkpoint`); None keeps
             everything in memory.
         resume: continue from the newest good checkpoint in ``out_dir`` (its step, weights,
             optimizer, RNG); the loss curve continues exactly as if the run had not stopped. ``cfg``
-            is the run's own (:func:`~sinklens.train.run_folder.resume_config`), changed at most in how the run goes
-            on (``steps``, ``optim``, ``eval``...: :func:`~sinklens.train.run_folder.resume_changes`);
+            is the run's own (:func:`~sinklens.sinklm.run_folder.resume_config`), changed at most in how the run goes
+            on (``steps``, ``optim``, ``eval``...: :func:`~sinklens.sinklm.run_folder.resume_changes`);
             a ``kind="resume"`` metrics line records the step and those changes.
         overwrite: replace the run already in ``out_dir`` and start afresh: its own files are moved
             aside, deleted at the new run's first checkpoint and restored if the new run fails before it.
@@ -610,7 +610,7 @@ def _build(cfg: TrainConfig, out: Path | None, dist: DistContext, device: torch.
            interventions: Sequence[Intervention], *, resumed: bool) -> _Run:
     """Data, model, optimizer and interventions, all built before ``out_dir`` is touched. The data order depends on
     ``cfg.data`` only (``d_vocab="auto"`` is resolved here, once); the initialisation on ``cfg.seed``."""
-    from sinklens.train.model import SinkLM
+    from sinklens.sinklm.model import SinkLM
 
     source = build_source(cfg.data, d_vocab=None if cfg.model.d_vocab == "auto" else cfg.model.d_vocab)
     cfg = _resolve_vocab(cfg, source)

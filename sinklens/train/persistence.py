@@ -28,7 +28,8 @@ from typing import Any
 from sinklens.export import write_json
 from sinklens.options import RunOptions
 from sinklens.origins.persistence import PreferenceSnapshot, compare_snapshots, snapshot
-from sinklens.train.config import TrainConfig
+from sinklens.sinklm.config import TrainConfig
+from sinklens.sinklm.init import sinklm_at_init
 
 REFERENCE = "persistence_ref.json"
 #: eval-line key of each :func:`~sinklens.origins.persistence.compare_snapshots` value.
@@ -75,8 +76,6 @@ class PersistenceTracker:
             if ref.inputs() == {"n_sequences": self.n_sequences, "seq_len": self.seq_len, "seed": self.seed}:
                 self.reference = ref
                 return
-        from sinklens.origins.init import sinklm_at_init
-
         self.reference = self._snapshot(sinklm_at_init(self.cfg.model, self.cfg.seed, device=device))
         self._save()
 

@@ -60,7 +60,7 @@ class MixedPrecision:
 
 
 def mixed_precision(cfg: Any, device: torch.device) -> MixedPrecision:
-    """The mixed precision ``cfg`` (a :class:`~sinklens.train.config.TrainConfig`) asks for on ``device``:
+    """The mixed precision ``cfg`` (a :class:`~sinklens.sinklm.config.TrainConfig`) asks for on ``device``:
     ``cfg.autocast`` on CUDA, ``cfg.cpu_autocast`` on a CPU, float32 elsewhere. Warns when bfloat16
     is asked of a CPU without native bfloat16 arithmetic."""
     if device.type == "cuda" and cfg.autocast != "none":

@@ -24,7 +24,7 @@ from sinklens.hooks import RESID_POST, model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import SINK_THRESHOLD, HookFn, RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, stream
-from sinklens.train.model import next_token_loss
+from sinklens.sinklm.model import next_token_loss
 
 
 class FirstTokenNormReducer(Reducer[Float[Tensor, " layer"]]):
@@ -78,7 +78,7 @@ class SinkMetrics(CompactRepr):
             key 0 over every query that sees it, query 0 included, exceeds ε = ``threshold``.
         sinklens_sink_rate: sinklens' variant (``method="sinklens"``): the same over the queries ``q >= 1``,
             leaving out query 0's weight 1 by construction (what metric lines written before 2026-11-25 logged
-            as ``sink_rate``; :func:`~sinklens.train.checkpoint.read_metrics` renames it on those).
+            as ``sink_rate``; :func:`~sinklens.sinklm.checkpoint.read_metrics` renames it on those).
         threshold: that ε.
         norm_ratio: ``[layer]`` first-token norm ratio of ``hook_resid_post`` (:class:`FirstTokenNormReducer`).
         variance_ratio: ``[layer, head]`` variance discrepancy of the raw head outputs ``hook_z`` at

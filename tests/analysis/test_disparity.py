@@ -8,6 +8,7 @@ import sinklens
 
 from sinklens.analysis.disparity import MassiveActivationsReducer, find_massive_activations
 from sinklens.inputs import as_batches
+from sinklens.plotting.disparity import plot_massive_by_layer, plot_position_profile, plot_top_dims
 from sinklens.streaming import stream
 from sinklens.testing import PLANTED_PROMPTS, QUIET
 from sinklens.testing.planted import planted_model
@@ -113,17 +114,18 @@ def test_result_serialises_and_plots(tiny, tmp_path):
     assert len(found.rows()) == min(3, found.n_events)
     text = json.dumps(found.to_dict(), allow_nan=False)
     assert "massive_dims_sink" in text
-    for i, fig in enumerate([found.plot(tmp_path / "a.png"), found.plot_top_dims(k=4, path=tmp_path / "b.png"),
-                             found.plot_positions(tmp_path / "c.png")]):
+    for i, fig in enumerate([plot_massive_by_layer(found, path=tmp_path / "a.png"),
+                             plot_top_dims(found, k=4, path=tmp_path / "b.png"),
+                             plot_position_profile(found, path=tmp_path / "c.png")]):
         assert isinstance(fig, matplotlib.figure.Figure)
     assert (tmp_path / "a.png").stat().st_size > 1000 and (tmp_path / "c.png").exists()
-    sink_line, other_line, median_line = found.plot().axes[0].get_lines()[:3]
+    sink_line, other_line, median_line = plot_massive_by_layer(found).axes[0].get_lines()[:3]
     torch.testing.assert_close(torch.as_tensor(sink_line.get_ydata()), found.max_abs_sink.amax(-1).clamp_min(1e-8))
     torch.testing.assert_close(torch.as_tensor(other_line.get_ydata()), found.max_abs_other.amax(-1).clamp_min(1e-8))
     torch.testing.assert_close(torch.as_tensor(median_line.get_ydata()), found.median_abs.clamp_min(1e-8))
-    bars = found.plot_top_dims(k=4).axes[0].patches[:4]  # the sink bars come first
+    bars = plot_top_dims(found, k=4).axes[0].patches[:4]  # the sink bars come first
     assert [b.get_height() for b in bars] == pytest.approx([v for _, v in found.top_dims(found.streams[-1], 4)])
-    ratio_lines = found.plot_positions().axes[0].get_lines()
+    ratio_lines = plot_position_profile(found).axes[0].get_lines()
     for i, line in enumerate(ratio_lines):
         torch.testing.assert_close(torch.as_tensor(line.get_ydata()), found.norm_ratio[i], equal_nan=True)
 

@@ -12,6 +12,7 @@ from sinklens.analysis.neurons import (
     row_sparsity,
 )
 from sinklens.inputs import as_batches
+from sinklens.plotting.neurons import plot_contributions, plot_dim_path, plot_row_sparsity
 from sinklens.streaming import stream
 from sinklens.testing import PLANTED_PROMPTS, QUIET
 from sinklens.testing.planted import planted_model
@@ -113,15 +114,16 @@ def test_result_serialises_and_plots(planted, tmp_path):
     assert [spec.layer, spec.neuron] in json.loads(json.dumps(found.to_dict(k=3), allow_nan=False))["super_neurons"]
     rows = found.rows(k=3)
     assert rows[0]["layer"] == spec.layer and rows[0]["neuron"] == spec.neuron and rows[0]["is_super"]
-    for fig in (found.plot(path=tmp_path / "c.png"), found.plot_sparsity(tmp_path / "s.png"), found.plot_path()):
+    for fig in (plot_contributions(found, path=tmp_path / "c.png"), plot_row_sparsity(found, path=tmp_path / "s.png"),
+                plot_dim_path(found)):
         assert isinstance(fig, matplotlib.figure.Figure)
     assert (tmp_path / "c.png").stat().st_size > 1000
     # The bars are the top contributions to the first massive dim, the path is the sink's residual.
-    bars = found.plot(k=3).axes[0].patches
+    bars = plot_contributions(found, k=3).axes[0].patches
     assert [b.get_height() for b in bars] == pytest.approx([c for _, _, c in found.top(found.dims[0], 3)])
-    residual = found.plot_path().axes[0].get_lines()[0].get_ydata()
+    residual = plot_dim_path(found).axes[0].get_lines()[0].get_ydata()
     torch.testing.assert_close(torch.as_tensor(residual), found.resid_sink[:, found.dims[0]])
-    points = found.plot_sparsity().axes[0].collections[1].get_offsets()  # the super neurons
+    points = plot_row_sparsity(found).axes[0].collections[1].get_offsets()  # the super neurons
     torch.testing.assert_close(torch.as_tensor(points.data[:, 0]).float(), found.row_kurtosis[found.is_super])
 
 

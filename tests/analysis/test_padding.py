@@ -104,8 +104,8 @@ def test_encoder_real_queries_never_attend_to_padding():
 @pytest.mark.parametrize("variant", ["baseline", "sink_logit"])
 def test_sinklens_own_model_runs_padded_batches_without_a_mask(variant):
     """SinkLM takes no attention_mask: causal and right-aligned, its pads come after every real token."""
-    from sinklens.train.config import ModelConfig
-    from sinklens.train.model import SinkLM
+    from sinklens.sinklm.config import ModelConfig
+    from sinklens.sinklm.model import SinkLM
 
     torch.manual_seed(0)
     model = SinkLM(ModelConfig(family="llama", variant=variant, n_layers=2, d_model=16, n_heads=4, n_kv_heads=2,

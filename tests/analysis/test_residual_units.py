@@ -8,6 +8,7 @@ import torch
 from sinklens.analysis.neurons import find_super_neurons, mlp_offset, mlp_out_bias, neuron_contributions
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.interventions.neurons import edit_neurons
+from sinklens.plotting.report import save_report
 from sinklens.residual_units import post_norm_map
 from sinklens.testing import PLANTED_PROMPTS, QUIET
 from sinklens.testing.zoo import POST_NORM_FAMILIES, FamilyUnavailableError, zoo_model
@@ -265,5 +266,5 @@ def test_analyze_skips_the_neuron_section_of_a_moe_model_with_a_note(tmp_path):
     assert "mixture of experts" in data["super_neurons"]["skipped"] and data["headline"]["super_neurons"] == []
     assert "super neurons and dimension paths skipped: the MLP is a mixture of experts" in report.summary()
     assert "Causal check skipped: the MLP is a mixture of experts" in report.summary()
-    written = report.save(tmp_path)
+    written = save_report(report, tmp_path)
     assert not any("neuron" in p.name for p in written)

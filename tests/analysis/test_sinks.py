@@ -6,6 +6,7 @@ import torch
 
 from sinklens.analysis.sinks import SinkReducer, find_sinks
 from sinklens.inputs import TokenBatch, as_batches
+from sinklens.plotting.sinks import plot_received_by_position, plot_sink_heatmap, plot_sink_rate
 from sinklens.streaming import stream
 from sinklens.testing import QUIET, VARIED_PROMPTS
 
@@ -161,18 +162,18 @@ def test_exports_and_plots(tiny_llama, tmp_path):
     assert payload["settings"]["sink_threshold"] == 0.15 and len(payload["received"]) == 2
     assert len(result.rows()) == result.received.numel()
     assert {r["position"] for r in result.summary_rows()} >= {0}
-    for method, name in ((result.plot, "heat.png"), (result.plot_sink_rate, "rate.png"), (result.plot_received, "recv.png")):
-        fig = method(tmp_path / name)
+    for plot, name in ((plot_sink_heatmap, "heat.png"), (plot_sink_rate, "rate.png"), (plot_received_by_position, "recv.png")):
+        fig = plot(result, path=tmp_path / name)
         assert isinstance(fig, matplotlib.figure.Figure)
         assert (tmp_path / name).stat().st_size > 0
     pos = (result.sink_positions or [0])[0]  # the figures show the first detected sink
-    heat = result.plot().axes[0].images[0].get_array()
+    heat = plot_sink_heatmap(result).axes[0].images[0].get_array()
     torch.testing.assert_close(torch.as_tensor(heat.data), torch.nan_to_num(result.received[:, :, pos], nan=0.0))
-    rate = result.plot_sink_rate(position=2)
+    rate = plot_sink_rate(result, position=2)
     torch.testing.assert_close(torch.as_tensor(rate.axes[0].images[0].get_array().data), result.seq_sink_frac[:, :, 2])
     widths = [bar.get_width() for bar in rate.axes[1].patches]
     assert widths == pytest.approx(result.sink_rate_by_layer(position=2).tolist())
-    lines = result.plot_received().axes[0].get_lines()
+    lines = plot_received_by_position(result).axes[0].get_lines()
     for row, line in enumerate(lines[: len(result.layers)]):
         torch.testing.assert_close(torch.as_tensor(line.get_ydata()), result.received[row].nanmean(dim=0))
     torch.testing.assert_close(torch.as_tensor(lines[len(result.layers)].get_ydata()), result.mean_received())

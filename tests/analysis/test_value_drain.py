@@ -8,6 +8,8 @@ import torch
 from sinklens.analysis.value_drain import ValueDrainReducer, ValueDrainSettings, measure_value_drain
 from sinklens.errors import InvalidArgumentError
 from sinklens.inputs import as_batches, random_token_batches
+from sinklens.plotting.report import save_report
+from sinklens.plotting.value_drain import plot_value_drain
 from sinklens.streaming import stream
 from sinklens.testing import QUIET, transformer_lens_major
 from sinklens.testing.planted_values import planted_sink
@@ -178,7 +180,7 @@ def test_exports_and_plot(llama, tmp_path):
     assert payload["kinds"][1][2] == "no-op" and payload["counts"]["no-op"] == 1
     assert payload["settings"]["sink_head_threshold"] == 0.3
     assert len(got.rows()) == 8 and got.rows()[6]["kind"] == "no-op"
-    fig = got.plot(tmp_path / "drain.png")
+    fig = plot_value_drain(got, path=tmp_path / "drain.png")
     assert isinstance(fig, matplotlib.figure.Figure) and (tmp_path / "drain.png").stat().st_size > 0
     image = fig.axes[1].images[0].get_array()
     torch.testing.assert_close(torch.as_tensor(image.data), got.write_share)
@@ -215,7 +217,7 @@ def test_classification_rule():
 
 def test_analyze_reports_value_drain_and_li_feature_std(llama, tmp_path):
     from sinklens.analysis.report import analyze
-    from sinklens.analysis.report_files import figure_makers
+    from sinklens.plotting.report import figure_makers
 
     report = analyze(llama, PROMPTS, abs_threshold=None, rel_threshold=3.0, options=QUIET)
     alone = measure_value_drain(llama, PROMPTS, options=QUIET)
@@ -223,7 +225,7 @@ def test_analyze_reports_value_drain_and_li_feature_std(llama, tmp_path):
         torch.testing.assert_close(getattr(report.value_drain, name), getattr(alone, name), msg=name)
     text = report.summary(timing=False)
     assert "Value drain at position 0:" in text and "Li et al." in text
-    report.save(tmp_path, figures=False)
+    save_report(report, tmp_path, figures=False)
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["value_drain"]["kinds"] == alone.kinds()
     assert "Li et al." in data["variance"]["li_feature_std"]["source"]
@@ -303,7 +305,7 @@ def test_an_elementwise_gate_is_refused_and_analyze_says_why(tmp_path):
     assert report.value_drain is None and report.variance.output_site == "attn.hook_z_gated"
     assert "z for zW_O read at attn.hook_z_gated (what W_O reads in this model)" in report.summary()
     assert "Value drain skipped: the model transforms each head's aggregated output" in report.summary()
-    report.save(tmp_path)
+    save_report(report, tmp_path)
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["value_drain"]["skipped"].startswith("skipped: the model transforms")
     assert not (tmp_path / "value_drain.png").exists()

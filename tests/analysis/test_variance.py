@@ -7,6 +7,7 @@ import torch
 from sinklens.analysis.variance import VarianceReducer, measure_variance
 from sinklens.hooks import weight
 from sinklens.inputs import as_batches, random_token_batches
+from sinklens.plotting.variance import plot_discrepancy, plot_feature_std_by_position, plot_variance_by_position
 from sinklens.streaming import stream
 from sinklens.testing import QUIET, VARIED_PROMPTS, tiny_sinklm
 
@@ -146,7 +147,7 @@ def test_exports_and_plots(tiny_llama, tmp_path):
     assert len(payload["discrepancy_z"]) == 2 and len(payload["discrepancy_z"][0]) == 4
     assert len(got.rows()) == got.z_var.numel()
     assert len(got.summary_rows()) == 2 * 4
-    fig = got.plot(tmp_path / "var.png", heads=[0, 1])
+    fig = plot_variance_by_position(got, heads=[0, 1], path=tmp_path / "var.png")
     assert isinstance(fig, matplotlib.figure.Figure) and (tmp_path / "var.png").stat().st_size > 0
     # One panel per layer; its lines are the head-mean measured variance and both predictions.
     for row, ax in enumerate(fig.axes):
@@ -154,12 +155,12 @@ def test_exports_and_plots(tiny_llama, tmp_path):
         torch.testing.assert_close(torch.as_tensor(measured), got.z_var[row, [0, 1]].mean(0))
         torch.testing.assert_close(torch.as_tensor(pattern), got.pred_pattern[row, [0, 1]].mean(0))
         torch.testing.assert_close(torch.as_tensor(uniform), got.pred_uniform[row, [0, 1]].mean(0))
-    fig = got.plot_feature_std(tmp_path / "std.png", layers=[1])
+    fig = plot_feature_std_by_position(got, layers=[1], path=tmp_path / "std.png")
     concat, per_head, law = (torch.as_tensor(line.get_ydata()) for line in fig.axes[0].get_lines())
     torch.testing.assert_close(concat, got.feature_std[1])
     torch.testing.assert_close(per_head, got.feature_std_head[1].mean(0))
     torch.testing.assert_close(law.float(), got.feature_std[1, 0] / torch.arange(1, concat.shape[0] + 1).sqrt(), rtol=1e-5, atol=1e-7)
-    fig = got.plot_discrepancy(tmp_path / "disc.png")
+    fig = plot_discrepancy(got, path=tmp_path / "disc.png")
     assert isinstance(fig, matplotlib.figure.Figure) and (tmp_path / "disc.png").stat().st_size > 0
     z_image, result_image = (ax.images[0].get_array() for ax in fig.axes if ax.images)
     torch.testing.assert_close(torch.as_tensor(z_image.data), got.discrepancy(0))
@@ -175,9 +176,9 @@ def test_bad_arguments(tiny_llama):
     with pytest.raises((ValueError, TypeError), match="of"):
         got.discrepancy(0, of="q")
     with pytest.raises(ValueError, match="not analysed"):
-        got.plot(layers=[9])
+        plot_variance_by_position(got, layers=[9])
     with pytest.raises(ValueError, match="heads"):
-        got.plot(heads=[7])
+        plot_variance_by_position(got, heads=[7])
 
 
 # ---------------------------------------------------------------------------------------------------------

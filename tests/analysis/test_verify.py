@@ -9,6 +9,7 @@ from sinklens.analysis.neurons import find_super_neurons
 from sinklens.analysis.report import analyze
 from sinklens.analysis.verify import verify_attribution
 from sinklens.interventions.neurons import edit_neurons
+from sinklens.plotting.report import save_report
 from sinklens.testing import PLANTED_PROMPTS, QUIET
 from sinklens.testing.planted import planted_model
 
@@ -65,7 +66,7 @@ def test_a_random_neuron_as_control_removes_little(planted):
 def test_analyze_verify_reports_the_check_in_json_and_summary(planted, tmp_path):
     model, spec = planted
     report = analyze(model, PLANTED_PROMPTS, abs_threshold=None, rel_threshold=50.0, verify=True, options=QUIET)
-    report.save(tmp_path, figures=False)
+    save_report(report, tmp_path, figures=False)
     data = json.loads((tmp_path / "report.json").read_text())
     (c,) = data["causal_check"]["checks"]
     assert c["dim"] == spec.dim and c["dim_removed"] > 0.99 and c["writers"][0][:2] == [spec.layer, spec.neuron]

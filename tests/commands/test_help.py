@@ -28,7 +28,7 @@ def test_help_fits_a_screen(command, capsys, monkeypatch):
 
 
 def test_train_fields_are_one_plain_line_each(capsys):
-    from sinklens.train.config import config_fields
+    from sinklens.sinklm.config import config_fields
 
     assert main(["train", "--fields"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -68,7 +68,7 @@ def test_shared_defaults_come_from_sinklens_options():
     from sinklens.options import BATCH_SIZE, SEQ_LEN, SINK_THRESHOLD, RunOptions
     from sinklens.origins.positional import positional_over_training
     from sinklens.origins.preference import RandomInputs
-    from sinklens.train.config import DataConfig, EvalConfig
+    from sinklens.sinklm.config import DataConfig, EvalConfig
     from sinklens.train.sink_metrics import evaluate
 
     assert SINK_THRESHOLD == 0.3 and (SinkSettings().sink_threshold, ValueDrainSettings().sink_head_threshold,
@@ -89,7 +89,7 @@ def test_command_constants_match_the_library():
 
     from sinklens.commands import fingerprint as command
     from sinklens.commands.train import SYNTHETIC_DATA
-    from sinklens.train.config import SYNTHETIC_SOURCES
+    from sinklens.sinklm.config import SYNTHETIC_SOURCES
 
     library = importlib.import_module("sinklens.origins.fingerprint")
 

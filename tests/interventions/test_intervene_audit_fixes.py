@@ -357,9 +357,9 @@ def test_cli_no_bos_on_a_run_without_a_tokenizer(tmp_path, capsys):
     those batches."""
     from sinklens.inputs import random_token_batches
     from sinklens.loading import load_model
-    from sinklens.train.checkpoint import save_checkpoint
-    from sinklens.train.config import ModelConfig, TrainConfig
-    from sinklens.train.model import SinkLM
+    from sinklens.sinklm.checkpoint import save_checkpoint
+    from sinklens.sinklm.config import ModelConfig, TrainConfig
+    from sinklens.sinklm.model import SinkLM
 
     run = tmp_path / "run"
     cfg = TrainConfig.from_dict({**TrainConfig().to_dict(), "model": ModelConfig.from_preset("tiny").to_dict()})

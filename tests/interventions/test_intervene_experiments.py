@@ -12,6 +12,7 @@ from sinklens.interventions import (
     amplify, block_keys, create_sink, measure_intervention, patch_sink, remove_sink, restart, self_only, sweep,
 )
 from sinklens.options import RunOptions
+from sinklens.plotting.interventions import plot_intervention
 from sinklens.streaming import stream
 
 pytestmark = pytest.mark.models
@@ -96,7 +97,7 @@ def test_self_only_measures_and_plots(tiny, toks, tmp_path):
     res = create_sink(tiny, toks, 6, method="self-only", dims=[0, 1])
     assert res.dims == [0, 1] and res.dims_after.shape == (tiny.cfg.n_layers, 2)
     assert res.loss_before > 0 and res.loss_after > 0
-    res.plot(tmp_path / "fig.png")
+    plot_intervention(res, tmp_path / "fig.png")
     assert (tmp_path / "fig.png").stat().st_size > 0
 
 

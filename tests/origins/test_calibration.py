@@ -8,9 +8,9 @@ import torch
 from sinklens.interventions import registry
 from sinklens.interventions.calibration import calibration_factor, variance_calibration
 from sinklens.options import RunOptions
-from sinklens.origins.init import sinklm_at_init
+from sinklens.sinklm.init import sinklm_at_init
 from sinklens.origins.positional import positional_discrepancy
-from sinklens.train.config import ModelConfig
+from sinklens.sinklm.config import ModelConfig
 
 pytestmark = pytest.mark.models
 

@@ -69,8 +69,8 @@ def test_run_keeps_the_lineage_of_its_own_init_only(trained_runs):
 
 
 def test_false_positive_rate_stays_near_alpha_over_unrelated_inits():
-    from sinklens.origins.init import sinklm_at_init
-    from sinklens.train.config import ModelConfig
+    from sinklens.sinklm.init import sinklm_at_init
+    from sinklens.sinklm.config import ModelConfig
 
     cfg = ModelConfig.from_dict(dict(family="llama", n_layers=2, d_model=32, n_heads=4, d_mlp=64, n_ctx=16, d_vocab=4096))
     feats = [final_hidden_states(sinklm_at_init(cfg, s), n_samples=300, seq_len=8, options=OPTS) for s in range(20)]
@@ -85,8 +85,8 @@ def test_a_small_vocabulary_gets_a_caveat_where_the_null_breaks_down():
     """300 random sequences over 64 token ids: about 99% share their last token with another sample, so
     samples are dependent. Unrelated inits then test positive far above alpha, and every result says so;
     over 4096 ids (7% shared) there is no caveat."""
-    from sinklens.origins.init import sinklm_at_init
-    from sinklens.train.config import ModelConfig
+    from sinklens.sinklm.init import sinklm_at_init
+    from sinklens.sinklm.config import ModelConfig
 
     base = dict(family="llama", n_layers=2, d_model=32, n_heads=4, d_mlp=64, n_ctx=16)
     small = [sinklm_at_init(ModelConfig.from_dict(base | {"d_vocab": 64}), s) for s in range(8)]

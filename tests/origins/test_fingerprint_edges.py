@@ -19,8 +19,8 @@ OPTS = RunOptions(batch_size=300, progress=False)
 
 
 def _sinklm(seed: int, d_model: int = 32, **init):
-    from sinklens.origins.init import sinklm_at_init
-    from sinklens.train.config import ModelConfig
+    from sinklens.sinklm.init import sinklm_at_init
+    from sinklens.sinklm.config import ModelConfig
 
     cfg = ModelConfig.from_dict(dict(family="llama", n_layers=2, d_model=d_model, n_heads=4, d_mlp=2 * d_model,
                                      n_ctx=16, d_vocab=1024))
@@ -132,7 +132,7 @@ def test_embedding_inputs_do_not_depend_on_batch_size():
 def test_embedding_statistics_come_from_the_architecture_at_init():
     """As the authors' generate_random_embeddings on a freshly initialised model: a trained W_E (here scaled
     tenfold) does not move mu, sigma; they are those of load_at_init's W_E."""
-    from sinklens.origins.init import load_at_init
+    from sinklens.loading.init import load_at_init
     from sinklens.testing.zoo import zoo_model
 
     a, b = zoo_model("llama", d_vocab=4096, seed=0), zoo_model("llama", d_vocab=4096, seed=1)

@@ -8,7 +8,7 @@ from _origins_cfg import origins_cfg
 
 from sinklens import load_model
 from sinklens.errors import InvalidArgumentError
-from sinklens.origins.init import load_at_init, parse_init_spec
+from sinklens.loading.init import load_at_init, parse_init_spec
 
 pytestmark = pytest.mark.models
 

@@ -9,10 +9,10 @@ import torch
 
 from sinklens.options import RunOptions
 from sinklens.origins.contraction import activation_mean_at_zero, contraction
-from sinklens.origins.init import sinklm_at_init
+from sinklens.sinklm.init import sinklm_at_init
 from sinklens.origins.positional import positional_discrepancy
 from sinklens.origins.preference import TokenPreference, token_preference
-from sinklens.train.config import ModelConfig
+from sinklens.sinklm.config import ModelConfig
 
 pytestmark = pytest.mark.models
 OPTS = RunOptions(batch_size=16, progress=False)

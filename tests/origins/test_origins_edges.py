@@ -16,10 +16,10 @@ from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.inputs import random_token_batches
 from sinklens.options import RunOptions
 from sinklens.origins.contraction import _ACTIVATIONS, contraction
-from sinklens.origins.init import sinklm_at_init
+from sinklens.sinklm.init import sinklm_at_init
 from sinklens.origins.positional import positional_discrepancy
 from sinklens.origins.preference import token_preference
-from sinklens.train.config import ModelConfig
+from sinklens.sinklm.config import ModelConfig
 
 pytestmark = pytest.mark.models
 OPTS = RunOptions(batch_size=5, progress=False)  # batches that split the sequences unevenly

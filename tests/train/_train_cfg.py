@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sinklens.train.config import TrainConfig
+from sinklens.sinklm.config import TrainConfig
 
 
 def _merge(base: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

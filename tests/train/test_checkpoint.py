@@ -11,7 +11,7 @@ from sinklens.errors import ModelFileNotFoundError
 from sinklens.inputs import tokenize_prompts
 from sinklens.options import RunOptions
 from sinklens.streaming import stream
-from sinklens.train.checkpoint import load_trained_model
+from sinklens.sinklm.checkpoint import load_trained_model
 from sinklens.train.loop import eval_batches, train
 from sinklens.train.data import build_source
 

@@ -18,7 +18,7 @@ TINY = ["--set", "model.d_model=16", "--set", "model.n_ctx=16", "--set", "model.
 
 def _write_run(folder, lines, *, steps):
     """A run directory as `sinklens compare` reads it: config.json (steps) and metrics.jsonl."""
-    from sinklens.train.config import TrainConfig
+    from sinklens.sinklm.config import TrainConfig
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(TrainConfig(steps=steps).to_dict()))
@@ -130,14 +130,14 @@ def test_summarize_names_the_run_of_a_nan_target():
     ("restart:positions=4,scale=2", ["restart:positions=4,scale=2"]),
 ])
 def test_unquoted_list_overrides(value, expected):
-    from sinklens.train.config import TrainConfig, apply_overrides
+    from sinklens.sinklm.config import TrainConfig, apply_overrides
 
     assert apply_overrides(TrainConfig(), [f"interventions={value}"]).interventions == expected
 
 
 @pytest.mark.parametrize("value", ["[", "[restart:positions=4", "[a]]", "[scale=2]", "['a', b]", "[a]x"])
 def test_malformed_list_overrides_are_named_errors(value):
-    from sinklens.train.config import TrainConfig, apply_overrides
+    from sinklens.sinklm.config import TrainConfig, apply_overrides
 
     with pytest.raises(InvalidArgumentError) as info:
         apply_overrides(TrainConfig(), [f"interventions={value}"])

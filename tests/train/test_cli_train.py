@@ -9,7 +9,7 @@ import pytest
 
 from sinklens.cli import main
 from sinklens.loading import load_model
-from sinklens.train.checkpoint import load_run
+from sinklens.sinklm.checkpoint import load_run
 
 pytestmark = pytest.mark.models
 
@@ -121,7 +121,7 @@ def _build(tmp_path, *argv):
 def test_derived_model_fields_follow_later_overrides(tmp_path):
     """d_mlp and n_kv_heads nobody set are derived from the final d_model / family / n_heads (they kept
     the preset's values, and --model.n_heads 2 failed with "n_kv_heads=4 must divide n_heads=2")."""
-    from sinklens.train.config import ModelConfig
+    from sinklens.sinklm.config import ModelConfig
 
     assert _build(tmp_path, "--preset", "tiny", "--model.d-model", "128").model.d_mlp == ModelConfig(d_model=128).d_mlp == 344
     assert _build(tmp_path, "--preset", "tiny", "--set", "model.family=gpt2").model.d_mlp == 4 * 64
@@ -149,7 +149,7 @@ def test_config_file_model_table_applies_over_the_preset(tmp_path):
 def test_a_variant_named_over_a_config_file_starts_from_its_own_options(tmp_path):
     """``--config FILE --variant NAME`` checked FILE's variant options (``mode``, for variance_calibrated) against
     NAME and refused an option the user never typed; the same variant keeps the file's options."""
-    from sinklens.train.config import TrainConfig, apply_overrides
+    from sinklens.sinklm.config import TrainConfig, apply_overrides
 
     (tmp_path / "vc.toml").write_text('steps = 2\n[model]\nvariant = "variance_calibrated"\n'
                                       'variant_options = {mode = "position_amplify"}\n')

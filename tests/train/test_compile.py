@@ -9,7 +9,7 @@ import torch
 from _train_cfg import build_cfg
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.train.config import TrainConfig, apply_overrides, parse_args
+from sinklens.sinklm.config import TrainConfig, apply_overrides, parse_args
 from sinklens.train import loop
 from sinklens.train.loop import train
 
@@ -44,9 +44,9 @@ sys.path.insert(0, "tests/train")
 from _train_cfg import build_cfg
 from safetensors.torch import load_file
 from sinklens.train import loop
-from sinklens.train.checkpoint import load_trained_model
+from sinklens.sinklm.checkpoint import load_trained_model
 from sinklens.train.loop import train
-from sinklens.train.model import SinkLM
+from sinklens.sinklm.model import SinkLM
 
 loop.COMPILE_KWARGS = {"backend": "eager"}  # dynamo's graphs run as traced: fast, same kernels as eager
 calls = []

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sinklens.errors import DataFileNotFoundError, InputFileError
-from sinklens.train.config import DataConfig
+from sinklens.sinklm.config import DataConfig
 from sinklens.train.data import BackcopySource, MarkovSource, build_source
 
 

@@ -13,9 +13,9 @@ import torch
 from _train_cfg import build_cfg
 
 from sinklens.train.data import build_source
-from sinklens.train.ddp import DistContext
+from sinklens.distributed.ddp import DistContext
 from sinklens.train.loop import forward_backward, micro_batch, train
-from sinklens.train.model import SinkLM
+from sinklens.sinklm.model import SinkLM
 
 pytestmark = pytest.mark.slow
 
@@ -25,9 +25,9 @@ SCRIPT = textwrap.dedent(
     sys.path.insert(0, {tests!r})
     from _train_cfg import build_cfg
     from sinklens.train.data import build_source
-    from sinklens.train.ddp import init_distributed
+    from sinklens.distributed.ddp import init_distributed
     from sinklens.train.loop import forward_backward, micro_batch, train
-    from sinklens.train.model import SinkLM
+    from sinklens.sinklm.model import SinkLM
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     torch.set_num_threads(1)

@@ -100,8 +100,8 @@ def test_interventions_are_applied_during_training():
 def test_spec_interventions_passed_to_train_are_stored_and_a_resume_applies_them(tmp_path):
     """``train(cfg, interventions=["restart:..."])`` trained with the spec but left it out of config.json: a resume
     from the run's own config went on without it (losses off from step 6) and recorded no change."""
-    from sinklens.train.checkpoint import read_metrics
-    from sinklens.train.run_folder import resume_config
+    from sinklens.sinklm.checkpoint import read_metrics
+    from sinklens.sinklm.run_folder import resume_config
 
     spec = ["restart:positions=8"]
     whole = train(build_cfg(steps=8), out_dir=tmp_path / "whole", interventions=spec, progress=False)
@@ -129,7 +129,7 @@ def test_until_is_checked_before_anything_runs(tmp_path, until, words):
 
 
 def test_resolve_interventions_errors(tmp_path):
-    from sinklens.train.model import SinkLM
+    from sinklens.sinklm.model import SinkLM
 
     model = SinkLM(build_cfg().model)
     hooks = resolve_interventions(model, ["restart:positions=4,layers=[1]"])  # the one intervention registry
@@ -158,7 +158,7 @@ def test_auto_vocab_is_resolved_once_from_the_data(tmp_path, monkeypatch):
     assert result.model.cfg.d_vocab == 257  # 256 bytes + <|endoftext|>
     assert json.loads((tmp_path / "run" / "config.json").read_text())["model"]["d_vocab"] == 257
     with pytest.raises(ValueError, match="d_vocab='auto' must be resolved"):
-        from sinklens.train.model import SinkLM
+        from sinklens.sinklm.model import SinkLM
 
         SinkLM(cfg.model)
 
@@ -166,8 +166,8 @@ def test_auto_vocab_is_resolved_once_from_the_data(tmp_path, monkeypatch):
 def test_adamw_is_fused_on_the_cpu_by_default_and_trains_as_the_foreach_one_does():
     """``optim.fused=None`` takes the fused AdamW kernel on the CPU (one pass per parameter, about 10x faster a step
     at the authors' configuration); it is the same update as the multi-tensor one, to float32 rounding."""
-    from sinklens.train.config import OptimConfig
-    from sinklens.train.model import SinkLM
+    from sinklens.sinklm.config import OptimConfig
+    from sinklens.sinklm.model import SinkLM
 
     cfg = build_cfg()
     for fused, want in ((None, True), (True, True), (False, None)):

@@ -12,9 +12,9 @@ from sinklens.errors import SequenceTooLongError
 from sinklens.inputs import random_token_batches
 from sinklens.options import RunOptions
 from sinklens.streaming import stream
-from sinklens.train.model import LayerNorm, RMSNorm, SinkLM, next_token_loss, rope, rotary_tables
-from sinklens.train.variants import rms_norm
-from sinklens.train.config import PRESETS, ModelConfig
+from sinklens.sinklm.model import LayerNorm, RMSNorm, SinkLM, next_token_loss, rope, rotary_tables
+from sinklens.sinklm.variants import rms_norm
+from sinklens.sinklm.config import PRESETS, ModelConfig
 
 TINY = dict(n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, d_mlp=32, n_ctx=16, d_vocab=32)
 
@@ -240,8 +240,8 @@ def test_attention_received_reducer_streams_on_sinklm(variant):
 
 _COMPILE_SCRIPT = """
 import torch
-from sinklens.train.model import SinkLM
-from sinklens.train.config import ModelConfig
+from sinklens.sinklm.model import SinkLM
+from sinklens.sinklm.config import ModelConfig
 torch.manual_seed(0)
 model = SinkLM(ModelConfig(variant="headwise_rms", n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, n_ctx=16, d_vocab=32))
 toks = torch.randint(0, 32, (2, 12))

@@ -14,7 +14,7 @@ from _train_cfg import build_cfg
 from sinklens.origins.contraction import contraction
 from sinklens.origins.positional import positional_discrepancy, positional_over_training
 from sinklens.origins.preference import token_preference
-from sinklens.train.checkpoint import checkpoint_steps, load_step_model
+from sinklens.sinklm.checkpoint import checkpoint_steps, load_step_model
 from sinklens.train.loop import train
 from sinklens.train.persistence import REFERENCE
 
@@ -110,7 +110,7 @@ def test_positional_over_training_equals_each_checkpoint_measured_alone(tmp_path
         torch.testing.assert_close(result.attn_out_var, alone.attn_out_var)
     # step 0 is the run's initialization exactly: RUN_DIR@init, not a fresh draw
     torch.manual_seed(_cfg().seed)
-    from sinklens.train.model import SinkLM
+    from sinklens.sinklm.model import SinkLM
 
     init = SinkLM(_cfg().model).eval()
     expected = positional_discrepancy(init, n_sequences=8, seq_len=8)

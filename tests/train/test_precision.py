@@ -11,10 +11,10 @@ from _train_cfg import build_cfg
 from sinklens.cli import main
 from sinklens.errors import InvalidArgumentError
 from sinklens.train import precision
-from sinklens.train.config import apply_overrides
+from sinklens.sinklm.config import apply_overrides
 from sinklens.train.data import build_source
 from sinklens.train.loop import train
-from sinklens.train.model import SinkLM
+from sinklens.sinklm.model import SinkLM
 
 pytestmark = pytest.mark.models
 

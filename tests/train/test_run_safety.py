@@ -16,21 +16,21 @@ import torch
 from _train_cfg import build_cfg
 
 import sinklens
-import sinklens.train.checkpoint as ckpt_mod
+import sinklens.sinklm.checkpoint as ckpt_mod
 from sinklens.cli import main
 from sinklens.errors import (
     CorruptCheckpointError, ResumeMismatchError, RunExistsError, RunNotFoundError, TrainingDivergedError,
     TrainingInterrupted,
 )
-from sinklens.train.checkpoint import (
+from sinklens.sinklm.checkpoint import (
     load_checkpoint, load_run, load_train_config, load_trained_model, read_metrics, save_checkpoint,
 )
-from sinklens.train.trainer_state import read_trainer_state
-from sinklens.train.run_folder import clean_stale, resume_changes
+from sinklens.sinklm.trainer_state import read_trainer_state
+from sinklens.sinklm.run_folder import clean_stale, resume_changes
 from sinklens.train import loop as _loop
 from sinklens.train.interrupt import StopSignals
 from sinklens.train.loop import configure_optimizer
-from sinklens.train.model import SinkLM
+from sinklens.sinklm.model import SinkLM
 from sinklens.train.loop import train
 
 pytestmark = pytest.mark.models

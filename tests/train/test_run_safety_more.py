@@ -14,15 +14,15 @@ import pytest
 import torch
 from _train_cfg import build_cfg
 
-import sinklens.train.checkpoint as ckpt_mod
+import sinklens.sinklm.checkpoint as ckpt_mod
 from sinklens.errors import (
     CorruptCheckpointError, OutputExistsError, ResumeMismatchError, RunExistsError, RunLockedError, TrainingDivergedError,
 )
 from sinklens.export import write_text_atomic
 from sinklens.train import loop as _loop
-import sinklens.train.run_folder as run_folder
-from sinklens.train.checkpoint import load_run, load_trained_model, read_metrics, save_checkpoint
-from sinklens.train.run_folder import RunLock, tokenizer_problem
+import sinklens.sinklm.run_folder as run_folder
+from sinklens.sinklm.checkpoint import load_run, load_trained_model, read_metrics, save_checkpoint
+from sinklens.sinklm.run_folder import RunLock, tokenizer_problem
 from sinklens.train.loop import train
 
 pytestmark = pytest.mark.models
@@ -244,7 +244,7 @@ def test_an_overwrite_killed_before_its_first_checkpoint_is_undone_at_the_next_s
 def test_a_resume_after_a_killed_overwrite_continues_the_old_run_with_its_own_config(tmp_path):
     """``--resume`` read the killed replacement's config.json before train() put the old run back: the old run
     went on with the replacement's lr and steps (or was refused over a model nobody asked for)."""
-    from sinklens.train.run_folder import resume_config
+    from sinklens.sinklm.run_folder import resume_config
 
     train(build_cfg(steps=3), out_dir=tmp_path, progress=False)
     own = ckpt_mod.load_train_config(tmp_path)
@@ -332,7 +332,7 @@ def test_written_files_get_the_mode_open_would_give_them(tmp_path, mask):
     try:
         path = write_text_atomic(tmp_path / "a.json", "{}\n")
         cfg = build_cfg(steps=1)
-        from sinklens.train.model import SinkLM
+        from sinklens.sinklm.model import SinkLM
 
         final = save_checkpoint(tmp_path / "run", model=SinkLM(cfg.model), optimizer=None, cfg=cfg, step=1)
     finally:

@@ -9,7 +9,7 @@ import torch
 
 from sinklens.inputs import random_token_batches
 from sinklens.testing import tiny_sinklm
-from sinklens.train.checkpoint import read_metrics
+from sinklens.sinklm.checkpoint import read_metrics
 from sinklens.train.sink_metrics import evaluate
 
 

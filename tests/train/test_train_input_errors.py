@@ -14,7 +14,7 @@ from _train_cfg import build_cfg
 import sinklens.train.data as data_mod
 from sinklens.cli import main
 from sinklens.errors import ConfigFileNotFoundError, InvalidArgumentError
-from sinklens.train.config import load_config
+from sinklens.sinklm.config import load_config
 from sinklens.train.data import MAX_SYNTHETIC_VOCAB, check_synthetic_vocab
 from sinklens.train.loop import train
 

@@ -7,9 +7,9 @@ import math
 import pytest
 import torch
 
-from sinklens.train.model import SinkLM, calibrate_headwise_gains
-from sinklens.train.config import ModelConfig
-from sinklens.train.variants import (
+from sinklens.sinklm.model import SinkLM, calibrate_headwise_gains
+from sinklens.sinklm.config import ModelConfig
+from sinklens.sinklm.variants import (
     AttentionVariant,
     attention_variants,
     get_attention_variant,

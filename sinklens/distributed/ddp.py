@@ -13,6 +13,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from sinklens.errors import InvalidArgumentError
+from sinklens.validate import device as checked_device
+
 
 @dataclass(frozen=True)
 class DistContext:
@@ -40,9 +43,6 @@ def resolve_device(name: str) -> torch.device:
         InvalidArgumentError: an unknown name (``"gpu"``) or a device training cannot use (``"meta"``).
         DeviceUnavailableError: ``cuda`` without a GPU, ``cuda:3`` with one GPU, ``mps`` off a Mac.
     """
-    from sinklens.errors import InvalidArgumentError
-    from sinklens.validate import device as checked_device
-
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

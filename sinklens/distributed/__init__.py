@@ -20,14 +20,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TypeVar
 
 import torch.distributed as dist
 
-from sinklens.train.ddp import DistContext, cleanup_distributed, init_distributed
-
-if TYPE_CHECKING:
-    from sinklens.streaming import Reducer
+from sinklens.distributed.ddp import DistContext, cleanup_distributed, init_distributed
 
 T = TypeVar("T")
 
@@ -109,35 +106,11 @@ def local_batches(batches: Sequence[T]) -> Sequence[T]:
     return [batches[i] for i in range(start, stop)]
 
 
-def combine_across_ranks(reducers: Sequence[Reducer[Any]], *, n_local_batches: int) -> None:
-    """Give every process's ``reducers`` the statistics of all processes (no-op unless :func:`active`).
-
-    Each process sends its reducers' :meth:`~sinklens.streaming.Reducer.state_dict` (CPU tensors) with
-    its number of batches to all others (``all_gather_object``); then, in every process, each reducer
-    takes the first non-empty rank's state and merges the later ranks' states into it in rank order.
-    Processes that streamed no batch are skipped, so their reset statistics never count.
-    """
-    if not active() or not reducers:
-        return
-    payload = (n_local_batches, [reducer.state_dict() for reducer in reducers])
-    gathered: list[Any] = [None] * world_size()
-    dist.all_gather_object(gathered, payload)
-    states = [r_states for n, r_states in gathered if n > 0]
-    if not states:
-        return
-    for i, reducer in enumerate(reducers):
-        reducer.load_state_dict(states[0][i])
-        for r_states in states[1:]:
-            other = reducer.shallow_copy()
-            other.load_state_dict(r_states[i])
-            reducer.merge(other)
-
-
 def barrier() -> None:
     """Wait for every process (no-op unless :func:`active`)."""
     if active():
         dist.barrier()
 
 
-__all__ = ["active", "barrier", "launched_by_torchrun", "combine_across_ranks", "is_main", "local_batches", "rank", "session",
+__all__ = ["active", "barrier", "launched_by_torchrun", "is_main", "local_batches", "rank", "session",
            "shard_bounds", "world_size"]

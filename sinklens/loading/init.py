@@ -28,14 +28,18 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from sinklens.errors import InvalidArgumentError, UnknownModelError
+from sinklens import model_files
+from sinklens.errors import InvalidArgumentError, ModelFileNotFoundError, OfflineModelError, UnknownModelError
+from sinklens.model_files import EMBEDDED_MODELS, convert_gguf, fetch_embedded_gguf
+from sinklens.sinklm.checkpoint import is_run_dir, load_train_config
+from sinklens.sinklm.init import Scheme, reinit, sinklm_at_init
+from sinklens.sinklm.tokenizer import load_tokenizer
 from sinklens.validate import as_seed, choice, finite_number
 
-Scheme = Literal["native", "normal", "torch"]
 _INIT_SPEC = re.compile(r"^(?P<base>.+)@init(?::(?P<seed>-?\d+))?$")
 
 
@@ -71,49 +75,11 @@ def parse_init_spec(spec: str) -> InitSpec | None:
     return InitSpec(match.group("base"), None if seed is None else as_seed(int(seed), what=f"the seed of {spec!r}"))
 
 
-def _reinit(model: torch.nn.Module, scheme: str, std: float, seed: int) -> None:
-    if scheme == "native":
-        return
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        if scheme == "normal":
-            for _, p in model.named_parameters():
-                if p.ndim >= 2:
-                    p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float32).mul_(std).to(p.dtype))
-        elif scheme == "torch":
-            found = False
-            for module in model.modules():
-                if hasattr(module, "reset_parameters") and module is not model:
-                    module.reset_parameters()
-                    found = True
-            if not found:
-                raise InvalidArgumentError(
-                    f"scheme='torch' needs modules with reset_parameters (Hugging Face models); "
-                    f"{type(model).__name__} has none. Use scheme='native' or 'normal'."
-                )
-
-
-def sinklm_at_init(cfg: Any, seed: int, *, device: str | torch.device = "cpu", scheme: Scheme = "native",
-                   std: float = 0.02) -> Any:
-    """A ``SinkLM`` built as ``sinklens train`` builds it at step 0: ``torch.manual_seed(seed); SinkLM(cfg)``."""
-    from sinklens.train.model import SinkLM
-
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = SinkLM(cfg)
-        if scheme == "torch":
-            raise InvalidArgumentError("scheme='torch' is not available for SinkLM (bare parameters); use 'native' or 'normal'.")
-        _reinit(model, scheme, std, seed)
-    return model.to(device).eval()
-
-
 def _hf_source_dir(base: str) -> str:
     """A local HF directory (or Hub id) for ``base``, resolving embedded names and GGUF files."""
-    from sinklens.loading import EMBEDDED_MODELS, _fetch_embedded_gguf, convert_gguf
-
     key = base.lower()
     if key in EMBEDDED_MODELS:
-        return str(convert_gguf(_fetch_embedded_gguf(key)))
+        return str(convert_gguf(fetch_embedded_gguf(key)))
     path = Path(base).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return str(convert_gguf(path))
@@ -146,7 +112,7 @@ def hf_at_init(source: str | Any, seed: int, *, device: str, dtype: torch.dtype,
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         hf = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
-        _reinit(hf, scheme, std, seed)
+        reinit(hf, scheme, std, seed)
     hf = hf.to(device=device, dtype=dtype).eval()  # boot_transformers records a given hf_model's device, moves nothing
     kwargs = {"tokenizer": tokenizer} if tokenizer is not None else {}
     return TransformerBridge.boot_transformers(str(name), hf_model=hf, device=device, dtype=dtype, **kwargs)
@@ -173,8 +139,8 @@ def load_at_init(
         scheme: ``"native"``, ``"normal"`` (with ``std``) or ``"torch"``.
 
     Examples:
-        >>> from sinklens.train.model import SinkLM
-        >>> from sinklens.train.config import ModelConfig
+        >>> from sinklens.sinklm.model import SinkLM
+        >>> from sinklens.sinklm.config import ModelConfig
         >>> cfg = ModelConfig.from_preset("tiny", n_ctx=16, d_vocab=32)
         >>> a = sinklm_at_init(cfg, 3)
         >>> b = load_at_init(a, init_seed=3)
@@ -189,34 +155,22 @@ def load_at_init(
     parsed = parse_init_spec(str(spec)) or InitSpec(str(spec), None)
     seed = seed if seed is not None else parsed.seed
     base = parsed.base
-    from sinklens.loading import _is_sinklens_run
-
     path = Path(base).expanduser()
-    if path.is_dir() and _is_sinklens_run(path) or (path / "config.json").is_file() and _is_run_config(path):
-        from sinklens.train.checkpoint import load_train_config
-
+    if path.is_dir() and is_run_dir(path) or (path / "config.json").is_file() and _is_run_config(path):
         cfg = load_train_config(path)
         model = sinklm_at_init(cfg.model, cfg.seed if seed is None else seed, device=device, scheme=scheme, std=std)
         if (path / "tokenizer").is_dir():
-            from sinklens.train.tokenizer import load_tokenizer
-
             model.tokenizer = load_tokenizer(str(path / "tokenizer"))
         model.train_config = cfg
         return model.to(dtype)
     source = _hf_source_dir(base)
     if not Path(source).expanduser().exists() and "/" not in source:
-        from sinklens.loading import EMBEDDED_MODELS
-
         raise UnknownModelError(f"Unknown model {base!r} for an init spec. Embedded models: {sorted(EMBEDDED_MODELS)}; "
                                 "otherwise a local Hugging Face directory, a .gguf file, a sinklens run or a Hub id.")
     if not Path(source).expanduser().exists():
-        from sinklens.errors import ModelFileNotFoundError, OfflineModelError
-
         if base.startswith((".", "/", "~")) or base.endswith(".gguf") or base.count("/") > 1:
             raise ModelFileNotFoundError(f"No model file or directory at {base!r}.")
-        from sinklens.loading import _hub_reachable
-
-        if not _hub_reachable():
+        if not model_files.hub_reachable():
             raise OfflineModelError(f"{base!r} looks like a Hugging Face Hub id, but the Hub cannot be reached.")
         try:
             return hf_at_init(source, 0 if seed is None else seed, device=device, dtype=dtype, scheme=scheme, std=std)
@@ -236,7 +190,7 @@ def _is_run_config(path: Path) -> bool:
 
 
 def _model_at_init(model: Any, seed: int, *, device: str, dtype: torch.dtype, scheme: Scheme, std: float) -> Any:
-    from sinklens.train.model import SinkLM
+    from sinklens.sinklm.model import SinkLM
 
     if isinstance(model, SinkLM):
         fresh = sinklm_at_init(model.cfg, seed, device=device, scheme=scheme, std=std)
@@ -253,7 +207,7 @@ def _model_at_init(model: Any, seed: int, *, device: str, dtype: torch.dtype, sc
         cfg.seed = seed
         with torch.random.fork_rng(devices=[]):
             fresh = type(model)(cfg, tokenizer=getattr(model, "tokenizer", None))
-            _reinit(fresh, scheme, std, seed)
+            reinit(fresh, scheme, std, seed)
         return fresh.to(device).to(dtype).eval()
     raise UnknownModelError(
         f"Cannot re-initialise a {type(model).__name__}: pass a spec string, a SinkLM, a HookedTransformer or a "

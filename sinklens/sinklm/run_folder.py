@@ -1,4 +1,4 @@
-"""The run folder around its checkpoints (:mod:`sinklens.train.checkpoint`): what a resume continues with, the
+"""The run folder around its checkpoints (:mod:`sinklens.sinklm.checkpoint`): what a resume continues with, the
 data it must find again, the lock one trainer holds, and ``overwrite=True`` that keeps the old run until the new
 one has a checkpoint (set aside in ``.overwritten-*``, put back when the new run fails or was killed before)."""
 
@@ -16,11 +16,11 @@ from typing import Any
 from sinklens.errors import CorruptCheckpointError, ResumeMismatchError, RunLockedError
 from sinklens.export import write_json
 from sinklens.folder_lock import FolderLock
-from sinklens.train.checkpoint import (
+from sinklens.sinklm.checkpoint import (
     _STEP_DIR, CHECKPOINTS, CONFIG, FIGURE, FINGERPRINT, LOCK, PERSISTENCE, PICKLED, POINTER, RUN_ENTRIES, TOKENIZER,
     WEIGHTS, _fsync, _pointer, _remove, _step_dirs, has_checkpoint, is_run_dir, load_run, load_train_config,
 )
-from sinklens.train.config import LOCAL_DATA_SOURCES, TrainConfig
+from sinklens.sinklm.config import LOCAL_DATA_SOURCES, TrainConfig
 
 #: Dotted config keys (a prefix ending in ``.`` covers a section) that say what a run *is*: a resume may not change
 #: them (:func:`resume_changes`), except those in :data:`RESUME_FREE` (where things are kept, not what they are).
@@ -92,7 +92,7 @@ def resume_changes(saved: TrainConfig, requested: TrainConfig, *, run_dir: str |
         listed = "; ".join(f"{key} is {changes[key][1]!r} here but {changes[key][0]!r} in the run" for key in fixed)
         raise ResumeMismatchError(
             f"Cannot resume {str(run_dir)!r} with another model, data or seed: {listed}. A resume continues the run "
-            "with its own config (sinklens train --out DIR --resume, or train(sinklens.train.run_folder."
+            "with its own config (sinklens train --out DIR --resume, or train(sinklens.sinklm.run_folder."
             "resume_config(DIR), out_dir=DIR, resume=True)); it may change steps, optim, eval and the like. For "
             "another model or data start a new run (another out_dir, or --overwrite).")
     return changes
@@ -143,7 +143,7 @@ def tokenizer_problem(run_dir: str | Path) -> str | None:
     path = Path(run_dir) / TOKENIZER
     if not path.is_dir():
         return f"{str(path)!r} is missing"
-    from sinklens.train.tokenizer import load_tokenizer
+    from sinklens.sinklm.tokenizer import load_tokenizer
 
     try:
         load_tokenizer(str(path))

@@ -14,7 +14,7 @@ Pickled trainer state of earlier builds (``trainer_state.pt``, ``optimizer.pt``)
 replaces ``checkpoint.json``: a kill leaves the old or the new checkpoint current, never a mix. The newest earlier
 step stays as a fallback (``keep_every`` keeps more); :func:`load_run` verifies the manifest and falls back to it,
 with a warning. The data order is a pure function of ``(data.seed, step)``, so a resume reproduces the
-uninterrupted run exactly. The run folder around the checkpoints is :mod:`sinklens.train.run_folder`'s.
+uninterrupted run exactly. The run folder around the checkpoints is :mod:`sinklens.sinklm.run_folder`'s.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ import torch
 from sinklens.errors import CorruptCheckpointError, OutputNotWritableError, RunNotFoundError, SinklensError
 from sinklens.export import default_file_mode, json_line, write_json, write_text_atomic
 from sinklens.model_files import file_mismatch, sha256_file
-from sinklens.train.config import TrainConfig
-from sinklens.train.trainer_state import STATE, TENSORS, read_trainer_state, restore_trainer_state, trainer_state
+from sinklens.sinklm.config import TrainConfig
+from sinklens.sinklm.trainer_state import STATE, TENSORS, read_trainer_state, restore_trainer_state, trainer_state
 
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer"
 POINTER, MANIFEST, CHECKPOINTS, METRICS = "checkpoint.json", "manifest.json", "checkpoints", "metrics.jsonl"
@@ -320,10 +320,10 @@ def load_checkpoint(run: str | Path | RunCheckpoint, *, model: Any, optimizer: t
 
 
 def _model(run_dir: Path, cfg: TrainConfig, weights: Path | None, device: str | torch.device | None) -> Any:
-    """A :class:`~sinklens.train.model.SinkLM` of ``cfg`` with ``weights`` (None: the run's initialization), in eval
+    """A :class:`~sinklens.sinklm.model.SinkLM` of ``cfg`` with ``weights`` (None: the run's initialization), in eval
     mode, with ``model.train_config`` and ``model.tokenizer`` (a text run's ``PreTrainedTokenizerFast``, else None)."""
-    from sinklens.origins.init import sinklm_at_init
-    from sinklens.train.model import SinkLM
+    from sinklens.sinklm.init import sinklm_at_init
+    from sinklens.sinklm.model import SinkLM
 
     device = torch.device(device or "cpu")
     if weights is None:
@@ -332,7 +332,7 @@ def _model(run_dir: Path, cfg: TrainConfig, weights: Path | None, device: str | 
         model = SinkLM(cfg.model).to(device)
         _load_weights(model, weights, str(device))
     if (run_dir / TOKENIZER).is_dir():
-        from sinklens.train.tokenizer import load_tokenizer
+        from sinklens.sinklm.tokenizer import load_tokenizer
 
         model.tokenizer = load_tokenizer(str(run_dir / TOKENIZER))
     model.train_config = cfg
@@ -340,7 +340,7 @@ def _model(run_dir: Path, cfg: TrainConfig, weights: Path | None, device: str | 
 
 
 def load_trained_model(run_dir: str | Path, device: str | torch.device | None = None) -> Any:
-    """The :class:`~sinklens.train.model.SinkLM` of a run's newest good checkpoint (:func:`load_run`), in eval mode,
+    """The :class:`~sinklens.sinklm.model.SinkLM` of a run's newest good checkpoint (:func:`load_run`), in eval mode,
     with ``model.tokenizer`` (text runs, so analyzers accept strings) and ``model.train_config``.
 
     Raises:
@@ -367,8 +367,8 @@ def checkpoint_steps(run_dir: str | Path) -> list[int]:
 
 
 def load_step_model(run_dir: str | Path, step: int, device: str | torch.device | None = None) -> Any:
-    """The :class:`~sinklens.train.model.SinkLM` of the kept checkpoint of ``step``, verified, in eval mode; step 0
-    (never written) is the run's initialization, ``RUN_DIR@init`` (:func:`sinklens.origins.init.sinklm_at_init`)."""
+    """The :class:`~sinklens.sinklm.model.SinkLM` of the kept checkpoint of ``step``, verified, in eval mode; step 0
+    (never written) is the run's initialization, ``RUN_DIR@init`` (:func:`sinklens.sinklm.init.sinklm_at_init`)."""
     run_dir = Path(run_dir)
     path = run_dir / CHECKPOINTS / _step_dir_name(step)
     if step and not path.is_dir():

@@ -39,8 +39,8 @@ from typing import Any, Literal
 
 from sinklens.errors import ConfigFileNotFoundError, InputFileError, InvalidArgumentError
 from sinklens.options import SEQ_LEN, SINK_THRESHOLD
-from sinklens.specs import _split_args, parse_value
-from sinklens.train.variants import get_attention_variant
+from sinklens.specs import parse_value, split_args
+from sinklens.sinklm.variants import get_attention_variant
 from sinklens.validate import as_bool, as_seed, choice, closest, did_you_mean, finite_number, positive_int
 
 Family = Literal["llama", "gpt2"]
@@ -115,11 +115,11 @@ class _Part:
 
 @dataclass
 class ModelConfig(_Part):
-    """Shape and attention variant of a :class:`sinklens.train.model.SinkLM`.
+    """Shape and attention variant of a :class:`sinklens.sinklm.model.SinkLM`.
 
     ``family="llama"``: RMSNorm, SwiGLU, RoPE, tied embeddings, optional GQA (``n_kv_heads``).
     ``family="gpt2"``: LayerNorm, GELU, learned positions, tied embeddings.
-    ``variant`` names an attention variant registered in :mod:`sinklens.train.variants`;
+    ``variant`` names an attention variant registered in :mod:`sinklens.sinklm.variants`;
     ``variant_options`` are passed to it (e.g. ``{"gain": "per_head", "init": "first_token"}``) and
     checked when the model is built. ``d_vocab="auto"`` takes the vocabulary of the training data
     (resolved once, by :func:`sinklens.train.loop.train`). ``dtype`` is stored as a string so the
@@ -787,7 +787,7 @@ def _list_value(key: str, raw: str) -> list[str]:
     if any(q in text for q in "'\""):
         raise bad("it mixes quoted and unquoted items")
     specs: list[str] = []
-    for piece in (p.strip() for p in _split_args(text[1:-1])):
+    for piece in (p.strip() for p in split_args(text[1:-1])):
         if "=" in piece.partition(":")[0]:  # key=value: one more option of the spec before it
             if not specs:
                 raise bad(f"{piece!r} is an option with no spec name before it")

@@ -48,8 +48,8 @@ from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
 from sinklens.errors import InvalidArgumentError, SequenceTooLongError
-from sinklens.train.config import ModelConfig
-from sinklens.train.variants import AttentionVariant, HeadwiseRMSNorm, at_least_float32, get_attention_variant, rms_norm
+from sinklens.sinklm.config import ModelConfig
+from sinklens.sinklm.variants import AttentionVariant, HeadwiseRMSNorm, at_least_float32, get_attention_variant, rms_norm
 from sinklens.validate import as_seed
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -114,7 +114,7 @@ class RMSNorm(nn.Module):
     """``w ⊙ x / sqrt(mean(x²) + eps)`` (computed in float32); ``hook_normalized`` is ``x / sqrt(...)``, before
     ``w``, as TransformerLens' ``RMSNorm`` has it (so analyzers read the same site on a SinkLM).
 
-    Fast path when nothing is hooked on ``hook_scale`` or ``hook_normalized``: :func:`sinklens.train.variants.rms_norm`
+    Fast path when nothing is hooked on ``hook_scale`` or ``hook_normalized``: :func:`sinklens.sinklm.variants.rms_norm`
     (``F.rms_norm``); otherwise the explicit path, which materialises the scale and the normalised vector for the hooks. The two agree to float32 rounding (tested).
     """
 
@@ -309,7 +309,7 @@ class SinkLM(HookedRootModule):
 
     ``cfg.family="llama"``: RMSNorm, SwiGLU, RoPE, tied embeddings, optional GQA.
     ``cfg.family="gpt2"``: LayerNorm, GELU (tanh), learned positions, biases, tied embeddings.
-    The attention variant is ``cfg.variant`` (see :mod:`sinklens.train.variants`).
+    The attention variant is ``cfg.variant`` (see :mod:`sinklens.sinklm.variants`).
 
     Init (GPT-2 / nanoGPT): every weight matrix ~ N(0, init_std²); the residual-stream write-outs
     ``W_O`` and ``W_out`` ~ N(0, (init_std / sqrt(2·n_layers))²); biases 0, norm gains 1. A
@@ -473,7 +473,7 @@ class SinkLM(HookedRootModule):
 
     def head_output_gain(self, layer: int) -> Float[Tensor, "head d_head"] | None:
         """``γ`` of layer ``layer``'s head outputs when they are ``c[b, t, h] · (γ[h] ⊙ hook_z[b, t, h])``
-        (:meth:`~sinklens.train.variants.AttentionVariant.output_gain`), else None."""
+        (:meth:`~sinklens.sinklm.variants.AttentionVariant.output_gain`), else None."""
         return self.blocks[layer].attn.variant.output_gain()
 
     # ------------------------------------------------------ weight properties

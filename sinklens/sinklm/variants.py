@@ -1,7 +1,7 @@
-"""Attention variants of :class:`sinklens.train.model.SinkLM`, one small class each, picked by name.
+"""Attention variants of :class:`sinklens.sinklm.model.SinkLM`, one small class each, picked by name.
 
 A variant changes one or more of four steps of a head's computation, which
-:class:`sinklens.train.model.Attention` runs in this order::
+:class:`sinklens.sinklm.model.Attention` runs in this order::
 
     q, k = variant.transform_qk(q, k)            # after hook_q/hook_k, before RoPE (qk_norm)
     scores = variant.logits(q·k / sqrt(d_head))  # causal mask = -inf, then hook_attn_scores
@@ -171,7 +171,7 @@ class HeadwiseRMSNorm(AttentionVariant):
     or ``[d_head]`` shared by all heads (``gain="shared"``). ``init="first_token"`` (default)
     calibrates the gain with their formula (the first token's output std on a standard-normal input), averaged
     over 8 seeded draws where they take one, which makes the gains less noisy
-    (:func:`sinklens.train.model.calibrate_headwise_gains`; ``n_sequences=1`` there is their single draw);
+    (:func:`sinklens.sinklm.model.calibrate_headwise_gains`; ``n_sequences=1`` there is their single draw);
     ``init="ones"`` leaves it at 1. The raw aggregation stays visible at ``attn.hook_z`` (what the
     variance analyzers measure); the normalised output is at ``attn.hook_z_normed``.
 

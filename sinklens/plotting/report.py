@@ -1,16 +1,26 @@
 """Writing a :class:`~sinklens.analysis.report.SinkReport` to a folder: ``report.json`` (strict JSON,
-written atomically through :func:`sinklens.export.write_json`), ``summary.txt`` and PNG figures."""
+written atomically through :func:`sinklens.export.write_json`), ``summary.txt`` and PNG figures.
+
+Examples:
+    >>> from sinklens.testing import QUIET, tiny_model
+    >>> import sinklens, tempfile
+    >>> report = sinklens.analyze(tiny_model(), ["t5 t6 t7 t8"], abs_threshold=None, rel_threshold=3.0, options=QUIET)
+    >>> sorted(p.name for p in save_report(report, tempfile.mkdtemp(), figures=False))
+    ['report.json', 'summary.txt']
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
+import matplotlib.pyplot as plt
+
+from sinklens.analysis.report import SinkReport
 from sinklens.export import staged_outputs, write_json, write_text_atomic
+from sinklens.plotting import disparity, neurons, sinks, value_drain, variance
+from sinklens.plotting.style import save_figure
 from sinklens.validate import writable_dir
-
-if TYPE_CHECKING:
-    from sinklens.analysis.report import SinkReport
 
 
 #: Every figure a report may have (:func:`figure_makers` draws those its sections support).
@@ -30,11 +40,9 @@ def save_report(report: SinkReport, out_dir: str | Path, *, figures: bool = True
     it skipped, or ``figures=False``) is removed, so the folder never mixes two analyses. (``sinklens analyze``
     refuses a folder holding a report unless ``--overwrite``.)
     """
-    from sinklens.analysis.report_text import format_summary
-
     out = writable_dir(out_dir, what="out_dir")
     data = report.to_dict()  # computed before anything is written
-    text = format_summary(report) + "\n"
+    text = report.summary() + "\n"
     with staged_outputs(out, marker="report.json", owned=FIGURE_FILES) as stage:
         staged = [write_json(stage / "report.json", data, digits=None, indent=1), write_text_atomic(stage / "summary.txt", text)]
         if figures:
@@ -44,8 +52,6 @@ def save_report(report: SinkReport, out_dir: str | Path, *, figures: bool = True
 
 def figure_makers(report: SinkReport) -> dict[str, Callable[[], Any]]:
     """File name -> function drawing that figure of the report (a matplotlib Figure)."""
-    from sinklens.plotting import disparity, neurons, sinks, variance
-
     p = report.sink_position
     makers: dict[str, Callable[[], Any]] = {
         "attention_to_sink.png": lambda: sinks.plot_sink_heatmap(report.sinks, position=p),
@@ -61,18 +67,12 @@ def figure_makers(report: SinkReport) -> dict[str, Callable[[], Any]]:
     if report.neurons is not None:
         makers["w_out_sparsity.png"] = lambda: neurons.plot_row_sparsity(report.neurons)
     if report.value_drain is not None:
-        from sinklens.plotting import value_drain
-
         makers["value_drain.png"] = lambda: value_drain.plot_value_drain(report.value_drain)
     return makers
 
 
 def save_figures(report: SinkReport, out_dir: str | Path) -> list[Path]:
     """Save every figure of the report as PNG into ``out_dir``."""
-    import matplotlib.pyplot as plt
-
-    from sinklens.plotting.style import save_figure
-
     out = writable_dir(out_dir, what="out_dir")
     paths = []
     for name, make in figure_makers(report).items():
