@@ -100,7 +100,7 @@ def test_unknown_keys_in_files_and_missing_file(tmp_path):
     ],
 )
 def test_a_bad_config_file_is_named_in_its_error(tmp_path, name, text, match):
-    """(A bad value or a non-table section: rows of ``tests/test_cli_errors.py``, which runs without pytest's type checker.)"""
+    """(A bad value or a non-table section: rows of ``tests/commands/test_cli_errors.py``, which runs without pytest's type checker.)"""
     (tmp_path / name).write_text(text)
     with pytest.raises(InvalidArgumentError, match=match):
         load_config(tmp_path / name)

@@ -653,7 +653,7 @@ def test_an_intervention_that_cannot_run_on_the_runs_sequences_is_refused_before
     train(build_cfg(steps=2), out_dir=tmp_path, progress=False)
     before = _snapshot(tmp_path)
     persistence = {"eval": {"interval": 1, "persistence_sequences": 2, "persistence_seq_len": 8}}
-    # (a position past the persistence probe's sequences only: test_run_safety_more.py, the probe runs without it)
+    # (a position past the persistence probe's sequences only: test_run_folder.py, the probe runs without it)
     with pytest.raises(ValueError, match=r"run's 10-token training sequences \(data.seq_len=10\): Position 12"):
         train(build_cfg(steps=2, data={"seq_len": 10}), out_dir=tmp_path, overwrite=True,
               interventions=["restart:positions=12"], progress=False)
