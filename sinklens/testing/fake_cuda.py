@@ -206,6 +206,7 @@ class _FakeCudaMode(TorchFunctionMode):
 _CUDA_API: dict[str, Any] = {
     "is_available": lambda: True, "device_count": lambda: 1, "current_device": lambda: 0,
     "get_device_name": lambda device=None: "sinklens fake CUDA (CPU)", "synchronize": lambda device=None: None,
+    "get_device_capability": lambda device=None: (8, 0),
 }
 
 

@@ -101,7 +101,7 @@ def test_train_then_compare(lane, tmp_path, capsys):
     assert len(cpu) >= 4
     lane.assert_same(cpu, device, torch.float32)
     capsys.readouterr()
-    assert main(["compare", str(tmp_path / "cpu"), str(tmp_path / "lane"), "--json", "--out",
+    assert main(["compare", str(tmp_path / "cpu"), str(tmp_path / "lane"), "--json", "-", "--out",
                  str(tmp_path / "c.png")]) == 0
     rows = json.loads(capsys.readouterr().out)
     assert len(rows) == 2
