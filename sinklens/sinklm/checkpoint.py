@@ -351,8 +351,8 @@ def load_trained_model(run_dir: str | Path, device: str | torch.device | None = 
 
 
 def checkpoint_steps(run_dir: str | Path) -> list[int]:
-    """The steps of the verified checkpoints kept in ``run_dir/checkpoints/``, oldest first (broken ones are skipped
-    with a warning). Only the newest and its fallback are kept unless the run set ``keep_every``."""
+    """The steps of the verified checkpoints kept in ``run_dir/checkpoints/``, oldest first (broken ones skipped
+    with a warning)."""
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
         raise RunNotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG} or {POINTER}.")
@@ -381,14 +381,13 @@ def load_step_model(run_dir: str | Path, step: int, device: str | torch.device |
 # ------------------------------------------------------------------ metrics.jsonl
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The lines of ``run_dir/metrics.jsonl`` (``kind`` ``"train"``, ``"eval"``, ``"resume"``, ``"nonfinite"``...):
-    a last line cut short by a kill is dropped with a ``RuntimeWarning``; of a step's repeated ``train`` (or
-    ``eval``) lines (a run resumed without its later lines cut) the last is kept.
+    """The lines of ``run_dir/metrics.jsonl``: a last line cut short by a kill is dropped with a
+    ``RuntimeWarning``; of a step's repeated ``train`` (or ``eval``) lines the last is kept.
 
     Raises:
         RunNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
-        CorruptCheckpointError: another line is not a JSON object with a string ``kind`` and a whole-number
-            ``step``, or a ``train`` line lacks a finite ``loss``; the message names the line.
+        CorruptCheckpointError: a line is not a JSON object with a string ``kind`` and a whole-number ``step``,
+            or a ``train`` line lacks a finite ``loss``; the message names the line.
     """
     path = Path(run_dir) / METRICS
     if not path.is_file():
