@@ -126,8 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stdout_to_devnull() -> None:
-    """Point standard output at /dev/null, so that Python's flush at exit does not hit the closed pipe again
-    (as the ``signal`` module's documentation advises for SIGPIPE)."""
+    """Point stdout at /dev/null so Python's flush at exit does not hit the closed pipe again."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (AttributeError, OSError, ValueError):  # no real file descriptor (a captured stdout): nothing to redirect
@@ -136,10 +135,8 @@ def _stdout_to_devnull() -> None:
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM (a scheduler's stop, ``timeout``, ``kill``) is handled as Ctrl-C while the command runs: the same
-    clean-ups run (staging folders, temporary files, an empty ``--out``) and it ends with ``sinklens CMD:
-    interrupted``, exit 130. Left alone where SIGTERM is ignored or outside the main thread. ``sinklens train``
-    installs its own handler inside (checkpoint first, then stop)."""
+    """SIGTERM is handled as Ctrl-C while the command runs (same clean-ups, exit 130), except where it is
+    ignored or outside the main thread; ``sinklens train`` installs its own handler inside."""
     import signal
     import threading
 
@@ -159,8 +156,7 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _cli_warnings(command: str, *, debug: bool) -> Iterator[None]:
-    """Warnings print as ``sinklens CMD: warning: ...`` (one line per warning, no source path or code line)
-    unless ``debug``; Python's own format comes back afterwards."""
+    """Warnings print as one line ``sinklens CMD: warning: ...`` unless ``debug``."""
     if debug:
         yield
         return

@@ -36,23 +36,21 @@ def add_command(subparsers: Any, name: str, doc: str | None, *, help: str) -> ar
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """``--batch-size``, ``--device`` and ``--dtype``: how a command runs its model, with one meaning, default
-    (:data:`sinklens.options.BATCH_SIZE`) and help in every command (checked by :func:`check_model_flags`)."""
+    """``--batch-size``, ``--device`` and ``--dtype``, the same in every command (:func:`check_model_flags`)."""
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, metavar="N", help="sequences per forward pass (default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
     parser.add_argument("--dtype", default=None, help="float32 (default), float64, bfloat16, float16")
 
 
 def add_json_flag(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--json FILE``: ``what`` as strict JSON in FILE (``-``: on stdout, the tables then go to stderr), the same
-    flag in every command (checked by :func:`json_target`, written by :func:`write_json_target`)."""
+    """``--json FILE``: ``what`` as strict JSON in FILE (``-``: stdout, the tables then go to stderr)."""
     parser.add_argument("--json", metavar="FILE", default=None,
                         help=f"write {what} as strict JSON to FILE (-: to stdout)")
 
 
 def json_target(path: str | None, *, overwrite: bool) -> Path | str | None:
-    """The ``--json`` target before any work: None, ``"-"`` (stdout) or a writable file outside a training run's own
-    files that holds no finished result unless ``overwrite`` (an empty ``''`` is refused by name)."""
+    """The ``--json`` target, checked before any work: None, ``"-"`` (stdout) or a writable file outside a
+    training run's own files, holding no finished result unless ``overwrite``."""
     from sinklens.validate import no_finished_output, writable_file
 
     if path is None or path == "-":
@@ -74,7 +72,7 @@ def write_json_target(target: Path | str | None, data: Any, *, overwrite: bool) 
 
 
 def check_model_flags(args: argparse.Namespace) -> None:
-    """The flags of :func:`add_model_flags`, each refused by name when it is wrong (before the model loads)."""
+    """Refuse a wrong flag of :func:`add_model_flags` by name, before the model loads."""
     from sinklens.validate import device, dtype, positive_int
 
     positive_int(args.batch_size, what="--batch-size")
@@ -96,10 +94,8 @@ def result_folder(out: Path, finished: Sequence[str], *, overwrite: bool, flag: 
     """Hold ``out`` for this command while it computes and writes a result there.
 
     A :class:`~sinklens.folder_lock.FolderLock` on ``out/.sinklens.lock`` (rank 0 only under ``torchrun``) refuses a
-    second sinklens process writing the same folder (:class:`~sinklens.errors.OutputLockedError`); under it the
-    command's ``finished`` files are looked for again (:func:`~sinklens.validate.no_finished_output`: a process
-    that finished there after the command's first check would otherwise be replaced without ``--overwrite``).
-    On any failure an ``out`` that did not exist before (``existed=False``) and is left empty is removed.
+    second sinklens process writing the same folder; under it the ``finished`` files are checked again. On any
+    failure an ``out`` that did not exist before (``existed=False``) and is left empty is removed.
     """
     from sinklens.distributed import writes_outputs
     from sinklens.folder_lock import OUTPUT_LOCK, FolderLock
@@ -116,10 +112,8 @@ def result_folder(out: Path, finished: Sequence[str], *, overwrite: bool, flag: 
 
 
 def outside_run_internals(path: Path, *, what: str, file: bool) -> None:
-    """Refuse an output ``path`` (a folder, or a ``file``) where a sinklens training run keeps its own files: under
-    a run's ``checkpoints/`` (training prunes its step folders, and whatever else is in them) or ``tokenizer/``, or
-    one of the files at a run's top level (``config.json``, ``metrics.jsonl``, ...), which an ``--overwrite`` would
-    replace and break the run. Raises :class:`~sinklens.errors.OutputNotWritableError` naming the run."""
+    """Refuse (:class:`~sinklens.errors.OutputNotWritableError`) an output ``path`` (a folder, or a ``file``) under a
+    run's ``checkpoints/`` (pruned by training) or ``tokenizer/``, or one of a run's top-level files."""
     from sinklens.errors import OutputNotWritableError
     from sinklens.sinklm.checkpoint import CHECKPOINTS, RUN_ENTRIES, TOKENIZER, is_run_dir
 
@@ -143,13 +137,10 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
                         prepend_bos: bool) -> list[TokenBatch] | None:
     """The random-token batches a command runs on, or None when it runs on text.
 
-    ``args.random_tokens`` sequences of ``args.seq_len`` tokens (default :data:`~sinklens.options.SEQ_LEN`, capped at
-    the model's ``n_ctx``; a ``--seq-len`` beyond it is refused, and so is one for a run on text, where it would do
-    nothing) when asked for. A model without a tokenizer cannot read text: it runs on
-    :data:`DEFAULT_RANDOM_SEQUENCES` sequences of ``min(SEQ_LEN, n_ctx)`` tokens, with a line on stderr saying so,
-    and a text flag (``text_flag``, e.g. ``"--text"``) given for it is an error. Random sequences start with
-    BOS when ``prepend_bos`` and the model has one: its tokenizer's, or token 0 for a run trained on a
-    synthetic task (:func:`trained_with_bos_zero`); otherwise they have none.
+    ``args.random_tokens`` sequences of ``args.seq_len`` tokens (default ``min(SEQ_LEN, n_ctx)``; a longer one, or
+    one for a run on text, is refused) when asked for. A model without a tokenizer runs on
+    :data:`DEFAULT_RANDOM_SEQUENCES` such sequences, said on stderr, and refuses ``text_flag``. Random sequences
+    start with BOS when ``prepend_bos`` and the model has one (its tokenizer's, or token 0 for a synthetic-task run).
     """
     from sinklens import distributed
     from sinklens.hooks import model_dims
@@ -184,9 +175,7 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
 
 
 def trained_with_bos_zero(model: Any) -> bool:
-    """Whether ``model`` is a ``sinklens train`` run on a synthetic task (``model.train_config``), whose every
-    training sequence starts with the task's BOS token, id 0: random-token inputs then start with it too (unless
-    ``--no-bos``), so the analysis sees the position-0 token the model learned its sink on."""
+    """Whether ``model`` is a ``sinklens train`` run on a synthetic task, whose sequences all start with BOS id 0."""
     from sinklens.sinklm.config import SYNTHETIC_SOURCES
 
     train_config = getattr(model, "train_config", None)

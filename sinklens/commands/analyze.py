@@ -49,8 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _check_args(args: argparse.Namespace) -> None:
-    """Every flag checked before the model loads (named errors, exit code 2); ``--out`` is created
-    and checked for writing here, so an unwritable folder is found before the analysis, not after."""
+    """Check every flag, and create and check ``--out`` for writing, before the model loads."""
     from sinklens.validate import no_finished_output, optional_positive_int, text_lines, writable_dir
 
     if not str(args.model).strip():
@@ -84,12 +83,8 @@ def _text_flag(args: argparse.Namespace) -> str | None:
 
 
 def _inputs(args: argparse.Namespace, model: Any) -> object:
-    """The analysis inputs the flags ask for (``None``: the built-in prompts).
-
-    A model without a tokenizer (a ``sinklens train`` run on synthetic data) is analysed on random
-    tokens (:func:`sinklens.commands.random_token_inputs`: 16 sequences unless ``--random-tokens``
-    says otherwise), and a line on stderr says so; text flags are refused for it.
-    """
+    """The analysis inputs the flags ask for (``None``: the built-in prompts); random tokens for a model
+    without a tokenizer (:func:`sinklens.commands.random_token_inputs`)."""
     from sinklens.commands import random_token_inputs
     from sinklens.inputs import stdlib_text_prompts
     from sinklens.validate import text_lines

@@ -45,8 +45,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def metric_text(value, spec: str = ".4f") -> str:
-    """``value`` formatted with ``spec``, or ``"n/a"`` (padded to the spec's width) for an undefined metric:
-    None (a NaN that ``metrics.jsonl`` stores as ``null``), NaN or infinite.
+    """``value`` formatted with ``spec``, or ``"n/a"`` (padded to the spec's width) for None, NaN or infinity.
 
     Examples:
         >>> metric_text(0.12345, ".3f"), metric_text(None, ".3f"), metric_text(float("nan"), "6.2f")
@@ -62,11 +61,9 @@ def metric_text(value, spec: str = ".4f") -> str:
 
 
 def run_status(lines: list[dict], steps: int | None) -> dict:
-    """``{"status", "steps_done", "steps"}`` of a run from its metrics lines and its config's ``steps``
-    (None when unknown): ``"diverged"`` when a ``kind="nonfinite"`` line has ``"action": "stop"`` at or
-    after its last training step (a resume from before it drops it), ``"incomplete"`` when fewer than
-    ``steps`` steps were logged (a line at step ``s`` is the ``s + 1``-th step), else ``"finished"``
-    (``"unknown"`` without ``steps``).
+    """``{"status", "steps_done", "steps"}`` from a run's metrics lines and its config's ``steps`` (None: unknown):
+    ``"diverged"`` (a ``nonfinite`` line with ``"action": "stop"`` at or after the last training step),
+    ``"incomplete"`` (fewer than ``steps`` steps logged), ``"finished"``, or ``"unknown"`` without ``steps``.
 
     Examples:
         >>> run_status([{"kind": "train", "step": 0}, {"kind": "nonfinite", "step": 1, "action": "stop"}], 10)
@@ -232,15 +229,8 @@ def run_labels(run_dirs: list[str], labels: list[str] | None = None) -> list[str
 
 
 def figure_path(path: str | Path, *, what: str = "--out") -> Path:
-    """The file a figure is saved to: ``path``, with ``.png`` added when it has no suffix (as matplotlib would),
-    checked before any work: a writable file, not a folder, with a suffix matplotlib can save, outside the folders
-    a training run manages (:func:`~sinklens.commands.outside_run_internals`).
-
-    Raises:
-        OutputNotWritableError: ``path`` is empty, a folder, in a folder that cannot be created or written, or
-            inside a run's ``checkpoints/`` or ``tokenizer/`` (or one of its own files).
-        InvalidArgumentError: its suffix is not a format matplotlib saves.
-    """
+    """``path`` (``.png`` added without a suffix), checked before any work: a writable file outside a run's own
+    folders (:class:`OutputNotWritableError`), with a suffix matplotlib saves (:class:`InvalidArgumentError`)."""
     from matplotlib.backend_bases import FigureCanvasBase
 
     from sinklens.errors import InvalidArgumentError
@@ -258,8 +248,7 @@ def figure_path(path: str | Path, *, what: str = "--out") -> Path:
 
 
 def positional_figure_path(out: Path) -> Path:
-    """Where ``--positional`` draws its figure: beside the ``--out`` figure ``out``, named after it, so that it never
-    takes another command's file name (``origins`` writes ``positional.png``).
+    """Where ``--positional`` draws its figure: beside the ``--out`` figure, named after it.
 
     Examples:
         >>> positional_figure_path(Path("runs/a/compare.png")).as_posix()
@@ -329,8 +318,7 @@ def positional(args: argparse.Namespace, labels: list[str], out: Path) -> dict[s
 
 
 def print_positional(trajectories: dict[str, Any], out: Path, *, file=None) -> None:
-    """Print (to ``file``, default stdout) the first-token attention-output variance ratio per layer over each
-    run's checkpoints, and where its figure is."""
+    """Print the first-token attention-output variance ratio per layer over each run's checkpoints."""
     for label, traj in trajectories.items():
         print(f"{label}: attention-output variance at position 0 / later half, by layer", file=file)
         for step, row in zip(traj.steps, traj.first_token_ratio("attn_out_var").tolist()):

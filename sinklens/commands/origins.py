@@ -49,9 +49,7 @@ FIGURE_FILES = ("rank_probability.png", "contraction.png", "positional.png")
 
 
 def check_init_seed(model: str, init_seed: int) -> None:
-    """Refuse ``--init-seed S`` beside a ``--model SPEC@init:T`` with another seed ``T`` (the API lets ``init_seed``
-    override the spec's seed; on the command line two different seeds are a mistake, and origins.json would record
-    both); the same seed twice, or ``SPEC@init`` without one, passes.
+    """Refuse ``--init-seed S`` beside a ``--model SPEC@init:T`` with another seed ``T``.
 
     Examples:
         >>> check_init_seed("runs/a@init:3", 3)
@@ -71,9 +69,8 @@ def check_init_seed(model: str, init_seed: int) -> None:
 
 
 def effective_init_seed(model_spec: str, init_seed: int | None, model: Any) -> int | None:
-    """The seed the loaded weights were drawn with: ``init_seed`` when given, else the ``S`` of ``SPEC@init:S``,
-    else for ``SPEC@init`` the run's own seed (a ``sinklens train`` run: ``model.train_config.seed``) or 0
-    (:func:`sinklens.loading.init.load_at_init`); None for a spec without ``@init`` (the weights as loaded).
+    """The seed the loaded weights were drawn with: ``init_seed``, else the ``S`` of ``SPEC@init:S``, else for
+    ``SPEC@init`` a run's own seed or 0; None without ``@init`` (the weights as loaded).
 
     Examples:
         >>> effective_init_seed("runs/a@init:3", None, None), effective_init_seed("gpt2@init", None, None)
@@ -95,12 +92,7 @@ def effective_init_seed(model_spec: str, init_seed: int | None, model: Any) -> i
 
 
 def check_bos(model: Any, model_spec: str) -> None:
-    """Refuse ``--bos`` on a model whose tokenizer names no BOS (or CLS) token, in this command's words
-    (the library's refusal suggests ``--no-bos``, which ``origins`` does not have: leaving ``--bos`` out is the default).
-
-    Raises:
-        InvalidArgumentError: naming the model spec and the tokenizer's ``bos_token``.
-    """
+    """Refuse ``--bos`` (:class:`InvalidArgumentError`) on a model whose tokenizer names no BOS (or CLS) token."""
     from sinklens.errors import InvalidArgumentError
     from sinklens.inputs import bos_token_id
 

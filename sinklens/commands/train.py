@@ -84,12 +84,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     """The run's :class:`TrainConfig`: config file, the run's own config (``--resume``) or preset, then the short
     flags, ``--set`` items and field flags (``args.config_flags``), applied in that order and validated once.
 
-    With both ``--preset`` and ``--config``, the model is the preset with the file's ``[model]`` keys
-    over it. The derived model fields (``ModelConfig.DERIVED``: ``n_kv_heads``, ``d_mlp``) that
-    neither the preset's definition nor the config file sets (a resumed run's own config sets all)
-    are derived from the final fields, so they follow ``--model.d-model``, ``--model.family`` or
-    ``--model.n-heads``. For text, memmap and hf data ``model.d_vocab`` is ``"auto"`` (the data's
-    vocabulary) unless a flag says otherwise.
+    With both ``--preset`` and ``--config``, the model is the preset with the file's ``[model]`` keys over it.
+    Derived model fields (``n_kv_heads``, ``d_mlp``) that neither sets follow the final fields. For text, memmap
+    and hf data ``model.d_vocab`` is ``"auto"`` unless a flag says otherwise.
     """
     from dataclasses import fields, replace
 

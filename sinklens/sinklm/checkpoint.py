@@ -49,8 +49,7 @@ RUN_ENTRIES: tuple[str, ...] = (POINTER, CONFIG, METRICS, FINGERPRINT, PERSISTEN
 
 
 def _fsync(path: Path) -> None:
-    """Flush a file or a folder (its entries) to disk; a folder that cannot be (no folder descriptors, a filesystem
-    refusing it) is skipped, a file's failure (a full disk) raises."""
+    """Flush a file or a folder to disk; a folder that cannot be flushed is skipped, a file's failure raises."""
     try:
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -71,8 +70,7 @@ def _step_dir_name(step: int) -> str:
 
 
 def unwrap_model(model: Any) -> Any:
-    """The module inside DDP (``.module``) and ``torch.compile`` (``._orig_mod``) wrappers, so weight names carry no
-    wrapper prefix and load into an eager model."""
+    """The module inside DDP and ``torch.compile`` wrappers (weight names without a wrapper prefix)."""
     while (inner := getattr(model, "_orig_mod", None) or (
             model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else None)) is not None:
         model = inner
@@ -84,7 +82,7 @@ def unwrap_model(model: Any) -> Any:
 def save_checkpoint(run_dir: str | Path, *, model: Any, optimizer: torch.optim.Optimizer | None, cfg: TrainConfig,
                     step: int, scaler: Any = None) -> Path:
     """Write the checkpoint of ``model`` after ``step`` optimizer steps as one unit (see the module docstring);
-    return its folder. The previous checkpoint stays current until ``checkpoint.json`` names the new one.
+    return its folder.
 
     Raises:
         OutputNotWritableError: a write failed (a full disk, a lost mount); the message says which checkpoint
@@ -147,8 +145,7 @@ def _save_checkpoint(run_dir: Path, model: Any, optimizer: Any, cfg: TrainConfig
 
 
 def save_tokenizer(run_dir: str | Path, tokenizer: Any) -> Path:
-    """Write ``run_dir/tokenizer/`` into a temporary ``.tmp-tokenizer-*`` folder, fsynced, then renamed over any
-    earlier (broken) one: a kill never leaves a half-written tokenizer."""
+    """Write ``run_dir/tokenizer/`` through a fsynced temporary folder renamed over any earlier one."""
     run_dir = Path(run_dir)
     target, tag = run_dir / TOKENIZER, f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp, old = run_dir / f".tmp-tokenizer-{tag}", run_dir / f".tmp-tokenizer-old-{tag}"
@@ -175,13 +172,17 @@ def _manifest(path: Path) -> dict[str, Any]:
     return manifest if isinstance(manifest, dict) else {}
 
 
+def _pickled(folder: Path) -> str | None:
+    name = next((name for name in PICKLED if (folder / name).exists()), None)
+    return None if name is None else (f"{folder / name} is pickled trainer state (an earlier sinklens build's "
+                                      "format), which sinklens never loads: unpickling a file can run code")
+
+
 def verify_checkpoint(path: str | Path) -> str | None:
     """None if the step folder ``path`` is complete and every file matches its manifest, else what is wrong."""
     path = Path(path)
-    pickled = [name for name in PICKLED if (path / name).exists()]
-    if pickled:
-        return (f"{path / pickled[0]} is pickled trainer state (an earlier sinklens build's format), which sinklens "
-                "never loads: unpickling a file can run code")
+    if pickled := _pickled(path):
+        return pickled
     if not (path / MANIFEST).is_file():
         return f"{path} has no {MANIFEST} (an unfinished write)"
     files = _manifest(path).get("files")
@@ -195,8 +196,8 @@ def verify_checkpoint(path: str | Path) -> str | None:
 
 
 def _pointer(run_dir: Path) -> tuple[int, Path] | None:
-    """``(step, folder)`` named by ``checkpoint.json``; None if there is none, it is unreadable, or it names
-    anything but ``checkpoints/step-N`` of its own step (a folder outside the run is never followed)."""
+    """``(step, folder)`` named by ``checkpoint.json``; None if missing, unreadable, or naming anything but
+    ``checkpoints/step-N`` of its own step (a folder outside the run is never followed)."""
     try:
         data = json.loads((run_dir / POINTER).read_text())
         step = int(data["step"])
@@ -227,8 +228,8 @@ class RunCheckpoint:
 
 
 def is_run_dir(path: str | Path) -> bool:
-    """True if ``path`` holds a sinklens run (finished or interrupted): ``checkpoint.json``, ``checkpoints/``,
-    ``metrics.jsonl``, or a ``config.json`` that is a :class:`TrainConfig` (keys ``model``, ``optim``, ``data``)."""
+    """True if ``path`` holds a sinklens run: ``checkpoint.json``, ``checkpoints/``, ``metrics.jsonl``, or a
+    ``config.json`` with the keys ``model``, ``optim`` and ``data``."""
     path = Path(path)
     if not path.is_dir():
         return False
@@ -283,10 +284,8 @@ def load_run(run_dir: str | Path) -> RunCheckpoint:
                               f"earlier checkpoint of step {step} instead.", stacklevel=2)
             return RunCheckpoint(run_dir, path, step, load_train_config(path))
         problems.append(problem)
-    pickled = [name for name in PICKLED if (run_dir / name).exists()]
-    if not candidates and pickled:
-        problems.append(f"{run_dir / pickled[0]} is pickled trainer state (an earlier sinklens build's format), which "
-                        "sinklens never loads: unpickling a file can run code")
+    if not candidates and (pickled := _pickled(run_dir)):
+        problems.append(pickled)
     if problems:
         raise CorruptCheckpointError(f"No good checkpoint in {str(run_dir)!r}: {'; '.join(problems)}.")
     raise RunNotFoundError(f"The run in {str(run_dir)!r} has no checkpoint yet (it stopped before its first one was "
@@ -320,8 +319,8 @@ def load_checkpoint(run: str | Path | RunCheckpoint, *, model: Any, optimizer: t
 
 
 def _model(run_dir: Path, cfg: TrainConfig, weights: Path | None, device: str | torch.device | None) -> Any:
-    """A :class:`~sinklens.sinklm.model.SinkLM` of ``cfg`` with ``weights`` (None: the run's initialization), in eval
-    mode, with ``model.train_config`` and ``model.tokenizer`` (a text run's ``PreTrainedTokenizerFast``, else None)."""
+    """A SinkLM of ``cfg`` with ``weights`` (None: the run's initialization), in eval mode, with
+    ``model.train_config`` and ``model.tokenizer`` (text runs)."""
     from sinklens.sinklm.init import sinklm_at_init
     from sinklens.sinklm.model import SinkLM
 
@@ -352,8 +351,8 @@ def load_trained_model(run_dir: str | Path, device: str | torch.device | None = 
 
 
 def checkpoint_steps(run_dir: str | Path) -> list[int]:
-    """The steps of the verified checkpoints kept in ``run_dir/checkpoints/``, oldest first (broken ones are skipped
-    with a warning). Only the newest and its fallback are kept unless the run set ``keep_every``."""
+    """The steps of the verified checkpoints kept in ``run_dir/checkpoints/``, oldest first (broken ones skipped
+    with a warning)."""
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
         raise RunNotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG} or {POINTER}.")
@@ -382,14 +381,13 @@ def load_step_model(run_dir: str | Path, step: int, device: str | torch.device |
 # ------------------------------------------------------------------ metrics.jsonl
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The lines of ``run_dir/metrics.jsonl`` (``kind`` ``"train"``, ``"eval"``, ``"resume"``, ``"nonfinite"``...):
-    a last line cut short by a kill is dropped with a ``RuntimeWarning``; of a step's repeated ``train`` (or
-    ``eval``) lines (a run resumed without its later lines cut) the last is kept.
+    """The lines of ``run_dir/metrics.jsonl``: a last line cut short by a kill is dropped with a
+    ``RuntimeWarning``; of a step's repeated ``train`` (or ``eval``) lines the last is kept.
 
     Raises:
         RunNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
-        CorruptCheckpointError: another line is not a JSON object with a string ``kind`` and a whole-number
-            ``step``, or a ``train`` line lacks a finite ``loss``; the message names the line.
+        CorruptCheckpointError: a line is not a JSON object with a string ``kind`` and a whole-number ``step``,
+            or a ``train`` line lacks a finite ``loss``; the message names the line.
     """
     path = Path(run_dir) / METRICS
     if not path.is_file():
@@ -426,8 +424,8 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def with_current_metric_names(line: dict[str, Any]) -> dict[str, Any]:
-    """``line`` with today's metric names: an eval line written before 2026-11-25 held sinklens' sink-rate variant
-    under ``sink_rate`` (now Gu et al.'s); it becomes ``sinklens_sink_rate``."""
+    """``line`` with an eval line's lone ``sink_rate`` (sinklens' q >= 1 variant in the stored benchmark curves)
+    renamed ``sinklens_sink_rate``."""
     if line.get("kind") == "eval" and "sink_rate" in line and "sinklens_sink_rate" not in line:
         line = dict(line)
         line["sinklens_sink_rate"] = line.pop("sink_rate")

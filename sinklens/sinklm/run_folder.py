@@ -34,10 +34,9 @@ FOREIGN_BLOCKERS: tuple[str, ...] = (CONFIG, POINTER, CHECKPOINTS, TOKENIZER, WE
 
 
 def resume_config(out: str | Path) -> TrainConfig | None:
-    """The config ``--resume`` continues the run in ``out`` with: its ``config.json``, else (lost) its newest good
-    checkpoint's, with a warning; None for a run with neither (stopped before its first checkpoint), which
-    :func:`~sinklens.train.loop.train` refuses. After an ``--overwrite`` killed before its first checkpoint, the run
-    it replaced is read (it comes back when training starts: :func:`recover_set_aside`).
+    """The config ``--resume`` continues the run in ``out`` with: its ``config.json``, else its newest good
+    checkpoint's (with a warning); None with neither. After an ``--overwrite`` killed before its first
+    checkpoint, the run it replaced is read (:func:`recover_set_aside` puts it back).
 
     Raises:
         RunNotFoundError: ``out`` is not a run folder.
@@ -153,8 +152,7 @@ def tokenizer_problem(run_dir: str | Path) -> str | None:
 
 
 def clean_stale(run_dir: str | Path) -> list[Path]:
-    """Remove what killed processes left in a run folder (``.tmp-*`` folders, step folders newer than the current
-    checkpoint); return what was removed."""
+    """Remove (and return) what killed processes left: ``.tmp-*`` and step folders newer than the current one."""
     run_dir = Path(run_dir)
     removed = [*run_dir.glob(".tmp-*"), *(run_dir / CHECKPOINTS).glob(".tmp-*")]
     pointer = _pointer(run_dir)
@@ -181,9 +179,8 @@ def _prune_empty(run_dir: Path) -> None:
 
 
 def set_aside_run(run_dir: str | Path) -> Path | None:
-    """Move the run's own files (:func:`_own_entries`) into ``run_dir/.overwritten-PID-*/`` for ``overwrite=True``;
-    return that folder (None when there was nothing). The new run deletes it at its first checkpoint
-    (:func:`discard_set_aside`) and puts it back if it fails before (:func:`restore_set_aside`)."""
+    """Move the run's own files into ``run_dir/.overwritten-PID-*/`` for ``overwrite=True`` and return that folder
+    (None: nothing there); deleted at the new run's first checkpoint, put back if it fails before."""
     run_dir = Path(run_dir)
     clean_stale(run_dir)
     names = _own_entries(run_dir)
@@ -233,9 +230,8 @@ def set_aside_to_recover(run_dir: str | Path) -> Path | None:
 
 
 def recover_set_aside(run_dir: str | Path) -> str | None:
-    """At a start, under the run's lock: put back the run an ``overwrite=True`` killed before its first checkpoint
-    set aside; where the replacement has a checkpoint of its own, leave the set-aside runs (deleted at its next
-    regular checkpoint). Return what was done or found (None: nothing)."""
+    """At a start, under the run's lock: put back the run that an overwrite killed before its first checkpoint
+    set aside; return what was done or found (None: nothing)."""
     back = set_aside_to_recover(run_dir)
     if back is None:
         aside = set_aside_runs(run_dir)
@@ -257,8 +253,7 @@ def foreign_entries(run_dir: str | Path) -> list[str]:
 
 
 class RunLock(FolderLock):
-    """The lock on a run folder (``run_dir/.lock``) held while a process trains there: a second trainer is refused
-    up front (:class:`~sinklens.errors.RunLockedError`, naming the holder's pid)."""
+    """``run_dir/.lock``, held while a process trains there: a second trainer gets :class:`RunLockedError`."""
 
     def __init__(self, run_dir: str | Path) -> None:
         super().__init__(run_dir, LOCK)

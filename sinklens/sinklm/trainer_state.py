@@ -19,9 +19,7 @@ STATE, TENSORS = "trainer_state.json", "trainer_state.safetensors"
 
 
 def trainer_state(step: int, optimizer: Any, scaler: Any) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """What a resume needs beyond the weights, as ``(JSON object, tensors)``: the step, the Python, numpy and torch
-    (CPU, CUDA) RNG states, the grad scaler's state, and the optimizer's state dict (its tensors under
-    ``optimizer.{param}.{key}``, everything else in the JSON object)."""
+    """The trainer state of the module docstring as ``(JSON object, tensors)``."""
     numpy = np.random.get_state(legacy=False)
     numpy["state"] = {"key": numpy["state"]["key"].tolist(), "pos": int(numpy["state"]["pos"])}
     version, internal, gauss = random.getstate()
@@ -60,9 +58,8 @@ def read_trainer_state(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
 
 
 def restore_trainer_state(state: dict[str, Any], tensors: dict[str, torch.Tensor], optimizer: Any, scaler: Any) -> None:
-    """Put back what :func:`trainer_state` saved. The optimizer's hyperparameters (betas, eps, weight decay,
-    fused...) stay those ``optimizer`` was built with, so a resume that changes ``optim`` takes effect
-    (``torch.optim.Optimizer.load_state_dict`` alone would put the saved ones back)."""
+    """Put back what :func:`trainer_state` saved; the optimizer keeps the hyperparameters it was built with, so a
+    resume that changes ``optim`` takes effect."""
     if optimizer is not None and state.get("optimizer") is not None:
         params: dict[int, dict[str, Any]] = {int(p): dict(v) for p, v in state["optimizer"]["state"].items()}
         for name, value in tensors.items():

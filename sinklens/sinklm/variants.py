@@ -50,19 +50,15 @@ from sinklens.validate import did_you_mean, finite_number
 
 
 def at_least_float32(x: Tensor) -> Tensor:
-    """``x`` in the dtype its norms, softmaxes and sums run in: float32 for half precision and float32, float64
-    kept as it is (a float64 model stays float64 throughout, e.g. for ``torch.autograd.gradcheck``)."""
+    """``x`` in the dtype its norms, softmaxes and sums run in: float32, or float64 for a float64 model."""
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
 def rms_norm(
     x: Float[Tensor, "*batch d"], w: Float[Tensor, "*w_shape"] | None, eps: float
 ) -> Float[Tensor, "*batch d"]:
-    """``w ⊙ x / sqrt(mean(x², -1) + eps)``: the RMS over the last axis of ``x``, computed in
-    float32; the normalised ``x`` is cast to ``x``'s dtype before ``w`` (or None, for no gain)
-    multiplies it, broadcast against the trailing axes of ``x``. Serves the pre-norms (``w`` of
-    shape ``[d_model]``), head-wise RMSNorm (``[n_heads, d_head]`` over ``z[batch, pos, head, d_head]``)
-    and QK-norm.
+    """``w ⊙ x / sqrt(mean(x², -1) + eps)`` over the last axis, computed in float32 and cast back to ``x``'s
+    dtype before the gain ``w`` (None: no gain, else broadcast against the trailing axes) multiplies it.
 
     Examples:
         >>> rms_norm(torch.tensor([[3.0, 4.0]]), None, 0.0)  # rms of (3, 4) is sqrt(12.5)
@@ -88,10 +84,6 @@ class AttentionVariant(nn.Module):
         output_site: the attention hook holding the head outputs that enter ``W_O``; :meth:`output_gain` says
             whether that output is a scalar per token and head times a fixed gain.
         defaults: accepted ``variant_options`` and their default values.
-
-    A variant is built from plain sizes (``n_heads``, ``d_head``, ``d_model``, ``n_ctx``,
-    ``init_std``) and its options, so this module imports no config: the model validates the
-    options when it builds the variant.
     """
 
     uses_sdpa: ClassVar[bool] = True
@@ -135,11 +127,7 @@ class AttentionVariant(nn.Module):
         return scores
 
     def normalize(self, scores: Float[Tensor, "batch head query key"]) -> Float[Tensor, "batch head query key"]:
-        """Attention weights from logits; ``-inf`` logits (the causal mask, or a hook) get weight 0.
-
-        Softmax; a row whose logits are all ``-inf`` (only possible through an intervention hook)
-        gets all-zero weights instead of NaN, as in TransformerLens.
-        """
+        """Softmax; ``-inf`` logits get weight 0, and an all-``-inf`` row (a hook's doing) all zeros, not NaN."""
         pattern = F.softmax(scores, dim=-1)
         return torch.where(torch.isnan(pattern), torch.zeros_like(pattern), pattern)
 
@@ -165,18 +153,13 @@ class Baseline(AttentionVariant):
 class HeadwiseRMSNorm(AttentionVariant):
     """Head-wise RMSNorm: ``z_normed[t, h] = g_h ⊙ z[t, h] / sqrt(mean_d z[t, h, d]² + eps)``.
 
-    Follows the definition of the method's authors (``HeadRMSNorm`` in Siquan-Li/Head-wise-RMSNorm):
-    RMS over ``d_head`` of each head's output after value aggregation and before ``W_O``, eps 1e-6,
-    a learnable gain of shape ``[n_heads, d_head]`` (``gain="per_head"``, their paper configuration)
-    or ``[d_head]`` shared by all heads (``gain="shared"``). ``init="first_token"`` (default)
-    calibrates the gain with their formula (the first token's output std on a standard-normal input), averaged
-    over 8 seeded draws where they take one, which makes the gains less noisy
-    (:func:`sinklens.sinklm.model.calibrate_headwise_gains`; ``n_sequences=1`` there is their single draw);
-    ``init="ones"`` leaves it at 1. The raw aggregation stays visible at ``attn.hook_z`` (what the
-    variance analyzers measure); the normalised output is at ``attn.hook_z_normed``.
-
-    Unlike the authors' optimizer set-up (which decays every ≥2-D parameter, including the per-head
-    gain), :meth:`SinkLM.param_groups` never decays norm gains.
+    As the method's authors define it (``HeadRMSNorm`` in Siquan-Li/Head-wise-RMSNorm): RMS over ``d_head``
+    of each head's output before ``W_O``, eps 1e-6, a learnable gain ``[n_heads, d_head]`` (``gain="per_head"``)
+    or ``[d_head]`` (``"shared"``). ``init="first_token"`` (default) calibrates the gain with their formula
+    (the first token's output std on a standard-normal input), averaged over 8 seeded draws
+    (:func:`sinklens.sinklm.model.calibrate_headwise_gains`); ``init="ones"`` leaves it at 1. The raw
+    aggregation stays at ``attn.hook_z``, the normalised output is at ``attn.hook_z_normed``. Unlike the
+    authors, :meth:`SinkLM.param_groups` never decays the gain.
     """
 
     hook_sites = ("hook_z_normed",)
@@ -436,7 +419,7 @@ class VarianceCalibrated(AttentionVariant):
     weights (after ``hook_attn_scores`` edits). Fast path (SDPA for ``z``): ``s_t = exp(LSE_j(2 x_tj)
     − 2 LSE_j(x_tj))`` from the causal logits ``x``, recomputed from this layer's queries and keys
     (so it still builds the ``T × T`` logits, but no pattern), from the queries and keys the aggregation
-    runs on, so edits at ``hook_rot_q``/``hook_rot_k`` count. The two paths compute the same function (tested). The positional modes need no pattern at all.
+    runs on, so edits at ``hook_rot_q``/``hook_rot_k`` count. The two paths compute the same function (tested).
     """
 
     hook_sites = ("hook_z_calibrated",)

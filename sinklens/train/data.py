@@ -259,8 +259,7 @@ def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> t
 
 
 def _refuse_binary(file: Path) -> None:
-    """Raise :class:`~sinklens.errors.InputFileError` if ``file`` is binary (:func:`sinklens.validate.refuse_binary`,
-    the rule ``--prompts`` follows: a binary file is not text to train on) or cannot be read."""
+    """Raise :class:`~sinklens.errors.InputFileError` if ``file`` is binary or cannot be read."""
     try:
         with open(file, "rb") as fh:
             head = fh.read(8192)
@@ -323,8 +322,7 @@ _MAX_ID_CHUNK = 1 << 24
 
 
 def _open_bin(file: Path, *, what: str) -> np.memmap:
-    """``file`` as a read-only uint16 memmap; an empty file or one whose size is not a whole number of
-    tokens raises :class:`~sinklens.errors.DataFileNotFoundError` naming it (nothing else is touched)."""
+    """``file`` as a read-only uint16 memmap; refuses an empty file or a partial token by name."""
     size = file.stat().st_size
     width = np.dtype(MEMMAP_DTYPE).itemsize
     if size == 0:
@@ -346,8 +344,7 @@ def _max_id(tokens: np.ndarray) -> int:
 
 
 class _PlainUnpickler(pickle.Unpickler):
-    """Unpickles plain data only (dicts, lists, strings, numbers): any class or function is refused, so a crafted
-    ``meta.pkl`` cannot run code."""
+    """Unpickles plain data only: any class or function is refused, so a crafted ``meta.pkl`` cannot run code."""
 
     def find_class(self, module: str, name: str) -> Any:
         raise pickle.UnpicklingError(f"it names {module}.{name}, and only plain data is read")
@@ -441,14 +438,12 @@ def hf_source(cfg: DataConfig) -> StreamSource:
                         bos_id=tokenizer.bos_token_id if cfg.bos else None, tokenizer=tokenizer)
 
 
-#: The largest vocabulary of a synthetic task: its transition table and that table's running sums are two
-#: dense ``vocab × vocab`` float64 tables (1 GiB together at 8192 tokens, about 38 GiB at GPT-2's 50304).
+#: The largest vocabulary of a synthetic task: two dense ``vocab × vocab`` float64 tables (1 GiB at 8192 tokens).
 MAX_SYNTHETIC_VOCAB = 8192
 
 
 def check_synthetic_vocab(source: str, vocab: int, *, from_model: bool = False) -> None:
-    """Refuse a synthetic-task vocabulary whose dense transition tables would not fit in memory sanely
-    (more than :data:`MAX_SYNTHETIC_VOCAB` tokens), before they are allocated and before a run starts."""
+    """Refuse a synthetic-task vocabulary over :data:`MAX_SYNTHETIC_VOCAB` before its tables are allocated."""
     if vocab <= MAX_SYNTHETIC_VOCAB:
         return
     gib = 2 * 8 * vocab * vocab / 2**30
@@ -461,15 +456,14 @@ def check_synthetic_vocab(source: str, vocab: int, *, from_model: bool = False) 
     )
 
 
-#: Bytes hashed at each of the sampled places of a memmapped ``.bin`` stream (its first and last bytes and
-#: ``_SAMPLED_CHUNKS - 2`` evenly spaced places between), so that fingerprinting a huge file reads a few MiB only.
+#: Bytes hashed at each of ``_SAMPLED_CHUNKS`` evenly spaced places of a memmapped ``.bin`` stream (first and
+#: last included): fingerprinting a huge file reads a few MiB only.
 _SAMPLE_BYTES = 1 << 20
 _SAMPLED_CHUNKS = 8
 
 
 def _stream_digest(stream: np.ndarray) -> str:
-    """SHA-256 of a token stream: of all its bytes when it is in memory (text, hf: already read), of its length,
-    dtype and sampled chunks when it is a memmap (a large ``.bin`` file is never read whole)."""
+    """SHA-256 of a token stream's length, dtype and bytes (sampled chunks only of a memmap)."""
     digest = hashlib.sha256(f"{len(stream)}/{np.dtype(stream.dtype).str}/".encode())
     if not isinstance(stream, np.memmap):
         digest.update(memoryview(np.ascontiguousarray(stream)))  # no copy of an in-memory stream
@@ -486,10 +480,9 @@ def _stream_digest(stream: np.ndarray) -> str:
 
 
 def data_fingerprint(source: TokenSource) -> dict[str, Any]:
-    """What a run's data *is*, beyond its config: ``{"tokenizer": sha256 of the tokenizer's definition or None,
-    "train"/"val": sha256 of each token stream}`` for a token stream (text, memmap, hf); ``{}`` for a synthetic
-    task, which its config fixes whole. A resume compares it with the one its run stored at its first start, so
-    that a corpus rewritten in place (a retrained BPE, remapped ids) is refused instead of trained on silently."""
+    """What a run's data *is*, beyond its config: sha256 of the tokenizer and of each token stream, with the
+    vocabulary and stream sizes; ``{}`` for a synthetic task (its config fixes it). A resume refuses data
+    whose fingerprint differs from the one its run stored (a corpus rewritten in place)."""
     if not isinstance(source, StreamSource):
         return {}
     tokenizer = source.tokenizer

@@ -1,9 +1,5 @@
 """Ctrl-C and SIGTERM during training: finish the step in progress, checkpoint it, then stop.
 
-Without this, a ``KeyboardInterrupt`` lands wherever the process happens to be (mid-backward, or
-between two parameters' updates) and the run keeps only its last periodic checkpoint: with the
-default ``checkpoint_interval=0`` that is none at all, so an interrupted run lost every step.
-
 :class:`StopSignals` replaces the SIGINT and SIGTERM handlers while the training loop runs. The first
 signal only sets :attr:`StopSignals.received`; the loop checks it between steps, writes a checkpoint
 of the steps done and raises :class:`~sinklens.errors.TrainingInterrupted` (a ``KeyboardInterrupt``,

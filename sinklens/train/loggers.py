@@ -22,8 +22,7 @@ PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
 
 
 def check_log(kind: str) -> None:
-    """Raise :class:`~sinklens.errors.InvalidArgumentError` when ``log=kind`` asks for a library that is not
-    installed (checked before the run starts; nothing is imported)."""
+    """Refuse ``log=kind`` before the run starts when its library is not installed (nothing is imported)."""
     package = PACKAGES.get(kind)
     if package is not None and importlib.util.find_spec(package) is None:
         raise InvalidArgumentError(

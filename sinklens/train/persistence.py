@@ -12,10 +12,9 @@ step 0 (:func:`~sinklens.origins.persistence.compare_snapshots`). The eval line 
 * ``persistence_direction_cos``: ``|cos|`` of the final contraction direction with step 0's.
 
 The step-0 snapshot is the one taken at the first evaluation of a fresh run (so every value at step 0
-is exactly 1) and is saved as strict JSON in ``RUN_DIR/persistence_ref.json`` (float32 values, exact);
-a resumed run reads it back and records the same numbers as an uninterrupted one. A run directory
-without that file (older runs, or persistence switched on later) gets it rebuilt from the run's
-step-0 weights (``torch.manual_seed(seed); SinkLM(cfg.model)``, i.e. ``RUN_DIR@init``).
+is exactly 1) and is saved as strict JSON in ``RUN_DIR/persistence_ref.json`` (float32 values, exact), so a
+resumed run records the same numbers as an uninterrupted one; where it is missing it is rebuilt from the
+run's step-0 weights (``RUN_DIR@init``).
 """
 
 from __future__ import annotations

@@ -4,10 +4,8 @@ On CUDA, ``TrainConfig.autocast`` (``"bfloat16"`` by default) runs the forward u
 ``torch.autocast``; ``"float16"`` adds a ``GradScaler``. On a CPU, ``TrainConfig.cpu_autocast``
 (``"none"`` by default: float32 throughout) may ask for ``"bfloat16"``: matmuls and attention run
 in bfloat16 under ``torch.autocast("cpu")``, while weights, gradients, AdamW's state, the loss and
-every evaluation stay float32 (the usual mixed-precision recipe, as on a GPU). On a CPU with native
-bfloat16 dot products (``avx512_bf16``, ``amx_bf16``; ARM ``bf16``) a bfloat16 matmul measured 2.6×
-a float32 one here, and a whole ``headnorm-cpu`` step ≈1.5× (``benchmarks/RESULTS.md``). A CPU
-without them emulates bfloat16 and is likely slower than float32: the run warns.
+every evaluation stay float32. A CPU without native bfloat16 dot products (``avx512_bf16``,
+``amx_bf16``; ARM ``bf16``) emulates bfloat16, likely slower than float32: the run warns.
 """
 
 from __future__ import annotations
@@ -29,9 +27,8 @@ _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 @functools.cache
 def native_cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
-    """Whether this CPU has native bfloat16 dot products: True/False from the first ``flags`` (x86:
-    ``avx512_bf16``, ``amx_bf16``) or ``Features`` (ARM: ``bf16``) line of ``cpuinfo``; None where
-    that file is missing or has no such line (not Linux)."""
+    """Whether the first ``flags``/``Features`` line of ``cpuinfo`` names native bfloat16; None where there
+    is no such line (not Linux)."""
     try:
         text = Path(cpuinfo).read_text()
     except OSError:
@@ -60,9 +57,7 @@ class MixedPrecision:
 
 
 def mixed_precision(cfg: Any, device: torch.device) -> MixedPrecision:
-    """The mixed precision ``cfg`` (a :class:`~sinklens.sinklm.config.TrainConfig`) asks for on ``device``:
-    ``cfg.autocast`` on CUDA, ``cfg.cpu_autocast`` on a CPU, float32 elsewhere. Warns when bfloat16
-    is asked of a CPU without native bfloat16 arithmetic."""
+    """``cfg.autocast`` on CUDA, ``cfg.cpu_autocast`` on a CPU, float32 elsewhere (see the module docstring)."""
     if device.type == "cuda" and cfg.autocast != "none":
         dtype = torch.bfloat16 if cfg.autocast == "bfloat16" else torch.float16
         scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None

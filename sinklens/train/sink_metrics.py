@@ -1,11 +1,5 @@
-"""Sink metrics tracked during training, computed with the streaming analyzers on held-out batches.
-
-One :func:`sinklens.streaming.stream` pass over the evaluation batches runs
-:class:`~sinklens.analysis.sinks.SinkReducer` (sink rate, attention received) and
-:class:`FirstTokenNormReducer` (first-token norm ratio) and
-:class:`~sinklens.analysis.variance.VarianceReducer` (variance discrepancy) together; :func:`evaluate` adds
-the validation loss (a separate forward that returns logits).
-"""
+"""Sink metrics tracked during training: one :func:`sinklens.streaming.stream` pass over held-out batches runs
+the sink, first-token norm and variance reducers together; :func:`evaluate` adds the validation loss."""
 
 from __future__ import annotations
 
@@ -77,8 +71,7 @@ class SinkMetrics(CompactRepr):
             (``SinkResult.sink_rate(method="gu")``): share of (sequence, layer, head) whose mean attention on
             key 0 over every query that sees it, query 0 included, exceeds ε = ``threshold``.
         sinklens_sink_rate: sinklens' variant (``method="sinklens"``): the same over the queries ``q >= 1``,
-            leaving out query 0's weight 1 by construction (what metric lines written before 2026-11-25 logged
-            as ``sink_rate``; :func:`~sinklens.sinklm.checkpoint.read_metrics` renames it on those).
+            leaving out query 0's weight 1 by construction.
         threshold: that ε.
         norm_ratio: ``[layer]`` first-token norm ratio of ``hook_resid_post`` (:class:`FirstTokenNormReducer`).
         variance_ratio: ``[layer, head]`` variance discrepancy of the raw head outputs ``hook_z`` at
