@@ -228,7 +228,7 @@ class ModelConfig(_Part):
 
 @dataclass
 class OptimConfig(_Part):
-    """AdamW with linear warmup then cosine decay to ``min_lr`` (see :func:`sinklens.train.loop.get_lr`).
+    """AdamW with linear warmup then cosine decay to ``min_lr`` (see :func:`sinklens.train.optim.get_lr`).
 
     Attributes:
         lr: peak learning rate, reached after ``warmup_steps``.

@@ -10,7 +10,7 @@ from _train_cfg import build_cfg
 
 from sinklens.errors import InvalidArgumentError
 from sinklens.sinklm.config import OptimConfig, TrainConfig, apply_overrides, load_config
-from sinklens.train.loop import get_lr
+from sinklens.train.optim import get_lr
 
 
 def test_dict_json_and_toml_round_trip(tmp_path):
