@@ -9,7 +9,8 @@ import torch
 from _train_cfg import build_cfg
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.sinklm.config import TrainConfig, apply_overrides, parse_args
+from sinklens.sinklm.config import TrainConfig
+from sinklens.sinklm.config_flags import apply_overrides, parse_args
 from sinklens.train import loop
 from sinklens.train.loop import train
 
