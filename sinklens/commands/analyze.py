@@ -91,7 +91,7 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
     says otherwise), and a line on stderr says so; text flags are refused for it.
     """
     from sinklens.commands import random_token_inputs
-    from sinklens.inputs import stdlib_text_prompts
+    from sinklens.prompts import stdlib_text_prompts
     from sinklens.validate import text_lines
 
     has_tokenizer = getattr(model, "tokenizer", None) is not None
