@@ -31,7 +31,8 @@ import torch
 
 def _batches(model, n_prompts: int, seq_len: int, batch_size: int):
     """``n_prompts`` windows of exactly ``seq_len`` tokens (BOS + natural text from stdlib docstrings)."""
-    from sinklens.inputs import as_batches, stdlib_text_prompts
+    from sinklens.inputs import as_batches
+    from sinklens.prompts import stdlib_text_prompts
 
     text = " ".join(stdlib_text_prompts(None, n_chars=4000))  # all of them
     ids = model.tokenizer(text, add_special_tokens=False)["input_ids"][: n_prompts * (seq_len - 1)]

@@ -63,7 +63,7 @@ from typing import Any
 import torch
 
 from sinklens.export import write_json
-from sinklens.inputs import stdlib_docstrings
+from sinklens.prompts import stdlib_docstrings
 from sinklens.plotting.training import smooth, steps_to_loss
 from sinklens.sinklm.checkpoint import with_current_metric_names
 from sinklens.sinklm.config import TrainConfig

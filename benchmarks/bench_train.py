@@ -51,7 +51,9 @@ from torch import nn
 from sinklens.sinklm.config import TrainConfig
 from sinklens.train.data import build_source
 from sinklens.distributed.ddp import DistContext
-from sinklens.train.loop import configure_optimizer, estimate_mfu, forward_backward, micro_batch, peak_flops
+from sinklens.train.loop import forward_backward, micro_batch
+from sinklens.train.optim import configure_optimizer
+from sinklens.train.speed import estimate_mfu, peak_flops
 from sinklens.sinklm.model import SinkLM
 
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import difflib
 import functools
-import warnings
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.errors import InvalidArgumentError, UnknownHookError, UnsupportedArchitectureError
+from sinklens.errors import InvalidArgumentError, UnknownHookError
 from sinklens.validate import optional_index_list
 
 #: Per-layer hook sites used across sinklens, relative to ``blocks.{layer}``.
@@ -383,10 +382,6 @@ def weight_cached(model: Any, key: Hashable, compute: Callable[[], Any]) -> Any:
 _STAT_CACHES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-#: model -> {probe key: answer}; see :func:`_probed`.
-_PROBES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
-
-
 @contextmanager
 def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
     """Run ``module`` without the forward hooks on it and its submodules: the user's (permanent, ``add_hook``,
@@ -440,177 +435,3 @@ def refuse_meta_model(model: Any) -> None:
         raise InvalidArgumentError(
             "The model's parameters are on the meta device (shapes without values), so nothing can be measured: "
             "materialise it first (model.to_empty(device='cpu') then load_state_dict, or load it with real weights).")
-
-
-def _probed(model: Any, key: Hashable, probe: Callable[[], Any]) -> Any:
-    """``probe()`` once per model and ``key``: what the architecture's forward pass does with hooks.
-
-    The probe runs with the model's own hooks silenced (:func:`hooks_silenced`) and in eval mode
-    (:func:`eval_mode`), so it describes the architecture; answers are kept per model in a weak map.
-    """
-    known = _PROBES.get(model) if _weakrefable(model) else None
-    if known is not None and key in known:
-        return known[key]
-    refuse_meta_model(model)
-    with hooks_silenced(model) if isinstance(model, torch.nn.Module) else nullcontext(), eval_mode(model):
-        value = probe()
-    if _weakrefable(model):
-        _PROBES.setdefault(model, {})[key] = value
-    return value
-
-
-def _weakrefable(model: Any) -> bool:
-    try:
-        weakref.ref(model)
-    except TypeError:
-        return False
-    return True
-
-
-def _probe_tokens(model: Any, n: int) -> Tensor:
-    return torch.zeros(1, n, dtype=torch.long, device=model_device(model))
-
-
-def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
-    """The hooks among ``names`` that exist on ``model`` but never run in a forward pass (a 2-token probe).
-
-    Some TransformerBridge adapters list hook points their attention code bypasses (GPT-NeoX's
-    ``attn.hook_rot_q``/``hook_rot_k``); an analyzer that needs one refuses up front.
-    """
-    present = [n for n in names if n in model.hook_dict]
-    if not present:
-        return []
-
-    def probe() -> list[str]:
-        fired: set[str] = set()
-
-        def record(name: str):
-            def hook(act: Any, hook: Any) -> None:
-                fired.add(name)
-
-            return hook
-
-        with torch.inference_mode(), model.hooks(fwd_hooks=[(n, record(n)) for n in present]):
-            model(_probe_tokens(model, 2), return_type=None)
-        return [n for n in present if n not in fired]
-
-    return _probed(model, ("silent", tuple(present)), probe)
-
-
-def post_hoc_attention(model: Any) -> str | None:
-    """Why ``model``'s ``hook_attn_scores`` / ``hook_pattern`` are reports fired after its attention has run
-    rather than seams inside it, or None when they are seams (edits there change what the heads compute).
-
-    A TransformerBridge whose attention delegates to the Hugging Face module (BERT in TransformerLens 4.x)
-    fires both after that module returned: edits are discarded. Probed once per model with a 3-token forward
-    in which layer 0's ``hook_attn_scores`` lets every query see only its own key: if another key keeps
-    attention in ``hook_pattern``, or ``hook_pattern`` fires after ``hook_z``, the hooks are post hoc.
-    """
-    names = [hook_name(0, site) for site in (SCORES, PATTERN, Z)]
-    if any(n not in model.hook_dict for n in names[:2]):
-        return None
-
-    def probe() -> str | None:
-        order: list[str] = []
-        seen: dict[str, Tensor] = {}
-
-        def only_own_key(scores: Tensor, hook: Any) -> Tensor:
-            order.append(SCORES)
-            n_q, n_k = scores.shape[-2:]
-            own = torch.eye(n_k, dtype=torch.bool, device=scores.device)[n_k - n_q:]
-            return scores.masked_fill(~own, float("-inf"))
-
-        def record(name: str):
-            def hook(act: Tensor, hook: Any) -> None:
-                order.append(name)
-                seen[name] = act.detach()
-
-            return hook
-
-        hooks = [(names[0], only_own_key), (names[1], record(PATTERN))]
-        if names[2] in model.hook_dict:
-            hooks.append((names[2], record(Z)))
-        with warnings.catch_warnings(), torch.inference_mode(), model.hooks(fwd_hooks=hooks):
-            warnings.simplefilter("ignore")  # TransformerLens' "edit is discarded" warning: reported below instead
-            model(_probe_tokens(model, min(3, model_dims(model).n_ctx)), return_type=None)
-        pattern = seen.get(PATTERN)
-        if pattern is None:
-            return None
-        n_q, n_k = pattern.shape[-2:]
-        other_keys = ~torch.eye(n_k, dtype=torch.bool, device=pattern.device)[n_k - n_q:]
-        discarded = bool((pattern.float().abs() * other_keys).amax() > 0)
-        late = Z in order and order.index(PATTERN) > order.index(Z)
-        if not (discarded or late):
-            return None
-        return ("its attention runs inside the wrapped Hugging Face module and TransformerLens fires "
-                "hook_attn_scores and hook_pattern afterwards, with the post-softmax weights (an edit there is "
-                "discarded, and hook_attn_scores holds probabilities, not pre-softmax scores)")
-
-    return _probed(model, "post_hoc_attention", probe)
-
-
-def require_attention_seams(model: Any, what: str) -> None:
-    """Raise :class:`~sinklens.errors.UnsupportedArchitectureError` if ``model``'s attention hooks are post hoc
-    (:func:`post_hoc_attention`): ``what`` (e.g. ``"mask interventions"``) would silently do nothing there."""
-    reason = post_hoc_attention(model)
-    if reason is not None:
-        raise UnsupportedArchitectureError(
-            f"{what.capitalize()} cannot run on this model, whose attention scores and pattern cannot be edited: "
-            f"{reason}. Analyses that only read activations (find_sinks, measure_variance, ...) work on it."
-        )
-
-
-def attends_to_later_keys(model: Any) -> bool:
-    """True when query 0 of layer 0 gives attention to key 1: the model attends both ways (an encoder).
-
-    Probed once per model with a 2-token forward that reads ``blocks.0.attn.hook_pattern`` (False when that hook
-    is missing or never runs): a causal mask gives ``A[0, 1] = 0`` exactly. Used because ``cfg.attention_dir``
-    can be wrong (TransformerLens 3.9's bridge leaves BERT at ``"causal"``).
-    """
-    name = hook_name(0, PATTERN)
-    if name not in model.hook_dict:
-        return False
-
-    def probe() -> bool:
-        seen: list[Tensor] = []
-        with torch.inference_mode(), model.hooks(fwd_hooks=[(name, lambda act, hook: seen.append(act[..., 0, 1]))]):
-            model(_probe_tokens(model, 2), return_type=None)
-        return bool(seen) and bool((seen[0].float() > 0).any())
-
-    return _probed(model, "attends_to_later_keys", probe)
-
-
-def resid_mid_is_a_copy(model: Any) -> bool:
-    """True when an edit returned from ``blocks.l.hook_resid_mid`` reaches the MLP but not the residual stream.
-
-    The TransformerLens 4.x bridges of sequential blocks fire ``hook_resid_mid`` as ``ln2.hook_in``, on a copy
-    of the residual (:func:`sinklens.residual_sites.on_the_residual_stream` moves such an edit). Probed once per
-    model with a 2-token forward that adds 1 at layer 0's ``hook_resid_mid`` and checks whether
-    ``hook_resid_post − hook_mlp_out`` moved with it (False when one of those hooks is missing).
-    """
-    names = [hook_name(0, site) for site in (RESID_MID, MLP_OUT, RESID_POST)]
-    if any(n not in model.hook_dict for n in names):
-        return False
-
-    def probe() -> bool:
-        seen: dict[str, Tensor] = {}
-
-        def shift(act: Tensor, hook: Any) -> Tensor:
-            seen["mid"] = act.detach().float().clone()
-            return act + 1.0
-
-        def record(name: str):
-            def hook(act: Tensor, hook: Any) -> None:
-                seen[name] = act.detach().float().clone()
-
-            return hook
-
-        hooks = [(names[0], shift), (names[1], record("mlp")), (names[2], record("post"))]
-        with torch.inference_mode(), model.hooks(fwd_hooks=hooks):
-            model(_probe_tokens(model, 2), return_type=None)
-        if len(seen) < 3:
-            return False
-        skip = seen["post"] - seen["mlp"]  # the residual the block carried past its MLP
-        return bool((skip - seen["mid"]).abs().max() < (skip - seen["mid"] - 1.0).abs().max())
-
-    return _probed(model, "resid_mid_is_a_copy", probe)

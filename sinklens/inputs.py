@@ -1,4 +1,4 @@
-"""Inputs for the analyzers: natural text, a built-in prompt set and random-token sequences.
+"""Inputs for the analyzers: natural text and random-token sequences (prompt sets: :mod:`sinklens.prompts`).
 
 Every source ends up as a list of :class:`TokenBatch`: right-padded token ids plus a ``valid`` mask.
 Right padding keeps every sequence's first token at position 0 (where the sink lives); pads change no
@@ -18,14 +18,10 @@ what position 0 is (:meth:`sinklens.analysis.sinks.SinkResult.describe_start`).
 
 from __future__ import annotations
 
-import ast
-import platform
-import random
 import sys
-import sysconfig
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -37,6 +33,7 @@ from torch import Tensor
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, SequenceTooLongError
 from sinklens.hooks import model_device, model_dims
+from sinklens.prompts import builtin_prompts
 from sinklens.validate import IntLike, as_bool, as_seed, check_vocab, optional_positive_int, positive_int, prompt_list, token_ids
 from sinklens.visibility import attention_direction
 
@@ -127,78 +124,6 @@ def right_align(batch: TokenBatch) -> TokenBatch:
 #: What the analyzers take: a string, any iterable of strings (a list, a generator, a numpy array of strings),
 #: a token tensor ``[batch, pos]``, one :class:`TokenBatch` or an iterable of them.
 Inputs = Union[str, Iterable[str], Tensor, TokenBatch, Iterable[TokenBatch]]
-
-#: A small, varied prompt set used when no text is given.
-BUILTIN_PROMPTS: tuple[str, ...] = (
-    "The attention sink is a token that receives a large share of attention regardless of its meaning.",
-    "In 1869 the transcontinental railroad was completed, linking the eastern and western United States.",
-    "def fibonacci(n):\n    a, b = 0, 1\n    for _ in range(n):\n        a, b = b, a + b\n    return a",
-    "Photosynthesis converts light energy into chemical energy stored in glucose and other sugars.",
-    "She opened the old wooden door slowly, and the smell of dust and lavender filled the hallway.",
-    "The mitochondria is often called the powerhouse of the cell because it produces most of its ATP.",
-    "To be, or not to be, that is the question: whether 'tis nobler in the mind to suffer the slings.",
-    "Interest rates rose for the third consecutive quarter as the central bank tried to curb inflation.",
-    "A prime number has exactly two divisors: one and itself. The first few are 2, 3, 5, 7, 11 and 13.",
-    "The recipe calls for two cups of flour, one egg, a pinch of salt and a tablespoon of melted butter.",
-    "Mount Everest, at 8,849 metres, is the highest mountain above sea level on Earth.",
-    "The quick brown fox jumps over the lazy dog while the cat watches from the windowsill.",
-    "Neural networks learn representations by adjusting weights to minimise a loss on training data.",
-    "Paris is the capital of France; Berlin is the capital of Germany; Madrid is the capital of Spain.",
-    "He said he would be back by noon, but the train was delayed and he arrived in the evening instead.",
-    "import numpy as np\nx = np.linspace(0, 1, 100)\ny = np.sin(2 * np.pi * x)\nprint(y.mean())",
-)
-
-
-def builtin_prompts() -> list[str]:
-    """The built-in prompt set (16 short English, code and factual prompts)."""
-    return list(BUILTIN_PROMPTS)
-
-
-def stdlib_docstrings() -> Iterator[str]:
-    """Every docstring (module, class, function) of the running interpreter's top-level ``stdlib/*.py``
-    files, in file order then ``ast.walk`` order; files that do not parse or read are skipped. The one
-    walker behind :func:`stdlib_text_prompts` and the text corpus of ``benchmarks/bench_convergence.py``."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(stdlib.glob("*.py")):
-        try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc:
-                    yield doc
-
-
-def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 800, seed: IntLike = 0,
-                        what: str = "n_prompts") -> list[str]:
-    """Real text available offline: docstrings from the Python standard library's own sources.
-
-    Docstrings of at least 30 words without doctest examples, read from the running interpreter's
-    ``stdlib`` directory (:func:`stdlib_docstrings`; 941 on CPython 3.11). ``n_prompts`` of them (None:
-    all), each cut to ``n_chars`` characters, shuffled by ``seed``; ``what`` names the argument in errors.
-    """
-    if n_prompts is not None:
-        n_prompts = positive_int(n_prompts, what=what)
-    n_chars = positive_int(n_chars, what="n_chars")
-    seed = as_seed(seed, what="seed")
-    docs = [
-        " ".join(doc.split())[:n_chars]
-        for doc in stdlib_docstrings()
-        # Prose only: long enough, and no doctest examples (code, not text).
-        if len(doc) >= 200 and ">>>" not in doc and len(doc.split()) >= 30
-    ]
-    random.Random(seed).shuffle(docs)
-    if n_prompts is None:
-        return docs
-    if n_prompts > len(docs):
-        raise InvalidArgumentError(
-            f"{what} {n_prompts} asks for more docstrings than this Python's standard library holds: {len(docs)} of "
-            f"at least 30 words without doctest examples (Python {platform.python_version()}); pass at most "
-            f"{len(docs)}.")
-    return docs[:n_prompts]
-
 
 def _pad_right(rows: list[Tensor], pad_id: int, prepend_bos: bool, special_tokens: tuple[str, ...] = ()) -> TokenBatch:
     width = max(int(r.numel()) for r in rows)

@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sinklens.hooks import (ATTN_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, layer_weight, resid_mid_is_a_copy,
-                            silent_hooks)
+from sinklens.hooks import ATTN_OUT, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, layer_weight
+from sinklens.probes import resid_mid_is_a_copy, silent_hooks
 from sinklens.options import HookFn
 from sinklens.residual_units import attn_out_bias, input_norm, post_ln_reason, post_norm_map
 
@@ -29,7 +29,7 @@ def has_resid_mid(model: Any, layers: Sequence[int]) -> bool:
 def on_the_residual_stream(model: Any, hooks: Sequence[tuple[str, HookFn]]) -> list[tuple[str, HookFn]]:
     """``hooks`` with every edit at ``blocks.l.hook_resid_mid`` made where it reaches the residual stream.
 
-    On a model where that hook is a copy (:func:`~sinklens.hooks.resid_mid_is_a_copy`), an edit ``f`` there is
+    On a model where that hook is a copy (:func:`~sinklens.probes.resid_mid_is_a_copy`), an edit ``f`` there is
     applied to the attention write ``w`` at ``blocks.l.hook_attn_out`` instead: with ``r`` = ``hook_resid_pre``,
     the write becomes ``w + f(r + w) − (r + w)``, so the residual after the attention is ``f(r + w)``. ``f`` is
     called with the ``hook_resid_mid`` hook point and may return None (an in-place edit). Other hooks, models

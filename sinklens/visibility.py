@@ -35,7 +35,7 @@ from jaxtyping import Bool
 from torch import Tensor
 
 from sinklens.errors import UnsupportedArchitectureError
-from sinklens.hooks import attends_to_later_keys
+from sinklens.probes import attends_to_later_keys
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,7 @@ def _tl_windows(cfg: Any, n_layers: int) -> tuple[int | None, ...]:
 
 def attention_direction(model: Any) -> str:
     """``"causal"`` or ``"bidirectional"``: ``cfg.attention_dir``, unless the model attends both ways while its
-    config says causal (:func:`~sinklens.hooks.attends_to_later_keys`, one 2-token probe per model):
+    config says causal (:func:`~sinklens.probes.attends_to_later_keys`, one 2-token probe per model):
     TransformerLens 3.9's ``TransformerBridge`` leaves BERT at ``"causal"``, which made sinklens read an
     encoder's attention to later keys as a sink logit's mass and give it a next-token loss.
 

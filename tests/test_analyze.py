@@ -138,7 +138,8 @@ def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_
     is the only sink; residual dimension 507 at position 0 reaches ~25,000 from block 12 on (median
     |x| ~2), written by block 11's MLP, mostly by neurons 1229 and 1487, whose W_out rows put >95%
     of their mass on one channel."""
-    from sinklens.inputs import as_batches, stdlib_text_prompts
+    from sinklens.inputs import as_batches
+    from sinklens.prompts import stdlib_text_prompts
     from sinklens.testing import transformer_lens_major
 
     prompts = stdlib_text_prompts(8)

@@ -41,9 +41,9 @@ from sinklens.inputs import (
     as_batches,
     bos_token_id,
     random_token_batches,
-    stdlib_text_prompts,
     tokenize_prompts,
 )
+from sinklens.prompts import stdlib_text_prompts
 from sinklens.model_files import MANIFEST, check_gguf, check_safetensors, verify_manifest, write_manifest
 
 

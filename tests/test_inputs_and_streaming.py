@@ -5,7 +5,8 @@ import torch
 
 import sinklens
 from sinklens.errors import InvalidArgumentError, PatternNotExposedError, SequenceTooLongError, UnknownHookError
-from sinklens.inputs import as_batches, random_token_batches, stdlib_text_prompts, tokenize_prompts
+from sinklens.inputs import as_batches, random_token_batches, tokenize_prompts
+from sinklens.prompts import stdlib_text_prompts
 from sinklens.streaming import BatchFold, Reducer, stream
 from sinklens.testing import QUIET, TINY_PROMPTS, attached_hook_count
 

@@ -10,7 +10,7 @@ import torch
 
 import sinklens
 from sinklens.errors import InvalidArgumentError
-from sinklens.hooks import attends_to_later_keys, post_hoc_attention
+from sinklens.probes import attends_to_later_keys, post_hoc_attention
 from sinklens.interventions.variance import reference_mean
 from sinklens.testing import QUIET, VARIED_PROMPTS, tiny_model
 from sinklens.visibility import attention_visibility

@@ -20,7 +20,8 @@ from sinklens.analysis._common import check_sink_position, run_analyzer, sink_po
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import K, Q, SCORES, expand_kv_heads, hook_name, model_device, model_dims, post_hoc_attention, resolve_layers, silent_hooks
+from sinklens.hooks import K, Q, SCORES, expand_kv_heads, hook_name, model_device, model_dims, resolve_layers
+from sinklens.probes import post_hoc_attention, silent_hooks
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
@@ -38,7 +39,7 @@ def qk_locking_reason(model: Any) -> str | None:
     On a rotary model the scores are made of the *rotated* queries and keys; when the model lists
     ``hook_rot_q``/``hook_rot_k`` but never runs them (the TransformerLens 4.x GPT-NeoX/Pythia bridge), the
     unrotated ``hook_q``/``hook_k`` would give wrong numbers, so the analysis refuses. It refuses too when
-    ``hook_attn_scores`` is fired after the fact with post-softmax weights (:func:`sinklens.hooks.post_hoc_attention`,
+    ``hook_attn_scores`` is fired after the fact with post-softmax weights (:func:`sinklens.probes.post_hoc_attention`,
     the TransformerLens 4.x BERT bridge): the score statistics would count probabilities as scores.
     """
     silent = silent_hooks(model, [hook_name(0, ROT_Q), hook_name(0, ROT_K)])

@@ -17,9 +17,9 @@ post-attention norm's ``hook_scale`` (``ln1_post``; on a post-LN model such as B
       write[b, q, k] = A[b, h, q, k] · ‖C(v_k · W_O[l, h]) ⊙ g‖ / s[b, q]
 
   where ``A`` is ``hook_pattern``; without a post-attention norm ``g = 1``, ``s = 1``; with one
-  (Gemma 2/3) ``g`` is its effective gain (:func:`~sinklens.analysis.variance.post_attention_gain`)
+  (Gemma 2/3) ``g`` is its effective gain (:func:`~sinklens.analysis.post_attention.post_attention_gain`)
   and ``s[b, q]`` its ``hook_scale`` at the query; on a post-LN model ``C`` removes the mean over
-  ``d_model`` (:func:`~sinklens.analysis.variance.post_attention_map`), elsewhere it is the identity.
+  ``d_model`` (:func:`~sinklens.analysis.post_attention.post_attention_map`), elsewhere it is the identity.
   On a SinkLM variant that scales the aggregation before ``W_O`` as ``c[q, h] · (γ[h] ⊙ z)``
   (:func:`~sinklens.hooks.head_output_gain`), ``W_O`` becomes ``diag(γ[h]) W_O`` and ``1 / s`` becomes
   ``|c| / s``, with ``c`` read per query from ``hook_z`` and the variant's output site; an element-wise
@@ -53,7 +53,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from sinklens.analysis._common import SettingsFields, check_sink_position, row_index, run_analyzer, sink_position_arg
-from sinklens.analysis.variance import attention_output_grams, post_attention_scale_hooks
+from sinklens.analysis.post_attention import attention_output_grams, post_attention_scale_hooks
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json

@@ -86,7 +86,7 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
     """The analysis inputs the flags ask for (``None``: the built-in prompts); random tokens for a model
     without a tokenizer (:func:`sinklens.commands.random_token_inputs`)."""
     from sinklens.commands import random_token_inputs
-    from sinklens.inputs import stdlib_text_prompts
+    from sinklens.prompts import stdlib_text_prompts
     from sinklens.validate import text_lines
 
     has_tokenizer = getattr(model, "tokenizer", None) is not None

@@ -92,9 +92,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
 
     from sinklens.specs import split_spec
     from sinklens.sinklm.run_folder import resume_config
-    from sinklens.sinklm.config import (
-        PRESETS, ModelConfig, TrainConfig, flags_to_pairs, load_config, overrides_to_pairs, set_values,
-    )
+    from sinklens.sinklm.config import PRESETS, ModelConfig, TrainConfig, load_config
+    from sinklens.sinklm.config_flags import flags_to_pairs, overrides_to_pairs, set_values
 
     explicit: set[str] = set()  # model fields set by the preset's definition, the config file or the run
     resumed = resume_config(args.out) if args.resume and args.out and not args.config else None
@@ -137,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.validate import writable_file
 
     if args.fields:
-        from sinklens.sinklm.config import fields_help
+        from sinklens.sinklm.config_flags import fields_help
 
         print(fields_help())
         return 0

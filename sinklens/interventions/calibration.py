@@ -37,7 +37,8 @@ from torch import Tensor
 
 from sinklens.analysis.sinks import has_sink_logits
 from sinklens.errors import InvalidArgumentError
-from sinklens.hooks import PATTERN, Z, check_hook_names, hook_name, model_dims, require_attention_seams, resolve_layers
+from sinklens.hooks import PATTERN, Z, check_hook_names, hook_name, model_dims, resolve_layers
+from sinklens.probes import require_attention_seams
 from sinklens.interventions.masks import Hooks, check_in_sequence, positions_arg
 from sinklens.streaming import real_tokens
 from sinklens.validate import choice

@@ -6,7 +6,7 @@ visible key (its own position), so every ``hook_pattern`` row still sums to 1 (w
 gpt-oss, to 1 minus the sink logit's share).
 
 Models whose attention hooks fire after the fact (the TransformerLens 4.x BERT bridge,
-:func:`sinklens.hooks.post_hoc_attention`) would discard the edit and are refused with
+:func:`sinklens.probes.post_hoc_attention`) would discard the edit and are refused with
 :class:`~sinklens.errors.UnsupportedArchitectureError`.
 
 Queries are addressed by absolute position: scores with fewer queries than keys (a KV-cached generation step
@@ -27,7 +27,8 @@ import torch
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.hooks import SCORES, hook_name, model_dims, require_attention_seams
+from sinklens.hooks import SCORES, hook_name, model_dims
+from sinklens.probes import require_attention_seams
 from sinklens.options import HookFn
 from sinklens.validate import index_list, optional_index_list
 from sinklens.visibility import attention_visibility

@@ -29,10 +29,10 @@ Caveats: with a vocabulary not much larger than ``N`` the samples repeat their l
 dependent, and unrelated models test positive above ``α`` (780 pairs of unrelated inits, ``d_model`` 32,
 ``N = 300``: 1.0 % false positives at ``d_vocab`` 4096, 1.4 % at 1024, 2.4 % at 512, 4.5 % at 256, 18 % at 64).
 :func:`fingerprint` adds a caveat, and reports a positive as ``"inconclusive"``, when more than a third of
-the samples are expected to share their last token (:func:`shared_last_token_share`). In embedding mode,
+the samples are expected to share their last token (:func:`~sinklens.origins.stats.shared_last_token_share`). In embedding mode,
 small shallow models pass the shared input almost unchanged to the output (unrelated pairs: 100 %
 positive); each such result carries :func:`shared_input_z`, the ``z`` the shared input alone predicts,
-with a caveat when it exceeds :func:`max_shared_input_z` (0.52 at ``α = 0.01``).
+with a caveat when it exceeds :func:`~sinklens.origins.stats.max_shared_input_z` (0.52 at ``α = 0.01``).
 
 Examples:
     >>> import torch
@@ -67,6 +67,9 @@ from sinklens.loading import load_model
 from sinklens.loading.init import load_at_init
 from sinklens.options import RunOptions, checked_options
 from sinklens.origins.sites import final_state_site
+from sinklens.origins.stats import (
+    format_p_value, kendall_tau_null_std, max_shared_input_z, per_dim_kendall, samples_for_share, shared_last_token_share,
+)
 from sinklens.streaming import BatchFold, Reducer, stream
 from sinklens.validate import as_seed, choice, finite_number, positive_int
 
@@ -162,46 +165,9 @@ class FingerprintResult(CompactRepr):
         return "\n".join([line, *(f"  caveat: {c}" for c in self.caveats)])
 
 
-def format_p_value(p_value: float, log10_p: float) -> str:
-    """``"p = 0.0123"``, or ``"p = 10^-412.3"`` from ``log10_p`` where ``p_value`` underflows float64 to 0.
-
-    Examples:
-        >>> format_p_value(0.01234, -1.9087), format_p_value(0.0, -412.345)
-        ('p = 0.0123', 'p = 10^-412.3')
-    """
-    if p_value > 0.0 or not math.isfinite(log10_p):
-        return f"p = {p_value:.3g}"
-    return f"p = 10^{log10_p:.1f}"
-
-
-def shared_last_token_share(n_samples: int, vocab: int) -> float:
-    """Expected share of ``n_samples`` uniform random sequences over ``vocab`` ids whose last token another
-    sample also ends with: ``1 - (1 - 1/vocab)^(n_samples - 1)``.
-
-    Examples:
-        >>> round(shared_last_token_share(300, 4096), 3), round(shared_last_token_share(64, 64), 3)
-        (0.07, 0.629)
-    """
-    return 1.0 - (1.0 - 1.0 / vocab) ** (n_samples - 1)
-
-
 def identity_dims(hidden: Float[Tensor, "sample dim"], buffer_k: int) -> list[int]:
     """The ``buffer_k`` dimensions with the smallest mean over samples (``topk(..., largest=False)``)."""
     return torch.topk(hidden.mean(dim=0), buffer_k, largest=False).indices.tolist()
-
-
-def kendall_tau_null_std(n: int) -> float:
-    """Standard deviation of Kendall τ between two independent samples of size ``n``: ``sqrt(2(2n+5) / (9n(n-1)))``."""
-    return math.sqrt(2.0 * (2 * n + 5) / (9.0 * n * (n - 1)))
-
-
-def per_dim_kendall(a: Float[Tensor, "sample dim"], b: Float[Tensor, "sample dim"]) -> Float[Tensor, " dim"]:
-    """Kendall τ-b between column ``i`` of ``a`` and column ``i`` of ``b``, for every ``i`` (scipy)."""
-    from scipy.stats import kendalltau
-
-    a_np, b_np = a.double().numpy(), b.double().numpy()
-    taus = [kendalltau(a_np[:, i], b_np[:, i]).statistic for i in range(a_np.shape[1])]
-    return torch.tensor(taus, dtype=torch.float64)
 
 
 def check_test_arguments(
@@ -571,7 +537,7 @@ def fingerprint(
             f"the {n_samples} random sequences end in one of only {vocab} token ids, so about {shared:.0%} of them "
             "share their last token with another sample; the samples are then dependent and the analytic p-value "
             "is too small (unrelated models test positive above alpha). At most "
-            f"{_samples_for_share(MAX_SHARED_LAST_TOKEN, vocab)} samples keep that share under "
+            f"{samples_for_share(MAX_SHARED_LAST_TOKEN, vocab)} samples keep that share under "
             f"{MAX_SHARED_LAST_TOKEN:.0%} for this vocabulary.")
     return result
 
@@ -600,22 +566,3 @@ def shared_input_z(
 
     tau = 2.0 / math.pi * math.asin(through(hidden_a) * through(hidden_b))
     return tau / (kendall_tau_null_std(hidden_a.shape[0]) / math.sqrt(k))
-
-
-def max_shared_input_z(alpha: float) -> float:
-    """The largest :func:`shared_input_z` that keeps the false-positive rate under ``2 alpha``: a null ``z``
-    shifted by ``δ`` passes ``p < alpha`` (``z > Φ̄⁻¹(α/2)``) with probability ``Φ̄(Φ̄⁻¹(α/2) - δ)``, which is
-    ``2α`` at ``δ = Φ̄⁻¹(α/2) - Φ̄⁻¹(2α)`` (0.52 at ``alpha = 0.01``; the threshold token mode's caveat uses).
-
-    Examples:
-        >>> round(max_shared_input_z(0.01), 3)
-        0.522
-    """
-    from scipy.stats import norm
-
-    return float(norm.isf(alpha / 2) - norm.isf(min(2 * alpha, 1.0)))
-
-
-def _samples_for_share(share: float, vocab: int) -> int:
-    """The largest ``N`` with :func:`shared_last_token_share` ``(N, vocab) <= share``."""
-    return 1 + int(math.log(1.0 - share) / math.log(1.0 - 1.0 / vocab)) if vocab > 1 else 1

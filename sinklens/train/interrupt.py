@@ -14,10 +14,14 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from collections.abc import Callable
+from pathlib import Path
 from types import FrameType
 from typing import Any
 
-__all__ = ["StopSignals"]
+from sinklens.errors import TrainingInterrupted
+
+__all__ = ["StopSignals", "interrupted_error"]
 
 #: The signals a run stops cleanly on.
 SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
@@ -67,3 +71,17 @@ class StopSignals:
         self.received = signal.Signals(signum).name
         print(f"\n{self.received}: stopping after this step and saving a checkpoint (again to stop at once)",
               file=sys.stderr, flush=True)
+
+
+def interrupted_error(
+    signal_name: str, step: int, start_step: int, steps: int, out: Path | None, checkpoint: Callable[..., None]
+) -> TrainingInterrupted:
+    """Checkpoint the ``step`` steps done (when any were done since ``start_step``) and say so."""
+    if step > start_step and out is not None:
+        checkpoint(step, regular=False)
+        kept = f"its checkpoint is saved in {str(out)!r}; continue with --resume (train(..., resume=True))"
+    elif out is not None:
+        kept = f"no step had finished since step {start_step}, so the run in {str(out)!r} is as it was"
+    else:
+        kept = "nothing was saved (no out_dir)"
+    return TrainingInterrupted(f"{signal_name} at step {step} of {steps}: training stopped after a whole step; {kept}.")

@@ -2,7 +2,7 @@
 
 :func:`train` builds a :class:`~sinklens.sinklm.model.SinkLM` from ``cfg.model`` (seeded by
 ``cfg.seed``), a :class:`~sinklens.train.data.TokenSource` from ``cfg.data`` (ordered by
-``cfg.data.seed`` only), AdamW with warmup + cosine decay (:func:`get_lr`), and then for every step:
+``cfg.data.seed`` only), AdamW with warmup + cosine decay (:func:`~sinklens.train.optim.get_lr`), and then for every step:
 evaluate (every ``eval.interval`` steps: validation loss, sink metrics, persistence of the step-0
 bias), accumulate gradients over ``grad_accum`` micro-batches (under ``cfg.autocast`` on CUDA and
 ``cfg.cpu_autocast`` on a CPU: :mod:`sinklens.train.precision`), clip, step, log a JSON line,
@@ -16,156 +16,52 @@ model can be pretrained with its sink moved. Under ``torchrun`` the model is wra
 On CUDA the model and its loss are compiled (``compile="auto"``), the forward runs under bfloat16
 autocast, AdamW is fused, the next step's rows are copied from pinned memory while the GPU works,
 and the host waits for the device once per step (the finite-loss check) and once per logged step.
-
-Examples:
-    >>> from sinklens.sinklm.config import OptimConfig
-    >>> opt = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10)
-    >>> [round(get_lr(s, opt, total_steps=100), 6) for s in (0, 9, 10, 55, 100, 200)]
-    [0.0001, 0.001, 0.001, 0.00055, 0.0001, 0.0001]
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
-import math
-import re
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from sinklens.display import CompactRepr
 from sinklens.inputs import TokenBatch
-from sinklens.streaming import HookFn
 from sinklens.distributed import writes_outputs
-from sinklens.errors import (
-    InvalidArgumentError, OutputExistsError, RunExistsError, RunNotFoundError, TrainingDivergedError,
-    TrainingInterrupted,
-)
+from sinklens.errors import InvalidArgumentError, TrainingDivergedError, TrainingInterrupted
 from sinklens.export import json_line, write_json
-from sinklens.sinklm.checkpoint import (
-    METRICS, TOKENIZER, has_checkpoint, is_run_dir, load_checkpoint, load_run, read_metrics, save_checkpoint,
-    save_tokenizer, write_metrics,
-)
+from sinklens.sinklm.checkpoint import TOKENIZER, load_checkpoint, load_run, save_checkpoint, save_tokenizer, write_metrics
 from sinklens.sinklm.run_folder import (
-    RunLock, check_data_fingerprint, clean_stale, discard_set_aside, foreign_entries, recover_set_aside,
+    RunLock, check_data_fingerprint, clean_stale, discard_set_aside, recover_set_aside,
     restore_set_aside, resume_changes, set_aside_run, set_aside_runs, tokenizer_problem, write_data_fingerprint,
 )
-from sinklens.sinklm.config import OptimConfig, TrainConfig
+from sinklens.sinklm.config import TrainConfig
 from sinklens.train.data import TokenSource, build_source, data_fingerprint
 from sinklens.distributed.ddp import DistContext, cleanup_distributed, init_distributed
-from sinklens.train.interrupt import StopSignals
+from sinklens.train.interrupt import StopSignals, interrupted_error
+from sinklens.train.interventions import (
+    Hooks, Intervention, check_interventions, resolve_interventions, try_interventions,
+)
 from sinklens.train.loggers import MetricsLog, check_log
+from sinklens.train.optim import configure_optimizer, get_lr
 from sinklens.train.persistence import PersistenceTracker
 from sinklens.train.precision import mixed_precision
+from sinklens.train.result import TrainResult
+from sinklens.train.run_dir import check_run_dir, read_history
+from sinklens.train.speed import attention_kernels, compile_failed_warning, compile_model, estimate_mfu, peak_flops
 from sinklens.validate import positive_int, writable_dir
-
-Hooks = list[tuple[str, HookFn]]
-#: A training-time intervention: a registry spec string ``"name:key=value,..."`` or ``model -> hooks``.
-Intervention = Union[str, Callable[[Any], Hooks]]
-
-#: Dense (no sparsity) bfloat16 tensor-core peak FLOP/s of each GPU, from the vendors' datasheets, for MFU:
-#: the first key found as a whole word in ``torch.cuda.get_device_name()`` (so "L4" does not match "L40S").
-PEAK_FLOPS: dict[str, float] = {
-    "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989.4e12, "H200": 989.4e12, "GH200": 989.4e12, "H800": 989.4e12,
-    "B200": 2250e12, "A100": 312e12, "A800": 312e12, "L40S": 362.05e12, "L40": 181.05e12, "L4": 121e12,
-    "A10": 125e12, "RTX 4090": 165.2e12, "RTX 3090": 71e12,
-}
-
 
 # ----------------------------------------------------------------------------------------------
 # Pieces of the loop
-
-
-def get_lr(step: int, optim: OptimConfig, total_steps: int) -> float:
-    """Learning rate at ``step``: linear warmup, cosine decay to ``min_lr`` at ``decay_steps``, then flat.
-
-    ``lr·(step+1)/warmup_steps`` for ``step < warmup_steps``; then
-    ``min_lr + ½(1 + cos(π·r))·(lr - min_lr)`` with ``r = (step - warmup)/(decay - warmup)``;
-    ``min_lr`` from ``decay_steps`` (default ``total_steps``) on.
-    """
-    decay = optim.decay_steps or total_steps
-    if step < optim.warmup_steps:
-        return optim.lr * (step + 1) / optim.warmup_steps
-    if step >= decay:
-        return optim.final_lr
-    ratio = (step - optim.warmup_steps) / max(1, decay - optim.warmup_steps)
-    return optim.final_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (optim.lr - optim.final_lr)
-
-
-#: Device types whose AdamW ``fused=None`` resolves to the fused kernel.
-FUSED_ADAMW_DEVICES = ("cuda", "cpu")
-
-#: Extra keyword arguments of every ``torch.compile`` call the trainer makes (tests set a cheap backend).
-COMPILE_KWARGS: dict[str, Any] = {}
-
-
-def compile_model(model: torch.nn.Module) -> torch.nn.Module:
-    """``torch.compile(model, **COMPILE_KWARGS)``; compilation itself happens at the first call.
-
-    Where torch has it, the call gets its own recompilation budget (``isolate_recompiles=True``): every
-    ``torch.compile`` of ``SinkLM`` otherwise shares dynamo's per-code-object limit of 8 compiled entries,
-    so in a process that trains many differently shaped models the ninth would run eagerly.
-    """
-    extra = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
-    return torch.compile(model, **extra, **COMPILE_KWARGS)
-
-
-def compile_failed_warning(error: BaseException) -> str:
-    """The one-line warning of a compile that failed (the run continues eagerly)."""
-    text = " ".join(str(error).split())  # one line: dynamo's messages span several
-    text = text if len(text) <= 300 else text[:297] + "..."
-    return (f"torch.compile failed ({type(error).__name__}: {text}); training continues eagerly. "
-            f"Set compile=false to skip the attempt.")
-
-
-def configure_optimizer(model: Any, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over ``model.param_groups`` (no weight decay on <2-D parameters).
-
-    ``optim.fused=None``: the fused kernel on CUDA and on the CPU (one pass over each parameter: at the
-    ``headnorm-cpu`` configuration 1.5 ms a step against 12–21 ms for the multi-tensor ``foreach`` one,
-    ``benchmarks/RESULTS.md``), the ``foreach`` one on other devices.
-    """
-    params = inspect.signature(torch.optim.AdamW).parameters
-    fused = (device.type in FUSED_ADAMW_DEVICES and "fused" in params) if optim.fused is None else bool(optim.fused)
-    extra: dict[str, Any] = {"fused": True} if fused else ({"foreach": True} if "foreach" in params else {})
-    return torch.optim.AdamW(
-        model.param_groups(optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **extra
-    )
-
-
-def resolve_interventions(model: Any, interventions: Sequence[Intervention]) -> Hooks:
-    """The ``(hook_name, fn)`` pairs of training-time interventions, built by the intervention registry.
-
-    A string is a registry spec ``"name:key=value,..."`` (e.g. ``"restart:positions=16"`` →
-    :func:`sinklens.interventions.masks.restart`, which makes every query at or after 16 ignore
-    keys before 16, so position 16 becomes a second "first token"); see
-    :func:`sinklens.interventions.registry.build`. A callable is called with the model.
-    """
-    from sinklens.interventions import registry
-
-    hooks: Hooks = []
-    for item in interventions:
-        hooks.extend(registry.build(model, item))
-    return hooks
-
-
-def check_interventions(interventions: Sequence[Intervention]) -> None:
-    """Validate intervention specs without a model (registered name, ``key=value`` arguments)."""
-    from sinklens.interventions import registry
-
-    for item in interventions:
-        registry.check_spec(item)
 
 
 def micro_batch(rows: Int[Tensor, "batch seq_plus_1"], micro: int, cfg: TrainConfig, dist: DistContext) -> Tensor:
@@ -202,28 +98,6 @@ def forward_backward(
     return loss.detach()
 
 
-def peak_flops(device_name: str) -> float | None:
-    """The dense bf16 peak FLOP/s of the GPU called ``device_name`` (:data:`PEAK_FLOPS`), None if unknown.
-
-    Examples:
-        >>> peak_flops("NVIDIA H100 PCIe"), peak_flops("NVIDIA H200"), peak_flops("NVIDIA L40S"), peak_flops("Tesla T4")
-        (756000000000000.0, 989400000000000.0, 362050000000000.0, None)
-    """
-    for key, value in PEAK_FLOPS.items():
-        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name):
-            return value
-    return None
-
-
-def estimate_mfu(flops_per_token: float, tokens_per_s: float, device: torch.device) -> float | None:
-    """Model FLOPs utilisation: ``flops_per_token × tokens/s`` over the GPU's dense bf16 peak
-    (:func:`peak_flops` of ``torch.cuda.get_device_name``); None on a CPU or an unknown GPU."""
-    if device.type != "cuda":
-        return None
-    peak = peak_flops(torch.cuda.get_device_name(device))
-    return None if peak is None else flops_per_token * tokens_per_s / peak
-
-
 def fetch_rows(source: TokenSource, step: int, cfg: TrainConfig, device: torch.device) -> Tensor:
     """The training rows of ``step``, ``(batch, seq_len + 1)``, on ``device``; on CUDA copied from pinned
     memory without blocking, so the copy overlaps the GPU's work on the step before."""
@@ -231,19 +105,6 @@ def fetch_rows(source: TokenSource, step: int, cfg: TrainConfig, device: torch.d
     if device.type == "cuda":
         rows = rows.pin_memory()
     return rows.to(device, non_blocking=True)
-
-
-def attention_kernels(device: torch.device) -> Any:
-    """The SDPA kernel preference of a training step: on a Hopper or newer GPU cuDNN's fused attention first
-    (faster than FlashAttention-2 there), then flash, memory-efficient and math; elsewhere torch's default."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
-        return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
-        return contextlib.nullcontext()
-    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-    return sdpa_kernel(order, set_priority=True)
 
 
 def eval_batches(source: TokenSource, cfg: TrainConfig, device: torch.device) -> tuple[list[TokenBatch], list[Tensor]]:
@@ -257,85 +118,6 @@ def eval_batches(source: TokenSource, cfg: TrainConfig, device: torch.device) ->
     return batches, targets
 
 
-@dataclass(repr=False, eq=False)
-class TrainResult(CompactRepr):
-    """What :func:`train` returns.
-
-    Attributes:
-        model: the trained (unwrapped) :class:`~sinklens.sinklm.model.SinkLM`, in train mode.
-        history: the metrics lines (also in ``out_dir/metrics.jsonl``): ``kind="train"`` lines
-            with ``loss`` (mean over the step's batch), ``lr``, ``grad_norm`` (before clipping),
-            ``tokens_per_s``, ``mfu``; ``kind="eval"`` lines with ``val_loss``, sink metrics and
-            ``persistence_*`` (correlations with step 0, :mod:`sinklens.train.persistence`); in a
-            resumed run a ``kind="resume"`` line where it was picked up (``step``, ``changes``:
-            ``{config key: [before, now]}``).
-        out_dir: the run directory, or None.
-        compile: whether this process trained compiled (``TrainConfig.compile``): ``compiled``,
-            ``compile_s`` (wall seconds of the first compiled step, compilation included) and ``error``
-            (a failed compile, after which the run went on eagerly); also the ``kind="compile"`` metrics
-            line written when a compile was attempted.
-        device: the device type the run trained on (``"cpu"``, ``"cuda"``).
-        autocast: the forward's autocast dtype, ``"bfloat16"``/``"float16"``, or ``"none"``
-            (:mod:`sinklens.train.precision`).
-    """
-
-    model: Any
-    history: list[dict[str, Any]] = field(default_factory=list)
-    out_dir: Path | None = None
-    compile: dict[str, Any] = field(default_factory=dict)
-    device: str = "cpu"
-    autocast: str = "none"
-
-    def losses(self) -> list[float]:
-        return [line["loss"] for line in self.history if line["kind"] == "train"]
-
-    def evals(self) -> list[dict[str, Any]]:
-        return [line for line in self.history if line["kind"] == "eval"]
-
-
-def _read_history(run_dir: Path, before_step: int) -> list[dict[str, Any]]:
-    """Metrics lines of an interrupted run up to (not including) ``before_step`` (evals at it kept out too)."""
-    if not (run_dir / METRICS).is_file():
-        return []
-    return [line for line in read_metrics(run_dir) if line["step"] < before_step]
-
-
-def _check_run_dir(out: Path | None, *, resume: bool, overwrite: bool) -> None:
-    """Read-only checks of the run directory, before any work: refuse to clobber a run by accident."""
-    if resume and overwrite:
-        raise InvalidArgumentError("resume and overwrite exclude each other: resume continues the run in out_dir, "
-                                   "overwrite deletes it.")
-    if out is None:
-        if resume:
-            raise InvalidArgumentError("resume=True needs out_dir, the run directory to continue.")
-        return
-    if out.exists() and not out.is_dir():
-        raise InvalidArgumentError(f"out_dir {str(out)!r} exists and is not a folder.")
-    foreign = foreign_entries(out)
-    if foreign and not resume:
-        raise OutputExistsError(
-            f"out_dir {str(out)!r} is not a sinklens training run but holds {', '.join(foreign)} (another tool's "
-            f"files?), which a run there would replace or be loaded with; "
-            + ("overwrite=True (--overwrite) only replaces a sinklens run. " if overwrite else "")
-            + "Pick an empty or new out_dir."
-        )
-    if resume and not has_checkpoint(out):
-        again = (" It stopped before its first checkpoint, so there is nothing to continue: start it again with "
-                 "overwrite=True (--overwrite instead of --resume), or pick another out_dir.") if is_run_dir(out) else ""
-        raise RunNotFoundError(f"resume=True but {str(out)!r} holds no checkpoint to resume from.{again}")
-    if not resume and not overwrite and is_run_dir(out):
-        if not has_checkpoint(out):  # a run that failed before its first checkpoint: --resume cannot continue it
-            raise RunExistsError(
-                f"{str(out)!r} already holds a training run that stopped before its first checkpoint (it has "
-                f"config.json or metrics.jsonl but nothing to resume from). Start it again with overwrite=True "
-                f"(--overwrite), which deletes what it left, or pick another out_dir."
-            )
-        raise RunExistsError(
-            f"{str(out)!r} already holds a training run. Continue it with resume=True (--resume), replace it "
-            f"with overwrite=True (--overwrite), or pick another out_dir."
-        )
-
-
 def _resolve_vocab(cfg: TrainConfig, source: TokenSource) -> TrainConfig:
     """``cfg`` with ``model.d_vocab="auto"`` replaced by the data's vocabulary; checks an explicit one is large enough."""
     if cfg.model.d_vocab == "auto":
@@ -346,49 +128,6 @@ def _resolve_vocab(cfg: TrainConfig, source: TokenSource) -> TrainConfig:
             f"set model.d_vocab={source.vocab_size} (or larger, or 'auto'), e.g. --set model.d_vocab={source.vocab_size}."
         )
     return cfg
-
-
-def try_interventions(model: Any, hooks: Hooks, cfg: TrainConfig) -> bool:
-    """Run the hooks of the training-time interventions given as registry specs once on the run's training
-    sequences (``data.seq_len`` tokens), before the run directory is touched, so that one that cannot run there (a
-    position past those sequences) is an error up front rather than at the first step, with ``config.json``
-    already written. (A callable intervention is the caller's own code and is not called before the run.)
-
-    Returns whether they also run on the persistence probe's shorter sequences (``eval.persistence_seq_len``, when
-    persistence is measured); where they do not (a position past the probe's sequences, which would not exist on
-    them anyway), the probe measures the model without them, at step 0 and later alike, so that the metric still
-    compares like with like.
-
-    Raises:
-        InvalidArgumentError: they cannot run on the training sequences; the message names ``data.seq_len``.
-    """
-    if not hooks:
-        return True
-    device = next(model.parameters()).device
-
-    def runs_on(length: int) -> InvalidArgumentError | None:
-        tokens = torch.zeros(1, length, dtype=torch.long, device=device)
-        try:
-            with torch.no_grad(), model.hooks(fwd_hooks=hooks):
-                model(tokens)
-        except InvalidArgumentError as error:
-            return error
-        return None
-
-    error = runs_on(cfg.data.seq_len)
-    if error is not None:
-        raise InvalidArgumentError(f"A training-time intervention cannot run on the run's {cfg.data.seq_len}-token "
-                                   f"training sequences (data.seq_len={cfg.data.seq_len}): {error}") from None
-    probe = min(cfg.eval.persistence_seq_len, cfg.data.seq_len)
-    if not (cfg.eval.interval and cfg.eval.persistence_sequences) or probe >= cfg.data.seq_len:
-        return True
-    error = runs_on(probe)
-    if error is None:
-        return True
-    warnings.warn(f"The training-time interventions cannot run on the persistence probe's {probe}-token sequences "
-                  f"(eval.persistence_seq_len={cfg.eval.persistence_seq_len}): {error} Persistence is measured without "
-                  f"them; raise eval.persistence_seq_len to measure it with them.", stacklevel=3)
-    return False
 
 
 def _keep_finite_weights(step: int, start_step: int, saved: set[int], resumed: bool, out: Path | None,
@@ -408,20 +147,6 @@ def _keep_finite_weights(step: int, start_step: int, saved: set[int], resumed: b
         return (f"it had no checkpoint, so its finite weights after step {step} are checkpointed in {str(out)!r} "
                 "(--resume continues from there)")
     return f"no step had finished, so {str(out)!r} holds no checkpoint"
-
-
-def _interrupted(
-    signal_name: str, step: int, start_step: int, steps: int, out: Path | None, checkpoint: Callable[..., None]
-) -> TrainingInterrupted:
-    """Checkpoint the ``step`` steps done (when any were done since ``start_step``) and say so."""
-    if step > start_step and out is not None:
-        checkpoint(step, regular=False)
-        kept = f"its checkpoint is saved in {str(out)!r}; continue with --resume (train(..., resume=True))"
-    elif out is not None:
-        kept = f"no step had finished since step {start_step}, so the run in {str(out)!r} is as it was"
-    else:
-        kept = "nothing was saved (no out_dir)"
-    return TrainingInterrupted(f"{signal_name} at step {step} of {steps}: training stopped after a whole step; {kept}.")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -559,7 +284,7 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
         recovered = recover_set_aside(out)  # an overwrite killed before its first checkpoint: the old run comes back
         if recovered is not None:
             warnings.warn(recovered, stacklevel=3)
-    _check_run_dir(out, resume=resume, overwrite=overwrite)
+    check_run_dir(out, resume=resume, overwrite=overwrite)
     resumed_from = load_run(out) if out is not None and resume else None  # verified once: compared, then loaded
     changes = resume_changes(resumed_from.config, cfg, run_dir=out) if resumed_from is not None else {}
     dist, device = init_distributed(cfg.device)
@@ -578,7 +303,7 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
         next_rows: Tensor | None = None  # the next step's rows, fetched while the GPU works on this one
         for step in bar:
             if stops.received:
-                raise _interrupted(stops.received, step, run.start_step, run.cfg.steps, out, partial(_checkpoint, run))
+                raise interrupted_error(stops.received, step, run.start_step, run.cfg.steps, out, partial(_checkpoint, run))
             if run.cfg.eval.interval and dist.is_main and step % run.cfg.eval.interval == 0:
                 _evaluate(run, step)
             rows = next_rows if next_rows is not None else fetch_rows(run.source, step, run.cfg, device)  # (B, T+1)
@@ -648,7 +373,7 @@ def _open_run_dir(run: _Run, resumed_from: Any, *, overwrite: bool, until: int |
     if resumed_from is not None:
         run.start_step = load_checkpoint(resumed_from, model=run.model, optimizer=run.optimizer,
                                          scaler=run.precision.scaler)
-        run.history = _read_history(out, run.start_step)
+        run.history = read_history(out, run.start_step)
     run.stop = cfg.steps if until is None else min(until, cfg.steps)
     if resumed_from is not None and run.start_step >= run.stop:  # re-saving would replace step `stop`'s checkpoint
         asked = f"steps={cfg.steps}" + ("" if until is None else f" and until={until}")
@@ -707,7 +432,7 @@ def _prepare_loop(run: _Run, resources: contextlib.ExitStack) -> None:
     if device.type == "cuda" and main:  # the peak that the train lines' mfu divides by
         name = torch.cuda.get_device_name(device)
         _log(run, {"kind": "device", "step": run.start_step, "device": name, "peak_flops": peak_flops(name),
-                   "peak": "dense bfloat16 tensor-core peak FLOP/s (sinklens.train.loop.PEAK_FLOPS)"})
+                   "peak": "dense bfloat16 tensor-core peak FLOP/s (sinklens.train.speed.PEAK_FLOPS)"})
 
 
 def _log(run: _Run, line: dict[str, Any]) -> None:

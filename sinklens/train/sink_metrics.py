@@ -18,7 +18,7 @@ from sinklens.hooks import RESID_POST, model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import SINK_THRESHOLD, HookFn, RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, stream
-from sinklens.sinklm.model import next_token_loss
+from sinklens.sinklm.functional import next_token_loss
 
 
 class FirstTokenNormReducer(Reducer[Float[Tensor, " layer"]]):

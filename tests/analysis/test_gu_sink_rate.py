@@ -11,7 +11,8 @@ import pytest
 import torch
 from _hf_reference import hf_attentions, real_sequences, visible_by_hand
 
-from sinklens.analysis.sinks import RATE_DEFINITIONS, find_sinks
+from sinklens.analysis.sink_result import RATE_DEFINITIONS
+from sinklens.analysis.sinks import find_sinks
 from sinklens.inputs import as_batches
 from sinklens.testing import QUIET, transformer_lens_major
 from sinklens.testing.zoo import zoo_hf_model, zoo_model

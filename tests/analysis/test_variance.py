@@ -186,7 +186,7 @@ def test_bad_arguments(tiny_llama):
 # Every reference below is computed from the plain Hugging Face model of the same weights (no sinklens or
 # TransformerLens code), one sequence at a time.
 
-from sinklens.analysis.variance import post_attention_gain  # noqa: E402
+from sinklens.analysis.post_attention import post_attention_gain  # noqa: E402
 from sinklens.testing import transformer_lens_major  # noqa: E402
 from sinklens.testing.planted_values import c4, gaussian_values, uniform_attention  # noqa: E402
 from sinklens.testing.zoo import zoo_hf_model, zoo_model  # noqa: E402

@@ -67,7 +67,7 @@ def test_weight_statistics_cache_sees_in_place_edits():
     tiny_llama = tiny_model("llama", n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, d_mlp=32, n_ctx=64, d_vocab=64)
 
     from sinklens.analysis.neurons import row_sparsity
-    from sinklens.analysis.variance import attention_output_grams
+    from sinklens.analysis.post_attention import attention_output_grams
     from sinklens.hooks import weight
 
     def fresh():  # independent of the cache: from the stacked properties

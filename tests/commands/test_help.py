@@ -28,7 +28,7 @@ def test_help_fits_a_screen(command, capsys, monkeypatch):
 
 
 def test_train_fields_are_one_plain_line_each(capsys):
-    from sinklens.sinklm.config import config_fields
+    from sinklens.sinklm.config_flags import config_fields
 
     assert main(["train", "--fields"]) == 0
     lines = capsys.readouterr().out.splitlines()

@@ -12,7 +12,8 @@ from sinklens import load_model
 from sinklens.errors import IncompatibleModelsError, InvalidArgumentError
 from sinklens.options import RunOptions
 from sinklens.origins.fingerprint import (_LastFinalState, _RandomInputs, final_hidden_states, fingerprint,
-                                          kendall_tau_null_std, seedprint_test)
+                                          seedprint_test)
+from sinklens.origins.stats import kendall_tau_null_std
 from sinklens.streaming import stream
 
 pytestmark = pytest.mark.models

@@ -12,7 +12,8 @@ import torch
 from sinklens.errors import InvalidArgumentError
 from sinklens.options import RunOptions
 from sinklens.origins.fingerprint import (_RandomInputs, embedding_stats_at_init, final_hidden_states, fingerprint,
-                                          max_shared_input_z, seedprint_test, shared_input_z)
+                                          seedprint_test, shared_input_z)
+from sinklens.origins.stats import max_shared_input_z
 
 pytestmark = pytest.mark.models
 OPTS = RunOptions(batch_size=300, progress=False)

@@ -130,14 +130,16 @@ def test_summarize_names_the_run_of_a_nan_target():
     ("restart:positions=4,scale=2", ["restart:positions=4,scale=2"]),
 ])
 def test_unquoted_list_overrides(value, expected):
-    from sinklens.sinklm.config import TrainConfig, apply_overrides
+    from sinklens.sinklm.config import TrainConfig
+    from sinklens.sinklm.config_flags import apply_overrides
 
     assert apply_overrides(TrainConfig(), [f"interventions={value}"]).interventions == expected
 
 
 @pytest.mark.parametrize("value", ["[", "[restart:positions=4", "[a]]", "[scale=2]", "['a', b]", "[a]x"])
 def test_malformed_list_overrides_are_named_errors(value):
-    from sinklens.sinklm.config import TrainConfig, apply_overrides
+    from sinklens.sinklm.config import TrainConfig
+    from sinklens.sinklm.config_flags import apply_overrides
 
     with pytest.raises(InvalidArgumentError) as info:
         apply_overrides(TrainConfig(), [f"interventions={value}"])

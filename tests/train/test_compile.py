@@ -9,7 +9,8 @@ import torch
 from _train_cfg import build_cfg
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.sinklm.config import TrainConfig, apply_overrides, parse_args
+from sinklens.sinklm.config import TrainConfig
+from sinklens.sinklm.config_flags import apply_overrides, parse_args
 from sinklens.train import loop
 from sinklens.train.loop import train
 
@@ -43,12 +44,12 @@ import torch
 sys.path.insert(0, "tests/train")
 from _train_cfg import build_cfg
 from safetensors.torch import load_file
-from sinklens.train import loop
+from sinklens.train import loop, speed
 from sinklens.sinklm.checkpoint import load_trained_model
 from sinklens.train.loop import train
 from sinklens.sinklm.model import SinkLM
 
-loop.COMPILE_KWARGS = {"backend": "eager"}  # dynamo's graphs run as traced: fast, same kernels as eager
+speed.COMPILE_KWARGS = {"backend": "eager"}  # dynamo's graphs run as traced: fast, same kernels as eager
 calls = []
 real = loop.compile_model
 loop.compile_model = lambda m: calls.append(1) or real(m)
@@ -98,13 +99,13 @@ from pathlib import Path
 import torch
 sys.path.insert(0, "tests/train")
 from _train_cfg import build_cfg
-from sinklens.train import loop
+from sinklens.train import loop, speed
 from sinklens.train.loop import train
 
 def broken_backend(gm, example_inputs):
     raise RuntimeError("no inductor here")
 
-loop.COMPILE_KWARGS = {"backend": broken_backend}
+speed.COMPILE_KWARGS = {"backend": broken_backend}
 tmp = Path(sys.argv[1])
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
@@ -134,7 +135,7 @@ _MANY_MODELS = r"""
 import json, sys
 sys.path.insert(0, "tests/train")
 from _train_cfg import build_cfg
-from sinklens.train import loop
+from sinklens.train import loop, speed
 from sinklens.train.loop import train
 
 calls = []
@@ -142,7 +143,7 @@ def counting_backend(gm, example_inputs):  # called once for every graph dynamo 
     calls.append(1)
     return gm.forward
 
-loop.COMPILE_KWARGS = {"backend": counting_backend}
+speed.COMPILE_KWARGS = {"backend": counting_backend}
 seen = []
 for i in range(10):  # ten differently shaped models trained compiled in one process, as in a notebook sweep
     before, d = len(calls), 16 + 8 * i

@@ -9,8 +9,9 @@ import pytest
 from _train_cfg import build_cfg
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.sinklm.config import OptimConfig, TrainConfig, apply_overrides, load_config
-from sinklens.train.loop import get_lr
+from sinklens.sinklm.config import OptimConfig, TrainConfig, load_config
+from sinklens.sinklm.config_flags import apply_overrides
+from sinklens.train.optim import get_lr
 
 
 def test_dict_json_and_toml_round_trip(tmp_path):
@@ -118,7 +119,7 @@ def test_lr_schedule_warmup_cosine_floor():
 
 def test_config_errors_are_one_clean_line():
     """A field's own validation comes back as its own message; a flag's error names the flag as typed."""
-    from sinklens.sinklm.config import parse_args
+    from sinklens.sinklm.config_flags import parse_args
 
     with pytest.raises(ValueError) as own:
         apply_overrides(build_cfg(), ["steps=0"])
@@ -137,7 +138,7 @@ def test_config_errors_are_one_clean_line():
 
 
 def test_flags_and_set_items_parse_to_the_same_config():
-    from sinklens.sinklm.config import parse_args
+    from sinklens.sinklm.config_flags import parse_args
 
     flags = parse_args(build_cfg(), ["--optim.lr", "3e-4", "--data.seq-len=8", "--optim.min-lr", "none", "--model.d-vocab",
                                      "auto", "--on-nonfinite", "skip", "--data.path", "None", "--optim.fused"])

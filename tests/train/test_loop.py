@@ -12,7 +12,9 @@ from _train_cfg import build_cfg
 import sinklens.train.loop as loop
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import SCORES, hook_name
-from sinklens.train.loop import resolve_interventions, train
+from sinklens.train.interventions import resolve_interventions
+from sinklens.train.loop import train
+from sinklens.train.optim import configure_optimizer
 
 pytestmark = pytest.mark.models
 
@@ -171,7 +173,7 @@ def test_adamw_is_fused_on_the_cpu_by_default_and_trains_as_the_foreach_one_does
 
     cfg = build_cfg()
     for fused, want in ((None, True), (True, True), (False, None)):
-        opt = loop.configure_optimizer(SinkLM(cfg.model), OptimConfig(fused=fused), torch.device("cpu"))
+        opt = configure_optimizer(SinkLM(cfg.model), OptimConfig(fused=fused), torch.device("cpu"))
         assert opt.defaults["fused"] is want and opt.defaults["foreach"] is (None if want else True)
     default = train(build_cfg(steps=20), progress=False)
     foreach = train(build_cfg(steps=20, optim={"fused": False}), progress=False)

@@ -12,7 +12,8 @@ from sinklens.errors import SequenceTooLongError
 from sinklens.inputs import random_token_batches
 from sinklens.options import RunOptions
 from sinklens.streaming import stream
-from sinklens.sinklm.model import LayerNorm, RMSNorm, SinkLM, next_token_loss, rope, rotary_tables
+from sinklens.sinklm.functional import next_token_loss, rope, rotary_tables
+from sinklens.sinklm.model import LayerNorm, RMSNorm, SinkLM
 from sinklens.sinklm.variants import rms_norm
 from sinklens.sinklm.config import PRESETS, ModelConfig
 

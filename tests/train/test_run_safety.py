@@ -28,8 +28,8 @@ from sinklens.sinklm.checkpoint import (
 from sinklens.sinklm.trainer_state import read_trainer_state
 from sinklens.sinklm.run_folder import clean_stale, resume_changes
 from sinklens.train import loop as _loop
-from sinklens.train.interrupt import StopSignals
-from sinklens.train.loop import configure_optimizer
+from sinklens.train.interrupt import StopSignals, interrupted_error
+from sinklens.train.optim import configure_optimizer
 from sinklens.sinklm.model import SinkLM
 from sinklens.train.loop import train
 
@@ -240,7 +240,7 @@ def test_a_signal_without_out_dir_or_before_a_step_saves_nothing_and_says_so(tmp
     with pytest.raises(TrainingInterrupted, match="SIGINT at step 2 of 5: .*nothing was saved"):
         train(build_cfg(steps=5), progress=False, interventions=[_signal_at_forward(2)])
     # a signal before the first step of a resumed process finished: the run stays as it was
-    message = str(_loop._interrupted("SIGINT", 2, 2, 5, tmp_path, lambda step: pytest.fail("no checkpoint expected")))
+    message = str(interrupted_error("SIGINT", 2, 2, 5, tmp_path, lambda step: pytest.fail("no checkpoint expected")))
     assert message == (f"SIGINT at step 2 of 5: training stopped after a whole step; no step had finished since step 2, "
                        f"so the run in {str(tmp_path)!r} is as it was.")
 

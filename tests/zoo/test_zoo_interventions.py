@@ -13,7 +13,8 @@ import torch
 
 from sinklens.analysis.qk_locking import query_key_locking
 from sinklens.errors import UnsupportedArchitectureError
-from sinklens.hooks import PATTERN, SCORES, hook_name, post_hoc_attention
+from sinklens.hooks import PATTERN, SCORES, hook_name
+from sinklens.probes import post_hoc_attention
 from sinklens.interventions import (amplify, block_keys, calibrate, clamp_dims, custom_mask, edit_neurons, restart, self_only,
                                     transplant_dims)
 from sinklens.interventions.calibration import variance_calibration

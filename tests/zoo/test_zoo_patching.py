@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from sinklens.errors import UnsupportedArchitectureError
-from sinklens.hooks import resid_mid_is_a_copy
+from sinklens.probes import resid_mid_is_a_copy
 from sinklens.interventions.patching import patch_hook_names, patch_sink
 from sinklens.testing.zoo import FAMILIES, FamilyUnavailableError, zoo_model
 

@@ -1,0 +1,401 @@
+"""What a sink analysis returns: its settings, :class:`SinkResult` and the per-token tables in it.
+
+The definitions of every number are in :mod:`sinklens.analysis.sinks`, which computes them in one streaming pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from sinklens.analysis._common import (
+    SettingsFields,
+    layer_head_position_rows,
+    position_index,
+)
+from sinklens.display import CompactRepr, StructuralEq
+from sinklens.export import to_json
+from sinklens.options import SINK_THRESHOLD
+from sinklens.validate import choice, finite_number, positive_int
+
+#: ``"gu"``: Gu et al.'s code (key's own query included); ``"sinklens"``: queries from ``min_query`` on;
+#: ``"mean"``: the pooled ``received`` thresholded (no per-sequence indicator).
+RateMethod = Literal["gu", "sinklens", "mean"]
+
+#: Where each sink-rate definition comes from (written beside the numbers in JSON and summaries).
+RATE_DEFINITIONS: dict[str, str] = {
+    "gu": "Gu et al. (2024), as compute_attention_sink in github.com/sail-sg/Attention-Sink: per sequence, the "
+          "mean attention a key gets from every query that can see it (its own query included) > sink_threshold; "
+          "share of (sequence, layer, head)",
+    "sinklens": "sinklens' variant of Gu et al.: the same, but queries before min_query are not counted "
+                "(min_query=1 leaves out key 0's own query, whose weight is 1 by construction)",
+    "mean": "share of (layer, head) whose pooled mean received attention > sink_threshold",
+}
+
+
+def _check_threshold(value: Any) -> float:
+    return finite_number(value, what="sink_threshold", low=0.0, high=1.0, low_open=True, high_open=True)
+
+
+@dataclass(frozen=True)
+class SinkSettings:
+    """The settings of one sink analysis, held by both :class:`~sinklens.analysis.sinks.SinkReducer` and :class:`SinkResult`.
+
+    Attributes:
+        sink_threshold: Gu et al.'s ``ε``: head ``(l, h)`` is a sink head for key ``k`` in sequence
+            ``b`` if its mean attention ``α_b[l, h, k]`` exceeds it (in (0, 1); default 0.3).
+        min_query: queries before this *position* are not counted in ``received`` and sinklens' sink rate
+            (default 1: in a decoder the query at 0 sees only key 0 and gives it weight 1 by construction;
+            in an encoder query 0 sees every key, so ``min_query=0`` is the natural choice there). Gu et
+            al.'s rate (``method="gu"``) always counts every query that can see the key.
+        min_query_count: a position is a sink candidate (and a token occurrence is counted) only if
+            it had at least this *number* of counted later queries (per sequence, on average for
+            positions); the last positions of a sequence are seen by very few queries.
+        min_head_share: detection threshold on the share of sink heads (see :meth:`SinkResult.detect_sinks`).
+        outlier_factor: detection threshold on the outlier ratio (see :meth:`SinkResult.detect_sinks`).
+        top_k: how many single occurrences at positions >= 1 to keep (0: none).
+    """
+
+    sink_threshold: float = SINK_THRESHOLD
+    min_query: int = 1
+    min_query_count: int = 4
+    min_head_share: float = 0.25
+    outlier_factor: float = 5.0
+    top_k: int = 32
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "sink_threshold", _check_threshold(self.sink_threshold))
+        set_(self, "min_query", positive_int(self.min_query, what="min_query", minimum=0))
+        set_(self, "min_query_count", positive_int(self.min_query_count, what="min_query_count"))
+        set_(self, "min_head_share", finite_number(self.min_head_share, what="min_head_share", low=0.0, high=1.0, low_open=True))
+        set_(self, "outlier_factor", finite_number(self.outlier_factor, what="outlier_factor", low=1.0, low_open=True))
+        set_(self, "top_k", positive_int(self.top_k, what="top_k", minimum=0))
+
+
+
+@dataclass(repr=False, eq=False)
+class TokenSinkStats(CompactRepr):
+    """Received attention per token id, pooled over all its occurrences (one group of positions).
+
+    Attributes:
+        token_ids: the ids seen (only those with at least one counted occurrence), sorted by id.
+        tokens: decoded strings (``None`` when the model has no tokenizer).
+        count: occurrences counted (a (sequence, position) pair counts if the position had at least
+            ``min_query_count`` counted later queries in that sequence).
+        mean_received: mean over occurrences of the layer-head-mean ``α_b[:, :, k]``.
+        max_received: the largest single occurrence of the same number.
+        mean_head_share: mean over occurrences of the share of (layer, head) with ``α_b > sink_threshold``.
+    """
+
+    token_ids: Int[Tensor, " token"]
+    tokens: list[str | None]
+    count: Float[Tensor, " token"]
+    mean_received: Float[Tensor, " token"]
+    max_received: Float[Tensor, " token"]
+    mean_head_share: Float[Tensor, " token"]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One dict per token id, sorted by ``mean_received`` (highest first)."""
+        order = torch.argsort(self.mean_received, descending=True).tolist()
+        return [
+            {
+                "token_id": int(self.token_ids[i]),
+                "token": self.tokens[i],
+                "count": int(self.count[i]),
+                "mean_received": float(self.mean_received[i]),
+                "max_received": float(self.max_received[i]),
+                "mean_head_share": float(self.mean_head_share[i]),
+            }
+            for i in order
+        ]
+
+
+@dataclass(eq=False)
+class SinkOccurrence(StructuralEq):
+    """One (sequence, position) whose layer-head-mean received attention is among the largest seen."""
+
+    sequence: int
+    position: int
+    token_id: int
+    token: str | None
+    received: float
+    head_share: float
+
+
+@dataclass(repr=False, eq=False)
+class SinkResult(SettingsFields, CompactRepr):
+    """Where attention sinks are, how strong, and which tokens they sit on.
+
+    Attributes:
+        received: ``received[l, h, k]``, mean attention key ``k`` receives from valid queries
+            ``q >= max(k, min_query)``, pooled over sequences (NaN where no query counted).
+        n_queries: (sequence, query) pairs averaged into ``received[:, :, k]``.
+        seq_sink_frac: sinklens' per-sequence indicator averaged over sequences: share of the
+            sequences with a counted query for ``k`` in which ``α_b[l, h, k] > sink_threshold``, ``α_b`` the
+            mean over the queries ``q >= min_query`` that can see ``k`` (``method="sinklens"``).
+        n_sequences_at: sequences with at least one counted query for key ``k`` (largest over layers).
+        layers: the model layer of each row.
+        settings: the :class:`SinkSettings` the analysis ran with (also readable as attributes:
+            ``result.sink_threshold``, ``result.min_query``, ...).
+        n_sequences: sequences streamed.
+        prepend_bos: whether special tokens were added (a decoder's BOS at position 0, an encoder's
+            ``[CLS] … [SEP]``); :attr:`special_tokens` and :meth:`describe_start` say which.
+        first_tokens: token statistics at position 0.
+        later_tokens: token statistics at positions >= 1 (position-independent sink tokens such
+            as ``"\\n"`` or ``"."`` show up here).
+        top_occurrences: the highest single occurrences at positions >= 1, best first.
+        gu_seq_sink_frac: Gu et al.'s indicator averaged over sequences: share of the sequences
+            containing ``k`` in which ``α^Gu_b[l, h, k] > sink_threshold``, ``α^Gu_b`` the mean over every
+            query that can see ``k`` (its own included), as in Gu et al.'s code (``method="gu"``).
+        unattended: ``[layer, head]`` mean over real queries of ``1 - Σ_k pattern[l, h, q, k]``, the sum over the
+            real keys the query can see (0 for softmax; attention leaking to padding would show here too).
+        virtual_sink: ``unattended`` when the model has learned sink logits (a ``sinks`` parameter) or its
+            pattern rows do not sum to 1 (mean shortfall above ``1e-5``; in bfloat16 or float16, above twice the
+            dtype's eps): the mass each head gives its
+            virtual sink; ``None`` otherwise.
+        position_token_ids: per key position, the token id found there in every sequence, ``-1`` where
+            sequences differ.
+        special_tokens: the special tokens the tokenizer added around each prompt (e.g. ``("[CLS]", "[SEP]")``
+            or ``("<|im_start|>",)``; empty when none was added), see :class:`~sinklens.inputs.TokenBatch`.
+        attention: the attention layout the queries were chosen by (:meth:`~sinklens.visibility.Visibility.to_dict`).
+        n_queries_by_layer: (sequence, query) pairs averaged into ``received[l, :, k]``, per analysed layer
+            (differs from :attr:`n_queries` only in sliding-window layers).
+    """
+
+    received: Float[Tensor, "layer head key_pos"]
+    n_queries: Float[Tensor, " key_pos"]
+    seq_sink_frac: Float[Tensor, "layer head key_pos"]
+    n_sequences_at: Float[Tensor, " key_pos"]
+    layers: list[int]
+    settings: SinkSettings
+    n_sequences: int
+    prepend_bos: bool
+    first_tokens: TokenSinkStats
+    later_tokens: TokenSinkStats
+    top_occurrences: list[SinkOccurrence] = field(default_factory=list)
+    gu_seq_sink_frac: Float[Tensor, "layer head key_pos"] | None = None
+    unattended: Float[Tensor, "layer head"] | None = None
+    virtual_sink: Float[Tensor, "layer head"] | None = None
+    position_token_ids: Int[Tensor, " key_pos"] | None = None
+    special_tokens: tuple[str, ...] = ()
+    attention: dict[str, Any] | None = None
+    n_queries_by_layer: Float[Tensor, "layer key_pos"] | None = None
+    tokenizer: Any = field(default=None, repr=False, compare=False)
+
+    # ---- rates -------------------------------------------------------------------------------
+    def position_index(self, position: int) -> int:
+        """Index of a measured key position (negatives count from the end); a named error if out of range."""
+        return position_index(position, self.received.shape[-1])
+
+    def head_is_sink(
+        self, sink_threshold: float | None = None, *, method: RateMethod = "gu"
+    ) -> Float[Tensor, "layer head key_pos"]:
+        """Per (layer, head, key) sink indicator, as a rate in [0, 1].
+
+        ``method="gu"``: share of sequences in which Gu et al.'s ``α^Gu_b > sink_threshold`` (every query
+        that can see the key, its own included; :attr:`gu_seq_sink_frac`). ``method="sinklens"``: the same
+        with queries before ``min_query`` left out (:attr:`seq_sink_frac`). Both only at the threshold the
+        analysis ran with. ``method="mean"``: 1.0 where the pooled ``received > sink_threshold``, else 0.0
+        (any threshold).
+        """
+        method = choice(method, ("gu", "sinklens", "mean"), what="method")
+        if method == "mean":
+            threshold = self.sink_threshold if sink_threshold is None else _check_threshold(sink_threshold)
+            return (torch.nan_to_num(self.received, nan=0.0) > threshold).float()
+        if sink_threshold is not None and not math.isclose(_check_threshold(sink_threshold), self.sink_threshold):
+            raise ValueError(
+                f"Per-sequence (Gu et al.) sink indicators were recorded at sink_threshold={self.sink_threshold}, "
+                f"not {sink_threshold}; pass method='mean' (threshold the pooled mean) or re-run "
+                f"find_sinks(..., sink_threshold={sink_threshold})."
+            )
+        if method == "gu" and self.gu_seq_sink_frac is not None:
+            return self.gu_seq_sink_frac
+        return self.seq_sink_frac
+
+    def sink_rate_by_layer(
+        self, sink_threshold: float | None = None, position: int = 0, *, method: RateMethod = "gu"
+    ) -> Float[Tensor, " layer"]:
+        """Share of the layer's heads that are sink heads for ``position`` (see :meth:`head_is_sink`)."""
+        return self.head_is_sink(sink_threshold, method=method)[:, :, self.position_index(position)].mean(dim=1)
+
+    def sink_rate(self, sink_threshold: float | None = None, position: int = 0, *, method: RateMethod = "gu") -> float:
+        """The thresholded sink rate of ``position``: share of (sequence, layer, head) triples whose mean
+        attention to it exceeds ``sink_threshold`` (None: the run's, default 0.3).
+
+        ``method="gu"`` (default) is Gu et al.'s number exactly as their code computes it (the mean over
+        every query that can see the key, its own included); ``method="sinklens"`` leaves out queries
+        before ``min_query`` (see :data:`RATE_DEFINITIONS`)."""
+        return float(self.sink_rate_by_layer(sink_threshold, position, method=method).mean())
+
+    def sink_rate_by_position(
+        self, sink_threshold: float | None = None, *, method: RateMethod = "gu"
+    ) -> Float[Tensor, " key_pos"]:
+        """The overall sink rate of every key position."""
+        return self.head_is_sink(sink_threshold, method=method).mean(dim=(0, 1))
+
+    # ---- detection ---------------------------------------------------------------------------
+    @property
+    def candidates(self) -> list[int]:
+        """Positions seen by at least ``min_query_count`` counted queries per sequence, on average."""
+        per_seq = self.n_queries / self.n_sequences_at.clamp(min=1)
+        return [int(k) for k in torch.nonzero(per_seq >= self.min_query_count).flatten()]
+
+    def mean_received(self) -> Float[Tensor, " key_pos"]:
+        """``received`` averaged over layers and heads: the position profile used for outliers."""
+        return torch.nan_to_num(self.received, nan=0.0).mean(dim=(0, 1))
+
+    def outlier_ratio(self) -> Float[Tensor, " key_pos"]:
+        """Layer-head-mean received attention of each position divided by its median over the
+        candidate positions (NaN for positions that are not candidates)."""
+        profile = self.mean_received()
+        out = torch.full_like(profile, float("nan"))
+        cands = self.candidates
+        if cands:
+            median = profile[cands].median().clamp(min=1e-12)
+            out[cands] = profile[cands] / median
+        return out
+
+    def detect_sinks(
+        self,
+        *,
+        min_head_share: float | None = None,
+        outlier_factor: float | None = None,
+        method: RateMethod = "sinklens",
+    ) -> list[int]:
+        """Sink positions anywhere in the sequence.
+
+        A candidate position ``k`` (see :attr:`candidates`) is a sink if either
+
+        * its sink rate (share of (layer, head) pairs whose attention to it exceeds ``sink_threshold``,
+          :meth:`sink_rate_by_position`, by default sinklens' variant, which does not count the
+          trivial self-attention of query 0) is at least ``min_head_share``, or
+        * its layer-head-mean received attention is at least ``outlier_factor`` times the median of
+          that number over all candidate positions (:meth:`outlier_ratio`).
+
+        Defaults are the values the analysis ran with (0.25 and 5.0 unless changed). Under uniform
+        attention over ``T`` keys position 0 gets ≈ ``ln(T)/T`` against ≈ ``1.4/T`` for a middle
+        position, a ratio of about 2, so the outlier rule does not fire without a real sink.
+        """
+        share = self.min_head_share if min_head_share is None else finite_number(
+            min_head_share, what="min_head_share", low=0.0, high=1.0, low_open=True)
+        factor = self.outlier_factor if outlier_factor is None else finite_number(
+            outlier_factor, what="outlier_factor", low=1.0, low_open=True)
+        rates = self.sink_rate_by_position(method=method)
+        ratio = torch.nan_to_num(self.outlier_ratio(), nan=0.0)
+        return [k for k in self.candidates if float(rates[k]) >= share or float(ratio[k]) >= factor]
+
+    @property
+    def sink_positions(self) -> list[int]:
+        """:meth:`detect_sinks` with the analysis' thresholds."""
+        return self.detect_sinks()
+
+    def top_sinks(self, k: int = 10, *, min_count: int = 1) -> list[dict[str, Any]]:
+        """The ``k`` token ids at positions >= 1 with the highest mean received attention.
+
+        Each row: ``token_id``, ``token``, ``count``, ``mean_received`` (mean over occurrences of the
+        layer-head-mean attention the token received), ``max_received``, ``mean_head_share``.
+        Tokens with fewer than ``min_count`` occurrences are left out. Position 0 is summarised in
+        :attr:`first_tokens` (with a BOS it would otherwise top every list).
+        """
+        k = positive_int(k, what="k")
+        rows = [r for r in self.later_tokens.rows() if r["count"] >= min_count]
+        return rows[:k]
+
+    # ---- export ------------------------------------------------------------------------------
+    def _reported_positions(self) -> list[int]:
+        return sorted({0, *self.sink_positions})
+
+    def token_at(self, position: int) -> str | None:
+        """The token at ``position`` if it is the same in every sequence (decoded; ``"id N"`` without a
+        tokenizer), else None."""
+        ids = self.position_token_ids
+        k = self.position_index(position)
+        if ids is None or k >= ids.shape[0] or int(ids[k]) < 0:
+            return None
+        idx = int(ids[k])
+        return self.tokenizer.decode([idx]) if self.tokenizer is not None else f"id {idx}"
+
+    def describe_start(self) -> str:
+        """What position 0 is, for summaries: the special tokens the tokenizer added, or the first token."""
+        first = self.token_at(0) if self.received.shape[-1] else None
+        if self.special_tokens:
+            shown = " … ".join(self.special_tokens) if len(self.special_tokens) > 1 else self.special_tokens[0]
+            return f"position 0 is {first!r} (special tokens added: {shown})"
+        if first is not None:
+            return f"position 0 is {first!r} in every sequence (no special token added)"
+        return "position 0 is the first token of each text (no special token added)"
+
+    def summary_rows(self) -> list[dict[str, Any]]:
+        """One row per (layer, reported position) for position 0 and every detected sink:
+        ``layer``, ``position``, ``token`` (:meth:`token_at`), ``sink_rate`` (Gu et al., at ``sink_threshold``),
+        ``sinklens_sink_rate`` (sinklens' variant), ``mean_received`` and ``max_received`` (over heads)."""
+        rows = []
+        rates = self.head_is_sink(method="gu")
+        own = self.head_is_sink(method="sinklens")
+        received = torch.nan_to_num(self.received, nan=0.0)
+        for pos in self._reported_positions():
+            for i, layer in enumerate(self.layers):
+                rows.append(
+                    {
+                        "layer": layer,
+                        "position": pos,
+                        "token": self.token_at(pos),
+                        "sink_rate": float(rates[i, :, pos].mean()),
+                        "sinklens_sink_rate": float(own[i, :, pos].mean()),
+                        "mean_received": float(received[i, :, pos].mean()),
+                        "max_received": float(received[i, :, pos].max()),
+                        "sink_threshold": self.sink_threshold,
+                    }
+                )
+        return rows
+
+    def rows(self) -> list[dict[str, Any]]:
+        """Long format, one row per (layer, head, key position): ``received`` and ``sink_frac``."""
+        return layer_head_position_rows(self.layers, *self.received.shape[1:], {
+            "received": ("layer head pos", self.received),
+            "sink_frac": ("layer head pos", self.seq_sink_frac),
+            "n_queries": ("pos", self.n_queries),
+        })
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary: settings, sink positions, rates, received attention, sink tokens."""
+        def rates(method: RateMethod) -> dict[str, Any]:
+            return {
+                str(pos): {
+                    "overall": self.sink_rate(position=pos, method=method),
+                    "by_layer": self.sink_rate_by_layer(position=pos, method=method).tolist(),
+                }
+                for pos in self._reported_positions()
+            }
+
+        gu = rates("gu")
+        return to_json({
+            "layers": list(self.layers),
+            "settings": self.settings,
+            "n_sequences": self.n_sequences,
+            "prepend_bos": self.prepend_bos,
+            "special_tokens": list(self.special_tokens),
+            "position_0": self.describe_start(),
+            "position_tokens": {str(pos): self.token_at(pos) for pos in self._reported_positions()},
+            "attention": self.attention,
+            "sink_positions": self.sink_positions,
+            "sink_rate": gu,
+            "gu_sink_rate": gu,
+            "sinklens_sink_rate": rates("sinklens"),
+            "sink_rate_definitions": {"sink_rate": RATE_DEFINITIONS["gu"], "gu_sink_rate": RATE_DEFINITIONS["gu"],
+                                      "sinklens_sink_rate": RATE_DEFINITIONS["sinklens"]},
+            "virtual_sink": self.virtual_sink,
+            "virtual_sink_definition": "per head, mean over real queries of 1 - sum_k pattern[q, k] (attention mass "
+                                       "given to no key: a learned sink logit); null when rows sum to 1",
+            "received": self.received,
+            "n_queries": self.n_queries,
+            "first_tokens": self.first_tokens.rows(),
+            "top_sinks": self.top_sinks(20),
+            "top_occurrences": self.top_occurrences,
+        }, digits=None)

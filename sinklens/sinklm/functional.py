@@ -1,0 +1,57 @@
+"""The stateless pieces of :class:`~sinklens.sinklm.model.SinkLM`: rotary position tables and rotation, and the
+next-token loss the model, the training step and the evaluation share."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from jaxtyping import Float, Int
+from torch import Tensor
+
+from sinklens.sinklm.variants import at_least_float32
+
+
+def next_token_loss(
+    logits: Float[Tensor, "batch pos d_vocab"], targets: Int[Tensor, "batch pos"]
+) -> Float[Tensor, ""]:
+    """The one next-token cross-entropy of the trainer: mean over every ``batch × pos`` prediction
+    of ``-log softmax(logits[b, t])[targets[b, t]]`` in nats, computed in float32. Under
+    ``torch.compile`` (the trainer computes it inside the compiled forward) the float32 upcast is
+    fused into the log-softmax reduction, so the ``[batch, pos, d_vocab]`` logits are never copied
+    to float32 in memory.
+
+    ``logits[:, t]`` must already be aligned with ``targets[:, t]`` (the model's prediction for the
+    token that follows position ``t``). Used by :meth:`SinkLM.forward`, the training step and the
+    evaluation, so the three report the same number.
+
+    Examples:
+        >>> import math
+        >>> round(next_token_loss(torch.zeros(1, 3, 4), torch.tensor([[0, 1, 2]])).item(), 6) == round(math.log(4), 6)
+        True
+    """
+    return F.cross_entropy(at_least_float32(logits).flatten(0, 1), targets.flatten())
+
+
+def rotary_tables(n_ctx: int, d_head: int, base: float) -> tuple[Tensor, Tensor]:
+    """``cos`` and ``sin`` of the RoPE angles ``t·θ_i`` (``θ_i = base^(-2i/d_head)``), each ``[n_ctx, d_head]``
+    with the ``d_head/2`` frequencies repeated for both halves (rotate-half convention), float64."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, d_head, 2, dtype=torch.float64) / d_head))
+    angles = torch.outer(torch.arange(n_ctx, dtype=torch.float64), inv_freq).repeat(1, 2)  # (n_ctx, d_head)
+    return angles.cos(), angles.sin()
+
+
+def rope(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Tensor) -> Float[Tensor, "batch pos head d_head"]:
+    """Rotate ``x[:, t]`` by the angles of position ``t``: ``x ⊙ cos + rotate_half(x) ⊙ sin`` with
+    ``rotate_half(x) = [-x₂, x₁]`` for the two halves of ``d_head`` (Llama / TransformerLens), in ``x``'s dtype.
+
+    Examples:
+        >>> cos, sin = rotary_tables(n_ctx=3, d_head=2, base=10000.0)
+        >>> rope(torch.tensor([1.0, 0.0]).expand(1, 3, 1, 2), cos, sin)[0, :, 0]  # (cos t, sin t)
+        tensor([[ 1.0000,  0.0000],
+                [ 0.5403,  0.8415],
+                [-0.4161,  0.9093]])
+    """
+    T = x.shape[1]
+    cos, sin = cos[:T, None, :].to(x.dtype), sin[:T, None, :].to(x.dtype)  # (T, 1, d_head)
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin

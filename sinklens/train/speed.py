@@ -1,0 +1,80 @@
+"""How fast the trainer runs: compiling the model, the attention kernels of a step, and MFU.
+
+MFU (model FLOPs utilisation) is the model's FLOPs per token times tokens per second over the GPU's
+dense bf16 peak (:data:`PEAK_FLOPS`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import re
+from typing import Any
+
+import torch
+
+#: Dense (no sparsity) bfloat16 tensor-core peak FLOP/s of each GPU, from the vendors' datasheets, for MFU:
+#: the first key found as a whole word in ``torch.cuda.get_device_name()`` (so "L4" does not match "L40S").
+PEAK_FLOPS: dict[str, float] = {
+    "H100 PCIe": 756e12, "H100 NVL": 835e12, "H100": 989.4e12, "H200": 989.4e12, "GH200": 989.4e12, "H800": 989.4e12,
+    "B200": 2250e12, "A100": 312e12, "A800": 312e12, "L40S": 362.05e12, "L40": 181.05e12, "L4": 121e12,
+    "A10": 125e12, "RTX 4090": 165.2e12, "RTX 3090": 71e12,
+}
+
+
+#: Extra keyword arguments of every ``torch.compile`` call the trainer makes (tests set a cheap backend).
+COMPILE_KWARGS: dict[str, Any] = {}
+
+
+def compile_model(model: torch.nn.Module) -> torch.nn.Module:
+    """``torch.compile(model, **COMPILE_KWARGS)``; compilation itself happens at the first call.
+
+    Where torch has it, the call gets its own recompilation budget (``isolate_recompiles=True``): every
+    ``torch.compile`` of ``SinkLM`` otherwise shares dynamo's per-code-object limit of 8 compiled entries,
+    so in a process that trains many differently shaped models the ninth would run eagerly.
+    """
+    extra = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
+    return torch.compile(model, **extra, **COMPILE_KWARGS)
+
+
+def compile_failed_warning(error: BaseException) -> str:
+    """The one-line warning of a compile that failed (the run continues eagerly)."""
+    text = " ".join(str(error).split())  # one line: dynamo's messages span several
+    text = text if len(text) <= 300 else text[:297] + "..."
+    return (f"torch.compile failed ({type(error).__name__}: {text}); training continues eagerly. "
+            f"Set compile=false to skip the attempt.")
+
+
+def peak_flops(device_name: str) -> float | None:
+    """The dense bf16 peak FLOP/s of the GPU called ``device_name`` (:data:`PEAK_FLOPS`), None if unknown.
+
+    Examples:
+        >>> peak_flops("NVIDIA H100 PCIe"), peak_flops("NVIDIA H200"), peak_flops("NVIDIA L40S"), peak_flops("Tesla T4")
+        (756000000000000.0, 989400000000000.0, 362050000000000.0, None)
+    """
+    for key, value in PEAK_FLOPS.items():
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", device_name):
+            return value
+    return None
+
+
+def estimate_mfu(flops_per_token: float, tokens_per_s: float, device: torch.device) -> float | None:
+    """Model FLOPs utilisation: ``flops_per_token × tokens/s`` over the GPU's dense bf16 peak
+    (:func:`peak_flops` of ``torch.cuda.get_device_name``); None on a CPU or an unknown GPU."""
+    if device.type != "cuda":
+        return None
+    peak = peak_flops(torch.cuda.get_device_name(device))
+    return None if peak is None else flops_per_token * tokens_per_s / peak
+
+
+def attention_kernels(device: torch.device) -> Any:
+    """The SDPA kernel preference of a training step: on a Hopper or newer GPU cuDNN's fused attention first
+    (faster than FlashAttention-2 there), then flash, memory-efficient and math; elsewhere torch's default."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
+        return contextlib.nullcontext()
+    order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return sdpa_kernel(order, set_priority=True)
