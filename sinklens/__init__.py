@@ -41,7 +41,13 @@ _EXPORTS = {
 _MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
 
+#: Subpackages reachable as attributes (``sinklens.origins.contraction``), imported on first use like the names.
+_SUBPACKAGES = ("analysis", "interventions", "loading", "origins", "plotting", "sinklm", "testing", "train")
+
+
 def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"sinklens.{name}")
     if name not in _MODULE_OF:
         raise AttributeError(f"module 'sinklens' has no attribute {name!r}")
     value = getattr(importlib.import_module(_MODULE_OF[name]), name)

@@ -110,6 +110,7 @@ def layer_head_position_rows(
     ``"layer head pos"`` (e.g. ``"layer pos"``: one value for every head); a None tensor is left out.
 
     Examples:
+        >>> import torch
         >>> rows = layer_head_position_rows([3], 2, 1, {"x": ("layer head pos", torch.tensor([[[1.0], [2.0]]])),
         ...                                             "n": ("pos", torch.tensor([7])), "no": ("pos", None)})
         >>> rows
