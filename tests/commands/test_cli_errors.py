@@ -21,7 +21,7 @@ import torch
 from sinklens.cli import main
 from sinklens.errors import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def sinklens(*args: str, cwd: Path | None = None, **env: str) -> subprocess.CompletedProcess:
