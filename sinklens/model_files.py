@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
 import struct
@@ -85,7 +86,8 @@ SIZE_FIELDS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "num_att
 
 def check_config_fields(config: object, where: str) -> None:
     """Raise :class:`CorruptModelFileError` naming the field when a Hugging Face ``config`` (the parsed ``where``)
-    is not a JSON object, sets a size (:data:`SIZE_FIELDS`) that is not a whole number >= 1, or splits
+    is not a JSON object, sets a size (:data:`SIZE_FIELDS`) that is not a whole number >= 1, a norm epsilon
+    that is not a finite number > 0, or splits
     ``hidden_size`` or the attention heads unevenly (without an explicit ``head_dim``)."""
     if not isinstance(config, dict):
         raise CorruptModelFileError(f"{where!r} is not a JSON object.")
@@ -98,6 +100,11 @@ def check_config_fields(config: object, where: str) -> None:
     kv_heads = config.get("num_key_value_heads")
     if width and heads and config.get("head_dim") is None and width % heads:
         raise CorruptModelFileError(f"{where!r} sets hidden_size={width}, not divisible by num_attention_heads={heads}.")
+    for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"):
+        value = config.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
+            raise CorruptModelFileError(f"{where!r} sets {name}={value!r}; it must be a finite number > 0.")
     if heads and kv_heads and heads % kv_heads:
         raise CorruptModelFileError(f"{where!r} sets num_attention_heads={heads}, not divisible by "
                                     f"num_key_value_heads={kv_heads}.")
@@ -238,6 +245,7 @@ def _convert(gguf_path: Path, out: Path) -> Path:
             f"{str(gguf_path)!r} could not be read as a GGUF model ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
             "the file is truncated, corrupt, or of an architecture transformers cannot dequantise."
         ) from err
+    check_config_fields(model.config.to_dict(), str(gguf_path))
     # The dequantised weights are plain float32 tensors; drop the GGUF quantiser so they serialise.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config

@@ -54,6 +54,7 @@ from sinklens.errors import PatternNotExposedError, UnsupportedArchitectureError
 from sinklens.hooks import check_hook_names, check_model_device, eval_mode, hook_name, refuse_meta_model
 from sinklens.inputs import Inputs, TokenBatch, as_batches, is_encoder, right_align
 from sinklens.options import HookFn, RunOptions, checked_options
+from sinklens.validate import finite_weights
 
 
 R = TypeVar("R")
@@ -396,6 +397,7 @@ def stream(
     options = checked_options(options, "stream")
     check_model_device(model, options.device)
     refuse_meta_model(model)
+    finite_weights(model)
     with eval_mode(model):
         return _stream(model, batches, reducers, options)
 

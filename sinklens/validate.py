@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Union
@@ -461,3 +462,36 @@ def seq_len_within_context(seq_len: int | None, n_ctx: int, *, what: str = "--se
     if seq_len is not None and seq_len > n_ctx:
         raise SequenceTooLongError(f"{what} {seq_len} is longer than {context} of {n_ctx} tokens ({note}); "
                                    f"pass a shorter {what}.")
+
+
+#: Per model, the (parameter, version) key of its last all-finite :func:`finite_weights` pass.
+_FINITE_AT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def finite_weights(model: Any, *, what: str = "The model", error: type[Exception] = InvalidArgumentError) -> None:
+    """Raise ``error`` naming (up to 5) floating parameters that hold NaN or inf.
+
+    One ``isfinite`` pass on the parameters' own devices and one host sync; skipped while no parameter
+    has changed in place since the last passing check of this model.
+
+    Examples:
+        >>> layer = torch.nn.Linear(2, 2)
+        >>> finite_weights(layer)
+        >>> with torch.no_grad():
+        ...     layer.bias[0] = float("nan")
+        >>> finite_weights(layer)
+        Traceback (most recent call last):
+        ...
+        sinklens.errors.InvalidArgumentError: The model holds NaN or inf in 1 weight tensor(s): bias. Nothing measured on it would mean anything.
+    """
+    named = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.device.type != "meta"]
+    key = tuple((id(p), 0 if p.is_inference() else p._version) for _, p in named)
+    if not named or _FINITE_AT.get(model) == key:
+        return
+    device = named[0][1].device
+    finite = torch.stack([p.isfinite().all().to(device) for _, p in named]).tolist()
+    bad = [n.replace("._original_component", "") for (n, _), ok in zip(named, finite) if not ok]
+    if bad:
+        raise error(f"{what} holds NaN or inf in {len(bad)} weight tensor(s): {', '.join(bad[:5])}"
+                    f"{', ...' if len(bad) > 5 else ''}. Nothing measured on it would mean anything.")
+    _FINITE_AT[model] = key

@@ -158,6 +158,8 @@ def test_a_missing_path_under_an_existing_folder_is_named_as_a_missing_path_offl
     ({"num_hidden_layers": -1}, "sets num_hidden_layers=-1; it must be a whole number >= 1"),
     ({"hidden_size": 30, "num_attention_heads": 4}, "hidden_size=30, not divisible by num_attention_heads=4"),
     ({"num_key_value_heads": 3}, "num_attention_heads=4, not divisible by num_key_value_heads=3"),
+    ({"rms_norm_eps": float("nan")}, "sets rms_norm_eps=nan; it must be a finite number > 0"),
+    ({"rms_norm_eps": 0}, "sets rms_norm_eps=0; it must be a finite number > 0"),
 ])
 def test_a_hugging_face_config_with_a_bad_size_names_the_field(tmp_path, fields, words):
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 32, "num_hidden_layers": 2,
@@ -165,3 +167,91 @@ def test_a_hugging_face_config_with_a_bad_size_names_the_field(tmp_path, fields,
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(CorruptModelFileError, match=re.escape(words)):
         loading.load_model(tmp_path, device="cpu")
+
+
+def _edited_zoo_copy(tmp_path, edit):
+    """A copy of the zoo's tiny llama folder whose safetensors ``edit`` (a dict -> None) has changed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from sinklens.testing.zoo import zoo_dir
+
+    folder = tmp_path / "model"
+    shutil.copytree(zoo_dir("llama"), folder)
+    weights = load_file(folder / "model.safetensors")
+    edit(weights)
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    return folder
+
+
+def test_a_folder_missing_a_tensor_or_holding_a_foreign_one_is_refused_naming_them(tmp_path):
+    def edit(w):
+        del w["model.layers.1.mlp.up_proj.weight"]
+        w["transformer.h.0.attn.c_attn.weight"] = w["model.norm.weight"].clone()
+
+    with pytest.raises(CorruptModelFileError, match=r"lacks 1 tensor\(s\) the architecture needs "
+                       r"\(model\.layers\.1\.mlp\.up_proj\.weight\); it holds 1 tensor\(s\) the architecture does "
+                       r"not have \(transformer\.h\.0\.attn\.c_attn\.weight\)"):
+        loading.load_model(_edited_zoo_copy(tmp_path, edit), device="cpu")
+
+
+def test_nan_weights_are_refused_naming_the_tensor_from_a_folder_and_at_an_analyzers_entry(tmp_path):
+    import sinklens
+    from sinklens.errors import InvalidArgumentError
+    from sinklens.testing import tiny_model
+
+    folder = _edited_zoo_copy(tmp_path, lambda w: w["model.layers.0.mlp.down_proj.weight"][1, 2].fill_(float("inf")))
+    with pytest.raises(CorruptModelFileError, match=r"holds NaN or inf in 1 weight tensor\(s\): "
+                                                    r"model\.layers\.0\.mlp\.down_proj\.weight\."):
+        loading.load_model(folder, device="cpu")
+    model = tiny_model("llama", n_layers=2, d_model=16, n_heads=4, n_kv_heads=2, d_mlp=32, n_ctx=64, d_vocab=64)
+    tokens = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(0))
+    assert sinklens.find_sinks(model, tokens).received.isfinite().all()  # measured, and remembered as checked
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "q_proj" in n)[0, 0] = float("nan")
+    with pytest.raises(InvalidArgumentError, match=r"NaN or inf in 1 weight tensor\(s\): "
+                                                   r"model\.layers\.0\.self_attn\.q_proj\.weight\."):
+        sinklens.find_sinks(model, tokens)
+
+
+def _tiny_gguf(path, *, eps=1e-5, nan_tensor=None):
+    """A tiny llama GGUF (2 layers, width 16, 64 tokens) written with ``gguf.GGUFWriter``, float32 weights."""
+    import gguf
+    import numpy as np
+
+    rng, d, ff, vocab = np.random.default_rng(0), 16, 32, 64
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_context_length(64), w.add_embedding_length(d), w.add_block_count(2), w.add_feed_forward_length(ff)
+    w.add_head_count(4), w.add_head_count_kv(4), w.add_layer_norm_rms_eps(eps), w.add_rope_freq_base(10000.0)
+    w.add_tokenizer_model("gpt2"), w.add_token_list(["a", "b", "ab"] + [f"t{i}" for i in range(3, vocab)])
+    w.add_token_types([1] * vocab), w.add_token_scores([0.0] * vocab), w.add_token_merges(["a b"])
+    w.add_bos_token_id(0), w.add_eos_token_id(1)
+    shapes = {"token_embd.weight": (vocab, d), "output_norm.weight": (d,), "output.weight": (vocab, d)}
+    for i in range(2):
+        shapes.update({f"blk.{i}.attn_norm.weight": (d,), f"blk.{i}.ffn_norm.weight": (d,),
+                       **{f"blk.{i}.attn_{x}.weight": (d, d) for x in ("q", "k", "v", "output")},
+                       f"blk.{i}.ffn_gate.weight": (ff, d), f"blk.{i}.ffn_up.weight": (ff, d),
+                       f"blk.{i}.ffn_down.weight": (d, ff)})
+    for name, shape in shapes.items():
+        tensor = (rng.standard_normal(shape) * 0.1).astype(np.float32)
+        tensor.flat[0] = np.nan if name == nan_tensor else tensor.flat[0]
+        w.add_tensor(name, tensor)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    return path
+
+
+@pytest.mark.parametrize(("broken", "words"), [
+    ({}, None),
+    ({"eps": float("nan")}, "sets rms_norm_eps=nan; it must be a finite number > 0"),
+    ({"nan_tensor": "blk.1.ffn_up.weight"}, "holds NaN or inf in 1 weight tensor(s): model.layers.1.mlp.up_proj.weight."),
+])
+def test_a_gguf_with_a_bad_norm_epsilon_or_nan_weights_is_refused_naming_it(tmp_path, monkeypatch, broken, words):
+    monkeypatch.setenv("SINKLENS_CACHE", str(tmp_path / "cache"))
+    gguf_file = _tiny_gguf(tmp_path / "m.gguf", **broken)
+    if words is None:
+        assert loading.load_model(gguf_file, device="cpu").cfg.n_layers == 2
+        return
+    with pytest.raises(CorruptModelFileError, match=re.escape(words)) as err:
+        loading.load_model(gguf_file, device="cpu")
+    assert "m.gguf" in str(err.value)

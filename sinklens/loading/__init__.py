@@ -40,7 +40,7 @@ from sinklens.errors import (
 from sinklens.loading.init import load_at_init
 from sinklens.model_files import EMBEDDED_MODELS, check_model_dir, check_safetensors, convert_gguf, fetch_embedded_gguf
 from sinklens.sinklm.checkpoint import is_run_dir, load_trained_model
-from sinklens.validate import device as valid_device, dtype as valid_dtype
+from sinklens.validate import device as valid_device, dtype as valid_dtype, finite_weights
 
 #: The embedded default model (see :data:`sinklens.model_files.EMBEDDED_MODELS`).
 DEFAULT_MODEL = "smollm2-135m"
@@ -67,16 +67,54 @@ def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bo
             "Loading Hugging Face models and GGUF files needs TransformerLens 4.x (TransformerBridge); this "
             "is TransformerLens 3.x. Build a HookedTransformer yourself and pass it to sinklens instead."
         ) from err
-    if tokenizer:
-        return TransformerBridge.boot_transformers(name_or_dir, device=device, dtype=dtype)
-    # boot_transformers has no switch for "no tokenizer"; it skips loading one for audio and vision models,
-    # and that test is what is answered here, for this one call.
+    from contextlib import ExitStack
     from unittest import mock
 
     from transformer_lens.model_bridge.sources.transformers import source
 
-    with mock.patch.object(source, "skip_tokenizer_for_modality", lambda cfg: True):
-        return TransformerBridge.boot_transformers(name_or_dir, device=device, dtype=dtype)
+    reports: list[dict] = []
+    with ExitStack() as patches:
+        patches.enter_context(_loading_reports(reports))
+        if not tokenizer:  # boot_transformers skips the tokenizer only for audio and vision models: say it is one
+            patches.enter_context(mock.patch.object(source, "skip_tokenizer_for_modality", lambda cfg: True))
+        model = TransformerBridge.boot_transformers(name_or_dir, device=device, dtype=dtype)
+    for report in reports:
+        _refuse_partial_weights(name_or_dir, report)
+    return model
+
+
+def _loading_reports(found: list[dict]) -> Any:
+    """Within the context, every ``PreTrainedModel.from_pretrained`` runs with ``output_loading_info=True``
+    and appends transformers' report (``missing_keys``, ``unexpected_keys``, ``mismatched_keys``) to ``found``."""
+    from unittest import mock
+
+    from transformers import PreTrainedModel
+
+    original = PreTrainedModel.from_pretrained.__func__
+
+    def from_pretrained(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("output_loading_info"):
+            return original(cls, *args, **kwargs)
+        model, info = original(cls, *args, output_loading_info=True, **kwargs)
+        found.append(info)
+        return model
+
+    return mock.patch.object(PreTrainedModel, "from_pretrained", classmethod(from_pretrained))
+
+
+def _refuse_partial_weights(where: str, report: dict) -> None:
+    """Raise :class:`CorruptModelFileError` when the weights files lack tensors the architecture needs (they
+    would stay at their random initialisation) or hold tensors it does not have, naming up to 5 of each."""
+    problems = []
+    for key, what in (("missing_keys", "lacks {n} tensor(s) the architecture needs"),
+                      ("unexpected_keys", "holds {n} tensor(s) the architecture does not have"),
+                      ("mismatched_keys", "holds {n} tensor(s) of the wrong shape")):
+        names = sorted(k[0] if isinstance(k, tuple) else k for k in report.get(key) or ())
+        if names:
+            problems.append(what.format(n=len(names)) + f" ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})")
+    if problems:
+        raise CorruptModelFileError(f"The weights of {where!r} do not match its config.json: the checkpoint "
+                                    f"{'; it '.join(problems)}. Refusing to analyse a partly random model.")
 
 
 #: Files any Hugging Face tokenizer is saved with (one of them at least).
@@ -199,7 +237,9 @@ def load_model(
         UnknownModelError: a name that is neither embedded, a path, nor a Hub id; an empty spec.
         ModelFileNotFoundError: a path that does not exist (anything path-like that is not a plausible Hub id).
         OfflineModelError: a Hub name while the Hub cannot be reached.
-        CorruptModelFileError: a truncated or corrupt GGUF or safetensors file.
+        CorruptModelFileError: a truncated or corrupt GGUF or safetensors file, weights lacking tensors the
+            architecture needs or holding others, NaN or inf weights, a bad ``config.json`` field.
+        InvalidArgumentError: a built model with NaN or inf weights.
         ModelLoadError: a local model folder that transformers / TransformerLens cannot load.
         InvalidArgumentError: an unknown dtype or device name.
         DeviceUnavailableError: a device this machine does not have.
@@ -223,6 +263,10 @@ def load_model(
         torch_dtype = _as_dtype(dtype)
         model = _load_from_spec(str(spec), device, torch_dtype)
     eager_experts_in_float64(model)
+    if _is_tl_model(spec):
+        finite_weights(model)
+    else:
+        finite_weights(model, what=f"The model {str(spec)!r}", error=CorruptModelFileError)
     if check_patterns:
         check_pattern_exposed(model)
     return model

@@ -63,6 +63,14 @@ def files(tmp_path_factory) -> dict[str, Path]:
     LlamaForCausalLM(config).save_pretrained(broken)
     data = (broken / "model.safetensors").read_bytes()
     (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    from safetensors.torch import load_file, save_file
+
+    for name, edit in (("partial", lambda w: w.pop("model.layers.1.mlp.up_proj.weight")),
+                       ("nan", lambda w: w["model.layers.0.mlp.down_proj.weight"].view(-1)[3].fill_(float("nan")))):
+        LlamaForCausalLM(config).save_pretrained(root / name)
+        weights = load_file(root / name / "model.safetensors")
+        edit(weights)
+        save_file(weights, root / name / "model.safetensors", metadata={"format": "pt"})
     return {"root": root, "tiny": model_dir, "broken": broken}
 
 
@@ -102,6 +110,10 @@ ANALYZE_ROWS = [
     ("model-truncated-gguf", lambda f: ["--model", _p(f, "short.gguf")], EXIT_FAILURE, ["short.gguf", "GGUF"]),
     ("model-truncated-safetensors", lambda f: ["--model", str(f["broken"])], EXIT_FAILURE,
      ["model.safetensors", "truncated"]),
+    ("model-lacking-a-tensor", lambda f: ["--model", _p(f, "partial")], EXIT_FAILURE,
+     ["lacks 1 tensor(s)", "model.layers.1.mlp.up_proj.weight"]),
+    ("model-with-nan-weights", lambda f: ["--model", _p(f, "nan")], EXIT_FAILURE,
+     ["NaN or inf", "model.layers.0.mlp.down_proj.weight"]),
     ("model-folder-without-config", lambda f: ["--model", str(f["root"])], EXIT_USAGE, ["config.json"]),
     ("out-is-a-file", lambda f: ["--out", _p(f, "a_file")], EXIT_USAGE, ["--out", "a_file", "not a folder"]),
     ("out-under-a-file", lambda f: ["--out", _p(f, "a_file") + "/sub"], EXIT_USAGE, ["--out", "cannot be created"]),
