@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["CompactRepr", "StructuralEq", "compact_repr", "same_value", "short_value"]
+__all__ = ["CompactRepr", "StructuralEq", "compact_repr", "neuron_name", "same_value", "short_value", "times_elsewhere"]
 
 #: Lists, tuples and dicts of at most this many scalar items are shown whole.
 MAX_SHOWN_ITEMS = 8
@@ -161,3 +161,30 @@ class CompactRepr(StructuralEq):
 
     def __repr__(self) -> str:
         return compact_repr(self)
+
+
+def neuron_name(layer: int, neuron: int) -> str:
+    """A neuron's one spelling in text and figures: ``L11N1229`` is MLP neuron 1229 of block 11 (JSON keeps numbers).
+
+    Examples:
+        >>> neuron_name(11, 1229)
+        'L11N1229'
+    """
+    return f"L{int(layer)}N{int(neuron)}"
+
+
+#: Above this ratio the value elsewhere is called zero ("silent elsewhere"), not a number of times.
+SILENT_RATIO = 1e4
+
+
+def times_elsewhere(ratio: float, what: str = "its RMS elsewhere") -> str:
+    """``ratio`` (a value at the sink over ``what``) in words: ``"37x its RMS elsewhere"``, or ``"silent elsewhere"``
+    when the ratio exceeds :data:`SILENT_RATIO` or is infinite (the value elsewhere is ~0).
+
+    Examples:
+        >>> times_elsewhere(37.2), times_elsewhere(726154543104.0), times_elsewhere(float("nan"))
+        ('37x its RMS elsewhere', 'silent elsewhere', 'no other position measured')
+    """
+    if ratio != ratio:
+        return "no other position measured"
+    return "silent elsewhere" if abs(ratio) > SILENT_RATIO else f"{ratio:.0f}x {what}"

@@ -26,7 +26,7 @@ from sinklens.analysis.value_drain import ValueDrain, ValueDrainReducer, ValueDr
 from sinklens.analysis.variance import VarianceReducer, VarianceResult
 from sinklens.analysis.verify import CausalCheck, verify_attribution
 from sinklens.analysis.weight_super_neurons import SinkInputReducer, WeightNeurons, super_neurons_from_weights
-from sinklens.display import CompactRepr
+from sinklens.display import CompactRepr, neuron_name, times_elsewhere
 from sinklens.export import to_json
 from sinklens.hooks import Z, model_device, model_dtype, with_cached_weights
 from sinklens.inputs import Inputs, is_encoder, require_a_later_position
@@ -292,13 +292,18 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
                      f"mean {float(vs.mean()):.3f}, max {float(vs.max()):.3f} over heads")
     top = report.sinks.top_sinks(5)
     if top:
-        lines.append("Top sink tokens at later positions: " + ", ".join(
+        lines.append("Most attended later tokens (mean attention received over layers and heads): " + ", ".join(
             f"{r['token']!r} ({r['mean_received']:.3f})" if r.get("token") is not None else f"id {r['token_id']}"
             for r in top))
     lines += ["", table(
         ["layer", "Gu sink rate", "attn to sink", "var ratio z", "var ratio zW_O", "norm ratio", "max |x| sink"],
         layer_rows(report),
     )]
+    lines.append(f"Gu sink rate: share of the layer's (head, sequence) pairs whose attention to position {p} exceeds "
+                 f"sink_threshold (Gu et al.'s code); attn to sink: attention position {p} receives, mean over heads, "
+                 f"queries and sequences; norm ratio: ||x|| at position {p} / median ||x|| of the other positions, "
+                 f"residual entering the block, mean over sequences; max |x| sink: largest |x| at position {p} "
+                 "entering the block, over sequences and dimensions.")
     lines.append(variance_sources_line(report))
     dims = h["massive_dims"]
     rule = " and ".join(
@@ -354,8 +359,8 @@ def neuron_lines(report: SinkReport) -> list[str]:
         row = report.neurons.neuron_row(layer, neuron)
         contrib = ", ".join(f"dim {d} {row[f'contribution_{d}']:+.1f}" for d in report.neurons.dims)
         lines.append(
-            f"  L{layer} N{neuron}: {contrib}; act at sink {row['sink_act']:+.2f} ({row['position_ratio']:.0f}x its RMS "
-            f"elsewhere), W_out kurtosis {row['row_kurtosis']:.0f}, top-{report.neurons.row_top_k} mass {row['row_top_share']:.2f}"
+            f"  {neuron_name(layer, neuron)}: {contrib}; act at sink {row['sink_act']:+.2f} "
+            f"({times_elsewhere(row['position_ratio'])}), W_out kurtosis {row['row_kurtosis']:.0f}, top-{report.neurons.row_top_k} mass {row['row_top_share']:.2f}"
         )
     if report.causal is not None:
         lines += ["", "Causal check (zero each massive dim's top writers at the sink):"]
@@ -390,8 +395,9 @@ def variance_sources_line(report: SinkReport) -> str:
     p = report.sink_position
     var = report.variance
     site = "" if var.output_site == Z else f", z for zW_O read at {var.output_site} (what W_O reads in this model)"
-    head = (f"var ratio z / zW_O (sinklens): variance over sequences around the all-position mean, position {p} "
-            f"over the rest; zW_O in residual units (through any post-attention norm){site}")
+    head = (f"var ratio z / zW_O (sinklens): median over heads of the variance over sequences around the all-position "
+            f"mean, position {p} over the rest (> 1: position {p} varies more); zW_O in residual units (through any "
+            f"post-attention norm){site}")
     if var.feature_std is None:
         return head
     ratio = var.discrepancy(p, of="feature_std")

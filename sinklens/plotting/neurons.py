@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from sinklens.analysis.neurons import SuperNeurons
+from sinklens.display import neuron_name
 from sinklens.errors import InvalidArgumentError
 from sinklens.plotting.style import expect_result, finish, new_figure
 
@@ -29,7 +30,7 @@ def plot_contributions(result: SuperNeurons, *, dim: int | None = None, k: int =
     supers = set(result.super_neurons())
     colors = ["tab:red" if (l, n) in supers else "tab:blue" for l, n, _ in top]
     ax.bar(range(len(top)), [c for _, _, c in top], color=colors)
-    ax.set_xticks(range(len(top)), [f"L{l}.{n}" for l, n, _ in top], rotation=45, fontsize=8)
+    ax.set_xticks(range(len(top)), [neuron_name(l, n) for l, n, _ in top], rotation=45, fontsize=8)
     ax.set_ylabel(f"contribution to dim {dim} at position {result.sink_position}\n(residual units)")
     ax.set_title(f"Top neurons writing dim {dim} (red: super neurons)")
     return finish(fig, path)
