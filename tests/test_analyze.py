@@ -246,3 +246,28 @@ def test_the_report_records_the_dtype_and_device_it_ran_in(tiny):
         model = copy.deepcopy(tiny).to(dtype)
         settings = analyze(model, TINY_PROMPTS, options=QUIET).to_dict()["settings"]
         assert (settings["dtype"], settings["device"]) == (str(dtype).removeprefix("torch."), "cpu")
+
+
+def test_the_report_defines_its_columns_and_its_folder_indexes_every_figure(tiny_llama, tmp_path):
+    """Every column of the printed table is defined under it, later tokens are not called sinks, the figures say
+    which side of 1 means what and how many sequences they average, and ``index.md`` names every file."""
+    report = analyze(tiny_llama, PROMPTS, abs_threshold=None, rel_threshold=3.0, options=QUIET)
+    text = report.summary()
+    header = next(line for line in text.splitlines() if line.startswith("layer "))
+    below = text[text.index(header) + len(header):]
+    for column in ("Gu sink rate", "attn to sink", "var ratio z", "zW_O", "norm ratio", "max |x| sink"):
+        assert column in header and column in below
+    assert "Most attended later tokens" in text and "Top sink tokens" not in text
+    written = save_report(report, tmp_path)
+    index = (tmp_path / "index.md").read_text()
+    assert {p.name for p in written} == {"index.md", *(line.split("`")[1] for line in index.splitlines() if line.startswith("- `"))}
+    assert "variance_discrepancy.png`: per layer x head, variance over sequences at position 0 / the other positions' " \
+           "(red > 1: position 0 varies more" in index
+    from sinklens.plotting.sinks import plot_received_by_position
+    from sinklens.plotting.variance import plot_discrepancy
+
+    fig = plot_discrepancy(report.variance)
+    assert fig.axes[-1].get_ylabel() == "> 1: position 0 varies more than the rest; < 1: less"
+    assert "3 sequences" in fig._suptitle.get_text()
+    assert plot_received_by_position(report.sinks).axes[0].get_xlabel().startswith(
+        "key position (averaged over the sequences reaching it: 3 at 0, ")

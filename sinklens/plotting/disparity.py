@@ -32,7 +32,7 @@ def plot_massive_by_layer(result: MassiveActivations, *, path: str | Path | None
     ax.set_yscale("log")
     ax.set_xticks(xs, _stream_labels(result), fontsize=7)
     ax.set_xlabel("residual stream (input of block; out = final)")
-    ax.set_ylabel("max |activation|")
+    ax.set_ylabel(f"max |activation| over {result.n_sequences} sequences")
     ax.set_title("Massive activations by residual stream")
     ax.legend(fontsize=8)
     return finish(fig, path)

@@ -1,5 +1,6 @@
 """Writing a :class:`~sinklens.analysis.report.SinkReport` to a folder: ``report.json`` (strict JSON,
-written atomically through :func:`sinklens.export.write_json`), ``summary.txt`` and PNG figures.
+written atomically through :func:`sinklens.export.write_json`), ``summary.txt``, PNG figures and with them
+``index.md`` (one line per file on what it shows).
 
 Examples:
     >>> from sinklens.testing import QUIET, tiny_model
@@ -23,16 +24,36 @@ from sinklens.plotting.style import save_figure
 from sinklens.validate import writable_dir
 
 
-#: Every figure a report may have (:func:`figure_makers` draws those its sections support).
-FIGURE_FILES = (
-    "attention_to_sink.png", "sink_rate.png", "attention_by_position.png", "variance_by_position.png",
-    "variance_discrepancy.png", "massive_activations.png", "super_neurons.png", "massive_dim_path.png",
-    "w_out_sparsity.png", "value_drain.png",
-)
+#: Every figure a report may have (:func:`figure_makers` draws those its sections support) and what it shows;
+#: ``{p}`` is the sink position, ``{n}`` the number of sequences.
+FIGURE_FILES = {
+    "attention_to_sink.png": "mean attention each layer x head gives position {p}, over queries and {n} sequences "
+                             "(dots: above sink_threshold)",
+    "sink_rate.png": "Gu et al.'s sink rate for position {p}: share of the {n} sequences in which each head's attention "
+                     "to it exceeds sink_threshold (left), and its mean over the layer's heads (right)",
+    "attention_by_position.png": "mean attention received by each key position, one line per layer (log y); a later "
+                                 "position averages only the sequences that reach it",
+    "variance_by_position.png": "variance of z over the {n} sequences at each position (log-log), with the attention "
+                                "pattern's prediction and the uniform 1/(t+1) law",
+    "variance_discrepancy.png": "per layer x head, variance over sequences at position {p} / the other positions' "
+                                "(red > 1: position {p} varies more; blue < 1: less), for z and z·W_O",
+    "massive_activations.png": "largest |activation| entering each block at position {p} and at every other position, "
+                               "over the {n} sequences (log y)",
+    "super_neurons.png": "the neurons writing most into the first massive dimension at position {p}, in residual units "
+                         "(red: super neurons)",
+    "massive_dim_path.png": "the first massive dimension at position {p} along the residual stream, with each block's "
+                            "attention and MLP write",
+    "w_out_sparsity.png": "every MLP neuron's W_out row: kurtosis against the share of its mass in the top dimensions "
+                          "(red: super neurons)",
+    "value_drain.png": "per head, attention to position {p} against the share of the head's write that comes from it, "
+                       "by class",
+}
+#: The report folder's index: one line per file it holds.
+INDEX_FILE = "index.md"
 
 
 def save_report(report: SinkReport, out_dir: str | Path, *, figures: bool = True) -> list[Path]:
-    """Write ``report.json``, ``summary.txt`` and (unless ``figures=False``) PNG figures; return the paths.
+    """Write ``report.json``, ``summary.txt`` and (unless ``figures=False``) PNG figures with ``index.md``; return the paths.
 
     Every file is written into a staging folder first and renamed into ``out_dir`` once all are written
     (:func:`sinklens.export.staged_outputs`, ``report.json`` last), so an error or Ctrl-C while saving leaves an
@@ -43,11 +64,21 @@ def save_report(report: SinkReport, out_dir: str | Path, *, figures: bool = True
     out = writable_dir(out_dir, what="out_dir")
     data = report.to_dict()  # computed before anything is written
     text = report.summary() + "\n"
-    with staged_outputs(out, marker="report.json", owned=FIGURE_FILES) as stage:
+    with staged_outputs(out, marker="report.json", owned=(*FIGURE_FILES, INDEX_FILE)) as stage:
         staged = [write_json(stage / "report.json", data, digits=None, indent=1), write_text_atomic(stage / "summary.txt", text)]
         if figures:
             staged += save_figures(report, stage)
+            staged.append(write_text_atomic(stage / INDEX_FILE, index_text(report, [path.name for path in staged])))
     return [out / path.name for path in staged]
+
+
+def index_text(report: SinkReport, names: list[str]) -> str:
+    """The report folder's ``index.md``: the model and inputs, then one line per file in ``names``."""
+    what = {"report.json": "every number of the report (strict JSON)", "summary.txt": "the text report `sinklens analyze` "
+            "printed", **{name: text.format(p=report.sink_position, n=report.n_sequences) for name, text in FIGURE_FILES.items()}}
+    return "\n".join([f"# sinklens report: {report.model_name}", "",
+                      f"{report.n_sequences} sequences, {report.n_tokens} tokens; sink position {report.sink_position}.",
+                      "", *(f"- `{name}`: {what[name]}." for name in names)]) + "\n"
 
 
 def figure_makers(report: SinkReport) -> dict[str, Callable[[], Any]]:

@@ -40,7 +40,7 @@ def plot_sink_heatmap(result: SinkResult, *, position: int | None = None, path: 
     label_layer_rows(ax, result.layers)
     ax.set_title(f"mean attention to position {pos}{_token_label(result, pos)} "
                  f"(Gu et al. sink rate {result.sink_rate(position=pos):.2f})")
-    fig.colorbar(image, ax=ax, label="mean attention received")
+    fig.colorbar(image, ax=ax, label=f"mean attention received (over queries, {result.n_sequences} sequences)")
     return finish(fig, path)
 
 
@@ -63,7 +63,7 @@ def plot_sink_rate(result: SinkResult, *, position: int | None = None, path: str
     label_layer_rows(axes[0, 0], result.layers)
     axes[0, 0].set_title(f"share of sequences with α > {result.sink_threshold} (position {pos}{_token_label(result, pos)})",
                          fontsize=9)
-    fig.colorbar(image, ax=axes[0, 0])
+    fig.colorbar(image, ax=axes[0, 0], label=f"share of the {result.n_sequences} sequences")
     by_layer = result.sink_rate_by_layer(position=pos)
     axes[0, 1].barh(result.layers, by_layer.numpy(), color="tab:purple")
     axes[0, 1].set_xlim(0, 1)
@@ -101,8 +101,10 @@ def plot_received_by_position(
     for k in result.sink_positions:
         ax.axvline(k, color="tab:red", ls="--", lw=1)
     ax.set_yscale("log")
-    ax.set_xlabel("key position")
-    ax.set_ylabel("mean attention received")
+    n_at = result.n_sequences_at
+    ax.set_xlabel(f"key position (averaged over the sequences reaching it: {int(n_at[0])} at 0, "
+                  f"{int(n_at[-1])} at {len(n_at) - 1})")
+    ax.set_ylabel("mean attention received (over heads, queries)")
     ax.set_title("attention received by key position (dashed: detected sinks)")
     ax.legend(fontsize=7, ncol=2)
     return finish(fig, path)

@@ -29,17 +29,19 @@ def _heads(result: Any, heads: int | Sequence[int] | None) -> list[int]:
     return optional_index_list(heads, result.z_var.shape[1], what="heads", allow_negative=False)
 
 
-def _position_panels(rows: list[int], n_positions: int, draw: Callable[[Any, int, np.ndarray], str], *,
-                     ylabel: str, path: str | Path | None) -> Any:
+def _position_panels(result: VarianceResult, rows: list[int], n_positions: int,
+                     draw: Callable[[Any, int, np.ndarray], str], *, ylabel: str, path: str | Path | None) -> Any:
     """One log-log panel per layer row against position + 1: ``draw(ax, row, x)`` plots its lines and
-    returns the panel's title."""
+    returns the panel's title; the x label says how many sequences the first and last positions average."""
+    counts = result.counts
+    xlabel = f"position t + 1 ({int(counts[0])} sequences at t = 0, {int(counts[-1])} at t = {len(counts) - 1})"
     fig, axes = new_figure(1, len(rows), width=4.2, height=3.6)
     x = np.arange(1, n_positions + 1)
     for ax, row in zip(axes[0], rows):
         title = draw(ax, row, x)
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel("position t + 1")
+        ax.set_xlabel(xlabel)
         ax.set_title(title, fontsize=9)
     axes[0, 0].set_ylabel(ylabel)
     axes[0, 0].legend(fontsize=7)
@@ -75,8 +77,8 @@ def plot_variance_by_position(
         ax.scatter([1], [float(result.z_var[row, head_idx, 0].mean())], color="tab:red", zorder=3, s=20)
         return f"layer {result.layers[row]} ({label_heads})"
 
-    return _position_panels(_rows(result, layers), result.z_var.shape[-1], draw,
-                            ylabel="variance of z (per coordinate)", path=path)
+    return _position_panels(result, _rows(result, layers), result.z_var.shape[-1], draw,
+                            ylabel="variance of z over sequences (per coordinate)", path=path)
 
 
 def plot_discrepancy(result: VarianceResult, *, position: int = 0, path: str | Path | None = None) -> Any:
@@ -99,7 +101,8 @@ def plot_discrepancy(result: VarianceResult, *, position: int = 0, path: str | P
         ax.set_xlabel("head")
         label_layer_rows(ax, result.layers)
         ax.set_title(f"{title}: position {position} / rest", fontsize=9)
-        fig.colorbar(image, ax=ax)
+        fig.colorbar(image, ax=ax, label=f"> 1: position {position} varies more than the rest; < 1: less")
+    fig.suptitle(f"variance over {result.n_sequences} sequences", fontsize=9)
     return finish(fig, path)
 
 
@@ -127,5 +130,5 @@ def plot_feature_std_by_position(
         ax.plot(x, concat[0] / np.sqrt(x), color="gray", ls=":", label="std[0] / sqrt(t+1)")
         return f"layer {result.layers[row]}"
 
-    return _position_panels(_rows(result, layers), result.feature_std.shape[-1], draw,
+    return _position_panels(result, _rows(result, layers), result.feature_std.shape[-1], draw,
                             ylabel="feature std (mean over sequences)", path=path)
