@@ -44,8 +44,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return parser
 
 
-#: The figures ``origins`` draws (unless ``--no-figures``, which removes any left by an earlier run).
-FIGURE_FILES = ("rank_probability.png", "contraction.png", "positional.png")
+#: The figures ``origins`` draws (unless ``--no-figures``, which removes any left by an earlier run), listed with
+#: what they show in the folder's ``index.md``.
+FIGURE_FILES = {
+    "rank_probability.png": "mean next-token probability against its rank over the random sequences (log-log; "
+                            "dotted: uniform 1/d_vocab)",
+    "contraction.png": "mean cosine between residual streams at every site, across sequences (inter) and within one "
+                       "(intra), and each sublayer's share of the change",
+    "positional.png": "variance over sequences of each position's attention output / the later half's, by layer "
+                      "(> 1: that position varies more)",
+}
 
 
 def check_init_seed(model: str, init_seed: int) -> None:
@@ -156,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure(args: argparse.Namespace, out: Any) -> int:
     """Load the model, run the three measures, write ``origins.json`` and the figures into ``out``, print."""
-    from sinklens.export import staged_outputs, write_json
+    from sinklens.export import staged_outputs, write_json, write_text_atomic
     from sinklens.hooks import model_dims
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
@@ -183,11 +191,15 @@ def _measure(args: argparse.Namespace, out: Any) -> int:
     # files first (a reader that closes stdout, `| head`, must not cost them), all at once (staged_outputs): an
     # error or Ctrl-C while writing leaves an earlier result as it was, and figures it does not draw are removed
     init_seed = effective_init_seed(str(args.model), args.init_seed, model)
-    with staged_outputs(out, marker="origins.json", owned=FIGURE_FILES) as stage:
+    with staged_outputs(out, marker="origins.json", owned=(*FIGURE_FILES, "index.md")) as stage:
         write_json(stage / "origins.json", {"model": str(args.model), "init_seed": init_seed, "token_preference": ps,
                                             **({"token_preference_skipped": skipped} if skipped else {}),
                                             "contraction": con.summary(), "positional": pos.summary()})
         drawn = () if args.no_figures else _draw(stage, str(args.model), pref, con, pos)
+        if drawn:
+            write_text_atomic(stage / "index.md", "\n".join([
+                f"# sinklens origins: {args.model}", "", "- `origins.json`: every number (strict JSON).",
+                *(f"- `{name}`: {FIGURE_FILES[name]}." for name in drawn)]) + "\n")
     _print_results(ps, skipped, con, pos, getattr(model, "tokenizer", None))
     print(f"\nwrote {out}/origins.json{f' and {len(drawn)} figures' if drawn else ''} in {time.perf_counter() - start:.1f} s")
     return 0
@@ -218,8 +230,9 @@ def _draw(out: Any, label: str, pref: Any, con: Any, pos: Any) -> tuple[str, ...
     """Draw the figures into ``out`` (the rank–probability plot only when token preference ran); their names."""
     from sinklens.plotting.origins import plot_contraction, plot_positional, plot_rank_probability
 
+    names = tuple(FIGURE_FILES)
     if pref is not None:
-        plot_rank_probability({label: pref}, path=out / FIGURE_FILES[0])
-    plot_contraction(con, path=out / FIGURE_FILES[1])
-    plot_positional(pos, path=out / FIGURE_FILES[2])
-    return FIGURE_FILES if pref is not None else FIGURE_FILES[1:]
+        plot_rank_probability({label: pref}, path=out / names[0])
+    plot_contraction(con, path=out / names[1])
+    plot_positional(pos, path=out / names[2])
+    return names if pref is not None else names[1:]

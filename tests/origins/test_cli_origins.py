@@ -22,6 +22,7 @@ def test_origins_cli_writes_report(trained_runs, tmp_path, capsys):
     assert sites == ["embed", "attn 0", "mlp 0", "attn 1", "mlp 1", "final"]
     assert len(data["positional"]["attn_out_var"]) == 2 and data["positional"]["attn_out_var"][0] > 1
     assert {p.name for p in out.glob("*.png")} == {"rank_probability.png", "contraction.png", "positional.png"}
+    assert (out / "index.md").read_text().count("\n- `") == 4  # origins.json and each figure, with what it shows
     assert "token preference over 16 random sequences" in capsys.readouterr().out
     # a second run into the same folder is refused; --overwrite --no-figures leaves no figure of the first
     assert main(["origins", "--model", "./no/such/model", "--out", str(out)]) == 2
