@@ -84,8 +84,8 @@ def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bo
 
 
 def _loading_reports(found: list[dict]) -> Any:
-    """Within the context, every ``PreTrainedModel.from_pretrained`` runs with ``output_loading_info=True``
-    and appends transformers' report (``missing_keys``, ``unexpected_keys``, ``mismatched_keys``) to ``found``."""
+    """A context in which ``PreTrainedModel.from_pretrained`` appends transformers' loading report
+    (``output_loading_info=True``: missing, unexpected and mismatched keys) to ``found``."""
     from unittest import mock
 
     from transformers import PreTrainedModel
@@ -161,14 +161,8 @@ def _is_tl_model(obj: Any) -> bool:
 
 
 def _built_model_to(model: Any, device: str | torch.device | None, dtype: torch.dtype | str | None) -> Any:
-    """An already-built model, moved to ``device`` and cast to ``dtype`` where they are given.
-
-    Both are checked like for any other spec (:class:`~sinklens.errors.InvalidArgumentError` for an unknown
-    name, :class:`~sinklens.errors.DeviceUnavailableError` for a device this machine lacks). ``None`` (the
-    default) leaves the model where it is and in its own dtype: a user's float64 or bfloat16 model, or a
-    CPU model on a GPU machine, is never converted unasked. A move is in place (``nn.Module.to``) and
-    TransformerLens' ``cfg.device`` / ``cfg.dtype`` follow it.
-    """
+    """An already-built model, moved (in place, ``cfg`` following) to ``device`` and cast to ``dtype`` where they are
+    given and checked; ``None`` leaves the model's own device and dtype, never converted unasked."""
     target_device = None if device is None else valid_device(device, what="device")
     target_dtype = None if dtype is None else _as_dtype(dtype)
     params = list(model.parameters())
@@ -273,10 +267,8 @@ def load_model(
 
 
 def eager_experts_in_float64(model: Any) -> None:
-    """Run a float64 mixture of experts (gpt-oss) with transformers' eager expert loop instead of
-    ``torch._grouped_mm``, which has no float64 kernel ("Expected mat_a to be Float32, BFloat16 or Float16"):
-    the same products, summed per expert (a float64 and a float32 zoo gpt-oss give attention equal to 3e-8).
-    Models in other dtypes, and models without experts, are left as they are."""
+    """Run a float64 mixture of experts (gpt-oss) with transformers' eager expert loop: ``torch._grouped_mm`` has
+    no float64 kernel. Models in other dtypes, and models without experts, are left as they are."""
     if not any(p.dtype == torch.float64 for p in model.parameters()):
         return
     for module in model.modules():
