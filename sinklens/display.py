@@ -10,6 +10,7 @@ values, NaN equal to NaN). Like any dataclass with ``eq``, they are unhashable.
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 from collections.abc import Mapping
 from typing import Any
@@ -185,6 +186,6 @@ def times_elsewhere(ratio: float, what: str = "its RMS elsewhere") -> str:
         >>> times_elsewhere(37.2), times_elsewhere(726154543104.0), times_elsewhere(float("nan"))
         ('37x its RMS elsewhere', 'silent elsewhere', 'no other position measured')
     """
-    if ratio != ratio:
+    if math.isnan(ratio):
         return "no other position measured"
     return "silent elsewhere" if abs(ratio) > SILENT_RATIO else f"{ratio:.0f}x {what}"
