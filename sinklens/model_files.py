@@ -1,9 +1,5 @@
 """Model files on disk: the embedded model's GGUF (fetched once), its dequantised cache, and integrity
-checks: GGUF headers, safetensors headers, and the sha256 manifest of a converted-model cache.
-
-Every check reads headers and sizes only (cheap), except :func:`verify_manifest`, which hashes
-every file of a cached directory (about 0.5 s per GB) so that a cache broken by a crash, a full
-disk or a stray edit is found and rebuilt instead of crashing deep inside ``safetensors``.
+checks (GGUF and safetensors headers, ``config.json`` fields, the sha256 manifest of a converted cache).
 Problems raise :class:`~sinklens.errors.CorruptModelFileError` naming the file and what is wrong.
 """
 
@@ -210,15 +206,10 @@ def _converted_dir(gguf_path: Path) -> Path:
 
 
 def convert_gguf(gguf_path: str | Path) -> Path:
-    """Dequantise a GGUF file into a cached Hugging Face directory (safetensors + tokenizer); return it.
+    """Dequantise a GGUF file once into a cached Hugging Face directory (safetensors + tokenizer); return it.
 
-    The conversion (about 40 s for SmolLM2-135M on 2 CPU cores) runs once per file; the cached copy
-    is keyed by the file's path, size and modification time, with a sha256 manifest
-    (``sinklens-manifest.json``) that every later call checks: a cache that does not match it, or has
-    none, is deleted and rebuilt.
-
-    Raises:
-        CorruptModelFileError: the GGUF file is truncated or not a GGUF file.
+    The cache is keyed by the file's path, size and mtime; a cache failing its sha256 manifest is rebuilt.
+    Raises :class:`CorruptModelFileError` for a truncated or non-GGUF file, or a bad config field.
     """
     gguf_path = Path(gguf_path)
     check_gguf(gguf_path)
