@@ -239,28 +239,3 @@ def _zoo_hooked_transformer(family: str, *, n_layers: int = 2, d_model: int = 16
                     for bias in (block.attn.b_Q, block.attn._b_K, block.attn._b_V):
                         bias.normal_(std=0.1)
     return model.eval()
-
-
-def tl3_encoder() -> Any:
-    """A TransformerLens 3.x ``HookedEncoder`` (post-LN BERT blocks) built from a config, with seeded weights
-    (3.x leaves a config-built encoder's parameters uninitialised) and non-trivial LayerNorm gains and biases.
-    Under 3.x its ``hook_attn_out`` is the raw attention write and ``hook_resid_mid`` is ``resid_pre`` plus it,
-    before ``ln1``: the opposite of the 4.x bridge, which fires both after a LayerNorm."""
-    import warnings
-
-    from transformer_lens import HookedEncoder, HookedTransformerConfig
-
-    cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_heads=4, d_head=4, d_mlp=32, n_ctx=64, d_vocab=64,
-                                  act_fn="gelu", normalization_type="LN", original_architecture="BertForMaskedLM",
-                                  attention_dir="bidirectional")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # 3.x points encoder users to 4.x
-        model = HookedEncoder(cfg, move_to_device=False)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".ln" in f".{name}":
-                p.copy_((1.0 if name.endswith(".w") else 0.0) + 0.5 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() > 1 else 0.05))
-    return model.eval()
