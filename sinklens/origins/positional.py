@@ -182,7 +182,7 @@ class PositionalTrajectory(StructuralEq):
         return torch.stack([r.first_token_ratio(name) for r in self.results])
 
     def summary(self) -> dict[str, Any]:
-        """``steps`` and the ``[step, layer]`` :meth:`first_token_ratio` lists by name, strict-JSON-ready."""
+        """``steps`` and the ``[step, layer]`` :meth:`first_token_ratio` lists by name, strict-JSON-ready (undefined: None)."""
         return to_json({"steps": self.steps, **{name: self.first_token_ratio(name).tolist()
                                                  for name in ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")}},
                        digits=None)

@@ -1,17 +1,10 @@
 """Tiny models with hand-planted sink mechanisms, so analyzers can be tested against known answers.
 
-:func:`planted_model` edits the weights of a :func:`sinklens.testing.tiny_model` in place (TransformerLens
-conventions) to plant:
-
-* **a BOS direction**: the BOS embedding gets a large entry in ``bos_dim``, which nothing else writes, so only
-  position 0 is non-zero there;
-* **a super neuron** ``(layer, neuron)`` that reads only ``bos_dim`` and writes a one-hot into ``dim``, which
-  nothing else writes: position 0 carries a massive activation in ``dim`` from
-  ``blocks.{layer + 1}.hook_resid_pre`` on, every other position exactly 0;
-* optionally **an eraser neuron** ``(erase_layer, erase_neuron)`` that reads ``dim`` and writes ``-dim`` back;
-* optionally **query–key locking** in head ``(qk_layer, qk_head)``: every non-BOS token shares a direction
-  ``common_dim``; the head's queries read only it and its keys read ``dim``, so every query scores the BOS key
-  positively (on rotary models through the lowest-frequency pair).
+:func:`planted_model` edits a :func:`sinklens.testing.tiny_model` in place to plant a BOS-only direction
+``bos_dim``; a super neuron ``(layer, neuron)`` reading it and writing ``dim``, which nothing else writes (so
+position 0 alone carries a massive value in ``dim`` from ``blocks.{layer + 1}``); optionally an eraser neuron
+writing ``-dim`` back, and query–key locking in head ``(qk_layer, qk_head)`` through a shared direction
+``common_dim`` of the non-BOS tokens.
 """
 
 from __future__ import annotations
@@ -153,9 +146,8 @@ def planted_model(
     common_dim: int = 9,
     **model_kwargs: Any,
 ) -> tuple[Any, PlantedSpec]:
-    """A :func:`~sinklens.testing.tiny_model` with a planted super neuron (see the module docstring).
-
-    ``model_kwargs`` go to :func:`~sinklens.testing.tiny_model`. Returns the model and a :class:`PlantedSpec`.
+    """A :func:`~sinklens.testing.tiny_model` (``model_kwargs``) with planted mechanisms (module docstring), and
+    the :class:`PlantedSpec` of where they are.
 
     Examples:
         >>> model, spec = planted_model(n_layers=2, layer=0, neuron=7, dim=5)

@@ -1,14 +1,10 @@
 """The architecture zoo: tiny, seeded models of every family sinklens claims to support.
 
-Each family is built from its Hugging Face config with random weights (a few layers, ``d_model`` 16),
-saved with a word-level tokenizer to a per-process folder, and loaded back through
-:func:`sinklens.load_model` exactly as a user's model directory would be, so tests exercise the same
-path as ``sinklens analyze --model DIR``. :func:`zoo_hf_model` returns the plain Hugging Face model
-of the same folder, for independent reference computations.
-
-Under TransformerLens 3.x the families that ``HookedTransformerConfig`` can express are built as
-``HookedTransformer`` s with the same features (post-norms, local attention windows, parallel blocks);
-the others raise :class:`FamilyUnavailableError` (tests skip them).
+Each family is built from its Hugging Face config with random weights, saved with a word-level tokenizer and
+loaded back through :func:`sinklens.load_model` as a user's model folder would be; :func:`zoo_hf_model` gives
+the plain Hugging Face model of that folder as an independent reference. Under TransformerLens 3.x the
+families ``HookedTransformerConfig`` can express are built as ``HookedTransformer`` s; the others raise
+:class:`FamilyUnavailableError`.
 
 =========  ===================================================================  =========
 family     what it exercises                                                    TL 3.x
@@ -26,8 +22,7 @@ bert       bidirectional encoder, ``[CLS] … [SEP]``                           
 gptoss     learned per-head sink logits, mixture-of-experts MLP, sliding layers  no
 =========  ===================================================================  =========
 
-Every family uses ``window`` (default 4) as its sliding window where it has one, so a prompt of more
-than 4 tokens already exercises windowed visibility.
+Sliding-window families use ``window`` (default 4) tokens.
 """
 
 from __future__ import annotations
@@ -168,18 +163,10 @@ def zoo_hf_model(family: str, **sizes: Any) -> Any:
 
 
 def zoo_model(family: str, **sizes: Any) -> Any:
-    """A tiny seeded model of ``family`` loaded through :func:`sinklens.load_model` (a fresh copy each call,
-    so a test may edit its weights).
-
-    Args:
-        family: one of :data:`FAMILIES`.
-        sizes: ``n_layers`` (2), ``d_model`` (16), ``n_heads`` (4), ``n_kv_heads`` (2), ``d_mlp`` (32),
-            ``n_ctx`` (64), ``d_vocab`` (64), ``window`` (4, the sliding window), ``seed`` (0).
-
-    Raises:
-        FamilyUnavailableError: under TransformerLens 3.x for a family ``HookedTransformerConfig``
-            cannot express (see :data:`TL3_FAMILIES`).
-
+    """A tiny seeded model of ``family`` (:data:`FAMILIES`) loaded through :func:`sinklens.load_model`, a fresh
+    copy each call. ``sizes``: ``n_layers`` (2), ``d_model`` (16), ``n_heads`` (4), ``n_kv_heads`` (2),
+    ``d_mlp`` (32), ``n_ctx`` (64), ``d_vocab`` (64), ``window`` (4), ``seed`` (0). Under TransformerLens 3.x a
+    family outside :data:`TL3_FAMILIES` raises :class:`FamilyUnavailableError`.
     Examples:
         >>> model = zoo_model("gemma2")
         >>> "blocks.0.ln2_post.hook_scale" in model.hook_dict
