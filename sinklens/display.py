@@ -96,6 +96,7 @@ def _same_array(a: np.ndarray, b: np.ndarray) -> bool:
 def same_value(a: Any, b: Any) -> bool:
     """Structural equality of two field values: tensors and arrays in shape, dtype and values (NaN equal to
     NaN), numbers (NaN equal), lists, tuples and mappings item by item, dataclasses field by field.
+
     Examples:
         >>> same_value({"x": torch.tensor([1.0, float("nan")])}, {"x": torch.tensor([1.0, float("nan")])})
         True

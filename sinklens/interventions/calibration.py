@@ -6,6 +6,7 @@ element, head and query (``s_t`` from ``attn.hook_pattern``, applied at ``attn.h
 ``mode="amplify"``: ``z_t ← z_t / sqrt(s_t)`` (factors ≥ 1); ``mode="attenuate"``:
 ``z_t ← z_t · sqrt(min_t' s_t' / s_t)`` over the real queries (factors ≤ 1). ``remove_sink`` defaults to
 ``attenuate``; spec strings and direct calls to ``amplify``, since ``attenuate`` reads later queries.
+
 Examples:
     >>> import torch
     >>> from sinklens.testing import tiny_model

@@ -339,8 +339,8 @@ def measure_intervention(
     """
     options = checked_options(options, "measure_intervention")
     dims_m = model_dims(model)
-    index(target, dims_m.n_ctx, what="target position", allow_negative=False)  # named before the hooks are built
-    index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
+    target = index(target, dims_m.n_ctx, what="target position", allow_negative=False)  # before the hooks are built
+    sink = index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
     _check_dims(model, dims)
     recorded: dict[str, Any] = {}
     if isinstance(intervention, str):
@@ -358,10 +358,9 @@ def _measure(
     model: Any, tokens: Inputs, hooks: Hooks, *, target: IntLike, sink: IntLike, method: str | None,
     dims: IndexLike | None, loss: bool | None, options: RunOptions, recorded: Mapping[str, Any],
 ) -> InterventionResult:
-    """:func:`measure_intervention` on built hooks; ``recorded`` and the inputs' settings go to ``result.options``."""
+    """:func:`measure_intervention` on built hooks (``target`` and ``sink`` checked by the caller); ``recorded``
+    and the inputs' settings go to ``result.options``."""
     dims_m = model_dims(model)
-    target = index(target, dims_m.n_ctx, what="target position", allow_negative=False)
-    sink = index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
     dims = _check_dims(model, dims)
     batches = batches_for(model, tokens, options)
     layers = list(range(dims_m.n_layers))
@@ -387,6 +386,7 @@ def create_sink(
     """Turn the token at ``position`` into a sink and measure the effect. ``method``: a ``create`` entry of the
     registry (``"self_only"``, ``"restart"``, ``"amplify"``, ``"transplant_dims"``); ``method_options`` go to
     its factory, and ``dims`` (tracked dimensions) also to a factory that needs ``dims``.
+
     Examples:
         >>> from sinklens.testing import tiny_model
         >>> model = tiny_model()

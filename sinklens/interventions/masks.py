@@ -38,6 +38,7 @@ BlockFn = Callable[[Tensor, int], Tensor]
 
 def positions_arg(positions: Any, n_ctx: int, *, what: str = "position") -> list[int]:
     """Validate ``positions=``: an int or a sequence of ints, each in ``0..n_ctx-1``.
+
     Examples:
         >>> positions_arg(3, 8), positions_arg([0, 5], 8)
         ([3], [0, 5])
@@ -105,6 +106,7 @@ def _mask_hooks(model: Any, block: BlockFn, *, layers: IndexLike | None, heads: 
 
 def self_only(model: Any, *, positions: IndexLike, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
     """Make each token at ``positions`` attend only to itself, so it aggregates a single value like the first token.
+
     Examples:
         >>> from sinklens.testing import tiny_model
         >>> model = tiny_model()
@@ -125,6 +127,7 @@ def self_only(model: Any, *, positions: IndexLike, layers: IndexLike | None = No
 def restart(model: Any, *, positions: IndexLike, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
     """A restart mask: queries ``q >= k`` cannot see keys ``< k``, so ``k`` acts as a new first token (several
     positions cut independent segments; in an encoder the cut goes both ways).
+
     Examples:
         >>> from sinklens.testing import tiny_model
         >>> len(restart(tiny_model(), positions=4))  # one hook per layer of the 2-layer model

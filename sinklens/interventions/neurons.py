@@ -55,6 +55,7 @@ def edit_neurons(
     """Zero, scale by or set to ``value`` FFN neurons (``mlp.hook_post``) at ``positions`` (default all).
     ``neurons``: indices applied in each of ``layers``, or ``{layer: [neurons]}``. Attention-only and
     mixture-of-experts models raise :class:`~sinklens.errors.UnsupportedArchitectureError`.
+
     Examples:
         >>> from sinklens.testing import tiny_model
         >>> [n for n, _ in edit_neurons(tiny_model(), {1: [3, 4]})]

@@ -234,6 +234,7 @@ def amplify(
     ``hook_k``/``hook_v``). ``reference``: ``"random"`` (:func:`reference_mean`, keywords ``reference_kw``),
     ``"batch"`` (per sequence, the mean over its real positions other than 0 and the targets; right for
     training), a tensor, or ``{layer: tensor}``.
+
     Examples:
         >>> from sinklens.testing import tiny_model
         >>> model = tiny_model()

@@ -180,10 +180,8 @@ def _base_dims_within(dims: list[int], d_a: int, d_b: int) -> None:
     outside = [dim for dim in dims if dim >= d_b]
     if outside:
         raise IncompatibleModelsError(
-            f"identity_mode='base' reads model B at model A's identity dims, but {len(outside)} of A's {len(dims)} "
-            f"(dims {_first(outside)}) are outside B's width: hidden sizes {d_a} (A) and {d_b} (B). Use "
-            "identity_mode='coset' (--identity-mode coset, the default), which keeps only the dims both models place "
-            "lowest and so works for different hidden sizes.")
+            f"identity_mode='base' reads B at A's identity dims, but dims {_first(outside)} are outside B's width: "
+            f"hidden sizes {d_a} (A) and {d_b} (B); use identity_mode='coset' (the default).")
 
 
 def seedprint_test(
@@ -338,6 +336,7 @@ class _LastFinalState(Reducer[Tensor]):
 def embedding_stats_at_init(models: Sequence[Any], *, seed: int = DEFAULT_SEED) -> tuple[float, float]:
     """``(μ, σ)`` for embedding mode: mean and unbiased std of ``W_E`` of each model's architecture freshly
     initialized (:func:`sinklens.loading.init.load_at_init`, ``init_seed=seed``), entries pooled.
+
     Examples:
         >>> from sinklens.testing import tiny_sinklm
         >>> mu, sigma = embedding_stats_at_init([tiny_sinklm(seed=1)])
@@ -412,6 +411,7 @@ def fingerprint(
     defaults to ``min(1024, n_ctx_a, n_ctx_b)``; ``input="embedding"`` needs equal hidden sizes and adds
     ``embedding_mu``, ``embedding_sigma`` and ``shared_input_z`` to ``settings``. Bad settings raise
     :class:`InvalidArgumentError` / :class:`IncompatibleModelsError`, before B runs where they can.
+
     Examples:
         >>> from sinklens.testing import tiny_model
         >>> a, b = tiny_model(seed=1), tiny_model(seed=2)
@@ -427,12 +427,9 @@ def fingerprint(
     model_b = load_model(model_b, check_patterns=False) if isinstance(model_b, str) else model_b
     da, db = model_dims(model_a), model_dims(model_b)
     if input == "embedding" and da.d_model != db.d_model:
-        # before any forward pass: one [N, L, d_model] input cannot be fed to both (theirs neither)
         raise IncompatibleModelsError(
-            f"input='embedding' feeds both models the same random [samples, seq_len, d_model] embeddings, so both "
-            f"need the same hidden size; got d_model={da.d_model} (A) and d_model={db.d_model} (B). Use "
-            "input='token' (--input token, the default), which works for different hidden sizes, as the "
-            "SeedPrints authors recommend for them.")
+            f"input='embedding' feeds both models the same embeddings and needs equal hidden sizes, got "
+            f"d_model={da.d_model} (A) and d_model={db.d_model} (B); use input='token' (the default).")
     seq_len = min(DEFAULT_SEQ_LEN, da.n_ctx, db.n_ctx) if seq_len is None else positive_int(seq_len, what="seq_len")
     stats = embedding_stats_at_init([model_a, model_b], seed=seed) if input == "embedding" else None
     vocab = min(TOKEN_VOCAB, da.d_vocab, db.d_vocab)
@@ -454,19 +451,14 @@ def fingerprint(
         result.settings["shared_input_z"] = z_input
         if z_input > max_shared_input_z(alpha):
             result.caveats.append(
-                f"both models' final states follow the shared random input embeddings: that alone is expected to "
-                f"give z = {z_input:.3g} to unrelated models (limit {max_shared_input_z(alpha):.2f}, where the "
-                "false-positive rate reaches 2 alpha; see shared_input_z), so p < alpha is no evidence of shared "
-                "lineage here (the blocks add too little to the residual stream: tiny or shallow models). Use "
-                "input='token' (--input token).")
+                f"both models' final states follow the shared random input embeddings, which alone give unrelated "
+                f"models z = {z_input:.3g} (limit {max_shared_input_z(alpha):.2f}): no evidence of lineage; use input='token'.")
     shared = shared_last_token_share(n_samples, vocab)
     if input == "token" and shared > MAX_SHARED_LAST_TOKEN:
         result.caveats.append(
             f"the {n_samples} random sequences end in one of only {vocab} token ids, so about {shared:.0%} of them "
-            "share their last token with another sample; the samples are then dependent and the analytic p-value "
-            "is too small (unrelated models test positive above alpha). At most "
-            f"{samples_for_share(MAX_SHARED_LAST_TOKEN, vocab)} samples keep that share under "
-            f"{MAX_SHARED_LAST_TOKEN:.0%} for this vocabulary.")
+            "share their last token: dependent samples make the p-value too small (at most "
+            f"{samples_for_share(MAX_SHARED_LAST_TOKEN, vocab)} samples keep that share under {MAX_SHARED_LAST_TOKEN:.0%}).")
     return result
 
 

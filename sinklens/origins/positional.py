@@ -160,6 +160,7 @@ def positional_discrepancy(
 ) -> PositionalDiscrepancy:
     """Per layer and position: across-sequence variance and mean norm of attention outputs and residuals, on
     :class:`~sinklens.origins.preference.RandomInputs` (``random``, or its fields as keywords).
+
     Examples:
         >>> from sinklens.testing import tiny_model
         >>> pd = positional_discrepancy(tiny_model(), n_sequences=16, seq_len=8)
@@ -200,6 +201,7 @@ def positional_over_training(
 ) -> PositionalTrajectory:
     """:func:`positional_discrepancy` of a ``sinklens train`` run at step 0 (``RUN_DIR@init``) and at each kept
     checkpoint (or ``steps``), all on the same random sequences of ``min(seq_len, data.seq_len)`` tokens.
+
     Examples:
         >>> import tempfile
         >>> from sinklens.sinklm.config import TrainConfig

@@ -167,6 +167,7 @@ def zoo_model(family: str, **sizes: Any) -> Any:
     copy each call. ``sizes``: ``n_layers`` (2), ``d_model`` (16), ``n_heads`` (4), ``n_kv_heads`` (2),
     ``d_mlp`` (32), ``n_ctx`` (64), ``d_vocab`` (64), ``window`` (4), ``seed`` (0). Under TransformerLens 3.x a
     family outside :data:`TL3_FAMILIES` raises :class:`FamilyUnavailableError`.
+
     Examples:
         >>> model = zoo_model("gemma2")
         >>> "blocks.0.ln2_post.hook_scale" in model.hook_dict
