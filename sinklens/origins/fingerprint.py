@@ -181,7 +181,7 @@ def _base_dims_within(dims: list[int], d_a: int, d_b: int) -> None:
     if outside:
         raise IncompatibleModelsError(
             f"identity_mode='base' reads B at A's identity dims, but dims {_first(outside)} are outside B's width: "
-            f"hidden sizes {d_a} (A) and {d_b} (B); use identity_mode='coset' (the default).")
+            f"hidden sizes {d_a} (A) and {d_b} (B); use identity_mode='coset' (--identity-mode coset, the default).")
 
 
 def seedprint_test(
@@ -429,7 +429,7 @@ def fingerprint(
     if input == "embedding" and da.d_model != db.d_model:
         raise IncompatibleModelsError(
             f"input='embedding' feeds both models the same embeddings and needs equal hidden sizes, got "
-            f"d_model={da.d_model} (A) and d_model={db.d_model} (B); use input='token' (the default).")
+            f"d_model={da.d_model} (A) and d_model={db.d_model} (B); use input='token' (--input token, the default).")
     seq_len = min(DEFAULT_SEQ_LEN, da.n_ctx, db.n_ctx) if seq_len is None else positive_int(seq_len, what="seq_len")
     stats = embedding_stats_at_init([model_a, model_b], seed=seed) if input == "embedding" else None
     vocab = min(TOKEN_VOCAB, da.d_vocab, db.d_vocab)
@@ -452,7 +452,8 @@ def fingerprint(
         if z_input > max_shared_input_z(alpha):
             result.caveats.append(
                 f"both models' final states follow the shared random input embeddings, which alone give unrelated "
-                f"models z = {z_input:.3g} (limit {max_shared_input_z(alpha):.2f}): no evidence of lineage; use input='token'.")
+                f"models z = {z_input:.3g} (limit {max_shared_input_z(alpha):.2f}): no evidence of lineage; "
+                "use input='token' (--input token).")
     shared = shared_last_token_share(n_samples, vocab)
     if input == "token" and shared > MAX_SHARED_LAST_TOKEN:
         result.caveats.append(
