@@ -111,18 +111,14 @@ def write_atomic(path: str | Path, write: Any, *, replace: bool = True) -> Path:
             os.replace(tmp, path)
         else:
             _link_new(tmp, path)
-    except FileExistsError:
+    except BaseException as err:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-        raise OutputExistsError(f"{str(path)!r} was written by another process while this one ran; it is kept. "
-                                "Pass --overwrite to replace it, or choose another path.") from None
-    except OSError as err:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
-        raise OutputNotWritableError(f"Cannot write {str(path)!r}: {err.strerror or err}.") from err
-    except BaseException:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+        if isinstance(err, FileExistsError):
+            raise OutputExistsError(f"{str(path)!r} was written by another process while this one ran; it is kept. "
+                                    "Pass --overwrite to replace it, or choose another path.") from None
+        if isinstance(err, OSError):
+            raise OutputNotWritableError(f"Cannot write {str(path)!r}: {err.strerror or err}.") from err
         raise
     return path
 
