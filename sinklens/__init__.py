@@ -61,18 +61,4 @@ def __dir__() -> list[str]:
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BatchFold", "InterventionResult", "MassiveActivations", "ModelFileNotFoundError", "OfflineModelError",
-    "PatternNotExposedError", "Reducer", "RunOptions", "SequenceTooLongError", "SinkPatchResult", "SinkReport",
-    "SinkResult", "SinklensError", "SuperNeurons", "TokenBatch", "UnknownHookError", "UnknownModelError",
-    "VarianceResult", "analyze", "as_batches", "builtin_prompts", "create_sink", "find_massive_activations",
-    "find_sinks", "find_super_neurons", "load_model", "measure_variance", "normalized_disparity",
-    "patch_sink", "query_key_locking", "random_token_batches", "remove_sink", "run", "stdlib_text_prompts",
-    "stream", "super_neurons_from_weights", "sweep",
-    # architecture awareness (issue 8)
-    "CausalCheck", "UnsupportedArchitectureError", "ValueDrain", "Visibility", "attention_visibility",
-    "measure_value_drain", "verify_attribution",
-    # origins (issue 9)
-    "ContractionResult", "FingerprintResult", "PositionalDiscrepancy", "TokenPreference", "contraction",
-    "fingerprint", "positional_discrepancy", "token_preference",
-]
+__all__ = sorted(_MODULE_OF)

@@ -1,18 +1,9 @@
 """The ``sinklens`` command line: ``sinklens analyze | intervene | train | compare | origins | fingerprint``.
 
-Each sub-command lives in its own module under :mod:`sinklens.commands` and exposes
-``add_parser(subparsers)`` (which sets ``func`` on its parser) — this file only dispatches and
-applies the error contract:
-
-* a user error prints one line ``sinklens CMD: error: ...`` on stderr and exits with 2;
-* a failure (I/O, no network, a corrupt file) prints one line and exits with 1; an unexpected
-  exception prints ``sinklens CMD: internal error: ...`` and exits with 1;
-* Ctrl-C exits with 130;
-* ``--debug`` (anywhere on the command line) or ``SINKLENS_DEBUG=1`` also prints the traceback;
-* a warning prints as one line ``sinklens CMD: warning: ...`` (Python's format, with the source line,
-  under ``--debug``).
-
-The mapping from exception to exit code is :func:`sinklens.errors.exit_code_for`.
+Each sub-command module under :mod:`sinklens.commands` exposes ``add_parser(subparsers)``; this file
+dispatches and applies the error contract (:func:`sinklens.errors.exit_code_for`): a user error prints one
+line ``sinklens CMD: error: ...`` and exits 2, a failure exits 1, Ctrl-C 130; ``--debug`` or
+``SINKLENS_DEBUG=1`` adds the traceback; warnings print as one line.
 """
 
 from __future__ import annotations

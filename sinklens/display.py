@@ -1,10 +1,7 @@
 """Short reprs and structural equality for result objects.
 
-Results mix in :class:`CompactRepr` and are declared ``@dataclass(repr=False, eq=False)``: the repr
-shows one field a line, tensors as their shape and dtype, long lists and dicts as their length.
-:class:`StructuralEq` (included in :class:`CompactRepr`) makes two results equal when they are of the
-same class and every compared field is equal by :func:`same_value` (tensors: same shape, dtype and
-values, NaN equal to NaN). Like any dataclass with ``eq``, they are unhashable.
+Results mix in :class:`CompactRepr` (``@dataclass(repr=False, eq=False)``): one field a line, tensors as
+shape and dtype, long containers as their length; equality by :class:`StructuralEq`.
 """
 
 from __future__ import annotations
@@ -98,13 +95,8 @@ def _same_array(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def same_value(a: Any, b: Any) -> bool:
-    """Structural equality of two field values, the rule behind :class:`StructuralEq`.
-
-    * tensors: same shape and dtype and equal values, NaN equal to NaN (on any device); numpy arrays alike;
-    * numbers: ``a == b``, or both NaN;
-    * lists and tuples (the same kind, same length), and mappings (the same keys): item by item;
-    * dataclass instances (nested results, settings): the same class and every field with ``compare=True``;
-    * anything else: ``a == b``, False where that has no single truth value.
+    """Structural equality of two field values: tensors and arrays in shape, dtype and values (NaN equal to
+    NaN), numbers (NaN equal), lists, tuples and mappings item by item, dataclasses field by field.
 
     Examples:
         >>> same_value({"x": torch.tensor([1.0, float("nan")])}, {"x": torch.tensor([1.0, float("nan")])})
@@ -136,14 +128,8 @@ def same_value(a: Any, b: Any) -> bool:
 
 
 class StructuralEq:
-    """Mixin for result dataclasses (declared ``@dataclass(eq=False)``): structural ``==``, no hash.
-
-    ``a == b`` when ``a`` and ``b`` are of the same class and every dataclass field with ``compare=True`` is
-    equal by :func:`same_value`: tensors in shape, dtype and values with NaN equal to NaN, lists, dicts and
-    nested results item by item, floats with NaN equal to NaN. An object of another class is never equal.
-    Fields declared ``field(compare=False)`` are left out (a tokenizer, a wall time).
-    Results are mutable, so (as dataclasses with ``eq``) they are unhashable: ``hash(result)`` raises TypeError; a
-    frozen one may define a ``__hash__`` over its non-tensor fields (:class:`~sinklens.residual_units.NormMap`).
+    """Mixin for result dataclasses (``@dataclass(eq=False)``): ``a == b`` when of the same class and every
+    ``compare=True`` field is equal by :func:`same_value`. Unhashable, as dataclasses with ``eq`` are.
     """
 
     __hash__ = None  # type: ignore[assignment]

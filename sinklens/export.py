@@ -1,9 +1,7 @@
 """The one JSON exporter: every JSON file sinklens writes goes through :func:`write_json`.
 
-Files are strict JSON (RFC 8259): a non-finite float becomes ``null``, never ``NaN`` or
-``Infinity``; tensors and numpy arrays become nested lists; dataclasses become dicts. Writes are
-atomic (a temporary file in the same folder, flushed, fsynced and renamed), so a crash never leaves a
-half-written file where a finished one was.
+Files are strict JSON (a non-finite float becomes ``null``) and written atomically (temporary file in the
+same folder, fsynced and renamed).
 
 Examples:
     >>> import math, torch
@@ -31,12 +29,8 @@ from sinklens.errors import OutputExistsError, OutputNotWritableError
 
 
 def to_json(value: Any, digits: int | None = 6) -> Any:
-    """A strict-JSON-ready copy of ``value``.
-
-    Tensors and numpy arrays -> nested lists; numpy and tensor scalars -> Python numbers; dataclasses
-    and mappings -> dicts with string keys; tuples and sets -> lists; paths -> strings; non-finite
-    floats -> None; floats rounded to ``digits`` significant digits (None keeps full precision).
-    """
+    """A strict-JSON-ready copy of ``value``: tensors and arrays as lists, dataclasses and mappings as dicts,
+    non-finite floats as None, floats rounded to ``digits`` significant digits (None: full precision)."""
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().tolist()
     elif isinstance(value, np.ndarray):
@@ -87,11 +81,7 @@ def default_file_mode() -> int:
 
 
 def write_text_atomic(path: str | Path, text: str, *, replace: bool = True) -> Path:
-    """Write ``text`` to ``path`` atomically (temporary file in the same folder, fsync, rename; see
-    :func:`write_atomic`, also for ``replace``).
-
-    The file gets the mode a plain ``open()`` would give it (``0o666`` less the umask), not ``mkstemp``'s ``0o600``.
-    """
+    """Write ``text`` to ``path`` atomically (:func:`write_atomic`)."""
     def write(tmp: Path) -> None:
         with open(tmp, "w", encoding="utf-8") as handle:
             handle.write(text)
@@ -102,14 +92,10 @@ def write_text_atomic(path: str | Path, text: str, *, replace: bool = True) -> P
 
 
 def write_atomic(path: str | Path, write: Any, *, replace: bool = True) -> Path:
-    """Have ``write(tmp)`` write a temporary file beside ``path``, then rename it onto ``path``: a reader never sees
-    a half-written file, and an interrupted write leaves the earlier file as it was (the temporary one is removed).
-    A file system error is an :class:`~sinklens.errors.OutputNotWritableError` naming ``path`` (not the temporary
-    file); the file gets the mode a plain ``open()`` would give it.
-
-    ``replace=False`` (a command without ``--overwrite``): the file is linked into place only if ``path`` does not
-    exist at that moment, checked and done in one step (``os.link``), so a file another process wrote there while
-    this one computed is never replaced: :class:`~sinklens.errors.OutputExistsError` instead.
+    """Have ``write(tmp)`` write a temporary file beside ``path``, then rename it onto ``path``: readers never
+    see a half-written file. Errors are :class:`~sinklens.errors.OutputNotWritableError` naming ``path``;
+    ``replace=False`` links the file into place only if ``path`` does not exist at that moment (``os.link``),
+    else :class:`~sinklens.errors.OutputExistsError`. The file gets plain ``open()``'s mode.
     """
     path = Path(path)
     tmp: Path | None = None
@@ -125,18 +111,14 @@ def write_atomic(path: str | Path, write: Any, *, replace: bool = True) -> Path:
             os.replace(tmp, path)
         else:
             _link_new(tmp, path)
-    except FileExistsError:
+    except BaseException as err:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
-        raise OutputExistsError(f"{str(path)!r} was written by another process while this one ran; it is kept. "
-                                "Pass --overwrite to replace it, or choose another path.") from None
-    except OSError as err:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
-        raise OutputNotWritableError(f"Cannot write {str(path)!r}: {err.strerror or err}.") from err
-    except BaseException:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+        if isinstance(err, FileExistsError):
+            raise OutputExistsError(f"{str(path)!r} was written by another process while this one ran; it is kept. "
+                                    "Pass --overwrite to replace it, or choose another path.") from None
+        if isinstance(err, OSError):
+            raise OutputNotWritableError(f"Cannot write {str(path)!r}: {err.strerror or err}.") from err
         raise
     return path
 
@@ -158,12 +140,9 @@ def _link_new(tmp: Path, path: Path) -> None:
 
 @contextmanager
 def staged_outputs(folder: str | Path, *, marker: str, owned: Sequence[str] = ()) -> Iterator[Path]:
-    """Write a result's files into a staging folder inside ``folder`` (yielded); when the block ends without an
-    error they replace the earlier result in ``folder``: its ``marker`` (the file that says a result is finished,
-    e.g. ``report.json``) is removed first, then every name of ``owned`` (the files such a result may hold, e.g.
-    its figures) that the new one did not write, then the new files are renamed in, the marker last. An error or
-    Ctrl-C inside the block leaves ``folder`` exactly as it was (the staging folder is removed), so an earlier
-    result is never half replaced and a folder never mixes two results' files.
+    """Write a result's files into a staging folder inside ``folder`` (yielded); on success remove the old
+    ``marker`` (e.g. ``report.json``), then the ``owned`` names not rewritten, then rename the new files in,
+    the marker last. An error or Ctrl-C leaves ``folder`` as it was, never mixing two results.
     """
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

@@ -1,9 +1,5 @@
-"""The one object that carries run settings: how prompts become batches and how a pass is shown.
-
-Every analyzer, experiment and :func:`sinklens.run` takes ``options=RunOptions(...)`` instead of
-re-declaring these keyword arguments, so the defaults cannot drift between functions. Likewise each
-analysis holds one frozen settings dataclass; :func:`settings_from` builds it from ``settings=`` and/or
-its fields given as keywords.
+"""The one object that carries run settings (:class:`RunOptions`), the shared defaults, and
+:func:`settings_from`, which builds an analysis' frozen settings from ``settings=`` and/or keywords.
 
 Examples:
     >>> opts = RunOptions(batch_size=4, progress=False)
@@ -29,8 +25,7 @@ if TYPE_CHECKING:
 
 S = TypeVar("S")
 
-# The defaults every entry point shares: the API, the trainer's metrics and each ``sinklens`` command take
-# them from here (this module imports no torch, so ``--help`` can print them quickly).
+# Defaults shared by the API, the trainer's metrics and every command (no torch here: ``--help`` stays fast).
 
 #: A head is a sink head when the mean attention its queries put on the sink exceeds this: the ε of
 #: Gu et al. 2024, "When attention sink emerges" (``find_sinks``, ``measure_value_drain``, training evals).
@@ -49,21 +44,11 @@ HookFn = Callable[..., Any]
 class RunOptions:
     """Settings of one streaming run, shared by every analyzer and experiment.
 
-    Attributes:
-        batch_size: prompts per forward pass (results do not depend on it, see
-            :func:`sinklens.streaming.forward`).
-        prepend_bos: add the model's own special tokens to each text prompt (a decoder's BOS, an encoder's
-            ``[CLS] … [SEP]``, see :mod:`sinklens.inputs`); for token tensors the first column is taken to be
-            BOS. Results record what position 0 was (``SinkResult.describe_start()``).
-        max_length: keep the first ``max_length`` tokens of every sequence (BOS included; an encoder's text
-            prompt keeps its final ``[SEP]``). None truncates nothing: a sequence longer than ``cfg.n_ctx``
-            raises :class:`~sinklens.errors.SequenceTooLongError`.
-        extra_hooks: ``(hook_name, fn)`` pairs added to every forward before the analyzers' own, e.g.
-            an intervention, so the analyzers measure the intervened model.
-        progress: show a tqdm bar over batches.
-        device: the device the model must run on, checked before the pass (None: no check); batches and
-            statistics live on the device of the model's first parameter.
-        desc: label of the progress bar.
+    ``batch_size``: prompts per forward pass (results do not depend on it). ``prepend_bos``: add the model's
+    special tokens to text prompts (BOS, or ``[CLS] … [SEP]``); for token tensors the first column is taken as
+    BOS. ``max_length``: keep the first ``max_length`` tokens (None: longer than ``n_ctx`` raises).
+    ``extra_hooks``: ``(hook_name, fn)`` pairs added to every forward before the analyzers' own (e.g. an
+    intervention). ``device``: checked against the model before the pass (None: no check).
     """
 
     batch_size: int = BATCH_SIZE
@@ -93,9 +78,8 @@ class RunOptions:
 
 
 def hook_pairs(hooks: Any, *, what: str) -> tuple[tuple[str, HookFn], ...]:
-    """``hooks`` as a tuple of ``(hook_name, fn)`` pairs, as ``run_with_hooks(fwd_hooks=...)`` takes them; anything
-    else (a dict, a bare function, a 1-tuple, a name that is not a string, an ``fn`` that is not callable) raises
-    :class:`~sinklens.errors.InvalidArgumentError` naming it, instead of failing inside the first forward pass.
+    """``hooks`` as a tuple of ``(hook_name, fn)`` pairs, or an :class:`~sinklens.errors.InvalidArgumentError`
+    naming what is wrong (a dict, a bare function, a non-string name, ...) before any forward pass.
 
     Examples:
         >>> hook_pairs([("blocks.0.hook_resid_pre", print)], what="extra_hooks")[0][0]
@@ -126,12 +110,8 @@ def settings_from(
     cls: type[S], settings: S | None, kwargs: dict[str, Any], where: str, *,
     defaults: dict[str, Any] | None = None, argument: str = "settings",
 ) -> S:
-    """The frozen settings of one analysis, from ``settings=`` and/or its fields given as keywords.
-
-    The keywords in ``kwargs`` named after fields of the dataclass ``cls`` are popped and replace those
-    of ``settings`` (``cls(**defaults)`` when None); any other keyword raises ``TypeError`` like Python
-    does. A ``settings`` that is not a ``cls`` raises :class:`~sinklens.errors.InvalidArgumentError`
-    naming ``argument``, the parameter it was passed as.
+    """The frozen settings of one analysis: ``settings`` (default ``cls(**defaults)``) with its fields given as
+    keywords popped from ``kwargs`` replacing them; other keywords raise ``TypeError`` like Python does.
 
     Examples:
         >>> @dataclass(frozen=True)
@@ -160,8 +140,7 @@ def settings_from(
 
 
 def no_unknown_kwargs(kwargs: dict[str, Any], where: str, *, known: Sequence[str] = ()) -> None:
-    """Raise ``TypeError`` like Python does if any keyword is left in ``kwargs``, suggesting the closest
-    of ``known`` for a likely typo.
+    """Raise ``TypeError`` like Python does if any keyword is left in ``kwargs``, suggesting the closest ``known``.
 
     Examples:
         >>> no_unknown_kwargs({"sink_treshold": 0.3}, "demo", known=["sink_threshold", "top_k"])
@@ -178,8 +157,7 @@ def no_unknown_kwargs(kwargs: dict[str, Any], where: str, *, known: Sequence[str
 
 
 def checked_options(options: Any, where: str | None = None) -> RunOptions:
-    """``options`` when it is a :class:`RunOptions`, else an :class:`~sinklens.errors.InvalidArgumentError`
-    saying what was given and how to build one (a dict is the usual slip).
+    """``options`` when it is a :class:`RunOptions`, else an :class:`~sinklens.errors.InvalidArgumentError`.
 
     Examples:
         >>> checked_options({"batch_size": 2}, "find_sinks")

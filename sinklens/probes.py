@@ -1,8 +1,7 @@
 """What a model's forward pass does with hooks, probed once per model with a tiny forward.
 
-Some architectures list hook points they never fire, fire attention hooks after the attention ran, attend both
-ways whatever their config says, or fire ``hook_resid_mid`` on a copy of the residual. Each probe here runs a
-2- or 3-token forward with the model's own hooks silenced and in eval mode, and keeps its answer per model.
+Some architectures list hooks they never fire, fire attention hooks after the fact, attend both ways whatever
+their config says, or fire ``hook_resid_mid`` on a copy; each probe runs a 2- or 3-token forward once per model.
 """
 
 from __future__ import annotations
@@ -37,11 +36,7 @@ _PROBES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 def _probed(model: Any, key: Hashable, probe: Callable[[], Any]) -> Any:
-    """``probe()`` once per model and ``key``: what the architecture's forward pass does with hooks.
-
-    The probe runs with the model's own hooks silenced (:func:`hooks_silenced`) and in eval mode
-    (:func:`eval_mode`), so it describes the architecture; answers are kept per model in a weak map.
-    """
+    """``probe()`` once per model and ``key``, with the model's hooks silenced and in eval mode (weak map)."""
     known = _PROBES.get(model) if _weakrefable(model) else None
     if known is not None and key in known:
         return known[key]
@@ -66,11 +61,7 @@ def _probe_tokens(model: Any, n: int) -> Tensor:
 
 
 def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
-    """The hooks among ``names`` that exist on ``model`` but never run in a forward pass (a 2-token probe).
-
-    Some TransformerBridge adapters list hook points their attention code bypasses (GPT-NeoX's
-    ``attn.hook_rot_q``/``hook_rot_k``); an analyzer that needs one refuses up front.
-    """
+    """The hooks among ``names`` that exist but never run in a forward (e.g. GPT-NeoX's ``attn.hook_rot_q``)."""
     present = [n for n in names if n in model.hook_dict]
     if not present:
         return []
@@ -92,13 +83,9 @@ def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
 
 
 def post_hoc_attention(model: Any) -> str | None:
-    """Why ``model``'s ``hook_attn_scores`` / ``hook_pattern`` are reports fired after its attention has run
-    rather than seams inside it, or None when they are seams (edits there change what the heads compute).
-
-    A TransformerBridge whose attention delegates to the Hugging Face module (BERT in TransformerLens 4.x)
-    fires both after that module returned: edits are discarded. Probed once per model with a 3-token forward
-    in which layer 0's ``hook_attn_scores`` lets every query see only its own key: if another key keeps
-    attention in ``hook_pattern``, or ``hook_pattern`` fires after ``hook_z``, the hooks are post hoc.
+    """Why ``hook_attn_scores`` / ``hook_pattern`` fire after the attention ran (edits are discarded, as in the
+    4.x BERT bridge), or None when they are seams. A 3-token probe lets each query see only its own key at
+    layer 0's scores: attention elsewhere in ``hook_pattern``, or ``hook_pattern`` after ``hook_z``, is post hoc.
     """
     names = [hook_name(0, site) for site in (SCORES, PATTERN, Z)]
     if any(n not in model.hook_dict for n in names[:2]):
@@ -155,12 +142,8 @@ def require_attention_seams(model: Any, what: str) -> None:
 
 
 def attends_to_later_keys(model: Any) -> bool:
-    """True when query 0 of layer 0 gives attention to key 1: the model attends both ways (an encoder).
-
-    Probed once per model with a 2-token forward that reads ``blocks.0.attn.hook_pattern`` (False when that hook
-    is missing or never runs): a causal mask gives ``A[0, 1] = 0`` exactly. Used because ``cfg.attention_dir``
-    can be wrong (TransformerLens 3.9's bridge leaves BERT at ``"causal"``).
-    """
+    """True when query 0 of layer 0 attends to key 1 (a 2-token probe of ``hook_pattern``): the model attends
+    both ways, whatever ``cfg.attention_dir`` says."""
     name = hook_name(0, PATTERN)
     if name not in model.hook_dict:
         return False
@@ -175,13 +158,9 @@ def attends_to_later_keys(model: Any) -> bool:
 
 
 def resid_mid_is_a_copy(model: Any) -> bool:
-    """True when an edit returned from ``blocks.l.hook_resid_mid`` reaches the MLP but not the residual stream.
-
-    The TransformerLens 4.x bridges of sequential blocks fire ``hook_resid_mid`` as ``ln2.hook_in``, on a copy
-    of the residual (:func:`sinklens.residual_sites.on_the_residual_stream` moves such an edit). Probed once per
-    model with a 2-token forward that adds 1 at layer 0's ``hook_resid_mid`` and checks whether
-    ``hook_resid_post − hook_mlp_out`` moved with it (False when one of those hooks is missing).
-    """
+    """True when an edit returned from ``blocks.l.hook_resid_mid`` reaches the MLP but not the residual stream
+    (4.x bridges fire it on a copy, as ``ln2.hook_in``): a 2-token probe adds 1 there and checks whether
+    ``hook_resid_post − hook_mlp_out`` moved."""
     names = [hook_name(0, site) for site in (RESID_MID, MLP_OUT, RESID_POST)]
     if any(n not in model.hook_dict for n in names):
         return False

@@ -1,7 +1,5 @@
 """Where each block's attention write and the residual right after it are read, with one meaning on every
-architecture: sequential pre-norm blocks, Gemma's sandwich norms, parallel blocks (GPT-NeoX/Pythia) and post-LN
-blocks (BERT), on TransformerLens 3.x and 4.x. Shared by the analyzers (variance's ``attn_out``) and the origins
-measures (contraction, positional discrepancy)."""
+architecture (sequential, sandwich-norm, parallel and post-LN blocks) and TransformerLens 3.x and 4.x."""
 
 from __future__ import annotations
 
@@ -27,14 +25,9 @@ def has_resid_mid(model: Any, layers: Sequence[int]) -> bool:
 
 
 def on_the_residual_stream(model: Any, hooks: Sequence[tuple[str, HookFn]]) -> list[tuple[str, HookFn]]:
-    """``hooks`` with every edit at ``blocks.l.hook_resid_mid`` made where it reaches the residual stream.
-
-    On a model where that hook is a copy (:func:`~sinklens.probes.resid_mid_is_a_copy`), an edit ``f`` there is
-    applied to the attention write ``w`` at ``blocks.l.hook_attn_out`` instead: with ``r`` = ``hook_resid_pre``,
-    the write becomes ``w + f(r + w) − (r + w)``, so the residual after the attention is ``f(r + w)``. ``f`` is
-    called with the ``hook_resid_mid`` hook point and may return None (an in-place edit). Other hooks, models
-    whose ``hook_resid_mid`` carries edits and post-LN blocks (BERT) are left as they are.
-    """
+    """``hooks`` with every ``hook_resid_mid`` edit ``f`` moved where it reaches the residual stream: where that
+    hook is a copy (:func:`~sinklens.probes.resid_mid_is_a_copy`), the attention write ``w`` becomes
+    ``w + f(r + w) − (r + w)`` at ``hook_attn_out`` (``r`` = ``hook_resid_pre``). ``f`` may return None."""
     hooks = list(hooks)
     if not any(name.endswith("." + RESID_MID) for name, _ in hooks) or post_ln_reason(model) is not None:
         return hooks
@@ -66,11 +59,8 @@ def _edit_through_the_write(block: str, mid_hook: Any, fn: HookFn) -> list[tuple
 
 
 def after_attention_hooks(model: Any, layers: Sequence[int], consume: Callable[[int, Tensor], None]) -> list[tuple[str, HookFn]]:
-    """Hooks that call ``consume(layer, x)`` with each layer's residual right after its attention write.
-
-    In a sequential block that is ``blocks.l.hook_resid_mid``. A parallel block (GPT-NeoX/Pythia, GPT-J) has
-    none; there ``x = hook_resid_pre + hook_attn_out``, so that ``hook_resid_post - x`` is the MLP write. A
-    post-LN block (BERT) reads ``x`` as ``ln1``'s output, ``gain ⊙ ln1.hook_normalized + bias``.
+    """Hooks that call ``consume(layer, x)`` with each layer's residual right after its attention write:
+    ``hook_resid_mid``; ``hook_resid_pre + hook_attn_out`` in a parallel block; ``ln1``'s output in a post-LN one.
     """
     if post_ln_reason(model) is not None:
         maps = {layer: input_norm(model, layer, "mlp") for layer in layers}
@@ -100,12 +90,8 @@ def after_attention_hooks(model: Any, layers: Sequence[int], consume: Callable[[
 
 
 def attention_write_hooks(model: Any, layers: Sequence[int], consume: Callable[[int, Tensor], None]) -> list[tuple[str, HookFn]]:
-    """Hooks that call ``consume(layer, w)`` with each layer's attention write where it reaches the residual stream.
-
-    That is ``blocks.l.hook_attn_out`` on pre-norm and Gemma sandwich blocks. On a post-LN block (BERT) the
-    write is rebuilt as ``z·W_O + b_O`` from ``attn.hook_z`` and mapped through ``ln1`` at its scale,
-    ``gain ⊙ C(write) / s`` (:func:`~sinklens.residual_units.post_norm_map`, ``s`` = ``ln1.hook_scale``).
-    """
+    """Hooks that call ``consume(layer, w)`` with each attention write where it reaches the residual stream:
+    ``hook_attn_out``, or on a post-LN block ``z·W_O + b_O`` mapped through ``ln1`` at its scale."""
     if post_ln_reason(model) is None:
         return [(hook_name(layer, ATTN_OUT), lambda act, hook, layer=layer: consume(layer, act)) for layer in layers]
     maps = {layer: post_norm_map(model, layer, "attn") for layer in layers}

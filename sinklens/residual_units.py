@@ -1,26 +1,11 @@
 """Residual units: what a write inside a block actually adds to the residual stream.
 
-In a pre-norm block (Llama, GPT-2, ...) the attention output ``z W_O (+ b_O)`` and the MLP output
-``post W_out (+ b_out)`` are added to the residual stream as they are. A **post-norm** block (Gemma 2
-and 3) normalises each output before the residual add: ``blocks.{l}.ln1_post`` after attention and
-``blocks.{l}.ln2_post`` after the MLP. At one position such a norm is an *affine* map once its scale
-is known::
-
-    y = gain ⊙ C(x) / scale + bias
-
-with ``x`` the norm's input (the raw block output), ``C`` the identity (RMSNorm) or mean removal
-(LayerNorm), ``scale = blocks.{l}.ln{1,2}_post.hook_scale`` at that position
-(``hook_normalized = C(x) / hook_scale``), ``gain`` the effective per-dimension gain (Gemma's
-``1 + w``, found by running the norm module on a probe vector) and ``bias`` the norm's bias.
-
-So if ``x = Σ_n c_n + b`` (neurons ``c_n = post_n W_out[n]``), each neuron's write in residual units is
-``linear(c_n, scale)`` and the norm's output (``hook_mlp_out`` / ``hook_attn_out``) is exactly
-``Σ_n linear(c_n, scale) + linear(b, scale) + bias``. Without a post norm the map is the identity.
-
-A **post-LN** block (BERT) normalises the residual *plus* each output, ``ln1(resid_pre + attn_out)`` and
-``ln2(resid_mid + mlp_out)``: the same affine map of the output plus the residual's own term, so
-:func:`post_norm_map` gives ``ln1`` / ``ln2`` there. Neuron attribution refuses post-LN models
-(:func:`post_ln_reason`).
+Pre-norm blocks add their outputs as they are. A post-norm block (Gemma 2/3: ``ln1_post``, ``ln2_post``)
+normalises each output first; at one position that norm is affine, ``y = gain ⊙ C(x) / scale + bias``
+(``C``: identity for RMSNorm, mean removal for LayerNorm; ``scale``: its ``hook_scale``; ``gain``: e.g.
+Gemma's ``1 + w``, found by probing the module). A neuron's write ``c_n`` then counts as
+``linear(c_n, scale)``, and the norm's output is ``Σ_n linear(c_n, scale) + linear(b, scale) + bias``.
+Post-LN blocks (BERT) normalise residual plus output: the same map through ``ln1`` / ``ln2``.
 
 Examples:
     >>> from sinklens.testing.zoo import zoo_model
@@ -52,19 +37,11 @@ POST_NORMS: dict[str, str] = {"attn": "ln1_post", "mlp": "ln2_post"}
 
 @dataclass(frozen=True, repr=False, eq=False)
 class NormMap(CompactRepr):
-    """A norm at a fixed position as an affine map: how one block output (``site``: ``"attn"`` or ``"mlp"``)
-    of ``layer`` reaches the residual stream through its post norm (:func:`post_norm_map`), or the norm that
-    sublayer ``site`` of ``layer`` reads (:func:`input_norm`).
+    """A norm at a fixed position as an affine map (:func:`post_norm_map`, :func:`input_norm`).
 
-    Attributes:
-        layer / site: the block and which of its outputs (or which norm).
-        norm: ``"ln1_post"`` / ``"ln2_post"``, or None when the block has no post norm (identity map).
-        gain: effective per-dimension gain (``[d_model]``; Gemma: ``1 + w``); None for the identity.
-        bias: the norm's additive bias (``[d_model]``, zeros for RMSNorm); None for the identity.
-        center: whether the norm removes the mean first (LayerNorm) — a linear step as well.
-        convention: ``"none"`` (identity), ``"w"`` (gain = the stored weight) or ``"1+w"`` (Gemma).
-        path: the norm's module path (set by :func:`input_norm`: on a post-LN model an input norm is the
-            previous block's ``ln2`` or the embedding LayerNorm, not ``blocks.{layer}.{norm}``).
+    ``norm`` is None for the identity (no post norm); ``gain`` / ``bias`` are ``[d_model]``; ``center``:
+    LayerNorm's mean removal; ``convention``: ``"none"``, ``"w"`` or ``"1+w"`` (Gemma); ``path``: the
+    module path when it is not ``blocks.{layer}.{norm}`` (post-LN input norms).
     """
 
     layer: int
@@ -77,7 +54,6 @@ class NormMap(CompactRepr):
     path: str | None = None
 
     def __hash__(self) -> int:
-        """Frozen, so hashable: by its fields other than the tensors (equal maps, by ``==``, hash equal)."""
         return hash((type(self), self.layer, self.site, self.norm, self.center, self.convention, self.path))
 
     @property
@@ -94,11 +70,7 @@ class NormMap(CompactRepr):
 
     def linear(self, x: Float[Tensor, "*batch d_model"], scale: Tensor | None = None) -> Float[Tensor, "*batch d_model"]:
         """The linear part of the map: what a write ``x`` into the norm's input adds to its output.
-
-        ``scale`` is the ``scale_hook`` value at the same position(s), broadcastable against ``x``
-        after a trailing axis is added where it lacks one (``[*batch]`` or ``[*batch, 1]`` as the hook
-        gives it). Ignored (may be None) for the identity map.
-        """
+        ``scale``: the ``scale_hook`` value at the same positions (ignored for the identity)."""
         if self.norm is None:
             return x
         if scale is None:
@@ -123,21 +95,14 @@ class NormMap(CompactRepr):
         return self.linear(x, scale) + self.offset(x)
 
 
-#: The name used by the residual-unit maths (a post norm is the common case).
-PostNormMap = NormMap
-
-
 def has_post_norm(model: Any, layer: int, site: Site) -> bool:
     """Whether ``blocks.{layer}``'s ``site`` output passes through a post norm (its ``hook_scale`` exists)."""
     return hook_name(layer, f"{post_norm_name(model, site)}.hook_scale") in model.hook_dict
 
 
 def post_norm_name(model: Any, site: Site) -> str:
-    """The norm that follows a block's ``site`` output: ``ln1_post`` / ``ln2_post`` (Gemma 2/3's sandwich norms);
-    on a post-LN model (BERT, :func:`post_ln_reason`) ``ln1`` / ``ln2``, which normalise the residual stream
-    *plus* that output. At a fixed position both are affine in the output, so a write ``w`` reaches the stream
-    as ``gain ⊙ C(w) / scale`` either way; on a post-LN model the residual's own term and the bias are added
-    beside it, and do not depend on the write."""
+    """The norm after a block's ``site`` output: ``ln1_post`` / ``ln2_post``, or ``ln1`` / ``ln2`` on post-LN
+    models (which normalise residual plus output: still affine in the output at a fixed position)."""
     norm = _norm_of(site)
     return norm.removesuffix("_post") if post_ln_reason(model) is not None else norm
 
@@ -156,14 +121,10 @@ def _param(module: Any, *names: str) -> Tensor | None:
     return None
 
 
-def post_norm_map(model: Any, layer: int, site: Site) -> PostNormMap:
-    """The :class:`PostNormMap` of ``blocks.{layer}``'s ``site`` output (``"attn"`` or ``"mlp"``).
-
-    The gain convention (``w`` or Gemma's ``1 + w``) and whether the norm centres are found by running
-    the norm module on a probe vector of large norm (so its epsilon is negligible) and keeping the one
-    candidate that reproduces the module's output; if none does, raises
-    :class:`~sinklens.errors.UnsupportedArchitectureError`.
-    """
+def post_norm_map(model: Any, layer: int, site: Site) -> NormMap:
+    """The :class:`NormMap` of ``blocks.{layer}``'s ``site`` output. Gain convention (``w`` / ``1 + w``) and
+    centring are found by running the norm on a large probe vector; none fitting raises
+    :class:`~sinklens.errors.UnsupportedArchitectureError`."""
     norm = post_norm_name(model, site)
     if not has_post_norm(model, layer, site):
         return NormMap(layer, site, None)
@@ -171,8 +132,7 @@ def post_norm_map(model: Any, layer: int, site: Site) -> PostNormMap:
 
 
 def input_norm_path(model: Any, layer: int, site: Site) -> str:
-    """The module path of the norm whose output ``blocks.{layer}``'s ``site`` sublayer reads (see :func:`input_norm`),
-    without probing it."""
+    """The module path of the norm that ``blocks.{layer}``'s ``site`` sublayer reads (:func:`input_norm`)."""
     _norm_of(site)  # validates site
     hooks = model.hook_dict  # a property that builds a dict on some TransformerLens versions: read it once
     if post_ln_reason(model) is None:
@@ -197,9 +157,7 @@ def input_norm_path(model: Any, layer: int, site: Site) -> str:
 
 
 def input_norm_reason(model: Any, site: Site) -> str | None:
-    """Why the input norm of some ``site`` sublayer (``"attn"`` or ``"mlp"``) cannot be read on ``model`` (no
-    normalization at all, ``cfg.normalization_type=None``, or a norm without a ``hook_normalized``), or None when
-    every layer's can: what :func:`input_norm_path` would refuse, for a caller that skips rather than fails."""
+    """Why some layer's ``site`` input norm cannot be read (what :func:`input_norm_path` refuses), or None."""
     try:
         for layer in range(model_dims(model).n_layers):
             input_norm_path(model, layer, site)
@@ -209,11 +167,9 @@ def input_norm_reason(model: Any, site: Site) -> str | None:
 
 
 def input_norm(model: Any, layer: int, site: Site) -> NormMap:
-    """The norm whose output ``blocks.{layer}``'s ``site`` sublayer (``"attn"`` or ``"mlp"``) reads, as a
-    :class:`NormMap` probed like :func:`post_norm_map`; its ``path`` is the norm's module path (hooks
-    ``{path}.hook_normalized`` / ``.hook_scale``), and ``gain ⊙ hook_normalized + bias`` the norm's output.
-    Pre-norm blocks read ``blocks.{l}.ln1`` (attention) and ``blocks.{l}.ln2`` (MLP); on a post-LN block
-    (BERT) the attention reads the previous block's ``ln2`` (layer 0: the embedding LayerNorm), the MLP ``ln1``.
+    """The :class:`NormMap` of the norm that ``blocks.{layer}``'s ``site`` sublayer reads (``path`` set):
+    ``ln1`` / ``ln2`` on pre-norm blocks; on post-LN blocks the attention reads the previous ``ln2`` (layer 0:
+    the embedding LayerNorm) and the MLP ``ln1``.
 
     Examples:
         >>> from sinklens.testing.zoo import zoo_model
@@ -281,12 +237,8 @@ def _bias(model: Any, name: str, layer: int) -> Tensor:
 
 
 def moe_reason(model: Any) -> str | None:
-    """Why this model's MLPs have no per-neuron attribution, or None when they do.
-
-    A mixture-of-experts MLP (``cfg.num_experts``, or router hooks such as ``mlp.hook_router_scores``)
-    has no single ``W_out`` per layer and its ``mlp.hook_post`` holds no per-neuron activations (the
-    TransformerLens 4.x gpt-oss bridge fires it with the MLP's ``d_model`` output).
-    """
+    """Why the MLPs have no per-neuron attribution (mixture of experts: ``cfg.num_experts`` or router hooks),
+    or None."""
     n_experts = getattr(model.cfg, "num_experts", None)
     routed = any(name.startswith("blocks.0.mlp.") and ("router" in name or "expert" in name) for name in model.hook_dict)
     if (n_experts or 0) > 1 or routed:
@@ -302,15 +254,8 @@ POST_LN_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert", 
 
 
 def post_ln_reason(model: Any) -> str | None:
-    """Why this model's block outputs do not add up in its residual stream, or None when they do.
-
-    A post-LN model (BERT and its relatives) applies a LayerNorm *after* each residual add, so the stream
-    is re-normalised after every sublayer: a write reaches it only through that norm (linearly at a given
-    scale, which is how head writes are put in residual units there: :func:`post_norm_map`), and dimension
-    paths (each block's step = its attention plus MLP output) would not mean what they mean on a pre-norm
-    model. Detected from the Hugging Face ``model_type`` behind a bridge, or a TransformerLens 3.x
-    ``HookedEncoder``.
-    """
+    """Why block outputs do not add up in the residual stream (post-LN: BERT and relatives, detected from the
+    Hugging Face ``model_type`` or a 3.x ``HookedEncoder``), or None when they do."""
     config = getattr(getattr(model, "original_model", None), "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type in POST_LN_MODEL_TYPES or type(model).__name__ == "HookedEncoder":
@@ -321,8 +266,7 @@ def post_ln_reason(model: Any) -> str | None:
 
 
 def no_mlp_reason(model: Any) -> str | None:
-    """Why ``model`` has no neurons at all (an attention-only model: TransformerLens 3.x keeps ``cfg.d_mlp`` at its
-    default when ``cfg.attn_only`` is set, so both are read), or None when its blocks have MLPs."""
+    """Why ``model`` has no MLP (``d_mlp <= 0``, e.g. attention-only), or None."""
     if model_dims(model).d_mlp <= 0:
         return "the model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0), so there are no neurons"
     return None
@@ -334,8 +278,7 @@ def neuron_reason(model: Any) -> str | None:
 
 
 def check_neuron_mlp(model: Any) -> None:
-    """Raise :class:`~sinklens.errors.UnsupportedArchitectureError` if the model's MLPs are not per-neuron
-    attributable in residual units (see :func:`moe_reason` and :func:`post_ln_reason`)."""
+    """Raise :class:`~sinklens.errors.UnsupportedArchitectureError` unless :func:`neuron_reason` is None."""
     reason = neuron_reason(model)
     if reason is not None:
         raise UnsupportedArchitectureError(f"Neuron attribution is not supported for this model: {reason}.")

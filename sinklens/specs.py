@@ -41,9 +41,8 @@ def parse_value(text: str) -> Any:
 
 
 def split_spec(spec: str, *, what: str) -> tuple[str, dict[str, Any]]:
-    """``"name:key=value,key=value"`` → ``(name, {key: value})``, values parsed by :func:`parse_value`;
-    ``what`` names the kind of spec in error messages. The name is returned as written (the caller's
-    registry resolves it).
+    """``"name:key=value,key=value"`` → ``(name, {key: value})``, values by :func:`parse_value`; ``what``
+    names the kind of spec in errors.
 
     Examples:
         >>> split_spec("headwise_rms:gain=shared,eps=1e-5", what="attention variant")

@@ -1,17 +1,10 @@
 """Which query sees which key, per layer: the one notion of visibility every analyzer uses.
 
-A key ``k`` is *visible* to a query ``q`` in layer ``l`` when the model's attention mask lets ``q`` attend
-to ``k``:
-
-* **causal** models: ``k <= q``; **bidirectional** encoders (BERT): every ``k``;
-* a **sliding-window** layer of ``w`` tokens (Mistral, Gemma 2/3 local layers, gpt-oss): additionally
-  ``q - k < w`` (Hugging Face's and TransformerLens' convention: the query and the ``w - 1`` tokens before it);
-* **padding**: neither a padded query nor a padded key counts (:meth:`Visibility.batch_mask`).
-
-The layout is read from the model: ``cfg.attention_dir``, checked by a 2-token probe where it says causal
-(:func:`attention_direction`), and per-layer windows from ``cfg.attn_types``/``cfg.window_size`` or the
-Hugging Face config behind a bridge (``layer_types``, ``sliding_window``, ``use_sliding_window``). Layouts
-it cannot describe (chunked attention) raise :class:`UnsupportedArchitectureError`.
+A key ``k`` is visible to a query ``q`` when the mask lets ``q`` attend to it: ``k <= q`` in causal models
+(every ``k`` in encoders), and ``q - k < w`` in a sliding-window layer of ``w`` tokens; padded queries and
+keys never count (:meth:`Visibility.batch_mask`). Read from ``cfg`` (``attention_dir``, ``attn_types``,
+``window_size``) or the Hugging Face config behind a bridge; unknown layouts (chunked attention) raise
+:class:`UnsupportedArchitectureError`.
 
 Examples:
     >>> vis = Visibility(causal=True, windows=(None, 2))
@@ -40,13 +33,8 @@ from sinklens.probes import attends_to_later_keys
 
 @dataclass(frozen=True)
 class Visibility:
-    """The attention layout of a model.
-
-    Attributes:
-        causal: True for decoders (a query sees only keys at or before it), False for encoders.
-        windows: per layer, the sliding window in tokens (a query sees keys ``q - w < k``), or None for
-            full attention.
-    """
+    """The attention layout of a model: ``causal`` (False for encoders) and per layer the sliding window
+    ``w`` in tokens (a query sees keys ``q - w < k``) or None for full attention."""
 
     causal: bool
     windows: tuple[int | None, ...]
@@ -129,13 +117,9 @@ def _tl_windows(cfg: Any, n_layers: int) -> tuple[int | None, ...]:
 
 
 def attention_direction(model: Any) -> str:
-    """``"causal"`` or ``"bidirectional"``: ``cfg.attention_dir``, unless the model attends both ways while its
-    config says causal (:func:`~sinklens.probes.attends_to_later_keys`, one 2-token probe per model):
-    TransformerLens 3.9's ``TransformerBridge`` leaves BERT at ``"causal"``, which made sinklens read an
-    encoder's attention to later keys as a sink logit's mass and give it a next-token loss.
-
-    Raises:
-        UnsupportedArchitectureError: ``cfg.attention_dir`` is neither.
+    """``"causal"`` or ``"bidirectional"``: ``cfg.attention_dir``, unless a 2-token probe
+    (:func:`~sinklens.probes.attends_to_later_keys`) shows a "causal" model attending both ways (3.9 bridges
+    leave BERT at ``"causal"``). Any other value raises :class:`UnsupportedArchitectureError`.
     """
     direction = getattr(model.cfg, "attention_dir", "causal") or "causal"
     if direction not in ("causal", "bidirectional"):

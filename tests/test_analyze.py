@@ -10,7 +10,8 @@ from sinklens.plotting.report import FIGURE_FILES, save_report
 from sinklens.analysis.sinks import find_sinks
 from sinklens.analysis.variance import measure_variance
 from sinklens.cli import main
-from sinklens.testing import QUIET, TINY_PROMPTS, no_hooks_left
+from sinklens.testing import QUIET
+from support.checks import TINY_PROMPTS, no_hooks_left
 
 
 PROMPTS = TINY_PROMPTS
@@ -214,14 +215,14 @@ def test_sink_threshold_and_unknown_keywords(tiny_llama):
 def test_report_json_paths_are_in_residual_units_on_a_post_norm_model(tmp_path):
     """report.json's super_neurons.paths[]: ``dim`` and ``top_neurons`` as [layer, neuron, contribution] rows, best
     first, in residual units: the planted neuron behind a x250 post-norm gain first, its 10x bigger-raw decoy after."""
-    from sinklens.testing.planted import planted_post_norm_model
+    from support.models import planted_post_norm_model
     from sinklens.testing.zoo import FamilyUnavailableError
 
     try:
         model, spec = planted_post_norm_model("gemma2")
     except FamilyUnavailableError as err:
         pytest.skip(str(err))
-    from sinklens.testing import PLANTED_PROMPTS
+    from support.checks import PLANTED_PROMPTS
 
     report = analyze(model, PLANTED_PROMPTS, abs_threshold=None, rel_threshold=50.0, options=QUIET)
     save_report(report, tmp_path, figures=False)

@@ -10,7 +10,7 @@ import torch
 
 import sinklens
 from sinklens.display import CompactRepr, compact_repr, short_value
-from sinklens.testing import public_dataclasses
+from support.checks import public_dataclasses
 
 
 def _public_result_classes() -> list[type]:

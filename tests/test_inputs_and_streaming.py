@@ -8,7 +8,8 @@ from sinklens.errors import InvalidArgumentError, PatternNotExposedError, Sequen
 from sinklens.inputs import as_batches, random_token_batches, tokenize_prompts
 from sinklens.prompts import stdlib_text_prompts
 from sinklens.streaming import BatchFold, Reducer, stream
-from sinklens.testing import QUIET, TINY_PROMPTS, attached_hook_count
+from sinklens.testing import QUIET
+from support.checks import TINY_PROMPTS, attached_hook_count
 
 
 pytestmark = pytest.mark.models
@@ -260,7 +261,8 @@ def test_a_token_tensor_padded_by_to_tokens_is_named_in_a_warning():
     import warnings
 
     from sinklens.inputs import TokenBatch
-    from sinklens.testing import VARIED_PROMPTS, tiny_model
+    from sinklens.testing import tiny_model
+    from support.checks import VARIED_PROMPTS
 
     model = tiny_model("llama", n_layers=2, n_ctx=32)
     tokens = model.to_tokens(VARIED_PROMPTS)

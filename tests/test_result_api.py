@@ -14,7 +14,8 @@ import sinklens
 from sinklens.display import CompactRepr, StructuralEq, same_value
 from sinklens.errors import InvalidArgumentError
 from sinklens.interventions import block_keys
-from sinklens.testing import QUIET, TINY_PROMPTS, public_dataclasses, tiny_model
+from sinklens.testing import QUIET, tiny_model
+from support.checks import TINY_PROMPTS, public_dataclasses
 
 OTHER_PROMPTS = ["t2 t3 t4 t5 t6 t7 t8", "t8 t7 t6 t5", "t1 t1 t2 t3 t4 t5 t6 t7 t8 t9"]
 

@@ -12,7 +12,8 @@ import sinklens
 from sinklens.errors import InvalidArgumentError
 from sinklens.probes import attends_to_later_keys, post_hoc_attention
 from sinklens.interventions.variance import reference_mean
-from sinklens.testing import QUIET, VARIED_PROMPTS, tiny_model
+from sinklens.testing import QUIET, tiny_model
+from support.checks import VARIED_PROMPTS
 from sinklens.visibility import attention_visibility
 
 pytestmark = pytest.mark.models

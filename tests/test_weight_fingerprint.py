@@ -5,7 +5,8 @@ import torch
 
 from sinklens import measure_value_drain, measure_variance
 from sinklens.hooks import _STAT_CACHES, weight_fingerprint
-from sinklens.testing import QUIET, VARIED_PROMPTS, tiny_model
+from sinklens.testing import QUIET, tiny_model
+from support.checks import VARIED_PROMPTS
 
 pytestmark = pytest.mark.models
 

@@ -1,19 +1,11 @@
 """Hook factories that create, remove and patch attention sinks.
 
-Every factory returns ``(hook_name, fn)`` pairs for ``model.run_with_hooks``, ``model.hooks(...)`` or
-``sinklens.stream(..., options=RunOptions(extra_hooks=hooks))``; lists compose by concatenation, and no
-function modifies the activation it receives. A ``site="hook_resid_mid"`` edit means the residual right after
-the attention on every TransformerLens version (:func:`sinklens.residual_sites.on_the_residual_stream`,
-:func:`sinklens.interventions.sites.edit_site`).
-
-* masks (``hook_attn_scores``): :func:`self_only`, :func:`restart`, :func:`block_keys`, :func:`custom_mask`
-* variance: :func:`amplify` (``x ← μ + α(x − μ)``), :func:`calibrate`, :func:`reference_mean`
-* neurons and dimensions: :func:`edit_neurons`, :func:`clamp_dims`, :func:`transplant_dims`
-* experiments: :func:`create_sink`, :func:`remove_sink`, :func:`measure_intervention`, :func:`sweep`
-* patching: :func:`patch_sink`
-
-Every factory is registered under one name in :mod:`sinklens.interventions.registry` (the CLI also accepts
-hyphens); experiments, the trainer and ``sinklens intervene`` build hooks by those names.
+Every factory returns ``(hook_name, fn)`` pairs for ``model.run_with_hooks`` or
+``RunOptions(extra_hooks=hooks)``; lists compose by concatenation and no function modifies its input. Masks:
+:func:`self_only`, :func:`restart`, :func:`block_keys`, :func:`custom_mask`; variance: :func:`amplify`,
+:func:`calibrate`; neurons and dimensions: :func:`edit_neurons`, :func:`clamp_dims`, :func:`transplant_dims`;
+experiments: :func:`create_sink`, :func:`remove_sink`, :func:`measure_intervention`, :func:`sweep`;
+:func:`patch_sink`. Each is registered by name in :mod:`sinklens.interventions.registry`.
 """
 
 from sinklens.interventions import builtin, registry  # builtin registers the built-in interventions

@@ -1,21 +1,11 @@
 """Variance calibration: make each head's output variance independent of the position.
 
-A head's output at query ``t`` is ``z_t = Σ_j A_tj v_j``; for independent values of variance ``σ²``,
-``Var(z_t) = σ² s_t`` with ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under uniform causal attention, ``s_0 = 1`` at
-position 0 of a causal model: why the first token stands out; *Transformers Are Born Biased*, arXiv
-2602.05927). With learned sink logits (gpt-oss) or in an encoder, ``s_0 < 1``. Calibration divides the
-factor out, per batch element, head and query:
-
-* ``mode="amplify"``: ``z_t ← z_t / sqrt(s_t)``, the variance of a single value; factors ≥ 1. At position 0
-  of a causal model without sink logits the factor is exactly 1, so ``positions=0`` alone is refused there.
-* ``mode="attenuate"``: ``z_t ← z_t · sqrt(min_t' s_t' / s_t)``, down to the most-aggregated query's level
-  (``min`` over the sequence's real query positions, per head); factors ≤ 1.
-
-``s_t`` is read from ``blocks.l.attn.hook_pattern`` and applied at ``blocks.l.attn.hook_z``, at the query
-``positions`` (default all). As the registry's ``remove`` intervention (:func:`~sinklens.interventions.remove_sink`,
-``sinklens intervene --method variance-calibration``) the default mode is ``attenuate``; called directly or as
-a spec string it is ``amplify``, since ``attenuate`` reads later queries, which a causal LM in training must
-not (the trainer variant ``variance_calibrated`` uses the fixed reference ``1/n_ctx`` instead).
+A head's output ``z_t = Σ_j A_tj v_j`` has ``Var(z_t) = σ² s_t``, ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under
+uniform causal attention, 1 at position 0: why the first token stands out; arXiv 2602.05927). Per batch
+element, head and query (``s_t`` from ``attn.hook_pattern``, applied at ``attn.hook_z``):
+``mode="amplify"``: ``z_t ← z_t / sqrt(s_t)`` (factors ≥ 1); ``mode="attenuate"``:
+``z_t ← z_t · sqrt(min_t' s_t' / s_t)`` over the real queries (factors ≤ 1). ``remove_sink`` defaults to
+``attenuate``; spec strings and direct calls to ``amplify``, since ``attenuate`` reads later queries.
 
 Examples:
     >>> import torch
@@ -51,10 +41,8 @@ def calibration_factor(
     pattern: Float[Tensor, "batch head query key"], mode: Mode = "amplify",
     queries: Bool[Tensor, "batch query"] | None = None,
 ) -> Float[Tensor, "batch query head"]:
-    """The multiplier of ``z`` per (batch, query, head): ``1/sqrt(s_t)`` or ``sqrt(min s / s_t)``.
-
-    ``s_t = Σ_j A_tj²`` in float32; all-zero rows keep factor 1. ``queries`` (default all) are the rows the
-    ``attenuate`` minimum is taken over (the real tokens of a padded batch).
+    """The multiplier of ``z`` per (batch, query, head): ``1/sqrt(s_t)`` or ``sqrt(min s / s_t)``, with
+    ``s_t = Σ_j A_tj²`` in float32 (all-zero rows: 1); the minimum runs over ``queries`` (default all).
 
     Examples:
         >>> A = torch.tril(torch.ones(3, 3)) / torch.arange(1, 4)[:, None]  # uniform causal
@@ -93,16 +81,8 @@ def variance_calibration(
     layers: int | Sequence[int] | None = None,
     mode: Mode = "amplify",
 ) -> Hooks:
-    """Hooks that rescale each head's output by its aggregation factor (see the module docstring).
-
-    Args:
-        positions: query positions to rescale (None = every position).
-        layers: layers (None = all).
-        mode: ``"amplify"`` or ``"attenuate"``.
-
-    Raises:
-        InvalidArgumentError: ``mode="amplify"`` with ``positions=0`` alone where every factor is exactly 1.
-    """
+    """Hooks that rescale each head's output at query ``positions`` (None: all) by its aggregation factor
+    (module docstring); ``mode="amplify"`` with ``positions=0`` alone, where every factor is 1, is refused."""
     mode = choice(mode, ("amplify", "attenuate"), what="mode")  # type: ignore[assignment]
     dims = model_dims(model)
     pos = None if positions is None else positions_arg(positions, dims.n_ctx)

@@ -1,14 +1,10 @@
 """Experiments: what an intervention does to the sinks.
 
-:func:`measure_intervention` runs a model twice over the same tokens, without and with intervention hooks,
-and reports per layer (and head) the attention received by a target position and by the original sink, the
-target's residual norm and massive dimensions, and the next-token loss. :func:`create_sink` and
-:func:`remove_sink` build the hooks by registry name; :func:`sweep` varies positions, layer sets and α.
-
-Attention received: :class:`~sinklens.analysis.attention.AttentionReceivedReducer` through
-:func:`sinklens.stream`, averaged over the queries after the target (``min_query = target + 1``) and over
-sequences; residual statistics from ``hook_resid_post`` in the same pass. The loss is the mean next-token
-cross-entropy (:func:`next_token_cross_entropy`) in a separate forward with the same hooks; encoders have none.
+:func:`measure_intervention` runs a model without and with intervention hooks over the same tokens and
+reports per layer and head the attention received by a target position and by the original sink
+(:class:`~sinklens.analysis.attention.AttentionReceivedReducer`, queries after the target), residual
+statistics (``hook_resid_post``) and the next-token loss. :func:`create_sink`, :func:`remove_sink` and
+:func:`sweep` build the hooks by registry name.
 """
 
 from __future__ import annotations
@@ -58,11 +54,8 @@ def intervention_hooks(
 
 
 class PositionResidualReducer(Reducer[tuple[Tensor, Tensor]]):
-    """Mean residual vector and mean residual norm at a few positions, per layer (``hook_resid_post``).
-
-    Averages over the sequences in which every requested position is a real token; sums in float64.
-    Result: ``(mean [layer, position, d_model], mean norm [layer, position])``.
-    """
+    """Mean residual vector and norm at ``positions`` per layer (``hook_resid_post``), over sequences where all
+    are real tokens; float64 sums. Result: ``(mean [layer, position, d_model], mean norm [layer, position])``."""
 
     statistics = ("vec", "norm", "count")
 
@@ -119,10 +112,7 @@ class RunStats(CompactRepr):
 def next_token_cross_entropy(
     logits: Float[Tensor, "batch pos vocab"], tokens: Int[Tensor, "batch pos"], valid: Bool[Tensor, "batch pos"]
 ) -> tuple[float, int]:
-    """Summed next-token cross-entropy (nats, float32 logits) over predicted tokens that are real, and their count.
-
-    Position ``t`` predicts token ``t + 1``; a prediction counts when token ``t + 1`` is not padding.
-    """
+    """Summed next-token cross-entropy (nats) over predictions whose next token is real, and their count."""
     per_token = torch.nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="none"
     ).view(tokens.shape[0], -1)  # [batch, pos - 1]
@@ -131,11 +121,8 @@ def next_token_cross_entropy(
 
 
 def wants_next_token_loss(model: Any, loss: bool | None) -> bool:
-    """Whether to compute the next-token loss; ``None`` means "where it is defined".
-
-    It is not defined on an encoder (every position sees the token it would predict) nor where
-    ``cfg.d_vocab_out < d_vocab`` (some next tokens have no logit); ``loss=True`` there raises
-    :class:`~sinklens.errors.UnsupportedArchitectureError`.
+    """Whether to compute the next-token loss (None: where defined). It is not defined on an encoder nor where
+    ``cfg.d_vocab_out < d_vocab``; ``loss=True`` there raises :class:`~sinklens.errors.UnsupportedArchitectureError`.
     """
     dims = model_dims(model)
     if loss is None:
@@ -143,15 +130,11 @@ def wants_next_token_loss(model: Any, loss: bool | None) -> bool:
     loss = as_bool(loss, what="loss")
     if loss and is_encoder(model):
         raise UnsupportedArchitectureError(
-            "loss=True on an encoder (bidirectional attention): a next-token loss is not defined there, since every "
-            "position sees the token it would predict. Use loss=False, or the default loss=None, which skips it on "
-            "encoders (CLI: the loss line is left out)."
-        )
+            "loss=True on an encoder: every position sees the token it would predict, so there is no next-token loss.")
     if loss and dims.d_vocab_out < dims.d_vocab:
         raise UnsupportedArchitectureError(
-            f"loss=True on a model that reads {dims.d_vocab} tokens and predicts {dims.d_vocab_out} (cfg.d_vocab_out): "
-            "an input token past the output vocabulary has no logit, so the next-token loss is not defined. Use "
-            "loss=False, or the default loss=None, which skips it on such models.")
+            f"loss=True on a model that reads {dims.d_vocab} tokens but predicts {dims.d_vocab_out} (cfg.d_vocab_out): "
+            "the next-token loss is not defined.")
     return loss
 
 
@@ -215,24 +198,13 @@ def run_stats(
 
 @dataclass(repr=False, eq=False)
 class InterventionResult(CompactRepr):
-    """What an intervention did to the sinks, per layer (and head).
+    """What an intervention did to the sinks, per layer (rows: ``layers``).
 
-    Attributes:
-        method: the intervention's name.
-        target: the position measured (the new sink for ``create_sink``, the original one for ``remove_sink``).
-        sink: the original sink position.
-        layers: the model layer of each row.
-        received_before/after: ``[layer, head]`` mean attention ``target`` receives from the queries after it
-            (``hook_pattern``, averaged over those queries and over sequences).
-        sink_before/after: the same for the original sink, over the same queries.
-        resid_norm_before/after: ``[layer]`` mean L2 norm of the target's ``hook_resid_post``.
-        dims: tracked residual dimensions (default: the 3 largest ``|x|`` of the sink's mean
-            ``hook_resid_post`` in the clean run, at the layer where the sink is largest).
-        dims_before/after: ``[layer, dim]`` the target's mean ``hook_resid_post`` in those dims.
-        sink_dims: ``[layer, dim]`` the sink's values in the clean run.
-        loss_before/after: mean next-token cross-entropy over all real tokens (nats).
-        options: every option the intervention ran with (factory and registry defaults, the options given,
-            ``layers``) and the inputs' ``prepend_bos``, ``special_tokens`` and ``max_length``, as plain JSON.
+    ``received_*`` / ``sink_*``: ``[layer, head]`` mean ``hook_pattern`` attention to ``target`` / the original
+    ``sink`` from the queries after ``target``, averaged over sequences; ``resid_norm_*``: ``[layer]`` mean L2
+    norm of the target's ``hook_resid_post``; ``dims`` (default: the clean sink's 3 largest ``|x|``) and
+    ``dims_*`` / ``sink_dims``: those residual coordinates; ``loss_*``: mean next-token cross-entropy (nats);
+    ``options``: every option the intervention and inputs ran with, as plain JSON.
     """
 
     method: str
@@ -255,12 +227,10 @@ class InterventionResult(CompactRepr):
 
     @property
     def received_layer_before(self) -> Float[Tensor, " layer"]:
-        """Attention received by the target per layer, averaged over heads (before)."""
         return self.received_before.mean(dim=1)
 
     @property
     def received_layer_after(self) -> Float[Tensor, " layer"]:
-        """Attention received by the target per layer, averaged over heads (after)."""
         return self.received_after.mean(dim=1)
 
     def rows(self) -> list[dict]:
@@ -283,9 +253,7 @@ class InterventionResult(CompactRepr):
         return out
 
     def to_dict(self) -> dict:
-        """JSON-ready at full precision (a loss not computed, NaN, is None): ``layers``, ``before``/``after``
-        (head-averaged attention to the target) and every other field.
-        """
+        """JSON-ready at full precision (NaN loss as None); ``before`` / ``after``: head-averaged attention to the target."""
         return to_json({
             "method": self.method, "target": self.target, "sink": self.sink, "layers": list(self.layers),
             "before": self.received_layer_before.tolist(), "after": self.received_layer_after.tolist(),
@@ -298,9 +266,7 @@ class InterventionResult(CompactRepr):
         }, digits=None)
 
 def _plain_option(value: Any) -> Any:
-    """One recorded option as a plain JSON value, or a short description for a tensor of more than 64 entries or
-    anything JSON cannot hold.
-    """
+    """One recorded option as plain JSON, or a short description (large tensors, objects JSON cannot hold)."""
     size = value.numel() if isinstance(value, Tensor) else value.size if isinstance(value, np.ndarray) else 0
     if size > 64:
         return f"tensor of shape {list(value.shape)} ({value.dtype})"
@@ -367,23 +333,14 @@ def measure_intervention(
     loss: bool | None = None,
     options: RunOptions = RunOptions(progress=False),
 ) -> InterventionResult:
-    """Measure any intervention: the same statistics without and with it (see :class:`InterventionResult`).
-
-    Args:
-        tokens: strings, a token tensor ``[batch, pos]`` or TokenBatch es (see :func:`sinklens.as_batches`).
-        intervention: ``(hook_name, fn)`` pairs, a registry spec string (``"restart:positions=5"``) or a callable
-            ``model -> hooks``.
-        target: position whose received attention / residual is reported.
-        sink: the original sink position.
-        method: the name recorded in the result (default: the spec's name, or ``"custom"``).
-        dims: residual dimensions to track (default: the sink's 3 largest).
-        loss: also compute the next-token loss; None (default): where defined (:func:`wants_next_token_loss`).
-        options: batching and progress; its ``extra_hooks`` run in both the clean and the intervened run.
+    """The statistics of :class:`InterventionResult` without and with ``intervention``: ``(hook, fn)`` pairs, a
+    registry spec (``"restart:positions=5"``) or a callable ``model -> hooks``. ``dims`` default: the sink's 3
+    largest; ``loss`` None: where defined (:func:`wants_next_token_loss`); ``options.extra_hooks`` run in both.
     """
     options = checked_options(options, "measure_intervention")
     dims_m = model_dims(model)
-    index(target, dims_m.n_ctx, what="target position", allow_negative=False)  # named before the hooks are built
-    index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
+    target = index(target, dims_m.n_ctx, what="target position", allow_negative=False)  # before the hooks are built
+    sink = index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
     _check_dims(model, dims)
     recorded: dict[str, Any] = {}
     if isinstance(intervention, str):
@@ -401,10 +358,9 @@ def _measure(
     model: Any, tokens: Inputs, hooks: Hooks, *, target: IntLike, sink: IntLike, method: str | None,
     dims: IndexLike | None, loss: bool | None, options: RunOptions, recorded: Mapping[str, Any],
 ) -> InterventionResult:
-    """:func:`measure_intervention` on built hooks; ``recorded`` and the inputs' settings go to ``result.options``."""
+    """:func:`measure_intervention` on built hooks (``target`` and ``sink`` checked by the caller); ``recorded``
+    and the inputs' settings go to ``result.options``."""
     dims_m = model_dims(model)
-    target = index(target, dims_m.n_ctx, what="target position", allow_negative=False)
-    sink = index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
     dims = _check_dims(model, dims)
     batches = batches_for(model, tokens, options)
     layers = list(range(dims_m.n_layers))
@@ -427,12 +383,9 @@ def create_sink(
     options: RunOptions = RunOptions(progress=False),
     **method_options: Any,
 ) -> InterventionResult:
-    """Turn the token at ``position`` into a sink and measure the effect.
-
-    ``method`` is a ``create`` intervention of the registry (``-`` or ``_``): ``"self_only"``, ``"restart"``,
-    ``"amplify"`` (``alpha=8`` by default at ``site="attn.hook_z"``) or ``"transplant_dims"`` (copy the sink's
-    residual ``dims=`` onto it). ``method_options`` go to the factory; ``dims`` is both the tracked dimensions
-    and, for methods that need ``dims``, theirs.
+    """Turn the token at ``position`` into a sink and measure the effect. ``method``: a ``create`` entry of the
+    registry (``"self_only"``, ``"restart"``, ``"amplify"``, ``"transplant_dims"``); ``method_options`` go to
+    its factory, and ``dims`` (tracked dimensions) also to a factory that needs ``dims``.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -446,10 +399,8 @@ def create_sink(
     sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
     if position == sink:
         raise InvalidArgumentError(
-            f"position={position} is the sink itself (sink={sink}): create_sink makes a new sink at another position "
-            f"and compares it with the original one; pass a position other than {sink} (or remove_sink to take this "
-            "one away)."
-        )
+            f"position={position} is the sink itself (sink={sink}): pass another position to create_sink "
+            "(or use remove_sink).")
     name, hooks, recorded = _hooks_for(model, method, "create", position, layers, sink, dims, method_options)
     return _measure(model, tokens, hooks, target=position, sink=sink, method=name, dims=dims, loss=loss,
                     options=options, recorded=recorded)
@@ -457,9 +408,7 @@ def create_sink(
 
 def _hooks_for(model: Any, method: str, role: registry.Role, positions: int, layers: Any, sink: int, dims: Any,
                method_options: dict[str, Any]) -> tuple[str, Hooks, dict[str, Any]]:
-    """``(name, hooks, recorded options)`` of ``method`` for create/remove_sink: ``dims`` doubles as the factory's
-    ``dims`` when it needs one, and the entry's ``sink_defaults`` fill options not given.
-    """
+    """``(name, hooks, recorded options)`` for create/remove_sink; ``dims`` doubles as the factory's ``dims``."""
     entry = registry.get(method, role=role)
     if "dims" in entry.requires and "dims" not in method_options and dims is not None:
         method_options = {**method_options, "dims": dims}
@@ -472,9 +421,7 @@ def _hooks_for(model: Any, method: str, role: registry.Role, positions: int, lay
 
 
 def _effective_options(entry: registry.Intervention, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The options ``entry``'s factory ran with: its keyword defaults, then the registry's, then ``given``
-    (``positions`` left out).
-    """
+    """The options ``entry``'s factory ran with: its defaults, the registry's, then ``given`` (no ``positions``)."""
     params = list(inspect.signature(entry.factory).parameters.values())[1:]
     signature = {p.name: p.default for p in params
                  if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty}
@@ -495,12 +442,8 @@ def remove_sink(
     options: RunOptions = RunOptions(progress=False),
     **method_options: Any,
 ) -> InterventionResult:
-    """Remove the sink at ``sink`` and measure the effect (the target is the sink itself).
-
-    ``method`` is a ``remove`` intervention of the registry: ``"block_keys"``, ``"calibrate"``,
-    ``"variance_calibration"``, ``"clamp_dims"`` (needs ``dims=``) or ``"edit_neurons"`` (needs ``neurons=``
-    and ``layers=``).
-    """
+    """Remove the sink at ``sink`` and measure the effect (the target is the sink itself). ``method``: a
+    ``remove`` entry of the registry (``"block_keys"``, ``"calibrate"``, ``"clamp_dims"``, ...)."""
     options = checked_options(options, "remove_sink")
     sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
     name, hooks, recorded = _hooks_for(model, method, "remove", sink, layers, sink, dims, method_options)
@@ -526,13 +469,9 @@ def sweep(
     options: RunOptions = RunOptions(progress=False),
     **method_options: Any,
 ) -> list[dict]:
-    """Run :func:`create_sink` over positions × layer sets × α; one tidy row per (config, layer).
-
-    The clean run of each position is computed once. ``alphas`` applies to methods with an ``alpha`` option
-    (``None`` = the method's default). Rows carry ``position``, ``layers`` (the intervened set, ``None`` = all),
-    ``alpha`` and the numbers of :meth:`InterventionResult.rows`. Other keywords go to the method's factory.
-    ``options``: batching and progress (a bar over the configurations; off by default).
-    """
+    """:func:`create_sink` over positions × layer sets × α (None: the method's default), the clean run once per
+    position; one row per (config, layer): ``position``, ``layers``, ``alpha`` and :meth:`InterventionResult.rows`.
+    Other keywords go to the method's factory."""
     options = checked_options(options, "sweep")
     dims_m = model_dims(model)
     positions = index_list(positions, dims_m.n_ctx, what="position", allow_negative=False)

@@ -1,18 +1,10 @@
 """Attention-mask interventions through ``blocks.{l}.attn.hook_attn_scores``.
 
-The hook receives the pre-softmax scores ``[batch, head, query, key]`` (already masked by the model) and
-returns a *new* tensor in which the keys a query may not see are ``-inf``. Every query keeps at least one
-visible key (its own position), so every ``hook_pattern`` row still sums to 1 (with learned sink logits,
-gpt-oss, to 1 minus the sink logit's share).
-
-Models whose attention hooks fire after the fact (the TransformerLens 4.x BERT bridge,
-:func:`sinklens.probes.post_hoc_attention`) would discard the edit and are refused with
-:class:`~sinklens.errors.UnsupportedArchitectureError`.
-
-Queries are addressed by absolute position: scores with fewer queries than keys (a KV-cached generation step
-on a 3.x ``HookedTransformer``) are taken to be the last ``n_query`` positions. A 4.x bridge shows a cached
-step only the new token's key (``1 x 1`` scores), where no mask can act: that raises
-:class:`~sinklens.errors.InvalidArgumentError` asking for ``generate(..., use_past_kv_cache=False)``.
+The hook returns new scores ``[batch, head, query, key]`` with the hidden keys at ``-inf``; every query keeps
+its own key, so each ``hook_pattern`` row still sums to 1 (minus a learned sink logit's share). Models whose
+attention hooks fire after the fact (:func:`sinklens.probes.post_hoc_attention`) are refused. Queries are
+absolute positions (fewer queries than keys: the last ones); a 4.x bridge's cached ``generate`` step, whose
+``1 x 1`` scores no mask can act on, raises :class:`~sinklens.errors.InvalidArgumentError`.
 """
 
 from __future__ import annotations
@@ -45,7 +37,7 @@ BlockFn = Callable[[Tensor, int], Tensor]
 
 
 def positions_arg(positions: Any, n_ctx: int, *, what: str = "position") -> list[int]:
-    """Validate a ``positions=`` argument: an int or a sequence of ints, each in ``0..n_ctx-1`` (no negatives).
+    """Validate ``positions=``: an int or a sequence of ints, each in ``0..n_ctx-1``.
 
     Examples:
         >>> positions_arg(3, 8), positions_arg([0, 5], 8)
@@ -133,10 +125,8 @@ def self_only(model: Any, *, positions: IndexLike, layers: IndexLike | None = No
 
 
 def restart(model: Any, *, positions: IndexLike, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
-    """A restart mask: queries at ``q >= k`` cannot see keys ``< k``, so ``k`` acts as a new first token.
-
-    With several positions the sequence is cut into independent segments at each of them. In a
-    bidirectional model (encoder) the cut goes both ways: queries ``< k`` cannot see keys ``>= k`` either.
+    """A restart mask: queries ``q >= k`` cannot see keys ``< k``, so ``k`` acts as a new first token (several
+    positions cut independent segments; in an encoder the cut goes both ways).
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -160,11 +150,8 @@ def restart(model: Any, *, positions: IndexLike, layers: IndexLike | None = None
 
 
 def block_keys(model: Any, *, positions: IndexLike, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
-    """Hide the keys at ``positions`` from every later query (e.g. ``positions=0`` removes the sink).
-
-    The blocked token still attends to itself (its own row is unchanged), so the softmax of every
-    query is well defined; the attention it received is redistributed over the remaining keys.
-    """
+    """Hide the keys at ``positions`` from every later query (``positions=0`` removes the sink); the blocked
+    token still sees itself, and the attention it received is redistributed over the other keys."""
     pos = positions_arg(positions, model_dims(model).n_ctx)
 
     def block(q_pos: Tensor, n_k: int) -> Tensor:
@@ -176,13 +163,9 @@ def block_keys(model: Any, *, positions: IndexLike, layers: IndexLike | None = N
 
 
 def custom_mask(model: Any, allowed: Tensor, *, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
-    """Apply a boolean mask: ``allowed[..., q, k]`` True = query ``q`` may attend to key ``k``.
-
-    ``allowed`` is ``[query, key]``, ``[head, query, key]`` or ``[batch, head, query, key]`` over absolute positions
-    ``0..n-1``; a run of ``T <= n`` positions uses its top-left ``[T, T]`` block, a longer run raises
-    :class:`~sinklens.errors.InvalidArgumentError`. Keys the model hides (:mod:`sinklens.visibility`) stay hidden.
-    The diagonal is not protected, but a row with no visible key raises
-    :class:`~sinklens.errors.InvalidArgumentError`.
+    """Apply a boolean mask ``allowed[..., q, k]`` (``[query, key]``, ``[head, query, key]`` or
+    ``[batch, head, query, key]`` over absolute positions; a shorter run uses its top-left block). Keys the
+    model hides stay hidden; a row with no visible key raises :class:`~sinklens.errors.InvalidArgumentError`.
     """
     if not isinstance(allowed, Tensor) or allowed.dtype != torch.bool:
         raise InvalidArgumentError(f"allowed must be a bool tensor, got {getattr(allowed, 'dtype', type(allowed).__name__)}.")

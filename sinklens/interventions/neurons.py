@@ -1,12 +1,8 @@
 """Neuron and residual-dimension interventions.
 
-* :func:`edit_neurons` — zero, scale or set FFN neurons (``mlp.hook_post``, the activations that
-  multiply the rows of ``W_out``) at chosen positions: the tool for super-neuron ablations.
-* :func:`clamp_dims` — set or bound massive residual dimensions at chosen positions.
-* :func:`transplant_dims` — copy residual dimensions from one position (the sink) to others, giving
-  them the first token's massive activation.
-
-All return ``(hook_name, fn)`` pairs and never modify the tensor they receive.
+:func:`edit_neurons` (zero, scale or set ``mlp.hook_post`` neurons: super-neuron ablations),
+:func:`clamp_dims` (set or bound residual dimensions) and :func:`transplant_dims` (copy the sink's residual
+dimensions to other positions) return ``(hook_name, fn)`` pairs and never modify the tensor they receive.
 """
 
 from __future__ import annotations
@@ -56,17 +52,9 @@ def edit_neurons(
     positions: IndexLike | None = None,
     layers: IndexLike | None = None,
 ) -> Hooks:
-    """Zero (``mode="zero"``), multiply by ``value`` (``"scale"``) or set to ``value`` (``"set"``) FFN neurons.
-
-    Args:
-        neurons: indices into ``d_mlp`` applied in every layer of ``layers`` (then required: an index names a
-            different neuron in each layer), or ``{layer: [neurons]}`` (then ``layers`` must be None).
-        mode, value: ``value`` must be finite.
-        positions: token positions to edit (default all).
-
-    Raises:
-        UnsupportedArchitectureError: an attention-only model or a mixture-of-experts MLP (no per-neuron
-            ``hook_post``).
+    """Zero, scale by or set to ``value`` FFN neurons (``mlp.hook_post``) at ``positions`` (default all).
+    ``neurons``: indices applied in each of ``layers``, or ``{layer: [neurons]}``. Attention-only and
+    mixture-of-experts models raise :class:`~sinklens.errors.UnsupportedArchitectureError`.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -123,12 +111,8 @@ def clamp_dims(
     site: str = RESID_POST,
     layers: IndexLike | None = None,
 ) -> Hooks:
-    """Set residual dimensions to ``value`` (``mode="set"``) or bound them to ``[-value, value]`` (``"bound"``).
-
-    The default targets the sink (position 0) at ``hook_resid_post``: ``clamp_dims(model, 507)`` removes
-    SmolLM2's massive activation. ``site="hook_resid_mid"`` is the residual right after the attention on every
-    model (:func:`~sinklens.interventions.sites.edit_site`).
-    """
+    """Set residual dimensions to ``value`` (``mode="set"``) or bound them to ``[-value, value]`` (``"bound"``),
+    by default at the sink's ``hook_resid_post``: ``clamp_dims(model, 507)`` removes SmolLM2's massive activation."""
     mode = choice(mode, ("set", "bound"), what="mode")
     value = finite_number(value, what="value")
     if mode == "bound" and value < 0:
@@ -157,10 +141,7 @@ def transplant_dims(
     site: str = RESID_POST,
     layers: IndexLike | None = None,
 ) -> Hooks:
-    """Copy residual dimensions ``dims`` from position ``source`` to ``positions`` (same sequence, same run).
-
-    With the sink as source, the targets receive its massive activation. ``site`` as in :func:`clamp_dims`.
-    """
+    """Copy residual dimensions ``dims`` from position ``source`` (the sink) to ``positions`` in the same run."""
     md = model_dims(model)
     idx = index_list(dims, md.d_model, what="residual dimension", allow_negative=False)
     pos = positions_arg(positions, md.n_ctx)

@@ -1,15 +1,11 @@
 """Activation patching on sink metrics: which components carry a sink?
 
-Two runs on the same tokens: *clean* (no hooks) and *intervened* (the given hooks, e.g.
-:func:`~sinklens.interventions.masks.block_keys`). For each component (a layer × position of the residual
-stream, a layer × head of ``attn.hook_z``, …) the clean activation is patched into the intervened run and the
-metric is recomputed: the mean attention received by ``target`` from the queries after it, averaged over
-heads, ``metric_layers`` and the batch.
-
-``restored = (patched − intervened) / (clean − intervened)``: 1 means that component alone brings the clean
-sink back, 0 that it does nothing; defined only when the intervention moved the metric beyond the rounding of
-the pattern's dtype (:attr:`SinkPatchResult.gap_tolerance`). The loop is TransformerLens'
-``patching.generic_activation_patch`` with its three setters, one forward per component.
+For each component (a layer × position of the residual stream, a layer × head of ``attn.hook_z``, …) the
+clean activation is patched into the intervened run (e.g. under :func:`~sinklens.interventions.masks.block_keys`)
+and the metric, the mean attention ``target`` receives from later queries over heads, ``metric_layers`` and
+the batch, is recomputed. ``restored = (patched − intervened) / (clean − intervened)``: 1 means that component
+alone brings the sink back; defined only beyond the pattern dtype's rounding. The loop is TransformerLens'
+``patching.generic_activation_patch``, one forward per component.
 """
 
 from __future__ import annotations
@@ -67,13 +63,9 @@ _SITES: dict[str, tuple[str, PatchSetter, tuple[str, ...]]] = {
 
 
 def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, str]:
-    """The hook that carries ``site`` in each of ``layers``, where patching one position patches what the site names.
-
-    ``blocks.{l}.hook_{site}``, except ``"attn_out"`` on a post-LN block (BERT), patched at ``attn.hook_z`` (the
-    4.x bridge's ``hook_attn_out`` includes the residual). :func:`patch_sink` applies ``hook_resid_mid`` patches
-    through :func:`~sinklens.residual_sites.on_the_residual_stream`. A parallel block (GPT-NeoX/Pythia) refuses
-    ``"resid_mid"`` and an attention-only model ``"resid_mid"`` and ``"mlp_out"``, with
-    :class:`~sinklens.errors.UnsupportedArchitectureError`.
+    """The hook carrying ``site`` per layer: ``blocks.{l}.hook_{site}``, except ``"attn_out"`` on a post-LN
+    block, patched at ``attn.hook_z``. Parallel blocks refuse ``"resid_mid"``; attention-only models also
+    ``"mlp_out"`` (:class:`~sinklens.errors.UnsupportedArchitectureError`).
     """
     hook_site = _SITES[site][0]
     if site == "attn_out" and post_ln_reason(model) is not None:
@@ -93,8 +85,7 @@ def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, 
 
 
 def relative_gap_tolerance(dtype: str | torch.dtype) -> float:
-    """The relative size below which a change of the sink metric is rounding of ``dtype`` patterns: the dtype's
-    machine epsilon (float32: 1.2e-7; float16: 9.8e-4; bfloat16: 7.8e-3).
+    """The relative change of the sink metric that is rounding of ``dtype`` patterns: its machine epsilon.
 
     Examples:
         >>> relative_gap_tolerance("float32") == torch.finfo(torch.float32).eps, relative_gap_tolerance(torch.bfloat16)
@@ -109,18 +100,9 @@ def relative_gap_tolerance(dtype: str | torch.dtype) -> float:
 
 @dataclass(repr=False, eq=False)
 class SinkPatchResult(CompactRepr):
-    """Sink metric after patching each component; see the module docstring.
-
-    Attributes:
-        site: what was patched (``"resid_pre"``, ``"z"`` …).
-        axes: names of the axes of ``values`` (``("layer", "pos")``, ``("layer", "head")``, …).
-        coords: the layer / position / head of each index along each axis.
-        values: the metric of the patched intervened run per component, float64 like ``clean`` and ``intervened``.
-        clean: the metric without intervention.
-        intervened: the metric with the intervention and no patch.
-        target: the position whose received attention is the metric.
-        metric_layers: layers the metric averages over.
-        pattern_dtype: the dtype of the ``hook_pattern`` read (sets :attr:`gap_tolerance`).
+    """Sink metric after patching each component (module docstring): ``values`` (float64, axes ``axes`` with
+    layer / position / head ``coords``), ``clean`` and ``intervened`` (no patch) metrics of ``target``'s received
+    attention averaged over ``metric_layers``; ``pattern_dtype`` sets :attr:`gap_tolerance`.
     """
 
     site: str
@@ -135,9 +117,7 @@ class SinkPatchResult(CompactRepr):
 
     @property
     def gap_tolerance(self) -> float:
-        """The largest ``|clean − intervened|`` that is rounding: :func:`relative_gap_tolerance` of :attr:`pattern_dtype`
-        times ``max(|clean|, |intervened|)``.
-        """
+        """The largest ``|clean − intervened|`` that is rounding: ``eps(pattern_dtype) · max(|clean|, |intervened|)``."""
         return relative_gap_tolerance(self.pattern_dtype) * max(abs(self.clean), abs(self.intervened))
 
     @property
@@ -148,10 +128,8 @@ class SinkPatchResult(CompactRepr):
 
     @property
     def restored(self) -> Float[Tensor, "..."]:
-        """``(patched − intervened) / (clean − intervened)``: the fraction of the sink each patch restores.
-
-        Raises :class:`~sinklens.errors.InvalidArgumentError` when :attr:`has_effect` is False.
-        """
+        """``(patched − intervened) / (clean − intervened)``: the fraction of the sink each patch restores
+        (:class:`~sinklens.errors.InvalidArgumentError` when :attr:`has_effect` is False)."""
         gap = self.clean - self.intervened
         if not self.has_effect:
             raise InvalidArgumentError(
@@ -175,9 +153,7 @@ class SinkPatchResult(CompactRepr):
         return rows
 
     def to_dict(self) -> dict[str, Any]:
-        """Strict-JSON-ready data at full precision: every field, ``has_effect``, ``gap_tolerance`` and ``restored``
-        (None when :attr:`has_effect` is False).
-        """
+        """Every field, ``has_effect``, ``gap_tolerance`` and ``restored`` (None without effect), strict-JSON-ready."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}
         return to_json({**data, "has_effect": self.has_effect, "gap_tolerance": self.gap_tolerance,
                         "restored": self.restored if self.has_effect else None}, digits=None)
@@ -205,17 +181,10 @@ def patch_sink(
     metric_layers: IndexLike | None = None,
     options: RunOptions = RunOptions(progress=False),
 ) -> SinkPatchResult:
-    """Patch clean activations into the intervened run, one component at a time, and measure the sink.
-
-    Args:
-        tokens: one batch of inputs (strings or ``[batch, pos]`` ids) of equal length.
-        hooks: the intervention (any ``(hook_name, fn)`` list).
-        target: the position whose received attention is measured.
-        site: ``"resid_pre"``/``"resid_mid"``/``"attn_out"``/``"mlp_out"`` (layer × position), ``"z"`` (layer ×
-            head) or ``"z_pos"`` (layer × position × head); the hooks are :func:`patch_hook_names`'s.
-        layers, positions, heads: restrict the components patched (default all; one forward each).
-        metric_layers: layers the metric averages over (default all).
-        options: ``prepend_bos``/``max_length`` for text inputs and ``progress``.
+    """Patch clean activations into the intervened run (``hooks``), one component at a time, and measure the
+    sink. ``tokens``: one batch of equal length; ``site``: ``"resid_pre"``/``"resid_mid"``/``"attn_out"``/
+    ``"mlp_out"`` (layer × position), ``"z"`` (layer × head) or ``"z_pos"`` (layer × position × head);
+    ``layers``, ``positions``, ``heads`` restrict the components (one forward each).
     """
     options = checked_options(options, "patch_sink")
     site = choice(site, sorted(_SITES), what="site")

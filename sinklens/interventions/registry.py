@@ -1,15 +1,9 @@
 """The one registry of interventions, used by experiments, sweeps, the trainer and the CLI.
 
-Every registered factory has the same signature::
-
-    factory(model, *, positions, layers=None, **options) -> list[(hook_name, fn)]
-
-``positions`` are the positions the intervention acts on (a sink to create, a sink to remove, the
-tokens whose neurons are edited). Names are Python identifiers (``self_only``); the CLI and spec
-strings may write them with hyphens (``self-only``). Each entry says its ``role``: ``create``
-(makes a sink at ``positions``), ``remove`` (takes the sink at ``positions`` away) or ``edit``
-(a general edit). A spec string ``"name:key=value,..."`` (trainer configs, ``--intervention``) is
-parsed by :func:`parse_spec` and built by :func:`build`.
+Factories share one signature, ``factory(model, *, positions, layers=None, **options) -> [(hook_name, fn)]``;
+``positions`` is what the intervention acts on. Names are identifiers (``self_only``; the CLI also takes
+``self-only``); each has a ``role``: ``create``, ``remove`` or ``edit``. Spec strings ``"name:key=value,..."``
+(trainer configs, ``--intervention``) go through :func:`parse_spec` and :func:`build`.
 
 Examples:
     >>> from sinklens.testing import tiny_model
@@ -39,16 +33,10 @@ Factory = Callable[..., Hooks]
 
 @dataclass(frozen=True)
 class Intervention:
-    """A registered intervention: its name, role, factory and a one-line summary.
-
-    Attributes:
-        requires: options the factory cannot run without, beyond ``positions`` (option -> what to pass).
-        defaults: option values used when the caller gives none (e.g. ``alpha=8`` for ``amplify``).
-        sink_defaults: extra defaults that only :func:`~sinklens.interventions.create_sink` /
-            :func:`~sinklens.interventions.remove_sink` use, not :func:`build`, so a stored spec keeps its
-            meaning (``variance_calibration`` removes a sink in mode ``attenuate``, a spec stays ``amplify``).
-        sink_option: the factory's keyword for the original sink position (``transplant_dims``' ``source``),
-            filled from ``create_sink``'s ``sink=``.
+    """A registered intervention: name, role, factory, one-line summary, ``requires`` (options it cannot run
+    without, beyond ``positions``), ``defaults`` (e.g. ``alpha=8`` for ``amplify``), ``sink_defaults`` (used only
+    by ``create_sink`` / ``remove_sink``, so a stored spec keeps its meaning) and ``sink_option`` (the factory's
+    keyword for the original sink position, filled from ``create_sink``'s ``sink=``).
     """
 
     name: str
@@ -66,9 +54,7 @@ class Intervention:
         return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
     def __call__(self, model: Any, **options: Any) -> Hooks:
-        """``factory(model, **defaults | options)``; a missing required or unknown option raises
-        :class:`~sinklens.errors.InvalidArgumentError`.
-        """
+        """``factory(model, **defaults | options)``; a missing or unknown option raises InvalidArgumentError."""
         kwargs = {**self.defaults, **options}
         params = list(inspect.signature(self.factory).parameters.values())[1:]
         takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
@@ -104,11 +90,8 @@ def register(
     sink_option: str | None = None,
     sink_defaults: Mapping[str, Any] | None = None,
 ) -> Intervention:
-    """Register ``factory`` under ``name``; raises ``ValueError`` if the name is taken.
-
-    ``factory(model, *, positions, layers=None, **options) -> hooks``; see :class:`Intervention`
-    for ``requires``, ``defaults``, ``sink_option`` and ``sink_defaults``.
-    """
+    """Register ``factory(model, *, positions, layers=None, **options) -> hooks`` under ``name`` (``ValueError``
+    if taken); see :class:`Intervention` for the other fields."""
     key = canonical(name)
     if not key.isidentifier():
         raise InvalidArgumentError(f"An intervention name must be an identifier (hyphens allowed), got {name!r}.")
@@ -120,11 +103,6 @@ def register(
                          dict(sink_defaults or {}))
     _REGISTRY[key] = entry
     return entry
-
-
-def unregister(name: str) -> None:
-    """Remove a registered name; unknown names raise :class:`UnknownInterventionError`."""
-    del _REGISTRY[get(name).name]
 
 
 def names(role: Role | None = None) -> list[str]:
@@ -163,10 +141,8 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def build(model: Any, spec: str | Callable[[Any], Hooks], **overrides: Any) -> Hooks:
-    """The hooks of one intervention: a spec string (``"name:key=value"``), or a callable ``model -> hooks``.
-
-    ``overrides`` are added to (and win over) the spec's keyword arguments.
-    """
+    """The hooks of one intervention: a spec string (``"name:key=value"``) with ``overrides`` winning, or a
+    callable ``model -> hooks``."""
     if callable(spec):
         return list(spec(model))
     name, kwargs = parse_spec(spec)

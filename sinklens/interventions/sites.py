@@ -1,11 +1,5 @@
-"""Where an intervention's per-layer ``site`` is edited, so that it means the same on every TransformerLens version.
-
-``blocks.{l}.hook_resid_mid`` names the residual right after the attention write, ``resid_pre + write``, which
-the MLP's branch reads. On a post-LN block (BERT) 3.x's ``HookedEncoder`` fires it there, but the 4.x bridge
-fires it as ``ln2.hook_in``, after the MLP, where an edit never reaches the MLP; the bridge's ``ln1.hook_in``
-carries ``resid_pre + write``, so the edit factories edit there (:func:`edit_site`).
-:func:`~sinklens.interventions.patch_sink` keeps ``hook_resid_mid``: patching a whole position is the same at
-either hook.
+"""Where an intervention's ``site`` is edited, so that it means the same on every TransformerLens version:
+the 4.x BERT bridge fires ``hook_resid_mid`` after the MLP, so edits go to ``ln1.hook_in`` there (:func:`edit_site`).
 """
 
 from __future__ import annotations
@@ -20,9 +14,8 @@ POST_LN_MID = "ln1.hook_in"
 
 
 def edit_site(model: Any, site: str) -> str:
-    """The per-layer hook site at which an edit of ``site`` means what ``site`` names on ``model``.
-
-    ``"hook_resid_mid"`` on a post-LN 4.x bridge (BERT) becomes ``"ln1.hook_in"``; anything else is returned as given.
+    """The per-layer hook site at which an edit of ``site`` means what it names: ``"hook_resid_mid"`` on a
+    post-LN 4.x bridge becomes ``"ln1.hook_in"``; anything else is returned as given.
 
     Examples:
         >>> from sinklens.testing.zoo import zoo_model

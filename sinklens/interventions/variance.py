@@ -1,16 +1,9 @@
 """Variance interventions: amplify a token's deviation from the mean, or calibrate the sink's away.
 
-A head's output ``z`` at position ``t`` averages ``t + 1`` values, so its variance shrinks like ``σ²/(t+1)``
-and the first token, which averages a single value, stands out.
-
-* :func:`amplify`: ``x ← μ + α (x − μ)`` of the tokens at ``positions`` at one hook site; ``α > 1`` gives a
-  mid-sequence token first-token-like statistics.
-* :func:`calibrate`: rescale the target's deviation ``x − μ`` (per head for ``z``/``v``) to the
-  root-mean-square deviation of the other positions of the same sequence.
-
-:func:`amplify`'s default ``μ`` is :func:`reference_mean`, cached per model, site, settings and
-:func:`weight_fingerprint` of the weights; hooks keep the mean they were built with, so a training loop
-should use ``reference="batch"``.
+A head's output at ``t`` averages ``t + 1`` values, so its variance shrinks like ``σ²/(t+1)`` and the first
+token stands out. :func:`amplify`: ``x ← μ + α (x − μ)`` at ``positions`` (``α > 1`` makes a token
+first-token-like); :func:`calibrate`: rescale the target's deviation to the other positions' RMS deviation.
+Hooks keep the :func:`reference_mean` they were built with; a training loop should use ``reference="batch"``.
 """
 
 from __future__ import annotations
@@ -43,11 +36,8 @@ _CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
 class MeanActivationReducer(Reducer[dict[int, Tensor]]):
-    """Streams the mean of a per-layer activation over valid positions ``>= skip_first``.
-
-    The mean is over (sequence, position) pairs and keeps the activation's trailing shape
-    (``[head, d_head]`` for ``attn.hook_z``, ``[d_model]`` for ``hook_resid_pre``); sums are float64.
-    """
+    """Streams the mean of a per-layer activation over valid positions ``>= skip_first`` (float64 sums),
+    keeping its trailing shape."""
 
     statistics = ("sums", "count")
 
@@ -92,12 +82,8 @@ def reference_mean(
     seed: IntLike = 0,
     cache: bool = True,
 ) -> dict[int, Tensor]:
-    """Mean of ``blocks.{l}.{site}`` over random-token positions, per layer (cached per model and weights).
-
-    Streams ``n_sequences × seq_len`` uniform tokens (no BOS, :func:`sinklens.inputs.random_token_batches`),
-    leaving out positions ``< skip_first`` (position 0 is the sink). Hooks already on the model are silenced
-    (:func:`~sinklens.hooks.hooks_silenced`), so the mean depends on the weights alone. Returns
-    ``{layer: mean}`` with the activation's trailing shape, on the model's device.
+    """Mean of ``blocks.{l}.{site}`` per layer over uniform random-token positions ``>= skip_first`` (no BOS),
+    with the model's own hooks silenced; cached per model and weights. ``{layer: mean}`` on the model's device.
     """
     dims = model_dims(model)
     layer_list = layers_arg(layers, dims.n_layers)
@@ -216,8 +202,7 @@ def _head_select(act: Tensor, heads: list[int] | None) -> Tensor | None:
     return sel[:, None]  # broadcast over d_head
 
 
-#: Per-head sites that hold the key/value heads: ``n_kv_heads`` of them under grouped-query attention, on both
-#: TransformerLens versions (the query heads share them in groups).
+#: Per-head sites that hold the ``n_kv_heads`` key/value heads under grouped-query attention.
 KV_SITES = (K, V)
 
 
@@ -242,23 +227,13 @@ def amplify(
     reference: Reference = "random",
     **reference_kw: Any,
 ) -> Hooks:
-    """Mean-centred amplification ``x ← μ + α (x − μ)`` of the tokens at ``positions``.
+    """Mean-centred amplification ``x ← μ + α (x − μ)`` of the tokens at ``positions``, computed as
+    ``x + (α − 1)(x − μ)`` so that ``α = 1`` is bit-exact.
 
-    Computed as ``x + (α − 1)(x − μ)`` so that ``α = 1`` returns the activation unchanged, bit for bit.
-
-    Args:
-        positions: token positions to amplify.
-        alpha: amplification factor, ``> 0`` (``< 1`` shrinks the deviation).
-        site: per-layer hook site, e.g. ``"attn.hook_z"`` (default), ``"attn.hook_v"``, ``"hook_attn_out"``,
-            ``"hook_resid_pre"``; ``hook_resid_mid`` is the residual right after the attention on every model
-            (:func:`~sinklens.interventions.sites.edit_site`).
-        layers: layers to intervene in (default all).
-        heads: only these heads (per-head sites; at ``hook_k``/``hook_v`` under grouped-query attention these
-            index the ``n_kv_heads`` key/value heads).
-        reference: ``"random"`` (default: :func:`reference_mean`, computed when the hooks are built),
-            ``"batch"`` (per sequence, the mean over its real positions other than 0 and the targets; no
-            cache, right for training), a tensor, or ``{layer: tensor}``.
-        **reference_kw: passed to :func:`reference_mean` (``n_sequences``, ``seq_len``, ``seed``...).
+    ``site``: per-layer hook site (default ``"attn.hook_z"``); ``heads``: only these heads (key/value heads at
+    ``hook_k``/``hook_v``). ``reference``: ``"random"`` (:func:`reference_mean`, keywords ``reference_kw``),
+    ``"batch"`` (per sequence, the mean over its real positions other than 0 and the targets; right for
+    training), a tensor, or ``{layer: tensor}``.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -303,15 +278,11 @@ def calibrate(
     heads: IndexLike | None = None,
     eps: NumberLike = 1e-6,
 ) -> Hooks:
-    """Rescale the target tokens' deviation to the statistics of the other positions (remove the discrepancy).
+    """Rescale each target's deviation to the other positions' typical size (remove the discrepancy).
 
-    Per sequence (and per head for ``[batch, pos, head, d_head]`` sites), with ``μ`` the mean and
-    ``s = sqrt(mean_t ||x_t − μ||²)`` the root-mean-square deviation over the positions ``t >= 1``
-    that are not targets (and are real tokens: padding of a batch that sinklens runs is left out), each
-    target becomes ``μ + (x − μ) · s / ||x − μ||``: same direction, the typical size. Norms are over the last
-    dimension. The default target is the sink at position 0. ``site`` and ``heads`` as in :func:`amplify`
-    (``hook_resid_mid`` is the residual right after the attention on every model; key/value heads at
-    ``attn.hook_k``/``attn.hook_v`` of a grouped-query model).
+    Per sequence (and head), with ``μ`` the mean and ``s = sqrt(mean_t ||x_t − μ||²)`` over real positions
+    ``t >= 1`` that are not targets, each target becomes ``μ + (x − μ) · s / ||x − μ||`` (norms over the last
+    dimension). Default target: position 0. ``site`` and ``heads`` as in :func:`amplify`.
     """
     dims = model_dims(model)
     pos = positions_arg(positions, dims.n_ctx)

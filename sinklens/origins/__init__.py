@@ -1,13 +1,8 @@
 """Where sinks come from: models at initialization, init-time biases, variance calibration, SeedPrint.
 
-* :mod:`sinklens.loading.init` — ``load_model(spec, init_seed=S)``, ``SPEC@init:S``, ``RUN_DIR@init``;
-* :mod:`sinklens.origins.preference` — token preference on random inputs;
-* :mod:`sinklens.origins.contraction` — inter/intra-sequence concentration by sublayer;
-* :mod:`sinklens.origins.positional` — the first token's positional discrepancy, at init and over checkpoints;
-* :mod:`sinklens.origins.persistence` — how much of the init-time bias persists through training;
-* :mod:`sinklens.interventions.calibration` — variance calibration hooks
-  (trainer variant ``variance_calibrated``);
-* :mod:`sinklens.origins.fingerprint` — the SeedPrint lineage test (:func:`fingerprint`).
+:mod:`sinklens.loading.init` (``SPEC@init:S``, ``RUN_DIR@init``), :mod:`.preference` (token preference on
+random inputs), :mod:`.contraction` (concentration by sublayer), :mod:`.positional` (first-token discrepancy),
+:mod:`.persistence` (init-time bias through training), :mod:`.fingerprint` (SeedPrint lineage test).
 """
 
 from sinklens.origins.contraction import ContractionResult, contraction

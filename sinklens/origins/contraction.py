@@ -1,35 +1,23 @@
 """Contraction of token representations at initialization, by layer and sublayer.
 
-*Transformers Are Born Biased* (Li, Tong, Wang et al., 2026, arXiv 2602.05927) explains init-time token
-preference by a contraction of hidden states along a seed-dependent direction: MLP nonlinearities concentrate
-representations *across* sequences, attention *within* a sequence. The paper has no public code; the measures
-are defined here.
+*Transformers Are Born Biased* (arXiv 2602.05927) explains init-time token preference by a contraction of
+hidden states along a seed-dependent direction: MLPs concentrate representations *across* sequences,
+attention *within* a sequence. No public code; the measures are defined here, on seeded random ids.
 
-Sites, in forward order: ``embed`` (``blocks.0.hook_resid_pre``), per layer ``l`` ``attn l`` (the residual
-right after the attention write, :func:`~sinklens.residual_sites.after_attention_hooks`) and ``mlp l``
-(``blocks.l.hook_resid_post``), and ``final`` (the input of the unembedding). Inputs are uniform random ids
-(seeded). The *counted positions* are all, or ``>= 1`` when a BOS was prepended (our choice). With
-``û = h / ‖h‖``; states with ``‖h‖ = 0`` have no direction and are left out of every cosine mean (our choice),
-counted in ``zero_states``:
+Sites: ``embed`` (``blocks.0.hook_resid_pre``), ``attn l`` (residual right after the attention write),
+``mlp l`` (``hook_resid_post``), ``final`` (unembedding input). Counted positions: all, or ``>= 1`` after a
+BOS. With ``û = h / ‖h‖`` (states with ``‖h‖ = 0`` left out, counted in ``zero_states``):
 
-* ``inter[t] = mean_{n ≠ m} cos(h[n, t], h[m, t]) = (‖Σ_n û[n, t]‖² − k_t) / (k_t (k_t − 1))`` over the ``k_t``
-  non-zero states at ``t`` (NaN when ``k_t < 2``); ``inter_mean``: its mean over the counted positions.
-* ``intra = mean_n mean_{t ≠ t'} cos(h[n, t], h[n, t'])`` over counted positions, sequences with fewer than
-  2 non-zero states left out.
-* ``direction``: the top eigenvector of ``M = Σ h hᵀ`` over counted states, signed so that
-  ``direction · mean ≥ 0``; ``direction_share = λ₁ / trace(M)``; ``mean_direction = Σ h / ‖Σ h‖``;
-  ``direction_stability = |cos|`` between the directions of the even- and odd-numbered sequences. At
-  ``embed``, every ``mlp l`` site and ``final``.
-* ``delta_inter[l] = (inter_mean(attn l) − inter_mean(before), inter_mean(mlp l) − inter_mean(attn l))``;
-  ``share_inter = delta_inter / (inter_mean(mlp L−1) − inter_mean(embed))`` (the same for ``intra``).
-* ``alignment``: ``cos(final direction, W_U[:, j])`` for every token ``j``.
-* ``mlp_act_mean[l]``: mean of the nonlinearity's output ``f(pre)`` over counted positions and neurons
-  (``pre`` = ``blocks.l.mlp.hook_pre``; on a gated MLP computed here as ``f(hook_pre)``, NaN for an unknown
-  ``f``), the measured counterpart of ``activation_mean_at_zero = E[f(z)]``, ``z ~ N(0, 1)``: 0 for an odd
-  ``f``, ``≈ 0.2821`` for GELU, ``≈ 0.2066`` for SiLU, ``≈ 0.3989`` for ReLU.
-* ``mlp_post_mean[l]``: mean of ``blocks.l.mlp.hook_post``; on a gated MLP it includes the ``up`` factor,
-  symmetric at init, so it does *not* measure the asymmetry. Not measured (NaN, ``mlp_skipped`` says why)
-  for a mixture-of-experts MLP.
+* ``inter[t] = mean_{n ≠ m} cos(h[n, t], h[m, t]) = (‖Σ_n û[n, t]‖² − k_t) / (k_t (k_t − 1))`` (NaN if
+  ``k_t < 2``); ``inter_mean`` over counted positions. ``intra = mean_n mean_{t ≠ t'} cos(h[n, t], h[n, t'])``.
+* ``direction``: top eigenvector of ``Σ h hᵀ`` (signed along the mean), ``direction_share = λ₁ / trace``,
+  ``mean_direction = Σ h / ‖Σ h‖``, ``direction_stability``: ``|cos|`` between even and odd sequences'
+  directions (at ``embed``, each ``mlp l`` and ``final``). ``alignment``: ``cos(final direction, W_U[:, j])``.
+* ``delta_inter[l]``: change of ``inter_mean`` across ``attn l`` and ``mlp l``; ``share_inter`` divides by
+  the total change from ``embed`` to the last ``mlp`` (the same for ``intra``).
+* ``mlp_act_mean[l]``: mean of ``f(mlp.hook_pre)``, against ``activation_mean_at_zero = E[f(z)]``,
+  ``z ~ N(0, 1)`` (GELU ≈ 0.2821, SiLU ≈ 0.2066, ReLU ≈ 0.3989); ``mlp_post_mean[l]``: mean of
+  ``mlp.hook_post`` (includes a gated MLP's ``up`` factor). Not measured for mixtures of experts.
 """
 
 from __future__ import annotations
@@ -156,12 +144,9 @@ class ContractionResult(CompactRepr):
         return text
 
     def summary(self) -> dict[str, Any]:
-        """The measurements as strict-JSON-ready plain data (what ``sinklens origins`` writes under ``"contraction"``
-        in ``origins.json``): per site its ``inter`` (mean over positions) and ``intra`` concentration and
-        ``zero_states`` (with the direction statistics when measured), the sublayer shares ``share_inter`` and
-        ``share_intra`` (``[layer, (attn, mlp)]``), the MLP asymmetry and ``n_sequences``. Full precision, and an
-        undefined (non-finite) number is None, as in :meth:`to_dict`, which adds the per-position and ``[vocab]``
-        data."""
+        """Strict-JSON-ready ``"contraction"`` of ``origins.json``: per site ``inter`` (position mean), ``intra``,
+        ``zero_states`` and direction statistics; ``share_inter`` / ``share_intra`` ``[layer, (attn, mlp)]``, the
+        MLP asymmetry and ``n_sequences`` (non-finite numbers as None)."""
         return to_json({
             "sites": [{"site": s.name, "inter": s.inter_mean, "intra": s.intra, "zero_states": s.zero_states,
                        **({"direction_share": s.direction_share, "direction_stability": s.direction_stability,
@@ -175,9 +160,7 @@ class ContractionResult(CompactRepr):
         }, digits=None)
 
     def to_dict(self) -> dict[str, Any]:
-        """Strict-JSON-ready data (:func:`~sinklens.export.to_json`: full precision, a non-finite number is None):
-        :meth:`summary`, each site's ``inter`` per position as ``inter_by_position``, ``n_layers``,
-        ``prepend_bos``, the ``[vocab]`` ``alignment`` and ``extra``."""
+        """:meth:`summary` plus ``inter_by_position``, ``n_layers``, ``prepend_bos``, ``alignment`` and ``extra``."""
         summary = self.summary()
         for row, site in zip(summary["sites"], self.sites):
             row["inter_by_position"] = site.inter
@@ -319,9 +302,8 @@ class ContractionReducer(Reducer[ContractionResult]):
         return BatchFold(hooks)
 
     def _mlp_hooks(self) -> list[tuple[str, Any]]:
-        """Hooks adding each layer's per-row mean of ``mlp.hook_post`` to ``mlp_post`` and of ``f(pre)`` to
-        ``mlp_act`` (``hook_post`` itself on an ungated MLP, ``f(mlp.hook_pre)`` on a gated one); none for a
-        mixture of experts or a model without the per-neuron hooks."""
+        """Hooks folding each layer's mean ``mlp.hook_post`` and ``f(pre)`` (``f(mlp.hook_pre)`` on a gated MLP);
+        none for a mixture of experts."""
         layers = range(self.dims.n_layers)
         per_neuron = self.dims.d_mlp and self.mlp_skipped is None
         if not per_neuron or not all(hook_name(layer, MLP_POST) in self.model.hook_dict for layer in layers):
@@ -382,10 +364,8 @@ def contraction(
     options: RunOptions = RunOptions(progress=False, desc="contraction"),
     **random_kwargs: Any,
 ) -> ContractionResult:
-    """Inter- and intra-sequence concentration per sublayer on random inputs (see the module docstring).
-
-    ``random`` (or its fields as keywords: ``n_sequences=``, ``seq_len=``, ``prepend_bos=``, ``seed=``)
-    are the :class:`~sinklens.origins.preference.RandomInputs` (default 128 sequences of SEQ_LEN = 64 tokens).
+    """Inter- and intra-sequence concentration per sublayer (module docstring) on
+    :class:`~sinklens.origins.preference.RandomInputs` (``random``, or its fields as keywords).
 
     Examples:
         >>> from sinklens.testing import tiny_model

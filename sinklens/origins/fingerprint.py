@@ -21,18 +21,11 @@ the authors' code (github.com/YnezT0311/SeedPrints, ``seedprint.py`` ``run_test`
 7. ``p = min(1, 2 · Φ̄(z))`` (twice the upper tail, so ``z < 0`` gives ``p = 1``); same lineage when
    ``p < α`` [``α = 0.01``].
 
-Beyond the vocabulary bound and the clipping of ``k``: ``buffer_k = 1`` is refused; with fewer than two
-shared identity dims or a non-finite τ̄ the result is ``z = p = NaN``, ``verdict = "inconclusive"``
-(theirs: ``p = 1``); non-finite features are refused.
-
-Caveats: with a vocabulary not much larger than ``N`` the samples repeat their last token and become
-dependent, and unrelated models test positive above ``α`` (780 pairs of unrelated inits, ``d_model`` 32,
-``N = 300``: 1.0 % false positives at ``d_vocab`` 4096, 1.4 % at 1024, 2.4 % at 512, 4.5 % at 256, 18 % at 64).
-:func:`fingerprint` adds a caveat, and reports a positive as ``"inconclusive"``, when more than a third of
-the samples are expected to share their last token (:func:`~sinklens.origins.stats.shared_last_token_share`). In embedding mode,
-small shallow models pass the shared input almost unchanged to the output (unrelated pairs: 100 %
-positive); each such result carries :func:`shared_input_z`, the ``z`` the shared input alone predicts,
-with a caveat when it exceeds :func:`~sinklens.origins.stats.max_shared_input_z` (0.52 at ``α = 0.01``).
+Differences: ``buffer_k = 1`` is refused; fewer than two shared dims or a non-finite τ̄ give ``z = p = NaN``
+(theirs: ``p = 1``). A vocabulary not much larger than ``N`` makes samples share last tokens (dependent;
+unrelated models then test positive: 18 % at ``d_vocab`` 64, ``N = 300``), and embedding mode on small
+shallow models passes the shared input through (:func:`shared_input_z`); both add a caveat and make a
+positive "inconclusive".
 
 Examples:
     >>> import torch
@@ -81,13 +74,10 @@ DEFAULT_SEED = 42
 DEFAULT_ALPHA = 0.01
 DEFAULT_SAMPLES = 2000  # test_foundation_models.py --num_samples (10000 for their toy models)
 DEFAULT_SEQ_LEN = 1024  # --fingerprint_len
-#: Token mode: above this expected share of samples whose last token another sample also ends with, the
-#: result carries a caveat and a positive test is ``"inconclusive"`` (samples dependent, analytic p-value
-#: anti-conservative; module docstring). Measured false-positive rates at alpha 0.01 put it where the
-#: rate reaches about twice alpha: 1.4% at a 25% share, 2.4% at 44%.
+#: Token mode: above this expected share of samples sharing their last token, a positive is "inconclusive"
+#: (measured false positives at alpha 0.01: 1.4% at a 25% share, 2.4% at 44%).
 MAX_SHARED_LAST_TOKEN = 1 / 3
-#: Fewest identity dimensions the statistic is defined on: the softmax over one dimension is the constant 1,
-#: whose Kendall τ is undefined (``buffer_k`` below it is refused; fewer shared dims make the result inconclusive).
+#: Fewest identity dims for which Kendall τ of a softmax is defined.
 MIN_DIMS = 2
 
 InputMode = Literal["token", "embedding"]
@@ -96,23 +86,10 @@ IdentityMode = Literal["coset", "base"]
 
 @dataclass(repr=False, eq=False)
 class FingerprintResult(CompactRepr):
-    """The outcome of one SeedPrint test.
-
-    Attributes:
-        p_value: ``min(1, 2 · P(Z > z))`` under the analytic null (NaN when :attr:`undefined`).
-        z: ``τ̄ / (σ_τ(N) / sqrt(k))``.
-        tau_mean: ``τ̄``, the mean per-dimension Kendall τ.
-        n_dims: ``k``, the number of identity dimensions kept.
-        n_samples: ``N``.
-        same_lineage: ``p_value < alpha`` (the authors' rule); None when :attr:`undefined`.
-        alpha: the decision threshold.
-        log10_p: ``(log 2 + log Φ̄(z)) / log 10`` (not clipped at 0).
-        dims: the identity dimensions (sorted).
-        tau: per-dimension Kendall τ, in the order of ``dims``.
-        settings: how the features were made; ``widths`` is ``[d_A, d_B]``.
-        caveats: reasons the analytic p-value may not be trusted here (printed and written to JSON).
-        verdict: ``"same_lineage"`` (``p < alpha``, no caveat), ``"no_evidence"`` (``p >= alpha``) or
-            ``"inconclusive"`` (``p < alpha`` under a caveat, or :attr:`undefined`).
+    """The outcome of one SeedPrint test: ``p_value = min(1, 2 · P(Z > z))``, ``z = τ̄ / (σ_τ(N) / sqrt(k))``,
+    ``tau_mean`` = ``τ̄``, ``n_dims`` = ``k``, ``n_samples`` = ``N``, ``same_lineage = p_value < alpha`` (None when
+    :attr:`undefined`), ``log10_p`` unclipped, ``dims`` / ``tau`` per identity dim, ``caveats`` (reasons the
+    p-value may not hold) and ``verdict``: ``same_lineage``, ``no_evidence`` or ``inconclusive``.
     """
 
     p_value: float
@@ -173,10 +150,7 @@ def identity_dims(hidden: Float[Tensor, "sample dim"], buffer_k: int) -> list[in
 def check_test_arguments(
     buffer_k: Any, identity_mode: Any, alpha: Any, *, cli: bool = False
 ) -> tuple[int, IdentityMode, float]:
-    """``(buffer_k, identity_mode, alpha)`` validated: ``buffer_k >= 2``, a known mode, ``0 < alpha < 1``.
-
-    Called before any model loads; ``cli=True`` names the flags (``--buffer-k``) in the errors.
-    """
+    """``(buffer_k, identity_mode, alpha)`` validated; ``cli=True`` names the flags in the errors."""
     name = (lambda arg: "--" + arg.replace("_", "-")) if cli else (lambda arg: arg)
     buffer_k = positive_int(buffer_k, what=name("buffer_k"), minimum=MIN_DIMS)
     identity_mode = choice(identity_mode, ("coset", "base"), what=name("identity_mode"))
@@ -202,16 +176,12 @@ def _finite_features(hidden: Float[Tensor, "sample dim"], what: str) -> Float[Te
 
 
 def _base_dims_within(dims: list[int], d_a: int, d_b: int) -> None:
-    """Refuse ``identity_mode="base"`` where one of A's identity ``dims`` is outside B's width ``d_b`` (the authors'
-    ``hs_target[:, idx]`` raises there).
-    """
+    """Refuse ``identity_mode="base"`` where one of A's identity ``dims`` is outside B's width."""
     outside = [dim for dim in dims if dim >= d_b]
     if outside:
         raise IncompatibleModelsError(
-            f"identity_mode='base' reads model B at model A's identity dims, but {len(outside)} of A's {len(dims)} "
-            f"(dims {_first(outside)}) are outside B's width: hidden sizes {d_a} (A) and {d_b} (B). Use "
-            "identity_mode='coset' (--identity-mode coset, the default), which keeps only the dims both models place "
-            "lowest and so works for different hidden sizes.")
+            f"identity_mode='base' reads B at A's identity dims, but dims {_first(outside)} are outside B's width: "
+            f"hidden sizes {d_a} (A) and {d_b} (B); use identity_mode='coset' (--identity-mode coset, the default).")
 
 
 def seedprint_test(
@@ -222,18 +192,8 @@ def seedprint_test(
     identity_mode: IdentityMode = "coset",
     alpha: float = DEFAULT_ALPHA,
 ) -> FingerprintResult:
-    """Steps 3–7 of the module docstring on two feature matrices (rows = the same inputs; widths may differ).
-
-    ``coset`` mode indexes both at the intersection of their bottom-``k`` sets; ``base`` mode indexes B at A's.
-    When fewer than :data:`MIN_DIMS` dims are shared or a normalised column is constant, ``z``, ``p_value`` and
-    ``log10_p`` are NaN, ``same_lineage`` is None and a caveat says why.
-
-    Raises:
-        IncompatibleModelsError: a matrix that is not 2-D, different numbers of rows, or ``base`` mode with
-            one of A's identity dims outside B's width.
-        InvalidArgumentError: a bad ``buffer_k``/``identity_mode``/``alpha``, fewer than 2 samples, or a
-            non-finite feature.
-    """
+    """Steps 3–7 of the module docstring on two ``[samples, dim]`` feature matrices (widths may differ).
+    Fewer than :data:`MIN_DIMS` shared dims or a constant column give NaN ``z`` / ``p_value`` and a caveat."""
     from scipy.stats import norm
 
     if hidden_a.ndim != 2 or hidden_b.ndim != 2 or hidden_a.shape[0] != hidden_b.shape[0]:
@@ -294,14 +254,9 @@ def seedprint_test(
     )
 
 
-# ---------------------------------------------------------------------------------------- features
 class _RandomInputs(Sequence):
-    """``N`` random inputs in batches, generated lazily from one seeded generator.
-
-    Token mode yields :class:`TokenBatch` es of ``randint(0, high)``; embedding mode yields placeholder ids and
-    draws the ``N(μ, σ)`` embeddings in :meth:`embeddings`, one ``[L, d_model]`` ``torch.normal`` call per sample,
-    so the inputs do not depend on ``batch_size``.
-    """
+    """``N`` seeded random inputs in batches: token ids, or (embedding mode) placeholder ids plus ``N(μ, σ)``
+    embeddings drawn one ``[L, d_model]`` sample at a time, so inputs do not depend on ``batch_size``."""
 
     def __init__(self, n: int, seq_len: int, batch_size: int, *, mode: str, high: int, seed: int,
                  device: torch.device, d_model: int = 0, mu: float = 0.0, sigma: float = 1.0) -> None:
@@ -379,12 +334,8 @@ class _LastFinalState(Reducer[Tensor]):
 
 
 def embedding_stats_at_init(models: Sequence[Any], *, seed: int = DEFAULT_SEED) -> tuple[float, float]:
-    """``(μ, σ)`` of embedding mode: mean and (unbiased) std of the token embedding ``W_E`` of each model's
-    architecture at initialization, never of the trained weights (as the authors do).
-
-    Each model is re-drawn by :func:`sinklens.loading.init.load_at_init` (``init_seed=seed``, native scheme,
-    float32, CPU); the entries of both matrices are pooled (once when identical), so the order of the models
-    does not matter.
+    """``(μ, σ)`` for embedding mode: mean and unbiased std of ``W_E`` of each model's architecture freshly
+    initialized (:func:`sinklens.loading.init.load_at_init`, ``init_seed=seed``), entries pooled.
 
     Examples:
         >>> from sinklens.testing import tiny_sinklm
@@ -413,16 +364,9 @@ def final_hidden_states(
     embedding_stats: tuple[float, float] | None = None,
     options: RunOptions = RunOptions(),
 ) -> Float[Tensor, "sample d_model"]:
-    """Steps 1–2: the last-position final hidden states of ``model`` on SeedPrint's random inputs.
-
-    Args:
-        n_samples, seq_len: ``N`` random sequences of ``L`` tokens (no BOS).
-        input: ``"token"`` (uniform ids below ``vocab_limit``, default ``min(32000, d_vocab)``) or
-            ``"embedding"`` (``N(μ, σ)`` vectors replacing ``hook_embed``; ``embedding_stats`` default:
-            :func:`embedding_stats_at_init` of the model).
-        seed: seeds the input generator.
-        options: ``batch_size``, ``progress``, ``desc`` are used.
-    """
+    """Steps 1–2: the last-position final hidden states on ``n_samples`` random sequences of ``seq_len``
+    (no BOS): uniform ids below ``vocab_limit`` (default ``min(32000, d_vocab)``), or ``N(μ, σ)`` vectors
+    replacing ``hook_embed`` (``embedding_stats``, default :func:`embedding_stats_at_init`)."""
     options = checked_options(options, "final_hidden_states")
     dims = model_dims(model)
     n_samples = positive_int(n_samples, what="n_samples", minimum=2)
@@ -461,28 +405,12 @@ def fingerprint(
     seed: int = DEFAULT_SEED,
     options: RunOptions = RunOptions(desc="SeedPrint"),
 ) -> FingerprintResult:
-    """SeedPrint lineage test between two models (see the module docstring for every step).
+    """SeedPrint lineage test between two models (steps in the module docstring).
 
-    Args:
-        model_a, model_b: TransformerLens models or specs for :func:`sinklens.load_model`
-            (``"run_dir"``, ``"run_dir@init"``, ``"smollm2-135m@init:3"``).
-        n_samples: ``N`` random sequences (authors: 2000 for foundation models, 10000 for toys).
-        seq_len: ``L`` (default ``min(1024, n_ctx_a, n_ctx_b)``).
-        input: ``"token"`` or ``"embedding"`` (same hidden size only).
-        buffer_k: bottom-k identity dimensions per model (clipped to each ``d_model``).
-        identity_mode: ``"coset"`` (intersection, symmetric) or ``"base"`` (model A's only).
-        alpha: decision threshold on ``p``.
-        seed: seed of the random inputs.
-        options: batch size, progress bar and its label.
-
-    Returns:
-        The :class:`FingerprintResult`; ``settings`` adds the input settings, and in embedding mode
-        ``embedding_mu``, ``embedding_sigma`` and ``shared_input_z``.
-
-    Raises:
-        IncompatibleModelsError: different hidden sizes in embedding mode, or ``base`` mode with one of A's
-            identity dims outside B's width (both before B runs).
-        InvalidArgumentError: a bad setting (checked before any model loads), or non-finite final states.
+    ``model_a`` / ``model_b``: models or :func:`sinklens.load_model` specs (``"run_dir@init"``); ``seq_len``
+    defaults to ``min(1024, n_ctx_a, n_ctx_b)``; ``input="embedding"`` needs equal hidden sizes and adds
+    ``embedding_mu``, ``embedding_sigma`` and ``shared_input_z`` to ``settings``. Bad settings raise
+    :class:`InvalidArgumentError` / :class:`IncompatibleModelsError`, before B runs where they can.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -499,12 +427,9 @@ def fingerprint(
     model_b = load_model(model_b, check_patterns=False) if isinstance(model_b, str) else model_b
     da, db = model_dims(model_a), model_dims(model_b)
     if input == "embedding" and da.d_model != db.d_model:
-        # before any forward pass: one [N, L, d_model] input cannot be fed to both (theirs neither)
         raise IncompatibleModelsError(
-            f"input='embedding' feeds both models the same random [samples, seq_len, d_model] embeddings, so both "
-            f"need the same hidden size; got d_model={da.d_model} (A) and d_model={db.d_model} (B). Use "
-            "input='token' (--input token, the default), which works for different hidden sizes, as the "
-            "SeedPrints authors recommend for them.")
+            f"input='embedding' feeds both models the same embeddings and needs equal hidden sizes, got "
+            f"d_model={da.d_model} (A) and d_model={db.d_model} (B); use input='token' (--input token, the default).")
     seq_len = min(DEFAULT_SEQ_LEN, da.n_ctx, db.n_ctx) if seq_len is None else positive_int(seq_len, what="seq_len")
     stats = embedding_stats_at_init([model_a, model_b], seed=seed) if input == "embedding" else None
     vocab = min(TOKEN_VOCAB, da.d_vocab, db.d_vocab)
@@ -526,19 +451,15 @@ def fingerprint(
         result.settings["shared_input_z"] = z_input
         if z_input > max_shared_input_z(alpha):
             result.caveats.append(
-                f"both models' final states follow the shared random input embeddings: that alone is expected to "
-                f"give z = {z_input:.3g} to unrelated models (limit {max_shared_input_z(alpha):.2f}, where the "
-                "false-positive rate reaches 2 alpha; see shared_input_z), so p < alpha is no evidence of shared "
-                "lineage here (the blocks add too little to the residual stream: tiny or shallow models). Use "
-                "input='token' (--input token).")
+                f"both models' final states follow the shared random input embeddings, which alone give unrelated "
+                f"models z = {z_input:.3g} (limit {max_shared_input_z(alpha):.2f}): no evidence of lineage; "
+                "use input='token' (--input token).")
     shared = shared_last_token_share(n_samples, vocab)
     if input == "token" and shared > MAX_SHARED_LAST_TOKEN:
         result.caveats.append(
             f"the {n_samples} random sequences end in one of only {vocab} token ids, so about {shared:.0%} of them "
-            "share their last token with another sample; the samples are then dependent and the analytic p-value "
-            "is too small (unrelated models test positive above alpha). At most "
-            f"{samples_for_share(MAX_SHARED_LAST_TOKEN, vocab)} samples keep that share under "
-            f"{MAX_SHARED_LAST_TOKEN:.0%} for this vocabulary.")
+            "share their last token: dependent samples make the p-value too small (at most "
+            f"{samples_for_share(MAX_SHARED_LAST_TOKEN, vocab)} samples keep that share under {MAX_SHARED_LAST_TOKEN:.0%}).")
     return result
 
 
@@ -548,13 +469,9 @@ def shared_input_z(
     inputs: Float[Tensor, "sample dim"],
     dims: list[int],
 ) -> float:
-    """The ``z`` that the shared input alone is expected to give two unrelated models (embedding mode; sinklens' own check).
-
-    ``τ_A``, ``τ_B``: mean per-dimension Kendall τ between each model's normalised features and the last-position
-    input embeddings ``inputs`` (normalised alike, over ``dims``). With features ``ρ · input + independent rest``
-    (Gaussian: ``ρ = sin(π τ / 2)``), A and B correlate by ``ρ_A ρ_B``, a Kendall τ of ``(2/π) arcsin(ρ_A ρ_B)``;
-    divided by ``σ_τ(N) / sqrt(k)`` that is the ``z`` it adds. NaN with fewer than 2 dims.
-    """
+    """The ``z`` the shared input alone would give two unrelated models (embedding mode; sinklens' own check):
+    with ``ρ = sin(π τ / 2)`` from each model's mean Kendall τ against the inputs, ``τ = (2/π) arcsin(ρ_A ρ_B)``,
+    divided by ``σ_τ(N) / sqrt(k)``. NaN with fewer than 2 dims."""
     k = len(dims)
     if k < MIN_DIMS:
         return float("nan")

@@ -1,21 +1,10 @@
 """Persistence: how much of the init-time bias a trained model keeps.
 
-Both measures compare a model with a reference (typically its own step 0, ``RUN_DIR@init``) on the same
-random inputs (``n_sequences`` uniform sequences of ``seq_len`` ids, seeded, no BOS). One pass gives each
-model a :class:`PreferenceSnapshot`: ``probs``, the pooled mean next-token distribution
-(:attr:`~sinklens.origins.preference.TokenPreference.probs`), and ``direction``, the top eigenvector of
-``Σ h hᵀ`` of the final hidden states over every sequence and position (the ``final`` site's
-:attr:`~sinklens.origins.contraction.SiteStats.direction`). :func:`compare_snapshots` gives:
-
-* ``preference_corr``: Pearson correlation over the vocabulary of ``log probs`` (our choice: the
-  preferences span orders of magnitude);
-* ``preference_spearman`` / ``preference_kendall``: Spearman's ρ and Kendall's τ-b (``scipy.stats``)
-  between the two token rankings by ``probs``;
-* ``direction_cos``: ``|cos|`` between the two directions (an eigenvector's sign is arbitrary).
-
-A correlation with a constant preference vector is NaN (``null`` in ``metrics.jsonl``); identical rankings
-give ρ = 1 exactly. The trainer records these against its step 0 at every evaluation
-(:mod:`sinklens.train.persistence`).
+Both measures compare a model with a reference (typically its own ``RUN_DIR@init``) on the same seeded random
+inputs (no BOS) through a :class:`PreferenceSnapshot`: ``probs`` (pooled mean next-token distribution) and
+``direction`` (top eigenvector of ``Σ h hᵀ`` of the final states). :func:`compare_snapshots` gives
+``preference_corr`` (Pearson over ``log probs``), ``preference_spearman`` / ``preference_kendall`` (rankings by
+``probs``) and ``direction_cos`` (``|cos|`` of the directions). A constant preference gives NaN.
 """
 
 from __future__ import annotations
@@ -41,13 +30,8 @@ from sinklens.streaming import BatchFold, Reducer, stream
 
 @dataclass(repr=False, eq=False)
 class PreferenceSnapshot(CompactRepr):
-    """A model's token preference and final contraction direction on fixed random inputs.
-
-    Attributes:
-        probs: ``[vocab]`` pooled mean next-token distribution.
-        direction: ``[d_model]`` dominant direction of the final hidden states (unit norm).
-        n_sequences, seq_len, seed: the random inputs they were measured on.
-    """
+    """A model's pooled next-token distribution ``probs`` ``[vocab]`` and unit final contraction ``direction``
+    ``[d_model]`` on the random inputs ``n_sequences``, ``seq_len``, ``seed``."""
 
     probs: Float[Tensor, " vocab"]
     direction: Float[Tensor, " d_model"]

@@ -1,20 +1,11 @@
 """Positional discrepancy: the first token is aggregated least, so its outputs vary most.
 
-*Transformers Are Born Biased* (arXiv 2602.05927): a head's output at position ``t`` averages ``t + 1``
-values, so its variance across inputs shrinks (``σ²/(t+1)`` under uniform attention) and position 0 stands
-out. The paper has no public code; the measures are defined here. For an activation ``a[n, t]`` (sequence
-``n`` of ``N`` random sequences, position ``t``), per layer:
-
-* ``variance[t] = (1/d) Σ_d Var_n(a[n, t, d])`` (population variance across sequences, averaged over the
-  ``d`` features) = ``((1/N) Σ_n ‖a[n, t]‖² − ‖ā[t]‖²) / d``;
-* ``norm[t] = (1/N) Σ_n ‖a[n, t]‖``;
-* ``relative[t] = x[t] / mean_{t' ≥ ⌊T/2⌋} x[t']`` (our choice of reference: the later half), for both.
-
-Sites: ``attn_out`` = ``blocks.l.hook_attn_out`` (the attention write,
-:func:`~sinklens.residual_sites.attention_write_hooks`), ``resid`` = the residual right after it
-(:func:`~sinklens.residual_sites.after_attention_hooks`), and ``head`` = ``blocks.l.attn.hook_z`` per head
-(variance over ``d_head``). Inputs are uniform random tokens without BOS by default. On an encoder every
-query averages all ``T`` values, so no discrepancy is expected (``causal`` is False).
+*Transformers Are Born Biased* (arXiv 2602.05927, no public code; measures defined here): a head's output
+at ``t`` averages ``t + 1`` values, so its variance across inputs shrinks (``σ²/(t+1)`` under uniform
+attention). For activations ``a[n, t]`` of ``N`` random sequences (no BOS by default), per layer:
+``variance[t] = (1/d) Σ_d Var_n(a[n, t, d])`` (population variance), ``norm[t] = (1/N) Σ_n ‖a[n, t]‖`` and
+``relative[t] = x[t] / mean_{t' ≥ ⌊T/2⌋} x[t']``. Sites: ``attn_out`` (the attention write), ``resid`` (the
+residual right after it) and ``head`` (``attn.hook_z``, variance over ``d_head``).
 """
 
 from __future__ import annotations
@@ -53,16 +44,9 @@ def relative_to_later(x: Float[Tensor, "... pos"]) -> Float[Tensor, "... pos"]:
 
 @dataclass(repr=False, eq=False)
 class PositionalDiscrepancy(CompactRepr):
-    """Across-sequence variance and mean norm of each position's outputs, per layer.
-
-    Attributes:
-        attn_out_var, attn_out_norm, resid_var, resid_norm: ``[layer, pos]``.
-        head_var: ``[layer, head, pos]`` from ``attn.hook_z``.
-        n_sequences: ``N``.
-        prepend_bos: whether position 0 held the BOS token (the same token in every sequence, so its
-            variance across sequences is 0); the first-token ratio then reads position 1.
-        causal: False for a bidirectional encoder, where no positional discrepancy is expected (module docstring).
-    """
+    """Across-sequence variance and mean norm of each position's outputs: ``[layer, pos]`` for ``attn_out`` and
+    ``resid``, ``[layer, head, pos]`` for ``hook_z``. With ``prepend_bos`` position 0 is the BOS (variance 0) and
+    ratios read position 1; ``causal`` is False on an encoder (no discrepancy expected)."""
 
     attn_out_var: Float[Tensor, "layer pos"]
     attn_out_norm: Float[Tensor, "layer pos"]
@@ -83,24 +67,18 @@ class PositionalDiscrepancy(CompactRepr):
         return relative_to_later(getattr(self, name))
 
     def first_token_ratio(self, name: str = "attn_out_var") -> Float[Tensor, " layer"]:
-        """``relative(name)[..., first_counted]``: the first random token (position 0, or 1 after a prepended
-        BOS) relative to the later half of the sequence."""
+        """``relative(name)`` at the first random token (position 0, or 1 after a prepended BOS)."""
         return self.relative(name)[..., self.first_counted]
 
     def summary(self) -> dict[str, Any]:
-        """The first counted token's ratios as strict-JSON-ready plain data (what ``sinklens origins`` writes under
-        ``"positional"`` in ``origins.json``): ``[layer]`` :meth:`first_token_ratio` lists for ``attn_out_var``,
-        ``attn_out_norm``, ``resid_var`` and ``resid_norm``, with ``n_sequences``, ``position``
-        (:attr:`first_counted`) and ``causal``. Full precision, and an undefined ratio (a zero later-half
-        variance, as in a zero-weight model) is None, as in :meth:`to_dict`, which adds every field."""
+        """``[layer]`` :meth:`first_token_ratio` lists of the four ``[layer, pos]`` fields, ``n_sequences``, ``position``
+        and ``causal``, strict-JSON-ready (an undefined ratio is None): ``"positional"`` in ``origins.json``."""
         return to_json({name: self.first_token_ratio(name).tolist()
                         for name in ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")} | {
             "n_sequences": self.n_sequences, "position": self.first_counted, "causal": self.causal}, digits=None)
 
     def to_dict(self) -> dict[str, Any]:
-        """Strict-JSON-ready data (:func:`~sinklens.export.to_json`: full precision, a non-finite number is None):
-        every field (``[layer, pos]`` and ``[layer, head, pos]`` lists, ``n_sequences``, ``prepend_bos``),
-        ``position`` (:attr:`first_counted`) and ``first_token_ratio``: :meth:`summary`'s ``[layer]`` ratios by name."""
+        """Every field plus ``position`` and ``first_token_ratio`` (:meth:`summary`'s ratios), strict-JSON-ready."""
         summary = self.summary()
         position = summary.pop("position")
         summary.pop("n_sequences")
@@ -180,10 +158,8 @@ def positional_discrepancy(
     options: RunOptions = RunOptions(progress=False, desc="positional"),
     **random_kwargs: Any,
 ) -> PositionalDiscrepancy:
-    """Per layer and position: across-sequence variance and mean norm of attention outputs and residuals.
-
-    ``random`` (or its fields as keywords: ``n_sequences=``, ``seq_len=``, ``prepend_bos=``, ``seed=``)
-    are the :class:`~sinklens.origins.preference.RandomInputs` (default 128 sequences of SEQ_LEN = 64 tokens).
+    """Per layer and position: across-sequence variance and mean norm of attention outputs and residuals, on
+    :class:`~sinklens.origins.preference.RandomInputs` (``random``, or its fields as keywords).
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -197,12 +173,7 @@ def positional_discrepancy(
 
 @dataclass(eq=False)
 class PositionalTrajectory(StructuralEq):
-    """:class:`PositionalDiscrepancy` of one training run at init and at each kept checkpoint.
-
-    Attributes:
-        steps: optimizer steps, increasing; 0 is ``RUN_DIR@init``.
-        results: the discrepancy at each step, all on the same random inputs.
-    """
+    """:class:`PositionalDiscrepancy` of one training run at each of ``steps`` (0 is ``RUN_DIR@init``)."""
 
     steps: list[int]
     results: list[PositionalDiscrepancy]
@@ -212,8 +183,7 @@ class PositionalTrajectory(StructuralEq):
         return torch.stack([r.first_token_ratio(name) for r in self.results])
 
     def summary(self) -> dict[str, Any]:
-        """``steps`` and, by ratio name, the ``[step, layer]`` :meth:`first_token_ratio` lists, strict-JSON-ready
-        (full precision, an undefined ratio is None)."""
+        """``steps`` and the ``[step, layer]`` :meth:`first_token_ratio` lists by name, strict-JSON-ready (undefined: None)."""
         return to_json({"steps": self.steps, **{name: self.first_token_ratio(name).tolist()
                                                  for name in ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")}},
                        digits=None)
@@ -229,14 +199,8 @@ def positional_over_training(
     seed: int = 0,
     options: RunOptions = RunOptions(progress=False, desc="positional"),
 ) -> PositionalTrajectory:
-    """:func:`positional_discrepancy` of a ``sinklens train`` run at step 0 (``RUN_DIR@init``) and at every kept checkpoint.
-
-    Every step sees the same ``n_sequences`` random sequences of ``min(seq_len, data.seq_len)`` tokens (train
-    with ``keep_every=K`` to keep every K-th checkpoint).
-
-    Args:
-        steps: the steps to evaluate (default: 0 and every kept checkpoint).
-        options: batching; ``progress`` shows one bar over the checkpoints.
+    """:func:`positional_discrepancy` of a ``sinklens train`` run at step 0 (``RUN_DIR@init``) and at each kept
+    checkpoint (or ``steps``), all on the same random sequences of ``min(seq_len, data.seq_len)`` tokens.
 
     Examples:
         >>> import tempfile

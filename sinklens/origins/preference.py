@@ -1,26 +1,13 @@
 """Token preference on random inputs: which next tokens a model favours before it has seen any data.
 
-From *Transformers Are Born Biased* (Li, Tong, Wang et al., 2026, arXiv 2602.05927): a randomly initialised
-transformer predicts some tokens with probabilities orders of magnitude above others. The paper has no public
-code; every number here is defined below. Inputs: ``N`` sequences of ``L`` ids drawn uniformly from
-``[0, d_vocab)`` (seeded), optionally with BOS at position 0. Per position ``t``:
-
-* ``mean_probs[t, j] = (1/N) Σ_n softmax(logits[n, t])_j``, with ``logits = final_state @ W_U + b_U``
-  (:func:`sinklens.origins.sites.final_state_site`), soft-capped as the model's forward caps them,
-  softmax in float32, sums in float64.
-* ``argmax_counts[t, j]``: how many sequences have ``j`` as their argmax at ``t``; a prediction whose largest
-  logit is shared by several tokens counts in ``argmax_ties[t]`` instead and leaves every argmax summary.
-
-Causal models only: an encoder's logits at ``t`` predict the token at ``t``, which it sees
-(:class:`~sinklens.errors.UnsupportedArchitectureError`). Summaries pool the *counted positions*: all,
-except position 0 when a BOS was prepended (our choice).
-
-* ``probs = mean_t mean_probs[t]``, the pooled mean distribution;
-* ``max_median_ratio = max_j probs_j / median_j probs_j`` (``torch.median``: the lower median);
-* ``top(k)``: the ``k`` most probable tokens with ``probs_j`` and ``probs_j · d_vocab`` (relative to uniform);
-* ``argmax_entropy``: Shannon entropy (nats) of ``c / Σc``, ``c = Σ_t argmax_counts[t]``;
-* ``argmax_gini``: Gini coefficient of ``c`` over all ``d_vocab`` tokens,
-  ``Σ_i Σ_j |c_i − c_j| / (2 V Σ c)`` (0 = equal counts, ``1 − 1/V`` = one token takes all).
+*Transformers Are Born Biased* (arXiv 2602.05927, no public code; numbers defined here): a randomly
+initialised transformer predicts some tokens far above others. Inputs: ``N`` seeded uniform sequences of ``L``
+ids, optionally after a BOS. Per position ``t``: ``mean_probs[t, j] = (1/N) Σ_n softmax(logits[n, t])_j``
+(logits from the final state, soft-capped as the model does; float32 softmax, float64 sums) and
+``argmax_counts[t, j]`` (ties go to ``argmax_ties[t]``). Causal models only. Summaries pool the counted
+positions (all but a BOS): ``probs = mean_t mean_probs[t]``; ``max_median_ratio = max probs / median probs``
+(lower median); ``top(k)``; ``argmax_entropy`` (nats) of ``c / Σc``, ``c = Σ_t argmax_counts[t]``;
+``argmax_gini = Σ_i Σ_j |c_i − c_j| / (2 V Σ c)`` (0: equal, ``1 − 1/V``: one token takes all).
 """
 
 from __future__ import annotations
@@ -47,16 +34,8 @@ from sinklens.visibility import attention_direction
 
 @dataclass(repr=False, eq=False)
 class TokenPreference(CompactRepr):
-    """Mean next-token distribution and argmax counts on random inputs (see the module docstring).
-
-    Attributes:
-        mean_probs: ``[pos, vocab]`` mean softmax over the ``N`` sequences.
-        argmax_counts: ``[pos, vocab]`` argmax counts (predictions with a tied maximum left out).
-        n_sequences: ``N``.
-        prepend_bos: whether position 0 held BOS (then it is left out of the summaries).
-        argmax_ties: ``[pos]`` how many sequences had their largest logit shared by several tokens (no argmax);
-            None = not recorded (all zero).
-    """
+    """Mean next-token distribution (``mean_probs`` ``[pos, vocab]``) and argmax counts (``argmax_counts``;
+    tied maxima counted in ``argmax_ties`` ``[pos]`` instead) over ``n_sequences`` random sequences."""
 
     mean_probs: Float[Tensor, "pos vocab"]
     argmax_counts: Int[Tensor, "pos vocab"]
@@ -121,10 +100,7 @@ class TokenPreference(CompactRepr):
         return 0 if self.argmax_ties is None else int(self.argmax_ties[self.first_counted :].sum())
 
     def to_dict(self) -> dict[str, Any]:
-        """Strict-JSON-ready data (:func:`~sinklens.export.to_json`: full precision, a non-finite number is None):
-        :meth:`summary`, ``first_counted``, and over the counted positions the pooled distribution ``probs`` and
-        the argmax counts ``argmax_total`` (``[vocab]`` each; ``mean_probs`` per position is left out, it is
-        ``seq_len`` times larger)."""
+        """:meth:`summary`, ``first_counted``, pooled ``probs`` and ``argmax_total`` (``[vocab]``), strict-JSON-ready."""
         return to_json({**self.summary(), "first_counted": self.first_counted, "probs": self.probs,
                         "argmax_total": self.argmax_total}, digits=None)
 
@@ -178,10 +154,8 @@ def refuse_encoder(model: Any, what: str) -> None:
 
 @dataclass(frozen=True)
 class RandomInputs:
-    """The random inputs every origins measure runs on: ``n_sequences`` sequences of ``seq_len`` ids drawn uniformly
-    from ``[0, d_vocab)`` with ``seed``, BOS at position 0 if ``prepend_bos``. Sizes >= 2, and at least 2 random
-    tokens after a BOS.
-    """
+    """Random inputs of every origins measure: ``n_sequences`` × ``seq_len`` ids uniform in ``[0, d_vocab)``
+    (``seed``), BOS at position 0 if ``prepend_bos``; at least 2 random tokens."""
 
     n_sequences: int = 128
     seq_len: int = SEQ_LEN
@@ -225,10 +199,8 @@ def token_preference(
     options: RunOptions = RunOptions(progress=False, desc="token preference"),
     **random_kwargs: Any,
 ) -> TokenPreference:
-    """Mean next-token distribution and argmax counts over ``n_sequences`` random sequences.
-
-    ``random`` (or its fields as keywords: ``n_sequences=``, ``seq_len=``, ``prepend_bos=``, ``seed=``)
-    are the :class:`RandomInputs`; the default here is 256 sequences.
+    """Mean next-token distribution and argmax counts on :class:`RandomInputs` (``random``, or its fields as
+    keywords; default 256 sequences).
 
     Examples:
         >>> from sinklens.testing import tiny_model

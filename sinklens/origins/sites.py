@@ -12,13 +12,8 @@ from torch import Tensor
 from sinklens.hooks import model_dims
 
 def final_state_site(model: Any) -> tuple[str, Callable[[Tensor], Tensor]]:
-    """The hook that carries the final hidden state, and the function that finishes it.
-
-    ``unembed.hook_in`` (TransformerBridge) when the model runs it in a forward without logits; otherwise the last
-    block's ``hook_resid_post`` followed by ``model.ln_final`` (HookedTransformer, SinkLM), or by nothing without a
-    final norm. On a HookedTransformer with ``fold_ln`` the gain is folded into ``W_U``, so direction measures
-    differ from the unprocessed model's (:func:`sinklens.load_model` loads without processing).
-    """
+    """The hook carrying the final hidden state and the function that finishes it: ``unembed.hook_in`` on a
+    bridge, else the last ``hook_resid_post`` followed by ``ln_final`` (if any)."""
     if "unembed.hook_in" in model.hook_dict and not _is_hooked_transformer(model):
         return "unembed.hook_in", lambda x: x
     last = model_dims(model).n_layers - 1
@@ -44,9 +39,7 @@ def unembedding(model: Any) -> tuple[Tensor, Tensor | None]:
 
 
 def logits_from_final(model: Any, final: Tensor) -> Tensor:
-    """The model's logits from its final hidden state, in float32: ``final @ W_U + b_U``, then soft-capped
-    as ``c · tanh(logits / c)`` when the model caps its output logits (``cfg.output_logits_soft_cap``
-    ``c > 0``: Gemma 2), as its own forward does."""
+    """Float32 logits ``final @ W_U + b_U``, soft-capped as ``c · tanh(logits / c)`` when the model caps them."""
     w, b = unembedding(model)
     out = final.float() @ w.float().to(final.device)
     if b is not None:

@@ -22,8 +22,8 @@ def format_p_value(p_value: float, log10_p: float) -> str:
     return f"p = 10^{log10_p:.1f}"
 
 def shared_last_token_share(n_samples: int, vocab: int) -> float:
-    """Expected share of ``n_samples`` uniform random sequences over ``vocab`` ids whose last token another
-    sample also ends with: ``1 - (1 - 1/vocab)^(n_samples - 1)``.
+    """Expected share of ``n_samples`` uniform sequences whose last token another also ends with:
+    ``1 - (1 - 1/vocab)^(n_samples - 1)``.
 
     Examples:
         >>> round(shared_last_token_share(300, 4096), 3), round(shared_last_token_share(64, 64), 3)
@@ -45,9 +45,8 @@ def per_dim_kendall(a: Float[Tensor, "sample dim"], b: Float[Tensor, "sample dim
     return torch.tensor(taus, dtype=torch.float64)
 
 def max_shared_input_z(alpha: float) -> float:
-    """The largest :func:`~sinklens.origins.fingerprint.shared_input_z` that keeps the false-positive rate under ``2 alpha``: a null ``z``
-    shifted by ``δ`` passes ``p < alpha`` (``z > Φ̄⁻¹(α/2)``) with probability ``Φ̄(Φ̄⁻¹(α/2) - δ)``, which is
-    ``2α`` at ``δ = Φ̄⁻¹(α/2) - Φ̄⁻¹(2α)`` (0.52 at ``alpha = 0.01``; the threshold token mode's caveat uses).
+    """The largest shared-input ``z`` shift ``δ`` keeping false positives under ``2 alpha``:
+    ``Φ̄⁻¹(α/2) − Φ̄⁻¹(2α)``.
 
     Examples:
         >>> round(max_shared_input_z(0.01), 3)

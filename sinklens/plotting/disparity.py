@@ -14,11 +14,8 @@ def _stream_labels(result: Any) -> list[str]:
 
 
 def plot_massive_by_layer(result: MassiveActivations, *, path: str | Path | None = None) -> Any:
-    """Max ``|x|`` per residual-stream index at the sink position vs all other positions, log scale.
-
-    The median ``|x|`` (the denominator of the relative threshold) and the absolute threshold are drawn
-    for reference.
-    """
+    """Max ``|x|`` per residual-stream index at the sink vs all other positions (log), with the median ``|x|``
+    and the absolute threshold for reference."""
     expect_result(result, MassiveActivations, "plot_massive_by_layer")
     fig, axes = new_figure(width=7.0, height=4.0)
     ax = axes[0, 0]

@@ -11,12 +11,8 @@ from sinklens.plotting.style import expect_result, finish, new_figure
 
 
 def plot_intervention(result: InterventionResult, path: str | Path | None = None) -> Any:
-    """Two panels for an :class:`~sinklens.interventions.experiments.InterventionResult`.
-
-    Left: head-averaged attention received per layer by the target (solid) and the original sink
-    (dashed), before (grey) and after (colour) the intervention. Right: the target's
-    ``hook_resid_post`` norm per layer before and after, on a log scale.
-    """
+    """Left: head-averaged attention to the target (solid) and the original sink (dashed) per layer, before
+    (grey) and after. Right: the target's ``hook_resid_post`` norm per layer before and after (log)."""
     expect_result(result, InterventionResult, "plot_intervention")
     fig, axes = new_figure(1, 2, width=5.5, height=3.6)
     ax, ax2 = axes[0]

@@ -1,9 +1,4 @@
-"""Figures for the init-time picture: token preference, contraction by sublayer, positional discrepancy.
-
-Pure functions of the public fields of :class:`~sinklens.origins.preference.TokenPreference`,
-:class:`~sinklens.origins.contraction.ContractionResult` and
-:class:`~sinklens.origins.positional.PositionalDiscrepancy`.
-"""
+"""Figures for the init-time picture: token preference, contraction by sublayer, positional discrepancy."""
 
 from __future__ import annotations
 
@@ -83,10 +78,8 @@ def positive_or_nan(values: np.ndarray) -> np.ndarray:
 
 
 def plot_positional(result: PositionalDiscrepancy, *, path: str | Path | None = None) -> Any:
-    """Across-sequence variance of each position's attention output relative to the later half of the
-    sequence, per layer (log y), from the first random token (:attr:`~PositionalDiscrepancy.first_counted`:
-    a prepended BOS, the same in every sequence, has variance 0 and is not drawn), and the first-token ratio
-    by layer (integer layer ticks). Values that are not positive are left out of the log axes."""
+    """Each position's attention-output variance relative to the later half, per layer (log y, from the first
+    random token), and the first-token ratio by layer; non-positive values are left out."""
     expect_result(result, PositionalDiscrepancy, "plot_positional")
     fig, axes = new_figure(1, 2, width=6.0, height=4.0)
     rel = result.relative("attn_out_var").numpy()

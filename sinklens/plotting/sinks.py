@@ -20,11 +20,8 @@ def _main_sink(result: Any, position: int | None) -> int:
 
 
 def plot_sink_heatmap(result: SinkResult, *, position: int | None = None, path: str | Path | None = None) -> Any:
-    """Layer × head heatmap of the mean attention each head gives to one key position.
-
-    ``position=None`` uses the first detected sink (position 0 if none). Cells whose pooled mean
-    exceeds ``sink_threshold`` are marked with a dot. Returns the figure; saves a PNG if ``path`` is given.
-    """
+    """Layer × head heatmap of the mean attention to one key position (default: the first sink, else 0);
+    cells above ``sink_threshold`` get a dot."""
     expect_result(result, SinkResult, "plot_sink_heatmap")
     pos = _main_sink(result, position)
     values = torch.nan_to_num(result.received[:, :, pos], nan=0.0)
@@ -51,9 +48,8 @@ def _token_label(result: Any, pos: int) -> str:
 
 
 def plot_sink_rate(result: SinkResult, *, position: int | None = None, path: str | Path | None = None) -> Any:
-    """Gu et al.'s sink rate for one position (:meth:`~sinklens.analysis.sinks.SinkResult.sink_rate`,
-    ``method="gu"``): per head (share of sequences with ``α^Gu > sink_threshold``, left) and per layer
-    (share of heads, averaged over sequences, right)."""
+    """Gu et al.'s sink rate of one position: per head (share of sequences with ``α^Gu > sink_threshold``)
+    and per layer (share of heads)."""
     expect_result(result, SinkResult, "plot_sink_rate")
     pos = _main_sink(result, position)
     frac = result.head_is_sink(method="gu")[:, :, pos]
@@ -77,11 +73,8 @@ def plot_sink_rate(result: SinkResult, *, position: int | None = None, path: str
 def plot_received_by_position(
     result: SinkResult, *, layers: Sequence[int] | None = None, path: str | Path | None = None
 ) -> Any:
-    """Mean attention received (over heads) vs key position, one line per layer, log y.
-
-    ``layers`` are model layers (default: up to 6 evenly spaced analysed layers). Detected sinks
-    are marked with dashed vertical lines; the black line is the mean over all analysed layers.
-    """
+    """Mean attention received (over heads) vs key position, one line per layer (default: up to 6), log y;
+    detected sinks dashed, the mean over analysed layers in black."""
     expect_result(result, SinkResult, "plot_received_by_position")
     if layers is None:
         step = max(1, len(result.layers) // 6)

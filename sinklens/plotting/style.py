@@ -34,11 +34,7 @@ def new_figure(n_rows: int = 1, n_cols: int = 1, *, width: float = 6.0, height: 
 
 
 def save_figure(fig: Any, path: str | Path, *, dpi: int = 120, close: bool = True) -> Path:
-    """Save ``fig`` (creating parent folders) and close it unless ``close=False``; returns the path written.
-
-    The format is the path's suffix (a path without one gets ``.png``, as matplotlib adds). Written atomically
-    (:func:`sinklens.export.write_atomic`): an interrupted save leaves an earlier figure at ``path`` as it was.
-    """
+    """Save ``fig`` atomically (default suffix ``.png``, parents created) and close it unless ``close=False``."""
     path = Path(path)
     if not path.suffix:
         path = path.with_suffix(".png")
@@ -57,8 +53,7 @@ def finish(fig: Any, path: str | Path | None) -> Any:
 
 
 def label_layer_rows(ax: Any, layers: Sequence[int]) -> None:
-    """Label the rows of an ``imshow`` whose row ``i`` is model layer ``layers[i]``: a tick per row, named after
-    its layer (analysed layers may be a subset, e.g. ``layers=[1, 3]``), on a y axis called "layer"."""
+    """Label an ``imshow``'s rows with their model layers (a subset such as ``[1, 3]`` allowed)."""
     ax.set_ylabel("layer")
     ax.set_yticks(range(len(layers)))
     ax.set_yticklabels([str(layer) for layer in layers], fontsize=6 if len(layers) > 16 else 8)

@@ -18,9 +18,7 @@ SINK_PANELS = {
     "variance_ratio": "var(z[0]) / var(z[t≥1]) (hook_z, mean over heads)",
 }
 
-#: Eval metrics plotted when at least one run has them: sinklens' sink-rate variant (every run since it was
-#: logged, and runs from before Gu et al.'s rate was, whose only sink rate it is) and the persistence of the
-#: step-0 bias (:mod:`sinklens.train.persistence`).
+#: Eval metrics plotted when a run has them: sinklens' sink-rate variant and the step-0 bias persistence.
 OPTIONAL_PANELS = {
     "sinklens_sink_rate": "sinklens sink rate at position 0 (queries ≥ 1, ε)",
     "persistence_spearman": "token-preference Spearman ρ with step 0",
@@ -35,10 +33,7 @@ def default_panels(runs: Mapping[str, Sequence[dict[str, Any]]]) -> tuple[str, .
 
 
 def smooth(values: Sequence[float], window: int, *, steps: Sequence[int] | None = None) -> list[float]:
-    """Trailing moving average over the last ``window`` training steps (in steps, not logged points).
-
-    The value at a logged step ``s`` is the mean of the values logged at steps ``s - window < t <= s``; ``steps``
-    are the increasing steps the values were logged at (default: value ``i`` is step ``i``).
+    """Trailing moving average: at logged step ``s``, the mean of values logged at ``s - window < t <= s``.
 
     Examples:
         >>> smooth([1.0, 3.0, 5.0, 7.0], 2)
@@ -67,14 +62,8 @@ def plot_training(
     smoothing: int = 10,
     path: str | Path | None = None,
 ) -> Any:
-    """One panel per metric, one line per run: training loss (mean of the losses logged in the last
-    ``smoothing`` training steps, :func:`smooth`) and the evaluation metrics of :class:`~sinklens.train.sink_metrics.SinkMetrics`.
-
-    Args:
-        runs: ``{label: metrics lines}`` (see :func:`sinklens.sinklm.checkpoint.read_metrics`).
-        panels: ``"loss"`` and/or eval metric names (default: :func:`default_panels`).
-        path: save the figure there (PNG) when given.
-    """
+    """One panel per metric (default :func:`default_panels`), one line per run of ``{label: metrics lines}``:
+    training loss smoothed over ``smoothing`` steps and the evaluation metrics; saved to ``path`` if given."""
     panels = default_panels(runs) if panels is None else tuple(panels)
     fig, axes = new_figure(1, len(panels), width=4.2, height=3.4)
     for ax, panel in zip(axes[0], panels):
@@ -96,8 +85,7 @@ def plot_training(
 
 
 def steps_to_loss(lines: Sequence[dict[str, Any]], target: float, *, smoothing: int = 10) -> int | None:
-    """First logged step at which the :func:`smooth` ed training loss (``smoothing`` training steps) is ``<= target``;
-    None if never.
+    """First logged step whose :func:`smooth` ed training loss is ``<= target``; None if never.
 
     Examples:
         >>> lines = [{"kind": "train", "step": s, "loss": l} for s, l in enumerate([4.0, 3.0, 2.0, 1.0])]
@@ -115,10 +103,8 @@ def steps_to_loss(lines: Sequence[dict[str, Any]], target: float, *, smoothing: 
 def plot_positional_over_training(
     trajectories: Mapping[str, Any], *, name: str = "attn_out_var", path: str | Path | None = None
 ) -> Any:
-    """One panel per run: the first random token's ``name`` relative to the later half of the sequence
-    (:meth:`~sinklens.origins.positional.PositionalTrajectory.first_token_ratio`, log scale) against
-    the training step, one line per layer; step 0 is the run's initialization. The title names that token's
-    position: 0, or 1 after a prepended BOS (``first_counted``)."""
+    """Per run: the first random token's ``name`` relative to the later half (log) against the training step,
+    one line per layer; step 0 is the initialization."""
     fig, axes = new_figure(1, len(trajectories), width=4.2, height=3.4)
     for ax, (label, traj) in zip(axes[0], trajectories.items()):
         ratio = traj.first_token_ratio(name)  # (step, layer)

@@ -15,14 +15,9 @@ KIND_COLORS = {"no-op": "tab:blue", "broadcast": "tab:red", "partial": "tab:oran
 
 
 def plot_value_drain(result: ValueDrain, *, path: str | Path | None = None) -> Any:
-    """Two panels, a pure function of the result's public fields.
-
-    Left: one point per (layer, head), attention to the sink (``attn_sink``, x) against the sink's share
-    of the head's write (``write_share``, y), coloured by class, with the classification thresholds
-    (``sink_head_threshold`` vertical, ``no_op_share`` and ``broadcast_share`` horizontal). Right: the
-    layer × head map of ``write_share``; sink heads are marked with their class letter (n = no-op,
-    b = broadcast, p = partial).
-    """
+    """Left: per (layer, head) attention to the sink (x) against the sink's share of the head's write (y),
+    coloured by class, with the class thresholds. Right: the layer × head ``write_share`` map, sink heads
+    lettered (n = no-op, b = broadcast, p = partial)."""
     expect_result(result, ValueDrain, "plot_value_drain")
     fig, axes = new_figure(1, 2, width=4.6, height=3.8)
     ax = axes[0, 0]

@@ -55,13 +55,8 @@ def plot_variance_by_position(
     heads: int | Sequence[int] | None = None,
     path: str | Path | None = None,
 ) -> Any:
-    """``z_var`` against position + 1 on log-log axes, one panel per layer, with the pattern-based
-    prediction ``σ_v² Σ_j A_tj²`` (dashed) and the uniform law ``σ_v² / (t + 1)`` (dotted).
-
-    Args:
-        layers: model layers to draw (default: up to 4 evenly spaced analysed layers).
-        heads: one head, several, or ``None`` for the mean over all heads of the layer.
-    """
+    """``z_var`` against position + 1 (log-log) per layer, with the prediction ``σ_v² Σ_j A_tj²`` (dashed) and
+    the uniform law ``σ_v² / (t + 1)`` (dotted). ``heads``: one, several, or None for the head mean."""
     expect_result(result, VarianceResult, "plot_variance_by_position")
     head_idx = _heads(result, heads)
     label_heads = "mean of heads" if heads is None else f"heads {head_idx}"
@@ -112,13 +107,9 @@ def plot_feature_std_by_position(
     layers: Sequence[int] | None = None,
     path: str | Path | None = None,
 ) -> Any:
-    """Li et al.'s per-position feature std against position + 1 (log-log), one panel per layer: the std over
-    the concatenated ``o_proj`` input (``feature_std``, their code's measure, solid), the head mean of the per-head
-    version (``feature_std_head``, dashed), and the uniform-attention law ``feature_std[0] / sqrt(t + 1)`` (dotted).
-
-    Args:
-        layers: model layers to draw (default: up to 4 evenly spaced analysed layers).
-    """
+    """Li et al.'s per-position feature std against position + 1 (log-log), per layer: ``feature_std`` (solid),
+    the head mean of ``feature_std_head`` (dashed) and the uniform law ``feature_std[0] / sqrt(t + 1)`` (dotted).
+    ``layers`` default: up to 4 evenly spaced analysed layers."""
     expect_result(result, VarianceResult, "plot_feature_std_by_position")
     if result.feature_std is None or result.feature_std_head is None:
         raise ValueError("This VarianceResult has no feature std (made by an older sinklens); measure it again.")

@@ -1,18 +1,10 @@
 """A pretend CUDA device on a CPU-only build: tensors that say ``cuda:0`` but hold real CPU data.
 
-Inside :func:`fake_cuda`, anything made or moved with ``device="cuda"`` (factory functions, ``.to``,
-``.cuda()``, ``model.to("cuda")``) is a :class:`FakeCudaTensor`: its ``.device`` is ``cuda:0``, every op on
-it runs on the CPU data it wraps, and ``.cpu()``, ``.item()`` and ``.tolist()`` give real numbers. An op
-that mixes it with a plain CPU tensor of one or more dimensions raises the ``RuntimeError`` a GPU raises
-("Expected all tensors to be on the same device"), with the CUDA exceptions kept (a copy between devices,
-CPU index tensors, 0-dim CPU tensors as scalars). So a model moved to this device finds, on any machine,
-the code that makes a tensor without the activations' device or mixes a ``.cpu()`` result back in, and
-gives the CPU's numbers when there is none.
-
-:attr:`FakeCuda.host_syncs` counts the operations that wait for a GPU: a value read on the host
-(``.item()``, ``bool``/``float``/``int`` of a tensor, ``.tolist()``), a copy to the host (``.cpu()``,
-``.to("cpu")``) and ops whose output shape depends on the data (``nonzero``, boolean-mask indexing,
-``masked_select``, ``unique``, ``torch.equal``).
+Inside :func:`fake_cuda`, tensors made or moved with ``device="cuda"`` are :class:`FakeCudaTensor` s: they
+report ``cuda:0`` and compute on the CPU data they wrap. Mixing one with a plain CPU tensor raises the error a
+GPU raises (with CUDA's exceptions: copies, CPU index tensors, 0-dim scalars), so device slips show on any
+machine. :attr:`FakeCuda.host_syncs` counts what waits for a GPU: host reads (``.item()``, ``.tolist()``,
+``.cpu()``) and data-dependent shapes (``nonzero``, mask indexing, ``unique``, ``torch.equal``).
 
 Examples:
     >>> import torch
@@ -212,11 +204,8 @@ _CUDA_API: dict[str, Any] = {
 
 @contextlib.contextmanager
 def fake_cuda() -> Iterator[FakeCuda]:
-    """A block in which ``cuda`` is the pretend device above; yields its :class:`FakeCuda` (host-sync count).
-
-    In the block ``torch.cuda`` answers as for one GPU (:data:`_CUDA_API`), so code that checks for one
-    (``--device cuda``, ``device=None`` meaning "CUDA when available") takes the pretend one.
-    """
+    """A block in which ``cuda`` is the pretend device and ``torch.cuda`` answers as for one GPU; yields the
+    :class:`FakeCuda` (host-sync count)."""
     state = FakeCuda()
     _ACTIVE.append(state)
     swap = torch.__future__.get_swap_module_params_on_conversion()

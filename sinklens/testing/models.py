@@ -1,9 +1,7 @@
 """Tiny, seeded TransformerLens models built from config, for tests, doctests and tutorials.
 
-:func:`tiny_model` returns a ``TransformerBridge`` when TransformerLens 4.x is installed and a
-``HookedTransformer`` under 3.x, with the same hook names either way, so a test written against it
-runs on both versions. Its tokenizer is a word-level one: id 0 is BOS ``<s>``, id 1 is EOS/pad/unknown
-``</s>``, and the word ``t{i}`` is id ``i`` for ``2 <= i < d_vocab``.
+:func:`tiny_model` is a ``TransformerBridge`` under TransformerLens 4.x and a ``HookedTransformer`` under 3.x,
+with the same hook names; its word tokenizer has BOS ``<s>`` = 0, ``</s>`` = 1 and word ``t{i}`` = ``i``.
 """
 
 from __future__ import annotations
@@ -61,10 +59,7 @@ def _word_tokenizer_dir(d_vocab: int) -> str:
 
 
 def word_tokenizer(d_vocab: int) -> Any:
-    """A Hugging Face fast tokenizer: ``<s>`` = 0, ``</s>`` = 1, word ``t{i}`` = ``i``.
-
-    Its files live in one folder per process (:func:`tokenizer_root`), removed when the process exits.
-    """
+    """A Hugging Face fast tokenizer: ``<s>`` = 0, ``</s>`` = 1, word ``t{i}`` = ``i`` (files under :func:`tokenizer_root`)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(_word_tokenizer_dir(d_vocab))
@@ -164,9 +159,8 @@ def _tiny_hooked_transformer(arch: Arch, n_layers, d_model, n_heads, n_kv_heads,
 
 def tiny_sinklm(variant: str = "baseline", *, family: Literal["llama", "gpt2"] = "llama", seed: int = 0,
                 **variant_options: Any) -> Any:
-    """A step-0 :class:`~sinklens.sinklm.model.SinkLM` (2 layers, d_model 32, 4 heads, context 16, vocabulary 512)
-    with one of the trainer's attention variants, built as ``sinklens train`` builds it for ``seed``. A
-    ``headwise_rms`` model gets gains drawn from [0.5, 2] (seeded), so its norm is more than a rescale.
+    """A step-0 :class:`~sinklens.sinklm.model.SinkLM` (2 layers, d_model 32, context 16, vocabulary 512) with a
+    trainer attention variant, built as ``sinklens train`` builds it (``headwise_rms`` gains drawn from [0.5, 2]).
 
     Examples:
         >>> tiny_sinklm("gated", granularity="headwise").head_output_site

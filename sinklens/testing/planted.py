@@ -1,17 +1,10 @@
 """Tiny models with hand-planted sink mechanisms, so analyzers can be tested against known answers.
 
-:func:`planted_model` edits the weights of a :func:`sinklens.testing.tiny_model` in place (TransformerLens
-conventions) to plant:
-
-* **a BOS direction**: the BOS embedding gets a large entry in ``bos_dim``, which nothing else writes, so only
-  position 0 is non-zero there;
-* **a super neuron** ``(layer, neuron)`` that reads only ``bos_dim`` and writes a one-hot into ``dim``, which
-  nothing else writes: position 0 carries a massive activation in ``dim`` from
-  ``blocks.{layer + 1}.hook_resid_pre`` on, every other position exactly 0;
-* optionally **an eraser neuron** ``(erase_layer, erase_neuron)`` that reads ``dim`` and writes ``-dim`` back;
-* optionally **query–key locking** in head ``(qk_layer, qk_head)``: every non-BOS token shares a direction
-  ``common_dim``; the head's queries read only it and its keys read ``dim``, so every query scores the BOS key
-  positively (on rotary models through the lowest-frequency pair).
+:func:`planted_model` edits a :func:`sinklens.testing.tiny_model` in place to plant a BOS-only direction
+``bos_dim``; a super neuron ``(layer, neuron)`` reading it and writing ``dim``, which nothing else writes (so
+position 0 alone carries a massive value in ``dim`` from ``blocks.{layer + 1}``); optionally an eraser neuron
+writing ``-dim`` back, and query–key locking in head ``(qk_layer, qk_head)`` through a shared direction
+``common_dim`` of the non-BOS tokens.
 """
 
 from __future__ import annotations
@@ -153,9 +146,8 @@ def planted_model(
     common_dim: int = 9,
     **model_kwargs: Any,
 ) -> tuple[Any, PlantedSpec]:
-    """A :func:`~sinklens.testing.tiny_model` with a planted super neuron (see the module docstring).
-
-    ``model_kwargs`` go to :func:`~sinklens.testing.tiny_model`. Returns the model and a :class:`PlantedSpec`.
+    """A :func:`~sinklens.testing.tiny_model` (``model_kwargs``) with planted mechanisms (module docstring), and
+    the :class:`PlantedSpec` of where they are.
 
     Examples:
         >>> model, spec = planted_model(n_layers=2, layer=0, neuron=7, dim=5)
@@ -219,105 +211,4 @@ def planted_model(
         qk_layer=qk_layer, qk_head=qk_head if qk_layer is not None else None,
         common_dim=common_dim if qk_layer is not None else None,
     )
-    return model, spec
-
-
-@dataclass(frozen=True)
-class PostNormPlantedSpec:
-    """Where :func:`planted_post_norm_model` planted its neurons (the answers a test expects).
-
-    Attributes:
-        family: the zoo family (``gemma2`` or ``gemma3``).
-        layer / neuron: the super neuron; its block's post-MLP norm multiplies ``dim`` by ``gain``.
-        decoy_layer / decoy_neuron: a neuron whose raw write at the sink is ``decoy_ratio`` times the super
-            neuron's, behind a post-MLP gain of ``decoy_gain`` (small) on ``dim``.
-        dim: the massive residual dimension; ``bos_dim``: the BOS-only direction both neurons read.
-    """
-
-    family: str
-    layer: int
-    neuron: int
-    decoy_layer: int
-    decoy_neuron: int
-    dim: int
-    bos_dim: int
-    gain: float
-    decoy_gain: float
-    decoy_ratio: float
-
-
-def planted_post_norm_model(
-    family: Literal["gemma2", "gemma3"] = "gemma2",
-    *,
-    n_layers: int = 2,
-    seed: int = 0,
-    layer: int = 0,
-    neuron: int = 7,
-    decoy_layer: int = 1,
-    decoy_neuron: int = 11,
-    dim: int = 5,
-    bos_dim: int = 2,
-    gain: float = 250.0,
-    decoy_gain: float = 0.01,
-    decoy_ratio: float = 10.0,
-) -> tuple[Any, PostNormPlantedSpec]:
-    """A zoo post-norm model (:func:`sinklens.testing.zoo.zoo_model`) with a super neuron behind a large post-norm gain.
-
-    Planted in the Hugging Face weights (Gemma RMSNorm gain ``1 + w``): a BOS-only ``bos_dim``; the super neuron
-    reads it and writes ``dim``, and block ``layer``'s ``post_feedforward_layernorm`` has gain ``gain`` on ``dim``;
-    the decoy writes ``dim`` with a raw ``act × W_out`` ``decoy_ratio`` times larger but behind gain ``decoy_gain``:
-    an activation-times-weight ranking puts it first, a residual-unit ranking last. Raises
-    :class:`~sinklens.testing.zoo.FamilyUnavailableError` under TransformerLens 3.x.
-
-    Examples:
-        >>> model, spec = planted_post_norm_model("gemma2")
-        >>> _, cache = model.run_with_cache(model.to_tokens("t3 t4 t5"), names_filter="blocks.1.hook_resid_pre")
-        >>> resid = cache["blocks.1.hook_resid_pre"][0]
-        >>> bool(resid[0, 5].abs() > 100), float(resid[1:, 5].abs().max())
-        (True, 0.0)
-    """
-    from sinklens.testing.zoo import FamilyUnavailableError, POST_NORM_FAMILIES, zoo_model
-
-    if family not in POST_NORM_FAMILIES:
-        raise ValueError(f"family must be a post-norm zoo family {list(POST_NORM_FAMILIES)}, got {family!r}.")
-    if transformer_lens_major() < 4:
-        raise FamilyUnavailableError("planted_post_norm_model edits the Hugging Face weights of a TransformerBridge "
-                                     "(TransformerLens 4.x).")
-    if not 0 <= layer < n_layers - 1 or not 0 <= decoy_layer < n_layers or decoy_layer == layer:
-        raise ValueError(f"layer={layer} must leave a later layer and differ from decoy_layer={decoy_layer} "
-                         f"(both in [0, {n_layers})).")
-    if dim == bos_dim:
-        raise ValueError(f"dim and bos_dim must differ, got {dim}.")
-    model = zoo_model(family, n_layers=n_layers, seed=seed)
-    hf = model.original_model.model
-    layers = hf.layers
-    protected = [bos_dim, dim]
-    bos = model.tokenizer.bos_token_id
-    with torch.no_grad():
-        W_E = hf.embed_tokens.weight
-        typical = float(W_E.norm(dim=-1).mean())
-        W_E[:, protected] = 0.0
-        W_E[bos, bos_dim] = 4.0 * typical
-        for block in layers:  # nothing but the plants writes into the protected dims
-            block.self_attn.o_proj.weight[protected, :] = 0.0
-            block.mlp.down_proj.weight[protected, :] = 0.0
-
-        def reader(block: int, n: int, write: float) -> None:
-            mlp = layers[block].mlp
-            for proj in (mlp.gate_proj, mlp.up_proj):  # weight [d_mlp, d_model]
-                proj.weight[n, :] = 0.0
-                proj.weight[n, bos_dim] = 3.0
-            mlp.down_proj.weight[:, n] = 0.0  # weight [d_model, d_mlp]
-            mlp.down_proj.weight[dim, n] = write
-
-        reader(layer, neuron, 1.0)
-        reader(decoy_layer, decoy_neuron, 1.0)
-        layers[layer].post_feedforward_layernorm.weight[dim] = gain - 1.0  # Gemma RMSNorm multiplies by 1 + w
-        layers[decoy_layer].post_feedforward_layernorm.weight[dim] = decoy_gain - 1.0
-        names = [f"blocks.{layer}.mlp.hook_post", f"blocks.{decoy_layer}.mlp.hook_post"]
-        _, cache = model.run_with_cache(torch.tensor([[bos]]), names_filter=lambda n: n in names)
-        act, decoy_act = float(cache[names[0]][0, 0, neuron]), float(cache[names[1]][0, 0, decoy_neuron])
-        layers[decoy_layer].mlp.down_proj.weight[dim, decoy_neuron] = decoy_ratio * act / decoy_act
-    spec = PostNormPlantedSpec(family, layer, neuron, decoy_layer, decoy_neuron, dim, bos_dim, gain, decoy_gain,
-                               decoy_ratio)
     return model, spec

@@ -1,14 +1,10 @@
 """The architecture zoo: tiny, seeded models of every family sinklens claims to support.
 
-Each family is built from its Hugging Face config with random weights (a few layers, ``d_model`` 16),
-saved with a word-level tokenizer to a per-process folder, and loaded back through
-:func:`sinklens.load_model` exactly as a user's model directory would be, so tests exercise the same
-path as ``sinklens analyze --model DIR``. :func:`zoo_hf_model` returns the plain Hugging Face model
-of the same folder, for independent reference computations.
-
-Under TransformerLens 3.x the families that ``HookedTransformerConfig`` can express are built as
-``HookedTransformer`` s with the same features (post-norms, local attention windows, parallel blocks);
-the others raise :class:`FamilyUnavailableError` (tests skip them).
+Each family is built from its Hugging Face config with random weights, saved with a word-level tokenizer and
+loaded back through :func:`sinklens.load_model` as a user's model folder would be; :func:`zoo_hf_model` gives
+the plain Hugging Face model of that folder as an independent reference. Under TransformerLens 3.x the
+families ``HookedTransformerConfig`` can express are built as ``HookedTransformer`` s; the others raise
+:class:`FamilyUnavailableError`.
 
 =========  ===================================================================  =========
 family     what it exercises                                                    TL 3.x
@@ -26,8 +22,7 @@ bert       bidirectional encoder, ``[CLS] … [SEP]``                           
 gptoss     learned per-head sink logits, mixture-of-experts MLP, sliding layers  no
 =========  ===================================================================  =========
 
-Every family uses ``window`` (default 4) as its sliding window where it has one, so a prompt of more
-than 4 tokens already exercises windowed visibility.
+Sliding-window families use ``window`` (default 4) tokens.
 """
 
 from __future__ import annotations
@@ -168,17 +163,10 @@ def zoo_hf_model(family: str, **sizes: Any) -> Any:
 
 
 def zoo_model(family: str, **sizes: Any) -> Any:
-    """A tiny seeded model of ``family`` loaded through :func:`sinklens.load_model` (a fresh copy each call,
-    so a test may edit its weights).
-
-    Args:
-        family: one of :data:`FAMILIES`.
-        sizes: ``n_layers`` (2), ``d_model`` (16), ``n_heads`` (4), ``n_kv_heads`` (2), ``d_mlp`` (32),
-            ``n_ctx`` (64), ``d_vocab`` (64), ``window`` (4, the sliding window), ``seed`` (0).
-
-    Raises:
-        FamilyUnavailableError: under TransformerLens 3.x for a family ``HookedTransformerConfig``
-            cannot express (see :data:`TL3_FAMILIES`).
+    """A tiny seeded model of ``family`` (:data:`FAMILIES`) loaded through :func:`sinklens.load_model`, a fresh
+    copy each call. ``sizes``: ``n_layers`` (2), ``d_model`` (16), ``n_heads`` (4), ``n_kv_heads`` (2),
+    ``d_mlp`` (32), ``n_ctx`` (64), ``d_vocab`` (64), ``window`` (4), ``seed`` (0). Under TransformerLens 3.x a
+    family outside :data:`TL3_FAMILIES` raises :class:`FamilyUnavailableError`.
 
     Examples:
         >>> model = zoo_model("gemma2")
@@ -238,29 +226,4 @@ def _zoo_hooked_transformer(family: str, *, n_layers: int = 2, d_model: int = 16
                 for block in model.blocks:
                     for bias in (block.attn.b_Q, block.attn._b_K, block.attn._b_V):
                         bias.normal_(std=0.1)
-    return model.eval()
-
-
-def tl3_encoder() -> Any:
-    """A TransformerLens 3.x ``HookedEncoder`` (post-LN BERT blocks) built from a config, with seeded weights
-    (3.x leaves a config-built encoder's parameters uninitialised) and non-trivial LayerNorm gains and biases.
-    Under 3.x its ``hook_attn_out`` is the raw attention write and ``hook_resid_mid`` is ``resid_pre`` plus it,
-    before ``ln1``: the opposite of the 4.x bridge, which fires both after a LayerNorm."""
-    import warnings
-
-    from transformer_lens import HookedEncoder, HookedTransformerConfig
-
-    cfg = HookedTransformerConfig(n_layers=2, d_model=16, n_heads=4, d_head=4, d_mlp=32, n_ctx=64, d_vocab=64,
-                                  act_fn="gelu", normalization_type="LN", original_architecture="BertForMaskedLM",
-                                  attention_dir="bidirectional")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)  # 3.x points encoder users to 4.x
-        model = HookedEncoder(cfg, move_to_device=False)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if ".ln" in f".{name}":
-                p.copy_((1.0 if name.endswith(".w") else 0.0) + 0.5 * torch.randn(p.shape, generator=gen))
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) * (0.3 if p.dim() > 1 else 0.05))
     return model.eval()

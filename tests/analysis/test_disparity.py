@@ -10,7 +10,8 @@ from sinklens.analysis.disparity import MassiveActivationsReducer, find_massive_
 from sinklens.inputs import as_batches
 from sinklens.plotting.disparity import plot_massive_by_layer, plot_position_profile, plot_top_dims
 from sinklens.streaming import stream
-from sinklens.testing import PLANTED_PROMPTS, QUIET
+from sinklens.testing import QUIET
+from support.checks import PLANTED_PROMPTS
 from sinklens.testing.planted import planted_model
 
 pytestmark = pytest.mark.models

@@ -14,7 +14,8 @@ from sinklens.analysis.neurons import (
 from sinklens.inputs import as_batches
 from sinklens.plotting.neurons import plot_contributions, plot_dim_path, plot_row_sparsity
 from sinklens.streaming import stream
-from sinklens.testing import PLANTED_PROMPTS, QUIET
+from sinklens.testing import QUIET
+from support.checks import PLANTED_PROMPTS
 from sinklens.testing.planted import planted_model
 
 pytestmark = pytest.mark.models

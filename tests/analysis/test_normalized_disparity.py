@@ -8,7 +8,8 @@ import torch
 from sinklens.analysis.normalized_disparity import NormalizedDisparityReducer, normalized_disparity
 from sinklens.inputs import as_batches
 from sinklens.streaming import stream
-from sinklens.testing import PLANTED_PROMPTS, QUIET
+from sinklens.testing import QUIET
+from support.checks import PLANTED_PROMPTS
 
 pytestmark = pytest.mark.models
 

@@ -8,7 +8,8 @@ import torch
 from sinklens.analysis.qk_locking import QKLockingReducer, query_key_locking
 from sinklens.inputs import as_batches
 from sinklens.streaming import stream
-from sinklens.testing import PLANTED_PROMPTS, QUIET
+from sinklens.testing import QUIET
+from support.checks import PLANTED_PROMPTS
 
 pytestmark = pytest.mark.models
 

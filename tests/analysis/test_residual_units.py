@@ -10,7 +10,8 @@ from sinklens.errors import UnsupportedArchitectureError
 from sinklens.interventions.neurons import edit_neurons
 from sinklens.plotting.report import save_report
 from sinklens.residual_units import post_norm_map
-from sinklens.testing import PLANTED_PROMPTS, QUIET
+from sinklens.testing import QUIET
+from support.checks import PLANTED_PROMPTS
 from sinklens.testing.zoo import POST_NORM_FAMILIES, FamilyUnavailableError, zoo_model
 
 pytestmark = pytest.mark.models
@@ -191,7 +192,7 @@ def test_head_contributions_of_a_sinklens_variant_are_what_its_w_o_reads(variant
 def test_planted_super_neuron_behind_a_post_norm_is_ranked_first_and_is_causal(family):
     """The key test: a neuron whose small write a post norm multiplies by 250 is ranked first; a decoy with a
     10x bigger raw act × W_out behind a 0.01 gain is not, and zeroing it leaves the dimension in place."""
-    from sinklens.testing.planted import planted_post_norm_model
+    from support.models import planted_post_norm_model
 
     try:
         model, spec = planted_post_norm_model(family)

@@ -8,7 +8,8 @@ from sinklens.analysis.sinks import SinkReducer, find_sinks
 from sinklens.inputs import TokenBatch, as_batches
 from sinklens.plotting.sinks import plot_received_by_position, plot_sink_heatmap, plot_sink_rate
 from sinklens.streaming import stream
-from sinklens.testing import QUIET, VARIED_PROMPTS
+from sinklens.testing import QUIET
+from support.checks import VARIED_PROMPTS
 
 pytestmark = pytest.mark.models
 

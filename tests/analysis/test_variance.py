@@ -9,7 +9,8 @@ from sinklens.hooks import weight
 from sinklens.inputs import as_batches, random_token_batches
 from sinklens.plotting.variance import plot_discrepancy, plot_feature_std_by_position, plot_variance_by_position
 from sinklens.streaming import stream
-from sinklens.testing import QUIET, VARIED_PROMPTS, tiny_sinklm
+from sinklens.testing import QUIET, tiny_sinklm
+from support.checks import VARIED_PROMPTS
 
 pytestmark = pytest.mark.models
 
@@ -188,7 +189,7 @@ def test_bad_arguments(tiny_llama):
 
 from sinklens.analysis.post_attention import post_attention_gain  # noqa: E402
 from sinklens.testing import transformer_lens_major  # noqa: E402
-from sinklens.testing.planted_values import c4, gaussian_values, uniform_attention  # noqa: E402
+from support.planted_values import c4, gaussian_values, uniform_attention  # noqa: E402
 from sinklens.testing.zoo import zoo_hf_model, zoo_model  # noqa: E402
 
 from _hf_reference import perturb_post_attention_norms  # noqa: E402

@@ -10,7 +10,8 @@ from sinklens.analysis.report import analyze
 from sinklens.analysis.verify import verify_attribution
 from sinklens.interventions.neurons import edit_neurons
 from sinklens.plotting.report import save_report
-from sinklens.testing import PLANTED_PROMPTS, QUIET
+from sinklens.testing import QUIET
+from support.checks import PLANTED_PROMPTS
 from sinklens.testing.planted import planted_model
 
 pytestmark = pytest.mark.models

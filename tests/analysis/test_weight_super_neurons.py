@@ -5,7 +5,8 @@ import json
 import pytest
 
 from sinklens.analysis.weight_super_neurons import sink_inputs, super_neurons_from_weights
-from sinklens.testing import PLANTED_PROMPTS, QUIET
+from sinklens.testing import QUIET
+from support.checks import PLANTED_PROMPTS
 
 pytestmark = pytest.mark.models
 

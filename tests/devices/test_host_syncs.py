@@ -13,7 +13,8 @@ import torch
 
 import sinklens
 from sinklens.inputs import TokenBatch
-from sinklens.testing import QUIET, VARIED_PROMPTS
+from sinklens.testing import QUIET
+from support.checks import VARIED_PROMPTS
 from sinklens.testing.fake_cuda import fake_cuda
 from sinklens.testing.planted import planted_model
 

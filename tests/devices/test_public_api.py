@@ -13,7 +13,8 @@ import torch
 import sinklens
 from sinklens.interventions import block_keys
 from sinklens.loading import load_model
-from sinklens.testing import PLANTED_PROMPTS, QUIET, tiny_model
+from sinklens.testing import QUIET, tiny_model
+from support.checks import PLANTED_PROMPTS
 from sinklens.testing.planted import planted_model
 
 OPTIONS = QUIET.replace(batch_size=2)  # several batches, padded

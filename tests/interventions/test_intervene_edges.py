@@ -29,7 +29,7 @@ from sinklens.interventions import (
 from sinklens.interventions.calibration import variance_calibration
 from sinklens.options import RunOptions
 from sinklens.testing import transformer_lens_major
-from sinklens.testing.zoo import tl3_encoder
+from support.models import tl3_encoder
 
 pytestmark = pytest.mark.models
 

@@ -21,7 +21,7 @@ from sinklens.interventions import (
     transplant_dims,
 )
 from sinklens.options import RunOptions
-from sinklens.testing import no_hooks_left
+from support.checks import no_hooks_left
 
 pytestmark = pytest.mark.models
 

@@ -132,7 +132,8 @@ def test_tied_logits_are_not_counted_as_an_argmax_for_token_0(zeroed):
 def _bert():
     """The zoo's BERT through the 4.x bridge; under 3.x, whose config cannot build it, a ``HookedEncoder``."""
     from sinklens.testing.models import transformer_lens_major
-    from sinklens.testing.zoo import tl3_encoder, zoo_model
+    from sinklens.testing.zoo import zoo_model
+    from support.models import tl3_encoder
 
     return zoo_model("bert") if transformer_lens_major() >= 4 else tl3_encoder()
 

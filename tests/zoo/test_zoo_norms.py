@@ -28,7 +28,7 @@ from sinklens.residual_units import input_norm
 from sinklens.testing.zoo import FAMILIES, MOE_FAMILIES, FamilyUnavailableError, zoo_model
 
 from _zoo_reference import TL4
-from sinklens.testing.zoo import tl3_encoder
+from support.models import tl3_encoder
 
 pytestmark = pytest.mark.models
 

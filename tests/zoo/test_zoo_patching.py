@@ -24,7 +24,7 @@ from sinklens.interventions.patching import patch_hook_names, patch_sink
 from sinklens.testing.zoo import FAMILIES, FamilyUnavailableError, zoo_model
 
 from _zoo_reference import TL4
-from sinklens.testing.zoo import tl3_encoder
+from support.models import tl3_encoder
 
 pytestmark = pytest.mark.models
 

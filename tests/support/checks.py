@@ -1,11 +1,9 @@
-"""Checks shared by sinklens' tests and by anyone testing their own hooks with sinklens."""
+"""Prompts and hook checks shared by the tests."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
-
-from sinklens.options import RunOptions
 
 #: Short prompts in the word vocabulary of :func:`sinklens.testing.tiny_model` (ids ``t2..t63``).
 TINY_PROMPTS: list[str] = ["t5 t6 t7 t8 t9 t10 t11", "t3 t4 t5 t6", "t9 t9 t9 t2 t3 t4 t5 t6 t7 t8"]
@@ -21,9 +19,6 @@ VARIED_PROMPTS: list[str] = [
 
 #: Five short prompts (2 to 9 words) for the planted-mechanism models of :mod:`sinklens.testing.planted`.
 PLANTED_PROMPTS: list[str] = ["t3 t4 t5 t6 t7 t8", "t9 t10", "t11 t12 t13 t14", "t2 t2 t2 t2 t2 t2 t2 t2 t2", "t40 t41 t42"]
-
-#: Run options for tests: no progress bar (``QUIET.replace(batch_size=2)`` for more).
-QUIET = RunOptions(progress=False)
 
 
 def attached_hook_count(model: Any) -> int:
