@@ -83,7 +83,6 @@ class SinkInputReducer(SinkMeanReducer):
 
     def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None):
         self.layers = resolve_layers(layers, model_dims(model).n_layers)
-        self.row = {layer: i for i, layer in enumerate(self.layers)}
         paths = [input_norm_path(model, layer, "mlp") for layer in self.layers]
         self.site = paths[0].rsplit(".", 1)[-1] + ".hook_normalized" if paths else "ln2.hook_normalized"
         super().__init__(model, sink_position, [f"{path}.hook_normalized" for path in paths])
