@@ -140,12 +140,9 @@ class VarianceResult(CompactRepr):
         return sites[choice(of, sorted(sites), what="of")]
 
     def discrepancy(self, position: int = 0, *, of: Site = "z") -> Tensor:
-        """Variance-discrepancy ratio of one site (:meth:`variance`): :meth:`ratio_of` its variance.
-
-        ``[layer, head]``, or ``[layer]`` for ``"attn_out"`` and ``"feature_std"`` (a ratio of standard
-        deviations for the ``feature_std`` sites). Under uniform attention over ``T`` positions the ratio at
-        position 0 is already about ``T / ln T``: compare it with the same ratio of :attr:`pred_uniform`.
-        """
+        """:meth:`ratio_of` one site's :meth:`variance`, ``[layer, head]`` (``[layer]`` for ``"attn_out"`` and
+        ``"feature_std"``). Uniform attention over ``T`` positions already gives about ``T / ln T`` at position
+        0: compare with the ratio of :attr:`pred_uniform`."""
         return self.ratio_of(self.variance(of), position)
 
     def preservation(self, position: int = 0) -> Float[Tensor, "layer head"]:
@@ -424,11 +421,7 @@ def measure_variance(
 ) -> VarianceResult:
     """Measure value-aggregation variance per layer × head × position, with its predictions.
 
-    Args:
-        inputs: anything :func:`sinklens.inputs.as_batches` accepts (None: the built-in prompts). The
-            variances are across sequences, so use many (e.g. :func:`~sinklens.inputs.random_token_batches`).
-        layers: which layers (default all).
-        options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar.
+    The variances are across sequences, so stream many (e.g. :func:`~sinklens.inputs.random_token_batches`).
 
     Examples:
         >>> from sinklens.testing import tiny_model

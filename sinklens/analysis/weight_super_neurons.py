@@ -179,12 +179,8 @@ def super_neurons_from_weights(
 ) -> WeightNeurons:
     """Rank FFN neurons as super-neuron candidates from their weights alone (no forward pass).
 
-    Args:
-        layers: model layers to analyse (None = all).
-        dims: residual dimensions whose ``W_out`` entries to report (e.g. the massive dims).
-        sink_input: a :class:`SinkInput` (:func:`sink_inputs`) to add the read-vector alignments.
-        row_top_k: entries counted in ``out_top_share``.
-        w_out_sparsity: ``(kurtosis, top-k share)`` of these ``W_out`` rows if already computed.
+    ``dims``: residual dimensions whose ``W_out`` entries to report; ``sink_input`` (:func:`sink_inputs`) adds
+    the read-vector alignments; ``w_out_sparsity``: ``(kurtosis, top-k share)`` of these rows if already computed.
 
     Examples:
         >>> from sinklens.testing.planted import planted_model
