@@ -24,8 +24,6 @@ def sink_position_arg(sink_position: Any) -> int:
     """The ``sink_position=`` argument of every analyzer: an integer >= 0.
 
     Examples:
-        >>> sink_position_arg(0)
-        0
         >>> sink_position_arg(-1)
         Traceback (most recent call last):
         ...
@@ -35,8 +33,7 @@ def sink_position_arg(sink_position: Any) -> int:
 
 
 def check_sink_position(batch: TokenBatch, sink_position: int) -> None:
-    """Raise :class:`~sinklens.errors.InvalidArgumentError` if a sequence of ``batch`` is too short
-    to have a token at ``sink_position``."""
+    """A named error if a sequence of ``batch`` has no token at ``sink_position``."""
     lengths = batch.host_lengths()
     shortest = min(lengths)
     if not 0 <= sink_position < shortest:
@@ -55,8 +52,7 @@ def other_positions(batch: TokenBatch, sink_position: int) -> Tensor:
 
 
 def resolve_streams(streams: int | Sequence[int] | None, n_layers: int) -> list[int]:
-    """Residual-stream indices ``0..n_layers``: ``s < n_layers`` is ``blocks.{s}.hook_resid_pre``, ``n_layers`` is
-    the final ``blocks.{n_layers-1}.hook_resid_post``. None = all; negatives count from the end.
+    """Residual-stream indices ``0..n_layers`` (:func:`stream_hook`); None = all, negatives count from the end.
 
     Examples:
         >>> resolve_streams(None, 2), resolve_streams(-1, 2)
@@ -73,10 +69,7 @@ def stream_hook(stream_index: int, n_layers: int) -> str:
 
 
 class SettingsFields:
-    """Mixin for results that hold a frozen ``settings`` dataclass: its fields read as attributes.
-
-    ``result.sink_threshold`` is ``result.settings.sink_threshold``.
-    """
+    """Mixin for results holding a frozen ``settings`` dataclass: ``result.x`` reads ``result.settings.x``."""
 
     def __getattr__(self, name: str) -> Any:  # called only when normal lookup fails
         settings = self.__dict__.get("settings")
@@ -105,9 +98,8 @@ def row_index(labels: Sequence[int], label: int, *, what: str = "Layer") -> int:
 def layer_head_position_rows(
     layers: Sequence[int], n_heads: int, n_positions: int, columns: dict[str, tuple[str, Tensor | None]],
 ) -> list[dict[str, Any]]:
-    """Long format: one row per (layer, head, position) with ``layer``, ``head``, ``position`` and, in order,
-    every column. A column is ``(axes, tensor)``: ``axes`` names the tensor's dimensions among
-    ``"layer head pos"`` (e.g. ``"layer pos"``: one value for every head); a None tensor is left out.
+    """Long format: one row per (layer, head, position) with every column, a column being ``(axes, tensor)``
+    with ``axes`` its dimensions among ``"layer head pos"``; a None tensor is left out.
 
     Examples:
         >>> import torch
@@ -132,12 +124,8 @@ def layer_head_position_rows(
 
 
 def once_per_forward(fold: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
-    """Wrap a ``fold(act, key)`` so that it runs only on the first call per key within one forward pass.
-
-    TransformerLens 3.x ``HookedTransformer`` runs ``ln1.hook_normalized`` once per query/key/value input
-    (three times per forward, with the same tensor); folding every call would count tokens three times.
-    Call this in ``fwd_hooks`` (once per batch) so the "seen" set is fresh for each forward.
-    """
+    """``fold(act, key)`` run on the first call per key only: TransformerLens 3.x runs ``ln1.hook_normalized``
+    once per query/key/value input. Wrap it in ``fwd_hooks`` so each forward starts afresh."""
     seen: set[Any] = set()
 
     def wrapped(act: Any, key: Any) -> None:
@@ -147,20 +135,6 @@ def once_per_forward(fold: Callable[[Any, Any], None]) -> Callable[[Any, Any], N
         return fold(act, key)
 
     return wrapped
-
-
-def analyzer_sink_position(reducer_kwargs: dict[str, Any]) -> int | None:
-    """The sink position an analyzer's reducer will be built with: its ``sink_position=`` keyword, else the
-    ``sink_position`` field of its ``settings=``; None for an analyzer without one (e.g. ``find_sinks``).
-
-    Examples:
-        >>> analyzer_sink_position({"sink_position": 2}), analyzer_sink_position({"layers": None})
-        (2, None)
-    """
-    if "sink_position" in reducer_kwargs:
-        return sink_position_arg(reducer_kwargs["sink_position"])
-    value = getattr(reducer_kwargs.get("settings"), "sink_position", None)
-    return None if value is None else sink_position_arg(value)
 
 
 def run_analyzer(
@@ -175,20 +149,17 @@ def run_analyzer(
     settings: Any = None,
     **reducer_kwargs: Any,
 ) -> Any:
-    """The body every public analyzer shares: resolve its keywords, build its reducer, stream, return the result.
-
-    With ``settings_cls``, ``settings`` and the field keywords in ``kwargs`` (the public function's
-    ``**settings_kwargs``) make the reducer's ``settings=`` (:func:`~sinklens.options.settings_from`).
-    ``inputs`` are tokenized and checked before any forward pass
-    (:func:`~sinklens.inputs.require_a_later_position`): for an analyzer with a sink position every
-    sequence must reach it and some query must see it. Then ``reducer(model, **reducer_kwargs)`` is
-    streamed over them (:func:`sinklens.streaming.stream`). ``where`` names the public function in errors.
+    """The body every public analyzer shares: check ``options`` and the inputs (every sequence must reach the
+    sink position and some query see it, :func:`~sinklens.inputs.require_a_later_position`) before any forward,
+    build ``reducer(model, **reducer_kwargs)`` (with ``settings=`` from ``settings_cls``, ``settings`` and
+    ``kwargs`` when given) and stream it. ``where`` names the public function in errors.
     """
     options = checked_options(options, where)
     if settings_cls is not None:
         reducer_kwargs["settings"] = settings_from(settings_cls, settings, kwargs or {}, where)
     batches = batches_for(model, inputs, options)
-    require_a_later_position(batches, what=where, sink_position=analyzer_sink_position(reducer_kwargs),
+    sink = reducer_kwargs.get("sink_position", getattr(reducer_kwargs.get("settings"), "sink_position", None))
+    require_a_later_position(batches, what=where, sink_position=None if sink is None else sink_position_arg(sink),
                              bidirectional=is_encoder(model))
     (result,) = stream(model, batches, [reducer(model, **reducer_kwargs)], options=options)
     return result

@@ -1,8 +1,7 @@
 """Attention mass received by each key position: the basic measurement behind every sink metric.
 
-Which queries count for a key is decided by :func:`sinklens.visibility.attention_visibility`, per layer:
-causal decoders (``q >= k``), sliding-window layers (``k <= q < k + w``), bidirectional encoders (every
-query), and never a padded query or key. ``min_query`` additionally leaves out queries before a position.
+Which queries count for a key is decided per layer by :func:`sinklens.visibility.attention_visibility` (causal,
+sliding window or bidirectional; never a padded query or key); ``min_query`` also leaves out earlier queries.
 """
 
 from __future__ import annotations
@@ -32,16 +31,11 @@ class AttentionReceived(CompactRepr):
     """Mean attention each key position receives, per layer × head.
 
     Attributes:
-        received: ``received[l, h, k]`` = mean of ``pattern[l, h, q, k]`` over the real (non-padding)
-            queries ``q >= min_query`` that can see key ``k`` in layer ``l`` (causal: ``q >= k``; sliding
-            window ``w``: also ``q - k < w``; encoder: every query; see :mod:`sinklens.visibility`), pooled
-            over all sequences (each counted (sequence, query) pair weighs the same). NaN where no such query exists.
-        n_queries: number of (sequence, query) pairs averaged into ``received[:, :, k]``, the largest over
-            the analysed layers (the full-attention count where a model mixes windowed and full layers).
-        layers: the model layer of each row.
-        n_queries_by_layer: the same count per analysed layer (differs between layers only with sliding windows).
-        min_query: queries before this position were left out (a query at t sees only t+1 keys, so
-            early queries put large mass on early keys for trivial reasons).
+        received: ``received[l, h, k]`` = mean of ``pattern[l, h, q, k]`` over the real queries ``q >= min_query``
+            that can see ``k`` in layer ``l``, pooled over sequences (each (sequence, query) pair weighs the
+            same); NaN where there is none.
+        n_queries_by_layer: the (sequence, query) pairs averaged per layer and key; ``n_queries``: its max
+            over layers (they differ only with sliding windows).
     """
 
     received: Float[Tensor, "layer head key_pos"]
@@ -56,16 +50,10 @@ class AttentionReceived(CompactRepr):
 
 
 class AttentionReceivedReducer(Reducer[AttentionReceived]):
-    """Streams ``hook_pattern`` into :class:`AttentionReceived` without keeping any pattern.
-
-    For each batch and layer it adds ``Σ_q pattern[b, h, q, k]`` over the counted queries (real,
-    ``q >= min_query``, and able to see ``k`` in that layer: :meth:`~sinklens.visibility.Visibility.batch_mask`)
-    into a ``[layer, head, key_pos]`` sum, and counts those queries per layer and key, so the result is
-    exact whatever the batch split or padding (tested against a full cache and plain Hugging Face attentions).
-
-    Other reducers reuse it by holding one (see :class:`~sinklens.analysis.sinks.SinkReducer`):
-    :meth:`query_weights`, :meth:`fold_pattern` and :meth:`count_queries` are the three steps of a
-    batch, and :meth:`fold_pattern` returns the per-sequence sums for the holder to use.
+    """Streams ``hook_pattern`` into :class:`AttentionReceived`: ``Σ_q pattern[b, h, q, k]`` over the counted
+    queries into a ``[layer, head, key_pos]`` sum, and their count per layer and key, exact whatever the batch
+    split or padding. Other reducers hold one (:class:`~sinklens.analysis.sinks.SinkReducer`) and call
+    :meth:`query_weights`, :meth:`fold_pattern` (which returns the per-sequence sums) and :meth:`count_queries`.
     """
 
     statistics = ("sums", "counts")
@@ -90,11 +78,8 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
         self.counts = torch.zeros(len(self.layers), self.max_pos, **f64)
 
     def visible_weights(self, batch: TokenBatch, *, min_query: int = 0) -> QueryWeights:
-        """Per analysed layer, ``[batch, query, key]``: 1.0 where the query is real, ``q >= min_query`` and
-        can see the real key ``k`` in that layer (:meth:`~sinklens.visibility.Visibility.batch_mask`); 0 elsewhere.
-
-        Layers with the same window share one tensor.
-        """
+        """Per analysed layer, ``[batch, query, key]``: 1.0 where the real query ``q >= min_query`` can see the
+        real key ``k`` (:meth:`~sinklens.visibility.Visibility.batch_mask`), else 0; shared between equal windows."""
         n = batch.tokens.shape[1]
         late = torch.arange(n, device=batch.valid.device) >= min_query
         by_window: dict[int | None, Tensor] = {}
@@ -112,19 +97,17 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
         return self.visible_weights(batch, min_query=self.min_query)
 
     def fold_pattern(
-        self, pattern: Float[Tensor, "batch head query key"], layer: int, weights: QueryWeights | Tensor
+        self, pattern: Float[Tensor, "batch head query key"], layer: int, weights: QueryWeights
     ) -> Float[Tensor, "batch head key"]:
         """Add one layer's pattern to the sums; return ``Σ_q pattern[b, h, q, k]`` over the counted queries."""
-        w = weights[layer] if isinstance(weights, dict) else weights
-        per_seq = (pattern.float() * w[:, None]).sum(dim=2)  # faster than einsum on CPU
+        per_seq = (pattern.float() * weights[layer][:, None]).sum(dim=2)  # faster than einsum on CPU
         self.sums[self.row[layer], :, : per_seq.shape[2]] += per_seq.sum(dim=0).double()
         return per_seq
 
-    def count_queries(self, weights: QueryWeights | Tensor) -> None:
+    def count_queries(self, weights: QueryWeights) -> None:
         """Count the batch's (sequence, query) pairs per layer and key (once per batch, after the forward)."""
         for layer in self.layers:
-            w = weights[layer] if isinstance(weights, dict) else weights
-            counted = w.sum(dim=(0, 1))
+            counted = weights[layer].sum(dim=(0, 1))
             self.counts[self.row[layer], : counted.shape[0]] += counted.double()
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:

@@ -1,24 +1,19 @@
 """Dimension disparity in the residual stream: massive activations, per-position norms and energy concentration.
 
-Following Sun et al. 2024 ("Massive activations in large language models"), an activation ``x[l, p, d]`` of
-the residual stream at layer ``l``, position ``p`` and dimension ``d`` is *massive* when
+As Sun et al. 2024 ("Massive activations in large language models"), an activation ``x[l, p, d]`` of the
+residual stream is *massive* when ``|x| > abs_threshold`` (default 100) and ``|x| > rel_threshold × median |x|``
+(default 1000), the median over all valid positions and dimensions of that sequence's hidden state at that
+layer. Small or random models have nothing above 100: pass ``abs_threshold=None`` and a smaller ``rel_threshold``.
 
-* ``|x| > abs_threshold`` (default 100), and
-* ``|x| > rel_threshold × median |x|`` (default 1000), the median being over all valid positions and all
-  dimensions of *that sequence's* hidden state at that layer (Sun et al.'s "median magnitude of its hidden
-  state"; per sequence, so the result does not depend on how sequences are batched).
-
-Small or randomly initialised models have no activation above 100: pass ``abs_threshold=None`` and a
-smaller ``rel_threshold`` (e.g. 50) to use the relative criterion only.
-
-Residual-stream indices (``streams``): ``s < n_layers`` is ``blocks.{s}.hook_resid_pre`` (the stream entering
-block ``s``); ``s = n_layers`` is the final ``blocks.{n_layers-1}.hook_resid_post``.
+Residual-stream index ``s < n_layers`` is ``blocks.{s}.hook_resid_pre``; ``s = n_layers`` is the final
+``blocks.{n_layers-1}.hook_resid_post``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -45,24 +40,13 @@ from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow, merge_stat
 from sinklens.validate import finite_number, positive_int
 
 
-def check_thresholds(abs_threshold: float | None, rel_threshold: float | None) -> None:
-    """Raise :class:`~sinklens.errors.InvalidArgumentError` unless at least one threshold is given and
-    every given one is finite and > 0."""
-    if abs_threshold is None and rel_threshold is None:
-        raise InvalidArgumentError("At least one of abs_threshold and rel_threshold must be given (both are None).")
-    for name, value in (("abs_threshold", abs_threshold), ("rel_threshold", rel_threshold)):
-        if value is not None:
-            finite_number(value, what=name, low=0.0, low_open=True)
-
-
 @dataclass(frozen=True)
 class MassiveSettings:
     """Settings of one massive-activation analysis, held by the reducer and the result.
 
     Attributes:
-        abs_threshold: ``|x|`` must exceed this (None: no absolute criterion). Sun et al.: 100.
-        rel_threshold: ``|x| / median |x|`` of the sequence's hidden state must exceed this (None: none).
-            Sun et al.: 1000.
+        abs_threshold / rel_threshold: bounds ``|x|`` and ``|x| / median |x|`` must exceed (None: no such
+            criterion; at least one is needed). Sun et al.: 100 and 1000.
         sink_position: the position compared with all others (0: the first token).
         top_k: number of largest squared entries in the ``topk_energy`` share.
         max_rows: cap on the number of massive locations listed in ``events``.
@@ -75,20 +59,19 @@ class MassiveSettings:
     max_rows: int = 1000
 
     def __post_init__(self) -> None:
-        check_thresholds(self.abs_threshold, self.rel_threshold)
+        if self.abs_threshold is None and self.rel_threshold is None:
+            raise InvalidArgumentError("At least one of abs_threshold and rel_threshold must be given (both are None).")
+        for name in ("abs_threshold", "rel_threshold"):
+            if getattr(self, name) is not None:
+                finite_number(getattr(self, name), what=name, low=0.0, low_open=True)
         object.__setattr__(self, "sink_position", sink_position_arg(self.sink_position))
         object.__setattr__(self, "top_k", positive_int(self.top_k, what="top_k"))
         object.__setattr__(self, "max_rows", positive_int(self.max_rows, what="max_rows", minimum=0))
 
 
 def sequence_median_abs(x: Float[Tensor, "batch pos d"], lengths: Sequence[int]) -> Float[Tensor, " batch"]:
-    """Median of ``|x|`` over each sequence's real positions (its first ``lengths[b]``: a right-padded batch)
-    and all dimensions.
-
-    For an even count this is the lower of the two middle values (``torch.nanmedian``'s convention);
-    NaN for a sequence with no real position. Uses ``kthvalue`` (a selection, not a sort); the lengths are
-    host ints (:meth:`~sinklens.inputs.TokenBatch.host_lengths`), so nothing waits for the device.
-    """
+    """Median of ``|x|`` over each sequence's first ``lengths[b]`` positions and all dimensions (the lower
+    middle value for an even count; NaN for an empty sequence), by ``kthvalue`` on host-side lengths."""
     a = x.abs()
     if all(n == a.shape[1] for n in lengths):
         flat = a.flatten(1)
@@ -121,34 +104,24 @@ def norm_ratio_to_others(norms: Float[Tensor, "batch pos"], valid: Tensor) -> Fl
 
 @dataclass(repr=False, eq=False)
 class MassiveActivations(SettingsFields, CompactRepr):
-    """Massive activations and dimension disparity of the residual stream (see the module docstring).
+    """Massive activations and dimension disparity per residual-stream index (see the module docstring).
 
-    Rows are residual-stream indices ``streams`` (``s < n_layers``: ``blocks.{s}.hook_resid_pre``; ``n_layers``:
-    final ``hook_resid_post``). "Sink" means position ``sink_position`` of every sequence, "other" every
-    other valid (non-padding) position.
+    "Sink" is position ``sink_position`` of every sequence, "other" every other valid position. The fields of
+    ``settings`` (:class:`MassiveSettings`) also read as attributes.
 
     Attributes:
-        streams: the residual-stream index of each row.
-        hooks: the hook name of each row.
-        settings: the :class:`MassiveSettings` of the run; its fields also read as attributes
-            (``result.sink_position``, ``result.abs_threshold``, ...).
-        median_abs: mean over sequences of the per-sequence median ``|x|`` (the denominator of the ratios).
-        max_abs_sink: max over sequences of ``|x[sink_position, d]|``.
-        value_sink: the signed value at that maximum.
-        max_abs_other: max of ``|x[p, d]|`` over sequences and valid positions ``p != sink_position``.
-        max_abs_by_pos: max over sequences and dimensions of ``|x[p, d]|``, per position.
-        norm_mean: mean over sequences of the L2 norm of ``x[p]``.
-        norm_ratio: mean over sequences of ``||x[p]|| / median_{q != p} ||x[q]||`` (q over the valid positions
-            of the same sequence): how much bigger position ``p`` is than a typical token; ``inf`` when that
-            median is 0 in some sequence (e.g. all other positions have a zero residual), NaN where undefined.
-        topk_energy: mean over sequences of the share of ``||x[p]||²`` in its ``top_k`` largest squared entries.
-        count_sink / count_other: number of sink tokens / other tokens at which dimension ``d`` is massive.
-        n_sink_tokens / n_other_tokens: the numbers of tokens those counts are out of.
-        events: ``(stream, position, dim)`` of every location that was massive in at least one sequence,
-            sorted by ``|event_value|`` descending, at most ``max_rows`` (``n_events`` before truncation).
-        event_value: the largest-magnitude signed value seen there; ``event_ratio``: ``|event_value|`` divided by
-            the median ``|x|`` of the sequence it was seen in (its valid positions, all dimensions at that stream).
-            Ties in ``|x|`` go to the larger ratio, then the larger value, so batching does not change the record.
+        median_abs: mean over sequences of the per-sequence median ``|x|`` (the ratios' denominator).
+        max_abs_sink / value_sink: max over sequences of ``|x[sink_position, d]|``, and its signed value.
+        max_abs_other: max of ``|x[p, d]|`` over sequences and valid ``p != sink_position``.
+        max_abs_by_pos: max over sequences and dimensions, per position; norm_mean: mean L2 norm of ``x[p]``.
+        norm_ratio: mean over sequences of ``||x[p]|| / median_{q != p} ||x[q]||`` over the sequence's valid
+            ``q`` (``inf`` where that median is 0, NaN where undefined).
+        topk_energy: mean share of ``||x[p]||²`` in its ``top_k`` largest squared entries.
+        count_sink / count_other: sink / other tokens (out of ``n_sink_tokens`` / ``n_other_tokens``) at
+            which dimension ``d`` is massive.
+        events: ``(stream, position, dim)`` massive in at least one sequence, by ``|event_value|`` descending,
+            at most ``max_rows`` (``n_events`` before the cut); ``event_value``: the largest-magnitude signed
+            value there, ``event_ratio``: its ratio to its sequence's median ``|x|`` (ties: :func:`_beats`).
     """
 
     streams: list[int]
@@ -227,10 +200,8 @@ class MassiveActivations(SettingsFields, CompactRepr):
 def _top_of_batch(
     x: Float[Tensor, "batch pos d"], a: Float[Tensor, "batch pos d"], median: Float[Tensor, " batch"],
 ) -> tuple[Float[Tensor, "pos d"], Float[Tensor, "pos d"], Float[Tensor, "pos d"]]:
-    """Per ``(pos, d)``: the largest ``|x|`` over the batch (``a``: ``|x|``, -1 at padding), its signed value and its
-    ratio to the median ``|x|`` of its sequence, ties broken the way :func:`_beats` breaks them: among the sequences
-    tied at that ``|x|`` (with BOS at position 0 every sequence is), the one with the smallest median (the largest
-    ratio), then the larger signed value. Which sequence wins does not depend on their order in the batch."""
+    """Per ``(pos, d)``: the largest ``|x|`` over the batch (``a``: ``|x|``, -1 at padding), its signed value and
+    its ratio to its sequence's median, ties broken as :func:`_beats` does, whatever the order in the batch."""
     best = a.amax(dim=0)
     tied = a == best[None]
     med = median[:, None, None]
@@ -241,9 +212,8 @@ def _top_of_batch(
 
 
 def _beats(abs_a: Tensor, ratio_a: Tensor, value_a: Tensor, abs_b: Tensor, ratio_b: Tensor, value_b: Tensor) -> Tensor:
-    """Where record ``a`` replaces record ``b`` as the one kept at a massive location: a larger ``|x|``, or the same
-    ``|x|`` and a larger ratio to its sequence's median, or both the same and a larger signed value. A total order on
-    the records, so the one kept does not depend on the order sequences, batches or merged reducers come in.
+    """Where record ``a`` replaces ``b`` at a massive location: a larger ``|x|``, then a larger ratio, then a
+    larger signed value; a total order, so the record kept does not depend on batching or merging.
 
     Examples:
         >>> t = torch.tensor
@@ -256,13 +226,9 @@ def _beats(abs_a: Tensor, ratio_a: Tensor, value_a: Tensor, abs_b: Tensor, ratio
 
 
 class MassiveActivationsReducer(Reducer[MassiveActivations]):
-    """Streams residual-stream hooks into :class:`MassiveActivations`, keeping only running statistics.
-
-    Per residual-stream index it keeps ``[pos, dim]`` running maxima of ``|x|`` (with the signed value and
-    ratio at the maximum; ties go to the larger ratio, then the larger value, :func:`_beats`), a boolean "was massive" map, per-dimension counts of massive sink/other tokens and
-    ``[pos]`` sums of norms, norm ratios and top-k energy shares. The position axis grows with the longest
-    batch seen. Activations never outlive their hook.
-    """
+    """Streams residual-stream hooks into :class:`MassiveActivations`: per stream, ``[pos, dim]`` running maxima
+    of ``|x|`` (with the signed value and ratio there), a "was massive" map, per-dimension counts and ``[pos]``
+    sums of norms, norm ratios and energy shares; the position axis grows with the longest batch."""
 
     statistics = ("max_abs", "value_at_max", "ratio_at_max", "exceeded", "norm_sum", "norm_ratio_sum", "norm_ratio_count",
                   "energy_sum", "pos_count", "count_sink", "count_other", "median_sum", "n_sequences", "n_sink_tokens",
@@ -291,23 +257,15 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
 
     def reset(self) -> None:
         n, d, device = len(self.streams), self.d_model, self.device
+        f64 = partial(torch.zeros, device=device, dtype=torch.float64)
         f32 = dict(device=device, dtype=torch.float32)
-        f64 = dict(device=device, dtype=torch.float64)
         self.max_abs = torch.full((n, 0, d), -1.0, **f32)
-        self.value_at_max = torch.zeros((n, 0, d), **f32)
-        self.ratio_at_max = torch.zeros((n, 0, d), **f32)
+        self.value_at_max, self.ratio_at_max = torch.zeros(n, 0, d, **f32), torch.zeros(n, 0, d, **f32)
         self.exceeded = torch.zeros((n, 0, d), device=device, dtype=torch.bool)
-        self.norm_sum = torch.zeros((n, 0), **f64)
-        self.norm_ratio_sum = torch.zeros((n, 0), **f64)
-        self.norm_ratio_count = torch.zeros((n, 0), **f64)
-        self.energy_sum = torch.zeros((n, 0), **f64)
-        self.pos_count = torch.zeros((0,), **f64)
-        self.count_sink = torch.zeros((n, d), device=device, dtype=torch.long)
-        self.count_other = torch.zeros((n, d), device=device, dtype=torch.long)
-        self.median_sum = torch.zeros(n, **f64)
-        self.n_sequences = 0
-        self.n_sink_tokens = 0
-        self.n_other_tokens = 0
+        self.norm_sum, self.norm_ratio_sum, self.norm_ratio_count, self.energy_sum = (f64(n, 0) for _ in range(4))
+        self.pos_count, self.median_sum = f64(0), f64(n)
+        self.count_sink, self.count_other = (torch.zeros((n, d), device=device, dtype=torch.long) for _ in range(2))
+        self.n_sequences = self.n_sink_tokens = self.n_other_tokens = 0
         self.prepend_bos = True
 
     def _grow(self, width: int) -> None:
@@ -376,10 +334,7 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
         self.prepend_bos = batch.prepend_bos
 
     def merge(self, other: MassiveActivationsReducer) -> None:
-        """Sums and counts add and "was massive" ORs; per (stream, position, dimension) the record with the larger
-        ``|x|`` wins with its signed value and ratio, a tie going to the larger ratio, then the larger value (as within
-        one pass, :func:`_beats`), so the result does not depend on which reducer saw which sequences.
-        Both are first padded to the longer position axis (``other`` in place)."""
+        """Sums add, "was massive" ORs, and per location the record that :func:`_beats` the other is kept."""
         width = max(self.max_abs.shape[1], other.max_abs.shape[1])
         self._grow(width)
         other._grow(width)
@@ -437,11 +392,8 @@ def find_massive_activations(
 
     Args:
         inputs: anything :func:`sinklens.inputs.as_batches` accepts (None = the built-in prompts).
-        streams: residual-stream indices (``0..n_layers``; ``n_layers`` = final ``hook_resid_post``); None = all.
-        settings: the analysis settings (default ``MassiveSettings()``: Sun et al.'s thresholds).
-        **settings_kwargs: any field of :class:`MassiveSettings` as a keyword (``abs_threshold=``,
-            ``rel_threshold=``, ``sink_position=``, ``top_k=``, ``max_rows=``), replacing that of ``settings``.
-        options: batching, BOS, truncation, extra hooks and progress bar.
+        streams: residual-stream indices (``0..n_layers``); None = all.
+        settings, **settings_kwargs: a :class:`MassiveSettings`, and any of its fields as keywords replacing its own.
 
     Examples:
         >>> from sinklens.testing.planted import planted_model

@@ -1,23 +1,12 @@
 """Dimension disparity after normalisation: does the sink's massive dimension survive the norm?
 
-For a token's vector ``x``, each dimension's magnitude ``|x_d|`` against the mean magnitude of the token's other
-dimensions, ``m_d = mean_{j != d} |x_j|``, at the sink versus at other tokens. As the paper's code computes it
-(Siquan-Li/Head-wise-RMSNorm at 23793e0, ``attention_sink.ipynb`` cell 16: ``avg_target_abs / avg_others_abs``),
-the ratio is one of averages, ``mean |x_d| / mean m_d``, over the sequences' sink tokens (``ratio_sink*``) or over
-all other valid tokens (``ratio_other*``, sinklens'), not a mean of per-token ratios; the two agree when the sink
-token is the same in every sequence (a BOS). ``ratio_other_max*`` is the largest per-token ratio
-``|x_d| / m_d`` at a non-sink token. Each is read at two places of the norm whose output layer ``l``'s attention
-reads (its queries, keys and values) and reported side by side:
-
-* **before the gain** (sinklens' own, ``ratio_sink`` / ``ratio_other`` / ``ratio_other_max``): that norm's
-  ``hook_normalized``, the normalised vector before its learned gain (and bias);
-* **after the gain** (the paper's, ``*_after_gain``): the norm's output, ``gain ⊙ hook_normalized + bias``
-  with its effective gain (:func:`sinklens.residual_units.input_norm`). A large gain on the massive
-  dimension makes the two differ.
-
-The norm is ``blocks.{l}.ln1`` on pre-norm models; on a post-LN model (BERT) it is the previous block's
-``ln2`` (layer 0: the embedding LayerNorm); ``site`` says which was read. On a model loaded with
-``fold_ln`` the norms have no gain, so both readings agree; :func:`normalized_disparity` warns.
+For a token's vector ``x`` and dimension ``d``, ``m_d = mean_{j != d} |x_j|``. As the paper's code computes it
+(Siquan-Li/Head-wise-RMSNorm@23793e0, ``attention_sink.ipynb`` cell 16: ``avg_target_abs / avg_others_abs``), a
+ratio is one of averages, ``mean |x_d| / mean m_d``, over the sequences' sink tokens (``ratio_sink``) or all
+other valid tokens (``ratio_other``, ours); ``ratio_other_max`` is the largest per-token ``|x_d| / m_d`` there.
+Each is read on the norm whose output layer ``l``'s attention reads (``blocks.{l}.ln1``; post-LN: the previous
+block's ``ln2``, layer 0 the embedding LayerNorm), before its gain (``hook_normalized``, ours) and after it
+(``*_after_gain``: ``gain ⊙ hook_normalized + bias``, the paper's, :func:`sinklens.residual_units.input_norm`).
 """
 
 from __future__ import annotations
@@ -45,21 +34,13 @@ from sinklens.streaming import BatchFold, Reducer, bound_hooks
 
 @dataclass(repr=False, eq=False)
 class NormalizedDisparity(CompactRepr):
-    """Dimension disparity of the input layernorm, before and after its gain (see the module docstring).
-
-    For a token's vector ``x``, ``m_d = mean_{j != d} |x_j|``; a ratio is ``mean |x_d| / mean m_d`` over tokens
-    (a ratio of averages, as the paper's code: module docstring).
+    """Dimension disparity of the attention's input norm, before and after its gain (module docstring).
 
     Attributes:
-        ratio_sink: before the gain (``ln1.hook_normalized``, sinklens): ``mean |x_d| / mean m_d`` over the
-            sequences' tokens at ``sink_position``.
-        ratio_other: before the gain: the same over all other valid tokens; ``ratio_other_max``: the largest
-            per-token ``|x_d| / m_d`` among them.
-        ratio_sink_after_gain / ratio_other_after_gain / ratio_other_max_after_gain: the same, read after the gain
-            (the input layernorm's output, the paper's site).
+        ratio_sink / ratio_other / ratio_other_max: before the gain, at ``sink_position`` / at the other valid
+            tokens / the largest per-token ratio among those; ``*_after_gain``: the same after the gain.
         site: ``"ln1.hook_normalized"``, or on a post-LN model which norm each layer reads.
-        norms: per layer, the module path of the norm read (``blocks.{l}.ln1``; post-LN: ``blocks.{l-1}.ln2``,
-            ``embed_ln``).
+        norms: per layer, the module path of the norm read.
     """
 
     layers: list[int]
@@ -69,10 +50,10 @@ class NormalizedDisparity(CompactRepr):
     ratio_other: Float[Tensor, "layer dim"]
     ratio_other_max: Float[Tensor, "layer dim"]
     n_sequences: int
-    ratio_sink_after_gain: Float[Tensor, "layer dim"] | None = None
-    ratio_other_after_gain: Float[Tensor, "layer dim"] | None = None
-    ratio_other_max_after_gain: Float[Tensor, "layer dim"] | None = None
-    norms: list[str] | None = None
+    ratio_sink_after_gain: Float[Tensor, "layer dim"]
+    ratio_other_after_gain: Float[Tensor, "layer dim"]
+    ratio_other_max_after_gain: Float[Tensor, "layer dim"]
+    norms: list[str]
 
     #: Where each pair of numbers is read (shown in the JSON and the summary); ``site`` names the norm.
     SOURCES = {
@@ -82,25 +63,18 @@ class NormalizedDisparity(CompactRepr):
 
     def top_dim(self, layer: int) -> int:
         """The dimension with the largest sink ratio at ``layer``."""
-        return int(self.ratio_sink[self._row(layer)].argmax())
-
-    def _row(self, layer: int) -> int:
-        return row_index(self.layers, layer)
+        return int(self.ratio_sink[row_index(self.layers, layer)].argmax())
 
     def rows(self, dims: list[int] | None = None) -> list[dict[str, Any]]:
-        """Per layer (× dim; default the layer's top sink dim): ratio at the sink, at other tokens, and their quotient."""
+        """Per layer (× dim; default the layer's top sink dim): the ratios and sink/other contrasts."""
         out = []
         for i, layer in enumerate(self.layers):
             for d in dims if dims is not None else [self.top_dim(layer)]:
-                sink, other = float(self.ratio_sink[i, d]), float(self.ratio_other[i, d])
-                row = {"layer": layer, "dim": d, "ratio_sink": sink, "ratio_other": other,
-                       "ratio_other_max": float(self.ratio_other_max[i, d]),
-                       "contrast": sink / other if other > 0 else float("inf")}
-                if self.ratio_sink_after_gain is not None:
-                    gs, go = float(self.ratio_sink_after_gain[i, d]), float(self.ratio_other_after_gain[i, d])
-                    row |= {"ratio_sink_after_gain": gs, "ratio_other_after_gain": go,
-                            "ratio_other_max_after_gain": float(self.ratio_other_max_after_gain[i, d]),
-                            "contrast_after_gain": gs / go if go > 0 else float("inf")}
+                row = {"layer": layer, "dim": d}
+                for sfx in ("", "_after_gain"):
+                    sink, other, top = (float(getattr(self, f"ratio_{k}{sfx}")[i, d]) for k in ("sink", "other", "other_max"))
+                    row |= {f"ratio_sink{sfx}": sink, f"ratio_other{sfx}": other, f"ratio_other_max{sfx}": top,
+                            f"contrast{sfx}": sink / other if other > 0 else float("inf")}
                 out.append(row)
         return out
 
@@ -110,9 +84,8 @@ class NormalizedDisparity(CompactRepr):
 
 
 class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
-    """Streams the ``hook_normalized`` of each layer's attention input norm (:func:`~sinklens.residual_units.input_norm`)
-    into :class:`NormalizedDisparity` (``[layer, dim]`` sums only), before the gain and, mapped through the norm's gain
-    and bias, after it."""
+    """Streams each layer's attention input norm's ``hook_normalized`` (:func:`~sinklens.residual_units.input_norm`)
+    into ``[before/after gain, layer, dim]`` sums of ``|x_d|`` and ``m_d`` and a running max of ``|x_d| / m_d``."""
 
     statistics = ("sink_abs", "sink_rest", "other_abs", "other_rest", "other_max", "n_sequences", "n_other")
     maxima = ("other_max",)
@@ -131,7 +104,6 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
 
     def reset(self) -> None:
         n, dev = len(self.layers), self.device
-        # Σ |x_d| and Σ m_d over the sink tokens / the other tokens: [before/after gain, layer, dim]
         self.sink_abs, self.sink_rest, self.other_abs, self.other_rest = (
             torch.zeros(2, n, self.d_model, device=dev, dtype=torch.float64) for _ in range(4))
         self.other_max = torch.zeros(2, n, self.d_model, device=dev, dtype=torch.float32)
@@ -189,9 +161,8 @@ def normalized_disparity(
     layers: int | Sequence[int] | None = None,
     options: RunOptions = RunOptions(),
 ) -> NormalizedDisparity:
-    """Dimension disparity of each layer's attention input norm, at the sink vs other tokens, before its gain
-    (``ln1.hook_normalized`` on pre-norm models, sinklens) and after it (the norm's output, the paper's site).
-    On a post-LN model (BERT) the norm is the previous block's ``ln2`` (see the module docstring).
+    """Dimension disparity of each layer's attention input norm at the sink vs other tokens, before and after
+    its gain (module docstring); warns when the model's norms have no gain (``fold_ln``).
 
     Examples:
         >>> from sinklens.testing.planted import planted_model
@@ -202,9 +173,8 @@ def normalized_disparity(
     """
     if str(getattr(model.cfg, "normalization_type", "")).endswith("Pre"):
         warnings.warn(f"normalized_disparity: this model's norms have no gain (cfg.normalization_type="
-                      f"{model.cfg.normalization_type!r}: TransformerLens folded it into the next weights, fold_ln), so the "
-                      "after-gain ratios (the paper's site) equal the before-gain ones; load the model without weight "
-                      "processing (sinklens.load_model, or from_pretrained_no_processing) for the paper's numbers.",
+                      f"{model.cfg.normalization_type!r}, fold_ln), so the after-gain ratios equal the before-gain ones; "
+                      "load it without weight processing (sinklens.load_model) for the paper's numbers.",
                       RuntimeWarning, stacklevel=2)
     return run_analyzer(model, inputs, NormalizedDisparityReducer, where="normalized_disparity", options=options,
                         sink_position=sink_position, layers=layers)

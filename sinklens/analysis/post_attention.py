@@ -1,9 +1,4 @@
-"""A head's write where it reaches the residual stream: the post-attention norm as an affine map.
-
-Gemma 2/3 normalise the attention output (``ln1_post``) and post-LN models (BERT) normalise ``resid_pre`` plus
-it (``ln1``); :func:`post_attention_map` reads either as ``gain ⊙ C(w) / s``, and
-:func:`attention_output_grams` turns ``W_O`` into Gram matrices in those residual units.
-"""
+"""A head's write where it reaches the residual stream, through a post-attention norm read as an affine map."""
 
 from __future__ import annotations
 
@@ -20,14 +15,10 @@ from sinklens.residual_units import NormMap, post_ln_reason, post_norm_map
 
 
 def post_attention_map(model: Any, layer: int) -> NormMap | None:
-    """``layer``'s post-attention norm as an affine map (:func:`~sinklens.residual_units.post_norm_map`), or None.
-
-    Gemma 2/3 bridges and TransformerLens 3.x models with ``use_normalization_before_and_after`` have
-    ``blocks.{layer}.ln1_post``, an RMS norm of the attention output; a post-LN model (BERT) has ``ln1``, a
-    LayerNorm of ``resid_pre`` plus the attention output (it centres and adds a bias). Either way a head's
-    write ``w`` reaches the stream as ``gain ⊙ C(w) / s`` with ``s`` the norm's ``hook_scale`` (``scale_hook``).
-    """
-    norm = post_norm_map(model, layer, "attn")  # probes the norm module: the gain whatever the convention
+    """``layer``'s post-attention norm as an affine map, or None: Gemma 2/3's ``ln1_post`` (RMS of the attention
+    output) or a post-LN model's ``ln1`` (LayerNorm of ``resid_pre`` plus it). A head's write ``w`` reaches the
+    stream as ``gain ⊙ C(w) / s``, ``s`` the norm's ``hook_scale`` and ``C`` the mean removal if it centres."""
+    norm = post_norm_map(model, layer, "attn")
     if norm.is_identity:
         return None
     if norm.center and post_ln_reason(model) is None:
@@ -39,18 +30,14 @@ def post_attention_map(model: Any, layer: int) -> NormMap | None:
 
 
 def post_attention_scale_hooks(model: Any, layers: Sequence[int]) -> dict[int, str]:
-    """``{layer: hook}``: the ``hook_scale`` of each layer's post-attention norm (:func:`post_attention_map`);
-    layers without one are left out."""
+    """``{layer: hook_scale}`` of the layers that have a post-attention norm."""
     norms = {layer: post_attention_map(model, layer) for layer in layers}
     return {layer: norm.scale_hook for layer, norm in norms.items() if norm is not None}
 
 
 def post_attention_gain(model: Any, layer: int) -> Float[Tensor, " d_model"] | None:
-    """The effective per-dimension gain ``g`` of ``layer``'s post-attention norm, or None if it has none.
-
-    The norm is :func:`post_attention_map`'s. The gain is read by probing the norm module itself, so it
-    is the gain the model applies whatever the weight convention (Gemma stores ``w`` and multiplies by
-    ``1 + w``; TransformerLens 3.x stores ``1 + w``).
+    """The effective gain ``g`` of ``layer``'s post-attention norm (None without one), probed from the module, so
+    whatever the weight convention (Gemma stores ``w`` and multiplies by ``1 + w``).
 
     Examples:
         >>> from sinklens.testing.zoo import zoo_model
@@ -64,13 +51,9 @@ def post_attention_gain(model: Any, layer: int) -> Float[Tensor, " d_model"] | N
 
 
 def attention_output_grams(model: Any, layers: Sequence[int]) -> tuple[Float[Tensor, "layer head d_head d_head"], Float[Tensor, "layer head d_head d_head"]]:
-    """Float64 Gram matrices ``W_O[h] W_O[h]ᵀ`` and, in residual units, ``M_h M_hᵀ`` per layer.
-
-    ``M_h = C(W_O[h]) diag(g)``, with ``g`` the post-attention norm's gain and ``C`` its mean removal over
-    ``d_model`` when it centres (:func:`post_attention_map`; ``M_h = W_O[h]`` without a post-attention norm),
-    so ``‖z W_O[h]‖² = z G zᵀ``.
-    Computed one layer at a time from :func:`~sinklens.hooks.layer_weight` (no stacked ``W_O``), on the
-    model's device, and kept until the weights change (:func:`~sinklens.hooks.weight_cached`); callers get copies.
+    """Float64 Gram matrices ``W_O[h] W_O[h]ᵀ`` and, in residual units, ``M_h M_hᵀ`` with ``M_h = C(W_O[h]) diag(g)``
+    (:func:`post_attention_map`; ``W_O[h]`` without a post-norm), so ``‖z M_h‖² = z G zᵀ``. Computed per layer on
+    the model's device and cached until the weights change (:func:`~sinklens.hooks.weight_cached`); returns copies.
     """
 
     def compute() -> tuple[Tensor, Tensor]:

@@ -1,14 +1,10 @@
-"""Query–key locking: how well the sink token's key lines up with the other positions' queries.
-
-Per layer × head: the share of query energy along the sink key, whether the sink key lies in the
-principal query directions, and how often queries score the sink key positively compared with
-other keys (see :class:`QKLocking`).
-"""
+"""Query–key locking: how well the sink token's key lines up with the other positions' queries (:class:`QKLocking`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -34,14 +30,9 @@ ROT_K = "attn.hook_rot_k"
 
 
 def qk_locking_reason(model: Any) -> str | None:
-    """Why query-key locking cannot be measured on ``model``, or None when it can.
-
-    On a rotary model the scores are made of the *rotated* queries and keys; when the model lists
-    ``hook_rot_q``/``hook_rot_k`` but never runs them (the TransformerLens 4.x GPT-NeoX/Pythia bridge), the
-    unrotated ``hook_q``/``hook_k`` would give wrong numbers, so the analysis refuses. It refuses too when
-    ``hook_attn_scores`` is fired after the fact with post-softmax weights (:func:`sinklens.probes.post_hoc_attention`,
-    the TransformerLens 4.x BERT bridge): the score statistics would count probabilities as scores.
-    """
+    """Why query-key locking cannot be measured on ``model``, or None: a rotary model that lists but never runs
+    ``hook_rot_q``/``hook_rot_k`` (the unrotated queries would give wrong numbers), or ``hook_attn_scores`` fired
+    after the fact with post-softmax weights (:func:`sinklens.probes.post_hoc_attention`)."""
     silent = silent_hooks(model, [hook_name(0, ROT_Q), hook_name(0, ROT_K)])
     if silent:
         return (f"the model lists {silent} but never runs them, so the rotated queries and keys that make the "
@@ -51,24 +42,18 @@ def qk_locking_reason(model: Any) -> str | None:
 
 @dataclass(repr=False, eq=False)
 class QKLocking(CompactRepr):
-    """Query–key locking per layer × head (see the module docstring).
+    """Query–key locking per layer × head.
 
-    Queries are those of real positions other than the sink that can attend to the sink in that layer
-    (:mod:`sinklens.visibility`: ``q > sink_position`` in a causal layer, also ``q - sink_position < w`` in a
-    sliding-window layer, every other position in an encoder);
-    queries/keys are the rotated ones (``hook_rot_q``/``hook_rot_k``) on rotary models, else ``hook_q``/``hook_k``,
-    with grouped-query keys repeated per query head.
+    Queries are the real positions other than the sink that can see it in that layer (:mod:`sinklens.visibility`);
+    queries and keys are the rotated ones on rotary models (``q_site``, ``k_site``), grouped-query keys repeated.
 
     Attributes:
         key_query_energy: ``Σ (q · k̂_sink)² / Σ ||q||²`` pooled over sequences and queries, ``k̂_sink`` the unit
-            sink key of the same sequence: the share of query energy along the sink key (in [0, 1]).
+            sink key of the same sequence: the share of query energy along the sink key.
         key_pc_cosine: norm of the projection of the unit mean sink key onto the top ``n_components``
-            eigenvectors of the pooled query second-moment matrix ``Σ q qᵀ`` (the principal query directions,
-            i.e. top right-singular vectors of the stacked queries); 1 = the key lies in that subspace.
-        pc_energy: share of query energy in those top ``n_components`` directions.
-        pos_share_sink / pos_share_other: share of positive pre-softmax scores (``hook_attn_scores``) of those
-            queries against the sink key / against every other real key they can see.
-        mean_score_sink / mean_score_other: the corresponding mean scores.
+            eigenvectors of ``Σ q qᵀ`` (the principal query directions); pc_energy: their share of query energy.
+        pos_share_sink / pos_share_other: share of positive scores (``hook_attn_scores``) of those queries against
+            the sink key / every other real key they see; mean_score_sink / mean_score_other: the mean scores.
         n_queries: (sequence, query) pairs that can see the sink, the largest over the analysed layers.
     """
 
@@ -101,22 +86,10 @@ class QKLocking(CompactRepr):
                         "q_site": self.q_site, "k_site": self.k_site, "n_queries": self.n_queries, "rows": self.rows()})
 
 
-@dataclass
-class _QKBatch:
-    """Per-batch state of :class:`QKLockingReducer`."""
-
-    n_sink_queries: dict[int, float]  # per layer: queries that can see the sink
-    n_other_pairs: dict[int, float]  # per layer: (query, other real key it can see) pairs
-    pending: dict[tuple[int, str], Tensor] = field(default_factory=dict)
-
-
 class QKLockingReducer(Reducer[QKLocking]):
-    """Streams queries, the sink key and the attention scores into :class:`QKLocking`.
-
-    Keeps per layer × head the pooled query second-moment matrix ``[d_head, d_head]``, the summed sink key,
-    the query energy along each sequence's sink key and counts/sums of scores. A sequence's query Gram
-    matrices live only until its sink key has been seen in the same forward.
-    """
+    """Streams queries, the sink key and the attention scores into :class:`QKLocking`: per layer × head the
+    pooled ``Σ q qᵀ``, the summed sink key, the query energy along each sequence's sink key (its query Gram
+    matrices wait until its sink key is seen in the same forward) and counts and sums of scores."""
 
     statistics = ("gram", "key_sum", "along", "total", "pos_sink", "pos_other", "sum_sink", "sum_other",
                   "cnt_sink", "cnt_other")
@@ -139,18 +112,11 @@ class QKLockingReducer(Reducer[QKLocking]):
         self.reset()
 
     def reset(self) -> None:
-        f64 = dict(device=self.device, dtype=torch.float64)
-        n, H, dh = len(self.layers), self.n_heads, self.d_head
-        self.gram = torch.zeros(n, H, dh, dh, **f64)
-        self.key_sum = torch.zeros(n, H, dh, **f64)
-        self.along = torch.zeros(n, H, **f64)
-        self.total = torch.zeros(n, H, **f64)
-        self.pos_sink = torch.zeros(n, H, **f64)
-        self.pos_other = torch.zeros(n, H, **f64)
-        self.sum_sink = torch.zeros(n, H, **f64)
-        self.sum_other = torch.zeros(n, H, **f64)
-        self.cnt_sink = torch.zeros(n, 1, **f64)
-        self.cnt_other = torch.zeros(n, 1, **f64)
+        zeros = partial(torch.zeros, len(self.layers), device=self.device, dtype=torch.float64)  # [layer, ...]
+        H, dh = self.n_heads, self.d_head
+        self.gram, self.key_sum = zeros(H, dh, dh), zeros(H, dh)
+        self.along, self.total, self.pos_sink, self.pos_other, self.sum_sink, self.sum_other = (zeros(H) for _ in range(6))
+        self.cnt_sink, self.cnt_other = zeros(1), zeros(1)
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         check_sink_position(batch, self.sink)
@@ -160,8 +126,8 @@ class QKLockingReducer(Reducer[QKLocking]):
         by_window: dict[int | None, tuple[Tensor, Tensor]] = {}
 
         def masks(layer: int) -> tuple[Tensor, Tensor]:
-            """``qmask [batch, query]``: real queries other than the sink that see it in ``layer``;
-            ``other_keys [batch, query, key]``: the other real keys those queries see."""
+            """``[batch, query]`` real queries other than the sink that see it; ``[batch, query, key]`` the other
+            real keys they see."""
             w = self.visibility.window(layer)
             if w not in by_window:
                 seen = self.visibility.batch_mask(layer, valid)  # [b, q, k]
@@ -169,17 +135,13 @@ class QKLockingReducer(Reducer[QKLocking]):
                 by_window[w] = (qmask, qmask[:, :, None] & seen & (pos != s)[None, None, :])
             return by_window[w]
 
-        state = _QKBatch({}, {})
-        for layer in self.layers:
-            qmask, other_keys = masks(layer)
-            state.n_sink_queries[layer] = float(qmask.sum())
-            state.n_other_pairs[layer] = float(other_keys.sum())
+        counts = {layer: tuple(float(m.sum()) for m in masks(layer)) for layer in self.layers}  # (queries, other pairs)
+        pending: dict[tuple[int, str], Tensor] = {}
 
-        def pair(i: int, kind: str, value: Tensor) -> None:
-            """A sequence's query Gram matrices wait (per batch) until its sink key is seen, or vice versa."""
-            state.pending[(i, kind)] = value
-            if (i, "q") in state.pending and (i, "k") in state.pending:
-                gram, key = state.pending.pop((i, "q")), state.pending.pop((i, "k"))
+        def pair(i: int, kind: str, value: Tensor) -> None:  # the query Grams wait for the sink key, or vice versa
+            pending[(i, kind)] = value
+            if (i, "q") in pending and (i, "k") in pending:
+                gram, key = pending.pop((i, "q")), pending.pop((i, "k"))
                 unit = key / key.norm(dim=-1, keepdim=True).clamp_min(_TINY)
                 self.along[i] += torch.einsum("bhi,bhij,bhj->h", unit, gram, unit).double()
 
@@ -213,15 +175,15 @@ class QKLockingReducer(Reducer[QKLocking]):
 
         hooks = (per_layer_hooks(self.q_site, self.layers, fold_q) + per_layer_hooks(self.k_site, self.layers, fold_k)
                  + per_layer_hooks(SCORES, self.layers, fold_scores))
-        return BatchFold(hooks, state=state)
+        return BatchFold(hooks, state=(counts, pending))
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
-        state: _QKBatch = fold.state
-        if state.pending:
-            raise RuntimeError(f"Query/key hooks did not both run for {sorted(state.pending)} in this forward.")
-        for layer in self.layers:
-            self.cnt_sink[self.row[layer]] += state.n_sink_queries[layer]
-            self.cnt_other[self.row[layer]] += state.n_other_pairs[layer]
+        counts, pending = fold.state
+        if pending:
+            raise RuntimeError(f"Query/key hooks did not both run for {sorted(pending)} in this forward.")
+        for layer, (n_sink, n_other) in counts.items():
+            self.cnt_sink[self.row[layer]] += n_sink
+            self.cnt_other[self.row[layer]] += n_other
 
     def result(self) -> QKLocking:
         # Many small eigenproblems: one thread is ~10x faster than several on CPU (thread start-up dominates).

@@ -44,20 +44,16 @@ def _check_threshold(value: Any) -> float:
 
 @dataclass(frozen=True)
 class SinkSettings:
-    """The settings of one sink analysis, held by both :class:`~sinklens.analysis.sinks.SinkReducer` and :class:`SinkResult`.
+    """The settings of one sink analysis, held by :class:`~sinklens.analysis.sinks.SinkReducer` and :class:`SinkResult`.
 
     Attributes:
-        sink_threshold: Gu et al.'s ``ε``: head ``(l, h)`` is a sink head for key ``k`` in sequence
-            ``b`` if its mean attention ``α_b[l, h, k]`` exceeds it (in (0, 1); default 0.3).
-        min_query: queries before this *position* are not counted in ``received`` and sinklens' sink rate
-            (default 1: in a decoder the query at 0 sees only key 0 and gives it weight 1 by construction;
-            in an encoder query 0 sees every key, so ``min_query=0`` is the natural choice there). Gu et
-            al.'s rate (``method="gu"``) always counts every query that can see the key.
-        min_query_count: a position is a sink candidate (and a token occurrence is counted) only if
-            it had at least this *number* of counted later queries (per sequence, on average for
-            positions); the last positions of a sequence are seen by very few queries.
-        min_head_share: detection threshold on the share of sink heads (see :meth:`SinkResult.detect_sinks`).
-        outlier_factor: detection threshold on the outlier ratio (see :meth:`SinkResult.detect_sinks`).
+        sink_threshold: Gu et al.'s ``ε``: head ``(l, h)`` is a sink head for key ``k`` in a sequence if its
+            mean attention to ``k`` exceeds it (in (0, 1)).
+        min_query: queries before this position are not counted in ``received`` and sinklens' rate (1: a
+            decoder's query 0 gives key 0 weight 1 by construction; use 0 for an encoder); Gu et al.'s counts all.
+        min_query_count: a position is a sink candidate (and a token occurrence counts) only with at least
+            this many counted queries per sequence.
+        min_head_share / outlier_factor: the thresholds of :meth:`SinkResult.detect_sinks`.
         top_k: how many single occurrences at positions >= 1 to keep (0: none).
     """
 
@@ -81,15 +77,11 @@ class SinkSettings:
 
 @dataclass(repr=False, eq=False)
 class TokenSinkStats(CompactRepr):
-    """Received attention per token id, pooled over all its occurrences (one group of positions).
+    """Received attention per token id, pooled over its counted occurrences (one group of positions).
 
     Attributes:
-        token_ids: the ids seen (only those with at least one counted occurrence), sorted by id.
-        tokens: decoded strings (``None`` when the model has no tokenizer).
-        count: occurrences counted (a (sequence, position) pair counts if the position had at least
-            ``min_query_count`` counted later queries in that sequence).
-        mean_received: mean over occurrences of the layer-head-mean ``α_b[:, :, k]``.
-        max_received: the largest single occurrence of the same number.
+        token_ids: the ids seen, sorted; tokens: decoded (None without a tokenizer); count: occurrences.
+        mean_received / max_received: mean and max over occurrences of the layer-head-mean ``α_b[:, :, k]``.
         mean_head_share: mean over occurrences of the share of (layer, head) with ``α_b > sink_threshold``.
     """
 
@@ -132,40 +124,23 @@ class SinkOccurrence(StructuralEq):
 class SinkResult(SettingsFields, CompactRepr):
     """Where attention sinks are, how strong, and which tokens they sit on.
 
+    ``α_b[l, h, k]`` is the mean attention key ``k`` gets in sequence ``b`` from the queries that can see it
+    (sinklens': from ``min_query`` on; Gu et al.'s ``α^Gu_b``: every one, its own included). The fields of
+    ``settings`` (:class:`SinkSettings`) also read as attributes.
+
     Attributes:
-        received: ``received[l, h, k]``, mean attention key ``k`` receives from valid queries
-            ``q >= max(k, min_query)``, pooled over sequences (NaN where no query counted).
-        n_queries: (sequence, query) pairs averaged into ``received[:, :, k]``.
-        seq_sink_frac: sinklens' per-sequence indicator averaged over sequences: share of the
-            sequences with a counted query for ``k`` in which ``α_b[l, h, k] > sink_threshold``, ``α_b`` the
-            mean over the queries ``q >= min_query`` that can see ``k`` (``method="sinklens"``).
-        n_sequences_at: sequences with at least one counted query for key ``k`` (largest over layers).
-        layers: the model layer of each row.
-        settings: the :class:`SinkSettings` the analysis ran with (also readable as attributes:
-            ``result.sink_threshold``, ``result.min_query``, ...).
-        n_sequences: sequences streamed.
-        prepend_bos: whether special tokens were added (a decoder's BOS at position 0, an encoder's
-            ``[CLS] … [SEP]``); :attr:`special_tokens` and :meth:`describe_start` say which.
-        first_tokens: token statistics at position 0.
-        later_tokens: token statistics at positions >= 1 (position-independent sink tokens such
-            as ``"\\n"`` or ``"."`` show up here).
+        received: mean attention key ``k`` receives from the counted queries, pooled over sequences (NaN where
+            none); n_queries: the (sequence, query) pairs in it (``n_queries_by_layer``: per layer).
+        seq_sink_frac / gu_seq_sink_frac: share of the sequences reaching ``k`` in which ``α_b`` / ``α^Gu_b``
+            ``> sink_threshold``; n_sequences_at: those sequences.
+        prepend_bos / special_tokens: whether and which special tokens the tokenizer added around each prompt.
+        first_tokens / later_tokens: token statistics at position 0 / at positions >= 1.
         top_occurrences: the highest single occurrences at positions >= 1, best first.
-        gu_seq_sink_frac: Gu et al.'s indicator averaged over sequences: share of the sequences
-            containing ``k`` in which ``α^Gu_b[l, h, k] > sink_threshold``, ``α^Gu_b`` the mean over every
-            query that can see ``k`` (its own included), as in Gu et al.'s code (``method="gu"``).
-        unattended: ``[layer, head]`` mean over real queries of ``1 - Σ_k pattern[l, h, q, k]``, the sum over the
-            real keys the query can see (0 for softmax; attention leaking to padding would show here too).
-        virtual_sink: ``unattended`` when the model has learned sink logits (a ``sinks`` parameter) or its
-            pattern rows do not sum to 1 (mean shortfall above ``1e-5``; in bfloat16 or float16, above twice the
-            dtype's eps): the mass each head gives its
-            virtual sink; ``None`` otherwise.
-        position_token_ids: per key position, the token id found there in every sequence, ``-1`` where
-            sequences differ.
-        special_tokens: the special tokens the tokenizer added around each prompt (e.g. ``("[CLS]", "[SEP]")``
-            or ``("<|im_start|>",)``; empty when none was added), see :class:`~sinklens.inputs.TokenBatch`.
-        attention: the attention layout the queries were chosen by (:meth:`~sinklens.visibility.Visibility.to_dict`).
-        n_queries_by_layer: (sequence, query) pairs averaged into ``received[l, :, k]``, per analysed layer
-            (differs from :attr:`n_queries` only in sliding-window layers).
+        unattended: ``[layer, head]`` mean over real queries of ``1 - Σ_k pattern[q, k]`` over visible real keys.
+        virtual_sink: ``unattended`` when the model has learned sink logits or its rows fall short of 1 (by
+            more than ``1e-5``, or twice the eps of a 16-bit dtype); None otherwise.
+        position_token_ids: per key position, the token id there in every sequence (-1 where they differ).
+        attention: the attention layout the queries were chosen by (:class:`~sinklens.visibility.Visibility`).
     """
 
     received: Float[Tensor, "layer head key_pos"]
@@ -196,14 +171,9 @@ class SinkResult(SettingsFields, CompactRepr):
     def head_is_sink(
         self, sink_threshold: float | None = None, *, method: RateMethod = "gu"
     ) -> Float[Tensor, "layer head key_pos"]:
-        """Per (layer, head, key) sink indicator, as a rate in [0, 1].
-
-        ``method="gu"``: share of sequences in which Gu et al.'s ``α^Gu_b > sink_threshold`` (every query
-        that can see the key, its own included; :attr:`gu_seq_sink_frac`). ``method="sinklens"``: the same
-        with queries before ``min_query`` left out (:attr:`seq_sink_frac`). Both only at the threshold the
-        analysis ran with. ``method="mean"``: 1.0 where the pooled ``received > sink_threshold``, else 0.0
-        (any threshold).
-        """
+        """Per (layer, head, key) sink rate in [0, 1]: :attr:`gu_seq_sink_frac` (``"gu"``) or
+        :attr:`seq_sink_frac` (``"sinklens"``), only at the run's threshold; ``"mean"``: 1.0 where the pooled
+        ``received > sink_threshold`` (any threshold)."""
         method = choice(method, ("gu", "sinklens", "mean"), what="method")
         if method == "mean":
             threshold = self.sink_threshold if sink_threshold is None else _check_threshold(sink_threshold)
@@ -225,12 +195,8 @@ class SinkResult(SettingsFields, CompactRepr):
         return self.head_is_sink(sink_threshold, method=method)[:, :, self.position_index(position)].mean(dim=1)
 
     def sink_rate(self, sink_threshold: float | None = None, position: int = 0, *, method: RateMethod = "gu") -> float:
-        """The thresholded sink rate of ``position``: share of (sequence, layer, head) triples whose mean
-        attention to it exceeds ``sink_threshold`` (None: the run's, default 0.3).
-
-        ``method="gu"`` (default) is Gu et al.'s number exactly as their code computes it (the mean over
-        every query that can see the key, its own included); ``method="sinklens"`` leaves out queries
-        before ``min_query`` (see :data:`RATE_DEFINITIONS`)."""
+        """Share of (sequence, layer, head) whose mean attention to ``position`` exceeds ``sink_threshold``
+        (None: the run's). ``"gu"``: Gu et al.'s number as their code computes it (:data:`RATE_DEFINITIONS`)."""
         return float(self.sink_rate_by_layer(sink_threshold, position, method=method).mean())
 
     def sink_rate_by_position(
@@ -268,19 +234,11 @@ class SinkResult(SettingsFields, CompactRepr):
         outlier_factor: float | None = None,
         method: RateMethod = "sinklens",
     ) -> list[int]:
-        """Sink positions anywhere in the sequence.
+        """Candidate positions (:attr:`candidates`) whose sink rate (:meth:`sink_rate_by_position`) is at least
+        ``min_head_share`` or whose :meth:`outlier_ratio` is at least ``outlier_factor`` (None: the run's).
 
-        A candidate position ``k`` (see :attr:`candidates`) is a sink if either
-
-        * its sink rate (share of (layer, head) pairs whose attention to it exceeds ``sink_threshold``,
-          :meth:`sink_rate_by_position`, by default sinklens' variant, which does not count the
-          trivial self-attention of query 0) is at least ``min_head_share``, or
-        * its layer-head-mean received attention is at least ``outlier_factor`` times the median of
-          that number over all candidate positions (:meth:`outlier_ratio`).
-
-        Defaults are the values the analysis ran with (0.25 and 5.0 unless changed). Under uniform
-        attention over ``T`` keys position 0 gets ≈ ``ln(T)/T`` against ≈ ``1.4/T`` for a middle
-        position, a ratio of about 2, so the outlier rule does not fire without a real sink.
+        Under uniform attention over ``T`` keys position 0 gets ``≈ ln(T)/T`` against ``≈ 1.4/T`` in the
+        middle, a ratio of about 2, so the outlier rule needs a real sink to fire.
         """
         share = self.min_head_share if min_head_share is None else finite_number(
             min_head_share, what="min_head_share", low=0.0, high=1.0, low_open=True)
@@ -296,13 +254,8 @@ class SinkResult(SettingsFields, CompactRepr):
         return self.detect_sinks()
 
     def top_sinks(self, k: int = 10, *, min_count: int = 1) -> list[dict[str, Any]]:
-        """The ``k`` token ids at positions >= 1 with the highest mean received attention.
-
-        Each row: ``token_id``, ``token``, ``count``, ``mean_received`` (mean over occurrences of the
-        layer-head-mean attention the token received), ``max_received``, ``mean_head_share``.
-        Tokens with fewer than ``min_count`` occurrences are left out. Position 0 is summarised in
-        :attr:`first_tokens` (with a BOS it would otherwise top every list).
-        """
+        """The ``k`` token ids at positions >= 1 (:attr:`later_tokens` rows) with the highest mean received
+        attention, among those with at least ``min_count`` occurrences."""
         k = positive_int(k, what="k")
         rows = [r for r in self.later_tokens.rows() if r["count"] >= min_count]
         return rows[:k]
@@ -332,9 +285,8 @@ class SinkResult(SettingsFields, CompactRepr):
         return "position 0 is the first token of each text (no special token added)"
 
     def summary_rows(self) -> list[dict[str, Any]]:
-        """One row per (layer, reported position) for position 0 and every detected sink:
-        ``layer``, ``position``, ``token`` (:meth:`token_at`), ``sink_rate`` (Gu et al., at ``sink_threshold``),
-        ``sinklens_sink_rate`` (sinklens' variant), ``mean_received`` and ``max_received`` (over heads)."""
+        """One row per layer and per position among 0 and the detected sinks: the token there, Gu et al.'s and
+        sinklens' sink rates, and the mean and max over heads of ``received``."""
         rows = []
         rates = self.head_is_sink(method="gu")
         own = self.head_is_sink(method="sinklens")

@@ -1,66 +1,33 @@
 """Value-aggregation variance: why the first token's head output stands out.
 
-A head's output at position ``t`` is ``z_t = Σ_{j<=t} A_tj v_j``. If the values ``v_j`` are
-independent across positions with a common mean ``μ`` and per-coordinate variance ``σ_v²`` (and
-independent of ``A``), then ``E z_t = μ`` and ``E|z_t − μ|² / d_head = σ_v² · E[Σ_j A_tj²]``, which
-is ``σ_v² / (t + 1)`` under uniform attention: the first token keeps the full variance of one value,
-later tokens average it away. :class:`VarianceReducer` measures both sides in one streaming pass.
+A head's output is ``z_t = Σ_{j<=t} A_tj v_j``. With values independent across positions (mean ``μ``,
+per-coordinate variance ``σ_v²``, independent of ``A``), ``E|z_t − μ|² / d_head = σ_v² · E[Σ_j A_tj²]``,
+``σ_v² / (t + 1)`` under uniform attention: the first token keeps the full variance of one value.
 
-**Definition** (``z_var``, used throughout). For layer ``l``, head ``h`` and position ``t``::
+``z_var[l, h, t] = mean_c mean_{sequences b valid at t} (z[b, t, h, c] − m[l, h, c])²`` with ``z`` =
+``blocks.{l}.attn.hook_z`` and ``m`` its mean over all valid (sequence, position) pairs, which makes the law
+exact; ``z_var_seq`` centres on the per-position mean instead (both ``1/n``). The same definition gives
+``result_var``, the head's write ``z_h · W_O[l, h]`` where it reaches the stream (through any post-attention
+norm, :mod:`~sinklens.analysis.post_attention`; ``z_h`` read at :func:`~sinklens.hooks.head_output_site`),
+averaged over ``d_model``, and ``attn_out_var``, the attention's whole write
+(:func:`~sinklens.residual_sites.attention_write_hooks`).
 
-    z_var[l, h, t] = mean_c  mean_{sequences b valid at t}  (z[b, t, h, c] − m[l, h, c])²
+``feature_std[l, t]`` is Li et al.'s measure as their code computes it (Siquan-Li/Head-wise-RMSNorm@23793e0,
+``attention_sink.ipynb`` cell 2): the mean over sequences of ``torch.std`` (Bessel) over the features of the
+``o_proj`` input (``hook_z`` flattened head-major) at each token; ``feature_std_head`` (ours) the same over
+one head's ``d_head`` features.
 
-where ``z`` is ``blocks.{l}.attn.hook_z`` and ``m[l, h, c]`` is the mean of ``z[..., h, c]`` over
-*all* valid (sequence, position) pairs. One mean for all positions makes the law above exact and
-counts a position whose output sits far from the others (a constant BOS output has zero variance
-across sequences but a large deviation here). ``z_var_seq`` centres on the per-position mean
-instead. Both use ``1/n``.
-
-The same definition is applied to
-
-* ``result_var``: the head's write where it reaches the residual stream, averaged over ``d_model``:
-  ``z_h · W_O[l, h]``, through any post-attention norm as ``(z_h · W_O[l, h]) ⊙ g / s[b, t]`` (Gemma's
-  ``ln1_post``; ``s`` from its ``hook_scale``, ``g`` its effective gain, :func:`~sinklens.analysis.post_attention.post_attention_gain`),
-  or on a post-LN model (BERT, ``ln1``) ``C(z_h · W_O[l, h]) ⊙ g / s`` with ``C`` the mean removal. The
-  per-head terms plus the bias sum to the norm's output (tested). ``result_var_pre_norm`` keeps
-  ``z_h · W_O[l, h]``. ``z_h`` is what enters ``W_O`` (:func:`~sinklens.hooks.head_output_site`:
-  ``hook_z``, or a SinkLM variant's ``hook_z_normed`` / ``hook_z_gated`` / ``hook_z_calibrated``);
-* ``attn_out_var``: the attention's whole write (all heads plus bias) where it reaches the stream
-  (:func:`~sinklens.residual_sites.attention_write_hooks`).
-
-**The paper's measure** (``feature_std``, ``feature_std_head``): Li et al.'s per-position spread over
-the feature dimension of the output projection's input, as their code computes it
-(Siquan-Li/Head-wise-RMSNorm@23793e0, ``attention_sink.ipynb`` cell 2, Sec. 3.1 / Fig. 4: a pre-hook
-on ``self_attn.o_proj`` takes ``hidden_states.std(dim=-1)`` per token, then the mean over samples)::
-
-    feature_std[l, t]         = mean_{sequences b valid at t}  std_c  z[b, t, :, :].flatten()[c]
-    feature_std_head[l, h, t] = mean_{sequences b valid at t}  std_c  z[b, t, h, c]
-
-``std`` is ``torch.std``'s default (Bessel-corrected, centred on the token's own feature mean); the
-``o_proj`` input is ``hook_z`` flattened head-major (tested against a pre-hook on Hugging Face's
-``o_proj``). It is a mean of standard deviations over sequences, not a variance across sequences.
-The per-head version is ours (the same estimator over one head's ``d_head`` coordinates). Under
-uniform attention over i.i.d. Gaussian values, ``E feature_std_head[t] = c₄(d_head) σ / sqrt(t + 1)``
-(tested).
-
-Predictions, beside the measurement:
-
-* ``value_var[l, h] = σ_v²``: variance of ``blocks.{l}.attn.hook_v`` over all valid (sequence,
-  position) pairs around its overall mean, averaged over ``d_head`` (key/value head ``h // r`` for
-  query head ``h`` under grouped-query attention, ``r = n_heads / n_kv_heads``, as ``repeat_kv``);
-* ``pred_pattern = σ_v² · attn_sq`` with ``attn_sq[l, h, t]`` = mean over sequences of
-  ``Σ_j pattern[l, h, t, j]²`` (the actual attention pattern);
-* ``pred_uniform = σ_v² / (t + 1)``.
-
-Each batch is reduced in float32 and folded into float64 running sums on the model's device. The
-variances come from those sums (``Σx²/n − (Σx/n)²``), so a true variance of ≈ 0 can leave a float32
-residue of about ``1e-6 · mean(x²)``; negative residues are reported as 0.
+Predictions: ``value_var[l, h] = σ_v²`` from ``hook_v`` over all valid positions (key/value head ``h // r``
+under grouped-query attention), ``pred_pattern = σ_v² · attn_sq`` (``attn_sq``: mean over sequences of
+``Σ_j A_tj²``) and ``pred_uniform = σ_v² / (t + 1)``. Sums are float64 on the model's device; variances are
+``Σx²/n − (Σx/n)²`` clamped at 0.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -117,32 +84,17 @@ def _global_centred(
 
 @dataclass(repr=False, eq=False)
 class VarianceResult(CompactRepr):
-    """Variance of head outputs by position, with the pattern-based and uniform-attention predictions.
-
-    See the module docstring for the exact definitions. Positions with no valid token are NaN.
+    """Variance of head outputs by position, with its predictions (definitions: module docstring).
 
     Attributes:
-        z_var: ``hook_z`` variance around the overall per-(layer, head, coordinate) mean.
-        z_var_seq: ``hook_z`` variance across sequences around the per-position mean.
-        result_var: variance of the head's write in residual units (``z_h · W_O[l, h]``, through the
-            post-attention norm where there is one; same centring as ``z_var``), over ``d_model``;
-            ``z_h`` is read at ``output_site``.
-        attn_out_var: variance of the attention's write where it reaches the stream (same centring), over
-            ``d_model``: ``hook_attn_out`` except on post-LN models (module docstring).
-        value_var: ``σ_v²`` per (layer, head), from ``hook_v`` over all valid positions.
-        attn_sq: mean over sequences of ``Σ_j A_tj²`` (1/(t+1) under uniform attention).
-        counts: sequences valid at each position.
-        layers: the model layer of each row.
-        n_sequences: sequences streamed.
-        prepend_bos: whether position 0 was a prepended BOS token.
-        result_var_pre_norm: variance of ``z_h · W_O[l, h]`` before any post-attention norm (equal to
-            ``result_var`` on pre-norm models).
-        feature_std: Li et al.'s per-position feature std of the concatenated ``o_proj`` input (module docstring).
-        feature_std_head: the same per head.
+        z_var / z_var_seq: ``hook_z`` variance around the overall / the per-position mean.
+        result_var: the head's write in residual units (through any post-attention norm), over ``d_model``;
+            ``result_var_pre_norm``: before that norm; ``z_h`` is read at ``output_site``.
+        attn_out_var: the attention's whole write where it reaches the stream, over ``d_model``.
+        value_var: ``σ_v²`` per (layer, head); attn_sq: mean over sequences of ``Σ_j A_tj²``.
+        counts: sequences valid at each position (positions with none are NaN elsewhere).
+        feature_std / feature_std_head: Li et al.'s per-position feature std, all heads / per head.
         post_norm_layers: the analysed layers whose heads pass through a post-attention norm.
-        output_site: the attention hook site of the head outputs that enter ``W_O``
-            (:func:`~sinklens.hooks.head_output_site`): where ``result_var``, ``result_var_pre_norm`` and
-            ``feature_std`` read ``z_h``.
     """
 
     z_var: Float[Tensor, "layer head pos"]
@@ -155,10 +107,10 @@ class VarianceResult(CompactRepr):
     layers: list[int]
     n_sequences: int
     prepend_bos: bool
-    result_var_pre_norm: Float[Tensor, "layer head pos"] | None = None
-    feature_std: Float[Tensor, "layer pos"] | None = None
-    feature_std_head: Float[Tensor, "layer head pos"] | None = None
-    post_norm_layers: list[int] | None = None
+    result_var_pre_norm: Float[Tensor, "layer head pos"]
+    feature_std: Float[Tensor, "layer pos"]
+    feature_std_head: Float[Tensor, "layer head pos"]
+    post_norm_layers: list[int]
     output_site: str = Z
 
     @property
@@ -181,38 +133,21 @@ class VarianceResult(CompactRepr):
         return idx
 
     def variance(self, of: Site = "z") -> Tensor:
-        """The measured per-position spread of one site: ``z_var``, ``z_var_seq``, ``result_var``,
-        ``result_var_pre_norm``, ``attn_out_var``, or Li et al.'s ``feature_std`` / ``feature_std_head``."""
+        """The measured per-position spread at one site (``of``: the field name without ``_var``)."""
         sites = {"z": self.z_var, "z_seq": self.z_var_seq, "result": self.result_var,
                  "result_pre_norm": self.result_var_pre_norm, "attn_out": self.attn_out_var,
                  "feature_std": self.feature_std, "feature_std_head": self.feature_std_head}
-        got = sites[choice(of, sorted(sites), what="of")]
-        if got is None:
-            raise InvalidArgumentError(f"of={of!r} was not measured in this result (made by an older sinklens).")
-        return got
-
-    def rest_positions(self, position: int = 0) -> list[int]:
-        """The positions the discrepancy compares against: valid ``t >= 1`` with ``t != position``."""
-        idx = self.position_index(position)
-        return [t for t in range(1, self.counts.shape[0]) if t != idx and self.counts[t] > 0]
+        return sites[choice(of, sorted(sites), what="of")]
 
     def discrepancy(self, position: int = 0, *, of: Site = "z") -> Tensor:
-        """Variance-discrepancy ratio: variance at ``position`` over the mean variance of the rest.
-
-        The rest (:meth:`rest_positions`) are the valid positions ``t >= 1`` other than
-        ``position``, weighted by how many sequences reach them (each valid token counts once).
-        Shape ``[layer, head]`` for ``of`` in ``"z"``, ``"z_seq"``, ``"result"``, ``"result_pre_norm"``,
-        ``"feature_std_head"``; ``[layer]`` for ``"attn_out"`` and ``"feature_std"`` (a ratio of standard
-        deviations for the two ``feature_std`` sites, of variances otherwise). Under uniform attention over ``T`` positions the ratio for position 0 is
-        about ``T / ln T`` already, so compare it with the same ratio of :attr:`pred_uniform`.
-        """
+        """:meth:`ratio_of` one site's :meth:`variance`, ``[layer, head]`` (``[layer]`` for ``"attn_out"`` and
+        ``"feature_std"``). Uniform attention over ``T`` positions already gives about ``T / ln T`` at position
+        0: compare with the ratio of :attr:`pred_uniform`."""
         return self.ratio_of(self.variance(of), position)
 
     def preservation(self, position: int = 0) -> Float[Tensor, "layer head"]:
-        """How much of the discrepancy reaches the residual stream: ``discrepancy(of="result") /
-        discrepancy(of="z")`` per (layer, head), with ``result`` in residual units (through the
-        post-attention norm where there is one). 1 = the output projection keeps the first token's
-        excess variance (relative to the rest), < 1 = it shrinks it, > 1 = it amplifies it."""
+        """``discrepancy(of="result") / discrepancy(of="z")``: 1 = the output projection (and post-norm) keeps
+        the position's excess variance, < 1 shrinks it, > 1 amplifies it."""
         return self.discrepancy(position, of="result") / self.discrepancy(position, of="z")
 
     def rows(self) -> list[dict[str, Any]]:
@@ -234,18 +169,14 @@ class VarianceResult(CompactRepr):
         })
 
     def summary_rows(self, position: int = 0) -> list[dict[str, Any]]:
-        """One row per (layer, head): discrepancy ratios at ``position`` of z, of the measured and
-        uniform predictions, of the head's write in residual units, the preservation ratio, the layer's
-        ``attn_out`` ratio, and Li et al.'s feature-std ratios (per head and of the concatenated
-        ``o_proj`` input); ``sources`` names where each definition comes from."""
-        z = self.discrepancy(position, of="z")
-        li = self.feature_std_head is not None and self.feature_std is not None
-        std_head = self.discrepancy(position, of="feature_std_head") if li else None
-        std_all = self.discrepancy(position, of="feature_std") if li else None
-        res = self.discrepancy(position, of="result")
+        """One row per (layer, head): every discrepancy ratio at ``position``, the preservation ratio,
+        ``value_var``, and ``sources`` naming where each definition comes from."""
+        z, res = self.discrepancy(position, of="z"), self.discrepancy(position, of="result")
         out = self.discrepancy(position, of="attn_out")
-        pred = self.ratio_of(self.pred_pattern, position)
-        unif = self.ratio_of(self.pred_uniform, position)
+        std_head, std_all = self.discrepancy(position, of="feature_std_head"), self.discrepancy(position, of="feature_std")
+        pred, unif = self.ratio_of(self.pred_pattern, position), self.ratio_of(self.pred_uniform, position)
+        sources = {"discrepancy_z": SOURCES["z_var"], "discrepancy_result": SOURCES["result_var"],
+                   "feature_std_ratio": SOURCES["feature_std"], "feature_std_ratio_head": SOURCES["feature_std_head"]}
         return [
             {
                 "layer": layer,
@@ -258,45 +189,40 @@ class VarianceResult(CompactRepr):
                 "preservation": float(res[i, h] / z[i, h]),
                 "discrepancy_attn_out": float(out[i]),
                 "value_var": float(self.value_var[i, h]),
-                **({"feature_std_ratio_head": float(std_head[i, h]), "feature_std_ratio": float(std_all[i]),
-                    "sources": {"discrepancy_z": SOURCES["z_var"], "discrepancy_result": SOURCES["result_var"],
-                                "feature_std_ratio": SOURCES["feature_std"],
-                                "feature_std_ratio_head": SOURCES["feature_std_head"]}}
-                   if li else {}),
+                "feature_std_ratio_head": float(std_head[i, h]),
+                "feature_std_ratio": float(std_all[i]),
+                "sources": sources,
             }
             for i, layer in enumerate(self.layers)
             for h in range(self.z_var.shape[1])
         ]
 
     def ratio_of(self, var: Float[Tensor, "*lead pos"], position: int = 0) -> Float[Tensor, "*lead"]:
-        """``var`` at ``position`` over its count-weighted mean over :meth:`rest_positions` (the
-        discrepancy ratio of any per-position variance, measured or predicted)."""
-        rest = self.rest_positions(position)
+        """``var`` at ``position`` over its mean over the valid positions ``t >= 1``, ``t != position``,
+        weighted by how many sequences reach each (the discrepancy ratio of any per-position variance)."""
+        idx = self.position_index(position)
+        rest = [t for t in range(1, self.counts.shape[0]) if t != idx and self.counts[t] > 0]
         if not rest:
             raise InvalidArgumentError("Need at least one valid position >= 1 besides the chosen one to compare with.")
         w = self.counts[rest]
-        return var[..., self.position_index(position)] / ((var[..., rest] * w).sum(-1) / w.sum())
+        return var[..., idx] / ((var[..., rest] * w).sum(-1) / w.sum())
 
     def to_dict(self, position: int = 0) -> dict[str, Any]:
         """JSON-ready: settings, per-(layer, head) discrepancies at ``position``, head-mean curves."""
         z = self.discrepancy(position, of="z")
-        li: dict[str, Any] = {}
-        if self.feature_std is not None and self.feature_std_head is not None:
-            li = {"li_feature_std": {
+        return to_json({
+            "sources": {k: SOURCES[k] for k in ("z_var", "z_var_seq", "result_var")},
+            "post_norm_layers": list(self.post_norm_layers),
+            "output_site": self.output_site,
+            "discrepancy_result_pre_norm": self.discrepancy(position, of="result_pre_norm").tolist(),
+            "li_feature_std": {
                 "source": SOURCES["feature_std"],
                 "source_head": SOURCES["feature_std_head"],
                 "feature_std": self.feature_std.tolist(),
                 "feature_std_head_mean": self.feature_std_head.mean(dim=1).tolist(),
                 "ratio": self.discrepancy(position, of="feature_std").tolist(),
                 "ratio_head": self.discrepancy(position, of="feature_std_head").tolist(),
-            }}
-        return to_json({
-            "sources": {k: SOURCES[k] for k in ("z_var", "z_var_seq", "result_var")},
-            "post_norm_layers": list(self.post_norm_layers or []),
-            "output_site": self.output_site,
-            **({"discrepancy_result_pre_norm": self.discrepancy(position, of="result_pre_norm").tolist()}
-               if self.result_var_pre_norm is not None else {}),
-            **li,
+            },
             "layers": list(self.layers),
             "n_sequences": self.n_sequences,
             "prepend_bos": self.prepend_bos,
@@ -315,20 +241,14 @@ class VarianceResult(CompactRepr):
             "attn_out_var": self.attn_out_var.tolist(),
         }, digits=None)
 
-class VarianceReducer(Reducer[VarianceResult]):
-    """Streams ``hook_v``, ``hook_pattern``, ``hook_z`` (and the head output site where a model has its own,
-    :func:`~sinklens.hooks.head_output_site`), the attention write
-    (:func:`~sinklens.residual_sites.attention_write_hooks`) and the post-attention norm's ``hook_scale`` on
-    post-norm layers into a :class:`VarianceResult`.
 
-    Per layer it keeps (float64, positions grown to the longest batch seen): ``Σ z`` per
-    (head, position, coordinate), ``Σ |z|²`` and ``Σ |z W_O|²`` per (head, position), ``Σ attn_out``
-    per (position, coordinate) and ``Σ |attn_out|²`` per position, ``Σ_b Σ_j A_tj²`` per (head,
-    position), ``Σ v``, ``Σ |v|²`` per (kv head, coordinate) pooled over positions, and Li et al.'s
-    ``Σ_b std`` per (head, position) and per position. ``Σ z W_O`` is not stored: it is ``(Σ z) W_O``,
-    applied at :meth:`result` time. On a post-norm layer ``z`` waits in the batch's fold state until
-    the post-attention norm's ``hook_scale`` fires (``ln1_post``; post-LN: ``ln1``), and ``Σ z/s``,
-    ``Σ |(z/s) W_O ⊙ g|²`` are kept as well.
+class VarianceReducer(Reducer[VarianceResult]):
+    """Streams ``hook_v``, ``hook_pattern``, ``hook_z`` (and the head output site), the attention write and
+    the post-attention norm's ``hook_scale`` into a :class:`VarianceResult`, keeping float64 sums per layer.
+
+    ``Σ z W_O`` is ``(Σ z) W_O``, applied at :meth:`result`; ``Σ |z W_O|²`` is ``z G zᵀ`` with the Gram matrix
+    ``G`` (:func:`~sinklens.analysis.post_attention.attention_output_grams`). On a post-norm layer ``z`` waits
+    until the norm's ``hook_scale`` ``s`` fires, then ``Σ z/s`` and ``Σ |(z/s) M|²`` are kept as well.
     """
 
     statistics = ("z_s1", "z_s2", "out_s1", "r_s2", "zs_s1", "rs_s2", "fs_head", "fs_all", "a_sq", "o_s1", "o_s2", "n",
@@ -351,33 +271,24 @@ class VarianceReducer(Reducer[VarianceResult]):
         self.reset()
 
     def reset(self) -> None:
-        dims, n_l = self.dims, len(self.layers)
-        f64 = dict(device=self.device, dtype=torch.float64)
-        self.z_s1 = torch.zeros(n_l, dims.n_heads, 0, dims.d_head, **f64)
-        self.z_s2 = torch.zeros(n_l, dims.n_heads, 0, **f64)
-        self.out_s1 = torch.zeros(n_l, dims.n_heads, 0, dims.d_head, **f64)  # Σ of the head output site (≠ hook_z)
-        self.r_s2 = torch.zeros(n_l, dims.n_heads, 0, **f64)
-        self.zs_s1 = torch.zeros(n_l, dims.n_heads, 0, dims.d_head, **f64)  # Σ z/s (post-norm layers)
-        self.rs_s2 = torch.zeros(n_l, dims.n_heads, 0, **f64)  # Σ |(z/s) W_O ⊙ g|² (post-norm layers)
-        self.a_sq = torch.zeros(n_l, dims.n_heads, 0, **f64)
-        self.o_s1 = torch.zeros(n_l, 0, dims.d_model, **f64)
-        self.o_s2 = torch.zeros(n_l, 0, **f64)
-        self.fs_head = torch.zeros(n_l, dims.n_heads, 0, **f64)  # Σ_b std over a head's features
-        self.fs_all = torch.zeros(n_l, 0, **f64)  # Σ_b std over the concatenated o_proj input
-        self.n = torch.zeros(0, **f64)
-        self.v_s1 = torch.zeros(n_l, dims.n_kv_heads, dims.d_head, **f64)  # [layer, kv_head, d_head]
-        self.v_s2 = torch.zeros(n_l, dims.n_kv_heads, **f64)
-        self.v_n = 0.0
-        self.n_seq = 0
-        self.prepend_bos = True
+        d, n_l = self.dims, len(self.layers)
+        zeros = partial(torch.zeros, device=self.device, dtype=torch.float64)
+        # [layer, head, pos, d_head]: Σ z, Σ of the head output site (when not hook_z), Σ z/s (post-norm layers)
+        self.z_s1, self.out_s1, self.zs_s1 = (zeros(n_l, d.n_heads, 0, d.d_head) for _ in range(3))
+        # [layer, head, pos]: Σ |z|², Σ |z W_O|², Σ |(z/s) M|², Σ_b Σ_j A_tj², Σ_b std over a head's features
+        self.z_s2, self.r_s2, self.rs_s2, self.a_sq, self.fs_head = (zeros(n_l, d.n_heads, 0) for _ in range(5))
+        # [layer, pos, d_model] / [layer, pos]: Σ attn_out, Σ |attn_out|², Σ_b std over the whole o_proj input
+        self.o_s1, self.o_s2, self.fs_all = zeros(n_l, 0, d.d_model), zeros(n_l, 0), zeros(n_l, 0)
+        self.n = zeros(0)
+        self.v_s1, self.v_s2 = zeros(n_l, d.n_kv_heads, d.d_head), zeros(n_l, d.n_kv_heads)
+        self.v_n, self.n_seq, self.prepend_bos = 0.0, 0, True
 
     def _reserve(self, n: int) -> None:
         """Grow every per-position sum to ``n`` positions (zeros for new positions)."""
-        self.z_s1, self.zs_s1, self.out_s1 = grow(self.z_s1, 2, n), grow(self.zs_s1, 2, n), grow(self.out_s1, 2, n)
-        self.z_s2, self.r_s2, self.rs_s2, self.a_sq, self.fs_head = (
-            grow(t, 2, n) for t in (self.z_s2, self.r_s2, self.rs_s2, self.a_sq, self.fs_head))
-        self.o_s1, self.o_s2, self.fs_all = grow(self.o_s1, 1, n), grow(self.o_s2, 1, n), grow(self.fs_all, 1, n)
-        self.n = grow(self.n, 0, n)
+        heads = ("z_s1", "out_s1", "zs_s1", "z_s2", "r_s2", "rs_s2", "a_sq", "fs_head")
+        for axis, names in ((2, heads), (1, ("o_s1", "o_s2", "fs_all")), (0, ("n",))):
+            for name in names:
+                setattr(self, name, grow(getattr(self, name), axis, n))
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         self._reserve(batch.tokens.shape[1])
@@ -400,26 +311,20 @@ class VarianceReducer(Reducer[VarianceResult]):
         separate = self.output_site != Z  # a SinkLM variant: W_O reads its own site, not hook_z
 
         def fold_z(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]: the aggregation
-            row, z = self.row[layer], z.float()
-            n = z.shape[1]
-            sq = z.square().sum(-1)  # Σ_c z² per (b, t, head)
+            row, z, n = self.row[layer], z.float(), z.shape[1]
             self.z_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
-            self.z_s2[row, :, :n] += (sq * w32[..., None]).sum(0).T.double()
+            self.z_s2[row, :, :n] += (z.square().sum(-1) * w32[..., None]).sum(0).T.double()
             if not separate:
-                fold_out(z, layer, sq)
+                fold_out(z, layer)
 
-        def fold_out(z: Tensor, layer: int, sq: Tensor | None = None) -> None:  # [batch, pos, head, d_head]: enters W_O
-            row, z = self.row[layer], z.float()
-            n = z.shape[1]
-            sq = z.square().sum(-1) if sq is None else sq  # Σ_c z² per (b, t, head)
+        def fold_out(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]: enters W_O
+            row, z, n = self.row[layer], z.float(), z.shape[1]
             if separate:
                 self.out_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
             zg = torch.einsum("bphd,hde->bphe", z, self.gram32[row])  # |z W_O|² = z G zᵀ
             self.r_s2[row, :, :n] += ((zg * z).sum(-1) * w32[..., None]).sum(0).T.double()
-            # Li et al.: torch.std (Bessel) over the features at each token, as their code calls it, averaged over
-            # sequences. Two passes, as torch.std makes them (a large common mean must not cancel the spread): centre
-            # each head on its mean, then the whole token's sum of squares about its overall mean is the heads' own
-            # plus d_head × (head mean − token mean)², all terms >= 0.
+            # Li et al.'s torch.std in two passes, so a large common mean cannot cancel the spread: a token's sum of
+            # squares about its mean = the heads' own + d_head × (head mean − token mean)².
             d, big = z.shape[-1], z.shape[-1] * z.shape[-2]
             head_mean = z.mean(-1, keepdim=True)  # [b, t, head, 1]
             within = (z - head_mean).square().sum(-1)  # [b, t, head]
@@ -516,11 +421,7 @@ def measure_variance(
 ) -> VarianceResult:
     """Measure value-aggregation variance per layer × head × position, with its predictions.
 
-    Args:
-        inputs: anything :func:`sinklens.inputs.as_batches` accepts (None: the built-in prompts). The
-            variances are across sequences, so use many (e.g. :func:`~sinklens.inputs.random_token_batches`).
-        layers: which layers (default all).
-        options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar.
+    The variances are across sequences, so stream many (e.g. :func:`~sinklens.inputs.random_token_batches`).
 
     Examples:
         >>> from sinklens.testing import tiny_model

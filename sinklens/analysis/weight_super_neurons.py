@@ -1,16 +1,10 @@
 """Super neurons from weights alone: which FFN neurons *could* write a massive dimension at the sink.
 
-:func:`super_neurons_from_weights` needs no forward pass: each FFN neuron's read vectors
-(``W_in[l, :, n]``, ``W_gate[l, :, n]``) and write vector (``W_out[l, n, :]``) are compared with its
-layer's typical neuron (norm / median norm), and the channel sparsity of its ``W_out`` row is
-measured. Given a :class:`SinkInput` from one cheap forward (:func:`sink_inputs`: the sink token's
-mean ``hook_normalized`` of the norm the MLP reads, ``ln2`` on pre-norm models and ``ln1`` on a post-LN
-model such as BERT, see :func:`sinklens.residual_units.input_norm`), it adds the cosine between that input
-and each read vector. A mixture-of-experts MLP has no single ``W_in``/``W_out`` per layer and is refused.
-
-``hook_normalized`` is the normalised vector before the norm's gain. Weights are read as stored: on a
-post-norm model (Gemma 2/3) a ``W_out`` row is the write before the post-MLP norm; the forward-pass
-analysis (:mod:`sinklens.analysis.neurons`) measures contributions in residual units.
+Each neuron's read vectors (``W_in[l, :, n]``, ``W_gate[l, :, n]``) and write vector (``W_out[l, n, :]``) are
+compared with its layer's median neuron, and the channel sparsity of its ``W_out`` row is measured. A
+:class:`SinkInput` (:func:`sink_inputs`: the sink's mean ``hook_normalized`` of the norm the MLP reads, before
+its gain) adds the cosine with each read vector. Weights are read as stored (on Gemma 2/3 before the post-MLP
+norm); mixture-of-experts MLPs are refused.
 """
 
 from __future__ import annotations
@@ -53,9 +47,8 @@ class SinkInput(CompactRepr):
 
 
 class SinkMeanReducer(Reducer[Tensor]):
-    """Mean over sequences of ``act[:, sink]`` at each of the hooks ``names``: a ``[hook, d_model]`` tensor
-    (float64 sums, float32 result). A hook TransformerLens 3.x runs more than once per forward (``ln1.hook_normalized``
-    once per q/k/v input) is folded on its first call only."""
+    """Mean over sequences of ``act[:, sink]`` at each hook of ``names``, ``[hook, d_model]`` (a hook run several
+    times per forward, as TransformerLens 3.x's ``ln1.hook_normalized``, is folded once)."""
 
     statistics = ("sums", "n")
 
@@ -86,12 +79,10 @@ class SinkMeanReducer(Reducer[Tensor]):
 
 
 class SinkInputReducer(SinkMeanReducer):
-    """Streams the ``hook_normalized`` of each layer's MLP input norm (:func:`~sinklens.residual_units.input_norm_path`)
-    at ``sink_position`` into a per-layer mean (:class:`SinkInput`)."""
+    """Per-layer mean of the MLP input norm's ``hook_normalized`` at ``sink_position`` (:class:`SinkInput`)."""
 
     def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None):
         self.layers = resolve_layers(layers, model_dims(model).n_layers)
-        self.row = {layer: i for i, layer in enumerate(self.layers)}
         paths = [input_norm_path(model, layer, "mlp") for layer in self.layers]
         self.site = paths[0].rsplit(".", 1)[-1] + ".hook_normalized" if paths else "ln2.hook_normalized"
         super().__init__(model, sink_position, [f"{path}.hook_normalized" for path in paths])
@@ -108,26 +99,23 @@ def sink_inputs(
     layers: int | Sequence[int] | None = None,
     options: RunOptions = RunOptions(),
 ) -> SinkInput:
-    """Mean normalised MLP input at ``sink_position`` per layer (``ln2.hook_normalized``; ``ln1`` on a post-LN model):
-    the input every FFN neuron reads there, before the norm's gain."""
+    """Mean normalised MLP input at ``sink_position`` per layer (:class:`SinkInput`)."""
     return run_analyzer(model, inputs, SinkInputReducer, where="sink_inputs", options=options,
                         sink_position=sink_position, layers=layers)
 
 
 @dataclass(repr=False, eq=False)
 class WeightNeurons(CompactRepr):
-    """Weight-only super-neuron statistics per layer × neuron (see the module docstring).
+    """Weight-only super-neuron statistics per layer × neuron (module docstring).
 
     Attributes:
-        in_norm / gate_norm / out_norm: L2 norms of ``W_in[l, :, n]``, ``W_gate[l, :, n]`` (None without a gated
-            MLP) and ``W_out[l, n, :]``; ``*_ratio``: the same divided by the layer's median neuron.
-        out_kurtosis / out_top_share: channel sparsity of ``W_out[l, n, :]`` (kurtosis; share of its squared norm
-            in the ``row_top_k`` largest entries).
-        score: ``in_norm_ratio × gate_norm_ratio × out_norm_ratio`` (gate factor 1 when not gated): how much
-            larger than typical the neuron's read and write vectors are. Ranking key of :meth:`top`.
-        align_in / align_gate: cosine between the sink's mean normalised MLP input (:class:`SinkInput`) and ``W_in[l, :, n]`` /
-            ``W_gate[l, :, n]`` (None unless a :class:`SinkInput` was given).
-        dims / out_dim_weight: ``W_out[l, n, d]`` for each requested dimension ``d``.
+        in_norm / gate_norm / out_norm: L2 norms of ``W_in[l, :, n]``, ``W_gate[l, :, n]`` (None if not gated),
+            ``W_out[l, n, :]``; ``*_ratio``: over the layer's median neuron.
+        out_kurtosis / out_top_share: ``W_out[l, n, :]``'s kurtosis and share of its squared norm in its
+            ``row_top_k`` largest entries.
+        score: ``in_norm_ratio × gate_norm_ratio × out_norm_ratio`` (the ranking of :meth:`top`).
+        align_in / align_gate: cosine of the :class:`SinkInput` with ``W_in[l, :, n]`` / ``W_gate[l, :, n]``.
+        out_dim_weight: ``W_out[l, n, d]`` for each ``d`` of ``dims``.
     """
 
     layers: list[int]
@@ -176,8 +164,7 @@ class WeightNeurons(CompactRepr):
 
 def _cosine_rows(x: Float[Tensor, "layer d"], num: Float[Tensor, "layer neuron"],
                  norms: Float[Tensor, "layer neuron"]) -> Float[Tensor, "layer neuron"]:
-    """Cosine of ``x[l]`` with each column ``n`` of a weight ``w[l]``, given ``num[l, n] = x[l] · w[l][:, n]`` and
-    ``norms[l, n] = ‖w[l][:, n]‖``."""
+    """Cosine of ``x[l]`` with column ``n`` of ``w[l]`` from ``num = x[l] · w[l][:, n]`` and ``norms = ‖w[l][:, n]‖``."""
     return num / (x.norm(dim=-1, keepdim=True) * norms).clamp_min(_TINY)
 
 
@@ -192,13 +179,8 @@ def super_neurons_from_weights(
 ) -> WeightNeurons:
     """Rank FFN neurons as super-neuron candidates from their weights alone (no forward pass).
 
-    Args:
-        layers: model layers to analyse (None = all).
-        dims: residual dimensions whose ``W_out`` entries to report (e.g. the massive dims).
-        sink_input: a :class:`SinkInput` (from :func:`sink_inputs`) to add the read-vector alignments.
-        row_top_k: entries counted in ``out_top_share``.
-        w_out_sparsity: ``(kurtosis, top-k share)`` of these layers' ``W_out`` rows, as
-            :func:`sinklens.analysis.neurons.row_sparsity` gives them, if already computed.
+    ``dims``: residual dimensions whose ``W_out`` entries to report; ``sink_input`` (:func:`sink_inputs`) adds
+    the read-vector alignments; ``w_out_sparsity``: ``(kurtosis, top-k share)`` of these rows if already computed.
 
     Examples:
         >>> from sinklens.testing.planted import planted_model
@@ -222,9 +204,8 @@ def super_neurons_from_weights(
     in_ratio, out_ratio = _median_ratio(in_norm), _median_ratio(out_norm)
     gate_ratio = None if gate_norm is None else _median_ratio(gate_norm)
     score = in_ratio * out_ratio * (gate_ratio if gate_ratio is not None else 1.0)
-    # (kurtosis, top-k share) of these W_out rows: the caller's if given, else the cached ones.
     kurt, share = w_out_sparsity if w_out_sparsity is not None else (stats["out_kurtosis"].cpu(), stats["out_top_share"].cpu())
-    # One layer's weights at a time (views, no stacked copies): W_out's columns at ``dims``, x · W_in / W_gate.
+    # One layer's weights at a time (views, no stacked copies).
     out_dim_weight = torch.stack([layer_weight(model, "W_out", l)[:, dims].float().cpu() for l in layer_list])
     align_in = align_gate = None
     if sink_input is not None:
