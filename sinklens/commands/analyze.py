@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = add_command(subparsers, "analyze", __doc__, help="find a model's attention sinks and their causes")
     parser.add_argument("--model", default="smollm2-135m", help="model name, folder, .gguf or Hub id (default: %(default)s)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--text", nargs="+", metavar="T", help="one or more prompts")
+    source.add_argument("--text", action="extend", nargs="+", metavar="T", help="one or more prompts (repeatable)")
     source.add_argument("--prompts", metavar="FILE", help="a text file with one prompt per line")
     source.add_argument("--stdlib-text", type=int, metavar="N", help="N docstrings from the Python standard library")
     source.add_argument("--random-tokens", type=int, metavar="N", help="N uniformly random token sequences")

@@ -49,7 +49,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="position to turn into a sink (create); the sink to remove (remove; default 0)")
     parser.add_argument("--model", default="smollm2-135m", help="model name, folder, .gguf or Hub id (default: %(default)s)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--text", action="append", default=None, help="input text (repeatable)")
+    source.add_argument("--text", action="extend", nargs="+", metavar="T", help="one or more prompts (repeatable)")
     source.add_argument("--random-tokens", type=int, metavar="N", default=None, help="N uniformly random token sequences")
     parser.add_argument("--seq-len", type=int, default=None, metavar="N",
                         help=f"tokens per random sequence (default: {SEQ_LEN}, at most the model's context)")
