@@ -361,6 +361,12 @@ def as_batches(
             TokenBatch(inputs[i : i + batch_size], valid[i : i + batch_size], prepend_bos)
             for i in range(0, inputs.shape[0], batch_size)
         ]
+    elif callable(getattr(inputs, "keys", None)):  # a dict or an ActivationCache: its keys are not prompts
+        raise InvalidArgumentError(
+            f"Cannot use a {type(inputs).__name__} as input: sinklens runs its own forward passes and reduces each "
+            "activation inside its hook, so it reads no cached activations. Pass the tokens or text the cache was "
+            "made from instead (e.g. find_sinks(model, tokens) with the tokens given to run_with_cache)."
+        )
     elif isinstance(inputs, str):
         batches = tokenize_prompts(model, [inputs], batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
     elif isinstance(inputs, Iterable) and not isinstance(inputs, (bytes, dict)):
@@ -438,13 +444,14 @@ def warn_if_padded(model: Any, tokens: Int[Tensor, "batch pos"]) -> None:
 
 def require_a_later_position(
     batches: Sequence[TokenBatch], *, what: str, sink_position: int | None = None, bidirectional: bool = False,
+    min_query: int | None = None,
 ) -> None:
     """Refuse ``batches`` in which no sequence has a position after the sink, before any forward pass.
 
     Without ``sink_position`` some sequence must have 2 tokens. With it, every sequence must reach
     ``sink_position`` (the first that does not is named by its index across batches) and some query must
     see the sink: a later position on a causal model, any other on a ``bidirectional`` one. ``what`` names
-    the caller in the error.
+    the caller in the error. A ``min_query`` at or beyond the longest sequence (no query counted) is refused.
     """
     lengths = torch.tensor([n for b in batches for n in b.host_lengths()], dtype=torch.long)
     if sink_position is not None:
@@ -467,12 +474,16 @@ def require_a_later_position(
             f"at least one sequence of {needed} tokens or more (longer prompts, a larger max_length, "
             f"{'a smaller sink_position' if sink else 'or prepend_bos=True'})."
         )
+    if min_query is not None and min_query >= longest:
+        raise InvalidArgumentError(
+            f"min_query={min_query} leaves no query to count: the longest sequence has {longest} tokens "
+            f"(positions 0..{longest - 1}); pass a smaller min_query or longer prompts.")
 
 
 def checked_batch(batch: Any, index: int, d_vocab: int) -> TokenBatch:
     """``batch`` (the ``index``-th given) checked and normalised: integer ``tokens [batch, pos]`` (made ``long``)
     with ids in ``0..d_vocab-1``; a ``valid`` mask of the same shape, bool or 0/1 integers (made bool); at least
-    one row and one position. Refusals are :class:`~sinklens.errors.InvalidArgumentError` naming the batch.
+    one row and one position, and a valid token in every row. Refusals are :class:`~sinklens.errors.InvalidArgumentError` naming the batch.
 
     Examples:
         >>> b = TokenBatch(torch.tensor([[3, 4]]), torch.tensor([[True, False]]), False)
@@ -513,9 +524,13 @@ def checked_batch(batch: Any, index: int, d_vocab: int) -> TokenBatch:
             )
         valid = valid.bool()
     check_vocab(tokens, d_vocab, what=f"token ids (batch {index})")
-    if tokens.dtype == torch.long and valid is batch.valid:
-        return batch
-    return TokenBatch(tokens.long(), valid, batch.prepend_bos, batch.special_tokens)
+    if not (tokens.dtype == torch.long and valid is batch.valid):
+        batch = TokenBatch(tokens.long(), valid, batch.prepend_bos, batch.special_tokens)
+    empty = [i for i, n in enumerate(batch.host_lengths()) if n == 0]
+    if empty:
+        raise InvalidArgumentError(f"{where}: row {empty[0]} has no valid token (valid is False everywhere), so it is "
+                                   "no sequence; leave it out of the batch.")
+    return batch
 
 
 def _same_start(batches: Sequence[TokenBatch]) -> None:

@@ -189,6 +189,7 @@ def run_analyzer(
         reducer_kwargs["settings"] = settings_from(settings_cls, settings, kwargs or {}, where)
     batches = batches_for(model, inputs, options)
     require_a_later_position(batches, what=where, sink_position=analyzer_sink_position(reducer_kwargs),
-                             bidirectional=is_encoder(model))
+                             bidirectional=is_encoder(model),
+                             min_query=getattr(reducer_kwargs.get("settings"), "min_query", None))
     (result,) = stream(model, batches, [reducer(model, **reducer_kwargs)], options=options)
     return result
