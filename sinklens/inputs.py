@@ -12,16 +12,18 @@ What position 0 is (``prepend_bos``):
 * **encoders** (e.g. BERT): ``prepend_bos=True`` adds ``[CLS] … [SEP]`` as
   ``tokenizer(text, add_special_tokens=True)`` does; ``False`` adds none.
 
-Each batch records the special tokens it got in :attr:`TokenBatch.special_tokens`, and the results say
-what position 0 is (:meth:`sinklens.analysis.sinks.SinkResult.describe_start`).
+``prepend_bos=None`` does what the model's own tokenizer does (:func:`tokenizer_adds_bos`). Each batch records
+the special tokens it got in :attr:`TokenBatch.special_tokens`, and the results say what position 0 is
+(:meth:`sinklens.analysis.sinks.SinkResult.describe_start`, :func:`describe_bos`).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -160,6 +162,42 @@ def bos_token_id(model: Any) -> int:
     )
 
 
+def tokenizer_adds_bos(model: Any) -> bool | None:
+    """Whether the model's own tokenizer, as saved with it, puts a special token before a text: it is read again
+    from ``tokenizer.name_or_path`` (TransformerLens rebuilds the one it attaches with ``add_bos_token=True``)
+    and run on ``"a"`` (a config's ``add_bos_token`` does not always say what it does). None when unreadable."""
+    path = getattr(getattr(model, "tokenizer", None), "name_or_path", None)
+    return _own_tokenizer_adds_bos(path) if isinstance(path, str) and path else None
+
+
+@functools.lru_cache(maxsize=16)
+def _own_tokenizer_adds_bos(path: str) -> bool | None:
+    try:
+        from transformers import AutoTokenizer
+
+        own = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        ids, body = own("a")["input_ids"], own("a", add_special_tokens=False)["input_ids"]
+    except Exception:  # no local tokenizer files (a Hub name offline, a hand-built tokenizer): unknown
+        return None
+    return ids[:1] != body[:1]
+
+
+def resolved_bos(model: Any, prepend_bos: Any) -> bool:
+    """``prepend_bos`` checked, with None resolved to what the model's own tokenizer does (True when unknown)."""
+    if prepend_bos is None:
+        return tokenizer_adds_bos(model) is not False
+    return as_bool(prepend_bos, what="prepend_bos")
+
+
+def describe_bos(model: Any, batch: TokenBatch) -> str:
+    """What position 0 got and what the model's own tokenizer does, for reports, e.g.
+    ``"<|im_start|> added (the model's own tokenizer adds none)"``."""
+    own = {True: "adds one", False: "adds none", None: "could not be read"}[tokenizer_adds_bos(model)]
+    done = "none" if not batch.prepend_bos else f"{' … '.join(batch.special_tokens)} added" if batch.special_tokens \
+        else "the first token counts as BOS"
+    return f"{done} (the model's own tokenizer {own})"
+
+
 def _check_length(length: int, n_ctx: int, *, random_tokens: bool = False) -> None:
     """Refuse a sequence longer than the context, naming the Python argument and the CLI flag that shorten it
     (``seq_len`` / ``--seq-len`` for random tokens, ``max_length`` / ``--max-length`` for prompts)."""
@@ -176,7 +214,7 @@ def tokenize_prompts(
     prompts: str | Iterable[str],
     *,
     batch_size: IntLike = 8,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = True,
     max_length: IntLike | None = None,
 ) -> list[TokenBatch]:
     """Tokenise prompts with the model's tokenizer into right-padded batches.
@@ -188,7 +226,7 @@ def tokenize_prompts(
     """
     prompts = prompt_list(_materialised(prompts))
     batch_size = positive_int(batch_size, what="batch_size")
-    prepend_bos = as_bool(prepend_bos, what="prepend_bos")
+    prepend_bos = resolved_bos(model, prepend_bos)
     max_length = optional_positive_int(max_length, what="max_length")
     if getattr(model, "tokenizer", None) is None:
         raise InvalidArgumentError(
@@ -327,7 +365,7 @@ def as_batches(
     inputs: Inputs | None = None,
     *,
     batch_size: IntLike = 8,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = True,
     max_length: IntLike | None = None,
 ) -> list[TokenBatch]:
     """Normalise any accepted input into right-padded :class:`TokenBatch` es on the model's device.
@@ -342,7 +380,7 @@ def as_batches(
     Refusals are :class:`~sinklens.errors.InvalidArgumentError`.
     """
     batch_size = positive_int(batch_size, what="batch_size")
-    prepend_bos = as_bool(prepend_bos, what="prepend_bos")
+    prepend_bos = resolved_bos(model, prepend_bos)
     max_length = optional_positive_int(max_length, what="max_length")
     if inputs is None:
         inputs = builtin_prompts()
@@ -361,7 +399,7 @@ def as_batches(
             TokenBatch(inputs[i : i + batch_size], valid[i : i + batch_size], prepend_bos)
             for i in range(0, inputs.shape[0], batch_size)
         ]
-    elif callable(getattr(inputs, "keys", None)):  # a dict or an ActivationCache: its keys are not prompts
+    elif isinstance(inputs, Mapping) or type(inputs).__name__ == "ActivationCache":  # its keys are not prompts
         raise InvalidArgumentError(
             f"Cannot use a {type(inputs).__name__} as input: sinklens runs its own forward passes and reduces each "
             "activation inside its hook, so it reads no cached activations. Pass the tokens or text the cache was "
@@ -369,7 +407,7 @@ def as_batches(
         )
     elif isinstance(inputs, str):
         batches = tokenize_prompts(model, [inputs], batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
-    elif isinstance(inputs, Iterable) and not isinstance(inputs, (bytes, dict)):
+    elif isinstance(inputs, Iterable) and not isinstance(inputs, bytes):
         items = _materialised(inputs)
         if not items:
             raise InvalidArgumentError("No inputs given: the iterable of prompts or TokenBatch objects is empty.")

@@ -54,7 +54,8 @@ class RunOptions:
             :func:`sinklens.streaming.forward`).
         prepend_bos: add the model's own special tokens to each text prompt (a decoder's BOS, an encoder's
             ``[CLS] … [SEP]``, see :mod:`sinklens.inputs`); for token tensors the first column is taken to be
-            BOS. Results record what position 0 was (``SinkResult.describe_start()``).
+            BOS; None: as the model's own tokenizer does (:func:`sinklens.inputs.tokenizer_adds_bos`). Results
+            record what position 0 was (``SinkResult.describe_start()``).
         max_length: keep the first ``max_length`` tokens of every sequence (BOS included; an encoder's text
             prompt keeps its final ``[SEP]``). None truncates nothing: a sequence longer than ``cfg.n_ctx``
             raises :class:`~sinklens.errors.SequenceTooLongError`.
@@ -67,7 +68,7 @@ class RunOptions:
     """
 
     batch_size: int = BATCH_SIZE
-    prepend_bos: bool = True
+    prepend_bos: bool | None = True
     max_length: int | None = None
     extra_hooks: Sequence[tuple[str, HookFn]] = field(default=(), compare=False)
     progress: bool = True
@@ -81,7 +82,8 @@ class RunOptions:
         object.__setattr__(self, "batch_size", positive_int(self.batch_size, what="batch_size"))
         if self.max_length is not None:
             object.__setattr__(self, "max_length", positive_int(self.max_length, what="max_length"))
-        object.__setattr__(self, "prepend_bos", as_bool(self.prepend_bos, what="RunOptions.prepend_bos"))
+        if self.prepend_bos is not None:
+            object.__setattr__(self, "prepend_bos", as_bool(self.prepend_bos, what="RunOptions.prepend_bos"))
         object.__setattr__(self, "progress", as_bool(self.progress, what="RunOptions.progress"))
         object.__setattr__(self, "extra_hooks", hook_pairs(self.extra_hooks, what="RunOptions.extra_hooks"))
         if self.device is not None:

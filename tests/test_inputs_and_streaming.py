@@ -327,3 +327,33 @@ def test_an_analysis_from_inside_a_hook_of_the_same_model_is_refused(tiny_llama)
         sinklens.find_sinks(tiny_llama, prompts, options=QUIET.replace(extra_hooks=[("blocks.1.hook_resid_pre", nested)]))
     assert attached_hook_count(tiny_llama) == 0
     assert torch.equal(sinklens.find_sinks(tiny_llama, prompts, options=QUIET).received, ref.received)
+
+
+def test_prepend_bos_none_follows_the_models_own_tokenizer(tiny_llama, tmp_path, monkeypatch):
+    """A tokenizer that adds no BOS got one anyway (it moves the massive dimensions); prepend_bos=None does what the
+    model's own tokenizer does, and the report says what was done and what that tokenizer does."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from sinklens.inputs import tokenizer_adds_bos
+
+    def bos_line(prepend_bos):
+        report = sinklens.analyze(tiny_llama, ["t5 t6 t7 t8"], abs_threshold=None, rel_threshold=3.0,
+                                  options=QUIET.replace(prepend_bos=prepend_bos))
+        assert report.summary().splitlines()[2] == f"bos: {report.bos}"
+        return report.to_dict()["bos"]
+
+    assert tokenizer_adds_bos(tiny_llama) is False
+    (own,) = as_batches(tiny_llama, ["t5 t6 t7"], prepend_bos=None)
+    assert own.tokens.tolist() == [[5, 6, 7]] and not own.prepend_bos
+    assert bos_line(True) == "<s> added (the model's own tokenizer adds none)"
+    assert bos_line(None) == "none (the model's own tokenizer adds none)"
+    tok = AutoTokenizer.from_pretrained(tiny_llama.tokenizer.name_or_path)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save_pretrained(tmp_path)
+    monkeypatch.setattr(tiny_llama, "tokenizer", AutoTokenizer.from_pretrained(tmp_path))
+    assert tokenizer_adds_bos(tiny_llama) is True
+    (own,) = as_batches(tiny_llama, ["t5 t6 t7"], prepend_bos=None)
+    assert own.tokens.tolist() == [[0, 5, 6, 7]] and own.prepend_bos
+    assert bos_line(None) == "<s> added (the model's own tokenizer adds one)"
+    assert bos_line(False) == "none (the model's own tokenizer adds one)"

@@ -246,4 +246,14 @@ def test_analyze_repeated_text_analyses_every_prompt(tmp_path, capsys):
     assert main(["analyze", "--model", str(zoo_dir("gpt2")), "--text", "a b c", "--text", "d e f", "--text", "g h i",
                  "--out", str(out), "--no-figures", "--device", "cpu"]) == 0
     _clean(capsys.readouterr().err)
-    assert _strict_json((out / "report.json").read_text())["n_sequences"] == 3
+    report = _strict_json((out / "report.json").read_text())
+    assert report["n_sequences"] == 3
+    assert report["bos"] == "<s> added (the model's own tokenizer adds none)"
+
+
+@pytest.mark.parametrize("command", [["analyze"], ["intervene", "--method", "self-only"]])
+def test_bos_is_chosen_with_bos_or_no_bos(command):
+    from sinklens.cli import build_parser
+
+    parser = build_parser()
+    assert [parser.parse_args(command + flag).bos for flag in ([], ["--bos"], ["--no-bos"])] == [True, True, False]
