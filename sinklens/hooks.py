@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import difflib
 import functools
+import threading
 import weakref
 from collections.abc import Callable, Hashable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -380,6 +381,42 @@ def weight_cached(model: Any, key: Hashable, compute: Callable[[], Any]) -> Any:
 
 #: model -> {"fingerprint": weight fingerprint, "values": {key: value}}; see :func:`weight_cached`.
 _STAT_CACHES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+
+
+#: model -> the lock its hooked passes hold (:func:`exclusive_use`); ids of the models this thread is running.
+_LOCKS: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+_LOCKS_GUARD = threading.Lock()
+_RUNNING = threading.local()
+
+
+@contextmanager
+def exclusive_use(model: Any) -> Iterator[None]:
+    """Hold ``model`` while sinklens hooks and runs it: hooks live on the model, so two passes at once would fire
+    each other's. Another thread waits until the pass ends; one started from inside a forward :func:`running` in
+    this thread (an analyzer called from a hook) raises :class:`~sinklens.errors.InvalidArgumentError`."""
+    if id(model) in getattr(_RUNNING, "models", ()):
+        raise InvalidArgumentError(
+            f"A sinklens pass on this {type(model).__name__} was started from inside a hook of another pass on it: "
+            "its hooks would fire in that forward too and mix both results. Collect what the hook needs and run "
+            "the analysis after the pass.")
+    try:
+        with _LOCKS_GUARD:
+            lock = _LOCKS.setdefault(model, threading.RLock())
+    except TypeError:  # not weak-referenceable: nothing to hold it by
+        lock = nullcontext()
+    with lock:
+        yield
+
+
+@contextmanager
+def running(model: Any) -> Iterator[None]:
+    """Mark this thread as inside a hooked forward of ``model`` (see :func:`exclusive_use`)."""
+    models = _RUNNING.__dict__.setdefault("models", set())
+    models.add(id(model))
+    try:
+        yield
+    finally:
+        models.discard(id(model))
 
 
 @contextmanager

@@ -12,16 +12,18 @@ What position 0 is (``prepend_bos``):
 * **encoders** (e.g. BERT): ``prepend_bos=True`` adds ``[CLS] … [SEP]`` as
   ``tokenizer(text, add_special_tokens=True)`` does; ``False`` adds none.
 
-Each batch records the special tokens it got in :attr:`TokenBatch.special_tokens`, and the results say
-what position 0 is (:meth:`sinklens.analysis.sinks.SinkResult.describe_start`).
+``prepend_bos=None`` does what the model's own tokenizer does (:func:`tokenizer_adds_bos`). Each batch records
+the special tokens it got in :attr:`TokenBatch.special_tokens`, and the results say what position 0 is
+(:meth:`sinklens.analysis.sinks.SinkResult.describe_start`, :func:`describe_bos`).
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
@@ -160,6 +162,42 @@ def bos_token_id(model: Any) -> int:
     )
 
 
+def tokenizer_adds_bos(model: Any) -> bool | None:
+    """Whether the model's own tokenizer, as saved with it, puts a special token before a text: it is read again
+    from ``tokenizer.name_or_path`` (TransformerLens rebuilds the one it attaches with ``add_bos_token=True``)
+    and run on ``"a"`` (a config's ``add_bos_token`` does not always say what it does). None when unreadable."""
+    path = getattr(getattr(model, "tokenizer", None), "name_or_path", None)
+    return _own_tokenizer_adds_bos(path) if isinstance(path, str) and path else None
+
+
+@functools.lru_cache(maxsize=16)
+def _own_tokenizer_adds_bos(path: str) -> bool | None:
+    try:
+        from transformers import AutoTokenizer
+
+        own = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        ids, body = own("a")["input_ids"], own("a", add_special_tokens=False)["input_ids"]
+    except Exception:  # no local tokenizer files (a Hub name offline, a hand-built tokenizer): unknown
+        return None
+    return ids[:1] != body[:1]
+
+
+def resolved_bos(model: Any, prepend_bos: Any) -> bool:
+    """``prepend_bos`` checked, with None resolved to what the model's own tokenizer does (True when unknown)."""
+    if prepend_bos is None:
+        return tokenizer_adds_bos(model) is not False
+    return as_bool(prepend_bos, what="prepend_bos")
+
+
+def describe_bos(model: Any, batch: TokenBatch) -> str:
+    """What position 0 got and what the model's own tokenizer does, for reports, e.g.
+    ``"<|im_start|> added (the model's own tokenizer adds none)"``."""
+    own = {True: "adds one", False: "adds none", None: "could not be read"}[tokenizer_adds_bos(model)]
+    done = "none" if not batch.prepend_bos else f"{' … '.join(batch.special_tokens)} added" if batch.special_tokens \
+        else "the first token counts as BOS"
+    return f"{done} (the model's own tokenizer {own})"
+
+
 def _check_length(length: int, n_ctx: int, *, random_tokens: bool = False) -> None:
     """Refuse a sequence longer than the context, naming the Python argument and the CLI flag that shorten it
     (``seq_len`` / ``--seq-len`` for random tokens, ``max_length`` / ``--max-length`` for prompts)."""
@@ -176,7 +214,7 @@ def tokenize_prompts(
     prompts: str | Iterable[str],
     *,
     batch_size: IntLike = 8,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = True,
     max_length: IntLike | None = None,
 ) -> list[TokenBatch]:
     """Tokenise prompts with the model's tokenizer into right-padded batches.
@@ -188,7 +226,7 @@ def tokenize_prompts(
     """
     prompts = prompt_list(_materialised(prompts))
     batch_size = positive_int(batch_size, what="batch_size")
-    prepend_bos = as_bool(prepend_bos, what="prepend_bos")
+    prepend_bos = resolved_bos(model, prepend_bos)
     max_length = optional_positive_int(max_length, what="max_length")
     if getattr(model, "tokenizer", None) is None:
         raise InvalidArgumentError(
@@ -327,7 +365,7 @@ def as_batches(
     inputs: Inputs | None = None,
     *,
     batch_size: IntLike = 8,
-    prepend_bos: bool = True,
+    prepend_bos: bool | None = True,
     max_length: IntLike | None = None,
 ) -> list[TokenBatch]:
     """Normalise any accepted input into right-padded :class:`TokenBatch` es on the model's device.
@@ -342,7 +380,7 @@ def as_batches(
     Refusals are :class:`~sinklens.errors.InvalidArgumentError`.
     """
     batch_size = positive_int(batch_size, what="batch_size")
-    prepend_bos = as_bool(prepend_bos, what="prepend_bos")
+    prepend_bos = resolved_bos(model, prepend_bos)
     max_length = optional_positive_int(max_length, what="max_length")
     if inputs is None:
         inputs = builtin_prompts()
@@ -361,9 +399,15 @@ def as_batches(
             TokenBatch(inputs[i : i + batch_size], valid[i : i + batch_size], prepend_bos)
             for i in range(0, inputs.shape[0], batch_size)
         ]
+    elif isinstance(inputs, Mapping) or type(inputs).__name__ == "ActivationCache":  # its keys are not prompts
+        raise InvalidArgumentError(
+            f"Cannot use a {type(inputs).__name__} as input: sinklens runs its own forward passes and reduces each "
+            "activation inside its hook, so it reads no cached activations. Pass the tokens or text the cache was "
+            "made from instead (e.g. find_sinks(model, tokens) with the tokens given to run_with_cache)."
+        )
     elif isinstance(inputs, str):
         batches = tokenize_prompts(model, [inputs], batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
-    elif isinstance(inputs, Iterable) and not isinstance(inputs, (bytes, dict)):
+    elif isinstance(inputs, Iterable) and not isinstance(inputs, bytes):
         items = _materialised(inputs)
         if not items:
             raise InvalidArgumentError("No inputs given: the iterable of prompts or TokenBatch objects is empty.")
@@ -438,13 +482,14 @@ def warn_if_padded(model: Any, tokens: Int[Tensor, "batch pos"]) -> None:
 
 def require_a_later_position(
     batches: Sequence[TokenBatch], *, what: str, sink_position: int | None = None, bidirectional: bool = False,
+    min_query: int | None = None,
 ) -> None:
     """Refuse ``batches`` in which no sequence has a position after the sink, before any forward pass.
 
     Without ``sink_position`` some sequence must have 2 tokens. With it, every sequence must reach
     ``sink_position`` (the first that does not is named by its index across batches) and some query must
     see the sink: a later position on a causal model, any other on a ``bidirectional`` one. ``what`` names
-    the caller in the error.
+    the caller in the error. A ``min_query`` at or beyond the longest sequence (no query counted) is refused.
     """
     lengths = torch.tensor([n for b in batches for n in b.host_lengths()], dtype=torch.long)
     if sink_position is not None:
@@ -467,12 +512,16 @@ def require_a_later_position(
             f"at least one sequence of {needed} tokens or more (longer prompts, a larger max_length, "
             f"{'a smaller sink_position' if sink else 'or prepend_bos=True'})."
         )
+    if min_query is not None and min_query >= longest:
+        raise InvalidArgumentError(
+            f"min_query={min_query} leaves no query to count: the longest sequence has {longest} tokens "
+            f"(positions 0..{longest - 1}); pass a smaller min_query or longer prompts.")
 
 
 def checked_batch(batch: Any, index: int, d_vocab: int) -> TokenBatch:
     """``batch`` (the ``index``-th given) checked and normalised: integer ``tokens [batch, pos]`` (made ``long``)
     with ids in ``0..d_vocab-1``; a ``valid`` mask of the same shape, bool or 0/1 integers (made bool); at least
-    one row and one position. Refusals are :class:`~sinklens.errors.InvalidArgumentError` naming the batch.
+    one row and one position, and a valid token in every row. Refusals are :class:`~sinklens.errors.InvalidArgumentError` naming the batch.
 
     Examples:
         >>> b = TokenBatch(torch.tensor([[3, 4]]), torch.tensor([[True, False]]), False)
@@ -513,9 +562,13 @@ def checked_batch(batch: Any, index: int, d_vocab: int) -> TokenBatch:
             )
         valid = valid.bool()
     check_vocab(tokens, d_vocab, what=f"token ids (batch {index})")
-    if tokens.dtype == torch.long and valid is batch.valid:
-        return batch
-    return TokenBatch(tokens.long(), valid, batch.prepend_bos, batch.special_tokens)
+    if not (tokens.dtype == torch.long and valid is batch.valid):
+        batch = TokenBatch(tokens.long(), valid, batch.prepend_bos, batch.special_tokens)
+    empty = [i for i, n in enumerate(batch.host_lengths()) if n == 0]
+    if empty:
+        raise InvalidArgumentError(f"{where}: row {empty[0]} has no valid token (valid is False everywhere), so it is "
+                                   "no sequence; leave it out of the batch.")
+    return batch
 
 
 def _same_start(batches: Sequence[TokenBatch]) -> None:

@@ -45,14 +45,15 @@ class RunOptions:
     """Settings of one streaming run, shared by every analyzer and experiment.
 
     ``batch_size``: prompts per forward pass (results do not depend on it). ``prepend_bos``: add the model's
-    special tokens to text prompts (BOS, or ``[CLS] … [SEP]``); for token tensors the first column is taken as
-    BOS. ``max_length``: keep the first ``max_length`` tokens (None: longer than ``n_ctx`` raises).
+    special tokens to text prompts (BOS, or ``[CLS] … [SEP]``); None: as the model's own tokenizer does
+    (:func:`sinklens.inputs.tokenizer_adds_bos`); for token tensors the first column is taken as BOS.
+    ``max_length``: keep the first ``max_length`` tokens (None: longer than ``n_ctx`` raises).
     ``extra_hooks``: ``(hook_name, fn)`` pairs added to every forward before the analyzers' own (e.g. an
     intervention). ``device``: checked against the model before the pass (None: no check).
     """
 
     batch_size: int = BATCH_SIZE
-    prepend_bos: bool = True
+    prepend_bos: bool | None = True
     max_length: int | None = None
     extra_hooks: Sequence[tuple[str, HookFn]] = field(default=(), compare=False)
     progress: bool = True
@@ -66,7 +67,8 @@ class RunOptions:
         object.__setattr__(self, "batch_size", positive_int(self.batch_size, what="batch_size"))
         if self.max_length is not None:
             object.__setattr__(self, "max_length", positive_int(self.max_length, what="max_length"))
-        object.__setattr__(self, "prepend_bos", as_bool(self.prepend_bos, what="RunOptions.prepend_bos"))
+        if self.prepend_bos is not None:
+            object.__setattr__(self, "prepend_bos", as_bool(self.prepend_bos, what="RunOptions.prepend_bos"))
         object.__setattr__(self, "progress", as_bool(self.progress, what="RunOptions.progress"))
         object.__setattr__(self, "extra_hooks", hook_pairs(self.extra_hooks, what="RunOptions.extra_hooks"))
         if self.device is not None:

@@ -24,6 +24,7 @@ from sinklens.hooks import (
     SCORES,
     Z,
     eval_mode,
+    exclusive_use,
     hook_name,
     hooks_silenced,
     model_device,
@@ -41,7 +42,8 @@ def _probed(model: Any, key: Hashable, probe: Callable[[], Any]) -> Any:
     if known is not None and key in known:
         return known[key]
     refuse_meta_model(model)
-    with hooks_silenced(model) if isinstance(model, torch.nn.Module) else nullcontext(), eval_mode(model):
+    with exclusive_use(model), hooks_silenced(model) if isinstance(model, torch.nn.Module) else nullcontext(), \
+            eval_mode(model):
         value = probe()
     if _weakrefable(model):
         _PROBES.setdefault(model, {})[key] = value

@@ -51,7 +51,9 @@ from tqdm.auto import tqdm
 
 from sinklens import distributed
 from sinklens.errors import PatternNotExposedError, UnsupportedArchitectureError
-from sinklens.hooks import check_hook_names, check_model_device, eval_mode, hook_name, refuse_meta_model
+from sinklens.hooks import (
+    check_hook_names, check_model_device, eval_mode, exclusive_use, hook_name, refuse_meta_model, running,
+)
 from sinklens.inputs import Inputs, TokenBatch, as_batches, is_encoder, right_align
 from sinklens.options import HookFn, RunOptions, checked_options
 from sinklens.validate import finite_weights
@@ -360,7 +362,8 @@ def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
     """
     batch = right_align(batch)
     if not batch.padded:
-        return model(batch.tokens, **kwargs)
+        with running(model):
+            return model(batch.tokens, **kwargs)
     if is_encoder(model):
         if not accepts_attention_mask(model):
             raise UnsupportedArchitectureError(
@@ -368,11 +371,12 @@ def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
                 "model without real tokens attending to padding; use batch_size=1 or equal-length inputs."
             )
         kwargs["attention_mask"] = batch.valid.long()
-    running = _RUNNING_MASK.set(batch.valid)
+    mask = _RUNNING_MASK.set(batch.valid)
     try:
-        return model(batch.tokens, **kwargs)
+        with running(model):
+            return model(batch.tokens, **kwargs)
     finally:
-        _RUNNING_MASK.reset(running)
+        _RUNNING_MASK.reset(mask)
 
 
 def stream(
@@ -386,7 +390,8 @@ def stream(
 
     ``options.extra_hooks`` run before the reducers' own hooks on every forward (e.g. an intervention,
     so analyzers measure the intervened model). The model runs in eval mode (:func:`eval_mode`); hooks are
-    attached through ``model.hooks(...)``, so they are removed even if one raises. On a model split over
+    attached through ``model.hooks(...)``, so they are removed even if one raises; passes on one model run one at
+    a time (:func:`~sinklens.hooks.exclusive_use`). On a model split over
     devices each reducer hook reads its activation on the first parameter's device. Under
     :func:`sinklens.distributed.session` each process streams its share of ``batches`` and the statistics
     are merged in rank order before :meth:`Reducer.result`.
@@ -398,7 +403,7 @@ def stream(
     check_model_device(model, options.device)
     refuse_meta_model(model)
     finite_weights(model)
-    with eval_mode(model):
+    with exclusive_use(model), eval_mode(model):
         return _stream(model, batches, reducers, options)
 
 

@@ -283,3 +283,79 @@ def test_a_token_tensor_padded_by_to_tokens_is_named_in_a_warning():
         one_pad[0, -1] = model.tokenizer.pad_token_id  # one text ending in the pad id (EOS where pad is EOS)
         sinklens.find_sinks(model, one_pad, options=QUIET)
     torch.testing.assert_close(masked.received, from_strings.received)
+
+
+def test_passes_on_one_model_from_two_threads_run_one_at_a_time(tiny_llama):
+    """Thread A pauses inside its forward; thread B's analysis then runs. Both used to see each other's hooks
+    (results 1.5-2x off, no error); now B waits for A's pass, and each equals its single-thread result."""
+    import threading
+
+    prompts = ["t5 t6 t7 t8 t9", "t3 t4 t5", "t9 t8 t7 t6"]
+    ref_sinks = sinklens.find_sinks(tiny_llama, prompts, options=QUIET)
+    ref_var = sinklens.measure_variance(tiny_llama, prompts, options=QUIET)
+    a_inside, results = threading.Event(), {}
+
+    def pause(act, hook):
+        if not a_inside.is_set():
+            a_inside.set()
+            threading.Event().wait(0.5)  # B would run its whole pass now if nothing held the model
+
+    def a():
+        results["a"] = sinklens.find_sinks(tiny_llama, prompts, options=QUIET.replace(
+            extra_hooks=[("blocks.0.hook_resid_pre", pause)]))
+
+    def b():
+        a_inside.wait(5)
+        results["b"] = sinklens.measure_variance(tiny_llama, prompts, options=QUIET)
+
+    threads = [threading.Thread(target=a), threading.Thread(target=b)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert torch.equal(results["a"].received, ref_sinks.received)
+    assert torch.equal(results["b"].z_var, ref_var.z_var) and results["b"].n_sequences == 3
+    assert attached_hook_count(tiny_llama) == 0
+
+
+def test_an_analysis_from_inside_a_hook_of_the_same_model_is_refused(tiny_llama):
+    prompts = ["t5 t6 t7 t8 t9", "t3 t4 t5"]
+    ref = sinklens.find_sinks(tiny_llama, prompts, options=QUIET)
+
+    def nested(act, hook):
+        sinklens.find_sinks(tiny_llama, prompts, options=QUIET)
+
+    with pytest.raises(InvalidArgumentError, match="started from inside a hook of another pass on it"):
+        sinklens.find_sinks(tiny_llama, prompts, options=QUIET.replace(extra_hooks=[("blocks.1.hook_resid_pre", nested)]))
+    assert attached_hook_count(tiny_llama) == 0
+    assert torch.equal(sinklens.find_sinks(tiny_llama, prompts, options=QUIET).received, ref.received)
+
+
+def test_prepend_bos_none_follows_the_models_own_tokenizer(tiny_llama, tmp_path, monkeypatch):
+    """A tokenizer that adds no BOS got one anyway (it moves the massive dimensions); prepend_bos=None does what the
+    model's own tokenizer does, and the report says what was done and what that tokenizer does."""
+    from tokenizers import processors
+    from transformers import AutoTokenizer
+
+    from sinklens.inputs import tokenizer_adds_bos
+
+    def bos_line(prepend_bos):
+        report = sinklens.analyze(tiny_llama, ["t5 t6 t7 t8"], abs_threshold=None, rel_threshold=3.0,
+                                  options=QUIET.replace(prepend_bos=prepend_bos))
+        assert report.summary().splitlines()[2] == f"bos: {report.bos}"
+        return report.to_dict()["bos"]
+
+    assert tokenizer_adds_bos(tiny_llama) is False
+    (own,) = as_batches(tiny_llama, ["t5 t6 t7"], prepend_bos=None)
+    assert own.tokens.tolist() == [[5, 6, 7]] and not own.prepend_bos
+    assert bos_line(True) == "<s> added (the model's own tokenizer adds none)"
+    assert bos_line(None) == "none (the model's own tokenizer adds none)"
+    tok = AutoTokenizer.from_pretrained(tiny_llama.tokenizer.name_or_path)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.save_pretrained(tmp_path)
+    monkeypatch.setattr(tiny_llama, "tokenizer", AutoTokenizer.from_pretrained(tmp_path))
+    assert tokenizer_adds_bos(tiny_llama) is True
+    (own,) = as_batches(tiny_llama, ["t5 t6 t7"], prepend_bos=None)
+    assert own.tokens.tolist() == [[0, 5, 6, 7]] and own.prepend_bos
+    assert bos_line(None) == "<s> added (the model's own tokenizer adds one)"
+    assert bos_line(False) == "none (the model's own tokenizer adds one)"

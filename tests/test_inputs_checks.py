@@ -63,6 +63,33 @@ def test_empty_token_batches_are_refused_by_name(tiny_llama):
         sinklens.measure_variance(tiny_llama, [TokenBatch(TOKENS, VALID, True), empty], options=QUIET)
 
 
+def test_a_row_without_a_valid_token_is_refused_by_name(tiny_llama):
+    """An all-padding row was counted as a sequence (n_sequences 2 for one prompt)."""
+    valid = VALID.clone()
+    valid[1] = False
+    with pytest.raises(InvalidArgumentError, match=re.escape("TokenBatch 1: row 1 has no valid token")):
+        sinklens.analyze(tiny_llama, [TokenBatch(TOKENS, VALID, True), TokenBatch(TOKENS, valid, True)], options=QUIET)
+
+
+def test_an_activation_cache_is_refused_with_what_to_pass(tiny_llama):
+    """Its hook names used to be tokenised as prompts (one sequence per cached hook)."""
+    tokens = TOKENS[:1]
+    _, cache = tiny_llama.run_with_cache(tokens, names_filter=lambda name: name.endswith("hook_pattern"))
+    with pytest.raises(InvalidArgumentError, match=r"Cannot use a ActivationCache as input.*Pass the tokens or text"):
+        sinklens.find_sinks(tiny_llama, cache, options=QUIET)
+    with pytest.raises(InvalidArgumentError, match="Cannot use a dict as input"):
+        sinklens.find_sinks(tiny_llama, dict(cache.items()), options=QUIET)
+
+
+def test_a_min_query_beyond_every_sequence_is_refused(tiny_llama):
+    """It returned an empty result with no word; min_query 5 on 6 tokens still counts one query."""
+    with pytest.raises(InvalidArgumentError, match=re.escape("min_query=6 leaves no query to count: the longest "
+                                                             "sequence has 6 tokens")):
+        sinklens.find_sinks(tiny_llama, TokenBatch(TOKENS, VALID, True), min_query=6, options=QUIET)
+    result = sinklens.find_sinks(tiny_llama, TokenBatch(TOKENS, VALID, True), min_query=5, options=QUIET)
+    assert bool(torch.isfinite(result.received[..., :6]).all())
+
+
 def test_token_batches_made_differently_are_not_pooled(tiny_llama):
     with_bos = TokenBatch(T([[0, 5, 6, 7]]), T([[True] * 4]), True, ("<s>",))
     without = TokenBatch(T([[5, 6, 7, 8]]), T([[True] * 4]), False, ())

@@ -160,6 +160,7 @@ def run_analyzer(
     batches = batches_for(model, inputs, options)
     sink = reducer_kwargs.get("sink_position", getattr(reducer_kwargs.get("settings"), "sink_position", None))
     require_a_later_position(batches, what=where, sink_position=None if sink is None else sink_position_arg(sink),
-                             bidirectional=is_encoder(model))
+                             bidirectional=is_encoder(model),
+                             min_query=getattr(reducer_kwargs.get("settings"), "min_query", None))
     (result,) = stream(model, batches, [reducer(model, **reducer_kwargs)], options=options)
     return result

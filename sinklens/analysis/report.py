@@ -29,7 +29,7 @@ from sinklens.analysis.weight_super_neurons import SinkInputReducer, WeightNeuro
 from sinklens.display import CompactRepr, neuron_name, times_elsewhere
 from sinklens.export import to_json
 from sinklens.hooks import Z, model_device, model_dtype, with_cached_weights
-from sinklens.inputs import Inputs, is_encoder, require_a_later_position
+from sinklens.inputs import Inputs, describe_bos, is_encoder, require_a_later_position
 from sinklens.options import RunOptions
 from sinklens.residual_units import input_norm_reason, neuron_reason
 from sinklens.streaming import batches_for, stream
@@ -70,6 +70,7 @@ class SinkReport(CompactRepr):
         skipped: section name -> why it was skipped (e.g. ``"super_neurons"`` on a mixture-of-experts model).
         value_drain: :class:`~sinklens.analysis.value_drain.ValueDrain` (what the sink writes: no-op or
             broadcast sink heads); None when skipped (see ``skipped``).
+        bos: what position 0 got and what the model's own tokenizer does (:func:`~sinklens.inputs.describe_bos`).
 
     :meth:`summary` is the text layout (:func:`format_summary`); :func:`sinklens.plotting.report.save_report`
     writes the report's files and figures.
@@ -92,6 +93,7 @@ class SinkReport(CompactRepr):
     causal: CausalCheck | None = None
     skipped: dict[str, str] = field(default_factory=dict)
     value_drain: ValueDrain | None = None
+    bos: str = ""
 
     # ------------------------------------------------------------------------------- numbers
     def massive_dims(self) -> list[int]:
@@ -130,6 +132,7 @@ class SinkReport(CompactRepr):
             "n_sequences": self.n_sequences,
             "n_tokens": self.n_tokens,
             "prepend_bos": self.prepend_bos,
+            "bos": self.bos,
             "sink_position": p,
             "seconds": self.seconds,
             "settings": self.settings,
@@ -257,6 +260,7 @@ def analyze(
         normalized=normalized,
         locking=locking,
         value_drain=value_drain,
+        bos=describe_bos(model, batches[0]),
         seconds=time.perf_counter() - start,
         settings={"batch_size": options.batch_size, "max_length": options.max_length,
                   "sink_threshold": sink_settings.sink_threshold, "abs_threshold": abs_threshold,
@@ -279,6 +283,7 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
         f"sinklens report — {report.model_name}",
         f"{report.n_sequences} sequences, {report.n_tokens} tokens, {report.sinks.describe_start()}"
         + (f"; analysed in {report.seconds:.1f} s" if timing else ""),
+        f"bos: {report.bos}",
         "",
         "Sink positions: " + (", ".join(f"{k} ({report.sinks.token_at(k)!r})" if report.sinks.token_at(k) is not None
                                          else f"{k} (token varies)" for k in h["sink_positions"]) or "none"),

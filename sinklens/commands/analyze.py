@@ -29,7 +29,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = add_command(subparsers, "analyze", __doc__, help="find a model's attention sinks and their causes")
     parser.add_argument("--model", default="smollm2-135m", help="model name, folder, .gguf or Hub id (default: %(default)s)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--text", nargs="+", metavar="T", help="one or more prompts")
+    source.add_argument("--text", action="extend", nargs="+", metavar="T", help="one or more prompts (repeatable)")
     source.add_argument("--prompts", metavar="FILE", help="a text file with one prompt per line")
     source.add_argument("--stdlib-text", type=int, metavar="N", help="N docstrings from the Python standard library")
     source.add_argument("--random-tokens", type=int, metavar="N", help="N uniformly random token sequences")
@@ -37,7 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help=f"tokens per random sequence (default: {SEQ_LEN}, at most the model's context)")
     parser.add_argument("--max-length", type=int, default=None, metavar="N",
                         help=f"cut text prompts to N tokens (default: {_DEFAULT_MAX_LENGTH}, at most the model's context)")
-    parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (it moves the sink)")
+    parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=True,
+                        help="prepend the tokenizer's BOS token, or not (it moves the sink; default: prepend)")
     add_model_flags(parser)
     parser.add_argument("--out", default="sinklens-report", metavar="DIR", help="output folder (default: %(default)s)")
     add_overwrite_flag(parser, "the analysis already in --out")
@@ -93,7 +94,7 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
     if not has_tokenizer and args.max_length is not None:
         raise InvalidArgumentError(f"--max-length {args.max_length} truncates text prompts, and the model "
                                    f"{str(args.model)!r} has no tokenizer; set the random sequences' length with --seq-len.")
-    batches = random_token_inputs(model, args, command="analyze", text_flag=_text_flag(args), prepend_bos=not args.no_bos)
+    batches = random_token_inputs(model, args, command="analyze", text_flag=_text_flag(args), prepend_bos=args.bos)
     if batches is not None:
         return batches
     if args.text:
@@ -146,7 +147,7 @@ def _analyze(args: argparse.Namespace, device: str | None) -> int:
         inputs,
         model_name=str(args.model),
         verify=args.verify,
-        options=RunOptions(batch_size=args.batch_size, prepend_bos=not args.no_bos,
+        options=RunOptions(batch_size=args.batch_size, prepend_bos=args.bos,
                            max_length=max_length if text else None),
     )
     if not main:

@@ -49,7 +49,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
                         help="position to turn into a sink (create); the sink to remove (remove; default 0)")
     parser.add_argument("--model", default="smollm2-135m", help="model name, folder, .gguf or Hub id (default: %(default)s)")
     source = parser.add_mutually_exclusive_group()
-    source.add_argument("--text", action="append", default=None, help="input text (repeatable)")
+    source.add_argument("--text", action="extend", nargs="+", metavar="T", help="one or more prompts (repeatable)")
     source.add_argument("--random-tokens", type=int, metavar="N", default=None, help="N uniformly random token sequences")
     parser.add_argument("--seq-len", type=int, default=None, metavar="N",
                         help=f"tokens per random sequence (default: {SEQ_LEN}, at most the model's context)")
@@ -58,7 +58,8 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--site", default=None, help="hook site of amplify / calibrate (default: attn.hook_z)")
     parser.add_argument("--dims", default=None, help="residual dims of transplant-dims / clamp-dims, e.g. 507")
     parser.add_argument("--neurons", default=None, help="FFN neurons of edit-neurons, e.g. 12,99 (needs --layers)")
-    parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token (it moves the sink)")
+    parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=True,
+                        help="prepend the tokenizer's BOS token, or not (it moves the sink; default: prepend)")
     add_model_flags(parser)
     parser.add_argument("--no-loss", action="store_true", help="skip the next-token loss (two fewer passes)")
     add_json_flag(parser, "the result")
@@ -123,11 +124,11 @@ def intervene(model: Any, args: argparse.Namespace) -> InterventionResult:
     entry = check_args(args)
     common = dict(layers=_int_list(args.layers, "--layers"), dims=_int_list(args.dims, "--dims"),
                   loss=False if args.no_loss else None,
-                  options=RunOptions(batch_size=args.batch_size, device=args.device, prepend_bos=not args.no_bos,
+                  options=RunOptions(batch_size=args.batch_size, device=args.device, prepend_bos=args.bos,
                                      progress=False))
     kw = _method_options(entry, args)
     batches = random_token_inputs(model, args, command="intervene", text_flag="--text" if args.text else None,
-                                  prepend_bos=not args.no_bos)
+                                  prepend_bos=args.bos)
     inputs = args.text if batches is None else batches
     if entry.role == "create":
         return create_sink(model, inputs, args.position, method=entry.name, **common, **kw)

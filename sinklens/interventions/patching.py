@@ -24,8 +24,8 @@ from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import (ATTN_OUT, MLP_OUT, PATTERN, RESID_MID, RESID_PRE, Z, check_hook_names, hook_name, model_dims,
-                            model_dtype)
+from sinklens.hooks import (ATTN_OUT, MLP_OUT, PATTERN, RESID_MID, RESID_PRE, Z, check_hook_names, exclusive_use, hook_name,
+                            model_dims, model_dtype)
 from sinklens.inputs import Inputs, as_batches
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, heads_arg, layers_arg, positions_arg
 from sinklens.options import RunOptions, checked_options, hook_pairs
@@ -235,7 +235,7 @@ def patch_sink(
 
     tokens_t = batch.tokens
     values = torch.zeros([len(v) for v in coords.values()], dtype=torch.float64)
-    with torch.inference_mode(), eval_mode(model):  # no dropout: the model as it runs at inference (streaming.eval_mode)
+    with torch.inference_mode(), exclusive_use(model), eval_mode(model):  # no dropout: the model as it runs at inference (streaming.eval_mode)
         dtype_hook = [(hook_name(metric_layers[0], PATTERN), dtype_of)]
         with model.hooks(fwd_hooks=[(n, lambda act, hook, n=n: keep(act, hook, n)) for n in names] + fold.hooks + dtype_hook):
             model(tokens_t, return_type=None)

@@ -223,3 +223,37 @@ def test_output_piped_into_a_reader_that_leaves_ends_quietly(tmp_path, command):
     assert proc.wait(timeout=600) == EXIT_FAILURE
     assert "rror" not in err and "Traceback" not in err and "Exception ignored" not in err, err
     assert _strict_json(written.read_text())
+
+
+# 5. --text is repeatable on every command that has it, and every prompt is kept
+
+
+def test_every_text_flag_keeps_every_prompt():
+    from sinklens.cli import build_parser
+
+    parser = build_parser()
+    commands = [name for name, sub in parser._subparsers._group_actions[0].choices.items()
+                if "--text" in sub._option_string_actions]
+    assert sorted(commands) == ["analyze", "intervene"]
+    for name in commands:
+        args = parser.parse_args([name, "--method", "self-only"][: 3 if name == "intervene" else 1]
+                                 + ["--text", "a", "--text", "b", "c"])
+        assert args.text == ["a", "b", "c"], name
+
+
+def test_analyze_repeated_text_analyses_every_prompt(tmp_path, capsys):
+    out = tmp_path / "t"
+    assert main(["analyze", "--model", str(zoo_dir("gpt2")), "--text", "a b c", "--text", "d e f", "--text", "g h i",
+                 "--out", str(out), "--no-figures", "--device", "cpu"]) == 0
+    _clean(capsys.readouterr().err)
+    report = _strict_json((out / "report.json").read_text())
+    assert report["n_sequences"] == 3
+    assert report["bos"] == "<s> added (the model's own tokenizer adds none)"
+
+
+@pytest.mark.parametrize("command", [["analyze"], ["intervene", "--method", "self-only"]])
+def test_bos_is_chosen_with_bos_or_no_bos(command):
+    from sinklens.cli import build_parser
+
+    parser = build_parser()
+    assert [parser.parse_args(command + flag).bos for flag in ([], ["--bos"], ["--no-bos"])] == [True, True, False]
