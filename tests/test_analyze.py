@@ -173,8 +173,10 @@ def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_
     # The causal check: zeroing L11N1229 and L11N1487 at position 0 removes 99% of dim 507 (24926 -> 131) and
     # 56% of the attention position 0 receives (0.436 -> 0.193).
     check = next(c for c in report.causal.checks if c.dim == 507)
-    assert [(l, n) for l, n, _ in check.writers] == [(11, 1229), (11, 1487)]
-    assert check.dim_removed > 0.95 and check.attention_removed > 0.4
+    direct = check.ablation("direct")
+    assert [(l, n) for l, n, _ in direct.zeroed] == [(11, 1229), (11, 1487)]
+    assert direct.dim_removed > 0.95 and direct.attention_removed > 0.4
+    assert check.writers_cause_dim and check.writers_cause_sink
     assert float(report.massive.norm_ratio[12, 0]) > 50
     save_report(report, tmp_path, figures=False)
 

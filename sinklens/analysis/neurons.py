@@ -447,6 +447,8 @@ def add_total_effects(model: Any, inputs: Inputs | None, neurons: SuperNeurons, 
             with model.hooks(fwd_hooks=hooks):
                 forward(model, batch, return_type=None)
             for j, (d, p) in enumerate(zip(dims, peaks)):
+                if not streams[p].requires_grad:  # peak before every analysed MLP (e.g. at the embedding)
+                    continue
                 grads = torch.autograd.grad(streams[p][:, s, d].sum(), [leaves[l] for l in layers],
                                             retain_graph=j + 1 < len(dims), allow_unused=True)
                 for i, (layer, g) in enumerate(zip(layers, grads)):

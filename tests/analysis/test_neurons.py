@@ -120,8 +120,9 @@ def test_result_serialises_and_plots(planted, tmp_path):
         assert isinstance(fig, matplotlib.figure.Figure)
     assert (tmp_path / "c.png").stat().st_size > 1000
     # The bars are the top contributions to the first massive dim, the path is the sink's residual.
-    bars = plot_contributions(found, k=3).axes[0].patches
-    assert [b.get_height() for b in bars] == pytest.approx([c for _, _, c in found.top(found.dims[0], 3)])
+    ax = plot_contributions(found, k=3).axes[0]
+    assert [b.get_height() for b in ax.patches] == pytest.approx([c for _, _, c in found.top(found.dims[0], 3)])
+    assert "writers" in ax.get_title() and "erasers not shown" in ax.get_title()  # only writers are drawn
     residual = plot_dim_path(found).axes[0].get_lines()[0].get_ydata()
     torch.testing.assert_close(torch.as_tensor(residual), found.resid_sink[:, found.dims[0]])
     points = plot_row_sparsity(found).axes[0].collections[1].get_offsets()  # the super neurons
