@@ -251,7 +251,7 @@ class SuperNeurons(SettingsFields, CompactRepr):
         ``total_effect`` instead of the direct ``contribution``."""
         k, j, sign = self._ranking(dim, k, sign)
         if choice(by, ("direct", "total"), what="by") == "total" and self.total_effect is None:
-            raise InvalidArgumentError("by='total' needs total_effect: call add_total_effects(model, inputs, result).")
+            raise InvalidArgumentError("by='total' needs total_effect: call add_total_effects(model, batches, result).")
         contrib = (self.total_effect if by == "total" else self.contribution)[:, :, j]
         rows = list(range(len(self.layers)))
         if block is not None:

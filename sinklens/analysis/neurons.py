@@ -411,7 +411,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
                           "through its post norm, so contributions are approximate.", RuntimeWarning, stacklevel=3)
 
 
-def add_total_effects(model: Any, inputs: Inputs | None, neurons: SuperNeurons, *,
+def add_total_effects(model: Any, batches: Sequence[TokenBatch], neurons: SuperNeurons, *,
                       options: RunOptions = RunOptions()) -> SuperNeurons:
     """Fill ``neurons.total_effect`` and each path's ``total_effect`` rows by attribution patching; return ``neurons``.
 
@@ -420,19 +420,19 @@ def add_total_effects(model: Any, inputs: Inputs | None, neurons: SuperNeurons, 
     every later block: the first-order estimate of what zeroing the neuron at the sink removes from the dim, its
     direct write and what later blocks build on it. One forward and one backward per dim per batch; a causal
     model runs only the tokens up to the sink (nothing later reaches it) unless ``options.extra_hooks`` are given.
+    ``batches``: those ``neurons`` was computed on (:func:`sinklens.streaming.batches_for`); ``find_super_neurons``
+    and ``analyze`` call this.
     """
     s, dims, layers = neurons.sink_position, neurons.dims, neurons.layers
     n_layers = model_dims(model).n_layers
     peaks = [neurons.path(d).peak_layer for d in dims]
     total = torch.zeros(len(layers), neurons.contribution.shape[1], len(dims), device=model_device(model), dtype=torch.float64)
-    batches = batches_for(model, inputs, options) if dims else []
+    batches = batches if dims else []
     prefix = not is_encoder(model) and not options.extra_hooks
     n_seq = 0
     with eval_mode(model), torch.enable_grad():
         for batch in batches:
-            batch = right_align(batch)
-            if prefix:
-                batch = TokenBatch(batch.tokens[:, : s + 1], batch.valid[:, : s + 1], batch.prepend_bos)
+            batch = right_align(batch)  # then the first s + 1 tokens of every row are real (checked by the reducer)
             acts, leaves, streams = {}, {}, {}
 
             def post(act: Tensor, layer: int) -> Tensor:
@@ -445,7 +445,10 @@ def add_total_effects(model: Any, inputs: Inputs | None, neurons: SuperNeurons, 
             hooks = list(options.extra_hooks) + per_layer_hooks(MLP_POST, layers, post)
             hooks += bound_hooks([stream_hook(p, n_layers) for p in set(peaks)], list(set(peaks)), read)
             with model.hooks(fwd_hooks=hooks):
-                forward(model, batch, return_type=None)
+                if prefix:
+                    model(batch.tokens[:, : s + 1], return_type=None)
+                else:
+                    forward(model, batch, return_type=None)
             for j, (d, p) in enumerate(zip(dims, peaks)):
                 if not streams[p].requires_grad:  # peak before every analysed MLP (e.g. at the embedding)
                     continue

@@ -340,7 +340,7 @@ def neuron_lines(report: SinkReport) -> list[str]:
     rows = lambda r: ", ".join(f"L{l}N{n} ({c:+.1f})" for l, n, c in r[:3])  # noqa: E731
     for path in sn.paths:
         first = path.first_massive_stream
-        massive = ("never massive" if first is None else f"massive from stream {first} on (" +
+        massive = ("never massive" if first is None else f"first massive at stream {first} (" +
                    ("the embedding)" if first == 0 else f"the output of block {first - 1})"))
         erased = f"erased most in block {path.erase_layer}" if path.erase_layer is not None else "never erased"
         lines.append(f"  dim {path.dim}: peak {path.peak_value:+.1f} at stream {path.peak_layer}, {massive}; largest step in "

@@ -263,5 +263,5 @@ def test_the_block_named_is_the_one_whose_output_first_makes_the_dim_massive():
     report = analyze(model, PROMPTS, abs_threshold=None, rel_threshold=50.0, options=QUIET)
     path = report.neurons.path(5)
     assert (path.first_massive_stream, path.write_layer) == (1, 1)
-    assert ("dim 5: peak" in report.summary() and "massive from stream 1 on (the output of block 0); largest step "
+    assert ("dim 5: peak" in report.summary() and "first massive at stream 1 (the output of block 0); largest step "
             "in block 1" in report.summary())
