@@ -429,11 +429,10 @@ def add_total_effects(model: Any, batches: Sequence[TokenBatch], neurons: SuperN
     total = torch.zeros(len(layers), neurons.contribution.shape[1], len(dims), device=model_device(model), dtype=torch.float64)
     batches = batches if dims else []
     prefix = not is_encoder(model) and not options.extra_hooks
-    n_seq = 0
+    n_seq, acts, leaves, streams = 0, {}, {}, {}
     with eval_mode(model), torch.enable_grad():
         for batch in batches:
             batch = right_align(batch)  # then the first s + 1 tokens of every row are real (checked by the reducer)
-            acts, leaves, streams = {}, {}, {}
 
             def post(act: Tensor, layer: int) -> Tensor:
                 acts[layer], leaves[layer] = act[:, s].detach(), torch.zeros_like(act, requires_grad=True)

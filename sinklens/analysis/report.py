@@ -337,7 +337,6 @@ def neuron_lines(report: SinkReport) -> list[str]:
     lines = [f"  attributed: dims {sn.dims}" + ("" if sn.n_massive is None else
              f", the {len(sn.dims)} largest of {sn.n_massive} dims whose |x| at the sink exceeds {sn.dim_threshold:g}x "
              f"the median |x| at some stream (max_dims={sn.max_dims})")]
-    rows = lambda r: ", ".join(f"L{l}N{n} ({c:+.1f})" for l, n, c in r[:3])  # noqa: E731
     for path in sn.paths:
         first = path.first_massive_stream
         massive = ("never massive" if first is None else f"first massive at stream {first} (" +
@@ -346,8 +345,8 @@ def neuron_lines(report: SinkReport) -> list[str]:
         lines.append(f"  dim {path.dim}: peak {path.peak_value:+.1f} at stream {path.peak_layer}, {massive}; largest step in "
                      f"block {path.write_layer} (attention share {path.attn_share:.2f}); {erased}")
         if path.total_effect:
-            lines.append(f"    total effect (act x d dim/d act at the sink, through later blocks): {rows(path.total_effect)}")
-        lines.append(f"    direct (act x W_out): {rows(path.top_neurons)}")
+            lines.append(f"    total effect (act x d dim/d act at the sink, through later blocks): {_top3(path.total_effect)}")
+        lines.append(f"    direct (act x W_out): {_top3(path.top_neurons)}")
         for kind, steps in (("writers", path.writers), ("erasers", path.erasers)):
             if steps:
                 lines.append(f"    {kind} (>= {100 * sn.path_share:.0f}% of the peak): " + "; ".join(
@@ -371,6 +370,10 @@ def neuron_lines(report: SinkReport) -> list[str]:
     elif "causal_check" in report.skipped:
         lines += ["", f"Causal check {report.skipped['causal_check']}"]
     return lines
+
+
+def _top3(rows: Sequence[tuple[int, int, float]]) -> str:
+    return ", ".join(f"L{l}N{n} ({c:+.1f})" for l, n, c in rows[:3])
 
 
 def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:

@@ -128,7 +128,8 @@ class CausalCheck(StructuralEq):
 
     def to_dict(self) -> dict[str, Any]:
         return to_json({"sink_position": self.sink_position, "causal_threshold": self.causal_threshold,
-                        "attention_threshold": self.attention_threshold, "min_query": MIN_QUERY, "n_passes": self.n_passes, "checks": self.checks})
+                        "attention_threshold": self.attention_threshold, "min_query": MIN_QUERY,
+                        "n_passes": self.n_passes, "checks": self.checks})
 
 
 def _measure(model: Any, batches: Sequence[TokenBatch], sink: int, streams: Sequence[int], hooks: list,

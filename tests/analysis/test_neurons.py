@@ -175,27 +175,27 @@ def _sink_value(model, name, dim, hooks=()):
 def test_total_effect_ranks_the_trigger_above_its_amplifiers():
     """L0N7 starts dim 5 (it writes least); L1N13..L3N13 each write in proportion to what reaches them. Direct
     contribution ranks the last amplifier first; total effect ranks the trigger first, as zeroing does."""
-    model, spec = planted_model("llama", n_layers=5, layer=0, neuron=7, dim=5, write=2e-4, amplify_layers=(1, 2, 3),
-                                amplify_write=1.5e-3)
+    model, _ = planted_model("llama", n_layers=5, layer=0, neuron=7, dim=5, write=2e-4, amplify_layers=(1, 2, 3),
+                             amplify_write=1.5e-3)
     found = find_super_neurons(model, PROMPTS, dims=[5], options=QUIET.replace(batch_size=2))
     path = found.path(5)
     assert path.peak_layer == 4 and path.top_neurons[0][:2] == (3, 13) and path.total_effect[0][:2] == (0, 7)
     assert [r[:2] for r in path.top_neurons[:4]] == [(3, 13), (2, 13), (1, 13), (0, 7)]
     # Reference: act x gradient of the dim at stream 4, full sequences, plain hooks and autograd.
-    ref = torch.zeros(5, model.cfg.d_mlp)
+    names = [f"blocks.{l}.mlp.hook_post" for l in range(4)]  # block 4 runs after the stream read
+    ref, acts, deltas = torch.zeros(5, model.cfg.d_mlp), {}, {}
+
+    def post(act, hook, name):
+        deltas[name] = torch.zeros_like(act, requires_grad=True)
+        acts[name] = act.detach()
+        return act + deltas[name]
+
+    def read(act, hook):
+        acts["target"] = act
+
+    hooks = [(n, partial(post, name=n)) for n in names] + [("blocks.4.hook_resid_pre", read)]
     for prompt in PROMPTS:
-        acts, deltas = {}, {}
-
-        def post(act, hook, name):
-            deltas[name] = torch.zeros_like(act, requires_grad=True)
-            acts[name] = act.detach()
-            return act + deltas[name]
-
-        def read(act, hook):
-            acts["target"] = act
-
-        names = [f"blocks.{l}.mlp.hook_post" for l in range(4)]  # block 4 runs after the stream read
-        with torch.enable_grad(), model.hooks(fwd_hooks=[(n, partial(post, name=n)) for n in names] + [("blocks.4.hook_resid_pre", read)]):
+        with torch.enable_grad(), model.hooks(fwd_hooks=hooks):
             model(model.to_tokens(prompt))
             grads = torch.autograd.grad(acts["target"][0, 0, 5], [deltas[n] for n in names])
         ref[:4] += torch.stack([acts[n][0, 0] * g[0, 0] for n, g in zip(names, grads)])
@@ -254,7 +254,7 @@ def test_the_block_named_is_the_one_whose_output_first_makes_the_dim_massive():
     """L0N7 makes dim 5 massive in block 0's output (stream 1); the amplifier in block 1 then writes more."""
     from sinklens.analysis.report import analyze
 
-    model, spec = planted_model("llama", n_layers=3, layer=0, neuron=7, dim=5, write=0.05, amplify_layers=(1,),
+    model, _ = planted_model("llama", n_layers=3, layer=0, neuron=7, dim=5, write=0.05, amplify_layers=(1,),
                                 amplify_write=0.5)
     streams = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_pre", "blocks.2.hook_resid_pre"]
     _, cache = model.run_with_cache(model.to_tokens(PROMPTS[0]), names_filter=lambda n: n in streams)

@@ -132,7 +132,7 @@ def test_the_verdicts_say_apart_what_is_causal_for_the_dim_and_for_the_sink(plan
 
 def test_identical_ablation_sets_run_once(planted):
     """The direct and total-effect writers coincide ({L0N7}): baseline, that set and the block control, one pass each."""
-    model, spec = planted
+    model, _ = planted
     found = find_super_neurons(model, PLANTED_PROMPTS, options=QUIET)
     forwards = []
     count = QUIET.replace(batch_size=2, extra_hooks=(("blocks.0.hook_resid_pre", lambda act, hook: forwards.append(1)),))
