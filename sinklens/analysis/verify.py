@@ -1,18 +1,12 @@
-"""The causal check of a super-neuron attribution: zero what is credited with each massive dimension at the sink.
+"""The causal check of a super-neuron attribution: zero what each massive dimension is credited to, at the sink.
 
-For each massive dimension ``d`` of a :class:`~sinklens.analysis.neurons.SuperNeurons` result, three sets are zeroed
-at the sink position only and the same inputs run again (each distinct set once, shared by the dims that name it):
-
-* ``"direct"``: its top writers by direct contribution whose ``|contribution|`` reaches ``super_share`` of the peak (at
-  most ``max_writers``, at least the best one), at ``mlp.hook_post`` (:func:`sinklens.interventions.neurons.edit_neurons`);
-* ``"total"``: the same by total effect (``SuperNeurons.total_effect``, when computed);
-* ``"blocks"``: the block-level control, the whole ``hook_mlp_out`` of every block writing the dimension
-  (``path.writers``).
-
-Each :class:`Ablation` says how much disappears: ``dim_removed = 1 − value_after / value_before``, the dimension's mean
-value at the sink at its peak residual stream, and ``attention_removed = 1 − attention_after / attention_before``, the
-attention the sink receives (mean over layers and heads of ``received[l, h, sink]``, queries from ``MIN_QUERY``, as in
-:class:`~sinklens.analysis.sinks.SinkResult`). Both passes (before and after) run here, on the same batches.
+Per dimension three sets are zeroed at the sink only and the inputs run again (each distinct set once): its top
+writers by direct contribution (``"direct"``) and by total effect (``"total"``), those reaching ``super_share`` of
+the peak (at most ``max_writers``, at least the best one; zeroed at ``mlp.hook_post`` by ``edit_neurons``), and
+the block-level control, the whole ``hook_mlp_out`` of its writing blocks (``"blocks"``).
+An :class:`Ablation` reports ``dim_removed = 1 − value_after / value_before`` (the dim's mean at the sink at its peak
+stream) and ``attention_removed = 1 − attention_after / attention_before`` (the sink's received attention: mean
+over layers and heads of ``received[l, h, sink]``, queries from ``MIN_QUERY``, as in ``SinkResult``).
 """
 
 from __future__ import annotations
@@ -152,8 +146,7 @@ def _contribution(neurons: SuperNeurons, layer: int, neuron: int, dim: int) -> f
 
 
 def default_writers(neurons: SuperNeurons, dim: int, max_writers: int = 10, by: str = "direct") -> list[tuple[int, int, float]]:
-    """The neurons credited with ``dim`` (by direct contribution or total effect): its top ones whose value reaches
-    ``super_share`` of the peak (at most ``max_writers``; at least the best one)."""
+    """The neurons credited with ``dim`` ranked ``by`` direct contribution or total effect (module docstring)."""
     floor = neurons.settings.super_share * abs(neurons.path(dim).peak_value)
     top = neurons.top(dim, max_writers, by=by)
     return [w for w in top if abs(w[2]) >= floor] or top[:1]
