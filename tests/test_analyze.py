@@ -170,12 +170,19 @@ def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_
         assert (peak, float(resid[peak])) == (12, pytest.approx(24926.2, abs=0.5))
         assert [round(v, 1) for _, _, v in expected] == [pytest.approx(18008.2, abs=0.5), pytest.approx(6786.7, abs=0.5)]
     assert [w.block for w in path.writers] == [11] and [e.block for e in path.erasers] == [28, 29]
+    # Block 11's output is the peak stream: no later block stands between its neurons and the dim, so their total
+    # effect is their direct contribution; an earlier neuron's (L1N83) adds what later blocks build on it.
+    assert path.total_effect[:2] == [(11, 1229, pytest.approx(path.top_neurons[0][2], rel=1e-3)),
+                                     (11, 1487, pytest.approx(path.top_neurons[1][2], rel=1e-3))]
+    assert path.total_effect[2][:2] == (1, 83) and path.first_massive_stream == 3
     assert report.neurons.post_norm_blocks == [] and report.neurons.super_neurons()[0] == (11, 1229)
     # The causal check: zeroing L11N1229 and L11N1487 at position 0 removes 99% of dim 507 (24926 -> 131) and
     # 56% of the attention position 0 receives (0.436 -> 0.193).
     check = next(c for c in report.causal.checks if c.dim == 507)
-    assert [(l, n) for l, n, _ in check.writers] == [(11, 1229), (11, 1487)]
-    assert check.dim_removed > 0.95 and check.attention_removed > 0.4
+    direct = check.ablation("direct")
+    assert [(l, n) for l, n, _ in direct.zeroed] == [(11, 1229), (11, 1487)]
+    assert direct.dim_removed > 0.95 and direct.attention_removed > 0.4
+    assert check.writers_cause_dim and check.writers_cause_sink
     assert float(report.massive.norm_ratio[12, 0]) > 50
     save_report(report, tmp_path, figures=False)
 

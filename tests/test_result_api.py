@@ -156,12 +156,13 @@ def test_a_frozen_norm_map_hashes_consistently_with_its_equality():
 def test_the_small_result_records_compare_structurally():
     from sinklens.analysis.neurons import BlockStep
     from sinklens.analysis.sinks import SinkOccurrence
-    from sinklens.analysis.verify import CausalCheck, DimCheck
+    from sinklens.analysis.verify import Ablation, CausalCheck, DimCheck
     from sinklens.origins.positional import PositionalTrajectory
 
-    for cls in (BlockStep, SinkOccurrence, DimCheck, CausalCheck, PositionalTrajectory):
+    for cls in (BlockStep, SinkOccurrence, Ablation, DimCheck, CausalCheck, PositionalTrajectory):
         assert cls.__eq__ is StructuralEq.__eq__ and cls.__hash__ is None
-    check = DimCheck(1, 2, [(0, 1, math.nan)], 1.0, math.nan, math.nan, 0.5, 0.5, 0.0)
+    check = DimCheck(1, 2, 1.0, 0.5, [Ablation("direct", [(0, 1, math.nan)], math.nan, math.nan, 0.5, 0.0)], False,
+                     False, False)
     assert CausalCheck(0, [check]) == CausalCheck(0, [copy.deepcopy(check)])
 
 

@@ -17,7 +17,7 @@ from sinklens.analysis._common import SettingsFields, row_index, sink_position_a
 from sinklens.display import CompactRepr, StructuralEq
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.validate import as_int, finite_number, positive_int
+from sinklens.validate import as_int, choice, finite_number, positive_int
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,8 @@ class SuperNeuronSettings:
         position_threshold / neuron_threshold: activation-outlier thresholds on ``position_ratio`` /
             ``neuron_ratio`` (``is_outlier``).
         dim_threshold: a dimension is massive if ``|resid[s, d]|`` exceeds this × the median ``|resid[s, :]|``.
-        max_dims: at most this many detected dimensions.
+        max_dims: at most this many detected dimensions (those with the largest peaks; ``SuperNeurons.n_massive``
+            says how many were detected).
         erase_fraction: ``MassiveDimPath.erase_layer`` must undo at least this share of the peak.
         top_k: top neurons listed per dimension (and per writer/eraser block) in :class:`MassiveDimPath`.
         row_top_k: entries counted in ``row_top_share``.
@@ -106,9 +107,14 @@ class MassiveDimPath(CompactRepr):
         erase_layer: the later block taking it back the most (``erase_delta``, its signed step), or None when
             no block undoes at least ``erase_fraction`` of the peak.
         top_neurons: ``(layer, neuron, contribution)`` of the neurons writing most in the peak's direction
-            (residual units), best first.
+            (direct effect, residual units), best first.
         writers / erasers: every block whose step writes (erases) at least ``path_share`` of ``|peak|``, in
             block order (:class:`BlockStep`).
+        first_massive_stream: the first residual stream where ``|value|`` exceeds ``dim_threshold`` × the median
+            ``|resid[s, :]|`` (stream ``s`` is block ``s - 1``'s output; 0 the embedding); None if never.
+        total_effect: ``(layer, neuron, total effect)`` rows, best first: the dimension's value at ``peak_layer``
+            that zeroing the neuron at the sink would remove, through every later block
+            (:func:`~sinklens.analysis.neurons.add_total_effects`); empty when not computed.
     """
 
     dim: int
@@ -124,6 +130,8 @@ class MassiveDimPath(CompactRepr):
     top_neurons: list[tuple[int, int, float]] = field(default_factory=list)
     writers: list[BlockStep] = field(default_factory=list)
     erasers: list[BlockStep] = field(default_factory=list)
+    first_massive_stream: int | None = None
+    total_effect: list[tuple[int, int, float]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return to_json(self)
@@ -154,6 +162,11 @@ class SuperNeurons(SettingsFields, CompactRepr):
             :func:`~sinklens.hooks.head_output_site`: ``attn.hook_z``, or a SinkLM variant's own) taken through the
             post-attention norm (``ln1_post``: ``× gain / scale``) when there is one; with ``attn_offset_sink``
             (``b_O`` through the norm, plus its bias) it adds up to ``attn_out_sink``.
+        n_massive: how many dimensions were detected as massive (``dims`` holds the ``max_dims`` largest); None
+            when ``dims`` were given.
+        total_effect: ``[layer, neuron, n_dims]`` attribution-patching estimate of what zeroing each neuron at the
+            sink removes from each dim at its peak stream (:func:`~sinklens.analysis.neurons.add_total_effects`);
+            None until computed.
     """
 
     layers: list[int]
@@ -178,6 +191,8 @@ class SuperNeurons(SettingsFields, CompactRepr):
     post_norm_blocks: list[int] = field(default_factory=list)
     head_contribution: Float[Tensor, "block head n_dims"] | None = None
     attn_offset_sink: Float[Tensor, "block d_model"] | None = None
+    n_massive: int | None = None
+    total_effect: Float[Tensor, "layer neuron n_dims"] | None = None
 
     def _ranking(self, dim: int, k: Any, sign: float | None) -> tuple[int, int, float]:
         """``(k, column of dim, sign)`` for :meth:`top` and :meth:`top_heads`: ``k`` checked, ``dim`` analysed,
@@ -196,14 +211,22 @@ class SuperNeurons(SettingsFields, CompactRepr):
         vals, idx = col.topk(min(k, col.numel()))
         return [(int(h), float(sign * v)) for h, v in zip(idx, vals)]
 
-    def super_neurons(self) -> list[tuple[int, int]]:
+    def super_neurons(self, kind: str | None = None) -> list[tuple[int, int]]:
         """``(layer, neuron)`` of every super neuron, largest residual-unit ``|contribution|`` (over the analysed
-        dims) first."""
+        dims) first; ``kind="writers"`` / ``"erasers"``: only those whose largest contribution has (does not have)
+        its dimension's peak sign."""
+        kind = None if kind is None else choice(kind, ("writers", "erasers"), what="kind")
         idx = self.is_super.nonzero()
-        if not idx.numel():
+        if not idx.numel():  # always so without dims
             return []
-        size = self.contribution.abs().amax(dim=-1) if self.contribution.shape[-1] else self.sink_act.abs()
-        order = size[idx[:, 0], idx[:, 1]].argsort(descending=True, stable=True)
+        c = self.contribution[idx[:, 0], idx[:, 1]]  # [super, n_dims]
+        size, j = c.abs().max(dim=-1)
+        if kind is not None:
+            peak_sign = torch.tensor([1.0 if p.peak_value >= 0 else -1.0 for p in self.paths])
+            writes = c.gather(1, j[:, None])[:, 0] * peak_sign[j] > 0
+            keep = writes if kind == "writers" else ~writes
+            idx, size = idx[keep], size[keep]
+        order = size.argsort(descending=True, stable=True)
         return [(self.layers[int(r)], int(n)) for r, n in idx[order].tolist()]
 
     def outliers(self) -> list[tuple[int, int]]:
@@ -220,12 +243,16 @@ class SuperNeurons(SettingsFields, CompactRepr):
                 return p
         raise InvalidArgumentError(f"Dimension {dim} was not analysed; analysed dims: {self.dims}.")
 
-    def top(self, dim: int, k: int = 10, *, block: int | None = None, sign: float | None = None) -> list[tuple[int, int, float]]:
+    def top(self, dim: int, k: int = 10, *, block: int | None = None, sign: float | None = None,
+            by: str = "direct") -> list[tuple[int, int, float]]:
         """``(layer, neuron, contribution)`` of the ``k`` neurons writing most into ``dim`` in its peak's direction
         (residual units), best first; ``block`` restricts to one layer's neurons (empty if it was not analysed),
-        ``sign`` (+1/-1) overrides the direction (e.g. -peak sign for erasers)."""
+        ``sign`` (+1/-1) overrides the direction (e.g. -peak sign for erasers); ``by="total"`` ranks by
+        ``total_effect`` instead of the direct ``contribution``."""
         k, j, sign = self._ranking(dim, k, sign)
-        contrib = self.contribution[:, :, j]
+        if choice(by, ("direct", "total"), what="by") == "total" and self.total_effect is None:
+            raise InvalidArgumentError("by='total' needs total_effect: call add_total_effects(model, batches, result).")
+        contrib = (self.total_effect if by == "total" else self.contribution)[:, :, j]
         rows = list(range(len(self.layers)))
         if block is not None:
             if block not in self.layers:
@@ -270,7 +297,10 @@ class SuperNeurons(SettingsFields, CompactRepr):
         return to_json({
             "layers": self.layers, "settings": self.settings, "dims": self.dims, "n_sequences": self.n_sequences,
             "units": "residual (after any post-MLP norm)", "post_norm_blocks": self.post_norm_blocks,
+            "n_massive": self.n_massive, "max_dims": self.max_dims,
             "super_neurons": [list(x) for x in self.super_neurons()],
+            "super_writers": [list(x) for x in self.super_neurons("writers")],
+            "super_erasers": [list(x) for x in self.super_neurons("erasers")],
             "activation_outliers": [list(x) for x in self.outliers()],
             "paths": [p.to_dict() for p in self.paths], "rows": self.rows(k),
         })

@@ -39,6 +39,7 @@ from torch import Tensor
 from sinklens.analysis._common import TINY as _TINY
 from sinklens.analysis._common import (
     check_sink_position,
+    checked_options,
     other_positions,
     resolve_streams,
     run_analyzer,
@@ -47,13 +48,13 @@ from sinklens.analysis._common import (
 from sinklens.analysis.neuron_result import BlockStep, MassiveDimPath, SuperNeurons, SuperNeuronSettings
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import (
-    ATTN_OUT, MLP_OUT, MLP_POST, head_output_site, layer_weight, model_device, model_dims, model_dtype, resolve_layers,
-    weight, weight_cached,
+    ATTN_OUT, MLP_OUT, MLP_POST, eval_mode, head_output_site, layer_weight, model_device, model_dims, model_dtype,
+    resolve_layers, weight, weight_cached,
 )
-from sinklens.inputs import Inputs, TokenBatch
+from sinklens.inputs import Inputs, TokenBatch, is_encoder, right_align
 from sinklens.options import RunOptions
 from sinklens.residual_units import attn_out_bias, check_neuron_mlp, mlp_out_bias, post_norm_map
-from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
+from sinklens.streaming import BatchFold, Reducer, batches_for, bound_hooks, forward, per_layer_hooks
 
 
 def neuron_contributions(
@@ -144,13 +145,18 @@ def mlp_weight_statistics(model: Any, layers: Sequence[int], row_top_k: int = 1)
     return {name: None if t is None else t.clone() for name, t in stats.items()}  # callers own their copies
 
 
-def massive_dims_from_resid(resid: Float[Tensor, "stream d_model"], threshold: float, max_dims: int) -> list[int]:
-    """Dims whose ``|resid[s, d]|`` exceeds ``threshold`` × median ``|resid[s, :]|`` at some ``s``, peak first."""
+def _massive(resid: Float[Tensor, "stream d_model"], threshold: float) -> Tensor:
+    """``[stream, d_model]``: ``|resid[s, d]|`` exceeds ``threshold`` × the median ``|resid[s, :]|``."""
     a = resid.abs()
-    ratio = a / a.median(dim=-1, keepdim=True).values.clamp_min(_TINY)
-    hit = (ratio > threshold).any(dim=0).nonzero().flatten()
-    peak = a.amax(dim=0)[hit]
-    return [int(d) for d in hit[peak.argsort(descending=True)][:max_dims]]
+    return a / a.median(dim=-1, keepdim=True).values.clamp_min(_TINY) > threshold
+
+
+def massive_dims_from_resid(resid: Float[Tensor, "stream d_model"], threshold: float, max_dims: int) -> tuple[list[int], int]:
+    """(the ``max_dims`` dims with the largest peaks among those massive at some stream (:func:`_massive`), peak
+    first; how many were massive)."""
+    hit = _massive(resid, threshold).any(dim=0).nonzero().flatten()
+    peak = resid.abs().amax(dim=0)[hit]
+    return [int(d) for d in hit[peak.argsort(descending=True)][:max_dims]], int(hit.numel())
 
 
 def dim_path(
@@ -161,6 +167,7 @@ def dim_path(
     *,
     erase_fraction: float = 0.5,
     path_share: float = SuperNeuronSettings.path_share,
+    dim_threshold: float = SuperNeuronSettings.dim_threshold,
 ) -> MassiveDimPath:
     """Peak, writer and eraser blocks of one dimension (see :class:`MassiveDimPath`; the ``top_neurons`` lists
     are left empty: they need the neurons, see :meth:`SuperNeurons.top`)."""
@@ -186,8 +193,9 @@ def dim_path(
         if abs(toward) >= path_share:
             step = BlockStep(block, d, ab, mb, abs(ab) / max(abs(ab) + abs(mb), _TINY), toward)
             (writers if toward > 0 else erasers).append(step)
+    first = _massive(resid, dim_threshold)[:, dim].nonzero().flatten()
     return MassiveDimPath(dim, peak, peak_value, write, float(delta[write]), a, m, share, erase, erase_delta,
-                          writers=writers, erasers=erasers)
+                          writers=writers, erasers=erasers, first_massive_stream=int(first[0]) if first.numel() else None)
 
 
 class SuperNeuronReducer(Reducer[SuperNeurons]):
@@ -321,7 +329,8 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         neuron_ratio = sink_act.abs() / sink_act.abs().median(dim=-1, keepdim=True).values.clamp_min(_TINY)
         is_outlier = (position_ratio >= cfg.position_threshold) & (neuron_ratio >= cfg.neuron_threshold)
         resid, attn, mlp = (t.float() / self.n_sequences for t in (self.resid, self.attn, self.mlp))
-        dims = list(cfg.dims) if cfg.dims is not None else massive_dims_from_resid(resid, cfg.dim_threshold, cfg.max_dims)
+        dims, n_massive = (list(cfg.dims), None) if cfg.dims is not None else massive_dims_from_resid(
+            resid, cfg.dim_threshold, cfg.max_dims)
         dev = sink_act.device
         # Residual units: act × W_out without a post norm; mean(act / scale) × gain ⊙ C(W_out) through one.
         res_act = sink_act.clone()
@@ -353,11 +362,11 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             resid_sink=resid.cpu(), attn_out_sink=attn.cpu(), mlp_out_sink=mlp.cpu(),
             paths=[], n_sequences=self.n_sequences, is_outlier=is_outlier.cpu(), mlp_offset_sink=offset.cpu(),
             post_norm_blocks=list(self.post_norm_blocks),
-            head_contribution=heads[:, :, dims].cpu(), attn_offset_sink=attn_offset.cpu(),
+            head_contribution=heads[:, :, dims].cpu(), attn_offset_sink=attn_offset.cpu(), n_massive=n_massive,
         )
         for d in dims:
             path = dim_path(result.resid_sink, result.attn_out_sink, result.mlp_out_sink, d,
-                            erase_fraction=cfg.erase_fraction, path_share=cfg.path_share)
+                            erase_fraction=cfg.erase_fraction, path_share=cfg.path_share, dim_threshold=cfg.dim_threshold)
             result.paths.append(path)
             path.top_neurons = result.top(d, cfg.top_k)
             for step in path.writers + path.erasers:
@@ -402,6 +411,58 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
                           "through its post norm, so contributions are approximate.", RuntimeWarning, stacklevel=3)
 
 
+def add_total_effects(model: Any, batches: Sequence[TokenBatch], neurons: SuperNeurons, *,
+                      options: RunOptions = RunOptions()) -> SuperNeurons:
+    """Fill ``neurons.total_effect`` and each path's ``total_effect`` rows by attribution patching; return ``neurons``.
+
+    ``total_effect[l, n, j]``: mean over sequences of ``act × ∂resid[peak, s, dims[j]] / ∂act`` (``act``: the
+    neuron's ``mlp.hook_post`` at the sink ``s``; ``peak``: the dim's peak stream), the gradient flowing through
+    every later block: the first-order estimate of what zeroing the neuron at the sink removes from the dim, its
+    direct write and what later blocks build on it. One forward and one backward per dim per batch; a causal
+    model runs only the tokens up to the sink (nothing later reaches it) unless ``options.extra_hooks`` are given.
+    ``batches``: those ``neurons`` was computed on (:func:`sinklens.streaming.batches_for`); ``find_super_neurons``
+    and ``analyze`` call this.
+    """
+    s, dims, layers = neurons.sink_position, neurons.dims, neurons.layers
+    n_layers = model_dims(model).n_layers
+    peaks = [neurons.path(d).peak_layer for d in dims]
+    total = torch.zeros(len(layers), neurons.contribution.shape[1], len(dims), device=model_device(model), dtype=torch.float64)
+    batches = batches if dims else []
+    prefix = not is_encoder(model) and not options.extra_hooks
+    n_seq, acts, leaves, streams = 0, {}, {}, {}
+    with eval_mode(model), torch.enable_grad():
+        for batch in batches:
+            batch = right_align(batch)  # then the first s + 1 tokens of every row are real (checked by the reducer)
+
+            def post(act: Tensor, layer: int) -> Tensor:
+                acts[layer], leaves[layer] = act[:, s].detach(), torch.zeros_like(act, requires_grad=True)
+                return act + leaves[layer]
+
+            def read(act: Tensor, stream: int) -> None:
+                streams[stream] = act
+
+            hooks = list(options.extra_hooks) + per_layer_hooks(MLP_POST, layers, post)
+            hooks += bound_hooks([stream_hook(p, n_layers) for p in set(peaks)], list(set(peaks)), read)
+            with model.hooks(fwd_hooks=hooks):
+                if prefix:
+                    model(batch.tokens[:, : s + 1], return_type=None)
+                else:
+                    forward(model, batch, return_type=None)
+            for j, (d, p) in enumerate(zip(dims, peaks)):
+                if not streams[p].requires_grad:  # peak before every analysed MLP (e.g. at the embedding)
+                    continue
+                grads = torch.autograd.grad(streams[p][:, s, d].sum(), [leaves[l] for l in layers],
+                                            retain_graph=j + 1 < len(dims), allow_unused=True)
+                for i, (layer, g) in enumerate(zip(layers, grads)):
+                    if g is not None:
+                        total[i, :, j] += (acts[layer] * g[:, s]).double().sum(0).to(total.device)
+            n_seq += batch.tokens.shape[0]
+    neurons.total_effect = (total / max(n_seq, 1)).float().cpu()
+    for path in neurons.paths:
+        path.total_effect = neurons.top(path.dim, neurons.top_k, by="total")
+    return neurons
+
+
 def find_super_neurons(
     model: Any,
     inputs: Inputs | None = None,
@@ -411,7 +472,8 @@ def find_super_neurons(
     options: RunOptions = RunOptions(),
     **settings_kwargs: Any,
 ) -> SuperNeurons:
-    """Find super neurons at ``sink_position`` and the blocks/neurons that write each massive dimension.
+    """Find super neurons at ``sink_position`` and the blocks/neurons that write each massive dimension, ranked by
+    direct contribution and by total effect (:func:`add_total_effects`).
 
     Args:
         inputs: anything :func:`sinklens.inputs.as_batches` accepts (None = the built-in prompts).
@@ -430,5 +492,8 @@ def find_super_neurons(
         >>> found.dims, found.top(5, 1)[0][:2], found.path(5).write_layer
         ([5], (0, 7), 0)
     """
-    return run_analyzer(model, inputs, SuperNeuronReducer, where="find_super_neurons", options=options,
-                        kwargs=settings_kwargs, settings_cls=SuperNeuronSettings, settings=settings, layers=layers)
+    options = checked_options(options, "find_super_neurons")
+    batches = batches_for(model, inputs, options)
+    found = run_analyzer(model, batches, SuperNeuronReducer, where="find_super_neurons", options=options,
+                         kwargs=settings_kwargs, settings_cls=SuperNeuronSettings, settings=settings, layers=layers)
+    return add_total_effects(model, batches, found, options=options)

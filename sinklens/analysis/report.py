@@ -18,7 +18,7 @@ import torch
 
 from sinklens.analysis._common import checked_options
 from sinklens.analysis.disparity import MassiveActivations, MassiveActivationsReducer, MassiveSettings
-from sinklens.analysis.neurons import SuperNeuronReducer, SuperNeurons, SuperNeuronSettings
+from sinklens.analysis.neurons import SuperNeuronReducer, SuperNeurons, SuperNeuronSettings, add_total_effects
 from sinklens.analysis.normalized_disparity import NormalizedDisparity, NormalizedDisparityReducer
 from sinklens.analysis.qk_locking import QKLocking, QKLockingReducer, qk_locking_reason
 from sinklens.analysis.sinks import SinkReducer, SinkResult, SinkSettings
@@ -66,7 +66,7 @@ class SinkReport(CompactRepr):
         seconds: wall time of the pass (left out of ``==``: two reports of the same inputs are equal).
         settings: the run and analyzer settings (batch size, truncation, thresholds).
         causal: :class:`~sinklens.analysis.verify.CausalCheck` from ``analyze(..., verify=True)`` (zeroing each
-            massive dimension's top writers at the sink), else None.
+            massive dimension's top writers and writing blocks at the sink), else None.
         skipped: section name -> why it was skipped (e.g. ``"super_neurons"`` on a mixture-of-experts model).
         value_drain: :class:`~sinklens.analysis.value_drain.ValueDrain` (what the sink writes: no-op or
             broadcast sink heads); None when skipped (see ``skipped``).
@@ -113,7 +113,8 @@ class SinkReport(CompactRepr):
             "mean_attention_to_sink": float(torch.nanmean(self.sinks.received[:, :, p])),
             "massive_dims": self.massive_dims(),
             "max_norm_ratio_at_sink": _max_or_nan(self.massive.norm_ratio[:, p]),
-            "super_neurons": self.neurons.super_neurons()[:8] if self.neurons is not None else [],
+            "super_writers": self.neurons.super_neurons("writers")[:8] if self.neurons is not None else [],
+            "super_erasers": self.neurons.super_neurons("erasers")[:8] if self.neurons is not None else [],
             "variance_discrepancy_median": float(torch.nanmedian(disc)),
             "layers_with_variance_discrepancy_above_1": int((disc.nanmedian(dim=1).values > 1).sum()),
         }
@@ -178,8 +179,9 @@ def analyze(
             > 1000x the median |x|); for small models use e.g. ``abs_threshold=None, rel_threshold=50``.
         model_name: what to call the model in the report (default: its class name).
         verify: also run the causal check (:func:`sinklens.analysis.verify.verify_attribution`): zero each
-            massive dimension's top writing neurons at the sink and report the share of the dimension and of the
-            sink's received attention that disappears (one extra forward per dimension, plus one baseline).
+            massive dimension's top writers (by direct and by total effect) and its writing blocks' MLP output at the
+            sink and report the share of the dimension and of the sink's attention that disappears (one forward
+            per distinct set, plus one baseline).
         options: batching, BOS (say which in papers: it moves the sink), truncation, extra hooks
             (e.g. an intervention from :mod:`sinklens.interventions`) and progress bar.
 
@@ -238,6 +240,7 @@ def analyze(
     sinks, variance, massive = results
     weight_neurons, causal = None, None
     if neurons is not None:
+        add_total_effects(model, batches, neurons, options=options)
         weight_neurons = super_neurons_from_weights(
             model, dims=neurons.dims or None, sink_input=sink_input,
             w_out_sparsity=(neurons.row_kurtosis, neurons.row_top_share),  # same rows, same k: computed once
@@ -340,39 +343,48 @@ def neuron_lines(report: SinkReport) -> list[str]:
         if "causal_check" in report.skipped:  # --verify was asked for: say why it did not run
             lines += ["", f"Causal check {report.skipped['causal_check']}"]
         return lines
-    lines = []
-    for path in report.neurons.paths:
-        neurons = ", ".join(f"L{l}N{n} ({c:+.1f})" for l, n, c in path.top_neurons[:3])
-        erased = f"erased in block {path.erase_layer}" if path.erase_layer is not None else "never erased"
-        lines.append(
-            f"  dim {path.dim}: peak {path.peak_value:+.1f} at stream {path.peak_layer}, written in block "
-            f"{path.write_layer} (attention share {path.attn_share:.2f}), {erased}; top neurons: {neurons}"
-        )
-        share = report.neurons.path_share
+    sn = report.neurons
+    lines = [f"  attributed: dims {sn.dims}" + ("" if sn.n_massive is None else
+             f", the {len(sn.dims)} largest of {sn.n_massive} dims whose |x| at the sink exceeds {sn.dim_threshold:g}x "
+             f"the median |x| at some stream (max_dims={sn.max_dims})")]
+    for path in sn.paths:
+        first = path.first_massive_stream
+        massive = ("never massive" if first is None else f"first massive at stream {first} (" +
+                   ("the embedding)" if first == 0 else f"the output of block {first - 1})"))
+        erased = f"erased most in block {path.erase_layer}" if path.erase_layer is not None else "never erased"
+        lines.append(f"  dim {path.dim}: peak {path.peak_value:+.1f} at stream {path.peak_layer}, {massive}; largest step in "
+                     f"block {path.write_layer} (attention share {path.attn_share:.2f}); {erased}")
+        if path.total_effect:
+            lines.append(f"    total effect (act x d dim/d act at the sink, through later blocks): {_top3(path.total_effect)}")
+        lines.append(f"    direct (act x W_out): {_top3(path.top_neurons)}")
         for kind, steps in (("writers", path.writers), ("erasers", path.erasers)):
             if steps:
-                lines.append(f"    {kind} (>= {100 * share:.0f}% of the peak): " + "; ".join(
+                lines.append(f"    {kind} (>= {100 * sn.path_share:.0f}% of the peak): " + "; ".join(
                     f"block {s.block} {s.delta:+.1f} (attn {s.attn:+.1f}, mlp {s.mlp:+.1f})"
                     + (f" L{s.top_neurons[0][0]}N{s.top_neurons[0][1]} {s.top_neurons[0][2]:+.1f}" if s.top_neurons else "")
                     + (f" L{s.block}H{s.top_heads[0][0]} {s.top_heads[0][1]:+.1f}" if s.top_heads and abs(s.attn) > abs(s.mlp) else "")
                     for s in steps))
-    supers = report.neurons.super_neurons()
-    units = "residual units, after any post-MLP norm"
-    lines += ["", f"Super neurons (|contribution| >= {100 * report.neurons.super_share:.0f}% of a massive dim's peak, "
-                  f"{units}): {len(supers)}"]
-    for layer, neuron in supers[:8]:
-        row = report.neurons.neuron_row(layer, neuron)
-        contrib = ", ".join(f"dim {d} {row[f'contribution_{d}']:+.1f}" for d in report.neurons.dims)
-        lines.append(
-            f"  {neuron_name(layer, neuron)}: {contrib}; act at sink {row['sink_act']:+.2f} "
-            f"({times_elsewhere(row['position_ratio'])}), W_out kurtosis {row['row_kurtosis']:.0f}, top-{report.neurons.row_top_k} mass {row['row_top_share']:.2f}"
-        )
+    for kind, towards in (("writers", "towards"), ("erasers", "against")):
+        supers = sn.super_neurons(kind)
+        lines += ["", f"Super {kind} (contribution {towards} a massive dim's peak sign, |contribution| >= "
+                      f"{100 * sn.super_share:.0f}% of the peak, residual units after any post-MLP norm): {len(supers)}"]
+        for layer, neuron in supers[:8]:
+            row = sn.neuron_row(layer, neuron)
+            contrib = ", ".join(f"dim {d} {row[f'contribution_{d}']:+.1f}" for d in sn.dims)
+            lines.append(
+                f"  {neuron_name(layer, neuron)}: {contrib}; act at sink {row['sink_act']:+.2f} "
+                f"({times_elsewhere(row['position_ratio'])}), W_out kurtosis {row['row_kurtosis']:.0f}, "
+                f"top-{sn.row_top_k} mass {row['row_top_share']:.2f}")
     if report.causal is not None:
-        lines += ["", "Causal check (zero each massive dim's top writers at the sink):"]
+        lines += ["", "Causal check (zero at the sink what each massive dim is credited to):"]
         lines += report.causal.lines() or ["  no massive dimension to check"]
     elif "causal_check" in report.skipped:
         lines += ["", f"Causal check {report.skipped['causal_check']}"]
     return lines
+
+
+def _top3(rows: Sequence[tuple[int, int, float]]) -> str:
+    return ", ".join(f"L{l}N{n} ({c:+.1f})" for l, n, c in rows[:3])
 
 
 def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:

@@ -44,8 +44,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     add_overwrite_flag(parser, "the analysis already in --out")
     parser.add_argument("--no-figures", action="store_true", help="write report.json and summary.txt only")
     parser.add_argument("--verify", action="store_true",
-                        help="zero each massive dimension's top writing neurons at the sink and report how much "
-                        "of the dimension and of the sink's attention disappears (one extra pass per dimension)")
+                        help="zero each massive dimension's top writers (direct, total effect) and writing blocks "
+                        "at the sink and report how much of it and of the sink's attention disappears")
     parser.set_defaults(func=run)
 
 

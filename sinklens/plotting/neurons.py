@@ -20,8 +20,8 @@ def _dim(result: Any, dim: int | None) -> int:
 
 
 def plot_contributions(result: SuperNeurons, *, dim: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
-    """Bar chart of the ``k`` neurons writing most into ``dim`` at the sink, in residual units (``sink_act ×
-    W_out[l, n, dim]``, taken through the post-MLP norm on post-norm models; see :mod:`sinklens.analysis.neurons`)."""
+    """Bar chart of the ``k`` neurons writing most into ``dim`` towards its peak's sign at the sink (direct
+    contribution, residual units: ``sink_act × W_out[l, n, dim]`` through any post-MLP norm); erasers are not drawn."""
     expect_result(result, SuperNeurons, "plot_contributions")
     dim = _dim(result, dim)
     top = result.top(dim, k)
@@ -32,7 +32,7 @@ def plot_contributions(result: SuperNeurons, *, dim: int | None = None, k: int =
     ax.bar(range(len(top)), [c for _, _, c in top], color=colors)
     ax.set_xticks(range(len(top)), [neuron_name(l, n) for l, n, _ in top], rotation=45, fontsize=8)
     ax.set_ylabel(f"contribution to dim {dim} at position {result.sink_position}\n(residual units)")
-    ax.set_title(f"Top neurons writing dim {dim} (red: super neurons)")
+    ax.set_title(f"Top {len(top)} direct writers of dim {dim}, towards its peak's sign\n(erasers not shown; red: super neurons)")
     return finish(fig, path)
 
 

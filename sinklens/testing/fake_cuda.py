@@ -128,8 +128,9 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     if fakes and func not in _CROSS_DEVICE and any(not isinstance(t, FakeCudaTensor) and t.dim() > 0 for t in tensors):
         raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices, cuda:0 and "
                            f"cpu! ({func})")
-    to_host = (func is aten._to_copy.default and kwargs.get("device") is not None and not _is_cuda(kwargs["device"])
-               or func is aten.copy_.default and not isinstance(args[0], FakeCudaTensor))
+    # A host move is caught in _FakeCudaMode; a _to_copy naming the CPU here is a kernel's own cast (softmax's dtype=,
+    # a backward) taking the wrapper's device: it stays on the fake device.
+    to_host = func is aten.copy_.default and not isinstance(args[0], FakeCudaTensor)
     if fakes and _ACTIVE and (func in _SYNC_OPS or to_host or func is aten.index.Tensor and any(
             i is not None and i.dtype == torch.bool for i in args[1])):
         _ACTIVE[-1].host_syncs += 1

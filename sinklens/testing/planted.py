@@ -3,8 +3,9 @@
 :func:`planted_model` edits a :func:`sinklens.testing.tiny_model` in place to plant a BOS-only direction
 ``bos_dim``; a super neuron ``(layer, neuron)`` reading it and writing ``dim``, which nothing else writes (so
 position 0 alone carries a massive value in ``dim`` from ``blocks.{layer + 1}``); optionally an eraser neuron
-writing ``-dim`` back, and query–key locking in head ``(qk_layer, qk_head)`` through a shared direction
-``common_dim`` of the non-BOS tokens.
+writing ``-dim`` back; optionally amplifiers (neuron ``amplify_neuron`` of each of ``amplify_layers`` reads ``dim``
+and writes ``amplify_write`` × its activation into it: a cascade); and query–key locking in head
+``(qk_layer, qk_head)`` through a shared direction ``common_dim`` of the non-BOS tokens.
 """
 
 from __future__ import annotations
@@ -116,18 +117,20 @@ class _Weights:
         return self.hf_layers[layer].attn.c_attn.weight[:, d_model + lo : d_model + hi]
 
 
-def _plant_reader(w: _Weights, layer: int, neuron: int, read_dim: int, write_dim: int, write: float, arch: str) -> None:
-    """Make ``neuron`` read only ``read_dim`` of the normalised input and write ``write`` into ``write_dim``."""
-    gain = 2.0 if arch == "llama" else 3.0
+def _plant_reader(w: _Weights, layer: int, neuron: int, read_dim: int, write_dim: int, write: float, arch: str,
+                  gate_dim: int | None = None, gain: float | None = None) -> None:
+    """Make ``neuron`` read only ``read_dim`` (its gate ``gate_dim``, default the same) of the normalised input and
+    write ``write`` into ``write_dim``; an explicit ``gain`` leaves ``b_in`` at 0 (an activation linear in the input)."""
+    gain_in = gain or (2.0 if arch == "llama" else 3.0)
     w.W_in(layer)[:, neuron] = 0.0
-    w.W_in(layer)[read_dim, neuron] = gain
+    w.W_in(layer)[read_dim, neuron] = gain_in
     gate = w.W_gate(layer)
     if gate is not None:
         gate[:, neuron] = 0.0
-        gate[read_dim, neuron] = gain
+        gate[read_dim if gate_dim is None else gate_dim, neuron] = 2.0
     b_in = w.b_in(layer)
     if b_in is not None and gate is None:  # GELU MLPs: LayerNorm's mean removal leaves ±0.3 at other tokens; bias them off
-        b_in[neuron] = -2.0 * gain
+        b_in[neuron] = 0.0 if gain else -2.0 * gain_in
     w.W_out(layer)[neuron, :] = 0.0
     w.W_out(layer)[neuron, write_dim] = write
 
@@ -141,6 +144,10 @@ def planted_model(
     bos_dim: int = 2,
     erase_layer: int | None = None,
     erase_neuron: int = 11,
+    write: float | None = None,
+    amplify_layers: tuple[int, ...] = (),
+    amplify_neuron: int = 13,
+    amplify_write: float = 1.0,
     qk_layer: int | None = None,
     qk_head: int = 1,
     common_dim: int = 9,
@@ -185,7 +192,9 @@ def planted_model(
             for bias in (w.b_O(block), w.b_out(block)):
                 if bias is not None:
                     bias[protected] = 0.0
-        _plant_reader(w, layer, neuron, bos_dim, dim, 20.0 if arch == "llama" else 250.0, arch)
+        _plant_reader(w, layer, neuron, bos_dim, dim, write or (20.0 if arch == "llama" else 250.0), arch)
+        for block in amplify_layers:
+            _plant_reader(w, block, amplify_neuron, dim, dim, amplify_write, arch, gate_dim=bos_dim, gain=10.0)
         if erase_layer is not None:
             # Read `dim`, then scale the write so that 99% of the BOS token's massive value is removed
             # (position 0 holds the same activations in every sequence, so one forward calibrates it).

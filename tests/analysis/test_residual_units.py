@@ -264,7 +264,7 @@ def test_analyze_skips_the_neuron_section_of_a_moe_model_with_a_note(tmp_path):
     assert report.neurons is None and report.weight_neurons is None and report.causal is None
     assert "mixture of experts" in report.skipped["super_neurons"] and "causal_check" in report.skipped
     data = report.to_dict()
-    assert "mixture of experts" in data["super_neurons"]["skipped"] and data["headline"]["super_neurons"] == []
+    assert "mixture of experts" in data["super_neurons"]["skipped"] and data["headline"]["super_writers"] == []
     assert "super neurons and dimension paths skipped: the MLP is a mixture of experts" in report.summary()
     assert "Causal check skipped: the MLP is a mixture of experts" in report.summary()
     written = save_report(report, tmp_path)
