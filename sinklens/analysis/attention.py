@@ -64,8 +64,8 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
     exact whatever the batch split or padding (tested against a full cache and plain Hugging Face attentions).
 
     Other reducers reuse it by holding one (see :class:`~sinklens.analysis.sinks.SinkReducer`):
-    :meth:`query_weights`, :meth:`fold_pattern` and :meth:`count_queries` are the three steps of a
-    batch, and :meth:`fold_pattern` returns the per-sequence sums for the holder to use.
+    :meth:`query_weights`, :meth:`fold_pattern` (or :meth:`add` of sums computed otherwise) and :meth:`count_queries`
+    are the three steps of a batch, and :meth:`fold_pattern` returns the per-sequence sums for the holder to use.
     """
 
     statistics = ("sums", "counts")
@@ -117,14 +117,17 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
         """Add one layer's pattern to the sums; return ``Σ_q pattern[b, h, q, k]`` over the counted queries."""
         w = weights[layer] if isinstance(weights, dict) else weights
         per_seq = (pattern.float() * w[:, None]).sum(dim=2)  # faster than einsum on CPU
-        self.sums[self.row[layer], :, : per_seq.shape[2]] += per_seq.sum(dim=0).double()
+        self.add(layer, per_seq)
         return per_seq
 
-    def count_queries(self, weights: QueryWeights | Tensor) -> None:
-        """Count the batch's (sequence, query) pairs per layer and key (once per batch, after the forward)."""
+    def add(self, layer: int, per_seq: Float[Tensor, "batch head key"]) -> None:
+        """Add one layer's per-sequence column sums over the counted queries (however computed) to the sums."""
+        self.sums[self.row[layer], :, : per_seq.shape[2]] += per_seq.sum(dim=0).double()
+
+    def count_queries(self, counts: dict[int, Float[Tensor, "batch key"]]) -> None:
+        """Add the batch's counted queries per layer, sequence and key (once per batch, after the forward)."""
         for layer in self.layers:
-            w = weights[layer] if isinstance(weights, dict) else weights
-            counted = w.sum(dim=(0, 1))
+            counted = counts[layer].sum(dim=0)
             self.counts[self.row[layer], : counted.shape[0]] += counted.double()
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
@@ -136,7 +139,7 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
         return BatchFold(per_layer_hooks(PATTERN, self.layers, fold), state=weights)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
-        self.count_queries(fold.state)
+        self.count_queries({layer: w.sum(dim=1) for layer, w in fold.state.items()})
 
     def result(self) -> AttentionReceived:
         seen = (self.counts > 0).any(dim=0)
