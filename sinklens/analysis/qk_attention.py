@@ -23,12 +23,15 @@ import torch
 from jaxtyping import Bool, Float
 from torch import Tensor
 
+from sinklens.analysis._common import run_analyzer
 from sinklens.errors import UnsupportedArchitectureError
-from sinklens.hooks import K, Q, expand_kv_heads, hook_name
-from sinklens.options import HookFn
+from sinklens.hooks import K, Q, expand_kv_heads, hook_name, model_dims, resolve_layers
+from sinklens.inputs import Inputs, TokenBatch
+from sinklens.options import HookFn, RunOptions
 from sinklens.probes import silent_hooks
-from sinklens.streaming import bound_hooks
-from sinklens.visibility import Visibility
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow
+from sinklens.validate import index_list
+from sinklens.visibility import Visibility, attention_visibility
 
 ROT_Q, ROT_K, COS, SIN = "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_cos", "attn.hook_sin"
 #: Queries per chunk: ``chunk × T`` weights per head at a time.
@@ -205,3 +208,62 @@ def qk_hooks(
 
     keys = [(layer, site) for layer in rules for site in sites]
     return bound_hooks([hook_name(layer, site) for layer, site in keys], keys, collect)
+
+
+class KeyAttentionReducer(Reducer[Tensor]):
+    """Streams queries and keys into the attention every query pays the keys at ``positions``
+    (:func:`attention_to_keys`)."""
+
+    statistics = ("weights",)
+
+    def __init__(self, model: Any, *, positions: Sequence[int] = (0,), layers: int | Sequence[int] | None = None):
+        dims = model_dims(model)
+        self.positions = index_list(positions, dims.n_ctx, what="position", allow_negative=False)
+        self.layers = resolve_layers(layers, dims.n_layers)
+        self.sites = qk_sites(model)
+        self.rules = {layer: score_rule(model, layer) for layer in self.layers}
+        self.visibility = attention_visibility(model)
+        self.reset()
+
+    def reset(self) -> None:
+        self.weights: list[Tensor] = []
+
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        out: dict[int, Tensor] = {}
+
+        def fold(cols: Columns, layer: int) -> None:
+            out[layer] = cols.to_keys
+
+        return BatchFold(qk_hooks(self.sites, self.rules, self.visibility, batch.valid, fold,
+                                  positions=self.positions), state=out)
+
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        w = torch.stack([fold.state[layer] for layer in self.layers])  # [layer, batch, head, query, position]
+        self.weights.append(w.masked_fill(~batch.valid[None, :, None, :, None], math.nan))
+
+    def result(self) -> Tensor:
+        n = max((w.shape[3] for w in self.weights), default=0)
+        return torch.cat([grow(w, 3, n, math.nan) for w in self.weights], dim=1).cpu()
+
+
+def attention_to_keys(
+    model: Any,
+    inputs: Inputs | None = None,
+    *,
+    positions: Sequence[int] = (0,),
+    layers: int | Sequence[int] | None = None,
+    options: RunOptions = RunOptions(),
+) -> Float[Tensor, "layer sequence head query position"]:
+    """The attention weight every query pays each key in ``positions``, per layer, sequence and head, read from
+    queries and keys (exactly ``hook_pattern[..., q, positions]``, in memory linear in the length).
+
+    0 where the query cannot see the key (a later key, outside a window); NaN at padded queries.
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> w = attention_to_keys(tiny_model(), "t5 t6 t7", positions=[0, 1], options=RunOptions(progress=False))
+        >>> w.shape, float(w[0, 0, 0, 0, 0])  # layer, sequence, head, query (BOS + 3 words), key; query 0 sees only key 0
+        (torch.Size([2, 1, 4, 4, 2]), 1.0)
+    """
+    return run_analyzer(model, inputs, KeyAttentionReducer, where="attention_to_keys", options=options,
+                        positions=positions, layers=layers)
