@@ -118,7 +118,7 @@ class Columns:
         every: the same over every real query that sees ``k`` (Gu et al.'s sink rate counts them all).
         n_counted / n_every: the number of those queries per sequence and key.
         to_keys: ``weight[b, h, q, positions[i]]`` for every query (0 where ``q`` does not see the key).
-        unattended: ``Σ_q (1 - Σ_k weight[b, h, q, k])`` over real queries: the learned sink logits' mass.
+        unattended: ``Σ_q (1 - Σ_k weight[b, h, q, k])`` over real queries: the learned sink logits' mass (0 without).
     """
 
     counted: Float[Tensor, "batch head key"]
@@ -158,21 +158,28 @@ def attention_columns(
         k0 = max(0, q0 - w + 1) if w is not None else 0
         k1 = q1 if visibility.causal else (min(n, q1 + w - 1) if w is not None else n)
         see = visibility.block(layer, pos[q0:q1], pos[k0:k1])[None] & valid[:, q0:q1, None] & valid[:, None, k0:k1]
-        s = (qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2)) * rule.scale  # [b, h, chunk, keys]
+        s = (qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2)).mul_(rule.scale)  # [b, h, chunk, keys]
         if rule.soft_cap is not None:
-            s = rule.soft_cap * torch.tanh(s / rule.soft_cap)
-        s = s.masked_fill(~see[:, None], -math.inf)
-        lse = torch.logsumexp(s, dim=-1, keepdim=True)
+            s.div_(rule.soft_cap).tanh_().mul_(rule.soft_cap)
+        s.masked_fill_(~see[:, None], -math.inf)
+        top = s.amax(dim=-1, keepdim=True) if sink is None else torch.maximum(s.amax(dim=-1, keepdim=True), sink)
+        top.masked_fill_(top == -math.inf, 0.0)  # a padded query sees no key: its row stays 0
+        p = s.sub_(top).exp_()
+        total = p.sum(dim=-1, keepdim=True)
         if sink is not None:
-            lse = torch.logaddexp(lse, sink.expand_as(lse))
-        p = torch.where(see[:, None], torch.exp(s - lse), 0.0)
-        late = (pos[q0:q1] >= min_query)[None, :, None] & see
-        out.every[:, :, k0:k1] += p.sum(dim=2)
-        out.counted[:, :, k0:k1] += (p * late[:, None]).sum(dim=2)
-        out.n_every[:, k0:k1] += see.sum(dim=1)
-        out.n_counted[:, k0:k1] += late.sum(dim=1)
-        real = valid[:, q0:q1]
-        out.unattended += ((1 - p.sum(dim=-1)) * real[:, None]).sum(dim=(0, 2))
+            to_sink = (sink - top).exp()
+            total += to_sink
+            out.unattended += ((to_sink / total)[..., 0] * valid[:, None, q0:q1]).sum(dim=(0, 2))
+        p.div_(total.clamp_min_(torch.finfo(p.dtype).tiny))
+        cols = (torch.ones(1, q1 - q0, device=dev) @ p)[:, :, 0]  # Σ over the chunk's queries, as one matmul
+        n_seen = see.sum(dim=1)
+        out.every[:, :, k0:k1] += cols
+        out.n_every[:, k0:k1] += n_seen
+        if q0 < min_query:  # leave out the rows of queries before min_query
+            cols = cols - p[:, :, : min_query - q0].sum(dim=2)
+            n_seen = n_seen - see[:, : min_query - q0].sum(dim=1)
+        out.counted[:, :, k0:k1] += cols
+        out.n_counted[:, k0:k1] += n_seen
         for i, key in enumerate(positions):
             if k0 <= key < k1:
                 out.to_keys[:, :, q0:q1, i] = p[..., key - k0]
