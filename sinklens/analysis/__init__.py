@@ -2,6 +2,7 @@
 
 * :mod:`~sinklens.analysis.attention` — attention received per key position (the base reducer);
 * :mod:`~sinklens.analysis.sinks` — sink positions, Gu et al. sink rates, sink tokens;
+* :mod:`~sinklens.analysis.qk_attention` — the same attention weights from queries and keys, memory linear in T;
 * :mod:`~sinklens.analysis.variance` — value-aggregation variance of head outputs by position;
 * :mod:`~sinklens.analysis.disparity` — massive activations in the residual stream (Sun et al.);
 * :mod:`~sinklens.analysis.neurons` — super neurons and the write/erase path of each massive dimension;

@@ -24,6 +24,7 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from sinklens.analysis._common import run_analyzer
+from sinklens.analysis.qk_locking import ROT_K, ROT_Q
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.hooks import K, Q, expand_kv_heads, hook_name, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
@@ -33,7 +34,7 @@ from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow
 from sinklens.validate import index_list
 from sinklens.visibility import Visibility, attention_visibility
 
-ROT_Q, ROT_K, COS, SIN = "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_cos", "attn.hook_sin"
+COS, SIN = "attn.hook_cos", "attn.hook_sin"
 #: Queries per chunk: ``chunk × T`` weights per head at a time.
 CHUNK = 128
 
@@ -71,7 +72,7 @@ def qk_sites(model: Any) -> tuple[str, ...]:
 def score_rule(model: Any, layer: int) -> ScoreRule:
     """The :class:`ScoreRule` of ``layer``: from the Hugging Face attention module behind a TransformerBridge
     (``scaling``, ``attn_logit_softcapping``, ``sinks``), a sinklens model's attention variant, or a
-    TransformerLens 3.x ``cfg`` (``attn_scale``, ``use_attn_scale``, ``attn_scores_soft_cap``).
+    TransformerLens 3.x attention's ``attn_scale`` and ``cfg.attn_scores_soft_cap``.
 
     Raises:
         UnsupportedArchitectureError: the layer's attention is not a softmax of scores (a sinklens variant such as
@@ -94,7 +95,8 @@ def score_rule(model: Any, layer: int) -> ScoreRule:
         return ScoreRule(1 / math.sqrt(cfg.d_head), None, None if sink is None else sink.detach())
     if hf is not None:
         raise UnsupportedArchitectureError(f"{type(hf).__name__} has no 'scaling' attribute; use method='pattern'.")
-    scale = 1 / float(cfg.attn_scale) if getattr(cfg, "use_attn_scale", True) else 1.0
+    divisor = float(getattr(attn, "attn_scale", -1.0))  # TransformerLens 3.x: cfg.attn_scale (or 1), by layer if asked
+    scale = 1 / divisor if divisor > 0 else 1 / math.sqrt(cfg.d_head)
     cap = getattr(cfg, "attn_scores_soft_cap", -1.0)
     return ScoreRule(scale, float(cap) if cap and cap > 0 else None, None)
 
