@@ -37,6 +37,7 @@ al.'s sink rate 0.644 at position 0 (sinklens' variant 0.631), 0 in layers 0-2 a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,14 +47,14 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import run_analyzer, settings_from
+from sinklens.analysis._common import run_analyzer
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.analysis.qk_attention import Columns, qk_hooks, qk_sites, score_rule
 from sinklens.analysis.sink_result import SinkOccurrence, SinkResult, SinkSettings, TokenSinkStats
-from sinklens.errors import UnsupportedArchitectureError
-from sinklens.hooks import PATTERN, model_dims, model_dtype
+from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
+from sinklens.hooks import PATTERN, SCORES, model_dims, model_dtype
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.options import RunOptions
+from sinklens.options import RunOptions, checked_options, settings_from
 from sinklens.streaming import BatchFold, Reducer, grow, merge_statistics, per_layer_hooks
 
 #: Rows of a float32 softmax pattern sum to 1 within this; a larger mean shortfall means a virtual sink. A model in
@@ -364,7 +365,9 @@ def find_sinks(
         settings: the analysis settings (default ``SinkSettings()``).
         **settings_kwargs: any field of :class:`SinkSettings` as a keyword (``sink_threshold=``,
             ``min_query=``, ...), replacing that of ``settings``.
-        options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar.
+        options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar. Extra hooks on
+            ``hook_attn_scores`` or ``hook_pattern`` act after the queries and keys, so they make ``method="auto"``
+            read the pattern and ``method="qk"`` an error.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -374,5 +377,12 @@ def find_sinks(
         >>> 0.0 <= result.sink_rate(position=0) <= 1.0
         True
     """
-    return run_analyzer(model, inputs, SinkReducer, where="find_sinks", options=options, kwargs=settings_kwargs,
-                        settings_cls=SinkSettings, settings=settings, layers=layers)
+    settings = settings_from(SinkSettings, settings, settings_kwargs, "find_sinks")
+    edits = [name for name, _ in checked_options(options, "find_sinks").extra_hooks if name.endswith((SCORES, PATTERN))]
+    if edits and settings.method == "qk":
+        raise InvalidArgumentError(f"method='qk' reads attention from queries and keys, so the extra hooks on {edits[:2]} "
+                                   "would change nothing it measures; use method='pattern'.")
+    if edits:
+        settings = dataclasses.replace(settings, method="pattern")
+    return run_analyzer(model, inputs, SinkReducer, where="find_sinks", options=options, settings_cls=SinkSettings,
+                        settings=settings, layers=layers)

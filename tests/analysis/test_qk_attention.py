@@ -25,9 +25,9 @@ def _family(family, **sizes):
 
 
 def _padded_batch(n=T, seed=0):
-    """Three random-token sequences of n, n - 37 and n - 120 tokens (right padding)."""
+    """Three random-token sequences of n, 7n/8 and 3n/5 tokens (right padding)."""
     toks = torch.randint(5, 64, (3, n), generator=torch.Generator().manual_seed(seed))
-    valid = torch.arange(n)[None] < torch.tensor([n, n - 37, n - 120])[:, None]
+    valid = torch.arange(n)[None] < torch.tensor([n, n * 7 // 8, n * 3 // 5])[:, None]
     return TokenBatch(toks, valid, True)
 
 
@@ -127,3 +127,23 @@ def test_qk_path_refuses_attention_that_is_not_a_softmax():
     with pytest.raises(UnsupportedArchitectureError, match="softpick"):
         find_sinks(model, tokens, method="qk", options=OPTS)
     assert find_sinks(model, tokens, options=OPTS).attention_path == "pattern"  # auto falls back
+
+
+def test_extra_hooks_on_the_pattern_keep_the_pattern_path(monkeypatch):
+    """An intervention on hook_pattern acts after queries and keys: auto reads the pattern, qk refuses."""
+    from sinklens.errors import InvalidArgumentError
+
+    model = _family("llama")
+    batch = _padded_batch(40)
+    monkeypatch.setattr(sinks, "QK_ABOVE", 8)
+    uniform = [(f"blocks.0.{PATTERN}", lambda p, hook: torch.tril(torch.ones_like(p)) / torch.tril(torch.ones_like(p)).sum(-1, keepdim=True))]
+    opts = OPTS.replace(extra_hooks=uniform)
+    result = find_sinks(model, [batch], options=opts)
+    assert result.attention_path == "pattern"
+    # Layer 0 now has uniform causal rows: key k gets 1/(q+1) from each real query q >= max(k, 1).
+    lengths = batch.valid.sum(dim=1).tolist()
+    expected = [sum(1 / (q + 1) for n in lengths for q in range(max(k, 1), n)) / sum(max(0, n - max(k, 1)) for n in lengths)
+                for k in range(40)]
+    torch.testing.assert_close(result.received[0], torch.tensor(expected).expand(4, 40), rtol=1e-5, atol=1e-6)
+    with pytest.raises(InvalidArgumentError, match="method='qk'"):
+        find_sinks(model, [batch], method="qk", options=opts)
