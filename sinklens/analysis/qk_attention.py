@@ -54,8 +54,11 @@ def qk_sites(model: Any) -> tuple[str, ...]:
     hook_cos, hook_sin)`` where only the rotation tables run, else ``(hook_q, hook_k)`` on a model without rotary.
 
     Raises:
-        UnsupportedArchitectureError: a rotary model whose rotated queries and keys cannot be read.
+        UnsupportedArchitectureError: a rotary model whose rotated queries and keys cannot be read, or ALiBi.
     """
+    if getattr(model.cfg, "positional_embedding_type", None) == "alibi":
+        raise UnsupportedArchitectureError("ALiBi adds position biases to the scores after the queries and keys; the "
+                                           "q/k path cannot read them. Use method='pattern'.")
     rot = [hook_name(0, ROT_Q), hook_name(0, ROT_K)]
     if all(n in model.hook_dict for n in rot) and not silent_hooks(model, rot):
         return ROT_Q, ROT_K
