@@ -3,8 +3,8 @@
 Query ``q`` pays key ``k`` the weight ``exp(s_qk - lse_q)``: ``s_qk`` is the model's own score (``q·k`` times its
 scale, soft-capped where the model caps: Gemma 2), ``lse_q`` the log-sum-exp of ``q``'s scores over the keys it
 sees (:mod:`sinklens.visibility`: causal, sliding windows, padding) and the learned sink logit where the model has
-one (gpt-oss). Queries are taken ``chunk`` at a time, so no more than ``chunk × T`` weights per head exist at once
-and only ``[batch, head, T]`` column sums are kept: memory linear in ``T`` beyond the chunk, and no ``hook_pattern``.
+one (gpt-oss). Queries are taken a chunk at a time (:data:`CHUNK_SCORES`), so no more than ``chunk × T`` weights per
+head exist at once and only ``[batch, head, T]`` column sums are kept: memory linear in ``T``, and no ``hook_pattern``.
 
 Queries and keys are read at ``attn.hook_rot_q``/``hook_rot_k`` on rotary models, else at ``attn.hook_q``/``hook_k``;
 where a TransformerBridge lists the rotated hooks but never runs them (GPT-NeoX), the rotation is applied here from
@@ -35,8 +35,9 @@ from sinklens.validate import index_list
 from sinklens.visibility import Visibility, attention_visibility
 
 COS, SIN = "attn.hook_cos", "attn.hook_sin"
-#: Queries per chunk: ``chunk × T`` weights per head at a time.
-CHUNK = 128
+#: Scores per chunk (all heads and sequences of a batch): 2**24 floats, 64 MiB, whatever the length (at least
+#: 64 queries a chunk). Fewer, larger chunks run several times faster on CPU than 128-query ones.
+CHUNK_SCORES = 2**24
 
 
 @dataclass(frozen=True)
@@ -144,11 +145,12 @@ def attention_columns(
     *,
     min_query: int = 0,
     positions: Sequence[int] = (),
-    chunk: int = CHUNK,
+    chunk: int | None = None,
 ) -> Columns:
     """Column sums of one layer's attention weights, computed from queries and keys ``chunk`` queries at a time
     (exact softmax over each query's visible keys, float32; see the module docstring)."""
     b, n, n_heads, _ = q.shape
+    chunk = chunk or max(64, CHUNK_SCORES // (b * n_heads * n))
     qh = q.float().transpose(1, 2)  # [b, h, pos, d]
     kh = expand_kv_heads(k.float().transpose(1, 2), n_heads)  # [b, h, pos, d]
     dev = qh.device

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from sinklens import RunOptions
-from sinklens.analysis import sinks
+from sinklens.analysis import qk_attention, sinks
 from sinklens.analysis.qk_attention import attention_to_keys
 from sinklens.analysis.sinks import SinkReducer, find_sinks
 from sinklens.errors import UnsupportedArchitectureError
@@ -47,9 +47,10 @@ def _pattern_rows(model, batch, positions):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_qk_path_equals_the_pattern_path(family):
+def test_qk_path_equals_the_pattern_path(family, monkeypatch):
     """Received attention, both sink rates, query counts, the learned sinks' mass and the per-query attention to
-    the first keys agree to 1e-5 in float32 with padding, sliding windows (4 tokens), GQA, soft caps, sink logits."""
+    the first keys agree to 1e-5 in float32 with padding, sliding windows (4 tokens), GQA, soft caps, sink logits.
+    find_sinks runs in chunks of 64 queries, attention_to_keys in one chunk."""
     model = _family(family)
     if family == "gemma2":  # scores far beyond the soft cap (50), so that capping matters
         with torch.no_grad():
@@ -58,7 +59,9 @@ def test_qk_path_equals_the_pattern_path(family):
                 layer.self_attn.k_proj.weight.mul_(100.0)
     batch = _padded_batch()
     a = find_sinks(model, [batch], method="pattern", options=OPTS)
-    b = find_sinks(model, [batch], method="qk", options=OPTS)
+    with monkeypatch.context() as m:
+        m.setattr(qk_attention, "CHUNK_SCORES", 1)  # the smallest chunk: 64 queries
+        b = find_sinks(model, [batch], method="qk", options=OPTS)
     assert (a.attention_path, b.attention_path) == ("pattern", "qk")
     assert _diff(a.received, b.received) < 1e-5
     assert torch.equal(a.n_queries, b.n_queries) and torch.equal(a.n_queries_by_layer, b.n_queries_by_layer)
