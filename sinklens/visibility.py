@@ -49,9 +49,13 @@ class Visibility:
 
     def visible(self, layer: int, n_pos: int, device: torch.device | str | None = None) -> Bool[Tensor, "query key"]:
         """``[query, key]``: True where the query may attend to the key in ``layer`` (padding aside)."""
-        q = torch.arange(n_pos, device=device)[:, None]
-        k = torch.arange(n_pos, device=device)[None, :]
-        seen = (k <= q) if self.causal else torch.ones(n_pos, n_pos, dtype=torch.bool, device=device)
+        pos = torch.arange(n_pos, device=device)
+        return self.block(layer, pos, pos)
+
+    def block(self, layer: int, queries: Tensor, keys: Tensor) -> Bool[Tensor, "query key"]:
+        """:meth:`visible` for the query positions ``queries`` and key positions ``keys`` (1-D) only."""
+        q, k = queries[:, None], keys[None, :]
+        seen = (k <= q) if self.causal else torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
         w = self.windows[layer]
         if w is not None:
             seen = seen & ((q - k) < w) & ((k - q) < w if not self.causal else True)

@@ -53,7 +53,8 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
     """Streams ``hook_pattern`` into :class:`AttentionReceived`: ``Σ_q pattern[b, h, q, k]`` over the counted
     queries into a ``[layer, head, key_pos]`` sum, and their count per layer and key, exact whatever the batch
     split or padding. Other reducers hold one (:class:`~sinklens.analysis.sinks.SinkReducer`) and call
-    :meth:`query_weights`, :meth:`fold_pattern` (which returns the per-sequence sums) and :meth:`count_queries`.
+    :meth:`query_weights`, :meth:`fold_pattern` (or :meth:`add` of sums computed otherwise, returning the
+    per-sequence sums) and :meth:`count_queries`.
     """
 
     statistics = ("sums", "counts")
@@ -101,13 +102,17 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
     ) -> Float[Tensor, "batch head key"]:
         """Add one layer's pattern to the sums; return ``Σ_q pattern[b, h, q, k]`` over the counted queries."""
         per_seq = (pattern.float() * weights[layer][:, None]).sum(dim=2)  # faster than einsum on CPU
-        self.sums[self.row[layer], :, : per_seq.shape[2]] += per_seq.sum(dim=0).double()
+        self.add(layer, per_seq)
         return per_seq
 
-    def count_queries(self, weights: QueryWeights) -> None:
-        """Count the batch's (sequence, query) pairs per layer and key (once per batch, after the forward)."""
+    def add(self, layer: int, per_seq: Float[Tensor, "batch head key"]) -> None:
+        """Add one layer's per-sequence column sums over the counted queries (however computed) to the sums."""
+        self.sums[self.row[layer], :, : per_seq.shape[2]] += per_seq.sum(dim=0).double()
+
+    def count_queries(self, counts: dict[int, Float[Tensor, "batch key"]]) -> None:
+        """Add the batch's counted queries per layer, sequence and key (once per batch, after the forward)."""
         for layer in self.layers:
-            counted = weights[layer].sum(dim=(0, 1))
+            counted = counts[layer].sum(dim=0)
             self.counts[self.row[layer], : counted.shape[0]] += counted.double()
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
@@ -119,7 +124,7 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
         return BatchFold(per_layer_hooks(PATTERN, self.layers, fold), state=weights)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
-        self.count_queries(fold.state)
+        self.count_queries({layer: w.sum(dim=1) for layer, w in fold.state.items()})
 
     def result(self) -> AttentionReceived:
         seen = (self.counts > 0).any(dim=0)

@@ -55,6 +55,12 @@ class SinkSettings:
             this many counted queries per sequence.
         min_head_share / outlier_factor: the thresholds of :meth:`SinkResult.detect_sinks`.
         top_k: how many single occurrences at positions >= 1 to keep (0: none).
+        min_query_share: a position is a sink candidate only if it is also seen by at least this share of the
+            counted queries of the best-seen position (per sequence, on average): at 4,096 tokens a key among
+            the last few hundred is seen by so few queries that their local attention reads as a sink.
+        method: how attention weights are read: ``"pattern"`` from ``hook_pattern``; ``"qk"`` from queries and
+            keys (:mod:`sinklens.analysis.qk_attention`, memory linear in the length, same numbers); ``"auto"``:
+            ``"qk"`` for batches longer than :data:`~sinklens.analysis.sinks.QK_ABOVE` tokens where the model allows.
     """
 
     sink_threshold: float = SINK_THRESHOLD
@@ -63,6 +69,8 @@ class SinkSettings:
     min_head_share: float = 0.25
     outlier_factor: float = 5.0
     top_k: int = 32
+    min_query_share: float = 0.1
+    method: Literal["pattern", "qk", "auto"] = "auto"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -72,6 +80,8 @@ class SinkSettings:
         set_(self, "min_head_share", finite_number(self.min_head_share, what="min_head_share", low=0.0, high=1.0, low_open=True))
         set_(self, "outlier_factor", finite_number(self.outlier_factor, what="outlier_factor", low=1.0, low_open=True))
         set_(self, "top_k", positive_int(self.top_k, what="top_k", minimum=0))
+        set_(self, "min_query_share", finite_number(self.min_query_share, what="min_query_share", low=0.0, high=1.0))
+        set_(self, "method", choice(self.method, ("pattern", "qk", "auto"), what="method"))
 
 
 
@@ -141,6 +151,8 @@ class SinkResult(SettingsFields, CompactRepr):
             more than ``1e-5``, or twice the eps of a 16-bit dtype); None otherwise.
         position_token_ids: per key position, the token id there in every sequence (-1 where they differ).
         attention: the attention layout the queries were chosen by (:class:`~sinklens.visibility.Visibility`).
+        attention_path: how attention weights were read: ``"pattern"``, ``"qk"`` or ``"pattern+qk"``
+            (``method="auto"`` with batches on both sides of the length threshold).
     """
 
     received: Float[Tensor, "layer head key_pos"]
@@ -161,6 +173,7 @@ class SinkResult(SettingsFields, CompactRepr):
     special_tokens: tuple[str, ...] = ()
     attention: dict[str, Any] | None = None
     n_queries_by_layer: Float[Tensor, "layer key_pos"] | None = None
+    attention_path: str = "pattern"
     tokenizer: Any = field(default=None, repr=False, compare=False)
 
     # ---- rates -------------------------------------------------------------------------------
@@ -208,9 +221,11 @@ class SinkResult(SettingsFields, CompactRepr):
     # ---- detection ---------------------------------------------------------------------------
     @property
     def candidates(self) -> list[int]:
-        """Positions seen by at least ``min_query_count`` counted queries per sequence, on average."""
+        """Positions seen by at least ``min_query_count`` counted queries per sequence, on average, and by at least
+        ``min_query_share`` times as many as the best-seen position."""
         per_seq = self.n_queries / self.n_sequences_at.clamp(min=1)
-        return [int(k) for k in torch.nonzero(per_seq >= self.min_query_count).flatten()]
+        floor = max(float(self.min_query_count), self.min_query_share * float(per_seq.max())) if per_seq.numel() else 0.0
+        return [int(k) for k in torch.nonzero(per_seq >= floor).flatten()]
 
     def mean_received(self) -> Float[Tensor, " key_pos"]:
         """``received`` averaged over layers and heads: the position profile used for outliers."""
@@ -336,6 +351,7 @@ class SinkResult(SettingsFields, CompactRepr):
             "position_0": self.describe_start(),
             "position_tokens": {str(pos): self.token_at(pos) for pos in self._reported_positions()},
             "attention": self.attention,
+            "attention_path": self.attention_path,
             "sink_positions": self.sink_positions,
             "sink_rate": gu,
             "gu_sink_rate": gu,

@@ -1,7 +1,9 @@
 """Attention sinks: which key positions (and which tokens) soak up attention, per layer × head.
 
-Everything here is computed from ``blocks.{l}.attn.hook_pattern`` in one streaming pass
-(:class:`SinkReducer`, built on :class:`~sinklens.analysis.attention.AttentionReceivedReducer`):
+Everything here is computed in one streaming pass (:class:`SinkReducer`, built on
+:class:`~sinklens.analysis.attention.AttentionReceivedReducer`) from ``blocks.{l}.attn.hook_pattern``, or, with
+``method="qk"`` (``"auto"`` above :data:`QK_ABOVE` tokens), from queries and keys in memory linear in the length
+(:mod:`sinklens.analysis.qk_attention`; the same numbers):
 
 "Can see" is the model's own attention layout in each layer (:mod:`sinklens.visibility`): ``q >= k`` in a
 causal layer, ``k <= q < k + w`` in a sliding-window layer of ``w`` tokens, every query in an encoder;
@@ -35,6 +37,7 @@ al.'s sink rate 0.644 at position 0 (sinklens' variant 0.631), 0 in layers 0-2 a
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -44,17 +47,21 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import run_analyzer, settings_from
+from sinklens.analysis._common import run_analyzer
 from sinklens.analysis.attention import AttentionReceivedReducer
+from sinklens.analysis.qk_attention import Columns, qk_hooks, qk_sites, score_rule
 from sinklens.analysis.sink_result import SinkOccurrence, SinkResult, SinkSettings, TokenSinkStats
-from sinklens.hooks import PATTERN, model_dims, model_dtype
+from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
+from sinklens.hooks import PATTERN, SCORES, model_dims, model_dtype
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.options import RunOptions
+from sinklens.options import RunOptions, checked_options, settings_from
 from sinklens.streaming import BatchFold, Reducer, grow, merge_statistics, per_layer_hooks
 
 #: Rows of a float32 softmax pattern sum to 1 within this; a larger mean shortfall means a virtual sink. A model in
 #: a lower precision gets twice its dtype's eps (bfloat16: 0.016), as its pattern entries are rounded to it.
 ROW_SUM_TOLERANCE = 1e-5
+#: ``method="auto"`` reads attention from queries and keys for batches longer than this (tokens).
+QK_ABOVE = 1024
 
 
 def has_sink_logits(model: Any) -> bool:
@@ -87,7 +94,7 @@ def _merge_position_tokens(mine: Tensor, theirs: Tensor) -> Tensor:
 class _SinkBatch:
     """Per-batch state of :class:`SinkReducer` (lives in the batch's :class:`~sinklens.streaming.BatchFold`)."""
 
-    weights: dict[int, Tensor]  # per layer [batch, query, key]: counted queries (AttentionReceivedReducer.query_weights)
+    weights: dict[int, Tensor]  # per layer [batch, query, key]: counted queries (pattern path only)
     q_count: dict[int, Tensor]  # per layer [batch, key]: counted queries per sequence and key
     gu_weights: dict[int, Tensor]  # per layer [batch, query, key]: every query that can see the key (Gu et al.)
     gu_count: dict[int, Tensor]  # per layer [batch, key]: their number
@@ -134,6 +141,15 @@ class SinkReducer(Reducer[SinkResult]):
         self.tokenizer = getattr(model, "tokenizer", None)
         self.sink_logits = has_sink_logits(model)
         self.row_sum_tolerance = max(ROW_SUM_TOLERANCE, 2 * torch.finfo(model_dtype(model)).eps)
+        self.qk_sites: tuple[str, ...] | None = None
+        if settings.method != "pattern":
+            try:
+                self.qk_sites = qk_sites(model)
+                self.rules = {layer: score_rule(model, layer) for layer in self.layers}
+            except UnsupportedArchitectureError:
+                if settings.method == "qk":
+                    raise
+                self.qk_sites = None
         self.reset()
 
     def reset(self) -> None:
@@ -156,12 +172,16 @@ class SinkReducer(Reducer[SinkResult]):
         self.prepend_bos = True
         self.special_tokens: tuple[str, ...] = ()
         self.n_seq = 0
+        self.paths: set[str] = set()
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
-        weights = self.attention.query_weights(batch)
-        mq = self.settings.min_query
-        gu_weights = self.attention.visible_weights(batch) if mq else weights
         b, n = batch.tokens.shape
+        method = self.settings.method
+        use_qk = method == "qk" or (method == "auto" and self.qk_sites is not None and n > QK_ABOVE)
+        self.paths.add("qk" if use_qk else "pattern")
+        mq = self.settings.min_query
+        weights = {} if use_qk else self.attention.query_weights(batch)
+        gu_weights = self.attention.visible_weights(batch) if mq and not use_qk else weights
         f64 = dict(device=self.attention.device, dtype=torch.float64)
         state = _SinkBatch(
             weights, {layer: w.sum(dim=1) for layer, w in weights.items()},
@@ -173,26 +193,34 @@ class SinkReducer(Reducer[SinkResult]):
         n_real = batch.valid.sum().double()  # real queries in the batch
 
         def fold(pattern: Tensor, layer: int) -> None:  # pattern: [batch, head, query, key]
-            row = self.attention.row[layer]
             per_seq = self.attention.fold_pattern(pattern, layer, weights)  # Σ_q over counted queries
+            gu_sum = per_seq
+            if mq:  # Gu et al.: every query that can see k, its own included (add the rows before min_query back).
+                gu_sum = per_seq + (pattern[:, :, :mq].float() * gu_weights[layer][:, None, :mq]).sum(dim=2)
+            # Virtual sink: Σ_k of Gu's column sums is Σ over real queries of their rows over visible keys.
+            fold_columns(layer, per_seq, gu_sum, n_real - gu_sum.double().sum(dim=(0, 2)))
+
+        def fold_qk(cols: Columns, layer: int) -> None:
+            state.q_count[layer], state.gu_count[layer] = cols.n_counted, cols.n_every
+            self.attention.add(layer, cols.counted)
+            fold_columns(layer, cols.counted, cols.every, cols.unattended.double())
+
+        def fold_columns(layer: int, per_seq: Tensor, gu_sum: Tensor, unattended: Tensor) -> None:
+            row = self.attention.row[layer]
             counts = state.q_count[layer][:, None, :]
             alpha = (per_seq / counts.clamp(min=1)).double()  # α_b[h, k]
             hit = (alpha > threshold) & (counts > 0)
             self.seq_hits[row, :, : alpha.shape[2]] += hit.sum(dim=0).double()
             state.recv += alpha.mean(dim=1) / n_layers
             state.share += hit.double().mean(dim=1) / n_layers
-            # Gu et al.: every query that can see k, its own included (add the rows before min_query back).
-            gu_sum = per_seq
-            if mq:
-                early = gu_weights[layer][:, None, :mq]
-                gu_sum = per_seq + (pattern[:, :, :mq].float() * early).sum(dim=2)
             gu_n = state.gu_count[layer][:, None, :]
             gu_alpha = (gu_sum / gu_n.clamp(min=1)).double()
             self.gu_hits[row, :, : gu_alpha.shape[2]] += ((gu_alpha > threshold) & (gu_n > 0)).sum(dim=0).double()
-            # Virtual sink: the mass of the real queries' rows that goes to no key they can see
-            # (Σ_k of Gu's column sums is Σ over real queries of their rows over visible keys).
-            self.shortfall[row] += n_real - gu_sum.double().sum(dim=(0, 2))
+            self.shortfall[row] += unattended  # the mass of the real queries' rows that goes to no key they see
 
+        if use_qk:
+            hooks = qk_hooks(self.qk_sites, self.rules, self.attention.visibility, batch.valid, fold_qk, min_query=mq)
+            return BatchFold(hooks, state=state)
         return BatchFold(per_layer_hooks(PATTERN, self.layers, fold), state=state)
 
     def _record_position_tokens(self, batch: TokenBatch) -> None:
@@ -208,7 +236,7 @@ class SinkReducer(Reducer[SinkResult]):
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         state: _SinkBatch = fold.state
-        self.attention.count_queries(state.weights)
+        self.attention.count_queries(state.q_count)
         self.prepend_bos = batch.prepend_bos
         self.special_tokens = tuple(getattr(batch, "special_tokens", ()) or ())
         for layer in self.layers:
@@ -315,6 +343,7 @@ class SinkReducer(Reducer[SinkResult]):
             special_tokens=self.special_tokens,
             attention=self.attention.visibility.to_dict(),
             n_queries_by_layer=base.n_queries_by_layer,
+            attention_path="+".join(sorted(self.paths)) or "pattern",
             tokenizer=self.tokenizer,
         )
 
@@ -336,7 +365,9 @@ def find_sinks(
         settings: the analysis settings (default ``SinkSettings()``).
         **settings_kwargs: any field of :class:`SinkSettings` as a keyword (``sink_threshold=``,
             ``min_query=``, ...), replacing that of ``settings``.
-        options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar.
+        options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar. Extra hooks on
+            ``hook_attn_scores`` or ``hook_pattern`` act after the queries and keys, so they make ``method="auto"``
+            read the pattern and ``method="qk"`` an error.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -346,5 +377,12 @@ def find_sinks(
         >>> 0.0 <= result.sink_rate(position=0) <= 1.0
         True
     """
-    return run_analyzer(model, inputs, SinkReducer, where="find_sinks", options=options, kwargs=settings_kwargs,
-                        settings_cls=SinkSettings, settings=settings, layers=layers)
+    settings = settings_from(SinkSettings, settings, settings_kwargs, "find_sinks")
+    edits = [name for name, _ in checked_options(options, "find_sinks").extra_hooks if name.endswith((SCORES, PATTERN))]
+    if edits and settings.method == "qk":
+        raise InvalidArgumentError(f"method='qk' reads attention from queries and keys, so the extra hooks on {edits[:2]} "
+                                   "would change nothing it measures; use method='pattern'.")
+    if edits:
+        settings = dataclasses.replace(settings, method="pattern")
+    return run_analyzer(model, inputs, SinkReducer, where="find_sinks", options=options, settings_cls=SinkSettings,
+                        settings=settings, layers=layers)

@@ -213,3 +213,28 @@ def test_settings_as_keywords(tiny_llama):
     assert find_sinks(tiny_llama, PROMPTS, sink_threshold=0.15, options=QUIET).sink_threshold == 0.15
     with pytest.raises(TypeError, match="unexpected keyword"):
         find_sinks(tiny_llama, PROMPTS, epsilon=0.2, options=QUIET)
+
+
+def test_keys_seen_by_few_queries_are_not_sinks_at_long_context():
+    """4,096 keys, one sequence (key k seen by 4096 - k queries). Key 0 and key 2000 are sinks in 2 of 4 heads;
+    the last 300 keys get 0.4 from their few queries in 2 heads (local attention), as a long text does. Only
+    keys seen by at least min_query_share (0.1) of the best-seen key's queries are candidates: 0 and 2000 stay,
+    the late keys go (with min_query_share=0 every one of them is listed)."""
+    from sinklens.analysis.sink_result import SinkResult, SinkSettings, TokenSinkStats
+
+    n = 4096
+    received = torch.full((1, 4, n), 1.0 / n)
+    hit = torch.zeros(1, 4, n)
+    for keys in (torch.tensor([0, 2000]), torch.arange(n - 300, n)):
+        received[0, :2, keys] = 0.4
+        hit[0, :2, keys] = 1.0
+    empty = TokenSinkStats(torch.zeros(0, dtype=torch.long), [], *(torch.zeros(0),) * 4)
+
+    def result(**settings):
+        return SinkResult(received=received, n_queries=(n - torch.arange(n)).float(), seq_sink_frac=hit,
+                          n_sequences_at=torch.ones(n), layers=[0], settings=SinkSettings(**settings), n_sequences=1,
+                          prepend_bos=True, first_tokens=empty, later_tokens=empty, gu_seq_sink_frac=hit)
+
+    assert result().sink_positions == [0, 2000]
+    assert max(result().candidates) == n - 410  # seen by 410 >= 0.1 * 4096 queries
+    assert result(min_query_share=0.0).sink_positions == [0, 2000, *range(n - 300, n - 3)]

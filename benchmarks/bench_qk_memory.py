@@ -1,0 +1,75 @@
+"""Benchmark: sink statistics from queries and keys (``find_sinks(method="qk")``) against the pattern path and a
+plain forward, on the embedded SmolLM2 (CPU), one random-token sequence per length.
+
+Each (mode, length) runs in a fresh process that loads the model, runs a 16-token warm-up of the same mode, notes
+its resident memory, then runs the mode once on ``T`` tokens: ``time_s`` is that run, ``peak_mib`` the process's
+peak resident memory (``ru_maxrss``) and ``extra_mib`` the peak above the memory before the run (model, warm-up and
+interpreter excluded; 0 when loading peaked higher). Modes: ``forward`` (the model alone, ``return_type=None``),
+``pattern`` and ``qk`` (``find_sinks`` with that method). For ``qk`` it also prints how many sink positions were
+found and how many of them lie in the last 10% of the keys.
+
+Usage::
+
+    python benchmarks/bench_qk_memory.py                    # 512 1024 2048 4096
+    python benchmarks/bench_qk_memory.py --lengths 512 1024 --modes qk forward
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+
+import torch
+
+CHILD = """
+import json, resource, time, torch
+from sinklens import RunOptions, load_model
+from sinklens.analysis.sinks import find_sinks
+mode, n = {mode!r}, {n}
+model = load_model(device="cpu")
+def run(T):
+    tokens = torch.randint(0, model.cfg.d_vocab, (1, T), generator=torch.Generator().manual_seed(T))
+    tokens[:, 0] = model.tokenizer.bos_token_id
+    if mode == "forward":
+        with torch.inference_mode():
+            model(tokens, return_type=None)
+        return None
+    return find_sinks(model, tokens, method=mode, options=RunOptions(progress=False, batch_size=1))
+run(16)
+before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**20
+start = time.perf_counter()
+result = run(n)
+seconds = time.perf_counter() - start
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+out = dict(mode=mode, T=n, time_s=round(seconds, 2), peak_mib=round(peak), extra_mib=round(max(0.0, peak - before)))
+if result is not None:
+    sinks = result.sink_positions
+    out.update(path=result.attention_path, n_sink_positions=len(sinks), in_last_10pct=sum(k >= 0.9 * n for k in sinks))
+print(json.dumps(out))
+"""
+
+
+def measure(mode: str, n: int) -> dict:
+    done = subprocess.run([sys.executable, "-c", CHILD.format(mode=mode, n=n)], capture_output=True, text=True)
+    if done.returncode:
+        return {"mode": mode, "T": n, "error": done.stderr.strip().splitlines()[-1]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    parser.add_argument("--modes", nargs="+", default=["forward", "qk", "pattern"], choices=["forward", "qk", "pattern"])
+    args = parser.parse_args()
+    print(json.dumps({"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+                      "threads": torch.get_num_threads()}))
+    for n in args.lengths:
+        for mode in args.modes:
+            print(json.dumps(measure(mode, n)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

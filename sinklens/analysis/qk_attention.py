@@ -1,0 +1,283 @@
+"""Attention weights from queries and keys, exact, without the ``[query, key]`` pattern of a whole sequence.
+
+Query ``q`` pays key ``k`` the weight ``exp(s_qk - lse_q)``: ``s_qk`` is the model's own score (``q·k`` times its
+scale, soft-capped where the model caps: Gemma 2), ``lse_q`` the log-sum-exp of ``q``'s scores over the keys it
+sees (:mod:`sinklens.visibility`: causal, sliding windows, padding) and the learned sink logit where the model has
+one (gpt-oss). Queries are taken a chunk at a time (:data:`CHUNK_SCORES`), so no more than ``chunk × T`` weights per
+head exist at once and only ``[batch, head, T]`` column sums are kept: memory linear in ``T``, and no ``hook_pattern``.
+
+Queries and keys are read at ``attn.hook_rot_q``/``hook_rot_k`` on rotary models, else at ``attn.hook_q``/``hook_k``;
+where a TransformerBridge lists the rotated hooks but never runs them (GPT-NeoX), the rotation is applied here from
+``attn.hook_cos``/``hook_sin`` (Hugging Face's rotate-half, partial rotary dims included). Grouped-query keys are
+repeated per query head.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Bool, Float
+from torch import Tensor
+
+from sinklens.analysis._common import run_analyzer
+from sinklens.analysis.qk_locking import ROT_K, ROT_Q
+from sinklens.errors import UnsupportedArchitectureError
+from sinklens.hooks import K, Q, expand_kv_heads, hook_name, model_dims, resolve_layers
+from sinklens.inputs import Inputs, TokenBatch
+from sinklens.options import HookFn, RunOptions
+from sinklens.probes import silent_hooks
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow
+from sinklens.validate import index_list
+from sinklens.visibility import Visibility, attention_visibility
+
+COS, SIN = "attn.hook_cos", "attn.hook_sin"
+#: Scores per chunk (all heads and sequences of a batch): 2**24 floats, 64 MiB, whatever the length (at least
+#: 64 queries a chunk). Fewer, larger chunks run several times faster on CPU than 128-query ones.
+CHUNK_SCORES = 2**24
+
+
+@dataclass(frozen=True)
+class ScoreRule:
+    """How one layer turns a query and a key into a score: ``s = cap·tanh(scale·q·k / cap)`` (no cap: ``scale·q·k``),
+    and the per-head learned sink logit that joins the softmax as a key without a value (None: none)."""
+
+    scale: float
+    soft_cap: float | None = None
+    sink_logits: Tensor | None = None
+
+
+def qk_sites(model: Any) -> tuple[str, ...]:
+    """The per-layer hook sites the q/k path reads: ``(hook_rot_q, hook_rot_k)`` where they run, ``(hook_q, hook_k,
+    hook_cos, hook_sin)`` where only the rotation tables run, else ``(hook_q, hook_k)`` on a model without rotary.
+
+    Raises:
+        UnsupportedArchitectureError: a rotary model whose rotated queries and keys cannot be read, or ALiBi.
+    """
+    if getattr(model.cfg, "positional_embedding_type", None) == "alibi":
+        raise UnsupportedArchitectureError("ALiBi adds position biases to the scores after the queries and keys; the "
+                                           "q/k path cannot read them. Use method='pattern'.")
+    rot = [hook_name(0, ROT_Q), hook_name(0, ROT_K)]
+    if all(n in model.hook_dict for n in rot) and not silent_hooks(model, rot):
+        return ROT_Q, ROT_K
+    if getattr(model.cfg, "positional_embedding_type", "standard") != "rotary":
+        return Q, K
+    tables = [hook_name(0, COS), hook_name(0, SIN)]
+    if all(n in model.hook_dict for n in tables) and not silent_hooks(model, tables):
+        return Q, K, COS, SIN
+    raise UnsupportedArchitectureError("The q/k path needs the rotated queries and keys (attn.hook_rot_q/hook_rot_k) or "
+                                       "the rotary tables (attn.hook_cos/hook_sin); this model runs neither. Use "
+                                       "method='pattern'.")
+
+
+def score_rule(model: Any, layer: int) -> ScoreRule:
+    """The :class:`ScoreRule` of ``layer``: from the Hugging Face attention module behind a TransformerBridge
+    (``scaling``, ``attn_logit_softcapping``, ``sinks``), a sinklens model's attention variant, or a
+    TransformerLens 3.x attention's ``attn_scale`` and ``cfg.attn_scores_soft_cap``.
+
+    Raises:
+        UnsupportedArchitectureError: the layer's attention is not a softmax of scores (a sinklens variant such as
+            softpick), or its queries and keys are changed after the hooks the q/k path reads.
+    """
+    attn = model.blocks[layer].attn
+    hf = getattr(attn, "original_component", None)
+    hf = getattr(hf, "self", hf)  # BERT keeps its scores in BertAttention.self
+    if hf is not None and hasattr(hf, "scaling"):
+        cap = getattr(hf, "attn_logit_softcapping", None)
+        sinks = getattr(hf, "sinks", None)
+        return ScoreRule(float(hf.scaling), float(cap) if cap else None, None if sinks is None else sinks.detach())
+    cfg = model.cfg
+    variant = getattr(attn, "variant", None)
+    if variant is not None:  # a sinklens model
+        sink = getattr(variant, "sink", None)
+        if not (variant.uses_sdpa or isinstance(sink, Tensor)) or (variant.hook_sites and cfg.family != "llama"):
+            raise UnsupportedArchitectureError(f"The q/k path needs softmax attention on the hooked queries and keys; "
+                                               f"the attention variant {cfg.variant!r} is not. Use method='pattern'.")
+        return ScoreRule(1 / math.sqrt(cfg.d_head), None, None if sink is None else sink.detach())
+    if hf is not None:
+        raise UnsupportedArchitectureError(f"{type(hf).__name__} has no 'scaling' attribute; use method='pattern'.")
+    divisor = float(getattr(attn, "attn_scale", -1.0))  # TransformerLens 3.x: cfg.attn_scale (or 1), by layer if asked
+    scale = 1 / divisor if divisor > 0 else 1 / math.sqrt(cfg.d_head)
+    cap = getattr(cfg, "attn_scores_soft_cap", -1.0)
+    return ScoreRule(scale, float(cap) if cap and cap > 0 else None, None)
+
+
+def rotate(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Tensor) -> Tensor:
+    """Hugging Face's rotate-half rotary embedding of the first ``cos.shape[-1]`` dims of ``x`` (``cos``/``sin``:
+    ``[batch, pos, rotary_dim]``); the other dims pass through."""
+    d = cos.shape[-1]
+    cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)
+    rot, rest = x[..., :d], x[..., d:]
+    half = torch.cat([-rot[..., d // 2:], rot[..., : d // 2]], dim=-1)
+    return torch.cat([rot * cos + half * sin, rest], dim=-1)
+
+
+@dataclass
+class Columns:
+    """What :func:`attention_columns` returns for one layer of one batch.
+
+    Attributes:
+        counted: ``Σ_q weight[b, h, q, k]`` over the real queries ``q >= min_query`` that see ``k``.
+        every: the same over every real query that sees ``k`` (Gu et al.'s sink rate counts them all).
+        n_counted / n_every: the number of those queries per sequence and key.
+        to_keys: ``weight[b, h, q, positions[i]]`` for every query (0 where ``q`` does not see the key).
+        unattended: ``Σ_q (1 - Σ_k weight[b, h, q, k])`` over real queries: the learned sink logits' mass (0 without).
+    """
+
+    counted: Float[Tensor, "batch head key"]
+    every: Float[Tensor, "batch head key"]
+    n_counted: Float[Tensor, "batch key"]
+    n_every: Float[Tensor, "batch key"]
+    to_keys: Float[Tensor, "batch head query n_positions"]
+    unattended: Float[Tensor, " head"]
+
+
+def attention_columns(
+    q: Float[Tensor, "batch pos head d_head"],
+    k: Float[Tensor, "batch pos kv_head d_head"],
+    rule: ScoreRule,
+    visibility: Visibility,
+    layer: int,
+    valid: Bool[Tensor, "batch pos"],
+    *,
+    min_query: int = 0,
+    positions: Sequence[int] = (),
+    chunk: int | None = None,
+) -> Columns:
+    """Column sums of one layer's attention weights, computed from queries and keys ``chunk`` queries at a time
+    (exact softmax over each query's visible keys, float32; see the module docstring)."""
+    b, n, n_heads, _ = q.shape
+    chunk = chunk or max(64, CHUNK_SCORES // (b * n_heads * n))
+    qh = q.float().transpose(1, 2)  # [b, h, pos, d]
+    kh = expand_kv_heads(k.float().transpose(1, 2), n_heads)  # [b, h, pos, d]
+    dev = qh.device
+    pos = torch.arange(n, device=dev)
+    w = visibility.window(layer)
+    sink = None if rule.sink_logits is None else rule.sink_logits.to(dev, torch.float32)[None, :, None, None]
+    out = Columns(torch.zeros(b, n_heads, n, device=dev), torch.zeros(b, n_heads, n, device=dev),
+                  torch.zeros(b, n, device=dev), torch.zeros(b, n, device=dev),
+                  torch.zeros(b, n_heads, n, len(positions), device=dev), torch.zeros(n_heads, device=dev))
+    for q0 in range(0, n, chunk):
+        q1 = min(n, q0 + chunk)
+        k0 = max(0, q0 - w + 1) if w is not None else 0
+        k1 = q1 if visibility.causal else (min(n, q1 + w - 1) if w is not None else n)
+        see = visibility.block(layer, pos[q0:q1], pos[k0:k1])[None] & valid[:, q0:q1, None] & valid[:, None, k0:k1]
+        s = (qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2)).mul_(rule.scale)  # [b, h, chunk, keys]
+        if rule.soft_cap is not None:
+            s.div_(rule.soft_cap).tanh_().mul_(rule.soft_cap)
+        s.masked_fill_(~see[:, None], -math.inf)
+        top = s.amax(dim=-1, keepdim=True) if sink is None else torch.maximum(s.amax(dim=-1, keepdim=True), sink)
+        top.masked_fill_(top == -math.inf, 0.0)  # a padded query sees no key: its row stays 0
+        p = s.sub_(top).exp_()
+        total = p.sum(dim=-1, keepdim=True)
+        if sink is not None:
+            to_sink = (sink - top).exp()
+            total += to_sink
+            out.unattended += ((to_sink / total)[..., 0] * valid[:, None, q0:q1]).sum(dim=(0, 2))
+        p.div_(total.clamp_min_(torch.finfo(p.dtype).tiny))
+        cols = (torch.ones(1, q1 - q0, device=dev) @ p)[:, :, 0]  # Σ over the chunk's queries, as one matmul
+        n_seen = see.sum(dim=1)
+        out.every[:, :, k0:k1] += cols
+        out.n_every[:, k0:k1] += n_seen
+        if q0 < min_query:  # leave out the rows of queries before min_query
+            cols = cols - p[:, :, : min_query - q0].sum(dim=2)
+            n_seen = n_seen - see[:, : min_query - q0].sum(dim=1)
+        out.counted[:, :, k0:k1] += cols
+        out.n_counted[:, k0:k1] += n_seen
+        for i, key in enumerate(positions):
+            if k0 <= key < k1:
+                out.to_keys[:, :, q0:q1, i] = p[..., key - k0]
+    return out
+
+
+def qk_hooks(
+    sites: Sequence[str],
+    rules: dict[int, ScoreRule],
+    visibility: Visibility,
+    valid: Bool[Tensor, "batch pos"],
+    fold: Callable[[Columns, int], None],
+    *,
+    min_query: int = 0,
+    positions: Sequence[int] = (),
+) -> list[tuple[str, HookFn]]:
+    """Hooks on ``sites`` (:func:`qk_sites`) of every layer in ``rules`` that call ``fold(columns, layer)`` once the
+    layer's queries and keys have run (:func:`attention_columns`); a layer's activations are held only until then."""
+    pending: dict[int, dict[str, Tensor]] = {}
+
+    def collect(act: Tensor, key: tuple[int, str]) -> None:
+        layer, site = key
+        got = pending.setdefault(layer, {})
+        got[site] = act
+        if len(got) < len(sites):
+            return
+        del pending[layer]
+        q, k = got[sites[0]], got[sites[1]]
+        if COS in got:
+            q, k = rotate(q, got[COS], got[SIN]), rotate(k, got[COS], got[SIN])
+        fold(attention_columns(q, k, rules[layer], visibility, layer, valid, min_query=min_query,
+                               positions=positions), layer)
+
+    keys = [(layer, site) for layer in rules for site in sites]
+    return bound_hooks([hook_name(layer, site) for layer, site in keys], keys, collect)
+
+
+class KeyAttentionReducer(Reducer[Tensor]):
+    """Streams queries and keys into the attention every query pays the keys at ``positions``
+    (:func:`attention_to_keys`)."""
+
+    statistics = ("weights",)
+
+    def __init__(self, model: Any, *, positions: Sequence[int] = (0,), layers: int | Sequence[int] | None = None):
+        dims = model_dims(model)
+        self.positions = index_list(positions, dims.n_ctx, what="position", allow_negative=False)
+        self.layers = resolve_layers(layers, dims.n_layers)
+        self.sites = qk_sites(model)
+        self.rules = {layer: score_rule(model, layer) for layer in self.layers}
+        self.visibility = attention_visibility(model)
+        self.reset()
+
+    def reset(self) -> None:
+        self.weights: list[Tensor] = []
+
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        out: dict[int, Tensor] = {}
+
+        def fold(cols: Columns, layer: int) -> None:
+            out[layer] = cols.to_keys
+
+        return BatchFold(qk_hooks(self.sites, self.rules, self.visibility, batch.valid, fold,
+                                  positions=self.positions), state=out)
+
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        w = torch.stack([fold.state[layer] for layer in self.layers])  # [layer, batch, head, query, position]
+        self.weights.append(w.masked_fill(~batch.valid[None, :, None, :, None], math.nan))
+
+    def result(self) -> Tensor:
+        n = max((w.shape[3] for w in self.weights), default=0)
+        return torch.cat([grow(w, 3, n, math.nan) for w in self.weights], dim=1).cpu()
+
+
+def attention_to_keys(
+    model: Any,
+    inputs: Inputs | None = None,
+    *,
+    positions: Sequence[int] = (0,),
+    layers: int | Sequence[int] | None = None,
+    options: RunOptions = RunOptions(),
+) -> Float[Tensor, "layer sequence head query position"]:
+    """The attention weight every query pays each key in ``positions``, per layer, sequence and head, read from
+    queries and keys (exactly ``hook_pattern[..., q, positions]``, in memory linear in the length).
+
+    0 where the query cannot see the key (a later key, outside a window); NaN at padded queries.
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> w = attention_to_keys(tiny_model(), "t5 t6 t7", positions=[0, 1], options=RunOptions(progress=False))
+        >>> w.shape, float(w[0, 0, 0, 0, 0])  # layer, sequence, head, query (BOS + 3 words), key; query 0 sees only key 0
+        (torch.Size([2, 1, 4, 4, 2]), 1.0)
+    """
+    return run_analyzer(model, inputs, KeyAttentionReducer, where="attention_to_keys", options=options,
+                        positions=positions, layers=layers)
