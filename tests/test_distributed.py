@@ -361,3 +361,28 @@ def test_a_model_split_over_devices_feeds_reducers_on_the_statistics_device(mode
     monkeypatch.undo()
     assert seen and set(seen) == {torch.device("cpu")}
     assert_same(split, plain)
+
+
+@pytest.mark.parametrize("method", ["pattern", "qk"])
+def test_layers_on_two_devices_give_the_one_device_sink_statistics(method):
+    """Layer 0 on the CPU, layer 1 on the pretend GPU (:mod:`sinklens.testing.fake_cuda`, which raises where the two
+    meet), activations moved between them as accelerate's ``device_map`` dispatch does: ``find_sinks`` runs unchanged
+    and equals the one-device result exactly."""
+    from accelerate.utils import send_to_device
+
+    from sinklens.analysis.sinks import find_sinks
+    from sinklens.testing.fake_cuda import fake_cuda
+
+    model = tiny_model()
+    options = RunOptions(progress=False, batch_size=2)
+    want = find_sinks(model, PROMPTS, method=method, options=options)
+    with fake_cuda():
+        layer = model.original_model.model.layers[1]
+        layer.to("cuda")
+        layer.register_forward_pre_hook(lambda m, a, k: (send_to_device(a, "cuda"), send_to_device(k, "cuda")),
+                                        with_kwargs=True)
+        layer.register_forward_hook(lambda m, a, out: send_to_device(out, "cpu"))
+        assert {p.device.type for p in model.parameters()} == {"cpu", "cuda"}
+        got = find_sinks(model, PROMPTS, method=method, options=options)
+    assert got.attention_path == method
+    assert_same(got, want)
