@@ -23,6 +23,10 @@ runs over is a row of the table and the others still run:
   tokens, both variants, and with ``--authors DIR`` (a checkout of Siquan-Li/Head-wise-RMSNorm) their
   ``train.py`` on the same ``train.bin``; tokens/s is the median over the steps after the first three.
   Goals: sinklens >= 1.15x theirs, HeadNorm >= 0.97x baseline, MFU >= 0.5.
+* ``long``: a random-init sinklens Llama of Llama-3-8B's shape (32 layers, d_model 4096, 32 heads, 8 kv heads,
+  SwiGLU 14336, vocabulary 128256, rope base 500000) in bfloat16, one sequence of 32,768 random tokens:
+  ``find_sinks(method="qk")`` against the same model's plain forward (SDPA, flash). Goals: at most 1.5x the
+  forward, peak ``torch.cuda.max_memory_allocated`` at most the weights + 12 GiB. Skipped on a card under 40 GiB.
 
 Exit status: 0 when every row passed or is informational, and on a machine without CUDA (it says
 ``no GPU: ...`` and checks nothing); 1 when a row failed its goal or a part failed; 2 for a usage error or
@@ -47,13 +51,19 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
-PARTS = ("lane", "analysis", "trainer")
+PARTS = ("lane", "analysis", "long", "trainer")
 #: Seconds each part may take on one H100/H200 and all of it (setup included); the trainer, last, gets what the
 #: others left of the total. --budget changes them.
-BUDGET_S = {"lane": 110, "analysis": 125, "trainer": 300, "total": 465}
+BUDGET_S = {"lane": 110, "analysis": 125, "long": 100, "trainer": 300, "total": 465}
 ANALYZERS = ("analyze", "find_sinks", "find_massive_activations", "find_super_neurons", "measure_variance",
              "measure_value_drain")
 ANALYZE_GOAL, TRAIN_GOAL, HEADNORM_GOAL, MFU_GOAL = 1.15, 1.15, 0.97, 0.5
+LONG_TIME_GOAL, LONG_EXTRA_GIB, LONG_MIN_CARD_GIB = 1.5, 12.0, 40.0
+#: the long-context part: a sinklens Llama (SinkLM) of this shape on one sequence of this length
+LONG = dict(full=(dict(n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_mlp=14336, d_vocab=128256,
+                       rope_base=500000.0), 32768, "bfloat16", "llama-3-8b-shape"),
+            tiny=(dict(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, d_mlp=128, d_vocab=512, rope_base=500000.0),
+                  512, "float32", "tiny-llama"))
 
 # name, Llama shape, dtype, goal shape (analyze <= ANALYZE_GOAL x eager); sequences, length, batch
 SHAPES = [
@@ -207,6 +217,51 @@ def _analysis_shape(args: argparse.Namespace, emit, component: str, folder: Path
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
+
+
+def part_long(args: argparse.Namespace, emit) -> None:
+    """Sink statistics at long context: ``find_sinks(method="qk")`` on one sequence against the same model's plain
+    forward (SDPA: flash on a GPU in bfloat16); peak memory against the weights' size."""
+    import torch
+
+    import sinklens
+    from sinklens.sinklm.config import ModelConfig
+    from sinklens.sinklm.model import SinkLM
+
+    shape, n, dtype_name, name = LONG["tiny" if args.tiny else "full"]
+    component, cuda = f"{name} {dtype_name}, {n} tokens", args.device.startswith("cuda")
+    if cuda and (card := torch.cuda.get_device_properties(args.device).total_memory / 2**30) < LONG_MIN_CARD_GIB:
+        emit(row(component, "all", None, status="skipped", note=f"{card:.0f} GiB card, needs {LONG_MIN_CARD_GIB:.0f}"))
+        return
+    torch.manual_seed(0)
+    with torch.device(args.device):  # random init on the device
+        model = SinkLM(ModelConfig(n_ctx=n, dtype=dtype_name, **shape)).eval()
+    weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    tokens = torch.randint(0, shape["d_vocab"], (1, n), generator=torch.Generator().manual_seed(0)).to(args.device)
+    options = sinklens.RunOptions(progress=False, batch_size=1)
+    got: list = []
+
+    def forward():
+        with torch.inference_mode():
+            model(tokens, return_type=None)
+
+    def sinks():
+        got[:] = [sinklens.find_sinks(model, tokens, method="qk", options=options)]
+
+    goal = not args.tiny
+    ref_s, ref_peak = _timed(forward, cuda, 1)
+    emit(row(component, "plain forward, SDPA", ref_s, "s", peak_gib=ref_peak, tokens_per_s=n / ref_s,
+             note=f"weights {weights_gib:.3g} GiB: the reference"))
+    s, peak = _timed(sinks, cuda, 1)
+    emit(row(component, "find_sinks(method='qk')", s, "s", reference=ref_s, ratio=s / ref_s, peak_gib=peak,
+             reference_peak_gib=ref_peak, tokens_per_s=n / s, goal=f"<= {LONG_TIME_GOAL}x" if goal else "",
+             status=judged(s / ref_s, LONG_TIME_GOAL, at_most=True) if goal else "info",
+             note=f"path {got[0].attention_path}"))
+    extra = None if peak is None else peak - weights_gib
+    emit(row(component, "find_sinks(method='qk') memory above weights", extra, "GiB", reference=weights_gib,
+             goal=f"<= {LONG_EXTRA_GIB:.0f} GiB" if goal else "",
+             status=judged(extra, LONG_EXTRA_GIB, at_most=True) if goal else "info",
+             note="peak torch.cuda.max_memory_allocated minus the weights" if cuda else "no CUDA: no peak memory"))
 
 
 def _run_logged(cmd: list[str], cwd: Path, log: Path, timeout: float) -> str | None:
@@ -440,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
             def emit(r: dict) -> None:
                 rows_file.write(json.dumps(_finite(r)) + "\n")
                 rows_file.flush()
-            dict(env=part_env, analysis=part_analysis, trainer=part_trainer)[args.part](args, emit)
+            dict(env=part_env, analysis=part_analysis, long=part_long, trainer=part_trainer)[args.part](args, emit)
         return 0
 
     started = time.monotonic()

@@ -158,14 +158,14 @@ class Reducer(ABC, Generic[R]):
 
 def merge_sum(mine: Any, theirs: Any) -> Any:
     """``mine`` combined with ``theirs``: tensors and numbers add (padded with zeros to the larger shape),
-    lists concatenate, dicts merge key-wise, objects with a ``merge`` method merge, a flag takes ``theirs``.
+    lists concatenate, sets unite, dicts merge key-wise, objects with a ``merge`` method merge, a flag takes ``theirs``.
 
     Examples:
         >>> merge_sum(torch.ones(2, 1), torch.ones(1, 3))
         tensor([[2., 1., 1.],
                 [1., 0., 0.]])
-        >>> merge_sum([1], [2]), merge_sum({0: 1.0}, {0: 2.0, 1: 3.0}), merge_sum(True, False), merge_sum(2, 3)
-        ([1, 2], {0: 3.0, 1: 3.0}, False, 5)
+        >>> merge_sum([1], [2]), merge_sum({0: 1.0}, {0: 2.0, 1: 3.0}), merge_sum(True, False), merge_sum({"qk"}, {"qk"})
+        ([1, 2], {0: 3.0, 1: 3.0}, False, {'qk'})
     """
     if isinstance(mine, Tensor):
         if mine.shape != theirs.shape:
@@ -178,6 +178,8 @@ def merge_sum(mine: Any, theirs: Any) -> Any:
         return mine + theirs
     if isinstance(mine, list):
         return mine + theirs
+    if isinstance(mine, set):
+        return mine | theirs
     if isinstance(mine, dict):
         return {k: merge_sum(mine[k], theirs[k]) if k in mine and k in theirs else mine.get(k, theirs.get(k))
                 for k in {**mine, **theirs}}

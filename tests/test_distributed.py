@@ -28,6 +28,7 @@ from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.analysis.disparity import MassiveActivationsReducer, MassiveSettings
 from sinklens.analysis.neurons import SuperNeuronReducer
 from sinklens.analysis.normalized_disparity import NormalizedDisparityReducer
+from sinklens.analysis.qk_attention import KeyAttentionReducer
 from sinklens.analysis.qk_locking import QKLockingReducer
 from sinklens.analysis.sinks import SinkReducer
 from sinklens.analysis.variance import VarianceReducer
@@ -67,6 +68,8 @@ from sinklens.analysis.weight_super_neurons import SinkMeanReducer  # noqa: E402
 REDUCERS = {
     "AttentionReceivedReducer": (lambda m: AttentionReceivedReducer(m, min_query=1), _text),
     "SinkReducer": (lambda m: SinkReducer(m, top_k=5), _text),
+    "SinkReducer_qk": (lambda m: SinkReducer(m, top_k=5, method="qk"), _text),
+    "KeyAttentionReducer": (lambda m: KeyAttentionReducer(m, positions=[0, 2]), _text),
     "VarianceReducer": (VarianceReducer, _text),
     "MassiveActivationsReducer": (
         lambda m: MassiveActivationsReducer(m, settings=MassiveSettings(abs_threshold=None, rel_threshold=2.0)), _text),
@@ -137,7 +140,7 @@ def test_every_reducer_is_covered():
 
     found = {c.__name__ for c in subclasses(Reducer)  # module-level classes of the package (not doctest ones)
              if c.__module__.startswith("sinklens.") and getattr(sys.modules[c.__module__], c.__name__, None) is c}
-    assert found == set(REDUCERS)
+    assert found == {name.split("_qk")[0] for name in REDUCERS}
 
 
 @pytest.mark.parametrize("name", sorted(REDUCERS))
@@ -288,15 +291,59 @@ def test_torchrun_two_processes_equal_one(tmp_path):
         assert_same(_without_seconds(got_one), want_one)
 
 
+_QK_SCRIPT = textwrap.dedent("""
+    import sys
+    import torch
+    from sinklens import distributed
+    from sinklens.analysis.qk_attention import attention_to_keys
+    from sinklens.analysis.sinks import find_sinks
+    from sinklens.options import RunOptions
+    from sinklens.testing import tiny_model
+
+    out, prompts = sys.argv[1], sys.argv[2:]
+    torch.set_num_threads(1)
+    with distributed.session("cpu"):
+        assert distributed.active() and distributed.world_size() == 2
+        options = RunOptions(batch_size=2, progress=False)
+        result = find_sinks(tiny_model(), prompts, method="qk", options=options)
+        weights = attention_to_keys(tiny_model(), prompts, positions=[0, 2], options=options)
+        torch.save({"result": {k: v for k, v in vars(result).items() if isinstance(v, torch.Tensor)},
+                    "sink_rate": result.sink_rate(), "weights": weights}, f"{out}/qk_rank{distributed.rank()}.pt")
+""")
+
+
+def test_torchrun_two_processes_equal_one_on_the_qk_path(tmp_path):
+    """``torchrun --nproc_per_node 2`` (gloo): ``find_sinks(method="qk")`` and ``attention_to_keys`` over 7 prompts in
+    batches of 2 (4 batches, 2 per rank) give, on both ranks, what one process gives over all of them."""
+    from sinklens.analysis.qk_attention import attention_to_keys
+    from sinklens.analysis.sinks import find_sinks
+
+    script = tmp_path / "run_qk.py"
+    script.write_text(_QK_SCRIPT)
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(script), str(tmp_path), *PROMPTS], env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    options = RunOptions(batch_size=2, progress=False)
+    model = tiny_model()
+    one = find_sinks(model, PROMPTS, method="qk", options=options)
+    want = {"result": {k: v for k, v in vars(one).items() if isinstance(v, torch.Tensor)}, "sink_rate": one.sink_rate(),
+            "weights": attention_to_keys(model, PROMPTS, positions=[0, 2], options=options)}
+    assert want["weights"].shape[1] == len(PROMPTS)
+    for rank in (0, 1):
+        assert_same(torch.load(tmp_path / f"qk_rank{rank}.pt", weights_only=True), want)
+
+
 # ------------------------------------------------------------------------------------------ split models
-def test_a_model_split_over_devices_feeds_reducers_on_the_statistics_device(model, monkeypatch):
+@pytest.mark.parametrize("method", ["pattern", "qk"])
+def test_a_model_split_over_devices_feeds_reducers_on_the_statistics_device(model, monkeypatch, method):
     """A model whose parameters span devices (``n_devices`` / ``device_map``) gets every reducer hook
     wrapped to read its activation on the first parameter's device, and the results are unchanged.
     (CPU only here: a meta-device parameter makes the tiny model "split"; no GPU was available.)"""
     from sinklens import streaming
 
     batches = _text(model)
-    (plain,) = stream(model, batches, [SinkReducer(model, top_k=5)], options=QUIET)
+    (plain,) = stream(model, batches, [SinkReducer(model, top_k=5, method=method)], options=QUIET)
     assert streaming._stats_device_if_split(model) is None
     params = list(model.parameters())
     elsewhere = torch.nn.Parameter(torch.zeros(1, device="meta"))
@@ -310,7 +357,32 @@ def test_a_model_split_over_devices_feeds_reducers_on_the_statistics_device(mode
 
     monkeypatch.setattr(streaming, "_moved_to", spy)
     assert streaming._stats_device_if_split(model) == torch.device("cpu")
-    (split,) = stream(model, batches, [SinkReducer(model, top_k=5)], options=QUIET)
+    (split,) = stream(model, batches, [SinkReducer(model, top_k=5, method=method)], options=QUIET)
     monkeypatch.undo()
     assert seen and set(seen) == {torch.device("cpu")}
     assert_same(split, plain)
+
+
+@pytest.mark.parametrize("method", ["pattern", "qk"])
+def test_layers_on_two_devices_give_the_one_device_sink_statistics(method):
+    """Layer 0 on the CPU, layer 1 on the pretend GPU (:mod:`sinklens.testing.fake_cuda`, which raises where the two
+    meet), activations moved between them as accelerate's ``device_map`` dispatch does: ``find_sinks`` runs unchanged
+    and equals the one-device result exactly."""
+    from accelerate.utils import send_to_device
+
+    from sinklens.analysis.sinks import find_sinks
+    from sinklens.testing.fake_cuda import fake_cuda
+
+    model = tiny_model()
+    options = RunOptions(progress=False, batch_size=2)
+    want = find_sinks(model, PROMPTS, method=method, options=options)
+    with fake_cuda():
+        layer = model.original_model.model.layers[1]
+        layer.to("cuda")
+        layer.register_forward_pre_hook(lambda m, a, k: (send_to_device(a, "cuda"), send_to_device(k, "cuda")),
+                                        with_kwargs=True)
+        layer.register_forward_hook(lambda m, a, out: send_to_device(out, "cpu"))
+        assert {p.device.type for p in model.parameters()} == {"cpu", "cuda"}
+        got = find_sinks(model, PROMPTS, method=method, options=options)
+    assert got.attention_path == method
+    assert_same(got, want)

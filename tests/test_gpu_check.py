@@ -61,3 +61,19 @@ def test_without_cuda_it_says_no_gpu_in_one_line_and_exits_0(tmp_path):
         0, f"no GPU: CUDA is not available (torch {torch.__version__.split('+')[0]}, {build})\n", "")
     report = _strict_json((tmp_path / "check.json").read_text())
     assert (report["status"], report["rows"], report["exit_code"]) == ("no GPU", [], 0)
+
+
+def test_tiny_long_context_part_reads_sinks_from_queries_and_keys_against_a_plain_forward(tmp_path):
+    done = _run("--tiny", "--device", "cpu", "--parts", "long", "--out", str(tmp_path / "check.json"))
+    report = _strict_json((tmp_path / "check.json").read_text())
+    assert (report["status"], report["exit_code"], done.returncode) == ("done", 0, 0), done.stderr
+    rows = {r["metric"]: r for r in report["rows"]}
+    assert list(rows) == ["plain forward, SDPA", "find_sinks(method='qk')", "find_sinks(method='qk') memory above weights"]
+    assert {r["component"] for r in rows.values()} == {"tiny-llama float32, 512 tokens"}
+    ref, qk, memory = rows.values()
+    assert ref["value"] > 0 and ref["tokens_per_s"] == pytest.approx(512 / ref["value"])
+    assert qk["value"] > 0 and qk["reference"] == ref["value"] and qk["ratio"] == pytest.approx(qk["value"] / ref["value"])
+    assert qk["note"] == "path qk" and qk["status"] == "info" and qk["peak_gib"] is None
+    # the weights of the tiny shape: 2 x 64 x 512 embeddings (tied) + 2 layers of attention, SwiGLU and 2 norms + a norm
+    n_params = 512 * 64 + 2 * (64 * 64 * 2 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 64
+    assert memory["value"] is None and memory["reference"] == pytest.approx(n_params * 4 / 2**30)

