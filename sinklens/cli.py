@@ -1,4 +1,4 @@
-"""The ``sinklens`` command line: ``sinklens analyze | intervene | train | compare | origins | fingerprint``.
+"""The ``sinklens`` command line: ``sinklens analyze | intervene | train | compare | origins | fingerprint | context``.
 
 Each sub-command lives in its own module under :mod:`sinklens.commands` and exposes
 ``add_parser(subparsers)`` (which sets ``func`` on its parser) — this file only dispatches and
@@ -29,7 +29,7 @@ from typing import Any
 
 from sinklens.errors import EXIT_FAILURE, EXIT_INTERRUPTED, exit_code_for, is_internal_error, one_line
 
-COMMANDS = ("analyze", "intervene", "train", "compare", "origins", "fingerprint")
+COMMANDS = ("analyze", "intervene", "train", "compare", "origins", "fingerprint", "context")
 DEBUG_ENV = "SINKLENS_DEBUG"
 
 
