@@ -1,4 +1,4 @@
-"""The ``sinklens`` command line: ``sinklens analyze | intervene | train | compare | origins | fingerprint``.
+"""The ``sinklens`` command line: ``sinklens analyze | intervene | train | compare | origins | fingerprint | context``.
 
 Each sub-command module under :mod:`sinklens.commands` exposes ``add_parser(subparsers)``; this file
 dispatches and applies the error contract (:func:`sinklens.errors.exit_code_for`): a user error prints one
@@ -20,7 +20,7 @@ from typing import Any
 
 from sinklens.errors import EXIT_FAILURE, EXIT_INTERRUPTED, exit_code_for, is_internal_error, one_line
 
-COMMANDS = ("analyze", "intervene", "train", "compare", "origins", "fingerprint")
+COMMANDS = ("analyze", "intervene", "train", "compare", "origins", "fingerprint", "context")
 DEBUG_ENV = "SINKLENS_DEBUG"
 
 

@@ -8,6 +8,7 @@ import random
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from sinklens.errors import InvalidArgumentError
 from sinklens.validate import IntLike, as_seed, positive_int
@@ -82,3 +83,20 @@ def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 80
             f"at least 30 words without doctest examples (Python {platform.python_version()}); pass at most "
             f"{len(docs)}.")
     return docs[:n_prompts]
+
+
+def stdlib_source_tokens(tokenizer: Any, n_tokens: IntLike) -> list[int]:
+    """The first ``n_tokens`` token ids of the running interpreter's top-level ``stdlib/*.py`` sources (code and
+    comments), concatenated in file-name order, each file encoded on its own without special tokens: long natural
+    text available offline, the same on every run of one Python."""
+    n_tokens = positive_int(n_tokens, what="n_tokens")
+    ids: list[int] = []
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
+        try:
+            ids += tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(ids) >= n_tokens:
+            return ids[:n_tokens]
+    raise InvalidArgumentError(f"n_tokens {n_tokens} is more than this Python's standard library sources hold "
+                               f"({len(ids)} tokens).")

@@ -1,0 +1,176 @@
+"""Sinks as a function of context length, on natural text read from queries and keys (memory linear in the length).
+
+For each length ``L`` one sequence is streamed: BOS (when the model prepends one) and the first tokens of the
+standard library's sources (:func:`sinklens.prompts.stdlib_source_tokens`), ``L`` tokens in all; the sink numbers
+are :func:`~sinklens.analysis.sinks.find_sinks`' with ``method="qk"``, and a residual reducer runs in the same pass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from sinklens.analysis._common import resolve_streams, stream_hook
+from sinklens.analysis.disparity import check_thresholds, sequence_median_abs
+from sinklens.analysis.sink_result import SinkSettings
+from sinklens.analysis.sinks import SinkReducer
+from sinklens.errors import InvalidArgumentError
+from sinklens.export import to_json
+from sinklens.hooks import model_device, model_dims
+from sinklens.inputs import TokenBatch, bos_token_id
+from sinklens.options import RunOptions
+from sinklens.prompts import stdlib_source_tokens
+from sinklens.streaming import BatchFold, Reducer, bound_hooks, run
+from sinklens.validate import finite_number, positive_int
+
+
+class MassiveShareReducer(Reducer[Tensor]):
+    """Per residual stream (:func:`~sinklens.analysis._common.stream_hook`) and dimension, the share of real tokens
+    at positions >= 1 whose ``|x|`` is massive by Sun et al.'s rule (``> abs_threshold`` and ``> rel_threshold`` times
+    the sequence's median ``|x|``, :mod:`sinklens.analysis.disparity`). Keeps ``[stream, d_model]`` counts only."""
+
+    statistics = ("hits", "n_later")
+
+    def __init__(self, model: Any, *, abs_threshold: float | None = 100.0, rel_threshold: float | None = 1000.0):
+        check_thresholds(abs_threshold, rel_threshold)
+        dims = model_dims(model)
+        self.abs_threshold, self.rel_threshold = abs_threshold, rel_threshold
+        self.streams = resolve_streams(None, dims.n_layers)
+        self.hooks = [stream_hook(s, dims.n_layers) for s in self.streams]
+        self.d_model, self.device = dims.d_model, model_device(model)
+        self.reset()
+
+    def reset(self) -> None:
+        self.hits = torch.zeros(len(self.streams), self.d_model, device=self.device, dtype=torch.float64)
+        self.n_later = 0.0
+
+    def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
+        lengths, later = batch.host_lengths(), batch.valid.clone()
+        later[:, 0] = False
+
+        def fold(act: Tensor, i: int) -> None:  # act: [batch, pos, d_model]
+            x = act.float()
+            massive = later[..., None].expand_as(x)
+            if self.abs_threshold is not None:
+                massive = massive & (x.abs() > self.abs_threshold)
+            if self.rel_threshold is not None:
+                med = sequence_median_abs(x, lengths)
+                massive = massive & (x.abs() > (self.rel_threshold * med)[:, None, None])
+            self.hits[i] += massive.sum(dim=(0, 1)).double()
+
+        return BatchFold(bound_hooks(self.hooks, range(len(self.hooks)), fold), state=later)
+
+    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
+        self.n_later += float(fold.state.sum())
+
+    def result(self) -> Tensor:
+        return (self.hits / max(self.n_later, 1.0)).float().cpu()
+
+
+@dataclass
+class ContextPoint:
+    """The numbers at one length.
+
+    Attributes:
+        length: tokens in the sequence, BOS included.
+        sink_attention: attention position 0 receives, mean over layers, heads and the queries ``q >= 1``.
+        sink_rate: Gu et al.'s sink rate of position 0 (share of (layer, head) whose mean attention to it, over
+            every query, exceeds ``sink_threshold``; :meth:`~sinklens.analysis.sink_result.SinkResult.sink_rate`).
+        secondary_sinks: positions other than 0, seen by enough queries (``SinkResult.candidates``), whose
+            sinklens sink rate (queries ``q >= 1``) is at least ``min_head_share``: ``position``, ``token``,
+            ``head_share``, ``received`` (layer-head mean), by head share, at most ``top``.
+        n_secondary: how many positions passed (before ``top``).
+        residual_sinks: residual dimensions massive on more than ``most_tokens`` of the tokens at positions >= 1:
+            ``stream``, ``dim``, ``share``.
+        seconds: wall time of the forward pass with its reducers.
+    """
+
+    length: int
+    sink_attention: float
+    sink_rate: float
+    secondary_sinks: list[dict[str, Any]]
+    n_secondary: int
+    residual_sinks: list[dict[str, Any]]
+    seconds: float
+
+
+@dataclass
+class ContextSweepResult:
+    """What :func:`context_sweep` found, one :class:`ContextPoint` per length, and the rules it used."""
+
+    points: list[ContextPoint]
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [p.length for p in self.points]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Strict-JSON-ready data (:func:`sinklens.export.to_json`)."""
+        return to_json({"settings": self.settings, "points": [asdict(p) for p in self.points]})
+
+
+def context_sweep(
+    model: Any,
+    lengths: Sequence[int],
+    *,
+    sink_threshold: float = 0.3,
+    min_head_share: float = 0.05,
+    most_tokens: float = 0.5,
+    abs_threshold: float | None = 100.0,
+    rel_threshold: float | None = 1000.0,
+    top: int = 10,
+    options: RunOptions = RunOptions(),
+) -> ContextSweepResult:
+    """Sink attention, sink rate, secondary and residual sinks at each of ``lengths`` (module docstring).
+
+    Raises:
+        InvalidArgumentError: a length below 2 or above the model's context (``cfg.n_ctx``), or a bad threshold.
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> sweep = context_sweep(tiny_model(), [16, 64], options=RunOptions(progress=False))
+        >>> sweep.lengths, 0.0 <= sweep.points[0].sink_rate <= 1.0
+        ([16, 64], True)
+    """
+    n_ctx = model_dims(model).n_ctx
+    if isinstance(lengths, (int, str)) or not len(lengths):
+        raise InvalidArgumentError(f"lengths must be a non-empty list of token counts, got {lengths!r}.")
+    lengths = [positive_int(n, what="length") for n in lengths]
+    for n in lengths:
+        if not 2 <= n <= n_ctx:
+            raise InvalidArgumentError(f"length {n} is outside 2..{n_ctx}, the model's context (cfg.n_ctx).")
+    for name, value in (("min_head_share", min_head_share), ("most_tokens", most_tokens)):
+        finite_number(value, what=name, low=0.0, high=1.0, low_open=True)
+    bos = bos_token_id(model) if options.prepend_bos else None
+    head = [] if bos is None else [bos]
+    text = stdlib_source_tokens(model.tokenizer, max(lengths) - len(head))
+    settings = SinkSettings(method="qk", sink_threshold=sink_threshold)
+    points = []
+    for n in lengths:
+        tokens = torch.tensor([head + text[: n - len(head)]])
+        sinks_r, resid_r = SinkReducer(model, settings=settings), MassiveShareReducer(
+            model, abs_threshold=abs_threshold, rel_threshold=rel_threshold)
+        start = time.perf_counter()
+        sinks, share = run(model, tokens, sinks_r, resid_r, options=options)
+        seconds = time.perf_counter() - start
+        rates = sinks.sink_rate_by_position(method="sinklens")
+        received = torch.nan_to_num(sinks.received, nan=0.0).mean(dim=(0, 1))
+        secondary = sorted((k for k in sinks.candidates if k and float(rates[k]) >= min_head_share),
+                           key=lambda k: -float(rates[k]))
+        residual = [{"stream": resid_r.streams[s], "dim": d, "share": float(share[s, d])}
+                    for s, d in (share > most_tokens).nonzero().tolist()]
+        points.append(ContextPoint(
+            length=n, sink_attention=float(received[0]), sink_rate=sinks.sink_rate(position=0),
+            secondary_sinks=[{"position": k, "token": sinks.token_at(k), "head_share": float(rates[k]),
+                              "received": float(received[k])} for k in secondary[:top]],
+            n_secondary=len(secondary), residual_sinks=residual, seconds=seconds))
+    return ContextSweepResult(points, {
+        "text": "stdlib sources", "bos": bos is not None, "sink_threshold": sink_threshold,
+        "min_head_share": min_head_share, "min_query_count": settings.min_query_count, "most_tokens": most_tokens,
+        "abs_threshold": abs_threshold, "rel_threshold": rel_threshold})
