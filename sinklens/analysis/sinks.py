@@ -122,7 +122,7 @@ class SinkReducer(Reducer[SinkResult]):
 
     statistics = ("attention", "seq_hits", "seq_counts", "gu_hits", "gu_counts", "shortfall", "n_real_queries",
                   "pos_ids", "tok_first", "tok_later", "top_vals", "top_share", "top_meta", "prepend_bos", "special_tokens",
-                  "n_seq")
+                  "n_seq", "paths")
 
     def __init__(
         self,
