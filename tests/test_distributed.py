@@ -28,6 +28,7 @@ from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.analysis.disparity import MassiveActivationsReducer, MassiveSettings
 from sinklens.analysis.neurons import SuperNeuronReducer
 from sinklens.analysis.normalized_disparity import NormalizedDisparityReducer
+from sinklens.analysis.long_context import MassiveShareReducer
 from sinklens.analysis.qk_attention import KeyAttentionReducer
 from sinklens.analysis.qk_locking import QKLockingReducer
 from sinklens.analysis.sinks import SinkReducer
@@ -70,6 +71,7 @@ REDUCERS = {
     "SinkReducer": (lambda m: SinkReducer(m, top_k=5), _text),
     "SinkReducer_qk": (lambda m: SinkReducer(m, top_k=5, method="qk"), _text),
     "KeyAttentionReducer": (lambda m: KeyAttentionReducer(m, positions=[0, 2]), _text),
+    "MassiveShareReducer": (lambda m: MassiveShareReducer(m, abs_threshold=None, rel_threshold=2.0), _text),
     "VarianceReducer": (VarianceReducer, _text),
     "MassiveActivationsReducer": (
         lambda m: MassiveActivationsReducer(m, settings=MassiveSettings(abs_threshold=None, rel_threshold=2.0)), _text),

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from sinklens.analysis._common import resolve_streams, stream_hook
-from sinklens.analysis.disparity import check_thresholds, sequence_median_abs
+from sinklens.analysis.disparity import MassiveSettings, sequence_median_abs
 from sinklens.analysis.sink_result import SinkSettings
 from sinklens.analysis.sinks import SinkReducer
 from sinklens.errors import InvalidArgumentError
@@ -37,9 +37,9 @@ class MassiveShareReducer(Reducer[Tensor]):
     statistics = ("hits", "n_later")
 
     def __init__(self, model: Any, *, abs_threshold: float | None = 100.0, rel_threshold: float | None = 1000.0):
-        check_thresholds(abs_threshold, rel_threshold)
+        checked = MassiveSettings(abs_threshold=abs_threshold, rel_threshold=rel_threshold)
         dims = model_dims(model)
-        self.abs_threshold, self.rel_threshold = abs_threshold, rel_threshold
+        self.abs_threshold, self.rel_threshold = checked.abs_threshold, checked.rel_threshold
         self.streams = resolve_streams(None, dims.n_layers)
         self.hooks = [stream_hook(s, dims.n_layers) for s in self.streams]
         self.d_model, self.device = dims.d_model, model_device(model)
