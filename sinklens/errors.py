@@ -7,113 +7,36 @@ class SinklensError(Exception):
     """Base class of every error sinklens raises on purpose."""
 
 
-class UnknownModelError(SinklensError, ValueError):
-    """A model spec that is neither a known name, a local path, nor a model object."""
-
-
-class ModelFileNotFoundError(SinklensError, FileNotFoundError):
-    """A model spec that names a local file or directory that does not exist."""
-
-
-class OfflineModelError(SinklensError, OSError):
-    """A hub model name that cannot be fetched because there is no network."""
-
-
-class UnknownHookError(SinklensError, KeyError):
-    """A hook name that the model does not have."""
-
-    def __str__(self) -> str:  # KeyError would otherwise quote the message
-        return str(self.args[0]) if self.args else ""
-
-
-class PatternNotExposedError(SinklensError, RuntimeError):
-    """The model's attention implementation does not run ``hook_pattern`` (e.g. fused SDPA)."""
-
-
-class SequenceTooLongError(SinklensError, ValueError):
-    """A sequence longer than the model's context window ``cfg.n_ctx``."""
-
-
-class DataFileNotFoundError(SinklensError, FileNotFoundError):
-    """A training data path (text file or folder, memmap ``.bin``) that does not exist or holds no data."""
-
-
-class ConfigFileNotFoundError(SinklensError, FileNotFoundError):
-    """A training config file (``--config``) that does not exist."""
-
-
-class OfflineDataError(SinklensError, OSError):
-    """A Hugging Face dataset that cannot be streamed because there is no network."""
-
-
 class InvalidArgumentError(SinklensError, ValueError):
-    """An argument outside its accepted range or of the wrong type; the message names both."""
+    """A bad argument, flag or input file: out of range, of the wrong type, an unknown name (model, hook,
+    intervention, device), a sequence longer than ``cfg.n_ctx``, an unreadable prompts file, two models that
+    cannot be compared, or a resume that changes the run; the message names the value and what is accepted."""
 
 
-class UnknownInterventionError(SinklensError, ValueError):
-    """An intervention name that is not registered (see :mod:`sinklens.interventions.registry`)."""
+class UnsupportedArchitectureError(SinklensError, ValueError):
+    """A model this measurement cannot read correctly (it refuses rather than guess): a feature it cannot
+    measure, attention that never runs ``hook_pattern`` (fused SDPA), or a folder transformers cannot load."""
+
+
+class NotFoundError(SinklensError, FileNotFoundError):
+    """A model, data, config or run path that does not exist or holds nothing usable (no checkpoint yet)."""
+
+
+class OfflineError(SinklensError, OSError):
+    """A Hub model or Hugging Face dataset that cannot be fetched because there is no network."""
+
+
+class CorruptFileError(SinklensError, OSError):
+    """A model file, checkpoint or run file that exists but is truncated, corrupt or fails its checksum."""
+
+
+class OutputExistsError(SinklensError, FileExistsError):
+    """An output that would replace a finished result or run, or that another sinklens process holds (its
+    lock is taken); pass ``--overwrite``/``--resume`` or another output path."""
 
 
 class OutputNotWritableError(SinklensError, OSError):
     """An output path (``--out``, ``--json``, a run directory) that cannot be written; checked before the work."""
-
-
-# --- error contract (issue 11): loading, inputs, devices, and the CLI exit-code mapping -------------
-
-
-class DeviceUnavailableError(SinklensError, ValueError):
-    """A device that this machine does not have (``cuda`` without a GPU, ``cuda:3`` with one GPU, ``mps`` off a Mac)."""
-
-
-class InputFileError(SinklensError, ValueError):
-    """A prompts file that is missing, a folder, binary, not UTF-8, or holds no non-empty lines."""
-
-
-class CorruptModelFileError(SinklensError, OSError):
-    """A model file that exists but is truncated or corrupt (GGUF, safetensors, a converted cache)."""
-
-
-class ModelLoadError(SinklensError, RuntimeError):
-    """A local model that exists and looks intact but could not be loaded (e.g. an unsupported architecture)."""
-
-
-class UnsupportedArchitectureError(SinklensError, ValueError):
-    """The model's architecture has a feature this analysis cannot measure correctly (it refuses rather than guess)."""
-
-
-class IncompatibleModelsError(SinklensError, ValueError):
-    """Two models that cannot be compared as asked (e.g. different hidden sizes for a SeedPrint test)."""
-
-
-# ---- trainer run directories (sinklens.sinklm.checkpoint, sinklens.train.loop)
-class RunNotFoundError(ModelFileNotFoundError):
-    """A path that is not a sinklens run directory, or a run that has no checkpoint yet."""
-
-
-class CorruptCheckpointError(SinklensError, OSError):
-    """A checkpoint whose files are missing, truncated or fail their checksum, with no good one to fall back to."""
-
-
-class RunExistsError(SinklensError, FileExistsError):
-    """A new training run aimed at a directory that already holds a run (pass resume or overwrite)."""
-
-
-class RunLockedError(RunExistsError):
-    """A training run aimed at a directory that another process is training right now (its ``.lock`` is held)."""
-
-
-class OutputExistsError(SinklensError, FileExistsError):
-    """A command whose output would replace a finished result (an analysis's ``report.json``, a ``--json``
-    file); pass ``--overwrite`` or another output path."""
-
-
-class OutputLockedError(OutputExistsError):
-    """A command writing a result folder (``analyze``/``origins --out``) that another sinklens process is writing
-    right now (its ``.sinklens.lock`` is held)."""
-
-
-class ResumeMismatchError(SinklensError, ValueError):
-    """A resume whose config changes what the run is (its model, data or initialisation seed)."""
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -129,27 +52,23 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 # Usage errors: fixing the command line fixes them. Checked before the generic rules below, so that
 # e.g. a missing model file (a FileNotFoundError, hence an OSError) is a usage error.
-_USAGE_CLASSES: tuple[type[BaseException], ...] = (
-    ModelFileNotFoundError, DataFileNotFoundError, ConfigFileNotFoundError, OutputNotWritableError, DeviceUnavailableError,
-    InputFileError,
-    RunExistsError, OutputExistsError,
-)
+_USAGE_CLASSES: tuple[type[BaseException], ...] = (NotFoundError, OutputNotWritableError, OutputExistsError)
 
 
 def exit_code_for(err: BaseException) -> int:
     """The ``sinklens`` exit code for an exception that ended a command (the one mapping, used by the CLI).
 
     * 130 — ``KeyboardInterrupt`` (Ctrl-C).
-    * 2 (usage) — the arguments are wrong: any :class:`SinklensError` that is also a ``ValueError``,
-      ``LookupError`` or ``TypeError``, the missing-file and unwritable-output errors, a malformed config
+    * 2 (usage) — the arguments are wrong: :class:`InvalidArgumentError`, :class:`UnsupportedArchitectureError`,
+      :class:`NotFoundError`, :class:`OutputExistsError`, :class:`OutputNotWritableError`, a malformed config
       file, and a plain ``ValueError``/``TypeError`` from sinklens' own validation code.
-    * 1 (failure) — the work failed: ``OSError``, ``CorruptModelFileError``, ``ModelLoadError``,
-      ``PatternNotExposedError`` and every unexpected exception (reported as an internal error).
+    * 1 (failure) — the work failed: ``OSError`` (:class:`OfflineError`, :class:`CorruptFileError`),
+      :class:`TrainingDivergedError` and every unexpected exception (reported as an internal error).
 
     Examples:
         >>> exit_code_for(InvalidArgumentError("batch_size must be >= 1, got 0."))
         2
-        >>> exit_code_for(PatternNotExposedError("fused attention"))
+        >>> exit_code_for(CorruptFileError("truncated GGUF"))
         1
         >>> exit_code_for(KeyboardInterrupt())
         130

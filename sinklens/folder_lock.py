@@ -10,7 +10,7 @@ from typing import Any
 
 from filelock import FileLock, Timeout
 
-from sinklens.errors import OutputLockedError
+from sinklens.errors import OutputExistsError
 
 #: The lock file of a result folder (``analyze``/``origins --out``); a training run's is ``.lock``.
 OUTPUT_LOCK = ".sinklens.lock"
@@ -29,7 +29,7 @@ class FolderLock:
 
     def refusal(self, holder: str) -> Exception:
         """The error for a folder another process (pid ``holder``) holds."""
-        return OutputLockedError(f"{str(self.folder)!r} is being written by another sinklens process (pid {holder}); "
+        return OutputExistsError(f"{str(self.folder)!r} is being written by another sinklens process (pid {holder}); "
                                  f"wait for it to finish or stop it, or pick another folder.")
 
     def __enter__(self) -> FolderLock:

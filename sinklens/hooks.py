@@ -21,7 +21,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.errors import InvalidArgumentError, UnknownHookError
+from sinklens.errors import InvalidArgumentError
 from sinklens.validate import optional_index_list
 
 #: Per-layer hook sites used across sinklens, relative to ``blocks.{layer}``.
@@ -83,7 +83,7 @@ def layer_of(name: str) -> int:
     """
     parts = name.split(".")
     if len(parts) < 3 or parts[0] != "blocks" or not parts[1].isdigit():
-        raise UnknownHookError(f"{name!r} is not a per-layer hook name of the form 'blocks.<layer>.<site>'.")
+        raise InvalidArgumentError(f"{name!r} is not a per-layer hook name of the form 'blocks.<layer>.<site>'.")
     return int(parts[1])
 
 
@@ -173,21 +173,21 @@ def model_dtype(model: Any) -> torch.dtype:
 
 
 def check_hook_names(model: Any, names: Iterable[str]) -> None:
-    """Raise :class:`UnknownHookError` naming the closest real hooks if any name is missing.
+    """Raise :class:`InvalidArgumentError` naming the closest real hooks if any name is missing.
 
     Examples:
         >>> from sinklens.testing import tiny_model
         >>> check_hook_names(tiny_model(), ["blocks.0.attn.hook_pattrn"])
         Traceback (most recent call last):
         ...
-        sinklens.errors.UnknownHookError: Unknown hook 'blocks.0.attn.hook_pattrn'; did you mean 'blocks.0.attn.hook_pattern'...
+        sinklens.errors.InvalidArgumentError: Unknown hook 'blocks.0.attn.hook_pattrn'; did you mean 'blocks.0.attn.hook_pattern'...
     """
     available = model.hook_dict
     for name in names:
         if name not in available:
             close = difflib.get_close_matches(name, list(available), n=3, cutoff=0.6)
             hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "."
-            raise UnknownHookError(
+            raise InvalidArgumentError(
                 f"Unknown hook {name!r}{hint} The model has {len(available)} hook points "
                 f"(see model.hook_dict); per-layer ones look like 'blocks.0.attn.hook_pattern'."
             )

@@ -33,7 +33,7 @@ from jaxtyping import Bool, Int
 from torch import Tensor
 
 from sinklens.display import CompactRepr
-from sinklens.errors import InvalidArgumentError, SequenceTooLongError
+from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import model_device, model_dims
 from sinklens.prompts import builtin_prompts
 from sinklens.validate import IntLike, as_bool, as_seed, check_vocab, optional_positive_int, positive_int, prompt_list, token_ids
@@ -204,7 +204,7 @@ def _check_length(length: int, n_ctx: int, *, random_tokens: bool = False) -> No
     if length > n_ctx:
         fix = (f"pass seq_len={n_ctx} or shorter (CLI: --seq-len {n_ctx})" if random_tokens else
                f"pass max_length={n_ctx} or shorter to truncate (CLI: --max-length {n_ctx}), or shorter prompts")
-        raise SequenceTooLongError(
+        raise InvalidArgumentError(
             f"A sequence of {length} tokens is longer than the model's context of {n_ctx} tokens (cfg.n_ctx); {fix}."
         )
 
@@ -221,7 +221,7 @@ def tokenize_prompts(
 
     ``prepend_bos`` adds the model's special tokens (module docstring). ``max_length`` truncates each prompt
     (special tokens included; an encoder keeps its final ``[SEP]``, so it must be >= 3 there); without it a
-    prompt longer than ``cfg.n_ctx`` raises :class:`SequenceTooLongError`. An empty prompt or one that is
+    prompt longer than ``cfg.n_ctx`` raises :class:`InvalidArgumentError`. An empty prompt or one that is
     not valid Unicode raises :class:`~sinklens.errors.InvalidArgumentError` naming its index.
     """
     prompts = prompt_list(_materialised(prompts))

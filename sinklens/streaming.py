@@ -50,7 +50,7 @@ from torch import Tensor
 from tqdm.auto import tqdm
 
 from sinklens import distributed
-from sinklens.errors import PatternNotExposedError, UnsupportedArchitectureError
+from sinklens.errors import UnsupportedArchitectureError
 from sinklens.hooks import (
     check_hook_names, check_model_device, eval_mode, exclusive_use, hook_name, refuse_meta_model, running,
 )
@@ -398,7 +398,7 @@ def stream(
     :func:`sinklens.distributed.session` each process streams its share of ``batches`` and the statistics
     are merged in rank order before :meth:`Reducer.result`.
 
-    Raises :class:`~sinklens.errors.PatternNotExposedError` if a requested hook or one of
+    Raises :class:`~sinklens.errors.UnsupportedArchitectureError` if a requested hook or one of
     ``options.extra_hooks`` never ran (e.g. ``hook_pattern`` under a fused attention kernel).
     """
     options = checked_options(options, "stream")
@@ -443,7 +443,7 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
     fired = table.fired
     silent = sorted(extra - fired) if n_streamed else []
     if silent:
-        raise PatternNotExposedError(
+        raise UnsupportedArchitectureError(
             f"extra_hooks on {silent[:4]}{'...' if len(silent) > 4 else ''} never ran during the forward pass, so they "
             "changed and measured nothing (an intervention there would be silently ignored). The model has these hook "
             "points but does not run them here: e.g. TransformerLens 3 runs attn.hook_result only with "
@@ -453,7 +453,7 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
         )
     missing = sorted(requested - fired)
     if missing:
-        raise PatternNotExposedError(
+        raise UnsupportedArchitectureError(
             f"Hooks {missing[:4]}{'...' if len(missing) > 4 else ''} never ran during the forward pass. "
             "The model's attention implementation probably bypasses them (e.g. a fused SDPA/flash kernel "
             "hides hook_pattern). Load the model with eager attention (sinklens.load_model does) "

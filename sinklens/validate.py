@@ -29,12 +29,9 @@ from typing import Any, Union
 import torch
 
 from sinklens.errors import (
-    DeviceUnavailableError,
-    InputFileError,
     InvalidArgumentError,
     OutputExistsError,
     OutputNotWritableError,
-    SequenceTooLongError,
 )
 
 #: What a count or length argument accepts: a Python int, a numpy integer or a 0-d integer tensor
@@ -394,58 +391,58 @@ def device(value: Any, *, what: str = "device") -> torch.device:
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
-            raise DeviceUnavailableError(f"{what} {str(value)!r} needs a CUDA GPU, and this machine has none; use 'cpu'.")
+            raise InvalidArgumentError(f"{what} {str(value)!r} needs a CUDA GPU, and this machine has none; use 'cpu'.")
         if dev.index is not None and dev.index >= n:
-            raise DeviceUnavailableError(f"{what} {str(value)!r}: this machine has {n} CUDA GPU(s), cuda:0..cuda:{n - 1}.")
+            raise InvalidArgumentError(f"{what} {str(value)!r}: this machine has {n} CUDA GPU(s), cuda:0..cuda:{n - 1}.")
         return dev
     if dev.type == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
-            raise DeviceUnavailableError(f"{what} {str(value)!r} needs Apple's MPS backend, which is not available here; use 'cpu'.")
+            raise InvalidArgumentError(f"{what} {str(value)!r} needs Apple's MPS backend, which is not available here; use 'cpu'.")
         return dev
     raise InvalidArgumentError(f"Unknown {what} {value!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'.")
 
 
 def refuse_binary(file: Path, head: bytes, *, what: str, give: str = "a UTF-8 text file") -> None:
-    """Raise :class:`~sinklens.errors.InputFileError` naming ``file`` when ``head`` (its first bytes) holds a NUL
+    """Raise :class:`~sinklens.errors.InvalidArgumentError` naming ``file`` when ``head`` (its first bytes) holds a NUL
     byte in its first 8 KiB: a binary file is not text (``--prompts``, a text corpus to train on)."""
     if b"\x00" in head[:8192]:
-        raise InputFileError(f"{what} file {str(file)!r} is a binary file (it holds NUL bytes); give {give}.")
+        raise InvalidArgumentError(f"{what} file {str(file)!r} is a binary file (it holds NUL bytes); give {give}.")
 
 
 def utf8_text(file: Path, raw: bytes, *, what: str) -> str:
-    """``raw`` (the bytes of ``file``) decoded as UTF-8; other bytes raise :class:`~sinklens.errors.InputFileError`
+    """``raw`` (the bytes of ``file``) decoded as UTF-8; other bytes raise :class:`~sinklens.errors.InvalidArgumentError`
     naming the file, the first bad byte and its offset (never silently replaced)."""
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise InputFileError(
+        raise InvalidArgumentError(
             f"{what} file {str(file)!r} is not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start})."
         ) from None
 
 
 def text_lines(path: Any, *, what: str) -> list[str]:
     """The non-empty, stripped lines of a UTF-8 text file; a missing file, a folder, a pipe or device, a binary or
-    non-UTF-8 file and a file with no text raise :class:`~sinklens.errors.InputFileError` naming the path."""
+    non-UTF-8 file and a file with no text raise :class:`~sinklens.errors.InvalidArgumentError` naming the path."""
     if path is None or str(path).strip() == "":
-        raise InputFileError(f"{what} is empty; give the path of a text file with one prompt per line.")
+        raise InvalidArgumentError(f"{what} is empty; give the path of a text file with one prompt per line.")
     file = Path(path).expanduser()
     if not file.exists():
-        raise InputFileError(f"{what} file {str(file)!r} does not exist.")
+        raise InvalidArgumentError(f"{what} file {str(file)!r} does not exist.")
     if file.is_dir():
-        raise InputFileError(f"{what} {str(file)!r} is a folder; give a text file with one prompt per line.")
+        raise InvalidArgumentError(f"{what} {str(file)!r} is a folder; give a text file with one prompt per line.")
     if not file.is_file():  # a pipe would block, a device like /dev/urandom never ends
-        raise InputFileError(f"{what} {str(file)!r} is not a regular file (a pipe or a device); give a text file "
-                             "with one prompt per line.")
+        raise InvalidArgumentError(f"{what} {str(file)!r} is not a regular file (a pipe or a device); give a text file "
+                                   "with one prompt per line.")
     try:
         raw = file.read_bytes()
     except OSError as err:
-        raise InputFileError(f"{what} file {str(file)!r} cannot be read: {err.strerror or err}.") from None
+        raise InvalidArgumentError(f"{what} file {str(file)!r} cannot be read: {err.strerror or err}.") from None
     refuse_binary(file, raw, what=what)
     text = utf8_text(file, raw, what=what)
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
-        raise InputFileError(f"{what} file {str(file)!r} has no non-empty lines.")
+        raise InvalidArgumentError(f"{what} file {str(file)!r} has no non-empty lines.")
     return lines
 
 
@@ -457,10 +454,10 @@ def seq_len_within_context(seq_len: int | None, n_ctx: int, *, what: str = "--se
         >>> seq_len_within_context(65, 64)
         Traceback (most recent call last):
         ...
-        sinklens.errors.SequenceTooLongError: --seq-len 65 is longer than the model's context of 64 tokens (cfg.n_ctx); pass a shorter --seq-len.
+        sinklens.errors.InvalidArgumentError: --seq-len 65 is longer than the model's context of 64 tokens (cfg.n_ctx); pass a shorter --seq-len.
     """
     if seq_len is not None and seq_len > n_ctx:
-        raise SequenceTooLongError(f"{what} {seq_len} is longer than {context} of {n_ctx} tokens ({note}); "
+        raise InvalidArgumentError(f"{what} {seq_len} is longer than {context} of {n_ctx} tokens ({note}); "
                                    f"pass a shorter {what}.")
 
 

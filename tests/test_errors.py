@@ -22,18 +22,14 @@ from sinklens.errors import (
     EXIT_FAILURE,
     EXIT_INTERRUPTED,
     EXIT_USAGE,
-    CorruptModelFileError,
-    DeviceUnavailableError,
-    InputFileError,
+    CorruptFileError,
     InvalidArgumentError,
-    ModelFileNotFoundError,
-    ModelLoadError,
-    OfflineModelError,
+    NotFoundError,
+    OfflineError,
     OutputExistsError,
     OutputNotWritableError,
-    PatternNotExposedError,
-    SequenceTooLongError,
-    UnknownModelError,
+    TrainingDivergedError,
+    UnsupportedArchitectureError,
     exit_code_for,
 )
 from sinklens.inputs import (
@@ -60,25 +56,25 @@ def no_gpu(monkeypatch):
 
 LOAD_ROWS = [
     # (id, spec, kwargs, error, words in the message)
-    ("unknown-name", "gpt-5-nano", {}, UnknownModelError, ["'gpt-5-nano'", "smollm2-135m"]),
-    ("empty-spec", "", {}, UnknownModelError, ["empty", "''"]),
-    ("blank-spec", "   ", {}, UnknownModelError, ["empty"]),
-    ("dot-slash-missing", "./no/such/model", {}, ModelFileNotFoundError, ["./no/such/model"]),
-    ("home-missing", "~/no-such-sinklens-model", {}, ModelFileNotFoundError, ["~/no-such-sinklens-model"]),
-    ("absolute-missing", "/no/such/model", {}, ModelFileNotFoundError, ["/no/such/model"]),
-    ("gguf-missing", "weights.gguf", {}, ModelFileNotFoundError, ["weights.gguf"]),
-    ("safetensors-missing", "model.safetensors", {}, ModelFileNotFoundError, ["model.safetensors"]),
-    ("bin-missing", "pytorch_model.bin", {}, ModelFileNotFoundError, ["pytorch_model.bin"]),
-    ("nested-missing", "runs/a/b", {}, ModelFileNotFoundError, ["runs/a/b"]),
-    ("not-a-hub-id", "org/na me", {}, ModelFileNotFoundError, ["org/na me"]),
-    ("dotdot-in-id", "org/..x", {}, ModelFileNotFoundError, ["org/..x"]),
-    ("int-spec", 12, {}, UnknownModelError, ["int"]),
-    ("none-spec", None, {}, UnknownModelError, ["NoneType"]),
+    ("unknown-name", "gpt-5-nano", {}, InvalidArgumentError, ["'gpt-5-nano'", "smollm2-135m"]),
+    ("empty-spec", "", {}, InvalidArgumentError, ["empty", "''"]),
+    ("blank-spec", "   ", {}, InvalidArgumentError, ["empty"]),
+    ("dot-slash-missing", "./no/such/model", {}, NotFoundError, ["./no/such/model"]),
+    ("home-missing", "~/no-such-sinklens-model", {}, NotFoundError, ["~/no-such-sinklens-model"]),
+    ("absolute-missing", "/no/such/model", {}, NotFoundError, ["/no/such/model"]),
+    ("gguf-missing", "weights.gguf", {}, NotFoundError, ["weights.gguf"]),
+    ("safetensors-missing", "model.safetensors", {}, NotFoundError, ["model.safetensors"]),
+    ("bin-missing", "pytorch_model.bin", {}, NotFoundError, ["pytorch_model.bin"]),
+    ("nested-missing", "runs/a/b", {}, NotFoundError, ["runs/a/b"]),
+    ("not-a-hub-id", "org/na me", {}, NotFoundError, ["org/na me"]),
+    ("dotdot-in-id", "org/..x", {}, NotFoundError, ["org/..x"]),
+    ("int-spec", 12, {}, InvalidArgumentError, ["int"]),
+    ("none-spec", None, {}, InvalidArgumentError, ["NoneType"]),
     ("unknown-dtype", "smollm2-135m", {"dtype": "float13"}, InvalidArgumentError, ["'float13'", "bfloat16"]),
     ("int-dtype", "smollm2-135m", {"dtype": "int64"}, InvalidArgumentError, ["int64", "floating"]),
     ("torch-int-dtype", "smollm2-135m", {"dtype": torch.int8}, InvalidArgumentError, ["int8"]),
-    ("cuda-without-gpu", "smollm2-135m", {"device": "cuda"}, DeviceUnavailableError, ["'cuda'", "cpu"]),
-    ("cuda-index-without-gpu", "smollm2-135m", {"device": "cuda:1"}, DeviceUnavailableError, ["'cuda:1'"]),
+    ("cuda-without-gpu", "smollm2-135m", {"device": "cuda"}, InvalidArgumentError, ["'cuda'", "cpu"]),
+    ("cuda-index-without-gpu", "smollm2-135m", {"device": "cuda:1"}, InvalidArgumentError, ["'cuda:1'"]),
     ("unknown-device", "smollm2-135m", {"device": "gpu"}, InvalidArgumentError, ["'gpu'", "'cpu'"]),
     ("device-typo", "smollm2-135m", {"device": "cdua"}, InvalidArgumentError, ["'cdua'"]),
 ]
@@ -99,13 +95,13 @@ def test_load_model_bad_specs(no_gpu, spec, kwargs, error, words):
 
 def test_mps_device_is_refused_where_there_is_no_mps(monkeypatch):
     monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
-    with pytest.raises(DeviceUnavailableError, match="'mps'"):
+    with pytest.raises(InvalidArgumentError, match="'mps'"):
         loading.load_model("smollm2-135m", device="mps")
 
 
 def test_plausible_hub_id_goes_to_the_hub(monkeypatch):
     monkeypatch.setattr(model_files, "hub_reachable", lambda timeout=3.0: False)
-    with pytest.raises(OfflineModelError, match="org-1/model_2.5"):
+    with pytest.raises(OfflineError, match="org-1/model_2.5"):
         loading.load_model("org-1/model_2.5")
 
 
@@ -170,27 +166,27 @@ def _run_dir(tmp_path: Path, damage: str) -> Path:
 
 FILE_ROWS = [
     # (id, make(tmp_path) -> spec, error, words)
-    ("empty-gguf", lambda t: _write(t / "m.gguf", b""), CorruptModelFileError, ["m.gguf", "empty"]),
-    ("not-gguf-magic", lambda t: _write(t / "m.gguf", b"PK\x03\x04" * 10), CorruptModelFileError,
+    ("empty-gguf", lambda t: _write(t / "m.gguf", b""), CorruptFileError, ["m.gguf", "empty"]),
+    ("not-gguf-magic", lambda t: _write(t / "m.gguf", b"PK\x03\x04" * 10), CorruptFileError,
      ["m.gguf", "magic"]),
     ("gguf-bad-version", lambda t: _write(t / "m.gguf", b"GGUF" + struct.pack("<I", 99) + bytes(16)),
-     CorruptModelFileError, ["m.gguf", "99"]),
-    ("truncated-gguf-header", lambda t: _write(t / "m.gguf", b"GGUF\x03\x00"), CorruptModelFileError,
+     CorruptFileError, ["m.gguf", "99"]),
+    ("truncated-gguf-header", lambda t: _write(t / "m.gguf", b"GGUF\x03\x00"), CorruptFileError,
      ["m.gguf"]),
-    ("gguf-header-without-tensors", lambda t: _gguf_header(t / "m.gguf", b"\x00" * 7), CorruptModelFileError, ["m.gguf"]),
-    ("truncated-safetensors-dir", lambda t: _hf_dir(t, weights="truncated"), CorruptModelFileError,
+    ("gguf-header-without-tensors", lambda t: _gguf_header(t / "m.gguf", b"\x00" * 7), CorruptFileError, ["m.gguf"]),
+    ("truncated-safetensors-dir", lambda t: _hf_dir(t, weights="truncated"), CorruptFileError,
      ["model.safetensors", "truncated"]),
-    ("garbage-safetensors-dir", lambda t: _hf_dir(t, weights="garbage"), CorruptModelFileError, ["model.safetensors"]),
-    ("bad-config-json", lambda t: _hf_dir(t, config="{not json"), CorruptModelFileError, ["config.json"]),
-    ("unsupported-architecture", lambda t: _hf_dir(t, config=json.dumps({"model_type": "no-such-arch"})), ModelLoadError,
-     ["hf"]),
-    ("safetensors-file-as-spec", lambda t: _safetensors(t / "w.safetensors"), UnknownModelError, ["w.safetensors", "folder"]),
-    ("truncated-safetensors-file", lambda t: _truncated(_safetensors(t / "w.safetensors")), CorruptModelFileError,
+    ("garbage-safetensors-dir", lambda t: _hf_dir(t, weights="garbage"), CorruptFileError, ["model.safetensors"]),
+    ("bad-config-json", lambda t: _hf_dir(t, config="{not json"), CorruptFileError, ["config.json"]),
+    ("unsupported-architecture", lambda t: _hf_dir(t, config=json.dumps({"model_type": "no-such-arch"})),
+     UnsupportedArchitectureError, ["hf"]),
+    ("safetensors-file-as-spec", lambda t: _safetensors(t / "w.safetensors"), InvalidArgumentError, ["w.safetensors", "folder"]),
+    ("truncated-safetensors-file", lambda t: _truncated(_safetensors(t / "w.safetensors")), CorruptFileError,
      ["w.safetensors", "truncated"]),
-    ("text-file-as-spec", lambda t: _write(t / "notes.txt", "hi"), UnknownModelError, ["notes.txt"]),
-    ("folder-without-config", lambda t: t, UnknownModelError, ["config.json"]),
-    ("run-truncated-weights", lambda t: _run_dir(t, "weights"), CorruptModelFileError, ["model.safetensors", "truncated"]),
-    ("run-damaged-config", lambda t: _run_dir(t, "config"), ModelLoadError, ["run"]),
+    ("text-file-as-spec", lambda t: _write(t / "notes.txt", "hi"), InvalidArgumentError, ["notes.txt"]),
+    ("folder-without-config", lambda t: t, InvalidArgumentError, ["config.json"]),
+    ("run-truncated-weights", lambda t: _run_dir(t, "weights"), CorruptFileError, ["model.safetensors", "truncated"]),
+    ("run-damaged-config", lambda t: _run_dir(t, "config"), UnsupportedArchitectureError, ["run"]),
 ]
 
 
@@ -314,12 +310,12 @@ INPUT_ROWS = [
      ["(1, 2, 3)"]),
     ("empty-token-tensor", lambda m: as_batches_(m, torch.zeros(1, 0, dtype=torch.long)), InvalidArgumentError,
      ["empty", "(1, 0)"]),
-    ("token-tensor-too-long", lambda m: as_batches_(m, torch.zeros(1, 65, dtype=torch.long)), SequenceTooLongError,
+    ("token-tensor-too-long", lambda m: as_batches_(m, torch.zeros(1, 65, dtype=torch.long)), InvalidArgumentError,
      ["65", "64"]),
-    ("prompt-too-long", lambda m: as_batches_(m, [" ".join(["t2"] * 80)]), SequenceTooLongError, ["81", "max_length"]),
+    ("prompt-too-long", lambda m: as_batches_(m, [" ".join(["t2"] * 80)]), InvalidArgumentError, ["81", "max_length"]),
     ("random-n-zero", lambda m: random_token_batches_(m, n_sequences=0), InvalidArgumentError, ["n_sequences", "0"]),
     ("random-seq-len-zero", lambda m: random_token_batches_(m, seq_len=0), InvalidArgumentError, ["seq_len", "0"]),
-    ("random-seq-len-too-long", lambda m: random_token_batches_(m, seq_len=65), SequenceTooLongError, ["65"]),
+    ("random-seq-len-too-long", lambda m: random_token_batches_(m, seq_len=65), InvalidArgumentError, ["65"]),
     ("random-batch-size-zero", lambda m: random_token_batches_(m, batch_size=0), InvalidArgumentError, ["batch_size"]),
     ("random-seed-float", lambda m: random_token_batches_(m, seed=0.5), InvalidArgumentError, ["seed", "0.5"]),
     ("stdlib-zero", lambda m: stdlib_text_prompts_(0), InvalidArgumentError, ["n_prompts", "0"]),
@@ -336,7 +332,7 @@ def test_run_options_device_is_one_this_machine_has_and_the_model_runs_on(no_gpu
     from sinklens import find_sinks
     from sinklens.options import RunOptions
 
-    with pytest.raises(DeviceUnavailableError, match=r"device 'cuda' needs a CUDA GPU, and this machine has none"):
+    with pytest.raises(InvalidArgumentError, match=r"device 'cuda' needs a CUDA GPU, and this machine has none"):
         RunOptions(device="cuda")
     with pytest.raises(InvalidArgumentError, match=r"Unknown device 'tpu'"):
         RunOptions(device="tpu")
@@ -467,7 +463,7 @@ TEXT_FILE_ROWS = [
 
 @pytest.mark.parametrize(("make", "words"), [r[1:] for r in TEXT_FILE_ROWS], ids=[r[0] for r in TEXT_FILE_ROWS])
 def test_bad_prompt_files(tmp_path, make, words):
-    _raises_naming(InputFileError, words, validate.text_lines, make(tmp_path), what="--prompts")
+    _raises_naming(InvalidArgumentError, words, validate.text_lines, make(tmp_path), what="--prompts")
 
 
 def test_prompt_file_lines_are_stripped(tmp_path):
@@ -549,19 +545,15 @@ _json_error = _caught(lambda: json.loads("{"), ValueError)
 
 EXIT_ROWS = [
     ("invalid-argument", lambda: InvalidArgumentError("x"), EXIT_USAGE),
-    ("unknown-model", lambda: UnknownModelError("x"), EXIT_USAGE),
-    ("model-file-not-found", lambda: ModelFileNotFoundError("x"), EXIT_USAGE),
-    ("sequence-too-long", lambda: SequenceTooLongError("x"), EXIT_USAGE),
-    ("device-unavailable", lambda: DeviceUnavailableError("x"), EXIT_USAGE),
-    ("input-file", lambda: InputFileError("x"), EXIT_USAGE),
+    ("not-found", lambda: NotFoundError("x"), EXIT_USAGE),  # a FileNotFoundError, i.e. an OSError
+    ("unsupported-architecture", lambda: UnsupportedArchitectureError("x"), EXIT_USAGE),
     ("output-exists", lambda: OutputExistsError("x"), EXIT_USAGE),  # a FileExistsError, i.e. an OSError
     ("output-not-writable", lambda: OutputNotWritableError("x"), EXIT_USAGE),
     ("config-value-error", _raised_in_sinklens, EXIT_USAGE),
     ("config-json-syntax", _json_error, EXIT_USAGE),
-    ("offline", lambda: OfflineModelError("x"), EXIT_FAILURE),
-    ("corrupt-file", lambda: CorruptModelFileError("x"), EXIT_FAILURE),
-    ("model-load", lambda: ModelLoadError("x"), EXIT_FAILURE),
-    ("pattern-not-exposed", lambda: PatternNotExposedError("x"), EXIT_FAILURE),
+    ("offline", lambda: OfflineError("x"), EXIT_FAILURE),
+    ("corrupt-file", lambda: CorruptFileError("x"), EXIT_FAILURE),
+    ("training-diverged", lambda: TrainingDivergedError("x"), EXIT_FAILURE),
     ("os-error", lambda: PermissionError(13, "Permission denied", "/x"), EXIT_FAILURE),
     ("torch-runtime-error", _raised_in_torch, EXIT_FAILURE),
     ("numpy-value-error", _raised_in_numpy, EXIT_FAILURE),

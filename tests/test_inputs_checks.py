@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sinklens
-from sinklens.errors import InvalidArgumentError, PatternNotExposedError
+from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.inputs import TokenBatch, as_batches, tokenize_prompts
 from sinklens.streaming import stream
 from sinklens.testing import QUIET, transformer_lens_major
@@ -198,7 +198,7 @@ def test_an_extra_hook_that_never_runs_is_reported(fused_attention_model):
     model = fused_attention_model  # has hook_pattern, never runs it (like fused SDPA)
     batches = as_batches(model, torch.zeros(1, 3, dtype=torch.long))
     options = QUIET.replace(extra_hooks=[("blocks.0.attn.hook_pattern", lambda act, hook: act * 0)])
-    with pytest.raises(PatternNotExposedError, match=re.escape("extra_hooks on ['blocks.0.attn.hook_pattern'] never ran")):
+    with pytest.raises(UnsupportedArchitectureError, match=re.escape("extra_hooks on ['blocks.0.attn.hook_pattern'] never ran")):
         stream(model, batches, [], options=options)
 
 
@@ -215,7 +215,7 @@ def test_an_intervention_on_a_hook_the_model_skips_is_not_silently_ignored():
         fired.append(1)
         return act * 0
 
-    with pytest.raises(PatternNotExposedError, match=re.escape(f"extra_hooks on [{hook!r}] never ran")):
+    with pytest.raises(UnsupportedArchitectureError, match=re.escape(f"extra_hooks on [{hook!r}] never ran")):
         sinklens.find_sinks(model, ["t5 t6 t7 t8 t9", "t10 t11 t12"], options=QUIET.replace(extra_hooks=[(hook, kill)]))
     assert fired == []
     sinklens.find_sinks(model, ["t5 t6 t7"], options=QUIET.replace(extra_hooks=[("blocks.0.hook_resid_pre", kill)]))
@@ -274,7 +274,7 @@ def test_prompts_from_a_pipe_or_a_device_are_refused_without_reading(tmp_path, c
     import threading
 
     from sinklens.cli import main
-    from sinklens.errors import InputFileError
+    from sinklens.errors import InvalidArgumentError
     from sinklens.validate import text_lines
 
     fifo = tmp_path / "fifo"
@@ -284,7 +284,7 @@ def test_prompts_from_a_pipe_or_a_device_are_refused_without_reading(tmp_path, c
     def read() -> None:
         try:
             text_lines(fifo, what="--prompts")
-        except InputFileError as err:
+        except InvalidArgumentError as err:
             raised.append(str(err))
 
     reader = threading.Thread(target=read, daemon=True)

@@ -210,7 +210,7 @@ def run_labels(run_dirs: list[str], labels: list[str] | None = None) -> list[str
         return list(labels)
 
     def variant(run_dir: str) -> str:
-        from sinklens.errors import CorruptCheckpointError
+        from sinklens.errors import CorruptFileError
 
         cfg_path = Path(run_dir) / "config.json"
         if not cfg_path.is_file():
@@ -218,9 +218,9 @@ def run_labels(run_dirs: list[str], labels: list[str] | None = None) -> list[str
         try:  # the trainer's error for a damaged run (sinklens.sinklm.checkpoint.load_train_config)
             return json.loads(cfg_path.read_text())["model"]["variant"]
         except ValueError as err:
-            raise CorruptCheckpointError(f"{str(cfg_path)!r} is not valid JSON ({err}).") from None
+            raise CorruptFileError(f"{str(cfg_path)!r} is not valid JSON ({err}).") from None
         except (KeyError, TypeError):
-            raise CorruptCheckpointError(f"{str(cfg_path)!r} has no model.variant; is it a sinklens run's config?") from None
+            raise CorruptFileError(f"{str(cfg_path)!r} has no model.variant; is it a sinklens run's config?") from None
 
     variants = [variant(r) for r in run_dirs]
     short = [f"{v} @ {Path(r).name}" for v, r in zip(variants, run_dirs)]

@@ -40,8 +40,8 @@ def resolve_device(name: str) -> torch.device:
     (checked by :func:`sinklens.validate.device`, as every other command checks ``--device``).
 
     Raises:
-        InvalidArgumentError: an unknown name (``"gpu"``) or a device training cannot use (``"meta"``).
-        DeviceUnavailableError: ``cuda`` without a GPU, ``cuda:3`` with one GPU, ``mps`` off a Mac.
+        InvalidArgumentError: an unknown name (``"gpu"``), a device training cannot use (``"meta"``), or one
+            this machine lacks (``cuda`` without a GPU, ``cuda:3`` with one GPU, ``mps`` off a Mac).
     """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

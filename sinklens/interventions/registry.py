@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from sinklens.errors import InvalidArgumentError, UnknownInterventionError
+from sinklens.errors import InvalidArgumentError
 from sinklens.specs import split_spec
 
 if TYPE_CHECKING:
@@ -117,7 +117,7 @@ def get(name: str, *, role: Role | None = None) -> Intervention:
     key = canonical(name)
     entry = _REGISTRY.get(key)
     if entry is not None and role is not None and entry.role != role:
-        raise UnknownInterventionError(
+        raise InvalidArgumentError(
             f"{name!r} is a {entry.role} intervention, not a {role} one; {role} interventions: {names(role)}."
         )
     if entry is None:
@@ -125,7 +125,7 @@ def get(name: str, *, role: Role | None = None) -> Intervention:
         close = difflib.get_close_matches(key, choices, n=2)
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         what = f"{role} intervention" if role else "intervention"
-        raise UnknownInterventionError(f"Unknown {what} {name!r}; registered: {choices}.{hint}")
+        raise InvalidArgumentError(f"Unknown {what} {name!r}; registered: {choices}.{hint}")
     return entry
 
 

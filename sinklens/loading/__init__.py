@@ -29,14 +29,12 @@ import torch
 
 from sinklens import model_files
 from sinklens.errors import (
-    CorruptModelFileError,
+    CorruptFileError,
     InvalidArgumentError,
-    ModelFileNotFoundError,
-    ModelLoadError,
-    OfflineModelError,
-    PatternNotExposedError,
+    NotFoundError,
+    OfflineError,
     SinklensError,
-    UnknownModelError,
+    UnsupportedArchitectureError,
 )
 from sinklens.loading.init import load_at_init
 from sinklens.model_files import EMBEDDED_MODELS, check_model_dir, check_safetensors, convert_gguf, fetch_embedded_gguf
@@ -65,7 +63,7 @@ def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bo
     try:
         from transformer_lens.model_bridge import TransformerBridge
     except ImportError as err:
-        raise UnknownModelError(
+        raise InvalidArgumentError(
             "Loading Hugging Face models and GGUF files needs TransformerLens 4.x (TransformerBridge); this "
             "is TransformerLens 3.x. Build a HookedTransformer yourself and pass it to sinklens instead."
         ) from err
@@ -106,7 +104,7 @@ def _loading_reports(found: list[dict]) -> Any:
 
 
 def _refuse_partial_weights(where: str, report: dict) -> None:
-    """Raise :class:`CorruptModelFileError` when the weights files lack tensors the architecture needs (they
+    """Raise :class:`CorruptFileError` when the weights files lack tensors the architecture needs (they
     would stay at their random initialisation) or hold tensors it does not have, naming up to 5 of each."""
     problems = []
     for key, what in (("missing_keys", "lacks {n} tensor(s) the architecture needs"),
@@ -116,8 +114,8 @@ def _refuse_partial_weights(where: str, report: dict) -> None:
         if names:
             problems.append(what.format(n=len(names)) + f" ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})")
     if problems:
-        raise CorruptModelFileError(f"The weights of {where!r} do not match its config.json: the checkpoint "
-                                    f"{'; it '.join(problems)}. Refusing to analyse a partly random model.")
+        raise CorruptFileError(f"The weights of {where!r} do not match its config.json: the checkpoint "
+                               f"{'; it '.join(problems)}. Refusing to analyse a partly random model.")
 
 
 #: Files any Hugging Face tokenizer is saved with (one of them at least).
@@ -134,10 +132,10 @@ def _boot_local(folder: Path, device: str, dtype: torch.dtype, device_map: Any =
     try:
         return _boot_hf(str(folder), device, dtype, tokenizer=any((folder / f).exists() for f in _TOKENIZER_FILES),
                         device_map=device_map)
-    except (UnknownModelError, CorruptModelFileError):
+    except (InvalidArgumentError, CorruptFileError):
         raise
     except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise ModelLoadError(
+        raise UnsupportedArchitectureError(
             f"Could not load the model in {str(folder)!r} ({type(err).__name__}: {' '.join(str(err).split())[:300]})."
         ) from err
 
@@ -191,10 +189,10 @@ def _module_to(model: Any, target: torch.device | torch.dtype) -> Any:
 
 
 def check_pattern_exposed(model: Any) -> None:
-    """Raise :class:`PatternNotExposedError` unless layer 0's ``hook_pattern`` runs in a forward pass."""
+    """Raise :class:`UnsupportedArchitectureError` unless layer 0's ``hook_pattern`` runs in a forward pass."""
     name = "blocks.0.attn.hook_pattern"
     if name not in model.hook_dict:
-        raise PatternNotExposedError(
+        raise UnsupportedArchitectureError(
             f"{type(model).__name__} has no hook {name!r}; sinklens needs attention patterns. "
             "Load the model with sinklens.load_model or TransformerBridge.boot_transformers."
         )
@@ -203,7 +201,7 @@ def check_pattern_exposed(model: Any) -> None:
     with torch.inference_mode(), model.hooks(fwd_hooks=[(name, lambda act, hook: fired.append(True))]):
         model(torch.zeros((1, 2), dtype=torch.long, device=device), return_type=None)
     if not fired:
-        raise PatternNotExposedError(
+        raise UnsupportedArchitectureError(
             f"{type(model).__name__}'s attention implementation never runs {name!r} (a fused SDPA or "
             "flash kernel computes attention without materialising the pattern). Load the Hugging Face "
             "model with attn_implementation='eager' — sinklens.load_model and "
@@ -235,16 +233,14 @@ def load_model(
             (``"auto"``, ``"balanced"``, or ``{module: device}``); instead of ``device``. Needs ``sinklens[multi-gpu]``.
 
     Raises:
-        UnknownModelError: a name that is neither embedded, a path, nor a Hub id; an empty spec.
-        ModelFileNotFoundError: a path that does not exist (anything path-like that is not a plausible Hub id).
-        OfflineModelError: a Hub name while the Hub cannot be reached.
-        CorruptModelFileError: a truncated or corrupt GGUF or safetensors file, weights lacking tensors the
+        InvalidArgumentError: a name that is neither embedded, a path, nor a Hub id; an empty spec; a built
+            model with NaN or inf weights; an unknown dtype or device, or one this machine does not have.
+        NotFoundError: a path that does not exist (anything path-like that is not a plausible Hub id).
+        OfflineError: a Hub name while the Hub cannot be reached.
+        CorruptFileError: a truncated or corrupt GGUF or safetensors file, weights lacking tensors the
             architecture needs or holding others, NaN or inf weights, a bad ``config.json`` field.
-        InvalidArgumentError: a built model with NaN or inf weights.
-        ModelLoadError: a local model folder that transformers / TransformerLens cannot load.
-        InvalidArgumentError: an unknown dtype or device name.
-        DeviceUnavailableError: a device this machine does not have.
-        PatternNotExposedError: a model whose attention hides ``hook_pattern``.
+        UnsupportedArchitectureError: a local model folder that transformers / TransformerLens cannot load;
+            a model whose attention hides ``hook_pattern``.
     """
     if device_map is not None:
         model = _load_dispatched(spec, device, dtype, device_map)
@@ -254,11 +250,11 @@ def load_model(
         model = _built_model_to(spec, device, dtype)
     else:
         if not isinstance(spec, (str, Path)):
-            raise UnknownModelError(
+            raise InvalidArgumentError(
                 f"Cannot load a model from a {type(spec).__name__}; pass a name, a path or a TransformerLens model."
             )
         if str(spec).strip() == "":
-            raise UnknownModelError(
+            raise InvalidArgumentError(
                 f"The model spec is empty ({str(spec)!r}); pass {DEFAULT_MODEL!r}, a path (use '.' for the current "
                 "folder) or a Hub id."
             )
@@ -269,7 +265,7 @@ def load_model(
     if _is_tl_model(spec):
         finite_weights(model)
     else:
-        finite_weights(model, what=f"The model {str(spec)!r}", error=CorruptModelFileError)
+        finite_weights(model, what=f"The model {str(spec)!r}", error=CorruptFileError)
     if check_patterns:
         check_pattern_exposed(model)
     return model
@@ -288,7 +284,7 @@ def _load_dispatched(spec: Any, device: Any, dtype: Any, device_map: str | dict[
     try:
         import accelerate  # noqa: F401
     except ImportError as err:
-        raise ModelLoadError("device_map needs accelerate: pip install 'sinklens[multi-gpu]'.") from err
+        raise InvalidArgumentError("device_map needs accelerate: pip install 'sinklens[multi-gpu]'.") from err
     return _load_from_spec(str(spec), "cpu", _as_dtype(dtype), device_map=device_map)
 
 
@@ -312,11 +308,11 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype, device_map: Any 
         if path.is_file():
             if path.suffix == ".safetensors":
                 check_safetensors(path)
-                raise UnknownModelError(
+                raise InvalidArgumentError(
                     f"{spec!r} is a weights file; pass the folder that holds it with its config.json ({str(path.parent)!r})."
                 )
             if path.suffix != ".gguf":
-                raise UnknownModelError(f"{spec!r} is a file but not a .gguf model; pass a directory or a .gguf file.")
+                raise InvalidArgumentError(f"{spec!r} is a file but not a .gguf model; pass a directory or a .gguf file.")
             return _boot_hf(str(convert_gguf(path)), device, dtype, device_map=device_map)
         if is_run_dir(path):  # also an interrupted or broken run: load_trained_model names what is wrong
             for weights in sorted(path.glob("*.safetensors")):
@@ -326,17 +322,17 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype, device_map: Any 
             except (ValueError, KeyError, TypeError, RuntimeError) as err:  # a damaged config.json or weights
                 if isinstance(err, SinklensError):
                     raise
-                raise ModelLoadError(f"Could not load the sinklens run in {spec!r} ({type(err).__name__}: "
+                raise CorruptFileError(f"Could not load the sinklens run in {spec!r} ({type(err).__name__}: "
                                      f"{' '.join(str(err).split())[:300]}).") from err
         if (path / "config.json").exists():
             return _boot_local(path, device, dtype, device_map)
-        raise UnknownModelError(
+        raise InvalidArgumentError(
             f"Directory {spec!r} is neither a Hugging Face model (no config.json) nor a sinklens run directory."
         )
     if looks_like_local_path(spec):
-        raise ModelFileNotFoundError(f"No model file or directory at {spec!r} (resolved to {str(path.resolve())!r}).")
+        raise NotFoundError(f"No model file or directory at {spec!r} (resolved to {str(path.resolve())!r}).")
     if "/" not in spec:
-        raise UnknownModelError(
+        raise InvalidArgumentError(
             f"Unknown model {spec!r}. Embedded models: {sorted(EMBEDDED_MODELS)}; otherwise pass a local "
             "Hugging Face directory, a .gguf file, a sinklens run directory, or a Hub id like 'org/name'."
         )
@@ -344,15 +340,15 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype, device_map: Any 
     if not model_files.hub_reachable():
         owner = Path(spec.split("/")[0]).expanduser()
         if owner.is_dir():  # offline, 'zoo/nope' beside a folder 'zoo': a missing local path, not a Hub id
-            raise ModelFileNotFoundError(
+            raise NotFoundError(
                 f"No model file or directory at {spec!r} (resolved to {str(path.resolve())!r}); the folder "
                 f"{str(owner)!r} holds {sorted(p.name for p in owner.iterdir())[:8]}. (Read as a Hugging Face Hub "
                 "id it cannot be fetched either: the Hub cannot be reached.)"
             )
-        raise OfflineModelError(f"{spec!r} looks like a Hugging Face Hub id, but the Hub cannot be reached. {offline_hint}")
+        raise OfflineError(f"{spec!r} looks like a Hugging Face Hub id, but the Hub cannot be reached. {offline_hint}")
     try:
         return _boot_hf(spec, device, dtype, device_map=device_map)
     except OSError as err:  # transformers raises OSError subclasses when the Hub cannot be reached
-        raise OfflineModelError(
+        raise OfflineError(
             f"Could not fetch {spec!r} from the Hugging Face Hub ({type(err).__name__}: {str(err)[:200]}). {offline_hint}"
         ) from err

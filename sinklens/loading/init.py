@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from sinklens import model_files
-from sinklens.errors import InvalidArgumentError, ModelFileNotFoundError, OfflineModelError, UnknownModelError
+from sinklens.errors import InvalidArgumentError, NotFoundError, OfflineError
 from sinklens.model_files import EMBEDDED_MODELS, convert_gguf, fetch_embedded_gguf
 from sinklens.sinklm.checkpoint import is_run_dir, load_train_config
 from sinklens.sinklm.init import Scheme, reinit, sinklm_at_init
@@ -165,17 +165,17 @@ def load_at_init(
         return model.to(dtype)
     source = _hf_source_dir(base)
     if not Path(source).expanduser().exists() and "/" not in source:
-        raise UnknownModelError(f"Unknown model {base!r} for an init spec. Embedded models: {sorted(EMBEDDED_MODELS)}; "
-                                "otherwise a local Hugging Face directory, a .gguf file, a sinklens run or a Hub id.")
+        raise InvalidArgumentError(f"Unknown model {base!r} for an init spec. Embedded models: {sorted(EMBEDDED_MODELS)}; "
+                                   "otherwise a local Hugging Face directory, a .gguf file, a sinklens run or a Hub id.")
     if not Path(source).expanduser().exists():
         if base.startswith((".", "/", "~")) or base.endswith(".gguf") or base.count("/") > 1:
-            raise ModelFileNotFoundError(f"No model file or directory at {base!r}.")
+            raise NotFoundError(f"No model file or directory at {base!r}.")
         if not model_files.hub_reachable():
-            raise OfflineModelError(f"{base!r} looks like a Hugging Face Hub id, but the Hub cannot be reached.")
+            raise OfflineError(f"{base!r} looks like a Hugging Face Hub id, but the Hub cannot be reached.")
         try:
             return hf_at_init(source, 0 if seed is None else seed, device=device, dtype=dtype, scheme=scheme, std=std)
         except OSError as err:
-            raise OfflineModelError(f"Could not fetch the config of {base!r}: {str(err)[:200]}") from err
+            raise OfflineError(f"Could not fetch the config of {base!r}: {str(err)[:200]}") from err
     return hf_at_init(source, 0 if seed is None else seed, device=device, dtype=dtype, scheme=scheme, std=std)
 
 
@@ -209,7 +209,7 @@ def _model_at_init(model: Any, seed: int, *, device: str, dtype: torch.dtype, sc
             fresh = type(model)(cfg, tokenizer=getattr(model, "tokenizer", None))
             reinit(fresh, scheme, std, seed)
         return fresh.to(device).to(dtype).eval()
-    raise UnknownModelError(
+    raise InvalidArgumentError(
         f"Cannot re-initialise a {type(model).__name__}: pass a spec string, a SinkLM, a HookedTransformer or a "
         "TransformerBridge over a Hugging Face model."
     )

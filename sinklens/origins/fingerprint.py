@@ -52,7 +52,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.display import CompactRepr
-from sinklens.errors import IncompatibleModelsError, InvalidArgumentError
+from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch
@@ -179,7 +179,7 @@ def _base_dims_within(dims: list[int], d_a: int, d_b: int) -> None:
     """Refuse ``identity_mode="base"`` where one of A's identity ``dims`` is outside B's width."""
     outside = [dim for dim in dims if dim >= d_b]
     if outside:
-        raise IncompatibleModelsError(
+        raise InvalidArgumentError(
             f"identity_mode='base' reads B at A's identity dims, but dims {_first(outside)} are outside B's width: "
             f"hidden sizes {d_a} (A) and {d_b} (B); use identity_mode='coset' (--identity-mode coset, the default).")
 
@@ -197,7 +197,7 @@ def seedprint_test(
     from scipy.stats import norm
 
     if hidden_a.ndim != 2 or hidden_b.ndim != 2 or hidden_a.shape[0] != hidden_b.shape[0]:
-        raise IncompatibleModelsError(
+        raise InvalidArgumentError(
             f"SeedPrint needs two [samples, hidden] matrices over the same samples (the same number of rows; the "
             f"widths may differ), got {tuple(hidden_a.shape)} and {tuple(hidden_b.shape)}."
         )
@@ -410,7 +410,7 @@ def fingerprint(
     ``model_a`` / ``model_b``: models or :func:`sinklens.load_model` specs (``"run_dir@init"``); ``seq_len``
     defaults to ``min(1024, n_ctx_a, n_ctx_b)``; ``input="embedding"`` needs equal hidden sizes and adds
     ``embedding_mu``, ``embedding_sigma`` and ``shared_input_z`` to ``settings``. Bad settings raise
-    :class:`InvalidArgumentError` / :class:`IncompatibleModelsError`, before B runs where they can.
+    :class:`InvalidArgumentError`, before B runs where they can.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -427,7 +427,7 @@ def fingerprint(
     model_b = load_model(model_b, check_patterns=False) if isinstance(model_b, str) else model_b
     da, db = model_dims(model_a), model_dims(model_b)
     if input == "embedding" and da.d_model != db.d_model:
-        raise IncompatibleModelsError(
+        raise InvalidArgumentError(
             f"input='embedding' feeds both models the same embeddings and needs equal hidden sizes, got "
             f"d_model={da.d_model} (A) and d_model={db.d_model} (B); use input='token' (--input token, the default).")
     seq_len = min(DEFAULT_SEQ_LEN, da.n_ctx, db.n_ctx) if seq_len is None else positive_int(seq_len, what="seq_len")

@@ -18,7 +18,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.display import CompactRepr
-from sinklens.errors import IncompatibleModelsError
+from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import SEQ_LEN, RunOptions
@@ -115,9 +115,9 @@ def compare_snapshots(current: PreferenceSnapshot, reference: PreferenceSnapshot
     from scipy import stats
 
     if current.inputs() != reference.inputs():
-        raise IncompatibleModelsError(f"Snapshots on different inputs: {current.inputs()} vs {reference.inputs()}.")
+        raise InvalidArgumentError(f"Snapshots on different inputs: {current.inputs()} vs {reference.inputs()}.")
     if current.probs.shape != reference.probs.shape or current.direction.shape != reference.direction.shape:
-        raise IncompatibleModelsError(
+        raise InvalidArgumentError(
             f"persistence needs the same d_vocab and d_model, got {tuple(current.probs.shape) + tuple(current.direction.shape)} "
             f"and {tuple(reference.probs.shape) + tuple(reference.direction.shape)}."
         )
@@ -154,7 +154,7 @@ def persistence(
     """
     a, b = model_dims(model), model_dims(reference)
     if (a.d_model, a.d_vocab) != (b.d_model, b.d_vocab):
-        raise IncompatibleModelsError(
+        raise InvalidArgumentError(
             f"persistence needs the same d_model and d_vocab, got {(a.d_model, a.d_vocab)} and {(b.d_model, b.d_vocab)}."
         )
     common = dict(n_sequences=n_sequences, seq_len=seq_len, seed=seed, options=options)

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from sinklens.errors import CorruptCheckpointError, OutputNotWritableError, RunNotFoundError, SinklensError
+from sinklens.errors import CorruptFileError, NotFoundError, OutputNotWritableError, SinklensError
 from sinklens.export import default_file_mode, json_line, write_json, write_text_atomic
 from sinklens.model_files import file_mismatch, sha256_file
 from sinklens.sinklm.config import TrainConfig
@@ -251,11 +251,11 @@ def load_train_config(run_dir: str | Path) -> TrainConfig:
     """The :class:`TrainConfig` a run was trained with (its ``config.json``)."""
     path = Path(run_dir) / CONFIG
     if not path.is_file():
-        raise RunNotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG}.")
+        raise NotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG}.")
     try:
         data = json.loads(path.read_text())
     except ValueError as err:
-        raise CorruptCheckpointError(f"{str(path)!r} is not valid JSON ({err}).") from None
+        raise CorruptFileError(f"{str(path)!r} is not valid JSON ({err}).") from None
     return TrainConfig.from_dict(data)
 
 
@@ -264,12 +264,12 @@ def load_run(run_dir: str | Path) -> RunCheckpoint:
     ``UserWarning``) when the current one is broken.
 
     Raises:
-        RunNotFoundError: not a run folder, or the run stopped before its first checkpoint.
-        CorruptCheckpointError: no checkpoint it holds is good (the message lists why).
+        NotFoundError: not a run folder, or the run stopped before its first checkpoint.
+        CorruptFileError: no checkpoint it holds is good (the message lists why).
     """
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
-        raise RunNotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG} or {POINTER}.")
+        raise NotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG} or {POINTER}.")
     pointer, candidates, problems = _pointer(run_dir), _step_dirs(run_dir), []
     if pointer is not None:
         candidates = [pointer] + [(s, p) for s, p in candidates if s < pointer[0]]
@@ -287,9 +287,9 @@ def load_run(run_dir: str | Path) -> RunCheckpoint:
     if not candidates and (pickled := _pickled(run_dir)):
         problems.append(pickled)
     if problems:
-        raise CorruptCheckpointError(f"No good checkpoint in {str(run_dir)!r}: {'; '.join(problems)}.")
-    raise RunNotFoundError(f"The run in {str(run_dir)!r} has no checkpoint yet (it stopped before its first one was "
-                           "written); train it again, or with --resume after a checkpoint exists.")
+        raise CorruptFileError(f"No good checkpoint in {str(run_dir)!r}: {'; '.join(problems)}.")
+    raise NotFoundError(f"The run in {str(run_dir)!r} has no checkpoint yet (it stopped before its first one was "
+                        "written); train it again, or with --resume after a checkpoint exists.")
 
 
 def _load_weights(model: Any, path: Path, device: str) -> None:
@@ -299,7 +299,7 @@ def _load_weights(model: Any, path: Path, device: str) -> None:
     try:
         load_model(model, str(path), device=device)
     except (SafetensorError, RuntimeError, OSError) as err:
-        raise CorruptCheckpointError(f"{str(path)!r} cannot be loaded ({type(err).__name__}: {err}).") from None
+        raise CorruptFileError(f"{str(path)!r} cannot be loaded ({type(err).__name__}: {err}).") from None
 
 
 def load_checkpoint(run: str | Path | RunCheckpoint, *, model: Any, optimizer: torch.optim.Optimizer | None = None,
@@ -313,8 +313,8 @@ def load_checkpoint(run: str | Path | RunCheckpoint, *, model: Any, optimizer: t
     try:
         restore_trainer_state(state, tensors, optimizer, scaler)
     except (KeyError, TypeError, ValueError, RuntimeError) as err:
-        raise CorruptCheckpointError(f"The trainer state in {str(ckpt.path)!r} does not fit this run "
-                                     f"({type(err).__name__}: {err}).") from None
+        raise CorruptFileError(f"The trainer state in {str(ckpt.path)!r} does not fit this run "
+                               f"({type(err).__name__}: {err}).") from None
     return int(state["step"])
 
 
@@ -343,8 +343,8 @@ def load_trained_model(run_dir: str | Path, device: str | torch.device | None = 
     with ``model.tokenizer`` (text runs, so analyzers accept strings) and ``model.train_config``.
 
     Raises:
-        RunNotFoundError: not a run folder, or no checkpoint written yet.
-        CorruptCheckpointError: no checkpoint passes verification.
+        NotFoundError: not a run folder, or no checkpoint written yet.
+        CorruptFileError: no checkpoint passes verification.
     """
     ckpt = load_run(run_dir)
     return _model(ckpt.run_dir, ckpt.config, ckpt.path / WEIGHTS, device)
@@ -355,7 +355,7 @@ def checkpoint_steps(run_dir: str | Path) -> list[int]:
     with a warning)."""
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
-        raise RunNotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG} or {POINTER}.")
+        raise NotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG} or {POINTER}.")
     steps = []
     for step, path in sorted(_step_dirs(run_dir)):
         if (problem := verify_checkpoint(path)) is None:
@@ -371,10 +371,10 @@ def load_step_model(run_dir: str | Path, step: int, device: str | torch.device |
     run_dir = Path(run_dir)
     path = run_dir / CHECKPOINTS / _step_dir_name(step)
     if step and not path.is_dir():
-        raise RunNotFoundError(f"{str(run_dir)!r} keeps no checkpoint of step {step}; kept steps: "
-                               f"{checkpoint_steps(run_dir)} (train with keep_every=K to keep every K-th checkpoint).")
+        raise NotFoundError(f"{str(run_dir)!r} keeps no checkpoint of step {step}; kept steps: "
+                            f"{checkpoint_steps(run_dir)} (train with keep_every=K to keep every K-th checkpoint).")
     if step and (problem := verify_checkpoint(path)) is not None:
-        raise CorruptCheckpointError(f"The checkpoint of step {step} in {str(run_dir)!r} is broken: {problem}.")
+        raise CorruptFileError(f"The checkpoint of step {step} in {str(run_dir)!r} is broken: {problem}.")
     return _model(run_dir, load_train_config(run_dir), path / WEIGHTS if step else None, device)
 
 
@@ -385,13 +385,13 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     ``RuntimeWarning``; of a step's repeated ``train`` (or ``eval``) lines the last is kept.
 
     Raises:
-        RunNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
-        CorruptCheckpointError: a line is not a JSON object with a string ``kind`` and a whole-number ``step``,
+        NotFoundError: ``run_dir`` has no ``metrics.jsonl``.
+        CorruptFileError: a line is not a JSON object with a string ``kind`` and a whole-number ``step``,
             or a ``train`` line lacks a finite ``loss``; the message names the line.
     """
     path = Path(run_dir) / METRICS
     if not path.is_file():
-        raise RunNotFoundError(f"{str(run_dir)!r} has no {METRICS}; is it a sinklens training run directory?")
+        raise NotFoundError(f"{str(run_dir)!r} has no {METRICS}; is it a sinklens training run directory?")
     text = path.read_text(encoding="utf-8", errors="replace")
     rows, lines = text.splitlines(), []
     for number, row in ((n, r) for n, r in enumerate(rows, start=1) if r.strip()):
@@ -402,18 +402,18 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
                 warnings.warn(f"{path}: its last line is cut short ({error.msg}, column {error.colno}), as when "
                               "the run was stopped while writing it; that line is ignored.", RuntimeWarning, stacklevel=2)
                 break
-            raise CorruptCheckpointError(f"{path}: line {number} is not JSON ({error.msg}, column {error.colno}).") from None
+            raise CorruptFileError(f"{path}: line {number} is not JSON ({error.msg}, column {error.colno}).") from None
         if not isinstance(line, dict):
-            raise CorruptCheckpointError(f"{path}: line {number} is not a JSON object, got {row[:80]!r}.")
+            raise CorruptFileError(f"{path}: line {number} is not a JSON object, got {row[:80]!r}.")
         step, kind, loss = line.get("step"), line.get("kind"), line.get("loss")
         if not isinstance(kind, str):
-            raise CorruptCheckpointError(f"{path}: line {number} has no string \"kind\" (got {kind!r}): {row[:80]!r}.")
+            raise CorruptFileError(f"{path}: line {number} has no string \"kind\" (got {kind!r}): {row[:80]!r}.")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise CorruptCheckpointError(
+            raise CorruptFileError(
                 f"{path}: line {number} has no whole-number \"step\" >= 0 (got {step!r}): {row[:80]!r}.")
         if kind == "train" and (isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss)):
             got = "no \"loss\"" if "loss" not in line else f"\"loss\": {json.dumps(loss, allow_nan=True)}"
-            raise CorruptCheckpointError(
+            raise CorruptFileError(
                 f"{path}: line {number} is a \"train\" line with {got}, not a finite number. sinklens train never writes "
                 "one (a non-finite step is logged as a \"nonfinite\" line), so the file was damaged or edited; fix or "
                 "remove that line.")

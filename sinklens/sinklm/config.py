@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from sinklens.errors import ConfigFileNotFoundError, InputFileError, InvalidArgumentError
+from sinklens.errors import InvalidArgumentError, NotFoundError
 from sinklens.options import SEQ_LEN, SINK_THRESHOLD
 from sinklens.sinklm.variants import get_attention_variant
 from sinklens.validate import as_bool, as_seed, choice, closest, did_you_mean, finite_number, positive_int
@@ -499,9 +499,9 @@ def load_config(path: str | Path) -> TrainConfig:
     """Read a :class:`TrainConfig` from a ``.json`` or ``.toml`` file (nested tables ``[model]``, ``[optim]``...)."""
     path = Path(path).expanduser()
     if path.is_dir():
-        raise InputFileError(f"Config file {str(path)!r} is a folder; give a .json or .toml file.")
+        raise InvalidArgumentError(f"Config file {str(path)!r} is a folder; give a .json or .toml file.")
     if not path.is_file():
-        raise ConfigFileNotFoundError(f"Config file {str(path)!r} does not exist.")
+        raise NotFoundError(f"Config file {str(path)!r} does not exist.")
     if path.suffix not in (".json", ".toml"):
         raise InvalidArgumentError(f"Config file {str(path)!r} must end in .json or .toml.")
     import tomllib

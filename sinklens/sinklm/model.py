@@ -47,7 +47,7 @@ from torch import Tensor, nn
 from transformer_lens.hook_points import HookPoint
 from transformer_lens.HookedRootModule import HookedRootModule
 
-from sinklens.errors import InvalidArgumentError, SequenceTooLongError
+from sinklens.errors import InvalidArgumentError
 from sinklens.sinklm.config import ModelConfig
 from sinklens.sinklm.functional import next_token_loss, rope, rotary_tables
 from sinklens.sinklm.variants import AttentionVariant, HeadwiseRMSNorm, at_least_float32, get_attention_variant, rms_norm
@@ -353,13 +353,13 @@ class SinkLM(HookedRootModule):
                 ``rows[:, 1:]`` for ``rows[:, :-1]``, so the loss runs inside a compiled forward).
 
         Raises:
-            SequenceTooLongError: ``pos > cfg.n_ctx``.
+            InvalidArgumentError: ``pos > cfg.n_ctx``.
         """
         if tokens.ndim == 1:
             tokens = tokens[None]
         T = tokens.shape[1]
         if T > self.cfg.n_ctx:
-            raise SequenceTooLongError(
+            raise InvalidArgumentError(
                 f"Sequence length {T} exceeds the model's context window n_ctx={self.cfg.n_ctx}; "
                 f"pass at most {self.cfg.n_ctx} tokens per sequence."
             )

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from sinklens.errors import CorruptCheckpointError, ResumeMismatchError, RunLockedError
+from sinklens.errors import CorruptFileError, InvalidArgumentError, OutputExistsError
 from sinklens.export import write_json
 from sinklens.folder_lock import FolderLock
 from sinklens.sinklm.checkpoint import (
@@ -39,7 +39,7 @@ def resume_config(out: str | Path) -> TrainConfig | None:
     checkpoint, the run it replaced is read (:func:`recover_set_aside` puts it back).
 
     Raises:
-        RunNotFoundError: ``out`` is not a run folder.
+        NotFoundError: ``out`` is not a run folder.
     """
     run_dir = Path(out).expanduser()
     run_dir = set_aside_to_recover(run_dir) or run_dir
@@ -77,7 +77,7 @@ def resume_changes(saved: TrainConfig, requested: TrainConfig, *, run_dir: str |
         {'steps': [300, 600]}
 
     Raises:
-        ResumeMismatchError: ``requested`` changes a field of :data:`RUN_IDENTITY`, named with both values.
+        InvalidArgumentError: ``requested`` changes a field of :data:`RUN_IDENTITY`, named with both values.
     """
     old, new = _dotted(saved.to_dict()), _dotted(requested.to_dict())
     if new.get("model.d_vocab") == "auto":
@@ -89,7 +89,7 @@ def resume_changes(saved: TrainConfig, requested: TrainConfig, *, run_dir: str |
     fixed = [key for key in changes if key.startswith(RUN_IDENTITY) and key not in RESUME_FREE]
     if fixed:
         listed = "; ".join(f"{key} is {changes[key][1]!r} here but {changes[key][0]!r} in the run" for key in fixed)
-        raise ResumeMismatchError(
+        raise InvalidArgumentError(
             f"Cannot resume {str(run_dir)!r} with another model, data or seed: {listed}. A resume continues the run "
             "with its own config (sinklens train --out DIR --resume, or train(sinklens.sinklm.run_folder."
             "resume_config(DIR), out_dir=DIR, resume=True)); it may change steps, optim, eval and the like. For "
@@ -106,9 +106,9 @@ def check_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> 
     """Compare the data a resume built with the fingerprint its run stored; return whether the run had one.
 
     Raises:
-        ResumeMismatchError: the tokenizer or a token stream differs (e.g. the corpus was rewritten in place);
+        InvalidArgumentError: the tokenizer or a token stream differs (e.g. the corpus was rewritten in place);
             the message names what changed.
-        CorruptCheckpointError: the stored fingerprint is not a JSON object.
+        CorruptFileError: the stored fingerprint is not a JSON object.
     """
     path = Path(run_dir) / FINGERPRINT
     if not path.is_file():
@@ -118,7 +118,7 @@ def check_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> 
         if not isinstance(stored, dict):
             raise ValueError("not a JSON object")
     except (OSError, ValueError) as err:
-        raise CorruptCheckpointError(f"{str(path)!r} is unreadable ({err}).") from None
+        raise CorruptFileError(f"{str(path)!r} is unreadable ({err}).") from None
 
     def shown(data: dict[str, Any], key: str) -> str:
         if key in ("train", "val"):
@@ -130,7 +130,7 @@ def check_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> 
     changed = [f"{label} is {shown(fingerprint, key)} now but {shown(stored, key)} in the run"
                for key, label in labels.items() if stored.get(key) != fingerprint.get(key)]
     if changed:
-        raise ResumeMismatchError(
+        raise InvalidArgumentError(
             f"Cannot resume {str(run_dir)!r}: its data changed since the run started ({'; '.join(changed)}), though "
             "the config names the same data. Restore the data the run trained on, or start a new run (another "
             "out_dir, or --overwrite).")
@@ -253,11 +253,11 @@ def foreign_entries(run_dir: str | Path) -> list[str]:
 
 
 class RunLock(FolderLock):
-    """``run_dir/.lock``, held while a process trains there: a second trainer gets :class:`RunLockedError`."""
+    """``run_dir/.lock``, held while a process trains there: a second trainer gets :class:`OutputExistsError`."""
 
     def __init__(self, run_dir: str | Path) -> None:
         super().__init__(run_dir, LOCK)
 
     def refusal(self, holder: str) -> Exception:
-        return RunLockedError(f"{str(self.folder)!r} is being trained by another process (pid {holder}); wait for it "
-                              f"to finish or stop it, or pick another out_dir.")
+        return OutputExistsError(f"{str(self.folder)!r} is being trained by another process (pid {holder}); wait for it "
+                                 f"to finish or stop it, or pick another out_dir.")

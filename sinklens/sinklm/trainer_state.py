@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from sinklens.errors import CorruptCheckpointError
+from sinklens.errors import CorruptFileError
 
 STATE, TENSORS = "trainer_state.json", "trainer_state.safetensors"
 
@@ -50,10 +50,10 @@ def read_trainer_state(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
         state = json.loads((path / STATE).read_text(encoding="utf-8"))
         tensors = load_file(str(path / TENSORS), device="cpu")
     except (OSError, ValueError, SafetensorError) as err:
-        raise CorruptCheckpointError(f"The trainer state in {str(path)!r} cannot be read ({type(err).__name__}: "
-                                     f"{err}).") from None
+        raise CorruptFileError(f"The trainer state in {str(path)!r} cannot be read ({type(err).__name__}: "
+                               f"{err}).") from None
     if not isinstance(state, dict) or state.get("format") != 3 or not isinstance(state.get("step"), int):
-        raise CorruptCheckpointError(f"{str(path / STATE)!r} is not a sinklens trainer state (format 3, a step).")
+        raise CorruptFileError(f"{str(path / STATE)!r} is not a sinklens trainer state (format 3, a step).")
     return state, tensors
 
 

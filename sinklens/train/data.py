@@ -43,7 +43,7 @@ import torch
 from jaxtyping import Bool, Float, Int
 from torch import Tensor
 
-from sinklens.errors import DataFileNotFoundError, InputFileError, InvalidArgumentError, OfflineDataError
+from sinklens.errors import InvalidArgumentError, NotFoundError, OfflineError
 from sinklens.sinklm.config import DataConfig
 from sinklens.validate import refuse_binary
 
@@ -193,10 +193,10 @@ def _text_files(cfg: DataConfig) -> list[Path]:
     if path.is_file():
         return [path]
     if not path.is_dir():
-        raise DataFileNotFoundError(f"data.path {str(path)!r} is neither a text file nor a folder.")
+        raise NotFoundError(f"data.path {str(path)!r} is neither a text file nor a folder.")
     files = sorted(p for p in path.glob(cfg.glob) if p.is_file())
     if not files:
-        raise DataFileNotFoundError(f"No files match data.glob={cfg.glob!r} under {str(path)!r}.")
+        raise NotFoundError(f"No files match data.glob={cfg.glob!r} under {str(path)!r}.")
     return files
 
 
@@ -259,12 +259,12 @@ def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> t
 
 
 def _refuse_binary(file: Path) -> None:
-    """Raise :class:`~sinklens.errors.InputFileError` if ``file`` is binary or cannot be read."""
+    """Raise :class:`~sinklens.errors.InvalidArgumentError` if ``file`` is binary or cannot be read."""
     try:
         with open(file, "rb") as fh:
             head = fh.read(8192)
     except OSError as err:
-        raise InputFileError(f"data file {str(file)!r} cannot be read: {err.strerror or err}.") from None
+        raise InvalidArgumentError(f"data file {str(file)!r} cannot be read: {err.strerror or err}.") from None
     refuse_binary(file, head, what="data",
                   give="UTF-8 text files (or narrow data.glob), or pre-tokenised ids as a nanoGPT .bin file")
 
@@ -274,7 +274,7 @@ def text_source(cfg: DataConfig) -> StreamSource:
 
     At most about ``cfg.max_tokens`` characters are read. Documents are tokenised with the byte
     tokenizer or a BPE trained on the train split, joined with ``<|endoftext|>``, and cached. A binary
-    file is refused by name (:class:`~sinklens.errors.InputFileError`); a file that is not UTF-8 is
+    file is refused by name (:class:`~sinklens.errors.InvalidArgumentError`); a file that is not UTF-8 is
     read with replacement characters and named in a warning (a corpus such as the standard library
     holds a few Latin-1 test modules on purpose).
     """
@@ -326,9 +326,9 @@ def _open_bin(file: Path, *, what: str) -> np.memmap:
     size = file.stat().st_size
     width = np.dtype(MEMMAP_DTYPE).itemsize
     if size == 0:
-        raise DataFileNotFoundError(f"{what} {str(file)!r} is empty; a .bin file holds uint16 token ids (nanoGPT layout).")
+        raise NotFoundError(f"{what} {str(file)!r} is empty; a .bin file holds uint16 token ids (nanoGPT layout).")
     if size % width:
-        raise DataFileNotFoundError(
+        raise NotFoundError(
             f"{what} {str(file)!r} has {size} bytes, not a whole number of {width}-byte uint16 token ids; it is not "
             f"a nanoGPT .bin file (or it is truncated)."
         )
@@ -357,8 +357,8 @@ def _meta_vocab_size(path: Path) -> int:
             meta = _PlainUnpickler(fh).load()
         return int(meta["vocab_size"])
     except (pickle.UnpicklingError, EOFError, KeyError, TypeError, ValueError, IndexError) as err:
-        raise InputFileError(f"{str(path)!r} is not nanoGPT's meta.pkl, a plain dict with an integer vocab_size "
-                             f"({type(err).__name__}: {err}).") from None
+        raise InvalidArgumentError(f"{str(path)!r} is not nanoGPT's meta.pkl, a plain dict with an integer vocab_size "
+                                   f"({type(err).__name__}: {err}).") from None
 
 
 def memmap_source(cfg: DataConfig) -> StreamSource:
@@ -367,14 +367,14 @@ def memmap_source(cfg: DataConfig) -> StreamSource:
     (``vocab_size``), else ``data.vocab_size``, else the largest id + 1. Windows are raw (no BOS added).
 
     Checked before any training (one chunked pass over the ids): an empty file, a size that is not a whole
-    number of uint16 tokens (:class:`~sinklens.errors.DataFileNotFoundError`), and an id at or above the
+    number of uint16 tokens (:class:`~sinklens.errors.NotFoundError`), and an id at or above the
     vocabulary of ``meta.pkl`` or ``data.vocab_size`` (:class:`~sinklens.errors.InvalidArgumentError`).
     """
     path = Path(str(cfg.path)).expanduser()
     meta_path = (path if path.is_dir() else path.parent) / "meta.pkl"
     if path.is_dir():
         if not (path / "train.bin").is_file():
-            raise DataFileNotFoundError(f"No train.bin in {str(path)!r} (nanoGPT layout: train.bin, val.bin).")
+            raise NotFoundError(f"No train.bin in {str(path)!r} (nanoGPT layout: train.bin, val.bin).")
         train = _open_bin(path / "train.bin", what="data file")
         if (path / "val.bin").is_file():
             val = _open_bin(path / "val.bin", what="data file")
@@ -386,7 +386,7 @@ def memmap_source(cfg: DataConfig) -> StreamSource:
         cut = int(len(whole) * (1 - cfg.val_fraction))
         train, val = whole[:cut], whole[cut:]
     else:
-        raise DataFileNotFoundError(f"data.path {str(path)!r} is neither a .bin file nor a folder with train.bin.")
+        raise NotFoundError(f"data.path {str(path)!r} is neither a .bin file nor a folder with train.bin.")
     largest = max(_max_id(train), _max_id(val))
     if meta_path.is_file():
         vocab_size = _meta_vocab_size(meta_path)
@@ -426,7 +426,7 @@ def hf_source(cfg: DataConfig) -> StreamSource:
                     break
             return docs
         except (ConnectionError, OSError) as err:
-            raise OfflineDataError(
+            raise OfflineError(
                 f"Could not stream Hugging Face dataset {cfg.path!r} ({type(err).__name__}: {err}). "
                 "This needs network access; offline, use data.source='text' with a local folder or "
                 "'memmap' with pre-tokenised train.bin/val.bin."

@@ -181,7 +181,7 @@ def train(
         overwrite: replace the run already in ``out_dir`` and start afresh: its own files are moved
             aside, deleted at the new run's first checkpoint and restored if the new run fails before it.
             Without ``resume`` or ``overwrite``, a folder that holds a run raises
-            :class:`~sinklens.errors.RunExistsError`; one that holds another tool's files (a model's
+            :class:`~sinklens.errors.OutputExistsError`; one that holds another tool's files (a model's
             ``config.json``, ``model.safetensors``, ``tokenizer/``) raises
             :class:`~sinklens.errors.OutputExistsError` either way.
         interventions: extra training-time interventions on top of ``cfg.interventions``: registry spec strings
@@ -194,9 +194,9 @@ def train(
             ``>= 0`` (0 writes the step-0 checkpoint only).
 
     Raises:
-        ResumeMismatchError: ``resume=True`` with a ``cfg`` whose model, data or seed differ from the run's, or
+        InvalidArgumentError: ``resume=True`` with a ``cfg`` whose model, data or seed differ from the run's, or
             data that changed since the run started (its stored fingerprint: tokenizer, token streams).
-        RunLockedError: another process is training in ``out_dir`` (it holds ``out_dir/.lock``).
+        OutputExistsError: another process is training in ``out_dir`` (it holds ``out_dir/.lock``).
         TrainingInterrupted: Ctrl-C or SIGTERM (not in DDP runs): the step in progress finished, the
             steps done were checkpointed, and the run can go on with ``resume=True``; a second signal
             stops at once (:mod:`sinklens.train.interrupt`).

@@ -7,9 +7,8 @@ from typing import Any
 
 from sinklens.errors import (
     InvalidArgumentError,
+    NotFoundError,
     OutputExistsError,
-    RunExistsError,
-    RunNotFoundError,
 )
 from sinklens.sinklm.checkpoint import METRICS, has_checkpoint, is_run_dir, read_metrics
 from sinklens.sinklm.run_folder import foreign_entries
@@ -44,15 +43,15 @@ def check_run_dir(out: Path | None, *, resume: bool, overwrite: bool) -> None:
     if resume and not has_checkpoint(out):
         again = (" It stopped before its first checkpoint, so there is nothing to continue: start it again with "
                  "overwrite=True (--overwrite instead of --resume), or pick another out_dir.") if is_run_dir(out) else ""
-        raise RunNotFoundError(f"resume=True but {str(out)!r} holds no checkpoint to resume from.{again}")
+        raise NotFoundError(f"resume=True but {str(out)!r} holds no checkpoint to resume from.{again}")
     if not resume and not overwrite and is_run_dir(out):
         if not has_checkpoint(out):  # a run that failed before its first checkpoint: --resume cannot continue it
-            raise RunExistsError(
+            raise OutputExistsError(
                 f"{str(out)!r} already holds a training run that stopped before its first checkpoint (it has "
                 f"config.json or metrics.jsonl but nothing to resume from). Start it again with overwrite=True "
                 f"(--overwrite), which deletes what it left, or pick another out_dir."
             )
-        raise RunExistsError(
+        raise OutputExistsError(
             f"{str(out)!r} already holds a training run. Continue it with resume=True (--resume), replace it "
             f"with overwrite=True (--overwrite), or pick another out_dir."
         )

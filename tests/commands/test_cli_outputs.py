@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from sinklens.cli import main
-from sinklens.errors import EXIT_FAILURE, EXIT_USAGE, SequenceTooLongError
+from sinklens.errors import EXIT_FAILURE, EXIT_USAGE, InvalidArgumentError
 from sinklens.testing.zoo import zoo_dir
 
 
@@ -146,9 +146,9 @@ def test_too_long_messages_name_the_argument_and_the_flag(ctx32):
     from sinklens.loading import load_model
 
     model = load_model(str(ctx32), device="cpu")
-    with pytest.raises(SequenceTooLongError, match=r"seq_len=32 .*--seq-len 32"):
+    with pytest.raises(InvalidArgumentError, match=r"seq_len=32 .*--seq-len 32"):
         random_token_batches(model, n_sequences=1, seq_len=40)
-    with pytest.raises(SequenceTooLongError, match=r"max_length=32 .*--max-length 32"):
+    with pytest.raises(InvalidArgumentError, match=r"max_length=32 .*--max-length 32"):
         tokenize_prompts(model, ["word " * 60])
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from sinklens.cli import main
-from sinklens.errors import EXIT_FAILURE, EXIT_USAGE, CorruptCheckpointError
+from sinklens.errors import EXIT_FAILURE, EXIT_USAGE, CorruptFileError
 
 
 def _run_dir(root: Path, name: str, lines: list[dict] | None = None, *, raw: list[str] | None = None) -> Path:
@@ -65,7 +65,7 @@ def test_read_metrics_raises_the_named_error(tmp_path):
     from sinklens.sinklm.checkpoint import read_metrics
 
     run = _run_dir(tmp_path, "r", [{"kind": "train", "step": 0, "loss": 3.0}, {"kind": "train", "step": 1, "loss": None}])
-    with pytest.raises(CorruptCheckpointError, match=r"metrics.jsonl: line 2 is a \"train\" line with \"loss\": null"):
+    with pytest.raises(CorruptFileError, match=r"metrics.jsonl: line 2 is a \"train\" line with \"loss\": null"):
         read_metrics(run)
     fine = _run_dir(tmp_path, "fine")
     assert [line["loss"] for line in read_metrics(fine) if line["kind"] == "train"] == [4.0 - s / 4 for s in range(6)]

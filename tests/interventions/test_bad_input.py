@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sinklens.errors import InvalidArgumentError, OutputNotWritableError, SinklensError, UnknownInterventionError
+from sinklens.errors import InvalidArgumentError, OutputNotWritableError, SinklensError
 from sinklens.interventions import (
     amplify, block_keys, calibrate, clamp_dims, create_sink, custom_mask, edit_neurons, measure_intervention,
     patch_sink, reference_mean, remove_sink, restart, self_only, sweep, transplant_dims,
@@ -71,8 +71,8 @@ PYTHON_CASES = [
     ("mask not square", lambda m, t: custom_mask(m, torch.ones(12, 11, dtype=torch.bool)), InvalidArgumentError, "(12, 11)"),
     ("mask heads", lambda m, t: custom_mask(m, torch.ones(3, 12, 12, dtype=torch.bool)), InvalidArgumentError, "3 heads"),
     ("mask length", lambda m, t: m.run_with_hooks(t, fwd_hooks=custom_mask(m, torch.ones(8, 8, dtype=torch.bool))), InvalidArgumentError, "(8, 8)"),
-    ("unknown method", lambda m, t: create_sink(m, t, 3, method="teleport", options=Q), UnknownInterventionError, "'teleport'"),
-    ("wrong role", lambda m, t: create_sink(m, t, 3, method="block-keys", options=Q), UnknownInterventionError, "'block-keys'"),
+    ("unknown method", lambda m, t: create_sink(m, t, 3, method="teleport", options=Q), InvalidArgumentError, "'teleport'"),
+    ("wrong role", lambda m, t: create_sink(m, t, 3, method="block-keys", options=Q), InvalidArgumentError, "'block-keys'"),
     ("method needs dims", lambda m, t: remove_sink(m, t, method="clamp_dims", options=Q), InvalidArgumentError, "dims="),
     ("method needs neurons", lambda m, t: remove_sink(m, t, method="edit_neurons", layers=[0], options=Q), InvalidArgumentError, "neurons="),
     ("no query after target", lambda m, t: create_sink(m, t, 11, options=Q), InvalidArgumentError, "position 11"),

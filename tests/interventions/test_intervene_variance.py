@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sinklens.errors import UnknownHookError
+from sinklens.errors import InvalidArgumentError
 from sinklens.inputs import random_token_batches
 from sinklens.interventions import amplify, calibrate, clear_reference_cache, reference_mean
 
@@ -76,9 +76,9 @@ def test_errors(tiny, toks):
     for bad in (0, -1.0, 0.0):
         with pytest.raises(ValueError, match="alpha must be a number > 0"):
             amplify(tiny, positions=1, alpha=bad, reference="batch")
-    with pytest.raises(UnknownHookError, match="did you mean"):
+    with pytest.raises(InvalidArgumentError, match="did you mean"):
         amplify(tiny, positions=1, alpha=2.0, site="attn.hook_zz", reference="batch")
-    with pytest.raises(UnknownHookError):
+    with pytest.raises(InvalidArgumentError):
         calibrate(tiny, site="hook_nothing")
     with pytest.raises(ValueError, match="out of range"):
         amplify(tiny, positions=999, alpha=2.0, reference="batch")

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from sinklens.errors import InvalidArgumentError, UnknownInterventionError
+from sinklens.errors import InvalidArgumentError
 from sinklens.interventions import (
     amplify, clamp_dims, create_sink, measure_intervention, registry, remove_sink, restart,
 )
@@ -21,11 +21,11 @@ def test_canonical_names_and_roles():
                "self-only": "self_only", "Transplant_Dims": None}
     for name, canonical in spelled.items():
         if canonical is None:  # names are case-sensitive identifiers
-            with pytest.raises(UnknownInterventionError, match="Did you mean 'transplant_dims'"):
+            with pytest.raises(InvalidArgumentError, match="Did you mean 'transplant_dims'"):
                 registry.get(name)
         else:
             assert registry.get(name).name == canonical
-    with pytest.raises(UnknownInterventionError, match="'self-only' is a create intervention, not a remove one"):
+    with pytest.raises(InvalidArgumentError, match="'self-only' is a create intervention, not a remove one"):
         registry.get("self-only", role="remove")
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from sinklens import load_model
-from sinklens.errors import IncompatibleModelsError, InvalidArgumentError
+from sinklens.errors import InvalidArgumentError
 from sinklens.options import RunOptions
 from sinklens.origins.fingerprint import (_LastFinalState, _RandomInputs, final_hidden_states, fingerprint,
                                           seedprint_test)
@@ -161,7 +161,7 @@ def test_kept_features_own_their_memory(tiny, batch_size):
 
 def test_different_hidden_sizes_are_a_clear_error_in_embedding_mode_only(tiny_llama, trained_runs):
     """One random [N, L, d_model] embedding input cannot feed both; token mode compares them (test_fingerprint_widths)."""
-    with pytest.raises(IncompatibleModelsError, match=r"d_model=16 \(A\) and d_model=64 \(B\)"):
+    with pytest.raises(InvalidArgumentError, match=r"d_model=16 \(A\) and d_model=64 \(B\)"):
         fingerprint(tiny_llama, str(trained_runs[1]), n_samples=10, seq_len=4, input="embedding", options=OPTS)
     res = fingerprint(tiny_llama, str(trained_runs[1]), n_samples=10, seq_len=4, options=OPTS)
     assert res.settings["widths"] == [16, 64] and max(res.dims) < 16

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sinklens.errors import IncompatibleModelsError
+from sinklens.errors import InvalidArgumentError
 from sinklens.options import RunOptions
 from sinklens.origins.fingerprint import fingerprint, seedprint_test
 
@@ -120,7 +120,7 @@ def test_base_mode_with_dims_outside_b_is_refused_by_name():
     b, a = _planted()  # a: width 64 whose lowest dims are 48..63; b: width 48
     with pytest.raises(IndexError):
         authors_run_test(a, b, 20, "base")
-    with pytest.raises(IncompatibleModelsError, match=r"hidden sizes 64 \(A\) and 48 \(B\)") as err:
+    with pytest.raises(InvalidArgumentError, match=r"hidden sizes 64 \(A\) and 48 \(B\)") as err:
         seedprint_test(a, b, buffer_k=20, identity_mode="base")
     assert "identity_mode='coset'" in str(err.value) and "dims 48, 49" in str(err.value)
     assert seedprint_test(a, b, buffer_k=20).n_dims > 2  # coset works on the same pair
@@ -132,9 +132,9 @@ def test_shapes_that_cannot_be_paired_are_still_refused():
 
     plain = inspect.unwrap(seedprint_test)
     h = torch.randn(50, 8)
-    with pytest.raises(IncompatibleModelsError, match="same number of rows"):
+    with pytest.raises(InvalidArgumentError, match="same number of rows"):
         plain(h, torch.randn(40, 8))
-    with pytest.raises(IncompatibleModelsError, match=r"\(50, 8\) and \(400,\)"):
+    with pytest.raises(InvalidArgumentError, match=r"\(50, 8\) and \(400,\)"):
         plain(h, torch.randn(400))
     assert plain(h, torch.randn(50, 12), buffer_k=4).settings["widths"] == [8, 12]
 
@@ -164,7 +164,7 @@ def test_embedding_mode_with_different_hidden_sizes_is_refused_before_any_forwar
     narrow, wide = narrow_and_wide
     ran = []
     monkeypatch.setattr(fp_module, "final_hidden_states", lambda *a, **k: ran.append(1))
-    with pytest.raises(IncompatibleModelsError, match=r"d_model=16 \(A\) and d_model=32 \(B\)") as err:
+    with pytest.raises(InvalidArgumentError, match=r"d_model=16 \(A\) and d_model=32 \(B\)") as err:
         fingerprint(narrow, wide, n_samples=50, seq_len=8, input="embedding", options=OPTS)
     assert "input='token'" in str(err.value) and ran == []
 
@@ -178,7 +178,7 @@ def test_base_mode_of_a_wider_model_a_is_refused_before_b_runs(narrow_and_wide, 
         return real(model, **kw)
 
     monkeypatch.setattr(fp_module, "final_hidden_states", counted)
-    with pytest.raises(IncompatibleModelsError, match=r"hidden sizes 32 \(A\) and 16 \(B\)"):
+    with pytest.raises(InvalidArgumentError, match=r"hidden sizes 32 \(A\) and 16 \(B\)"):
         fingerprint(wide, narrow, n_samples=50, seq_len=8, identity_mode="base", options=OPTS)
     assert ran == [wide]
     ran.clear()

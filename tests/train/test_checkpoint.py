@@ -7,7 +7,7 @@ import torch
 from _train_cfg import build_cfg
 
 from sinklens.analysis.attention import AttentionReceivedReducer
-from sinklens.errors import ModelFileNotFoundError
+from sinklens.errors import NotFoundError
 from sinklens.inputs import tokenize_prompts
 from sinklens.options import RunOptions
 from sinklens.streaming import stream
@@ -41,7 +41,7 @@ def test_trained_model_loads_and_streams(tmp_path):
     (received,) = stream(model, batches, [AttentionReceivedReducer(model)], options=RunOptions(progress=False))
     assert received.received.shape == (2, 4, cfg.data.seq_len)
     assert torch.isfinite(received.received).all() and (received.received[:, :, 0] > 0).all()
-    with pytest.raises(ModelFileNotFoundError, match="not a sinklens run directory"):
+    with pytest.raises(NotFoundError, match="not a sinklens run directory"):
         load_trained_model(tmp_path / "nothing")
 
 

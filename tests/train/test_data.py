@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from sinklens.errors import DataFileNotFoundError, InputFileError
+from sinklens.errors import InvalidArgumentError, NotFoundError
 from sinklens.sinklm.config import DataConfig
 from sinklens.train.data import BackcopySource, MarkovSource, build_source
 
@@ -87,7 +87,7 @@ def test_a_crafted_meta_pkl_is_refused_never_run(tmp_path):
     np.arange(1000, dtype=np.uint16).tofile(tmp_path / "nano" / "train.bin")
     marker = tmp_path / "marker"
     (tmp_path / "nano" / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 300, "x": _Payload(marker)}))
-    with pytest.raises(InputFileError, match=r"meta.pkl' is not nanoGPT's meta.pkl.*names io.open"):
+    with pytest.raises(InvalidArgumentError, match=r"meta.pkl' is not nanoGPT's meta.pkl.*names io.open"):
         build_source(DataConfig(source="memmap", path=str(tmp_path / "nano"), seq_len=16))
     assert not marker.exists()
     (tmp_path / "nano" / "meta.pkl").write_bytes(pickle.dumps({"vocab_size": 1000, "itos": {0: "a"}}))
@@ -127,12 +127,12 @@ def test_text_folder_byte_and_bpe(tmp_path):
 
 
 def test_missing_data_is_a_clear_error(tmp_path):
-    with pytest.raises(DataFileNotFoundError, match="neither a text file nor a folder"):
+    with pytest.raises(NotFoundError, match="neither a text file nor a folder"):
         build_source(DataConfig(source="text", path=str(tmp_path / "nope")))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DataFileNotFoundError, match="No files match"):
+    with pytest.raises(NotFoundError, match="No files match"):
         build_source(DataConfig(source="text", path=str(tmp_path / "empty")))
-    with pytest.raises(DataFileNotFoundError, match="No train.bin"):
+    with pytest.raises(NotFoundError, match="No train.bin"):
         build_source(DataConfig(source="memmap", path=str(tmp_path / "empty")))
     (tmp_path / "small.txt").write_text("tiny")
     with pytest.raises(ValueError, match="fewer than one sequence"):

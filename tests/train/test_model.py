@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from sinklens.analysis.attention import AttentionReceivedReducer
-from sinklens.errors import SequenceTooLongError
+from sinklens.errors import InvalidArgumentError
 from sinklens.inputs import random_token_batches
 from sinklens.options import RunOptions
 from sinklens.streaming import stream
@@ -160,7 +160,7 @@ def test_bad_configs_raise_clear_errors():
         ModelConfig.from_preset("huge")
     with pytest.raises(TypeError, match="ModelConfig"):
         SinkLM({"d_model": 16})
-    with pytest.raises(SequenceTooLongError, match="exceeds the model's context window n_ctx=16"):
+    with pytest.raises(InvalidArgumentError, match="exceeds the model's context window n_ctx=16"):
         build()(tokens(1, 17))
 
 

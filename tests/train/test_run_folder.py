@@ -15,9 +15,7 @@ import torch
 from _train_cfg import build_cfg
 
 import sinklens.sinklm.checkpoint as ckpt_mod
-from sinklens.errors import (
-    CorruptCheckpointError, OutputExistsError, ResumeMismatchError, RunExistsError, RunLockedError, TrainingDivergedError,
-)
+from sinklens.errors import CorruptFileError, InvalidArgumentError, OutputExistsError, TrainingDivergedError
 from sinklens.export import write_text_atomic
 from sinklens.train import loop as _loop
 import sinklens.sinklm.run_folder as run_folder
@@ -53,7 +51,7 @@ def test_resume_refuses_text_data_rewritten_in_place_and_old_runs_still_resume(t
     assert json.loads((run / "data_fingerprint.json").read_text())["tokenizer"]
     _corpus(tmp_path / "corpus.txt", ["zebra", "quux", "foo", "bar", "lorem", "ipsum", "xylophone"], 1)
     before = _snapshot(run)
-    with pytest.raises(ResumeMismatchError, match=r"its data changed since the run started \(the tokenizer .* now but "
+    with pytest.raises(InvalidArgumentError, match=r"its data changed since the run started \(the tokenizer .* now but "
                                                   r".* in the run; the train token stream"):
         train(_text_cfg(tmp_path, steps=4), out_dir=run, resume=True, progress=False)
     assert _snapshot(run) == before
@@ -74,7 +72,7 @@ def test_resume_refuses_a_memmap_rewritten_with_the_same_size(tmp_path):
     train(cfg, out_dir=tmp_path / "run", progress=False)
     ids[2000] = (int(ids[2000]) + 1) % 24  # one token in the middle
     ids.tofile(tmp_path / "train.bin")
-    with pytest.raises(ResumeMismatchError, match="the train token stream is 3600 tokens"):
+    with pytest.raises(InvalidArgumentError, match="the train token stream is 3600 tokens"):
         train(cfg.replace(steps=4), out_dir=tmp_path / "run", resume=True, progress=False)
 
 
@@ -119,11 +117,11 @@ def test_a_run_directory_being_trained_is_refused_to_a_second_trainer(tmp_path):
     before = _snapshot(run)
     with RunLock(run):  # another trainer holds it (flock conflicts between two open files, in one process too)
         for kwargs in ({"resume": True}, {"overwrite": True}, {}):
-            with pytest.raises(RunLockedError, match=rf"is being trained by another process \(pid {os.getpid()}\)"):
+            with pytest.raises(OutputExistsError, match=rf"is being trained by another process \(pid {os.getpid()}\)"):
                 train(build_cfg(steps=4), out_dir=run, progress=False, **kwargs)
     assert _snapshot(run) == before and not (run / ".lock").exists()
     with RunLock(tmp_path / "new"):  # a fresh folder: the lock creates it ...
-        with pytest.raises(RunLockedError):
+        with pytest.raises(OutputExistsError):
             train(build_cfg(steps=2), out_dir=tmp_path / "new", progress=False)
     assert not (tmp_path / "new").exists()  # ... and removes it again when nothing else was written
     train(build_cfg(steps=4), out_dir=run, resume=True, progress=False)  # released: goes on
@@ -135,7 +133,7 @@ def test_the_lock_is_held_while_training(tmp_path, monkeypatch):
     real = ckpt_mod.save_checkpoint
 
     def checking(run_dir, **kwargs):
-        with pytest.raises(RunLockedError):
+        with pytest.raises(OutputExistsError):
             RunLock(run_dir).__enter__()
         seen.append(kwargs["step"])
         return real(run_dir, **kwargs)
@@ -235,7 +233,7 @@ def test_an_overwrite_killed_before_its_first_checkpoint_is_undone_at_the_next_s
     write_text_atomic(tmp_path / "config.json", json.dumps(build_cfg(steps=9, seed=5).to_dict()))  # ... and written
     assert aside is not None and not ckpt_mod.has_checkpoint(tmp_path)
     with pytest.warns(UserWarning, match="was killed before its first checkpoint: the run it was replacing"):
-        with pytest.raises(RunExistsError):  # the old run is back, and a plain run does not replace it
+        with pytest.raises(OutputExistsError):  # the old run is back, and a plain run does not replace it
             train(build_cfg(steps=3), out_dir=tmp_path, progress=False)
     assert _snapshot(tmp_path) == before and not list(tmp_path.glob(".overwritten-*"))
     assert load_run(tmp_path).step == 3
@@ -358,7 +356,7 @@ def test_a_metrics_line_of_the_wrong_shape_is_a_named_error(tmp_path, bad, what,
     path = tmp_path / "metrics.jsonl"
     rows = path.read_text().splitlines()
     path.write_text("\n".join([rows[0], bad, rows[2]]) + "\n")
-    with pytest.raises(CorruptCheckpointError, match=f"metrics.jsonl: line 2 has {what}"):
+    with pytest.raises(CorruptFileError, match=f"metrics.jsonl: line 2 has {what}"):
         read_metrics(tmp_path)
     capsys.readouterr()
     for argv in (["compare", str(tmp_path)], ["train", "--out", str(tmp_path), "--resume", "--steps", "5", "--no-progress"]):
@@ -377,7 +375,7 @@ def test_keep_every_without_a_checkpoint_interval_is_warned_about(tmp_path):
 
 def test_an_unlocked_existing_run_still_gives_run_exists(tmp_path):
     train(build_cfg(steps=2), out_dir=tmp_path, progress=False)
-    with pytest.raises(RunExistsError, match="already holds a training run"):
+    with pytest.raises(OutputExistsError, match="already holds a training run"):
         train(build_cfg(steps=2), out_dir=tmp_path, progress=False)
     assert not (tmp_path / ".lock").exists()
 

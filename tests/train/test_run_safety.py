@@ -19,7 +19,7 @@ import sinklens
 import sinklens.sinklm.checkpoint as ckpt_mod
 from sinklens.cli import main
 from sinklens.errors import (
-    CorruptCheckpointError, ResumeMismatchError, RunExistsError, RunNotFoundError, TrainingDivergedError,
+    CorruptFileError, InvalidArgumentError, NotFoundError, OutputExistsError, TrainingDivergedError,
     TrainingInterrupted,
 )
 from sinklens.sinklm.checkpoint import (
@@ -47,7 +47,7 @@ def test_new_run_refuses_a_directory_holding_a_run(tmp_path):
     cfg = build_cfg(steps=3)
     train(cfg, out_dir=tmp_path, progress=False)
     before = _snapshot(tmp_path)
-    with pytest.raises(RunExistsError, match="already holds a training run.*--resume.*--overwrite"):
+    with pytest.raises(OutputExistsError, match="already holds a training run.*--resume.*--overwrite"):
         train(build_cfg(steps=5), out_dir=tmp_path, progress=False)
     with pytest.raises(ValueError, match="Unknown intervention 'restrat'.*Did you mean 'restart'"):  # typo'd spec
         train(build_cfg(steps=5), out_dir=tmp_path, overwrite=True, interventions=["restrat:positions=4"], progress=False)
@@ -94,7 +94,7 @@ def test_resume_refuses_another_model_data_or_seed_before_touching_the_run(tmp_p
         ({**HEADWISE, "seed": 7}, "seed is 7 here but 0 in the run"),
         ({"model": {"variant": "headwise_rms", "d_mlp": 48}}, "model.d_mlp is 48 here but 32 in the run"),
     ]:
-        with pytest.raises(ResumeMismatchError, match=re.escape(named)):
+        with pytest.raises(InvalidArgumentError, match=re.escape(named)):
             train(build_cfg(steps=6, **change), out_dir=tmp_path, resume=True, progress=False)
     assert _snapshot(tmp_path) == before  # refused before anything was written
 
@@ -368,9 +368,9 @@ def test_a_corrupt_current_checkpoint_falls_back_to_the_previous_one(tmp_path):
     data.write_bytes(b"garbage")
     weights = tmp_path / "checkpoints" / "step-000006" / "model.safetensors"
     weights.write_bytes(b"x" * weights.stat().st_size)  # same size, wrong content
-    with pytest.raises(CorruptCheckpointError, match="fails its SHA-256 checksum"):
+    with pytest.raises(CorruptFileError, match="fails its SHA-256 checksum"):
         load_run(tmp_path)
-    with pytest.raises(CorruptCheckpointError, match="No good checkpoint"):
+    with pytest.raises(CorruptFileError, match="No good checkpoint"):
         sinklens.load_model(tmp_path, device="cpu")
 
 
@@ -404,7 +404,7 @@ def test_a_pointer_out_of_the_run_is_never_followed(tmp_path):
             assert load_run(tmp_path / "a").path == own  # the run's own newest checkpoint, never b's
     shutil.rmtree(own.parent)  # no checkpoint of its own left
     pointer.write_text(json.dumps({"format": 2, "step": 2, "dir": "../b/checkpoints/step-000002"}))
-    with pytest.raises(CorruptCheckpointError, match="checkpoint.json is unreadable or names a folder other than"):
+    with pytest.raises(CorruptFileError, match="checkpoint.json is unreadable or names a folder other than"):
         load_run(tmp_path / "a")
 
 
@@ -446,11 +446,11 @@ def test_unfinished_and_missing_runs_give_named_errors(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         train(build_cfg(steps=2), out_dir=tmp_path / "run", progress=False)
     assert (tmp_path / "run" / "config.json").is_file()
-    with pytest.raises(RunNotFoundError, match="has no checkpoint yet"):
+    with pytest.raises(NotFoundError, match="has no checkpoint yet"):
         sinklens.load_model(tmp_path / "run", device="cpu")
-    with pytest.raises(RunNotFoundError, match="holds no checkpoint to resume from"):
+    with pytest.raises(NotFoundError, match="holds no checkpoint to resume from"):
         train(build_cfg(steps=2), out_dir=tmp_path / "run", resume=True, progress=False)
-    with pytest.raises(RunNotFoundError, match="not a sinklens run directory"):
+    with pytest.raises(NotFoundError, match="not a sinklens run directory"):
         load_run(tmp_path / "nothing")
 
 
@@ -484,12 +484,12 @@ def test_a_damaged_metrics_file_and_a_missing_run_are_named_errors(tmp_path, cap
     path = tmp_path / "run" / "metrics.jsonl"
     rows = path.read_text().splitlines()
     path.write_text("\n".join([rows[0], rows[1][:20], rows[2]]) + "\n")  # damage inside, not a torn last line
-    with pytest.raises(CorruptCheckpointError, match="metrics.jsonl: line 2 is not JSON"):
+    with pytest.raises(CorruptFileError, match="metrics.jsonl: line 2 is not JSON"):
         read_metrics(tmp_path / "run")
     path.write_text("[1, 2]\n")
-    with pytest.raises(CorruptCheckpointError, match="line 1 is not a JSON object"):
+    with pytest.raises(CorruptFileError, match="line 1 is not a JSON object"):
         read_metrics(tmp_path / "run")
-    with pytest.raises(RunNotFoundError, match="has no metrics.jsonl"):
+    with pytest.raises(NotFoundError, match="has no metrics.jsonl"):
         read_metrics(tmp_path / "nothing")
     capsys.readouterr()
     assert main(["compare", str(tmp_path / "nothing")]) == 2  # a wrong path is the user's mistake
@@ -532,7 +532,7 @@ def test_a_crafted_pickle_in_a_run_is_refused_never_unpickled(tmp_path, capsys):
         assert main(["analyze", "--model", str(run), "--text", "a b", "--out", str(tmp_path / "report")]) != 0
         err = " ".join(capsys.readouterr().err.split())
         assert "trainer_state.pt is pickled trainer state" in err and "Traceback" not in err
-        with pytest.raises(CorruptCheckpointError, match="never loads: unpickling a file can run code"):
+        with pytest.raises(CorruptFileError, match="never loads: unpickling a file can run code"):
             sinklens.load_model(run, device="cpu")
     assert not marker.exists()
 

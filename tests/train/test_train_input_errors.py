@@ -13,7 +13,7 @@ from _train_cfg import build_cfg
 
 import sinklens.train.data as data_mod
 from sinklens.cli import main
-from sinklens.errors import ConfigFileNotFoundError, InvalidArgumentError
+from sinklens.errors import InvalidArgumentError, NotFoundError
 from sinklens.sinklm.config import load_config
 from sinklens.train.data import MAX_SYNTHETIC_VOCAB, check_synthetic_vocab
 from sinklens.train.loop import train
@@ -170,9 +170,9 @@ def test_missing_or_folder_config_is_an_input_file_error(tmp_path, capsys):
     code, err = _train([*TINY, "--config", str(tmp_path / "cfgdir"), "--out", str(out)], capsys)
     assert code == 2 and "is a folder" in err and "does not exist" not in err, err
     assert not out.exists()
-    with pytest.raises(ConfigFileNotFoundError):  # a FileNotFoundError for API callers, exit 2 on the command line
+    with pytest.raises(NotFoundError):  # a FileNotFoundError for API callers, exit 2 on the command line
         load_config(tmp_path / "nothere.json")
-    assert issubclass(ConfigFileNotFoundError, FileNotFoundError)
+    assert issubclass(NotFoundError, FileNotFoundError)
 
 
 # ------------------------------------------------------------------ 6. binary text data
