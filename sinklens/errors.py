@@ -78,7 +78,7 @@ def exit_code_for(err: BaseException) -> int:
     if isinstance(err, _USAGE_CLASSES):
         return EXIT_USAGE
     if isinstance(err, SinklensError):
-        return EXIT_USAGE if isinstance(err, (ValueError, LookupError, TypeError)) else EXIT_FAILURE
+        return EXIT_USAGE if isinstance(err, ValueError) else EXIT_FAILURE
     if is_config_syntax_error(err) or (isinstance(err, (ValueError, TypeError)) and raised_by_sinklens(err)):
         return EXIT_USAGE
     return EXIT_FAILURE
