@@ -45,11 +45,10 @@ def resolve_device(name: str) -> torch.device:
     """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        return checked_device(name, what="device")
-    except InvalidArgumentError:  # the same refusal, naming 'auto' too
+    if str(name).strip().lower().split(":")[0] not in ("cpu", "cuda", "mps"):
         raise InvalidArgumentError(f"Unknown device {name!r}; use 'auto' (CUDA when available, else the CPU), 'cpu', "
-                                   f"'cuda', 'cuda:N' or 'mps'.") from None
+                                   f"'cuda', 'cuda:N' or 'mps'.")
+    return checked_device(name, what="device")  # a device this machine lacks is refused with its own message
 
 
 def init_distributed(device: str) -> tuple[DistContext, torch.device]:
