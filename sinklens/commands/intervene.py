@@ -116,12 +116,11 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
     return entry
 
 
-def intervene(model: Any, args: argparse.Namespace) -> InterventionResult:
-    """The command's logic on an already-loaded model (used by :func:`run` and the tests)."""
+def intervene(model: Any, args: argparse.Namespace, entry: registry.Intervention) -> InterventionResult:
+    """The command's logic on an already-loaded model, for the arguments :func:`check_args` accepted as ``entry``."""
     from sinklens.interventions.experiments import create_sink, remove_sink
     from sinklens.options import RunOptions
 
-    entry = check_args(args)
     common = dict(layers=_int_list(args.layers, "--layers"), dims=_int_list(args.dims, "--dims"),
                   loss=False if args.no_loss else None,
                   options=RunOptions(batch_size=args.batch_size, device=args.device, prepend_bos=args.bos,
@@ -165,9 +164,9 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.plotting.interventions import plot_intervention  # matplotlib: only when a figure is drawn
 
     target = json_target(args.json, overwrite=args.overwrite)  # usage errors before the model loads
-    check_args(args)
+    entry = check_args(args)
     model = load_model(args.model, device=args.device, dtype=args.dtype)
-    result = intervene(model, args)
+    result = intervene(model, args, entry)
     # files first: a reader that closes stdout (`| head`) must not cost them
     if target != "-":
         write_json_target(target, result.to_dict(), overwrite=args.overwrite)
