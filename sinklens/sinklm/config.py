@@ -4,11 +4,9 @@
 part validates itself in ``__post_init__`` with :mod:`sinklens.validate` (a NaN learning rate, an
 unknown mode or a wrong type is an :class:`~sinklens.errors.InvalidArgumentError` naming the field
 and the bad value) and round-trips through ``to_dict``/``from_dict`` (a run's ``config.json`` is
-exactly ``TrainConfig.to_dict()``; ``config.json`` files of sinklens 0.1 still load). Unknown keys
-raise, naming the known ones.
-
-Command-line values are parsed from these dataclasses' fields and types by
-:mod:`sinklens.sinklm.config_flags`.
+exactly ``TrainConfig.to_dict()``). Unknown keys raise, naming the known ones. :func:`parse_flags`
+sets fields from command-line flags with tyro (``--optim.lr 3e-4``), :func:`apply_overrides` from
+``--set key=value`` items.
 
 Examples:
     >>> cfg = TrainConfig.from_dict({"steps": 10, "optim": {"lr": 1e-3}, "data": {"source": "markov"}})
@@ -16,14 +14,19 @@ Examples:
     (0.001, 'markov')
     >>> TrainConfig.from_dict(cfg.to_dict()) == cfg
     True
+    >>> apply_overrides(cfg, ["optim.lr=3e-4", "data.seq_len=32"]).data.seq_len
+    32
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import json
 import os
 import typing
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +34,7 @@ from typing import Any, Literal
 from sinklens.errors import ConfigFileNotFoundError, InputFileError, InvalidArgumentError
 from sinklens.options import SEQ_LEN, SINK_THRESHOLD
 from sinklens.sinklm.variants import get_attention_variant
+from sinklens.specs import parse_value
 from sinklens.validate import as_bool, as_seed, choice, closest, did_you_mean, finite_number, positive_int
 
 Family = Literal["llama", "gpt2"]
@@ -512,3 +516,100 @@ def load_config(path: str | Path) -> TrainConfig:
         return TrainConfig.from_dict(data)
     except ValueError as error:  # a syntax error (JSON, TOML, not UTF-8), an unknown key or a bad value
         raise InvalidArgumentError(f"Config file {str(path)!r}: {error}") from error
+
+
+#: Lower-case spellings of tyro's ``True``/``False``/``None`` values, accepted by :func:`parse_flags`.
+_WORDS = {"true": "True", "false": "False", "none": "None", "null": "None"}
+_VARIANT_OPTION = "model.variant_options."
+
+
+def flag_keys() -> list[str]:
+    """Every config field's key (``steps``, ``optim.lr``), in declaration order; its flag is ``--`` + the key
+    with hyphens. ``model.variant_options`` is set by ``--variant`` or ``--set model.variant_options.NAME=V``."""
+    top = [f.name for f in fields(TrainConfig) if f.name not in _PARTS]
+    return [f"{p}.{f.name}" for p, part in _PARTS.items() for f in fields(part) if f.name != "variant_options"] + top
+
+
+def parse_flags(base: TrainConfig, args: Sequence[str]) -> TrainConfig:
+    """``base`` with field flags (``--optim.lr 3e-4 --data.seq-len 128``) applied by tyro, then validated once by
+    the dataclasses. ``--model.variant-options.NAME VALUE`` adds one variant option; a ``--model.variant`` among
+    ``args`` naming another variant drops ``base``'s options (they were for its variant). A bad flag or value raises one
+    :class:`~sinklens.errors.InvalidArgumentError` naming it."""
+    import tyro
+
+    args, variant = [str(a) for a in args], base.model.variant
+    for arg, after in zip(args, [*args[1:], ""]):
+        if arg.partition("=")[0] == "--model.variant":
+            variant = arg.partition("=")[2] or after
+    flags, options = [], dict(base.model.variant_options) if variant == base.model.variant else {}
+    items, flag = iter(args), ""
+    for arg in items:
+        if arg.startswith("--" + _VARIANT_OPTION.replace("_", "-")):
+            key, eq, value = arg.partition("=")
+            options[key.rpartition(".")[2]] = parse_value(value if eq else next(items, ""))
+            continue
+        name, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        if "_" in name:  # one spelling: tyro would also take the key's underscores
+            raise InvalidArgumentError(f"Unknown flag {name} (did you mean {name.replace('_', '-')}?); "
+                                       "sinklens train --fields lists them.")
+        flag = name or flag
+        part, _, leaf = flag[2:].replace("-", "_").rpartition(".")
+        choices = str(typing.get_type_hints(_PARTS.get(part, TrainConfig)).get(leaf))  # a Literal 'none' stays
+        flags.append(name + eq + (value if f"'{value}'" in choices else _WORDS.get(value.lower(), value)))
+    model = copy.copy(base.model)
+    model.variant_options = options  # checked by tyro's ModelConfig, with the final variant
+    try:
+        with _tyro_errors(flags):
+            return tyro.cli(TrainConfig, default=dataclasses.replace(base, model=model), args=flags,
+                            prog="sinklens train", config=(tyro.conf.FlagConversionOff,))
+    except SystemExit as error:  # a tyro without the error hook: it printed the reason
+        raise InvalidArgumentError(f"Bad config flags {' '.join(flags)}; sinklens train --fields lists them.") from error
+
+
+def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
+    """``cfg`` with ``--set`` items ``key=value`` (``optim.lr=3e-4``) applied: each is the flag ``--key value``."""
+    return parse_flags(cfg, set_flags(overrides))
+
+
+def set_flags(overrides: Sequence[str]) -> list[str]:
+    """``--set`` items ``key=value`` as the flags ``--key value``; an unknown key raises, naming the closest."""
+    flags: list[str] = []
+    for item in overrides:
+        key, sep, value = str(item).partition("=")
+        if not sep or not key.strip():
+            raise InvalidArgumentError(f"Override {item!r} is not of the form 'section.key=value' (e.g. 'optim.lr=3e-4').")
+        if key.strip() not in flag_keys() and not key.startswith(_VARIANT_OPTION):
+            raise InvalidArgumentError(f"Unknown config key {key.strip()!r}{did_you_mean(key.strip(), flag_keys())}.")
+        flags += ["--" + key.strip().replace("_", "-"), value]
+    return flags
+
+
+def _tyro_errors(args: list[str]) -> Any:
+    """A context in which tyro's parse errors raise one :class:`InvalidArgumentError` instead of printing a panel."""
+    from tyro import _errors
+
+    if not hasattr(_errors, "on_parse_error"):
+        return contextlib.nullcontext()
+
+    def reject(event: Any) -> None:
+        arg = getattr(event, "argument", None)
+        name = arg.lowered.name_or_flags[0] if arg is not None else None
+        if isinstance(event, _errors.UnrecognizedArgs):
+            flag = event.tokens[0]
+            hint = closest(flag, ["--" + k.replace("_", "-") for k in flag_keys()])
+            raise InvalidArgumentError(f"Unknown flag {flag}{f' (did you mean {hint}?)' if hint else ''}; "
+                                       "sinklens train --fields lists them.")
+        if isinstance(event, _errors.InvalidChoice):
+            raise InvalidArgumentError(f"{name} must be one of {list(event.choices)}, got {event.value!r}"
+                                       f"{did_you_mean(event.value, event.choices)}.")
+        if isinstance(event, _errors.BadValue):
+            raise InvalidArgumentError(f"{name} needs a value ({arg.lowered.metavar}).")
+        message = str(getattr(event, "message", "")).strip().splitlines()[0] if hasattr(event, "message") else ""
+        if name is None:  # the dataclasses' own check: their message as written
+            raise InvalidArgumentError(message or f"Bad config flags {' '.join(args)}.")
+        given = next((v for a, v in zip(args, args[1:]) if a == name), "")
+        kinds = {"INT": "an integer", "FLOAT": "a number", "{None}": "None"}
+        kind = " or ".join(kinds.get(k, k) for k in str(arg.lowered.metavar).split("|"))
+        raise InvalidArgumentError(f"{name} must be {kind}, got {given!r}.")
+
+    return _errors.on_parse_error(reject)

@@ -11,7 +11,7 @@ from _train_cfg import build_cfg
 from sinklens.cli import main
 from sinklens.errors import InvalidArgumentError
 from sinklens.train import precision
-from sinklens.sinklm.config_flags import apply_overrides
+from sinklens.sinklm.config import apply_overrides
 from sinklens.train.data import build_source
 from sinklens.train.loop import train
 from sinklens.sinklm.model import SinkLM
