@@ -1,9 +1,10 @@
 """Loss and sink metrics of several training runs on shared axes.
 
-Per run: status (finished, diverged, incomplete), final loss, last sink metrics and the steps its smoothed
-loss took to reach the target (default: the first run's final loss), on the steps all runs logged; n/a
-(null in --json) where undefined. --positional measures the positional discrepancy at init and at each kept
-checkpoint (--set keep_every=1 keeps them all), drawn beside the --out figure.
+Per run: status (finished, diverged, incomplete), final loss, last sink metrics and the
+steps its smoothed loss took to reach the target (default: the first run's final loss), on
+the steps all runs logged; n/a (null in --json) where undefined. --positional measures the
+positional discrepancy at init and at each kept checkpoint (--set keep_every=1 keeps them
+all), drawn beside the --out figure.
 
 Examples:
     sinklens compare runs/baseline runs/headwise --out compare.png

@@ -187,13 +187,13 @@ def fields_help() -> str:
     import re
     import typing
 
-    from sinklens.sinklm.config import _PARTS, TrainConfig, flag_keys
+    from sinklens.sinklm.config import TrainConfig, field_class, flag_keys
 
     defaults = TrainConfig().to_dict()
     lines = ["Every TrainConfig field is a flag (--KEY VALUE; --set KEY=VALUE and config files use the key):"]
     for key in flag_keys():
         part, _, leaf = key.rpartition(".")
-        cls = _PARTS.get(part, TrainConfig)
+        cls = field_class(key)
         kinds = ["{" + ",".join(map(str, typing.get_args(t))) + "}" if typing.get_origin(t) is typing.Literal else
                  getattr(t, "__name__", "LIST").upper() for t in _members(typing.get_type_hints(cls)[leaf])]
         doc = (cls.__doc__ or "").partition("Attributes:")[2]

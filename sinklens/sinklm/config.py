@@ -473,6 +473,11 @@ def flag_keys() -> list[str]:
     return [f"{p}.{f.name}" for p, part in _PARTS.items() for f in fields(part) if f.name != "variant_options"] + top
 
 
+def field_class(key: str) -> type:
+    """The dataclass holding the field ``key`` (``"optim.lr"`` → :class:`OptimConfig`)."""
+    return _PARTS.get(key.rpartition(".")[0], TrainConfig)
+
+
 def parse_flags(base: TrainConfig, args: Sequence[str]) -> TrainConfig:
     """``base`` with field flags (``--optim.lr 3e-4 --data.seq-len 128``) applied by tyro, then validated once by
     the dataclasses. ``--model.variant-options.NAME VALUE`` adds one variant option; a ``--model.variant`` among
@@ -496,8 +501,8 @@ def parse_flags(base: TrainConfig, args: Sequence[str]) -> TrainConfig:
             raise InvalidArgumentError(f"Unknown flag {name} (did you mean {name.replace('_', '-')}?); "
                                        "sinklens train --fields lists them.")
         flag = name or flag
-        part, _, leaf = flag[2:].replace("-", "_").rpartition(".")
-        choices = str(typing.get_type_hints(_PARTS.get(part, TrainConfig)).get(leaf))  # a Literal 'none' stays
+        key = flag[2:].replace("-", "_")
+        choices = str(typing.get_type_hints(field_class(key)).get(key.rpartition(".")[2]))  # a Literal 'none' stays
         flags.append(name + eq + (value if f"'{value}'" in choices else _WORDS.get(value.lower(), value)))
     model = copy.copy(base.model)
     model.variant_options = options  # checked by tyro's ModelConfig, with the final variant
