@@ -75,7 +75,7 @@ def test_cpu_autocast_refuses_other_dtypes():
     # jaxtyping hook, which rejects the Literal first)
     with pytest.raises(InvalidArgumentError) as err:
         apply_overrides(build_cfg(), ["cpu_autocast=float16"])
-    assert "'float16'" in str(err.value) and "cpu_autocast" in str(err.value) and "'bfloat16', 'none'" in str(err.value)
+    assert "'float16'" in str(err.value) and "--cpu-autocast" in str(err.value) and "'bfloat16', 'none'" in str(err.value)
 
 
 def test_bfloat16_on_a_cpu_without_native_support_warns(monkeypatch):
