@@ -4,7 +4,7 @@ Per run: status (finished, diverged, incomplete), final loss, last sink metrics 
 steps its smoothed loss took to reach the target (default: the first run's final loss), on
 the steps all runs logged; n/a (null in --json) where undefined. --positional measures the
 positional discrepancy at init and at each kept checkpoint (--set keep_every=1 keeps them
-all), drawn beside the --out figure.
+all), drawn beside the --out figure (compare.png -> compare-positional.png).
 
 Examples:
     sinklens compare runs/baseline runs/headwise --out compare.png
