@@ -552,7 +552,7 @@ def _tyro_errors(args: list[str]) -> Any:
                                        f"{did_you_mean(event.value, event.choices)}.")
         if isinstance(event, _errors.BadValue):
             raise InvalidArgumentError(f"{name} needs a value ({arg.lowered.metavar}).")
-        message = str(getattr(event, "message", "")).strip().splitlines()[0] if hasattr(event, "message") else ""
+        message = (str(getattr(event, "message", "")).strip().splitlines() or [""])[0]
         if name is None:  # the dataclasses' own check: their message as written
             raise InvalidArgumentError(message or f"Bad config flags {' '.join(args)}.")
         given = next((v for a, v in zip(args, args[1:]) if a == name), "")
