@@ -1,16 +1,14 @@
 """Loss and sink metrics of several training runs on shared axes.
 
-Prints, per run, its status (finished, diverged, incomplete), final training loss, last sink
-metrics and the steps its smoothed loss (mean over the last SMOOTHING steps) took to reach the
-target (default: the first run's final loss); runs logged at different intervals are compared on
-the steps all logged. An undefined metric prints as n/a (null in --json). --positional measures
-the positional discrepancy at init and at each kept checkpoint (--set keep_every=1 keeps them
+Per run: status (finished, diverged, incomplete), final loss, last sink metrics and the
+steps its smoothed loss took to reach the target (default: the first run's final loss), on
+the steps all runs logged; n/a (null in --json) where undefined. --positional measures the
+positional discrepancy at init and at each kept checkpoint (--set keep_every=1 keeps them
 all), drawn beside the --out figure (compare.png -> compare-positional.png).
 
 Examples:
     sinklens compare runs/baseline runs/headwise --out compare.png
     sinklens compare runs/* --target-loss 2.5 --json summary.json
-    sinklens compare runs/baseline --positional
 """
 
 from __future__ import annotations
@@ -61,15 +59,12 @@ def metric_text(value, spec: str = ".4f") -> str:
 
 
 def run_status(lines: list[dict], steps: int | None) -> dict:
-    """``{"status", "steps_done", "steps"}`` from a run's metrics lines and its config's ``steps`` (None: unknown):
-    ``"diverged"`` (a ``nonfinite`` line with ``"action": "stop"`` at or after the last training step),
-    ``"incomplete"`` (fewer than ``steps`` steps logged), ``"finished"``, or ``"unknown"`` without ``steps``.
+    """``{"status", "steps_done", "steps"}`` of a run: ``"diverged"`` (a stopping ``nonfinite`` line at or after the
+    last train step), ``"incomplete"`` (fewer than ``steps`` steps), ``"finished"``, or ``"unknown"`` (no steps).
 
     Examples:
         >>> run_status([{"kind": "train", "step": 0}, {"kind": "nonfinite", "step": 1, "action": "stop"}], 10)
         {'status': 'diverged', 'steps_done': 1, 'steps': 10}
-        >>> run_status([{"kind": "train", "step": s} for s in range(4)], 10)["status"]
-        'incomplete'
     """
     done = max((line["step"] + 1 for line in lines if line.get("kind") == "train"), default=0)
     stops = [line["step"] for line in lines if line.get("kind") == "nonfinite" and line.get("action") == "stop"]
@@ -101,8 +96,7 @@ def planned_steps(run_dir: str | Path) -> int | None:
 
 
 def log_interval(lines: list[dict]) -> int:
-    """The number of steps between a run's logged training losses: the most common gap between
-    consecutive logged ``train`` steps (1 with fewer than two lines).
+    """The most common gap between a run's logged ``train`` steps (1 with fewer than two lines).
 
     Examples:
         >>> log_interval([{"kind": "train", "step": s} for s in (0, 5, 10, 15, 17)])
@@ -114,12 +108,8 @@ def log_interval(lines: list[dict]) -> int:
 
 
 def on_common_steps(runs: dict[str, list[dict]]) -> tuple[dict[str, list[dict]], int]:
-    """``runs`` with only the training lines at steps every run logged, and that interval.
-
-    The interval is the least common multiple of the runs' :func:`log_interval`; each run keeps its
-    training lines at its multiples and at the run's last logged training step (runs end at their
-    own ``steps - 1``, which is always logged); other lines (evals...) are kept. With one interval
-    for all runs nothing is dropped.
+    """``runs`` with only the train lines at multiples of the least common multiple of their :func:`log_interval`
+    (and each run's last train line), and that interval; other lines are kept.
 
     Examples:
         >>> every = {"a": [{"kind": "train", "step": s} for s in range(8)],
@@ -143,17 +133,11 @@ def on_common_steps(runs: dict[str, list[dict]]) -> tuple[dict[str, list[dict]],
 
 def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoothing: int = 10,
               steps: dict[str, int | None] | None = None) -> list[dict]:
-    """Per run: final smoothed loss, steps to ``target`` (default: the first run's final smoothed loss), last eval.
+    """Per run: final smoothed loss, steps to ``target``, last eval and :func:`run_status`.
 
-    The smoothed loss at a logged step ``s`` is the mean of the training losses logged at the steps
-    ``s - smoothing < t <= s`` (:func:`sinklens.plotting.training.smooth`), computed on the steps all
-    runs logged (:func:`on_common_steps`); ``final_loss`` is its value at the run's last logged
-    step, ``steps_to_target`` the first of those steps where it is ``<= target`` (None if never),
-    ``common_log_interval`` the interval of the steps used (1: every logged step), and the run's
-    :func:`run_status` (``steps``: each run's config ``steps``, by label).
-
-    Raises:
-        InvalidArgumentError: no ``target`` and the first run's final loss is undefined (no training line).
+    The smoothed loss at step ``s`` is the mean of the losses logged at ``s - smoothing < t <= s``
+    (:func:`sinklens.plotting.training.smooth`) on the common steps (:func:`on_common_steps`);
+    ``steps_to_target`` is the first step where it is ``<= target`` (default: the first run's final one).
     """
     import math
 
@@ -190,11 +174,8 @@ def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoot
 
 
 def run_labels(run_dirs: list[str], labels: list[str] | None = None) -> list[str]:
-    """One distinct label per run: ``labels`` as given, else ``"<variant> @ <folder name>"``, or
-    ``"<variant> @ <path as given>"`` where two runs share a folder name (``runs/a``, ``old/a``).
-
-    Raises:
-        InvalidArgumentError: ``labels`` has another length or a label twice, or a run is given twice.
+    """One distinct label per run: ``labels`` as given, else ``"<variant> @ <folder name>"`` (the path as given
+    where two runs share a folder name); a bad ``labels`` raises InvalidArgumentError.
     """
     from sinklens.errors import InvalidArgumentError
 
@@ -253,8 +234,6 @@ def positional_figure_path(out: Path) -> Path:
     Examples:
         >>> positional_figure_path(Path("runs/a/compare.png")).as_posix()
         'runs/a/compare-positional.png'
-        >>> positional_figure_path(Path("figs/loss.pdf")).as_posix()
-        'figs/loss-positional.pdf'
     """
     return out.with_name(f"{out.stem}-positional{out.suffix}")
 

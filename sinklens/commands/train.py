@@ -82,18 +82,16 @@ def _model_table(path: str) -> dict:
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """The run's :class:`TrainConfig`: config file, the run's own config (``--resume``) or preset, then the short
-    flags, ``--set`` items and field flags (``args.config_flags``), applied in that order and validated once.
+    flags, ``--set`` items and field flags (``args.config_flags``), applied in that order by one tyro parse.
 
     With both ``--preset`` and ``--config``, the model is the preset with the file's ``[model]`` keys over it.
-    Derived model fields (``n_kv_heads``, ``d_mlp``) that neither sets follow the final fields. For text, memmap
-    and hf data ``model.d_vocab`` is ``"auto"`` unless a flag says otherwise.
+    Derived model fields (``n_kv_heads``, ``d_mlp``) that neither sets follow the final fields.
     """
     from dataclasses import fields, replace
 
     from sinklens.specs import split_spec
     from sinklens.sinklm.run_folder import resume_config
-    from sinklens.sinklm.config import PRESETS, ModelConfig, TrainConfig, load_config
-    from sinklens.sinklm.config_flags import flags_to_pairs, overrides_to_pairs, set_values
+    from sinklens.sinklm.config import PRESETS, ModelConfig, TrainConfig, load_config, parse_flags, set_flags
 
     explicit: set[str] = set()  # model fields set by the preset's definition, the config file or the run
     resumed = resume_config(args.out) if args.resume and args.out and not args.config else None
@@ -111,21 +109,20 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         base = base.replace(model=ModelConfig.from_preset(name, **file_model))
         explicit |= set(PRESETS[name])
     base = replace(base, model=base.model.unset_derived(keep=explicit))
-    pairs = []
+    flags = []
     if args.variant:
         name, options = split_spec(args.variant, what="attention variant")
-        pairs.append(("model.variant", name, "--variant"))
-        pairs += [(f"model.variant_options.{key}", repr(value), "--variant") for key, value in options.items()]
+        flags += ["--model.variant", name]
+        flags += [f"--model.variant-options.{key}={value!r}" for key, value in options.items()]
     if args.data:
-        pairs += [(*item.split("=", 1), "--data") for item in _data_overrides(args.data)]
-    for flag, key in (("steps", "steps"), ("batch_size", "batch_size"), ("seq_len", "data.seq_len"), ("lr", "optim.lr"),
+        flags += set_flags(_data_overrides(args.data))
+    for flag, key in (("steps", "steps"), ("batch_size", "batch-size"), ("seq_len", "data.seq-len"), ("lr", "optim.lr"),
                       ("seed", "seed"), ("device", "device")):
         if getattr(args, flag) is not None:
-            pairs.append((key, getattr(args, flag), "--" + flag.replace("_", "-")))
+            flags += [f"--{key}", getattr(args, flag)]
     if args.interventions:
-        pairs.append(("interventions", repr(list(args.interventions)), "--intervention"))
-    pairs += overrides_to_pairs(args.overrides) + flags_to_pairs(getattr(args, "config_flags", []))
-    return set_values(base, pairs)
+        flags += ["--interventions", *args.interventions]
+    return parse_flags(base, [*flags, *set_flags(args.overrides), *getattr(args, "config_flags", [])])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -136,8 +133,6 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.validate import writable_file
 
     if args.fields:
-        from sinklens.sinklm.config_flags import fields_help
-
         print(fields_help())
         return 0
     if not args.out:
@@ -184,3 +179,36 @@ def run(args: argparse.Namespace) -> int:
         print(f"gpu: {gpu['device']}, {mfu}")
     print(f"run directory: {out}")
     return 0
+
+
+def fields_help() -> str:
+    """``sinklens train --fields``: one line per field flag, its type, default and the first sentence of its
+    description in the dataclass docstring."""
+    import re
+    import typing
+
+    from sinklens.sinklm.config import TrainConfig, field_class, flag_keys
+
+    defaults = TrainConfig().to_dict()
+    lines = ["Every TrainConfig field is a flag (--KEY VALUE; --set KEY=VALUE and config files use the key):"]
+    for key in flag_keys():
+        part, _, leaf = key.rpartition(".")
+        cls = field_class(key)
+        kinds = ["{" + ",".join(map(str, typing.get_args(t))) + "}" if typing.get_origin(t) is typing.Literal else
+                 getattr(t, "__name__", "LIST").upper() for t in _members(typing.get_type_hints(cls)[leaf])]
+        doc = (cls.__doc__ or "").partition("Attributes:")[2]
+        found = re.search(rf"^\s+(?:[\w, ]*\b)?{leaf}\b[\w, ]*:\s(.+?)(?:\.\s|\.$|\n\s*\n|\n\s+\w[\w, ]*:\s)", doc,
+                          re.MULTILINE | re.DOTALL)
+        text = re.sub(r"\s+", " ", re.sub(r":\w+:`~?([^`]+)`", r"\1", found.group(1)).replace("``", "")) if found else ""
+        head = f"  --{key.replace('_', '-')} {'|'.join(kinds).replace('NONETYPE', 'None')} = "
+        line = f"{head + str(defaults[part][leaf] if part else defaults[leaf]):<50} {text}".rstrip()
+        lines.append(line if len(line) <= 100 else line[:97] + "...")
+    return "\n".join(lines)
+
+
+def _members(tp):
+    import types
+    import typing
+
+    union = isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
+    return typing.get_args(tp) if union else (tp,)

@@ -1,12 +1,6 @@
-"""Scale an analysis out over ``torchrun`` processes: each streams a share of the batches, the
-statistics are combined, and every process ends with what a one-process run gives.
-
-``torchrun --nproc_per_node N -m sinklens.cli analyze ...`` runs the command in N processes. Inside
-:func:`session` (the CLI opens one), :func:`sinklens.streaming.stream` gives process ``r`` the ``r``-th
-contiguous share of the batches (:func:`shard_bounds`); then every reducer's statistics are gathered to
-every process and merged in rank order, which is sequence order: results equal one process's up to
-float64 rounding. NCCL on CUDA, gloo on the CPU; outside :func:`session`
-nothing is sharded.
+"""Scale an analysis out over ``torchrun`` processes: each streams a share of the batches, then every
+reducer's statistics are gathered and merged in rank order, so each process ends with what one process
+gives (up to float64 rounding). Only inside :func:`session`; NCCL on CUDA, gloo on the CPU.
 
 Examples:
     >>> shard_bounds(5, rank=0, world_size=2), shard_bounds(5, rank=1, world_size=2)
@@ -34,12 +28,8 @@ _DEVICE: str | None = None
 
 @contextmanager
 def session(device: str | None = None) -> Iterator[str | None]:
-    """Join the ``torchrun`` process group for the duration of the block; yield the device to load on.
-
-    Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` set) the device is ``cuda:LOCAL_RANK`` when CUDA
-    is asked for or available (``device`` None, ``"auto"`` or ``"cuda"``), else ``"cpu"``, and
-    :func:`sinklens.streaming.stream` shards and combines inside the block. Without ``torchrun`` it
-    yields ``device`` unchanged and changes nothing. Inside another session it joins that one.
+    """Join the ``torchrun`` process group for the block and yield the device to load on (``cuda:LOCAL_RANK`` when
+    CUDA is asked for or available, else cpu); without ``torchrun``, ``device`` unchanged. Nested: joins the outer.
     """
     global _SESSION, _DEVICE
     if not launched_by_torchrun():

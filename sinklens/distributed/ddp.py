@@ -1,8 +1,5 @@
-"""PyTorch DDP set-up for ``torchrun``: read the launcher's environment, pick the backend and device.
-
-``torchrun --nproc_per_node N -m sinklens.cli train ...`` sets ``RANK``, ``LOCAL_RANK`` and
-``WORLD_SIZE``; without them :func:`init_distributed` returns a single-process context and does
-nothing. The backend is NCCL on CUDA and gloo on CPU (which is how the tests run DDP).
+"""PyTorch DDP set-up for ``torchrun`` (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``; without them one process):
+NCCL on CUDA, gloo on the CPU.
 """
 
 from __future__ import annotations
@@ -19,11 +16,7 @@ from sinklens.validate import device as checked_device
 
 @dataclass(frozen=True)
 class DistContext:
-    """Where this process sits in a (possibly single-process) run.
-
-    Attributes:
-        enabled: True under ``torchrun`` (``WORLD_SIZE`` set), even with one process.
-    """
+    """Where this process sits in a (possibly single-process) run; ``enabled`` under ``torchrun``."""
 
     enabled: bool = False
     rank: int = 0
@@ -36,12 +29,8 @@ class DistContext:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``"auto"`` → ``cuda`` when available, else ``cpu``; any other name must be a device this machine has
-    (checked by :func:`sinklens.validate.device`, as every other command checks ``--device``).
-
-    Raises:
-        InvalidArgumentError: an unknown name (``"gpu"``), a device training cannot use (``"meta"``), or one
-            this machine lacks (``cuda`` without a GPU, ``cuda:3`` with one GPU, ``mps`` off a Mac).
+    """``"auto"`` → cuda when available, else cpu; any other name must be a device this machine has and training
+    can use (:func:`sinklens.validate.device`).
     """
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

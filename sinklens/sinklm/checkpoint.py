@@ -1,20 +1,12 @@
 """Run folders and their checkpoints: one step saved, loaded and verified as a unit.
 
-A run folder holds ``config.json`` (the run's :class:`TrainConfig`), ``metrics.jsonl`` (one strict-JSON line per
-logged step or evaluation), ``tokenizer/`` (text runs), ``data_fingerprint.json`` (tokenizer and token-stream
-hashes: a resume refuses other data), ``.lock`` (held by the trainer), ``checkpoint.json`` (names the current
-``checkpoints/step-N``) and the step folders, each with ``model.safetensors``, ``trainer_state.safetensors``
-(optimizer moments, torch RNG states), ``trainer_state.json`` (step, Python and numpy RNG states, grad scaler,
-the optimizer's other state), ``config.json`` and ``manifest.json`` (size and SHA-256 of each file).
-
-Nothing in a run folder is pickled: loading one reads JSON and safetensors only, so no file there can run code.
-Pickled trainer state of earlier builds (``trainer_state.pt``, ``optimizer.pt``) is refused by name, never loaded.
-
-:func:`save_checkpoint` writes a step into ``checkpoints/.tmp-*``, fsyncs it, renames it ``step-N`` and only then
-replaces ``checkpoint.json``: a kill leaves the old or the new checkpoint current, never a mix. The newest earlier
-step stays as a fallback (``keep_every`` keeps more); :func:`load_run` verifies the manifest and falls back to it,
-with a warning. The data order is a pure function of ``(data.seed, step)``, so a resume reproduces the
-uninterrupted run exactly. The run folder around the checkpoints is :mod:`sinklens.sinklm.run_folder`'s.
+A run folder holds ``config.json``, ``metrics.jsonl``, ``tokenizer/``, ``data_fingerprint.json``, ``.lock``,
+``checkpoint.json`` (names the current ``checkpoints/step-N``) and step folders with ``model.safetensors``,
+``trainer_state.safetensors``/``.json`` (optimizer, RNG and scaler state), ``config.json`` and
+``manifest.json`` (size and SHA-256 of each file). Nothing is pickled; pickled files are refused by name.
+:func:`save_checkpoint` writes into ``checkpoints/.tmp-*``, fsyncs, renames to ``step-N``, then switches
+``checkpoint.json``: a kill leaves the old or the new checkpoint current. The step before stays as a fallback
+that :func:`load_run` uses, with a warning, when the current one fails verification.
 """
 
 from __future__ import annotations
@@ -81,12 +73,8 @@ def unwrap_model(model: Any) -> Any:
 
 def save_checkpoint(run_dir: str | Path, *, model: Any, optimizer: torch.optim.Optimizer | None, cfg: TrainConfig,
                     step: int, scaler: Any = None) -> Path:
-    """Write the checkpoint of ``model`` after ``step`` optimizer steps as one unit (see the module docstring);
-    return its folder.
-
-    Raises:
-        OutputNotWritableError: a write failed (a full disk, a lost mount); the message says which checkpoint
-            is still current.
+    """Write the checkpoint of ``model`` after ``step`` steps as one unit and return its folder; a failed write
+    raises OutputNotWritableError naming the checkpoint still current.
     """
     from safetensors import SafetensorError
 
@@ -260,12 +248,8 @@ def load_train_config(run_dir: str | Path) -> TrainConfig:
 
 
 def load_run(run_dir: str | Path) -> RunCheckpoint:
-    """The newest good checkpoint of a run folder, verified against its manifest; an earlier good one (with a
-    ``UserWarning``) when the current one is broken.
-
-    Raises:
-        NotFoundError: not a run folder, or the run stopped before its first checkpoint.
-        CorruptFileError: no checkpoint it holds is good (the message lists why).
+    """The newest checkpoint of a run folder that passes verification (an earlier one, with a warning, when the
+    current is broken); NotFoundError without one, CorruptFileError when none is good.
     """
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
@@ -339,12 +323,8 @@ def _model(run_dir: Path, cfg: TrainConfig, weights: Path | None, device: str | 
 
 
 def load_trained_model(run_dir: str | Path, device: str | torch.device | None = None) -> Any:
-    """The :class:`~sinklens.sinklm.model.SinkLM` of a run's newest good checkpoint (:func:`load_run`), in eval mode,
-    with ``model.tokenizer`` (text runs, so analyzers accept strings) and ``model.train_config``.
-
-    Raises:
-        NotFoundError: not a run folder, or no checkpoint written yet.
-        CorruptFileError: no checkpoint passes verification.
+    """The SinkLM of a run's newest good checkpoint (:func:`load_run`), in eval mode, with ``model.tokenizer``
+    (text runs) and ``model.train_config``.
     """
     ckpt = load_run(run_dir)
     return _model(ckpt.run_dir, ckpt.config, ckpt.path / WEIGHTS, device)
@@ -381,13 +361,8 @@ def load_step_model(run_dir: str | Path, step: int, device: str | torch.device |
 # ------------------------------------------------------------------ metrics.jsonl
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    """The lines of ``run_dir/metrics.jsonl``: a last line cut short by a kill is dropped with a
-    ``RuntimeWarning``; of a step's repeated ``train`` (or ``eval``) lines the last is kept.
-
-    Raises:
-        NotFoundError: ``run_dir`` has no ``metrics.jsonl``.
-        CorruptFileError: a line is not a JSON object with a string ``kind`` and a whole-number ``step``,
-            or a ``train`` line lacks a finite ``loss``; the message names the line.
+    """The lines of ``run_dir/metrics.jsonl``, the last of a step's repeated train/eval lines kept; a last line cut
+    short by a kill is dropped with a warning; a malformed line raises CorruptFileError naming it.
     """
     path = Path(run_dir) / METRICS
     if not path.is_file():

@@ -1,29 +1,27 @@
-"""Training configuration: one module of nested dataclasses, read from JSON/TOML, set from the command line.
+"""Training configuration: nested dataclasses, validated in ``__post_init__``, read from JSON/TOML and flags.
 
-``TrainConfig(model=ModelConfig, optim=OptimConfig, data=DataConfig, eval=EvalConfig, ...)``. Every
-part validates itself in ``__post_init__`` with :mod:`sinklens.validate` (a NaN learning rate, an
-unknown mode or a wrong type is an :class:`~sinklens.errors.InvalidArgumentError` naming the field
-and the bad value) and round-trips through ``to_dict``/``from_dict`` (a run's ``config.json`` is
-exactly ``TrainConfig.to_dict()``; ``config.json`` files of sinklens 0.1 still load). Unknown keys
-raise, naming the known ones.
-
-Command-line values are parsed from these dataclasses' fields and types by
-:mod:`sinklens.sinklm.config_flags`.
+``TrainConfig(model=ModelConfig, optim=OptimConfig, data=DataConfig, eval=EvalConfig, ...)``; a bad value is an
+:class:`~sinklens.errors.InvalidArgumentError` naming the field. A run's ``config.json`` is exactly
+``TrainConfig.to_dict()``; unknown keys raise. :func:`parse_flags` sets fields from flags with tyro
+(``--optim.lr 3e-4``), :func:`apply_overrides` from ``--set key=value`` items.
 
 Examples:
     >>> cfg = TrainConfig.from_dict({"steps": 10, "optim": {"lr": 1e-3}, "data": {"source": "markov"}})
     >>> cfg.optim.lr, cfg.data.source
     (0.001, 'markov')
-    >>> TrainConfig.from_dict(cfg.to_dict()) == cfg
-    True
+    >>> apply_overrides(cfg, ["optim.lr=3e-4", "data.seq_len=32"]).data.seq_len
+    32
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import dataclasses
 import json
 import os
 import typing
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
@@ -31,6 +29,7 @@ from typing import Any, Literal
 from sinklens.errors import InvalidArgumentError, NotFoundError
 from sinklens.options import SEQ_LEN, SINK_THRESHOLD
 from sinklens.sinklm.variants import get_attention_variant
+from sinklens.specs import parse_value
 from sinklens.validate import as_bool, as_seed, choice, closest, did_you_mean, finite_number, positive_int
 
 Family = Literal["llama", "gpt2"]
@@ -107,21 +106,10 @@ class _Part:
 class ModelConfig(_Part):
     """Shape and attention variant of a :class:`sinklens.sinklm.model.SinkLM`.
 
-    ``family="llama"``: RMSNorm, SwiGLU, RoPE, tied embeddings, optional GQA (``n_kv_heads``).
-    ``family="gpt2"``: LayerNorm, GELU, learned positions, tied embeddings.
-    ``variant`` names an attention variant registered in :mod:`sinklens.sinklm.variants`;
-    ``variant_options`` are passed to it (e.g. ``{"gain": "per_head", "init": "first_token"}``) and
-    checked when the model is built. ``d_vocab="auto"`` takes the vocabulary of the training data
-    (resolved once, by :func:`sinklens.train.loop.train`). ``dtype`` is stored as a string so the
-    config stays JSON.
-
-    Two fields are *derived* when left None (:attr:`DERIVED`), from the other fields' final values
-    when the config is built: ``n_kv_heads`` defaults to ``n_heads`` (no GQA) and ``d_mlp`` to
-    ``4 * d_model`` for ``gpt2`` and to ``8 * d_model / 3`` rounded up to a multiple of 8 for
-    ``llama`` (SwiGLU with about the parameters of a 4x GELU MLP). A built config always holds the
-    derived numbers, so a run's ``config.json`` is complete. ``sinklens train`` derives them after
-    every override (:meth:`unset_derived`), so ``--preset tiny --model.d-model 128`` gets
-    ``d_mlp=344``, not the preset's 176, unless the preset, the config file or a flag sets ``d_mlp``.
+    ``variant`` names a registered attention variant, ``variant_options`` its options (checked at build);
+    ``d_vocab="auto"`` takes the data's vocabulary (resolved by :func:`sinklens.train.loop.train`). The
+    :attr:`DERIVED` fields, when None, follow the others: ``n_kv_heads = n_heads``, ``d_mlp = 4·d_model``
+    (gpt2) or ``8·d_model/3`` rounded up to a multiple of 8 (llama, SwiGLU).
 
     Examples:
         >>> ModelConfig(d_model=128).d_mlp, ModelConfig(family="gpt2").d_mlp, ModelConfig(n_heads=2).n_kv_heads
@@ -186,15 +174,8 @@ class ModelConfig(_Part):
         return int(self.n_kv_heads or self.n_heads)
 
     def unset_derived(self, *, keep: typing.Iterable[str] = ()) -> ModelConfig:
-        """A copy whose :attr:`DERIVED` fields not named in ``keep`` are None again: a template for
-        building a config whose other fields still change (as ``sinklens train`` does from a preset);
-        the config built from it derives them from its own fields. The copy itself is not validated
-        again and is not meant to build a model.
-
-        Examples:
-            >>> template = ModelConfig.from_preset("tiny").unset_derived()
-            >>> template.d_mlp is None, ModelConfig.from_dict({**template.to_dict(), "d_model": 128}).d_mlp
-            (True, 344)
+        """A copy, not validated again, whose :attr:`DERIVED` fields not in ``keep`` are None: a template whose
+        final config derives them from its own fields (``sinklens train`` over a preset).
         """
         template = dataclasses.replace(self)
         for name in self.DERIVED:
@@ -266,32 +247,21 @@ class OptimConfig(_Part):
 
 @dataclass
 class DataConfig(_Part):
-    """Where training sequences come from (see :mod:`sinklens.train.data`).
-
-    Every sequence is ``seq_len + 1`` tokens (inputs are the first ``seq_len``, targets the last);
-    with ``bos`` the first token is the BOS id, so the sink has a fixed position-0 token.
+    """Where training sequences come from (see :mod:`sinklens.train.data`); each is ``seq_len + 1`` tokens.
 
     Attributes:
-        source: ``"bigram-backcopy"`` (Guo et al. 2024), ``"markov"``, ``"text"`` (a file or folder),
-            ``"memmap"`` (nanoGPT ``train.bin``/``val.bin`` of uint16), ``"hf"`` (a Hugging Face dataset).
-        path: file or folder for ``text``/``memmap``; dataset name for ``hf``.
-        seed: the *only* seed that decides which sequences are drawn, and in which order. Two runs with
-            the same ``data`` config see identical batches whatever their model, variant or seed.
-        val_fraction: share held out for validation (tail of the token stream; a separate seed
-            stream for synthetic tasks). ``memmap`` uses ``val.bin`` when it exists.
-        tokenizer: ``"byte"`` (256 bytes + ``<|endoftext|>``) or ``"bpe"`` trained on the train split
-            with the ``tokenizers`` library (``vocab_size`` tokens), cached under ``cache_dir``.
-        bos: start every sequence with the tokenizer's BOS token (text and hf data). The synthetic tasks
-            always start with theirs (id 0) and refuse False; ``memmap`` windows are raw token ids, nanoGPT
-            style (no BOS id is known), whatever ``bos`` says.
-        vocab_size: BPE size; for synthetic tasks the number of tokens (BOS included); for ``memmap``
-            the token range when the folder has no ``meta.pkl``.
-        glob: files to read from a ``text`` folder.
-        n_triggers, alpha: bigram-backcopy/markov task: trigger tokens and Dirichlet concentration of
-            the transition rows (small = peaked, predictable transitions).
+        source: "bigram-backcopy" (Guo et al. 2024), "markov", "text" (file or folder), "memmap" (nanoGPT
+            ``train.bin``/``val.bin``), "hf" (a Hugging Face dataset).
+        path: file or folder for text/memmap; dataset name for hf.
+        seed: the only seed of which sequences are drawn, in which order, whatever the model or its seed.
+        val_fraction: share held out for validation (the stream's tail; ``val.bin`` for memmap when present).
+        tokenizer: "byte" (256 bytes + ``<|endoftext|>``) or "bpe" trained on the train split (``vocab_size``).
+        bos: start every text/hf sequence with the BOS token (synthetic tasks always do; memmap never).
+        vocab_size: BPE size; synthetic tasks' token count (BOS included); memmap's range without ``meta.pkl``.
+        glob: files to read from a text folder.
+        n_triggers, alpha: synthetic task: trigger tokens and Dirichlet concentration of the transition rows.
         task_seed: seed of the synthetic task's transition matrix and triggers (not of the sampling).
-        hf_config, hf_split, text_field, max_tokens: Hugging Face source options (``max_tokens``
-            tokens are streamed once, then held in memory).
+        hf_config, hf_split, text_field, max_tokens: Hugging Face options (``max_tokens`` streamed once).
     """
 
     source: DataSource = "bigram-backcopy"
@@ -333,14 +303,9 @@ class DataConfig(_Part):
         self.max_tokens = positive_int(self.max_tokens, what="data.max_tokens")
 
     def with_absolute_path(self) -> DataConfig:
-        """This config with a local ``path`` (sources :data:`LOCAL_DATA_SOURCES`) made absolute, ``~``
-        expanded, symbolic links kept: what :func:`sinklens.train.train` records in a run's
-        ``config.json``, so that the run names the same data from whatever folder it is resumed in.
+        """This config with a local ``path`` made absolute (``~`` expanded), as ``config.json`` records it.
 
         Examples:
-            >>> import os
-            >>> DataConfig(source="text", path="corpus.txt").with_absolute_path().path == os.path.abspath("corpus.txt")
-            True
             >>> DataConfig(source="hf", path="roneneldan/TinyStories").with_absolute_path().path
             'roneneldan/TinyStories'
         """
@@ -356,12 +321,11 @@ class EvalConfig(_Part):
     Attributes:
         interval: evaluate every this many steps (and at the last step); 0 disables.
         batches, batch_size: held-out batches used by every evaluation (the same ones each time).
-        sink_threshold: a head is a sink head when the mean attention its queries put on position 0
-            exceeds this (the ε of Gu et al. 2024, "When attention sink emerges").
-        persistence_sequences: random token sequences on which every evaluation compares the
-            model's token preference and final contraction direction with step 0
-            (:mod:`sinklens.train.persistence`; metrics ``persistence_*``); 0 disables.
-        persistence_seq_len: their length (capped at ``data.seq_len``).
+        sink_threshold: a head is a sink head when its queries' mean attention on position 0 exceeds this
+            (the ε of Gu et al. 2024).
+        persistence_sequences: random sequences on which each evaluation compares the token preference and
+            contraction direction with step 0 (:mod:`sinklens.train.persistence`); 0 disables.
+        persistence_seq_len: their length (capped at data.seq_len).
         persistence_seed: the seed that draws them.
     """
 
@@ -395,39 +359,22 @@ class TrainConfig(_Part):
 
     Attributes:
         steps: optimizer steps.
-        batch_size: sequences per optimizer step, over all micro-steps and all DDP processes.
-        grad_accum: micro-steps per optimizer step (``batch_size`` must split evenly over
-            ``grad_accum × world_size``).
-        seed: model initialisation (and dropout) seed; the data order depends only on ``data.seed``.
-        device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...
-        autocast: mixed precision on CUDA (``"bfloat16"``); a CPU run follows ``cpu_autocast``.
-        cpu_autocast: mixed precision on a CPU: ``"none"`` (default) trains in float32;
-            ``"bfloat16"`` runs the forward under ``torch.autocast("cpu", torch.bfloat16)`` (weights,
-            optimizer state, loss and evaluation stay float32). On a CPU with native bfloat16
-            (``avx512_bf16``/``amx_bf16``) a ``headnorm-cpu`` step measured ≈1.5× a float32 one on an
-            AMD EPYC and ≈1.8× on an Intel Xeon with AMX; a CPU without it warns, as it emulates
-            bfloat16 (:mod:`sinklens.train.precision`).
-        compile: ``torch.compile`` the model and its loss for training: ``"auto"`` (default) on
-            CUDA and not elsewhere, ``True`` always, ``False`` never. A failed compile warns in one
-            line and the run goes on eagerly; checkpoints always hold the uncompiled ``state_dict``.
-        interventions: training-time interventions, ``"name:key=value,key=value"`` spec strings of
-            the intervention registry (:func:`sinklens.interventions.registry.build`, e.g.
-            ``"restart:positions=16"``).
-        log: also send the metrics to ``"wandb"`` (project ``sinklens``, run named after ``out_dir``) or
-            ``"tensorboard"`` (event files in ``out_dir/tensorboard``); ``"none"`` (default) writes
-            ``metrics.jsonl`` only. Needs ``pip install 'sinklens[wandb]'`` / ``'sinklens[tensorboard]'``.
-        log_interval, checkpoint_interval: write a metrics line / a checkpoint every this many steps
-            (a checkpoint is always written at the end when the run has an output directory).
-        keep_every: keep every ``keep_every``-th checkpoint (the steps that are multiples of
-            ``keep_every × checkpoint_interval``) in ``checkpoints/``, e.g. to analyse a run over
-            training; 0 (default) keeps only the newest checkpoint and the one before it.
-        on_nonfinite: what a step whose loss or gradient norm is NaN/inf does: ``"stop"`` ends the
-            run with :class:`~sinklens.errors.TrainingDivergedError` (the last finite checkpoint
-            stays); ``"skip"`` drops that step's update and goes on: up to ``max_skips`` steps in a row
-            are skipped, and a non-finite step right after them stops the run the same way (its
-            ``kind="nonfinite"`` metrics line says ``"action": "stop"``). Under ``autocast="float16"`` on CUDA only a non-finite
-            loss counts: an inf/NaN gradient with a finite loss is the loss scaler's, which skips that
-            update and lowers its scale, as float16 training expects.
+        batch_size: sequences per optimizer step, over all micro-steps and DDP processes.
+        grad_accum: micro-steps per optimizer step.
+        seed: model initialisation (and dropout) seed; the data order depends only on data.seed.
+        device: "auto" (CUDA when available), "cpu", "cuda", "cuda:1"...
+        autocast: mixed precision on CUDA; a CPU run follows cpu_autocast.
+        cpu_autocast: "bfloat16" runs a CPU forward under bfloat16 autocast (weights, optimizer, loss float32).
+        compile: torch.compile model and loss: "auto" on CUDA only; a failed compile warns and runs eagerly.
+        interventions: training-time interventions, "name:key=value,..." specs of the intervention registry.
+        log: also send metrics to "wandb" or "tensorboard" (``out_dir/tensorboard``), besides metrics.jsonl.
+        log_interval: write a metrics line every this many steps.
+        checkpoint_interval: write a checkpoint every this many steps (0: only at the end).
+        keep_every: keep every keep_every-th periodic checkpoint; 0 keeps the newest and the one before.
+        on_nonfinite: a NaN/inf loss or gradient norm: "stop" raises TrainingDivergedError (the last finite
+            checkpoint stays); "skip" drops the update, up to max_skips steps in a row. Under float16 autocast
+            only a non-finite loss counts (the loss scaler handles gradients).
+        max_skips: non-finite steps skipped in a row before the run stops.
     """
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -484,7 +431,7 @@ class TrainConfig(_Part):
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """A config from ``to_dict()`` output (a ``config.json``), sinklens 0.1 files included."""
+        """A config from ``to_dict()`` output (a ``config.json``)."""
         _check_unknown(cls, data)
         data = {k: _PARTS[k].from_dict(v) if k in _PARTS and not isinstance(v, _PARTS[k]) else v for k, v in data.items()}
         return super().from_dict.__func__(cls, data)  # type: ignore[attr-defined]
@@ -512,3 +459,105 @@ def load_config(path: str | Path) -> TrainConfig:
         return TrainConfig.from_dict(data)
     except ValueError as error:  # a syntax error (JSON, TOML, not UTF-8), an unknown key or a bad value
         raise InvalidArgumentError(f"Config file {str(path)!r}: {error}") from error
+
+
+#: Lower-case spellings of tyro's ``True``/``False``/``None`` values, accepted by :func:`parse_flags`.
+_WORDS = {"true": "True", "false": "False", "none": "None", "null": "None"}
+_VARIANT_OPTION = "model.variant_options."
+
+
+def flag_keys() -> list[str]:
+    """Every config field's key (``steps``, ``optim.lr``), in declaration order; its flag is ``--`` + the key
+    with hyphens. ``model.variant_options`` is set by ``--variant`` or ``--set model.variant_options.NAME=V``."""
+    top = [f.name for f in fields(TrainConfig) if f.name not in _PARTS]
+    return [f"{p}.{f.name}" for p, part in _PARTS.items() for f in fields(part) if f.name != "variant_options"] + top
+
+
+def field_class(key: str) -> type:
+    """The dataclass holding the field ``key`` (``"optim.lr"`` → :class:`OptimConfig`)."""
+    return _PARTS.get(key.rpartition(".")[0], TrainConfig)
+
+
+def parse_flags(base: TrainConfig, args: Sequence[str]) -> TrainConfig:
+    """``base`` with field flags (``--optim.lr 3e-4 --data.seq-len 128``) applied by tyro, then validated once by
+    the dataclasses. ``--model.variant-options.NAME VALUE`` adds one variant option; a ``--model.variant`` among
+    ``args`` naming another variant drops ``base``'s options (they were for its variant). A bad flag or value raises one
+    :class:`~sinklens.errors.InvalidArgumentError` naming it."""
+    import tyro
+
+    args, variant = [str(a) for a in args], base.model.variant
+    for arg, after in zip(args, [*args[1:], ""]):
+        if arg.partition("=")[0] == "--model.variant":
+            variant = arg.partition("=")[2] or after
+    flags, options = [], dict(base.model.variant_options) if variant == base.model.variant else {}
+    items, flag = iter(args), ""
+    for arg in items:
+        if arg.startswith("--" + _VARIANT_OPTION.replace("_", "-")):
+            key, eq, value = arg.partition("=")
+            options[key.rpartition(".")[2]] = parse_value(value if eq else next(items, ""))
+            continue
+        name, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+        if "_" in name:  # one spelling: tyro would also take the key's underscores
+            raise InvalidArgumentError(f"Unknown flag {name} (did you mean {name.replace('_', '-')}?); "
+                                       "sinklens train --fields lists them.")
+        flag = name or flag
+        key = flag[2:].replace("-", "_")
+        choices = str(typing.get_type_hints(field_class(key)).get(key.rpartition(".")[2]))  # a Literal 'none' stays
+        flags.append(name + eq + (value if f"'{value}'" in choices else _WORDS.get(value.lower(), value)))
+    model = copy.copy(base.model)
+    model.variant_options = options  # checked by tyro's ModelConfig, with the final variant
+    try:
+        with _tyro_errors(flags):
+            return tyro.cli(TrainConfig, default=dataclasses.replace(base, model=model), args=flags,
+                            prog="sinklens train", config=(tyro.conf.FlagConversionOff,))
+    except SystemExit as error:  # a tyro without the error hook: it printed the reason
+        raise InvalidArgumentError(f"Bad config flags {' '.join(flags)}; sinklens train --fields lists them.") from error
+
+
+def apply_overrides(cfg: TrainConfig, overrides: Sequence[str]) -> TrainConfig:
+    """``cfg`` with ``--set`` items ``key=value`` (``optim.lr=3e-4``) applied: each is the flag ``--key value``."""
+    return parse_flags(cfg, set_flags(overrides))
+
+
+def set_flags(overrides: Sequence[str]) -> list[str]:
+    """``--set`` items ``key=value`` as the flags ``--key value``; an unknown key raises, naming the closest."""
+    flags: list[str] = []
+    for item in overrides:
+        key, sep, value = str(item).partition("=")
+        if not sep or not key.strip():
+            raise InvalidArgumentError(f"Override {item!r} is not of the form 'section.key=value' (e.g. 'optim.lr=3e-4').")
+        if key.strip() not in flag_keys() and not key.startswith(_VARIANT_OPTION):
+            raise InvalidArgumentError(f"Unknown config key {key.strip()!r}{did_you_mean(key.strip(), flag_keys())}.")
+        flags += ["--" + key.strip().replace("_", "-"), value]
+    return flags
+
+
+def _tyro_errors(args: list[str]) -> Any:
+    """A context in which tyro's parse errors raise one :class:`InvalidArgumentError` instead of printing a panel."""
+    from tyro import _errors
+
+    if not hasattr(_errors, "on_parse_error"):
+        return contextlib.nullcontext()
+
+    def reject(event: Any) -> None:
+        arg = getattr(event, "argument", None)
+        name = arg.lowered.name_or_flags[0] if arg is not None else None
+        if isinstance(event, _errors.UnrecognizedArgs):
+            flag = event.tokens[0]
+            hint = closest(flag, ["--" + k.replace("_", "-") for k in flag_keys()])
+            raise InvalidArgumentError(f"Unknown flag {flag}{f' (did you mean {hint}?)' if hint else ''}; "
+                                       "sinklens train --fields lists them.")
+        if isinstance(event, _errors.InvalidChoice):
+            raise InvalidArgumentError(f"{name} must be one of {list(event.choices)}, got {event.value!r}"
+                                       f"{did_you_mean(event.value, event.choices)}.")
+        if isinstance(event, _errors.BadValue):
+            raise InvalidArgumentError(f"{name} needs a value ({arg.lowered.metavar}).")
+        message = (str(getattr(event, "message", "")).strip().splitlines() or [""])[0]
+        if name is None:  # the dataclasses' own check: their message as written
+            raise InvalidArgumentError(message or f"Bad config flags {' '.join(args)}.")
+        given = next((v for a, v in zip(args, args[1:]) if a == name), "")
+        kinds = {"INT": "an integer", "FLOAT": "a number", "{None}": "None"}
+        kind = " or ".join(kinds.get(k, k) for k in str(arg.lowered.metavar).split("|"))
+        raise InvalidArgumentError(f"{name} must be {kind}, got {given!r}.")
+
+    return _errors.on_parse_error(reject)

@@ -14,15 +14,8 @@ from sinklens.sinklm.variants import at_least_float32
 def next_token_loss(
     logits: Float[Tensor, "batch pos d_vocab"], targets: Int[Tensor, "batch pos"]
 ) -> Float[Tensor, ""]:
-    """The one next-token cross-entropy of the trainer: mean over every ``batch × pos`` prediction
-    of ``-log softmax(logits[b, t])[targets[b, t]]`` in nats, computed in float32. Under
-    ``torch.compile`` (the trainer computes it inside the compiled forward) the float32 upcast is
-    fused into the log-softmax reduction, so the ``[batch, pos, d_vocab]`` logits are never copied
-    to float32 in memory.
-
-    ``logits[:, t]`` must already be aligned with ``targets[:, t]`` (the model's prediction for the
-    token that follows position ``t``). Used by :meth:`SinkLM.forward`, the training step and the
-    evaluation, so the three report the same number.
+    """Mean over every ``batch × pos`` prediction of ``-log softmax(logits[b, t])[targets[b, t]]``, nats, in float32
+    (fused into the log-softmax under ``torch.compile``); the one loss of the model, the training step and the eval.
 
     Examples:
         >>> import math
@@ -41,8 +34,7 @@ def rotary_tables(n_ctx: int, d_head: int, base: float) -> tuple[Tensor, Tensor]
 
 
 def rope(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Tensor) -> Float[Tensor, "batch pos head d_head"]:
-    """Rotate ``x[:, t]`` by the angles of position ``t``: ``x ⊙ cos + rotate_half(x) ⊙ sin`` with
-    ``rotate_half(x) = [-x₂, x₁]`` for the two halves of ``d_head`` (Llama / TransformerLens), in ``x``'s dtype.
+    """Rotate ``x[:, t]`` by position ``t``'s angles: ``x ⊙ cos + rotate_half(x) ⊙ sin``, ``rotate_half(x) = [-x₂, x₁]``.
 
     Examples:
         >>> cos, sin = rotary_tables(n_ctx=3, d_head=2, base=10000.0)

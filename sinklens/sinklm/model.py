@@ -1,38 +1,12 @@
-"""SinkLM: a small, TransformerLens-hookable decoder for pretraining with sink-relevant attention variants.
+"""SinkLM: a small decoder for pretraining with attention variants, hooked and shaped like TransformerLens.
 
-Hook names, hook shapes and weight properties are TransformerLens', so ``run_with_hooks``,
-``run_with_cache``, ``model.hooks(...)`` and every sinklens analyzer work on a ``SinkLM`` unchanged.
-
-Hooks (``l`` = layer; shapes ``[batch, pos, ...]`` unless stated):
-
-- ``hook_embed`` ``[b, p, d_model]``: ``W_E[tokens]``; ``hook_pos_embed`` (gpt2): learned positions.
-- ``blocks.{l}.hook_resid_pre`` / ``hook_resid_mid`` / ``hook_resid_post`` ``[b, p, d_model]``.
-- ``blocks.{l}.ln1.hook_scale`` ``[b, p, 1]`` (the RMS, or std for gpt2, divided out) and
-  ``ln1.hook_normalized`` ``[b, p, d_model]`` (the normalised vector *before* the norm's gain and bias, as
-  in TransformerLens: the norm's output is ``w ⊙ hook_normalized (+ b)``); same for ``ln2`` and ``ln_final``.
-- ``blocks.{l}.attn.hook_q`` ``[b, p, head, d_head]``, ``hook_k``/``hook_v`` ``[b, p, kv_head, d_head]``:
-  ``x W + b`` before any qk-norm and RoPE; ``hook_rot_q``/``hook_rot_k`` (llama): after RoPE.
-- ``blocks.{l}.attn.hook_attn_scores`` ``[b, head, q, k]``: the logits ``q·k/sqrt(d_head)`` (plus the
-  variant's bias, e.g. sigmoid's ``b``), ``-inf`` above the diagonal; setting entries to ``-inf``
-  removes those keys from the query's window in every variant.
-- ``blocks.{l}.attn.hook_pattern`` ``[b, head, q, k]``: attention weights.
-- ``blocks.{l}.attn.hook_z`` ``[b, p, head, d_head]``: the raw value aggregation ``Σ_k pattern[q, k] v_k``.
-- ``blocks.{l}.attn.hook_z_normed`` (``headwise_rms``), ``hook_gate`` and ``hook_z_gated`` (``gated``),
-  ``hook_q_normed``/``hook_k_normed`` (``qk_norm``): the variant's own activations.
-- ``blocks.{l}.hook_attn_out`` ``[b, p, d_model]``: ``z' W_O + b_O`` (``z'`` = the variant's head output).
-- ``blocks.{l}.mlp.hook_pre`` ``[b, p, d_mlp]``: ``x W_gate`` (llama) or ``x W_in + b_in`` (gpt2);
-  ``mlp.hook_pre_linear`` (llama): ``x W_in``; ``mlp.hook_post``: ``silu(pre) * pre_linear`` or
-  ``gelu_tanh(pre)``; ``blocks.{l}.hook_mlp_out`` ``[b, p, d_model]``.
-
-Analyzers that measure value-aggregation variance read ``attn.hook_z`` (the raw aggregation, before
-any head-wise normalisation or gate); ``SinkLM.head_output_site`` names the hook holding what
-enters ``W_O`` for the configured variant.
-
-Speed path: a layer whose variant is softmax attention (``baseline``, ``headwise_rms``, ``gated``,
-``qk_norm``) uses ``F.scaled_dot_product_attention`` unless a hook is registered on its
-``hook_attn_scores`` or ``hook_pattern`` (as ``run_with_cache``/``run_with_hooks`` do when asked
-for those names); then it runs the explicit path, which computes the same function (tested), so
-interventions on scores/patterns work during training as well.
+Hook names, shapes and weight properties are TransformerLens' (``hook_embed``, ``blocks.{l}.hook_resid_pre``,
+``ln1.hook_scale``/``hook_normalized`` before the gain, ``attn.hook_q/k/v`` before qk-norm and RoPE,
+``hook_rot_q/k``, ``hook_attn_scores`` (the logits, ``-inf`` above the diagonal; a hook's ``-inf`` removes a
+key in every variant), ``hook_pattern``, ``hook_z`` (the raw aggregation), ``hook_attn_out``,
+``mlp.hook_pre``/``hook_pre_linear``/``hook_post``, ``hook_mlp_out``), plus each variant's own hooks, so every
+sinklens analyzer works on it unchanged. ``SinkLM.head_output_site`` names what enters ``W_O``. A softmax
+variant uses ``F.scaled_dot_product_attention`` unless its scores or pattern are hooked (same function, tested).
 """
 
 from __future__ import annotations
@@ -67,11 +41,8 @@ def _hooked(hp: HookPoint) -> bool:
 
 
 class RMSNorm(nn.Module):
-    """``w ⊙ x / sqrt(mean(x²) + eps)`` (computed in float32); ``hook_normalized`` is ``x / sqrt(...)``, before
-    ``w``, as TransformerLens' ``RMSNorm`` has it (so analyzers read the same site on a SinkLM).
-
-    Fast path when nothing is hooked on ``hook_scale`` or ``hook_normalized``: :func:`sinklens.sinklm.variants.rms_norm`
-    (``F.rms_norm``); otherwise the explicit path, which materialises the scale and the normalised vector for the hooks. The two agree to float32 rounding (tested).
+    """``w ⊙ x / sqrt(mean(x²) + eps)`` in float32; ``hook_normalized`` is before ``w``, as in TransformerLens.
+    Unhooked, it runs :func:`~sinklens.sinklm.variants.rms_norm` (``F.rms_norm``; same numbers, tested).
     """
 
     def __init__(self, d_model: int, eps: float) -> None:
@@ -109,12 +80,9 @@ class LayerNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal multi-head (grouped-query) attention with TransformerLens parameters and hooks.
-
-    Parameters: ``W_Q [head, d_model, d_head]``, ``W_K``/``W_V [kv_head, d_model, d_head]``,
-    ``W_O [head, d_head, d_model]`` and, for gpt2, biases ``b_Q [head, d_head]``, ``b_K``/``b_V``,
-    ``b_O [d_model]``. Query head ``h`` uses key/value head ``h // (n_heads // n_kv_heads)``.
-    The variant (``cfg.variant``) is the submodule ``variant``.
+    """Causal multi-head (grouped-query) attention with TransformerLens parameters (``W_Q [head, d_model, d_head]``,
+    ``W_K``/``W_V [kv_head, ...]``, ``W_O``, gpt2 biases) and hooks; query head ``h`` reads kv head
+    ``h // (n_heads // n_kv_heads)``. The variant is the submodule ``variant``.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -156,11 +124,7 @@ class Attention(nn.Module):
         return rope(x, self.rope_cos, self.rope_sin)
 
     def project(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor, Tensor]:
-        """Queries ``[batch, pos, head, d_head]`` and keys/values ``[batch, pos, kv_head, d_head]``, hooked.
-
-        One matmul for all three: ``x @ [W_Q | W_K | W_V]`` (the weights laid side by side as
-        ``[d_model, (head + 2·kv_head)·d_head]``), then split.
-        """
+        """Queries ``[batch, pos, head, d_head]``, keys/values ``[batch, pos, kv_head, d_head]``, hooked; one matmul."""
         B, T, D = x.shape
         H, Hkv = self.cfg.n_heads, self.cfg.n_key_value_heads
         w = torch.cat([self.W_Q, self.W_K, self.W_V], dim=0).to(x.dtype)  # (H + 2Hkv, D, dh)
@@ -261,22 +225,12 @@ class Block(nn.Module):
 
 
 class SinkLM(HookedRootModule):
-    """A decoder-only LM whose hooks and weights look like TransformerLens'.
+    """A decoder-only LM: ``llama`` (RMSNorm, SwiGLU, RoPE, GQA) or ``gpt2`` (LayerNorm, GELU, learned positions,
+    biases), tied embeddings, attention variant ``cfg.variant``.
 
-    ``cfg.family="llama"``: RMSNorm, SwiGLU, RoPE, tied embeddings, optional GQA.
-    ``cfg.family="gpt2"``: LayerNorm, GELU (tanh), learned positions, biases, tied embeddings.
-    The attention variant is ``cfg.variant`` (see :mod:`sinklens.sinklm.variants`).
-
-    Init (GPT-2 / nanoGPT): every weight matrix ~ N(0, init_std²); the residual-stream write-outs
-    ``W_O`` and ``W_out`` ~ N(0, (init_std / sqrt(2·n_layers))²); biases 0, norm gains 1. A
-    ``headwise_rms`` model with ``init="first_token"`` then has its gains calibrated by
-    :func:`calibrate_headwise_gains` (seeded, so two models built after the same
-    ``torch.manual_seed`` are identical). Dropout (``cfg.dropout``) applies to the embedding and to
-    the attention and MLP outputs, never to attention weights, so both attention paths agree.
-
-    Attributes:
-        cfg: the :class:`ModelConfig`.
-        tokenizer: ``None`` unless the caller sets one (the training loop does for text data).
+    Init as GPT-2: weights ~ N(0, init_std²), ``W_O``/``W_out`` ~ N(0, (init_std / sqrt(2·n_layers))²); a
+    ``headwise_rms`` model then calibrates its gains (:func:`calibrate_headwise_gains`, seeded). Dropout never
+    touches attention weights, so both attention paths agree.
 
     Examples:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -284,8 +238,6 @@ class SinkLM(HookedRootModule):
         >>> model = SinkLM(ModelConfig.from_preset("tiny", n_ctx=16, d_vocab=32))
         >>> model(torch.randint(0, 32, (2, 8))).shape
         torch.Size([2, 8, 32])
-        >>> model.W_Q.shape, model.W_out.shape
-        (torch.Size([2, 4, 64, 16]), torch.Size([2, 176, 64]))
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -340,20 +292,9 @@ class SinkLM(HookedRootModule):
         *,
         targets: Int[Tensor, "batch pos"] | None = None,
     ) -> Any:
-        """Run the model.
-
-        Args:
-            tokens: token ids ``[batch, pos]`` with ``pos <= cfg.n_ctx``.
-            return_type: ``"logits"`` → ``[batch, pos, d_vocab]``; ``"loss"`` → the mean next-token
-                cross-entropy (nats) over all ``batch × (pos - 1)`` predictions ``logits[:, t]`` →
-                ``tokens[:, t + 1]``, in float32; ``"both"`` → ``(logits, loss)``; ``None`` → ``None``
-                (for hook-only runs).
-            targets: the token each position predicts, ``[batch, pos]``: the loss is then over all
-                ``batch × pos`` predictions ``logits[:, t]`` → ``targets[:, t]`` (the trainer passes
-                ``rows[:, 1:]`` for ``rows[:, :-1]``, so the loss runs inside a compiled forward).
-
-        Raises:
-            InvalidArgumentError: ``pos > cfg.n_ctx``.
+        """Logits ``[batch, pos, d_vocab]`` of ``tokens`` (``pos <= n_ctx``), and/or the loss (``return_type``:
+        ``"logits"``, ``"loss"``, ``"both"``, None): mean next-token cross-entropy in nats, float32, of
+        ``logits[:, t]`` → ``tokens[:, t + 1]``, or → ``targets[:, t]`` when ``targets`` are given.
         """
         if tokens.ndim == 1:
             tokens = tokens[None]
@@ -384,11 +325,8 @@ class SinkLM(HookedRootModule):
 
     # -------------------------------------------------------------- training
     def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
-        """Two AdamW parameter groups: decayed weight matrices, and everything else undecayed.
-
-        Decayed: parameters with ≥ 2 dims (embeddings, projections, the gate projection), as in
-        nanoGPT. Never decayed: biases, norm gains (including head-wise RMSNorm gains of shape
-        ``[n_heads, d_head]``) and sink logits (parameters flagged ``_no_weight_decay``).
+        """AdamW groups: parameters with ≥ 2 dims decayed (nanoGPT); biases, norm gains and parameters flagged
+        ``_no_weight_decay`` (head-wise gains, sink logits) not.
         """
         decay, no_decay = [], []
         for p in self.parameters():
@@ -411,12 +349,8 @@ class SinkLM(HookedRootModule):
         return n
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
-        """Training FLOPs per token (forward + backward), for MFU, as in nanoGPT / PaLM appendix B.
-
-        ``6·N + 12·n_layers·n_heads·d_head·T`` with ``N`` the parameters that take part in matmuls
-        (all but the learned position table; the tied embedding counts once, for the unembedding)
-        and ``T = seq_len`` (default ``cfg.n_ctx``); the attention term counts the full ``T × T``
-        score matrix (no causal halving), like nanoGPT.
+        """Training FLOPs per token for MFU (nanoGPT / PaLM appendix B): ``6·N + 12·n_layers·n_heads·d_head·T``, ``N``
+        the matmul parameters (the tied embedding once, no position table), ``T = seq_len`` (default ``n_ctx``).
         """
         T = int(seq_len or self.cfg.n_ctx)
         n = self.num_params() - (self.W_pos.numel() if self.cfg.family == "gpt2" else 0)
@@ -532,24 +466,12 @@ def calibrate_headwise_gains(
     n_sequences: int = 8,
     seed: int = 0,
 ) -> Float[Tensor, "layer head"]:
-    """Set every head-wise RMSNorm gain from the first token's output standard deviation.
+    """Set every head-wise RMSNorm gain to the first token's output std; returns the gains ``[layer, head]``.
 
-    The method's authors (``init_headnorm_stats`` in Siquan-Li/Head-wise-RMSNorm) feed each
-    attention layer, on its own, a standard-normal input ``x ~ N(0, 1)`` of shape
-    ``[1, 64, d_model]`` (no embedding, no ln1, no RoPE), run causal softmax attention, take the
-    output of the *first* token ``z[0, h]`` (which, attending only to itself, equals its value
-    ``v_0``), and set head ``h``'s gain to ``std(z[0, h])`` over ``d_head`` (population std,
-    ``unbiased=False``), the same number in every dimension; with a shared gain, the mean over heads.
-
-    Here ``tokens=None`` does exactly that with ``n_sequences`` independent inputs drawn from a
-    ``torch.Generator`` seeded with ``seed`` (``x = randn(n_sequences, min(64, n_ctx), d_model)``)
-    and averages the per-sequence stds (``n_sequences=1`` is the authors' single draw). With
-    ``tokens``, one forward pass of the model on them is used instead: ``hook_z`` at position 0 of
-    each layer, std over ``d_head``, averaged over the batch; each layer's gain is set as soon as
-    its ``hook_z`` runs, so later layers are calibrated on the output of calibrated earlier ones.
-
-    Returns:
-        The gains set, ``[layer, head]`` (each head's value, repeated over heads when shared).
+    As ``init_headnorm_stats`` in Siquan-Li/Head-wise-RMSNorm: each layer alone gets ``x ~ N(0, 1)`` of shape
+    ``[n_sequences, min(64, n_ctx), d_model]`` (generator seeded with ``seed``), and head ``h``'s gain is the
+    population std over ``d_head`` of ``z[0, h]``, averaged over sequences (over heads when shared). With
+    ``tokens``, one forward on them is used instead, each layer calibrated before the next runs.
     """
     if n_sequences < 1:
         raise ValueError(f"n_sequences must be >= 1, got {n_sequences}.")

@@ -35,11 +35,7 @@ FOREIGN_BLOCKERS: tuple[str, ...] = (CONFIG, POINTER, CHECKPOINTS, TOKENIZER, WE
 
 def resume_config(out: str | Path) -> TrainConfig | None:
     """The config ``--resume`` continues the run in ``out`` with: its ``config.json``, else its newest good
-    checkpoint's (with a warning); None with neither. After an ``--overwrite`` killed before its first
-    checkpoint, the run it replaced is read (:func:`recover_set_aside` puts it back).
-
-    Raises:
-        NotFoundError: ``out`` is not a run folder.
+    checkpoint's (with a warning); None with neither. NotFoundError when ``out`` is not a run folder.
     """
     run_dir = Path(out).expanduser()
     run_dir = set_aside_to_recover(run_dir) or run_dir
@@ -65,19 +61,14 @@ def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def resume_changes(saved: TrainConfig, requested: TrainConfig, *, run_dir: str | Path) -> dict[str, list[Any]]:
-    """What ``requested`` changes in the config of the run it resumes: ``{dotted key: [saved, requested]}``.
-
-    A resume may change how the run goes on (``steps``, ``optim.*``, ``eval.*``, ``batch_size``, ``device``...),
-    not what it is (:data:`RUN_IDENTITY`). ``model.d_vocab="auto"`` matches any vocabulary; a local ``data.path``
-    matches another spelling of the same file (relative ones from here).
+    """What ``requested`` changes in the resumed run's config, ``{dotted key: [saved, requested]}``: how it goes on
+    may change, not what it is (:data:`RUN_IDENTITY`: InvalidArgumentError). ``d_vocab="auto"`` matches any
+    vocabulary; a local ``data.path`` matches another spelling of the same file.
 
     Examples:
         >>> run = TrainConfig()
         >>> resume_changes(run, run.replace(steps=600), run_dir="runs/a")
         {'steps': [300, 600]}
-
-    Raises:
-        InvalidArgumentError: ``requested`` changes a field of :data:`RUN_IDENTITY`, named with both values.
     """
     old, new = _dotted(saved.to_dict()), _dotted(requested.to_dict())
     if new.get("model.d_vocab") == "auto":
@@ -103,12 +94,8 @@ def write_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> 
 
 
 def check_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> bool:
-    """Compare the data a resume built with the fingerprint its run stored; return whether the run had one.
-
-    Raises:
-        InvalidArgumentError: the tokenizer or a token stream differs (e.g. the corpus was rewritten in place);
-            the message names what changed.
-        CorruptFileError: the stored fingerprint is not a JSON object.
+    """Compare the resumed data with the fingerprint the run stored (InvalidArgumentError naming what changed);
+    return whether the run had one.
     """
     path = Path(run_dir) / FINGERPRINT
     if not path.is_file():

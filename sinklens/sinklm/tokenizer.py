@@ -1,16 +1,10 @@
-"""Tokenizers for training on text: byte-level and a BPE trained with the ``tokenizers`` library.
-
-Both are returned as ``transformers.PreTrainedTokenizerFast``, the object analyzers expect on
-``model.tokenizer`` (``tokenizer(text, add_special_tokens=False)["input_ids"]``, ``bos_token_id``,
-``pad_token_id``), and both are saved next to a checkpoint with ``save_pretrained``.
-A single special token, ``<|endoftext|>``, is BOS, EOS and pad (GPT-2 style).
+"""Tokenizers for training on text: byte-level, or a BPE trained with ``tokenizers``, both as
+``PreTrainedTokenizerFast`` with ``<|endoftext|>`` as BOS, EOS and pad (GPT-2 style).
 
 Examples:
     >>> tok = byte_tokenizer()
     >>> tok("hé", add_special_tokens=False)["input_ids"], tok.bos_token_id, len(tok)
     ([104, 195, 169], 256, 257)
-    >>> tok.decode([104, 195, 169])
-    'hé'
 """
 
 from __future__ import annotations

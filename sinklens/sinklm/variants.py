@@ -1,38 +1,16 @@
 """Attention variants of :class:`sinklens.sinklm.model.SinkLM`, one small class each, picked by name.
 
-A variant changes one or more of four steps of a head's computation, which
-:class:`sinklens.sinklm.model.Attention` runs in this order::
+A variant changes up to four steps of a head, in this order (:class:`sinklens.sinklm.model.Attention`)::
 
     q, k = variant.transform_qk(q, k)            # after hook_q/hook_k, before RoPE (qk_norm)
     scores = variant.logits(q·k / sqrt(d_head))  # causal mask = -inf, then hook_attn_scores
     pattern = variant.normalize(scores)          # softmax / sigmoid / softpick ..., then hook_pattern
-    z = pattern @ v                              # hook_z: the raw value aggregation
-    z = variant.transform_z(z, x)                # headwise_rms / gated, at the variant's own hook
-    attn_out = z @ W_O
+    z = variant.transform_z(pattern @ v, x)      # after hook_z: headwise_rms / gated, at its own hook
 
-A variant with ``uses_sdpa = True`` is plain softmax attention in its middle two steps, so the model
-may replace them by ``F.scaled_dot_product_attention`` (flash kernels on GPU) whenever nothing is
-hooked on ``hook_attn_scores``/``hook_pattern``; the two paths compute the same function (tested).
-
-Registered variants (``ModelConfig.variant``; options in ``ModelConfig.variant_options``):
-
-========================  ==================================================================
-``baseline``              softmax attention.
-``headwise_rms``          RMSNorm of each head's output ``z[t, h]`` over ``d_head``, with a learnable
-                          gain, before ``W_O`` (head-wise RMSNorm / "HeadNorm"). Hook ``attn.hook_z_normed``.
-``gated``                 ``z * sigmoid(x W_G)``, x = the attention input (after ln1); head-wise
-                          (one gate per head) or element-wise (Qiu et al. 2025). Hooks ``attn.hook_gate``,
-                          ``attn.hook_z_gated``.
-``qk_norm``               RMSNorm of q and k per head over ``d_head`` (gain shared across heads), before
-                          RoPE. Hooks ``attn.hook_q_normed``, ``attn.hook_k_normed``.
-``sigmoid``               ``pattern = sigmoid(q·k/sqrt(d) + b)``, causal, unnormalised (Ramapuram et al. 2024).
-``sink_logit``            softmax over the keys plus one learnable per-head logit whose column is dropped
-                          (gpt-oss "sinks", off-by-one softmax when the logit is 0): rows sum to < 1.
-``softpick``              ``ReLU(e^x - 1) / (Σ_window |e^x - 1| + eps)`` (Zuhri et al. 2025): rows sum to
-                          ≤ 1 and may be all zero.
-========================  ==================================================================
-
-Add your own with :func:`register_attention_variant`.
+``uses_sdpa = True`` marks plain softmax in the middle two steps: the model then uses
+``F.scaled_dot_product_attention`` whenever nothing hooks the scores or pattern (same function, tested).
+Variants: ``baseline``, ``headwise_rms``, ``gated``, ``qk_norm``, ``sigmoid``, ``sink_logit``,
+``softpick``, ``variance_calibrated``; add your own with :func:`register_attention_variant`.
 """
 
 from __future__ import annotations
@@ -57,8 +35,7 @@ def at_least_float32(x: Tensor) -> Tensor:
 def rms_norm(
     x: Float[Tensor, "*batch d"], w: Float[Tensor, "*w_shape"] | None, eps: float
 ) -> Float[Tensor, "*batch d"]:
-    """``w ⊙ x / sqrt(mean(x², -1) + eps)`` over the last axis, computed in float32 and cast back to ``x``'s
-    dtype before the gain ``w`` (None: no gain, else broadcast against the trailing axes) multiplies it.
+    """``w ⊙ x / sqrt(mean(x², -1) + eps)`` over the last axis, in float32, cast back to ``x``'s dtype before the gain.
 
     Examples:
         >>> rms_norm(torch.tensor([[3.0, 4.0]]), None, 0.0)  # rms of (3, 4) is sqrt(12.5)
@@ -76,14 +53,9 @@ def rms_norm(
 class AttentionVariant(nn.Module):
     """Base class of an attention variant; by itself it is softmax attention (``baseline``).
 
-    Class attributes:
-        uses_sdpa: the variant's scores → pattern step is causal softmax of ``q·k/sqrt(d_head)``,
-            so the fused ``F.scaled_dot_product_attention`` may replace it.
-        hook_sites: names of extra ``HookPoint`` s the attention module creates for this variant
-            (e.g. ``"hook_z_normed"`` → ``blocks.{l}.attn.hook_z_normed``).
-        output_site: the attention hook holding the head outputs that enter ``W_O``; :meth:`output_gain` says
-            whether that output is a scalar per token and head times a fixed gain.
-        defaults: accepted ``variant_options`` and their default values.
+    ``uses_sdpa``: the scores → pattern step is causal softmax (SDPA may replace it); ``hook_sites``: extra
+    hook points of the attention module (``"hook_z_normed"``); ``output_site``: the hook holding the head outputs
+    that enter ``W_O``; ``defaults``: accepted ``variant_options`` and their defaults.
     """
 
     uses_sdpa: ClassVar[bool] = True
@@ -138,11 +110,9 @@ class AttentionVariant(nn.Module):
         return z
 
     def output_gain(self) -> Float[Tensor, "head d_head"] | None:
-        """``γ`` when :meth:`transform_z` is ``c[b, t, h] · (γ[h] ⊙ z[b, t, h])``: one scalar per token and head
-        times a fixed gain (ones by default; the head-wise RMSNorm's gain), float32 on the CPU. None when the
-        transform is not of that form (an element-wise gate). A head's output is then linear in the values at a
-        fixed token, so analyzers can split it into per-key writes (value drain) with ``c`` read from
-        ``attn.hook_z`` and the output site."""
+        """``γ`` when :meth:`transform_z` is ``c[b, t, h] · (γ[h] ⊙ z[b, t, h])`` (ones by default), float32 on the
+        CPU; None otherwise (an element-wise gate). Analyzers then split a head's output into per-key writes.
+        """
         return torch.ones(self.n_heads, self.d_head)
 
 
@@ -151,15 +121,12 @@ class Baseline(AttentionVariant):
 
 
 class HeadwiseRMSNorm(AttentionVariant):
-    """Head-wise RMSNorm: ``z_normed[t, h] = g_h ⊙ z[t, h] / sqrt(mean_d z[t, h, d]² + eps)``.
+    """Head-wise RMSNorm: ``z_normed[t, h] = g_h ⊙ z[t, h] / sqrt(mean_d z[t, h, d]² + eps)`` before ``W_O``.
 
-    As the method's authors define it (``HeadRMSNorm`` in Siquan-Li/Head-wise-RMSNorm): RMS over ``d_head``
-    of each head's output before ``W_O``, eps 1e-6, a learnable gain ``[n_heads, d_head]`` (``gain="per_head"``)
-    or ``[d_head]`` (``"shared"``). ``init="first_token"`` (default) calibrates the gain with their formula
-    (the first token's output std on a standard-normal input), averaged over 8 seeded draws
-    (:func:`sinklens.sinklm.model.calibrate_headwise_gains`); ``init="ones"`` leaves it at 1. The raw
-    aggregation stays at ``attn.hook_z``, the normalised output is at ``attn.hook_z_normed``. Unlike the
-    authors, :meth:`SinkLM.param_groups` never decays the gain.
+    As ``HeadRMSNorm`` in Siquan-Li/Head-wise-RMSNorm: gain ``[n_heads, d_head]`` (``gain="per_head"``) or
+    ``[d_head]`` (``"shared"``); ``init="first_token"`` calibrates it with their formula, averaged over 8 draws
+    (:func:`sinklens.sinklm.model.calibrate_headwise_gains`), ``"ones"`` leaves 1. Output at
+    ``attn.hook_z_normed``. Unlike the authors, the gain is never weight-decayed.
     """
 
     hook_sites = ("hook_z_normed",)
@@ -185,14 +152,10 @@ class HeadwiseRMSNorm(AttentionVariant):
 
 
 class Gated(AttentionVariant):
-    """Gated attention (Qiu et al. 2025): ``z'[t, h] = z[t, h] ⊙ sigmoid(x[t] W_G[h])``.
+    """Gated attention (Qiu et al. 2025, position G1): ``z'[t, h] = z[t, h] ⊙ sigmoid(x[t] W_G[h])``, x the ln1 output.
 
-    ``x`` is the attention input (the ln1 output, the same hidden state the q/k/v projections
-    read); the gate multiplies the aggregated head output before ``W_O`` (the paper's best
-    position, G1). ``granularity="elementwise"`` (default): ``W_G [n_heads, d_model, d_head]``, one
-    gate per head dimension; ``"headwise"``: ``W_G [n_heads, d_model]``, one scalar per head.
-    No bias. Hooks: ``attn.hook_gate`` (sigmoid output, ``[batch, pos, head, d_head]`` or
-    ``[batch, pos, head]``) and ``attn.hook_z_gated`` (gated head output).
+    ``granularity="elementwise"``: ``W_G [n_heads, d_model, d_head]``; ``"headwise"``: ``[n_heads, d_model]``.
+    No bias. Hooks ``attn.hook_gate`` (the sigmoid) and ``attn.hook_z_gated``.
     """
 
     hook_sites = ("hook_gate", "hook_z_gated")
@@ -223,10 +186,8 @@ class Gated(AttentionVariant):
 
 
 class QKNorm(AttentionVariant):
-    """RMSNorm of every query and key head over ``d_head`` before RoPE, gains ``[d_head]`` shared by heads.
-
-    As in OLMo-2 / Qwen3. The raw projections stay at ``attn.hook_q``/``hook_k``; the normalised
-    ones are at ``attn.hook_q_normed``/``hook_k_normed`` (RoPE'd ones at ``hook_rot_q/k`` for llama).
+    """RMSNorm of every query and key head over ``d_head`` before RoPE, gains ``[d_head]`` shared by heads
+    (OLMo-2, Qwen3); at ``attn.hook_q_normed``/``hook_k_normed``.
     """
 
     hook_sites = ("hook_q_normed", "hook_k_normed")
@@ -245,13 +206,10 @@ class QKNorm(AttentionVariant):
 
 
 class SigmoidAttention(AttentionVariant):
-    """Sigmoid attention: ``pattern[q, k] = sigmoid(q·k/sqrt(d_head) + b)`` for ``k <= q``, else 0.
+    """Sigmoid attention: ``pattern[q, k] = sigmoid(q·k/sqrt(d_head) + b)`` for ``k <= q``, else 0 (rows unnormalised).
 
-    Unnormalised (rows need not sum to 1). ``bias="neg_log_n"`` (default) uses ``b = -log(n)``
-    with ``n = n_ctx``, the training sequence length, as recommended by Ramapuram et al. 2024
-    ("Theory, analysis, and best practices for sigmoid self-attention", b ≈ -log n keeps the
-    initial attention norm near softmax's); a number sets ``b`` directly (``0.0`` is the sigmoid
-    baseline of the head-wise RMSNorm authors). ``b`` is included in ``hook_attn_scores``.
+    ``bias="neg_log_n"``: ``b = -log(n_ctx)`` (Ramapuram et al. 2024); a number sets ``b``. ``b`` is in
+    ``hook_attn_scores``.
     """
 
     uses_sdpa = False
@@ -275,13 +233,10 @@ class SigmoidAttention(AttentionVariant):
 
 
 class SinkLogit(AttentionVariant):
-    """Softmax with one learnable logit ``s_h`` per head in an extra, value-less key column.
+    """Softmax with one learnable logit ``s_h`` per head in an extra, value-less key column (gpt-oss "sinks").
 
-    ``pattern[q, k] = exp(x_qk) / (exp(s_h) + Σ_{k' <= q} exp(x_qk'))``: the column absorbs
-    ``exp(s_h) / (...)`` of the mass, so rows sum to less than 1 ("attention sinks" in gpt-oss;
-    with ``s_h = 0`` fixed this is the off-by-one softmax). ``hook_attn_scores`` and
-    ``hook_pattern`` hold the real keys only; the sink logit is the parameter ``sink`` ``[n_heads]``,
-    initialised to ``init`` (default 0.0).
+    ``pattern[q, k] = exp(x_qk) / (exp(s_h) + Σ_{k' <= q} exp(x_qk'))``: rows sum to less than 1; ``s_h = 0``
+    is the off-by-one softmax. The hooks hold the real keys only; ``sink`` starts at ``init`` (0.0).
     """
 
     uses_sdpa = False
@@ -299,15 +254,10 @@ class SinkLogit(AttentionVariant):
 
 
 class Softpick(AttentionVariant):
-    """Softpick (Zuhri et al. 2025): ``ReLU(e^x - 1) / (Σ_{window} |e^x - 1| + eps)``.
+    """Softpick (Zuhri et al. 2025): ``ReLU(e^x - 1) / (Σ_window |e^x - 1| + eps)`` over the finite logits.
 
-    The window is the keys with a finite logit (the causal window, minus anything a hook set to
-    ``-inf``). As in the authors' stable form, numerator and denominator are multiplied by
-    ``e^{-m}`` with ``m`` the (detached) row maximum over the window, here clamped at 0 so nothing
-    overflows; the computed function is therefore
-    ``ReLU(e^x - 1) / (Σ |e^x - 1| + eps · e^{max(m, 0)})``. ``e^{x-m} - e^{-m}`` is evaluated as
-    ``-e^{x-m}·expm1(-x)`` for ``x >= 0`` and ``e^{-m}·expm1(x)`` for ``x < 0`` (no cancellation
-    near ``x = 0``). Rows sum to ≤ 1 and are all zero when every logit is ≤ 0.
+    In the authors' stable form (both sides times ``e^{-m}``, ``m`` the detached row max clamped at 0), so the
+    function is ``ReLU(e^x - 1) / (Σ |e^x - 1| + eps · e^{max(m, 0)})``, with ``expm1`` near 0. Rows sum to ≤ 1.
     """
 
     uses_sdpa = False
@@ -338,10 +288,6 @@ def register_attention_variant(name: str, cls: type[AttentionVariant]) -> type[A
         >>> _ = register_attention_variant("doctest_mine", Mine)
         >>> get_attention_variant("doctest_mine") is Mine
         True
-        >>> register_attention_variant("baseline", Mine)
-        Traceback (most recent call last):
-        ...
-        ValueError: Attention variant 'baseline' is already registered (Baseline)...
     """
     if name in _VARIANTS:
         raise ValueError(
@@ -379,7 +325,7 @@ for _name, _cls in [
     register_attention_variant(_name, _cls)
 
 
-# --- variance calibration (origins helper, issue 9) ------------------------------------------------
+
 CalibrationMode = Literal["amplify", "attenuate", "position_amplify", "position_attenuate"]
 CALIBRATION_MODES: tuple[str, ...] = ("amplify", "attenuate", "position_amplify", "position_attenuate")
 
@@ -387,39 +333,13 @@ CALIBRATION_MODES: tuple[str, ...] = ("amplify", "attenuate", "position_amplify"
 class VarianceCalibrated(AttentionVariant):
     """Variance-calibrated softmax attention: each head's output ``z_t`` times a per-position factor.
 
-    Aggregation shrinks a head output's variance by ``s_t = Σ_j A_tj²`` (for values of variance σ²,
-    independent across positions: ``Var(z_t) = σ² s_t``; ``s_t = 1/(t+1)`` under uniform causal
-    attention and always 1 at ``t = 0``, which is the positional discrepancy of *Transformers Are
-    Born Biased*, arXiv 2602.05927). The paper names calibration strategies that amplify or
-    attenuate by position but publishes no code; the four modes (option ``mode``) are our
-    definitions from that law, each causal (the factor at ``t`` depends only on positions ``≤ t``)
-    and each making ``Var(z_t)`` position-independent under uniform attention:
-
-    ==========================  ==========================================  ============================
-    mode                        factor at query ``t`` (per batch row, head)  variance under uniform attn
-    ==========================  ==========================================  ============================
-    ``amplify`` (default)       ``1 / sqrt(s_t)``                            σ² (the first token's)
-    ``attenuate``               ``sqrt(s_ref / s_t)``, ``s_ref = 1/n_ctx``   σ²/n_ctx (the last one's)
-    ``position_amplify``        ``sqrt(t + 1)``                              σ²
-    ``position_attenuate``      ``sqrt((t + 1) / n_ctx)``                    σ²/n_ctx
-    ==========================  ==========================================  ============================
-
-    ``attenuate``'s reference is the contraction of the most-aggregated position a causal model can
-    have, the last position of a full context under uniform attention (``1/n_ctx``): a constant, so
-    no future token leaks in (a per-sequence ``min_t s_t``, as in the post-hoc intervention
-    :func:`sinklens.interventions.calibration.variance_calibration`, would read later queries).
-    The ``position_*`` modes are data-independent (the law's factor, not the actual pattern's).
-    The data-dependent modes leave a head that attends only to one key (``s_t = 1``, e.g. a
-    dormant head on BOS) at factor 1 (``amplify``) or ``1/sqrt(n_ctx)`` (``attenuate``), so
-    relative to spread attention they *reward* concentrating on one key; the positional modes
-    scale a BOS-attending head's output by ``sqrt(t + 1)`` like any other.
-
-    The raw aggregation stays at ``attn.hook_z``; the calibrated output, which enters ``W_O``, is
-    at ``attn.hook_z_calibrated``. Explicit path (data-dependent modes): ``s_t`` from the attention
-    weights (after ``hook_attn_scores`` edits). Fast path (SDPA for ``z``): ``s_t = exp(LSE_j(2 x_tj)
-    − 2 LSE_j(x_tj))`` from the causal logits ``x``, recomputed from this layer's queries and keys
-    (so it still builds the ``T × T`` logits, but no pattern), from the queries and keys the aggregation
-    runs on, so edits at ``hook_rot_q``/``hook_rot_k`` count. The two paths compute the same function (tested).
+    Aggregation scales a head output's variance by ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under uniform causal
+    attention: the positional discrepancy of *Transformers Are Born Biased*, arXiv 2602.05927). The paper
+    publishes no code; the modes are our causal definitions, each making ``Var(z_t)`` position-independent
+    under uniform attention: ``amplify`` ``1/sqrt(s_t)``; ``attenuate`` ``sqrt(s_ref/s_t)``, ``s_ref = 1/n_ctx``;
+    ``position_amplify`` ``sqrt(t+1)``; ``position_attenuate`` ``sqrt((t+1)/n_ctx)``. ``s_t`` comes from the
+    pattern, or on the SDPA path from ``exp(LSE(2x) - 2 LSE(x))`` of the logits (same function, tested).
+    Output at ``attn.hook_z_calibrated``.
     """
 
     hook_sites = ("hook_z_calibrated",)
@@ -457,8 +377,7 @@ class VarianceCalibrated(AttentionVariant):
         return torch.exp(torch.logsumexp(2 * x, dim=-1) - 2 * torch.logsumexp(x, dim=-1))
 
     def factor(self, z: Tensor, attn: nn.Module) -> Float[Tensor, "batch pos head 1"]:
-        """The multiplier of ``z`` for this forward (see the table in the class docstring), float32 (float64 for a
-        float64 model)."""
+        """The multiplier of ``z`` for this forward (see the modes above), in at least float32."""
         T = z.shape[1]
         if self.mode.startswith("position_"):
             f = torch.arange(1, T + 1, device=z.device, dtype=torch.promote_types(z.dtype, torch.float32)).sqrt()

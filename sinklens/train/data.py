@@ -1,24 +1,11 @@
 """Training data: synthetic sink tasks, local text, nanoGPT memmaps and Hugging Face datasets.
 
-Every source is a :class:`TokenSource`. ``source.batch(split, step, n)`` returns ``n`` sequences of
-``seq_len + 1`` tokens (inputs ``[:, :-1]``, targets ``[:, 1:]``) drawn with a generator seeded
-by ``(data.seed, split, step)`` only, so
-
-* two runs with the same :class:`~sinklens.sinklm.config.DataConfig` see identical batches in
-  identical order, whatever their model, variant or model seed;
-* resuming at step ``s`` needs no data state beyond ``s``;
-* DDP processes draw the same global batch and each keeps its own rows.
-
-Validation draws from a held-out split: the tail ``val_fraction`` of a token stream (text, hf,
-single-file memmap), ``val.bin`` (memmap folder), or an independent seed stream (synthetic tasks).
-
-Synthetic tasks:
-
-* ``markov``: ``x_0 = BOS``, ``x_1`` uniform over the non-BOS tokens, ``x_{t+1} ~ P[x_t]`` with rows
-  of ``P`` drawn from ``Dirichlet(alpha)``.
-* ``bigram-backcopy`` (Guo et al. 2024, "Active-dormant attention heads"): the same Markov chain,
-  except that after a *trigger* token the next token copies the token before the trigger:
-  ``x_{t+1} = x_{t-1}`` whenever ``x_t`` is a trigger and ``t >= 2``.
+``source.batch(split, step, n)`` returns ``n`` sequences of ``seq_len + 1`` tokens drawn with a generator
+seeded by ``(data.seed, split, step)`` only: runs with the same data config see identical batches whatever
+their model, and a resume needs no data state. Validation is the stream's tail ``val_fraction``, ``val.bin``,
+or a separate seed stream (synthetic). ``markov``: ``x_0 = BOS``, ``x_{t+1} ~ P[x_t]``, rows of ``P`` from
+``Dirichlet(alpha)``; ``bigram-backcopy`` (Guo et al. 2024): the same chain, but after a trigger token
+``x_{t+1} = x_{t-1}``.
 
 Examples:
     >>> from sinklens.sinklm.config import DataConfig
@@ -59,12 +46,8 @@ def _generator(seed: int, split: str, step: int) -> torch.Generator:
 
 
 class TokenSource:
-    """A deterministic sampler of ``[n, seq_len + 1]`` token sequences.
-
-    Attributes:
-        vocab_size: token ids lie in ``[0, vocab_size)``.
-        bos_id: the token at position 0 of every sequence, or None (raw windows, nanoGPT style).
-        tokenizer: a ``PreTrainedTokenizerFast`` for text sources, else None.
+    """A deterministic sampler of ``[n, seq_len + 1]`` token sequences: ids in ``[0, vocab_size)``, ``bos_id`` at
+    position 0 (None: raw windows), ``tokenizer`` for text sources.
     """
 
     seq_len: int
@@ -86,11 +69,7 @@ class TokenSource:
 
 
 class MarkovSource(TokenSource):
-    """A first-order Markov chain over tokens ``1..V-1``; token 0 is BOS at position 0.
-
-    Attributes:
-        transition: ``transition[a, b] = P(x_{t+1} = b | x_t = a)``; column 0 (BOS) is zero.
-    """
+    """A first-order Markov chain over tokens ``1..V-1`` (``transition[a, b] = P(b | a)``); token 0 is BOS."""
 
     def __init__(self, *, vocab_size: int, seq_len: int, seed: int, alpha: float = 0.1, task_seed: int = 0):
         if vocab_size < 3:
@@ -123,12 +102,7 @@ class MarkovSource(TokenSource):
 
 
 class BackcopySource(MarkovSource):
-    """Bigram-backcopy (Guo et al. 2024): a Markov chain where a trigger makes the next token copy
-    the token before the trigger (``x_{t+1} = x_{t-1}`` if ``x_t`` is a trigger and ``t >= 2``).
-
-    Attributes:
-        triggers: the trigger token ids (drawn from ``1..V-1`` with ``task_seed``).
-    """
+    """Bigram-backcopy: the Markov chain, but after a trigger ``x_{t+1} = x_{t-1}`` (``t >= 2``)."""
 
     def __init__(self, *, vocab_size: int, seq_len: int, seed: int, n_triggers: int = 3, alpha: float = 0.1, task_seed: int = 0):
         super().__init__(vocab_size=vocab_size, seq_len=seq_len, seed=seed, alpha=alpha, task_seed=task_seed)
@@ -154,10 +128,8 @@ class BackcopySource(MarkovSource):
 
 
 class StreamSource(TokenSource):
-    """Random windows of a train / val token stream (``np.ndarray`` or ``np.memmap``).
-
-    With ``bos_id`` a window is ``[BOS] + stream[i : i + seq_len]``; without, ``stream[i : i + seq_len + 1]``.
-    Windows never cross from one split into the other, because each split is its own array.
+    """Random windows of a train / val token stream (each split its own array): ``[BOS] + stream[i : i + seq_len]``,
+    or ``stream[i : i + seq_len + 1]`` without ``bos_id``.
     """
 
     def __init__(self, train: np.ndarray, val: np.ndarray, *, seq_len: int, seed: int, vocab_size: int,
@@ -270,13 +242,9 @@ def _refuse_binary(file: Path) -> None:
 
 
 def text_source(cfg: DataConfig) -> StreamSource:
-    """Local text: a file, or the files matching ``cfg.glob`` under a folder (read in sorted order).
-
-    At most about ``cfg.max_tokens`` characters are read. Documents are tokenised with the byte
-    tokenizer or a BPE trained on the train split, joined with ``<|endoftext|>``, and cached. A binary
-    file is refused by name (:class:`~sinklens.errors.InvalidArgumentError`); a file that is not UTF-8 is
-    read with replacement characters and named in a warning (a corpus such as the standard library
-    holds a few Latin-1 test modules on purpose).
+    """Local text: a file, or the files matching ``cfg.glob`` under a folder (sorted), at most about
+    ``cfg.max_tokens`` characters, tokenised (byte or BPE), joined with ``<|endoftext|>`` and cached. A binary
+    file raises :class:`~sinklens.errors.InvalidArgumentError`; a non-UTF-8 one is read with replacements, with a warning.
     """
     files = _text_files(cfg)
     chosen, size = [], 0
@@ -362,13 +330,9 @@ def _meta_vocab_size(path: Path) -> int:
 
 
 def memmap_source(cfg: DataConfig) -> StreamSource:
-    """nanoGPT layout: a folder with ``train.bin`` and ``val.bin`` (uint16), or one ``.bin`` file
-    whose tail ``val_fraction`` is held out. The vocabulary size comes from ``meta.pkl``
-    (``vocab_size``), else ``data.vocab_size``, else the largest id + 1. Windows are raw (no BOS added).
-
-    Checked before any training (one chunked pass over the ids): an empty file, a size that is not a whole
-    number of uint16 tokens (:class:`~sinklens.errors.NotFoundError`), and an id at or above the
-    vocabulary of ``meta.pkl`` or ``data.vocab_size`` (:class:`~sinklens.errors.InvalidArgumentError`).
+    """nanoGPT layout: ``train.bin`` and ``val.bin`` (uint16), or one ``.bin`` whose tail is held out; vocabulary
+    from ``meta.pkl``, else ``data.vocab_size``, else the largest id + 1. An empty or odd-sized file, or an id at
+    or above the vocabulary, is refused before training (one chunked pass).
     """
     path = Path(str(cfg.path)).expanduser()
     meta_path = (path if path.is_dir() else path.parent) / "meta.pkl"
@@ -495,11 +459,7 @@ def data_fingerprint(source: TokenSource) -> dict[str, Any]:
 
 
 def build_source(cfg: DataConfig, *, d_vocab: int | None = None) -> TokenSource:
-    """The :class:`TokenSource` a :class:`DataConfig` describes.
-
-    Args:
-        d_vocab: vocabulary of synthetic tasks when ``cfg.vocab_size`` is None (the model's ``d_vocab``).
-    """
+    """The :class:`TokenSource` of ``cfg``; ``d_vocab`` sizes a synthetic task without ``cfg.vocab_size``."""
     if cfg.source in ("bigram-backcopy", "markov"):
         vocab = cfg.vocab_size or d_vocab
         if vocab is None:

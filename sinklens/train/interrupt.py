@@ -1,12 +1,8 @@
 """Ctrl-C and SIGTERM during training: finish the step in progress, checkpoint it, then stop.
 
-:class:`StopSignals` replaces the SIGINT and SIGTERM handlers while the training loop runs. The first
-signal only sets :attr:`StopSignals.received`; the loop checks it between steps, writes a checkpoint
-of the steps done and raises :class:`~sinklens.errors.TrainingInterrupted` (a ``KeyboardInterrupt``,
-so notebooks and the CLI treat it as one; exit code 130). A second signal interrupts at once. The
-handlers are installed only in the main thread, never over a signal the process ignores (a job
-started in the background with ``&``), and not in DDP runs, where the processes would have to agree
-on the step to stop at.
+The first signal sets :attr:`StopSignals.received`; the loop checkpoints and raises
+:class:`~sinklens.errors.TrainingInterrupted` (a ``KeyboardInterrupt``, exit 130). A second signal interrupts
+at once. Not installed outside the main thread, over an ignored signal, or in DDP runs.
 """
 
 from __future__ import annotations
@@ -28,12 +24,7 @@ SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopSignals:
-    """Context manager: while active, the first SIGINT/SIGTERM is recorded instead of raised.
-
-    Attributes:
-        received: the first signal's name (``"SIGINT"``, ``"SIGTERM"``), or None.
-        active: whether it handles signals at all (``enabled`` and in the main thread); even then a
-            signal the process ignores is left ignored.
+    """Context manager: while active, the first SIGINT/SIGTERM is recorded in ``received`` instead of raised.
 
     Examples:
         >>> previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal

@@ -18,12 +18,8 @@ Intervention = Union[str, Callable[[Any], Hooks]]
 
 
 def resolve_interventions(model: Any, interventions: Sequence[Intervention]) -> Hooks:
-    """The ``(hook_name, fn)`` pairs of training-time interventions, built by the intervention registry.
-
-    A string is a registry spec ``"name:key=value,..."`` (e.g. ``"restart:positions=16"`` →
-    :func:`sinklens.interventions.masks.restart`, which makes every query at or after 16 ignore
-    keys before 16, so position 16 becomes a second "first token"); see
-    :func:`sinklens.interventions.registry.build`. A callable is called with the model.
+    """The ``(hook_name, fn)`` pairs of training-time interventions: a string is a registry spec
+    (``"restart:positions=16"``, :func:`sinklens.interventions.registry.build`), a callable is called with the model.
     """
     from sinklens.interventions import registry
 
@@ -42,18 +38,9 @@ def check_interventions(interventions: Sequence[Intervention]) -> None:
 
 
 def try_interventions(model: Any, hooks: Hooks, cfg: TrainConfig) -> bool:
-    """Run the hooks of the training-time interventions given as registry specs once on the run's training
-    sequences (``data.seq_len`` tokens), before the run directory is touched, so that one that cannot run there (a
-    position past those sequences) is an error up front rather than at the first step, with ``config.json``
-    already written. (A callable intervention is the caller's own code and is not called before the run.)
-
-    Returns whether they also run on the persistence probe's shorter sequences (``eval.persistence_seq_len``, when
-    persistence is measured); where they do not (a position past the probe's sequences, which would not exist on
-    them anyway), the probe measures the model without them, at step 0 and later alike, so that the metric still
-    compares like with like.
-
-    Raises:
-        InvalidArgumentError: they cannot run on the training sequences; the message names ``data.seq_len``.
+    """Run the spec interventions once on the training sequences before the run folder is touched, so one that
+    cannot run there (a position past ``data.seq_len``) raises :class:`InvalidArgumentError` up front. Returns
+    whether they also run on the persistence probe's shorter sequences; where not, the probe measures without them.
     """
     if not hooks:
         return True

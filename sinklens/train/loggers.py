@@ -1,11 +1,7 @@
-"""Send the trainer's metrics to Weights & Biases or TensorBoard, beside ``metrics.jsonl``.
+"""Send the trainer's metrics to Weights & Biases or TensorBoard (``TrainConfig.log``), beside ``metrics.jsonl``.
 
-``TrainConfig.log`` picks the library: ``"none"`` (default), ``"wandb"`` or ``"tensorboard"``. The
-library is imported only when asked for (``pip install 'sinklens[wandb]'`` or
-``'sinklens[tensorboard]'``); ``metrics.jsonl`` is written either way and stays the run's record.
-Every number of a ``kind="train"`` or ``kind="eval"`` metrics line is logged as the scalar
-``train/<key>`` or ``eval/<key>`` at the line's ``step``; other lines (resume, compile,
-nonfinite, device) are not sent.
+Each number of a ``train``/``eval`` line is logged as ``train/<key>``/``eval/<key>`` at its step; the
+library is imported only when asked for.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
-"""The training loop: read it top to bottom, like nanoGPT's ``train.py``.
+"""The training loop, read top to bottom like nanoGPT's ``train.py``.
 
-:func:`train` builds a :class:`~sinklens.sinklm.model.SinkLM` from ``cfg.model`` (seeded by
-``cfg.seed``), a :class:`~sinklens.train.data.TokenSource` from ``cfg.data`` (ordered by
-``cfg.data.seed`` only), AdamW with warmup + cosine decay (:func:`~sinklens.train.optim.get_lr`), and then for every step:
-evaluate (every ``eval.interval`` steps: validation loss, sink metrics, persistence of the step-0
-bias), accumulate gradients over ``grad_accum`` micro-batches (under ``cfg.autocast`` on CUDA and
-``cfg.cpu_autocast`` on a CPU: :mod:`sinklens.train.precision`), clip, step, log a JSON line,
-checkpoint. Training-time interventions (``(hook_name, fn)`` pairs, e.g. from
-:mod:`sinklens.interventions`) are attached with ``model.hooks(...)`` around every forward, so a
-model can be pretrained with its sink moved. Under ``torchrun`` the model is wrapped in DDP.
-
-``_train`` reads top to bottom: ``_build`` (data, model, optimizer, interventions), ``_open_run_dir``
-(resume, then the run folder), ``_prepare_loop`` (compile, metrics files), then for each step
-``_evaluate``, ``_train_step`` and ``_checkpoint``; the run's state travels in one ``_Run``.
-On CUDA the model and its loss are compiled (``compile="auto"``), the forward runs under bfloat16
-autocast, AdamW is fused, the next step's rows are copied from pinned memory while the GPU works,
-and the host waits for the device once per step (the finite-loss check) and once per logged step.
+:func:`train` locks the run folder; ``_train`` builds data, model, optimizer and interventions (``_build``),
+opens the run folder (``_open_run_dir``: resume, config, metrics), prepares the loop (``_prepare_loop``:
+compile, eval batches, loggers), then for each step evaluates (``_evaluate``), trains (``_train_step``:
+``grad_accum`` micro-batches under autocast, clip, AdamW, one host sync for the finite-loss check) and
+checkpoints (``_checkpoint``). Interventions are attached with ``model.hooks(...)`` around every forward;
+under ``torchrun`` the model is wrapped in DDP. The run's state travels in one ``_Run``.
 """
 
 from __future__ import annotations
@@ -24,7 +14,7 @@ import contextlib
 import dataclasses
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -65,9 +55,9 @@ from sinklens.validate import positive_int, writable_dir
 
 
 def micro_batch(rows: Int[Tensor, "batch seq_plus_1"], micro: int, cfg: TrainConfig, dist: DistContext) -> Tensor:
-    """This process's rows of micro-step ``micro``: the global batch is cut into ``grad_accum`` micro
-    batches, and each into ``world_size`` equal slices, so every (world size, accumulation) split of
-    the same step trains on the same sequences."""
+    """This process's rows of micro-step ``micro``: the batch cut into ``grad_accum`` micro-batches, each into
+    ``world_size`` slices, so every split of a step trains on the same sequences.
+    """
     per_micro = cfg.batch_size // cfg.grad_accum
     per_rank = per_micro // dist.world_size
     start = micro * per_micro + dist.rank * per_rank
@@ -84,11 +74,10 @@ def forward_backward(
     hook_owner: Any = None,
     scaler: torch.amp.GradScaler | None = None,
 ) -> Tensor:
-    """One micro-step: next-token cross-entropy of ``rows[:, 1:]`` given ``rows[:, :-1]``, backward
-    of ``loss * loss_scale`` (multiplied by float16's loss ``scaler`` when given, through
-    ``scaler.scale`` so that its ``unscale_``/``step`` see it); returns the unscaled loss (detached).
-    ``hook_owner`` is the module that owns the hook points (the unwrapped model when ``model`` is DDP
-    or compiled)."""
+    """One micro-step: next-token cross-entropy of ``rows[:, 1:]`` given ``rows[:, :-1]``, backward of ``loss *
+    loss_scale`` (through float16's ``scaler`` when given); returns the unscaled loss, detached. ``hook_owner``
+    owns the hook points (the unwrapped model under DDP or compile).
+    """
     inputs, targets = rows[:, :-1], rows[:, 1:]
     owner = hook_owner if hook_owner is not None else model
     with autocast, owner.hooks(fwd_hooks=list(hooks)) if hooks else contextlib.nullcontext():
@@ -130,25 +119,6 @@ def _resolve_vocab(cfg: TrainConfig, source: TokenSource) -> TrainConfig:
     return cfg
 
 
-def _keep_finite_weights(step: int, start_step: int, saved: set[int], resumed: bool, out: Path | None,
-                         checkpoint: Callable[..., None], weights_problem: Callable[[], str | None] = lambda: None) -> str:
-    """What a run that diverged at ``step`` keeps, and say it: its last finite checkpoint (the newest of ``saved``,
-    or the one it resumed from) stays current; a run with none checkpoints its finite weights after ``step``
-    steps (the bad update was dropped), so that it is never lost."""
-    if out is None:
-        return "nothing was saved (no out_dir)"
-    if saved or resumed:
-        return f"its last finite checkpoint (step {max(saved, default=start_step)}) in {str(out)!r} is kept"
-    if step > start_step:
-        bad = weights_problem()
-        if bad is not None:  # an earlier update (with a finite loss) already broke them: nothing finite to keep
-            return f"it had no checkpoint, and its weights after step {step} are not finite ({bad}), so none was written"
-        checkpoint(step, regular=False)
-        return (f"it had no checkpoint, so its finite weights after step {step} are checkpointed in {str(out)!r} "
-                "(--resume continues from there)")
-    return f"no step had finished, so {str(out)!r} holds no checkpoint"
-
-
 # ----------------------------------------------------------------------------------------------
 # The loop
 
@@ -163,49 +133,28 @@ def train(
     progress: bool = True,
     until: int | None = None,
 ) -> TrainResult:
-    """Train a SinkLM as ``cfg`` describes; write metrics, checkpoints and tokenizer to ``out_dir``.
+    """Train a SinkLM as ``cfg`` describes; write config, metrics, checkpoints and tokenizer to ``out_dir``.
 
-    Nothing in ``out_dir`` is touched until the whole set-up has succeeded: the run directory is
-    checked, the data source built (``model.d_vocab="auto"`` resolved from it, once), the model and
-    optimizer built and every intervention built on the model; only then is the folder written.
+    Nothing in ``out_dir`` is touched until data, model, optimizer and interventions are built.
 
     Args:
-        out_dir: run directory (``config.json``, ``metrics.jsonl``, ``checkpoint.json`` and
-            ``checkpoints/``, ``tokenizer/``; see :mod:`sinklens.sinklm.checkpoint`); None keeps
-            everything in memory.
-        resume: continue from the newest good checkpoint in ``out_dir`` (its step, weights,
-            optimizer, RNG); the loss curve continues exactly as if the run had not stopped. ``cfg``
-            is the run's own (:func:`~sinklens.sinklm.run_folder.resume_config`), changed at most in how the run goes
-            on (``steps``, ``optim``, ``eval``...: :func:`~sinklens.sinklm.run_folder.resume_changes`);
-            a ``kind="resume"`` metrics line records the step and those changes.
-        overwrite: replace the run already in ``out_dir`` and start afresh: its own files are moved
-            aside, deleted at the new run's first checkpoint and restored if the new run fails before it.
-            Without ``resume`` or ``overwrite``, a folder that holds a run raises
-            :class:`~sinklens.errors.OutputExistsError`; one that holds another tool's files (a model's
-            ``config.json``, ``model.safetensors``, ``tokenizer/``) raises
-            :class:`~sinklens.errors.OutputExistsError` either way.
-        interventions: extra training-time interventions on top of ``cfg.interventions``: registry spec strings
-            are added to ``cfg.interventions`` (so ``config.json`` stores them and a resume applies them again);
-            callables ``model -> [(hook_name, fn)]``, which no file can store, run after them and must be passed
-            again on resume.
+        out_dir: run directory (:mod:`sinklens.sinklm.checkpoint`); None keeps everything in memory.
+        resume: continue from the newest good checkpoint exactly as if the run had not stopped; ``cfg`` may
+            change only how it goes on (:func:`~sinklens.sinklm.run_folder.resume_changes`).
+        overwrite: replace the run in ``out_dir``: its files are set aside, deleted at the new run's first
+            checkpoint and restored if it fails before. Without either, a folder holding a run raises
+            :class:`~sinklens.errors.OutputExistsError`.
+        interventions: added to ``cfg.interventions``: registry specs (stored in ``config.json``) or callables
+            ``model -> [(hook_name, fn)]`` (passed again on resume).
         progress: tqdm bar over steps.
-        until: stop (and checkpoint) after this many steps of ``cfg.steps`` — a time-limited job;
-            the schedule still spans ``cfg.steps``, and ``resume=True`` continues from there. An integer
-            ``>= 0`` (0 writes the step-0 checkpoint only).
+        until: stop (and checkpoint) after this many steps; the schedule still spans ``cfg.steps``.
 
     Raises:
-        InvalidArgumentError: ``resume=True`` with a ``cfg`` whose model, data or seed differ from the run's, or
-            data that changed since the run started (its stored fingerprint: tokenizer, token streams).
-        OutputExistsError: another process is training in ``out_dir`` (it holds ``out_dir/.lock``).
-        TrainingInterrupted: Ctrl-C or SIGTERM (not in DDP runs): the step in progress finished, the
-            steps done were checkpointed, and the run can go on with ``resume=True``; a second signal
-            stops at once (:mod:`sinklens.train.interrupt`).
-        TrainingDivergedError: a step's loss or gradient norm was NaN/inf (``cfg.on_nonfinite="stop"``,
-            or a non-finite step right after ``cfg.max_skips`` skipped steps in a row); the last finite checkpoint is kept (a
-            run with none checkpoints its finite weights) and metrics.jsonl ends with a ``kind="nonfinite"`` line; also
-            weights that turned NaN/inf after a finite loss, found when a checkpoint is due (never checkpointed).
-        InvalidArgumentError: among others, ``resume=True`` on a run already at ``cfg.steps`` (or ``until``), or
-            a registry intervention that cannot run on the run's sequences (checked before ``out_dir`` is touched).
+        InvalidArgumentError: a resume with another model, data or seed than the run's.
+        OutputExistsError: another process trains in ``out_dir``.
+        TrainingInterrupted: Ctrl-C or SIGTERM; the steps done were checkpointed.
+        TrainingDivergedError: a NaN/inf loss or gradient (``on_nonfinite``), or non-finite weights at a
+            checkpoint; the last finite checkpoint is kept.
     """
 
     out = Path(out_dir).expanduser() if out_dir is not None else None
@@ -539,8 +488,7 @@ def _skip_nonfinite(run: _Run, step: int, loss_sum: Tensor, grad_norm: Tensor, l
     if not stopping:
         warnings.warn(f"Step {step}: non-finite loss or gradient; the update was skipped.", stacklevel=4)
         return  # a skipped step is still a step: its periodic checkpoint is due as usual
-    kept = _keep_finite_weights(step, run.start_step, run.saved_steps, run.resumed, run.out, partial(_checkpoint, run),
-                                lambda: _check_weights_finite(run.model))
+    kept = _kept(run, step)
     if cfg.on_nonfinite == "stop":
         why, advice = "on_nonfinite='stop'", "or set on_nonfinite='skip' to drop such steps"
     else:
@@ -552,10 +500,23 @@ def _skip_nonfinite(run: _Run, step: int, loss_sum: Tensor, grad_norm: Tensor, l
     )
 
 
-def _last_checkpoint(run: _Run) -> str:
+def _kept(run: _Run, step: int | None) -> str:
+    """What a run that stops on a non-finite step after ``step`` steps keeps, and say it: its last finite
+    checkpoint; a run with none checkpoints its weights after ``step`` (not None) when finite: never lost."""
+    if run.out is None:
+        return "nothing was saved (no out_dir)"
     if run.saved_steps or run.resumed:
         return f"its last finite checkpoint (step {max(run.saved_steps, default=run.start_step)}) in {str(run.out)!r} is kept"
-    return f"{str(run.out)!r} holds no checkpoint of this run"
+    if step is None:
+        return f"{str(run.out)!r} holds no checkpoint of this run"
+    if step <= run.start_step:
+        return f"no step had finished, so {str(run.out)!r} holds no checkpoint"
+    bad = _check_weights_finite(run.model)
+    if bad is not None:  # an earlier update (with a finite loss) already broke them: nothing finite to keep
+        return f"it had no checkpoint, and its weights after step {step} are not finite ({bad}), so none was written"
+    _checkpoint(run, step, regular=False)
+    return (f"it had no checkpoint, so its finite weights after step {step} are checkpointed in {str(run.out)!r} "
+            "(--resume continues from there)")
 
 
 def _checkpoint(run: _Run, step: int, *, regular: bool = True) -> None:
@@ -571,7 +532,7 @@ def _checkpoint(run: _Run, step: int, *, regular: bool = True) -> None:
                    "lr": get_lr(max(step - 1, 0), run.cfg.optim, run.cfg.steps), "action": "stop"})
         raise TrainingDivergedError(
             f"Training diverged: the weights after step {step} are not finite ({bad}); the checkpoint of "
-            f"step {step} was not written and {_last_checkpoint(run)}. Lower optim.lr, raise "
+            f"step {step} was not written and {_kept(run, None)}. Lower optim.lr, raise "
             f"optim.warmup_steps or set optim.grad_clip."
         )
     if not run.dist.is_main:

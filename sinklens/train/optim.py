@@ -19,11 +19,8 @@ from sinklens.sinklm.config import OptimConfig
 
 
 def get_lr(step: int, optim: OptimConfig, total_steps: int) -> float:
-    """Learning rate at ``step``: linear warmup, cosine decay to ``min_lr`` at ``decay_steps``, then flat.
-
-    ``lr·(step+1)/warmup_steps`` for ``step < warmup_steps``; then
-    ``min_lr + ½(1 + cos(π·r))·(lr - min_lr)`` with ``r = (step - warmup)/(decay - warmup)``;
-    ``min_lr`` from ``decay_steps`` (default ``total_steps``) on.
+    """Learning rate at ``step``: ``lr·(step+1)/warmup_steps`` during warmup, then ``min_lr + ½(1 + cos(π·r))·(lr -
+    min_lr)`` with ``r = (step - warmup)/(decay - warmup)``, then ``min_lr`` from ``decay_steps`` (default total).
     """
     decay = optim.decay_steps or total_steps
     if step < optim.warmup_steps:
@@ -39,11 +36,8 @@ FUSED_ADAMW_DEVICES = ("cuda", "cpu")
 
 
 def configure_optimizer(model: Any, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
-    """AdamW over ``model.param_groups`` (no weight decay on <2-D parameters).
-
-    ``optim.fused=None``: the fused kernel on CUDA and on the CPU (one pass over each parameter: at the
-    ``headnorm-cpu`` configuration 1.5 ms a step against 12–21 ms for the multi-tensor ``foreach`` one,
-    ``benchmarks/RESULTS.md``), the ``foreach`` one on other devices.
+    """AdamW over ``model.param_groups`` (no weight decay on <2-D parameters); ``optim.fused=None`` takes the fused
+    kernel on CUDA and the CPU (measured faster there, ``benchmarks/RESULTS.md``), ``foreach`` elsewhere.
     """
     params = inspect.signature(torch.optim.AdamW).parameters
     fused = (device.type in FUSED_ADAMW_DEVICES and "fused" in params) if optim.fused is None else bool(optim.fused)

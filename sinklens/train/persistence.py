@@ -1,20 +1,11 @@
 """Persistence of the init-time bias, recorded by the trainer at every evaluation.
 
-At each evaluation :class:`PersistenceTracker` takes a
-:class:`~sinklens.origins.persistence.PreferenceSnapshot` of the model (``eval.persistence_sequences``
-uniform random sequences of ``min(eval.persistence_seq_len, data.seq_len)`` tokens, seed
-``eval.persistence_seed``, training-time interventions attached) and compares it with the snapshot of
-step 0 (:func:`~sinklens.origins.persistence.compare_snapshots`). The eval line gets
-
-* ``persistence_spearman``, ``persistence_kendall``: rank correlations of the token-preference
-  ranking with step 0;
-* ``persistence_log_corr``: Pearson correlation of the log mean probabilities with step 0;
-* ``persistence_direction_cos``: ``|cos|`` of the final contraction direction with step 0's.
-
-The step-0 snapshot is the one taken at the first evaluation of a fresh run (so every value at step 0
-is exactly 1) and is saved as strict JSON in ``RUN_DIR/persistence_ref.json`` (float32 values, exact), so a
-resumed run records the same numbers as an uninterrupted one; where it is missing it is rebuilt from the
-run's step-0 weights (``RUN_DIR@init``).
+Each evaluation takes a :class:`~sinklens.origins.persistence.PreferenceSnapshot` (``eval.persistence_*``
+random sequences, interventions attached) and compares it with step 0's
+(:func:`~sinklens.origins.persistence.compare_snapshots`): ``persistence_spearman``/``_kendall`` (rank
+correlation of the token preference), ``persistence_log_corr`` (Pearson of log mean probabilities) and
+``persistence_direction_cos`` (``|cos|`` of the contraction directions). Step 0's snapshot is saved exactly in
+``RUN_DIR/persistence_ref.json`` so a resume records the same numbers (rebuilt from ``RUN_DIR@init`` if missing).
 """
 
 from __future__ import annotations
@@ -37,12 +28,8 @@ KEYS = {"preference_spearman": "persistence_spearman", "preference_kendall": "pe
 
 
 class PersistenceTracker:
-    """Step-0 snapshot of a run and the ``persistence_*`` metrics of later evaluations.
-
-    Args:
-        cfg: the run's config (``eval.persistence_*``; ``model`` and ``seed`` to rebuild step 0).
-        out: the run directory, or None (the reference then lives in memory only).
-        hooks_for: ``model -> [(hook_name, fn)]``, the training-time interventions for a model.
+    """Step-0 snapshot of a run (``cfg``; kept in ``out``, or in memory when None) and the ``persistence_*``
+    metrics of later evaluations; ``hooks_for(model)`` gives the training-time interventions.
     """
 
     def __init__(self, cfg: TrainConfig, out: Path | None, hooks_for: Callable[[Any], list]) -> None:

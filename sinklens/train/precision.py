@@ -1,11 +1,8 @@
 """Mixed precision of a training run: the autocast context of every forward and the loss scaler.
 
-On CUDA, ``TrainConfig.autocast`` (``"bfloat16"`` by default) runs the forward under
-``torch.autocast``; ``"float16"`` adds a ``GradScaler``. On a CPU, ``TrainConfig.cpu_autocast``
-(``"none"`` by default: float32 throughout) may ask for ``"bfloat16"``: matmuls and attention run
-in bfloat16 under ``torch.autocast("cpu")``, while weights, gradients, AdamW's state, the loss and
-every evaluation stay float32. A CPU without native bfloat16 dot products (``avx512_bf16``,
-``amx_bf16``; ARM ``bf16``) emulates bfloat16, likely slower than float32: the run warns.
+CUDA: ``TrainConfig.autocast`` (bfloat16 by default; float16 adds a ``GradScaler``). CPU:
+``cpu_autocast="bfloat16"`` runs matmuls in bfloat16 while weights, optimizer, loss and evaluation stay
+float32; a CPU without native bfloat16 (``avx512_bf16``, ``amx_bf16``, ARM ``bf16``) warns.
 """
 
 from __future__ import annotations
@@ -42,13 +39,8 @@ def native_cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """The forward's autocast context and the loss scaler (float16 on CUDA only) of one run.
-
-    Attributes:
-        autocast: a reusable context manager entered around every forward (``nullcontext`` when
-            the run is float32 throughout).
-        dtype: the autocast dtype's name (``"bfloat16"``, ``"float16"``) or ``"none"``.
-        scaler: ``torch.amp.GradScaler`` for float16 on CUDA, else None.
+    """The forward's ``autocast`` context (``nullcontext`` in float32), its ``dtype`` name (``"bfloat16"``,
+    ``"float16"``, ``"none"``) and the ``scaler`` (float16 on CUDA only, else None).
     """
 
     autocast: Any

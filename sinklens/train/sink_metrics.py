@@ -22,11 +22,8 @@ from sinklens.sinklm.functional import next_token_loss
 
 
 class FirstTokenNormReducer(Reducer[Float[Tensor, " layer"]]):
-    """Streams ``blocks.{l}.hook_resid_post`` norms at position 0 and at later valid positions.
-
-    Result: ``norm_ratio[l]`` = mean over sequences of ``‖resid_post[l, 0]‖`` divided by the mean
-    over sequences and valid positions ``t >= 1`` of ``‖resid_post[l, t]‖``. Massive activations at
-    the sink make it ≫ 1.
+    """``norm_ratio[l]``: mean ``‖resid_post[l, 0]‖`` over sequences, divided by the mean over sequences and valid
+    positions ``t >= 1`` of ``‖resid_post[l, t]‖`` (``blocks.{l}.hook_resid_post``); ≫ 1 with massive activations.
     """
 
     statistics = ("sums", "counts")
@@ -64,21 +61,14 @@ class SinkMetrics(CompactRepr):
 
     Attributes:
         val_loss: mean next-token cross-entropy over the evaluation batches (nats).
-        attention_to_first: ``[layer, head]`` mean attention on key 0 over the queries ``q >= 1`` that can
-            see it (every later query in a full-attention layer, the first ``w - 1`` in a sliding window of
-            ``w``), pooled over sequences (:class:`~sinklens.analysis.sinks.SinkResult` ``received[:, :, 0]``).
-        sink_rate: Gu et al. (2024)'s sink rate at position 0 as their code computes it
-            (``SinkResult.sink_rate(method="gu")``): share of (sequence, layer, head) whose mean attention on
-            key 0 over every query that sees it, query 0 included, exceeds ε = ``threshold``.
-        sinklens_sink_rate: sinklens' variant (``method="sinklens"``): the same over the queries ``q >= 1``,
-            leaving out query 0's weight 1 by construction.
+        attention_to_first: ``[layer, head]`` mean attention on key 0 over the queries ``q >= 1`` that see it.
+        sink_rate: Gu et al. (2024)'s sink rate as their code computes it (``SinkResult.sink_rate(method="gu")``,
+            query 0 included): share of (sequence, layer, head) over ε = ``threshold``.
+        sinklens_sink_rate: the same over the queries ``q >= 1`` (``method="sinklens"``).
         threshold: that ε.
         norm_ratio: ``[layer]`` first-token norm ratio of ``hook_resid_post`` (:class:`FirstTokenNormReducer`).
-        variance_ratio: ``[layer, head]`` variance discrepancy of the raw head outputs ``hook_z`` at
-            position 0 (:meth:`sinklens.analysis.variance.VarianceResult.discrepancy`, ``of="z"``):
-            variance at position 0 over the mean variance of positions ``t >= 1``.
-        attn_out_variance_ratio: ``[layer]`` the same for ``hook_attn_out``, i.e. after the
-            variant's own processing (head-wise RMSNorm, gate) and ``W_O``.
+        variance_ratio: ``[layer, head]`` variance of ``hook_z`` at position 0 over the mean at ``t >= 1``.
+        attn_out_variance_ratio: ``[layer]`` the same for ``hook_attn_out`` (after the variant and ``W_O``).
     """
 
     val_loss: float
@@ -112,13 +102,8 @@ def evaluate(
     threshold: float = SINK_THRESHOLD,
     extra_hooks: Sequence[tuple[str, HookFn]] = (),
 ) -> SinkMetrics:
-    """Validation loss and sink metrics of ``model`` on fixed evaluation batches.
-
-    Args:
-        batches: input tokens (position 0 is where the sink is measured).
-        targets: next-token targets for each batch, same shape as its tokens.
-        extra_hooks: hooks active during evaluation (the training-time interventions, so a model
-            trained with a moved sink is measured as it was trained).
+    """Validation loss and :class:`SinkMetrics` of ``model`` on fixed ``batches`` and their next-token ``targets``,
+    with ``extra_hooks`` (the training-time interventions) attached, so a model is measured as it was trained.
     """
     was_training = model.training
     model.eval()

@@ -27,11 +27,8 @@ COMPILE_KWARGS: dict[str, Any] = {}
 
 
 def compile_model(model: torch.nn.Module) -> torch.nn.Module:
-    """``torch.compile(model, **COMPILE_KWARGS)``; compilation itself happens at the first call.
-
-    Where torch has it, the call gets its own recompilation budget (``isolate_recompiles=True``): every
-    ``torch.compile`` of ``SinkLM`` otherwise shares dynamo's per-code-object limit of 8 compiled entries,
-    so in a process that trains many differently shaped models the ninth would run eagerly.
+    """``torch.compile(model, **COMPILE_KWARGS)``, compiled at the first call; with its own recompilation budget
+    (``isolate_recompiles``) where torch has it, so many differently shaped models never fall back to eager.
     """
     extra = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
     return torch.compile(model, **extra, **COMPILE_KWARGS)

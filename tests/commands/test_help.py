@@ -28,11 +28,11 @@ def test_help_fits_a_screen(command, capsys, monkeypatch):
 
 
 def test_train_fields_are_one_plain_line_each(capsys):
-    from sinklens.sinklm.config_flags import config_fields
+    from sinklens.sinklm.config import flag_keys
 
     assert main(["train", "--fields"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert len(lines) == 1 + len(config_fields()) and max(map(len, lines)) <= 100
+    assert len(lines) == 1 + len(flag_keys()) and max(map(len, lines)) <= 100
     assert "``" not in "\n".join(lines) and "│" not in "\n".join(lines)
     lr = next(line for line in lines if line.startswith("  --optim.lr "))
     assert lr.split()[:4] == ["--optim.lr", "FLOAT", "=", "0.001"] and "peak learning rate" in lr

@@ -150,7 +150,7 @@ def test_a_variant_named_over_a_config_file_starts_from_its_own_options(tmp_path
     """``--config FILE --variant NAME`` checked FILE's variant options (``mode``, for variance_calibrated) against
     NAME and refused an option the user never typed; the same variant keeps the file's options."""
     from sinklens.sinklm.config import TrainConfig
-    from sinklens.sinklm.config_flags import apply_overrides
+    from sinklens.sinklm.config import apply_overrides
 
     (tmp_path / "vc.toml").write_text('steps = 2\n[model]\nvariant = "variance_calibrated"\n'
                                       'variant_options = {mode = "position_amplify"}\n')

@@ -10,7 +10,7 @@ from _train_cfg import build_cfg
 
 from sinklens.errors import InvalidArgumentError
 from sinklens.sinklm.config import TrainConfig
-from sinklens.sinklm.config_flags import apply_overrides, parse_args
+from sinklens.sinklm.config import apply_overrides, parse_flags as parse_args
 from sinklens.train import loop
 from sinklens.train.loop import train
 

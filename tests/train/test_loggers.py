@@ -9,7 +9,7 @@ import pytest
 from _train_cfg import build_cfg
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.sinklm.config_flags import apply_overrides
+from sinklens.sinklm.config import apply_overrides
 from sinklens.train.loop import train
 
 

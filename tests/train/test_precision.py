@@ -11,7 +11,7 @@ from _train_cfg import build_cfg
 from sinklens.cli import main
 from sinklens.errors import InvalidArgumentError
 from sinklens.train import precision
-from sinklens.sinklm.config_flags import apply_overrides
+from sinklens.sinklm.config import apply_overrides
 from sinklens.train.data import build_source
 from sinklens.train.loop import train
 from sinklens.sinklm.model import SinkLM
@@ -75,7 +75,7 @@ def test_cpu_autocast_refuses_other_dtypes():
     # jaxtyping hook, which rejects the Literal first)
     with pytest.raises(InvalidArgumentError) as err:
         apply_overrides(build_cfg(), ["cpu_autocast=float16"])
-    assert "'float16'" in str(err.value) and "cpu_autocast" in str(err.value) and "'bfloat16', 'none'" in str(err.value)
+    assert "'float16'" in str(err.value) and "--cpu-autocast" in str(err.value) and "'bfloat16', 'none'" in str(err.value)
 
 
 def test_bfloat16_on_a_cpu_without_native_support_warns(monkeypatch):
