@@ -12,8 +12,8 @@ What position 0 is (``prepend_bos``):
 * **encoders** (e.g. BERT): ``prepend_bos=True`` adds ``[CLS] … [SEP]`` as
   ``tokenizer(text, add_special_tokens=True)`` does; ``False`` adds none.
 
-``prepend_bos=None`` does what the model's own tokenizer does (:func:`tokenizer_adds_bos`). Each batch records
-the special tokens it got in :attr:`TokenBatch.special_tokens`, and the results say what position 0 is
+``prepend_bos=None`` (the default) does what the model's own tokenizer does (:func:`tokenizer_adds_bos`). Each
+batch records the special tokens it got in :attr:`TokenBatch.special_tokens`, and the results say what position 0 is
 (:meth:`sinklens.analysis.sinks.SinkResult.describe_start`, :func:`describe_bos`).
 """
 
@@ -35,6 +35,7 @@ from torch import Tensor
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import model_device, model_dims
+from sinklens.options import PREPEND_BOS
 from sinklens.prompts import builtin_prompts
 from sinklens.validate import IntLike, as_bool, as_seed, check_vocab, optional_positive_int, positive_int, prompt_list, token_ids
 from sinklens.visibility import attention_direction
@@ -214,7 +215,7 @@ def tokenize_prompts(
     prompts: str | Iterable[str],
     *,
     batch_size: IntLike = 8,
-    prepend_bos: bool | None = True,
+    prepend_bos: bool | None = PREPEND_BOS,
     max_length: IntLike | None = None,
 ) -> list[TokenBatch]:
     """Tokenise prompts with the model's tokenizer into right-padded batches.
@@ -365,7 +366,7 @@ def as_batches(
     inputs: Inputs | None = None,
     *,
     batch_size: IntLike = 8,
-    prepend_bos: bool | None = True,
+    prepend_bos: bool | None = PREPEND_BOS,
     max_length: IntLike | None = None,
 ) -> list[TokenBatch]:
     """Normalise any accepted input into right-padded :class:`TokenBatch` es on the model's device.

@@ -36,6 +36,9 @@ BATCH_SIZE = 8
 #: Tokens per random-token sequence (``--random-tokens``, origins measures, ``compare --positional``, the
 #: trainer's persistence metrics) and per training sequence (``data.seq_len``); capped at the model's context.
 SEQ_LEN = 64
+#: What goes before a text (``RunOptions.prepend_bos``, ``--bos/--no-bos``): None does what the model's own
+#: tokenizer does (SmolLM2's adds nothing; Llama's adds ``<s>``), True when that cannot be read.
+PREPEND_BOS: bool | None = None
 
 HookFn = Callable[..., Any]
 
@@ -53,7 +56,7 @@ class RunOptions:
     """
 
     batch_size: int = BATCH_SIZE
-    prepend_bos: bool | None = True
+    prepend_bos: bool | None = PREPEND_BOS
     max_length: int | None = None
     extra_hooks: Sequence[tuple[str, HookFn]] = field(default=(), compare=False)
     progress: bool = True

@@ -94,6 +94,32 @@ def test_cli_analyze_cuts_text_to_the_default_max_length_and_keeps_random_tokens
     assert width == {"text": 4, "random": 10}
 
 
+def test_cli_analyze_adds_a_bos_only_where_the_models_tokenizer_does(tmp_path):
+    """Without --bos/--no-bos, position 0 is what the model's own tokenizer puts there (here: none)."""
+    from tokenizers import processors
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from sinklens.testing import word_tokenizer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                         num_attention_heads=2, max_position_embeddings=64, bos_token_id=0, eos_token_id=1)
+    LlamaForCausalLM(config).save_pretrained(tmp_path / "model")
+    tok = word_tokenizer(64)
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A")  # adds nothing, like Qwen's
+    tok.save_pretrained(tmp_path / "model")
+    start = {}
+    for flags in ([], ["--bos"], ["--no-bos"]):
+        out = tmp_path / ("out" + "".join(flags))
+        assert main(["analyze", "--model", str(tmp_path / "model"), "--text", "t4 t5 t6", *flags, "--out", str(out),
+                     "--device", "cpu", "--no-figures"]) == 0
+        data = json.loads((out / "report.json").read_text())
+        start[" ".join(flags)] = (data["prepend_bos"], data["bos"], len(data["sinks"]["received"][0][0]))
+    none = "none (the model's own tokenizer adds none)"
+    assert start == {"": (False, none, 3), "--bos": (True, "<s> added (the model's own tokenizer adds none)", 4),
+                     "--no-bos": (False, none, 3)}
+
+
 def test_cli_reports_bad_input_without_a_traceback(tmp_path, capsys):
     assert main(["analyze", "--model", "no-such-model", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
@@ -144,7 +170,7 @@ def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_
     from sinklens.testing import transformer_lens_major
 
     prompts = stdlib_text_prompts(8)
-    report = analyze(smollm2, prompts, verify=True, options=QUIET.replace(max_length=48))
+    report = analyze(smollm2, prompts, verify=True, options=QUIET.replace(max_length=48, prepend_bos=True))
     assert report.sinks.sink_positions == [0]
     assert report.sinks.sink_rate(position=0) > 0.5
     late = report.sinks.received[12:, :, 0]
@@ -157,7 +183,7 @@ def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_
     assert report.neurons.neuron_row(11, 1229)["row_top_share"] > 0.9
     # The peak and the top writers against plain run_with_cache code on the same tokens (SmolLM2 is pre-norm:
     # a neuron's residual-unit contribution is its activation at the sink times its W_out entry).
-    resid, contrib = _sink_dim_reference(smollm2, as_batches(smollm2, prompts, max_length=48), 507)
+    resid, contrib = _sink_dim_reference(smollm2, as_batches(smollm2, prompts, max_length=48, prepend_bos=True), 507)
     peak = int(resid.abs().argmax())
     assert (path.peak_layer, path.peak_value) == (peak, pytest.approx(float(resid[peak]), rel=1e-5))
     top = contrib.flatten().topk(2)  # the peak is positive: the largest contributions write towards it
@@ -165,7 +191,8 @@ def test_smollm2_has_a_first_token_sink_fed_by_a_massive_dimension(smollm2, tmp_
     assert [(layer, n) for layer, n, _ in path.top_neurons[:2]] == [(layer, n) for layer, n, _ in expected]
     for (_, _, got), (_, _, ref) in zip(path.top_neurons[:2], expected):
         assert got == pytest.approx(ref, rel=1e-5)
-    # The same run_with_cache numbers are README's headline (TransformerLens 4.x bridge, float32).
+    # Position 0 is the same BOS in every sequence, so these are `sinklens analyze --bos`'s numbers on any prompts
+    # (TransformerLens 4.x bridge, float32).
     if transformer_lens_major() >= 4:
         assert (peak, float(resid[peak])) == (12, pytest.approx(24926.2, abs=0.5))
         assert [round(v, 1) for _, _, v in expected] == [pytest.approx(18008.2, abs=0.5), pytest.approx(6786.7, abs=0.5)]

@@ -331,31 +331,35 @@ def test_an_analysis_from_inside_a_hook_of_the_same_model_is_refused(tiny_llama)
     assert torch.equal(sinklens.find_sinks(tiny_llama, prompts, options=QUIET).received, ref.received)
 
 
-def test_prepend_bos_none_follows_the_models_own_tokenizer(tiny_llama, tmp_path, monkeypatch):
-    """A tokenizer that adds no BOS got one anyway (it moves the massive dimensions); prepend_bos=None does what the
-    model's own tokenizer does, and the report says what was done and what that tokenizer does."""
+def test_by_default_position_0_is_what_the_models_own_tokenizer_puts_there(tiny_llama, tmp_path, monkeypatch):
+    """With no ``prepend_bos`` given, text gets the BOS only where the model's own tokenizer adds one (a Qwen GGUF's
+    adds none; a forced BOS moves the massive dimensions); the report says what was done and what it does."""
     from tokenizers import processors
     from transformers import AutoTokenizer
 
     from sinklens.inputs import tokenizer_adds_bos
 
-    def bos_line(prepend_bos):
+    def bos_line(**options):
         report = sinklens.analyze(tiny_llama, ["t5 t6 t7 t8"], abs_threshold=None, rel_threshold=3.0,
-                                  options=QUIET.replace(prepend_bos=prepend_bos))
+                                  options=QUIET.replace(**options))
         assert report.summary().splitlines()[2] == f"bos: {report.bos}"
         return report.to_dict()["bos"]
 
-    assert tokenizer_adds_bos(tiny_llama) is False
-    (own,) = as_batches(tiny_llama, ["t5 t6 t7"], prepend_bos=None)
-    assert own.tokens.tolist() == [[5, 6, 7]] and not own.prepend_bos
-    assert bos_line(True) == "<s> added (the model's own tokenizer adds none)"
-    assert bos_line(None) == "none (the model's own tokenizer adds none)"
+    def own_tokens(text):  # the model's own tokenizer, as saved, run directly
+        return AutoTokenizer.from_pretrained(tiny_llama.tokenizer.name_or_path)(text)["input_ids"]
+
+    assert tokenizer_adds_bos(tiny_llama) is True and own_tokens("t5 t6 t7") == [0, 5, 6, 7]
+    (own,) = as_batches(tiny_llama, ["t5 t6 t7"])
+    assert own.tokens.tolist() == [own_tokens("t5 t6 t7")] and own.prepend_bos
+    assert bos_line() == "<s> added (the model's own tokenizer adds one)"
+    assert bos_line(prepend_bos=False) == "none (the model's own tokenizer adds one)"
     tok = AutoTokenizer.from_pretrained(tiny_llama.tokenizer.name_or_path)
-    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="$A")  # adds nothing, like Qwen's
     tok.save_pretrained(tmp_path)
     monkeypatch.setattr(tiny_llama, "tokenizer", AutoTokenizer.from_pretrained(tmp_path))
-    assert tokenizer_adds_bos(tiny_llama) is True
-    (own,) = as_batches(tiny_llama, ["t5 t6 t7"], prepend_bos=None)
-    assert own.tokens.tolist() == [[0, 5, 6, 7]] and own.prepend_bos
-    assert bos_line(None) == "<s> added (the model's own tokenizer adds one)"
-    assert bos_line(False) == "none (the model's own tokenizer adds one)"
+    assert tokenizer_adds_bos(tiny_llama) is False and own_tokens("t5 t6 t7") == [5, 6, 7]
+    (own,) = as_batches(tiny_llama, ["t5 t6 t7"])
+    assert own.tokens.tolist() == [own_tokens("t5 t6 t7")] and not own.prepend_bos
+    assert sinklens.RunOptions().prepend_bos is None
+    assert bos_line() == "none (the model's own tokenizer adds none)"
+    assert bos_line(prepend_bos=True) == "<s> added (the model's own tokenizer adds none)"

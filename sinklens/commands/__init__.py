@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.options import BATCH_SIZE, SEQ_LEN
+from sinklens.options import BATCH_SIZE, PREPEND_BOS, SEQ_LEN
 
 if TYPE_CHECKING:
     from sinklens.inputs import TokenBatch
@@ -40,6 +40,14 @@ def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, metavar="N", help="sequences per forward pass (default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
     parser.add_argument("--dtype", default=None, help="float32 (default), float64, bfloat16, float16")
+
+
+def add_bos_flag(parser: argparse.ArgumentParser) -> None:
+    """``--bos/--no-bos``: put the tokenizer's BOS token before each text or not; neither: as the model's own
+    tokenizer does (:data:`~sinklens.options.PREPEND_BOS`)."""
+    parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=PREPEND_BOS,
+                        help="prepend the tokenizer's BOS token, or not (it moves the sink; "
+                        "default: as the model's own tokenizer does)")
 
 
 def add_json_flag(parser: argparse.ArgumentParser, what: str) -> None:
@@ -134,24 +142,25 @@ def outside_run_internals(path: Path, *, what: str, file: bool) -> None:
 
 
 def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, text_flag: str | None,
-                        prepend_bos: bool) -> list[TokenBatch] | None:
+                        prepend_bos: bool | None) -> list[TokenBatch] | None:
     """The random-token batches a command runs on, or None when it runs on text.
 
     ``args.random_tokens`` sequences of ``args.seq_len`` tokens (default ``min(SEQ_LEN, n_ctx)``; a longer one, or
     one for a run on text, is refused) when asked for. A model without a tokenizer runs on
     :data:`DEFAULT_RANDOM_SEQUENCES` such sequences, said on stderr, and refuses ``text_flag``. Random sequences
-    start with BOS when ``prepend_bos`` and the model has one (its tokenizer's, or token 0 for a synthetic-task run).
+    start with BOS when ``prepend_bos`` (None: when the model's own tokenizer adds one) and the model has one (its
+    tokenizer's, or token 0 for a synthetic-task run).
     """
     from sinklens import distributed
     from sinklens.hooks import model_dims
-    from sinklens.inputs import random_token_batches
+    from sinklens.inputs import random_token_batches, resolved_bos
     from sinklens.validate import seq_len_within_context
 
     has_tokenizer = getattr(model, "tokenizer", None) is not None
     n_ctx = model_dims(model).n_ctx
     seq_len_within_context(args.seq_len, n_ctx)
     batch_size = getattr(args, "batch_size", BATCH_SIZE)
-    bos = prepend_bos and (has_tokenizer or trained_with_bos_zero(model))
+    bos = resolved_bos(model, prepend_bos) and (has_tokenizer or trained_with_bos_zero(model))
     # the default is capped at the model's context; a --seq-len beyond it was refused just above
     seq_len = args.seq_len or min(SEQ_LEN, n_ctx)
     if args.random_tokens is not None:

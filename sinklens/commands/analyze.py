@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from sinklens.commands import (
-    add_command, add_model_flags, add_overwrite_flag, check_model_flags, outside_run_internals, result_folder,
+    add_bos_flag, add_command, add_model_flags, add_overwrite_flag, check_model_flags, outside_run_internals,
+    result_folder,
 )
 from sinklens.errors import InvalidArgumentError
 from sinklens.options import SEQ_LEN
@@ -37,8 +38,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         help=f"tokens per random sequence (default: {SEQ_LEN}, at most the model's context)")
     parser.add_argument("--max-length", type=int, default=None, metavar="N",
                         help=f"cut text prompts to N tokens (default: {_DEFAULT_MAX_LENGTH}, at most the model's context)")
-    parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=True,
-                        help="prepend the tokenizer's BOS token, or not (it moves the sink; default: prepend)")
+    add_bos_flag(parser)
     add_model_flags(parser)
     parser.add_argument("--out", default="sinklens-report", metavar="DIR", help="output folder (default: %(default)s)")
     add_overwrite_flag(parser, "the analysis already in --out")

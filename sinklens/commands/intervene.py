@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sinklens.commands import (
-    add_command, add_json_flag, add_model_flags, add_overwrite_flag, check_model_flags, json_target,
+    add_bos_flag, add_command, add_json_flag, add_model_flags, add_overwrite_flag, check_model_flags, json_target,
     outside_run_internals, random_token_inputs, write_json_target,
 )
 from sinklens.errors import InvalidArgumentError
@@ -58,8 +58,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--site", default=None, help="hook site of amplify / calibrate (default: attn.hook_z)")
     parser.add_argument("--dims", default=None, help="residual dims of transplant-dims / clamp-dims, e.g. 507")
     parser.add_argument("--neurons", default=None, help="FFN neurons of edit-neurons, e.g. 12,99 (needs --layers)")
-    parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=True,
-                        help="prepend the tokenizer's BOS token, or not (it moves the sink; default: prepend)")
+    add_bos_flag(parser)
     add_model_flags(parser)
     parser.add_argument("--no-loss", action="store_true", help="skip the next-token loss (two fewer passes)")
     add_json_flag(parser, "the result")

@@ -1,7 +1,8 @@
 """Tiny, seeded TransformerLens models built from config, for tests, doctests and tutorials.
 
 :func:`tiny_model` is a ``TransformerBridge`` under TransformerLens 4.x and a ``HookedTransformer`` under 3.x,
-with the same hook names; its word tokenizer has BOS ``<s>`` = 0, ``</s>`` = 1 and word ``t{i}`` = ``i``.
+with the same hook names; its word tokenizer has BOS ``<s>`` = 0 (which it adds, as Llama's does), ``</s>`` = 1 and
+word ``t{i}`` = ``i``.
 """
 
 from __future__ import annotations
@@ -46,12 +47,13 @@ def tokenizer_root() -> Path:
 def _word_tokenizer_dir(d_vocab: int) -> str:
     folder = tokenizer_root() / f"wordtok-{d_vocab}"
     if not (folder / "tokenizer.json").exists():
-        from tokenizers import Tokenizer, models, pre_tokenizers
+        from tokenizers import Tokenizer, models, pre_tokenizers, processors
         from transformers import PreTrainedTokenizerFast
 
         vocab = {"<s>": 0, "</s>": 1} | {f"t{i}": i for i in range(2, d_vocab)}
         core = Tokenizer(models.WordLevel(vocab, unk_token="</s>"))
         core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
         tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="</s>",
                                       unk_token="</s>")
         tok.save_pretrained(str(folder))
@@ -59,7 +61,8 @@ def _word_tokenizer_dir(d_vocab: int) -> str:
 
 
 def word_tokenizer(d_vocab: int) -> Any:
-    """A Hugging Face fast tokenizer: ``<s>`` = 0, ``</s>`` = 1, word ``t{i}`` = ``i`` (files under :func:`tokenizer_root`)."""
+    """A Hugging Face fast tokenizer: ``<s>`` = 0 (put before each text), ``</s>`` = 1, word ``t{i}`` = ``i`` (files
+    under :func:`tokenizer_root`)."""
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(_word_tokenizer_dir(d_vocab))

@@ -248,7 +248,7 @@ def test_analyze_repeated_text_analyses_every_prompt(tmp_path, capsys):
     _clean(capsys.readouterr().err)
     report = _strict_json((out / "report.json").read_text())
     assert report["n_sequences"] == 3
-    assert report["bos"] == "<s> added (the model's own tokenizer adds none)"
+    assert report["bos"] == "<s> added (the model's own tokenizer adds one)"
 
 
 @pytest.mark.parametrize("command", [["analyze"], ["intervene", "--method", "self-only"]])
@@ -256,4 +256,5 @@ def test_bos_is_chosen_with_bos_or_no_bos(command):
     from sinklens.cli import build_parser
 
     parser = build_parser()
-    assert [parser.parse_args(command + flag).bos for flag in ([], ["--bos"], ["--no-bos"])] == [True, True, False]
+    # neither flag: None, as the model's own tokenizer does (sinklens.inputs.resolved_bos)
+    assert [parser.parse_args(command + flag).bos for flag in ([], ["--bos"], ["--no-bos"])] == [None, True, False]

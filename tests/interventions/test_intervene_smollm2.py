@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from sinklens.interventions import create_sink
+from sinklens.options import RunOptions
 
 pytestmark = [pytest.mark.slow, pytest.mark.models]
 
@@ -29,7 +30,8 @@ def test_self_only_creates_a_first_token_like_sink(smollm2):
     to ~0.3-0.4. Position 10's residual (hook_resid_post) in dim 507: ~40-240 before -> ~24,000
     after from layer 11 on (the first token has ~24,900 there), ~740 in layers 2-8 (first token ~760).
     """
-    res = create_sink(smollm2, TEXT, 10, method="self-only", dims=[507], loss=False)
+    res = create_sink(smollm2, TEXT, 10, method="self-only", dims=[507], loss=False,
+                      options=RunOptions(prepend_bos=True, progress=False))  # measured with <|im_start|> at 0
     deep = slice(12, 28)
     before, after = res.received_layer_before[deep], res.received_layer_after[deep]
     assert float(after.mean()) > 4 * float(before.mean())
