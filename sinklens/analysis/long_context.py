@@ -22,7 +22,7 @@ from sinklens.analysis.sinks import SinkReducer
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
-from sinklens.inputs import TokenBatch, bos_token_id
+from sinklens.inputs import TokenBatch, bos_token_id, resolved_bos
 from sinklens.options import RunOptions
 from sinklens.prompts import stdlib_source_tokens
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, run
@@ -147,7 +147,7 @@ def context_sweep(
             raise InvalidArgumentError(f"length {n} is outside 2..{n_ctx}, the model's context (cfg.n_ctx).")
     for name, value in (("min_head_share", min_head_share), ("most_tokens", most_tokens)):
         finite_number(value, what=name, low=0.0, high=1.0, low_open=True)
-    bos = bos_token_id(model) if options.prepend_bos else None
+    bos = bos_token_id(model) if resolved_bos(model, options.prepend_bos) else None
     head = [] if bos is None else [bos]
     text = stdlib_source_tokens(model.tokenizer, max(lengths) - len(head))
     settings = SinkSettings(method="qk", sink_threshold=sink_threshold)
