@@ -4,7 +4,7 @@ Writes long_context.json and long_context.png to --out.
 
 Examples:
     sinklens context                                   # SmolLM2 at 256, 1024 and 4096 tokens
-    sinklens context --lengths 512,8192 --out ctx
+    sinklens context --lengths 512,8192 --bos --out ctx   # with the tokenizer's BOS first
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
-from sinklens.commands import add_command, add_model_flags, add_overwrite_flag, check_model_flags, result_folder
+from sinklens.commands import add_bos_flag, add_command, add_model_flags, add_overwrite_flag, check_model_flags, result_folder
 
 FILES = ("long_context.json", "long_context.png")
 
@@ -25,6 +25,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="sequence lengths in tokens, BOS included (default: %(default)s)")
     parser.add_argument("--out", default="sinklens-context", metavar="DIR", help="output folder (default: %(default)s)")
     add_model_flags(parser)
+    add_bos_flag(parser)
     add_overwrite_flag(parser, "an earlier long_context.json")
     parser.set_defaults(func=run)
     return parser
@@ -55,7 +56,7 @@ def _run(args: argparse.Namespace, lengths: list[int], out: Path) -> int:
 
     start = time.perf_counter()
     model = load_model(args.model, device=args.device, dtype=args.dtype, check_patterns=False)
-    result = context_sweep(model, lengths, options=RunOptions(batch_size=args.batch_size, device=args.device))
+    result = context_sweep(model, lengths, options=RunOptions(batch_size=args.batch_size, device=args.device, prepend_bos=args.bos))
     write_json(out / FILES[0], {"model": str(args.model), **result.to_dict()})
     save_figure(plot_context_sweep(result), out / FILES[1])
     for p in result.points:
