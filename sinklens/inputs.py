@@ -166,7 +166,11 @@ def bos_token_id(model: Any) -> int:
 def tokenizer_adds_bos(model: Any) -> bool | None:
     """Whether the model's own tokenizer, as saved with it, puts a special token before a text: it is read again
     from ``tokenizer.name_or_path`` (TransformerLens rebuilds the one it attaches with ``add_bos_token=True``)
-    and run on ``"a"`` (a config's ``add_bos_token`` does not always say what it does). None when unreadable."""
+    and run on ``"a"`` (a config's ``add_bos_token`` does not always say what it does); a ``sinklens train`` run
+    answers from its data config. None when unreadable."""
+    data = getattr(getattr(model, "train_config", None), "data", None)
+    if data is not None:  # a sinklens run: its rows began as its data config says
+        return data.source != "memmap" and bool(data.bos)
     path = getattr(getattr(model, "tokenizer", None), "name_or_path", None)
     return _own_tokenizer_adds_bos(path) if isinstance(path, str) and path else None
 

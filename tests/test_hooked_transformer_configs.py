@@ -110,7 +110,7 @@ def test_an_output_vocabulary_smaller_than_the_input_one():
     assert pref.mean_probs.shape[-1] == 40
     result = create_sink(model, _tokens(), 3)
     assert result.loss_before != result.loss_before and float(result.received_after.sum()) > 0  # NaN: not computed
-    with pytest.raises(UnsupportedArchitectureError, match="reads 50 tokens and predicts 40"):
+    with pytest.raises(UnsupportedArchitectureError, match="reads 50 tokens but predicts 40"):
         create_sink(model, _tokens(), 3, loss=True)
 
 

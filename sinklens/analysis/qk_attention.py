@@ -25,6 +25,7 @@ from torch import Tensor
 
 from sinklens.analysis._common import run_analyzer
 from sinklens.analysis.qk_locking import ROT_K, ROT_Q
+from sinklens.display import CompactRepr
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.hooks import K, Q, expand_kv_heads, hook_name, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
@@ -40,8 +41,8 @@ COS, SIN = "attn.hook_cos", "attn.hook_sin"
 CHUNK_SCORES = 2**24
 
 
-@dataclass(frozen=True)
-class ScoreRule:
+@dataclass(frozen=True, repr=False)
+class ScoreRule(CompactRepr):
     """How one layer turns a query and a key into a score: ``s = cap·tanh(scale·q·k / cap)`` (no cap: ``scale·q·k``),
     and the per-head learned sink logit that joins the softmax as a key without a value (None: none)."""
 
@@ -115,8 +116,8 @@ def rotate(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Tensor) 
     return torch.cat([rot * cos + half * sin, rest], dim=-1)
 
 
-@dataclass
-class Columns:
+@dataclass(repr=False)
+class Columns(CompactRepr):
     """What :func:`attention_columns` returns for one layer of one batch.
 
     Attributes:

