@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,7 +28,7 @@ from sinklens.analysis.qk_locking import ROT_K, ROT_Q
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.hooks import K, Q, expand_kv_heads, hook_name, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.options import HookFn, RunOptions
+from sinklens.options import AttentionMethod, HookFn, RunOptions
 from sinklens.probes import silent_hooks
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow
 from sinklens.validate import index_list
@@ -38,6 +38,8 @@ COS, SIN = "attn.hook_cos", "attn.hook_sin"
 #: Scores per chunk (all heads and sequences of a batch): 2**24 floats, 64 MiB, whatever the length (at least
 #: 64 queries a chunk). Fewer, larger chunks run several times faster on CPU than 128-query ones.
 CHUNK_SCORES = 2**24
+#: ``method="auto"`` reads attention from queries and keys for batches longer than this (tokens).
+QK_ABOVE = 1024
 
 
 @dataclass(frozen=True)
@@ -125,6 +127,8 @@ class Columns:
         n_counted / n_every: the number of those queries per sequence and key.
         to_keys: ``weight[b, h, q, positions[i]]`` for every query (0 where ``q`` does not see the key).
         unattended: ``Σ_q (1 - Σ_k weight[b, h, q, k])`` over real queries: the learned sink logits' mass (0 without).
+        n_keys: the number of real keys each query sees.
+        aggregated: ``Σ_k weight[b, h, q, k] · values[b, h, k, :]`` per query (None without ``values``).
     """
 
     counted: Float[Tensor, "batch head key"]
@@ -133,6 +137,8 @@ class Columns:
     n_every: Float[Tensor, "batch key"]
     to_keys: Float[Tensor, "batch head query n_positions"]
     unattended: Float[Tensor, " head"]
+    n_keys: Float[Tensor, "batch query"]
+    aggregated: Float[Tensor, "batch head query m"] | None = None
 
 
 def attention_columns(
@@ -145,10 +151,12 @@ def attention_columns(
     *,
     min_query: int = 0,
     positions: Sequence[int] = (),
+    values: Float[Tensor, "batch head key m"] | None = None,
     chunk: int | None = None,
 ) -> Columns:
     """Column sums of one layer's attention weights, computed from queries and keys ``chunk`` queries at a time
-    (exact softmax over each query's visible keys, float32; see the module docstring)."""
+    (exact softmax over each query's visible keys, float32; see the module docstring), and the weights' average
+    of ``values`` per query."""
     b, n, n_heads, _ = q.shape
     chunk = chunk or max(64, CHUNK_SCORES // (b * n_heads * n))
     qh = q.float().transpose(1, 2)  # [b, h, pos, d]
@@ -159,7 +167,9 @@ def attention_columns(
     sink = None if rule.sink_logits is None else rule.sink_logits.to(dev, torch.float32)[None, :, None, None]
     out = Columns(torch.zeros(b, n_heads, n, device=dev), torch.zeros(b, n_heads, n, device=dev),
                   torch.zeros(b, n, device=dev), torch.zeros(b, n, device=dev),
-                  torch.zeros(b, n_heads, n, len(positions), device=dev), torch.zeros(n_heads, device=dev))
+                  torch.zeros(b, n_heads, n, len(positions), device=dev), torch.zeros(n_heads, device=dev),
+                  torch.zeros(b, n, device=dev),
+                  None if values is None else torch.zeros(b, n_heads, n, values.shape[-1], device=dev))
     for q0 in range(0, n, chunk):
         q1 = min(n, q0 + chunk)
         k0 = max(0, q0 - w + 1) if w is not None else 0
@@ -180,6 +190,9 @@ def attention_columns(
         p.div_(total.clamp_min_(torch.finfo(p.dtype).tiny))
         cols = (torch.ones(1, q1 - q0, device=dev) @ p)[:, :, 0]  # Σ over the chunk's queries, as one matmul
         n_seen = see.sum(dim=1)
+        out.n_keys[:, q0:q1] = see.sum(dim=2)
+        if values is not None:
+            out.aggregated[:, :, q0:q1] = p @ values[:, :, k0:k1].float()
         out.every[:, :, k0:k1] += cols
         out.n_every[:, k0:k1] += n_seen
         if q0 < min_query:  # leave out the rows of queries before min_query
@@ -191,6 +204,14 @@ def attention_columns(
             if k0 <= key < k1:
                 out.to_keys[:, :, q0:q1, i] = p[..., key - k0]
     return out
+
+
+def queries_and_keys(acts: dict[str, Tensor], sites: Sequence[str]) -> tuple[Tensor, Tensor]:
+    """The rotated queries and keys from the activations at ``sites`` (:func:`qk_sites`)."""
+    q, k = acts[sites[0]], acts[sites[1]]
+    if COS in acts:
+        q, k = rotate(q, acts[COS], acts[SIN]), rotate(k, acts[COS], acts[SIN])
+    return q, k
 
 
 def qk_hooks(
@@ -214,14 +235,40 @@ def qk_hooks(
         if len(got) < len(sites):
             return
         del pending[layer]
-        q, k = got[sites[0]], got[sites[1]]
-        if COS in got:
-            q, k = rotate(q, got[COS], got[SIN]), rotate(k, got[COS], got[SIN])
+        q, k = queries_and_keys(got, sites)
         fold(attention_columns(q, k, rules[layer], visibility, layer, valid, min_query=min_query,
                                positions=positions), layer)
 
     keys = [(layer, site) for layer in rules for site in sites]
     return bound_hooks([hook_name(layer, site) for layer, site in keys], keys, collect)
+
+
+@dataclass(frozen=True)
+class QKPlan:
+    """Where a reducer reads attention weights: ``sites`` and ``rules`` of the q/k path (None: ``hook_pattern``
+    only), the ``method`` asked for, and ``refused``: why ``"auto"`` falls back to the pattern on this model."""
+
+    method: str
+    sites: tuple[str, ...] | None = None
+    rules: dict[int, ScoreRule] = field(default_factory=dict)
+    refused: str | None = None
+
+    def reads_qk(self, n_pos: int) -> bool:
+        """True if a batch of ``n_pos`` tokens is read from queries and keys."""
+        return self.sites is not None and (self.method == "qk" or n_pos > QK_ABOVE)
+
+
+def qk_plan(model: Any, layers: Sequence[int], method: AttentionMethod) -> QKPlan:
+    """The :class:`QKPlan` of ``method`` on ``model``: ``"auto"`` falls back to the pattern where :func:`qk_sites`
+    or :func:`score_rule` refuse, ``"qk"`` raises their :class:`UnsupportedArchitectureError`."""
+    if method == "pattern":
+        return QKPlan(method)
+    try:
+        return QKPlan(method, qk_sites(model), {layer: score_rule(model, layer) for layer in layers})
+    except UnsupportedArchitectureError as e:
+        if method == "qk":
+            raise
+        return QKPlan(method, refused=str(e))
 
 
 class KeyAttentionReducer(Reducer[Tensor]):
@@ -234,8 +281,8 @@ class KeyAttentionReducer(Reducer[Tensor]):
         dims = model_dims(model)
         self.positions = index_list(positions, dims.n_ctx, what="position", allow_negative=False)
         self.layers = resolve_layers(layers, dims.n_layers)
-        self.sites = qk_sites(model)
-        self.rules = {layer: score_rule(model, layer) for layer in self.layers}
+        plan = qk_plan(model, self.layers, "qk")
+        self.sites, self.rules = plan.sites, plan.rules
         self.visibility = attention_visibility(model)
         self.reset()
 
