@@ -3,6 +3,7 @@ the sink, first-token norm and variance reducers together; :func:`evaluate` adds
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -11,7 +12,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis.sinks import SinkReducer
+from sinklens.analysis._common import method_for_hooks
+from sinklens.analysis.qk_attention import qk_plan
+from sinklens.analysis.sinks import SinkReducer, SinkSettings
 from sinklens.analysis.variance import VarianceReducer
 from sinklens.display import CompactRepr
 from sinklens.hooks import RESID_POST, model_device, model_dims
@@ -69,6 +72,7 @@ class SinkMetrics(CompactRepr):
         norm_ratio: ``[layer]`` first-token norm ratio of ``hook_resid_post`` (:class:`FirstTokenNormReducer`).
         variance_ratio: ``[layer, head]`` variance of ``hook_z`` at position 0 over the mean at ``t >= 1``.
         attn_out_variance_ratio: ``[layer]`` the same for ``hook_attn_out`` (after the variant and ``W_O``).
+        attention_path: where the sink statistics read attention: ``"qk"`` (queries and keys) or ``"pattern"``.
     """
 
     val_loss: float
@@ -79,6 +83,7 @@ class SinkMetrics(CompactRepr):
     norm_ratio: Float[Tensor, " layer"]
     variance_ratio: Float[Tensor, "layer head"]
     attn_out_variance_ratio: Float[Tensor, " layer"]
+    attention_path: str = "pattern"
 
     def scalars(self) -> dict[str, float]:
         """Flat numbers for a metrics line: ``attn_to_first`` and ``variance_ratio`` are means over
@@ -105,6 +110,10 @@ def evaluate(
     """Validation loss and :class:`SinkMetrics` of ``model`` on fixed ``batches`` and their next-token ``targets``,
     with ``extra_hooks`` (the training-time interventions) attached, so a model is measured as it was trained.
     """
+    # Sinks from queries and keys at any length, unless the variant is not a softmax or extra hooks edit the pattern.
+    settings = method_for_hooks(SinkSettings(threshold, min_query=1, top_k=0), extra_hooks)
+    if settings.method == "auto" and qk_plan(model, range(model_dims(model).n_layers), "auto").sites is not None:
+        settings = dataclasses.replace(settings, method="qk")
     was_training = model.training
     model.eval()
     try:
@@ -116,7 +125,7 @@ def evaluate(
         sinks, norms, variance = stream(
             model,
             batches,
-            [SinkReducer(model, sink_threshold=threshold, min_query=1, top_k=0), FirstTokenNormReducer(model), VarianceReducer(model)],
+            [SinkReducer(model, settings=settings), FirstTokenNormReducer(model), VarianceReducer(model)],
             options=RunOptions(progress=False, extra_hooks=tuple(extra_hooks)),
         )
     finally:
@@ -130,4 +139,5 @@ def evaluate(
         norm_ratio=norms,
         variance_ratio=variance.discrepancy(0, of="z"),
         attn_out_variance_ratio=variance.discrepancy(0, of="attn_out"),
+        attention_path=sinks.attention_path,
     )

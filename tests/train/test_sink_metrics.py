@@ -179,3 +179,23 @@ def test_an_older_runs_sink_rate_is_plotted_under_its_own_name(tmp_path):
     assert list(curve.get_xdata()) == [0, 3, 5] and list(curve.get_ydata()) == [0.0, 0.25, 0.5]
     gu = next(ax for title, ax in titles.items() if "Gu et al." in title)
     assert all(len(line.get_xdata()) == 0 for line in gu.get_lines())
+
+
+@pytest.mark.parametrize("variant", ["baseline", "sink_logit", "softpick"])
+def test_evaluate_reads_sinks_from_queries_and_keys_where_the_variant_allows(variant):
+    """A softmax SinkLM's sink metrics come from queries and keys and equal the pattern path's; softpick (not a
+    softmax) and an intervention on the pattern keep the pattern."""
+    from sinklens.analysis.sinks import find_sinks
+    from sinklens.testing import QUIET
+
+    model = tiny_sinklm(variant, seed=0)
+    batches = _padded_eval_batches()
+    targets = [torch.zeros_like(b.tokens) for b in batches]
+    metrics = evaluate(model, batches, targets, threshold=0.3)
+    assert metrics.attention_path == ("pattern" if variant == "softpick" else "qk")
+    sinks = find_sinks(model, batches, sink_threshold=0.3, min_query=1, top_k=0, method="pattern", options=QUIET)
+    torch.testing.assert_close(metrics.attention_to_first, sinks.received[:, :, 0], rtol=0, atol=1e-5)
+    assert metrics.sink_rate == sinks.sink_rate(position=0, method="gu")
+    assert metrics.sinklens_sink_rate == sinks.sink_rate(position=0, method="sinklens")
+    edit = [("blocks.0.attn.hook_pattern", lambda p, hook: p)]
+    assert evaluate(model, batches, targets, extra_hooks=edit).attention_path == "pattern"
