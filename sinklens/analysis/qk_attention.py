@@ -257,6 +257,17 @@ class QKPlan:
         """True if a batch of ``n_pos`` tokens is read from queries and keys."""
         return self.sites is not None and (self.method == "qk" or n_pos > QK_ABOVE)
 
+    def describe(self, paths: str) -> str:
+        """Where attention was read (``paths``: a :class:`SinkResult`'s ``attention_path``) and why, in one line."""
+        if paths == "qk":
+            why = "method='qk'" if self.method == "qk" else f"sequences longer than {QK_ABOVE} tokens"
+            return f"attention read from queries and keys ({why})"
+        if paths != "pattern":
+            return f"attention read from queries and keys for batches longer than {QK_ABOVE} tokens, from hook_pattern otherwise"
+        why = ("method='pattern'" if self.method == "pattern" else f"the q/k path cannot read this model: {self.refused}"
+               if self.refused else f"no sequence longer than {QK_ABOVE} tokens")
+        return f"attention read from hook_pattern ({why})"
+
 
 def qk_plan(model: Any, layers: Sequence[int], method: AttentionMethod) -> QKPlan:
     """The :class:`QKPlan` of ``method`` on ``model``: ``"auto"`` falls back to the pattern where :func:`qk_sites`
