@@ -137,18 +137,18 @@ def once_per_forward(fold: Callable[[Any, Any], None]) -> Callable[[Any, Any], N
     return wrapped
 
 
-def method_for_hooks(settings: Any, extra_hooks: Sequence[tuple[str, Any]]) -> Any:
-    """``settings`` (with a ``method`` field), with ``method="pattern"`` where extra hooks edit
-    ``hook_attn_scores`` or ``hook_pattern``: they act after the queries and keys the q/k path reads.
+def method_for_hooks(method: str, extra_hooks: Sequence[tuple[str, Any]]) -> str:
+    """``method`` (where attention is read), or ``"pattern"`` where extra hooks edit ``hook_attn_scores`` or
+    ``hook_pattern``: they act after the queries and keys the q/k path reads.
 
     Raises:
         InvalidArgumentError: ``method="qk"`` with such hooks.
     """
     edits = [name for name, _ in extra_hooks if name.endswith((SCORES, PATTERN))]
-    if edits and settings.method == "qk":
+    if edits and method == "qk":
         raise InvalidArgumentError(f"method='qk' reads attention from queries and keys, so the extra hooks on {edits[:2]} "
                                    "would change nothing it measures; use method='pattern'.")
-    return dataclasses.replace(settings, method="pattern") if edits else settings
+    return "pattern" if edits else method
 
 
 def run_analyzer(
@@ -172,7 +172,7 @@ def run_analyzer(
     if settings_cls is not None:
         settings = settings_from(settings_cls, settings, kwargs or {}, where)
         if getattr(settings, "method", None) in ATTENTION_METHODS:
-            settings = method_for_hooks(settings, options.extra_hooks)
+            settings = dataclasses.replace(settings, method=method_for_hooks(settings.method, options.extra_hooks))
         reducer_kwargs["settings"] = settings
     batches = batches_for(model, inputs, options)
     sink = reducer_kwargs.get("sink_position", getattr(reducer_kwargs.get("settings"), "sink_position", None))

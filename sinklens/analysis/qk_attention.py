@@ -28,10 +28,10 @@ from sinklens.analysis.qk_locking import ROT_K, ROT_Q
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.hooks import K, Q, expand_kv_heads, hook_name, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.options import AttentionMethod, HookFn, RunOptions
+from sinklens.options import ATTENTION_METHODS, AttentionMethod, HookFn, RunOptions
 from sinklens.probes import silent_hooks
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow
-from sinklens.validate import index_list
+from sinklens.validate import choice, index_list
 from sinklens.visibility import Visibility, attention_visibility
 
 COS, SIN = "attn.hook_cos", "attn.hook_sin"
@@ -130,6 +130,7 @@ class Columns:
         unattended: ``Σ_q (1 - Σ_k weight[b, h, q, k])`` over real queries: the learned sink logits' mass (0 without).
         n_keys: the number of real keys each query sees.
         aggregated: ``Σ_k weight[b, h, q, k] · values[b, h, k, :]`` per query (None without ``values``).
+        squares: ``Σ_k weight[b, h, q, k]²`` per query (None unless asked).
     """
 
     counted: Float[Tensor, "batch head key"]
@@ -140,6 +141,7 @@ class Columns:
     unattended: Float[Tensor, " head"]
     n_keys: Float[Tensor, "batch query"]
     aggregated: Float[Tensor, "batch head query m"] | None = None
+    squares: Float[Tensor, "batch head query"] | None = None
 
 
 def attention_columns(
@@ -153,11 +155,12 @@ def attention_columns(
     min_query: int = 0,
     positions: Sequence[int] = (),
     values: Float[Tensor, "batch head key m"] | None = None,
+    squares: bool = False,
     chunk: int | None = None,
 ) -> Columns:
     """Column sums of one layer's attention weights, computed from queries and keys ``chunk`` queries at a time
     (exact softmax over each query's visible keys, float32; see the module docstring), and the weights' average
-    of ``values`` per query."""
+    of ``values`` per query (and the sum of its squared weights, with ``squares``)."""
     b, n, n_heads, _ = q.shape
     dev = q.device
     chunk = chunk or max(64, (CHUNK_SCORES >> (3 if dev.type == "cpu" else 0)) // (b * n_heads * n))
@@ -170,7 +173,8 @@ def attention_columns(
                   torch.zeros(b, n, device=dev), torch.zeros(b, n, device=dev),
                   torch.zeros(b, n_heads, n, len(positions), device=dev), torch.zeros(n_heads, device=dev),
                   torch.zeros(b, n, device=dev),
-                  None if values is None else torch.zeros(b, n_heads, n, values.shape[-1], device=dev))
+                  None if values is None else torch.zeros(b, n_heads, n, values.shape[-1], device=dev),
+                  torch.zeros(b, n_heads, n, device=dev) if squares else None)
     for q0 in range(0, n, chunk):
         q1 = min(n, q0 + chunk)
         k0 = max(0, q0 - w + 1) if w is not None else 0
@@ -194,6 +198,8 @@ def attention_columns(
         out.n_keys[:, q0:q1] = see.sum(dim=2)
         if values is not None:
             out.aggregated[:, :, q0:q1] = (p @ values[:, :, k0:k1].float()) * inv
+        if squares:  # times inv twice, not inv², which overflows where a padded query's row is 0
+            out.squares[:, :, q0:q1] = p.square().sum(dim=-1, keepdim=True).mul_(inv).mul_(inv)[..., 0]
         out.every[:, :, k0:k1] += cols
         out.n_every[:, k0:k1] += n_seen
         if q0 < min_query:  # leave out the rows of queries before min_query
@@ -222,12 +228,11 @@ def qk_hooks(
     visibility: Visibility,
     valid: Bool[Tensor, "batch pos"],
     fold: Callable[[Columns, int], None],
-    *,
-    min_query: int = 0,
-    positions: Sequence[int] = (),
+    **options: Any,
 ) -> list[tuple[str, HookFn]]:
     """Hooks on ``sites`` (:func:`qk_sites`) of every layer in ``rules`` that call ``fold(columns, layer)`` once the
-    layer's queries and keys have run (:func:`attention_columns`); a layer's activations are held only until then."""
+    layer's queries and keys have run (:func:`attention_columns`, given ``options``); a layer's activations are held
+    only until then."""
     pending: dict[int, dict[str, Tensor]] = {}
 
     def collect(act: Tensor, key: tuple[int, str]) -> None:
@@ -238,8 +243,7 @@ def qk_hooks(
             return
         del pending[layer]
         q, k = queries_and_keys(got, sites)
-        fold(attention_columns(q, k, rules[layer], visibility, layer, valid, min_query=min_query,
-                               positions=positions), layer)
+        fold(attention_columns(q, k, rules[layer], visibility, layer, valid, **options), layer)
 
     keys = [(layer, site) for layer in rules for site in sites]
     return bound_hooks([hook_name(layer, site) for layer, site in keys], keys, collect)
@@ -274,6 +278,7 @@ class QKPlan:
 def qk_plan(model: Any, layers: Sequence[int], method: AttentionMethod) -> QKPlan:
     """The :class:`QKPlan` of ``method`` on ``model``: ``"auto"`` falls back to the pattern where :func:`qk_sites`
     or :func:`score_rule` refuse, ``"qk"`` raises their :class:`UnsupportedArchitectureError`."""
+    method = choice(method, ATTENTION_METHODS, what="method")
     if method == "pattern":
         return QKPlan(method)
     try:

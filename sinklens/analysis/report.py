@@ -198,7 +198,7 @@ def analyze(
     """
     start = time.perf_counter()
     options = checked_options(options, "analyze")
-    sink_settings = method_for_hooks(SinkSettings(sink_threshold), options.extra_hooks)  # an edit: the pattern
+    sink_settings = SinkSettings(sink_threshold, method=method_for_hooks("auto", options.extra_hooks))
     massive_settings = MassiveSettings(abs_threshold=abs_threshold, rel_threshold=rel_threshold, sink_position=sink_position)
     batches = batches_for(model, inputs, options)
     require_a_later_position(batches, what="analyze", sink_position=massive_settings.sink_position,
@@ -223,7 +223,7 @@ def analyze(
     sink_reducer = SinkReducer(model, settings=sink_settings)
     reducers = [
         sink_reducer,
-        VarianceReducer(model),
+        VarianceReducer(model, method=sink_settings.method),
         MassiveActivationsReducer(model, settings=massive_settings),
         *neuron_reducers,
         *([] if no_norm is not None else [NormalizedDisparityReducer(model, sink_position=sink_position)]),

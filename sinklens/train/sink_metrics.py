@@ -3,7 +3,6 @@ the sink, first-token norm and variance reducers together; :func:`evaluate` adds
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -110,10 +109,11 @@ def evaluate(
     """Validation loss and :class:`SinkMetrics` of ``model`` on fixed ``batches`` and their next-token ``targets``,
     with ``extra_hooks`` (the training-time interventions) attached, so a model is measured as it was trained.
     """
-    # Sinks from queries and keys at any length, unless the variant is not a softmax or extra hooks edit the pattern.
-    settings = method_for_hooks(SinkSettings(threshold, min_query=1, top_k=0), extra_hooks)
-    if settings.method == "auto" and qk_plan(model, range(model_dims(model).n_layers), "auto").sites is not None:
-        settings = dataclasses.replace(settings, method="qk")
+    # Attention from queries and keys at any length (no T x T pattern), unless the variant is not a softmax or extra
+    # hooks edit the scores or the pattern.
+    method = method_for_hooks("auto", extra_hooks)
+    if method == "auto":
+        method = "qk" if qk_plan(model, range(model_dims(model).n_layers), "auto").sites is not None else "pattern"
     was_training = model.training
     model.eval()
     try:
@@ -125,7 +125,8 @@ def evaluate(
         sinks, norms, variance = stream(
             model,
             batches,
-            [SinkReducer(model, settings=settings), FirstTokenNormReducer(model), VarianceReducer(model)],
+            [SinkReducer(model, settings=SinkSettings(threshold, min_query=1, top_k=0, method=method)),
+             FirstTokenNormReducer(model), VarianceReducer(model, method=method)],
             options=RunOptions(progress=False, extra_hooks=tuple(extra_hooks)),
         )
     finally:

@@ -186,3 +186,19 @@ def test_value_drain_keeps_the_pattern_under_an_intervention(monkeypatch):
     halved = measure_value_drain(model, [batch], method="auto", options=OPTS.replace(extra_hooks=edit))
     plain = measure_value_drain(model, [batch], options=OPTS)
     torch.testing.assert_close(halved.attn_sink[0], plain.attn_sink[0] / 2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gptoss"])
+def test_variance_attention_squares_from_queries_and_keys(family, monkeypatch):
+    """Σ_k A_qk² (attn_sq, and the prediction built on it) from queries and keys equals the pattern's to 1e-5."""
+    from sinklens.analysis.variance import VarianceReducer
+
+    model = _family(family)
+    batch = _padded_batch(seed=2)
+    monkeypatch.setattr(qk_attention, "CHUNK_SCORES", 1)
+    pattern, qk = (VarianceReducer(model, method=m) for m in ("pattern", "qk"))
+    assert not any(name.endswith(PATTERN) for name, _ in qk.fwd_hooks(batch).hooks)
+    a, b = stream(model, [batch], [pattern, qk], options=OPTS)
+    assert _diff(a.attn_sq, b.attn_sq) < 1e-5 and float(a.attn_sq.nan_to_num().max()) > 0.1
+    assert _diff(a.pred_pattern, b.pred_pattern) <= 1e-5 * float(a.pred_pattern.nan_to_num().abs().max())
+    torch.testing.assert_close(a.z_var, b.z_var, equal_nan=True)
