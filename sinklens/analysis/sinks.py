@@ -99,7 +99,7 @@ class _SinkBatch:
 
 
 class SinkReducer(Reducer[SinkResult]):
-    """Streams ``hook_pattern`` into a :class:`SinkResult`.
+    """Streams ``hook_pattern`` (or the queries and keys, by ``settings.method``) into a :class:`SinkResult`.
 
     It holds an :class:`~sinklens.analysis.attention.AttentionReceivedReducer` for the pooled
     received-attention sums (and its per-layer visibility) and keeps, beside it, in float64 on the

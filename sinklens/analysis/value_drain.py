@@ -245,8 +245,9 @@ def _quad_norm(v: Float[Tensor, "batch key head d_head"], gram: Float[Tensor, "h
 
 
 class ValueDrainReducer(Reducer[ValueDrain]):
-    """Streams ``hook_v``, ``hook_pattern`` (the post-attention norm's ``hook_scale`` on post-norm layers, and
-    ``hook_z`` with a SinkLM variant's output site where one transforms the aggregation) into a :class:`ValueDrain`.
+    """Streams ``hook_v``, ``hook_pattern`` or the queries and keys (``settings.method``), the post-attention norm's
+    ``hook_scale`` on post-norm layers and ``hook_z`` with a SinkLM variant's output site where one transforms the
+    aggregation into a :class:`ValueDrain`.
 
     Per layer it keeps float64 sums over the counted queries (``Σ A[q, p]``, ``Σ write[q, p]``, the total
     write, the other keys' write and attention and their pair count, the query count) and over keys
