@@ -35,9 +35,8 @@ from sinklens.validate import choice, index_list
 from sinklens.visibility import Visibility, attention_visibility
 
 COS, SIN = "attn.hook_cos", "attn.hook_sin"
-#: Scores per chunk (all heads and sequences of a batch, at least 64 queries): 2**24 floats (64 MiB) on an
-#: accelerator; an eighth (8 MiB) on a CPU, where a chunk that stays in cache and skips more of the causal triangle
-#: runs 2-3x faster (SmolLM2's 9 heads, one thread: 30 ms a layer at 1,024 tokens, against 80 ms in one chunk).
+#: Scores per chunk (all heads and sequences of a batch): 2**24 floats, 64 MiB, whatever the length (at least
+#: 64 queries a chunk). On one CPU thread smaller chunks run faster; on two threads of a shared machine, not.
 CHUNK_SCORES = 2**24
 #: ``method="auto"`` reads attention from queries and keys for batches longer than this (tokens).
 QK_ABOVE = 1024
@@ -163,7 +162,7 @@ def attention_columns(
     of ``values`` per query (and the sum of its squared weights, with ``squares``)."""
     b, n, n_heads, _ = q.shape
     dev = q.device
-    chunk = chunk or max(64, (CHUNK_SCORES >> (3 if dev.type == "cpu" else 0)) // (b * n_heads * n))
+    chunk = chunk or max(64, CHUNK_SCORES // (b * n_heads * n))
     qh = q.float().transpose(1, 2) * rule.scale  # [b, h, pos, d], scaled so that q·k is the score
     kh = expand_kv_heads(k.float().transpose(1, 2), n_heads)  # [b, h, pos, d]
     pos = torch.arange(n, device=dev)
