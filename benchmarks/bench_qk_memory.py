@@ -2,7 +2,8 @@
 plain forward, on the embedded SmolLM2 (CPU), one random-token sequence per length.
 
 Each (mode, length) runs in a fresh process that loads the model, runs a 16-token warm-up of the same mode, notes
-its resident memory, then runs the mode once on ``T`` tokens: ``time_s`` is that run, ``peak_mib`` the process's
+its resident memory, then runs the mode once on ``T`` tokens: ``time_s`` is that run (``cpu_s`` its CPU time over
+all threads, steadier than wall time on a shared machine), ``peak_mib`` the process's
 peak resident memory (``ru_maxrss``) and ``extra_mib`` the peak above the memory before the run (model, warm-up and
 interpreter excluded; 0 when loading peaked higher). Modes: ``forward`` (the model alone, ``return_type=None``),
 ``pattern`` and ``qk`` (``find_sinks`` with that method). For ``qk`` it also prints how many sink positions were
@@ -40,11 +41,11 @@ def run(T):
     return find_sinks(model, tokens, method=mode, options=RunOptions(progress=False, batch_size=1))
 run(16)
 before = int(open("/proc/self/statm").read().split()[1]) * resource.getpagesize() / 2**20
-start = time.perf_counter()
+start, cpu = time.perf_counter(), time.process_time()
 result = run(n)
-seconds = time.perf_counter() - start
+seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
 peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-out = dict(mode=mode, T=n, time_s=round(seconds, 2), peak_mib=round(peak), extra_mib=round(max(0.0, peak - before)))
+out = dict(mode=mode, T=n, time_s=round(seconds, 2), cpu_s=round(cpu, 2), peak_mib=round(peak), extra_mib=round(max(0.0, peak - before)))
 if result is not None:
     sinks = result.sink_positions
     out.update(path=result.attention_path, n_sink_positions=len(sinks), in_last_10pct=sum(k >= 0.9 * n for k in sinks))

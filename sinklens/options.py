@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from sinklens.errors import InvalidArgumentError
 
@@ -41,6 +41,9 @@ SEQ_LEN = 64
 PREPEND_BOS: bool | None = None
 
 HookFn = Callable[..., Any]
+#: Where analyses read attention weights: ``hook_pattern``, queries and keys, or queries and keys above a length.
+AttentionMethod = Literal["pattern", "qk", "auto"]
+ATTENTION_METHODS: tuple[str, ...] = ("pattern", "qk", "auto")
 
 
 @dataclass(frozen=True)

@@ -306,3 +306,26 @@ def test_the_report_defines_its_columns_and_its_folder_indexes_every_figure(tiny
     assert "3 sequences" in fig._suptitle.get_text()
     assert plot_received_by_position(report.sinks).axes[0].get_xlabel().startswith(
         "key position (averaged over the sequences reaching it: 3 at 0, ")
+
+
+def test_the_report_says_where_it_read_attention_and_keeps_the_pattern_under_an_edit(tiny_llama, monkeypatch):
+    """Above QK_ABOVE tokens the report reads sinks and value drain from queries and keys (same numbers) and says
+    so in its summary and JSON; an extra hook on hook_pattern keeps the pattern, and the report says why."""
+    from sinklens.analysis import qk_attention
+    from sinklens.analysis.value_drain import measure_value_drain
+
+    kw = dict(abs_threshold=None, rel_threshold=3.0)
+    below = analyze(tiny_llama, PROMPTS, **kw, options=QUIET)
+    assert below.to_dict()["attention"] == "attention read from hook_pattern (no sequence longer than 1024 tokens)"
+    monkeypatch.setattr(qk_attention, "QK_ABOVE", 2)
+    above = analyze(tiny_llama, PROMPTS, **kw, options=QUIET)
+    said = "attention read from queries and keys (sequences longer than 2 tokens)"
+    assert above.sinks.attention_path == "qk" and above.to_dict()["attention"] == said and said in above.summary()
+    torch.testing.assert_close(above.sinks.received, below.sinks.received, rtol=0, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(above.value_drain.write_share, below.value_drain.write_share, rtol=1e-5, atol=1e-6)
+    edit = [("blocks.0.attn.hook_pattern", lambda p, hook: p * 0.5)]
+    edited = analyze(tiny_llama, PROMPTS, **kw, options=QUIET.replace(extra_hooks=edit))
+    assert edited.sinks.attention_path == "pattern" and "extra hooks edit" in edited.summary()
+    halved = measure_value_drain(tiny_llama, PROMPTS, method="pattern", options=QUIET.replace(extra_hooks=edit))
+    torch.testing.assert_close(edited.value_drain.attn_sink, halved.attn_sink)
+    torch.testing.assert_close(edited.value_drain.attn_sink[0], below.value_drain.attn_sink[0] / 2)

@@ -10,9 +10,9 @@ from typing import Any
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.hooks import RESID_POST, RESID_PRE, hook_name
+from sinklens.hooks import PATTERN, RESID_POST, RESID_PRE, SCORES, hook_name
 from sinklens.inputs import TokenBatch, is_encoder, require_a_later_position
-from sinklens.options import checked_options, settings_from
+from sinklens.options import ATTENTION_METHODS, checked_options, settings_from
 from sinklens.streaming import batches_for, stream
 from sinklens.validate import index_list, optional_index_list, positive_int
 
@@ -137,6 +137,20 @@ def once_per_forward(fold: Callable[[Any, Any], None]) -> Callable[[Any, Any], N
     return wrapped
 
 
+def method_for_hooks(method: str, extra_hooks: Sequence[tuple[str, Any]]) -> str:
+    """``method`` (where attention is read), or ``"pattern"`` where extra hooks edit ``hook_attn_scores`` or
+    ``hook_pattern``: they act after the queries and keys the q/k path reads.
+
+    Raises:
+        InvalidArgumentError: ``method="qk"`` with such hooks.
+    """
+    edits = [name for name, _ in extra_hooks if name.endswith((SCORES, PATTERN))]
+    if edits and method == "qk":
+        raise InvalidArgumentError(f"method='qk' reads attention from queries and keys, so the extra hooks on {edits[:2]} "
+                                   "would change nothing it measures; use method='pattern'.")
+    return "pattern" if edits else method
+
+
 def run_analyzer(
     model: Any,
     inputs: Any,
@@ -156,7 +170,10 @@ def run_analyzer(
     """
     options = checked_options(options, where)
     if settings_cls is not None:
-        reducer_kwargs["settings"] = settings_from(settings_cls, settings, kwargs or {}, where)
+        settings = settings_from(settings_cls, settings, kwargs or {}, where)
+        if getattr(settings, "method", None) in ATTENTION_METHODS:
+            settings = dataclasses.replace(settings, method=method_for_hooks(settings.method, options.extra_hooks))
+        reducer_kwargs["settings"] = settings
     batches = batches_for(model, inputs, options)
     sink = reducer_kwargs.get("sink_position", getattr(reducer_kwargs.get("settings"), "sink_position", None))
     require_a_later_position(batches, what=where, sink_position=None if sink is None else sink_position_arg(sink),

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,16 +29,18 @@ from sinklens.display import CompactRepr
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.hooks import K, Q, expand_kv_heads, hook_name, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.options import HookFn, RunOptions
+from sinklens.options import ATTENTION_METHODS, AttentionMethod, HookFn, RunOptions
 from sinklens.probes import silent_hooks
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow
-from sinklens.validate import index_list
+from sinklens.validate import choice, index_list
 from sinklens.visibility import Visibility, attention_visibility
 
 COS, SIN = "attn.hook_cos", "attn.hook_sin"
 #: Scores per chunk (all heads and sequences of a batch): 2**24 floats, 64 MiB, whatever the length (at least
-#: 64 queries a chunk). Fewer, larger chunks run several times faster on CPU than 128-query ones.
+#: 64 queries a chunk). On one CPU thread smaller chunks run faster; on two threads of a shared machine, not.
 CHUNK_SCORES = 2**24
+#: ``method="auto"`` reads attention from queries and keys for batches longer than this (tokens).
+QK_ABOVE = 1024
 
 
 @dataclass(frozen=True, repr=False)
@@ -126,6 +128,9 @@ class Columns(CompactRepr):
         n_counted / n_every: the number of those queries per sequence and key.
         to_keys: ``weight[b, h, q, positions[i]]`` for every query (0 where ``q`` does not see the key).
         unattended: ``Σ_q (1 - Σ_k weight[b, h, q, k])`` over real queries: the learned sink logits' mass (0 without).
+        n_keys: the number of real keys each query sees.
+        aggregated: ``Σ_k weight[b, h, q, k] · values[b, h, k, :]`` per query (None without ``values``).
+        squares: ``Σ_k weight[b, h, q, k]²`` per query (None unless asked).
     """
 
     counted: Float[Tensor, "batch head key"]
@@ -134,6 +139,9 @@ class Columns(CompactRepr):
     n_every: Float[Tensor, "batch key"]
     to_keys: Float[Tensor, "batch head query n_positions"]
     unattended: Float[Tensor, " head"]
+    n_keys: Float[Tensor, "batch query"]
+    aggregated: Float[Tensor, "batch head query m"] | None = None
+    squares: Float[Tensor, "batch head query"] | None = None
 
 
 def attention_columns(
@@ -146,52 +154,72 @@ def attention_columns(
     *,
     min_query: int = 0,
     positions: Sequence[int] = (),
+    values: Float[Tensor, "batch head key m"] | None = None,
+    squares: bool = False,
     chunk: int | None = None,
 ) -> Columns:
     """Column sums of one layer's attention weights, computed from queries and keys ``chunk`` queries at a time
-    (exact softmax over each query's visible keys, float32; see the module docstring)."""
+    (exact softmax over each query's visible keys, float32; see the module docstring), and the weights' average
+    of ``values`` per query (and the sum of its squared weights, with ``squares``)."""
     b, n, n_heads, _ = q.shape
+    dev = q.device
     chunk = chunk or max(64, CHUNK_SCORES // (b * n_heads * n))
-    qh = q.float().transpose(1, 2)  # [b, h, pos, d]
+    qh = q.float().transpose(1, 2) * rule.scale  # [b, h, pos, d], scaled so that q·k is the score
     kh = expand_kv_heads(k.float().transpose(1, 2), n_heads)  # [b, h, pos, d]
-    dev = qh.device
     pos = torch.arange(n, device=dev)
     w = visibility.window(layer)
     sink = None if rule.sink_logits is None else rule.sink_logits.to(dev, torch.float32)[None, :, None, None]
     out = Columns(torch.zeros(b, n_heads, n, device=dev), torch.zeros(b, n_heads, n, device=dev),
                   torch.zeros(b, n, device=dev), torch.zeros(b, n, device=dev),
-                  torch.zeros(b, n_heads, n, len(positions), device=dev), torch.zeros(n_heads, device=dev))
+                  torch.zeros(b, n_heads, n, len(positions), device=dev), torch.zeros(n_heads, device=dev),
+                  torch.zeros(b, n, device=dev),
+                  None if values is None else torch.zeros(b, n_heads, n, values.shape[-1], device=dev),
+                  torch.zeros(b, n_heads, n, device=dev) if squares else None)
     for q0 in range(0, n, chunk):
         q1 = min(n, q0 + chunk)
         k0 = max(0, q0 - w + 1) if w is not None else 0
         k1 = q1 if visibility.causal else (min(n, q1 + w - 1) if w is not None else n)
         see = visibility.block(layer, pos[q0:q1], pos[k0:k1])[None] & valid[:, q0:q1, None] & valid[:, None, k0:k1]
-        s = (qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2)).mul_(rule.scale)  # [b, h, chunk, keys]
+        s = qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2)  # [b, h, chunk, keys]
         if rule.soft_cap is not None:
             s.div_(rule.soft_cap).tanh_().mul_(rule.soft_cap)
         s.masked_fill_(~see[:, None], -math.inf)
         top = s.amax(dim=-1, keepdim=True) if sink is None else torch.maximum(s.amax(dim=-1, keepdim=True), sink)
         top.masked_fill_(top == -math.inf, 0.0)  # a padded query sees no key: its row stays 0
-        p = s.sub_(top).exp_()
+        p = s.sub_(top).exp_()  # unnormalised: weight = p / total, never divided out over the whole chunk
         total = p.sum(dim=-1, keepdim=True)
         if sink is not None:
             to_sink = (sink - top).exp()
             total += to_sink
             out.unattended += ((to_sink / total)[..., 0] * valid[:, None, q0:q1]).sum(dim=(0, 2))
-        p.div_(total.clamp_min_(torch.finfo(p.dtype).tiny))
-        cols = (torch.ones(1, q1 - q0, device=dev) @ p)[:, :, 0]  # Σ over the chunk's queries, as one matmul
+        inv = total.clamp_min_(torch.finfo(p.dtype).tiny).reciprocal_()  # [b, h, chunk, 1]
+        cols = (inv.transpose(-1, -2) @ p)[:, :, 0]  # Σ over the chunk's queries of the weights, as one matmul
         n_seen = see.sum(dim=1)
+        out.n_keys[:, q0:q1] = see.sum(dim=2)
+        if values is not None:
+            out.aggregated[:, :, q0:q1] = (p @ values[:, :, k0:k1].float()) * inv
+        if squares:  # times inv twice, not inv², which overflows where a padded query's row is 0
+            out.squares[:, :, q0:q1] = p.square().sum(dim=-1, keepdim=True).mul_(inv).mul_(inv)[..., 0]
         out.every[:, :, k0:k1] += cols
         out.n_every[:, k0:k1] += n_seen
         if q0 < min_query:  # leave out the rows of queries before min_query
-            cols = cols - p[:, :, : min_query - q0].sum(dim=2)
-            n_seen = n_seen - see[:, : min_query - q0].sum(dim=1)
+            m = min_query - q0
+            cols = cols - (p[:, :, :m] * inv[:, :, :m]).sum(dim=2)
+            n_seen = n_seen - see[:, :m].sum(dim=1)
         out.counted[:, :, k0:k1] += cols
         out.n_counted[:, k0:k1] += n_seen
         for i, key in enumerate(positions):
             if k0 <= key < k1:
-                out.to_keys[:, :, q0:q1, i] = p[..., key - k0]
+                out.to_keys[:, :, q0:q1, i] = p[..., key - k0] * inv[..., 0]
     return out
+
+
+def queries_and_keys(acts: dict[str, Tensor], sites: Sequence[str]) -> tuple[Tensor, Tensor]:
+    """The rotated queries and keys from the activations at ``sites`` (:func:`qk_sites`)."""
+    q, k = acts[sites[0]], acts[sites[1]]
+    if COS in acts:
+        q, k = rotate(q, acts[COS], acts[SIN]), rotate(k, acts[COS], acts[SIN])
+    return q, k
 
 
 def qk_hooks(
@@ -200,12 +228,11 @@ def qk_hooks(
     visibility: Visibility,
     valid: Bool[Tensor, "batch pos"],
     fold: Callable[[Columns, int], None],
-    *,
-    min_query: int = 0,
-    positions: Sequence[int] = (),
+    **options: Any,
 ) -> list[tuple[str, HookFn]]:
     """Hooks on ``sites`` (:func:`qk_sites`) of every layer in ``rules`` that call ``fold(columns, layer)`` once the
-    layer's queries and keys have run (:func:`attention_columns`); a layer's activations are held only until then."""
+    layer's queries and keys have run (:func:`attention_columns`, given ``options``); a layer's activations are held
+    only until then."""
     pending: dict[int, dict[str, Tensor]] = {}
 
     def collect(act: Tensor, key: tuple[int, str]) -> None:
@@ -215,14 +242,51 @@ def qk_hooks(
         if len(got) < len(sites):
             return
         del pending[layer]
-        q, k = got[sites[0]], got[sites[1]]
-        if COS in got:
-            q, k = rotate(q, got[COS], got[SIN]), rotate(k, got[COS], got[SIN])
-        fold(attention_columns(q, k, rules[layer], visibility, layer, valid, min_query=min_query,
-                               positions=positions), layer)
+        q, k = queries_and_keys(got, sites)
+        fold(attention_columns(q, k, rules[layer], visibility, layer, valid, **options), layer)
 
     keys = [(layer, site) for layer in rules for site in sites]
     return bound_hooks([hook_name(layer, site) for layer, site in keys], keys, collect)
+
+
+@dataclass(frozen=True)
+class QKPlan:
+    """Where a reducer reads attention weights: ``sites`` and ``rules`` of the q/k path (None: ``hook_pattern``
+    only), the ``method`` asked for, and ``refused``: why ``"auto"`` falls back to the pattern on this model."""
+
+    method: str
+    sites: tuple[str, ...] | None = None
+    rules: dict[int, ScoreRule] = field(default_factory=dict)
+    refused: str | None = None
+
+    def reads_qk(self, n_pos: int) -> bool:
+        """True if a batch of ``n_pos`` tokens is read from queries and keys."""
+        return self.sites is not None and (self.method == "qk" or n_pos > QK_ABOVE)
+
+    def describe(self, paths: str) -> str:
+        """Where attention was read (``paths``: a :class:`SinkResult`'s ``attention_path``) and why, in one line."""
+        if paths == "qk":
+            why = "method='qk'" if self.method == "qk" else f"sequences longer than {QK_ABOVE} tokens"
+            return f"attention read from queries and keys ({why})"
+        if paths != "pattern":
+            return f"attention read from queries and keys for batches longer than {QK_ABOVE} tokens, from hook_pattern otherwise"
+        why = ("method='pattern'" if self.method == "pattern" else f"the q/k path cannot read this model: {self.refused}"
+               if self.refused else f"no sequence longer than {QK_ABOVE} tokens")
+        return f"attention read from hook_pattern ({why})"
+
+
+def qk_plan(model: Any, layers: Sequence[int], method: AttentionMethod) -> QKPlan:
+    """The :class:`QKPlan` of ``method`` on ``model``: ``"auto"`` falls back to the pattern where :func:`qk_sites`
+    or :func:`score_rule` refuse, ``"qk"`` raises their :class:`UnsupportedArchitectureError`."""
+    method = choice(method, ATTENTION_METHODS, what="method")
+    if method == "pattern":
+        return QKPlan(method)
+    try:
+        return QKPlan(method, qk_sites(model), {layer: score_rule(model, layer) for layer in layers})
+    except UnsupportedArchitectureError as e:
+        if method == "qk":
+            raise
+        return QKPlan(method, refused=str(e))
 
 
 class KeyAttentionReducer(Reducer[Tensor]):
@@ -235,8 +299,8 @@ class KeyAttentionReducer(Reducer[Tensor]):
         dims = model_dims(model)
         self.positions = index_list(positions, dims.n_ctx, what="position", allow_negative=False)
         self.layers = resolve_layers(layers, dims.n_layers)
-        self.sites = qk_sites(model)
-        self.rules = {layer: score_rule(model, layer) for layer in self.layers}
+        plan = qk_plan(model, self.layers, "qk")
+        self.sites, self.rules = plan.sites, plan.rules
         self.visibility = attention_visibility(model)
         self.reset()
 

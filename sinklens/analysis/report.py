@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from sinklens.analysis._common import checked_options
+from sinklens.analysis._common import checked_options, method_for_hooks
 from sinklens.analysis.disparity import MassiveActivations, MassiveActivationsReducer, MassiveSettings
 from sinklens.analysis.neurons import SuperNeuronReducer, SuperNeurons, SuperNeuronSettings, add_total_effects
 from sinklens.analysis.normalized_disparity import NormalizedDisparity, NormalizedDisparityReducer
@@ -71,6 +71,8 @@ class SinkReport(CompactRepr):
         value_drain: :class:`~sinklens.analysis.value_drain.ValueDrain` (what the sink writes: no-op or
             broadcast sink heads); None when skipped (see ``skipped``).
         bos: what position 0 got and what the model's own tokenizer does (:func:`~sinklens.inputs.describe_bos`).
+        attention: where the sink statistics and value drain read attention (queries and keys or
+            ``hook_pattern``) and why (:meth:`~sinklens.analysis.qk_attention.QKPlan.describe`).
 
     :meth:`summary` is the text layout (:func:`format_summary`); :func:`sinklens.plotting.report.save_report`
     writes the report's files and figures.
@@ -94,6 +96,7 @@ class SinkReport(CompactRepr):
     skipped: dict[str, str] = field(default_factory=dict)
     value_drain: ValueDrain | None = None
     bos: str = ""
+    attention: str = ""
 
     # ------------------------------------------------------------------------------- numbers
     def massive_dims(self) -> list[int]:
@@ -134,6 +137,7 @@ class SinkReport(CompactRepr):
             "n_tokens": self.n_tokens,
             "prepend_bos": self.prepend_bos,
             "bos": self.bos,
+            "attention": self.attention,
             "sink_position": p,
             "seconds": self.seconds,
             "settings": self.settings,
@@ -194,7 +198,7 @@ def analyze(
     """
     start = time.perf_counter()
     options = checked_options(options, "analyze")
-    sink_settings = SinkSettings(sink_threshold)
+    sink_settings = SinkSettings(sink_threshold, method=method_for_hooks("auto", options.extra_hooks))
     massive_settings = MassiveSettings(abs_threshold=abs_threshold, rel_threshold=rel_threshold, sink_position=sink_position)
     batches = batches_for(model, inputs, options)
     require_a_later_position(batches, what="analyze", sink_position=massive_settings.sink_position,
@@ -216,9 +220,10 @@ def analyze(
         SuperNeuronReducer(model, settings=SuperNeuronSettings(sink_position=sink_position)),
         *([] if no_mlp_input is not None else [SinkInputReducer(model, sink_position=sink_position)]),
     ]
+    sink_reducer = SinkReducer(model, settings=sink_settings)
     reducers = [
-        SinkReducer(model, settings=sink_settings),
-        VarianceReducer(model),
+        sink_reducer,
+        VarianceReducer(model, method=sink_settings.method),
         MassiveActivationsReducer(model, settings=massive_settings),
         *neuron_reducers,
         *([] if no_norm is not None else [NormalizedDisparityReducer(model, sink_position=sink_position)]),
@@ -229,7 +234,7 @@ def analyze(
     if no_drain is not None:
         skipped["value_drain"] = f"skipped: {no_drain}"
     else:
-        reducers.append(ValueDrainReducer(model, settings=ValueDrainSettings(sink_position=sink_position)))
+        reducers.append(ValueDrainReducer(model, settings=ValueDrainSettings(sink_position, method=sink_settings.method)))
     desc = "sinklens analyze" if options.desc == RunOptions.desc else options.desc
     results = stream(model, batches, reducers, options=options.replace(desc=desc))
     value_drain = None if no_drain is not None else results.pop()
@@ -264,6 +269,8 @@ def analyze(
         locking=locking,
         value_drain=value_drain,
         bos=describe_bos(model, batches[0]),
+        attention="attention read from hook_pattern (extra hooks edit the attention scores or pattern)"
+        if sink_settings.method == "pattern" else sink_reducer.plan.describe(sinks.attention_path),
         seconds=time.perf_counter() - start,
         settings={"batch_size": options.batch_size, "max_length": options.max_length,
                   "sink_threshold": sink_settings.sink_threshold, "abs_threshold": abs_threshold,
@@ -287,6 +294,7 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
         f"{report.n_sequences} sequences, {report.n_tokens} tokens, {report.sinks.describe_start()}"
         + (f"; analysed in {report.seconds:.1f} s" if timing else ""),
         f"bos: {report.bos}",
+        f"sink statistics: {report.attention}",
         "",
         "Sink positions: " + (", ".join(f"{k} ({report.sinks.token_at(k)!r})" if report.sinks.token_at(k) is not None
                                          else f"{k} (token varies)" for k in h["sink_positions"]) or "none"),

@@ -20,7 +20,7 @@ from sinklens.analysis._common import (
 )
 from sinklens.display import CompactRepr, StructuralEq
 from sinklens.export import to_json
-from sinklens.options import SINK_THRESHOLD
+from sinklens.options import ATTENTION_METHODS, SINK_THRESHOLD, AttentionMethod
 from sinklens.validate import choice, finite_number, positive_int
 
 #: ``"gu"``: Gu et al.'s code (key's own query included); ``"sinklens"``: queries from ``min_query`` on;
@@ -60,7 +60,7 @@ class SinkSettings:
             the last few hundred is seen by so few queries that their local attention reads as a sink.
         method: how attention weights are read: ``"pattern"`` from ``hook_pattern``; ``"qk"`` from queries and
             keys (:mod:`sinklens.analysis.qk_attention`, memory linear in the length, same numbers); ``"auto"``:
-            ``"qk"`` for batches longer than :data:`~sinklens.analysis.sinks.QK_ABOVE` tokens where the model allows.
+            ``"qk"`` for batches longer than :data:`~sinklens.analysis.qk_attention.QK_ABOVE` tokens where the model allows.
     """
 
     sink_threshold: float = SINK_THRESHOLD
@@ -70,7 +70,7 @@ class SinkSettings:
     outlier_factor: float = 5.0
     top_k: int = 32
     min_query_share: float = 0.1
-    method: Literal["pattern", "qk", "auto"] = "auto"
+    method: AttentionMethod = "auto"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -81,7 +81,7 @@ class SinkSettings:
         set_(self, "outlier_factor", finite_number(self.outlier_factor, what="outlier_factor", low=1.0, low_open=True))
         set_(self, "top_k", positive_int(self.top_k, what="top_k", minimum=0))
         set_(self, "min_query_share", finite_number(self.min_query_share, what="min_query_share", low=0.0, high=1.0))
-        set_(self, "method", choice(self.method, ("pattern", "qk", "auto"), what="method"))
+        set_(self, "method", choice(self.method, ATTENTION_METHODS, what="method"))
 
 
 

@@ -2,7 +2,7 @@
 
 Everything here is computed in one streaming pass (:class:`SinkReducer`, built on
 :class:`~sinklens.analysis.attention.AttentionReceivedReducer`) from ``blocks.{l}.attn.hook_pattern``, or, with
-``method="qk"`` (``"auto"`` above :data:`QK_ABOVE` tokens), from queries and keys in memory linear in the length
+``method="qk"`` (``"auto"`` above :data:`~sinklens.analysis.qk_attention.QK_ABOVE` tokens), from queries and keys in memory linear in the length
 (:mod:`sinklens.analysis.qk_attention`; the same numbers):
 
 "Can see" is the model's own attention layout in each layer (:mod:`sinklens.visibility`): ``q >= k`` in a
@@ -37,7 +37,6 @@ al.'s sink rate 0.644 at position 0 (sinklens' variant 0.631), 0 in layers 0-2 a
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -49,19 +48,16 @@ from torch import Tensor
 
 from sinklens.analysis._common import run_analyzer
 from sinklens.analysis.attention import AttentionReceivedReducer
-from sinklens.analysis.qk_attention import Columns, qk_hooks, qk_sites, score_rule
+from sinklens.analysis.qk_attention import Columns, qk_hooks, qk_plan
 from sinklens.analysis.sink_result import SinkOccurrence, SinkResult, SinkSettings, TokenSinkStats
-from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
-from sinklens.hooks import PATTERN, SCORES, model_dims, model_dtype
+from sinklens.hooks import PATTERN, model_dims, model_dtype
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.options import RunOptions, checked_options, settings_from
+from sinklens.options import RunOptions, settings_from
 from sinklens.streaming import BatchFold, Reducer, grow, merge_statistics, per_layer_hooks
 
 #: Rows of a float32 softmax pattern sum to 1 within this; a larger mean shortfall means a virtual sink. A model in
 #: a lower precision gets twice its dtype's eps (bfloat16: 0.016), as its pattern entries are rounded to it.
 ROW_SUM_TOLERANCE = 1e-5
-#: ``method="auto"`` reads attention from queries and keys for batches longer than this (tokens).
-QK_ABOVE = 1024
 
 
 def has_sink_logits(model: Any) -> bool:
@@ -103,7 +99,7 @@ class _SinkBatch:
 
 
 class SinkReducer(Reducer[SinkResult]):
-    """Streams ``hook_pattern`` into a :class:`SinkResult`.
+    """Streams ``hook_pattern`` (or the queries and keys, by ``settings.method``) into a :class:`SinkResult`.
 
     It holds an :class:`~sinklens.analysis.attention.AttentionReceivedReducer` for the pooled
     received-attention sums (and its per-layer visibility) and keeps, beside it, in float64 on the
@@ -141,15 +137,7 @@ class SinkReducer(Reducer[SinkResult]):
         self.tokenizer = getattr(model, "tokenizer", None)
         self.sink_logits = has_sink_logits(model)
         self.row_sum_tolerance = max(ROW_SUM_TOLERANCE, 2 * torch.finfo(model_dtype(model)).eps)
-        self.qk_sites: tuple[str, ...] | None = None
-        if settings.method != "pattern":
-            try:
-                self.qk_sites = qk_sites(model)
-                self.rules = {layer: score_rule(model, layer) for layer in self.layers}
-            except UnsupportedArchitectureError:
-                if settings.method == "qk":
-                    raise
-                self.qk_sites = None
+        self.plan = qk_plan(model, self.layers, settings.method)
         self.reset()
 
     def reset(self) -> None:
@@ -176,8 +164,7 @@ class SinkReducer(Reducer[SinkResult]):
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         b, n = batch.tokens.shape
-        method = self.settings.method
-        use_qk = method == "qk" or (method == "auto" and self.qk_sites is not None and n > QK_ABOVE)
+        use_qk = self.plan.reads_qk(n)
         self.paths.add("qk" if use_qk else "pattern")
         mq = self.settings.min_query
         weights = {} if use_qk else self.attention.query_weights(batch)
@@ -219,7 +206,7 @@ class SinkReducer(Reducer[SinkResult]):
             self.shortfall[row] += unattended  # the mass of the real queries' rows that goes to no key they see
 
         if use_qk:
-            hooks = qk_hooks(self.qk_sites, self.rules, self.attention.visibility, batch.valid, fold_qk, min_query=mq)
+            hooks = qk_hooks(self.plan.sites, self.plan.rules, self.attention.visibility, batch.valid, fold_qk, min_query=mq)
             return BatchFold(hooks, state=state)
         return BatchFold(per_layer_hooks(PATTERN, self.layers, fold), state=state)
 
@@ -377,12 +364,5 @@ def find_sinks(
         >>> 0.0 <= result.sink_rate(position=0) <= 1.0
         True
     """
-    settings = settings_from(SinkSettings, settings, settings_kwargs, "find_sinks")
-    edits = [name for name, _ in checked_options(options, "find_sinks").extra_hooks if name.endswith((SCORES, PATTERN))]
-    if edits and settings.method == "qk":
-        raise InvalidArgumentError(f"method='qk' reads attention from queries and keys, so the extra hooks on {edits[:2]} "
-                                   "would change nothing it measures; use method='pattern'.")
-    if edits:
-        settings = dataclasses.replace(settings, method="pattern")
-    return run_analyzer(model, inputs, SinkReducer, where="find_sinks", options=options, settings_cls=SinkSettings,
-                        settings=settings, layers=layers)
+    return run_analyzer(model, inputs, SinkReducer, where="find_sinks", options=options, kwargs=settings_kwargs,
+                        settings_cls=SinkSettings, settings=settings, layers=layers)

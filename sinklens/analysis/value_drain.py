@@ -4,7 +4,8 @@ A sink head sends most of its attention to one key (the sink). Either the sink's
 zero, so the head parks attention there and writes almost nothing (a **no-op**, Bondarenko et al.
 2023's "no update"), or the sink's value carries a signal every query receives (a **broadcast**).
 :class:`ValueDrainReducer` tells them apart per layer × head in one streaming pass, from
-``blocks.{l}.attn.hook_v``, ``blocks.{l}.attn.hook_pattern`` and, on post-norm layers, the
+``blocks.{l}.attn.hook_v``, ``blocks.{l}.attn.hook_pattern`` (or, with ``method="qk"``, the queries and keys:
+:mod:`sinklens.analysis.qk_attention`, same numbers in memory linear in the length) and, on post-norm layers, the
 post-attention norm's ``hook_scale`` (``ln1_post``; on a post-LN model such as BERT ``ln1``).
 
 **Definitions.** For layer ``l``, query head ``h`` and the sink position ``p`` (``sink_position``):
@@ -54,14 +55,15 @@ from torch import Tensor
 
 from sinklens.analysis._common import SettingsFields, check_sink_position, row_index, run_analyzer, sink_position_arg
 from sinklens.analysis.post_attention import attention_output_grams, post_attention_scale_hooks
+from sinklens.analysis.qk_attention import attention_columns, qk_plan, queries_and_keys
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, V, Z, head_output_gain, head_output_site, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.options import SINK_THRESHOLD, RunOptions
+from sinklens.options import ATTENTION_METHODS, SINK_THRESHOLD, AttentionMethod, RunOptions
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
-from sinklens.validate import finite_number
+from sinklens.validate import choice, finite_number
 from sinklens.visibility import attention_visibility
 
 Kind = Literal["no-op", "broadcast", "partial", "none"]
@@ -83,12 +85,14 @@ class ValueDrainSettings:
             of its attention).
         broadcast_share: a sink head whose ``write_share`` is at least this is ``"broadcast"`` (default
             0.3); must be ``>= no_op_share``. Between the two a sink head is ``"partial"``.
+        method: where attention is read, as :class:`~sinklens.analysis.sink_result.SinkSettings`' ``method``.
     """
 
     sink_position: int = 0
     sink_head_threshold: float = SINK_THRESHOLD
     no_op_share: float = 0.1
     broadcast_share: float = 0.3
+    method: AttentionMethod = "auto"
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -97,6 +101,7 @@ class ValueDrainSettings:
                                                         low=0.0, high=1.0, low_open=True))
         set_(self, "no_op_share", finite_number(self.no_op_share, what="no_op_share", low=0.0, high=1.0))
         set_(self, "broadcast_share", finite_number(self.broadcast_share, what="broadcast_share", low=0.0, high=1.0))
+        set_(self, "method", choice(self.method, ATTENTION_METHODS, what="method"))
         if self.broadcast_share < self.no_op_share:
             raise InvalidArgumentError(
                 f"broadcast_share={self.broadcast_share} must be >= no_op_share={self.no_op_share}."
@@ -240,8 +245,9 @@ def _quad_norm(v: Float[Tensor, "batch key head d_head"], gram: Float[Tensor, "h
 
 
 class ValueDrainReducer(Reducer[ValueDrain]):
-    """Streams ``hook_v``, ``hook_pattern`` (the post-attention norm's ``hook_scale`` on post-norm layers, and
-    ``hook_z`` with a SinkLM variant's output site where one transforms the aggregation) into a :class:`ValueDrain`.
+    """Streams ``hook_v``, ``hook_pattern`` or the queries and keys (``settings.method``), the post-attention norm's
+    ``hook_scale`` on post-norm layers and ``hook_z`` with a SinkLM variant's output site where one transforms the
+    aggregation into a :class:`ValueDrain`.
 
     Per layer it keeps float64 sums over the counted queries (``Σ A[q, p]``, ``Σ write[q, p]``, the total
     write, the other keys' write and attention and their pair count, the query count) and over keys
@@ -258,6 +264,7 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         self.dims, self.settings = dims, settings
         self.layers = resolve_layers(layers, dims.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
+        self.plan = qk_plan(model, self.layers, settings.method)
         self.device = model_device(model)
         self.visibility = attention_visibility(model)
         self.scale_hooks = post_attention_scale_hooks(model, self.layers)
@@ -294,7 +301,8 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         valid = batch.valid.to(self.device)
         waiting: dict[int, dict[str, Tensor]] = {}
         transformed = {"z", "out"} if self.output_site != Z else set()  # c[q, h] from the aggregation and the output
-        needed = {layer: {"v", "pattern"} | transformed | ({"scale"} if layer in self.post_norm else set())
+        attention = set(self.plan.sites) if self.plan.reads_qk(batch.tokens.shape[1]) else {PATTERN}
+        needed = {layer: {"v"} | attention | transformed | ({"scale"} if layer in self.post_norm else set())
                   for layer in self.layers}
 
         def keep(name: str) -> Any:
@@ -307,7 +315,9 @@ class ValueDrainReducer(Reducer[ValueDrain]):
 
             return fold
 
-        hooks = per_layer_hooks(V, self.layers, keep("v")) + per_layer_hooks(PATTERN, self.layers, keep("pattern"))
+        hooks = per_layer_hooks(V, self.layers, keep("v"))
+        for site in attention:
+            hooks += per_layer_hooks(site, self.layers, keep(site))
         if transformed:
             hooks += per_layer_hooks(Z, self.layers, keep("z"))
             hooks += per_layer_hooks(self.output_site, self.layers, keep("out"))
@@ -316,10 +326,10 @@ class ValueDrainReducer(Reducer[ValueDrain]):
 
     def _fold_layer(self, layer: int, acts: dict[str, Tensor], valid: Tensor) -> None:
         row, p = self.row[layer], self.settings.sink_position
-        v, pattern = acts["v"], acts["pattern"]  # [batch, key, kv_head, d_head], [batch, head, query, key]
+        v = acts["v"]  # [batch, key, kv_head, d_head]
         if v.shape[2] != self.dims.n_heads:
             v = v[:, :, self.kv_of]  # [batch, key, head, d_head]
-        n_pos = pattern.shape[-1]
+        b, n_pos = v.shape[:2]
         valid = valid[:, :n_pos]
         value_norm = v.norm(dim=-1)  # [batch, key, head]
         out_norm = _quad_norm(v, self.gram[row])  # ‖v_k W_O[h]‖
@@ -328,32 +338,43 @@ class ValueDrainReducer(Reducer[ValueDrain]):
             res_norm = _quad_norm(v, self.gram_res[row])  # ‖C((γ ⊙ v_k) W_O[h]) ⊙ g‖
         else:
             res_norm = out_norm
-        inv_scale = torch.ones(pattern.shape[0], 1, n_pos, device=pattern.device, dtype=pattern.dtype)  # [b, head, q]: c[q, h] / s[b, q]
+        inv_scale = torch.ones(b, 1, n_pos, device=v.device)  # [b, head, q]: c[q, h] / s[b, q]
         if layer in self.post_norm:
-            inv_scale = inv_scale / acts["scale"].reshape(pattern.shape[0], 1, n_pos)  # 1 / s[b, q]
+            inv_scale = inv_scale / acts["scale"].reshape(b, 1, n_pos)  # 1 / s[b, q]
         if transformed:
             inv_scale = inv_scale * _output_scale(acts["z"], acts["out"], self.gain[row]).transpose(1, 2)
-        seen = self.visibility.batch_mask(layer, valid)  # [batch, query, key]
-        queries = seen[:, :, p].clone()
+        pos = torch.arange(n_pos, device=v.device)
+        queries = self.visibility.block(layer, pos, pos[p: p + 1])[None, :, 0] & valid & valid[:, p: p + 1]
         queries[:, p] = False  # Q: real queries != p that see the sink
-        pairs = seen & queries[:, :, None]  # (q in Q, k visible to q)
-        # write[b, h, q, k] = A[b, h, q, k] ‖v_k W_O[h]‖ |c[b, q, h]| / s[b, q]; summed over q first (float32, 1
-        # pass over A): attn_k = Σ_q A and write_k = Σ_q A |c| / s over the counted pairs, then float64.
-        zero = torch.zeros((), device=pattern.device, dtype=pattern.dtype)
-        masked = pattern.masked_fill(~pairs[:, None], 0.0)  # [b, h, q, k] (NaN/inf outside the pairs never enter)
-        attn_k = masked.sum(2).double()  # [b, h, k]
-        inv_q = torch.where(queries[:, None], inv_scale.abs(), zero)  # [b, head, q] (head 1 when it does not vary)
+        # write[b, h, q, k] = A[b, h, q, k] ‖v_k W_O[h]‖ |c[b, q, h]| / s[b, q], over the pairs (q in Q, k seen by q).
+        zero = torch.zeros((), device=v.device)
+        inv_q = torch.where(queries[:, None], inv_scale.abs(), zero).expand(-1, self.dims.n_heads, -1)  # [b, h, q]
         key_norm = torch.where(valid[:, :, None], res_norm, zero).permute(0, 2, 1)  # [b, h, k]
-        inv_q = inv_q.expand(-1, masked.shape[1], -1)
-        write_k = torch.einsum("bhqk,bhq->bhk", masked, inv_q).double() * key_norm.double()
+        if PATTERN in acts:  # summed over q first (float32, 1 pass over A): Σ_q A and Σ_q A |c| / s per key
+            pairs = self.visibility.batch_mask(layer, valid) & queries[:, :, None]  # [b, q, k]
+            masked = acts[PATTERN].masked_fill(~pairs[:, None], 0.0)  # NaN/inf outside the pairs never enter
+            attn_k = masked.sum(2)  # [b, h, k]
+            write_k = torch.einsum("bhqk,bhq->bhk", masked, inv_q) * key_norm
+            attn_sink, write_sink = attn_k[..., p].sum(0), write_k[..., p].sum(0)  # pairs (q, p): exactly q in Q
+            attn_total, write_total = attn_k.sum(dim=(0, 2)), write_k.sum(dim=(0, 2))
+            n_pairs = pairs.sum()
+        else:  # per query from queries and keys: A[q, p], Σ_k A[q, k] ‖·‖_k and Σ_k A[q, k]
+            q, k = queries_and_keys(acts, self.plan.sites)
+            values = torch.stack([key_norm, torch.ones_like(key_norm)], dim=-1)  # [b, h, k, 2]
+            cols = attention_columns(q, k, self.plan.rules[layer], self.visibility, layer, valid, positions=[p],
+                                     values=values)
+            to_sink = cols.to_keys[..., 0]  # [b, h, q]
+            attn_sink = (to_sink * queries[:, None]).sum(dim=(0, 2))
+            write_sink = ((to_sink * inv_q).sum(2) * key_norm[..., p]).sum(0)
+            write_total = (cols.aggregated[..., 0] * inv_q).sum(dim=(0, 2))
+            attn_total = (cols.aggregated[..., 1] * queries[:, None]).sum(dim=(0, 2))
+            n_pairs = (cols.n_keys * queries).sum()
         s = self.sums
-        attn_sink, write_sink = attn_k[..., p].sum(0), write_k[..., p].sum(0)  # pairs (q, p) are exactly q in Q
-        write_total = write_k.sum(dim=(0, 2))
-        s["attn_sink"][row] += attn_sink
-        s["write_sink"][row] += write_sink
-        s["write_total"][row] += write_total
-        s["write_other"][row] += write_total - write_sink  # the other keys: every pair but (q, p)
-        s["attn_other"][row] += attn_k.sum(dim=(0, 2)) - attn_sink
+        s["attn_sink"][row] += attn_sink.double()
+        s["write_sink"][row] += write_sink.double()
+        s["write_total"][row] += write_total.double()
+        s["write_other"][row] += (write_total - write_sink).double()  # the other keys: every pair but (q, p)
+        s["attn_other"][row] += (attn_total - attn_sink).double()
         keys = valid.clone()
         keys[:, p] = False
         k_mask = keys[:, :, None]  # [batch, key, 1]
@@ -362,7 +383,7 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         s["vn_other"][row] += torch.where(k_mask, value_norm, zero).sum(dim=(0, 1)).double()
         s["on_other"][row] += torch.where(k_mask, out_norm, zero).sum(dim=(0, 1)).double()
         self.n_q[row] += queries.sum()
-        self.n_pairs[row] += pairs.sum() - queries.sum()
+        self.n_pairs[row] += n_pairs - queries.sum()
         self.n_keys[row] += keys.sum()
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:

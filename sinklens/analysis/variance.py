@@ -34,17 +34,19 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import layer_head_position_rows, position_index, run_analyzer
+from sinklens.analysis._common import layer_head_position_rows, method_for_hooks, position_index, run_analyzer
 from sinklens.analysis.post_attention import attention_output_grams, post_attention_scale_hooks
+from sinklens.analysis.qk_attention import qk_hooks, qk_plan
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import PATTERN, V, Z, head_output_site, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.options import RunOptions
+from sinklens.options import AttentionMethod, RunOptions, checked_options
 from sinklens.residual_sites import attention_write_hooks
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow, per_layer_hooks
 from sinklens.validate import choice
+from sinklens.visibility import attention_visibility
 
 Site = Literal["z", "z_seq", "result", "result_pre_norm", "attn_out", "feature_std", "feature_std_head"]
 
@@ -248,17 +250,21 @@ class VarianceReducer(Reducer[VarianceResult]):
 
     ``Σ z W_O`` is ``(Σ z) W_O``, applied at :meth:`result`; ``Σ |z W_O|²`` is ``z G zᵀ`` with the Gram matrix
     ``G`` (:func:`~sinklens.analysis.post_attention.attention_output_grams`). On a post-norm layer ``z`` waits
-    until the norm's ``hook_scale`` ``s`` fires, then ``Σ z/s`` and ``Σ |(z/s) M|²`` are kept as well.
+    until the norm's ``hook_scale`` ``s`` fires, then ``Σ z/s`` and ``Σ |(z/s) M|²`` are kept as well. ``Σ_j A_tj²``
+    comes from ``hook_pattern`` or, by ``method`` as in :class:`~sinklens.analysis.sink_result.SinkSettings`, from
+    the queries and keys (:mod:`sinklens.analysis.qk_attention`).
     """
 
     statistics = ("z_s1", "z_s2", "out_s1", "r_s2", "zs_s1", "rs_s2", "fs_head", "fs_all", "a_sq", "o_s1", "o_s2", "n",
                   "v_s1", "v_s2", "v_n", "n_seq", "prepend_bos")
 
-    def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None):
+    def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None, method: AttentionMethod = "auto"):
         dims = model_dims(model)
         self.model = model
         self.dims = dims
         self.layers = resolve_layers(layers, dims.n_layers)
+        self.plan = qk_plan(model, self.layers, method)
+        self.visibility = attention_visibility(model)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.device = model_device(model)
         self.scale_hooks = post_attention_scale_hooks(model, self.layers)
@@ -305,7 +311,9 @@ class VarianceReducer(Reducer[VarianceResult]):
             self.v_s2[row] += (v.square().sum(-1) * w32[..., None]).sum(dim=(0, 1)).double()
 
         def fold_pattern(pattern: Tensor, layer: int) -> None:  # [batch, head, query, key]
-            sq = pattern.float().square().sum(dim=-1)  # Σ_k A_qk², [batch, head, query]
+            fold_squares(pattern.float().square().sum(dim=-1), layer)
+
+        def fold_squares(sq: Tensor, layer: int) -> None:  # Σ_k A_qk², [batch, head, query]
             self.a_sq[self.row[layer], :, : sq.shape[2]] += (sq * w32[:, None]).sum(0).double()
 
         separate = self.output_site != Z  # a SinkLM variant: W_O reads its own site, not hook_z
@@ -352,8 +360,13 @@ class VarianceReducer(Reducer[VarianceResult]):
             self.o_s1[row, :n] += (out * w32[..., None]).sum(0).double()
             self.o_s2[row, :n] += (out.square().sum(-1) * w32).sum(0).double()
 
-        sites = [(V, fold_v), (PATTERN, fold_pattern), (Z, fold_z)] + ([(self.output_site, fold_out)] if separate else [])
+        qk = self.plan.reads_qk(batch.tokens.shape[1])
+        sites = [(V, fold_v), (Z, fold_z)] + ([] if qk else [(PATTERN, fold_pattern)])
+        sites += [(self.output_site, fold_out)] if separate else []
         hooks = [hook for site, fold in sites for hook in per_layer_hooks(site, self.layers, fold)]
+        if qk:  # Σ_k A_qk² from queries and keys
+            hooks += qk_hooks(self.plan.sites, self.plan.rules, self.visibility, batch.valid,
+                              lambda cols, layer: fold_squares(cols.squares, layer), squares=True)
         hooks += attention_write_hooks(self.model, self.layers, lambda layer, out: fold_attn_out(out, layer))
         hooks += bound_hooks(list(self.scale_hooks.values()), self.post_norm, fold_scale)
         return BatchFold(hooks, state=w)
@@ -417,11 +430,13 @@ def measure_variance(
     inputs: Inputs | None = None,
     *,
     layers: int | Sequence[int] | None = None,
+    method: AttentionMethod = "auto",
     options: RunOptions = RunOptions(),
 ) -> VarianceResult:
     """Measure value-aggregation variance per layer × head × position, with its predictions.
 
     The variances are across sequences, so stream many (e.g. :func:`~sinklens.inputs.random_token_batches`).
+    ``method``: where ``Σ_k A²`` (``attn_sq``) is read, as :class:`~sinklens.analysis.sink_result.SinkSettings`' ``method``.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -432,5 +447,6 @@ def measure_variance(
         >>> result.z_var.shape, result.discrepancy(0).shape
         (torch.Size([2, 4, 6]), torch.Size([2, 4]))
     """
+    method = method_for_hooks(method, checked_options(options, "measure_variance").extra_hooks)
     return run_analyzer(model, inputs, VarianceReducer, where="measure_variance", options=options,
-                        layers=layers)
+                        layers=layers, method=method)

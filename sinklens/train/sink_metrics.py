@@ -11,7 +11,9 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis.sinks import SinkReducer
+from sinklens.analysis._common import method_for_hooks
+from sinklens.analysis.qk_attention import qk_plan
+from sinklens.analysis.sinks import SinkReducer, SinkSettings
 from sinklens.analysis.variance import VarianceReducer
 from sinklens.display import CompactRepr
 from sinklens.hooks import RESID_POST, model_device, model_dims
@@ -69,6 +71,7 @@ class SinkMetrics(CompactRepr):
         norm_ratio: ``[layer]`` first-token norm ratio of ``hook_resid_post`` (:class:`FirstTokenNormReducer`).
         variance_ratio: ``[layer, head]`` variance of ``hook_z`` at position 0 over the mean at ``t >= 1``.
         attn_out_variance_ratio: ``[layer]`` the same for ``hook_attn_out`` (after the variant and ``W_O``).
+        attention_path: where the sink statistics read attention: ``"qk"`` (queries and keys) or ``"pattern"``.
     """
 
     val_loss: float
@@ -79,6 +82,7 @@ class SinkMetrics(CompactRepr):
     norm_ratio: Float[Tensor, " layer"]
     variance_ratio: Float[Tensor, "layer head"]
     attn_out_variance_ratio: Float[Tensor, " layer"]
+    attention_path: str = "pattern"
 
     def scalars(self) -> dict[str, float]:
         """Flat numbers for a metrics line: ``attn_to_first`` and ``variance_ratio`` are means over
@@ -105,6 +109,11 @@ def evaluate(
     """Validation loss and :class:`SinkMetrics` of ``model`` on fixed ``batches`` and their next-token ``targets``,
     with ``extra_hooks`` (the training-time interventions) attached, so a model is measured as it was trained.
     """
+    # Attention from queries and keys at any length (no T x T pattern), unless the variant is not a softmax or extra
+    # hooks edit the scores or the pattern.
+    method = method_for_hooks("auto", extra_hooks)
+    if method == "auto":
+        method = "qk" if qk_plan(model, range(model_dims(model).n_layers), "auto").sites is not None else "pattern"
     was_training = model.training
     model.eval()
     try:
@@ -116,7 +125,8 @@ def evaluate(
         sinks, norms, variance = stream(
             model,
             batches,
-            [SinkReducer(model, sink_threshold=threshold, min_query=1, top_k=0), FirstTokenNormReducer(model), VarianceReducer(model)],
+            [SinkReducer(model, settings=SinkSettings(threshold, min_query=1, top_k=0, method=method)),
+             FirstTokenNormReducer(model), VarianceReducer(model, method=method)],
             options=RunOptions(progress=False, extra_hooks=tuple(extra_hooks)),
         )
     finally:
@@ -130,4 +140,5 @@ def evaluate(
         norm_ratio=norms,
         variance_ratio=variance.discrepancy(0, of="z"),
         attn_out_variance_ratio=variance.discrepancy(0, of="attn_out"),
+        attention_path=sinks.attention_path,
     )

@@ -4,13 +4,14 @@ import pytest
 import torch
 
 from sinklens import RunOptions
-from sinklens.analysis import qk_attention, sinks
+from sinklens.analysis import qk_attention
 from sinklens.analysis.qk_attention import attention_to_keys
 from sinklens.analysis.sinks import SinkReducer, find_sinks
+from sinklens.analysis.value_drain import ValueDrainReducer, ValueDrainSettings, measure_value_drain
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.hooks import PATTERN
 from sinklens.inputs import TokenBatch
-from sinklens.streaming import forward
+from sinklens.streaming import forward, stream
 from sinklens.testing.zoo import FAMILIES, FamilyUnavailableError, zoo_model
 
 T = 300
@@ -91,7 +92,7 @@ def test_qk_path_attaches_no_pattern_hook_and_auto_switches_by_length(monkeypatc
     names = [name for name, _ in SinkReducer(model, method="qk").fwd_hooks(batch).hooks]
     assert names and not any(n.endswith(PATTERN) for n in names) and any(n.endswith("hook_rot_q") for n in names)
     assert find_sinks(model, [batch], options=OPTS).attention_path == "pattern"  # auto, 40 <= QK_ABOVE
-    monkeypatch.setattr(sinks, "QK_ABOVE", 39)
+    monkeypatch.setattr(qk_attention, "QK_ABOVE", 39)
     result = find_sinks(model, [batch], options=OPTS)
     assert result.attention_path == "qk" and result.to_dict()["attention_path"] == "qk"
 
@@ -138,7 +139,7 @@ def test_extra_hooks_on_the_pattern_keep_the_pattern_path(monkeypatch):
 
     model = _family("llama")
     batch = _padded_batch(40)
-    monkeypatch.setattr(sinks, "QK_ABOVE", 8)
+    monkeypatch.setattr(qk_attention, "QK_ABOVE", 8)
     uniform = [(f"blocks.0.{PATTERN}", lambda p, hook: torch.tril(torch.ones_like(p)) / torch.tril(torch.ones_like(p)).sum(-1, keepdim=True))]
     opts = OPTS.replace(extra_hooks=uniform)
     result = find_sinks(model, [batch], options=opts)
@@ -150,3 +151,54 @@ def test_extra_hooks_on_the_pattern_keep_the_pattern_path(monkeypatch):
     torch.testing.assert_close(result.received[0], torch.tensor(expected).expand(4, 40), rtol=1e-5, atol=1e-6)
     with pytest.raises(InvalidArgumentError, match="method='qk'"):
         find_sinks(model, [batch], method="qk", options=opts)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "bert", "gptoss"])
+def test_value_drain_from_queries_and_keys_equals_the_pattern_path(family, monkeypatch):
+    """Value drain read from queries and keys (64-query chunks) equals the pattern path to 1e-5 with padding, GQA,
+    windows, a post-attention norm (gemma2), a post-LN encoder (bert) and learned sink logits (gptoss)."""
+    from tests.analysis._hf_reference import perturb_post_attention_norms
+
+    model = _family(family)
+    perturb_post_attention_norms(family, model.original_model)
+    batch = _padded_batch(seed=1)
+    monkeypatch.setattr(qk_attention, "CHUNK_SCORES", 1)
+    pattern, qk = (ValueDrainReducer(model, settings=ValueDrainSettings(method=m)) for m in ("pattern", "qk"))
+    assert not any(name.endswith(PATTERN) for name, _ in qk.fwd_hooks(batch).hooks)
+    a, b = stream(model, [batch], [pattern, qk], options=OPTS)
+    assert torch.equal(pattern.n_pairs, qk.n_pairs) and torch.equal(pattern.n_q, qk.n_q)
+    assert a.post_norm_layers == b.post_norm_layers == ([0, 1] if family in ("gemma2", "bert") else [])
+    for name in ("attn_sink", "attn_other", "write_sink", "write_other", "write_share"):
+        got, want = getattr(b, name), getattr(a, name)
+        assert _diff(got, want) <= 1e-5 * max(1.0, float(want.abs().max())), name
+    assert b.kinds() == a.kinds() and float(a.attn_sink.max()) > 0
+
+
+def test_value_drain_keeps_the_pattern_under_an_intervention(monkeypatch):
+    from sinklens.errors import InvalidArgumentError
+
+    monkeypatch.setattr(qk_attention, "QK_ABOVE", 8)  # auto would read queries and keys without the edit
+    model = _family("llama")
+    edit = [(f"blocks.0.{PATTERN}", lambda p, hook: p * 0.5)]
+    batch = _padded_batch(40)
+    with pytest.raises(InvalidArgumentError, match="method='qk'"):
+        measure_value_drain(model, [batch], method="qk", options=OPTS.replace(extra_hooks=edit))
+    halved = measure_value_drain(model, [batch], method="auto", options=OPTS.replace(extra_hooks=edit))
+    plain = measure_value_drain(model, [batch], options=OPTS)
+    torch.testing.assert_close(halved.attn_sink[0], plain.attn_sink[0] / 2)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gptoss"])
+def test_variance_attention_squares_from_queries_and_keys(family, monkeypatch):
+    """Σ_k A_qk² (attn_sq, and the prediction built on it) from queries and keys equals the pattern's to 1e-5."""
+    from sinklens.analysis.variance import VarianceReducer
+
+    model = _family(family)
+    batch = _padded_batch(seed=2)
+    monkeypatch.setattr(qk_attention, "CHUNK_SCORES", 1)
+    pattern, qk = (VarianceReducer(model, method=m) for m in ("pattern", "qk"))
+    assert not any(name.endswith(PATTERN) for name, _ in qk.fwd_hooks(batch).hooks)
+    a, b = stream(model, [batch], [pattern, qk], options=OPTS)
+    assert _diff(a.attn_sq, b.attn_sq) < 1e-5 and float(a.attn_sq.nan_to_num().max()) > 0.1
+    assert _diff(a.pred_pattern, b.pred_pattern) <= 1e-5 * float(a.pred_pattern.nan_to_num().abs().max())
+    torch.testing.assert_close(a.z_var, b.z_var, equal_nan=True)

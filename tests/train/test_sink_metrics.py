@@ -179,3 +179,31 @@ def test_an_older_runs_sink_rate_is_plotted_under_its_own_name(tmp_path):
     assert list(curve.get_xdata()) == [0, 3, 5] and list(curve.get_ydata()) == [0.0, 0.25, 0.5]
     gu = next(ax for title, ax in titles.items() if "Gu et al." in title)
     assert all(len(line.get_xdata()) == 0 for line in gu.get_lines())
+
+
+@pytest.mark.parametrize("variant", ["baseline", "sink_logit", "softpick"])
+def test_evaluate_reads_sinks_from_queries_and_keys_where_the_variant_allows(variant, monkeypatch):
+    """A softmax SinkLM's sink metrics come from queries and keys and equal the pattern path's; a plain softmax
+    keeps its SDPA kernel (no layer builds a pattern). Softpick (not a softmax) and an intervention on the pattern
+    keep the pattern."""
+    from sinklens.analysis.sinks import find_sinks
+    from sinklens.sinklm.model import Attention
+    from sinklens.testing import QUIET
+
+    model = tiny_sinklm(variant, seed=0)
+    batches = _padded_eval_batches()
+    targets = [torch.zeros_like(b.tokens) for b in batches]
+    evaluate(model, batches, targets)  # the first call also runs the model's one-off layout probes
+    explicit = []
+    needs = Attention.needs_explicit
+    monkeypatch.setattr(Attention, "needs_explicit", lambda self: explicit.append(needs(self)) or explicit[-1])
+    metrics = evaluate(model, batches, targets, threshold=0.3)
+    monkeypatch.undo()
+    assert metrics.attention_path == ("pattern" if variant == "softpick" else "qk")
+    assert explicit and (not any(explicit) if variant == "baseline" else all(explicit))  # sink logits: never SDPA
+    sinks = find_sinks(model, batches, sink_threshold=0.3, min_query=1, top_k=0, method="pattern", options=QUIET)
+    torch.testing.assert_close(metrics.attention_to_first, sinks.received[:, :, 0], rtol=0, atol=1e-5)
+    assert metrics.sink_rate == sinks.sink_rate(position=0, method="gu")
+    assert metrics.sinklens_sink_rate == sinks.sink_rate(position=0, method="sinklens")
+    edit = [("blocks.0.attn.hook_pattern", lambda p, hook: p)]
+    assert evaluate(model, batches, targets, extra_hooks=edit).attention_path == "pattern"
