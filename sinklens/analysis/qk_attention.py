@@ -43,7 +43,7 @@ CHUNK_SCORES = 2**24
 QK_ABOVE = 1024
 
 
-@dataclass(frozen=True, repr=False)
+@dataclass(repr=False, eq=False)
 class ScoreRule(CompactRepr):
     """How one layer turns a query and a key into a score: ``s = cap·tanh(scale·q·k / cap)`` (no cap: ``scale·q·k``),
     and the per-head learned sink logit that joins the softmax as a key without a value (None: none)."""
@@ -118,7 +118,7 @@ def rotate(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Tensor) 
     return torch.cat([rot * cos + half * sin, rest], dim=-1)
 
 
-@dataclass(repr=False)
+@dataclass(repr=False, eq=False)
 class Columns(CompactRepr):
     """What :func:`attention_columns` returns for one layer of one batch.
 

@@ -338,7 +338,7 @@ class ValueDrainReducer(Reducer[ValueDrain]):
             res_norm = _quad_norm(v, self.gram_res[row])  # ‖C((γ ⊙ v_k) W_O[h]) ⊙ g‖
         else:
             res_norm = out_norm
-        inv_scale = torch.ones(b, 1, n_pos, device=v.device)  # [b, head, q]: c[q, h] / s[b, q]
+        inv_scale = torch.ones(b, 1, n_pos, device=v.device, dtype=v.dtype)  # [b, head, q]: c[q, h] / s[b, q]
         if layer in self.post_norm:
             inv_scale = inv_scale / acts["scale"].reshape(b, 1, n_pos)  # 1 / s[b, q]
         if transformed:
@@ -347,7 +347,7 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         queries = self.visibility.block(layer, pos, pos[p: p + 1])[None, :, 0] & valid & valid[:, p: p + 1]
         queries[:, p] = False  # Q: real queries != p that see the sink
         # write[b, h, q, k] = A[b, h, q, k] ‖v_k W_O[h]‖ |c[b, q, h]| / s[b, q], over the pairs (q in Q, k seen by q).
-        zero = torch.zeros((), device=v.device)
+        zero = torch.zeros((), device=v.device, dtype=v.dtype)
         inv_q = torch.where(queries[:, None], inv_scale.abs(), zero).expand(-1, self.dims.n_heads, -1)  # [b, h, q]
         key_norm = torch.where(valid[:, :, None], res_norm, zero).permute(0, 2, 1)  # [b, h, k]
         if PATTERN in acts:  # summed over q first (float32, 1 pass over A): Σ_q A and Σ_q A |c| / s per key
