@@ -250,7 +250,7 @@ def test_report_json_paths_are_in_residual_units_on_a_post_norm_model(tmp_path):
     """report.json's super_neurons.paths[]: ``dim`` and ``top_neurons`` as [layer, neuron, contribution] rows, best
     first, in residual units: the planted neuron behind a x250 post-norm gain first, its 10x bigger-raw decoy after."""
     from support.models import planted_post_norm_model
-    from sinklens.testing.zoo import FamilyUnavailableError
+    from support.zoo import FamilyUnavailableError
 
     try:
         model, spec = planted_post_norm_model("gemma2")

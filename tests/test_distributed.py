@@ -262,7 +262,7 @@ def test_torchrun_two_processes_equal_one(tmp_path):
     from sinklens import cli
     from sinklens.analysis.report import analyze
     from sinklens.loading import load_model
-    from sinklens.testing.zoo import zoo_dir
+    from support.zoo import zoo_dir
 
     model_dir = str(zoo_dir("llama"))
     prompts = PROMPTS[:5]  # batches of 2: 3 batches, shares of 2 and 1

@@ -137,7 +137,7 @@ def test_prompts_with_lone_surrogates_are_refused_on_smollm2(smollm2):
 
 @pytest.mark.skipif(transformer_lens_major() < 4, reason="BERT is a TransformerLens 4 zoo family")
 def test_an_encoder_max_length_must_leave_room_for_text():
-    from sinklens.testing.zoo import zoo_model
+    from support.zoo import zoo_model
 
     bert = zoo_model("bert")
     for n in (1, 2):
@@ -203,7 +203,7 @@ def test_an_extra_hook_that_never_runs_is_reported(fused_attention_model):
 
 
 def test_an_intervention_on_a_hook_the_model_skips_is_not_silently_ignored():
-    from sinklens.testing.zoo import zoo_model
+    from support.zoo import zoo_model
 
     if transformer_lens_major() < 4:
         model, hook = zoo_model("llama"), "blocks.0.attn.hook_result"  # needs cfg.use_attn_result

@@ -115,7 +115,7 @@ def test_a_bias_free_model_loaded_from_a_folder_has_zero_output_biases():
     """TransformerLens 3.9's bridge stacks the blocks' missing MLP biases into a TypeError (``torch.stack`` of
     None), which ended ``sinklens analyze`` of a Llama folder in an internal error under 3.x."""
     from sinklens.residual_units import attn_out_bias, mlp_out_bias
-    from sinklens.testing.zoo import zoo_dir
+    from support.zoo import zoo_dir
 
     model = loading.load_model(str(zoo_dir("llama")), device="cpu")
     for layer in range(model.cfg.n_layers):
@@ -131,7 +131,7 @@ def test_a_float64_mixture_of_experts_runs_with_the_eager_expert_loop():
     transformers uses for the experts, has no float64 kernel. The eager loop computes the same products."""
     import sinklens
     from sinklens.testing import QUIET
-    from sinklens.testing.zoo import zoo_model
+    from support.zoo import zoo_model
 
     prompts = ["t3 t4 t5 t6 t7", "t9 t8 t7"]
     ref = sinklens.find_sinks(zoo_model("gptoss"), prompts, options=QUIET).received
@@ -175,7 +175,7 @@ def _edited_zoo_copy(tmp_path, edit):
 
     from safetensors.torch import load_file, save_file
 
-    from sinklens.testing.zoo import zoo_dir
+    from support.zoo import zoo_dir
 
     folder = tmp_path / "model"
     shutil.copytree(zoo_dir("llama"), folder)
@@ -262,7 +262,7 @@ def test_device_map_places_a_hugging_face_model_with_accelerate_and_analyzers_ru
 
     from sinklens.analysis.sinks import find_sinks
     from sinklens.options import RunOptions
-    from sinklens.testing.zoo import zoo_dir
+    from support.zoo import zoo_dir
 
     folder = str(zoo_dir("llama"))
     mapping = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu", "model.norm": "cpu",

@@ -13,7 +13,7 @@ import torch
 
 from sinklens import loading
 from sinklens.errors import EXIT_USAGE, InvalidArgumentError
-from sinklens.testing.zoo import zoo_model
+from support.zoo import zoo_model
 
 
 def _dtype(model) -> torch.dtype:

@@ -20,7 +20,7 @@ from sinklens.errors import EXIT_INTERRUPTED, EXIT_USAGE, OutputExistsError, Out
 from sinklens.export import write_json
 from sinklens.folder_lock import OUTPUT_LOCK, FolderLock
 from sinklens.plotting.style import save_figure
-from sinklens.testing.zoo import zoo_dir
+from support.zoo import zoo_dir
 
 
 def _snapshot(folder: Path) -> dict[str, str]:

@@ -5,7 +5,7 @@ import torch
 
 from sinklens.analysis.normalized_disparity import normalized_disparity
 from sinklens.testing import QUIET
-from sinklens.testing.zoo import FamilyUnavailableError, zoo_model
+from support.zoo import FamilyUnavailableError, zoo_model
 
 pytestmark = pytest.mark.models
 

@@ -15,7 +15,7 @@ from sinklens.analysis.sink_result import RATE_DEFINITIONS
 from sinklens.analysis.sinks import find_sinks
 from sinklens.inputs import as_batches
 from sinklens.testing import QUIET, transformer_lens_major
-from sinklens.testing.zoo import zoo_hf_model, zoo_model
+from support.zoo import zoo_hf_model, zoo_model
 
 pytestmark = [
     pytest.mark.models,

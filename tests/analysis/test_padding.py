@@ -9,7 +9,7 @@ from sinklens.analysis.sinks import find_sinks
 from sinklens.errors import InvalidArgumentError
 from sinklens.inputs import TokenBatch, as_batches, right_align
 from sinklens.testing import QUIET, transformer_lens_major
-from sinklens.testing.zoo import FamilyUnavailableError, zoo_model
+from support.zoo import FamilyUnavailableError, zoo_model
 
 pytestmark = pytest.mark.models
 

@@ -12,7 +12,7 @@ from sinklens.errors import UnsupportedArchitectureError
 from sinklens.hooks import PATTERN
 from sinklens.inputs import TokenBatch
 from sinklens.streaming import forward, stream
-from sinklens.testing.zoo import FAMILIES, FamilyUnavailableError, zoo_model
+from support.zoo import FAMILIES, FamilyUnavailableError, zoo_model
 
 T = 300
 OPTS = RunOptions(progress=False, batch_size=3)

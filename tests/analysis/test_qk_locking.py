@@ -76,7 +76,7 @@ def test_query_key_locking_streaming_equals_full_cache(tiny):
 def test_mean_scores_leave_queries_that_cannot_see_the_sink_out(family, sink_position):
     """TransformerLens 3.x writes -inf into hook_attn_scores where a query cannot see a key (query 0 against key 1,
     a query past gemma2's sliding window), and ``-inf * 0`` made mean_score_sink NaN for every head there."""
-    from sinklens.testing.zoo import zoo_model
+    from support.zoo import zoo_model
 
     model = zoo_model(family)
     s = sink_position

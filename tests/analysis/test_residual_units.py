@@ -12,7 +12,7 @@ from sinklens.plotting.report import save_report
 from sinklens.residual_units import post_norm_map
 from sinklens.testing import QUIET
 from support.checks import PLANTED_PROMPTS
-from sinklens.testing.zoo import POST_NORM_FAMILIES, FamilyUnavailableError, zoo_model
+from support.zoo import POST_NORM_FAMILIES, FamilyUnavailableError, zoo_model
 
 pytestmark = pytest.mark.models
 

@@ -7,7 +7,7 @@ from _hf_reference import hf_attentions, real_sequences
 from sinklens.analysis.sinks import find_sinks
 from sinklens.inputs import as_batches
 from sinklens.testing import QUIET, transformer_lens_major
-from sinklens.testing.zoo import zoo_hf_model, zoo_model
+from support.zoo import zoo_hf_model, zoo_model
 
 pytestmark = [
     pytest.mark.models,

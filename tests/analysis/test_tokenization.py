@@ -7,7 +7,7 @@ from sinklens.analysis.report import analyze
 from sinklens.analysis.sinks import find_sinks
 from sinklens.inputs import as_batches
 from sinklens.testing import QUIET, transformer_lens_major
-from sinklens.testing.zoo import bert_tokenizer, zoo_model
+from support.zoo import bert_tokenizer, zoo_model
 
 pytestmark = [
     pytest.mark.models,

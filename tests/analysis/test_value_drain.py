@@ -13,7 +13,7 @@ from sinklens.plotting.value_drain import plot_value_drain
 from sinklens.streaming import stream
 from sinklens.testing import QUIET, transformer_lens_major
 from support.planted_values import planted_sink
-from sinklens.testing.zoo import zoo_hf_model, zoo_model
+from support.zoo import zoo_hf_model, zoo_model
 
 from _hf_reference import perturb_post_attention_norms
 

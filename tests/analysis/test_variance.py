@@ -190,7 +190,7 @@ def test_bad_arguments(tiny_llama):
 from sinklens.analysis.post_attention import post_attention_gain  # noqa: E402
 from sinklens.testing import transformer_lens_major  # noqa: E402
 from support.planted_values import c4, gaussian_values, uniform_attention  # noqa: E402
-from sinklens.testing.zoo import zoo_hf_model, zoo_model  # noqa: E402
+from support.zoo import zoo_hf_model, zoo_model  # noqa: E402
 
 from _hf_reference import perturb_post_attention_norms  # noqa: E402
 

@@ -94,7 +94,7 @@ def test_analyze_verify_reports_the_check_in_json_and_summary(planted, tmp_path)
 def test_cli_analyze_verify(tmp_path, capsys):
     from sinklens.cli import main
     from sinklens.testing.models import transformer_lens_major
-    from sinklens.testing.zoo import zoo_dir
+    from support.zoo import zoo_dir
 
     if transformer_lens_major() < 4:
         pytest.skip("loading a Hugging Face model folder needs TransformerLens 4.x (TransformerBridge)")

@@ -14,7 +14,7 @@ from sinklens.inputs import as_batches, is_encoder
 from sinklens.loading import load_model
 from sinklens.streaming import stream
 from sinklens.testing import QUIET, transformer_lens_major
-from sinklens.testing.zoo import zoo_dir, zoo_hf_model, zoo_model
+from support.zoo import zoo_dir, zoo_hf_model, zoo_model
 from sinklens.visibility import attention_visibility
 
 pytestmark = pytest.mark.models

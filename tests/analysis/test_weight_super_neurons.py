@@ -47,7 +47,7 @@ def test_layer_weight_is_the_stacked_slice(family):
     import torch
 
     from sinklens.hooks import layer_weight, weight
-    from sinklens.testing.zoo import zoo_model
+    from support.zoo import zoo_model
 
     model = zoo_model(family)
     for name in ("W_in", "W_gate", "W_out", "W_Q", "W_K", "W_V", "W_O"):

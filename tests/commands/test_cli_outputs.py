@@ -13,7 +13,7 @@ import pytest
 
 from sinklens.cli import main
 from sinklens.errors import EXIT_FAILURE, EXIT_USAGE, InvalidArgumentError
-from sinklens.testing.zoo import zoo_dir
+from support.zoo import zoo_dir
 
 
 def _strict_json(text: str):

@@ -4,7 +4,7 @@ import json
 
 from sinklens.cli import main
 from sinklens.errors import EXIT_USAGE
-from sinklens.testing.zoo import zoo_dir
+from support.zoo import zoo_dir
 
 
 def test_context_writes_strict_json_and_the_figure(tmp_path, capsys):

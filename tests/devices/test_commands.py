@@ -1,6 +1,6 @@
 """Every model-facing command with ``--device`` on the lane's device writes the CPU's numbers.
 
-Run in-process (``sinklens.cli.main``) on the tiny seeded Llama of :mod:`sinklens.testing.zoo`, once with
+Run in-process (``sinklens.cli.main``) on the tiny seeded Llama of :mod:`support.zoo`, once with
 ``--device cpu`` and once on the lane's device; their JSON outputs are compared field by field.
 """
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sinklens.cli import main
-from sinklens.testing.zoo import zoo_dir
+from support.zoo import zoo_dir
 
 DTYPE_NAME = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 PROMPTS = ["t4 t5 t6 t7 t8 t9", "t8 t9 t10", "t2 t3 t4 t5 t6 t7 t8 t9 t10 t11"]

@@ -103,7 +103,7 @@ def test_variance_calibration_amplify_at_position_zero_alone_is_refused_where_it
 def test_variance_calibration_removes_rather_than_strengthens_a_sink_logit_models_sink():
     """gpt-oss: rows give part of their mass to the sink logit, so s_0 = A_00² < 1. The remove entry's factor at
     the sink is sqrt(min_t s_t / s_0) <= 1, as the hand formula says; amplify (the old default) gave 1/A_00 ≈ 2."""
-    from sinklens.testing.zoo import FamilyUnavailableError, zoo_model
+    from support.zoo import FamilyUnavailableError, zoo_model
 
     try:
         model = zoo_model("gptoss")
@@ -134,7 +134,7 @@ def bert():
     """``(model, ln1 module, MLP module)`` of layer 0 of a post-LN BERT: the 4.x bridge's Hugging Face modules
     (``attention.output.LayerNorm``, ``intermediate``) or the 3.x ``HookedEncoder``'s ``ln1`` and ``mlp``."""
     if TL4:
-        from sinklens.testing.zoo import zoo_model
+        from support.zoo import zoo_model
 
         model = zoo_model("bert")
         layer = model.original_model.bert.encoder.layer[0]
@@ -382,7 +382,7 @@ def test_variance_calibration_as_a_spec_stays_causal_amplify():
     stored as that string would have switched a run to attenuate (whose floor reads later queries) on resume."""
     from sinklens.interventions import registry
     from sinklens.interventions.calibration import variance_calibration
-    from sinklens.testing.zoo import zoo_model
+    from support.zoo import zoo_model
 
     model = zoo_model("llama")
     tokens = torch.tensor([[0, 5, 6, 7, 8, 9, 10, 11]])
@@ -397,7 +397,7 @@ def test_creating_a_sink_where_the_sink_already_is_is_refused(tmp_path):
     """``intervene --method restart --position 0`` ran as a no-op (ratio 1.00 in every layer) with exit 0."""
     from sinklens.errors import InvalidArgumentError
     from sinklens.interventions.experiments import create_sink
-    from sinklens.testing.zoo import zoo_model
+    from support.zoo import zoo_model
 
     model = zoo_model("llama")
     with pytest.raises(InvalidArgumentError, match=r"position=0 is the sink itself \(sink=0\)"):

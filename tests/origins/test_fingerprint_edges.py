@@ -134,7 +134,7 @@ def test_embedding_statistics_come_from_the_architecture_at_init():
     """As the authors' generate_random_embeddings on a freshly initialised model: a trained W_E (here scaled
     tenfold) does not move mu, sigma; they are those of load_at_init's W_E."""
     from sinklens.loading.init import load_at_init
-    from sinklens.testing.zoo import zoo_model
+    from support.zoo import zoo_model
 
     a, b = zoo_model("llama", d_vocab=4096, seed=0), zoo_model("llama", d_vocab=4096, seed=1)
     fresh = load_at_init(a, init_seed=42).W_E.detach().float()
@@ -175,7 +175,7 @@ def test_unrelated_tiny_models_in_embedding_mode_get_a_caveat(tmp_path, capsys):
     """Two unrelated tiny zoo models pass the shared input straight to the output: z ~ 90 in embedding mode (token
     mode: z ~ -1). The result is inconclusive with a caveat, in the summary, the CLI and the JSON."""
     from sinklens.cli import main
-    from sinklens.testing.zoo import zoo_dir, zoo_model
+    from support.zoo import zoo_dir, zoo_model
 
     a, b = zoo_model("llama", d_vocab=4096, seed=0), zoo_model("llama", d_vocab=4096, seed=1)
     res = fingerprint(a, b, n_samples=300, seq_len=16, input="embedding", options=OPTS)
@@ -210,7 +210,7 @@ def test_cli_json_keeps_full_precision(tmp_path):
     alpha = 0.03396528762)."""
     from sinklens import load_model
     from sinklens.cli import main
-    from sinklens.testing.zoo import zoo_dir
+    from support.zoo import zoo_dir
 
     dirs = [str(zoo_dir("llama", d_vocab=4096, seed=s)) for s in (0, 1)]
     out = tmp_path / "fp.json"

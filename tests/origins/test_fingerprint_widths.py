@@ -188,7 +188,7 @@ def test_base_mode_of_a_wider_model_a_is_refused_before_b_runs(narrow_and_wide, 
 
 def test_cli_compares_different_hidden_sizes_and_refuses_embedding_mode(tmp_path, capsys):
     from sinklens.cli import main
-    from sinklens.testing.zoo import zoo_dir
+    from support.zoo import zoo_dir
 
     dirs = [str(zoo_dir("llama", d_model=d, d_mlp=2 * d, d_vocab=4096, seed=0)) for d in (16, 32)]
     out = tmp_path / "fp.json"

@@ -59,7 +59,7 @@ def test_token_preference_soft_caps_logits_as_the_model_does():
     """Gemma 2 caps its output logits at 30 (``30 · tanh(x / 30)``); token preference used the raw product, so
     with logits past the cap its distribution was off the model's own by up to 0.23 (max/median 4 vs 1.7)."""
     from sinklens.inputs import random_token_batches
-    from sinklens.testing.zoo import zoo_model
+    from support.zoo import zoo_model
 
     model = zoo_model("gemma2")
     assert model.cfg.output_logits_soft_cap == 30.0

@@ -132,7 +132,7 @@ def test_tied_logits_are_not_counted_as_an_argmax_for_token_0(zeroed):
 def _bert():
     """The zoo's BERT through the 4.x bridge; under 3.x, whose config cannot build it, a ``HookedEncoder``."""
     from sinklens.testing.models import transformer_lens_major
-    from sinklens.testing.zoo import zoo_model
+    from support.zoo import zoo_model
     from support.models import tl3_encoder
 
     return zoo_model("bert") if transformer_lens_major() >= 4 else tl3_encoder()
@@ -156,7 +156,7 @@ def test_token_preference_refuses_an_encoder_and_positional_says_it_is_not_causa
 
 def test_origins_cli_on_an_encoder_skips_token_preference(tmp_path, capsys):
     from sinklens.cli import main
-    from sinklens.testing.zoo import zoo_dir
+    from support.zoo import zoo_dir
     from sinklens.testing.models import transformer_lens_major
 
     if transformer_lens_major() < 4:
@@ -208,7 +208,7 @@ def test_mlp_act_mean_is_the_nonlinearity_output_on_gated_and_ungated_mlps(famil
 
 def _nobos_llama(tmp_path):
     """The zoo Llama folder with a tokenizer that names no BOS token."""
-    from sinklens.testing.zoo import zoo_dir
+    from support.zoo import zoo_dir
 
     folder = tmp_path / "nobos"
     shutil.copytree(zoo_dir("llama"), folder)

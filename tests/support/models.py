@@ -8,7 +8,7 @@ from typing import Any, Literal
 import torch
 
 from sinklens.testing.models import transformer_lens_major
-from sinklens.testing.zoo import POST_NORM_FAMILIES, FamilyUnavailableError, zoo_model
+from support.zoo import POST_NORM_FAMILIES, FamilyUnavailableError, zoo_model
 
 
 @dataclass(frozen=True)
@@ -50,13 +50,13 @@ def planted_post_norm_model(
     decoy_gain: float = 0.01,
     decoy_ratio: float = 10.0,
 ) -> tuple[Any, PostNormPlantedSpec]:
-    """A zoo post-norm model (:func:`sinklens.testing.zoo.zoo_model`) with a super neuron behind a large post-norm gain.
+    """A zoo post-norm model (:func:`support.zoo.zoo_model`) with a super neuron behind a large post-norm gain.
 
     Planted in the Hugging Face weights (Gemma RMSNorm gain ``1 + w``): a BOS-only ``bos_dim``; the super neuron
     reads it and writes ``dim``, and block ``layer``'s ``post_feedforward_layernorm`` has gain ``gain`` on ``dim``;
     the decoy writes ``dim`` with a raw ``act × W_out`` ``decoy_ratio`` times larger but behind gain ``decoy_gain``:
     an activation-times-weight ranking puts it first, a residual-unit ranking last. Raises
-    :class:`~sinklens.testing.zoo.FamilyUnavailableError` under TransformerLens 3.x.
+    :class:`~support.zoo.FamilyUnavailableError` under TransformerLens 3.x.
 
     Examples:
         >>> model, spec = planted_post_norm_model("gemma2")

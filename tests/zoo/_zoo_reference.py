@@ -1,7 +1,7 @@
 """The architecture zoo: one analysed report per family, and an independent reference for it.
 
 The reference never uses sinklens: under TransformerLens 4.x it is the plain Hugging Face model of the
-same folder (:func:`~sinklens.testing.zoo.zoo_hf_model`, eager attention), run on each sequence alone
+same folder (:func:`~support.zoo.zoo_hf_model`, eager attention), run on each sequence alone
 (no padding) with forward hooks on its layers for the residual stream and ``output_attentions`` for the
 patterns; under TransformerLens 3.x (whose zoo models are built from a config, with their own weights)
 it is the model's own full cache (``run_with_cache`` with a ``names_filter``), again one unpadded
@@ -22,7 +22,7 @@ from sinklens.analysis.report import SinkReport, analyze
 from sinklens.inputs import TokenBatch, as_batches
 from sinklens.options import RunOptions
 from sinklens.testing.models import transformer_lens_major
-from sinklens.testing.zoo import ENCODER_FAMILIES, FamilyUnavailableError, zoo_hf_model, zoo_model
+from support.zoo import ENCODER_FAMILIES, FamilyUnavailableError, zoo_hf_model, zoo_model
 
 #: Words of the zoo tokenizers (t5..t63); lengths 7, 3, 9 and 5 words: padded batches, and prompts longer
 #: than the zoo's sliding window of 4 tokens.

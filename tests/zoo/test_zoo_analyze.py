@@ -17,7 +17,7 @@ from sinklens.errors import UnsupportedArchitectureError
 from sinklens.inputs import as_batches
 from sinklens.options import RunOptions
 from sinklens.plotting.report import save_report
-from sinklens.testing.zoo import FAMILIES, FamilyUnavailableError, zoo_model
+from support.zoo import FAMILIES, FamilyUnavailableError, zoo_model
 
 from _zoo_reference import PROMPTS, TL4, visible
 

@@ -18,7 +18,7 @@ from sinklens.probes import post_hoc_attention
 from sinklens.interventions import (amplify, block_keys, calibrate, clamp_dims, custom_mask, edit_neurons, restart, self_only,
                                     transplant_dims)
 from sinklens.interventions.calibration import variance_calibration
-from sinklens.testing.zoo import FAMILIES, MOE_FAMILIES, POST_NORM_FAMILIES, FamilyUnavailableError, zoo_model
+from support.zoo import FAMILIES, MOE_FAMILIES, POST_NORM_FAMILIES, FamilyUnavailableError, zoo_model
 
 from _zoo_reference import TL4
 
@@ -94,7 +94,7 @@ def test_cli_intervene_refuses_a_post_hoc_model(tmp_path, capsys):
     if not TL4:
         pytest.skip("BERT's bridge is TransformerLens 4.x")
     from sinklens.cli import main
-    from sinklens.testing.zoo import zoo_dir
+    from support.zoo import zoo_dir
 
     out = tmp_path / "out"
     code = main(["intervene", "--model", str(zoo_dir("bert")), "--method", "self-only", "--position", "3",

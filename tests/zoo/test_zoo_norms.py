@@ -25,7 +25,7 @@ from sinklens.analysis.weight_super_neurons import sink_inputs, super_neurons_fr
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.options import RunOptions
 from sinklens.residual_units import input_norm
-from sinklens.testing.zoo import FAMILIES, MOE_FAMILIES, FamilyUnavailableError, zoo_model
+from support.zoo import FAMILIES, MOE_FAMILIES, FamilyUnavailableError, zoo_model
 
 from _zoo_reference import TL4
 from support.models import tl3_encoder

@@ -16,7 +16,7 @@ from sinklens.inputs import random_token_batches
 from sinklens.options import RunOptions
 from sinklens.origins.contraction import contraction
 from sinklens.origins.positional import positional_discrepancy
-from sinklens.testing.zoo import FAMILIES, FamilyUnavailableError, zoo_hf_model, zoo_model
+from support.zoo import FAMILIES, FamilyUnavailableError, zoo_hf_model, zoo_model
 
 from _zoo_reference import TL4
 

@@ -21,7 +21,7 @@ import torch
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.probes import resid_mid_is_a_copy
 from sinklens.interventions.patching import patch_hook_names, patch_sink
-from sinklens.testing.zoo import FAMILIES, FamilyUnavailableError, zoo_model
+from support.zoo import FAMILIES, FamilyUnavailableError, zoo_model
 
 from _zoo_reference import TL4
 from support.models import tl3_encoder
