@@ -17,7 +17,7 @@ from sinklens.errors import CorruptFileError, InvalidArgumentError, OutputExists
 from sinklens.export import write_json
 from sinklens.folder_lock import FolderLock
 from sinklens.sinklm.checkpoint import (
-    _STEP_DIR, CHECKPOINTS, CONFIG, FIGURE, FINGERPRINT, LOCK, PERSISTENCE, PICKLED, POINTER, RUN_ENTRIES, TOKENIZER,
+    _STEP_DIR, CHECKPOINTS, CONFIG, FIGURE, FINGERPRINT, LOCK, PERSISTENCE, POINTER, RUN_ENTRIES, TOKENIZER,
     WEIGHTS, _fsync, _pointer, _remove, _step_dirs, has_checkpoint, is_run_dir, load_run, load_train_config,
 )
 from sinklens.sinklm.config import LOCAL_DATA_SOURCES, TrainConfig
@@ -28,9 +28,9 @@ RUN_IDENTITY: tuple[str, ...] = ("model.", "data.", "seed")
 RESUME_FREE: frozenset[str] = frozenset({"data.cache_dir"})
 #: Entries that a folder which is not a run may not hold for a run to start there (it would replace them, or be
 #: loaded with them: another tool's model or tokenizer).
-FOREIGN_BLOCKERS: tuple[str, ...] = (CONFIG, POINTER, CHECKPOINTS, TOKENIZER, WEIGHTS, *PICKLED, PERSISTENCE,
-                                     FINGERPRINT, FIGURE, "pytorch_model.bin", "model.safetensors.index.json",
-                                     "tokenizer.json", "tokenizer_config.json")
+FOREIGN_BLOCKERS: tuple[str, ...] = (
+    CONFIG, POINTER, CHECKPOINTS, TOKENIZER, WEIGHTS, "trainer_state.pt", "optimizer.pt", PERSISTENCE, FINGERPRINT,
+    FIGURE, "pytorch_model.bin", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json")
 
 
 def resume_config(out: str | Path) -> TrainConfig | None:
