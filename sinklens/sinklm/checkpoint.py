@@ -1,14 +1,8 @@
-"""Run folders and their checkpoints: one step saved, loaded and verified as a unit.
+"""Run folders and their checkpoints: one step saved, loaded and verified as a unit, nothing pickled.
 
-A run folder holds ``config.json``, ``metrics.jsonl``, ``tokenizer/``, ``data_fingerprint.json``, ``.lock``,
-``checkpoint.json`` (names the current ``checkpoints/step-N``) and step folders with ``model.safetensors``,
-``trainer_state.safetensors``/``.json`` (optimizer, RNG and scaler state), ``config.json`` and
-``manifest.json`` (size and SHA-256 of each file). Nothing is pickled; pickled files are refused by name.
-:func:`save_checkpoint` writes into ``checkpoints/.tmp-*``, fsyncs, renames to ``step-N``, then switches
-``checkpoint.json``: a kill leaves the old or the new checkpoint current. The step before stays as a fallback
-that :func:`load_run` uses, with a warning, when the current one fails verification.
+A step is written into ``checkpoints/.tmp-*``, fsynced, renamed to ``step-N``; ``checkpoint.json`` is switched
+last, so a kill leaves the old or the new checkpoint current. The step before stays as a fallback.
 """
-
 from __future__ import annotations
 
 import json
@@ -33,8 +27,6 @@ from sinklens.sinklm.trainer_state import STATE, TENSORS, read_trainer_state, re
 CONFIG, WEIGHTS, TOKENIZER = "config.json", "model.safetensors", "tokenizer"
 POINTER, MANIFEST, CHECKPOINTS, METRICS = "checkpoint.json", "manifest.json", "checkpoints", "metrics.jsonl"
 FINGERPRINT, PERSISTENCE, FIGURE, LOCK = "data_fingerprint.json", "persistence_ref.json", "figures/training.png", ".lock"
-#: Trainer state pickled by earlier sinklens builds: never loaded (unpickling a file can run code), only named.
-PICKLED = ("trainer_state.pt", "optimizer.pt")
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 #: What a run writes at its top level (with ``checkpoints/step-*``): ``overwrite=True`` replaces these, nothing else.
 RUN_ENTRIES: tuple[str, ...] = (POINTER, CONFIG, METRICS, FINGERPRINT, PERSISTENCE, TOKENIZER, FIGURE)
@@ -160,17 +152,9 @@ def _manifest(path: Path) -> dict[str, Any]:
     return manifest if isinstance(manifest, dict) else {}
 
 
-def _pickled(folder: Path) -> str | None:
-    name = next((name for name in PICKLED if (folder / name).exists()), None)
-    return None if name is None else (f"{folder / name} is pickled trainer state (an earlier sinklens build's "
-                                      "format), which sinklens never loads: unpickling a file can run code")
-
-
 def verify_checkpoint(path: str | Path) -> str | None:
     """None if the step folder ``path`` is complete and every file matches its manifest, else what is wrong."""
     path = Path(path)
-    if pickled := _pickled(path):
-        return pickled
     if not (path / MANIFEST).is_file():
         return f"{path} has no {MANIFEST} (an unfinished write)"
     files = _manifest(path).get("files")
@@ -268,8 +252,6 @@ def load_run(run_dir: str | Path) -> RunCheckpoint:
                               f"earlier checkpoint of step {step} instead.", stacklevel=2)
             return RunCheckpoint(run_dir, path, step, load_train_config(path))
         problems.append(problem)
-    if not candidates and (pickled := _pickled(run_dir)):
-        problems.append(pickled)
     if problems:
         raise CorruptFileError(f"No good checkpoint in {str(run_dir)!r}: {'; '.join(problems)}.")
     raise NotFoundError(f"The run in {str(run_dir)!r} has no checkpoint yet (it stopped before its first one was "

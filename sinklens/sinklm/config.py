@@ -1,9 +1,5 @@
-"""Training configuration: nested dataclasses, validated in ``__post_init__``, read from JSON/TOML and flags.
-
-``TrainConfig(model=ModelConfig, optim=OptimConfig, data=DataConfig, eval=EvalConfig, ...)``; a bad value is an
-:class:`~sinklens.errors.InvalidArgumentError` naming the field. A run's ``config.json`` is exactly
-``TrainConfig.to_dict()``; unknown keys raise. :func:`parse_flags` sets fields from flags with tyro
-(``--optim.lr 3e-4``), :func:`apply_overrides` from ``--set key=value`` items.
+"""Training configuration: nested dataclasses validated in ``__post_init__`` (a bad value or unknown key is an
+InvalidArgumentError naming it); a run's ``config.json`` is ``TrainConfig.to_dict()``. Flags are parsed by tyro.
 
 Examples:
     >>> cfg = TrainConfig.from_dict({"steps": 10, "optim": {"lr": 1e-3}, "data": {"source": "markov"}})
@@ -15,7 +11,6 @@ Examples:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
@@ -48,11 +43,8 @@ LOCAL_DATA_SOURCES: tuple[str, ...] = ("text", "memmap")
 #: The synthetic tasks of :mod:`sinklens.train.data`: every sequence starts with the task's BOS token (id 0).
 SYNTHETIC_SOURCES: tuple[str, ...] = ("bigram-backcopy", "markov")
 
-#: Size/architecture presets for :meth:`ModelConfig.from_preset`. ``tiny`` runs in tests on a CPU;
-#: ``124m`` is the GPT-2-small shape (12 layers, d_model 768, 12 heads, n_ctx 1024, 50304 vocab,
-#: i.e. GPT-2's 50257 padded to a multiple of 64); ``124m-gpt2`` is the same with GPT-2 blocks;
-#: ``headnorm-cpu`` is the CPU configuration of the head-wise RMSNorm authors' comparison
-#: (4 layers, 4 heads, d_model 256, SwiGLU 1024, context 256, vocabulary 512, HeadNorm on).
+#: Presets of :meth:`ModelConfig.from_preset`: ``124m`` is GPT-2 small (vocabulary padded to 50304);
+#: ``headnorm-cpu`` is the CPU configuration of the head-wise RMSNorm authors' comparison.
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(family="llama", n_layers=2, d_model=64, n_heads=4, n_ctx=128, d_vocab=256),
     "tiny-gpt2": dict(family="gpt2", n_layers=2, d_model=64, n_heads=4, n_ctx=128, d_vocab=256),
@@ -174,9 +166,7 @@ class ModelConfig(_Part):
         return int(self.n_kv_heads or self.n_heads)
 
     def unset_derived(self, *, keep: typing.Iterable[str] = ()) -> ModelConfig:
-        """A copy, not validated again, whose :attr:`DERIVED` fields not in ``keep`` are None: a template whose
-        final config derives them from its own fields (``sinklens train`` over a preset).
-        """
+        """A copy (not validated) with the :attr:`DERIVED` fields not in ``keep`` set to None, to derive again."""
         template = dataclasses.replace(self)
         for name in self.DERIVED:
             if name not in keep:
@@ -185,12 +175,7 @@ class ModelConfig(_Part):
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> ModelConfig:
-        """A config from :data:`PRESETS` with some fields replaced.
-
-        Examples:
-            >>> ModelConfig.from_preset("tiny", variant="headwise_rms").d_head
-            16
-        """
+        """A config from :data:`PRESETS` with some fields replaced."""
         if name not in PRESETS:
             raise InvalidArgumentError(f"Unknown model preset {name!r}{did_you_mean(name, PRESETS)}; known presets are "
                                        f"{sorted(PRESETS)}.")
@@ -535,9 +520,6 @@ def set_flags(overrides: Sequence[str]) -> list[str]:
 def _tyro_errors(args: list[str]) -> Any:
     """A context in which tyro's parse errors raise one :class:`InvalidArgumentError` instead of printing a panel."""
     from tyro import _errors
-
-    if not hasattr(_errors, "on_parse_error"):
-        return contextlib.nullcontext()
 
     def reject(event: Any) -> None:
         arg = getattr(event, "argument", None)

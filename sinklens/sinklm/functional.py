@@ -34,15 +34,7 @@ def rotary_tables(n_ctx: int, d_head: int, base: float) -> tuple[Tensor, Tensor]
 
 
 def rope(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Tensor) -> Float[Tensor, "batch pos head d_head"]:
-    """Rotate ``x[:, t]`` by position ``t``'s angles: ``x ⊙ cos + rotate_half(x) ⊙ sin``, ``rotate_half(x) = [-x₂, x₁]``.
-
-    Examples:
-        >>> cos, sin = rotary_tables(n_ctx=3, d_head=2, base=10000.0)
-        >>> rope(torch.tensor([1.0, 0.0]).expand(1, 3, 1, 2), cos, sin)[0, :, 0]  # (cos t, sin t)
-        tensor([[ 1.0000,  0.0000],
-                [ 0.5403,  0.8415],
-                [-0.4161,  0.9093]])
-    """
+    """Rotate ``x[:, t]`` by position ``t``'s angles: ``x ⊙ cos + rotate_half(x) ⊙ sin``, ``rotate_half(x) = [-x₂, x₁]``."""
     T = x.shape[1]
     cos, sin = cos[:T, None, :].to(x.dtype), sin[:T, None, :].to(x.dtype)  # (T, 1, d_head)
     x1, x2 = x.chunk(2, dim=-1)

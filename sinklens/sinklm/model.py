@@ -1,12 +1,7 @@
 """SinkLM: a small decoder for pretraining with attention variants, hooked and shaped like TransformerLens.
 
-Hook names, shapes and weight properties are TransformerLens' (``hook_embed``, ``blocks.{l}.hook_resid_pre``,
-``ln1.hook_scale``/``hook_normalized`` before the gain, ``attn.hook_q/k/v`` before qk-norm and RoPE,
-``hook_rot_q/k``, ``hook_attn_scores`` (the logits, ``-inf`` above the diagonal; a hook's ``-inf`` removes a
-key in every variant), ``hook_pattern``, ``hook_z`` (the raw aggregation), ``hook_attn_out``,
-``mlp.hook_pre``/``hook_pre_linear``/``hook_post``, ``hook_mlp_out``), plus each variant's own hooks, so every
-sinklens analyzer works on it unchanged. ``SinkLM.head_output_site`` names what enters ``W_O``. A softmax
-variant uses ``F.scaled_dot_product_attention`` unless its scores or pattern are hooked (same function, tested).
+Hook names, shapes and weight properties are TransformerLens', plus each variant's own hooks, so every sinklens
+analyzer runs on it. A softmax variant uses SDPA unless its scores or pattern are hooked (same function, tested).
 """
 
 from __future__ import annotations
@@ -40,10 +35,18 @@ def _hooked(hp: HookPoint) -> bool:
     return bool(hp.fwd_hooks or hp.bwd_hooks or hp._forward_hooks or hp._backward_hooks)
 
 
+def _stacked(get: Any) -> property:
+    """A read-only property stacking ``get(block)`` over the layers."""
+    return property(lambda self: torch.stack([get(block) for block in self.blocks]))
+
+
+def _bias(module: nn.Module, name: str, weight: Tensor, dims: tuple[int, ...]) -> Tensor:
+    """``module.name``, or zeros shaped like ``weight``'s ``dims`` where the family has no such bias."""
+    return getattr(module, name) if hasattr(module, name) else weight.new_zeros([weight.shape[d] for d in dims])
+
+
 class RMSNorm(nn.Module):
-    """``w ⊙ x / sqrt(mean(x²) + eps)`` in float32; ``hook_normalized`` is before ``w``, as in TransformerLens.
-    Unhooked, it runs :func:`~sinklens.sinklm.variants.rms_norm` (``F.rms_norm``; same numbers, tested).
-    """
+    """``w ⊙ x / sqrt(mean(x²) + eps)`` in float32; ``hook_normalized`` is before ``w``, as in TransformerLens."""
 
     def __init__(self, d_model: int, eps: float) -> None:
         super().__init__()
@@ -80,10 +83,8 @@ class LayerNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal multi-head (grouped-query) attention with TransformerLens parameters (``W_Q [head, d_model, d_head]``,
-    ``W_K``/``W_V [kv_head, ...]``, ``W_O``, gpt2 biases) and hooks; query head ``h`` reads kv head
-    ``h // (n_heads // n_kv_heads)``. The variant is the submodule ``variant``.
-    """
+    """Causal grouped-query attention with TransformerLens parameters and hooks; query head ``h`` reads kv head
+    ``h // (n_heads // n_kv_heads)``."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -119,10 +120,6 @@ class Attention(nn.Module):
         for site in self.variant.hook_sites:
             setattr(self, site, HookPoint())
 
-    def _rope(self, x: Tensor) -> Tensor:
-        """Rotary position embedding, rotate-half convention (:func:`~sinklens.sinklm.functional.rope`)."""
-        return rope(x, self.rope_cos, self.rope_sin)
-
     def project(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor, Tensor]:
         """Queries ``[batch, pos, head, d_head]``, keys/values ``[batch, pos, kv_head, d_head]``, hooked; one matmul."""
         B, T, D = x.shape
@@ -135,17 +132,14 @@ class Attention(nn.Module):
         q, k, v = self.hook_q(q), self.hook_k(k), self.hook_v(v)
         q, k = self.variant.transform_qk(q, k, self)
         if self.rotary:
-            q, k = self.hook_rot_q(self._rope(q)), self.hook_rot_k(self._rope(k))
+            q = self.hook_rot_q(rope(q, self.rope_cos, self.rope_sin))
+            k = self.hook_rot_k(rope(k, self.rope_cos, self.rope_sin))
         return q, k, v
 
     def needs_explicit(self) -> bool:
         """True if the scores/pattern must be materialised: a non-softmax variant or a hook on them."""
-        if not self.variant.uses_sdpa:
-            return True
-        for hp in (self.hook_attn_scores, self.hook_pattern):
-            if hp.fwd_hooks or hp.bwd_hooks:
-                return True
-        return False
+        hooked = (hp.fwd_hooks or hp.bwd_hooks for hp in (self.hook_attn_scores, self.hook_pattern))
+        return not self.variant.uses_sdpa or any(hooked)
 
     def aggregate(self, q: Tensor, k: Tensor, v: Tensor, *, explicit: bool) -> Float[Tensor, "batch pos head d_head"]:
         """The raw head outputs ``z = Σ_k pattern[q, k] v_k`` (before ``hook_z``)."""
@@ -229,8 +223,7 @@ class SinkLM(HookedRootModule):
     biases), tied embeddings, attention variant ``cfg.variant``.
 
     Init as GPT-2: weights ~ N(0, init_std²), ``W_O``/``W_out`` ~ N(0, (init_std / sqrt(2·n_layers))²); a
-    ``headwise_rms`` model then calibrates its gains (:func:`calibrate_headwise_gains`, seeded). Dropout never
-    touches attention weights, so both attention paths agree.
+    ``headwise_rms`` model then calibrates its gains (:func:`calibrate_headwise_gains`, seeded).
 
     Examples:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -339,10 +332,7 @@ class SinkLM(HookedRootModule):
         ]
 
     def num_params(self, *, non_embedding: bool = False) -> int:
-        """Number of parameters (the tied embedding counted once).
-
-        ``non_embedding=True`` leaves out the token (and position) embedding tables.
-        """
+        """Number of parameters (the tied embedding once; none of the embedding tables with ``non_embedding``)."""
         n = sum(p.numel() for p in self.parameters())
         if non_embedding:
             n -= self.W_E.numel() + (self.W_pos.numel() if self.cfg.family == "gpt2" else 0)
@@ -367,9 +357,6 @@ class SinkLM(HookedRootModule):
         return self.blocks[layer].attn.variant.output_gain()
 
     # ------------------------------------------------------ weight properties
-    def _stack(self, get) -> Tensor:
-        return torch.stack([get(block) for block in self.blocks], dim=0)
-
     @property
     def W_E(self) -> Float[Tensor, "d_vocab d_model"]:
         return self.embed.W_E
@@ -388,68 +375,23 @@ class SinkLM(HookedRootModule):
     def b_U(self) -> Float[Tensor, " d_vocab"]:
         return torch.zeros(self.cfg.d_vocab, device=self.W_E.device, dtype=self.W_E.dtype)
 
-    @property
-    def W_Q(self) -> Float[Tensor, "layer head d_model d_head"]:
-        return self._stack(lambda b: b.attn.W_Q)
-
-    @property
-    def W_K(self) -> Float[Tensor, "layer kv_head d_model d_head"]:
-        return self._stack(lambda b: b.attn.W_K)
-
-    @property
-    def W_V(self) -> Float[Tensor, "layer kv_head d_model d_head"]:
-        return self._stack(lambda b: b.attn.W_V)
-
-    @property
-    def W_O(self) -> Float[Tensor, "layer head d_head d_model"]:
-        return self._stack(lambda b: b.attn.W_O)
-
-    def _bias(self, name: str, shape: tuple[int, ...]) -> Tensor:
-        ref = self.W_E
-        return self._stack(
-            lambda b: getattr(b.attn, name) if b.attn.has_bias else torch.zeros(shape, device=ref.device, dtype=ref.dtype)
-        )
-
-    @property
-    def b_Q(self) -> Float[Tensor, "layer head d_head"]:
-        return self._bias("b_Q", (self.cfg.n_heads, self.cfg.d_head))
-
-    @property
-    def b_K(self) -> Float[Tensor, "layer kv_head d_head"]:
-        return self._bias("b_K", (self.cfg.n_key_value_heads, self.cfg.d_head))
-
-    @property
-    def b_V(self) -> Float[Tensor, "layer kv_head d_head"]:
-        return self._bias("b_V", (self.cfg.n_key_value_heads, self.cfg.d_head))
-
-    @property
-    def b_O(self) -> Float[Tensor, "layer d_model"]:
-        return self._bias("b_O", (self.cfg.d_model,))
-
-    @property
-    def W_in(self) -> Float[Tensor, "layer d_model d_mlp"]:
-        return self._stack(lambda b: b.mlp.W_in)
+    # TransformerLens' stacked weights, [layer, ...]; a bias the family lacks is zeros
+    W_Q = _stacked(lambda b: b.attn.W_Q)  # [layer, head, d_model, d_head]
+    W_K = _stacked(lambda b: b.attn.W_K)  # [layer, kv_head, d_model, d_head]
+    W_V = _stacked(lambda b: b.attn.W_V)  # [layer, kv_head, d_model, d_head]
+    W_O = _stacked(lambda b: b.attn.W_O)  # [layer, head, d_head, d_model]
+    b_Q = _stacked(lambda b: _bias(b.attn, "b_Q", b.attn.W_Q, (0, 2)))  # [layer, head, d_head]
+    b_K = _stacked(lambda b: _bias(b.attn, "b_K", b.attn.W_K, (0, 2)))  # [layer, kv_head, d_head]
+    b_V = _stacked(lambda b: _bias(b.attn, "b_V", b.attn.W_V, (0, 2)))  # [layer, kv_head, d_head]
+    b_O = _stacked(lambda b: _bias(b.attn, "b_O", b.attn.W_O, (2,)))  # [layer, d_model]
+    W_in = _stacked(lambda b: b.mlp.W_in)  # [layer, d_model, d_mlp]
+    W_out = _stacked(lambda b: b.mlp.W_out)  # [layer, d_mlp, d_model]
+    b_in = _stacked(lambda b: _bias(b.mlp, "b_in", b.mlp.W_in, (1,)))  # [layer, d_mlp]
+    b_out = _stacked(lambda b: _bias(b.mlp, "b_out", b.mlp.W_out, (1,)))  # [layer, d_model]
 
     @property
     def W_gate(self) -> Float[Tensor, "layer d_model d_mlp"] | None:
-        return self._stack(lambda b: b.mlp.W_gate) if self.cfg.family == "llama" else None
-
-    @property
-    def W_out(self) -> Float[Tensor, "layer d_mlp d_model"]:
-        return self._stack(lambda b: b.mlp.W_out)
-
-    @property
-    def b_in(self) -> Float[Tensor, "layer d_mlp"]:
-        ref = self.W_E
-        zeros = torch.zeros(int(self.cfg.d_mlp), device=ref.device, dtype=ref.dtype)
-        return self._stack(lambda b: zeros if b.mlp.gated else b.mlp.b_in)
-
-    @property
-    def b_out(self) -> Float[Tensor, "layer d_model"]:
-        ref = self.W_E
-        zeros = torch.zeros(self.cfg.d_model, device=ref.device, dtype=ref.dtype)
-        return self._stack(lambda b: zeros if b.mlp.gated else b.mlp.b_out)
-
+        return torch.stack([b.mlp.W_gate for b in self.blocks]) if self.cfg.family == "llama" else None
 
 def _set_gain(gain: nn.Parameter, per_head: Tensor) -> None:
     if gain.ndim == 2:

@@ -17,7 +17,7 @@ from sinklens.errors import CorruptFileError, InvalidArgumentError, OutputExists
 from sinklens.export import write_json
 from sinklens.folder_lock import FolderLock
 from sinklens.sinklm.checkpoint import (
-    _STEP_DIR, CHECKPOINTS, CONFIG, FIGURE, FINGERPRINT, LOCK, PERSISTENCE, PICKLED, POINTER, RUN_ENTRIES, TOKENIZER,
+    _STEP_DIR, CHECKPOINTS, CONFIG, FIGURE, FINGERPRINT, LOCK, PERSISTENCE, POINTER, RUN_ENTRIES, TOKENIZER,
     WEIGHTS, _fsync, _pointer, _remove, _step_dirs, has_checkpoint, is_run_dir, load_run, load_train_config,
 )
 from sinklens.sinklm.config import LOCAL_DATA_SOURCES, TrainConfig
@@ -28,9 +28,9 @@ RUN_IDENTITY: tuple[str, ...] = ("model.", "data.", "seed")
 RESUME_FREE: frozenset[str] = frozenset({"data.cache_dir"})
 #: Entries that a folder which is not a run may not hold for a run to start there (it would replace them, or be
 #: loaded with them: another tool's model or tokenizer).
-FOREIGN_BLOCKERS: tuple[str, ...] = (CONFIG, POINTER, CHECKPOINTS, TOKENIZER, WEIGHTS, *PICKLED, PERSISTENCE,
-                                     FINGERPRINT, FIGURE, "pytorch_model.bin", "model.safetensors.index.json",
-                                     "tokenizer.json", "tokenizer_config.json")
+FOREIGN_BLOCKERS: tuple[str, ...] = (
+    CONFIG, POINTER, CHECKPOINTS, TOKENIZER, WEIGHTS, "trainer_state.pt", "optimizer.pt", PERSISTENCE, FINGERPRINT,
+    FIGURE, "pytorch_model.bin", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json")
 
 
 def resume_config(out: str | Path) -> TrainConfig | None:
@@ -159,10 +159,16 @@ def _own_entries(run_dir: Path) -> list[str]:
     return names
 
 
-def _prune_empty(run_dir: Path) -> None:
-    for folder in (CHECKPOINTS, "figures"):
+def _move_run(source: Path, target: Path) -> None:
+    """Move the run's own entries from ``source`` to ``target``; ``checkpoints/`` and ``figures/`` left empty go."""
+    for name in _own_entries(source):
+        (target / name).parent.mkdir(parents=True, exist_ok=True)
+        os.replace(source / name, target / name)
+    for folder in (source / CHECKPOINTS, source / "figures", target / CHECKPOINTS, target / "figures"):
         with contextlib.suppress(OSError):  # only when empty: other files in it stay
-            (run_dir / folder).rmdir()
+            folder.rmdir()
+    _fsync(source)
+    _fsync(target)
 
 
 def set_aside_run(run_dir: str | Path) -> Path | None:
@@ -170,15 +176,10 @@ def set_aside_run(run_dir: str | Path) -> Path | None:
     (None: nothing there); deleted at the new run's first checkpoint, put back if it fails before."""
     run_dir = Path(run_dir)
     clean_stale(run_dir)
-    names = _own_entries(run_dir)
-    if not names:
+    if not _own_entries(run_dir):
         return None
     aside = run_dir / f".overwritten-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    for name in names:
-        (aside / name).parent.mkdir(parents=True, exist_ok=True)
-        os.replace(run_dir / name, aside / name)
-    _prune_empty(run_dir)
-    _fsync(run_dir)
+    _move_run(run_dir, aside)
     return aside
 
 
@@ -187,14 +188,8 @@ def restore_set_aside(run_dir: str | Path, aside: Path) -> None:
     run_dir = Path(run_dir)
     for name in _own_entries(run_dir):
         _remove(run_dir / name)
-    for path in sorted(aside.rglob("*")):
-        name = path.relative_to(aside).as_posix()
-        if name in RUN_ENTRIES or (name.startswith(f"{CHECKPOINTS}/") and name.count("/") == 1):
-            (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
-            os.replace(path, run_dir / name)
+    _move_run(aside, run_dir)
     shutil.rmtree(aside, ignore_errors=True)
-    _prune_empty(run_dir)
-    _fsync(run_dir)
 
 
 def set_aside_runs(run_dir: str | Path) -> list[Path]:

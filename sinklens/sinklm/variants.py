@@ -7,16 +7,13 @@ A variant changes up to four steps of a head, in this order (:class:`sinklens.si
     pattern = variant.normalize(scores)          # softmax / sigmoid / softpick ..., then hook_pattern
     z = variant.transform_z(pattern @ v, x)      # after hook_z: headwise_rms / gated, at its own hook
 
-``uses_sdpa = True`` marks plain softmax in the middle two steps: the model then uses
-``F.scaled_dot_product_attention`` whenever nothing hooks the scores or pattern (same function, tested).
-Variants: ``baseline``, ``headwise_rms``, ``gated``, ``qk_norm``, ``sigmoid``, ``sink_logit``,
-``softpick``, ``variance_calibrated``; add your own with :func:`register_attention_variant`.
+``uses_sdpa = True`` marks plain softmax in the middle two steps (SDPA runs unless they are hooked).
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -75,7 +72,7 @@ class AttentionVariant(nn.Module):
 
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
-        """Raise ``ValueError`` if ``options`` names an option this variant does not take."""
+        """Raise InvalidArgumentError if ``options`` names an option this variant does not take."""
         unknown = sorted(set(options) - set(cls.defaults))
         if unknown:
             raise InvalidArgumentError(
@@ -280,15 +277,7 @@ _VARIANTS: dict[str, type[AttentionVariant]] = {}
 
 
 def register_attention_variant(name: str, cls: type[AttentionVariant]) -> type[AttentionVariant]:
-    """Register an :class:`AttentionVariant` subclass under ``name``; raises ``ValueError`` if taken.
-
-    Examples:
-        >>> class Mine(AttentionVariant):
-        ...     pass
-        >>> _ = register_attention_variant("doctest_mine", Mine)
-        >>> get_attention_variant("doctest_mine") is Mine
-        True
-    """
+    """Register an :class:`AttentionVariant` subclass under ``name``; raises ``ValueError`` if taken."""
     if name in _VARIANTS:
         raise ValueError(
             f"Attention variant {name!r} is already registered ({_VARIANTS[name].__name__}); pick another name."
@@ -300,7 +289,7 @@ def register_attention_variant(name: str, cls: type[AttentionVariant]) -> type[A
 
 
 def get_attention_variant(name: str) -> type[AttentionVariant]:
-    """The variant class registered under ``name``; ``ValueError`` listing the known names otherwise."""
+    """The variant class registered under ``name``; InvalidArgumentError listing the known names otherwise."""
     try:
         return _VARIANTS[name]
     except KeyError:
@@ -313,20 +302,6 @@ def attention_variants() -> list[str]:
     return sorted(_VARIANTS)
 
 
-for _name, _cls in [
-    ("baseline", Baseline),
-    ("headwise_rms", HeadwiseRMSNorm),
-    ("gated", Gated),
-    ("qk_norm", QKNorm),
-    ("sigmoid", SigmoidAttention),
-    ("sink_logit", SinkLogit),
-    ("softpick", Softpick),
-]:
-    register_attention_variant(_name, _cls)
-
-
-
-CalibrationMode = Literal["amplify", "attenuate", "position_amplify", "position_attenuate"]
 CALIBRATION_MODES: tuple[str, ...] = ("amplify", "attenuate", "position_amplify", "position_attenuate")
 
 
@@ -394,4 +369,7 @@ class VarianceCalibrated(AttentionVariant):
         return attn.hook_z_calibrated(z * f.to(z.dtype))
 
 
-register_attention_variant("variance_calibrated", VarianceCalibrated)
+for _name, _cls in [("baseline", Baseline), ("headwise_rms", HeadwiseRMSNorm), ("gated", Gated),
+                    ("qk_norm", QKNorm), ("sigmoid", SigmoidAttention), ("sink_logit", SinkLogit),
+                    ("softpick", Softpick), ("variance_calibrated", VarianceCalibrated)]:
+    register_attention_variant(_name, _cls)

@@ -507,8 +507,8 @@ class _Payload:
 
 
 def test_a_crafted_pickle_in_a_run_is_refused_never_unpickled(tmp_path, capsys):
-    """Pickled trainer state (``trainer_state.pt`` / ``optimizer.pt``, as earlier builds wrote, with a manifest that
-    matches them) is named and refused by ``train --resume`` and ``analyze --model RUN``; it is never unpickled."""
+    """Pickled trainer state (``trainer_state.pt`` / ``optimizer.pt``, with a manifest that matches them) is refused by
+    ``train --resume`` and ``analyze --model RUN`` as a checkpoint without its safetensors state; never unpickled."""
     marker = tmp_path / "marker"
     train(build_cfg(steps=4), out_dir=tmp_path / "run", progress=False, until=2)
     step = load_run(tmp_path / "run").path
@@ -527,12 +527,13 @@ def test_a_crafted_pickle_in_a_run_is_refused_never_unpickled(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "--out", str(tmp_path / "run"), "--resume", "--no-progress"]) != 0
     err = " ".join(capsys.readouterr().err.split())
-    assert "trainer_state.pt is pickled trainer state" in err and "never loads" in err and "Traceback" not in err
-    for run in (tmp_path / "run", flat):
+    assert "No good checkpoint" in err and "trainer_state.json" in err and "Traceback" not in err
+    for run, error, what in ((tmp_path / "run", CorruptFileError, "No good checkpoint"),
+                             (flat, NotFoundError, "has no checkpoint yet")):
         assert main(["analyze", "--model", str(run), "--text", "a b", "--out", str(tmp_path / "report")]) != 0
         err = " ".join(capsys.readouterr().err.split())
-        assert "trainer_state.pt is pickled trainer state" in err and "Traceback" not in err
-        with pytest.raises(CorruptFileError, match="never loads: unpickling a file can run code"):
+        assert what in err and "Traceback" not in err
+        with pytest.raises(error, match=what):
             sinklens.load_model(run, device="cpu")
     assert not marker.exists()
 
