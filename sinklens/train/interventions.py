@@ -22,10 +22,7 @@ def resolve_interventions(model: Any, interventions: Sequence[Intervention]) -> 
     or callables of the model."""
     from sinklens.interventions import registry
 
-    hooks: Hooks = []
-    for item in interventions:
-        hooks.extend(registry.build(model, item))
-    return hooks
+    return [hook for item in interventions for hook in registry.build(model, item)]
 
 
 def check_interventions(interventions: Sequence[Intervention]) -> None:
