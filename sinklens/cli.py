@@ -1,10 +1,6 @@
-"""The ``sinklens`` command line: ``sinklens analyze | intervene | train | compare | origins | fingerprint | context``.
-
-Each sub-command module under :mod:`sinklens.commands` exposes ``add_parser(subparsers)``; this file
-dispatches and applies the error contract (:func:`sinklens.errors.exit_code_for`): a user error prints one
-line ``sinklens CMD: error: ...`` and exits 2, a failure exits 1, Ctrl-C 130; ``--debug`` or
-``SINKLENS_DEBUG=1`` adds the traceback; warnings print as one line.
-"""
+"""The ``sinklens`` command line: dispatch to :mod:`sinklens.commands` and apply the error contract
+(:func:`sinklens.errors.exit_code_for`): one line ``sinklens CMD: error: ...`` and exit 2 for a user error, 1 for
+a failure, 130 for Ctrl-C; ``--debug`` or ``SINKLENS_DEBUG=1`` adds the traceback."""
 
 from __future__ import annotations
 
@@ -28,12 +24,6 @@ def _debug_from_env() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
 
 
-def _add_unavailable(sub: Any, name: str, err: BaseException) -> None:
-    """A stand-in for a sub-command whose module failed to import: it reports the import error."""
-    parser = sub.add_parser(name, help=f"(unavailable: {type(err).__name__}: {one_line(err)})", add_help=False)
-    parser.set_defaults(_unavailable=err)  # main() reports it when the command is run
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sinklens", description="Find, explain and control attention sinks.",
@@ -46,10 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
             module = importlib.import_module(f"sinklens.commands.{name}")
             module.add_parser(sub)
         except Exception as err:  # never drop a sub-command silently: it reports this error when run
-            if name in sub.choices:  # add_parser itself failed half-way
-                del sub.choices[name]
-            _add_unavailable(sub, name, err)
+            sub.choices.pop(name, None)  # add_parser itself failed half-way
+            stand_in = sub.add_parser(name, add_help=False,
+                                      help=f"(unavailable: {type(err).__name__}: {one_line(err)})")
+            stand_in.set_defaults(_unavailable=err)  # main() reports it when the command is run
             continue
+        sub.choices[name].set_defaults(_parser=sub.choices[name])
         # SUPPRESS: `--debug` after the sub-command sets the flag, its absence keeps the top-level value.
         sub.choices[name].add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                                        help=f"show Python tracebacks (also {DEBUG_ENV}=1)")
@@ -72,13 +64,6 @@ def report_error(command: str, err: BaseException, *, debug: bool, stream: Any =
     return code
 
 
-def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
-            return action.choices[command]
-    return parser
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run one command; return its exit code (see :func:`sinklens.errors.exit_code_for`)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -95,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     if extra and unavailable is None and not getattr(args, "accepts_config_flags", False):
         import difflib
 
-        command = _subparser(parser, args.command)
+        command = args._parser
         match = difflib.get_close_matches(extra[0], list(command._option_string_actions), n=1)
         command.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {match[0]}?)" if match else ""))
     args.config_flags = extra
@@ -117,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _stdout_to_devnull() -> None:
-    """Point stdout at /dev/null so Python's flush at exit does not hit the closed pipe again."""
     try:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     except (AttributeError, OSError, ValueError):  # no real file descriptor (a captured stdout): nothing to redirect
@@ -126,8 +110,7 @@ def _stdout_to_devnull() -> None:
 
 @contextlib.contextmanager
 def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM is handled as Ctrl-C while the command runs (same clean-ups, exit 130), except where it is
-    ignored or outside the main thread; ``sinklens train`` installs its own handler inside."""
+    """SIGTERM is handled as Ctrl-C (exit 130), except where it is ignored or outside the main thread."""
     import signal
     import threading
 
@@ -147,7 +130,6 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _cli_warnings(command: str, *, debug: bool) -> Iterator[None]:
-    """Warnings print as one line ``sinklens CMD: warning: ...`` unless ``debug``."""
     if debug:
         yield
         return

@@ -21,8 +21,6 @@ DEFAULT_RANDOM_SEQUENCES = 16
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Help at most 100 columns wide (less on a narrower terminal); descriptions keep their own line breaks."""
-
     def __init__(self, prog: str) -> None:
         import shutil
 
@@ -30,35 +28,30 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 def add_command(subparsers: Any, name: str, doc: str | None, *, help: str) -> argparse.ArgumentParser:
-    """The parser of the sub-command ``name``: ``help`` in ``sinklens --help``; its module's docstring ``doc``
-    (plain text) as the description."""
+    """The parser of the sub-command ``name``, its module's docstring ``doc`` as the description."""
     return subparsers.add_parser(name, help=help, description=doc, formatter_class=HelpFormatter)
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
-    """``--batch-size``, ``--device`` and ``--dtype``, the same in every command (:func:`check_model_flags`)."""
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, metavar="N", help="sequences per forward pass (default: %(default)s)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
     parser.add_argument("--dtype", default=None, help="float32 (default), float64, bfloat16, float16")
 
 
 def add_bos_flag(parser: argparse.ArgumentParser) -> None:
-    """``--bos/--no-bos``: put the tokenizer's BOS token before each text or not; neither: as the model's own
-    tokenizer does (:data:`~sinklens.options.PREPEND_BOS`)."""
     parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=PREPEND_BOS,
                         help="prepend the tokenizer's BOS token, or not (it moves the sink; "
                         "default: as the model's own tokenizer does)")
 
 
 def add_json_flag(parser: argparse.ArgumentParser, what: str) -> None:
-    """``--json FILE``: ``what`` as strict JSON in FILE (``-``: stdout, the tables then go to stderr)."""
     parser.add_argument("--json", metavar="FILE", default=None,
                         help=f"write {what} as strict JSON to FILE (-: to stdout)")
 
 
 def json_target(path: str | None, *, overwrite: bool) -> Path | str | None:
     """The ``--json`` target, checked before any work: None, ``"-"`` (stdout) or a writable file outside a
-    training run's own files, holding no finished result unless ``overwrite``."""
+    training run, holding no finished result unless ``overwrite``."""
     from sinklens.validate import no_finished_output, writable_file
 
     if path is None or path == "-":
@@ -70,7 +63,7 @@ def json_target(path: str | None, *, overwrite: bool) -> Path | str | None:
 
 
 def write_json_target(target: Path | str | None, data: Any, *, overwrite: bool) -> None:
-    """Write ``data`` to the ``--json`` target at full precision (strict JSON: NaN and inf as null)."""
+    """Write ``data`` to the ``--json`` target at full precision (strict JSON)."""
     from sinklens.export import dumps, write_json
 
     if target == "-":
@@ -80,7 +73,6 @@ def write_json_target(target: Path | str | None, data: Any, *, overwrite: bool) 
 
 
 def check_model_flags(args: argparse.Namespace) -> None:
-    """Refuse a wrong flag of :func:`add_model_flags` by name, before the model loads."""
     from sinklens.validate import device, dtype, positive_int
 
     positive_int(args.batch_size, what="--batch-size")
@@ -91,7 +83,6 @@ def check_model_flags(args: argparse.Namespace) -> None:
 
 
 def add_overwrite_flag(parser: argparse.ArgumentParser, finished: str) -> None:
-    """``--overwrite``: replace ``finished`` (what the command refuses to write over without it)."""
     parser.add_argument("--overwrite", action="store_true",
                         help=f"replace {finished} (refused without it)")
 
@@ -99,12 +90,8 @@ def add_overwrite_flag(parser: argparse.ArgumentParser, finished: str) -> None:
 @contextlib.contextmanager
 def result_folder(out: Path, finished: Sequence[str], *, overwrite: bool, flag: str = "--out",
                   existed: bool = True) -> Iterator[None]:
-    """Hold ``out`` for this command while it computes and writes a result there.
-
-    A :class:`~sinklens.folder_lock.FolderLock` on ``out/.sinklens.lock`` (rank 0 only under ``torchrun``) refuses a
-    second sinklens process writing the same folder; under it the ``finished`` files are checked again. On any
-    failure an ``out`` that did not exist before (``existed=False``) and is left empty is removed.
-    """
+    """Lock ``out`` (rank 0 only) while this command writes a result there, checking the ``finished`` files
+    again under the lock; on failure an ``out`` that did not exist before and is left empty is removed."""
     from sinklens.distributed import writes_outputs
     from sinklens.folder_lock import OUTPUT_LOCK, FolderLock
     from sinklens.validate import no_finished_output
@@ -120,8 +107,8 @@ def result_folder(out: Path, finished: Sequence[str], *, overwrite: bool, flag: 
 
 
 def outside_run_internals(path: Path, *, what: str, file: bool) -> None:
-    """Refuse (:class:`~sinklens.errors.OutputNotWritableError`) an output ``path`` (a folder, or a ``file``) under a
-    run's ``checkpoints/`` (pruned by training) or ``tokenizer/``, or one of a run's top-level files."""
+    """Refuse an output ``path`` (a folder, or a ``file``) under a run's ``checkpoints/`` or ``tokenizer/``, or one
+    of a run's top-level files."""
     from sinklens.errors import OutputNotWritableError
     from sinklens.sinklm.checkpoint import CHECKPOINTS, RUN_ENTRIES, TOKENIZER, is_run_dir
 
@@ -143,14 +130,9 @@ def outside_run_internals(path: Path, *, what: str, file: bool) -> None:
 
 def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, text_flag: str | None,
                         prepend_bos: bool | None) -> list[TokenBatch] | None:
-    """The random-token batches a command runs on, or None when it runs on text.
-
-    ``args.random_tokens`` sequences of ``args.seq_len`` tokens (default ``min(SEQ_LEN, n_ctx)``; a longer one, or
-    one for a run on text, is refused) when asked for. A model without a tokenizer runs on
-    :data:`DEFAULT_RANDOM_SEQUENCES` such sequences, said on stderr, and refuses ``text_flag``. Random sequences
-    start with BOS when ``prepend_bos`` (None: when the model's own tokenizer adds one) and the model has one (its
-    tokenizer's, or token 0 for a synthetic-task run).
-    """
+    """The random-token batches a command runs on, or None when it runs on text: ``args.random_tokens``
+    sequences of ``args.seq_len`` tokens (default ``min(SEQ_LEN, n_ctx)``); a model without a tokenizer runs on
+    :data:`DEFAULT_RANDOM_SEQUENCES` of them. They start with BOS when ``prepend_bos`` and the model has one."""
     from sinklens import distributed
     from sinklens.hooks import model_dims
     from sinklens.inputs import random_token_batches, resolved_bos
@@ -161,7 +143,6 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
     seq_len_within_context(args.seq_len, n_ctx)
     batch_size = getattr(args, "batch_size", BATCH_SIZE)
     bos = resolved_bos(model, prepend_bos) and (has_tokenizer or trained_with_bos_zero(model))
-    # the default is capped at the model's context; a --seq-len beyond it was refused just above
     seq_len = args.seq_len or min(SEQ_LEN, n_ctx)
     if args.random_tokens is not None:
         return random_token_batches(model, n_sequences=args.random_tokens, seq_len=seq_len,
@@ -184,7 +165,7 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
 
 
 def trained_with_bos_zero(model: Any) -> bool:
-    """Whether ``model`` is a ``sinklens train`` run on a synthetic task, whose sequences all start with BOS id 0."""
+    """Whether ``model`` was trained on a synthetic task, whose sequences all start with BOS id 0."""
     from sinklens.sinklm.config import SYNTHETIC_SOURCES
 
     train_config = getattr(model, "train_config", None)

@@ -23,8 +23,7 @@ from sinklens.options import SEQ_LEN
 if TYPE_CHECKING:
     from sinklens.sinklm.config import TrainConfig
 
-#: The data sources named on the command line (``DATA_SOURCES`` of :mod:`sinklens.sinklm.config` has the same
-#: first two, a test keeps them equal); any other --data is a path or hf:NAME.
+#: The synthetic --data sources; any other --data is a path or hf:NAME.
 SYNTHETIC_DATA = ("bigram-backcopy", "markov")
 
 
@@ -58,7 +57,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _data_overrides(spec: str) -> list[str]:
-    """``--data`` → ``data.source`` / ``data.path`` overrides; text, memmap and hf data set ``model.d_vocab=auto``."""
+    """``--data`` as ``data.source`` / ``data.path`` overrides; text, memmap and hf set ``model.d_vocab=auto``."""
     if spec in SYNTHETIC_DATA:
         return [f"data.source={spec}"]
     if spec.startswith("hf:"):
@@ -70,7 +69,6 @@ def _data_overrides(spec: str) -> list[str]:
 
 
 def _model_table(path: str) -> dict:
-    """The ``[model]`` table of a config file as written (the keys it sets), ``{}`` without one."""
     import json
     import tomllib
 
@@ -81,12 +79,8 @@ def _model_table(path: str) -> dict:
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
-    """The run's :class:`TrainConfig`: config file, the run's own config (``--resume``) or preset, then the short
-    flags, ``--set`` items and field flags (``args.config_flags``), applied in that order by one tyro parse.
-
-    With both ``--preset`` and ``--config``, the model is the preset with the file's ``[model]`` keys over it.
-    Derived model fields (``n_kv_heads``, ``d_mlp``) that neither sets follow the final fields.
-    """
+    """The run's :class:`TrainConfig`: config file, the run's own config (``--resume``) or preset (the file's
+    ``[model]`` keys over it), then the short flags, ``--set`` items and field flags, by one tyro parse."""
     from dataclasses import fields, replace
 
     from sinklens.specs import split_spec
@@ -183,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
 
 def fields_help() -> str:
     """``sinklens train --fields``: one line per field flag, its type, default and the first sentence of its
-    description in the dataclass docstring."""
+    description."""
     import re
     import typing
 

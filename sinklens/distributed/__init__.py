@@ -1,6 +1,5 @@
-"""Scale an analysis out over ``torchrun`` processes: each streams a share of the batches, then every
-reducer's statistics are gathered and merged in rank order, so each process ends with what one process
-gives (up to float64 rounding). Only inside :func:`session`; NCCL on CUDA, gloo on the CPU.
+"""Scale an analysis out over ``torchrun`` processes inside :func:`session`: each streams a share of the
+batches, then the reducers' statistics are merged in rank order (what one process gives, up to float64 rounding).
 
 Examples:
     >>> shard_bounds(5, rank=0, world_size=2), shard_bounds(5, rank=1, world_size=2)
@@ -29,8 +28,7 @@ _DEVICE: str | None = None
 @contextmanager
 def session(device: str | None = None) -> Iterator[str | None]:
     """Join the ``torchrun`` process group for the block and yield the device to load on (``cuda:LOCAL_RANK`` when
-    CUDA is asked for or available, else cpu); without ``torchrun``, ``device`` unchanged. Nested: joins the outer.
-    """
+    CUDA is asked for or available, else cpu); without ``torchrun``, ``device`` unchanged."""
     global _SESSION, _DEVICE
     if not launched_by_torchrun():
         yield device
@@ -48,13 +46,11 @@ def session(device: str | None = None) -> Iterator[str | None]:
 
 
 def launched_by_torchrun() -> bool:
-    """True when the launcher's environment (``RANK`` and ``WORLD_SIZE``) is set."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
 def writes_outputs() -> bool:
-    """Whether this process writes the command's files: rank 0 under ``torchrun`` (known from the launcher's
-    environment, before any process group exists), the only process otherwise."""
+    """Whether this process writes the command's files: rank 0 under ``torchrun``, the only process otherwise."""
     return not launched_by_torchrun() or int(os.environ["RANK"]) == 0
 
 
@@ -64,17 +60,14 @@ def active() -> bool:
 
 
 def rank() -> int:
-    """This process's rank inside :func:`session` (0 outside it)."""
     return _SESSION.rank if _SESSION is not None else 0
 
 
 def world_size() -> int:
-    """The number of processes inside :func:`session` (1 outside it)."""
     return _SESSION.world_size if _SESSION is not None else 1
 
 
 def is_main() -> bool:
-    """True on the process that prints and writes files (rank 0, or a plain process)."""
     return rank() == 0
 
 
@@ -96,11 +89,5 @@ def local_batches(batches: Sequence[T]) -> Sequence[T]:
     return [batches[i] for i in range(start, stop)]
 
 
-def barrier() -> None:
-    """Wait for every process (no-op unless :func:`active`)."""
-    if active():
-        dist.barrier()
-
-
-__all__ = ["active", "barrier", "launched_by_torchrun", "is_main", "local_batches", "rank", "session",
+__all__ = ["active", "launched_by_torchrun", "is_main", "local_batches", "rank", "session",
            "shard_bounds", "world_size"]

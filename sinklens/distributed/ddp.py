@@ -1,6 +1,4 @@
-"""PyTorch DDP set-up for ``torchrun`` (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``; without them one process):
-NCCL on CUDA, gloo on the CPU.
-"""
+"""PyTorch DDP set-up for ``torchrun`` (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``): NCCL on CUDA, gloo on the CPU."""
 
 from __future__ import annotations
 
@@ -29,9 +27,7 @@ class DistContext:
 
 
 def resolve_device(name: str) -> torch.device:
-    """``"auto"`` → cuda when available, else cpu; any other name must be a device this machine has and training
-    can use (:func:`sinklens.validate.device`).
-    """
+    """``"auto"``: cuda when available, else cpu; any other name must be a device this machine has."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if str(name).strip().lower().split(":")[0] not in ("cpu", "cuda", "mps"):
@@ -42,7 +38,7 @@ def resolve_device(name: str) -> torch.device:
 
 def init_distributed(device: str) -> tuple[DistContext, torch.device]:
     """Join the process group if launched by ``torchrun``; return the context and this process's device."""
-    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+    if not ("WORLD_SIZE" in os.environ and "RANK" in os.environ):
         return DistContext(), resolve_device(device)
     ctx = DistContext(True, int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"]))
     dev = resolve_device(device)
@@ -55,6 +51,5 @@ def init_distributed(device: str) -> tuple[DistContext, torch.device]:
 
 
 def cleanup_distributed(ctx: DistContext) -> None:
-    """Leave the process group (no-op for single-process runs)."""
     if ctx.enabled and dist.is_initialized():
         dist.destroy_process_group()

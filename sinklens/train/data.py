@@ -1,11 +1,7 @@
 """Training data: synthetic sink tasks, local text, nanoGPT memmaps and Hugging Face datasets.
 
-``source.batch(split, step, n)`` returns ``n`` sequences of ``seq_len + 1`` tokens drawn with a generator
-seeded by ``(data.seed, split, step)`` only: runs with the same data config see identical batches whatever
-their model, and a resume needs no data state. Validation is the stream's tail ``val_fraction``, ``val.bin``,
-or a separate seed stream (synthetic). ``markov``: ``x_0 = BOS``, ``x_{t+1} ~ P[x_t]``, rows of ``P`` from
-``Dirichlet(alpha)``; ``bigram-backcopy`` (Guo et al. 2024): the same chain, but after a trigger token
-``x_{t+1} = x_{t-1}``.
+``source.batch(split, step, n)`` draws ``n`` sequences of ``seq_len + 1`` tokens from a generator seeded by
+``(data.seed, split, step)`` only: the same data config gives the same batches, and a resume needs no data state.
 
 Examples:
     >>> from sinklens.sinklm.config import DataConfig
@@ -35,20 +31,16 @@ from sinklens.sinklm.config import DataConfig
 from sinklens.validate import refuse_binary
 
 Split = Literal["train", "val"]
-_SPLIT_ID = {"train": 0, "val": 1}
 
 
 def _generator(seed: int, split: str, step: int) -> torch.Generator:
-    if split not in _SPLIT_ID:
-        raise ValueError(f"Unknown split {split!r}; expected 'train' or 'val'.")
     mixed = hashlib.sha256(f"{seed}/{split}/{step}".encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(mixed[:8], "little") & ((1 << 63) - 1))
 
 
 class TokenSource:
-    """A deterministic sampler of ``[n, seq_len + 1]`` token sequences: ids in ``[0, vocab_size)``, ``bos_id`` at
-    position 0 (None: raw windows), ``tokenizer`` for text sources.
-    """
+    """A deterministic sampler of ``[n, seq_len + 1]`` token sequences, ``bos_id`` at position 0 (None: raw
+    windows), ``tokenizer`` for text sources."""
 
     seq_len: int
     seed: int
@@ -57,19 +49,15 @@ class TokenSource:
     tokenizer: Any = None
 
     def batch(self, split: Split, step: int, n: int) -> Int[Tensor, "batch seq_plus_1"]:
-        """``n`` sequences for ``step`` of ``split``; a pure function of ``(data.seed, split, step, n)``."""
         return self._sample(_generator(self.seed, split, step), split, n)
 
     def _sample(self, gen: torch.Generator, split: Split, n: int) -> Tensor:
         raise NotImplementedError
 
 
-# ----------------------------------------------------------------------------------------------
-# Synthetic tasks
-
-
 class MarkovSource(TokenSource):
-    """A first-order Markov chain over tokens ``1..V-1`` (``transition[a, b] = P(b | a)``); token 0 is BOS."""
+    """A first-order Markov chain over tokens ``1..V-1``: ``x_0 = BOS = 0``, ``x_{t+1} ~ transition[x_t]``, rows
+    drawn from ``Dirichlet(alpha)``."""
 
     def __init__(self, *, vocab_size: int, seq_len: int, seed: int, alpha: float = 0.1, task_seed: int = 0):
         if vocab_size < 3:
@@ -102,7 +90,7 @@ class MarkovSource(TokenSource):
 
 
 class BackcopySource(MarkovSource):
-    """Bigram-backcopy: the Markov chain, but after a trigger ``x_{t+1} = x_{t-1}`` (``t >= 2``)."""
+    """Bigram-backcopy (Guo et al. 2024): the Markov chain, but after a trigger ``x_{t+1} = x_{t-1}`` (``t >= 2``)."""
 
     def __init__(self, *, vocab_size: int, seq_len: int, seed: int, n_triggers: int = 3, alpha: float = 0.1, task_seed: int = 0):
         super().__init__(vocab_size=vocab_size, seq_len=seq_len, seed=seed, alpha=alpha, task_seed=task_seed)
@@ -123,14 +111,9 @@ class BackcopySource(MarkovSource):
         return torch.where(self.is_trigger[x[:, t]], x[:, t - 1], sampled)
 
 
-# ----------------------------------------------------------------------------------------------
-# Token streams: text, memmap, hf
-
-
 class StreamSource(TokenSource):
-    """Random windows of a train / val token stream (each split its own array): ``[BOS] + stream[i : i + seq_len]``,
-    or ``stream[i : i + seq_len + 1]`` without ``bos_id``.
-    """
+    """Random windows of a train / val token stream: ``[BOS] + stream[i : i + seq_len]``, or
+    ``stream[i : i + seq_len + 1]`` without ``bos_id``."""
 
     def __init__(self, train: np.ndarray, val: np.ndarray, *, seq_len: int, seed: int, vocab_size: int,
                  bos_id: int | None, tokenizer: Any = None):
@@ -231,7 +214,6 @@ def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> t
 
 
 def _refuse_binary(file: Path) -> None:
-    """Raise :class:`~sinklens.errors.InvalidArgumentError` if ``file`` is binary or cannot be read."""
     try:
         with open(file, "rb") as fh:
             head = fh.read(8192)
@@ -243,9 +225,7 @@ def _refuse_binary(file: Path) -> None:
 
 def text_source(cfg: DataConfig) -> StreamSource:
     """Local text: a file, or the files matching ``cfg.glob`` under a folder (sorted), at most about
-    ``cfg.max_tokens`` characters, tokenised (byte or BPE), joined with ``<|endoftext|>`` and cached. A binary
-    file raises :class:`~sinklens.errors.InvalidArgumentError`; a non-UTF-8 one is read with replacements, with a warning.
-    """
+    ``cfg.max_tokens`` characters, tokenised (byte or BPE) and cached; non-UTF-8 bytes are replaced, with a warning."""
     files = _text_files(cfg)
     chosen, size = [], 0
     for f in files:
@@ -283,16 +263,13 @@ def text_source(cfg: DataConfig) -> StreamSource:
                         bos_id=tokenizer.bos_token_id if cfg.bos else None, tokenizer=tokenizer)
 
 
-#: Token ids of a ``.bin`` file: nanoGPT writes uint16.
-MEMMAP_DTYPE = np.uint16
-#: Tokens read at a time when a ``.bin`` file's largest id is checked (32 MiB of uint16).
-_MAX_ID_CHUNK = 1 << 24
+_MAX_ID_CHUNK = 1 << 24  # tokens read at a time when a .bin file's largest id is checked
 
 
 def _open_bin(file: Path, *, what: str) -> np.memmap:
-    """``file`` as a read-only uint16 memmap; refuses an empty file or a partial token by name."""
+    """``file`` as a read-only uint16 memmap (nanoGPT's layout); refuses an empty file or a partial token."""
     size = file.stat().st_size
-    width = np.dtype(MEMMAP_DTYPE).itemsize
+    width = 2
     if size == 0:
         raise NotFoundError(f"{what} {str(file)!r} is empty; a .bin file holds uint16 token ids (nanoGPT layout).")
     if size % width:
@@ -300,15 +277,12 @@ def _open_bin(file: Path, *, what: str) -> np.memmap:
             f"{what} {str(file)!r} has {size} bytes, not a whole number of {width}-byte uint16 token ids; it is not "
             f"a nanoGPT .bin file (or it is truncated)."
         )
-    return np.memmap(file, dtype=MEMMAP_DTYPE, mode="r")
+    return np.memmap(file, dtype=np.uint16, mode="r")
 
 
 def _max_id(tokens: np.ndarray) -> int:
     """The largest id in a token array, read in chunks (a memmap is never loaded whole)."""
-    top = 0
-    for start in range(0, len(tokens), _MAX_ID_CHUNK):
-        top = max(top, int(tokens[start : start + _MAX_ID_CHUNK].max()))
-    return top
+    return max((int(tokens[i : i + _MAX_ID_CHUNK].max()) for i in range(0, len(tokens), _MAX_ID_CHUNK)), default=0)
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -331,9 +305,7 @@ def _meta_vocab_size(path: Path) -> int:
 
 def memmap_source(cfg: DataConfig) -> StreamSource:
     """nanoGPT layout: ``train.bin`` and ``val.bin`` (uint16), or one ``.bin`` whose tail is held out; vocabulary
-    from ``meta.pkl``, else ``data.vocab_size``, else the largest id + 1. An empty or odd-sized file, or an id at
-    or above the vocabulary, is refused before training (one chunked pass).
-    """
+    from ``meta.pkl``, else ``data.vocab_size``, else the largest id + 1 (an id at or above it is refused)."""
     path = Path(str(cfg.path)).expanduser()
     meta_path = (path if path.is_dir() else path.parent) / "meta.pkl"
     if path.is_dir():
@@ -374,7 +346,7 @@ def hf_source(cfg: DataConfig) -> StreamSource:
     """A Hugging Face dataset, streamed once (``max_tokens`` characters of ``text_field``), then cached."""
     try:
         import datasets
-    except ImportError as err:  # pragma: no cover - datasets is installed with sinklens' extras
+    except ImportError as err:
         raise ImportError("data.source='hf' needs the `datasets` package: pip install datasets") from err
 
     def load_docs() -> list[str]:
@@ -402,12 +374,11 @@ def hf_source(cfg: DataConfig) -> StreamSource:
                         bos_id=tokenizer.bos_token_id if cfg.bos else None, tokenizer=tokenizer)
 
 
-#: The largest vocabulary of a synthetic task: two dense ``vocab × vocab`` float64 tables (1 GiB at 8192 tokens).
+#: The largest vocabulary of a synthetic task: two dense ``vocab x vocab`` float64 tables (1 GiB at 8192 tokens).
 MAX_SYNTHETIC_VOCAB = 8192
 
 
 def check_synthetic_vocab(source: str, vocab: int, *, from_model: bool = False) -> None:
-    """Refuse a synthetic-task vocabulary over :data:`MAX_SYNTHETIC_VOCAB` before its tables are allocated."""
     if vocab <= MAX_SYNTHETIC_VOCAB:
         return
     gib = 2 * 8 * vocab * vocab / 2**30
@@ -420,9 +391,7 @@ def check_synthetic_vocab(source: str, vocab: int, *, from_model: bool = False) 
     )
 
 
-#: Bytes hashed at each of ``_SAMPLED_CHUNKS`` evenly spaced places of a memmapped ``.bin`` stream (first and
-#: last included): fingerprinting a huge file reads a few MiB only.
-_SAMPLE_BYTES = 1 << 20
+_SAMPLE_BYTES = 1 << 20  # hashed at each of 8 evenly spaced places of a memmapped stream: a few MiB read
 _SAMPLED_CHUNKS = 8
 
 
@@ -445,8 +414,7 @@ def _stream_digest(stream: np.ndarray) -> str:
 
 def data_fingerprint(source: TokenSource) -> dict[str, Any]:
     """What a run's data *is*, beyond its config: sha256 of the tokenizer and of each token stream, with the
-    vocabulary and stream sizes; ``{}`` for a synthetic task (its config fixes it). A resume refuses data
-    whose fingerprint differs from the one its run stored (a corpus rewritten in place)."""
+    vocabulary and stream sizes; ``{}`` for a synthetic task (its config fixes it)."""
     if not isinstance(source, StreamSource):
         return {}
     tokenizer = source.tokenizer

@@ -1,8 +1,5 @@
-"""Ctrl-C and SIGTERM during training: finish the step in progress, checkpoint it, then stop.
-
-The first signal sets :attr:`StopSignals.received`; the loop checkpoints and raises
-:class:`~sinklens.errors.TrainingInterrupted` (a ``KeyboardInterrupt``, exit 130). A second signal interrupts
-at once. Not installed outside the main thread, over an ignored signal, or in DDP runs.
+"""Ctrl-C and SIGTERM during training: finish the step in progress, checkpoint it, then raise
+:class:`~sinklens.errors.TrainingInterrupted` (exit 130). A second signal interrupts at once.
 """
 
 from __future__ import annotations
@@ -19,12 +16,12 @@ from sinklens.errors import TrainingInterrupted
 
 __all__ = ["StopSignals", "interrupted_error"]
 
-#: The signals a run stops cleanly on.
 SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopSignals:
-    """Context manager: while active, the first SIGINT/SIGTERM is recorded in ``received`` instead of raised.
+    """While active (main thread, not over an ignored signal), the first SIGINT/SIGTERM is recorded in
+    ``received`` instead of raised.
 
     Examples:
         >>> previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal

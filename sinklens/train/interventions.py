@@ -18,15 +18,11 @@ Intervention = Union[str, Callable[[Any], Hooks]]
 
 
 def resolve_interventions(model: Any, interventions: Sequence[Intervention]) -> Hooks:
-    """The ``(hook_name, fn)`` pairs of training-time interventions: a string is a registry spec
-    (``"restart:positions=16"``, :func:`sinklens.interventions.registry.build`), a callable is called with the model.
-    """
+    """The ``(hook_name, fn)`` pairs of training-time interventions: registry specs (``"restart:positions=16"``)
+    or callables of the model."""
     from sinklens.interventions import registry
 
-    hooks: Hooks = []
-    for item in interventions:
-        hooks.extend(registry.build(model, item))
-    return hooks
+    return [hook for item in interventions for hook in registry.build(model, item)]
 
 
 def check_interventions(interventions: Sequence[Intervention]) -> None:
@@ -38,10 +34,8 @@ def check_interventions(interventions: Sequence[Intervention]) -> None:
 
 
 def try_interventions(model: Any, hooks: Hooks, cfg: TrainConfig) -> bool:
-    """Run the spec interventions once on the training sequences before the run folder is touched, so one that
-    cannot run there (a position past ``data.seq_len``) raises :class:`InvalidArgumentError` up front. Returns
-    whether they also run on the persistence probe's shorter sequences; where not, the probe measures without them.
-    """
+    """Run the spec interventions once on the training sequences, so one that cannot run there raises
+    :class:`InvalidArgumentError` up front; return whether they also run on the persistence probe's sequences."""
     if not hooks:
         return True
     device = next(model.parameters()).device

@@ -1,8 +1,5 @@
-"""Send the trainer's metrics to Weights & Biases or TensorBoard (``TrainConfig.log``), beside ``metrics.jsonl``.
-
-Each number of a ``train``/``eval`` line is logged as ``train/<key>``/``eval/<key>`` at its step; the
-library is imported only when asked for.
-"""
+"""Send the trainer's ``train``/``eval`` lines to Weights & Biases or TensorBoard (``TrainConfig.log``) as
+``train/<key>``/``eval/<key>`` at their step; the library is imported only when asked for."""
 
 from __future__ import annotations
 
@@ -13,12 +10,10 @@ from typing import Any
 
 from sinklens.errors import InvalidArgumentError
 
-#: The package each ``TrainConfig.log`` value imports, and the extra that installs it.
 PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
 
 
 def check_log(kind: str) -> None:
-    """Refuse ``log=kind`` before the run starts when its library is not installed (nothing is imported)."""
     package = PACKAGES.get(kind)
     if package is not None and importlib.util.find_spec(package) is None:
         raise InvalidArgumentError(
@@ -28,8 +23,7 @@ def check_log(kind: str) -> None:
 
 
 class MetricsLog:
-    """One run's Weights & Biases run or TensorBoard writer (``out_dir/tensorboard``, or torch's default
-    ``runs/`` folder without an ``out_dir``); :meth:`write` takes the trainer's metrics lines."""
+    """One run's Weights & Biases run or TensorBoard writer (``out_dir/tensorboard``, else ``runs/``)."""
 
     def __init__(self, kind: str, config: dict[str, Any], out: Path | None) -> None:
         self.kind = kind

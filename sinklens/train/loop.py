@@ -1,11 +1,8 @@
 """The training loop, read top to bottom like nanoGPT's ``train.py``.
 
-:func:`train` locks the run folder; ``_train`` builds data, model, optimizer and interventions (``_build``),
-opens the run folder (``_open_run_dir``: resume, config, metrics), prepares the loop (``_prepare_loop``:
-compile, eval batches, loggers), then for each step evaluates (``_evaluate``), trains (``_train_step``:
-``grad_accum`` micro-batches under autocast, clip, AdamW, one host sync for the finite-loss check) and
-checkpoints (``_checkpoint``). Interventions are attached with ``model.hooks(...)`` around every forward;
-under ``torchrun`` the model is wrapped in DDP. The run's state travels in one ``_Run``.
+:func:`train` locks the run folder, then sets up (``_build``, ``_open_run_dir``, ``_prepare_loop``) and, step
+by step, evaluates (``_evaluate``), trains (``_train_step``) and checkpoints (``_checkpoint``). One ``_Run``
+carries the run's state.
 """
 
 from __future__ import annotations
@@ -56,8 +53,7 @@ from sinklens.validate import positive_int, writable_dir
 
 def micro_batch(rows: Int[Tensor, "batch seq_plus_1"], micro: int, cfg: TrainConfig, dist: DistContext) -> Tensor:
     """This process's rows of micro-step ``micro``: the batch cut into ``grad_accum`` micro-batches, each into
-    ``world_size`` slices, so every split of a step trains on the same sequences.
-    """
+    ``world_size`` slices, so every split of a step trains on the same sequences."""
     per_micro = cfg.batch_size // cfg.grad_accum
     per_rank = per_micro // dist.world_size
     start = micro * per_micro + dist.rank * per_rank
@@ -75,21 +71,19 @@ def forward_backward(
     scaler: torch.amp.GradScaler | None = None,
 ) -> Tensor:
     """One micro-step: next-token cross-entropy of ``rows[:, 1:]`` given ``rows[:, :-1]``, backward of ``loss *
-    loss_scale`` (through float16's ``scaler`` when given); returns the unscaled loss, detached. ``hook_owner``
-    owns the hook points (the unwrapped model under DDP or compile).
-    """
+    loss_scale`` (through ``scaler`` when given); returns the unscaled loss, detached. ``hook_owner`` owns the
+    hook points (the unwrapped model under DDP or compile)."""
     inputs, targets = rows[:, :-1], rows[:, 1:]
     owner = hook_owner if hook_owner is not None else model
     with autocast, owner.hooks(fwd_hooks=list(hooks)) if hooks else contextlib.nullcontext():
-        loss = model(inputs, return_type="loss", targets=targets)  # inside the compiled graph when compiled
+        loss = model(inputs, return_type="loss", targets=targets)
     scaled = loss * loss_scale if loss_scale != 1.0 else loss
     (scaler.scale(scaled) if scaler is not None else scaled).backward()
     return loss.detach()
 
 
 def fetch_rows(source: TokenSource, step: int, cfg: TrainConfig, device: torch.device) -> Tensor:
-    """The training rows of ``step``, ``(batch, seq_len + 1)``, on ``device``; on CUDA copied from pinned
-    memory without blocking, so the copy overlaps the GPU's work on the step before."""
+    """The rows of ``step``, ``(batch, seq_len + 1)``, on ``device`` (on CUDA from pinned memory, non-blocking)."""
     rows = source.batch("train", step, cfg.batch_size)
     if device.type == "cuda":
         rows = rows.pin_memory()
@@ -108,7 +102,7 @@ def eval_batches(source: TokenSource, cfg: TrainConfig, device: torch.device) ->
 
 
 def _resolve_vocab(cfg: TrainConfig, source: TokenSource) -> TrainConfig:
-    """``cfg`` with ``model.d_vocab="auto"`` replaced by the data's vocabulary; checks an explicit one is large enough."""
+    """``cfg`` with ``model.d_vocab="auto"`` set to the data's vocabulary; an explicit one must be large enough."""
     if cfg.model.d_vocab == "auto":
         return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_vocab=source.vocab_size))
     if source.vocab_size > cfg.model.d_vocab:
@@ -117,6 +111,16 @@ def _resolve_vocab(cfg: TrainConfig, source: TokenSource) -> TrainConfig:
             f"set model.d_vocab={source.vocab_size} (or larger, or 'auto'), e.g. --set model.d_vocab={source.vocab_size}."
         )
     return cfg
+
+
+def _check_weights_finite(model: Any) -> str | None:
+    """None if every parameter of ``model`` is finite, else which are not (one host sync)."""
+    params = list(model.named_parameters())
+    flags = torch.stack([torch.isfinite(p).all() for _, p in params]).tolist()
+    bad = [name for (name, _), ok in zip(params, flags) if not ok]
+    if not bad:
+        return None
+    return f"{len(bad)} of {len(params)} parameter tensors hold NaN/inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,38 +137,30 @@ def train(
     progress: bool = True,
     until: int | None = None,
 ) -> TrainResult:
-    """Train a SinkLM as ``cfg`` describes; write config, metrics, checkpoints and tokenizer to ``out_dir``.
-
-    Nothing in ``out_dir`` is touched until data, model, optimizer and interventions are built.
+    """Train a SinkLM as ``cfg`` describes; write config, metrics, checkpoints and tokenizer to ``out_dir``
+    (None: in memory), touched only once data, model, optimizer and interventions are built.
 
     Args:
-        out_dir: run directory (:mod:`sinklens.sinklm.checkpoint`); None keeps everything in memory.
-        resume: continue from the newest good checkpoint exactly as if the run had not stopped; ``cfg`` may
-            change only how it goes on (:func:`~sinklens.sinklm.run_folder.resume_changes`).
-        overwrite: replace the run in ``out_dir``: its files are set aside, deleted at the new run's first
-            checkpoint and restored if it fails before. Without either, a folder holding a run raises
-            :class:`~sinklens.errors.OutputExistsError`.
+        resume: continue from the newest good checkpoint bit-exactly; ``cfg`` may change only how it goes on
+            (:func:`~sinklens.sinklm.run_folder.resume_changes`).
+        overwrite: replace the run in ``out_dir`` (set aside, deleted at the first checkpoint, restored if the
+            new run fails before). Without either, a folder holding a run raises ``OutputExistsError``.
         interventions: added to ``cfg.interventions``: registry specs (stored in ``config.json``) or callables
             ``model -> [(hook_name, fn)]`` (passed again on resume).
-        progress: tqdm bar over steps.
         until: stop (and checkpoint) after this many steps; the schedule still spans ``cfg.steps``.
 
     Raises:
-        InvalidArgumentError: a resume with another model, data or seed than the run's.
-        OutputExistsError: another process trains in ``out_dir``.
         TrainingInterrupted: Ctrl-C or SIGTERM; the steps done were checkpointed.
         TrainingDivergedError: a NaN/inf loss or gradient (``on_nonfinite``), or non-finite weights at a
             checkpoint; the last finite checkpoint is kept.
     """
-
     out = Path(out_dir).expanduser() if out_dir is not None else None
     if until is not None:
         until = positive_int(until, what="until", minimum=0)
     cfg = cfg.replace(data=cfg.data.with_absolute_path())  # config.json names the same data from any folder
     check_interventions([*cfg.interventions, *interventions])
     check_log(cfg.log)
-    # Registry specs are part of the run: stored with cfg.interventions in config.json, so a resume applies them.
-    specs = [item for item in interventions if isinstance(item, str)]
+    specs = [item for item in interventions if isinstance(item, str)]  # stored in config.json: a resume applies them
     twice = [spec for spec in specs if spec in cfg.interventions]
     if twice:
         raise InvalidArgumentError(
@@ -177,25 +173,14 @@ def train(
         warnings.warn(f"keep_every={cfg.keep_every} keeps every {cfg.keep_every}-th periodic checkpoint, but "
                       "checkpoint_interval=0 writes none: only the final checkpoint and its fallback are kept. Set "
                       "checkpoint_interval (e.g. --set checkpoint_interval=100) to keep periodic ones.", stacklevel=2)
-    # one trainer per run directory (only the process that writes it, rank 0, holds the lock)
-    with RunLock(out) if out is not None and writes_outputs() else contextlib.nullcontext():
+    with RunLock(out) if out is not None and writes_outputs() else contextlib.nullcontext():  # rank 0 holds it
         return _train(cfg, out, resume=resume, overwrite=overwrite, interventions=interventions, progress=progress,
                       until=until)
 
 
-def _check_weights_finite(model: Any) -> str | None:
-    """None if every parameter of ``model`` is finite, else which are not (one host sync: checkpoints only)."""
-    params = list(model.named_parameters())
-    flags = torch.stack([torch.isfinite(p).all() for _, p in params]).tolist()
-    bad = [name for (name, _), ok in zip(params, flags) if not ok]
-    if not bad:
-        return None
-    return f"{len(bad)} of {len(params)} parameter tensors hold NaN/inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
-
-
 @dataclass(eq=False)
 class _Run:
-    """The state of one training run in this process, passed to the set-up, step, eval and checkpoint functions."""
+    """The state of one training run in this process."""
 
     cfg: TrainConfig
     out: Path | None
@@ -206,15 +191,13 @@ class _Run:
     optimizer: torch.optim.Optimizer
     precision: Any
     hooks: Hooks
-    probe_hooks: Hooks
-    probed: list[Intervention]
+    persist: PersistenceTracker
     resumed: bool = False
     start_step: int = 0
     stop: int = 0
     history: list[dict[str, Any]] = field(default_factory=list)
     step_model: Any = None  # what a step calls: the model, compiled and/or in DDP
     compile_info: dict[str, Any] = field(default_factory=dict)
-    persist: Any = None
     val_batches: list[TokenBatch] = field(default_factory=list)
     val_targets: list[Tensor] = field(default_factory=list)
     metrics_file: Any = None
@@ -223,52 +206,54 @@ class _Run:
     overwritten: list[Path] = field(default_factory=list)  # the run overwrite=True replaces, until a first checkpoint
     leftovers: list[Path] = field(default_factory=list)  # runs an earlier overwrite set aside (named, kept)
     skipped: int = 0  # non-finite steps skipped in a row
-    flops_per_token: float = 0.0
 
 
 def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool, interventions: Sequence[Intervention],
            progress: bool, until: int | None) -> TrainResult:
-    """:func:`train` once the run directory is locked: set up, then step, evaluate and checkpoint."""
+    """:func:`train` once the run directory is locked."""
     if out is not None and out.is_dir() and writes_outputs():
         recovered = recover_set_aside(out)  # an overwrite killed before its first checkpoint: the old run comes back
         if recovered is not None:
             warnings.warn(recovered, stacklevel=3)
     check_run_dir(out, resume=resume, overwrite=overwrite)
-    resumed_from = load_run(out) if out is not None and resume else None  # verified once: compared, then loaded
-    changes = resume_changes(resumed_from.config, cfg, run_dir=out) if resumed_from is not None else {}
+    resumed_from = load_run(out) if resume else None  # verified once: compared, then loaded
+    changes = resume_changes(resumed_from.config, cfg, run_dir=out) if resume else {}
     dist, device = init_distributed(cfg.device)
     resources = contextlib.ExitStack()
     run: _Run | None = None
     try:
-        run = _build(cfg, out, dist, device, interventions, resumed=resumed_from is not None)
+        run = _build(cfg, out, dist, device, interventions, resumed=resume)
         _open_run_dir(run, resumed_from, overwrite=overwrite, until=until)
         _prepare_loop(run, resources)
-        if resumed_from is not None and dist.is_main:  # where the run was picked up again, and what changed then
+        if resume and dist.is_main:
             _log(run, {"kind": "resume", "step": run.start_step, "changes": changes})
         stops = resources.enter_context(StopSignals(enabled=not dist.enabled))  # Ctrl-C: finish the step, checkpoint
         run.model.train()
         bar = tqdm(range(run.start_step, run.stop), desc="train", disable=not (progress and dist.is_main),
-                   initial=run.start_step, total=run.cfg.steps)
-        next_rows: Tensor | None = None  # the next step's rows, fetched while the GPU works on this one
+                   initial=run.start_step, total=cfg.steps)
+        next_rows: Tensor | None = None  # fetched while the GPU works on the step before
         for step in bar:
             if stops.received:
-                raise interrupted_error(stops.received, step, run.start_step, run.cfg.steps, out, partial(_checkpoint, run))
-            if run.cfg.eval.interval and dist.is_main and step % run.cfg.eval.interval == 0:
+                checkpoint = partial(_checkpoint, run)
+                raise interrupted_error(stops.received, step, run.start_step, cfg.steps, out, checkpoint)
+            if cfg.eval.interval and dist.is_main and step % cfg.eval.interval == 0:
                 _evaluate(run, step)
-            rows = next_rows if next_rows is not None else fetch_rows(run.source, step, run.cfg, device)  # (B, T+1)
+            rows = next_rows if next_rows is not None else fetch_rows(run.source, step, cfg, device)  # (B, T+1)
             next_rows, loss = _train_step(run, step, rows)
             if loss is not None:
                 bar.set_postfix(loss=f"{loss:.4f}")
-            _periodic_checkpoint(run, step + 1)
-        if run.cfg.eval.interval and dist.is_main and run.stop == run.cfg.steps:
-            _evaluate(run, run.cfg.steps)
+            done = step + 1
+            if cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0 and done < run.stop:
+                _checkpoint(run, done)
+        if cfg.eval.interval and dist.is_main and run.stop == cfg.steps:
+            _evaluate(run, cfg.steps)
         _checkpoint(run, run.stop)
         return TrainResult(model=run.model, history=run.history, out_dir=out, compile=run.compile_info,
                            device=device.type, autocast=run.precision.dtype)
     except BaseException as error:
         if run is not None and run.metrics_file is not None:
             run.metrics_file.close()
-        if run is not None and run.overwritten:  # failed before any checkpoint: the run it was to replace comes back
+        if run is not None and run.overwritten:  # failed before any checkpoint: the replaced run comes back
             restore_set_aside(out, run.overwritten[0])
         elif out is not None and set_aside_runs(out) and isinstance(error, (TrainingDivergedError, TrainingInterrupted)):
             warnings.warn(f"The run this overwrite replaced is kept in {[str(p) for p in set_aside_runs(out)]}: it is "
@@ -282,8 +267,8 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
 
 def _build(cfg: TrainConfig, out: Path | None, dist: DistContext, device: torch.device,
            interventions: Sequence[Intervention], *, resumed: bool) -> _Run:
-    """Data, model, optimizer and interventions, all built before ``out_dir`` is touched. The data order depends on
-    ``cfg.data`` only (``d_vocab="auto"`` is resolved here, once); the initialisation on ``cfg.seed``."""
+    """Data, model, optimizer and interventions, built before ``out_dir`` is touched; the data order depends on
+    ``cfg.data`` only, the initialisation on ``cfg.seed``."""
     from sinklens.sinklm.model import SinkLM
 
     source = build_source(cfg.data, d_vocab=None if cfg.model.d_vocab == "auto" else cfg.model.d_vocab)
@@ -297,34 +282,34 @@ def _build(cfg: TrainConfig, out: Path | None, dist: DistContext, device: torch.
     torch.manual_seed(cfg.seed)
     model = SinkLM(cfg.model).to(device)
     model.tokenizer = source.tokenizer
-    optimizer = configure_optimizer(model, cfg.optim, device)
     every = [*cfg.interventions, *interventions]
     hooks = resolve_interventions(model, every)
-    # fresh hooks: a trial leaves no state. The persistence probe runs without the spec interventions where
-    # they cannot run on its shorter sequences (try_interventions says why)
+    # trial hooks are fresh (a trial leaves no state); where the spec interventions cannot run on the persistence
+    # probe's shorter sequences, the probe measures without them
     probe_all = try_interventions(model, resolve_interventions(model, [i for i in every if isinstance(i, str)]), cfg)
     probed = [item for item in every if probe_all or not isinstance(item, str)]
     probe_hooks = hooks if probe_all else resolve_interventions(model, probed)
-    return _Run(cfg=cfg, out=out, dist=dist, device=device, source=source, model=model, optimizer=optimizer,
-                precision=mixed_precision(cfg, device), hooks=hooks, probe_hooks=probe_hooks, probed=probed,
-                resumed=resumed)
+    persist = PersistenceTracker(cfg, out, lambda m: probe_hooks if m is model else resolve_interventions(m, probed))
+    return _Run(cfg=cfg, out=out, dist=dist, device=device, source=source, model=model,
+                optimizer=configure_optimizer(model, cfg.optim, device), precision=mixed_precision(cfg, device),
+                hooks=hooks, persist=persist, resumed=resumed)
 
 
 def _open_run_dir(run: _Run, resumed_from: Any, *, overwrite: bool, until: int | None) -> None:
     """Load the checkpoint a resume continues from, then write the run directory (only from here on)."""
-    cfg, out = run.cfg, run.out
+    cfg, out, resumed = run.cfg, run.out, resumed_from is not None
     fingerprint = data_fingerprint(run.source)  # what the data is beyond its config (tokenizer, token streams)
-    fingerprinted = resumed_from is not None and check_data_fingerprint(out, fingerprint)
-    if resumed_from is not None and not fingerprinted and fingerprint:
+    fingerprinted = resumed and check_data_fingerprint(out, fingerprint)
+    if resumed and not fingerprinted and fingerprint:
         warnings.warn(f"The run in {str(out)!r} was written before runs stored a fingerprint of their data, so "
                       "this resume cannot check that the data (tokenizer, token ids) is what it trained on; later "
                       "resumes check it against the data used from here on.", stacklevel=4)
-    if resumed_from is not None:
+    if resumed:
         run.start_step = load_checkpoint(resumed_from, model=run.model, optimizer=run.optimizer,
                                          scaler=run.precision.scaler)
         run.history = read_history(out, run.start_step)
     run.stop = cfg.steps if until is None else min(until, cfg.steps)
-    if resumed_from is not None and run.start_step >= run.stop:  # re-saving would replace step `stop`'s checkpoint
+    if resumed and run.start_step >= run.stop:  # re-saving would replace step `stop`'s checkpoint
         asked = f"steps={cfg.steps}" + ("" if until is None else f" and until={until}")
         raise InvalidArgumentError(
             f"The run in {str(out)!r} is at step {run.start_step} already; {asked} leave nothing to train. "
@@ -333,14 +318,14 @@ def _open_run_dir(run: _Run, resumed_from: Any, *, overwrite: bool, until: int |
     if out is None or not run.dist.is_main:
         return
     writable_dir(out, what="out_dir")
-    if overwrite:  # the old run is moved aside: deleted at the new run's first checkpoint, restored on failure
+    if overwrite:
         run.overwritten.extend(p for p in [set_aside_run(out)] if p is not None)
     clean_stale(out)
     write_json(out / "config.json", cfg.to_dict(), digits=None)
     write_metrics(out, run.history)  # a resumed run keeps only the lines before its checkpoint
     if not fingerprinted:
         write_data_fingerprint(out, fingerprint)
-    if resumed_from is not None and run.source.tokenizer is not None:  # a kill may have left it broken or missing
+    if resumed and run.source.tokenizer is not None:  # a kill may have left it broken or missing
         problem = tokenizer_problem(out)
         if problem is not None:
             if (out / TOKENIZER).exists():
@@ -349,7 +334,7 @@ def _open_run_dir(run: _Run, resumed_from: Any, *, overwrite: bool, until: int |
 
 
 def _wrap(run: _Run, module: Any) -> Any:
-    """What a step calls: the (possibly compiled) model, in DDP when distributed."""
+    """What a step calls: ``module`` (possibly compiled), in DDP when distributed."""
     if not run.dist.enabled:
         return module
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -358,17 +343,13 @@ def _wrap(run: _Run, module: Any) -> Any:
 
 
 def _prepare_loop(run: _Run, resources: contextlib.ExitStack) -> None:
-    """Compile (``compile=True``, or ``"auto"`` on CUDA), the evaluation batches, the persistence probe, the metrics
-    files and the attention kernels of the loop."""
+    """Compile, the evaluation batches, the persistence reference, the metrics files and the attention kernels."""
     cfg, out, device, main = run.cfg, run.out, run.device, run.dist.is_main
-    run.flops_per_token = run.model.flops_per_token(cfg.data.seq_len)
     compiled = cfg.compile is True or (cfg.compile == "auto" and device.type == "cuda")
     run.compile_info = {"compiled": compiled, "compile_s": None, "error": None}
     run.step_model = _wrap(run, compile_model(run.model) if compiled else run.model)
     if cfg.eval.interval and main:
         run.val_batches, run.val_targets = eval_batches(run.source, cfg, device)
-    run.persist = PersistenceTracker(cfg, out, lambda m: run.probe_hooks if m is run.model else resolve_interventions(
-        m, run.probed))
     if run.resumed and main:
         run.persist.resume(device)
     run.leftovers = [] if out is None else set_aside_runs(out)
@@ -385,10 +366,10 @@ def _prepare_loop(run: _Run, resources: contextlib.ExitStack) -> None:
 
 
 def _log(run: _Run, line: dict[str, Any]) -> None:
-    """Add a metrics line to the history, ``metrics.jsonl`` and the ``cfg.log`` library."""
+    """Add a metrics line to the history, ``metrics.jsonl`` (strict JSON) and the ``cfg.log`` library."""
     run.history.append(line)
     if run.metrics_file is not None:
-        run.metrics_file.write(json_line(line) + "\n")  # strict JSON: a non-finite number is written null
+        run.metrics_file.write(json_line(line) + "\n")
         run.metrics_file.flush()
     if run.external is not None:
         run.external.write(line)
@@ -416,36 +397,31 @@ def _micro_steps(run: _Run, rows: Tensor) -> Tensor:
     return loss_sum
 
 
-def _first_compiled_micro_steps(run: _Run, rows: Tensor) -> Tensor:
-    """:func:`_micro_steps` of the first compiled step, where compilation happens: a compile that fails warns and
-    the step runs again eagerly, so it never ends the run."""
-    try:
-        return _micro_steps(run, rows)
-    except Exception as error:  # noqa: BLE001 - any compiler error: retry this step eagerly
-        run.optimizer.zero_grad(set_to_none=True)
-        run.step_model = _wrap(run, run.model)
-        run.compile_info.update(compiled=False, error=compile_failed_warning(error))
-        warnings.warn(run.compile_info["error"], stacklevel=4)
-        return _micro_steps(run, rows)
-
-
 def _train_step(run: _Run, step: int, rows: Tensor) -> tuple[Tensor | None, float | None]:
     """One optimizer step on ``rows``; returns the next step's rows (fetched while the device works) and the
-    step's loss when it was logged (None otherwise)."""
+    loss when the step was logged."""
     cfg, optimizer, scaler, device = run.cfg, run.optimizer, run.precision.scaler, run.device
     lr = get_lr(step, cfg.optim, cfg.steps)
     for group in optimizer.param_groups:
         group["lr"] = lr
     first_compiled = run.compile_info["compiled"] and step == run.start_step
     t0 = time.perf_counter()
-    loss_sum = _first_compiled_micro_steps(run, rows) if first_compiled else _micro_steps(run, rows)
+    try:
+        loss_sum = _micro_steps(run, rows)
+    except Exception as error:  # noqa: BLE001 - a compiler error at the first compiled step: go on eagerly
+        if not first_compiled:
+            raise
+        optimizer.zero_grad(set_to_none=True)
+        run.step_model = _wrap(run, run.model)
+        run.compile_info.update(compiled=False, error=compile_failed_warning(error))
+        warnings.warn(run.compile_info["error"], stacklevel=3)
+        loss_sum = _micro_steps(run, rows)
     next_rows = fetch_rows(run.source, step + 1, cfg, device) if step + 1 < run.stop else None
-    if scaler is not None:  # float16 only: gradients were scaled, unscale before clipping
+    if scaler is not None:  # float16: unscale before clipping
         scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(run.model.parameters(), cfg.optim.grad_clip or float("inf"), foreach=True)
-    # one host sync per step: a NaN/inf loss or gradient must never reach the weights. Under float16's loss scaler
-    # an inf/NaN gradient with a finite loss is the scaler's to handle (it skips that update and lowers the scale);
-    # a non-finite loss is divergence either way.
+    # one host sync per step: a NaN/inf loss or gradient never reaches the weights (under float16's scaler an
+    # inf gradient with a finite loss is the scaler's to skip)
     if not bool(torch.isfinite(loss_sum if scaler is not None else loss_sum + grad_norm)):
         _skip_nonfinite(run, step, loss_sum, grad_norm, lr)
         return next_rows, None
@@ -456,7 +432,7 @@ def _train_step(run: _Run, step: int, rows: Tensor) -> tuple[Tensor | None, floa
     else:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    if first_compiled:  # compiled now, or failed and went on eagerly (compile_info["error"])
+    if first_compiled:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if run.compile_info["compiled"]:
@@ -468,16 +444,15 @@ def _train_step(run: _Run, step: int, rows: Tensor) -> tuple[Tensor | None, floa
         torch.distributed.all_reduce(loss_sum, op=torch.distributed.ReduceOp.AVG)
     loss = float(loss_sum) / cfg.grad_accum  # syncs the device: once per logged step
     tokens_per_s = cfg.batch_size * cfg.data.seq_len / (time.perf_counter() - t0)
+    mfu = estimate_mfu(run.model.flops_per_token(cfg.data.seq_len), tokens_per_s, device)
     _log(run, {"kind": "train", "step": step, "loss": loss, "lr": lr, "grad_norm": float(grad_norm),
-               "tokens_per_s": tokens_per_s,
-               "mfu": estimate_mfu(run.flops_per_token, tokens_per_s, device),
-               "compiled": run.compile_info["compiled"]})
+               "tokens_per_s": tokens_per_s, "mfu": mfu, "compiled": run.compile_info["compiled"]})
     return next_rows, loss
 
 
 def _skip_nonfinite(run: _Run, step: int, loss_sum: Tensor, grad_norm: Tensor, lr: float) -> None:
-    """A step whose loss or gradient is NaN/inf: its update is dropped and logged; ``on_nonfinite="skip"`` goes on
-    for up to ``max_skips`` such steps in a row, otherwise the run stops with its last finite weights kept."""
+    """Drop and log the update of a step whose loss or gradient is NaN/inf; ``on_nonfinite="skip"`` goes on for up
+    to ``max_skips`` such steps in a row, else the run stops with its last finite weights kept."""
     cfg = run.cfg
     run.optimizer.zero_grad(set_to_none=True)
     run.skipped += 1
@@ -487,8 +462,7 @@ def _skip_nonfinite(run: _Run, step: int, loss_sum: Tensor, grad_norm: Tensor, l
     _log(run, line)
     if not stopping:
         warnings.warn(f"Step {step}: non-finite loss or gradient; the update was skipped.", stacklevel=4)
-        return  # a skipped step is still a step: its periodic checkpoint is due as usual
-    kept = _kept(run, step)
+        return
     if cfg.on_nonfinite == "stop":
         why, advice = "on_nonfinite='stop'", "or set on_nonfinite='skip' to drop such steps"
     else:
@@ -496,38 +470,38 @@ def _skip_nonfinite(run: _Run, step: int, loss_sum: Tensor, grad_norm: Tensor, l
         advice = "or raise max_skips to skip more such steps in a row"
     raise TrainingDivergedError(
         f"Training diverged at step {step}: loss {line['loss']}, gradient norm {line['grad_norm']} "
-        f"(lr {lr:.3g}); stopped ({why}), {kept}. Lower optim.lr, raise optim.warmup_steps, {advice}."
+        f"(lr {lr:.3g}); stopped ({why}), {_kept(run, step)}. Lower optim.lr, raise optim.warmup_steps, {advice}."
     )
 
 
 def _kept(run: _Run, step: int | None) -> str:
-    """What a run that stops on a non-finite step after ``step`` steps keeps, and say it: its last finite
-    checkpoint; a run with none checkpoints its weights after ``step`` (not None) when finite: never lost."""
+    """What a run stopping on a non-finite step keeps: its last finite checkpoint; one with none checkpoints its
+    weights after ``step`` (not None) when they are finite."""
+    out = str(run.out)
     if run.out is None:
         return "nothing was saved (no out_dir)"
     if run.saved_steps or run.resumed:
-        return f"its last finite checkpoint (step {max(run.saved_steps, default=run.start_step)}) in {str(run.out)!r} is kept"
+        return f"its last finite checkpoint (step {max(run.saved_steps, default=run.start_step)}) in {out!r} is kept"
     if step is None:
-        return f"{str(run.out)!r} holds no checkpoint of this run"
+        return f"{out!r} holds no checkpoint of this run"
     if step <= run.start_step:
-        return f"no step had finished, so {str(run.out)!r} holds no checkpoint"
+        return f"no step had finished, so {out!r} holds no checkpoint"
     bad = _check_weights_finite(run.model)
-    if bad is not None:  # an earlier update (with a finite loss) already broke them: nothing finite to keep
+    if bad is not None:  # an earlier update (with a finite loss) already broke them
         return f"it had no checkpoint, and its weights after step {step} are not finite ({bad}), so none was written"
     _checkpoint(run, step, regular=False)
-    return (f"it had no checkpoint, so its finite weights after step {step} are checkpointed in {str(run.out)!r} "
+    return (f"it had no checkpoint, so its finite weights after step {step} are checkpointed in {out!r} "
             "(--resume continues from there)")
 
 
 def _checkpoint(run: _Run, step: int, *, regular: bool = True) -> None:
-    """Checkpoint the weights after ``step`` steps, once per step (Ctrl-C right after a periodic checkpoint writes
-    none). ``regular=False``: what a divergence or Ctrl-C saves; the run an overwrite replaces is deleted only after
-    a regular (periodic or final) one."""
+    """Checkpoint the weights after ``step`` steps, once per step. The run an overwrite replaces is deleted only
+    after a ``regular`` (periodic or final) checkpoint, not one a divergence or Ctrl-C saves."""
     out = run.out
     if out is None or step in run.saved_steps:
         return
     bad = _check_weights_finite(run.model)  # at checkpoints only: never a per-step host sync
-    if bad is not None:  # a finite loss, yet the update left NaN/inf weights: never checkpoint them
+    if bad is not None:
         _log(run, {"kind": "nonfinite", "step": step, "weights": bad,
                    "lr": get_lr(max(step - 1, 0), run.cfg.optim, run.cfg.steps), "action": "stop"})
         raise TrainingDivergedError(
@@ -539,15 +513,10 @@ def _checkpoint(run: _Run, step: int, *, regular: bool = True) -> None:
         return
     save_checkpoint(out, model=run.model, optimizer=run.optimizer, cfg=run.cfg, step=step, scaler=run.precision.scaler)
     run.saved_steps.add(step)
-    if regular and (run.overwritten or run.leftovers):  # a regular checkpoint: the run it replaces goes now
+    if regular and (run.overwritten or run.leftovers):
         discard_set_aside(out)
         run.overwritten.clear()
         run.leftovers.clear()
     elif run.overwritten:  # a divergence or Ctrl-C after this checkpoint keeps both: say where the old one is
         run.leftovers.extend(run.overwritten)
         run.overwritten.clear()
-
-
-def _periodic_checkpoint(run: _Run, steps_done: int) -> None:
-    if run.cfg.checkpoint_interval and steps_done % run.cfg.checkpoint_interval == 0 and steps_done < run.stop:
-        _checkpoint(run, steps_done)

@@ -1,4 +1,4 @@
-"""The trainer's optimizer: AdamW and its learning-rate schedule (warmup, then cosine decay).
+"""AdamW and its learning-rate schedule (linear warmup, then cosine decay).
 
 Examples:
     >>> from sinklens.sinklm.config import OptimConfig
@@ -19,9 +19,8 @@ from sinklens.sinklm.config import OptimConfig
 
 
 def get_lr(step: int, optim: OptimConfig, total_steps: int) -> float:
-    """Learning rate at ``step``: ``lr·(step+1)/warmup_steps`` during warmup, then ``min_lr + ½(1 + cos(π·r))·(lr -
-    min_lr)`` with ``r = (step - warmup)/(decay - warmup)``, then ``min_lr`` from ``decay_steps`` (default total).
-    """
+    """``lr·(step+1)/warmup_steps`` during warmup, then ``min_lr + ½(1 + cos(π·r))·(lr - min_lr)`` with
+    ``r = (step - warmup)/(decay - warmup)``, then ``min_lr`` from ``decay_steps`` (default total)."""
     decay = optim.decay_steps or total_steps
     if step < optim.warmup_steps:
         return optim.lr * (step + 1) / optim.warmup_steps
@@ -31,16 +30,11 @@ def get_lr(step: int, optim: OptimConfig, total_steps: int) -> float:
     return optim.final_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (optim.lr - optim.final_lr)
 
 
-#: Device types whose AdamW ``fused=None`` resolves to the fused kernel.
-FUSED_ADAMW_DEVICES = ("cuda", "cpu")
-
-
 def configure_optimizer(model: Any, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW over ``model.param_groups`` (no weight decay on <2-D parameters); ``optim.fused=None`` takes the fused
-    kernel on CUDA and the CPU (measured faster there, ``benchmarks/RESULTS.md``), ``foreach`` elsewhere.
-    """
+    kernel on CUDA and the CPU, ``foreach`` elsewhere."""
     params = inspect.signature(torch.optim.AdamW).parameters
-    fused = (device.type in FUSED_ADAMW_DEVICES and "fused" in params) if optim.fused is None else bool(optim.fused)
+    fused = (device.type in ("cuda", "cpu") and "fused" in params) if optim.fused is None else bool(optim.fused)
     extra: dict[str, Any] = {"fused": True} if fused else ({"foreach": True} if "foreach" in params else {})
     return torch.optim.AdamW(
         model.param_groups(optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **extra

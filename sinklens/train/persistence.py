@@ -1,12 +1,7 @@
-"""Persistence of the init-time bias, recorded by the trainer at every evaluation.
-
-Each evaluation takes a :class:`~sinklens.origins.persistence.PreferenceSnapshot` (``eval.persistence_*``
-random sequences, interventions attached) and compares it with step 0's
-(:func:`~sinklens.origins.persistence.compare_snapshots`): ``persistence_spearman``/``_kendall`` (rank
-correlation of the token preference), ``persistence_log_corr`` (Pearson of log mean probabilities) and
-``persistence_direction_cos`` (``|cos|`` of the contraction directions). Step 0's snapshot is saved exactly in
-``RUN_DIR/persistence_ref.json`` so a resume records the same numbers (rebuilt from ``RUN_DIR@init`` if missing).
-"""
+"""Persistence of the init-time bias: each evaluation compares a
+:class:`~sinklens.origins.persistence.PreferenceSnapshot` with step 0's, saved in ``RUN_DIR/persistence_ref.json``
+(:func:`~sinklens.origins.persistence.compare_snapshots`: rank correlations of the token preference, Pearson of
+log mean probabilities, ``|cos|`` of the contraction directions)."""
 
 from __future__ import annotations
 
@@ -28,9 +23,8 @@ KEYS = {"preference_spearman": "persistence_spearman", "preference_kendall": "pe
 
 
 class PersistenceTracker:
-    """Step-0 snapshot of a run (``cfg``; kept in ``out``, or in memory when None) and the ``persistence_*``
-    metrics of later evaluations; ``hooks_for(model)`` gives the training-time interventions.
-    """
+    """Step-0 snapshot of a run (kept in ``out``, or in memory when None) and the ``persistence_*`` metrics of
+    later evaluations; ``hooks_for(model)`` gives the training-time interventions."""
 
     def __init__(self, cfg: TrainConfig, out: Path | None, hooks_for: Callable[[Any], list]) -> None:
         self.cfg, self.out, self.hooks_for = cfg, out, hooks_for

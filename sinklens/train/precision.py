@@ -1,9 +1,5 @@
-"""Mixed precision of a training run: the autocast context of every forward and the loss scaler.
-
-CUDA: ``TrainConfig.autocast`` (bfloat16 by default; float16 adds a ``GradScaler``). CPU:
-``cpu_autocast="bfloat16"`` runs matmuls in bfloat16 while weights, optimizer, loss and evaluation stay
-float32; a CPU without native bfloat16 (``avx512_bf16``, ``amx_bf16``, ARM ``bf16``) warns.
-"""
+"""Mixed precision of a training run: ``TrainConfig.autocast`` on CUDA (float16 adds a ``GradScaler``),
+``cpu_autocast`` on a CPU (warns where the CPU lacks native bfloat16)."""
 
 from __future__ import annotations
 
@@ -18,7 +14,6 @@ import torch
 
 __all__ = ["MixedPrecision", "mixed_precision", "native_cpu_bf16"]
 
-#: CPU feature flags (``/proc/cpuinfo``) of native bfloat16 arithmetic.
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
 
@@ -39,9 +34,7 @@ def native_cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """The forward's ``autocast`` context (``nullcontext`` in float32), its ``dtype`` name (``"bfloat16"``,
-    ``"float16"``, ``"none"``) and the ``scaler`` (float16 on CUDA only, else None).
-    """
+    """The forward's ``autocast`` context, its ``dtype`` name (``"none"``: float32) and float16's ``scaler``."""
 
     autocast: Any
     dtype: str
@@ -49,7 +42,6 @@ class MixedPrecision:
 
 
 def mixed_precision(cfg: Any, device: torch.device) -> MixedPrecision:
-    """``cfg.autocast`` on CUDA, ``cfg.cpu_autocast`` on a CPU, float32 elsewhere (see the module docstring)."""
     if device.type == "cuda" and cfg.autocast != "none":
         dtype = torch.bfloat16 if cfg.autocast == "bfloat16" else torch.float16
         scaler = torch.amp.GradScaler("cuda") if dtype == torch.float16 else None

@@ -11,12 +11,9 @@ from sinklens.display import CompactRepr
 
 @dataclass(repr=False, eq=False)
 class TrainResult(CompactRepr):
-    """What :func:`~sinklens.train.loop.train` returns: the trained ``model`` (unwrapped, train mode), its
-    ``history`` (the metrics lines of ``metrics.jsonl``: ``train`` lines with ``loss``, ``lr``, ``grad_norm``
-    before clipping, ``tokens_per_s``, ``mfu``; ``eval`` lines with ``val_loss``, sink metrics, ``persistence_*``;
-    a ``resume`` line with ``changes``), ``out_dir``, ``compile`` (``compiled``, ``compile_s`` of the first
-    compiled step, ``error``), ``device`` type and ``autocast`` dtype.
-    """
+    """What :func:`~sinklens.train.loop.train` returns: the trained ``model``, its ``history`` (the lines of
+    ``metrics.jsonl``; ``grad_norm`` is before clipping), ``compile`` (``compiled``, ``compile_s`` of the first
+    compiled step, ``error``), ``device`` type and ``autocast`` dtype."""
 
     model: Any
     history: list[dict[str, Any]] = field(default_factory=list)

@@ -5,24 +5,19 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from sinklens.errors import (
-    InvalidArgumentError,
-    NotFoundError,
-    OutputExistsError,
-)
+from sinklens.errors import InvalidArgumentError, NotFoundError, OutputExistsError
 from sinklens.sinklm.checkpoint import METRICS, has_checkpoint, is_run_dir, read_metrics
 from sinklens.sinklm.run_folder import foreign_entries
 
 
 def read_history(run_dir: Path, before_step: int) -> list[dict[str, Any]]:
-    """Metrics lines of an interrupted run up to (not including) ``before_step`` (evals at it kept out too)."""
+    """Metrics lines of an interrupted run before ``before_step``."""
     if not (run_dir / METRICS).is_file():
         return []
     return [line for line in read_metrics(run_dir) if line["step"] < before_step]
 
 
 def check_run_dir(out: Path | None, *, resume: bool, overwrite: bool) -> None:
-    """Read-only checks of the run directory, before any work: refuse to clobber a run by accident."""
     if resume and overwrite:
         raise InvalidArgumentError("resume and overwrite exclude each other: resume continues the run in out_dir, "
                                    "overwrite deletes it.")

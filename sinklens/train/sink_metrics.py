@@ -1,5 +1,5 @@
 """Sink metrics tracked during training: one :func:`sinklens.streaming.stream` pass over held-out batches runs
-the sink, first-token norm and variance reducers together; :func:`evaluate` adds the validation loss."""
+the sink, first-token norm and variance reducers; :func:`evaluate` adds the validation loss."""
 
 from __future__ import annotations
 
@@ -106,11 +106,8 @@ def evaluate(
     threshold: float = SINK_THRESHOLD,
     extra_hooks: Sequence[tuple[str, HookFn]] = (),
 ) -> SinkMetrics:
-    """Validation loss and :class:`SinkMetrics` of ``model`` on fixed ``batches`` and their next-token ``targets``,
-    with ``extra_hooks`` (the training-time interventions) attached, so a model is measured as it was trained.
-    """
-    # Attention from queries and keys at any length (no T x T pattern), unless the variant is not a softmax or extra
-    # hooks edit the scores or the pattern.
+    """:class:`SinkMetrics` of ``model`` on fixed ``batches`` and next-token ``targets``, with ``extra_hooks`` (the
+    training-time interventions) attached; attention is read from queries and keys where the hooks allow."""
     method = method_for_hooks("auto", extra_hooks)
     if method == "auto":
         method = "qk" if qk_plan(model, range(model_dims(model).n_layers), "auto").sites is not None else "pattern"

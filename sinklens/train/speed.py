@@ -1,8 +1,4 @@
-"""How fast the trainer runs: compiling the model, the attention kernels of a step, and MFU.
-
-MFU (model FLOPs utilisation) is the model's FLOPs per token times tokens per second over the GPU's
-dense bf16 peak (:data:`PEAK_FLOPS`).
-"""
+"""How fast the trainer runs: compiling the model, the attention kernels of a step, and MFU."""
 
 from __future__ import annotations
 
@@ -27,15 +23,12 @@ COMPILE_KWARGS: dict[str, Any] = {}
 
 
 def compile_model(model: torch.nn.Module) -> torch.nn.Module:
-    """``torch.compile(model, **COMPILE_KWARGS)``, compiled at the first call; with its own recompilation budget
-    (``isolate_recompiles``) where torch has it, so many differently shaped models never fall back to eager.
-    """
+    """``torch.compile(model, **COMPILE_KWARGS)`` with its own recompilation budget where torch has one."""
     extra = {"isolate_recompiles": True} if "isolate_recompiles" in inspect.signature(torch.compile).parameters else {}
     return torch.compile(model, **extra, **COMPILE_KWARGS)
 
 
 def compile_failed_warning(error: BaseException) -> str:
-    """The one-line warning of a compile that failed (the run continues eagerly)."""
     text = " ".join(str(error).split())  # one line: dynamo's messages span several
     text = text if len(text) <= 300 else text[:297] + "..."
     return (f"torch.compile failed ({type(error).__name__}: {text}); training continues eagerly. "
@@ -43,7 +36,7 @@ def compile_failed_warning(error: BaseException) -> str:
 
 
 def peak_flops(device_name: str) -> float | None:
-    """The dense bf16 peak FLOP/s of the GPU called ``device_name`` (:data:`PEAK_FLOPS`), None if unknown.
+    """The dense bf16 peak FLOP/s of the GPU called ``device_name``, None if unknown.
 
     Examples:
         >>> peak_flops("NVIDIA H100 PCIe"), peak_flops("NVIDIA H200"), peak_flops("NVIDIA L40S"), peak_flops("Tesla T4")
@@ -56,8 +49,8 @@ def peak_flops(device_name: str) -> float | None:
 
 
 def estimate_mfu(flops_per_token: float, tokens_per_s: float, device: torch.device) -> float | None:
-    """Model FLOPs utilisation: ``flops_per_token × tokens/s`` over the GPU's dense bf16 peak
-    (:func:`peak_flops` of ``torch.cuda.get_device_name``); None on a CPU or an unknown GPU."""
+    """Model FLOPs utilisation: ``flops_per_token × tokens/s`` over the GPU's dense bf16 peak; None on a CPU or an
+    unknown GPU."""
     if device.type != "cuda":
         return None
     peak = peak_flops(torch.cuda.get_device_name(device))
@@ -65,8 +58,8 @@ def estimate_mfu(flops_per_token: float, tokens_per_s: float, device: torch.devi
 
 
 def attention_kernels(device: torch.device) -> Any:
-    """The SDPA kernel preference of a training step: on a Hopper or newer GPU cuDNN's fused attention first
-    (faster than FlashAttention-2 there), then flash, memory-efficient and math; elsewhere torch's default."""
+    """SDPA kernels of a step: on Hopper or newer cuDNN's fused attention first, then flash, memory-efficient
+    and math; elsewhere torch's default."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
