@@ -1,53 +1,14 @@
-"""Value drain: does a sink head's attention to the sink *write* anything?
+"""Value drain: does a sink head's attention to the sink *write* anything into the residual stream?
 
-A sink head sends most of its attention to one key (the sink). Either the sink's value is (nearly)
-zero, so the head parks attention there and writes almost nothing (a **no-op**, Bondarenko et al.
-2023's "no update"), or the sink's value carries a signal every query receives (a **broadcast**).
-:class:`ValueDrainReducer` tells them apart per layer × head in one streaming pass, from
-``blocks.{l}.attn.hook_v``, ``blocks.{l}.attn.hook_pattern`` (or, with ``method="qk"``, the queries and keys:
-:mod:`sinklens.analysis.qk_attention`, same numbers in memory linear in the length) and, on post-norm layers, the
-post-attention norm's ``hook_scale`` (``ln1_post``; on a post-LN model such as BERT ``ln1``).
-
-**Definitions.** For layer ``l``, query head ``h`` and the sink position ``p`` (``sink_position``):
-
-* the value of key ``k`` seen by head ``h`` is ``v_k = hook_v[b, k, h // r]`` with
-  ``r = n_heads / n_kv_heads`` (grouped-query attention, as Hugging Face's ``repeat_kv``);
-* the write of key ``k`` into query ``q``, **in residual units**, is the norm of what reaches the
-  residual stream through that key::
-
-      write[b, q, k] = A[b, h, q, k] · ‖C(v_k · W_O[l, h]) ⊙ g‖ / s[b, q]
-
-  where ``A`` is ``hook_pattern``; without a post-attention norm ``g = 1``, ``s = 1``; with one
-  (Gemma 2/3) ``g`` is its effective gain (:func:`~sinklens.analysis.post_attention.post_attention_gain`)
-  and ``s[b, q]`` its ``hook_scale`` at the query; on a post-LN model ``C`` removes the mean over
-  ``d_model`` (:func:`~sinklens.analysis.post_attention.post_attention_map`), elsewhere it is the identity.
-  On a SinkLM variant that scales the aggregation before ``W_O`` as ``c[q, h] · (γ[h] ⊙ z)``
-  (:func:`~sinklens.hooks.head_output_gain`), ``W_O`` becomes ``diag(γ[h]) W_O`` and ``1 / s`` becomes
-  ``|c| / s``, with ``c`` read per query from ``hook_z`` and the variant's output site; an element-wise
-  gate has no such scale and is refused (:func:`value_drain_reason`);
-* the counted queries ``Q`` are the real queries ``q != p`` that can see the sink in layer ``l``
-  (:meth:`~sinklens.visibility.Visibility.batch_mask`);
-* ``attn_sink`` = mean over ``Q`` of ``A[q, p]``; ``write_sink`` = mean over ``Q`` of ``write[q, p]``;
-* ``write_other`` / ``attn_other``: the same means over the pairs ``q`` in ``Q``, ``k != p`` visible to ``q``;
-* ``write_share`` = ``Σ_Q write[q, p] / Σ_Q Σ_{k visible to q} write[q, k]``: the sink's share of the
-  head's total write magnitude, pooled over every counted query;
-* ``value_norm_sink`` = mean over sequences of ``‖v_p‖``, ``out_norm_sink`` = of ``‖v_p · W_O[l, h]‖``
-  (before any norm or variant), ``value_norm_other`` / ``out_norm_other`` over every other real key.
-
-**Classification** (:class:`ValueDrainSettings`): a head is a *sink head* when
-``attn_sink >= sink_head_threshold``; a sink head is ``"no-op"`` when ``write_share < no_op_share``,
-``"broadcast"`` when ``write_share >= broadcast_share`` and ``"partial"`` in between; other heads are
-``"none"``.
-
-Measured on SmolLM2-135M-Instruct (64 windows of 64 tokens, sink position 0): 201 of 270 heads are
-sink heads, 7 no-op, 70 broadcast, 124 partial; median write share 0.25.
+A sink head whose sink value is (nearly) zero parks attention there and writes little (a **no-op**,
+Bondarenko et al. 2023); one whose sink value carries a signal **broadcasts** it (:class:`ValueDrain`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from jaxtyping import Bool, Float
@@ -67,25 +28,20 @@ from sinklens.validate import choice, finite_number
 from sinklens.visibility import attention_visibility
 
 Kind = Literal["no-op", "broadcast", "partial", "none"]
-KINDS: tuple[str, ...] = ("no-op", "broadcast", "partial", "none")
+KINDS: tuple[str, ...] = get_args(Kind)
+#: The per-(layer, head) numbers of a :class:`ValueDrain`.
+NUMBERS = ("attn_sink", "attn_other", "write_sink", "write_other", "write_share",
+           "value_norm_sink", "value_norm_other", "out_norm_sink", "out_norm_other")
 
 
 @dataclass(frozen=True)
 class ValueDrainSettings:
     """Settings of a value-drain analysis.
 
-    Attributes:
-        sink_position: the key position treated as the sink (default 0).
-        sink_head_threshold: a head is a sink head when its mean attention to the sink over the counted
-            queries (``attn_sink``) is at least this (in (0, 1]; default 0.3, the value of Gu et al.'s ``ε``; the rule
-            is sinklens' own: attention pooled over sequences, the sink's own query left out, ``>=`` where their
-            sink rate uses ``>`` per sequence).
-        no_op_share: a sink head whose ``write_share`` is below this is ``"no-op"`` (default 0.1: the
-            sink supplies under a tenth of the head's write while taking at least ``sink_head_threshold``
-            of its attention).
-        broadcast_share: a sink head whose ``write_share`` is at least this is ``"broadcast"`` (default
-            0.3); must be ``>= no_op_share``. Between the two a sink head is ``"partial"``.
-        method: where attention is read, as :class:`~sinklens.analysis.sink_result.SinkSettings`' ``method``.
+    A head is a sink head when ``attn_sink >= sink_head_threshold`` (Gu et al.'s ``ε`` as default, but pooled
+    over sequences, sink query left out); a sink head is ``"no-op"`` when ``write_share < no_op_share``,
+    ``"broadcast"`` when ``write_share >= broadcast_share`` and ``"partial"`` in between. ``method``: where
+    attention is read, as :class:`~sinklens.analysis.sink_result.SinkSettings`' ``method``.
     """
 
     sink_position: int = 0
@@ -110,19 +66,22 @@ class ValueDrainSettings:
 
 @dataclass(repr=False, eq=False)
 class ValueDrain(SettingsFields, CompactRepr):
-    """Per layer × head: attention to the sink against what the sink actually writes (module docstring).
+    """Per layer × head: attention to the sink ``p`` against what the sink writes.
+
+    Key ``k`` writes ``write[b, q, k] = A[b, h, q, k] · ‖C(v_k W_O[l, h]) ⊙ g‖ / s[b, q]`` into query ``q`` in
+    residual units: ``A`` is ``hook_pattern`` (or from queries and keys, same numbers), ``v_k`` is ``hook_v``
+    (key/value head ``h // r``); with a post-attention norm ``g`` is its gain and ``s`` its ``hook_scale``
+    (:mod:`~sinklens.analysis.post_attention`; ``C`` centres on a post-LN model), else ``g = s = 1``; on a
+    SinkLM variant with output ``c[q, h] · (γ[h] ⊙ z)`` ``W_O`` becomes ``diag(γ[h]) W_O`` and ``1/s`` ``|c|/s``.
+    The counted queries ``Q`` are the real ``q != p`` that see the sink in that layer.
 
     Attributes:
-        attn_sink / attn_other: mean attention to the sink / to another visible key, per counted query.
-        write_sink / write_other: mean write (residual units) of the sink / of another visible key into a query.
-        write_share: the sink's share of the head's total write magnitude.
-        value_norm_sink / value_norm_other: mean ``‖v‖`` of the sink / of the other real keys.
-        out_norm_sink / out_norm_other: mean ``‖v · W_O‖`` (before any post-norm) of the same.
-        n_queries: counted queries (``Q``) per layer.
-        layers: the model layer of each row.
-        n_sequences: sequences streamed.
-        post_norm_layers: analysed layers whose writes were mapped through a post-attention norm.
-        settings: the :class:`ValueDrainSettings` used (its fields also read as attributes).
+        attn_sink / write_sink: mean over ``Q`` of ``A[q, p]`` / ``write[q, p]``; attn_other / write_other:
+            mean over the pairs (``q`` in ``Q``, visible real ``k != p``).
+        write_share: ``Σ_Q write[q, p] / Σ_Q Σ_k write[q, k]``, the sink's share of the head's write.
+        value_norm_sink / value_norm_other: mean ``‖v‖`` of the sink / of the other real keys;
+            out_norm_sink / out_norm_other: of ``‖v W_O‖`` (before any norm or variant).
+        n_queries: ``|Q|`` per layer; post_norm_layers: layers mapped through a post-attention norm.
     """
 
     attn_sink: Float[Tensor, "layer head"]
@@ -145,7 +104,7 @@ class ValueDrain(SettingsFields, CompactRepr):
         return self.attn_sink >= self.settings.sink_head_threshold
 
     def kinds(self) -> list[list[str]]:
-        """Per [layer][head]: ``"no-op"``, ``"broadcast"``, ``"partial"`` or ``"none"`` (module docstring)."""
+        """Per [layer][head]: ``"no-op"``, ``"broadcast"``, ``"partial"`` or ``"none"`` (:class:`ValueDrainSettings`)."""
         s = self.settings
         sink = self.sink_heads().tolist()
         share = self.write_share.tolist()
@@ -174,9 +133,7 @@ class ValueDrain(SettingsFields, CompactRepr):
     def rows(self) -> list[dict[str, Any]]:
         """One row per (layer, head) with every number and the class."""
         kinds = self.kinds()
-        cols = {name: getattr(self, name).tolist() for name in (
-            "attn_sink", "attn_other", "write_sink", "write_other", "write_share",
-            "value_norm_sink", "value_norm_other", "out_norm_sink", "out_norm_other")}
+        cols = {name: getattr(self, name).tolist() for name in NUMBERS}
         return [
             {"layer": layer, "head": h, "kind": kinds[i][h], **{k: v[i][h] for k, v in cols.items()}}
             for i, layer in enumerate(self.layers)
@@ -184,41 +141,23 @@ class ValueDrain(SettingsFields, CompactRepr):
         ]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready (strict JSON via :func:`sinklens.export.to_json`): settings, per-(layer, head)
-        numbers, classes and class counts."""
+        """Strict-JSON-ready: settings, per-(layer, head) numbers, classes and class counts."""
         return to_json({
             "definition": "sinklens value drain: write[q,k] = A[q,k] * ||(v_k W_O) * g|| / s_q in residual units "
                           "(g, s: post-attention norm gain and scale, 1 without one; on a SinkLM variant whose head "
                           "output is c_q (gamma * z), v_k W_O becomes (gamma * v_k) W_O and 1/s_q becomes |c_q|/s_q); "
                           "write_share = sum_Q write[q,sink] / sum_Q sum_k write[q,k]",
-            "settings": self.settings,
-            "layers": list(self.layers),
-            "n_sequences": self.n_sequences,
-            "post_norm_layers": list(self.post_norm_layers),
-            "n_queries": self.n_queries,
-            "attn_sink": self.attn_sink,
-            "attn_other": self.attn_other,
-            "write_sink": self.write_sink,
-            "write_other": self.write_other,
-            "write_share": self.write_share,
-            "value_norm_sink": self.value_norm_sink,
-            "value_norm_other": self.value_norm_other,
-            "out_norm_sink": self.out_norm_sink,
-            "out_norm_other": self.out_norm_other,
-            "kinds": self.kinds(),
-            "counts": self.counts(),
+            "settings": self.settings, "layers": list(self.layers), "n_sequences": self.n_sequences,
+            "post_norm_layers": list(self.post_norm_layers), "n_queries": self.n_queries,
+            **{name: getattr(self, name) for name in NUMBERS},
+            "kinds": self.kinds(), "counts": self.counts(),
         }, digits=None)
 
-def value_drain_reason(model: Any) -> str | None:
-    """Why value drain cannot be measured on ``model``, or None when it can.
 
-    A key's write ``A[q, k] · (v_k ⊙ m_q) · W_O`` is defined when a head's output is linear in its values at
-    a fixed query. That holds where ``W_O`` reads the aggregation ``hook_z`` itself (``m = 1``) and for a
-    sinklens :class:`~sinklens.sinklm.model.SinkLM` variant whose output is ``c[q, h] · (γ[h] ⊙ z)``
-    (:func:`~sinklens.hooks.head_output_gain`: head-wise RMSNorm, variance calibration, a head-wise gate).
-    An element-wise gate (``gated``, ``granularity="elementwise"``) mixes a per-coordinate factor of the
-    query into every key's write, which the analysis does not split, so it refuses there.
-    """
+def value_drain_reason(model: Any) -> str | None:
+    """Why value drain cannot be measured on ``model``, or None: a key's write is split only where ``W_O`` reads
+    ``hook_z`` or ``c[q, h] · (γ[h] ⊙ z)`` (:func:`~sinklens.hooks.head_output_gain`), not after an element-wise
+    gate."""
     site = head_output_site(model)
     if site == Z:
         return None
@@ -245,14 +184,9 @@ def _quad_norm(v: Float[Tensor, "batch key head d_head"], gram: Float[Tensor, "h
 
 
 class ValueDrainReducer(Reducer[ValueDrain]):
-    """Streams ``hook_v``, ``hook_pattern`` or the queries and keys (``settings.method``), the post-attention norm's
-    ``hook_scale`` on post-norm layers and ``hook_z`` with a SinkLM variant's output site where one transforms the
-    aggregation into a :class:`ValueDrain`.
-
-    Per layer it keeps float64 sums over the counted queries (``Σ A[q, p]``, ``Σ write[q, p]``, the total
-    write, the other keys' write and attention and their pair count, the query count) and over keys
-    (``Σ ‖v‖``, ``Σ ‖v W_O‖`` for the sink and for the other real keys). A layer's activations wait in
-    the batch's fold state until all of its hooks have fired, then are folded and dropped.
+    """Streams ``hook_v``, the attention (``hook_pattern`` or queries and keys), any post-attention norm's
+    ``hook_scale`` and a SinkLM variant's ``hook_z`` and output site into per-layer float64 sums of a
+    :class:`ValueDrain`. A layer's activations wait until all its hooks have fired, then are folded and dropped.
     """
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None,
@@ -288,12 +222,8 @@ class ValueDrainReducer(Reducer[ValueDrain]):
     def reset(self) -> None:
         n_l, n_h = len(self.layers), self.dims.n_heads
         zeros = lambda *shape: torch.zeros(*shape, device=self.device, dtype=torch.float64)  # noqa: E731
-        self.sums = {name: zeros(n_l, n_h) for name in (
-            "attn_sink", "write_sink", "write_total", "write_other", "attn_other",
-            "vn_sink", "vn_other", "on_sink", "on_other")}
-        self.n_q = zeros(n_l)
-        self.n_pairs = zeros(n_l)
-        self.n_keys = zeros(n_l)
+        self.sums = {name: zeros(n_l, n_h) for name in NUMBERS + ("write_total",) if name != "write_share"}
+        self.n_q, self.n_pairs, self.n_keys = zeros(n_l), zeros(n_l), zeros(n_l)
         self.n_seq = 0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
@@ -378,10 +308,10 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         keys = valid.clone()
         keys[:, p] = False
         k_mask = keys[:, :, None]  # [batch, key, 1]
-        s["vn_sink"][row] += value_norm[:, p].sum(0).double()
-        s["on_sink"][row] += out_norm[:, p].sum(0).double()
-        s["vn_other"][row] += torch.where(k_mask, value_norm, zero).sum(dim=(0, 1)).double()
-        s["on_other"][row] += torch.where(k_mask, out_norm, zero).sum(dim=(0, 1)).double()
+        s["value_norm_sink"][row] += value_norm[:, p].sum(0).double()
+        s["out_norm_sink"][row] += out_norm[:, p].sum(0).double()
+        s["value_norm_other"][row] += torch.where(k_mask, value_norm, zero).sum(dim=(0, 1)).double()
+        s["out_norm_other"][row] += torch.where(k_mask, out_norm, zero).sum(dim=(0, 1)).double()
         self.n_q[row] += queries.sum()
         self.n_pairs[row] += n_pairs - queries.sum()
         self.n_keys[row] += keys.sum()
@@ -394,28 +324,14 @@ class ValueDrainReducer(Reducer[ValueDrain]):
     def result(self) -> ValueDrain:
         if self.n_seq == 0:
             raise InvalidArgumentError("No sequences were streamed; nothing to measure.")
-        s = self.sums
-
-        def per(total: Tensor, count: Tensor | int) -> Tensor:
-            count = count[:, None] if isinstance(count, Tensor) else count
-            return (total / count).float().cpu()
-
-        return ValueDrain(
-            attn_sink=per(s["attn_sink"], self.n_q),
-            attn_other=per(s["attn_other"], self.n_pairs),
-            write_sink=per(s["write_sink"], self.n_q),
-            write_other=per(s["write_other"], self.n_pairs),
-            write_share=(s["write_sink"] / s["write_total"]).float().cpu(),
-            value_norm_sink=per(s["vn_sink"], self.n_seq),
-            value_norm_other=per(s["vn_other"], self.n_keys),
-            out_norm_sink=per(s["on_sink"], self.n_seq),
-            out_norm_other=per(s["on_other"], self.n_keys),
-            n_queries=self.n_q.float().cpu(),
-            layers=list(self.layers),
-            n_sequences=self.n_seq,
-            post_norm_layers=list(self.post_norm),
-            settings=self.settings,
-        )
+        s, n_q, n_pairs, n_keys = self.sums, self.n_q[:, None], self.n_pairs[:, None], self.n_keys[:, None]
+        per = {"attn_sink": n_q, "write_sink": n_q, "attn_other": n_pairs, "write_other": n_pairs,
+               "value_norm_sink": self.n_seq, "out_norm_sink": self.n_seq, "value_norm_other": n_keys,
+               "out_norm_other": n_keys}
+        return ValueDrain(**{name: (s[name] / count).float().cpu() for name, count in per.items()},
+                          write_share=(s["write_sink"] / s["write_total"]).float().cpu(),
+                          n_queries=self.n_q.float().cpu(), layers=list(self.layers), n_sequences=self.n_seq,
+                          post_norm_layers=list(self.post_norm), settings=self.settings)
 
 
 def measure_value_drain(
@@ -427,15 +343,8 @@ def measure_value_drain(
     options: RunOptions = RunOptions(),
     **settings_kwargs: Any,
 ) -> ValueDrain:
-    """Measure, per layer × head, attention to the sink against what the sink writes (module docstring).
-
-    Args:
-        inputs: prompts, token ids or :class:`~sinklens.inputs.TokenBatch` es (default: the built-in prompts).
-        layers: which layers (default all).
-        settings: sink position and classification thresholds (default ``ValueDrainSettings()``).
-        **settings_kwargs: any field of :class:`ValueDrainSettings` as a keyword (``sink_position=``,
-            ``sink_head_threshold=``, ...), replacing that of ``settings``.
-        options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar.
+    """Measure, per layer × head, attention to the sink against what the sink writes (:class:`ValueDrain`).
+    Any field of :class:`ValueDrainSettings` may be given as a keyword, replacing that of ``settings``.
 
     Examples:
         >>> from sinklens.testing import tiny_model
