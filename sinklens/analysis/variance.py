@@ -1,26 +1,8 @@
 """Value-aggregation variance: why the first token's head output stands out.
 
-A head's output is ``z_t = Σ_{j<=t} A_tj v_j``. With values independent across positions (mean ``μ``,
-per-coordinate variance ``σ_v²``, independent of ``A``), ``E|z_t − μ|² / d_head = σ_v² · E[Σ_j A_tj²]``,
-``σ_v² / (t + 1)`` under uniform attention: the first token keeps the full variance of one value.
-
-``z_var[l, h, t] = mean_c mean_{sequences b valid at t} (z[b, t, h, c] − m[l, h, c])²`` with ``z`` =
-``blocks.{l}.attn.hook_z`` and ``m`` its mean over all valid (sequence, position) pairs, which makes the law
-exact; ``z_var_seq`` centres on the per-position mean instead (both ``1/n``). The same definition gives
-``result_var``, the head's write ``z_h · W_O[l, h]`` where it reaches the stream (through any post-attention
-norm, :mod:`~sinklens.analysis.post_attention`; ``z_h`` read at :func:`~sinklens.hooks.head_output_site`),
-averaged over ``d_model``, and ``attn_out_var``, the attention's whole write
-(:func:`~sinklens.residual_sites.attention_write_hooks`).
-
-``feature_std[l, t]`` is Li et al.'s measure as their code computes it (Siquan-Li/Head-wise-RMSNorm@23793e0,
-``attention_sink.ipynb`` cell 2): the mean over sequences of ``torch.std`` (Bessel) over the features of the
-``o_proj`` input (``hook_z`` flattened head-major) at each token; ``feature_std_head`` (ours) the same over
-one head's ``d_head`` features.
-
-Predictions: ``value_var[l, h] = σ_v²`` from ``hook_v`` over all valid positions (key/value head ``h // r``
-under grouped-query attention), ``pred_pattern = σ_v² · attn_sq`` (``attn_sq``: mean over sequences of
-``Σ_j A_tj²``) and ``pred_uniform = σ_v² / (t + 1)``. Sums are float64 on the model's device; variances are
-``Σx²/n − (Σx/n)²`` clamped at 0.
+A head's output is ``z_t = Σ_{j<=t} A_tj v_j``; with values independent across positions (variance ``σ_v²``),
+``E|z_t − μ|² / d_head = σ_v² · E[Σ_j A_tj²]``, ``σ_v² / (t + 1)`` under uniform attention: the first token
+keeps the full variance of one value (:class:`VarianceResult`).
 """
 
 from __future__ import annotations
@@ -69,11 +51,8 @@ def _global_centred(
     n_coords: int,
     gram: Float[Tensor, "*lead dim dim"] | None = None,
 ) -> Float[Tensor, "*lead pos"]:
-    """``mean_c mean_b (x − m)²`` per position from ``Σ_b x`` (``s1``), ``Σ_b |x|²`` (``s2``), counts.
-
-    ``m`` is the mean of ``x`` over all positions. With ``gram = W Wᵀ`` the sums are of ``x`` but
-    the variance is that of ``x W`` (``s2`` must then already be ``Σ_b |x W|²``).
-    """
+    """``mean_c mean_b (x − m)²`` per position from ``Σ_b x`` (``s1``), ``Σ_b |x|²`` (``s2``) and counts, ``m``
+    the mean of ``x`` over all positions; with ``gram = W Wᵀ``, of ``x W`` (``s2`` then ``Σ_b |x W|²``)."""
     mean = s1.sum(dim=-2) / n.sum()  # [*lead, dim]
     if gram is not None:
         proj = torch.einsum("...d,...de->...e", mean, gram)
@@ -86,16 +65,23 @@ def _global_centred(
 
 @dataclass(repr=False, eq=False)
 class VarianceResult(CompactRepr):
-    """Variance of head outputs by position, with its predictions (definitions: module docstring).
+    """Variance of head outputs by position, with its predictions; sums are float64 on the model's device and
+    variances ``Σx²/n − (Σx/n)²`` clamped at 0.
 
     Attributes:
-        z_var / z_var_seq: ``hook_z`` variance around the overall / the per-position mean.
-        result_var: the head's write in residual units (through any post-attention norm), over ``d_model``;
-            ``result_var_pre_norm``: before that norm; ``z_h`` is read at ``output_site``.
-        attn_out_var: the attention's whole write where it reaches the stream, over ``d_model``.
-        value_var: ``σ_v²`` per (layer, head); attn_sq: mean over sequences of ``Σ_j A_tj²``.
+        z_var: ``mean_c mean_{b valid at t} (z[b, t, h, c] − m[l, h, c])²``, ``z`` = ``hook_z``, ``m`` its mean
+            over all valid (sequence, position) pairs (which makes the law exact); z_var_seq: around the
+            per-position mean instead (both ``1/n``).
+        result_var: the same for the head's write ``z_h W_O[l, h]`` where it reaches the stream (through any
+            post-attention norm, over ``d_model``; ``z_h`` read at ``output_site``); result_var_pre_norm: before
+            that norm. attn_out_var: the attention's whole write
+            (:func:`~sinklens.residual_sites.attention_write_hooks`).
+        value_var: ``σ_v²`` per (layer, head) from ``hook_v`` over all valid positions (key/value head ``h // r``);
+            attn_sq: mean over sequences of ``Σ_j A_tj²``.
         counts: sequences valid at each position (positions with none are NaN elsewhere).
-        feature_std / feature_std_head: Li et al.'s per-position feature std, all heads / per head.
+        feature_std: Li et al.'s measure as their code computes it (Siquan-Li/Head-wise-RMSNorm@23793e0,
+            ``attention_sink.ipynb`` cell 2): mean over sequences of ``torch.std`` over the features of the
+            ``o_proj`` input (``hook_z`` flattened head-major) at each token; feature_std_head (ours): per head.
         post_norm_layers: the analysed layers whose heads pass through a post-attention norm.
     """
 
@@ -180,21 +166,12 @@ class VarianceResult(CompactRepr):
         sources = {"discrepancy_z": SOURCES["z_var"], "discrepancy_result": SOURCES["result_var"],
                    "feature_std_ratio": SOURCES["feature_std"], "feature_std_ratio_head": SOURCES["feature_std_head"]}
         return [
-            {
-                "layer": layer,
-                "head": h,
-                "position": position,
-                "discrepancy_z": float(z[i, h]),
-                "discrepancy_pred_pattern": float(pred[i, h]),
-                "discrepancy_pred_uniform": float(unif[i, h]),
-                "discrepancy_result": float(res[i, h]),
-                "preservation": float(res[i, h] / z[i, h]),
-                "discrepancy_attn_out": float(out[i]),
-                "value_var": float(self.value_var[i, h]),
-                "feature_std_ratio_head": float(std_head[i, h]),
-                "feature_std_ratio": float(std_all[i]),
-                "sources": sources,
-            }
+            {"layer": layer, "head": h, "position": position, "discrepancy_z": float(z[i, h]),
+             "discrepancy_pred_pattern": float(pred[i, h]), "discrepancy_pred_uniform": float(unif[i, h]),
+             "discrepancy_result": float(res[i, h]), "preservation": float(res[i, h] / z[i, h]),
+             "discrepancy_attn_out": float(out[i]), "value_var": float(self.value_var[i, h]),
+             "feature_std_ratio_head": float(std_head[i, h]), "feature_std_ratio": float(std_all[i]),
+             "sources": sources}
             for i, layer in enumerate(self.layers)
             for h in range(self.z_var.shape[1])
         ]
@@ -214,45 +191,31 @@ class VarianceResult(CompactRepr):
         z = self.discrepancy(position, of="z")
         return to_json({
             "sources": {k: SOURCES[k] for k in ("z_var", "z_var_seq", "result_var")},
-            "post_norm_layers": list(self.post_norm_layers),
-            "output_site": self.output_site,
-            "discrepancy_result_pre_norm": self.discrepancy(position, of="result_pre_norm").tolist(),
+            "post_norm_layers": list(self.post_norm_layers), "output_site": self.output_site,
+            "discrepancy_result_pre_norm": self.discrepancy(position, of="result_pre_norm"),
             "li_feature_std": {
-                "source": SOURCES["feature_std"],
-                "source_head": SOURCES["feature_std_head"],
-                "feature_std": self.feature_std.tolist(),
-                "feature_std_head_mean": self.feature_std_head.mean(dim=1).tolist(),
-                "ratio": self.discrepancy(position, of="feature_std").tolist(),
-                "ratio_head": self.discrepancy(position, of="feature_std_head").tolist(),
+                "source": SOURCES["feature_std"], "source_head": SOURCES["feature_std_head"],
+                "feature_std": self.feature_std, "feature_std_head_mean": self.feature_std_head.mean(dim=1),
+                "ratio": self.discrepancy(position, of="feature_std"),
+                "ratio_head": self.discrepancy(position, of="feature_std_head"),
             },
-            "layers": list(self.layers),
-            "n_sequences": self.n_sequences,
-            "prepend_bos": self.prepend_bos,
-            "position": position,
-            "counts": self.counts.tolist(),
-            "value_var": self.value_var.tolist(),
-            "discrepancy_z": z.tolist(),
-            "discrepancy_result": self.discrepancy(position, of="result").tolist(),
-            "discrepancy_attn_out": self.discrepancy(position, of="attn_out").tolist(),
-            "discrepancy_pred_pattern": self.ratio_of(self.pred_pattern, position).tolist(),
-            "discrepancy_pred_uniform": self.ratio_of(self.pred_uniform, position).tolist(),
+            "layers": list(self.layers), "n_sequences": self.n_sequences, "prepend_bos": self.prepend_bos,
+            "position": position, "counts": self.counts, "value_var": self.value_var, "discrepancy_z": z,
+            "discrepancy_result": self.discrepancy(position, of="result"),
+            "discrepancy_attn_out": self.discrepancy(position, of="attn_out"),
+            "discrepancy_pred_pattern": self.ratio_of(self.pred_pattern, position),
+            "discrepancy_pred_uniform": self.ratio_of(self.pred_uniform, position),
             "share_layers_discrepancy_gt_1": float((z.mean(dim=1) > 1).float().mean()),
-            "z_var_head_mean": self.z_var.mean(dim=1).tolist(),
-            "pred_pattern_head_mean": self.pred_pattern.mean(dim=1).tolist(),
-            "pred_uniform_head_mean": self.pred_uniform.mean(dim=1).tolist(),
-            "attn_out_var": self.attn_out_var.tolist(),
+            "z_var_head_mean": self.z_var.mean(dim=1), "pred_pattern_head_mean": self.pred_pattern.mean(dim=1),
+            "pred_uniform_head_mean": self.pred_uniform.mean(dim=1), "attn_out_var": self.attn_out_var,
         }, digits=None)
 
 
 class VarianceReducer(Reducer[VarianceResult]):
-    """Streams ``hook_v``, ``hook_pattern``, ``hook_z`` (and the head output site), the attention write and
-    the post-attention norm's ``hook_scale`` into a :class:`VarianceResult`, keeping float64 sums per layer.
-
-    ``Σ z W_O`` is ``(Σ z) W_O``, applied at :meth:`result`; ``Σ |z W_O|²`` is ``z G zᵀ`` with the Gram matrix
-    ``G`` (:func:`~sinklens.analysis.post_attention.attention_output_grams`). On a post-norm layer ``z`` waits
-    until the norm's ``hook_scale`` ``s`` fires, then ``Σ z/s`` and ``Σ |(z/s) M|²`` are kept as well. ``Σ_j A_tj²``
-    comes from ``hook_pattern`` or, by ``method`` as in :class:`~sinklens.analysis.sink_result.SinkSettings`, from
-    the queries and keys (:mod:`sinklens.analysis.qk_attention`).
+    """Streams ``hook_v``, the attention, ``hook_z`` (and the head output site), the attention write and any
+    post-attention norm's ``hook_scale`` into float64 sums per layer. ``Σ |z W_O|²`` is ``z G zᵀ`` with
+    ``G = W_O W_Oᵀ``; on a post-norm layer ``z`` waits for ``hook_scale`` ``s``, then ``Σ z/s`` and
+    ``Σ |(z/s) M|²`` are kept; ``Σ_j A_tj²`` comes from ``hook_pattern`` or the queries and keys (``method``).
     """
 
     statistics = ("z_s1", "z_s2", "out_s1", "r_s2", "zs_s1", "rs_s2", "fs_head", "fs_all", "a_sq", "o_s1", "o_s2", "n",
@@ -407,21 +370,11 @@ class VarianceReducer(Reducer[VarianceResult]):
             return t.float().cpu()
 
         return VarianceResult(
-            z_var=out(z_var),
-            z_var_seq=out(z_var_seq),
-            result_var=out(result_var),
-            attn_out_var=out(out_var),
-            value_var=out(value_var),
-            attn_sq=out(attn_sq),
-            counts=out(n),
-            layers=list(self.layers),
-            n_sequences=self.n_seq,
-            prepend_bos=self.prepend_bos,
-            result_var_pre_norm=out(result_pre),
-            feature_std=out(self.fs_all[:, :p] / n),
-            feature_std_head=out(self.fs_head[:, :, :p] / n),
-            post_norm_layers=list(self.post_norm),
-            output_site=self.output_site,
+            z_var=out(z_var), z_var_seq=out(z_var_seq), result_var=out(result_var), attn_out_var=out(out_var),
+            value_var=out(value_var), attn_sq=out(attn_sq), counts=out(n), layers=list(self.layers),
+            n_sequences=self.n_seq, prepend_bos=self.prepend_bos, result_var_pre_norm=out(result_pre),
+            feature_std=out(self.fs_all[:, :p] / n), feature_std_head=out(self.fs_head[:, :, :p] / n),
+            post_norm_layers=list(self.post_norm), output_site=self.output_site,
         )
 
 
