@@ -16,15 +16,15 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import layer_head_position_rows, method_for_hooks, position_index, run_analyzer
+from sinklens.analysis._common import layer_head_position_rows, position_index, run_analyzer
 from sinklens.analysis.post_attention import attention_output_grams, post_attention_scale_hooks
 from sinklens.analysis.qk_attention import qk_hooks, qk_plan
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import PATTERN, V, Z, head_output_site, model_device, model_dims, resolve_layers
+from sinklens.hooks import PATTERN, V, Z, expand_kv_heads, head_output_site, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.options import AttentionMethod, RunOptions, checked_options
+from sinklens.options import AttentionMethod, RunOptions
 from sinklens.residual_sites import attention_write_hooks
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow, per_layer_hooks
 from sinklens.validate import choice
@@ -44,29 +44,21 @@ SOURCES = {
 }
 
 
-def _global_centred(
-    s1: Float[Tensor, "*lead pos dim"],
-    s2: Float[Tensor, "*lead pos"],
-    n: Float[Tensor, " pos"],
-    n_coords: int,
-    gram: Float[Tensor, "*lead dim dim"] | None = None,
-) -> Float[Tensor, "*lead pos"]:
+def _global_centred(s1: Float[Tensor, "*lead pos dim"], s2: Float[Tensor, "*lead pos"], n: Float[Tensor, " pos"],
+                    n_coords: int, gram: Float[Tensor, "*lead dim dim"] | None = None) -> Float[Tensor, "*lead pos"]:
     """``mean_c mean_b (x − m)²`` per position from ``Σ_b x`` (``s1``), ``Σ_b |x|²`` (``s2``) and counts, ``m``
     the mean of ``x`` over all positions; with ``gram = W Wᵀ``, of ``x W`` (``s2`` then ``Σ_b |x W|²``)."""
     mean = s1.sum(dim=-2) / n.sum()  # [*lead, dim]
-    if gram is not None:
-        proj = torch.einsum("...d,...de->...e", mean, gram)
-        cross, sq = torch.einsum("...e,...pe->...p", proj, s1), (proj * mean).sum(-1)
-    else:
-        cross, sq = torch.einsum("...e,...pe->...p", mean, s1), (mean * mean).sum(-1)
+    proj = mean if gram is None else torch.einsum("...d,...de->...e", mean, gram)
+    cross, sq = torch.einsum("...e,...pe->...p", proj, s1), (proj * mean).sum(-1)
     total = s2 - 2 * cross + n * sq[..., None]
     return (total / (n * n_coords)).clamp(min=0)
 
 
 @dataclass(repr=False, eq=False)
 class VarianceResult(CompactRepr):
-    """Variance of head outputs by position, with its predictions; sums are float64 on the model's device and
-    variances ``Σx²/n − (Σx/n)²`` clamped at 0.
+    """Variance of head outputs by position, with its predictions (variances ``Σx²/n − (Σx/n)²`` in float64,
+    clamped at 0).
 
     Attributes:
         z_var: ``mean_c mean_{b valid at t} (z[b, t, h, c] − m[l, h, c])²``, ``z`` = ``hook_z``, ``m`` its mean
@@ -140,21 +132,12 @@ class VarianceResult(CompactRepr):
 
     def rows(self) -> list[dict[str, Any]]:
         """Long format, one row per (layer, head, position) with every measured and predicted number."""
-        lhp = "layer head pos"
-        return layer_head_position_rows(self.layers, *self.z_var.shape[1:], {
-            "count": ("pos", self.counts),
-            "value_var": ("layer head", self.value_var),
-            "attn_out_var": ("layer pos", self.attn_out_var),
-            "feature_std": ("layer pos", self.feature_std),
-            "z_var": (lhp, self.z_var),
-            "z_var_seq": (lhp, self.z_var_seq),
-            "result_var": (lhp, self.result_var),
-            "pred_pattern": (lhp, self.pred_pattern),
-            "pred_uniform": (lhp, self.pred_uniform),
-            "attn_sq": (lhp, self.attn_sq),
-            "result_var_pre_norm": (lhp, self.result_var_pre_norm),
-            "feature_std_head": (lhp, self.feature_std_head),
-        })
+        columns = {"count": ("pos", self.counts), "value_var": ("layer head", self.value_var),
+                   "attn_out_var": ("layer pos", self.attn_out_var), "feature_std": ("layer pos", self.feature_std)}
+        columns |= {name: ("layer head pos", getattr(self, name)) for name in (
+            "z_var", "z_var_seq", "result_var", "pred_pattern", "pred_uniform", "attn_sq", "result_var_pre_norm",
+            "feature_std_head")}
+        return layer_head_position_rows(self.layers, *self.z_var.shape[1:], columns)
 
     def summary_rows(self, position: int = 0) -> list[dict[str, Any]]:
         """One row per (layer, head): every discrepancy ratio at ``position``, the preservation ratio,
@@ -222,10 +205,8 @@ class VarianceReducer(Reducer[VarianceResult]):
                   "v_s1", "v_s2", "v_n", "n_seq", "prepend_bos")
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None, method: AttentionMethod = "auto"):
-        dims = model_dims(model)
-        self.model = model
-        self.dims = dims
-        self.layers = resolve_layers(layers, dims.n_layers)
+        self.model, self.dims = model, model_dims(model)
+        self.layers = resolve_layers(layers, self.dims.n_layers)
         self.plan = qk_plan(model, self.layers, method)
         self.visibility = attention_visibility(model)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
@@ -235,8 +216,7 @@ class VarianceReducer(Reducer[VarianceResult]):
         self.output_site = head_output_site(model)
         # Gram matrices of W_O and of the residual-unit output map M = C(W_O) diag(g) (W_O without a post-norm).
         self.gram, self.gram_res = (g.to(self.device) for g in attention_output_grams(model, self.layers))
-        self.gram32 = self.gram.float()
-        self.gram_res32 = self.gram_res.float()
+        self.gram32, self.gram_res32 = self.gram.float(), self.gram_res.float()
         self.reset()
 
     def reset(self) -> None:
@@ -249,7 +229,7 @@ class VarianceReducer(Reducer[VarianceResult]):
         # [layer, pos, d_model] / [layer, pos]: Σ attn_out, Σ |attn_out|², Σ_b std over the whole o_proj input
         self.o_s1, self.o_s2, self.fs_all = zeros(n_l, 0, d.d_model), zeros(n_l, 0), zeros(n_l, 0)
         self.n = zeros(0)
-        self.v_s1, self.v_s2 = zeros(n_l, d.n_kv_heads, d.d_head), zeros(n_l, d.n_kv_heads)
+        self.v_s1, self.v_s2 = zeros(n_l, d.n_heads, d.d_head), zeros(n_l, d.n_heads)
         self.v_n, self.n_seq, self.prepend_bos = 0.0, 0, True
 
     def _reserve(self, n: int) -> None:
@@ -266,10 +246,8 @@ class VarianceReducer(Reducer[VarianceResult]):
         waiting: dict[int, Tensor] = {}  # post-norm layers: hook_z until the post-attention norm's hook_scale fires
 
         def fold_v(v: Tensor, layer: int) -> None:  # [batch, pos, kv_head, d_head]
-            row, v = self.row[layer], v.float()
-            if v.shape[2] != self.v_s1.shape[1]:  # a model whose hook_v already repeats key/value heads
-                self.v_s1 = torch.zeros(*self.v_s1.shape[:1], v.shape[2], v.shape[3], device=self.device, dtype=torch.float64)
-                self.v_s2 = torch.zeros(*self.v_s2.shape[:1], v.shape[2], device=self.device, dtype=torch.float64)
+            row = self.row[layer]
+            v = expand_kv_heads(v.float()[..., None], self.dims.n_heads)[..., 0]  # HF repeat_kv order
             self.v_s1[row] += (v * w32[..., None, None]).sum(dim=(0, 1)).double()
             self.v_s2[row] += (v.square().sum(-1) * w32[..., None]).sum(dim=(0, 1)).double()
 
@@ -344,8 +322,7 @@ class VarianceReducer(Reducer[VarianceResult]):
     def result(self) -> VarianceResult:
         if self.v_n == 0:
             raise InvalidArgumentError("No valid tokens were streamed; nothing to measure.")
-        valid = torch.nonzero(self.n > 0)
-        p = int(valid.max()) + 1
+        p = int(torch.nonzero(self.n > 0).max()) + 1
         n = self.n[:p]
         d_head, d_model = self.dims.d_head, self.dims.d_model
         z_s1, z_s2 = self.z_s1[:, :, :p], self.z_s2[:, :, :p]
@@ -360,36 +337,19 @@ class VarianceReducer(Reducer[VarianceResult]):
                                               gram=self.gram_res[row])
         out_var = _global_centred(self.o_s1[:, :p], self.o_s2[:, :p], n, d_model)
         v_mean = self.v_s1 / self.v_n
-        value_var = ((self.v_s2 / self.v_n - v_mean.square().sum(-1)) / d_head).clamp(min=0)  # [layer, kv_head]
-        n_heads = self.dims.n_heads
-        if value_var.shape[1] != n_heads:  # kv head j serves query heads j*r .. (j+1)*r - 1 (HF repeat_kv)
-            value_var = value_var.repeat_interleave(n_heads // value_var.shape[1], dim=1)
-        attn_sq = self.a_sq[:, :, :p] / n
-
-        def out(t: Tensor) -> Tensor:
-            return t.float().cpu()
-
-        return VarianceResult(
-            z_var=out(z_var), z_var_seq=out(z_var_seq), result_var=out(result_var), attn_out_var=out(out_var),
-            value_var=out(value_var), attn_sq=out(attn_sq), counts=out(n), layers=list(self.layers),
-            n_sequences=self.n_seq, prepend_bos=self.prepend_bos, result_var_pre_norm=out(result_pre),
-            feature_std=out(self.fs_all[:, :p] / n), feature_std_head=out(self.fs_head[:, :, :p] / n),
-            post_norm_layers=list(self.post_norm), output_site=self.output_site,
-        )
+        value_var = ((self.v_s2 / self.v_n - v_mean.square().sum(-1)) / d_head).clamp(min=0)
+        tensors = dict(z_var=z_var, z_var_seq=z_var_seq, result_var=result_var, attn_out_var=out_var,
+                       value_var=value_var, attn_sq=self.a_sq[:, :, :p] / n, counts=n, result_var_pre_norm=result_pre,
+                       feature_std=self.fs_all[:, :p] / n, feature_std_head=self.fs_head[:, :, :p] / n)
+        return VarianceResult(**{name: t.float().cpu() for name, t in tensors.items()}, layers=list(self.layers),
+                              n_sequences=self.n_seq, prepend_bos=self.prepend_bos,
+                              post_norm_layers=list(self.post_norm), output_site=self.output_site)
 
 
-def measure_variance(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    layers: int | Sequence[int] | None = None,
-    method: AttentionMethod = "auto",
-    options: RunOptions = RunOptions(),
-) -> VarianceResult:
-    """Measure value-aggregation variance per layer × head × position, with its predictions.
-
-    The variances are across sequences, so stream many (e.g. :func:`~sinklens.inputs.random_token_batches`).
-    ``method``: where ``Σ_k A²`` (``attn_sq``) is read, as :class:`~sinklens.analysis.sink_result.SinkSettings`' ``method``.
+def measure_variance(model: Any, inputs: Inputs | None = None, *, layers: int | Sequence[int] | None = None,
+                     method: AttentionMethod = "auto", options: RunOptions = RunOptions()) -> VarianceResult:
+    """Measure value-aggregation variance per layer × head × position across sequences, so stream many
+    (:class:`VarianceResult`); ``method``: where ``attn_sq`` is read, as ``SinkSettings.method``.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -400,6 +360,5 @@ def measure_variance(
         >>> result.z_var.shape, result.discrepancy(0).shape
         (torch.Size([2, 4, 6]), torch.Size([2, 4]))
     """
-    method = method_for_hooks(method, checked_options(options, "measure_variance").extra_hooks)
     return run_analyzer(model, inputs, VarianceReducer, where="measure_variance", options=options,
                         layers=layers, method=method)
