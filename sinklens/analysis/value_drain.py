@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import torch
-from jaxtyping import Bool, Float
+from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.analysis._common import SettingsFields, check_sink_position, row_index, run_analyzer, sink_position_arg
@@ -20,7 +20,8 @@ from sinklens.analysis.qk_attention import attention_columns, qk_plan, queries_a
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import PATTERN, V, Z, head_output_gain, head_output_site, model_device, model_dims, resolve_layers
+from sinklens.hooks import (PATTERN, V, Z, expand_kv_heads, head_output_gain, head_output_site, model_device,
+                            model_dims, resolve_layers)
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import ATTENTION_METHODS, SINK_THRESHOLD, AttentionMethod, RunOptions
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
@@ -60,8 +61,7 @@ class ValueDrainSettings:
         set_(self, "method", choice(self.method, ATTENTION_METHODS, what="method"))
         if self.broadcast_share < self.no_op_share:
             raise InvalidArgumentError(
-                f"broadcast_share={self.broadcast_share} must be >= no_op_share={self.no_op_share}."
-            )
+                f"broadcast_share={self.broadcast_share} must be >= no_op_share={self.no_op_share}.")
 
 
 @dataclass(repr=False, eq=False)
@@ -79,8 +79,8 @@ class ValueDrain(SettingsFields, CompactRepr):
         attn_sink / write_sink: mean over ``Q`` of ``A[q, p]`` / ``write[q, p]``; attn_other / write_other:
             mean over the pairs (``q`` in ``Q``, visible real ``k != p``).
         write_share: ``Σ_Q write[q, p] / Σ_Q Σ_k write[q, k]``, the sink's share of the head's write.
-        value_norm_sink / value_norm_other: mean ``‖v‖`` of the sink / of the other real keys;
-            out_norm_sink / out_norm_other: of ``‖v W_O‖`` (before any norm or variant).
+        value_norm_sink / value_norm_other: mean ``‖v‖`` of the sink / the other real keys; out_norm_*: of
+            ``‖v W_O‖`` (before any norm or variant).
         n_queries: ``|Q|`` per layer; post_norm_layers: layers mapped through a post-attention norm.
     """
 
@@ -99,21 +99,12 @@ class ValueDrain(SettingsFields, CompactRepr):
     post_norm_layers: list[int] = field(default_factory=list)
     settings: ValueDrainSettings = field(default_factory=ValueDrainSettings)
 
-    def sink_heads(self) -> Bool[Tensor, "layer head"]:
-        """Heads with ``attn_sink >= sink_head_threshold``."""
-        return self.attn_sink >= self.settings.sink_head_threshold
-
     def kinds(self) -> list[list[str]]:
-        """Per [layer][head]: ``"no-op"``, ``"broadcast"``, ``"partial"`` or ``"none"`` (:class:`ValueDrainSettings`)."""
+        """Per [layer][head]: ``"no-op"``, ``"broadcast"``, ``"partial"`` or ``"none"`` (see the settings)."""
         s = self.settings
-        sink = self.sink_heads().tolist()
-        share = self.write_share.tolist()
-        return [
-            [("none" if not sink[i][h] else "no-op" if share[i][h] < s.no_op_share
-              else "broadcast" if share[i][h] >= s.broadcast_share else "partial")
-             for h in range(len(share[i]))]
-            for i in range(len(share))
-        ]
+        sink, share = (self.attn_sink >= s.sink_head_threshold).tolist(), self.write_share.tolist()
+        return [["none" if not is_sink else "no-op" if x < s.no_op_share else "broadcast" if x >= s.broadcast_share
+                 else "partial" for is_sink, x in zip(sink_row, share_row)] for sink_row, share_row in zip(sink, share)]
 
     def kind(self, layer: int, head: int) -> str:
         """The class of one head (model layer ``layer``)."""
@@ -194,9 +185,8 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         reason = value_drain_reason(model)
         if reason is not None:
             raise UnsupportedArchitectureError(f"Value drain is not supported for this model: {reason}.")
-        dims = model_dims(model)
-        self.dims, self.settings = dims, settings
-        self.layers = resolve_layers(layers, dims.n_layers)
+        self.dims, self.settings = model_dims(model), settings
+        self.layers = resolve_layers(layers, self.dims.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.plan = qk_plan(model, self.layers, settings.method)
         self.device = model_device(model)
@@ -211,10 +201,6 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         gain = torch.stack([head_output_gain(model, layer) for layer in self.layers]).to(self.device, torch.float64)
         self.gain = gain.float()  # [layer, head, d_head]
         self.gram_res = (gram_res.to(self.device) * gain[..., :, None] * gain[..., None, :]).float()
-        if dims.n_heads % dims.n_kv_heads:
-            raise InvalidArgumentError(f"{dims.n_heads} query heads cannot share {dims.n_kv_heads} key/value heads evenly.")
-        # Query head h reads key/value head h // r (Hugging Face repeat_kv / repeat_interleave order).
-        self.kv_of = torch.arange(dims.n_heads, device=self.device) // (dims.n_heads // dims.n_kv_heads)
         self.reset()
 
     statistics = ("sums", "n_q", "n_pairs", "n_keys", "n_seq")
@@ -245,29 +231,21 @@ class ValueDrainReducer(Reducer[ValueDrain]):
 
             return fold
 
-        hooks = per_layer_hooks(V, self.layers, keep("v"))
-        for site in attention:
-            hooks += per_layer_hooks(site, self.layers, keep(site))
-        if transformed:
-            hooks += per_layer_hooks(Z, self.layers, keep("z"))
-            hooks += per_layer_hooks(self.output_site, self.layers, keep("out"))
+        sites = {"v": V, **{site: site for site in attention}}
+        sites |= {"z": Z, "out": self.output_site} if transformed else {}
+        hooks = [hook for name, site in sites.items() for hook in per_layer_hooks(site, self.layers, keep(name))]
         hooks += bound_hooks(list(self.scale_hooks.values()), self.post_norm, keep("scale"))
         return BatchFold(hooks, state=waiting)
 
     def _fold_layer(self, layer: int, acts: dict[str, Tensor], valid: Tensor) -> None:
         row, p = self.row[layer], self.settings.sink_position
-        v = acts["v"]  # [batch, key, kv_head, d_head]
-        if v.shape[2] != self.dims.n_heads:
-            v = v[:, :, self.kv_of]  # [batch, key, head, d_head]
+        v = expand_kv_heads(acts["v"][..., None], self.dims.n_heads)[..., 0]  # [batch, key, head, d_head]
         b, n_pos = v.shape[:2]
         valid = valid[:, :n_pos]
         value_norm = v.norm(dim=-1)  # [batch, key, head]
         out_norm = _quad_norm(v, self.gram[row])  # ‖v_k W_O[h]‖
-        transformed = "out" in acts
-        if layer in self.post_norm or transformed:
-            res_norm = _quad_norm(v, self.gram_res[row])  # ‖C((γ ⊙ v_k) W_O[h]) ⊙ g‖
-        else:
-            res_norm = out_norm
+        transformed = "out" in acts  # ‖C((γ ⊙ v_k) W_O[h]) ⊙ g‖:
+        res_norm = _quad_norm(v, self.gram_res[row]) if layer in self.post_norm or transformed else out_norm
         inv_scale = torch.ones(b, 1, n_pos, device=v.device, dtype=v.dtype)  # [b, head, q]: c[q, h] / s[b, q]
         if layer in self.post_norm:
             inv_scale = inv_scale / acts["scale"].reshape(b, 1, n_pos)  # 1 / s[b, q]
@@ -299,19 +277,15 @@ class ValueDrainReducer(Reducer[ValueDrain]):
             write_total = (cols.aggregated[..., 0] * inv_q).sum(dim=(0, 2))
             attn_total = (cols.aggregated[..., 1] * queries[:, None]).sum(dim=(0, 2))
             n_pairs = (cols.n_keys * queries).sum()
-        s = self.sums
-        s["attn_sink"][row] += attn_sink.double()
-        s["write_sink"][row] += write_sink.double()
-        s["write_total"][row] += write_total.double()
-        s["write_other"][row] += (write_total - write_sink).double()  # the other keys: every pair but (q, p)
-        s["attn_other"][row] += (attn_total - attn_sink).double()
         keys = valid.clone()
         keys[:, p] = False
-        k_mask = keys[:, :, None]  # [batch, key, 1]
-        s["value_norm_sink"][row] += value_norm[:, p].sum(0).double()
-        s["out_norm_sink"][row] += out_norm[:, p].sum(0).double()
-        s["value_norm_other"][row] += torch.where(k_mask, value_norm, zero).sum(dim=(0, 1)).double()
-        s["out_norm_other"][row] += torch.where(k_mask, out_norm, zero).sum(dim=(0, 1)).double()
+        added = {"attn_sink": attn_sink, "write_sink": write_sink, "write_total": write_total,
+                 "write_other": write_total - write_sink, "attn_other": attn_total - attn_sink,  # all pairs but (q, p)
+                 "value_norm_sink": value_norm[:, p].sum(0), "out_norm_sink": out_norm[:, p].sum(0),
+                 "value_norm_other": torch.where(keys[:, :, None], value_norm, zero).sum(dim=(0, 1)),
+                 "out_norm_other": torch.where(keys[:, :, None], out_norm, zero).sum(dim=(0, 1))}
+        for name, total in added.items():
+            self.sums[name][row] += total.double()
         self.n_q[row] += queries.sum()
         self.n_pairs[row] += n_pairs - queries.sum()
         self.n_keys[row] += keys.sum()
@@ -334,17 +308,11 @@ class ValueDrainReducer(Reducer[ValueDrain]):
                           post_norm_layers=list(self.post_norm), settings=self.settings)
 
 
-def measure_value_drain(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    layers: int | Sequence[int] | None = None,
-    settings: ValueDrainSettings | None = None,
-    options: RunOptions = RunOptions(),
-    **settings_kwargs: Any,
-) -> ValueDrain:
-    """Measure, per layer × head, attention to the sink against what the sink writes (:class:`ValueDrain`).
-    Any field of :class:`ValueDrainSettings` may be given as a keyword, replacing that of ``settings``.
+def measure_value_drain(model: Any, inputs: Inputs | None = None, *, layers: int | Sequence[int] | None = None,
+                        settings: ValueDrainSettings | None = None, options: RunOptions = RunOptions(),
+                        **settings_kwargs: Any) -> ValueDrain:
+    """Measure, per layer × head, attention to the sink against what the sink writes (:class:`ValueDrain`); any
+    field of :class:`ValueDrainSettings` may be given as a keyword, replacing that of ``settings``.
 
     Examples:
         >>> from sinklens.testing import tiny_model
