@@ -49,16 +49,14 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
 
     statistics = ("sums", "counts")
 
-    def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None, min_query: int = 0,
-                 max_pos: int | None = None):
+    def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None, min_query: int = 0):
         dims = model_dims(model)
         self.min_query = positive_int(min_query, what="min_query", minimum=0)
         if self.min_query >= dims.n_ctx:
             raise InvalidArgumentError(f"min_query must be in [0, {dims.n_ctx - 1}] (the model's positions), got {min_query}.")
         self.layers = resolve_layers(layers, dims.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.max_pos = dims.n_ctx if max_pos is None else positive_int(max_pos, what="max_pos")
-        self.n_heads = dims.n_heads
+        self.max_pos, self.n_heads = dims.n_ctx, dims.n_heads
         self.device = model_device(model)
         self.visibility: Visibility = attention_visibility(model)
         self.reset()

@@ -31,9 +31,8 @@ ROW_SUM_TOLERANCE = 1e-5
 
 
 def has_sink_logits(model: Any) -> bool:
-    """True if the model has learned per-head sink logits: a parameter named ``sinks`` (gpt-oss, in the
-    Hugging Face model behind a bridge or in the model itself) or a sinklens ``sink_logit`` attention variant
-    (:class:`~sinklens.sinklm.model.SinkLM` with ``cfg.variant == "sink_logit"``)."""
+    """True if the model has learned per-head sink logits: a parameter named ``sinks`` (gpt-oss, behind a bridge
+    or not) or the ``sink_logit`` attention variant of a :class:`~sinklens.sinklm.model.SinkLM`."""
     if getattr(getattr(model, "cfg", None), "variant", None) == "sink_logit":
         return True
     roots = [root for root in (getattr(model, "original_model", None), model) if hasattr(root, "named_parameters")]
@@ -78,9 +77,9 @@ class SinkReducer(Reducer[SinkResult]):
                   "n_seq", "paths")
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None, settings: SinkSettings | None = None,
-                 max_pos: int | None = None, **settings_kwargs: Any):
+                 **settings_kwargs: Any):
         self.settings = settings = settings_from(SinkSettings, settings, settings_kwargs, "SinkReducer")
-        self.attention = AttentionReceivedReducer(model, layers=layers, min_query=settings.min_query, max_pos=max_pos)
+        self.attention = AttentionReceivedReducer(model, layers=layers, min_query=settings.min_query)
         self.layers = self.attention.layers
         self.n_heads, self.d_vocab = model_dims(model).n_heads, model_dims(model).d_vocab
         self.tokenizer = getattr(model, "tokenizer", None)
@@ -197,9 +196,8 @@ class SinkReducer(Reducer[SinkResult]):
         self.top_meta = torch.cat([self.top_meta, meta.to(self.top_vals.device)])[keep]
 
     def merge(self, other: SinkReducer) -> None:
-        """Sums and counts add; the per-token maxima (row 3 of the token tables) take the larger; the
-        ``top_k`` occurrences are re-selected from both, ``other``'s sequence indices shifted past this
-        reducer's sequences (``other`` saw the sequences after them)."""
+        """Sums and counts add, the per-token maxima (row 3 of the token tables) take the larger and the ``top_k``
+        occurrences are re-selected from both (``other`` saw the later sequences: its indices are shifted)."""
         maxima = [torch.maximum(mine[3], theirs[3].to(mine.device))
                   for mine, theirs in ((self.tok_first, other.tok_first), (self.tok_later, other.tok_later))]
         meta = other.top_meta.clone()
