@@ -229,10 +229,9 @@ class SinkResult(SettingsFields, CompactRepr):
         """:meth:`detect_sinks` with the analysis' thresholds."""
         return self.detect_sinks()
 
-    def top_sinks(self, k: int = 10, *, min_count: int = 1) -> list[dict[str, Any]]:
-        """The ``k`` token ids at positions >= 1 (:attr:`later_tokens` rows) with the highest mean received
-        attention, among those with at least ``min_count`` occurrences."""
-        return [r for r in self.later_tokens.rows() if r["count"] >= min_count][:positive_int(k, what="k")]
+    def top_sinks(self, k: int = 10) -> list[dict[str, Any]]:
+        """The ``k`` token ids at positions >= 1 (:attr:`later_tokens` rows) with the highest mean received attention."""
+        return self.later_tokens.rows()[:positive_int(k, what="k")]
 
     def _reported_positions(self) -> list[int]:
         return sorted({0, *self.sink_positions})
