@@ -128,14 +128,13 @@ def attention_columns(
     q: Float[Tensor, "batch pos head d_head"], k: Float[Tensor, "batch pos kv_head d_head"], rule: ScoreRule,
     visibility: Visibility, layer: int, valid: Bool[Tensor, "batch pos"], *, min_query: int = 0,
     positions: Sequence[int] = (), values: Float[Tensor, "batch head key m"] | None = None, squares: bool = False,
-    chunk: int | None = None,
 ) -> Columns:
-    """Column sums of one layer's attention weights from queries and keys, ``chunk`` queries at a time (exact
+    """Column sums of one layer's attention weights from queries and keys, a chunk of queries at a time (exact
     softmax over each query's visible keys, float32), the weights' average of ``values`` per query and, with
     ``squares``, the sum of its squared weights."""
     b, n, n_heads, _ = q.shape
     dev = q.device
-    chunk = chunk or max(64, CHUNK_SCORES // (b * n_heads * n))
+    chunk = max(64, CHUNK_SCORES // (b * n_heads * n))
     qh = q.float().transpose(1, 2) * rule.scale  # [b, h, pos, d], scaled so that q·k is the score
     kh = expand_kv_heads(k.float().transpose(1, 2), n_heads)  # [b, h, pos, d]
     pos = torch.arange(n, device=dev)
@@ -196,9 +195,8 @@ def queries_and_keys(acts: dict[str, Tensor], sites: Sequence[str]) -> tuple[Ten
 def qk_hooks(sites: Sequence[str], rules: dict[int, ScoreRule], visibility: Visibility,
              valid: Bool[Tensor, "batch pos"], fold: Callable[[Columns, int], None],
              **options: Any) -> list[tuple[str, HookFn]]:
-    """Hooks on ``sites`` (:func:`qk_sites`) of every layer in ``rules`` that call ``fold(columns, layer)`` once the
-    layer's queries and keys have run (:func:`attention_columns`, given ``options``); a layer's activations are held
-    only until then."""
+    """Hooks on ``sites`` (:func:`qk_sites`) of every layer in ``rules`` that call ``fold(columns, layer)`` as soon as
+    the layer's queries and keys have run (:func:`attention_columns`, given ``options``)."""
     pending: dict[int, dict[str, Tensor]] = {}
 
     def collect(act: Tensor, key: tuple[int, str]) -> None:
@@ -263,8 +261,7 @@ class KeyAttentionReducer(Reducer[Tensor]):
         dims = model_dims(model)
         self.positions = index_list(positions, dims.n_ctx, what="position", allow_negative=False)
         self.layers = resolve_layers(layers, dims.n_layers)
-        plan = qk_plan(model, self.layers, "qk")
-        self.sites, self.rules = plan.sites, plan.rules
+        self.plan = qk_plan(model, self.layers, "qk")
         self.visibility = attention_visibility(model)
         self.reset()
 
@@ -273,7 +270,7 @@ class KeyAttentionReducer(Reducer[Tensor]):
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         out: dict[int, Tensor] = {}
-        hooks = qk_hooks(self.sites, self.rules, self.visibility, batch.valid,
+        hooks = qk_hooks(self.plan.sites, self.plan.rules, self.visibility, batch.valid,
                          lambda cols, layer: out.update({layer: cols.to_keys}), positions=self.positions)
         return BatchFold(hooks, state=out)
 
