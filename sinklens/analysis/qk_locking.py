@@ -31,9 +31,8 @@ NUMBERS = ("key_query_energy", "key_pc_cosine", "pc_energy", "pos_share_sink", "
 
 
 def qk_locking_reason(model: Any) -> str | None:
-    """Why query-key locking cannot be measured on ``model``, or None: a rotary model that lists but never runs
-    ``hook_rot_q``/``hook_rot_k`` (the unrotated queries would give wrong numbers), or ``hook_attn_scores`` fired
-    after the fact with post-softmax weights (:func:`sinklens.probes.post_hoc_attention`)."""
+    """Why query-key locking cannot be measured on ``model``, or None: ``hook_rot_q``/``hook_rot_k`` listed but
+    never run, or ``hook_attn_scores`` fired after the fact (:func:`sinklens.probes.post_hoc_attention`)."""
     silent = silent_hooks(model, [hook_name(0, ROT_Q), hook_name(0, ROT_K)])
     if silent:
         return (f"the model lists {silent} but never runs them, so the rotated queries and keys that make the "
@@ -188,9 +187,7 @@ class QKLockingReducer(Reducer[QKLocking]):
         key = self.key_sum / self.key_sum.norm(dim=-1, keepdim=True).clamp_min(TINY)
         cos = torch.einsum("lhi,lhir->lhr", key, top).norm(dim=-1)
         pc_energy = evals[..., -self.n_components :].sum(-1) / evals.sum(-1).clamp_min(TINY)
-        nan = float("nan")
-        cs = torch.where(self.cnt_sink > 0, self.cnt_sink, nan)
-        co = torch.where(self.cnt_other > 0, self.cnt_other, nan)
+        cs, co = (torch.where(c > 0, c, float("nan")) for c in (self.cnt_sink, self.cnt_other))
         return QKLocking(
             layers=list(self.layers), sink_position=self.sink, n_components=self.n_components,
             q_site=self.q_site, k_site=self.k_site,

@@ -37,13 +37,10 @@ NUMBERS = ("attn_sink", "attn_other", "write_sink", "write_other", "write_share"
 
 @dataclass(frozen=True)
 class ValueDrainSettings:
-    """Settings of a value-drain analysis.
-
-    A head is a sink head when ``attn_sink >= sink_head_threshold`` (Gu et al.'s ``ε`` as default, but pooled
-    over sequences, sink query left out); a sink head is ``"no-op"`` when ``write_share < no_op_share``,
-    ``"broadcast"`` when ``write_share >= broadcast_share`` and ``"partial"`` in between. ``method``: where
-    attention is read, as :class:`~sinklens.analysis.sink_result.SinkSettings`' ``method``.
-    """
+    """Settings of a value-drain analysis: a head is a sink head when ``attn_sink >= sink_head_threshold`` (Gu
+    et al.'s ``ε`` as default, but pooled over sequences, sink query left out); a sink head is ``"no-op"`` when
+    ``write_share < no_op_share``, ``"broadcast"`` when ``write_share >= broadcast_share``, else ``"partial"``.
+    ``method``: where attention is read, as ``SinkSettings.method``."""
 
     sink_position: int = 0
     sink_head_threshold: float = SINK_THRESHOLD
@@ -175,10 +172,8 @@ def _quad_norm(v: Float[Tensor, "batch key head d_head"], gram: Float[Tensor, "h
 
 
 class ValueDrainReducer(Reducer[ValueDrain]):
-    """Streams ``hook_v``, the attention (``hook_pattern`` or queries and keys), any post-attention norm's
-    ``hook_scale`` and a SinkLM variant's ``hook_z`` and output site into per-layer float64 sums of a
-    :class:`ValueDrain`. A layer's activations wait until all its hooks have fired, then are folded and dropped.
-    """
+    """Streams ``hook_v``, the attention, any post-attention norm's ``hook_scale`` and a SinkLM variant's ``hook_z``
+    and output site into per-layer float64 sums; a layer is folded once all its hooks have fired."""
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None,
                  settings: ValueDrainSettings = ValueDrainSettings()):

@@ -57,8 +57,7 @@ def _global_centred(s1: Float[Tensor, "*lead pos dim"], s2: Float[Tensor, "*lead
 
 @dataclass(repr=False, eq=False)
 class VarianceResult(CompactRepr):
-    """Variance of head outputs by position, with its predictions (variances ``Σx²/n − (Σx/n)²`` in float64,
-    clamped at 0).
+    """Variance of head outputs by position, with its predictions (``Σx²/n − (Σx/n)²`` in float64, clamped at 0).
 
     Attributes:
         z_var: ``mean_c mean_{b valid at t} (z[b, t, h, c] − m[l, h, c])²``, ``z`` = ``hook_z``, ``m`` its mean
@@ -66,8 +65,7 @@ class VarianceResult(CompactRepr):
             per-position mean instead (both ``1/n``).
         result_var: the same for the head's write ``z_h W_O[l, h]`` where it reaches the stream (through any
             post-attention norm, over ``d_model``; ``z_h`` read at ``output_site``); result_var_pre_norm: before
-            that norm. attn_out_var: the attention's whole write
-            (:func:`~sinklens.residual_sites.attention_write_hooks`).
+            that norm; attn_out_var: for the attention's whole write.
         value_var: ``σ_v²`` per (layer, head) from ``hook_v`` over all valid positions (key/value head ``h // r``);
             attn_sq: mean over sequences of ``Σ_j A_tj²``.
         counts: sequences valid at each position (positions with none are NaN elsewhere).
@@ -142,9 +140,9 @@ class VarianceResult(CompactRepr):
     def summary_rows(self, position: int = 0) -> list[dict[str, Any]]:
         """One row per (layer, head): every discrepancy ratio at ``position``, the preservation ratio,
         ``value_var``, and ``sources`` naming where each definition comes from."""
-        z, res = self.discrepancy(position, of="z"), self.discrepancy(position, of="result")
-        out = self.discrepancy(position, of="attn_out")
-        std_head, std_all = self.discrepancy(position, of="feature_std_head"), self.discrepancy(position, of="feature_std")
+        ratio = partial(self.discrepancy, position)
+        z, res, out = ratio(of="z"), ratio(of="result"), ratio(of="attn_out")
+        std_head, std_all = ratio(of="feature_std_head"), ratio(of="feature_std")
         pred, unif = self.ratio_of(self.pred_pattern, position), self.ratio_of(self.pred_uniform, position)
         sources = {"discrepancy_z": SOURCES["z_var"], "discrepancy_result": SOURCES["result_var"],
                    "feature_std_ratio": SOURCES["feature_std"], "feature_std_ratio_head": SOURCES["feature_std_head"]}
@@ -171,21 +169,20 @@ class VarianceResult(CompactRepr):
 
     def to_dict(self, position: int = 0) -> dict[str, Any]:
         """JSON-ready: settings, per-(layer, head) discrepancies at ``position``, head-mean curves."""
-        z = self.discrepancy(position, of="z")
+        ratio = partial(self.discrepancy, position)
+        z = ratio(of="z")
         return to_json({
             "sources": {k: SOURCES[k] for k in ("z_var", "z_var_seq", "result_var")},
             "post_norm_layers": list(self.post_norm_layers), "output_site": self.output_site,
-            "discrepancy_result_pre_norm": self.discrepancy(position, of="result_pre_norm"),
+            "discrepancy_result_pre_norm": ratio(of="result_pre_norm"),
             "li_feature_std": {
                 "source": SOURCES["feature_std"], "source_head": SOURCES["feature_std_head"],
                 "feature_std": self.feature_std, "feature_std_head_mean": self.feature_std_head.mean(dim=1),
-                "ratio": self.discrepancy(position, of="feature_std"),
-                "ratio_head": self.discrepancy(position, of="feature_std_head"),
+                "ratio": ratio(of="feature_std"), "ratio_head": ratio(of="feature_std_head"),
             },
             "layers": list(self.layers), "n_sequences": self.n_sequences, "prepend_bos": self.prepend_bos,
             "position": position, "counts": self.counts, "value_var": self.value_var, "discrepancy_z": z,
-            "discrepancy_result": self.discrepancy(position, of="result"),
-            "discrepancy_attn_out": self.discrepancy(position, of="attn_out"),
+            "discrepancy_result": ratio(of="result"), "discrepancy_attn_out": ratio(of="attn_out"),
             "discrepancy_pred_pattern": self.ratio_of(self.pred_pattern, position),
             "discrepancy_pred_uniform": self.ratio_of(self.pred_uniform, position),
             "share_layers_discrepancy_gt_1": float((z.mean(dim=1) > 1).float().mean()),
@@ -251,9 +248,6 @@ class VarianceReducer(Reducer[VarianceResult]):
             self.v_s1[row] += (v * w32[..., None, None]).sum(dim=(0, 1)).double()
             self.v_s2[row] += (v.square().sum(-1) * w32[..., None]).sum(dim=(0, 1)).double()
 
-        def fold_pattern(pattern: Tensor, layer: int) -> None:  # [batch, head, query, key]
-            fold_squares(pattern.float().square().sum(dim=-1), layer)
-
         def fold_squares(sq: Tensor, layer: int) -> None:  # Σ_k A_qk², [batch, head, query]
             self.a_sq[self.row[layer], :, : sq.shape[2]] += (sq * w32[:, None]).sum(0).double()
 
@@ -302,6 +296,7 @@ class VarianceReducer(Reducer[VarianceResult]):
             self.o_s2[row, :n] += (out.square().sum(-1) * w32).sum(0).double()
 
         qk = self.plan.reads_qk(batch.tokens.shape[1])
+        fold_pattern = lambda pattern, layer: fold_squares(pattern.float().square().sum(dim=-1), layer)  # noqa: E731
         sites = [(V, fold_v), (Z, fold_z)] + ([] if qk else [(PATTERN, fold_pattern)])
         sites += [(self.output_site, fold_out)] if separate else []
         hooks = [hook for site, fold in sites for hook in per_layer_hooks(site, self.layers, fold)]
@@ -355,8 +350,8 @@ def measure_variance(model: Any, inputs: Inputs | None = None, *, layers: int | 
         >>> from sinklens.testing import tiny_model
         >>> from sinklens.inputs import random_token_batches
         >>> model = tiny_model()
-        >>> batches = random_token_batches(model, n_sequences=8, seq_len=6)
-        >>> result = measure_variance(model, batches, options=RunOptions(progress=False))
+        >>> result = measure_variance(model, random_token_batches(model, n_sequences=8, seq_len=6),
+        ...                           options=RunOptions(progress=False))
         >>> result.z_var.shape, result.discrepancy(0).shape
         (torch.Size([2, 4, 6]), torch.Size([2, 4]))
     """
