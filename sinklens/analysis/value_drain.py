@@ -109,8 +109,7 @@ class ValueDrain(SettingsFields, CompactRepr):
 
     def heads(self, kind: Kind) -> list[tuple[int, int]]:
         """``(layer, head)`` pairs of one class, in layer-then-head order."""
-        if kind not in KINDS:
-            raise InvalidArgumentError(f"kind={kind!r}; expected one of {list(KINDS)}.")
+        kind = choice(kind, KINDS, what="kind")
         return [(layer, h) for i, layer in enumerate(self.layers) for h, k in enumerate(self.kinds()[i]) if k == kind]
 
     def counts(self) -> dict[str, int]:
@@ -122,11 +121,8 @@ class ValueDrain(SettingsFields, CompactRepr):
         """One row per (layer, head) with every number and the class."""
         kinds = self.kinds()
         cols = {name: getattr(self, name).tolist() for name in NUMBERS}
-        return [
-            {"layer": layer, "head": h, "kind": kinds[i][h], **{k: v[i][h] for k, v in cols.items()}}
-            for i, layer in enumerate(self.layers)
-            for h in range(self.attn_sink.shape[1])
-        ]
+        return [{"layer": layer, "head": h, "kind": kinds[i][h], **{k: v[i][h] for k, v in cols.items()}}
+                for i, layer in enumerate(self.layers) for h in range(self.attn_sink.shape[1])]
 
     def to_dict(self) -> dict[str, Any]:
         """Strict-JSON-ready: settings, per-(layer, head) numbers, classes and class counts."""
