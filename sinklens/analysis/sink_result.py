@@ -88,13 +88,10 @@ class TokenSinkStats(CompactRepr):
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per token id, sorted by ``mean_received`` (highest first)."""
-        order = torch.argsort(self.mean_received, descending=True).tolist()
-        return [
-            {"token_id": int(self.token_ids[i]), "token": self.tokens[i], "count": int(self.count[i]),
-             "mean_received": float(self.mean_received[i]), "max_received": float(self.max_received[i]),
-             "mean_head_share": float(self.mean_head_share[i])}
-            for i in order
-        ]
+        return [{"token_id": int(self.token_ids[i]), "token": self.tokens[i], "count": int(self.count[i]),
+                 "mean_received": float(self.mean_received[i]), "max_received": float(self.max_received[i]),
+                 "mean_head_share": float(self.mean_head_share[i])}
+                for i in torch.argsort(self.mean_received, descending=True).tolist()]
 
 
 @dataclass(eq=False)
@@ -230,7 +227,7 @@ class SinkResult(SettingsFields, CompactRepr):
         return self.detect_sinks()
 
     def top_sinks(self, k: int = 10) -> list[dict[str, Any]]:
-        """The ``k`` token ids at positions >= 1 (:attr:`later_tokens` rows) with the highest mean received attention."""
+        """The ``k`` token ids at positions >= 1 (:attr:`later_tokens`) with the highest mean received attention."""
         return self.later_tokens.rows()[:positive_int(k, what="k")]
 
     def _reported_positions(self) -> list[int]:
@@ -263,17 +260,14 @@ class SinkResult(SettingsFields, CompactRepr):
              "sink_rate": float(rates[i, :, pos].mean()), "sinklens_sink_rate": float(own[i, :, pos].mean()),
              "mean_received": float(received[i, :, pos].mean()), "max_received": float(received[i, :, pos].max()),
              "sink_threshold": self.sink_threshold}
-            for pos in self._reported_positions()
-            for i, layer in enumerate(self.layers)
+            for pos in self._reported_positions() for i, layer in enumerate(self.layers)
         ]
 
     def rows(self) -> list[dict[str, Any]]:
         """Long format, one row per (layer, head, key position): ``received`` and ``sink_frac``."""
         return layer_head_position_rows(self.layers, *self.received.shape[1:], {
-            "received": ("layer head pos", self.received),
-            "sink_frac": ("layer head pos", self.seq_sink_frac),
-            "n_queries": ("pos", self.n_queries),
-        })
+            "received": ("layer head pos", self.received), "sink_frac": ("layer head pos", self.seq_sink_frac),
+            "n_queries": ("pos", self.n_queries)})
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary: settings, sink positions, rates, received attention, sink tokens."""

@@ -115,8 +115,7 @@ class SinkReducer(Reducer[SinkResult]):
         state = _SinkBatch({layer: w.sum(dim=1) for layer, w in weights.items()},
                            {layer: w.sum(dim=1) for layer, w in gu_weights.items()},
                            torch.zeros(b, n, **f64), torch.zeros(b, n, **f64))
-        n_layers = len(self.layers)
-        threshold = self.settings.sink_threshold
+        n_layers, threshold = len(self.layers), self.settings.sink_threshold
         n_real = batch.valid.sum().double()  # real queries in the batch
 
         def fold(pattern: Tensor, layer: int) -> None:  # pattern: [batch, head, query, key]
@@ -230,12 +229,9 @@ class SinkReducer(Reducer[SinkResult]):
         unattended = (self.shortfall / max(self.n_real_queries, 1.0)).float().cpu()
         virtual = unattended if self.sink_logits or bool(unattended.abs().max() > self.row_sum_tolerance) else None
         real = self.top_vals > -math.inf  # the top list holds -inf for positions not counted while it fills
-        occurrences = [
-            SinkOccurrence(seq, pos, tok, self._decode(tok), val, share)
-            for val, share, (seq, pos, tok) in zip(
-                self.top_vals[real].tolist(), self.top_share[real].tolist(), self.top_meta[real].tolist()
-            )
-        ]
+        vals, shares, meta = self.top_vals[real].tolist(), self.top_share[real].tolist(), self.top_meta[real].tolist()
+        occurrences = [SinkOccurrence(seq, pos, tok, self._decode(tok), val, share)
+                       for val, share, (seq, pos, tok) in zip(vals, shares, meta)]
         return SinkResult(
             received=base.received, n_queries=base.n_queries, seq_sink_frac=frac,
             n_sequences_at=seq_counts.amax(dim=0).float().cpu() if n else seq_counts.sum(dim=0).float().cpu(),

@@ -153,8 +153,7 @@ class VarianceResult(CompactRepr):
              "discrepancy_attn_out": float(out[i]), "value_var": float(self.value_var[i, h]),
              "feature_std_ratio_head": float(std_head[i, h]), "feature_std_ratio": float(std_all[i]),
              "sources": sources}
-            for i, layer in enumerate(self.layers)
-            for h in range(self.z_var.shape[1])
+            for i, layer in enumerate(self.layers) for h in range(self.z_var.shape[1])
         ]
 
     def ratio_of(self, var: Float[Tensor, "*lead pos"], position: int = 0) -> Float[Tensor, "*lead"]:
@@ -290,8 +289,7 @@ class VarianceReducer(Reducer[VarianceResult]):
             self.rs_s2[row, :, :n] += ((zg * z).sum(-1) * (u * u)[..., None]).sum(0).T.double()
 
         def fold_attn_out(out: Tensor, layer: int) -> None:  # [batch, pos, d_model]
-            row, out = self.row[layer], out.float()
-            n = out.shape[1]
+            row, out, n = self.row[layer], out.float(), out.shape[1]
             self.o_s1[row, :n] += (out * w32[..., None]).sum(0).double()
             self.o_s2[row, :n] += (out.square().sum(-1) * w32).sum(0).double()
 
