@@ -1,5 +1,5 @@
-"""Small helpers shared by the analyzers: the sink-position checks, residual-stream indices, row
-lookup, growing running sums and the body every public analyzer shares."""
+"""Small helpers shared by the analyzers: sink-position checks, residual-stream indices, row lookup and the
+body every public analyzer shares."""
 
 from __future__ import annotations
 
@@ -21,14 +21,7 @@ TINY = 1e-12
 
 
 def sink_position_arg(sink_position: Any) -> int:
-    """The ``sink_position=`` argument of every analyzer: an integer >= 0.
-
-    Examples:
-        >>> sink_position_arg(-1)
-        Traceback (most recent call last):
-        ...
-        sinklens.errors.InvalidArgumentError: sink_position must be an integer >= 0, got -1.
-    """
+    """The ``sink_position=`` argument of every analyzer: an integer >= 0."""
     return positive_int(sink_position, what="sink_position", minimum=0)
 
 
@@ -37,11 +30,9 @@ def check_sink_position(batch: TokenBatch, sink_position: int) -> None:
     lengths = batch.host_lengths()
     shortest = min(lengths)
     if not 0 <= sink_position < shortest:
-        row = lengths.index(shortest)
         raise InvalidArgumentError(
-            f"sink_position={sink_position} is beyond sequence {row} of this batch, which has {shortest} tokens; "
-            f"it must lie in [0, {shortest - 1}] for every sequence."
-        )
+            f"sink_position={sink_position} is beyond sequence {lengths.index(shortest)} of this batch, which has "
+            f"{shortest} tokens; it must lie in [0, {shortest - 1}] for every sequence.")
 
 
 def other_positions(batch: TokenBatch, sink_position: int) -> Tensor:
@@ -95,32 +86,27 @@ def row_index(labels: Sequence[int], label: int, *, what: str = "Layer") -> int:
     return list(labels).index(label)
 
 
-def layer_head_position_rows(
-    layers: Sequence[int], n_heads: int, n_positions: int, columns: dict[str, tuple[str, Tensor | None]],
-) -> list[dict[str, Any]]:
+def layer_head_position_rows(layers: Sequence[int], n_heads: int, n_positions: int,
+                             columns: dict[str, tuple[str, Tensor | None]]) -> list[dict[str, Any]]:
     """Long format: one row per (layer, head, position) with every column, a column being ``(axes, tensor)``
     with ``axes`` its dimensions among ``"layer head pos"``; a None tensor is left out.
 
     Examples:
         >>> import torch
-        >>> rows = layer_head_position_rows([3], 2, 1, {"x": ("layer head pos", torch.tensor([[[1.0], [2.0]]])),
-        ...                                             "n": ("pos", torch.tensor([7])), "no": ("pos", None)})
-        >>> rows
+        >>> layer_head_position_rows([3], 2, 1, {"x": ("layer head pos", torch.tensor([[[1.0], [2.0]]])),
+        ...                                      "n": ("pos", torch.tensor([7])), "no": ("pos", None)})
         [{'layer': 3, 'head': 0, 'position': 0, 'x': 1.0, 'n': 7}, {'layer': 3, 'head': 1, 'position': 0, 'x': 2.0, 'n': 7}]
     """
     lists = {name: (axes.split(), t.tolist()) for name, (axes, t) in columns.items() if t is not None}
-    rows = []
-    for i, layer in enumerate(layers):
-        for h in range(n_heads):
-            for p in range(n_positions):
-                at = {"layer": i, "head": h, "pos": p}
-                row = {"layer": layer, "head": h, "position": p}
-                for name, (axes, values) in lists.items():
-                    for axis in axes:
-                        values = values[at[axis]]
-                    row[name] = values
-                rows.append(row)
-    return rows
+
+    def pick(values: Any, axes: list[str], at: dict[str, int]) -> Any:
+        for axis in axes:
+            values = values[at[axis]]
+        return values
+
+    return [{"layer": layer, "head": h, "position": p}
+            | {name: pick(values, axes, {"layer": i, "head": h, "pos": p}) for name, (axes, values) in lists.items()}
+            for i, layer in enumerate(layers) for h in range(n_heads) for p in range(n_positions)]
 
 
 def once_per_forward(fold: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
@@ -129,21 +115,16 @@ def once_per_forward(fold: Callable[[Any, Any], None]) -> Callable[[Any, Any], N
     seen: set[Any] = set()
 
     def wrapped(act: Any, key: Any) -> None:
-        if key in seen:
-            return None
-        seen.add(key)
-        return fold(act, key)
+        if key not in seen:
+            seen.add(key)
+            fold(act, key)
 
     return wrapped
 
 
 def method_for_hooks(method: str, extra_hooks: Sequence[tuple[str, Any]]) -> str:
     """``method`` (where attention is read), or ``"pattern"`` where extra hooks edit ``hook_attn_scores`` or
-    ``hook_pattern``: they act after the queries and keys the q/k path reads.
-
-    Raises:
-        InvalidArgumentError: ``method="qk"`` with such hooks.
-    """
+    ``hook_pattern``, which act after the queries and keys the q/k path reads (an error with ``method="qk"``)."""
     edits = [name for name, _ in extra_hooks if name.endswith((SCORES, PATTERN))]
     if edits and method == "qk":
         raise InvalidArgumentError(f"method='qk' reads attention from queries and keys, so the extra hooks on {edits[:2]} "
@@ -151,22 +132,13 @@ def method_for_hooks(method: str, extra_hooks: Sequence[tuple[str, Any]]) -> str
     return "pattern" if edits else method
 
 
-def run_analyzer(
-    model: Any,
-    inputs: Any,
-    reducer: Callable[..., Any],
-    *,
-    where: str,
-    options: Any,
-    kwargs: dict[str, Any] | None = None,
-    settings_cls: type | None = None,
-    settings: Any = None,
-    **reducer_kwargs: Any,
-) -> Any:
+def run_analyzer(model: Any, inputs: Any, reducer: Callable[..., Any], *, where: str, options: Any,
+                 kwargs: dict[str, Any] | None = None, settings_cls: type | None = None, settings: Any = None,
+                 **reducer_kwargs: Any) -> Any:
     """The body every public analyzer shares: check ``options`` and the inputs (every sequence must reach the
-    sink position and some query see it, :func:`~sinklens.inputs.require_a_later_position`) before any forward,
-    build ``reducer(model, **reducer_kwargs)`` (with ``settings=`` from ``settings_cls``, ``settings`` and
-    ``kwargs`` when given) and stream it. ``where`` names the public function in errors.
+    sink position and some query see it) before any forward, build ``reducer(model, **reducer_kwargs)`` (with
+    ``settings=`` from ``settings_cls``, ``settings`` and ``kwargs``; a ``method`` set by
+    :func:`method_for_hooks`) and stream it. ``where`` names the public function in errors.
     """
     options = checked_options(options, where)
     if settings_cls is not None:
@@ -174,6 +146,8 @@ def run_analyzer(
         if getattr(settings, "method", None) in ATTENTION_METHODS:
             settings = dataclasses.replace(settings, method=method_for_hooks(settings.method, options.extra_hooks))
         reducer_kwargs["settings"] = settings
+    if "method" in reducer_kwargs:
+        reducer_kwargs["method"] = method_for_hooks(reducer_kwargs["method"], options.extra_hooks)
     batches = batches_for(model, inputs, options)
     sink = reducer_kwargs.get("sink_position", getattr(reducer_kwargs.get("settings"), "sink_position", None))
     require_a_later_position(batches, what=where, sink_position=None if sink is None else sink_position_arg(sink),

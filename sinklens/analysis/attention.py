@@ -1,8 +1,4 @@
-"""Attention mass received by each key position: the basic measurement behind every sink metric.
-
-Which queries count for a key is decided per layer by :func:`sinklens.visibility.attention_visibility` (causal,
-sliding window or bidirectional; never a padded query or key); ``min_query`` also leaves out earlier queries.
-"""
+"""Attention mass received by each key position: the basic measurement behind every sink metric."""
 
 from __future__ import annotations
 
@@ -32,10 +28,8 @@ class AttentionReceived(CompactRepr):
 
     Attributes:
         received: ``received[l, h, k]`` = mean of ``pattern[l, h, q, k]`` over the real queries ``q >= min_query``
-            that can see ``k`` in layer ``l``, pooled over sequences (each (sequence, query) pair weighs the
-            same); NaN where there is none.
-        n_queries_by_layer: the (sequence, query) pairs averaged per layer and key; ``n_queries``: its max
-            over layers (they differ only with sliding windows).
+            that see ``k`` in layer ``l`` (:mod:`sinklens.visibility`), pooled over sequences; NaN where none.
+        n_queries_by_layer: the (sequence, query) pairs averaged per layer and key; ``n_queries``: its max.
     """
 
     received: Float[Tensor, "layer head key_pos"]
@@ -50,25 +44,19 @@ class AttentionReceived(CompactRepr):
 
 
 class AttentionReceivedReducer(Reducer[AttentionReceived]):
-    """Streams ``hook_pattern`` into :class:`AttentionReceived`: ``Σ_q pattern[b, h, q, k]`` over the counted
-    queries into a ``[layer, head, key_pos]`` sum, and their count per layer and key, exact whatever the batch
-    split or padding. Other reducers hold one (:class:`~sinklens.analysis.sinks.SinkReducer`) and call
-    :meth:`query_weights`, :meth:`fold_pattern` (or :meth:`add` of sums computed otherwise, returning the
-    per-sequence sums) and :meth:`count_queries`.
-    """
+    """Streams ``hook_pattern`` into :class:`AttentionReceived`: float64 sums of ``Σ_q pattern[b, h, q, k]`` over
+    the counted queries and their counts per layer and key. Other reducers hold one and call its methods."""
 
     statistics = ("sums", "counts")
 
-    def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None, min_query: int = 0,
-                 max_pos: int | None = None):
+    def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None, min_query: int = 0):
         dims = model_dims(model)
         self.min_query = positive_int(min_query, what="min_query", minimum=0)
         if self.min_query >= dims.n_ctx:
             raise InvalidArgumentError(f"min_query must be in [0, {dims.n_ctx - 1}] (the model's positions), got {min_query}.")
         self.layers = resolve_layers(layers, dims.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.max_pos = dims.n_ctx if max_pos is None else positive_int(max_pos, what="max_pos")
-        self.n_heads = dims.n_heads
+        self.max_pos, self.n_heads = dims.n_ctx, dims.n_heads
         self.device = model_device(model)
         self.visibility: Visibility = attention_visibility(model)
         self.reset()
@@ -81,25 +69,20 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
     def visible_weights(self, batch: TokenBatch, *, min_query: int = 0) -> QueryWeights:
         """Per analysed layer, ``[batch, query, key]``: 1.0 where the real query ``q >= min_query`` can see the
         real key ``k`` (:meth:`~sinklens.visibility.Visibility.batch_mask`), else 0; shared between equal windows."""
-        n = batch.tokens.shape[1]
-        late = torch.arange(n, device=batch.valid.device) >= min_query
+        late = torch.arange(batch.tokens.shape[1], device=batch.valid.device) >= min_query
         by_window: dict[int | None, Tensor] = {}
-        out: QueryWeights = {}
         for layer in self.layers:
             w = self.visibility.window(layer)
             if w not in by_window:
-                mask = self.visibility.batch_mask(layer, batch.valid) & late[None, :, None]
-                by_window[w] = mask.to(torch.float32)
-            out[layer] = by_window[w]
-        return out
+                by_window[w] = (self.visibility.batch_mask(layer, batch.valid) & late[None, :, None]).float()
+        return {layer: by_window[self.visibility.window(layer)] for layer in self.layers}
 
     def query_weights(self, batch: TokenBatch) -> QueryWeights:
         """The counted queries (``min_query`` applied), per analysed layer (see :meth:`visible_weights`)."""
         return self.visible_weights(batch, min_query=self.min_query)
 
-    def fold_pattern(
-        self, pattern: Float[Tensor, "batch head query key"], layer: int, weights: QueryWeights
-    ) -> Float[Tensor, "batch head key"]:
+    def fold_pattern(self, pattern: Float[Tensor, "batch head query key"], layer: int,
+                     weights: QueryWeights) -> Float[Tensor, "batch head key"]:
         """Add one layer's pattern to the sums; return ``Σ_q pattern[b, h, q, k]`` over the counted queries."""
         per_seq = (pattern.float() * weights[layer][:, None]).sum(dim=2)  # faster than einsum on CPU
         self.add(layer, per_seq)
@@ -118,7 +101,7 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         weights = self.query_weights(batch)
 
-        def fold(pattern: Tensor, layer: int) -> None:  # pattern: [batch, head, query, key]
+        def fold(pattern: Tensor, layer: int) -> None:  # a hook that returns a tensor would replace the pattern
             self.fold_pattern(pattern, layer, weights)
 
         return BatchFold(per_layer_hooks(PATTERN, self.layers, fold), state=weights)

@@ -1,9 +1,6 @@
-"""Sinks as a function of context length, on natural text read from queries and keys (memory linear in the length).
-
-For each length ``L`` one sequence is streamed: BOS (when the model prepends one) and the first tokens of the
-standard library's sources (:func:`sinklens.prompts.stdlib_source_tokens`), ``L`` tokens in all; the sink numbers
-are :func:`~sinklens.analysis.sinks.find_sinks`' with ``method="qk"``, and a residual reducer runs in the same pass.
-"""
+"""Sinks as a function of context length: per length ``L``, one sequence of ``L`` tokens (BOS when the model
+prepends one, then the standard library's sources) streamed through :func:`~sinklens.analysis.sinks.find_sinks`'
+reducer with ``method="qk"`` (memory linear in ``L``) and a residual reducer in the same pass."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from sinklens.analysis._common import resolve_streams, stream_hook
+from sinklens.analysis._common import other_positions, resolve_streams, stream_hook
 from sinklens.analysis.disparity import MassiveSettings, sequence_median_abs
 from sinklens.analysis.sink_result import SinkSettings
 from sinklens.analysis.sinks import SinkReducer
@@ -30,9 +27,8 @@ from sinklens.validate import finite_number, positive_int
 
 
 class MassiveShareReducer(Reducer[Tensor]):
-    """Per residual stream (:func:`~sinklens.analysis._common.stream_hook`) and dimension, the share of real tokens
-    at positions >= 1 whose ``|x|`` is massive by Sun et al.'s rule (``> abs_threshold`` and ``> rel_threshold`` times
-    the sequence's median ``|x|``, :mod:`sinklens.analysis.disparity`). Keeps ``[stream, d_model]`` counts only."""
+    """Per residual stream and dimension, the share of real tokens at positions >= 1 whose ``|x|`` is massive by
+    Sun et al.'s rule (``> abs_threshold`` and ``> rel_threshold`` times the sequence's median ``|x|``)."""
 
     statistics = ("hits", "n_later")
 
@@ -50,8 +46,7 @@ class MassiveShareReducer(Reducer[Tensor]):
         self.n_later = 0.0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
-        lengths, later = batch.host_lengths(), batch.valid.clone()
-        later[:, 0] = False
+        lengths, later = batch.host_lengths(), other_positions(batch, 0)
 
         def fold(act: Tensor, i: int) -> None:  # act: [batch, pos, d_model]
             x = act.float()
@@ -74,19 +69,15 @@ class MassiveShareReducer(Reducer[Tensor]):
 
 @dataclass
 class ContextPoint:
-    """The numbers at one length.
+    """The numbers at one length (``length`` tokens, BOS included).
 
     Attributes:
-        length: tokens in the sequence, BOS included.
         sink_attention: attention position 0 receives, mean over layers, heads and the queries ``q >= 1``.
-        sink_rate: Gu et al.'s sink rate of position 0 (share of (layer, head) whose mean attention to it, over
-            every query, exceeds ``sink_threshold``; :meth:`~sinklens.analysis.sink_result.SinkResult.sink_rate`).
-        secondary_sinks: positions other than 0, seen by enough queries (``SinkResult.candidates``), whose
-            sinklens sink rate (queries ``q >= 1``) is at least ``min_head_share``: ``position``, ``token``,
-            ``head_share``, ``received`` (layer-head mean), by head share, at most ``top``.
-        n_secondary: how many positions passed (before ``top``).
-        residual_sinks: residual dimensions massive on more than ``most_tokens`` of the tokens at positions >= 1:
-            ``stream``, ``dim``, ``share``.
+        sink_rate: Gu et al.'s sink rate of position 0 (:meth:`~sinklens.analysis.sink_result.SinkResult.sink_rate`).
+        secondary_sinks: candidate positions other than 0 whose sinklens sink rate is at least ``min_head_share``
+            (``position``, ``token``, ``head_share``, layer-head-mean ``received``), by head share, at most ``top``;
+            n_secondary: how many passed.
+        residual_sinks: residual ``stream``, ``dim`` massive on a ``share`` > ``most_tokens`` of positions >= 1.
         seconds: wall time of the forward pass with its reducers.
     """
 
@@ -115,22 +106,10 @@ class ContextSweepResult:
         return to_json({"settings": self.settings, "points": [asdict(p) for p in self.points]})
 
 
-def context_sweep(
-    model: Any,
-    lengths: Sequence[int],
-    *,
-    sink_threshold: float = 0.3,
-    min_head_share: float = 0.05,
-    most_tokens: float = 0.5,
-    abs_threshold: float | None = 100.0,
-    rel_threshold: float | None = 1000.0,
-    top: int = 10,
-    options: RunOptions = RunOptions(),
-) -> ContextSweepResult:
-    """Sink attention, sink rate, secondary and residual sinks at each of ``lengths`` (module docstring).
-
-    Raises:
-        InvalidArgumentError: a length below 2 or above the model's context (``cfg.n_ctx``), or a bad threshold.
+def context_sweep(model: Any, lengths: Sequence[int], *, sink_threshold: float = 0.3, min_head_share: float = 0.05,
+                  most_tokens: float = 0.5, abs_threshold: float | None = 100.0, rel_threshold: float | None = 1000.0,
+                  top: int = 10, options: RunOptions = RunOptions()) -> ContextSweepResult:
+    """Sink attention, sink rate, secondary and residual sinks at each of ``lengths`` (2 to ``cfg.n_ctx``).
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -147,8 +126,7 @@ def context_sweep(
             raise InvalidArgumentError(f"length {n} is outside 2..{n_ctx}, the model's context (cfg.n_ctx).")
     for name, value in (("min_head_share", min_head_share), ("most_tokens", most_tokens)):
         finite_number(value, what=name, low=0.0, high=1.0, low_open=True)
-    bos = bos_token_id(model) if resolved_bos(model, options.prepend_bos) else None
-    head = [] if bos is None else [bos]
+    head = [bos_token_id(model)] if resolved_bos(model, options.prepend_bos) else []
     text = stdlib_source_tokens(model.tokenizer, max(lengths) - len(head))
     settings = SinkSettings(method="qk", sink_threshold=sink_threshold)
     points = []
@@ -171,6 +149,6 @@ def context_sweep(
                               "received": float(received[k])} for k in secondary[:top]],
             n_secondary=len(secondary), residual_sinks=residual, seconds=seconds))
     return ContextSweepResult(points, {
-        "text": "stdlib sources", "bos": bos is not None, "sink_threshold": sink_threshold,
+        "text": "stdlib sources", "bos": bool(head), "sink_threshold": sink_threshold,
         "min_head_share": min_head_share, "min_query_count": settings.min_query_count, "most_tokens": most_tokens,
         "abs_threshold": abs_threshold, "rel_threshold": rel_threshold})

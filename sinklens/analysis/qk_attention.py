@@ -1,15 +1,9 @@
 """Attention weights from queries and keys, exact, without the ``[query, key]`` pattern of a whole sequence.
 
-Query ``q`` pays key ``k`` the weight ``exp(s_qk - lse_q)``: ``s_qk`` is the model's own score (``q·k`` times its
-scale, soft-capped where the model caps: Gemma 2), ``lse_q`` the log-sum-exp of ``q``'s scores over the keys it
-sees (:mod:`sinklens.visibility`: causal, sliding windows, padding) and the learned sink logit where the model has
-one (gpt-oss). Queries are taken a chunk at a time (:data:`CHUNK_SCORES`), so no more than ``chunk × T`` weights per
-head exist at once and only ``[batch, head, T]`` column sums are kept: memory linear in ``T``, and no ``hook_pattern``.
-
-Queries and keys are read at ``attn.hook_rot_q``/``hook_rot_k`` on rotary models, else at ``attn.hook_q``/``hook_k``;
-where a TransformerBridge lists the rotated hooks but never runs them (GPT-NeoX), the rotation is applied here from
-``attn.hook_cos``/``hook_sin`` (Hugging Face's rotate-half, partial rotary dims included). Grouped-query keys are
-repeated per query head.
+Query ``q`` pays key ``k`` ``exp(s_qk - lse_q)``, ``s_qk`` the model's own (scaled, soft-capped) score and ``lse_q``
+the log-sum-exp over the keys ``q`` sees (and any learned sink logit), a chunk of queries at a time: memory linear
+in the length. Rotated queries and keys are read at ``hook_rot_q``/``hook_rot_k``, or rotated here from
+``hook_cos``/``hook_sin`` where a bridge never runs those (GPT-NeoX).
 """
 
 from __future__ import annotations
@@ -17,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
@@ -36,8 +31,7 @@ from sinklens.validate import choice, index_list
 from sinklens.visibility import Visibility, attention_visibility
 
 COS, SIN = "attn.hook_cos", "attn.hook_sin"
-#: Scores per chunk (all heads and sequences of a batch): 2**24 floats, 64 MiB, whatever the length (at least
-#: 64 queries a chunk). On one CPU thread smaller chunks run faster; on two threads of a shared machine, not.
+#: Scores per chunk (all heads and sequences of a batch): 2**24 floats, 64 MiB (at least 64 queries a chunk).
 CHUNK_SCORES = 2**24
 #: ``method="auto"`` reads attention from queries and keys for batches longer than this (tokens).
 QK_ABOVE = 1024
@@ -55,11 +49,8 @@ class ScoreRule(CompactRepr):
 
 def qk_sites(model: Any) -> tuple[str, ...]:
     """The per-layer hook sites the q/k path reads: ``(hook_rot_q, hook_rot_k)`` where they run, ``(hook_q, hook_k,
-    hook_cos, hook_sin)`` where only the rotation tables run, else ``(hook_q, hook_k)`` on a model without rotary.
-
-    Raises:
-        UnsupportedArchitectureError: a rotary model whose rotated queries and keys cannot be read, or ALiBi.
-    """
+    hook_cos, hook_sin)`` where only the rotation tables run, else ``(hook_q, hook_k)`` on a model without rotary;
+    an :class:`UnsupportedArchitectureError` for ALiBi or unreadable rotated queries and keys."""
     if getattr(model.cfg, "positional_embedding_type", None) == "alibi":
         raise UnsupportedArchitectureError("ALiBi adds position biases to the scores after the queries and keys; the "
                                            "q/k path cannot read them. Use method='pattern'.")
@@ -79,12 +70,8 @@ def qk_sites(model: Any) -> tuple[str, ...]:
 def score_rule(model: Any, layer: int) -> ScoreRule:
     """The :class:`ScoreRule` of ``layer``: from the Hugging Face attention module behind a TransformerBridge
     (``scaling``, ``attn_logit_softcapping``, ``sinks``), a sinklens model's attention variant, or a
-    TransformerLens 3.x attention's ``attn_scale`` and ``cfg.attn_scores_soft_cap``.
-
-    Raises:
-        UnsupportedArchitectureError: the layer's attention is not a softmax of scores (a sinklens variant such as
-            softpick), or its queries and keys are changed after the hooks the q/k path reads.
-    """
+    TransformerLens 3.x attention's ``attn_scale`` and ``cfg.attn_scores_soft_cap``; an
+    :class:`UnsupportedArchitectureError` where attention is no softmax of the hooked queries' and keys' scores."""
     attn = model.blocks[layer].attn
     hf = getattr(attn, "original_component", None)
     hf = getattr(hf, "self", hf)  # BERT keeps its scores in BertAttention.self
@@ -120,18 +107,11 @@ def rotate(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Tensor) 
 
 @dataclass(repr=False, eq=False)
 class Columns(CompactRepr):
-    """What :func:`attention_columns` returns for one layer of one batch.
-
-    Attributes:
-        counted: ``Σ_q weight[b, h, q, k]`` over the real queries ``q >= min_query`` that see ``k``.
-        every: the same over every real query that sees ``k`` (Gu et al.'s sink rate counts them all).
-        n_counted / n_every: the number of those queries per sequence and key.
-        to_keys: ``weight[b, h, q, positions[i]]`` for every query (0 where ``q`` does not see the key).
-        unattended: ``Σ_q (1 - Σ_k weight[b, h, q, k])`` over real queries: the learned sink logits' mass (0 without).
-        n_keys: the number of real keys each query sees.
-        aggregated: ``Σ_k weight[b, h, q, k] · values[b, h, k, :]`` per query (None without ``values``).
-        squares: ``Σ_k weight[b, h, q, k]²`` per query (None unless asked).
-    """
+    """What :func:`attention_columns` returns for one layer of one batch: ``counted`` / ``every``: ``Σ_q weight[b, h,
+    q, k]`` over the real queries ``q >= min_query`` / all real queries that see ``k``, ``n_counted`` / ``n_every``
+    their number; ``to_keys``: ``weight[b, h, q, positions[i]]``; ``unattended``: ``Σ_q (1 - Σ_k weight)`` (the
+    sink logits' mass); ``n_keys``: real keys each query sees; ``aggregated``: ``Σ_k weight · values[b, h, k]``
+    per query; ``squares``: ``Σ_k weight²`` per query."""
 
     counted: Float[Tensor, "batch head key"]
     every: Float[Tensor, "batch head key"]
@@ -145,36 +125,26 @@ class Columns(CompactRepr):
 
 
 def attention_columns(
-    q: Float[Tensor, "batch pos head d_head"],
-    k: Float[Tensor, "batch pos kv_head d_head"],
-    rule: ScoreRule,
-    visibility: Visibility,
-    layer: int,
-    valid: Bool[Tensor, "batch pos"],
-    *,
-    min_query: int = 0,
-    positions: Sequence[int] = (),
-    values: Float[Tensor, "batch head key m"] | None = None,
-    squares: bool = False,
-    chunk: int | None = None,
+    q: Float[Tensor, "batch pos head d_head"], k: Float[Tensor, "batch pos kv_head d_head"], rule: ScoreRule,
+    visibility: Visibility, layer: int, valid: Bool[Tensor, "batch pos"], *, min_query: int = 0,
+    positions: Sequence[int] = (), values: Float[Tensor, "batch head key m"] | None = None, squares: bool = False,
 ) -> Columns:
-    """Column sums of one layer's attention weights, computed from queries and keys ``chunk`` queries at a time
-    (exact softmax over each query's visible keys, float32; see the module docstring), and the weights' average
-    of ``values`` per query (and the sum of its squared weights, with ``squares``)."""
+    """Column sums of one layer's attention weights from queries and keys, a chunk of queries at a time (exact
+    softmax over each query's visible keys, float32), the weights' average of ``values`` per query and, with
+    ``squares``, the sum of its squared weights."""
     b, n, n_heads, _ = q.shape
     dev = q.device
-    chunk = chunk or max(64, CHUNK_SCORES // (b * n_heads * n))
+    chunk = max(64, CHUNK_SCORES // (b * n_heads * n))
     qh = q.float().transpose(1, 2) * rule.scale  # [b, h, pos, d], scaled so that q·k is the score
     kh = expand_kv_heads(k.float().transpose(1, 2), n_heads)  # [b, h, pos, d]
     pos = torch.arange(n, device=dev)
     w = visibility.window(layer)
     sink = None if rule.sink_logits is None else rule.sink_logits.to(dev, torch.float32)[None, :, None, None]
-    out = Columns(torch.zeros(b, n_heads, n, device=dev), torch.zeros(b, n_heads, n, device=dev),
-                  torch.zeros(b, n, device=dev), torch.zeros(b, n, device=dev),
-                  torch.zeros(b, n_heads, n, len(positions), device=dev), torch.zeros(n_heads, device=dev),
-                  torch.zeros(b, n, device=dev),
-                  None if values is None else torch.zeros(b, n_heads, n, values.shape[-1], device=dev),
-                  torch.zeros(b, n_heads, n, device=dev) if squares else None)
+    zeros = partial(torch.zeros, device=dev)
+    out = Columns(zeros(b, n_heads, n), zeros(b, n_heads, n), zeros(b, n), zeros(b, n),
+                  zeros(b, n_heads, n, len(positions)), zeros(n_heads), zeros(b, n),
+                  None if values is None else zeros(b, n_heads, n, values.shape[-1]),
+                  zeros(b, n_heads, n) if squares else None)
     for q0 in range(0, n, chunk):
         q1 = min(n, q0 + chunk)
         k0 = max(0, q0 - w + 1) if w is not None else 0
@@ -222,28 +192,20 @@ def queries_and_keys(acts: dict[str, Tensor], sites: Sequence[str]) -> tuple[Ten
     return q, k
 
 
-def qk_hooks(
-    sites: Sequence[str],
-    rules: dict[int, ScoreRule],
-    visibility: Visibility,
-    valid: Bool[Tensor, "batch pos"],
-    fold: Callable[[Columns, int], None],
-    **options: Any,
-) -> list[tuple[str, HookFn]]:
-    """Hooks on ``sites`` (:func:`qk_sites`) of every layer in ``rules`` that call ``fold(columns, layer)`` once the
-    layer's queries and keys have run (:func:`attention_columns`, given ``options``); a layer's activations are held
-    only until then."""
+def qk_hooks(sites: Sequence[str], rules: dict[int, ScoreRule], visibility: Visibility,
+             valid: Bool[Tensor, "batch pos"], fold: Callable[[Columns, int], None],
+             **options: Any) -> list[tuple[str, HookFn]]:
+    """Hooks on ``sites`` (:func:`qk_sites`) of every layer in ``rules`` that call ``fold(columns, layer)`` as soon as
+    the layer's queries and keys have run (:func:`attention_columns`, given ``options``)."""
     pending: dict[int, dict[str, Tensor]] = {}
 
     def collect(act: Tensor, key: tuple[int, str]) -> None:
         layer, site = key
         got = pending.setdefault(layer, {})
         got[site] = act
-        if len(got) < len(sites):
-            return
-        del pending[layer]
-        q, k = queries_and_keys(got, sites)
-        fold(attention_columns(q, k, rules[layer], visibility, layer, valid, **options), layer)
+        if len(got) == len(sites):
+            q, k = queries_and_keys(pending.pop(layer), sites)
+            fold(attention_columns(q, k, rules[layer], visibility, layer, valid, **options), layer)
 
     keys = [(layer, site) for layer in rules for site in sites]
     return bound_hooks([hook_name(layer, site) for layer, site in keys], keys, collect)
@@ -299,8 +261,7 @@ class KeyAttentionReducer(Reducer[Tensor]):
         dims = model_dims(model)
         self.positions = index_list(positions, dims.n_ctx, what="position", allow_negative=False)
         self.layers = resolve_layers(layers, dims.n_layers)
-        plan = qk_plan(model, self.layers, "qk")
-        self.sites, self.rules = plan.sites, plan.rules
+        self.plan = qk_plan(model, self.layers, "qk")
         self.visibility = attention_visibility(model)
         self.reset()
 
@@ -309,12 +270,9 @@ class KeyAttentionReducer(Reducer[Tensor]):
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         out: dict[int, Tensor] = {}
-
-        def fold(cols: Columns, layer: int) -> None:
-            out[layer] = cols.to_keys
-
-        return BatchFold(qk_hooks(self.sites, self.rules, self.visibility, batch.valid, fold,
-                                  positions=self.positions), state=out)
+        hooks = qk_hooks(self.plan.sites, self.plan.rules, self.visibility, batch.valid,
+                         lambda cols, layer: out.update({layer: cols.to_keys}), positions=self.positions)
+        return BatchFold(hooks, state=out)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         w = torch.stack([fold.state[layer] for layer in self.layers])  # [layer, batch, head, query, position]
@@ -325,18 +283,12 @@ class KeyAttentionReducer(Reducer[Tensor]):
         return torch.cat([grow(w, 3, n, math.nan) for w in self.weights], dim=1).cpu()
 
 
-def attention_to_keys(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    positions: Sequence[int] = (0,),
-    layers: int | Sequence[int] | None = None,
-    options: RunOptions = RunOptions(),
-) -> Float[Tensor, "layer sequence head query position"]:
+def attention_to_keys(model: Any, inputs: Inputs | None = None, *, positions: Sequence[int] = (0,),
+                      layers: int | Sequence[int] | None = None,
+                      options: RunOptions = RunOptions()) -> Float[Tensor, "layer sequence head query position"]:
     """The attention weight every query pays each key in ``positions``, per layer, sequence and head, read from
-    queries and keys (exactly ``hook_pattern[..., q, positions]``, in memory linear in the length).
-
-    0 where the query cannot see the key (a later key, outside a window); NaN at padded queries.
+    queries and keys (exactly ``hook_pattern[..., q, positions]``): 0 where the query cannot see the key, NaN at
+    padded queries.
 
     Examples:
         >>> from sinklens.testing import tiny_model

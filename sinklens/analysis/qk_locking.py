@@ -11,8 +11,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import TINY as _TINY
-from sinklens.analysis._common import check_sink_position, run_analyzer, sink_position_arg
+from sinklens.analysis._common import TINY, check_sink_position, run_analyzer, sink_position_arg
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
@@ -25,14 +24,15 @@ from sinklens.validate import positive_int
 from sinklens.visibility import attention_visibility
 
 #: Rotary models expose the rotated queries/keys (what the scores are made of) under these sites.
-ROT_Q = "attn.hook_rot_q"
-ROT_K = "attn.hook_rot_k"
+ROT_Q, ROT_K = "attn.hook_rot_q", "attn.hook_rot_k"
+#: The per-(layer, head) numbers of a :class:`QKLocking`.
+NUMBERS = ("key_query_energy", "key_pc_cosine", "pc_energy", "pos_share_sink", "pos_share_other",
+           "mean_score_sink", "mean_score_other")
 
 
 def qk_locking_reason(model: Any) -> str | None:
-    """Why query-key locking cannot be measured on ``model``, or None: a rotary model that lists but never runs
-    ``hook_rot_q``/``hook_rot_k`` (the unrotated queries would give wrong numbers), or ``hook_attn_scores`` fired
-    after the fact with post-softmax weights (:func:`sinklens.probes.post_hoc_attention`)."""
+    """Why query-key locking cannot be measured on ``model``, or None: ``hook_rot_q``/``hook_rot_k`` listed but
+    never run, or ``hook_attn_scores`` fired after the fact (:func:`sinklens.probes.post_hoc_attention`)."""
     silent = silent_hooks(model, [hook_name(0, ROT_Q), hook_name(0, ROT_K)])
     if silent:
         return (f"the model lists {silent} but never runs them, so the rotated queries and keys that make the "
@@ -42,9 +42,7 @@ def qk_locking_reason(model: Any) -> str | None:
 
 @dataclass(repr=False, eq=False)
 class QKLocking(CompactRepr):
-    """Query–key locking per layer × head.
-
-    Queries are the real positions other than the sink that can see it in that layer (:mod:`sinklens.visibility`);
+    """Query–key locking per layer × head, over the real queries other than the sink that see it in that layer;
     queries and keys are the rotated ones on rotary models (``q_site``, ``k_site``), grouped-query keys repeated.
 
     Attributes:
@@ -54,7 +52,7 @@ class QKLocking(CompactRepr):
             eigenvectors of ``Σ q qᵀ`` (the principal query directions); pc_energy: their share of query energy.
         pos_share_sink / pos_share_other: share of positive scores (``hook_attn_scores``) of those queries against
             the sink key / every other real key they see; mean_score_sink / mean_score_other: the mean scores.
-        n_queries: (sequence, query) pairs that can see the sink, the largest over the analysed layers.
+        n_queries: (sequence, query) pairs that see the sink, the most over the analysed layers.
     """
 
     layers: list[int]
@@ -73,13 +71,8 @@ class QKLocking(CompactRepr):
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per layer × head with every statistic (DataFrame-ready)."""
-        out = []
-        names = ("key_query_energy", "key_pc_cosine", "pc_energy", "pos_share_sink", "pos_share_other",
-                 "mean_score_sink", "mean_score_other")
-        for i, layer in enumerate(self.layers):
-            for h in range(self.key_query_energy.shape[1]):
-                out.append({"layer": layer, "head": h} | {n: float(getattr(self, n)[i, h]) for n in names})
-        return out
+        return [{"layer": layer, "head": h} | {n: float(getattr(self, n)[i, h]) for n in NUMBERS}
+                for i, layer in enumerate(self.layers) for h in range(self.key_query_energy.shape[1])]
 
     def to_dict(self) -> dict[str, Any]:
         return to_json({"layers": self.layers, "sink_position": self.sink_position, "n_components": self.n_components,
@@ -88,8 +81,7 @@ class QKLocking(CompactRepr):
 
 class QKLockingReducer(Reducer[QKLocking]):
     """Streams queries, the sink key and the attention scores into :class:`QKLocking`: per layer × head the
-    pooled ``Σ q qᵀ``, the summed sink key, the query energy along each sequence's sink key (its query Gram
-    matrices wait until its sink key is seen in the same forward) and counts and sums of scores."""
+    pooled ``Σ q qᵀ``, the summed sink key, the query energy along each sequence's sink key, and score sums."""
 
     statistics = ("gram", "key_sum", "along", "total", "pos_sink", "pos_other", "sum_sink", "sum_other",
                   "cnt_sink", "cnt_other")
@@ -125,9 +117,7 @@ class QKLockingReducer(Reducer[QKLocking]):
         pos = torch.arange(n, device=valid.device)
         by_window: dict[int | None, tuple[Tensor, Tensor]] = {}
 
-        def masks(layer: int) -> tuple[Tensor, Tensor]:
-            """``[batch, query]`` real queries other than the sink that see it; ``[batch, query, key]`` the other
-            real keys they see."""
+        def masks(layer: int) -> tuple[Tensor, Tensor]:  # [b, q]: queries that see the sink; [b, q, k]: other keys
             w = self.visibility.window(layer)
             if w not in by_window:
                 seen = self.visibility.batch_mask(layer, valid)  # [b, q, k]
@@ -142,7 +132,7 @@ class QKLockingReducer(Reducer[QKLocking]):
             pending[(i, kind)] = value
             if (i, "q") in pending and (i, "k") in pending:
                 gram, key = pending.pop((i, "q")), pending.pop((i, "k"))
-                unit = key / key.norm(dim=-1, keepdim=True).clamp_min(_TINY)
+                unit = key / key.norm(dim=-1, keepdim=True).clamp_min(TINY)
                 self.along[i] += torch.einsum("bhi,bhij,bhj->h", unit, gram, unit).double()
 
         def fold_q(act: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]
@@ -194,16 +184,14 @@ class QKLockingReducer(Reducer[QKLocking]):
         finally:
             torch.set_num_threads(threads)
         top = evecs[..., -self.n_components :]  # [layer, head, dh, r]
-        key = self.key_sum / self.key_sum.norm(dim=-1, keepdim=True).clamp_min(_TINY)
+        key = self.key_sum / self.key_sum.norm(dim=-1, keepdim=True).clamp_min(TINY)
         cos = torch.einsum("lhi,lhir->lhr", key, top).norm(dim=-1)
-        pc_energy = evals[..., -self.n_components :].sum(-1) / evals.sum(-1).clamp_min(_TINY)
-        nan = float("nan")
-        cs = torch.where(self.cnt_sink > 0, self.cnt_sink, nan)
-        co = torch.where(self.cnt_other > 0, self.cnt_other, nan)
+        pc_energy = evals[..., -self.n_components :].sum(-1) / evals.sum(-1).clamp_min(TINY)
+        cs, co = (torch.where(c > 0, c, float("nan")) for c in (self.cnt_sink, self.cnt_other))
         return QKLocking(
             layers=list(self.layers), sink_position=self.sink, n_components=self.n_components,
             q_site=self.q_site, k_site=self.k_site,
-            key_query_energy=(self.along / self.total.clamp_min(_TINY)).float().cpu(),
+            key_query_energy=(self.along / self.total.clamp_min(TINY)).float().cpu(),
             key_pc_cosine=cos.float().cpu(), pc_energy=pc_energy.float().cpu(),
             pos_share_sink=(self.pos_sink / cs).float().cpu(), pos_share_other=(self.pos_other / co).float().cpu(),
             mean_score_sink=(self.sum_sink / cs).float().cpu(), mean_score_other=(self.sum_other / co).float().cpu(),
@@ -211,16 +199,10 @@ class QKLockingReducer(Reducer[QKLocking]):
         )
 
 
-def query_key_locking(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    sink_position: int = 0,
-    layers: int | Sequence[int] | None = None,
-    n_components: int = 1,
-    options: RunOptions = RunOptions(),
-) -> QKLocking:
-    """Measure query–key locking on the sink key per layer × head (see :class:`QKLocking`).
+def query_key_locking(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
+                      layers: int | Sequence[int] | None = None, n_components: int = 1,
+                      options: RunOptions = RunOptions()) -> QKLocking:
+    """Measure query–key locking on the sink key per layer × head (:class:`QKLocking`).
 
     Examples:
         >>> from sinklens.testing.planted import planted_model

@@ -1,7 +1,4 @@
-"""What a sink analysis returns: its settings, :class:`SinkResult` and the per-token tables in it.
-
-The definitions of every number are in :mod:`sinklens.analysis.sinks`, which computes them in one streaming pass.
-"""
+"""What a sink analysis returns: its settings, :class:`SinkResult` and the per-token tables in it."""
 
 from __future__ import annotations
 
@@ -13,11 +10,7 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from sinklens.analysis._common import (
-    SettingsFields,
-    layer_head_position_rows,
-    position_index,
-)
+from sinklens.analysis._common import TINY, SettingsFields, layer_head_position_rows, position_index
 from sinklens.display import CompactRepr, StructuralEq
 from sinklens.export import to_json
 from sinklens.options import ATTENTION_METHODS, SINK_THRESHOLD, AttentionMethod
@@ -44,23 +37,19 @@ def _check_threshold(value: Any) -> float:
 
 @dataclass(frozen=True)
 class SinkSettings:
-    """The settings of one sink analysis, held by :class:`~sinklens.analysis.sinks.SinkReducer` and :class:`SinkResult`.
+    """The settings of one sink analysis (:class:`SinkResult`).
 
     Attributes:
         sink_threshold: Gu et al.'s ``ε``: head ``(l, h)`` is a sink head for key ``k`` in a sequence if its
             mean attention to ``k`` exceeds it (in (0, 1)).
-        min_query: queries before this position are not counted in ``received`` and sinklens' rate (1: a
-            decoder's query 0 gives key 0 weight 1 by construction; use 0 for an encoder); Gu et al.'s counts all.
-        min_query_count: a position is a sink candidate (and a token occurrence counts) only with at least
-            this many counted queries per sequence.
+        min_query: queries before it are not counted in ``received`` and sinklens' rate (1: a decoder's query
+            0 gives key 0 weight 1 by construction; use 0 for an encoder).
+        min_query_count / min_query_share: a position is a sink candidate (and a token occurrence counts) only
+            with this many counted queries per sequence and this share of the best-seen position's.
         min_head_share / outlier_factor: the thresholds of :meth:`SinkResult.detect_sinks`.
         top_k: how many single occurrences at positions >= 1 to keep (0: none).
-        min_query_share: a position is a sink candidate only if it is also seen by at least this share of the
-            counted queries of the best-seen position (per sequence, on average): at 4,096 tokens a key among
-            the last few hundred is seen by so few queries that their local attention reads as a sink.
-        method: how attention weights are read: ``"pattern"`` from ``hook_pattern``; ``"qk"`` from queries and
-            keys (:mod:`sinklens.analysis.qk_attention`, memory linear in the length, same numbers); ``"auto"``:
-            ``"qk"`` for batches longer than :data:`~sinklens.analysis.qk_attention.QK_ABOVE` tokens where the model allows.
+        method: read ``hook_pattern`` (``"pattern"``) or queries and keys (``"qk"``, same numbers, memory linear
+            in the length); ``"auto"``: ``"qk"`` above :data:`~sinklens.analysis.qk_attention.QK_ABOVE` tokens.
     """
 
     sink_threshold: float = SINK_THRESHOLD
@@ -84,16 +73,11 @@ class SinkSettings:
         set_(self, "method", choice(self.method, ATTENTION_METHODS, what="method"))
 
 
-
 @dataclass(repr=False, eq=False)
 class TokenSinkStats(CompactRepr):
-    """Received attention per token id, pooled over its counted occurrences (one group of positions).
-
-    Attributes:
-        token_ids: the ids seen, sorted; tokens: decoded (None without a tokenizer); count: occurrences.
-        mean_received / max_received: mean and max over occurrences of the layer-head-mean ``α_b[:, :, k]``.
-        mean_head_share: mean over occurrences of the share of (layer, head) with ``α_b > sink_threshold``.
-    """
+    """Received attention per token id seen (sorted ids, decoded ``tokens``), pooled over its ``count`` counted
+    occurrences: mean and max of the layer-head-mean ``α_b[:, :, k]`` and mean share of (layer, head) with
+    ``α_b > sink_threshold``."""
 
     token_ids: Int[Tensor, " token"]
     tokens: list[str | None]
@@ -104,18 +88,10 @@ class TokenSinkStats(CompactRepr):
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per token id, sorted by ``mean_received`` (highest first)."""
-        order = torch.argsort(self.mean_received, descending=True).tolist()
-        return [
-            {
-                "token_id": int(self.token_ids[i]),
-                "token": self.tokens[i],
-                "count": int(self.count[i]),
-                "mean_received": float(self.mean_received[i]),
-                "max_received": float(self.max_received[i]),
-                "mean_head_share": float(self.mean_head_share[i]),
-            }
-            for i in order
-        ]
+        return [{"token_id": int(self.token_ids[i]), "token": self.tokens[i], "count": int(self.count[i]),
+                 "mean_received": float(self.mean_received[i]), "max_received": float(self.max_received[i]),
+                 "mean_head_share": float(self.mean_head_share[i])}
+                for i in torch.argsort(self.mean_received, descending=True).tolist()]
 
 
 @dataclass(eq=False)
@@ -134,9 +110,11 @@ class SinkOccurrence(StructuralEq):
 class SinkResult(SettingsFields, CompactRepr):
     """Where attention sinks are, how strong, and which tokens they sit on.
 
-    ``α_b[l, h, k]`` is the mean attention key ``k`` gets in sequence ``b`` from the queries that can see it
-    (sinklens': from ``min_query`` on; Gu et al.'s ``α^Gu_b``: every one, its own included). The fields of
-    ``settings`` (:class:`SinkSettings`) also read as attributes.
+    Key ``k`` is seen by query ``q`` per the model's layout (:mod:`sinklens.visibility`; padding never counts).
+    ``α_b[l, h, k]`` is the mean attention ``k`` gets in sequence ``b`` from the queries ``q >= min_query`` that
+    see it; Gu et al.'s ``α^Gu_b`` from every one, its own included (their ``compute_attention_sink``). The
+    sink rate of ``k`` is the share of (sequence, layer, head) with ``α > sink_threshold``
+    (:data:`RATE_DEFINITIONS`). The fields of ``settings`` (:class:`SinkSettings`) also read as attributes.
 
     Attributes:
         received: mean attention key ``k`` receives from the counted queries, pooled over sequences (NaN where
@@ -147,12 +125,11 @@ class SinkResult(SettingsFields, CompactRepr):
         first_tokens / later_tokens: token statistics at position 0 / at positions >= 1.
         top_occurrences: the highest single occurrences at positions >= 1, best first.
         unattended: ``[layer, head]`` mean over real queries of ``1 - Σ_k pattern[q, k]`` over visible real keys.
-        virtual_sink: ``unattended`` when the model has learned sink logits or its rows fall short of 1 (by
-            more than ``1e-5``, or twice the eps of a 16-bit dtype); None otherwise.
+        virtual_sink: ``unattended`` when the model has learned sink logits (gpt-oss ``sinks``) or its rows fall
+            short of 1 (by more than ``1e-5``, or twice the eps of a 16-bit dtype); None otherwise.
         position_token_ids: per key position, the token id there in every sequence (-1 where they differ).
         attention: the attention layout the queries were chosen by (:class:`~sinklens.visibility.Visibility`).
-        attention_path: how attention weights were read: ``"pattern"``, ``"qk"`` or ``"pattern+qk"``
-            (``method="auto"`` with batches on both sides of the length threshold).
+        attention_path: ``"pattern"``, ``"qk"`` or ``"pattern+qk"`` (``"auto"`` with batches on both sides).
     """
 
     received: Float[Tensor, "layer head key_pos"]
@@ -176,34 +153,28 @@ class SinkResult(SettingsFields, CompactRepr):
     attention_path: str = "pattern"
     tokenizer: Any = field(default=None, repr=False, compare=False)
 
-    # ---- rates -------------------------------------------------------------------------------
     def position_index(self, position: int) -> int:
         """Index of a measured key position (negatives count from the end); a named error if out of range."""
         return position_index(position, self.received.shape[-1])
 
-    def head_is_sink(
-        self, sink_threshold: float | None = None, *, method: RateMethod = "gu"
-    ) -> Float[Tensor, "layer head key_pos"]:
-        """Per (layer, head, key) sink rate in [0, 1]: :attr:`gu_seq_sink_frac` (``"gu"``) or
-        :attr:`seq_sink_frac` (``"sinklens"``), only at the run's threshold; ``"mean"``: 1.0 where the pooled
-        ``received > sink_threshold`` (any threshold)."""
+    def head_is_sink(self, sink_threshold: float | None = None, *,
+                     method: RateMethod = "gu") -> Float[Tensor, "layer head key_pos"]:
+        """Per (layer, head, key) sink rate: :attr:`gu_seq_sink_frac` (``"gu"``) or :attr:`seq_sink_frac`
+        (``"sinklens"``) at the run's threshold; ``"mean"``: 1.0 where ``received > sink_threshold`` (any)."""
         method = choice(method, ("gu", "sinklens", "mean"), what="method")
         if method == "mean":
             threshold = self.sink_threshold if sink_threshold is None else _check_threshold(sink_threshold)
             return (torch.nan_to_num(self.received, nan=0.0) > threshold).float()
         if sink_threshold is not None and not math.isclose(_check_threshold(sink_threshold), self.sink_threshold):
-            raise ValueError(
-                f"Per-sequence (Gu et al.) sink indicators were recorded at sink_threshold={self.sink_threshold}, "
-                f"not {sink_threshold}; pass method='mean' (threshold the pooled mean) or re-run "
-                f"find_sinks(..., sink_threshold={sink_threshold})."
-            )
+            raise ValueError(f"Per-sequence (Gu et al.) sink indicators were recorded at sink_threshold="
+                             f"{self.sink_threshold}, not {sink_threshold}; pass method='mean' (threshold the pooled "
+                             f"mean) or re-run find_sinks(..., sink_threshold={sink_threshold}).")
         if method == "gu" and self.gu_seq_sink_frac is not None:
             return self.gu_seq_sink_frac
         return self.seq_sink_frac
 
-    def sink_rate_by_layer(
-        self, sink_threshold: float | None = None, position: int = 0, *, method: RateMethod = "gu"
-    ) -> Float[Tensor, " layer"]:
+    def sink_rate_by_layer(self, sink_threshold: float | None = None, position: int = 0, *,
+                           method: RateMethod = "gu") -> Float[Tensor, " layer"]:
         """Share of the layer's heads that are sink heads for ``position`` (see :meth:`head_is_sink`)."""
         return self.head_is_sink(sink_threshold, method=method)[:, :, self.position_index(position)].mean(dim=1)
 
@@ -212,13 +183,11 @@ class SinkResult(SettingsFields, CompactRepr):
         (None: the run's). ``"gu"``: Gu et al.'s number as their code computes it (:data:`RATE_DEFINITIONS`)."""
         return float(self.sink_rate_by_layer(sink_threshold, position, method=method).mean())
 
-    def sink_rate_by_position(
-        self, sink_threshold: float | None = None, *, method: RateMethod = "gu"
-    ) -> Float[Tensor, " key_pos"]:
+    def sink_rate_by_position(self, sink_threshold: float | None = None, *,
+                              method: RateMethod = "gu") -> Float[Tensor, " key_pos"]:
         """The overall sink rate of every key position."""
         return self.head_is_sink(sink_threshold, method=method).mean(dim=(0, 1))
 
-    # ---- detection ---------------------------------------------------------------------------
     @property
     def candidates(self) -> list[int]:
         """Positions seen by at least ``min_query_count`` counted queries per sequence, on average, and by at least
@@ -234,33 +203,22 @@ class SinkResult(SettingsFields, CompactRepr):
     def outlier_ratio(self) -> Float[Tensor, " key_pos"]:
         """Layer-head-mean received attention of each position divided by its median over the
         candidate positions (NaN for positions that are not candidates)."""
-        profile = self.mean_received()
+        profile, cands = self.mean_received(), self.candidates
         out = torch.full_like(profile, float("nan"))
-        cands = self.candidates
         if cands:
-            median = profile[cands].median().clamp(min=1e-12)
-            out[cands] = profile[cands] / median
+            out[cands] = profile[cands] / profile[cands].median().clamp(min=TINY)
         return out
 
-    def detect_sinks(
-        self,
-        *,
-        min_head_share: float | None = None,
-        outlier_factor: float | None = None,
-        method: RateMethod = "sinklens",
-    ) -> list[int]:
+    def detect_sinks(self, *, min_head_share: float | None = None, outlier_factor: float | None = None,
+                     method: RateMethod = "sinklens") -> list[int]:
         """Candidate positions (:attr:`candidates`) whose sink rate (:meth:`sink_rate_by_position`) is at least
         ``min_head_share`` or whose :meth:`outlier_ratio` is at least ``outlier_factor`` (None: the run's).
-
-        Under uniform attention over ``T`` keys position 0 gets ``≈ ln(T)/T`` against ``≈ 1.4/T`` in the
-        middle, a ratio of about 2, so the outlier rule needs a real sink to fire.
-        """
+        Uniform attention over ``T`` keys gives position 0 a ratio of about 2 (``ln(T)/T`` against ``1.4/T``)."""
         share = self.min_head_share if min_head_share is None else finite_number(
             min_head_share, what="min_head_share", low=0.0, high=1.0, low_open=True)
         factor = self.outlier_factor if outlier_factor is None else finite_number(
             outlier_factor, what="outlier_factor", low=1.0, low_open=True)
-        rates = self.sink_rate_by_position(method=method)
-        ratio = torch.nan_to_num(self.outlier_ratio(), nan=0.0)
+        rates, ratio = self.sink_rate_by_position(method=method), torch.nan_to_num(self.outlier_ratio(), nan=0.0)
         return [k for k in self.candidates if float(rates[k]) >= share or float(ratio[k]) >= factor]
 
     @property
@@ -268,33 +226,26 @@ class SinkResult(SettingsFields, CompactRepr):
         """:meth:`detect_sinks` with the analysis' thresholds."""
         return self.detect_sinks()
 
-    def top_sinks(self, k: int = 10, *, min_count: int = 1) -> list[dict[str, Any]]:
-        """The ``k`` token ids at positions >= 1 (:attr:`later_tokens` rows) with the highest mean received
-        attention, among those with at least ``min_count`` occurrences."""
-        k = positive_int(k, what="k")
-        rows = [r for r in self.later_tokens.rows() if r["count"] >= min_count]
-        return rows[:k]
+    def top_sinks(self, k: int = 10) -> list[dict[str, Any]]:
+        """The ``k`` token ids at positions >= 1 (:attr:`later_tokens`) with the highest mean received attention."""
+        return self.later_tokens.rows()[:positive_int(k, what="k")]
 
-    # ---- export ------------------------------------------------------------------------------
     def _reported_positions(self) -> list[int]:
         return sorted({0, *self.sink_positions})
 
     def token_at(self, position: int) -> str | None:
         """The token at ``position`` if it is the same in every sequence (decoded; ``"id N"`` without a
         tokenizer), else None."""
-        ids = self.position_token_ids
-        k = self.position_index(position)
+        ids, k = self.position_token_ids, self.position_index(position)
         if ids is None or k >= ids.shape[0] or int(ids[k]) < 0:
             return None
-        idx = int(ids[k])
-        return self.tokenizer.decode([idx]) if self.tokenizer is not None else f"id {idx}"
+        return self.tokenizer.decode([int(ids[k])]) if self.tokenizer is not None else f"id {int(ids[k])}"
 
     def describe_start(self) -> str:
         """What position 0 is, for summaries: the special tokens the tokenizer added, or the first token."""
         first = self.token_at(0) if self.received.shape[-1] else None
         if self.special_tokens:
-            shown = " … ".join(self.special_tokens) if len(self.special_tokens) > 1 else self.special_tokens[0]
-            return f"position 0 is {first!r} (special tokens added: {shown})"
+            return f"position 0 is {first!r} (special tokens added: {' … '.join(self.special_tokens)})"
         if first is not None:
             return f"position 0 is {first!r} in every sequence (no special token added)"
         return "position 0 is the first token of each text (no special token added)"
@@ -302,68 +253,42 @@ class SinkResult(SettingsFields, CompactRepr):
     def summary_rows(self) -> list[dict[str, Any]]:
         """One row per layer and per position among 0 and the detected sinks: the token there, Gu et al.'s and
         sinklens' sink rates, and the mean and max over heads of ``received``."""
-        rows = []
-        rates = self.head_is_sink(method="gu")
-        own = self.head_is_sink(method="sinklens")
+        rates, own = self.head_is_sink(method="gu"), self.head_is_sink(method="sinklens")
         received = torch.nan_to_num(self.received, nan=0.0)
-        for pos in self._reported_positions():
-            for i, layer in enumerate(self.layers):
-                rows.append(
-                    {
-                        "layer": layer,
-                        "position": pos,
-                        "token": self.token_at(pos),
-                        "sink_rate": float(rates[i, :, pos].mean()),
-                        "sinklens_sink_rate": float(own[i, :, pos].mean()),
-                        "mean_received": float(received[i, :, pos].mean()),
-                        "max_received": float(received[i, :, pos].max()),
-                        "sink_threshold": self.sink_threshold,
-                    }
-                )
-        return rows
+        return [
+            {"layer": layer, "position": pos, "token": self.token_at(pos),
+             "sink_rate": float(rates[i, :, pos].mean()), "sinklens_sink_rate": float(own[i, :, pos].mean()),
+             "mean_received": float(received[i, :, pos].mean()), "max_received": float(received[i, :, pos].max()),
+             "sink_threshold": self.sink_threshold}
+            for pos in self._reported_positions() for i, layer in enumerate(self.layers)
+        ]
 
     def rows(self) -> list[dict[str, Any]]:
         """Long format, one row per (layer, head, key position): ``received`` and ``sink_frac``."""
         return layer_head_position_rows(self.layers, *self.received.shape[1:], {
-            "received": ("layer head pos", self.received),
-            "sink_frac": ("layer head pos", self.seq_sink_frac),
-            "n_queries": ("pos", self.n_queries),
-        })
+            "received": ("layer head pos", self.received), "sink_frac": ("layer head pos", self.seq_sink_frac),
+            "n_queries": ("pos", self.n_queries)})
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary: settings, sink positions, rates, received attention, sink tokens."""
         def rates(method: RateMethod) -> dict[str, Any]:
-            return {
-                str(pos): {
-                    "overall": self.sink_rate(position=pos, method=method),
-                    "by_layer": self.sink_rate_by_layer(position=pos, method=method).tolist(),
-                }
-                for pos in self._reported_positions()
-            }
+            return {str(pos): {"overall": self.sink_rate(position=pos, method=method),
+                               "by_layer": self.sink_rate_by_layer(position=pos, method=method).tolist()}
+                    for pos in self._reported_positions()}
 
         gu = rates("gu")
         return to_json({
-            "layers": list(self.layers),
-            "settings": self.settings,
-            "n_sequences": self.n_sequences,
-            "prepend_bos": self.prepend_bos,
-            "special_tokens": list(self.special_tokens),
+            "layers": list(self.layers), "settings": self.settings, "n_sequences": self.n_sequences,
+            "prepend_bos": self.prepend_bos, "special_tokens": list(self.special_tokens),
             "position_0": self.describe_start(),
             "position_tokens": {str(pos): self.token_at(pos) for pos in self._reported_positions()},
-            "attention": self.attention,
-            "attention_path": self.attention_path,
-            "sink_positions": self.sink_positions,
-            "sink_rate": gu,
-            "gu_sink_rate": gu,
-            "sinklens_sink_rate": rates("sinklens"),
+            "attention": self.attention, "attention_path": self.attention_path, "sink_positions": self.sink_positions,
+            "sink_rate": gu, "gu_sink_rate": gu, "sinklens_sink_rate": rates("sinklens"),
             "sink_rate_definitions": {"sink_rate": RATE_DEFINITIONS["gu"], "gu_sink_rate": RATE_DEFINITIONS["gu"],
                                       "sinklens_sink_rate": RATE_DEFINITIONS["sinklens"]},
             "virtual_sink": self.virtual_sink,
             "virtual_sink_definition": "per head, mean over real queries of 1 - sum_k pattern[q, k] (attention mass "
                                        "given to no key: a learned sink logit); null when rows sum to 1",
-            "received": self.received,
-            "n_queries": self.n_queries,
-            "first_tokens": self.first_tokens.rows(),
-            "top_sinks": self.top_sinks(20),
-            "top_occurrences": self.top_occurrences,
+            "received": self.received, "n_queries": self.n_queries, "first_tokens": self.first_tokens.rows(),
+            "top_sinks": self.top_sinks(20), "top_occurrences": self.top_occurrences,
         }, digits=None)

@@ -1,38 +1,8 @@
 """Attention sinks: which key positions (and which tokens) soak up attention, per layer × head.
 
-Everything here is computed in one streaming pass (:class:`SinkReducer`, built on
-:class:`~sinklens.analysis.attention.AttentionReceivedReducer`) from ``blocks.{l}.attn.hook_pattern``, or, with
-``method="qk"`` (``"auto"`` above :data:`~sinklens.analysis.qk_attention.QK_ABOVE` tokens), from queries and keys in memory linear in the length
-(:mod:`sinklens.analysis.qk_attention`; the same numbers):
-
-"Can see" is the model's own attention layout in each layer (:mod:`sinklens.visibility`): ``q >= k`` in a
-causal layer, ``k <= q < k + w`` in a sliding-window layer of ``w`` tokens, every query in an encoder;
-padded queries and keys never count.
-
-* **received attention** ``received[l, h, k]``: mean of ``pattern[l, h, q, k]`` over every real
-  (sequence, query) pair that can see key ``k`` with ``q >= min_query``, pooled over
-  sequences. ``min_query`` defaults to 1: the query at position 0 of a decoder sees only key 0 and gives it
-  weight 1 by construction, which says nothing about sinks.
-* **Gu et al.'s sink rate** ("When Attention Sink Emerges in Language Models", ICLR 2025; computed as
-  ``compute_attention_sink`` in their code, github.com/sail-sg/Attention-Sink ``eval_sink_open_source.py``):
-  the importance score ``α^Gu_b[l, h, k] = (1 / |Q_k|) Σ_{q ∈ Q_k} pattern_b[l, h, q, k]`` over *every* query
-  ``Q_k`` that can see ``k`` in sequence ``b``, the key's own query included (their code divides the column
-  sum by ``T - k``); head ``(l, h)`` is a sink head for ``k`` in ``b`` if ``α^Gu_b > ε`` (``ε = 0.3``, our
-  ``sink_threshold``); the sink rate of ``k`` is the share of (sequence, layer, head) triples that are
-  (``method="gu"``, the default of :meth:`SinkResult.sink_rate`).
-* **sinklens' variant** (``method="sinklens"``): the same rule on ``α_b``, the mean over the queries that
-  can see ``k`` *from* ``min_query`` on. With the default ``min_query=1`` this leaves out, at key 0 of a
-  decoder, the key's own query (weight 1 by construction), so it is a little lower than Gu's; elsewhere
-  the two agree. Sink positions are detected with it.
-* **virtual sink** (learned sink logits, gpt-oss "sinks"): per head, the mean over real queries of
-  ``1 - Σ_k pattern[l, h, q, k]`` (``k`` over the real keys ``q`` can see), the attention mass that goes to
-  no key. ``None`` for models whose rows sum to 1 (within ``1e-5``) and that have no ``sinks`` parameter.
-* **sink positions**, anywhere in the sequence (see :meth:`SinkResult.detect_sinks`), and **sink
-  tokens**: per token id, the layer-head-mean received attention over every occurrence, kept in
-  vocabulary-sized running sums (exact and bounded), plus the top-k single occurrences.
-
-Measured on SmolLM2-135M-Instruct (64 stdlib docstrings, 64 tokens, BOS): ``sink_positions == [0]``, Gu et
-al.'s sink rate 0.644 at position 0 (sinklens' variant 0.631), 0 in layers 0-2 and 10-11.
+One streaming pass (:class:`SinkReducer`) reads ``hook_pattern`` or, with ``method="qk"`` (``"auto"`` above
+:data:`~sinklens.analysis.qk_attention.QK_ABOVE` tokens), the queries and keys in memory linear in the length
+(same numbers). The numbers are defined in :class:`~sinklens.analysis.sink_result.SinkResult`.
 """
 
 from __future__ import annotations
@@ -55,22 +25,18 @@ from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions, settings_from
 from sinklens.streaming import BatchFold, Reducer, grow, merge_statistics, per_layer_hooks
 
-#: Rows of a float32 softmax pattern sum to 1 within this; a larger mean shortfall means a virtual sink. A model in
-#: a lower precision gets twice its dtype's eps (bfloat16: 0.016), as its pattern entries are rounded to it.
+#: Rows of a float32 softmax pattern sum to 1 within this (a 16-bit model: twice its dtype's eps); a larger mean
+#: shortfall means a virtual sink.
 ROW_SUM_TOLERANCE = 1e-5
 
 
 def has_sink_logits(model: Any) -> bool:
-    """True if the model has learned per-head sink logits: a parameter named ``sinks`` (gpt-oss, in the
-    Hugging Face model behind a bridge or in the model itself) or a sinklens ``sink_logit`` attention variant
-    (:class:`~sinklens.sinklm.model.SinkLM` with ``cfg.variant == "sink_logit"``)."""
+    """True if the model has learned per-head sink logits: a parameter named ``sinks`` (gpt-oss, behind a bridge
+    or not) or the ``sink_logit`` attention variant of a :class:`~sinklens.sinklm.model.SinkLM`."""
     if getattr(getattr(model, "cfg", None), "variant", None) == "sink_logit":
         return True
-    for root in (getattr(model, "original_model", None), model):
-        if root is not None and hasattr(root, "named_parameters"):
-            if any(name.rsplit(".", 1)[-1] == "sinks" for name, _ in root.named_parameters()):
-                return True
-    return False
+    roots = [root for root in (getattr(model, "original_model", None), model) if hasattr(root, "named_parameters")]
+    return any(name.rsplit(".", 1)[-1] == "sinks" for root in roots for name, _ in root.named_parameters())
 
 
 def _top(values: Tensor, k: int) -> Tensor:
@@ -90,10 +56,8 @@ def _merge_position_tokens(mine: Tensor, theirs: Tensor) -> Tensor:
 class _SinkBatch:
     """Per-batch state of :class:`SinkReducer` (lives in the batch's :class:`~sinklens.streaming.BatchFold`)."""
 
-    weights: dict[int, Tensor]  # per layer [batch, query, key]: counted queries (pattern path only)
     q_count: dict[int, Tensor]  # per layer [batch, key]: counted queries per sequence and key
-    gu_weights: dict[int, Tensor]  # per layer [batch, query, key]: every query that can see the key (Gu et al.)
-    gu_count: dict[int, Tensor]  # per layer [batch, key]: their number
+    gu_count: dict[int, Tensor]  # per layer [batch, key]: every query that can see the key (Gu et al.)
     recv: Float[Tensor, "batch key"]  # layer-head-mean α_b, summed over the layers folded so far
     share: Float[Tensor, "batch key"]  # share of (layer, head) with α_b > sink_threshold, likewise
 
@@ -101,39 +65,23 @@ class _SinkBatch:
 class SinkReducer(Reducer[SinkResult]):
     """Streams ``hook_pattern`` (or the queries and keys, by ``settings.method``) into a :class:`SinkResult`.
 
-    It holds an :class:`~sinklens.analysis.attention.AttentionReceivedReducer` for the pooled
-    received-attention sums (and its per-layer visibility) and keeps, beside it, in float64 on the
-    model's device: per (layer, head, key) the number of sequences with ``α_b > sink_threshold`` (sinklens'
-    variant) and with ``α^Gu_b > sink_threshold`` (Gu et al.); per (layer, head) the summed row shortfall
-    ``1 - Σ_k pattern`` over real queries (virtual sink); per token id (vocabulary-sized, separately for
-    position 0 and positions >= 1) the count, sum and maximum of the layer-head-mean ``α_b`` and the sum
-    of the sink-head share; per position the token id if it is the same in every sequence; and the
-    ``top_k`` largest single occurrences at positions >= 1, merged after every batch.
-
-    Gu's ``α^Gu_b`` costs no second pass over the pattern: it is ``α_b``'s column sum plus the rows of
-    the queries before ``min_query`` (one row by default), divided by the number of queries that see the key.
-
-    Settings are given either as ``settings=SinkSettings(...)`` or as its fields, keyword arguments.
+    Beside an :class:`~sinklens.analysis.attention.AttentionReceivedReducer` (pooled sums, visibility) it keeps
+    float64 counts of sequences with ``α_b`` / ``α^Gu_b > sink_threshold`` per (layer, head, key), the row
+    shortfall per head, vocabulary-sized token tables (position 0 and positions >= 1), the token at each
+    position and the ``top_k`` single occurrences. ``α^Gu_b`` is ``α_b``'s column sum plus the rows of the
+    queries before ``min_query``, over the number of queries that see the key.
     """
 
     statistics = ("attention", "seq_hits", "seq_counts", "gu_hits", "gu_counts", "shortfall", "n_real_queries",
                   "pos_ids", "tok_first", "tok_later", "top_vals", "top_share", "top_meta", "prepend_bos", "special_tokens",
                   "n_seq", "paths")
 
-    def __init__(
-        self,
-        model: Any,
-        *,
-        layers: int | Sequence[int] | None = None,
-        settings: SinkSettings | None = None,
-        max_pos: int | None = None,
-        **settings_kwargs: Any,
-    ):
+    def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None, settings: SinkSettings | None = None,
+                 **settings_kwargs: Any):
         self.settings = settings = settings_from(SinkSettings, settings, settings_kwargs, "SinkReducer")
-        self.attention = AttentionReceivedReducer(model, layers=layers, min_query=settings.min_query, max_pos=max_pos)
+        self.attention = AttentionReceivedReducer(model, layers=layers, min_query=settings.min_query)
         self.layers = self.attention.layers
-        self.n_heads = model_dims(model).n_heads
-        self.d_vocab = model_dims(model).d_vocab
+        self.n_heads, self.d_vocab = model_dims(model).n_heads, model_dims(model).d_vocab
         self.tokenizer = getattr(model, "tokenizer", None)
         self.sink_logits = has_sink_logits(model)
         self.row_sum_tolerance = max(ROW_SUM_TOLERANCE, 2 * torch.finfo(model_dtype(model)).eps)
@@ -144,22 +92,16 @@ class SinkReducer(Reducer[SinkResult]):
         self.attention.reset()
         f64 = dict(device=self.attention.device, dtype=torch.float64)
         max_pos, n_layers = self.attention.max_pos, len(self.layers)
-        self.seq_hits = torch.zeros(n_layers, self.n_heads, max_pos, **f64)
-        self.seq_counts = torch.zeros(n_layers, max_pos, **f64)
-        self.gu_hits = torch.zeros(n_layers, self.n_heads, max_pos, **f64)
-        self.gu_counts = torch.zeros(n_layers, max_pos, **f64)
+        self.seq_hits, self.gu_hits = (torch.zeros(n_layers, self.n_heads, max_pos, **f64) for _ in range(2))
+        self.seq_counts, self.gu_counts = (torch.zeros(n_layers, max_pos, **f64) for _ in range(2))
         self.shortfall = torch.zeros(n_layers, self.n_heads, **f64)
         self.n_real_queries = 0.0
         self.pos_ids = torch.full((max_pos,), -2, device=self.attention.device, dtype=torch.long)  # -2 unseen, -1 varies
         # Per token id: [count, sum received, sum head share, max received], for position 0 / >= 1.
-        self.tok_first = torch.zeros(4, self.d_vocab, **f64)
-        self.tok_later = torch.zeros(4, self.d_vocab, **f64)
-        self.top_vals = torch.zeros(0, **f64)
-        self.top_share = torch.zeros(0, **f64)
+        self.tok_first, self.tok_later = torch.zeros(4, self.d_vocab, **f64), torch.zeros(4, self.d_vocab, **f64)
+        self.top_vals, self.top_share = torch.zeros(0, **f64), torch.zeros(0, **f64)
         self.top_meta = torch.zeros(0, 3, device=self.attention.device, dtype=torch.long)  # sequence, position, token
-        self.prepend_bos = True
-        self.special_tokens: tuple[str, ...] = ()
-        self.n_seq = 0
+        self.prepend_bos, self.special_tokens, self.n_seq = True, (), 0
         self.paths: set[str] = set()
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
@@ -170,13 +112,10 @@ class SinkReducer(Reducer[SinkResult]):
         weights = {} if use_qk else self.attention.query_weights(batch)
         gu_weights = self.attention.visible_weights(batch) if mq and not use_qk else weights
         f64 = dict(device=self.attention.device, dtype=torch.float64)
-        state = _SinkBatch(
-            weights, {layer: w.sum(dim=1) for layer, w in weights.items()},
-            gu_weights, {layer: w.sum(dim=1) for layer, w in gu_weights.items()},
-            torch.zeros(b, n, **f64), torch.zeros(b, n, **f64),
-        )
-        n_layers = len(self.layers)
-        threshold = self.settings.sink_threshold
+        state = _SinkBatch({layer: w.sum(dim=1) for layer, w in weights.items()},
+                           {layer: w.sum(dim=1) for layer, w in gu_weights.items()},
+                           torch.zeros(b, n, **f64), torch.zeros(b, n, **f64))
+        n_layers, threshold = len(self.layers), self.settings.sink_threshold
         n_real = batch.valid.sum().double()  # real queries in the batch
 
         def fold(pattern: Tensor, layer: int) -> None:  # pattern: [batch, head, query, key]
@@ -212,22 +151,17 @@ class SinkReducer(Reducer[SinkResult]):
 
     def _record_position_tokens(self, batch: TokenBatch) -> None:
         tokens, valid = batch.tokens.to(self.pos_ids.device), batch.valid.to(self.pos_ids.device)
-        n = tokens.shape[1]
-        present = valid.any(dim=0)
         first = tokens.gather(0, valid.float().argmax(dim=0, keepdim=True))[0]  # first real row per column
         same = ((tokens == first[None]) | ~valid).all(dim=0)
-        here = torch.where(same, first, torch.full_like(first, -1))
-        seen = self.pos_ids[:n]
-        merged = torch.where(seen == -2, here, torch.where((seen == here) & (here >= 0), seen, torch.full_like(seen, -1)))
-        self.pos_ids[:n] = torch.where(present, merged, seen)
+        here = torch.where(valid.any(dim=0), torch.where(same, first, -1), -2)
+        self.pos_ids = _merge_position_tokens(self.pos_ids, here)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         state: _SinkBatch = fold.state
         self.attention.count_queries(state.q_count)
         self.prepend_bos = batch.prepend_bos
         self.special_tokens = tuple(getattr(batch, "special_tokens", ()) or ())
-        for layer in self.layers:
-            row = self.attention.row[layer]
+        for layer, row in self.attention.row.items():
             n = state.q_count[layer].shape[1]
             self.seq_counts[row, :n] += (state.q_count[layer] > 0).sum(dim=0).double()
             self.gu_counts[row, :n] += (state.gu_count[layer] > 0).sum(dim=0).double()
@@ -238,8 +172,7 @@ class SinkReducer(Reducer[SinkResult]):
         counted = (q_count >= self.settings.min_query_count) & batch.valid
         tokens = batch.tokens.to(counted.device)
         position = torch.arange(n, device=counted.device)
-        # Every position is folded, those not counted with weight 0 (amax: the lowest value), so no step
-        # depends on how many were counted and nothing waits for the device.
+        # Every position is folded (those not counted with weight 0), so nothing waits for the device.
         for table, where in ((self.tok_first, counted & (position == 0)), (self.tok_later, counted & (position > 0))):
             ids = torch.where(where, tokens, 0).flatten()
             table[0].index_add_(0, ids, where.flatten().to(table.dtype))
@@ -250,51 +183,42 @@ class SinkReducer(Reducer[SinkResult]):
             where = counted & (position > 0)
             seq_idx = torch.arange(n_batch, device=counted.device)[:, None].expand(n_batch, n) + self.n_seq
             meta = torch.stack([seq_idx, position.expand(n_batch, n), tokens], dim=-1).flatten(0, 1)
-            vals = torch.cat([self.top_vals, torch.where(where, state.recv, -math.inf).flatten()])  # -inf: not counted
-            shares = torch.cat([self.top_share, state.share.flatten()])
-            meta = torch.cat([self.top_meta, meta])
-            keep = _top(vals, self.settings.top_k)
-            self.top_vals, self.top_share, self.top_meta = vals[keep], shares[keep], meta[keep]
+            self._keep_top(torch.where(where, state.recv, -math.inf).flatten(), state.share.flatten(), meta)
         self.n_seq += batch.tokens.shape[0]
 
+    def _keep_top(self, vals: Tensor, shares: Tensor, meta: Tensor) -> None:
+        """Keep the ``top_k`` largest of the held occurrences and these (-inf: not counted)."""
+        vals = torch.cat([self.top_vals, vals.to(self.top_vals.device)])
+        keep = _top(vals, self.settings.top_k)
+        self.top_vals = vals[keep]
+        self.top_share = torch.cat([self.top_share, shares.to(self.top_vals.device)])[keep]
+        self.top_meta = torch.cat([self.top_meta, meta.to(self.top_vals.device)])[keep]
+
     def merge(self, other: SinkReducer) -> None:
-        """Sums and counts add; the per-token maxima (row 3 of the token tables) take the larger; the
-        ``top_k`` occurrences are re-selected from both, ``other``'s sequence indices shifted past this
-        reducer's sequences (``other`` saw the sequences after them)."""
-        dev = self.top_vals.device
+        """Sums and counts add, the per-token maxima (row 3 of the token tables) take the larger and the ``top_k``
+        occurrences are re-selected from both (``other`` saw the later sequences: its indices are shifted)."""
         maxima = [torch.maximum(mine[3], theirs[3].to(mine.device))
                   for mine, theirs in ((self.tok_first, other.tok_first), (self.tok_later, other.tok_later))]
-        meta = other.top_meta.to(dev).clone()
+        meta = other.top_meta.clone()
         meta[:, 0] += self.n_seq
-        vals = torch.cat([self.top_vals, other.top_vals.to(dev)])
-        shares = torch.cat([self.top_share, other.top_share.to(dev)])
-        meta = torch.cat([self.top_meta, meta])
-        keep = _top(vals, self.settings.top_k)
+        self._keep_top(other.top_vals, other.top_share, meta)
         pos_ids = _merge_position_tokens(self.pos_ids, other.pos_ids.to(self.pos_ids.device))
         merge_statistics(self, other, [name for name in self.statistics
                                        if not name.startswith("top_") and name not in ("pos_ids", "special_tokens")])
         self.pos_ids = pos_ids
         self.special_tokens = other.special_tokens or self.special_tokens  # the later batches' record, like prepend_bos
         self.tok_first[3], self.tok_later[3] = maxima
-        self.top_vals, self.top_share, self.top_meta = vals[keep], shares[keep], meta[keep]
 
     def _decode(self, token_id: int) -> str | None:
-        if self.tokenizer is None:
-            return None
-        return self.tokenizer.decode([int(token_id)])
+        return None if self.tokenizer is None else self.tokenizer.decode([int(token_id)])
 
     def _token_stats(self, table: Tensor) -> TokenSinkStats:
         table = table.cpu()
         ids = torch.nonzero(table[0] > 0).flatten()
         count = table[0, ids]
-        return TokenSinkStats(
-            token_ids=ids,
-            tokens=[self._decode(i) for i in ids.tolist()],
-            count=count.float(),
-            mean_received=(table[1, ids] / count).float(),
-            max_received=table[3, ids].float(),
-            mean_head_share=(table[2, ids] / count).float(),
-        )
+        return TokenSinkStats(ids, [self._decode(i) for i in ids.tolist()], count.float(),
+                              mean_received=(table[1, ids] / count).float(), max_received=table[3, ids].float(),
+                              mean_head_share=(table[2, ids] / count).float())
 
     def result(self) -> SinkResult:
         base = self.attention.result()
@@ -305,64 +229,34 @@ class SinkReducer(Reducer[SinkResult]):
         unattended = (self.shortfall / max(self.n_real_queries, 1.0)).float().cpu()
         virtual = unattended if self.sink_logits or bool(unattended.abs().max() > self.row_sum_tolerance) else None
         real = self.top_vals > -math.inf  # the top list holds -inf for positions not counted while it fills
-        occurrences = [
-            SinkOccurrence(seq, pos, tok, self._decode(tok), val, share)
-            for val, share, (seq, pos, tok) in zip(
-                self.top_vals[real].tolist(), self.top_share[real].tolist(), self.top_meta[real].tolist()
-            )
-        ]
+        vals, shares, meta = self.top_vals[real].tolist(), self.top_share[real].tolist(), self.top_meta[real].tolist()
+        occurrences = [SinkOccurrence(seq, pos, tok, self._decode(tok), val, share)
+                       for val, share, (seq, pos, tok) in zip(vals, shares, meta)]
         return SinkResult(
-            received=base.received,
-            n_queries=base.n_queries,
-            seq_sink_frac=frac,
+            received=base.received, n_queries=base.n_queries, seq_sink_frac=frac,
             n_sequences_at=seq_counts.amax(dim=0).float().cpu() if n else seq_counts.sum(dim=0).float().cpu(),
-            layers=base.layers,
-            settings=self.settings,
-            n_sequences=self.n_seq,
-            prepend_bos=self.prepend_bos,
-            first_tokens=self._token_stats(self.tok_first),
-            later_tokens=self._token_stats(self.tok_later),
-            top_occurrences=occurrences,
-            gu_seq_sink_frac=gu_frac,
-            unattended=unattended,
-            virtual_sink=virtual,
-            position_token_ids=self.pos_ids[:n].clamp(min=-1).cpu(),
-            special_tokens=self.special_tokens,
-            attention=self.attention.visibility.to_dict(),
-            n_queries_by_layer=base.n_queries_by_layer,
-            attention_path="+".join(sorted(self.paths)) or "pattern",
-            tokenizer=self.tokenizer,
+            layers=base.layers, settings=self.settings, n_sequences=self.n_seq, prepend_bos=self.prepend_bos,
+            first_tokens=self._token_stats(self.tok_first), later_tokens=self._token_stats(self.tok_later),
+            top_occurrences=occurrences, gu_seq_sink_frac=gu_frac, unattended=unattended, virtual_sink=virtual,
+            position_token_ids=self.pos_ids[:n].clamp(min=-1).cpu(), special_tokens=self.special_tokens,
+            attention=self.attention.visibility.to_dict(), n_queries_by_layer=base.n_queries_by_layer,
+            attention_path="+".join(sorted(self.paths)) or "pattern", tokenizer=self.tokenizer,
         )
 
 
-def find_sinks(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    layers: int | Sequence[int] | None = None,
-    settings: SinkSettings | None = None,
-    options: RunOptions = RunOptions(),
-    **settings_kwargs: Any,
-) -> SinkResult:
-    """Find attention sinks: received attention per layer × head × key, sink rates, sink tokens.
+def find_sinks(model: Any, inputs: Inputs | None = None, *, layers: int | Sequence[int] | None = None,
+               settings: SinkSettings | None = None, options: RunOptions = RunOptions(),
+               **settings_kwargs: Any) -> SinkResult:
+    """Find attention sinks: received attention per layer × head × key, sink rates, sink tokens (:class:`SinkResult`).
 
-    Args:
-        inputs: anything :func:`sinklens.inputs.as_batches` accepts (None: the built-in prompts).
-        layers: which layers (default all; negatives count from the end).
-        settings: the analysis settings (default ``SinkSettings()``).
-        **settings_kwargs: any field of :class:`SinkSettings` as a keyword (``sink_threshold=``,
-            ``min_query=``, ...), replacing that of ``settings``.
-        options: batching, BOS, truncation, extra hooks (e.g. an intervention) and progress bar. Extra hooks on
-            ``hook_attn_scores`` or ``hook_pattern`` act after the queries and keys, so they make ``method="auto"``
-            read the pattern and ``method="qk"`` an error.
+    Any field of :class:`SinkSettings` may be given as a keyword, replacing that of ``settings``; extra hooks on
+    ``hook_attn_scores`` or ``hook_pattern`` make ``method="auto"`` read the pattern and ``method="qk"`` an error.
 
     Examples:
         >>> from sinklens.testing import tiny_model
         >>> result = find_sinks(tiny_model(), "t5 t6 t7 t8 t9", options=RunOptions(progress=False))
-        >>> result.received.shape  # layer, head, key position (BOS + 5 words)
-        torch.Size([2, 4, 6])
-        >>> 0.0 <= result.sink_rate(position=0) <= 1.0
-        True
+        >>> result.received.shape, 0.0 <= result.sink_rate(position=0) <= 1.0  # layer, head, key (BOS + 5 words)
+        (torch.Size([2, 4, 6]), True)
     """
     return run_analyzer(model, inputs, SinkReducer, where="find_sinks", options=options, kwargs=settings_kwargs,
                         settings_cls=SinkSettings, settings=settings, layers=layers)

@@ -1,26 +1,8 @@
 """Value-aggregation variance: why the first token's head output stands out.
 
-A head's output is ``z_t = Σ_{j<=t} A_tj v_j``. With values independent across positions (mean ``μ``,
-per-coordinate variance ``σ_v²``, independent of ``A``), ``E|z_t − μ|² / d_head = σ_v² · E[Σ_j A_tj²]``,
-``σ_v² / (t + 1)`` under uniform attention: the first token keeps the full variance of one value.
-
-``z_var[l, h, t] = mean_c mean_{sequences b valid at t} (z[b, t, h, c] − m[l, h, c])²`` with ``z`` =
-``blocks.{l}.attn.hook_z`` and ``m`` its mean over all valid (sequence, position) pairs, which makes the law
-exact; ``z_var_seq`` centres on the per-position mean instead (both ``1/n``). The same definition gives
-``result_var``, the head's write ``z_h · W_O[l, h]`` where it reaches the stream (through any post-attention
-norm, :mod:`~sinklens.analysis.post_attention`; ``z_h`` read at :func:`~sinklens.hooks.head_output_site`),
-averaged over ``d_model``, and ``attn_out_var``, the attention's whole write
-(:func:`~sinklens.residual_sites.attention_write_hooks`).
-
-``feature_std[l, t]`` is Li et al.'s measure as their code computes it (Siquan-Li/Head-wise-RMSNorm@23793e0,
-``attention_sink.ipynb`` cell 2): the mean over sequences of ``torch.std`` (Bessel) over the features of the
-``o_proj`` input (``hook_z`` flattened head-major) at each token; ``feature_std_head`` (ours) the same over
-one head's ``d_head`` features.
-
-Predictions: ``value_var[l, h] = σ_v²`` from ``hook_v`` over all valid positions (key/value head ``h // r``
-under grouped-query attention), ``pred_pattern = σ_v² · attn_sq`` (``attn_sq``: mean over sequences of
-``Σ_j A_tj²``) and ``pred_uniform = σ_v² / (t + 1)``. Sums are float64 on the model's device; variances are
-``Σx²/n − (Σx/n)²`` clamped at 0.
+A head's output is ``z_t = Σ_{j<=t} A_tj v_j``; with values independent across positions (variance ``σ_v²``),
+``E|z_t − μ|² / d_head = σ_v² · E[Σ_j A_tj²]``, ``σ_v² / (t + 1)`` under uniform attention: the first token
+keeps the full variance of one value (:class:`VarianceResult`).
 """
 
 from __future__ import annotations
@@ -34,15 +16,15 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import layer_head_position_rows, method_for_hooks, position_index, run_analyzer
+from sinklens.analysis._common import layer_head_position_rows, position_index, run_analyzer
 from sinklens.analysis.post_attention import attention_output_grams, post_attention_scale_hooks
 from sinklens.analysis.qk_attention import qk_hooks, qk_plan
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import PATTERN, V, Z, head_output_site, model_device, model_dims, resolve_layers
+from sinklens.hooks import PATTERN, V, Z, expand_kv_heads, head_output_site, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.options import AttentionMethod, RunOptions, checked_options
+from sinklens.options import AttentionMethod, RunOptions
 from sinklens.residual_sites import attention_write_hooks
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow, per_layer_hooks
 from sinklens.validate import choice
@@ -62,40 +44,34 @@ SOURCES = {
 }
 
 
-def _global_centred(
-    s1: Float[Tensor, "*lead pos dim"],
-    s2: Float[Tensor, "*lead pos"],
-    n: Float[Tensor, " pos"],
-    n_coords: int,
-    gram: Float[Tensor, "*lead dim dim"] | None = None,
-) -> Float[Tensor, "*lead pos"]:
-    """``mean_c mean_b (x − m)²`` per position from ``Σ_b x`` (``s1``), ``Σ_b |x|²`` (``s2``), counts.
-
-    ``m`` is the mean of ``x`` over all positions. With ``gram = W Wᵀ`` the sums are of ``x`` but
-    the variance is that of ``x W`` (``s2`` must then already be ``Σ_b |x W|²``).
-    """
+def _global_centred(s1: Float[Tensor, "*lead pos dim"], s2: Float[Tensor, "*lead pos"], n: Float[Tensor, " pos"],
+                    n_coords: int, gram: Float[Tensor, "*lead dim dim"] | None = None) -> Float[Tensor, "*lead pos"]:
+    """``mean_c mean_b (x − m)²`` per position from ``Σ_b x`` (``s1``), ``Σ_b |x|²`` (``s2``) and counts, ``m``
+    the mean of ``x`` over all positions; with ``gram = W Wᵀ``, of ``x W`` (``s2`` then ``Σ_b |x W|²``)."""
     mean = s1.sum(dim=-2) / n.sum()  # [*lead, dim]
-    if gram is not None:
-        proj = torch.einsum("...d,...de->...e", mean, gram)
-        cross, sq = torch.einsum("...e,...pe->...p", proj, s1), (proj * mean).sum(-1)
-    else:
-        cross, sq = torch.einsum("...e,...pe->...p", mean, s1), (mean * mean).sum(-1)
+    proj = mean if gram is None else torch.einsum("...d,...de->...e", mean, gram)
+    cross, sq = torch.einsum("...e,...pe->...p", proj, s1), (proj * mean).sum(-1)
     total = s2 - 2 * cross + n * sq[..., None]
     return (total / (n * n_coords)).clamp(min=0)
 
 
 @dataclass(repr=False, eq=False)
 class VarianceResult(CompactRepr):
-    """Variance of head outputs by position, with its predictions (definitions: module docstring).
+    """Variance of head outputs by position, with its predictions (``Σx²/n − (Σx/n)²`` in float64, clamped at 0).
 
     Attributes:
-        z_var / z_var_seq: ``hook_z`` variance around the overall / the per-position mean.
-        result_var: the head's write in residual units (through any post-attention norm), over ``d_model``;
-            ``result_var_pre_norm``: before that norm; ``z_h`` is read at ``output_site``.
-        attn_out_var: the attention's whole write where it reaches the stream, over ``d_model``.
-        value_var: ``σ_v²`` per (layer, head); attn_sq: mean over sequences of ``Σ_j A_tj²``.
+        z_var: ``mean_c mean_{b valid at t} (z[b, t, h, c] − m[l, h, c])²``, ``z`` = ``hook_z``, ``m`` its mean
+            over all valid (sequence, position) pairs (which makes the law exact); z_var_seq: around the
+            per-position mean instead (both ``1/n``).
+        result_var: the same for the head's write ``z_h W_O[l, h]`` where it reaches the stream (through any
+            post-attention norm, over ``d_model``; ``z_h`` read at ``output_site``); result_var_pre_norm: before
+            that norm; attn_out_var: for the attention's whole write.
+        value_var: ``σ_v²`` per (layer, head) from ``hook_v`` over all valid positions (key/value head ``h // r``);
+            attn_sq: mean over sequences of ``Σ_j A_tj²``.
         counts: sequences valid at each position (positions with none are NaN elsewhere).
-        feature_std / feature_std_head: Li et al.'s per-position feature std, all heads / per head.
+        feature_std: Li et al.'s measure as their code computes it (Siquan-Li/Head-wise-RMSNorm@23793e0,
+            ``attention_sink.ipynb`` cell 2): mean over sequences of ``torch.std`` over the features of the
+            ``o_proj`` input (``hook_z`` flattened head-major) at each token; feature_std_head (ours): per head.
         post_norm_layers: the analysed layers whose heads pass through a post-attention norm.
     """
 
@@ -154,49 +130,30 @@ class VarianceResult(CompactRepr):
 
     def rows(self) -> list[dict[str, Any]]:
         """Long format, one row per (layer, head, position) with every measured and predicted number."""
-        lhp = "layer head pos"
-        return layer_head_position_rows(self.layers, *self.z_var.shape[1:], {
-            "count": ("pos", self.counts),
-            "value_var": ("layer head", self.value_var),
-            "attn_out_var": ("layer pos", self.attn_out_var),
-            "feature_std": ("layer pos", self.feature_std),
-            "z_var": (lhp, self.z_var),
-            "z_var_seq": (lhp, self.z_var_seq),
-            "result_var": (lhp, self.result_var),
-            "pred_pattern": (lhp, self.pred_pattern),
-            "pred_uniform": (lhp, self.pred_uniform),
-            "attn_sq": (lhp, self.attn_sq),
-            "result_var_pre_norm": (lhp, self.result_var_pre_norm),
-            "feature_std_head": (lhp, self.feature_std_head),
-        })
+        columns = {"count": ("pos", self.counts), "value_var": ("layer head", self.value_var),
+                   "attn_out_var": ("layer pos", self.attn_out_var), "feature_std": ("layer pos", self.feature_std)}
+        columns |= {name: ("layer head pos", getattr(self, name)) for name in (
+            "z_var", "z_var_seq", "result_var", "pred_pattern", "pred_uniform", "attn_sq", "result_var_pre_norm",
+            "feature_std_head")}
+        return layer_head_position_rows(self.layers, *self.z_var.shape[1:], columns)
 
     def summary_rows(self, position: int = 0) -> list[dict[str, Any]]:
         """One row per (layer, head): every discrepancy ratio at ``position``, the preservation ratio,
         ``value_var``, and ``sources`` naming where each definition comes from."""
-        z, res = self.discrepancy(position, of="z"), self.discrepancy(position, of="result")
-        out = self.discrepancy(position, of="attn_out")
-        std_head, std_all = self.discrepancy(position, of="feature_std_head"), self.discrepancy(position, of="feature_std")
+        ratio = partial(self.discrepancy, position)
+        z, res, out = ratio(of="z"), ratio(of="result"), ratio(of="attn_out")
+        std_head, std_all = ratio(of="feature_std_head"), ratio(of="feature_std")
         pred, unif = self.ratio_of(self.pred_pattern, position), self.ratio_of(self.pred_uniform, position)
         sources = {"discrepancy_z": SOURCES["z_var"], "discrepancy_result": SOURCES["result_var"],
                    "feature_std_ratio": SOURCES["feature_std"], "feature_std_ratio_head": SOURCES["feature_std_head"]}
         return [
-            {
-                "layer": layer,
-                "head": h,
-                "position": position,
-                "discrepancy_z": float(z[i, h]),
-                "discrepancy_pred_pattern": float(pred[i, h]),
-                "discrepancy_pred_uniform": float(unif[i, h]),
-                "discrepancy_result": float(res[i, h]),
-                "preservation": float(res[i, h] / z[i, h]),
-                "discrepancy_attn_out": float(out[i]),
-                "value_var": float(self.value_var[i, h]),
-                "feature_std_ratio_head": float(std_head[i, h]),
-                "feature_std_ratio": float(std_all[i]),
-                "sources": sources,
-            }
-            for i, layer in enumerate(self.layers)
-            for h in range(self.z_var.shape[1])
+            {"layer": layer, "head": h, "position": position, "discrepancy_z": float(z[i, h]),
+             "discrepancy_pred_pattern": float(pred[i, h]), "discrepancy_pred_uniform": float(unif[i, h]),
+             "discrepancy_result": float(res[i, h]), "preservation": float(res[i, h] / z[i, h]),
+             "discrepancy_attn_out": float(out[i]), "value_var": float(self.value_var[i, h]),
+             "feature_std_ratio_head": float(std_head[i, h]), "feature_std_ratio": float(std_all[i]),
+             "sources": sources}
+            for i, layer in enumerate(self.layers) for h in range(self.z_var.shape[1])
         ]
 
     def ratio_of(self, var: Float[Tensor, "*lead pos"], position: int = 0) -> Float[Tensor, "*lead"]:
@@ -211,58 +168,41 @@ class VarianceResult(CompactRepr):
 
     def to_dict(self, position: int = 0) -> dict[str, Any]:
         """JSON-ready: settings, per-(layer, head) discrepancies at ``position``, head-mean curves."""
-        z = self.discrepancy(position, of="z")
+        ratio = partial(self.discrepancy, position)
+        z = ratio(of="z")
         return to_json({
             "sources": {k: SOURCES[k] for k in ("z_var", "z_var_seq", "result_var")},
-            "post_norm_layers": list(self.post_norm_layers),
-            "output_site": self.output_site,
-            "discrepancy_result_pre_norm": self.discrepancy(position, of="result_pre_norm").tolist(),
+            "post_norm_layers": list(self.post_norm_layers), "output_site": self.output_site,
+            "discrepancy_result_pre_norm": ratio(of="result_pre_norm"),
             "li_feature_std": {
-                "source": SOURCES["feature_std"],
-                "source_head": SOURCES["feature_std_head"],
-                "feature_std": self.feature_std.tolist(),
-                "feature_std_head_mean": self.feature_std_head.mean(dim=1).tolist(),
-                "ratio": self.discrepancy(position, of="feature_std").tolist(),
-                "ratio_head": self.discrepancy(position, of="feature_std_head").tolist(),
+                "source": SOURCES["feature_std"], "source_head": SOURCES["feature_std_head"],
+                "feature_std": self.feature_std, "feature_std_head_mean": self.feature_std_head.mean(dim=1),
+                "ratio": ratio(of="feature_std"), "ratio_head": ratio(of="feature_std_head"),
             },
-            "layers": list(self.layers),
-            "n_sequences": self.n_sequences,
-            "prepend_bos": self.prepend_bos,
-            "position": position,
-            "counts": self.counts.tolist(),
-            "value_var": self.value_var.tolist(),
-            "discrepancy_z": z.tolist(),
-            "discrepancy_result": self.discrepancy(position, of="result").tolist(),
-            "discrepancy_attn_out": self.discrepancy(position, of="attn_out").tolist(),
-            "discrepancy_pred_pattern": self.ratio_of(self.pred_pattern, position).tolist(),
-            "discrepancy_pred_uniform": self.ratio_of(self.pred_uniform, position).tolist(),
+            "layers": list(self.layers), "n_sequences": self.n_sequences, "prepend_bos": self.prepend_bos,
+            "position": position, "counts": self.counts, "value_var": self.value_var, "discrepancy_z": z,
+            "discrepancy_result": ratio(of="result"), "discrepancy_attn_out": ratio(of="attn_out"),
+            "discrepancy_pred_pattern": self.ratio_of(self.pred_pattern, position),
+            "discrepancy_pred_uniform": self.ratio_of(self.pred_uniform, position),
             "share_layers_discrepancy_gt_1": float((z.mean(dim=1) > 1).float().mean()),
-            "z_var_head_mean": self.z_var.mean(dim=1).tolist(),
-            "pred_pattern_head_mean": self.pred_pattern.mean(dim=1).tolist(),
-            "pred_uniform_head_mean": self.pred_uniform.mean(dim=1).tolist(),
-            "attn_out_var": self.attn_out_var.tolist(),
+            "z_var_head_mean": self.z_var.mean(dim=1), "pred_pattern_head_mean": self.pred_pattern.mean(dim=1),
+            "pred_uniform_head_mean": self.pred_uniform.mean(dim=1), "attn_out_var": self.attn_out_var,
         }, digits=None)
 
 
 class VarianceReducer(Reducer[VarianceResult]):
-    """Streams ``hook_v``, ``hook_pattern``, ``hook_z`` (and the head output site), the attention write and
-    the post-attention norm's ``hook_scale`` into a :class:`VarianceResult`, keeping float64 sums per layer.
-
-    ``Σ z W_O`` is ``(Σ z) W_O``, applied at :meth:`result`; ``Σ |z W_O|²`` is ``z G zᵀ`` with the Gram matrix
-    ``G`` (:func:`~sinklens.analysis.post_attention.attention_output_grams`). On a post-norm layer ``z`` waits
-    until the norm's ``hook_scale`` ``s`` fires, then ``Σ z/s`` and ``Σ |(z/s) M|²`` are kept as well. ``Σ_j A_tj²``
-    comes from ``hook_pattern`` or, by ``method`` as in :class:`~sinklens.analysis.sink_result.SinkSettings`, from
-    the queries and keys (:mod:`sinklens.analysis.qk_attention`).
+    """Streams ``hook_v``, the attention, ``hook_z`` (and the head output site), the attention write and any
+    post-attention norm's ``hook_scale`` into float64 sums per layer. ``Σ |z W_O|²`` is ``z G zᵀ`` with
+    ``G = W_O W_Oᵀ``; on a post-norm layer ``z`` waits for ``hook_scale`` ``s``, then ``Σ z/s`` and
+    ``Σ |(z/s) M|²`` are kept; ``Σ_j A_tj²`` comes from ``hook_pattern`` or the queries and keys (``method``).
     """
 
     statistics = ("z_s1", "z_s2", "out_s1", "r_s2", "zs_s1", "rs_s2", "fs_head", "fs_all", "a_sq", "o_s1", "o_s2", "n",
                   "v_s1", "v_s2", "v_n", "n_seq", "prepend_bos")
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None, method: AttentionMethod = "auto"):
-        dims = model_dims(model)
-        self.model = model
-        self.dims = dims
-        self.layers = resolve_layers(layers, dims.n_layers)
+        self.model, self.dims = model, model_dims(model)
+        self.layers = resolve_layers(layers, self.dims.n_layers)
         self.plan = qk_plan(model, self.layers, method)
         self.visibility = attention_visibility(model)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
@@ -272,8 +212,7 @@ class VarianceReducer(Reducer[VarianceResult]):
         self.output_site = head_output_site(model)
         # Gram matrices of W_O and of the residual-unit output map M = C(W_O) diag(g) (W_O without a post-norm).
         self.gram, self.gram_res = (g.to(self.device) for g in attention_output_grams(model, self.layers))
-        self.gram32 = self.gram.float()
-        self.gram_res32 = self.gram_res.float()
+        self.gram32, self.gram_res32 = self.gram.float(), self.gram_res.float()
         self.reset()
 
     def reset(self) -> None:
@@ -286,7 +225,7 @@ class VarianceReducer(Reducer[VarianceResult]):
         # [layer, pos, d_model] / [layer, pos]: Σ attn_out, Σ |attn_out|², Σ_b std over the whole o_proj input
         self.o_s1, self.o_s2, self.fs_all = zeros(n_l, 0, d.d_model), zeros(n_l, 0), zeros(n_l, 0)
         self.n = zeros(0)
-        self.v_s1, self.v_s2 = zeros(n_l, d.n_kv_heads, d.d_head), zeros(n_l, d.n_kv_heads)
+        self.v_s1, self.v_s2 = zeros(n_l, d.n_heads, d.d_head), zeros(n_l, d.n_heads)
         self.v_n, self.n_seq, self.prepend_bos = 0.0, 0, True
 
     def _reserve(self, n: int) -> None:
@@ -303,15 +242,10 @@ class VarianceReducer(Reducer[VarianceResult]):
         waiting: dict[int, Tensor] = {}  # post-norm layers: hook_z until the post-attention norm's hook_scale fires
 
         def fold_v(v: Tensor, layer: int) -> None:  # [batch, pos, kv_head, d_head]
-            row, v = self.row[layer], v.float()
-            if v.shape[2] != self.v_s1.shape[1]:  # a model whose hook_v already repeats key/value heads
-                self.v_s1 = torch.zeros(*self.v_s1.shape[:1], v.shape[2], v.shape[3], device=self.device, dtype=torch.float64)
-                self.v_s2 = torch.zeros(*self.v_s2.shape[:1], v.shape[2], device=self.device, dtype=torch.float64)
+            row = self.row[layer]
+            v = expand_kv_heads(v.float()[..., None], self.dims.n_heads)[..., 0]  # HF repeat_kv order
             self.v_s1[row] += (v * w32[..., None, None]).sum(dim=(0, 1)).double()
             self.v_s2[row] += (v.square().sum(-1) * w32[..., None]).sum(dim=(0, 1)).double()
-
-        def fold_pattern(pattern: Tensor, layer: int) -> None:  # [batch, head, query, key]
-            fold_squares(pattern.float().square().sum(dim=-1), layer)
 
         def fold_squares(sq: Tensor, layer: int) -> None:  # Σ_k A_qk², [batch, head, query]
             self.a_sq[self.row[layer], :, : sq.shape[2]] += (sq * w32[:, None]).sum(0).double()
@@ -355,12 +289,12 @@ class VarianceReducer(Reducer[VarianceResult]):
             self.rs_s2[row, :, :n] += ((zg * z).sum(-1) * (u * u)[..., None]).sum(0).T.double()
 
         def fold_attn_out(out: Tensor, layer: int) -> None:  # [batch, pos, d_model]
-            row, out = self.row[layer], out.float()
-            n = out.shape[1]
+            row, out, n = self.row[layer], out.float(), out.shape[1]
             self.o_s1[row, :n] += (out * w32[..., None]).sum(0).double()
             self.o_s2[row, :n] += (out.square().sum(-1) * w32).sum(0).double()
 
         qk = self.plan.reads_qk(batch.tokens.shape[1])
+        fold_pattern = lambda pattern, layer: fold_squares(pattern.float().square().sum(dim=-1), layer)  # noqa: E731
         sites = [(V, fold_v), (Z, fold_z)] + ([] if qk else [(PATTERN, fold_pattern)])
         sites += [(self.output_site, fold_out)] if separate else []
         hooks = [hook for site, fold in sites for hook in per_layer_hooks(site, self.layers, fold)]
@@ -381,8 +315,7 @@ class VarianceReducer(Reducer[VarianceResult]):
     def result(self) -> VarianceResult:
         if self.v_n == 0:
             raise InvalidArgumentError("No valid tokens were streamed; nothing to measure.")
-        valid = torch.nonzero(self.n > 0)
-        p = int(valid.max()) + 1
+        p = int(torch.nonzero(self.n > 0).max()) + 1
         n = self.n[:p]
         d_head, d_model = self.dims.d_head, self.dims.d_model
         z_s1, z_s2 = self.z_s1[:, :, :p], self.z_s2[:, :, :p]
@@ -397,56 +330,28 @@ class VarianceReducer(Reducer[VarianceResult]):
                                               gram=self.gram_res[row])
         out_var = _global_centred(self.o_s1[:, :p], self.o_s2[:, :p], n, d_model)
         v_mean = self.v_s1 / self.v_n
-        value_var = ((self.v_s2 / self.v_n - v_mean.square().sum(-1)) / d_head).clamp(min=0)  # [layer, kv_head]
-        n_heads = self.dims.n_heads
-        if value_var.shape[1] != n_heads:  # kv head j serves query heads j*r .. (j+1)*r - 1 (HF repeat_kv)
-            value_var = value_var.repeat_interleave(n_heads // value_var.shape[1], dim=1)
-        attn_sq = self.a_sq[:, :, :p] / n
-
-        def out(t: Tensor) -> Tensor:
-            return t.float().cpu()
-
-        return VarianceResult(
-            z_var=out(z_var),
-            z_var_seq=out(z_var_seq),
-            result_var=out(result_var),
-            attn_out_var=out(out_var),
-            value_var=out(value_var),
-            attn_sq=out(attn_sq),
-            counts=out(n),
-            layers=list(self.layers),
-            n_sequences=self.n_seq,
-            prepend_bos=self.prepend_bos,
-            result_var_pre_norm=out(result_pre),
-            feature_std=out(self.fs_all[:, :p] / n),
-            feature_std_head=out(self.fs_head[:, :, :p] / n),
-            post_norm_layers=list(self.post_norm),
-            output_site=self.output_site,
-        )
+        value_var = ((self.v_s2 / self.v_n - v_mean.square().sum(-1)) / d_head).clamp(min=0)
+        tensors = dict(z_var=z_var, z_var_seq=z_var_seq, result_var=result_var, attn_out_var=out_var,
+                       value_var=value_var, attn_sq=self.a_sq[:, :, :p] / n, counts=n, result_var_pre_norm=result_pre,
+                       feature_std=self.fs_all[:, :p] / n, feature_std_head=self.fs_head[:, :, :p] / n)
+        return VarianceResult(**{name: t.float().cpu() for name, t in tensors.items()}, layers=list(self.layers),
+                              n_sequences=self.n_seq, prepend_bos=self.prepend_bos,
+                              post_norm_layers=list(self.post_norm), output_site=self.output_site)
 
 
-def measure_variance(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    layers: int | Sequence[int] | None = None,
-    method: AttentionMethod = "auto",
-    options: RunOptions = RunOptions(),
-) -> VarianceResult:
-    """Measure value-aggregation variance per layer × head × position, with its predictions.
-
-    The variances are across sequences, so stream many (e.g. :func:`~sinklens.inputs.random_token_batches`).
-    ``method``: where ``Σ_k A²`` (``attn_sq``) is read, as :class:`~sinklens.analysis.sink_result.SinkSettings`' ``method``.
+def measure_variance(model: Any, inputs: Inputs | None = None, *, layers: int | Sequence[int] | None = None,
+                     method: AttentionMethod = "auto", options: RunOptions = RunOptions()) -> VarianceResult:
+    """Measure value-aggregation variance per layer × head × position across sequences, so stream many
+    (:class:`VarianceResult`); ``method``: where ``attn_sq`` is read, as ``SinkSettings.method``.
 
     Examples:
         >>> from sinklens.testing import tiny_model
         >>> from sinklens.inputs import random_token_batches
         >>> model = tiny_model()
-        >>> batches = random_token_batches(model, n_sequences=8, seq_len=6)
-        >>> result = measure_variance(model, batches, options=RunOptions(progress=False))
+        >>> result = measure_variance(model, random_token_batches(model, n_sequences=8, seq_len=6),
+        ...                           options=RunOptions(progress=False))
         >>> result.z_var.shape, result.discrepancy(0).shape
         (torch.Size([2, 4, 6]), torch.Size([2, 4]))
     """
-    method = method_for_hooks(method, checked_options(options, "measure_variance").extra_hooks)
     return run_analyzer(model, inputs, VarianceReducer, where="measure_variance", options=options,
                         layers=layers, method=method)
