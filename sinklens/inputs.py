@@ -75,12 +75,6 @@ def right_align(batch: TokenBatch) -> TokenBatch:
     """The batch with every sequence moved to start at position 0 (the same object if already so).
 
     Each row's real tokens must be one contiguous run; a ``valid`` mask with a hole is refused.
-
-    Examples:
-        >>> b = TokenBatch(torch.tensor([[0, 0, 7, 8], [5, 6, 7, 8]]),
-        ...                torch.tensor([[False, False, True, True], [True, True, True, True]]), False)
-        >>> right_align(b).tokens.tolist(), right_align(b).valid.sum(dim=1).tolist()
-        ([[7, 8, 0, 0], [5, 6, 7, 8]], [2, 4])
     """
     host_lengths, aligned = batch._facts()
     if aligned:
