@@ -191,11 +191,10 @@ def tokenize_prompts(
     batch_size = positive_int(batch_size, what="batch_size")
     prepend_bos = resolved_bos(model, prepend_bos)
     max_length = optional_positive_int(max_length, what="max_length")
-    if getattr(model, "tokenizer", None) is None:
-        raise InvalidArgumentError(
-            "This model has no tokenizer; pass token ids (an int tensor [batch, pos]) instead of strings."
-        )
-    tok = model.tokenizer
+    tok = getattr(model, "tokenizer", None)
+    if tok is None:
+        raise InvalidArgumentError("This model has no tokenizer; pass token ids (an int tensor [batch, pos]) "
+                                   "instead of strings.")
     encoder = is_encoder(model)
     bos = bos_token_id(model) if prepend_bos and not encoder else None
     n_ctx = model_dims(model).n_ctx

@@ -90,16 +90,13 @@ def hook_pairs(hooks: Any, *, what: str) -> tuple[tuple[str, HookFn], ...]:
                                    "for a dict of hook name -> fn.")
     if isinstance(hooks, (str, bytes)) or not isinstance(hooks, Sequence):
         raise InvalidArgumentError(f"{what} must be a list of (hook_name, fn) pairs, got {type(hooks).__name__}.")
-    pairs = []
     for i, pair in enumerate(hooks):
         if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
             raise InvalidArgumentError(f"{what}[{i}] must be a (hook_name, fn) pair, got {pair!r}.")
-        name, fn = pair
-        if not isinstance(name, str) or not callable(fn):
+        if not isinstance(pair[0], str) or not callable(pair[1]):
             raise InvalidArgumentError(f"{what}[{i}] must be a (hook_name, fn) pair with a string name and a callable fn, "
-                                       f"got ({name!r}, {fn!r}).")
-        pairs.append((name, fn))
-    return tuple(pairs)
+                                       f"got ({pair[0]!r}, {pair[1]!r}).")
+    return tuple((name, fn) for name, fn in hooks)
 
 
 def settings_from(
