@@ -1,5 +1,5 @@
-"""Hook names, ``cfg`` and weight properties: all sinklens reads of a model, the same on a TransformerBridge,
-a HookedTransformer and sinklens' own models."""
+"""Hook names, ``cfg`` and weight properties: all sinklens reads of a model, the same on a
+TransformerBridge, a HookedTransformer and sinklens' own models."""
 
 from __future__ import annotations
 
@@ -41,15 +41,15 @@ def hook_name(layer: int, site: str) -> str:
 
 
 def head_output_site(model: Any) -> str:
-    """The attention hook site whose per-head outputs enter ``W_O``: ``attn.hook_z``, or the site a SinkLM
-    variant that transforms the aggregation declares as ``head_output_site``."""
+    """The attention hook site whose per-head outputs enter ``W_O``: ``attn.hook_z``, or the site a
+    SinkLM variant that transforms the aggregation declares as ``head_output_site``."""
     site = getattr(model, "head_output_site", None)
     return site if isinstance(site, str) else Z
 
 
 def head_output_gain(model: Any, layer: int) -> Tensor | None:
-    """``γ[head, d_head]`` when the head outputs are ``c[b, t, h] · (γ[h] ⊙ hook_z[b, t, h])``: ones at
-    ``attn.hook_z``, a SinkLM variant's declared gain, or None for another transform."""
+    """``γ[head, d_head]`` when the head outputs are ``c[b, t, h] · (γ[h] ⊙ hook_z[b, t, h])``: ones
+    at ``attn.hook_z``, a SinkLM variant's declared gain, or None for another transform."""
     if head_output_site(model) == Z:
         dims = model_dims(model)
         return torch.ones(dims.n_heads, dims.d_head, dtype=torch.float32)
@@ -67,8 +67,8 @@ def layer_of(name: str) -> int:
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The sizes sinklens needs, from ``cfg``: ``d_mlp`` is 0 without MLPs (``cfg.attn_only``), ``d_vocab_out``
-    the number of logits."""
+    """The sizes sinklens needs, from ``cfg``: ``d_mlp`` is 0 without MLPs (``cfg.attn_only``),
+    ``d_vocab_out`` the number of logits."""
 
     n_layers: int
     n_heads: int
@@ -109,7 +109,7 @@ def model_device(model: Any) -> torch.device:
 
 
 def check_model_device(model: Any, device: torch.device | None) -> None:
-    """Refuse a model that does not run on ``device`` (None: no check); ``cuda`` matches any ``cuda:N``."""
+    """Refuse a model not on ``device`` (None: no check); ``cuda`` matches any ``cuda:N``."""
     if device is None:
         return
     actual = model_device(model)
@@ -142,7 +142,7 @@ def check_hook_names(model: Any, names: Iterable[str]) -> None:
 
 
 def resolve_layers(layers: int | Sequence[int] | None, n_layers: int) -> list[int]:
-    """A ``layers=`` argument as a list (None = all, an int, or a sequence; negatives count from the end).
+    """A ``layers=`` argument as a list (None = all, an int, or a sequence; negatives from the end).
 
     Examples:
         >>> resolve_layers(None, 3), resolve_layers(-1, 3), resolve_layers([0, 2], 3)
@@ -152,7 +152,7 @@ def resolve_layers(layers: int | Sequence[int] | None, n_layers: int) -> list[in
 
 
 def expand_kv_heads(weight: Float[Tensor, "... kv_head a b"], n_heads: int) -> Float[Tensor, "... head a b"]:
-    """Repeat grouped-query key/value weights (a bridge's ``n_key_value_heads`` slices) to one per query head."""
+    """Repeat grouped-query key/value weights to one slice per query head."""
     n_kv = weight.shape[-3]
     if n_kv == n_heads:
         return weight
@@ -166,7 +166,7 @@ _WEIGHT_CACHES: dict[int, dict[str, Tensor]] = {}
 
 @contextmanager
 def cached_weights(model: Any) -> Iterator[None]:
-    """Within the block, :func:`weight` stacks each of ``model``'s weights once; dropped when it ends."""
+    """Within the block, :func:`weight` stacks each of ``model``'s weights only once."""
     key = id(model)
     outer = key in _WEIGHT_CACHES
     _WEIGHT_CACHES.setdefault(key, {})
@@ -189,8 +189,8 @@ def with_cached_weights(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def weight(model: Any, name: str) -> Tensor:
-    """A stacked weight property (``W_Q``, ``W_O``, ``W_in``, ``W_U``, ...), detached; key/value weights
-    expanded per query head. ``AttributeError`` if the model has none."""
+    """A stacked weight property (``W_Q``, ``W_O``, ``W_in``, ``W_U``, ...), detached; key/value
+    weights expanded per query head. ``AttributeError`` if the model has none."""
     cache = _WEIGHT_CACHES.get(id(model))
     if cache is not None and name in cache:
         return cache[name]
@@ -216,8 +216,8 @@ def _checksum_vector(length: int, salt: int, device: torch.device, dtype: torch.
 
 
 def _weight_checksum(param: Tensor) -> Tensor:
-    """``sᵀ X r`` over the tensor viewed as ``X = [rows, last dim]``, with fixed weights ``r``, ``s``: reads every
-    entry once; any edit above rounding moves it, a permutation included."""
+    """``sᵀ X r`` over the tensor viewed as ``X = [rows, last dim]``, with fixed weights ``r``,
+    ``s``: reads every entry once; any edit above rounding moves it, a permutation included."""
     x = param.detach()
     x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
     if x.numel() == 0:
@@ -229,8 +229,8 @@ def _weight_checksum(param: Tensor) -> Tensor:
 
 
 def weight_fingerprint(model: Any) -> tuple:
-    """A key that changes when the model's weights change: per parameter its address, version counter,
-    shape and :func:`_weight_checksum` (which catches writes through ``.data``); one transfer per device."""
+    """A key that changes when the model's weights change: per parameter its address, version
+    counter, shape and :func:`_weight_checksum` (which catches writes through ``.data``)."""
     keys, sums = [], []
     with torch.no_grad():
         for param in model.parameters():
@@ -252,8 +252,8 @@ _BLOCK_WEIGHTS = {"W_in": "mlp", "W_gate": "mlp", "W_out": "mlp", "W_Q": "attn",
 
 
 def layer_weight(model: Any, name: str, layer: int) -> Tensor:
-    """``weight(model, name)[layer]`` without stacking: ``model.blocks[layer].{mlp|attn}.{name}`` when it has
-    the stacked slice's shape, else the stacked property sliced."""
+    """``weight(model, name)[layer]`` without stacking: ``model.blocks[layer].{mlp|attn}.{name}``
+    when it has the stacked slice's shape, else the stacked property sliced."""
     cache = _WEIGHT_CACHES.get(id(model))
     if cache is not None and name in cache:
         return cache[name][layer]
@@ -276,8 +276,8 @@ def layer_weight(model: Any, name: str, layer: int) -> Tensor:
 
 
 def weight_cached(model: Any, key: Hashable, compute: Callable[[], Any]) -> Any:
-    """``compute()``, kept per model under ``key`` until its :func:`weight_fingerprint` changes (taken on
-    every call, or once per :func:`cached_weights` block)."""
+    """``compute()``, kept per model under ``key`` until its :func:`weight_fingerprint` changes
+    (taken on every call, or once per :func:`cached_weights` block)."""
     stack = _WEIGHT_CACHES.get(id(model), {})
     if "__fingerprint__" not in stack:
         stack["__fingerprint__"] = weight_fingerprint(model)
@@ -306,8 +306,8 @@ _RUNNING = threading.local()
 
 @contextmanager
 def exclusive_use(model: Any) -> Iterator[None]:
-    """Hold ``model`` while sinklens hooks and runs it, so two passes never fire each other's hooks: another
-    thread waits; a pass started from inside a hook of one :func:`running` in this thread is refused."""
+    """Hold ``model`` while sinklens hooks and runs it, so two passes never fire each other's hooks:
+    another thread waits; a pass started from a hook of one :func:`running` here is refused."""
     if id(model) in getattr(_RUNNING, "models", ()):
         raise InvalidArgumentError(
             f"A sinklens pass on this {type(model).__name__} was started from inside a hook of another pass on it: "
@@ -335,8 +335,8 @@ def running(model: Any) -> Iterator[None]:
 
 @contextmanager
 def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
-    """Run ``module`` without the forward hooks already on it and its submodules (the user's and sinklens'
-    trampolines); the hook tables are restored when the block ends."""
+    """Run ``module`` without the forward hooks already on it and its submodules (the user's and
+    sinklens' trampolines); the hook tables are restored when the block ends."""
     saved = [(table, dict(table)) for m in module.modules() for table in (m._forward_hooks, m._forward_pre_hooks) if table]
     try:
         for table, _ in saved:
@@ -350,10 +350,11 @@ def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
 
 @contextmanager
 def eval_mode(model: Any) -> Iterator[None]:
-    """Run ``model`` in eval mode inside the block, then give every submodule (a bridge's ``original_model``
-    included) back the mode it had."""
-    roots = (model, getattr(model, "original_model", None)) if isinstance(model, torch.nn.Module) else ()
-    modules = {id(m): m for root in roots if isinstance(root, torch.nn.Module) for m in root.modules()}
+    """Run ``model`` in eval mode inside the block, then give every submodule (a bridge's
+    ``original_model`` included) back the mode it had."""
+    is_module = isinstance(model, torch.nn.Module)
+    roots = (model, getattr(model, "original_model", None)) if is_module else ()
+    modules = {id(m): m for r in roots if isinstance(r, torch.nn.Module) for m in r.modules()}
     training = [m for m in modules.values() if m.training]
     if not training:  # already in eval mode (or no module): nothing to switch or restore
         yield

@@ -1,9 +1,10 @@
-"""Inputs for the analyzers: text, prompt sets and random tokens, as right-padded :class:`TokenBatch` es.
+"""Inputs for the analyzers: text, prompt sets and random tokens, as right-padded
+:class:`TokenBatch` es.
 
-Right padding keeps every sequence's first token (where the sink lives) at position 0; pads change no real
-token's activations. ``prepend_bos`` says what position 0 is: the tokenizer's BOS on a decoder, its
-``[CLS] … [SEP]`` on an encoder, no special token when False; None does what the model's own tokenizer does.
-"""
+Right padding keeps every sequence's first token (where the sink lives) at position 0; pads change
+no real token's activations. ``prepend_bos`` says what position 0 is: the tokenizer's BOS on a
+decoder, its ``[CLS] … [SEP]`` on an encoder, no special token when False; None does what the
+model's own tokenizer does."""
 
 from __future__ import annotations
 
@@ -32,10 +33,9 @@ from sinklens.visibility import attention_direction
 
 @dataclass(repr=False, eq=False)
 class TokenBatch(CompactRepr):
-    """A right-padded batch of token ids; ``valid`` is True at real tokens. ``prepend_bos``: whether special
-    tokens were put before each text; ``special_tokens``: which, as the tokenizer spells them (e.g.
-    ``("[CLS]", "[SEP]")``; empty when none or unknown, as for token tensors given directly).
-    """
+    """A right-padded batch of token ids; ``valid`` is True at real tokens. ``prepend_bos``: whether
+    special tokens were put before each text; ``special_tokens``: which, as the tokenizer spells
+    them (e.g. ``("[CLS]", "[SEP]")``; empty when none or unknown)."""
 
     tokens: Int[Tensor, "batch pos"]
     valid: Bool[Tensor, "batch pos"]
@@ -49,7 +49,7 @@ class TokenBatch(CompactRepr):
         return self.valid.sum(dim=1)
 
     def host_lengths(self) -> tuple[int, ...]:
-        """Each row's number of real tokens as Python ints, read from ``valid`` once (one transfer)."""
+        """Each row's number of real tokens as Python ints, read from ``valid`` once."""
         return self._facts()[0]
 
     def _facts(self) -> tuple[tuple[int, ...], bool]:
@@ -72,10 +72,8 @@ class TokenBatch(CompactRepr):
 
 
 def right_align(batch: TokenBatch) -> TokenBatch:
-    """The batch with every sequence moved to start at position 0 (the same object if already so).
-
-    Each row's real tokens must be one contiguous run; a ``valid`` mask with a hole is refused.
-    """
+    """The batch with every sequence moved to start at position 0 (the same object if already so);
+    each row's real tokens must be one contiguous run."""
     host_lengths, aligned = batch._facts()
     if aligned:
         return batch
@@ -89,13 +87,13 @@ def right_align(batch: TokenBatch) -> TokenBatch:
             "padding is supported."
         )
     prefix = pos < lengths
-    tokens = batch.tokens.gather(1, torch.where(prefix, pos + start, 0))  # pads repeat the first column
+    tokens = batch.tokens.gather(1, torch.where(prefix, pos + start, 0))  # pads repeat column 0
     aligned_batch = TokenBatch(tokens, prefix, batch.prepend_bos, batch.special_tokens)
     aligned_batch._host_facts = (host_lengths, True)
     return aligned_batch
 
 
-#: What the analyzers take: a string, an iterable of strings, a token tensor ``[batch, pos]``, TokenBatches.
+#: What the analyzers take: strings, a token tensor ``[batch, pos]``, or TokenBatches.
 Inputs = Union[str, Iterable[str], Tensor, TokenBatch, Iterable[TokenBatch]]
 
 
@@ -106,8 +104,8 @@ def _pad_right(rows: list[Tensor], pad_id: int, prepend_bos: bool, special_token
 
 
 def bos_token_id(model: Any) -> int:
-    """The id put at position 0 when ``prepend_bos``: the tokenizer's BOS if it is a real special token,
-    else its CLS; refused when it has neither (an ``[UNK]`` stand-in does not count)."""
+    """The id put at position 0 when ``prepend_bos``: the tokenizer's BOS if it is a real special
+    token, else its CLS; refused when it has neither (an ``[UNK]`` stand-in does not count)."""
     tok = getattr(model, "tokenizer", None)
     if tok is None:
         raise InvalidArgumentError("prepend_bos=True but the model has no tokenizer to name a BOS token; "
@@ -128,8 +126,8 @@ def bos_token_id(model: Any) -> int:
 
 def tokenizer_adds_bos(model: Any) -> bool | None:
     """Whether the model's own tokenizer puts a special token before a text: reloaded from its
-    ``name_or_path`` (TransformerLens rebuilds the attached one) and run on ``"a"``; a ``sinklens train``
-    run answers from its data config. None when unreadable."""
+    ``name_or_path`` (TransformerLens rebuilds the attached one) and run on ``"a"``; a ``sinklens
+    train`` run answers from its data config. None when unreadable."""
     data = getattr(getattr(model, "train_config", None), "data", None)
     if data is not None:  # a sinklens run: its rows began as its data config says
         return data.source != "memmap" and bool(data.bos)
@@ -157,7 +155,7 @@ def resolved_bos(model: Any, prepend_bos: Any) -> bool:
 
 
 def describe_bos(model: Any, batch: TokenBatch) -> str:
-    """What position 0 got and what the model's own tokenizer does, e.g. ``"<s> added (… adds none)"``."""
+    """What position 0 got and what the model's own tokenizer does, for reports."""
     own = {True: "adds one", False: "adds none", None: "could not be read"}[tokenizer_adds_bos(model)]
     done = "none" if not batch.prepend_bos else f"{' … '.join(batch.special_tokens)} added" if batch.special_tokens \
         else "the first token counts as BOS"
@@ -165,7 +163,7 @@ def describe_bos(model: Any, batch: TokenBatch) -> str:
 
 
 def _check_length(length: int, n_ctx: int, *, random_tokens: bool = False) -> None:
-    """Refuse a sequence longer than the context, naming the argument and CLI flag that shorten it."""
+    """Refuse a sequence longer than the context, naming the argument that shortens it."""
     if length > n_ctx:
         fix = (f"pass seq_len={n_ctx} or shorter (CLI: --seq-len {n_ctx})" if random_tokens else
                f"pass max_length={n_ctx} or shorter to truncate (CLI: --max-length {n_ctx}), or shorter prompts")
@@ -182,19 +180,17 @@ def tokenize_prompts(
     prepend_bos: bool | None = PREPEND_BOS,
     max_length: IntLike | None = None,
 ) -> list[TokenBatch]:
-    """Tokenise prompts with the model's tokenizer into right-padded batches.
-
-    ``max_length`` truncates each prompt, special tokens included (an encoder keeps its final ``[SEP]``);
-    without it a prompt longer than ``cfg.n_ctx`` is refused, as is an empty or non-Unicode prompt.
-    """
+    """Tokenise prompts into right-padded batches. ``max_length`` truncates each prompt, special
+    tokens included (an encoder keeps its final ``[SEP]``); without it a prompt longer than
+    ``cfg.n_ctx`` is refused."""
     prompts = prompt_list(_materialised(prompts))
     batch_size = positive_int(batch_size, what="batch_size")
     prepend_bos = resolved_bos(model, prepend_bos)
     max_length = optional_positive_int(max_length, what="max_length")
     tok = getattr(model, "tokenizer", None)
     if tok is None:
-        raise InvalidArgumentError("This model has no tokenizer; pass token ids (an int tensor [batch, pos]) "
-                                   "instead of strings.")
+        raise InvalidArgumentError("This model has no tokenizer; pass token ids (an int tensor "
+                                   "[batch, pos]) instead of strings.")
     encoder = is_encoder(model)
     bos = bos_token_id(model) if prepend_bos and not encoder else None
     n_ctx = model_dims(model).n_ctx
@@ -235,7 +231,7 @@ def tokenize_prompts(
 
 
 def added_ids(ids: Sequence[int], body: Sequence[int]) -> list[int]:
-    """The ids of ``ids`` not in ``body`` (the text encoded without special tokens): those a tokenizer added.
+    """The ids in ``ids`` but not ``body`` (the text encoded alone): those the tokenizer added.
 
     Examples:
         >>> added_ids([2, 7, 1, 1, 3], [7, 1, 1])
@@ -252,10 +248,9 @@ def added_ids(ids: Sequence[int], body: Sequence[int]) -> list[int]:
 
 
 def encoder_ids(tok: Any, text: str, max_length: int | None = None) -> list[int]:
-    """An encoder's ids for ``text`` with its special tokens: the tokenizer's own when they start with
-    ``[CLS]``, else ``[CLS] text [SEP]`` (a bridge's rebuilt tokenizer drops BERT's template).
-    ``max_length`` truncates the text, keeping the final ``[SEP]``.
-    """
+    """An encoder's ids for ``text`` with its special tokens: the tokenizer's own when they start
+    with ``[CLS]``, else ``[CLS] text [SEP]`` (a bridge's rebuilt tokenizer drops BERT's template).
+    ``max_length`` truncates the text, keeping the final ``[SEP]``."""
     unk = getattr(tok, "unk_token_id", None)
     cls, sep = getattr(tok, "cls_token_id", None), getattr(tok, "sep_token_id", None)
     kw = dict(truncation=True, max_length=max_length) if max_length is not None else {}
@@ -274,7 +269,7 @@ def encoder_ids(tok: Any, text: str, max_length: int | None = None) -> list[int]
 
 
 def is_encoder(model: Any) -> bool:
-    """True for bidirectional models (e.g. BERT), by :func:`sinklens.visibility.attention_direction`."""
+    """True for bidirectional models (e.g. BERT), by :func:`attention_direction`."""
     return getattr(model, "cfg", None) is not None and attention_direction(model) == "bidirectional"
 
 
@@ -321,12 +316,11 @@ def as_batches(
     prepend_bos: bool | None = PREPEND_BOS,
     max_length: IntLike | None = None,
 ) -> list[TokenBatch]:
-    """Any accepted input as right-padded :class:`TokenBatch` es on the model's device, checked here once.
+    """Any accepted input as right-padded :class:`TokenBatch` es on the model's device, checked once.
 
-    ``None`` means the built-in prompts; a token tensor is all valid (its first column counts as BOS when
-    ``prepend_bos``); batches must share ``prepend_bos`` and ``special_tokens``. ``max_length`` keeps the
-    first ``max_length`` tokens of every sequence, whatever form it came in.
-    """
+    ``None`` means the built-in prompts; a token tensor is all valid (its first column counts as BOS
+    when ``prepend_bos``); batches must share ``prepend_bos`` and ``special_tokens``. ``max_length``
+    keeps the first ``max_length`` tokens of every sequence, whatever form it came in."""
     batch_size = positive_int(batch_size, what="batch_size")
     prepend_bos = resolved_bos(model, prepend_bos)
     max_length = optional_positive_int(max_length, what="max_length")
@@ -352,7 +346,8 @@ def as_batches(
     elif isinstance(inputs, Iterable) and not isinstance(inputs, bytes):
         items = _materialised(inputs)
         if not items:
-            raise InvalidArgumentError("No prompts given: pass at least one string, token sequence or TokenBatch.")
+            raise InvalidArgumentError(
+                "No prompts given: pass at least one string, token sequence or TokenBatch.")
         if isinstance(items[0], str):
             items = tokenize_prompts(model, prompt_list(items), batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
         for i, b in enumerate(items):
@@ -375,7 +370,7 @@ def as_batches(
 
 
 def _caller_outside_sinklens(warning_frame: Any) -> int:
-    """The ``stacklevel`` from ``warning_frame`` of the first frame outside sinklens: the user's line."""
+    """The ``stacklevel`` from ``warning_frame`` of the first frame outside sinklens."""
     root = str(Path(__file__).resolve().parent)
 
     def inside(frame: Any) -> bool:  # sinklens, or a runtime type checker's wrapper around one of its functions
@@ -390,13 +385,13 @@ def _caller_outside_sinklens(warning_frame: Any) -> int:
 
 
 def warn_if_padded(model: Any, tokens: Int[Tensor, "batch pos"]) -> None:
-    """Warn when a token tensor looks padded (as by ``model.to_tokens(prompts)``): its rows begin or end with
-    runs of the pad token of different lengths. Every position of a token tensor counts as real."""
+    """Warn when a token tensor looks padded (as by ``model.to_tokens(prompts)``): its rows begin or
+    end with runs of the pad token of different lengths, which would count as real tokens."""
     pad = getattr(getattr(model, "tokenizer", None), "pad_token_id", None)
     if not isinstance(pad, int) or tokens.ndim != 2 or tokens.shape[0] < 2:
         return
     same = (tokens == pad).long()
-    leading, trailing = (s.cumprod(dim=1).sum(dim=1) for s in (same, same.flip(1)))  # runs at each end
+    leading, trailing = (s.cumprod(dim=1).sum(dim=1) for s in (same, same.flip(1)))  # run lengths
     for side, runs in (("end", trailing), ("start", leading)):
         # Runs of two or more: one pad id at a row's end is how text ends where pad is EOS (GPT-2).
         if int(runs.max()) >= 2 and int(runs.min()) != int(runs.max()) and int(runs.max()) < tokens.shape[1]:
@@ -414,9 +409,9 @@ def require_a_later_position(
     batches: Sequence[TokenBatch], *, what: str, sink_position: int | None = None, bidirectional: bool = False,
     min_query: int | None = None,
 ) -> None:
-    """Refuse ``batches`` in which no query can see the sink (a later position, or on a ``bidirectional``
-    model any other), or some sequence does not reach ``sink_position``, or ``min_query`` leaves no query.
-    ``what`` names the caller in the error."""
+    """Refuse ``batches`` in which no query can see the sink (a later position, or on a
+    ``bidirectional`` model any other), or some sequence does not reach ``sink_position``, or
+    ``min_query`` leaves no query. ``what`` names the caller in the error."""
     lengths = torch.tensor([n for b in batches for n in b.host_lengths()], dtype=torch.long)
     if sink_position is not None:
         short = (lengths <= sink_position).nonzero().flatten()
@@ -445,8 +440,8 @@ def require_a_later_position(
 
 
 def checked_batch(batch: Any, index: int, d_vocab: int) -> TokenBatch:
-    """``batch`` (the ``index``-th) checked: ``long`` ids in ``0..d_vocab-1``, a bool (or 0/1) ``valid`` of the
-    same 2-D, non-empty shape, and a real token in every row.
+    """``batch`` (the ``index``-th) checked: ``long`` ids in ``0..d_vocab-1``, a bool (or 0/1)
+    ``valid`` of the same 2-D, non-empty shape, and a real token in every row.
 
     Examples:
         >>> b = TokenBatch(torch.tensor([[3, 4]]), torch.tensor([[True, False]]), False)
@@ -497,7 +492,7 @@ def checked_batch(batch: Any, index: int, d_vocab: int) -> TokenBatch:
 
 
 def _same_start(batches: Sequence[TokenBatch]) -> None:
-    """Refuse batches whose ``prepend_bos`` or ``special_tokens`` differ: a result records one start."""
+    """Refuse batches whose ``prepend_bos`` or ``special_tokens`` differ: a result has one start."""
     first = batches[0]
     for i, b in enumerate(batches[1:], start=1):
         if (b.prepend_bos, tuple(b.special_tokens)) != (first.prepend_bos, tuple(first.special_tokens)):
@@ -510,7 +505,7 @@ def _same_start(batches: Sequence[TokenBatch]) -> None:
 
 
 def _materialised(prompts: Any) -> Any:
-    """A generator or numpy array of ``prompts`` read into a list (numpy strings as ``str``); else as given."""
+    """A generator or numpy array of ``prompts`` as a list (numpy strings as ``str``)."""
     if isinstance(prompts, (str, bytes, dict, Tensor)) or not isinstance(prompts, Iterable):
         return prompts
     if isinstance(prompts, Sequence) and type(prompts).__module__ != "numpy":
@@ -519,11 +514,12 @@ def _materialised(prompts: Any) -> Any:
 
 
 def padded_to(batch: TokenBatch, width: int) -> TokenBatch:
-    """``batch`` with padding columns appended up to ``width``, so a hook at a fixed position finds it."""
+    """``batch`` with padding columns appended up to ``width`` (for hooks at a fixed position)."""
     if width <= batch.tokens.shape[1]:
         return batch
     pad = (0, width - batch.tokens.shape[1])  # token 0, valid False
-    return TokenBatch(F.pad(batch.tokens, pad), F.pad(batch.valid, pad), batch.prepend_bos, batch.special_tokens)
+    return TokenBatch(F.pad(batch.tokens, pad), F.pad(batch.valid, pad), batch.prepend_bos,
+                      batch.special_tokens)
 
 
 def _first_tokens(batch: TokenBatch, max_length: int | None) -> TokenBatch:

@@ -1,5 +1,5 @@
-"""Run settings (:class:`RunOptions`), the shared defaults (no torch import: ``--help`` stays fast), and
-:func:`settings_from`, which builds an analysis' frozen settings from ``settings=`` and/or keywords."""
+"""Run settings (:class:`RunOptions`), the shared defaults (no torch import: ``--help`` stays fast),
+and :func:`settings_from`, which builds an analysis' settings from ``settings=`` and keywords."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ SINK_THRESHOLD = 0.3
 BATCH_SIZE = 8
 #: Tokens per random-token sequence and per training sequence; capped at the model's context.
 SEQ_LEN = 64
-#: What goes before a text: None does what the model's own tokenizer does (True when that cannot be read).
+#: What goes before a text: None does what the model's own tokenizer does (True when unreadable).
 PREPEND_BOS: bool | None = None
 
 HookFn = Callable[..., Any]
@@ -35,10 +35,10 @@ ATTENTION_METHODS: tuple[str, ...] = ("pattern", "qk", "auto")
 class RunOptions:
     """Settings of one streaming run, shared by every analyzer and experiment.
 
-    ``prepend_bos``: add the model's special tokens to text prompts (None: as its own tokenizer does).
-    ``max_length``: keep the first ``max_length`` tokens (None: longer than ``n_ctx`` raises).
-    ``extra_hooks``: ``(hook_name, fn)`` pairs run before the analyzers' own (e.g. an intervention).
-    ``device``: checked against the model before the pass (None: no check).
+    ``prepend_bos``: add the model's special tokens to text prompts (None: as its own tokenizer
+    does). ``max_length``: keep the first ``max_length`` tokens (None: longer than ``n_ctx``
+    raises). ``extra_hooks``: ``(hook_name, fn)`` pairs run before the analyzers' own (e.g. an
+    intervention). ``device``: checked against the model before the pass (None: no check).
 
     Examples:
         >>> RunOptions(batch_size=4).replace(max_length=32).max_length
@@ -103,8 +103,8 @@ def settings_from(
     cls: type[S], settings: S | None, kwargs: dict[str, Any], where: str, *,
     defaults: dict[str, Any] | None = None, argument: str = "settings",
 ) -> S:
-    """``settings`` (default ``cls(**defaults)``) with fields given as keywords popped from ``kwargs``
-    replacing them; other keywords raise ``TypeError`` like Python does.
+    """``settings`` (default ``cls(**defaults)``) with fields given as keywords popped from
+    ``kwargs`` replacing them; other keywords raise ``TypeError`` like Python does.
 
     Examples:
         >>> @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def settings_from(
 
 
 def no_unknown_kwargs(kwargs: dict[str, Any], where: str, *, known: Sequence[str] = ()) -> None:
-    """Raise ``TypeError`` like Python does if any keyword is left in ``kwargs``, suggesting the closest ``known``."""
+    """Raise ``TypeError`` like Python does if any keyword is left in ``kwargs``, with a hint."""
     from sinklens.validate import closest
 
     if kwargs:

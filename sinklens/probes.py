@@ -1,6 +1,5 @@
-"""What a model's forward pass does with hooks, probed once per model with a 2- or 3-token forward: hooks
-listed but never fired, attention hooks fired after the fact, attention both ways, a copied ``hook_resid_mid``.
-"""
+"""What a model's forward pass does with hooks, probed once per model with a 2- or 3-token forward:
+hooks never fired, attention hooks fired after the fact, attention both ways, a copied resid_mid."""
 
 from __future__ import annotations
 
@@ -15,8 +14,8 @@ from torch import Tensor
 
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.hooks import (
-    MLP_OUT, PATTERN, RESID_MID, RESID_POST, SCORES, Z, eval_mode, exclusive_use, hook_name, hooks_silenced,
-    model_device, model_dims, refuse_meta_model,
+    MLP_OUT, PATTERN, RESID_MID, RESID_POST, SCORES, Z, eval_mode, exclusive_use, hook_name,
+    hooks_silenced, model_device, model_dims, refuse_meta_model,
 )
 
 #: model -> {probe key: answer}; see :func:`_probed`.
@@ -31,8 +30,8 @@ def _probed(model: Any, key: Hashable, probe: Callable[[], Any]) -> Any:
         known = {}
     if key not in known:
         refuse_meta_model(model)
-        with exclusive_use(model), hooks_silenced(model) if isinstance(model, torch.nn.Module) else nullcontext(), \
-                eval_mode(model):
+        silenced = hooks_silenced(model) if isinstance(model, torch.nn.Module) else nullcontext()
+        with exclusive_use(model), silenced, eval_mode(model):
             known[key] = probe()
     return known[key]
 
@@ -68,10 +67,10 @@ def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
 
 
 def post_hoc_attention(model: Any) -> str | None:
-    """Why ``hook_attn_scores`` / ``hook_pattern`` fire after the attention ran (edits are discarded, as in the
-    4.x BERT bridge), or None when they are seams. A 3-token probe lets each query see only its own key at
-    layer 0's scores: attention elsewhere in ``hook_pattern``, or ``hook_pattern`` after ``hook_z``, is post hoc.
-    """
+    """Why ``hook_attn_scores`` / ``hook_pattern`` fire after the attention ran (edits are
+    discarded, as in the 4.x BERT bridge), or None when they are seams. A 3-token probe lets each
+    query see only its own key at layer 0's scores: attention elsewhere in ``hook_pattern``, or
+    ``hook_pattern`` after ``hook_z``, is post hoc."""
     names = [hook_name(0, site) for site in (SCORES, PATTERN, Z)]
     if any(n not in model.hook_dict for n in names[:2]):
         return None
@@ -108,8 +107,8 @@ def post_hoc_attention(model: Any) -> str | None:
 
 
 def require_attention_seams(model: Any, what: str) -> None:
-    """Refuse ``model`` when its attention hooks are post hoc (:func:`post_hoc_attention`): ``what`` (e.g.
-    ``"mask interventions"``) would silently do nothing there."""
+    """Refuse ``model`` when its attention hooks are post hoc (:func:`post_hoc_attention`): ``what``
+    (e.g. ``"mask interventions"``) would silently do nothing there."""
     reason = post_hoc_attention(model)
     if reason is not None:
         raise UnsupportedArchitectureError(

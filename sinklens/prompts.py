@@ -40,7 +40,7 @@ def builtin_prompts() -> list[str]:
 
 
 def _stdlib_sources() -> Iterator[str]:
-    """The text of the running interpreter's top-level ``stdlib/*.py`` files, by name; unreadable ones skipped."""
+    """The text of the running interpreter's top-level ``stdlib/*.py`` files, by name."""
     for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
         try:
             yield path.read_text(encoding="utf-8")
@@ -49,8 +49,8 @@ def _stdlib_sources() -> Iterator[str]:
 
 
 def stdlib_docstrings() -> Iterator[str]:
-    """Every docstring (module, class, function) of the top-level ``stdlib/*.py`` files, in file order then
-    ``ast.walk`` order; files that do not parse are skipped."""
+    """Every docstring (module, class, function) of the top-level ``stdlib/*.py`` files, in file
+    order then ``ast.walk`` order; files that do not parse are skipped."""
     for source in _stdlib_sources():
         try:
             tree = ast.parse(source)
@@ -65,9 +65,9 @@ def stdlib_docstrings() -> Iterator[str]:
 
 def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 800, seed: IntLike = 0,
                         what: str = "n_prompts") -> list[str]:
-    """Real text available offline: ``n_prompts`` (None: all) standard-library docstrings of at least 30 words
-    without doctest examples (941 on CPython 3.11), each cut to ``n_chars`` characters, shuffled by ``seed``;
-    ``what`` names the argument in errors."""
+    """Real text available offline: ``n_prompts`` (None: all) standard-library docstrings of at
+    least 30 words without doctest examples (941 on CPython 3.11), each cut to ``n_chars``
+    characters, shuffled by ``seed``; ``what`` names the argument in errors."""
     if n_prompts is not None:
         n_prompts = positive_int(n_prompts, what=what)
     n_chars = positive_int(n_chars, what="n_chars")
@@ -89,8 +89,9 @@ def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 80
 
 
 def stdlib_source_tokens(tokenizer: Any, n_tokens: IntLike) -> list[int]:
-    """The first ``n_tokens`` token ids of the top-level ``stdlib/*.py`` sources, concatenated by file name,
-    each encoded without special tokens: long text available offline, the same on every run of one Python."""
+    """The first ``n_tokens`` token ids of the top-level ``stdlib/*.py`` sources, concatenated by
+    file name, each encoded without special tokens: long text available offline, the same on every
+    run of one Python."""
     n_tokens = positive_int(n_tokens, what="n_tokens")
     ids: list[int] = []
     for source in _stdlib_sources():

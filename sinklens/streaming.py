@@ -1,7 +1,7 @@
 """The one streaming loop: run hooks over batches and fold activations into small statistics.
 
-Every analyzer is a :class:`Reducer`; :func:`stream` runs one forward per batch with the hooks of all
-reducers attached, and no activation outlives the hook that reduced it.
+Every analyzer is a :class:`Reducer`; :func:`stream` runs one forward per batch with the hooks of
+all reducers attached, and no activation outlives the hook that reduced it.
 
 Examples:
     >>> import torch
@@ -60,8 +60,8 @@ R = TypeVar("R")
 
 @dataclass
 class BatchFold:
-    """What a reducer attaches to one forward pass: ``(hook_name, fn)`` pairs whose ``fn(act, hook)`` folds
-    ``act`` without modifying it, and per-batch ``state`` handed back to :meth:`Reducer.end_batch`."""
+    """What a reducer attaches to one forward pass: ``(hook_name, fn)`` pairs, each folding ``act``
+    without modifying it, and per-batch ``state`` handed back to :meth:`Reducer.end_batch`."""
 
     hooks: list[tuple[str, HookFn]]
     state: Any = None
@@ -92,8 +92,8 @@ class Reducer(ABC, Generic[R]):
     maxima: ClassVar[tuple[str, ...]] = ()
 
     def merge(self, other: Reducer[R]) -> None:
-        """Fold in ``other`` (the same reducer over the sequences after this one's), so :meth:`result` is
-        what one pass over both would give: :func:`merge_statistics` over :attr:`statistics`."""
+        """Fold in ``other`` (the same reducer over the sequences after this one's), so
+        :meth:`result` is what one pass over both would give."""
         merge_statistics(self, other, self._declared_statistics())
 
     def state_dict(self) -> dict[str, Any]:
@@ -117,7 +117,7 @@ class Reducer(ABC, Generic[R]):
                 setattr(self, name, _map_tensors(state[name], lambda t: t.to(device)))
 
     def shallow_copy(self) -> Reducer[R]:
-        """A shallow copy (nested reducers copied) whose statistics can be replaced independently."""
+        """A shallow copy (nested reducers copied) whose statistics can be replaced alone."""
         clone = copy.copy(self)
         for name in self.statistics:
             value = getattr(clone, name)
@@ -127,8 +127,8 @@ class Reducer(ABC, Generic[R]):
 
 
 def merge_sum(mine: Any, theirs: Any) -> Any:
-    """``mine`` combined with ``theirs``: tensors (zero-padded to the larger shape) and numbers add, lists
-    concatenate, sets unite, dicts merge key-wise, objects merge by their ``merge``, a flag takes ``theirs``.
+    """``mine`` combined with ``theirs``: tensors (zero-padded to the larger shape) and numbers add,
+    lists concatenate, sets unite, dicts merge key-wise, objects by ``merge``, flags take ``theirs``.
 
     Examples:
         >>> merge_sum(torch.ones(2, 1), torch.ones(1, 3))
@@ -165,12 +165,13 @@ def merge_max(mine: Tensor, theirs: Tensor) -> Tensor:
         tensor([ True, False])
     """
     dtype = mine.dtype
-    lowest = False if dtype == torch.bool else (torch.finfo if dtype.is_floating_point else torch.iinfo)(dtype).min
+    info = torch.finfo if dtype.is_floating_point else torch.iinfo
+    lowest = False if dtype == torch.bool else info(dtype).min
     return torch.maximum(*_same_shape(mine, theirs, lowest))
 
 
 def merge_statistics(reducer: Reducer[Any], other: Reducer[Any], names: Sequence[str]) -> None:
-    """Combine each attribute ``names`` of ``reducer`` with ``other``'s (:func:`merge_max` for ``maxima``)."""
+    """Combine each attribute ``names`` of ``reducer`` with ``other``'s (``maxima`` by maximum)."""
     for name in names:
         combine = merge_max if name in reducer.maxima else merge_sum
         setattr(reducer, name, combine(getattr(reducer, name), getattr(other, name)))
@@ -228,8 +229,8 @@ def _statistics_device(reducer: Reducer[Any]) -> torch.device:
 
 
 def bound_hooks(names: Sequence[str], keys: Sequence[Any], fold: Callable[[Tensor, Any], Any]) -> list[tuple[str, HookFn]]:
-    """``fold(act, keys[i])`` on hook ``names[i]``: the key is bound here, never read back from ``hook.name``
-    (a TransformerBridge reports aliased hooks under their canonical names).
+    """``fold(act, keys[i])`` on hook ``names[i]``: the key is bound here, never read back from
+    ``hook.name`` (a TransformerBridge reports aliased hooks under their canonical names).
 
     Examples:
         >>> [(name, fn(None, None)) for name, fn in bound_hooks(["a", "b"], [0, 1], lambda act, key: key)]
@@ -249,7 +250,7 @@ def per_layer_hooks(site: str, layers: Sequence[int], fold: Callable[[Tensor, in
 
 class _HookTable:
     """One trampoline per hook name, attached while the set of names stays the same (registering
-    hooks is slow); each batch swaps in its functions, run in order like stacked TransformerLens hooks."""
+    hooks is slow); each batch swaps in its functions, run in order like stacked hooks."""
 
     def __init__(self) -> None:
         self.fns: dict[str, list[HookFn]] = {}
@@ -273,7 +274,7 @@ class _HookTable:
 
 
 def accepts_attention_mask(model: Any) -> bool:
-    """True if ``model(tokens, attention_mask=...)`` is accepted (TransformerLens models are, SinkLM is not)."""
+    """True if ``model(tokens, attention_mask=...)`` is accepted (not by SinkLM)."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -286,8 +287,8 @@ _RUNNING_MASK: ContextVar[Tensor | None] = ContextVar("sinklens_real_tokens", de
 
 
 def real_tokens(n_batch: int, n_pos: int) -> Bool[Tensor, "batch pos"] | None:
-    """The real-token mask of the padded ``n_batch × n_pos`` batch :func:`forward` is running, for hooks that
-    reduce over positions; None when no padded batch of that shape is running."""
+    """The real-token mask of the padded ``n_batch × n_pos`` batch :func:`forward` is running, for
+    hooks that reduce over positions; None when no padded batch of that shape is running."""
     mask = _RUNNING_MASK.get()
     if mask is None or tuple(mask.shape) != (n_batch, n_pos):
         return None
@@ -295,8 +296,8 @@ def real_tokens(n_batch: int, n_pos: int) -> Bool[Tensor, "batch pos"] | None:
 
 
 def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
-    """Run ``model`` on one right-aligned batch: a causal model needs no mask (pads come after every real
-    token), an encoder gets ``attention_mask=batch.valid``; hooks read the mask by :func:`real_tokens`."""
+    """Run ``model`` on one right-aligned batch: a causal model needs no mask (pads come after every
+    real token), an encoder gets ``attention_mask``; hooks read the mask by :func:`real_tokens`."""
     batch = right_align(batch)
     if batch.padded and is_encoder(model):
         if not accepts_attention_mask(model):
@@ -320,12 +321,10 @@ def stream(
     *,
     options: RunOptions = RunOptions(),
 ) -> list[Any]:
-    """Run every reducer over every batch, one forward pass per batch in eval mode; return their results.
-
-    ``options.extra_hooks`` run before the reducers' hooks (e.g. an intervention). Under
-    :func:`sinklens.distributed.session` each process streams its share and the statistics are merged
-    in rank order. A requested hook that never ran raises :class:`UnsupportedArchitectureError`.
-    """
+    """Run every reducer over every batch, one forward pass per batch in eval mode; return their
+    results. ``options.extra_hooks`` run before the reducers' hooks (e.g. an intervention). Under
+    :func:`sinklens.distributed.session` each process streams its share and the statistics are
+    merged in rank order. A requested hook that never ran is an ``UnsupportedArchitectureError``."""
     options = checked_options(options, "stream")
     check_model_device(model, options.device)
     refuse_meta_model(model)
@@ -349,7 +348,8 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
             n_streamed += 1
             batch = right_align(batch)
             folds = [reducer.fwd_hooks(batch) for reducer in reducers]
-            own = [(name, fn if on_device is None else _moved_to(fn, on_device)) for f in folds for name, fn in f.hooks]
+            own = [(name, fn if on_device is None else _moved_to(fn, on_device))
+                   for fold in folds for name, fn in fold.hooks]
             requested.update(name for name, _ in own)
             hooks = [*options.extra_hooks, *own]
             batch_names = sorted({name for name, _ in hooks})
@@ -367,9 +367,10 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
     if silent:
         raise UnsupportedArchitectureError(
             f"extra_hooks on {silent[:4]}{'...' if len(silent) > 4 else ''} never ran during the forward pass, so they "
-            "changed and measured nothing. The model lists these hook points but does not run them here (e.g. "
-            "TransformerLens 3 runs attn.hook_result only after model.set_use_attn_result(True), some bridges skip "
-            "attn.hook_rot_q, a fused attention kernel skips hook_pattern). Hook a point that runs."
+            "changed and measured nothing. The model lists these hook points but does not run them "
+            "here (e.g. TransformerLens 3 runs attn.hook_result only after "
+            "model.set_use_attn_result(True), some bridges skip attn.hook_rot_q, a fused attention "
+            "kernel skips hook_pattern). Hook a point that runs."
         )
     missing = sorted(requested - fired)
     if missing:
@@ -397,8 +398,8 @@ def _moved_to(fn: HookFn, device: torch.device) -> HookFn:
 
 def combine_across_ranks(reducers: Sequence[Reducer[Any]], *, n_local_batches: int) -> None:
     """Give every process's ``reducers`` the statistics of all processes, merged in rank order
-    (``all_gather_object`` of each :meth:`Reducer.state_dict`); ranks that streamed no batch are skipped.
-    No-op unless :func:`sinklens.distributed.active`."""
+    (``all_gather_object`` of each :meth:`Reducer.state_dict`); ranks that streamed no batch are
+    skipped. No-op unless :func:`sinklens.distributed.active`."""
     if not distributed.active() or not reducers:
         return
     payload = (n_local_batches, [reducer.state_dict() for reducer in reducers])
@@ -416,14 +417,14 @@ def combine_across_ranks(reducers: Sequence[Reducer[Any]], *, n_local_batches: i
 
 
 def run(model: Any, inputs: Inputs | None, *reducers: Reducer[Any], options: RunOptions = RunOptions()) -> list[Any]:
-    """:func:`stream` every reducer over ``inputs`` (anything :func:`~sinklens.inputs.as_batches` takes)."""
+    """:func:`stream` every reducer over ``inputs`` (anything :func:`as_batches` takes)."""
     options = checked_options(options, "run")
     return stream(model, batches_for(model, inputs, options), list(reducers), options=options)
 
 
 def batches_for(model: Any, inputs: Inputs | None, options: RunOptions) -> list[TokenBatch]:
-    """``inputs`` as batches by ``options`` (:func:`~sinklens.inputs.as_batches`), once ``options.device``
-    is checked against the model's."""
+    """``inputs`` as batches by ``options`` (:func:`~sinklens.inputs.as_batches`), once
+    ``options.device`` is checked against the model's."""
     check_model_device(model, options.device)
     refuse_meta_model(model)
     return as_batches(model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos,

@@ -1,5 +1,6 @@
 """Which query sees which key, per layer: ``k <= q`` in causal models (every ``k`` in encoders), and
-``|q - k| < w`` in a sliding-window layer of ``w`` tokens; read from ``cfg`` or a bridge's Hugging Face config.
+``|q - k| < w`` in a sliding-window layer of ``w`` tokens; read from ``cfg`` or a bridge's Hugging
+Face config.
 
 Examples:
     >>> vis = Visibility(causal=True, windows=(None, 2))
@@ -28,7 +29,7 @@ from sinklens.probes import attends_to_later_keys
 
 @dataclass(frozen=True)
 class Visibility:
-    """A model's attention layout: ``causal`` (False for encoders), per layer a sliding window or None."""
+    """A model's attention layout: ``causal`` (False for encoders), each layer's window or None."""
 
     causal: bool
     windows: tuple[int | None, ...]
@@ -66,8 +67,8 @@ class Visibility:
         """One line for summaries, e.g. ``'causal; sliding window of 4 tokens in layers [0, 2]'``."""
         kind = "causal" if self.causal else "bidirectional"
         sizes = sorted({w for w in self.windows if w is not None})
-        parts = [f"sliding window of {w} tokens in layers {[i for i, v in enumerate(self.windows) if v == w]}"
-                 for w in sizes]
+        layers = {w: [i for i, v in enumerate(self.windows) if v == w] for w in sizes}
+        parts = [f"sliding window of {w} tokens in layers {layers[w]}" for w in sizes]
         return f"{kind}; " + ("; ".join(parts) or "full attention in every layer")
 
     def to_dict(self) -> dict[str, Any]:
@@ -104,8 +105,8 @@ def _tl_windows(cfg: Any, n_layers: int) -> tuple[int | None, ...]:
 
 
 def attention_direction(model: Any) -> str:
-    """``cfg.attention_dir`` (``"causal"`` or ``"bidirectional"``), unless a probe shows a "causal" model
-    attending both ways (:func:`~sinklens.probes.attends_to_later_keys`)."""
+    """``cfg.attention_dir`` (``"causal"`` or ``"bidirectional"``), unless a probe shows a "causal"
+    model attending both ways (:func:`~sinklens.probes.attends_to_later_keys`)."""
     direction = getattr(model.cfg, "attention_dir", "causal") or "causal"
     if direction not in ("causal", "bidirectional"):
         raise UnsupportedArchitectureError(f"cfg.attention_dir={direction!r}; expected 'causal' or 'bidirectional'.")
