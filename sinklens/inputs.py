@@ -394,10 +394,11 @@ def warn_if_padded(model: Any, tokens: Int[Tensor, "batch pos"]) -> None:
     leading, trailing = (s.cumprod(dim=1).sum(dim=1) for s in (same, same.flip(1)))  # run lengths
     for side, runs in (("end", trailing), ("start", leading)):
         # Runs of two or more: one pad id at a row's end is how text ends where pad is EOS (GPT-2).
-        if int(runs.max()) >= 2 and int(runs.min()) != int(runs.max()) and int(runs.max()) < tokens.shape[1]:
-            rows = [int(i) for i in torch.nonzero(runs > runs.min()).flatten()]
+        lo, hi = int(runs.min()), int(runs.max())
+        if 2 <= hi < tokens.shape[1] and lo != hi:
+            rows = (runs > lo).nonzero().flatten().tolist()
             warnings.warn(
-                f"token ids: rows {rows[:6]}{'...' if len(rows) > 6 else ''} {side} with up to {int(runs.max())} copies of "
+                f"token ids: rows {rows[:6]}{'...' if len(rows) > 6 else ''} {side} with up to {hi} copies of "
                 f"the tokenizer's pad token (id {pad}), as model.to_tokens pads a list of prompts of different lengths. "
                 "Every position of a token tensor counts as a real token, so the padding would be analysed as text. "
                 "Pass the prompts themselves, or TokenBatch(tokens, valid) with valid marking the real tokens.",
@@ -412,21 +413,20 @@ def require_a_later_position(
     """Refuse ``batches`` in which no query can see the sink (a later position, or on a
     ``bidirectional`` model any other), or some sequence does not reach ``sink_position``, or
     ``min_query`` leaves no query. ``what`` names the caller in the error."""
-    lengths = torch.tensor([n for b in batches for n in b.host_lengths()], dtype=torch.long)
-    if sink_position is not None:
-        short = (lengths <= sink_position).nonzero().flatten()
-        if short.numel():
-            i = int(short[0])
-            raise InvalidArgumentError(
-                f"sink_position={sink_position} is beyond sequence {i} (counting from 0 across all batches), which has "
-                f"{int(lengths[i])} token{'' if int(lengths[i]) == 1 else 's'}: every sequence needs a token at "
-                f"sink_position (it must be at most {int(lengths.min()) - 1} for these inputs)."
-            )
+    lengths = [n for b in batches for n in b.host_lengths()]
+    short = [i for i, n in enumerate(lengths) if sink_position is not None and n <= sink_position]
+    if short:
+        i = short[0]
+        raise InvalidArgumentError(
+            f"sink_position={sink_position} is beyond sequence {i} (counting from 0 across all batches), which has "
+            f"{lengths[i]} token{'' if lengths[i] == 1 else 's'}: every sequence needs a token at "
+            f"sink_position (it must be at most {min(lengths) - 1} for these inputs)."
+        )
     sink = sink_position or 0
     needed = max(sink + 1, 2) if bidirectional else sink + 2
-    longest = int(lengths.max())
+    longest = max(lengths)
     if longest < needed:
-        size = f"{'at most ' if int(lengths.min()) != longest else ''}{longest} token{'' if longest == 1 else 's'}"
+        size = f"{'at most ' if min(lengths) != longest else ''}{longest} token{'' if longest == 1 else 's'}"
         at = f" (sink_position={sink})" if sink_position is not None and sink else ""
         raise InvalidArgumentError(
             f"Every sequence is {size} long: {what} compares the sink position{at} with later ones, so it needs "
