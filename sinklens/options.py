@@ -58,12 +58,11 @@ class RunOptions:
     desc: str = "sinklens"
 
     def __post_init__(self) -> None:
-        from sinklens.validate import as_bool, positive_int
+        from sinklens.validate import as_bool, optional_positive_int, positive_int
         from sinklens.validate import device as as_device
 
         object.__setattr__(self, "batch_size", positive_int(self.batch_size, what="batch_size"))
-        if self.max_length is not None:
-            object.__setattr__(self, "max_length", positive_int(self.max_length, what="max_length"))
+        object.__setattr__(self, "max_length", optional_positive_int(self.max_length, what="max_length"))
         if self.prepend_bos is not None:
             object.__setattr__(self, "prepend_bos", as_bool(self.prepend_bos, what="RunOptions.prepend_bos"))
         object.__setattr__(self, "progress", as_bool(self.progress, what="RunOptions.progress"))
