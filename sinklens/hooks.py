@@ -1,10 +1,5 @@
-"""Hook-name helpers and model introspection shared by every analyzer and intervention.
-
-sinklens talks to a model only through TransformerLens hook names (``blocks.{l}.attn.hook_pattern``,
-``blocks.{l}.mlp.hook_post``, ...), its ``cfg`` and its weight properties (``W_out``, ``W_V``, ...).
-Those are the same on TransformerLens 4.x ``TransformerBridge``, 3.x ``HookedTransformer`` and
-sinklens' own trained models, so everything built on this module works on all three.
-"""
+"""Hook names, ``cfg`` and weight properties: all sinklens reads of a model, the same on a
+TransformerBridge, a HookedTransformer and sinklens' own models."""
 
 from __future__ import annotations
 
@@ -41,32 +36,20 @@ RESID_POST = "hook_resid_post"
 
 
 def hook_name(layer: int, site: str) -> str:
-    """Full hook name of a per-layer ``site``.
-
-    Examples:
-        >>> hook_name(3, PATTERN)
-        'blocks.3.attn.hook_pattern'
-    """
+    """Full hook name of a per-layer ``site``, e.g. ``blocks.3.attn.hook_pattern``."""
     return f"blocks.{layer}.{site}"
 
 
 def head_output_site(model: Any) -> str:
-    """The attention hook site whose per-head outputs enter ``W_O``: ``attn.hook_z`` on every TransformerLens
-    model; on a SinkLM variant that transforms the aggregation first, the site the
-    model declares as ``head_output_site`` (``attn.hook_z_normed``, ``hook_z_gated``, ``hook_z_calibrated``).
-
-    Examples:
-        >>> from sinklens.testing import tiny_model
-        >>> head_output_site(tiny_model())
-        'attn.hook_z'
-    """
+    """The attention hook site whose per-head outputs enter ``W_O``: ``attn.hook_z``, or the site a
+    SinkLM variant that transforms the aggregation declares as ``head_output_site``."""
     site = getattr(model, "head_output_site", None)
     return site if isinstance(site, str) else Z
 
 
 def head_output_gain(model: Any, layer: int) -> Tensor | None:
-    """``γ[head, d_head]`` when layer ``layer``'s head outputs are ``c[b, t, h] · (γ[h] ⊙ hook_z[b, t, h])``:
-    ones at ``attn.hook_z``, a SinkLM variant's declared gain, or None for another transform (an element-wise gate)."""
+    """``γ[head, d_head]`` when the head outputs are ``c[b, t, h] · (γ[h] ⊙ hook_z[b, t, h])``: ones
+    at ``attn.hook_z``, a SinkLM variant's declared gain, or None for another transform."""
     if head_output_site(model) == Z:
         dims = model_dims(model)
         return torch.ones(dims.n_heads, dims.d_head, dtype=torch.float32)
@@ -75,12 +58,7 @@ def head_output_gain(model: Any, layer: int) -> Tensor | None:
 
 
 def layer_of(name: str) -> int:
-    """Layer index of a per-layer hook name.
-
-    Examples:
-        >>> layer_of("blocks.12.mlp.hook_post")
-        12
-    """
+    """Layer index of a per-layer hook name (12 for ``blocks.12.mlp.hook_post``)."""
     parts = name.split(".")
     if len(parts) < 3 or parts[0] != "blocks" or not parts[1].isdigit():
         raise InvalidArgumentError(f"{name!r} is not a per-layer hook name of the form 'blocks.<layer>.<site>'.")
@@ -89,12 +67,8 @@ def layer_of(name: str) -> int:
 
 @dataclass(frozen=True)
 class ModelDims:
-    """The sizes of a model that sinklens needs, read from its ``cfg``.
-
-    ``n_kv_heads`` equals ``n_heads`` unless the model uses grouped-query attention; ``d_mlp`` is 0 for a model
-    without MLPs (``cfg.attn_only``: TransformerLens 3.x keeps a nonzero ``cfg.d_mlp`` there); ``d_vocab_out`` is
-    the number of logits (``cfg.d_vocab_out``, ``d_vocab`` unless the model predicts another vocabulary).
-    """
+    """The sizes sinklens needs, from ``cfg``: ``d_mlp`` is 0 without MLPs (``cfg.attn_only``),
+    ``d_vocab_out`` the number of logits."""
 
     n_layers: int
     n_heads: int
@@ -120,14 +94,8 @@ def model_dims(model: Any) -> ModelDims:
     d_mlp = 0 if getattr(cfg, "attn_only", False) is True else getattr(cfg, "d_mlp", None) or 0
     d_vocab_out = getattr(cfg, "d_vocab_out", None)
     return ModelDims(
-        n_layers=int(cfg.n_layers),
-        n_heads=n_heads,
-        n_kv_heads=int(n_kv),
-        d_head=int(cfg.d_head),
-        d_model=int(cfg.d_model),
-        d_mlp=int(d_mlp),
-        n_ctx=int(cfg.n_ctx),
-        d_vocab=int(cfg.d_vocab),
+        n_layers=int(cfg.n_layers), n_heads=n_heads, n_kv_heads=int(n_kv), d_head=int(cfg.d_head),
+        d_model=int(cfg.d_model), d_mlp=int(d_mlp), n_ctx=int(cfg.n_ctx), d_vocab=int(cfg.d_vocab),
         d_vocab_out=int(d_vocab_out) if isinstance(d_vocab_out, int) and d_vocab_out > 0 else int(cfg.d_vocab),
     )
 
@@ -141,19 +109,7 @@ def model_device(model: Any) -> torch.device:
 
 
 def check_model_device(model: Any, device: torch.device | None) -> None:
-    """Raise :class:`~sinklens.errors.InvalidArgumentError` unless the model runs on ``device``
-    (:attr:`RunOptions.device <sinklens.options.RunOptions.device>`; None: no check).
-
-    The model's device is that of its first parameter (:func:`model_device`); ``cuda`` matches any
-    ``cuda:N``, ``cuda:1`` only that GPU.
-
-    Examples:
-        >>> check_model_device(torch.nn.Linear(2, 2), torch.device("cpu"))
-        >>> check_model_device(torch.nn.Linear(2, 2), torch.device("cuda"))
-        Traceback (most recent call last):
-        ...
-        sinklens.errors.InvalidArgumentError: RunOptions(device='cuda'), but the model runs on cpu: move it first (model.to('cuda')) or leave device=None.
-    """
+    """Refuse a model not on ``device`` (None: no check); ``cuda`` matches any ``cuda:N``."""
     if device is None:
         return
     actual = model_device(model)
@@ -165,7 +121,7 @@ def check_model_device(model: Any, device: torch.device | None) -> None:
 
 
 def model_dtype(model: Any) -> torch.dtype:
-    """The dtype of the model's floating-point parameters (its activations' dtype): float32 when it has none."""
+    """The dtype of the model's floating-point parameters: float32 when it has none."""
     for param in getattr(model, "parameters", lambda: ())():
         if param.dtype.is_floating_point:
             return param.dtype
@@ -173,15 +129,7 @@ def model_dtype(model: Any) -> torch.dtype:
 
 
 def check_hook_names(model: Any, names: Iterable[str]) -> None:
-    """Raise :class:`InvalidArgumentError` naming the closest real hooks if any name is missing.
-
-    Examples:
-        >>> from sinklens.testing import tiny_model
-        >>> check_hook_names(tiny_model(), ["blocks.0.attn.hook_pattrn"])
-        Traceback (most recent call last):
-        ...
-        sinklens.errors.InvalidArgumentError: Unknown hook 'blocks.0.attn.hook_pattrn'; did you mean 'blocks.0.attn.hook_pattern'...
-    """
+    """Refuse a missing hook name, naming the closest real ones."""
     available = model.hook_dict
     for name in names:
         if name not in available:
@@ -194,9 +142,7 @@ def check_hook_names(model: Any, names: Iterable[str]) -> None:
 
 
 def resolve_layers(layers: int | Sequence[int] | None, n_layers: int) -> list[int]:
-    """Normalise a ``layers=`` argument (None = all, an int, or a sequence; negatives count from the end).
-
-    Raises :class:`~sinklens.errors.InvalidArgumentError` (a ``ValueError``) naming the bad layer.
+    """A ``layers=`` argument as a list (None = all, an int, or a sequence; negatives from the end).
 
     Examples:
         >>> resolve_layers(None, 3), resolve_layers(-1, 3), resolve_layers([0, 2], 3)
@@ -206,11 +152,7 @@ def resolve_layers(layers: int | Sequence[int] | None, n_layers: int) -> list[in
 
 
 def expand_kv_heads(weight: Float[Tensor, "... kv_head a b"], n_heads: int) -> Float[Tensor, "... head a b"]:
-    """Repeat grouped-query key/value weights so there is one slice per query head.
-
-    TransformerBridge exposes ``W_K``/``W_V`` with ``n_key_value_heads`` slices, HookedTransformer
-    3.x already repeats them; after this both have ``n_heads``.
-    """
+    """Repeat grouped-query key/value weights to one slice per query head."""
     n_kv = weight.shape[-3]
     if n_kv == n_heads:
         return weight
@@ -224,9 +166,7 @@ _WEIGHT_CACHES: dict[int, dict[str, Tensor]] = {}
 
 @contextmanager
 def cached_weights(model: Any) -> Iterator[None]:
-    """Within the block, :func:`weight` stacks each of ``model``'s weights once (the analyzers of one
-    ``analyze`` pass share them); the stacked copies are dropped when the block ends, so nothing stays
-    in memory and later in-place edits of the weights are always seen."""
+    """Within the block, :func:`weight` stacks each of ``model``'s weights only once."""
     key = id(model)
     outer = key in _WEIGHT_CACHES
     _WEIGHT_CACHES.setdefault(key, {})
@@ -238,7 +178,7 @@ def cached_weights(model: Any) -> Iterator[None]:
 
 
 def with_cached_weights(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Decorate a function whose first argument is a model so that it runs inside :func:`cached_weights`."""
+    """Run a function whose first argument is a model inside :func:`cached_weights`."""
 
     @functools.wraps(fn)
     def wrapped(model: Any, *args: Any, **kwargs: Any) -> Any:
@@ -249,11 +189,8 @@ def with_cached_weights(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def weight(model: Any, name: str) -> Tensor:
-    """A stacked weight property (``W_Q``, ``W_K``, ``W_V``, ``W_O``, ``W_in``, ``W_gate``, ``W_out``, ``W_E``, ``W_U``).
-
-    Key/value weights are expanded to one slice per query head. Raises ``AttributeError`` with
-    the model's type if it does not expose that weight.
-    """
+    """A stacked weight property (``W_Q``, ``W_O``, ``W_in``, ``W_U``, ...), detached; key/value
+    weights expanded per query head. ``AttributeError`` if the model has none."""
     cache = _WEIGHT_CACHES.get(id(model))
     if cache is not None and name in cache:
         return cache[name]
@@ -279,9 +216,8 @@ def _checksum_vector(length: int, salt: int, device: torch.device, dtype: torch.
 
 
 def _weight_checksum(param: Tensor) -> Tensor:
-    """``sᵀ X r`` over the whole tensor viewed as ``X = [rows, last dim]``, with fixed weights ``r`` and ``s``
-    (:func:`_checksum_vector`): one matrix-vector product, so it reads every entry once. Any edit bigger than the
-    product's rounding (≈ 1e-7 of the entries' size) moves it, a permutation of rows or columns included."""
+    """``sᵀ X r`` over the tensor viewed as ``X = [rows, last dim]``, with fixed weights ``r``,
+    ``s``: reads every entry once; any edit above rounding moves it, a permutation included."""
     x = param.detach()
     x = x.reshape(-1, x.shape[-1]) if x.dim() > 1 else x.reshape(1, -1)
     if x.numel() == 0:
@@ -293,13 +229,8 @@ def _weight_checksum(param: Tensor) -> Tensor:
 
 
 def weight_fingerprint(model: Any) -> tuple:
-    """A key that changes when the model's weights change; it guards the caches of weight-only
-    quantities (:func:`weight_cached`, the reference means of :mod:`sinklens.interventions.variance`).
-
-    Per parameter: its storage address, its autograd version counter (bumped by in-place ops), its shape
-    and a checksum of every entry (:func:`_weight_checksum`, which catches writes through a ``.data``
-    alias). One read of the weights (about 30 ms for 135M parameters) and one host transfer per device.
-    """
+    """A key that changes when the model's weights change: per parameter its address, version
+    counter, shape and :func:`_weight_checksum` (which catches writes through ``.data``)."""
     keys, sums = [], []
     with torch.no_grad():
         for param in model.parameters():
@@ -309,37 +240,27 @@ def weight_fingerprint(model: Any) -> tuple:
                 version = -1
             keys.append((param.data_ptr(), version, tuple(param.shape)))
             sums.append(None if param.is_meta else _weight_checksum(param))
-    by_device: dict[torch.device, list[int]] = {}
-    for i, value in enumerate(sums):
-        if value is not None:
-            by_device.setdefault(value.device, []).append(i)
-    values: list[float | None] = [None] * len(sums)
-    for where in by_device.values():
-        for i, value in zip(where, torch.stack([sums[i] for i in where]).cpu().tolist()):
-            values[i] = value
-    return tuple(key + (value,) for key, value in zip(keys, values))
+    host: dict[int, float] = {}
+    for device in {value.device for value in sums if value is not None}:
+        where = [i for i, value in enumerate(sums) if value is not None and value.device == device]
+        host.update(zip(where, torch.stack([sums[i] for i in where]).tolist()))
+    return tuple(key + (host.get(i),) for i, key in enumerate(keys))
 
 
-#: (site, leading shape) of the per-block weight behind each stacked weight property.
+#: The block submodule holding each per-layer weight property.
 _BLOCK_WEIGHTS = {"W_in": "mlp", "W_gate": "mlp", "W_out": "mlp", "W_Q": "attn", "W_K": "attn", "W_V": "attn", "W_O": "attn"}
 
 
 def layer_weight(model: Any, name: str, layer: int) -> Tensor:
-    """One layer's slice of a stacked weight property, ``weight(model, name)[layer]``, without stacking.
-
-    Reads ``model.blocks[layer].{mlp|attn}.{name}`` (a view, no copy) when it has the stacked slice's shape,
-    else slices the stacked property. Key/value weights are expanded per query head. Detached.
-    """
+    """``weight(model, name)[layer]`` without stacking: ``model.blocks[layer].{mlp|attn}.{name}``
+    when it has the stacked slice's shape, else the stacked property sliced."""
     cache = _WEIGHT_CACHES.get(id(model))
     if cache is not None and name in cache:
         return cache[name][layer]
-    site = _BLOCK_WEIGHTS.get(name)
-    w = None
-    if site is not None:
-        try:
-            w = getattr(getattr(model.blocks[layer], site), name)
-        except (AttributeError, IndexError, TypeError):
-            w = None
+    try:
+        w = getattr(getattr(model.blocks[layer], _BLOCK_WEIGHTS[name]), name)
+    except (KeyError, AttributeError, IndexError, TypeError):
+        w = None
     if isinstance(w, Tensor):
         d = model_dims(model)
         w = w.detach()
@@ -355,18 +276,12 @@ def layer_weight(model: Any, name: str, layer: int) -> Tensor:
 
 
 def weight_cached(model: Any, key: Hashable, compute: Callable[[], Any]) -> Any:
-    """``compute()``, kept per model under ``key`` until the model's weights change (:func:`weight_fingerprint`).
-
-    For quantities that depend on the weights alone; the fingerprint is taken on every call, or once per
-    :func:`cached_weights` block.
-    """
-    stack = _WEIGHT_CACHES.get(id(model))
-    if stack is not None and "__fingerprint__" in stack:
-        fingerprint = stack["__fingerprint__"]
-    else:
-        fingerprint = weight_fingerprint(model)
-        if stack is not None:
-            stack["__fingerprint__"] = fingerprint
+    """``compute()``, kept per model under ``key`` until its :func:`weight_fingerprint` changes
+    (taken on every call, or once per :func:`cached_weights` block)."""
+    stack = _WEIGHT_CACHES.get(id(model), {})
+    if "__fingerprint__" not in stack:
+        stack["__fingerprint__"] = weight_fingerprint(model)
+    fingerprint = stack["__fingerprint__"]
     try:
         store = _STAT_CACHES.get(model)
     except TypeError:  # not weak-referenceable: no cache
@@ -391,9 +306,8 @@ _RUNNING = threading.local()
 
 @contextmanager
 def exclusive_use(model: Any) -> Iterator[None]:
-    """Hold ``model`` while sinklens hooks and runs it: hooks live on the model, so two passes at once would fire
-    each other's. Another thread waits until the pass ends; one started from inside a forward :func:`running` in
-    this thread (an analyzer called from a hook) raises :class:`~sinklens.errors.InvalidArgumentError`."""
+    """Hold ``model`` while sinklens hooks and runs it, so two passes never fire each other's hooks:
+    another thread waits; a pass started from a hook of one :func:`running` here is refused."""
     if id(model) in getattr(_RUNNING, "models", ()):
         raise InvalidArgumentError(
             f"A sinklens pass on this {type(model).__name__} was started from inside a hook of another pass on it: "
@@ -421,9 +335,8 @@ def running(model: Any) -> Iterator[None]:
 
 @contextmanager
 def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
-    """Run ``module`` without the forward hooks on it and its submodules: the user's (permanent, ``add_hook``,
-    ``with model.hooks(...)``) and sinklens' own trampolines, which stay attached between batches. Hooks added
-    inside the block run; the tables are given back as they were when the block ends (also when it raises)."""
+    """Run ``module`` without the forward hooks already on it and its submodules (the user's and
+    sinklens' trampolines); the hook tables are restored when the block ends."""
     saved = [(table, dict(table)) for m in module.modules() for table in (m._forward_hooks, m._forward_pre_hooks) if table]
     try:
         for table, _ in saved:
@@ -437,22 +350,16 @@ def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
 
 @contextmanager
 def eval_mode(model: Any) -> Iterator[None]:
-    """Run ``model`` in eval mode inside the block, then give every submodule back the mode it had.
-
-    sinklens measures the model as it runs at inference (no dropout). Modes are restored module by module
-    (also when the block raises), a TransformerBridge's wrapped ``original_model`` included. Only a
-    ``torch.nn.Module`` is switched.
-    """
-    if not isinstance(model, torch.nn.Module):
+    """Run ``model`` in eval mode inside the block, then give every submodule (a bridge's
+    ``original_model`` included) back the mode it had."""
+    is_module = isinstance(model, torch.nn.Module)
+    roots = (model, getattr(model, "original_model", None)) if is_module else ()
+    modules = {id(m): m for r in roots if isinstance(r, torch.nn.Module) for m in r.modules()}
+    training = [m for m in modules.values() if m.training]
+    if not training:  # already in eval mode (or no module): nothing to switch or restore
         yield
         return
     was_training = model.training
-    inner = getattr(model, "original_model", None)
-    modules = {id(m): m for root in (model, inner) if isinstance(root, torch.nn.Module) for m in root.modules()}
-    training = [m for m in modules.values() if m.training]
-    if not training:  # already in eval mode (as sinklens.load_model returns it): nothing to switch or restore
-        yield
-        return
     model.eval()  # through the model's own eval(): a wrapper may pass it on to a model it holds
     try:
         yield
@@ -466,8 +373,7 @@ def eval_mode(model: Any) -> Iterator[None]:
 
 
 def refuse_meta_model(model: Any) -> None:
-    """Raise :class:`~sinklens.errors.InvalidArgumentError` when the model's parameters are on the ``meta`` device
-    (shapes without values: nothing can be measured on it)."""
+    """Refuse a model whose parameters are on the ``meta`` device."""
     if model_device(model).type == "meta":
         raise InvalidArgumentError(
             "The model's parameters are on the meta device (shapes without values), so nothing can be measured: "

@@ -1,8 +1,5 @@
-"""What a model's forward pass does with hooks, probed once per model with a tiny forward.
-
-Some architectures list hooks they never fire, fire attention hooks after the fact, attend both ways whatever
-their config says, or fire ``hook_resid_mid`` on a copy; each probe runs a 2- or 3-token forward once per model.
-"""
+"""What a model's forward pass does with hooks, probed once per model with a 2- or 3-token forward:
+hooks never fired, attention hooks fired after the fact, attention both ways, a copied resid_mid."""
 
 from __future__ import annotations
 
@@ -17,19 +14,8 @@ from torch import Tensor
 
 from sinklens.errors import UnsupportedArchitectureError
 from sinklens.hooks import (
-    MLP_OUT,
-    PATTERN,
-    RESID_MID,
-    RESID_POST,
-    SCORES,
-    Z,
-    eval_mode,
-    exclusive_use,
-    hook_name,
-    hooks_silenced,
-    model_device,
-    model_dims,
-    refuse_meta_model,
+    MLP_OUT, PATTERN, RESID_MID, RESID_POST, SCORES, Z, eval_mode, exclusive_use, hook_name,
+    hooks_silenced, model_device, model_dims, refuse_meta_model,
 )
 
 #: model -> {probe key: answer}; see :func:`_probed`.
@@ -38,28 +24,32 @@ _PROBES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 def _probed(model: Any, key: Hashable, probe: Callable[[], Any]) -> Any:
     """``probe()`` once per model and ``key``, with the model's hooks silenced and in eval mode (weak map)."""
-    known = _PROBES.get(model) if _weakrefable(model) else None
-    if known is not None and key in known:
-        return known[key]
-    refuse_meta_model(model)
-    with exclusive_use(model), hooks_silenced(model) if isinstance(model, torch.nn.Module) else nullcontext(), \
-            eval_mode(model):
-        value = probe()
-    if _weakrefable(model):
-        _PROBES.setdefault(model, {})[key] = value
-    return value
-
-
-def _weakrefable(model: Any) -> bool:
     try:
-        weakref.ref(model)
-    except TypeError:
-        return False
-    return True
+        known = _PROBES.setdefault(model, {})
+    except TypeError:  # not weak-referenceable: probed every time
+        known = {}
+    if key not in known:
+        refuse_meta_model(model)
+        silenced = hooks_silenced(model) if isinstance(model, torch.nn.Module) else nullcontext()
+        with exclusive_use(model), silenced, eval_mode(model):
+            known[key] = probe()
+    return known[key]
 
 
-def _probe_tokens(model: Any, n: int) -> Tensor:
-    return torch.zeros(1, n, dtype=torch.long, device=model_device(model))
+def _run_probe(model: Any, hooks: list, n_tokens: int) -> None:
+    """One forward of ``n_tokens`` zero tokens with ``hooks`` attached."""
+    tokens = torch.zeros(1, n_tokens, dtype=torch.long, device=model_device(model))
+    with torch.inference_mode(), model.hooks(fwd_hooks=hooks):
+        model(tokens, return_type=None)
+
+
+def _recorder(seen: dict[str, Tensor], key: str) -> Callable[[Tensor, Any], None]:
+    """A hook keeping a float copy of its activation in ``seen[key]`` (keys in firing order)."""
+
+    def hook(act: Tensor, hook: Any) -> None:
+        seen[key] = act.detach().float().clone()
+
+    return hook
 
 
 def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
@@ -69,59 +59,43 @@ def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
         return []
 
     def probe() -> list[str]:
-        fired: set[str] = set()
-
-        def record(name: str):
-            def hook(act: Any, hook: Any) -> None:
-                fired.add(name)
-
-            return hook
-
-        with torch.inference_mode(), model.hooks(fwd_hooks=[(n, record(n)) for n in present]):
-            model(_probe_tokens(model, 2), return_type=None)
+        fired: dict[str, Tensor] = {}
+        _run_probe(model, [(n, _recorder(fired, n)) for n in present], 2)
         return [n for n in present if n not in fired]
 
     return _probed(model, ("silent", tuple(present)), probe)
 
 
 def post_hoc_attention(model: Any) -> str | None:
-    """Why ``hook_attn_scores`` / ``hook_pattern`` fire after the attention ran (edits are discarded, as in the
-    4.x BERT bridge), or None when they are seams. A 3-token probe lets each query see only its own key at
-    layer 0's scores: attention elsewhere in ``hook_pattern``, or ``hook_pattern`` after ``hook_z``, is post hoc.
-    """
+    """Why ``hook_attn_scores`` / ``hook_pattern`` fire after the attention ran (edits are
+    discarded, as in the 4.x BERT bridge), or None when they are seams. A 3-token probe lets each
+    query see only its own key at layer 0's scores: attention elsewhere in ``hook_pattern``, or
+    ``hook_pattern`` after ``hook_z``, is post hoc."""
     names = [hook_name(0, site) for site in (SCORES, PATTERN, Z)]
     if any(n not in model.hook_dict for n in names[:2]):
         return None
 
     def probe() -> str | None:
-        order: list[str] = []
         seen: dict[str, Tensor] = {}
 
         def only_own_key(scores: Tensor, hook: Any) -> Tensor:
-            order.append(SCORES)
             n_q, n_k = scores.shape[-2:]
             own = torch.eye(n_k, dtype=torch.bool, device=scores.device)[n_k - n_q:]
             return scores.masked_fill(~own, float("-inf"))
 
-        def record(name: str):
-            def hook(act: Tensor, hook: Any) -> None:
-                order.append(name)
-                seen[name] = act.detach()
-
-            return hook
-
-        hooks = [(names[0], only_own_key), (names[1], record(PATTERN))]
+        hooks = [(names[0], only_own_key), (names[1], _recorder(seen, PATTERN))]
         if names[2] in model.hook_dict:
-            hooks.append((names[2], record(Z)))
-        with warnings.catch_warnings(), torch.inference_mode(), model.hooks(fwd_hooks=hooks):
+            hooks.append((names[2], _recorder(seen, Z)))
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TransformerLens' "edit is discarded" warning: reported below instead
-            model(_probe_tokens(model, min(3, model_dims(model).n_ctx)), return_type=None)
+            _run_probe(model, hooks, min(3, model_dims(model).n_ctx))
         pattern = seen.get(PATTERN)
         if pattern is None:
             return None
         n_q, n_k = pattern.shape[-2:]
         other_keys = ~torch.eye(n_k, dtype=torch.bool, device=pattern.device)[n_k - n_q:]
-        discarded = bool((pattern.float().abs() * other_keys).amax() > 0)
+        discarded = bool((pattern.abs() * other_keys).amax() > 0)
+        order = list(seen)
         late = Z in order and order.index(PATTERN) > order.index(Z)
         if not (discarded or late):
             return None
@@ -133,8 +107,8 @@ def post_hoc_attention(model: Any) -> str | None:
 
 
 def require_attention_seams(model: Any, what: str) -> None:
-    """Raise :class:`~sinklens.errors.UnsupportedArchitectureError` if ``model``'s attention hooks are post hoc
-    (:func:`post_hoc_attention`): ``what`` (e.g. ``"mask interventions"``) would silently do nothing there."""
+    """Refuse ``model`` when its attention hooks are post hoc (:func:`post_hoc_attention`): ``what``
+    (e.g. ``"mask interventions"``) would silently do nothing there."""
     reason = post_hoc_attention(model)
     if reason is not None:
         raise UnsupportedArchitectureError(
@@ -151,10 +125,9 @@ def attends_to_later_keys(model: Any) -> bool:
         return False
 
     def probe() -> bool:
-        seen: list[Tensor] = []
-        with torch.inference_mode(), model.hooks(fwd_hooks=[(name, lambda act, hook: seen.append(act[..., 0, 1]))]):
-            model(_probe_tokens(model, 2), return_type=None)
-        return bool(seen) and bool((seen[0].float() > 0).any())
+        seen: dict[str, Tensor] = {}
+        _run_probe(model, [(name, _recorder(seen, PATTERN))], 2)
+        return PATTERN in seen and bool((seen[PATTERN][..., 0, 1] > 0).any())
 
     return _probed(model, "attends_to_later_keys", probe)
 
@@ -174,15 +147,8 @@ def resid_mid_is_a_copy(model: Any) -> bool:
             seen["mid"] = act.detach().float().clone()
             return act + 1.0
 
-        def record(name: str):
-            def hook(act: Tensor, hook: Any) -> None:
-                seen[name] = act.detach().float().clone()
-
-            return hook
-
-        hooks = [(names[0], shift), (names[1], record("mlp")), (names[2], record("post"))]
-        with torch.inference_mode(), model.hooks(fwd_hooks=hooks):
-            model(_probe_tokens(model, 2), return_type=None)
+        _run_probe(model, [(names[0], shift), (names[1], _recorder(seen, "mlp")),
+                           (names[2], _recorder(seen, "post"))], 2)
         if len(seen) < 3:
             return False
         skip = seen["post"] - seen["mlp"]  # the residual the block carried past its MLP

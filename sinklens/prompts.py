@@ -39,15 +39,22 @@ def builtin_prompts() -> list[str]:
     return list(BUILTIN_PROMPTS)
 
 
-def stdlib_docstrings() -> Iterator[str]:
-    """Every docstring (module, class, function) of the running interpreter's top-level ``stdlib/*.py``
-    files, in file order then ``ast.walk`` order; files that do not parse or read are skipped. The one
-    walker behind :func:`stdlib_text_prompts` and the text corpus of ``benchmarks/bench_convergence.py``."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    for path in sorted(stdlib.glob("*.py")):
+def _stdlib_sources() -> Iterator[str]:
+    """The text of the running interpreter's top-level ``stdlib/*.py`` files, by name."""
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
         try:
-            tree = ast.parse(path.read_text(encoding="utf-8"))
-        except (SyntaxError, UnicodeDecodeError, ValueError, OSError):
+            yield path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+
+
+def stdlib_docstrings() -> Iterator[str]:
+    """Every docstring (module, class, function) of the top-level ``stdlib/*.py`` files, in file
+    order then ``ast.walk`` order; files that do not parse are skipped."""
+    for source in _stdlib_sources():
+        try:
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
             continue
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module, ast.AsyncFunctionDef)):
@@ -58,12 +65,9 @@ def stdlib_docstrings() -> Iterator[str]:
 
 def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 800, seed: IntLike = 0,
                         what: str = "n_prompts") -> list[str]:
-    """Real text available offline: docstrings from the Python standard library's own sources.
-
-    Docstrings of at least 30 words without doctest examples, read from the running interpreter's
-    ``stdlib`` directory (:func:`stdlib_docstrings`; 941 on CPython 3.11). ``n_prompts`` of them (None:
-    all), each cut to ``n_chars`` characters, shuffled by ``seed``; ``what`` names the argument in errors.
-    """
+    """Real text available offline: ``n_prompts`` (None: all) standard-library docstrings of at
+    least 30 words without doctest examples (941 on CPython 3.11), each cut to ``n_chars``
+    characters, shuffled by ``seed``; ``what`` names the argument in errors."""
     if n_prompts is not None:
         n_prompts = positive_int(n_prompts, what=what)
     n_chars = positive_int(n_chars, what="n_chars")
@@ -71,7 +75,6 @@ def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 80
     docs = [
         " ".join(doc.split())[:n_chars]
         for doc in stdlib_docstrings()
-        # Prose only: long enough, and no doctest examples (code, not text).
         if len(doc) >= 200 and ">>>" not in doc and len(doc.split()) >= 30
     ]
     random.Random(seed).shuffle(docs)
@@ -86,16 +89,13 @@ def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 80
 
 
 def stdlib_source_tokens(tokenizer: Any, n_tokens: IntLike) -> list[int]:
-    """The first ``n_tokens`` token ids of the running interpreter's top-level ``stdlib/*.py`` sources (code and
-    comments), concatenated in file-name order, each file encoded on its own without special tokens: long natural
-    text available offline, the same on every run of one Python."""
+    """The first ``n_tokens`` token ids of the top-level ``stdlib/*.py`` sources, concatenated by
+    file name, each encoded without special tokens: long text available offline, the same on every
+    run of one Python."""
     n_tokens = positive_int(n_tokens, what="n_tokens")
     ids: list[int] = []
-    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py")):
-        try:
-            ids += tokenizer.encode(path.read_text(encoding="utf-8"), add_special_tokens=False)
-        except (UnicodeDecodeError, OSError):
-            continue
+    for source in _stdlib_sources():
+        ids += tokenizer.encode(source, add_special_tokens=False)
         if len(ids) >= n_tokens:
             return ids[:n_tokens]
     raise InvalidArgumentError(f"n_tokens {n_tokens} is more than this Python's standard library sources hold "

@@ -15,10 +15,7 @@ def split_args(text: str) -> list[str]:
     """Split ``a=1,b=[1,2]`` at top-level commas."""
     parts, depth, current = [], 0, ""
     for char in text:
-        if char in "([{":
-            depth += 1
-        elif char in ")]}":
-            depth -= 1
+        depth += (char in "([{") - (char in ")]}")
         if char == "," and depth == 0:
             parts.append(current)
             current = ""

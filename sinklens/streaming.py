@@ -1,11 +1,7 @@
 """The one streaming loop: run hooks over batches and fold activations into small statistics.
 
-Every analyzer is a :class:`Reducer`. :func:`stream` runs a single forward pass per batch with the
-hooks of *all* reducers attached, so several analyzers share one forward, and no activation outlives
-the hook (or the batch) that reduced it: memory is flat in the number of prompts. :func:`run` does
-the same from any accepted input (strings, token tensors, batches) and a :class:`RunOptions`.
-
-Writing a reducer:
+Every analyzer is a :class:`Reducer`; :func:`stream` runs one forward per batch with the hooks of
+all reducers attached, and no activation outlives the hook that reduced it.
 
 Examples:
     >>> import torch
@@ -64,15 +60,8 @@ R = TypeVar("R")
 
 @dataclass
 class BatchFold:
-    """What a reducer attaches to one forward pass.
-
-    Attributes:
-        hooks: ``(hook_name, fn)`` pairs; each ``fn(act, hook)`` folds what it needs and returns
-            ``None`` (it must not modify ``act``).
-        state: anything the reducer computed for this batch and wants back in
-            :meth:`Reducer.end_batch` (e.g. per-batch query weights); per-batch state lives here,
-            never on the reducer instance.
-    """
+    """What a reducer attaches to one forward pass: ``(hook_name, fn)`` pairs, each folding ``act``
+    without modifying it, and per-batch ``state`` handed back to :meth:`Reducer.end_batch`."""
 
     hooks: list[tuple[str, HookFn]]
     state: Any = None
@@ -80,17 +69,7 @@ class BatchFold:
 
 class Reducer(ABC, Generic[R]):
     """A streaming analyzer: folds activations into running statistics, then builds a result ``R``.
-
-    The contract:
-
-    * ``reset()`` zeroes the running statistics; a reducer can be reused for a new pass.
-    * ``fwd_hooks(batch)`` returns the :class:`BatchFold` for that batch.
-    * ``end_batch(batch, fold)`` runs after the forward with the same fold, for folds that combine
-      several hooks (optional).
-    * ``result()`` turns the statistics into the analyzer's result object, without changing them.
-
-    Reducers compose by holding other reducers and forwarding these calls, not by subclassing.
-    """
+    Reducers compose by holding other reducers and forwarding these calls, not by subclassing."""
 
     @abstractmethod
     def reset(self) -> None:
@@ -107,21 +86,14 @@ class Reducer(ABC, Generic[R]):
     def result(self) -> R:
         """The analyzer's result."""
 
-    # ---- combining reducers that saw different sequences (see sinklens.distributed) ------------------
-    #: Names of the attributes that hold the running statistics (everything ``reset()`` zeroes); what
-    #: :meth:`state_dict` sends and :meth:`merge` combines. Settings and weights are not listed.
+    #: The attributes ``reset()`` zeroes: what :meth:`state_dict` sends and :meth:`merge` combines.
     statistics: ClassVar[tuple[str, ...]] = ()
-    #: Those of :attr:`statistics` that combine by their elementwise maximum (a "was it ever" flag: OR).
+    #: Those of :attr:`statistics` that combine by their elementwise maximum.
     maxima: ClassVar[tuple[str, ...]] = ()
 
     def merge(self, other: Reducer[R]) -> None:
-        """Fold the statistics of ``other`` (the same reducer, run over the sequences that come *after*
-        this one's) into this one, so that :meth:`result` is what one pass over both would give.
-
-        The default combines every attribute named in :attr:`statistics` by :func:`merge_sum` (those in
-        :attr:`maxima` by :func:`merge_max`). Reducers holding an argmax, a top-k or a sequence index
-        override this. A reducer that declares no :attr:`statistics` raises ``NotImplementedError``.
-        """
+        """Fold in ``other`` (the same reducer over the sequences after this one's), so
+        :meth:`result` is what one pass over both would give."""
         merge_statistics(self, other, self._declared_statistics())
 
     def state_dict(self) -> dict[str, Any]:
@@ -129,7 +101,6 @@ class Reducer(ABC, Generic[R]):
         return {name: _state_of(getattr(self, name)) for name in self._declared_statistics()}
 
     def _declared_statistics(self) -> tuple[str, ...]:
-        """:attr:`statistics`, or ``NotImplementedError`` naming the reducer when it declares none."""
         if not self.statistics:
             raise NotImplementedError(f"{type(self).__name__} does not declare its statistics (the class attribute "
                                       "statistics = ('name', ...)); it cannot be merged.")
@@ -146,8 +117,7 @@ class Reducer(ABC, Generic[R]):
                 setattr(self, name, _map_tensors(state[name], lambda t: t.to(device)))
 
     def shallow_copy(self) -> Reducer[R]:
-        """A shallow copy (settings, weights and, until replaced, statistics shared; nested reducers copied)
-        whose statistics :meth:`load_state_dict` can replace without touching this reducer's."""
+        """A shallow copy (nested reducers copied) whose statistics can be replaced alone."""
         clone = copy.copy(self)
         for name in self.statistics:
             value = getattr(clone, name)
@@ -157,8 +127,8 @@ class Reducer(ABC, Generic[R]):
 
 
 def merge_sum(mine: Any, theirs: Any) -> Any:
-    """``mine`` combined with ``theirs``: tensors and numbers add (padded with zeros to the larger shape),
-    lists concatenate, sets unite, dicts merge key-wise, objects with a ``merge`` method merge, a flag takes ``theirs``.
+    """``mine`` combined with ``theirs``: tensors (zero-padded to the larger shape) and numbers add,
+    lists concatenate, sets unite, dicts merge key-wise, objects by ``merge``, flags take ``theirs``.
 
     Examples:
         >>> merge_sum(torch.ones(2, 1), torch.ones(1, 3))
@@ -168,15 +138,11 @@ def merge_sum(mine: Any, theirs: Any) -> Any:
         ([1, 2], {0: 3.0, 1: 3.0}, False, {'qk'})
     """
     if isinstance(mine, Tensor):
-        if mine.shape != theirs.shape:
-            size = [max(a, b) for a, b in zip(mine.shape, theirs.shape, strict=True)]
-            mine, theirs = _pad_to(mine, size), _pad_to(theirs, size)
-        return mine + theirs.to(mine.device)
+        mine, theirs = _same_shape(mine, theirs, 0.0)
+        return mine + theirs
     if isinstance(mine, bool):
         return theirs
-    if isinstance(mine, (int, float)):
-        return mine + theirs
-    if isinstance(mine, list):
+    if isinstance(mine, (int, float, list)):
         return mine + theirs
     if isinstance(mine, set):
         return mine | theirs
@@ -198,25 +164,17 @@ def merge_max(mine: Tensor, theirs: Tensor) -> Tensor:
         >>> merge_max(torch.tensor([True, False]), torch.tensor([False, False]))
         tensor([ True, False])
     """
-    if mine.shape != theirs.shape:
-        size = [max(a, b) for a, b in zip(mine.shape, theirs.shape, strict=True)]
-        lowest = _lowest(mine.dtype)
-        mine, theirs = _pad_to(mine, size, lowest), _pad_to(theirs, size, lowest)
-    return torch.maximum(mine, theirs.to(mine.device))
+    dtype = mine.dtype
+    info = torch.finfo if dtype.is_floating_point else torch.iinfo
+    lowest = False if dtype == torch.bool else info(dtype).min
+    return torch.maximum(*_same_shape(mine, theirs, lowest))
 
 
 def merge_statistics(reducer: Reducer[Any], other: Reducer[Any], names: Sequence[str]) -> None:
-    """Set every attribute ``names`` of ``reducer`` to its value combined with ``other``'s: :func:`merge_max`
-    for the names in ``reducer.maxima``, :func:`merge_sum` for the others."""
+    """Combine each attribute ``names`` of ``reducer`` with ``other``'s (``maxima`` by maximum)."""
     for name in names:
         combine = merge_max if name in reducer.maxima else merge_sum
         setattr(reducer, name, combine(getattr(reducer, name), getattr(other, name)))
-
-
-def _lowest(dtype: torch.dtype) -> float | bool:
-    if dtype == torch.bool:
-        return False
-    return torch.finfo(dtype).min if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
 def grow(t: Tensor, dim: int, size: int, fill: float | int | bool = 0.0) -> Tensor:
@@ -228,10 +186,12 @@ def grow(t: Tensor, dim: int, size: int, fill: float | int | bool = 0.0) -> Tens
     return torch.cat([t, torch.full(shape, fill, dtype=t.dtype, device=t.device)], dim=dim)
 
 
-def _pad_to(t: Tensor, size: Sequence[int], fill: float | bool = 0.0) -> Tensor:
-    for dim, n in enumerate(size):
-        t = grow(t, dim, n, fill)
-    return t
+def _same_shape(mine: Tensor, theirs: Tensor, fill: float | bool) -> tuple[Tensor, Tensor]:
+    """Both padded with ``fill`` to the larger shape, ``theirs`` on ``mine``'s device."""
+    theirs = theirs.to(mine.device)
+    for dim, (a, b) in enumerate(zip(mine.shape, theirs.shape, strict=True)):
+        mine, theirs = grow(mine, dim, max(a, b), fill), grow(theirs, dim, max(a, b), fill)
+    return mine, theirs
 
 
 def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
@@ -269,10 +229,8 @@ def _statistics_device(reducer: Reducer[Any]) -> torch.device:
 
 
 def bound_hooks(names: Sequence[str], keys: Sequence[Any], fold: Callable[[Tensor, Any], Any]) -> list[tuple[str, HookFn]]:
-    """The one way to bind a hook to what it measures: ``fold(act, key)`` on hook ``names[i]`` with ``keys[i]``.
-
-    The key is bound when the hook is built, never read back from ``hook.name`` (a TransformerBridge
-    reports aliased hooks under their canonical names).
+    """``fold(act, keys[i])`` on hook ``names[i]``: the key is bound here, never read back from
+    ``hook.name`` (a TransformerBridge reports aliased hooks under their canonical names).
 
     Examples:
         >>> [(name, fn(None, None)) for name, fn in bound_hooks(["a", "b"], [0, 1], lambda act, key: key)]
@@ -280,32 +238,19 @@ def bound_hooks(names: Sequence[str], keys: Sequence[Any], fold: Callable[[Tenso
     """
 
     def bind(key: Any) -> HookFn:
-        def hook_fn(act: Any, hook: Any) -> Any:
-            return fold(act, key)
-
-        return hook_fn
+        return lambda act, hook: fold(act, key)
 
     return [(name, bind(key)) for name, key in zip(names, keys, strict=True)]
 
 
 def per_layer_hooks(site: str, layers: Sequence[int], fold: Callable[[Tensor, int], Any]) -> list[tuple[str, HookFn]]:
-    """Bind ``fold(act, layer)`` to ``blocks.{layer}.{site}`` for every layer (see :func:`bound_hooks`).
-
-    Examples:
-        >>> [name for name, _ in per_layer_hooks("attn.hook_pattern", [0, 2], lambda act, layer: None)]
-        ['blocks.0.attn.hook_pattern', 'blocks.2.attn.hook_pattern']
-    """
+    """Bind ``fold(act, layer)`` to ``blocks.{layer}.{site}`` for every layer."""
     return bound_hooks([hook_name(layer, site) for layer in layers], list(layers), fold)
 
 
 class _HookTable:
-    """One trampoline per hook name, attached once; each batch swaps in that batch's functions.
-
-    Registering hundreds of TransformerLens hooks costs real time (a handle per hook), so
-    :func:`stream` attaches one trampoline per name for as long as the set of names stays the same
-    and only replaces the per-batch function lists. A trampoline runs its functions in order, each
-    receiving the previous one's output when it returns one, exactly like stacked TransformerLens hooks.
-    """
+    """One trampoline per hook name, attached while the set of names stays the same (registering
+    hooks is slow); each batch swaps in its functions, run in order like stacked hooks."""
 
     def __init__(self) -> None:
         self.fns: dict[str, list[HookFn]] = {}
@@ -329,8 +274,7 @@ class _HookTable:
 
 
 def accepts_attention_mask(model: Any) -> bool:
-    """True if ``model(tokens, attention_mask=...)`` is accepted (TransformerLens 3.x ``HookedTransformer`` and
-    4.x ``TransformerBridge`` both are; sinklens' own :class:`~sinklens.sinklm.model.SinkLM` is not)."""
+    """True if ``model(tokens, attention_mask=...)`` is accepted (not by SinkLM)."""
     try:
         params = inspect.signature(model.forward).parameters
     except (TypeError, ValueError):
@@ -338,16 +282,13 @@ def accepts_attention_mask(model: Any) -> bool:
     return "attention_mask" in params or any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
 
 
-#: The real-token mask of the padded batch :func:`forward` is running (None outside one); see :func:`real_tokens`.
+#: The real-token mask of the padded batch :func:`forward` is running (None outside one).
 _RUNNING_MASK: ContextVar[Tensor | None] = ContextVar("sinklens_real_tokens", default=None)
 
 
 def real_tokens(n_batch: int, n_pos: int) -> Bool[Tensor, "batch pos"] | None:
-    """Which positions of the padded batch :func:`forward` is running are real tokens, if it is ``n_batch × n_pos``.
-
-    Hooks that take statistics over positions read it so that padding does not enter them. None when no
-    padded batch of that shape is running (outside :func:`forward`, an unpadded batch, another shape).
-    """
+    """The real-token mask of the padded ``n_batch × n_pos`` batch :func:`forward` is running, for
+    hooks that reduce over positions; None when no padded batch of that shape is running."""
     mask = _RUNNING_MASK.get()
     if mask is None or tuple(mask.shape) != (n_batch, n_pos):
         return None
@@ -355,25 +296,17 @@ def real_tokens(n_batch: int, n_pos: int) -> Bool[Tensor, "batch pos"] | None:
 
 
 def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
-    """Run ``model`` on one batch the way every analyzer does.
-
-    A padded batch is right-aligned (:func:`~sinklens.inputs.right_align`): a causal model runs it without a
-    mask, as its pads come after every real token. An encoder gets ``attention_mask=batch.valid``; one that
-    takes no mask is refused (:class:`~sinklens.errors.UnsupportedArchitectureError`). While a padded batch
-    runs, its real-token mask is what :func:`real_tokens` returns to hooks.
-    """
+    """Run ``model`` on one right-aligned batch: a causal model needs no mask (pads come after every
+    real token), an encoder gets ``attention_mask``; hooks read the mask by :func:`real_tokens`."""
     batch = right_align(batch)
-    if not batch.padded:
-        with running(model):
-            return model(batch.tokens, **kwargs)
-    if is_encoder(model):
+    if batch.padded and is_encoder(model):
         if not accepts_attention_mask(model):
             raise UnsupportedArchitectureError(
                 f"{type(model).__name__} takes no attention_mask, so a padded batch cannot run on this bidirectional "
                 "model without real tokens attending to padding; use batch_size=1 or equal-length inputs."
             )
         kwargs["attention_mask"] = batch.valid.long()
-    mask = _RUNNING_MASK.set(batch.valid)
+    mask = _RUNNING_MASK.set(batch.valid if batch.padded else None)
     try:
         with running(model):
             return model(batch.tokens, **kwargs)
@@ -388,19 +321,10 @@ def stream(
     *,
     options: RunOptions = RunOptions(),
 ) -> list[Any]:
-    """Run every reducer over every batch with one forward pass per batch; return their results.
-
-    ``options.extra_hooks`` run before the reducers' own hooks on every forward (e.g. an intervention,
-    so analyzers measure the intervened model). The model runs in eval mode (:func:`eval_mode`); hooks are
-    attached through ``model.hooks(...)``, so they are removed even if one raises; passes on one model run one at
-    a time (:func:`~sinklens.hooks.exclusive_use`). On a model split over
-    devices each reducer hook reads its activation on the first parameter's device. Under
-    :func:`sinklens.distributed.session` each process streams its share of ``batches`` and the statistics
-    are merged in rank order before :meth:`Reducer.result`.
-
-    Raises :class:`~sinklens.errors.UnsupportedArchitectureError` if a requested hook or one of
-    ``options.extra_hooks`` never ran (e.g. ``hook_pattern`` under a fused attention kernel).
-    """
+    """Run every reducer over every batch, one forward pass per batch in eval mode; return their
+    results. ``options.extra_hooks`` run before the reducers' hooks (e.g. an intervention). Under
+    :func:`sinklens.distributed.session` each process streams its share and the statistics are
+    merged in rank order. A requested hook that never ran is an ``UnsupportedArchitectureError``."""
     options = checked_options(options, "stream")
     check_model_device(model, options.device)
     refuse_meta_model(model)
@@ -414,7 +338,7 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
     batches = distributed.local_batches(batches)  # all of them, unless sharded over torchrun processes
     on_device = _stats_device_if_split(model)
     requested: set[str] = set()
-    extra: set[str] = set()
+    extra = {name for name, _ in options.extra_hooks}
     table = _HookTable()
     with torch.inference_mode(), ExitStack() as attached:
         names: list[str] | None = None
@@ -423,13 +347,11 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
         for batch in tqdm(batches, desc=options.desc, disable=not progress, leave=False):
             n_streamed += 1
             batch = right_align(batch)
-            hooks = list(options.extra_hooks)
-            extra.update(name for name, _ in hooks)
             folds = [reducer.fwd_hooks(batch) for reducer in reducers]
-            for fold in folds:
-                for name, fn in fold.hooks:
-                    requested.add(name)
-                    hooks.append((name, fn if on_device is None else _moved_to(fn, on_device)))
+            own = [(name, fn if on_device is None else _moved_to(fn, on_device))
+                   for fold in folds for name, fn in fold.hooks]
+            requested.update(name for name, _ in own)
+            hooks = [*options.extra_hooks, *own]
             batch_names = sorted({name for name, _ in hooks})
             if batch_names != names:  # (re)attach trampolines only when the set of hook names changes
                 check_hook_names(model, batch_names)
@@ -445,11 +367,10 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
     if silent:
         raise UnsupportedArchitectureError(
             f"extra_hooks on {silent[:4]}{'...' if len(silent) > 4 else ''} never ran during the forward pass, so they "
-            "changed and measured nothing (an intervention there would be silently ignored). The model has these hook "
-            "points but does not run them here: e.g. TransformerLens 3 runs attn.hook_result only with "
-            "cfg.use_attn_result=True (model.set_use_attn_result(True)), a TransformerBridge does not run every hook it "
-            "lists (e.g. attn.hook_rot_q on some architectures), and a fused attention kernel skips hook_pattern. "
-            "Hook a point that runs."
+            "changed and measured nothing. The model lists these hook points but does not run them "
+            "here (e.g. TransformerLens 3 runs attn.hook_result only after "
+            "model.set_use_attn_result(True), some bridges skip attn.hook_rot_q, a fused attention "
+            "kernel skips hook_pattern). Hook a point that runs."
         )
     missing = sorted(requested - fired)
     if missing:
@@ -464,33 +385,21 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
 
 
 def _stats_device_if_split(model: Any) -> torch.device | None:
-    """The device reducers keep their statistics on (the first parameter's) when the model's parameters
-    span several devices (``n_devices`` / ``device_map``); None for a model on one device."""
-    try:
-        devices = {p.device for p in model.parameters()}
-    except AttributeError:
-        return None
-    return next(model.parameters()).device if len(devices) > 1 else None
+    """The first parameter's device when the model spans several devices (there reducers keep their
+    statistics); None for a model on one device."""
+    devices = [p.device for p in getattr(model, "parameters", lambda: ())()]
+    return devices[0] if len(set(devices)) > 1 else None
 
 
 def _moved_to(fn: HookFn, device: torch.device) -> HookFn:
-    """A reducer hook that reads its activation on ``device``, where the reducer's statistics and the
-    batch live, whichever device the layer ran on."""
-
-    def moved(act: Any, hook: Any) -> Any:
-        return fn(act.to(device) if isinstance(act, Tensor) else act, hook=hook)
-
-    return moved
+    """A reducer hook that reads its activation on ``device``, whichever device the layer ran on."""
+    return lambda act, hook: fn(act.to(device) if isinstance(act, Tensor) else act, hook=hook)
 
 
 def combine_across_ranks(reducers: Sequence[Reducer[Any]], *, n_local_batches: int) -> None:
-    """Give every process's ``reducers`` the statistics of all processes (no-op unless :func:`sinklens.distributed.active`).
-
-    Each process sends its reducers' :meth:`~sinklens.streaming.Reducer.state_dict` (CPU tensors) with
-    its number of batches to all others (``all_gather_object``); then, in every process, each reducer
-    takes the first non-empty rank's state and merges the later ranks' states into it in rank order.
-    Processes that streamed no batch are skipped, so their reset statistics never count.
-    """
+    """Give every process's ``reducers`` the statistics of all processes, merged in rank order
+    (``all_gather_object`` of each :meth:`Reducer.state_dict`); ranks that streamed no batch are
+    skipped. No-op unless :func:`sinklens.distributed.active`."""
     if not distributed.active() or not reducers:
         return
     payload = (n_local_batches, [reducer.state_dict() for reducer in reducers])
@@ -508,18 +417,14 @@ def combine_across_ranks(reducers: Sequence[Reducer[Any]], *, n_local_batches: i
 
 
 def run(model: Any, inputs: Inputs | None, *reducers: Reducer[Any], options: RunOptions = RunOptions()) -> list[Any]:
-    """Tokenize ``inputs`` by ``options`` and :func:`stream` every reducer over them; return their results.
-
-    ``inputs`` is anything :func:`~sinklens.inputs.as_batches` accepts (None = the built-in prompts).
-    """
+    """:func:`stream` every reducer over ``inputs`` (anything :func:`as_batches` takes)."""
     options = checked_options(options, "run")
     return stream(model, batches_for(model, inputs, options), list(reducers), options=options)
 
 
 def batches_for(model: Any, inputs: Inputs | None, options: RunOptions) -> list[TokenBatch]:
-    """``inputs`` as :class:`~sinklens.inputs.TokenBatch` es the way ``options`` says (its ``batch_size``,
-    ``prepend_bos`` and ``max_length``, :func:`~sinklens.inputs.as_batches`), once ``options.device`` is checked
-    against the model's (:func:`~sinklens.hooks.check_model_device`: before the batches move to its device)."""
+    """``inputs`` as batches by ``options`` (:func:`~sinklens.inputs.as_batches`), once
+    ``options.device`` is checked against the model's."""
     check_model_device(model, options.device)
     refuse_meta_model(model)
     return as_batches(model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos,

@@ -1,10 +1,6 @@
-"""Which query sees which key, per layer: the one notion of visibility every analyzer uses.
-
-A key ``k`` is visible to a query ``q`` when the mask lets ``q`` attend to it: ``k <= q`` in causal models
-(every ``k`` in encoders), and ``q - k < w`` in a sliding-window layer of ``w`` tokens; padded queries and
-keys never count (:meth:`Visibility.batch_mask`). Read from ``cfg`` (``attention_dir``, ``attn_types``,
-``window_size``) or the Hugging Face config behind a bridge; unknown layouts (chunked attention) raise
-:class:`UnsupportedArchitectureError`.
+"""Which query sees which key, per layer: ``k <= q`` in causal models (every ``k`` in encoders), and
+``|q - k| < w`` in a sliding-window layer of ``w`` tokens; read from ``cfg`` or a bridge's Hugging
+Face config.
 
 Examples:
     >>> vis = Visibility(causal=True, windows=(None, 2))
@@ -33,8 +29,7 @@ from sinklens.probes import attends_to_later_keys
 
 @dataclass(frozen=True)
 class Visibility:
-    """The attention layout of a model: ``causal`` (False for encoders) and per layer the sliding window
-    ``w`` in tokens (a query sees keys ``q - w < k``) or None for full attention."""
+    """A model's attention layout: ``causal`` (False for encoders), each layer's window or None."""
 
     causal: bool
     windows: tuple[int | None, ...]
@@ -48,18 +43,16 @@ class Visibility:
         return self.windows[layer]
 
     def visible(self, layer: int, n_pos: int, device: torch.device | str | None = None) -> Bool[Tensor, "query key"]:
-        """``[query, key]``: True where the query may attend to the key in ``layer`` (padding aside)."""
+        """``[query, key]``: True where the query may attend to the key in ``layer``."""
         pos = torch.arange(n_pos, device=device)
         return self.block(layer, pos, pos)
 
     def block(self, layer: int, queries: Tensor, keys: Tensor) -> Bool[Tensor, "query key"]:
         """:meth:`visible` for the query positions ``queries`` and key positions ``keys`` (1-D) only."""
         q, k = queries[:, None], keys[None, :]
-        seen = (k <= q) if self.causal else torch.ones(q.shape[0], k.shape[1], dtype=torch.bool, device=q.device)
+        seen = (k <= q) | (not self.causal)
         w = self.windows[layer]
-        if w is not None:
-            seen = seen & ((q - k) < w) & ((k - q) < w if not self.causal else True)
-        return seen
+        return seen if w is None else seen & ((q - k).abs() < w)
 
     def batch_mask(self, layer: int, valid: Bool[Tensor, "batch pos"]) -> Bool[Tensor, "batch query key"]:
         """``[batch, query, key]``: visible pairs whose query and key are both real (non-padding) tokens."""
@@ -73,23 +66,14 @@ class Visibility:
     def describe(self) -> str:
         """One line for summaries, e.g. ``'causal; sliding window of 4 tokens in layers [0, 2]'``."""
         kind = "causal" if self.causal else "bidirectional"
-        windowed: dict[int, list[int]] = {}
-        for layer, w in enumerate(self.windows):
-            if w is not None:
-                windowed.setdefault(w, []).append(layer)
-        if not windowed:
-            return f"{kind}; full attention in every layer"
-        parts = [f"sliding window of {w} tokens in layers {layers}" for w, layers in sorted(windowed.items())]
-        return f"{kind}; " + "; ".join(parts)
+        sizes = sorted({w for w in self.windows if w is not None})
+        layers = {w: [i for i, v in enumerate(self.windows) if v == w] for w in sizes}
+        parts = [f"sliding window of {w} tokens in layers {layers[w]}" for w in sizes]
+        return f"{kind}; " + ("; ".join(parts) or "full attention in every layer")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ``{"attention": "causal"|"bidirectional", "windows": [w or null per layer]}``."""
         return {"attention": "causal" if self.causal else "bidirectional", "windows": list(self.windows)}
-
-
-def _hf_config(model: Any) -> Any:
-    original = getattr(model, "original_model", None)
-    return getattr(original, "config", None)
 
 
 def _hf_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:
@@ -121,10 +105,8 @@ def _tl_windows(cfg: Any, n_layers: int) -> tuple[int | None, ...]:
 
 
 def attention_direction(model: Any) -> str:
-    """``"causal"`` or ``"bidirectional"``: ``cfg.attention_dir``, unless a 2-token probe
-    (:func:`~sinklens.probes.attends_to_later_keys`) shows a "causal" model attending both ways (3.9 bridges
-    leave BERT at ``"causal"``). Any other value raises :class:`UnsupportedArchitectureError`.
-    """
+    """``cfg.attention_dir`` (``"causal"`` or ``"bidirectional"``), unless a probe shows a "causal"
+    model attending both ways (:func:`~sinklens.probes.attends_to_later_keys`)."""
     direction = getattr(model.cfg, "attention_dir", "causal") or "causal"
     if direction not in ("causal", "bidirectional"):
         raise UnsupportedArchitectureError(f"cfg.attention_dir={direction!r}; expected 'causal' or 'bidirectional'.")
@@ -134,7 +116,7 @@ def attention_direction(model: Any) -> str:
 
 
 def attention_visibility(model: Any) -> Visibility:
-    """The :class:`Visibility` of any TransformerLens-style model (bridge, HookedTransformer, sinklens run).
+    """The :class:`Visibility` of any TransformerLens-style model.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -144,7 +126,7 @@ def attention_visibility(model: Any) -> Visibility:
     cfg = model.cfg
     n_layers = int(cfg.n_layers)
     direction = attention_direction(model)
-    config = _hf_config(model)
+    config = getattr(getattr(model, "original_model", None), "config", None)
     windows = _hf_windows(config, n_layers) if config is not None else _tl_windows(cfg, n_layers)
     if len(windows) != n_layers:
         raise UnsupportedArchitectureError(f"{len(windows)} per-layer attention types for {n_layers} layers.")
