@@ -17,11 +17,7 @@ from typing import Any, Union
 import numpy as np
 import torch
 
-from sinklens.errors import (
-    InvalidArgumentError,
-    OutputExistsError,
-    OutputNotWritableError,
-)
+from sinklens.errors import InvalidArgumentError, OutputExistsError, OutputNotWritableError
 
 #: A count or length argument: a Python int, a numpy integer or a 0-d integer tensor (see :func:`as_int`).
 IntLike = Union[int, numbers.Integral, torch.Tensor]
@@ -363,18 +359,7 @@ _FINITE_AT: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def finite_weights(model: Any, *, what: str = "The model", error: type[Exception] = InvalidArgumentError) -> None:
     """Raise ``error`` naming (up to 5) floating parameters that hold NaN or inf: one ``isfinite`` pass on
-    their devices, one host sync; skipped while no parameter changed since this model last passed.
-
-    Examples:
-        >>> layer = torch.nn.Linear(2, 2)
-        >>> finite_weights(layer)
-        >>> with torch.no_grad():
-        ...     layer.bias[0] = float("nan")
-        >>> finite_weights(layer)
-        Traceback (most recent call last):
-        ...
-        sinklens.errors.InvalidArgumentError: The model holds NaN or inf in 1 weight tensor(s): bias. Nothing measured on it would mean anything.
-    """
+    their devices, one host sync; skipped while no parameter changed since this model last passed."""
     named = [(n, p) for n, p in model.named_parameters() if p.is_floating_point() and p.device.type != "meta"]
     key = tuple((id(p), 0 if p.is_inference() else p._version) for _, p in named)
     if not named or _FINITE_AT.get(model) == key:
