@@ -20,6 +20,7 @@ from sinklens.errors import (CorruptFileError, InvalidArgumentError, NotFoundErr
                              UnsupportedArchitectureError)
 from sinklens.loading.init import load_at_init
 from sinklens.model_files import EMBEDDED_MODELS, check_model_dir, check_safetensors, convert_gguf, fetch_embedded_gguf
+from sinklens.probes import silent_hooks
 from sinklens.sinklm.checkpoint import is_run_dir, load_trained_model
 from sinklens.validate import device as valid_device, dtype as valid_dtype, finite_weights
 
@@ -45,8 +46,7 @@ def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bo
     except ImportError as err:
         raise InvalidArgumentError(
             "Loading Hugging Face models and GGUF files needs TransformerLens 4.x (TransformerBridge); this "
-            "is TransformerLens 3.x. Build a HookedTransformer yourself and pass it to sinklens instead."
-        ) from err
+            "is TransformerLens 3.x. Build a HookedTransformer yourself and pass it to sinklens instead.") from err
     place = {"device": device} if device_map is None else {"device_map": device_map}
     reports: list[dict] = []
     with ExitStack() as patches:
@@ -99,8 +99,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def _boot_local(folder: Path, device: str, dtype: torch.dtype, device_map: Any = None) -> Any:
-    """Boot a local Hugging Face folder after checking its files (without tokenizer files, without a tokenizer);
-    load failures become named errors."""
+    """Boot a checked local Hugging Face folder (without a tokenizer if it has none); failures become named errors."""
     check_model_dir(folder)
     try:
         return _boot_hf(str(folder), device, dtype, tokenizer=any((folder / f).exists() for f in _TOKENIZER_FILES),
@@ -163,19 +162,13 @@ def check_pattern_exposed(model: Any) -> None:
     if name not in model.hook_dict:
         raise UnsupportedArchitectureError(
             f"{type(model).__name__} has no hook {name!r}; sinklens needs attention patterns. "
-            "Load the model with sinklens.load_model or TransformerBridge.boot_transformers."
-        )
-    fired: list[bool] = []
-    device = next(model.parameters()).device
-    with torch.inference_mode(), model.hooks(fwd_hooks=[(name, lambda act, hook: fired.append(True))]):
-        model(torch.zeros((1, 2), dtype=torch.long, device=device), return_type=None)
-    if not fired:
+            "Load the model with sinklens.load_model or TransformerBridge.boot_transformers.")
+    if silent_hooks(model, [name]):
         raise UnsupportedArchitectureError(
             f"{type(model).__name__}'s attention implementation never runs {name!r} (a fused SDPA or "
             "flash kernel computes attention without materialising the pattern). Load the Hugging Face "
             "model with attn_implementation='eager' — sinklens.load_model and "
-            "TransformerBridge.boot_transformers do this."
-        )
+            "TransformerBridge.boot_transformers do this.")
 
 
 def load_model(spec: Any = DEFAULT_MODEL, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
@@ -188,15 +181,14 @@ def load_model(spec: Any = DEFAULT_MODEL, device: str | torch.device | None = No
             train`` run directory, or a TransformerLens model.
         device: default CUDA when available (a built model stays where it is unless given).
         dtype: a floating ``torch.dtype`` or its name; default float32 (a built model keeps its own).
-        check_patterns: run a 2-token forward to check that ``hook_pattern`` is exposed.
+        check_patterns: check with a 2-token forward that ``hook_pattern`` runs.
         init_seed: the same architecture with fresh weights, seeded; also written ``SPEC@init:S``
             (see :mod:`sinklens.loading.init`).
         device_map: spread a Hugging Face model over devices with accelerate (``"auto"``, ``"balanced"`` or
             ``{module: device}``) instead of ``device``.
 
-    Raises :class:`~sinklens.errors.InvalidArgumentError` for a bad spec, device or dtype,
-    ``NotFoundError``, ``OfflineError``, ``CorruptFileError`` (bad files, NaN or inf weights) or
-    ``UnsupportedArchitectureError`` (cannot load, or attention hides ``hook_pattern``).
+    Raises the :mod:`sinklens.errors` classes: a bad spec, device or dtype, a missing path, no network, corrupt
+    files or NaN weights, a model that cannot load or whose attention hides ``hook_pattern``.
     """
     if device_map is not None:
         model = _load_dispatched(spec, device, dtype, device_map)
@@ -206,17 +198,12 @@ def load_model(spec: Any = DEFAULT_MODEL, device: str | torch.device | None = No
         model = _built_model_to(spec, device, dtype)
     else:
         if not isinstance(spec, (str, Path)):
-            raise InvalidArgumentError(
-                f"Cannot load a model from a {type(spec).__name__}; pass a name, a path or a TransformerLens model."
-            )
+            raise InvalidArgumentError(f"Cannot load a model from a {type(spec).__name__}; pass a name, a path or a "
+                                       "TransformerLens model.")
         if str(spec).strip() == "":
-            raise InvalidArgumentError(
-                f"The model spec is empty ({str(spec)!r}); pass {DEFAULT_MODEL!r}, a path (use '.' for the current "
-                "folder) or a Hub id."
-            )
-        device = _as_device(device)
-        torch_dtype = _as_dtype(dtype)
-        model = _load_from_spec(str(spec), device, torch_dtype)
+            raise InvalidArgumentError(f"The model spec is empty ({str(spec)!r}); pass {DEFAULT_MODEL!r}, a path (use "
+                                       "'.' for the current folder) or a Hub id.")
+        model = _load_from_spec(str(spec), _as_device(device), _as_dtype(dtype))
     eager_experts_in_float64(model)
     if _is_tl_model(spec):
         finite_weights(model)
@@ -283,15 +270,13 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype, device_map: Any 
         if (path / "config.json").exists():
             return _boot_local(path, device, dtype, device_map)
         raise InvalidArgumentError(
-            f"Directory {spec!r} is neither a Hugging Face model (no config.json) nor a sinklens run directory."
-        )
+            f"Directory {spec!r} is neither a Hugging Face model (no config.json) nor a sinklens run directory.")
     if looks_like_local_path(spec):
         raise NotFoundError(f"No model file or directory at {spec!r} (resolved to {str(path.resolve())!r}).")
     if "/" not in spec:
         raise InvalidArgumentError(
             f"Unknown model {spec!r}. Embedded models: {sorted(EMBEDDED_MODELS)}; otherwise pass a local "
-            "Hugging Face directory, a .gguf file, a sinklens run directory, or a Hub id like 'org/name'."
-        )
+            "Hugging Face directory, a .gguf file, a sinklens run directory, or a Hub id like 'org/name'.")
     offline_hint = f"Without network use the embedded model {DEFAULT_MODEL!r}, a local directory, or a .gguf file."
     if not model_files.hub_reachable():
         owner = Path(spec.split("/")[0]).expanduser()
@@ -299,8 +284,7 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype, device_map: Any 
             raise NotFoundError(
                 f"No model file or directory at {spec!r} (resolved to {str(path.resolve())!r}); the folder "
                 f"{str(owner)!r} holds {sorted(p.name for p in owner.iterdir())[:8]}. (Read as a Hugging Face Hub "
-                "id it cannot be fetched either: the Hub cannot be reached.)"
-            )
+                "id it cannot be fetched either: the Hub cannot be reached.)")
         raise OfflineError(f"{spec!r} looks like a Hugging Face Hub id, but the Hub cannot be reached. {offline_hint}")
     try:
         return _boot_hf(spec, device, dtype, device_map=device_map)
