@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 
 class SinklensError(Exception):
     """Base class of every error sinklens raises on purpose."""
@@ -61,25 +63,21 @@ def exit_code_for(err: BaseException) -> int:
         return EXIT_USAGE
     if isinstance(err, SinklensError):
         return EXIT_USAGE if isinstance(err, ValueError) else EXIT_FAILURE
-    if is_config_syntax_error(err) or (isinstance(err, (ValueError, TypeError)) and raised_by_sinklens(err)):
-        return EXIT_USAGE
-    return EXIT_FAILURE
+    return EXIT_USAGE if _checked(err) else EXIT_FAILURE
 
 
-def is_config_syntax_error(err: BaseException) -> bool:
-    """A JSON or TOML file that does not parse (a user's config file)."""
-    import json
-
+def _checked(err: BaseException) -> bool:
+    """A JSON or TOML config file that does not parse, or a ``ValueError``/``TypeError`` sinklens code raised."""
     try:
         import tomllib
+        syntax: tuple[type[BaseException], ...] = (json.JSONDecodeError, tomllib.TOMLDecodeError)
     except ImportError:  # Python < 3.11
-        return isinstance(err, json.JSONDecodeError)
-    return isinstance(err, (json.JSONDecodeError, tomllib.TOMLDecodeError))
+        syntax = (json.JSONDecodeError,)
+    return isinstance(err, syntax) or (isinstance(err, (ValueError, TypeError)) and raised_by_sinklens(err))
 
 
 def raised_by_sinklens(err: BaseException) -> bool:
-    """True when the innermost frame of ``err``'s traceback is sinklens code (a deliberate check),
-    False when it comes from inside a library (torch, transformers, numpy ...)."""
+    """True when the innermost frame of ``err``'s traceback is sinklens code (a deliberate check), not a library's."""
     tb = err.__traceback__
     if tb is None:
         return False
@@ -90,9 +88,7 @@ def raised_by_sinklens(err: BaseException) -> bool:
 
 def is_internal_error(err: BaseException) -> bool:
     """An exception that no sinklens check raised on purpose: the CLI calls it an internal error."""
-    if isinstance(err, (SinklensError, OSError, KeyboardInterrupt)) or is_config_syntax_error(err):
-        return False
-    return not (isinstance(err, (ValueError, TypeError)) and raised_by_sinklens(err))
+    return not (isinstance(err, (SinklensError, OSError, KeyboardInterrupt)) or _checked(err))
 
 
 def one_line(err: BaseException) -> str:
@@ -101,5 +97,4 @@ def one_line(err: BaseException) -> str:
         text = err.strerror + (f": {err.filename!r}" if err.filename is not None else "")
     else:
         text = str(err)
-    text = " ".join(text.split())
-    return text or type(err).__name__
+    return " ".join(text.split()) or type(err).__name__
