@@ -30,25 +30,21 @@ def to_json(value: Any, digits: int | None = 6) -> Any:
     """
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().tolist()
-    elif isinstance(value, np.ndarray):
+    elif isinstance(value, (np.ndarray, np.generic)):
         value = value.tolist()
-    elif isinstance(value, np.generic):
-        value = value.item()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
         return {str(k): to_json(v, digits) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [to_json(v, digits) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+    if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
             return None
         return value if digits is None else float(f"{value:.{digits}g}")
-    if isinstance(value, torch.dtype | torch.device):
+    if isinstance(value, (Path, torch.dtype, torch.device)):
         return str(value)
     raise TypeError(f"Cannot write a {type(value).__name__} to JSON: {value!r}")
 
