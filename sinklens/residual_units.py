@@ -63,8 +63,7 @@ class NormMap(CompactRepr):
         if scale is None:
             raise InvalidArgumentError(
                 f"Block {self.layer}'s {self.site} output passes through the post norm {self.norm}: pass its "
-                f"per-position scale (the value of {self.scale_hook}) to map a write into residual units."
-            )
+                f"per-position scale (the value of {self.scale_hook}) to map a write into residual units.")
         if scale.dim() < x.dim() or scale.shape[-1] != 1:
             scale = scale[..., None]
         if self.center:
@@ -83,23 +82,12 @@ class NormMap(CompactRepr):
 
 
 def _param(module: Any, *names: str) -> Tensor | None:
-    for name in names:
-        value = getattr(module, name, None)
-        if isinstance(value, Tensor):
-            return value.detach()
-    return None
+    return next((v.detach() for name in names if isinstance(v := getattr(module, name, None), Tensor)), None)
 
 
 def post_norm_map(model: Any, layer: int, site: Site) -> NormMap:
     """The :class:`NormMap` of ``blocks.{layer}``'s ``site`` output (``ln1``/``ln2`` on post-LN models, which
-    normalise residual plus output); gain convention and centring are probed (:func:`_probed_norm`).
-
-    Examples:
-        >>> from sinklens.testing.zoo import zoo_model
-        >>> m = post_norm_map(zoo_model("gemma2"), 0, "mlp")
-        >>> m.norm, m.scale_hook, m.convention
-        ('ln2_post', 'blocks.0.ln2_post.hook_scale', '1+w')
-    """
+    normalise residual plus output); gain convention and centring are probed (:func:`_probed_norm`)."""
     norm = POST_NORMS[site].removesuffix("_post") if post_ln_reason(model) is not None else POST_NORMS[site]
     if hook_name(layer, f"{norm}.hook_scale") not in model.hook_dict:
         return NormMap(layer, site, None)
@@ -142,13 +130,7 @@ def input_norm_reason(model: Any, site: Site) -> str | None:
 
 def input_norm(model: Any, layer: int, site: Site) -> NormMap:
     """The :class:`NormMap` of the norm ``blocks.{layer}``'s ``site`` reads: ``ln1``/``ln2``; on post-LN blocks the
-    attention reads the previous ``ln2`` (layer 0: the embedding LayerNorm) and the MLP ``ln1``.
-
-    Examples:
-        >>> from sinklens.testing.zoo import zoo_model
-        >>> input_norm(zoo_model("llama"), 1, "attn").path, input_norm(zoo_model("bert"), 1, "attn").path
-        ('blocks.1.ln1', 'blocks.0.ln2')
-    """
+    attention reads the previous ``ln2`` (layer 0: the embedding LayerNorm) and the MLP ``ln1``."""
     path = input_norm_path(model, layer, site)
     return NormMap(layer, site, path.rsplit(".", 1)[-1], path=path, **_probed_norm(model, path))
 
@@ -164,8 +146,7 @@ def _probed_norm(model: Any, path: str) -> dict[str, Any]:
         w = torch.ones(d_model, dtype=torch.float32, device=model_device(model))
     gen = torch.Generator().manual_seed(0)
     # A mean as large as the spread: removing it or not changes the output by O(1), above tol even in bfloat16.
-    probe = (torch.randn(1, 1, d_model, generator=gen, dtype=torch.float32) + 1.0) * 1e3
-    probe = probe.to(device=w.device, dtype=w.dtype)
+    probe = ((torch.randn(1, 1, d_model, generator=gen) + 1.0) * 1e3).to(device=w.device, dtype=w.dtype)
     tol = max(1e-3, 4 * torch.finfo(w.dtype).eps) if w.dtype.is_floating_point else 1e-3
     with torch.inference_mode(), hooks_silenced(module):
         out = module(probe).float()[0, 0]
@@ -180,8 +161,7 @@ def _probed_norm(model: Any, path: str) -> dict[str, Any]:
                 return {"gain": gain, "bias": bias, "center": center, "convention": convention}
     raise UnsupportedArchitectureError(
         f"Cannot express {path} as gain ⊙ x / scale + bias (tried gain = w and 1 + w, with and "
-        "without mean removal): contributions through this norm cannot be put in residual units."
-    )
+        "without mean removal): contributions through this norm cannot be put in residual units.")
 
 
 def mlp_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:

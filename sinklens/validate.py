@@ -114,12 +114,7 @@ def optional_index_list(values: Any, size: int, *, what: str, allow_negative: bo
 
 
 def closest(value: Any, known: Iterable[str]) -> str | None:
-    """The entry of ``known`` closest to ``value`` (``difflib``'s ratio of at least 0.6), or None.
-
-    Examples:
-        >>> closest("n_layerz", ["n_layers", "d_model"]), closest("zzz", ["n_layers"])
-        ('n_layers', None)
-    """
+    """The entry of ``known`` closest to ``value`` (``difflib``'s ratio of at least 0.6), or None."""
     close = difflib.get_close_matches(str(value), list(known), n=1)
     return close[0] if close else None
 
@@ -222,8 +217,7 @@ def prompt_list(prompts: Any, *, what: str = "prompts") -> list[str]:
     for i, item in enumerate(items):
         if not isinstance(item, str):
             raise InvalidArgumentError(
-                f"{what}[{i}] must be a string like the others, got {item!r} ({type(item).__name__})."
-            )
+                f"{what}[{i}] must be a string like the others, got {item!r} ({type(item).__name__}).")
     return items
 
 
@@ -256,8 +250,7 @@ def check_vocab(tokens: torch.Tensor, d_vocab: int, *, what: str = "token ids") 
         where = bad.nonzero()[0].tolist()
         value = int(tokens[tuple(where)].item())
         raise InvalidArgumentError(
-            f"{what} must be in 0..{d_vocab - 1} (the model's d_vocab is {d_vocab}), got {value} at {where}."
-        )
+            f"{what} must be in 0..{d_vocab - 1} (the model's d_vocab is {d_vocab}), got {value} at {where}.")
 
 
 _FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
@@ -292,21 +285,19 @@ def device(value: Any, *, what: str = "device") -> torch.device:
             dev = torch.device(value.strip().lower())
         except (RuntimeError, ValueError):
             raise InvalidArgumentError(f"Unknown {what} {value!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'.") from None
-    if dev.type == "cpu":
-        return dev
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
             raise InvalidArgumentError(f"{what} {str(value)!r} needs a CUDA GPU, and this machine has none; use 'cpu'.")
         if dev.index is not None and dev.index >= n:
             raise InvalidArgumentError(f"{what} {str(value)!r}: this machine has {n} CUDA GPU(s), cuda:0..cuda:{n - 1}.")
-        return dev
-    if dev.type == "mps":
+    elif dev.type == "mps":
         mps = getattr(torch.backends, "mps", None)
         if mps is None or not mps.is_available():
             raise InvalidArgumentError(f"{what} {str(value)!r} needs Apple's MPS backend, which is not available here; use 'cpu'.")
-        return dev
-    raise InvalidArgumentError(f"Unknown {what} {value!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'.")
+    elif dev.type != "cpu":
+        raise InvalidArgumentError(f"Unknown {what} {value!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'.")
+    return dev
 
 
 def refuse_binary(file: Path, head: bytes, *, what: str, give: str = "a UTF-8 text file") -> None:

@@ -10,6 +10,7 @@ Hugging Face models only). The global torch RNG is left as it was.
 
 from __future__ import annotations
 
+import copy
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -142,8 +143,6 @@ def _model_at_init(model: Any, seed: int, *, device: str, dtype: torch.dtype, sc
         return hf_at_init(hf.config, seed, device=device, dtype=dtype, scheme=scheme, std=std,
                           tokenizer=getattr(model, "tokenizer", None))
     if type(model).__name__ == "HookedTransformer":  # TransformerLens 3.x: its own init_weights, seeded by cfg.seed
-        import copy
-
         cfg = copy.deepcopy(model.cfg)
         cfg.seed = seed
         with torch.random.fork_rng(devices=[]):
@@ -152,5 +151,4 @@ def _model_at_init(model: Any, seed: int, *, device: str, dtype: torch.dtype, sc
         return fresh.to(device).to(dtype).eval()
     raise InvalidArgumentError(
         f"Cannot re-initialise a {type(model).__name__}: pass a spec string, a SinkLM, a HookedTransformer or a "
-        "TransformerBridge over a Hugging Face model."
-    )
+        "TransformerBridge over a Hugging Face model.")
