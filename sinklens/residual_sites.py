@@ -18,8 +18,8 @@ __all__ = ["after_attention_hooks", "attention_write_hooks", "has_resid_mid", "o
 
 
 def has_resid_mid(model: Any, layers: Sequence[int]) -> bool:
-    """True when every one of ``layers`` lists ``hook_resid_mid`` and it runs (probed on the first): False for a
-    parallel block (GPT-NeoX/Pythia, GPT-J), which has no residual between its attention and its MLP."""
+    """True when every one of ``layers`` has a ``hook_resid_mid`` that runs (probed on the first): False for a
+    parallel block (GPT-NeoX/Pythia, GPT-J)."""
     mid = [hook_name(layer, RESID_MID) for layer in layers]
     return all(name in model.hook_dict for name in mid) and not silent_hooks(model, mid[:1])
 
@@ -29,17 +29,15 @@ def on_the_residual_stream(model: Any, hooks: Sequence[tuple[str, HookFn]]) -> l
     hook is a copy (:func:`~sinklens.probes.resid_mid_is_a_copy`), the attention write ``w`` becomes
     ``w + f(r + w) − (r + w)`` at ``hook_attn_out`` (``r`` = ``hook_resid_pre``). ``f`` may return None."""
     hooks = list(hooks)
-    if not any(name.endswith("." + RESID_MID) for name, _ in hooks) or post_ln_reason(model) is not None:
-        return hooks
-    if not resid_mid_is_a_copy(model):
+    if (not any(name.endswith("." + RESID_MID) for name, _ in hooks) or post_ln_reason(model) is not None
+            or not resid_mid_is_a_copy(model)):
         return hooks
     moved: list[tuple[str, HookFn]] = []
     for name, fn in hooks:
-        if not name.endswith("." + RESID_MID):
+        if name.endswith("." + RESID_MID):
+            moved.extend(_edit_through_the_write(name[: -len(RESID_MID)], model.hook_dict[name], fn))
+        else:
             moved.append((name, fn))
-            continue
-        block = name[: -len(RESID_MID)]
-        moved.extend(_edit_through_the_write(block, model.hook_dict[name], fn))
     return moved
 
 
@@ -60,8 +58,7 @@ def _edit_through_the_write(block: str, mid_hook: Any, fn: HookFn) -> list[tuple
 
 def after_attention_hooks(model: Any, layers: Sequence[int], consume: Callable[[int, Tensor], None]) -> list[tuple[str, HookFn]]:
     """Hooks that call ``consume(layer, x)`` with each layer's residual right after its attention write:
-    ``hook_resid_mid``; ``hook_resid_pre + hook_attn_out`` in a parallel block; ``ln1``'s output in a post-LN one.
-    """
+    ``hook_resid_mid``; ``hook_resid_pre + hook_attn_out`` in a parallel block; ``ln1``'s output in a post-LN one."""
     if post_ln_reason(model) is not None:
         maps = {layer: input_norm(model, layer, "mlp") for layer in layers}
 
@@ -76,17 +73,13 @@ def after_attention_hooks(model: Any, layers: Sequence[int], consume: Callable[[
     check_hook_names(model, names)
     block_input: dict[int, Tensor] = {}
 
-    def keep(act: Tensor, hook: Any, layer: int) -> None:
+    def keep(act: Tensor, layer: int) -> None:
         block_input[layer] = act
 
-    def add(act: Tensor, hook: Any, layer: int) -> None:
-        consume(layer, block_input.pop(layer) + act)
-
-    hooks: list[tuple[str, HookFn]] = []
-    for layer in layers:
-        hooks.append((hook_name(layer, RESID_PRE), lambda act, hook, layer=layer: keep(act, hook, layer)))
-        hooks.append((hook_name(layer, ATTN_OUT), lambda act, hook, layer=layer: add(act, hook, layer)))
-    return hooks
+    return [hook for layer in layers for hook in (
+        (hook_name(layer, RESID_PRE), lambda act, hook, layer=layer: keep(act, layer)),
+        (hook_name(layer, ATTN_OUT),
+         lambda act, hook, layer=layer: consume(layer, block_input.pop(layer) + act)))]
 
 
 def attention_write_hooks(model: Any, layers: Sequence[int], consume: Callable[[int, Tensor], None]) -> list[tuple[str, HookFn]]:
@@ -101,9 +94,7 @@ def attention_write_hooks(model: Any, layers: Sequence[int], consume: Callable[[
         w_o = layer_weight(model, "W_O", layer).to(z.device, z.dtype)  # [head, d_head, d_model]
         raw[layer] = torch.einsum("bphd,hdm->bpm", z, w_o) + attn_out_bias(model, layer).to(z.device, z.dtype)
 
-    hooks: list[tuple[str, HookFn]] = []
-    for layer in layers:
-        hooks.append((hook_name(layer, Z), lambda act, hook, layer=layer: write(act, layer)))
-        hooks.append((maps[layer].scale_hook,
-                      lambda act, hook, layer=layer: consume(layer, maps[layer].linear(raw.pop(layer), act))))
-    return hooks
+    return [hook for layer in layers for hook in (
+        (hook_name(layer, Z), lambda act, hook, layer=layer: write(act, layer)),
+        (maps[layer].scale_hook,
+         lambda act, hook, layer=layer: consume(layer, maps[layer].linear(raw.pop(layer), act))))]

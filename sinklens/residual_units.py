@@ -1,20 +1,7 @@
-"""Residual units: what a write inside a block actually adds to the residual stream.
-
-Pre-norm blocks add their outputs as they are. A post-norm block (Gemma 2/3: ``ln1_post``, ``ln2_post``)
-normalises each output first; at one position that norm is affine, ``y = gain ⊙ C(x) / scale + bias``
-(``C``: identity for RMSNorm, mean removal for LayerNorm; ``scale``: its ``hook_scale``; ``gain``: e.g.
-Gemma's ``1 + w``, found by probing the module). A neuron's write ``c_n`` then counts as
-``linear(c_n, scale)``, and the norm's output is ``Σ_n linear(c_n, scale) + linear(b, scale) + bias``.
-Post-LN blocks (BERT) normalise residual plus output: the same map through ``ln1`` / ``ln2``.
-
-Examples:
-    >>> from sinklens.testing.zoo import zoo_model
-    >>> m = post_norm_map(zoo_model("gemma2"), 0, "mlp")
-    >>> m.norm, m.scale_hook, m.convention
-    ('ln2_post', 'blocks.0.ln2_post.hook_scale', '1+w')
-    >>> post_norm_map(zoo_model("llama"), 0, "mlp").is_identity
-    True
-"""
+"""Residual units: what a write inside a block adds to the residual stream. A post norm (Gemma's
+``ln1_post``/``ln2_post``; ``ln1``/``ln2`` on post-LN BERT) is affine at one position,
+``y = gain ⊙ C(x) / scale + bias`` (``C``: mean removal for LayerNorm; ``scale``: its ``hook_scale``),
+so a neuron's write ``c_n`` counts as ``linear(c_n, scale)``."""
 
 from __future__ import annotations
 
@@ -33,16 +20,18 @@ Site = Literal["attn", "mlp"]
 
 #: The post norm of each block output, relative to ``blocks.{layer}``.
 POST_NORMS: dict[str, str] = {"attn": "ln1_post", "mlp": "ln2_post"}
+#: Module paths of a post-LN model's embedding LayerNorm (TransformerLens 4.x bridge, 3.x ``HookedEncoder``).
+EMBED_NORMS: tuple[str, ...] = ("embed_ln", "embed.ln")
+#: Hugging Face model types that normalise *after* the residual add (post-LN, BERT style).
+POST_LN_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert", "albert",
+                                 "mpnet", "ernie"})
 
 
 @dataclass(frozen=True, repr=False, eq=False)
 class NormMap(CompactRepr):
-    """A norm at a fixed position as an affine map (:func:`post_norm_map`, :func:`input_norm`).
-
-    ``norm`` is None for the identity (no post norm); ``gain`` / ``bias`` are ``[d_model]``; ``center``:
-    LayerNorm's mean removal; ``convention``: ``"none"``, ``"w"`` or ``"1+w"`` (Gemma); ``path``: the
-    module path when it is not ``blocks.{layer}.{norm}`` (post-LN input norms).
-    """
+    """A norm at a fixed position as an affine map. ``norm`` None: the identity; ``center``: LayerNorm's mean
+    removal; ``convention``: ``"none"``, ``"w"`` or ``"1+w"`` (Gemma); ``path``: the module path when it is not
+    ``blocks.{layer}.{norm}``."""
 
     layer: int
     site: str
@@ -58,7 +47,6 @@ class NormMap(CompactRepr):
 
     @property
     def is_identity(self) -> bool:
-        """True when the output enters the residual stream unchanged (no post norm)."""
         return self.norm is None
 
     @property
@@ -69,15 +57,13 @@ class NormMap(CompactRepr):
         return f"{self.path}.hook_scale" if self.path else hook_name(self.layer, f"{self.norm}.hook_scale")
 
     def linear(self, x: Float[Tensor, "*batch d_model"], scale: Tensor | None = None) -> Float[Tensor, "*batch d_model"]:
-        """The linear part of the map: what a write ``x`` into the norm's input adds to its output.
-        ``scale``: the ``scale_hook`` value at the same positions (ignored for the identity)."""
+        """What a write ``x`` into the norm's input adds to its output, at the ``scale_hook`` value ``scale``."""
         if self.norm is None:
             return x
         if scale is None:
             raise InvalidArgumentError(
                 f"Block {self.layer}'s {self.site} output passes through the post norm {self.norm}: pass its "
-                f"per-position scale (the value of {self.scale_hook}) to map a write into residual units."
-            )
+                f"per-position scale (the value of {self.scale_hook}) to map a write into residual units.")
         if scale.dim() < x.dim() or scale.shape[-1] != 1:
             scale = scale[..., None]
         if self.center:
@@ -85,56 +71,32 @@ class NormMap(CompactRepr):
         return x * (self.gain.to(x.dtype) / scale.to(x.dtype))
 
     def offset(self, like: Tensor) -> Float[Tensor, " d_model"]:
-        """The norm's own additive term (``bias``; zeros for RMSNorm and for the identity map)."""
+        """The norm's own additive term (zeros for RMSNorm and the identity)."""
         if self.bias is None:
             return torch.zeros(like.shape[-1], dtype=like.dtype, device=like.device)
         return self.bias.to(like.dtype).to(like.device)
 
     def __call__(self, x: Float[Tensor, "*batch d_model"], scale: Tensor | None = None) -> Float[Tensor, "*batch d_model"]:
-        """The whole map of the norm's input ``x`` (the block's raw output): ``linear(x, scale) + bias``."""
+        """``linear(x, scale) + bias`` for the block's raw output ``x``."""
         return self.linear(x, scale) + self.offset(x)
 
 
-def has_post_norm(model: Any, layer: int, site: Site) -> bool:
-    """Whether ``blocks.{layer}``'s ``site`` output passes through a post norm (its ``hook_scale`` exists)."""
-    return hook_name(layer, f"{post_norm_name(model, site)}.hook_scale") in model.hook_dict
-
-
-def post_norm_name(model: Any, site: Site) -> str:
-    """The norm after a block's ``site`` output: ``ln1_post`` / ``ln2_post``, or ``ln1`` / ``ln2`` on post-LN
-    models (which normalise residual plus output: still affine in the output at a fixed position)."""
-    norm = _norm_of(site)
-    return norm.removesuffix("_post") if post_ln_reason(model) is not None else norm
-
-
-def _norm_of(site: str) -> str:
-    if site not in POST_NORMS:
-        raise InvalidArgumentError(f"site must be one of {sorted(POST_NORMS)}, got {site!r}.")
-    return POST_NORMS[site]
-
-
 def _param(module: Any, *names: str) -> Tensor | None:
-    for name in names:
-        value = getattr(module, name, None)
-        if isinstance(value, Tensor):
-            return value.detach()
-    return None
+    return next((v.detach() for name in names if isinstance(v := getattr(module, name, None), Tensor)), None)
 
 
 def post_norm_map(model: Any, layer: int, site: Site) -> NormMap:
-    """The :class:`NormMap` of ``blocks.{layer}``'s ``site`` output. Gain convention (``w`` / ``1 + w``) and
-    centring are found by running the norm on a large probe vector; none fitting raises
-    :class:`~sinklens.errors.UnsupportedArchitectureError`."""
-    norm = post_norm_name(model, site)
-    if not has_post_norm(model, layer, site):
+    """The :class:`NormMap` of ``blocks.{layer}``'s ``site`` output (``ln1``/``ln2`` on post-LN models, which
+    normalise residual plus output); gain convention and centring are probed (:func:`_probed_norm`)."""
+    norm = POST_NORMS[site].removesuffix("_post") if post_ln_reason(model) is not None else POST_NORMS[site]
+    if hook_name(layer, f"{norm}.hook_scale") not in model.hook_dict:
         return NormMap(layer, site, None)
     return NormMap(layer, site, norm, **_probed_norm(model, hook_name(layer, norm)))
 
 
 def input_norm_path(model: Any, layer: int, site: Site) -> str:
     """The module path of the norm that ``blocks.{layer}``'s ``site`` sublayer reads (:func:`input_norm`)."""
-    _norm_of(site)  # validates site
-    hooks = model.hook_dict  # a property that builds a dict on some TransformerLens versions: read it once
+    hooks = model.hook_dict  # built on each read on some TransformerLens versions
     if post_ln_reason(model) is None:
         path = f"blocks.{layer}.{'ln1' if site == 'attn' else 'ln2'}"
     elif site == "mlp":
@@ -167,25 +129,15 @@ def input_norm_reason(model: Any, site: Site) -> str | None:
 
 
 def input_norm(model: Any, layer: int, site: Site) -> NormMap:
-    """The :class:`NormMap` of the norm that ``blocks.{layer}``'s ``site`` sublayer reads (``path`` set):
-    ``ln1`` / ``ln2`` on pre-norm blocks; on post-LN blocks the attention reads the previous ``ln2`` (layer 0:
-    the embedding LayerNorm) and the MLP ``ln1``.
-
-    Examples:
-        >>> from sinklens.testing.zoo import zoo_model
-        >>> input_norm(zoo_model("llama"), 1, "attn").path, input_norm(zoo_model("bert"), 1, "attn").path
-        ('blocks.1.ln1', 'blocks.0.ln2')
-    """
+    """The :class:`NormMap` of the norm ``blocks.{layer}``'s ``site`` reads: ``ln1``/``ln2``; on post-LN blocks the
+    attention reads the previous ``ln2`` (layer 0: the embedding LayerNorm) and the MLP ``ln1``."""
     path = input_norm_path(model, layer, site)
     return NormMap(layer, site, path.rsplit(".", 1)[-1], path=path, **_probed_norm(model, path))
 
 
-#: Module paths of a post-LN model's embedding LayerNorm (TransformerLens 4.x bridge, 3.x ``HookedEncoder``).
-EMBED_NORMS: tuple[str, ...] = ("embed_ln", "embed.ln")
-
-
 def _probed_norm(model: Any, path: str) -> dict[str, Any]:
-    """Run the norm at module ``path`` on a probe vector: its ``gain``, ``bias``, ``center`` and ``convention``."""
+    """The ``gain``, ``bias``, ``center`` and ``convention`` that reproduce the norm at ``path`` on a probe vector
+    (gain ``w`` or ``1 + w``, with or without mean removal); none fitting raises."""
     module = model.get_submodule(path)
     w = _param(module, "w", "weight")
     b = _param(module, "b", "bias")
@@ -193,11 +145,8 @@ def _probed_norm(model: Any, path: str) -> dict[str, Any]:
     if w is None:
         w = torch.ones(d_model, dtype=torch.float32, device=model_device(model))
     gen = torch.Generator().manual_seed(0)
-    # A mean as large as the spread, so that removing it (LayerNorm) or not (RMSNorm) changes the output by O(1),
-    # far above the tolerance below even in bfloat16.
-    probe = (torch.randn(1, 1, d_model, generator=gen, dtype=torch.float32) + 1.0) * 1e3
-    probe = probe.to(device=w.device, dtype=w.dtype)
-    # The norm runs in the model's dtype: a bfloat16 output is within a few of its eps (2^-8) of the exact one.
+    # A mean as large as the spread: removing it or not changes the output by O(1), above tol even in bfloat16.
+    probe = ((torch.randn(1, 1, d_model, generator=gen) + 1.0) * 1e3).to(device=w.device, dtype=w.dtype)
     tol = max(1e-3, 4 * torch.finfo(w.dtype).eps) if w.dtype.is_floating_point else 1e-3
     with torch.inference_mode(), hooks_silenced(module):
         out = module(probe).float()[0, 0]
@@ -212,17 +161,16 @@ def _probed_norm(model: Any, path: str) -> dict[str, Any]:
                 return {"gain": gain, "bias": bias, "center": center, "convention": convention}
     raise UnsupportedArchitectureError(
         f"Cannot express {path} as gain ⊙ x / scale + bias (tried gain = w and 1 + w, with and "
-        "without mean removal): contributions through this norm cannot be put in residual units."
-    )
+        "without mean removal): contributions through this norm cannot be put in residual units.")
 
 
 def mlp_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
-    """``b_out[layer]``, or zeros for a bias-free MLP (TransformerBridge exposes no ``b_out`` then)."""
+    """``b_out[layer]``, or zeros for a bias-free MLP."""
     return _bias(model, "b_out", layer)
 
 
 def attn_out_bias(model: Any, layer: int) -> Float[Tensor, " d_model"]:
-    """``b_O[layer]``, or zeros for a bias-free attention output."""
+    """``b_O[layer]``, or zeros without that bias."""
     return _bias(model, "b_O", layer)
 
 
@@ -237,8 +185,7 @@ def _bias(model: Any, name: str, layer: int) -> Tensor:
 
 
 def moe_reason(model: Any) -> str | None:
-    """Why the MLPs have no per-neuron attribution (mixture of experts: ``cfg.num_experts`` or router hooks),
-    or None."""
+    """Why the MLPs have no per-neuron attribution (mixture of experts), or None."""
     n_experts = getattr(model.cfg, "num_experts", None)
     routed = any(name.startswith("blocks.0.mlp.") and ("router" in name or "expert" in name) for name in model.hook_dict)
     if (n_experts or 0) > 1 or routed:
@@ -248,14 +195,8 @@ def moe_reason(model: Any) -> str | None:
     return None
 
 
-#: Hugging Face model types that normalise *after* the residual add (post-LN, BERT style).
-POST_LN_MODEL_TYPES = frozenset({"bert", "roberta", "xlm-roberta", "camembert", "electra", "distilbert", "albert",
-                                 "mpnet", "ernie"})
-
-
 def post_ln_reason(model: Any) -> str | None:
-    """Why block outputs do not add up in the residual stream (post-LN: BERT and relatives, detected from the
-    Hugging Face ``model_type`` or a 3.x ``HookedEncoder``), or None when they do."""
+    """Why block outputs do not add up in the residual stream (post-LN: BERT and relatives), or None."""
     config = getattr(getattr(model, "original_model", None), "config", None)
     model_type = getattr(config, "model_type", None)
     if model_type in POST_LN_MODEL_TYPES or type(model).__name__ == "HookedEncoder":
@@ -273,7 +214,7 @@ def no_mlp_reason(model: Any) -> str | None:
 
 
 def neuron_reason(model: Any) -> str | None:
-    """Why neurons cannot be attributed in residual units on ``model`` (no MLP, mixture of experts or post-LN), or None."""
+    """Why neurons cannot be attributed in residual units (no MLP, mixture of experts or post-LN), or None."""
     return no_mlp_reason(model) or moe_reason(model) or post_ln_reason(model)
 
 

