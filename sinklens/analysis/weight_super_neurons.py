@@ -1,10 +1,8 @@
 """Super neurons from weights alone: which FFN neurons *could* write a massive dimension at the sink.
 
-Each neuron's read vectors (``W_in[l, :, n]``, ``W_gate[l, :, n]``) and write vector (``W_out[l, n, :]``) are
-compared with its layer's median neuron, and the channel sparsity of its ``W_out`` row is measured. A
-:class:`SinkInput` (:func:`sink_inputs`: the sink's mean ``hook_normalized`` of the norm the MLP reads, before
-its gain) adds the cosine with each read vector. Weights are read as stored (on Gemma 2/3 before the post-MLP
-norm); mixture-of-experts MLPs are refused.
+Each neuron's read and write vector norms are compared with its layer's median neuron, and its ``W_out``
+row's sparsity is measured; a :class:`SinkInput` adds the cosine of each read vector with the sink's
+normalised MLP input. Weights are read as stored (on Gemma 2/3 before the post-MLP norm).
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
 from sinklens.analysis._common import check_sink_position, once_per_forward, row_index, run_analyzer, sink_position_arg
+from sinklens.analysis.neuron_result import check_fits_model
 from sinklens.analysis.neurons import mlp_weight_statistics
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
@@ -48,7 +47,7 @@ class SinkInput(CompactRepr):
 
 class SinkMeanReducer(Reducer[Tensor]):
     """Mean over sequences of ``act[:, sink]`` at each hook of ``names``, ``[hook, d_model]`` (a hook run several
-    times per forward, as TransformerLens 3.x's ``ln1.hook_normalized``, is folded once)."""
+    times per forward is folded once)."""
 
     statistics = ("sums", "n")
 
@@ -162,12 +161,6 @@ class WeightNeurons(CompactRepr):
                         "sink_position": self.sink_position, "rows": self.rows(k)})
 
 
-def _cosine_rows(x: Float[Tensor, "layer d"], num: Float[Tensor, "layer neuron"],
-                 norms: Float[Tensor, "layer neuron"]) -> Float[Tensor, "layer neuron"]:
-    """Cosine of ``x[l]`` with column ``n`` of ``w[l]`` from ``num = x[l] · w[l][:, n]`` and ``norms = ‖w[l][:, n]‖``."""
-    return num / (x.norm(dim=-1, keepdim=True) * norms).clamp_min(_TINY)
-
-
 def super_neurons_from_weights(
     model: Any,
     *,
@@ -179,8 +172,8 @@ def super_neurons_from_weights(
 ) -> WeightNeurons:
     """Rank FFN neurons as super-neuron candidates from their weights alone (no forward pass).
 
-    ``dims``: residual dimensions whose ``W_out`` entries to report; ``sink_input`` (:func:`sink_inputs`) adds
-    the read-vector alignments; ``w_out_sparsity``: ``(kurtosis, top-k share)`` of these rows if already computed.
+    ``dims``: dimensions whose ``W_out`` entries to report; ``sink_input`` adds the read-vector alignments;
+    ``w_out_sparsity``: ``(kurtosis, top-k share)`` of these rows if already computed.
 
     Examples:
         >>> from sinklens.testing.planted import planted_model
@@ -193,19 +186,14 @@ def super_neurons_from_weights(
         raise UnsupportedArchitectureError(f"super_neurons_from_weights cannot rank neurons on this model: {reason}.")
     d = model_dims(model)
     layer_list = resolve_layers(layers, d.n_layers)
-    if not 1 <= positive_int(row_top_k, what="row_top_k") <= d.d_model:
-        raise InvalidArgumentError(f"row_top_k must be in [1, {d.d_model}] (d_model), got {row_top_k}.")
     dims = [as_int(x, what="dims") for x in (dims or [])]
-    bad = [x for x in dims if not 0 <= x < d.d_model]
-    if bad:
-        raise InvalidArgumentError(f"dims {bad} are out of range for d_model={d.d_model} (0..{d.d_model - 1}).")
-    stats = mlp_weight_statistics(model, layer_list, row_top_k)  # per layer, kept until the weights change
+    check_fits_model(d.d_model, positive_int(row_top_k, what="row_top_k"), dims)
+    stats = mlp_weight_statistics(model, layer_list, row_top_k)
     in_norm, gate_norm, out_norm = (None if stats[k] is None else stats[k].cpu() for k in ("in_norm", "gate_norm", "out_norm"))
     in_ratio, out_ratio = _median_ratio(in_norm), _median_ratio(out_norm)
     gate_ratio = None if gate_norm is None else _median_ratio(gate_norm)
     score = in_ratio * out_ratio * (gate_ratio if gate_ratio is not None else 1.0)
     kurt, share = w_out_sparsity if w_out_sparsity is not None else (stats["out_kurtosis"].cpu(), stats["out_top_share"].cpu())
-    # One layer's weights at a time (views, no stacked copies).
     out_dim_weight = torch.stack([layer_weight(model, "W_out", l)[:, dims].float().cpu() for l in layer_list])
     align_in = align_gate = None
     if sink_input is not None:
@@ -214,11 +202,12 @@ def super_neurons_from_weights(
             raise InvalidArgumentError(f"sink_input has no layers {missing}; it covers {sink_input.layers}.")
         x = sink_input.x[[sink_input.layers.index(l) for l in layer_list]].float()
 
-        def reads(name: str) -> Tensor:  # [layer, neuron]: x[l] · w[l][:, n]
-            return torch.stack([x[i] @ layer_weight(model, name, l).float().to(x.device) for i, l in enumerate(layer_list)])
+        def cosine(name: str, norms: Tensor) -> Tensor:  # [layer, neuron]: cos(x[l], w[l][:, n])
+            dots = torch.stack([x[i] @ layer_weight(model, name, l).float().to(x.device) for i, l in enumerate(layer_list)])
+            return dots / (x.norm(dim=-1, keepdim=True) * norms.to(x.device)).clamp_min(_TINY)
 
-        align_in = _cosine_rows(x, reads("W_in"), in_norm.to(x.device))
-        align_gate = None if gate_norm is None else _cosine_rows(x, reads("W_gate"), gate_norm.to(x.device))
+        align_in = cosine("W_in", in_norm)
+        align_gate = None if gate_norm is None else cosine("W_gate", gate_norm)
     return WeightNeurons(
         layers=layer_list, in_norm=in_norm, gate_norm=gate_norm, out_norm=out_norm, in_norm_ratio=in_ratio,
         gate_norm_ratio=gate_ratio, out_norm_ratio=out_ratio, out_kurtosis=kurt, out_top_share=share,
