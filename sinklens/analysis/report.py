@@ -346,8 +346,6 @@ def variance_sources_line(report: SinkReport) -> str:
     head = (f"var ratio z / zW_O (sinklens): median over heads of the variance over sequences around the all-position "
             f"mean, position {p} over the rest (> 1: position {p} varies more); zW_O in residual units (through any "
             f"post-attention norm){site}")
-    if var.feature_std is None:
-        return head
     ratio = var.discrepancy(p, of="feature_std")
     return (head + f"\nfeature std ratio (Li et al.'s code: std over the o_proj input's features per token, mean "
             f"over sequences), position {p} / rest, by layer: " + " ".join(f"{float(r):.2f}" for r in ratio))

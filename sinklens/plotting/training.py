@@ -63,7 +63,7 @@ def plot_training(
     path: str | Path | None = None,
 ) -> Any:
     """One panel per metric (default :func:`default_panels`), one line per run of ``{label: metrics lines}``:
-    training loss smoothed over ``smoothing`` steps and the evaluation metrics; saved to ``path`` if given."""
+    training loss smoothed over ``smoothing`` steps and the evaluation metrics."""
     panels = default_panels(runs) if panels is None else tuple(panels)
     fig, axes = new_figure(1, len(panels), width=4.2, height=3.4)
     for ax, panel in zip(axes[0], panels):
@@ -111,8 +111,7 @@ def plot_positional_over_training(
         for layer in range(ratio.shape[1]):
             ax.plot(traj.steps, ratio[:, layer].tolist(), marker="o", ms=3, label=f"layer {layer}")
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-        ax.set_yscale("log")
-        ax.set_xlabel("step")
+        ax.set(yscale="log", xlabel="step")
         position = traj.results[0].first_counted if traj.results else 0
         ax.set_title(f"{label}: {name} at position {position} / later half", fontsize=9)
     axes[0][0].legend(fontsize=8)
