@@ -1,5 +1,5 @@
-"""What a super-neuron analysis returns (:mod:`sinklens.analysis.neurons` computes it): its settings,
-:class:`SuperNeurons` and the massive-dimension paths in it."""
+"""What a super-neuron analysis returns (:mod:`sinklens.analysis.neurons` computes it): its
+settings, :class:`SuperNeurons` and the massive-dimension paths in it."""
 
 from __future__ import annotations
 
@@ -23,14 +23,15 @@ class SuperNeuronSettings:
     """Settings of one super-neuron analysis.
 
     Attributes:
-        dims: massive residual dimensions to attribute (None: the ``max_dims`` with the largest peaks among
-            those whose ``|resid[s, d]|`` exceeds ``dim_threshold`` × the median ``|resid[s, :]|``).
+        dims: massive residual dimensions to attribute (None: the ``max_dims`` with the largest
+            peaks among those whose ``|resid[s, d]|`` exceeds ``dim_threshold`` × the median
+            ``|resid[s, :]|``).
         position_threshold / neuron_threshold: activation-outlier thresholds (``is_outlier``).
         erase_fraction: ``MassiveDimPath.erase_layer`` must undo at least this share of the peak.
         top_k: top neurons listed per dimension and per writer/eraser block; ``row_top_k``: entries
             counted in ``row_top_share``.
-        path_share: a block writes (erases) a dimension when its step moves it towards (away from) its
-            peak's sign by this share of ``|peak|``; ``super_share``: a neuron is super when its
+        path_share: a block writes (erases) a dimension when its step moves it towards (away from)
+            its peak's sign by this share of ``|peak|``; ``super_share``: a neuron is super when its
             ``|contribution|`` to a dimension reaches this share of ``|peak|``.
     """
 
@@ -62,21 +63,25 @@ class SuperNeuronSettings:
 
 
 def check_fits_model(d_model: int, row_top_k: int, dims: Sequence[int]) -> None:
-    """Raise when ``row_top_k`` or a dimension of ``dims`` does not fit a residual stream of ``d_model``."""
+    """Raise when ``row_top_k`` or a dimension of ``dims`` does not fit a residual stream of
+    ``d_model``."""
     if not 1 <= row_top_k <= d_model:
-        raise InvalidArgumentError(f"row_top_k must be in [1, {d_model}] (d_model), got {row_top_k}.")
+        raise InvalidArgumentError(
+            f"row_top_k must be in [1, {d_model}] (d_model), got {row_top_k}.")
     bad = [x for x in dims if not 0 <= x < d_model]
     if bad:
-        raise InvalidArgumentError(f"dims {bad} are out of range for d_model={d_model} (0..{d_model - 1}).")
+        raise InvalidArgumentError(
+            f"dims {bad} are out of range for d_model={d_model} (0..{d_model - 1}).")
 
 
 @dataclass(eq=False)
 class BlockStep(StructuralEq):
     """One block's step in a massive dimension at the sink, mean over sequences, residual units.
 
-    ``delta = attn + mlp`` (``hook_attn_out`` + ``hook_mlp_out``); ``attn_share = |attn| / (|attn| + |mlp|)``;
-    ``share``: ``delta / |peak|`` signed towards the peak (< 0: erases). ``top_neurons`` ``(layer, neuron,
-    contribution)`` / ``top_heads`` ``(head, contribution)``: the block's largest in the step's direction.
+    ``delta = attn + mlp`` (``hook_attn_out`` + ``hook_mlp_out``); ``attn_share = |attn| / (|attn| +
+    |mlp|)``; ``share``: ``delta / |peak|`` signed towards the peak (< 0: erases). ``top_neurons``
+    ``(layer, neuron, contribution)`` / ``top_heads`` ``(head, contribution)``: the block's largest
+    in the step's direction.
     """
 
     block: int
@@ -94,15 +99,19 @@ class MassiveDimPath(CompactRepr):
     """How one massive residual dimension at the sink is written and erased across blocks.
 
     Attributes:
-        peak_layer / peak_value: the residual-stream index (``l``: input of block ``l``) and signed mean value
-            at the sink where ``|value|`` peaks.
-        write_layer: the block whose step (``write_delta = write_attn + write_mlp``) moves the dimension
-            furthest towards its peak sign; ``attn_share``: ``|write_attn| / (|write_attn| + |write_mlp|)``.
-        erase_layer / erase_delta: the later block taking back the most, if at least ``erase_fraction``.
-        top_neurons / total_effect: ``(layer, neuron, value)`` rows ranked by direct contribution / by
-            total effect (:func:`~sinklens.analysis.neurons.add_total_effects`), best first.
-        writers / erasers: every :class:`BlockStep` of at least ``path_share`` of ``|peak|``, in block order.
-        first_massive_stream: the first stream where the dimension is massive (``dim_threshold``), or None.
+        peak_layer / peak_value: the residual-stream index (``l``: input of block ``l``) and signed
+            mean value at the sink where ``|value|`` peaks.
+        write_layer: the block whose step (``write_delta = write_attn + write_mlp``) moves the
+            dimension furthest towards its peak sign; ``attn_share``: ``|write_attn| / (|write_attn|
+            + |write_mlp|)``.
+        erase_layer / erase_delta: the later block taking back the most, if at least
+            ``erase_fraction``.
+        top_neurons / total_effect: ``(layer, neuron, value)`` rows ranked by direct contribution /
+            by total effect (:func:`~sinklens.analysis.neurons.add_total_effects`), best first.
+        writers / erasers: every :class:`BlockStep` of at least ``path_share`` of ``|peak|``, in
+            block order.
+        first_massive_stream: the first stream where the dimension is massive (``dim_threshold``),
+            or None.
     """
 
     dim: int
@@ -127,25 +136,29 @@ class MassiveDimPath(CompactRepr):
 
 @dataclass(repr=False, eq=False)
 class SuperNeurons(SettingsFields, CompactRepr):
-    """Super neurons at the sink and the paths of the massive dimensions (:mod:`sinklens.analysis.neurons`).
+    """Super neurons at the sink and the paths of the massive dimensions
+    (:mod:`sinklens.analysis.neurons`).
 
     Attributes:
         settings: the :class:`SuperNeuronSettings`; its fields also read as attributes.
-        sink_act: mean ``mlp.hook_post`` at the sink; ``other_rms`` / ``other_max_abs``: RMS / max ``|act|``
-            over the other valid positions; ``position_ratio = |sink_act| / other_rms``; ``neuron_ratio``:
-            ``|sink_act|`` over the layer's median; ``is_outlier``: both reach their thresholds.
-        contribution / is_super: the residual-unit write into ``dims`` at the sink; ``|contribution|`` >=
-            ``super_share`` × the dimension's ``|peak|``.
-        row_kurtosis / row_top_share: Pearson kurtosis of each ``W_out`` row and the share of its squared
-            norm in its ``row_top_k`` largest entries.
-        resid_sink / attn_out_sink / mlp_out_sink: mean residual stream (per stream ``0..n_layers``),
-            ``hook_attn_out`` and ``hook_mlp_out`` at the sink (per block, after any post norm).
+        sink_act: mean ``mlp.hook_post`` at the sink; ``other_rms`` / ``other_max_abs``: RMS / max
+            ``|act|`` over the other valid positions; ``position_ratio = |sink_act| / other_rms``;
+            ``neuron_ratio``: ``|sink_act|`` over the layer's median; ``is_outlier``: both reach
+            their thresholds.
+        contribution / is_super: the residual-unit write into ``dims`` at the sink;
+            ``|contribution|`` >= ``super_share`` × the dimension's ``|peak|``.
+        row_kurtosis / row_top_share: Pearson kurtosis of each ``W_out`` row and the share of its
+            squared norm in its ``row_top_k`` largest entries.
+        resid_sink / attn_out_sink / mlp_out_sink: mean residual stream (per stream
+            ``0..n_layers``), ``hook_attn_out`` and ``hook_mlp_out`` at the sink (per block, after
+            any post norm).
         mlp_offset_sink / attn_offset_sink: ``b_out`` / ``b_O`` through the post norm plus its bias:
             ``contribution.sum(neuron) + mlp_offset_sink`` is ``mlp_out_sink`` at ``dims``, and
-            ``head_contribution`` (each head's ``z_h W_O[h]`` into ``dims``) plus ``attn_offset_sink`` is
-            ``attn_out_sink``.
+            ``head_contribution`` (each head's ``z_h W_O[h]`` into ``dims``) plus
+            ``attn_offset_sink`` is ``attn_out_sink``.
         n_massive: dimensions detected as massive (None when ``dims`` were given).
-        total_effect: ``[layer, neuron, n_dims]`` (:func:`~sinklens.analysis.neurons.add_total_effects`).
+        total_effect: ``[layer, neuron, n_dims]``
+            (:func:`~sinklens.analysis.neurons.add_total_effects`).
     """
 
     layers: list[int]
@@ -180,8 +193,8 @@ class SuperNeurons(SettingsFields, CompactRepr):
         return k, self.dims.index(path.dim), (1.0 if path.peak_value >= 0 else -1.0) if sign is None else sign
 
     def top_heads(self, dim: int, block: int, k: int = 3, *, sign: float | None = None) -> list[tuple[int, float]]:
-        """``(head, contribution)`` of ``block``'s ``k`` heads writing most into ``dim`` towards its peak (or
-        ``sign``), best first."""
+        """``(head, contribution)`` of ``block``'s ``k`` heads writing most into ``dim`` towards its
+        peak (or ``sign``), best first."""
         if self.head_contribution is None:
             return []
         k, j, sign = self._ranking(dim, k, sign)
@@ -190,8 +203,9 @@ class SuperNeurons(SettingsFields, CompactRepr):
         return [(int(h), float(sign * v)) for h, v in zip(idx, vals)]
 
     def super_neurons(self, kind: str | None = None) -> list[tuple[int, int]]:
-        """``(layer, neuron)`` of every super neuron, largest ``|contribution|`` first; ``kind="writers"`` /
-        ``"erasers"``: those whose largest contribution has (has not) its dimension's peak sign."""
+        """``(layer, neuron)`` of every super neuron, largest ``|contribution|`` first;
+        ``kind="writers"`` / ``"erasers"``: those whose largest contribution has (has not) its
+        dimension's peak sign."""
         kind = None if kind is None else choice(kind, ("writers", "erasers"), what="kind")
         idx = self.is_super.nonzero()
         if not idx.numel():  # always so without dims
@@ -207,7 +221,8 @@ class SuperNeurons(SettingsFields, CompactRepr):
         return [(self.layers[int(r)], int(n)) for r, n in idx[order].tolist()]
 
     def outliers(self) -> list[tuple[int, int]]:
-        """``(layer, neuron)`` of every activation outlier (``is_outlier``), largest ``|sink_act|`` first."""
+        """``(layer, neuron)`` of every activation outlier (``is_outlier``), largest ``|sink_act|``
+        first."""
         mask = self.is_outlier if self.is_outlier is not None else torch.zeros_like(self.is_super)
         idx = mask.nonzero()
         order = self.sink_act[idx[:, 0], idx[:, 1]].abs().argsort(descending=True)
@@ -222,8 +237,9 @@ class SuperNeurons(SettingsFields, CompactRepr):
 
     def top(self, dim: int, k: int = 10, *, block: int | None = None, sign: float | None = None,
             by: str = "direct") -> list[tuple[int, int, float]]:
-        """``(layer, neuron, contribution)`` of the ``k`` neurons writing most into ``dim`` towards its peak (or
-        ``sign``), best first; ``block``: one layer's neurons only; ``by="total"``: ranked by ``total_effect``."""
+        """``(layer, neuron, contribution)`` of the ``k`` neurons writing most into ``dim`` towards
+        its peak (or ``sign``), best first; ``block``: one layer's neurons only; ``by="total"``:
+        ranked by ``total_effect``."""
         k, j, sign = self._ranking(dim, k, sign)
         if choice(by, ("direct", "total"), what="by") == "total" and self.total_effect is None:
             raise InvalidArgumentError("by='total' needs total_effect: call add_total_effects(model, batches, result).")
@@ -255,7 +271,8 @@ class SuperNeurons(SettingsFields, CompactRepr):
         return row
 
     def rows(self, k: int = 10) -> list[dict[str, Any]]:
-        """DataFrame-ready rows: each dim's ``k`` top writers, then every other super neuron (``dim`` None)."""
+        """DataFrame-ready rows: each dim's ``k`` top writers, then every other super neuron
+        (``dim`` None)."""
         out, seen = [], set()
         for d in self.dims:
             for rank, (layer, neuron, contrib) in enumerate(self.top(d, k)):

@@ -1,11 +1,13 @@
-"""Super neurons: FFN neurons that write the massive residual dimensions at the sink, in residual units.
+"""Super neurons: FFN neurons that write the massive residual dimensions at the sink, in residual
+units.
 
 Activations are ``blocks.{l}.mlp.hook_post`` at the sink ``s``, mean over sequences. A neuron's
-``contribution`` to dimension ``d`` is ``act × W_out[l, n, d]``, through the post-MLP norm when there is
-one (Gemma 2/3: ``(act / scale) × gain ⊙ W_out[l, n]``); summed over neurons plus ``mlp_offset_sink[l]``
-it is the mean ``hook_mlp_out``. A **super neuron** reaches ``super_share`` of some analysed dimension's
-peak ``|value|``. Massive dimensions (unless given): ``|resid[s, d]|`` > ``dim_threshold`` × the median
-``|resid[s, :]|`` at some stream. Field definitions: :class:`SuperNeurons`, :class:`MassiveDimPath`.
+``contribution`` to dimension ``d`` is ``act × W_out[l, n, d]``, through the post-MLP norm when
+there is one (Gemma 2/3: ``(act / scale) × gain ⊙ W_out[l, n]``); summed over neurons plus
+``mlp_offset_sink[l]`` it is the mean ``hook_mlp_out``. A **super neuron** reaches ``super_share``
+of some analysed dimension's peak ``|value|``. Massive dimensions (unless given): ``|resid[s, d]|``
+> ``dim_threshold`` × the median ``|resid[s, :]|`` at some stream. Field definitions:
+:class:`SuperNeurons`, :class:`MassiveDimPath`.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
 from sinklens.analysis._common import (
-    check_sink_position, checked_options, other_positions, resolve_streams, run_analyzer, settings_from, stream_hook,
+    check_sink_position, checked_options, other_positions, resolve_streams, run_analyzer,
+    settings_from, stream_hook,
 )
 from sinklens.analysis.neuron_result import (
     BlockStep, MassiveDimPath, SuperNeurons, SuperNeuronSettings, check_fits_model,
@@ -40,18 +43,19 @@ from sinklens.streaming import BatchFold, Reducer, batches_for, bound_hooks, for
 def neuron_contributions(
     model: Any, layer: int, post: Float[Tensor, "*batch neuron"], *, scale: Tensor | None = None
 ) -> Float[Tensor, "*batch neuron d_model"]:
-    """Each neuron's write into the residual stream: ``post[..., n] × W_out[layer, n, :]`` through the
-    post-MLP norm's affine map when there is one (then ``scale``, its ``hook_scale`` at the same positions,
-    is required). Summed over neurons plus :func:`mlp_offset` it is ``hook_mlp_out``."""
+    """Each neuron's write into the residual stream: ``post[..., n] × W_out[layer, n, :]`` through
+    the post-MLP norm's affine map when there is one (then ``scale``, its ``hook_scale`` at the same
+    positions, is required). Summed over neurons plus :func:`mlp_offset` it is ``hook_mlp_out``."""
     writes = post[..., :, None] * weight(model, "W_out")[layer].to(post.dtype)
     if scale is not None and scale.dim() == post.dim() and scale.shape[-1] == 1:
         scale = scale[..., 0]
-    return post_norm_map(model, layer, "mlp").linear(writes, None if scale is None else scale[..., None, None])
+    scale = None if scale is None else scale[..., None, None]
+    return post_norm_map(model, layer, "mlp").linear(writes, scale)
 
 
 def mlp_offset(model: Any, layer: int, scale: Tensor | None = None) -> Float[Tensor, "*batch d_model"]:
-    """The part of ``hook_mlp_out`` no neuron wrote: ``b_out``, through the post-MLP norm plus its bias when
-    there is one (``scale`` as in :func:`neuron_contributions`)."""
+    """The part of ``hook_mlp_out`` no neuron wrote: ``b_out``, through the post-MLP norm plus its
+    bias when there is one (``scale`` as in :func:`neuron_contributions`)."""
     b, pm = mlp_out_bias(model, layer), post_norm_map(model, layer, "mlp")
     if pm.is_identity or scale is None:
         return pm.linear(b)  # b itself, or the error naming the missing scale
@@ -79,12 +83,14 @@ def row_sparsity(rows: Float[Tensor, "*rows d"], k: int = 1) -> tuple[Float[Tens
 
 
 def mlp_weight_statistics(model: Any, layers: Sequence[int], row_top_k: int = 1) -> dict[str, Tensor | None]:
-    """Per ``[layer, neuron]`` of ``layers`` (float32, model's device, cached until the weights change):
-    ``in_norm`` / ``gate_norm`` (None without a gate) / ``out_norm``: ``‖W_in[:, n]‖`` / ``‖W_gate[:, n]‖`` /
-    ``‖W_out[n]‖``; ``out_kurtosis`` / ``out_top_share``: :func:`row_sparsity` of ``W_out[n]``."""
+    """Per ``[layer, neuron]`` of ``layers`` (float32, model's device, cached until the weights
+    change): ``in_norm`` / ``gate_norm`` (None without a gate) / ``out_norm``: ``‖W_in[:, n]‖`` /
+    ``‖W_gate[:, n]‖`` / ``‖W_out[n]‖``; ``out_kurtosis`` / ``out_top_share``: :func:`row_sparsity`
+    of ``W_out[n]``."""
 
     def compute() -> dict[str, Tensor | None]:
-        out: dict[str, list[Tensor]] = {k: [] for k in ("in_norm", "gate_norm", "out_norm", "out_kurtosis", "out_top_share")}
+        names = ("in_norm", "gate_norm", "out_norm", "out_kurtosis", "out_top_share")
+        out: dict[str, list[Tensor]] = {k: [] for k in names}
         gated = True
         for layer in layers:  # one layer's weights at a time
             out["in_norm"].append(layer_weight(model, "W_in", layer).float().norm(dim=0))
@@ -97,20 +103,23 @@ def mlp_weight_statistics(model: Any, layers: Sequence[int], row_top_k: int = 1)
             out["out_norm"].append(w_out.norm(dim=-1))
             for name, t in zip(("out_kurtosis", "out_top_share"), row_sparsity(w_out, row_top_k)):
                 out[name].append(t)
-        return {k: torch.stack(v) if v and (gated or k != "gate_norm") else None for k, v in out.items()}
+        out["gate_norm"] = out["gate_norm"] if gated else []
+        return {k: torch.stack(v) if v else None for k, v in out.items()}
 
     stats = weight_cached(model, ("mlp_weight_statistics", tuple(layers), row_top_k), compute)
     return {name: None if t is None else t.clone() for name, t in stats.items()}  # callers own their copies
 
 
 def _massive(resid: Float[Tensor, "stream d_model"], threshold: float) -> Tensor:
-    """``[stream, d_model]``: ``|resid[s, d]|`` exceeds ``threshold`` × the median ``|resid[s, :]|``."""
+    """``[stream, d_model]``: ``|resid[s, d]|`` exceeds ``threshold`` × the median ``|resid[s,
+    :]|``."""
     a = resid.abs()
     return a / a.median(dim=-1, keepdim=True).values.clamp_min(_TINY) > threshold
 
 
 def massive_dims_from_resid(resid: Float[Tensor, "stream d_model"], threshold: float, max_dims: int) -> tuple[list[int], int]:
-    """(the ``max_dims`` dims massive at some stream with the largest peaks, peak first; how many were massive)."""
+    """(the ``max_dims`` dims massive at some stream with the largest peaks, peak first; how many
+    were massive)."""
     hit = _massive(resid, threshold).any(dim=0).nonzero().flatten()
     peak = resid.abs().amax(dim=0)[hit]
     return [int(d) for d in hit[peak.argsort(descending=True)][:max_dims]], int(hit.numel())
@@ -130,7 +139,8 @@ def dim_path(
     path_share: float = SuperNeuronSettings.path_share,
     dim_threshold: float = SuperNeuronSettings.dim_threshold,
 ) -> MassiveDimPath:
-    """Peak, writer and eraser blocks of one dimension (:class:`MassiveDimPath`, ``top_neurons`` left empty)."""
+    """Peak, writer and eraser blocks of one dimension (:class:`MassiveDimPath`, ``top_neurons``
+    left empty)."""
     values = resid[:, dim]
     peak = int(values.abs().argmax())
     peak_value = float(values[peak])
@@ -149,16 +159,18 @@ def dim_path(
         d, ab, mb = float(delta[block]), float(attn[block, dim]), float(mlp[block, dim])
         toward = sign * d / max(abs(peak_value), _TINY)
         if abs(toward) >= path_share:
-            (writers if toward > 0 else erasers).append(BlockStep(block, d, ab, mb, _attn_share(ab, mb), toward))
+            step = BlockStep(block, d, ab, mb, _attn_share(ab, mb), toward)
+            (writers if toward > 0 else erasers).append(step)
     first = _massive(resid, dim_threshold)[:, dim].nonzero().flatten()
-    return MassiveDimPath(dim, peak, peak_value, write, float(delta[write]), a, m, _attn_share(a, m), erase,
-                          erase_delta, writers=writers, erasers=erasers,
+    return MassiveDimPath(dim, peak, peak_value, write, float(delta[write]), a, m,
+                          _attn_share(a, m), erase, erase_delta, writers=writers, erasers=erasers,
                           first_massive_stream=int(first[0]) if first.numel() else None)
 
 
 class SuperNeuronReducer(Reducer[SuperNeurons]):
-    """Streams ``mlp.hook_post`` (all positions) and the residual, ``hook_attn_out``, ``hook_mlp_out`` and
-    head outputs (sink only) into :class:`SuperNeurons`, keeping only per-neuron and per-layer sums."""
+    """Streams ``mlp.hook_post`` (all positions) and the residual, ``hook_attn_out``,
+    ``hook_mlp_out`` and head outputs (sink only) into :class:`SuperNeurons`, keeping only
+    per-neuron and per-layer sums."""
 
     statistics = ("sink_sum", "sink_scaled_sum", "inv_scale_sum", "head_sum", "attn_inv_scale_sum", "other_sq", "other_max",
                   "resid", "attn", "mlp", "n_sequences", "n_other")
@@ -167,14 +179,16 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None,
                  settings: SuperNeuronSettings | None = None, **settings_kwargs: Any):
         d = model_dims(model)
-        settings = settings_from(SuperNeuronSettings, settings, settings_kwargs, "SuperNeuronReducer")
+        settings = settings_from(SuperNeuronSettings, settings, settings_kwargs,
+                                 "SuperNeuronReducer")
         check_fits_model(d.d_model, settings.row_top_k, settings.dims or ())
         if d.d_mlp <= 0:
             raise InvalidArgumentError("This model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0): there are no "
                                        "neurons to analyse.")
         check_neuron_mlp(model)
         self.model, self.settings, self.sink = model, settings, settings.sink_position
-        self.n_layers, self.d_model, self.d_mlp, self.n_heads = d.n_layers, d.d_model, d.d_mlp, d.n_heads
+        self.n_layers, self.d_model, self.d_mlp, self.n_heads = (
+            d.n_layers, d.d_model, d.d_mlp, d.n_heads)
         self.layers = resolve_layers(layers, d.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.device = model_device(model)
@@ -185,13 +199,13 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
 
     def reset(self) -> None:
         zeros = partial(torch.zeros, device=self.device, dtype=torch.float64)
-        n, n_blocks = len(self.layers), self.n_layers
-        self.sink_sum, self.sink_scaled_sum, self.other_sq = (zeros(n, self.d_mlp) for _ in range(3))
+        n, blocks, d = len(self.layers), self.n_layers, self.d_model
+        self.sink_sum, self.sink_scaled_sum = zeros(n, self.d_mlp), zeros(n, self.d_mlp)
+        self.other_sq = zeros(n, self.d_mlp)
         self.other_max = zeros(n, self.d_mlp, dtype=torch.float32)
-        self.inv_scale_sum, self.attn_inv_scale_sum = zeros(n_blocks), zeros(n_blocks)  # Σ 1 / post-norm scale
-        self.head_sum = zeros(n_blocks, self.n_heads, self.d_model)  # Σ z_h W_O (/ post-norm scale)
-        self.resid = zeros(n_blocks + 1, self.d_model)
-        self.attn, self.mlp = zeros(n_blocks, self.d_model), zeros(n_blocks, self.d_model)
+        self.inv_scale_sum, self.attn_inv_scale_sum = zeros(blocks), zeros(blocks)  # Σ 1 / scale
+        self.head_sum = zeros(blocks, self.n_heads, d)  # Σ z_h W_O (/ post-norm scale)
+        self.resid, self.attn, self.mlp = zeros(blocks + 1, d), zeros(blocks, d), zeros(blocks, d)
         self.n_sequences = self.n_other = 0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
@@ -216,9 +230,10 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
 
             return fold
 
-        def keep(key: str):
-            def fold(act: Tensor, block: int) -> None:  # hook_scale [batch, pos, 1], or hook_z: a copy at the sink
-                state[key][block] = act[:, s].clone().float() if key == "z" else act[:, s].reshape(-1).double()
+        def keep(key: str):  # hook_scale [batch, pos, 1], or a copy of hook_z at the sink
+            def fold(act: Tensor, block: int) -> None:
+                at = act[:, s]
+                state[key][block] = at.clone().float() if key == "z" else at.reshape(-1).double()
 
             return fold
 
@@ -229,10 +244,11 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         hooks += bound_hooks([stream_hook(i, self.n_layers) for i in streams], streams, at_sink(self.resid))
         hooks += per_layer_hooks(ATTN_OUT, blocks, at_sink(self.attn))
         hooks += per_layer_hooks(MLP_OUT, blocks, at_sink(self.mlp))
-        hooks += bound_hooks([self.maps[b].scale_hook for b in self.post_norm_blocks], self.post_norm_blocks,
-                             keep("scale"))
+        mlp_pn = self.post_norm_blocks
+        hooks += bound_hooks([self.maps[b].scale_hook for b in mlp_pn], mlp_pn, keep("scale"))
         hooks += per_layer_hooks(head_output_site(self.model), blocks, keep("z"))
-        hooks += bound_hooks([self.attn_maps[b].scale_hook for b in attn_pn], attn_pn, keep("attn_scale"))
+        hooks += bound_hooks([self.attn_maps[b].scale_hook for b in attn_pn], attn_pn,
+                             keep("attn_scale"))
         return BatchFold(hooks, state)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
@@ -242,7 +258,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             if block in fold.state["post"]:
                 self.sink_scaled_sum[self.row[block]] += (fold.state["post"][block] * inv[:, None]).sum(0)
         for block, z in fold.state["z"].items():
-            w_o = layer_weight(self.model, "W_O", block).float().to(z.device)  # [head, d_head, d_model]: a view
+            w_o = layer_weight(self.model, "W_O", block).float().to(z.device)  # [head, d_head, d]
             write = torch.einsum("bhk,hkd->bhd", z, w_o).double()
             scale = fold.state["attn_scale"].get(block)
             if scale is not None:
@@ -273,16 +289,17 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             if block in self.row:
                 res_act[self.row[block]] = (self.sink_scaled_sum[self.row[block]] / n_seq).float()
         rebuilt, w_dims = [], []  # one layer's W_out at a time: no stacked copy
+        one = torch.ones(1, device=dev)
         for i, layer in enumerate(self.layers):
-            w_res = self.maps[layer].linear(layer_weight(self.model, "W_out", layer).float().to(dev),
-                                            torch.ones(1, device=dev))  # [neuron, d_model]
+            w_out = layer_weight(self.model, "W_out", layer).float().to(dev)  # [neuron, d_model]
+            w_res = self.maps[layer].linear(w_out, one)
             rebuilt.append(res_act[i] @ w_res)
             w_dims.append(w_res[:, dims])
-        self._warn_if_off(torch.stack(rebuilt) + offset[self.layers], mlp[self.layers], "Neuron", "hook_mlp_out",
-                          "this model's MLP output is not act × W_out + b_out through its post norm, so "
-                          "contributions are approximate.")
+        self._warn_if_off(torch.stack(rebuilt) + offset[self.layers], mlp[self.layers], "Neuron",
+                          "hook_mlp_out", "this model's MLP output is not act × W_out + b_out "
+                          "through its post norm, so contributions are approximate.")
         heads = (self.head_sum / n_seq).float()
-        heads = torch.stack([pm.linear(h, torch.ones(1, device=dev)) for pm, h in zip(self.attn_maps, heads)])
+        heads = torch.stack([pm.linear(h, one) for pm, h in zip(self.attn_maps, heads)])
         attn_offset = self._offsets(self.attn_maps, attn_out_bias, self.attn_inv_scale_sum, dev)
         self._warn_if_off(heads.sum(1) + attn_offset, attn, "Head", "hook_attn_out",
                           "they are approximate for this model.")
@@ -313,7 +330,8 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         return result
 
     def _offsets(self, maps: Sequence[Any], bias: Any, inv_scale_sum: Tensor, dev: Any) -> Tensor:
-        """``[block, d_model]``: each block's output bias through its post norm (at the mean ``1 / scale``)."""
+        """``[block, d_model]``: each block's output bias through its post norm (at the mean ``1 /
+        scale``)."""
         out = torch.stack([bias(self.model, b).float().to(dev) for b in range(self.n_layers)])
         for block, pm in enumerate(maps):
             if not pm.is_identity:
@@ -322,23 +340,27 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         return out
 
     def _warn_if_off(self, rebuilt: Tensor, target: Tensor, who: str, hook: str, tail: str) -> None:
-        """Warn when the rebuilt sum misses the model's own mean ``hook`` at the sink by more than float32
-        sums and the model's dtype rounding allow (8 of its eps, at least 1e-3, relative)."""
+        """Warn when the rebuilt sum misses the model's own mean ``hook`` at the sink by more than
+        float32 sums and the model's dtype rounding allow (8 of its eps, at least 1e-3, relative).
+        """
         err = float((rebuilt - target).abs().max()) if target.numel() else 0.0
         size = float(target.abs().max()) if target.numel() else 0.0
         if err > max(1e-3, 8 * torch.finfo(model_dtype(self.model)).eps) * size + 1e-5:
-            warnings.warn(f"{who} contributions at the sink do not add up to {hook} (max error {err:.3g} vs max "
-                          f"|{hook}| {size:.3g}): {tail}", RuntimeWarning, stacklevel=3)
+            warnings.warn(f"{who} contributions at the sink do not add up to {hook} (max error "
+                          f"{err:.3g} vs max |{hook}| {size:.3g}): {tail}", RuntimeWarning,
+                          stacklevel=3)
 
 
 def add_total_effects(model: Any, batches: Sequence[TokenBatch], neurons: SuperNeurons, *,
                       options: RunOptions = RunOptions()) -> SuperNeurons:
-    """Fill ``neurons.total_effect`` and each path's ``total_effect`` by attribution patching; return ``neurons``.
+    """Fill ``neurons.total_effect`` and each path's ``total_effect`` by attribution patching;
+    return ``neurons``.
 
-    ``total_effect[l, n, j]``: mean over sequences of ``act × ∂resid[peak, s, dims[j]] / ∂act`` (``act``: the
-    neuron's ``mlp.hook_post`` at the sink; ``peak``: the dim's peak stream), the first-order estimate of what
-    zeroing the neuron at the sink removes from the dim through every later block. ``batches``: those
-    ``neurons`` was computed on. A causal model runs only the tokens up to the sink unless extra hooks are given.
+    ``total_effect[l, n, j]``: mean over sequences of ``act × ∂resid[peak, s, dims[j]] / ∂act``
+    (``act``: the neuron's ``mlp.hook_post`` at the sink; ``peak``: the dim's peak stream), the
+    first-order estimate of what zeroing the neuron at the sink removes from the dim through every
+    later block. ``batches``: those ``neurons`` was computed on. A causal model runs only the tokens
+    up to the sink unless extra hooks are given.
     """
     s, dims, layers = neurons.sink_position, neurons.dims, neurons.layers
     n_layers = model_dims(model).n_layers
@@ -389,11 +411,11 @@ def find_super_neurons(
     options: RunOptions = RunOptions(),
     **settings_kwargs: Any,
 ) -> SuperNeurons:
-    """Find super neurons at the sink and the blocks/neurons that write each massive dimension, ranked by
-    direct contribution and by total effect (:func:`add_total_effects`).
+    """Find super neurons at the sink and the blocks/neurons that write each massive dimension,
+    ranked by direct contribution and by total effect (:func:`add_total_effects`).
 
-    ``layers``: whose neurons are analysed (None: all; the residual path always uses all). ``settings`` and
-    ``**settings_kwargs``: a :class:`SuperNeuronSettings` and any of its fields replacing its own.
+    ``layers``: whose neurons are analysed (None: all; the residual path always uses all).
+    ``settings`` and ``**settings_kwargs``: a :class:`SuperNeuronSettings` and fields replacing it.
 
     Examples:
         >>> from sinklens.testing.planted import planted_model

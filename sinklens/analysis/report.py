@@ -13,7 +13,7 @@ import torch
 
 from sinklens.analysis._common import checked_options, method_for_hooks
 from sinklens.analysis.disparity import MassiveActivations, MassiveActivationsReducer, MassiveSettings
-from sinklens.analysis.neurons import SuperNeuronReducer, SuperNeurons, SuperNeuronSettings, add_total_effects
+from sinklens.analysis.neurons import SuperNeuronReducer, SuperNeurons, add_total_effects
 from sinklens.analysis.normalized_disparity import NormalizedDisparity, NormalizedDisparityReducer
 from sinklens.analysis.qk_locking import QKLocking, QKLockingReducer, qk_locking_reason
 from sinklens.analysis.sinks import SinkReducer, SinkResult, SinkSettings
@@ -41,10 +41,11 @@ class SinkReport(CompactRepr):
     """Where a model's attention sinks are and what causes them, from one streaming pass.
 
     Each section is its analyzer's result (``sinks``, ``variance``, ``massive``, ``neurons``,
-    ``weight_neurons``, ``normalized``, ``locking``, ``value_drain``; ``causal`` with ``verify=True``), or None
-    when skipped, with the reason in ``skipped[section]``. ``sink_position``: the position whose causes were
-    analysed; ``n_tokens``: real tokens; ``seconds``: wall time (left out of ``==``); ``bos`` / ``attention``:
-    what position 0 got and where attention was read. :func:`sinklens.plotting.report.save_report` writes it.
+    ``weight_neurons``, ``normalized``, ``locking``, ``value_drain``; ``causal`` with
+    ``verify=True``), or None when skipped, with the reason in ``skipped[section]``.
+    ``sink_position``: the position whose causes were analysed; ``n_tokens``: real tokens;
+    ``seconds``: wall time (left out of ``==``); ``bos`` / ``attention``: what position 0 got and
+    where attention was read. :func:`sinklens.plotting.report.save_report` writes it.
     """
 
     model_name: str
@@ -72,7 +73,8 @@ class SinkReport(CompactRepr):
         return self.massive.massive_dims("sink")
 
     def headline(self) -> dict[str, Any]:
-        """The handful of numbers a reader wants first (all defined in the analyzers' docstrings)."""
+        """The handful of numbers a reader wants first (all defined in the analyzers' docstrings).
+        """
         p = self.sink_position
         disc = self.variance.discrepancy(p)
         return {
@@ -99,11 +101,12 @@ class SinkReport(CompactRepr):
         p = self.sink_position
 
         def section(result: Any, why: str, **kw: Any) -> dict[str, Any]:
-            return result.to_dict(**kw) if result is not None else {"skipped": self.skipped.get(why)}
+            return {"skipped": self.skipped.get(why)} if result is None else result.to_dict(**kw)
 
         return to_json({
             "model": self.model_name, "n_sequences": self.n_sequences, "n_tokens": self.n_tokens,
-            "prepend_bos": self.prepend_bos, "bos": self.bos, "attention": self.attention, "sink_position": p,
+            "prepend_bos": self.prepend_bos, "bos": self.bos, "attention": self.attention,
+            "sink_position": p,
             "seconds": self.seconds, "settings": self.settings, "headline": self.headline(),
             "sinks": self.sinks.to_dict(), "variance": self.variance.to_dict(position=p),
             "massive_activations": self.massive.to_dict(),
@@ -111,7 +114,8 @@ class SinkReport(CompactRepr):
             "super_neurons_from_weights": section(self.weight_neurons, "super_neurons"),
             "causal_check": self.causal.to_dict() if self.causal is not None else None,
             "skipped": self.skipped,
-            "normalized_disparity": section(self.normalized, "normalized_disparity", dims=self.massive_dims() or None),
+            "normalized_disparity": section(self.normalized, "normalized_disparity",
+                                            dims=self.massive_dims() or None),
             "query_key_locking": section(self.locking, "query_key_locking"),
             "value_drain": section(self.value_drain, "value_drain"),
         })
@@ -160,20 +164,20 @@ def analyze(
             skipped[section] = f"skipped: {reason}"
         return reason is not None
 
-    moe = neuron_reason(model)  # a mixture-of-experts or post-LN model has no additive neuron writes
+    moe = neuron_reason(model)  # a mixture-of-experts or post-LN model: no additive neuron writes
     no_neurons = skip("super_neurons", moe)
     no_locking = skip("query_key_locking", qk_locking_reason(model))
-    no_norm = skip("normalized_disparity", input_norm_reason(model, "attn"))  # a model without normalization
+    no_norm = skip("normalized_disparity", input_norm_reason(model, "attn"))  # no normalization
     no_mlp_input = not no_neurons and skip("mlp_input_alignment", input_norm_reason(model, "mlp"))
     no_drain = skip("value_drain", value_drain_reason(model))
-    method = sink_settings.method
+    method, at = sink_settings.method, {"sink_position": sink_position}
     optional = {  # section -> its reducer, None when skipped
-        "neurons": None if no_neurons else SuperNeuronReducer(model, settings=SuperNeuronSettings(sink_position)),
-        "sink_input": None if no_neurons or no_mlp_input else SinkInputReducer(model, sink_position=sink_position),
-        "normalized": None if no_norm else NormalizedDisparityReducer(model, sink_position=sink_position),
-        "locking": None if no_locking else QKLockingReducer(model, sink_position=sink_position),
-        "value_drain": None if no_drain else ValueDrainReducer(model, settings=ValueDrainSettings(sink_position,
-                                                                                                   method=method)),
+        "neurons": None if no_neurons else SuperNeuronReducer(model, **at),
+        "sink_input": None if no_neurons or no_mlp_input else SinkInputReducer(model, **at),
+        "normalized": None if no_norm else NormalizedDisparityReducer(model, **at),
+        "locking": None if no_locking else QKLockingReducer(model, **at),
+        "value_drain": None if no_drain else ValueDrainReducer(
+            model, settings=ValueDrainSettings(sink_position, method=method)),
     }
     present = {name: r for name, r in optional.items() if r is not None}
     sink_reducer = SinkReducer(model, settings=sink_settings)
@@ -195,9 +199,11 @@ def analyze(
     elif verify:
         skipped["causal_check"] = f"skipped: {moe}"
     return SinkReport(
-        model_name=model_name or type(model).__name__, n_sequences=int(sum(b.tokens.shape[0] for b in batches)),
-        n_tokens=sum(sum(b.host_lengths()) for b in batches), prepend_bos=bool(batches[0].prepend_bos),
-        sink_position=sink_position, sinks=sinks, variance=variance, massive=massive, neurons=neurons,
+        model_name=model_name or type(model).__name__,
+        n_sequences=int(sum(b.tokens.shape[0] for b in batches)),
+        n_tokens=sum(sum(b.host_lengths()) for b in batches),
+        prepend_bos=bool(batches[0].prepend_bos), sink_position=sink_position, sinks=sinks,
+        variance=variance, massive=massive, neurons=neurons,
         weight_neurons=weight_neurons, normalized=got["normalized"], locking=got["locking"],
         value_drain=got["value_drain"], bos=describe_bos(model, batches[0]),
         attention="attention read from hook_pattern (extra hooks edit the attention scores or pattern)"
@@ -273,9 +279,10 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
 def neuron_lines(report: SinkReport) -> list[str]:
     """Dimension paths, super neurons and the causal check (contributions in residual units)."""
     sn = report.neurons
+    why = report.skipped
     if sn is None:  # then so is the causal check: say why
-        return [f"  super neurons and dimension paths {report.skipped.get('super_neurons', 'skipped')}",
-                *(["", f"Causal check {report.skipped['causal_check']}"] if "causal_check" in report.skipped else [])]
+        return [f"  super neurons and dimension paths {why.get('super_neurons', 'skipped')}",
+                *(["", f"Causal check {why['causal_check']}"] if "causal_check" in why else [])]
     lines = [f"  attributed: dims {sn.dims}" + ("" if sn.n_massive is None else
              f", the {len(sn.dims)} largest of {sn.n_massive} dims whose |x| at the sink exceeds {sn.dim_threshold:g}x "
              f"the median |x| at some stream (max_dims={sn.max_dims})")]
@@ -352,7 +359,8 @@ def variance_sources_line(report: SinkReport) -> str:
 
 
 def value_drain_line(report: SinkReport) -> str:
-    """One line: how many sink heads are no-op / broadcast / partial, with the thresholds that made them."""
+    """One line: how many sink heads are no-op / broadcast / partial, with the thresholds that made
+    them."""
     drain = report.value_drain
     counts = drain.counts()
     n_sink = counts["no-op"] + counts["broadcast"] + counts["partial"]

@@ -1,10 +1,12 @@
-"""The causal check of a super-neuron attribution: zero what each massive dimension is credited to, at the sink.
+"""The causal check of a super-neuron attribution: zero what each massive dimension is credited to,
+at the sink.
 
-Per dimension, each set is zeroed at the sink only and the inputs run again: its top writers by direct
-contribution (``"direct"``) and by total effect (``"total"``), those reaching ``super_share`` of the peak (at
-most ``max_writers``, at least one), and the control, its writing blocks' whole ``hook_mlp_out`` (``"blocks"``).
-``dim_removed = 1 − value_after / value_before`` (the dim at the sink at its peak stream) and
-``attention_removed``, the same for the sink's mean received attention (queries from ``MIN_QUERY``).
+Per dimension, each set is zeroed at the sink only and the inputs run again: its top writers by
+direct contribution (``"direct"``) and by total effect (``"total"``), those reaching ``super_share``
+of the peak (at most ``max_writers``, at least one), and the control, its writing blocks' whole
+``hook_mlp_out`` (``"blocks"``). ``dim_removed = 1 − value_after / value_before`` (the dim at the
+sink at its peak stream) and ``attention_removed``, the same for the sink's mean received attention
+(queries from ``MIN_QUERY``).
 """
 
 from __future__ import annotations
@@ -36,8 +38,9 @@ MIN_QUERY = 1
 
 @dataclass(eq=False)
 class Ablation(StructuralEq):
-    """One set zeroed at the sink (module docstring): ``kind`` ``"direct"``, ``"total"`` or ``"blocks"``;
-    ``zeroed``: ``(layer, neuron, attributed effect)`` or ``(block, mlp_out in the dim)`` rows."""
+    """One set zeroed at the sink (module docstring): ``kind`` ``"direct"``, ``"total"`` or
+    ``"blocks"``; ``zeroed``: ``(layer, neuron, attributed effect)`` or ``(block, mlp_out in the
+    dim)`` rows."""
 
     kind: str
     zeroed: list[tuple[Any, ...]]
@@ -52,8 +55,8 @@ class DimCheck(StructuralEq):
     """The causal check of one massive dimension, read at ``peak_stream``.
 
     ``writers_cause_dim``: some neuron-level set removes at least ``causal_threshold`` of the dim;
-    ``writers_cause_sink``: the one removing most of it removes ``attention_threshold`` of the sink's
-    attention; ``dim_causes_sink``: the ``"blocks"`` control removes both.
+    ``writers_cause_sink``: the one removing most of it removes ``attention_threshold`` of the
+    sink's attention; ``dim_causes_sink``: the ``"blocks"`` control removes both.
     """
 
     dim: int
@@ -72,8 +75,8 @@ class DimCheck(StructuralEq):
 
 @dataclass(eq=False)
 class CausalCheck(StructuralEq):
-    """Result of :func:`verify_attribution`: one :class:`DimCheck` per massive dimension; ``n_passes``:
-    passes over the inputs (baseline + one per distinct set)."""
+    """Result of :func:`verify_attribution`: one :class:`DimCheck` per massive dimension;
+    ``n_passes``: passes over the inputs (baseline + one per distinct set)."""
 
     sink_position: int
     checks: list[DimCheck] = field(default_factory=list)
@@ -82,7 +85,8 @@ class CausalCheck(StructuralEq):
     n_passes: int = 0
 
     def is_causal(self, dim: int) -> bool:
-        """Whether zeroing ``dim``'s attributed writers removed at least ``causal_threshold`` of it."""
+        """Whether zeroing ``dim``'s attributed writers removed at least ``causal_threshold`` of it.
+        """
         return next(c for c in self.checks if c.dim == dim).writers_cause_dim
 
     def lines(self) -> list[str]:
@@ -111,7 +115,8 @@ class CausalCheck(StructuralEq):
 
 def _measure(model: Any, batches: Sequence[TokenBatch], sink: int, streams: Sequence[int], hooks: list,
              options: RunOptions, what: str) -> tuple[Tensor, float]:
-    """(residual at the sink at ``streams``, mean received attention of the sink) with ``hooks`` attached."""
+    """(residual at the sink at ``streams``, mean received attention of the sink) with ``hooks``
+    attached."""
     attention = AttentionReceivedReducer(model, min_query=MIN_QUERY)
     at_sink = SinkMeanReducer(model, sink, [stream_hook(s, model_dims(model).n_layers) for s in streams])
     resid, received = stream(model, batches, [at_sink, attention],
@@ -145,11 +150,11 @@ def verify_attribution(
     attention_threshold: float = 0.1,
     options: RunOptions = RunOptions(),
 ) -> CausalCheck:
-    """Zero each massive dimension's credited writers and writing blocks at the sink; measure what disappears.
-
-    ``inputs``: those ``neurons`` was computed on. ``writers``: ``{dim: [(layer, neuron), ...]}`` zeroed
-    instead of the attributed writers (then no ``"total"`` set). ``causal_threshold`` /
-    ``attention_threshold``: the share of the dim / of the sink's attention a set must remove to be causal.
+    """Zero each massive dimension's credited writers and writing blocks at the sink; measure what
+    disappears. ``inputs``: those ``neurons`` was computed on. ``writers``: ``{dim: [(layer,
+    neuron), ...]}`` zeroed instead of the attributed writers (then no ``"total"`` set).
+    ``causal_threshold`` / ``attention_threshold``: the share of the dim / of the sink's attention
+    a set must remove to be causal.
 
     Examples:
         >>> from sinklens.analysis.neurons import find_super_neurons
@@ -187,7 +192,8 @@ def verify_attribution(
     for path in paths:
         sets = {}
         if writers is not None and path.dim in writers:
-            j, given = neurons.dims.index(path.dim), [(int(l), int(n)) for l, n in writers[path.dim]]
+            j = neurons.dims.index(path.dim)
+            given = [(int(a), int(b)) for a, b in writers[path.dim]]
             sets["direct"] = [(l, n, float(neurons.contribution[neurons.layers.index(l), n, j])
                                if l in neurons.layers else float("nan")) for l, n in given]
         else:

@@ -1,8 +1,9 @@
-"""Super neurons from weights alone: which FFN neurons *could* write a massive dimension at the sink.
+"""Super neurons from weights alone: which FFN neurons *could* write a massive dimension at the
+sink.
 
-Each neuron's read and write vector norms are compared with its layer's median neuron, and its ``W_out``
-row's sparsity is measured; a :class:`SinkInput` adds the cosine of each read vector with the sink's
-normalised MLP input. Weights are read as stored (on Gemma 2/3 before the post-MLP norm).
+Each neuron's read and write vector norms are compared with its layer's median neuron, and its
+``W_out`` row's sparsity is measured; a :class:`SinkInput` adds the cosine of each read vector with
+the sink's normalised MLP input. Weights are read as stored (on Gemma 2/3 before the post-MLP norm).
 """
 
 from __future__ import annotations
@@ -36,8 +37,8 @@ def _median_ratio(x: Float[Tensor, "layer neuron"]) -> Float[Tensor, "layer neur
 
 @dataclass(repr=False, eq=False)
 class SinkInput(CompactRepr):
-    """Mean over sequences of the MLP's input norm's ``hook_normalized`` at the sink position (``site``:
-    ``"ln2.hook_normalized"``, or ``"ln1.hook_normalized"`` on a post-LN model)."""
+    """Mean over sequences of the MLP's input norm's ``hook_normalized`` at the sink position
+    (``site``: ``"ln2.hook_normalized"``, or ``"ln1.hook_normalized"`` on a post-LN model)."""
 
     layers: list[int]
     sink_position: int
@@ -46,8 +47,8 @@ class SinkInput(CompactRepr):
 
 
 class SinkMeanReducer(Reducer[Tensor]):
-    """Mean over sequences of ``act[:, sink]`` at each hook of ``names``, ``[hook, d_model]`` (a hook run several
-    times per forward is folded once)."""
+    """Mean over sequences of ``act[:, sink]`` at each hook of ``names``, ``[hook, d_model]`` (a
+    hook run several times per forward is folded once)."""
 
     statistics = ("sums", "n")
 
@@ -78,7 +79,8 @@ class SinkMeanReducer(Reducer[Tensor]):
 
 
 class SinkInputReducer(SinkMeanReducer):
-    """Per-layer mean of the MLP input norm's ``hook_normalized`` at ``sink_position`` (:class:`SinkInput`)."""
+    """Per-layer mean of the MLP input norm's ``hook_normalized`` at ``sink_position``
+    (:class:`SinkInput`)."""
 
     def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None):
         self.layers = resolve_layers(layers, model_dims(model).n_layers)
@@ -108,12 +110,13 @@ class WeightNeurons(CompactRepr):
     """Weight-only super-neuron statistics per layer × neuron (module docstring).
 
     Attributes:
-        in_norm / gate_norm / out_norm: L2 norms of ``W_in[l, :, n]``, ``W_gate[l, :, n]`` (None if not gated),
-            ``W_out[l, n, :]``; ``*_ratio``: over the layer's median neuron.
-        out_kurtosis / out_top_share: ``W_out[l, n, :]``'s kurtosis and share of its squared norm in its
-            ``row_top_k`` largest entries.
+        in_norm / gate_norm / out_norm: L2 norms of ``W_in[l, :, n]``, ``W_gate[l, :, n]`` (None if
+            not gated), ``W_out[l, n, :]``; ``*_ratio``: over the layer's median neuron.
+        out_kurtosis / out_top_share: ``W_out[l, n, :]``'s kurtosis and share of its squared norm in
+            its ``row_top_k`` largest entries.
         score: ``in_norm_ratio × gate_norm_ratio × out_norm_ratio`` (the ranking of :meth:`top`).
-        align_in / align_gate: cosine of the :class:`SinkInput` with ``W_in[l, :, n]`` / ``W_gate[l, :, n]``.
+        align_in / align_gate: cosine of the :class:`SinkInput` with ``W_in[l, :, n]`` / ``W_gate[l,
+            :, n]``.
         out_dim_weight: ``W_out[l, n, d]`` for each ``d`` of ``dims``.
     """
 
@@ -172,8 +175,8 @@ def super_neurons_from_weights(
 ) -> WeightNeurons:
     """Rank FFN neurons as super-neuron candidates from their weights alone (no forward pass).
 
-    ``dims``: dimensions whose ``W_out`` entries to report; ``sink_input`` adds the read-vector alignments;
-    ``w_out_sparsity``: ``(kurtosis, top-k share)`` of these rows if already computed.
+    ``dims``: dimensions whose ``W_out`` entries to report; ``sink_input`` adds the read-vector
+    alignments; ``w_out_sparsity``: ``(kurtosis, top-k share)`` of these rows if already computed.
 
     Examples:
         >>> from sinklens.testing.planted import planted_model
@@ -203,7 +206,8 @@ def super_neurons_from_weights(
         x = sink_input.x[[sink_input.layers.index(l) for l in layer_list]].float()
 
         def cosine(name: str, norms: Tensor) -> Tensor:  # [layer, neuron]: cos(x[l], w[l][:, n])
-            dots = torch.stack([x[i] @ layer_weight(model, name, l).float().to(x.device) for i, l in enumerate(layer_list)])
+            dots = torch.stack([x[i] @ layer_weight(model, name, l).float().to(x.device)
+                                for i, l in enumerate(layer_list)])
             return dots / (x.norm(dim=-1, keepdim=True) * norms.to(x.device)).clamp_min(_TINY)
 
         align_in = cosine("W_in", in_norm)
