@@ -212,14 +212,8 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
                   "n_other_tokens", "prepend_bos")
     maxima = ("exceeded",)
 
-    def __init__(
-        self,
-        model: Any,
-        *,
-        streams: int | Sequence[int] | None = None,
-        settings: MassiveSettings | None = None,
-        **settings_kwargs: Any,
-    ):
+    def __init__(self, model: Any, *, streams: int | Sequence[int] | None = None,
+                 settings: MassiveSettings | None = None, **settings_kwargs: Any):
         dims = model_dims(model)
         settings = settings_from(MassiveSettings, settings, settings_kwargs, "MassiveActivationsReducer")
         if settings.top_k > dims.d_model:
@@ -355,15 +349,11 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
         )
 
 
-def find_massive_activations(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    streams: int | Sequence[int] | None = None,
-    settings: MassiveSettings | None = None,
-    options: RunOptions = RunOptions(),
-    **settings_kwargs: Any,
-) -> MassiveActivations:
+def find_massive_activations(model: Any, inputs: Inputs | None = None, *,
+                             streams: int | Sequence[int] | None = None,
+                             settings: MassiveSettings | None = None,
+                             options: RunOptions = RunOptions(),
+                             **settings_kwargs: Any) -> MassiveActivations:
     """Find massive activations at residual-stream indices ``streams`` (None: all); ``settings`` and
     ``**settings_kwargs``: a :class:`MassiveSettings` and any of its fields replacing its own.
 

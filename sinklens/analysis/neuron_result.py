@@ -20,20 +20,9 @@ from sinklens.validate import as_int, choice, finite_number, positive_int
 
 @dataclass(frozen=True)
 class SuperNeuronSettings:
-    """Settings of one super-neuron analysis.
-
-    Attributes:
-        dims: massive residual dimensions to attribute (None: the ``max_dims`` with the largest
-            peaks among those whose ``|resid[s, d]|`` exceeds ``dim_threshold`` × the median
-            ``|resid[s, :]|``).
-        position_threshold / neuron_threshold: activation-outlier thresholds (``is_outlier``).
-        erase_fraction: ``MassiveDimPath.erase_layer`` must undo at least this share of the peak.
-        top_k: top neurons listed per dimension and per writer/eraser block; ``row_top_k``: entries
-            counted in ``row_top_share``.
-        path_share: a block writes (erases) a dimension when its step moves it towards (away from)
-            its peak's sign by this share of ``|peak|``; ``super_share``: a neuron is super when its
-            ``|contribution|`` to a dimension reaches this share of ``|peak|``.
-    """
+    """Settings of one super-neuron analysis. ``dims`` (None: the ``max_dims`` largest massive at
+    ``dim_threshold``); ``path_share`` / ``super_share``: the share of a dimension's ``|peak|`` a
+    block's step / a neuron's contribution must reach to be listed / to be super."""
 
     sink_position: int = 0
     dims: Sequence[int] | None = None
@@ -54,11 +43,9 @@ class SuperNeuronSettings:
             set_(self, "dims", tuple(as_int(d, what="dims") for d in self.dims))
         for name in ("position_threshold", "neuron_threshold", "dim_threshold"):
             set_(self, name, finite_number(getattr(self, name), what=name, low=0.0, low_open=True))
-        set_(self, "max_dims", positive_int(self.max_dims, what="max_dims"))
-        set_(self, "erase_fraction", finite_number(self.erase_fraction, what="erase_fraction", low=0.0, high=1.0, low_open=True))
-        set_(self, "top_k", positive_int(self.top_k, what="top_k"))
-        set_(self, "row_top_k", positive_int(self.row_top_k, what="row_top_k"))
-        for name in ("path_share", "super_share"):
+        for name in ("max_dims", "top_k", "row_top_k"):
+            set_(self, name, positive_int(getattr(self, name), what=name))
+        for name in ("erase_fraction", "path_share", "super_share"):
             set_(self, name, finite_number(getattr(self, name), what=name, low=0.0, high=1.0, low_open=True))
 
 
@@ -98,20 +85,11 @@ class BlockStep(StructuralEq):
 class MassiveDimPath(CompactRepr):
     """How one massive residual dimension at the sink is written and erased across blocks.
 
-    Attributes:
-        peak_layer / peak_value: the residual-stream index (``l``: input of block ``l``) and signed
-            mean value at the sink where ``|value|`` peaks.
-        write_layer: the block whose step (``write_delta = write_attn + write_mlp``) moves the
-            dimension furthest towards its peak sign; ``attn_share``: ``|write_attn| / (|write_attn|
-            + |write_mlp|)``.
-        erase_layer / erase_delta: the later block taking back the most, if at least
-            ``erase_fraction``.
-        top_neurons / total_effect: ``(layer, neuron, value)`` rows ranked by direct contribution /
-            by total effect (:func:`~sinklens.analysis.neurons.add_total_effects`), best first.
-        writers / erasers: every :class:`BlockStep` of at least ``path_share`` of ``|peak|``, in
-            block order.
-        first_massive_stream: the first stream where the dimension is massive (``dim_threshold``),
-            or None.
+    ``peak_layer`` / ``peak_value``: the stream (``l``: input of block ``l``) and signed mean value
+    where ``|value|`` peaks; ``write_layer``: the block stepping furthest towards the peak's sign;
+    ``erase_layer``: the later block taking back the most, if ``erase_fraction`` of it; ``writers``
+    / ``erasers``: every :class:`BlockStep` of ``path_share``; ``top_neurons`` / ``total_effect``:
+    ``(layer, neuron, value)`` ranked by direct contribution / total effect, best first.
     """
 
     dim: int
@@ -140,25 +118,15 @@ class SuperNeurons(SettingsFields, CompactRepr):
     (:mod:`sinklens.analysis.neurons`).
 
     Attributes:
-        settings: the :class:`SuperNeuronSettings`; its fields also read as attributes.
-        sink_act: mean ``mlp.hook_post`` at the sink; ``other_rms`` / ``other_max_abs``: RMS / max
-            ``|act|`` over the other valid positions; ``position_ratio = |sink_act| / other_rms``;
-            ``neuron_ratio``: ``|sink_act|`` over the layer's median; ``is_outlier``: both reach
-            their thresholds.
-        contribution / is_super: the residual-unit write into ``dims`` at the sink;
-            ``|contribution|`` >= ``super_share`` × the dimension's ``|peak|``.
+        sink_act: mean ``mlp.hook_post`` at the sink; ``other_rms`` / ``other_max_abs``: over the
+            other valid positions; ``position_ratio = |sink_act| / other_rms``; ``neuron_ratio``:
+            over the layer's median ``|sink_act|``; ``is_outlier``: both reach their thresholds.
+        contribution: the residual-unit write into ``dims`` at the sink; ``mlp_offset_sink`` /
+            ``attn_offset_sink``: ``b_out`` / ``b_O`` through the post norm, so that contributions
+            (and ``head_contribution``) plus offset are ``mlp_out_sink`` (``attn_out_sink``).
         row_kurtosis / row_top_share: Pearson kurtosis of each ``W_out`` row and the share of its
             squared norm in its ``row_top_k`` largest entries.
-        resid_sink / attn_out_sink / mlp_out_sink: mean residual stream (per stream
-            ``0..n_layers``), ``hook_attn_out`` and ``hook_mlp_out`` at the sink (per block, after
-            any post norm).
-        mlp_offset_sink / attn_offset_sink: ``b_out`` / ``b_O`` through the post norm plus its bias:
-            ``contribution.sum(neuron) + mlp_offset_sink`` is ``mlp_out_sink`` at ``dims``, and
-            ``head_contribution`` (each head's ``z_h W_O[h]`` into ``dims``) plus
-            ``attn_offset_sink`` is ``attn_out_sink``.
         n_massive: dimensions detected as massive (None when ``dims`` were given).
-        total_effect: ``[layer, neuron, n_dims]``
-            (:func:`~sinklens.analysis.neurons.add_total_effects`).
     """
 
     layers: list[int]
@@ -257,15 +225,11 @@ class SuperNeurons(SettingsFields, CompactRepr):
     def neuron_row(self, layer: int, neuron: int) -> dict[str, Any]:
         """All statistics of one neuron as a dict."""
         r = row_index(self.layers, layer)
-        row = {
-            "layer": layer, "neuron": neuron, "sink_act": float(self.sink_act[r, neuron]),
-            "other_rms": float(self.other_rms[r, neuron]), "other_max_abs": float(self.other_max_abs[r, neuron]),
-            "position_ratio": float(self.position_ratio[r, neuron]), "neuron_ratio": float(self.neuron_ratio[r, neuron]),
-            "is_super": bool(self.is_super[r, neuron]),
-            "is_outlier": None if self.is_outlier is None else bool(self.is_outlier[r, neuron]),
-            "row_kurtosis": float(self.row_kurtosis[r, neuron]),
-            "row_top_share": float(self.row_top_share[r, neuron]),
-        }
+        row: dict[str, Any] = {"layer": layer, "neuron": neuron}
+        for name in ("sink_act", "other_rms", "other_max_abs", "position_ratio", "neuron_ratio",
+                     "is_super", "is_outlier", "row_kurtosis", "row_top_share"):
+            t = getattr(self, name)  # .item(): a Python float, or a bool for the masks
+            row[name] = None if t is None else t[r, neuron].item()
         for j, d in enumerate(self.dims):
             row[f"contribution_{d}"] = float(self.contribution[r, neuron, j])
         return row

@@ -129,16 +129,10 @@ def _attn_share(a: float, m: float) -> float:
     return abs(a) / max(abs(a) + abs(m), _TINY)
 
 
-def dim_path(
-    resid: Float[Tensor, "stream d_model"],
-    attn: Float[Tensor, "block d_model"],
-    mlp: Float[Tensor, "block d_model"],
-    dim: int,
-    *,
-    erase_fraction: float = 0.5,
-    path_share: float = SuperNeuronSettings.path_share,
-    dim_threshold: float = SuperNeuronSettings.dim_threshold,
-) -> MassiveDimPath:
+def dim_path(resid: Float[Tensor, "stream d_model"], attn: Float[Tensor, "block d_model"],
+             mlp: Float[Tensor, "block d_model"], dim: int, *, erase_fraction: float = 0.5,
+             path_share: float = SuperNeuronSettings.path_share,
+             dim_threshold: float = SuperNeuronSettings.dim_threshold) -> MassiveDimPath:
     """Peak, writer and eraser blocks of one dimension (:class:`MassiveDimPath`, ``top_neurons``
     left empty)."""
     values = resid[:, dim]
@@ -402,15 +396,10 @@ def add_total_effects(model: Any, batches: Sequence[TokenBatch], neurons: SuperN
     return neurons
 
 
-def find_super_neurons(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    layers: int | Sequence[int] | None = None,
-    settings: SuperNeuronSettings | None = None,
-    options: RunOptions = RunOptions(),
-    **settings_kwargs: Any,
-) -> SuperNeurons:
+def find_super_neurons(model: Any, inputs: Inputs | None = None, *,
+                       layers: int | Sequence[int] | None = None,
+                       settings: SuperNeuronSettings | None = None,
+                       options: RunOptions = RunOptions(), **settings_kwargs: Any) -> SuperNeurons:
     """Find super neurons at the sink and the blocks/neurons that write each massive dimension,
     ranked by direct contribution and by total effect (:func:`add_total_effects`).
 

@@ -146,14 +146,9 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
         )
 
 
-def normalized_disparity(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    sink_position: int = 0,
-    layers: int | Sequence[int] | None = None,
-    options: RunOptions = RunOptions(),
-) -> NormalizedDisparity:
+def normalized_disparity(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
+                         layers: int | Sequence[int] | None = None,
+                         options: RunOptions = RunOptions()) -> NormalizedDisparity:
     """Dimension disparity of each layer's attention input norm at the sink vs other tokens, before
     and after its gain; warns when the model's norms have no gain (``fold_ln``).
 

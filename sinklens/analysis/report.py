@@ -73,8 +73,7 @@ class SinkReport(CompactRepr):
         return self.massive.massive_dims("sink")
 
     def headline(self) -> dict[str, Any]:
-        """The handful of numbers a reader wants first (all defined in the analyzers' docstrings).
-        """
+        """The handful of numbers a reader wants first (defined in the analyzers' docstrings)."""
         p = self.sink_position
         disc = self.variance.discrepancy(p)
         return {
@@ -122,18 +121,12 @@ class SinkReport(CompactRepr):
 
 
 @with_cached_weights  # the analyzers of one pass stack each weight once
-def analyze(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    sink_position: int = 0,
-    sink_threshold: float = SinkSettings.sink_threshold,
-    abs_threshold: float | None = MassiveSettings.abs_threshold,
-    rel_threshold: float | None = MassiveSettings.rel_threshold,
-    model_name: str | None = None,
-    verify: bool = False,
-    options: RunOptions = RunOptions(),
-) -> SinkReport:
+def analyze(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
+            sink_threshold: float = SinkSettings.sink_threshold,
+            abs_threshold: float | None = MassiveSettings.abs_threshold,
+            rel_threshold: float | None = MassiveSettings.rel_threshold,
+            model_name: str | None = None, verify: bool = False,
+            options: RunOptions = RunOptions()) -> SinkReport:
     """Run every sink analyzer on ``model`` in one streaming pass and return a :class:`SinkReport`.
 
     Args:
@@ -331,13 +324,13 @@ def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:
     nd = report.normalized
     if nd is None:  # a model without normalization: say why the section is missing
         return ["", f"Normalised disparity {report.skipped.get('normalized_disparity', 'skipped')}"]
-    if not dims or nd.ratio_sink_after_gain is None:
+    if not dims:
         return []
     lines = ["", "Normalised disparity mean |x_d| / mean(mean_{j!=d} |x_j|) over the sink tokens vs other tokens "
                  "(layer where the sink's ratio before the gain peaks):"]
     for d in list(dims)[:2]:
         i = int(nd.ratio_sink[:, d].argmax())
-        norm = nd.norms[i] if nd.norms else f"blocks.{nd.layers[i]}.ln1"
+        norm = nd.norms[i]
         lines.append(
             f"  dim {d}, layer {nd.layers[i]}: before gain {float(nd.ratio_sink[i, d]):.1f} vs {float(nd.ratio_other[i, d]):.2f} "
             f"(sinklens: {norm}.hook_normalized); after gain {float(nd.ratio_sink_after_gain[i, d]):.1f} vs "
@@ -359,8 +352,7 @@ def variance_sources_line(report: SinkReport) -> str:
 
 
 def value_drain_line(report: SinkReport) -> str:
-    """One line: how many sink heads are no-op / broadcast / partial, with the thresholds that made
-    them."""
+    """One line: how many sink heads are no-op / broadcast / partial, and by which thresholds."""
     drain = report.value_drain
     counts = drain.counts()
     n_sink = counts["no-op"] + counts["broadcast"] + counts["partial"]

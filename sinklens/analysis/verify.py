@@ -139,17 +139,11 @@ def _zero_mlp_out(sink: int):
     return hook
 
 
-def verify_attribution(
-    model: Any,
-    inputs: Inputs | None,
-    neurons: SuperNeurons,
-    *,
-    writers: dict[int, Sequence[tuple[int, int]]] | None = None,
-    max_writers: int = 10,
-    causal_threshold: float = 0.5,
-    attention_threshold: float = 0.1,
-    options: RunOptions = RunOptions(),
-) -> CausalCheck:
+def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons, *,
+                       writers: dict[int, Sequence[tuple[int, int]]] | None = None,
+                       max_writers: int = 10, causal_threshold: float = 0.5,
+                       attention_threshold: float = 0.1,
+                       options: RunOptions = RunOptions()) -> CausalCheck:
     """Zero each massive dimension's credited writers and writing blocks at the sink; measure what
     disappears. ``inputs``: those ``neurons`` was computed on. ``writers``: ``{dim: [(layer,
     neuron), ...]}`` zeroed instead of the attributed writers (then no ``"total"`` set).

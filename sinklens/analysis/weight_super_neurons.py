@@ -1,5 +1,4 @@
-"""Super neurons from weights alone: which FFN neurons *could* write a massive dimension at the
-sink.
+"""Super neurons from weights alone: which FFN neurons *could* write a massive dimension.
 
 Each neuron's read and write vector norms are compared with its layer's median neuron, and its
 ``W_out`` row's sparsity is measured; a :class:`SinkInput` adds the cosine of each read vector with
@@ -92,14 +91,9 @@ class SinkInputReducer(SinkMeanReducer):
         return SinkInput(list(self.layers), self.sink, self.site, super().result())
 
 
-def sink_inputs(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    sink_position: int = 0,
-    layers: int | Sequence[int] | None = None,
-    options: RunOptions = RunOptions(),
-) -> SinkInput:
+def sink_inputs(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
+                layers: int | Sequence[int] | None = None,
+                options: RunOptions = RunOptions()) -> SinkInput:
     """Mean normalised MLP input at ``sink_position`` per layer (:class:`SinkInput`)."""
     return run_analyzer(model, inputs, SinkInputReducer, where="sink_inputs", options=options,
                         sink_position=sink_position, layers=layers)

@@ -6,23 +6,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# The backend is left to matplotlib: it picks Agg on headless machines and inline in Jupyter.
-import matplotlib.pyplot as plt
+import matplotlib.pyplot as plt  # the backend is left to matplotlib (Agg headless, Jupyter inline)
 import numpy as np
 
 from sinklens.export import write_atomic
 
 
 def expect_result(result: Any, kind: type, where: str) -> None:
-    """Raise ``TypeError`` naming ``where``, the result class it draws and what it was given instead.
-
-    Examples:
-        >>> expect_result("x", str, "plot_demo")
-        >>> expect_result([3], str, "plot_demo")
-        Traceback (most recent call last):
-        ...
-        TypeError: plot_demo needs a str, got a list.
-    """
+    """Raise ``TypeError`` naming ``where``, the result class it draws and what it was given."""
     if not isinstance(result, kind):
         raise TypeError(f"{where} needs a {kind.__name__}, got a {type(result).__name__}.")
 

@@ -55,13 +55,9 @@ def smooth(values: Sequence[float], window: int, *, steps: Sequence[int] | None 
     return out
 
 
-def plot_training(
-    runs: Mapping[str, Sequence[dict[str, Any]]],
-    *,
-    panels: Sequence[str] | None = None,
-    smoothing: int = 10,
-    path: str | Path | None = None,
-) -> Any:
+def plot_training(runs: Mapping[str, Sequence[dict[str, Any]]], *,
+                  panels: Sequence[str] | None = None, smoothing: int = 10,
+                  path: str | Path | None = None) -> Any:
     """One panel per metric (default :func:`default_panels`), one line per run of ``{label: metrics lines}``:
     training loss smoothed over ``smoothing`` steps and the evaluation metrics."""
     panels = default_panels(runs) if panels is None else tuple(panels)

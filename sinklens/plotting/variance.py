@@ -36,13 +36,9 @@ def _position_panels(result: VarianceResult, rows: list[int], n_positions: int,
     return finish(fig, path)
 
 
-def plot_variance_by_position(
-    result: VarianceResult,
-    *,
-    layers: Sequence[int] | None = None,
-    heads: int | Sequence[int] | None = None,
-    path: str | Path | None = None,
-) -> Any:
+def plot_variance_by_position(result: VarianceResult, *, layers: Sequence[int] | None = None,
+                              heads: int | Sequence[int] | None = None,
+                              path: str | Path | None = None) -> Any:
     """``z_var`` against position + 1 (log-log) per layer, with the prediction ``σ_v² Σ_j A_tj²`` (dashed) and
     the uniform law ``σ_v² / (t + 1)`` (dotted). ``heads``: one, several, or None for the head mean."""
     expect_result(result, VarianceResult, "plot_variance_by_position")
