@@ -37,15 +37,7 @@ def post_attention_scale_hooks(model: Any, layers: Sequence[int]) -> dict[int, s
 
 def post_attention_gain(model: Any, layer: int) -> Float[Tensor, " d_model"] | None:
     """The effective gain of ``layer``'s post-attention norm (None without one), whatever the weight
-    convention (Gemma stores ``w`` and multiplies by ``1 + w``).
-
-    Examples:
-        >>> from sinklens.testing.zoo import zoo_model
-        >>> post_attention_gain(zoo_model("gemma2"), 0)[:3]  # Gemma initialises w = 0: gain 1 + 0
-        tensor([1., 1., 1.])
-        >>> post_attention_gain(zoo_model("llama"), 0) is None
-        True
-    """
+    convention (Gemma stores ``w`` and multiplies by ``1 + w``)."""
     norm = post_attention_map(model, layer)
     return None if norm is None else norm.gain.float().cpu()
 
