@@ -1,12 +1,10 @@
-"""Super neurons: FFN neurons that write the massive residual dimensions at the sink, in residual
-units.
+"""Super neurons: FFN neurons that write the massive residual dimensions at the sink.
 
 Activations are ``blocks.{l}.mlp.hook_post`` at the sink ``s``, mean over sequences. A neuron's
 ``contribution`` to dimension ``d`` is ``act × W_out[l, n, d]``, through the post-MLP norm when
 there is one (Gemma 2/3: ``(act / scale) × gain ⊙ W_out[l, n]``); summed over neurons plus
 ``mlp_offset_sink[l]`` it is the mean ``hook_mlp_out``. A **super neuron** reaches ``super_share``
-of some analysed dimension's peak ``|value|``. Massive dimensions (unless given): ``|resid[s, d]|``
-> ``dim_threshold`` × the median ``|resid[s, :]|`` at some stream. Field definitions:
+of some analysed dimension's peak ``|value|``. Fields:
 :class:`SuperNeurons`, :class:`MassiveDimPath`.
 """
 

@@ -1,5 +1,4 @@
-"""The causal check of a super-neuron attribution: zero what each massive dimension is credited to,
-at the sink.
+"""The causal check of a super-neuron attribution: zero what each dimension is credited to.
 
 Per dimension, each set is zeroed at the sink only and the inputs run again: its top writers by
 direct contribution (``"direct"``) and by total effect (``"total"``), those reaching ``super_share``

@@ -106,11 +106,9 @@ class WeightNeurons(CompactRepr):
     Attributes:
         in_norm / gate_norm / out_norm: L2 norms of ``W_in[l, :, n]``, ``W_gate[l, :, n]`` (None if
             not gated), ``W_out[l, n, :]``; ``*_ratio``: over the layer's median neuron.
-        out_kurtosis / out_top_share: ``W_out[l, n, :]``'s kurtosis and share of its squared norm in
-            its ``row_top_k`` largest entries.
+        out_kurtosis / out_top_share: :func:`~sinklens.analysis.neurons.row_sparsity` of the rows.
         score: ``in_norm_ratio × gate_norm_ratio × out_norm_ratio`` (the ranking of :meth:`top`).
-        align_in / align_gate: cosine of the :class:`SinkInput` with ``W_in[l, :, n]`` / ``W_gate[l,
-            :, n]``.
+        align_in / align_gate: cosine of the :class:`SinkInput` with those columns.
         out_dim_weight: ``W_out[l, n, d]`` for each ``d`` of ``dims``.
     """
 
