@@ -1,13 +1,9 @@
-"""Dimension disparity in the residual stream: massive activations, per-position norms and energy concentration.
+"""Dimension disparity in the residual stream: massive activations, per-position norms and energy.
 
-As Sun et al. 2024 ("Massive activations in large language models"), an activation ``x[l, p, d]`` of the
-residual stream is *massive* when ``|x| > abs_threshold`` (default 100) and ``|x| > rel_threshold × median |x|``
-(default 1000), the median over all valid positions and dimensions of that sequence's hidden state at that
-layer. Small or random models have nothing above 100: pass ``abs_threshold=None`` and a smaller ``rel_threshold``.
-
-Residual-stream index ``s < n_layers`` is ``blocks.{s}.hook_resid_pre``; ``s = n_layers`` is the final
-``blocks.{n_layers-1}.hook_resid_post``.
-"""
+As Sun et al. 2024, ``x[l, p, d]`` is *massive* when ``|x| > abs_threshold`` (100) and ``|x| >
+rel_threshold × median |x|`` (1000; median over the sequence's valid positions and dimensions at
+that layer). Stream ``s < n_layers`` is ``blocks.{s}.hook_resid_pre``, ``s = n_layers`` the final
+resid_post."""
 
 from __future__ import annotations
 
@@ -42,15 +38,10 @@ from sinklens.validate import finite_number, positive_int
 
 @dataclass(frozen=True)
 class MassiveSettings:
-    """Settings of one massive-activation analysis, held by the reducer and the result.
-
-    Attributes:
-        abs_threshold / rel_threshold: bounds ``|x|`` and ``|x| / median |x|`` must exceed (None: no such
-            criterion; at least one is needed). Sun et al.: 100 and 1000.
-        sink_position: the position compared with all others (0: the first token).
-        top_k: number of largest squared entries in the ``topk_energy`` share.
-        max_rows: cap on the number of massive locations listed in ``events``.
-    """
+    """Settings of one massive-activation analysis: ``abs_threshold`` / ``rel_threshold`` (None: no
+    such criterion; one is needed), the ``sink_position`` compared with all others, ``top_k``
+    squared entries in the ``topk_energy`` share, at most ``max_rows`` massive locations in
+    ``events``."""
 
     abs_threshold: float | None = 100.0
     rel_threshold: float | None = 1000.0
@@ -85,12 +76,9 @@ def sequence_median_abs(x: Float[Tensor, "batch pos d"], lengths: Sequence[int])
 
 
 def norm_ratio_to_others(norms: Float[Tensor, "batch pos"], valid: Tensor) -> Float[Tensor, "batch pos"]:
-    """``norms[b, p] / median_{q != p, q valid} norms[b, q]``; NaN at invalid ``p`` or with no other position.
-
-    The median of the others (lower median for an even count) comes from one sort per sequence:
-    with the ``L`` valid norms sorted as ``s``, removing position ``p`` of rank ``r`` leaves
-    ``s[m]`` at index ``m = (L - 2) // 2`` if ``m < r``, else ``s[m + 1]``.
-    """
+    """``norms[b, p] / median_{q != p, q valid} norms[b, q]`` (lower median), NaN at invalid ``p``
+    or with no other position. With the ``L`` valid norms sorted as ``s``, removing ``p`` of rank
+    ``r`` leaves the median ``s[m]``, ``m = (L - 2) // 2``, if ``m < r``, else ``s[m + 1]``."""
     b, n = norms.shape
     sorted_vals, order = norms.masked_fill(~valid, float("inf")).sort(dim=1)
     rank = torch.empty_like(order)
@@ -104,24 +92,22 @@ def norm_ratio_to_others(norms: Float[Tensor, "batch pos"], valid: Tensor) -> Fl
 
 @dataclass(repr=False, eq=False)
 class MassiveActivations(SettingsFields, CompactRepr):
-    """Massive activations and dimension disparity per residual-stream index (see the module docstring).
-
-    "Sink" is position ``sink_position`` of every sequence, "other" every other valid position. The fields of
-    ``settings`` (:class:`MassiveSettings`) also read as attributes.
+    """Massive activations and dimension disparity per residual-stream index (module docstring); the
+    fields of ``settings`` also read as attributes. "Other": every valid position but
+    ``sink_position``.
 
     Attributes:
-        median_abs: mean over sequences of the per-sequence median ``|x|`` (the ratios' denominator).
-        max_abs_sink / value_sink: max over sequences of ``|x[sink_position, d]|``, and its signed value.
-        max_abs_other: max of ``|x[p, d]|`` over sequences and valid ``p != sink_position``.
-        max_abs_by_pos: max over sequences and dimensions, per position; norm_mean: mean L2 norm of ``x[p]``.
-        norm_ratio: mean over sequences of ``||x[p]|| / median_{q != p} ||x[q]||`` over the sequence's valid
-            ``q`` (``inf`` where that median is 0, NaN where undefined).
+        median_abs: mean over sequences of the per-sequence median ``|x|``.
+        max_abs_sink / value_sink / max_abs_other: max over sequences of ``|x[sink, d]|``, its
+            signed value, and the max over the other positions; ``max_abs_by_pos``: max over
+            sequences and dims.
+        norm_mean / norm_ratio: mean over sequences of ``||x[p]||`` / of its ratio to the median
+            norm of the other valid positions.
         topk_energy: mean share of ``||x[p]||²`` in its ``top_k`` largest squared entries.
-        count_sink / count_other: sink / other tokens (out of ``n_sink_tokens`` / ``n_other_tokens``) at
-            which dimension ``d`` is massive.
-        events: ``(stream, position, dim)`` massive in at least one sequence, by ``|event_value|`` descending,
-            at most ``max_rows`` (``n_events`` before the cut); ``event_value``: the largest-magnitude signed
-            value there, ``event_ratio``: its ratio to its sequence's median ``|x|`` (ties: :func:`_beats`).
+        count_sink / count_other: sink / other tokens at which dimension ``d`` is massive.
+        events: ``(stream, position, dim)`` massive in some sequence, largest ``|event_value|``
+            first, at most ``max_rows`` of ``n_events``; ``event_ratio``: the value over its
+            sequence's median ``|x|``.
     """
 
     streams: list[int]
@@ -176,12 +162,10 @@ class MassiveActivations(SettingsFields, CompactRepr):
         return [(int(i), float(v)) for i, v in zip(idx, vals)]
 
     def rows(self) -> list[dict[str, Any]]:
-        """One row per massive location: stream, hook, position, dim, value, abs, ratio (DataFrame-ready)."""
-        out = []
-        for (stream, pos, dim), value, ratio in zip(self.events.tolist(), self.event_value.tolist(), self.event_ratio.tolist()):
-            out.append({"stream": stream, "hook": self.hooks[self._row(stream)], "position": pos, "dim": dim,
-                        "value": value, "abs": abs(value), "ratio": ratio})
-        return out
+        """One DataFrame-ready row per massive location."""
+        events = zip(self.events.tolist(), self.event_value.tolist(), self.event_ratio.tolist())
+        return [{"stream": s, "hook": self.hooks[self._row(s)], "position": pos, "dim": dim,
+                 "value": v, "abs": abs(v), "ratio": ratio} for (s, pos, dim), v, ratio in events]
 
     def to_dict(self, top: int = 5) -> dict[str, Any]:
         """JSON-ready summary: thresholds, per-layer medians, top sink/other dims, position profiles, events."""
@@ -200,8 +184,8 @@ class MassiveActivations(SettingsFields, CompactRepr):
 def _top_of_batch(
     x: Float[Tensor, "batch pos d"], a: Float[Tensor, "batch pos d"], median: Float[Tensor, " batch"],
 ) -> tuple[Float[Tensor, "pos d"], Float[Tensor, "pos d"], Float[Tensor, "pos d"]]:
-    """Per ``(pos, d)``: the largest ``|x|`` over the batch (``a``: ``|x|``, -1 at padding), its signed value and
-    its ratio to its sequence's median, ties broken as :func:`_beats` does, whatever the order in the batch."""
+    """Per ``(pos, d)``: the largest ``a = |x|`` (-1 at padding) over the batch, its signed value
+    and its ratio to its sequence's median, ties broken as :func:`_beats` does."""
     best = a.amax(dim=0)
     tied = a == best[None]
     med = median[:, None, None]
@@ -212,37 +196,24 @@ def _top_of_batch(
 
 
 def _beats(abs_a: Tensor, ratio_a: Tensor, value_a: Tensor, abs_b: Tensor, ratio_b: Tensor, value_b: Tensor) -> Tensor:
-    """Where record ``a`` replaces ``b`` at a massive location: a larger ``|x|``, then a larger ratio, then a
-    larger signed value; a total order, so the record kept does not depend on batching or merging.
-
-    Examples:
-        >>> t = torch.tensor
-        >>> _beats(t([5.0, 5.0, 5.0]), t([2.0, 3.0, 3.0]), t([5.0, -5.0, 5.0]),
-        ...        t([4.0, 5.0, 5.0]), t([9.0, 2.0, 3.0]), t([4.0, 5.0, -5.0])).tolist()
-        [True, True, True]
-    """
+    """Where record ``a`` replaces ``b``: a larger ``|x|``, then a larger ratio, then a larger
+    signed value (a total order, so the record kept does not depend on batching or merging)."""
     same_abs = abs_a == abs_b
     return (abs_a > abs_b) | (same_abs & (ratio_a > ratio_b)) | (same_abs & (ratio_a == ratio_b) & (value_a > value_b))
 
 
 class MassiveActivationsReducer(Reducer[MassiveActivations]):
-    """Streams residual-stream hooks into :class:`MassiveActivations`: per stream, ``[pos, dim]`` running maxima
-    of ``|x|`` (with the signed value and ratio there), a "was massive" map, per-dimension counts and ``[pos]``
-    sums of norms, norm ratios and energy shares; the position axis grows with the longest batch."""
+    """Streams residual-stream hooks into :class:`MassiveActivations`: per stream, ``[pos, dim]``
+    running maxima and a "was massive" map, per-dimension counts and ``[pos]`` sums (grown with the
+    longest batch)."""
 
     statistics = ("max_abs", "value_at_max", "ratio_at_max", "exceeded", "norm_sum", "norm_ratio_sum", "norm_ratio_count",
                   "energy_sum", "pos_count", "count_sink", "count_other", "median_sum", "n_sequences", "n_sink_tokens",
                   "n_other_tokens", "prepend_bos")
     maxima = ("exceeded",)
 
-    def __init__(
-        self,
-        model: Any,
-        *,
-        streams: int | Sequence[int] | None = None,
-        settings: MassiveSettings | None = None,
-        **settings_kwargs: Any,
-    ):
+    def __init__(self, model: Any, *, streams: int | Sequence[int] | None = None,
+                 settings: MassiveSettings | None = None, **settings_kwargs: Any):
         dims = model_dims(model)
         settings = settings_from(MassiveSettings, settings, settings_kwargs, "MassiveActivationsReducer")
         if settings.top_k > dims.d_model:
@@ -272,10 +243,9 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
         if self.max_abs.shape[1] >= width:
             return
         self.max_abs = grow(self.max_abs, 1, width, -1.0)
-        self.value_at_max = grow(self.value_at_max, 1, width)
-        self.ratio_at_max = grow(self.ratio_at_max, 1, width)
         self.exceeded = grow(self.exceeded, 1, width, False)
-        for name in ("norm_sum", "norm_ratio_sum", "norm_ratio_count", "energy_sum"):
+        sums = ("norm_sum", "norm_ratio_sum", "norm_ratio_count", "energy_sum")
+        for name in ("value_at_max", "ratio_at_max", *sums):
             setattr(self, name, grow(getattr(self, name), 1, width))
         self.pos_count = grow(self.pos_count, 0, width)
 
@@ -379,21 +349,13 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
         )
 
 
-def find_massive_activations(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    streams: int | Sequence[int] | None = None,
-    settings: MassiveSettings | None = None,
-    options: RunOptions = RunOptions(),
-    **settings_kwargs: Any,
-) -> MassiveActivations:
-    """Find massive activations in the residual stream (Sun et al. 2024 thresholds by default).
-
-    Args:
-        inputs: anything :func:`sinklens.inputs.as_batches` accepts (None = the built-in prompts).
-        streams: residual-stream indices (``0..n_layers``); None = all.
-        settings, **settings_kwargs: a :class:`MassiveSettings`, and any of its fields as keywords replacing its own.
+def find_massive_activations(model: Any, inputs: Inputs | None = None, *,
+                             streams: int | Sequence[int] | None = None,
+                             settings: MassiveSettings | None = None,
+                             options: RunOptions = RunOptions(),
+                             **settings_kwargs: Any) -> MassiveActivations:
+    """Find massive activations at residual-stream indices ``streams`` (None: all); ``settings`` and
+    ``**settings_kwargs``: a :class:`MassiveSettings` and any of its fields replacing its own.
 
     Examples:
         >>> from sinklens.testing.planted import planted_model

@@ -1,12 +1,11 @@
 """Dimension disparity after normalisation: does the sink's massive dimension survive the norm?
 
-For a token's vector ``x`` and dimension ``d``, ``m_d = mean_{j != d} |x_j|``. As the paper's code computes it
-(Siquan-Li/Head-wise-RMSNorm@23793e0, ``attention_sink.ipynb`` cell 16: ``avg_target_abs / avg_others_abs``), a
-ratio is one of averages, ``mean |x_d| / mean m_d``, over the sequences' sink tokens (``ratio_sink``) or all
-other valid tokens (``ratio_other``, ours); ``ratio_other_max`` is the largest per-token ``|x_d| / m_d`` there.
-Each is read on the norm whose output layer ``l``'s attention reads (``blocks.{l}.ln1``; post-LN: the previous
-block's ``ln2``, layer 0 the embedding LayerNorm), before its gain (``hook_normalized``, ours) and after it
-(``*_after_gain``: ``gain ⊙ hook_normalized + bias``, the paper's, :func:`sinklens.residual_units.input_norm`).
+With ``m_d = mean_{j != d} |x_j|``, a ratio is ``mean |x_d| / mean m_d`` over the sink tokens
+(``ratio_sink``, as the paper's code: Siquan-Li/Head-wise-RMSNorm@23793e0 ``attention_sink.ipynb``
+cell 16) or the other valid tokens (``ratio_other``); ``ratio_other_max``: the largest per-token
+``|x_d| / m_d``. Read on the norm layer ``l``'s attention reads, before its gain
+(``hook_normalized``) and after it (``*_after_gain``: ``gain ⊙ hook_normalized + bias``, as the
+paper).
 """
 
 from __future__ import annotations
@@ -34,14 +33,9 @@ from sinklens.streaming import BatchFold, Reducer, bound_hooks
 
 @dataclass(repr=False, eq=False)
 class NormalizedDisparity(CompactRepr):
-    """Dimension disparity of the attention's input norm, before and after its gain (module docstring).
-
-    Attributes:
-        ratio_sink / ratio_other / ratio_other_max: before the gain, at ``sink_position`` / at the other valid
-            tokens / the largest per-token ratio among those; ``*_after_gain``: the same after the gain.
-        site: ``"ln1.hook_normalized"``, or on a post-LN model which norm each layer reads.
-        norms: per layer, the module path of the norm read.
-    """
+    """Dimension disparity of the attention's input norm, before and after its gain (module
+    docstring); ``site``: ``"ln1.hook_normalized"``, or on a post-LN model which norm each layer
+    reads (``norms``: their module paths)."""
 
     layers: list[int]
     sink_position: int
@@ -55,7 +49,7 @@ class NormalizedDisparity(CompactRepr):
     ratio_other_max_after_gain: Float[Tensor, "layer dim"]
     norms: list[str]
 
-    #: Where each pair of numbers is read (shown in the JSON and the summary); ``site`` names the norm.
+    #: Where each pair of numbers is read (shown in the JSON).
     SOURCES = {
         "before_gain": "sinklens: the attention's input norm's hook_normalized (normalised, before the learned gain)",
         "after_gain": "the paper's: that norm's output = gain * hook_normalized + bias (after the gain)",
@@ -84,8 +78,8 @@ class NormalizedDisparity(CompactRepr):
 
 
 class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
-    """Streams each layer's attention input norm's ``hook_normalized`` (:func:`~sinklens.residual_units.input_norm`)
-    into ``[before/after gain, layer, dim]`` sums of ``|x_d|`` and ``m_d`` and a running max of ``|x_d| / m_d``."""
+    """Streams each layer's attention input norm's ``hook_normalized`` into ``[before/after gain,
+    layer, dim]`` sums of ``|x_d|`` and ``m_d`` and a running max of ``|x_d| / m_d``."""
 
     statistics = ("sink_abs", "sink_rest", "other_abs", "other_rest", "other_max", "n_sequences", "n_other")
     maxima = ("other_max",)
@@ -107,8 +101,7 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
         self.sink_abs, self.sink_rest, self.other_abs, self.other_rest = (
             torch.zeros(2, n, self.d_model, device=dev, dtype=torch.float64) for _ in range(4))
         self.other_max = torch.zeros(2, n, self.d_model, device=dev, dtype=torch.float32)
-        self.n_sequences = 0
-        self.n_other = 0
+        self.n_sequences = self.n_other = 0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         check_sink_position(batch, self.sink)
@@ -153,16 +146,11 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
         )
 
 
-def normalized_disparity(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    sink_position: int = 0,
-    layers: int | Sequence[int] | None = None,
-    options: RunOptions = RunOptions(),
-) -> NormalizedDisparity:
-    """Dimension disparity of each layer's attention input norm at the sink vs other tokens, before and after
-    its gain (module docstring); warns when the model's norms have no gain (``fold_ln``).
+def normalized_disparity(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
+                         layers: int | Sequence[int] | None = None,
+                         options: RunOptions = RunOptions()) -> NormalizedDisparity:
+    """Dimension disparity of each layer's attention input norm at the sink vs other tokens, before
+    and after its gain; warns when the model's norms have no gain (``fold_ln``).
 
     Examples:
         >>> from sinklens.testing.planted import planted_model

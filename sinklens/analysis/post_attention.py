@@ -15,9 +15,9 @@ from sinklens.residual_units import NormMap, post_ln_reason, post_norm_map
 
 
 def post_attention_map(model: Any, layer: int) -> NormMap | None:
-    """``layer``'s post-attention norm as an affine map, or None: Gemma 2/3's ``ln1_post`` (RMS of the attention
-    output) or a post-LN model's ``ln1`` (LayerNorm of ``resid_pre`` plus it). A head's write ``w`` reaches the
-    stream as ``gain ⊙ C(w) / s``, ``s`` the norm's ``hook_scale`` and ``C`` the mean removal if it centres."""
+    """``layer``'s post-attention norm as an affine map, or None: Gemma 2/3's ``ln1_post`` or a
+    post-LN model's ``ln1``. A head's write ``w`` reaches the stream as ``gain ⊙ C(w) / s`` (``s``:
+    the norm's ``hook_scale``; ``C``: the mean removal if it centres)."""
     norm = post_norm_map(model, layer, "attn")
     if norm.is_identity:
         return None
@@ -36,25 +36,16 @@ def post_attention_scale_hooks(model: Any, layers: Sequence[int]) -> dict[int, s
 
 
 def post_attention_gain(model: Any, layer: int) -> Float[Tensor, " d_model"] | None:
-    """The effective gain ``g`` of ``layer``'s post-attention norm (None without one), probed from the module, so
-    whatever the weight convention (Gemma stores ``w`` and multiplies by ``1 + w``).
-
-    Examples:
-        >>> from sinklens.testing.zoo import zoo_model
-        >>> post_attention_gain(zoo_model("gemma2"), 0)[:3]  # Gemma initialises w = 0: gain 1 + 0
-        tensor([1., 1., 1.])
-        >>> post_attention_gain(zoo_model("llama"), 0) is None
-        True
-    """
+    """The effective gain of ``layer``'s post-attention norm (None without one), whatever the weight
+    convention (Gemma stores ``w`` and multiplies by ``1 + w``)."""
     norm = post_attention_map(model, layer)
     return None if norm is None else norm.gain.float().cpu()
 
 
 def attention_output_grams(model: Any, layers: Sequence[int]) -> tuple[Float[Tensor, "layer head d_head d_head"], Float[Tensor, "layer head d_head d_head"]]:
-    """Float64 Gram matrices ``W_O[h] W_O[h]ᵀ`` and, in residual units, ``M_h M_hᵀ`` with ``M_h = C(W_O[h]) diag(g)``
-    (:func:`post_attention_map`; ``W_O[h]`` without a post-norm), so ``‖z M_h‖² = z G zᵀ``. Computed per layer on
-    the model's device and cached until the weights change (:func:`~sinklens.hooks.weight_cached`); returns copies.
-    """
+    """Float64 Gram matrices ``W_O[h] W_O[h]ᵀ`` and, in residual units, ``M_h M_hᵀ`` with ``M_h =
+    C(W_O[h]) diag(g)`` (``W_O[h]`` without a post norm), so ``‖z M_h‖² = z G zᵀ``; cached until the
+    weights change, returned as copies."""
 
     def compute() -> tuple[Tensor, Tensor]:
         device, grams, grams_res = model_device(model), [], []
@@ -62,12 +53,10 @@ def attention_output_grams(model: Any, layers: Sequence[int]) -> tuple[Float[Ten
             w_o = layer_weight(model, "W_O", layer).to(device, torch.float64)  # [head, d_head, d_model]
             grams.append(w_o @ w_o.transpose(-1, -2))
             norm = post_attention_map(model, layer)
-            if norm is None:  # no post norm: the residual-unit map is W_O itself
-                grams_res.append(grams[-1])
-            else:
-                m_res = w_o - w_o.mean(-1, keepdim=True) if norm.center else w_o
-                m_res = m_res * norm.gain.to(device, torch.float64)
-                grams_res.append(m_res @ m_res.transpose(-1, -2))
+            if norm is not None:  # else the residual-unit map is W_O itself
+                w_o = w_o - w_o.mean(-1, keepdim=True) if norm.center else w_o
+                w_o = w_o * norm.gain.to(device, torch.float64)
+            grams_res.append(w_o @ w_o.transpose(-1, -2))
         return torch.stack(grams), torch.stack(grams_res)
 
     gram, gram_res = weight_cached(model, ("attention_output_grams", tuple(layers)), compute)

@@ -1,10 +1,5 @@
-"""``sinklens.analyze``: every analyzer in one streaming pass, gathered in a :class:`SinkReport`.
-
-All reducers share one forward pass per batch (:func:`sinklens.streaming.stream`), so analysing
-costs little more than running the model with attention patterns exposed; only ``[layer, head,
-pos]``-sized statistics are kept. The one weight-only analysis (super neurons from weights) runs
-after the pass, fed by the sink token's mean MLP input that the pass collected.
-"""
+"""``sinklens.analyze``: every analyzer in one streaming pass (one forward per batch, only
+``[layer, head, pos]``-sized statistics kept), gathered in a :class:`SinkReport`."""
 
 from __future__ import annotations
 
@@ -18,7 +13,7 @@ import torch
 
 from sinklens.analysis._common import checked_options, method_for_hooks
 from sinklens.analysis.disparity import MassiveActivations, MassiveActivationsReducer, MassiveSettings
-from sinklens.analysis.neurons import SuperNeuronReducer, SuperNeurons, SuperNeuronSettings, add_total_effects
+from sinklens.analysis.neurons import SuperNeuronReducer, SuperNeurons, add_total_effects
 from sinklens.analysis.normalized_disparity import NormalizedDisparity, NormalizedDisparityReducer
 from sinklens.analysis.qk_locking import QKLocking, QKLockingReducer, qk_locking_reason
 from sinklens.analysis.sinks import SinkReducer, SinkResult, SinkSettings
@@ -36,46 +31,21 @@ from sinklens.streaming import batches_for, stream
 
 
 def _max_or_nan(values: torch.Tensor) -> float:
-    """The largest value, ignoring NaN (``inf`` stays ``inf``); NaN when every value is NaN."""
-    finite_or_inf = values[~values.isnan()]
-    return float(finite_or_inf.max()) if finite_or_inf.numel() else math.nan
+    """The largest value, ignoring NaN; NaN when every value is NaN."""
+    kept = values[~values.isnan()]
+    return float(kept.max()) if kept.numel() else math.nan
 
 
 @dataclass(repr=False, eq=False)
 class SinkReport(CompactRepr):
     """Where a model's attention sinks are and what causes them, from one streaming pass.
 
-    Attributes:
-        model_name: what the model was called (a spec or class name).
-        n_sequences / n_tokens: how much text was analysed (real tokens, padding excluded).
-        prepend_bos: whether position 0 was a prepended BOS token (it moves the sink).
-        sink_position: the position whose causes were analysed (variance discrepancy, massive
-            dimensions, super neurons, normalised disparity, query-key locking); 0 unless given.
-        sinks: :class:`~sinklens.analysis.sinks.SinkResult` (received attention, sink rates, sink tokens).
-        variance: :class:`~sinklens.analysis.variance.VarianceResult` (value-aggregation variance).
-        massive: :class:`~sinklens.analysis.disparity.MassiveActivations` (dimension disparity).
-        neurons: :class:`~sinklens.analysis.neurons.SuperNeurons` (super neurons and dimension paths, in residual
-            units); None when skipped (a mixture-of-experts MLP: see ``skipped``).
-        weight_neurons: :class:`~sinklens.analysis.weight_super_neurons.WeightNeurons` (super neurons from weights);
-            None when skipped; without its read-vector alignments (``align_in``/``align_gate`` None) on a model
-            without normalization (``skipped["mlp_input_alignment"]``).
-        normalized: :class:`~sinklens.analysis.normalized_disparity.NormalizedDisparity` (disparity after the norm);
-            None when skipped (a model without normalization, ``cfg.normalization_type=None``: see ``skipped``).
-        locking: :class:`~sinklens.analysis.qk_locking.QKLocking` (query–key locking); None when skipped
-            (rotated queries/keys not exposed: see ``skipped``).
-        seconds: wall time of the pass (left out of ``==``: two reports of the same inputs are equal).
-        settings: the run and analyzer settings (batch size, truncation, thresholds).
-        causal: :class:`~sinklens.analysis.verify.CausalCheck` from ``analyze(..., verify=True)`` (zeroing each
-            massive dimension's top writers and writing blocks at the sink), else None.
-        skipped: section name -> why it was skipped (e.g. ``"super_neurons"`` on a mixture-of-experts model).
-        value_drain: :class:`~sinklens.analysis.value_drain.ValueDrain` (what the sink writes: no-op or
-            broadcast sink heads); None when skipped (see ``skipped``).
-        bos: what position 0 got and what the model's own tokenizer does (:func:`~sinklens.inputs.describe_bos`).
-        attention: where the sink statistics and value drain read attention (queries and keys or
-            ``hook_pattern``) and why (:meth:`~sinklens.analysis.qk_attention.QKPlan.describe`).
-
-    :meth:`summary` is the text layout (:func:`format_summary`); :func:`sinklens.plotting.report.save_report`
-    writes the report's files and figures.
+    Each section is its analyzer's result (``sinks``, ``variance``, ``massive``, ``neurons``,
+    ``weight_neurons``, ``normalized``, ``locking``, ``value_drain``; ``causal`` with
+    ``verify=True``), or None when skipped, with the reason in ``skipped[section]``.
+    ``sink_position``: the position whose causes were analysed; ``n_tokens``: real tokens;
+    ``seconds``: wall time (left out of ``==``); ``bos`` / ``attention``: what position 0 got and
+    where attention was read. :func:`sinklens.plotting.report.save_report` writes it.
     """
 
     model_name: str
@@ -90,7 +60,7 @@ class SinkReport(CompactRepr):
     weight_neurons: WeightNeurons | None
     normalized: NormalizedDisparity | None
     locking: QKLocking | None
-    seconds: float = field(compare=False)  # timing: two analyses of the same inputs are equal
+    seconds: float = field(compare=False)
     settings: dict[str, Any] = field(default_factory=dict)
     causal: CausalCheck | None = None
     skipped: dict[str, str] = field(default_factory=dict)
@@ -98,13 +68,12 @@ class SinkReport(CompactRepr):
     bos: str = ""
     attention: str = ""
 
-    # ------------------------------------------------------------------------------- numbers
     def massive_dims(self) -> list[int]:
         """Residual dimensions that are massive at the sink position in some layer."""
         return self.massive.massive_dims("sink")
 
     def headline(self) -> dict[str, Any]:
-        """The handful of numbers a reader wants first (all defined in the analyzers' docstrings)."""
+        """The handful of numbers a reader wants first (defined in the analyzers' docstrings)."""
         p = self.sink_position
         disc = self.variance.discrepancy(p)
         return {
@@ -122,72 +91,50 @@ class SinkReport(CompactRepr):
             "layers_with_variance_discrepancy_above_1": int((disc.nanmedian(dim=1).values > 1).sum()),
         }
 
-    # ------------------------------------------------------------------------------- text
     def summary(self, *, timing: bool = True) -> str:
         """The text summary (see :func:`format_summary`)."""
         return format_summary(self, timing=timing)
 
-    # ------------------------------------------------------------------------------- export
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-ready nested dicts/lists (NaN and inf become None)."""
         p = self.sink_position
+
+        def section(result: Any, why: str, **kw: Any) -> dict[str, Any]:
+            return {"skipped": self.skipped.get(why)} if result is None else result.to_dict(**kw)
+
         return to_json({
-            "model": self.model_name,
-            "n_sequences": self.n_sequences,
-            "n_tokens": self.n_tokens,
-            "prepend_bos": self.prepend_bos,
-            "bos": self.bos,
-            "attention": self.attention,
+            "model": self.model_name, "n_sequences": self.n_sequences, "n_tokens": self.n_tokens,
+            "prepend_bos": self.prepend_bos, "bos": self.bos, "attention": self.attention,
             "sink_position": p,
-            "seconds": self.seconds,
-            "settings": self.settings,
-            "headline": self.headline(),
-            "sinks": self.sinks.to_dict(),
-            "variance": self.variance.to_dict(position=p),
+            "seconds": self.seconds, "settings": self.settings, "headline": self.headline(),
+            "sinks": self.sinks.to_dict(), "variance": self.variance.to_dict(position=p),
             "massive_activations": self.massive.to_dict(),
-            "super_neurons": self.neurons.to_dict() if self.neurons is not None
-            else {"skipped": self.skipped.get("super_neurons")},
-            "super_neurons_from_weights": self.weight_neurons.to_dict() if self.weight_neurons is not None
-            else {"skipped": self.skipped.get("super_neurons")},
+            "super_neurons": section(self.neurons, "super_neurons"),
+            "super_neurons_from_weights": section(self.weight_neurons, "super_neurons"),
             "causal_check": self.causal.to_dict() if self.causal is not None else None,
             "skipped": self.skipped,
-            "normalized_disparity": self.normalized.to_dict(dims=self.massive_dims() or None)
-            if self.normalized is not None else {"skipped": self.skipped.get("normalized_disparity")},
-            "query_key_locking": self.locking.to_dict() if self.locking is not None
-            else {"skipped": self.skipped.get("query_key_locking")},
-            "value_drain": self.value_drain.to_dict() if self.value_drain is not None
-            else {"skipped": self.skipped.get("value_drain")},
+            "normalized_disparity": section(self.normalized, "normalized_disparity",
+                                            dims=self.massive_dims() or None),
+            "query_key_locking": section(self.locking, "query_key_locking"),
+            "value_drain": section(self.value_drain, "value_drain"),
         })
 
 
 @with_cached_weights  # the analyzers of one pass stack each weight once
-def analyze(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    sink_position: int = 0,
-    sink_threshold: float = SinkSettings.sink_threshold,
-    abs_threshold: float | None = MassiveSettings.abs_threshold,
-    rel_threshold: float | None = MassiveSettings.rel_threshold,
-    model_name: str | None = None,
-    verify: bool = False,
-    options: RunOptions = RunOptions(),
-) -> SinkReport:
+def analyze(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
+            sink_threshold: float = SinkSettings.sink_threshold,
+            abs_threshold: float | None = MassiveSettings.abs_threshold,
+            rel_threshold: float | None = MassiveSettings.rel_threshold,
+            model_name: str | None = None, verify: bool = False,
+            options: RunOptions = RunOptions()) -> SinkReport:
     """Run every sink analyzer on ``model`` in one streaming pass and return a :class:`SinkReport`.
 
     Args:
-        inputs: anything :func:`sinklens.inputs.as_batches` accepts (None: the built-in prompts).
-        sink_position: position whose causes are analysed (variance, massive dims, neurons, normalised disparity, locking).
+        sink_position: the position whose causes are analysed.
         sink_threshold: Gu et al.'s sink-rate threshold ``ε``.
         abs_threshold / rel_threshold: massive-activation thresholds (Sun et al.: |x| > 100 and
             > 1000x the median |x|); for small models use e.g. ``abs_threshold=None, rel_threshold=50``.
-        model_name: what to call the model in the report (default: its class name).
-        verify: also run the causal check (:func:`sinklens.analysis.verify.verify_attribution`): zero each
-            massive dimension's top writers (by direct and by total effect) and its writing blocks' MLP output at the
-            sink and report the share of the dimension and of the sink's attention that disappears (one forward
-            per distinct set, plus one baseline).
-        options: batching, BOS (say which in papers: it moves the sink), truncation, extra hooks
-            (e.g. an intervention from :mod:`sinklens.interventions`) and progress bar.
+        verify: also run the causal check (:func:`sinklens.analysis.verify.verify_attribution`).
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -203,51 +150,41 @@ def analyze(
     batches = batches_for(model, inputs, options)
     require_a_later_position(batches, what="analyze", sink_position=massive_settings.sink_position,
                              bidirectional=is_encoder(model))
-    moe = neuron_reason(model)  # a mixture-of-experts or post-LN model has no additive neuron writes: skip
-    skipped = {"super_neurons": f"skipped: {moe}"} if moe is not None else {}
-    no_locking = qk_locking_reason(model)
-    if no_locking is not None:
-        skipped["query_key_locking"] = f"skipped: {no_locking}"
-    # A model without normalization (cfg.normalization_type=None) has no norm input to read: the sections
-    # that read one (normalised disparity; the MLP input that the weight ranking aligns with) are skipped.
-    no_norm = input_norm_reason(model, "attn")
-    if no_norm is not None:
-        skipped["normalized_disparity"] = f"skipped: {no_norm}"
-    no_mlp_input = None if moe is not None else input_norm_reason(model, "mlp")
-    if no_mlp_input is not None:
-        skipped["mlp_input_alignment"] = f"skipped: {no_mlp_input}"
-    neuron_reducers = [] if moe is not None else [
-        SuperNeuronReducer(model, settings=SuperNeuronSettings(sink_position=sink_position)),
-        *([] if no_mlp_input is not None else [SinkInputReducer(model, sink_position=sink_position)]),
-    ]
+    skipped: dict[str, str] = {}
+
+    def skip(section: str, reason: str | None) -> bool:
+        if reason is not None:
+            skipped[section] = f"skipped: {reason}"
+        return reason is not None
+
+    moe = neuron_reason(model)  # a mixture-of-experts or post-LN model: no additive neuron writes
+    no_neurons = skip("super_neurons", moe)
+    no_locking = skip("query_key_locking", qk_locking_reason(model))
+    no_norm = skip("normalized_disparity", input_norm_reason(model, "attn"))  # no normalization
+    no_mlp_input = not no_neurons and skip("mlp_input_alignment", input_norm_reason(model, "mlp"))
+    no_drain = skip("value_drain", value_drain_reason(model))
+    method, at = sink_settings.method, {"sink_position": sink_position}
+    optional = {  # section -> its reducer, None when skipped
+        "neurons": None if no_neurons else SuperNeuronReducer(model, **at),
+        "sink_input": None if no_neurons or no_mlp_input else SinkInputReducer(model, **at),
+        "normalized": None if no_norm else NormalizedDisparityReducer(model, **at),
+        "locking": None if no_locking else QKLockingReducer(model, **at),
+        "value_drain": None if no_drain else ValueDrainReducer(
+            model, settings=ValueDrainSettings(sink_position, method=method)),
+    }
+    present = {name: r for name, r in optional.items() if r is not None}
     sink_reducer = SinkReducer(model, settings=sink_settings)
-    reducers = [
-        sink_reducer,
-        VarianceReducer(model, method=sink_settings.method),
-        MassiveActivationsReducer(model, settings=massive_settings),
-        *neuron_reducers,
-        *([] if no_norm is not None else [NormalizedDisparityReducer(model, sink_position=sink_position)]),
-        *([] if no_locking is not None else [QKLockingReducer(model, sink_position=sink_position)]),
-    ]
-    # Value drain (what the sink writes) rides the same pass; its result is the last one.
-    no_drain = value_drain_reason(model)
-    if no_drain is not None:
-        skipped["value_drain"] = f"skipped: {no_drain}"
-    else:
-        reducers.append(ValueDrainReducer(model, settings=ValueDrainSettings(sink_position, method=sink_settings.method)))
+    reducers = [sink_reducer, VarianceReducer(model, method=method),
+                MassiveActivationsReducer(model, settings=massive_settings), *present.values()]
     desc = "sinklens analyze" if options.desc == RunOptions.desc else options.desc
     results = stream(model, batches, reducers, options=options.replace(desc=desc))
-    value_drain = None if no_drain is not None else results.pop()
-    locking = None if no_locking is not None else results.pop()
-    normalized = None if no_norm is not None else results.pop()
-    sink_input = None if moe is not None or no_mlp_input is not None else results.pop()
-    neurons = None if moe is not None else results.pop()
-    sinks, variance, massive = results
-    weight_neurons, causal = None, None
+    sinks, variance, massive = results[:3]
+    got = dict.fromkeys(optional) | dict(zip(present, results[3:]))
+    neurons, weight_neurons, causal = got["neurons"], None, None
     if neurons is not None:
         add_total_effects(model, batches, neurons, options=options)
         weight_neurons = super_neurons_from_weights(
-            model, dims=neurons.dims or None, sink_input=sink_input,
+            model, dims=neurons.dims or None, sink_input=got["sink_input"],
             w_out_sparsity=(neurons.row_kurtosis, neurons.row_top_share),  # same rows, same k: computed once
         )
         if verify:
@@ -258,35 +195,23 @@ def analyze(
         model_name=model_name or type(model).__name__,
         n_sequences=int(sum(b.tokens.shape[0] for b in batches)),
         n_tokens=sum(sum(b.host_lengths()) for b in batches),
-        prepend_bos=bool(batches[0].prepend_bos),
-        sink_position=sink_position,
-        sinks=sinks,
-        variance=variance,
-        massive=massive,
-        neurons=neurons,
-        weight_neurons=weight_neurons,
-        normalized=normalized,
-        locking=locking,
-        value_drain=value_drain,
-        bos=describe_bos(model, batches[0]),
+        prepend_bos=bool(batches[0].prepend_bos), sink_position=sink_position, sinks=sinks,
+        variance=variance, massive=massive, neurons=neurons,
+        weight_neurons=weight_neurons, normalized=got["normalized"], locking=got["locking"],
+        value_drain=got["value_drain"], bos=describe_bos(model, batches[0]),
         attention="attention read from hook_pattern (extra hooks edit the attention scores or pattern)"
-        if sink_settings.method == "pattern" else sink_reducer.plan.describe(sinks.attention_path),
+        if method == "pattern" else sink_reducer.plan.describe(sinks.attention_path),
         seconds=time.perf_counter() - start,
         settings={"batch_size": options.batch_size, "max_length": options.max_length,
                   "sink_threshold": sink_settings.sink_threshold, "abs_threshold": abs_threshold,
                   "rel_threshold": rel_threshold, "verify": verify,
                   "dtype": str(model_dtype(model)).removeprefix("torch."), "device": str(model_device(model))},
-        causal=causal,
-        skipped=skipped,
+        causal=causal, skipped=skipped,
     )
 
 
-# ------------------------------------------------------------------------------- the text summary
 def format_summary(report: SinkReport, *, timing: bool = True) -> str:
-    """A readable text report: top sinks, sink rate and variance by layer, massive dimensions, super neurons.
-
-    ``timing=False`` leaves out the wall time, so the text is reproducible (tutorials, tests).
-    """
+    """The text report; ``timing=False`` leaves out the wall time, so the text is reproducible."""
     p = report.sink_position
     h = report.headline()
     lines = [
@@ -346,12 +271,11 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
 
 def neuron_lines(report: SinkReport) -> list[str]:
     """Dimension paths, super neurons and the causal check (contributions in residual units)."""
-    if report.neurons is None:
-        lines = [f"  super neurons and dimension paths {report.skipped.get('super_neurons', 'skipped')}"]
-        if "causal_check" in report.skipped:  # --verify was asked for: say why it did not run
-            lines += ["", f"Causal check {report.skipped['causal_check']}"]
-        return lines
     sn = report.neurons
+    why = report.skipped
+    if sn is None:  # then so is the causal check: say why
+        return [f"  super neurons and dimension paths {why.get('super_neurons', 'skipped')}",
+                *(["", f"Causal check {why['causal_check']}"] if "causal_check" in why else [])]
     lines = [f"  attributed: dims {sn.dims}" + ("" if sn.n_massive is None else
              f", the {len(sn.dims)} largest of {sn.n_massive} dims whose |x| at the sink exceeds {sn.dim_threshold:g}x "
              f"the median |x| at some stream (max_dims={sn.max_dims})")]
@@ -396,17 +320,17 @@ def _top3(rows: Sequence[tuple[int, int, float]]) -> str:
 
 
 def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:
-    """Normalised disparity of the first massive dims, before and after the input layernorm's gain, each labelled."""
+    """Normalised disparity of the first two massive dims, before and after the norm's gain."""
     nd = report.normalized
     if nd is None:  # a model without normalization: say why the section is missing
         return ["", f"Normalised disparity {report.skipped.get('normalized_disparity', 'skipped')}"]
-    if not dims or nd.ratio_sink_after_gain is None:
+    if not dims:
         return []
     lines = ["", "Normalised disparity mean |x_d| / mean(mean_{j!=d} |x_j|) over the sink tokens vs other tokens "
                  "(layer where the sink's ratio before the gain peaks):"]
     for d in list(dims)[:2]:
         i = int(nd.ratio_sink[:, d].argmax())
-        norm = nd.norms[i] if nd.norms else f"blocks.{nd.layers[i]}.ln1"
+        norm = nd.norms[i]
         lines.append(
             f"  dim {d}, layer {nd.layers[i]}: before gain {float(nd.ratio_sink[i, d]):.1f} vs {float(nd.ratio_other[i, d]):.2f} "
             f"(sinklens: {norm}.hook_normalized); after gain {float(nd.ratio_sink_after_gain[i, d]):.1f} vs "
@@ -415,23 +339,20 @@ def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:
 
 
 def variance_sources_line(report: SinkReport) -> str:
-    """One line under the table: what "var ratio" means (sinklens' across-sequence definition) and Li et al.'s
-    per-position feature-std ratio of the o_proj input beside it, by layer."""
+    """What "var ratio" means, and Li et al.'s feature-std ratio beside it, by layer."""
     p = report.sink_position
     var = report.variance
     site = "" if var.output_site == Z else f", z for zW_O read at {var.output_site} (what W_O reads in this model)"
     head = (f"var ratio z / zW_O (sinklens): median over heads of the variance over sequences around the all-position "
             f"mean, position {p} over the rest (> 1: position {p} varies more); zW_O in residual units (through any "
             f"post-attention norm){site}")
-    if var.feature_std is None:
-        return head
     ratio = var.discrepancy(p, of="feature_std")
     return (head + f"\nfeature std ratio (Li et al.'s code: std over the o_proj input's features per token, mean "
             f"over sequences), position {p} / rest, by layer: " + " ".join(f"{float(r):.2f}" for r in ratio))
 
 
 def value_drain_line(report: SinkReport) -> str:
-    """One line: how many sink heads are no-op / broadcast / partial, with the thresholds that made them."""
+    """One line: how many sink heads are no-op / broadcast / partial, and by which thresholds."""
     drain = report.value_drain
     counts = drain.counts()
     n_sink = counts["no-op"] + counts["broadcast"] + counts["partial"]

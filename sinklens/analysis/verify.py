@@ -1,12 +1,11 @@
-"""The causal check of a super-neuron attribution: zero what each massive dimension is credited to, at the sink.
+"""The causal check of a super-neuron attribution: zero what each dimension is credited to.
 
-Per dimension three sets are zeroed at the sink only and the inputs run again (each distinct set once): its top
-writers by direct contribution (``"direct"``) and by total effect (``"total"``), those reaching ``super_share`` of
-the peak (at most ``max_writers``, at least the best one; zeroed at ``mlp.hook_post`` by ``edit_neurons``), and
-the block-level control, the whole ``hook_mlp_out`` of its writing blocks (``"blocks"``).
-An :class:`Ablation` reports ``dim_removed = 1 − value_after / value_before`` (the dim's mean at the sink at its peak
-stream) and ``attention_removed = 1 − attention_after / attention_before`` (the sink's received attention: mean
-over layers and heads of ``received[l, h, sink]``, queries from ``MIN_QUERY``, as in ``SinkResult``).
+Per dimension, each set is zeroed at the sink only and the inputs run again: its top writers by
+direct contribution (``"direct"``) and by total effect (``"total"``), those reaching ``super_share``
+of the peak (at most ``max_writers``, at least one), and the control, its writing blocks' whole
+``hook_mlp_out`` (``"blocks"``). ``dim_removed = 1 − value_after / value_before`` (the dim at the
+sink at its peak stream) and ``attention_removed``, the same for the sink's mean received attention
+(queries from ``MIN_QUERY``).
 """
 
 from __future__ import annotations
@@ -38,14 +37,9 @@ MIN_QUERY = 1
 
 @dataclass(eq=False)
 class Ablation(StructuralEq):
-    """One set zeroed at the sink (see the module docstring).
-
-    Attributes:
-        kind: ``"direct"`` / ``"total"`` (neurons ranked by direct contribution / total effect) or ``"blocks"``.
-        zeroed: ``(layer, neuron, attributed effect)`` rows (residual units), or ``(block, mlp_out in the dim)``.
-        value_after / dim_removed: the dim at the peak stream with the set zeroed; ``1 − value_after / value_before``.
-        attention_after / attention_removed: the sink's received attention; ``1 − after / before``.
-    """
+    """One set zeroed at the sink (module docstring): ``kind`` ``"direct"``, ``"total"`` or
+    ``"blocks"``; ``zeroed``: ``(layer, neuron, attributed effect)`` or ``(block, mlp_out in the
+    dim)`` rows."""
 
     kind: str
     zeroed: list[tuple[Any, ...]]
@@ -57,17 +51,11 @@ class Ablation(StructuralEq):
 
 @dataclass(eq=False)
 class DimCheck(StructuralEq):
-    """The causal check of one massive dimension (see the module docstring).
+    """The causal check of one massive dimension, read at ``peak_stream``.
 
-    Attributes:
-        dim: the residual dimension; ``peak_stream``: the residual-stream index its value is read at.
-        value_before / attention_before: the dim at ``peak_stream`` and the sink's received attention, unablated.
-        ablations: the neuron-level sets (``"direct"``, then ``"total"`` when computed) and the ``"blocks"`` control.
-        writers_cause_dim: some neuron-level set removes at least ``causal_threshold`` of the dim.
-        writers_cause_sink: that set (the one removing most of the dim) removes at least ``attention_threshold`` of
-            the sink's attention.
-        dim_causes_sink: the block control removes at least ``causal_threshold`` of the dim and ``attention_threshold``
-            of the attention.
+    ``writers_cause_dim``: some neuron-level set removes at least ``causal_threshold`` of the dim;
+    ``writers_cause_sink``: the one removing most of it removes ``attention_threshold`` of the
+    sink's attention; ``dim_causes_sink``: the ``"blocks"`` control removes both.
     """
 
     dim: int
@@ -86,11 +74,8 @@ class DimCheck(StructuralEq):
 
 @dataclass(eq=False)
 class CausalCheck(StructuralEq):
-    """Result of :func:`verify_attribution`: one :class:`DimCheck` per massive dimension.
-
-    ``causal_threshold`` / ``attention_threshold``: the share of the dim / of the sink's attention an ablation must
-    remove to be called causal for it. ``n_passes``: forward passes over the inputs (baseline + one per distinct set).
-    """
+    """Result of :func:`verify_attribution`: one :class:`DimCheck` per massive dimension;
+    ``n_passes``: passes over the inputs (baseline + one per distinct set)."""
 
     sink_position: int
     checks: list[DimCheck] = field(default_factory=list)
@@ -99,7 +84,8 @@ class CausalCheck(StructuralEq):
     n_passes: int = 0
 
     def is_causal(self, dim: int) -> bool:
-        """Whether zeroing ``dim``'s attributed writers removed at least ``causal_threshold`` of it."""
+        """Whether zeroing ``dim``'s attributed writers removed at least ``causal_threshold`` of it.
+        """
         return next(c for c in self.checks if c.dim == dim).writers_cause_dim
 
     def lines(self) -> list[str]:
@@ -128,8 +114,8 @@ class CausalCheck(StructuralEq):
 
 def _measure(model: Any, batches: Sequence[TokenBatch], sink: int, streams: Sequence[int], hooks: list,
              options: RunOptions, what: str) -> tuple[Tensor, float]:
-    """(residual at the sink at ``streams``, mean received attention of the sink) with ``hooks`` attached; the
-    progress bar (``options.progress``) is labelled ``what``."""
+    """(residual at the sink at ``streams``, mean received attention of the sink) with ``hooks``
+    attached."""
     attention = AttentionReceivedReducer(model, min_query=MIN_QUERY)
     at_sink = SinkMeanReducer(model, sink, [stream_hook(s, model_dims(model).n_layers) for s in streams])
     resid, received = stream(model, batches, [at_sink, attention],
@@ -138,15 +124,8 @@ def _measure(model: Any, batches: Sequence[TokenBatch], sink: int, streams: Sequ
     return resid, float(torch.nanmean(received.received[:, :, sink]))
 
 
-def _contribution(neurons: SuperNeurons, layer: int, neuron: int, dim: int) -> float:
-    """The attributed residual-unit contribution of one neuron to ``dim`` (NaN if its layer was not analysed)."""
-    if layer not in neurons.layers:
-        return float("nan")
-    return float(neurons.contribution[neurons.layers.index(layer), neuron, neurons.dims.index(dim)])
-
-
 def default_writers(neurons: SuperNeurons, dim: int, max_writers: int = 10, by: str = "direct") -> list[tuple[int, int, float]]:
-    """The neurons credited with ``dim`` ranked ``by`` direct contribution or total effect (module docstring)."""
+    """The neurons credited with ``dim``, ranked ``by`` direct contribution or total effect."""
     floor = neurons.settings.super_share * abs(neurons.path(dim).peak_value)
     top = neurons.top(dim, max_writers, by=by)
     return [w for w in top if abs(w[2]) >= floor] or top[:1]
@@ -154,36 +133,21 @@ def default_writers(neurons: SuperNeurons, dim: int, max_writers: int = 10, by: 
 
 def _zero_mlp_out(sink: int):
     def hook(act: Tensor, hook: Any) -> Tensor:
-        act = act.clone()
-        act[:, sink] = 0.0
-        return act
+        return act.index_fill(1, torch.tensor([sink], device=act.device), 0.0)
 
     return hook
 
 
-def verify_attribution(
-    model: Any,
-    inputs: Inputs | None,
-    neurons: SuperNeurons,
-    *,
-    writers: dict[int, Sequence[tuple[int, int]]] | None = None,
-    max_writers: int = 10,
-    causal_threshold: float = 0.5,
-    attention_threshold: float = 0.1,
-    options: RunOptions = RunOptions(),
-) -> CausalCheck:
-    """Zero each massive dimension's credited writers and writing blocks at the sink; measure what disappears.
-
-    Args:
-        inputs: the inputs the attribution was computed on (anything :func:`sinklens.inputs.as_batches` takes).
-        neurons: the :class:`SuperNeurons` result whose ``paths`` are checked.
-        writers: ``{dim: [(layer, neuron), ...]}`` to zero instead of the attributed writers (e.g. a control); that
-            dim's ``"direct"`` ablation, and no ``"total"`` one.
-        max_writers: at most this many attributed writers per set.
-        causal_threshold / attention_threshold: the share of the dim / of the sink's attention an ablation must
-            remove to be called causal for it (:class:`DimCheck`).
-        options: run settings (:class:`~sinklens.options.RunOptions`). One pass for the baseline and one per distinct
-            set over all of ``inputs``.
+def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons, *,
+                       writers: dict[int, Sequence[tuple[int, int]]] | None = None,
+                       max_writers: int = 10, causal_threshold: float = 0.5,
+                       attention_threshold: float = 0.1,
+                       options: RunOptions = RunOptions()) -> CausalCheck:
+    """Zero each massive dimension's credited writers and writing blocks at the sink; measure what
+    disappears. ``inputs``: those ``neurons`` was computed on. ``writers``: ``{dim: [(layer,
+    neuron), ...]}`` zeroed instead of the attributed writers (then no ``"total"`` set).
+    ``causal_threshold`` / ``attention_threshold``: the share of the dim / of the sink's attention
+    a set must remove to be causal.
 
     Examples:
         >>> from sinklens.analysis.neurons import find_super_neurons
@@ -221,7 +185,10 @@ def verify_attribution(
     for path in paths:
         sets = {}
         if writers is not None and path.dim in writers:
-            sets["direct"] = [(int(l), int(n), _contribution(neurons, int(l), int(n), path.dim)) for l, n in writers[path.dim]]
+            j = neurons.dims.index(path.dim)
+            given = [(int(a), int(b)) for a, b in writers[path.dim]]
+            sets["direct"] = [(l, n, float(neurons.contribution[neurons.layers.index(l), n, j])
+                               if l in neurons.layers else float("nan")) for l, n in given]
         else:
             sets["direct"] = default_writers(neurons, path.dim, max_writers)
             if neurons.total_effect is not None:

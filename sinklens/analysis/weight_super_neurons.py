@@ -1,10 +1,8 @@
-"""Super neurons from weights alone: which FFN neurons *could* write a massive dimension at the sink.
+"""Super neurons from weights alone: which FFN neurons *could* write a massive dimension.
 
-Each neuron's read vectors (``W_in[l, :, n]``, ``W_gate[l, :, n]``) and write vector (``W_out[l, n, :]``) are
-compared with its layer's median neuron, and the channel sparsity of its ``W_out`` row is measured. A
-:class:`SinkInput` (:func:`sink_inputs`: the sink's mean ``hook_normalized`` of the norm the MLP reads, before
-its gain) adds the cosine with each read vector. Weights are read as stored (on Gemma 2/3 before the post-MLP
-norm); mixture-of-experts MLPs are refused.
+Each neuron's read and write vector norms are compared with its layer's median neuron, and its
+``W_out`` row's sparsity is measured; a :class:`SinkInput` adds the cosine of each read vector with
+the sink's normalised MLP input. Weights are read as stored (on Gemma 2/3 before the post-MLP norm).
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from torch import Tensor
 
 from sinklens.analysis._common import TINY as _TINY
 from sinklens.analysis._common import check_sink_position, once_per_forward, row_index, run_analyzer, sink_position_arg
+from sinklens.analysis.neuron_result import check_fits_model
 from sinklens.analysis.neurons import mlp_weight_statistics
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
@@ -37,8 +36,8 @@ def _median_ratio(x: Float[Tensor, "layer neuron"]) -> Float[Tensor, "layer neur
 
 @dataclass(repr=False, eq=False)
 class SinkInput(CompactRepr):
-    """Mean over sequences of the MLP's input norm's ``hook_normalized`` at the sink position (``site``:
-    ``"ln2.hook_normalized"``, or ``"ln1.hook_normalized"`` on a post-LN model)."""
+    """Mean over sequences of the MLP's input norm's ``hook_normalized`` at the sink position
+    (``site``: ``"ln2.hook_normalized"``, or ``"ln1.hook_normalized"`` on a post-LN model)."""
 
     layers: list[int]
     sink_position: int
@@ -47,8 +46,8 @@ class SinkInput(CompactRepr):
 
 
 class SinkMeanReducer(Reducer[Tensor]):
-    """Mean over sequences of ``act[:, sink]`` at each hook of ``names``, ``[hook, d_model]`` (a hook run several
-    times per forward, as TransformerLens 3.x's ``ln1.hook_normalized``, is folded once)."""
+    """Mean over sequences of ``act[:, sink]`` at each hook of ``names``, ``[hook, d_model]`` (a
+    hook run several times per forward is folded once)."""
 
     statistics = ("sums", "n")
 
@@ -79,7 +78,8 @@ class SinkMeanReducer(Reducer[Tensor]):
 
 
 class SinkInputReducer(SinkMeanReducer):
-    """Per-layer mean of the MLP input norm's ``hook_normalized`` at ``sink_position`` (:class:`SinkInput`)."""
+    """Per-layer mean of the MLP input norm's ``hook_normalized`` at ``sink_position``
+    (:class:`SinkInput`)."""
 
     def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None):
         self.layers = resolve_layers(layers, model_dims(model).n_layers)
@@ -91,14 +91,9 @@ class SinkInputReducer(SinkMeanReducer):
         return SinkInput(list(self.layers), self.sink, self.site, super().result())
 
 
-def sink_inputs(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    sink_position: int = 0,
-    layers: int | Sequence[int] | None = None,
-    options: RunOptions = RunOptions(),
-) -> SinkInput:
+def sink_inputs(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
+                layers: int | Sequence[int] | None = None,
+                options: RunOptions = RunOptions()) -> SinkInput:
     """Mean normalised MLP input at ``sink_position`` per layer (:class:`SinkInput`)."""
     return run_analyzer(model, inputs, SinkInputReducer, where="sink_inputs", options=options,
                         sink_position=sink_position, layers=layers)
@@ -109,12 +104,11 @@ class WeightNeurons(CompactRepr):
     """Weight-only super-neuron statistics per layer × neuron (module docstring).
 
     Attributes:
-        in_norm / gate_norm / out_norm: L2 norms of ``W_in[l, :, n]``, ``W_gate[l, :, n]`` (None if not gated),
-            ``W_out[l, n, :]``; ``*_ratio``: over the layer's median neuron.
-        out_kurtosis / out_top_share: ``W_out[l, n, :]``'s kurtosis and share of its squared norm in its
-            ``row_top_k`` largest entries.
+        in_norm / gate_norm / out_norm: L2 norms of ``W_in[l, :, n]``, ``W_gate[l, :, n]`` (None if
+            not gated), ``W_out[l, n, :]``; ``*_ratio``: over the layer's median neuron.
+        out_kurtosis / out_top_share: :func:`~sinklens.analysis.neurons.row_sparsity` of the rows.
         score: ``in_norm_ratio × gate_norm_ratio × out_norm_ratio`` (the ranking of :meth:`top`).
-        align_in / align_gate: cosine of the :class:`SinkInput` with ``W_in[l, :, n]`` / ``W_gate[l, :, n]``.
+        align_in / align_gate: cosine of the :class:`SinkInput` with those columns.
         out_dim_weight: ``W_out[l, n, d]`` for each ``d`` of ``dims``.
     """
 
@@ -162,12 +156,6 @@ class WeightNeurons(CompactRepr):
                         "sink_position": self.sink_position, "rows": self.rows(k)})
 
 
-def _cosine_rows(x: Float[Tensor, "layer d"], num: Float[Tensor, "layer neuron"],
-                 norms: Float[Tensor, "layer neuron"]) -> Float[Tensor, "layer neuron"]:
-    """Cosine of ``x[l]`` with column ``n`` of ``w[l]`` from ``num = x[l] · w[l][:, n]`` and ``norms = ‖w[l][:, n]‖``."""
-    return num / (x.norm(dim=-1, keepdim=True) * norms).clamp_min(_TINY)
-
-
 def super_neurons_from_weights(
     model: Any,
     *,
@@ -179,8 +167,8 @@ def super_neurons_from_weights(
 ) -> WeightNeurons:
     """Rank FFN neurons as super-neuron candidates from their weights alone (no forward pass).
 
-    ``dims``: residual dimensions whose ``W_out`` entries to report; ``sink_input`` (:func:`sink_inputs`) adds
-    the read-vector alignments; ``w_out_sparsity``: ``(kurtosis, top-k share)`` of these rows if already computed.
+    ``dims``: dimensions whose ``W_out`` entries to report; ``sink_input`` adds the read-vector
+    alignments; ``w_out_sparsity``: ``(kurtosis, top-k share)`` of these rows if already computed.
 
     Examples:
         >>> from sinklens.testing.planted import planted_model
@@ -193,19 +181,14 @@ def super_neurons_from_weights(
         raise UnsupportedArchitectureError(f"super_neurons_from_weights cannot rank neurons on this model: {reason}.")
     d = model_dims(model)
     layer_list = resolve_layers(layers, d.n_layers)
-    if not 1 <= positive_int(row_top_k, what="row_top_k") <= d.d_model:
-        raise InvalidArgumentError(f"row_top_k must be in [1, {d.d_model}] (d_model), got {row_top_k}.")
     dims = [as_int(x, what="dims") for x in (dims or [])]
-    bad = [x for x in dims if not 0 <= x < d.d_model]
-    if bad:
-        raise InvalidArgumentError(f"dims {bad} are out of range for d_model={d.d_model} (0..{d.d_model - 1}).")
-    stats = mlp_weight_statistics(model, layer_list, row_top_k)  # per layer, kept until the weights change
+    check_fits_model(d.d_model, positive_int(row_top_k, what="row_top_k"), dims)
+    stats = mlp_weight_statistics(model, layer_list, row_top_k)
     in_norm, gate_norm, out_norm = (None if stats[k] is None else stats[k].cpu() for k in ("in_norm", "gate_norm", "out_norm"))
     in_ratio, out_ratio = _median_ratio(in_norm), _median_ratio(out_norm)
     gate_ratio = None if gate_norm is None else _median_ratio(gate_norm)
     score = in_ratio * out_ratio * (gate_ratio if gate_ratio is not None else 1.0)
     kurt, share = w_out_sparsity if w_out_sparsity is not None else (stats["out_kurtosis"].cpu(), stats["out_top_share"].cpu())
-    # One layer's weights at a time (views, no stacked copies).
     out_dim_weight = torch.stack([layer_weight(model, "W_out", l)[:, dims].float().cpu() for l in layer_list])
     align_in = align_gate = None
     if sink_input is not None:
@@ -214,11 +197,13 @@ def super_neurons_from_weights(
             raise InvalidArgumentError(f"sink_input has no layers {missing}; it covers {sink_input.layers}.")
         x = sink_input.x[[sink_input.layers.index(l) for l in layer_list]].float()
 
-        def reads(name: str) -> Tensor:  # [layer, neuron]: x[l] · w[l][:, n]
-            return torch.stack([x[i] @ layer_weight(model, name, l).float().to(x.device) for i, l in enumerate(layer_list)])
+        def cosine(name: str, norms: Tensor) -> Tensor:  # [layer, neuron]: cos(x[l], w[l][:, n])
+            dots = torch.stack([x[i] @ layer_weight(model, name, l).float().to(x.device)
+                                for i, l in enumerate(layer_list)])
+            return dots / (x.norm(dim=-1, keepdim=True) * norms.to(x.device)).clamp_min(_TINY)
 
-        align_in = _cosine_rows(x, reads("W_in"), in_norm.to(x.device))
-        align_gate = None if gate_norm is None else _cosine_rows(x, reads("W_gate"), gate_norm.to(x.device))
+        align_in = cosine("W_in", in_norm)
+        align_gate = None if gate_norm is None else cosine("W_gate", gate_norm)
     return WeightNeurons(
         layers=layer_list, in_norm=in_norm, gate_norm=gate_norm, out_norm=out_norm, in_norm_ratio=in_ratio,
         gate_norm_ratio=gate_ratio, out_norm_ratio=out_ratio, out_kurtosis=kurt, out_top_share=share,

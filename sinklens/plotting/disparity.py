@@ -26,18 +26,17 @@ def plot_massive_by_layer(result: MassiveActivations, *, path: str | Path | None
     ax.plot(xs, result.median_abs.clamp_min(floor), ":", color="gray", label="median |x|")
     if result.abs_threshold is not None:
         ax.axhline(result.abs_threshold, color="red", lw=0.8, ls="--", label=f"|x| = {result.abs_threshold:g}")
-    ax.set_yscale("log")
     ax.set_xticks(xs, _stream_labels(result), fontsize=7)
-    ax.set_xlabel("residual stream (input of block; out = final)")
-    ax.set_ylabel(f"max |activation| over {result.n_sequences} sequences")
-    ax.set_title("Massive activations by residual stream")
+    ax.set(yscale="log", xlabel="residual stream (input of block; out = final)",
+           ylabel=f"max |activation| over {result.n_sequences} sequences",
+           title="Massive activations by residual stream")
     ax.legend(fontsize=8)
     return finish(fig, path)
 
 
 def plot_top_dims(result: MassiveActivations, *, stream: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
-    """Bar chart of the ``k`` dimensions with the largest ``|x|`` at the sink, beside their max elsewhere,
-    at one residual-stream index (default: the last)."""
+    """The ``k`` dimensions with the largest ``|x|`` at the sink beside their max elsewhere, at one
+    residual-stream index (default: the last)."""
     expect_result(result, MassiveActivations, "plot_top_dims")
     stream = result.streams[-1] if stream is None else stream
     top = result.top_dims(stream, k, "sink")
@@ -47,10 +46,8 @@ def plot_top_dims(result: MassiveActivations, *, stream: int | None = None, k: i
     xs = paired_bars(ax, [v for _, v in top], [float(result.max_abs_other[row, d]) for d, _ in top],
                      (f"position {result.sink_position}", "other positions"))
     ax.set_xticks(xs, [str(d) for d, _ in top])
-    ax.set_yscale("log")
-    ax.set_xlabel("residual dimension")
-    ax.set_ylabel("max |activation|")
-    ax.set_title(f"Top dimensions at residual stream {stream}")
+    ax.set(yscale="log", xlabel="residual dimension", ylabel="max |activation|",
+           title=f"Top dimensions at residual stream {stream}")
     ax.legend(fontsize=8)
     return finish(fig, path)
 
@@ -67,11 +64,8 @@ def plot_position_profile(result: MassiveActivations, *, path: str | Path | None
         color = cmap(i / max(1, n - 1))
         axes[0, 0].plot(result.norm_ratio[i], color=color, lw=1, label=label if i in (0, n - 1) else None)
         axes[0, 1].plot(result.topk_energy[i], color=color, lw=1)
-    axes[0, 0].set_yscale("log")
-    axes[0, 0].set_xlabel("position")
-    axes[0, 0].set_ylabel("||x_p|| / median other ||x_q||")
+    axes[0, 0].set(yscale="log", xlabel="position", ylabel="||x_p|| / median other ||x_q||")
     axes[0, 0].legend(fontsize=7, title="stream")
-    axes[0, 1].set_xlabel("position")
-    axes[0, 1].set_ylabel(f"share of ||x||² in top-{result.top_k} dims")
-    axes[0, 1].set_ylim(0, 1.02)
+    axes[0, 1].set(xlabel="position", ylabel=f"share of ||x||² in top-{result.top_k} dims",
+                   ylim=(0, 1.02))
     return finish(fig, path)

@@ -22,7 +22,8 @@ def plot_intervention(result: InterventionResult, path: str | Path | None = None
     if result.sink != result.target:
         ax.plot(layers, result.sink_before.mean(dim=1), color="0.5", ls="--", label=f"to sink {result.sink}, before")
         ax.plot(layers, result.sink_after.mean(dim=1), color="C0", ls="--", label=f"to sink {result.sink}, after")
-    ax.set(xlabel="layer", ylabel="attention received (mean over heads, queries)", title=f"{result.method}", ylim=(0, 1))
+    ax.set(xlabel="layer", ylabel="attention received (mean over heads, queries)",
+           title=result.method, ylim=(0, 1))
     ax.legend(fontsize=7)
     ax2.plot(layers, result.resid_norm_before, color="0.5", label="before")
     ax2.plot(layers, result.resid_norm_after, color="C3", label="after")
@@ -41,8 +42,8 @@ def plot_patching(result: SinkPatchResult, path: str | Path | None = None) -> An
     if restored.ndim == 3:  # layer × pos × head: sum over positions
         restored = restored.sum(dim=1)
         axes = [axes[0], axes[2]]
-    fig, ax = new_figure(1, 1, width=6.0, height=4.0)
-    ax = ax[0][0]
+    fig, axes = new_figure(1, 1, width=6.0, height=4.0)
+    ax = axes[0, 0]
     bound = max(float(restored.abs().max()), 1e-6)
     im = ax.imshow(restored.numpy(), cmap="RdBu", vmin=-bound, vmax=bound, aspect="auto")
     ax.set(xlabel=axes[1], ylabel="layer", title=f"sink restored by patching {result.site} (target {result.target})")

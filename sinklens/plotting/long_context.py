@@ -27,6 +27,5 @@ def plot_context_sweep(result: ContextSweepResult, *, path: str | Path | None = 
     for ax in (left, right):
         ax.set_xscale("log", base=2)
         ax.set_xticks(x, [str(n) for n in x])
-        ax.set_xlabel("context length (tokens)")
-        ax.set_ylim(0, 1.02)
+        ax.set(xlabel="context length (tokens)", ylim=(0, 1.02))
     return finish(fig, path)

@@ -20,8 +20,8 @@ def _dim(result: Any, dim: int | None) -> int:
 
 
 def plot_contributions(result: SuperNeurons, *, dim: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
-    """Bar chart of the ``k`` neurons writing most into ``dim`` towards its peak's sign at the sink (direct
-    contribution, residual units: ``sink_act × W_out[l, n, dim]`` through any post-MLP norm); erasers are not drawn."""
+    """The ``k`` neurons writing most into ``dim`` towards its peak's sign at the sink (direct
+    contribution, residual units); erasers are not drawn."""
     expect_result(result, SuperNeurons, "plot_contributions")
     dim = _dim(result, dim)
     top = result.top(dim, k)
@@ -31,14 +31,14 @@ def plot_contributions(result: SuperNeurons, *, dim: int | None = None, k: int =
     colors = ["tab:red" if (l, n) in supers else "tab:blue" for l, n, _ in top]
     ax.bar(range(len(top)), [c for _, _, c in top], color=colors)
     ax.set_xticks(range(len(top)), [neuron_name(l, n) for l, n, _ in top], rotation=45, fontsize=8)
-    ax.set_ylabel(f"contribution to dim {dim} at position {result.sink_position}\n(residual units)")
-    ax.set_title(f"Top {len(top)} direct writers of dim {dim}, towards its peak's sign\n(erasers not shown; red: super neurons)")
+    ax.set(ylabel=f"contribution to dim {dim} at position {result.sink_position}\n(residual units)",
+           title=f"Top {len(top)} direct writers of dim {dim}, towards its peak's sign\n"
+                 "(erasers not shown; red: super neurons)")
     return finish(fig, path)
 
 
 def plot_row_sparsity(result: SuperNeurons, *, path: str | Path | None = None) -> Any:
-    """Scatter of every neuron's ``W_out`` row kurtosis vs its top-k mass share; super neurons (by residual-unit
-    contribution, ``is_super``) in red."""
+    """Every neuron's ``W_out`` row kurtosis vs its top-k mass share; super neurons in red."""
     expect_result(result, SuperNeurons, "plot_row_sparsity")
     fig, axes = new_figure(width=6.0, height=4.5)
     ax = axes[0, 0]
@@ -46,10 +46,8 @@ def plot_row_sparsity(result: SuperNeurons, *, path: str | Path | None = None) -
     sup = result.is_super.flatten()
     ax.scatter(kurt[~sup], share[~sup], s=4, alpha=0.4, color="tab:blue", label="neurons")
     ax.scatter(kurt[sup], share[sup], s=30, color="tab:red", label="super neurons")
-    ax.set_xscale("log")
-    ax.set_xlabel("kurtosis of W_out row")
-    ax.set_ylabel(f"share of ||W_out row||² in top {result.row_top_k}")
-    ax.set_title("Channel sparsity of W_out rows")
+    ax.set(xscale="log", xlabel="kurtosis of W_out row", title="Channel sparsity of W_out rows",
+           ylabel=f"share of ||W_out row||² in top {result.row_top_k}")
     ax.legend(fontsize=8)
     return finish(fig, path)
 
@@ -67,8 +65,7 @@ def plot_dim_path(result: SuperNeurons, *, dim: int | None = None, path: str | P
     ax.plot(range(n + 1), result.resid_sink[:, dim].numpy(), "o-", color="black", label="residual (input of block)")
     ax.bar([x + 0.3 for x in range(n)], result.attn_out_sink[:, dim].numpy(), width=0.3, label="attn_out", color="tab:orange")
     ax.bar([x + 0.6 for x in range(n)], result.mlp_out_sink[:, dim].numpy(), width=0.3, label="mlp_out", color="tab:green")
-    ax.set_xlabel("block")
-    ax.set_ylabel(f"dim {dim} at position {result.sink_position}")
-    ax.set_title(f"Where dim {dim} is written and erased")
+    ax.set(xlabel="block", ylabel=f"dim {dim} at position {result.sink_position}",
+           title=f"Where dim {dim} is written and erased")
     ax.legend(fontsize=8)
     return finish(fig, path)

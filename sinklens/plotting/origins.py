@@ -29,9 +29,8 @@ def plot_rank_probability(prefs: dict[str, TokenPreference], *, path: str | Path
     if prefs:
         v = next(iter(prefs.values())).mean_probs.shape[1]
         ax.axhline(1.0 / v, color="grey", ls=":", label="uniform 1/V")
-    ax.set_xlabel("rank")
-    ax.set_ylabel("mean next-token probability")
-    ax.set_title("token preference on random inputs")
+    ax.set(xlabel="rank", ylabel="mean next-token probability",
+           title="token preference on random inputs")
     ax.legend(fontsize=8)
     return finish(fig, path)
 
@@ -47,32 +46,29 @@ def plot_contraction(result: ContractionResult, *, path: str | Path | None = Non
     ax.plot(x, [s.inter_mean for s in result.sites], "o-", label="inter-sequence")
     ax.plot(x, [s.intra for s in result.sites], "s-", label="intra-sequence")
     ax.set_xticks(x, names, rotation=90, fontsize=7)
-    ax.set_ylabel("mean cosine similarity")
-    ax.set_title("concentration by sublayer")
+    ax.set(ylabel="mean cosine similarity", title="concentration by sublayer")
     ax.legend(fontsize=8)
     ax = axes[0, 1]
     share = result.share("inter_mean").numpy()
     paired_bars(ax, share[:, 0], share[:, 1], ("attention", "MLP"))
-    integer_ticks(ax)  # integer layers, not matplotlib's 0.25 steps
-    ax.set_xlabel("layer")
-    ax.set_ylabel("share of the inter-sequence change")
+    integer_ticks(ax)
     asymmetry = (f"{result.activation}: E[f(z)] = {result.activation_mean_at_zero:.3f}" if result.mlp_skipped is None
                  else "mixture of experts: no MLP asymmetry")
-    ax.set_title(f"who concentrates ({asymmetry})")
+    ax.set(xlabel="layer", ylabel="share of the inter-sequence change",
+           title=f"who concentrates ({asymmetry})")
     ax.legend(fontsize=8)
     return finish(fig, path)
 
 
 def integer_ticks(ax: Any) -> None:
-    """Major x ticks at integers only (layers, positions), at most matplotlib's usual number of them."""
+    """Major x ticks at integers only (layers, positions)."""
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def positive_or_nan(values: np.ndarray) -> np.ndarray:
-    """``values`` with every entry that is not > 0 (or not finite) replaced by NaN: a log axis cannot show it,
-    and matplotlib would otherwise clip it to the axis floor or stretch the axis down to it."""
+    """``values`` with each entry not finite and > 0 replaced by NaN (a log axis leaves it out)."""
     values = np.asarray(values, dtype=float)
     return np.where(np.isfinite(values) & (values > 0), values, np.nan)
 
@@ -89,8 +85,7 @@ def plot_positional(result: PositionalDiscrepancy, *, path: str | Path | None = 
     for layer in range(0, rel.shape[0], step):
         ax.semilogy(np.arange(first, rel.shape[1]), positive_or_nan(rel[layer, first:]), label=f"layer {layer}")
     integer_ticks(ax)
-    ax.set_xlabel("position")
-    ax.set_ylabel("attn-out variance / later-half mean")
+    ax.set(xlabel="position", ylabel="attn-out variance / later-half mean")
     ax.legend(fontsize=7)
     ax = axes[0, 1]
     layers = np.arange(rel.shape[0])
@@ -98,8 +93,7 @@ def plot_positional(result: PositionalDiscrepancy, *, path: str | Path | None = 
         ax.semilogy(layers, positive_or_nan(result.first_token_ratio(name).numpy()), "o-", label=name)
     ax.axhline(1.0, color="grey", ls=":")
     integer_ticks(ax)
-    ax.set_xlabel("layer")
-    ax.set_ylabel(f"position {result.first_counted} / later half")
-    ax.set_title("positional discrepancy")
+    ax.set(xlabel="layer", ylabel=f"position {result.first_counted} / later half",
+           title="positional discrepancy")
     ax.legend(fontsize=8)
     return finish(fig, path)

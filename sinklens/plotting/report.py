@@ -1,6 +1,5 @@
-"""Writing a :class:`~sinklens.analysis.report.SinkReport` to a folder: ``report.json`` (strict JSON,
-written atomically through :func:`sinklens.export.write_json`), ``summary.txt``, PNG figures and with them
-``index.md`` (one line per file on what it shows).
+"""Writing a :class:`~sinklens.analysis.report.SinkReport` to a folder: ``report.json``,
+``summary.txt``, PNG figures and with them ``index.md`` (one line per file on what it shows).
 
 Examples:
     >>> from sinklens.testing import QUIET, tiny_model
@@ -15,8 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Callable
 
-import matplotlib.pyplot as plt
-
 from sinklens.analysis.report import SinkReport
 from sinklens.export import staged_outputs, write_json, write_text_atomic
 from sinklens.plotting import disparity, neurons, sinks, value_drain, variance
@@ -24,8 +21,7 @@ from sinklens.plotting.style import save_figure
 from sinklens.validate import writable_dir
 
 
-#: Every figure a report may have (:func:`figure_makers` draws those its sections support) and what it shows;
-#: ``{p}`` is the sink position, ``{n}`` the number of sequences.
+#: Every figure a report may have and what it shows (``{p}``: sink position, ``{n}``: sequences).
 FIGURE_FILES = {
     "attention_to_sink.png": "mean attention each layer x head gives position {p}, over queries and {n} sequences "
                              "(dots: above sink_threshold)",
@@ -53,21 +49,17 @@ INDEX_FILE = "index.md"
 
 
 def save_report(report: SinkReport, out_dir: str | Path, *, figures: bool = True) -> list[Path]:
-    """Write ``report.json``, ``summary.txt`` and (unless ``figures=False``) PNG figures with ``index.md``; return the paths.
-
-    Every file is written into a staging folder first and renamed into ``out_dir`` once all are written
-    (:func:`sinklens.export.staged_outputs`, ``report.json`` last), so an error or Ctrl-C while saving leaves an
-    earlier report there exactly as it was. A figure of an earlier report that this one does not draw (a section
-    it skipped, or ``figures=False``) is removed, so the folder never mixes two analyses. (``sinklens analyze``
-    refuses a folder holding a report unless ``--overwrite``.)
-    """
+    """Write ``report.json``, ``summary.txt`` and (unless ``figures=False``) PNG figures with
+    ``index.md``; return the paths. All are staged and renamed in at the end, so an error leaves
+    an earlier report as it was; an earlier report's figures this one does not draw are removed."""
     out = writable_dir(out_dir, what="out_dir")
     data = report.to_dict()  # computed before anything is written
     text = report.summary() + "\n"
     with staged_outputs(out, marker="report.json", owned=(*FIGURE_FILES, INDEX_FILE)) as stage:
         staged = [write_json(stage / "report.json", data, digits=None, indent=1), write_text_atomic(stage / "summary.txt", text)]
         if figures:
-            staged += save_figures(report, stage)
+            for name, draw in figure_makers(report).items():
+                staged.append(save_figure(draw(), stage / name))
             staged.append(write_text_atomic(stage / INDEX_FILE, index_text(report, [path.name for path in staged])))
     return [out / path.name for path in staged]
 
@@ -100,14 +92,3 @@ def figure_makers(report: SinkReport) -> dict[str, Callable[[], Any]]:
     if report.value_drain is not None:
         makers["value_drain.png"] = lambda: value_drain.plot_value_drain(report.value_drain)
     return makers
-
-
-def save_figures(report: SinkReport, out_dir: str | Path) -> list[Path]:
-    """Save every figure of the report as PNG into ``out_dir``."""
-    out = writable_dir(out_dir, what="out_dir")
-    paths = []
-    for name, make in figure_makers(report).items():
-        fig = make()
-        paths.append(save_figure(fig, out / name))
-        plt.close(fig)
-    return paths

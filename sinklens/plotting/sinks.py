@@ -9,7 +9,9 @@ from typing import Any
 import torch
 
 from sinklens.analysis.sinks import SinkResult
-from sinklens.plotting.style import expect_result, finish, label_layer_rows, new_figure
+from sinklens.plotting.style import (
+    chosen_layers, expect_result, finish, label_layer_rows, new_figure,
+)
 
 
 def _main_sink(result: Any, position: int | None) -> int:
@@ -33,17 +35,16 @@ def plot_sink_heatmap(result: SinkResult, *, position: int | None = None, path: 
     if len(marked):
         ax.scatter(marked[:, 1].numpy(), marked[:, 0].numpy(), s=12, c="white", marker="o", label=f"> ε = {result.sink_threshold}")
         ax.legend(loc="upper right", fontsize=7, framealpha=0.6)
-    ax.set_xlabel("head")
+    ax.set(xlabel="head", title=f"mean attention to position {pos}{_token_label(result, pos)} "
+                                f"(Gu et al. sink rate {result.sink_rate(position=pos):.2f})")
     label_layer_rows(ax, result.layers)
-    ax.set_title(f"mean attention to position {pos}{_token_label(result, pos)} "
-                 f"(Gu et al. sink rate {result.sink_rate(position=pos):.2f})")
     fig.colorbar(image, ax=ax, label=f"mean attention received (over queries, {result.n_sequences} sequences)")
     return finish(fig, path)
 
 
 def _token_label(result: Any, pos: int) -> str:
     """``" '<s>'"`` when the token at ``pos`` is the same in every sequence, else ``""``."""
-    token = result.token_at(pos) if hasattr(result, "token_at") else None
+    token = result.token_at(pos)
     return f" {token!r}" if token is not None else ""
 
 
@@ -54,19 +55,17 @@ def plot_sink_rate(result: SinkResult, *, position: int | None = None, path: str
     pos = _main_sink(result, position)
     frac = result.head_is_sink(method="gu")[:, :, pos]
     fig, axes = new_figure(1, 2, width=4.5, height=max(3.0, 0.2 * frac.shape[0] + 1.5))
-    image = axes[0, 0].imshow(frac.numpy(), aspect="auto", cmap="magma", vmin=0.0, vmax=1.0, origin="lower")
-    axes[0, 0].set_xlabel("head")
-    label_layer_rows(axes[0, 0], result.layers)
-    axes[0, 0].set_title(f"share of sequences with α > {result.sink_threshold} (position {pos}{_token_label(result, pos)})",
-                         fontsize=9)
-    fig.colorbar(image, ax=axes[0, 0], label=f"share of the {result.n_sequences} sequences")
-    by_layer = result.sink_rate_by_layer(position=pos)
-    axes[0, 1].barh(result.layers, by_layer.numpy(), color="tab:purple")
-    axes[0, 1].set_xlim(0, 1)
-    axes[0, 1].set_xlabel(f"sink rate, Gu et al. (ε = {result.sink_threshold})")
-    axes[0, 1].set_ylabel("layer")
-    axes[0, 1].set_yticks(result.layers)  # the bars stand at the layers themselves
-    axes[0, 1].set_title(f"by layer; overall {result.sink_rate(position=pos):.2f}")
+    left, right = axes[0]
+    image = left.imshow(frac.numpy(), aspect="auto", cmap="magma", vmin=0, vmax=1, origin="lower")
+    left.set_xlabel("head")
+    label_layer_rows(left, result.layers)
+    left.set_title(f"share of sequences with α > {result.sink_threshold} "
+                   f"(position {pos}{_token_label(result, pos)})", fontsize=9)
+    fig.colorbar(image, ax=left, label=f"share of the {result.n_sequences} sequences")
+    right.barh(result.layers, result.sink_rate_by_layer(position=pos).numpy(), color="tab:purple")
+    right.set(xlim=(0, 1), xlabel=f"sink rate, Gu et al. (ε = {result.sink_threshold})",
+              ylabel="layer", yticks=result.layers,
+              title=f"by layer; overall {result.sink_rate(position=pos):.2f}")
     return finish(fig, path)
 
 
@@ -76,14 +75,7 @@ def plot_received_by_position(
     """Mean attention received (over heads) vs key position, one line per layer (default: up to 6), log y;
     detected sinks dashed, the mean over analysed layers in black."""
     expect_result(result, SinkResult, "plot_received_by_position")
-    if layers is None:
-        step = max(1, len(result.layers) // 6)
-        chosen = result.layers[::step][:6]
-    else:
-        missing = [layer for layer in layers if layer not in result.layers]
-        if missing:
-            raise ValueError(f"Layers {missing} were not analysed; available: {result.layers}.")
-        chosen = list(layers)
+    chosen = chosen_layers(result.layers, layers, 6)
     fig, axes = new_figure(width=7.0, height=4.0)
     ax = axes[0, 0]
     positions = torch.arange(result.received.shape[-1]).numpy()
@@ -93,11 +85,10 @@ def plot_received_by_position(
     ax.plot(positions, result.mean_received().numpy(), color="black", lw=2, label="all layers")
     for k in result.sink_positions:
         ax.axvline(k, color="tab:red", ls="--", lw=1)
-    ax.set_yscale("log")
     n_at = result.n_sequences_at
-    ax.set_xlabel(f"key position (averaged over the sequences reaching it: {int(n_at[0])} at 0, "
-                  f"{int(n_at[-1])} at {len(n_at) - 1})")
-    ax.set_ylabel("mean attention received (over heads, queries)")
-    ax.set_title("attention received by key position (dashed: detected sinks)")
+    ax.set(yscale="log", ylabel="mean attention received (over heads, queries)",
+           xlabel=f"key position (averaged over the sequences reaching it: {int(n_at[0])} at 0, "
+                  f"{int(n_at[-1])} at {len(n_at) - 1})",
+           title="attention received by key position (dashed: detected sinks)")
     ax.legend(fontsize=7, ncol=2)
     return finish(fig, path)

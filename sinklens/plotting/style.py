@@ -6,31 +6,22 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# The backend is left to matplotlib: it picks Agg on headless machines and inline in Jupyter.
-import matplotlib.pyplot as plt
+import matplotlib.pyplot as plt  # the backend is left to matplotlib (Agg headless, Jupyter inline)
 import numpy as np
 
 from sinklens.export import write_atomic
 
 
 def expect_result(result: Any, kind: type, where: str) -> None:
-    """Raise ``TypeError`` naming ``where``, the result class it draws and what it was given instead.
-
-    Examples:
-        >>> expect_result("x", str, "plot_demo")
-        >>> expect_result([3], str, "plot_demo")
-        Traceback (most recent call last):
-        ...
-        TypeError: plot_demo needs a str, got a list.
-    """
+    """Raise ``TypeError`` naming ``where``, the result class it draws and what it was given."""
     if not isinstance(result, kind):
         raise TypeError(f"{where} needs a {kind.__name__}, got a {type(result).__name__}.")
 
 
 def new_figure(n_rows: int = 1, n_cols: int = 1, *, width: float = 6.0, height: float = 4.0, **kw: Any):
     """A figure with ``n_rows × n_cols`` axes of ``width × height`` inches each."""
-    fig, axes = plt.subplots(n_rows, n_cols, figsize=(width * n_cols, height * n_rows), squeeze=False, **kw)
-    return fig, axes
+    size = (width * n_cols, height * n_rows)
+    return plt.subplots(n_rows, n_cols, figsize=size, squeeze=False, **kw)
 
 
 def save_figure(fig: Any, path: str | Path, *, dpi: int = 120, close: bool = True) -> Path:
@@ -66,3 +57,13 @@ def paired_bars(ax: Any, left: Sequence[float] | np.ndarray, right: Sequence[flo
     ax.bar(x - 0.2, left, width=0.4, label=labels[0])
     ax.bar(x + 0.2, right, width=0.4, label=labels[1])
     return x
+
+
+def chosen_layers(layers: Sequence[int], wanted: Sequence[int] | None, at_most: int) -> list[int]:
+    """``wanted`` (each one analysed), or up to ``at_most`` evenly spaced ``layers``."""
+    if wanted is None:
+        return list(layers[:: max(1, len(layers) // at_most)][:at_most])
+    missing = [layer for layer in wanted if layer not in layers]
+    if missing:
+        raise ValueError(f"Layers {missing} were not analysed; available: {list(layers)}.")
+    return list(wanted)

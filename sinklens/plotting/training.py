@@ -33,14 +33,8 @@ def default_panels(runs: Mapping[str, Sequence[dict[str, Any]]]) -> tuple[str, .
 
 
 def smooth(values: Sequence[float], window: int, *, steps: Sequence[int] | None = None) -> list[float]:
-    """Trailing moving average: at logged step ``s``, the mean of values logged at ``s - window < t <= s``.
-
-    Examples:
-        >>> smooth([1.0, 3.0, 5.0, 7.0], 2)
-        [1.0, 2.0, 4.0, 6.0]
-        >>> smooth([1.0, 3.0, 5.0, 7.0], 10, steps=[0, 5, 10, 15])  # window (s-10, s]: two logged points
-        [1.0, 2.0, 4.0, 6.0]
-    """
+    """Trailing moving average: at logged step ``s``, the mean of the values logged at
+    ``s - window < t <= s`` (``steps``: the logged steps, default 0, 1, ...)."""
     window = positive_int(window, what="smoothing window (steps)")
     steps = range(len(values)) if steps is None else steps
     if len(steps) != len(values):
@@ -55,15 +49,11 @@ def smooth(values: Sequence[float], window: int, *, steps: Sequence[int] | None 
     return out
 
 
-def plot_training(
-    runs: Mapping[str, Sequence[dict[str, Any]]],
-    *,
-    panels: Sequence[str] | None = None,
-    smoothing: int = 10,
-    path: str | Path | None = None,
-) -> Any:
+def plot_training(runs: Mapping[str, Sequence[dict[str, Any]]], *,
+                  panels: Sequence[str] | None = None, smoothing: int = 10,
+                  path: str | Path | None = None) -> Any:
     """One panel per metric (default :func:`default_panels`), one line per run of ``{label: metrics lines}``:
-    training loss smoothed over ``smoothing`` steps and the evaluation metrics; saved to ``path`` if given."""
+    training loss smoothed over ``smoothing`` steps and the evaluation metrics."""
     panels = default_panels(runs) if panels is None else tuple(panels)
     fig, axes = new_figure(1, len(panels), width=4.2, height=3.4)
     for ax, panel in zip(axes[0], panels):
@@ -85,13 +75,7 @@ def plot_training(
 
 
 def steps_to_loss(lines: Sequence[dict[str, Any]], target: float, *, smoothing: int = 10) -> int | None:
-    """First logged step whose :func:`smooth` ed training loss is ``<= target``; None if never.
-
-    Examples:
-        >>> lines = [{"kind": "train", "step": s, "loss": l} for s, l in enumerate([4.0, 3.0, 2.0, 1.0])]
-        >>> steps_to_loss(lines, 2.0, smoothing=1), steps_to_loss(lines, 0.5, smoothing=1)
-        (2, None)
-    """
+    """First logged step whose :func:`smooth` ed training loss is ``<= target``; None if never."""
     train = [line for line in lines if line["kind"] == "train"]
     steps = [line["step"] for line in train]
     for line, value in zip(train, smooth([line["loss"] for line in train], smoothing, steps=steps)):
@@ -111,8 +95,7 @@ def plot_positional_over_training(
         for layer in range(ratio.shape[1]):
             ax.plot(traj.steps, ratio[:, layer].tolist(), marker="o", ms=3, label=f"layer {layer}")
         ax.axhline(1.0, color="grey", lw=0.8, ls=":")
-        ax.set_yscale("log")
-        ax.set_xlabel("step")
+        ax.set(yscale="log", xlabel="step")
         position = traj.results[0].first_counted if traj.results else 0
         ax.set_title(f"{label}: {name} at position {position} / later half", fontsize=9)
     axes[0][0].legend(fontsize=8)

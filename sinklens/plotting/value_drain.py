@@ -31,10 +31,8 @@ def plot_value_drain(result: ValueDrain, *, path: str | Path | None = None) -> A
     ax.axvline(s.sink_head_threshold, color="k", ls=":", lw=1)
     ax.axhline(s.no_op_share, color="tab:blue", ls="--", lw=1)
     ax.axhline(s.broadcast_share, color="tab:red", ls="--", lw=1)
-    ax.set_xlim(0, 1.02)
-    ax.set_ylim(0, 1.02)
-    ax.set_xlabel("mean attention to the sink")
-    ax.set_ylabel("sink's share of the head's write")
+    ax.set(xlim=(0, 1.02), ylim=(0, 1.02), xlabel="mean attention to the sink",
+           ylabel="sink's share of the head's write")
     ax.set_title(f"value drain (sink position {s.sink_position})", fontsize=9)
     ax.legend(fontsize=7)
     ax = axes[0, 1]

@@ -1,5 +1,5 @@
-"""Figures for :class:`~sinklens.analysis.variance.VarianceResult`: variance by position and the
-first-token discrepancy."""
+"""Figures for :class:`~sinklens.analysis.variance.VarianceResult`: variance by position and
+the first-token discrepancy."""
 
 from __future__ import annotations
 
@@ -11,54 +11,38 @@ import numpy as np
 import torch
 
 from sinklens.analysis.variance import VarianceResult
-from sinklens.plotting.style import expect_result, finish, label_layer_rows, new_figure
+from sinklens.plotting.style import (
+    chosen_layers, expect_result, finish, label_layer_rows, new_figure,
+)
 from sinklens.validate import optional_index_list
 
 
 def _rows(result: Any, layers: Sequence[int] | None) -> list[int]:
-    if layers is None:
-        step = max(1, len(result.layers) // 4)
-        return list(range(0, len(result.layers), step))[:4]
-    missing = [layer for layer in layers if layer not in result.layers]
-    if missing:
-        raise ValueError(f"Layers {missing} were not analysed; available: {result.layers}.")
-    return [result.layers.index(layer) for layer in layers]
-
-
-def _heads(result: Any, heads: int | Sequence[int] | None) -> list[int]:
-    return optional_index_list(heads, result.z_var.shape[1], what="heads", allow_negative=False)
+    return [result.layers.index(layer) for layer in chosen_layers(result.layers, layers, 4)]
 
 
 def _position_panels(result: VarianceResult, rows: list[int], n_positions: int,
                      draw: Callable[[Any, int, np.ndarray], str], *, ylabel: str, path: str | Path | None) -> Any:
-    """One log-log panel per layer row against position + 1: ``draw(ax, row, x)`` plots its lines and
-    returns the panel's title; the x label says how many sequences the first and last positions average."""
+    """One log-log panel per layer row vs position + 1; ``draw(ax, row, x)`` returns its title."""
     counts = result.counts
     xlabel = f"position t + 1 ({int(counts[0])} sequences at t = 0, {int(counts[-1])} at t = {len(counts) - 1})"
     fig, axes = new_figure(1, len(rows), width=4.2, height=3.6)
     x = np.arange(1, n_positions + 1)
     for ax, row in zip(axes[0], rows):
-        title = draw(ax, row, x)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel(xlabel)
-        ax.set_title(title, fontsize=9)
+        ax.set_title(draw(ax, row, x), fontsize=9)
+        ax.set(xscale="log", yscale="log", xlabel=xlabel)
     axes[0, 0].set_ylabel(ylabel)
     axes[0, 0].legend(fontsize=7)
     return finish(fig, path)
 
 
-def plot_variance_by_position(
-    result: VarianceResult,
-    *,
-    layers: Sequence[int] | None = None,
-    heads: int | Sequence[int] | None = None,
-    path: str | Path | None = None,
-) -> Any:
+def plot_variance_by_position(result: VarianceResult, *, layers: Sequence[int] | None = None,
+                              heads: int | Sequence[int] | None = None,
+                              path: str | Path | None = None) -> Any:
     """``z_var`` against position + 1 (log-log) per layer, with the prediction ``σ_v² Σ_j A_tj²`` (dashed) and
     the uniform law ``σ_v² / (t + 1)`` (dotted). ``heads``: one, several, or None for the head mean."""
     expect_result(result, VarianceResult, "plot_variance_by_position")
-    head_idx = _heads(result, heads)
+    head_idx = optional_index_list(heads, result.z_var.shape[1], what="heads", allow_negative=False)
     label_heads = "mean of heads" if heads is None else f"heads {head_idx}"
 
     def draw(ax: Any, row: int, x: np.ndarray) -> str:
@@ -67,8 +51,7 @@ def plot_variance_by_position(
             ("σ_v² Σ A² (pattern)", result.pred_pattern, dict(color="tab:orange", ls="--")),
             ("σ_v² / (t+1) (uniform)", result.pred_uniform, dict(color="gray", ls=":")),
         ):
-            y = series[row, head_idx].mean(dim=0).numpy()
-            ax.plot(x, y, label=name, **style)
+            ax.plot(x, series[row, head_idx].mean(dim=0).numpy(), label=name, **style)
         ax.scatter([1], [float(result.z_var[row, head_idx, 0].mean())], color="tab:red", zorder=3, s=20)
         return f"layer {result.layers[row]} ({label_heads})"
 
@@ -86,33 +69,27 @@ def plot_discrepancy(result: VarianceResult, *, position: int = 0, path: str | P
     res = result.discrepancy(position, of="result")
     both = torch.cat([z.flatten(), res.flatten()])
     both = both[torch.isfinite(both) & (both > 0)]
-    span = float(both.log10().abs().max()) if both.numel() else 1.0
-    span = max(span, 0.1)
+    span = max(float(both.log10().abs().max()) if both.numel() else 1.0, 0.1)
     norm = LogNorm(vmin=10 ** -span, vmax=10**span)
     n_layers, n_heads = z.shape
     fig, axes = new_figure(1, 2, width=max(3.5, 0.4 * n_heads + 2.0), height=max(3.0, 0.2 * n_layers + 1.5))
     for ax, values, title in ((axes[0, 0], z, "Var(z)"), (axes[0, 1], res, "Var(z · W_O)")):
         image = ax.imshow(values.clamp(min=1e-12).numpy(), aspect="auto", cmap="RdBu_r", norm=norm, origin="lower")
         ax.set_xlabel("head")
-        label_layer_rows(ax, result.layers)
         ax.set_title(f"{title}: position {position} / rest", fontsize=9)
+        label_layer_rows(ax, result.layers)
         fig.colorbar(image, ax=ax, label=f"> 1: position {position} varies more than the rest; < 1: less")
     fig.suptitle(f"variance over {result.n_sequences} sequences", fontsize=9)
     return finish(fig, path)
 
 
 def plot_feature_std_by_position(
-    result: VarianceResult,
-    *,
-    layers: Sequence[int] | None = None,
-    path: str | Path | None = None,
+    result: VarianceResult, *, layers: Sequence[int] | None = None, path: str | Path | None = None
 ) -> Any:
-    """Li et al.'s per-position feature std against position + 1 (log-log), per layer: ``feature_std`` (solid),
-    the head mean of ``feature_std_head`` (dashed) and the uniform law ``feature_std[0] / sqrt(t + 1)`` (dotted).
-    ``layers`` default: up to 4 evenly spaced analysed layers."""
+    """Li et al.'s per-position feature std against position + 1 (log-log), per layer:
+    ``feature_std`` (solid), the head mean of ``feature_std_head`` (dashed) and
+    ``feature_std[0] / sqrt(t + 1)`` (dotted)."""
     expect_result(result, VarianceResult, "plot_feature_std_by_position")
-    if result.feature_std is None or result.feature_std_head is None:
-        raise ValueError("This VarianceResult has no feature std (made by an older sinklens); measure it again.")
 
     def draw(ax: Any, row: int, x: np.ndarray) -> str:
         concat = result.feature_std[row].numpy()
