@@ -42,8 +42,8 @@ def plot_patching(result: SinkPatchResult, path: str | Path | None = None) -> An
     if restored.ndim == 3:  # layer × pos × head: sum over positions
         restored = restored.sum(dim=1)
         axes = [axes[0], axes[2]]
-    fig, axes = new_figure(1, 1, width=6.0, height=4.0)
-    ax = axes[0, 0]
+    fig, grid = new_figure(1, 1, width=6.0, height=4.0)
+    ax = grid[0, 0]
     bound = max(float(restored.abs().max()), 1e-6)
     im = ax.imshow(restored.numpy(), cmap="RdBu", vmin=-bound, vmax=bound, aspect="auto")
     ax.set(xlabel=axes[1], ylabel="layer", title=f"sink restored by patching {result.site} (target {result.target})")

@@ -124,6 +124,11 @@ def test_patching_restores_exactly_where_the_intervention_is(sharp, toks):
     torch.testing.assert_close(restored[0], torch.zeros(3, dtype=torch.float64), atol=1e-4, rtol=0)  # layer 0 is clean anyway
     torch.testing.assert_close(restored[1, :2], torch.zeros(2, dtype=torch.float64), atol=1e-4, rtol=0)  # causal: earlier positions
     assert res.top(1)[0][0] == {"layer": 1, "pos": 3}
+    from sinklens.plotting.interventions import plot_patching
+
+    ax = plot_patching(res).axes[0]
+    assert ax.get_xlabel() == "pos" and [t.get_text() for t in ax.get_xticklabels()] == ["0", "2", "3"]
+    assert ax.images[0].get_array()[1, 2] == pytest.approx(1.0, abs=1e-4)
 
 
 def test_patching_by_head_matches_a_hand_loop(sharp, toks):
