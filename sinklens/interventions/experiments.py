@@ -3,7 +3,6 @@ residuals there and the next-token loss, without and with the intervention's hoo
 
 from __future__ import annotations
 
-import inspect
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -239,13 +238,10 @@ def plain_options(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _run_record(batches: Sequence[TokenBatch], options: RunOptions) -> dict[str, Any]:
-    """What the inputs were: ``prepend_bos`` and the ``special_tokens`` the batches got, and ``max_length``."""
-    first = batches[0] if batches else None
-    return {
-        "prepend_bos": bool(first.prepend_bos) if first is not None else options.prepend_bos,
-        "special_tokens": list(first.special_tokens) if first is not None else [],
-        "max_length": options.max_length,
-    }
+    """What the inputs were: the ``prepend_bos`` and ``special_tokens`` the batches got, and ``max_length``."""
+    first = batches[0]  # run_stats has refused empty inputs
+    return {"prepend_bos": bool(first.prepend_bos), "special_tokens": list(first.special_tokens),
+            "max_length": options.max_length}
 
 
 def _default_dims(before: RunStats, n: int = 3) -> list[int]:
@@ -293,7 +289,7 @@ def measure_intervention(
     if isinstance(intervention, str):
         name, spec_kwargs = registry.parse_spec(intervention)
         method = method or name
-        recorded = _effective_options(registry.get(name), spec_kwargs)
+        recorded = registry.get(name).effective_options(spec_kwargs)
         if "positions" in spec_kwargs:
             recorded["positions"] = spec_kwargs["positions"]
     hooks = registry.build(model, intervention) if isinstance(intervention, str) or callable(intervention) else list(intervention)
@@ -349,17 +345,7 @@ def _hooks_for(model: Any, method: str, role: registry.Role, positions: int, lay
     if entry.sink_option and entry.sink_option not in opts:
         opts[entry.sink_option] = sink
     hooks = entry(model, positions=positions, layers=layers, **opts)
-    return entry.name, hooks, {**_effective_options(entry, opts), "layers": layers}
-
-
-def _effective_options(entry: registry.Intervention, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The options ``entry``'s factory ran with: its defaults, the registry's, then ``given`` (no ``positions``)."""
-    params = list(inspect.signature(entry.factory).parameters.values())[1:]
-    signature = {p.name: p.default for p in params
-                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty}
-    out = {**signature, **entry.defaults, **given}
-    out.pop("positions", None)
-    return out
+    return entry.name, hooks, {**entry.effective_options(opts), "layers": layers}
 
 
 def remove_sink(

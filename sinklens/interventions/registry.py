@@ -52,6 +52,12 @@ class Intervention:
         """The keyword options the factory accepts (after ``model``)."""
         return [p.name for p in self._params()]
 
+    def effective_options(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The options the factory runs with: its defaults, the registry's, then ``given`` (no ``positions``)."""
+        out = {**{p.name: p.default for p in self._params() if p.default is not p.empty}, **self.defaults, **given}
+        out.pop("positions", None)
+        return out
+
     def __call__(self, model: Any, **options: Any) -> Hooks:
         """``factory(model, **defaults | options)``; a missing or unknown option raises InvalidArgumentError."""
         kwargs = {**self.defaults, **options}
