@@ -213,8 +213,7 @@ class _SiteAccumulator:
         k = self.nonzero
         inter = (self.unit_sum.pow(2).sum(dim=-1) - k) / (k * (k - 1))
         inter = torch.where(k >= 2, inter, torch.full_like(inter, float("nan")))
-        counted = inter[first:]
-        inter_mean = float(counted.nanmean()) if bool(counted.isfinite().any()) else float("nan")
+        inter_mean = float(inter[first:].nanmean())  # NaN when no position has a pair
         pairs = float(self.intra_count)
         intra = float(self.intra_terms) / pairs if pairs > 0 else float("nan")
         zero = int(round(self.n * (k.numel() - first) - float(k[first:].sum())))
@@ -222,8 +221,7 @@ class _SiteAccumulator:
         if self.directions:
             m, s = self.moments.sum(0), self.sums.sum(0)
             v, share = self._top(m, s)
-            v0, _ = self._top(self.moments[0], self.sums[0])
-            v1, _ = self._top(self.moments[1], self.sums[1])
+            (v0, _), (v1, _) = (self._top(self.moments[half], self.sums[half]) for half in (0, 1))
             mean_dir = s / s.norm().clamp_min(1e-300)
             stats.direction, stats.direction_share = v.float().cpu(), share
             stats.mean_direction = mean_dir.float().cpu()

@@ -114,6 +114,11 @@ class FingerprintResult(CompactRepr):
         return "\n".join([line, *(f"  caveat: {c}" for c in self.caveats)])
 
 
+def _normed(h: Tensor, dims: list[int]) -> Tensor:
+    """Step 4: ``softmax(h[:, dims] / 10, dim=1)`` in float32 on the CPU."""
+    return torch.softmax(h.detach().float().cpu()[:, dims] / TEMPERATURE, dim=1)
+
+
 def identity_dims(hidden: Float[Tensor, "sample dim"], buffer_k: int) -> list[int]:
     """The ``buffer_k`` dimensions with the smallest mean over samples (``topk(..., largest=False)``)."""
     return torch.topk(hidden.mean(dim=0), buffer_k, largest=False).indices.tolist()
@@ -187,9 +192,7 @@ def seedprint_test(
     k = len(dims)
     caveats = []
     if k >= MIN_DIMS:
-        a_norm = torch.softmax(a[:, dims] / TEMPERATURE, dim=1)
-        b_norm = torch.softmax(b[:, dims] / TEMPERATURE, dim=1)
-        tau = per_dim_kendall(a_norm, b_norm)
+        tau = per_dim_kendall(_normed(a, dims), _normed(b, dims))
         tau_mean = float(tau.mean())
         if not math.isfinite(tau_mean):
             constant = [dim for dim, t in zip(dims, tau.tolist()) if not math.isfinite(t)]
@@ -287,14 +290,11 @@ class _LastFinalState(Reducer[Tensor]):
             emb = self.source.embeddings(batch.tokens.shape[0]).to(batch.tokens.device, self.dtype)
             hooks.append(("hook_embed", lambda act, hook: emb.to(act.dtype)))
 
-        def keep(act: Tensor, hook: Any) -> None:
-            # clone: a view would keep the whole [batch, pos, d_model] activation alive for the run
+        def keep(act: Tensor, hook: Any) -> None:  # clone: a view would keep the whole activation alive
             self.rows.append(self.finish(act[:, -1:, :])[:, 0, :].clone().float().cpu())
 
         hooks.append((self.site, keep))
-        if self.site == "unembed.hook_in":
-            # Only the last position is kept, so hand only it on to the unembedding (d_model x d_vocab
-            # per position, ~15% of SmolLM2's forward at L = 256): it runs for one position, not L.
+        if self.site == "unembed.hook_in":  # unembed the last position only (~15% of SmolLM2's forward)
             hooks.append((self.site, lambda act, hook: act[:, -1:, :]))
         return BatchFold(hooks)
 
@@ -350,8 +350,7 @@ def final_hidden_states(
         mu, sigma = embedding_stats_at_init([model], seed=seed)
     source = _RandomInputs(n_samples, seq_len, options.batch_size, mode=input, high=high, seed=seed,
                            device=model_device(model), d_model=dims.d_model, mu=mu, sigma=sigma)
-    reducer = _LastFinalState(model, source)
-    (hidden,) = stream(model, source, [reducer], options=options)  # type: ignore[arg-type]  # eval mode, modes restored
+    (hidden,) = stream(model, source, [_LastFinalState(model, source)], options=options)  # type: ignore[arg-type]
     return hidden
 
 
@@ -361,12 +360,9 @@ def fingerprint(
     identity_mode: IdentityMode = "coset", alpha: float = DEFAULT_ALPHA, seed: int = DEFAULT_SEED,
     options: RunOptions = RunOptions(desc="SeedPrint"),
 ) -> FingerprintResult:
-    """SeedPrint lineage test between two models (steps in the module docstring).
-
-    ``model_a`` / ``model_b``: models or :func:`sinklens.load_model` specs (``"run_dir@init"``); ``seq_len``
-    defaults to ``min(1024, n_ctx_a, n_ctx_b)``; ``input="embedding"`` needs equal hidden sizes and adds
-    ``embedding_mu``, ``embedding_sigma`` and ``shared_input_z`` to ``settings``. Bad settings raise
-    :class:`InvalidArgumentError`, before B runs where they can.
+    """SeedPrint lineage test between two models or :func:`sinklens.load_model` specs (module docstring);
+    ``seq_len`` defaults to ``min(1024, n_ctx_a, n_ctx_b)``; ``input="embedding"`` needs equal hidden sizes
+    and adds ``embedding_mu``, ``embedding_sigma`` and ``shared_input_z`` to ``settings``.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -431,9 +427,7 @@ def shared_input_z(
         return float("nan")
 
     def through(h: Tensor) -> float:
-        normed = torch.softmax(h.detach().float().cpu()[:, dims] / TEMPERATURE, dim=1)
-        x = torch.softmax(inputs.float().cpu()[:, dims] / TEMPERATURE, dim=1)
-        return math.sin(math.pi / 2 * float(per_dim_kendall(normed, x).mean()))
+        return math.sin(math.pi / 2 * float(per_dim_kendall(_normed(h, dims), _normed(inputs, dims)).mean()))
 
     tau = 2.0 / math.pi * math.asin(through(hidden_a) * through(hidden_b))
     return tau / (kendall_tau_null_std(hidden_a.shape[0]) / math.sqrt(k))

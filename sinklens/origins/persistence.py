@@ -116,9 +116,9 @@ def compare_snapshots(current: PreferenceSnapshot, reference: PreferenceSnapshot
     kendall = float(stats.kendalltau(a, b).statistic)
     da, db = current.direction.double(), reference.direction.double()
     cos = float((da @ db).abs() / (da.norm() * db.norm()))
-    clip = lambda x: x if math.isnan(x) else min(1.0, max(-1.0, x))  # noqa: E731 - rounding can leave 1 + 2e-16
-    return {"preference_corr": clip(corr), "preference_spearman": clip(spearman), "preference_kendall": clip(kendall),
-            "direction_cos": clip(cos)}
+    out = {"preference_corr": corr, "preference_spearman": spearman, "preference_kendall": kendall,
+           "direction_cos": cos}
+    return {k: v if math.isnan(v) else min(1.0, max(-1.0, v)) for k, v in out.items()}  # rounding: 1 + 2e-16
 
 
 def persistence(

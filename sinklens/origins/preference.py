@@ -53,8 +53,7 @@ class TokenPreference(CompactRepr):
     @property
     def max_median_ratio(self) -> float:
         """``max probs / median probs`` (the lower median)."""
-        p = self.probs
-        return float(p.max() / p.median())
+        return float(self.probs.max() / self.probs.median())
 
     def top(self, k: int = 10) -> list[dict[str, Any]]:
         """The ``k`` most probable tokens: ``{"token", "prob", "rel_uniform"}`` (``prob · d_vocab``)."""
