@@ -86,6 +86,5 @@ def variance_calibration(
                 f = torch.where(mask[None, :, None], f, torch.ones_like(f))
             return z * f[..., None].to(z.dtype)
 
-        hooks.append((hook_name(layer, PATTERN), keep))
-        hooks.append((hook_name(layer, Z), rescale))
+        hooks += [(hook_name(layer, PATTERN), keep), (hook_name(layer, Z), rescale)]
     return hooks

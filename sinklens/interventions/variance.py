@@ -171,15 +171,18 @@ def _reference_at(mean: Tensor, act: Tensor) -> Tensor:
     return mean.to(act.device, act.dtype)
 
 
-def _head_select(act: Tensor, heads: list[int] | None) -> Tensor | None:
-    """``[head, 1]`` bool selector of ``heads`` for a ``[batch, pos, head, d_head]`` activation (None = all)."""
-    if heads is None:
-        return None
-    if act.ndim != 4:
-        raise InvalidArgumentError(f"heads= needs a per-head site ([batch, pos, head, d_head]); this activation is {tuple(act.shape)}.")
-    sel = torch.zeros(act.shape[2], dtype=torch.bool, device=act.device)
-    sel[heads] = True
-    return sel[:, None]  # broadcast over d_head
+def _rewrite(act: Tensor, pos: list[int], heads: list[int] | None, new: Tensor) -> Tensor:
+    """A copy of ``act`` whose positions ``pos`` are ``new``, in ``heads`` only (None: all) of a
+    ``[batch, pos, head, d_head]`` activation."""
+    if heads is not None:
+        if act.ndim != 4:
+            raise InvalidArgumentError(f"heads= needs a per-head site ([batch, pos, head, d_head]); this activation is {tuple(act.shape)}.")
+        sel = torch.zeros(act.shape[2], 1, dtype=torch.bool, device=act.device)  # [head, 1]: over d_head
+        sel[heads] = True
+        new = torch.where(sel, new, act[:, pos])
+    out = act.clone()
+    out[:, pos] = new
+    return out
 
 
 def _site_heads(heads: IndexLike | None, site: str, dims: ModelDims) -> list[int] | None:
@@ -216,13 +219,7 @@ def amplify(
         check_in_sequence(pos, act.shape[1])
         x = act[:, pos]
         mu = _mean_over(act, _other_positions(act, pos)) if means is None else _reference_at(means[layer], act)
-        delta = (alpha - 1.0) * (x - mu)
-        sel = _head_select(act, heads)
-        if sel is not None:
-            delta = delta * sel
-        out = act.clone()
-        out[:, pos] = x + delta
-        return out
+        return _rewrite(act, pos, heads, x + (alpha - 1.0) * (x - mu))
 
     return on_the_residual_stream(model, per_layer_hooks(site, layer_list, fn))
 
@@ -247,14 +244,8 @@ def calibrate(
         others = _other_positions(act, pos)
         mu = _mean_over(act, others)
         rms = _mean_over((act - mu).norm(dim=-1, keepdim=True).pow(2), others).sqrt()
-        x = act[:, pos]
-        new = mu + (x - mu) * rms / (x - mu).norm(dim=-1, keepdim=True).clamp_min(eps)
-        sel = _head_select(act, heads)
-        if sel is not None:
-            new = torch.where(sel, new, x)
-        out = act.clone()
-        out[:, pos] = new
-        return out
+        dev = act[:, pos] - mu
+        return _rewrite(act, pos, heads, mu + dev * rms / dev.norm(dim=-1, keepdim=True).clamp_min(eps))
 
     return on_the_residual_stream(model, [(name, fn) for name in names])
 
