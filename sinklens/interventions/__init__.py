@@ -1,7 +1,6 @@
 """Hook factories that create, remove and patch attention sinks, each registered by name in
 :mod:`sinklens.interventions.registry`. Every factory returns ``(hook_name, fn)`` pairs for
-``model.run_with_hooks`` or ``RunOptions(extra_hooks=hooks)``; no function modifies its input.
-"""
+``model.run_with_hooks`` or ``RunOptions(extra_hooks=hooks)``; no function modifies its input."""
 
 from sinklens.interventions import builtin, registry  # noqa: F401  (builtin registers the built-ins)
 from sinklens.interventions.experiments import (

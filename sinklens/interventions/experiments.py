@@ -139,8 +139,7 @@ def run_stats(
     options: RunOptions = RunOptions(progress=False),
 ) -> RunStats:
     """Attention to ``target`` and ``sink`` (queries after ``target``), residuals at both, and the loss (NaN when
-    :func:`wants_next_token_loss` says no); ``hooks`` run after ``options.extra_hooks`` in every forward.
-    """
+    :func:`wants_next_token_loss` says no); ``hooks`` run after ``options.extra_hooks`` in every forward."""
     loss = wants_next_token_loss(model, loss)
     _check_queries_after(batches, target, sink)
     # pad short batches so an intervention at the target or the sink finds those positions
@@ -168,8 +167,7 @@ class InterventionResult(CompactRepr):
     ``sink`` from the queries after ``target``, averaged over sequences; ``resid_norm_*``: ``[layer]`` mean L2
     norm of the target's ``hook_resid_post``; ``dims`` (default: the clean sink's 3 largest ``|x|``) and
     ``dims_*`` / ``sink_dims``: those residual coordinates; ``loss_*``: mean next-token cross-entropy (nats);
-    ``options``: every option the intervention and inputs ran with, as plain JSON.
-    """
+    ``options``: every option the intervention and inputs ran with, as plain JSON."""
 
     method: str
     target: int

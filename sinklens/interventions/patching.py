@@ -40,8 +40,7 @@ _SITES: dict[str, tuple[str, tuple[str, ...]]] = {
 def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, str]:
     """The hook carrying ``site`` per layer: ``blocks.{l}.hook_{site}``, except ``"attn_out"`` on a post-LN
     block, patched at ``attn.hook_z``. Parallel blocks refuse ``"resid_mid"``; attention-only models also
-    ``"mlp_out"`` (:class:`~sinklens.errors.UnsupportedArchitectureError`).
-    """
+    ``"mlp_out"`` (:class:`~sinklens.errors.UnsupportedArchitectureError`)."""
     hook_site = _SITES[site][0]
     if site == "attn_out" and post_ln_reason(model) is not None:
         return {layer: hook_name(layer, Z) for layer in layers}
@@ -142,8 +141,7 @@ def patch_sink(
     """Patch clean activations into the intervened run (``hooks``), one component at a time, and measure the
     sink. ``tokens``: one batch of equal length; ``site``: ``"resid_pre"``/``"resid_mid"``/``"attn_out"``/
     ``"mlp_out"`` (layer × position), ``"z"`` (layer × head) or ``"z_pos"`` (layer × position × head);
-    ``layers``, ``positions``, ``heads`` restrict the components (one forward each).
-    """
+    ``layers``, ``positions``, ``heads`` restrict the components (one forward each)."""
     options = checked_options(options, "patch_sink")
     site = choice(site, sorted(_SITES), what="site")
     hooks = list(hook_pairs(hooks, what="hooks"))

@@ -1,6 +1,5 @@
 """Where sinks come from: models at init (:mod:`sinklens.loading.init`), token preference, contraction,
-positional discrepancy, persistence through training and the SeedPrint lineage test (docs/origins.md).
-"""
+positional discrepancy, persistence through training and the SeedPrint lineage test (docs/origins.md)."""
 
 from sinklens.origins.contraction import ContractionResult, contraction
 from sinklens.origins.fingerprint import FingerprintResult, final_hidden_states, fingerprint, seedprint_test

@@ -4,8 +4,7 @@ attention write), ``mlp l`` (``hook_resid_post``), ``final``; counted positions:
 With ``û = h / ‖h‖`` (zero states left out, counted in ``zero_states``): ``inter[t] = mean_{n ≠ m} cos(h[n, t],
 h[m, t])``, ``intra = mean_n mean_{t ≠ t'} cos(h[n, t], h[n, t'])``; ``direction``: top eigenvector of
 ``Σ h hᵀ``, ``direction_stability``: ``|cos|`` of even and odd sequences' directions; ``alignment``:
-``cos(final direction, W_U[:, j])``; ``mlp_act_mean``: mean ``f(mlp.hook_pre)`` against ``E[f(z)]``.
-"""
+``cos(final direction, W_U[:, j])``; ``mlp_act_mean``: mean ``f(mlp.hook_pre)`` against ``E[f(z)]``."""
 
 from __future__ import annotations
 

@@ -14,8 +14,7 @@ their constants in brackets, caveats in docs/origins.md.
 
 Ours: ``buffer_k = 1`` is refused; fewer than two shared dims or a non-finite τ̄ give ``z = p = NaN`` (theirs:
 ``p = 1``); a small vocabulary (shared last tokens) or a shared input passed through (:func:`shared_input_z`)
-add a caveat that makes a positive "inconclusive".
-"""
+add a caveat that makes a positive "inconclusive"."""
 
 from __future__ import annotations
 
@@ -66,8 +65,7 @@ class FingerprintResult(CompactRepr):
     """The outcome of one SeedPrint test: ``p_value = min(1, 2 · P(Z > z))``, ``z = τ̄ / (σ_τ(N) / sqrt(k))``,
     ``tau_mean`` = ``τ̄``, ``n_dims`` = ``k``, ``n_samples`` = ``N``, ``same_lineage = p_value < alpha`` (None when
     :attr:`undefined`), ``log10_p`` unclipped, ``dims`` / ``tau`` per identity dim, ``caveats`` (reasons the
-    p-value may not hold) and ``verdict``: ``same_lineage``, ``no_evidence`` or ``inconclusive``.
-    """
+    p-value may not hold) and ``verdict``: ``same_lineage``, ``no_evidence`` or ``inconclusive``."""
 
     p_value: float
     z: float

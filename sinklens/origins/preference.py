@@ -1,7 +1,6 @@
 """Token preference at init (*Transformers Are Born Biased*, arXiv 2602.05927; measures defined here): the
 mean next-token distribution ``mean_probs[t, j] = (1/N) Σ_n softmax(logits[n, t])_j`` and argmax counts
-over ``N`` seeded uniform random sequences (optionally after a BOS), of causal models only.
-"""
+over ``N`` seeded uniform random sequences (optionally after a BOS), of causal models only."""
 
 from __future__ import annotations
 
