@@ -65,8 +65,7 @@ def variance_calibration(
             "without sink logits query 0 attends only to key 0, so s_0 = sum_j A_0j^2 = 1 and its factor "
             "1/sqrt(s_0) is exactly 1. To take the sink away use mode='attenuate' (the default of remove_sink and "
             "`sinklens intervene --method variance-calibration`); to give later positions the first token's "
-            "variance pass positions=None or positions after 0."
-        )
+            "variance pass positions=None or positions after 0.")
     layer_list = resolve_layers(layers, dims.n_layers)
     names = [hook_name(layer, site) for layer in layer_list for site in (PATTERN, Z)]
     check_hook_names(model, names)

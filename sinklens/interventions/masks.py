@@ -53,8 +53,7 @@ def check_in_sequence(positions: Sequence[int], seq_len: int) -> None:
     bad = [p for p in positions if p >= seq_len]
     if bad:
         raise InvalidArgumentError(
-            f"Position {bad[0]} is out of range for a sequence of {seq_len} tokens (0..{seq_len - 1})."
-        )
+            f"Position {bad[0]} is out of range for a sequence of {seq_len} tokens (0..{seq_len - 1}).")
 
 
 def _block_scores(scores: Tensor, blocked: Tensor, head_list: list[int] | None) -> Tensor:
@@ -149,8 +148,7 @@ def custom_mask(model: Any, allowed: Tensor, *, layers: IndexLike | None = None,
     if allowed.ndim not in (2, 3, 4) or allowed.shape[-1] != allowed.shape[-2]:
         raise InvalidArgumentError(
             f"allowed must have shape [query, key], [head, query, key] or [batch, head, query, key] with "
-            f"query == key, got {tuple(allowed.shape)}."
-        )
+            f"query == key, got {tuple(allowed.shape)}.")
     dims = model_dims(model)
     if allowed.ndim >= 3 and allowed.shape[-3] not in (1, dims.n_heads):
         raise InvalidArgumentError(f"allowed has {allowed.shape[-3]} heads; the model has {dims.n_heads} (or pass 1 to broadcast).")
@@ -164,8 +162,7 @@ def custom_mask(model: Any, allowed: Tensor, *, layers: IndexLike | None = None,
         if allowed.shape[-1] < n_k:
             raise InvalidArgumentError(
                 f"allowed is {tuple(allowed.shape)} but the run has {n_k} positions: the last two dims must be at "
-                f"least ({n_k}, {n_k}) (a larger mask is cut to the run's positions)."
-            )
+                f"least ({n_k}, {n_k}) (a larger mask is cut to the run's positions).")
         if allowed.ndim == 4 and allowed.shape[0] not in (1, scores.shape[0]):
             raise InvalidArgumentError(f"allowed has batch size {allowed.shape[0]}, the run has {scores.shape[0]}.")
         mask = allowed.to(scores.device)[..., n_k - n_q : n_k, :n_k]  # absolute positions: the run's top-left block
@@ -174,8 +171,7 @@ def custom_mask(model: Any, allowed: Tensor, *, layers: IndexLike | None = None,
         if not bool(visible.any(dim=-1).all()):
             raise InvalidArgumentError(
                 f"allowed leaves some query with no visible key in layer {layer} (after the model's own "
-                f"{visibility.describe()} mask); every row needs one."
-            )
+                f"{visibility.describe()} mask); every row needs one.")
         blocked = ~mask.expand(scores.shape) if mask.ndim == 4 else ~mask.expand(scores.shape[1:])
         return _block_scores(scores, blocked, head_list)
 

@@ -61,8 +61,7 @@ def edit_neurons(
         if layers is None:
             raise InvalidArgumentError(
                 f"edit_neurons needs explicit layers: neuron indices {idx} name a different neuron in each "
-                "layer, so pass layers=[...] (or neurons={layer: [...]}) instead of editing them in every layer."
-            )
+                "layer, so pass layers=[...] (or neurons={layer: [...]}) instead of editing them in every layer.")
         per_layer = {layer: idx for layer in layers_arg(layers, dims.n_layers)}
     pos = None if positions is None else positions_arg(positions, dims.n_ctx)
     names = [hook_name(layer, MLP_POST) for layer in per_layer]

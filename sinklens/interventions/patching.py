@@ -101,8 +101,7 @@ class SinkPatchResult(CompactRepr):
                 f"The intervention did not change the metric beyond {self.pattern_dtype} rounding: clean "
                 f"{self.clean:.9g} − intervened {self.intervened:.9g} = {gap:.3g}, within {self.gap_tolerance:.3g} "
                 f"({relative_gap_tolerance(self.pattern_dtype):.3g} of the metric, the {self.pattern_dtype} "
-                "precision of the attention weights it averages); nothing to restore."
-            )
+                "precision of the attention weights it averages); nothing to restore.")
         return (self.values - self.intervened) / gap
 
     def to_rows(self) -> list[dict]:
@@ -157,8 +156,7 @@ def patch_sink(
     target = index(target, dims.n_ctx, what="target position", allow_negative=False)
     if target >= n_pos - 1:
         raise InvalidArgumentError(
-            f"Target {target} needs later queries: use sequences longer than {target + 1} tokens (got {n_pos})."
-        )
+            f"Target {target} needs later queries: use sequences longer than {target + 1} tokens (got {n_pos}).")
     coords: dict[str, list[int]] = {"layer": layers_arg(layers, dims.n_layers)}
     if "pos" in axes:
         coords["pos"] = list(range(n_pos)) if positions is None else positions_arg(positions, n_pos)

@@ -65,8 +65,7 @@ class Intervention:
         unknown = sorted(k for k in kwargs if k not in self.options())
         if unknown and not takes_any:
             raise InvalidArgumentError(
-                f"Intervention {self.name!r} has no option {unknown[0]!r}; its options are {self.options()}."
-            )
+                f"Intervention {self.name!r} has no option {unknown[0]!r}; its options are {self.options()}.")
         for p in self._params():
             if p.default is p.empty and kwargs.get(p.name) is None:
                 what = self.requires.get(p.name, f"{p.name}=...")

@@ -115,14 +115,12 @@ def _reference_for(model: Any, reference: Reference, site: str, layers: list[int
             own = [name for name in inspect.signature(amplify).parameters if name not in ("model", "reference_kw")]
             raise InvalidArgumentError(
                 f"amplify has no option {unknown[0]!r}; its options are {own} and, with reference='random', "
-                f"reference_mean's {list(allowed)}."
-            )
+                f"reference_mean's {list(allowed)}.")
         return reference_mean(model, site=site, layers=layers, **kw)
     if kw:
         raise InvalidArgumentError(
             f"Options {sorted(kw)} only apply to reference='random' (they configure reference_mean), "
-            f"not to reference={reference!r}."
-        )
+            f"not to reference={reference!r}.")
     if named:  # "batch"
         return None
     if isinstance(reference, Tensor):
@@ -166,8 +164,7 @@ def _reference_at(mean: Tensor, act: Tensor) -> Tensor:
     if tuple(mean.shape) != tuple(act.shape[2:]):
         raise InvalidArgumentError(
             f"reference mean has shape {tuple(mean.shape)}; this site's activation needs {tuple(act.shape[2:])} "
-            "(its shape after [batch, pos])."
-        )
+            "(its shape after [batch, pos]).")
     return mean.to(act.device, act.dtype)
 
 

@@ -171,8 +171,7 @@ def seedprint_test(
     if hidden_a.ndim != 2 or hidden_b.ndim != 2 or hidden_a.shape[0] != hidden_b.shape[0]:
         raise InvalidArgumentError(
             f"SeedPrint needs two [samples, hidden] matrices over the same samples (the same number of rows; the "
-            f"widths may differ), got {tuple(hidden_a.shape)} and {tuple(hidden_b.shape)}."
-        )
+            f"widths may differ), got {tuple(hidden_a.shape)} and {tuple(hidden_b.shape)}.")
     buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
     n, d_a = hidden_a.shape
     d_b = hidden_b.shape[1]

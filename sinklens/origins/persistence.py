@@ -105,8 +105,7 @@ def compare_snapshots(current: PreferenceSnapshot, reference: PreferenceSnapshot
     if current.probs.shape != reference.probs.shape or current.direction.shape != reference.direction.shape:
         raise InvalidArgumentError(
             f"persistence needs the same d_vocab and d_model, got {tuple(current.probs.shape) + tuple(current.direction.shape)} "
-            f"and {tuple(reference.probs.shape) + tuple(reference.direction.shape)}."
-        )
+            f"and {tuple(reference.probs.shape) + tuple(reference.direction.shape)}.")
     pa, pb = current.probs.double(), reference.probs.double()
     la, lb = pa.clamp_min(1e-30).log(), pb.clamp_min(1e-30).log()
     corr = float(torch.corrcoef(torch.stack([la, lb]))[0, 1])

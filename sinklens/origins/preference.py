@@ -169,8 +169,7 @@ def random_tokens_after_bos(seq_len: int, prepend_bos: bool, *, what: str = "seq
     if prepend_bos and seq_len < 3:
         raise InvalidArgumentError(
             f"{what}={seq_len} with {bos} leaves {seq_len - 1} random token after the BOS; the origins measures "
-            f"need at least 2 (contraction's intra-sequence cosine pairs positions): use {what} >= 3."
-        )
+            f"need at least 2 (contraction's intra-sequence cosine pairs positions): use {what} >= 3.")
 
 
 def random_batches(model: Any, random: RandomInputs, options: RunOptions) -> list[TokenBatch]:
