@@ -237,8 +237,7 @@ class ContractionReducer(Reducer[ContractionResult]):
     def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
         dims = model_dims(model)
         self.model, self.dims, self.seq_len, self.prepend_bos = model, dims, seq_len, prepend_bos
-        self.first = 1 if prepend_bos else 0
-        self.device = model_device(model)
+        self.first, self.device = (1 if prepend_bos else 0), model_device(model)
         self.final_site, self.finish = final_state_site(model)
         self.mlp_skipped = moe_reason(model)
         self.gated = self.mlp_skipped is None and is_gated_mlp(model)

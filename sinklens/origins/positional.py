@@ -113,10 +113,8 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
     statistics = ("attn", "resid", "head", "n")
 
     def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
-        self.model = model
-        self.dims = model_dims(model)
+        self.model, self.dims, self.device = model, model_dims(model), model_device(model)
         self.seq_len, self.prepend_bos = seq_len, prepend_bos
-        self.device = model_device(model)
         self.causal = attention_direction(model) == "causal"
         self.reset()
 

@@ -107,10 +107,9 @@ class TokenPreferenceReducer(Reducer[TokenPreference]):
 
     def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
         refuse_encoder(model, "token_preference")
-        self.model = model
+        self.model, self.device = model, model_device(model)
         self.site, self.finish = final_state_site(model)
         self.seq_len, self.d_vocab, self.prepend_bos = seq_len, model_dims(model).d_vocab_out, prepend_bos  # the logits
-        self.device = model_device(model)
         self.reset()
 
     def reset(self) -> None:
