@@ -1,14 +1,8 @@
-"""Hook factories that create, remove and patch attention sinks.
+"""Hook factories that create, remove and patch attention sinks, each registered by name in
+:mod:`sinklens.interventions.registry`. Every factory returns ``(hook_name, fn)`` pairs for
+``model.run_with_hooks`` or ``RunOptions(extra_hooks=hooks)``; no function modifies its input."""
 
-Every factory returns ``(hook_name, fn)`` pairs for ``model.run_with_hooks`` or
-``RunOptions(extra_hooks=hooks)``; lists compose by concatenation and no function modifies its input. Masks:
-:func:`self_only`, :func:`restart`, :func:`block_keys`, :func:`custom_mask`; variance: :func:`amplify`,
-:func:`calibrate`; neurons and dimensions: :func:`edit_neurons`, :func:`clamp_dims`, :func:`transplant_dims`;
-experiments: :func:`create_sink`, :func:`remove_sink`, :func:`measure_intervention`, :func:`sweep`;
-:func:`patch_sink`. Each is registered by name in :mod:`sinklens.interventions.registry`.
-"""
-
-from sinklens.interventions import builtin, registry  # builtin registers the built-in interventions
+from sinklens.interventions import builtin, registry  # noqa: F401  (builtin registers the built-ins)
 from sinklens.interventions.experiments import (
     InterventionResult,
     create_sink,

@@ -1,7 +1,4 @@
-"""Registers the built-in interventions with :mod:`sinklens.interventions.registry`.
-
-Each entry follows the registry's uniform signature ``factory(model, *, positions, layers=None, **options)``.
-"""
+"""Registers the built-in interventions with :mod:`sinklens.interventions.registry`."""
 
 from __future__ import annotations
 

@@ -1,20 +1,6 @@
-"""Variance calibration: make each head's output variance independent of the position.
-
-A head's output ``z_t = Σ_j A_tj v_j`` has ``Var(z_t) = σ² s_t``, ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under
-uniform causal attention, 1 at position 0: why the first token stands out; arXiv 2602.05927). Per batch
-element, head and query (``s_t`` from ``attn.hook_pattern``, applied at ``attn.hook_z``):
-``mode="amplify"``: ``z_t ← z_t / sqrt(s_t)`` (factors ≥ 1); ``mode="attenuate"``:
-``z_t ← z_t · sqrt(min_t' s_t' / s_t)`` over the real queries (factors ≤ 1). ``remove_sink`` defaults to
-``attenuate``; spec strings and direct calls to ``amplify``, since ``attenuate`` reads later queries.
-
-Examples:
-    >>> import torch
-    >>> from sinklens.testing import tiny_model
-    >>> model = tiny_model()
-    >>> hooks = variance_calibration(model, positions=None)
-    >>> len(hooks)  # a pattern hook and a z hook per layer
-    4
-"""
+"""Variance calibration: a head's output ``z_t = Σ_j A_tj v_j`` has ``Var(z_t) = σ² s_t`` with
+``s_t = Σ_j A_tj²`` (1 at position 0 of a causal model: why the first token stands out; arXiv 2602.05927);
+rescaling ``z_t`` by ``s_t`` makes the variance independent of the position."""
 
 from __future__ import annotations
 
@@ -45,6 +31,7 @@ def calibration_factor(
     ``s_t = Σ_j A_tj²`` in float32 (all-zero rows: 1); the minimum runs over ``queries`` (default all).
 
     Examples:
+        >>> import torch
         >>> A = torch.tril(torch.ones(3, 3)) / torch.arange(1, 4)[:, None]  # uniform causal
         >>> calibration_factor(A[None, None])[0, :, 0] ** 2
         tensor([1.0000, 2.0000, 3.0000])
@@ -62,32 +49,23 @@ def calibration_factor(
     return torch.where(alive, factor, torch.ones_like(factor)).transpose(1, 2)  # (B, T, H)
 
 
-def _refuse_identity_at_first_position(model: Any) -> None:
-    """Refuse ``mode="amplify"`` at position 0 alone where it is the identity (causal, no sink logits: ``s_0 = 1``)."""
-    if attention_visibility(model).causal and not has_sink_logits(model):
+def variance_calibration(
+    model: Any, *, positions: int | Sequence[int] | None = None,
+    layers: int | Sequence[int] | None = None, mode: Mode = "amplify",
+) -> Hooks:
+    """Hooks that multiply ``attn.hook_z`` at query ``positions`` (None: all) by :func:`calibration_factor` of
+    ``attn.hook_pattern``, per batch element, head and query: ``mode="amplify"`` ``1/sqrt(s_t)`` (≥ 1),
+    ``"attenuate"`` ``sqrt(min_t' s_t' / s_t)`` over the real queries (≤ 1; ``remove_sink``'s default)."""
+    mode = choice(mode, ("amplify", "attenuate"), what="mode")  # type: ignore[assignment]
+    dims = model_dims(model)
+    pos = None if positions is None else positions_arg(positions, dims.n_ctx)
+    if mode == "amplify" and pos == [0] and attention_visibility(model).causal and not has_sink_logits(model):
         raise InvalidArgumentError(
             "variance_calibration(mode='amplify', positions=[0]) does nothing on this model: in a causal model "
             "without sink logits query 0 attends only to key 0, so s_0 = sum_j A_0j^2 = 1 and its factor "
             "1/sqrt(s_0) is exactly 1. To take the sink away use mode='attenuate' (the default of remove_sink and "
             "`sinklens intervene --method variance-calibration`); to give later positions the first token's "
-            "variance pass positions=None or positions after 0."
-        )
-
-
-def variance_calibration(
-    model: Any,
-    *,
-    positions: int | Sequence[int] | None = None,
-    layers: int | Sequence[int] | None = None,
-    mode: Mode = "amplify",
-) -> Hooks:
-    """Hooks that rescale each head's output at query ``positions`` (None: all) by its aggregation factor
-    (module docstring); ``mode="amplify"`` with ``positions=0`` alone, where every factor is 1, is refused."""
-    mode = choice(mode, ("amplify", "attenuate"), what="mode")  # type: ignore[assignment]
-    dims = model_dims(model)
-    pos = None if positions is None else positions_arg(positions, dims.n_ctx)
-    if mode == "amplify" and pos == [0]:
-        _refuse_identity_at_first_position(model)
+            "variance pass positions=None or positions after 0.")
     layer_list = resolve_layers(layers, dims.n_layers)
     names = [hook_name(layer, site) for layer in layer_list for site in (PATTERN, Z)]
     check_hook_names(model, names)
@@ -100,15 +78,12 @@ def variance_calibration(
 
         def rescale(z: Tensor, hook: Any, layer: int = layer) -> Tensor:  # z: (B, T, H, dh)
             f = factors.pop(layer)
-            if f.shape[2] != z.shape[2]:  # grouped-query hook_z over kv heads is not expected; guard anyway
-                raise ValueError(f"hook_z has {z.shape[2]} heads but the pattern {f.shape[2]}.")
             if pos is not None:
-                check_in_sequence(pos, z.shape[1])  # as every other factory: a position beyond the sequence is named
+                check_in_sequence(pos, z.shape[1])
                 mask = torch.zeros(z.shape[1], dtype=torch.bool, device=z.device)
                 mask[pos] = True
                 f = torch.where(mask[None, :, None], f, torch.ones_like(f))
             return z * f[..., None].to(z.dtype)
 
-        hooks.append((hook_name(layer, PATTERN), keep))
-        hooks.append((hook_name(layer, Z), rescale))
+        hooks += [(hook_name(layer, PATTERN), keep), (hook_name(layer, Z), rescale)]
     return hooks

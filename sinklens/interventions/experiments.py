@@ -1,15 +1,8 @@
-"""Experiments: what an intervention does to the sinks.
-
-:func:`measure_intervention` runs a model without and with intervention hooks over the same tokens and
-reports per layer and head the attention received by a target position and by the original sink
-(:class:`~sinklens.analysis.attention.AttentionReceivedReducer`, queries after the target), residual
-statistics (``hook_resid_post``) and the next-token loss. :func:`create_sink`, :func:`remove_sink` and
-:func:`sweep` build the hooks by registry name.
-"""
+"""What an intervention does to the sinks: attention received by a target and by the original sink,
+residuals there and the next-token loss, without and with the intervention's hooks."""
 
 from __future__ import annotations
 
-import inspect
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -35,22 +28,7 @@ from sinklens.validate import as_bool, index, index_list
 
 #: What :func:`measure_intervention` accepts: hooks, a registry spec string, or a callable ``model -> hooks``.
 Intervention = Union[Hooks, str, Callable[..., Any]]
-
-# ----------------------------------------------------------------------------- building hooks by name
-
-
-def intervention_hooks(
-    model: Any, method: str, *, role: registry.Role | None, positions: Any, layers: Any = None, sink: IntLike = 0,
-    **options: Any,
-) -> tuple[str, Hooks]:
-    """``(canonical name, hooks)`` of the registered ``method``; ``sink`` fills the entry's ``sink_option`` unless given."""
-    entry = registry.get(method, role=role)
-    if entry.sink_option and entry.sink_option not in options:
-        options[entry.sink_option] = sink
-    return entry.name, entry(model, positions=positions, layers=layers, **options)
-
-
-# ----------------------------------------------------------------------------- measurement
+WHEN = ("before", "after")
 
 
 class PositionResidualReducer(Reducer[tuple[Tensor, Tensor]]):
@@ -59,11 +37,10 @@ class PositionResidualReducer(Reducer[tuple[Tensor, Tensor]]):
 
     statistics = ("vec", "norm", "count")
 
-    def __init__(self, model: Any, positions: Sequence[int], *, site: str = RESID_POST, layers: IndexLike | None = None):
+    def __init__(self, model: Any, positions: Sequence[int], *, layers: IndexLike | None = None):
         dims = model_dims(model)
         self.layers = layers_arg(layers, dims.n_layers)
         self.positions = [index(p, dims.n_ctx, what="position", allow_negative=False) for p in positions]
-        self.site = site
         self.d_model = dims.d_model
         self.reset()
 
@@ -73,21 +50,18 @@ class PositionResidualReducer(Reducer[tuple[Tensor, Tensor]]):
         self.count = 0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
-        n_pos = batch.tokens.shape[1]
-        if max(self.positions) >= n_pos:
+        if max(self.positions) >= batch.tokens.shape[1]:
             seq_ok = torch.zeros(batch.tokens.shape[0], dtype=torch.bool, device=batch.valid.device)
         else:
             seq_ok = batch.valid[:, self.positions].all(dim=1)  # [batch]
         row = {layer: i for i, layer in enumerate(self.layers)}
 
         def fold(act: Tensor, layer: int) -> None:  # act: [batch, pos, d_model]
-            if not bool(seq_ok.any()):
-                return
             x = act[seq_ok][:, self.positions].double()  # [ok, position, d_model]
             self.vec[row[layer]] += x.sum(dim=0).cpu()
             self.norm[row[layer]] += x.norm(dim=-1).sum(dim=0).cpu()
 
-        return BatchFold(per_layer_hooks(self.site, self.layers, fold), state=int(seq_ok.sum()))
+        return BatchFold(per_layer_hooks(RESID_POST, self.layers, fold), state=int(seq_ok.sum()))
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.count += fold.state
@@ -116,8 +90,7 @@ def next_token_cross_entropy(
     per_token = torch.nn.functional.cross_entropy(
         logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="none"
     ).view(tokens.shape[0], -1)  # [batch, pos - 1]
-    mask = valid[:, 1:]
-    return float(per_token[mask].double().sum()), int(mask.sum())
+    return float(per_token[valid[:, 1:]].double().sum()), int(valid[:, 1:].sum())
 
 
 def wants_next_token_loss(model: Any, loss: bool | None) -> bool:
@@ -142,12 +115,10 @@ def _next_token_loss(model: Any, batches: Sequence[TokenBatch], hooks: Hooks) ->
     """Mean next-token cross-entropy over real (non-padded) predicted tokens, with ``hooks`` attached."""
     total, count = 0.0, 0
     with torch.inference_mode(), eval_mode(model), model.hooks(fwd_hooks=list(hooks)):  # no dropout, as in stream
-        for batch in batches:
-            batch = right_align(batch)
+        for batch in map(right_align, batches):
             logits = forward(model, batch, return_type="logits")  # [batch, pos, d_vocab], padding masked
             batch_total, batch_count = next_token_cross_entropy(logits, batch.tokens, batch.valid)
-            total += batch_total
-            count += batch_count
+            total, count = total + batch_total, count + batch_count
     return total / count if count else float("nan")
 
 
@@ -163,23 +134,15 @@ def _check_queries_after(batches: Sequence[TokenBatch], target: int, sink: int) 
 
 
 def run_stats(
-    model: Any,
-    batches: Sequence[TokenBatch],
-    hooks: Hooks,
-    *,
-    target: int,
-    sink: int = 0,
-    layers: IndexLike | None = None,
-    loss: bool | None = None,
+    model: Any, batches: Sequence[TokenBatch], hooks: Hooks, *, target: int, sink: int = 0,
+    layers: IndexLike | None = None, loss: bool | None = None,
     options: RunOptions = RunOptions(progress=False),
 ) -> RunStats:
     """Attention to ``target`` and ``sink`` (queries after ``target``), residuals at both, and the loss (NaN when
-    :func:`wants_next_token_loss` says no); ``hooks`` run after ``options.extra_hooks`` in every forward.
-    """
+    :func:`wants_next_token_loss` says no); ``hooks`` run after ``options.extra_hooks`` in every forward."""
     loss = wants_next_token_loss(model, loss)
     _check_queries_after(batches, target, sink)
-    # a batch of sequences that all end before the target or the sink still has those positions (as padding),
-    # so an intervention there finds them, whatever the batch size (its sequences are left as they are)
+    # pad short batches so an intervention at the target or the sink finds those positions
     batches = [padded_to(b, max(target, sink) + 1) for b in batches]
     att = AttentionReceivedReducer(model, layers=layers, min_query=target + 1)
     res = PositionResidualReducer(model, [target, sink], layers=layers)
@@ -204,8 +167,7 @@ class InterventionResult(CompactRepr):
     ``sink`` from the queries after ``target``, averaged over sequences; ``resid_norm_*``: ``[layer]`` mean L2
     norm of the target's ``hook_resid_post``; ``dims`` (default: the clean sink's 3 largest ``|x|``) and
     ``dims_*`` / ``sink_dims``: those residual coordinates; ``loss_*``: mean next-token cross-entropy (nats);
-    ``options``: every option the intervention and inputs ran with, as plain JSON.
-    """
+    ``options``: every option the intervention and inputs ran with, as plain JSON."""
 
     method: str
     target: int
@@ -237,18 +199,11 @@ class InterventionResult(CompactRepr):
         """One tidy row per layer (head-averaged numbers)."""
         out = []
         for i, layer in enumerate(self.layers):
-            row = {
-                "method": self.method, "target": self.target, "layer": layer,
-                "received_before": float(self.received_before[i].mean()),
-                "received_after": float(self.received_after[i].mean()),
-                "sink_before": float(self.sink_before[i].mean()),
-                "sink_after": float(self.sink_after[i].mean()),
-                "resid_norm_before": float(self.resid_norm_before[i]),
-                "resid_norm_after": float(self.resid_norm_after[i]),
-            }
+            row = {"method": self.method, "target": self.target, "layer": layer}
+            for name in ("received", "sink", "resid_norm"):
+                row.update({f"{name}_{when}": float(getattr(self, f"{name}_{when}")[i].mean()) for when in WHEN})
             for j, d in enumerate(self.dims):
-                row[f"dim{d}_before"] = float(self.dims_before[i, j])
-                row[f"dim{d}_after"] = float(self.dims_after[i, j])
+                row.update({f"dim{d}_{when}": float(getattr(self, f"dims_{when}")[i, j]) for when in WHEN})
             out.append(row)
         return out
 
@@ -277,18 +232,14 @@ def _plain_option(value: Any) -> Any:
 
 
 def plain_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` with every value a plain JSON value (:func:`_plain_option`; non-finite floats as None)."""
     return {str(k): _plain_option(v) for k, v in options.items()}
 
 
 def _run_record(batches: Sequence[TokenBatch], options: RunOptions) -> dict[str, Any]:
-    """What the inputs were: ``prepend_bos`` and the ``special_tokens`` the batches got, and ``max_length``."""
-    first = batches[0] if batches else None
-    return {
-        "prepend_bos": bool(first.prepend_bos) if first is not None else options.prepend_bos,
-        "special_tokens": list(first.special_tokens) if first is not None else [],
-        "max_length": options.max_length,
-    }
+    """What the inputs were: the ``prepend_bos`` and ``special_tokens`` the batches got, and ``max_length``."""
+    first = batches[0]  # run_stats has refused empty inputs
+    return {"prepend_bos": bool(first.prepend_bos), "special_tokens": list(first.special_tokens),
+            "max_length": options.max_length}
 
 
 def _default_dims(before: RunStats, n: int = 3) -> list[int]:
@@ -301,11 +252,8 @@ def compare_runs(
     before: RunStats, after: RunStats, *, method: str, target: int, sink: int, layers: list[int],
     dims: IndexLike | None = None, options: dict[str, Any] | None = None,
 ) -> InterventionResult:
-    """Combine a clean and an intervened :class:`RunStats` into an :class:`InterventionResult`."""
-    if dims is None:
-        dims = _default_dims(before)
-    else:
-        dims = index_list(dims, before.resid_mean.shape[-1], what="dims", allow_negative=False)
+    """Combine a clean and an intervened :class:`RunStats`; ``dims`` checked (None: the sink's 3 largest)."""
+    dims = _default_dims(before) if dims is None else dims
     return InterventionResult(
         method=method, target=target, sink=sink, layers=layers,
         received_before=before.received, received_after=after.received,
@@ -322,15 +270,8 @@ def _check_dims(model: Any, dims: Any) -> list[int] | None:
 
 
 def measure_intervention(
-    model: Any,
-    tokens: Inputs,
-    intervention: Intervention,
-    *,
-    target: IntLike,
-    sink: IntLike = 0,
-    method: str | None = None,
-    dims: IndexLike | None = None,
-    loss: bool | None = None,
+    model: Any, tokens: Inputs, intervention: Intervention, *, target: IntLike, sink: IntLike = 0,
+    method: str | None = None, dims: IndexLike | None = None, loss: bool | None = None,
     options: RunOptions = RunOptions(progress=False),
 ) -> InterventionResult:
     """The statistics of :class:`InterventionResult` without and with ``intervention``: ``(hook, fn)`` pairs, a
@@ -338,15 +279,15 @@ def measure_intervention(
     largest; ``loss`` None: where defined (:func:`wants_next_token_loss`); ``options.extra_hooks`` run in both.
     """
     options = checked_options(options, "measure_intervention")
-    dims_m = model_dims(model)
-    target = index(target, dims_m.n_ctx, what="target position", allow_negative=False)  # before the hooks are built
-    sink = index(sink, dims_m.n_ctx, what="sink position", allow_negative=False)
+    n_ctx = model_dims(model).n_ctx
+    target = index(target, n_ctx, what="target position", allow_negative=False)  # before the hooks are built
+    sink = index(sink, n_ctx, what="sink position", allow_negative=False)
     _check_dims(model, dims)
     recorded: dict[str, Any] = {}
     if isinstance(intervention, str):
         name, spec_kwargs = registry.parse_spec(intervention)
         method = method or name
-        recorded = _effective_options(registry.get(name), spec_kwargs)
+        recorded = registry.get(name).effective_options(spec_kwargs)
         if "positions" in spec_kwargs:
             recorded["positions"] = spec_kwargs["positions"]
     hooks = registry.build(model, intervention) if isinstance(intervention, str) or callable(intervention) else list(intervention)
@@ -360,10 +301,9 @@ def _measure(
 ) -> InterventionResult:
     """:func:`measure_intervention` on built hooks (``target`` and ``sink`` checked by the caller); ``recorded``
     and the inputs' settings go to ``result.options``."""
-    dims_m = model_dims(model)
     dims = _check_dims(model, dims)
     batches = batches_for(model, tokens, options)
-    layers = list(range(dims_m.n_layers))
+    layers = list(range(model_dims(model).n_layers))
     before = run_stats(model, batches, [], target=target, sink=sink, loss=loss, options=options)
     after = run_stats(model, batches, hooks, target=target, sink=sink, loss=loss, options=options)
     return compare_runs(before, after, method=method or "custom", target=target, sink=sink, layers=layers, dims=dims,
@@ -371,32 +311,18 @@ def _measure(
 
 
 def create_sink(
-    model: Any,
-    tokens: Inputs,
-    position: IntLike,
-    *,
-    method: str = "self_only",
-    layers: IndexLike | None = None,
-    sink: IntLike = 0,
-    dims: IndexLike | None = None,
-    loss: bool | None = None,
-    options: RunOptions = RunOptions(progress=False),
+    model: Any, tokens: Inputs, position: IntLike, *, method: str = "self_only",
+    layers: IndexLike | None = None, sink: IntLike = 0, dims: IndexLike | None = None,
+    loss: bool | None = None, options: RunOptions = RunOptions(progress=False),
     **method_options: Any,
 ) -> InterventionResult:
     """Turn the token at ``position`` into a sink and measure the effect. ``method``: a ``create`` entry of the
     registry (``"self_only"``, ``"restart"``, ``"amplify"``, ``"transplant_dims"``); ``method_options`` go to
-    its factory, and ``dims`` (tracked dimensions) also to a factory that needs ``dims``.
-
-    Examples:
-        >>> from sinklens.testing import tiny_model
-        >>> model = tiny_model()
-        >>> res = create_sink(model, torch.randint(2, 64, (2, 12)), 5, method="self-only")
-        >>> res.method, res.received_before.shape, len(res.to_dict()["after"])
-        ('self_only', torch.Size([2, 4]), 2)
-    """
+    its factory, and ``dims`` (tracked dimensions) also to a factory that needs ``dims``."""
     options = checked_options(options, "create_sink")
-    position = index(position, model_dims(model).n_ctx, what="position", allow_negative=False)
-    sink = index(sink, model_dims(model).n_ctx, what="sink position", allow_negative=False)
+    n_ctx = model_dims(model).n_ctx
+    position = index(position, n_ctx, what="position", allow_negative=False)
+    sink = index(sink, n_ctx, what="sink position", allow_negative=False)
     if position == sink:
         raise InvalidArgumentError(
             f"position={position} is the sink itself (sink={sink}): pass another position to create_sink "
@@ -408,39 +334,22 @@ def create_sink(
 
 def _hooks_for(model: Any, method: str, role: registry.Role, positions: int, layers: Any, sink: int, dims: Any,
                method_options: dict[str, Any]) -> tuple[str, Hooks, dict[str, Any]]:
-    """``(name, hooks, recorded options)`` for create/remove_sink; ``dims`` doubles as the factory's ``dims``."""
+    """``(name, hooks, recorded options)`` of a registered ``method``: its ``sink_defaults`` under
+    ``method_options``, ``dims`` as the factory's ``dims`` and ``sink`` as its ``sink_option`` unless given."""
     entry = registry.get(method, role=role)
-    if "dims" in entry.requires and "dims" not in method_options and dims is not None:
-        method_options = {**method_options, "dims": dims}
-    method_options = {**entry.sink_defaults, **method_options}  # e.g. variance_calibration's mode="attenuate"
-    name, hooks = intervention_hooks(model, entry.name, role=role, positions=positions, layers=layers, sink=sink,
-                                     **method_options)
-    if entry.sink_option and entry.sink_option not in method_options:
-        method_options[entry.sink_option] = sink
-    return name, hooks, {**_effective_options(entry, method_options), "layers": layers}
-
-
-def _effective_options(entry: registry.Intervention, given: Mapping[str, Any]) -> dict[str, Any]:
-    """The options ``entry``'s factory ran with: its defaults, the registry's, then ``given`` (no ``positions``)."""
-    params = list(inspect.signature(entry.factory).parameters.values())[1:]
-    signature = {p.name: p.default for p in params
-                 if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is not p.empty}
-    out = {**signature, **entry.defaults, **given}
-    out.pop("positions", None)
-    return out
+    opts = {**entry.sink_defaults, **method_options}  # e.g. variance_calibration's mode="attenuate"
+    if "dims" in entry.requires and "dims" not in opts and dims is not None:
+        opts["dims"] = dims
+    if entry.sink_option and entry.sink_option not in opts:
+        opts[entry.sink_option] = sink
+    hooks = entry(model, positions=positions, layers=layers, **opts)
+    return entry.name, hooks, {**entry.effective_options(opts), "layers": layers}
 
 
 def remove_sink(
-    model: Any,
-    tokens: Inputs,
-    *,
-    sink: IntLike = 0,
-    method: str = "block_keys",
-    layers: IndexLike | None = None,
-    dims: IndexLike | None = None,
-    loss: bool | None = None,
-    options: RunOptions = RunOptions(progress=False),
-    **method_options: Any,
+    model: Any, tokens: Inputs, *, sink: IntLike = 0, method: str = "block_keys",
+    layers: IndexLike | None = None, dims: IndexLike | None = None, loss: bool | None = None,
+    options: RunOptions = RunOptions(progress=False), **method_options: Any,
 ) -> InterventionResult:
     """Remove the sink at ``sink`` and measure the effect (the target is the sink itself). ``method``: a
     ``remove`` entry of the registry (``"block_keys"``, ``"calibrate"``, ``"clamp_dims"``, ...)."""
@@ -456,18 +365,10 @@ SWEEP_KEYWORDS = ("method", "positions", "layer_sets", "alphas", "sink", "dims",
 
 
 def sweep(
-    model: Any,
-    tokens: Inputs,
-    *,
-    method: str = "self_only",
-    positions: IndexLike,
-    layer_sets: Sequence[Any] = (None,),
-    alphas: Sequence[NumberLike | None] = (None,),
-    sink: IntLike = 0,
-    dims: IndexLike | None = None,
-    loss: bool = False,
-    options: RunOptions = RunOptions(progress=False),
-    **method_options: Any,
+    model: Any, tokens: Inputs, *, method: str = "self_only", positions: IndexLike,
+    layer_sets: Sequence[Any] = (None,), alphas: Sequence[NumberLike | None] = (None,),
+    sink: IntLike = 0, dims: IndexLike | None = None, loss: bool = False,
+    options: RunOptions = RunOptions(progress=False), **method_options: Any,
 ) -> list[dict]:
     """:func:`create_sink` over positions × layer sets × α (None: the method's default), the clean run once per
     position; one row per (config, layer): ``position``, ``layers``, ``alpha`` and :meth:`InterventionResult.rows`.
@@ -518,5 +419,5 @@ def sweep(
 
 __all__ = [
     "InterventionResult", "RunStats", "PositionResidualReducer", "create_sink", "remove_sink", "sweep",
-    "measure_intervention", "run_stats", "compare_runs", "intervention_hooks", "next_token_cross_entropy",
+    "measure_intervention", "run_stats", "compare_runs", "next_token_cross_entropy",
 ]

@@ -1,16 +1,13 @@
-"""Attention-mask interventions through ``blocks.{l}.attn.hook_attn_scores``.
+"""Attention-mask interventions: hooks on ``attn.hook_attn_scores`` that set hidden keys to ``-inf``.
 
-The hook returns new scores ``[batch, head, query, key]`` with the hidden keys at ``-inf``; every query keeps
-its own key, so each ``hook_pattern`` row still sums to 1 (minus a learned sink logit's share). Models whose
-attention hooks fire after the fact (:func:`sinklens.probes.post_hoc_attention`) are refused. Queries are
-absolute positions (fewer queries than keys: the last ones); a 4.x bridge's cached ``generate`` step, whose
-``1 x 1`` scores no mask can act on, raises :class:`~sinklens.errors.InvalidArgumentError`.
-"""
+Every query keeps its own key, so each pattern row still sums to 1; queries are absolute positions (fewer
+queries than keys: the last ones). Models whose attention hooks fire after the fact are refused."""
 
 from __future__ import annotations
 
 import numbers
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Union
 
 import numpy as np
@@ -36,33 +33,27 @@ NumberLike = Union[numbers.Real, Tensor]
 BlockFn = Callable[[Tensor, int], Tensor]
 
 
-def positions_arg(positions: Any, n_ctx: int, *, what: str = "position") -> list[int]:
-    """Validate ``positions=``: an int or a sequence of ints, each in ``0..n_ctx-1``.
-
-    Examples:
-        >>> positions_arg(3, 8), positions_arg([0, 5], 8)
-        ([3], [0, 5])
-    """
-    return index_list(positions, n_ctx, what=what, allow_negative=False)
+def positions_arg(positions: Any, n_ctx: int) -> list[int]:
+    """``positions=`` checked: an int or a sequence of ints, each in ``0..n_ctx-1``."""
+    return index_list(positions, n_ctx, what="position", allow_negative=False)
 
 
 def layers_arg(layers: Any, n_layers: int) -> list[int]:
-    """Validate a ``layers=`` argument: None (all), an int or a non-empty sequence (negatives count from the end)."""
+    """``layers=`` checked: None (all), an int or a non-empty sequence (negatives count from the end)."""
     return optional_index_list(layers, n_layers, what="layer")
 
 
 def heads_arg(heads: Any, n_heads: int) -> list[int] | None:
-    """Validate a ``heads=`` argument: None (all heads) or ints in ``0..n_heads-1``."""
+    """``heads=`` checked: None (all heads) or ints in ``0..n_heads-1``."""
     return None if heads is None else index_list(heads, n_heads, what="head", allow_negative=False)
 
 
-def check_in_sequence(positions: Sequence[int], seq_len: int, what: str = "position") -> None:
-    """Raise :class:`InvalidArgumentError` if a position is not inside a sequence of ``seq_len`` tokens (checked in hooks)."""
+def check_in_sequence(positions: Sequence[int], seq_len: int) -> None:
+    """Raise :class:`InvalidArgumentError` if a position lies beyond a sequence of ``seq_len`` tokens."""
     bad = [p for p in positions if p >= seq_len]
     if bad:
         raise InvalidArgumentError(
-            f"{what.capitalize()} {bad[0]} is out of range for a sequence of {seq_len} tokens (0..{seq_len - 1})."
-        )
+            f"Position {bad[0]} is out of range for a sequence of {seq_len} tokens (0..{seq_len - 1}).")
 
 
 def _block_scores(scores: Tensor, blocked: Tensor, head_list: list[int] | None) -> Tensor:
@@ -76,13 +67,12 @@ def _block_scores(scores: Tensor, blocked: Tensor, head_list: list[int] | None) 
 
 
 def _mask_hooks(model: Any, block: BlockFn, *, layers: IndexLike | None, heads: IndexLike | None) -> Hooks:
-    """Hooks that set ``block(query_positions, n_key)`` entries of the scores to ``-inf``."""
+    """Hooks that set ``block(query_positions, n_key)`` entries of the scores to ``-inf``; a 4.x bridge's cached
+    ``generate`` step (``1 x 1`` scores, which no mask can act on) is refused."""
     require_attention_seams(model, "mask interventions")
     dims = model_dims(model)
     layer_list = layers_arg(layers, dims.n_layers)
     head_list = heads_arg(heads, dims.n_heads)
-
-    # A bridge (it wraps a Hugging Face model) shows a cached generate() step's hook only the new key.
     bridge = getattr(model, "original_model", None) is not None
     longest = [0]  # the most keys a forward through these hooks has shown them
 
@@ -105,15 +95,7 @@ def _mask_hooks(model: Any, block: BlockFn, *, layers: IndexLike | None, heads: 
 
 
 def self_only(model: Any, *, positions: IndexLike, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
-    """Make each token at ``positions`` attend only to itself, so it aggregates a single value like the first token.
-
-    Examples:
-        >>> from sinklens.testing import tiny_model
-        >>> model = tiny_model()
-        >>> hooks = self_only(model, positions=3, layers=[0])
-        >>> [name for name, _ in hooks]
-        ['blocks.0.attn.hook_attn_scores']
-    """
+    """Make each token at ``positions`` attend only to itself: it aggregates one value, like the first token."""
     pos = positions_arg(positions, model_dims(model).n_ctx)
 
     def block(q_pos: Tensor, n_k: int) -> Tensor:
@@ -126,13 +108,7 @@ def self_only(model: Any, *, positions: IndexLike, layers: IndexLike | None = No
 
 def restart(model: Any, *, positions: IndexLike, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
     """A restart mask: queries ``q >= k`` cannot see keys ``< k``, so ``k`` acts as a new first token (several
-    positions cut independent segments; in an encoder the cut goes both ways).
-
-    Examples:
-        >>> from sinklens.testing import tiny_model
-        >>> len(restart(tiny_model(), positions=4))  # one hook per layer of the 2-layer model
-        2
-    """
+    positions cut independent segments; in an encoder the cut goes both ways)."""
     pos = positions_arg(positions, model_dims(model).n_ctx)
     both_ways = not attention_visibility(model).causal
 
@@ -172,8 +148,7 @@ def custom_mask(model: Any, allowed: Tensor, *, layers: IndexLike | None = None,
     if allowed.ndim not in (2, 3, 4) or allowed.shape[-1] != allowed.shape[-2]:
         raise InvalidArgumentError(
             f"allowed must have shape [query, key], [head, query, key] or [batch, head, query, key] with "
-            f"query == key, got {tuple(allowed.shape)}."
-        )
+            f"query == key, got {tuple(allowed.shape)}.")
     dims = model_dims(model)
     if allowed.ndim >= 3 and allowed.shape[-3] not in (1, dims.n_heads):
         raise InvalidArgumentError(f"allowed has {allowed.shape[-3]} heads; the model has {dims.n_heads} (or pass 1 to broadcast).")
@@ -187,8 +162,7 @@ def custom_mask(model: Any, allowed: Tensor, *, layers: IndexLike | None = None,
         if allowed.shape[-1] < n_k:
             raise InvalidArgumentError(
                 f"allowed is {tuple(allowed.shape)} but the run has {n_k} positions: the last two dims must be at "
-                f"least ({n_k}, {n_k}) (a larger mask is cut to the run's positions)."
-            )
+                f"least ({n_k}, {n_k}) (a larger mask is cut to the run's positions).")
         if allowed.ndim == 4 and allowed.shape[0] not in (1, scores.shape[0]):
             raise InvalidArgumentError(f"allowed has batch size {allowed.shape[0]}, the run has {scores.shape[0]}.")
         mask = allowed.to(scores.device)[..., n_k - n_q : n_k, :n_k]  # absolute positions: the run's top-left block
@@ -197,12 +171,8 @@ def custom_mask(model: Any, allowed: Tensor, *, layers: IndexLike | None = None,
         if not bool(visible.any(dim=-1).all()):
             raise InvalidArgumentError(
                 f"allowed leaves some query with no visible key in layer {layer} (after the model's own "
-                f"{visibility.describe()} mask); every row needs one."
-            )
+                f"{visibility.describe()} mask); every row needs one.")
         blocked = ~mask.expand(scores.shape) if mask.ndim == 4 else ~mask.expand(scores.shape[1:])
         return _block_scores(scores, blocked, head_list)
 
-    def bind(layer: int) -> HookFn:
-        return lambda scores, hook: fn(scores, hook, layer)
-
-    return [(hook_name(layer, SCORES), bind(layer)) for layer in layer_list]
+    return [(hook_name(layer, SCORES), partial(fn, layer=layer)) for layer in layer_list]

@@ -1,9 +1,5 @@
-"""Neuron and residual-dimension interventions.
-
-:func:`edit_neurons` (zero, scale or set ``mlp.hook_post`` neurons: super-neuron ablations),
-:func:`clamp_dims` (set or bound residual dimensions) and :func:`transplant_dims` (copy the sink's residual
-dimensions to other positions) return ``(hook_name, fn)`` pairs and never modify the tensor they receive.
-"""
+"""Neuron and residual-dimension interventions: :func:`edit_neurons` (super-neuron ablations),
+:func:`clamp_dims` and :func:`transplant_dims`; hooks never modify the tensor they receive."""
 
 from __future__ import annotations
 
@@ -25,14 +21,9 @@ NeuronMode = Literal["zero", "scale", "set"]
 ClampMode = Literal["set", "bound"]
 
 
-def _positions_or_all(positions: Any, n_ctx: int) -> list[int] | None:
-    """``None`` (every position) or validated positions."""
-    return None if positions is None else positions_arg(positions, n_ctx)
-
-
 def _edit_columns(act: Tensor, pos: list[int] | None, idx: list[int], new: Callable[[Tensor], Tensor]) -> Tensor:
-    """A copy of ``act`` (``[batch, pos, dim]``) whose columns ``idx`` at positions ``pos`` (None: every
-    position) are ``new(old columns)``; a named error if a position lies beyond this sequence."""
+    """A copy of ``act`` (``[batch, pos, dim]``) whose columns ``idx`` at positions ``pos`` (None: all) are
+    ``new(old columns)``."""
     if pos is not None:
         check_in_sequence(pos, act.shape[1])
     p = slice(None) if pos is None else pos
@@ -44,23 +35,12 @@ def _edit_columns(act: Tensor, pos: list[int] | None, idx: list[int], new: Calla
 
 
 def edit_neurons(
-    model: Any,
-    neurons: IndexLike | Mapping[Any, Any],
-    *,
-    mode: NeuronMode = "zero",
-    value: NumberLike = 0.0,
-    positions: IndexLike | None = None,
-    layers: IndexLike | None = None,
+    model: Any, neurons: IndexLike | Mapping[Any, Any], *, mode: NeuronMode = "zero",
+    value: NumberLike = 0.0, positions: IndexLike | None = None, layers: IndexLike | None = None,
 ) -> Hooks:
     """Zero, scale by or set to ``value`` FFN neurons (``mlp.hook_post``) at ``positions`` (default all).
     ``neurons``: indices applied in each of ``layers``, or ``{layer: [neurons]}``. Attention-only and
-    mixture-of-experts models raise :class:`~sinklens.errors.UnsupportedArchitectureError`.
-
-    Examples:
-        >>> from sinklens.testing import tiny_model
-        >>> [n for n, _ in edit_neurons(tiny_model(), {1: [3, 4]})]
-        ['blocks.1.mlp.hook_post']
-    """
+    mixture-of-experts models raise :class:`~sinklens.errors.UnsupportedArchitectureError`."""
     mode = choice(mode, ("zero", "scale", "set"), what="mode")
     value = finite_number(value, what="value")
     reason = no_mlp_reason(model) or moe_reason(model)
@@ -81,19 +61,14 @@ def edit_neurons(
         if layers is None:
             raise InvalidArgumentError(
                 f"edit_neurons needs explicit layers: neuron indices {idx} name a different neuron in each "
-                "layer, so pass layers=[...] (or neurons={layer: [...]}) instead of editing them in every layer."
-            )
+                "layer, so pass layers=[...] (or neurons={layer: [...]}) instead of editing them in every layer.")
         per_layer = {layer: idx for layer in layers_arg(layers, dims.n_layers)}
-    pos = _positions_or_all(positions, dims.n_ctx)
+    pos = None if positions is None else positions_arg(positions, dims.n_ctx)
     names = [hook_name(layer, MLP_POST) for layer in per_layer]
     check_hook_names(model, names)
 
     def new(sub: Tensor) -> Tensor:
-        if mode == "zero":
-            return torch.zeros_like(sub)
-        if mode == "scale":
-            return sub * value
-        return torch.full_like(sub, value)
+        return sub * value if mode == "scale" else torch.full_like(sub, 0.0 if mode == "zero" else value)
 
     def fn(act: Tensor, hook: Any) -> Tensor:  # act: [batch, pos, d_mlp]
         return _edit_columns(act, pos, per_layer[layer_of(hook.name)], new)
@@ -102,14 +77,8 @@ def edit_neurons(
 
 
 def clamp_dims(
-    model: Any,
-    dims: IndexLike,
-    *,
-    positions: IndexLike | None = 0,
-    mode: ClampMode = "set",
-    value: NumberLike = 0.0,
-    site: str = RESID_POST,
-    layers: IndexLike | None = None,
+    model: Any, dims: IndexLike, *, positions: IndexLike | None = 0, mode: ClampMode = "set",
+    value: NumberLike = 0.0, site: str = RESID_POST, layers: IndexLike | None = None,
 ) -> Hooks:
     """Set residual dimensions to ``value`` (``mode="set"``) or bound them to ``[-value, value]`` (``"bound"``),
     by default at the sink's ``hook_resid_post``: ``clamp_dims(model, 507)`` removes SmolLM2's massive activation."""
@@ -119,7 +88,7 @@ def clamp_dims(
         raise InvalidArgumentError(f"A bound must be >= 0, got value={value:g}.")
     md = model_dims(model)
     idx = index_list(dims, md.d_model, what="residual dimension", allow_negative=False)
-    pos = _positions_or_all(positions, md.n_ctx)
+    pos = None if positions is None else positions_arg(positions, md.n_ctx)
     names = [hook_name(layer, edit_site(model, site)) for layer in layers_arg(layers, md.n_layers)]
     check_hook_names(model, names)
 
@@ -133,13 +102,8 @@ def clamp_dims(
 
 
 def transplant_dims(
-    model: Any,
-    dims: IndexLike,
-    *,
-    positions: IndexLike,
-    source: IntLike = 0,
-    site: str = RESID_POST,
-    layers: IndexLike | None = None,
+    model: Any, dims: IndexLike, *, positions: IndexLike, source: IntLike = 0,
+    site: str = RESID_POST, layers: IndexLike | None = None,
 ) -> Hooks:
     """Copy residual dimensions ``dims`` from position ``source`` (the sink) to ``positions`` in the same run."""
     md = model_dims(model)

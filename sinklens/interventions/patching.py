@@ -1,17 +1,11 @@
-"""Activation patching on sink metrics: which components carry a sink?
-
-For each component (a layer × position of the residual stream, a layer × head of ``attn.hook_z``, …) the
-clean activation is patched into the intervened run (e.g. under :func:`~sinklens.interventions.masks.block_keys`)
-and the metric, the mean attention ``target`` receives from later queries over heads, ``metric_layers`` and
-the batch, is recomputed. ``restored = (patched − intervened) / (clean − intervened)``: 1 means that component
-alone brings the sink back; defined only beyond the pattern dtype's rounding. The loop is TransformerLens'
-``patching.generic_activation_patch``, one forward per component.
-"""
+"""Activation patching on a sink metric (the mean attention ``target`` receives from later queries):
+each component's clean activation is patched into the intervened run, one forward per component, as in
+TransformerLens' ``patching.generic_activation_patch``."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Literal
 
@@ -35,38 +29,18 @@ from sinklens.streaming import eval_mode
 from sinklens.validate import choice, index
 
 PatchSite = Literal["resid_pre", "resid_mid", "attn_out", "mlp_out", "z", "z_pos"]
-#: Writes the clean activation into the (copied) intervened one at one component's index.
-PatchSetter = Callable[[Tensor, Tensor, tuple[int, ...]], None]
 
-
-def _set_pos(out: Tensor, clean: Tensor, idx: tuple[int, ...]) -> None:
-    out[:, idx[0]] = clean[:, idx[0]]  # [batch, pos, ...]
-
-
-def _set_head(out: Tensor, clean: Tensor, idx: tuple[int, ...]) -> None:
-    out[:, :, idx[0]] = clean[:, :, idx[0]]  # [batch, pos, head, d_head]
-
-
-def _set_pos_head(out: Tensor, clean: Tensor, idx: tuple[int, ...]) -> None:
-    out[:, idx[0], idx[1]] = clean[:, idx[0], idx[1]]
-
-
-#: site -> (hook site, patch setter, axes after "layer")
-_SITES: dict[str, tuple[str, PatchSetter, tuple[str, ...]]] = {
-    "resid_pre": (RESID_PRE, _set_pos, ("pos",)),
-    "resid_mid": (RESID_MID, _set_pos, ("pos",)),
-    "attn_out": (ATTN_OUT, _set_pos, ("pos",)),
-    "mlp_out": (MLP_OUT, _set_pos, ("pos",)),
-    "z": (Z, _set_head, ("head",)),
-    "z_pos": (Z, _set_pos_head, ("pos", "head")),
+#: site -> (hook site, axes after "layer"); activations are ``[batch, pos, ...]`` or ``[batch, pos, head, d]``
+_SITES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "resid_pre": (RESID_PRE, ("pos",)), "resid_mid": (RESID_MID, ("pos",)), "attn_out": (ATTN_OUT, ("pos",)),
+    "mlp_out": (MLP_OUT, ("pos",)), "z": (Z, ("head",)), "z_pos": (Z, ("pos", "head")),
 }
 
 
 def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, str]:
     """The hook carrying ``site`` per layer: ``blocks.{l}.hook_{site}``, except ``"attn_out"`` on a post-LN
     block, patched at ``attn.hook_z``. Parallel blocks refuse ``"resid_mid"``; attention-only models also
-    ``"mlp_out"`` (:class:`~sinklens.errors.UnsupportedArchitectureError`).
-    """
+    ``"mlp_out"`` (:class:`~sinklens.errors.UnsupportedArchitectureError`)."""
     hook_site = _SITES[site][0]
     if site == "attn_out" and post_ln_reason(model) is not None:
         return {layer: hook_name(layer, Z) for layer in layers}
@@ -85,25 +59,16 @@ def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, 
 
 
 def relative_gap_tolerance(dtype: str | torch.dtype) -> float:
-    """The relative change of the sink metric that is rounding of ``dtype`` patterns: its machine epsilon.
-
-    Examples:
-        >>> relative_gap_tolerance("float32") == torch.finfo(torch.float32).eps, relative_gap_tolerance(torch.bfloat16)
-        (True, 0.0078125)
-    """
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype.removeprefix("torch."), None)
-        if not isinstance(dtype, torch.dtype):
-            dtype = torch.float32
-    return torch.finfo(dtype if dtype.is_floating_point else torch.float32).eps
+    """The relative change of the sink metric that is rounding of ``dtype`` patterns: its machine epsilon."""
+    dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
+    return torch.finfo(dtype).eps
 
 
 @dataclass(repr=False, eq=False)
 class SinkPatchResult(CompactRepr):
-    """Sink metric after patching each component (module docstring): ``values`` (float64, axes ``axes`` with
-    layer / position / head ``coords``), ``clean`` and ``intervened`` (no patch) metrics of ``target``'s received
-    attention averaged over ``metric_layers``; ``pattern_dtype`` sets :attr:`gap_tolerance`.
-    """
+    """The metric after patching each component: ``values`` (float64, axes ``axes`` with layer / position /
+    head ``coords``), and unpatched ``clean`` and ``intervened``, averaged over heads, ``metric_layers`` and
+    the batch; ``pattern_dtype`` sets :attr:`gap_tolerance`."""
 
     site: str
     axes: tuple[str, ...]
@@ -122,34 +87,32 @@ class SinkPatchResult(CompactRepr):
 
     @property
     def has_effect(self) -> bool:
-        """True when the intervention moved the metric beyond rounding (:attr:`gap_tolerance`): only then is
+        """True when the intervention moved the metric beyond :attr:`gap_tolerance`; only then is
         :attr:`restored` defined."""
         return abs(self.clean - self.intervened) > self.gap_tolerance
 
     @property
     def restored(self) -> Float[Tensor, "..."]:
-        """``(patched − intervened) / (clean − intervened)``: the fraction of the sink each patch restores
-        (:class:`~sinklens.errors.InvalidArgumentError` when :attr:`has_effect` is False)."""
+        """``(patched − intervened) / (clean − intervened)``: the fraction of the sink each patch restores (1:
+        that component alone brings it back)."""
         gap = self.clean - self.intervened
         if not self.has_effect:
             raise InvalidArgumentError(
                 f"The intervention did not change the metric beyond {self.pattern_dtype} rounding: clean "
                 f"{self.clean:.9g} − intervened {self.intervened:.9g} = {gap:.3g}, within {self.gap_tolerance:.3g} "
                 f"({relative_gap_tolerance(self.pattern_dtype):.3g} of the metric, the {self.pattern_dtype} "
-                "precision of the attention weights it averages); nothing to restore."
-            )
+                "precision of the attention weights it averages); nothing to restore.")
         return (self.values - self.intervened) / gap
 
     def to_rows(self) -> list[dict]:
         """One plain row per component: its coordinates, the patched metric and ``restored`` (None without effect)."""
         gap = self.clean - self.intervened
-        effect = self.has_effect
         rows = []
         for idx in itertools.product(*(range(len(self.coords[a])) for a in self.axes)):
             value = float(self.values[idx])
             row: dict[str, Any] = {a: self.coords[a][i] for a, i in zip(self.axes, idx)}
-            row.update(value=value, restored=(value - self.intervened) / gap if effect else None)
-            rows.append(row)
+            restored = (value - self.intervened) / gap if self.has_effect else None
+            rows.append({**row, "value": value, "restored": restored})
         return rows
 
     def to_dict(self) -> dict[str, Any]:
@@ -169,30 +132,22 @@ class SinkPatchResult(CompactRepr):
         return out
 
 def patch_sink(
-    model: Any,
-    tokens: Inputs,
-    hooks: Hooks,
-    *,
-    target: IntLike = 0,
-    site: PatchSite = "resid_pre",
-    layers: IndexLike | None = None,
-    positions: IndexLike | None = None,
-    heads: IndexLike | None = None,
-    metric_layers: IndexLike | None = None,
+    model: Any, tokens: Inputs, hooks: Hooks, *, target: IntLike = 0, site: PatchSite = "resid_pre",
+    layers: IndexLike | None = None, positions: IndexLike | None = None,
+    heads: IndexLike | None = None, metric_layers: IndexLike | None = None,
     options: RunOptions = RunOptions(progress=False),
 ) -> SinkPatchResult:
     """Patch clean activations into the intervened run (``hooks``), one component at a time, and measure the
     sink. ``tokens``: one batch of equal length; ``site``: ``"resid_pre"``/``"resid_mid"``/``"attn_out"``/
     ``"mlp_out"`` (layer × position), ``"z"`` (layer × head) or ``"z_pos"`` (layer × position × head);
-    ``layers``, ``positions``, ``heads`` restrict the components (one forward each).
-    """
+    ``layers``, ``positions``, ``heads`` restrict the components (one forward each)."""
     options = checked_options(options, "patch_sink")
     site = choice(site, sorted(_SITES), what="site")
     hooks = list(hook_pairs(hooks, what="hooks"))
-    _, setter, axes = _SITES[site]
+    axes = _SITES[site][1]
     dims = model_dims(model)
-    batches = as_batches(model, tokens, batch_size=10**9, prepend_bos=options.prepend_bos, max_length=options.max_length)
-    (batch,) = batches
+    (batch,) = as_batches(model, tokens, batch_size=10**9, prepend_bos=options.prepend_bos,
+                          max_length=options.max_length)
     if not bool(batch.valid.all()):
         raise InvalidArgumentError(
             "patch_sink needs sequences of equal length (no padding): pass a [batch, pos] tensor or equal-length texts."
@@ -201,8 +156,7 @@ def patch_sink(
     target = index(target, dims.n_ctx, what="target position", allow_negative=False)
     if target >= n_pos - 1:
         raise InvalidArgumentError(
-            f"Target {target} needs later queries: use sequences longer than {target + 1} tokens (got {n_pos})."
-        )
+            f"Target {target} needs later queries: use sequences longer than {target + 1} tokens (got {n_pos}).")
     coords: dict[str, list[int]] = {"layer": layers_arg(layers, dims.n_layers)}
     if "pos" in axes:
         coords["pos"] = list(range(n_pos)) if positions is None else positions_arg(positions, n_pos)
@@ -216,48 +170,40 @@ def patch_sink(
     reducer = AttentionReceivedReducer(model, layers=metric_layers, min_query=target + 1)
     fold = reducer.fwd_hooks(batch)
 
-    def metric() -> float:
-        """The metric of the forward that just ran with ``fold.hooks`` attached; then a fresh reducer."""
+    def run(fwd_hooks: Hooks) -> float:
+        """The metric of one forward with ``fwd_hooks``; then a fresh reducer."""
+        with model.hooks(fwd_hooks=fwd_hooks + fold.hooks):
+            model(batch.tokens, return_type=None)
         reducer.end_batch(batch, fold)
         value = float(reducer.result().at(target).double().mean())
         reducer.reset()
         return value
 
     clean_acts: dict[str, Tensor] = {}
+    pattern_dtype: list[torch.dtype] = []
 
     def keep(act: Tensor, hook: Any, name: str) -> None:
         clean_acts[name] = act.detach().clone()
 
-    pattern_dtype: list[torch.dtype] = []
-
-    def dtype_of(pattern: Tensor, hook: Any) -> None:
-        pattern_dtype.append(pattern.dtype)
-
-    tokens_t = batch.tokens
+    keep_hooks = [(n, lambda act, hook, n=n: keep(act, hook, n)) for n in names]
+    keep_hooks.append((hook_name(metric_layers[0], PATTERN), lambda pat, hook: pattern_dtype.append(pat.dtype)))
     values = torch.zeros([len(v) for v in coords.values()], dtype=torch.float64)
-    with torch.inference_mode(), exclusive_use(model), eval_mode(model):  # no dropout: the model as it runs at inference (streaming.eval_mode)
-        dtype_hook = [(hook_name(metric_layers[0], PATTERN), dtype_of)]
-        with model.hooks(fwd_hooks=[(n, lambda act, hook, n=n: keep(act, hook, n)) for n in names] + fold.hooks + dtype_hook):
-            model(tokens_t, return_type=None)
-        clean = metric()
+    with torch.inference_mode(), exclusive_use(model), eval_mode(model):  # no dropout, as streaming runs
+        clean = run(keep_hooks)
         hooks = on_the_residual_stream(model, hooks)
-        with model.hooks(fwd_hooks=hooks + fold.hooks):
-            model(tokens_t, return_type=None)
-        intervened = metric()
+        intervened = run(hooks)
         grid = list(itertools.product(*(range(len(v)) for v in coords.values())))
         for cell in tqdm(grid, desc="patch", disable=not options.progress, leave=False):
-            layer = coords["layer"][cell[0]]
-            idx = tuple(coords[a][i] for a, i in zip(axes, cell[1:]))
-            name = patch_names[layer]
+            name = patch_names[coords["layer"][cell[0]]]
+            at = dict(zip(axes, (coords[a][i] for a, i in zip(axes, cell[1:]))))
+            idx = (slice(None), at.get("pos", slice(None)), *([at["head"]] if "head" in at else []))
 
-            def patch(act: Tensor, hook: Any, name: str = name, idx: tuple[int, ...] = idx) -> Tensor:
+            def patch(act: Tensor, hook: Any, name: str = name, idx: tuple = idx) -> Tensor:
                 out = act.clone()
-                setter(out, clean_acts[name], idx)
+                out[idx] = clean_acts[name][idx]
                 return out
 
-            with model.hooks(fwd_hooks=hooks + on_the_residual_stream(model, [(name, patch)]) + fold.hooks):
-                model(tokens_t, return_type=None)
-            values[cell] = metric()
+            values[cell] = run(hooks + on_the_residual_stream(model, [(name, patch)]))
     return SinkPatchResult(
         site=site, axes=("layer", *axes), coords=coords, values=values, clean=clean, intervened=intervened,
         target=target, metric_layers=metric_layers,

@@ -1,9 +1,6 @@
-"""The one registry of interventions, used by experiments, sweeps, the trainer and the CLI.
-
-Factories share one signature, ``factory(model, *, positions, layers=None, **options) -> [(hook_name, fn)]``;
-``positions`` is what the intervention acts on. Names are identifiers (``self_only``; the CLI also takes
-``self-only``); each has a ``role``: ``create``, ``remove`` or ``edit``. Spec strings ``"name:key=value,..."``
-(trainer configs, ``--intervention``) go through :func:`parse_spec` and :func:`build`.
+"""The one registry of interventions (experiments, sweeps, the trainer, the CLI): factories
+``factory(model, *, positions, layers=None, **options) -> [(hook_name, fn)]`` by name (``self_only`` or
+``self-only``) and role; spec strings ``"name:key=value,..."`` go through :func:`parse_spec` and :func:`build`.
 
 Examples:
     >>> from sinklens.testing import tiny_model
@@ -33,11 +30,9 @@ Factory = Callable[..., Hooks]
 
 @dataclass(frozen=True)
 class Intervention:
-    """A registered intervention: name, role, factory, one-line summary, ``requires`` (options it cannot run
-    without, beyond ``positions``), ``defaults`` (e.g. ``alpha=8`` for ``amplify``), ``sink_defaults`` (used only
-    by ``create_sink`` / ``remove_sink``, so a stored spec keeps its meaning) and ``sink_option`` (the factory's
-    keyword for the original sink position, filled from ``create_sink``'s ``sink=``).
-    """
+    """A registered intervention. ``requires``: options it cannot run without (beyond ``positions``), with
+    a hint; ``sink_defaults``: defaults of ``create_sink`` / ``remove_sink`` only, so a stored spec keeps its
+    meaning; ``sink_option``: the factory's keyword for the original sink position."""
 
     name: str
     role: Role
@@ -48,24 +43,31 @@ class Intervention:
     sink_option: str | None = None
     sink_defaults: Mapping[str, Any] = field(default_factory=dict)
 
+    def _params(self) -> list[inspect.Parameter]:
+        """The factory's keyword parameters after ``model``."""
+        params = list(inspect.signature(self.factory).parameters.values())[1:]
+        return [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+
     def options(self) -> list[str]:
         """The keyword options the factory accepts (after ``model``)."""
-        params = list(inspect.signature(self.factory).parameters.values())[1:]
-        return [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+        return [p.name for p in self._params()]
+
+    def effective_options(self, given: Mapping[str, Any]) -> dict[str, Any]:
+        """The options the factory runs with: its defaults, the registry's, then ``given`` (no ``positions``)."""
+        out = {**{p.name: p.default for p in self._params() if p.default is not p.empty}, **self.defaults, **given}
+        out.pop("positions", None)
+        return out
 
     def __call__(self, model: Any, **options: Any) -> Hooks:
         """``factory(model, **defaults | options)``; a missing or unknown option raises InvalidArgumentError."""
         kwargs = {**self.defaults, **options}
-        params = list(inspect.signature(self.factory).parameters.values())[1:]
-        takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
-        known = self.options()
-        unknown = sorted(k for k in kwargs if k not in known)
+        takes_any = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(self.factory).parameters.values())
+        unknown = sorted(k for k in kwargs if k not in self.options())
         if unknown and not takes_any:
             raise InvalidArgumentError(
-                f"Intervention {self.name!r} has no option {unknown[0]!r}; its options are {known}."
-            )
-        for p in params:
-            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty and kwargs.get(p.name) is None:
+                f"Intervention {self.name!r} has no option {unknown[0]!r}; its options are {self.options()}.")
+        for p in self._params():
+            if p.default is p.empty and kwargs.get(p.name) is None:
                 what = self.requires.get(p.name, f"{p.name}=...")
                 raise InvalidArgumentError(f"Intervention {self.name!r} needs {what}.")
         return list(self.factory(model, **kwargs))
@@ -80,18 +82,11 @@ def canonical(name: str) -> str:
 
 
 def register(
-    name: str,
-    factory: Factory,
-    *,
-    role: Role,
-    summary: str,
-    requires: Mapping[str, str] | None = None,
-    defaults: Mapping[str, Any] | None = None,
-    sink_option: str | None = None,
-    sink_defaults: Mapping[str, Any] | None = None,
+    name: str, factory: Factory, *, role: Role, summary: str,
+    requires: Mapping[str, str] | None = None, defaults: Mapping[str, Any] | None = None,
+    sink_option: str | None = None, sink_defaults: Mapping[str, Any] | None = None,
 ) -> Intervention:
-    """Register ``factory(model, *, positions, layers=None, **options) -> hooks`` under ``name`` (``ValueError``
-    if taken); see :class:`Intervention` for the other fields."""
+    """Register ``factory`` under ``name`` (``ValueError`` if taken); see :class:`Intervention`."""
     key = canonical(name)
     if not key.isidentifier():
         raise InvalidArgumentError(f"An intervention name must be an identifier (hyphens allowed), got {name!r}.")
@@ -99,10 +94,9 @@ def register(
         raise ValueError(f"An intervention named {key!r} is already registered.")
     if role not in ("create", "remove", "edit"):
         raise InvalidArgumentError(f"role must be 'create', 'remove' or 'edit', got {role!r}.")
-    entry = Intervention(key, role, factory, summary, dict(requires or {}), dict(defaults or {}), sink_option,
-                         dict(sink_defaults or {}))
-    _REGISTRY[key] = entry
-    return entry
+    _REGISTRY[key] = Intervention(key, role, factory, summary, dict(requires or {}), dict(defaults or {}),
+                                  sink_option, dict(sink_defaults or {}))
+    return _REGISTRY[key]
 
 
 def names(role: Role | None = None) -> list[str]:
@@ -118,8 +112,7 @@ def get(name: str, *, role: Role | None = None) -> Intervention:
     entry = _REGISTRY.get(key)
     if entry is not None and role is not None and entry.role != role:
         raise InvalidArgumentError(
-            f"{name!r} is a {entry.role} intervention, not a {role} one; {role} interventions: {names(role)}."
-        )
+            f"{name!r} is a {entry.role} intervention, not a {role} one; {role} interventions: {names(role)}.")
     if entry is None:
         choices = names(role)
         close = difflib.get_close_matches(key, choices, n=2)

@@ -1,6 +1,4 @@
-"""Where an intervention's ``site`` is edited, so that it means the same on every TransformerLens version:
-the 4.x BERT bridge fires ``hook_resid_mid`` after the MLP, so edits go to ``ln1.hook_in`` there (:func:`edit_site`).
-"""
+"""Where an intervention's ``site`` is edited, so that it means the same on every TransformerLens version."""
 
 from __future__ import annotations
 
@@ -14,12 +12,12 @@ POST_LN_MID = "ln1.hook_in"
 
 
 def edit_site(model: Any, site: str) -> str:
-    """The per-layer hook site at which an edit of ``site`` means what it names: ``"hook_resid_mid"`` on a
-    post-LN 4.x bridge becomes ``"ln1.hook_in"``; anything else is returned as given.
+    """``site``, except ``"hook_resid_mid"`` on a post-LN 4.x bridge (which fires it after the MLP):
+    ``"ln1.hook_in"`` there.
 
     Examples:
-        >>> from sinklens.testing.zoo import zoo_model
-        >>> edit_site(zoo_model("llama"), "hook_resid_mid")
+        >>> from sinklens.testing import tiny_model
+        >>> edit_site(tiny_model(), "hook_resid_mid")
         'hook_resid_mid'
     """
     if site != RESID_MID or post_ln_reason(model) is None:

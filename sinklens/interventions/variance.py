@@ -1,10 +1,5 @@
-"""Variance interventions: amplify a token's deviation from the mean, or calibrate the sink's away.
-
-A head's output at ``t`` averages ``t + 1`` values, so its variance shrinks like ``σ²/(t+1)`` and the first
-token stands out. :func:`amplify`: ``x ← μ + α (x − μ)`` at ``positions`` (``α > 1`` makes a token
-first-token-like); :func:`calibrate`: rescale the target's deviation to the other positions' RMS deviation.
-Hooks keep the :func:`reference_mean` they were built with; a training loop should use ``reference="batch"``.
-"""
+"""Variance interventions: :func:`amplify` a token's deviation from the mean (``α > 1`` makes it
+first-token-like), or :func:`calibrate` the sink's deviation to the other positions' RMS deviation."""
 
 from __future__ import annotations
 
@@ -72,19 +67,11 @@ class MeanActivationReducer(Reducer[dict[int, Tensor]]):
 
 
 def reference_mean(
-    model: Any,
-    *,
-    site: str = Z,
-    layers: IndexLike | None = None,
-    n_sequences: IntLike = 32,
-    seq_len: IntLike = 64,
-    skip_first: IntLike = 1,
-    seed: IntLike = 0,
-    cache: bool = True,
+    model: Any, *, site: str = Z, layers: IndexLike | None = None, n_sequences: IntLike = 32,
+    seq_len: IntLike = 64, skip_first: IntLike = 1, seed: IntLike = 0, cache: bool = True,
 ) -> dict[int, Tensor]:
-    """Mean of ``blocks.{l}.{site}`` per layer over uniform random-token positions ``>= skip_first`` (no BOS),
-    with the model's own hooks silenced; cached per model and weights. ``{layer: mean}`` on the model's device.
-    """
+    """``{layer: mean}`` of ``blocks.{l}.{site}`` over uniform random-token positions ``>= skip_first`` (no
+    BOS), with the model's own hooks silenced; cached per model and weights, on the model's device."""
     dims = model_dims(model)
     layer_list = layers_arg(layers, dims.n_layers)
     n_sequences = positive_int(n_sequences, what="n_sequences")
@@ -118,24 +105,23 @@ def clear_reference_cache(model: Any | None = None) -> None:
 
 def _reference_for(model: Any, reference: Reference, site: str, layers: list[int], kw: dict) -> dict[int, Tensor] | None:
     """``{layer: mean}`` for ``amplify``'s ``reference=`` (None = per-batch means, computed in the hook)."""
-    if isinstance(reference, str):
+    named = isinstance(reference, str)
+    if named:
         reference = choice(reference, ("random", "batch"), what="reference")
-        if reference == "random":
-            allowed = ("n_sequences", "seq_len", "skip_first", "seed", "cache")
-            unknown = sorted(k for k in kw if k not in allowed)
-            if unknown:
-                own = [name for name in inspect.signature(amplify).parameters if name not in ("model", "reference_kw")]
-                raise InvalidArgumentError(
-                    f"amplify has no option {unknown[0]!r}; its options are {own} and, with reference='random', "
-                    f"reference_mean's {list(allowed)}."
-                )
-            return reference_mean(model, site=site, layers=layers, **kw)
+    if named and reference == "random":
+        allowed = ("n_sequences", "seq_len", "skip_first", "seed", "cache")
+        unknown = sorted(k for k in kw if k not in allowed)
+        if unknown:
+            own = [name for name in inspect.signature(amplify).parameters if name not in ("model", "reference_kw")]
+            raise InvalidArgumentError(
+                f"amplify has no option {unknown[0]!r}; its options are {own} and, with reference='random', "
+                f"reference_mean's {list(allowed)}.")
+        return reference_mean(model, site=site, layers=layers, **kw)
     if kw:
         raise InvalidArgumentError(
             f"Options {sorted(kw)} only apply to reference='random' (they configure reference_mean), "
-            f"not to reference={reference!r}."
-        )
-    if isinstance(reference, str):
+            f"not to reference={reference!r}.")
+    if named:  # "batch"
         return None
     if isinstance(reference, Tensor):
         means = {layer: reference for layer in layers}
@@ -155,8 +141,7 @@ def _reference_for(model: Any, reference: Reference, site: str, layers: list[int
 
 
 def _other_positions(act: Tensor, targets: list[int]) -> Tensor:
-    """``[batch, pos]``: the positions ``>= 1`` that are not targets and are real tokens (padding of a batch that
-    :func:`sinklens.streaming.forward` runs is left out, :func:`~sinklens.streaming.real_tokens`)."""
+    """``[batch, pos]``: the real-token positions ``>= 1`` that are not targets."""
     keep = torch.ones(act.shape[1], dtype=torch.bool, device=act.device)
     keep[0] = False
     keep[targets] = False
@@ -174,42 +159,33 @@ def _mean_over(x: Tensor, where: Tensor) -> Tensor:
     return (x * weight).sum(dim=1, keepdim=True) / weight.sum(dim=1, keepdim=True).clamp_min(1.0)
 
 
-def _others_mean(act: Tensor, targets: list[int]) -> Tensor:
-    """Mean over the real positions ``>= 1`` that are not targets, per sequence: ``[batch, 1, ...]``."""
-    return _mean_over(act, _other_positions(act, targets))
-
-
 def _reference_at(mean: Tensor, act: Tensor) -> Tensor:
     """A reference mean on ``act``'s device and dtype; its shape must be ``act``'s trailing shape."""
     if tuple(mean.shape) != tuple(act.shape[2:]):
         raise InvalidArgumentError(
             f"reference mean has shape {tuple(mean.shape)}; this site's activation needs {tuple(act.shape[2:])} "
-            "(its shape after [batch, pos])."
-        )
+            "(its shape after [batch, pos]).")
     return mean.to(act.device, act.dtype)
 
 
-def _head_select(act: Tensor, heads: list[int] | None) -> Tensor | None:
-    """``[head, 1]`` bool selector of ``heads`` for a ``[batch, pos, head, d_head]`` activation (None = all)."""
-    if heads is None:
-        return None
-    if act.ndim != 4:
-        raise InvalidArgumentError(f"heads= needs a per-head site ([batch, pos, head, d_head]); this activation is {tuple(act.shape)}.")
-    if max(heads) >= act.shape[2]:
-        raise InvalidArgumentError(f"head {max(heads)} is out of range for this site's {act.shape[2]} heads (0..{act.shape[2] - 1}).")
-    sel = torch.zeros(act.shape[2], dtype=torch.bool, device=act.device)
-    sel[heads] = True
-    return sel[:, None]  # broadcast over d_head
-
-
-#: Per-head sites that hold the ``n_kv_heads`` key/value heads under grouped-query attention.
-KV_SITES = (K, V)
+def _rewrite(act: Tensor, pos: list[int], heads: list[int] | None, new: Tensor) -> Tensor:
+    """A copy of ``act`` whose positions ``pos`` are ``new``, in ``heads`` only (None: all) of a
+    ``[batch, pos, head, d_head]`` activation."""
+    if heads is not None:
+        if act.ndim != 4:
+            raise InvalidArgumentError(f"heads= needs a per-head site ([batch, pos, head, d_head]); this activation is {tuple(act.shape)}.")
+        sel = torch.zeros(act.shape[2], 1, dtype=torch.bool, device=act.device)  # [head, 1]: over d_head
+        sel[heads] = True
+        new = torch.where(sel, new, act[:, pos])
+    out = act.clone()
+    out[:, pos] = new
+    return out
 
 
 def _site_heads(heads: IndexLike | None, site: str, dims: ModelDims) -> list[int] | None:
-    """Validate ``heads=`` for ``site`` when the hooks are built: key/value heads at ``attn.hook_k``/``attn.hook_v``
-    of a grouped-query model (``0..n_kv_heads-1``), query heads elsewhere (``0..n_heads-1``); None = all."""
-    if heads is None or site not in KV_SITES or dims.n_kv_heads == dims.n_heads:
+    """Validate ``heads=`` for ``site``: key/value heads at ``attn.hook_k``/``attn.hook_v`` of a grouped-query
+    model, query heads elsewhere; None = all."""
+    if heads is None or site not in (K, V) or dims.n_kv_heads == dims.n_heads:
         return heads_arg(heads, dims.n_heads)
     return index_list(heads, dims.n_kv_heads, allow_negative=False,
                       what=f"heads= at {site} indexes the {dims.n_kv_heads} key/value heads of this grouped-query "
@@ -217,32 +193,14 @@ def _site_heads(heads: IndexLike | None, site: str, dims: ModelDims) -> list[int
 
 
 def amplify(
-    model: Any,
-    *,
-    positions: IndexLike,
-    alpha: NumberLike,
-    site: str = Z,
-    layers: IndexLike | None = None,
-    heads: IndexLike | None = None,
-    reference: Reference = "random",
-    **reference_kw: Any,
+    model: Any, *, positions: IndexLike, alpha: NumberLike, site: str = Z,
+    layers: IndexLike | None = None, heads: IndexLike | None = None,
+    reference: Reference = "random", **reference_kw: Any,
 ) -> Hooks:
-    """Mean-centred amplification ``x ← μ + α (x − μ)`` of the tokens at ``positions``, computed as
-    ``x + (α − 1)(x − μ)`` so that ``α = 1`` is bit-exact.
-
-    ``site``: per-layer hook site (default ``"attn.hook_z"``); ``heads``: only these heads (key/value heads at
-    ``hook_k``/``hook_v``). ``reference``: ``"random"`` (:func:`reference_mean`, keywords ``reference_kw``),
-    ``"batch"`` (per sequence, the mean over its real positions other than 0 and the targets; right for
-    training), a tensor, or ``{layer: tensor}``.
-
-    Examples:
-        >>> from sinklens.testing import tiny_model
-        >>> model = tiny_model()
-        >>> toks = torch.tensor([[0, 5, 6, 7, 8]])
-        >>> hooks = amplify(model, positions=2, alpha=1.0, reference="batch")
-        >>> bool(torch.equal(model.run_with_hooks(toks, fwd_hooks=hooks), model(toks)))
-        True
-    """
+    """``x ← μ + α (x − μ)`` at ``positions`` of ``site`` (in ``heads``), as ``x + (α − 1)(x − μ)`` so that
+    ``α = 1`` is bit-exact. ``μ``: ``reference="random"`` (:func:`reference_mean` with ``reference_kw``),
+    ``"batch"`` (per sequence, over real positions other than 0 and the targets; use it in training), a
+    tensor, or ``{layer: tensor}``."""
     alpha = finite_number(alpha, what="alpha")
     if not alpha > 0:
         raise InvalidArgumentError(f"alpha must be a number > 0 (1 = no change), got {alpha:g}.")
@@ -257,33 +215,19 @@ def amplify(
     def fn(act: Tensor, layer: int) -> Tensor:  # act: [batch, pos, ...]
         check_in_sequence(pos, act.shape[1])
         x = act[:, pos]
-        mu = _others_mean(act, pos) if means is None else _reference_at(means[layer], act)
-        delta = (alpha - 1.0) * (x - mu)
-        sel = _head_select(act, heads)
-        if sel is not None:
-            delta = delta * sel
-        out = act.clone()
-        out[:, pos] = x + delta
-        return out
+        mu = _mean_over(act, _other_positions(act, pos)) if means is None else _reference_at(means[layer], act)
+        return _rewrite(act, pos, heads, x + (alpha - 1.0) * (x - mu))
 
     return on_the_residual_stream(model, per_layer_hooks(site, layer_list, fn))
 
 
 def calibrate(
-    model: Any,
-    *,
-    positions: IndexLike = 0,
-    site: str = Z,
-    layers: IndexLike | None = None,
-    heads: IndexLike | None = None,
-    eps: NumberLike = 1e-6,
+    model: Any, *, positions: IndexLike = 0, site: str = Z, layers: IndexLike | None = None,
+    heads: IndexLike | None = None, eps: NumberLike = 1e-6,
 ) -> Hooks:
-    """Rescale each target's deviation to the other positions' typical size (remove the discrepancy).
-
-    Per sequence (and head), with ``μ`` the mean and ``s = sqrt(mean_t ||x_t − μ||²)`` over real positions
-    ``t >= 1`` that are not targets, each target becomes ``μ + (x − μ) · s / ||x − μ||`` (norms over the last
-    dimension). Default target: position 0. ``site`` and ``heads`` as in :func:`amplify`.
-    """
+    """Each target ``x`` becomes ``μ + (x − μ) · s / ||x − μ||``, per sequence (and head), with ``μ`` the mean
+    and ``s = sqrt(mean_t ||x_t − μ||²)`` over real positions ``t >= 1`` that are not targets (norms over the
+    last dimension). ``site`` and ``heads`` as in :func:`amplify`."""
     dims = model_dims(model)
     pos = positions_arg(positions, dims.n_ctx)
     layer_list = layers_arg(layers, dims.n_layers)
@@ -297,16 +241,8 @@ def calibrate(
         others = _other_positions(act, pos)
         mu = _mean_over(act, others)
         rms = _mean_over((act - mu).norm(dim=-1, keepdim=True).pow(2), others).sqrt()
-        x = act[:, pos]
-        dev = x - mu
-        scale = rms / dev.norm(dim=-1, keepdim=True).clamp_min(eps)
-        new = mu + dev * scale
-        sel = _head_select(act, heads)
-        if sel is not None:
-            new = torch.where(sel, new, x)
-        out = act.clone()
-        out[:, pos] = new
-        return out
+        dev = act[:, pos] - mu
+        return _rewrite(act, pos, heads, mu + dev * rms / dev.norm(dim=-1, keepdim=True).clamp_min(eps))
 
     return on_the_residual_stream(model, [(name, fn) for name in names])
 

@@ -1,9 +1,5 @@
-"""Where sinks come from: models at initialization, init-time biases, variance calibration, SeedPrint.
-
-:mod:`sinklens.loading.init` (``SPEC@init:S``, ``RUN_DIR@init``), :mod:`.preference` (token preference on
-random inputs), :mod:`.contraction` (concentration by sublayer), :mod:`.positional` (first-token discrepancy),
-:mod:`.persistence` (init-time bias through training), :mod:`.fingerprint` (SeedPrint lineage test).
-"""
+"""Where sinks come from: models at init (:mod:`sinklens.loading.init`), token preference, contraction,
+positional discrepancy, persistence through training and the SeedPrint lineage test (docs/origins.md)."""
 
 from sinklens.origins.contraction import ContractionResult, contraction
 from sinklens.origins.fingerprint import FingerprintResult, final_hidden_states, fingerprint, seedprint_test

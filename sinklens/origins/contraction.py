@@ -1,24 +1,10 @@
-"""Contraction of token representations at initialization, by layer and sublayer.
-
-*Transformers Are Born Biased* (arXiv 2602.05927) explains init-time token preference by a contraction of
-hidden states along a seed-dependent direction: MLPs concentrate representations *across* sequences,
-attention *within* a sequence. No public code; the measures are defined here, on seeded random ids.
-
-Sites: ``embed`` (``blocks.0.hook_resid_pre``), ``attn l`` (residual right after the attention write),
-``mlp l`` (``hook_resid_post``), ``final`` (unembedding input). Counted positions: all, or ``>= 1`` after a
-BOS. With ``û = h / ‖h‖`` (states with ``‖h‖ = 0`` left out, counted in ``zero_states``):
-
-* ``inter[t] = mean_{n ≠ m} cos(h[n, t], h[m, t]) = (‖Σ_n û[n, t]‖² − k_t) / (k_t (k_t − 1))`` (NaN if
-  ``k_t < 2``); ``inter_mean`` over counted positions. ``intra = mean_n mean_{t ≠ t'} cos(h[n, t], h[n, t'])``.
-* ``direction``: top eigenvector of ``Σ h hᵀ`` (signed along the mean), ``direction_share = λ₁ / trace``,
-  ``mean_direction = Σ h / ‖Σ h‖``, ``direction_stability``: ``|cos|`` between even and odd sequences'
-  directions (at ``embed``, each ``mlp l`` and ``final``). ``alignment``: ``cos(final direction, W_U[:, j])``.
-* ``delta_inter[l]``: change of ``inter_mean`` across ``attn l`` and ``mlp l``; ``share_inter`` divides by
-  the total change from ``embed`` to the last ``mlp`` (the same for ``intra``).
-* ``mlp_act_mean[l]``: mean of ``f(mlp.hook_pre)``, against ``activation_mean_at_zero = E[f(z)]``,
-  ``z ~ N(0, 1)`` (GELU ≈ 0.2821, SiLU ≈ 0.2066, ReLU ≈ 0.3989); ``mlp_post_mean[l]``: mean of
-  ``mlp.hook_post`` (includes a gated MLP's ``up`` factor). Not measured for mixtures of experts.
-"""
+"""Contraction of token representations at init, by sublayer (*Transformers Are Born Biased*, arXiv
+2602.05927; no public code, measures defined here). Sites: ``embed``, ``attn l`` (residual right after the
+attention write), ``mlp l`` (``hook_resid_post``), ``final``; counted positions: all, or ``>= 1`` after a BOS.
+With ``û = h / ‖h‖`` (zero states left out, counted in ``zero_states``): ``inter[t] = mean_{n ≠ m} cos(h[n, t],
+h[m, t])``, ``intra = mean_n mean_{t ≠ t'} cos(h[n, t], h[n, t'])``; ``direction``: top eigenvector of
+``Σ h hᵀ``, ``direction_stability``: ``|cos|`` of even and odd sequences' directions; ``alignment``:
+``cos(final direction, W_U[:, j])``; ``mlp_act_mean``: mean ``f(mlp.hook_pre)`` against ``E[f(z)]``."""
 
 from __future__ import annotations
 
@@ -79,7 +65,8 @@ def activation_mean_at_zero(name: str) -> float:
 
 @dataclass(repr=False, eq=False)
 class SiteStats(CompactRepr):
-    """Concentration at one site (see the module docstring)."""
+    """Concentration at one site (module docstring); ``direction_share = λ₁ / trace``, ``mean_direction =
+    Σ h / ‖Σ h‖``."""
 
     name: str
     inter: Float[Tensor, " pos"]
@@ -116,12 +103,9 @@ class ContractionResult(CompactRepr):
                 return s
         raise KeyError(f"No site {name!r}; sites are {[s.name for s in self.sites]}.")
 
-    def _series(self, key: str) -> list[float]:
-        return [getattr(s, key) for s in self.sites if s.name != "final"]
-
     def delta(self, key: str = "inter_mean") -> Float[Tensor, "layer 2"]:
         """``[layer, (attn, mlp)]`` change of ``key`` (``"inter_mean"`` or ``"intra"``) across each sublayer."""
-        values = torch.tensor(self._series(key), dtype=torch.float64)
+        values = torch.tensor([getattr(s, key) for s in self.sites if s.name != "final"], dtype=torch.float64)
         return (values[1:] - values[:-1]).view(self.n_layers, 2)
 
     def share(self, key: str = "inter_mean") -> Float[Tensor, "layer 2"]:
@@ -208,11 +192,9 @@ class _SiteAccumulator:
     def merge(self, other: _SiteAccumulator, *, swap_halves: bool = False) -> None:
         """Add ``other``'s sums (the same site, the sequences after this one's); ``swap_halves`` when this
         accumulator saw an odd number of sequences, so ``other``'s even sequences are odd ones overall."""
-        self.unit_sum += other.unit_sum.to(self.unit_sum.device)
-        self.nonzero += other.nonzero.to(self.nonzero.device)
+        for name in ("unit_sum", "nonzero", "intra_terms", "intra_count"):
+            getattr(self, name).add_(getattr(other, name).to(self.unit_sum.device))
         self.n += other.n
-        self.intra_terms += other.intra_terms.to(self.intra_terms.device)
-        self.intra_count += other.intra_count.to(self.intra_count.device)
         if self.directions:
             order = [1, 0] if swap_halves else [0, 1]
             self.moments += other.moments[order].to(self.moments.device)
@@ -230,8 +212,7 @@ class _SiteAccumulator:
         k = self.nonzero
         inter = (self.unit_sum.pow(2).sum(dim=-1) - k) / (k * (k - 1))
         inter = torch.where(k >= 2, inter, torch.full_like(inter, float("nan")))
-        counted = inter[first:]
-        inter_mean = float(counted.nanmean()) if bool(counted.isfinite().any()) else float("nan")
+        inter_mean = float(inter[first:].nanmean())  # NaN when no position has a pair
         pairs = float(self.intra_count)
         intra = float(self.intra_terms) / pairs if pairs > 0 else float("nan")
         zero = int(round(self.n * (k.numel() - first) - float(k[first:].sum())))
@@ -239,8 +220,7 @@ class _SiteAccumulator:
         if self.directions:
             m, s = self.moments.sum(0), self.sums.sum(0)
             v, share = self._top(m, s)
-            v0, _ = self._top(self.moments[0], self.sums[0])
-            v1, _ = self._top(self.moments[1], self.sums[1])
+            (v0, _), (v1, _) = (self._top(self.moments[half], self.sums[half]) for half in (0, 1))
             mean_dir = s / s.norm().clamp_min(1e-300)
             stats.direction, stats.direction_share = v.float().cpu(), share
             stats.mean_direction = mean_dir.float().cpu()
@@ -257,23 +237,18 @@ class ContractionReducer(Reducer[ContractionResult]):
     def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
         dims = model_dims(model)
         self.model, self.dims, self.seq_len, self.prepend_bos = model, dims, seq_len, prepend_bos
-        self.first = 1 if prepend_bos else 0
-        self.device = model_device(model)
+        self.first, self.device = (1 if prepend_bos else 0), model_device(model)
         self.final_site, self.finish = final_state_site(model)
         self.mlp_skipped = moe_reason(model)
         self.gated = self.mlp_skipped is None and is_gated_mlp(model)
         self.act_fn = _ACTIVATIONS.get(activation_name(model))
-        # (site, hook name or None for the residual after attention, directions computed there)
-        self.names: list[tuple[str, str | None, bool]] = [("embed", hook_name(0, RESID_PRE), True)]
-        for layer in range(dims.n_layers):
-            self.names.append((f"attn {layer}", None, False))
-            self.names.append((f"mlp {layer}", hook_name(layer, RESID_POST), True))
+        self.names = ["embed", *(f"{kind} {i}" for i in range(dims.n_layers) for kind in ("attn", "mlp")), "final"]
         self.reset()
 
     def reset(self) -> None:
         d = self.dims.d_model
-        self.acc = {name: _SiteAccumulator(name, self.seq_len, d, self.device, dirs) for name, _, dirs in self.names}
-        self.acc["final"] = _SiteAccumulator("final", self.seq_len, d, self.device, True)
+        self.acc = {name: _SiteAccumulator(name, self.seq_len, d, self.device, not name.startswith("attn"))
+                    for name in self.names}  # no directions right after attention
         self.mlp_post = torch.zeros(self.dims.n_layers, dtype=torch.float64, device=self.device)
         self.mlp_act = torch.zeros(self.dims.n_layers, dtype=torch.float64, device=self.device)
         self.mlp_count = 0
@@ -281,25 +256,16 @@ class ContractionReducer(Reducer[ContractionResult]):
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         start = self.seen
-        hooks = []
 
-        def bind(site: str, finish=None):
-            def fn(act: Tensor, hook: Any) -> None:
-                self.acc[site].fold(finish(act) if finish is not None else act, self.first, start)
+        def fold(site: str, act: Tensor) -> None:
+            self.acc[site].fold(act, self.first, start)
 
-            return fn
-
-        for site, hook, _ in self.names:
-            if hook is not None:
-                hooks.append((hook, bind(site)))
-
-        def after_attention(layer: int, x: Tensor) -> None:
-            self.acc[f"attn {layer}"].fold(x, self.first, start)
-
-        hooks += after_attention_hooks(self.model, range(self.dims.n_layers), after_attention)
-        hooks.append((self.final_site, bind("final", self.finish)))
-        hooks += self._mlp_hooks()
-        return BatchFold(hooks)
+        layers = range(self.dims.n_layers)
+        hooks = [(hook_name(0, RESID_PRE), lambda act, hook: fold("embed", act))]
+        hooks += [(hook_name(i, RESID_POST), lambda act, hook, i=i: fold(f"mlp {i}", act)) for i in layers]
+        hooks += after_attention_hooks(self.model, layers, lambda i, x: fold(f"attn {i}", x))
+        hooks.append((self.final_site, lambda act, hook: fold("final", self.finish(act))))
+        return BatchFold(hooks + self._mlp_hooks())
 
     def _mlp_hooks(self) -> list[tuple[str, Any]]:
         """Hooks folding each layer's mean ``mlp.hook_post`` and ``f(pre)`` (``f(mlp.hook_pre)`` on a gated MLP);
@@ -336,7 +302,7 @@ class ContractionReducer(Reducer[ContractionResult]):
         merge_statistics(self, other, ("mlp_post", "mlp_act", "mlp_count", "seen"))
 
     def result(self) -> ContractionResult:
-        sites = [self.acc[name].result(self.first) for name, _, _ in self.names] + [self.acc["final"].result(self.first)]
+        sites = [self.acc[name].result(self.first) for name in self.names]
         final = sites[-1].direction
         w, _ = unembedding(self.model)
         w = w.float().cpu()
@@ -358,11 +324,8 @@ class ContractionReducer(Reducer[ContractionResult]):
 
 
 def contraction(
-    model: Any,
-    random: RandomInputs | None = None,
-    *,
-    options: RunOptions = RunOptions(progress=False, desc="contraction"),
-    **random_kwargs: Any,
+    model: Any, random: RandomInputs | None = None, *,
+    options: RunOptions = RunOptions(progress=False, desc="contraction"), **random_kwargs: Any,
 ) -> ContractionResult:
     """Inter- and intra-sequence concentration per sublayer (module docstring) on
     :class:`~sinklens.origins.preference.RandomInputs` (``random``, or its fields as keywords).

@@ -1,50 +1,26 @@
-"""SeedPrint: do two models come from the same random initialization?
+"""SeedPrint (Tong, Wang, Li et al., ICLR 2026, arXiv 2509.26404): do two models come from the same random
+initialization? Follows the authors' ``seedprint.py`` ``run_test`` (analytical, coset, no aggregation);
+their constants in brackets, caveats in docs/origins.md.
 
-A re-implementation of the test of *SeedPrints: Fingerprints Can Even Tell Which Seed Your Large
-Language Model Was Trained From* (Tong, Wang, Li et al., ICLR 2026, arXiv 2509.26404), following
-the authors' code (github.com/YnezT0311/SeedPrints, ``seedprint.py`` ``run_test`` with its defaults
-``method="analytical"``, ``identity_mode="coset"``, ``use_agg=False``). The authors' constants in brackets:
-
-1. Inputs. ``token`` mode: ``N`` sequences of ``L`` ids drawn by ``torch.randint(0, V)`` after seeding with
-   ``seed`` [42], no BOS [``V = 32000``; here ``min(32000, d_vocab_a, d_vocab_b)``]. ``embedding`` mode:
-   embeddings ``~ N(μ, σ)`` ``[N, L, d_model]`` fed in place of ``hook_embed`` (learned position embeddings
-   still added), with ``μ, σ`` those of the token embedding of freshly *initialized* models
-   (:func:`embedding_stats_at_init`), one seeded ``[L, d_model]`` draw per sample.
+1. Inputs, no BOS: ``N`` sequences of ``L`` ids from ``torch.randint(0, V)`` seeded [42], ``V = min(32000,
+   d_vocab_a, d_vocab_b)``; or (``embedding``) ``N(μ, σ)`` embeddings replacing ``hook_embed``, ``μ, σ`` of
+   the token embedding at init (:func:`embedding_stats_at_init`), one seeded ``[L, d_model]`` draw per sample.
 2. Features: the final hidden state (after the final norm) at the last position, ``[N, d_model]``, float32.
-3. Identity dimensions: per model the ``k`` dims with the smallest mean over samples [``k = buffer_k = 400``],
-   ``k`` clipped to the model's ``d_model``. ``coset`` keeps the intersection of both sets, ``base`` model A's.
-   Models of different widths are compared in token mode only, at dims below both widths.
-4. Normalisation: ``softmax(h[:, idx] / 10, dim=1)`` [``"softmax_T10"``].
-5. Per-dimension Kendall τ-b across the ``N`` samples (``scipy.stats.kendalltau``) and its mean ``τ̄``.
-6. Analytic null: each τ ``~ N(0, 2(2N+5) / (9N(N-1)))``, the ``k`` taus independent:
-   ``z = τ̄ / (σ_τ / sqrt(k))``.
-7. ``p = min(1, 2 · Φ̄(z))`` (twice the upper tail, so ``z < 0`` gives ``p = 1``); same lineage when
-   ``p < α`` [``α = 0.01``].
+3. Identity dims: per model the ``k`` dims with the smallest mean [``k = 400``, clipped to ``d_model``];
+   ``coset`` keeps the intersection of both sets, ``base`` model A's.
+4. ``softmax(h[:, idx] / 10, dim=1)``; 5. per-dimension Kendall τ-b across samples, mean ``τ̄``.
+6. ``z = τ̄ / (σ_τ / sqrt(k))``, ``σ_τ² = 2(2N+5) / (9N(N-1))``; 7. ``p = min(1, 2 Φ̄(z))``, same lineage
+   when ``p < α`` [0.01].
 
-Differences: ``buffer_k = 1`` is refused; fewer than two shared dims or a non-finite τ̄ give ``z = p = NaN``
-(theirs: ``p = 1``). A vocabulary not much larger than ``N`` makes samples share last tokens (dependent;
-unrelated models then test positive: 18 % at ``d_vocab`` 64, ``N = 300``), and embedding mode on small
-shallow models passes the shared input through (:func:`shared_input_z`); both add a caveat and make a
-positive "inconclusive".
-
-Examples:
-    >>> import torch
-    >>> from sinklens.origins.fingerprint import seedprint_test
-    >>> g = torch.Generator().manual_seed(0)
-    >>> a = torch.randn(300, 32, generator=g) - torch.linspace(0, 3, 32)
-    >>> related = seedprint_test(a, a + 0.3 * torch.randn(300, 32, generator=g), buffer_k=8)
-    >>> related.same_lineage, related.n_dims
-    (True, 8)
-    >>> unrelated = seedprint_test(a, torch.randn(300, 32, generator=g) - torch.linspace(0, 3, 32), buffer_k=8)
-    >>> unrelated.same_lineage
-    False
-"""
+Ours: ``buffer_k = 1`` is refused; fewer than two shared dims or a non-finite τ̄ give ``z = p = NaN`` (theirs:
+``p = 1``); a small vocabulary (shared last tokens) or a shared input passed through (:func:`shared_input_z`)
+add a caveat that makes a positive "inconclusive"."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import torch
@@ -89,8 +65,7 @@ class FingerprintResult(CompactRepr):
     """The outcome of one SeedPrint test: ``p_value = min(1, 2 · P(Z > z))``, ``z = τ̄ / (σ_τ(N) / sqrt(k))``,
     ``tau_mean`` = ``τ̄``, ``n_dims`` = ``k``, ``n_samples`` = ``N``, ``same_lineage = p_value < alpha`` (None when
     :attr:`undefined`), ``log10_p`` unclipped, ``dims`` / ``tau`` per identity dim, ``caveats`` (reasons the
-    p-value may not hold) and ``verdict``: ``same_lineage``, ``no_evidence`` or ``inconclusive``.
-    """
+    p-value may not hold) and ``verdict``: ``same_lineage``, ``no_evidence`` or ``inconclusive``."""
 
     p_value: float
     z: float
@@ -106,13 +81,8 @@ class FingerprintResult(CompactRepr):
     caveats: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
-        """Strict-JSON-ready data at full precision; non-finite numbers are None."""
-        return to_json({
-            "p_value": self.p_value, "z": self.z, "tau_mean": self.tau_mean, "n_dims": self.n_dims,
-            "n_samples": self.n_samples, "same_lineage": self.same_lineage, "alpha": self.alpha,
-            "log10_p": self.log10_p, "dims": self.dims, "tau": self.tau.tolist(), "settings": self.settings,
-            "caveats": self.caveats, "verdict": self.verdict,
-        }, digits=None)
+        """Every field and the verdict, strict-JSON-ready at full precision (non-finite numbers as None)."""
+        return to_json({**{f.name: getattr(self, f.name) for f in fields(self)}, "verdict": self.verdict}, digits=None)
 
     @property
     def undefined(self) -> bool:
@@ -140,6 +110,11 @@ class FingerprintResult(CompactRepr):
         line = (f"SeedPrint: {verdict} ({format_p_value(self.p_value, self.log10_p)}, z = {self.z:.2f}, mean tau = {self.tau_mean:.4f}, "
                 f"{self.n_dims} identity dims{shared}, {self.n_samples} samples, alpha = {self.alpha})")
         return "\n".join([line, *(f"  caveat: {c}" for c in self.caveats)])
+
+
+def _normed(h: Tensor, dims: list[int]) -> Tensor:
+    """Step 4: ``softmax(h[:, dims] / 10, dim=1)`` in float32 on the CPU."""
+    return torch.softmax(h.detach().float().cpu()[:, dims] / TEMPERATURE, dim=1)
 
 
 def identity_dims(hidden: Float[Tensor, "sample dim"], buffer_k: int) -> list[int]:
@@ -185,11 +160,8 @@ def _base_dims_within(dims: list[int], d_a: int, d_b: int) -> None:
 
 
 def seedprint_test(
-    hidden_a: Float[Tensor, "sample dim_a"],
-    hidden_b: Float[Tensor, "sample dim_b"],
-    *,
-    buffer_k: int = DEFAULT_BUFFER_K,
-    identity_mode: IdentityMode = "coset",
+    hidden_a: Float[Tensor, "sample dim_a"], hidden_b: Float[Tensor, "sample dim_b"], *,
+    buffer_k: int = DEFAULT_BUFFER_K, identity_mode: IdentityMode = "coset",
     alpha: float = DEFAULT_ALPHA,
 ) -> FingerprintResult:
     """Steps 3–7 of the module docstring on two ``[samples, dim]`` feature matrices (widths may differ).
@@ -199,8 +171,7 @@ def seedprint_test(
     if hidden_a.ndim != 2 or hidden_b.ndim != 2 or hidden_a.shape[0] != hidden_b.shape[0]:
         raise InvalidArgumentError(
             f"SeedPrint needs two [samples, hidden] matrices over the same samples (the same number of rows; the "
-            f"widths may differ), got {tuple(hidden_a.shape)} and {tuple(hidden_b.shape)}."
-        )
+            f"widths may differ), got {tuple(hidden_a.shape)} and {tuple(hidden_b.shape)}.")
     buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
     n, d_a = hidden_a.shape
     d_b = hidden_b.shape[1]
@@ -218,9 +189,7 @@ def seedprint_test(
     k = len(dims)
     caveats = []
     if k >= MIN_DIMS:
-        a_norm = torch.softmax(a[:, dims] / TEMPERATURE, dim=1)
-        b_norm = torch.softmax(b[:, dims] / TEMPERATURE, dim=1)
-        tau = per_dim_kendall(a_norm, b_norm)
+        tau = per_dim_kendall(_normed(a, dims), _normed(b, dims))
         tau_mean = float(tau.mean())
         if not math.isfinite(tau_mean):
             constant = [dim for dim, t in zip(dims, tau.tolist()) if not math.isfinite(t)]
@@ -318,14 +287,11 @@ class _LastFinalState(Reducer[Tensor]):
             emb = self.source.embeddings(batch.tokens.shape[0]).to(batch.tokens.device, self.dtype)
             hooks.append(("hook_embed", lambda act, hook: emb.to(act.dtype)))
 
-        def keep(act: Tensor, hook: Any) -> None:
-            # clone: a view would keep the whole [batch, pos, d_model] activation alive for the run
+        def keep(act: Tensor, hook: Any) -> None:  # clone: a view would keep the whole activation alive
             self.rows.append(self.finish(act[:, -1:, :])[:, 0, :].clone().float().cpu())
 
         hooks.append((self.site, keep))
-        if self.site == "unembed.hook_in":
-            # Only the last position is kept, so hand only it on to the unembedding (d_model x d_vocab
-            # per position, ~15% of SmolLM2's forward at L = 256): it runs for one position, not L.
+        if self.site == "unembed.hook_in":  # unembed the last position only (~15% of SmolLM2's forward)
             hooks.append((self.site, lambda act, hook: act[:, -1:, :]))
         return BatchFold(hooks)
 
@@ -354,15 +320,9 @@ def embedding_stats_at_init(models: Sequence[Any], *, seed: int = DEFAULT_SEED) 
 
 
 def final_hidden_states(
-    model: Any,
-    *,
-    n_samples: int = DEFAULT_SAMPLES,
-    seq_len: int = DEFAULT_SEQ_LEN,
-    input: InputMode = "token",
-    seed: int = DEFAULT_SEED,
-    vocab_limit: int | None = None,
-    embedding_stats: tuple[float, float] | None = None,
-    options: RunOptions = RunOptions(),
+    model: Any, *, n_samples: int = DEFAULT_SAMPLES, seq_len: int = DEFAULT_SEQ_LEN,
+    input: InputMode = "token", seed: int = DEFAULT_SEED, vocab_limit: int | None = None,
+    embedding_stats: tuple[float, float] | None = None, options: RunOptions = RunOptions(),
 ) -> Float[Tensor, "sample d_model"]:
     """Steps 1–2: the last-position final hidden states on ``n_samples`` random sequences of ``seq_len``
     (no BOS): uniform ids below ``vocab_limit`` (default ``min(32000, d_vocab)``), or ``N(μ, σ)`` vectors
@@ -387,30 +347,19 @@ def final_hidden_states(
         mu, sigma = embedding_stats_at_init([model], seed=seed)
     source = _RandomInputs(n_samples, seq_len, options.batch_size, mode=input, high=high, seed=seed,
                            device=model_device(model), d_model=dims.d_model, mu=mu, sigma=sigma)
-    reducer = _LastFinalState(model, source)
-    (hidden,) = stream(model, source, [reducer], options=options)  # type: ignore[arg-type]  # eval mode, modes restored
+    (hidden,) = stream(model, source, [_LastFinalState(model, source)], options=options)  # type: ignore[arg-type]
     return hidden
 
 
 def fingerprint(
-    model_a: Any,
-    model_b: Any,
-    *,
-    n_samples: int = DEFAULT_SAMPLES,
-    seq_len: int | None = None,
-    input: InputMode = "token",
-    buffer_k: int = DEFAULT_BUFFER_K,
-    identity_mode: IdentityMode = "coset",
-    alpha: float = DEFAULT_ALPHA,
-    seed: int = DEFAULT_SEED,
+    model_a: Any, model_b: Any, *, n_samples: int = DEFAULT_SAMPLES, seq_len: int | None = None,
+    input: InputMode = "token", buffer_k: int = DEFAULT_BUFFER_K,
+    identity_mode: IdentityMode = "coset", alpha: float = DEFAULT_ALPHA, seed: int = DEFAULT_SEED,
     options: RunOptions = RunOptions(desc="SeedPrint"),
 ) -> FingerprintResult:
-    """SeedPrint lineage test between two models (steps in the module docstring).
-
-    ``model_a`` / ``model_b``: models or :func:`sinklens.load_model` specs (``"run_dir@init"``); ``seq_len``
-    defaults to ``min(1024, n_ctx_a, n_ctx_b)``; ``input="embedding"`` needs equal hidden sizes and adds
-    ``embedding_mu``, ``embedding_sigma`` and ``shared_input_z`` to ``settings``. Bad settings raise
-    :class:`InvalidArgumentError`, before B runs where they can.
+    """SeedPrint lineage test between two models or :func:`sinklens.load_model` specs (module docstring);
+    ``seq_len`` defaults to ``min(1024, n_ctx_a, n_ctx_b)``; ``input="embedding"`` needs equal hidden sizes
+    and adds ``embedding_mu``, ``embedding_sigma`` and ``shared_input_z`` to ``settings``.
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -464,10 +413,8 @@ def fingerprint(
 
 
 def shared_input_z(
-    hidden_a: Float[Tensor, "sample dim"],
-    hidden_b: Float[Tensor, "sample dim"],
-    inputs: Float[Tensor, "sample dim"],
-    dims: list[int],
+    hidden_a: Float[Tensor, "sample dim"], hidden_b: Float[Tensor, "sample dim"],
+    inputs: Float[Tensor, "sample dim"], dims: list[int],
 ) -> float:
     """The ``z`` the shared input alone would give two unrelated models (embedding mode; sinklens' own check):
     with ``ρ = sin(π τ / 2)`` from each model's mean Kendall τ against the inputs, ``τ = (2/π) arcsin(ρ_A ρ_B)``,
@@ -477,9 +424,7 @@ def shared_input_z(
         return float("nan")
 
     def through(h: Tensor) -> float:
-        normed = torch.softmax(h.detach().float().cpu()[:, dims] / TEMPERATURE, dim=1)
-        x = torch.softmax(inputs.float().cpu()[:, dims] / TEMPERATURE, dim=1)
-        return math.sin(math.pi / 2 * float(per_dim_kendall(normed, x).mean()))
+        return math.sin(math.pi / 2 * float(per_dim_kendall(_normed(h, dims), _normed(inputs, dims)).mean()))
 
     tau = 2.0 / math.pi * math.asin(through(hidden_a) * through(hidden_b))
     return tau / (kendall_tau_null_std(hidden_a.shape[0]) / math.sqrt(k))

@@ -1,10 +1,5 @@
-"""Persistence: how much of the init-time bias a trained model keeps.
-
-Both measures compare a model with a reference (typically its own ``RUN_DIR@init``) on the same seeded random
-inputs (no BOS) through a :class:`PreferenceSnapshot`: ``probs`` (pooled mean next-token distribution) and
-``direction`` (top eigenvector of ``Σ h hᵀ`` of the final states). :func:`compare_snapshots` gives
-``preference_corr`` (Pearson over ``log probs``), ``preference_spearman`` / ``preference_kendall`` (rankings by
-``probs``) and ``direction_cos`` (``|cos|`` of the directions). A constant preference gives NaN.
+"""Persistence: how much of the init-time bias a trained model keeps, comparing it with a reference
+(typically its own ``RUN_DIR@init``) on the same seeded random inputs through a :class:`PreferenceSnapshot`.
 """
 
 from __future__ import annotations
@@ -31,7 +26,8 @@ from sinklens.streaming import BatchFold, Reducer, stream
 @dataclass(repr=False, eq=False)
 class PreferenceSnapshot(CompactRepr):
     """A model's pooled next-token distribution ``probs`` ``[vocab]`` and unit final contraction ``direction``
-    ``[d_model]`` on the random inputs ``n_sequences``, ``seq_len``, ``seed``."""
+    (top eigenvector of ``Σ h hᵀ`` of the final states) on the random inputs ``n_sequences``, ``seq_len``,
+    ``seed``."""
 
     probs: Float[Tensor, " vocab"]
     direction: Float[Tensor, " d_model"]
@@ -87,21 +83,10 @@ class FinalDirectionReducer(Reducer[Float[Tensor, " d_model"]]):
 
 
 def snapshot(
-    model: Any,
-    *,
-    n_sequences: int = 64,
-    seq_len: int = SEQ_LEN,
-    seed: int = 0,
+    model: Any, *, n_sequences: int = 64, seq_len: int = SEQ_LEN, seed: int = 0,
     options: RunOptions = RunOptions(progress=False, desc="persistence"),
 ) -> PreferenceSnapshot:
-    """The :class:`PreferenceSnapshot` of ``model`` (one streamed pass; no gradients, hooks removed after).
-
-    Examples:
-        >>> from sinklens.testing import tiny_model
-        >>> snap = snapshot(tiny_model(), n_sequences=8, seq_len=4)
-        >>> snap.probs.shape, snap.direction.shape, round(float(snap.direction.norm()), 4)
-        (torch.Size([64]), torch.Size([16]), 1.0)
-    """
+    """The :class:`PreferenceSnapshot` of ``model`` (one streamed pass; no gradients, hooks removed after)."""
     random = RandomInputs(n_sequences=n_sequences, seq_len=seq_len, prepend_bos=False, seed=seed)
     batches = random_batches(model, random, options)
     with torch.no_grad():
@@ -111,7 +96,8 @@ def snapshot(
 
 
 def compare_snapshots(current: PreferenceSnapshot, reference: PreferenceSnapshot) -> dict[str, float]:
-    """``preference_corr``, ``preference_spearman``, ``preference_kendall``, ``direction_cos`` (module docstring)."""
+    """``preference_corr`` (Pearson over ``log probs``), ``preference_spearman`` / ``preference_kendall``
+    (rankings by ``probs``) and ``direction_cos`` (``|cos|`` of the directions); NaN for a constant preference."""
     from scipy import stats
 
     if current.inputs() != reference.inputs():
@@ -119,8 +105,7 @@ def compare_snapshots(current: PreferenceSnapshot, reference: PreferenceSnapshot
     if current.probs.shape != reference.probs.shape or current.direction.shape != reference.direction.shape:
         raise InvalidArgumentError(
             f"persistence needs the same d_vocab and d_model, got {tuple(current.probs.shape) + tuple(current.direction.shape)} "
-            f"and {tuple(reference.probs.shape) + tuple(reference.direction.shape)}."
-        )
+            f"and {tuple(reference.probs.shape) + tuple(reference.direction.shape)}.")
     pa, pb = current.probs.double(), reference.probs.double()
     la, lb = pa.clamp_min(1e-30).log(), pb.clamp_min(1e-30).log()
     corr = float(torch.corrcoef(torch.stack([la, lb]))[0, 1])
@@ -130,18 +115,13 @@ def compare_snapshots(current: PreferenceSnapshot, reference: PreferenceSnapshot
     kendall = float(stats.kendalltau(a, b).statistic)
     da, db = current.direction.double(), reference.direction.double()
     cos = float((da @ db).abs() / (da.norm() * db.norm()))
-    clip = lambda x: x if math.isnan(x) else min(1.0, max(-1.0, x))  # noqa: E731 - rounding can leave 1 + 2e-16
-    return {"preference_corr": clip(corr), "preference_spearman": clip(spearman), "preference_kendall": clip(kendall),
-            "direction_cos": clip(cos)}
+    out = {"preference_corr": corr, "preference_spearman": spearman, "preference_kendall": kendall,
+           "direction_cos": cos}
+    return {k: v if math.isnan(v) else min(1.0, max(-1.0, v)) for k, v in out.items()}  # rounding: 1 + 2e-16
 
 
 def persistence(
-    model: Any,
-    reference: Any,
-    *,
-    n_sequences: int = 64,
-    seq_len: int = SEQ_LEN,
-    seed: int = 0,
+    model: Any, reference: Any, *, n_sequences: int = 64, seq_len: int = SEQ_LEN, seed: int = 0,
     options: RunOptions = RunOptions(progress=False, desc="persistence"),
 ) -> dict[str, float]:
     """:func:`compare_snapshots` of ``model`` against ``reference`` on the same random inputs.

@@ -1,12 +1,7 @@
-"""Positional discrepancy: the first token is aggregated least, so its outputs vary most.
-
-*Transformers Are Born Biased* (arXiv 2602.05927, no public code; measures defined here): a head's output
-at ``t`` averages ``t + 1`` values, so its variance across inputs shrinks (``σ²/(t+1)`` under uniform
-attention). For activations ``a[n, t]`` of ``N`` random sequences (no BOS by default), per layer:
-``variance[t] = (1/d) Σ_d Var_n(a[n, t, d])`` (population variance), ``norm[t] = (1/N) Σ_n ‖a[n, t]‖`` and
-``relative[t] = x[t] / mean_{t' ≥ ⌊T/2⌋} x[t']``. Sites: ``attn_out`` (the attention write), ``resid`` (the
-residual right after it) and ``head`` (``attn.hook_z``, variance over ``d_head``).
-"""
+"""Positional discrepancy (*Transformers Are Born Biased*, arXiv 2602.05927; measures defined here): a
+head's output at ``t`` averages ``t + 1`` values, so its variance across inputs shrinks with ``t`` and the
+first token's outputs vary most. Sites: ``attn_out`` (the attention write), ``resid`` (the residual right
+after it), ``head`` (``attn.hook_z``)."""
 
 from __future__ import annotations
 
@@ -31,22 +26,21 @@ from sinklens.streaming import BatchFold, Reducer
 from sinklens.visibility import attention_direction
 
 
-def relative_to_later(x: Float[Tensor, "... pos"]) -> Float[Tensor, "... pos"]:
-    """``x[..., t] / mean(x[..., ⌊T/2⌋:])``.
+#: The ``[layer, pos]`` fields whose first-token ratios are summarised.
+RATIO_FIELDS = ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")
 
-    Examples:
-        >>> relative_to_later(torch.tensor([4.0, 2.0, 1.0, 1.0]))
-        tensor([4., 2., 1., 1.])
-    """
+
+def relative_to_later(x: Float[Tensor, "... pos"]) -> Float[Tensor, "... pos"]:
+    """``x[..., t] / mean(x[..., ⌊T/2⌋:])``."""
     T = x.shape[-1]
     return x / x[..., T // 2 :].mean(dim=-1, keepdim=True)
 
 
 @dataclass(repr=False, eq=False)
 class PositionalDiscrepancy(CompactRepr):
-    """Across-sequence variance and mean norm of each position's outputs: ``[layer, pos]`` for ``attn_out`` and
-    ``resid``, ``[layer, head, pos]`` for ``hook_z``. With ``prepend_bos`` position 0 is the BOS (variance 0) and
-    ratios read position 1; ``causal`` is False on an encoder (no discrepancy expected)."""
+    """``variance[t] = (1/d) Σ_d Var_n(a[n, t, d])`` (population variance across ``N`` sequences) and
+    ``norm[t] = (1/N) Σ_n ‖a[n, t]‖``: ``[layer, pos]`` for ``attn_out`` and ``resid``, ``[layer, head, pos]``
+    for ``hook_z``. After a BOS ratios read position 1; ``causal`` is False on an encoder."""
 
     attn_out_var: Float[Tensor, "layer pos"]
     attn_out_norm: Float[Tensor, "layer pos"]
@@ -70,21 +64,20 @@ class PositionalDiscrepancy(CompactRepr):
         """``relative(name)`` at the first random token (position 0, or 1 after a prepended BOS)."""
         return self.relative(name)[..., self.first_counted]
 
+    def ratios(self) -> dict[str, Tensor]:
+        """``[layer]`` :meth:`first_token_ratio` of each ``[layer, pos]`` field."""
+        return {name: self.first_token_ratio(name) for name in RATIO_FIELDS}
+
     def summary(self) -> dict[str, Any]:
-        """``[layer]`` :meth:`first_token_ratio` lists of the four ``[layer, pos]`` fields, ``n_sequences``, ``position``
-        and ``causal``, strict-JSON-ready (an undefined ratio is None): ``"positional"`` in ``origins.json``."""
-        return to_json({name: self.first_token_ratio(name).tolist()
-                        for name in ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")} | {
-            "n_sequences": self.n_sequences, "position": self.first_counted, "causal": self.causal}, digits=None)
+        """:meth:`ratios`, ``n_sequences``, ``position`` and ``causal``, strict-JSON-ready (an undefined ratio is
+        None): ``"positional"`` in ``origins.json``."""
+        return to_json({**self.ratios(), "n_sequences": self.n_sequences, "position": self.first_counted,
+                        "causal": self.causal}, digits=None)
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field plus ``position`` and ``first_token_ratio`` (:meth:`summary`'s ratios), strict-JSON-ready."""
-        summary = self.summary()
-        position = summary.pop("position")
-        summary.pop("n_sequences")
-        summary.pop("causal")
+        """Every field plus ``position`` and ``first_token_ratio`` (:meth:`ratios`), strict-JSON-ready."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        return to_json({**data, "position": position, "first_token_ratio": summary}, digits=None)
+        return to_json({**data, "position": self.first_counted, "first_token_ratio": self.ratios()}, digits=None)
 
 
 class _Moments:
@@ -103,9 +96,8 @@ class _Moments:
 
     def merge(self, other: _Moments) -> None:
         """Add ``other``'s sums (the same sites, other sequences)."""
-        self.sum += other.sum.to(self.sum.device)
-        self.sq += other.sq.to(self.sq.device)
-        self.norm += other.norm.to(self.norm.device)
+        for mine, theirs in ((self.sum, other.sum), (self.sq, other.sq), (self.norm, other.norm)):
+            mine += theirs.to(mine.device)
 
     def variance(self, n: int) -> Tensor:
         mean = self.sum / n
@@ -121,10 +113,8 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
     statistics = ("attn", "resid", "head", "n")
 
     def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
-        self.model = model
-        self.dims = model_dims(model)
+        self.model, self.dims, self.device = model, model_dims(model), model_device(model)
         self.seq_len, self.prepend_bos = seq_len, prepend_bos
-        self.device = model_device(model)
         self.causal = attention_direction(model) == "causal"
         self.reset()
 
@@ -152,11 +142,8 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
 
 
 def positional_discrepancy(
-    model: Any,
-    random: RandomInputs | None = None,
-    *,
-    options: RunOptions = RunOptions(progress=False, desc="positional"),
-    **random_kwargs: Any,
+    model: Any, random: RandomInputs | None = None, *,
+    options: RunOptions = RunOptions(progress=False, desc="positional"), **random_kwargs: Any,
 ) -> PositionalDiscrepancy:
     """Per layer and position: across-sequence variance and mean norm of attention outputs and residuals, on
     :class:`~sinklens.origins.preference.RandomInputs` (``random``, or its fields as keywords).
@@ -183,39 +170,18 @@ class PositionalTrajectory(StructuralEq):
         return torch.stack([r.first_token_ratio(name) for r in self.results])
 
     def summary(self) -> dict[str, Any]:
-        """``steps`` and the ``[step, layer]`` :meth:`first_token_ratio` lists by name, strict-JSON-ready (undefined: None)."""
-        return to_json({"steps": self.steps, **{name: self.first_token_ratio(name).tolist()
-                                                 for name in ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")}},
+        """``steps`` and the ``[step, layer]`` :meth:`first_token_ratio` by name, strict-JSON-ready (undefined: None)."""
+        return to_json({"steps": self.steps, **{name: self.first_token_ratio(name) for name in RATIO_FIELDS}},
                        digits=None)
 
 
 def positional_over_training(
-    run_dir: Any,
-    *,
-    steps: Any = None,
-    n_sequences: int = 128,
-    seq_len: int = SEQ_LEN,
-    prepend_bos: bool = False,
-    seed: int = 0,
+    run_dir: Any, *, steps: Any = None, n_sequences: int = 128, seq_len: int = SEQ_LEN,
+    prepend_bos: bool = False, seed: int = 0,
     options: RunOptions = RunOptions(progress=False, desc="positional"),
 ) -> PositionalTrajectory:
     """:func:`positional_discrepancy` of a ``sinklens train`` run at step 0 (``RUN_DIR@init``) and at each kept
-    checkpoint (or ``steps``), all on the same random sequences of ``min(seq_len, data.seq_len)`` tokens.
-
-    Examples:
-        >>> import tempfile
-        >>> from sinklens.sinklm.config import TrainConfig
-        >>> from sinklens.train.loop import train
-        >>> cfg = TrainConfig.from_dict({"model": {"n_layers": 1, "d_model": 16, "n_ctx": 8, "d_vocab": 16},
-        ...     "data": {"seq_len": 8, "vocab_size": 16}, "eval": {"interval": 0}, "steps": 4, "batch_size": 4,
-        ...     "device": "cpu", "checkpoint_interval": 2, "keep_every": 1})
-        >>> tmp = tempfile.TemporaryDirectory()
-        >>> _ = train(cfg, out_dir=tmp.name, progress=False)
-        >>> traj = positional_over_training(tmp.name, n_sequences=8)
-        >>> traj.steps, tuple(traj.first_token_ratio().shape)
-        ([0, 2, 4], (3, 1))
-        >>> tmp.cleanup()
-    """
+    checkpoint (or ``steps``), all on the same random sequences of ``min(seq_len, data.seq_len)`` tokens."""
     cfg = load_train_config(run_dir)
     wanted = sorted({0, *checkpoint_steps(run_dir)}) if steps is None else sorted({int(s) for s in steps})
     seq_len = min(int(seq_len), cfg.data.seq_len)

@@ -1,14 +1,6 @@
-"""Token preference on random inputs: which next tokens a model favours before it has seen any data.
-
-*Transformers Are Born Biased* (arXiv 2602.05927, no public code; numbers defined here): a randomly
-initialised transformer predicts some tokens far above others. Inputs: ``N`` seeded uniform sequences of ``L``
-ids, optionally after a BOS. Per position ``t``: ``mean_probs[t, j] = (1/N) Σ_n softmax(logits[n, t])_j``
-(logits from the final state, soft-capped as the model does; float32 softmax, float64 sums) and
-``argmax_counts[t, j]`` (ties go to ``argmax_ties[t]``). Causal models only. Summaries pool the counted
-positions (all but a BOS): ``probs = mean_t mean_probs[t]``; ``max_median_ratio = max probs / median probs``
-(lower median); ``top(k)``; ``argmax_entropy`` (nats) of ``c / Σc``, ``c = Σ_t argmax_counts[t]``;
-``argmax_gini = Σ_i Σ_j |c_i − c_j| / (2 V Σ c)`` (0: equal, ``1 − 1/V``: one token takes all).
-"""
+"""Token preference at init (*Transformers Are Born Biased*, arXiv 2602.05927; measures defined here): the
+mean next-token distribution ``mean_probs[t, j] = (1/N) Σ_n softmax(logits[n, t])_j`` and argmax counts
+over ``N`` seeded uniform random sequences (optionally after a BOS), of causal models only."""
 
 from __future__ import annotations
 
@@ -34,8 +26,9 @@ from sinklens.visibility import attention_direction
 
 @dataclass(repr=False, eq=False)
 class TokenPreference(CompactRepr):
-    """Mean next-token distribution (``mean_probs`` ``[pos, vocab]``) and argmax counts (``argmax_counts``;
-    tied maxima counted in ``argmax_ties`` ``[pos]`` instead) over ``n_sequences`` random sequences."""
+    """Mean next-token distribution ``mean_probs`` ``[pos, vocab]`` (logits from the final state, soft-capped as
+    the model does; float32 softmax, float64 sums) and argmax counts (tied maxima counted in ``argmax_ties``
+    instead) over ``n_sequences`` random sequences; pooled summaries skip a BOS."""
 
     mean_probs: Float[Tensor, "pos vocab"]
     argmax_counts: Int[Tensor, "pos vocab"]
@@ -58,8 +51,8 @@ class TokenPreference(CompactRepr):
 
     @property
     def max_median_ratio(self) -> float:
-        p = self.probs
-        return float(p.max() / p.median())
+        """``max probs / median probs`` (the lower median)."""
+        return float(self.probs.max() / self.probs.median())
 
     def top(self, k: int = 10) -> list[dict[str, Any]]:
         """The ``k`` most probable tokens: ``{"token", "prob", "rel_uniform"}`` (``prob · d_vocab``)."""
@@ -69,12 +62,14 @@ class TokenPreference(CompactRepr):
 
     @property
     def argmax_entropy(self) -> float:
+        """Entropy (nats) of ``c / Σc``, ``c`` = :attr:`argmax_total`."""
         c = self.argmax_total.double()
         q = c[c > 0] / c.sum()
         return float(-(q * q.log()).sum())
 
     @property
     def argmax_gini(self) -> float:
+        """``Σ_i Σ_j |c_i − c_j| / (2 V Σc)``: 0 when equal, ``1 − 1/V`` when one token takes all."""
         c = torch.sort(self.argmax_total.double()).values
         n, total = c.numel(), float(c.sum())
         if total == 0:
@@ -112,10 +107,9 @@ class TokenPreferenceReducer(Reducer[TokenPreference]):
 
     def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
         refuse_encoder(model, "token_preference")
-        self.model = model
+        self.model, self.device = model, model_device(model)
         self.site, self.finish = final_state_site(model)
         self.seq_len, self.d_vocab, self.prepend_bos = seq_len, model_dims(model).d_vocab_out, prepend_bos  # the logits
-        self.device = model_device(model)
         self.reset()
 
     def reset(self) -> None:
@@ -174,8 +168,7 @@ def random_tokens_after_bos(seq_len: int, prepend_bos: bool, *, what: str = "seq
     if prepend_bos and seq_len < 3:
         raise InvalidArgumentError(
             f"{what}={seq_len} with {bos} leaves {seq_len - 1} random token after the BOS; the origins measures "
-            f"need at least 2 (contraction's intra-sequence cosine pairs positions): use {what} >= 3."
-        )
+            f"need at least 2 (contraction's intra-sequence cosine pairs positions): use {what} >= 3.")
 
 
 def random_batches(model: Any, random: RandomInputs, options: RunOptions) -> list[TokenBatch]:
@@ -193,11 +186,8 @@ def stream_random(model: Any, random: RandomInputs, reducer: Reducer[R], options
 
 
 def token_preference(
-    model: Any,
-    random: RandomInputs | None = None,
-    *,
-    options: RunOptions = RunOptions(progress=False, desc="token preference"),
-    **random_kwargs: Any,
+    model: Any, random: RandomInputs | None = None, *,
+    options: RunOptions = RunOptions(progress=False, desc="token preference"), **random_kwargs: Any,
 ) -> TokenPreference:
     """Mean next-token distribution and argmax counts on :class:`RandomInputs` (``random``, or its fields as
     keywords; default 256 sequences).

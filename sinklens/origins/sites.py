@@ -1,5 +1,4 @@
-"""Hook sites the origins measures share: the final hidden state and the unembedding, on any model (each
-attention write and the residual right after it: :mod:`sinklens.residual_sites`)."""
+"""Hook sites the origins measures share: the final hidden state and the unembedding."""
 
 from __future__ import annotations
 
@@ -11,21 +10,21 @@ from torch import Tensor
 
 from sinklens.hooks import model_dims
 
+
 def final_state_site(model: Any) -> tuple[str, Callable[[Tensor], Tensor]]:
     """The hook carrying the final hidden state and the function that finishes it: ``unembed.hook_in`` on a
-    bridge, else the last ``hook_resid_post`` followed by ``ln_final`` (if any)."""
+    bridge, else the last ``hook_resid_post`` followed by ``ln_final`` (if any). A ``HookedTransformer`` lists
+    ``unembed.hook_in`` but never runs it with ``return_type=None``, which reducers use."""
     if "unembed.hook_in" in model.hook_dict and not _is_hooked_transformer(model):
         return "unembed.hook_in", lambda x: x
-    last = model_dims(model).n_layers - 1
     final_norm = getattr(model, "ln_final", None)
-    return f"blocks.{last}.hook_resid_post", final_norm if final_norm is not None else (lambda x: x)
+    last = f"blocks.{model_dims(model).n_layers - 1}.hook_resid_post"
+    return last, final_norm if final_norm is not None else (lambda x: x)
 
 
 def _is_hooked_transformer(model: Any) -> bool:
-    """A ``HookedTransformer`` (or subclass) lists ``unembed.hook_in`` (TransformerLens 3.9) but its forward
-    with ``return_type=None``, which reducers use, stops before the unembedding, so the hook never runs."""
     try:
-        from transformer_lens import HookedTransformer
+        from transformer_lens import HookedTransformer  # TransformerLens 3.x only
     except ImportError:
         return False
     return isinstance(model, HookedTransformer)
@@ -33,9 +32,8 @@ def _is_hooked_transformer(model: Any) -> bool:
 
 def unembedding(model: Any) -> tuple[Tensor, Tensor | None]:
     """``(W_U [d_model, d_vocab], b_U [d_vocab] or None)``, detached."""
-    w = model.W_U.detach()
     b = getattr(model, "b_U", None)
-    return w, (b.detach() if isinstance(b, torch.Tensor) else None)
+    return model.W_U.detach(), (b.detach() if isinstance(b, torch.Tensor) else None)
 
 
 def logits_from_final(model: Any, final: Tensor) -> Tensor:

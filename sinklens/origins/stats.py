@@ -1,5 +1,4 @@
-"""The statistics behind SeedPrint (:mod:`sinklens.origins.fingerprint`): Kendall τ per dimension and its null
-spread, the false-positive limits of its caveats, and how a p-value prints."""
+"""The statistics behind SeedPrint (:mod:`sinklens.origins.fingerprint`)."""
 
 from __future__ import annotations
 
