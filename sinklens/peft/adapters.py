@@ -85,11 +85,11 @@ class Adapter(nn.Module):
             self.record[k] = self.record[k] + value if k in self.record else value
 
     def _note_shares(self, layer: int, prefix_part: Tensor, input_part: Tensor) -> None:
-        """Output share ``|prefix part| / (|prefix part| + |input part|)`` per query, summed over batch and
-        queries per head. Parts are ``[batch, pos, head, d_head]``."""
+        """Output share ``|prefix part| / (|prefix part| + |input part|)`` per query, summed over the batch and the
+        queries from position 1 on, per head. Parts are ``[batch, pos, head, d_head]``."""
         if self.record is None:
             return
-        p, i = prefix_part.detach().float().norm(dim=-1), input_part.detach().float().norm(dim=-1)
+        p, i = (t[:, 1:].detach().float().norm(dim=-1) for t in (prefix_part, input_part))
         share = p / (p + i).clamp_min(torch.finfo(torch.float32).tiny)
         self._note(layer, "output_share", share.sum(dim=(0, 1)))
         self._note(layer, "n_queries", torch.full_like(share[0, 0], share.shape[0] * share.shape[1]))
@@ -166,9 +166,9 @@ class PrefixTuning(Adapter):
                 w_p = torch.exp(sp - total[..., None])  # (B, head, Q, P)
                 input_part = z * w_in.transpose(1, 2)[..., None].to(z.dtype)
                 prefix_part = torch.einsum("bhqp,phd->bqhd", w_p.to(z.dtype), state.pop(("v", i)))
-                if self.record is not None:
-                    self._note(layer, "prefix_mass", w_p.sum(-1).sum(dim=(0, 2)).detach())
-                    self._note(layer, "pos0_mass", torch.exp(s0 - total).sum(dim=(0, 2)).detach())
+                if self.record is not None:  # queries from position 1 on (position 0 sees only itself)
+                    self._note(layer, "prefix_mass", w_p.sum(-1)[:, :, 1:].sum(dim=(0, 2)).detach())
+                    self._note(layer, "pos0_mass", torch.exp(s0 - total)[:, :, 1:].sum(dim=(0, 2)).detach())
                     self._note_shares(layer, prefix_part, input_part)
                 return input_part + prefix_part
 

@@ -1,0 +1,143 @@
+"""The sink measurement of prefixes: how much of each head's attention a prefix takes, against the input's length.
+
+Prefix-tuning's keys sit inside the softmax: a query at input position ``i`` splits one unit of attention
+between ``P`` prefix keys and ``i + 1`` input keys, so with fixed scores the prefix's mass
+``Σ_p e^{s_p} / (Σ_p e^{s_p} + Σ_{j≤i} e^{s_j})`` rises with ``P`` and falls with ``i``: the trade-off that
+Prefix-Tuning+ (arXiv 2506.13674) removes by adding ``φ(q)ᵀM`` outside the softmax. For Prefix-Tuning+ no
+attention goes to the prefix; its bias term is measured by the same output share as prefix-tuning's.
+
+Per adapter, input length, layer and head (means over the rows and over the queries from position 1 on;
+position 0 sees only itself):
+
+* ``prefix_mass``: attention on the prefix keys (prefix-tuning; NaN for other methods);
+* ``output_share``: ``|prefix part| / (|prefix part| + |input part|)`` of the head output at ``hook_z``, where the
+  prefix part is ``Σ_p A_p v_p`` (prefix-tuning) or ``φ(q)ᵀM`` (Prefix-Tuning+), the input part the rest;
+* ``pos0_mass``: attention on position 0 with the adapter (with prefix-tuning, the softmax over
+  ``[prefix; input]``), beside ``base_pos0_mass`` without it: a prefix that takes over the position-0 sink
+  drops the first and holds the mass itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from jaxtyping import Float
+from torch import Tensor
+
+from sinklens.errors import InvalidArgumentError
+from sinklens.hooks import PATTERN, eval_mode, hook_name, model_device, model_dims
+from sinklens.peft.adapters import Adapter, PrefixTuning, adapted
+from sinklens.validate import index_list
+
+
+@dataclass
+class PrefixSinks:
+    """Prefix shares per adapter, input length, layer and head (see the module docstring for each number).
+
+    ``labels[a]`` names adapter ``a`` (``"prefix P=8"``, ``"prefix-plus"``, ...), ``prefix_lengths[a]`` its
+    ``P`` (0 when it has none).
+    """
+
+    labels: list[str]
+    methods: list[str]
+    prefix_lengths: list[int]
+    input_lengths: list[int]
+    prefix_mass: Float[Tensor, "adapter input layer head"]
+    output_share: Float[Tensor, "adapter input layer head"]
+    pos0_mass: Float[Tensor, "adapter input layer head"]
+    base_pos0_mass: Float[Tensor, "input layer head"]
+
+    def mean(self, name: str) -> Tensor:
+        """``[adapter, input]`` (or ``[input]`` for ``base_pos0_mass``): the named field averaged over layers and heads."""
+        return getattr(self, name).mean(dim=(-2, -1))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Strict-JSON-ready: NaN (no prefix keys) becomes None."""
+        def clean(t: Tensor) -> Any:
+            return [None if isinstance(x, float) and math.isnan(x) else x for x in t.tolist()] if t.dim() == 1 else [clean(r) for r in t]
+        return {"labels": self.labels, "methods": self.methods, "prefix_lengths": self.prefix_lengths,
+                "input_lengths": self.input_lengths, "prefix_mass": clean(self.prefix_mass),
+                "output_share": clean(self.output_share), "pos0_mass": clean(self.pos0_mass),
+                "base_pos0_mass": clean(self.base_pos0_mass)}
+
+    def summary(self) -> str:
+        """One line per adapter and input length, means over layers and heads."""
+        lines = [f"{'adapter':<16} {'n':>5} {'prefix mass':>12} {'output share':>13} {'pos0 mass':>10} {'base pos0':>10}"]
+        pm, sh, p0, b0 = (self.mean(n) for n in ("prefix_mass", "output_share", "pos0_mass", "base_pos0_mass"))
+        for a, label in enumerate(self.labels):
+            for j, n in enumerate(self.input_lengths):
+                mass = "-" if math.isnan(float(pm[a, j])) else f"{float(pm[a, j]):.3f}"
+                lines.append(f"{label:<16} {n:>5} {mass:>12} {float(sh[a, j]):>13.3f} {float(p0[a, j]):>10.3f} {float(b0[j]):>10.3f}")
+        return "\n".join(lines)
+
+
+def _label(adapter: Adapter) -> str:
+    return f"prefix P={adapter.n_prefix}" if isinstance(adapter, PrefixTuning) else adapter.method
+
+
+@torch.no_grad()
+def measure_prefix_sinks(model: Any, adapters: Sequence[Adapter], tokens: Tensor, *,
+                         input_lengths: Sequence[int]) -> PrefixSinks:
+    """Measure each adapter's share on ``tokens[:, :n]`` for every ``n`` in ``input_lengths``.
+
+    Every adapter must cover all layers. Reductions stay on the model's device; one move to the host at the end.
+
+    Examples:
+        >>> from sinklens.testing import tiny_model
+        >>> model = tiny_model()
+        >>> prefix = PrefixTuning(model, 4)
+        >>> r = measure_prefix_sinks(model, [prefix], torch.randint(8, 64, (2, 16)), input_lengths=[4, 16])
+        >>> bool(r.mean("prefix_mass")[0, 0] > r.mean("prefix_mass")[0, 1])  # a longer input dilutes the prefix
+        True
+    """
+    dims = model_dims(model)
+    if not adapters:
+        raise InvalidArgumentError("measure_prefix_sinks needs at least one adapter.")
+    for a in adapters:
+        if a.layers != list(range(dims.n_layers)):
+            raise InvalidArgumentError(f"adapter {_label(a)!r} covers layers {a.layers}; the measurement needs all "
+                                       f"{dims.n_layers} layers.")
+    lengths = sorted(set(index_list(input_lengths, tokens.shape[1] + 1, what="input length", allow_negative=False)))
+    if not lengths or lengths[0] < 2:
+        raise InvalidArgumentError(f"input lengths must be at least 2 tokens, got {list(input_lengths)}.")
+    device = model_device(model)
+    tokens = tokens.to(device)
+    shape = (len(adapters), len(lengths), dims.n_layers, dims.n_heads)
+    prefix_mass = torch.full(shape, float("nan"), device=device)
+    output_share, pos0_mass = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
+    base_pos0 = torch.zeros(shape[1:], device=device)
+    pos0: dict[int, Tensor] = {}
+
+    def take_pos0(pattern: Tensor, hook: Any, layer: int) -> None:
+        pos0[layer] = pattern[:, :, 1:, 0].float().mean(dim=(0, 2))
+
+    pattern_hooks = [(hook_name(layer, PATTERN), lambda p, hook, layer=layer: take_pos0(p, hook, layer))
+                     for layer in range(dims.n_layers)]
+    with eval_mode(model):
+        for j, n in enumerate(lengths):
+            with model.hooks(fwd_hooks=pattern_hooks):
+                model(tokens[:, :n])
+            base_pos0[j] = torch.stack([pos0[layer] for layer in range(dims.n_layers)])
+            for a, adapter in enumerate(adapters):
+                adapter.record = {}
+                try:
+                    with model.hooks(fwd_hooks=pattern_hooks), adapted(model, adapter):
+                        model(tokens[:, :n])
+                    rec = adapter.record
+                finally:
+                    adapter.record = None
+                for layer in range(dims.n_layers):
+                    count = rec[layer, "n_queries"]
+                    output_share[a, j, layer] = rec[layer, "output_share"] / count
+                    if isinstance(adapter, PrefixTuning):
+                        prefix_mass[a, j, layer] = rec[layer, "prefix_mass"] / count
+                        pos0_mass[a, j, layer] = rec[layer, "pos0_mass"] / count
+                    else:
+                        pos0_mass[a, j, layer] = pos0[layer]
+    return PrefixSinks([_label(a) for a in adapters], [a.method for a in adapters],
+                       [getattr(a, "n_prefix", 0) for a in adapters], lengths,
+                       prefix_mass.cpu(), output_share.cpu(), pos0_mass.cpu(), base_pos0.cpu())
