@@ -56,13 +56,8 @@ class PrefixSinks:
         return getattr(self, name).mean(dim=(-2, -1))
 
     def to_dict(self) -> dict[str, Any]:
-        """Strict-JSON-ready: NaN (no prefix keys) becomes None."""
-        def clean(t: Tensor) -> Any:
-            return [None if isinstance(x, float) and math.isnan(x) else x for x in t.tolist()] if t.dim() == 1 else [clean(r) for r in t]
-        return {"labels": self.labels, "methods": self.methods, "prefix_lengths": self.prefix_lengths,
-                "input_lengths": self.input_lengths, "prefix_mass": clean(self.prefix_mass),
-                "output_share": clean(self.output_share), "pos0_mass": clean(self.pos0_mass),
-                "base_pos0_mass": clean(self.base_pos0_mass)}
+        """Every field; NaN (no prefix keys) is written as null by :func:`sinklens.export.to_json`."""
+        return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
     def summary(self) -> str:
         """One line per adapter and input length, means over layers and heads."""
