@@ -1,0 +1,77 @@
+"""Figures for :mod:`sinklens.peft`: the prefix trade-off curve, training losses and the Layer Card."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from sinklens.peft.layer_card import LayerCard
+from sinklens.peft.sinks import PrefixSinks
+from sinklens.peft.train import TrainResult
+from sinklens.plotting.style import expect_result, finish, new_figure
+
+
+def plot_prefix_sinks(result: PrefixSinks, *, path: str | Path | None = None) -> Any:
+    """Two panels against the input length (means over layers and heads), a function of the result's fields.
+
+    Left, the trade-off: prefix-tuning's attention mass on its prefix (solid, one line per prefix length) and
+    every adapter's output share (dashed; Prefix-Tuning+ has only this). Right: attention on position 0 with
+    each adapter, and without (black): a prefix that takes over the sink pulls this curve down.
+    """
+    expect_result(result, PrefixSinks, "plot_prefix_sinks")
+    fig, axes = new_figure(1, 2, width=4.6, height=3.6)
+    left, right = axes[0, 0], axes[0, 1]
+    n = np.array(result.input_lengths)
+    mass, share, pos0 = (result.mean(k).numpy() for k in ("prefix_mass", "output_share", "pos0_mass"))
+    for a, label in enumerate(result.labels):
+        color = f"C{a}"
+        if not np.isnan(mass[a]).all():
+            left.plot(n, mass[a], "o-", color=color, label=f"{label}: attention mass")
+        left.plot(n, share[a], "s--", color=color, label=f"{label}: output share")
+        right.plot(n, pos0[a], "o-", color=color, label=label)
+    right.plot(n, result.mean("base_pos0_mass").numpy(), "k^-", label="no adapter")
+    for ax, title in ((left, "prefix share"), (right, "attention on position 0")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("input length (tokens)")
+        ax.set_ylim(0, 1.02)
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    return finish(fig, path)
+
+
+def plot_training(results: Sequence[TrainResult], *, path: str | Path | None = None) -> Any:
+    """Training-batch loss against step, one line per run, labelled with its method and parameter count."""
+    for r in results:
+        expect_result(r, TrainResult, "plot_training")
+    fig, axes = new_figure(1, 1, width=5.0, height=3.4)
+    ax = axes[0, 0]
+    for r in results:
+        ax.plot(np.arange(len(r.losses)), r.losses, label=f"{r.method} ({r.n_params:,d} params): eval {r.eval_after['loss']:.3f}")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.legend(fontsize=7)
+    return finish(fig, path)
+
+
+def plot_layer_card(card: LayerCard, *, path: str | Path | None = None) -> Any:
+    """Three panels: resnorm per layer (the layers chosen by a placement check in red), activation energy
+    per layer, and the coupling matrix ``ρ`` (diverging colours, ``[-1, 1]``)."""
+    expect_result(card, LayerCard, "plot_layer_card")
+    fig, axes = new_figure(1, 3, width=3.8, height=3.2)
+    x = np.array(card.layers)
+    chosen = set(card.placement.get("layers", []))
+    axes[0, 0].bar(x, card.resnorm.numpy(), color=["tab:red" if layer in chosen else "tab:blue" for layer in card.layers])
+    axes[0, 0].set_title("resnorm")
+    axes[0, 1].bar(x, card.activation_energy.numpy(), color="tab:gray")
+    axes[0, 1].set_title("activation energy")
+    im = axes[0, 2].imshow(card.coupling.numpy(), cmap="RdBu_r", vmin=-1, vmax=1)
+    axes[0, 2].set_xticks(range(len(x)), [str(v) for v in x], fontsize=6)
+    axes[0, 2].set_yticks(range(len(x)), [str(v) for v in x], fontsize=6)
+    axes[0, 2].set_title("coupling ρ")
+    fig.colorbar(im, ax=axes[0, 2], shrink=0.8)
+    for ax in axes[0, :2]:
+        ax.set_xlabel("layer")
+    return finish(fig, path)
