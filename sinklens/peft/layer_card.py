@@ -12,7 +12,10 @@ layer ``ℓ`` (here: ``hook_resid_post += ΔW_ℓ · a``, with ``a`` the layer's
   ridged ``Σ_ℓ`` (how ill-conditioned the layer's features are: noise amplification);
 * **coupling** ``ρ_ℓm = H_ℓm / sqrt(|H_ℓℓ H_mm|)``, with ``H`` the Hessian of the loss in ``t`` where
   ``ΔW_ℓ = t_ℓ D_ℓ`` and ``D_ℓ = G_ℓ Σ_ℓ^{-1}`` (each layer's Newton direction): 0 when the two layers' best
-  corrections do not interact, so their gains add. A layer with ``D_ℓ = 0`` has coupling 0 with all others;
+  corrections do not interact, so their gains add. ``H`` is the exact Hessian of the task loss (not a
+  Gauss-Newton bound), so ``ρ_ℓℓ = ±1`` carries the sign of the layer's curvature along ``D_ℓ`` (-1 where
+  the quadratic model fails) and an indefinite ``H`` may give ``|ρ| > 1``. A layer with ``D_ℓ = 0`` has
+  coupling 0 with all others;
 * **cost**: parameters and training FLOPs per token of a rank-``r`` LoRA on the layer's six weights.
 
 The paper's text available to us gave these three quantities and their roles but not every formula: the
