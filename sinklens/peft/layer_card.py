@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from jaxtyping import Float
@@ -41,7 +41,6 @@ from sinklens.peft.train import Task, frozen, task_loss, train_adapter
 from sinklens.validate import as_float, positive_int
 
 INPUT_SITE = "ln1.hook_normalized"
-Objective = Literal["resnorm", "gain_per_param"]
 OBJECTIVES = ("resnorm", "gain_per_param")
 
 
@@ -63,7 +62,7 @@ class LayerCard:
     base_loss: float
     placement: dict[str, Any] = field(default_factory=dict)
 
-    def place(self, k: int, objective: Objective = "resnorm") -> list[int]:
+    def place(self, k: int, objective: str = "resnorm") -> list[int]:
         """The ``k`` layers with the largest ``objective``: ``"resnorm"`` (most correctable error) or
         ``"gain_per_param"`` (``Res²/2`` per LoRA parameter); returned in layer order."""
         k = positive_int(k, what="k")
@@ -199,7 +198,7 @@ def layer_card(model: Any, task: Task, *, layers: int | Sequence[int] | None = N
                      params, [6 * p for p in params], rank, n_tokens, ridge, task.name, float(loss.detach()))
 
 
-def placement_check(model: Any, task: Task, card: LayerCard, *, k: int, objective: Objective = "resnorm",
+def placement_check(model: Any, task: Task, card: LayerCard, *, k: int, objective: str = "resnorm",
                     steps: int = 100, lr: float = 1e-3, batch_size: int = 8, seed: int = 0) -> dict[str, Any]:
     """Train LoRA (the card's rank) on the card's top-``k`` layers and on all layers with the same budget; the
     share of all-layer LoRA's eval-loss improvement that the top-``k`` placement recovers,
