@@ -56,18 +56,18 @@ def plot_training(results: Sequence[TrainResult], *, path: str | Path | None = N
     return finish(fig, path)
 
 
-def plot_layer_card(card: LayerCard, *, path: str | Path | None = None) -> Any:
+def plot_layer_card(result: LayerCard, *, path: str | Path | None = None) -> Any:
     """Three panels: resnorm per layer (the layers chosen by a placement check in red), activation energy
     per layer, and the coupling matrix ``ρ`` (diverging colours, ``[-1, 1]``)."""
-    expect_result(card, LayerCard, "plot_layer_card")
+    expect_result(result, LayerCard, "plot_layer_card")
     fig, axes = new_figure(1, 3, width=3.8, height=3.2)
-    x = np.array(card.layers)
-    chosen = set(card.placement.get("layers", []))
-    axes[0, 0].bar(x, card.resnorm.numpy(), color=["tab:red" if layer in chosen else "tab:blue" for layer in card.layers])
+    x = np.array(result.layers)
+    chosen = set(result.placement.get("layers", []))
+    axes[0, 0].bar(x, result.resnorm.numpy(), color=["tab:red" if layer in chosen else "tab:blue" for layer in result.layers])
     axes[0, 0].set_title("resnorm")
-    axes[0, 1].bar(x, card.activation_energy.numpy(), color="tab:gray")
+    axes[0, 1].bar(x, result.activation_energy.numpy(), color="tab:gray")
     axes[0, 1].set_title("activation energy")
-    im = axes[0, 2].imshow(card.coupling.numpy(), cmap="RdBu_r", vmin=-1, vmax=1)
+    im = axes[0, 2].imshow(result.coupling.numpy(), cmap="RdBu_r", vmin=-1, vmax=1)
     axes[0, 2].set_xticks(range(len(x)), [str(v) for v in x], fontsize=6)
     axes[0, 2].set_yticks(range(len(x)), [str(v) for v in x], fontsize=6)
     axes[0, 2].set_title("coupling ρ")

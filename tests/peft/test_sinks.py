@@ -56,3 +56,12 @@ def test_prefix_plus_has_no_attention_mass_but_an_output_share(planted):
 def test_json_is_strict(planted):
     data = json.loads(dumps(planted.to_dict()))
     assert data["prefix_mass"][-1][0][0][0] is None and data["input_lengths"] == LENGTHS
+
+
+def test_the_figure_draws_each_curve(planted):
+    from sinklens.plotting.peft import plot_prefix_sinks
+
+    fig = plot_prefix_sinks(planted)
+    left, right = fig.axes[:2]
+    assert len(left.get_lines()) == 3 * 2 + 1  # mass and share per prefix, share only for Prefix-Tuning+
+    assert len(right.get_lines()) == 4 + 1  # each adapter and the model without one
