@@ -9,7 +9,9 @@ layer ``ℓ`` (here: ``hook_resid_post += ΔW_ℓ · a``, with ``a`` the layer's
   ``ΔW_ℓ`` lowers the loss by ``Res_ℓ² / 2``: the correctable error the layer can capture, a gradient norm
   normalised by the activation covariance, as the paper states;
 * **activation energy** ``tr(Σ_ℓ)/d``, the mean squared activation, with ``condition`` ``λ_max/λ_min`` of the
-  ridged ``Σ_ℓ`` (how ill-conditioned the layer's features are: noise amplification);
+  ridged ``Σ_ℓ`` (how ill-conditioned the layer's features are: noise amplification). The input is
+  RMS-normalised on RMSNorm models, so there the energy is 1 by construction and the condition carries the
+  information;
 * **coupling** ``ρ_ℓm = H_ℓm / sqrt(|H_ℓℓ H_mm|)``, with ``H`` the Hessian of the loss in ``t`` where
   ``ΔW_ℓ = t_ℓ D_ℓ`` and ``D_ℓ = G_ℓ Σ_ℓ^{-1}`` (each layer's Newton direction): 0 when the two layers' best
   corrections do not interact, so their gains add. ``H`` is the exact Hessian of the task loss (not a
