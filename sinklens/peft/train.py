@@ -20,7 +20,8 @@ from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import eval_mode, model_device, model_dims
-from sinklens.inputs import bos_token_id, stdlib_text_prompts
+from sinklens.inputs import bos_token_id
+from sinklens.prompts import stdlib_text_prompts
 from sinklens.peft.adapters import Adapter, adapted
 from sinklens.validate import as_float, as_seed, positive_int
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from sinklens.errors import InvalidArgumentError
 from sinklens.peft import LoRA, PrefixTuning, PrefixTuningPlus, adapted, make_adapter
-from sinklens.testing import no_hooks_left, tiny_model
+from sinklens.testing import tiny_model
+from support.checks import no_hooks_left
 
 ZERO_POS = ("hook_pos_embed", lambda x, hook: torch.zeros_like(x))  # no absolute positions: shifting x changes nothing
 P = 4
