@@ -1,24 +1,11 @@
-"""Hook-based adapters on a frozen TransformerLens model: prefix-tuning, Prefix-Tuning+ and LoRA.
+"""Hook-based adapters on a frozen TransformerLens model (4.x bridge, 3.x, ``SinkLM``); the model is not modified.
 
-Each adapter is a ``torch.nn.Module`` holding only its trainable tensors; :meth:`Adapter.hooks` gives the
-``(hook_name, fn)`` pairs that apply it, for ``model.hooks(...)`` / ``run_with_hooks`` (use
-:func:`adapted`). Nothing of the model is modified, so the same code runs on a TransformerLens 4.x
-``TransformerBridge``, a 3.x ``HookedTransformer`` and a sinklens ``SinkLM``: the adapters read and write
-only the hook sites ``attn.hook_q`` / ``attn.hook_rot_q``, ``attn.hook_attn_scores``, ``attn.hook_z``,
-``ln1/ln2.hook_normalized``, ``mlp.hook_pre(_linear)``, ``mlp.hook_post``, ``hook_attn_out`` and
-``hook_mlp_out``. Tensors made inside a hook take the activation's device and dtype.
+An adapter holds only its trainable tensors; :meth:`Adapter.hooks` gives the ``(hook_name, fn)`` pairs that
+apply it (:func:`adapted`). Tensors made inside a hook take the activation's device and dtype.
 
-* :class:`PrefixTuning` (Li & Liang 2021): ``n_prefix`` trainable key/value vectors per layer and key/value
-  head, inside each head's softmax, optionally produced by the usual reparametrisation (an embedding of
-  the prefix positions through a two-layer tanh MLP). Applied exactly at ``hook_z``: with ``a`` the
-  softmax normaliser of the input keys (``logsumexp`` of ``hook_attn_scores``) and ``b`` that of the prefix
-  keys, ``z' = z · e^a/(e^a+e^b) + Σ_p e^{s_p}/(e^a+e^b) v_p``, the output of attention over
-  ``[prefix; input]``.
-* :class:`PrefixTuningPlus` (Prefix-Tuning+ / PrefixMemory-Tuning, Wang et al., arXiv 2506.13674): each
-  head's output becomes ``Attn(q, K, V) + φ(q)ᵀ M``, outside the softmax, so its size does not shrink
-  with the input's length.
-* :class:`LoRA` (Hu et al. 2021) on ``W_Q W_K W_V W_O W_in W_out``: ``h += (x A) B · alpha/rank``, ``B = 0``
-  at the start.
+* :class:`PrefixTuning` (Li & Liang 2021): trainable keys/values inside each head's softmax.
+* :class:`PrefixTuningPlus` (PrefixMemory-Tuning, arXiv 2506.13674): ``z += φ(q)ᵀ M`` outside the softmax.
+* :class:`LoRA` (Hu et al. 2021) on ``W_Q W_K W_V W_O W_in W_out``.
 """
 
 from __future__ import annotations
@@ -26,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, Literal
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -54,15 +41,14 @@ def _query_site(model: Any) -> str:
 
 
 def _scale(model: Any) -> float:
-    """What ``hook_attn_scores`` divides ``q·k`` by: ``cfg.attn_scale`` (TransformerLens' default is
-    ``sqrt(d_head)``)."""
+    """What ``hook_attn_scores`` divides ``q·k`` by: ``cfg.attn_scale``, else ``sqrt(d_head)``."""
     scale = getattr(model.cfg, "attn_scale", None)
     return float(scale) if isinstance(scale, (int, float)) and scale > 0 else math.sqrt(model_dims(model).d_head)
 
 
 class Adapter(nn.Module):
-    """Base: ``hooks()`` applies the adapter; ``record`` (a dict or None) collects per-head statistics of
-    the prefix's share while set (see :mod:`sinklens.peft.sinks`)."""
+    """Base: ``hooks()`` applies the adapter; while ``record`` is a dict, the hooks add per-head sums of the
+    prefix's share to it (:mod:`sinklens.peft.sinks`)."""
 
     method: str = ""
 
@@ -79,14 +65,13 @@ class Adapter(nn.Module):
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
     def _note(self, layer: int, key: str, value: Tensor) -> None:
-        """Add a ``[head]``-sized sum to the record (kept on the activations' device)."""
         if self.record is not None:
             k = (layer, key)
             self.record[k] = self.record[k] + value if k in self.record else value
 
     def _note_shares(self, layer: int, prefix_part: Tensor, input_part: Tensor) -> None:
-        """Output share ``|prefix part| / (|prefix part| + |input part|)`` per query, summed over the batch and the
-        queries from position 1 on, per head. Parts are ``[batch, pos, head, d_head]``."""
+        """``|prefix part| / (|prefix part| + |input part|)`` of ``[batch, pos, head, d_head]`` outputs, summed per
+        head over the batch and the queries from position 1 on."""
         if self.record is None:
             return
         p, i = (t[:, 1:].detach().float().norm(dim=-1) for t in (prefix_part, input_part))
@@ -96,15 +81,13 @@ class Adapter(nn.Module):
 
 
 class PrefixTuning(Adapter):
-    """Prefix-tuning: ``n_prefix`` trainable key/value vectors per layer and key/value head.
+    """Prefix-tuning: ``n_prefix`` trainable keys/values per layer and key/value head, inside the softmax.
 
-    Keys are compared with the query as the model's own keys are (after rotary where the model rotates:
-    a prefix key is a free vector in the rotated space, as a cached key is in Hugging Face's prefix-tuning)
-    and scaled by the model's ``attn_scale``. With ``reparam=True`` (default) the keys and values are
-    ``MLP(E)``: ``E[n_prefix, d_model]`` through ``Linear(d_model, hidden) → tanh → Linear(hidden,
-    n_layers·2·n_kv_heads·d_head)``, as in Li & Liang 2021 and the ``peft`` library's ``PrefixEncoder``
-    (``hidden`` defaults to ``d_model``); with ``reparam=False`` they are parameters, initialised
-    ``N(0, init_std²)``.
+    Applied exactly at ``hook_z``: with ``a`` the log-normaliser of the input's scores and ``b`` the prefix's,
+    ``z' = z·e^a/(e^a+e^b) + Σ_p e^{s_p}/(e^a+e^b) v_p``, attention over ``[prefix; input]``. Prefix keys meet
+    the query after rotary (free vectors in the rotated space, as cached keys are) and the model's
+    ``attn_scale``. ``reparam=True``: ``MLP(E)``, ``E[n_prefix, d_model]`` through ``Linear → tanh → Linear``
+    (Li & Liang; the ``peft`` library's ``PrefixEncoder``); else parameters drawn ``N(0, init_std²)``.
     """
 
     method = "prefix"
@@ -179,13 +162,11 @@ class PrefixTuning(Adapter):
 class PrefixTuningPlus(Adapter):
     """Prefix-Tuning+ (PrefixMemory-Tuning): each head's output ``z += φ(q)ᵀ M``, outside the softmax.
 
-    The paper linearises the prefix's share of attention, ``sim(q, s) ≈ φ(q)ᵀφ(s)``, drops its normaliser
-    and replaces ``Σ_s φ(s) v_sᵀ`` by a trainable matrix ``M``. Choices where the text we could read was
-    silent (documented, tested): ``φ(x) = elu(x) + 1`` (the positive feature map of Katharopoulos et al.
-    2020's linear attention) applied to the query at ``attn.hook_q`` (before rotary: the bias is a function of
-    the query's content, not of its position); one ``M[d_head, d_head]`` per layer and query head,
-    initialised to zero so that training starts from the frozen model. The bias is added at
-    ``attn.hook_z``, before ``W_O``.
+    From the paper (arXiv 2506.13674, §3): the prefix's attention is linearised, ``sim(q, s) ≈ φ(q)ᵀφ(s)``,
+    its normaliser dropped and ``Σ_s φ(s) v_sᵀ`` replaced by a trainable ``M``. Our choices (the paper's
+    body and code were not reachable; docs/peft.md): ``φ = elu + 1`` (Katharopoulos et al. 2020) on the
+    pre-rotary query ``attn.hook_q``; one ``M[d_head, d_head]`` per layer and query head, ``N(0, init_std²)``
+    (default 0: training starts from the frozen model); the bias is added at ``attn.hook_z``, before ``W_O``.
     """
 
     method = "prefix-plus"
@@ -200,7 +181,7 @@ class PrefixTuningPlus(Adapter):
 
     @staticmethod
     def feature_map(q: Tensor) -> Tensor:
-        """``φ(q) = elu(q) + 1`` (positive, so ``φ(q)ᵀφ(s)`` is a valid similarity)."""
+        """``φ(q) = elu(q) + 1``: positive, so ``φ(q)ᵀφ(s)`` is a valid similarity."""
         return F.elu(q) + 1
 
     def hooks(self) -> Hooks:
@@ -220,14 +201,12 @@ class PrefixTuningPlus(Adapter):
 
 
 class LoRA(Adapter):
-    """Low-rank adapters ``h += (x A) B · alpha/rank`` on the chosen weights of the chosen layers.
+    """Low-rank adapters ``h += (x A) B · alpha/rank`` (``A ~ U(±1/sqrt(d_in))``, ``B = 0``).
 
-    Inputs and outputs, by hook site (``W_in`` is the up-projection: ``mlp.hook_pre_linear`` on a gated MLP,
-    ``mlp.hook_pre`` otherwise): ``W_Q/W_K/W_V`` read ``ln1.hook_normalized`` and add to ``attn.hook_q/k/v``;
-    ``W_O`` reads ``attn.hook_z`` (heads flattened) and adds to ``hook_attn_out``; ``W_in`` reads
-    ``ln2.hook_normalized``; ``W_out`` reads ``mlp.hook_post`` and adds to ``hook_mlp_out``. The normalised
-    input is taken before the norm's own weight: ``diag(w) A`` spans the same low-rank updates, so this is the
-    same family of adapters. ``A ~ U(±1/sqrt(d_in))`` (Kaiming-uniform's bound for a linear layer), ``B = 0``.
+    By hook site: ``W_Q/W_K/W_V`` read ``ln1.hook_normalized`` and add to ``attn.hook_q/k/v``; ``W_O`` reads
+    ``attn.hook_z`` and adds to ``hook_attn_out``; ``W_in`` reads ``ln2.hook_normalized`` and adds to
+    ``mlp.hook_pre_linear`` (gated MLP) or ``mlp.hook_pre``; ``W_out`` reads ``mlp.hook_post`` and adds to
+    ``hook_mlp_out``. Inputs are taken before the norm's weight: ``diag(w) A`` spans the same updates.
     """
 
     method = "lora"
@@ -270,7 +249,6 @@ class LoRA(Adapter):
                 self.B[key] = nn.Parameter(torch.zeros(self.rank, d_out, device=device, dtype=dtype))
 
     def delta(self, layer: int, target: str, x: Tensor) -> Tensor:
-        """``(x A) B · alpha/rank`` for ``x[..., d_in]``, in ``x``'s dtype."""
         key = f"{layer}_{target}"
         return (x @ self.A[key].to(x)) @ self.B[key].to(x) * (self.alpha / self.rank)
 
@@ -293,13 +271,11 @@ class LoRA(Adapter):
         return hooks
 
 
-Method = Literal["prefix", "prefix-plus", "lora"]
 METHODS: tuple[str, ...] = ("prefix", "prefix-plus", "lora")
 
 
 def make_adapter(model: Any, method: str, **kwargs: Any) -> Adapter:
-    """Build an adapter by name: ``"prefix"`` (:class:`PrefixTuning`), ``"prefix-plus"``
-    (:class:`PrefixTuningPlus`) or ``"lora"`` (:class:`LoRA`); ``kwargs`` go to its constructor."""
+    """The adapter named ``method`` (one of :data:`METHODS`), built with ``kwargs``."""
     classes = {"prefix": PrefixTuning, "prefix-plus": PrefixTuningPlus, "lora": LoRA}
     if method not in classes:
         raise InvalidArgumentError(f"Unknown PEFT method {method!r}; choose one of {', '.join(METHODS)}.")
@@ -308,7 +284,7 @@ def make_adapter(model: Any, method: str, **kwargs: Any) -> Adapter:
 
 @contextmanager
 def adapted(model: Any, adapter: Adapter) -> Iterator[Any]:
-    """Run ``model`` with ``adapter`` applied inside the block (hooks removed when it ends, also on an error).
+    """``model`` with ``adapter`` applied inside the block (hooks removed at the end, also on an error).
 
     Examples:
         >>> from sinklens.testing import tiny_model

@@ -1,35 +1,25 @@
 """The Layer Card (Xu, Liang, Dai et al., arXiv 2602.04019): which layers to fine-tune.
 
-Under a local quadratic approximation of the task loss around the frozen model, a linear adapter ``ΔW_ℓ`` on
-layer ``ℓ`` (here: ``hook_resid_post += ΔW_ℓ · a``, with ``a`` the layer's normalised input
-``ln1.hook_normalized``: what the layer reads and where it writes) is governed by:
+The paper (abstract, §1): under a local quadratic approximation of the loss around the frozen model, a
+layer's adapter is governed by its projected residual norm (resnorm; for squared loss and linear adapters
+a normalised gradient norm), its activation energy (conditioning, noise amplification) and its coupling
+to other layers (weak coupling: additive gains), summarised with compute cost. How we compute them is our
+choice (docs/peft.md): a linear adapter ``hook_resid_post += ΔW_ℓ a``, ``a = ln1.hook_normalized``, and
 
-* **resnorm** ``Res_ℓ = ‖G_ℓ Σ_ℓ^{-1/2}‖_F``: ``G_ℓ = ∂L/∂ΔW_ℓ`` at ``ΔW = 0`` (``L`` the mean task loss) and
-  ``Σ_ℓ = E[a aᵀ]`` over the task's token positions (plus ``ridge · tr(Σ)/d · I``). For squared loss the best
-  ``ΔW_ℓ`` lowers the loss by ``Res_ℓ² / 2``: the correctable error the layer can capture, a gradient norm
-  normalised by the activation covariance, as the paper states;
-* **activation energy** ``tr(Σ_ℓ)/d``, the mean squared activation, with ``condition`` ``λ_max/λ_min`` of the
-  ridged ``Σ_ℓ`` (how ill-conditioned the layer's features are: noise amplification). The input is
-  RMS-normalised on RMSNorm models, so there the energy is 1 by construction and the condition carries the
-  information;
-* **coupling** ``ρ_ℓm = H_ℓm / sqrt(|H_ℓℓ H_mm|)``, with ``H`` the Hessian of the loss in ``t`` where
-  ``ΔW_ℓ = t_ℓ D_ℓ`` and ``D_ℓ = G_ℓ Σ_ℓ^{-1}`` (each layer's Newton direction): 0 when the two layers' best
-  corrections do not interact, so their gains add. ``H`` is the exact Hessian of the task loss (not a
-  Gauss-Newton bound), so ``ρ_ℓℓ = ±1`` carries the sign of the layer's curvature along ``D_ℓ`` (-1 where
-  the quadratic model fails) and an indefinite ``H`` may give ``|ρ| > 1``. A layer with ``D_ℓ = 0`` has
-  coupling 0 with all others;
-* **cost**: parameters and training FLOPs per token of a rank-``r`` LoRA on the layer's six weights.
-
-The paper's text available to us gave these three quantities and their roles but not every formula: the
-adapter site, the ridge, the normalisation of ``ρ`` (the exact Hessian in the directions ``D``) and the
-activation-energy summary above are our choices.
+* **resnorm** ``‖G_ℓ Σ_ℓ^{-1/2}‖_F``: ``G_ℓ = ∂L/∂ΔW_ℓ`` at 0 (``L`` the mean task loss), ``Σ_ℓ = E[a aᵀ]`` over
+  token positions plus ``ridge·tr(Σ)/d·I``; for squared loss the best ``ΔW_ℓ`` lowers the loss by ``Res²/2``;
+* **activation energy** ``tr(Σ_ℓ)/d`` (1 behind an RMSNorm) and **condition** ``λ_max/λ_min`` of ``Σ_ℓ``;
+* **coupling** ``ρ_ℓm = H_ℓm / sqrt(|H_ℓℓ H_mm|)``, ``H`` the exact Hessian of ``L`` in ``t`` where
+  ``ΔW_ℓ = t_ℓ G_ℓ Σ_ℓ^{-1}`` (each layer's Newton direction): 0 = additive gains; ``ρ_ℓℓ`` is the sign of
+  the curvature (-1 where the quadratic model fails), and an indefinite ``H`` may give ``|ρ| > 1``;
+* **cost**: parameters and training FLOPs per token (6 per parameter) of a rank-``r`` LoRA on the layer.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -48,7 +38,7 @@ OBJECTIVES = ("resnorm", "gain_per_param")
 
 @dataclass
 class LayerCard:
-    """Per-layer resnorm, activation energy, coupling and LoRA cost for one model and task (module docstring)."""
+    """Per-layer resnorm, activation energy, condition, coupling and LoRA cost (module docstring)."""
 
     layers: list[int]
     resnorm: Float[Tensor, "layer"]
@@ -65,8 +55,8 @@ class LayerCard:
     placement: dict[str, Any] = field(default_factory=dict)
 
     def place(self, k: int, objective: str = "resnorm") -> list[int]:
-        """The ``k`` layers with the largest ``objective``: ``"resnorm"`` (most correctable error) or
-        ``"gain_per_param"`` (``Res²/2`` per LoRA parameter); returned in layer order."""
+        """The ``k`` layers with the largest ``"resnorm"`` or ``"gain_per_param"`` (``Res²/2`` per LoRA
+        parameter), in layer order."""
         k = positive_int(k, what="k")
         if k > len(self.layers):
             raise InvalidArgumentError(f"k={k} exceeds the card's {len(self.layers)} layers.")
@@ -79,10 +69,7 @@ class LayerCard:
         return sorted(self.layers[int(i)] for i in top)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"layers": self.layers, "resnorm": self.resnorm.tolist(), "activation_energy": self.activation_energy.tolist(),
-                "condition": self.condition.tolist(), "coupling": self.coupling.tolist(), "lora_params": self.lora_params,
-                "lora_train_flops_per_token": self.lora_train_flops_per_token, "rank": self.rank, "n_tokens": self.n_tokens,
-                "ridge": self.ridge, "task": self.task, "base_loss": self.base_loss, "placement": self.placement}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def summary(self) -> str:
         lines = [f"Layer Card on task {self.task!r} ({self.n_tokens} tokens, base loss {self.base_loss:.4f}, LoRA rank {self.rank})",
@@ -126,18 +113,10 @@ def coupling_from_hessian(hessian: Tensor) -> Tensor:
     return torch.where(denom > 0, hessian / denom.clamp_min(torch.finfo(hessian.dtype).tiny), torch.zeros_like(hessian))
 
 
-def _lora_cost(model: Any, layer: int, rank: int) -> int:
-    lora = LoRA(model, rank, layers=[layer])
-    return lora.n_params()
-
-
 def layer_card(model: Any, task: Task, *, layers: int | Sequence[int] | None = None, n_rows: int = 8,
                rank: int = 8, ridge: float = 1e-3, coupling: bool = True) -> LayerCard:
-    """Compute the Layer Card of ``model`` on ``task``'s first ``n_rows`` training rows.
-
-    One forward/backward gives every layer's ``G`` and ``Σ``; the coupling matrix (``coupling=True``) then takes
-    one more backward pass per layer (double backward through the model), so restrict ``layers`` on a large
-    model on CPU.
+    """The Layer Card of ``model`` on ``task``'s first ``n_rows`` training rows: one backward gives every ``G``
+    and ``Σ``; the coupling takes one double-backward pass per layer (restrict ``layers`` on CPU).
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -194,7 +173,7 @@ def layer_card(model: Any, task: Task, *, layers: int | Sequence[int] | None = N
                 row = torch.autograd.grad(grad_t[i], t, retain_graph=i + 1 < len(layers), allow_unused=True)[0]
                 hessian[i] = row.double() if row is not None else 0.0
             hessian = (hessian + hessian.T) / 2
-    params = [_lora_cost(model, layer, rank) for layer in layers]
+    params = [LoRA(model, rank, layers=[layer]).n_params() for layer in layers]
     return LayerCard(layers, torch.stack(resnorm).float().cpu(), torch.stack(energy).float().cpu(),
                      torch.stack(condition).float().cpu(), coupling_from_hessian(hessian).float().cpu(),
                      params, [6 * p for p in params], rank, n_tokens, ridge, task.name, float(loss.detach()))

@@ -1,20 +1,14 @@
-"""The sink measurement of prefixes: how much of each head's attention a prefix takes, against the input's length.
+"""How much of each head a prefix takes, against the input's length (the trade-off of arXiv 2506.13674).
 
-Prefix-tuning's keys sit inside the softmax: a query at input position ``i`` splits one unit of attention
-between ``P`` prefix keys and ``i + 1`` input keys, so with fixed scores the prefix's mass
-``Σ_p e^{s_p} / (Σ_p e^{s_p} + Σ_{j≤i} e^{s_j})`` rises with ``P`` and falls with ``i``: the trade-off that
-Prefix-Tuning+ (arXiv 2506.13674) removes by adding ``φ(q)ᵀM`` outside the softmax. For Prefix-Tuning+ no
-attention goes to the prefix; its bias term is measured by the same output share as prefix-tuning's.
-
-Per adapter, input length, layer and head (means over the rows and over the queries from position 1 on;
-position 0 sees only itself):
+A query at input position ``i`` splits one unit of attention between ``P`` prefix keys and ``i + 1`` input
+keys: with fixed scores the prefix's mass ``Σ_p e^{s_p} / (Σ_p e^{s_p} + Σ_{j≤i} e^{s_j})`` rises with ``P``
+and falls with ``i``. Per adapter, input length, layer and head, means over rows and queries from position 1:
 
 * ``prefix_mass``: attention on the prefix keys (prefix-tuning; NaN for other methods);
-* ``output_share``: ``|prefix part| / (|prefix part| + |input part|)`` of the head output at ``hook_z``, where the
-  prefix part is ``Σ_p A_p v_p`` (prefix-tuning) or ``φ(q)ᵀM`` (Prefix-Tuning+), the input part the rest;
-* ``pos0_mass``: attention on position 0 with the adapter (with prefix-tuning, the softmax over
-  ``[prefix; input]``), beside ``base_pos0_mass`` without it: a prefix that takes over the position-0 sink
-  drops the first and holds the mass itself.
+* ``output_share``: ``|prefix part| / (|prefix part| + |input part|)`` of the head output at ``hook_z``; the
+  prefix part is ``Σ_p A_p v_p`` (prefix-tuning) or ``φ(q)ᵀM`` (Prefix-Tuning+);
+* ``pos0_mass`` (with the adapter) beside ``base_pos0_mass`` (without): a prefix that takes over the
+  position-0 sink lowers the first.
 """
 
 from __future__ import annotations
@@ -36,11 +30,8 @@ from sinklens.validate import index_list
 
 @dataclass
 class PrefixSinks:
-    """Prefix shares per adapter, input length, layer and head (see the module docstring for each number).
-
-    ``labels[a]`` names adapter ``a`` (``"prefix P=8"``, ``"prefix-plus"``, ...), ``prefix_lengths[a]`` its
-    ``P`` (0 when it has none).
-    """
+    """Prefix shares per adapter, input length, layer and head (module docstring); ``labels[a]`` names adapter
+    ``a`` (``"prefix P=8"``, ``"prefix-plus"``), ``prefix_lengths[a]`` is its ``P`` (0: none)."""
 
     labels: list[str]
     methods: list[str]
@@ -52,15 +43,13 @@ class PrefixSinks:
     base_pos0_mass: Float[Tensor, "input layer head"]
 
     def mean(self, name: str) -> Tensor:
-        """``[adapter, input]`` (or ``[input]`` for ``base_pos0_mass``): the named field averaged over layers and heads."""
+        """The named field averaged over layers and heads."""
         return getattr(self, name).mean(dim=(-2, -1))
 
     def to_dict(self) -> dict[str, Any]:
-        """Every field; NaN (no prefix keys) is written as null by :func:`sinklens.export.to_json`."""
         return {f: getattr(self, f) for f in self.__dataclass_fields__}
 
     def summary(self) -> str:
-        """One line per adapter and input length, means over layers and heads."""
         lines = [f"{'adapter':<16} {'n':>5} {'prefix mass':>12} {'output share':>13} {'pos0 mass':>10} {'base pos0':>10}"]
         pm, sh, p0, b0 = (self.mean(n) for n in ("prefix_mass", "output_share", "pos0_mass", "base_pos0_mass"))
         for a, label in enumerate(self.labels):
@@ -77,9 +66,7 @@ def _label(adapter: Adapter) -> str:
 @torch.no_grad()
 def measure_prefix_sinks(model: Any, adapters: Sequence[Adapter], tokens: Tensor, *,
                          input_lengths: Sequence[int]) -> PrefixSinks:
-    """Measure each adapter's share on ``tokens[:, :n]`` for every ``n`` in ``input_lengths``.
-
-    Every adapter must cover all layers. Reductions stay on the model's device; one move to the host at the end.
+    """Each adapter's shares on ``tokens[:, :n]`` for every ``n`` in ``input_lengths`` (adapters on all layers).
 
     Examples:
         >>> from sinklens.testing import tiny_model

@@ -1,17 +1,13 @@
-"""Offline tasks and a small AdamW loop that trains an adapter on a frozen model.
-
-Two tasks need no network: :func:`text_task` (next-token loss on prose from the Python standard library's
-docstrings, :func:`sinklens.inputs.stdlib_text_prompts`) and :func:`keyword_task` (a synthetic
-classification: the answer token after a row of random tokens says which of two keywords it held).
-"""
+"""Two offline tasks (:func:`text_task`, :func:`keyword_task`) and a small AdamW loop that trains an adapter on
+a frozen model."""
 
 from __future__ import annotations
 
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -28,13 +24,13 @@ from sinklens.validate import as_float, as_seed, positive_int
 
 @dataclass
 class Task:
-    """Token rows and which next-token targets count: ``loss_mask[n, t]`` marks the target ``tokens[n, t+1]``.
-    ``train`` and ``eval`` are disjoint row sets of equal width (no padding)."""
+    """Disjoint ``train`` and ``eval`` token rows of one width; ``loss_mask[t]`` marks the counted targets
+    ``tokens[:, t+1]``."""
 
     name: str
     train: Tensor
     eval: Tensor
-    loss_mask: Tensor  # [pos - 1] bool, shared by every row
+    loss_mask: Tensor
 
     @property
     def seq_len(self) -> int:
@@ -48,9 +44,8 @@ def _split(name: str, rows: Tensor, mask: Tensor, n_eval: int) -> Task:
 
 
 def text_task(model: Any, *, n_rows: int = 64, seq_len: int = 64, n_eval: int = 8, seed: int = 0) -> Task:
-    """Next-token prediction on standard-library docstrings: the texts are tokenized, joined and cut into rows
-    of ``seq_len`` tokens, each starting with the model's BOS token (so position 0 is where it usually is);
-    every next-token target counts. The first ``n_eval`` rows are held out."""
+    """Next-token loss on the standard library's docstrings, joined and cut into rows of ``seq_len`` tokens
+    that each start with BOS; every target counts; the first ``n_eval`` rows are held out."""
     n_rows, seq_len = positive_int(n_rows, what="n_rows", minimum=2), positive_int(seq_len, what="seq_len", minimum=3)
     n_ctx = model_dims(model).n_ctx
     if seq_len > n_ctx:
@@ -70,11 +65,8 @@ def text_task(model: Any, *, n_rows: int = 64, seq_len: int = 64, n_eval: int = 
 
 
 def keyword_task(model: Any, *, n_rows: int = 96, seq_len: int = 16, n_eval: int = 16, seed: int = 0) -> Task:
-    """Synthetic classification whose labels a prefix can learn: ``BOS, random tokens with one of two keyword
-    tokens at a random place, answer``; the answer is label token 0 when keyword 0 was in the row, label token 1
-    otherwise. Only the answer counts (``loss_mask`` marks the last target). Keywords, labels and filler are
-    token ids drawn with ``seed`` from the model's vocabulary (ids below 8 are left out: they are often
-    special tokens)."""
+    """Rows ``BOS, random tokens holding one of two keywords, label``: label 0 goes with keyword 0; only the
+    label counts. Token ids are drawn with ``seed`` from the vocabulary above 8 (often special tokens)."""
     n_rows, seq_len = positive_int(n_rows, what="n_rows", minimum=2), positive_int(seq_len, what="seq_len", minimum=4)
     d_vocab = model_dims(model).d_vocab
     if d_vocab < 24:
@@ -94,7 +86,7 @@ def keyword_task(model: Any, *, n_rows: int = 96, seq_len: int = 16, n_eval: int
 
 
 def task_loss(logits: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
-    """Mean cross-entropy of the counted next-token targets (in float32)."""
+    """Mean float32 cross-entropy of the counted next-token targets."""
     logp = F.log_softmax(logits[:, :-1].float(), dim=-1)
     nll = -logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)  # (B, T-1)
     m = mask.to(nll.device)[None].expand_as(nll)
@@ -103,10 +95,10 @@ def task_loss(logits: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
 
 @torch.no_grad()
 def evaluate(model: Any, task: Task, adapter: Adapter | None = None, *, batch_size: int = 16) -> dict[str, float]:
-    """Eval-set loss (mean over counted targets) and accuracy of the argmax on them, with ``adapter`` if given."""
+    """Eval loss (mean over counted targets) and argmax accuracy on them, with ``adapter`` if given."""
     device = model_device(model)
     total, correct, count = torch.zeros((), device=device), torch.zeros((), device=device), 0
-    with eval_mode(model), (adapted(model, adapter) if adapter is not None else _nothing()):
+    with eval_mode(model), (adapted(model, adapter) if adapter is not None else nullcontext()):
         for start in range(0, task.eval.shape[0], batch_size):
             tokens = task.eval[start:start + batch_size].to(device)
             logits = model(tokens)
@@ -118,13 +110,8 @@ def evaluate(model: Any, task: Task, adapter: Adapter | None = None, *, batch_si
 
 
 @contextmanager
-def _nothing() -> Iterator[None]:
-    yield
-
-
-@contextmanager
 def frozen(model: Any) -> Iterator[None]:
-    """The model's own parameters do not require gradients inside the block (restored after)."""
+    """The model's parameters need no gradient inside the block."""
     params = [p for p in model.parameters() if p.requires_grad]
     for p in params:
         p.requires_grad_(False)
@@ -137,8 +124,7 @@ def frozen(model: Any) -> Iterator[None]:
 
 @dataclass
 class TrainResult:
-    """One adapter's training run: ``losses[step]`` (training batch loss), eval loss and accuracy before and
-    after, parameter count and wall time."""
+    """One run: batch loss per step, eval loss and accuracy before and after, parameters and seconds."""
 
     method: str
     task: str
@@ -151,8 +137,7 @@ class TrainResult:
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "task": self.task, "n_params": self.n_params, "steps": self.steps, "lr": self.lr,
-                "losses": self.losses, "eval_before": self.eval_before, "eval_after": self.eval_after, "seconds": self.seconds}
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
     def summary(self) -> str:
         b, a = self.eval_before, self.eval_after
@@ -162,9 +147,8 @@ class TrainResult:
 
 def train_adapter(model: Any, adapter: Adapter, task: Task, *, steps: int = 200, lr: float = 1e-3,
                   batch_size: int = 8, weight_decay: float = 0.0, seed: int = 0) -> TrainResult:
-    """Train ``adapter`` on ``task`` with AdamW (model frozen, eval mode): ``steps`` batches of ``batch_size``
-    training rows drawn with ``seed``, a cosine learning-rate decay to 10 % of ``lr``. Returns the batch losses and
-    the eval loss/accuracy before and after (:func:`evaluate`)."""
+    """AdamW on ``adapter`` alone (model frozen, eval mode): ``steps`` batches of ``batch_size`` rows drawn with
+    ``seed``, learning rate decayed by a cosine to 10 % of ``lr``."""
     steps, batch_size = positive_int(steps, what="steps", minimum=0), positive_int(batch_size, what="batch_size")
     lr = as_float(lr, what="lr")
     if not math.isfinite(lr) or lr <= 0:
