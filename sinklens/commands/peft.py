@@ -19,7 +19,6 @@ DEFAULT_LR = {"prefix": 1e-3, "prefix-plus": 1e-4, "lora": 1e-3}
 
 
 def add_task_flags(parser: argparse.ArgumentParser) -> None:
-    """Flags shared with ``layer-card``: the model, the task, the layers and the outputs."""
     parser.add_argument("--model", default="smollm2-135m", help="model name, folder, .gguf or Hub id (default: %(default)s)")
     parser.add_argument("--task", choices=("text", "keyword"), default="text", help="offline task (default: %(default)s)")
     parser.add_argument("--rows", type=int, default=64, metavar="N", help="task rows, 1/8 held out (default: %(default)s)")
@@ -70,7 +69,6 @@ def prepare(args: argparse.Namespace):
 
 
 def finish(args: argparse.Namespace, outputs, data: dict, figure) -> int:
-    """Write the JSON and the figure that were asked for."""
     from sinklens.commands import write_json_target
     from sinklens.plotting.style import save_figure
 

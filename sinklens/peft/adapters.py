@@ -35,11 +35,6 @@ def _param_dtype(model: Any) -> torch.dtype:
     return p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
 
 
-def _query_site(model: Any) -> str:
-    """``attn.hook_rot_q`` where the model rotates queries (rotary), else ``attn.hook_q``."""
-    return ROT_Q if hook_name(0, ROT_Q) in model.hook_dict else Q
-
-
 def _scale(model: Any) -> float:
     """What ``hook_attn_scores`` divides ``q·k`` by: ``cfg.attn_scale``, else ``sqrt(d_head)``."""
     scale = getattr(model.cfg, "attn_scale", None)
@@ -57,9 +52,6 @@ class Adapter(nn.Module):
         self.dims = model_dims(model)
         self.layers = resolve_layers(layers, self.dims.n_layers)
         self.record: dict[tuple[int, str], Tensor] | None = None
-
-    def hooks(self) -> Hooks:
-        raise NotImplementedError
 
     def n_params(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
@@ -97,7 +89,8 @@ class PrefixTuning(Adapter):
         super().__init__(model, layers)
         self.n_prefix = positive_int(n_prefix, what="n_prefix")
         d = self.dims
-        self.q_site, self.scale = _query_site(model), _scale(model)
+        self.q_site = ROT_Q if hook_name(0, ROT_Q) in model.hook_dict else Q  # after rotary where there is one
+        self.scale = _scale(model)
         device, dtype = model_device(model), _param_dtype(model)
         gen = torch.Generator().manual_seed(seed)
         shape = (len(self.layers), 2, self.n_prefix, d.n_kv_heads, d.d_head)
@@ -114,7 +107,7 @@ class PrefixTuning(Adapter):
             self.kv = nn.Parameter((torch.randn(shape, generator=gen) * init_std).to(device, dtype))
 
     def keys_values(self) -> Tensor:
-        """``[layer, 2 (key, value), prefix, kv_head, d_head]`` for the adapted layers, in ``self.layers`` order."""
+        """``[layer, 2 (key, value), prefix, kv_head, d_head]``, in ``self.layers`` order."""
         if not self.reparam:
             return self.kv
         out = self.mlp(self.embedding)  # (P, L·2·kv·d)
@@ -248,25 +241,18 @@ class LoRA(Adapter):
                 self.A[key] = nn.Parameter(a.to(device, dtype))
                 self.B[key] = nn.Parameter(torch.zeros(self.rank, d_out, device=device, dtype=dtype))
 
-    def delta(self, layer: int, target: str, x: Tensor) -> Tensor:
-        key = f"{layer}_{target}"
-        return (x @ self.A[key].to(x)) @ self.B[key].to(x) * (self.alpha / self.rank)
-
     def hooks(self) -> Hooks:
         state: dict[tuple[int, str], Tensor] = {}
         hooks: Hooks = []
         for layer in self.layers:
-            inputs: dict[str, list[str]] = {}
-            for t in self.targets:
-                inputs.setdefault(self.sites[t][0], []).append(t)
-            for site in inputs:
+            for site in dict.fromkeys(self.sites[t][0] for t in self.targets):  # each input site once
                 def take(x: Tensor, hook: Any, layer: int = layer, site: str = site) -> None:
                     state[layer, site] = x.flatten(2) if x.dim() == 4 else x
                 hooks.append((hook_name(layer, site), take))
             for t in self.targets:
                 def add(h: Tensor, hook: Any, layer: int = layer, t: str = t) -> Tensor:
-                    x = state[layer, self.sites[t][0]]
-                    return h + self.delta(layer, t, x).view(h.shape)
+                    a, b = self.A[f"{layer}_{t}"].to(h), self.B[f"{layer}_{t}"].to(h)
+                    return h + ((state[layer, self.sites[t][0]] @ a) @ b * (self.alpha / self.rank)).view(h.shape)
                 hooks.append((hook_name(layer, self.sites[t][1]), add))
         return hooks
 

@@ -27,7 +27,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.hooks import RESID_POST, eval_mode, hook_name, model_device, model_dims, resolve_layers
+from sinklens.hooks import RESID_POST, eval_mode, hook_name, layer_of, model_device, model_dims, resolve_layers
 from sinklens.peft.adapters import LoRA, adapted
 from sinklens.peft.train import Task, frozen, task_loss, train_adapter
 from sinklens.validate import as_float, positive_int
@@ -87,8 +87,7 @@ class LayerCard:
 
 
 def resnorm_from_moments(grad: Tensor, cov: Tensor, *, ridge: float = 1e-3) -> tuple[Tensor, Tensor, Tensor]:
-    """``(‖G Σ_r^{-1/2}‖_F, G Σ_r^{-1}, λ_max/λ_min)`` for ``G[d_out, d_in]`` and ``Σ[d_in, d_in]``, with
-    ``Σ_r = Σ + ridge · tr(Σ)/d · I`` (float64 eigendecomposition).
+    """``(‖G Σ_r^{-1/2}‖_F, G Σ_r^{-1}, λ_max/λ_min)`` with ``Σ_r = Σ + ridge·tr(Σ)/d·I``, in float64.
 
     Examples:
         >>> cov = torch.diag(torch.tensor([4.0, 1.0]))
@@ -126,33 +125,25 @@ def layer_card(model: Any, task: Task, *, layers: int | Sequence[int] | None = N
         >>> card.coupling.shape, bool((card.resnorm > 0).all())
         (torch.Size([2, 2]), True)
     """
-    dims = model_dims(model)
-    layers = resolve_layers(layers, dims.n_layers)
-    n_rows = positive_int(n_rows, what="n_rows")
-    ridge = as_float(ridge, what="ridge")
+    dims, device = model_dims(model), model_device(model)
+    layers, ridge = resolve_layers(layers, dims.n_layers), as_float(ridge, what="ridge")
     if not (ridge >= 0 and math.isfinite(ridge)):
         raise InvalidArgumentError(f"ridge must be a finite number >= 0, got {ridge}.")
-    device = model_device(model)
-    tokens = task.train[:n_rows].to(device)
+    tokens = task.train[:positive_int(n_rows, what="n_rows")].to(device)
     acts: dict[int, Tensor] = {}
 
-    def take(x: Tensor, hook: Any, layer: int) -> None:
-        acts[layer] = x.detach()
+    def take(x: Tensor, hook: Any) -> None:
+        acts[layer_of(hook.name)] = x.detach()
 
-    def hooks(deltas: dict[int, Tensor]) -> list:
-        out = []
-        for layer in layers:
-            out.append((hook_name(layer, INPUT_SITE), lambda x, hook, layer=layer: take(x, hook, layer)))
-            out.append((hook_name(layer, RESID_POST),
-                        lambda r, hook, layer=layer: r + acts[layer].to(r) @ deltas[layer].to(r).T))
-        return out
+    def hooks(deltas: dict[int, Tensor]) -> list:  # resid_post += ΔW_ℓ a_ℓ, a_ℓ read at ln1.hook_normalized
+        return [h for layer in layers for h in ((hook_name(layer, INPUT_SITE), take), (hook_name(layer, RESID_POST),
+                lambda r, hook, layer=layer: r + acts[layer].to(r) @ deltas[layer].to(r).T))]
 
     with eval_mode(model), frozen(model):
         zeros = {layer: torch.zeros(dims.d_model, dims.d_model, device=device, requires_grad=True) for layer in layers}
         with model.hooks(fwd_hooks=hooks(zeros)):
             loss = task_loss(model(tokens), tokens, task.loss_mask)
         grads = torch.autograd.grad(loss, [zeros[layer] for layer in layers])
-        n_tokens = tokens.numel()
         resnorm, energy, condition, directions = [], [], [], []
         for layer, g in zip(layers, grads):
             a = acts[layer].reshape(-1, dims.d_model).float()
@@ -176,14 +167,13 @@ def layer_card(model: Any, task: Task, *, layers: int | Sequence[int] | None = N
     params = [LoRA(model, rank, layers=[layer]).n_params() for layer in layers]
     return LayerCard(layers, torch.stack(resnorm).float().cpu(), torch.stack(energy).float().cpu(),
                      torch.stack(condition).float().cpu(), coupling_from_hessian(hessian).float().cpu(),
-                     params, [6 * p for p in params], rank, n_tokens, ridge, task.name, float(loss.detach()))
+                     params, [6 * p for p in params], rank, tokens.numel(), ridge, task.name, float(loss.detach()))
 
 
 def placement_check(model: Any, task: Task, card: LayerCard, *, k: int, objective: str = "resnorm",
                     steps: int = 100, lr: float = 1e-3, batch_size: int = 8, seed: int = 0) -> dict[str, Any]:
-    """Train LoRA (the card's rank) on the card's top-``k`` layers and on all layers with the same budget; the
-    share of all-layer LoRA's eval-loss improvement that the top-``k`` placement recovers,
-    ``(L_base - L_topk) / (L_base - L_all)``. Stored in ``card.placement`` and returned."""
+    """LoRA on the card's top-``k`` layers and on all layers, same budget: ``recovered = (L_base - L_topk) /
+    (L_base - L_all)`` of the eval loss, stored in ``card.placement``."""
     chosen = card.place(k, objective)
     runs = {}
     for name, layers in (("topk", chosen), ("all", None)):

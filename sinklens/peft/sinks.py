@@ -23,7 +23,7 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.hooks import PATTERN, eval_mode, hook_name, model_device, model_dims
+from sinklens.hooks import PATTERN, eval_mode, hook_name, layer_of, model_device, model_dims
 from sinklens.peft.adapters import Adapter, PrefixTuning, adapted
 from sinklens.validate import index_list
 
@@ -86,19 +86,17 @@ def measure_prefix_sinks(model: Any, adapters: Sequence[Adapter], tokens: Tensor
     lengths = sorted(set(index_list(input_lengths, tokens.shape[1] + 1, what="input length", allow_negative=False)))
     if not lengths or lengths[0] < 2:
         raise InvalidArgumentError(f"input lengths must be at least 2 tokens, got {list(input_lengths)}.")
-    device = model_device(model)
-    tokens = tokens.to(device)
+    device, tokens = model_device(model), tokens.to(model_device(model))
     shape = (len(adapters), len(lengths), dims.n_layers, dims.n_heads)
     prefix_mass = torch.full(shape, float("nan"), device=device)
     output_share, pos0_mass = torch.zeros(shape, device=device), torch.zeros(shape, device=device)
     base_pos0 = torch.zeros(shape[1:], device=device)
     pos0: dict[int, Tensor] = {}
 
-    def take_pos0(pattern: Tensor, hook: Any, layer: int) -> None:
-        pos0[layer] = pattern[:, :, 1:, 0].float().mean(dim=(0, 2))
+    def take_pos0(pattern: Tensor, hook: Any) -> None:  # [batch, head, query, key]: queries from 1 on
+        pos0[layer_of(hook.name)] = pattern[:, :, 1:, 0].float().mean(dim=(0, 2))
 
-    pattern_hooks = [(hook_name(layer, PATTERN), lambda p, hook, layer=layer: take_pos0(p, hook, layer))
-                     for layer in range(dims.n_layers)]
+    pattern_hooks = [(hook_name(layer, PATTERN), take_pos0) for layer in range(dims.n_layers)]
     with eval_mode(model):
         for j, n in enumerate(lengths):
             with model.hooks(fwd_hooks=pattern_hooks):

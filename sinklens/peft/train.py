@@ -47,21 +47,19 @@ def text_task(model: Any, *, n_rows: int = 64, seq_len: int = 64, n_eval: int = 
     """Next-token loss on the standard library's docstrings, joined and cut into rows of ``seq_len`` tokens
     that each start with BOS; every target counts; the first ``n_eval`` rows are held out."""
     n_rows, seq_len = positive_int(n_rows, what="n_rows", minimum=2), positive_int(seq_len, what="seq_len", minimum=3)
-    n_ctx = model_dims(model).n_ctx
-    if seq_len > n_ctx:
-        raise InvalidArgumentError(f"seq_len {seq_len} exceeds the model's context of {n_ctx} tokens.")
-    stream: list[int] = []
+    if seq_len > model_dims(model).n_ctx:
+        raise InvalidArgumentError(f"seq_len {seq_len} exceeds the model's context of {model_dims(model).n_ctx} tokens.")
+    width, stream = seq_len - 1, []
     for text in stdlib_text_prompts(None, n_chars=2000, seed=seed):
         stream += model.to_tokens(text, prepend_bos=False)[0].tolist()
-        if len(stream) >= n_rows * (seq_len - 1):
+        if len(stream) >= n_rows * width:
             break
-    width = seq_len - 1
     if len(stream) < n_rows * width:
         raise InvalidArgumentError(f"the standard library's docstrings give {len(stream) // width} rows of {seq_len} tokens; "
                                    f"asked for {n_rows}.")
     body = torch.tensor(stream[: n_rows * width]).view(n_rows, width)
     rows = torch.cat([torch.full((n_rows, 1), bos_token_id(model)), body], dim=1)
-    return _split("text", rows, torch.ones(seq_len - 1, dtype=torch.bool), n_eval)
+    return _split("text", rows, torch.ones(width, dtype=torch.bool), n_eval)
 
 
 def keyword_task(model: Any, *, n_rows: int = 96, seq_len: int = 16, n_eval: int = 16, seed: int = 0) -> Task:
@@ -80,9 +78,7 @@ def keyword_task(model: Any, *, n_rows: int = 96, seq_len: int = 16, n_eval: int
     where = torch.randint(0, seq_len - 2, (n_rows,), generator=gen)
     filler[torch.arange(n_rows), where] = keywords[cls]
     rows = torch.cat([torch.full((n_rows, 1), bos_token_id(model)), filler, labels[cls][:, None]], dim=1)
-    mask = torch.zeros(seq_len - 1, dtype=torch.bool)
-    mask[-1] = True
-    return _split("keyword", rows, mask, n_eval)
+    return _split("keyword", rows, torch.arange(seq_len - 1) == seq_len - 2, n_eval)
 
 
 def task_loss(logits: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
@@ -112,9 +108,7 @@ def evaluate(model: Any, task: Task, adapter: Adapter | None = None, *, batch_si
 @contextmanager
 def frozen(model: Any) -> Iterator[None]:
     """The model's parameters need no gradient inside the block."""
-    params = [p for p in model.parameters() if p.requires_grad]
-    for p in params:
-        p.requires_grad_(False)
+    params = [p.requires_grad_(False) for p in model.parameters() if p.requires_grad]
     try:
         yield
     finally:
