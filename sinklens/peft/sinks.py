@@ -31,11 +31,9 @@ from sinklens.validate import index_list
 @dataclass
 class PrefixSinks:
     """Prefix shares per adapter, input length, layer and head (module docstring); ``labels[a]`` names adapter
-    ``a`` (``"prefix P=8"``, ``"prefix-plus"``), ``prefix_lengths[a]`` is its ``P`` (0: none)."""
+    ``a`` (``"prefix P=8"``, ``"prefix-plus"``)."""
 
     labels: list[str]
-    methods: list[str]
-    prefix_lengths: list[int]
     input_lengths: list[int]
     prefix_mass: Float[Tensor, "adapter input layer head"]
     output_share: Float[Tensor, "adapter input layer head"]
@@ -118,6 +116,5 @@ def measure_prefix_sinks(model: Any, adapters: Sequence[Adapter], tokens: Tensor
                         pos0_mass[a, j, layer] = rec[layer, "pos0_mass"] / count
                     else:
                         pos0_mass[a, j, layer] = pos0[layer]
-    return PrefixSinks([_label(a) for a in adapters], [a.method for a in adapters],
-                       [getattr(a, "n_prefix", 0) for a in adapters], lengths,
-                       prefix_mass.cpu(), output_share.cpu(), pos0_mass.cpu(), base_pos0.cpu())
+    return PrefixSinks([_label(a) for a in adapters], lengths, prefix_mass.cpu(), output_share.cpu(), pos0_mass.cpu(),
+                       base_pos0.cpu())
