@@ -209,16 +209,11 @@ class LoRA(Adapter):
         super().__init__(model, layers)
         self.rank = positive_int(rank, what="rank")
         self.alpha = float(alpha) if alpha is not None else float(self.rank)
-        bad = [t for t in targets if t not in LORA_TARGETS]
-        if bad or not targets:
+        if not targets or any(t not in LORA_TARGETS for t in targets):
             raise InvalidArgumentError(f"LoRA targets {list(targets)!r}: each must be one of {', '.join(LORA_TARGETS)}.")
-        d = self.dims
+        d, kv = self.dims, self.dims.n_kv_heads * self.dims.d_head
         gated = bool(getattr(model.cfg, "gated_mlp", False))
-        if d.d_mlp == 0:
-            targets = [t for t in targets if t not in ("W_in", "W_out")]
-        kv = d.n_kv_heads * d.d_head
-        # target -> (input site, output site, d_in, d_out)
-        self.sites = {
+        self.sites = {  # target -> (input site, output site, d_in, d_out)
             "W_Q": ("ln1.hook_normalized", Q, d.d_model, d.n_heads * d.d_head),
             "W_K": ("ln1.hook_normalized", "attn.hook_k", d.d_model, kv),
             "W_V": ("ln1.hook_normalized", "attn.hook_v", d.d_model, kv),
@@ -226,7 +221,7 @@ class LoRA(Adapter):
             "W_in": ("ln2.hook_normalized", "mlp.hook_pre_linear" if gated else MLP_PRE, d.d_model, d.d_mlp),
             "W_out": (MLP_POST, MLP_OUT, d.d_mlp, d.d_model),
         }
-        self.targets = [t for t in LORA_TARGETS if t in targets]
+        self.targets = [t for t in LORA_TARGETS if t in targets and (d.d_mlp or t not in ("W_in", "W_out"))]
         missing = [hook_name(0, s) for t in self.targets for s in self.sites[t][:2] if hook_name(0, s) not in model.hook_dict]
         if missing:
             raise UnsupportedArchitectureError(f"LoRA needs the hook sites {sorted(set(missing))}, which this model lacks.")
@@ -236,10 +231,9 @@ class LoRA(Adapter):
         for layer in self.layers:
             for t in self.targets:
                 d_in, d_out = self.sites[t][2:]
-                key = f"{layer}_{t}"
                 a = (torch.rand(d_in, self.rank, generator=gen) * 2 - 1) / math.sqrt(d_in)
-                self.A[key] = nn.Parameter(a.to(device, dtype))
-                self.B[key] = nn.Parameter(torch.zeros(self.rank, d_out, device=device, dtype=dtype))
+                self.A[f"{layer}_{t}"] = nn.Parameter(a.to(device, dtype))
+                self.B[f"{layer}_{t}"] = nn.Parameter(torch.zeros(self.rank, d_out, device=device, dtype=dtype))
 
     def hooks(self) -> Hooks:
         state: dict[tuple[int, str], Tensor] = {}
