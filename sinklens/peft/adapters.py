@@ -91,8 +91,7 @@ class PrefixTuning(Adapter):
         d = self.dims
         self.q_site = ROT_Q if hook_name(0, ROT_Q) in model.hook_dict else Q  # after rotary where there is one
         self.scale = _scale(model)
-        device, dtype = model_device(model), _param_dtype(model)
-        gen = torch.Generator().manual_seed(seed)
+        device, dtype, gen = model_device(model), _param_dtype(model), torch.Generator().manual_seed(seed)
         shape = (len(self.layers), 2, self.n_prefix, d.n_kv_heads, d.d_head)
         self.reparam = bool(reparam)
         if self.reparam:
@@ -167,8 +166,7 @@ class PrefixTuningPlus(Adapter):
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None, init_std: float = 0.0,
                  seed: int = 0) -> None:
         super().__init__(model, layers)
-        d = self.dims
-        gen = torch.Generator().manual_seed(seed)
+        d, gen = self.dims, torch.Generator().manual_seed(seed)
         memory = torch.randn(len(self.layers), d.n_heads, d.d_head, d.d_head, generator=gen) * init_std
         self.memory = nn.Parameter(memory.to(model_device(model), _param_dtype(model)))
 
@@ -225,8 +223,7 @@ class LoRA(Adapter):
         missing = [hook_name(0, s) for t in self.targets for s in self.sites[t][:2] if hook_name(0, s) not in model.hook_dict]
         if missing:
             raise UnsupportedArchitectureError(f"LoRA needs the hook sites {sorted(set(missing))}, which this model lacks.")
-        device, dtype = model_device(model), _param_dtype(model)
-        gen = torch.Generator().manual_seed(seed)
+        device, dtype, gen = model_device(model), _param_dtype(model), torch.Generator().manual_seed(seed)
         self.A, self.B = nn.ParameterDict(), nn.ParameterDict()
         for layer in self.layers:
             for t in self.targets:

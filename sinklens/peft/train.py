@@ -147,10 +147,8 @@ def train_adapter(model: Any, adapter: Adapter, task: Task, *, steps: int = 200,
     lr = as_float(lr, what="lr")
     if not math.isfinite(lr) or lr <= 0:
         raise InvalidArgumentError(f"lr must be a positive number, got {lr}.")
-    device = model_device(model)
-    params = [p for p in adapter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
-    gen = torch.Generator().manual_seed(as_seed(seed))
+    device, gen = model_device(model), torch.Generator().manual_seed(as_seed(seed))
+    opt = torch.optim.AdamW([p for p in adapter.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
     result = TrainResult(adapter.method, task.name, adapter.n_params(), steps, lr)
     start = time.perf_counter()
     with frozen(model):
