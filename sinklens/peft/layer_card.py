@@ -62,9 +62,7 @@ class LayerCard:
             raise InvalidArgumentError(f"k={k} exceeds the card's {len(self.layers)} layers.")
         if objective not in OBJECTIVES:
             raise InvalidArgumentError(f"objective {objective!r}: choose one of {', '.join(OBJECTIVES)}.")
-        score = self.resnorm.clone()
-        if objective == "gain_per_param":
-            score = self.resnorm ** 2 / 2 / torch.tensor(self.lora_params, dtype=score.dtype)
+        score = self.resnorm if objective == "resnorm" else self.resnorm ** 2 / 2 / torch.tensor(self.lora_params)
         top = torch.argsort(score, descending=True, stable=True)[:k]
         return sorted(self.layers[int(i)] for i in top)
 

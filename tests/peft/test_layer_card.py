@@ -86,3 +86,13 @@ def test_card_coupling_placement_and_json(setup):
         card.place(4)
     with pytest.raises(InvalidArgumentError, match="speed"):
         card.place(1, "speed")
+
+
+def test_gain_per_param_prefers_the_cheaper_layer():
+    """Res²/2 per LoRA parameter: 2²/2/400 = 0.005 for layer 3 against 1²/2/10 = 0.05 for layer 7."""
+    from sinklens.peft.layer_card import LayerCard
+
+    t = torch.tensor
+    card = LayerCard([3, 7], t([2.0, 1.0]), t([1.0, 1.0]), t([1.0, 1.0]), torch.eye(2), [400, 10], [2400, 60],
+                     8, 16, 1e-3, "planted", 1.0)
+    assert card.place(1, "resnorm") == [3] and card.place(1, "gain_per_param") == [7]
