@@ -28,7 +28,7 @@ from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import RESID_POST, eval_mode, hook_name, layer_of, model_device, model_dims, resolve_layers
-from sinklens.peft.adapters import LoRA, adapted
+from sinklens.peft.adapters import LoRA
 from sinklens.peft.train import Task, frozen, task_loss, train_adapter
 from sinklens.validate import as_float, positive_int
 
