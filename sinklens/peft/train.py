@@ -92,17 +92,16 @@ def task_loss(logits: Tensor, tokens: Tensor, mask: Tensor) -> Tensor:
 @torch.no_grad()
 def evaluate(model: Any, task: Task, adapter: Adapter | None = None, *, batch_size: int = 16) -> dict[str, float]:
     """Eval loss (mean over counted targets) and argmax accuracy on them, with ``adapter`` if given."""
-    device = model_device(model)
-    total, correct, count = torch.zeros((), device=device), torch.zeros((), device=device), 0
+    device, n_rows = model_device(model), task.eval.shape[0]
+    mask = task.loss_mask.to(device)
+    total, correct = torch.zeros((), device=device), torch.zeros((), device=device)
     with eval_mode(model), (adapted(model, adapter) if adapter is not None else nullcontext()):
-        for start in range(0, task.eval.shape[0], batch_size):
+        for start in range(0, n_rows, batch_size):
             tokens = task.eval[start:start + batch_size].to(device)
             logits = model(tokens)
-            m = task.loss_mask.to(device)
-            total += task_loss(logits, tokens, m) * int(m.sum()) * tokens.shape[0]
-            correct += (logits[:, :-1].argmax(-1) == tokens[:, 1:])[:, m].sum()
-            count += int(m.sum()) * tokens.shape[0]
-    return {"loss": float(total) / count, "accuracy": float(correct) / count}
+            total += task_loss(logits, tokens, mask) * tokens.shape[0]  # every row counts the same targets
+            correct += (logits[:, :-1].argmax(-1) == tokens[:, 1:])[:, mask].sum()
+    return {"loss": float(total) / n_rows, "accuracy": float(correct) / (n_rows * int(task.loss_mask.sum()))}
 
 
 @contextmanager

@@ -48,3 +48,17 @@ def test_bad_training_arguments(model):
     task = keyword_task(model, n_rows=24, seq_len=8)
     with pytest.raises(InvalidArgumentError, match="lr"):
         train_adapter(model, make_adapter(model, "lora"), task, steps=1, lr=-1.0)
+
+
+def test_evaluate_is_the_mean_over_all_eval_rows(model):
+    """Batched evaluation equals one pass over every eval row, whatever the batch size."""
+    from sinklens.peft.train import evaluate
+
+    task = keyword_task(model, n_rows=40, seq_len=8, n_eval=7)
+    with torch.no_grad():
+        logits = model(task.eval)
+    loss = float(task_loss(logits, task.eval, task.loss_mask))
+    accuracy = float((logits[:, -2].argmax(-1) == task.eval[:, -1]).float().mean())
+    for batch_size in (3, 16):
+        result = evaluate(model, task, batch_size=batch_size)
+        assert result["loss"] == pytest.approx(loss, rel=1e-5) and result["accuracy"] == pytest.approx(accuracy)
