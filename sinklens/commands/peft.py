@@ -17,6 +17,7 @@ from sinklens.commands import add_command, add_json_flag, add_model_flags, add_o
 #: Adam moves every trained entry by about lr: on SmolLM2, prefix-plus diverged at 1e-2 and the reparametrised
 #: prefix raised the eval loss at 1e-3 (5.21 -> 6.84 in 8 steps; 1e-4: 5.21 -> 4.97).
 DEFAULT_LR = {"prefix": 1e-4, "prefix-plus": 1e-4, "lora": 1e-3}
+METHODS = tuple(DEFAULT_LR)  # sinklens.peft.adapters.METHODS, named here so that --help imports no torch
 
 
 def add_task_flags(parser: argparse.ArgumentParser) -> None:
@@ -34,8 +35,6 @@ def add_task_flags(parser: argparse.ArgumentParser) -> None:
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
-    from sinklens.peft.adapters import METHODS
-
     parser = add_command(subparsers, "peft", __doc__, help="train prefix-tuning, Prefix-Tuning+ or LoRA")
     parser.add_argument("method", choices=METHODS, metavar="METHOD", help=", ".join(METHODS))
     add_task_flags(parser)

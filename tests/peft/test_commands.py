@@ -27,3 +27,15 @@ def test_bad_flags_are_one_line_errors(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0] and err[0].startswith(f"sinklens {argv[0]}: error:")
+
+
+def test_the_commands_know_every_method_and_objective():
+    """The CLI names them without importing torch; they must stay the library's."""
+    from sinklens.cli import build_parser
+    from sinklens.commands.peft import METHODS
+    from sinklens.peft.adapters import METHODS as LIBRARY_METHODS
+    from sinklens.peft.layer_card import OBJECTIVES
+
+    assert METHODS == LIBRARY_METHODS
+    card = build_parser()._subparsers._group_actions[0].choices["layer-card"]
+    assert next(a.choices for a in card._actions if a.dest == "objective") == OBJECTIVES
