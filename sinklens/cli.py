@@ -16,7 +16,7 @@ from typing import Any
 
 from sinklens.errors import EXIT_FAILURE, EXIT_INTERRUPTED, exit_code_for, is_internal_error, one_line
 
-COMMANDS = ("analyze", "intervene", "train", "compare", "origins", "fingerprint", "context")
+COMMANDS = ("analyze", "intervene", "train", "compare", "origins", "fingerprint", "context", "peft", "layer-card")
 DEBUG_ENV = "SINKLENS_DEBUG"
 
 
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         try:
-            module = importlib.import_module(f"sinklens.commands.{name}")
+            module = importlib.import_module(f"sinklens.commands.{name.replace('-', '_')}")
             module.add_parser(sub)
         except Exception as err:  # never drop a sub-command silently: it reports this error when run
             sub.choices.pop(name, None)  # add_parser itself failed half-way
