@@ -12,6 +12,8 @@ from sinklens.peft import LoRA, PrefixTuning, PrefixTuningPlus, adapted, make_ad
 from sinklens.testing import tiny_model
 from support.checks import no_hooks_left
 
+pytestmark = pytest.mark.models  # also run under TransformerLens 3.x (tests/test_tl3_compat.py)
+
 ZERO_POS = ("hook_pos_embed", lambda x, hook: torch.zeros_like(x))  # no absolute positions: shifting x changes nothing
 P = 4
 

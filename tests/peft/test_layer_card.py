@@ -14,6 +14,8 @@ from sinklens.peft.layer_card import coupling_from_hessian, layer_card, resnorm_
 from sinklens.peft.train import keyword_task
 from sinklens.testing import tiny_model
 
+pytestmark = pytest.mark.models  # also run under TransformerLens 3.x (tests/test_tl3_compat.py)
+
 
 def test_resnorm_is_the_whitened_gradient_norm():
     """G = W Σ (the gradient a planted correctable error W leaves): Res = ‖W Σ^{1/2}‖_F, direction = W."""

@@ -10,6 +10,8 @@ from sinklens.peft import make_adapter
 from sinklens.peft.train import keyword_task, task_loss, train_adapter
 from sinklens.testing import tiny_model
 
+pytestmark = pytest.mark.models  # also run under TransformerLens 3.x (tests/test_tl3_compat.py)
+
 
 @pytest.fixture(scope="module")
 def model():

@@ -12,6 +12,8 @@ from sinklens.peft import PrefixTuning, PrefixTuningPlus
 from sinklens.peft.sinks import measure_prefix_sinks
 from sinklens.testing import tiny_model
 
+pytestmark = pytest.mark.models  # also run under TransformerLens 3.x (tests/test_tl3_compat.py)
+
 LENGTHS = [4, 8, 32]
 PREFIXES = [1, 4, 16]
 
