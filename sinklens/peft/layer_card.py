@@ -26,6 +26,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import RESID_POST, eval_mode, hook_name, layer_of, model_device, model_dims, resolve_layers
 from sinklens.peft.adapters import LoRA
@@ -36,8 +37,8 @@ INPUT_SITE = "ln1.hook_normalized"
 OBJECTIVES = ("resnorm", "gain_per_param")
 
 
-@dataclass
-class LayerCard:
+@dataclass(repr=False, eq=False)
+class LayerCard(CompactRepr):
     """Per-layer resnorm, activation energy, condition, coupling and LoRA cost (module docstring)."""
 
     layers: list[int]

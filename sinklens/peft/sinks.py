@@ -22,14 +22,15 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import PATTERN, eval_mode, hook_name, layer_of, model_device, model_dims
 from sinklens.peft.adapters import Adapter, PrefixTuning, adapted
 from sinklens.validate import index_list
 
 
-@dataclass
-class PrefixSinks:
+@dataclass(repr=False, eq=False)
+class PrefixSinks(CompactRepr):
     """Prefix shares per adapter, input length, layer and head (module docstring); ``labels[a]`` names adapter
     ``a`` (``"prefix P=8"``, ``"prefix-plus"``)."""
 

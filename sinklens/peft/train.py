@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import eval_mode, model_device, model_dims
 from sinklens.inputs import bos_token_id
@@ -22,8 +23,8 @@ from sinklens.peft.adapters import Adapter, adapted
 from sinklens.validate import as_float, as_seed, positive_int
 
 
-@dataclass
-class Task:
+@dataclass(repr=False, eq=False)
+class Task(CompactRepr):
     """Disjoint ``train`` and ``eval`` token rows of one width; ``loss_mask[t]`` marks the counted targets
     ``tokens[:, t+1]``."""
 
