@@ -23,6 +23,7 @@ from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.hooks import (
     ATTN_OUT, MLP_OUT, MLP_POST, MLP_PRE, Q, SCORES, Z, hook_name, model_device, model_dims, resolve_layers,
 )
+from sinklens.probes import post_hoc_attention, silent_hooks
 from sinklens.validate import positive_int
 
 Hooks = list[tuple[str, Any]]
@@ -33,6 +34,23 @@ ROT_Q = "attn.hook_rot_q"
 def _param_dtype(model: Any) -> torch.dtype:
     p = next(iter(model.parameters()), None)
     return p.dtype if p is not None and p.dtype.is_floating_point else torch.float32
+
+
+def prefix_refusal(model: Any) -> str | None:
+    """Why prefix keys cannot join ``model``'s softmax exactly through its hooks, or None: rotated queries listed
+    but never run, scores hooked after the attention ran, soft-capped scores or learned sink logits."""
+    rot = hook_name(0, ROT_Q)
+    if rot in model.hook_dict and silent_hooks(model, [rot]):
+        return f"it lists {rot} but never runs it, so the rotated queries a prefix key must meet are not exposed"
+    why = post_hoc_attention(model)
+    if why is not None:
+        return why
+    hf = getattr(model.blocks[0].attn, "original_component", None)
+    if getattr(hf, "attn_logit_softcapping", None) or (getattr(model.cfg, "attn_scores_soft_cap", -1.0) or -1.0) > 0:
+        return "it soft-caps its attention scores, which the prefix's scores would skip"
+    if getattr(hf, "sinks", None) is not None:
+        return "its learned sink logits join the softmax outside hook_attn_scores"
+    return None
 
 
 def _scale(model: Any) -> float:
@@ -87,6 +105,9 @@ class PrefixTuning(Adapter):
     def __init__(self, model: Any, n_prefix: int = 8, *, layers: int | Sequence[int] | None = None,
                  reparam: bool = True, hidden: int | None = None, init_std: float = 1.0, seed: int = 0) -> None:
         super().__init__(model, layers)
+        if (why := prefix_refusal(model)) is not None:
+            raise UnsupportedArchitectureError(f"prefix-tuning cannot run on this model: {why}. Use prefix-plus or "
+                                               "lora.")
         self.n_prefix = positive_int(n_prefix, what="n_prefix")
         d = self.dims
         self.q_site = ROT_Q if hook_name(0, ROT_Q) in model.hook_dict else Q  # after rotary where there is one

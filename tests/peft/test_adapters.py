@@ -7,9 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sinklens.errors import InvalidArgumentError
+from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.peft import LoRA, PrefixTuning, PrefixTuningPlus, adapted, make_adapter
-from sinklens.testing import tiny_model
+from sinklens.testing import tiny_model, transformer_lens_major
 from support.checks import no_hooks_left
 
 pytestmark = pytest.mark.models  # also run under TransformerLens 3.x (tests/test_tl3_compat.py)
@@ -140,3 +140,18 @@ def test_hooks_are_removed_after_an_error():
     with pytest.raises(RuntimeError, match="boom"), adapted(model, PrefixTuning(model, 2)):
         raise RuntimeError("boom")
     assert no_hooks_left(model)
+
+
+@pytest.mark.skipif(transformer_lens_major() < 4, reason="the 4.x bridges of these families")
+@pytest.mark.parametrize("family", ["neox", "bert", "gemma2", "gptoss"])
+def test_prefix_tuning_refuses_models_whose_softmax_its_hooks_cannot_join(family):
+    """GPT-NeoX never runs hook_rot_q, BERT fires its scores after the attention, Gemma 2 soft-caps them and
+    gpt-oss adds sink logits: each is refused by name before any hook runs (it crashed or was inexact)."""
+    from support.zoo import zoo_model
+
+    model = zoo_model(family)
+    with pytest.raises(UnsupportedArchitectureError, match="prefix-tuning cannot run on this model"):
+        PrefixTuning(model, n_prefix=2)
+    with adapted(model, PrefixTuningPlus(model)):  # outside the softmax: runs
+        model(torch.tensor([[2, 3, 4]]))
+
