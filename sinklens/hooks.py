@@ -24,6 +24,7 @@ PATTERN = "attn.hook_pattern"
 SCORES = "attn.hook_attn_scores"
 Q = "attn.hook_q"
 K = "attn.hook_k"
+ROT_Q, ROT_K = "attn.hook_rot_q", "attn.hook_rot_k"  # rotary models: the rotated queries and keys
 V = "attn.hook_v"
 Z = "attn.hook_z"
 ATTN_OUT = "hook_attn_out"

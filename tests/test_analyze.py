@@ -318,10 +318,17 @@ def test_the_report_says_where_it_read_attention_and_keeps_the_pattern_under_an_
     below = analyze(tiny_llama, PROMPTS, **kw, options=QUIET)
     assert below.to_dict()["attention"] == "attention read from hook_pattern (no sequence longer than 1024 tokens)"
     monkeypatch.setattr(qk_attention, "QK_ABOVE", 2)
+    attached, hooks = [], tiny_llama.hooks
+    monkeypatch.setattr(tiny_llama, "hooks", lambda fwd_hooks=(), **kw: attached.extend(n for n, _ in fwd_hooks)
+                        or hooks(fwd_hooks=fwd_hooks, **kw))
     above = analyze(tiny_llama, PROMPTS, **kw, options=QUIET)
+    monkeypatch.setattr(tiny_llama, "hooks", hooks)
+    assert attached and not [n for n in attached if n.endswith(("hook_pattern", "hook_attn_scores"))]
     said = "attention read from queries and keys (sequences longer than 2 tokens)"
     assert above.sinks.attention_path == "qk" and above.to_dict()["attention"] == said and said in above.summary()
     torch.testing.assert_close(above.sinks.received, below.sinks.received, rtol=0, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(above.locking.mean_score_other, below.locking.mean_score_other, rtol=1e-5, atol=1e-7)
+    assert torch.equal(above.locking.pos_share_other, below.locking.pos_share_other)
     torch.testing.assert_close(above.value_drain.write_share, below.value_drain.write_share, rtol=1e-5, atol=1e-6)
     edit = [("blocks.0.attn.hook_pattern", lambda p, hook: p * 0.5)]
     edited = analyze(tiny_llama, PROMPTS, **kw, options=QUIET.replace(extra_hooks=edit))

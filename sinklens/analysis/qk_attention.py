@@ -19,10 +19,9 @@ from jaxtyping import Bool, Float
 from torch import Tensor
 
 from sinklens.analysis._common import run_analyzer
-from sinklens.analysis.qk_locking import ROT_K, ROT_Q
 from sinklens.display import CompactRepr
 from sinklens.errors import UnsupportedArchitectureError
-from sinklens.hooks import K, Q, expand_kv_heads, hook_name, model_dims, resolve_layers
+from sinklens.hooks import K, Q, ROT_K, ROT_Q, expand_kv_heads, hook_name, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import ATTENTION_METHODS, AttentionMethod, HookFn, RunOptions
 from sinklens.probes import silent_hooks
@@ -33,6 +32,11 @@ from sinklens.visibility import Visibility, attention_visibility
 COS, SIN = "attn.hook_cos", "attn.hook_sin"
 #: Scores per chunk (all heads and sequences of a batch): 2**24 floats, 64 MiB (at least 64 queries a chunk).
 CHUNK_SCORES = 2**24
+
+
+def query_chunk(batch: int, n_heads: int, n_keys: int) -> int:
+    """Queries a chunk: :data:`CHUNK_SCORES` scores, at least 64 queries."""
+    return max(64, CHUNK_SCORES // (batch * n_heads * n_keys))
 #: ``method="auto"`` reads attention from queries and keys for batches longer than this (tokens).
 QK_ABOVE = 1024
 
@@ -95,6 +99,21 @@ def score_rule(model: Any, layer: int) -> ScoreRule:
     return ScoreRule(scale, float(cap) if cap and cap > 0 else None, None)
 
 
+def scaled_heads(q: Float[Tensor, "batch pos head d_head"], k: Float[Tensor, "batch pos kv_head d_head"],
+                 rule: ScoreRule) -> tuple[Float[Tensor, "batch head pos d_head"], Float[Tensor, "batch head pos d_head"]]:
+    """Queries (times the score scale) and keys per head, float32, grouped-query keys repeated: ``qh @ khᵀ`` is
+    the raw score before any soft cap."""
+    return q.float().transpose(1, 2) * rule.scale, expand_kv_heads(k.float().transpose(1, 2), q.shape[2])
+
+
+def chunk_scores(qh: Tensor, kh: Tensor, rule: ScoreRule, queries: slice, keys: slice = slice(None)
+                 ) -> Float[Tensor, "batch head query key"]:
+    """The model's scores (soft-capped where it caps them) of the queries and keys in ``queries``/``keys``
+    (of :func:`scaled_heads`), before any mask."""
+    s = qh[:, :, queries] @ kh[:, :, keys].transpose(-1, -2)
+    return s if rule.soft_cap is None else s.div_(rule.soft_cap).tanh_().mul_(rule.soft_cap)
+
+
 def rotate(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Tensor) -> Tensor:
     """Hugging Face's rotate-half rotary embedding of the first ``cos.shape[-1]`` dims of ``x`` (``cos``/``sin``:
     ``[batch, pos, rotary_dim]``); the other dims pass through."""
@@ -134,9 +153,8 @@ def attention_columns(
     ``squares``, the sum of its squared weights."""
     b, n, n_heads, _ = q.shape
     dev = q.device
-    chunk = max(64, CHUNK_SCORES // (b * n_heads * n))
-    qh = q.float().transpose(1, 2) * rule.scale  # [b, h, pos, d], scaled so that q·k is the score
-    kh = expand_kv_heads(k.float().transpose(1, 2), n_heads)  # [b, h, pos, d]
+    chunk = query_chunk(b, n_heads, n)
+    qh, kh = scaled_heads(q, k, rule)
     pos = torch.arange(n, device=dev)
     w = visibility.window(layer)
     sink = None if rule.sink_logits is None else rule.sink_logits.to(dev, torch.float32)[None, :, None, None]
@@ -150,9 +168,7 @@ def attention_columns(
         k0 = max(0, q0 - w + 1) if w is not None else 0
         k1 = q1 if visibility.causal else (min(n, q1 + w - 1) if w is not None else n)
         see = visibility.block(layer, pos[q0:q1], pos[k0:k1])[None] & valid[:, q0:q1, None] & valid[:, None, k0:k1]
-        s = qh[:, :, q0:q1] @ kh[:, :, k0:k1].transpose(-1, -2)  # [b, h, chunk, keys]
-        if rule.soft_cap is not None:
-            s.div_(rule.soft_cap).tanh_().mul_(rule.soft_cap)
+        s = chunk_scores(qh, kh, rule, slice(q0, q1), slice(k0, k1))  # [b, h, chunk, keys]
         s.masked_fill_(~see[:, None], -math.inf)
         top = s.amax(dim=-1, keepdim=True) if sink is None else torch.maximum(s.amax(dim=-1, keepdim=True), sink)
         top.masked_fill_(top == -math.inf, 0.0)  # a padded query sees no key: its row stays 0

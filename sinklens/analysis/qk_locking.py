@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -12,19 +12,18 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.analysis._common import TINY, check_sink_position, run_analyzer, sink_position_arg
+from sinklens.analysis.qk_attention import chunk_scores, qk_plan, query_chunk, scaled_heads
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import K, Q, SCORES, expand_kv_heads, hook_name, model_device, model_dims, resolve_layers
+from sinklens.hooks import (K, Q, ROT_K, ROT_Q, SCORES, expand_kv_heads, hook_name, model_device, model_dims,
+                            resolve_layers)
 from sinklens.probes import post_hoc_attention, silent_hooks
 from sinklens.inputs import Inputs, TokenBatch
-from sinklens.options import RunOptions
+from sinklens.options import AttentionMethod, RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
 from sinklens.validate import positive_int
 from sinklens.visibility import attention_visibility
-
-#: Rotary models expose the rotated queries/keys (what the scores are made of) under these sites.
-ROT_Q, ROT_K = "attn.hook_rot_q", "attn.hook_rot_k"
 #: The per-(layer, head) numbers of a :class:`QKLocking`.
 NUMBERS = ("key_query_energy", "key_pc_cosine", "pc_energy", "pos_share_sink", "pos_share_other",
            "mean_score_sink", "mean_score_other")
@@ -50,8 +49,9 @@ class QKLocking(CompactRepr):
             sink key of the same sequence: the share of query energy along the sink key.
         key_pc_cosine: norm of the projection of the unit mean sink key onto the top ``n_components``
             eigenvectors of ``Σ q qᵀ`` (the principal query directions); pc_energy: their share of query energy.
-        pos_share_sink / pos_share_other: share of positive scores (``hook_attn_scores``) of those queries against
-            the sink key / every other real key they see; mean_score_sink / mean_score_other: the mean scores.
+        pos_share_sink / pos_share_other: share of positive scores (the model's scaled, soft-capped ``q·k``:
+            ``hook_attn_scores``, or from queries and keys on the q/k path) of those queries against the sink key /
+            every other real key they see; mean_score_sink / mean_score_other: the mean scores.
         n_queries: (sequence, query) pairs that see the sink, the most over the analysed layers.
     """
 
@@ -80,13 +80,16 @@ class QKLocking(CompactRepr):
 
 
 class QKLockingReducer(Reducer[QKLocking]):
-    """Streams queries, the sink key and the attention scores into :class:`QKLocking`: per layer × head the
-    pooled ``Σ q qᵀ``, the summed sink key, the query energy along each sequence's sink key, and score sums."""
+    """Streams queries, keys and scores into :class:`QKLocking`: per layer × head the pooled ``Σ q qᵀ``, the
+    summed sink key, the query energy along each sequence's sink key, and score sums, the scores read from
+    ``hook_attn_scores`` or, where ``method`` reads queries and keys (:class:`~sinklens.analysis.qk_attention.QKPlan`),
+    made from them a chunk of queries at a time."""
 
     statistics = ("gram", "key_sum", "along", "total", "pos_sink", "pos_other", "sum_sink", "sum_other",
                   "cnt_sink", "cnt_other")
 
-    def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None, n_components: int = 1):
+    def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None,
+                 n_components: int = 1, method: AttentionMethod = "auto"):
         d = model_dims(model)
         n_components = positive_int(n_components, what="n_components")
         if n_components > d.d_head:
@@ -99,6 +102,7 @@ class QKLockingReducer(Reducer[QKLocking]):
             raise UnsupportedArchitectureError(f"Query-key locking is not supported for this model: {reason}.")
         rotary = hook_name(self.layers[0], ROT_Q) in model.hook_dict
         self.q_site, self.k_site = (ROT_Q, ROT_K) if rotary else (Q, K)
+        self.plan = qk_plan(model, self.layers, method)
         self.device = model_device(model)
         self.visibility = attention_visibility(model)
         self.reset()
@@ -115,65 +119,64 @@ class QKLockingReducer(Reducer[QKLocking]):
         s, valid = self.sink, batch.valid
         n = valid.shape[1]
         pos = torch.arange(n, device=valid.device)
-        by_window: dict[int | None, tuple[Tensor, Tensor]] = {}
+        from_qk = self.plan.reads_qk(n)
+        pending: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
 
-        def masks(layer: int) -> tuple[Tensor, Tensor]:  # [b, q]: queries that see the sink; [b, q, k]: other keys
-            w = self.visibility.window(layer)
-            if w not in by_window:
-                seen = self.visibility.batch_mask(layer, valid)  # [b, q, k]
-                qmask = seen[:, :, s] & (pos != s)[None]
-                by_window[w] = (qmask, qmask[:, :, None] & seen & (pos != s)[None, None, :])
-            return by_window[w]
+        def sink_queries(layer: int) -> Tensor:  # [b, q]: the real queries other than the sink that see it
+            return self.visibility.block(layer, pos, pos[s:s + 1])[None, :, 0] & valid & valid[:, s:s + 1] & (pos != s)
 
-        counts = {layer: tuple(float(m.sum()) for m in masks(layer)) for layer in self.layers}  # (queries, other pairs)
-        pending: dict[tuple[int, str], Tensor] = {}
+        def fold_scores(layer: int, scores: Callable[[slice], Tensor], chunk: int) -> None:
+            i = self.row[layer]
+            for q0 in range(0, n, chunk):
+                rows = slice(q0, min(n, q0 + chunk))
+                see = self.visibility.block(layer, pos[rows], pos)[None] & valid[:, rows, None] & valid[:, None, :]
+                qmask = (see[:, :, s] & (pos[rows] != s))[:, None]  # [b, 1, q]
+                other = qmask[..., None] & (see & (pos != s))[:, None]  # [b, 1, q, k]
+                sc = scores(rows).float()  # [b, h, q, k]
+                at_sink = sc[..., s]  # a query that cannot see the sink may score -inf there (TransformerLens 3.x)
+                self.pos_sink[i] += ((at_sink > 0) & qmask).sum(dim=(0, 2)).double()
+                self.sum_sink[i] += torch.where(qmask, at_sink, 0.0).sum(dim=(0, 2)).double()
+                self.pos_other[i] += ((sc > 0) & other).sum(dim=(0, 2, 3)).double()
+                self.sum_other[i] += torch.where(other, sc, 0.0).sum(dim=(0, 2, 3)).double()
+                self.cnt_sink[i] += qmask.sum()
+                self.cnt_other[i] += other.sum()
 
-        def pair(i: int, kind: str, value: Tensor) -> None:  # the query Grams wait for the sink key, or vice versa
+        def pair(layer: int, kind: str, value: tuple[Tensor, Tensor]) -> None:  # the queries wait for the keys
+            i = self.row[layer]
             pending[(i, kind)] = value
             if (i, "q") in pending and (i, "k") in pending:
-                gram, key = pending.pop((i, "q")), pending.pop((i, "k"))
+                (gram, q), (key, k) = pending.pop((i, "q")), pending.pop((i, "k"))
                 unit = key / key.norm(dim=-1, keepdim=True).clamp_min(TINY)
                 self.along[i] += torch.einsum("bhi,bhij,bhj->h", unit, gram, unit).double()
+                if from_qk:
+                    rule = self.plan.rules[layer]
+                    qh, kh = scaled_heads(q, k, rule)
+                    fold_scores(layer, lambda rows: chunk_scores(qh, kh, rule, rows),
+                                query_chunk(q.shape[0], self.n_heads, n))
 
         def fold_q(act: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]
             i = self.row[layer]
-            qmask, _ = masks(layer)
-            q = act.float() * qmask[:, :, None, None]
+            q = act.float() * sink_queries(layer)[:, :, None, None]
             qt = q.permute(0, 2, 3, 1)  # [batch, head, d_head, pos]
             gram = qt @ qt.transpose(-1, -2)  # [batch, head, d_head, d_head]
             self.gram[i] += gram.sum(0).double()
             self.total[i] += gram.diagonal(dim1=-2, dim2=-1).sum(dim=(0, -1)).double()
-            pair(i, "q", gram)
+            pair(layer, "q", (gram, act))
 
         def fold_k(act: Tensor, layer: int) -> None:  # [batch, pos, kv_head, d_head]
             i = self.row[layer]
             key = expand_kv_heads(act[:, s].float()[..., None], self.n_heads)[..., 0]  # [batch, head, d_head]
             self.key_sum[i] += key.sum(0).double()
-            pair(i, "k", key)
+            pair(layer, "k", (key, act))
 
-        def fold_scores(act: Tensor, layer: int) -> None:  # [batch, head, query, key]
-            i = self.row[layer]
-            qmask, other_keys = masks(layer)
-            sc = act.float()
-            at_sink = sc[:, :, :, s]
-            m = qmask[:, None]  # a query that cannot see the sink may score -inf there (TransformerLens 3.x)
-            self.pos_sink[i] += ((at_sink > 0) & m).sum(dim=(0, 2)).double()
-            self.sum_sink[i] += torch.where(m, at_sink, 0.0).sum(dim=(0, 2)).double()
-            mo = other_keys[:, None]
-            self.pos_other[i] += ((sc > 0) & mo).sum(dim=(0, 2, 3)).double()
-            self.sum_other[i] += torch.where(mo, sc, 0.0).sum(dim=(0, 2, 3)).double()
-
-        hooks = (per_layer_hooks(self.q_site, self.layers, fold_q) + per_layer_hooks(self.k_site, self.layers, fold_k)
-                 + per_layer_hooks(SCORES, self.layers, fold_scores))
-        return BatchFold(hooks, state=(counts, pending))
+        hooks = per_layer_hooks(self.q_site, self.layers, fold_q) + per_layer_hooks(self.k_site, self.layers, fold_k)
+        if not from_qk:
+            hooks += per_layer_hooks(SCORES, self.layers, lambda act, layer: fold_scores(layer, lambda rows: act[:, :, rows], n))
+        return BatchFold(hooks, state=pending)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
-        counts, pending = fold.state
-        if pending:
-            raise RuntimeError(f"Query/key hooks did not both run for {sorted(pending)} in this forward.")
-        for layer, (n_sink, n_other) in counts.items():
-            self.cnt_sink[self.row[layer]] += n_sink
-            self.cnt_other[self.row[layer]] += n_other
+        if fold.state:
+            raise RuntimeError(f"Query/key hooks did not both run for {sorted(fold.state)} in this forward.")
 
     def result(self) -> QKLocking:
         # Many small eigenproblems: one thread is ~10x faster than several on CPU (thread start-up dominates).
@@ -201,8 +204,9 @@ class QKLockingReducer(Reducer[QKLocking]):
 
 def query_key_locking(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
                       layers: int | Sequence[int] | None = None, n_components: int = 1,
-                      options: RunOptions = RunOptions()) -> QKLocking:
-    """Measure query–key locking on the sink key per layer × head (:class:`QKLocking`).
+                      method: AttentionMethod = "auto", options: RunOptions = RunOptions()) -> QKLocking:
+    """Measure query–key locking on the sink key per layer × head (:class:`QKLocking`); ``method`` as in
+    :func:`~sinklens.analysis.sinks.find_sinks` (``"auto"``: scores from queries and keys above a length).
 
     Examples:
         >>> from sinklens.testing.planted import planted_model
@@ -212,4 +216,4 @@ def query_key_locking(model: Any, inputs: Inputs | None = None, *, sink_position
         (1.0, True)
     """
     return run_analyzer(model, inputs, QKLockingReducer, where="query_key_locking", options=options,
-                        sink_position=sink_position, layers=layers, n_components=n_components)
+                        sink_position=sink_position, layers=layers, n_components=n_components, method=method)

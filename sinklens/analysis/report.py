@@ -168,7 +168,7 @@ def analyze(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
         "neurons": None if no_neurons else SuperNeuronReducer(model, **at),
         "sink_input": None if no_neurons or no_mlp_input else SinkInputReducer(model, **at),
         "normalized": None if no_norm else NormalizedDisparityReducer(model, **at),
-        "locking": None if no_locking else QKLockingReducer(model, **at),
+        "locking": None if no_locking else QKLockingReducer(model, method=method, **at),
         "value_drain": None if no_drain else ValueDrainReducer(
             model, settings=ValueDrainSettings(sink_position, method=method)),
     }

@@ -6,10 +6,11 @@ import torch
 from sinklens import RunOptions
 from sinklens.analysis import qk_attention
 from sinklens.analysis.qk_attention import attention_to_keys
+from sinklens.analysis.qk_locking import QKLockingReducer, qk_locking_reason, query_key_locking
 from sinklens.analysis.sinks import SinkReducer, find_sinks
 from sinklens.analysis.value_drain import ValueDrainReducer, ValueDrainSettings, measure_value_drain
 from sinklens.errors import UnsupportedArchitectureError
-from sinklens.hooks import PATTERN
+from sinklens.hooks import PATTERN, SCORES
 from sinklens.inputs import TokenBatch
 from sinklens.streaming import forward, stream
 from support.zoo import FAMILIES, FamilyUnavailableError, zoo_model
@@ -75,6 +76,38 @@ def test_qk_path_equals_the_pattern_path(family, monkeypatch):
     assert profile.shape == (model.cfg.n_layers, 3, model.cfg.n_heads, T, len(positions))
     assert torch.equal(profile.isnan(), _pattern_rows(model, batch, positions).isnan())
     assert _diff(profile, _pattern_rows(model, batch, positions)) < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_qk_locking_from_queries_and_keys_equals_the_scores(family, monkeypatch):
+    """Query-key locking's score statistics made from queries and keys (chunks of 64 queries) equal those read
+    from hook_attn_scores: shares of positive scores, mean scores and counts, with padding, windows and GQA."""
+    model = _family(family)
+    reason = qk_locking_reason(model)
+    if reason is not None:
+        pytest.skip(reason)
+    if family == "gemma2":  # beyond the soft cap
+        with torch.no_grad():
+            for layer in model.original_model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(100.0)
+    batch = _padded_batch()
+    try:
+        qk_attention.qk_plan(model, [0], "qk")
+    except UnsupportedArchitectureError as e:
+        pytest.skip(str(e))
+    a = query_key_locking(model, [batch], method="pattern", options=OPTS)
+    monkeypatch.setattr(qk_attention, "CHUNK_SCORES", 1)
+    b = query_key_locking(model, [batch], method="qk", options=OPTS)
+    names = [name for name, _ in QKLockingReducer(model, method="qk").fwd_hooks(batch).hooks]
+    assert not any(n.endswith((SCORES, PATTERN)) for n in names)
+    assert a.n_queries == b.n_queries > 0
+    for name in ("pos_share_sink", "pos_share_other"):  # a score within rounding of 0 may flip its sign
+        assert _diff(getattr(a, name), getattr(b, name)) < 1e-3, name
+    for name in ("mean_score_sink", "mean_score_other"):
+        scale = float(getattr(a, name).abs().max()) + 1.0
+        assert _diff(getattr(a, name), getattr(b, name)) < 1e-5 * scale, name
+    for name in ("key_query_energy", "key_pc_cosine", "pc_energy"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
 def test_qk_path_in_bfloat16():
