@@ -20,7 +20,7 @@ from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
 from sinklens.hooks import model_device, model_dims
 from sinklens.inputs import TokenBatch, bos_token_id, resolved_bos
-from sinklens.options import RunOptions
+from sinklens.options import SINK_THRESHOLD, RunOptions
 from sinklens.prompts import stdlib_source_tokens
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, run
 from sinklens.validate import finite_number, positive_int
@@ -106,9 +106,9 @@ class ContextSweepResult:
         return to_json({"settings": self.settings, "points": [asdict(p) for p in self.points]})
 
 
-def context_sweep(model: Any, lengths: Sequence[int], *, sink_threshold: float = 0.3, min_head_share: float = 0.05,
-                  most_tokens: float = 0.5, abs_threshold: float | None = 100.0, rel_threshold: float | None = 1000.0,
-                  top: int = 10, options: RunOptions = RunOptions()) -> ContextSweepResult:
+def context_sweep(model: Any, lengths: Sequence[int], *, sink_threshold: float = SINK_THRESHOLD,
+                  min_head_share: float = 0.05, most_tokens: float = 0.5, abs_threshold: float | None = 100.0,
+                  rel_threshold: float | None = 1000.0, top: int = 10, options: RunOptions = RunOptions()) -> ContextSweepResult:
     """Sink attention, sink rate, secondary and residual sinks at each of ``lengths`` (2 to ``cfg.n_ctx``).
 
     Examples:
