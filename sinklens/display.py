@@ -64,8 +64,8 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     a, b = a.detach(), b.detach().to(a.device)
-    if a.is_complex():
-        return _same_tensor(torch.view_as_real(a), torch.view_as_real(b))
+    if a.is_complex():  # NaN compared part by part
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
     same = a == b
     if a.is_floating_point():
         same |= a.isnan() & b.isnan()
@@ -95,10 +95,8 @@ def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
         return (isinstance(a, list) == isinstance(b, list) and isinstance(a, tuple) == isinstance(b, tuple)
                 and len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b)))
-    if _is_nan(a) or _is_nan(b):
-        return _is_nan(a) and _is_nan(b)
     try:
-        return bool(a == b)
+        return bool(a == b) or (_is_nan(a) and _is_nan(b))
     except (TypeError, ValueError, RuntimeError):  # no single truth value
         return False
 
@@ -109,11 +107,7 @@ class StructuralEq:
     __hash__ = None  # type: ignore[assignment]
 
     def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        if not dataclasses.is_dataclass(self):  # a plain subclass: its attributes
-            return same_value(vars(self), vars(other))
-        return same_value(self, other)
+        return same_value(self, other) if type(other) is type(self) else NotImplemented
 
 
 class CompactRepr(StructuralEq):
