@@ -92,8 +92,15 @@ def write_atomic(path: str | Path, write: Any, *, replace: bool = True) -> Path:
         write(tmp)
         if replace:
             os.replace(tmp, path)
-        else:
-            _link_new(tmp, path)
+        else:  # only if path does not exist: a hard link, or a check and a rename where there are none
+            try:
+                os.link(tmp, path)
+            except OSError as err:  # FileExistsError, or no hard links here (some network or FUSE file systems)
+                if isinstance(err, FileExistsError) or path.exists():
+                    raise FileExistsError(path) from None
+                os.replace(tmp, path)
+            else:
+                tmp.unlink()
     except BaseException as err:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
@@ -104,21 +111,6 @@ def write_atomic(path: str | Path, write: Any, *, replace: bool = True) -> Path:
             raise OutputNotWritableError(f"Cannot write {str(path)!r}: {err.strerror or err}.") from err
         raise
     return path
-
-
-def _link_new(tmp: Path, path: Path) -> None:
-    """Move ``tmp`` to ``path`` unless ``path`` exists (``FileExistsError``): a hard link and an unlink, or a check
-    and a rename where the file system has no hard links."""
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        raise
-    except OSError:  # no hard links here (some network or FUSE file systems)
-        if path.exists():
-            raise FileExistsError(path) from None
-        os.replace(tmp, path)
-        return
-    tmp.unlink()
 
 
 @contextmanager
