@@ -53,7 +53,7 @@ def parse_init_spec(spec: str) -> InitSpec | None:
     return InitSpec(match.group("base"), None if seed is None else as_seed(int(seed), what=f"the seed of {spec!r}"))
 
 
-def _hf_source_dir(base: str) -> str:
+def hf_source_dir(base: str) -> str:
     """A local HF directory (or Hub id) for ``base``, resolving embedded names and GGUF files."""
     key = base.lower()
     if key in EMBEDDED_MODELS:
@@ -114,7 +114,7 @@ def load_at_init(spec: Any, *, init_seed: int | None = None, device: str = "cpu"
             model.tokenizer = load_tokenizer(str(path / "tokenizer"))
         model.train_config = cfg
         return model.to(dtype)
-    source = _hf_source_dir(base)
+    source = hf_source_dir(base)
     local = Path(source).expanduser().exists()
     if not local and "/" not in source:
         raise InvalidArgumentError(f"Unknown model {base!r} for an init spec. Embedded models: {sorted(EMBEDDED_MODELS)}; "
