@@ -68,18 +68,12 @@ def default_file_mode() -> int:
 
 def write_text_atomic(path: str | Path, text: str, *, replace: bool = True) -> Path:
     """Write ``text`` to ``path`` atomically (:func:`write_atomic`)."""
-    def write(tmp: Path) -> None:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-
-    return write_atomic(path, write, replace=replace)
+    return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"), replace=replace)
 
 
 def write_atomic(path: str | Path, write: Any, *, replace: bool = True) -> Path:
-    """Have ``write(tmp)`` write a temporary file beside ``path``, then rename it onto ``path`` (``replace=False``:
-    only if ``path`` does not exist then, else :class:`~sinklens.errors.OutputExistsError`); plain ``open()``'s mode."""
+    """``write(tmp)`` writes a temporary file (plain ``open()``'s mode) beside ``path``, which is then fsynced and
+    renamed onto it; ``replace=False``: only while ``path`` is absent, else :class:`OutputExistsError`."""
     path = Path(path)
     tmp: Path | None = None
     try:
@@ -90,6 +84,8 @@ def write_atomic(path: str | Path, write: Any, *, replace: bool = True) -> Path:
             os.fchmod(fd, default_file_mode())
         os.close(fd)
         write(tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
         if replace:
             os.replace(tmp, path)
         else:  # only if path does not exist: a hard link, or a check and a rename where there are none
