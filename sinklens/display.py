@@ -33,15 +33,14 @@ def short_value(value: Any) -> str:
         return repr(value if len(value) <= MAX_STRING else value[: MAX_STRING - 3] + "...")
     if isinstance(value, _SCALARS):
         return repr(value)
-    if isinstance(value, (list, tuple)):
-        if len(value) <= MAX_SHOWN_ITEMS and all(isinstance(v, _SCALARS) for v in value):
+    if isinstance(value, (list, tuple, dict)):
+        items = list(value.values() if isinstance(value, dict) else value)
+        if len(items) <= MAX_SHOWN_ITEMS and all(isinstance(v, _SCALARS) for v in items):
             return repr(value)
-        kinds = sorted({type(v).__name__ for v in value})
-        return f"{type(value).__name__} of {len(value)} {'/'.join(kinds)}".rstrip()
-    if isinstance(value, dict):
-        if len(value) <= MAX_SHOWN_ITEMS and all(isinstance(v, _SCALARS) for v in value.values()):
-            return repr(value)
-        return f"dict of {len(value)} keys"
+        if isinstance(value, dict):
+            return f"dict of {len(value)} keys"
+        kinds = "/".join(sorted({type(v).__name__ for v in items}))
+        return f"{type(value).__name__} of {len(value)} {kinds}".rstrip()
     if isinstance(value, CompactRepr):
         return f"{type(value).__name__}(...)"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
