@@ -1,6 +1,5 @@
-"""Scale an analysis out over ``torchrun`` processes inside :func:`session`: each streams a share of the
-batches, then the reducers' statistics are merged in rank order (what one process gives, up to float64 rounding).
-"""
+"""Scale an analysis out over ``torchrun`` processes inside :func:`session`: each streams a share of
+the batches, then the reducers' statistics are merged in rank order (as one process, to float64 rounding)."""
 
 from __future__ import annotations
 

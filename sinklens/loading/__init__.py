@@ -52,7 +52,6 @@ def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bo
         patches.enter_context(_loading_reports(reports))
         if not tokenizer:  # boot_transformers skips the tokenizer only for audio and vision models: say it is one
             from transformer_lens.model_bridge.sources.transformers import source
-
             patches.enter_context(mock.patch.object(source, "skip_tokenizer_for_modality", lambda cfg: True))
         model = TransformerBridge.boot_transformers(name_or_dir, dtype=dtype, **place)
     for report in reports:
