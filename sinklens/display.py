@@ -125,8 +125,9 @@ def neuron_name(layer: int, neuron: int) -> str:
 SILENT_RATIO = 1e4
 
 
-def times_elsewhere(ratio: float, what: str = "its RMS elsewhere") -> str:
-    """``ratio`` (a value at the sink over ``what``) in words; above :data:`SILENT_RATIO`, ``"silent elsewhere"``.
+def times_elsewhere(ratio: float) -> str:
+    """``ratio`` (a value at the sink over its RMS elsewhere) in words; ``"silent elsewhere"`` above
+    :data:`SILENT_RATIO`.
 
     Examples:
         >>> times_elsewhere(37.2), times_elsewhere(726154543104.0), times_elsewhere(float("nan"))
@@ -134,4 +135,4 @@ def times_elsewhere(ratio: float, what: str = "its RMS elsewhere") -> str:
     """
     if math.isnan(ratio):
         return "no other position measured"
-    return "silent elsewhere" if abs(ratio) > SILENT_RATIO else f"{ratio:.0f}x {what}"
+    return "silent elsewhere" if abs(ratio) > SILENT_RATIO else f"{ratio:.0f}x its RMS elsewhere"

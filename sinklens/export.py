@@ -134,6 +134,6 @@ def write_json(path: str | Path, value: Any, *, digits: int | None = 6, indent: 
     return write_text_atomic(path, dumps(value, digits=digits, indent=indent) + "\n", replace=replace)
 
 
-def json_line(value: Any, *, digits: int | None = None) -> str:
-    """One strict-JSON line (for ``.jsonl`` logs), without a trailing newline."""
-    return dumps(value, digits=digits, indent=None)
+def json_line(value: Any) -> str:
+    """One strict-JSON line (for ``.jsonl`` logs) at full precision, without a trailing newline."""
+    return dumps(value, digits=None, indent=None)
