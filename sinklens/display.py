@@ -33,15 +33,14 @@ def short_value(value: Any) -> str:
         return repr(value if len(value) <= MAX_STRING else value[: MAX_STRING - 3] + "...")
     if isinstance(value, _SCALARS):
         return repr(value)
-    if isinstance(value, (list, tuple)):
-        if len(value) <= MAX_SHOWN_ITEMS and all(isinstance(v, _SCALARS) for v in value):
+    if isinstance(value, (list, tuple, dict)):
+        items = list(value.values() if isinstance(value, dict) else value)
+        if len(items) <= MAX_SHOWN_ITEMS and all(isinstance(v, _SCALARS) for v in items):
             return repr(value)
-        kinds = sorted({type(v).__name__ for v in value})
-        return f"{type(value).__name__} of {len(value)} {'/'.join(kinds)}".rstrip()
-    if isinstance(value, dict):
-        if len(value) <= MAX_SHOWN_ITEMS and all(isinstance(v, _SCALARS) for v in value.values()):
-            return repr(value)
-        return f"dict of {len(value)} keys"
+        if isinstance(value, dict):
+            return f"dict of {len(value)} keys"
+        kinds = "/".join(sorted({type(v).__name__ for v in items}))
+        return f"{type(value).__name__} of {len(value)} {kinds}".rstrip()
     if isinstance(value, CompactRepr):
         return f"{type(value).__name__}(...)"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
@@ -64,8 +63,8 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
     a, b = a.detach(), b.detach().to(a.device)
-    if a.is_complex():
-        return _same_tensor(torch.view_as_real(a), torch.view_as_real(b))
+    if a.is_complex():  # NaN compared part by part
+        a, b = torch.view_as_real(a), torch.view_as_real(b)
     same = a == b
     if a.is_floating_point():
         same |= a.isnan() & b.isnan()
@@ -95,10 +94,8 @@ def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, (list, tuple)) or isinstance(b, (list, tuple)):
         return (isinstance(a, list) == isinstance(b, list) and isinstance(a, tuple) == isinstance(b, tuple)
                 and len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b)))
-    if _is_nan(a) or _is_nan(b):
-        return _is_nan(a) and _is_nan(b)
     try:
-        return bool(a == b)
+        return bool(a == b) or (_is_nan(a) and _is_nan(b))
     except (TypeError, ValueError, RuntimeError):  # no single truth value
         return False
 
@@ -109,11 +106,7 @@ class StructuralEq:
     __hash__ = None  # type: ignore[assignment]
 
     def __eq__(self, other: object) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        if not dataclasses.is_dataclass(self):  # a plain subclass: its attributes
-            return same_value(vars(self), vars(other))
-        return same_value(self, other)
+        return same_value(self, other) if type(other) is type(self) else NotImplemented
 
 
 class CompactRepr(StructuralEq):
@@ -132,8 +125,9 @@ def neuron_name(layer: int, neuron: int) -> str:
 SILENT_RATIO = 1e4
 
 
-def times_elsewhere(ratio: float, what: str = "its RMS elsewhere") -> str:
-    """``ratio`` (a value at the sink over ``what``) in words; above :data:`SILENT_RATIO`, ``"silent elsewhere"``.
+def times_elsewhere(ratio: float) -> str:
+    """``ratio`` (a value at the sink over its RMS elsewhere) in words; ``"silent elsewhere"`` above
+    :data:`SILENT_RATIO`.
 
     Examples:
         >>> times_elsewhere(37.2), times_elsewhere(726154543104.0), times_elsewhere(float("nan"))
@@ -141,4 +135,4 @@ def times_elsewhere(ratio: float, what: str = "its RMS elsewhere") -> str:
     """
     if math.isnan(ratio):
         return "no other position measured"
-    return "silent elsewhere" if abs(ratio) > SILENT_RATIO else f"{ratio:.0f}x {what}"
+    return "silent elsewhere" if abs(ratio) > SILENT_RATIO else f"{ratio:.0f}x its RMS elsewhere"

@@ -68,18 +68,12 @@ def default_file_mode() -> int:
 
 def write_text_atomic(path: str | Path, text: str, *, replace: bool = True) -> Path:
     """Write ``text`` to ``path`` atomically (:func:`write_atomic`)."""
-    def write(tmp: Path) -> None:
-        with open(tmp, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-
-    return write_atomic(path, write, replace=replace)
+    return write_atomic(path, lambda tmp: tmp.write_text(text, encoding="utf-8"), replace=replace)
 
 
 def write_atomic(path: str | Path, write: Any, *, replace: bool = True) -> Path:
-    """Have ``write(tmp)`` write a temporary file beside ``path``, then rename it onto ``path`` (``replace=False``:
-    only if ``path`` does not exist then, else :class:`~sinklens.errors.OutputExistsError`); plain ``open()``'s mode."""
+    """``write(tmp)`` writes a temporary file (plain ``open()``'s mode) beside ``path``, which is then fsynced and
+    renamed onto it; ``replace=False``: only while ``path`` is absent, else :class:`OutputExistsError`."""
     path = Path(path)
     tmp: Path | None = None
     try:
@@ -90,10 +84,19 @@ def write_atomic(path: str | Path, write: Any, *, replace: bool = True) -> Path:
             os.fchmod(fd, default_file_mode())
         os.close(fd)
         write(tmp)
+        with open(tmp, "rb+") as handle:
+            os.fsync(handle.fileno())
         if replace:
             os.replace(tmp, path)
-        else:
-            _link_new(tmp, path)
+        else:  # only if path does not exist: a hard link, or a check and a rename where there are none
+            try:
+                os.link(tmp, path)
+            except OSError as err:  # FileExistsError, or no hard links here (some network or FUSE file systems)
+                if isinstance(err, FileExistsError) or path.exists():
+                    raise FileExistsError(path) from None
+                os.replace(tmp, path)
+            else:
+                tmp.unlink()
     except BaseException as err:
         if tmp is not None:
             tmp.unlink(missing_ok=True)
@@ -104,21 +107,6 @@ def write_atomic(path: str | Path, write: Any, *, replace: bool = True) -> Path:
             raise OutputNotWritableError(f"Cannot write {str(path)!r}: {err.strerror or err}.") from err
         raise
     return path
-
-
-def _link_new(tmp: Path, path: Path) -> None:
-    """Move ``tmp`` to ``path`` unless ``path`` exists (``FileExistsError``): a hard link and an unlink, or a check
-    and a rename where the file system has no hard links."""
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        raise
-    except OSError:  # no hard links here (some network or FUSE file systems)
-        if path.exists():
-            raise FileExistsError(path) from None
-        os.replace(tmp, path)
-        return
-    tmp.unlink()
 
 
 @contextmanager
@@ -146,6 +134,6 @@ def write_json(path: str | Path, value: Any, *, digits: int | None = 6, indent: 
     return write_text_atomic(path, dumps(value, digits=digits, indent=indent) + "\n", replace=replace)
 
 
-def json_line(value: Any, *, digits: int | None = None) -> str:
-    """One strict-JSON line (for ``.jsonl`` logs), without a trailing newline."""
-    return dumps(value, digits=digits, indent=None)
+def json_line(value: Any) -> str:
+    """One strict-JSON line (for ``.jsonl`` logs) at full precision, without a trailing newline."""
+    return dumps(value, digits=None, indent=None)

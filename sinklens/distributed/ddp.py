@@ -38,10 +38,10 @@ def resolve_device(name: str) -> torch.device:
 
 def init_distributed(device: str) -> tuple[DistContext, torch.device]:
     """Join the process group if launched by ``torchrun``; return the context and this process's device."""
-    if not ("WORLD_SIZE" in os.environ and "RANK" in os.environ):
-        return DistContext(), resolve_device(device)
-    ctx = DistContext(True, int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"]))
     dev = resolve_device(device)
+    if not ("WORLD_SIZE" in os.environ and "RANK" in os.environ):
+        return DistContext(), dev
+    ctx = DistContext(True, int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"]))
     if dev.type == "cuda":
         dev = torch.device("cuda", ctx.local_rank)
         torch.cuda.set_device(dev)

