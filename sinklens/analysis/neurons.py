@@ -4,8 +4,7 @@ Activations are ``blocks.{l}.mlp.hook_post`` at the sink ``s``, mean over sequen
 ``contribution`` to dimension ``d`` is ``act × W_out[l, n, d]``, through the post-MLP norm when
 there is one (Gemma 2/3: ``(act / scale) × gain ⊙ W_out[l, n]``); summed over neurons plus
 ``mlp_offset_sink[l]`` it is the mean ``hook_mlp_out``. A **super neuron** reaches ``super_share``
-of some analysed dimension's peak ``|value|``. Fields:
-:class:`SuperNeurons`, :class:`MassiveDimPath`.
+of some analysed dimension's peak ``|value|``.
 """
 
 from __future__ import annotations
@@ -82,22 +81,18 @@ def mlp_weight_statistics(model: Any, layers: Sequence[int], row_top_k: int = 1)
     of ``W_out[n]``."""
 
     def compute() -> dict[str, Tensor | None]:
-        names = ("in_norm", "gate_norm", "out_norm", "out_kurtosis", "out_top_share")
-        out: dict[str, list[Tensor]] = {k: [] for k in names}
-        gated = True
+        rows = []
         for layer in layers:  # one layer's weights at a time
-            out["in_norm"].append(layer_weight(model, "W_in", layer).float().norm(dim=0))
-            if gated:
-                try:
-                    out["gate_norm"].append(layer_weight(model, "W_gate", layer).float().norm(dim=0))
-                except AttributeError:
-                    gated = False
             w_out = layer_weight(model, "W_out", layer).float().contiguous()  # [neuron, d_model]
-            out["out_norm"].append(w_out.norm(dim=-1))
-            for name, t in zip(("out_kurtosis", "out_top_share"), row_sparsity(w_out, row_top_k)):
-                out[name].append(t)
-        out["gate_norm"] = out["gate_norm"] if gated else []
-        return {k: torch.stack(v) if v else None for k, v in out.items()}
+            row = dict(zip(("out_kurtosis", "out_top_share"), row_sparsity(w_out, row_top_k)),
+                       in_norm=layer_weight(model, "W_in", layer).float().norm(dim=0), out_norm=w_out.norm(dim=-1))
+            try:
+                row["gate_norm"] = layer_weight(model, "W_gate", layer).float().norm(dim=0)
+            except AttributeError:  # not a gated MLP
+                pass
+            rows.append(row)
+        names = ("in_norm", "gate_norm", "out_norm", "out_kurtosis", "out_top_share")
+        return {k: torch.stack([r[k] for r in rows]) if rows and k in rows[0] else None for k in names}
 
     stats = weight_cached(model, ("mlp_weight_statistics", tuple(layers), row_top_k), compute)
     return {name: None if t is None else t.clone() for name, t in stats.items()}  # callers own their copies
@@ -166,16 +161,14 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None,
                  settings: SuperNeuronSettings | None = None, **settings_kwargs: Any):
         d = model_dims(model)
-        settings = settings_from(SuperNeuronSettings, settings, settings_kwargs,
-                                 "SuperNeuronReducer")
+        settings = settings_from(SuperNeuronSettings, settings, settings_kwargs, "SuperNeuronReducer")
         check_fits_model(d.d_model, settings.row_top_k, settings.dims or ())
         if d.d_mlp <= 0:
             raise InvalidArgumentError("This model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0): there are no "
                                        "neurons to analyse.")
         check_neuron_mlp(model)
         self.model, self.settings, self.sink = model, settings, settings.sink_position
-        self.n_layers, self.d_model, self.d_mlp, self.n_heads = (
-            d.n_layers, d.d_model, d.d_mlp, d.n_heads)
+        self.n_layers, self.d_model, self.d_mlp, self.n_heads = d.n_layers, d.d_model, d.d_mlp, d.n_heads
         self.layers = resolve_layers(layers, d.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.device = model_device(model)
@@ -214,14 +207,11 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         def at_sink(target: Tensor):
             def fold(act: Tensor, i: int) -> None:  # [batch, pos, d_model]
                 target[i] += act[:, s].double().sum(0)
-
             return fold
 
         def keep(key: str):  # hook_scale [batch, pos, 1], or a copy of hook_z at the sink
             def fold(act: Tensor, block: int) -> None:
-                at = act[:, s]
-                state[key][block] = at.clone().float() if key == "z" else at.reshape(-1).double()
-
+                state[key][block] = act[:, s].clone().float() if key == "z" else act[:, s].reshape(-1).double()
             return fold
 
         streams = resolve_streams(None, self.n_layers)
@@ -272,9 +262,8 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         # Residual units: act × W_out without a post norm; mean(act / scale) × gain ⊙ C(W_out) through one.
         res_act = sink_act.clone()
         offset = self._offsets(self.maps, mlp_out_bias, self.inv_scale_sum, dev)
-        for block in self.post_norm_blocks:
-            if block in self.row:
-                res_act[self.row[block]] = (self.sink_scaled_sum[self.row[block]] / n_seq).float()
+        for block in self.row.keys() & set(self.post_norm_blocks):
+            res_act[self.row[block]] = (self.sink_scaled_sum[self.row[block]] / n_seq).float()
         rebuilt, w_dims = [], []  # one layer's W_out at a time: no stacked copy
         one = torch.ones(1, device=dev)
         for i, layer in enumerate(self.layers):
@@ -330,12 +319,10 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         """Warn when the rebuilt sum misses the model's own mean ``hook`` at the sink by more than
         float32 sums and the model's dtype rounding allow (8 of its eps, at least 1e-3, relative).
         """
-        err = float((rebuilt - target).abs().max()) if target.numel() else 0.0
-        size = float(target.abs().max()) if target.numel() else 0.0
+        err, size = (float(t.abs().max()) if target.numel() else 0.0 for t in (rebuilt - target, target))
         if err > max(1e-3, 8 * torch.finfo(model_dtype(self.model)).eps) * size + 1e-5:
-            warnings.warn(f"{who} contributions at the sink do not add up to {hook} (max error "
-                          f"{err:.3g} vs max |{hook}| {size:.3g}): {tail}", RuntimeWarning,
-                          stacklevel=3)
+            warnings.warn(f"{who} contributions at the sink do not add up to {hook} (max error {err:.3g} vs "
+                          f"max |{hook}| {size:.3g}): {tail}", RuntimeWarning, stacklevel=3)
 
 
 def add_total_effects(model: Any, batches: Sequence[TokenBatch], neurons: SuperNeurons, *,
