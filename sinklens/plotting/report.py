@@ -1,13 +1,5 @@
 """Writing a :class:`~sinklens.analysis.report.SinkReport` to a folder: ``report.json``,
-``summary.txt``, PNG figures and with them ``index.md`` (one line per file on what it shows).
-
-Examples:
-    >>> from sinklens.testing import QUIET, tiny_model
-    >>> import sinklens, tempfile
-    >>> report = sinklens.analyze(tiny_model(), ["t5 t6 t7 t8"], abs_threshold=None, rel_threshold=3.0, options=QUIET)
-    >>> sorted(p.name for p in save_report(report, tempfile.mkdtemp(), figures=False))
-    ['report.json', 'summary.txt']
-"""
+``summary.txt``, PNG figures and with them ``index.md`` (one line per file on what it shows)."""
 
 from __future__ import annotations
 

@@ -17,8 +17,7 @@ from sinklens.plotting.style import (
 def _main_sink(result: Any, position: int | None) -> int:
     if position is not None:
         return result.position_index(position)
-    sinks = result.sink_positions
-    return sinks[0] if sinks else 0
+    return (result.sink_positions or [0])[0]
 
 
 def plot_sink_heatmap(result: SinkResult, *, position: int | None = None, path: str | Path | None = None) -> Any:
@@ -28,8 +27,7 @@ def plot_sink_heatmap(result: SinkResult, *, position: int | None = None, path: 
     pos = _main_sink(result, position)
     values = torch.nan_to_num(result.received[:, :, pos], nan=0.0)
     n_layers, n_heads = values.shape
-    fig, axes = new_figure(width=max(4.0, 0.45 * n_heads + 2.5), height=max(3.0, 0.22 * n_layers + 1.5))
-    ax = axes[0, 0]
+    fig, [[ax]] = new_figure(width=max(4.0, 0.45 * n_heads + 2.5), height=max(3.0, 0.22 * n_layers + 1.5))
     image = ax.imshow(values.numpy(), aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, origin="lower")
     marked = torch.nonzero(values > result.sink_threshold)
     if len(marked):
@@ -54,8 +52,7 @@ def plot_sink_rate(result: SinkResult, *, position: int | None = None, path: str
     expect_result(result, SinkResult, "plot_sink_rate")
     pos = _main_sink(result, position)
     frac = result.head_is_sink(method="gu")[:, :, pos]
-    fig, axes = new_figure(1, 2, width=4.5, height=max(3.0, 0.2 * frac.shape[0] + 1.5))
-    left, right = axes[0]
+    fig, [[left, right]] = new_figure(1, 2, width=4.5, height=max(3.0, 0.2 * frac.shape[0] + 1.5))
     image = left.imshow(frac.numpy(), aspect="auto", cmap="magma", vmin=0, vmax=1, origin="lower")
     left.set_xlabel("head")
     label_layer_rows(left, result.layers)
@@ -76,8 +73,7 @@ def plot_received_by_position(
     detected sinks dashed, the mean over analysed layers in black."""
     expect_result(result, SinkResult, "plot_received_by_position")
     chosen = chosen_layers(result.layers, layers, 6)
-    fig, axes = new_figure(width=7.0, height=4.0)
-    ax = axes[0, 0]
+    fig, [[ax]] = new_figure(width=7.0, height=4.0)
     positions = torch.arange(result.received.shape[-1]).numpy()
     for layer in chosen:
         row = result.layers.index(layer)

@@ -46,8 +46,7 @@ def finish(fig: Any, path: str | Path | None) -> Any:
 def label_layer_rows(ax: Any, layers: Sequence[int]) -> None:
     """Label an ``imshow``'s rows with their model layers (a subset such as ``[1, 3]`` allowed)."""
     ax.set_ylabel("layer")
-    ax.set_yticks(range(len(layers)))
-    ax.set_yticklabels([str(layer) for layer in layers], fontsize=6 if len(layers) > 16 else 8)
+    ax.set_yticks(range(len(layers)), [str(layer) for layer in layers], fontsize=6 if len(layers) > 16 else 8)
 
 
 def paired_bars(ax: Any, left: Sequence[float] | np.ndarray, right: Sequence[float] | np.ndarray,

@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from matplotlib.colors import LogNorm
 
 from sinklens.analysis.variance import VarianceResult
 from sinklens.plotting.style import (
@@ -63,8 +64,6 @@ def plot_discrepancy(result: VarianceResult, *, position: int = 0, path: str | P
     """Layer × head heatmaps of the variance-discrepancy ratio at ``position`` for ``z`` (left) and
     for the head's output ``z · W_O`` (right), on a log colour scale centred at 1."""
     expect_result(result, VarianceResult, "plot_discrepancy")
-    from matplotlib.colors import LogNorm
-
     z = result.discrepancy(position, of="z")
     res = result.discrepancy(position, of="result")
     both = torch.cat([z.flatten(), res.flatten()])
