@@ -153,15 +153,15 @@ class MassiveActivations(SettingsFields, CompactRepr):
         return [{"stream": s, "hook": self.hooks[self._row(s)], "position": pos, "dim": dim,
                  "value": v, "abs": abs(v), "ratio": ratio} for (s, pos, dim), v, ratio in events]
 
-    def to_dict(self, top: int = 5) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary: thresholds, per-layer medians, top sink/other dims, position profiles, events."""
         return to_json({
             "streams": self.streams, "hooks": self.hooks, "settings": self.settings,
             "n_sequences": self.n_sequences, "prepend_bos": self.prepend_bos,
             "median_abs": self.median_abs, "massive_dims_sink": self.massive_dims("sink"),
             "massive_dims_other": self.massive_dims("other"),
-            "top_dims_sink": {str(s): self.top_dims(s, top, "sink") for s in self.streams},
-            "top_dims_other": {str(s): self.top_dims(s, top, "other") for s in self.streams},
+            "top_dims_sink": {str(s): self.top_dims(s, 5, "sink") for s in self.streams},
+            "top_dims_other": {str(s): self.top_dims(s, 5, "other") for s in self.streams},
             "max_abs_by_pos": self.max_abs_by_pos, "norm_mean": self.norm_mean, "norm_ratio": self.norm_ratio,
             "topk_energy": self.topk_energy, "n_sink_tokens": self.n_sink_tokens,
             "n_other_tokens": self.n_other_tokens, "n_events": self.n_events, "events": self.rows(),

@@ -34,11 +34,11 @@ def plot_massive_by_layer(result: MassiveActivations, *, path: str | Path | None
     return finish(fig, path)
 
 
-def plot_top_dims(result: MassiveActivations, *, stream: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
-    """The ``k`` dimensions with the largest ``|x|`` at the sink beside their max elsewhere, at one
-    residual-stream index (default: the last)."""
+def plot_top_dims(result: MassiveActivations, *, k: int = 10, path: str | Path | None = None) -> Any:
+    """The ``k`` dimensions with the largest ``|x|`` at the sink beside their max elsewhere, at the last
+    residual-stream index analysed."""
     expect_result(result, MassiveActivations, "plot_top_dims")
-    stream = result.streams[-1] if stream is None else stream
+    stream = result.streams[-1]
     top = result.top_dims(stream, k, "sink")
     row = result.streams.index(stream)
     fig, [[ax]] = new_figure(width=7.0, height=4.0)

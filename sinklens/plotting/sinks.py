@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from sinklens.analysis.sinks import SinkResult
-from sinklens.plotting.style import (
-    chosen_layers, expect_result, finish, label_layer_rows, new_figure,
-)
+from sinklens.plotting.style import chosen_layers, expect_result, finish, label_layer_rows, new_figure
 
 
 def _main_sink(result: Any, position: int | None) -> int:
@@ -66,16 +63,13 @@ def plot_sink_rate(result: SinkResult, *, position: int | None = None, path: str
     return finish(fig, path)
 
 
-def plot_received_by_position(
-    result: SinkResult, *, layers: Sequence[int] | None = None, path: str | Path | None = None
-) -> Any:
-    """Mean attention received (over heads) vs key position, one line per layer (default: up to 6), log y;
+def plot_received_by_position(result: SinkResult, *, path: str | Path | None = None) -> Any:
+    """Mean attention received (over heads) vs key position, one line for each of up to 6 layers, log y;
     detected sinks dashed, the mean over analysed layers in black."""
     expect_result(result, SinkResult, "plot_received_by_position")
-    chosen = chosen_layers(result.layers, layers, 6)
     fig, [[ax]] = new_figure(width=7.0, height=4.0)
     positions = torch.arange(result.received.shape[-1]).numpy()
-    for layer in chosen:
+    for layer in chosen_layers(result.layers, None, 6):
         row = result.layers.index(layer)
         ax.plot(positions, result.received[row].nanmean(dim=0).numpy(), lw=1, alpha=0.8, label=f"layer {layer}")
     ax.plot(positions, result.mean_received().numpy(), color="black", lw=2, label="all layers")

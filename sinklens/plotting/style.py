@@ -24,13 +24,14 @@ def new_figure(n_rows: int = 1, n_cols: int = 1, *, width: float = 6.0, height: 
     return plt.subplots(n_rows, n_cols, figsize=size, squeeze=False, **kw)
 
 
-def save_figure(fig: Any, path: str | Path, *, dpi: int = 120, close: bool = True) -> Path:
-    """Save ``fig`` atomically (default suffix ``.png``, parents created) and close it unless ``close=False``."""
+def save_figure(fig: Any, path: str | Path, *, close: bool = True) -> Path:
+    """Save ``fig`` atomically at 120 dpi (default suffix ``.png``, parents created) and close it unless
+    ``close=False``."""
     path = Path(path)
     if not path.suffix:
         path = path.with_suffix(".png")
     fig.tight_layout()
-    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format=path.suffix[1:].lower()))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format=path.suffix[1:].lower()))
     if close:
         plt.close(fig)
     return path

@@ -12,9 +12,7 @@ import torch
 from matplotlib.colors import LogNorm
 
 from sinklens.analysis.variance import VarianceResult
-from sinklens.plotting.style import (
-    chosen_layers, expect_result, finish, label_layer_rows, new_figure,
-)
+from sinklens.plotting.style import chosen_layers, expect_result, finish, label_layer_rows, new_figure
 from sinklens.validate import optional_index_list
 
 
