@@ -128,24 +128,16 @@ def dim_path(resid: Float[Tensor, "stream d_model"], attn: Float[Tensor, "block 
     peak_value = float(values[peak])
     sign = 1.0 if peak_value >= 0 else -1.0
     delta = attn[:, dim] + mlp[:, dim]
-    write = int((sign * delta).argmax())
-    a, m = float(attn[write, dim]), float(mlp[write, dim])
-    erase, erase_delta = None, None
-    if write + 1 < delta.shape[0]:
-        later = sign * delta[write + 1 :]
-        j = int(later.argmin())
-        if float(later[j]) < -erase_fraction * abs(peak_value):
-            erase, erase_delta = write + 1 + j, float(delta[write + 1 + j])
-    writers, erasers = [], []
-    for block in range(delta.shape[0]):
-        d, ab, mb = float(delta[block]), float(attn[block, dim]), float(mlp[block, dim])
-        toward = sign * d / max(abs(peak_value), _TINY)
-        if abs(toward) >= path_share:
-            step = BlockStep(block, d, ab, mb, _attn_share(ab, mb), toward)
-            (writers if toward > 0 else erasers).append(step)
+    steps = [BlockStep(block, d, a, m, _attn_share(a, m), sign * d / max(abs(peak_value), _TINY))
+             for block, (d, a, m) in enumerate(zip(delta.tolist(), attn[:, dim].tolist(), mlp[:, dim].tolist()))]
+    w = steps[int((sign * delta).argmax())]  # the block stepping furthest towards the peak
+    low = min(steps[w.block + 1 :], key=lambda step: sign * step.delta, default=None)
+    erase = low if low is not None and sign * low.delta < -erase_fraction * abs(peak_value) else None
     first = _massive(resid, dim_threshold)[:, dim].nonzero().flatten()
-    return MassiveDimPath(dim, peak, peak_value, write, float(delta[write]), a, m,
-                          _attn_share(a, m), erase, erase_delta, writers=writers, erasers=erasers,
+    return MassiveDimPath(dim, peak, peak_value, w.block, w.delta, w.attn, w.mlp, w.attn_share,
+                          None if erase is None else erase.block, None if erase is None else erase.delta,
+                          writers=[step for step in steps if step.share >= path_share],
+                          erasers=[step for step in steps if step.share <= -path_share],
                           first_massive_stream=int(first[0]) if first.numel() else None)
 
 
