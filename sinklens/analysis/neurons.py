@@ -172,8 +172,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
     def reset(self) -> None:
         zeros = partial(torch.zeros, device=self.device, dtype=torch.float64)
         n, blocks, d = len(self.layers), self.n_layers, self.d_model
-        self.sink_sum, self.sink_scaled_sum = zeros(n, self.d_mlp), zeros(n, self.d_mlp)
-        self.other_sq = zeros(n, self.d_mlp)
+        self.sink_sum, self.sink_scaled_sum, self.other_sq = (zeros(n, self.d_mlp) for _ in range(3))
         self.other_max = zeros(n, self.d_mlp, dtype=torch.float32)
         self.inv_scale_sum, self.attn_inv_scale_sum = zeros(blocks), zeros(blocks)  # Σ 1 / scale
         self.head_sum = zeros(blocks, self.n_heads, d)  # Σ z_h W_O (/ post-norm scale)
@@ -213,11 +212,10 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         hooks += bound_hooks([stream_hook(i, self.n_layers) for i in streams], streams, at_sink(self.resid))
         hooks += per_layer_hooks(ATTN_OUT, blocks, at_sink(self.attn))
         hooks += per_layer_hooks(MLP_OUT, blocks, at_sink(self.mlp))
-        mlp_pn = self.post_norm_blocks
-        hooks += bound_hooks([self.maps[b].scale_hook for b in mlp_pn], mlp_pn, keep("scale"))
+        hooks += bound_hooks([self.maps[b].scale_hook for b in self.post_norm_blocks], self.post_norm_blocks,
+                             keep("scale"))
         hooks += per_layer_hooks(head_output_site(self.model), blocks, keep("z"))
-        hooks += bound_hooks([self.attn_maps[b].scale_hook for b in attn_pn], attn_pn,
-                             keep("attn_scale"))
+        hooks += bound_hooks([self.attn_maps[b].scale_hook for b in attn_pn], attn_pn, keep("attn_scale"))
         return BatchFold(hooks, state)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
