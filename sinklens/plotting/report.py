@@ -50,8 +50,7 @@ def save_report(report: SinkReport, out_dir: str | Path, *, figures: bool = True
     with staged_outputs(out, marker="report.json", owned=(*FIGURE_FILES, INDEX_FILE)) as stage:
         staged = [write_json(stage / "report.json", data, digits=None, indent=1), write_text_atomic(stage / "summary.txt", text)]
         if figures:
-            for name, draw in figure_makers(report).items():
-                staged.append(save_figure(draw(), stage / name))
+            staged += [save_figure(draw(), stage / name) for name, draw in figure_makers(report).items()]
             staged.append(write_text_atomic(stage / INDEX_FILE, index_text(report, [path.name for path in staged])))
     return [out / path.name for path in staged]
 
