@@ -58,13 +58,10 @@ def sequence_median_abs(x: Float[Tensor, "batch pos d"], lengths: Sequence[int])
     """Median of ``|x|`` over each sequence's first ``lengths[b]`` positions and all dimensions (the lower
     middle value for an even count; NaN for an empty sequence)."""
     a = x.abs()
-    if all(n == a.shape[1] for n in lengths):
-        return a.flatten(1).median(dim=1).values
-    out = torch.full((a.shape[0],), float("nan"), dtype=a.dtype, device=a.device)
-    for b, n in enumerate(lengths):
-        if n:
-            out[b] = a[b, :n].median()
-    return out
+    if any(n != a.shape[1] for n in lengths):  # padding -> NaN, which nanmedian leaves out
+        pad = torch.arange(a.shape[1], device=a.device) >= torch.tensor(lengths, device=a.device)[:, None]
+        a = a.masked_fill(pad[..., None], float("nan"))
+    return a.flatten(1).nanmedian(dim=1).values
 
 
 def norm_ratio_to_others(norms: Float[Tensor, "batch pos"], valid: Tensor) -> Float[Tensor, "batch pos"]:
