@@ -296,8 +296,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         return result
 
     def _offsets(self, maps: Sequence[Any], bias: Any, inv_scale_sum: Tensor, dev: Any) -> Tensor:
-        """``[block, d_model]``: each block's output bias through its post norm (at the mean ``1 /
-        scale``)."""
+        """``[block, d_model]``: each block's output bias through its post norm (at the mean ``1 / scale``)."""
         out = torch.stack([bias(self.model, b).float().to(dev) for b in range(self.n_layers)])
         for block, pm in enumerate(maps):
             if not pm.is_identity:
@@ -307,8 +306,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
 
     def _warn_if_off(self, rebuilt: Tensor, target: Tensor, who: str, hook: str, tail: str) -> None:
         """Warn when the rebuilt sum misses the model's own mean ``hook`` at the sink by more than
-        float32 sums and the model's dtype rounding allow (8 of its eps, at least 1e-3, relative).
-        """
+        float32 sums and the model's dtype rounding allow (8 of its eps, at least 1e-3, relative)."""
         err, size = (float(t.abs().max()) if target.numel() else 0.0 for t in (rebuilt - target, target))
         if err > max(1e-3, 8 * torch.finfo(model_dtype(self.model)).eps) * size + 1e-5:
             warnings.warn(f"{who} contributions at the sink do not add up to {hook} (max error {err:.3g} vs "
