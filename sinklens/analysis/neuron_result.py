@@ -239,9 +239,7 @@ class SuperNeurons(SettingsFields, CompactRepr):
             "layers": self.layers, "settings": self.settings, "dims": self.dims, "n_sequences": self.n_sequences,
             "units": "residual (after any post-MLP norm)", "post_norm_blocks": self.post_norm_blocks,
             "n_massive": self.n_massive, "max_dims": self.max_dims,
-            "super_neurons": [list(x) for x in self.super_neurons()],
-            "super_writers": [list(x) for x in self.super_neurons("writers")],
-            "super_erasers": [list(x) for x in self.super_neurons("erasers")],
-            "activation_outliers": [list(x) for x in self.outliers()],
+            "super_neurons": self.super_neurons(), "super_writers": self.super_neurons("writers"),  # pairs as lists
+            "super_erasers": self.super_neurons("erasers"), "activation_outliers": self.outliers(),
             "paths": [p.to_dict() for p in self.paths], "rows": self.rows(k),
         })
