@@ -8,7 +8,7 @@ resid_post."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
 from typing import Any, Literal
 
@@ -17,14 +17,8 @@ from jaxtyping import Float, Int
 from torch import Tensor
 
 from sinklens.analysis._common import (
-    SettingsFields,
-    check_sink_position,
-    resolve_streams,
-    row_index,
-    run_analyzer,
-    settings_from,
-    sink_position_arg,
-    stream_hook,
+    SettingsFields, check_sink_position, resolve_streams, row_index, run_analyzer, settings_from,
+    sink_position_arg, stream_hook,
 )
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
@@ -62,17 +56,12 @@ class MassiveSettings:
 
 def sequence_median_abs(x: Float[Tensor, "batch pos d"], lengths: Sequence[int]) -> Float[Tensor, " batch"]:
     """Median of ``|x|`` over each sequence's first ``lengths[b]`` positions and all dimensions (the lower
-    middle value for an even count; NaN for an empty sequence), by ``kthvalue`` on host-side lengths."""
+    middle value for an even count; NaN for an empty sequence)."""
     a = x.abs()
-    if all(n == a.shape[1] for n in lengths):
-        flat = a.flatten(1)
-        return flat.kthvalue((flat.shape[1] + 1) // 2, dim=1).values
-    out = torch.full((a.shape[0],), float("nan"), dtype=a.dtype, device=a.device)
-    for b, n in enumerate(lengths):
-        if n:
-            row = a[b, :n].flatten()
-            out[b] = row.kthvalue((row.numel() + 1) // 2).values
-    return out
+    if any(n != a.shape[1] for n in lengths):  # padding -> NaN, which nanmedian leaves out
+        pad = torch.arange(a.shape[1], device=a.device) >= torch.tensor(lengths, device=a.device)[:, None]
+        a = a.masked_fill(pad[..., None], float("nan"))
+    return a.flatten(1).nanmedian(dim=1).values
 
 
 def norm_ratio_to_others(norms: Float[Tensor, "batch pos"], valid: Tensor) -> Float[Tensor, "batch pos"]:
@@ -131,27 +120,21 @@ class MassiveActivations(SettingsFields, CompactRepr):
     n_events: int
     n_sequences: int
     prepend_bos: bool = True
-    n_layers: int = field(default=0)
+    n_layers: int = 0
 
     def _row(self, stream: int) -> int:
         return row_index(self.streams, stream, what="Residual stream index")
 
-    def massive_dims(self, where: Literal["sink", "other", "any"] = "sink", stream: int | None = None) -> list[int]:
-        """Dimensions massive at least once (at the sink, elsewhere or anywhere), largest ``|x|`` first,
-        at one residual-stream index or (None) at any."""
-        rows = slice(None) if stream is None else slice(self._row(stream), self._row(stream) + 1)
-        counts = {"sink": self.count_sink, "other": self.count_other, "any": self.count_sink + self.count_other}[where]
-        size = {"sink": self.max_abs_sink, "other": self.max_abs_other,
-                "any": torch.maximum(self.max_abs_sink, self.max_abs_other)}[where]
-        hit = counts[rows].sum(0) > 0
-        dims = hit.nonzero().flatten()
-        peak = size[rows].amax(0)[dims]
-        return [int(d) for d in dims[peak.argsort(descending=True)]]
+    def massive_dims(self, where: Literal["sink", "other"] = "sink") -> list[int]:
+        """Dimensions massive at least once at the sink (or elsewhere), largest ``|x|`` first."""
+        counts, size = (self.count_sink, self.max_abs_sink) if where == "sink" else (
+            self.count_other, self.max_abs_other)
+        dims = (counts.sum(0) > 0).nonzero().flatten()
+        return [int(d) for d in dims[size.amax(0)[dims].argsort(descending=True)]]
 
-    def first_stream(self, dim: int, where: Literal["sink", "other"] = "sink") -> int | None:
-        """First residual-stream index at which ``dim`` is massive (at the sink or elsewhere), or None."""
-        counts = self.count_sink if where == "sink" else self.count_other
-        hit = (counts[:, dim] > 0).nonzero().flatten()
+    def first_stream(self, dim: int) -> int | None:
+        """First residual-stream index at which ``dim`` is massive at the sink, or None."""
+        hit = (self.count_sink[:, dim] > 0).nonzero().flatten()
         return self.streams[int(hit[0])] if hit.numel() else None
 
     def top_dims(self, stream: int, k: int = 5, where: Literal["sink", "other"] = "sink") -> list[tuple[int, float]]:
@@ -167,15 +150,15 @@ class MassiveActivations(SettingsFields, CompactRepr):
         return [{"stream": s, "hook": self.hooks[self._row(s)], "position": pos, "dim": dim,
                  "value": v, "abs": abs(v), "ratio": ratio} for (s, pos, dim), v, ratio in events]
 
-    def to_dict(self, top: int = 5) -> dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """JSON-ready summary: thresholds, per-layer medians, top sink/other dims, position profiles, events."""
         return to_json({
             "streams": self.streams, "hooks": self.hooks, "settings": self.settings,
             "n_sequences": self.n_sequences, "prepend_bos": self.prepend_bos,
             "median_abs": self.median_abs, "massive_dims_sink": self.massive_dims("sink"),
             "massive_dims_other": self.massive_dims("other"),
-            "top_dims_sink": {str(s): self.top_dims(s, top, "sink") for s in self.streams},
-            "top_dims_other": {str(s): self.top_dims(s, top, "other") for s in self.streams},
+            "top_dims_sink": {str(s): self.top_dims(s, 5, "sink") for s in self.streams},
+            "top_dims_other": {str(s): self.top_dims(s, 5, "other") for s in self.streams},
             "max_abs_by_pos": self.max_abs_by_pos, "norm_mean": self.norm_mean, "norm_ratio": self.norm_ratio,
             "topk_energy": self.topk_energy, "n_sink_tokens": self.n_sink_tokens,
             "n_other_tokens": self.n_other_tokens, "n_events": self.n_events, "events": self.rows(),
@@ -184,15 +167,15 @@ class MassiveActivations(SettingsFields, CompactRepr):
 def _top_of_batch(
     x: Float[Tensor, "batch pos d"], a: Float[Tensor, "batch pos d"], median: Float[Tensor, " batch"],
 ) -> tuple[Float[Tensor, "pos d"], Float[Tensor, "pos d"], Float[Tensor, "pos d"]]:
-    """Per ``(pos, d)``: the largest ``a = |x|`` (-1 at padding) over the batch, its signed value
-    and its ratio to its sequence's median, ties broken as :func:`_beats` does."""
+    """Per ``(pos, d)``: the largest ``a = |x|`` (-1 at padding) over the batch, its ratio to its
+    sequence's median and its signed value, ties broken as :func:`_beats` does."""
     best = a.amax(dim=0)
     tied = a == best[None]
     med = median[:, None, None]
     low = torch.where(tied, med, torch.full_like(med, float("inf"))).amin(dim=0)
     tied &= med == low[None]
     value = torch.where(tied, x, torch.full_like(x[:1], float("-inf"))).amax(dim=0)
-    return best, value, best / low
+    return best, best / low, value
 
 
 def _beats(abs_a: Tensor, ratio_a: Tensor, value_a: Tensor, abs_b: Tensor, ratio_b: Tensor, value_b: Tensor) -> Tensor:
@@ -211,6 +194,7 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
                   "energy_sum", "pos_count", "count_sink", "count_other", "median_sum", "n_sequences", "n_sink_tokens",
                   "n_other_tokens", "prepend_bos")
     maxima = ("exceeded",)
+    argmax = ("max_abs", "ratio_at_max", "value_at_max")  # one record per location, kept by _beats
 
     def __init__(self, model: Any, *, streams: int | Sequence[int] | None = None,
                  settings: MassiveSettings | None = None, **settings_kwargs: Any):
@@ -240,24 +224,15 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
         self.prepend_bos = True
 
     def _grow(self, width: int) -> None:
-        if self.max_abs.shape[1] >= width:
-            return
-        self.max_abs = grow(self.max_abs, 1, width, -1.0)
-        self.exceeded = grow(self.exceeded, 1, width, False)
-        sums = ("norm_sum", "norm_ratio_sum", "norm_ratio_count", "energy_sum")
-        for name in ("value_at_max", "ratio_at_max", *sums):
-            setattr(self, name, grow(getattr(self, name), 1, width))
+        for name in (*self.argmax, "exceeded", "norm_sum", "norm_ratio_sum", "norm_ratio_count", "energy_sum"):
+            setattr(self, name, grow(getattr(self, name), 1, width, -1.0 if name == "max_abs" else 0))
         self.pos_count = grow(self.pos_count, 0, width)
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         check_sink_position(batch, self.sink)
-        width = batch.tokens.shape[1]
+        valid, width, lengths, all_valid = batch.valid, batch.tokens.shape[1], batch.host_lengths(), not batch.padded
         self._grow(width)
-        valid = batch.valid
         abs_threshold, rel_threshold, top_k = self.settings.abs_threshold, self.settings.rel_threshold, self.settings.top_k
-
-        lengths = batch.host_lengths()
-        all_valid = not batch.padded
         tiny = torch.finfo(torch.float32).tiny
 
         def fold(act: Tensor, i: int) -> None:  # act: [batch, pos, d_model]; i: row of the stream
@@ -269,25 +244,23 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
             massive = torch.ones_like(a, dtype=torch.bool) if abs_threshold is None else a > abs_threshold
             if rel_threshold is not None:
                 massive &= a > (rel_threshold * med_c)[:, None, None]
-            if not all_valid:
-                massive &= valid[..., None]
+            massive &= valid[..., None]
             self.median_sum[i] += med.double().sum()
             at_sink = (massive[:, self.sink] & valid[:, self.sink, None]).sum(0)
             self.count_sink[i] += at_sink
             self.count_other[i] += massive.sum(dim=(0, 1)) - at_sink
             self.exceeded[i, :width] |= massive.any(dim=0)
-            best, value, r = _top_of_batch(x, a if all_valid else a.masked_fill(~valid[..., None], -1.0), med_c)
-            better = _beats(best, r, value, self.max_abs[i, :width], self.ratio_at_max[i, :width],
-                            self.value_at_max[i, :width])
-            self.max_abs[i, :width] = torch.where(better, best, self.max_abs[i, :width])
-            self.value_at_max[i, :width] = torch.where(better, value, self.value_at_max[i, :width])
-            self.ratio_at_max[i, :width] = torch.where(better, r, self.ratio_at_max[i, :width])
+            new = _top_of_batch(x, a if all_valid else a.masked_fill(~valid[..., None], -1.0), med_c)
+            old = [getattr(self, name)[i, :width] for name in self.argmax]  # views, updated in place
+            better = _beats(*new, *old)
+            for kept, t in zip(old, new):
+                kept.copy_(torch.where(better, t, kept))
             sq = x * x
             energy = sq.sum(-1)
             norms = energy.sqrt()
             self.norm_sum[i, :width] += (norms * valid).double().sum(0)
             nr = norm_ratio_to_others(norms, valid)
-            self.norm_ratio_sum[i, :width] += nr.masked_fill(nr.isnan(), 0.0).double().sum(0)  # inf stays inf
+            self.norm_ratio_sum[i, :width] += nr.double().nansum(0)  # inf stays inf
             self.norm_ratio_count[i, :width] += (~nr.isnan()).double().sum(0)
             top = sq.amax(dim=-1) if top_k == 1 else sq.topk(top_k, dim=-1).values.sum(-1)
             self.energy_sum[i, :width] += (top / energy.clamp_min(tiny) * valid).double().sum(0)
@@ -296,11 +269,11 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         valid = batch.valid
-        width = valid.shape[1]
-        self.pos_count[:width] += valid.double().sum(0)
+        self.pos_count[: valid.shape[1]] += valid.double().sum(0)
         self.n_sequences += valid.shape[0]
-        self.n_sink_tokens += int(valid[:, self.sink].sum())
-        self.n_other_tokens += int(valid.sum()) - int(valid[:, self.sink].sum())
+        at_sink = int(valid[:, self.sink].sum())
+        self.n_sink_tokens += at_sink
+        self.n_other_tokens += int(valid.sum()) - at_sink
         self.prepend_bos = batch.prepend_bos
 
     def merge(self, other: MassiveActivationsReducer) -> None:
@@ -308,25 +281,23 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
         width = max(self.max_abs.shape[1], other.max_abs.shape[1])
         self._grow(width)
         other._grow(width)
-        argmax = ("max_abs", "value_at_max", "ratio_at_max")
-        dev = self.max_abs.device
-        better = _beats(other.max_abs.to(dev), other.ratio_at_max.to(dev), other.value_at_max.to(dev),
-                        self.max_abs, self.ratio_at_max, self.value_at_max)
-        for name in argmax:
-            setattr(self, name, torch.where(better, getattr(other, name).to(better.device), getattr(self, name)))
-        merge_statistics(self, other, [name for name in self.statistics if name not in argmax])
+        mine = [getattr(self, name) for name in self.argmax]
+        theirs = [getattr(other, name).to(self.max_abs.device) for name in self.argmax]
+        better = _beats(*theirs, *mine)
+        for name, a, b in zip(self.argmax, theirs, mine):
+            setattr(self, name, torch.where(better, a, b))
+        merge_statistics(self, other, [name for name in self.statistics if name not in self.argmax])
 
     def result(self) -> MassiveActivations:
         if self.n_sequences == 0:
             raise InvalidArgumentError("No batches were streamed; nothing to summarise.")
         n_pos = int((self.pos_count > 0).nonzero().max()) + 1
         s = self.sink
-        others = torch.ones(self.max_abs.shape[1], dtype=torch.bool, device=self.max_abs.device)
-        others[s] = False
-        max_other = self.max_abs.masked_fill(~others[None, :, None], -1.0).amax(dim=1).clamp_min(0.0)
-        where = self.exceeded.nonzero()  # [event, 3] (row, pos, dim)
-        values = self.value_at_max[where[:, 0], where[:, 1], where[:, 2]]
-        ratios = self.ratio_at_max[where[:, 0], where[:, 1], where[:, 2]]
+        others = self.max_abs.clone()
+        others[:, s] = -1.0
+        max_other = others.amax(dim=1).clamp_min(0.0)
+        where = self.exceeded.nonzero()  # [event, 3] (row, pos, dim), in the order of the masks below
+        values, ratios = self.value_at_max[self.exceeded], self.ratio_at_max[self.exceeded]
         order = values.abs().argsort(descending=True)[: self.settings.max_rows]
         events = where[order].clone()
         events[:, 0] = torch.tensor(self.streams, device=events.device)[events[:, 0]]

@@ -50,15 +50,12 @@ class SuperNeuronSettings:
 
 
 def check_fits_model(d_model: int, row_top_k: int, dims: Sequence[int]) -> None:
-    """Raise when ``row_top_k`` or a dimension of ``dims`` does not fit a residual stream of
-    ``d_model``."""
+    """Raise when ``row_top_k`` or a dimension of ``dims`` does not fit a residual stream of ``d_model``."""
     if not 1 <= row_top_k <= d_model:
-        raise InvalidArgumentError(
-            f"row_top_k must be in [1, {d_model}] (d_model), got {row_top_k}.")
+        raise InvalidArgumentError(f"row_top_k must be in [1, {d_model}] (d_model), got {row_top_k}.")
     bad = [x for x in dims if not 0 <= x < d_model]
     if bad:
-        raise InvalidArgumentError(
-            f"dims {bad} are out of range for d_model={d_model} (0..{d_model - 1}).")
+        raise InvalidArgumentError(f"dims {bad} are out of range for d_model={d_model} (0..{d_model - 1}).")
 
 
 @dataclass(eq=False)
@@ -146,12 +143,12 @@ class SuperNeurons(SettingsFields, CompactRepr):
     mlp_out_sink: Float[Tensor, "block d_model"]
     paths: list[MassiveDimPath]
     n_sequences: int
-    is_outlier: Bool[Tensor, "layer neuron"] | None = None
-    mlp_offset_sink: Float[Tensor, "block d_model"] | None = None
-    post_norm_blocks: list[int] = field(default_factory=list)
-    head_contribution: Float[Tensor, "block head n_dims"] | None = None
-    attn_offset_sink: Float[Tensor, "block d_model"] | None = None
-    n_massive: int | None = None
+    is_outlier: Bool[Tensor, "layer neuron"]
+    mlp_offset_sink: Float[Tensor, "block d_model"]
+    post_norm_blocks: list[int]
+    head_contribution: Float[Tensor, "block head n_dims"]
+    attn_offset_sink: Float[Tensor, "block d_model"]
+    n_massive: int | None
     total_effect: Float[Tensor, "layer neuron n_dims"] | None = None
 
     def _ranking(self, dim: int, k: Any, sign: float | None) -> tuple[int, int, float]:
@@ -163,8 +160,6 @@ class SuperNeurons(SettingsFields, CompactRepr):
     def top_heads(self, dim: int, block: int, k: int = 3, *, sign: float | None = None) -> list[tuple[int, float]]:
         """``(head, contribution)`` of ``block``'s ``k`` heads writing most into ``dim`` towards its
         peak (or ``sign``), best first."""
-        if self.head_contribution is None:
-            return []
         k, j, sign = self._ranking(dim, k, sign)
         col = sign * self.head_contribution[block, :, j]
         vals, idx = col.topk(min(k, col.numel()))
@@ -191,16 +186,15 @@ class SuperNeurons(SettingsFields, CompactRepr):
     def outliers(self) -> list[tuple[int, int]]:
         """``(layer, neuron)`` of every activation outlier (``is_outlier``), largest ``|sink_act|``
         first."""
-        mask = self.is_outlier if self.is_outlier is not None else torch.zeros_like(self.is_super)
-        idx = mask.nonzero()
+        idx = self.is_outlier.nonzero()
         order = self.sink_act[idx[:, 0], idx[:, 1]].abs().argsort(descending=True)
         return [(self.layers[int(r)], int(n)) for r, n in idx[order].tolist()]
 
     def path(self, dim: int) -> MassiveDimPath:
         """The :class:`MassiveDimPath` of one analysed dimension."""
-        for p in self.paths:
-            if p.dim == dim:
-                return p
+        found = [p for p in self.paths if p.dim == dim]
+        if found:
+            return found[0]
         raise InvalidArgumentError(f"Dimension {dim} was not analysed; analysed dims: {self.dims}.")
 
     def top(self, dim: int, k: int = 10, *, block: int | None = None, sign: float | None = None,
@@ -212,27 +206,19 @@ class SuperNeurons(SettingsFields, CompactRepr):
         if choice(by, ("direct", "total"), what="by") == "total" and self.total_effect is None:
             raise InvalidArgumentError("by='total' needs total_effect: call add_total_effects(model, batches, result).")
         contrib = (self.total_effect if by == "total" else self.contribution)[:, :, j]
-        rows = list(range(len(self.layers)))
-        if block is not None:
-            if block not in self.layers:
-                return []
-            rows = [self.layers.index(block)]
-        flat = (sign * contrib[rows]).flatten()
+        layers = self.layers if block is None else [block] if block in self.layers else []
+        flat = (sign * contrib[[self.layers.index(layer) for layer in layers]]).flatten()
         vals, idx = flat.topk(min(k, flat.numel()))
         n = self.contribution.shape[1]
-        return [(self.layers[rows[int(i) // n]], int(i) % n, float(sign * v)) for i, v in zip(idx, vals)]
+        return [(layers[int(i) // n], int(i) % n, float(sign * v)) for i, v in zip(idx, vals)]
 
     def neuron_row(self, layer: int, neuron: int) -> dict[str, Any]:
         """All statistics of one neuron as a dict."""
         r = row_index(self.layers, layer)
-        row: dict[str, Any] = {"layer": layer, "neuron": neuron}
-        for name in ("sink_act", "other_rms", "other_max_abs", "position_ratio", "neuron_ratio",
-                     "is_super", "is_outlier", "row_kurtosis", "row_top_share"):
-            t = getattr(self, name)  # .item(): a Python float, or a bool for the masks
-            row[name] = None if t is None else t[r, neuron].item()
-        for j, d in enumerate(self.dims):
-            row[f"contribution_{d}"] = float(self.contribution[r, neuron, j])
-        return row
+        names = ("sink_act", "other_rms", "other_max_abs", "position_ratio", "neuron_ratio", "is_super",
+                 "is_outlier", "row_kurtosis", "row_top_share")  # .item(): a float, or a bool for the masks
+        return ({"layer": layer, "neuron": neuron} | {name: getattr(self, name)[r, neuron].item() for name in names}
+                | {f"contribution_{d}": float(self.contribution[r, neuron, j]) for j, d in enumerate(self.dims)})
 
     def rows(self, k: int = 10) -> list[dict[str, Any]]:
         """DataFrame-ready rows: each dim's ``k`` top writers, then every other super neuron
@@ -253,9 +239,7 @@ class SuperNeurons(SettingsFields, CompactRepr):
             "layers": self.layers, "settings": self.settings, "dims": self.dims, "n_sequences": self.n_sequences,
             "units": "residual (after any post-MLP norm)", "post_norm_blocks": self.post_norm_blocks,
             "n_massive": self.n_massive, "max_dims": self.max_dims,
-            "super_neurons": [list(x) for x in self.super_neurons()],
-            "super_writers": [list(x) for x in self.super_neurons("writers")],
-            "super_erasers": [list(x) for x in self.super_neurons("erasers")],
-            "activation_outliers": [list(x) for x in self.outliers()],
+            "super_neurons": self.super_neurons(), "super_writers": self.super_neurons("writers"),  # pairs as lists
+            "super_erasers": self.super_neurons("erasers"), "activation_outliers": self.outliers(),
             "paths": [p.to_dict() for p in self.paths], "rows": self.rows(k),
         })

@@ -4,8 +4,7 @@ Activations are ``blocks.{l}.mlp.hook_post`` at the sink ``s``, mean over sequen
 ``contribution`` to dimension ``d`` is ``act × W_out[l, n, d]``, through the post-MLP norm when
 there is one (Gemma 2/3: ``(act / scale) × gain ⊙ W_out[l, n]``); summed over neurons plus
 ``mlp_offset_sink[l]`` it is the mean ``hook_mlp_out``. A **super neuron** reaches ``super_share``
-of some analysed dimension's peak ``|value|``. Fields:
-:class:`SuperNeurons`, :class:`MassiveDimPath`.
+of some analysed dimension's peak ``|value|``.
 """
 
 from __future__ import annotations
@@ -82,22 +81,18 @@ def mlp_weight_statistics(model: Any, layers: Sequence[int], row_top_k: int = 1)
     of ``W_out[n]``."""
 
     def compute() -> dict[str, Tensor | None]:
-        names = ("in_norm", "gate_norm", "out_norm", "out_kurtosis", "out_top_share")
-        out: dict[str, list[Tensor]] = {k: [] for k in names}
-        gated = True
+        rows = []
         for layer in layers:  # one layer's weights at a time
-            out["in_norm"].append(layer_weight(model, "W_in", layer).float().norm(dim=0))
-            if gated:
-                try:
-                    out["gate_norm"].append(layer_weight(model, "W_gate", layer).float().norm(dim=0))
-                except AttributeError:
-                    gated = False
             w_out = layer_weight(model, "W_out", layer).float().contiguous()  # [neuron, d_model]
-            out["out_norm"].append(w_out.norm(dim=-1))
-            for name, t in zip(("out_kurtosis", "out_top_share"), row_sparsity(w_out, row_top_k)):
-                out[name].append(t)
-        out["gate_norm"] = out["gate_norm"] if gated else []
-        return {k: torch.stack(v) if v else None for k, v in out.items()}
+            row = dict(zip(("out_kurtosis", "out_top_share"), row_sparsity(w_out, row_top_k)),
+                       in_norm=layer_weight(model, "W_in", layer).float().norm(dim=0), out_norm=w_out.norm(dim=-1))
+            try:
+                row["gate_norm"] = layer_weight(model, "W_gate", layer).float().norm(dim=0)
+            except AttributeError:  # not a gated MLP
+                pass
+            rows.append(row)
+        names = ("in_norm", "gate_norm", "out_norm", "out_kurtosis", "out_top_share")
+        return {k: torch.stack([r[k] for r in rows]) if rows and k in rows[0] else None for k in names}
 
     stats = weight_cached(model, ("mlp_weight_statistics", tuple(layers), row_top_k), compute)
     return {name: None if t is None else t.clone() for name, t in stats.items()}  # callers own their copies
@@ -133,24 +128,16 @@ def dim_path(resid: Float[Tensor, "stream d_model"], attn: Float[Tensor, "block 
     peak_value = float(values[peak])
     sign = 1.0 if peak_value >= 0 else -1.0
     delta = attn[:, dim] + mlp[:, dim]
-    write = int((sign * delta).argmax())
-    a, m = float(attn[write, dim]), float(mlp[write, dim])
-    erase, erase_delta = None, None
-    if write + 1 < delta.shape[0]:
-        later = sign * delta[write + 1 :]
-        j = int(later.argmin())
-        if float(later[j]) < -erase_fraction * abs(peak_value):
-            erase, erase_delta = write + 1 + j, float(delta[write + 1 + j])
-    writers, erasers = [], []
-    for block in range(delta.shape[0]):
-        d, ab, mb = float(delta[block]), float(attn[block, dim]), float(mlp[block, dim])
-        toward = sign * d / max(abs(peak_value), _TINY)
-        if abs(toward) >= path_share:
-            step = BlockStep(block, d, ab, mb, _attn_share(ab, mb), toward)
-            (writers if toward > 0 else erasers).append(step)
+    steps = [BlockStep(block, d, a, m, _attn_share(a, m), sign * d / max(abs(peak_value), _TINY))
+             for block, (d, a, m) in enumerate(zip(delta.tolist(), attn[:, dim].tolist(), mlp[:, dim].tolist()))]
+    w = steps[int((sign * delta).argmax())]  # the block stepping furthest towards the peak
+    low = min(steps[w.block + 1 :], key=lambda step: sign * step.delta, default=None)
+    erase = low if low is not None and sign * low.delta < -erase_fraction * abs(peak_value) else None
     first = _massive(resid, dim_threshold)[:, dim].nonzero().flatten()
-    return MassiveDimPath(dim, peak, peak_value, write, float(delta[write]), a, m,
-                          _attn_share(a, m), erase, erase_delta, writers=writers, erasers=erasers,
+    return MassiveDimPath(dim, peak, peak_value, w.block, w.delta, w.attn, w.mlp, w.attn_share,
+                          None if erase is None else erase.block, None if erase is None else erase.delta,
+                          writers=[step for step in steps if step.share >= path_share],
+                          erasers=[step for step in steps if step.share <= -path_share],
                           first_massive_stream=int(first[0]) if first.numel() else None)
 
 
@@ -166,16 +153,14 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None,
                  settings: SuperNeuronSettings | None = None, **settings_kwargs: Any):
         d = model_dims(model)
-        settings = settings_from(SuperNeuronSettings, settings, settings_kwargs,
-                                 "SuperNeuronReducer")
+        settings = settings_from(SuperNeuronSettings, settings, settings_kwargs, "SuperNeuronReducer")
         check_fits_model(d.d_model, settings.row_top_k, settings.dims or ())
         if d.d_mlp <= 0:
             raise InvalidArgumentError("This model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0): there are no "
                                        "neurons to analyse.")
         check_neuron_mlp(model)
         self.model, self.settings, self.sink = model, settings, settings.sink_position
-        self.n_layers, self.d_model, self.d_mlp, self.n_heads = (
-            d.n_layers, d.d_model, d.d_mlp, d.n_heads)
+        self.n_layers, self.d_model, self.d_mlp, self.n_heads = d.n_layers, d.d_model, d.d_mlp, d.n_heads
         self.layers = resolve_layers(layers, d.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.device = model_device(model)
@@ -187,8 +172,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
     def reset(self) -> None:
         zeros = partial(torch.zeros, device=self.device, dtype=torch.float64)
         n, blocks, d = len(self.layers), self.n_layers, self.d_model
-        self.sink_sum, self.sink_scaled_sum = zeros(n, self.d_mlp), zeros(n, self.d_mlp)
-        self.other_sq = zeros(n, self.d_mlp)
+        self.sink_sum, self.sink_scaled_sum, self.other_sq = (zeros(n, self.d_mlp) for _ in range(3))
         self.other_max = zeros(n, self.d_mlp, dtype=torch.float32)
         self.inv_scale_sum, self.attn_inv_scale_sum = zeros(blocks), zeros(blocks)  # Σ 1 / scale
         self.head_sum = zeros(blocks, self.n_heads, d)  # Σ z_h W_O (/ post-norm scale)
@@ -214,14 +198,11 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         def at_sink(target: Tensor):
             def fold(act: Tensor, i: int) -> None:  # [batch, pos, d_model]
                 target[i] += act[:, s].double().sum(0)
-
             return fold
 
         def keep(key: str):  # hook_scale [batch, pos, 1], or a copy of hook_z at the sink
             def fold(act: Tensor, block: int) -> None:
-                at = act[:, s]
-                state[key][block] = at.clone().float() if key == "z" else at.reshape(-1).double()
-
+                state[key][block] = act[:, s].clone().float() if key == "z" else act[:, s].reshape(-1).double()
             return fold
 
         streams = resolve_streams(None, self.n_layers)
@@ -231,11 +212,10 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         hooks += bound_hooks([stream_hook(i, self.n_layers) for i in streams], streams, at_sink(self.resid))
         hooks += per_layer_hooks(ATTN_OUT, blocks, at_sink(self.attn))
         hooks += per_layer_hooks(MLP_OUT, blocks, at_sink(self.mlp))
-        mlp_pn = self.post_norm_blocks
-        hooks += bound_hooks([self.maps[b].scale_hook for b in mlp_pn], mlp_pn, keep("scale"))
+        hooks += bound_hooks([self.maps[b].scale_hook for b in self.post_norm_blocks], self.post_norm_blocks,
+                             keep("scale"))
         hooks += per_layer_hooks(head_output_site(self.model), blocks, keep("z"))
-        hooks += bound_hooks([self.attn_maps[b].scale_hook for b in attn_pn], attn_pn,
-                             keep("attn_scale"))
+        hooks += bound_hooks([self.attn_maps[b].scale_hook for b in attn_pn], attn_pn, keep("attn_scale"))
         return BatchFold(hooks, state)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
@@ -272,9 +252,8 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         # Residual units: act × W_out without a post norm; mean(act / scale) × gain ⊙ C(W_out) through one.
         res_act = sink_act.clone()
         offset = self._offsets(self.maps, mlp_out_bias, self.inv_scale_sum, dev)
-        for block in self.post_norm_blocks:
-            if block in self.row:
-                res_act[self.row[block]] = (self.sink_scaled_sum[self.row[block]] / n_seq).float()
+        for block in self.row.keys() & set(self.post_norm_blocks):
+            res_act[self.row[block]] = (self.sink_scaled_sum[self.row[block]] / n_seq).float()
         rebuilt, w_dims = [], []  # one layer's W_out at a time: no stacked copy
         one = torch.ones(1, device=dev)
         for i, layer in enumerate(self.layers):
@@ -317,8 +296,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         return result
 
     def _offsets(self, maps: Sequence[Any], bias: Any, inv_scale_sum: Tensor, dev: Any) -> Tensor:
-        """``[block, d_model]``: each block's output bias through its post norm (at the mean ``1 /
-        scale``)."""
+        """``[block, d_model]``: each block's output bias through its post norm (at the mean ``1 / scale``)."""
         out = torch.stack([bias(self.model, b).float().to(dev) for b in range(self.n_layers)])
         for block, pm in enumerate(maps):
             if not pm.is_identity:
@@ -328,14 +306,11 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
 
     def _warn_if_off(self, rebuilt: Tensor, target: Tensor, who: str, hook: str, tail: str) -> None:
         """Warn when the rebuilt sum misses the model's own mean ``hook`` at the sink by more than
-        float32 sums and the model's dtype rounding allow (8 of its eps, at least 1e-3, relative).
-        """
-        err = float((rebuilt - target).abs().max()) if target.numel() else 0.0
-        size = float(target.abs().max()) if target.numel() else 0.0
+        float32 sums and the model's dtype rounding allow (8 of its eps, at least 1e-3, relative)."""
+        err, size = (float(t.abs().max()) if target.numel() else 0.0 for t in (rebuilt - target, target))
         if err > max(1e-3, 8 * torch.finfo(model_dtype(self.model)).eps) * size + 1e-5:
-            warnings.warn(f"{who} contributions at the sink do not add up to {hook} (max error "
-                          f"{err:.3g} vs max |{hook}| {size:.3g}): {tail}", RuntimeWarning,
-                          stacklevel=3)
+            warnings.warn(f"{who} contributions at the sink do not add up to {hook} (max error {err:.3g} vs "
+                          f"max |{hook}| {size:.3g}): {tail}", RuntimeWarning, stacklevel=3)
 
 
 def add_total_effects(model: Any, batches: Sequence[TokenBatch], neurons: SuperNeurons, *,

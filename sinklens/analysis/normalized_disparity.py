@@ -88,8 +88,7 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
         d = model_dims(model)
         self.layers = resolve_layers(layers, d.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.sink, self.d_model = sink_position_arg(sink_position), d.d_model
-        self.device = model_device(model)
+        self.sink, self.d_model, self.device = sink_position_arg(sink_position), d.d_model, model_device(model)
         self.maps = {layer: input_norm(model, layer, "attn") for layer in self.layers}
         pre_norm = all(m.path == f"blocks.{m.layer}.ln1" for m in self.maps.values())
         self.site = "ln1.hook_normalized" if pre_norm else "post-LN: " + ", ".join(

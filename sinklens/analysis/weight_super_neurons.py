@@ -138,14 +138,11 @@ class WeightNeurons(CompactRepr):
     def neuron_row(self, layer: int, neuron: int) -> dict[str, Any]:
         """All statistics of one neuron as a dict."""
         r = row_index(self.layers, layer)
-        row: dict[str, Any] = {"layer": layer, "neuron": neuron}
-        for name in ("in_norm", "gate_norm", "out_norm", "in_norm_ratio", "gate_norm_ratio", "out_norm_ratio",
-                     "out_kurtosis", "out_top_share", "score", "align_in", "align_gate"):
-            t = getattr(self, name)
-            row[name] = None if t is None else float(t[r, neuron])
-        for j, d in enumerate(self.dims):
-            row[f"out_weight_{d}"] = float(self.out_dim_weight[r, neuron, j])
-        return row
+        names = ("in_norm", "gate_norm", "out_norm", "in_norm_ratio", "gate_norm_ratio", "out_norm_ratio",
+                 "out_kurtosis", "out_top_share", "score", "align_in", "align_gate")
+        values = {name: None if (t := getattr(self, name)) is None else float(t[r, neuron]) for name in names}
+        return ({"layer": layer, "neuron": neuron} | values
+                | {f"out_weight_{d}": float(self.out_dim_weight[r, neuron, j]) for j, d in enumerate(self.dims)})
 
     def rows(self, k: int = 20) -> list[dict[str, Any]]:
         """DataFrame-ready rows of the ``k`` top-scoring neurons, with their rank."""

@@ -5,6 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from matplotlib import colormaps
+
 from sinklens.analysis.disparity import MassiveActivations
 from sinklens.plotting.style import expect_result, finish, new_figure, paired_bars
 
@@ -17,10 +19,8 @@ def plot_massive_by_layer(result: MassiveActivations, *, path: str | Path | None
     """Max ``|x|`` per residual-stream index at the sink vs all other positions (log), with the median ``|x|``
     and the absolute threshold for reference."""
     expect_result(result, MassiveActivations, "plot_massive_by_layer")
-    fig, axes = new_figure(width=7.0, height=4.0)
-    ax = axes[0, 0]
-    xs = list(range(len(result.streams)))
-    floor = 1e-8
+    fig, [[ax]] = new_figure(width=7.0, height=4.0)
+    xs, floor = list(range(len(result.streams))), 1e-8
     ax.plot(xs, result.max_abs_sink.amax(-1).clamp_min(floor), "o-", label=f"position {result.sink_position}")
     ax.plot(xs, result.max_abs_other.amax(-1).clamp_min(floor), "s-", label="other positions")
     ax.plot(xs, result.median_abs.clamp_min(floor), ":", color="gray", label="median |x|")
@@ -34,15 +34,14 @@ def plot_massive_by_layer(result: MassiveActivations, *, path: str | Path | None
     return finish(fig, path)
 
 
-def plot_top_dims(result: MassiveActivations, *, stream: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
-    """The ``k`` dimensions with the largest ``|x|`` at the sink beside their max elsewhere, at one
-    residual-stream index (default: the last)."""
+def plot_top_dims(result: MassiveActivations, *, k: int = 10, path: str | Path | None = None) -> Any:
+    """The ``k`` dimensions with the largest ``|x|`` at the sink beside their max elsewhere, at the last
+    residual-stream index analysed."""
     expect_result(result, MassiveActivations, "plot_top_dims")
-    stream = result.streams[-1] if stream is None else stream
+    stream = result.streams[-1]
     top = result.top_dims(stream, k, "sink")
     row = result.streams.index(stream)
-    fig, axes = new_figure(width=7.0, height=4.0)
-    ax = axes[0, 0]
+    fig, [[ax]] = new_figure(width=7.0, height=4.0)
     xs = paired_bars(ax, [v for _, v in top], [float(result.max_abs_other[row, d]) for d, _ in top],
                      (f"position {result.sink_position}", "other positions"))
     ax.set_xticks(xs, [str(d) for d, _ in top])
@@ -55,17 +54,13 @@ def plot_top_dims(result: MassiveActivations, *, stream: int | None = None, k: i
 def plot_position_profile(result: MassiveActivations, *, path: str | Path | None = None) -> Any:
     """Per-position norm ratio (to the median of the other positions) and top-k energy share, per layer."""
     expect_result(result, MassiveActivations, "plot_position_profile")
-    import matplotlib.pyplot as plt
-
-    fig, axes = new_figure(1, 2, width=5.5, height=4.0)
-    cmap = plt.get_cmap("viridis")
+    fig, [[ratio, energy]] = new_figure(1, 2, width=5.5, height=4.0)
     n = len(result.streams)
     for i, label in enumerate(_stream_labels(result)):
-        color = cmap(i / max(1, n - 1))
-        axes[0, 0].plot(result.norm_ratio[i], color=color, lw=1, label=label if i in (0, n - 1) else None)
-        axes[0, 1].plot(result.topk_energy[i], color=color, lw=1)
-    axes[0, 0].set(yscale="log", xlabel="position", ylabel="||x_p|| / median other ||x_q||")
-    axes[0, 0].legend(fontsize=7, title="stream")
-    axes[0, 1].set(xlabel="position", ylabel=f"share of ||x||² in top-{result.top_k} dims",
-                   ylim=(0, 1.02))
+        color = colormaps["viridis"](i / max(1, n - 1))
+        ratio.plot(result.norm_ratio[i], color=color, lw=1, label=label if i in (0, n - 1) else None)
+        energy.plot(result.topk_energy[i], color=color, lw=1)
+    ratio.set(yscale="log", xlabel="position", ylabel="||x_p|| / median other ||x_q||")
+    ratio.legend(fontsize=7, title="stream")
+    energy.set(xlabel="position", ylabel=f"share of ||x||² in top-{result.top_k} dims", ylim=(0, 1.02))
     return finish(fig, path)

@@ -14,8 +14,7 @@ def plot_intervention(result: InterventionResult, path: str | Path | None = None
     """Left: head-averaged attention to the target (solid) and the original sink (dashed) per layer, before
     (grey) and after. Right: the target's ``hook_resid_post`` norm per layer before and after (log)."""
     expect_result(result, InterventionResult, "plot_intervention")
-    fig, axes = new_figure(1, 2, width=5.5, height=3.6)
-    ax, ax2 = axes[0]
+    fig, [[ax, ax2]] = new_figure(1, 2, width=5.5, height=3.6)
     layers = result.layers
     ax.plot(layers, result.received_before.mean(dim=1), color="0.5", label=f"to pos {result.target}, before")
     ax.plot(layers, result.received_after.mean(dim=1), color="C3", label=f"to pos {result.target}, after")
@@ -35,19 +34,14 @@ def plot_intervention(result: InterventionResult, path: str | Path | None = None
 def plot_patching(result: SinkPatchResult, path: str | Path | None = None) -> Any:
     """Heat map of the fraction of the sink metric each patched component restores."""
     expect_result(result, SinkPatchResult, "plot_patching")
-    import matplotlib.pyplot as plt
-
-    restored = result.restored
-    axes = list(result.axes)
+    restored, axes = result.restored, list(result.axes)
     if restored.ndim == 3:  # layer × pos × head: sum over positions
-        restored = restored.sum(dim=1)
-        axes = [axes[0], axes[2]]
-    fig, grid = new_figure(1, 1, width=6.0, height=4.0)
-    ax = grid[0, 0]
+        restored, axes = restored.sum(dim=1), [axes[0], axes[2]]
+    fig, [[ax]] = new_figure(1, 1, width=6.0, height=4.0)
     bound = max(float(restored.abs().max()), 1e-6)
     im = ax.imshow(restored.numpy(), cmap="RdBu", vmin=-bound, vmax=bound, aspect="auto")
     ax.set(xlabel=axes[1], ylabel="layer", title=f"sink restored by patching {result.site} (target {result.target})")
     ax.set_yticks(range(len(result.coords["layer"])), [str(v) for v in result.coords["layer"]])
     ax.set_xticks(range(len(result.coords[axes[1]])), [str(v) for v in result.coords[axes[1]]], fontsize=7)
-    plt.colorbar(im, ax=ax, label="fraction restored")
+    fig.colorbar(im, ax=ax, label="fraction restored")
     return finish(fig, path)

@@ -13,9 +13,8 @@ def plot_context_sweep(result: ContextSweepResult, *, path: str | Path | None = 
     """Two panels against the sequence length (log axis): left, the attention position 0 receives (mean over
     layers, heads and queries); right, Gu et al.'s sink rate of position 0 and the secondary sinks found."""
     expect_result(result, ContextSweepResult, "plot_context_sweep")
-    fig, axes = new_figure(1, 2, width=4.2, height=3.2)
+    fig, [[left, right]] = new_figure(1, 2, width=4.2, height=3.2)
     x = result.lengths
-    left, right = axes[0]
     left.plot(x, [p.sink_attention for p in result.points], "o-")
     left.set_ylabel("attention to position 0\n(mean over layers, heads, queries)")
     right.plot(x, [p.sink_rate for p in result.points], "o-")

@@ -12,11 +12,9 @@ from sinklens.plotting.style import expect_result, finish, new_figure
 
 
 def _dim(result: Any, dim: int | None) -> int:
-    if dim is None:
-        if not result.dims:
-            raise ValueError("No massive dimension was found or given; pass dim=... to find_super_neurons(dims=[...]).")
-        return result.dims[0]
-    return dim
+    if dim is None and not result.dims:
+        raise ValueError("No massive dimension was found or given; pass dim=... to find_super_neurons(dims=[...]).")
+    return result.dims[0] if dim is None else dim
 
 
 def plot_contributions(result: SuperNeurons, *, dim: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
@@ -25,8 +23,7 @@ def plot_contributions(result: SuperNeurons, *, dim: int | None = None, k: int =
     expect_result(result, SuperNeurons, "plot_contributions")
     dim = _dim(result, dim)
     top = result.top(dim, k)
-    fig, axes = new_figure(width=7.0, height=4.0)
-    ax = axes[0, 0]
+    fig, [[ax]] = new_figure(width=7.0, height=4.0)
     supers = set(result.super_neurons())
     colors = ["tab:red" if (l, n) in supers else "tab:blue" for l, n, _ in top]
     ax.bar(range(len(top)), [c for _, _, c in top], color=colors)
@@ -40,8 +37,7 @@ def plot_contributions(result: SuperNeurons, *, dim: int | None = None, k: int =
 def plot_row_sparsity(result: SuperNeurons, *, path: str | Path | None = None) -> Any:
     """Every neuron's ``W_out`` row kurtosis vs its top-k mass share; super neurons in red."""
     expect_result(result, SuperNeurons, "plot_row_sparsity")
-    fig, axes = new_figure(width=6.0, height=4.5)
-    ax = axes[0, 0]
+    fig, [[ax]] = new_figure(width=6.0, height=4.5)
     kurt, share = result.row_kurtosis.flatten(), result.row_top_share.flatten()
     sup = result.is_super.flatten()
     ax.scatter(kurt[~sup], share[~sup], s=4, alpha=0.4, color="tab:blue", label="neurons")
@@ -59,8 +55,7 @@ def plot_dim_path(result: SuperNeurons, *, dim: int | None = None, path: str | P
     d_model = result.resid_sink.shape[1]
     if not isinstance(dim, int) or isinstance(dim, bool) or not 0 <= dim < d_model:
         raise InvalidArgumentError(f"dim must be a residual dimension in 0..{d_model - 1}, got {dim!r}.")
-    fig, axes = new_figure(width=7.0, height=4.0)
-    ax = axes[0, 0]
+    fig, [[ax]] = new_figure(width=7.0, height=4.0)
     n = result.attn_out_sink.shape[0]
     ax.plot(range(n + 1), result.resid_sink[:, dim].numpy(), "o-", color="black", label="residual (input of block)")
     ax.bar([x + 0.3 for x in range(n)], result.attn_out_sink[:, dim].numpy(), width=0.3, label="attn_out", color="tab:orange")

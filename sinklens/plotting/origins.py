@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from matplotlib.ticker import MaxNLocator
 
 from sinklens.origins.contraction import ContractionResult
 from sinklens.origins.positional import PositionalDiscrepancy
@@ -21,8 +22,7 @@ def plot_rank_probability(prefs: dict[str, TokenPreference], *, path: str | Path
                         "pass e.g. {'my model': token_preference(model)}.")
     for pref in prefs.values():
         expect_result(pref, TokenPreference, "plot_rank_probability")
-    fig, axes = new_figure(1, 1, width=6.0, height=4.0)
-    ax = axes[0, 0]
+    fig, [[ax]] = new_figure(1, 1, width=6.0, height=4.0)
     for label, pref in prefs.items():
         ranked = pref.ranked().numpy()
         ax.loglog(np.arange(1, ranked.size + 1), ranked, label=label)
@@ -39,32 +39,22 @@ def plot_contraction(result: ContractionResult, *, path: str | Path | None = Non
     """Inter- and intra-sequence mean cosine at every site (embed, attn l, mlp l, final), and each
     sublayer's share of the change in inter-sequence concentration."""
     expect_result(result, ContractionResult, "plot_contraction")
-    fig, axes = new_figure(1, 2, width=6.0, height=4.0)
+    fig, [[ax, ax2]] = new_figure(1, 2, width=6.0, height=4.0)
     names = [s.name for s in result.sites]
     x = np.arange(len(names))
-    ax = axes[0, 0]
     ax.plot(x, [s.inter_mean for s in result.sites], "o-", label="inter-sequence")
     ax.plot(x, [s.intra for s in result.sites], "s-", label="intra-sequence")
     ax.set_xticks(x, names, rotation=90, fontsize=7)
     ax.set(ylabel="mean cosine similarity", title="concentration by sublayer")
     ax.legend(fontsize=8)
-    ax = axes[0, 1]
     share = result.share("inter_mean").numpy()
-    paired_bars(ax, share[:, 0], share[:, 1], ("attention", "MLP"))
-    integer_ticks(ax)
+    paired_bars(ax2, share[:, 0], share[:, 1], ("attention", "MLP"))
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
     asymmetry = (f"{result.activation}: E[f(z)] = {result.activation_mean_at_zero:.3f}" if result.mlp_skipped is None
                  else "mixture of experts: no MLP asymmetry")
-    ax.set(xlabel="layer", ylabel="share of the inter-sequence change",
-           title=f"who concentrates ({asymmetry})")
-    ax.legend(fontsize=8)
+    ax2.set(xlabel="layer", ylabel="share of the inter-sequence change", title=f"who concentrates ({asymmetry})")
+    ax2.legend(fontsize=8)
     return finish(fig, path)
-
-
-def integer_ticks(ax: Any) -> None:
-    """Major x ticks at integers only (layers, positions)."""
-    from matplotlib.ticker import MaxNLocator
-
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
 
 
 def positive_or_nan(values: np.ndarray) -> np.ndarray:
@@ -77,23 +67,18 @@ def plot_positional(result: PositionalDiscrepancy, *, path: str | Path | None = 
     """Each position's attention-output variance relative to the later half, per layer (log y, from the first
     random token), and the first-token ratio by layer; non-positive values are left out."""
     expect_result(result, PositionalDiscrepancy, "plot_positional")
-    fig, axes = new_figure(1, 2, width=6.0, height=4.0)
+    fig, [[ax, ax2]] = new_figure(1, 2, width=6.0, height=4.0)
     rel = result.relative("attn_out_var").numpy()
     first = result.first_counted
-    ax = axes[0, 0]
-    step = max(1, rel.shape[0] // 6)
-    for layer in range(0, rel.shape[0], step):
+    for layer in range(0, rel.shape[0], max(1, rel.shape[0] // 6)):
         ax.semilogy(np.arange(first, rel.shape[1]), positive_or_nan(rel[layer, first:]), label=f"layer {layer}")
-    integer_ticks(ax)
     ax.set(xlabel="position", ylabel="attn-out variance / later-half mean")
     ax.legend(fontsize=7)
-    ax = axes[0, 1]
-    layers = np.arange(rel.shape[0])
     for name in ("attn_out_var", "resid_var", "attn_out_norm"):
-        ax.semilogy(layers, positive_or_nan(result.first_token_ratio(name).numpy()), "o-", label=name)
-    ax.axhline(1.0, color="grey", ls=":")
-    integer_ticks(ax)
-    ax.set(xlabel="layer", ylabel=f"position {result.first_counted} / later half",
-           title="positional discrepancy")
-    ax.legend(fontsize=8)
+        ax2.semilogy(np.arange(rel.shape[0]), positive_or_nan(result.first_token_ratio(name).numpy()), "o-", label=name)
+    ax2.axhline(1.0, color="grey", ls=":")
+    ax2.set(xlabel="layer", ylabel=f"position {first} / later half", title="positional discrepancy")
+    ax2.legend(fontsize=8)
+    for a in (ax, ax2):  # integer ticks only: layers, positions
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
     return finish(fig, path)

@@ -18,8 +18,7 @@ def plot_prefix_sinks(result: PrefixSinks, *, path: str | Path | None = None) ->
     """Against the input length (means over layers and heads): left, the prefix's attention mass (solid) and
     output share (dashed) per adapter; right, attention on position 0 with each adapter and without (black)."""
     expect_result(result, PrefixSinks, "plot_prefix_sinks")
-    fig, axes = new_figure(1, 2, width=4.6, height=3.6)
-    left, right = axes[0, 0], axes[0, 1]
+    fig, [[left, right]] = new_figure(1, 2, width=4.6, height=3.6)
     n = np.array(result.input_lengths)
     mass, share, pos0 = (result.mean(k).numpy() for k in ("prefix_mass", "output_share", "pos0_mass"))
     for a, label in enumerate(result.labels):
@@ -40,8 +39,7 @@ def plot_training(results: Sequence[TrainResult], *, path: str | Path | None = N
     """Training-batch loss against step, one line per run."""
     for r in results:
         expect_result(r, TrainResult, "plot_training")
-    fig, axes = new_figure(1, 1, width=5.0, height=3.4)
-    ax = axes[0, 0]
+    fig, [[ax]] = new_figure(1, 1, width=5.0, height=3.4)
     for r in results:
         ax.plot(np.arange(len(r.losses)), r.losses, label=f"{r.method} ({r.n_params:,d} params): eval {r.eval_after['loss']:.3f}")
     ax.set(xlabel="step", ylabel="training loss")

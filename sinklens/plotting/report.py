@@ -1,13 +1,5 @@
 """Writing a :class:`~sinklens.analysis.report.SinkReport` to a folder: ``report.json``,
-``summary.txt``, PNG figures and with them ``index.md`` (one line per file on what it shows).
-
-Examples:
-    >>> from sinklens.testing import QUIET, tiny_model
-    >>> import sinklens, tempfile
-    >>> report = sinklens.analyze(tiny_model(), ["t5 t6 t7 t8"], abs_threshold=None, rel_threshold=3.0, options=QUIET)
-    >>> sorted(p.name for p in save_report(report, tempfile.mkdtemp(), figures=False))
-    ['report.json', 'summary.txt']
-"""
+``summary.txt``, PNG figures and with them ``index.md`` (one line per file on what it shows)."""
 
 from __future__ import annotations
 
@@ -58,8 +50,7 @@ def save_report(report: SinkReport, out_dir: str | Path, *, figures: bool = True
     with staged_outputs(out, marker="report.json", owned=(*FIGURE_FILES, INDEX_FILE)) as stage:
         staged = [write_json(stage / "report.json", data, digits=None, indent=1), write_text_atomic(stage / "summary.txt", text)]
         if figures:
-            for name, draw in figure_makers(report).items():
-                staged.append(save_figure(draw(), stage / name))
+            staged += [save_figure(draw(), stage / name) for name, draw in figure_makers(report).items()]
             staged.append(write_text_atomic(stage / INDEX_FILE, index_text(report, [path.name for path in staged])))
     return [out / path.name for path in staged]
 

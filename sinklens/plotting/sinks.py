@@ -2,23 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from sinklens.analysis.sinks import SinkResult
-from sinklens.plotting.style import (
-    chosen_layers, expect_result, finish, label_layer_rows, new_figure,
-)
+from sinklens.plotting.style import chosen_layers, expect_result, finish, label_layer_rows, new_figure
 
 
 def _main_sink(result: Any, position: int | None) -> int:
     if position is not None:
         return result.position_index(position)
-    sinks = result.sink_positions
-    return sinks[0] if sinks else 0
+    return (result.sink_positions or [0])[0]
 
 
 def plot_sink_heatmap(result: SinkResult, *, position: int | None = None, path: str | Path | None = None) -> Any:
@@ -28,8 +24,7 @@ def plot_sink_heatmap(result: SinkResult, *, position: int | None = None, path: 
     pos = _main_sink(result, position)
     values = torch.nan_to_num(result.received[:, :, pos], nan=0.0)
     n_layers, n_heads = values.shape
-    fig, axes = new_figure(width=max(4.0, 0.45 * n_heads + 2.5), height=max(3.0, 0.22 * n_layers + 1.5))
-    ax = axes[0, 0]
+    fig, [[ax]] = new_figure(width=max(4.0, 0.45 * n_heads + 2.5), height=max(3.0, 0.22 * n_layers + 1.5))
     image = ax.imshow(values.numpy(), aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, origin="lower")
     marked = torch.nonzero(values > result.sink_threshold)
     if len(marked):
@@ -54,8 +49,7 @@ def plot_sink_rate(result: SinkResult, *, position: int | None = None, path: str
     expect_result(result, SinkResult, "plot_sink_rate")
     pos = _main_sink(result, position)
     frac = result.head_is_sink(method="gu")[:, :, pos]
-    fig, axes = new_figure(1, 2, width=4.5, height=max(3.0, 0.2 * frac.shape[0] + 1.5))
-    left, right = axes[0]
+    fig, [[left, right]] = new_figure(1, 2, width=4.5, height=max(3.0, 0.2 * frac.shape[0] + 1.5))
     image = left.imshow(frac.numpy(), aspect="auto", cmap="magma", vmin=0, vmax=1, origin="lower")
     left.set_xlabel("head")
     label_layer_rows(left, result.layers)
@@ -69,17 +63,13 @@ def plot_sink_rate(result: SinkResult, *, position: int | None = None, path: str
     return finish(fig, path)
 
 
-def plot_received_by_position(
-    result: SinkResult, *, layers: Sequence[int] | None = None, path: str | Path | None = None
-) -> Any:
-    """Mean attention received (over heads) vs key position, one line per layer (default: up to 6), log y;
+def plot_received_by_position(result: SinkResult, *, path: str | Path | None = None) -> Any:
+    """Mean attention received (over heads) vs key position, one line for each of up to 6 layers, log y;
     detected sinks dashed, the mean over analysed layers in black."""
     expect_result(result, SinkResult, "plot_received_by_position")
-    chosen = chosen_layers(result.layers, layers, 6)
-    fig, axes = new_figure(width=7.0, height=4.0)
-    ax = axes[0, 0]
+    fig, [[ax]] = new_figure(width=7.0, height=4.0)
     positions = torch.arange(result.received.shape[-1]).numpy()
-    for layer in chosen:
+    for layer in chosen_layers(result.layers, None, 6):
         row = result.layers.index(layer)
         ax.plot(positions, result.received[row].nanmean(dim=0).numpy(), lw=1, alpha=0.8, label=f"layer {layer}")
     ax.plot(positions, result.mean_received().numpy(), color="black", lw=2, label="all layers")

@@ -24,13 +24,14 @@ def new_figure(n_rows: int = 1, n_cols: int = 1, *, width: float = 6.0, height: 
     return plt.subplots(n_rows, n_cols, figsize=size, squeeze=False, **kw)
 
 
-def save_figure(fig: Any, path: str | Path, *, dpi: int = 120, close: bool = True) -> Path:
-    """Save ``fig`` atomically (default suffix ``.png``, parents created) and close it unless ``close=False``."""
+def save_figure(fig: Any, path: str | Path, *, close: bool = True) -> Path:
+    """Save ``fig`` atomically at 120 dpi (default suffix ``.png``, parents created) and close it unless
+    ``close=False``."""
     path = Path(path)
     if not path.suffix:
         path = path.with_suffix(".png")
     fig.tight_layout()
-    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=dpi, format=path.suffix[1:].lower()))
+    write_atomic(path, lambda tmp: fig.savefig(tmp, dpi=120, format=path.suffix[1:].lower()))
     if close:
         plt.close(fig)
     return path
@@ -46,8 +47,7 @@ def finish(fig: Any, path: str | Path | None) -> Any:
 def label_layer_rows(ax: Any, layers: Sequence[int]) -> None:
     """Label an ``imshow``'s rows with their model layers (a subset such as ``[1, 3]`` allowed)."""
     ax.set_ylabel("layer")
-    ax.set_yticks(range(len(layers)))
-    ax.set_yticklabels([str(layer) for layer in layers], fontsize=6 if len(layers) > 16 else 8)
+    ax.set_yticks(range(len(layers)), [str(layer) for layer in layers], fontsize=6 if len(layers) > 16 else 8)
 
 
 def paired_bars(ax: Any, left: Sequence[float] | np.ndarray, right: Sequence[float] | np.ndarray,

@@ -59,37 +59,33 @@ def plot_training(runs: Mapping[str, Sequence[dict[str, Any]]], *,
     for ax, panel in zip(axes[0], panels):
         for label, lines in runs.items():
             if panel == "loss":
-                train = [line for line in lines if line["kind"] == "train"]
-                steps = [line["step"] for line in train]
-                ax.plot(steps, smooth([line["loss"] for line in train], smoothing, steps=steps), label=label)
+                ax.plot(*smoothed_loss(lines, smoothing), label=label)
             else:
                 evals = [line for line in lines if line["kind"] == "eval" and line.get(panel) is not None]
                 ax.plot([line["step"] for line in evals], [line[panel] for line in evals], marker="o", ms=3, label=label)
-        ax.set_xlabel("step")
         ax.set_title("training loss (nats)" if panel == "loss" else {**SINK_PANELS, **OPTIONAL_PANELS}.get(panel, panel),
                      fontsize=9)
-        if panel in ("first_token_norm_ratio", "variance_ratio"):
-            ax.set_yscale("log")
+        ax.set(xlabel="step", yscale="log" if panel in ("first_token_norm_ratio", "variance_ratio") else "linear")
     axes[0][0].legend(fontsize=8)
     return finish(fig, path)
 
 
+def smoothed_loss(lines: Sequence[dict[str, Any]], smoothing: int) -> tuple[list[int], list[float]]:
+    """The logged training steps and their :func:`smooth` ed loss."""
+    steps = [line["step"] for line in lines if line["kind"] == "train"]
+    return steps, smooth([line["loss"] for line in lines if line["kind"] == "train"], smoothing, steps=steps)
+
+
 def steps_to_loss(lines: Sequence[dict[str, Any]], target: float, *, smoothing: int = 10) -> int | None:
     """First logged step whose :func:`smooth` ed training loss is ``<= target``; None if never."""
-    train = [line for line in lines if line["kind"] == "train"]
-    steps = [line["step"] for line in train]
-    for line, value in zip(train, smooth([line["loss"] for line in train], smoothing, steps=steps)):
-        if value <= target:
-            return int(line["step"])
-    return None
+    return next((int(step) for step, value in zip(*smoothed_loss(lines, smoothing)) if value <= target), None)
 
 
-def plot_positional_over_training(
-    trajectories: Mapping[str, Any], *, name: str = "attn_out_var", path: str | Path | None = None
-) -> Any:
-    """Per run: the first random token's ``name`` relative to the later half (log) against the training step,
-    one line per layer; step 0 is the initialization."""
+def plot_positional_over_training(trajectories: Mapping[str, Any], *, path: str | Path | None = None) -> Any:
+    """Per run: the first random token's ``attn_out_var`` relative to the later half (log) against the training
+    step, one line per layer; step 0 is the initialization."""
     fig, axes = new_figure(1, len(trajectories), width=4.2, height=3.4)
+    name = "attn_out_var"
     for ax, (label, traj) in zip(axes[0], trajectories.items()):
         ratio = traj.first_token_ratio(name)  # (step, layer)
         for layer in range(ratio.shape[1]):

@@ -19,12 +19,11 @@ def plot_value_drain(result: ValueDrain, *, path: str | Path | None = None) -> A
     coloured by class, with the class thresholds. Right: the layer × head ``write_share`` map, sink heads
     lettered (n = no-op, b = broadcast, p = partial)."""
     expect_result(result, ValueDrain, "plot_value_drain")
-    fig, axes = new_figure(1, 2, width=4.6, height=3.8)
-    ax = axes[0, 0]
+    fig, [[ax, grid]] = new_figure(1, 2, width=4.6, height=3.8)
     kinds = result.kinds()
     x, y = result.attn_sink.numpy(), result.write_share.numpy()
     for kind, color in KIND_COLORS.items():
-        mask = np.array([[k == kind for k in row] for row in kinds], dtype=bool).reshape(x.shape)
+        mask = np.array(kinds).reshape(x.shape) == kind
         if mask.any():
             ax.scatter(x[mask], y[mask], s=18, color=color, label=kind, zorder=3 if kind != "none" else 2)
     s = result.settings
@@ -35,15 +34,14 @@ def plot_value_drain(result: ValueDrain, *, path: str | Path | None = None) -> A
            ylabel="sink's share of the head's write")
     ax.set_title(f"value drain (sink position {s.sink_position})", fontsize=9)
     ax.legend(fontsize=7)
-    ax = axes[0, 1]
-    image = ax.imshow(y, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, origin="lower")
+    image = grid.imshow(y, aspect="auto", cmap="viridis", vmin=0.0, vmax=1.0, origin="lower")
     letters = {"no-op": "n", "broadcast": "b", "partial": "p"}
     for i, row in enumerate(kinds):
         for h, kind in enumerate(row):
             if kind in letters:
-                ax.text(h, i, letters[kind], ha="center", va="center", fontsize=7, color="w")
-    ax.set_xlabel("head")
-    label_layer_rows(ax, result.layers)
-    ax.set_title("write share of the sink", fontsize=9)
-    fig.colorbar(image, ax=ax)
+                grid.text(h, i, letters[kind], ha="center", va="center", fontsize=7, color="w")
+    grid.set_xlabel("head")
+    label_layer_rows(grid, result.layers)
+    grid.set_title("write share of the sink", fontsize=9)
+    fig.colorbar(image, ax=grid)
     return finish(fig, path)

@@ -9,21 +9,17 @@ from typing import Any
 
 import numpy as np
 import torch
+from matplotlib.colors import LogNorm
 
 from sinklens.analysis.variance import VarianceResult
-from sinklens.plotting.style import (
-    chosen_layers, expect_result, finish, label_layer_rows, new_figure,
-)
+from sinklens.plotting.style import chosen_layers, expect_result, finish, label_layer_rows, new_figure
 from sinklens.validate import optional_index_list
 
 
-def _rows(result: Any, layers: Sequence[int] | None) -> list[int]:
-    return [result.layers.index(layer) for layer in chosen_layers(result.layers, layers, 4)]
-
-
-def _position_panels(result: VarianceResult, rows: list[int], n_positions: int,
+def _position_panels(result: VarianceResult, layers: Sequence[int] | None, n_positions: int,
                      draw: Callable[[Any, int, np.ndarray], str], *, ylabel: str, path: str | Path | None) -> Any:
-    """One log-log panel per layer row vs position + 1; ``draw(ax, row, x)`` returns its title."""
+    """One log-log panel per layer (up to 4 by default) vs position + 1; ``draw(ax, row, x)`` returns its title."""
+    rows = [result.layers.index(layer) for layer in chosen_layers(result.layers, layers, 4)]
     counts = result.counts
     xlabel = f"position t + 1 ({int(counts[0])} sequences at t = 0, {int(counts[-1])} at t = {len(counts) - 1})"
     fig, axes = new_figure(1, len(rows), width=4.2, height=3.6)
@@ -55,7 +51,7 @@ def plot_variance_by_position(result: VarianceResult, *, layers: Sequence[int] |
         ax.scatter([1], [float(result.z_var[row, head_idx, 0].mean())], color="tab:red", zorder=3, s=20)
         return f"layer {result.layers[row]} ({label_heads})"
 
-    return _position_panels(result, _rows(result, layers), result.z_var.shape[-1], draw,
+    return _position_panels(result, layers, result.z_var.shape[-1], draw,
                             ylabel="variance of z over sequences (per coordinate)", path=path)
 
 
@@ -63,8 +59,6 @@ def plot_discrepancy(result: VarianceResult, *, position: int = 0, path: str | P
     """Layer × head heatmaps of the variance-discrepancy ratio at ``position`` for ``z`` (left) and
     for the head's output ``z · W_O`` (right), on a log colour scale centred at 1."""
     expect_result(result, VarianceResult, "plot_discrepancy")
-    from matplotlib.colors import LogNorm
-
     z = result.discrepancy(position, of="z")
     res = result.discrepancy(position, of="result")
     both = torch.cat([z.flatten(), res.flatten()])
@@ -98,5 +92,5 @@ def plot_feature_std_by_position(
         ax.plot(x, concat[0] / np.sqrt(x), color="gray", ls=":", label="std[0] / sqrt(t+1)")
         return f"layer {result.layers[row]}"
 
-    return _position_panels(result, _rows(result, layers), result.feature_std.shape[-1], draw,
+    return _position_panels(result, layers, result.feature_std.shape[-1], draw,
                             ylabel="feature std (mean over sequences)", path=path)
