@@ -25,7 +25,7 @@ from sinklens.analysis.weight_super_neurons import SinkMeanReducer
 from sinklens.display import StructuralEq
 from sinklens.export import to_json
 from sinklens.hooks import MLP_OUT, hook_name, model_dims
-from sinklens.inputs import Inputs, TokenBatch
+from sinklens.inputs import Inputs
 from sinklens.interventions.neurons import edit_neurons
 from sinklens.options import RunOptions, checked_options
 from sinklens.streaming import batches_for, stream
@@ -84,8 +84,7 @@ class CausalCheck(StructuralEq):
     n_passes: int = 0
 
     def is_causal(self, dim: int) -> bool:
-        """Whether zeroing ``dim``'s attributed writers removed at least ``causal_threshold`` of it.
-        """
+        """Whether zeroing ``dim``'s writers removed at least ``causal_threshold`` of it."""
         return next(c for c in self.checks if c.dim == dim).writers_cause_dim
 
     def lines(self) -> list[str]:
@@ -110,32 +109,6 @@ class CausalCheck(StructuralEq):
         return to_json({"sink_position": self.sink_position, "causal_threshold": self.causal_threshold,
                         "attention_threshold": self.attention_threshold, "min_query": MIN_QUERY,
                         "n_passes": self.n_passes, "checks": self.checks})
-
-
-def _measure(model: Any, batches: Sequence[TokenBatch], sink: int, streams: Sequence[int], hooks: list,
-             options: RunOptions, what: str) -> tuple[Tensor, float]:
-    """(residual at the sink at ``streams``, mean received attention of the sink) with ``hooks``
-    attached."""
-    attention = AttentionReceivedReducer(model, min_query=MIN_QUERY)
-    at_sink = SinkMeanReducer(model, sink, [stream_hook(s, model_dims(model).n_layers) for s in streams])
-    resid, received = stream(model, batches, [at_sink, attention],
-                             options=options.replace(extra_hooks=tuple(options.extra_hooks) + tuple(hooks),
-                                                     desc=f"verify_attribution: {what}"))
-    return resid, float(torch.nanmean(received.received[:, :, sink]))
-
-
-def default_writers(neurons: SuperNeurons, dim: int, max_writers: int = 10, by: str = "direct") -> list[tuple[int, int, float]]:
-    """The neurons credited with ``dim``, ranked ``by`` direct contribution or total effect."""
-    floor = neurons.settings.super_share * abs(neurons.path(dim).peak_value)
-    top = neurons.top(dim, max_writers, by=by)
-    return [w for w in top if abs(w[2]) >= floor] or top[:1]
-
-
-def _zero_mlp_out(sink: int):
-    def hook(act: Tensor, hook: Any) -> Tensor:
-        return act.index_fill(1, torch.tensor([sink], device=act.device), 0.0)
-
-    return hook
 
 
 def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons, *,
@@ -168,20 +141,30 @@ def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons,
     result = CausalCheck(sink, causal_threshold=causal_threshold, attention_threshold=attention_threshold)
     if not paths:
         return result
-    passes: dict[frozenset, tuple[Tensor, float]] = {}
+    stream_hooks = [stream_hook(s, model_dims(model).n_layers) for s in streams]
+    passes: dict[tuple[frozenset, frozenset], tuple[Tensor, float]] = {}
 
-    def measure(key: frozenset, what: str) -> tuple[Tensor, float]:
+    def zero_at_sink(act: Tensor, hook: Any) -> Tensor:
+        return act.index_fill(1, torch.tensor([sink], device=act.device), 0.0)
+
+    def measure(what: str, zeroed: Sequence[tuple[int, int]] = (),
+                blocks: Sequence[int] = ()) -> tuple[Tensor, float]:  # (resid at the sink, its attention)
+        key = (frozenset(zeroed), frozenset(blocks))
         if key not in passes:
-            neuron_sets: dict[int, list[int]] = {}
-            for kind, l, n in sorted(key):
-                if kind == "neuron":
-                    neuron_sets.setdefault(l, []).append(n)
-            hooks = edit_neurons(model, neuron_sets, positions=[sink]) if neuron_sets else []
-            hooks += [(hook_name(b, MLP_OUT), _zero_mlp_out(sink)) for kind, b, _ in sorted(key) if kind == "block"]
-            passes[key] = _measure(model, batches, sink, streams, hooks, options, what)
+            by_layer: dict[int, list[int]] = {}
+            for layer, n in sorted(key[0]):
+                by_layer.setdefault(layer, []).append(n)
+            hooks = edit_neurons(model, by_layer, positions=[sink]) if by_layer else []
+            hooks += [(hook_name(b, MLP_OUT), zero_at_sink) for b in sorted(key[1])]
+            run = options.replace(extra_hooks=tuple(options.extra_hooks) + tuple(hooks),
+                                  desc=f"verify_attribution: {what}")
+            reducers = [SinkMeanReducer(model, sink, stream_hooks),
+                        AttentionReceivedReducer(model, min_query=MIN_QUERY)]
+            resid, received = stream(model, batches, reducers, options=run)
+            passes[key] = resid, float(torch.nanmean(received.received[:, :, sink]))
         return passes[key]
 
-    before, attn_before = measure(frozenset(), "baseline")
+    before, attn_before = measure("baseline")
     for path in paths:
         sets = {}
         if writers is not None and path.dim in writers:
@@ -190,18 +173,19 @@ def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons,
             sets["direct"] = [(l, n, float(neurons.contribution[neurons.layers.index(l), n, j])
                                if l in neurons.layers else float("nan")) for l, n in given]
         else:
-            sets["direct"] = default_writers(neurons, path.dim, max_writers)
-            if neurons.total_effect is not None:
-                sets["total"] = default_writers(neurons, path.dim, max_writers, by="total")
+            for by in ("direct", "total") if neurons.total_effect is not None else ("direct",):
+                top = neurons.top(path.dim, max_writers, by=by)
+                floor = neurons.settings.super_share * abs(path.peak_value)
+                sets[by] = [w for w in top if abs(w[2]) >= floor] or top[:1]
         blocks = [s.block for s in path.writers] or [path.write_layer]
         sets["blocks"] = [(b, float(neurons.mlp_out_sink[b, path.dim])) for b in blocks]
         i = streams.index(path.peak_layer)
         v0 = float(before[i, path.dim])
         ablations = []
         for kind, rows in sets.items():
-            key = frozenset(("block", b, 0) for b, _ in rows) if kind == "blocks" else frozenset(
-                ("neuron", l, n) for l, n, _ in rows)
-            after, attn_after = measure(key, f"dim {path.dim} {kind} zeroed")
+            what = f"dim {path.dim} {kind} zeroed"
+            after, attn_after = (measure(what, blocks=[b for b, _ in rows]) if kind == "blocks"
+                                 else measure(what, [(l, n) for l, n, _ in rows]))
             v1 = float(after[i, path.dim])
             ablations.append(Ablation(kind, rows, v1, 1.0 - v1 / v0 if abs(v0) > TINY else float("nan"), attn_after,
                                       1.0 - attn_after / attn_before if attn_before > TINY else float("nan")))
