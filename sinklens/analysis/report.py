@@ -150,26 +150,20 @@ def analyze(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
     batches = batches_for(model, inputs, options)
     require_a_later_position(batches, what="analyze", sink_position=massive_settings.sink_position,
                              bidirectional=is_encoder(model))
-    skipped: dict[str, str] = {}
-
-    def skip(section: str, reason: str | None) -> bool:
-        if reason is not None:
-            skipped[section] = f"skipped: {reason}"
-        return reason is not None
-
     moe = neuron_reason(model)  # a mixture-of-experts or post-LN model: no additive neuron writes
-    no_neurons = skip("super_neurons", moe)
-    no_locking = skip("query_key_locking", qk_locking_reason(model))
-    no_norm = skip("normalized_disparity", input_norm_reason(model, "attn"))  # no normalization
-    no_mlp_input = not no_neurons and skip("mlp_input_alignment", input_norm_reason(model, "mlp"))
-    no_drain = skip("value_drain", value_drain_reason(model))
+    reasons = {"super_neurons": moe, "query_key_locking": qk_locking_reason(model),
+               "normalized_disparity": input_norm_reason(model, "attn"),  # no normalization
+               "mlp_input_alignment": None if moe is not None else input_norm_reason(model, "mlp"),
+               "value_drain": value_drain_reason(model)}
+    skipped = {section: f"skipped: {why}" for section, why in reasons.items() if why is not None}
     method, at = sink_settings.method, {"sink_position": sink_position}
     optional = {  # section -> its reducer, None when skipped
-        "neurons": None if no_neurons else SuperNeuronReducer(model, **at),
-        "sink_input": None if no_neurons or no_mlp_input else SinkInputReducer(model, **at),
-        "normalized": None if no_norm else NormalizedDisparityReducer(model, **at),
-        "locking": None if no_locking else QKLockingReducer(model, **at),
-        "value_drain": None if no_drain else ValueDrainReducer(
+        "neurons": None if "super_neurons" in skipped else SuperNeuronReducer(model, **at),
+        "sink_input": None if skipped.keys() & {"super_neurons", "mlp_input_alignment"}
+        else SinkInputReducer(model, **at),
+        "normalized": None if "normalized_disparity" in skipped else NormalizedDisparityReducer(model, **at),
+        "locking": None if "query_key_locking" in skipped else QKLockingReducer(model, **at),
+        "value_drain": None if "value_drain" in skipped else ValueDrainReducer(
             model, settings=ValueDrainSettings(sink_position, method=method)),
     }
     present = {name: r for name, r in optional.items() if r is not None}
