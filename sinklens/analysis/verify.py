@@ -83,10 +83,6 @@ class CausalCheck(StructuralEq):
     attention_threshold: float = 0.1
     n_passes: int = 0
 
-    def is_causal(self, dim: int) -> bool:
-        """Whether zeroing ``dim``'s writers removed at least ``causal_threshold`` of it."""
-        return next(c for c in self.checks if c.dim == dim).writers_cause_dim
-
     def lines(self) -> list[str]:
         """Per dimension: one line per ablation, then the two verdicts."""
         out, pct = [], lambda x: f"{100 * x:.0f}%"
