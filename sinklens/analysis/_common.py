@@ -44,12 +44,7 @@ def other_positions(batch: TokenBatch, sink_position: int) -> Tensor:
 
 
 def resolve_streams(streams: int | Sequence[int] | None, n_layers: int) -> list[int]:
-    """Residual-stream indices ``0..n_layers`` (:func:`stream_hook`); None = all, negatives count from the end.
-
-    Examples:
-        >>> resolve_streams(None, 2), resolve_streams(-1, 2)
-        ([0, 1, 2], [2])
-    """
+    """Residual-stream indices ``0..n_layers`` (:func:`stream_hook`); None = all, negatives count from the end."""
     return optional_index_list(streams, n_layers + 1, what="residual stream index")
 
 

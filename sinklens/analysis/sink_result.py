@@ -119,15 +119,14 @@ class SinkResult(SettingsFields, CompactRepr):
             none); n_queries: the (sequence, query) pairs in it (``n_queries_by_layer``: per layer).
         seq_sink_frac / gu_seq_sink_frac: share of the sequences reaching ``k`` in which ``α_b`` / ``α^Gu_b``
             ``> sink_threshold``; n_sequences_at: those sequences.
-        prepend_bos / special_tokens: whether and which special tokens the tokenizer added around each prompt.
         first_tokens / later_tokens: token statistics at position 0 / at positions >= 1.
         top_occurrences: the highest single occurrences at positions >= 1, best first.
         unattended: ``[layer, head]`` mean over real queries of ``1 - Σ_k pattern[q, k]`` over visible real keys.
         virtual_sink: ``unattended`` when the model has learned sink logits (gpt-oss ``sinks``) or its rows fall
             short of 1 (by more than ``1e-5``, or twice the eps of a 16-bit dtype); None otherwise.
         position_token_ids: per key position, the token id there in every sequence (-1 where they differ).
-        attention: the attention layout the queries were chosen by (:class:`~sinklens.visibility.Visibility`).
-        attention_path: ``"pattern"``, ``"qk"`` or ``"pattern+qk"`` (``"auto"`` with batches on both sides).
+        attention: the attention layout (:class:`~sinklens.visibility.Visibility`); attention_path: ``"pattern"``,
+            ``"qk"`` or ``"pattern+qk"`` (``"auto"`` with batches on both sides).
     """
 
     received: Float[Tensor, "layer head key_pos"]

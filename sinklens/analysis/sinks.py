@@ -1,9 +1,5 @@
-"""Attention sinks: which key positions (and which tokens) soak up attention, per layer × head.
-
-One streaming pass (:class:`SinkReducer`) reads ``hook_pattern`` or, with ``method="qk"`` (``"auto"`` above
-:data:`~sinklens.analysis.qk_attention.QK_ABOVE` tokens), the queries and keys in memory linear in the length
-(same numbers). The numbers are defined in :class:`~sinklens.analysis.sink_result.SinkResult`.
-"""
+"""Attention sinks: which key positions (and which tokens) soak up attention, per layer × head
+(:func:`find_sinks`; the numbers are defined in :class:`~sinklens.analysis.sink_result.SinkResult`)."""
 
 from __future__ import annotations
 
@@ -58,14 +54,10 @@ class _SinkBatch:
 
 
 class SinkReducer(Reducer[SinkResult]):
-    """Streams ``hook_pattern`` (or the queries and keys, by ``settings.method``) into a :class:`SinkResult`.
-
-    Beside an :class:`~sinklens.analysis.attention.AttentionReceivedReducer` (pooled sums, visibility) it keeps
-    float64 counts of sequences with ``α_b`` / ``α^Gu_b > sink_threshold`` per (layer, head, key), the row
-    shortfall per head, vocabulary-sized token tables (position 0 and positions >= 1), the token at each
-    position and the ``top_k`` single occurrences. ``α^Gu_b`` is ``α_b``'s column sum plus the rows of the
-    queries before ``min_query``, over the number of queries that see the key.
-    """
+    """Streams ``hook_pattern`` (or the queries and keys, by ``settings.method``) into a :class:`SinkResult`:
+    beside an :class:`~sinklens.analysis.attention.AttentionReceivedReducer`, float64 counts of sequences with
+    ``α_b`` / ``α^Gu_b > sink_threshold`` per (layer, head, key), the row shortfall per head, per-token tables,
+    the token at each position and the ``top_k`` single occurrences."""
 
     statistics = ("attention", "seq_hits", "seq_counts", "gu_hits", "gu_counts", "shortfall", "n_real_queries",
                   "pos_ids", "tok_first", "tok_later", "top_vals", "top_share", "top_meta", "prepend_bos", "special_tokens",

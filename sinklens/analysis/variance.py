@@ -69,9 +69,8 @@ class VarianceResult(CompactRepr):
         value_var: ``σ_v²`` per (layer, head) from ``hook_v`` over all valid positions (key/value head ``h // r``);
             attn_sq: mean over sequences of ``Σ_j A_tj²``.
         counts: sequences valid at each position (positions with none are NaN elsewhere).
-        feature_std: Li et al.'s measure as their code computes it (Siquan-Li/Head-wise-RMSNorm@23793e0,
-            ``attention_sink.ipynb`` cell 2): mean over sequences of ``torch.std`` over the features of the
-            ``o_proj`` input (``hook_z`` flattened head-major) at each token; feature_std_head (ours): per head.
+        feature_std: Li et al.'s measure as their code computes it (:data:`SOURCES`; ``hook_z`` flattened
+            head-major); feature_std_head (ours): per head.
         post_norm_layers: the analysed layers whose heads pass through a post-attention norm.
     """
 
@@ -103,8 +102,7 @@ class VarianceResult(CompactRepr):
         return self.value_var[:, :, None] / (t + 1)
 
     def position_index(self, position: int) -> int:
-        """Index of a measured position (negatives count from the end); a named error if out of range
-        or if no sequence reached it."""
+        """Index of a measured position (negatives count from the end) that some sequence reached."""
         idx = position_index(position, self.counts.shape[0])
         if self.counts[idx] <= 0:
             raise InvalidArgumentError(f"position {position} is out of range: no sequence reached it.")
@@ -118,9 +116,8 @@ class VarianceResult(CompactRepr):
         return sites[choice(of, sorted(sites), what="of")]
 
     def discrepancy(self, position: int = 0, *, of: Site = "z") -> Tensor:
-        """:meth:`ratio_of` one site's :meth:`variance`, ``[layer, head]`` (``[layer]`` for ``"attn_out"`` and
-        ``"feature_std"``). Uniform attention over ``T`` positions already gives about ``T / ln T`` at position
-        0: compare with the ratio of :attr:`pred_uniform`."""
+        """:meth:`ratio_of` one site's :meth:`variance` (``[layer]`` for ``"attn_out"``, ``"feature_std"``);
+        uniform attention over ``T`` positions already gives about ``T / ln T`` at 0 (:attr:`pred_uniform`)."""
         return self.ratio_of(self.variance(of), position)
 
     def preservation(self, position: int = 0) -> Float[Tensor, "layer head"]:
