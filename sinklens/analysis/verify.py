@@ -2,7 +2,7 @@
 
 Per dimension, each set is zeroed at the sink only and the inputs run again: its top writers by
 direct contribution (``"direct"``) and by total effect (``"total"``), those reaching ``super_share``
-of the peak (at most ``max_writers``, at least one), and the control, its writing blocks' whole
+of the peak (at most ``MAX_WRITERS``, at least one), and the control, its writing blocks' whole
 ``hook_mlp_out`` (``"blocks"``). ``dim_removed = 1 − value_after / value_before`` (the dim at the
 sink at its peak stream) and ``attention_removed``, the same for the sink's mean received attention
 (queries from ``MIN_QUERY``).
@@ -29,10 +29,10 @@ from sinklens.inputs import Inputs
 from sinklens.interventions.neurons import edit_neurons
 from sinklens.options import RunOptions, checked_options
 from sinklens.streaming import batches_for, stream
-from sinklens.validate import positive_int
 
 #: Queries before this position are left out of the sink's received attention (as in ``SinkSettings.min_query``).
 MIN_QUERY = 1
+MAX_WRITERS = 10
 
 
 @dataclass(eq=False)
@@ -75,7 +75,8 @@ class DimCheck(StructuralEq):
 @dataclass(eq=False)
 class CausalCheck(StructuralEq):
     """Result of :func:`verify_attribution`: one :class:`DimCheck` per massive dimension;
-    ``n_passes``: passes over the inputs (baseline + one per distinct set)."""
+    ``causal_threshold`` / ``attention_threshold``: the share of the dim / of the sink's attention a
+    set must remove to be causal; ``n_passes``: passes over the inputs (baseline + one per set)."""
 
     sink_position: int
     checks: list[DimCheck] = field(default_factory=list)
@@ -109,14 +110,10 @@ class CausalCheck(StructuralEq):
 
 def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons, *,
                        writers: dict[int, Sequence[tuple[int, int]]] | None = None,
-                       max_writers: int = 10, causal_threshold: float = 0.5,
-                       attention_threshold: float = 0.1,
                        options: RunOptions = RunOptions()) -> CausalCheck:
     """Zero each massive dimension's credited writers and writing blocks at the sink; measure what
     disappears. ``inputs``: those ``neurons`` was computed on. ``writers``: ``{dim: [(layer,
     neuron), ...]}`` zeroed instead of the attributed writers (then no ``"total"`` set).
-    ``causal_threshold`` / ``attention_threshold``: the share of the dim / of the sink's attention
-    a set must remove to be causal.
 
     Examples:
         >>> from sinklens.analysis.neurons import find_super_neurons
@@ -129,12 +126,11 @@ def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons,
         [(5, (0, 7), 1.0)]
     """
     options = checked_options(options, "verify_attribution")
-    max_writers = positive_int(max_writers, what="max_writers")
     sink = neurons.sink_position
     batches = batches_for(model, inputs, options)
     paths = neurons.paths
     streams = sorted({p.peak_layer for p in paths})
-    result = CausalCheck(sink, causal_threshold=causal_threshold, attention_threshold=attention_threshold)
+    result = CausalCheck(sink)
     if not paths:
         return result
     stream_hooks = [stream_hook(s, model_dims(model).n_layers) for s in streams]
@@ -170,7 +166,7 @@ def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons,
                                if l in neurons.layers else float("nan")) for l, n in given]
         else:
             for by in ("direct", "total") if neurons.total_effect is not None else ("direct",):
-                top = neurons.top(path.dim, max_writers, by=by)
+                top = neurons.top(path.dim, MAX_WRITERS, by=by)
                 floor = neurons.settings.super_share * abs(path.peak_value)
                 sets[by] = [w for w in top if abs(w[2]) >= floor] or top[:1]
         blocks = [s.block for s in path.writers] or [path.write_layer]
@@ -189,9 +185,10 @@ def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons,
         blk = ablations[-1]
         result.checks.append(DimCheck(
             path.dim, path.peak_layer, v0, attn_before, ablations,
-            writers_cause_dim=best.dim_removed >= causal_threshold,
-            writers_cause_sink=best.attention_removed >= attention_threshold,
-            dim_causes_sink=blk.dim_removed >= causal_threshold and blk.attention_removed >= attention_threshold,
+            writers_cause_dim=best.dim_removed >= result.causal_threshold,
+            writers_cause_sink=best.attention_removed >= result.attention_threshold,
+            dim_causes_sink=blk.dim_removed >= result.causal_threshold
+            and blk.attention_removed >= result.attention_threshold,
         ))
     result.n_passes = len(passes)
     return result
