@@ -239,7 +239,14 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
                  f"queries and sequences; norm ratio: ||x|| at position {p} / median ||x|| of the other positions, "
                  f"residual entering the block, mean over sequences; max |x| sink: largest |x| at position {p} "
                  "entering the block, over sequences and dimensions.")
-    lines.append(variance_sources_line(report))
+    var = report.variance  # what "var ratio" means, and Li et al.'s feature-std ratio beside it, by layer
+    site = "" if var.output_site == Z else f", z for zW_O read at {var.output_site} (what W_O reads in this model)"
+    lines += [f"var ratio z / zW_O (sinklens): median over heads of the variance over sequences around the "
+              f"all-position mean, position {p} over the rest (> 1: position {p} varies more); zW_O in residual "
+              f"units (through any post-attention norm){site}",
+              f"feature std ratio (Li et al.'s code: std over the o_proj input's features per token, mean over "
+              f"sequences), position {p} / rest, by layer: "
+              + " ".join(f"{float(r):.2f}" for r in var.discrepancy(p, of="feature_std"))]
     dims = h["massive_dims"]
     rule = " and ".join(
         ([f"|x| > {report.massive.abs_threshold:g}"] if report.massive.abs_threshold is not None else [])
@@ -248,8 +255,14 @@ def format_summary(report: SinkReport, *, timing: bool = True) -> str:
     lines += ["", f"Massive dimensions at position {p}: {dims or 'none'} ({rule})"]
     lines += neuron_lines(report)
     lines += disparity_lines(report, dims)
-    if report.value_drain is not None:
-        lines += ["", value_drain_line(report)]
+    if (drain := report.value_drain) is not None:  # how many sink heads are no-op / broadcast / partial
+        n = drain.counts()
+        lines += ["", f"Value drain at position {drain.sink_position}: {n['no-op'] + n['broadcast'] + n['partial']} "
+                  f"sink heads (attention to it >= {drain.sink_head_threshold:g}): {n['no-op']} no-op (sink's write "
+                  f"share < {drain.no_op_share:g}), {n['broadcast']} broadcast (>= {drain.broadcast_share:g}), "
+                  f"{n['partial']} partial; writes in residual units" + (
+                      f" through the post-attention norm in layers {drain.post_norm_layers}"
+                      if drain.post_norm_layers else "")]
     elif "value_drain" in report.skipped:
         lines += ["", f"Value drain {report.skipped['value_drain']}"]
     lock = report.locking
@@ -330,33 +343,6 @@ def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:
             f"(sinklens: {norm}.hook_normalized); after gain {float(nd.ratio_sink_after_gain[i, d]):.1f} vs "
             f"{float(nd.ratio_other_after_gain[i, d]):.2f} (the paper's: input layernorm output)")
     return lines
-
-
-def variance_sources_line(report: SinkReport) -> str:
-    """What "var ratio" means, and Li et al.'s feature-std ratio beside it, by layer."""
-    p = report.sink_position
-    var = report.variance
-    site = "" if var.output_site == Z else f", z for zW_O read at {var.output_site} (what W_O reads in this model)"
-    head = (f"var ratio z / zW_O (sinklens): median over heads of the variance over sequences around the all-position "
-            f"mean, position {p} over the rest (> 1: position {p} varies more); zW_O in residual units (through any "
-            f"post-attention norm){site}")
-    ratio = var.discrepancy(p, of="feature_std")
-    return (head + f"\nfeature std ratio (Li et al.'s code: std over the o_proj input's features per token, mean "
-            f"over sequences), position {p} / rest, by layer: " + " ".join(f"{float(r):.2f}" for r in ratio))
-
-
-def value_drain_line(report: SinkReport) -> str:
-    """One line: how many sink heads are no-op / broadcast / partial, and by which thresholds."""
-    drain = report.value_drain
-    counts = drain.counts()
-    n_sink = counts["no-op"] + counts["broadcast"] + counts["partial"]
-    return (
-        f"Value drain at position {drain.sink_position}: {n_sink} sink heads (attention to it >= "
-        f"{drain.sink_head_threshold:g}): {counts['no-op']} no-op (sink's write share < {drain.no_op_share:g}), "
-        f"{counts['broadcast']} broadcast (>= {drain.broadcast_share:g}), {counts['partial']} partial; "
-        "writes in residual units" + (f" through the post-attention norm in layers {drain.post_norm_layers}"
-                                      if drain.post_norm_layers else "")
-    )
 
 
 def layer_rows(report: SinkReport) -> list[list[str]]:
