@@ -215,7 +215,7 @@ class VarianceReducer(Reducer[VarianceResult]):
     def reset(self) -> None:
         d, n_l = self.dims, len(self.layers)
         zeros = partial(torch.zeros, device=self.device, dtype=torch.float64)
-        # [layer, head, pos, d_head]: Σ z, Σ of the head output site (when not hook_z), Σ z/s (post-norm layers)
+        # [layer, head, pos, d_head]: Σ z, Σ of the head output site, Σ z/s (post-norm layers)
         self.z_s1, self.out_s1, self.zs_s1 = (zeros(n_l, d.n_heads, 0, d.d_head) for _ in range(3))
         # [layer, head, pos]: Σ |z|², Σ |z W_O|², Σ |(z/s) M|², Σ_b Σ_j A_tj², Σ_b std over a head's features
         self.z_s2, self.r_s2, self.rs_s2, self.a_sq, self.fs_head = (zeros(n_l, d.n_heads, 0) for _ in range(5))
@@ -247,19 +247,14 @@ class VarianceReducer(Reducer[VarianceResult]):
         def fold_squares(sq: Tensor, layer: int) -> None:  # Σ_k A_qk², [batch, head, query]
             self.a_sq[self.row[layer], :, : sq.shape[2]] += (sq * w32[:, None]).sum(0).double()
 
-        separate = self.output_site != Z  # a SinkLM variant: W_O reads its own site, not hook_z
-
         def fold_z(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]: the aggregation
             row, z, n = self.row[layer], z.float(), z.shape[1]
             self.z_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
             self.z_s2[row, :, :n] += (z.square().sum(-1) * w32[..., None]).sum(0).T.double()
-            if not separate:
-                fold_out(z, layer)
 
-        def fold_out(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]: enters W_O
+        def fold_out(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]: what W_O reads (output_site)
             row, z, n = self.row[layer], z.float(), z.shape[1]
-            if separate:
-                self.out_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
+            self.out_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
             zg = torch.einsum("bphd,hde->bphe", z, self.gram32[row])  # |z W_O|² = z G zᵀ
             self.r_s2[row, :, :n] += ((zg * z).sum(-1) * w32[..., None]).sum(0).T.double()
             # Li et al.'s torch.std in two passes, so a large common mean cannot cancel the spread: a token's sum of
@@ -292,8 +287,7 @@ class VarianceReducer(Reducer[VarianceResult]):
 
         qk = self.plan.reads_qk(batch.tokens.shape[1])
         fold_pattern = lambda pattern, layer: fold_squares(pattern.float().square().sum(dim=-1), layer)  # noqa: E731
-        sites = [(V, fold_v), (Z, fold_z)] + ([] if qk else [(PATTERN, fold_pattern)])
-        sites += [(self.output_site, fold_out)] if separate else []
+        sites = [(V, fold_v), (Z, fold_z), (self.output_site, fold_out)] + ([] if qk else [(PATTERN, fold_pattern)])
         hooks = [hook for site, fold in sites for hook in per_layer_hooks(site, self.layers, fold)]
         if qk:  # Σ_k A_qk² from queries and keys
             hooks += qk_hooks(self.plan.sites, self.plan.rules, self.visibility, batch.valid,
@@ -318,8 +312,7 @@ class VarianceReducer(Reducer[VarianceResult]):
         z_s1, z_s2 = self.z_s1[:, :, :p], self.z_s2[:, :, :p]
         z_var = _global_centred(z_s1, z_s2, n, d_head)
         z_var_seq = ((z_s2 - z_s1.square().sum(-1) / n) / (n * d_head)).clamp(min=0)
-        out_s1 = self.out_s1[:, :, :p] if self.output_site != Z else z_s1
-        result_pre = _global_centred(out_s1, self.r_s2[:, :, :p], n, d_model, gram=self.gram)
+        result_pre = _global_centred(self.out_s1[:, :, :p], self.r_s2[:, :, :p], n, d_model, gram=self.gram)
         result_var = result_pre.clone()
         for layer in self.post_norm:
             row = self.row[layer]
