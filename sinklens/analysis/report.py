@@ -317,8 +317,6 @@ def neuron_lines(report: SinkReport) -> list[str]:
     if report.causal is not None:
         lines += ["", "Causal check (zero at the sink what each massive dim is credited to):"]
         lines += report.causal.lines() or ["  no massive dimension to check"]
-    elif "causal_check" in report.skipped:
-        lines += ["", f"Causal check {report.skipped['causal_check']}"]
     return lines
 
 
