@@ -92,8 +92,75 @@ class SinkReport(CompactRepr):
         }
 
     def summary(self, *, timing: bool = True) -> str:
-        """The text summary (see :func:`format_summary`)."""
-        return format_summary(self, timing=timing)
+        """The text report; ``timing=False`` leaves out the wall time, so the text is reproducible."""
+        p = self.sink_position
+        h = self.headline()
+        lines = [
+            f"sinklens report — {self.model_name}",
+            f"{self.n_sequences} sequences, {self.n_tokens} tokens, {self.sinks.describe_start()}"
+            + (f"; analysed in {self.seconds:.1f} s" if timing else ""),
+            f"bos: {self.bos}",
+            f"sink statistics: {self.attention}",
+            "",
+            "Sink positions: " + (", ".join(f"{k} ({self.sinks.token_at(k)!r})" if self.sinks.token_at(k) is not None
+                                             else f"{k} (token varies)" for k in h["sink_positions"]) or "none"),
+            f"Sink rate at position {p} (sink_threshold={self.sinks.sink_threshold}): {h['sink_rate']:.3f} (Gu et al.'s code: "
+            f"every query that sees the key, its own included), {self.sinks.sink_rate(position=p, method='sinklens'):.3f} "
+            f"(sinklens: queries from min_query={self.sinks.min_query})   mean attention received: {h['mean_attention_to_sink']:.3f}",
+        ]
+        if self.sinks.virtual_sink is not None:
+            vs = self.sinks.virtual_sink
+            lines.append(f"Virtual sink (learned sink logits; mass given to no key, mean over real queries): "
+                         f"mean {float(vs.mean()):.3f}, max {float(vs.max()):.3f} over heads")
+        top = self.sinks.top_sinks(5)
+        if top:
+            lines.append("Most attended later tokens (mean attention received over layers and heads): " + ", ".join(
+                f"{r['token']!r} ({r['mean_received']:.3f})" if r.get("token") is not None else f"id {r['token_id']}"
+                for r in top))
+        lines += ["", table(
+            ["layer", "Gu sink rate", "attn to sink", "var ratio z", "var ratio zW_O", "norm ratio", "max |x| sink"],
+            layer_rows(self),
+        )]
+        lines.append(f"Gu sink rate: share of the layer's (head, sequence) pairs whose attention to position {p} exceeds "
+                     f"sink_threshold (Gu et al.'s code); attn to sink: attention position {p} receives, mean over heads, "
+                     f"queries and sequences; norm ratio: ||x|| at position {p} / median ||x|| of the other positions, "
+                     f"residual entering the block, mean over sequences; max |x| sink: largest |x| at position {p} "
+                     "entering the block, over sequences and dimensions.")
+        var = self.variance  # what "var ratio" means, and Li et al.'s feature-std ratio beside it, by layer
+        site = "" if var.output_site == Z else f", z for zW_O read at {var.output_site} (what W_O reads in this model)"
+        lines += [f"var ratio z / zW_O (sinklens): median over heads of the variance over sequences around the "
+                  f"all-position mean, position {p} over the rest (> 1: position {p} varies more); zW_O in residual "
+                  f"units (through any post-attention norm){site}",
+                  f"feature std ratio (Li et al.'s code: std over the o_proj input's features per token, mean over "
+                  f"sequences), position {p} / rest, by layer: "
+                  + " ".join(f"{float(r):.2f}" for r in var.discrepancy(p, of="feature_std"))]
+        dims = h["massive_dims"]
+        rule = " and ".join(
+            ([f"|x| > {self.massive.abs_threshold:g}"] if self.massive.abs_threshold is not None else [])
+            + ([f"|x| > {self.massive.rel_threshold:g}x the median |x|"] if self.massive.rel_threshold is not None else [])
+        )
+        lines += ["", f"Massive dimensions at position {p}: {dims or 'none'} ({rule})"]
+        lines += neuron_lines(self)
+        lines += disparity_lines(self, dims)
+        if (drain := self.value_drain) is not None:  # how many sink heads are no-op / broadcast / partial
+            n = drain.counts()
+            lines += ["", f"Value drain at position {drain.sink_position}: {n['no-op'] + n['broadcast'] + n['partial']} "
+                      f"sink heads (attention to it >= {drain.sink_head_threshold:g}): {n['no-op']} no-op (sink's write "
+                      f"share < {drain.no_op_share:g}), {n['broadcast']} broadcast (>= {drain.broadcast_share:g}), "
+                      f"{n['partial']} partial; writes in residual units" + (
+                          f" through the post-attention norm in layers {drain.post_norm_layers}"
+                          if drain.post_norm_layers else "")]
+        elif "value_drain" in self.skipped:
+            lines += ["", f"Value drain {self.skipped['value_drain']}"]
+        lock = self.locking
+        lines += [
+            "",
+            f"Query-key locking (head median): share of positive scores against the sink "
+            f"{float(lock.pos_share_sink.nanmedian()):.2f} vs other keys {float(lock.pos_share_other.nanmedian()):.2f}; "
+            f"sink key in the top query directions: cosine {float(lock.key_pc_cosine.nanmedian()):.2f}"
+            if lock is not None else f"Query-key locking {self.skipped.get('query_key_locking', 'skipped')}",
+        ]
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-ready nested dicts/lists (NaN and inf become None)."""
@@ -202,78 +269,6 @@ def analyze(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
                   "dtype": str(model_dtype(model)).removeprefix("torch."), "device": str(model_device(model))},
         causal=causal, skipped=skipped,
     )
-
-
-def format_summary(report: SinkReport, *, timing: bool = True) -> str:
-    """The text report; ``timing=False`` leaves out the wall time, so the text is reproducible."""
-    p = report.sink_position
-    h = report.headline()
-    lines = [
-        f"sinklens report — {report.model_name}",
-        f"{report.n_sequences} sequences, {report.n_tokens} tokens, {report.sinks.describe_start()}"
-        + (f"; analysed in {report.seconds:.1f} s" if timing else ""),
-        f"bos: {report.bos}",
-        f"sink statistics: {report.attention}",
-        "",
-        "Sink positions: " + (", ".join(f"{k} ({report.sinks.token_at(k)!r})" if report.sinks.token_at(k) is not None
-                                         else f"{k} (token varies)" for k in h["sink_positions"]) or "none"),
-        f"Sink rate at position {p} (sink_threshold={report.sinks.sink_threshold}): {h['sink_rate']:.3f} (Gu et al.'s code: "
-        f"every query that sees the key, its own included), {report.sinks.sink_rate(position=p, method='sinklens'):.3f} "
-        f"(sinklens: queries from min_query={report.sinks.min_query})   mean attention received: {h['mean_attention_to_sink']:.3f}",
-    ]
-    if report.sinks.virtual_sink is not None:
-        vs = report.sinks.virtual_sink
-        lines.append(f"Virtual sink (learned sink logits; mass given to no key, mean over real queries): "
-                     f"mean {float(vs.mean()):.3f}, max {float(vs.max()):.3f} over heads")
-    top = report.sinks.top_sinks(5)
-    if top:
-        lines.append("Most attended later tokens (mean attention received over layers and heads): " + ", ".join(
-            f"{r['token']!r} ({r['mean_received']:.3f})" if r.get("token") is not None else f"id {r['token_id']}"
-            for r in top))
-    lines += ["", table(
-        ["layer", "Gu sink rate", "attn to sink", "var ratio z", "var ratio zW_O", "norm ratio", "max |x| sink"],
-        layer_rows(report),
-    )]
-    lines.append(f"Gu sink rate: share of the layer's (head, sequence) pairs whose attention to position {p} exceeds "
-                 f"sink_threshold (Gu et al.'s code); attn to sink: attention position {p} receives, mean over heads, "
-                 f"queries and sequences; norm ratio: ||x|| at position {p} / median ||x|| of the other positions, "
-                 f"residual entering the block, mean over sequences; max |x| sink: largest |x| at position {p} "
-                 "entering the block, over sequences and dimensions.")
-    var = report.variance  # what "var ratio" means, and Li et al.'s feature-std ratio beside it, by layer
-    site = "" if var.output_site == Z else f", z for zW_O read at {var.output_site} (what W_O reads in this model)"
-    lines += [f"var ratio z / zW_O (sinklens): median over heads of the variance over sequences around the "
-              f"all-position mean, position {p} over the rest (> 1: position {p} varies more); zW_O in residual "
-              f"units (through any post-attention norm){site}",
-              f"feature std ratio (Li et al.'s code: std over the o_proj input's features per token, mean over "
-              f"sequences), position {p} / rest, by layer: "
-              + " ".join(f"{float(r):.2f}" for r in var.discrepancy(p, of="feature_std"))]
-    dims = h["massive_dims"]
-    rule = " and ".join(
-        ([f"|x| > {report.massive.abs_threshold:g}"] if report.massive.abs_threshold is not None else [])
-        + ([f"|x| > {report.massive.rel_threshold:g}x the median |x|"] if report.massive.rel_threshold is not None else [])
-    )
-    lines += ["", f"Massive dimensions at position {p}: {dims or 'none'} ({rule})"]
-    lines += neuron_lines(report)
-    lines += disparity_lines(report, dims)
-    if (drain := report.value_drain) is not None:  # how many sink heads are no-op / broadcast / partial
-        n = drain.counts()
-        lines += ["", f"Value drain at position {drain.sink_position}: {n['no-op'] + n['broadcast'] + n['partial']} "
-                  f"sink heads (attention to it >= {drain.sink_head_threshold:g}): {n['no-op']} no-op (sink's write "
-                  f"share < {drain.no_op_share:g}), {n['broadcast']} broadcast (>= {drain.broadcast_share:g}), "
-                  f"{n['partial']} partial; writes in residual units" + (
-                      f" through the post-attention norm in layers {drain.post_norm_layers}"
-                      if drain.post_norm_layers else "")]
-    elif "value_drain" in report.skipped:
-        lines += ["", f"Value drain {report.skipped['value_drain']}"]
-    lock = report.locking
-    lines += [
-        "",
-        f"Query-key locking (head median): share of positive scores against the sink "
-        f"{float(lock.pos_share_sink.nanmedian()):.2f} vs other keys {float(lock.pos_share_other.nanmedian()):.2f}; "
-        f"sink key in the top query directions: cosine {float(lock.key_pc_cosine.nanmedian()):.2f}"
-        if lock is not None else f"Query-key locking {report.skipped.get('query_key_locking', 'skipped')}",
-    ]
-    return "\n".join(lines)
 
 
 def neuron_lines(report: SinkReport) -> list[str]:
