@@ -4,6 +4,7 @@ body every public analyzer shares."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -43,20 +44,13 @@ def other_positions(batch: TokenBatch, sink_position: int) -> Tensor:
 
 
 def resolve_streams(streams: int | Sequence[int] | None, n_layers: int) -> list[int]:
-    """Residual-stream indices ``0..n_layers`` (:func:`stream_hook`); None = all, negatives count from the end.
-
-    Examples:
-        >>> resolve_streams(None, 2), resolve_streams(-1, 2)
-        ([0, 1, 2], [2])
-    """
+    """Residual-stream indices ``0..n_layers`` (:func:`stream_hook`); None = all, negatives count from the end."""
     return optional_index_list(streams, n_layers + 1, what="residual stream index")
 
 
 def stream_hook(stream_index: int, n_layers: int) -> str:
     """Hook name of residual-stream index ``stream_index`` (see :func:`resolve_streams`)."""
-    if stream_index < n_layers:
-        return hook_name(stream_index, RESID_PRE)
-    return hook_name(n_layers - 1, RESID_POST)
+    return hook_name(stream_index, RESID_PRE) if stream_index < n_layers else hook_name(n_layers - 1, RESID_POST)
 
 
 class SettingsFields:
@@ -70,12 +64,7 @@ class SettingsFields:
 
 
 def position_index(position: Any, n_positions: int) -> int:
-    """Index of ``position`` (negatives count from the end) among ``n_positions`` measured positions.
-
-    Examples:
-        >>> position_index(-1, 6)
-        5
-    """
+    """Index of ``position`` (negatives count from the end) among ``n_positions`` measured positions."""
     return index_list(position, n_positions, what="position")[0]
 
 
@@ -98,12 +87,7 @@ def layer_head_position_rows(layers: Sequence[int], n_heads: int, n_positions: i
         [{'layer': 3, 'head': 0, 'position': 0, 'x': 1.0, 'n': 7}, {'layer': 3, 'head': 1, 'position': 0, 'x': 2.0, 'n': 7}]
     """
     lists = {name: (axes.split(), t.tolist()) for name, (axes, t) in columns.items() if t is not None}
-
-    def pick(values: Any, axes: list[str], at: dict[str, int]) -> Any:
-        for axis in axes:
-            values = values[at[axis]]
-        return values
-
+    pick = lambda values, axes, at: functools.reduce(lambda v, axis: v[at[axis]], axes, values)  # noqa: E731
     return [{"layer": layer, "head": h, "position": p}
             | {name: pick(values, axes, {"layer": i, "head": h, "pos": p}) for name, (axes, values) in lists.items()}
             for i, layer in enumerate(layers) for h in range(n_heads) for p in range(n_positions)]

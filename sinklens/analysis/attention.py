@@ -70,12 +70,10 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
         """Per analysed layer, ``[batch, query, key]``: 1.0 where the real query ``q >= min_query`` can see the
         real key ``k`` (:meth:`~sinklens.visibility.Visibility.batch_mask`), else 0; shared between equal windows."""
         late = torch.arange(batch.tokens.shape[1], device=batch.valid.device) >= min_query
-        by_window: dict[int | None, Tensor] = {}
-        for layer in self.layers:
-            w = self.visibility.window(layer)
-            if w not in by_window:
-                by_window[w] = (self.visibility.batch_mask(layer, batch.valid) & late[None, :, None]).float()
-        return {layer: by_window[self.visibility.window(layer)] for layer in self.layers}
+        first = {self.visibility.window(layer): layer for layer in reversed(self.layers)}  # first layer per window
+        masks = {w: (self.visibility.batch_mask(layer, batch.valid) & late[None, :, None]).float()
+                 for w, layer in first.items()}
+        return {layer: masks[self.visibility.window(layer)] for layer in self.layers}
 
     def query_weights(self, batch: TokenBatch) -> QueryWeights:
         """The counted queries (``min_query`` applied), per analysed layer (see :meth:`visible_weights`)."""

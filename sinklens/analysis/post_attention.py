@@ -35,13 +35,6 @@ def post_attention_scale_hooks(model: Any, layers: Sequence[int]) -> dict[int, s
     return {layer: norm.scale_hook for layer, norm in norms.items() if norm is not None}
 
 
-def post_attention_gain(model: Any, layer: int) -> Float[Tensor, " d_model"] | None:
-    """The effective gain of ``layer``'s post-attention norm (None without one), whatever the weight
-    convention (Gemma stores ``w`` and multiplies by ``1 + w``)."""
-    norm = post_attention_map(model, layer)
-    return None if norm is None else norm.gain.float().cpu()
-
-
 def attention_output_grams(model: Any, layers: Sequence[int]) -> tuple[Float[Tensor, "layer head d_head d_head"], Float[Tensor, "layer head d_head d_head"]]:
     """Float64 Gram matrices ``W_O[h] W_O[h]ᵀ`` and, in residual units, ``M_h M_hᵀ`` with ``M_h =
     C(W_O[h]) diag(g)`` (``W_O[h]`` without a post norm), so ``‖z M_h‖² = z G zᵀ``; cached until the

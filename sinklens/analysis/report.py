@@ -92,8 +92,75 @@ class SinkReport(CompactRepr):
         }
 
     def summary(self, *, timing: bool = True) -> str:
-        """The text summary (see :func:`format_summary`)."""
-        return format_summary(self, timing=timing)
+        """The text report; ``timing=False`` leaves out the wall time, so the text is reproducible."""
+        p = self.sink_position
+        h = self.headline()
+        lines = [
+            f"sinklens report — {self.model_name}",
+            f"{self.n_sequences} sequences, {self.n_tokens} tokens, {self.sinks.describe_start()}"
+            + (f"; analysed in {self.seconds:.1f} s" if timing else ""),
+            f"bos: {self.bos}",
+            f"sink statistics: {self.attention}",
+            "",
+            "Sink positions: " + (", ".join(f"{k} ({self.sinks.token_at(k)!r})" if self.sinks.token_at(k) is not None
+                                             else f"{k} (token varies)" for k in h["sink_positions"]) or "none"),
+            f"Sink rate at position {p} (sink_threshold={self.sinks.sink_threshold}): {h['sink_rate']:.3f} (Gu et al.'s code: "
+            f"every query that sees the key, its own included), {self.sinks.sink_rate(position=p, method='sinklens'):.3f} "
+            f"(sinklens: queries from min_query={self.sinks.min_query})   mean attention received: {h['mean_attention_to_sink']:.3f}",
+        ]
+        if self.sinks.virtual_sink is not None:
+            vs = self.sinks.virtual_sink
+            lines.append(f"Virtual sink (learned sink logits; mass given to no key, mean over real queries): "
+                         f"mean {float(vs.mean()):.3f}, max {float(vs.max()):.3f} over heads")
+        top = self.sinks.top_sinks(5)
+        if top:
+            lines.append("Most attended later tokens (mean attention received over layers and heads): " + ", ".join(
+                f"{r['token']!r} ({r['mean_received']:.3f})" if r.get("token") is not None else f"id {r['token_id']}"
+                for r in top))
+        lines += ["", table(
+            ["layer", "Gu sink rate", "attn to sink", "var ratio z", "var ratio zW_O", "norm ratio", "max |x| sink"],
+            layer_rows(self),
+        )]
+        lines.append(f"Gu sink rate: share of the layer's (head, sequence) pairs whose attention to position {p} exceeds "
+                     f"sink_threshold (Gu et al.'s code); attn to sink: attention position {p} receives, mean over heads, "
+                     f"queries and sequences; norm ratio: ||x|| at position {p} / median ||x|| of the other positions, "
+                     f"residual entering the block, mean over sequences; max |x| sink: largest |x| at position {p} "
+                     "entering the block, over sequences and dimensions.")
+        var = self.variance  # what "var ratio" means, and Li et al.'s feature-std ratio beside it, by layer
+        site = "" if var.output_site == Z else f", z for zW_O read at {var.output_site} (what W_O reads in this model)"
+        lines += [f"var ratio z / zW_O (sinklens): median over heads of the variance over sequences around the "
+                  f"all-position mean, position {p} over the rest (> 1: position {p} varies more); zW_O in residual "
+                  f"units (through any post-attention norm){site}",
+                  f"feature std ratio (Li et al.'s code: std over the o_proj input's features per token, mean over "
+                  f"sequences), position {p} / rest, by layer: "
+                  + " ".join(f"{float(r):.2f}" for r in var.discrepancy(p, of="feature_std"))]
+        dims = h["massive_dims"]
+        rule = " and ".join(
+            ([f"|x| > {self.massive.abs_threshold:g}"] if self.massive.abs_threshold is not None else [])
+            + ([f"|x| > {self.massive.rel_threshold:g}x the median |x|"] if self.massive.rel_threshold is not None else [])
+        )
+        lines += ["", f"Massive dimensions at position {p}: {dims or 'none'} ({rule})"]
+        lines += neuron_lines(self)
+        lines += disparity_lines(self, dims)
+        if (drain := self.value_drain) is not None:  # how many sink heads are no-op / broadcast / partial
+            n = drain.counts()
+            lines += ["", f"Value drain at position {drain.sink_position}: {n['no-op'] + n['broadcast'] + n['partial']} "
+                      f"sink heads (attention to it >= {drain.sink_head_threshold:g}): {n['no-op']} no-op (sink's write "
+                      f"share < {drain.no_op_share:g}), {n['broadcast']} broadcast (>= {drain.broadcast_share:g}), "
+                      f"{n['partial']} partial; writes in residual units" + (
+                          f" through the post-attention norm in layers {drain.post_norm_layers}"
+                          if drain.post_norm_layers else "")]
+        elif "value_drain" in self.skipped:
+            lines += ["", f"Value drain {self.skipped['value_drain']}"]
+        lock = self.locking
+        lines += [
+            "",
+            f"Query-key locking (head median): share of positive scores against the sink "
+            f"{float(lock.pos_share_sink.nanmedian()):.2f} vs other keys {float(lock.pos_share_other.nanmedian()):.2f}; "
+            f"sink key in the top query directions: cosine {float(lock.key_pc_cosine.nanmedian()):.2f}"
+            if lock is not None else f"Query-key locking {self.skipped.get('query_key_locking', 'skipped')}",
+        ]
+        return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
         """Everything as JSON-ready nested dicts/lists (NaN and inf become None)."""
@@ -150,26 +217,20 @@ def analyze(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
     batches = batches_for(model, inputs, options)
     require_a_later_position(batches, what="analyze", sink_position=massive_settings.sink_position,
                              bidirectional=is_encoder(model))
-    skipped: dict[str, str] = {}
-
-    def skip(section: str, reason: str | None) -> bool:
-        if reason is not None:
-            skipped[section] = f"skipped: {reason}"
-        return reason is not None
-
     moe = neuron_reason(model)  # a mixture-of-experts or post-LN model: no additive neuron writes
-    no_neurons = skip("super_neurons", moe)
-    no_locking = skip("query_key_locking", qk_locking_reason(model))
-    no_norm = skip("normalized_disparity", input_norm_reason(model, "attn"))  # no normalization
-    no_mlp_input = not no_neurons and skip("mlp_input_alignment", input_norm_reason(model, "mlp"))
-    no_drain = skip("value_drain", value_drain_reason(model))
+    reasons = {"super_neurons": moe, "query_key_locking": qk_locking_reason(model),
+               "normalized_disparity": input_norm_reason(model, "attn"),  # no normalization
+               "mlp_input_alignment": None if moe is not None else input_norm_reason(model, "mlp"),
+               "value_drain": value_drain_reason(model)}
+    skipped = {section: f"skipped: {why}" for section, why in reasons.items() if why is not None}
     method, at = sink_settings.method, {"sink_position": sink_position}
     optional = {  # section -> its reducer, None when skipped
-        "neurons": None if no_neurons else SuperNeuronReducer(model, **at),
-        "sink_input": None if no_neurons or no_mlp_input else SinkInputReducer(model, **at),
-        "normalized": None if no_norm else NormalizedDisparityReducer(model, **at),
-        "locking": None if no_locking else QKLockingReducer(model, method=method, **at),
-        "value_drain": None if no_drain else ValueDrainReducer(
+        "neurons": None if "super_neurons" in skipped else SuperNeuronReducer(model, **at),
+        "sink_input": None if skipped.keys() & {"super_neurons", "mlp_input_alignment"}
+        else SinkInputReducer(model, **at),
+        "normalized": None if "normalized_disparity" in skipped else NormalizedDisparityReducer(model, **at),
+        "locking": None if "query_key_locking" in skipped else QKLockingReducer(model, method=method, **at),
+        "value_drain": None if "value_drain" in skipped else ValueDrainReducer(
             model, settings=ValueDrainSettings(sink_position, method=method)),
     }
     present = {name: r for name, r in optional.items() if r is not None}
@@ -208,65 +269,6 @@ def analyze(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
                   "dtype": str(model_dtype(model)).removeprefix("torch."), "device": str(model_device(model))},
         causal=causal, skipped=skipped,
     )
-
-
-def format_summary(report: SinkReport, *, timing: bool = True) -> str:
-    """The text report; ``timing=False`` leaves out the wall time, so the text is reproducible."""
-    p = report.sink_position
-    h = report.headline()
-    lines = [
-        f"sinklens report — {report.model_name}",
-        f"{report.n_sequences} sequences, {report.n_tokens} tokens, {report.sinks.describe_start()}"
-        + (f"; analysed in {report.seconds:.1f} s" if timing else ""),
-        f"bos: {report.bos}",
-        f"sink statistics: {report.attention}",
-        "",
-        "Sink positions: " + (", ".join(f"{k} ({report.sinks.token_at(k)!r})" if report.sinks.token_at(k) is not None
-                                         else f"{k} (token varies)" for k in h["sink_positions"]) or "none"),
-        f"Sink rate at position {p} (sink_threshold={report.sinks.sink_threshold}): {h['sink_rate']:.3f} (Gu et al.'s code: "
-        f"every query that sees the key, its own included), {report.sinks.sink_rate(position=p, method='sinklens'):.3f} "
-        f"(sinklens: queries from min_query={report.sinks.min_query})   mean attention received: {h['mean_attention_to_sink']:.3f}",
-    ]
-    if report.sinks.virtual_sink is not None:
-        vs = report.sinks.virtual_sink
-        lines.append(f"Virtual sink (learned sink logits; mass given to no key, mean over real queries): "
-                     f"mean {float(vs.mean()):.3f}, max {float(vs.max()):.3f} over heads")
-    top = report.sinks.top_sinks(5)
-    if top:
-        lines.append("Most attended later tokens (mean attention received over layers and heads): " + ", ".join(
-            f"{r['token']!r} ({r['mean_received']:.3f})" if r.get("token") is not None else f"id {r['token_id']}"
-            for r in top))
-    lines += ["", table(
-        ["layer", "Gu sink rate", "attn to sink", "var ratio z", "var ratio zW_O", "norm ratio", "max |x| sink"],
-        layer_rows(report),
-    )]
-    lines.append(f"Gu sink rate: share of the layer's (head, sequence) pairs whose attention to position {p} exceeds "
-                 f"sink_threshold (Gu et al.'s code); attn to sink: attention position {p} receives, mean over heads, "
-                 f"queries and sequences; norm ratio: ||x|| at position {p} / median ||x|| of the other positions, "
-                 f"residual entering the block, mean over sequences; max |x| sink: largest |x| at position {p} "
-                 "entering the block, over sequences and dimensions.")
-    lines.append(variance_sources_line(report))
-    dims = h["massive_dims"]
-    rule = " and ".join(
-        ([f"|x| > {report.massive.abs_threshold:g}"] if report.massive.abs_threshold is not None else [])
-        + ([f"|x| > {report.massive.rel_threshold:g}x the median |x|"] if report.massive.rel_threshold is not None else [])
-    )
-    lines += ["", f"Massive dimensions at position {p}: {dims or 'none'} ({rule})"]
-    lines += neuron_lines(report)
-    lines += disparity_lines(report, dims)
-    if report.value_drain is not None:
-        lines += ["", value_drain_line(report)]
-    elif "value_drain" in report.skipped:
-        lines += ["", f"Value drain {report.skipped['value_drain']}"]
-    lock = report.locking
-    lines += [
-        "",
-        f"Query-key locking (head median): share of positive scores against the sink "
-        f"{float(lock.pos_share_sink.nanmedian()):.2f} vs other keys {float(lock.pos_share_other.nanmedian()):.2f}; "
-        f"sink key in the top query directions: cosine {float(lock.key_pc_cosine.nanmedian()):.2f}"
-        if lock is not None else f"Query-key locking {report.skipped.get('query_key_locking', 'skipped')}",
-    ]
-    return "\n".join(lines)
 
 
 def neuron_lines(report: SinkReport) -> list[str]:
@@ -310,8 +312,6 @@ def neuron_lines(report: SinkReport) -> list[str]:
     if report.causal is not None:
         lines += ["", "Causal check (zero at the sink what each massive dim is credited to):"]
         lines += report.causal.lines() or ["  no massive dimension to check"]
-    elif "causal_check" in report.skipped:
-        lines += ["", f"Causal check {report.skipped['causal_check']}"]
     return lines
 
 
@@ -336,33 +336,6 @@ def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:
             f"(sinklens: {norm}.hook_normalized); after gain {float(nd.ratio_sink_after_gain[i, d]):.1f} vs "
             f"{float(nd.ratio_other_after_gain[i, d]):.2f} (the paper's: input layernorm output)")
     return lines
-
-
-def variance_sources_line(report: SinkReport) -> str:
-    """What "var ratio" means, and Li et al.'s feature-std ratio beside it, by layer."""
-    p = report.sink_position
-    var = report.variance
-    site = "" if var.output_site == Z else f", z for zW_O read at {var.output_site} (what W_O reads in this model)"
-    head = (f"var ratio z / zW_O (sinklens): median over heads of the variance over sequences around the all-position "
-            f"mean, position {p} over the rest (> 1: position {p} varies more); zW_O in residual units (through any "
-            f"post-attention norm){site}")
-    ratio = var.discrepancy(p, of="feature_std")
-    return (head + f"\nfeature std ratio (Li et al.'s code: std over the o_proj input's features per token, mean "
-            f"over sequences), position {p} / rest, by layer: " + " ".join(f"{float(r):.2f}" for r in ratio))
-
-
-def value_drain_line(report: SinkReport) -> str:
-    """One line: how many sink heads are no-op / broadcast / partial, and by which thresholds."""
-    drain = report.value_drain
-    counts = drain.counts()
-    n_sink = counts["no-op"] + counts["broadcast"] + counts["partial"]
-    return (
-        f"Value drain at position {drain.sink_position}: {n_sink} sink heads (attention to it >= "
-        f"{drain.sink_head_threshold:g}): {counts['no-op']} no-op (sink's write share < {drain.no_op_share:g}), "
-        f"{counts['broadcast']} broadcast (>= {drain.broadcast_share:g}), {counts['partial']} partial; "
-        "writes in residual units" + (f" through the post-attention norm in layers {drain.post_norm_layers}"
-                                      if drain.post_norm_layers else "")
-    )
 
 
 def layer_rows(report: SinkReport) -> list[list[str]]:

@@ -16,11 +16,9 @@ from sinklens.export import to_json
 from sinklens.options import ATTENTION_METHODS, SINK_THRESHOLD, AttentionMethod
 from sinklens.validate import choice, finite_number, positive_int
 
-#: ``"gu"``: Gu et al.'s code (key's own query included); ``"sinklens"``: queries from ``min_query`` on;
-#: ``"mean"``: the pooled ``received`` thresholded (no per-sequence indicator).
 RateMethod = Literal["gu", "sinklens", "mean"]
 
-#: Where each sink-rate definition comes from (written beside the numbers in JSON and summaries).
+#: What each sink-rate method means (written beside the numbers in JSON and summaries).
 RATE_DEFINITIONS: dict[str, str] = {
     "gu": "Gu et al. (2024), as compute_attention_sink in github.com/sail-sg/Attention-Sink: per sequence, the "
           "mean attention a key gets from every query that can see it (its own query included) > sink_threshold; "
@@ -47,7 +45,7 @@ class SinkSettings:
         min_query_count / min_query_share: a position is a sink candidate (and a token occurrence counts) only
             with this many counted queries per sequence and this share of the best-seen position's.
         min_head_share / outlier_factor: the thresholds of :meth:`SinkResult.detect_sinks`.
-        top_k: how many single occurrences at positions >= 1 to keep (0: none).
+        top_k: how many single occurrences at positions >= 1 to keep.
         method: read ``hook_pattern`` (``"pattern"``) or queries and keys (``"qk"``, same numbers, memory linear
             in the length); ``"auto"``: ``"qk"`` above :data:`~sinklens.analysis.qk_attention.QK_ABOVE` tokens.
     """
@@ -121,15 +119,14 @@ class SinkResult(SettingsFields, CompactRepr):
             none); n_queries: the (sequence, query) pairs in it (``n_queries_by_layer``: per layer).
         seq_sink_frac / gu_seq_sink_frac: share of the sequences reaching ``k`` in which ``α_b`` / ``α^Gu_b``
             ``> sink_threshold``; n_sequences_at: those sequences.
-        prepend_bos / special_tokens: whether and which special tokens the tokenizer added around each prompt.
         first_tokens / later_tokens: token statistics at position 0 / at positions >= 1.
         top_occurrences: the highest single occurrences at positions >= 1, best first.
         unattended: ``[layer, head]`` mean over real queries of ``1 - Σ_k pattern[q, k]`` over visible real keys.
         virtual_sink: ``unattended`` when the model has learned sink logits (gpt-oss ``sinks``) or its rows fall
             short of 1 (by more than ``1e-5``, or twice the eps of a 16-bit dtype); None otherwise.
         position_token_ids: per key position, the token id there in every sequence (-1 where they differ).
-        attention: the attention layout the queries were chosen by (:class:`~sinklens.visibility.Visibility`).
-        attention_path: ``"pattern"``, ``"qk"`` or ``"pattern+qk"`` (``"auto"`` with batches on both sides).
+        attention: the attention layout (:class:`~sinklens.visibility.Visibility`); attention_path: ``"pattern"``,
+            ``"qk"`` or ``"pattern+qk"`` (``"auto"`` with batches on both sides).
     """
 
     received: Float[Tensor, "layer head key_pos"]
@@ -154,7 +151,7 @@ class SinkResult(SettingsFields, CompactRepr):
     tokenizer: Any = field(default=None, repr=False, compare=False)
 
     def position_index(self, position: int) -> int:
-        """Index of a measured key position (negatives count from the end); a named error if out of range."""
+        """Index of a measured key position (negatives count from the end)."""
         return position_index(position, self.received.shape[-1])
 
     def head_is_sink(self, sink_threshold: float | None = None, *,
@@ -221,10 +218,7 @@ class SinkResult(SettingsFields, CompactRepr):
         rates, ratio = self.sink_rate_by_position(method=method), torch.nan_to_num(self.outlier_ratio(), nan=0.0)
         return [k for k in self.candidates if float(rates[k]) >= share or float(ratio[k]) >= factor]
 
-    @property
-    def sink_positions(self) -> list[int]:
-        """:meth:`detect_sinks` with the analysis' thresholds."""
-        return self.detect_sinks()
+    sink_positions = property(detect_sinks, doc=":meth:`detect_sinks` with the analysis' thresholds.")
 
     def top_sinks(self, k: int = 10) -> list[dict[str, Any]]:
         """The ``k`` token ids at positions >= 1 (:attr:`later_tokens`) with the highest mean received attention."""
@@ -234,8 +228,7 @@ class SinkResult(SettingsFields, CompactRepr):
         return sorted({0, *self.sink_positions})
 
     def token_at(self, position: int) -> str | None:
-        """The token at ``position`` if it is the same in every sequence (decoded; ``"id N"`` without a
-        tokenizer), else None."""
+        """The token at ``position`` if the same in every sequence (``"id N"`` without a tokenizer), else None."""
         ids, k = self.position_token_ids, self.position_index(position)
         if ids is None or k >= ids.shape[0] or int(ids[k]) < 0:
             return None

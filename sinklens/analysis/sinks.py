@@ -1,9 +1,5 @@
-"""Attention sinks: which key positions (and which tokens) soak up attention, per layer × head.
-
-One streaming pass (:class:`SinkReducer`) reads ``hook_pattern`` or, with ``method="qk"`` (``"auto"`` above
-:data:`~sinklens.analysis.qk_attention.QK_ABOVE` tokens), the queries and keys in memory linear in the length
-(same numbers). The numbers are defined in :class:`~sinklens.analysis.sink_result.SinkResult`.
-"""
+"""Attention sinks: which key positions (and which tokens) soak up attention, per layer × head
+(:func:`find_sinks`; the numbers are defined in :class:`~sinklens.analysis.sink_result.SinkResult`)."""
 
 from __future__ import annotations
 
@@ -39,11 +35,6 @@ def has_sink_logits(model: Any) -> bool:
     return any(name.rsplit(".", 1)[-1] == "sinks" for root in roots for name, _ in root.named_parameters())
 
 
-def _top(values: Tensor, k: int) -> Tensor:
-    """Indices of the ``k`` largest ``values``, largest first; of equal values the earlier comes first."""
-    return torch.sort(values, descending=True, stable=True).indices[:k]
-
-
 def _merge_position_tokens(mine: Tensor, theirs: Tensor) -> Tensor:
     """Combine two per-position token records (-2 unseen, -1 varies, else the one token id seen there)."""
     n = max(mine.numel(), theirs.numel())
@@ -63,14 +54,10 @@ class _SinkBatch:
 
 
 class SinkReducer(Reducer[SinkResult]):
-    """Streams ``hook_pattern`` (or the queries and keys, by ``settings.method``) into a :class:`SinkResult`.
-
-    Beside an :class:`~sinklens.analysis.attention.AttentionReceivedReducer` (pooled sums, visibility) it keeps
-    float64 counts of sequences with ``α_b`` / ``α^Gu_b > sink_threshold`` per (layer, head, key), the row
-    shortfall per head, vocabulary-sized token tables (position 0 and positions >= 1), the token at each
-    position and the ``top_k`` single occurrences. ``α^Gu_b`` is ``α_b``'s column sum plus the rows of the
-    queries before ``min_query``, over the number of queries that see the key.
-    """
+    """Streams ``hook_pattern`` (or the queries and keys, by ``settings.method``) into a :class:`SinkResult`:
+    beside an :class:`~sinklens.analysis.attention.AttentionReceivedReducer`, float64 counts of sequences with
+    ``α_b`` / ``α^Gu_b > sink_threshold`` per (layer, head, key), the row shortfall per head, per-token tables,
+    the token at each position and the ``top_k`` single occurrences."""
 
     statistics = ("attention", "seq_hits", "seq_counts", "gu_hits", "gu_counts", "shortfall", "n_real_queries",
                   "pos_ids", "tok_first", "tok_later", "top_vals", "top_share", "top_meta", "prepend_bos", "special_tokens",
@@ -149,24 +136,21 @@ class SinkReducer(Reducer[SinkResult]):
             return BatchFold(hooks, state=state)
         return BatchFold(per_layer_hooks(PATTERN, self.layers, fold), state=state)
 
-    def _record_position_tokens(self, batch: TokenBatch) -> None:
-        tokens, valid = batch.tokens.to(self.pos_ids.device), batch.valid.to(self.pos_ids.device)
-        first = tokens.gather(0, valid.float().argmax(dim=0, keepdim=True))[0]  # first real row per column
-        same = ((tokens == first[None]) | ~valid).all(dim=0)
-        here = torch.where(valid.any(dim=0), torch.where(same, first, -1), -2)
-        self.pos_ids = _merge_position_tokens(self.pos_ids, here)
-
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         state: _SinkBatch = fold.state
         self.attention.count_queries(state.q_count)
         self.prepend_bos = batch.prepend_bos
-        self.special_tokens = tuple(getattr(batch, "special_tokens", ()) or ())
+        self.special_tokens = tuple(batch.special_tokens)
         for layer, row in self.attention.row.items():
             n = state.q_count[layer].shape[1]
             self.seq_counts[row, :n] += (state.q_count[layer] > 0).sum(dim=0).double()
             self.gu_counts[row, :n] += (state.gu_count[layer] > 0).sum(dim=0).double()
         self.n_real_queries += float(sum(batch.host_lengths()))
-        self._record_position_tokens(batch)
+        tokens, valid = batch.tokens.to(self.pos_ids.device), batch.valid.to(self.pos_ids.device)
+        first = tokens.gather(0, valid.float().argmax(dim=0, keepdim=True))[0]  # first real row per column
+        same = ((tokens == first[None]) | ~valid).all(dim=0)
+        here = torch.where(valid.any(dim=0), torch.where(same, first, -1), -2)  # the token at each position
+        self.pos_ids = _merge_position_tokens(self.pos_ids, here)
         q_count = torch.stack(list(state.q_count.values())).amax(dim=0)  # most counted queries over layers
         n_batch, n = q_count.shape
         counted = (q_count >= self.settings.min_query_count) & batch.valid
@@ -189,7 +173,7 @@ class SinkReducer(Reducer[SinkResult]):
     def _keep_top(self, vals: Tensor, shares: Tensor, meta: Tensor) -> None:
         """Keep the ``top_k`` largest of the held occurrences and these (-inf: not counted)."""
         vals = torch.cat([self.top_vals, vals.to(self.top_vals.device)])
-        keep = _top(vals, self.settings.top_k)
+        keep = torch.sort(vals, descending=True, stable=True).indices[: self.settings.top_k]  # ties: earlier first
         self.top_vals = vals[keep]
         self.top_share = torch.cat([self.top_share, shares.to(self.top_vals.device)])[keep]
         self.top_meta = torch.cat([self.top_meta, meta.to(self.top_vals.device)])[keep]

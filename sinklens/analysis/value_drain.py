@@ -104,7 +104,7 @@ class ValueDrain(SettingsFields, CompactRepr):
                  else "partial" for is_sink, x in zip(sink_row, share_row)] for sink_row, share_row in zip(sink, share)]
 
     def kind(self, layer: int, head: int) -> str:
-        """The class of one head (model layer ``layer``)."""
+        """The class of one head."""
         return self.kinds()[row_index(self.layers, layer)][head]
 
     def heads(self, kind: Kind) -> list[tuple[int, int]]:
@@ -114,7 +114,7 @@ class ValueDrain(SettingsFields, CompactRepr):
 
     def counts(self) -> dict[str, int]:
         """How many heads fall in each class."""
-        flat = [k for row in self.kinds() for k in row]
+        flat = sum(self.kinds(), [])
         return {k: flat.count(k) for k in KINDS}
 
     def rows(self) -> list[dict[str, Any]]:
@@ -143,12 +143,9 @@ def value_drain_reason(model: Any) -> str | None:
     ``hook_z`` or ``c[q, h] · (γ[h] ⊙ z)`` (:func:`~sinklens.hooks.head_output_gain`), not after an element-wise
     gate."""
     site = head_output_site(model)
-    if site == Z:
-        return None
-    bad = [layer for layer in range(model_dims(model).n_layers) if head_output_gain(model, layer) is None]
-    if not bad:
-        return None
-    return (f"the model transforms each head's aggregated output before W_O coordinate by coordinate "
+    bad = [] if site == Z else [layer for layer in range(model_dims(model).n_layers)
+                                if head_output_gain(model, layer) is None]
+    return None if not bad else (f"the model transforms each head's aggregated output before W_O coordinate by coordinate "
             f"(W_O reads blocks.{{l}}.{site}, not a scalar multiple of blocks.{{l}}.{Z}; layers {bad}), so a "
             "key's write is not split by this analysis")
 

@@ -69,9 +69,8 @@ class VarianceResult(CompactRepr):
         value_var: ``σ_v²`` per (layer, head) from ``hook_v`` over all valid positions (key/value head ``h // r``);
             attn_sq: mean over sequences of ``Σ_j A_tj²``.
         counts: sequences valid at each position (positions with none are NaN elsewhere).
-        feature_std: Li et al.'s measure as their code computes it (Siquan-Li/Head-wise-RMSNorm@23793e0,
-            ``attention_sink.ipynb`` cell 2): mean over sequences of ``torch.std`` over the features of the
-            ``o_proj`` input (``hook_z`` flattened head-major) at each token; feature_std_head (ours): per head.
+        feature_std: Li et al.'s measure as their code computes it (:data:`SOURCES`; ``hook_z`` flattened
+            head-major); feature_std_head (ours): per head.
         post_norm_layers: the analysed layers whose heads pass through a post-attention norm.
     """
 
@@ -103,8 +102,7 @@ class VarianceResult(CompactRepr):
         return self.value_var[:, :, None] / (t + 1)
 
     def position_index(self, position: int) -> int:
-        """Index of a measured position (negatives count from the end); a named error if out of range
-        or if no sequence reached it."""
+        """Index of a measured position (negatives count from the end) that some sequence reached."""
         idx = position_index(position, self.counts.shape[0])
         if self.counts[idx] <= 0:
             raise InvalidArgumentError(f"position {position} is out of range: no sequence reached it.")
@@ -118,9 +116,8 @@ class VarianceResult(CompactRepr):
         return sites[choice(of, sorted(sites), what="of")]
 
     def discrepancy(self, position: int = 0, *, of: Site = "z") -> Tensor:
-        """:meth:`ratio_of` one site's :meth:`variance`, ``[layer, head]`` (``[layer]`` for ``"attn_out"`` and
-        ``"feature_std"``). Uniform attention over ``T`` positions already gives about ``T / ln T`` at position
-        0: compare with the ratio of :attr:`pred_uniform`."""
+        """:meth:`ratio_of` one site's :meth:`variance` (``[layer]`` for ``"attn_out"``, ``"feature_std"``);
+        uniform attention over ``T`` positions already gives about ``T / ln T`` at 0 (:attr:`pred_uniform`)."""
         return self.ratio_of(self.variance(of), position)
 
     def preservation(self, position: int = 0) -> Float[Tensor, "layer head"]:
@@ -218,7 +215,7 @@ class VarianceReducer(Reducer[VarianceResult]):
     def reset(self) -> None:
         d, n_l = self.dims, len(self.layers)
         zeros = partial(torch.zeros, device=self.device, dtype=torch.float64)
-        # [layer, head, pos, d_head]: Σ z, Σ of the head output site (when not hook_z), Σ z/s (post-norm layers)
+        # [layer, head, pos, d_head]: Σ z, Σ of the head output site, Σ z/s (post-norm layers)
         self.z_s1, self.out_s1, self.zs_s1 = (zeros(n_l, d.n_heads, 0, d.d_head) for _ in range(3))
         # [layer, head, pos]: Σ |z|², Σ |z W_O|², Σ |(z/s) M|², Σ_b Σ_j A_tj², Σ_b std over a head's features
         self.z_s2, self.r_s2, self.rs_s2, self.a_sq, self.fs_head = (zeros(n_l, d.n_heads, 0) for _ in range(5))
@@ -250,19 +247,14 @@ class VarianceReducer(Reducer[VarianceResult]):
         def fold_squares(sq: Tensor, layer: int) -> None:  # Σ_k A_qk², [batch, head, query]
             self.a_sq[self.row[layer], :, : sq.shape[2]] += (sq * w32[:, None]).sum(0).double()
 
-        separate = self.output_site != Z  # a SinkLM variant: W_O reads its own site, not hook_z
-
         def fold_z(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]: the aggregation
             row, z, n = self.row[layer], z.float(), z.shape[1]
             self.z_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
             self.z_s2[row, :, :n] += (z.square().sum(-1) * w32[..., None]).sum(0).T.double()
-            if not separate:
-                fold_out(z, layer)
 
-        def fold_out(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]: enters W_O
+        def fold_out(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]: what W_O reads (output_site)
             row, z, n = self.row[layer], z.float(), z.shape[1]
-            if separate:
-                self.out_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
+            self.out_s1[row, :, :n] += (z * w32[..., None, None]).sum(0).transpose(0, 1).double()
             zg = torch.einsum("bphd,hde->bphe", z, self.gram32[row])  # |z W_O|² = z G zᵀ
             self.r_s2[row, :, :n] += ((zg * z).sum(-1) * w32[..., None]).sum(0).T.double()
             # Li et al.'s torch.std in two passes, so a large common mean cannot cancel the spread: a token's sum of
@@ -295,8 +287,7 @@ class VarianceReducer(Reducer[VarianceResult]):
 
         qk = self.plan.reads_qk(batch.tokens.shape[1])
         fold_pattern = lambda pattern, layer: fold_squares(pattern.float().square().sum(dim=-1), layer)  # noqa: E731
-        sites = [(V, fold_v), (Z, fold_z)] + ([] if qk else [(PATTERN, fold_pattern)])
-        sites += [(self.output_site, fold_out)] if separate else []
+        sites = [(V, fold_v), (Z, fold_z), (self.output_site, fold_out)] + ([] if qk else [(PATTERN, fold_pattern)])
         hooks = [hook for site, fold in sites for hook in per_layer_hooks(site, self.layers, fold)]
         if qk:  # Σ_k A_qk² from queries and keys
             hooks += qk_hooks(self.plan.sites, self.plan.rules, self.visibility, batch.valid,
@@ -321,8 +312,7 @@ class VarianceReducer(Reducer[VarianceResult]):
         z_s1, z_s2 = self.z_s1[:, :, :p], self.z_s2[:, :, :p]
         z_var = _global_centred(z_s1, z_s2, n, d_head)
         z_var_seq = ((z_s2 - z_s1.square().sum(-1) / n) / (n * d_head)).clamp(min=0)
-        out_s1 = self.out_s1[:, :, :p] if self.output_site != Z else z_s1
-        result_pre = _global_centred(out_s1, self.r_s2[:, :, :p], n, d_model, gram=self.gram)
+        result_pre = _global_centred(self.out_s1[:, :, :p], self.r_s2[:, :, :p], n, d_model, gram=self.gram)
         result_var = result_pre.clone()
         for layer in self.post_norm:
             row = self.row[layer]

@@ -2,7 +2,7 @@
 
 Per dimension, each set is zeroed at the sink only and the inputs run again: its top writers by
 direct contribution (``"direct"``) and by total effect (``"total"``), those reaching ``super_share``
-of the peak (at most ``max_writers``, at least one), and the control, its writing blocks' whole
+of the peak (at most ``MAX_WRITERS``, at least one), and the control, its writing blocks' whole
 ``hook_mlp_out`` (``"blocks"``). ``dim_removed = 1 − value_after / value_before`` (the dim at the
 sink at its peak stream) and ``attention_removed``, the same for the sink's mean received attention
 (queries from ``MIN_QUERY``).
@@ -25,14 +25,14 @@ from sinklens.analysis.weight_super_neurons import SinkMeanReducer
 from sinklens.display import StructuralEq
 from sinklens.export import to_json
 from sinklens.hooks import MLP_OUT, hook_name, model_dims
-from sinklens.inputs import Inputs, TokenBatch
+from sinklens.inputs import Inputs
 from sinklens.interventions.neurons import edit_neurons
 from sinklens.options import RunOptions, checked_options
 from sinklens.streaming import batches_for, stream
-from sinklens.validate import positive_int
 
 #: Queries before this position are left out of the sink's received attention (as in ``SinkSettings.min_query``).
 MIN_QUERY = 1
+MAX_WRITERS = 10
 
 
 @dataclass(eq=False)
@@ -75,18 +75,14 @@ class DimCheck(StructuralEq):
 @dataclass(eq=False)
 class CausalCheck(StructuralEq):
     """Result of :func:`verify_attribution`: one :class:`DimCheck` per massive dimension;
-    ``n_passes``: passes over the inputs (baseline + one per distinct set)."""
+    ``causal_threshold`` / ``attention_threshold``: the share of the dim / of the sink's attention a
+    set must remove to be causal; ``n_passes``: passes over the inputs (baseline + one per set)."""
 
     sink_position: int
     checks: list[DimCheck] = field(default_factory=list)
     causal_threshold: float = 0.5
     attention_threshold: float = 0.1
     n_passes: int = 0
-
-    def is_causal(self, dim: int) -> bool:
-        """Whether zeroing ``dim``'s attributed writers removed at least ``causal_threshold`` of it.
-        """
-        return next(c for c in self.checks if c.dim == dim).writers_cause_dim
 
     def lines(self) -> list[str]:
         """Per dimension: one line per ablation, then the two verdicts."""
@@ -112,42 +108,12 @@ class CausalCheck(StructuralEq):
                         "n_passes": self.n_passes, "checks": self.checks})
 
 
-def _measure(model: Any, batches: Sequence[TokenBatch], sink: int, streams: Sequence[int], hooks: list,
-             options: RunOptions, what: str) -> tuple[Tensor, float]:
-    """(residual at the sink at ``streams``, mean received attention of the sink) with ``hooks``
-    attached."""
-    attention = AttentionReceivedReducer(model, min_query=MIN_QUERY)
-    at_sink = SinkMeanReducer(model, sink, [stream_hook(s, model_dims(model).n_layers) for s in streams])
-    resid, received = stream(model, batches, [at_sink, attention],
-                             options=options.replace(extra_hooks=tuple(options.extra_hooks) + tuple(hooks),
-                                                     desc=f"verify_attribution: {what}"))
-    return resid, float(torch.nanmean(received.received[:, :, sink]))
-
-
-def default_writers(neurons: SuperNeurons, dim: int, max_writers: int = 10, by: str = "direct") -> list[tuple[int, int, float]]:
-    """The neurons credited with ``dim``, ranked ``by`` direct contribution or total effect."""
-    floor = neurons.settings.super_share * abs(neurons.path(dim).peak_value)
-    top = neurons.top(dim, max_writers, by=by)
-    return [w for w in top if abs(w[2]) >= floor] or top[:1]
-
-
-def _zero_mlp_out(sink: int):
-    def hook(act: Tensor, hook: Any) -> Tensor:
-        return act.index_fill(1, torch.tensor([sink], device=act.device), 0.0)
-
-    return hook
-
-
 def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons, *,
                        writers: dict[int, Sequence[tuple[int, int]]] | None = None,
-                       max_writers: int = 10, causal_threshold: float = 0.5,
-                       attention_threshold: float = 0.1,
                        options: RunOptions = RunOptions()) -> CausalCheck:
     """Zero each massive dimension's credited writers and writing blocks at the sink; measure what
     disappears. ``inputs``: those ``neurons`` was computed on. ``writers``: ``{dim: [(layer,
     neuron), ...]}`` zeroed instead of the attributed writers (then no ``"total"`` set).
-    ``causal_threshold`` / ``attention_threshold``: the share of the dim / of the sink's attention
-    a set must remove to be causal.
 
     Examples:
         >>> from sinklens.analysis.neurons import find_super_neurons
@@ -160,28 +126,37 @@ def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons,
         [(5, (0, 7), 1.0)]
     """
     options = checked_options(options, "verify_attribution")
-    max_writers = positive_int(max_writers, what="max_writers")
     sink = neurons.sink_position
     batches = batches_for(model, inputs, options)
     paths = neurons.paths
     streams = sorted({p.peak_layer for p in paths})
-    result = CausalCheck(sink, causal_threshold=causal_threshold, attention_threshold=attention_threshold)
+    result = CausalCheck(sink)
     if not paths:
         return result
-    passes: dict[frozenset, tuple[Tensor, float]] = {}
+    stream_hooks = [stream_hook(s, model_dims(model).n_layers) for s in streams]
+    passes: dict[tuple[frozenset, frozenset], tuple[Tensor, float]] = {}
 
-    def measure(key: frozenset, what: str) -> tuple[Tensor, float]:
+    def zero_at_sink(act: Tensor, hook: Any) -> Tensor:
+        return act.index_fill(1, torch.tensor([sink], device=act.device), 0.0)
+
+    def measure(what: str, zeroed: Sequence[tuple[int, int]] = (),
+                blocks: Sequence[int] = ()) -> tuple[Tensor, float]:  # (resid at the sink, its attention)
+        key = (frozenset(zeroed), frozenset(blocks))
         if key not in passes:
-            neuron_sets: dict[int, list[int]] = {}
-            for kind, l, n in sorted(key):
-                if kind == "neuron":
-                    neuron_sets.setdefault(l, []).append(n)
-            hooks = edit_neurons(model, neuron_sets, positions=[sink]) if neuron_sets else []
-            hooks += [(hook_name(b, MLP_OUT), _zero_mlp_out(sink)) for kind, b, _ in sorted(key) if kind == "block"]
-            passes[key] = _measure(model, batches, sink, streams, hooks, options, what)
+            by_layer: dict[int, list[int]] = {}
+            for layer, n in sorted(key[0]):
+                by_layer.setdefault(layer, []).append(n)
+            hooks = edit_neurons(model, by_layer, positions=[sink]) if by_layer else []
+            hooks += [(hook_name(b, MLP_OUT), zero_at_sink) for b in sorted(key[1])]
+            run = options.replace(extra_hooks=tuple(options.extra_hooks) + tuple(hooks),
+                                  desc=f"verify_attribution: {what}")
+            reducers = [SinkMeanReducer(model, sink, stream_hooks),
+                        AttentionReceivedReducer(model, min_query=MIN_QUERY)]
+            resid, received = stream(model, batches, reducers, options=run)
+            passes[key] = resid, float(torch.nanmean(received.received[:, :, sink]))
         return passes[key]
 
-    before, attn_before = measure(frozenset(), "baseline")
+    before, attn_before = measure("baseline")
     for path in paths:
         sets = {}
         if writers is not None and path.dim in writers:
@@ -190,18 +165,19 @@ def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons,
             sets["direct"] = [(l, n, float(neurons.contribution[neurons.layers.index(l), n, j])
                                if l in neurons.layers else float("nan")) for l, n in given]
         else:
-            sets["direct"] = default_writers(neurons, path.dim, max_writers)
-            if neurons.total_effect is not None:
-                sets["total"] = default_writers(neurons, path.dim, max_writers, by="total")
+            for by in ("direct", "total") if neurons.total_effect is not None else ("direct",):
+                top = neurons.top(path.dim, MAX_WRITERS, by=by)
+                floor = neurons.settings.super_share * abs(path.peak_value)
+                sets[by] = [w for w in top if abs(w[2]) >= floor] or top[:1]
         blocks = [s.block for s in path.writers] or [path.write_layer]
         sets["blocks"] = [(b, float(neurons.mlp_out_sink[b, path.dim])) for b in blocks]
         i = streams.index(path.peak_layer)
         v0 = float(before[i, path.dim])
         ablations = []
         for kind, rows in sets.items():
-            key = frozenset(("block", b, 0) for b, _ in rows) if kind == "blocks" else frozenset(
-                ("neuron", l, n) for l, n, _ in rows)
-            after, attn_after = measure(key, f"dim {path.dim} {kind} zeroed")
+            what = f"dim {path.dim} {kind} zeroed"
+            after, attn_after = (measure(what, blocks=[b for b, _ in rows]) if kind == "blocks"
+                                 else measure(what, [(l, n) for l, n, _ in rows]))
             v1 = float(after[i, path.dim])
             ablations.append(Ablation(kind, rows, v1, 1.0 - v1 / v0 if abs(v0) > TINY else float("nan"), attn_after,
                                       1.0 - attn_after / attn_before if attn_before > TINY else float("nan")))
@@ -209,9 +185,10 @@ def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons,
         blk = ablations[-1]
         result.checks.append(DimCheck(
             path.dim, path.peak_layer, v0, attn_before, ablations,
-            writers_cause_dim=best.dim_removed >= causal_threshold,
-            writers_cause_sink=best.attention_removed >= attention_threshold,
-            dim_causes_sink=blk.dim_removed >= causal_threshold and blk.attention_removed >= attention_threshold,
+            writers_cause_dim=best.dim_removed >= result.causal_threshold,
+            writers_cause_sink=best.attention_removed >= result.attention_threshold,
+            dim_causes_sink=blk.dim_removed >= result.causal_threshold
+            and blk.attention_removed >= result.attention_threshold,
         ))
     result.n_passes = len(passes)
     return result

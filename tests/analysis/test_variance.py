@@ -187,7 +187,7 @@ def test_bad_arguments(tiny_llama):
 # Every reference below is computed from the plain Hugging Face model of the same weights (no sinklens or
 # TransformerLens code), one sequence at a time.
 
-from sinklens.analysis.post_attention import post_attention_gain  # noqa: E402
+from sinklens.analysis.post_attention import post_attention_map  # noqa: E402
 from sinklens.testing import transformer_lens_major  # noqa: E402
 from support.planted_values import c4, gaussian_values, uniform_attention  # noqa: E402
 from support.zoo import zoo_hf_model, zoo_model  # noqa: E402
@@ -320,14 +320,14 @@ def test_post_norm_affine_map_reproduces_hook_out():
     w_o = weight(model, "W_O")
     b_o = getattr(model, "b_O", None)
     for layer in range(2):
-        gain = post_attention_gain(model, layer)
+        gain = post_attention_map(model, layer).gain.float().cpu()  # Gemma's 1 + w whatever its convention
         torch.testing.assert_close(gain, expected_gain, rtol=1e-5, atol=1e-5)
         z = cache[f"blocks.{layer}.attn.hook_z"][0]
         s = cache[f"blocks.{layer}.ln1_post.hook_scale"][0]
         raw = torch.einsum("phd,hdm->pm", z, w_o[layer]) + (b_o[layer].detach() if b_o is not None else 0.0)
         mapped = raw * gain / s
         torch.testing.assert_close(mapped, cache[f"blocks.{layer}.hook_attn_out"][0], rtol=1e-4, atol=1e-4)
-    assert post_attention_gain(zoo_model("llama"), 0) is None
+    assert post_attention_map(zoo_model("llama"), 0) is None
 
 
 @needs_bridge

@@ -55,7 +55,7 @@ def test_zeroing_the_planted_writer_removes_the_dim_and_sink_attention(planted):
     assert (c.attention_before, direct.attention_after) == pytest.approx((a0, a1), rel=1e-4)
     assert direct.dim_removed > 0.99
     assert direct.attention_removed == pytest.approx(1 - a1 / a0, rel=1e-4) and direct.attention_removed > 0.1
-    assert check.is_causal(spec.dim)
+    assert c.writers_cause_dim
     # The block-level control: block 0's whole MLP output zeroed at the sink, against plain hooks.
     assert [b for b, _ in blocks.zeroed] == [spec.layer]
 
@@ -74,7 +74,7 @@ def test_a_random_neuron_as_control_removes_little(planted):
     control = c.ablation("direct")
     assert [(l, n) for l, n, _ in control.zeroed] == [(0, 3)] and c.ablation("total") is None
     assert abs(control.dim_removed) < 0.01 and abs(control.attention_removed) < 0.02
-    assert not check.is_causal(spec.dim) and not c.writers_cause_sink
+    assert not c.writers_cause_dim and not c.writers_cause_sink
 
 
 def test_analyze_verify_reports_the_check_in_json_and_summary(planted, tmp_path):
