@@ -106,9 +106,7 @@ def clear_reference_cache(model: Any | None = None) -> None:
 def _reference_for(model: Any, reference: Reference, site: str, layers: list[int], kw: dict) -> dict[int, Tensor] | None:
     """``{layer: mean}`` for ``amplify``'s ``reference=`` (None = per-batch means, computed in the hook)."""
     named = isinstance(reference, str)
-    if named:
-        reference = choice(reference, ("random", "batch"), what="reference")
-    if named and reference == "random":
+    if named and choice(reference, ("random", "batch"), what="reference") == "random":
         allowed = ("n_sequences", "seq_len", "skip_first", "seed", "cache")
         unknown = sorted(k for k in kw if k not in allowed)
         if unknown:
