@@ -73,8 +73,9 @@ def variance_calibration(
             f = factors.pop(layer)
             if pos is not None:
                 check_in_sequence(pos, z.shape[1])
-                f = f.clone()
-                f[:, [t for t in range(z.shape[1]) if t not in pos]] = 1.0
+                mask = torch.zeros(z.shape[1], dtype=torch.bool, device=z.device)
+                mask[pos] = True
+                f = torch.where(mask[None, :, None], f, torch.ones_like(f))
             return z * f[..., None].to(z.dtype)
 
         hooks += [(hook_name(layer, PATTERN), keep), (hook_name(layer, Z), rescale)]
