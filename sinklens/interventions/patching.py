@@ -41,10 +41,9 @@ def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, 
     """The hook carrying ``site`` per layer: ``blocks.{l}.hook_{site}``, except ``"attn_out"`` on a post-LN
     block, patched at ``attn.hook_z``. Parallel blocks refuse ``"resid_mid"``; attention-only models also
     ``"mlp_out"`` (:class:`~sinklens.errors.UnsupportedArchitectureError`)."""
-    hook_site = _SITES[site][0]
     if site == "attn_out" and post_ln_reason(model) is not None:
         return {layer: hook_name(layer, Z) for layer in layers}
-    names = {layer: hook_name(layer, hook_site) for layer in layers}
+    names = {layer: hook_name(layer, _SITES[site][0]) for layer in layers}
     if site in ("resid_mid", "mlp_out") and no_mlp_reason(model) is not None:
         raise UnsupportedArchitectureError(
             f"site {site!r}: this model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0), so its blocks have "
@@ -110,9 +109,8 @@ class SinkPatchResult(CompactRepr):
         rows = []
         for idx in itertools.product(*(range(len(self.coords[a])) for a in self.axes)):
             value = float(self.values[idx])
-            row: dict[str, Any] = {a: self.coords[a][i] for a, i in zip(self.axes, idx)}
             restored = (value - self.intervened) / gap if self.has_effect else None
-            rows.append({**row, "value": value, "restored": restored})
+            rows.append({**{a: self.coords[a][i] for a, i in zip(self.axes, idx)}, "value": value, "restored": restored})
         return rows
 
     def to_dict(self) -> dict[str, Any]:
