@@ -171,8 +171,7 @@ def seedprint_test(
             f"SeedPrint needs two [samples, hidden] matrices over the same samples (the same number of rows; the "
             f"widths may differ), got {tuple(hidden_a.shape)} and {tuple(hidden_b.shape)}.")
     buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
-    n, d_a = hidden_a.shape
-    d_b = hidden_b.shape[1]
+    (n, d_a), d_b = hidden_a.shape, hidden_b.shape[1]
     if n < 2:
         raise InvalidArgumentError(f"SeedPrint needs at least 2 samples for Kendall tau, got {n}.")
     a = _finite_features(hidden_a.detach().float().cpu(), "hidden_a")
