@@ -389,10 +389,8 @@ def sweep(
         if position not in clean:
             clean[position] = run_stats(model, batches, [], target=position, sink=sink, loss=loss, options=quiet)
         after = run_stats(model, batches, hooks, target=position, sink=sink, loss=loss, options=quiet)
-        res = compare_runs(
-            clean[position], after, method=name, target=position, sink=sink,
-            layers=list(range(dims_m.n_layers)), dims=dims,
-        )
+        res = compare_runs(clean[position], after, method=name, target=position, sink=sink,
+                           layers=list(range(dims_m.n_layers)), dims=dims)
         for row in res.rows():
             row.update(position=position, layers=layer_set, alpha=alpha)
             if loss:
