@@ -1,12 +1,11 @@
-"""Hook factories that create, remove and patch attention sinks, each registered by name in
+"""Hook factories that create, remove and patch attention sinks, each registered below by name in
 :mod:`sinklens.interventions.registry`. Every factory returns ``(hook_name, fn)`` pairs for
-``model.run_with_hooks`` or ``RunOptions(extra_hooks=hooks)``; no function modifies its input. The built-ins
-are registered below."""
+``model.run_with_hooks`` or ``RunOptions(extra_hooks=hooks)``; no function modifies its input."""
 
 from sinklens.interventions import registry
 from sinklens.interventions.calibration import variance_calibration
-from sinklens.interventions.experiments import (InterventionResult, create_sink, measure_intervention,
-                                                remove_sink, sweep)
+from sinklens.interventions.experiments import (
+    InterventionResult, create_sink, measure_intervention, remove_sink, sweep)
 from sinklens.interventions.masks import block_keys, custom_mask, restart, self_only
 from sinklens.interventions.neurons import clamp_dims, edit_neurons, transplant_dims
 from sinklens.interventions.patching import SinkPatchResult, patch_sink

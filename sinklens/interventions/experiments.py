@@ -203,15 +203,16 @@ class InterventionResult(CompactRepr):
         return out
 
     def to_dict(self) -> dict:
-        """Every field, JSON-ready at full precision (NaN loss as None), with ``sink_*`` head-averaged;
+        """Every field, JSON-ready at full precision (NaN loss as None), ``sink_*`` head-averaged;
         ``before`` / ``after``: head-averaged attention to the target."""
         data = {f.name: getattr(self, f.name) for f in fields(self)}
-        return to_json({**data, "sink_before": self.sink_before.mean(dim=1), "sink_after": self.sink_after.mean(dim=1),
-                        "options": plain_options(self.options), "before": self.received_layer_before,
-                        "after": self.received_layer_after}, digits=None)
+        data |= {"sink_before": self.sink_before.mean(1), "sink_after": self.sink_after.mean(1),
+                 "options": plain_options(self.options), "before": self.received_layer_before,
+                 "after": self.received_layer_after}
+        return to_json(data, digits=None)
 
 def plain_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    """Each recorded option as plain JSON, or a short description (large tensors, objects JSON cannot hold)."""
+    """Each recorded option as plain JSON, or a short description (large tensors, non-JSON objects)."""
 
     def plain(value: Any) -> Any:
         size = value.numel() if isinstance(value, Tensor) else value.size if isinstance(value, np.ndarray) else 0
@@ -229,8 +230,8 @@ def compare_runs(
     before: RunStats, after: RunStats, *, method: str, target: int, sink: int, layers: list[int],
     dims: IndexLike | None = None, options: dict[str, Any] | None = None,
 ) -> InterventionResult:
-    """Combine a clean and an intervened :class:`RunStats`; ``dims`` checked (None: the clean sink's 3 largest
-    ``|x|`` in the layer where it peaks)."""
+    """Combine a clean and an intervened :class:`RunStats`; ``dims`` checked (None: the clean sink's 3
+    largest ``|x|`` in the layer where it peaks)."""
     if dims is None:
         sink_vec = before.resid_mean[:, 1].abs()  # [layer, d_model]
         peak = sink_vec[int(sink_vec.max(dim=1).values.argmax())]
@@ -280,8 +281,8 @@ def _measure(
     model: Any, tokens: Inputs, hooks: Hooks, *, target: IntLike, sink: IntLike, method: str | None,
     dims: IndexLike | None, loss: bool | None, options: RunOptions, recorded: Mapping[str, Any],
 ) -> InterventionResult:
-    """:func:`measure_intervention` on built hooks (``target`` and ``sink`` checked by the caller); ``recorded``
-    and the inputs' settings (``prepend_bos``, ``special_tokens``, ``max_length``) go to ``result.options``."""
+    """:func:`measure_intervention` on built hooks (``target`` and ``sink`` checked by the caller);
+    ``recorded`` and the inputs' ``prepend_bos``, ``special_tokens``, ``max_length`` go to ``options``."""
     dims = _check_dims(model, dims)
     batches = batches_for(model, tokens, options)
     layers = list(range(model_dims(model).n_layers))

@@ -29,7 +29,7 @@ IntLike = Union[numbers.Integral, Tensor]
 IndexLike = Union[numbers.Integral, Tensor, np.ndarray, Sequence[Any]]
 #: A number as :func:`sinklens.validate.as_float` takes it: float, int, numpy scalar or 0-d tensor.
 NumberLike = Union[numbers.Real, Tensor]
-#: Builds the *blocked* entries ``[query, key]`` from (positions, absolute query positions, number of keys).
+#: The *blocked* entries ``[query, key]`` from (positions, absolute query positions, key count).
 BlockFn = Callable[[list[int], Tensor, int], Tensor]
 
 
@@ -57,8 +57,8 @@ def check_in_sequence(positions: Sequence[int], seq_len: int) -> None:
 
 
 def _block_scores(scores: Tensor, blocked: Tensor, head_list: list[int] | None) -> Tensor:
-    """``scores`` with the ``blocked`` entries (broadcast over ``[batch, head, query, key]``) set to ``-inf``,
-    in the heads of ``head_list`` only (None = all)."""
+    """``scores`` with the ``blocked`` entries (broadcast over ``[batch, head, query, key]``) set to
+    ``-inf``, in the heads of ``head_list`` only (None = all)."""
     if head_list is not None:
         blocked = blocked & torch.isin(torch.arange(scores.shape[1], device=scores.device),
                                        torch.tensor(head_list, device=scores.device))[:, None, None]
@@ -67,8 +67,8 @@ def _block_scores(scores: Tensor, blocked: Tensor, head_list: list[int] | None) 
 
 def _mask_hooks(model: Any, positions: IndexLike, block: BlockFn, *, layers: IndexLike | None,
                 heads: IndexLike | None) -> Hooks:
-    """Hooks that set ``block(positions, query_positions, n_key)`` entries of the scores to ``-inf``; a 4.x
-    bridge's cached ``generate`` step (``1 x 1`` scores, which no mask can act on) is refused."""
+    """Hooks that set the ``block(positions, query_positions, n_key)`` entries of the scores to
+    ``-inf``; a 4.x bridge's cached ``generate`` step (``1 x 1`` scores, no mask acts on) is refused."""
     dims = model_dims(model)
     pos = positions_arg(positions, dims.n_ctx)
     require_attention_seams(model, "mask interventions")
@@ -88,7 +88,7 @@ def _mask_hooks(model: Any, positions: IndexLike, block: BlockFn, *, layers: Ind
         longest[0] = max(longest[0], n_k)
         check_in_sequence(pos, n_k)
         q_pos = torch.arange(n_k - n_q, n_k, device=scores.device)
-        blocked = block(pos, q_pos, n_k).to(scores.device)  # [query, key] or [batch, head, query, key]
+        blocked = block(pos, q_pos, n_k).to(scores.device)  # [query, key]
         k_pos = torch.arange(n_k, device=scores.device)
         blocked = blocked & (k_pos[None, :] != q_pos[:, None])  # a query always keeps its own key
         return _block_scores(scores, blocked, head_list)

@@ -110,7 +110,8 @@ class SinkPatchResult(CompactRepr):
         for idx in itertools.product(*(range(len(self.coords[a])) for a in self.axes)):
             value = float(self.values[idx])
             restored = (value - self.intervened) / gap if self.has_effect else None
-            rows.append({**{a: self.coords[a][i] for a, i in zip(self.axes, idx)}, "value": value, "restored": restored})
+            row: dict[str, Any] = {a: self.coords[a][i] for a, i in zip(self.axes, idx)}
+            rows.append({**row, "value": value, "restored": restored})
         return rows
 
     def to_dict(self) -> dict[str, Any]:
