@@ -44,7 +44,7 @@ def activation_name(model: Any) -> str:
 
 
 def activation_mean_at_zero(name: str) -> float:
-    """``E[f(z)]`` for ``z ~ N(0, 1)`` (trapezoid rule, 24001 points on [-12, 12]); NaN for an unknown ``f``."""
+    """``E[f(z)]`` for ``z ~ N(0, 1)`` (trapezoid rule, 24001 points on [-12, 12]); NaN for unknown ``f``."""
     fn = _ACTIVATIONS.get(name)
     if fn is None:
         return float("nan")
@@ -55,8 +55,8 @@ def activation_mean_at_zero(name: str) -> float:
 
 @dataclass(repr=False, eq=False)
 class SiteStats(CompactRepr):
-    """Concentration at one site (module docstring); ``direction_share = λ₁ / trace``, ``direction_mean_cos``:
-    cosine of ``direction`` with the mean direction ``Σ h / ‖Σ h‖``."""
+    """Concentration at one site (module docstring); ``direction_share = λ₁ / trace``,
+    ``direction_mean_cos``: cosine of ``direction`` with the mean direction ``Σ h / ‖Σ h‖``."""
 
     name: str
     inter: Float[Tensor, " pos"]
@@ -92,8 +92,8 @@ class ContractionResult(CompactRepr):
         raise KeyError(f"No site {name!r}; sites are {[s.name for s in self.sites]}.")
 
     def share(self, key: str = "inter_mean") -> Float[Tensor, "layer 2"]:
-        """``[layer, (attn, mlp)]`` change of ``key`` (``"inter_mean"`` or ``"intra"``) across each sublayer,
-        divided by the total change from ``embed`` to the last ``mlp`` site."""
+        """``[layer, (attn, mlp)]`` change of ``key`` (``"inter_mean"`` or ``"intra"``) across each
+        sublayer, divided by the total change from ``embed`` to the last ``mlp`` site."""
         values = torch.tensor([getattr(s, key) for s in self.sites if s.name != "final"], dtype=torch.float64)
         d = (values[1:] - values[:-1]).view(self.n_layers, 2)
         return d / d.sum()
@@ -224,7 +224,7 @@ class ContractionReducer(Reducer[ContractionResult]):
         self.final_site, self.finish = final_state_site(model)
         self.mlp_skipped = moe_reason(model)
         # gated (hook_post = f(gate) · up): layer 0 exposes mlp.hook_pre_linear
-        self.gated = self.mlp_skipped is None and hook_name(0, "mlp.hook_pre_linear") in model.hook_dict
+        self.gated = not self.mlp_skipped and hook_name(0, "mlp.hook_pre_linear") in model.hook_dict
         self.act_fn = _ACTIVATIONS.get(activation_name(model))
         self.names = ["embed", *(f"{kind} {i}" for i in range(dims.n_layers) for kind in ("attn", "mlp")), "final"]
         self.reset()

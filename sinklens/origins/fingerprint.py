@@ -11,8 +11,9 @@ their constants in brackets, caveats in docs/origins.md.
 4. ``softmax(h[:, idx] / 10, dim=1)``; 5. per-dimension Kendall τ-b across samples, mean ``τ̄``.
 6. ``z = τ̄ / (σ_τ / sqrt(k))``, ``σ_τ² = 2(2N+5) / (9N(N-1))``; 7. ``p = min(1, 2 Φ̄(z))``, same lineage
    when ``p < α`` [0.01].
-Ours: fewer than two shared dims or a non-finite τ̄ give ``z = p = NaN`` (theirs: ``p = 1``); a small
-vocabulary or a shared input passed through (:func:`shared_input_z`) make a positive "inconclusive"."""
+Ours: fewer than two shared dims or a non-finite τ̄ give ``z = p = NaN`` (theirs: ``p = 1``); a
+small vocabulary or a shared input passed through (:func:`shared_input_z`) make a positive
+"inconclusive"."""
 
 from __future__ import annotations
 

@@ -51,7 +51,7 @@ class PositionalDiscrepancy(CompactRepr):
         return 1 if self.prepend_bos else 0
 
     def relative(self, name: str) -> Float[Tensor, "... pos"]:
-        """One field (e.g. ``"attn_out_var"``) relative to its later half: ``x[..., t] / mean(x[..., ⌊T/2⌋:])``."""
+        """A field (e.g. ``"attn_out_var"``) over its later half: ``x[..., t] / mean(x[..., ⌊T/2⌋:])``."""
         x = getattr(self, name)
         return x / x[..., x.shape[-1] // 2 :].mean(dim=-1, keepdim=True)
 
