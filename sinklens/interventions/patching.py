@@ -57,12 +57,6 @@ def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, 
     return names
 
 
-def relative_gap_tolerance(dtype: str | torch.dtype) -> float:
-    """The relative change of the sink metric that is rounding of ``dtype`` patterns: its machine epsilon."""
-    dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
-    return torch.finfo(dtype).eps
-
-
 @dataclass(repr=False, eq=False)
 class SinkPatchResult(CompactRepr):
     """The metric after patching each component: ``values`` (float64, axes ``axes`` with layer / position /
@@ -80,9 +74,14 @@ class SinkPatchResult(CompactRepr):
     pattern_dtype: str = "float32"
 
     @property
+    def _eps(self) -> float:
+        """The relative change of the metric that is rounding of the patterns: ``pattern_dtype``'s epsilon."""
+        return torch.finfo(getattr(torch, self.pattern_dtype)).eps
+
+    @property
     def gap_tolerance(self) -> float:
         """The largest ``|clean − intervened|`` that is rounding: ``eps(pattern_dtype) · max(|clean|, |intervened|)``."""
-        return relative_gap_tolerance(self.pattern_dtype) * max(abs(self.clean), abs(self.intervened))
+        return self._eps * max(abs(self.clean), abs(self.intervened))
 
     @property
     def has_effect(self) -> bool:
@@ -99,7 +98,7 @@ class SinkPatchResult(CompactRepr):
             raise InvalidArgumentError(
                 f"The intervention did not change the metric beyond {self.pattern_dtype} rounding: clean "
                 f"{self.clean:.9g} − intervened {self.intervened:.9g} = {gap:.3g}, within {self.gap_tolerance:.3g} "
-                f"({relative_gap_tolerance(self.pattern_dtype):.3g} of the metric, the {self.pattern_dtype} "
+                f"({self._eps:.3g} of the metric, the {self.pattern_dtype} "
                 "precision of the attention weights it averages); nothing to restore.")
         return (self.values - self.intervened) / gap
 
