@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from inspect import signature
 from typing import Any, Union
 
 import numpy as np
@@ -345,10 +346,6 @@ def remove_sink(
                     options=options, recorded=recorded)
 
 
-#: :func:`sweep`'s own keywords (after ``model`` and ``tokens``); any other goes to the method's factory.
-SWEEP_KEYWORDS = ("method", "positions", "layer_sets", "alphas", "sink", "dims", "loss", "options")
-
-
 def sweep(
     model: Any, tokens: Inputs, *, method: str = "self_only", positions: IndexLike,
     layer_sets: Sequence[Any] = (None,), alphas: Sequence[NumberLike | None] = (None,),
@@ -383,7 +380,7 @@ def sweep(
             if not unknown:
                 raise
             raise InvalidArgumentError(
-                f"sweep has no option {unknown[0]!r}: its keywords are {list(SWEEP_KEYWORDS)} (alphas=[...]: the "
+                f"sweep has no option {unknown[0]!r}: its keywords are {list(signature(sweep).parameters)[2:-1]} (alphas=[...]: the "
                 f"values of α to sweep, for methods with an alpha option such as amplify); other keywords go to the "
                 f"method {entry.name!r}, which does not take it either: {err}"
             ) from None
