@@ -28,14 +28,7 @@ def calibration_factor(
     queries: Bool[Tensor, "batch query"] | None = None,
 ) -> Float[Tensor, "batch query head"]:
     """The multiplier of ``z`` per (batch, query, head): ``1/sqrt(s_t)`` or ``sqrt(min s / s_t)``, with
-    ``s_t = Σ_j A_tj²`` in float32 (all-zero rows: 1); the minimum runs over ``queries`` (default all).
-
-    Examples:
-        >>> import torch
-        >>> A = torch.tril(torch.ones(3, 3)) / torch.arange(1, 4)[:, None]  # uniform causal
-        >>> calibration_factor(A[None, None])[0, :, 0] ** 2
-        tensor([1.0000, 2.0000, 3.0000])
-    """
+    ``s_t = Σ_j A_tj²`` in float32 (all-zero rows: 1); the minimum runs over ``queries`` (default all)."""
     s = pattern.float().pow(2).sum(dim=-1)  # (B, H, T)
     alive = s > 0
     s_safe = torch.where(alive, s, torch.ones_like(s))

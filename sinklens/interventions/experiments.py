@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from inspect import signature
 from typing import Any, Union
 
 import numpy as np
@@ -122,17 +123,6 @@ def _next_token_loss(model: Any, batches: Sequence[TokenBatch], hooks: Hooks) ->
     return total / count if count else float("nan")
 
 
-def _check_queries_after(batches: Sequence[TokenBatch], target: int, sink: int) -> None:
-    """Raise unless some sequence has a real token after ``target`` (a query to measure) and contains ``sink``."""
-    longest = max((int(b.valid.sum(dim=1).max()) for b in batches), default=0)
-    if target >= longest - 1:
-        raise InvalidArgumentError(
-            f"No query after position {target}: use sequences longer than {target + 1} tokens (the longest has {longest})."
-        )
-    if sink >= longest:
-        raise InvalidArgumentError(f"sink position {sink} is beyond the longest sequence ({longest} tokens).")
-
-
 def run_stats(
     model: Any, batches: Sequence[TokenBatch], hooks: Hooks, *, target: int, sink: int = 0,
     layers: IndexLike | None = None, loss: bool | None = None,
@@ -141,7 +131,13 @@ def run_stats(
     """Attention to ``target`` and ``sink`` (queries after ``target``), residuals at both, and the loss (NaN when
     :func:`wants_next_token_loss` says no); ``hooks`` run after ``options.extra_hooks`` in every forward."""
     loss = wants_next_token_loss(model, loss)
-    _check_queries_after(batches, target, sink)
+    longest = max((int(b.valid.sum(dim=1).max()) for b in batches), default=0)
+    if target >= longest - 1:
+        raise InvalidArgumentError(
+            f"No query after position {target}: use sequences longer than {target + 1} tokens (the longest has {longest})."
+        )
+    if sink >= longest:
+        raise InvalidArgumentError(f"sink position {sink} is beyond the longest sequence ({longest} tokens).")
     # pad short batches so an intervention at the target or the sink finds those positions
     batches = [padded_to(b, max(target, sink) + 1) for b in batches]
     att = AttentionReceivedReducer(model, layers=layers, min_query=target + 1)
@@ -208,52 +204,39 @@ class InterventionResult(CompactRepr):
         return out
 
     def to_dict(self) -> dict:
-        """JSON-ready at full precision (NaN loss as None); ``before`` / ``after``: head-averaged attention to the target."""
-        return to_json({
-            "method": self.method, "target": self.target, "sink": self.sink, "layers": list(self.layers),
-            "before": self.received_layer_before.tolist(), "after": self.received_layer_after.tolist(),
-            "received_before": self.received_before.tolist(), "received_after": self.received_after.tolist(),
-            "sink_before": self.sink_before.mean(dim=1).tolist(), "sink_after": self.sink_after.mean(dim=1).tolist(),
-            "resid_norm_before": self.resid_norm_before.tolist(), "resid_norm_after": self.resid_norm_after.tolist(),
-            "dims": list(self.dims), "dims_before": self.dims_before.tolist(), "dims_after": self.dims_after.tolist(),
-            "sink_dims": self.sink_dims.tolist(), "loss_before": self.loss_before, "loss_after": self.loss_after,
-            "options": plain_options(self.options),
-        }, digits=None)
-
-def _plain_option(value: Any) -> Any:
-    """One recorded option as plain JSON, or a short description (large tensors, objects JSON cannot hold)."""
-    size = value.numel() if isinstance(value, Tensor) else value.size if isinstance(value, np.ndarray) else 0
-    if size > 64:
-        return f"tensor of shape {list(value.shape)} ({value.dtype})"
-    try:
-        return to_json(value, digits=None)
-    except TypeError:
-        return f"{type(value).__name__} {getattr(value, '__name__', '')}".strip()
-
+        """Every field, JSON-ready at full precision (NaN loss as None), ``sink_*`` head-averaged;
+        ``before`` / ``after``: head-averaged attention to the target."""
+        data = {f.name: getattr(self, f.name) for f in fields(self)}
+        data |= {"sink_before": self.sink_before.mean(1), "sink_after": self.sink_after.mean(1),
+                 "options": plain_options(self.options), "before": self.received_layer_before,
+                 "after": self.received_layer_after}
+        return to_json(data, digits=None)
 
 def plain_options(options: Mapping[str, Any]) -> dict[str, Any]:
-    return {str(k): _plain_option(v) for k, v in options.items()}
+    """Each recorded option as plain JSON, or a short description (large tensors, non-JSON objects)."""
 
+    def plain(value: Any) -> Any:
+        size = value.numel() if isinstance(value, Tensor) else value.size if isinstance(value, np.ndarray) else 0
+        if size > 64:
+            return f"tensor of shape {list(value.shape)} ({value.dtype})"
+        try:
+            return to_json(value, digits=None)
+        except TypeError:
+            return f"{type(value).__name__} {getattr(value, '__name__', '')}".strip()
 
-def _run_record(batches: Sequence[TokenBatch], options: RunOptions) -> dict[str, Any]:
-    """What the inputs were: the ``prepend_bos`` and ``special_tokens`` the batches got, and ``max_length``."""
-    first = batches[0]  # run_stats has refused empty inputs
-    return {"prepend_bos": bool(first.prepend_bos), "special_tokens": list(first.special_tokens),
-            "max_length": options.max_length}
-
-
-def _default_dims(before: RunStats, n: int = 3) -> list[int]:
-    sink_vec = before.resid_mean[:, 1].abs()  # [layer, d_model]
-    layer = int(sink_vec.max(dim=1).values.argmax())
-    return sink_vec[layer].topk(min(n, sink_vec.shape[1])).indices.tolist()
+    return {str(k): plain(v) for k, v in options.items()}
 
 
 def compare_runs(
     before: RunStats, after: RunStats, *, method: str, target: int, sink: int, layers: list[int],
     dims: IndexLike | None = None, options: dict[str, Any] | None = None,
 ) -> InterventionResult:
-    """Combine a clean and an intervened :class:`RunStats`; ``dims`` checked (None: the sink's 3 largest)."""
-    dims = _default_dims(before) if dims is None else dims
+    """Combine a clean and an intervened :class:`RunStats`; ``dims`` checked (None: the clean sink's 3
+    largest ``|x|`` in the layer where it peaks)."""
+    if dims is None:
+        sink_vec = before.resid_mean[:, 1].abs()  # [layer, d_model]
+        peak = sink_vec[int(sink_vec.max(dim=1).values.argmax())]
+        dims = peak.topk(min(3, peak.numel())).indices.tolist()
     return InterventionResult(
         method=method, target=target, sink=sink, layers=layers,
         received_before=before.received, received_after=after.received,
@@ -299,15 +282,18 @@ def _measure(
     model: Any, tokens: Inputs, hooks: Hooks, *, target: IntLike, sink: IntLike, method: str | None,
     dims: IndexLike | None, loss: bool | None, options: RunOptions, recorded: Mapping[str, Any],
 ) -> InterventionResult:
-    """:func:`measure_intervention` on built hooks (``target`` and ``sink`` checked by the caller); ``recorded``
-    and the inputs' settings go to ``result.options``."""
+    """:func:`measure_intervention` on built hooks (``target`` and ``sink`` checked by the caller);
+    ``recorded`` and the inputs' ``prepend_bos``, ``special_tokens``, ``max_length`` go to ``options``."""
     dims = _check_dims(model, dims)
     batches = batches_for(model, tokens, options)
     layers = list(range(model_dims(model).n_layers))
     before = run_stats(model, batches, [], target=target, sink=sink, loss=loss, options=options)
     after = run_stats(model, batches, hooks, target=target, sink=sink, loss=loss, options=options)
+    first = batches[0]  # run_stats has refused empty inputs
+    inputs = {"prepend_bos": bool(first.prepend_bos), "special_tokens": list(first.special_tokens),
+              "max_length": options.max_length}
     return compare_runs(before, after, method=method or "custom", target=target, sink=sink, layers=layers, dims=dims,
-                        options={**plain_options(recorded), **_run_record(batches, options)})
+                        options={**plain_options(recorded), **inputs})
 
 
 def create_sink(
@@ -360,10 +346,6 @@ def remove_sink(
                     options=options, recorded=recorded)
 
 
-#: :func:`sweep`'s own keywords (after ``model`` and ``tokens``); any other goes to the method's factory.
-SWEEP_KEYWORDS = ("method", "positions", "layer_sets", "alphas", "sink", "dims", "loss", "options")
-
-
 def sweep(
     model: Any, tokens: Inputs, *, method: str = "self_only", positions: IndexLike,
     layer_sets: Sequence[Any] = (None,), alphas: Sequence[NumberLike | None] = (None,),
@@ -398,17 +380,15 @@ def sweep(
             if not unknown:
                 raise
             raise InvalidArgumentError(
-                f"sweep has no option {unknown[0]!r}: its keywords are {list(SWEEP_KEYWORDS)} (alphas=[...]: the "
+                f"sweep has no option {unknown[0]!r}: its keywords are {list(signature(sweep).parameters)[2:-1]} (alphas=[...]: the "
                 f"values of α to sweep, for methods with an alpha option such as amplify); other keywords go to the "
                 f"method {entry.name!r}, which does not take it either: {err}"
             ) from None
         if position not in clean:
             clean[position] = run_stats(model, batches, [], target=position, sink=sink, loss=loss, options=quiet)
         after = run_stats(model, batches, hooks, target=position, sink=sink, loss=loss, options=quiet)
-        res = compare_runs(
-            clean[position], after, method=name, target=position, sink=sink,
-            layers=list(range(dims_m.n_layers)), dims=dims,
-        )
+        res = compare_runs(clean[position], after, method=name, target=position, sink=sink,
+                           layers=list(range(dims_m.n_layers)), dims=dims)
         for row in res.rows():
             row.update(position=position, layers=layer_set, alpha=alpha)
             if loss:
@@ -416,8 +396,3 @@ def sweep(
             rows.append(row)
     return rows
 
-
-__all__ = [
-    "InterventionResult", "RunStats", "PositionResidualReducer", "create_sink", "remove_sink", "sweep",
-    "measure_intervention", "run_stats", "compare_runs", "next_token_cross_entropy",
-]

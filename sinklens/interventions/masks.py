@@ -29,8 +29,8 @@ IntLike = Union[numbers.Integral, Tensor]
 IndexLike = Union[numbers.Integral, Tensor, np.ndarray, Sequence[Any]]
 #: A number as :func:`sinklens.validate.as_float` takes it: float, int, numpy scalar or 0-d tensor.
 NumberLike = Union[numbers.Real, Tensor]
-#: Builds the *blocked* entries ``[query, key]`` from (absolute query positions, number of keys).
-BlockFn = Callable[[Tensor, int], Tensor]
+#: The *blocked* entries ``[query, key]`` from (positions, absolute query positions, key count).
+BlockFn = Callable[[list[int], Tensor, int], Tensor]
 
 
 def positions_arg(positions: Any, n_ctx: int) -> list[int]:
@@ -57,20 +57,21 @@ def check_in_sequence(positions: Sequence[int], seq_len: int) -> None:
 
 
 def _block_scores(scores: Tensor, blocked: Tensor, head_list: list[int] | None) -> Tensor:
-    """``scores`` with the ``blocked`` entries (``[query, key]``, ``[head, query, key]`` or
-    ``[batch, head, query, key]``) set to ``-inf``, in the heads of ``head_list`` only (None = all)."""
+    """``scores`` with the ``blocked`` entries (broadcast over ``[batch, head, query, key]``) set to
+    ``-inf``, in the heads of ``head_list`` only (None = all)."""
     if head_list is not None:
-        per_head = torch.zeros(scores.shape[1], dtype=torch.bool, device=scores.device)
-        per_head[head_list] = True
-        blocked = blocked & per_head[:, None, None]
+        blocked = blocked & torch.isin(torch.arange(scores.shape[1], device=scores.device),
+                                       torch.tensor(head_list, device=scores.device))[:, None, None]
     return scores.masked_fill(blocked, float("-inf"))
 
 
-def _mask_hooks(model: Any, block: BlockFn, *, layers: IndexLike | None, heads: IndexLike | None) -> Hooks:
-    """Hooks that set ``block(query_positions, n_key)`` entries of the scores to ``-inf``; a 4.x bridge's cached
-    ``generate`` step (``1 x 1`` scores, which no mask can act on) is refused."""
-    require_attention_seams(model, "mask interventions")
+def _mask_hooks(model: Any, positions: IndexLike, block: BlockFn, *, layers: IndexLike | None,
+                heads: IndexLike | None) -> Hooks:
+    """Hooks that set the ``block(positions, query_positions, n_key)`` entries of the scores to
+    ``-inf``; a 4.x bridge's cached ``generate`` step (``1 x 1`` scores, no mask acts on) is refused."""
     dims = model_dims(model)
+    pos = positions_arg(positions, dims.n_ctx)
+    require_attention_seams(model, "mask interventions")
     layer_list = layers_arg(layers, dims.n_layers)
     head_list = heads_arg(heads, dims.n_heads)
     bridge = getattr(model, "original_model", None) is not None
@@ -85,8 +86,9 @@ def _mask_hooks(model: Any, block: BlockFn, *, layers: IndexLike | None, heads: 
                 "mask cannot act on it. Generate with use_past_kv_cache=False while a mask is attached (or attach "
                 "fresh hooks for a separate 1-token forward).")
         longest[0] = max(longest[0], n_k)
+        check_in_sequence(pos, n_k)
         q_pos = torch.arange(n_k - n_q, n_k, device=scores.device)
-        blocked = block(q_pos, n_k).to(scores.device)  # [query, key] or [batch, head, query, key]
+        blocked = block(pos, q_pos, n_k).to(scores.device)  # [query, key]
         k_pos = torch.arange(n_k, device=scores.device)
         blocked = blocked & (k_pos[None, :] != q_pos[:, None])  # a query always keeps its own key
         return _block_scores(scores, blocked, head_list)
@@ -96,24 +98,19 @@ def _mask_hooks(model: Any, block: BlockFn, *, layers: IndexLike | None, heads: 
 
 def self_only(model: Any, *, positions: IndexLike, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
     """Make each token at ``positions`` attend only to itself: it aggregates one value, like the first token."""
-    pos = positions_arg(positions, model_dims(model).n_ctx)
 
-    def block(q_pos: Tensor, n_k: int) -> Tensor:
-        check_in_sequence(pos, n_k)
-        rows = torch.isin(q_pos, torch.tensor(pos, device=q_pos.device))
-        return rows[:, None].expand(-1, n_k)
+    def block(pos: list[int], q_pos: Tensor, n_k: int) -> Tensor:
+        return torch.isin(q_pos, torch.tensor(pos, device=q_pos.device))[:, None].expand(-1, n_k)
 
-    return _mask_hooks(model, block, layers=layers, heads=heads)
+    return _mask_hooks(model, positions, block, layers=layers, heads=heads)
 
 
 def restart(model: Any, *, positions: IndexLike, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
     """A restart mask: queries ``q >= k`` cannot see keys ``< k``, so ``k`` acts as a new first token (several
     positions cut independent segments; in an encoder the cut goes both ways)."""
-    pos = positions_arg(positions, model_dims(model).n_ctx)
     both_ways = not attention_visibility(model).causal
 
-    def block(q_pos: Tensor, n_k: int) -> Tensor:
-        check_in_sequence(pos, n_k)
+    def block(pos: list[int], q_pos: Tensor, n_k: int) -> Tensor:
         k_pos = torch.arange(n_k, device=q_pos.device)
         out = torch.zeros(q_pos.numel(), n_k, dtype=torch.bool, device=q_pos.device)
         for k in pos:
@@ -122,20 +119,18 @@ def restart(model: Any, *, positions: IndexLike, layers: IndexLike | None = None
                 out |= (q_pos[:, None] < k) & (k_pos[None, :] >= k)
         return out
 
-    return _mask_hooks(model, block, layers=layers, heads=heads)
+    return _mask_hooks(model, positions, block, layers=layers, heads=heads)
 
 
 def block_keys(model: Any, *, positions: IndexLike, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:
     """Hide the keys at ``positions`` from every later query (``positions=0`` removes the sink); the blocked
     token still sees itself, and the attention it received is redistributed over the other keys."""
-    pos = positions_arg(positions, model_dims(model).n_ctx)
 
-    def block(q_pos: Tensor, n_k: int) -> Tensor:
-        check_in_sequence(pos, n_k)
+    def block(pos: list[int], q_pos: Tensor, n_k: int) -> Tensor:
         cols = torch.isin(torch.arange(n_k, device=q_pos.device), torch.tensor(pos, device=q_pos.device))
         return cols[None, :].expand(q_pos.numel(), -1)
 
-    return _mask_hooks(model, block, layers=layers, heads=heads)
+    return _mask_hooks(model, positions, block, layers=layers, heads=heads)
 
 
 def custom_mask(model: Any, allowed: Tensor, *, layers: IndexLike | None = None, heads: IndexLike | None = None) -> Hooks:

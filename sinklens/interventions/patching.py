@@ -41,10 +41,9 @@ def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, 
     """The hook carrying ``site`` per layer: ``blocks.{l}.hook_{site}``, except ``"attn_out"`` on a post-LN
     block, patched at ``attn.hook_z``. Parallel blocks refuse ``"resid_mid"``; attention-only models also
     ``"mlp_out"`` (:class:`~sinklens.errors.UnsupportedArchitectureError`)."""
-    hook_site = _SITES[site][0]
     if site == "attn_out" and post_ln_reason(model) is not None:
         return {layer: hook_name(layer, Z) for layer in layers}
-    names = {layer: hook_name(layer, hook_site) for layer in layers}
+    names = {layer: hook_name(layer, _SITES[site][0]) for layer in layers}
     if site in ("resid_mid", "mlp_out") and no_mlp_reason(model) is not None:
         raise UnsupportedArchitectureError(
             f"site {site!r}: this model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0), so its blocks have "
@@ -56,12 +55,6 @@ def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, 
             "is missing or never runs): in a parallel block (GPT-NeoX/Pythia, GPT-J) both read hook_resid_pre. "
             "Patch 'attn_out', 'mlp_out' or 'resid_pre' instead.")
     return names
-
-
-def relative_gap_tolerance(dtype: str | torch.dtype) -> float:
-    """The relative change of the sink metric that is rounding of ``dtype`` patterns: its machine epsilon."""
-    dtype = getattr(torch, dtype.removeprefix("torch.")) if isinstance(dtype, str) else dtype
-    return torch.finfo(dtype).eps
 
 
 @dataclass(repr=False, eq=False)
@@ -81,9 +74,14 @@ class SinkPatchResult(CompactRepr):
     pattern_dtype: str = "float32"
 
     @property
+    def _eps(self) -> float:
+        """The relative change of the metric that is rounding of the patterns: ``pattern_dtype``'s epsilon."""
+        return torch.finfo(getattr(torch, self.pattern_dtype)).eps
+
+    @property
     def gap_tolerance(self) -> float:
         """The largest ``|clean − intervened|`` that is rounding: ``eps(pattern_dtype) · max(|clean|, |intervened|)``."""
-        return relative_gap_tolerance(self.pattern_dtype) * max(abs(self.clean), abs(self.intervened))
+        return self._eps * max(abs(self.clean), abs(self.intervened))
 
     @property
     def has_effect(self) -> bool:
@@ -100,7 +98,7 @@ class SinkPatchResult(CompactRepr):
             raise InvalidArgumentError(
                 f"The intervention did not change the metric beyond {self.pattern_dtype} rounding: clean "
                 f"{self.clean:.9g} − intervened {self.intervened:.9g} = {gap:.3g}, within {self.gap_tolerance:.3g} "
-                f"({relative_gap_tolerance(self.pattern_dtype):.3g} of the metric, the {self.pattern_dtype} "
+                f"({self._eps:.3g} of the metric, the {self.pattern_dtype} "
                 "precision of the attention weights it averages); nothing to restore.")
         return (self.values - self.intervened) / gap
 
@@ -110,8 +108,8 @@ class SinkPatchResult(CompactRepr):
         rows = []
         for idx in itertools.product(*(range(len(self.coords[a])) for a in self.axes)):
             value = float(self.values[idx])
-            row: dict[str, Any] = {a: self.coords[a][i] for a, i in zip(self.axes, idx)}
             restored = (value - self.intervened) / gap if self.has_effect else None
+            row: dict[str, Any] = {a: self.coords[a][i] for a, i in zip(self.axes, idx)}
             rows.append({**row, "value": value, "restored": restored})
         return rows
 

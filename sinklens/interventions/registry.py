@@ -44,12 +44,10 @@ class Intervention:
     sink_defaults: Mapping[str, Any] = field(default_factory=dict)
 
     def _params(self) -> list[inspect.Parameter]:
-        """The factory's keyword parameters after ``model``."""
-        params = list(inspect.signature(self.factory).parameters.values())[1:]
+        params = list(inspect.signature(self.factory).parameters.values())[1:]  # after model
         return [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
     def options(self) -> list[str]:
-        """The keyword options the factory accepts (after ``model``)."""
         return [p.name for p in self._params()]
 
     def effective_options(self, given: Mapping[str, Any]) -> dict[str, Any]:
@@ -110,25 +108,20 @@ def get(name: str, *, role: Role | None = None) -> Intervention:
         raise InvalidArgumentError(f"An intervention name must be a string, got {name!r}.")
     key = canonical(name)
     entry = _REGISTRY.get(key)
-    if entry is not None and role is not None and entry.role != role:
-        raise InvalidArgumentError(
-            f"{name!r} is a {entry.role} intervention, not a {role} one; {role} interventions: {names(role)}.")
     if entry is None:
         choices = names(role)
         close = difflib.get_close_matches(key, choices, n=2)
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
         what = f"{role} intervention" if role else "intervention"
         raise InvalidArgumentError(f"Unknown {what} {name!r}; registered: {choices}.{hint}")
+    if role is not None and entry.role != role:
+        raise InvalidArgumentError(
+            f"{name!r} is a {entry.role} intervention, not a {role} one; {role} interventions: {names(role)}.")
     return entry
 
 
 def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
-    """Split ``"name:key=value,key=value"`` into the canonical name and its keyword arguments.
-
-    Examples:
-        >>> parse_spec("restart:positions=16,layers=[0,1]")
-        ('restart', {'positions': 16, 'layers': [0, 1]})
-    """
+    """Split ``"name:key=value,key=value"`` into the canonical name and its keyword arguments."""
     name, kwargs = split_spec(spec, what="intervention")
     return get(name).name, kwargs
 

@@ -26,7 +26,7 @@ from sinklens.validate import choice, finite_number, index_list, positive_int
 
 Reference = Union[Literal["random", "batch"], Tensor, Mapping[int, Tensor]]
 
-#: model -> {"fingerprint": weight fingerprint, "means": {settings: {layer: mean}}}; see :func:`weight_fingerprint`.
+#: model -> (weight fingerprint, {settings: {layer: mean}}); see :func:`weight_fingerprint`.
 _CACHE: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
@@ -80,11 +80,10 @@ def reference_mean(
     key = (site, tuple(layer_list), n_sequences, seq_len, skip_first, int(seed))
     store: dict = {}
     if cache:
-        entry = _CACHE.setdefault(model, {"fingerprint": None, "means": {}})
         fingerprint = weight_fingerprint(model)
-        if entry["fingerprint"] != fingerprint:
-            entry["fingerprint"], entry["means"] = fingerprint, {}
-        store = entry["means"]
+        if _CACHE.get(model, (None, None))[0] != fingerprint:
+            _CACHE[model] = (fingerprint, {})
+        store = _CACHE[model][1]
     if key not in store:
         batches = random_token_batches(model, n_sequences=n_sequences, seq_len=seq_len, seed=int(seed))
         batches = [b.to(model_device(model)) for b in batches]
@@ -106,9 +105,7 @@ def clear_reference_cache(model: Any | None = None) -> None:
 def _reference_for(model: Any, reference: Reference, site: str, layers: list[int], kw: dict) -> dict[int, Tensor] | None:
     """``{layer: mean}`` for ``amplify``'s ``reference=`` (None = per-batch means, computed in the hook)."""
     named = isinstance(reference, str)
-    if named:
-        reference = choice(reference, ("random", "batch"), what="reference")
-    if named and reference == "random":
+    if named and choice(reference, ("random", "batch"), what="reference") == "random":
         allowed = ("n_sequences", "seq_len", "skip_first", "seed", "cache")
         unknown = sorted(k for k in kw if k not in allowed)
         if unknown:

@@ -8,7 +8,7 @@ h[m, t])``, ``intra = mean_n mean_{t ≠ t'} cos(h[n, t], h[n, t'])``; ``directi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,18 +43,8 @@ def activation_name(model: Any) -> str:
     return str(name)
 
 
-def is_gated_mlp(model: Any) -> bool:
-    """True when layer 0's MLP is gated (``hook_post = f(gate) · up``): it exposes ``mlp.hook_pre_linear``."""
-    return hook_name(0, "mlp.hook_pre_linear") in model.hook_dict
-
-
 def activation_mean_at_zero(name: str) -> float:
-    """``E[f(z)]`` for ``z ~ N(0, 1)`` (trapezoid rule, 24001 points on [-12, 12]); NaN for an unknown ``f``.
-
-    Examples:
-        >>> round(activation_mean_at_zero("gelu"), 4), round(activation_mean_at_zero("relu"), 4)
-        (0.2821, 0.3989)
-    """
+    """``E[f(z)]`` for ``z ~ N(0, 1)`` (trapezoid rule, 24001 points on [-12, 12]); NaN for unknown ``f``."""
     fn = _ACTIVATIONS.get(name)
     if fn is None:
         return float("nan")
@@ -65,8 +55,8 @@ def activation_mean_at_zero(name: str) -> float:
 
 @dataclass(repr=False, eq=False)
 class SiteStats(CompactRepr):
-    """Concentration at one site (module docstring); ``direction_share = λ₁ / trace``, ``mean_direction =
-    Σ h / ‖Σ h‖``."""
+    """Concentration at one site (module docstring); ``direction_share = λ₁ / trace``,
+    ``direction_mean_cos``: cosine of ``direction`` with the mean direction ``Σ h / ‖Σ h‖``."""
 
     name: str
     inter: Float[Tensor, " pos"]
@@ -74,7 +64,6 @@ class SiteStats(CompactRepr):
     intra: float
     direction: Float[Tensor, " d_model"] | None = None
     direction_share: float | None = None
-    mean_direction: Float[Tensor, " d_model"] | None = None
     direction_stability: float | None = None
     direction_mean_cos: float | None = None
     zero_states: int = 0
@@ -92,7 +81,6 @@ class ContractionResult(CompactRepr):
     activation_mean_at_zero: float
     n_sequences: int
     prepend_bos: bool
-    extra: dict[str, Any] = field(default_factory=dict)
     mlp_skipped: str | None = None
     mlp_act_mean: Float[Tensor, " layer"] | None = None
     gated_mlp: bool = False
@@ -103,14 +91,11 @@ class ContractionResult(CompactRepr):
                 return s
         raise KeyError(f"No site {name!r}; sites are {[s.name for s in self.sites]}.")
 
-    def delta(self, key: str = "inter_mean") -> Float[Tensor, "layer 2"]:
-        """``[layer, (attn, mlp)]`` change of ``key`` (``"inter_mean"`` or ``"intra"``) across each sublayer."""
-        values = torch.tensor([getattr(s, key) for s in self.sites if s.name != "final"], dtype=torch.float64)
-        return (values[1:] - values[:-1]).view(self.n_layers, 2)
-
     def share(self, key: str = "inter_mean") -> Float[Tensor, "layer 2"]:
-        """:meth:`delta` divided by the total change from ``embed`` to the last ``mlp`` site."""
-        d = self.delta(key)
+        """``[layer, (attn, mlp)]`` change of ``key`` (``"inter_mean"`` or ``"intra"``) across each
+        sublayer, divided by the total change from ``embed`` to the last ``mlp`` site."""
+        values = torch.tensor([getattr(s, key) for s in self.sites if s.name != "final"], dtype=torch.float64)
+        d = (values[1:] - values[:-1]).view(self.n_layers, 2)
         return d / d.sum()
 
     def alignment_rank(self, token: int) -> int:
@@ -144,12 +129,12 @@ class ContractionResult(CompactRepr):
         }, digits=None)
 
     def to_dict(self) -> dict[str, Any]:
-        """:meth:`summary` plus ``inter_by_position``, ``n_layers``, ``prepend_bos``, ``alignment`` and ``extra``."""
+        """:meth:`summary` plus ``inter_by_position``, ``n_layers``, ``prepend_bos`` and ``alignment``."""
         summary = self.summary()
         for row, site in zip(summary["sites"], self.sites):
             row["inter_by_position"] = site.inter
         return to_json({**summary, "n_layers": self.n_layers, "prepend_bos": self.prepend_bos,
-                        "alignment": self.alignment, "extra": self.extra}, digits=None)
+                        "alignment": self.alignment}, digits=None)
 
 
 class _SiteAccumulator:
@@ -221,11 +206,9 @@ class _SiteAccumulator:
             m, s = self.moments.sum(0), self.sums.sum(0)
             v, share = self._top(m, s)
             (v0, _), (v1, _) = (self._top(self.moments[half], self.sums[half]) for half in (0, 1))
-            mean_dir = s / s.norm().clamp_min(1e-300)
             stats.direction, stats.direction_share = v.float().cpu(), share
-            stats.mean_direction = mean_dir.float().cpu()
             stats.direction_stability = float((v0 @ v1).abs())
-            stats.direction_mean_cos = float(v @ mean_dir)
+            stats.direction_mean_cos = float(v @ (s / s.norm().clamp_min(1e-300)))
         return stats
 
 
@@ -240,7 +223,8 @@ class ContractionReducer(Reducer[ContractionResult]):
         self.first, self.device = (1 if prepend_bos else 0), model_device(model)
         self.final_site, self.finish = final_state_site(model)
         self.mlp_skipped = moe_reason(model)
-        self.gated = self.mlp_skipped is None and is_gated_mlp(model)
+        # gated (hook_post = f(gate) · up): layer 0 exposes mlp.hook_pre_linear
+        self.gated = not self.mlp_skipped and hook_name(0, "mlp.hook_pre_linear") in model.hook_dict
         self.act_fn = _ACTIVATIONS.get(activation_name(model))
         self.names = ["embed", *(f"{kind} {i}" for i in range(dims.n_layers) for kind in ("attn", "mlp")), "final"]
         self.reset()

@@ -11,10 +11,9 @@ their constants in brackets, caveats in docs/origins.md.
 4. ``softmax(h[:, idx] / 10, dim=1)``; 5. per-dimension Kendall τ-b across samples, mean ``τ̄``.
 6. ``z = τ̄ / (σ_τ / sqrt(k))``, ``σ_τ² = 2(2N+5) / (9N(N-1))``; 7. ``p = min(1, 2 Φ̄(z))``, same lineage
    when ``p < α`` [0.01].
-
-Ours: ``buffer_k = 1`` is refused; fewer than two shared dims or a non-finite τ̄ give ``z = p = NaN`` (theirs:
-``p = 1``); a small vocabulary (shared last tokens) or a shared input passed through (:func:`shared_input_z`)
-add a caveat that makes a positive "inconclusive"."""
+Ours: fewer than two shared dims or a non-finite τ̄ give ``z = p = NaN`` (theirs: ``p = 1``); a
+small vocabulary or a shared input passed through (:func:`shared_input_z`) make a positive
+"inconclusive"."""
 
 from __future__ import annotations
 
@@ -173,8 +172,7 @@ def seedprint_test(
             f"SeedPrint needs two [samples, hidden] matrices over the same samples (the same number of rows; the "
             f"widths may differ), got {tuple(hidden_a.shape)} and {tuple(hidden_b.shape)}.")
     buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
-    n, d_a = hidden_a.shape
-    d_b = hidden_b.shape[1]
+    (n, d_a), d_b = hidden_a.shape, hidden_b.shape[1]
     if n < 2:
         raise InvalidArgumentError(f"SeedPrint needs at least 2 samples for Kendall tau, got {n}.")
     a = _finite_features(hidden_a.detach().float().cpu(), "hidden_a")
@@ -301,14 +299,7 @@ class _LastFinalState(Reducer[Tensor]):
 
 def embedding_stats_at_init(models: Sequence[Any], *, seed: int = DEFAULT_SEED) -> tuple[float, float]:
     """``(μ, σ)`` for embedding mode: mean and unbiased std of ``W_E`` of each model's architecture freshly
-    initialized (:func:`sinklens.loading.init.load_at_init`, ``init_seed=seed``), entries pooled.
-
-    Examples:
-        >>> from sinklens.testing import tiny_sinklm
-        >>> mu, sigma = embedding_stats_at_init([tiny_sinklm(seed=1)])
-        >>> abs(mu) < 2e-3, round(sigma, 2)
-        (True, 0.02)
-    """
+    initialized (:func:`sinklens.loading.init.load_at_init`, ``init_seed=seed``), entries pooled."""
     seed = as_seed(seed, what="seed")
     draws: list[Tensor] = []
     for model in {id(m): m for m in models}.values():

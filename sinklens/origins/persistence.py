@@ -64,11 +64,7 @@ class FinalDirectionReducer(Reducer[Float[Tensor, " d_model"]]):
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         start = self.seen
-
-        def fold(act: Tensor, hook: Any) -> None:
-            self.acc.fold(self.finish(act), 0, start)
-
-        return BatchFold([(self.site, fold)])
+        return BatchFold([(self.site, lambda act, hook: self.acc.fold(self.finish(act), 0, start))])
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.seen += batch.tokens.shape[0]

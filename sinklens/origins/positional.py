@@ -30,12 +30,6 @@ from sinklens.visibility import attention_direction
 RATIO_FIELDS = ("attn_out_var", "attn_out_norm", "resid_var", "resid_norm")
 
 
-def relative_to_later(x: Float[Tensor, "... pos"]) -> Float[Tensor, "... pos"]:
-    """``x[..., t] / mean(x[..., ⌊T/2⌋:])``."""
-    T = x.shape[-1]
-    return x / x[..., T // 2 :].mean(dim=-1, keepdim=True)
-
-
 @dataclass(repr=False, eq=False)
 class PositionalDiscrepancy(CompactRepr):
     """``variance[t] = (1/d) Σ_d Var_n(a[n, t, d])`` (population variance across ``N`` sequences) and
@@ -56,9 +50,10 @@ class PositionalDiscrepancy(CompactRepr):
         """The first position of a random token: 0, or 1 after a prepended BOS."""
         return 1 if self.prepend_bos else 0
 
-    def relative(self, name: str) -> Tensor:
-        """``relative_to_later`` of one field (e.g. ``"attn_out_var"``)."""
-        return relative_to_later(getattr(self, name))
+    def relative(self, name: str) -> Float[Tensor, "... pos"]:
+        """A field (e.g. ``"attn_out_var"``) over its later half: ``x[..., t] / mean(x[..., ⌊T/2⌋:])``."""
+        x = getattr(self, name)
+        return x / x[..., x.shape[-1] // 2 :].mean(dim=-1, keepdim=True)
 
     def first_token_ratio(self, name: str = "attn_out_var") -> Float[Tensor, " layer"]:
         """``relative(name)`` at the first random token (position 0, or 1 after a prepended BOS)."""
@@ -128,8 +123,8 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         layers = range(self.dims.n_layers)
         hooks = after_attention_hooks(self.model, layers, self.resid.add) + attention_write_hooks(self.model, layers, self.attn.add)
-        for layer in layers:
-            hooks.append((hook_name(layer, Z), lambda act, hook, l=layer: self.head.add(l, act.transpose(1, 2))))
+        hooks += [(hook_name(layer, Z), lambda act, hook, l=layer: self.head.add(l, act.transpose(1, 2)))
+                  for layer in layers]
         return BatchFold(hooks)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:

@@ -15,19 +15,15 @@ def final_state_site(model: Any) -> tuple[str, Callable[[Tensor], Tensor]]:
     """The hook carrying the final hidden state and the function that finishes it: ``unembed.hook_in`` on a
     bridge, else the last ``hook_resid_post`` followed by ``ln_final`` (if any). A ``HookedTransformer`` lists
     ``unembed.hook_in`` but never runs it with ``return_type=None``, which reducers use."""
-    if "unembed.hook_in" in model.hook_dict and not _is_hooked_transformer(model):
+    try:
+        from transformer_lens import HookedTransformer  # TransformerLens 3.x only
+    except ImportError:
+        HookedTransformer = ()  # isinstance(model, ()) is False
+    if "unembed.hook_in" in model.hook_dict and not isinstance(model, HookedTransformer):
         return "unembed.hook_in", lambda x: x
     final_norm = getattr(model, "ln_final", None)
     last = f"blocks.{model_dims(model).n_layers - 1}.hook_resid_post"
     return last, final_norm if final_norm is not None else (lambda x: x)
-
-
-def _is_hooked_transformer(model: Any) -> bool:
-    try:
-        from transformer_lens import HookedTransformer  # TransformerLens 3.x only
-    except ImportError:
-        return False
-    return isinstance(model, HookedTransformer)
 
 
 def unembedding(model: Any) -> tuple[Tensor, Tensor | None]:

@@ -45,12 +45,7 @@ def per_dim_kendall(a: Float[Tensor, "sample dim"], b: Float[Tensor, "sample dim
 
 def max_shared_input_z(alpha: float) -> float:
     """The largest shared-input ``z`` shift ``δ`` keeping false positives under ``2 alpha``:
-    ``Φ̄⁻¹(α/2) − Φ̄⁻¹(2α)``.
-
-    Examples:
-        >>> round(max_shared_input_z(0.01), 3)
-        0.522
-    """
+    ``Φ̄⁻¹(α/2) − Φ̄⁻¹(2α)``."""
     from scipy.stats import norm
 
     return float(norm.isf(alpha / 2) - norm.isf(min(2 * alpha, 1.0)))
