@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
+from functools import partial
 from inspect import signature
 from typing import Any, Union
 
@@ -18,7 +19,7 @@ from tqdm.auto import tqdm
 from sinklens.analysis.attention import AttentionReceivedReducer
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
-from sinklens.hooks import RESID_POST, model_dims
+from sinklens.hooks import RESID_POST, model_device, model_dims
 from sinklens.export import to_json
 from sinklens.inputs import Inputs, TokenBatch, is_encoder, padded_to, right_align
 from sinklens.interventions import registry
@@ -42,13 +43,14 @@ class PositionResidualReducer(Reducer[tuple[Tensor, Tensor]]):
         dims = model_dims(model)
         self.layers = layers_arg(layers, dims.n_layers)
         self.positions = [index(p, dims.n_ctx, what="position", allow_negative=False) for p in positions]
-        self.d_model = dims.d_model
+        self.d_model, self.device = dims.d_model, model_device(model)
         self.reset()
 
     def reset(self) -> None:
-        self.vec = torch.zeros(len(self.layers), len(self.positions), self.d_model, dtype=torch.float64)
-        self.norm = torch.zeros(len(self.layers), len(self.positions), dtype=torch.float64)
-        self.count = 0
+        zeros = partial(torch.zeros, dtype=torch.float64, device=self.device)
+        n = (len(self.layers), len(self.positions))
+        self.vec, self.norm = zeros(*n, self.d_model), zeros(*n)
+        self.count = zeros(())
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
         if max(self.positions) >= batch.tokens.shape[1]:
@@ -57,20 +59,21 @@ class PositionResidualReducer(Reducer[tuple[Tensor, Tensor]]):
             seq_ok = batch.valid[:, self.positions].all(dim=1)  # [batch]
         row = {layer: i for i, layer in enumerate(self.layers)}
 
-        def fold(act: Tensor, layer: int) -> None:  # act: [batch, pos, d_model]
-            x = act[seq_ok][:, self.positions].double()  # [ok, position, d_model]
-            self.vec[row[layer]] += x.sum(dim=0).cpu()
-            self.norm[row[layer]] += x.norm(dim=-1).sum(dim=0).cpu()
+        def fold(act: Tensor, layer: int) -> None:  # act: [batch, pos, d_model]; sequences not ok weigh 0
+            x = torch.where(seq_ok[:, None, None], act[:, self.positions].double(), 0.0)  # [batch, position, d_model]
+            self.vec[row[layer]] += x.sum(dim=0)
+            self.norm[row[layer]] += x.norm(dim=-1).sum(dim=0)
 
-        return BatchFold(per_layer_hooks(RESID_POST, self.layers, fold), state=int(seq_ok.sum()))
+        return BatchFold(per_layer_hooks(RESID_POST, self.layers, fold), state=seq_ok)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
-        self.count += fold.state
+        self.count += fold.state.sum()
 
     def result(self) -> tuple[Tensor, Tensor]:
-        if self.count == 0:
+        count = float(self.count)
+        if count == 0:
             raise InvalidArgumentError(f"No sequence is long enough to contain positions {self.positions}.")
-        return (self.vec / self.count).float(), (self.norm / self.count).float()
+        return (self.vec / count).float().cpu(), (self.norm / count).float().cpu()
 
 
 @dataclass(repr=False, eq=False)
