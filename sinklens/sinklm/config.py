@@ -1,13 +1,6 @@
 """Training configuration: nested dataclasses validated in ``__post_init__`` (a bad value or unknown key is an
 InvalidArgumentError naming it); a run's ``config.json`` is ``TrainConfig.to_dict()``. Flags are parsed by tyro.
-
-Examples:
-    >>> cfg = TrainConfig.from_dict({"steps": 10, "optim": {"lr": 1e-3}, "data": {"source": "markov"}})
-    >>> cfg.optim.lr, cfg.data.source
-    (0.001, 'markov')
-    >>> apply_overrides(cfg, ["optim.lr=3e-4", "data.seq_len=32"]).data.seq_len
-    32
-"""
+The ``Attributes:`` entries are what ``sinklens train --fields`` prints."""
 
 from __future__ import annotations
 
@@ -32,15 +25,12 @@ DType = Literal["float32", "bfloat16", "float16", "float64"]
 DataSource = Literal["bigram-backcopy", "markov", "text", "memmap", "hf"]
 TokenizerKind = Literal["byte", "bpe"]
 Autocast = Literal["bfloat16", "float16", "none"]
-#: Mixed precision of a CPU run (:mod:`sinklens.train.precision`).
 CpuAutocast = Literal["bfloat16", "none"]
 OnNonFinite = Literal["stop", "skip"]
-#: Where the trainer sends its metrics besides ``metrics.jsonl`` (:mod:`sinklens.train.loggers`).
 LogTo = Literal["none", "wandb", "tensorboard"]
-DATA_SOURCES: tuple[str, ...] = typing.get_args(DataSource)
 #: The ``data.source`` values whose ``data.path`` is a file or folder on this machine.
 LOCAL_DATA_SOURCES: tuple[str, ...] = ("text", "memmap")
-#: The synthetic tasks of :mod:`sinklens.train.data`: every sequence starts with the task's BOS token (id 0).
+#: The synthetic tasks of :mod:`sinklens.train.data`: every sequence starts with BOS (id 0).
 SYNTHETIC_SOURCES: tuple[str, ...] = ("bigram-backcopy", "markov")
 
 #: Presets of :meth:`ModelConfig.from_preset`: ``124m`` is GPT-2 small (vocabulary padded to 50304);
@@ -67,10 +57,6 @@ def _check_unknown(cls: type, data: dict[str, Any]) -> None:
         hints = [f"{match!r}" + (f" for {key!r}" if len(unknown) > 1 else "") for key, match in close.items() if match]
         hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
         raise InvalidArgumentError(f"Unknown {cls.__name__} keys {unknown}{hint}; known keys are {sorted(known)}.")
-
-
-def _optional_int(value: Any, *, what: str, minimum: int = 1) -> int | None:
-    return None if value is None else positive_int(value, what=what, minimum=minimum)
 
 
 def _is_float_field(cls: type, name: str) -> bool:
@@ -108,7 +94,6 @@ class ModelConfig(_Part):
         (344, 256, 2)
     """
 
-    #: Fields that None means "derive from the others" (see above), in the order they are derived.
     DERIVED: typing.ClassVar[tuple[str, ...]] = ("n_kv_heads", "d_mlp")
 
     family: Family = "llama"
@@ -215,7 +200,8 @@ class OptimConfig(_Part):
             if not 0 <= self.min_lr <= self.lr:
                 raise InvalidArgumentError(f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}.")
         self.warmup_steps = positive_int(self.warmup_steps, what="optim.warmup_steps", minimum=0)
-        self.decay_steps = _optional_int(self.decay_steps, what="optim.decay_steps")
+        if self.decay_steps is not None:
+            self.decay_steps = positive_int(self.decay_steps, what="optim.decay_steps")
         self.weight_decay = finite_number(self.weight_decay, what="optim.weight_decay", low=0.0)
         self.grad_clip = finite_number(self.grad_clip, what="optim.grad_clip", low=0.0)
         self.beta1 = finite_number(self.beta1, what="optim.beta1", low=0.0, high=1.0, high_open=True)
@@ -268,8 +254,7 @@ class DataConfig(_Part):
     max_tokens: int = 2_000_000
 
     def __post_init__(self) -> None:
-        if self.source not in DATA_SOURCES:
-            raise InvalidArgumentError(f"Unknown data.source {self.source!r}; expected one of {list(DATA_SOURCES)}.")
+        self.source = choice(self.source, typing.get_args(DataSource), what="data.source")
         self.seq_len = positive_int(self.seq_len, what="data.seq_len")
         self.seed = as_seed(self.seed, what="data.seed")
         self.task_seed = as_seed(self.task_seed, what="data.task_seed")
@@ -282,18 +267,14 @@ class DataConfig(_Part):
                 "the fixed position-0 token of the task; bos applies to text and hf data.")
         if self.source in ("text", "memmap", "hf") and not self.path:
             raise InvalidArgumentError(f"data.source={self.source!r} needs data.path (a file, folder or dataset name).")
-        self.vocab_size = _optional_int(self.vocab_size, what="data.vocab_size", minimum=2)
+        if self.vocab_size is not None:
+            self.vocab_size = positive_int(self.vocab_size, what="data.vocab_size", minimum=2)
         self.n_triggers = positive_int(self.n_triggers, what="data.n_triggers", minimum=0)
         self.alpha = finite_number(self.alpha, what="data.alpha", low=0.0, low_open=True)
         self.max_tokens = positive_int(self.max_tokens, what="data.max_tokens")
 
     def with_absolute_path(self) -> DataConfig:
-        """This config with a local ``path`` made absolute (``~`` expanded), as ``config.json`` records it.
-
-        Examples:
-            >>> DataConfig(source="hf", path="roneneldan/TinyStories").with_absolute_path().path
-            'roneneldan/TinyStories'
-        """
+        """This config with a local ``path`` made absolute (``~`` expanded), as ``config.json`` records it."""
         if self.source not in LOCAL_DATA_SOURCES or not self.path:
             return self
         return dataclasses.replace(self, path=os.path.abspath(Path(str(self.path)).expanduser()))
@@ -384,11 +365,9 @@ class TrainConfig(_Part):
 
     def __post_init__(self) -> None:
         for name, part in _PARTS.items():
-            if not isinstance(getattr(self, name), part):
-                raise TypeError(
-                    f"TrainConfig.{name} must be a {part.__name__} (use TrainConfig.from_dict for dicts), "
-                    f"got {type(getattr(self, name)).__name__}."
-                )
+            if not isinstance(got := getattr(self, name), part):
+                raise TypeError(f"TrainConfig.{name} must be a {part.__name__} (use TrainConfig.from_dict for "
+                                f"dicts), got {type(got).__name__}.")
         self.steps = positive_int(self.steps, what="steps")
         self.batch_size = positive_int(self.batch_size, what="batch_size")
         self.grad_accum = positive_int(self.grad_accum, what="grad_accum")
