@@ -29,12 +29,10 @@ class MetricsLog:
         self.kind = kind
         if kind == "wandb":
             import wandb
-
             self.run = wandb.init(project="sinklens", name=out.name if out is not None else None,
                                   dir=str(out) if out is not None else None, config=config)
         else:
             from torch.utils.tensorboard import SummaryWriter
-
             self.run = SummaryWriter(log_dir=str(out / "tensorboard") if out is not None else None)
 
     def write(self, line: dict[str, Any]) -> None:
