@@ -32,12 +32,8 @@ def at_least_float32(x: Tensor) -> Tensor:
 def rms_norm(
     x: Float[Tensor, "*batch d"], w: Float[Tensor, "*w_shape"] | None, eps: float
 ) -> Float[Tensor, "*batch d"]:
-    """``w ⊙ x / sqrt(mean(x², -1) + eps)`` over the last axis, in float32, cast back to ``x``'s dtype before the gain.
-
-    Examples:
-        >>> rms_norm(torch.tensor([[3.0, 4.0]]), None, 0.0)  # rms of (3, 4) is sqrt(12.5)
-        tensor([[0.8485, 1.1314]])
-    """
+    """``w ⊙ x / sqrt(mean(x², -1) + eps)`` over the last axis, in float32, cast back to ``x``'s dtype before
+    the gain."""
     xf = at_least_float32(x)
     if hasattr(F, "rms_norm"):  # torch >= 2.4
         normed = F.rms_norm(xf, xf.shape[-1:], None, eps)
@@ -51,9 +47,8 @@ class AttentionVariant(nn.Module):
     """Base class of an attention variant; by itself it is softmax attention (``baseline``).
 
     ``uses_sdpa``: the scores → pattern step is causal softmax (SDPA may replace it); ``hook_sites``: extra
-    hook points of the attention module (``"hook_z_normed"``); ``output_site``: the hook holding the head outputs
-    that enter ``W_O``; ``defaults``: accepted ``variant_options`` and their defaults.
-    """
+    hook points of the attention module; ``output_site``: the hook holding the head outputs that enter ``W_O``;
+    ``defaults``: accepted ``variant_options`` and their defaults."""
 
     uses_sdpa: ClassVar[bool] = True
     hook_sites: ClassVar[tuple[str, ...]] = ()
@@ -171,11 +166,9 @@ class Gated(AttentionVariant):
         nn.init.normal_(self.W_G, std=self.init_std)
 
     def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
-        if self.W_G.ndim == 3:
-            gate = attn.hook_gate(torch.sigmoid(torch.einsum("bpd,hdk->bphk", x, self.W_G.to(x.dtype))))
-            return attn.hook_z_gated(z * gate)
-        gate = attn.hook_gate(torch.sigmoid(torch.einsum("bpd,hd->bph", x, self.W_G.to(x.dtype))))
-        return attn.hook_z_gated(z * gate[..., None])
+        spec = "bpd,hdk->bphk" if self.W_G.ndim == 3 else "bpd,hd->bph"
+        gate = attn.hook_gate(torch.sigmoid(torch.einsum(spec, x, self.W_G.to(x.dtype))))
+        return attn.hook_z_gated(z * (gate if gate.ndim == 4 else gate[..., None]))
 
     def output_gain(self) -> Tensor | None:
         """Ones for a head-wise gate (``c`` is the gate); None for an element-wise one."""
