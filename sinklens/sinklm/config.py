@@ -59,13 +59,8 @@ def _check_unknown(cls: type, data: dict[str, Any]) -> None:
         raise InvalidArgumentError(f"Unknown {cls.__name__} keys {unknown}{hint}; known keys are {sorted(known)}.")
 
 
-def _is_float_field(cls: type, name: str) -> bool:
-    hint = str(next(f.type for f in fields(cls) if f.name == name))
-    return "float" in hint and "int" not in hint
-
-
 class _Part:
-    """``to_dict``/``from_dict`` shared by every config dataclass (ints given for float fields become floats)."""
+    """``to_dict``/``from_dict`` shared by every config dataclass (``__post_init__`` makes float fields floats)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # type: ignore[call-overload]
@@ -73,10 +68,6 @@ class _Part:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Any:
         _check_unknown(cls, data)
-        data = {
-            k: float(v) if isinstance(v, int) and not isinstance(v, bool) and _is_float_field(cls, k) else v
-            for k, v in data.items()
-        }
         return cls(**data)
 
 
@@ -131,10 +122,9 @@ class ModelConfig(_Part):
         self.d_mlp = positive_int(self.d_mlp, what="model.d_mlp")
         if self.family == "llama" and self.d_head % 2:
             raise InvalidArgumentError(f"RoPE needs an even head width; d_model/n_heads = {self.d_head}.")
-        self.rope_base = finite_number(self.rope_base, what="model.rope_base", low=0.0, low_open=True)
-        self.norm_eps = finite_number(self.norm_eps, what="model.norm_eps", low=0.0, low_open=True)
+        for name in ("rope_base", "norm_eps", "init_std"):
+            setattr(self, name, finite_number(getattr(self, name), what=f"model.{name}", low=0.0, low_open=True))
         self.dropout = finite_number(self.dropout, what="model.dropout", low=0.0, high=1.0, high_open=True)
-        self.init_std = finite_number(self.init_std, what="model.init_std", low=0.0, low_open=True)
         self.dtype = choice(self.dtype, typing.get_args(DType), what="model.dtype")
         if not isinstance(self.variant_options, dict):
             raise InvalidArgumentError(f"model.variant_options must be a mapping, got {self.variant_options!r}.")
@@ -204,8 +194,8 @@ class OptimConfig(_Part):
             self.decay_steps = positive_int(self.decay_steps, what="optim.decay_steps")
         self.weight_decay = finite_number(self.weight_decay, what="optim.weight_decay", low=0.0)
         self.grad_clip = finite_number(self.grad_clip, what="optim.grad_clip", low=0.0)
-        self.beta1 = finite_number(self.beta1, what="optim.beta1", low=0.0, high=1.0, high_open=True)
-        self.beta2 = finite_number(self.beta2, what="optim.beta2", low=0.0, high=1.0, high_open=True)
+        for name in ("beta1", "beta2"):
+            setattr(self, name, finite_number(getattr(self, name), what=f"optim.{name}", low=0.0, high=1.0, high_open=True))
         self.eps = finite_number(self.eps, what="optim.eps", low=0.0, low_open=True)
         if self.fused is not None and not isinstance(self.fused, bool):
             raise InvalidArgumentError(f"optim.fused must be true, false or none, got {self.fused!r}.")
@@ -304,9 +294,8 @@ class EvalConfig(_Part):
     persistence_seed: int = 0
 
     def __post_init__(self) -> None:
-        self.interval = positive_int(self.interval, what="eval.interval", minimum=0)
-        self.batches = positive_int(self.batches, what="eval.batches")
-        self.batch_size = positive_int(self.batch_size, what="eval.batch_size")
+        for name, minimum in (("interval", 0), ("batches", 1), ("batch_size", 1)):
+            setattr(self, name, positive_int(getattr(self, name), what=f"eval.{name}", minimum=minimum))
         self.sink_threshold = finite_number(self.sink_threshold, what="eval.sink_threshold", low=0.0, high=1.0,
                                             low_open=True, high_open=True)
         self.persistence_sequences = positive_int(self.persistence_sequences, what="eval.persistence_sequences", minimum=0)
@@ -368,9 +357,9 @@ class TrainConfig(_Part):
             if not isinstance(got := getattr(self, name), part):
                 raise TypeError(f"TrainConfig.{name} must be a {part.__name__} (use TrainConfig.from_dict for "
                                 f"dicts), got {type(got).__name__}.")
-        self.steps = positive_int(self.steps, what="steps")
-        self.batch_size = positive_int(self.batch_size, what="batch_size")
-        self.grad_accum = positive_int(self.grad_accum, what="grad_accum")
+        for name, minimum in (("steps", 1), ("batch_size", 1), ("grad_accum", 1), ("log_interval", 1),
+                              ("checkpoint_interval", 0), ("keep_every", 0), ("max_skips", 1)):
+            setattr(self, name, positive_int(getattr(self, name), what=name, minimum=minimum))
         self.seed = as_seed(self.seed, what="seed")
         if self.batch_size % self.grad_accum:
             raise InvalidArgumentError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}.")
@@ -381,14 +370,9 @@ class TrainConfig(_Part):
             )
         if self.compile not in (True, False, "auto") or self.compile in (0, 1) and not isinstance(self.compile, bool):
             raise InvalidArgumentError(f"compile must be true, false or 'auto', got {self.compile!r}.")
-        self.autocast = choice(self.autocast, typing.get_args(Autocast), what="autocast")
-        self.cpu_autocast = choice(self.cpu_autocast, typing.get_args(CpuAutocast), what="cpu_autocast")
-        self.on_nonfinite = choice(self.on_nonfinite, typing.get_args(OnNonFinite), what="on_nonfinite")
-        self.log = choice(self.log, typing.get_args(LogTo), what="log")
-        self.log_interval = positive_int(self.log_interval, what="log_interval")
-        self.checkpoint_interval = positive_int(self.checkpoint_interval, what="checkpoint_interval", minimum=0)
-        self.keep_every = positive_int(self.keep_every, what="keep_every", minimum=0)
-        self.max_skips = positive_int(self.max_skips, what="max_skips")
+        for name, kind in (("autocast", Autocast), ("cpu_autocast", CpuAutocast), ("on_nonfinite", OnNonFinite),
+                           ("log", LogTo)):
+            setattr(self, name, choice(getattr(self, name), typing.get_args(kind), what=name))
         if isinstance(self.interventions, str) or not all(isinstance(s, str) for s in self.interventions):
             raise InvalidArgumentError(f"interventions must be a list of 'name:key=value' strings, got {self.interventions!r}.")
         self.interventions = list(self.interventions)
@@ -416,7 +400,6 @@ def load_config(path: str | Path) -> TrainConfig:
     if path.suffix not in (".json", ".toml"):
         raise InvalidArgumentError(f"Config file {str(path)!r} must end in .json or .toml.")
     import tomllib
-
     try:
         text = path.read_text()
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
@@ -448,7 +431,6 @@ def parse_flags(base: TrainConfig, args: Sequence[str]) -> TrainConfig:
     ``args`` naming another variant drops ``base``'s options (they were for its variant). A bad flag or value raises one
     :class:`~sinklens.errors.InvalidArgumentError` naming it."""
     import tyro
-
     args, variant = [str(a) for a in args], base.model.variant
     for arg, after in zip(args, [*args[1:], ""]):
         if arg.partition("=")[0] == "--model.variant":
