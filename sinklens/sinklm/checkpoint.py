@@ -1,8 +1,7 @@
 """Run folders and their checkpoints: one step saved, loaded and verified as a unit, nothing pickled.
 
 A step is written into ``checkpoints/.tmp-*``, fsynced, renamed to ``step-N``; ``checkpoint.json`` is switched
-last, so a kill leaves the old or the new checkpoint current. The step before stays as a fallback.
-"""
+last, so a kill leaves the old or the new checkpoint current. The step before stays as a fallback."""
 from __future__ import annotations
 
 import json
@@ -155,11 +154,8 @@ def verify_checkpoint(path: str | Path) -> str | None:
     files = _manifest(path).get("files")
     if not isinstance(files, dict) or not {WEIGHTS, STATE, TENSORS} <= set(files):
         return f"{path / MANIFEST} is unreadable or lists not all of {WEIGHTS}, {STATE}, {TENSORS}"
-    for name, meta in files.items():
-        problem = file_mismatch(path / name, meta["bytes"], meta["sha256"])
-        if problem is not None:
-            return problem
-    return None
+    problems = (file_mismatch(path / name, meta["bytes"], meta["sha256"]) for name, meta in files.items())
+    return next((problem for problem in problems if problem is not None), None)
 
 
 def _pointer(run_dir: Path) -> tuple[int, Path] | None:
@@ -361,7 +357,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
                 f"{path}: line {number} is a \"train\" line with {got}, not a finite number. sinklens train never writes "
                 "one (a non-finite step is logged as a \"nonfinite\" line), so the file was damaged or edited; fix or "
                 "remove that line.")
-        lines.append(with_current_metric_names(line))
+        lines.append(line)
     last = {(line["kind"], line["step"]): i for i, line in enumerate(lines)}
     return [line for i, line in enumerate(lines) if line["kind"] not in ("train", "eval")
             or last[line["kind"], line["step"]] == i]

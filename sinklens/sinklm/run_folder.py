@@ -35,8 +35,7 @@ FOREIGN_BLOCKERS: tuple[str, ...] = (
 
 def resume_config(out: str | Path) -> TrainConfig | None:
     """The config ``--resume`` continues the run in ``out`` with: its ``config.json``, else its newest good
-    checkpoint's (with a warning); None with neither. NotFoundError when ``out`` is not a run folder.
-    """
+    checkpoint's (with a warning); None with neither. NotFoundError when ``out`` is not a run folder."""
     run_dir = Path(out).expanduser()
     run_dir = set_aside_to_recover(run_dir) or run_dir
     if (run_dir / CONFIG).is_file() or not is_run_dir(run_dir):

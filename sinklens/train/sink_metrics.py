@@ -71,8 +71,7 @@ class SinkMetrics(CompactRepr):
         norm_ratio: ``[layer]`` first-token norm ratio of ``hook_resid_post`` (:class:`FirstTokenNormReducer`).
         variance_ratio: ``[layer, head]`` variance of ``hook_z`` at position 0 over the mean at ``t >= 1``.
         attn_out_variance_ratio: ``[layer]`` the same for ``hook_attn_out`` (after the variant and ``W_O``).
-        attention_path: where the sink statistics read attention: ``"qk"`` (queries and keys) or ``"pattern"``.
-    """
+        attention_path: where the sink statistics read attention: ``"qk"`` (queries and keys) or ``"pattern"``."""
 
     val_loss: float
     attention_to_first: Float[Tensor, "layer head"]
