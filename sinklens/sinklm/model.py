@@ -1,8 +1,7 @@
 """SinkLM: a small decoder for pretraining with attention variants, hooked and shaped like TransformerLens.
 
 Hook names, shapes and weight properties are TransformerLens', plus each variant's own hooks, so every sinklens
-analyzer runs on it. A softmax variant uses SDPA unless its scores or pattern are hooked (same function, tested).
-"""
+analyzer runs on it. A softmax variant uses SDPA unless its scores or pattern are hooked (same function, tested)."""
 
 from __future__ import annotations
 
@@ -21,9 +20,6 @@ from sinklens.sinklm.config import ModelConfig
 from sinklens.sinklm.functional import next_token_loss, rope, rotary_tables
 from sinklens.sinklm.variants import AttentionVariant, HeadwiseRMSNorm, at_least_float32, get_attention_variant, rms_norm
 from sinklens.validate import as_seed
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
 
 def _no_decay(p: nn.Parameter) -> nn.Parameter:
     p._no_weight_decay = True  # type: ignore[attr-defined]
@@ -63,17 +59,13 @@ class RMSNorm(nn.Module):
         return self.hook_normalized((xf / scale).to(x.dtype)) * self.w.to(x.dtype)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(RMSNorm):
     """``w ⊙ (x - mean) / sqrt(var + eps) + b`` (float32); ``hook_normalized`` is ``(x - mean) / sqrt(...)``, before
     ``w`` and ``b``, as in TransformerLens' ``LayerNorm``."""
 
     def __init__(self, d_model: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.w = _no_decay(nn.Parameter(torch.ones(d_model)))
+        super().__init__(d_model, eps)
         self.b = _no_decay(nn.Parameter(torch.zeros(d_model)))
-        self.hook_scale = HookPoint()
-        self.hook_normalized = HookPoint()
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         xf = at_least_float32(x)
@@ -108,15 +100,9 @@ class Attention(nn.Module):
             cos, sin = rotary_tables(cfg.n_ctx, dh, cfg.rope_base)  # computed once, moved with the model
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-            self.hook_rot_q = HookPoint()
-            self.hook_rot_k = HookPoint()
-        self.hook_q = HookPoint()
-        self.hook_k = HookPoint()
-        self.hook_v = HookPoint()
-        self.hook_attn_scores = HookPoint()
-        self.hook_pattern = HookPoint()
-        self.hook_z = HookPoint()
-        for site in self.variant.hook_sites:
+        rotated = ("hook_rot_q", "hook_rot_k") if self.rotary else ()
+        for site in ("hook_q", "hook_k", "hook_v", *rotated, "hook_attn_scores", "hook_pattern", "hook_z",
+                     *self.variant.hook_sites):
             setattr(self, site, HookPoint())
 
     def project(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor, Tensor]:
@@ -205,11 +191,8 @@ class Block(nn.Module):
         self.ln2 = Norm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.hook_resid_pre = HookPoint()
-        self.hook_attn_out = HookPoint()
-        self.hook_resid_mid = HookPoint()
-        self.hook_mlp_out = HookPoint()
-        self.hook_resid_post = HookPoint()
+        for site in ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post"):
+            setattr(self, site, HookPoint())
 
     def forward(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         resid = self.hook_resid_pre(resid)
@@ -257,7 +240,7 @@ class SinkLM(HookedRootModule):
         variant = self.blocks[0].attn.variant
         if isinstance(variant, HeadwiseRMSNorm) and variant.options["init"] == "first_token":
             calibrate_headwise_gains(self)
-        self.to(_DTYPES[cfg.dtype])
+        self.to(getattr(torch, cfg.dtype))  # a DType name is torch's
         self.setup()
 
     @torch.no_grad()
@@ -268,10 +251,9 @@ class SinkLM(HookedRootModule):
         if self.cfg.family == "gpt2":
             nn.init.normal_(self.W_pos, std=std)
         for block in self.blocks:
-            for w in (block.attn.W_Q, block.attn.W_K, block.attn.W_V, block.mlp.W_in):
+            gate = [block.mlp.W_gate] if block.mlp.gated else []
+            for w in (block.attn.W_Q, block.attn.W_K, block.attn.W_V, block.mlp.W_in, *gate):
                 nn.init.normal_(w, std=std)
-            if block.mlp.gated:
-                nn.init.normal_(block.mlp.W_gate, std=std)
             nn.init.normal_(block.attn.W_O, std=resid_std)
             nn.init.normal_(block.mlp.W_out, std=resid_std)
 
@@ -284,8 +266,7 @@ class SinkLM(HookedRootModule):
     ) -> Any:
         """Logits ``[batch, pos, d_vocab]`` of ``tokens`` (``pos <= n_ctx``), and/or the loss (``return_type``:
         ``"logits"``, ``"loss"``, ``"both"``, None): mean next-token cross-entropy in nats, float32, of
-        ``logits[:, t]`` → ``tokens[:, t + 1]``, or → ``targets[:, t]`` when ``targets`` are given.
-        """
+        ``logits[:, t]`` → ``tokens[:, t + 1]``, or → ``targets[:, t]`` when ``targets`` are given."""
         if tokens.ndim == 1:
             tokens = tokens[None]
         T = tokens.shape[1]
@@ -327,8 +308,7 @@ class SinkLM(HookedRootModule):
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token for MFU (nanoGPT / PaLM appendix B): ``6·N + 12·n_layers·n_heads·d_head·T``, ``N``
-        the matmul parameters (the tied embedding once, no position table), ``T = seq_len`` (default ``n_ctx``).
-        """
+        the matmul parameters (the tied embedding once, no position table), ``T = seq_len`` (default ``n_ctx``)."""
         T = int(seq_len or self.cfg.n_ctx)
         n = self.num_params() - (self.W_pos.numel() if self.cfg.family == "gpt2" else 0)
         return 6.0 * n + 12.0 * self.cfg.n_layers * self.cfg.n_heads * self.cfg.d_head * T
@@ -393,8 +373,7 @@ def calibrate_headwise_gains(model: SinkLM, *, n_sequences: int = 8, seed: int =
 
     As ``init_headnorm_stats`` in Siquan-Li/Head-wise-RMSNorm: each layer alone gets ``x ~ N(0, 1)`` of shape
     ``[n_sequences, min(64, n_ctx), d_model]`` (generator seeded with ``seed``), and head ``h``'s gain is the
-    population std over ``d_head`` of ``z[0, h]``, averaged over sequences (over heads when shared).
-    """
+    population std over ``d_head`` of ``z[0, h]``, averaged over sequences (over heads when shared)."""
     if n_sequences < 1:
         raise ValueError(f"n_sequences must be >= 1, got {n_sequences}.")
     attns = [block.attn for block in model.blocks]
