@@ -357,7 +357,7 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
                 f"{path}: line {number} is a \"train\" line with {got}, not a finite number. sinklens train never writes "
                 "one (a non-finite step is logged as a \"nonfinite\" line), so the file was damaged or edited; fix or "
                 "remove that line.")
-        lines.append(line)
+        lines.append(with_current_metric_names(line))
     last = {(line["kind"], line["step"]): i for i, line in enumerate(lines)}
     return [line for i, line in enumerate(lines) if line["kind"] not in ("train", "eval")
             or last[line["kind"], line["step"]] == i]
