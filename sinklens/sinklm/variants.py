@@ -59,9 +59,8 @@ class AttentionVariant(nn.Module):
         self.check_options(options)
         self.options = {**self.defaults, **options}
         if "eps" in self.options:  # every variant's eps is a denominator guard: a positive number
-            self.options["eps"] = finite_number(
-                self.options["eps"], what=f"attention variant {type(self).__name__} option eps", low=0.0, low_open=True
-            )
+            what = f"attention variant {type(self).__name__} option eps"
+            self.options["eps"] = finite_number(self.options["eps"], what=what, low=0.0, low_open=True)
         self.n_heads, self.d_head, self.d_model, self.n_ctx, self.init_std = n_heads, d_head, d_model, n_ctx, init_std
 
     @classmethod

@@ -86,13 +86,10 @@ def fetch_rows(source: TokenSource, step: int, cfg: TrainConfig, device: torch.d
 
 def eval_batches(source: TokenSource, cfg: TrainConfig, device: torch.device) -> tuple[list[TokenBatch], list[Tensor]]:
     """The fixed held-out batches every evaluation uses (validation split, steps ``0..batches-1``)."""
-    batches, targets = [], []
-    for i in range(cfg.eval.batches):
-        rows = source.batch("val", i, cfg.eval.batch_size).to(device)
-        inputs = rows[:, :-1]
-        batches.append(TokenBatch(inputs, torch.ones_like(inputs, dtype=torch.bool), source.bos_id is not None))
-        targets.append(rows[:, 1:])
-    return batches, targets
+    rows = [source.batch("val", i, cfg.eval.batch_size).to(device) for i in range(cfg.eval.batches)]
+    batches = [TokenBatch(r[:, :-1], torch.ones_like(r[:, :-1], dtype=torch.bool), source.bos_id is not None)
+               for r in rows]
+    return batches, [r[:, 1:] for r in rows]
 
 
 def _resolve_vocab(cfg: TrainConfig, source: TokenSource) -> TrainConfig:
@@ -142,8 +139,7 @@ def train(
     Raises:
         TrainingInterrupted: Ctrl-C or SIGTERM; the steps done were checkpointed.
         TrainingDivergedError: a NaN/inf loss or gradient (``on_nonfinite``), or non-finite weights at a
-            checkpoint; the last finite checkpoint is kept.
-    """
+            checkpoint; the last finite checkpoint is kept."""
     out = Path(out_dir).expanduser() if out_dir is not None else None
     if until is not None:
         until = positive_int(until, what="until", minimum=0)
