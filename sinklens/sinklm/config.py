@@ -169,8 +169,7 @@ class OptimConfig(_Part):
         weight_decay: decoupled weight decay, applied only to parameters with >= 2 dimensions.
         grad_clip: clip the global gradient norm to this value (0 disables clipping).
         fused: AdamW implementation: None picks the fused kernel on CUDA and the CPU and the
-            multi-tensor ``foreach`` one elsewhere; True forces fused, False the ``foreach`` one.
-    """
+            multi-tensor ``foreach`` one elsewhere; True forces fused, False the ``foreach`` one."""
 
     lr: float = 1e-3
     min_lr: float | None = None
@@ -222,8 +221,7 @@ class DataConfig(_Part):
         glob: files to read from a text folder.
         n_triggers, alpha: synthetic task: trigger tokens and Dirichlet concentration of the transition rows.
         task_seed: seed of the synthetic task's transition matrix and triggers (not of the sampling).
-        hf_config, hf_split, text_field, max_tokens: Hugging Face options (``max_tokens`` streamed once).
-    """
+        hf_config, hf_split, text_field, max_tokens: Hugging Face options (``max_tokens`` streamed once)."""
 
     source: DataSource = "bigram-backcopy"
     path: str | None = None
@@ -282,8 +280,7 @@ class EvalConfig(_Part):
         persistence_sequences: random sequences on which each evaluation compares the token preference and
             contraction direction with step 0 (:mod:`sinklens.train.persistence`); 0 disables.
         persistence_seq_len: their length (capped at data.seq_len).
-        persistence_seed: the seed that draws them.
-    """
+        persistence_seed: the seed that draws them."""
 
     interval: int = 50
     batches: int = 2
@@ -329,8 +326,7 @@ class TrainConfig(_Part):
         on_nonfinite: a NaN/inf loss or gradient norm: "stop" raises TrainingDivergedError (the last finite
             checkpoint stays); "skip" drops the update, up to max_skips steps in a row. Under float16 autocast
             only a non-finite loss counts (the loss scaler handles gradients).
-        max_skips: non-finite steps skipped in a row before the run stops.
-    """
+        max_skips: non-finite steps skipped in a row before the run stops."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

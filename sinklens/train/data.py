@@ -117,10 +117,8 @@ class StreamSource(TokenSource):
         need = seq_len if bos_id is not None else seq_len + 1
         for split, stream in self.streams.items():
             if len(stream) < need:
-                raise ValueError(
-                    f"The {split} split has {len(stream)} tokens, fewer than one sequence of {need}; "
-                    f"use more data, a larger data.val_fraction, or a smaller data.seq_len."
-                )
+                raise ValueError(f"The {split} split has {len(stream)} tokens, fewer than one sequence of {need}; "
+                                 f"use more data, a larger data.val_fraction, or a smaller data.seq_len.")
 
     def _sample(self, gen: torch.Generator, split: Split, n: int) -> Tensor:
         stream = self.streams[split]
@@ -176,7 +174,8 @@ def _encode(tokenizer: Any, docs: list[str]) -> np.ndarray:
 
 
 def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> tuple[np.ndarray, np.ndarray, Any]:
-    """Tokenise documents once and cache ``train.npy``, ``val.npy`` and the tokenizer by a content key."""
+    """Tokenise documents once and cache ``train.npy``, ``val.npy`` and the tokenizer (a BPE trained on the train
+    split only) by a content key."""
     from sinklens.sinklm.tokenizer import byte_tokenizer, load_tokenizer, train_bpe
     key_parts = {**key_parts, "tokenizer": cfg.tokenizer, "vocab_size": cfg.vocab_size, "val": cfg.val_fraction, "v": 1}
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
@@ -184,10 +183,7 @@ def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> t
     if (folder / "val.npy").is_file():
         return np.load(folder / "train.npy"), np.load(folder / "val.npy"), load_tokenizer(str(folder / "tokenizer"))
     train_docs, val_docs = _split_docs(load_docs(), cfg.val_fraction)
-    if cfg.tokenizer == "byte":
-        tokenizer = byte_tokenizer()
-    else:
-        tokenizer = train_bpe(train_docs, cfg.vocab_size or 1024)  # trained on the train split only
+    tokenizer = byte_tokenizer() if cfg.tokenizer == "byte" else train_bpe(train_docs, cfg.vocab_size or 1024)
     train, val = _encode(tokenizer, train_docs), _encode(tokenizer, val_docs)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -232,11 +228,8 @@ def text_source(cfg: DataConfig) -> StreamSource:
             if text:
                 docs.append(text)
         if not_utf8:
-            warnings.warn(
-                f"{len(not_utf8)} data file(s) are not UTF-8 text; their undecodable bytes were replaced by U+FFFD: "
-                + "; ".join(not_utf8[:5]) + ("; ..." if len(not_utf8) > 5 else ""),
-                stacklevel=2,
-            )
+            warnings.warn(f"{len(not_utf8)} data file(s) are not UTF-8 text; their undecodable bytes were replaced by "
+                          f"U+FFFD: {'; '.join(not_utf8[:5])}{'; ...' if len(not_utf8) > 5 else ''}", stacklevel=2)
         return docs
 
     train, val, tokenizer = _tokenize_cached(cfg, {"files": stamp, "max": cfg.max_tokens}, load_docs)
