@@ -19,6 +19,7 @@ from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from sinklens.display import CompactRepr
 from sinklens.inputs import TokenBatch
 from sinklens.distributed import writes_outputs
 from sinklens.errors import InvalidArgumentError, TrainingDivergedError, TrainingInterrupted
@@ -41,9 +42,28 @@ from sinklens.train.loggers import MetricsLog, check_log
 from sinklens.train.optim import configure_optimizer, get_lr
 from sinklens.train.persistence import PersistenceTracker
 from sinklens.train.precision import mixed_precision
-from sinklens.train.result import TrainResult
 from sinklens.train.speed import attention_kernels, compile_failed_warning, compile_model, estimate_mfu, peak_flops
 from sinklens.validate import positive_int, writable_dir
+
+@dataclass(repr=False, eq=False)
+class TrainResult(CompactRepr):
+    """What :func:`train` returns: the trained ``model``, its ``history`` (the lines of ``metrics.jsonl``;
+    ``grad_norm`` is before clipping), ``compile`` (``compiled``, ``compile_s`` of the first compiled step,
+    ``error``), ``device`` type and ``autocast`` dtype."""
+
+    model: Any
+    history: list[dict[str, Any]] = field(default_factory=list)
+    out_dir: Path | None = None
+    compile: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    autocast: str = "none"
+
+    def losses(self) -> list[float]:
+        return [line["loss"] for line in self.history if line["kind"] == "train"]
+
+    def evals(self) -> list[dict[str, Any]]:
+        return [line for line in self.history if line["kind"] == "eval"]
+
 
 def micro_batch(rows: Int[Tensor, "batch seq_plus_1"], micro: int, cfg: TrainConfig, dist: DistContext) -> Tensor:
     """This process's rows of micro-step ``micro``: the batch cut into ``grad_accum`` micro-batches, each into
