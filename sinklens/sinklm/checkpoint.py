@@ -1,8 +1,7 @@
 """Run folders and their checkpoints: one step saved, loaded and verified as a unit, nothing pickled.
 
 A step is written into ``checkpoints/.tmp-*``, fsynced, renamed to ``step-N``; ``checkpoint.json`` is switched
-last, so a kill leaves the old or the new checkpoint current. The step before stays as a fallback.
-"""
+last, so a kill leaves the old or the new checkpoint current. The step before stays as a fallback."""
 from __future__ import annotations
 
 import json
@@ -61,15 +60,11 @@ def unwrap_model(model: Any) -> Any:
     return model
 
 
-# ------------------------------------------------------------------ save, verify, load one step
-
 def save_checkpoint(run_dir: str | Path, *, model: Any, optimizer: torch.optim.Optimizer | None, cfg: TrainConfig,
                     step: int, scaler: Any = None) -> Path:
     """Write the checkpoint of ``model`` after ``step`` steps as one unit and return its folder; a failed write
-    raises OutputNotWritableError naming the checkpoint still current.
-    """
+    raises OutputNotWritableError naming the checkpoint still current."""
     from safetensors import SafetensorError
-
     run_dir = Path(run_dir)
     try:
         return _save_checkpoint(run_dir, model, optimizer, cfg, step, scaler)
@@ -85,7 +80,6 @@ def save_checkpoint(run_dir: str | Path, *, model: Any, optimizer: torch.optim.O
 
 def _save_checkpoint(run_dir: Path, model: Any, optimizer: Any, cfg: TrainConfig, step: int, scaler: Any) -> Path:
     from safetensors.torch import save_file, save_model
-
     root = run_dir / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     tmp, final = root / f".tmp-{_step_dir_name(step)}-{os.getpid()}-{uuid.uuid4().hex[:8]}", root / _step_dir_name(step)
@@ -160,11 +154,8 @@ def verify_checkpoint(path: str | Path) -> str | None:
     files = _manifest(path).get("files")
     if not isinstance(files, dict) or not {WEIGHTS, STATE, TENSORS} <= set(files):
         return f"{path / MANIFEST} is unreadable or lists not all of {WEIGHTS}, {STATE}, {TENSORS}"
-    for name, meta in files.items():
-        problem = file_mismatch(path / name, meta["bytes"], meta["sha256"])
-        if problem is not None:
-            return problem
-    return None
+    problems = (file_mismatch(path / name, meta["bytes"], meta["sha256"]) for name, meta in files.items())
+    return next((problem for problem in problems if problem is not None), None)
 
 
 def _pointer(run_dir: Path) -> tuple[int, Path] | None:
@@ -233,8 +224,7 @@ def load_train_config(run_dir: str | Path) -> TrainConfig:
 
 def load_run(run_dir: str | Path) -> RunCheckpoint:
     """The newest checkpoint of a run folder that passes verification (an earlier one, with a warning, when the
-    current is broken); NotFoundError without one, CorruptFileError when none is good.
-    """
+    current is broken); NotFoundError without one, CorruptFileError when none is good."""
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
         raise NotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG} or {POINTER}.")
@@ -261,7 +251,6 @@ def load_run(run_dir: str | Path) -> RunCheckpoint:
 def _load_weights(model: Any, path: Path, device: str) -> None:
     from safetensors import SafetensorError
     from safetensors.torch import load_model
-
     try:
         load_model(model, str(path), device=device)
     except (SafetensorError, RuntimeError, OSError) as err:
@@ -289,7 +278,6 @@ def _model(run_dir: Path, cfg: TrainConfig, weights: Path | None, device: str | 
     ``model.train_config`` and ``model.tokenizer`` (text runs)."""
     from sinklens.sinklm.init import sinklm_at_init
     from sinklens.sinklm.model import SinkLM
-
     device = torch.device(device or "cpu")
     if weights is None:
         model = sinklm_at_init(cfg.model, cfg.seed, device=device)
@@ -298,7 +286,6 @@ def _model(run_dir: Path, cfg: TrainConfig, weights: Path | None, device: str | 
         _load_weights(model, weights, str(device))
     if (run_dir / TOKENIZER).is_dir():
         from sinklens.sinklm.tokenizer import load_tokenizer
-
         model.tokenizer = load_tokenizer(str(run_dir / TOKENIZER))
     model.train_config = cfg
     return model.eval()
@@ -306,8 +293,7 @@ def _model(run_dir: Path, cfg: TrainConfig, weights: Path | None, device: str | 
 
 def load_trained_model(run_dir: str | Path, device: str | torch.device | None = None) -> Any:
     """The SinkLM of a run's newest good checkpoint (:func:`load_run`), in eval mode, with ``model.tokenizer``
-    (text runs) and ``model.train_config``.
-    """
+    (text runs) and ``model.train_config``."""
     ckpt = load_run(run_dir)
     return _model(ckpt.run_dir, ckpt.config, ckpt.path / WEIGHTS, device)
 
@@ -340,12 +326,9 @@ def load_step_model(run_dir: str | Path, step: int, device: str | torch.device |
     return _model(run_dir, load_train_config(run_dir), path / WEIGHTS if step else None, device)
 
 
-# ------------------------------------------------------------------ metrics.jsonl
-
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The lines of ``run_dir/metrics.jsonl``, the last of a step's repeated train/eval lines kept; a last line cut
-    short by a kill is dropped with a warning; a malformed line raises CorruptFileError naming it.
-    """
+    short by a kill is dropped with a warning; a malformed line raises CorruptFileError naming it."""
     path = Path(run_dir) / METRICS
     if not path.is_file():
         raise NotFoundError(f"{str(run_dir)!r} has no {METRICS}; is it a sinklens training run directory?")

@@ -1,13 +1,6 @@
 """Training configuration: nested dataclasses validated in ``__post_init__`` (a bad value or unknown key is an
 InvalidArgumentError naming it); a run's ``config.json`` is ``TrainConfig.to_dict()``. Flags are parsed by tyro.
-
-Examples:
-    >>> cfg = TrainConfig.from_dict({"steps": 10, "optim": {"lr": 1e-3}, "data": {"source": "markov"}})
-    >>> cfg.optim.lr, cfg.data.source
-    (0.001, 'markov')
-    >>> apply_overrides(cfg, ["optim.lr=3e-4", "data.seq_len=32"]).data.seq_len
-    32
-"""
+The ``Attributes:`` entries are what ``sinklens train --fields`` prints."""
 
 from __future__ import annotations
 
@@ -32,15 +25,12 @@ DType = Literal["float32", "bfloat16", "float16", "float64"]
 DataSource = Literal["bigram-backcopy", "markov", "text", "memmap", "hf"]
 TokenizerKind = Literal["byte", "bpe"]
 Autocast = Literal["bfloat16", "float16", "none"]
-#: Mixed precision of a CPU run (:mod:`sinklens.train.precision`).
 CpuAutocast = Literal["bfloat16", "none"]
 OnNonFinite = Literal["stop", "skip"]
-#: Where the trainer sends its metrics besides ``metrics.jsonl`` (:mod:`sinklens.train.loggers`).
 LogTo = Literal["none", "wandb", "tensorboard"]
-DATA_SOURCES: tuple[str, ...] = typing.get_args(DataSource)
 #: The ``data.source`` values whose ``data.path`` is a file or folder on this machine.
 LOCAL_DATA_SOURCES: tuple[str, ...] = ("text", "memmap")
-#: The synthetic tasks of :mod:`sinklens.train.data`: every sequence starts with the task's BOS token (id 0).
+#: The synthetic tasks of :mod:`sinklens.train.data`: every sequence starts with BOS (id 0).
 SYNTHETIC_SOURCES: tuple[str, ...] = ("bigram-backcopy", "markov")
 
 #: Presets of :meth:`ModelConfig.from_preset`: ``124m`` is GPT-2 small (vocabulary padded to 50304);
@@ -69,17 +59,8 @@ def _check_unknown(cls: type, data: dict[str, Any]) -> None:
         raise InvalidArgumentError(f"Unknown {cls.__name__} keys {unknown}{hint}; known keys are {sorted(known)}.")
 
 
-def _optional_int(value: Any, *, what: str, minimum: int = 1) -> int | None:
-    return None if value is None else positive_int(value, what=what, minimum=minimum)
-
-
-def _is_float_field(cls: type, name: str) -> bool:
-    hint = str(next(f.type for f in fields(cls) if f.name == name))
-    return "float" in hint and "int" not in hint
-
-
 class _Part:
-    """``to_dict``/``from_dict`` shared by every config dataclass (ints given for float fields become floats)."""
+    """``to_dict``/``from_dict`` shared by every config dataclass (``__post_init__`` makes float fields floats)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)  # type: ignore[call-overload]
@@ -87,10 +68,6 @@ class _Part:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Any:
         _check_unknown(cls, data)
-        data = {
-            k: float(v) if isinstance(v, int) and not isinstance(v, bool) and _is_float_field(cls, k) else v
-            for k, v in data.items()
-        }
         return cls(**data)
 
 
@@ -108,7 +85,6 @@ class ModelConfig(_Part):
         (344, 256, 2)
     """
 
-    #: Fields that None means "derive from the others" (see above), in the order they are derived.
     DERIVED: typing.ClassVar[tuple[str, ...]] = ("n_kv_heads", "d_mlp")
 
     family: Family = "llama"
@@ -146,10 +122,9 @@ class ModelConfig(_Part):
         self.d_mlp = positive_int(self.d_mlp, what="model.d_mlp")
         if self.family == "llama" and self.d_head % 2:
             raise InvalidArgumentError(f"RoPE needs an even head width; d_model/n_heads = {self.d_head}.")
-        self.rope_base = finite_number(self.rope_base, what="model.rope_base", low=0.0, low_open=True)
-        self.norm_eps = finite_number(self.norm_eps, what="model.norm_eps", low=0.0, low_open=True)
+        for name in ("rope_base", "norm_eps", "init_std"):
+            setattr(self, name, finite_number(getattr(self, name), what=f"model.{name}", low=0.0, low_open=True))
         self.dropout = finite_number(self.dropout, what="model.dropout", low=0.0, high=1.0, high_open=True)
-        self.init_std = finite_number(self.init_std, what="model.init_std", low=0.0, low_open=True)
         self.dtype = choice(self.dtype, typing.get_args(DType), what="model.dtype")
         if not isinstance(self.variant_options, dict):
             raise InvalidArgumentError(f"model.variant_options must be a mapping, got {self.variant_options!r}.")
@@ -194,8 +169,7 @@ class OptimConfig(_Part):
         weight_decay: decoupled weight decay, applied only to parameters with >= 2 dimensions.
         grad_clip: clip the global gradient norm to this value (0 disables clipping).
         fused: AdamW implementation: None picks the fused kernel on CUDA and the CPU and the
-            multi-tensor ``foreach`` one elsewhere; True forces fused, False the ``foreach`` one.
-    """
+            multi-tensor ``foreach`` one elsewhere; True forces fused, False the ``foreach`` one."""
 
     lr: float = 1e-3
     min_lr: float | None = None
@@ -215,11 +189,12 @@ class OptimConfig(_Part):
             if not 0 <= self.min_lr <= self.lr:
                 raise InvalidArgumentError(f"optim.min_lr must be in [0, lr={self.lr}], got {self.min_lr}.")
         self.warmup_steps = positive_int(self.warmup_steps, what="optim.warmup_steps", minimum=0)
-        self.decay_steps = _optional_int(self.decay_steps, what="optim.decay_steps")
+        if self.decay_steps is not None:
+            self.decay_steps = positive_int(self.decay_steps, what="optim.decay_steps")
         self.weight_decay = finite_number(self.weight_decay, what="optim.weight_decay", low=0.0)
         self.grad_clip = finite_number(self.grad_clip, what="optim.grad_clip", low=0.0)
-        self.beta1 = finite_number(self.beta1, what="optim.beta1", low=0.0, high=1.0, high_open=True)
-        self.beta2 = finite_number(self.beta2, what="optim.beta2", low=0.0, high=1.0, high_open=True)
+        for name in ("beta1", "beta2"):
+            setattr(self, name, finite_number(getattr(self, name), what=f"optim.{name}", low=0.0, high=1.0, high_open=True))
         self.eps = finite_number(self.eps, what="optim.eps", low=0.0, low_open=True)
         if self.fused is not None and not isinstance(self.fused, bool):
             raise InvalidArgumentError(f"optim.fused must be true, false or none, got {self.fused!r}.")
@@ -246,8 +221,7 @@ class DataConfig(_Part):
         glob: files to read from a text folder.
         n_triggers, alpha: synthetic task: trigger tokens and Dirichlet concentration of the transition rows.
         task_seed: seed of the synthetic task's transition matrix and triggers (not of the sampling).
-        hf_config, hf_split, text_field, max_tokens: Hugging Face options (``max_tokens`` streamed once).
-    """
+        hf_config, hf_split, text_field, max_tokens: Hugging Face options (``max_tokens`` streamed once)."""
 
     source: DataSource = "bigram-backcopy"
     path: str | None = None
@@ -268,8 +242,7 @@ class DataConfig(_Part):
     max_tokens: int = 2_000_000
 
     def __post_init__(self) -> None:
-        if self.source not in DATA_SOURCES:
-            raise InvalidArgumentError(f"Unknown data.source {self.source!r}; expected one of {list(DATA_SOURCES)}.")
+        self.source = choice(self.source, typing.get_args(DataSource), what="data.source")
         self.seq_len = positive_int(self.seq_len, what="data.seq_len")
         self.seed = as_seed(self.seed, what="data.seed")
         self.task_seed = as_seed(self.task_seed, what="data.task_seed")
@@ -282,18 +255,14 @@ class DataConfig(_Part):
                 "the fixed position-0 token of the task; bos applies to text and hf data.")
         if self.source in ("text", "memmap", "hf") and not self.path:
             raise InvalidArgumentError(f"data.source={self.source!r} needs data.path (a file, folder or dataset name).")
-        self.vocab_size = _optional_int(self.vocab_size, what="data.vocab_size", minimum=2)
+        if self.vocab_size is not None:
+            self.vocab_size = positive_int(self.vocab_size, what="data.vocab_size", minimum=2)
         self.n_triggers = positive_int(self.n_triggers, what="data.n_triggers", minimum=0)
         self.alpha = finite_number(self.alpha, what="data.alpha", low=0.0, low_open=True)
         self.max_tokens = positive_int(self.max_tokens, what="data.max_tokens")
 
     def with_absolute_path(self) -> DataConfig:
-        """This config with a local ``path`` made absolute (``~`` expanded), as ``config.json`` records it.
-
-        Examples:
-            >>> DataConfig(source="hf", path="roneneldan/TinyStories").with_absolute_path().path
-            'roneneldan/TinyStories'
-        """
+        """This config with a local ``path`` made absolute (``~`` expanded), as ``config.json`` records it."""
         if self.source not in LOCAL_DATA_SOURCES or not self.path:
             return self
         return dataclasses.replace(self, path=os.path.abspath(Path(str(self.path)).expanduser()))
@@ -311,8 +280,7 @@ class EvalConfig(_Part):
         persistence_sequences: random sequences on which each evaluation compares the token preference and
             contraction direction with step 0 (:mod:`sinklens.train.persistence`); 0 disables.
         persistence_seq_len: their length (capped at data.seq_len).
-        persistence_seed: the seed that draws them.
-    """
+        persistence_seed: the seed that draws them."""
 
     interval: int = 50
     batches: int = 2
@@ -323,9 +291,8 @@ class EvalConfig(_Part):
     persistence_seed: int = 0
 
     def __post_init__(self) -> None:
-        self.interval = positive_int(self.interval, what="eval.interval", minimum=0)
-        self.batches = positive_int(self.batches, what="eval.batches")
-        self.batch_size = positive_int(self.batch_size, what="eval.batch_size")
+        for name, minimum in (("interval", 0), ("batches", 1), ("batch_size", 1)):
+            setattr(self, name, positive_int(getattr(self, name), what=f"eval.{name}", minimum=minimum))
         self.sink_threshold = finite_number(self.sink_threshold, what="eval.sink_threshold", low=0.0, high=1.0,
                                             low_open=True, high_open=True)
         self.persistence_sequences = positive_int(self.persistence_sequences, what="eval.persistence_sequences", minimum=0)
@@ -359,8 +326,7 @@ class TrainConfig(_Part):
         on_nonfinite: a NaN/inf loss or gradient norm: "stop" raises TrainingDivergedError (the last finite
             checkpoint stays); "skip" drops the update, up to max_skips steps in a row. Under float16 autocast
             only a non-finite loss counts (the loss scaler handles gradients).
-        max_skips: non-finite steps skipped in a row before the run stops.
-    """
+        max_skips: non-finite steps skipped in a row before the run stops."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -384,14 +350,12 @@ class TrainConfig(_Part):
 
     def __post_init__(self) -> None:
         for name, part in _PARTS.items():
-            if not isinstance(getattr(self, name), part):
-                raise TypeError(
-                    f"TrainConfig.{name} must be a {part.__name__} (use TrainConfig.from_dict for dicts), "
-                    f"got {type(getattr(self, name)).__name__}."
-                )
-        self.steps = positive_int(self.steps, what="steps")
-        self.batch_size = positive_int(self.batch_size, what="batch_size")
-        self.grad_accum = positive_int(self.grad_accum, what="grad_accum")
+            if not isinstance(got := getattr(self, name), part):
+                raise TypeError(f"TrainConfig.{name} must be a {part.__name__} (use TrainConfig.from_dict for "
+                                f"dicts), got {type(got).__name__}.")
+        for name, minimum in (("steps", 1), ("batch_size", 1), ("grad_accum", 1), ("log_interval", 1),
+                              ("checkpoint_interval", 0), ("keep_every", 0), ("max_skips", 1)):
+            setattr(self, name, positive_int(getattr(self, name), what=name, minimum=minimum))
         self.seed = as_seed(self.seed, what="seed")
         if self.batch_size % self.grad_accum:
             raise InvalidArgumentError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}.")
@@ -402,14 +366,9 @@ class TrainConfig(_Part):
             )
         if self.compile not in (True, False, "auto") or self.compile in (0, 1) and not isinstance(self.compile, bool):
             raise InvalidArgumentError(f"compile must be true, false or 'auto', got {self.compile!r}.")
-        self.autocast = choice(self.autocast, typing.get_args(Autocast), what="autocast")
-        self.cpu_autocast = choice(self.cpu_autocast, typing.get_args(CpuAutocast), what="cpu_autocast")
-        self.on_nonfinite = choice(self.on_nonfinite, typing.get_args(OnNonFinite), what="on_nonfinite")
-        self.log = choice(self.log, typing.get_args(LogTo), what="log")
-        self.log_interval = positive_int(self.log_interval, what="log_interval")
-        self.checkpoint_interval = positive_int(self.checkpoint_interval, what="checkpoint_interval", minimum=0)
-        self.keep_every = positive_int(self.keep_every, what="keep_every", minimum=0)
-        self.max_skips = positive_int(self.max_skips, what="max_skips")
+        for name, kind in (("autocast", Autocast), ("cpu_autocast", CpuAutocast), ("on_nonfinite", OnNonFinite),
+                           ("log", LogTo)):
+            setattr(self, name, choice(getattr(self, name), typing.get_args(kind), what=name))
         if isinstance(self.interventions, str) or not all(isinstance(s, str) for s in self.interventions):
             raise InvalidArgumentError(f"interventions must be a list of 'name:key=value' strings, got {self.interventions!r}.")
         self.interventions = list(self.interventions)
@@ -437,7 +396,6 @@ def load_config(path: str | Path) -> TrainConfig:
     if path.suffix not in (".json", ".toml"):
         raise InvalidArgumentError(f"Config file {str(path)!r} must end in .json or .toml.")
     import tomllib
-
     try:
         text = path.read_text()
         data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
@@ -469,7 +427,6 @@ def parse_flags(base: TrainConfig, args: Sequence[str]) -> TrainConfig:
     ``args`` naming another variant drops ``base``'s options (they were for its variant). A bad flag or value raises one
     :class:`~sinklens.errors.InvalidArgumentError` naming it."""
     import tyro
-
     args, variant = [str(a) for a in args], base.model.variant
     for arg, after in zip(args, [*args[1:], ""]):
         if arg.partition("=")[0] == "--model.variant":

@@ -1,8 +1,7 @@
 """SinkLM: a small decoder for pretraining with attention variants, hooked and shaped like TransformerLens.
 
 Hook names, shapes and weight properties are TransformerLens', plus each variant's own hooks, so every sinklens
-analyzer runs on it. A softmax variant uses SDPA unless its scores or pattern are hooked (same function, tested).
-"""
+analyzer runs on it. A softmax variant uses SDPA unless its scores or pattern are hooked (same function, tested)."""
 
 from __future__ import annotations
 
@@ -21,9 +20,6 @@ from sinklens.sinklm.config import ModelConfig
 from sinklens.sinklm.functional import next_token_loss, rope, rotary_tables
 from sinklens.sinklm.variants import AttentionVariant, HeadwiseRMSNorm, at_least_float32, get_attention_variant, rms_norm
 from sinklens.validate import as_seed
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
-
 
 def _no_decay(p: nn.Parameter) -> nn.Parameter:
     p._no_weight_decay = True  # type: ignore[attr-defined]
@@ -63,17 +59,13 @@ class RMSNorm(nn.Module):
         return self.hook_normalized((xf / scale).to(x.dtype)) * self.w.to(x.dtype)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(RMSNorm):
     """``w ⊙ (x - mean) / sqrt(var + eps) + b`` (float32); ``hook_normalized`` is ``(x - mean) / sqrt(...)``, before
     ``w`` and ``b``, as in TransformerLens' ``LayerNorm``."""
 
     def __init__(self, d_model: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.w = _no_decay(nn.Parameter(torch.ones(d_model)))
+        super().__init__(d_model, eps)
         self.b = _no_decay(nn.Parameter(torch.zeros(d_model)))
-        self.hook_scale = HookPoint()
-        self.hook_normalized = HookPoint()
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         xf = at_least_float32(x)
@@ -108,16 +100,9 @@ class Attention(nn.Module):
             cos, sin = rotary_tables(cfg.n_ctx, dh, cfg.rope_base)  # computed once, moved with the model
             self.register_buffer("rope_cos", cos, persistent=False)
             self.register_buffer("rope_sin", sin, persistent=False)
-        self.hook_q = HookPoint()
-        self.hook_k = HookPoint()
-        self.hook_v = HookPoint()
-        if self.rotary:
-            self.hook_rot_q = HookPoint()
-            self.hook_rot_k = HookPoint()
-        self.hook_attn_scores = HookPoint()
-        self.hook_pattern = HookPoint()
-        self.hook_z = HookPoint()
-        for site in self.variant.hook_sites:
+        rotated = ("hook_rot_q", "hook_rot_k") if self.rotary else ()
+        for site in ("hook_q", "hook_k", "hook_v", *rotated, "hook_attn_scores", "hook_pattern", "hook_z",
+                     *self.variant.hook_sites):
             setattr(self, site, HookPoint())
 
     def project(self, x: Float[Tensor, "batch pos d_model"]) -> tuple[Tensor, Tensor, Tensor]:
@@ -206,11 +191,8 @@ class Block(nn.Module):
         self.ln2 = Norm(cfg.d_model, cfg.norm_eps)
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
-        self.hook_resid_pre = HookPoint()
-        self.hook_attn_out = HookPoint()
-        self.hook_resid_mid = HookPoint()
-        self.hook_mlp_out = HookPoint()
-        self.hook_resid_post = HookPoint()
+        for site in ("hook_resid_pre", "hook_attn_out", "hook_resid_mid", "hook_mlp_out", "hook_resid_post"):
+            setattr(self, site, HookPoint())
 
     def forward(self, resid: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         resid = self.hook_resid_pre(resid)
@@ -255,13 +237,12 @@ class SinkLM(HookedRootModule):
         self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layers)])
         self.ln_final = (RMSNorm if cfg.family == "llama" else LayerNorm)(cfg.d_model, cfg.norm_eps)
         self._init_weights()
-        if isinstance(self.blocks[0].attn.variant, HeadwiseRMSNorm):
-            if self.blocks[0].attn.variant.options["init"] == "first_token":
-                calibrate_headwise_gains(self)
-        self.to(_DTYPES[cfg.dtype])
+        variant = self.blocks[0].attn.variant
+        if isinstance(variant, HeadwiseRMSNorm) and variant.options["init"] == "first_token":
+            calibrate_headwise_gains(self)
+        self.to(getattr(torch, cfg.dtype))  # a DType name is torch's
         self.setup()
 
-    # ------------------------------------------------------------------ init
     @torch.no_grad()
     def _init_weights(self) -> None:
         std = self.cfg.init_std
@@ -270,14 +251,12 @@ class SinkLM(HookedRootModule):
         if self.cfg.family == "gpt2":
             nn.init.normal_(self.W_pos, std=std)
         for block in self.blocks:
-            for w in (block.attn.W_Q, block.attn.W_K, block.attn.W_V, block.mlp.W_in):
+            gate = [block.mlp.W_gate] if block.mlp.gated else []
+            for w in (block.attn.W_Q, block.attn.W_K, block.attn.W_V, block.mlp.W_in, *gate):
                 nn.init.normal_(w, std=std)
-            if block.mlp.gated:
-                nn.init.normal_(block.mlp.W_gate, std=std)
             nn.init.normal_(block.attn.W_O, std=resid_std)
             nn.init.normal_(block.mlp.W_out, std=resid_std)
 
-    # --------------------------------------------------------------- forward
     def forward(
         self,
         tokens: Int[Tensor, "batch pos"],
@@ -287,8 +266,7 @@ class SinkLM(HookedRootModule):
     ) -> Any:
         """Logits ``[batch, pos, d_vocab]`` of ``tokens`` (``pos <= n_ctx``), and/or the loss (``return_type``:
         ``"logits"``, ``"loss"``, ``"both"``, None): mean next-token cross-entropy in nats, float32, of
-        ``logits[:, t]`` → ``tokens[:, t + 1]``, or → ``targets[:, t]`` when ``targets`` are given.
-        """
+        ``logits[:, t]`` → ``tokens[:, t + 1]``, or → ``targets[:, t]`` when ``targets`` are given."""
         if tokens.ndim == 1:
             tokens = tokens[None]
         T = tokens.shape[1]
@@ -316,32 +294,21 @@ class SinkLM(HookedRootModule):
             return logits, loss
         raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}.")
 
-    # -------------------------------------------------------------- training
     def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
         """AdamW groups: parameters with ≥ 2 dims decayed (nanoGPT); biases, norm gains and parameters flagged
-        ``_no_weight_decay`` (head-wise gains, sink logits) not.
-        """
-        decay, no_decay = [], []
-        for p in self.parameters():
-            if not p.requires_grad:
-                continue
-            (no_decay if p.ndim < 2 or getattr(p, "_no_weight_decay", False) else decay).append(p)
-        return [
-            {"params": decay, "weight_decay": float(weight_decay)},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        ``_no_weight_decay`` (head-wise gains, sink logits) not."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        skip = [p.ndim < 2 or getattr(p, "_no_weight_decay", False) for p in params]
+        return [{"params": [p for p, s in zip(params, skip) if not s], "weight_decay": float(weight_decay)},
+                {"params": [p for p, s in zip(params, skip) if s], "weight_decay": 0.0}]
 
-    def num_params(self, *, non_embedding: bool = False) -> int:
-        """Number of parameters (the tied embedding once; none of the embedding tables with ``non_embedding``)."""
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.W_E.numel() + (self.W_pos.numel() if self.cfg.family == "gpt2" else 0)
-        return n
+    def num_params(self) -> int:
+        """Number of parameters (the tied embedding once)."""
+        return sum(p.numel() for p in self.parameters())
 
     def flops_per_token(self, seq_len: int | None = None) -> float:
         """Training FLOPs per token for MFU (nanoGPT / PaLM appendix B): ``6·N + 12·n_layers·n_heads·d_head·T``, ``N``
-        the matmul parameters (the tied embedding once, no position table), ``T = seq_len`` (default ``n_ctx``).
-        """
+        the matmul parameters (the tied embedding once, no position table), ``T = seq_len`` (default ``n_ctx``)."""
         T = int(seq_len or self.cfg.n_ctx)
         n = self.num_params() - (self.W_pos.numel() if self.cfg.family == "gpt2" else 0)
         return 6.0 * n + 12.0 * self.cfg.n_layers * self.cfg.n_heads * self.cfg.d_head * T
@@ -356,7 +323,6 @@ class SinkLM(HookedRootModule):
         (:meth:`~sinklens.sinklm.variants.AttentionVariant.output_gain`), else None."""
         return self.blocks[layer].attn.variant.output_gain()
 
-    # ------------------------------------------------------ weight properties
     @property
     def W_E(self) -> Float[Tensor, "d_vocab d_model"]:
         return self.embed.W_E
@@ -393,6 +359,7 @@ class SinkLM(HookedRootModule):
     def W_gate(self) -> Float[Tensor, "layer d_model d_mlp"] | None:
         return torch.stack([b.mlp.W_gate for b in self.blocks]) if self.cfg.family == "llama" else None
 
+
 def _set_gain(gain: nn.Parameter, per_head: Tensor) -> None:
     if gain.ndim == 2:
         gain.copy_(per_head[:, None].expand_as(gain).to(gain.dtype))
@@ -401,47 +368,25 @@ def _set_gain(gain: nn.Parameter, per_head: Tensor) -> None:
 
 
 @torch.no_grad()
-def calibrate_headwise_gains(
-    model: SinkLM,
-    tokens: Int[Tensor, "batch pos"] | None = None,
-    *,
-    n_sequences: int = 8,
-    seed: int = 0,
-) -> Float[Tensor, "layer head"]:
+def calibrate_headwise_gains(model: SinkLM, *, n_sequences: int = 8, seed: int = 0) -> Float[Tensor, "layer head"]:
     """Set every head-wise RMSNorm gain to the first token's output std; returns the gains ``[layer, head]``.
 
     As ``init_headnorm_stats`` in Siquan-Li/Head-wise-RMSNorm: each layer alone gets ``x ~ N(0, 1)`` of shape
     ``[n_sequences, min(64, n_ctx), d_model]`` (generator seeded with ``seed``), and head ``h``'s gain is the
-    population std over ``d_head`` of ``z[0, h]``, averaged over sequences (over heads when shared). With
-    ``tokens``, one forward on them is used instead, each layer calibrated before the next runs.
-    """
+    population std over ``d_head`` of ``z[0, h]``, averaged over sequences (over heads when shared)."""
     if n_sequences < 1:
         raise ValueError(f"n_sequences must be >= 1, got {n_sequences}.")
     attns = [block.attn for block in model.blocks]
     if not isinstance(attns[0].variant, HeadwiseRMSNorm):
         raise ValueError(f"calibrate_headwise_gains needs a headwise_rms model, got variant {model.cfg.variant!r}.")
-    ref = model.W_E
-    if tokens is None:
-        gen = torch.Generator().manual_seed(as_seed(seed, what="seed"))
-        T = min(64, model.cfg.n_ctx)
-        z0 = []
-        for attn in attns:
-            x = torch.randn(n_sequences, T, model.cfg.d_model, generator=gen).to(device=ref.device, dtype=ref.dtype)
-            q, k, v = attn.project(x)
-            z0.append(attn.aggregate(q, k, v, explicit=False)[:, 0])  # (n_sequences, head, d_head)
-        gains = torch.stack([z.float().std(dim=-1, unbiased=False).mean(dim=0) for z in z0])  # (layer, head)
-        for attn, g in zip(attns, gains):
-            _set_gain(attn.variant.gain, g)
-    else:
-        gains = torch.zeros(len(attns), model.cfg.n_heads, device=ref.device)
-
-        def calibrate(z: Tensor, hook: HookPoint) -> None:
-            # runs before this layer's head norm, so later layers see the calibrated earlier ones
-            layer = int(hook.name.split(".")[1])
-            gains[layer] = z[:, 0].float().std(dim=-1, unbiased=False).mean(dim=0)
-            _set_gain(attns[layer].variant.gain, gains[layer])
-
-        with model.hooks(fwd_hooks=[(lambda name: name.endswith("attn.hook_z"), calibrate)]):
-            model(tokens, return_type=None)
+    gen = torch.Generator().manual_seed(as_seed(seed, what="seed"))
+    gains = []
+    for attn in attns:
+        x = torch.randn(n_sequences, min(64, model.cfg.n_ctx), model.cfg.d_model, generator=gen)
+        q, k, v = attn.project(x.to(model.W_E))
+        z0 = attn.aggregate(q, k, v, explicit=False)[:, 0]  # (n_sequences, head, d_head)
+        gains.append(z0.float().std(dim=-1, unbiased=False).mean(dim=0))
+        _set_gain(attn.variant.gain, gains[-1])
+    gains = torch.stack(gains)  # (layer, head)
     shared = attns[0].variant.gain.ndim == 1
     return gains.mean(dim=1, keepdim=True).expand_as(gains).clone() if shared else gains

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 from typing import Any
 
-from sinklens.errors import CorruptFileError, InvalidArgumentError, OutputExistsError
+from sinklens.errors import CorruptFileError, InvalidArgumentError, NotFoundError, OutputExistsError
 from sinklens.export import write_json
 from sinklens.folder_lock import FolderLock
 from sinklens.sinklm.checkpoint import (
@@ -35,8 +35,7 @@ FOREIGN_BLOCKERS: tuple[str, ...] = (
 
 def resume_config(out: str | Path) -> TrainConfig | None:
     """The config ``--resume`` continues the run in ``out`` with: its ``config.json``, else its newest good
-    checkpoint's (with a warning); None with neither. NotFoundError when ``out`` is not a run folder.
-    """
+    checkpoint's (with a warning); None with neither. NotFoundError when ``out`` is not a run folder."""
     run_dir = Path(out).expanduser()
     run_dir = set_aside_to_recover(run_dir) or run_dir
     if (run_dir / CONFIG).is_file() or not is_run_dir(run_dir):
@@ -63,13 +62,7 @@ def _dotted(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 def resume_changes(saved: TrainConfig, requested: TrainConfig, *, run_dir: str | Path) -> dict[str, list[Any]]:
     """What ``requested`` changes in the resumed run's config, ``{dotted key: [saved, requested]}``: how it goes on
     may change, not what it is (:data:`RUN_IDENTITY`: InvalidArgumentError). ``d_vocab="auto"`` matches any
-    vocabulary; a local ``data.path`` matches another spelling of the same file.
-
-    Examples:
-        >>> run = TrainConfig()
-        >>> resume_changes(run, run.replace(steps=600), run_dir="runs/a")
-        {'steps': [300, 600]}
-    """
+    vocabulary; a local ``data.path`` matches another spelling of the same file."""
     old, new = _dotted(saved.to_dict()), _dotted(requested.to_dict())
     if new.get("model.d_vocab") == "auto":
         new["model.d_vocab"] = old.get("model.d_vocab")
@@ -93,13 +86,12 @@ def write_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> 
     write_json(Path(run_dir) / FINGERPRINT, {"format": 1, **fingerprint}, digits=None)
 
 
-def check_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> bool:
-    """Compare the resumed data with the fingerprint the run stored (InvalidArgumentError naming what changed);
-    return whether the run had one.
-    """
+def check_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> None:
+    """Compare the resumed data with the fingerprint the run stored, if any (InvalidArgumentError naming what
+    changed)."""
     path = Path(run_dir) / FINGERPRINT
     if not path.is_file():
-        return False
+        return
     try:
         stored = json.loads(path.read_text())
         if not isinstance(stored, dict):
@@ -121,7 +113,6 @@ def check_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> 
             f"Cannot resume {str(run_dir)!r}: its data changed since the run started ({'; '.join(changed)}), though "
             "the config names the same data. Restore the data the run trained on, or start a new run (another "
             "out_dir, or --overwrite).")
-    return True
 
 
 def tokenizer_problem(run_dir: str | Path) -> str | None:
@@ -130,7 +121,6 @@ def tokenizer_problem(run_dir: str | Path) -> str | None:
     if not path.is_dir():
         return f"{str(path)!r} is missing"
     from sinklens.sinklm.tokenizer import load_tokenizer
-
     try:
         load_tokenizer(str(path))
     except Exception as err:  # noqa: BLE001 - a truncated or foreign file, whatever the parser raises
@@ -224,6 +214,42 @@ def recover_set_aside(run_dir: str | Path) -> str | None:
     restore_set_aside(run_dir, back)
     return (f"An overwrite of {str(run_dir)!r} was killed before its first checkpoint: the run it was replacing, "
             f"set aside in {str(back)!r}, is put back.")
+
+
+def check_run_dir(out: Path | None, *, resume: bool, overwrite: bool) -> None:
+    """Refuse to clobber a run, or another tool's folder, by accident; and a resume with nothing to resume."""
+    if resume and overwrite:
+        raise InvalidArgumentError("resume and overwrite exclude each other: resume continues the run in out_dir, "
+                                   "overwrite deletes it.")
+    if out is None:
+        if resume:
+            raise InvalidArgumentError("resume=True needs out_dir, the run directory to continue.")
+        return
+    if out.exists() and not out.is_dir():
+        raise InvalidArgumentError(f"out_dir {str(out)!r} exists and is not a folder.")
+    foreign = foreign_entries(out)
+    if foreign and not resume:
+        raise OutputExistsError(
+            f"out_dir {str(out)!r} is not a sinklens training run but holds {', '.join(foreign)} (another tool's "
+            f"files?), which a run there would replace or be loaded with; "
+            + ("overwrite=True (--overwrite) only replaces a sinklens run. " if overwrite else "")
+            + "Pick an empty or new out_dir."
+        )
+    if resume and not has_checkpoint(out):
+        again = (" It stopped before its first checkpoint, so there is nothing to continue: start it again with "
+                 "overwrite=True (--overwrite instead of --resume), or pick another out_dir.") if is_run_dir(out) else ""
+        raise NotFoundError(f"resume=True but {str(out)!r} holds no checkpoint to resume from.{again}")
+    if not resume and not overwrite and is_run_dir(out):
+        if not has_checkpoint(out):  # a run that failed before its first checkpoint: --resume cannot continue it
+            raise OutputExistsError(
+                f"{str(out)!r} already holds a training run that stopped before its first checkpoint (it has "
+                f"config.json or metrics.jsonl but nothing to resume from). Start it again with overwrite=True "
+                f"(--overwrite), which deletes what it left, or pick another out_dir."
+            )
+        raise OutputExistsError(
+            f"{str(out)!r} already holds a training run. Continue it with resume=True (--resume), replace it "
+            f"with overwrite=True (--overwrite), or pick another out_dir."
+        )
 
 
 def foreign_entries(run_dir: str | Path) -> list[str]:

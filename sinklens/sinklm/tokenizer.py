@@ -24,16 +24,13 @@ def _bytes_to_unicode() -> dict[int, str]:
 
 def _wrap(core: Any) -> Any:
     from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core, bos_token=SPECIAL, eos_token=SPECIAL, pad_token=SPECIAL, unk_token=None
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token=SPECIAL, eos_token=SPECIAL, pad_token=SPECIAL,
+                                   unk_token=None)
 
 
 def byte_tokenizer() -> Any:
     """Byte-level tokenizer: byte ``b`` is id ``b``; ``<|endoftext|>`` is id 256 (vocabulary of 257)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
     vocab = {char: byte for byte, char in _bytes_to_unicode().items()}
     vocab[SPECIAL] = 256
     core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -46,18 +43,13 @@ def byte_tokenizer() -> Any:
 def train_bpe(texts: Iterable[str], vocab_size: int) -> Any:
     """Train a byte-level BPE of ``vocab_size`` tokens (``<|endoftext|>`` is id 0) on ``texts``."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     if vocab_size < 257 + 1:
         raise ValueError(f"A byte-level BPE needs vocab_size >= 258 (256 bytes + <|endoftext|> + merges), got {vocab_size}.")
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=[SPECIAL],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[SPECIAL], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     core.train_from_iterator(texts, trainer=trainer)
     return _wrap(core)
 
@@ -65,5 +57,4 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> Any:
 def load_tokenizer(path: str) -> Any:
     """Load a tokenizer saved with ``save_pretrained`` (a run's ``tokenizer/`` folder)."""
     from transformers import PreTrainedTokenizerFast
-
     return PreTrainedTokenizerFast.from_pretrained(path)

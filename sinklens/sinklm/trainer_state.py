@@ -45,7 +45,6 @@ def read_trainer_state(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
     """The JSON object and tensors :func:`trainer_state` wrote into the step folder ``path``."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
-
     try:
         state = json.loads((path / STATE).read_text(encoding="utf-8"))
         tensors = load_file(str(path / TENSORS), device="cpu")

@@ -7,8 +7,7 @@ A variant changes up to four steps of a head, in this order (:class:`sinklens.si
     pattern = variant.normalize(scores)          # softmax / sigmoid / softpick ..., then hook_pattern
     z = variant.transform_z(pattern @ v, x)      # after hook_z: headwise_rms / gated, at its own hook
 
-``uses_sdpa = True`` marks plain softmax in the middle two steps (SDPA runs unless they are hooked).
-"""
+``uses_sdpa = True`` marks plain softmax in the middle two steps (SDPA runs unless they are hooked)."""
 
 from __future__ import annotations
 
@@ -32,12 +31,8 @@ def at_least_float32(x: Tensor) -> Tensor:
 def rms_norm(
     x: Float[Tensor, "*batch d"], w: Float[Tensor, "*w_shape"] | None, eps: float
 ) -> Float[Tensor, "*batch d"]:
-    """``w ⊙ x / sqrt(mean(x², -1) + eps)`` over the last axis, in float32, cast back to ``x``'s dtype before the gain.
-
-    Examples:
-        >>> rms_norm(torch.tensor([[3.0, 4.0]]), None, 0.0)  # rms of (3, 4) is sqrt(12.5)
-        tensor([[0.8485, 1.1314]])
-    """
+    """``w ⊙ x / sqrt(mean(x², -1) + eps)`` over the last axis, in float32, cast back to ``x``'s dtype before
+    the gain."""
     xf = at_least_float32(x)
     if hasattr(F, "rms_norm"):  # torch >= 2.4
         normed = F.rms_norm(xf, xf.shape[-1:], None, eps)
@@ -51,9 +46,8 @@ class AttentionVariant(nn.Module):
     """Base class of an attention variant; by itself it is softmax attention (``baseline``).
 
     ``uses_sdpa``: the scores → pattern step is causal softmax (SDPA may replace it); ``hook_sites``: extra
-    hook points of the attention module (``"hook_z_normed"``); ``output_site``: the hook holding the head outputs
-    that enter ``W_O``; ``defaults``: accepted ``variant_options`` and their defaults.
-    """
+    hook points of the attention module; ``output_site``: the hook holding the head outputs that enter ``W_O``;
+    ``defaults``: accepted ``variant_options`` and their defaults."""
 
     uses_sdpa: ClassVar[bool] = True
     hook_sites: ClassVar[tuple[str, ...]] = ()
@@ -65,9 +59,8 @@ class AttentionVariant(nn.Module):
         self.check_options(options)
         self.options = {**self.defaults, **options}
         if "eps" in self.options:  # every variant's eps is a denominator guard: a positive number
-            self.options["eps"] = finite_number(
-                self.options["eps"], what=f"attention variant {type(self).__name__} option eps", low=0.0, low_open=True
-            )
+            what = f"attention variant {type(self).__name__} option eps"
+            self.options["eps"] = finite_number(self.options["eps"], what=what, low=0.0, low_open=True)
         self.n_heads, self.d_head, self.d_model, self.n_ctx, self.init_std = n_heads, d_head, d_model, n_ctx, init_std
 
     @classmethod
@@ -108,8 +101,7 @@ class AttentionVariant(nn.Module):
 
     def output_gain(self) -> Float[Tensor, "head d_head"] | None:
         """``γ`` when :meth:`transform_z` is ``c[b, t, h] · (γ[h] ⊙ z[b, t, h])`` (ones by default), float32 on the
-        CPU; None otherwise (an element-wise gate). Analyzers then split a head's output into per-key writes.
-        """
+        CPU; None otherwise (an element-wise gate). Analyzers then split a head's output into per-key writes."""
         return torch.ones(self.n_heads, self.d_head)
 
 
@@ -123,8 +115,7 @@ class HeadwiseRMSNorm(AttentionVariant):
     As ``HeadRMSNorm`` in Siquan-Li/Head-wise-RMSNorm: gain ``[n_heads, d_head]`` (``gain="per_head"``) or
     ``[d_head]`` (``"shared"``); ``init="first_token"`` calibrates it with their formula, averaged over 8 draws
     (:func:`sinklens.sinklm.model.calibrate_headwise_gains`), ``"ones"`` leaves 1. Output at
-    ``attn.hook_z_normed``. Unlike the authors, the gain is never weight-decayed.
-    """
+    ``attn.hook_z_normed``. Unlike the authors, the gain is never weight-decayed."""
 
     hook_sites = ("hook_z_normed",)
     output_site = "hook_z_normed"
@@ -152,8 +143,7 @@ class Gated(AttentionVariant):
     """Gated attention (Qiu et al. 2025, position G1): ``z'[t, h] = z[t, h] ⊙ sigmoid(x[t] W_G[h])``, x the ln1 output.
 
     ``granularity="elementwise"``: ``W_G [n_heads, d_model, d_head]``; ``"headwise"``: ``[n_heads, d_model]``.
-    No bias. Hooks ``attn.hook_gate`` (the sigmoid) and ``attn.hook_z_gated``.
-    """
+    No bias. Hooks ``attn.hook_gate`` (the sigmoid) and ``attn.hook_z_gated``."""
 
     hook_sites = ("hook_gate", "hook_z_gated")
     output_site = "hook_z_gated"
@@ -171,11 +161,9 @@ class Gated(AttentionVariant):
         nn.init.normal_(self.W_G, std=self.init_std)
 
     def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
-        if self.W_G.ndim == 3:
-            gate = attn.hook_gate(torch.sigmoid(torch.einsum("bpd,hdk->bphk", x, self.W_G.to(x.dtype))))
-            return attn.hook_z_gated(z * gate)
-        gate = attn.hook_gate(torch.sigmoid(torch.einsum("bpd,hd->bph", x, self.W_G.to(x.dtype))))
-        return attn.hook_z_gated(z * gate[..., None])
+        spec = "bpd,hdk->bphk" if self.W_G.ndim == 3 else "bpd,hd->bph"
+        gate = attn.hook_gate(torch.sigmoid(torch.einsum(spec, x, self.W_G.to(x.dtype))))
+        return attn.hook_z_gated(z * (gate if gate.ndim == 4 else gate[..., None]))
 
     def output_gain(self) -> Tensor | None:
         """Ones for a head-wise gate (``c`` is the gate); None for an element-wise one."""
@@ -184,8 +172,7 @@ class Gated(AttentionVariant):
 
 class QKNorm(AttentionVariant):
     """RMSNorm of every query and key head over ``d_head`` before RoPE, gains ``[d_head]`` shared by heads
-    (OLMo-2, Qwen3); at ``attn.hook_q_normed``/``hook_k_normed``.
-    """
+    (OLMo-2, Qwen3); at ``attn.hook_q_normed``/``hook_k_normed``."""
 
     hook_sites = ("hook_q_normed", "hook_k_normed")
     defaults: ClassVar[dict[str, Any]] = {"eps": 1e-6}
@@ -206,8 +193,7 @@ class SigmoidAttention(AttentionVariant):
     """Sigmoid attention: ``pattern[q, k] = sigmoid(q·k/sqrt(d_head) + b)`` for ``k <= q``, else 0 (rows unnormalised).
 
     ``bias="neg_log_n"``: ``b = -log(n_ctx)`` (Ramapuram et al. 2024); a number sets ``b``. ``b`` is in
-    ``hook_attn_scores``.
-    """
+    ``hook_attn_scores``."""
 
     uses_sdpa = False
     defaults: ClassVar[dict[str, Any]] = {"bias": "neg_log_n"}
@@ -233,8 +219,7 @@ class SinkLogit(AttentionVariant):
     """Softmax with one learnable logit ``s_h`` per head in an extra, value-less key column (gpt-oss "sinks").
 
     ``pattern[q, k] = exp(x_qk) / (exp(s_h) + Σ_{k' <= q} exp(x_qk'))``: rows sum to less than 1; ``s_h = 0``
-    is the off-by-one softmax. The hooks hold the real keys only; ``sink`` starts at ``init`` (0.0).
-    """
+    is the off-by-one softmax. The hooks hold the real keys only; ``sink`` starts at ``init`` (0.0)."""
 
     uses_sdpa = False
     defaults: ClassVar[dict[str, Any]] = {"init": 0.0}
@@ -254,8 +239,7 @@ class Softpick(AttentionVariant):
     """Softpick (Zuhri et al. 2025): ``ReLU(e^x - 1) / (Σ_window |e^x - 1| + eps)`` over the finite logits.
 
     In the authors' stable form (both sides times ``e^{-m}``, ``m`` the detached row max clamped at 0), so the
-    function is ``ReLU(e^x - 1) / (Σ |e^x - 1| + eps · e^{max(m, 0)})``, with ``expm1`` near 0. Rows sum to ≤ 1.
-    """
+    function is ``ReLU(e^x - 1) / (Σ |e^x - 1| + eps · e^{max(m, 0)})``, with ``expm1`` near 0. Rows sum to ≤ 1."""
 
     uses_sdpa = False
     defaults: ClassVar[dict[str, Any]] = {"eps": 1e-6}
@@ -314,8 +298,7 @@ class VarianceCalibrated(AttentionVariant):
     under uniform attention: ``amplify`` ``1/sqrt(s_t)``; ``attenuate`` ``sqrt(s_ref/s_t)``, ``s_ref = 1/n_ctx``;
     ``position_amplify`` ``sqrt(t+1)``; ``position_attenuate`` ``sqrt((t+1)/n_ctx)``. ``s_t`` comes from the
     pattern, or on the SDPA path from ``exp(LSE(2x) - 2 LSE(x))`` of the logits (same function, tested).
-    Output at ``attn.hook_z_calibrated``.
-    """
+    Output at ``attn.hook_z_calibrated``."""
 
     hook_sites = ("hook_z_calibrated",)
     output_site = "hook_z_calibrated"

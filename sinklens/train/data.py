@@ -14,9 +14,11 @@ Examples:
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import pickle
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any, Literal
@@ -71,19 +73,14 @@ class MarkovSource(TokenSource):
         self._cdf = transition.cumsum(dim=1)
         self._cdf[:, -1] = 1.0
 
-    def _step(self, current: Tensor, gen: torch.Generator) -> Tensor:
-        u = torch.rand(current.shape[0], generator=gen, dtype=torch.float64)
-        nxt = torch.searchsorted(self._cdf[current], u[:, None]).squeeze(1)
-        return nxt.clamp(1, self.vocab_size - 1)
-
     def _next(self, x: Tensor, t: int, gen: torch.Generator) -> Tensor:
-        return self._step(x[:, t], gen)
+        u = torch.rand(x.shape[0], generator=gen, dtype=torch.float64)
+        return torch.searchsorted(self._cdf[x[:, t]], u[:, None]).squeeze(1).clamp(1, self.vocab_size - 1)
 
     def _sample(self, gen: torch.Generator, split: Split, n: int) -> Tensor:
         x = torch.zeros(n, self.seq_len + 1, dtype=torch.long)
         x[:, 0] = self.bos_id
-        if self.seq_len >= 1:
-            x[:, 1] = torch.randint(1, self.vocab_size, (n,), generator=gen)
+        x[:, 1] = torch.randint(1, self.vocab_size, (n,), generator=gen)
         for t in range(1, self.seq_len):
             x[:, t + 1] = self._next(x, t, gen)
         return x
@@ -105,10 +102,8 @@ class BackcopySource(MarkovSource):
         self.is_trigger[self.triggers] = True
 
     def _next(self, x: Tensor, t: int, gen: torch.Generator) -> Tensor:
-        sampled = self._step(x[:, t], gen)
-        if t < 2:
-            return sampled
-        return torch.where(self.is_trigger[x[:, t]], x[:, t - 1], sampled)
+        sampled = super()._next(x, t, gen)
+        return sampled if t < 2 else torch.where(self.is_trigger[x[:, t]], x[:, t - 1], sampled)
 
 
 class StreamSource(TokenSource):
@@ -122,10 +117,8 @@ class StreamSource(TokenSource):
         need = seq_len if bos_id is not None else seq_len + 1
         for split, stream in self.streams.items():
             if len(stream) < need:
-                raise ValueError(
-                    f"The {split} split has {len(stream)} tokens, fewer than one sequence of {need}; "
-                    f"use more data, a larger data.val_fraction, or a smaller data.seq_len."
-                )
+                raise ValueError(f"The {split} split has {len(stream)} tokens, fewer than one sequence of {need}; "
+                                 f"use more data, a larger data.val_fraction, or a smaller data.seq_len.")
 
     def _sample(self, gen: torch.Generator, split: Split, n: int) -> Tensor:
         stream = self.streams[split]
@@ -174,29 +167,23 @@ def _split_docs(docs: list[str], val_fraction: float) -> tuple[list[str], list[s
 
 def _encode(tokenizer: Any, docs: list[str]) -> np.ndarray:
     """Token ids of the documents, each followed by ``<|endoftext|>``."""
-    eot = tokenizer.eos_token_id
-    ids: list[int] = []
-    for enc in tokenizer.backend_tokenizer.encode_batch(docs, add_special_tokens=False):
-        ids.extend(enc.ids)
-        ids.append(eot)
+    encoded = tokenizer.backend_tokenizer.encode_batch(docs, add_special_tokens=False)
+    ids = [i for enc in encoded for i in [*enc.ids, tokenizer.eos_token_id]]
     dtype = np.uint16 if len(tokenizer) <= 65536 else np.uint32
     return np.asarray(ids, dtype=dtype)
 
 
 def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> tuple[np.ndarray, np.ndarray, Any]:
-    """Tokenise documents once and cache ``train.npy``, ``val.npy`` and the tokenizer by a content key."""
+    """Tokenise documents once and cache ``train.npy``, ``val.npy`` and the tokenizer (a BPE trained on the train
+    split only) by a content key."""
     from sinklens.sinklm.tokenizer import byte_tokenizer, load_tokenizer, train_bpe
-
     key_parts = {**key_parts, "tokenizer": cfg.tokenizer, "vocab_size": cfg.vocab_size, "val": cfg.val_fraction, "v": 1}
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
     folder = _cache_root(cfg) / key
     if (folder / "val.npy").is_file():
         return np.load(folder / "train.npy"), np.load(folder / "val.npy"), load_tokenizer(str(folder / "tokenizer"))
     train_docs, val_docs = _split_docs(load_docs(), cfg.val_fraction)
-    if cfg.tokenizer == "byte":
-        tokenizer = byte_tokenizer()
-    else:
-        tokenizer = train_bpe(train_docs, cfg.vocab_size or 1024)  # trained on the train split only
+    tokenizer = byte_tokenizer() if cfg.tokenizer == "byte" else train_bpe(train_docs, cfg.vocab_size or 1024)
     train, val = _encode(tokenizer, train_docs), _encode(tokenizer, val_docs)
     tmp = folder.with_name(folder.name + f".tmp{os.getpid()}")
     tmp.mkdir(parents=True, exist_ok=True)
@@ -207,34 +194,24 @@ def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> t
     try:
         tmp.rename(folder)
     except OSError:  # another process cached it first
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     return train, val, tokenizer
-
-
-def _refuse_binary(file: Path) -> None:
-    try:
-        with open(file, "rb") as fh:
-            head = fh.read(8192)
-    except OSError as err:
-        raise InvalidArgumentError(f"data file {str(file)!r} cannot be read: {err.strerror or err}.") from None
-    refuse_binary(file, head, what="data",
-                  give="UTF-8 text files (or narrow data.glob), or pre-tokenised ids as a nanoGPT .bin file")
 
 
 def text_source(cfg: DataConfig) -> StreamSource:
     """Local text: a file, or the files matching ``cfg.glob`` under a folder (sorted), at most about
     ``cfg.max_tokens`` characters, tokenised (byte or BPE) and cached; non-UTF-8 bytes are replaced, with a warning."""
     files = _text_files(cfg)
-    chosen, size = [], 0
-    for f in files:
-        if size >= cfg.max_tokens:
-            break
-        chosen.append(f)
-        size += f.stat().st_size
+    before = itertools.accumulate((f.stat().st_size for f in files), initial=0)  # bytes of the files before each
+    chosen = [f for f, seen in zip(files, before) if seen < cfg.max_tokens]
     for f in chosen:
-        _refuse_binary(f)
+        try:
+            with open(f, "rb") as fh:
+                head = fh.read(8192)
+        except OSError as err:
+            raise InvalidArgumentError(f"data file {str(f)!r} cannot be read: {err.strerror or err}.") from None
+        refuse_binary(f, head, what="data",
+                      give="UTF-8 text files (or narrow data.glob), or pre-tokenised ids as a nanoGPT .bin file")
     stamp = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in chosen]
 
     def load_docs() -> list[str]:
@@ -251,11 +228,8 @@ def text_source(cfg: DataConfig) -> StreamSource:
             if text:
                 docs.append(text)
         if not_utf8:
-            warnings.warn(
-                f"{len(not_utf8)} data file(s) are not UTF-8 text; their undecodable bytes were replaced by U+FFFD: "
-                + "; ".join(not_utf8[:5]) + ("; ..." if len(not_utf8) > 5 else ""),
-                stacklevel=2,
-            )
+            warnings.warn(f"{len(not_utf8)} data file(s) are not UTF-8 text; their undecodable bytes were replaced by "
+                          f"U+FFFD: {'; '.join(not_utf8[:5])}{'; ...' if len(not_utf8) > 5 else ''}", stacklevel=2)
         return docs
 
     train, val, tokenizer = _tokenize_cached(cfg, {"files": stamp, "max": cfg.max_tokens}, load_docs)
@@ -269,14 +243,11 @@ _MAX_ID_CHUNK = 1 << 24  # tokens read at a time when a .bin file's largest id i
 def _open_bin(file: Path, *, what: str) -> np.memmap:
     """``file`` as a read-only uint16 memmap (nanoGPT's layout); refuses an empty file or a partial token."""
     size = file.stat().st_size
-    width = 2
     if size == 0:
         raise NotFoundError(f"{what} {str(file)!r} is empty; a .bin file holds uint16 token ids (nanoGPT layout).")
-    if size % width:
-        raise NotFoundError(
-            f"{what} {str(file)!r} has {size} bytes, not a whole number of {width}-byte uint16 token ids; it is not "
-            f"a nanoGPT .bin file (or it is truncated)."
-        )
+    if size % 2:
+        raise NotFoundError(f"{what} {str(file)!r} has {size} bytes, not a whole number of 2-byte uint16 token ids; "
+                            "it is not a nanoGPT .bin file (or it is truncated).")
     return np.memmap(file, dtype=np.uint16, mode="r")
 
 
@@ -308,21 +279,16 @@ def memmap_source(cfg: DataConfig) -> StreamSource:
     from ``meta.pkl``, else ``data.vocab_size``, else the largest id + 1 (an id at or above it is refused)."""
     path = Path(str(cfg.path)).expanduser()
     meta_path = (path if path.is_dir() else path.parent) / "meta.pkl"
-    if path.is_dir():
-        if not (path / "train.bin").is_file():
-            raise NotFoundError(f"No train.bin in {str(path)!r} (nanoGPT layout: train.bin, val.bin).")
-        train = _open_bin(path / "train.bin", what="data file")
-        if (path / "val.bin").is_file():
-            val = _open_bin(path / "val.bin", what="data file")
-        else:
-            cut = int(len(train) * (1 - cfg.val_fraction))
-            train, val = train[:cut], train[cut:]
-    elif path.is_file():
-        whole = _open_bin(path, what="data.path")
-        cut = int(len(whole) * (1 - cfg.val_fraction))
-        train, val = whole[:cut], whole[cut:]
-    else:
+    if path.is_dir() and not (path / "train.bin").is_file():
+        raise NotFoundError(f"No train.bin in {str(path)!r} (nanoGPT layout: train.bin, val.bin).")
+    if not path.is_dir() and not path.is_file():
         raise NotFoundError(f"data.path {str(path)!r} is neither a .bin file nor a folder with train.bin.")
+    train = _open_bin(path / "train.bin", what="data file") if path.is_dir() else _open_bin(path, what="data.path")
+    if (path / "val.bin").is_file():  # never for a file path
+        val = _open_bin(path / "val.bin", what="data file")
+    else:  # the tail is held out
+        cut = int(len(train) * (1 - cfg.val_fraction))
+        train, val = train[:cut], train[cut:]
     largest = max(_max_id(train), _max_id(val))
     if meta_path.is_file():
         vocab_size = _meta_vocab_size(meta_path)
@@ -437,8 +403,4 @@ def build_source(cfg: DataConfig, *, d_vocab: int | None = None) -> TokenSource:
             return MarkovSource(vocab_size=vocab, seq_len=cfg.seq_len, seed=cfg.seed, alpha=cfg.alpha, task_seed=cfg.task_seed)
         return BackcopySource(vocab_size=vocab, seq_len=cfg.seq_len, seed=cfg.seed, n_triggers=cfg.n_triggers,
                               alpha=cfg.alpha, task_seed=cfg.task_seed)
-    if cfg.source == "text":
-        return text_source(cfg)
-    if cfg.source == "memmap":
-        return memmap_source(cfg)
-    return hf_source(cfg)
+    return {"text": text_source, "memmap": memmap_source, "hf": hf_source}[cfg.source](cfg)

@@ -1,6 +1,5 @@
 """Ctrl-C and SIGTERM during training: finish the step in progress, checkpoint it, then raise
-:class:`~sinklens.errors.TrainingInterrupted` (exit 130). A second signal interrupts at once.
-"""
+:class:`~sinklens.errors.TrainingInterrupted` (exit 130). A second signal interrupts at once."""
 
 from __future__ import annotations
 
@@ -14,23 +13,12 @@ from typing import Any
 
 from sinklens.errors import TrainingInterrupted
 
-__all__ = ["StopSignals", "interrupted_error"]
-
 SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopSignals:
     """While active (main thread, not over an ignored signal), the first SIGINT/SIGTERM is recorded in
-    ``received`` instead of raised.
-
-    Examples:
-        >>> previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # Ctrl-C as in a terminal
-        >>> with StopSignals() as stops:
-        ...     signal.raise_signal(signal.SIGINT)  # the step goes on
-        ...     stops.received
-        'SIGINT'
-        >>> _ = signal.signal(signal.SIGINT, previous)
-    """
+    ``received`` instead of raised."""
 
     def __init__(self, enabled: bool = True) -> None:
         self.active = enabled and threading.current_thread() is threading.main_thread()

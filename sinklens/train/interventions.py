@@ -21,14 +21,12 @@ def resolve_interventions(model: Any, interventions: Sequence[Intervention]) -> 
     """The ``(hook_name, fn)`` pairs of training-time interventions: registry specs (``"restart:positions=16"``)
     or callables of the model."""
     from sinklens.interventions import registry
-
     return [hook for item in interventions for hook in registry.build(model, item)]
 
 
 def check_interventions(interventions: Sequence[Intervention]) -> None:
     """Validate intervention specs without a model (registered name, ``key=value`` arguments)."""
     from sinklens.interventions import registry
-
     for item in interventions:
         registry.check_spec(item)
 

@@ -10,14 +10,11 @@ from typing import Any
 
 from sinklens.errors import InvalidArgumentError
 
-PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard"}
-
 
 def check_log(kind: str) -> None:
-    package = PACKAGES.get(kind)
-    if package is not None and importlib.util.find_spec(package) is None:
+    if kind != "none" and importlib.util.find_spec(kind) is None:  # the package is named as the kind
         raise InvalidArgumentError(
-            f"log={kind!r} needs the {package} package, which is not installed: pip install 'sinklens[{kind}]' "
+            f"log={kind!r} needs the {kind} package, which is not installed: pip install 'sinklens[{kind}]' "
             f"(or set log='none'; metrics.jsonl is written either way)."
         )
 
@@ -29,12 +26,10 @@ class MetricsLog:
         self.kind = kind
         if kind == "wandb":
             import wandb
-
             self.run = wandb.init(project="sinklens", name=out.name if out is not None else None,
                                   dir=str(out) if out is not None else None, config=config)
         else:
             from torch.utils.tensorboard import SummaryWriter
-
             self.run = SummaryWriter(log_dir=str(out / "tensorboard") if out is not None else None)
 
     def write(self, line: dict[str, Any]) -> None:

@@ -1,9 +1,6 @@
-"""The training loop, read top to bottom like nanoGPT's ``train.py``.
-
-:func:`train` locks the run folder, then sets up (``_build``, ``_open_run_dir``, ``_prepare_loop``) and, step
-by step, evaluates (``_evaluate``), trains (``_train_step``) and checkpoints (``_checkpoint``). One ``_Run``
-carries the run's state.
-"""
+"""The training loop, read top to bottom like nanoGPT's ``train.py``: :func:`train` locks the run folder, sets
+up (``_build``, ``_open_run_dir``, ``_prepare_loop``), then evaluates, trains and checkpoints step by step; one
+``_Run`` carries the run's state."""
 
 from __future__ import annotations
 
@@ -22,13 +19,16 @@ from jaxtyping import Int
 from torch import Tensor
 from tqdm.auto import tqdm
 
+from sinklens.display import CompactRepr
 from sinklens.inputs import TokenBatch
 from sinklens.distributed import writes_outputs
 from sinklens.errors import InvalidArgumentError, TrainingDivergedError, TrainingInterrupted
 from sinklens.export import json_line, write_json
-from sinklens.sinklm.checkpoint import TOKENIZER, load_checkpoint, load_run, save_checkpoint, save_tokenizer, write_metrics
+from sinklens.sinklm.checkpoint import (
+    METRICS, TOKENIZER, load_checkpoint, load_run, read_metrics, save_checkpoint, save_tokenizer, write_metrics,
+)
 from sinklens.sinklm.run_folder import (
-    RunLock, check_data_fingerprint, clean_stale, discard_set_aside, recover_set_aside,
+    RunLock, check_data_fingerprint, check_run_dir, clean_stale, discard_set_aside, recover_set_aside,
     restore_set_aside, resume_changes, set_aside_run, set_aside_runs, tokenizer_problem, write_data_fingerprint,
 )
 from sinklens.sinklm.config import TrainConfig
@@ -42,13 +42,27 @@ from sinklens.train.loggers import MetricsLog, check_log
 from sinklens.train.optim import configure_optimizer, get_lr
 from sinklens.train.persistence import PersistenceTracker
 from sinklens.train.precision import mixed_precision
-from sinklens.train.result import TrainResult
-from sinklens.train.run_dir import check_run_dir, read_history
 from sinklens.train.speed import attention_kernels, compile_failed_warning, compile_model, estimate_mfu, peak_flops
 from sinklens.validate import positive_int, writable_dir
 
-# ----------------------------------------------------------------------------------------------
-# Pieces of the loop
+@dataclass(repr=False, eq=False)
+class TrainResult(CompactRepr):
+    """What :func:`train` returns: the trained ``model``, its ``history`` (the lines of ``metrics.jsonl``;
+    ``grad_norm`` is before clipping), ``compile`` (``compiled``, ``compile_s`` of the first compiled step,
+    ``error``), ``device`` type and ``autocast`` dtype."""
+
+    model: Any
+    history: list[dict[str, Any]] = field(default_factory=list)
+    out_dir: Path | None = None
+    compile: dict[str, Any] = field(default_factory=dict)
+    device: str = "cpu"
+    autocast: str = "none"
+
+    def losses(self) -> list[float]:
+        return [line["loss"] for line in self.history if line["kind"] == "train"]
+
+    def evals(self) -> list[dict[str, Any]]:
+        return [line for line in self.history if line["kind"] == "eval"]
 
 
 def micro_batch(rows: Int[Tensor, "batch seq_plus_1"], micro: int, cfg: TrainConfig, dist: DistContext) -> Tensor:
@@ -92,13 +106,10 @@ def fetch_rows(source: TokenSource, step: int, cfg: TrainConfig, device: torch.d
 
 def eval_batches(source: TokenSource, cfg: TrainConfig, device: torch.device) -> tuple[list[TokenBatch], list[Tensor]]:
     """The fixed held-out batches every evaluation uses (validation split, steps ``0..batches-1``)."""
-    batches, targets = [], []
-    for i in range(cfg.eval.batches):
-        rows = source.batch("val", i, cfg.eval.batch_size).to(device)
-        inputs = rows[:, :-1]
-        batches.append(TokenBatch(inputs, torch.ones_like(inputs, dtype=torch.bool), source.bos_id is not None))
-        targets.append(rows[:, 1:])
-    return batches, targets
+    rows = [source.batch("val", i, cfg.eval.batch_size).to(device) for i in range(cfg.eval.batches)]
+    batches = [TokenBatch(r[:, :-1], torch.ones_like(r[:, :-1], dtype=torch.bool), source.bos_id is not None)
+               for r in rows]
+    return batches, [r[:, 1:] for r in rows]
 
 
 def _resolve_vocab(cfg: TrainConfig, source: TokenSource) -> TrainConfig:
@@ -121,10 +132,6 @@ def _check_weights_finite(model: Any) -> str | None:
     if not bad:
         return None
     return f"{len(bad)} of {len(params)} parameter tensors hold NaN/inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
-
-
-# ----------------------------------------------------------------------------------------------
-# The loop
 
 
 def train(
@@ -152,8 +159,7 @@ def train(
     Raises:
         TrainingInterrupted: Ctrl-C or SIGTERM; the steps done were checkpointed.
         TrainingDivergedError: a NaN/inf loss or gradient (``on_nonfinite``), or non-finite weights at a
-            checkpoint; the last finite checkpoint is kept.
-    """
+            checkpoint; the last finite checkpoint is kept."""
     out = Path(out_dir).expanduser() if out_dir is not None else None
     if until is not None:
         until = positive_int(until, what="until", minimum=0)
@@ -270,7 +276,6 @@ def _build(cfg: TrainConfig, out: Path | None, dist: DistContext, device: torch.
     """Data, model, optimizer and interventions, built before ``out_dir`` is touched; the data order depends on
     ``cfg.data`` only, the initialisation on ``cfg.seed``."""
     from sinklens.sinklm.model import SinkLM
-
     source = build_source(cfg.data, d_vocab=None if cfg.model.d_vocab == "auto" else cfg.model.d_vocab)
     cfg = _resolve_vocab(cfg, source)
     per_rank, rem = divmod(cfg.batch_size // cfg.grad_accum, dist.world_size)
@@ -299,15 +304,12 @@ def _open_run_dir(run: _Run, resumed_from: Any, *, overwrite: bool, until: int |
     """Load the checkpoint a resume continues from, then write the run directory (only from here on)."""
     cfg, out, resumed = run.cfg, run.out, resumed_from is not None
     fingerprint = data_fingerprint(run.source)  # what the data is beyond its config (tokenizer, token streams)
-    fingerprinted = resumed and check_data_fingerprint(out, fingerprint)
-    if resumed and not fingerprinted and fingerprint:
-        warnings.warn(f"The run in {str(out)!r} was written before runs stored a fingerprint of their data, so "
-                      "this resume cannot check that the data (tokenizer, token ids) is what it trained on; later "
-                      "resumes check it against the data used from here on.", stacklevel=4)
     if resumed:
+        check_data_fingerprint(out, fingerprint)
         run.start_step = load_checkpoint(resumed_from, model=run.model, optimizer=run.optimizer,
                                          scaler=run.precision.scaler)
-        run.history = read_history(out, run.start_step)
+        history = read_metrics(out) if (out / METRICS).is_file() else []
+        run.history = [line for line in history if line["step"] < run.start_step]
     run.stop = cfg.steps if until is None else min(until, cfg.steps)
     if resumed and run.start_step >= run.stop:  # re-saving would replace step `stop`'s checkpoint
         asked = f"steps={cfg.steps}" + ("" if until is None else f" and until={until}")
@@ -323,8 +325,7 @@ def _open_run_dir(run: _Run, resumed_from: Any, *, overwrite: bool, until: int |
     clean_stale(out)
     write_json(out / "config.json", cfg.to_dict(), digits=None)
     write_metrics(out, run.history)  # a resumed run keeps only the lines before its checkpoint
-    if not fingerprinted:
-        write_data_fingerprint(out, fingerprint)
+    write_data_fingerprint(out, fingerprint)
     if resumed and run.source.tokenizer is not None:  # a kill may have left it broken or missing
         problem = tokenizer_problem(out)
         if problem is not None:
@@ -338,7 +339,6 @@ def _wrap(run: _Run, module: Any) -> Any:
     if not run.dist.enabled:
         return module
     from torch.nn.parallel import DistributedDataParallel as DDP
-
     return DDP(module, device_ids=[run.device.index] if run.device.type == "cuda" else None)
 
 
@@ -378,7 +378,6 @@ def _log(run: _Run, line: dict[str, Any]) -> None:
 def _evaluate(run: _Run, step: int) -> None:
     """Validation loss, sink metrics and persistence of the step-0 bias, as a ``kind="eval"`` line."""
     from sinklens.train.sink_metrics import evaluate
-
     metrics = evaluate(run.model, run.val_batches, run.val_targets, threshold=run.cfg.eval.sink_threshold,
                        extra_hooks=run.hooks)
     _log(run, {"kind": "eval", "step": step, **metrics.scalars(), **run.persist.measure(run.model)})

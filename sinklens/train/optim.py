@@ -9,7 +9,6 @@ Examples:
 
 from __future__ import annotations
 
-import inspect
 import math
 from typing import Any
 
@@ -33,9 +32,6 @@ def get_lr(step: int, optim: OptimConfig, total_steps: int) -> float:
 def configure_optimizer(model: Any, optim: OptimConfig, device: torch.device) -> torch.optim.AdamW:
     """AdamW over ``model.param_groups`` (no weight decay on <2-D parameters); ``optim.fused=None`` takes the fused
     kernel on CUDA and the CPU, ``foreach`` elsewhere."""
-    params = inspect.signature(torch.optim.AdamW).parameters
-    fused = (device.type in ("cuda", "cpu") and "fused" in params) if optim.fused is None else bool(optim.fused)
-    extra: dict[str, Any] = {"fused": True} if fused else ({"foreach": True} if "foreach" in params else {})
-    return torch.optim.AdamW(
-        model.param_groups(optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps, **extra
-    )
+    fused = device.type in ("cuda", "cpu") if optim.fused is None else optim.fused
+    return torch.optim.AdamW(model.param_groups(optim.weight_decay), lr=optim.lr, betas=(optim.beta1, optim.beta2),
+                             eps=optim.eps, **({"fused": True} if fused else {"foreach": True}))

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-
-__all__ = ["MixedPrecision", "mixed_precision", "native_cpu_bf16"]
 
 _BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
 
@@ -22,14 +21,10 @@ def native_cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     """Whether the first ``flags``/``Features`` line of ``cpuinfo`` names native bfloat16; None where there
     is no such line (not Linux)."""
     try:
-        text = Path(cpuinfo).read_text()
+        flags = re.search(r"^\s*(?:flags|features)\s*:(.*)$", Path(cpuinfo).read_text(), re.MULTILINE | re.IGNORECASE)
     except OSError:
         return None
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip().lower() in ("flags", "features"):
-            return bool(_BF16_FLAGS & set(value.split()))
-    return None
+    return None if flags is None else bool(_BF16_FLAGS & set(flags.group(1).split()))
 
 
 @dataclass(frozen=True)
@@ -48,12 +43,8 @@ def mixed_precision(cfg: Any, device: torch.device) -> MixedPrecision:
         return MixedPrecision(torch.autocast(device_type="cuda", dtype=dtype), cfg.autocast, scaler)
     if device.type == "cpu" and cfg.cpu_autocast == "bfloat16":
         if native_cpu_bf16() is False:
-            warnings.warn(
-                "cpu_autocast='bfloat16' on a CPU without native bfloat16 instructions (no avx512_bf16 / "
-                "amx_bf16 in /proc/cpuinfo): bfloat16 is emulated there and likely slower than float32; "
-                "set cpu_autocast='none' to train in float32.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            warnings.warn("cpu_autocast='bfloat16' on a CPU without native bfloat16 instructions (no avx512_bf16 / "
+                          "amx_bf16 in /proc/cpuinfo): bfloat16 is emulated there and likely slower than float32; "
+                          "set cpu_autocast='none' to train in float32.", RuntimeWarning, stacklevel=3)
         return MixedPrecision(torch.autocast(device_type="cpu", dtype=torch.bfloat16), "bfloat16")
     return MixedPrecision(contextlib.nullcontext(), "none")

@@ -71,8 +71,7 @@ class SinkMetrics(CompactRepr):
         norm_ratio: ``[layer]`` first-token norm ratio of ``hook_resid_post`` (:class:`FirstTokenNormReducer`).
         variance_ratio: ``[layer, head]`` variance of ``hook_z`` at position 0 over the mean at ``t >= 1``.
         attn_out_variance_ratio: ``[layer]`` the same for ``hook_attn_out`` (after the variant and ``W_O``).
-        attention_path: where the sink statistics read attention: ``"qk"`` (queries and keys) or ``"pattern"``.
-    """
+        attention_path: where the sink statistics read attention: ``"qk"`` (queries and keys) or ``"pattern"``."""
 
     val_loss: float
     attention_to_first: Float[Tensor, "layer head"]
@@ -114,18 +113,13 @@ def evaluate(
     was_training = model.training
     model.eval()
     try:
-        losses = []
         with torch.inference_mode(), model.hooks(fwd_hooks=list(extra_hooks)):
-            for batch, target in zip(batches, targets):
-                logits = model(batch.tokens, return_type="logits")
-                losses.append(next_token_loss(logits, target))
-        sinks, norms, variance = stream(
-            model,
-            batches,
-            [SinkReducer(model, settings=SinkSettings(threshold, min_query=1, top_k=0, method=method)),
-             FirstTokenNormReducer(model), VarianceReducer(model, method=method)],
-            options=RunOptions(progress=False, extra_hooks=tuple(extra_hooks)),
-        )
+            losses = [next_token_loss(model(batch.tokens, return_type="logits"), target)
+                      for batch, target in zip(batches, targets)]
+        reducers = [SinkReducer(model, settings=SinkSettings(threshold, min_query=1, top_k=0, method=method)),
+                    FirstTokenNormReducer(model), VarianceReducer(model, method=method)]
+        sinks, norms, variance = stream(model, batches, reducers,
+                                        options=RunOptions(progress=False, extra_hooks=tuple(extra_hooks)))
     finally:
         model.train(was_training)
     return SinkMetrics(

@@ -63,7 +63,6 @@ def attention_kernels(device: torch.device) -> Any:
     if device.type != "cuda" or torch.cuda.get_device_capability(device) < (9, 0):
         return contextlib.nullcontext()
     from torch.nn.attention import SDPBackend, sdpa_kernel
-
     if "set_priority" not in inspect.signature(sdpa_kernel).parameters:
         return contextlib.nullcontext()
     order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]

@@ -204,7 +204,6 @@ def test_param_groups_num_params_and_flops():
     assert id(model.W_E) in ids(decay) and id(model.blocks[0].ln1.w) in ids(no_decay)
     n = sum(p.numel() for p in model.parameters())
     assert model.num_params() == n
-    assert model.num_params(non_embedding=True) == n - 32 * 16
     assert model.flops_per_token() == 6 * n + 12 * 2 * 4 * 4 * 16
     assert model.flops_per_token(8) == 6 * n + 12 * 2 * 4 * 4 * 8
 

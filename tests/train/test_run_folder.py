@@ -55,11 +55,10 @@ def test_resume_refuses_text_data_rewritten_in_place_and_old_runs_still_resume(t
                                                   r".* in the run; the train token stream"):
         train(_text_cfg(tmp_path, steps=4), out_dir=run, resume=True, progress=False)
     assert _snapshot(run) == before
-    # a run written before fingerprints were stored resumes (with a warning) and is checked from then on
+    # a run without a stored fingerprint resumes and is checked from then on
     _corpus(tmp_path / "corpus.txt", ["alpha", "beta", "gamma", "delta", "sink", "token"], 0)  # the run's data again
     (run / "data_fingerprint.json").unlink()
-    with pytest.warns(UserWarning, match="written before runs stored a fingerprint"):
-        train(_text_cfg(tmp_path, steps=3), out_dir=run, resume=True, progress=False)
+    train(_text_cfg(tmp_path, steps=3), out_dir=run, resume=True, progress=False)
     assert (run / "data_fingerprint.json").is_file()
     train(_text_cfg(tmp_path, steps=4), out_dir=run, resume=True, progress=False)  # same data: resumes
     assert load_run(run).step == 4
