@@ -20,7 +20,7 @@ from sinklens.hooks import eval_mode, model_device, model_dims
 from sinklens.inputs import bos_token_id
 from sinklens.prompts import stdlib_text_prompts
 from sinklens.peft.adapters import Adapter, adapted
-from sinklens.validate import as_float, as_seed, positive_int
+from sinklens.validate import as_seed, finite_number, positive_int
 
 
 @dataclass(repr=False, eq=False)
@@ -144,9 +144,7 @@ def train_adapter(model: Any, adapter: Adapter, task: Task, *, steps: int = 200,
     """AdamW on ``adapter`` alone (model frozen, eval mode): ``steps`` batches of ``batch_size`` rows drawn with
     ``seed``, learning rate decayed by a cosine to 10 % of ``lr``."""
     steps, batch_size = positive_int(steps, what="steps", minimum=0), positive_int(batch_size, what="batch_size")
-    lr = as_float(lr, what="lr")
-    if not math.isfinite(lr) or lr <= 0:
-        raise InvalidArgumentError(f"lr must be a positive number, got {lr}.")
+    lr = finite_number(lr, what="lr", low=0.0, low_open=True)
     device, gen = model_device(model), torch.Generator().manual_seed(as_seed(seed))
     opt = torch.optim.AdamW([p for p in adapter.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
     result = TrainResult(adapter.method, task.name, adapter.n_params(), steps, lr)
