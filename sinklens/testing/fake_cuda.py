@@ -83,10 +83,6 @@ def _is_cuda(device: Any) -> bool:
     return device is not None and not isinstance(device, int) and torch.device(device).type == "cuda"
 
 
-def _wrap(value: Any) -> Any:
-    return tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeCudaTensor) else FakeCudaTensor(t), value)
-
-
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
     tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     fakes = [t for t in tensors if isinstance(t, FakeCudaTensor)]
@@ -111,21 +107,17 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 class _ToHost(torch.autograd.Function):
-    """A fake tensor's data as a plain CPU tensor, with gradients flowing back to the fake one."""
+    """A fake tensor's data as a plain CPU tensor (a host sync), with gradients flowing back to the fake one."""
 
     @staticmethod
     def forward(ctx: Any, fake: FakeCudaTensor) -> torch.Tensor:
+        if _ACTIVE:
+            _ACTIVE[-1].host_syncs += 1
         return fake.cpu_data.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> FakeCudaTensor:
         return FakeCudaTensor(grad)
-
-
-def _to_host(fake: FakeCudaTensor) -> torch.Tensor:
-    if _ACTIVE:
-        _ACTIVE[-1].host_syncs += 1
-    return _ToHost.apply(fake)
 
 
 class _FakeCudaMode(TorchFunctionMode):
@@ -145,18 +137,19 @@ class _FakeCudaMode(TorchFunctionMode):
                 moved = real.to(dtype=dtype or real.dtype, copy=bool(kwargs.get("copy", False)))
                 return self_ if moved is real and isinstance(self_, FakeCudaTensor) else FakeCudaTensor(moved)
             if isinstance(args[0], FakeCudaTensor) and device is not None:  # to the host (a CPU kernel sees no move)
-                return _to_host(args[0]).to(*args[1:], **kwargs)
+                return _ToHost.apply(args[0]).to(*args[1:], **kwargs)
         elif func is torch.Tensor.cpu and isinstance(args[0], FakeCudaTensor):
-            return _to_host(args[0])
+            return _ToHost.apply(args[0])
         elif func is torch.Tensor.tolist and isinstance(args[0], FakeCudaTensor):
-            return _to_host(args[0]).tolist()
+            return _ToHost.apply(args[0]).tolist()
         elif func in (torch.Tensor.numpy, torch.Tensor.__array__) and isinstance(args[0], FakeCudaTensor):
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
                             "host memory first.")
         elif func in (torch.Tensor.pin_memory, torch.Tensor.is_pinned):
             return args[0] if func is torch.Tensor.pin_memory else False
         elif _is_cuda(kwargs.get("device")) and func is not torch._C._nn._parse_to:  # (Module.to parses, then calls .to)
-            return _wrap(func(*args, **{**kwargs, "device": _CPU}))
+            out = func(*args, **{**kwargs, "device": _CPU})
+            return tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeCudaTensor) else FakeCudaTensor(t), out)
         return func(*args, **kwargs)
 
 
