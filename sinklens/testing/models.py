@@ -124,12 +124,7 @@ def tiny_model(arch: Arch = "llama", *, n_layers: int = 2, d_model: int = 16, n_
 def tiny_sinklm(variant: str = "baseline", *, family: Literal["llama", "gpt2"] = "llama", seed: int = 0,
                 **variant_options: Any) -> Any:
     """A step-0 :class:`~sinklens.sinklm.model.SinkLM` (2 layers, d_model 32, context 16, vocabulary 512) with a
-    trainer attention variant, built as ``sinklens train`` builds it (``headwise_rms`` gains drawn from [0.5, 2]).
-
-    Examples:
-        >>> tiny_sinklm("gated", granularity="headwise").head_output_site
-        'attn.hook_z_gated'
-    """
+    trainer attention variant, built as ``sinklens train`` builds it (``headwise_rms`` gains drawn from [0.5, 2])."""
     cfg = ModelConfig.from_dict(dict(family=family, n_layers=2, d_model=32, n_heads=4, d_mlp=64, n_ctx=16, d_vocab=512,
                                      variant=variant, variant_options=variant_options))
     model = sinklm_at_init(cfg, seed)

@@ -1,12 +1,10 @@
 """Tiny models with hand-planted sink mechanisms, so analyzers can be tested against known answers.
 
-:func:`planted_model` edits a :func:`sinklens.testing.tiny_model` in place to plant a BOS-only direction
-``bos_dim``; a super neuron ``(layer, neuron)`` reading it and writing ``dim``, which nothing else writes (so
-position 0 alone carries a massive value in ``dim`` from ``blocks.{layer + 1}``); optionally an eraser neuron
-writing ``-dim`` back; optionally amplifiers (neuron ``amplify_neuron`` of each of ``amplify_layers`` reads ``dim``
-and writes ``amplify_write`` × its activation into it: a cascade); and query–key locking in head
-``(qk_layer, qk_head)`` through a shared direction ``common_dim`` of the non-BOS tokens.
-"""
+:func:`planted_model` plants in a :func:`sinklens.testing.tiny_model` a BOS-only direction ``bos_dim``; a super
+neuron ``(layer, neuron)`` reading it and writing ``dim``, which nothing else writes (so position 0 alone carries a
+massive value in ``dim`` from ``blocks.{layer + 1}``); optionally an eraser neuron writing ``-dim`` back, amplifiers
+(neuron ``amplify_neuron`` of each of ``amplify_layers`` adds ``amplify_write`` × its activation to ``dim``) and
+query–key locking in head ``(qk_layer, qk_head)`` through a direction ``common_dim`` shared by the non-BOS tokens."""
 
 from __future__ import annotations
 
@@ -132,15 +130,9 @@ def planted_model(arch: Literal["llama", "gpt2"] = "llama", *, layer: int = 0, n
         W_E[0, bos_dim] = 4.0 * typical
         if qk_layer is not None:
             W_E[1:, common_dim] = 2.0 * typical
-        W_pos = w("W_pos")
-        if W_pos is not None:
-            W_pos[:, protected] = 0.0
-        for block in range(n_layers):  # nothing but the plants writes into the protected dims
-            w("W_O", block)[:, protected] = 0.0
-            w("W_out", block)[:, protected] = 0.0
-            for bias in (w("b_O", block), w("b_out", block)):
-                if bias is not None:
-                    bias[protected] = 0.0
+        for t in [w("W_pos")] + [w(n, b) for b in range(n_layers) for n in ("W_O", "W_out", "b_O", "b_out")]:
+            if t is not None:  # nothing but the plants writes into the protected dims
+                t[..., protected] = 0.0
         _plant_reader(w, layer, neuron, bos_dim, dim, write or (20.0 if arch == "llama" else 250.0), arch)
         for block in amplify_layers:
             _plant_reader(w, block, amplify_neuron, dim, dim, amplify_write, arch, gate_dim=bos_dim, gain=10.0)
@@ -164,10 +156,6 @@ def planted_model(arch: Literal["llama", "gpt2"] = "llama", *, layer: int = 0, n
             W_K[common_dim, :] = 0.0
             W_K[dim, :] = 0.0
             W_K[dim, j] = 3.0
-    spec = PlantedSpec(
-        arch=arch, layer=layer, neuron=neuron, dim=dim, bos_dim=bos_dim,
-        erase_layer=erase_layer, erase_neuron=erase_neuron if erase_layer is not None else None,
-        qk_layer=qk_layer, qk_head=qk_head if qk_layer is not None else None,
-        common_dim=common_dim if qk_layer is not None else None,
-    )
-    return model, spec
+    erase, qk = erase_layer is not None, qk_layer is not None
+    return model, PlantedSpec(arch, layer, neuron, dim, bos_dim, erase_layer, erase_neuron if erase else None,
+                              qk_layer, qk_head if qk else None, common_dim if qk else None)
