@@ -37,8 +37,7 @@ def prefix_refusal(model: Any) -> str | None:
     rot = hook_name(0, ROT_Q)
     if rot in model.hook_dict and silent_hooks(model, [rot]):
         return f"it lists {rot} but never runs it, so the rotated queries a prefix key must meet are not exposed"
-    why = post_hoc_attention(model)
-    if why is not None:
+    if (why := post_hoc_attention(model)) is not None:
         return why
     hf = getattr(model.blocks[0].attn, "original_component", None)
     if getattr(hf, "attn_logit_softcapping", None) or (getattr(model.cfg, "attn_scores_soft_cap", -1.0) or -1.0) > 0:
@@ -65,8 +64,7 @@ class Adapter(nn.Module):
 
     def _note(self, layer: int, key: str, value: Tensor) -> None:
         if self.record is not None:
-            k = (layer, key)
-            self.record[k] = self.record[k] + value if k in self.record else value
+            self.record[layer, key] = self.record.get((layer, key), 0) + value
 
     def _note_shares(self, layer: int, prefix_part: Tensor, input_part: Tensor) -> None:
         """``|prefix part| / (|prefix part| + |input part|)`` of ``[batch, pos, head, d_head]`` outputs, summed per

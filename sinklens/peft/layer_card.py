@@ -155,10 +155,8 @@ def placement_check(model: Any, task: Task, card: LayerCard, *, k: int, objectiv
     """LoRA on the card's top-``k`` layers and on all layers, same budget: ``recovered = (L_base - L_topk) /
     (L_base - L_all)`` of the eval loss, stored in ``card.placement``."""
     chosen = card.place(k, objective)
-    runs = {}
-    for name, layers in (("topk", chosen), ("all", None)):
-        lora = LoRA(model, card.rank, layers=layers, seed=seed)
-        runs[name] = train_adapter(model, lora, task, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+    runs = {name: train_adapter(model, LoRA(model, card.rank, layers=layers, seed=seed), task, steps=steps, lr=lr,
+                                batch_size=batch_size, seed=seed) for name, layers in (("topk", chosen), ("all", None))}
     base = runs["all"].eval_before["loss"]
     topk, full = runs["topk"].eval_after["loss"], runs["all"].eval_after["loss"]
     gain = base - full
