@@ -1,12 +1,7 @@
-"""Hook-based adapters on a frozen TransformerLens model (4.x bridge, 3.x, ``SinkLM``); the model is not modified.
-
-An adapter holds only its trainable tensors; :meth:`Adapter.hooks` gives the ``(hook_name, fn)`` pairs that
-apply it (:func:`adapted`). Tensors made inside a hook take the activation's device and dtype.
-
-* :class:`PrefixTuning` (Li & Liang 2021): trainable keys/values inside each head's softmax.
-* :class:`PrefixTuningPlus` (PrefixMemory-Tuning, arXiv 2506.13674): ``z += φ(q)ᵀ M`` outside the softmax.
-* :class:`LoRA` (Hu et al. 2021) on ``W_Q W_K W_V W_O W_in W_out``.
-"""
+"""Adapters as hooks on a frozen TransformerLens model (4.x bridge, 3.x, ``SinkLM``), which is not modified:
+:class:`PrefixTuning` (Li & Liang 2021), :class:`PrefixTuningPlus` (arXiv 2506.13674) and :class:`LoRA`
+(Hu et al. 2021). An adapter holds only its trainable tensors; :meth:`Adapter.hooks` gives the
+``(hook_name, fn)`` pairs that apply it (:func:`adapted`)."""
 
 from __future__ import annotations
 
@@ -42,8 +37,7 @@ def prefix_refusal(model: Any) -> str | None:
     rot = hook_name(0, ROT_Q)
     if rot in model.hook_dict and silent_hooks(model, [rot]):
         return f"it lists {rot} but never runs it, so the rotated queries a prefix key must meet are not exposed"
-    why = post_hoc_attention(model)
-    if why is not None:
+    if (why := post_hoc_attention(model)) is not None:
         return why
     hf = getattr(model.blocks[0].attn, "original_component", None)
     if getattr(hf, "attn_logit_softcapping", None) or (getattr(model.cfg, "attn_scores_soft_cap", -1.0) or -1.0) > 0:
@@ -51,12 +45,6 @@ def prefix_refusal(model: Any) -> str | None:
     if getattr(hf, "sinks", None) is not None:
         return "its learned sink logits join the softmax outside hook_attn_scores"
     return None
-
-
-def _scale(model: Any) -> float:
-    """What ``hook_attn_scores`` divides ``q·k`` by: ``cfg.attn_scale``, else ``sqrt(d_head)``."""
-    scale = getattr(model.cfg, "attn_scale", None)
-    return float(scale) if isinstance(scale, (int, float)) and scale > 0 else math.sqrt(model_dims(model).d_head)
 
 
 class Adapter(nn.Module):
@@ -76,8 +64,7 @@ class Adapter(nn.Module):
 
     def _note(self, layer: int, key: str, value: Tensor) -> None:
         if self.record is not None:
-            k = (layer, key)
-            self.record[k] = self.record[k] + value if k in self.record else value
+            self.record[layer, key] = self.record.get((layer, key), 0) + value
 
     def _note_shares(self, layer: int, prefix_part: Tensor, input_part: Tensor) -> None:
         """``|prefix part| / (|prefix part| + |input part|)`` of ``[batch, pos, head, d_head]`` outputs, summed per
@@ -103,7 +90,7 @@ class PrefixTuning(Adapter):
     method = "prefix"
 
     def __init__(self, model: Any, n_prefix: int = 8, *, layers: int | Sequence[int] | None = None,
-                 reparam: bool = True, hidden: int | None = None, init_std: float = 1.0, seed: int = 0) -> None:
+                 reparam: bool = True, init_std: float = 1.0, seed: int = 0) -> None:
         super().__init__(model, layers)
         if (why := prefix_refusal(model)) is not None:
             raise UnsupportedArchitectureError(f"prefix-tuning cannot run on this model: {why}. Use prefix-plus or "
@@ -111,14 +98,15 @@ class PrefixTuning(Adapter):
         self.n_prefix = positive_int(n_prefix, what="n_prefix")
         d = self.dims
         self.q_site = ROT_Q if hook_name(0, ROT_Q) in model.hook_dict else Q  # after rotary where there is one
-        self.scale = _scale(model)
+        scale = getattr(model.cfg, "attn_scale", None)  # what hook_attn_scores divides q·k by
+        self.scale = float(scale) if isinstance(scale, (int, float)) and scale > 0 else math.sqrt(d.d_head)
         device, dtype, gen = model_device(model), _param_dtype(model), torch.Generator().manual_seed(seed)
         shape = (len(self.layers), 2, self.n_prefix, d.n_kv_heads, d.d_head)
         self.reparam = bool(reparam)
         if self.reparam:
-            hidden = positive_int(hidden or d.d_model, what="hidden")
             self.embedding = nn.Parameter(torch.randn(self.n_prefix, d.d_model, generator=gen).to(device, dtype))
-            self.mlp = nn.Sequential(nn.Linear(d.d_model, hidden), nn.Tanh(), nn.Linear(hidden, math.prod(shape) // self.n_prefix))
+            self.mlp = nn.Sequential(nn.Linear(d.d_model, d.d_model), nn.Tanh(),
+                                     nn.Linear(d.d_model, math.prod(shape) // self.n_prefix))
             with torch.no_grad():
                 for p in self.mlp.parameters():
                     p.copy_(torch.empty_like(p).uniform_(-1, 1, generator=gen) / math.sqrt(p.shape[-1]))
@@ -175,11 +163,9 @@ class PrefixTuning(Adapter):
 class PrefixTuningPlus(Adapter):
     """Prefix-Tuning+ (PrefixMemory-Tuning): each head's output ``z += φ(q)ᵀ M``, outside the softmax.
 
-    From the paper (arXiv 2506.13674, §3): the prefix's attention is linearised, ``sim(q, s) ≈ φ(q)ᵀφ(s)``,
-    its normaliser dropped and ``Σ_s φ(s) v_sᵀ`` replaced by a trainable ``M``. Our choices (the paper's
-    body and code were not reachable; docs/peft.md): ``φ = elu + 1`` (Katharopoulos et al. 2020) on the
-    pre-rotary query ``attn.hook_q``; one ``M[d_head, d_head]`` per layer and query head, ``N(0, init_std²)``
-    (default 0: training starts from the frozen model); the bias is added at ``attn.hook_z``, before ``W_O``.
+    ``φ = elu + 1`` on the pre-rotary query ``attn.hook_q``; one ``M[d_head, d_head]`` per layer and query head,
+    ``N(0, init_std²)`` (default 0: training starts from the frozen model); added at ``attn.hook_z``, before
+    ``W_O``. What comes from the paper and what is ours: docs/peft.md.
     """
 
     method = "prefix-plus"
@@ -191,11 +177,6 @@ class PrefixTuningPlus(Adapter):
         memory = torch.randn(len(self.layers), d.n_heads, d.d_head, d.d_head, generator=gen) * init_std
         self.memory = nn.Parameter(memory.to(model_device(model), _param_dtype(model)))
 
-    @staticmethod
-    def feature_map(q: Tensor) -> Tensor:
-        """``φ(q) = elu(q) + 1``: positive, so ``φ(q)ᵀφ(s)`` is a valid similarity."""
-        return F.elu(q) + 1
-
     def hooks(self) -> Hooks:
         state: dict[int, Tensor] = {}
         hooks: Hooks = []
@@ -204,7 +185,8 @@ class PrefixTuningPlus(Adapter):
                 state[i] = q
 
             def add_bias(z: Tensor, hook: Any, i: int = i, layer: int = layer) -> Tensor:
-                bias = torch.einsum("bqhd,hde->bqhe", self.feature_map(state.pop(i)), self.memory[i].to(z))
+                phi = F.elu(state.pop(i)) + 1  # positive, so φ(q)ᵀφ(s) is a valid similarity
+                bias = torch.einsum("bqhd,hde->bqhe", phi, self.memory[i].to(z))
                 self._note_shares(layer, bias, z)
                 return z + bias
 
@@ -269,15 +251,15 @@ class LoRA(Adapter):
         return hooks
 
 
-METHODS: tuple[str, ...] = ("prefix", "prefix-plus", "lora")
+_CLASSES = {c.method: c for c in (PrefixTuning, PrefixTuningPlus, LoRA)}
+METHODS: tuple[str, ...] = tuple(_CLASSES)
 
 
 def make_adapter(model: Any, method: str, **kwargs: Any) -> Adapter:
     """The adapter named ``method`` (one of :data:`METHODS`), built with ``kwargs``."""
-    classes = {"prefix": PrefixTuning, "prefix-plus": PrefixTuningPlus, "lora": LoRA}
-    if method not in classes:
+    if method not in _CLASSES:
         raise InvalidArgumentError(f"Unknown PEFT method {method!r}; choose one of {', '.join(METHODS)}.")
-    return classes[method](model, **kwargs)
+    return _CLASSES[method](model, **kwargs)
 
 
 @contextmanager

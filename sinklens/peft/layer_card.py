@@ -1,10 +1,6 @@
-"""The Layer Card (Xu, Liang, Dai et al., arXiv 2602.04019): which layers to fine-tune.
-
-The paper (abstract, §1): under a local quadratic approximation of the loss around the frozen model, a
-layer's adapter is governed by its projected residual norm (resnorm; for squared loss and linear adapters
-a normalised gradient norm), its activation energy (conditioning, noise amplification) and its coupling
-to other layers (weak coupling: additive gains), summarised with compute cost. How we compute them is our
-choice (docs/peft.md): a linear adapter ``hook_resid_post += ΔW_ℓ a``, ``a = ln1.hook_normalized``, and
+"""The Layer Card (Xu, Liang, Dai et al., arXiv 2602.04019): which layers to fine-tune, from each layer's
+resnorm, activation energy, coupling and cost. The paper's quantities computed our way (docs/peft.md), for a
+linear adapter ``hook_resid_post += ΔW_ℓ a``, ``a = ln1.hook_normalized``:
 
 * **resnorm** ``‖G_ℓ Σ_ℓ^{-1/2}‖_F``: ``G_ℓ = ∂L/∂ΔW_ℓ`` at 0 (``L`` the mean task loss), ``Σ_ℓ = E[a aᵀ]`` over
   token positions plus ``ridge·tr(Σ)/d·I``; for squared loss the best ``ΔW_ℓ`` lowers the loss by ``Res²/2``;
@@ -17,7 +13,6 @@ choice (docs/peft.md): a linear adapter ``hook_resid_post += ΔW_ℓ a``, ``a = 
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -31,7 +26,7 @@ from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import RESID_POST, eval_mode, hook_name, layer_of, model_device, model_dims, resolve_layers
 from sinklens.peft.adapters import LoRA
 from sinklens.peft.train import Task, frozen, task_loss, train_adapter
-from sinklens.validate import as_float, positive_int
+from sinklens.validate import finite_number, positive_int
 
 INPUT_SITE = "ln1.hook_normalized"
 OBJECTIVES = ("resnorm", "gain_per_param")
@@ -86,14 +81,7 @@ class LayerCard(CompactRepr):
 
 
 def resnorm_from_moments(grad: Tensor, cov: Tensor, *, ridge: float = 1e-3) -> tuple[Tensor, Tensor, Tensor]:
-    """``(‖G Σ_r^{-1/2}‖_F, G Σ_r^{-1}, λ_max/λ_min)`` with ``Σ_r = Σ + ridge·tr(Σ)/d·I``, in float64.
-
-    Examples:
-        >>> cov = torch.diag(torch.tensor([4.0, 1.0]))
-        >>> res, _, _ = resnorm_from_moments(torch.tensor([[2.0, 1.0]]), cov, ridge=0.0)
-        >>> round(float(res), 6)  # sqrt(2²/4 + 1²/1)
-        1.414214
-    """
+    """``(‖G Σ_r^{-1/2}‖_F, G Σ_r^{-1}, λ_max/λ_min)`` with ``Σ_r = Σ + ridge·tr(Σ)/d·I``, in float64."""
     g, c = grad.double(), cov.double()
     d = c.shape[0]
     c = c + ridge * torch.trace(c).clamp_min(torch.finfo(torch.float64).tiny) / d * torch.eye(d, dtype=c.dtype, device=c.device)
@@ -125,9 +113,7 @@ def layer_card(model: Any, task: Task, *, layers: int | Sequence[int] | None = N
         (torch.Size([2, 2]), True)
     """
     dims, device = model_dims(model), model_device(model)
-    layers, ridge = resolve_layers(layers, dims.n_layers), as_float(ridge, what="ridge")
-    if not (ridge >= 0 and math.isfinite(ridge)):
-        raise InvalidArgumentError(f"ridge must be a finite number >= 0, got {ridge}.")
+    layers, ridge = resolve_layers(layers, dims.n_layers), finite_number(ridge, what="ridge", low=0.0)
     tokens = task.train[:positive_int(n_rows, what="n_rows")].to(device)
     acts: dict[int, Tensor] = {}
 
@@ -143,19 +129,13 @@ def layer_card(model: Any, task: Task, *, layers: int | Sequence[int] | None = N
         with model.hooks(fwd_hooks=hooks(zeros)):
             loss = task_loss(model(tokens), tokens, task.loss_mask)
         grads = torch.autograd.grad(loss, [zeros[layer] for layer in layers])
-        resnorm, energy, condition, directions = [], [], [], []
-        for layer, g in zip(layers, grads):
-            a = acts[layer].reshape(-1, dims.d_model).float()
-            cov = a.T @ a / a.shape[0]
-            res, direction, cond = resnorm_from_moments(g, cov, ridge=ridge)
-            resnorm.append(res)
-            energy.append(torch.trace(cov) / dims.d_model)
-            condition.append(cond)
-            directions.append(direction.float())
+        flat = [acts[layer].reshape(-1, dims.d_model).float() for layer in layers]
+        covs = [a.T @ a / a.shape[0] for a in flat]
+        resnorm, directions, condition = zip(*(resnorm_from_moments(g, c, ridge=ridge) for g, c in zip(grads, covs)))
         hessian = torch.zeros(len(layers), len(layers), dtype=torch.float64, device=device)
         if coupling:
             t = torch.zeros(len(layers), device=device, requires_grad=True)
-            deltas = {layer: t[i] * directions[i] for i, layer in enumerate(layers)}
+            deltas = {layer: t[i] * directions[i].float() for i, layer in enumerate(layers)}
             with model.hooks(fwd_hooks=hooks(deltas)):
                 loss_t = task_loss(model(tokens), tokens, task.loss_mask)
             (grad_t,) = torch.autograd.grad(loss_t, t, create_graph=True)
@@ -164,7 +144,8 @@ def layer_card(model: Any, task: Task, *, layers: int | Sequence[int] | None = N
                 hessian[i] = row.double() if row is not None else 0.0
             hessian = (hessian + hessian.T) / 2
     params = [LoRA(model, rank, layers=[layer]).n_params() for layer in layers]
-    return LayerCard(layers, torch.stack(resnorm).float().cpu(), torch.stack(energy).float().cpu(),
+    energy = torch.stack([torch.trace(c) for c in covs]) / dims.d_model
+    return LayerCard(layers, torch.stack(resnorm).float().cpu(), energy.float().cpu(),
                      torch.stack(condition).float().cpu(), coupling_from_hessian(hessian).float().cpu(),
                      params, [6 * p for p in params], rank, tokens.numel(), ridge, task.name, float(loss.detach()))
 
@@ -174,10 +155,8 @@ def placement_check(model: Any, task: Task, card: LayerCard, *, k: int, objectiv
     """LoRA on the card's top-``k`` layers and on all layers, same budget: ``recovered = (L_base - L_topk) /
     (L_base - L_all)`` of the eval loss, stored in ``card.placement``."""
     chosen = card.place(k, objective)
-    runs = {}
-    for name, layers in (("topk", chosen), ("all", None)):
-        lora = LoRA(model, card.rank, layers=layers, seed=seed)
-        runs[name] = train_adapter(model, lora, task, steps=steps, lr=lr, batch_size=batch_size, seed=seed)
+    runs = {name: train_adapter(model, LoRA(model, card.rank, layers=layers, seed=seed), task, steps=steps, lr=lr,
+                                batch_size=batch_size, seed=seed) for name, layers in (("topk", chosen), ("all", None))}
     base = runs["all"].eval_before["loss"]
     topk, full = runs["topk"].eval_after["loss"], runs["all"].eval_after["loss"]
     gain = base - full

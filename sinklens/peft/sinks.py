@@ -1,8 +1,6 @@
-"""How much of each head a prefix takes, against the input's length (the trade-off of arXiv 2506.13674).
-
-A query at input position ``i`` splits one unit of attention between ``P`` prefix keys and ``i + 1`` input
-keys: with fixed scores the prefix's mass ``Σ_p e^{s_p} / (Σ_p e^{s_p} + Σ_{j≤i} e^{s_j})`` rises with ``P``
-and falls with ``i``. Per adapter, input length, layer and head, means over rows and queries from position 1:
+"""How much of each head a prefix takes, against the input's length (the trade-off of arXiv 2506.13674): with
+fixed scores, a query at position ``i`` puts ``Σ_p e^{s_p} / (Σ_p e^{s_p} + Σ_{j≤i} e^{s_j})`` on ``P`` prefix keys.
+Per adapter, input length, layer and head, means over rows and queries from position 1:
 
 * ``prefix_mass``: attention on the prefix keys (prefix-tuning; NaN for other methods);
 * ``output_share``: ``|prefix part| / (|prefix part| + |input part|)`` of the head output at ``hook_z``; the
@@ -65,16 +63,7 @@ def _label(adapter: Adapter) -> str:
 @torch.no_grad()
 def measure_prefix_sinks(model: Any, adapters: Sequence[Adapter], tokens: Tensor, *,
                          input_lengths: Sequence[int]) -> PrefixSinks:
-    """Each adapter's shares on ``tokens[:, :n]`` for every ``n`` in ``input_lengths`` (adapters on all layers).
-
-    Examples:
-        >>> from sinklens.testing import tiny_model
-        >>> model = tiny_model()
-        >>> prefix = PrefixTuning(model, 4)
-        >>> r = measure_prefix_sinks(model, [prefix], torch.randint(8, 64, (2, 16)), input_lengths=[4, 16])
-        >>> bool(r.mean("prefix_mass")[0, 0] > r.mean("prefix_mass")[0, 1])  # a longer input dilutes the prefix
-        True
-    """
+    """Each adapter's shares on ``tokens[:, :n]`` for every ``n`` in ``input_lengths`` (adapters on all layers)."""
     dims = model_dims(model)
     if not adapters:
         raise InvalidArgumentError("measure_prefix_sinks needs at least one adapter.")

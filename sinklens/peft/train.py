@@ -20,7 +20,7 @@ from sinklens.hooks import eval_mode, model_device, model_dims
 from sinklens.inputs import bos_token_id
 from sinklens.prompts import stdlib_text_prompts
 from sinklens.peft.adapters import Adapter, adapted
-from sinklens.validate import as_float, as_seed, positive_int
+from sinklens.validate import as_seed, finite_number, positive_int
 
 
 @dataclass(repr=False, eq=False)
@@ -140,15 +140,13 @@ class TrainResult:
 
 
 def train_adapter(model: Any, adapter: Adapter, task: Task, *, steps: int = 200, lr: float = 1e-3,
-                  batch_size: int = 8, weight_decay: float = 0.0, seed: int = 0) -> TrainResult:
+                  batch_size: int = 8, seed: int = 0) -> TrainResult:
     """AdamW on ``adapter`` alone (model frozen, eval mode): ``steps`` batches of ``batch_size`` rows drawn with
     ``seed``, learning rate decayed by a cosine to 10 % of ``lr``."""
     steps, batch_size = positive_int(steps, what="steps", minimum=0), positive_int(batch_size, what="batch_size")
-    lr = as_float(lr, what="lr")
-    if not math.isfinite(lr) or lr <= 0:
-        raise InvalidArgumentError(f"lr must be a positive number, got {lr}.")
+    lr = finite_number(lr, what="lr", low=0.0, low_open=True)
     device, gen = model_device(model), torch.Generator().manual_seed(as_seed(seed))
-    opt = torch.optim.AdamW([p for p in adapter.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay)
+    opt = torch.optim.AdamW([p for p in adapter.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
     result = TrainResult(adapter.method, task.name, adapter.n_params(), steps, lr)
     start = time.perf_counter()
     with frozen(model):
@@ -156,8 +154,7 @@ def train_adapter(model: Any, adapter: Adapter, task: Task, *, steps: int = 200,
         losses = []
         with eval_mode(model), adapted(model, adapter):
             for step in range(steps):
-                for group in opt.param_groups:
-                    group["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(steps, 1))))
+                opt.param_groups[0]["lr"] = lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / max(steps, 1))))
                 rows = torch.randint(0, task.train.shape[0], (batch_size,), generator=gen)
                 tokens = task.train[rows].to(device)
                 loss = task_loss(model(tokens), tokens, task.loss_mask)

@@ -4,32 +4,19 @@ Inside :func:`fake_cuda`, tensors made or moved with ``device="cuda"`` are :clas
 report ``cuda:0`` and compute on the CPU data they wrap. Mixing one with a plain CPU tensor raises the error a
 GPU raises (with CUDA's exceptions: copies, CPU index tensors, 0-dim scalars), so device slips show on any
 machine. :attr:`FakeCuda.host_syncs` counts what waits for a GPU: host reads (``.item()``, ``.tolist()``,
-``.cpu()``) and data-dependent shapes (``nonzero``, mask indexing, ``unique``, ``torch.equal``).
-
-Examples:
-    >>> import torch
-    >>> with fake_cuda() as device:
-    ...     w = torch.nn.Linear(3, 2).to("cuda").weight
-    ...     x = torch.ones(4, 3, device="cuda")
-    ...     y = x @ w.T
-    ...     print(y.device, y.sum().item() == y.cpu().sum().item(), device.host_syncs)
-    cuda:0 True 2
-    >>> with fake_cuda():
-    ...     torch.ones(3, device="cuda") + torch.zeros(3)
-    Traceback (most recent call last):
-    ...
-    RuntimeError: Expected all tensors to be on the same device, but found at least two devices, cuda:0 and cpu! (aten.add.Tensor)
-"""
+``.cpu()``) and data-dependent shapes (``nonzero``, mask indexing, ``unique``, ``torch.equal``)."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 from unittest import mock
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 #: The device fake tensors report.
 DEVICE = torch.device("cuda", 0)
@@ -82,11 +69,11 @@ class FakeCudaTensor(torch.Tensor):
         return _dispatch(func, args, kwargs or {})
 
 
+@dataclass(eq=False)
 class FakeCuda:
     """The state of one :func:`fake_cuda` block: :attr:`host_syncs` counts the host synchronisations."""
 
-    def __init__(self) -> None:
-        self.host_syncs = 0
+    host_syncs: int = 0
 
 
 _ACTIVE: list[FakeCuda] = []
@@ -96,34 +83,8 @@ def _is_cuda(device: Any) -> bool:
     return device is not None and not isinstance(device, int) and torch.device(device).type == "cuda"
 
 
-def _map(fn: Any, value: Any) -> Any:
-    """``value`` with ``fn`` applied to each tensor in it (op arguments and outputs: tensors in lists, tuples, dicts)."""
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, (list, tuple)):
-        return type(value)(_map(fn, v) for v in value)
-    if isinstance(value, dict):
-        return {k: _map(fn, v) for k, v in value.items()}
-    return value
-
-
-def _tensors(value: Any, found: list[torch.Tensor]) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        found.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _tensors(v, found)
-    elif isinstance(value, dict):
-        _tensors(list(value.values()), found)
-    return found
-
-
-def _wrap(value: Any) -> Any:
-    return _map(lambda t: t if isinstance(t, FakeCudaTensor) else FakeCudaTensor(t), value)
-
-
 def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
-    tensors = _tensors((args, kwargs), [])
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
     fakes = [t for t in tensors if isinstance(t, FakeCudaTensor)]
     if fakes and func not in _CROSS_DEVICE and any(not isinstance(t, FakeCudaTensor) and t.dim() > 0 for t in tensors):
         raise RuntimeError("Expected all tensors to be on the same device, but found at least two devices, cuda:0 and "
@@ -135,32 +96,28 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
             i is not None and i.dtype == torch.bool for i in args[1])):
         _ACTIVE[-1].host_syncs += 1
     by_real = {id(t.cpu_data): t for t in fakes}
-    real_args, real_kwargs = _map(lambda t: t.cpu_data if isinstance(t, FakeCudaTensor) else t, (args, kwargs))
+    real_args, real_kwargs = tree_map_only(FakeCudaTensor, lambda t: t.cpu_data, (args, kwargs))
     made_here = _is_cuda(real_kwargs.get("device"))
     if made_here:
         real_kwargs["device"] = _CPU
     out = func(*real_args, **real_kwargs)
     if to_host or not (fakes or made_here):
         return out
-    return _map(lambda t: by_real[id(t)] if id(t) in by_real else FakeCudaTensor(t), out)
+    return tree_map_only(torch.Tensor, lambda t: by_real[id(t)] if id(t) in by_real else FakeCudaTensor(t), out)
 
 
 class _ToHost(torch.autograd.Function):
-    """A fake tensor's data as a plain CPU tensor, with gradients flowing back to the fake one."""
+    """A fake tensor's data as a plain CPU tensor (a host sync), with gradients flowing back to the fake one."""
 
     @staticmethod
     def forward(ctx: Any, fake: FakeCudaTensor) -> torch.Tensor:
+        if _ACTIVE:
+            _ACTIVE[-1].host_syncs += 1
         return fake.cpu_data.clone()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> FakeCudaTensor:
         return FakeCudaTensor(grad)
-
-
-def _to_host(fake: FakeCudaTensor) -> torch.Tensor:
-    if _ACTIVE:
-        _ACTIVE[-1].host_syncs += 1
-    return _ToHost.apply(fake)
 
 
 class _FakeCudaMode(TorchFunctionMode):
@@ -180,18 +137,19 @@ class _FakeCudaMode(TorchFunctionMode):
                 moved = real.to(dtype=dtype or real.dtype, copy=bool(kwargs.get("copy", False)))
                 return self_ if moved is real and isinstance(self_, FakeCudaTensor) else FakeCudaTensor(moved)
             if isinstance(args[0], FakeCudaTensor) and device is not None:  # to the host (a CPU kernel sees no move)
-                return _to_host(args[0]).to(*args[1:], **kwargs)
+                return _ToHost.apply(args[0]).to(*args[1:], **kwargs)
         elif func is torch.Tensor.cpu and isinstance(args[0], FakeCudaTensor):
-            return _to_host(args[0])
+            return _ToHost.apply(args[0])
         elif func is torch.Tensor.tolist and isinstance(args[0], FakeCudaTensor):
-            return _to_host(args[0]).tolist()
+            return _ToHost.apply(args[0]).tolist()
         elif func in (torch.Tensor.numpy, torch.Tensor.__array__) and isinstance(args[0], FakeCudaTensor):
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
                             "host memory first.")
         elif func in (torch.Tensor.pin_memory, torch.Tensor.is_pinned):
             return args[0] if func is torch.Tensor.pin_memory else False
         elif _is_cuda(kwargs.get("device")) and func is not torch._C._nn._parse_to:  # (Module.to parses, then calls .to)
-            return _wrap(func(*args, **{**kwargs, "device": _CPU}))
+            out = func(*args, **{**kwargs, "device": _CPU})
+            return tree_map_only(torch.Tensor, lambda t: t if isinstance(t, FakeCudaTensor) else FakeCudaTensor(t), out)
         return func(*args, **kwargs)
 
 

@@ -1,14 +1,11 @@
-"""Tiny, seeded TransformerLens models built from config, for tests, doctests and tutorials.
-
-:func:`tiny_model` is a ``TransformerBridge`` under TransformerLens 4.x and a ``HookedTransformer`` under 3.x,
-with the same hook names; its word tokenizer has BOS ``<s>`` = 0 (which it adds, as Llama's does), ``</s>`` = 1 and
-word ``t{i}`` = ``i``.
-"""
+"""Tiny, seeded TransformerLens models for tests, doctests and tutorials: :func:`tiny_model` is a
+``TransformerBridge`` under TransformerLens 4.x and a ``HookedTransformer`` under 3.x, with the same hook names."""
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import random
 import tempfile
 from collections.abc import Iterator
@@ -23,6 +20,7 @@ from sinklens.sinklm.init import sinklm_at_init
 Arch = Literal["llama", "gpt2"]
 
 
+@functools.cache
 def transformer_lens_major() -> int:
     """Major version of the installed TransformerLens (3 or 4)."""
     from importlib.metadata import version
@@ -30,21 +28,20 @@ def transformer_lens_major() -> int:
     return int(version("transformer-lens").split(".")[0])
 
 
-#: One temporary folder per process for the word tokenizers' files (TransformerLens reloads a
-#: tokenizer from its ``name_or_path``, so it must exist on disk); removed when the process exits.
-_TOKENIZER_ROOT: tempfile.TemporaryDirectory | None = None
-
-
+@functools.cache
 def tokenizer_root() -> Path:
-    """The process-wide folder holding the word tokenizers (created on first use, removed at exit)."""
-    global _TOKENIZER_ROOT
-    if _TOKENIZER_ROOT is None:
-        _TOKENIZER_ROOT = tempfile.TemporaryDirectory(prefix="sinklens-testing-")
-        atexit.register(_TOKENIZER_ROOT.cleanup)
-    return Path(_TOKENIZER_ROOT.name)
+    """The process-wide folder holding the word tokenizers (TransformerLens reloads a tokenizer from its
+    ``name_or_path``, so it must exist on disk); created on first use, removed at exit."""
+    root = tempfile.TemporaryDirectory(prefix="sinklens-testing-")
+    atexit.register(root.cleanup)
+    return Path(root.name)
 
 
-def _word_tokenizer_dir(d_vocab: int) -> str:
+def word_tokenizer(d_vocab: int) -> Any:
+    """A Hugging Face fast tokenizer: ``<s>`` = 0 (put before each text), ``</s>`` = 1, word ``t{i}`` = ``i`` (files
+    under :func:`tokenizer_root`)."""
+    from transformers import AutoTokenizer
+
     folder = tokenizer_root() / f"wordtok-{d_vocab}"
     if not (folder / "tokenizer.json").exists():
         from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -57,15 +54,7 @@ def _word_tokenizer_dir(d_vocab: int) -> str:
         tok = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", eos_token="</s>", pad_token="</s>",
                                       unk_token="</s>")
         tok.save_pretrained(str(folder))
-    return str(folder)
-
-
-def word_tokenizer(d_vocab: int) -> Any:
-    """A Hugging Face fast tokenizer: ``<s>`` = 0 (put before each text), ``</s>`` = 1, word ``t{i}`` = ``i`` (files
-    under :func:`tokenizer_root`)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(_word_tokenizer_dir(d_vocab))
+    return AutoTokenizer.from_pretrained(str(folder))
 
 
 @contextlib.contextmanager
@@ -83,18 +72,9 @@ def preserved_rng() -> Iterator[None]:
             np.random.set_state(np_state)
 
 
-def tiny_model(
-    arch: Arch = "llama",
-    *,
-    n_layers: int = 2,
-    d_model: int = 16,
-    n_heads: int = 4,
-    n_kv_heads: int | None = None,
-    d_mlp: int = 32,
-    n_ctx: int = 64,
-    d_vocab: int = 64,
-    seed: int = 0,
-) -> Any:
+def tiny_model(arch: Arch = "llama", *, n_layers: int = 2, d_model: int = 16, n_heads: int = 4,
+               n_kv_heads: int | None = None, d_mlp: int = 32, n_ctx: int = 64, d_vocab: int = 64,
+               seed: int = 0) -> Any:
     """A randomly initialised decoder small enough for a unit test. Its weights depend only on
     ``seed``; the global RNG state (torch, ``random``, numpy) is the same before and after the call.
 
@@ -107,68 +87,44 @@ def tiny_model(
     """
     if d_model % n_heads:
         raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}.")
+    if arch not in ("llama", "gpt2"):
+        raise ValueError(f"Unknown arch {arch!r}; expected 'llama' or 'gpt2'.")
     n_kv_heads = n_kv_heads or n_heads
     with preserved_rng():  # seeded weights without touching the caller's global RNG state
         torch.manual_seed(seed)
-        if transformer_lens_major() >= 4:
-            return _tiny_bridge(arch, n_layers, d_model, n_heads, n_kv_heads, d_mlp, n_ctx, d_vocab)
-        return _tiny_hooked_transformer(arch, n_layers, d_model, n_heads, n_kv_heads, d_mlp, n_ctx, d_vocab, seed)
+        if transformer_lens_major() < 4:
+            from transformer_lens import HookedTransformer, HookedTransformerConfig
 
+            common = dict(n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_head=d_model // n_heads, d_mlp=d_mlp,
+                          n_ctx=n_ctx, d_vocab=d_vocab, seed=seed, default_prepend_bos=True)
+            if arch == "llama":
+                cfg = HookedTransformerConfig(
+                    **common, act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary",
+                    gated_mlp=True, n_key_value_heads=n_kv_heads if n_kv_heads != n_heads else None)
+            else:
+                cfg = HookedTransformerConfig(**common, act_fn="gelu_new", normalization_type="LN")
+            return HookedTransformer(cfg, tokenizer=word_tokenizer(d_vocab)).eval()
+        from transformer_lens.model_bridge import TransformerBridge
+        from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-def _tiny_bridge(arch: Arch, n_layers, d_model, n_heads, n_kv_heads, d_mlp, n_ctx, d_vocab) -> Any:
-    from transformer_lens.model_bridge import TransformerBridge
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
-
-    if arch == "llama":
-        config = LlamaConfig(
-            vocab_size=d_vocab, hidden_size=d_model, intermediate_size=d_mlp, num_hidden_layers=n_layers,
-            num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, max_position_embeddings=n_ctx,
-            bos_token_id=0, eos_token_id=1, pad_token_id=1, tie_word_embeddings=False,
-            attn_implementation="eager",
+        if arch == "llama":
+            hf = LlamaForCausalLM(LlamaConfig(
+                vocab_size=d_vocab, hidden_size=d_model, intermediate_size=d_mlp, num_hidden_layers=n_layers,
+                num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, max_position_embeddings=n_ctx,
+                bos_token_id=0, eos_token_id=1, pad_token_id=1, tie_word_embeddings=False, attn_implementation="eager"))
+        else:
+            hf = GPT2LMHeadModel(GPT2Config(
+                vocab_size=d_vocab, n_embd=d_model, n_inner=d_mlp, n_layer=n_layers, n_head=n_heads, n_positions=n_ctx,
+                bos_token_id=0, eos_token_id=1, attn_implementation="eager"))
+        return TransformerBridge.boot_transformers(
+            f"sinklens-tiny-{arch}", hf_model=hf.eval(), tokenizer=word_tokenizer(d_vocab), device="cpu"
         )
-        hf = LlamaForCausalLM(config)
-    elif arch == "gpt2":
-        config = GPT2Config(
-            vocab_size=d_vocab, n_embd=d_model, n_inner=d_mlp, n_layer=n_layers, n_head=n_heads,
-            n_positions=n_ctx, bos_token_id=0, eos_token_id=1, attn_implementation="eager",
-        )
-        hf = GPT2LMHeadModel(config)
-    else:
-        raise ValueError(f"Unknown arch {arch!r}; expected 'llama' or 'gpt2'.")
-    return TransformerBridge.boot_transformers(
-        f"sinklens-tiny-{arch}", hf_model=hf.eval(), tokenizer=word_tokenizer(d_vocab), device="cpu"
-    )
-
-
-def _tiny_hooked_transformer(arch: Arch, n_layers, d_model, n_heads, n_kv_heads, d_mlp, n_ctx, d_vocab, seed) -> Any:
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-
-    common = dict(
-        n_layers=n_layers, d_model=d_model, n_heads=n_heads, d_head=d_model // n_heads, d_mlp=d_mlp,
-        n_ctx=n_ctx, d_vocab=d_vocab, seed=seed, default_prepend_bos=True,
-    )
-    if arch == "llama":
-        cfg = HookedTransformerConfig(
-            **common, act_fn="silu", normalization_type="RMS", positional_embedding_type="rotary",
-            gated_mlp=True, n_key_value_heads=n_kv_heads if n_kv_heads != n_heads else None,
-        )
-    elif arch == "gpt2":
-        cfg = HookedTransformerConfig(**common, act_fn="gelu_new", normalization_type="LN")
-    else:
-        raise ValueError(f"Unknown arch {arch!r}; expected 'llama' or 'gpt2'.")
-    model = HookedTransformer(cfg, tokenizer=word_tokenizer(d_vocab))
-    return model.eval()
 
 
 def tiny_sinklm(variant: str = "baseline", *, family: Literal["llama", "gpt2"] = "llama", seed: int = 0,
                 **variant_options: Any) -> Any:
     """A step-0 :class:`~sinklens.sinklm.model.SinkLM` (2 layers, d_model 32, context 16, vocabulary 512) with a
-    trainer attention variant, built as ``sinklens train`` builds it (``headwise_rms`` gains drawn from [0.5, 2]).
-
-    Examples:
-        >>> tiny_sinklm("gated", granularity="headwise").head_output_site
-        'attn.hook_z_gated'
-    """
+    trainer attention variant, built as ``sinklens train`` builds it (``headwise_rms`` gains drawn from [0.5, 2])."""
     cfg = ModelConfig.from_dict(dict(family=family, n_layers=2, d_model=32, n_heads=4, d_mlp=64, n_ctx=16, d_vocab=512,
                                      variant=variant, variant_options=variant_options))
     model = sinklm_at_init(cfg, seed)

@@ -1,16 +1,17 @@
 """Tiny models with hand-planted sink mechanisms, so analyzers can be tested against known answers.
 
-:func:`planted_model` edits a :func:`sinklens.testing.tiny_model` in place to plant a BOS-only direction
-``bos_dim``; a super neuron ``(layer, neuron)`` reading it and writing ``dim``, which nothing else writes (so
-position 0 alone carries a massive value in ``dim`` from ``blocks.{layer + 1}``); optionally an eraser neuron
-writing ``-dim`` back; optionally amplifiers (neuron ``amplify_neuron`` of each of ``amplify_layers`` reads ``dim``
-and writes ``amplify_write`` × its activation into it: a cascade); and query–key locking in head
-``(qk_layer, qk_head)`` through a shared direction ``common_dim`` of the non-BOS tokens.
-"""
+:func:`planted_model` plants in a :func:`sinklens.testing.tiny_model` a BOS-only direction ``bos_dim``; a super
+neuron ``(layer, neuron)`` reading it and writing ``dim``, which nothing else writes (so position 0 alone carries a
+massive value in ``dim`` from ``blocks.{layer + 1}``); optionally an eraser neuron writing ``-dim`` back, amplifiers
+(neuron ``amplify_neuron`` of each of ``amplify_layers`` adds ``amplify_write`` × its activation to ``dim``) and
+query–key locking in head ``(qk_layer, qk_head)`` through a direction ``common_dim`` shared by the non-BOS tokens."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Literal
 
 import torch
@@ -36,123 +37,69 @@ class PlantedSpec:
     common_dim: int | None = None
 
 
-class _Weights:
-    """In-place writable views of one model's weights, in TransformerLens shapes."""
+#: Each weight as ``(TransformerLens 3.x name, Hugging Face name under the bridge for llama, for gpt2)``; None: the
+#: architecture has none. :func:`_weight` returns writable views in TransformerLens shapes ``[d_in, d_out]``.
+_PATHS = {
+    "W_E": ("embed.W_E", "model.embed_tokens.weight", "transformer.wte.weight"),
+    "W_pos": ("pos_embed.W_pos", None, "transformer.wpe.weight"),
+    "W_in": ("blocks.{}.mlp.W_in", "model.layers.{}.mlp.up_proj.weight", "transformer.h.{}.mlp.c_fc.weight"),
+    "W_gate": ("blocks.{}.mlp.W_gate", "model.layers.{}.mlp.gate_proj.weight", None),
+    "b_in": ("blocks.{}.mlp.b_in", None, "transformer.h.{}.mlp.c_fc.bias"),
+    "W_out": ("blocks.{}.mlp.W_out", "model.layers.{}.mlp.down_proj.weight", "transformer.h.{}.mlp.c_proj.weight"),
+    "b_out": ("blocks.{}.mlp.b_out", None, "transformer.h.{}.mlp.c_proj.bias"),
+    "W_O": ("blocks.{}.attn.W_O", "model.layers.{}.self_attn.o_proj.weight", "transformer.h.{}.attn.c_proj.weight"),
+    "b_O": ("blocks.{}.attn.b_O", None, "transformer.h.{}.attn.c_proj.bias"),
+    "W_Q": ("blocks.{}.attn.W_Q", "model.layers.{}.self_attn.q_proj.weight", "transformer.h.{}.attn.c_attn.weight"),
+    "W_K": ("blocks.{}.attn.W_K", "model.layers.{}.self_attn.k_proj.weight", "transformer.h.{}.attn.c_attn.weight"),
+}
 
-    def __init__(self, model: Any, arch: str):
-        self.model, self.arch = model, arch
-        self.bridge = transformer_lens_major() >= 4
-        dims = model_dims(model)
-        self.d_head, self.n_heads, self.n_kv = dims.d_head, dims.n_heads, dims.n_kv_heads
-        if self.bridge:
-            hf = model.original_model
-            self.hf_layers = hf.model.layers if arch == "llama" else hf.transformer.h
-            self.hf = hf
 
-    def W_E(self) -> Tensor:  # [vocab, d_model]
-        if not self.bridge:
-            return self.model.embed.W_E
-        return self.hf.model.embed_tokens.weight if self.arch == "llama" else self.hf.transformer.wte.weight
-
-    def W_pos(self) -> Tensor | None:  # [n_ctx, d_model]
-        if self.arch == "llama":
-            return None
-        return self.hf.transformer.wpe.weight if self.bridge else self.model.pos_embed.W_pos
-
-    def W_in(self, layer: int) -> Tensor:  # [d_model, d_mlp]
-        if not self.bridge:
-            return self.model.blocks[layer].mlp.W_in
-        mlp = self.hf_layers[layer].mlp
-        return mlp.up_proj.weight.T if self.arch == "llama" else mlp.c_fc.weight
-
-    def W_gate(self, layer: int) -> Tensor | None:  # [d_model, d_mlp]
-        if self.arch != "llama":
-            return None
-        return self.hf_layers[layer].mlp.gate_proj.weight.T if self.bridge else self.model.blocks[layer].mlp.W_gate
-
-    def b_in(self, layer: int) -> Tensor | None:  # [d_mlp]
-        if not self.bridge:
-            return self.model.blocks[layer].mlp.b_in
-        return None if self.arch == "llama" else self.hf_layers[layer].mlp.c_fc.bias
-
-    def W_out(self, layer: int) -> Tensor:  # [d_mlp, d_model]
-        if not self.bridge:
-            return self.model.blocks[layer].mlp.W_out
-        mlp = self.hf_layers[layer].mlp
-        return mlp.down_proj.weight.T if self.arch == "llama" else mlp.c_proj.weight
-
-    def b_out(self, layer: int) -> Tensor | None:  # [d_model]
-        if not self.bridge:
-            return self.model.blocks[layer].mlp.b_out
-        return None if self.arch == "llama" else self.hf_layers[layer].mlp.c_proj.bias
-
-    def W_O(self, layer: int) -> Tensor:  # [n_heads * d_head, d_model]
-        if not self.bridge:
-            w = self.model.blocks[layer].attn.W_O
+def _weight(model: Any, arch: str, name: str, layer: int = 0, head: int | None = None) -> Tensor | None:
+    """A writable view of weight ``name`` (of query head or key/value ``head`` for ``W_Q``/``W_K``:
+    ``[d_model, d_head]``; ``W_O``: ``[n_heads * d_head, d_model]``)."""
+    tl, *hf = _PATHS[name]
+    path, bridge = hf[arch == "gpt2"], transformer_lens_major() >= 4
+    if path is None and (bridge or name in ("W_pos", "W_gate")):
+        return None
+    if not bridge:
+        if name == "W_K" and hasattr(model.blocks[layer].attn, "_W_K"):  # grouped-query attention
+            tl = "blocks.{}.attn._W_K"
+        w = attrgetter(tl.format(layer))(model)
+        if name == "W_O":
             return w.view(-1, w.shape[-1])
-        attn = self.hf_layers[layer].self_attn if self.arch == "llama" else self.hf_layers[layer].attn
-        return attn.o_proj.weight.T if self.arch == "llama" else attn.c_proj.weight
-
-    def b_O(self, layer: int) -> Tensor | None:  # [d_model]
-        if not self.bridge:
-            return self.model.blocks[layer].attn.b_O
-        return None if self.arch == "llama" else self.hf_layers[layer].attn.c_proj.bias
-
-    def W_Q(self, layer: int, head: int) -> Tensor:  # [d_model, d_head]
-        lo, hi = head * self.d_head, (head + 1) * self.d_head
-        if not self.bridge:
-            return self.model.blocks[layer].attn.W_Q[head]
-        if self.arch == "llama":
-            return self.hf_layers[layer].self_attn.q_proj.weight[lo:hi].T
-        return self.hf_layers[layer].attn.c_attn.weight[:, lo:hi]
-
-    def W_K(self, layer: int, kv_head: int) -> Tensor:  # [d_model, d_head]
-        lo, hi = kv_head * self.d_head, (kv_head + 1) * self.d_head
-        if not self.bridge:
-            attn = self.model.blocks[layer].attn
-            return attn._W_K[kv_head] if hasattr(attn, "_W_K") else attn.W_K[kv_head]
-        if self.arch == "llama":
-            return self.hf_layers[layer].self_attn.k_proj.weight[lo:hi].T
-        d_model = self.hf_layers[layer].attn.c_attn.weight.shape[0]
-        return self.hf_layers[layer].attn.c_attn.weight[:, d_model + lo : d_model + hi]
+        return w if head is None else w[head]
+    w = attrgetter(path.format(layer))(model.original_model)
+    w = w.T if arch == "llama" and name != "W_E" else w  # Llama's nn.Linear weights are [d_out, d_in]
+    if head is None:
+        return w
+    d_head = model_dims(model).d_head
+    lo = head * d_head + (w.shape[0] if arch == "gpt2" and name == "W_K" else 0)  # gpt2's c_attn: [q | k | v]
+    return w[:, lo:lo + d_head]
 
 
-def _plant_reader(w: _Weights, layer: int, neuron: int, read_dim: int, write_dim: int, write: float, arch: str,
+def _plant_reader(w: Callable[..., Any], layer: int, neuron: int, read_dim: int, write_dim: int, write: float, arch: str,
                   gate_dim: int | None = None, gain: float | None = None) -> None:
     """Make ``neuron`` read only ``read_dim`` (its gate ``gate_dim``, default the same) of the normalised input and
     write ``write`` into ``write_dim``; an explicit ``gain`` leaves ``b_in`` at 0 (an activation linear in the input)."""
     gain_in = gain or (2.0 if arch == "llama" else 3.0)
-    w.W_in(layer)[:, neuron] = 0.0
-    w.W_in(layer)[read_dim, neuron] = gain_in
-    gate = w.W_gate(layer)
+    w("W_in", layer)[:, neuron] = 0.0
+    w("W_in", layer)[read_dim, neuron] = gain_in
+    gate = w("W_gate", layer)
     if gate is not None:
         gate[:, neuron] = 0.0
         gate[read_dim if gate_dim is None else gate_dim, neuron] = 2.0
-    b_in = w.b_in(layer)
+    b_in = w("b_in", layer)
     if b_in is not None and gate is None:  # GELU MLPs: LayerNorm's mean removal leaves ±0.3 at other tokens; bias them off
         b_in[neuron] = 0.0 if gain else -2.0 * gain_in
-    w.W_out(layer)[neuron, :] = 0.0
-    w.W_out(layer)[neuron, write_dim] = write
+    w("W_out", layer)[neuron, :] = 0.0
+    w("W_out", layer)[neuron, write_dim] = write
 
 
-def planted_model(
-    arch: Literal["llama", "gpt2"] = "llama",
-    *,
-    layer: int = 0,
-    neuron: int = 7,
-    dim: int = 5,
-    bos_dim: int = 2,
-    erase_layer: int | None = None,
-    erase_neuron: int = 11,
-    write: float | None = None,
-    amplify_layers: tuple[int, ...] = (),
-    amplify_neuron: int = 13,
-    amplify_write: float = 1.0,
-    qk_layer: int | None = None,
-    qk_head: int = 1,
-    common_dim: int = 9,
-    **model_kwargs: Any,
-) -> tuple[Any, PlantedSpec]:
+def planted_model(arch: Literal["llama", "gpt2"] = "llama", *, layer: int = 0, neuron: int = 7, dim: int = 5,
+                  bos_dim: int = 2, erase_layer: int | None = None, erase_neuron: int = 11, write: float | None = None,
+                  amplify_layers: tuple[int, ...] = (), amplify_neuron: int = 13, amplify_write: float = 1.0,
+                  qk_layer: int | None = None, qk_head: int = 1, common_dim: int = 9,
+                  **model_kwargs: Any) -> tuple[Any, PlantedSpec]:
     """A :func:`~sinklens.testing.tiny_model` (``model_kwargs``) with planted mechanisms (module docstring), and
     the :class:`PlantedSpec` of where they are.
 
@@ -174,24 +121,18 @@ def planted_model(
         raise ValueError(f"erase_layer={erase_layer} must lie in ({layer}, {n_layers}).")
     if qk_layer is not None and not layer < qk_layer < n_layers:
         raise ValueError(f"qk_layer={qk_layer} must lie in ({layer}, {n_layers}).")
-    w = _Weights(model, arch)
+    w = functools.partial(_weight, model, arch)
     protected = sorted(used)
     with torch.no_grad():
-        W_E = w.W_E()
+        W_E = w("W_E")
         typical = float(W_E[1:].norm(dim=-1).mean())
         W_E[:, protected] = 0.0
         W_E[0, bos_dim] = 4.0 * typical
         if qk_layer is not None:
             W_E[1:, common_dim] = 2.0 * typical
-        W_pos = w.W_pos()
-        if W_pos is not None:
-            W_pos[:, protected] = 0.0
-        for block in range(n_layers):  # nothing but the plants writes into the protected dims
-            w.W_O(block)[:, protected] = 0.0
-            w.W_out(block)[:, protected] = 0.0
-            for bias in (w.b_O(block), w.b_out(block)):
-                if bias is not None:
-                    bias[protected] = 0.0
+        for t in [w("W_pos")] + [w(n, b) for b in range(n_layers) for n in ("W_O", "W_out", "b_O", "b_out")]:
+            if t is not None:  # nothing but the plants writes into the protected dims
+                t[..., protected] = 0.0
         _plant_reader(w, layer, neuron, bos_dim, dim, write or (20.0 if arch == "llama" else 250.0), arch)
         for block in amplify_layers:
             _plant_reader(w, block, amplify_neuron, dim, dim, amplify_write, arch, gate_dim=bos_dim, gain=10.0)
@@ -203,21 +144,18 @@ def planted_model(
             _, cache = model.run_with_cache(torch.zeros(1, 1, dtype=torch.long), names_filter=lambda n: n in names)
             massive = float(cache[names[0]][0, 0, dim])
             act = float(cache[names[1]][0, 0, erase_neuron])
-            w.W_out(erase_layer)[erase_neuron, dim] = -0.99 * massive / act
+            w("W_out", erase_layer)[erase_neuron, dim] = -0.99 * massive / act
         if qk_layer is not None:
             # Lowest-frequency rotary component (rotate-half pairs j with j + d_head/2); any for gpt2.
-            j = w.d_head // 2 - 1
-            kv_head = qk_head // (w.n_heads // w.n_kv)
-            W_Q, W_K = w.W_Q(qk_layer, qk_head), w.W_K(qk_layer, kv_head)
+            dims = model_dims(model)
+            j = dims.d_head // 2 - 1
+            W_Q = w("W_Q", qk_layer, qk_head)
+            W_K = w("W_K", qk_layer, qk_head // (dims.n_heads // dims.n_kv_heads))
             W_Q[:] = 0.0
             W_Q[common_dim, j] = 3.0
             W_K[common_dim, :] = 0.0
             W_K[dim, :] = 0.0
             W_K[dim, j] = 3.0
-    spec = PlantedSpec(
-        arch=arch, layer=layer, neuron=neuron, dim=dim, bos_dim=bos_dim,
-        erase_layer=erase_layer, erase_neuron=erase_neuron if erase_layer is not None else None,
-        qk_layer=qk_layer, qk_head=qk_head if qk_layer is not None else None,
-        common_dim=common_dim if qk_layer is not None else None,
-    )
-    return model, spec
+    erase, qk = erase_layer is not None, qk_layer is not None
+    return model, PlantedSpec(arch, layer, neuron, dim, bos_dim, erase_layer, erase_neuron if erase else None,
+                              qk_layer, qk_head if qk else None, common_dim if qk else None)
