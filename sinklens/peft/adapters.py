@@ -16,14 +16,13 @@ from torch import Tensor, nn
 
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.hooks import (
-    ATTN_OUT, MLP_OUT, MLP_POST, MLP_PRE, Q, SCORES, Z, hook_name, model_device, model_dims, resolve_layers,
+    ATTN_OUT, MLP_OUT, MLP_POST, MLP_PRE, Q, ROT_Q, SCORES, Z, hook_name, model_device, model_dims, resolve_layers,
 )
 from sinklens.probes import post_hoc_attention, silent_hooks
 from sinklens.validate import positive_int
 
 Hooks = list[tuple[str, Any]]
 LORA_TARGETS = ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out")
-ROT_Q = "attn.hook_rot_q"
 
 
 def _param_dtype(model: Any) -> torch.dtype:

@@ -24,6 +24,7 @@ from torch import Tensor
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import RESID_POST, eval_mode, hook_name, layer_of, model_device, model_dims, resolve_layers
+from sinklens.options import BATCH_SIZE
 from sinklens.peft.adapters import LoRA
 from sinklens.peft.train import Task, frozen, task_loss, train_adapter
 from sinklens.validate import finite_number, positive_int
@@ -151,7 +152,7 @@ def layer_card(model: Any, task: Task, *, layers: int | Sequence[int] | None = N
 
 
 def placement_check(model: Any, task: Task, card: LayerCard, *, k: int, objective: str = "resnorm",
-                    steps: int = 100, lr: float = 1e-3, batch_size: int = 8, seed: int = 0) -> dict[str, Any]:
+                    steps: int = 100, lr: float = 1e-3, batch_size: int = BATCH_SIZE, seed: int = 0) -> dict[str, Any]:
     """LoRA on the card's top-``k`` layers and on all layers, same budget: ``recovered = (L_base - L_topk) /
     (L_base - L_all)`` of the eval loss, stored in ``card.placement``."""
     chosen = card.place(k, objective)

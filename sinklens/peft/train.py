@@ -18,6 +18,7 @@ from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.hooks import eval_mode, model_device, model_dims
 from sinklens.inputs import bos_token_id
+from sinklens.options import BATCH_SIZE, SEQ_LEN
 from sinklens.prompts import stdlib_text_prompts
 from sinklens.peft.adapters import Adapter, adapted
 from sinklens.validate import as_seed, finite_number, positive_int
@@ -44,7 +45,7 @@ def _split(name: str, rows: Tensor, mask: Tensor, n_eval: int) -> Task:
     return Task(name, rows[n_eval:], rows[:n_eval], mask)
 
 
-def text_task(model: Any, *, n_rows: int = 64, seq_len: int = 64, n_eval: int = 8, seed: int = 0) -> Task:
+def text_task(model: Any, *, n_rows: int = 64, seq_len: int = SEQ_LEN, n_eval: int = 8, seed: int = 0) -> Task:
     """Next-token loss on the standard library's docstrings, joined and cut into rows of ``seq_len`` tokens
     that each start with BOS; every target counts; the first ``n_eval`` rows are held out."""
     n_rows, seq_len = positive_int(n_rows, what="n_rows", minimum=2), positive_int(seq_len, what="seq_len", minimum=3)
@@ -140,7 +141,7 @@ class TrainResult:
 
 
 def train_adapter(model: Any, adapter: Adapter, task: Task, *, steps: int = 200, lr: float = 1e-3,
-                  batch_size: int = 8, seed: int = 0) -> TrainResult:
+                  batch_size: int = BATCH_SIZE, seed: int = 0) -> TrainResult:
     """AdamW on ``adapter`` alone (model frozen, eval mode): ``steps`` batches of ``batch_size`` rows drawn with
     ``seed``, learning rate decayed by a cosine to 10 % of ``lr``."""
     steps, batch_size = positive_int(steps, what="steps", minimum=0), positive_int(batch_size, what="batch_size")
