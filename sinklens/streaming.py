@@ -210,9 +210,7 @@ def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
 
 
 def _state_of(value: Any) -> Any:
-    if isinstance(value, Reducer):
-        return value.state_dict()
-    return _map_tensors(value, lambda t: t.detach().cpu())
+    return value.state_dict() if isinstance(value, Reducer) else _map_tensors(value, lambda t: t.detach().cpu())
 
 
 def _statistics_device(reducer: Reducer[Any]) -> torch.device:
@@ -303,8 +301,7 @@ def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
         if not accepts_attention_mask(model):
             raise UnsupportedArchitectureError(
                 f"{type(model).__name__} takes no attention_mask, so a padded batch cannot run on this bidirectional "
-                "model without real tokens attending to padding; use batch_size=1 or equal-length inputs."
-            )
+                "model without real tokens attending to padding; use batch_size=1 or equal-length inputs.")
         kwargs["attention_mask"] = batch.valid.long()
     mask = _RUNNING_MASK.set(batch.valid if batch.padded else None)
     try:
@@ -335,17 +332,14 @@ def stream(
 
 def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reducer[Any]], options: RunOptions) -> list[Any]:
     is_encoder(model)  # its one probe forward runs now, not inside the pass with the hooks attached
-    batches = distributed.local_batches(batches)  # all of them, unless sharded over torchrun processes
+    batches = list(distributed.local_batches(batches))  # all of them, unless sharded over torchrun processes
     on_device = _stats_device_if_split(model)
     requested: set[str] = set()
-    extra = {name for name, _ in options.extra_hooks}
     table = _HookTable()
     with torch.inference_mode(), ExitStack() as attached:
         names: list[str] | None = None
         progress = options.progress and distributed.is_main()
-        n_streamed = 0
         for batch in tqdm(batches, desc=options.desc, disable=not progress, leave=False):
-            n_streamed += 1
             batch = right_align(batch)
             folds = [reducer.fwd_hooks(batch) for reducer in reducers]
             own = [(name, fn if on_device is None else _moved_to(fn, on_device))
@@ -362,25 +356,22 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
             forward(model, batch, return_type=None)
             for reducer, fold in zip(reducers, folds):
                 reducer.end_batch(batch, fold)
-    fired = table.fired
-    silent = sorted(extra - fired) if n_streamed else []
+    silent = sorted({name for name, _ in options.extra_hooks} - table.fired) if batches else []
     if silent:
         raise UnsupportedArchitectureError(
             f"extra_hooks on {silent[:4]}{'...' if len(silent) > 4 else ''} never ran during the forward pass, so they "
             "changed and measured nothing. The model lists these hook points but does not run them "
             "here (e.g. TransformerLens 3 runs attn.hook_result only after "
             "model.set_use_attn_result(True), some bridges skip attn.hook_rot_q, a fused attention "
-            "kernel skips hook_pattern). Hook a point that runs."
-        )
-    missing = sorted(requested - fired)
+            "kernel skips hook_pattern). Hook a point that runs.")
+    missing = sorted(requested - table.fired)
     if missing:
         raise UnsupportedArchitectureError(
             f"Hooks {missing[:4]}{'...' if len(missing) > 4 else ''} never ran during the forward pass. "
             "The model's attention implementation probably bypasses them (e.g. a fused SDPA/flash kernel "
             "hides hook_pattern). Load the model with eager attention (sinklens.load_model does) "
-            "or use TransformerBridge.boot_transformers, which forces it."
-        )
-    combine_across_ranks(reducers, n_local_batches=n_streamed)
+            "or use TransformerBridge.boot_transformers, which forces it.")
+    combine_across_ranks(reducers, n_local_batches=len(batches))
     return [reducer.result() for reducer in reducers]
 
 
