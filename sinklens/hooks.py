@@ -87,8 +87,7 @@ def model_dims(model: Any) -> ModelDims:
     if cfg is None:
         raise TypeError(
             f"Expected a TransformerLens model with a .cfg (TransformerBridge, HookedTransformer or a "
-            f"sinklens model), got {type(model).__name__}."
-        )
+            f"sinklens model), got {type(model).__name__}.")
     n_heads = int(cfg.n_heads)
     n_kv = getattr(cfg, "n_key_value_heads", None) or getattr(cfg, "n_kv_heads", None) or n_heads
     d_mlp = 0 if getattr(cfg, "attn_only", False) is True else getattr(cfg, "d_mlp", None) or 0
@@ -116,8 +115,7 @@ def check_model_device(model: Any, device: torch.device | None) -> None:
     if actual.type != device.type or device.index is not None and (actual.index or 0) != device.index:
         raise InvalidArgumentError(
             f"RunOptions(device={str(device)!r}), but the model runs on {actual}: move it first "
-            f"(model.to({str(device)!r})) or leave device=None."
-        )
+            f"(model.to({str(device)!r})) or leave device=None.")
 
 
 def model_dtype(model: Any) -> torch.dtype:
@@ -137,8 +135,7 @@ def check_hook_names(model: Any, names: Iterable[str]) -> None:
             hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "."
             raise InvalidArgumentError(
                 f"Unknown hook {name!r}{hint} The model has {len(available)} hook points "
-                f"(see model.hook_dict); per-layer ones look like 'blocks.0.attn.hook_pattern'."
-            )
+                f"(see model.hook_dict); per-layer ones look like 'blocks.0.attn.hook_pattern'.")
 
 
 def resolve_layers(layers: int | Sequence[int] | None, n_layers: int) -> list[int]:
@@ -167,14 +164,13 @@ _WEIGHT_CACHES: dict[int, dict[str, Tensor]] = {}
 @contextmanager
 def cached_weights(model: Any) -> Iterator[None]:
     """Within the block, :func:`weight` stacks each of ``model``'s weights only once."""
-    key = id(model)
-    outer = key in _WEIGHT_CACHES
-    _WEIGHT_CACHES.setdefault(key, {})
+    outer = id(model) in _WEIGHT_CACHES
+    _WEIGHT_CACHES.setdefault(id(model), {})
     try:
         yield
     finally:
         if not outer:
-            _WEIGHT_CACHES.pop(key, None)
+            _WEIGHT_CACHES.pop(id(model), None)
 
 
 def with_cached_weights(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -352,8 +348,7 @@ def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
 def eval_mode(model: Any) -> Iterator[None]:
     """Run ``model`` in eval mode inside the block, then give every submodule (a bridge's
     ``original_model`` included) back the mode it had."""
-    is_module = isinstance(model, torch.nn.Module)
-    roots = (model, getattr(model, "original_model", None)) if is_module else ()
+    roots = (model, getattr(model, "original_model", None)) if isinstance(model, torch.nn.Module) else ()
     modules = {id(m): m for r in roots if isinstance(r, torch.nn.Module) for m in r.modules()}
     training = [m for m in modules.values() if m.training]
     if not training:  # already in eval mode (or no module): nothing to switch or restore

@@ -113,8 +113,7 @@ def require_attention_seams(model: Any, what: str) -> None:
     if reason is not None:
         raise UnsupportedArchitectureError(
             f"{what.capitalize()} cannot run on this model, whose attention scores and pattern cannot be edited: "
-            f"{reason}. Analyses that only read activations (find_sinks, measure_variance, ...) work on it."
-        )
+            f"{reason}. Analyses that only read activations (find_sinks, measure_variance, ...) work on it.")
 
 
 def attends_to_later_keys(model: Any) -> bool:
