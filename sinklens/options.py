@@ -98,10 +98,8 @@ def hook_pairs(hooks: Any, *, what: str) -> tuple[tuple[str, HookFn], ...]:
     return tuple((name, fn) for name, fn in hooks)
 
 
-def settings_from(
-    cls: type[S], settings: S | None, kwargs: dict[str, Any], where: str, *,
-    defaults: dict[str, Any] | None = None, argument: str = "settings",
-) -> S:
+def settings_from(cls: type[S], settings: S | None, kwargs: dict[str, Any], where: str, *,
+                  defaults: dict[str, Any] | None = None, argument: str = "settings") -> S:
     """``settings`` (default ``cls(**defaults)``) with fields given as keywords popped from
     ``kwargs`` replacing them; other keywords raise ``TypeError`` like Python does.
 
@@ -121,20 +119,15 @@ def settings_from(
             f"{where}: {argument}= must be a {cls.__name__}, got {type(settings).__name__} {settings!r}; "
             f"pass its fields as keywords instead (e.g. {names[0]}=...).")
     given = {name: kwargs.pop(name) for name in names if name in kwargs}
-    no_unknown_kwargs(kwargs, where, known=names)
+    if kwargs:
+        from sinklens.validate import closest
+
+        hints = [match for key in sorted(kwargs) if (match := closest(key, names)) is not None]
+        hint = f" (did you mean {', '.join(map(repr, hints))}?)" if hints else ""
+        raise TypeError(f"{where}() got unexpected keyword arguments {sorted(kwargs)}{hint}.")
     if settings is None:
         return cls(**((defaults or {}) | given))
     return dataclasses.replace(settings, **given) if given else settings
-
-
-def no_unknown_kwargs(kwargs: dict[str, Any], where: str, *, known: Sequence[str] = ()) -> None:
-    """Raise ``TypeError`` like Python does if any keyword is left in ``kwargs``, with a hint."""
-    from sinklens.validate import closest
-
-    if kwargs:
-        hints = [match for key in sorted(kwargs) if (match := closest(key, known)) is not None]
-        hint = f" (did you mean {', '.join(map(repr, hints))}?)" if hints else ""
-        raise TypeError(f"{where}() got unexpected keyword arguments {sorted(kwargs)}{hint}.")
 
 
 def checked_options(options: Any, where: str | None = None) -> RunOptions:
