@@ -29,9 +29,8 @@ from sinklens.visibility import attention_direction
 
 @dataclass(repr=False, eq=False)
 class TokenBatch(CompactRepr):
-    """A right-padded batch of token ids; ``valid`` is True at real tokens. ``prepend_bos``: whether
-    special tokens were put before each text; ``special_tokens``: which, as the tokenizer spells
-    them (e.g. ``("[CLS]", "[SEP]")``; empty when none or unknown)."""
+    """A right-padded batch of token ids; ``valid``: True at real tokens; ``prepend_bos``: whether special
+    tokens went before each text; ``special_tokens``: which, e.g. ``("[CLS]", "[SEP]")`` (empty: none or unknown)."""
 
     tokens: Int[Tensor, "batch pos"]
     valid: Bool[Tensor, "batch pos"]
@@ -163,14 +162,8 @@ def _check_length(length: int, n_ctx: int, *, random_tokens: bool = False) -> No
             f"A sequence of {length} tokens is longer than the model's context of {n_ctx} tokens (cfg.n_ctx); {fix}.")
 
 
-def tokenize_prompts(
-    model: Any,
-    prompts: str | Iterable[str],
-    *,
-    batch_size: IntLike = 8,
-    prepend_bos: bool | None = PREPEND_BOS,
-    max_length: IntLike | None = None,
-) -> list[TokenBatch]:
+def tokenize_prompts(model: Any, prompts: str | Iterable[str], *, batch_size: IntLike = 8,
+                     prepend_bos: bool | None = PREPEND_BOS, max_length: IntLike | None = None) -> list[TokenBatch]:
     """Tokenise prompts into right-padded batches. ``max_length`` truncates each prompt, special
     tokens included (an encoder keeps its final ``[SEP]``); without it a prompt longer than
     ``cfg.n_ctx`` is refused."""
@@ -260,15 +253,8 @@ def is_encoder(model: Any) -> bool:
     return getattr(model, "cfg", None) is not None and attention_direction(model) == "bidirectional"
 
 
-def random_token_batches(
-    model: Any,
-    *,
-    n_sequences: IntLike = 16,
-    seq_len: IntLike = 64,
-    batch_size: IntLike = 8,
-    prepend_bos: bool = False,
-    seed: IntLike = 0,
-) -> list[TokenBatch]:
+def random_token_batches(model: Any, *, n_sequences: IntLike = 16, seq_len: IntLike = 64, batch_size: IntLike = 8,
+                         prepend_bos: bool = False, seed: IntLike = 0) -> list[TokenBatch]:
     """Uniformly random token sequences: the theory's setting, with no semantic first token. With
     ``prepend_bos`` position 0 is the tokenizer's BOS (token 0 without a tokenizer)."""
     n_sequences = positive_int(n_sequences, what="n_sequences")
@@ -295,16 +281,9 @@ def _unpadded_batches(tokens: Tensor, batch_size: int, prepend_bos: bool,
             for i in range(0, tokens.shape[0], batch_size)]
 
 
-def as_batches(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    batch_size: IntLike = 8,
-    prepend_bos: bool | None = PREPEND_BOS,
-    max_length: IntLike | None = None,
-) -> list[TokenBatch]:
+def as_batches(model: Any, inputs: Inputs | None = None, *, batch_size: IntLike = 8,
+               prepend_bos: bool | None = PREPEND_BOS, max_length: IntLike | None = None) -> list[TokenBatch]:
     """Any accepted input as right-padded :class:`TokenBatch` es on the model's device, checked once.
-
     ``None`` means the built-in prompts; a token tensor is all valid (its first column counts as BOS
     when ``prepend_bos``); batches must share ``prepend_bos`` and ``special_tokens``. ``max_length``
     keeps the first ``max_length`` tokens of every sequence, whatever form it came in."""
@@ -392,10 +371,8 @@ def warn_if_padded(model: Any, tokens: Int[Tensor, "batch pos"]) -> None:
             return
 
 
-def require_a_later_position(
-    batches: Sequence[TokenBatch], *, what: str, sink_position: int | None = None, bidirectional: bool = False,
-    min_query: int | None = None,
-) -> None:
+def require_a_later_position(batches: Sequence[TokenBatch], *, what: str, sink_position: int | None = None,
+                             bidirectional: bool = False, min_query: int | None = None) -> None:
     """Refuse ``batches`` in which no query can see the sink (a later position, or on a
     ``bidirectional`` model any other), or some sequence does not reach ``sink_position``, or
     ``min_query`` leaves no query. ``what`` names the caller in the error."""

@@ -57,10 +57,9 @@ def stdlib_docstrings() -> Iterator[str]:
         except (SyntaxError, ValueError):
             continue
         for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc:
-                    yield doc
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module, ast.AsyncFunctionDef)) and (
+                    doc := ast.get_docstring(node)):
+                yield doc
 
 
 def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 800, seed: IntLike = 0,
@@ -89,9 +88,8 @@ def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 80
 
 
 def stdlib_source_tokens(tokenizer: Any, n_tokens: IntLike) -> list[int]:
-    """The first ``n_tokens`` token ids of the top-level ``stdlib/*.py`` sources, concatenated by
-    file name, each encoded without special tokens: long text available offline, the same on every
-    run of one Python."""
+    """The first ``n_tokens`` token ids of the top-level ``stdlib/*.py`` sources by file name, each encoded
+    without special tokens: long text available offline, the same on every run of one Python."""
     n_tokens = positive_int(n_tokens, what="n_tokens")
     ids: list[int] = []
     for source in _stdlib_sources():

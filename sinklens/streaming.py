@@ -92,8 +92,7 @@ class Reducer(ABC, Generic[R]):
     maxima: ClassVar[tuple[str, ...]] = ()
 
     def merge(self, other: Reducer[R]) -> None:
-        """Fold in ``other`` (the same reducer over the sequences after this one's), so
-        :meth:`result` is what one pass over both would give."""
+        """Fold in ``other`` (the same reducer over later sequences), as if one pass had read both."""
         merge_statistics(self, other, self._declared_statistics())
 
     def state_dict(self) -> dict[str, Any]:
@@ -311,17 +310,11 @@ def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
         _RUNNING_MASK.reset(mask)
 
 
-def stream(
-    model: Any,
-    batches: Sequence[TokenBatch],
-    reducers: Sequence[Reducer[Any]],
-    *,
-    options: RunOptions = RunOptions(),
-) -> list[Any]:
-    """Run every reducer over every batch, one forward pass per batch in eval mode; return their
-    results. ``options.extra_hooks`` run before the reducers' hooks (e.g. an intervention). Under
-    :func:`sinklens.distributed.session` each process streams its share and the statistics are
-    merged in rank order. A requested hook that never ran is an ``UnsupportedArchitectureError``."""
+def stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reducer[Any]], *,
+           options: RunOptions = RunOptions()) -> list[Any]:
+    """Run every reducer over every batch (one forward each, in eval mode, ``options.extra_hooks``
+    first) and return their results; under :func:`sinklens.distributed.session` each process streams
+    its share, merged in rank order. A requested hook that never ran is an ``UnsupportedArchitectureError``."""
     options = checked_options(options, "stream")
     check_model_device(model, options.device)
     refuse_meta_model(model)
@@ -360,10 +353,9 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
     if silent:
         raise UnsupportedArchitectureError(
             f"extra_hooks on {silent[:4]}{'...' if len(silent) > 4 else ''} never ran during the forward pass, so they "
-            "changed and measured nothing. The model lists these hook points but does not run them "
-            "here (e.g. TransformerLens 3 runs attn.hook_result only after "
-            "model.set_use_attn_result(True), some bridges skip attn.hook_rot_q, a fused attention "
-            "kernel skips hook_pattern). Hook a point that runs.")
+            "changed and measured nothing. The model lists these hook points but does not run them here (e.g. "
+            "TransformerLens 3 runs attn.hook_result only after model.set_use_attn_result(True), some bridges skip "
+            "attn.hook_rot_q, a fused attention kernel skips hook_pattern). Hook a point that runs.")
     missing = sorted(requested - table.fired)
     if missing:
         raise UnsupportedArchitectureError(
@@ -376,8 +368,7 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
 
 
 def _stats_device_if_split(model: Any) -> torch.device | None:
-    """The first parameter's device when the model spans several devices (there reducers keep their
-    statistics); None for a model on one device."""
+    """Where reducers keep statistics on a model split over devices (its first parameter's); else None."""
     devices = [p.device for p in getattr(model, "parameters", lambda: ())()]
     return devices[0] if len(set(devices)) > 1 else None
 
@@ -388,9 +379,8 @@ def _moved_to(fn: HookFn, device: torch.device) -> HookFn:
 
 
 def combine_across_ranks(reducers: Sequence[Reducer[Any]], *, n_local_batches: int) -> None:
-    """Give every process's ``reducers`` the statistics of all processes, merged in rank order
-    (``all_gather_object`` of each :meth:`Reducer.state_dict`); ranks that streamed no batch are
-    skipped. No-op unless :func:`sinklens.distributed.active`."""
+    """Give every process's ``reducers`` all processes' statistics (``all_gather_object`` of each
+    :meth:`Reducer.state_dict`), merged in rank order, skipping ranks that streamed no batch."""
     if not distributed.active() or not reducers:
         return
     payload = (n_local_batches, [reducer.state_dict() for reducer in reducers])
@@ -414,8 +404,7 @@ def run(model: Any, inputs: Inputs | None, *reducers: Reducer[Any], options: Run
 
 
 def batches_for(model: Any, inputs: Inputs | None, options: RunOptions) -> list[TokenBatch]:
-    """``inputs`` as batches by ``options`` (:func:`~sinklens.inputs.as_batches`), once
-    ``options.device`` is checked against the model's."""
+    """``inputs`` as batches by ``options`` (:func:`~sinklens.inputs.as_batches`), the device checked."""
     check_model_device(model, options.device)
     refuse_meta_model(model)
     return as_batches(model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos,
