@@ -130,7 +130,6 @@ def tokenizer_adds_bos(model: Any) -> bool | None:
 def _own_tokenizer_adds_bos(path: str) -> bool | None:
     try:
         from transformers import AutoTokenizer
-
         own = AutoTokenizer.from_pretrained(path, local_files_only=True)
         ids, body = own("a")["input_ids"], own("a", add_special_tokens=False)["input_ids"]
     except Exception:  # no local tokenizer files (a Hub name offline, a hand-built tokenizer): unknown
@@ -337,12 +336,10 @@ def as_batches(model: Any, inputs: Inputs | None = None, *, batch_size: IntLike 
 def _caller_outside_sinklens(warning_frame: Any) -> int:
     """The ``stacklevel`` from ``warning_frame`` of the first frame outside sinklens."""
     root = str(Path(__file__).resolve().parent)
-
     def inside(frame: Any) -> bool:  # sinklens, or a runtime type checker's wrapper around one of its functions
         name, module = frame.f_code.co_filename, str(frame.f_globals.get("__name__", ""))
         return (name.startswith("<") or module.split(".")[0] in ("jaxtyping", "beartype", "typeguard")
                 or str(Path(name).resolve()).startswith(root))
-
     level, frame = 1, warning_frame
     while frame is not None and inside(frame):
         frame, level = frame.f_back, level + 1
@@ -455,8 +452,6 @@ def _materialised(prompts: Any) -> Any:
     """A generator or numpy array of ``prompts`` as a list (numpy strings as ``str``)."""
     if isinstance(prompts, (str, bytes, dict, Tensor)) or not isinstance(prompts, Iterable):
         return prompts
-    if isinstance(prompts, Sequence) and type(prompts).__module__ != "numpy":
-        return list(prompts)
     return [str(p) if isinstance(p, str) else p for p in prompts]
 
 

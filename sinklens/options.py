@@ -60,7 +60,6 @@ class RunOptions:
     def __post_init__(self) -> None:
         from sinklens.validate import as_bool, optional_positive_int, positive_int
         from sinklens.validate import device as as_device
-
         object.__setattr__(self, "batch_size", positive_int(self.batch_size, what="batch_size"))
         object.__setattr__(self, "max_length", optional_positive_int(self.max_length, what="max_length"))
         if self.prepend_bos is not None:
@@ -121,7 +120,6 @@ def settings_from(cls: type[S], settings: S | None, kwargs: dict[str, Any], wher
     given = {name: kwargs.pop(name) for name in names if name in kwargs}
     if kwargs:
         from sinklens.validate import closest
-
         hints = [match for key in sorted(kwargs) if (match := closest(key, names)) is not None]
         hint = f" (did you mean {', '.join(map(repr, hints))}?)" if hints else ""
         raise TypeError(f"{where}() got unexpected keyword arguments {sorted(kwargs)}{hint}.")

@@ -45,10 +45,8 @@ def _run_probe(model: Any, hooks: list, n_tokens: int) -> None:
 
 def _recorder(seen: dict[str, Tensor], key: str) -> Callable[[Tensor, Any], None]:
     """A hook keeping a float copy of its activation in ``seen[key]`` (keys in firing order)."""
-
     def hook(act: Tensor, hook: Any) -> None:
         seen[key] = act.detach().float().clone()
-
     return hook
 
 
@@ -57,12 +55,10 @@ def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
     present = [n for n in names if n in model.hook_dict]
     if not present:
         return []
-
     def probe() -> list[str]:
         fired: dict[str, Tensor] = {}
         _run_probe(model, [(n, _recorder(fired, n)) for n in present], 2)
         return [n for n in present if n not in fired]
-
     return _probed(model, ("silent", tuple(present)), probe)
 
 
@@ -77,12 +73,10 @@ def post_hoc_attention(model: Any) -> str | None:
 
     def probe() -> str | None:
         seen: dict[str, Tensor] = {}
-
         def only_own_key(scores: Tensor, hook: Any) -> Tensor:
             n_q, n_k = scores.shape[-2:]
             own = torch.eye(n_k, dtype=torch.bool, device=scores.device)[n_k - n_q:]
             return scores.masked_fill(~own, float("-inf"))
-
         hooks = [(names[0], only_own_key), (names[1], _recorder(seen, PATTERN))]
         if names[2] in model.hook_dict:
             hooks.append((names[2], _recorder(seen, Z)))
@@ -102,7 +96,6 @@ def post_hoc_attention(model: Any) -> str | None:
         return ("its attention runs inside the wrapped Hugging Face module and TransformerLens fires "
                 "hook_attn_scores and hook_pattern afterwards, with the post-softmax weights (an edit there is "
                 "discarded, and hook_attn_scores holds probabilities, not pre-softmax scores)")
-
     return _probed(model, "post_hoc_attention", probe)
 
 
@@ -122,12 +115,10 @@ def attends_to_later_keys(model: Any) -> bool:
     name = hook_name(0, PATTERN)
     if name not in model.hook_dict:
         return False
-
     def probe() -> bool:
         seen: dict[str, Tensor] = {}
         _run_probe(model, [(name, _recorder(seen, PATTERN))], 2)
         return PATTERN in seen and bool((seen[PATTERN][..., 0, 1] > 0).any())
-
     return _probed(model, "attends_to_later_keys", probe)
 
 
@@ -138,19 +129,15 @@ def resid_mid_is_a_copy(model: Any) -> bool:
     names = [hook_name(0, site) for site in (RESID_MID, MLP_OUT, RESID_POST)]
     if any(n not in model.hook_dict for n in names):
         return False
-
     def probe() -> bool:
         seen: dict[str, Tensor] = {}
-
         def shift(act: Tensor, hook: Any) -> Tensor:
             seen["mid"] = act.detach().float().clone()
             return act + 1.0
-
         _run_probe(model, [(names[0], shift), (names[1], _recorder(seen, "mlp")),
                            (names[2], _recorder(seen, "post"))], 2)
         if len(seen) < 3:
             return False
         skip = seen["post"] - seen["mlp"]  # the residual the block carried past its MLP
         return bool((skip - seen["mid"]).abs().max() < (skip - seen["mid"] - 1.0).abs().max())
-
     return _probed(model, "resid_mid_is_a_copy", probe)

@@ -233,10 +233,8 @@ def bound_hooks(names: Sequence[str], keys: Sequence[Any], fold: Callable[[Tenso
         >>> [(name, fn(None, None)) for name, fn in bound_hooks(["a", "b"], [0, 1], lambda act, key: key)]
         [('a', 0), ('b', 1)]
     """
-
     def bind(key: Any) -> HookFn:
         return lambda act, hook: fold(act, key)
-
     return [(name, bind(key)) for name, key in zip(names, keys, strict=True)]
 
 
@@ -266,7 +264,6 @@ class _HookTable:
                 if out is not None:
                     act = out
             return act
-
         return run
 
 
