@@ -59,11 +59,8 @@ def exit_code_for(err: BaseException) -> int:
     sinklens code; 1 (failure) for everything else (offline, corrupt files, divergence, internal errors)."""
     if isinstance(err, KeyboardInterrupt):
         return EXIT_INTERRUPTED
-    if isinstance(err, _USAGE_CLASSES):
-        return EXIT_USAGE
-    if isinstance(err, SinklensError):
-        return EXIT_USAGE if isinstance(err, ValueError) else EXIT_FAILURE
-    return EXIT_USAGE if _checked(err) else EXIT_FAILURE
+    usage = isinstance(err, ValueError) if isinstance(err, SinklensError) else _checked(err)
+    return EXIT_USAGE if usage or isinstance(err, _USAGE_CLASSES) else EXIT_FAILURE
 
 
 def _checked(err: BaseException) -> bool:

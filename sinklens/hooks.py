@@ -175,12 +175,10 @@ def cached_weights(model: Any) -> Iterator[None]:
 
 def with_cached_weights(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Run a function whose first argument is a model inside :func:`cached_weights`."""
-
     @functools.wraps(fn)
     def wrapped(model: Any, *args: Any, **kwargs: Any) -> Any:
         with cached_weights(model):
             return fn(model, *args, **kwargs)
-
     return wrapped
 
 
