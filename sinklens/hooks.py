@@ -161,24 +161,17 @@ def expand_kv_heads(weight: Float[Tensor, "... kv_head a b"], n_heads: int) -> F
 _WEIGHT_CACHES: dict[int, dict[str, Tensor]] = {}
 
 
-@contextmanager
-def cached_weights(model: Any) -> Iterator[None]:
-    """Within the block, :func:`weight` stacks each of ``model``'s weights only once."""
-    outer = id(model) in _WEIGHT_CACHES
-    _WEIGHT_CACHES.setdefault(id(model), {})
-    try:
-        yield
-    finally:
-        if not outer:
-            _WEIGHT_CACHES.pop(id(model), None)
-
-
 def with_cached_weights(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a function whose first argument is a model inside :func:`cached_weights`."""
+    """Run ``fn(model, ...)`` with :func:`weight` stacking each of the model's weights only once."""
     @functools.wraps(fn)
     def wrapped(model: Any, *args: Any, **kwargs: Any) -> Any:
-        with cached_weights(model):
+        outer = id(model) in _WEIGHT_CACHES
+        _WEIGHT_CACHES.setdefault(id(model), {})
+        try:
             return fn(model, *args, **kwargs)
+        finally:
+            if not outer:
+                _WEIGHT_CACHES.pop(id(model), None)
     return wrapped
 
 
@@ -271,7 +264,7 @@ def layer_weight(model: Any, name: str, layer: int) -> Tensor:
 
 def weight_cached(model: Any, key: Hashable, compute: Callable[[], Any]) -> Any:
     """``compute()``, kept per model under ``key`` until its :func:`weight_fingerprint` changes
-    (taken on every call, or once per :func:`cached_weights` block)."""
+    (taken on every call, or once inside :func:`with_cached_weights`)."""
     stack = _WEIGHT_CACHES.get(id(model), {})
     if "__fingerprint__" not in stack:
         stack["__fingerprint__"] = weight_fingerprint(model)
