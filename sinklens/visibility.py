@@ -100,18 +100,15 @@ def attention_direction(model: Any) -> str:
     direction = getattr(model.cfg, "attention_dir", "causal") or "causal"
     if direction not in ("causal", "bidirectional"):
         raise UnsupportedArchitectureError(f"cfg.attention_dir={direction!r}; expected 'causal' or 'bidirectional'.")
-    if direction == "causal" and attends_to_later_keys(model):
-        return "bidirectional"
-    return direction
+    return "bidirectional" if direction == "causal" and attends_to_later_keys(model) else direction
 
 
 def attention_visibility(model: Any) -> Visibility:
     """The :class:`Visibility` of any TransformerLens-style model."""
-    cfg = model.cfg
-    n_layers = int(cfg.n_layers)
-    direction = attention_direction(model)
+    n_layers = int(model.cfg.n_layers)
+    causal = attention_direction(model) == "causal"
     config = getattr(getattr(model, "original_model", None), "config", None)
-    windows = _hf_windows(config, n_layers) if config is not None else _tl_windows(cfg, n_layers)
+    windows = _hf_windows(config, n_layers) if config is not None else _tl_windows(model.cfg, n_layers)
     if len(windows) != n_layers:
         raise UnsupportedArchitectureError(f"{len(windows)} per-layer attention types for {n_layers} layers.")
-    return Visibility(causal=direction == "causal", windows=windows)
+    return Visibility(causal=causal, windows=windows)
