@@ -116,9 +116,8 @@ def bos_token_id(model: Any) -> int:
 
 
 def tokenizer_adds_bos(model: Any) -> bool | None:
-    """Whether the model's own tokenizer puts a special token before a text: reloaded from its
-    ``name_or_path`` (TransformerLens rebuilds the attached one) and run on ``"a"``; a ``sinklens
-    train`` run answers from its data config. None when unreadable."""
+    """Whether the model's own tokenizer (reloaded from ``name_or_path``, run on ``"a"``; a ``sinklens train``
+    run: its data config) puts a special token before a text; None when unreadable."""
     data = getattr(getattr(model, "train_config", None), "data", None)
     if data is not None:  # a sinklens run: its rows began as its data config says
         return data.source != "memmap" and bool(data.bos)
@@ -163,9 +162,8 @@ def _check_length(length: int, n_ctx: int, *, random_tokens: bool = False) -> No
 
 def tokenize_prompts(model: Any, prompts: str | Iterable[str], *, batch_size: IntLike = 8,
                      prepend_bos: bool | None = PREPEND_BOS, max_length: IntLike | None = None) -> list[TokenBatch]:
-    """Tokenise prompts into right-padded batches. ``max_length`` truncates each prompt, special
-    tokens included (an encoder keeps its final ``[SEP]``); without it a prompt longer than
-    ``cfg.n_ctx`` is refused."""
+    """Tokenise prompts into right-padded batches. ``max_length`` truncates each prompt, special tokens
+    included (an encoder keeps its final ``[SEP]``); without it a prompt longer than ``cfg.n_ctx`` is refused."""
     prompts = prompt_list(_materialised(prompts))
     batch_size = positive_int(batch_size, what="batch_size")
     prepend_bos = resolved_bos(model, prepend_bos)
@@ -228,9 +226,8 @@ def added_ids(ids: Sequence[int], body: Sequence[int]) -> list[int]:
 
 
 def encoder_ids(tok: Any, text: str, max_length: int | None = None) -> list[int]:
-    """An encoder's ids for ``text`` with its special tokens: the tokenizer's own when they start
-    with ``[CLS]``, else ``[CLS] text [SEP]`` (a bridge's rebuilt tokenizer drops BERT's template).
-    ``max_length`` truncates the text, keeping the final ``[SEP]``."""
+    """An encoder's ids for ``text``: the tokenizer's own when they start with ``[CLS]``, else ``[CLS] text [SEP]``
+    (a bridge's rebuilt tokenizer drops BERT's template); ``max_length`` truncates, keeping the final ``[SEP]``."""
     unk = getattr(tok, "unk_token_id", None)
     cls, sep = getattr(tok, "cls_token_id", None), getattr(tok, "sep_token_id", None)
     kw = dict(truncation=True, max_length=max_length) if max_length is not None else {}
@@ -370,9 +367,8 @@ def warn_if_padded(model: Any, tokens: Int[Tensor, "batch pos"]) -> None:
 
 def require_a_later_position(batches: Sequence[TokenBatch], *, what: str, sink_position: int | None = None,
                              bidirectional: bool = False, min_query: int | None = None) -> None:
-    """Refuse ``batches`` in which no query can see the sink (a later position, or on a
-    ``bidirectional`` model any other), or some sequence does not reach ``sink_position``, or
-    ``min_query`` leaves no query. ``what`` names the caller in the error."""
+    """Refuse ``batches`` where no query can see the sink (a later position; any other if ``bidirectional``), a
+    sequence does not reach ``sink_position``, or ``min_query`` leaves no query; ``what`` names the caller."""
     lengths = [n for b in batches for n in b.host_lengths()]
     short = [i for i, n in enumerate(lengths) if sink_position is not None and n <= sink_position]
     if short:

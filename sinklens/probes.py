@@ -63,10 +63,9 @@ def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
 
 
 def post_hoc_attention(model: Any) -> str | None:
-    """Why ``hook_attn_scores`` / ``hook_pattern`` fire after the attention ran (edits are
-    discarded, as in the 4.x BERT bridge), or None when they are seams. A 3-token probe lets each
-    query see only its own key at layer 0's scores: attention elsewhere in ``hook_pattern``, or
-    ``hook_pattern`` after ``hook_z``, is post hoc."""
+    """Why ``hook_attn_scores`` / ``hook_pattern`` fire after the attention ran (edits are discarded, as in the
+    4.x BERT bridge), or None when they are seams. A 3-token probe lets each query see only its own key at layer
+    0's scores: attention elsewhere in ``hook_pattern``, or ``hook_pattern`` after ``hook_z``, is post hoc."""
     names = [hook_name(0, site) for site in (SCORES, PATTERN, Z)]
     if any(n not in model.hook_dict for n in names[:2]):
         return None

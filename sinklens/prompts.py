@@ -64,9 +64,8 @@ def stdlib_docstrings() -> Iterator[str]:
 
 def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 800, seed: IntLike = 0,
                         what: str = "n_prompts") -> list[str]:
-    """Real text available offline: ``n_prompts`` (None: all) standard-library docstrings of at
-    least 30 words without doctest examples (941 on CPython 3.11), each cut to ``n_chars``
-    characters, shuffled by ``seed``; ``what`` names the argument in errors."""
+    """Real text available offline: ``n_prompts`` (None: all) standard-library docstrings of at least 30 words
+    without doctests (941 on CPython 3.11), cut to ``n_chars``, shuffled by ``seed``; ``what`` names the argument."""
     if n_prompts is not None:
         n_prompts = positive_int(n_prompts, what=what)
     n_chars = positive_int(n_chars, what="n_chars")
