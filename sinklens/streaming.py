@@ -137,8 +137,7 @@ def merge_sum(mine: Any, theirs: Any) -> Any:
         ([1, 2], {0: 3.0, 1: 3.0}, False, {'qk'})
     """
     if isinstance(mine, Tensor):
-        mine, theirs = _same_shape(mine, theirs, 0.0)
-        return mine + theirs
+        return torch.add(*_same_shape(mine, theirs, 0.0))
     if isinstance(mine, bool):
         return theirs
     if isinstance(mine, (int, float, list)):
