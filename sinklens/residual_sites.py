@@ -59,8 +59,7 @@ def after_attention_hooks(model: Any, layers: Sequence[int], consume: Callable[[
     if post_ln_reason(model) is not None:
         maps = {layer: input_norm(model, layer, "mlp") for layer in layers}
         def normed(act: Tensor, layer: int) -> None:
-            norm = maps[layer]
-            consume(layer, act * norm.gain.to(act.device, act.dtype) + norm.offset(act))
+            consume(layer, act * maps[layer].gain.to(act.device, act.dtype) + maps[layer].offset(act))
         return [(f"{maps[layer].path}.hook_normalized", lambda act, hook, layer=layer: normed(act, layer)) for layer in layers]
     if has_resid_mid(model, layers):
         return [(hook_name(layer, RESID_MID), lambda act, hook, layer=layer: consume(layer, act)) for layer in layers]
