@@ -109,8 +109,7 @@ class Reducer(ABC, Generic[R]):
         """Replace the running statistics by ``state`` (from :meth:`state_dict`), on this reducer's device."""
         device = _statistics_device(self)
         for name in self.statistics:
-            current = getattr(self, name)
-            if isinstance(current, Reducer):
+            if isinstance(current := getattr(self, name), Reducer):
                 current.load_state_dict(state[name])
             else:
                 setattr(self, name, _map_tensors(state[name], lambda t: t.to(device)))
@@ -119,8 +118,7 @@ class Reducer(ABC, Generic[R]):
         """A shallow copy (nested reducers copied) whose statistics can be replaced alone."""
         clone = copy.copy(self)
         for name in self.statistics:
-            value = getattr(clone, name)
-            if isinstance(value, Reducer):
+            if isinstance(value := getattr(clone, name), Reducer):
                 setattr(clone, name, value.shallow_copy())
         return clone
 
