@@ -75,14 +75,7 @@ class RunOptions:
 
 
 def hook_pairs(hooks: Any, *, what: str) -> tuple[tuple[str, HookFn], ...]:
-    """``hooks`` as a tuple of ``(hook_name, fn)`` pairs, or an error naming what is wrong.
-
-    Examples:
-        >>> hook_pairs({"blocks.0.hook_resid_pre": print}, what="extra_hooks")
-        Traceback (most recent call last):
-        ...
-        sinklens.errors.InvalidArgumentError: extra_hooks must be a list of (hook_name, fn) pairs, got a dict; pass list(d.items()) for a dict of hook name -> fn.
-    """
+    """``hooks`` as a tuple of ``(hook_name, fn)`` pairs, or an error naming what is wrong."""
     if isinstance(hooks, dict):
         raise InvalidArgumentError(f"{what} must be a list of (hook_name, fn) pairs, got a dict; pass list(d.items()) "
                                    "for a dict of hook name -> fn.")
