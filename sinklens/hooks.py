@@ -95,8 +95,7 @@ def model_dims(model: Any) -> ModelDims:
     return ModelDims(
         n_layers=int(cfg.n_layers), n_heads=n_heads, n_kv_heads=int(n_kv), d_head=int(cfg.d_head),
         d_model=int(cfg.d_model), d_mlp=int(d_mlp), n_ctx=int(cfg.n_ctx), d_vocab=int(cfg.d_vocab),
-        d_vocab_out=int(d_vocab_out) if isinstance(d_vocab_out, int) and d_vocab_out > 0 else int(cfg.d_vocab),
-    )
+        d_vocab_out=int(d_vocab_out) if isinstance(d_vocab_out, int) and d_vocab_out > 0 else int(cfg.d_vocab))
 
 
 def model_device(model: Any) -> torch.device:
