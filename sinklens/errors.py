@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import traceback
 
 
 class SinklensError(Exception):
@@ -59,11 +60,8 @@ def exit_code_for(err: BaseException) -> int:
     sinklens code; 1 (failure) for everything else (offline, corrupt files, divergence, internal errors)."""
     if isinstance(err, KeyboardInterrupt):
         return EXIT_INTERRUPTED
-    if isinstance(err, _USAGE_CLASSES):
-        return EXIT_USAGE
-    if isinstance(err, SinklensError):
-        return EXIT_USAGE if isinstance(err, ValueError) else EXIT_FAILURE
-    return EXIT_USAGE if _checked(err) else EXIT_FAILURE
+    usage = isinstance(err, ValueError) if isinstance(err, SinklensError) else _checked(err)
+    return EXIT_USAGE if usage or isinstance(err, _USAGE_CLASSES) else EXIT_FAILURE
 
 
 def _checked(err: BaseException) -> bool:
@@ -78,12 +76,8 @@ def _checked(err: BaseException) -> bool:
 
 def raised_by_sinklens(err: BaseException) -> bool:
     """True when the innermost frame of ``err``'s traceback is sinklens code (a deliberate check), not a library's."""
-    tb = err.__traceback__
-    if tb is None:
-        return False
-    while tb.tb_next is not None:
-        tb = tb.tb_next
-    return str(tb.tb_frame.f_globals.get("__name__", "")).split(".")[0] == "sinklens"
+    frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
+    return bool(frames) and str(frames[-1].f_globals.get("__name__", "")).split(".")[0] == "sinklens"
 
 
 def is_internal_error(err: BaseException) -> bool:

@@ -88,8 +88,7 @@ def model_dims(model: Any) -> ModelDims:
     if cfg is None:
         raise TypeError(
             f"Expected a TransformerLens model with a .cfg (TransformerBridge, HookedTransformer or a "
-            f"sinklens model), got {type(model).__name__}."
-        )
+            f"sinklens model), got {type(model).__name__}.")
     n_heads = int(cfg.n_heads)
     n_kv = getattr(cfg, "n_key_value_heads", None) or getattr(cfg, "n_kv_heads", None) or n_heads
     d_mlp = 0 if getattr(cfg, "attn_only", False) is True else getattr(cfg, "d_mlp", None) or 0
@@ -97,8 +96,7 @@ def model_dims(model: Any) -> ModelDims:
     return ModelDims(
         n_layers=int(cfg.n_layers), n_heads=n_heads, n_kv_heads=int(n_kv), d_head=int(cfg.d_head),
         d_model=int(cfg.d_model), d_mlp=int(d_mlp), n_ctx=int(cfg.n_ctx), d_vocab=int(cfg.d_vocab),
-        d_vocab_out=int(d_vocab_out) if isinstance(d_vocab_out, int) and d_vocab_out > 0 else int(cfg.d_vocab),
-    )
+        d_vocab_out=int(d_vocab_out) if isinstance(d_vocab_out, int) and d_vocab_out > 0 else int(cfg.d_vocab))
 
 
 def model_device(model: Any) -> torch.device:
@@ -117,8 +115,7 @@ def check_model_device(model: Any, device: torch.device | None) -> None:
     if actual.type != device.type or device.index is not None and (actual.index or 0) != device.index:
         raise InvalidArgumentError(
             f"RunOptions(device={str(device)!r}), but the model runs on {actual}: move it first "
-            f"(model.to({str(device)!r})) or leave device=None."
-        )
+            f"(model.to({str(device)!r})) or leave device=None.")
 
 
 def model_dtype(model: Any) -> torch.dtype:
@@ -138,8 +135,7 @@ def check_hook_names(model: Any, names: Iterable[str]) -> None:
             hint = f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else "."
             raise InvalidArgumentError(
                 f"Unknown hook {name!r}{hint} The model has {len(available)} hook points "
-                f"(see model.hook_dict); per-layer ones look like 'blocks.0.attn.hook_pattern'."
-            )
+                f"(see model.hook_dict); per-layer ones look like 'blocks.0.attn.hook_pattern'.")
 
 
 def resolve_layers(layers: int | Sequence[int] | None, n_layers: int) -> list[int]:
@@ -165,27 +161,17 @@ def expand_kv_heads(weight: Float[Tensor, "... kv_head a b"], n_heads: int) -> F
 _WEIGHT_CACHES: dict[int, dict[str, Tensor]] = {}
 
 
-@contextmanager
-def cached_weights(model: Any) -> Iterator[None]:
-    """Within the block, :func:`weight` stacks each of ``model``'s weights only once."""
-    key = id(model)
-    outer = key in _WEIGHT_CACHES
-    _WEIGHT_CACHES.setdefault(key, {})
-    try:
-        yield
-    finally:
-        if not outer:
-            _WEIGHT_CACHES.pop(key, None)
-
-
 def with_cached_weights(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Run a function whose first argument is a model inside :func:`cached_weights`."""
-
+    """Run ``fn(model, ...)`` with :func:`weight` stacking each of the model's weights only once."""
     @functools.wraps(fn)
     def wrapped(model: Any, *args: Any, **kwargs: Any) -> Any:
-        with cached_weights(model):
+        outer = id(model) in _WEIGHT_CACHES
+        _WEIGHT_CACHES.setdefault(id(model), {})
+        try:
             return fn(model, *args, **kwargs)
-
+        finally:
+            if not outer:
+                _WEIGHT_CACHES.pop(id(model), None)
     return wrapped
 
 
@@ -278,7 +264,7 @@ def layer_weight(model: Any, name: str, layer: int) -> Tensor:
 
 def weight_cached(model: Any, key: Hashable, compute: Callable[[], Any]) -> Any:
     """``compute()``, kept per model under ``key`` until its :func:`weight_fingerprint` changes
-    (taken on every call, or once per :func:`cached_weights` block)."""
+    (taken on every call, or once inside :func:`with_cached_weights`)."""
     stack = _WEIGHT_CACHES.get(id(model), {})
     if "__fingerprint__" not in stack:
         stack["__fingerprint__"] = weight_fingerprint(model)
@@ -353,8 +339,7 @@ def hooks_silenced(module: torch.nn.Module) -> Iterator[None]:
 def eval_mode(model: Any) -> Iterator[None]:
     """Run ``model`` in eval mode inside the block, then give every submodule (a bridge's
     ``original_model`` included) back the mode it had."""
-    is_module = isinstance(model, torch.nn.Module)
-    roots = (model, getattr(model, "original_model", None)) if is_module else ()
+    roots = (model, getattr(model, "original_model", None)) if isinstance(model, torch.nn.Module) else ()
     modules = {id(m): m for r in roots if isinstance(r, torch.nn.Module) for m in r.modules()}
     training = [m for m in modules.values() if m.training]
     if not training:  # already in eval mode (or no module): nothing to switch or restore

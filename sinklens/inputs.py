@@ -1,10 +1,6 @@
-"""Inputs for the analyzers: text, prompt sets and random tokens, as right-padded
-:class:`TokenBatch` es.
-
-Right padding keeps every sequence's first token (where the sink lives) at position 0; pads change
-no real token's activations. ``prepend_bos`` says what position 0 is: the tokenizer's BOS on a
-decoder, its ``[CLS] … [SEP]`` on an encoder, no special token when False; None does what the
-model's own tokenizer does."""
+"""Inputs for the analyzers (text, prompt sets, random tokens) as right-padded :class:`TokenBatch` es:
+every sequence's first token (where the sink lives) stays at position 0. ``prepend_bos`` puts the
+tokenizer's BOS (an encoder's ``[CLS] … [SEP]``) there; None does what the model's own tokenizer does."""
 
 from __future__ import annotations
 
@@ -33,9 +29,8 @@ from sinklens.visibility import attention_direction
 
 @dataclass(repr=False, eq=False)
 class TokenBatch(CompactRepr):
-    """A right-padded batch of token ids; ``valid`` is True at real tokens. ``prepend_bos``: whether
-    special tokens were put before each text; ``special_tokens``: which, as the tokenizer spells
-    them (e.g. ``("[CLS]", "[SEP]")``; empty when none or unknown)."""
+    """A right-padded batch of token ids; ``valid``: True at real tokens; ``prepend_bos``: whether special
+    tokens went before each text; ``special_tokens``: which, e.g. ``("[CLS]", "[SEP]")`` (empty: none or unknown)."""
 
     tokens: Int[Tensor, "batch pos"]
     valid: Bool[Tensor, "batch pos"]
@@ -49,7 +44,7 @@ class TokenBatch(CompactRepr):
         return self.valid.sum(dim=1)
 
     def host_lengths(self) -> tuple[int, ...]:
-        """Each row's number of real tokens as Python ints, read from ``valid`` once."""
+        """Each row's number of real tokens as Python ints."""
         return self._facts()[0]
 
     def _facts(self) -> tuple[tuple[int, ...], bool]:
@@ -62,7 +57,6 @@ class TokenBatch(CompactRepr):
 
     @property
     def padded(self) -> bool:
-        """True if any position is padding."""
         return any(n < self.valid.shape[1] for n in self.host_lengths())
 
     def to(self, device: torch.device | str) -> TokenBatch:
@@ -82,10 +76,8 @@ def right_align(batch: TokenBatch) -> TokenBatch:
     lengths = valid.sum(dim=1, keepdim=True)
     start = valid.float().argmax(dim=1, keepdim=True)  # first real position of each row
     if not bool((valid == ((pos >= start) & (pos < start + lengths))).all()):
-        raise InvalidArgumentError(
-            "A TokenBatch row has padding between real tokens (valid mask with a hole); only left or right "
-            "padding is supported."
-        )
+        raise InvalidArgumentError("A TokenBatch row has padding between real tokens (valid mask with a hole); "
+                                   "only left or right padding is supported.")
     prefix = pos < lengths
     tokens = batch.tokens.gather(1, torch.where(prefix, pos + start, 0))  # pads repeat column 0
     aligned_batch = TokenBatch(tokens, prefix, batch.prepend_bos, batch.special_tokens)
@@ -97,7 +89,7 @@ def right_align(batch: TokenBatch) -> TokenBatch:
 Inputs = Union[str, Iterable[str], Tensor, TokenBatch, Iterable[TokenBatch]]
 
 
-def _pad_right(rows: list[Tensor], pad_id: int, prepend_bos: bool, special_tokens: tuple[str, ...] = ()) -> TokenBatch:
+def _pad_right(rows: list[Tensor], pad_id: int, prepend_bos: bool, special_tokens: tuple[str, ...]) -> TokenBatch:
     tokens = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_id)
     valid = torch.arange(tokens.shape[1]) < torch.tensor([len(r) for r in rows])[:, None]
     return TokenBatch(tokens, valid, prepend_bos, special_tokens)
@@ -120,14 +112,12 @@ def bos_token_id(model: Any) -> int:
     raise InvalidArgumentError(
         f"prepend_bos=True but the tokenizer has no BOS (or CLS) token of its own (bos_token={bos!r}"
         f"{', the unknown token' if getattr(tok, 'bos_token_id', None) == unk and unk is not None else ''}); "
-        "use prepend_bos=False (CLI: --no-bos)."
-    )
+        "use prepend_bos=False (CLI: --no-bos).")
 
 
 def tokenizer_adds_bos(model: Any) -> bool | None:
-    """Whether the model's own tokenizer puts a special token before a text: reloaded from its
-    ``name_or_path`` (TransformerLens rebuilds the attached one) and run on ``"a"``; a ``sinklens
-    train`` run answers from its data config. None when unreadable."""
+    """Whether the model's own tokenizer (reloaded from ``name_or_path``, run on ``"a"``; a ``sinklens train``
+    run: its data config) puts a special token before a text; None when unreadable."""
     data = getattr(getattr(model, "train_config", None), "data", None)
     if data is not None:  # a sinklens run: its rows began as its data config says
         return data.source != "memmap" and bool(data.bos)
@@ -139,7 +129,6 @@ def tokenizer_adds_bos(model: Any) -> bool | None:
 def _own_tokenizer_adds_bos(path: str) -> bool | None:
     try:
         from transformers import AutoTokenizer
-
         own = AutoTokenizer.from_pretrained(path, local_files_only=True)
         ids, body = own("a")["input_ids"], own("a", add_special_tokens=False)["input_ids"]
     except Exception:  # no local tokenizer files (a Hub name offline, a hand-built tokenizer): unknown
@@ -168,21 +157,13 @@ def _check_length(length: int, n_ctx: int, *, random_tokens: bool = False) -> No
         fix = (f"pass seq_len={n_ctx} or shorter (CLI: --seq-len {n_ctx})" if random_tokens else
                f"pass max_length={n_ctx} or shorter to truncate (CLI: --max-length {n_ctx}), or shorter prompts")
         raise InvalidArgumentError(
-            f"A sequence of {length} tokens is longer than the model's context of {n_ctx} tokens (cfg.n_ctx); {fix}."
-        )
+            f"A sequence of {length} tokens is longer than the model's context of {n_ctx} tokens (cfg.n_ctx); {fix}.")
 
 
-def tokenize_prompts(
-    model: Any,
-    prompts: str | Iterable[str],
-    *,
-    batch_size: IntLike = 8,
-    prepend_bos: bool | None = PREPEND_BOS,
-    max_length: IntLike | None = None,
-) -> list[TokenBatch]:
-    """Tokenise prompts into right-padded batches. ``max_length`` truncates each prompt, special
-    tokens included (an encoder keeps its final ``[SEP]``); without it a prompt longer than
-    ``cfg.n_ctx`` is refused."""
+def tokenize_prompts(model: Any, prompts: str | Iterable[str], *, batch_size: IntLike = 8,
+                     prepend_bos: bool | None = PREPEND_BOS, max_length: IntLike | None = None) -> list[TokenBatch]:
+    """Tokenise prompts into right-padded batches. ``max_length`` truncates each prompt, special tokens
+    included (an encoder keeps its final ``[SEP]``); without it a prompt longer than ``cfg.n_ctx`` is refused."""
     prompts = prompt_list(_materialised(prompts))
     batch_size = positive_int(batch_size, what="batch_size")
     prepend_bos = resolved_bos(model, prepend_bos)
@@ -203,13 +184,11 @@ def tokenize_prompts(
         except UnicodeEncodeError as err:
             raise InvalidArgumentError(
                 f"prompts[{i}] ({prompt!r:.80}) is not valid Unicode text: it holds a lone surrogate "
-                f"{prompt[err.start]!r} at character {err.start}, which no tokenizer can encode."
-            ) from None
+                f"{prompt[err.start]!r} at character {err.start}, which no tokenizer can encode.") from None
         body = tok(prompt, add_special_tokens=False)["input_ids"]
         if not body:
-            raise InvalidArgumentError(
-                f"prompts[{i}] ({prompt!r:.80}) tokenises to no tokens (the model's tokenizer gives no ids for its text)."
-            )
+            raise InvalidArgumentError(f"prompts[{i}] ({prompt!r:.80}) tokenises to no tokens (the model's "
+                                       "tokenizer gives no ids for its text).")
         if encoder and prepend_bos:  # the tokenizer's own special tokens, added its own way
             ids = encoder_ids(tok, prompt, max_length)
             if not rows:
@@ -218,8 +197,7 @@ def tokenize_prompts(
                     raise InvalidArgumentError(
                         f"max_length={max_length} leaves no room for text on this encoder: the special tokens it "
                         f"adds ({' … '.join(special)}) take {len(special)} positions of every sequence, so "
-                        f"max_length must be at least {len(special) + 1} (or pass prepend_bos=False, CLI: --no-bos)."
-                    )
+                        f"max_length must be at least {len(special) + 1} (or pass prepend_bos=False, CLI: --no-bos).")
         else:
             ids = [bos, *body] if bos is not None else list(body)
         if max_length is not None:
@@ -248,9 +226,8 @@ def added_ids(ids: Sequence[int], body: Sequence[int]) -> list[int]:
 
 
 def encoder_ids(tok: Any, text: str, max_length: int | None = None) -> list[int]:
-    """An encoder's ids for ``text`` with its special tokens: the tokenizer's own when they start
-    with ``[CLS]``, else ``[CLS] text [SEP]`` (a bridge's rebuilt tokenizer drops BERT's template).
-    ``max_length`` truncates the text, keeping the final ``[SEP]``."""
+    """An encoder's ids for ``text``: the tokenizer's own when they start with ``[CLS]``, else ``[CLS] text [SEP]``
+    (a bridge's rebuilt tokenizer drops BERT's template); ``max_length`` truncates, keeping the final ``[SEP]``."""
     unk = getattr(tok, "unk_token_id", None)
     cls, sep = getattr(tok, "cls_token_id", None), getattr(tok, "sep_token_id", None)
     kw = dict(truncation=True, max_length=max_length) if max_length is not None else {}
@@ -260,8 +237,7 @@ def encoder_ids(tok: Any, text: str, max_length: int | None = None) -> list[int]
     if cls is None or sep is None or unk in (cls, sep):
         raise InvalidArgumentError(
             f"prepend_bos=True on an encoder whose tokenizer has no [CLS]/[SEP] tokens of its own (cls_token_id={cls}, "
-            f"sep_token_id={sep}); use prepend_bos=False (CLI: --no-bos)."
-        )
+            f"sep_token_id={sep}); use prepend_bos=False (CLI: --no-bos).")
     body = list(tok(text, add_special_tokens=False)["input_ids"])
     if max_length is not None:
         body = body[: max(max_length - 2, 0)]
@@ -273,15 +249,8 @@ def is_encoder(model: Any) -> bool:
     return getattr(model, "cfg", None) is not None and attention_direction(model) == "bidirectional"
 
 
-def random_token_batches(
-    model: Any,
-    *,
-    n_sequences: IntLike = 16,
-    seq_len: IntLike = 64,
-    batch_size: IntLike = 8,
-    prepend_bos: bool = False,
-    seed: IntLike = 0,
-) -> list[TokenBatch]:
+def random_token_batches(model: Any, *, n_sequences: IntLike = 16, seq_len: IntLike = 64, batch_size: IntLike = 8,
+                         prepend_bos: bool = False, seed: IntLike = 0) -> list[TokenBatch]:
     """Uniformly random token sequences: the theory's setting, with no semantic first token. With
     ``prepend_bos`` position 0 is the tokenizer's BOS (token 0 without a tokenizer)."""
     n_sequences = positive_int(n_sequences, what="n_sequences")
@@ -308,16 +277,9 @@ def _unpadded_batches(tokens: Tensor, batch_size: int, prepend_bos: bool,
             for i in range(0, tokens.shape[0], batch_size)]
 
 
-def as_batches(
-    model: Any,
-    inputs: Inputs | None = None,
-    *,
-    batch_size: IntLike = 8,
-    prepend_bos: bool | None = PREPEND_BOS,
-    max_length: IntLike | None = None,
-) -> list[TokenBatch]:
+def as_batches(model: Any, inputs: Inputs | None = None, *, batch_size: IntLike = 8,
+               prepend_bos: bool | None = PREPEND_BOS, max_length: IntLike | None = None) -> list[TokenBatch]:
     """Any accepted input as right-padded :class:`TokenBatch` es on the model's device, checked once.
-
     ``None`` means the built-in prompts; a token tensor is all valid (its first column counts as BOS
     when ``prepend_bos``); batches must share ``prepend_bos`` and ``special_tokens``. ``max_length``
     keeps the first ``max_length`` tokens of every sequence, whatever form it came in."""
@@ -339,31 +301,30 @@ def as_batches(
         raise InvalidArgumentError(
             f"Cannot use a {type(inputs).__name__} as input: sinklens runs its own forward passes and reduces each "
             "activation inside its hook, so it reads no cached activations. Pass the tokens or text the cache was "
-            "made from instead (e.g. find_sinks(model, tokens) with the tokens given to run_with_cache)."
-        )
+            "made from instead (e.g. find_sinks(model, tokens) with the tokens given to run_with_cache).")
     elif isinstance(inputs, str):
         batches = tokenize_prompts(model, [inputs], batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
     elif isinstance(inputs, Iterable) and not isinstance(inputs, bytes):
         items = _materialised(inputs)
         if not items:
-            raise InvalidArgumentError(
-                "No prompts given: pass at least one string, token sequence or TokenBatch.")
+            raise InvalidArgumentError("No prompts given: pass at least one string, token sequence or TokenBatch.")
         if isinstance(items[0], str):
             items = tokenize_prompts(model, prompt_list(items), batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
         for i, b in enumerate(items):
             if not isinstance(b, TokenBatch):
                 raise InvalidArgumentError(
                     f"inputs[{i}] is a {type(b).__name__} ({b!r:.60}); expected strings, a token tensor "
-                    "[batch, pos], or TokenBatch objects."
-                )
+                    "[batch, pos], or TokenBatch objects.")
         batches = items
     else:
         raise InvalidArgumentError(
-            f"Cannot use {type(inputs).__name__} as input; expected strings, a token tensor or TokenBatch."
-        )
+            f"Cannot use {type(inputs).__name__} as input; expected strings, a token tensor or TokenBatch.")
     batches = [checked_batch(b, i, dims.d_vocab) for i, b in enumerate(batches)]
     _same_start(batches)
-    batches = [_first_tokens(right_align(b), max_length) for b in batches]
+    batches = [right_align(b) for b in batches]
+    if max_length is not None:
+        batches = [TokenBatch(b.tokens[:, :max_length], b.valid[:, :max_length], b.prepend_bos, b.special_tokens)
+                   if b.tokens.shape[1] > max_length else b for b in batches]
     for b in batches:
         _check_length(b.tokens.shape[1], dims.n_ctx)
     return [b.to(device) for b in batches]
@@ -372,12 +333,10 @@ def as_batches(
 def _caller_outside_sinklens(warning_frame: Any) -> int:
     """The ``stacklevel`` from ``warning_frame`` of the first frame outside sinklens."""
     root = str(Path(__file__).resolve().parent)
-
     def inside(frame: Any) -> bool:  # sinklens, or a runtime type checker's wrapper around one of its functions
         name, module = frame.f_code.co_filename, str(frame.f_globals.get("__name__", ""))
         return (name.startswith("<") or module.split(".")[0] in ("jaxtyping", "beartype", "typeguard")
                 or str(Path(name).resolve()).startswith(root))
-
     level, frame = 1, warning_frame
     while frame is not None and inside(frame):
         frame, level = frame.f_back, level + 1
@@ -406,13 +365,10 @@ def warn_if_padded(model: Any, tokens: Int[Tensor, "batch pos"]) -> None:
             return
 
 
-def require_a_later_position(
-    batches: Sequence[TokenBatch], *, what: str, sink_position: int | None = None, bidirectional: bool = False,
-    min_query: int | None = None,
-) -> None:
-    """Refuse ``batches`` in which no query can see the sink (a later position, or on a
-    ``bidirectional`` model any other), or some sequence does not reach ``sink_position``, or
-    ``min_query`` leaves no query. ``what`` names the caller in the error."""
+def require_a_later_position(batches: Sequence[TokenBatch], *, what: str, sink_position: int | None = None,
+                             bidirectional: bool = False, min_query: int | None = None) -> None:
+    """Refuse ``batches`` where no query can see the sink (a later position; any other if ``bidirectional``), a
+    sequence does not reach ``sink_position``, or ``min_query`` leaves no query; ``what`` names the caller."""
     lengths = [n for b in batches for n in b.host_lengths()]
     short = [i for i, n in enumerate(lengths) if sink_position is not None and n <= sink_position]
     if short:
@@ -420,8 +376,7 @@ def require_a_later_position(
         raise InvalidArgumentError(
             f"sink_position={sink_position} is beyond sequence {i} (counting from 0 across all batches), which has "
             f"{lengths[i]} token{'' if lengths[i] == 1 else 's'}: every sequence needs a token at "
-            f"sink_position (it must be at most {min(lengths) - 1} for these inputs)."
-        )
+            f"sink_position (it must be at most {min(lengths) - 1} for these inputs).")
     sink = sink_position or 0
     needed = max(sink + 1, 2) if bidirectional else sink + 2
     longest = max(lengths)
@@ -431,8 +386,7 @@ def require_a_later_position(
         raise InvalidArgumentError(
             f"Every sequence is {size} long: {what} compares the sink position{at} with later ones, so it needs "
             f"at least one sequence of {needed} tokens or more (longer prompts, a larger max_length, "
-            f"{'a smaller sink_position' if sink else 'or prepend_bos=True'})."
-        )
+            f"{'a smaller sink_position' if sink else 'or prepend_bos=True'}).")
     if min_query is not None and min_query >= longest:
         raise InvalidArgumentError(
             f"min_query={min_query} leaves no query to count: the longest sequence has {longest} tokens "
@@ -441,15 +395,7 @@ def require_a_later_position(
 
 def checked_batch(batch: Any, index: int, d_vocab: int) -> TokenBatch:
     """``batch`` (the ``index``-th) checked: ``long`` ids in ``0..d_vocab-1``, a bool (or 0/1)
-    ``valid`` of the same 2-D, non-empty shape, and a real token in every row.
-
-    Examples:
-        >>> b = TokenBatch(torch.tensor([[3, 4]]), torch.tensor([[True, False]]), False)
-        >>> b.tokens, b.valid = b.tokens.int(), b.valid.long()  # as built without runtime type checks
-        >>> b = checked_batch(b, 0, 10)
-        >>> b.tokens.dtype, b.valid.tolist()
-        (torch.int64, [[True, False]])
-    """
+    ``valid`` of the same 2-D, non-empty shape, and a real token in every row."""
     where = f"TokenBatch {index}"
     tokens, valid = batch.tokens, batch.valid
     for name, t in (("tokens", tokens), ("valid", valid)):
@@ -457,29 +403,24 @@ def checked_batch(batch: Any, index: int, d_vocab: int) -> TokenBatch:
             raise InvalidArgumentError(f"{where}: {name} must be a tensor [batch, pos], got {type(t).__name__}.")
     if tokens.shape != valid.shape or tokens.ndim != 2:
         raise InvalidArgumentError(
-            f"{where}: tokens {tuple(tokens.shape)} and valid {tuple(valid.shape)} must be equal 2-D shapes."
-        )
+            f"{where}: tokens {tuple(tokens.shape)} and valid {tuple(valid.shape)} must be equal 2-D shapes.")
     if tokens.shape[0] == 0 or tokens.shape[1] == 0:
-        raise InvalidArgumentError(
-            f"{where} is empty (tokens of shape {tuple(tokens.shape)}): it needs at least one sequence and one position."
-        )
+        raise InvalidArgumentError(f"{where} is empty (tokens of shape {tuple(tokens.shape)}): it needs at least one "
+                                   "sequence and one position.")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
         raise InvalidArgumentError(
             f"{where}: tokens must be integer token ids, got dtype {tokens.dtype} (a model would read a float "
-            "tensor as embeddings); pass tokens.long()."
-        )
+            "tensor as embeddings); pass tokens.long().")
     if valid.dtype != torch.bool:
         if valid.dtype.is_floating_point or valid.dtype.is_complex:
-            raise InvalidArgumentError(
-                f"{where}: valid must be a bool mask (True at real tokens), got dtype {valid.dtype}; pass valid.bool()."
-            )
+            raise InvalidArgumentError(f"{where}: valid must be a bool mask (True at real tokens), got dtype "
+                                       f"{valid.dtype}; pass valid.bool().")
         odd = (valid != 0) & (valid != 1)
         if bool(odd.any()):
             at = [int(i) for i in odd.nonzero()[0].tolist()]
             raise InvalidArgumentError(
                 f"{where}: valid must be a bool mask or 0/1 integers, got {int(valid[tuple(at)])} at {at} "
-                f"(dtype {valid.dtype})."
-            )
+                f"(dtype {valid.dtype}).")
         valid = valid.bool()
     check_vocab(tokens, d_vocab, what=f"token ids (batch {index})")
     if not (tokens.dtype == torch.long and valid is batch.valid):
@@ -500,16 +441,13 @@ def _same_start(batches: Sequence[TokenBatch]) -> None:
                 f"TokenBatch 0 has prepend_bos={first.prepend_bos!r}, special_tokens={tuple(first.special_tokens)!r} "
                 f"but TokenBatch {i} has prepend_bos={b.prepend_bos!r}, special_tokens={tuple(b.special_tokens)!r}: "
                 "a result pools all sequences and records one start, so every batch must be made the same way "
-                "(analyse them separately)."
-            )
+                "(analyse them separately).")
 
 
 def _materialised(prompts: Any) -> Any:
     """A generator or numpy array of ``prompts`` as a list (numpy strings as ``str``)."""
     if isinstance(prompts, (str, bytes, dict, Tensor)) or not isinstance(prompts, Iterable):
         return prompts
-    if isinstance(prompts, Sequence) and type(prompts).__module__ != "numpy":
-        return list(prompts)
     return [str(p) if isinstance(p, str) else p for p in prompts]
 
 
@@ -518,12 +456,4 @@ def padded_to(batch: TokenBatch, width: int) -> TokenBatch:
     if width <= batch.tokens.shape[1]:
         return batch
     pad = (0, width - batch.tokens.shape[1])  # token 0, valid False
-    return TokenBatch(F.pad(batch.tokens, pad), F.pad(batch.valid, pad), batch.prepend_bos,
-                      batch.special_tokens)
-
-
-def _first_tokens(batch: TokenBatch, max_length: int | None) -> TokenBatch:
-    """``batch`` cut to its first ``max_length`` positions (None: unchanged)."""
-    if max_length is None or batch.tokens.shape[1] <= max_length:
-        return batch
-    return TokenBatch(batch.tokens[:, :max_length], batch.valid[:, :max_length], batch.prepend_bos, batch.special_tokens)
+    return TokenBatch(F.pad(batch.tokens, pad), F.pad(batch.valid, pad), batch.prepend_bos, batch.special_tokens)

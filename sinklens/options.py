@@ -60,7 +60,6 @@ class RunOptions:
     def __post_init__(self) -> None:
         from sinklens.validate import as_bool, optional_positive_int, positive_int
         from sinklens.validate import device as as_device
-
         object.__setattr__(self, "batch_size", positive_int(self.batch_size, what="batch_size"))
         object.__setattr__(self, "max_length", optional_positive_int(self.max_length, what="max_length"))
         if self.prepend_bos is not None:
@@ -76,14 +75,7 @@ class RunOptions:
 
 
 def hook_pairs(hooks: Any, *, what: str) -> tuple[tuple[str, HookFn], ...]:
-    """``hooks`` as a tuple of ``(hook_name, fn)`` pairs, or an error naming what is wrong.
-
-    Examples:
-        >>> hook_pairs({"blocks.0.hook_resid_pre": print}, what="extra_hooks")
-        Traceback (most recent call last):
-        ...
-        sinklens.errors.InvalidArgumentError: extra_hooks must be a list of (hook_name, fn) pairs, got a dict; pass list(d.items()) for a dict of hook name -> fn.
-    """
+    """``hooks`` as a tuple of ``(hook_name, fn)`` pairs, or an error naming what is wrong."""
     if isinstance(hooks, dict):
         raise InvalidArgumentError(f"{what} must be a list of (hook_name, fn) pairs, got a dict; pass list(d.items()) "
                                    "for a dict of hook name -> fn.")
@@ -98,10 +90,8 @@ def hook_pairs(hooks: Any, *, what: str) -> tuple[tuple[str, HookFn], ...]:
     return tuple((name, fn) for name, fn in hooks)
 
 
-def settings_from(
-    cls: type[S], settings: S | None, kwargs: dict[str, Any], where: str, *,
-    defaults: dict[str, Any] | None = None, argument: str = "settings",
-) -> S:
+def settings_from(cls: type[S], settings: S | None, kwargs: dict[str, Any], where: str, *,
+                  defaults: dict[str, Any] | None = None, argument: str = "settings") -> S:
     """``settings`` (default ``cls(**defaults)``) with fields given as keywords popped from
     ``kwargs`` replacing them; other keywords raise ``TypeError`` like Python does.
 
@@ -121,20 +111,14 @@ def settings_from(
             f"{where}: {argument}= must be a {cls.__name__}, got {type(settings).__name__} {settings!r}; "
             f"pass its fields as keywords instead (e.g. {names[0]}=...).")
     given = {name: kwargs.pop(name) for name in names if name in kwargs}
-    no_unknown_kwargs(kwargs, where, known=names)
+    if kwargs:
+        from sinklens.validate import closest
+        hints = [match for key in sorted(kwargs) if (match := closest(key, names)) is not None]
+        hint = f" (did you mean {', '.join(map(repr, hints))}?)" if hints else ""
+        raise TypeError(f"{where}() got unexpected keyword arguments {sorted(kwargs)}{hint}.")
     if settings is None:
         return cls(**((defaults or {}) | given))
     return dataclasses.replace(settings, **given) if given else settings
-
-
-def no_unknown_kwargs(kwargs: dict[str, Any], where: str, *, known: Sequence[str] = ()) -> None:
-    """Raise ``TypeError`` like Python does if any keyword is left in ``kwargs``, with a hint."""
-    from sinklens.validate import closest
-
-    if kwargs:
-        hints = [match for key in sorted(kwargs) if (match := closest(key, known)) is not None]
-        hint = f" (did you mean {', '.join(map(repr, hints))}?)" if hints else ""
-        raise TypeError(f"{where}() got unexpected keyword arguments {sorted(kwargs)}{hint}.")
 
 
 def checked_options(options: Any, where: str | None = None) -> RunOptions:

@@ -45,10 +45,8 @@ def _run_probe(model: Any, hooks: list, n_tokens: int) -> None:
 
 def _recorder(seen: dict[str, Tensor], key: str) -> Callable[[Tensor, Any], None]:
     """A hook keeping a float copy of its activation in ``seen[key]`` (keys in firing order)."""
-
     def hook(act: Tensor, hook: Any) -> None:
         seen[key] = act.detach().float().clone()
-
     return hook
 
 
@@ -57,32 +55,27 @@ def silent_hooks(model: Any, names: Sequence[str]) -> list[str]:
     present = [n for n in names if n in model.hook_dict]
     if not present:
         return []
-
     def probe() -> list[str]:
         fired: dict[str, Tensor] = {}
         _run_probe(model, [(n, _recorder(fired, n)) for n in present], 2)
         return [n for n in present if n not in fired]
-
     return _probed(model, ("silent", tuple(present)), probe)
 
 
 def post_hoc_attention(model: Any) -> str | None:
-    """Why ``hook_attn_scores`` / ``hook_pattern`` fire after the attention ran (edits are
-    discarded, as in the 4.x BERT bridge), or None when they are seams. A 3-token probe lets each
-    query see only its own key at layer 0's scores: attention elsewhere in ``hook_pattern``, or
-    ``hook_pattern`` after ``hook_z``, is post hoc."""
+    """Why ``hook_attn_scores`` / ``hook_pattern`` fire after the attention ran (edits are discarded, as in the
+    4.x BERT bridge), or None when they are seams. A 3-token probe lets each query see only its own key at layer
+    0's scores: attention elsewhere in ``hook_pattern``, or ``hook_pattern`` after ``hook_z``, is post hoc."""
     names = [hook_name(0, site) for site in (SCORES, PATTERN, Z)]
     if any(n not in model.hook_dict for n in names[:2]):
         return None
 
     def probe() -> str | None:
         seen: dict[str, Tensor] = {}
-
         def only_own_key(scores: Tensor, hook: Any) -> Tensor:
             n_q, n_k = scores.shape[-2:]
             own = torch.eye(n_k, dtype=torch.bool, device=scores.device)[n_k - n_q:]
             return scores.masked_fill(~own, float("-inf"))
-
         hooks = [(names[0], only_own_key), (names[1], _recorder(seen, PATTERN))]
         if names[2] in model.hook_dict:
             hooks.append((names[2], _recorder(seen, Z)))
@@ -102,7 +95,6 @@ def post_hoc_attention(model: Any) -> str | None:
         return ("its attention runs inside the wrapped Hugging Face module and TransformerLens fires "
                 "hook_attn_scores and hook_pattern afterwards, with the post-softmax weights (an edit there is "
                 "discarded, and hook_attn_scores holds probabilities, not pre-softmax scores)")
-
     return _probed(model, "post_hoc_attention", probe)
 
 
@@ -113,8 +105,7 @@ def require_attention_seams(model: Any, what: str) -> None:
     if reason is not None:
         raise UnsupportedArchitectureError(
             f"{what.capitalize()} cannot run on this model, whose attention scores and pattern cannot be edited: "
-            f"{reason}. Analyses that only read activations (find_sinks, measure_variance, ...) work on it."
-        )
+            f"{reason}. Analyses that only read activations (find_sinks, measure_variance, ...) work on it.")
 
 
 def attends_to_later_keys(model: Any) -> bool:
@@ -123,12 +114,10 @@ def attends_to_later_keys(model: Any) -> bool:
     name = hook_name(0, PATTERN)
     if name not in model.hook_dict:
         return False
-
     def probe() -> bool:
         seen: dict[str, Tensor] = {}
         _run_probe(model, [(name, _recorder(seen, PATTERN))], 2)
         return PATTERN in seen and bool((seen[PATTERN][..., 0, 1] > 0).any())
-
     return _probed(model, "attends_to_later_keys", probe)
 
 
@@ -139,19 +128,15 @@ def resid_mid_is_a_copy(model: Any) -> bool:
     names = [hook_name(0, site) for site in (RESID_MID, MLP_OUT, RESID_POST)]
     if any(n not in model.hook_dict for n in names):
         return False
-
     def probe() -> bool:
         seen: dict[str, Tensor] = {}
-
         def shift(act: Tensor, hook: Any) -> Tensor:
             seen["mid"] = act.detach().float().clone()
             return act + 1.0
-
         _run_probe(model, [(names[0], shift), (names[1], _recorder(seen, "mlp")),
                            (names[2], _recorder(seen, "post"))], 2)
         if len(seen) < 3:
             return False
         skip = seen["post"] - seen["mlp"]  # the residual the block carried past its MLP
         return bool((skip - seen["mid"]).abs().max() < (skip - seen["mid"] - 1.0).abs().max())
-
     return _probed(model, "resid_mid_is_a_copy", probe)

@@ -57,17 +57,15 @@ def stdlib_docstrings() -> Iterator[str]:
         except (SyntaxError, ValueError):
             continue
         for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module, ast.AsyncFunctionDef)):
-                doc = ast.get_docstring(node)
-                if doc:
-                    yield doc
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.Module, ast.AsyncFunctionDef)) and (
+                    doc := ast.get_docstring(node)):
+                yield doc
 
 
 def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 800, seed: IntLike = 0,
                         what: str = "n_prompts") -> list[str]:
-    """Real text available offline: ``n_prompts`` (None: all) standard-library docstrings of at
-    least 30 words without doctest examples (941 on CPython 3.11), each cut to ``n_chars``
-    characters, shuffled by ``seed``; ``what`` names the argument in errors."""
+    """Real text available offline: ``n_prompts`` (None: all) standard-library docstrings of at least 30 words
+    without doctests (941 on CPython 3.11), cut to ``n_chars``, shuffled by ``seed``; ``what`` names the argument."""
     if n_prompts is not None:
         n_prompts = positive_int(n_prompts, what=what)
     n_chars = positive_int(n_chars, what="n_chars")
@@ -89,9 +87,8 @@ def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 80
 
 
 def stdlib_source_tokens(tokenizer: Any, n_tokens: IntLike) -> list[int]:
-    """The first ``n_tokens`` token ids of the top-level ``stdlib/*.py`` sources, concatenated by
-    file name, each encoded without special tokens: long text available offline, the same on every
-    run of one Python."""
+    """The first ``n_tokens`` token ids of the top-level ``stdlib/*.py`` sources by file name, each encoded
+    without special tokens: long text available offline, the same on every run of one Python."""
     n_tokens = positive_int(n_tokens, what="n_tokens")
     ids: list[int] = []
     for source in _stdlib_sources():

@@ -44,15 +44,12 @@ def on_the_residual_stream(model: Any, hooks: Sequence[tuple[str, HookFn]]) -> l
 def _edit_through_the_write(block: str, mid_hook: Any, fn: HookFn) -> list[tuple[str, HookFn]]:
     """The two hooks of :func:`on_the_residual_stream` for one block (``block`` = ``"blocks.l."``)."""
     block_input: list[Tensor] = []
-
     def keep(act: Tensor, hook: Any) -> None:
         block_input.append(act)
-
     def write(act: Tensor, hook: Any) -> Tensor:
         resid = block_input.pop() + act
         edited = fn(resid, hook=mid_hook)
         return act + ((resid if edited is None else edited) - resid)
-
     return [(block + RESID_PRE, keep), (block + ATTN_OUT, write)]
 
 
@@ -61,21 +58,16 @@ def after_attention_hooks(model: Any, layers: Sequence[int], consume: Callable[[
     ``hook_resid_mid``; ``hook_resid_pre + hook_attn_out`` in a parallel block; ``ln1``'s output in a post-LN one."""
     if post_ln_reason(model) is not None:
         maps = {layer: input_norm(model, layer, "mlp") for layer in layers}
-
         def normed(act: Tensor, layer: int) -> None:
-            norm = maps[layer]
-            consume(layer, act * norm.gain.to(act.device, act.dtype) + norm.offset(act))
-
+            consume(layer, act * maps[layer].gain.to(act.device, act.dtype) + maps[layer].offset(act))
         return [(f"{maps[layer].path}.hook_normalized", lambda act, hook, layer=layer: normed(act, layer)) for layer in layers]
     if has_resid_mid(model, layers):
         return [(hook_name(layer, RESID_MID), lambda act, hook, layer=layer: consume(layer, act)) for layer in layers]
     names = [hook_name(layer, site) for layer in layers for site in (RESID_PRE, ATTN_OUT)]
     check_hook_names(model, names)
     block_input: dict[int, Tensor] = {}
-
     def keep(act: Tensor, layer: int) -> None:
         block_input[layer] = act
-
     return [hook for layer in layers for hook in (
         (hook_name(layer, RESID_PRE), lambda act, hook, layer=layer: keep(act, layer)),
         (hook_name(layer, ATTN_OUT),
@@ -89,11 +81,9 @@ def attention_write_hooks(model: Any, layers: Sequence[int], consume: Callable[[
         return [(hook_name(layer, ATTN_OUT), lambda act, hook, layer=layer: consume(layer, act)) for layer in layers]
     maps = {layer: post_norm_map(model, layer, "attn") for layer in layers}
     raw: dict[int, Tensor] = {}
-
     def write(z: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]
         w_o = layer_weight(model, "W_O", layer).to(z.device, z.dtype)  # [head, d_head, d_model]
         raw[layer] = torch.einsum("bphd,hdm->bpm", z, w_o) + attn_out_bias(model, layer).to(z.device, z.dtype)
-
     return [hook for layer in layers for hook in (
         (hook_name(layer, Z), lambda act, hook, layer=layer: write(act, layer)),
         (maps[layer].scale_hook,

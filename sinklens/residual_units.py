@@ -18,8 +18,6 @@ from sinklens.hooks import hook_name, hooks_silenced, model_device, model_dims
 
 Site = Literal["attn", "mlp"]
 
-#: The post norm of each block output, relative to ``blocks.{layer}``.
-POST_NORMS: dict[str, str] = {"attn": "ln1_post", "mlp": "ln2_post"}
 #: Module paths of a post-LN model's embedding LayerNorm (TransformerLens 4.x bridge, 3.x ``HookedEncoder``).
 EMBED_NORMS: tuple[str, ...] = ("embed_ln", "embed.ln")
 #: Hugging Face model types that normalise *after* the residual add (post-LN, BERT style).
@@ -88,7 +86,7 @@ def _param(module: Any, *names: str) -> Tensor | None:
 def post_norm_map(model: Any, layer: int, site: Site) -> NormMap:
     """The :class:`NormMap` of ``blocks.{layer}``'s ``site`` output (``ln1``/``ln2`` on post-LN models, which
     normalise residual plus output); gain convention and centring are probed (:func:`_probed_norm`)."""
-    norm = POST_NORMS[site].removesuffix("_post") if post_ln_reason(model) is not None else POST_NORMS[site]
+    norm = ("ln1" if site == "attn" else "ln2") + ("" if post_ln_reason(model) is not None else "_post")
     if hook_name(layer, f"{norm}.hook_scale") not in model.hook_dict:
         return NormMap(layer, site, None)
     return NormMap(layer, site, norm, **_probed_norm(model, hook_name(layer, norm)))

@@ -13,15 +13,14 @@ __all__ = ["parse_value", "split_spec"]
 
 def split_args(text: str) -> list[str]:
     """Split ``a=1,b=[1,2]`` at top-level commas."""
-    parts, depth, current = [], 0, ""
+    parts, depth = [""], 0
     for char in text:
         depth += (char in "([{") - (char in ")]}")
         if char == "," and depth == 0:
-            parts.append(current)
-            current = ""
+            parts.append("")
         else:
-            current += char
-    return [p for p in parts + [current] if p.strip()]
+            parts[-1] += char
+    return [p for p in parts if p.strip()]
 
 
 def parse_value(text: str) -> Any:

@@ -92,8 +92,7 @@ class Reducer(ABC, Generic[R]):
     maxima: ClassVar[tuple[str, ...]] = ()
 
     def merge(self, other: Reducer[R]) -> None:
-        """Fold in ``other`` (the same reducer over the sequences after this one's), so
-        :meth:`result` is what one pass over both would give."""
+        """Fold in ``other`` (the same reducer over later sequences), as if one pass had read both."""
         merge_statistics(self, other, self._declared_statistics())
 
     def state_dict(self) -> dict[str, Any]:
@@ -110,8 +109,7 @@ class Reducer(ABC, Generic[R]):
         """Replace the running statistics by ``state`` (from :meth:`state_dict`), on this reducer's device."""
         device = _statistics_device(self)
         for name in self.statistics:
-            current = getattr(self, name)
-            if isinstance(current, Reducer):
+            if isinstance(current := getattr(self, name), Reducer):
                 current.load_state_dict(state[name])
             else:
                 setattr(self, name, _map_tensors(state[name], lambda t: t.to(device)))
@@ -120,8 +118,7 @@ class Reducer(ABC, Generic[R]):
         """A shallow copy (nested reducers copied) whose statistics can be replaced alone."""
         clone = copy.copy(self)
         for name in self.statistics:
-            value = getattr(clone, name)
-            if isinstance(value, Reducer):
+            if isinstance(value := getattr(clone, name), Reducer):
                 setattr(clone, name, value.shallow_copy())
         return clone
 
@@ -138,8 +135,7 @@ def merge_sum(mine: Any, theirs: Any) -> Any:
         ([1, 2], {0: 3.0, 1: 3.0}, False, {'qk'})
     """
     if isinstance(mine, Tensor):
-        mine, theirs = _same_shape(mine, theirs, 0.0)
-        return mine + theirs
+        return torch.add(*_same_shape(mine, theirs, 0.0))
     if isinstance(mine, bool):
         return theirs
     if isinstance(mine, (int, float, list)):
@@ -210,9 +206,7 @@ def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
 
 
 def _state_of(value: Any) -> Any:
-    if isinstance(value, Reducer):
-        return value.state_dict()
-    return _map_tensors(value, lambda t: t.detach().cpu())
+    return value.state_dict() if isinstance(value, Reducer) else _map_tensors(value, lambda t: t.detach().cpu())
 
 
 def _statistics_device(reducer: Reducer[Any]) -> torch.device:
@@ -236,10 +230,8 @@ def bound_hooks(names: Sequence[str], keys: Sequence[Any], fold: Callable[[Tenso
         >>> [(name, fn(None, None)) for name, fn in bound_hooks(["a", "b"], [0, 1], lambda act, key: key)]
         [('a', 0), ('b', 1)]
     """
-
     def bind(key: Any) -> HookFn:
         return lambda act, hook: fold(act, key)
-
     return [(name, bind(key)) for name, key in zip(names, keys, strict=True)]
 
 
@@ -269,7 +261,6 @@ class _HookTable:
                 if out is not None:
                     act = out
             return act
-
         return run
 
 
@@ -303,8 +294,7 @@ def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
         if not accepts_attention_mask(model):
             raise UnsupportedArchitectureError(
                 f"{type(model).__name__} takes no attention_mask, so a padded batch cannot run on this bidirectional "
-                "model without real tokens attending to padding; use batch_size=1 or equal-length inputs."
-            )
+                "model without real tokens attending to padding; use batch_size=1 or equal-length inputs.")
         kwargs["attention_mask"] = batch.valid.long()
     mask = _RUNNING_MASK.set(batch.valid if batch.padded else None)
     try:
@@ -314,17 +304,11 @@ def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
         _RUNNING_MASK.reset(mask)
 
 
-def stream(
-    model: Any,
-    batches: Sequence[TokenBatch],
-    reducers: Sequence[Reducer[Any]],
-    *,
-    options: RunOptions = RunOptions(),
-) -> list[Any]:
-    """Run every reducer over every batch, one forward pass per batch in eval mode; return their
-    results. ``options.extra_hooks`` run before the reducers' hooks (e.g. an intervention). Under
-    :func:`sinklens.distributed.session` each process streams its share and the statistics are
-    merged in rank order. A requested hook that never ran is an ``UnsupportedArchitectureError``."""
+def stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reducer[Any]], *,
+           options: RunOptions = RunOptions()) -> list[Any]:
+    """Run every reducer over every batch (one forward each, in eval mode, ``options.extra_hooks``
+    first) and return their results; under :func:`sinklens.distributed.session` each process streams
+    its share, merged in rank order. A requested hook that never ran is an ``UnsupportedArchitectureError``."""
     options = checked_options(options, "stream")
     check_model_device(model, options.device)
     refuse_meta_model(model)
@@ -335,17 +319,14 @@ def stream(
 
 def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reducer[Any]], options: RunOptions) -> list[Any]:
     is_encoder(model)  # its one probe forward runs now, not inside the pass with the hooks attached
-    batches = distributed.local_batches(batches)  # all of them, unless sharded over torchrun processes
+    batches = list(distributed.local_batches(batches))  # all of them, unless sharded over torchrun processes
     on_device = _stats_device_if_split(model)
     requested: set[str] = set()
-    extra = {name for name, _ in options.extra_hooks}
     table = _HookTable()
     with torch.inference_mode(), ExitStack() as attached:
         names: list[str] | None = None
         progress = options.progress and distributed.is_main()
-        n_streamed = 0
         for batch in tqdm(batches, desc=options.desc, disable=not progress, leave=False):
-            n_streamed += 1
             batch = right_align(batch)
             folds = [reducer.fwd_hooks(batch) for reducer in reducers]
             own = [(name, fn if on_device is None else _moved_to(fn, on_device))
@@ -362,31 +343,26 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
             forward(model, batch, return_type=None)
             for reducer, fold in zip(reducers, folds):
                 reducer.end_batch(batch, fold)
-    fired = table.fired
-    silent = sorted(extra - fired) if n_streamed else []
+    silent = sorted({name for name, _ in options.extra_hooks} - table.fired) if batches else []
     if silent:
         raise UnsupportedArchitectureError(
             f"extra_hooks on {silent[:4]}{'...' if len(silent) > 4 else ''} never ran during the forward pass, so they "
-            "changed and measured nothing. The model lists these hook points but does not run them "
-            "here (e.g. TransformerLens 3 runs attn.hook_result only after "
-            "model.set_use_attn_result(True), some bridges skip attn.hook_rot_q, a fused attention "
-            "kernel skips hook_pattern). Hook a point that runs."
-        )
-    missing = sorted(requested - fired)
+            "changed and measured nothing. The model lists these hook points but does not run them here (e.g. "
+            "TransformerLens 3 runs attn.hook_result only after model.set_use_attn_result(True), some bridges skip "
+            "attn.hook_rot_q, a fused attention kernel skips hook_pattern). Hook a point that runs.")
+    missing = sorted(requested - table.fired)
     if missing:
         raise UnsupportedArchitectureError(
             f"Hooks {missing[:4]}{'...' if len(missing) > 4 else ''} never ran during the forward pass. "
             "The model's attention implementation probably bypasses them (e.g. a fused SDPA/flash kernel "
             "hides hook_pattern). Load the model with eager attention (sinklens.load_model does) "
-            "or use TransformerBridge.boot_transformers, which forces it."
-        )
-    combine_across_ranks(reducers, n_local_batches=n_streamed)
+            "or use TransformerBridge.boot_transformers, which forces it.")
+    combine_across_ranks(reducers, n_local_batches=len(batches))
     return [reducer.result() for reducer in reducers]
 
 
 def _stats_device_if_split(model: Any) -> torch.device | None:
-    """The first parameter's device when the model spans several devices (there reducers keep their
-    statistics); None for a model on one device."""
+    """Where reducers keep statistics on a model split over devices (its first parameter's); else None."""
     devices = [p.device for p in getattr(model, "parameters", lambda: ())()]
     return devices[0] if len(set(devices)) > 1 else None
 
@@ -397,9 +373,8 @@ def _moved_to(fn: HookFn, device: torch.device) -> HookFn:
 
 
 def combine_across_ranks(reducers: Sequence[Reducer[Any]], *, n_local_batches: int) -> None:
-    """Give every process's ``reducers`` the statistics of all processes, merged in rank order
-    (``all_gather_object`` of each :meth:`Reducer.state_dict`); ranks that streamed no batch are
-    skipped. No-op unless :func:`sinklens.distributed.active`."""
+    """Give every process's ``reducers`` all processes' statistics (``all_gather_object`` of each
+    :meth:`Reducer.state_dict`), merged in rank order, skipping ranks that streamed no batch."""
     if not distributed.active() or not reducers:
         return
     payload = (n_local_batches, [reducer.state_dict() for reducer in reducers])
@@ -423,8 +398,7 @@ def run(model: Any, inputs: Inputs | None, *reducers: Reducer[Any], options: Run
 
 
 def batches_for(model: Any, inputs: Inputs | None, options: RunOptions) -> list[TokenBatch]:
-    """``inputs`` as batches by ``options`` (:func:`~sinklens.inputs.as_batches`), once
-    ``options.device`` is checked against the model's."""
+    """``inputs`` as batches by ``options`` (:func:`~sinklens.inputs.as_batches`), the device checked."""
     check_model_device(model, options.device)
     refuse_meta_model(model)
     return as_batches(model, inputs, batch_size=options.batch_size, prepend_bos=options.prepend_bos,

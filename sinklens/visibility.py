@@ -34,10 +34,6 @@ class Visibility:
     causal: bool
     windows: tuple[int | None, ...]
 
-    @property
-    def n_layers(self) -> int:
-        return len(self.windows)
-
     def window(self, layer: int) -> int | None:
         """The sliding window of ``layer`` (None: full attention)."""
         return self.windows[layer]
@@ -58,10 +54,6 @@ class Visibility:
         """``[batch, query, key]``: visible pairs whose query and key are both real (non-padding) tokens."""
         seen = self.visible(layer, valid.shape[1], valid.device)
         return seen[None] & valid[:, :, None] & valid[:, None, :]
-
-    def n_visible_queries(self, layer: int, valid: Bool[Tensor, "batch pos"]) -> Tensor:
-        """``[batch, key]``: how many real queries can see each key in ``layer``."""
-        return self.batch_mask(layer, valid).sum(dim=1)
 
     def describe(self) -> str:
         """One line for summaries, e.g. ``'causal; sliding window of 4 tokens in layers [0, 2]'``."""
@@ -84,14 +76,12 @@ def _hf_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:
         if unknown:
             raise UnsupportedArchitectureError(
                 f"Layer types {unknown} (from the Hugging Face config's layer_types) are not supported: sinklens "
-                "knows full and sliding-window attention only."
-            )
+                "knows full and sliding-window attention only.")
         if any(t == "sliding_attention" for t in layer_types) and not window:
             raise UnsupportedArchitectureError("The config has sliding_attention layers but no sliding_window size.")
         return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
-    if window and getattr(config, "use_sliding_window", True) is not False:
-        return (int(window),) * n_layers
-    return (None,) * n_layers
+    use = window and getattr(config, "use_sliding_window", True) is not False
+    return (int(window) if use else None,) * n_layers
 
 
 def _tl_windows(cfg: Any, n_layers: int) -> tuple[int | None, ...]:
@@ -110,24 +100,15 @@ def attention_direction(model: Any) -> str:
     direction = getattr(model.cfg, "attention_dir", "causal") or "causal"
     if direction not in ("causal", "bidirectional"):
         raise UnsupportedArchitectureError(f"cfg.attention_dir={direction!r}; expected 'causal' or 'bidirectional'.")
-    if direction == "causal" and attends_to_later_keys(model):
-        return "bidirectional"
-    return direction
+    return "bidirectional" if direction == "causal" and attends_to_later_keys(model) else direction
 
 
 def attention_visibility(model: Any) -> Visibility:
-    """The :class:`Visibility` of any TransformerLens-style model.
-
-    Examples:
-        >>> from sinklens.testing import tiny_model
-        >>> attention_visibility(tiny_model()).describe()
-        'causal; full attention in every layer'
-    """
-    cfg = model.cfg
-    n_layers = int(cfg.n_layers)
-    direction = attention_direction(model)
+    """The :class:`Visibility` of any TransformerLens-style model."""
+    n_layers = int(model.cfg.n_layers)
+    causal = attention_direction(model) == "causal"
     config = getattr(getattr(model, "original_model", None), "config", None)
-    windows = _hf_windows(config, n_layers) if config is not None else _tl_windows(cfg, n_layers)
+    windows = _hf_windows(config, n_layers) if config is not None else _tl_windows(model.cfg, n_layers)
     if len(windows) != n_layers:
         raise UnsupportedArchitectureError(f"{len(windows)} per-layer attention types for {n_layers} layers.")
-    return Visibility(causal=direction == "causal", windows=windows)
+    return Visibility(causal=causal, windows=windows)

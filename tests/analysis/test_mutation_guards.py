@@ -38,7 +38,7 @@ def test_sliding_window_visibility_is_a_one_sided_band_causally_and_a_two_sided_
     valid = torch.tensor([[True] * n, [True] * 5 + [False] * (n - 5)])
     expected = torch.tensor([[sum(1 for i in range(length) if abs(i - j) < window) if j < length else 0
                               for j in range(n)] for length in (n, 5)])
-    assert torch.equal(both.n_visible_queries(1, valid), expected)
+    assert torch.equal(both.batch_mask(1, valid).sum(dim=1), expected)
 
 
 # ---- row_sparsity: Pearson kurtosis with 1/n moments ----------------------------------------------------------
