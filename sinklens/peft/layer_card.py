@@ -38,9 +38,9 @@ class LayerCard(CompactRepr):
     """Per-layer resnorm, activation energy, condition, coupling and LoRA cost (module docstring)."""
 
     layers: list[int]
-    resnorm: Float[Tensor, "layer"]
-    activation_energy: Float[Tensor, "layer"]
-    condition: Float[Tensor, "layer"]
+    resnorm: Float[Tensor, " layer"]
+    activation_energy: Float[Tensor, " layer"]
+    condition: Float[Tensor, " layer"]
     coupling: Float[Tensor, "layer layer"]
     lora_params: list[int]
     lora_train_flops_per_token: list[int]
