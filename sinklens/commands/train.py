@@ -137,26 +137,22 @@ def run(args: argparse.Namespace) -> int:
     if figure.parent.parent.is_dir() or not figure.parent.parent.exists():  # (--out a file: train() says so)
         writable_file(figure, what="the training figure")
     result = train(cfg, out_dir=args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
-    out = Path(args.out)
     if result.history:
         plot_training({cfg.model.variant: result.history}, path=figure)
     resumes = [line for line in result.history if line["kind"] == "resume"]
     if args.resume and resumes:
         changed = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in resumes[-1]["changes"].items())
         print(f"resumed at step {resumes[-1]['step']}" + (f" with {changed}" if changed else " with the run's config"))
-    losses = result.losses()
-    evals = result.evals()
+    losses, evals = result.losses(), result.evals()
     if losses:
         print(f"trained {cfg.model.variant} for {cfg.steps} steps: loss {metric_text(losses[0])} -> "
               f"{metric_text(losses[-1])}")
     if evals:
         last = evals[-1]
-        print(
-            f"final eval: val_loss {metric_text(last.get('val_loss'))}, sink_rate {metric_text(last.get('sink_rate'), '.3f')} "
-            f"(Gu et al.; sinklens_sink_rate {metric_text(last.get('sinklens_sink_rate'), '.3f')}), "
-            f"first_token_norm_ratio {metric_text(last.get('first_token_norm_ratio'), '.2f')}, "
-            f"variance_ratio {metric_text(last.get('variance_ratio'), '.2f')}"
-        )
+        print(f"final eval: val_loss {metric_text(last.get('val_loss'))}, sink_rate {metric_text(last.get('sink_rate'), '.3f')} "
+              f"(Gu et al.; sinklens_sink_rate {metric_text(last.get('sinklens_sink_rate'), '.3f')}), "
+              f"first_token_norm_ratio {metric_text(last.get('first_token_norm_ratio'), '.2f')}, "
+              f"variance_ratio {metric_text(last.get('variance_ratio'), '.2f')}")
         if "persistence_spearman" in last:
             print(f"persistence of the step-0 bias: token-preference Spearman "
                   f"{metric_text(last['persistence_spearman'], '.3f')}, Kendall {metric_text(last.get('persistence_kendall'), '.3f')}, "
@@ -171,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         peak = f"{gpu['peak_flops'] / 1e12:.1f} TFLOP/s dense bf16 peak" if gpu["peak_flops"] else "unknown peak"
         mfu = f"MFU {mfus[len(mfus) // 2]:.3f} (median over logged steps) of its {peak}" if mfus else f"MFU: {peak}"
         print(f"gpu: {gpu['device']}, {mfu}")
-    print(f"run directory: {out}")
+    print(f"run directory: {Path(args.out)}")
     return 0
 
 
@@ -179,6 +175,7 @@ def fields_help() -> str:
     """``sinklens train --fields``: one line per field flag, its type, default and the first sentence of its
     description."""
     import re
+    import types
     import typing
 
     from sinklens.sinklm.config import TrainConfig, field_class, flag_keys
@@ -188,8 +185,10 @@ def fields_help() -> str:
     for key in flag_keys():
         part, _, leaf = key.rpartition(".")
         cls = field_class(key)
+        tp = typing.get_type_hints(cls)[leaf]
+        union = isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
         kinds = ["{" + ",".join(map(str, typing.get_args(t))) + "}" if typing.get_origin(t) is typing.Literal else
-                 getattr(t, "__name__", "LIST").upper() for t in _members(typing.get_type_hints(cls)[leaf])]
+                 getattr(t, "__name__", "LIST").upper() for t in (typing.get_args(tp) if union else (tp,))]
         doc = (cls.__doc__ or "").partition("Attributes:")[2]
         found = re.search(rf"^\s+(?:[\w, ]*\b)?{leaf}\b[\w, ]*:\s(.+?)(?:\.\s|\.$|\n\s*\n|\n\s+\w[\w, ]*:\s)", doc,
                           re.MULTILINE | re.DOTALL)
@@ -199,10 +198,3 @@ def fields_help() -> str:
         lines.append(line if len(line) <= 100 else line[:97] + "...")
     return "\n".join(lines)
 
-
-def _members(tp):
-    import types
-    import typing
-
-    union = isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
-    return typing.get_args(tp) if union else (tp,)
