@@ -107,18 +107,14 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
-    out_existed = Path(args.out).expanduser().exists()
-    _check_args(args)
-    with result_folder(args.out, ["report.json", "summary.txt"], overwrite=args.overwrite, existed=out_existed):
-        return _run(args)
-
-
-def _run(args: argparse.Namespace) -> int:
     """Under ``torchrun --nproc_per_node N`` every process loads the model and streams its share of the
     batches (:mod:`sinklens.distributed`); only rank 0 prints and writes the report."""
     from sinklens import distributed
 
-    with distributed.session(args.device) as device:
+    out_existed = Path(args.out).expanduser().exists()
+    _check_args(args)
+    with (result_folder(args.out, ["report.json", "summary.txt"], overwrite=args.overwrite, existed=out_existed),
+          distributed.session(args.device) as device):
         return _analyze(args, device)
 
 
@@ -142,14 +138,9 @@ def _analyze(args: argparse.Namespace, device: str | None) -> int:
     # the default cut is capped at the model's context; an explicit --max-length beyond it is refused by name
     seq_len_within_context(args.max_length, n_ctx, what="--max-length")
     max_length = args.max_length or min(_DEFAULT_MAX_LENGTH, n_ctx)
-    report = analyze(
-        model,
-        inputs,
-        model_name=str(args.model),
-        verify=args.verify,
-        options=RunOptions(batch_size=args.batch_size, prepend_bos=args.bos,
-                           max_length=max_length if text else None),
-    )
+    report = analyze(model, inputs, model_name=str(args.model), verify=args.verify,
+                     options=RunOptions(batch_size=args.batch_size, prepend_bos=args.bos,
+                                        max_length=max_length if text else None))
     if not main:
         return 0
     written = save_report(report, args.out, figures=not args.no_figures)  # first: a closed stdout must not lose the analysis
