@@ -28,16 +28,17 @@ _DEFAULT_MAX_LENGTH = 128
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = add_command(subparsers, "analyze", __doc__, help="find a model's attention sinks and their causes")
-    parser.add_argument("--model", default="smollm2-135m", help="model name, folder, .gguf or Hub id (default: %(default)s)")
+    parser.add_argument("--model", default="smollm2-135m", metavar="SPEC",
+                        help="name, folder, .gguf, Hub id (default: %(default)s)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--text", action="extend", nargs="+", metavar="T", help="one or more prompts (repeatable)")
     source.add_argument("--prompts", metavar="FILE", help="a text file with one prompt per line")
     source.add_argument("--stdlib-text", type=int, metavar="N", help="N docstrings from the Python standard library")
     source.add_argument("--random-tokens", type=int, metavar="N", help="N uniformly random token sequences")
     parser.add_argument("--seq-len", type=int, default=None, metavar="N",
-                        help=f"tokens per random sequence (default: {SEQ_LEN}, at most the model's context)")
+                        help=f"tokens per random sequence (default: {SEQ_LEN}, at most n_ctx)")
     parser.add_argument("--max-length", type=int, default=None, metavar="N",
-                        help=f"cut text prompts to N tokens (default: {_DEFAULT_MAX_LENGTH}, at most the model's context)")
+                        help=f"cut text prompts to N tokens (default: {_DEFAULT_MAX_LENGTH}, at most n_ctx)")
     add_bos_flag(parser)
     add_model_flags(parser)
     parser.add_argument("--out", default="sinklens-report", metavar="DIR", help="output folder (default: %(default)s)")
@@ -67,10 +68,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if text_flag is not None and args.seq_len is not None:
         raise InvalidArgumentError(f"--seq-len {args.seq_len} sets the length of --random-tokens sequences; "
                                    f"{text_flag} prompts are cut with --max-length.")
-    if args.text is not None:
-        empty = [i for i, t in enumerate(args.text) if not t.strip()]
-        if empty:
-            raise InvalidArgumentError(f"--text prompt {empty[0] + 1} of {len(args.text)} is empty; give non-empty text.")
+    if empty := [i for i, t in enumerate(args.text or []) if not t.strip()]:
+        raise InvalidArgumentError(f"--text prompt {empty[0] + 1} of {len(args.text)} is empty; give non-empty text.")
     if args.prompts is not None:
         text_lines(args.prompts, what="--prompts")
     outside_run_internals(Path(args.out), what="--out", file=False)

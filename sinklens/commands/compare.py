@@ -26,16 +26,17 @@ from sinklens.options import SEQ_LEN
 def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = add_command(subparsers, "compare", __doc__, help="compare training runs (loss, sink metrics, steps to a target loss)")
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run folders written by sinklens train")
-    parser.add_argument("--labels", nargs="+", help="legend labels (default: variant @ folder name)")
-    parser.add_argument("--target-loss", type=float, metavar="LOSS", help="target of steps-to-target (default: first run's final loss)")
-    parser.add_argument("--smoothing", type=int, default=10, help="moving-average window, in training steps (default: %(default)s)")
+    parser.add_argument("--labels", nargs="+", metavar="L", help="legend labels (default: variant @ folder name)")
+    parser.add_argument("--target-loss", type=float, metavar="LOSS", help="steps-to-target's loss (default: first run's final)")
+    parser.add_argument("--smoothing", type=int, default=10, metavar="N",
+                        help="moving average over N training steps (default: %(default)s)")
     parser.add_argument("--out", metavar="FILE", help="figure file, .png unless its suffix says otherwise "
                                                       "(default: compare.png in the first run's folder)")
     add_json_flag(parser, "the summary")
-    parser.add_argument("--positional", action="store_true", help="also measure the positional discrepancy over training")
+    parser.add_argument("--positional", action="store_true", help="also measure the positional discrepancy in training")
     parser.add_argument("--n-sequences", type=int, default=64, metavar="N", help="random sequences of --positional (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN, metavar="N",
-                        help="their length (default: %(default)s, at most the run's data.seq_len)")
+                        help="their length (default: %(default)s, at most data.seq_len)")
     add_overwrite_flag(parser, "an existing --out figure or --json file")
     parser.set_defaults(func=run)
     return parser

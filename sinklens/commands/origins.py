@@ -33,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="re-initialise the architecture with this seed (default: the weights as loaded)")
     parser.add_argument("--sequences", type=int, default=128, metavar="N", help="random sequences (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=None, metavar="N",
-                        help=f"tokens per sequence (default: {SEQ_LEN}, at most the model's context)")
+                        help=f"tokens per sequence (default: {SEQ_LEN}, at most n_ctx)")
     parser.add_argument("--bos", action="store_true", help="prepend the BOS token (position 0 then leaves the summaries)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: %(default)s)")
     add_model_flags(parser)
@@ -57,15 +57,7 @@ FIGURE_FILES = {
 
 
 def check_init_seed(model: str, init_seed: int) -> None:
-    """Refuse ``--init-seed S`` beside a ``--model SPEC@init:T`` with another seed ``T``.
-
-    Examples:
-        >>> check_init_seed("runs/a@init:3", 3)
-        >>> check_init_seed("runs/a@init:3", 4)
-        Traceback (most recent call last):
-        ...
-        sinklens.errors.InvalidArgumentError: --init-seed 4 conflicts with the seed 3 of --model 'runs/a@init:3'; give the seed once (--model runs/a@init:4, or --model runs/a@init --init-seed 4).
-    """
+    """Refuse ``--init-seed S`` beside a ``--model SPEC@init:T`` with another seed ``T``."""
     from sinklens.errors import InvalidArgumentError
     from sinklens.loading.init import parse_init_spec
 

@@ -31,24 +31,24 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser = add_command(subparsers, "train", __doc__, help="pretrain a small LM and track its attention sinks")
     parser.add_argument("--out", metavar="DIR", help="run folder (metrics, checkpoints, figures); required")
     parser.add_argument("--config", metavar="FILE", help="a .json or .toml TrainConfig")
-    parser.add_argument("--preset", help="model preset: tiny (default without --config), small, 124m, ...")
+    parser.add_argument("--preset", help="tiny (default without --config), small, 124m, ...")
     parser.add_argument("--variant", metavar="SPEC",
-                        help="attention variant NAME[:K=V,...], e.g. headwise_rms:gain=shared")
+                        help="attention variant, e.g. headwise_rms:gain=shared")
     parser.add_argument("--data", metavar="SOURCE",
                         help=f"{' or '.join(SYNTHETIC_DATA)}, a text file or folder, a nanoGPT folder or .bin, hf:NAME")
     parser.add_argument("--steps", metavar="N", help="optimizer steps (default: 300)")
     parser.add_argument("--batch-size", metavar="N", help="sequences per optimizer step (default: 16)")
     parser.add_argument("--seq-len", metavar="N", help=f"short for --data.seq-len (default: {SEQ_LEN})")
     parser.add_argument("--lr", metavar="LR", help="short for --optim.lr (default: 0.001)")
-    parser.add_argument("--seed", metavar="S", help="model init seed; the data order depends on --data.seed only")
+    parser.add_argument("--seed", metavar="S", help="model init seed (data order: --data.seed)")
     parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="set any config field, e.g. --set optim.lr=3e-4 (repeatable)")
+                        help="set any config field, e.g. optim.lr=3e-4 (repeatable)")
     parser.add_argument("--intervention", dest="interventions", action="append", default=[], metavar="SPEC",
-                        help="training-time intervention, e.g. restart:positions=16 (repeatable)")
+                        help="intervention, e.g. restart:positions=16 (repeatable)")
     run_mode = parser.add_mutually_exclusive_group()
     run_mode.add_argument("--resume", action="store_true",
-                          help="continue the run in --out from its newest good checkpoint, with its config")
+                          help="continue --out from its newest good checkpoint")
     run_mode.add_argument("--overwrite", action="store_true", help="delete the run in --out and start afresh")
     parser.add_argument("--fields", action="store_true", help="list every config field flag and exit")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
@@ -89,9 +89,10 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
 
     explicit: set[str] = set()  # model fields set by the preset's definition, the config file or the run
     resumed = resume_config(args.out) if args.resume and args.out and not args.config else None
+    file_model = _model_table(args.config) if args.config else {}
     if args.config:
         base = load_config(args.config)
-        explicit |= set(_model_table(args.config))
+        explicit |= set(file_model)
     elif resumed is not None:
         base = resumed  # --resume continues the run with its own config
         explicit |= {f.name for f in fields(ModelConfig)}
@@ -99,7 +100,6 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         base = TrainConfig()
     if resumed is None and (args.preset or not (args.config or args.resume)):  # a resumed run's model is its own
         name = args.preset or "tiny"
-        file_model = _model_table(args.config) if args.config else {}
         base = base.replace(model=ModelConfig.from_preset(name, **file_model))
         explicit |= set(PRESETS[name])
     base = replace(base, model=base.model.unset_derived(keep=explicit))
