@@ -89,8 +89,7 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
     from sinklens.prompts import stdlib_text_prompts
     from sinklens.validate import text_lines
 
-    has_tokenizer = getattr(model, "tokenizer", None) is not None
-    if not has_tokenizer and args.max_length is not None:
+    if getattr(model, "tokenizer", None) is None and args.max_length is not None:
         raise InvalidArgumentError(f"--max-length {args.max_length} truncates text prompts, and the model "
                                    f"{str(args.model)!r} has no tokenizer; set the random sequences' length with --seq-len.")
     batches = random_token_inputs(model, args, command="analyze", text_flag=_text_flag(args), prepend_bos=args.bos)

@@ -23,7 +23,7 @@ from sinklens.commands import add_command, add_json_flag, add_overwrite_flag, js
 from sinklens.options import SEQ_LEN
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     parser = add_command(subparsers, "compare", __doc__, help="compare training runs (loss, sink metrics, steps to a target loss)")
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run folders written by sinklens train")
     parser.add_argument("--labels", nargs="+", metavar="L", help="legend labels (default: variant @ folder name)")
@@ -39,7 +39,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="their length (default: %(default)s, at most data.seq_len)")
     add_overwrite_flag(parser, "an existing --out figure or --json file")
     parser.set_defaults(func=run)
-    return parser
 
 
 def metric_text(value, spec: str = ".4f") -> str:
@@ -149,24 +148,19 @@ def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoot
 
 def run_labels(run_dirs: list[str], labels: list[str] | None = None) -> list[str]:
     """One distinct label per run: ``labels`` as given, else ``"<variant> @ <folder name>"`` (the path as given
-    where two runs share a folder name); a bad ``labels`` raises InvalidArgumentError.
-    """
-    from sinklens.errors import InvalidArgumentError
+    where two runs share a folder name); a bad ``labels`` raises InvalidArgumentError."""
+    from sinklens.errors import CorruptFileError, InvalidArgumentError
 
-    twice = [path for path, n in Counter(str(Path(r).resolve()) for r in run_dirs).items() if n > 1]
-    if twice:
+    if twice := [path for path, n in Counter(str(Path(r).resolve()) for r in run_dirs).items() if n > 1]:
         raise InvalidArgumentError(f"The run {twice[0]!r} is given twice; compare each run once.")
     if labels:
         if len(labels) != len(run_dirs):
             raise InvalidArgumentError(f"--labels has {len(labels)} entries for {len(run_dirs)} runs.")
-        repeated = [label for label, n in Counter(labels).items() if n > 1]
-        if repeated:
+        if repeated := [label for label, n in Counter(labels).items() if n > 1]:
             raise InvalidArgumentError(f"--labels gives {repeated[0]!r} to more than one run; each run needs its own label.")
         return list(labels)
 
     def variant(run_dir: str) -> str:
-        from sinklens.errors import CorruptFileError
-
         cfg_path = Path(run_dir) / "config.json"
         if not cfg_path.is_file():
             return "?"

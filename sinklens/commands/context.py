@@ -18,7 +18,7 @@ from sinklens.commands import add_bos_flag, add_command, add_model_flags, add_ov
 FILES = ("long_context.json", "long_context.png")
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     parser = add_command(subparsers, "context", __doc__, help="sink attention and sink rate against context length")
     parser.add_argument("--model", default="smollm2-135m", metavar="SPEC",
                         help="name, folder, .gguf, Hub id (default: %(default)s)")
@@ -29,7 +29,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_bos_flag(parser)
     add_overwrite_flag(parser, "an earlier long_context.json")
     parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

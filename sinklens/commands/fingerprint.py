@@ -22,7 +22,7 @@ from sinklens.commands import (
 DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, DEFAULT_BUFFER_K, DEFAULT_ALPHA, DEFAULT_SEED = 2000, 1024, 400, 0.01, 42
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     parser = add_command(subparsers, "fingerprint", __doc__, help="SeedPrint lineage test between two models")
     parser.add_argument("model_a", metavar="A", help="first model spec")
     parser.add_argument("model_b", metavar="B", help="second model spec")
@@ -41,7 +41,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_overwrite_flag(parser, "an earlier --json file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

@@ -36,13 +36,13 @@ def _int_list(text: str | None, flag: str) -> list[int] | None:
         raise InvalidArgumentError(f"{flag} expects integers separated by commas, got {text!r}.") from None
     if not values:
         raise InvalidArgumentError(f"{flag} is empty; give at least one integer (e.g. {flag} 0,1).")
-    repeated = [v for i, v in enumerate(values) if v in values[:i]]
-    if repeated:  # the Python API keeps the first of each (validate.index_list); on the command line it is a typo
+    # the Python API keeps the first of each (validate.index_list); on the command line it is a typo
+    if repeated := [v for i, v in enumerate(values) if v in values[:i]]:
         raise InvalidArgumentError(f"{flag} {text!r} gives {repeated[0]} more than once; give each value once.")
     return values
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> None:
     parser = add_command(subparsers, "intervene", __doc__,
                          help="create or remove a sink with an intervention and report the attention it receives")
     parser.add_argument("--method", required=True, help="intervention name, with hyphens or underscores")
@@ -67,7 +67,6 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--out", default=None, metavar="DIR", help="folder for the figure intervention.png")
     add_overwrite_flag(parser, "an earlier --json file or --out figure")
     parser.set_defaults(func=run)
-    return parser
 
 
 def _method_options(entry: registry.Intervention, args: argparse.Namespace) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from sinklens.commands import add_command
 from sinklens.commands.peft import add_task_flags
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     parser = add_command(subparsers, "layer-card", __doc__, help="per-layer resnorm, energy, coupling and LoRA placement")
     add_task_flags(parser)
     parser.add_argument("--card-rows", type=int, default=8, metavar="N", help="rows the card uses (default: %(default)s)")
@@ -27,7 +27,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--check-steps", type=int, default=0, metavar="N", help="steps of the placement check (default: 0)")
     parser.add_argument("--lr", type=float, default=1e-3, metavar="X", help="check learning rate (default: %(default)s)")
     parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

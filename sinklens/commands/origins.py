@@ -25,7 +25,7 @@ from sinklens.commands import (
 from sinklens.options import SEQ_LEN
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     parser = add_command(subparsers, "origins", __doc__,
                          help="init-time token preference, contraction and positional discrepancy")
     parser.add_argument("--model", default="smollm2-135m", help="model spec, SPEC@init:S too (default: %(default)s)")
@@ -41,11 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_overwrite_flag(parser, "the origins.json and figures already in --out")
     parser.add_argument("--no-figures", action="store_true", help="write origins.json only")
     parser.set_defaults(func=run)
-    return parser
 
 
-#: The figures ``origins`` draws (unless ``--no-figures``, which removes any left by an earlier run), listed with
-#: what they show in the folder's ``index.md``.
+#: The figures ``origins`` draws (``--no-figures`` removes earlier ones), with what each shows, for ``index.md``.
 FIGURE_FILES = {
     "rank_probability.png": "mean next-token probability against its rank over the random sequences (log-log; "
                             "dotted: uniform 1/d_vocab)",

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from sinklens.commands import add_command, add_json_flag, add_model_flags, add_overwrite_flag, check_model_flags
+from sinklens.commands import (
+    add_command, add_json_flag, add_model_flags, add_overwrite_flag, check_model_flags, json_target, write_json_target,
+)
 
 #: Adam moves every entry by about lr: on SmolLM2 prefix-plus diverged at 1e-2, prefix worsened at 1e-3.
 DEFAULT_LR = {"prefix": 1e-4, "prefix-plus": 1e-4, "lora": 1e-3}
@@ -33,7 +35,7 @@ def add_task_flags(parser: argparse.ArgumentParser) -> None:
     add_overwrite_flag(parser, "--json/--plot files")
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     parser = add_command(subparsers, "peft", __doc__, help="train prefix-tuning, Prefix-Tuning+ or LoRA")
     parser.add_argument("method", choices=METHODS, metavar="METHOD", help=", ".join(METHODS))
     add_task_flags(parser)
@@ -43,12 +45,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--input-lengths", type=int, nargs="+", default=None, metavar="N",
                         help="lengths for the share (default: 4 8 .. --seq-len)")
     parser.set_defaults(func=run)
-    return parser
 
 
 def prepare(args: argparse.Namespace):
     """Check the shared flags and the outputs, load the model, build the task: ``(model, task, outputs)``."""
-    from sinklens.commands import json_target
     from sinklens.loading import load_model
     from sinklens.peft.train import keyword_task, text_task
     from sinklens.validate import as_seed, no_finished_output, positive_int, writable_file
@@ -68,7 +68,6 @@ def prepare(args: argparse.Namespace):
 
 
 def finish(args: argparse.Namespace, outputs, data: dict, figure) -> int:
-    from sinklens.commands import write_json_target
     from sinklens.plotting.style import save_figure
 
     write_json_target(outputs[0], {"model": str(args.model), **data}, overwrite=args.overwrite)

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 SYNTHETIC_DATA = ("bigram-backcopy", "markov")
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     parser = add_command(subparsers, "train", __doc__, help="pretrain a small LM and track its attention sinks")
     parser.add_argument("--out", metavar="DIR", help="run folder (metrics, checkpoints, figures); required")
     parser.add_argument("--config", metavar="FILE", help="a .json or .toml TrainConfig")
@@ -53,7 +53,6 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--fields", action="store_true", help="list every config field flag and exit")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run, accepts_config_flags=True)
-    return parser
 
 
 def _data_overrides(spec: str) -> list[str]:
