@@ -87,8 +87,7 @@ def add_overwrite_flag(parser: argparse.ArgumentParser, finished: str) -> None:
 
 
 @contextlib.contextmanager
-def result_folder(out: Path, finished: Sequence[str], *, overwrite: bool, flag: str = "--out",
-                  existed: bool = True) -> Iterator[None]:
+def result_folder(out: Path, finished: Sequence[str], *, overwrite: bool, existed: bool = True) -> Iterator[None]:
     """Lock ``out`` (rank 0 only) while this command writes a result there, checking the ``finished`` files
     again under the lock; on failure an ``out`` that did not exist before and is left empty is removed."""
     from sinklens.distributed import writes_outputs
@@ -97,7 +96,7 @@ def result_folder(out: Path, finished: Sequence[str], *, overwrite: bool, flag: 
 
     try:
         with FolderLock(out, OUTPUT_LOCK) if writes_outputs() else contextlib.nullcontext():
-            no_finished_output([out / name for name in finished], overwrite=overwrite, flag=flag)
+            no_finished_output([out / name for name in finished], overwrite=overwrite, flag="--out")
             yield
     except BaseException:
         if not existed and out.is_dir() and not any(out.iterdir()):

@@ -48,13 +48,12 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
     from sinklens.origins.fingerprint import check_test_arguments, fingerprint
-    from sinklens.validate import as_seed, positive_int, seq_len_within_context
+    from sinklens.validate import as_seed, optional_positive_int, positive_int, seq_len_within_context
 
     target = json_target(args.json, overwrite=args.overwrite)
     check_test_arguments(args.buffer_k, args.identity_mode, args.alpha, cli=True)  # before the models load and run
     positive_int(args.samples, what="--samples", minimum=2)
-    if args.seq_len is not None:
-        positive_int(args.seq_len, what="--seq-len")
+    optional_positive_int(args.seq_len, what="--seq-len")
     check_model_flags(args)
     as_seed(args.seed, what="--seed")
     options = RunOptions(batch_size=args.batch_size, progress=not args.no_progress, device=args.device, desc="SeedPrint")

@@ -132,13 +132,10 @@ def intervene(model: Any, args: argparse.Namespace, entry: registry.Intervention
 
 def format_table(result: InterventionResult) -> str:
     """Per layer: attention received by the target before / after (mean over heads and later queries)."""
-    lines = [
-        f"method={result.method}  target position={result.target}  sink={result.sink}",
-        f"{'layer':>5}  {'before':>8}  {'after':>8}  {'ratio':>7}",
-    ]
+    lines = [f"method={result.method}  target position={result.target}  sink={result.sink}",
+             f"{'layer':>5}  {'before':>8}  {'after':>8}  {'ratio':>7}"]
     for layer, b, a in zip(result.layers, result.received_layer_before.tolist(), result.received_layer_after.tolist()):
-        ratio = a / b if b > 0 else float("inf")
-        lines.append(f"{layer:>5}  {b:8.4f}  {a:8.4f}  {ratio:7.2f}")
+        lines.append(f"{layer:>5}  {b:8.4f}  {a:8.4f}  {a / b if b > 0 else float('inf'):7.2f}")
     if result.loss_before == result.loss_before:  # not NaN
         lines.append(f"next-token loss: {result.loss_before:.4f} -> {result.loss_after:.4f} nats")
     return "\n".join(lines)

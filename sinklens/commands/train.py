@@ -62,9 +62,8 @@ def _data_overrides(spec: str) -> list[str]:
     if spec.startswith("hf:"):
         return ["data.source=hf", f"data.path={spec[3:]}", "model.d_vocab=auto"]
     path = Path(spec).expanduser()
-    if path.suffix == ".bin" or (path / "train.bin").is_file():
-        return ["data.source=memmap", f"data.path={path}", "model.d_vocab=auto"]
-    return ["data.source=text", f"data.path={path}", "model.d_vocab=auto"]
+    source = "memmap" if path.suffix == ".bin" or (path / "train.bin").is_file() else "text"
+    return [f"data.source={source}", f"data.path={path}", "model.d_vocab=auto"]
 
 
 def _model_table(path: str) -> dict:
