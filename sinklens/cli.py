@@ -29,13 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         try:
-            module = importlib.import_module(f"sinklens.commands.{name.replace('-', '_')}")
-            module.add_parser(sub)
-        except Exception as err:  # never drop a sub-command silently: it reports this error when run
+            importlib.import_module(f"sinklens.commands.{name.replace('-', '_')}").add_parser(sub)
+        except Exception as err:  # never drop a sub-command silently: main() reports this error when it is run
             sub.choices.pop(name, None)  # add_parser itself failed half-way
-            stand_in = sub.add_parser(name, add_help=False,
-                                      help=f"(unavailable: {type(err).__name__}: {one_line(err)})")
-            stand_in.set_defaults(_unavailable=err)  # main() reports it when the command is run
+            sub.add_parser(name, add_help=False, help=f"(unavailable: {type(err).__name__}: {one_line(err)})"
+                           ).set_defaults(_unavailable=err)
             continue
         sub.choices[name].set_defaults(_parser=sub.choices[name])
         # SUPPRESS: `--debug` after the sub-command sets the flag, its absence keeps the top-level value.
