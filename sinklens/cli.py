@@ -20,10 +20,6 @@ COMMANDS = ("analyze", "intervene", "train", "compare", "origins", "fingerprint"
 DEBUG_ENV = "SINKLENS_DEBUG"
 
 
-def _debug_from_env() -> bool:
-    return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off")
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="sinklens", description="Find, explain and control attention sinks.",
@@ -33,13 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for name in COMMANDS:
         try:
-            module = importlib.import_module(f"sinklens.commands.{name.replace('-', '_')}")
-            module.add_parser(sub)
-        except Exception as err:  # never drop a sub-command silently: it reports this error when run
+            importlib.import_module(f"sinklens.commands.{name.replace('-', '_')}").add_parser(sub)
+        except Exception as err:  # never drop a sub-command silently: main() reports this error when it is run
             sub.choices.pop(name, None)  # add_parser itself failed half-way
-            stand_in = sub.add_parser(name, add_help=False,
-                                      help=f"(unavailable: {type(err).__name__}: {one_line(err)})")
-            stand_in.set_defaults(_unavailable=err)  # main() reports it when the command is run
+            sub.add_parser(name, add_help=False, help=f"(unavailable: {type(err).__name__}: {one_line(err)})"
+                           ).set_defaults(_unavailable=err)
             continue
         sub.choices[name].set_defaults(_parser=sub.choices[name])
         # SUPPRESS: `--debug` after the sub-command sets the flag, its absence keeps the top-level value.
@@ -48,19 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def report_error(command: str, err: BaseException, *, debug: bool, stream: Any = None) -> int:
+def report_error(command: str, err: BaseException, *, debug: bool) -> int:
     """Print ``err`` as the one-line contract says (traceback first when ``debug``); return the exit code."""
-    stream = stream if stream is not None else sys.stderr
     code = exit_code_for(err)
     if debug:
-        traceback.print_exception(type(err), err, err.__traceback__, file=stream)
+        traceback.print_exception(type(err), err, err.__traceback__, file=sys.stderr)
     if code == EXIT_INTERRUPTED:
-        print(f"sinklens {command}: interrupted" + (f": {one_line(err)}" if str(err) else ""), file=stream)
+        print(f"sinklens {command}: interrupted" + (f": {one_line(err)}" if str(err) else ""), file=sys.stderr)
     elif is_internal_error(err):
         hint = "" if debug else f" (rerun with --debug or {DEBUG_ENV}=1 for the traceback, and report it)"
-        print(f"sinklens {command}: internal error: {type(err).__name__}: {one_line(err)}{hint}", file=stream)
+        print(f"sinklens {command}: internal error: {type(err).__name__}: {one_line(err)}{hint}", file=sys.stderr)
     else:
-        print(f"sinklens {command}: error: {one_line(err)}", file=stream)
+        print(f"sinklens {command}: error: {one_line(err)}", file=sys.stderr)
     return code
 
 
@@ -74,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         print("sinklens: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     unavailable = getattr(args, "_unavailable", None)
-    debug = bool(getattr(args, "debug", False)) or _debug_from_env() or (unavailable is not None and "--debug" in extra)
+    debug = (bool(getattr(args, "debug", False)) or (unavailable is not None and "--debug" in extra)
+             or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off"))
     # `train` parses its config field flags (--optim.lr 3e-4) itself; for any other command leftovers are an
     # error (exit 2, like parse_args, with the sub-command's usage line and the closest flag)
     if extra and unavailable is None and not getattr(args, "accepts_config_flags", False):
@@ -92,53 +86,39 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return EXIT_FAILURE
     try:
-        with _cli_warnings(args.command, debug=debug), _sigterm_as_interrupt():
+        with _cli_context(args.command, debug=debug):
             return int(args.func(args) or 0)
     except BrokenPipeError:  # `sinklens analyze | head`: the reader left; files were written, say nothing more
-        _stdout_to_devnull()
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (AttributeError, OSError, ValueError):  # no real file descriptor (a captured stdout): nothing to redirect
+            pass
         return EXIT_FAILURE
     except (Exception, KeyboardInterrupt) as err:
         return report_error(args.command, err, debug=debug)
 
 
-def _stdout_to_devnull() -> None:
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (AttributeError, OSError, ValueError):  # no real file descriptor (a captured stdout): nothing to redirect
-        pass
-
-
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """SIGTERM is handled as Ctrl-C (exit 130), except where it is ignored or outside the main thread."""
+def _cli_context(command: str, *, debug: bool) -> Iterator[None]:
+    """Warnings as ``sinklens CMD: warning: ...`` lines (unless ``debug``), and SIGTERM handled as Ctrl-C (exit
+    130) except where it is ignored or outside the main thread."""
     import signal
     import threading
-
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGTERM) == signal.SIG_IGN:
-        yield
-        return
 
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
 
-    before = signal.signal(signal.SIGTERM, interrupt)
+    formatwarning = warnings.formatwarning
+    if not debug:
+        warnings.formatwarning = lambda message, *rest, **kw: f"sinklens {command}: warning: {message}\n"
+    sigterm = threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) != signal.SIG_IGN
+    before = signal.signal(signal.SIGTERM, interrupt) if sigterm else None
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, before)
-
-
-@contextlib.contextmanager
-def _cli_warnings(command: str, *, debug: bool) -> Iterator[None]:
-    if debug:
-        yield
-        return
-    before = warnings.formatwarning
-    warnings.formatwarning = lambda message, category, *rest, **kw: f"sinklens {command}: warning: {message}\n"
-    try:
-        yield
-    finally:
-        warnings.formatwarning = before
+        warnings.formatwarning = formatwarning
+        if sigterm:
+            signal.signal(signal.SIGTERM, before)
 
 
 if __name__ == "__main__":

@@ -34,19 +34,18 @@ def add_command(subparsers: Any, name: str, doc: str | None, *, help: str) -> ar
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=BATCH_SIZE, metavar="N", help="sequences per forward pass (default: %(default)s)")
-    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: cuda when available)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N, mps (default: cuda if available)")
     parser.add_argument("--dtype", default=None, help="float32 (default), float64, bfloat16, float16")
 
 
 def add_bos_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bos", action=argparse.BooleanOptionalAction, default=PREPEND_BOS,
-                        help="prepend the tokenizer's BOS token, or not (it moves the sink; "
-                        "default: as the model's own tokenizer does)")
+                        help="BOS first or not (default: as the model's tokenizer does)")
 
 
 def add_json_flag(parser: argparse.ArgumentParser, what: str) -> None:
     parser.add_argument("--json", metavar="FILE", default=None,
-                        help=f"write {what} as strict JSON to FILE (-: to stdout)")
+                        help=f"write {what} as strict JSON to FILE (-: stdout)")
 
 
 def json_target(path: str | None, *, overwrite: bool) -> Path | str | None:
@@ -84,12 +83,11 @@ def check_model_flags(args: argparse.Namespace) -> None:
 
 def add_overwrite_flag(parser: argparse.ArgumentParser, finished: str) -> None:
     parser.add_argument("--overwrite", action="store_true",
-                        help=f"replace {finished} (refused without it)")
+                        help=f"replace {finished}")
 
 
 @contextlib.contextmanager
-def result_folder(out: Path, finished: Sequence[str], *, overwrite: bool, flag: str = "--out",
-                  existed: bool = True) -> Iterator[None]:
+def result_folder(out: Path, finished: Sequence[str], *, overwrite: bool, existed: bool = True) -> Iterator[None]:
     """Lock ``out`` (rank 0 only) while this command writes a result there, checking the ``finished`` files
     again under the lock; on failure an ``out`` that did not exist before and is left empty is removed."""
     from sinklens.distributed import writes_outputs
@@ -98,7 +96,7 @@ def result_folder(out: Path, finished: Sequence[str], *, overwrite: bool, flag: 
 
     try:
         with FolderLock(out, OUTPUT_LOCK) if writes_outputs() else contextlib.nullcontext():
-            no_finished_output([out / name for name in finished], overwrite=overwrite, flag=flag)
+            no_finished_output([out / name for name in finished], overwrite=overwrite, flag="--out")
             yield
     except BaseException:
         if not existed and out.is_dir() and not any(out.iterdir()):
@@ -136,13 +134,15 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
     from sinklens import distributed
     from sinklens.hooks import model_dims
     from sinklens.inputs import random_token_batches, resolved_bos
+    from sinklens.sinklm.config import SYNTHETIC_SOURCES
     from sinklens.validate import seq_len_within_context
 
     has_tokenizer = getattr(model, "tokenizer", None) is not None
     n_ctx = model_dims(model).n_ctx
     seq_len_within_context(args.seq_len, n_ctx)
     batch_size = getattr(args, "batch_size", BATCH_SIZE)
-    bos = resolved_bos(model, prepend_bos) and (has_tokenizer or trained_with_bos_zero(model))
+    data = getattr(getattr(model, "train_config", None), "data", None)  # a synthetic task starts with BOS id 0
+    bos = resolved_bos(model, prepend_bos) and (has_tokenizer or getattr(data, "source", None) in SYNTHETIC_SOURCES)
     seq_len = args.seq_len or min(SEQ_LEN, n_ctx)
     if args.random_tokens is not None:
         return random_token_batches(model, n_sequences=args.random_tokens, seq_len=seq_len,
@@ -163,10 +163,3 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
     return random_token_batches(model, n_sequences=DEFAULT_RANDOM_SEQUENCES, seq_len=seq_len, batch_size=batch_size,
                                 prepend_bos=bos)
 
-
-def trained_with_bos_zero(model: Any) -> bool:
-    """Whether ``model`` was trained on a synthetic task, whose sequences all start with BOS id 0."""
-    from sinklens.sinklm.config import SYNTHETIC_SOURCES
-
-    train_config = getattr(model, "train_config", None)
-    return getattr(getattr(train_config, "data", None), "source", None) in SYNTHETIC_SOURCES

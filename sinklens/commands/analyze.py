@@ -28,16 +28,17 @@ _DEFAULT_MAX_LENGTH = 128
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     parser = add_command(subparsers, "analyze", __doc__, help="find a model's attention sinks and their causes")
-    parser.add_argument("--model", default="smollm2-135m", help="model name, folder, .gguf or Hub id (default: %(default)s)")
+    parser.add_argument("--model", default="smollm2-135m", metavar="SPEC",
+                        help="name, folder, .gguf, Hub id (default: %(default)s)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--text", action="extend", nargs="+", metavar="T", help="one or more prompts (repeatable)")
     source.add_argument("--prompts", metavar="FILE", help="a text file with one prompt per line")
     source.add_argument("--stdlib-text", type=int, metavar="N", help="N docstrings from the Python standard library")
     source.add_argument("--random-tokens", type=int, metavar="N", help="N uniformly random token sequences")
     parser.add_argument("--seq-len", type=int, default=None, metavar="N",
-                        help=f"tokens per random sequence (default: {SEQ_LEN}, at most the model's context)")
+                        help=f"tokens per random sequence (default: {SEQ_LEN}, at most n_ctx)")
     parser.add_argument("--max-length", type=int, default=None, metavar="N",
-                        help=f"cut text prompts to N tokens (default: {_DEFAULT_MAX_LENGTH}, at most the model's context)")
+                        help=f"cut text prompts to N tokens (default: {_DEFAULT_MAX_LENGTH}, at most n_ctx)")
     add_bos_flag(parser)
     add_model_flags(parser)
     parser.add_argument("--out", default="sinklens-report", metavar="DIR", help="output folder (default: %(default)s)")
@@ -67,10 +68,8 @@ def _check_args(args: argparse.Namespace) -> None:
     if text_flag is not None and args.seq_len is not None:
         raise InvalidArgumentError(f"--seq-len {args.seq_len} sets the length of --random-tokens sequences; "
                                    f"{text_flag} prompts are cut with --max-length.")
-    if args.text is not None:
-        empty = [i for i, t in enumerate(args.text) if not t.strip()]
-        if empty:
-            raise InvalidArgumentError(f"--text prompt {empty[0] + 1} of {len(args.text)} is empty; give non-empty text.")
+    if empty := [i for i, t in enumerate(args.text or []) if not t.strip()]:
+        raise InvalidArgumentError(f"--text prompt {empty[0] + 1} of {len(args.text)} is empty; give non-empty text.")
     if args.prompts is not None:
         text_lines(args.prompts, what="--prompts")
     outside_run_internals(Path(args.out), what="--out", file=False)
@@ -90,8 +89,7 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
     from sinklens.prompts import stdlib_text_prompts
     from sinklens.validate import text_lines
 
-    has_tokenizer = getattr(model, "tokenizer", None) is not None
-    if not has_tokenizer and args.max_length is not None:
+    if getattr(model, "tokenizer", None) is None and args.max_length is not None:
         raise InvalidArgumentError(f"--max-length {args.max_length} truncates text prompts, and the model "
                                    f"{str(args.model)!r} has no tokenizer; set the random sequences' length with --seq-len.")
     batches = random_token_inputs(model, args, command="analyze", text_flag=_text_flag(args), prepend_bos=args.bos)
@@ -107,18 +105,14 @@ def _inputs(args: argparse.Namespace, model: Any) -> object:
 
 
 def run(args: argparse.Namespace) -> int:
-    out_existed = Path(args.out).expanduser().exists()
-    _check_args(args)
-    with result_folder(args.out, ["report.json", "summary.txt"], overwrite=args.overwrite, existed=out_existed):
-        return _run(args)
-
-
-def _run(args: argparse.Namespace) -> int:
     """Under ``torchrun --nproc_per_node N`` every process loads the model and streams its share of the
     batches (:mod:`sinklens.distributed`); only rank 0 prints and writes the report."""
     from sinklens import distributed
 
-    with distributed.session(args.device) as device:
+    out_existed = Path(args.out).expanduser().exists()
+    _check_args(args)
+    with (result_folder(args.out, ["report.json", "summary.txt"], overwrite=args.overwrite, existed=out_existed),
+          distributed.session(args.device) as device):
         return _analyze(args, device)
 
 
@@ -142,14 +136,9 @@ def _analyze(args: argparse.Namespace, device: str | None) -> int:
     # the default cut is capped at the model's context; an explicit --max-length beyond it is refused by name
     seq_len_within_context(args.max_length, n_ctx, what="--max-length")
     max_length = args.max_length or min(_DEFAULT_MAX_LENGTH, n_ctx)
-    report = analyze(
-        model,
-        inputs,
-        model_name=str(args.model),
-        verify=args.verify,
-        options=RunOptions(batch_size=args.batch_size, prepend_bos=args.bos,
-                           max_length=max_length if text else None),
-    )
+    report = analyze(model, inputs, model_name=str(args.model), verify=args.verify,
+                     options=RunOptions(batch_size=args.batch_size, prepend_bos=args.bos,
+                                        max_length=max_length if text else None))
     if not main:
         return 0
     written = save_report(report, args.out, figures=not args.no_figures)  # first: a closed stdout must not lose the analysis

@@ -18,54 +18,42 @@ import json
 import sys
 from collections import Counter
 from pathlib import Path
-from typing import Any
 
 from sinklens.commands import add_command, add_json_flag, add_overwrite_flag, json_target, outside_run_internals, write_json_target
 from sinklens.options import SEQ_LEN
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     parser = add_command(subparsers, "compare", __doc__, help="compare training runs (loss, sink metrics, steps to a target loss)")
     parser.add_argument("runs", nargs="+", metavar="RUN", help="run folders written by sinklens train")
-    parser.add_argument("--labels", nargs="+", help="legend labels (default: variant @ folder name)")
-    parser.add_argument("--target-loss", type=float, metavar="LOSS", help="target of steps-to-target (default: first run's final loss)")
-    parser.add_argument("--smoothing", type=int, default=10, help="moving-average window, in training steps (default: %(default)s)")
+    parser.add_argument("--labels", nargs="+", metavar="L", help="legend labels (default: variant @ folder name)")
+    parser.add_argument("--target-loss", type=float, metavar="LOSS", help="steps-to-target's loss (default: first run's final)")
+    parser.add_argument("--smoothing", type=int, default=10, metavar="N",
+                        help="moving average over N training steps (default: %(default)s)")
     parser.add_argument("--out", metavar="FILE", help="figure file, .png unless its suffix says otherwise "
                                                       "(default: compare.png in the first run's folder)")
     add_json_flag(parser, "the summary")
-    parser.add_argument("--positional", action="store_true", help="also measure the positional discrepancy over training")
+    parser.add_argument("--positional", action="store_true", help="also measure the positional discrepancy in training")
     parser.add_argument("--n-sequences", type=int, default=64, metavar="N", help="random sequences of --positional (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=SEQ_LEN, metavar="N",
-                        help="their length (default: %(default)s, at most the run's data.seq_len)")
+                        help="their length (default: %(default)s, at most data.seq_len)")
     add_overwrite_flag(parser, "an existing --out figure or --json file")
     parser.set_defaults(func=run)
-    return parser
 
 
 def metric_text(value, spec: str = ".4f") -> str:
-    """``value`` formatted with ``spec``, or ``"n/a"`` (padded to the spec's width) for None, NaN or infinity.
-
-    Examples:
-        >>> metric_text(0.12345, ".3f"), metric_text(None, ".3f"), metric_text(float("nan"), "6.2f")
-        ('0.123', 'n/a', '   n/a')
-    """
+    """``value`` formatted with ``spec``, or ``"n/a"`` (padded to the spec's width) for None, NaN or infinity."""
     import math
     import re
 
     if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
         return format(value, spec)
-    width = re.match(r"[<>^=]?[+\- ]?0?(\d*)", spec).group(1)
-    return "n/a".rjust(int(width) if width else 0)
+    return "n/a".rjust(int(re.match(r"[<>^=]?[+\- ]?0?(\d*)", spec).group(1) or 0))
 
 
 def run_status(lines: list[dict], steps: int | None) -> dict:
     """``{"status", "steps_done", "steps"}`` of a run: ``"diverged"`` (a stopping ``nonfinite`` line at or after the
-    last train step), ``"incomplete"`` (fewer than ``steps`` steps), ``"finished"``, or ``"unknown"`` (no steps).
-
-    Examples:
-        >>> run_status([{"kind": "train", "step": 0}, {"kind": "nonfinite", "step": 1, "action": "stop"}], 10)
-        {'status': 'diverged', 'steps_done': 1, 'steps': 10}
-    """
+    last train step), ``"incomplete"`` (fewer than ``steps`` steps), ``"finished"``, or ``"unknown"`` (no steps)."""
     done = max((line["step"] + 1 for line in lines if line.get("kind") == "train"), default=0)
     stops = [line["step"] for line in lines if line.get("kind") == "nonfinite" and line.get("action") == "stop"]
     skipped = max((line["step"] + 1 for line in lines if line.get("kind") == "nonfinite"), default=0)
@@ -96,12 +84,7 @@ def planned_steps(run_dir: str | Path) -> int | None:
 
 
 def log_interval(lines: list[dict]) -> int:
-    """The most common gap between a run's logged ``train`` steps (1 with fewer than two lines).
-
-    Examples:
-        >>> log_interval([{"kind": "train", "step": s} for s in (0, 5, 10, 15, 17)])
-        5
-    """
+    """The most common gap between a run's logged ``train`` steps (1 with fewer than two lines)."""
     steps = [line["step"] for line in lines if line["kind"] == "train"]
     gaps = Counter(b - a for a, b in zip(steps, steps[1:]) if b > a)
     return gaps.most_common(1)[0][0] if gaps else 1
@@ -109,20 +92,10 @@ def log_interval(lines: list[dict]) -> int:
 
 def on_common_steps(runs: dict[str, list[dict]]) -> tuple[dict[str, list[dict]], int]:
     """``runs`` with only the train lines at multiples of the least common multiple of their :func:`log_interval`
-    (and each run's last train line), and that interval; other lines are kept.
-
-    Examples:
-        >>> every = {"a": [{"kind": "train", "step": s} for s in range(8)],
-        ...          "b": [{"kind": "train", "step": s} for s in (0, 3, 6, 7)]}
-        >>> kept, interval = on_common_steps(every)
-        >>> interval, [line["step"] for line in kept["a"]]
-        (3, [0, 3, 6, 7])
-    """
+    (and each run's last train line), and that interval; other lines are kept."""
     import math
 
-    interval = math.lcm(*(log_interval(lines) for lines in runs.values())) if runs else 1
-    if interval == 1:
-        return dict(runs), 1
+    interval = math.lcm(*(log_interval(lines) for lines in runs.values()))
     kept = {}
     for label, lines in runs.items():
         last = max((line["step"] for line in lines if line["kind"] == "train"), default=None)
@@ -168,31 +141,26 @@ def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoot
             "steps_to_target": steps_to_loss(lines, target, smoothing=smoothing),
             "common_log_interval": interval,
             **statuses[label],
-            **({k: v for k, v in evals[-1].items() if k not in ("kind",)} if evals else {}),
+            **({k: v for k, v in evals[-1].items() if k != "kind"} if evals else {}),
         })
     return rows
 
 
 def run_labels(run_dirs: list[str], labels: list[str] | None = None) -> list[str]:
     """One distinct label per run: ``labels`` as given, else ``"<variant> @ <folder name>"`` (the path as given
-    where two runs share a folder name); a bad ``labels`` raises InvalidArgumentError.
-    """
-    from sinklens.errors import InvalidArgumentError
+    where two runs share a folder name); a bad ``labels`` raises InvalidArgumentError."""
+    from sinklens.errors import CorruptFileError, InvalidArgumentError
 
-    twice = [path for path, n in Counter(str(Path(r).resolve()) for r in run_dirs).items() if n > 1]
-    if twice:
+    if twice := [path for path, n in Counter(str(Path(r).resolve()) for r in run_dirs).items() if n > 1]:
         raise InvalidArgumentError(f"The run {twice[0]!r} is given twice; compare each run once.")
     if labels:
         if len(labels) != len(run_dirs):
             raise InvalidArgumentError(f"--labels has {len(labels)} entries for {len(run_dirs)} runs.")
-        repeated = [label for label, n in Counter(labels).items() if n > 1]
-        if repeated:
+        if repeated := [label for label, n in Counter(labels).items() if n > 1]:
             raise InvalidArgumentError(f"--labels gives {repeated[0]!r} to more than one run; each run needs its own label.")
         return list(labels)
 
     def variant(run_dir: str) -> str:
-        from sinklens.errors import CorruptFileError
-
         cfg_path = Path(run_dir) / "config.json"
         if not cfg_path.is_file():
             return "?"
@@ -228,16 +196,6 @@ def figure_path(path: str | Path, *, what: str = "--out") -> Path:
     return out
 
 
-def positional_figure_path(out: Path) -> Path:
-    """Where ``--positional`` draws its figure: beside the ``--out`` figure, named after it.
-
-    Examples:
-        >>> positional_figure_path(Path("runs/a/compare.png")).as_posix()
-        'runs/a/compare-positional.png'
-    """
-    return out.with_name(f"{out.stem}-positional{out.suffix}")
-
-
 def run(args: argparse.Namespace) -> int:
     from sinklens.plotting.training import plot_training
     from sinklens.sinklm.checkpoint import read_metrics
@@ -250,7 +208,7 @@ def run(args: argparse.Namespace) -> int:
         positive_int(args.n_sequences, what="--n-sequences", minimum=2)
         positive_int(args.seq_len, what="--seq-len", minimum=2)
     out = figure_path(args.out if args.out is not None else Path(args.runs[0]) / "compare.png")
-    positional_out = figure_path(positional_figure_path(out), what="--out") if args.positional else None
+    positional_out = figure_path(out.with_name(f"{out.stem}-positional{out.suffix}")) if args.positional else None
     no_finished_output([out] + ([positional_out] if positional_out else []), overwrite=args.overwrite, flag="--out")
     target = json_target(args.json, overwrite=args.overwrite)
     info = sys.stderr if target == "-" else sys.stdout  # with --json -, stdout holds only the JSON
@@ -260,7 +218,15 @@ def run(args: argparse.Namespace) -> int:
                      steps={label: planned_steps(run_dir) for label, run_dir in zip(labels, args.runs)})
     plot_training(runs, smoothing=args.smoothing, path=out)
     # every file first: a reader that closes stdout (`| head`) must not cost the positional figure
-    trajectories = positional(args, list(runs), positional_out) if positional_out is not None else None
+    if positional_out is not None:
+        from sinklens.options import RunOptions
+        from sinklens.origins.positional import positional_over_training
+        from sinklens.plotting.training import plot_positional_over_training
+
+        trajectories = {label: positional_over_training(run_dir, n_sequences=args.n_sequences, seq_len=args.seq_len,
+                                                        options=RunOptions(progress=True, desc="positional"))
+                        for label, run_dir in zip(labels, args.runs)}
+        plot_positional_over_training(trajectories, path=positional_out)
     write_json_target(target, rows, overwrite=args.overwrite)
     if target != "-":
         every = rows[0]["common_log_interval"]
@@ -277,29 +243,10 @@ def run(args: argparse.Namespace) -> int:
             print(f"{row['run']}: {status_text(row)}, final loss {metric_text(row['final_loss'])}, "
                   f"steps to target {steps if steps is not None else 'never'}{extra}")
     print(f"figure: {out}", file=info)
-    if trajectories is not None:
-        print_positional(trajectories, positional_out, file=info)
+    if positional_out is not None:  # the first-token attention-output variance ratio per layer, by checkpoint
+        for label, traj in trajectories.items():
+            print(f"{label}: attention-output variance at position 0 / later half, by layer", file=info)
+            for step, row in zip(traj.steps, traj.first_token_ratio("attn_out_var").tolist()):
+                print(f"  step {step:>7}: " + "  ".join(metric_text(v, "8.3g") for v in row), file=info)
+        print(f"figure: {positional_out}", file=info)
     return 0
-
-
-def positional(args: argparse.Namespace, labels: list[str], out: Path) -> dict[str, Any]:
-    """Measure the positional discrepancy over each run's checkpoints and plot it to ``out``; the trajectories by
-    run label."""
-    from sinklens.options import RunOptions
-    from sinklens.origins.positional import positional_over_training
-    from sinklens.plotting.training import plot_positional_over_training
-
-    trajectories = {label: positional_over_training(run_dir, n_sequences=args.n_sequences, seq_len=args.seq_len,
-                                                    options=RunOptions(progress=True, desc="positional"))
-                    for label, run_dir in zip(labels, args.runs)}
-    plot_positional_over_training(trajectories, path=out)
-    return trajectories
-
-
-def print_positional(trajectories: dict[str, Any], out: Path, *, file=None) -> None:
-    """Print the first-token attention-output variance ratio per layer over each run's checkpoints."""
-    for label, traj in trajectories.items():
-        print(f"{label}: attention-output variance at position 0 / later half, by layer", file=file)
-        for step, row in zip(traj.steps, traj.first_token_ratio("attn_out_var").tolist()):
-            print(f"  step {step:>7}: " + "  ".join(metric_text(v, "8.3g") for v in row), file=file)
-    print(f"figure: {out}", file=file)

@@ -18,9 +18,10 @@ from sinklens.commands import add_bos_flag, add_command, add_model_flags, add_ov
 FILES = ("long_context.json", "long_context.png")
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     parser = add_command(subparsers, "context", __doc__, help="sink attention and sink rate against context length")
-    parser.add_argument("--model", default="smollm2-135m", help="model name, folder, .gguf or Hub id (default: %(default)s)")
+    parser.add_argument("--model", default="smollm2-135m", metavar="SPEC",
+                        help="name, folder, .gguf, Hub id (default: %(default)s)")
     parser.add_argument("--lengths", default="256,1024,4096", metavar="N,N,...",
                         help="sequence lengths in tokens, BOS included (default: %(default)s)")
     parser.add_argument("--out", default="sinklens-context", metavar="DIR", help="output folder (default: %(default)s)")
@@ -28,11 +29,16 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_bos_flag(parser)
     add_overwrite_flag(parser, "an earlier long_context.json")
     parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:
+    from sinklens.analysis.long_context import context_sweep
     from sinklens.errors import InvalidArgumentError
+    from sinklens.export import write_json
+    from sinklens.loading import load_model
+    from sinklens.options import RunOptions
+    from sinklens.plotting.long_context import plot_context_sweep
+    from sinklens.plotting.style import save_figure
     from sinklens.validate import writable_dir
 
     try:
@@ -43,22 +49,12 @@ def run(args: argparse.Namespace) -> int:
     existed = Path(args.out).expanduser().exists()
     out = writable_dir(args.out, what="--out")
     with result_folder(out, FILES[:1], overwrite=args.overwrite, existed=existed):
-        return _run(args, lengths, out)
-
-
-def _run(args: argparse.Namespace, lengths: list[int], out: Path) -> int:
-    from sinklens.analysis.long_context import context_sweep
-    from sinklens.export import write_json
-    from sinklens.loading import load_model
-    from sinklens.options import RunOptions
-    from sinklens.plotting.long_context import plot_context_sweep
-    from sinklens.plotting.style import save_figure
-
-    start = time.perf_counter()
-    model = load_model(args.model, device=args.device, dtype=args.dtype, check_patterns=False)
-    result = context_sweep(model, lengths, options=RunOptions(batch_size=args.batch_size, device=args.device, prepend_bos=args.bos))
-    write_json(out / FILES[0], {"model": str(args.model), **result.to_dict()})
-    save_figure(plot_context_sweep(result), out / FILES[1])
+        start = time.perf_counter()
+        model = load_model(args.model, device=args.device, dtype=args.dtype, check_patterns=False)
+        result = context_sweep(model, lengths, options=RunOptions(batch_size=args.batch_size, device=args.device,
+                                                                  prepend_bos=args.bos))
+        write_json(out / FILES[0], {"model": str(args.model), **result.to_dict()})
+        save_figure(plot_context_sweep(result), out / FILES[1])
     for p in result.points:
         print(f"{p.length:>6} tokens: attention to 0 {p.sink_attention:.3f}, sink rate {p.sink_rate:.3f}, "
               f"{p.n_secondary} secondary sinks, {len(p.residual_sinks)} residual sinks ({p.seconds:.1f} s)")

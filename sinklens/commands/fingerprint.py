@@ -22,24 +22,25 @@ from sinklens.commands import (
 DEFAULT_SAMPLES, DEFAULT_SEQ_LEN, DEFAULT_BUFFER_K, DEFAULT_ALPHA, DEFAULT_SEED = 2000, 1024, 400, 0.01, 42
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     parser = add_command(subparsers, "fingerprint", __doc__, help="SeedPrint lineage test between two models")
     parser.add_argument("model_a", metavar="A", help="first model spec")
     parser.add_argument("model_b", metavar="B", help="second model spec")
     parser.add_argument("--samples", type=int, default=DEFAULT_SAMPLES, metavar="N", help="random sequences (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=None, metavar="N",
-                        help=f"tokens per sequence (default: {DEFAULT_SEQ_LEN}, at most both models' context)")
-    parser.add_argument("--input", choices=("token", "embedding"), default="token", help="random input kind (default: token)")
+                        help=f"tokens per sequence (default: {DEFAULT_SEQ_LEN}, at most n_ctx)")
+    parser.add_argument("--input", choices=("token", "embedding"), default="token", metavar="KIND",
+                        help="random input: token (default) or embedding")
     parser.add_argument("--buffer-k", type=int, default=DEFAULT_BUFFER_K, metavar="K", help="bottom-k identity dims (default: %(default)s)")
-    parser.add_argument("--identity-mode", choices=("coset", "base"), default="coset", help="(default: %(default)s)")
+    parser.add_argument("--identity-mode", choices=("coset", "base"), default="coset", metavar="MODE",
+                        help="coset (default) or base")
     parser.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="decision threshold on p (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, help="seed of the random inputs (default: %(default)s)")
     add_model_flags(parser)
-    add_json_flag(parser, "the result (p_value, z, n_dims, same_lineage, ...)")
+    add_json_flag(parser, "the result")
     add_overwrite_flag(parser, "an earlier --json file")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,13 +48,12 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
     from sinklens.origins.fingerprint import check_test_arguments, fingerprint
-    from sinklens.validate import as_seed, positive_int, seq_len_within_context
+    from sinklens.validate import as_seed, optional_positive_int, positive_int, seq_len_within_context
 
     target = json_target(args.json, overwrite=args.overwrite)
     check_test_arguments(args.buffer_k, args.identity_mode, args.alpha, cli=True)  # before the models load and run
     positive_int(args.samples, what="--samples", minimum=2)
-    if args.seq_len is not None:
-        positive_int(args.seq_len, what="--seq-len")
+    optional_positive_int(args.seq_len, what="--seq-len")
     check_model_flags(args)
     as_seed(args.seed, what="--seed")
     options = RunOptions(batch_size=args.batch_size, progress=not args.no_progress, device=args.device, desc="SeedPrint")
@@ -68,10 +68,9 @@ def run(args: argparse.Namespace) -> int:
     data = {"model_a": args.model_a, "model_b": args.model_b, **result.to_dict()}
     if target != "-":  # written first: a closed stdout (`| head`) must not lose the result
         write_json_target(target, data, overwrite=args.overwrite)
-    info = sys.stderr if target == "-" else sys.stdout
-    print(f"A = {args.model_a}\nB = {args.model_b}\n{result.summary()}", file=info)
-    if target not in (None, "-"):
-        print(f"wrote {target}")
+    print(f"A = {args.model_a}\nB = {args.model_b}\n{result.summary()}", file=sys.stderr if target == "-" else sys.stdout)
     if target == "-":
         write_json_target(target, data, overwrite=args.overwrite)
+    elif target is not None:
+        print(f"wrote {target}")
     return 0

@@ -11,6 +11,7 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,24 +36,25 @@ def _int_list(text: str | None, flag: str) -> list[int] | None:
         raise InvalidArgumentError(f"{flag} expects integers separated by commas, got {text!r}.") from None
     if not values:
         raise InvalidArgumentError(f"{flag} is empty; give at least one integer (e.g. {flag} 0,1).")
-    repeated = [v for i, v in enumerate(values) if v in values[:i]]
-    if repeated:  # the Python API keeps the first of each (validate.index_list); on the command line it is a typo
+    # the Python API keeps the first of each (validate.index_list); on the command line it is a typo
+    if repeated := [v for i, v in enumerate(values) if v in values[:i]]:
         raise InvalidArgumentError(f"{flag} {text!r} gives {repeated[0]} more than once; give each value once.")
     return values
 
 
-def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+def add_parser(subparsers: Any) -> None:
     parser = add_command(subparsers, "intervene", __doc__,
                          help="create or remove a sink with an intervention and report the attention it receives")
     parser.add_argument("--method", required=True, help="intervention name, with hyphens or underscores")
     parser.add_argument("--position", type=int, default=None, metavar="K",
-                        help="position to turn into a sink (create); the sink to remove (remove; default 0)")
-    parser.add_argument("--model", default="smollm2-135m", help="model name, folder, .gguf or Hub id (default: %(default)s)")
+                        help="position to make a sink, or sink to remove (default 0)")
+    parser.add_argument("--model", default="smollm2-135m", metavar="SPEC",
+                        help="name, folder, .gguf, Hub id (default: %(default)s)")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--text", action="extend", nargs="+", metavar="T", help="one or more prompts (repeatable)")
     source.add_argument("--random-tokens", type=int, metavar="N", default=None, help="N uniformly random token sequences")
     parser.add_argument("--seq-len", type=int, default=None, metavar="N",
-                        help=f"tokens per random sequence (default: {SEQ_LEN}, at most the model's context)")
+                        help=f"tokens per random sequence (default: {SEQ_LEN}, at most n_ctx)")
     parser.add_argument("--layers", default=None, help="layers to intervene in, e.g. 0,1,2 (default: all)")
     parser.add_argument("--alpha", type=float, default=None, help="amplification factor of amplify (default: 8)")
     parser.add_argument("--site", default=None, help="hook site of amplify / calibrate (default: attn.hook_z)")
@@ -65,17 +67,14 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     parser.add_argument("--out", default=None, metavar="DIR", help="folder for the figure intervention.png")
     add_overwrite_flag(parser, "an earlier --json file or --out figure")
     parser.set_defaults(func=run)
-    return parser
 
 
 def _method_options(entry: registry.Intervention, args: argparse.Namespace) -> dict[str, Any]:
     """The factory options given on the command line; an option the method does not take is an error."""
     given = {"alpha": args.alpha, "site": args.site, "neurons": _int_list(args.neurons, "--neurons")}
     kw = {k: v for k, v in given.items() if v is not None}
-    accepted = entry.options()
-    for key in kw:
-        if key not in accepted:
-            raise InvalidArgumentError(f"--{key} does not apply to --method {args.method} ({entry.name}).")
+    if extra := [key for key in kw if key not in entry.options()]:
+        raise InvalidArgumentError(f"--{extra[0]} does not apply to --method {args.method} ({entry.name}).")
     return kw
 
 
@@ -97,21 +96,19 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
     if args.seq_len is not None and args.text is not None:
         raise InvalidArgumentError(f"--seq-len {args.seq_len} sets the length of --random-tokens sequences, not of --text.")
     if entry.name == "edit_neurons" and args.layers is None:
-        raise InvalidArgumentError(
-            "--method edit-neurons needs --layers: a neuron index names a different neuron in each layer."
-        )
+        raise InvalidArgumentError("--method edit-neurons needs --layers: a neuron index names a different neuron "
+                                   "in each layer.")
     _int_list(args.layers, "--layers")
     _int_list(args.dims, "--dims")
     _method_options(entry, args)
     for option in entry.requires:
         if getattr(args, option, None) is None:
             raise InvalidArgumentError(f"--method {args.method} needs --{option} ({entry.requires[option]}).")
-    overwrite = getattr(args, "overwrite", False)
-    json_target(args.json, overwrite=overwrite)
+    json_target(args.json, overwrite=args.overwrite)
     if args.out is not None:
         outside_run_internals(Path(args.out), what="--out", file=False)
         out = writable_dir(args.out, what="--out", create=False)
-        no_finished_output([out / "intervention.png"], overwrite=overwrite, flag="--out")
+        no_finished_output([out / "intervention.png"], overwrite=args.overwrite, flag="--out")
     return entry
 
 
@@ -135,13 +132,10 @@ def intervene(model: Any, args: argparse.Namespace, entry: registry.Intervention
 
 def format_table(result: InterventionResult) -> str:
     """Per layer: attention received by the target before / after (mean over heads and later queries)."""
-    lines = [
-        f"method={result.method}  target position={result.target}  sink={result.sink}",
-        f"{'layer':>5}  {'before':>8}  {'after':>8}  {'ratio':>7}",
-    ]
+    lines = [f"method={result.method}  target position={result.target}  sink={result.sink}",
+             f"{'layer':>5}  {'before':>8}  {'after':>8}  {'ratio':>7}"]
     for layer, b, a in zip(result.layers, result.received_layer_before.tolist(), result.received_layer_after.tolist()):
-        ratio = a / b if b > 0 else float("inf")
-        lines.append(f"{layer:>5}  {b:8.4f}  {a:8.4f}  {ratio:7.2f}")
+        lines.append(f"{layer:>5}  {b:8.4f}  {a:8.4f}  {a / b if b > 0 else float('inf'):7.2f}")
     if result.loss_before == result.loss_before:  # not NaN
         lines.append(f"next-token loss: {result.loss_before:.4f} -> {result.loss_after:.4f} nats")
     return "\n".join(lines)
@@ -157,8 +151,6 @@ def loss_note(model: Any, args: argparse.Namespace) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
     from sinklens.loading import load_model
     from sinklens.plotting.interventions import plot_intervention  # matplotlib: only when a figure is drawn
 

@@ -16,17 +16,17 @@ from sinklens.commands import add_command
 from sinklens.commands.peft import add_task_flags
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     parser = add_command(subparsers, "layer-card", __doc__, help="per-layer resnorm, energy, coupling and LoRA placement")
     add_task_flags(parser)
     parser.add_argument("--card-rows", type=int, default=8, metavar="N", help="rows the card uses (default: %(default)s)")
     parser.add_argument("--no-coupling", action="store_true", help="skip the coupling (one backward per layer)")
     parser.add_argument("--top-k", type=int, default=None, metavar="K", help="name the K best layers")
-    parser.add_argument("--objective", choices=("resnorm", "gain_per_param"), default="resnorm", help="placement score (default: %(default)s)")
+    parser.add_argument("--objective", choices=("resnorm", "gain_per_param"), default="resnorm", metavar="SCORE",
+                        help="placement score: resnorm (default) or gain_per_param")
     parser.add_argument("--check-steps", type=int, default=0, metavar="N", help="steps of the placement check (default: 0)")
     parser.add_argument("--lr", type=float, default=1e-3, metavar="X", help="check learning rate (default: %(default)s)")
     parser.set_defaults(func=run)
-    return parser
 
 
 def run(args: argparse.Namespace) -> int:

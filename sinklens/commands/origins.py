@@ -25,7 +25,7 @@ from sinklens.commands import (
 from sinklens.options import SEQ_LEN
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     parser = add_command(subparsers, "origins", __doc__,
                          help="init-time token preference, contraction and positional discrepancy")
     parser.add_argument("--model", default="smollm2-135m", help="model spec, SPEC@init:S too (default: %(default)s)")
@@ -33,7 +33,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         help="re-initialise the architecture with this seed (default: the weights as loaded)")
     parser.add_argument("--sequences", type=int, default=128, metavar="N", help="random sequences (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=None, metavar="N",
-                        help=f"tokens per sequence (default: {SEQ_LEN}, at most the model's context)")
+                        help=f"tokens per sequence (default: {SEQ_LEN}, at most n_ctx)")
     parser.add_argument("--bos", action="store_true", help="prepend the BOS token (position 0 then leaves the summaries)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random inputs (default: %(default)s)")
     add_model_flags(parser)
@@ -41,11 +41,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     add_overwrite_flag(parser, "the origins.json and figures already in --out")
     parser.add_argument("--no-figures", action="store_true", help="write origins.json only")
     parser.set_defaults(func=run)
-    return parser
 
 
-#: The figures ``origins`` draws (unless ``--no-figures``, which removes any left by an earlier run), listed with
-#: what they show in the folder's ``index.md``.
+#: The figures ``origins`` draws (``--no-figures`` removes earlier ones), with what each shows, for ``index.md``.
 FIGURE_FILES = {
     "rank_probability.png": "mean next-token probability against its rank over the random sequences (log-log; "
                             "dotted: uniform 1/d_vocab)",
@@ -57,15 +55,7 @@ FIGURE_FILES = {
 
 
 def check_init_seed(model: str, init_seed: int) -> None:
-    """Refuse ``--init-seed S`` beside a ``--model SPEC@init:T`` with another seed ``T``.
-
-    Examples:
-        >>> check_init_seed("runs/a@init:3", 3)
-        >>> check_init_seed("runs/a@init:3", 4)
-        Traceback (most recent call last):
-        ...
-        sinklens.errors.InvalidArgumentError: --init-seed 4 conflicts with the seed 3 of --model 'runs/a@init:3'; give the seed once (--model runs/a@init:4, or --model runs/a@init --init-seed 4).
-    """
+    """Refuse ``--init-seed S`` beside a ``--model SPEC@init:T`` with another seed ``T``."""
     from sinklens.errors import InvalidArgumentError
     from sinklens.loading.init import parse_init_spec
 
@@ -78,14 +68,7 @@ def check_init_seed(model: str, init_seed: int) -> None:
 
 def effective_init_seed(model_spec: str, init_seed: int | None, model: Any) -> int | None:
     """The seed the loaded weights were drawn with: ``init_seed``, else the ``S`` of ``SPEC@init:S``, else for
-    ``SPEC@init`` a run's own seed or 0; None without ``@init`` (the weights as loaded).
-
-    Examples:
-        >>> effective_init_seed("runs/a@init:3", None, None), effective_init_seed("gpt2@init", None, None)
-        (3, 0)
-        >>> effective_init_seed("gpt2", None, None) is None, effective_init_seed("gpt2", 5, None)
-        (True, 5)
-    """
+    ``SPEC@init`` a run's own seed or 0; None without ``@init`` (the weights as loaded)."""
     from sinklens.loading.init import parse_init_spec
 
     if init_seed is not None:
@@ -117,31 +100,6 @@ def check_bos(model: Any, model_spec: str) -> None:
             "run without --bos.") from err
 
 
-def _skip_reason(model: Any) -> str | None:
-    """Why token preference cannot run on ``model`` (an encoder), or None."""
-    from sinklens.errors import UnsupportedArchitectureError
-    from sinklens.origins.preference import refuse_encoder
-
-    try:
-        refuse_encoder(model, "token preference")
-    except UnsupportedArchitectureError as err:
-        return str(err)
-    return None
-
-
-def _print_preference(ps: dict[str, Any], con: Any, tok: Any) -> None:
-    print(f"\ntoken preference over {ps['n_sequences']} random sequences x {ps['seq_len']} tokens:")
-    print(f"  max/median probability ratio {ps['max_median_ratio']:.3g}; argmax entropy {ps['argmax_entropy']:.3f} "
-          f"nats (uniform {ps['argmax_entropy_uniform']:.3f}); argmax Gini {ps['argmax_gini']:.3f}")
-    if ps["argmax_ties"]:
-        print(f"  {ps['argmax_ties']} predictions with a tied largest logit have no argmax and are not counted")
-    for row in ps["top"][:5]:
-        text = repr(tok.decode([row["token"]])) if tok is not None else ""
-        rank = con.alignment_rank(row["token"])
-        print(f"  token {row['token']:>6} {text:<14} p = {row['prob']:.3g} ({row['rel_uniform']:.1f}x uniform), "
-              f"alignment rank {rank}")
-
-
 def run(args: argparse.Namespace) -> int:
     from sinklens.origins.preference import random_tokens_after_bos
     from sinklens.validate import as_seed, no_finished_output, positive_int, writable_dir
@@ -164,12 +122,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure(args: argparse.Namespace, out: Any) -> int:
     """Load the model, run the three measures, write ``origins.json`` and the figures into ``out``, print."""
+    from sinklens.errors import UnsupportedArchitectureError
     from sinklens.export import staged_outputs, write_json, write_text_atomic
     from sinklens.hooks import model_dims
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
     from sinklens.origins import contraction, positional_discrepancy, token_preference
-    from sinklens.origins.preference import random_tokens_after_bos
+    from sinklens.origins.preference import random_tokens_after_bos, refuse_encoder
     from sinklens.validate import seq_len_within_context
 
     start = time.perf_counter()
@@ -183,7 +142,11 @@ def _measure(args: argparse.Namespace, out: Any) -> int:
         check_bos(model, str(args.model))
     opts = RunOptions(batch_size=args.batch_size, progress=True)
     common = dict(n_sequences=args.sequences, seq_len=seq_len, prepend_bos=args.bos, seed=args.seed)
-    skipped = _skip_reason(model)
+    try:  # token preference cannot run on an encoder
+        refuse_encoder(model, "token preference")
+        skipped = None
+    except UnsupportedArchitectureError as err:
+        skipped = str(err)
     pref = None if skipped else token_preference(model, **common, options=opts.replace(desc="token preference"))
     con = contraction(model, **common, options=opts.replace(desc="contraction"))
     pos = positional_discrepancy(model, **common, options=opts.replace(desc="positional"))
@@ -195,8 +158,14 @@ def _measure(args: argparse.Namespace, out: Any) -> int:
         write_json(stage / "origins.json", {"model": str(args.model), "init_seed": init_seed, "token_preference": ps,
                                             **({"token_preference_skipped": skipped} if skipped else {}),
                                             "contraction": con.summary(), "positional": pos.summary()})
-        drawn = () if args.no_figures else _draw(stage, str(args.model), pref, con, pos)
+        drawn = () if args.no_figures else tuple(FIGURE_FILES)[0 if pref is not None else 1:]
         if drawn:
+            from sinklens.plotting.origins import plot_contraction, plot_positional, plot_rank_probability
+
+            if pref is not None:
+                plot_rank_probability({str(args.model): pref}, path=stage / "rank_probability.png")
+            plot_contraction(con, path=stage / "contraction.png")
+            plot_positional(pos, path=stage / "positional.png")
             write_text_atomic(stage / "index.md", "\n".join([
                 f"# sinklens origins: {args.model}", "", "- `origins.json`: every number (strict JSON).",
                 *(f"- `{name}`: {FIGURE_FILES[name]}." for name in drawn)]) + "\n")
@@ -210,7 +179,15 @@ def _print_results(ps: dict[str, Any] | None, skipped: str | None, con: Any, pos
     if ps is None:
         print(f"\ntoken preference skipped: {skipped}")
     else:
-        _print_preference(ps, con, tok)
+        print(f"\ntoken preference over {ps['n_sequences']} random sequences x {ps['seq_len']} tokens:")
+        print(f"  max/median probability ratio {ps['max_median_ratio']:.3g}; argmax entropy {ps['argmax_entropy']:.3f} "
+              f"nats (uniform {ps['argmax_entropy_uniform']:.3f}); argmax Gini {ps['argmax_gini']:.3f}")
+        if ps["argmax_ties"]:
+            print(f"  {ps['argmax_ties']} predictions with a tied largest logit have no argmax and are not counted")
+        for row in ps["top"][:5]:
+            text = repr(tok.decode([row["token"]])) if tok is not None else ""
+            print(f"  token {row['token']:>6} {text:<14} p = {row['prob']:.3g} ({row['rel_uniform']:.1f}x uniform), "
+                  f"alignment rank {con.alignment_rank(row['token'])}")
     print("\ncontraction (mean cosine; inter = across sequences, intra = within a sequence):")
     print(f"  {'site':<10} {'inter':>8} {'intra':>8} {'dir share':>10} {'stability':>10}")
     for s in con.sites:
@@ -224,15 +201,3 @@ def _print_results(ps: dict[str, Any] | None, skipped: str | None, con: Any, pos
           + " ".join(f"{float(r):.2g}" for r in ratio))
     if not pos.causal:
         print("  (bidirectional encoder: every query averages all positions, so no positional discrepancy is expected)")
-
-
-def _draw(out: Any, label: str, pref: Any, con: Any, pos: Any) -> tuple[str, ...]:
-    """Draw the figures into ``out`` (the rank–probability plot only when token preference ran); their names."""
-    from sinklens.plotting.origins import plot_contraction, plot_positional, plot_rank_probability
-
-    names = tuple(FIGURE_FILES)
-    if pref is not None:
-        plot_rank_probability({label: pref}, path=out / names[0])
-    plot_contraction(con, path=out / names[1])
-    plot_positional(pos, path=out / names[2])
-    return names if pref is not None else names[1:]

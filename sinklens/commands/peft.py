@@ -1,8 +1,7 @@
 """Train prefix-tuning, Prefix-Tuning+ or LoRA on a frozen model, offline.
 
 METHOD: prefix (keys/values inside each head's softmax), prefix-plus (head output += phi(q)^T M,
-PrefixMemory-Tuning) or lora (W_Q W_K W_V W_O W_in W_out). The prefix methods also report the
-prefix's share of attention and of the head output per input length.
+PrefixMemory-Tuning) or lora (W_Q W_K W_V W_O W_in W_out); prefix methods also report their share.
 
 Examples:
     sinklens peft prefix --task keyword --steps 200 --plot prefix.png --json prefix.json
@@ -12,16 +11,18 @@ from __future__ import annotations
 
 import argparse
 
-from sinklens.commands import add_command, add_json_flag, add_model_flags, add_overwrite_flag, check_model_flags
+from sinklens.commands import (
+    add_command, add_json_flag, add_model_flags, add_overwrite_flag, check_model_flags, json_target, write_json_target,
+)
 
-#: Adam moves every trained entry by about lr: on SmolLM2, prefix-plus diverged at 1e-2 and the reparametrised
-#: prefix raised the eval loss at 1e-3 (5.21 -> 6.84 in 8 steps; 1e-4: 5.21 -> 4.97).
+#: Adam moves every entry by about lr: on SmolLM2 prefix-plus diverged at 1e-2, prefix worsened at 1e-3.
 DEFAULT_LR = {"prefix": 1e-4, "prefix-plus": 1e-4, "lora": 1e-3}
 METHODS = tuple(DEFAULT_LR)  # sinklens.peft.adapters.METHODS, named here so that --help imports no torch
 
 
 def add_task_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m", help="model name, folder, .gguf or Hub id (default: %(default)s)")
+    parser.add_argument("--model", default="smollm2-135m", metavar="SPEC",
+                        help="name, folder, .gguf, Hub id (default: %(default)s)")
     parser.add_argument("--task", choices=("text", "keyword"), default="text", help="offline task (default: %(default)s)")
     parser.add_argument("--rows", type=int, default=64, metavar="N", help="task rows, 1/8 held out (default: %(default)s)")
     parser.add_argument("--seq-len", type=int, default=32, metavar="N", help="tokens per row (default: %(default)s)")
@@ -34,7 +35,7 @@ def add_task_flags(parser: argparse.ArgumentParser) -> None:
     add_overwrite_flag(parser, "--json/--plot files")
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     parser = add_command(subparsers, "peft", __doc__, help="train prefix-tuning, Prefix-Tuning+ or LoRA")
     parser.add_argument("method", choices=METHODS, metavar="METHOD", help=", ".join(METHODS))
     add_task_flags(parser)
@@ -42,14 +43,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=None, metavar="X", help="learning rate (default: 1e-3 lora, else 1e-4)")
     parser.add_argument("--prefix-len", type=int, default=8, metavar="P", help="prefix vectors per layer (default: %(default)s)")
     parser.add_argument("--input-lengths", type=int, nargs="+", default=None, metavar="N",
-                        help="input lengths of the share (default: 4 8 .. --seq-len)")
+                        help="lengths for the share (default: 4 8 .. --seq-len)")
     parser.set_defaults(func=run)
-    return parser
 
 
 def prepare(args: argparse.Namespace):
     """Check the shared flags and the outputs, load the model, build the task: ``(model, task, outputs)``."""
-    from sinklens.commands import json_target
     from sinklens.loading import load_model
     from sinklens.peft.train import keyword_task, text_task
     from sinklens.validate import as_seed, no_finished_output, positive_int, writable_file
@@ -69,7 +68,6 @@ def prepare(args: argparse.Namespace):
 
 
 def finish(args: argparse.Namespace, outputs, data: dict, figure) -> int:
-    from sinklens.commands import write_json_target
     from sinklens.plotting.style import save_figure
 
     write_json_target(outputs[0], {"model": str(args.model), **data}, overwrite=args.overwrite)

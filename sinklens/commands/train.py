@@ -27,33 +27,32 @@ if TYPE_CHECKING:
 SYNTHETIC_DATA = ("bigram-backcopy", "markov")
 
 
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> None:
     parser = add_command(subparsers, "train", __doc__, help="pretrain a small LM and track its attention sinks")
     parser.add_argument("--out", metavar="DIR", help="run folder (metrics, checkpoints, figures); required")
     parser.add_argument("--config", metavar="FILE", help="a .json or .toml TrainConfig")
-    parser.add_argument("--preset", help="model preset: tiny (default without --config), small, 124m, ...")
+    parser.add_argument("--preset", help="tiny (default without --config), small, 124m, ...")
     parser.add_argument("--variant", metavar="SPEC",
-                        help="attention variant NAME[:K=V,...], e.g. headwise_rms:gain=shared")
+                        help="attention variant, e.g. headwise_rms:gain=shared")
     parser.add_argument("--data", metavar="SOURCE",
                         help=f"{' or '.join(SYNTHETIC_DATA)}, a text file or folder, a nanoGPT folder or .bin, hf:NAME")
     parser.add_argument("--steps", metavar="N", help="optimizer steps (default: 300)")
     parser.add_argument("--batch-size", metavar="N", help="sequences per optimizer step (default: 16)")
     parser.add_argument("--seq-len", metavar="N", help=f"short for --data.seq-len (default: {SEQ_LEN})")
     parser.add_argument("--lr", metavar="LR", help="short for --optim.lr (default: 0.001)")
-    parser.add_argument("--seed", metavar="S", help="model init seed; the data order depends on --data.seed only")
+    parser.add_argument("--seed", metavar="S", help="model init seed (data order: --data.seed)")
     parser.add_argument("--device", help="auto (default), cpu, cuda, cuda:N")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="set any config field, e.g. --set optim.lr=3e-4 (repeatable)")
+                        help="set any config field, e.g. optim.lr=3e-4 (repeatable)")
     parser.add_argument("--intervention", dest="interventions", action="append", default=[], metavar="SPEC",
-                        help="training-time intervention, e.g. restart:positions=16 (repeatable)")
+                        help="intervention, e.g. restart:positions=16 (repeatable)")
     run_mode = parser.add_mutually_exclusive_group()
     run_mode.add_argument("--resume", action="store_true",
-                          help="continue the run in --out from its newest good checkpoint, with its config")
+                          help="continue --out from its newest good checkpoint")
     run_mode.add_argument("--overwrite", action="store_true", help="delete the run in --out and start afresh")
     parser.add_argument("--fields", action="store_true", help="list every config field flag and exit")
     parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     parser.set_defaults(func=run, accepts_config_flags=True)
-    return parser
 
 
 def _data_overrides(spec: str) -> list[str]:
@@ -63,9 +62,8 @@ def _data_overrides(spec: str) -> list[str]:
     if spec.startswith("hf:"):
         return ["data.source=hf", f"data.path={spec[3:]}", "model.d_vocab=auto"]
     path = Path(spec).expanduser()
-    if path.suffix == ".bin" or (path / "train.bin").is_file():
-        return ["data.source=memmap", f"data.path={path}", "model.d_vocab=auto"]
-    return ["data.source=text", f"data.path={path}", "model.d_vocab=auto"]
+    source = "memmap" if path.suffix == ".bin" or (path / "train.bin").is_file() else "text"
+    return [f"data.source={source}", f"data.path={path}", "model.d_vocab=auto"]
 
 
 def _model_table(path: str) -> dict:
@@ -89,9 +87,10 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
 
     explicit: set[str] = set()  # model fields set by the preset's definition, the config file or the run
     resumed = resume_config(args.out) if args.resume and args.out and not args.config else None
+    file_model = _model_table(args.config) if args.config else {}
     if args.config:
         base = load_config(args.config)
-        explicit |= set(_model_table(args.config))
+        explicit |= set(file_model)
     elif resumed is not None:
         base = resumed  # --resume continues the run with its own config
         explicit |= {f.name for f in fields(ModelConfig)}
@@ -99,7 +98,6 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         base = TrainConfig()
     if resumed is None and (args.preset or not (args.config or args.resume)):  # a resumed run's model is its own
         name = args.preset or "tiny"
-        file_model = _model_table(args.config) if args.config else {}
         base = base.replace(model=ModelConfig.from_preset(name, **file_model))
         explicit |= set(PRESETS[name])
     base = replace(base, model=base.model.unset_derived(keep=explicit))
@@ -137,26 +135,22 @@ def run(args: argparse.Namespace) -> int:
     if figure.parent.parent.is_dir() or not figure.parent.parent.exists():  # (--out a file: train() says so)
         writable_file(figure, what="the training figure")
     result = train(cfg, out_dir=args.out, resume=args.resume, overwrite=args.overwrite, progress=not args.no_progress)
-    out = Path(args.out)
     if result.history:
         plot_training({cfg.model.variant: result.history}, path=figure)
     resumes = [line for line in result.history if line["kind"] == "resume"]
     if args.resume and resumes:
         changed = ", ".join(f"{key} {old!r} -> {new!r}" for key, (old, new) in resumes[-1]["changes"].items())
         print(f"resumed at step {resumes[-1]['step']}" + (f" with {changed}" if changed else " with the run's config"))
-    losses = result.losses()
-    evals = result.evals()
+    losses, evals = result.losses(), result.evals()
     if losses:
         print(f"trained {cfg.model.variant} for {cfg.steps} steps: loss {metric_text(losses[0])} -> "
               f"{metric_text(losses[-1])}")
     if evals:
         last = evals[-1]
-        print(
-            f"final eval: val_loss {metric_text(last.get('val_loss'))}, sink_rate {metric_text(last.get('sink_rate'), '.3f')} "
-            f"(Gu et al.; sinklens_sink_rate {metric_text(last.get('sinklens_sink_rate'), '.3f')}), "
-            f"first_token_norm_ratio {metric_text(last.get('first_token_norm_ratio'), '.2f')}, "
-            f"variance_ratio {metric_text(last.get('variance_ratio'), '.2f')}"
-        )
+        print(f"final eval: val_loss {metric_text(last.get('val_loss'))}, sink_rate {metric_text(last.get('sink_rate'), '.3f')} "
+              f"(Gu et al.; sinklens_sink_rate {metric_text(last.get('sinklens_sink_rate'), '.3f')}), "
+              f"first_token_norm_ratio {metric_text(last.get('first_token_norm_ratio'), '.2f')}, "
+              f"variance_ratio {metric_text(last.get('variance_ratio'), '.2f')}")
         if "persistence_spearman" in last:
             print(f"persistence of the step-0 bias: token-preference Spearman "
                   f"{metric_text(last['persistence_spearman'], '.3f')}, Kendall {metric_text(last.get('persistence_kendall'), '.3f')}, "
@@ -171,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
         peak = f"{gpu['peak_flops'] / 1e12:.1f} TFLOP/s dense bf16 peak" if gpu["peak_flops"] else "unknown peak"
         mfu = f"MFU {mfus[len(mfus) // 2]:.3f} (median over logged steps) of its {peak}" if mfus else f"MFU: {peak}"
         print(f"gpu: {gpu['device']}, {mfu}")
-    print(f"run directory: {out}")
+    print(f"run directory: {Path(args.out)}")
     return 0
 
 
@@ -179,6 +173,7 @@ def fields_help() -> str:
     """``sinklens train --fields``: one line per field flag, its type, default and the first sentence of its
     description."""
     import re
+    import types
     import typing
 
     from sinklens.sinklm.config import TrainConfig, field_class, flag_keys
@@ -188,8 +183,10 @@ def fields_help() -> str:
     for key in flag_keys():
         part, _, leaf = key.rpartition(".")
         cls = field_class(key)
+        tp = typing.get_type_hints(cls)[leaf]
+        union = isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
         kinds = ["{" + ",".join(map(str, typing.get_args(t))) + "}" if typing.get_origin(t) is typing.Literal else
-                 getattr(t, "__name__", "LIST").upper() for t in _members(typing.get_type_hints(cls)[leaf])]
+                 getattr(t, "__name__", "LIST").upper() for t in (typing.get_args(tp) if union else (tp,))]
         doc = (cls.__doc__ or "").partition("Attributes:")[2]
         found = re.search(rf"^\s+(?:[\w, ]*\b)?{leaf}\b[\w, ]*:\s(.+?)(?:\.\s|\.$|\n\s*\n|\n\s+\w[\w, ]*:\s)", doc,
                           re.MULTILINE | re.DOTALL)
@@ -199,10 +196,3 @@ def fields_help() -> str:
         lines.append(line if len(line) <= 100 else line[:97] + "...")
     return "\n".join(lines)
 
-
-def _members(tp):
-    import types
-    import typing
-
-    union = isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union
-    return typing.get_args(tp) if union else (tp,)

@@ -437,3 +437,14 @@ def test_model_flags_are_the_same_in_every_command(command):
         assert flags[flag].help == reference[flag].help
     assert flags["--device"].default is None and flags["--dtype"].default is None
     assert flags["--batch-size"].default >= 1 and "%(default)s" in flags["--batch-size"].help
+
+
+def test_init_seed_must_agree_with_the_seed_in_the_model_spec():
+    from sinklens.commands.origins import check_init_seed
+    from sinklens.errors import InvalidArgumentError
+
+    check_init_seed("runs/a@init:3", 3)
+    check_init_seed("runs/a@init", 4)
+    with pytest.raises(InvalidArgumentError, match=r"^--init-seed 4 conflicts with the seed 3 of --model 'runs/a@init:3'; "
+                       r"give the seed once \(--model runs/a@init:4, or --model runs/a@init --init-seed 4\)\.$"):
+        check_init_seed("runs/a@init:3", 4)
