@@ -87,10 +87,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
 
     explicit: set[str] = set()  # model fields set by the preset's definition, the config file or the run
     resumed = resume_config(args.out) if args.resume and args.out and not args.config else None
-    file_model = _model_table(args.config) if args.config else {}
     if args.config:
         base = load_config(args.config)
-        explicit |= set(file_model)
+        explicit |= set(_model_table(args.config))
     elif resumed is not None:
         base = resumed  # --resume continues the run with its own config
         explicit |= {f.name for f in fields(ModelConfig)}
@@ -98,6 +97,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         base = TrainConfig()
     if resumed is None and (args.preset or not (args.config or args.resume)):  # a resumed run's model is its own
         name = args.preset or "tiny"
+        file_model = _model_table(args.config) if args.config else {}
         base = base.replace(model=ModelConfig.from_preset(name, **file_model))
         explicit |= set(PRESETS[name])
     base = replace(base, model=base.model.unset_derived(keep=explicit))
