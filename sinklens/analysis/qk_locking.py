@@ -152,7 +152,7 @@ class QKLockingReducer(Reducer[QKLocking]):
                     rule = self.plan.rules[layer]
                     qh, kh = scaled_heads(q, k, rule)
                     fold_scores(layer, lambda rows: chunk_scores(qh, kh, rule, rows),
-                                query_chunk(q.shape[0], self.n_heads, n))
+                                query_chunk(q.shape[0], self.n_heads, n, q.device))
 
         def fold_q(act: Tensor, layer: int) -> None:  # [batch, pos, head, d_head]
             i = self.row[layer]
