@@ -34,6 +34,8 @@ COS, SIN = "attn.hook_cos", "attn.hook_sin"
 CHUNK_SCORES = 2**24
 #: On the CPU at most 2**21 (8 MiB), which stays in cache: twice as fast as 2**24 at 2k tokens (RESULTS.md).
 CPU_CHUNK_SCORES = 2**21
+#: ``method="auto"`` reads attention from queries and keys for batches longer than this (tokens).
+QK_ABOVE = 1024
 
 
 def query_chunk(batch: int, n_heads: int, n_keys: int, device: torch.device) -> int:
@@ -41,8 +43,6 @@ def query_chunk(batch: int, n_heads: int, n_keys: int, device: torch.device) -> 
     at least 64 queries."""
     budget = min(CHUNK_SCORES, CPU_CHUNK_SCORES) if device.type == "cpu" else CHUNK_SCORES
     return max(64, budget // (batch * n_heads * n_keys))
-#: ``method="auto"`` reads attention from queries and keys for batches longer than this (tokens).
-QK_ABOVE = 1024
 
 
 @dataclass(repr=False, eq=False)
