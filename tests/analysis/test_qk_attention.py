@@ -235,3 +235,11 @@ def test_variance_attention_squares_from_queries_and_keys(family, monkeypatch):
     assert _diff(a.attn_sq, b.attn_sq) < 1e-5 and float(a.attn_sq.nan_to_num().max()) > 0.1
     assert _diff(a.pred_pattern, b.pred_pattern) <= 1e-5 * float(a.pred_pattern.nan_to_num().abs().max())
     torch.testing.assert_close(a.z_var, b.z_var, equal_nan=True)
+
+
+def test_query_chunks_fit_the_cpu_cache_and_stay_large_on_gpus():
+    """8 MiB of scores a chunk on the CPU (in cache), 64 MiB elsewhere, never under 64 queries."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert qk_attention.query_chunk(1, 9, 2048, cpu) == 2**21 // (9 * 2048) == 113
+    assert qk_attention.query_chunk(1, 9, 2048, gpu) == 2**24 // (9 * 2048) == 910
+    assert qk_attention.query_chunk(8, 32, 32768, gpu) == 64
