@@ -1,5 +1,4 @@
-"""What a super-neuron analysis returns (:mod:`sinklens.analysis.neurons` computes it): its
-settings, :class:`SuperNeurons` and the massive-dimension paths in it."""
+"""What a super-neuron analysis (:mod:`sinklens.analysis.neurons`) returns: settings, paths, :class:`SuperNeurons`."""
 
 from __future__ import annotations
 
@@ -20,9 +19,9 @@ from sinklens.validate import as_int, choice, finite_number, positive_int
 
 @dataclass(frozen=True)
 class SuperNeuronSettings:
-    """Settings of one super-neuron analysis. ``dims`` (None: the ``max_dims`` largest massive at
-    ``dim_threshold``); ``path_share`` / ``super_share``: the share of a dimension's ``|peak|`` a
-    block's step / a neuron's contribution must reach to be listed / to be super."""
+    """Settings of one super-neuron analysis. ``dims`` (None: the ``max_dims`` largest massive at ``dim_threshold``);
+    ``path_share`` / ``super_share``: the share of a dim's ``|peak|`` a block's step / a neuron's contribution must
+    reach to be listed / to be super."""
 
     sink_position: int = 0
     dims: Sequence[int] | None = None
@@ -60,13 +59,10 @@ def check_fits_model(d_model: int, row_top_k: int, dims: Sequence[int]) -> None:
 
 @dataclass(eq=False)
 class BlockStep(StructuralEq):
-    """One block's step in a massive dimension at the sink, mean over sequences, residual units.
-
-    ``delta = attn + mlp`` (``hook_attn_out`` + ``hook_mlp_out``); ``attn_share = |attn| / (|attn| +
-    |mlp|)``; ``share``: ``delta / |peak|`` signed towards the peak (< 0: erases). ``top_neurons``
-    ``(layer, neuron, contribution)`` / ``top_heads`` ``(head, contribution)``: the block's largest
-    in the step's direction.
-    """
+    """One block's step in a massive dim at the sink, mean over sequences, residual units: ``delta = attn + mlp``
+    (``hook_attn_out`` + ``hook_mlp_out``); ``attn_share = |attn| / (|attn| + |mlp|)``; ``share``: ``delta / |peak|``
+    signed towards the peak (< 0: erases); ``top_neurons`` ``(layer, neuron, contribution)`` / ``top_heads``
+    ``(head, contribution)``: the block's largest in the step's direction."""
 
     block: int
     delta: float
@@ -80,13 +76,11 @@ class BlockStep(StructuralEq):
 
 @dataclass(repr=False, eq=False)
 class MassiveDimPath(CompactRepr):
-    """How one massive residual dimension at the sink is written and erased across blocks.
-
-    ``peak_layer`` / ``peak_value``: the stream (``l``: input of block ``l``) and signed mean value
-    where ``|value|`` peaks; ``write_layer``: the block stepping furthest towards the peak's sign;
-    ``erase_layer``: the later block taking back the most, if ``erase_fraction`` of it; ``writers``
-    / ``erasers``: every :class:`BlockStep` of ``path_share``; ``top_neurons`` / ``total_effect``:
-    ``(layer, neuron, value)`` ranked by direct contribution / total effect, best first.
+    """How one massive residual dim at the sink is written and erased across blocks. ``peak_layer`` /
+    ``peak_value``: the stream (``l``: input of block ``l``) and signed mean value where ``|value|`` peaks;
+    ``write_layer``: the block stepping furthest towards the peak's sign; ``erase_layer``: the later block taking
+    back the most, if ``erase_fraction`` of it; ``writers`` / ``erasers``: every :class:`BlockStep` of ``path_share``;
+    ``top_neurons`` / ``total_effect``: ``(layer, neuron, value)`` by direct contribution / total effect, best first.
     """
 
     dim: int
@@ -105,14 +99,10 @@ class MassiveDimPath(CompactRepr):
     first_massive_stream: int | None = None
     total_effect: list[tuple[int, int, float]] = field(default_factory=list)
 
-    def to_dict(self) -> dict[str, Any]:
-        return to_json(self)
-
 
 @dataclass(repr=False, eq=False)
 class SuperNeurons(SettingsFields, CompactRepr):
-    """Super neurons at the sink and the paths of the massive dimensions
-    (:mod:`sinklens.analysis.neurons`).
+    """Super neurons at the sink and the paths of the massive dims (:mod:`sinklens.analysis.neurons`).
 
     Attributes:
         sink_act: mean ``mlp.hook_post`` at the sink; ``other_rms`` / ``other_max_abs``: over the
@@ -241,5 +231,5 @@ class SuperNeurons(SettingsFields, CompactRepr):
             "n_massive": self.n_massive, "max_dims": self.max_dims,
             "super_neurons": self.super_neurons(), "super_writers": self.super_neurons("writers"),  # pairs as lists
             "super_erasers": self.super_neurons("erasers"), "activation_outliers": self.outliers(),
-            "paths": [p.to_dict() for p in self.paths], "rows": self.rows(k),
+            "paths": self.paths, "rows": self.rows(k),
         })

@@ -1,11 +1,9 @@
 """Super neurons: FFN neurons that write the massive residual dimensions at the sink.
 
-Activations are ``blocks.{l}.mlp.hook_post`` at the sink ``s``, mean over sequences. A neuron's
-``contribution`` to dimension ``d`` is ``act × W_out[l, n, d]``, through the post-MLP norm when
-there is one (Gemma 2/3: ``(act / scale) × gain ⊙ W_out[l, n]``); summed over neurons plus
-``mlp_offset_sink[l]`` it is the mean ``hook_mlp_out``. A **super neuron** reaches ``super_share``
-of some analysed dimension's peak ``|value|``.
-"""
+A neuron's ``contribution`` to dim ``d`` is ``act × W_out[l, n, d]`` (``act``: its ``mlp.hook_post`` at the sink,
+mean over sequences), through any post-MLP norm (Gemma 2/3: ``(act / scale) × gain ⊙ W_out[l, n]``); plus
+``mlp_offset_sink[l]`` they sum to the mean ``hook_mlp_out``. A **super neuron** reaches ``super_share`` of some
+analysed dim's peak ``|value|``."""
 
 from __future__ import annotations
 
@@ -44,9 +42,8 @@ def neuron_contributions(
     the post-MLP norm's affine map when there is one (then ``scale``, its ``hook_scale`` at the same
     positions, is required). Summed over neurons plus :func:`mlp_offset` it is ``hook_mlp_out``."""
     writes = post[..., :, None] * weight(model, "W_out")[layer].to(post.dtype)
-    if scale is not None and scale.dim() == post.dim() and scale.shape[-1] == 1:
-        scale = scale[..., 0]
-    scale = None if scale is None else scale[..., None, None]
+    if scale is not None:
+        scale = (scale[..., 0] if scale.dim() == post.dim() and scale.shape[-1] == 1 else scale)[..., None, None]
     return post_norm_map(model, layer, "mlp").linear(writes, scale)
 
 
@@ -99,36 +96,28 @@ def mlp_weight_statistics(model: Any, layers: Sequence[int], row_top_k: int = 1)
 
 
 def _massive(resid: Float[Tensor, "stream d_model"], threshold: float) -> Tensor:
-    """``[stream, d_model]``: ``|resid[s, d]|`` exceeds ``threshold`` × the median ``|resid[s,
-    :]|``."""
+    """``[stream, d_model]``: ``|resid[s, d]|`` exceeds ``threshold`` × the median ``|resid[s, :]|``."""
     a = resid.abs()
     return a / a.median(dim=-1, keepdim=True).values.clamp_min(_TINY) > threshold
 
 
 def massive_dims_from_resid(resid: Float[Tensor, "stream d_model"], threshold: float, max_dims: int) -> tuple[list[int], int]:
-    """(the ``max_dims`` dims massive at some stream with the largest peaks, peak first; how many
-    were massive)."""
+    """(the ``max_dims`` dims massive at some stream, largest peak first; how many were massive)."""
     hit = _massive(resid, threshold).any(dim=0).nonzero().flatten()
-    peak = resid.abs().amax(dim=0)[hit]
-    return [int(d) for d in hit[peak.argsort(descending=True)][:max_dims]], int(hit.numel())
-
-
-def _attn_share(a: float, m: float) -> float:
-    return abs(a) / max(abs(a) + abs(m), _TINY)
+    return hit[resid.abs().amax(dim=0)[hit].argsort(descending=True)][:max_dims].tolist(), int(hit.numel())
 
 
 def dim_path(resid: Float[Tensor, "stream d_model"], attn: Float[Tensor, "block d_model"],
              mlp: Float[Tensor, "block d_model"], dim: int, *, erase_fraction: float = 0.5,
              path_share: float = SuperNeuronSettings.path_share,
              dim_threshold: float = SuperNeuronSettings.dim_threshold) -> MassiveDimPath:
-    """Peak, writer and eraser blocks of one dimension (:class:`MassiveDimPath`, ``top_neurons``
-    left empty)."""
+    """Peak, writer and eraser blocks of one dimension (:class:`MassiveDimPath`, ``top_neurons`` left empty)."""
     values = resid[:, dim]
     peak = int(values.abs().argmax())
     peak_value = float(values[peak])
     sign = 1.0 if peak_value >= 0 else -1.0
     delta = attn[:, dim] + mlp[:, dim]
-    steps = [BlockStep(block, d, a, m, _attn_share(a, m), sign * d / max(abs(peak_value), _TINY))
+    steps = [BlockStep(block, d, a, m, abs(a) / max(abs(a) + abs(m), _TINY), sign * d / max(abs(peak_value), _TINY))
              for block, (d, a, m) in enumerate(zip(delta.tolist(), attn[:, dim].tolist(), mlp[:, dim].tolist()))]
     w = steps[int((sign * delta).argmax())]  # the block stepping furthest towards the peak
     low = min(steps[w.block + 1 :], key=lambda step: sign * step.delta, default=None)
@@ -142,9 +131,8 @@ def dim_path(resid: Float[Tensor, "stream d_model"], attn: Float[Tensor, "block 
 
 
 class SuperNeuronReducer(Reducer[SuperNeurons]):
-    """Streams ``mlp.hook_post`` (all positions) and the residual, ``hook_attn_out``,
-    ``hook_mlp_out`` and head outputs (sink only) into :class:`SuperNeurons`, keeping only
-    per-neuron and per-layer sums."""
+    """Streams ``mlp.hook_post`` (all positions) and the residual, ``hook_attn_out``, ``hook_mlp_out`` and head
+    outputs (sink only) into per-neuron and per-layer sums for :class:`SuperNeurons`."""
 
     statistics = ("sink_sum", "sink_scaled_sum", "inv_scale_sum", "head_sum", "attn_inv_scale_sum", "other_sq", "other_max",
                   "resid", "attn", "mlp", "n_sequences", "n_other")
@@ -296,7 +284,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         return result
 
     def _offsets(self, maps: Sequence[Any], bias: Any, inv_scale_sum: Tensor, dev: Any) -> Tensor:
-        """``[block, d_model]``: each block's output bias through its post norm (at the mean ``1 / scale``)."""
+        """``[block, d_model]``: each block's output bias through its post norm, at the mean ``1 / scale``."""
         out = torch.stack([bias(self.model, b).float().to(dev) for b in range(self.n_layers)])
         for block, pm in enumerate(maps):
             if not pm.is_identity:
@@ -305,8 +293,8 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         return out
 
     def _warn_if_off(self, rebuilt: Tensor, target: Tensor, who: str, hook: str, tail: str) -> None:
-        """Warn when the rebuilt sum misses the model's own mean ``hook`` at the sink by more than
-        float32 sums and the model's dtype rounding allow (8 of its eps, at least 1e-3, relative)."""
+        """Warn when the rebuilt sum misses the mean ``hook`` at the sink by more than rounding allows
+        (relative: 8 eps of the model's dtype, at least 1e-3)."""
         err, size = (float(t.abs().max()) if target.numel() else 0.0 for t in (rebuilt - target, target))
         if err > max(1e-3, 8 * torch.finfo(model_dtype(self.model)).eps) * size + 1e-5:
             warnings.warn(f"{who} contributions at the sink do not add up to {hook} (max error {err:.3g} vs "
@@ -315,15 +303,11 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
 
 def add_total_effects(model: Any, batches: Sequence[TokenBatch], neurons: SuperNeurons, *,
                       options: RunOptions = RunOptions()) -> SuperNeurons:
-    """Fill ``neurons.total_effect`` and each path's ``total_effect`` by attribution patching;
-    return ``neurons``.
+    """Fill ``neurons.total_effect`` (and each path's) by attribution patching; return ``neurons``.
 
-    ``total_effect[l, n, j]``: mean over sequences of ``act × ∂resid[peak, s, dims[j]] / ∂act``
-    (``act``: the neuron's ``mlp.hook_post`` at the sink; ``peak``: the dim's peak stream), the
-    first-order estimate of what zeroing the neuron at the sink removes from the dim through every
-    later block. ``batches``: those ``neurons`` was computed on. A causal model runs only the tokens
-    up to the sink unless extra hooks are given.
-    """
+    ``total_effect[l, n, j]``: mean over sequences of ``act × ∂resid[peak, s, dims[j]] / ∂act`` (``act``: the
+    neuron's ``mlp.hook_post`` at the sink), the first-order estimate of what zeroing it at the sink removes from
+    the dim at its peak stream. ``batches``: those ``neurons`` was computed on."""
     s, dims, layers = neurons.sink_position, neurons.dims, neurons.layers
     n_layers = model_dims(model).n_layers
     peaks = [neurons.path(d).peak_layer for d in dims]
@@ -368,11 +352,9 @@ def find_super_neurons(model: Any, inputs: Inputs | None = None, *,
                        layers: int | Sequence[int] | None = None,
                        settings: SuperNeuronSettings | None = None,
                        options: RunOptions = RunOptions(), **settings_kwargs: Any) -> SuperNeurons:
-    """Find super neurons at the sink and the blocks/neurons that write each massive dimension,
-    ranked by direct contribution and by total effect (:func:`add_total_effects`).
-
-    ``layers``: whose neurons are analysed (None: all; the residual path always uses all).
-    ``settings`` and ``**settings_kwargs``: a :class:`SuperNeuronSettings` and fields replacing it.
+    """Find super neurons at the sink and the blocks/neurons that write each massive dimension, ranked by direct
+    contribution and by total effect (:func:`add_total_effects`). ``layers``: whose neurons are analysed (None:
+    all); ``settings`` / ``**settings_kwargs``: a :class:`SuperNeuronSettings` / fields replacing its own.
 
     Examples:
         >>> from sinklens.testing.planted import planted_model
