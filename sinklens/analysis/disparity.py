@@ -1,9 +1,8 @@
 """Dimension disparity in the residual stream: massive activations, per-position norms and energy.
 
-As Sun et al. 2024, ``x[l, p, d]`` is *massive* when ``|x| > abs_threshold`` (100) and ``|x| >
-rel_threshold × median |x|`` (1000; median over the sequence's valid positions and dimensions at
-that layer). Stream ``s < n_layers`` is ``blocks.{s}.hook_resid_pre``, ``s = n_layers`` the final
-resid_post."""
+As Sun et al. 2024, ``x[l, p, d]`` is *massive* when ``|x| > abs_threshold`` (100) and ``|x| > rel_threshold ×
+median |x|`` (1000; median over the sequence's valid positions and dims at that layer). Stream ``s < n_layers`` is
+``blocks.{s}.hook_resid_pre``, ``s = n_layers`` the final resid_post."""
 
 from __future__ import annotations
 
@@ -32,10 +31,9 @@ from sinklens.validate import finite_number, positive_int
 
 @dataclass(frozen=True)
 class MassiveSettings:
-    """Settings of one massive-activation analysis: ``abs_threshold`` / ``rel_threshold`` (None: no
-    such criterion; one is needed), the ``sink_position`` compared with all others, ``top_k``
-    squared entries in the ``topk_energy`` share, at most ``max_rows`` massive locations in
-    ``events``."""
+    """Settings of one massive-activation analysis: ``abs_threshold`` / ``rel_threshold`` (None: no such criterion;
+    one is needed), the ``sink_position`` compared with all others, ``top_k`` squared entries in the ``topk_energy``
+    share, at most ``max_rows`` massive locations in ``events``."""
 
     abs_threshold: float | None = 100.0
     rel_threshold: float | None = 1000.0
@@ -55,8 +53,8 @@ class MassiveSettings:
 
 
 def sequence_median_abs(x: Float[Tensor, "batch pos d"], lengths: Sequence[int]) -> Float[Tensor, " batch"]:
-    """Median of ``|x|`` over each sequence's first ``lengths[b]`` positions and all dimensions (the lower
-    middle value for an even count; NaN for an empty sequence)."""
+    """Median of ``|x|`` over each sequence's first ``lengths[b]`` positions and all dims (the lower middle value
+    for an even count; NaN for an empty sequence)."""
     a = x.abs()
     if any(n != a.shape[1] for n in lengths):  # padding -> NaN, which nanmedian leaves out
         pad = torch.arange(a.shape[1], device=a.device) >= torch.tensor(lengths, device=a.device)[:, None]
@@ -81,22 +79,19 @@ def norm_ratio_to_others(norms: Float[Tensor, "batch pos"], valid: Tensor) -> Fl
 
 @dataclass(repr=False, eq=False)
 class MassiveActivations(SettingsFields, CompactRepr):
-    """Massive activations and dimension disparity per residual-stream index (module docstring); the
-    fields of ``settings`` also read as attributes. "Other": every valid position but
-    ``sink_position``.
+    """Massive activations and dimension disparity per residual-stream index (module docstring); ``settings``'
+    fields also read as attributes. "Other": every valid position but ``sink_position``.
 
     Attributes:
         median_abs: mean over sequences of the per-sequence median ``|x|``.
-        max_abs_sink / value_sink / max_abs_other: max over sequences of ``|x[sink, d]|``, its
-            signed value, and the max over the other positions; ``max_abs_by_pos``: max over
-            sequences and dims.
-        norm_mean / norm_ratio: mean over sequences of ``||x[p]||`` / of its ratio to the median
-            norm of the other valid positions.
+        max_abs_sink / value_sink / max_abs_other: max over sequences of ``|x[sink, d]|``, its signed value, and the
+            max over the other positions; ``max_abs_by_pos``: max over sequences and dims.
+        norm_mean / norm_ratio: mean over sequences of ``||x[p]||`` / of its ratio to the median norm of the other
+            valid positions.
         topk_energy: mean share of ``||x[p]||²`` in its ``top_k`` largest squared entries.
         count_sink / count_other: sink / other tokens at which dimension ``d`` is massive.
-        events: ``(stream, position, dim)`` massive in some sequence, largest ``|event_value|``
-            first, at most ``max_rows`` of ``n_events``; ``event_ratio``: the value over its
-            sequence's median ``|x|``.
+        events: ``(stream, position, dim)`` massive in some sequence, largest ``|event_value|`` first, at most
+            ``max_rows`` of ``n_events``; ``event_ratio``: the value over its sequence's median ``|x|``.
     """
 
     streams: list[int]
@@ -151,7 +146,6 @@ class MassiveActivations(SettingsFields, CompactRepr):
                  "value": v, "abs": abs(v), "ratio": ratio} for (s, pos, dim), v, ratio in events]
 
     def to_dict(self) -> dict[str, Any]:
-        """JSON-ready summary: thresholds, per-layer medians, top sink/other dims, position profiles, events."""
         return to_json({
             "streams": self.streams, "hooks": self.hooks, "settings": self.settings,
             "n_sequences": self.n_sequences, "prepend_bos": self.prepend_bos,
@@ -186,9 +180,8 @@ def _beats(abs_a: Tensor, ratio_a: Tensor, value_a: Tensor, abs_b: Tensor, ratio
 
 
 class MassiveActivationsReducer(Reducer[MassiveActivations]):
-    """Streams residual-stream hooks into :class:`MassiveActivations`: per stream, ``[pos, dim]``
-    running maxima and a "was massive" map, per-dimension counts and ``[pos]`` sums (grown with the
-    longest batch)."""
+    """Streams residual-stream hooks into :class:`MassiveActivations`: per stream, ``[pos, dim]`` running maxima
+    and a "was massive" map, per-dim counts and ``[pos]`` sums (grown with the longest batch)."""
 
     statistics = ("max_abs", "value_at_max", "ratio_at_max", "exceeded", "norm_sum", "norm_ratio_sum", "norm_ratio_count",
                   "energy_sum", "pos_count", "count_sink", "count_other", "median_sum", "n_sequences", "n_sink_tokens",
@@ -325,8 +318,8 @@ def find_massive_activations(model: Any, inputs: Inputs | None = None, *,
                              settings: MassiveSettings | None = None,
                              options: RunOptions = RunOptions(),
                              **settings_kwargs: Any) -> MassiveActivations:
-    """Find massive activations at residual-stream indices ``streams`` (None: all); ``settings`` and
-    ``**settings_kwargs``: a :class:`MassiveSettings` and any of its fields replacing its own.
+    """Find massive activations at residual-stream indices ``streams`` (None: all); ``settings`` /
+    ``**settings_kwargs``: a :class:`MassiveSettings` / fields replacing its own.
 
     Examples:
         >>> from sinklens.testing.planted import planted_model

@@ -1,12 +1,10 @@
 """Dimension disparity after normalisation: does the sink's massive dimension survive the norm?
 
-With ``m_d = mean_{j != d} |x_j|``, a ratio is ``mean |x_d| / mean m_d`` over the sink tokens
-(``ratio_sink``, as the paper's code: Siquan-Li/Head-wise-RMSNorm@23793e0 ``attention_sink.ipynb``
-cell 16) or the other valid tokens (``ratio_other``); ``ratio_other_max``: the largest per-token
-``|x_d| / m_d``. Read on the norm layer ``l``'s attention reads, before its gain
-(``hook_normalized``) and after it (``*_after_gain``: ``gain ⊙ hook_normalized + bias``, as the
-paper).
-"""
+With ``m_d = mean_{j != d} |x_j|``, a ratio is ``mean |x_d| / mean m_d`` over the sink tokens (``ratio_sink``, as
+the paper's code: Siquan-Li/Head-wise-RMSNorm@23793e0 ``attention_sink.ipynb`` cell 16) or the other valid tokens
+(``ratio_other``); ``ratio_other_max``: the largest per-token ``|x_d| / m_d``. Read on the norm layer ``l``'s
+attention reads, before its gain (``hook_normalized``) and after it (``*_after_gain``: ``gain ⊙ hook_normalized +
+bias``, as the paper)."""
 
 from __future__ import annotations
 
@@ -33,9 +31,8 @@ from sinklens.streaming import BatchFold, Reducer, bound_hooks
 
 @dataclass(repr=False, eq=False)
 class NormalizedDisparity(CompactRepr):
-    """Dimension disparity of the attention's input norm, before and after its gain (module
-    docstring); ``site``: ``"ln1.hook_normalized"``, or on a post-LN model which norm each layer
-    reads (``norms``: their module paths)."""
+    """Dimension disparity of the attention's input norm, before and after its gain (module docstring); ``site``:
+    ``"ln1.hook_normalized"``, or on a post-LN model which norm each layer reads (``norms``: their module paths)."""
 
     layers: list[int]
     sink_position: int
@@ -78,8 +75,8 @@ class NormalizedDisparity(CompactRepr):
 
 
 class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
-    """Streams each layer's attention input norm's ``hook_normalized`` into ``[before/after gain,
-    layer, dim]`` sums of ``|x_d|`` and ``m_d`` and a running max of ``|x_d| / m_d``."""
+    """Streams each layer's attention input norm's ``hook_normalized`` into ``[before/after gain, layer, dim]`` sums
+    of ``|x_d|`` and ``m_d`` and a running max of ``|x_d| / m_d``."""
 
     statistics = ("sink_abs", "sink_rest", "other_abs", "other_rest", "other_max", "n_sequences", "n_other")
     maxima = ("other_max",)
@@ -148,8 +145,8 @@ class NormalizedDisparityReducer(Reducer[NormalizedDisparity]):
 def normalized_disparity(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
                          layers: int | Sequence[int] | None = None,
                          options: RunOptions = RunOptions()) -> NormalizedDisparity:
-    """Dimension disparity of each layer's attention input norm at the sink vs other tokens, before
-    and after its gain; warns when the model's norms have no gain (``fold_ln``).
+    """Dimension disparity of each layer's attention input norm at the sink vs other tokens, before and after its
+    gain; warns when the model's norms have no gain (``fold_ln``).
 
     Examples:
         >>> from sinklens.testing.planted import planted_model

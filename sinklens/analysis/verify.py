@@ -1,12 +1,10 @@
 """The causal check of a super-neuron attribution: zero what each dimension is credited to.
 
-Per dimension, each set is zeroed at the sink only and the inputs run again: its top writers by
-direct contribution (``"direct"``) and by total effect (``"total"``), those reaching ``super_share``
-of the peak (at most ``MAX_WRITERS``, at least one), and the control, its writing blocks' whole
-``hook_mlp_out`` (``"blocks"``). ``dim_removed = 1 − value_after / value_before`` (the dim at the
-sink at its peak stream) and ``attention_removed``, the same for the sink's mean received attention
-(queries from ``MIN_QUERY``).
-"""
+Per dimension, each set is zeroed at the sink only and the inputs run again: its top writers by direct contribution
+(``"direct"``) and by total effect (``"total"``), those reaching ``super_share`` of the peak (at most
+``MAX_WRITERS``, at least one), and the control, its writing blocks' whole ``hook_mlp_out`` (``"blocks"``).
+``dim_removed = 1 − value_after / value_before`` (the dim at the sink at its peak stream); ``attention_removed``:
+the same for the sink's mean received attention (queries from ``MIN_QUERY``)."""
 
 from __future__ import annotations
 
@@ -37,9 +35,8 @@ MAX_WRITERS = 10
 
 @dataclass(eq=False)
 class Ablation(StructuralEq):
-    """One set zeroed at the sink (module docstring): ``kind`` ``"direct"``, ``"total"`` or
-    ``"blocks"``; ``zeroed``: ``(layer, neuron, attributed effect)`` or ``(block, mlp_out in the
-    dim)`` rows."""
+    """One set zeroed at the sink (module docstring): ``kind`` ``"direct"``, ``"total"`` or ``"blocks"``; ``zeroed``:
+    ``(layer, neuron, attributed effect)`` or ``(block, mlp_out in the dim)`` rows."""
 
     kind: str
     zeroed: list[tuple[Any, ...]]
@@ -51,12 +48,9 @@ class Ablation(StructuralEq):
 
 @dataclass(eq=False)
 class DimCheck(StructuralEq):
-    """The causal check of one massive dimension, read at ``peak_stream``.
-
-    ``writers_cause_dim``: some neuron-level set removes at least ``causal_threshold`` of the dim;
-    ``writers_cause_sink``: the one removing most of it removes ``attention_threshold`` of the
-    sink's attention; ``dim_causes_sink``: the ``"blocks"`` control removes both.
-    """
+    """The causal check of one massive dim, read at ``peak_stream``. ``writers_cause_dim``: some neuron-level set
+    removes at least ``causal_threshold`` of the dim; ``writers_cause_sink``: the one removing most of it removes
+    ``attention_threshold`` of the sink's attention; ``dim_causes_sink``: the ``"blocks"`` control removes both."""
 
     dim: int
     peak_stream: int
@@ -74,9 +68,9 @@ class DimCheck(StructuralEq):
 
 @dataclass(eq=False)
 class CausalCheck(StructuralEq):
-    """Result of :func:`verify_attribution`: one :class:`DimCheck` per massive dimension;
-    ``causal_threshold`` / ``attention_threshold``: the share of the dim / of the sink's attention a
-    set must remove to be causal; ``n_passes``: passes over the inputs (baseline + one per set)."""
+    """Result of :func:`verify_attribution`: one :class:`DimCheck` per massive dim; ``causal_threshold`` /
+    ``attention_threshold``: the share of the dim / of the sink's attention a set must remove to be causal;
+    ``n_passes``: passes over the inputs (baseline + one per set)."""
 
     sink_position: int
     checks: list[DimCheck] = field(default_factory=list)
@@ -111,9 +105,9 @@ class CausalCheck(StructuralEq):
 def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons, *,
                        writers: dict[int, Sequence[tuple[int, int]]] | None = None,
                        options: RunOptions = RunOptions()) -> CausalCheck:
-    """Zero each massive dimension's credited writers and writing blocks at the sink; measure what
-    disappears. ``inputs``: those ``neurons`` was computed on. ``writers``: ``{dim: [(layer,
-    neuron), ...]}`` zeroed instead of the attributed writers (then no ``"total"`` set).
+    """Zero each massive dim's credited writers and writing blocks at the sink; measure what disappears.
+    ``inputs``: those ``neurons`` was computed on; ``writers``: ``{dim: [(layer, neuron), ...]}`` zeroed instead of
+    the attributed writers (then no ``"total"`` set).
 
     Examples:
         >>> from sinklens.analysis.neurons import find_super_neurons
