@@ -30,22 +30,15 @@ from sinklens.residual_units import input_norm_reason, neuron_reason
 from sinklens.streaming import batches_for, stream
 
 
-def _max_or_nan(values: torch.Tensor) -> float:
-    """The largest value, ignoring NaN; NaN when every value is NaN."""
-    kept = values[~values.isnan()]
-    return float(kept.max()) if kept.numel() else math.nan
-
-
 @dataclass(repr=False, eq=False)
 class SinkReport(CompactRepr):
     """Where a model's attention sinks are and what causes them, from one streaming pass.
 
-    Each section is its analyzer's result (``sinks``, ``variance``, ``massive``, ``neurons``,
-    ``weight_neurons``, ``normalized``, ``locking``, ``value_drain``; ``causal`` with
-    ``verify=True``), or None when skipped, with the reason in ``skipped[section]``.
-    ``sink_position``: the position whose causes were analysed; ``n_tokens``: real tokens;
-    ``seconds``: wall time (left out of ``==``); ``bos`` / ``attention``: what position 0 got and
-    where attention was read. :func:`sinklens.plotting.report.save_report` writes it.
+    Each section is its analyzer's result (``sinks``, ``variance``, ``massive``, ``neurons``, ``weight_neurons``,
+    ``normalized``, ``locking``, ``value_drain``; ``causal`` with ``verify=True``), or None when skipped, with the
+    reason in ``skipped[section]``. ``sink_position``: the position whose causes were analysed; ``n_tokens``: real
+    tokens; ``seconds``: wall time (left out of ``==``); ``bos`` / ``attention``: what position 0 got and where
+    attention was read. :func:`sinklens.plotting.report.save_report` writes it.
     """
 
     model_name: str
@@ -76,6 +69,8 @@ class SinkReport(CompactRepr):
         """The handful of numbers a reader wants first (defined in the analyzers' docstrings)."""
         p = self.sink_position
         disc = self.variance.discrepancy(p)
+        ratio = self.massive.norm_ratio[:, p]
+        ratio = ratio[~ratio.isnan()]
         return {
             "sink_positions": self.sinks.sink_positions,
             "sink_rate": self.sinks.sink_rate(position=p),  # Gu et al.'s definition (their code)
@@ -84,7 +79,7 @@ class SinkReport(CompactRepr):
             "position_0": self.sinks.describe_start(),
             "mean_attention_to_sink": float(torch.nanmean(self.sinks.received[:, :, p])),
             "massive_dims": self.massive_dims(),
-            "max_norm_ratio_at_sink": _max_or_nan(self.massive.norm_ratio[:, p]),
+            "max_norm_ratio_at_sink": float(ratio.max()) if ratio.numel() else math.nan,
             "super_writers": self.neurons.super_neurons("writers")[:8] if self.neurons is not None else [],
             "super_erasers": self.neurons.super_neurons("erasers")[:8] if self.neurons is not None else [],
             "variance_discrepancy_median": float(torch.nanmedian(disc)),
@@ -117,10 +112,8 @@ class SinkReport(CompactRepr):
             lines.append("Most attended later tokens (mean attention received over layers and heads): " + ", ".join(
                 f"{r['token']!r} ({r['mean_received']:.3f})" if r.get("token") is not None else f"id {r['token_id']}"
                 for r in top))
-        lines += ["", table(
-            ["layer", "Gu sink rate", "attn to sink", "var ratio z", "var ratio zW_O", "norm ratio", "max |x| sink"],
-            layer_rows(self),
-        )]
+        header = ["layer", "Gu sink rate", "attn to sink", "var ratio z", "var ratio zW_O", "norm ratio", "max |x| sink"]
+        lines += ["", table(header, layer_rows(self))]
         lines.append(f"Gu sink rate: share of the layer's (head, sequence) pairs whose attention to position {p} exceeds "
                      f"sink_threshold (Gu et al.'s code); attn to sink: attention position {p} receives, mean over heads, "
                      f"queries and sequences; norm ratio: ||x|| at position {p} / median ||x|| of the other positions, "
@@ -171,8 +164,7 @@ class SinkReport(CompactRepr):
 
         return to_json({
             "model": self.model_name, "n_sequences": self.n_sequences, "n_tokens": self.n_tokens,
-            "prepend_bos": self.prepend_bos, "bos": self.bos, "attention": self.attention,
-            "sink_position": p,
+            "prepend_bos": self.prepend_bos, "bos": self.bos, "attention": self.attention, "sink_position": p,
             "seconds": self.seconds, "settings": self.settings, "headline": self.headline(),
             "sinks": self.sinks.to_dict(), "variance": self.variance.to_dict(position=p),
             "massive_activations": self.massive.to_dict(),
@@ -195,13 +187,9 @@ def analyze(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
             model_name: str | None = None, verify: bool = False,
             options: RunOptions = RunOptions()) -> SinkReport:
     """Run every sink analyzer on ``model`` in one streaming pass and return a :class:`SinkReport`.
-
-    Args:
-        sink_position: the position whose causes are analysed.
-        sink_threshold: Gu et al.'s sink-rate threshold ``ε``.
-        abs_threshold / rel_threshold: massive-activation thresholds (Sun et al.: |x| > 100 and
-            > 1000x the median |x|); for small models use e.g. ``abs_threshold=None, rel_threshold=50``.
-        verify: also run the causal check (:func:`sinklens.analysis.verify.verify_attribution`).
+    ``sink_threshold``: Gu et al.'s sink-rate ``ε``; ``abs_threshold`` / ``rel_threshold``: massive-activation
+    thresholds (Sun et al.: |x| > 100 and > 1000x the median |x|; for small models e.g. ``None`` and 50);
+    ``verify``: also run the causal check (:func:`sinklens.analysis.verify.verify_attribution`).
 
     Examples:
         >>> from sinklens.testing import tiny_model
@@ -244,10 +232,7 @@ def analyze(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
     neurons, weight_neurons, causal = got["neurons"], None, None
     if neurons is not None:
         add_total_effects(model, batches, neurons, options=options)
-        weight_neurons = super_neurons_from_weights(
-            model, dims=neurons.dims or None, sink_input=got["sink_input"],
-            w_out_sparsity=(neurons.row_kurtosis, neurons.row_top_share),  # same rows, same k: computed once
-        )
+        weight_neurons = super_neurons_from_weights(model, dims=neurons.dims or None, sink_input=got["sink_input"])
         if verify:
             causal = verify_attribution(model, batches, neurons, options=options)
     elif verify:

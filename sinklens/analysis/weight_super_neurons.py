@@ -1,9 +1,8 @@
 """Super neurons from weights alone: which FFN neurons *could* write a massive dimension.
 
-Each neuron's read and write vector norms are compared with its layer's median neuron, and its
-``W_out`` row's sparsity is measured; a :class:`SinkInput` adds the cosine of each read vector with
-the sink's normalised MLP input. Weights are read as stored (on Gemma 2/3 before the post-MLP norm).
-"""
+Each neuron's read/write vector norms over its layer's median neuron and its ``W_out`` row's sparsity; a
+:class:`SinkInput` adds the cosine of each read vector with the sink's normalised MLP input. Weights are read as
+stored (on Gemma 2/3 before the post-MLP norm)."""
 
 from __future__ import annotations
 
@@ -78,8 +77,7 @@ class SinkMeanReducer(Reducer[Tensor]):
 
 
 class SinkInputReducer(SinkMeanReducer):
-    """Per-layer mean of the MLP input norm's ``hook_normalized`` at ``sink_position``
-    (:class:`SinkInput`)."""
+    """Per-layer mean of the MLP input norm's ``hook_normalized`` at ``sink_position`` (:class:`SinkInput`)."""
 
     def __init__(self, model: Any, *, sink_position: int = 0, layers: int | Sequence[int] | None = None):
         self.layers = resolve_layers(layers, model_dims(model).n_layers)
@@ -160,12 +158,9 @@ def super_neurons_from_weights(
     dims: list[int] | None = None,
     sink_input: SinkInput | None = None,
     row_top_k: int = 1,
-    w_out_sparsity: tuple[Tensor, Tensor] | None = None,
 ) -> WeightNeurons:
-    """Rank FFN neurons as super-neuron candidates from their weights alone (no forward pass).
-
-    ``dims``: dimensions whose ``W_out`` entries to report; ``sink_input`` adds the read-vector
-    alignments; ``w_out_sparsity``: ``(kurtosis, top-k share)`` of these rows if already computed.
+    """Rank FFN neurons as super-neuron candidates from their weights alone (no forward pass). ``dims``: dims
+    whose ``W_out`` entries to report; ``sink_input`` adds the read-vector alignments.
 
     Examples:
         >>> from sinklens.testing.planted import planted_model
@@ -180,12 +175,11 @@ def super_neurons_from_weights(
     layer_list = resolve_layers(layers, d.n_layers)
     dims = [as_int(x, what="dims") for x in (dims or [])]
     check_fits_model(d.d_model, positive_int(row_top_k, what="row_top_k"), dims)
-    stats = mlp_weight_statistics(model, layer_list, row_top_k)
-    in_norm, gate_norm, out_norm = (None if stats[k] is None else stats[k].cpu() for k in ("in_norm", "gate_norm", "out_norm"))
-    in_ratio, out_ratio = _median_ratio(in_norm), _median_ratio(out_norm)
+    stats = {k: None if t is None else t.cpu() for k, t in mlp_weight_statistics(model, layer_list, row_top_k).items()}
+    in_norm, gate_norm = stats["in_norm"], stats["gate_norm"]
+    in_ratio, out_ratio = _median_ratio(in_norm), _median_ratio(stats["out_norm"])
     gate_ratio = None if gate_norm is None else _median_ratio(gate_norm)
     score = in_ratio * out_ratio * (gate_ratio if gate_ratio is not None else 1.0)
-    kurt, share = w_out_sparsity if w_out_sparsity is not None else (stats["out_kurtosis"].cpu(), stats["out_top_share"].cpu())
     out_dim_weight = torch.stack([layer_weight(model, "W_out", l)[:, dims].float().cpu() for l in layer_list])
     align_in = align_gate = None
     if sink_input is not None:
@@ -201,9 +195,8 @@ def super_neurons_from_weights(
 
         align_in = cosine("W_in", in_norm)
         align_gate = None if gate_norm is None else cosine("W_gate", gate_norm)
-    return WeightNeurons(
-        layers=layer_list, in_norm=in_norm, gate_norm=gate_norm, out_norm=out_norm, in_norm_ratio=in_ratio,
-        gate_norm_ratio=gate_ratio, out_norm_ratio=out_ratio, out_kurtosis=kurt, out_top_share=share,
+    return WeightNeurons(  # stats: in_norm, gate_norm, out_norm, out_kurtosis, out_top_share
+        layers=layer_list, **stats, in_norm_ratio=in_ratio, gate_norm_ratio=gate_ratio, out_norm_ratio=out_ratio,
         row_top_k=row_top_k, score=score, align_in=align_in, align_gate=align_gate, dims=dims,
         out_dim_weight=out_dim_weight, sink_position=None if sink_input is None else sink_input.sink_position,
     )
