@@ -24,13 +24,10 @@ QueryWeights = dict[int, Float[Tensor, "batch query key"]]
 
 @dataclass(repr=False, eq=False)
 class AttentionReceived(CompactRepr):
-    """Mean attention each key position receives, per layer × head.
-
-    Attributes:
-        received: ``received[l, h, k]`` = mean of ``pattern[l, h, q, k]`` over the real queries ``q >= min_query``
-            that see ``k`` in layer ``l`` (:mod:`sinklens.visibility`), pooled over sequences; NaN where none.
-        n_queries_by_layer: the (sequence, query) pairs averaged per layer and key; ``n_queries``: its max.
-    """
+    """Mean attention each key position receives, per layer × head: ``received[l, h, k]`` = mean of
+    ``pattern[l, h, q, k]`` over the real queries ``q >= min_query`` that see ``k`` in layer ``l``
+    (:mod:`sinklens.visibility`), pooled over sequences; NaN where none. ``n_queries_by_layer``: the (sequence,
+    query) pairs averaged per layer and key; ``n_queries``: its max."""
 
     received: Float[Tensor, "layer head key_pos"]
     n_queries: Float[Tensor, " key_pos"]
@@ -56,8 +53,7 @@ class AttentionReceivedReducer(Reducer[AttentionReceived]):
             raise InvalidArgumentError(f"min_query must be in [0, {dims.n_ctx - 1}] (the model's positions), got {min_query}.")
         self.layers = resolve_layers(layers, dims.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.max_pos, self.n_heads = dims.n_ctx, dims.n_heads
-        self.device = model_device(model)
+        self.max_pos, self.n_heads, self.device = dims.n_ctx, dims.n_heads, model_device(model)
         self.visibility: Visibility = attention_visibility(model)
         self.reset()
 

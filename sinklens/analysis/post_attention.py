@@ -15,30 +15,27 @@ from sinklens.residual_units import NormMap, post_ln_reason, post_norm_map
 
 
 def post_attention_map(model: Any, layer: int) -> NormMap | None:
-    """``layer``'s post-attention norm as an affine map, or None: Gemma 2/3's ``ln1_post`` or a
-    post-LN model's ``ln1``. A head's write ``w`` reaches the stream as ``gain ⊙ C(w) / s`` (``s``:
-    the norm's ``hook_scale``; ``C``: the mean removal if it centres)."""
+    """``layer``'s post-attention norm as an affine map, or None: Gemma 2/3's ``ln1_post`` or a post-LN model's
+    ``ln1``. A head's write ``w`` reaches the stream as ``gain ⊙ C(w) / s`` (``s``: the norm's ``hook_scale``;
+    ``C``: the mean removal if it centres)."""
     norm = post_norm_map(model, layer, "attn")
     if norm.is_identity:
         return None
     if norm.center and post_ln_reason(model) is None:
         raise UnsupportedArchitectureError(
             f"The post-attention norm of layer {layer} centres its input (a LayerNorm of the attention output alone); "
-            "sinklens maps head outputs through RMS post-norms, and through the LayerNorm of a post-LN block."
-        )
+            "sinklens maps head outputs through RMS post-norms, and through the LayerNorm of a post-LN block.")
     return norm
 
 
 def post_attention_scale_hooks(model: Any, layers: Sequence[int]) -> dict[int, str]:
     """``{layer: hook_scale}`` of the layers that have a post-attention norm."""
-    norms = {layer: post_attention_map(model, layer) for layer in layers}
-    return {layer: norm.scale_hook for layer, norm in norms.items() if norm is not None}
+    return {layer: norm.scale_hook for layer in layers if (norm := post_attention_map(model, layer)) is not None}
 
 
 def attention_output_grams(model: Any, layers: Sequence[int]) -> tuple[Float[Tensor, "layer head d_head d_head"], Float[Tensor, "layer head d_head d_head"]]:
-    """Float64 Gram matrices ``W_O[h] W_O[h]ᵀ`` and, in residual units, ``M_h M_hᵀ`` with ``M_h =
-    C(W_O[h]) diag(g)`` (``W_O[h]`` without a post norm), so ``‖z M_h‖² = z G zᵀ``; cached until the
-    weights change, returned as copies."""
+    """Float64 Gram matrices ``W_O[h] W_O[h]ᵀ`` and, in residual units, ``M_h M_hᵀ`` with ``M_h = C(W_O[h]) diag(g)``
+    (``W_O[h]`` without a post norm), so ``‖z M_h‖² = z G zᵀ``; cached until the weights change, returned as copies."""
 
     def compute() -> tuple[Tensor, Tensor]:
         device, grams, grams_res = model_device(model), [], []
