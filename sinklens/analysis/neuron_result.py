@@ -105,14 +105,14 @@ class SuperNeurons(SettingsFields, CompactRepr):
     """Super neurons at the sink and the paths of the massive dims (:mod:`sinklens.analysis.neurons`).
 
     Attributes:
-        sink_act: mean ``mlp.hook_post`` at the sink; ``other_rms`` / ``other_max_abs``: over the
-            other valid positions; ``position_ratio = |sink_act| / other_rms``; ``neuron_ratio``:
-            over the layer's median ``|sink_act|``; ``is_outlier``: both reach their thresholds.
-        contribution: the residual-unit write into ``dims`` at the sink; ``mlp_offset_sink`` /
-            ``attn_offset_sink``: ``b_out`` / ``b_O`` through the post norm, so that contributions
-            (and ``head_contribution``) plus offset are ``mlp_out_sink`` (``attn_out_sink``).
-        row_kurtosis / row_top_share: Pearson kurtosis of each ``W_out`` row and the share of its
-            squared norm in its ``row_top_k`` largest entries.
+        sink_act: mean ``mlp.hook_post`` at the sink; ``other_rms`` / ``other_max_abs``: over the other valid
+            positions; ``position_ratio = |sink_act| / other_rms``; ``neuron_ratio``: over the layer's median
+            ``|sink_act|``; ``is_outlier``: both reach their thresholds.
+        contribution: the residual-unit write into ``dims`` at the sink; ``mlp_offset_sink`` / ``attn_offset_sink``:
+            ``b_out`` / ``b_O`` through the post norm, so that contributions (and ``head_contribution``) plus offset
+            are ``mlp_out_sink`` (``attn_out_sink``).
+        row_kurtosis / row_top_share: Pearson kurtosis of each ``W_out`` row and the share of its squared norm in its
+            ``row_top_k`` largest entries.
         n_massive: dimensions detected as massive (None when ``dims`` were given).
     """
 
@@ -148,8 +148,8 @@ class SuperNeurons(SettingsFields, CompactRepr):
         return k, self.dims.index(path.dim), (1.0 if path.peak_value >= 0 else -1.0) if sign is None else sign
 
     def top_heads(self, dim: int, block: int, k: int = 3, *, sign: float | None = None) -> list[tuple[int, float]]:
-        """``(head, contribution)`` of ``block``'s ``k`` heads writing most into ``dim`` towards its
-        peak (or ``sign``), best first."""
+        """``(head, contribution)`` of ``block``'s ``k`` heads writing most into ``dim`` towards its peak (or ``sign``),
+        best first."""
         k, j, sign = self._ranking(dim, k, sign)
         col = sign * self.head_contribution[block, :, j]
         vals, idx = col.topk(min(k, col.numel()))
@@ -174,8 +174,7 @@ class SuperNeurons(SettingsFields, CompactRepr):
         return [(self.layers[int(r)], int(n)) for r, n in idx[order].tolist()]
 
     def outliers(self) -> list[tuple[int, int]]:
-        """``(layer, neuron)`` of every activation outlier (``is_outlier``), largest ``|sink_act|``
-        first."""
+        """``(layer, neuron)`` of every activation outlier (``is_outlier``), largest ``|sink_act|`` first."""
         idx = self.is_outlier.nonzero()
         order = self.sink_act[idx[:, 0], idx[:, 1]].abs().argsort(descending=True)
         return [(self.layers[int(r)], int(n)) for r, n in idx[order].tolist()]
@@ -211,17 +210,12 @@ class SuperNeurons(SettingsFields, CompactRepr):
                 | {f"contribution_{d}": float(self.contribution[r, neuron, j]) for j, d in enumerate(self.dims)})
 
     def rows(self, k: int = 10) -> list[dict[str, Any]]:
-        """DataFrame-ready rows: each dim's ``k`` top writers, then every other super neuron
-        (``dim`` None)."""
-        out, seen = [], set()
-        for d in self.dims:
-            for rank, (layer, neuron, contrib) in enumerate(self.top(d, k)):
-                out.append({"dim": d, "rank": rank, "contribution": contrib} | self.neuron_row(layer, neuron))
-                seen.add((layer, neuron))
-        for layer, neuron in self.super_neurons():
-            if (layer, neuron) not in seen:
-                out.append({"dim": None, "rank": None, "contribution": None} | self.neuron_row(layer, neuron))
-        return out
+        """DataFrame-ready rows: each dim's ``k`` top writers, then every other super neuron (``dim`` None)."""
+        out = [{"dim": d, "rank": rank, "contribution": c} | self.neuron_row(layer, n)
+               for d in self.dims for rank, (layer, n, c) in enumerate(self.top(d, k))]
+        seen = {(row["layer"], row["neuron"]) for row in out}
+        return out + [{"dim": None, "rank": None, "contribution": None} | self.neuron_row(layer, n)
+                      for layer, n in self.super_neurons() if (layer, n) not in seen]
 
     def to_dict(self, k: int = 10) -> dict[str, Any]:
         """JSON-ready summary: thresholds, dims and their paths, super neurons, top-neuron rows."""

@@ -1,14 +1,11 @@
-"""Super neurons: FFN neurons that write the massive residual dimensions at the sink.
-
-A neuron's ``contribution`` to dim ``d`` is ``act × W_out[l, n, d]`` (``act``: its ``mlp.hook_post`` at the sink,
-mean over sequences), through any post-MLP norm (Gemma 2/3: ``(act / scale) × gain ⊙ W_out[l, n]``); plus
-``mlp_offset_sink[l]`` they sum to the mean ``hook_mlp_out``. A **super neuron** reaches ``super_share`` of some
-analysed dim's peak ``|value|``."""
+"""Super neurons: FFN neurons whose ``contribution`` (mean ``mlp.hook_post`` at the sink × ``W_out[l, n, d]``, through
+any post-MLP norm) reaches ``super_share`` of a massive residual dim's peak ``|value|`` at the sink."""
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
+from contextlib import suppress
 from functools import partial
 from typing import Any
 
@@ -16,9 +13,8 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import TINY as _TINY
 from sinklens.analysis._common import (
-    check_sink_position, checked_options, other_positions, resolve_streams, run_analyzer,
+    TINY as _TINY, check_sink_position, checked_options, other_positions, resolve_streams, run_analyzer,
     settings_from, stream_hook,
 )
 from sinklens.analysis.neuron_result import (
@@ -48,8 +44,8 @@ def neuron_contributions(
 
 
 def mlp_offset(model: Any, layer: int, scale: Tensor | None = None) -> Float[Tensor, "*batch d_model"]:
-    """The part of ``hook_mlp_out`` no neuron wrote: ``b_out``, through the post-MLP norm plus its
-    bias when there is one (``scale`` as in :func:`neuron_contributions`)."""
+    """What of ``hook_mlp_out`` no neuron wrote: ``b_out`` through any post-MLP norm (``scale``: as in
+    :func:`neuron_contributions`)."""
     b, pm = mlp_out_bias(model, layer), post_norm_map(model, layer, "mlp")
     if pm.is_identity or scale is None:
         return pm.linear(b)  # b itself, or the error naming the missing scale
@@ -59,8 +55,7 @@ def mlp_offset(model: Any, layer: int, scale: Tensor | None = None) -> Float[Ten
 
 
 def row_sparsity(rows: Float[Tensor, "*rows d"], k: int = 1) -> tuple[Float[Tensor, "*rows"], Float[Tensor, "*rows"]]:
-    """Channel sparsity of weight rows: (Pearson kurtosis over the last axis, with ``1/n`` moments;
-    share of the squared norm in the top ``k`` entries)."""
+    """(Pearson kurtosis with ``1/n`` moments, share of the squared norm in the top ``k`` entries) of each row."""
     x = rows.float()
     centred = x - x.mean(-1, keepdim=True)
     c2 = centred * centred  # products, not pow: several times faster on CPU for large weights
@@ -72,10 +67,9 @@ def row_sparsity(rows: Float[Tensor, "*rows d"], k: int = 1) -> tuple[Float[Tens
 
 
 def mlp_weight_statistics(model: Any, layers: Sequence[int], row_top_k: int = 1) -> dict[str, Tensor | None]:
-    """Per ``[layer, neuron]`` of ``layers`` (float32, model's device, cached until the weights
-    change): ``in_norm`` / ``gate_norm`` (None without a gate) / ``out_norm``: ``‖W_in[:, n]‖`` /
-    ``‖W_gate[:, n]‖`` / ``‖W_out[n]‖``; ``out_kurtosis`` / ``out_top_share``: :func:`row_sparsity`
-    of ``W_out[n]``."""
+    """Per ``[layer, neuron]`` of ``layers`` (float32, model's device, cached until the weights change): ``in_norm``
+    / ``gate_norm`` (None without a gate) / ``out_norm``: ``‖W_in[:, n]‖`` / ``‖W_gate[:, n]‖`` / ``‖W_out[n]‖``;
+    ``out_kurtosis`` / ``out_top_share``: :func:`row_sparsity` of ``W_out[n]``."""
 
     def compute() -> dict[str, Tensor | None]:
         rows = []
@@ -83,10 +77,8 @@ def mlp_weight_statistics(model: Any, layers: Sequence[int], row_top_k: int = 1)
             w_out = layer_weight(model, "W_out", layer).float().contiguous()  # [neuron, d_model]
             row = dict(zip(("out_kurtosis", "out_top_share"), row_sparsity(w_out, row_top_k)),
                        in_norm=layer_weight(model, "W_in", layer).float().norm(dim=0), out_norm=w_out.norm(dim=-1))
-            try:
+            with suppress(AttributeError):  # not a gated MLP
                 row["gate_norm"] = layer_weight(model, "W_gate", layer).float().norm(dim=0)
-            except AttributeError:  # not a gated MLP
-                pass
             rows.append(row)
         names = ("in_norm", "gate_norm", "out_norm", "out_kurtosis", "out_top_share")
         return {k: torch.stack([r[k] for r in rows]) if rows and k in rows[0] else None for k in names}
@@ -147,11 +139,10 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
             raise InvalidArgumentError("This model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0): there are no "
                                        "neurons to analyse.")
         check_neuron_mlp(model)
-        self.model, self.settings, self.sink = model, settings, settings.sink_position
+        self.model, self.settings, self.sink, self.device = model, settings, settings.sink_position, model_device(model)
         self.n_layers, self.d_model, self.d_mlp, self.n_heads = d.n_layers, d.d_model, d.d_mlp, d.n_heads
         self.layers = resolve_layers(layers, d.n_layers)
         self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.device = model_device(model)
         self.maps = [post_norm_map(model, block, "mlp") for block in range(d.n_layers)]
         self.post_norm_blocks = [b for b, pm in enumerate(self.maps) if not pm.is_identity]
         self.attn_maps = [post_norm_map(model, block, "attn") for block in range(d.n_layers)]
@@ -293,8 +284,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         return out
 
     def _warn_if_off(self, rebuilt: Tensor, target: Tensor, who: str, hook: str, tail: str) -> None:
-        """Warn when the rebuilt sum misses the mean ``hook`` at the sink by more than rounding allows
-        (relative: 8 eps of the model's dtype, at least 1e-3)."""
+        """Warn when ``rebuilt`` misses the mean ``hook`` by more than rounding (8 dtype eps, >= 1e-3, relative)."""
         err, size = (float(t.abs().max()) if target.numel() else 0.0 for t in (rebuilt - target, target))
         if err > max(1e-3, 8 * torch.finfo(model_dtype(self.model)).eps) * size + 1e-5:
             warnings.warn(f"{who} contributions at the sink do not add up to {hook} (max error {err:.3g} vs "
@@ -315,19 +305,19 @@ def add_total_effects(model: Any, batches: Sequence[TokenBatch], neurons: SuperN
     batches = batches if dims else []
     prefix = not is_encoder(model) and not options.extra_hooks
     n_seq, acts, leaves, streams = 0, {}, {}, {}
+
+    def post(act: Tensor, layer: int) -> Tensor:
+        acts[layer], leaves[layer] = act[:, s].detach(), torch.zeros_like(act, requires_grad=True)
+        return act + leaves[layer]
+
+    def read(act: Tensor, stream: int) -> None:
+        streams[stream] = act
+
+    hooks = list(options.extra_hooks) + per_layer_hooks(MLP_POST, layers, post)
+    hooks += bound_hooks([stream_hook(p, n_layers) for p in set(peaks)], list(set(peaks)), read)
     with eval_mode(model), torch.enable_grad():
         for batch in batches:
             batch = right_align(batch)  # then the first s + 1 tokens of every row are real (checked by the reducer)
-
-            def post(act: Tensor, layer: int) -> Tensor:
-                acts[layer], leaves[layer] = act[:, s].detach(), torch.zeros_like(act, requires_grad=True)
-                return act + leaves[layer]
-
-            def read(act: Tensor, stream: int) -> None:
-                streams[stream] = act
-
-            hooks = list(options.extra_hooks) + per_layer_hooks(MLP_POST, layers, post)
-            hooks += bound_hooks([stream_hook(p, n_layers) for p in set(peaks)], list(set(peaks)), read)
             with model.hooks(fwd_hooks=hooks):
                 if prefix:
                     model(batch.tokens[:, : s + 1], return_type=None)
