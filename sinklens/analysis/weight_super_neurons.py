@@ -1,8 +1,5 @@
-"""Super neurons from weights alone: which FFN neurons *could* write a massive dimension.
-
-Each neuron's read/write vector norms over its layer's median neuron and its ``W_out`` row's sparsity; a
-:class:`SinkInput` adds the cosine of each read vector with the sink's normalised MLP input. Weights are read as
-stored (on Gemma 2/3 before the post-MLP norm)."""
+"""Super neurons from weights alone: which FFN neurons *could* write a massive dimension (:class:`WeightNeurons`).
+Weights are read as stored (on Gemma 2/3 before the post-MLP norm)."""
 
 from __future__ import annotations
 
@@ -35,8 +32,8 @@ def _median_ratio(x: Float[Tensor, "layer neuron"]) -> Float[Tensor, "layer neur
 
 @dataclass(repr=False, eq=False)
 class SinkInput(CompactRepr):
-    """Mean over sequences of the MLP's input norm's ``hook_normalized`` at the sink position
-    (``site``: ``"ln2.hook_normalized"``, or ``"ln1.hook_normalized"`` on a post-LN model)."""
+    """Mean over sequences of the MLP input norm's ``hook_normalized`` at the sink (``site``: ``"ln2.hook_normalized"``,
+    or ``"ln1.hook_normalized"`` on a post-LN model)."""
 
     layers: list[int]
     sink_position: int
@@ -45,8 +42,7 @@ class SinkInput(CompactRepr):
 
 
 class SinkMeanReducer(Reducer[Tensor]):
-    """Mean over sequences of ``act[:, sink]`` at each hook of ``names``, ``[hook, d_model]`` (a
-    hook run several times per forward is folded once)."""
+    """``[hook, d_model]``: mean over sequences of ``act[:, sink]`` at each hook of ``names``, once per forward."""
 
     statistics = ("sums", "n")
 
@@ -99,7 +95,7 @@ def sink_inputs(model: Any, inputs: Inputs | None = None, *, sink_position: int 
 
 @dataclass(repr=False, eq=False)
 class WeightNeurons(CompactRepr):
-    """Weight-only super-neuron statistics per layer × neuron (module docstring).
+    """Weight-only super-neuron statistics per layer × neuron.
 
     Attributes:
         in_norm / gate_norm / out_norm: L2 norms of ``W_in[l, :, n]``, ``W_gate[l, :, n]`` (None if
@@ -151,14 +147,8 @@ class WeightNeurons(CompactRepr):
                         "sink_position": self.sink_position, "rows": self.rows(k)})
 
 
-def super_neurons_from_weights(
-    model: Any,
-    *,
-    layers: int | Sequence[int] | None = None,
-    dims: list[int] | None = None,
-    sink_input: SinkInput | None = None,
-    row_top_k: int = 1,
-) -> WeightNeurons:
+def super_neurons_from_weights(model: Any, *, layers: int | Sequence[int] | None = None, dims: list[int] | None = None,
+                               sink_input: SinkInput | None = None, row_top_k: int = 1) -> WeightNeurons:
     """Rank FFN neurons as super-neuron candidates from their weights alone (no forward pass). ``dims``: dims
     whose ``W_out`` entries to report; ``sink_input`` adds the read-vector alignments.
 
