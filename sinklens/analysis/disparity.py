@@ -66,10 +66,9 @@ def norm_ratio_to_others(norms: Float[Tensor, "batch pos"], valid: Tensor) -> Fl
     """``norms[b, p] / median_{q != p, q valid} norms[b, q]`` (lower median), NaN at invalid ``p``
     or with no other position. With the ``L`` valid norms sorted as ``s``, removing ``p`` of rank
     ``r`` leaves the median ``s[m]``, ``m = (L - 2) // 2``, if ``m < r``, else ``s[m + 1]``."""
-    b, n = norms.shape
+    n = norms.shape[1]
     sorted_vals, order = norms.masked_fill(~valid, float("inf")).sort(dim=1)
-    rank = torch.empty_like(order)
-    rank.scatter_(1, order, torch.arange(n, device=norms.device).expand(b, n).contiguous())
+    rank = order.argsort(dim=1)  # the inverse permutation
     count = valid.sum(dim=1, keepdim=True)
     m = ((count - 2) // 2).clamp_min(0)
     idx = torch.where(m < rank, m, m + 1).clamp_max(n - 1)
@@ -195,12 +194,10 @@ class MassiveActivationsReducer(Reducer[MassiveActivations]):
         settings = settings_from(MassiveSettings, settings, settings_kwargs, "MassiveActivationsReducer")
         if settings.top_k > dims.d_model:
             raise InvalidArgumentError(f"top_k must be in [1, {dims.d_model}] (d_model), got {settings.top_k}.")
-        self.settings = settings
-        self.n_layers, self.d_model = dims.n_layers, dims.d_model
+        self.settings, self.n_layers, self.d_model = settings, dims.n_layers, dims.d_model
         self.streams = resolve_streams(streams, dims.n_layers)
         self.hooks = [stream_hook(s, dims.n_layers) for s in self.streams]
-        self.sink = settings.sink_position
-        self.device = model_device(model)
+        self.sink, self.device = settings.sink_position, model_device(model)
         self.reset()
 
     def reset(self) -> None:

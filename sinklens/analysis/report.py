@@ -103,12 +103,10 @@ class SinkReport(CompactRepr):
             f"every query that sees the key, its own included), {self.sinks.sink_rate(position=p, method='sinklens'):.3f} "
             f"(sinklens: queries from min_query={self.sinks.min_query})   mean attention received: {h['mean_attention_to_sink']:.3f}",
         ]
-        if self.sinks.virtual_sink is not None:
-            vs = self.sinks.virtual_sink
+        if (vs := self.sinks.virtual_sink) is not None:
             lines.append(f"Virtual sink (learned sink logits; mass given to no key, mean over real queries): "
                          f"mean {float(vs.mean()):.3f}, max {float(vs.max()):.3f} over heads")
-        top = self.sinks.top_sinks(5)
-        if top:
+        if top := self.sinks.top_sinks(5):
             lines.append("Most attended later tokens (mean attention received over layers and heads): " + ", ".join(
                 f"{r['token']!r} ({r['mean_received']:.3f})" if r.get("token") is not None else f"id {r['token_id']}"
                 for r in top))
@@ -128,13 +126,10 @@ class SinkReport(CompactRepr):
                   f"sequences), position {p} / rest, by layer: "
                   + " ".join(f"{float(r):.2f}" for r in var.discrepancy(p, of="feature_std"))]
         dims = h["massive_dims"]
-        rule = " and ".join(
-            ([f"|x| > {self.massive.abs_threshold:g}"] if self.massive.abs_threshold is not None else [])
-            + ([f"|x| > {self.massive.rel_threshold:g}x the median |x|"] if self.massive.rel_threshold is not None else [])
-        )
-        lines += ["", f"Massive dimensions at position {p}: {dims or 'none'} ({rule})"]
-        lines += neuron_lines(self)
-        lines += disparity_lines(self, dims)
+        rules = ((self.massive.abs_threshold, "|x| > {:g}"), (self.massive.rel_threshold, "|x| > {:g}x the median |x|"))
+        rule = " and ".join(text.format(t) for t, text in rules if t is not None)
+        lines += ["", f"Massive dimensions at position {p}: {dims or 'none'} ({rule})", *neuron_lines(self),
+                  *disparity_lines(self, dims)]
         if (drain := self.value_drain) is not None:  # how many sink heads are no-op / broadcast / partial
             n = drain.counts()
             lines += ["", f"Value drain at position {drain.sink_position}: {n['no-op'] + n['broadcast'] + n['partial']} "
@@ -258,8 +253,7 @@ def analyze(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,
 
 def neuron_lines(report: SinkReport) -> list[str]:
     """Dimension paths, super neurons and the causal check (contributions in residual units)."""
-    sn = report.neurons
-    why = report.skipped
+    sn, why = report.neurons, report.skipped
     if sn is None:  # then so is the causal check: say why
         return [f"  super neurons and dimension paths {why.get('super_neurons', 'skipped')}",
                 *(["", f"Causal check {why['causal_check']}"] if "causal_check" in why else [])]
@@ -290,10 +284,9 @@ def neuron_lines(report: SinkReport) -> list[str]:
         for layer, neuron in supers[:8]:
             row = sn.neuron_row(layer, neuron)
             contrib = ", ".join(f"dim {d} {row[f'contribution_{d}']:+.1f}" for d in sn.dims)
-            lines.append(
-                f"  {neuron_name(layer, neuron)}: {contrib}; act at sink {row['sink_act']:+.2f} "
-                f"({times_elsewhere(row['position_ratio'])}), W_out kurtosis {row['row_kurtosis']:.0f}, "
-                f"top-{sn.row_top_k} mass {row['row_top_share']:.2f}")
+            lines.append(f"  {neuron_name(layer, neuron)}: {contrib}; act at sink {row['sink_act']:+.2f} "
+                         f"({times_elsewhere(row['position_ratio'])}), W_out kurtosis {row['row_kurtosis']:.0f}, "
+                         f"top-{sn.row_top_k} mass {row['row_top_share']:.2f}")
     if report.causal is not None:
         lines += ["", "Causal check (zero at the sink what each massive dim is credited to):"]
         lines += report.causal.lines() or ["  no massive dimension to check"]
@@ -315,10 +308,9 @@ def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:
                  "(layer where the sink's ratio before the gain peaks):"]
     for d in list(dims)[:2]:
         i = int(nd.ratio_sink[:, d].argmax())
-        norm = nd.norms[i]
         lines.append(
             f"  dim {d}, layer {nd.layers[i]}: before gain {float(nd.ratio_sink[i, d]):.1f} vs {float(nd.ratio_other[i, d]):.2f} "
-            f"(sinklens: {norm}.hook_normalized); after gain {float(nd.ratio_sink_after_gain[i, d]):.1f} vs "
+            f"(sinklens: {nd.norms[i]}.hook_normalized); after gain {float(nd.ratio_sink_after_gain[i, d]):.1f} vs "
             f"{float(nd.ratio_other_after_gain[i, d]):.2f} (the paper's: input layernorm output)")
     return lines
 
@@ -330,11 +322,10 @@ def layer_rows(report: SinkReport) -> list[list[str]]:
     attn = torch.nanmean(report.sinks.received[:, :, p], dim=1)
     disc_z = report.variance.discrepancy(p).nanmedian(dim=1).values
     disc_r = report.variance.discrepancy(p, of="result").nanmedian(dim=1).values
-    rows = []
+    m, rows = report.massive, []
     for i, layer in enumerate(report.sinks.layers):
-        stream_row = report.massive.streams.index(layer) if layer in report.massive.streams else None
-        norm = float(report.massive.norm_ratio[stream_row, p]) if stream_row is not None else float("nan")
-        max_x = float(report.massive.max_abs_sink[stream_row].max()) if stream_row is not None else float("nan")
+        r = m.streams.index(layer) if layer in m.streams else None
+        norm, max_x = (math.nan, math.nan) if r is None else (float(m.norm_ratio[r, p]), float(m.max_abs_sink[r].max()))
         rows.append([str(layer), f"{float(rate[i]):.2f}", f"{float(attn[i]):.3f}", f"{float(disc_z[i]):.2f}",
                      f"{float(disc_r[i]):.2f}", f"{norm:.1f}", f"{max_x:.1f}"])
     return rows

@@ -113,9 +113,7 @@ def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons,
         >>> from sinklens.analysis.neurons import find_super_neurons
         >>> from sinklens.testing.planted import planted_model
         >>> model, spec = planted_model(n_layers=2, layer=0, neuron=7, dim=5)
-        >>> quiet = RunOptions(progress=False)
-        >>> check = verify_attribution(model, "t3 t4 t5 t6", find_super_neurons(model, "t3 t4 t5 t6", options=quiet),
-        ...                            options=quiet)
+        >>> check = verify_attribution(model, "t3 t4 t5 t6", find_super_neurons(model, "t3 t4 t5 t6"))
         >>> [(c.dim, c.ablations[0].zeroed[0][:2], round(c.ablations[0].dim_removed, 2)) for c in check.checks]
         [(5, (0, 7), 1.0)]
     """
@@ -133,8 +131,8 @@ def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons,
     def zero_at_sink(act: Tensor, hook: Any) -> Tensor:
         return act.index_fill(1, torch.tensor([sink], device=act.device), 0.0)
 
-    def measure(what: str, zeroed: Sequence[tuple[int, int]] = (),
-                blocks: Sequence[int] = ()) -> tuple[Tensor, float]:  # (resid at the sink, its attention)
+    def measure(what: str, zeroed: Sequence[tuple[int, int]] = (), blocks: Sequence[int] = ()) -> tuple[Tensor, float]:
+        """(the residual at the sink at each peak stream, the sink's attention) with those zeroed at the sink."""
         key = (frozenset(zeroed), frozenset(blocks))
         if key not in passes:
             by_layer: dict[int, list[int]] = {}
@@ -142,8 +140,7 @@ def verify_attribution(model: Any, inputs: Inputs | None, neurons: SuperNeurons,
                 by_layer.setdefault(layer, []).append(n)
             hooks = edit_neurons(model, by_layer, positions=[sink]) if by_layer else []
             hooks += [(hook_name(b, MLP_OUT), zero_at_sink) for b in sorted(key[1])]
-            run = options.replace(extra_hooks=tuple(options.extra_hooks) + tuple(hooks),
-                                  desc=f"verify_attribution: {what}")
+            run = options.replace(extra_hooks=(*options.extra_hooks, *hooks), desc=f"verify_attribution: {what}")
             reducers = [SinkMeanReducer(model, sink, stream_hooks),
                         AttentionReceivedReducer(model, min_query=MIN_QUERY)]
             resid, received = stream(model, batches, reducers, options=run)
