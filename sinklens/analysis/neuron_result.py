@@ -52,8 +52,7 @@ def check_fits_model(d_model: int, row_top_k: int, dims: Sequence[int]) -> None:
     """Raise when ``row_top_k`` or a dimension of ``dims`` does not fit a residual stream of ``d_model``."""
     if not 1 <= row_top_k <= d_model:
         raise InvalidArgumentError(f"row_top_k must be in [1, {d_model}] (d_model), got {row_top_k}.")
-    bad = [x for x in dims if not 0 <= x < d_model]
-    if bad:
+    if bad := [x for x in dims if not 0 <= x < d_model]:
         raise InvalidArgumentError(f"dims {bad} are out of range for d_model={d_model} (0..{d_model - 1}).")
 
 
@@ -181,8 +180,7 @@ class SuperNeurons(SettingsFields, CompactRepr):
 
     def path(self, dim: int) -> MassiveDimPath:
         """The :class:`MassiveDimPath` of one analysed dimension."""
-        found = [p for p in self.paths if p.dim == dim]
-        if found:
+        if found := [p for p in self.paths if p.dim == dim]:
             return found[0]
         raise InvalidArgumentError(f"Dimension {dim} was not analysed; analysed dims: {self.dims}.")
 

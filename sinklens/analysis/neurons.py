@@ -186,13 +186,12 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
 
         streams = resolve_streams(None, self.n_layers)
         blocks = range(self.n_layers)
-        attn_pn = [b for b in blocks if not self.attn_maps[b].is_identity]
+        mlp_pn, attn_pn = self.post_norm_blocks, [b for b in blocks if not self.attn_maps[b].is_identity]
         hooks = per_layer_hooks(MLP_POST, self.layers, fold_post)
         hooks += bound_hooks([stream_hook(i, self.n_layers) for i in streams], streams, at_sink(self.resid))
         hooks += per_layer_hooks(ATTN_OUT, blocks, at_sink(self.attn))
         hooks += per_layer_hooks(MLP_OUT, blocks, at_sink(self.mlp))
-        hooks += bound_hooks([self.maps[b].scale_hook for b in self.post_norm_blocks], self.post_norm_blocks,
-                             keep("scale"))
+        hooks += bound_hooks([self.maps[b].scale_hook for b in mlp_pn], mlp_pn, keep("scale"))
         hooks += per_layer_hooks(head_output_site(self.model), blocks, keep("z"))
         hooks += bound_hooks([self.attn_maps[b].scale_hook for b in attn_pn], attn_pn, keep("attn_scale"))
         return BatchFold(hooks, state)
@@ -206,8 +205,7 @@ class SuperNeuronReducer(Reducer[SuperNeurons]):
         for block, z in fold.state["z"].items():
             w_o = layer_weight(self.model, "W_O", block).float().to(z.device)  # [head, d_head, d]
             write = torch.einsum("bhk,hkd->bhd", z, w_o).double()
-            scale = fold.state["attn_scale"].get(block)
-            if scale is not None:
+            if (scale := fold.state["attn_scale"].get(block)) is not None:
                 inv = 1.0 / scale
                 self.attn_inv_scale_sum[block] += inv.sum()
                 write = write * inv[:, None, None]

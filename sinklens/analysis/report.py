@@ -299,8 +299,7 @@ def _top3(rows: Sequence[tuple[int, int, float]]) -> str:
 
 def disparity_lines(report: SinkReport, dims: Sequence[int]) -> list[str]:
     """Normalised disparity of the first two massive dims, before and after the norm's gain."""
-    nd = report.normalized
-    if nd is None:  # a model without normalization: say why the section is missing
+    if (nd := report.normalized) is None:  # a model without normalization: say why the section is missing
         return ["", f"Normalised disparity {report.skipped.get('normalized_disparity', 'skipped')}"]
     if not dims:
         return []

@@ -158,8 +158,7 @@ def super_neurons_from_weights(model: Any, *, layers: int | Sequence[int] | None
         >>> super_neurons_from_weights(model).top(1)[0][:2]
         (0, 7)
     """
-    reason = no_mlp_reason(model) or moe_reason(model)
-    if reason is not None:
+    if (reason := no_mlp_reason(model) or moe_reason(model)) is not None:
         raise UnsupportedArchitectureError(f"super_neurons_from_weights cannot rank neurons on this model: {reason}.")
     d = model_dims(model)
     layer_list = resolve_layers(layers, d.n_layers)
@@ -173,8 +172,7 @@ def super_neurons_from_weights(model: Any, *, layers: int | Sequence[int] | None
     out_dim_weight = torch.stack([layer_weight(model, "W_out", l)[:, dims].float().cpu() for l in layer_list])
     align_in = align_gate = None
     if sink_input is not None:
-        missing = [l for l in layer_list if l not in sink_input.layers]
-        if missing:
+        if missing := [l for l in layer_list if l not in sink_input.layers]:
             raise InvalidArgumentError(f"sink_input has no layers {missing}; it covers {sink_input.layers}.")
         x = sink_input.x[[sink_input.layers.index(l) for l in layer_list]].float()
 
