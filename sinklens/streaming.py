@@ -1,7 +1,5 @@
-"""The one streaming loop: run hooks over batches and fold activations into small statistics.
-
-Every analyzer is a :class:`Reducer`; :func:`stream` runs one forward per batch with the hooks of
-all reducers attached, and no activation outlives the hook that reduced it.
+"""The one streaming loop: every analyzer is a :class:`Reducer`; :func:`stream` runs one forward per
+batch with all reducers' hooks attached, and no activation outlives the hook that reduced it.
 
 Examples:
     >>> import torch
@@ -97,7 +95,8 @@ class Reducer(ABC, Generic[R]):
 
     def state_dict(self) -> dict[str, Any]:
         """The running statistics named in :attr:`statistics`, every tensor copied to the CPU."""
-        return {name: _state_of(getattr(self, name)) for name in self._declared_statistics()}
+        return {name: value.state_dict() if isinstance(value := getattr(self, name), Reducer)
+                else _map_tensors(value, lambda t: t.detach().cpu()) for name in self._declared_statistics()}
 
     def _declared_statistics(self) -> tuple[str, ...]:
         if not self.statistics:
@@ -161,8 +160,7 @@ def merge_max(mine: Tensor, theirs: Tensor) -> Tensor:
         tensor([ True, False])
     """
     dtype = mine.dtype
-    info = torch.finfo if dtype.is_floating_point else torch.iinfo
-    lowest = False if dtype == torch.bool else info(dtype).min
+    lowest = False if dtype == torch.bool else (torch.finfo if dtype.is_floating_point else torch.iinfo)(dtype).min
     return torch.maximum(*_same_shape(mine, theirs, lowest))
 
 
@@ -205,15 +203,10 @@ def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     return value
 
 
-def _state_of(value: Any) -> Any:
-    return value.state_dict() if isinstance(value, Reducer) else _map_tensors(value, lambda t: t.detach().cpu())
-
-
 def _statistics_device(reducer: Reducer[Any]) -> torch.device:
-    """The device the reducer keeps its statistics on (of its first tensor statistic; CPU if none yet)."""
+    """The device of the reducer's first tensor statistic (CPU if none yet)."""
     for name in reducer.statistics:
-        value = getattr(reducer, name)
-        if isinstance(value, Reducer):
+        if isinstance(value := getattr(reducer, name), Reducer):
             return _statistics_device(value)
         found: list[Tensor] = []
         _map_tensors(value, lambda t: found.append(t) or t)
@@ -224,12 +217,7 @@ def _statistics_device(reducer: Reducer[Any]) -> torch.device:
 
 def bound_hooks(names: Sequence[str], keys: Sequence[Any], fold: Callable[[Tensor, Any], Any]) -> list[tuple[str, HookFn]]:
     """``fold(act, keys[i])`` on hook ``names[i]``: the key is bound here, never read back from
-    ``hook.name`` (a TransformerBridge reports aliased hooks under their canonical names).
-
-    Examples:
-        >>> [(name, fn(None, None)) for name, fn in bound_hooks(["a", "b"], [0, 1], lambda act, key: key)]
-        [('a', 0), ('b', 1)]
-    """
+    ``hook.name`` (a TransformerBridge reports aliased hooks under their canonical names)."""
     def bind(key: Any) -> HookFn:
         return lambda act, hook: fold(act, key)
     return [(name, bind(key)) for name, key in zip(names, keys, strict=True)]
@@ -249,9 +237,7 @@ class _HookTable:
         self.fired: set[str] = set()
 
     def set(self, hooks: Sequence[tuple[str, HookFn]]) -> None:
-        self.fns = {}
-        for name, fn in hooks:
-            self.fns.setdefault(name, []).append(fn)
+        self.fns = {name: [fn for n, fn in hooks if n == name] for name, _ in hooks}
 
     def trampoline(self, name: str) -> HookFn:
         def run(act: Any, hook: Any) -> Any:
@@ -281,9 +267,7 @@ def real_tokens(n_batch: int, n_pos: int) -> Bool[Tensor, "batch pos"] | None:
     """The real-token mask of the padded ``n_batch × n_pos`` batch :func:`forward` is running, for
     hooks that reduce over positions; None when no padded batch of that shape is running."""
     mask = _RUNNING_MASK.get()
-    if mask is None or tuple(mask.shape) != (n_batch, n_pos):
-        return None
-    return mask
+    return mask if mask is not None and tuple(mask.shape) == (n_batch, n_pos) else None
 
 
 def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
@@ -347,16 +331,14 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
     if silent:
         raise UnsupportedArchitectureError(
             f"extra_hooks on {silent[:4]}{'...' if len(silent) > 4 else ''} never ran during the forward pass, so they "
-            "changed and measured nothing. The model lists these hook points but does not run them here (e.g. "
-            "TransformerLens 3 runs attn.hook_result only after model.set_use_attn_result(True), some bridges skip "
-            "attn.hook_rot_q, a fused attention kernel skips hook_pattern). Hook a point that runs.")
+            "changed nothing (e.g. TransformerLens 3 runs attn.hook_result only after set_use_attn_result(True), "
+            "a fused attention kernel skips hook_pattern). Hook a point that runs.")
     missing = sorted(requested - table.fired)
     if missing:
         raise UnsupportedArchitectureError(
-            f"Hooks {missing[:4]}{'...' if len(missing) > 4 else ''} never ran during the forward pass. "
-            "The model's attention implementation probably bypasses them (e.g. a fused SDPA/flash kernel "
-            "hides hook_pattern). Load the model with eager attention (sinklens.load_model does) "
-            "or use TransformerBridge.boot_transformers, which forces it.")
+            f"Hooks {missing[:4]}{'...' if len(missing) > 4 else ''} never ran during the forward pass: the attention "
+            "implementation probably bypasses them (a fused SDPA/flash kernel hides hook_pattern). Load the model "
+            "with eager attention (sinklens.load_model and TransformerBridge.boot_transformers do).")
     combine_across_ranks(reducers, n_local_batches=len(batches))
     return [reducer.result() for reducer in reducers]
 
