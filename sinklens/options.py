@@ -43,10 +43,6 @@ class RunOptions:
     Examples:
         >>> RunOptions(batch_size=4).replace(max_length=32).max_length
         32
-        >>> RunOptions(batch_size=0)
-        Traceback (most recent call last):
-        ...
-        sinklens.errors.InvalidArgumentError: batch_size must be an integer >= 1, got 0.
     """
 
     batch_size: int = BATCH_SIZE

@@ -70,11 +70,8 @@ def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 80
         n_prompts = positive_int(n_prompts, what=what)
     n_chars = positive_int(n_chars, what="n_chars")
     seed = as_seed(seed, what="seed")
-    docs = [
-        " ".join(doc.split())[:n_chars]
-        for doc in stdlib_docstrings()
-        if len(doc) >= 200 and ">>>" not in doc and len(doc.split()) >= 30
-    ]
+    docs = [" ".join(doc.split())[:n_chars] for doc in stdlib_docstrings()
+            if len(doc) >= 200 and ">>>" not in doc and len(doc.split()) >= 30]
     random.Random(seed).shuffle(docs)
     if n_prompts is None:
         return docs

@@ -187,9 +187,8 @@ def moe_reason(model: Any) -> str | None:
     n_experts = getattr(model.cfg, "num_experts", None)
     routed = any(name.startswith("blocks.0.mlp.") and ("router" in name or "expert" in name) for name in model.hook_dict)
     if (n_experts or 0) > 1 or routed:
-        return (f"the MLP is a mixture of experts ({n_experts or 'several'} experts per layer, routed per token): "
-                "there is no single W_out per layer and mlp.hook_post holds no per-neuron activations, so neurons cannot "
-                "be attributed")
+        return (f"the MLP is a mixture of experts ({n_experts or 'several'} experts per layer, routed per token): there "
+                "is no single W_out per layer nor per-neuron mlp.hook_post, so neurons cannot be attributed")
     return None
 
 
@@ -199,16 +198,15 @@ def post_ln_reason(model: Any) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type in POST_LN_MODEL_TYPES or type(model).__name__ == "HookedEncoder":
         return (f"the model ({model_type or type(model).__name__}) normalises after each residual add (post-LN), so "
-                "its residual stream is re-normalised by every block instead of summing the blocks' writes: the "
-                "neuron paths that build the sink's massive dimensions step by step do not exist there")
+                "its residual stream does not sum the blocks' writes and the neuron paths that build the sink's "
+                "massive dimensions step by step do not exist there")
     return None
 
 
 def no_mlp_reason(model: Any) -> str | None:
     """Why ``model`` has no MLP (``d_mlp <= 0``, e.g. attention-only), or None."""
-    if model_dims(model).d_mlp <= 0:
-        return "the model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0), so there are no neurons"
-    return None
+    no_mlp = model_dims(model).d_mlp <= 0
+    return "the model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0), so there are no neurons" if no_mlp else None
 
 
 def neuron_reason(model: Any) -> str | None:
@@ -218,6 +216,5 @@ def neuron_reason(model: Any) -> str | None:
 
 def check_neuron_mlp(model: Any) -> None:
     """Raise :class:`~sinklens.errors.UnsupportedArchitectureError` unless :func:`neuron_reason` is None."""
-    reason = neuron_reason(model)
-    if reason is not None:
+    if (reason := neuron_reason(model)) is not None:
         raise UnsupportedArchitectureError(f"Neuron attribution is not supported for this model: {reason}.")
