@@ -333,21 +333,17 @@ def eval_mode(model: Any) -> Iterator[None]:
     ``original_model`` included) back the mode it had."""
     roots = (model, getattr(model, "original_model", None)) if isinstance(model, torch.nn.Module) else ()
     modules = {id(m): m for r in roots if isinstance(r, torch.nn.Module) for m in r.modules()}
-    training = [m for m in modules.values() if m.training]
-    if not training:  # already in eval mode (or no module): nothing to switch or restore
-        yield
-        return
-    was_training = model.training
-    model.eval()  # through the model's own eval(): a wrapper may pass it on to a model it holds
+    training = {key for key, m in modules.items() if m.training}
+    was_training = id(model) in training
+    if training:  # else already in eval mode (or no module): nothing to switch
+        model.eval()  # through the model's own eval(): a wrapper may pass it on to a model it holds
     try:
         yield
     finally:
         if was_training:
             model.train()
-        for m in modules.values():
-            m.training = False
-        for m in training:
-            m.training = True
+        for key, m in modules.items():
+            m.training = key in training
 
 
 def refuse_meta_model(model: Any) -> None:
