@@ -89,18 +89,7 @@ def hook_pairs(hooks: Any, *, what: str) -> tuple[tuple[str, HookFn], ...]:
 def settings_from(cls: type[S], settings: S | None, kwargs: dict[str, Any], where: str, *,
                   defaults: dict[str, Any] | None = None, argument: str = "settings") -> S:
     """``settings`` (default ``cls(**defaults)``) with fields given as keywords popped from
-    ``kwargs`` replacing them; other keywords raise ``TypeError`` like Python does.
-
-    Examples:
-        >>> @dataclass(frozen=True)
-        ... class Demo:
-        ...     threshold: float = 0.3
-        ...     top_k: int = 5
-        >>> settings_from(Demo, None, {"top_k": 2}, "demo")
-        Demo(threshold=0.3, top_k=2)
-        >>> settings_from(Demo, Demo(0.5), {}, "demo", defaults={"top_k": 9})
-        Demo(threshold=0.5, top_k=5)
-    """
+    ``kwargs`` replacing them; other keywords raise ``TypeError`` like Python does."""
     names = [f.name for f in dataclasses.fields(cls)]
     if settings is not None and not isinstance(settings, cls):
         raise InvalidArgumentError(
@@ -118,14 +107,7 @@ def settings_from(cls: type[S], settings: S | None, kwargs: dict[str, Any], wher
 
 
 def checked_options(options: Any, where: str | None = None) -> RunOptions:
-    """``options`` when it is a :class:`RunOptions`, else an error naming the fix.
-
-    Examples:
-        >>> checked_options({"batch_size": 2}, "find_sinks")
-        Traceback (most recent call last):
-        ...
-        sinklens.errors.InvalidArgumentError: find_sinks(options=...) takes a sinklens.RunOptions, got dict {'batch_size': 2}; pass options=RunOptions(**{'batch_size': 2}).
-    """
+    """``options`` when it is a :class:`RunOptions`, else an error naming the fix."""
     if isinstance(options, RunOptions):
         return options
     build = f"RunOptions(**{options!r:.80})" if isinstance(options, dict) else "RunOptions(batch_size=..., progress=...)"

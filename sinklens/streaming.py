@@ -124,15 +124,7 @@ class Reducer(ABC, Generic[R]):
 
 def merge_sum(mine: Any, theirs: Any) -> Any:
     """``mine`` combined with ``theirs``: tensors (zero-padded to the larger shape) and numbers add,
-    lists concatenate, sets unite, dicts merge key-wise, objects by ``merge``, flags take ``theirs``.
-
-    Examples:
-        >>> merge_sum(torch.ones(2, 1), torch.ones(1, 3))
-        tensor([[2., 1., 1.],
-                [1., 0., 0.]])
-        >>> merge_sum([1], [2]), merge_sum({0: 1.0}, {0: 2.0, 1: 3.0}), merge_sum(True, False), merge_sum({"qk"}, {"qk"})
-        ([1, 2], {0: 3.0, 1: 3.0}, False, {'qk'})
-    """
+    lists concatenate, sets unite, dicts merge key-wise, objects by ``merge``, flags take ``theirs``."""
     if isinstance(mine, Tensor):
         return torch.add(*_same_shape(mine, theirs, 0.0))
     if isinstance(mine, bool):
@@ -151,14 +143,7 @@ def merge_sum(mine: Any, theirs: Any) -> Any:
 
 
 def merge_max(mine: Tensor, theirs: Tensor) -> Tensor:
-    """Elementwise maximum of two statistics, padded to the larger shape with the dtype's lowest value.
-
-    Examples:
-        >>> merge_max(torch.tensor([1.0, 5.0]), torch.tensor([3.0, 2.0, 4.0]))
-        tensor([3., 5., 4.])
-        >>> merge_max(torch.tensor([True, False]), torch.tensor([False, False]))
-        tensor([ True, False])
-    """
+    """Elementwise maximum of two statistics, padded to the larger shape with the dtype's lowest value."""
     dtype = mine.dtype
     lowest = False if dtype == torch.bool else (torch.finfo if dtype.is_floating_point else torch.iinfo)(dtype).min
     return torch.maximum(*_same_shape(mine, theirs, lowest))
@@ -180,7 +165,7 @@ def grow(t: Tensor, dim: int, size: int, fill: float | int | bool = 0.0) -> Tens
     return torch.cat([t, torch.full(shape, fill, dtype=t.dtype, device=t.device)], dim=dim)
 
 
-def _same_shape(mine: Tensor, theirs: Tensor, fill: float | bool) -> tuple[Tensor, Tensor]:
+def _same_shape(mine: Tensor, theirs: Tensor, fill: float | int | bool) -> tuple[Tensor, Tensor]:
     """Both padded with ``fill`` to the larger shape, ``theirs`` on ``mine``'s device."""
     theirs = theirs.to(mine.device)
     for dim, (a, b) in enumerate(zip(mine.shape, theirs.shape, strict=True)):
