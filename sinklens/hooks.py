@@ -119,10 +119,8 @@ def check_model_device(model: Any, device: torch.device | None) -> None:
 
 def model_dtype(model: Any) -> torch.dtype:
     """The dtype of the model's floating-point parameters: float32 when it has none."""
-    for param in getattr(model, "parameters", lambda: ())():
-        if param.dtype.is_floating_point:
-            return param.dtype
-    return torch.float32
+    params = getattr(model, "parameters", lambda: ())()
+    return next((p.dtype for p in params if p.dtype.is_floating_point), torch.float32)
 
 
 def check_hook_names(model: Any, names: Iterable[str]) -> None:

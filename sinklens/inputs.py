@@ -260,11 +260,10 @@ def random_token_batches(model: Any, *, n_sequences: IntLike = 16, seq_len: IntL
     _check_length(seq_len, dims.n_ctx, random_tokens=True)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, dims.d_vocab, (n_sequences, seq_len), generator=gen)
-    special: tuple[str, ...] = ()
+    tok = getattr(model, "tokenizer", None)
     if prepend_bos:
-        tok = getattr(model, "tokenizer", None)
         tokens[:, 0] = bos_token_id(model) if tok is not None else 0
-        special = (tok.convert_ids_to_tokens(int(tokens[0, 0])),) if tok is not None else ()
+    special = (tok.convert_ids_to_tokens(int(tokens[0, 0])),) if prepend_bos and tok is not None else ()
     return _unpadded_batches(tokens, batch_size, prepend_bos, special)
 
 
@@ -376,7 +375,7 @@ def require_a_later_position(batches: Sequence[TokenBatch], *, what: str, sink_p
     longest = max(lengths)
     if longest < needed:
         size = f"{'at most ' if min(lengths) != longest else ''}{longest} token{'' if longest == 1 else 's'}"
-        at = f" (sink_position={sink})" if sink_position is not None and sink else ""
+        at = f" (sink_position={sink})" if sink else ""
         raise InvalidArgumentError(
             f"Every sequence is {size} long: {what} compares the sink position{at} with later ones, so it needs "
             f"at least one sequence of {needed} tokens or more (longer prompts, a larger max_length, "
@@ -402,9 +401,8 @@ def checked_batch(batch: Any, index: int, d_vocab: int) -> TokenBatch:
         raise InvalidArgumentError(f"{where} is empty (tokens of shape {tuple(tokens.shape)}): it needs at least one "
                                    "sequence and one position.")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-        raise InvalidArgumentError(
-            f"{where}: tokens must be integer token ids, got dtype {tokens.dtype} (a model would read a float "
-            "tensor as embeddings); pass tokens.long().")
+        raise InvalidArgumentError(f"{where}: tokens must be integer token ids, got dtype {tokens.dtype} (a model "
+                                   "would read a float tensor as embeddings); pass tokens.long().")
     if valid.dtype != torch.bool:
         if valid.dtype.is_floating_point or valid.dtype.is_complex:
             raise InvalidArgumentError(f"{where}: valid must be a bool mask (True at real tokens), got dtype "
@@ -412,16 +410,14 @@ def checked_batch(batch: Any, index: int, d_vocab: int) -> TokenBatch:
         odd = (valid != 0) & (valid != 1)
         if bool(odd.any()):
             at = odd.nonzero()[0].tolist()
-            raise InvalidArgumentError(
-                f"{where}: valid must be a bool mask or 0/1 integers, got {int(valid[tuple(at)])} at {at} "
-                f"(dtype {valid.dtype}).")
+            raise InvalidArgumentError(f"{where}: valid must be a bool mask or 0/1 integers, got "
+                                       f"{int(valid[tuple(at)])} at {at} (dtype {valid.dtype}).")
         valid = valid.bool()
     check_vocab(tokens, d_vocab, what=f"token ids (batch {index})")
     if not (tokens.dtype == torch.long and valid is batch.valid):
         batch = TokenBatch(tokens.long(), valid, batch.prepend_bos, batch.special_tokens)
-    empty = [i for i, n in enumerate(batch.host_lengths()) if n == 0]
-    if empty:
-        raise InvalidArgumentError(f"{where}: row {empty[0]} has no valid token (valid is False everywhere), so it is "
+    if 0 in (lengths := batch.host_lengths()):
+        raise InvalidArgumentError(f"{where}: row {lengths.index(0)} has no valid token (valid is False everywhere), so it is "
                                    "no sequence; leave it out of the batch.")
     return batch
 

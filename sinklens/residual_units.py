@@ -137,8 +137,7 @@ def _probed_norm(model: Any, path: str) -> dict[str, Any]:
     """The ``gain``, ``bias``, ``center`` and ``convention`` that reproduce the norm at ``path`` on a probe vector
     (gain ``w`` or ``1 + w``, with or without mean removal); none fitting raises."""
     module = model.get_submodule(path)
-    w = _param(module, "w", "weight")
-    b = _param(module, "b", "bias")
+    w, b = _param(module, "w", "weight"), _param(module, "b", "bias")
     d_model = model_dims(model).d_model
     if w is None:
         w = torch.ones(d_model, dtype=torch.float32, device=model_device(model))

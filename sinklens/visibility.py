@@ -65,9 +65,8 @@ def _hf_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:
     if layer_types is not None:
         unknown = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
         if unknown:
-            raise UnsupportedArchitectureError(
-                f"Layer types {unknown} (from the Hugging Face config's layer_types) are not supported: sinklens "
-                "knows full and sliding-window attention only.")
+            raise UnsupportedArchitectureError(f"Layer types {unknown} (from the Hugging Face config's layer_types) "
+                                               "are not supported: sinklens knows full and sliding-window attention.")
         if any(t == "sliding_attention" for t in layer_types) and not window:
             raise UnsupportedArchitectureError("The config has sliding_attention layers but no sliding_window size.")
         return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
