@@ -285,7 +285,6 @@ def as_batches(model: Any, inputs: Inputs | None = None, *, batch_size: IntLike 
     max_length = optional_positive_int(max_length, what="max_length")
     inputs = builtin_prompts() if inputs is None else inputs
     dims = model_dims(model)
-    device = model_device(model)
     is_encoder(model)  # probed here, once per model, before any caller attaches its hooks for the pass
     if isinstance(inputs, TokenBatch):
         batches = [inputs]
@@ -297,10 +296,8 @@ def as_batches(model: Any, inputs: Inputs | None = None, *, batch_size: IntLike 
         raise InvalidArgumentError(
             f"Cannot use a {type(inputs).__name__} as input: sinklens runs its own forward passes and reads no cached "
             "activations. Pass the tokens or text the cache was made from instead (e.g. find_sinks(model, tokens)).")
-    elif isinstance(inputs, str):
-        batches = tokenize_prompts(model, [inputs], batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
     elif isinstance(inputs, Iterable) and not isinstance(inputs, bytes):
-        items = _materialised(inputs)
+        items = [inputs] if isinstance(inputs, str) else _materialised(inputs)
         if not items:
             raise InvalidArgumentError("No prompts given: pass at least one string, token sequence or TokenBatch.")
         if isinstance(items[0], str):
@@ -322,7 +319,7 @@ def as_batches(model: Any, inputs: Inputs | None = None, *, batch_size: IntLike 
                    if b.tokens.shape[1] > max_length else b for b in batches]
     for b in batches:
         _check_length(b.tokens.shape[1], dims.n_ctx)
-    return [b.to(device) for b in batches]
+    return [b.to(model_device(model)) for b in batches]
 
 
 def _caller_outside_sinklens(warning_frame: Any) -> int:
@@ -368,8 +365,7 @@ def require_a_later_position(batches: Sequence[TokenBatch], *, what: str, sink_p
     if i is not None:
         raise InvalidArgumentError(
             f"sink_position={sink_position} is beyond sequence {i} (counting from 0 across all batches), which has "
-            f"{lengths[i]} token{'' if lengths[i] == 1 else 's'}: every sequence needs a token at "
-            f"sink_position (it must be at most {min(lengths) - 1} for these inputs).")
+            f"{lengths[i]} token{'' if lengths[i] == 1 else 's'}; it must be at most {min(lengths) - 1} here.")
     sink = sink_position or 0
     needed = max(sink + 1, 2) if bidirectional else sink + 2
     longest = max(lengths)

@@ -76,9 +76,8 @@ def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 80
         return docs
     if n_prompts > len(docs):
         raise InvalidArgumentError(
-            f"{what} {n_prompts} asks for more docstrings than this Python's standard library holds: {len(docs)} of "
-            f"at least 30 words without doctest examples (Python {platform.python_version()}); pass at most "
-            f"{len(docs)}.")
+            f"{what} {n_prompts} asks for more docstrings than this Python's standard library holds: {len(docs)} of at "
+            f"least 30 words without doctests (Python {platform.python_version()}); pass at most {len(docs)}.")
     return docs[:n_prompts]
 
 
