@@ -33,12 +33,10 @@ ATTENTION_METHODS: tuple[str, ...] = ("pattern", "qk", "auto")
 
 @dataclass(frozen=True)
 class RunOptions:
-    """Settings of one streaming run, shared by every analyzer and experiment.
-
-    ``prepend_bos``: add the model's special tokens to text prompts (None: as its own tokenizer
-    does). ``max_length``: keep the first ``max_length`` tokens (None: longer than ``n_ctx``
-    raises). ``extra_hooks``: ``(hook_name, fn)`` pairs run before the analyzers' own (e.g. an
-    intervention). ``device``: checked against the model before the pass (None: no check).
+    """Settings of one streaming run, shared by every analyzer and experiment. ``prepend_bos``: add the model's
+    special tokens to text prompts (None: as its own tokenizer does). ``max_length``: keep the first ``max_length``
+    tokens (None: longer than ``n_ctx`` raises). ``extra_hooks``: ``(hook_name, fn)`` pairs run before the
+    analyzers' own (e.g. an intervention). ``device``: checked against the model before the pass (None: no check).
 
     Examples:
         >>> RunOptions(batch_size=4).replace(max_length=32).max_length

@@ -1,7 +1,6 @@
-"""Residual units: what a write inside a block adds to the residual stream. A post norm (Gemma's
-``ln1_post``/``ln2_post``; ``ln1``/``ln2`` on post-LN BERT) is affine at one position,
-``y = gain ⊙ C(x) / scale + bias`` (``C``: mean removal for LayerNorm; ``scale``: its ``hook_scale``),
-so a neuron's write ``c_n`` counts as ``linear(c_n, scale)``."""
+"""Residual units: what a write inside a block adds to the residual stream. A post norm (Gemma's ``ln1_post``/
+``ln2_post``; ``ln1``/``ln2`` on post-LN BERT) is affine at one position, ``y = gain ⊙ C(x) / scale + bias``
+(``C``: mean removal for LayerNorm; ``scale``: its ``hook_scale``), so a write ``c`` counts as ``linear(c, scale)``."""
 
 from __future__ import annotations
 
@@ -70,9 +69,7 @@ class NormMap(CompactRepr):
 
     def offset(self, like: Tensor) -> Float[Tensor, " d_model"]:
         """The norm's own additive term (zeros for RMSNorm and the identity)."""
-        if self.bias is None:
-            return torch.zeros(like.shape[-1], dtype=like.dtype, device=like.device)
-        return self.bias.to(like.dtype).to(like.device)
+        return like.new_zeros(like.shape[-1]) if self.bias is None else self.bias.to(like.device, like.dtype)
 
     def __call__(self, x: Float[Tensor, "*batch d_model"], scale: Tensor | None = None) -> Float[Tensor, "*batch d_model"]:
         """``linear(x, scale) + bias`` for the block's raw output ``x``."""

@@ -96,9 +96,8 @@ def attention_direction(model: Any) -> str:
 def attention_visibility(model: Any) -> Visibility:
     """The :class:`Visibility` of any TransformerLens-style model."""
     n_layers = int(model.cfg.n_layers)
-    causal = attention_direction(model) == "causal"
     config = getattr(getattr(model, "original_model", None), "config", None)
     windows = _hf_windows(config, n_layers) if config is not None else _tl_windows(model.cfg, n_layers)
     if len(windows) != n_layers:
         raise UnsupportedArchitectureError(f"{len(windows)} per-layer attention types for {n_layers} layers.")
-    return Visibility(causal=causal, windows=windows)
+    return Visibility(causal=attention_direction(model) == "causal", windows=windows)
