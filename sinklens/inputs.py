@@ -198,8 +198,7 @@ def tokenize_prompts(model: Any, prompts: str | Iterable[str], *, batch_size: In
                         f"{len(special) + 1} or prepend_bos=False (CLI: --no-bos).")
         else:
             ids = [bos, *body] if bos is not None else list(body)
-        if max_length is not None:
-            ids = ids[:max_length]
+        ids = ids[:max_length]  # None: all
         _check_length(len(ids), n_ctx)
         rows.append(torch.tensor(ids, dtype=torch.long))
     return [_pad_right(rows[i : i + batch_size], pad_id, prepend_bos and bool(special), special)

@@ -312,14 +312,12 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
             forward(model, batch, return_type=None)
             for reducer, fold in zip(reducers, folds):
                 reducer.end_batch(batch, fold)
-    silent = sorted({name for name, _ in options.extra_hooks} - table.fired) if batches else []
-    if silent:
+    if batches and (silent := sorted({name for name, _ in options.extra_hooks} - table.fired)):
         raise UnsupportedArchitectureError(
             f"extra_hooks on {silent[:4]}{'...' if len(silent) > 4 else ''} never ran during the forward pass, so they "
             "changed nothing (e.g. TransformerLens 3 runs attn.hook_result only after set_use_attn_result(True), "
             "a fused attention kernel skips hook_pattern). Hook a point that runs.")
-    missing = sorted(requested - table.fired)
-    if missing:
+    if missing := sorted(requested - table.fired):
         raise UnsupportedArchitectureError(
             f"Hooks {missing[:4]}{'...' if len(missing) > 4 else ''} never ran during the forward pass: the attention "
             "implementation probably bypasses them (a fused SDPA/flash kernel hides hook_pattern). Load the model "
