@@ -44,8 +44,7 @@ def hook_name(layer: int, site: str) -> str:
 def head_output_site(model: Any) -> str:
     """The attention hook site whose per-head outputs enter ``W_O``: ``attn.hook_z``, or the site a
     SinkLM variant that transforms the aggregation declares as ``head_output_site``."""
-    site = getattr(model, "head_output_site", None)
-    return site if isinstance(site, str) else Z
+    return site if isinstance(site := getattr(model, "head_output_site", None), str) else Z
 
 
 def head_output_gain(model: Any, layer: int) -> Tensor | None:
@@ -120,10 +119,8 @@ def check_model_device(model: Any, device: torch.device | None) -> None:
 
 def model_dtype(model: Any) -> torch.dtype:
     """The dtype of the model's floating-point parameters: float32 when it has none."""
-    for param in getattr(model, "parameters", lambda: ())():
-        if param.dtype.is_floating_point:
-            return param.dtype
-    return torch.float32
+    params = getattr(model, "parameters", lambda: ())()
+    return next((p.dtype for p in params if p.dtype.is_floating_point), torch.float32)
 
 
 def check_hook_names(model: Any, names: Iterable[str]) -> None:
@@ -139,12 +136,7 @@ def check_hook_names(model: Any, names: Iterable[str]) -> None:
 
 
 def resolve_layers(layers: int | Sequence[int] | None, n_layers: int) -> list[int]:
-    """A ``layers=`` argument as a list (None = all, an int, or a sequence; negatives from the end).
-
-    Examples:
-        >>> resolve_layers(None, 3), resolve_layers(-1, 3), resolve_layers([0, 2], 3)
-        ([0, 1, 2], [2], [0, 2])
-    """
+    """A ``layers=`` argument as a list (None = all, an int, or a sequence; negatives from the end)."""
     return optional_index_list(layers, n_layers, what="Layer")
 
 
@@ -268,21 +260,20 @@ def weight_cached(model: Any, key: Hashable, compute: Callable[[], Any]) -> Any:
     stack = _WEIGHT_CACHES.get(id(model), {})
     if "__fingerprint__" not in stack:
         stack["__fingerprint__"] = weight_fingerprint(model)
-    fingerprint = stack["__fingerprint__"]
     try:
-        store = _STAT_CACHES.get(model)
+        known, values = _STAT_CACHES.get(model, (None, {}))
     except TypeError:  # not weak-referenceable: no cache
         return compute()
-    if store is None or store["fingerprint"] != fingerprint:
-        store = {"fingerprint": fingerprint, "values": {}}
-        _STAT_CACHES[model] = store
-    if key not in store["values"]:
-        store["values"][key] = compute()
-    return store["values"][key]
+    if known != stack["__fingerprint__"]:
+        values = {}
+        _STAT_CACHES[model] = (stack["__fingerprint__"], values)
+    if key not in values:
+        values[key] = compute()
+    return values[key]
 
 
-#: model -> {"fingerprint": weight fingerprint, "values": {key: value}}; see :func:`weight_cached`.
-_STAT_CACHES: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
+#: model -> (weight fingerprint, {key: value}); see :func:`weight_cached`.
+_STAT_CACHES: "weakref.WeakKeyDictionary[Any, tuple]" = weakref.WeakKeyDictionary()
 
 
 #: model -> the lock its hooked passes hold (:func:`exclusive_use`); ids of the models this thread is running.
@@ -297,9 +288,8 @@ def exclusive_use(model: Any) -> Iterator[None]:
     another thread waits; a pass started from a hook of one :func:`running` here is refused."""
     if id(model) in getattr(_RUNNING, "models", ()):
         raise InvalidArgumentError(
-            f"A sinklens pass on this {type(model).__name__} was started from inside a hook of another pass on it: "
-            "its hooks would fire in that forward too and mix both results. Collect what the hook needs and run "
-            "the analysis after the pass.")
+            f"A sinklens pass on this {type(model).__name__} was started from inside a hook of another pass on it, "
+            "which would mix both results: collect what the hook needs and run the analysis after the pass.")
     try:
         with _LOCKS_GUARD:
             lock = _LOCKS.setdefault(model, threading.RLock())
@@ -341,21 +331,17 @@ def eval_mode(model: Any) -> Iterator[None]:
     ``original_model`` included) back the mode it had."""
     roots = (model, getattr(model, "original_model", None)) if isinstance(model, torch.nn.Module) else ()
     modules = {id(m): m for r in roots if isinstance(r, torch.nn.Module) for m in r.modules()}
-    training = [m for m in modules.values() if m.training]
-    if not training:  # already in eval mode (or no module): nothing to switch or restore
-        yield
-        return
-    was_training = model.training
-    model.eval()  # through the model's own eval(): a wrapper may pass it on to a model it holds
+    training = {key for key, m in modules.items() if m.training}
+    was_training = id(model) in training
+    if training:  # else already in eval mode (or no module): nothing to switch
+        model.eval()  # through the model's own eval(): a wrapper may pass it on to a model it holds
     try:
         yield
     finally:
         if was_training:
             model.train()
-        for m in modules.values():
-            m.training = False
-        for m in training:
-            m.training = True
+        for key, m in modules.items():
+            m.training = key in training
 
 
 def refuse_meta_model(model: Any) -> None:

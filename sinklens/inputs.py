@@ -138,9 +138,7 @@ def _own_tokenizer_adds_bos(path: str) -> bool | None:
 
 def resolved_bos(model: Any, prepend_bos: Any) -> bool:
     """``prepend_bos`` checked, with None resolved to what the model's own tokenizer does (True when unknown)."""
-    if prepend_bos is None:
-        return tokenizer_adds_bos(model) is not False
-    return as_bool(prepend_bos, what="prepend_bos")
+    return tokenizer_adds_bos(model) is not False if prepend_bos is None else as_bool(prepend_bos, what="prepend_bos")
 
 
 def describe_bos(model: Any, batch: TokenBatch) -> str:
@@ -195,13 +193,12 @@ def tokenize_prompts(model: Any, prompts: str | Iterable[str], *, batch_size: In
                 special = tuple(tok.convert_ids_to_tokens(i) for i in added_ids(encoder_ids(tok, prompt), body))
                 if max_length is not None and max_length <= len(special):
                     raise InvalidArgumentError(
-                        f"max_length={max_length} leaves no room for text on this encoder: the special tokens it "
-                        f"adds ({' … '.join(special)}) take {len(special)} positions of every sequence, so "
-                        f"max_length must be at least {len(special) + 1} (or pass prepend_bos=False, CLI: --no-bos).")
+                        f"max_length={max_length} leaves no room for text on this encoder: the special tokens it adds "
+                        f"({' … '.join(special)}) take {len(special)} positions of every sequence; pass max_length >= "
+                        f"{len(special) + 1} or prepend_bos=False (CLI: --no-bos).")
         else:
             ids = [bos, *body] if bos is not None else list(body)
-        if max_length is not None:
-            ids = ids[:max_length]
+        ids = ids[:max_length]  # None: all
         _check_length(len(ids), n_ctx)
         rows.append(torch.tensor(ids, dtype=torch.long))
     return [_pad_right(rows[i : i + batch_size], pad_id, prepend_bos and bool(special), special)
@@ -262,11 +259,10 @@ def random_token_batches(model: Any, *, n_sequences: IntLike = 16, seq_len: IntL
     _check_length(seq_len, dims.n_ctx, random_tokens=True)
     gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, dims.d_vocab, (n_sequences, seq_len), generator=gen)
-    special: tuple[str, ...] = ()
+    tok = getattr(model, "tokenizer", None)
     if prepend_bos:
-        tok = getattr(model, "tokenizer", None)
         tokens[:, 0] = bos_token_id(model) if tok is not None else 0
-        special = (tok.convert_ids_to_tokens(int(tokens[0, 0])),) if tok is not None else ()
+    special = (tok.convert_ids_to_tokens(int(tokens[0, 0])),) if prepend_bos and tok is not None else ()
     return _unpadded_batches(tokens, batch_size, prepend_bos, special)
 
 
@@ -286,10 +282,8 @@ def as_batches(model: Any, inputs: Inputs | None = None, *, batch_size: IntLike 
     batch_size = positive_int(batch_size, what="batch_size")
     prepend_bos = resolved_bos(model, prepend_bos)
     max_length = optional_positive_int(max_length, what="max_length")
-    if inputs is None:
-        inputs = builtin_prompts()
+    inputs = builtin_prompts() if inputs is None else inputs
     dims = model_dims(model)
-    device = model_device(model)
     is_encoder(model)  # probed here, once per model, before any caller attaches its hooks for the pass
     if isinstance(inputs, TokenBatch):
         batches = [inputs]
@@ -299,13 +293,10 @@ def as_batches(model: Any, inputs: Inputs | None = None, *, batch_size: IntLike 
         batches = _unpadded_batches(inputs, batch_size, prepend_bos)
     elif isinstance(inputs, Mapping) or type(inputs).__name__ == "ActivationCache":  # its keys are not prompts
         raise InvalidArgumentError(
-            f"Cannot use a {type(inputs).__name__} as input: sinklens runs its own forward passes and reduces each "
-            "activation inside its hook, so it reads no cached activations. Pass the tokens or text the cache was "
-            "made from instead (e.g. find_sinks(model, tokens) with the tokens given to run_with_cache).")
-    elif isinstance(inputs, str):
-        batches = tokenize_prompts(model, [inputs], batch_size=batch_size, prepend_bos=prepend_bos, max_length=max_length)
+            f"Cannot use a {type(inputs).__name__} as input: sinklens runs its own forward passes and reads no cached "
+            "activations. Pass the tokens or text the cache was made from instead (e.g. find_sinks(model, tokens)).")
     elif isinstance(inputs, Iterable) and not isinstance(inputs, bytes):
-        items = _materialised(inputs)
+        items = [inputs] if isinstance(inputs, str) else _materialised(inputs)
         if not items:
             raise InvalidArgumentError("No prompts given: pass at least one string, token sequence or TokenBatch.")
         if isinstance(items[0], str):
@@ -327,7 +318,7 @@ def as_batches(model: Any, inputs: Inputs | None = None, *, batch_size: IntLike 
                    if b.tokens.shape[1] > max_length else b for b in batches]
     for b in batches:
         _check_length(b.tokens.shape[1], dims.n_ctx)
-    return [b.to(device) for b in batches]
+    return [b.to(model_device(model)) for b in batches]
 
 
 def _caller_outside_sinklens(warning_frame: Any) -> int:
@@ -357,10 +348,9 @@ def warn_if_padded(model: Any, tokens: Int[Tensor, "batch pos"]) -> None:
         if 2 <= hi < tokens.shape[1] and lo != hi:
             rows = (runs > lo).nonzero().flatten().tolist()
             warnings.warn(
-                f"token ids: rows {rows[:6]}{'...' if len(rows) > 6 else ''} {side} with up to {hi} copies of "
-                f"the tokenizer's pad token (id {pad}), as model.to_tokens pads a list of prompts of different lengths. "
-                "Every position of a token tensor counts as a real token, so the padding would be analysed as text. "
-                "Pass the prompts themselves, or TokenBatch(tokens, valid) with valid marking the real tokens.",
+                f"token ids: rows {rows[:6]}{'...' if len(rows) > 6 else ''} {side} with up to {hi} copies of the "
+                f"tokenizer's pad token (id {pad}), as model.to_tokens pads prompts of different lengths; they would be "
+                "analysed as text. Pass the prompts themselves, or TokenBatch(tokens, valid) marking the real tokens.",
                 RuntimeWarning, stacklevel=_caller_outside_sinklens(sys._getframe()))
             return
 
@@ -370,19 +360,17 @@ def require_a_later_position(batches: Sequence[TokenBatch], *, what: str, sink_p
     """Refuse ``batches`` where no query can see the sink (a later position; any other if ``bidirectional``), a
     sequence does not reach ``sink_position``, or ``min_query`` leaves no query; ``what`` names the caller."""
     lengths = [n for b in batches for n in b.host_lengths()]
-    short = [i for i, n in enumerate(lengths) if sink_position is not None and n <= sink_position]
-    if short:
-        i = short[0]
+    i = next((i for i, n in enumerate(lengths) if sink_position is not None and n <= sink_position), None)
+    if i is not None:
         raise InvalidArgumentError(
             f"sink_position={sink_position} is beyond sequence {i} (counting from 0 across all batches), which has "
-            f"{lengths[i]} token{'' if lengths[i] == 1 else 's'}: every sequence needs a token at "
-            f"sink_position (it must be at most {min(lengths) - 1} for these inputs).")
+            f"{lengths[i]} token{'' if lengths[i] == 1 else 's'}; it must be at most {min(lengths) - 1} here.")
     sink = sink_position or 0
     needed = max(sink + 1, 2) if bidirectional else sink + 2
     longest = max(lengths)
     if longest < needed:
         size = f"{'at most ' if min(lengths) != longest else ''}{longest} token{'' if longest == 1 else 's'}"
-        at = f" (sink_position={sink})" if sink_position is not None and sink else ""
+        at = f" (sink_position={sink})" if sink else ""
         raise InvalidArgumentError(
             f"Every sequence is {size} long: {what} compares the sink position{at} with later ones, so it needs "
             f"at least one sequence of {needed} tokens or more (longer prompts, a larger max_length, "
@@ -404,44 +392,39 @@ def checked_batch(batch: Any, index: int, d_vocab: int) -> TokenBatch:
     if tokens.shape != valid.shape or tokens.ndim != 2:
         raise InvalidArgumentError(
             f"{where}: tokens {tuple(tokens.shape)} and valid {tuple(valid.shape)} must be equal 2-D shapes.")
-    if tokens.shape[0] == 0 or tokens.shape[1] == 0:
+    if 0 in tokens.shape:
         raise InvalidArgumentError(f"{where} is empty (tokens of shape {tuple(tokens.shape)}): it needs at least one "
                                    "sequence and one position.")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-        raise InvalidArgumentError(
-            f"{where}: tokens must be integer token ids, got dtype {tokens.dtype} (a model would read a float "
-            "tensor as embeddings); pass tokens.long().")
+        raise InvalidArgumentError(f"{where}: tokens must be integer token ids, got dtype {tokens.dtype} (a model "
+                                   "would read a float tensor as embeddings); pass tokens.long().")
     if valid.dtype != torch.bool:
         if valid.dtype.is_floating_point or valid.dtype.is_complex:
             raise InvalidArgumentError(f"{where}: valid must be a bool mask (True at real tokens), got dtype "
                                        f"{valid.dtype}; pass valid.bool().")
         odd = (valid != 0) & (valid != 1)
         if bool(odd.any()):
-            at = [int(i) for i in odd.nonzero()[0].tolist()]
-            raise InvalidArgumentError(
-                f"{where}: valid must be a bool mask or 0/1 integers, got {int(valid[tuple(at)])} at {at} "
-                f"(dtype {valid.dtype}).")
+            at = odd.nonzero()[0].tolist()
+            raise InvalidArgumentError(f"{where}: valid must be a bool mask or 0/1 integers, got "
+                                       f"{int(valid[tuple(at)])} at {at} (dtype {valid.dtype}).")
         valid = valid.bool()
     check_vocab(tokens, d_vocab, what=f"token ids (batch {index})")
     if not (tokens.dtype == torch.long and valid is batch.valid):
         batch = TokenBatch(tokens.long(), valid, batch.prepend_bos, batch.special_tokens)
-    empty = [i for i, n in enumerate(batch.host_lengths()) if n == 0]
-    if empty:
-        raise InvalidArgumentError(f"{where}: row {empty[0]} has no valid token (valid is False everywhere), so it is "
+    if 0 in (lengths := batch.host_lengths()):
+        raise InvalidArgumentError(f"{where}: row {lengths.index(0)} has no valid token (valid is False everywhere), so it is "
                                    "no sequence; leave it out of the batch.")
     return batch
 
 
 def _same_start(batches: Sequence[TokenBatch]) -> None:
     """Refuse batches whose ``prepend_bos`` or ``special_tokens`` differ: a result has one start."""
-    first = batches[0]
-    for i, b in enumerate(batches[1:], start=1):
-        if (b.prepend_bos, tuple(b.special_tokens)) != (first.prepend_bos, tuple(first.special_tokens)):
-            raise InvalidArgumentError(
-                f"TokenBatch 0 has prepend_bos={first.prepend_bos!r}, special_tokens={tuple(first.special_tokens)!r} "
-                f"but TokenBatch {i} has prepend_bos={b.prepend_bos!r}, special_tokens={tuple(b.special_tokens)!r}: "
-                "a result pools all sequences and records one start, so every batch must be made the same way "
-                "(analyse them separately).")
+    starts = [(b.prepend_bos, tuple(b.special_tokens)) for b in batches]
+    if (i := next((i for i, start in enumerate(starts) if start != starts[0]), None)) is not None:
+        said = [f"prepend_bos={bos!r}, special_tokens={special!r}" for bos, special in (starts[0], starts[i])]
+        raise InvalidArgumentError(
+            f"TokenBatch 0 has {said[0]} but TokenBatch {i} has {said[1]}: a result pools all sequences and "
+            "records one start, so every batch must be made the same way (analyse them separately).")
 
 
 def _materialised(prompts: Any) -> Any:

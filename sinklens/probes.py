@@ -69,7 +69,6 @@ def post_hoc_attention(model: Any) -> str | None:
     names = [hook_name(0, site) for site in (SCORES, PATTERN, Z)]
     if any(n not in model.hook_dict for n in names[:2]):
         return None
-
     def probe() -> str | None:
         seen: dict[str, Tensor] = {}
         def only_own_key(scores: Tensor, hook: Any) -> Tensor:
@@ -82,8 +81,7 @@ def post_hoc_attention(model: Any) -> str | None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TransformerLens' "edit is discarded" warning: reported below instead
             _run_probe(model, hooks, min(3, model_dims(model).n_ctx))
-        pattern = seen.get(PATTERN)
-        if pattern is None:
+        if (pattern := seen.get(PATTERN)) is None:
             return None
         n_q, n_k = pattern.shape[-2:]
         other_keys = ~torch.eye(n_k, dtype=torch.bool, device=pattern.device)[n_k - n_q:]
@@ -101,8 +99,7 @@ def post_hoc_attention(model: Any) -> str | None:
 def require_attention_seams(model: Any, what: str) -> None:
     """Refuse ``model`` when its attention hooks are post hoc (:func:`post_hoc_attention`): ``what``
     (e.g. ``"mask interventions"``) would silently do nothing there."""
-    reason = post_hoc_attention(model)
-    if reason is not None:
+    if (reason := post_hoc_attention(model)) is not None:
         raise UnsupportedArchitectureError(
             f"{what.capitalize()} cannot run on this model, whose attention scores and pattern cannot be edited: "
             f"{reason}. Analyses that only read activations (find_sinks, measure_variance, ...) work on it.")

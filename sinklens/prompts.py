@@ -66,23 +66,18 @@ def stdlib_text_prompts(n_prompts: IntLike | None = 16, *, n_chars: IntLike = 80
                         what: str = "n_prompts") -> list[str]:
     """Real text available offline: ``n_prompts`` (None: all) standard-library docstrings of at least 30 words
     without doctests (941 on CPython 3.11), cut to ``n_chars``, shuffled by ``seed``; ``what`` names the argument."""
-    if n_prompts is not None:
-        n_prompts = positive_int(n_prompts, what=what)
+    n_prompts = None if n_prompts is None else positive_int(n_prompts, what=what)
     n_chars = positive_int(n_chars, what="n_chars")
     seed = as_seed(seed, what="seed")
-    docs = [
-        " ".join(doc.split())[:n_chars]
-        for doc in stdlib_docstrings()
-        if len(doc) >= 200 and ">>>" not in doc and len(doc.split()) >= 30
-    ]
+    docs = [" ".join(doc.split())[:n_chars] for doc in stdlib_docstrings()
+            if len(doc) >= 200 and ">>>" not in doc and len(doc.split()) >= 30]
     random.Random(seed).shuffle(docs)
     if n_prompts is None:
         return docs
     if n_prompts > len(docs):
         raise InvalidArgumentError(
-            f"{what} {n_prompts} asks for more docstrings than this Python's standard library holds: {len(docs)} of "
-            f"at least 30 words without doctest examples (Python {platform.python_version()}); pass at most "
-            f"{len(docs)}.")
+            f"{what} {n_prompts} asks for more docstrings than this Python's standard library holds: {len(docs)} of at "
+            f"least 30 words without doctests (Python {platform.python_version()}); pass at most {len(docs)}.")
     return docs[:n_prompts]
 
 

@@ -32,13 +32,9 @@ def on_the_residual_stream(model: Any, hooks: Sequence[tuple[str, HookFn]]) -> l
     if (not any(name.endswith("." + RESID_MID) for name, _ in hooks) or post_ln_reason(model) is not None
             or not resid_mid_is_a_copy(model)):
         return hooks
-    moved: list[tuple[str, HookFn]] = []
-    for name, fn in hooks:
-        if name.endswith("." + RESID_MID):
-            moved.extend(_edit_through_the_write(name[: -len(RESID_MID)], model.hook_dict[name], fn))
-        else:
-            moved.append((name, fn))
-    return moved
+    return [pair for name, fn in hooks for pair in (
+        _edit_through_the_write(name[: -len(RESID_MID)], model.hook_dict[name], fn)
+        if name.endswith("." + RESID_MID) else [(name, fn)])]
 
 
 def _edit_through_the_write(block: str, mid_hook: Any, fn: HookFn) -> list[tuple[str, HookFn]]:
@@ -63,8 +59,7 @@ def after_attention_hooks(model: Any, layers: Sequence[int], consume: Callable[[
         return [(f"{maps[layer].path}.hook_normalized", lambda act, hook, layer=layer: normed(act, layer)) for layer in layers]
     if has_resid_mid(model, layers):
         return [(hook_name(layer, RESID_MID), lambda act, hook, layer=layer: consume(layer, act)) for layer in layers]
-    names = [hook_name(layer, site) for layer in layers for site in (RESID_PRE, ATTN_OUT)]
-    check_hook_names(model, names)
+    check_hook_names(model, [hook_name(layer, site) for layer in layers for site in (RESID_PRE, ATTN_OUT)])
     block_input: dict[int, Tensor] = {}
     def keep(act: Tensor, layer: int) -> None:
         block_input[layer] = act

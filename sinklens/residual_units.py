@@ -1,7 +1,6 @@
-"""Residual units: what a write inside a block adds to the residual stream. A post norm (Gemma's
-``ln1_post``/``ln2_post``; ``ln1``/``ln2`` on post-LN BERT) is affine at one position,
-``y = gain ⊙ C(x) / scale + bias`` (``C``: mean removal for LayerNorm; ``scale``: its ``hook_scale``),
-so a neuron's write ``c_n`` counts as ``linear(c_n, scale)``."""
+"""Residual units: what a write inside a block adds to the residual stream. A post norm (Gemma's ``ln1_post``/
+``ln2_post``; ``ln1``/``ln2`` on post-LN BERT) is affine at one position, ``y = gain ⊙ C(x) / scale + bias``
+(``C``: mean removal for LayerNorm; ``scale``: its ``hook_scale``), so a write ``c`` counts as ``linear(c, scale)``."""
 
 from __future__ import annotations
 
@@ -70,9 +69,7 @@ class NormMap(CompactRepr):
 
     def offset(self, like: Tensor) -> Float[Tensor, " d_model"]:
         """The norm's own additive term (zeros for RMSNorm and the identity)."""
-        if self.bias is None:
-            return torch.zeros(like.shape[-1], dtype=like.dtype, device=like.device)
-        return self.bias.to(like.dtype).to(like.device)
+        return like.new_zeros(like.shape[-1]) if self.bias is None else self.bias.to(like.device, like.dtype)
 
     def __call__(self, x: Float[Tensor, "*batch d_model"], scale: Tensor | None = None) -> Float[Tensor, "*batch d_model"]:
         """``linear(x, scale) + bias`` for the block's raw output ``x``."""
@@ -137,8 +134,7 @@ def _probed_norm(model: Any, path: str) -> dict[str, Any]:
     """The ``gain``, ``bias``, ``center`` and ``convention`` that reproduce the norm at ``path`` on a probe vector
     (gain ``w`` or ``1 + w``, with or without mean removal); none fitting raises."""
     module = model.get_submodule(path)
-    w = _param(module, "w", "weight")
-    b = _param(module, "b", "bias")
+    w, b = _param(module, "w", "weight"), _param(module, "b", "bias")
     d_model = model_dims(model).d_model
     if w is None:
         w = torch.ones(d_model, dtype=torch.float32, device=model_device(model))
@@ -187,9 +183,8 @@ def moe_reason(model: Any) -> str | None:
     n_experts = getattr(model.cfg, "num_experts", None)
     routed = any(name.startswith("blocks.0.mlp.") and ("router" in name or "expert" in name) for name in model.hook_dict)
     if (n_experts or 0) > 1 or routed:
-        return (f"the MLP is a mixture of experts ({n_experts or 'several'} experts per layer, routed per token): "
-                "there is no single W_out per layer and mlp.hook_post holds no per-neuron activations, so neurons cannot "
-                "be attributed")
+        return (f"the MLP is a mixture of experts ({n_experts or 'several'} experts per layer, routed per token): there "
+                "is no single W_out per layer nor per-neuron mlp.hook_post, so neurons cannot be attributed")
     return None
 
 
@@ -199,16 +194,15 @@ def post_ln_reason(model: Any) -> str | None:
     model_type = getattr(config, "model_type", None)
     if model_type in POST_LN_MODEL_TYPES or type(model).__name__ == "HookedEncoder":
         return (f"the model ({model_type or type(model).__name__}) normalises after each residual add (post-LN), so "
-                "its residual stream is re-normalised by every block instead of summing the blocks' writes: the "
-                "neuron paths that build the sink's massive dimensions step by step do not exist there")
+                "its residual stream does not sum the blocks' writes and the neuron paths that build the sink's "
+                "massive dimensions step by step do not exist there")
     return None
 
 
 def no_mlp_reason(model: Any) -> str | None:
     """Why ``model`` has no MLP (``d_mlp <= 0``, e.g. attention-only), or None."""
-    if model_dims(model).d_mlp <= 0:
-        return "the model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0), so there are no neurons"
-    return None
+    no_mlp = model_dims(model).d_mlp <= 0
+    return "the model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0), so there are no neurons" if no_mlp else None
 
 
 def neuron_reason(model: Any) -> str | None:
@@ -218,6 +212,5 @@ def neuron_reason(model: Any) -> str | None:
 
 def check_neuron_mlp(model: Any) -> None:
     """Raise :class:`~sinklens.errors.UnsupportedArchitectureError` unless :func:`neuron_reason` is None."""
-    reason = neuron_reason(model)
-    if reason is not None:
+    if (reason := neuron_reason(model)) is not None:
         raise UnsupportedArchitectureError(f"Neuron attribution is not supported for this model: {reason}.")

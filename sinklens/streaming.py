@@ -1,7 +1,5 @@
-"""The one streaming loop: run hooks over batches and fold activations into small statistics.
-
-Every analyzer is a :class:`Reducer`; :func:`stream` runs one forward per batch with the hooks of
-all reducers attached, and no activation outlives the hook that reduced it.
+"""The one streaming loop: every analyzer is a :class:`Reducer`; :func:`stream` runs one forward per
+batch with all reducers' hooks attached, and no activation outlives the hook that reduced it.
 
 Examples:
     >>> import torch
@@ -97,7 +95,8 @@ class Reducer(ABC, Generic[R]):
 
     def state_dict(self) -> dict[str, Any]:
         """The running statistics named in :attr:`statistics`, every tensor copied to the CPU."""
-        return {name: _state_of(getattr(self, name)) for name in self._declared_statistics()}
+        return {name: value.state_dict() if isinstance(value := getattr(self, name), Reducer)
+                else _map_tensors(value, lambda t: t.detach().cpu()) for name in self._declared_statistics()}
 
     def _declared_statistics(self) -> tuple[str, ...]:
         if not self.statistics:
@@ -125,15 +124,7 @@ class Reducer(ABC, Generic[R]):
 
 def merge_sum(mine: Any, theirs: Any) -> Any:
     """``mine`` combined with ``theirs``: tensors (zero-padded to the larger shape) and numbers add,
-    lists concatenate, sets unite, dicts merge key-wise, objects by ``merge``, flags take ``theirs``.
-
-    Examples:
-        >>> merge_sum(torch.ones(2, 1), torch.ones(1, 3))
-        tensor([[2., 1., 1.],
-                [1., 0., 0.]])
-        >>> merge_sum([1], [2]), merge_sum({0: 1.0}, {0: 2.0, 1: 3.0}), merge_sum(True, False), merge_sum({"qk"}, {"qk"})
-        ([1, 2], {0: 3.0, 1: 3.0}, False, {'qk'})
-    """
+    lists concatenate, sets unite, dicts merge key-wise, objects by ``merge``, flags take ``theirs``."""
     if isinstance(mine, Tensor):
         return torch.add(*_same_shape(mine, theirs, 0.0))
     if isinstance(mine, bool):
@@ -152,17 +143,9 @@ def merge_sum(mine: Any, theirs: Any) -> Any:
 
 
 def merge_max(mine: Tensor, theirs: Tensor) -> Tensor:
-    """Elementwise maximum of two statistics, padded to the larger shape with the dtype's lowest value.
-
-    Examples:
-        >>> merge_max(torch.tensor([1.0, 5.0]), torch.tensor([3.0, 2.0, 4.0]))
-        tensor([3., 5., 4.])
-        >>> merge_max(torch.tensor([True, False]), torch.tensor([False, False]))
-        tensor([ True, False])
-    """
+    """Elementwise maximum of two statistics, padded to the larger shape with the dtype's lowest value."""
     dtype = mine.dtype
-    info = torch.finfo if dtype.is_floating_point else torch.iinfo
-    lowest = False if dtype == torch.bool else info(dtype).min
+    lowest = False if dtype == torch.bool else (torch.finfo if dtype.is_floating_point else torch.iinfo)(dtype).min
     return torch.maximum(*_same_shape(mine, theirs, lowest))
 
 
@@ -182,7 +165,7 @@ def grow(t: Tensor, dim: int, size: int, fill: float | int | bool = 0.0) -> Tens
     return torch.cat([t, torch.full(shape, fill, dtype=t.dtype, device=t.device)], dim=dim)
 
 
-def _same_shape(mine: Tensor, theirs: Tensor, fill: float | bool) -> tuple[Tensor, Tensor]:
+def _same_shape(mine: Tensor, theirs: Tensor, fill: float | int | bool) -> tuple[Tensor, Tensor]:
     """Both padded with ``fill`` to the larger shape, ``theirs`` on ``mine``'s device."""
     theirs = theirs.to(mine.device)
     for dim, (a, b) in enumerate(zip(mine.shape, theirs.shape, strict=True)):
@@ -205,15 +188,10 @@ def _map_tensors(value: Any, fn: Callable[[Tensor], Tensor]) -> Any:
     return value
 
 
-def _state_of(value: Any) -> Any:
-    return value.state_dict() if isinstance(value, Reducer) else _map_tensors(value, lambda t: t.detach().cpu())
-
-
 def _statistics_device(reducer: Reducer[Any]) -> torch.device:
-    """The device the reducer keeps its statistics on (of its first tensor statistic; CPU if none yet)."""
+    """The device of the reducer's first tensor statistic (CPU if none yet)."""
     for name in reducer.statistics:
-        value = getattr(reducer, name)
-        if isinstance(value, Reducer):
+        if isinstance(value := getattr(reducer, name), Reducer):
             return _statistics_device(value)
         found: list[Tensor] = []
         _map_tensors(value, lambda t: found.append(t) or t)
@@ -224,12 +202,7 @@ def _statistics_device(reducer: Reducer[Any]) -> torch.device:
 
 def bound_hooks(names: Sequence[str], keys: Sequence[Any], fold: Callable[[Tensor, Any], Any]) -> list[tuple[str, HookFn]]:
     """``fold(act, keys[i])`` on hook ``names[i]``: the key is bound here, never read back from
-    ``hook.name`` (a TransformerBridge reports aliased hooks under their canonical names).
-
-    Examples:
-        >>> [(name, fn(None, None)) for name, fn in bound_hooks(["a", "b"], [0, 1], lambda act, key: key)]
-        [('a', 0), ('b', 1)]
-    """
+    ``hook.name`` (a TransformerBridge reports aliased hooks under their canonical names)."""
     def bind(key: Any) -> HookFn:
         return lambda act, hook: fold(act, key)
     return [(name, bind(key)) for name, key in zip(names, keys, strict=True)]
@@ -249,9 +222,7 @@ class _HookTable:
         self.fired: set[str] = set()
 
     def set(self, hooks: Sequence[tuple[str, HookFn]]) -> None:
-        self.fns = {}
-        for name, fn in hooks:
-            self.fns.setdefault(name, []).append(fn)
+        self.fns = {name: [fn for n, fn in hooks if n == name] for name, _ in hooks}
 
     def trampoline(self, name: str) -> HookFn:
         def run(act: Any, hook: Any) -> Any:
@@ -281,9 +252,7 @@ def real_tokens(n_batch: int, n_pos: int) -> Bool[Tensor, "batch pos"] | None:
     """The real-token mask of the padded ``n_batch × n_pos`` batch :func:`forward` is running, for
     hooks that reduce over positions; None when no padded batch of that shape is running."""
     mask = _RUNNING_MASK.get()
-    if mask is None or tuple(mask.shape) != (n_batch, n_pos):
-        return None
-    return mask
+    return mask if mask is not None and tuple(mask.shape) == (n_batch, n_pos) else None
 
 
 def forward(model: Any, batch: TokenBatch, **kwargs: Any) -> Any:
@@ -343,20 +312,16 @@ def _stream(model: Any, batches: Sequence[TokenBatch], reducers: Sequence[Reduce
             forward(model, batch, return_type=None)
             for reducer, fold in zip(reducers, folds):
                 reducer.end_batch(batch, fold)
-    silent = sorted({name for name, _ in options.extra_hooks} - table.fired) if batches else []
-    if silent:
+    if batches and (silent := sorted({name for name, _ in options.extra_hooks} - table.fired)):
         raise UnsupportedArchitectureError(
             f"extra_hooks on {silent[:4]}{'...' if len(silent) > 4 else ''} never ran during the forward pass, so they "
-            "changed and measured nothing. The model lists these hook points but does not run them here (e.g. "
-            "TransformerLens 3 runs attn.hook_result only after model.set_use_attn_result(True), some bridges skip "
-            "attn.hook_rot_q, a fused attention kernel skips hook_pattern). Hook a point that runs.")
-    missing = sorted(requested - table.fired)
-    if missing:
+            "changed nothing (e.g. TransformerLens 3 runs attn.hook_result only after set_use_attn_result(True), "
+            "a fused attention kernel skips hook_pattern). Hook a point that runs.")
+    if missing := sorted(requested - table.fired):
         raise UnsupportedArchitectureError(
-            f"Hooks {missing[:4]}{'...' if len(missing) > 4 else ''} never ran during the forward pass. "
-            "The model's attention implementation probably bypasses them (e.g. a fused SDPA/flash kernel "
-            "hides hook_pattern). Load the model with eager attention (sinklens.load_model does) "
-            "or use TransformerBridge.boot_transformers, which forces it.")
+            f"Hooks {missing[:4]}{'...' if len(missing) > 4 else ''} never ran during the forward pass: the attention "
+            "implementation probably bypasses them (a fused SDPA/flash kernel hides hook_pattern). Load the model "
+            "with eager attention (sinklens.load_model and TransformerBridge.boot_transformers do).")
     combine_across_ranks(reducers, n_local_batches=len(batches))
     return [reducer.result() for reducer in reducers]
 

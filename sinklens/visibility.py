@@ -1,15 +1,8 @@
 """Which query sees which key, per layer: ``k <= q`` in causal models (every ``k`` in encoders), and
-``|q - k| < w`` in a sliding-window layer of ``w`` tokens; read from ``cfg`` or a bridge's Hugging
-Face config.
+``|q - k| < w`` in a sliding-window layer of ``w`` tokens; read from ``cfg`` or a bridge's Hugging Face config.
 
 Examples:
-    >>> vis = Visibility(causal=True, windows=(None, 2))
-    >>> vis.visible(1, 4).int()
-    tensor([[1, 0, 0, 0],
-            [1, 1, 0, 0],
-            [0, 1, 1, 0],
-            [0, 0, 1, 1]], dtype=torch.int32)
-    >>> vis.describe()
+    >>> Visibility(causal=True, windows=(None, 2)).describe()
     'causal; sliding window of 2 tokens in layers [1]'
 """
 
@@ -57,11 +50,9 @@ class Visibility:
 
     def describe(self) -> str:
         """One line for summaries, e.g. ``'causal; sliding window of 4 tokens in layers [0, 2]'``."""
-        kind = "causal" if self.causal else "bidirectional"
-        sizes = sorted({w for w in self.windows if w is not None})
-        layers = {w: [i for i, v in enumerate(self.windows) if v == w] for w in sizes}
-        parts = [f"sliding window of {w} tokens in layers {layers[w]}" for w in sizes]
-        return f"{kind}; " + ("; ".join(parts) or "full attention in every layer")
+        parts = [f"sliding window of {w} tokens in layers {[i for i, v in enumerate(self.windows) if v == w]}"
+                 for w in sorted({w for w in self.windows if w is not None})]
+        return f"{'causal' if self.causal else 'bidirectional'}; " + ("; ".join(parts) or "full attention in every layer")
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: ``{"attention": "causal"|"bidirectional", "windows": [w or null per layer]}``."""
@@ -74,9 +65,8 @@ def _hf_windows(config: Any, n_layers: int) -> tuple[int | None, ...]:
     if layer_types is not None:
         unknown = sorted({t for t in layer_types if t not in ("full_attention", "sliding_attention")})
         if unknown:
-            raise UnsupportedArchitectureError(
-                f"Layer types {unknown} (from the Hugging Face config's layer_types) are not supported: sinklens "
-                "knows full and sliding-window attention only.")
+            raise UnsupportedArchitectureError(f"Layer types {unknown} (from the Hugging Face config's layer_types) "
+                                               "are not supported: sinklens knows full and sliding-window attention.")
         if any(t == "sliding_attention" for t in layer_types) and not window:
             raise UnsupportedArchitectureError("The config has sliding_attention layers but no sliding_window size.")
         return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
@@ -106,9 +96,8 @@ def attention_direction(model: Any) -> str:
 def attention_visibility(model: Any) -> Visibility:
     """The :class:`Visibility` of any TransformerLens-style model."""
     n_layers = int(model.cfg.n_layers)
-    causal = attention_direction(model) == "causal"
     config = getattr(getattr(model, "original_model", None), "config", None)
     windows = _hf_windows(config, n_layers) if config is not None else _tl_windows(model.cfg, n_layers)
     if len(windows) != n_layers:
         raise UnsupportedArchitectureError(f"{len(windows)} per-layer attention types for {n_layers} layers.")
-    return Visibility(causal=causal, windows=windows)
+    return Visibility(causal=attention_direction(model) == "causal", windows=windows)

@@ -7,7 +7,7 @@ import sinklens
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.inputs import as_batches, random_token_batches, tokenize_prompts
 from sinklens.prompts import stdlib_text_prompts
-from sinklens.streaming import BatchFold, Reducer, stream
+from sinklens.streaming import BatchFold, Reducer, merge_max, merge_sum, stream
 from sinklens.testing import QUIET
 from support.checks import TINY_PROMPTS, attached_hook_count
 
@@ -363,3 +363,13 @@ def test_by_default_position_0_is_what_the_models_own_tokenizer_puts_there(tiny_
     assert sinklens.RunOptions().prepend_bos is None
     assert bos_line() == "none (the model's own tokenizer adds none)"
     assert bos_line(prepend_bos=True) == "<s> added (the model's own tokenizer adds none)"
+
+
+def test_merged_statistics_pad_to_the_larger_shape():
+    """``merge_sum`` zero-pads tensors and combines containers by kind; ``merge_max`` pads with the lowest value."""
+    assert merge_sum(torch.ones(2, 1), torch.ones(1, 3)).tolist() == [[2, 1, 1], [1, 0, 0]]
+    assert merge_sum([1], [2]) == [1, 2] and merge_sum({0: 1.0}, {0: 2.0, 1: 3.0}) == {0: 3.0, 1: 3.0}
+    assert merge_sum(True, False) is False and merge_sum({"qk"}, {"qk"}) == {"qk"}
+    assert merge_max(torch.tensor([1.0, -5.0]), torch.tensor([3.0, -6.0, -4.0])).tolist() == [3, -5, -4]
+    assert merge_max(torch.tensor([-1, -2]), torch.tensor([-5])).tolist() == [-1, -2]
+    assert merge_max(torch.tensor([True, False]), torch.tensor([False, False])).tolist() == [True, False]

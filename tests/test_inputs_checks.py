@@ -3,6 +3,7 @@ prompts that are not text, encoders' max_length, the sink position against every
 that never run."""
 
 import re
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -11,6 +12,7 @@ import torch
 import sinklens
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.inputs import TokenBatch, as_batches, tokenize_prompts
+from sinklens.options import checked_options, settings_from
 from sinklens.streaming import stream
 from sinklens.testing import QUIET, transformer_lens_major
 
@@ -266,6 +268,21 @@ def test_run_options_refuse_flags_that_are_not_booleans(field):
     with pytest.raises(InvalidArgumentError, match=re.escape(f"RunOptions.{field} must be True or False, got 'no' (str)")):
         unchecked_options(**{field: "no"})
     assert getattr(unchecked_options(**{field: np.bool_(False)}), field) is False
+
+
+def test_settings_from_replaces_the_given_fields_and_options_must_be_run_options():
+    @dataclass(frozen=True)
+    class Demo:
+        threshold: float = 0.3
+        top_k: int = 5
+
+    assert settings_from(Demo, None, {"top_k": 2}, "demo") == Demo(0.3, 2)
+    assert settings_from(Demo, None, {}, "demo", defaults={"top_k": 9}) == Demo(0.3, 9)
+    assert settings_from(Demo, Demo(0.5), {}, "demo", defaults={"top_k": 9}) == Demo(0.5, 5)  # defaults: without settings
+    with pytest.raises(InvalidArgumentError, match=re.escape(
+            "find_sinks(options=...) takes a sinklens.RunOptions, got dict {'batch_size': 2}; "
+            "pass options=RunOptions(**{'batch_size': 2}).")):
+        checked_options({"batch_size": 2}, "find_sinks")
 
 
 def test_prompts_from_a_pipe_or_a_device_are_refused_without_reading(tmp_path, capsys):
