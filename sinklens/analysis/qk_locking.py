@@ -30,8 +30,7 @@ NUMBERS = ("key_query_energy", "key_pc_cosine", "pc_energy", "pos_share_sink", "
 
 
 def qk_locking_reason(model: Any) -> str | None:
-    """Why query-key locking cannot be measured on ``model``, or None: ``hook_rot_q``/``hook_rot_k`` listed but
-    never run, or ``hook_attn_scores`` fired after the fact (:func:`sinklens.probes.post_hoc_attention`)."""
+    """Why query-key locking cannot be measured on ``model`` (rotated q/k never run, scores fired post hoc), or None."""
     silent = silent_hooks(model, [hook_name(0, ROT_Q), hook_name(0, ROT_K)])
     if silent:
         return (f"the model lists {silent} but never runs them, so the rotated queries and keys that make the "
@@ -41,17 +40,16 @@ def qk_locking_reason(model: Any) -> str | None:
 
 @dataclass(repr=False, eq=False)
 class QKLocking(CompactRepr):
-    """Query–key locking per layer × head, over the real queries other than the sink that see it in that layer;
-    queries and keys are the rotated ones on rotary models (``q_site``, ``k_site``), grouped-query keys repeated.
+    """Query–key locking per layer × head, over the real queries other than the sink that see it in that layer
+    (rotated queries and keys on rotary models, at ``q_site``/``k_site``; grouped-query keys repeated).
 
     Attributes:
-        key_query_energy: ``Σ (q · k̂_sink)² / Σ ||q||²`` pooled over sequences and queries, ``k̂_sink`` the unit
-            sink key of the same sequence: the share of query energy along the sink key.
-        key_pc_cosine: norm of the projection of the unit mean sink key onto the top ``n_components``
-            eigenvectors of ``Σ q qᵀ`` (the principal query directions); pc_energy: their share of query energy.
-        pos_share_sink / pos_share_other: share of positive scores (the model's scaled, soft-capped ``q·k``:
-            ``hook_attn_scores``, or from queries and keys on the q/k path) of those queries against the sink key /
-            every other real key they see; mean_score_sink / mean_score_other: the mean scores.
+        key_query_energy: ``Σ (q · k̂_sink)² / Σ ||q||²`` pooled over sequences and queries (``k̂_sink`` the unit
+            sink key of the same sequence): the share of query energy along the sink key.
+        key_pc_cosine: norm of the projection of the unit mean sink key onto the top ``n_components`` eigenvectors
+            of ``Σ q qᵀ``; pc_energy: their share of query energy.
+        pos_share_sink / pos_share_other: share of positive scores (scaled, soft-capped ``q·k``) of those queries
+            against the sink key / every other real key they see; mean_score_sink / mean_score_other: the means.
         n_queries: (sequence, query) pairs that see the sink, the most over the analysed layers.
     """
 
@@ -80,10 +78,8 @@ class QKLocking(CompactRepr):
 
 
 class QKLockingReducer(Reducer[QKLocking]):
-    """Streams queries, keys and scores into :class:`QKLocking`: per layer × head the pooled ``Σ q qᵀ``, the
-    summed sink key, the query energy along each sequence's sink key, and score sums, the scores read from
-    ``hook_attn_scores`` or, where ``method`` reads queries and keys (:class:`~sinklens.analysis.qk_attention.QKPlan`),
-    made from them a chunk of queries at a time."""
+    """Streams per layer × head the pooled ``Σ q qᵀ``, the summed sink key, the query energy along each sequence's
+    sink key and score sums (from ``hook_attn_scores``, or from queries and keys by ``method``)."""
 
     statistics = ("gram", "key_sum", "along", "total", "pos_sink", "pos_other", "sum_sink", "sum_other",
                   "cnt_sink", "cnt_other")

@@ -1,8 +1,5 @@
-"""Value drain: does a sink head's attention to the sink *write* anything into the residual stream?
-
-A sink head whose sink value is (nearly) zero parks attention there and writes little (a **no-op**,
-Bondarenko et al. 2023); one whose sink value carries a signal **broadcasts** it (:class:`ValueDrain`).
-"""
+"""Value drain: a sink head whose sink value is (nearly) zero parks attention there and writes little (a
+**no-op**, Bondarenko et al. 2023); one whose sink value carries a signal **broadcasts** it (:class:`ValueDrain`)."""
 
 from __future__ import annotations
 
@@ -37,10 +34,9 @@ NUMBERS = ("attn_sink", "attn_other", "write_sink", "write_other", "write_share"
 
 @dataclass(frozen=True)
 class ValueDrainSettings:
-    """Settings of a value-drain analysis: a head is a sink head when ``attn_sink >= sink_head_threshold`` (Gu
-    et al.'s ``ε`` as default, but pooled over sequences, sink query left out); a sink head is ``"no-op"`` when
-    ``write_share < no_op_share``, ``"broadcast"`` when ``write_share >= broadcast_share``, else ``"partial"``.
-    ``method``: where attention is read, as ``SinkSettings.method``."""
+    """A sink head has ``attn_sink >= sink_head_threshold`` (default Gu et al.'s ``ε``, but pooled over sequences,
+    sink query left out); it is ``"no-op"`` when ``write_share < no_op_share``, ``"broadcast"`` when
+    ``write_share >= broadcast_share``, else ``"partial"``. ``method`` as ``SinkSettings.method``."""
 
     sink_position: int = 0
     sink_head_threshold: float = SINK_THRESHOLD
@@ -66,19 +62,17 @@ class ValueDrain(SettingsFields, CompactRepr):
     """Per layer × head: attention to the sink ``p`` against what the sink writes.
 
     Key ``k`` writes ``write[b, q, k] = A[b, h, q, k] · ‖C(v_k W_O[l, h]) ⊙ g‖ / s[b, q]`` into query ``q`` in
-    residual units: ``A`` is ``hook_pattern`` (or from queries and keys, same numbers), ``v_k`` is ``hook_v``
-    (key/value head ``h // r``); with a post-attention norm ``g`` is its gain and ``s`` its ``hook_scale``
-    (:mod:`~sinklens.analysis.post_attention`; ``C`` centres on a post-LN model), else ``g = s = 1``; on a
-    SinkLM variant with output ``c[q, h] · (γ[h] ⊙ z)`` ``W_O`` becomes ``diag(γ[h]) W_O`` and ``1/s`` ``|c|/s``.
+    residual units: ``A`` from ``hook_pattern`` (or queries and keys), ``v_k`` from ``hook_v`` (kv head ``h // r``);
+    ``g``/``s``: a post-attention norm's gain and ``hook_scale`` (``C`` centres on post-LN), else 1; on a SinkLM
+    variant with output ``c[q, h] · (γ[h] ⊙ z)``, ``W_O`` becomes ``diag(γ[h]) W_O`` and ``1/s`` ``|c|/s``.
     The counted queries ``Q`` are the real ``q != p`` that see the sink in that layer.
 
     Attributes:
         attn_sink / write_sink: mean over ``Q`` of ``A[q, p]`` / ``write[q, p]``; attn_other / write_other:
             mean over the pairs (``q`` in ``Q``, visible real ``k != p``).
         write_share: ``Σ_Q write[q, p] / Σ_Q Σ_k write[q, k]``, the sink's share of the head's write.
-        value_norm_sink / value_norm_other: mean ``‖v‖`` of the sink / the other real keys; out_norm_*: of
-            ``‖v W_O‖`` (before any norm or variant).
-        n_queries: ``|Q|`` per layer; post_norm_layers: layers mapped through a post-attention norm.
+        value_norm_* / out_norm_*: mean ``‖v‖`` / ``‖v W_O‖`` (before any norm) of the sink / other real keys.
+        n_queries: ``|Q|`` per layer.
     """
 
     attn_sink: Float[Tensor, "layer head"]
@@ -139,9 +133,8 @@ class ValueDrain(SettingsFields, CompactRepr):
 
 
 def value_drain_reason(model: Any) -> str | None:
-    """Why value drain cannot be measured on ``model``, or None: a key's write is split only where ``W_O`` reads
-    ``hook_z`` or ``c[q, h] · (γ[h] ⊙ z)`` (:func:`~sinklens.hooks.head_output_gain`), not after an element-wise
-    gate."""
+    """Why value drain cannot be measured on ``model``, or None: ``W_O`` must read ``hook_z`` or
+    ``c[q, h] · (γ[h] ⊙ z)`` (:func:`~sinklens.hooks.head_output_gain`), not an element-wise gated output."""
     site = head_output_site(model)
     bad = [] if site == Z else [layer for layer in range(model_dims(model).n_layers)
                                 if head_output_gain(model, layer) is None]
@@ -165,8 +158,8 @@ def _quad_norm(v: Float[Tensor, "batch key head d_head"], gram: Float[Tensor, "h
 
 
 class ValueDrainReducer(Reducer[ValueDrain]):
-    """Streams ``hook_v``, the attention, any post-attention norm's ``hook_scale`` and a SinkLM variant's ``hook_z``
-    and output site into per-layer float64 sums; a layer is folded once all its hooks have fired."""
+    """Streams ``hook_v``, the attention, any ``hook_scale`` and a SinkLM variant's ``hook_z`` and output site into
+    per-layer float64 sums; a layer is folded once all its hooks have fired."""
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None,
                  settings: ValueDrainSettings = ValueDrainSettings()):
