@@ -10,11 +10,11 @@ import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from sinklens.analysis._common import TINY, SettingsFields, layer_head_position_rows, position_index
+from sinklens.analysis._common import TINY, SettingsFields, layer_head_position_rows
 from sinklens.display import CompactRepr, StructuralEq
 from sinklens.export import to_json
 from sinklens.options import ATTENTION_METHODS, SINK_THRESHOLD, AttentionMethod
-from sinklens.validate import choice, finite_number, positive_int
+from sinklens.validate import choice, finite_number, index, positive_int
 
 RateMethod = Literal["gu", "sinklens", "mean"]
 
@@ -38,16 +38,15 @@ class SinkSettings:
     """The settings of one sink analysis (:class:`SinkResult`).
 
     Attributes:
-        sink_threshold: Gu et al.'s ``ε``: head ``(l, h)`` is a sink head for key ``k`` in a sequence if its
-            mean attention to ``k`` exceeds it (in (0, 1)).
-        min_query: queries before it are not counted in ``received`` and sinklens' rate (1: a decoder's query
-            0 gives key 0 weight 1 by construction; use 0 for an encoder).
-        min_query_count / min_query_share: a position is a sink candidate (and a token occurrence counts) only
-            with this many counted queries per sequence and this share of the best-seen position's.
+        sink_threshold: Gu et al.'s ``ε`` in (0, 1): head ``(l, h)`` is a sink head for key ``k`` in a sequence
+            if its mean attention to ``k`` exceeds it.
+        min_query: queries before it are not counted in ``received`` and sinklens' rate (1: a decoder's query 0
+            gives key 0 weight 1 by construction; 0 for an encoder).
+        min_query_count / min_query_share: a sink candidate (and a counted token occurrence) needs this many
+            counted queries per sequence and this share of the best-seen position's.
         min_head_share / outlier_factor: the thresholds of :meth:`SinkResult.detect_sinks`.
-        top_k: how many single occurrences at positions >= 1 to keep.
-        method: read ``hook_pattern`` (``"pattern"``) or queries and keys (``"qk"``, same numbers, memory linear
-            in the length); ``"auto"``: ``"qk"`` above :data:`~sinklens.analysis.qk_attention.QK_ABOVE` tokens.
+        method: ``"pattern"`` reads ``hook_pattern``, ``"qk"`` queries and keys (same numbers, memory linear in
+            the length); ``"auto"``: ``"qk"`` above :data:`~sinklens.analysis.qk_attention.QK_ABOVE` tokens.
     """
 
     sink_threshold: float = SINK_THRESHOLD
@@ -86,9 +85,8 @@ class TokenSinkStats(CompactRepr):
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per token id, sorted by ``mean_received`` (highest first)."""
-        return [{"token_id": int(self.token_ids[i]), "token": self.tokens[i], "count": int(self.count[i]),
-                 "mean_received": float(self.mean_received[i]), "max_received": float(self.max_received[i]),
-                 "mean_head_share": float(self.mean_head_share[i])}
+        return [{"token_id": int(self.token_ids[i]), "token": self.tokens[i], "count": int(self.count[i])}
+                | {n: float(getattr(self, n)[i]) for n in ("mean_received", "max_received", "mean_head_share")}
                 for i in torch.argsort(self.mean_received, descending=True).tolist()]
 
 
@@ -108,11 +106,10 @@ class SinkOccurrence(StructuralEq):
 class SinkResult(SettingsFields, CompactRepr):
     """Where attention sinks are, how strong, and which tokens they sit on.
 
-    Key ``k`` is seen by query ``q`` per the model's layout (:mod:`sinklens.visibility`; padding never counts).
-    ``α_b[l, h, k]`` is the mean attention ``k`` gets in sequence ``b`` from the queries ``q >= min_query`` that
-    see it; Gu et al.'s ``α^Gu_b`` from every one, its own included (their ``compute_attention_sink``). The
-    sink rate of ``k`` is the share of (sequence, layer, head) with ``α > sink_threshold``
-    (:data:`RATE_DEFINITIONS`). The fields of ``settings`` (:class:`SinkSettings`) also read as attributes.
+    ``α_b[l, h, k]`` is the mean attention key ``k`` gets in sequence ``b`` from the real queries ``q >= min_query``
+    that see it (:mod:`sinklens.visibility`); Gu et al.'s ``α^Gu_b`` from every one, its own included. The sink
+    rate of ``k`` is the share of (sequence, layer, head) with ``α > sink_threshold`` (:data:`RATE_DEFINITIONS`).
+    The fields of ``settings`` (:class:`SinkSettings`) also read as attributes.
 
     Attributes:
         received: mean attention key ``k`` receives from the counted queries, pooled over sequences (NaN where
@@ -152,23 +149,20 @@ class SinkResult(SettingsFields, CompactRepr):
 
     def position_index(self, position: int) -> int:
         """Index of a measured key position (negatives count from the end)."""
-        return position_index(position, self.received.shape[-1])
+        return index(position, self.received.shape[-1], what="position")
 
     def head_is_sink(self, sink_threshold: float | None = None, *,
                      method: RateMethod = "gu") -> Float[Tensor, "layer head key_pos"]:
-        """Per (layer, head, key) sink rate: :attr:`gu_seq_sink_frac` (``"gu"``) or :attr:`seq_sink_frac`
-        (``"sinklens"``) at the run's threshold; ``"mean"``: 1.0 where ``received > sink_threshold`` (any)."""
+        """Per (layer, head, key) sink rate: ``"gu"``/``"sinklens"``: (gu_)seq_sink_frac at the run's threshold;
+        ``"mean"``: 1.0 where ``received > sink_threshold`` (any)."""
         method = choice(method, ("gu", "sinklens", "mean"), what="method")
         if method == "mean":
             threshold = self.sink_threshold if sink_threshold is None else _check_threshold(sink_threshold)
             return (torch.nan_to_num(self.received, nan=0.0) > threshold).float()
         if sink_threshold is not None and not math.isclose(_check_threshold(sink_threshold), self.sink_threshold):
-            raise ValueError(f"Per-sequence (Gu et al.) sink indicators were recorded at sink_threshold="
-                             f"{self.sink_threshold}, not {sink_threshold}; pass method='mean' (threshold the pooled "
-                             f"mean) or re-run find_sinks(..., sink_threshold={sink_threshold}).")
-        if method == "gu" and self.gu_seq_sink_frac is not None:
-            return self.gu_seq_sink_frac
-        return self.seq_sink_frac
+            raise ValueError(f"Per-sequence sink indicators were recorded at sink_threshold={self.sink_threshold}, "
+                             f"not {sink_threshold}; pass method='mean' or re-run find_sinks(..., sink_threshold=...).")
+        return self.gu_seq_sink_frac if method == "gu" and self.gu_seq_sink_frac is not None else self.seq_sink_frac
 
     def sink_rate_by_layer(self, sink_threshold: float | None = None, position: int = 0, *,
                            method: RateMethod = "gu") -> Float[Tensor, " layer"]:
@@ -208,9 +202,8 @@ class SinkResult(SettingsFields, CompactRepr):
 
     def detect_sinks(self, *, min_head_share: float | None = None, outlier_factor: float | None = None,
                      method: RateMethod = "sinklens") -> list[int]:
-        """Candidate positions (:attr:`candidates`) whose sink rate (:meth:`sink_rate_by_position`) is at least
-        ``min_head_share`` or whose :meth:`outlier_ratio` is at least ``outlier_factor`` (None: the run's).
-        Uniform attention over ``T`` keys gives position 0 a ratio of about 2 (``ln(T)/T`` against ``1.4/T``)."""
+        """:attr:`candidates` whose :meth:`sink_rate_by_position` >= ``min_head_share`` or :meth:`outlier_ratio` >=
+        ``outlier_factor`` (None: the run's); uniform attention over ``T`` keys gives position 0 a ratio of ~2."""
         share = self.min_head_share if min_head_share is None else finite_number(
             min_head_share, what="min_head_share", low=0.0, high=1.0, low_open=True)
         factor = self.outlier_factor if outlier_factor is None else finite_number(

@@ -1,9 +1,6 @@
-"""Value-aggregation variance: why the first token's head output stands out.
-
-A head's output is ``z_t = Σ_{j<=t} A_tj v_j``; with values independent across positions (variance ``σ_v²``),
-``E|z_t − μ|² / d_head = σ_v² · E[Σ_j A_tj²]``, ``σ_v² / (t + 1)`` under uniform attention: the first token
-keeps the full variance of one value (:class:`VarianceResult`).
-"""
+"""Value-aggregation variance: with values independent across positions (variance ``σ_v²``), a head's output
+``z_t = Σ_j A_tj v_j`` has ``E|z_t − μ|² / d_head = σ_v² · E[Σ_j A_tj²]``, ``σ_v² / (t + 1)`` under uniform
+attention, so the first token keeps the full variance of one value (:class:`VarianceResult`)."""
 
 from __future__ import annotations
 
@@ -16,7 +13,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import layer_head_position_rows, position_index, run_analyzer
+from sinklens.analysis._common import layer_head_position_rows, run_analyzer
 from sinklens.analysis.post_attention import attention_output_grams, post_attention_scale_hooks
 from sinklens.analysis.qk_attention import qk_hooks, qk_plan
 from sinklens.display import CompactRepr
@@ -27,7 +24,7 @@ from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import AttentionMethod, RunOptions
 from sinklens.residual_sites import attention_write_hooks
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow, per_layer_hooks
-from sinklens.validate import choice
+from sinklens.validate import choice, index
 from sinklens.visibility import attention_visibility
 
 Site = Literal["z", "z_seq", "result", "result_pre_norm", "attn_out", "feature_std", "feature_std_head"]
@@ -60,18 +57,14 @@ class VarianceResult(CompactRepr):
     """Variance of head outputs by position, with its predictions (``Σx²/n − (Σx/n)²`` in float64, clamped at 0).
 
     Attributes:
-        z_var: ``mean_c mean_{b valid at t} (z[b, t, h, c] − m[l, h, c])²``, ``z`` = ``hook_z``, ``m`` its mean
-            over all valid (sequence, position) pairs (which makes the law exact); z_var_seq: around the
-            per-position mean instead (both ``1/n``).
-        result_var: the same for the head's write ``z_h W_O[l, h]`` where it reaches the stream (through any
-            post-attention norm, over ``d_model``; ``z_h`` read at ``output_site``); result_var_pre_norm: before
-            that norm; attn_out_var: for the attention's whole write.
-        value_var: ``σ_v²`` per (layer, head) from ``hook_v`` over all valid positions (key/value head ``h // r``);
-            attn_sq: mean over sequences of ``Σ_j A_tj²``.
+        z_var: ``mean_c mean_{b valid at t} (z[b, t, h, c] − m[l, h, c])²``, ``z`` = ``hook_z``, ``m`` its mean over
+            all valid (sequence, position) pairs (which makes the law exact); z_var_seq: around the per-position mean.
+        result_var: the same for the head's write ``z_h W_O[l, h]`` (``z_h`` at ``output_site``) where it reaches the
+            stream, through any post-attention norm; result_var_pre_norm: before it; attn_out_var: whole attention.
+        value_var: ``σ_v²`` per (layer, head) from ``hook_v`` (kv head ``h // r``), over valid positions; attn_sq:
+            mean_b ``Σ_j A_tj²``.
         counts: sequences valid at each position (positions with none are NaN elsewhere).
-        feature_std: Li et al.'s measure as their code computes it (:data:`SOURCES`; ``hook_z`` flattened
-            head-major); feature_std_head (ours): per head.
-        post_norm_layers: the analysed layers whose heads pass through a post-attention norm.
+        feature_std: Li et al.'s measure as their code computes it (:data:`SOURCES`); feature_std_head (ours): per head.
     """
 
     z_var: Float[Tensor, "layer head pos"]
@@ -103,7 +96,7 @@ class VarianceResult(CompactRepr):
 
     def position_index(self, position: int) -> int:
         """Index of a measured position (negatives count from the end) that some sequence reached."""
-        idx = position_index(position, self.counts.shape[0])
+        idx = index(position, self.counts.shape[0], what="position")
         if self.counts[idx] <= 0:
             raise InvalidArgumentError(f"position {position} is out of range: no sequence reached it.")
         return idx
@@ -259,15 +252,11 @@ class VarianceReducer(Reducer[VarianceResult]):
             self.r_s2[row, :, :n] += ((zg * z).sum(-1) * w32[..., None]).sum(0).T.double()
             # Li et al.'s torch.std in two passes, so a large common mean cannot cancel the spread: a token's sum of
             # squares about its mean = the heads' own + d_head × (head mean − token mean)².
-            d, big = z.shape[-1], z.shape[-1] * z.shape[-2]
-            head_mean = z.mean(-1, keepdim=True)  # [b, t, head, 1]
-            within = (z - head_mean).square().sum(-1)  # [b, t, head]
-            head_mean = head_mean.squeeze(-1)
+            d, head_mean = z.shape[-1], z.mean(-1)  # [b, t, head]
+            within = (z - head_mean[..., None]).square().sum(-1)  # [b, t, head]
             between = (head_mean - head_mean.mean(-1, keepdim=True)).square().sum(-1) * d  # [b, t]
-            std_head = (within / (d - 1)).sqrt()
-            std_all = ((within.sum(-1) + between) / (big - 1)).sqrt()
-            self.fs_head[row, :, :n] += (std_head.double() * w[..., None]).sum(0).T
-            self.fs_all[row, :n] += (std_all.double() * w).sum(0)
+            self.fs_head[row, :, :n] += ((within / (d - 1)).sqrt().double() * w[..., None]).sum(0).T
+            self.fs_all[row, :n] += (((within.sum(-1) + between) / (d * z.shape[-2] - 1)).sqrt().double() * w).sum(0)
             if layer in self.post_norm:
                 waiting[layer] = z.clone()
 
