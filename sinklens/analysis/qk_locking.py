@@ -168,11 +168,7 @@ class QKLockingReducer(Reducer[QKLocking]):
         hooks = per_layer_hooks(self.q_site, self.layers, fold_q) + per_layer_hooks(self.k_site, self.layers, fold_k)
         if not from_qk:
             hooks += per_layer_hooks(SCORES, self.layers, lambda act, layer: fold_scores(layer, lambda rows: act[:, :, rows], n))
-        return BatchFold(hooks, state=pending)
-
-    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
-        if fold.state:
-            raise RuntimeError(f"Query/key hooks did not both run for {sorted(fold.state)} in this forward.")
+        return BatchFold(hooks)
 
     def result(self) -> QKLocking:
         # Many small eigenproblems: one thread is ~10x faster than several on CPU (thread start-up dominates).

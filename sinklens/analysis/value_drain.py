@@ -47,14 +47,12 @@ class ValueDrainSettings:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "sink_position", sink_position_arg(self.sink_position))
-        set_(self, "sink_head_threshold", finite_number(self.sink_head_threshold, what="sink_head_threshold",
-                                                        low=0.0, high=1.0, low_open=True))
-        set_(self, "no_op_share", finite_number(self.no_op_share, what="no_op_share", low=0.0, high=1.0))
-        set_(self, "broadcast_share", finite_number(self.broadcast_share, what="broadcast_share", low=0.0, high=1.0))
+        for name, low_open in (("sink_head_threshold", True), ("no_op_share", False), ("broadcast_share", False)):
+            set_(self, name, finite_number(getattr(self, name), what=name, low=0.0, high=1.0, low_open=low_open))
         set_(self, "method", choice(self.method, ATTENTION_METHODS, what="method"))
         if self.broadcast_share < self.no_op_share:
-            raise InvalidArgumentError(
-                f"broadcast_share={self.broadcast_share} must be >= no_op_share={self.no_op_share}.")
+            raise InvalidArgumentError(f"broadcast_share={self.broadcast_share} must be >= "
+                                       f"no_op_share={self.no_op_share}.")
 
 
 @dataclass(repr=False, eq=False)
@@ -216,7 +214,7 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         sites |= {"z": Z, "out": self.output_site} if transformed else {}
         hooks = [hook for name, site in sites.items() for hook in per_layer_hooks(site, self.layers, keep(name))]
         hooks += bound_hooks(list(self.scale_hooks.values()), self.post_norm, keep("scale"))
-        return BatchFold(hooks, state=waiting)
+        return BatchFold(hooks)
 
     def _fold_layer(self, layer: int, acts: dict[str, Tensor], valid: Tensor) -> None:
         row, p = self.row[layer], self.settings.sink_position
@@ -272,8 +270,6 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         self.n_keys[row] += keys.sum()
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
-        if fold.state:
-            raise RuntimeError(f"Value drain: hooks of layers {sorted(fold.state)} did not all fire in this forward pass.")
         self.n_seq += batch.tokens.shape[0]
 
     def result(self) -> ValueDrain:
