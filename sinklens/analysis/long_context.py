@@ -1,6 +1,5 @@
-"""Sinks as a function of context length: per length ``L``, one sequence of ``L`` tokens (BOS when the model
-prepends one, then the standard library's sources) streamed through :func:`~sinklens.analysis.sinks.find_sinks`'
-reducer with ``method="qk"`` (memory linear in ``L``) and a residual reducer in the same pass."""
+"""Sinks as a function of context length: per length ``L``, one sequence of ``L`` tokens (BOS if the model prepends
+one, then standard-library sources) through the sink reducer (``method="qk"``) and a residual reducer."""
 
 from __future__ import annotations
 
@@ -72,13 +71,11 @@ class ContextPoint:
     """The numbers at one length (``length`` tokens, BOS included).
 
     Attributes:
-        sink_attention: attention position 0 receives, mean over layers, heads and the queries ``q >= 1``.
-        sink_rate: Gu et al.'s sink rate of position 0 (:meth:`~sinklens.analysis.sink_result.SinkResult.sink_rate`).
-        secondary_sinks: candidate positions other than 0 whose sinklens sink rate is at least ``min_head_share``
-            (``position``, ``token``, ``head_share``, layer-head-mean ``received``), by head share, at most ``top``;
+        sink_attention: attention position 0 receives, mean over layers, heads and the queries ``q >= 1``;
+            sink_rate: Gu et al.'s sink rate of position 0.
+        secondary_sinks: the ``top`` candidate positions > 0 by sinklens sink rate (>= ``min_head_share``);
             n_secondary: how many passed.
         residual_sinks: residual ``stream``, ``dim`` massive on a ``share`` > ``most_tokens`` of positions >= 1.
-        seconds: wall time of the forward pass with its reducers.
     """
 
     length: int

@@ -293,9 +293,8 @@ class KeyAttentionReducer(Reducer[Tensor]):
 def attention_to_keys(model: Any, inputs: Inputs | None = None, *, positions: Sequence[int] = (0,),
                       layers: int | Sequence[int] | None = None,
                       options: RunOptions = RunOptions()) -> Float[Tensor, "layer sequence head query position"]:
-    """The attention weight every query pays each key in ``positions``, per layer, sequence and head, read from
-    queries and keys (exactly ``hook_pattern[..., q, positions]``): 0 where the query cannot see the key, NaN at
-    padded queries.
+    """``hook_pattern[..., q, positions]`` per layer, sequence and head, from queries and keys: 0 where the query
+    cannot see the key, NaN at padded queries.
 
     Examples:
         >>> from sinklens.testing import tiny_model

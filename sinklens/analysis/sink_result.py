@@ -61,11 +61,10 @@ class SinkSettings:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "sink_threshold", _check_threshold(self.sink_threshold))
-        set_(self, "min_query", positive_int(self.min_query, what="min_query", minimum=0))
-        set_(self, "min_query_count", positive_int(self.min_query_count, what="min_query_count"))
+        for name, minimum in (("min_query", 0), ("min_query_count", 1), ("top_k", 0)):
+            set_(self, name, positive_int(getattr(self, name), what=name, minimum=minimum))
         set_(self, "min_head_share", finite_number(self.min_head_share, what="min_head_share", low=0.0, high=1.0, low_open=True))
         set_(self, "outlier_factor", finite_number(self.outlier_factor, what="outlier_factor", low=1.0, low_open=True))
-        set_(self, "top_k", positive_int(self.top_k, what="top_k", minimum=0))
         set_(self, "min_query_share", finite_number(self.min_query_share, what="min_query_share", low=0.0, high=1.0))
         set_(self, "method", choice(self.method, ATTENTION_METHODS, what="method"))
 

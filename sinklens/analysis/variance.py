@@ -94,13 +94,6 @@ class VarianceResult(CompactRepr):
         t = torch.arange(self.z_var.shape[-1], dtype=self.z_var.dtype, device=self.z_var.device)
         return self.value_var[:, :, None] / (t + 1)
 
-    def position_index(self, position: int) -> int:
-        """Index of a measured position (negatives count from the end) that some sequence reached."""
-        idx = index(position, self.counts.shape[0], what="position")
-        if self.counts[idx] <= 0:
-            raise InvalidArgumentError(f"position {position} is out of range: no sequence reached it.")
-        return idx
-
     def variance(self, of: Site = "z") -> Tensor:
         """The measured per-position spread at one site (``of``: the field name without ``_var``)."""
         sites = {"z": self.z_var, "z_seq": self.z_var_seq, "result": self.result_var,
@@ -131,25 +124,23 @@ class VarianceResult(CompactRepr):
         """One row per (layer, head): every discrepancy ratio at ``position``, the preservation ratio,
         ``value_var``, and ``sources`` naming where each definition comes from."""
         ratio = partial(self.discrepancy, position)
-        z, res, out = ratio(of="z"), ratio(of="result"), ratio(of="attn_out")
-        std_head, std_all = ratio(of="feature_std_head"), ratio(of="feature_std")
-        pred, unif = self.ratio_of(self.pred_pattern, position), self.ratio_of(self.pred_uniform, position)
+        z, res = ratio(of="z"), ratio(of="result")
+        cols = {"discrepancy_z": z, "discrepancy_pred_pattern": self.ratio_of(self.pred_pattern, position),
+                "discrepancy_pred_uniform": self.ratio_of(self.pred_uniform, position), "discrepancy_result": res,
+                "preservation": res / z, "discrepancy_attn_out": ratio(of="attn_out"), "value_var": self.value_var,
+                "feature_std_ratio_head": ratio(of="feature_std_head"), "feature_std_ratio": ratio(of="feature_std")}
         sources = {"discrepancy_z": SOURCES["z_var"], "discrepancy_result": SOURCES["result_var"],
                    "feature_std_ratio": SOURCES["feature_std"], "feature_std_ratio_head": SOURCES["feature_std_head"]}
-        return [
-            {"layer": layer, "head": h, "position": position, "discrepancy_z": float(z[i, h]),
-             "discrepancy_pred_pattern": float(pred[i, h]), "discrepancy_pred_uniform": float(unif[i, h]),
-             "discrepancy_result": float(res[i, h]), "preservation": float(res[i, h] / z[i, h]),
-             "discrepancy_attn_out": float(out[i]), "value_var": float(self.value_var[i, h]),
-             "feature_std_ratio_head": float(std_head[i, h]), "feature_std_ratio": float(std_all[i]),
-             "sources": sources}
-            for i, layer in enumerate(self.layers) for h in range(self.z_var.shape[1])
-        ]
+        return [{"layer": layer, "head": h, "position": position}  # [layer] columns: the same for every head
+                | {k: float(v[i, h] if v.dim() == 2 else v[i]) for k, v in cols.items()} | {"sources": sources}
+                for i, layer in enumerate(self.layers) for h in range(self.z_var.shape[1])]
 
     def ratio_of(self, var: Float[Tensor, "*lead pos"], position: int = 0) -> Float[Tensor, "*lead"]:
         """``var`` at ``position`` over its mean over the valid positions ``t >= 1``, ``t != position``,
         weighted by how many sequences reach each (the discrepancy ratio of any per-position variance)."""
-        idx = self.position_index(position)
+        idx = index(position, self.counts.shape[0], what="position")
+        if self.counts[idx] <= 0:
+            raise InvalidArgumentError(f"position {position} is out of range: no sequence reached it.")
         rest = [t for t in range(1, self.counts.shape[0]) if t != idx and self.counts[t] > 0]
         if not rest:
             raise InvalidArgumentError("Need at least one valid position >= 1 besides the chosen one to compare with.")
@@ -325,9 +316,7 @@ def measure_variance(model: Any, inputs: Inputs | None = None, *, layers: int | 
 
     Examples:
         >>> from sinklens.testing import tiny_model
-        >>> from sinklens.inputs import random_token_batches
-        >>> model = tiny_model()
-        >>> result = measure_variance(model, random_token_batches(model, n_sequences=8, seq_len=6),
+        >>> result = measure_variance(tiny_model(), ["t5 t6 t7 t8 t9", "t3 t4 t5 t6 t7"],
         ...                           options=RunOptions(progress=False))
         >>> result.z_var.shape, result.discrepancy(0).shape
         (torch.Size([2, 4, 6]), torch.Size([2, 4]))
