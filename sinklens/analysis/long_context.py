@@ -53,8 +53,7 @@ class MassiveShareReducer(Reducer[Tensor]):
             if self.abs_threshold is not None:
                 massive = massive & (x.abs() > self.abs_threshold)
             if self.rel_threshold is not None:
-                med = sequence_median_abs(x, lengths)
-                massive = massive & (x.abs() > (self.rel_threshold * med)[:, None, None])
+                massive = massive & (x.abs() > (self.rel_threshold * sequence_median_abs(x, lengths))[:, None, None])
             self.hits[i] += massive.sum(dim=(0, 1)).double()
 
         return BatchFold(bound_hooks(self.hooks, range(len(self.hooks)), fold), state=later)

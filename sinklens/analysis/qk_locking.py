@@ -96,8 +96,7 @@ class QKLockingReducer(Reducer[QKLocking]):
         reason = qk_locking_reason(model)
         if reason is not None:
             raise UnsupportedArchitectureError(f"Query-key locking is not supported for this model: {reason}.")
-        rotary = hook_name(self.layers[0], ROT_Q) in model.hook_dict
-        self.q_site, self.k_site = (ROT_Q, ROT_K) if rotary else (Q, K)
+        self.q_site, self.k_site = (ROT_Q, ROT_K) if hook_name(self.layers[0], ROT_Q) in model.hook_dict else (Q, K)
         self.plan = qk_plan(model, self.layers, method)
         self.device = model_device(model)
         self.visibility = attention_visibility(model)

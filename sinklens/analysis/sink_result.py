@@ -115,8 +115,8 @@ class SinkResult(SettingsFields, CompactRepr):
             none); n_queries: the (sequence, query) pairs in it (``n_queries_by_layer``: per layer).
         seq_sink_frac / gu_seq_sink_frac: share of the sequences reaching ``k`` in which ``α_b`` / ``α^Gu_b``
             ``> sink_threshold``; n_sequences_at: those sequences.
-        first_tokens / later_tokens: token statistics at position 0 / at positions >= 1.
-        top_occurrences: the highest single occurrences at positions >= 1, best first.
+        first_tokens / later_tokens: token statistics at position 0 / >= 1; top_occurrences: the highest single
+            occurrences at positions >= 1, best first.
         unattended: ``[layer, head]`` mean over real queries of ``1 - Σ_k pattern[q, k]`` over visible real keys.
         virtual_sink: ``unattended`` when the model has learned sink logits (gpt-oss ``sinks``) or its rows fall
             short of 1 (by more than ``1e-5``, or twice the eps of a 16-bit dtype); None otherwise.
@@ -191,8 +191,7 @@ class SinkResult(SettingsFields, CompactRepr):
         return torch.nan_to_num(self.received, nan=0.0).mean(dim=(0, 1))
 
     def outlier_ratio(self) -> Float[Tensor, " key_pos"]:
-        """Layer-head-mean received attention of each position divided by its median over the
-        candidate positions (NaN for positions that are not candidates)."""
+        """:meth:`mean_received` of each position over its median over the :attr:`candidates` (NaN elsewhere)."""
         profile, cands = self.mean_received(), self.candidates
         out = torch.full_like(profile, float("nan"))
         if cands:

@@ -11,7 +11,7 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import SettingsFields, check_sink_position, row_index, run_analyzer, sink_position_arg
+from sinklens.analysis._common import SettingsFields, check_sink_position, run_analyzer, sink_position_arg
 from sinklens.analysis.post_attention import attention_output_grams, post_attention_scale_hooks
 from sinklens.analysis.qk_attention import attention_columns, qk_plan, queries_and_keys
 from sinklens.display import CompactRepr
@@ -95,10 +95,6 @@ class ValueDrain(SettingsFields, CompactRepr):
         return [["none" if not is_sink else "no-op" if x < s.no_op_share else "broadcast" if x >= s.broadcast_share
                  else "partial" for is_sink, x in zip(sink_row, share_row)] for sink_row, share_row in zip(sink, share)]
 
-    def kind(self, layer: int, head: int) -> str:
-        """The class of one head."""
-        return self.kinds()[row_index(self.layers, layer)][head]
-
     def heads(self, kind: Kind) -> list[tuple[int, int]]:
         """``(layer, head)`` pairs of one class, in layer-then-head order."""
         kind = choice(kind, KINDS, what="kind")
@@ -172,14 +168,12 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         self.visibility = attention_visibility(model)
         self.scale_hooks = post_attention_scale_hooks(model, self.layers)
         self.post_norm = list(self.scale_hooks)
-        # ‖v W_O[h]‖² = v G vᵀ with G = W_O[h] W_O[h]ᵀ; in residual units W_O[h] diag(g) takes W_O[h]'s place.
         gram, gram_res = attention_output_grams(model, self.layers)  # [layer, head, d_head, d_head], float64
         self.gram = gram.to(self.device).float()
-        # A SinkLM variant's head output is c[q, h] · (γ[h] ⊙ z): a key's write goes through diag(γ[h]) W_O[h].
         self.output_site = head_output_site(model)
         gain = torch.stack([head_output_gain(model, layer) for layer in self.layers]).to(self.device, torch.float64)
         self.gain = gain.float()  # [layer, head, d_head]
-        self.gram_res = (gram_res.to(self.device) * gain[..., :, None] * gain[..., None, :]).float()
+        self.gram_res = (gram_res.to(self.device) * gain[..., :, None] * gain[..., None, :]).float()  # diag(γ) G diag(γ)
         self.reset()
 
     statistics = ("sums", "n_q", "n_pairs", "n_keys", "n_seq")

@@ -106,11 +106,6 @@ class VarianceResult(CompactRepr):
         uniform attention over ``T`` positions already gives about ``T / ln T`` at 0 (:attr:`pred_uniform`)."""
         return self.ratio_of(self.variance(of), position)
 
-    def preservation(self, position: int = 0) -> Float[Tensor, "layer head"]:
-        """``discrepancy(of="result") / discrepancy(of="z")``: 1 = the output projection (and post-norm) keeps
-        the position's excess variance, < 1 shrinks it, > 1 amplifies it."""
-        return self.discrepancy(position, of="result") / self.discrepancy(position, of="z")
-
     def rows(self) -> list[dict[str, Any]]:
         """Long format, one row per (layer, head, position) with every measured and predicted number."""
         columns = {"count": ("pos", self.counts), "value_var": ("layer head", self.value_var),
@@ -121,8 +116,8 @@ class VarianceResult(CompactRepr):
         return layer_head_position_rows(self.layers, *self.z_var.shape[1:], columns)
 
     def summary_rows(self, position: int = 0) -> list[dict[str, Any]]:
-        """One row per (layer, head): every discrepancy ratio at ``position``, the preservation ratio,
-        ``value_var``, and ``sources`` naming where each definition comes from."""
+        """One row per (layer, head): every discrepancy ratio at ``position``, ``value_var`` and their ``sources``;
+        ``preservation`` = result / z ratio (1: ``W_O`` and any post-norm keep the position's excess variance)."""
         ratio = partial(self.discrepancy, position)
         z, res = ratio(of="z"), ratio(of="result")
         cols = {"discrepancy_z": z, "discrepancy_pred_pattern": self.ratio_of(self.pred_pattern, position),
