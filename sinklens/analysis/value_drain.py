@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, get_args
 
 import torch
@@ -137,15 +138,6 @@ def value_drain_reason(model: Any) -> str | None:
             "key's write is not split by this analysis")
 
 
-def _output_scale(z: Float[Tensor, "batch pos head d_head"], out: Float[Tensor, "batch pos head d_head"],
-                  gain: Float[Tensor, "head d_head"]) -> Float[Tensor, "batch pos head"]:
-    """``c`` with ``out = c · (γ ⊙ z)`` per (batch, token, head): the least-squares fit ``⟨out, γz⟩ / ‖γz‖²``,
-    exact for a transform of that form; 0 where ``γ ⊙ z`` is 0 (the head wrote nothing there)."""
-    gz = z * gain
-    den = gz.square().sum(-1)
-    return torch.where(den > 0, (out * gz).sum(-1) / den.clamp(min=torch.finfo(den.dtype).tiny), torch.zeros_like(den))
-
-
 def _quad_norm(v: Float[Tensor, "batch key head d_head"], gram: Float[Tensor, "head d_head d_head"]) -> Tensor:
     """``sqrt(v G vᵀ)`` per (batch, key, head): the norm of ``v W`` for ``G = W Wᵀ`` without forming ``v W``."""
     return (torch.einsum("bkhd,hde->bkhe", v, gram) * v).sum(-1).clamp(min=0).sqrt()
@@ -194,20 +186,17 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         needed = {layer: {"v"} | attention | transformed | ({"scale"} if layer in self.post_norm else set())
                   for layer in self.layers}
 
-        def keep(name: str) -> Any:
-            def fold(act: Tensor, layer: int) -> None:
-                got = waiting.setdefault(layer, {})
-                last = set(got) | {name} == needed[layer]  # the layer's last hook: fold now, no need for a copy
-                got[name] = act.detach().to(self.device, torch.float32, copy=not last)  # one device for every statistic
-                if last:
-                    self._fold_layer(layer, waiting.pop(layer), valid)
-
-            return fold
+        def keep(name: str, act: Tensor, layer: int) -> None:
+            got = waiting.setdefault(layer, {})
+            last = set(got) | {name} == needed[layer]  # the layer's last hook: fold now, no need for a copy
+            got[name] = act.detach().to(self.device, torch.float32, copy=not last)  # one device for every statistic
+            if last:
+                self._fold_layer(layer, waiting.pop(layer), valid)
 
         sites = {"v": V, **{site: site for site in attention}}
         sites |= {"z": Z, "out": self.output_site} if transformed else {}
-        hooks = [hook for name, site in sites.items() for hook in per_layer_hooks(site, self.layers, keep(name))]
-        hooks += bound_hooks(list(self.scale_hooks.values()), self.post_norm, keep("scale"))
+        hooks = [hook for name, site in sites.items() for hook in per_layer_hooks(site, self.layers, partial(keep, name))]
+        hooks += bound_hooks(list(self.scale_hooks.values()), self.post_norm, partial(keep, "scale"))
         return BatchFold(hooks)
 
     def _fold_layer(self, layer: int, acts: dict[str, Tensor], valid: Tensor) -> None:
@@ -222,8 +211,11 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         inv_scale = torch.ones(b, 1, n_pos, device=v.device, dtype=v.dtype)  # [b, head, q]: c[q, h] / s[b, q]
         if layer in self.post_norm:
             inv_scale = inv_scale / acts["scale"].reshape(b, 1, n_pos)  # 1 / s[b, q]
-        if transformed:
-            inv_scale = inv_scale * _output_scale(acts["z"], acts["out"], self.gain[row]).transpose(1, 2)
+        if transformed:  # c with out = c · (γ ⊙ z): the exact least-squares fit ⟨out, γz⟩ / ‖γz‖², 0 where γz = 0
+            gz = acts["z"] * self.gain[row]
+            den = gz.square().sum(-1)  # [b, q, head]
+            c = torch.where(den > 0, (acts["out"] * gz).sum(-1) / den.clamp(min=torch.finfo(den.dtype).tiny), 0.0)
+            inv_scale = inv_scale * c.transpose(1, 2)
         pos = torch.arange(n_pos, device=v.device)
         queries = self.visibility.block(layer, pos, pos[p: p + 1])[None, :, 0] & valid & valid[:, p: p + 1]
         queries[:, p] = False  # Q: real queries != p that see the sink
