@@ -117,9 +117,8 @@ def context_sweep(model: Any, lengths: Sequence[int], *, sink_threshold: float =
     if isinstance(lengths, (int, str)) or not len(lengths):
         raise InvalidArgumentError(f"lengths must be a non-empty list of token counts, got {lengths!r}.")
     lengths = [positive_int(n, what="length") for n in lengths]
-    for n in lengths:
-        if not 2 <= n <= n_ctx:
-            raise InvalidArgumentError(f"length {n} is outside 2..{n_ctx}, the model's context (cfg.n_ctx).")
+    if bad := [n for n in lengths if not 2 <= n <= n_ctx]:
+        raise InvalidArgumentError(f"length {bad[0]} is outside 2..{n_ctx}, the model's context (cfg.n_ctx).")
     for name, value in (("min_head_share", min_head_share), ("most_tokens", most_tokens)):
         finite_number(value, what=name, low=0.0, high=1.0, low_open=True)
     head = [bos_token_id(model)] if resolved_bos(model, options.prepend_bos) else []
@@ -134,7 +133,7 @@ def context_sweep(model: Any, lengths: Sequence[int], *, sink_threshold: float =
         sinks, share = run(model, tokens, sinks_r, resid_r, options=options)
         seconds = time.perf_counter() - start
         rates = sinks.sink_rate_by_position(method="sinklens")
-        received = torch.nan_to_num(sinks.received, nan=0.0).mean(dim=(0, 1))
+        received = sinks.mean_received()
         secondary = sorted((k for k in sinks.candidates if k and float(rates[k]) >= min_head_share),
                            key=lambda k: -float(rates[k]))
         residual = [{"stream": resid_r.streams[s], "dim": d, "share": float(share[s, d])}

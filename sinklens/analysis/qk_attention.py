@@ -1,7 +1,6 @@
-"""Exact attention weights from queries and keys, a chunk of queries at a time (memory linear in the length):
-query ``q`` pays key ``k`` ``exp(s_qk - lse_q)``, ``s_qk`` the model's own (scaled, soft-capped) score, ``lse_q`` over
-the keys ``q`` sees (and any sink logit). Rotated queries and keys come from ``hook_rot_q``/``hook_rot_k``, or are
-rotated here from ``hook_cos``/``hook_sin`` where a bridge never runs those (GPT-NeoX)."""
+"""Exact attention weights ``exp(s_qk - lse_q)`` from queries and keys (the model's scaled, soft-capped scores; any
+sink logit in ``lse_q``), a chunk of queries at a time: memory linear in the length. Rotated q/k come from
+``hook_rot_q``/``hook_rot_k``, or are rotated here from ``hook_cos``/``hook_sin`` (GPT-NeoX bridges)."""
 
 from __future__ import annotations
 
@@ -209,9 +208,8 @@ def qk_hooks(sites: Sequence[str], rules: dict[int, ScoreRule], visibility: Visi
 
     def collect(act: Tensor, key: tuple[int, str]) -> None:
         layer, site = key
-        got = pending.setdefault(layer, {})
-        got[site] = act
-        if len(got) == len(sites):
+        pending.setdefault(layer, {})[site] = act
+        if len(pending[layer]) == len(sites):
             q, k = queries_and_keys(pending.pop(layer), sites)
             fold(attention_columns(q, k, rules[layer], visibility, layer, valid, **options), layer)
 

@@ -31,8 +31,7 @@ NUMBERS = ("key_query_energy", "key_pc_cosine", "pc_energy", "pos_share_sink", "
 
 def qk_locking_reason(model: Any) -> str | None:
     """Why query-key locking cannot be measured on ``model`` (rotated q/k never run, scores fired post hoc), or None."""
-    silent = silent_hooks(model, [hook_name(0, ROT_Q), hook_name(0, ROT_K)])
-    if silent:
+    if silent := silent_hooks(model, [hook_name(0, ROT_Q), hook_name(0, ROT_K)]):
         return (f"the model lists {silent} but never runs them, so the rotated queries and keys that make the "
                 "attention scores are not exposed")
     return post_hoc_attention(model)
@@ -182,15 +181,12 @@ class QKLockingReducer(Reducer[QKLocking]):
         cos = torch.einsum("lhi,lhir->lhr", key, top).norm(dim=-1)
         pc_energy = evals[..., -self.n_components :].sum(-1) / evals.sum(-1).clamp_min(TINY)
         cs, co = (torch.where(c > 0, c, float("nan")) for c in (self.cnt_sink, self.cnt_other))
-        return QKLocking(
-            layers=list(self.layers), sink_position=self.sink, n_components=self.n_components,
-            q_site=self.q_site, k_site=self.k_site,
-            key_query_energy=(self.along / self.total.clamp_min(TINY)).float().cpu(),
-            key_pc_cosine=cos.float().cpu(), pc_energy=pc_energy.float().cpu(),
-            pos_share_sink=(self.pos_sink / cs).float().cpu(), pos_share_other=(self.pos_other / co).float().cpu(),
-            mean_score_sink=(self.sum_sink / cs).float().cpu(), mean_score_other=(self.sum_other / co).float().cpu(),
-            n_queries=int(self.cnt_sink.max()),
-        )
+        numbers = dict(key_query_energy=self.along / self.total.clamp_min(TINY), key_pc_cosine=cos, pc_energy=pc_energy,
+                       pos_share_sink=self.pos_sink / cs, pos_share_other=self.pos_other / co,
+                       mean_score_sink=self.sum_sink / cs, mean_score_other=self.sum_other / co)
+        return QKLocking(layers=list(self.layers), sink_position=self.sink, n_components=self.n_components,
+                         q_site=self.q_site, k_site=self.k_site, n_queries=int(self.cnt_sink.max()),
+                         **{name: t.float().cpu() for name, t in numbers.items()})
 
 
 def query_key_locking(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,

@@ -25,7 +25,6 @@ RATE_DEFINITIONS: dict[str, str] = {
           "share of (sequence, layer, head)",
     "sinklens": "sinklens' variant of Gu et al.: the same, but queries before min_query are not counted "
                 "(min_query=1 leaves out key 0's own query, whose weight is 1 by construction)",
-    "mean": "share of (layer, head) whose pooled mean received attention > sink_threshold",
 }
 
 
@@ -103,12 +102,11 @@ class SinkOccurrence(StructuralEq):
 
 @dataclass(repr=False, eq=False)
 class SinkResult(SettingsFields, CompactRepr):
-    """Where attention sinks are, how strong, and which tokens they sit on.
+    """Where attention sinks are, how strong, and which tokens they sit on (``settings``' fields read as attributes).
 
     ``α_b[l, h, k]`` is the mean attention key ``k`` gets in sequence ``b`` from the real queries ``q >= min_query``
     that see it (:mod:`sinklens.visibility`); Gu et al.'s ``α^Gu_b`` from every one, its own included. The sink
     rate of ``k`` is the share of (sequence, layer, head) with ``α > sink_threshold`` (:data:`RATE_DEFINITIONS`).
-    The fields of ``settings`` (:class:`SinkSettings`) also read as attributes.
 
     Attributes:
         received: mean attention key ``k`` receives from the counted queries, pooled over sequences (NaN where

@@ -26,10 +26,9 @@ ROW_SUM_TOLERANCE = 1e-5
 
 def has_sink_logits(model: Any) -> bool:
     """True if the model has learned sink logits: a ``sinks`` parameter (gpt-oss) or a SinkLM ``sink_logit``."""
-    if getattr(getattr(model, "cfg", None), "variant", None) == "sink_logit":
-        return True
     roots = [root for root in (getattr(model, "original_model", None), model) if hasattr(root, "named_parameters")]
-    return any(name.rsplit(".", 1)[-1] == "sinks" for root in roots for name, _ in root.named_parameters())
+    return getattr(getattr(model, "cfg", None), "variant", None) == "sink_logit" or any(
+        name.rsplit(".", 1)[-1] == "sinks" for root in roots for name, _ in root.named_parameters())
 
 
 def _merge_position_tokens(mine: Tensor, theirs: Tensor) -> Tensor:
@@ -126,10 +125,9 @@ class SinkReducer(Reducer[SinkResult]):
             self.gu_hits[row, :, : gu_alpha.shape[2]] += ((gu_alpha > threshold) & (gu_n > 0)).sum(dim=0).double()
             self.shortfall[row] += unattended  # the mass of the real queries' rows that goes to no key they see
 
-        if use_qk:
-            hooks = qk_hooks(self.plan.sites, self.plan.rules, self.attention.visibility, batch.valid, fold_qk, min_query=mq)
-            return BatchFold(hooks, state=state)
-        return BatchFold(per_layer_hooks(PATTERN, self.layers, fold), state=state)
+        hooks = (qk_hooks(self.plan.sites, self.plan.rules, self.attention.visibility, batch.valid, fold_qk, min_query=mq)
+                 if use_qk else per_layer_hooks(PATTERN, self.layers, fold))
+        return BatchFold(hooks, state=state)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         state: _SinkBatch = fold.state

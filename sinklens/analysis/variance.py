@@ -167,11 +167,9 @@ class VarianceResult(CompactRepr):
 
 
 class VarianceReducer(Reducer[VarianceResult]):
-    """Streams ``hook_v``, the attention, ``hook_z`` (and the head output site), the attention write and any
-    post-attention norm's ``hook_scale`` into float64 sums per layer. ``Σ |z W_O|²`` is ``z G zᵀ`` with
-    ``G = W_O W_Oᵀ``; on a post-norm layer ``z`` waits for ``hook_scale`` ``s``, then ``Σ z/s`` and
-    ``Σ |(z/s) M|²`` are kept; ``Σ_j A_tj²`` comes from ``hook_pattern`` or the queries and keys (``method``).
-    """
+    """Streams ``hook_v``, the attention, ``hook_z`` and the output site, the attention write and any
+    ``hook_scale`` into float64 sums per layer: ``Σ |z W_O|² = Σ z G zᵀ`` (``G = W_O W_Oᵀ``); on a post-norm
+    layer ``z`` waits for its scale ``s`` (``Σ z/s``, ``Σ |(z/s) M|²``)."""
 
     statistics = ("z_s1", "z_s2", "out_s1", "r_s2", "zs_s1", "rs_s2", "fs_head", "fs_all", "a_sq", "o_s1", "o_s2", "n",
                   "v_s1", "v_s2", "v_n", "n_seq", "prepend_bos")
