@@ -113,9 +113,8 @@ def method_for_hooks(method: str, extra_hooks: Sequence[tuple[str, Any]]) -> str
 def run_analyzer(model: Any, inputs: Any, reducer: Callable[..., Any], *, where: str, options: Any,
                  kwargs: dict[str, Any] | None = None, settings_cls: type | None = None, settings: Any = None,
                  **reducer_kwargs: Any) -> Any:
-    """Check ``options`` and the inputs before any forward, build ``reducer(model, **reducer_kwargs)`` (``settings=``
-    from ``settings_cls``, ``settings``, ``kwargs``; ``method`` by :func:`method_for_hooks`) and stream it.
-    ``where`` names the public function in errors."""
+    """Check ``options`` and the inputs before any forward, then stream ``reducer(model, **reducer_kwargs)``
+    (``settings`` from ``settings_cls``/``settings``/``kwargs``, ``method`` by :func:`method_for_hooks`)."""
     options = checked_options(options, where)
     if settings_cls is not None:
         settings = settings_from(settings_cls, settings, kwargs or {}, where)

@@ -118,11 +118,10 @@ def rotate(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Tensor) 
 
 @dataclass(repr=False, eq=False)
 class Columns(CompactRepr):
-    """What :func:`attention_columns` returns for one layer of one batch: ``counted`` / ``every``: ``Σ_q weight[b, h,
-    q, k]`` over the real queries ``q >= min_query`` / all real queries that see ``k``, ``n_counted`` / ``n_every``
-    their number; ``to_keys``: ``weight[b, h, q, positions[i]]``; ``unattended``: ``Σ_q (1 - Σ_k weight)`` (the
-    sink logits' mass); ``n_keys``: real keys each query sees; ``aggregated``: ``Σ_k weight · values[b, h, k]``
-    per query; ``squares``: ``Σ_k weight²`` per query."""
+    """One layer's attention columns in one batch: ``counted`` / ``every``: ``Σ_q weight[b, h, q, k]`` over the real
+    queries ``q >= min_query`` / all that see ``k``, ``n_counted`` / ``n_every`` their number; ``to_keys``:
+    ``weight[b, h, q, positions[i]]``; ``unattended``: ``Σ_q (1 - Σ_k weight)`` (sink logits' mass); ``n_keys``:
+    keys each query sees; per query ``aggregated``: ``Σ_k weight · values[..., k]``, ``squares``: ``Σ_k weight²``."""
 
     counted: Float[Tensor, "batch head key"]
     every: Float[Tensor, "batch head key"]

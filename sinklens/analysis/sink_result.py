@@ -233,8 +233,7 @@ class SinkResult(SettingsFields, CompactRepr):
         return "position 0 is the first token of each text (no special token added)"
 
     def summary_rows(self) -> list[dict[str, Any]]:
-        """One row per layer and per position among 0 and the detected sinks: the token there, Gu et al.'s and
-        sinklens' sink rates, and the mean and max over heads of ``received``."""
+        """One row per layer and reported position (0, the sinks): token, both sink rates, mean/max ``received``."""
         rates, own = self.head_is_sink(method="gu"), self.head_is_sink(method="sinklens")
         received = torch.nan_to_num(self.received, nan=0.0)
         return [

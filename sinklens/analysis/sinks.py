@@ -40,9 +40,7 @@ def _merge_position_tokens(mine: Tensor, theirs: Tensor) -> Tensor:
 
 
 @dataclass
-class _SinkBatch:
-    """Per-batch state of :class:`SinkReducer`."""
-
+class _SinkBatch:  # per-batch state of SinkReducer
     q_count: dict[int, Tensor]  # per layer [batch, key]: counted queries per sequence and key
     gu_count: dict[int, Tensor]  # per layer [batch, key]: every query that can see the key (Gu et al.)
     recv: Float[Tensor, "batch key"]  # layer-head-mean α_b, summed over the layers folded so far

@@ -61,8 +61,7 @@ class VarianceResult(CompactRepr):
             all valid (sequence, position) pairs (which makes the law exact); z_var_seq: around the per-position mean.
         result_var: the same for the head's write ``z_h W_O[l, h]`` (``z_h`` at ``output_site``) where it reaches the
             stream, through any post-attention norm; result_var_pre_norm: before it; attn_out_var: whole attention.
-        value_var: ``σ_v²`` per (layer, head) from ``hook_v`` (kv head ``h // r``), over valid positions; attn_sq:
-            mean_b ``Σ_j A_tj²``.
+        value_var: ``σ_v²`` per (layer, head) from ``hook_v`` (kv head ``h // r``); attn_sq: mean_b ``Σ_j A_tj²``.
         counts: sequences valid at each position (positions with none are NaN elsewhere).
         feature_std: Li et al.'s measure as their code computes it (:data:`SOURCES`); feature_std_head (ours): per head.
     """
