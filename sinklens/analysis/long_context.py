@@ -35,13 +35,12 @@ class MassiveShareReducer(Reducer[Tensor]):
         checked = MassiveSettings(abs_threshold=abs_threshold, rel_threshold=rel_threshold)
         dims = model_dims(model)
         self.abs_threshold, self.rel_threshold = checked.abs_threshold, checked.rel_threshold
-        self.streams = resolve_streams(None, dims.n_layers)
-        self.hooks = [stream_hook(s, dims.n_layers) for s in self.streams]
+        self.hooks = [stream_hook(s, dims.n_layers) for s in resolve_streams(None, dims.n_layers)]
         self.d_model, self.device = dims.d_model, model_device(model)
         self.reset()
 
     def reset(self) -> None:
-        self.hits = torch.zeros(len(self.streams), self.d_model, device=self.device, dtype=torch.float64)
+        self.hits = torch.zeros(len(self.hooks), self.d_model, device=self.device, dtype=torch.float64)
         self.n_later = 0.0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
@@ -127,16 +126,16 @@ def context_sweep(model: Any, lengths: Sequence[int], *, sink_threshold: float =
     points = []
     for n in lengths:
         tokens = torch.tensor([head + text[: n - len(head)]])
-        sinks_r, resid_r = SinkReducer(model, settings=settings), MassiveShareReducer(
+        reducers = SinkReducer(model, settings=settings), MassiveShareReducer(
             model, abs_threshold=abs_threshold, rel_threshold=rel_threshold)
         start = time.perf_counter()
-        sinks, share = run(model, tokens, sinks_r, resid_r, options=options)
+        sinks, share = run(model, tokens, *reducers, options=options)
         seconds = time.perf_counter() - start
         rates = sinks.sink_rate_by_position(method="sinklens")
         received = sinks.mean_received()
         secondary = sorted((k for k in sinks.candidates if k and float(rates[k]) >= min_head_share),
                            key=lambda k: -float(rates[k]))
-        residual = [{"stream": resid_r.streams[s], "dim": d, "share": float(share[s, d])}
+        residual = [{"stream": s, "dim": d, "share": float(share[s, d])}
                     for s, d in (share > most_tokens).nonzero().tolist()]
         points.append(ContextPoint(
             length=n, sink_attention=float(received[0]), sink_rate=sinks.sink_rate(position=0),

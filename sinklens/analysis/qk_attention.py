@@ -17,7 +17,7 @@ from torch import Tensor
 from sinklens.analysis._common import run_analyzer
 from sinklens.display import CompactRepr
 from sinklens.errors import UnsupportedArchitectureError
-from sinklens.hooks import K, Q, ROT_K, ROT_Q, expand_kv_heads, hook_name, model_dims, resolve_layers
+from sinklens.hooks import K, Q, ROT_K, ROT_Q, expand_kv_heads, hook_name, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import ATTENTION_METHODS, AttentionMethod, HookFn, RunOptions
 from sinklens.probes import silent_hooks
@@ -254,6 +254,14 @@ def qk_plan(model: Any, layers: Sequence[int], method: AttentionMethod) -> QKPla
         if method == "qk":
             raise
         return QKPlan(method, refused=str(e))
+
+
+def attention_parts(model: Any, layers: int | Sequence[int] | None, method: AttentionMethod
+                    ) -> tuple[list[int], dict[int, int], QKPlan, Visibility, torch.device]:
+    """An attention reducer's resolved ``layers``, their rows, its :class:`QKPlan`, the visibility and the device."""
+    layers = resolve_layers(layers, model_dims(model).n_layers)
+    rows = {layer: i for i, layer in enumerate(layers)}
+    return layers, rows, qk_plan(model, layers, method), attention_visibility(model), model_device(model)
 
 
 class KeyAttentionReducer(Reducer[Tensor]):

@@ -12,18 +12,16 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.analysis._common import TINY, check_sink_position, run_analyzer, sink_position_arg
-from sinklens.analysis.qk_attention import chunk_scores, qk_plan, query_chunk, scaled_heads
+from sinklens.analysis.qk_attention import attention_parts, chunk_scores, query_chunk, scaled_heads
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import (K, Q, ROT_K, ROT_Q, SCORES, expand_kv_heads, hook_name, model_device, model_dims,
-                            resolve_layers)
+from sinklens.hooks import K, Q, ROT_K, ROT_Q, SCORES, expand_kv_heads, hook_name, model_dims
 from sinklens.probes import post_hoc_attention, silent_hooks
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import AttentionMethod, RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
 from sinklens.validate import positive_int
-from sinklens.visibility import attention_visibility
 #: The per-(layer, head) numbers of a :class:`QKLocking`.
 NUMBERS = ("key_query_energy", "key_pc_cosine", "pc_energy", "pos_share_sink", "pos_share_other",
            "mean_score_sink", "mean_score_other")
@@ -89,16 +87,12 @@ class QKLockingReducer(Reducer[QKLocking]):
         n_components = positive_int(n_components, what="n_components")
         if n_components > d.d_head:
             raise InvalidArgumentError(f"n_components must be in [1, {d.d_head}] (d_head), got {n_components}.")
-        self.layers = resolve_layers(layers, d.n_layers)
-        self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.sink, self.n_components, self.n_heads, self.d_head = sink_position_arg(sink_position), n_components, d.n_heads, d.d_head
         reason = qk_locking_reason(model)
         if reason is not None:
             raise UnsupportedArchitectureError(f"Query-key locking is not supported for this model: {reason}.")
+        self.layers, self.row, self.plan, self.visibility, self.device = attention_parts(model, layers, method)
         self.q_site, self.k_site = (ROT_Q, ROT_K) if hook_name(self.layers[0], ROT_Q) in model.hook_dict else (Q, K)
-        self.plan = qk_plan(model, self.layers, method)
-        self.device = model_device(model)
-        self.visibility = attention_visibility(model)
         self.reset()
 
     def reset(self) -> None:

@@ -14,17 +14,15 @@ from torch import Tensor
 
 from sinklens.analysis._common import SettingsFields, check_sink_position, run_analyzer, sink_position_arg
 from sinklens.analysis.post_attention import attention_output_grams, post_attention_scale_hooks
-from sinklens.analysis.qk_attention import attention_columns, qk_plan, queries_and_keys
+from sinklens.analysis.qk_attention import attention_columns, attention_parts, queries_and_keys
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import (PATTERN, V, Z, expand_kv_heads, head_output_gain, head_output_site, model_device,
-                            model_dims, resolve_layers)
+from sinklens.hooks import PATTERN, V, Z, expand_kv_heads, head_output_gain, head_output_site, model_dims
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import ATTENTION_METHODS, SINK_THRESHOLD, AttentionMethod, RunOptions
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
 from sinklens.validate import choice, finite_number
-from sinklens.visibility import attention_visibility
 
 Kind = Literal["no-op", "broadcast", "partial", "none"]
 KINDS: tuple[str, ...] = get_args(Kind)
@@ -153,11 +151,7 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         if reason is not None:
             raise UnsupportedArchitectureError(f"Value drain is not supported for this model: {reason}.")
         self.dims, self.settings = model_dims(model), settings
-        self.layers = resolve_layers(layers, self.dims.n_layers)
-        self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.plan = qk_plan(model, self.layers, settings.method)
-        self.device = model_device(model)
-        self.visibility = attention_visibility(model)
+        self.layers, self.row, self.plan, self.visibility, self.device = attention_parts(model, layers, settings.method)
         self.scale_hooks = post_attention_scale_hooks(model, self.layers)
         self.post_norm = list(self.scale_hooks)
         gram, gram_res = attention_output_grams(model, self.layers)  # [layer, head, d_head, d_head], float64

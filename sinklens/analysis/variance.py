@@ -15,17 +15,16 @@ from torch import Tensor
 
 from sinklens.analysis._common import layer_head_position_rows, run_analyzer
 from sinklens.analysis.post_attention import attention_output_grams, post_attention_scale_hooks
-from sinklens.analysis.qk_attention import qk_hooks, qk_plan
+from sinklens.analysis.qk_attention import attention_parts, qk_hooks
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import PATTERN, V, Z, expand_kv_heads, head_output_site, model_device, model_dims, resolve_layers
+from sinklens.hooks import PATTERN, V, Z, expand_kv_heads, head_output_site, model_dims
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import AttentionMethod, RunOptions
 from sinklens.residual_sites import attention_write_hooks
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow, per_layer_hooks
 from sinklens.validate import choice, index
-from sinklens.visibility import attention_visibility
 
 Site = Literal["z", "z_seq", "result", "result_pre_norm", "attn_out", "feature_std", "feature_std_head"]
 
@@ -175,11 +174,7 @@ class VarianceReducer(Reducer[VarianceResult]):
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None, method: AttentionMethod = "auto"):
         self.model, self.dims = model, model_dims(model)
-        self.layers = resolve_layers(layers, self.dims.n_layers)
-        self.plan = qk_plan(model, self.layers, method)
-        self.visibility = attention_visibility(model)
-        self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.device = model_device(model)
+        self.layers, self.row, self.plan, self.visibility, self.device = attention_parts(model, layers, method)
         self.scale_hooks = post_attention_scale_hooks(model, self.layers)
         self.post_norm = list(self.scale_hooks)
         self.output_site = head_output_site(model)
