@@ -270,11 +270,8 @@ class KeyAttentionReducer(Reducer[Tensor]):
     statistics = ("weights",)
 
     def __init__(self, model: Any, *, positions: Sequence[int] = (0,), layers: int | Sequence[int] | None = None):
-        dims = model_dims(model)
-        self.positions = index_list(positions, dims.n_ctx, what="position", allow_negative=False)
-        self.layers = resolve_layers(layers, dims.n_layers)
-        self.plan = qk_plan(model, self.layers, "qk")
-        self.visibility = attention_visibility(model)
+        self.positions = index_list(positions, model_dims(model).n_ctx, what="position", allow_negative=False)
+        self.layers, _, self.plan, self.visibility, _ = attention_parts(model, layers, "qk")
         self.reset()
 
     def reset(self) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -200,12 +200,10 @@ class SinkResult(SettingsFields, CompactRepr):
                      method: RateMethod = "sinklens") -> list[int]:
         """:attr:`candidates` whose :meth:`sink_rate_by_position` >= ``min_head_share`` or :meth:`outlier_ratio` >=
         ``outlier_factor`` (None: the run's); uniform attention over ``T`` keys gives position 0 a ratio of ~2."""
-        share = self.min_head_share if min_head_share is None else finite_number(
-            min_head_share, what="min_head_share", low=0.0, high=1.0, low_open=True)
-        factor = self.outlier_factor if outlier_factor is None else finite_number(
-            outlier_factor, what="outlier_factor", low=1.0, low_open=True)
+        given = {"min_head_share": min_head_share, "outlier_factor": outlier_factor}
+        s = replace(self.settings, **{k: v for k, v in given.items() if v is not None})  # checked as settings are
         rates, ratio = self.sink_rate_by_position(method=method), torch.nan_to_num(self.outlier_ratio(), nan=0.0)
-        return [k for k in self.candidates if float(rates[k]) >= share or float(ratio[k]) >= factor]
+        return [k for k in self.candidates if float(rates[k]) >= s.min_head_share or float(ratio[k]) >= s.outlier_factor]
 
     sink_positions = property(detect_sinks, doc=":meth:`detect_sinks` with the analysis' thresholds.")
 
