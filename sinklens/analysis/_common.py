@@ -1,5 +1,4 @@
-"""Small helpers shared by the analyzers: sink-position checks, residual-stream indices, row lookup and the
-body every public analyzer shares."""
+"""Helpers shared by the analyzers: sink-position checks, stream indices, row lookup, the common body."""
 
 from __future__ import annotations
 
@@ -15,7 +14,7 @@ from sinklens.hooks import PATTERN, RESID_POST, RESID_PRE, SCORES, hook_name
 from sinklens.inputs import TokenBatch, is_encoder, require_a_later_position
 from sinklens.options import ATTENTION_METHODS, checked_options, settings_from
 from sinklens.streaming import batches_for, stream
-from sinklens.validate import index_list, optional_index_list, positive_int
+from sinklens.validate import optional_index_list, positive_int
 
 #: Floor for denominators (norms, medians) so that an all-zero row gives 0, not NaN.
 TINY = 1e-12
@@ -63,11 +62,6 @@ class SettingsFields:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
 
-def position_index(position: Any, n_positions: int) -> int:
-    """Index of ``position`` (negatives count from the end) among ``n_positions`` measured positions."""
-    return index_list(position, n_positions, what="position")[0]
-
-
 def row_index(labels: Sequence[int], label: int, *, what: str = "Layer") -> int:
     """Row of ``label`` in a result whose rows are ``labels``; a named error if it was not analysed."""
     if label not in labels:
@@ -94,8 +88,8 @@ def layer_head_position_rows(layers: Sequence[int], n_heads: int, n_positions: i
 
 
 def once_per_forward(fold: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
-    """``fold(act, key)`` run on the first call per key only: TransformerLens 3.x runs ``ln1.hook_normalized``
-    once per query/key/value input. Wrap it in ``fwd_hooks`` so each forward starts afresh."""
+    """``fold(act, key)`` on the first call per key only (TransformerLens 3.x runs ``ln1.hook_normalized`` once
+    per q/k/v input); wrap it in ``fwd_hooks`` so each forward starts afresh."""
     seen: set[Any] = set()
 
     def wrapped(act: Any, key: Any) -> None:
@@ -107,8 +101,8 @@ def once_per_forward(fold: Callable[[Any, Any], None]) -> Callable[[Any, Any], N
 
 
 def method_for_hooks(method: str, extra_hooks: Sequence[tuple[str, Any]]) -> str:
-    """``method`` (where attention is read), or ``"pattern"`` where extra hooks edit ``hook_attn_scores`` or
-    ``hook_pattern``, which act after the queries and keys the q/k path reads (an error with ``method="qk"``)."""
+    """``method``, or ``"pattern"`` where extra hooks edit ``hook_attn_scores``/``hook_pattern`` (after the
+    queries and keys the q/k path reads; an error with ``method="qk"``)."""
     edits = [name for name, _ in extra_hooks if name.endswith((SCORES, PATTERN))]
     if edits and method == "qk":
         raise InvalidArgumentError(f"method='qk' reads attention from queries and keys, so the extra hooks on {edits[:2]} "
@@ -119,11 +113,8 @@ def method_for_hooks(method: str, extra_hooks: Sequence[tuple[str, Any]]) -> str
 def run_analyzer(model: Any, inputs: Any, reducer: Callable[..., Any], *, where: str, options: Any,
                  kwargs: dict[str, Any] | None = None, settings_cls: type | None = None, settings: Any = None,
                  **reducer_kwargs: Any) -> Any:
-    """The body every public analyzer shares: check ``options`` and the inputs (every sequence must reach the
-    sink position and some query see it) before any forward, build ``reducer(model, **reducer_kwargs)`` (with
-    ``settings=`` from ``settings_cls``, ``settings`` and ``kwargs``; a ``method`` set by
-    :func:`method_for_hooks`) and stream it. ``where`` names the public function in errors.
-    """
+    """Check ``options`` and the inputs before any forward, then stream ``reducer(model, **reducer_kwargs)``
+    (``settings`` from ``settings_cls``/``settings``/``kwargs``, ``method`` by :func:`method_for_hooks`)."""
     options = checked_options(options, where)
     if settings_cls is not None:
         settings = settings_from(settings_cls, settings, kwargs or {}, where)

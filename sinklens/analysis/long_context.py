@@ -1,6 +1,5 @@
-"""Sinks as a function of context length: per length ``L``, one sequence of ``L`` tokens (BOS when the model
-prepends one, then the standard library's sources) streamed through :func:`~sinklens.analysis.sinks.find_sinks`'
-reducer with ``method="qk"`` (memory linear in ``L``) and a residual reducer in the same pass."""
+"""Sinks as a function of context length: per length ``L``, one sequence of ``L`` tokens (BOS if the model prepends
+one, then standard-library sources) through the sink reducer (``method="qk"``) and a residual reducer."""
 
 from __future__ import annotations
 
@@ -36,13 +35,12 @@ class MassiveShareReducer(Reducer[Tensor]):
         checked = MassiveSettings(abs_threshold=abs_threshold, rel_threshold=rel_threshold)
         dims = model_dims(model)
         self.abs_threshold, self.rel_threshold = checked.abs_threshold, checked.rel_threshold
-        self.streams = resolve_streams(None, dims.n_layers)
-        self.hooks = [stream_hook(s, dims.n_layers) for s in self.streams]
+        self.hooks = [stream_hook(s, dims.n_layers) for s in resolve_streams(None, dims.n_layers)]
         self.d_model, self.device = dims.d_model, model_device(model)
         self.reset()
 
     def reset(self) -> None:
-        self.hits = torch.zeros(len(self.streams), self.d_model, device=self.device, dtype=torch.float64)
+        self.hits = torch.zeros(len(self.hooks), self.d_model, device=self.device, dtype=torch.float64)
         self.n_later = 0.0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
@@ -54,8 +52,7 @@ class MassiveShareReducer(Reducer[Tensor]):
             if self.abs_threshold is not None:
                 massive = massive & (x.abs() > self.abs_threshold)
             if self.rel_threshold is not None:
-                med = sequence_median_abs(x, lengths)
-                massive = massive & (x.abs() > (self.rel_threshold * med)[:, None, None])
+                massive = massive & (x.abs() > (self.rel_threshold * sequence_median_abs(x, lengths))[:, None, None])
             self.hits[i] += massive.sum(dim=(0, 1)).double()
 
         return BatchFold(bound_hooks(self.hooks, range(len(self.hooks)), fold), state=later)
@@ -72,13 +69,11 @@ class ContextPoint:
     """The numbers at one length (``length`` tokens, BOS included).
 
     Attributes:
-        sink_attention: attention position 0 receives, mean over layers, heads and the queries ``q >= 1``.
-        sink_rate: Gu et al.'s sink rate of position 0 (:meth:`~sinklens.analysis.sink_result.SinkResult.sink_rate`).
-        secondary_sinks: candidate positions other than 0 whose sinklens sink rate is at least ``min_head_share``
-            (``position``, ``token``, ``head_share``, layer-head-mean ``received``), by head share, at most ``top``;
+        sink_attention: attention position 0 receives, mean over layers, heads and the queries ``q >= 1``;
+            sink_rate: Gu et al.'s sink rate of position 0.
+        secondary_sinks: the ``top`` candidate positions > 0 by sinklens sink rate (>= ``min_head_share``);
             n_secondary: how many passed.
         residual_sinks: residual ``stream``, ``dim`` massive on a ``share`` > ``most_tokens`` of positions >= 1.
-        seconds: wall time of the forward pass with its reducers.
     """
 
     length: int
@@ -121,9 +116,8 @@ def context_sweep(model: Any, lengths: Sequence[int], *, sink_threshold: float =
     if isinstance(lengths, (int, str)) or not len(lengths):
         raise InvalidArgumentError(f"lengths must be a non-empty list of token counts, got {lengths!r}.")
     lengths = [positive_int(n, what="length") for n in lengths]
-    for n in lengths:
-        if not 2 <= n <= n_ctx:
-            raise InvalidArgumentError(f"length {n} is outside 2..{n_ctx}, the model's context (cfg.n_ctx).")
+    if bad := [n for n in lengths if not 2 <= n <= n_ctx]:
+        raise InvalidArgumentError(f"length {bad[0]} is outside 2..{n_ctx}, the model's context (cfg.n_ctx).")
     for name, value in (("min_head_share", min_head_share), ("most_tokens", most_tokens)):
         finite_number(value, what=name, low=0.0, high=1.0, low_open=True)
     head = [bos_token_id(model)] if resolved_bos(model, options.prepend_bos) else []
@@ -132,16 +126,16 @@ def context_sweep(model: Any, lengths: Sequence[int], *, sink_threshold: float =
     points = []
     for n in lengths:
         tokens = torch.tensor([head + text[: n - len(head)]])
-        sinks_r, resid_r = SinkReducer(model, settings=settings), MassiveShareReducer(
+        reducers = SinkReducer(model, settings=settings), MassiveShareReducer(
             model, abs_threshold=abs_threshold, rel_threshold=rel_threshold)
         start = time.perf_counter()
-        sinks, share = run(model, tokens, sinks_r, resid_r, options=options)
+        sinks, share = run(model, tokens, *reducers, options=options)
         seconds = time.perf_counter() - start
         rates = sinks.sink_rate_by_position(method="sinklens")
-        received = torch.nan_to_num(sinks.received, nan=0.0).mean(dim=(0, 1))
+        received = sinks.mean_received()
         secondary = sorted((k for k in sinks.candidates if k and float(rates[k]) >= min_head_share),
                            key=lambda k: -float(rates[k]))
-        residual = [{"stream": resid_r.streams[s], "dim": d, "share": float(share[s, d])}
+        residual = [{"stream": s, "dim": d, "share": float(share[s, d])}
                     for s, d in (share > most_tokens).nonzero().tolist()]
         points.append(ContextPoint(
             length=n, sink_attention=float(received[0]), sink_rate=sinks.sink_rate(position=0),

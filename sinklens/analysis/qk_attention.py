@@ -1,10 +1,6 @@
-"""Attention weights from queries and keys, exact, without the ``[query, key]`` pattern of a whole sequence.
-
-Query ``q`` pays key ``k`` ``exp(s_qk - lse_q)``, ``s_qk`` the model's own (scaled, soft-capped) score and ``lse_q``
-the log-sum-exp over the keys ``q`` sees (and any learned sink logit), a chunk of queries at a time: memory linear
-in the length. Rotated queries and keys are read at ``hook_rot_q``/``hook_rot_k``, or rotated here from
-``hook_cos``/``hook_sin`` where a bridge never runs those (GPT-NeoX).
-"""
+"""Exact attention weights ``exp(s_qk - lse_q)`` from queries and keys (the model's scaled, soft-capped scores; any
+sink logit in ``lse_q``), a chunk of queries at a time: memory linear in the length. Rotated q/k come from
+``hook_rot_q``/``hook_rot_k``, or are rotated here from ``hook_cos``/``hook_sin`` (GPT-NeoX bridges)."""
 
 from __future__ import annotations
 
@@ -21,7 +17,7 @@ from torch import Tensor
 from sinklens.analysis._common import run_analyzer
 from sinklens.display import CompactRepr
 from sinklens.errors import UnsupportedArchitectureError
-from sinklens.hooks import K, Q, ROT_K, ROT_Q, expand_kv_heads, hook_name, model_dims, resolve_layers
+from sinklens.hooks import K, Q, ROT_K, ROT_Q, expand_kv_heads, hook_name, model_device, model_dims, resolve_layers
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import ATTENTION_METHODS, AttentionMethod, HookFn, RunOptions
 from sinklens.probes import silent_hooks
@@ -39,8 +35,7 @@ QK_ABOVE = 1024
 
 
 def query_chunk(batch: int, n_heads: int, n_keys: int, device: torch.device) -> int:
-    """Queries a chunk on ``device``: :data:`CHUNK_SCORES` scores (:data:`CPU_CHUNK_SCORES` at most on the CPU),
-    at least 64 queries."""
+    """Queries per chunk: :data:`CHUNK_SCORES` scores (:data:`CPU_CHUNK_SCORES` on the CPU), at least 64 queries."""
     budget = min(CHUNK_SCORES, CPU_CHUNK_SCORES) if device.type == "cpu" else CHUNK_SCORES
     return max(64, budget // (batch * n_heads * n_keys))
 
@@ -56,9 +51,8 @@ class ScoreRule(CompactRepr):
 
 
 def qk_sites(model: Any) -> tuple[str, ...]:
-    """The per-layer hook sites the q/k path reads: ``(hook_rot_q, hook_rot_k)`` where they run, ``(hook_q, hook_k,
-    hook_cos, hook_sin)`` where only the rotation tables run, else ``(hook_q, hook_k)`` on a model without rotary;
-    an :class:`UnsupportedArchitectureError` for ALiBi or unreadable rotated queries and keys."""
+    """The per-layer sites the q/k path reads: rotated q/k where they run, else q/k plus the rotary tables, or q/k
+    without rotary; an :class:`UnsupportedArchitectureError` for ALiBi or unreadable rotated queries and keys."""
     if getattr(model.cfg, "positional_embedding_type", None) == "alibi":
         raise UnsupportedArchitectureError("ALiBi adds position biases to the scores after the queries and keys; the "
                                            "q/k path cannot read them. Use method='pattern'.")
@@ -70,16 +64,13 @@ def qk_sites(model: Any) -> tuple[str, ...]:
     tables = [hook_name(0, COS), hook_name(0, SIN)]
     if all(n in model.hook_dict for n in tables) and not silent_hooks(model, tables):
         return Q, K, COS, SIN
-    raise UnsupportedArchitectureError("The q/k path needs the rotated queries and keys (attn.hook_rot_q/hook_rot_k) or "
-                                       "the rotary tables (attn.hook_cos/hook_sin); this model runs neither. Use "
-                                       "method='pattern'.")
+    raise UnsupportedArchitectureError("The q/k path needs attn.hook_rot_q/hook_rot_k or the rotary tables "
+                                       "(attn.hook_cos/hook_sin); this model runs neither. Use method='pattern'.")
 
 
 def score_rule(model: Any, layer: int) -> ScoreRule:
-    """The :class:`ScoreRule` of ``layer``: from the Hugging Face attention module behind a TransformerBridge
-    (``scaling``, ``attn_logit_softcapping``, ``sinks``), a sinklens model's attention variant, or a
-    TransformerLens 3.x attention's ``attn_scale`` and ``cfg.attn_scores_soft_cap``; an
-    :class:`UnsupportedArchitectureError` where attention is no softmax of the hooked queries' and keys' scores."""
+    """The :class:`ScoreRule` of ``layer`` (from a bridge's Hugging Face module, a sinklens variant or TransformerLens'
+    ``attn_scale``); an :class:`UnsupportedArchitectureError` where attention is no softmax of the hooked q/k scores."""
     attn = model.blocks[layer].attn
     hf = getattr(attn, "original_component", None)
     hf = getattr(hf, "self", hf)  # BERT keeps its scores in BertAttention.self
@@ -105,22 +96,19 @@ def score_rule(model: Any, layer: int) -> ScoreRule:
 
 def scaled_heads(q: Float[Tensor, "batch pos head d_head"], k: Float[Tensor, "batch pos kv_head d_head"],
                  rule: ScoreRule) -> tuple[Float[Tensor, "batch head pos d_head"], Float[Tensor, "batch head pos d_head"]]:
-    """Queries (times the score scale) and keys per head, float32, grouped-query keys repeated: ``qh @ khᵀ`` is
-    the raw score before any soft cap."""
+    """Scaled queries and keys per head (float32, grouped-query keys repeated): ``qh @ khᵀ`` is the raw score."""
     return q.float().transpose(1, 2) * rule.scale, expand_kv_heads(k.float().transpose(1, 2), q.shape[2])
 
 
 def chunk_scores(qh: Tensor, kh: Tensor, rule: ScoreRule, queries: slice, keys: slice = slice(None)
                  ) -> Float[Tensor, "batch head query key"]:
-    """The model's scores (soft-capped where it caps them) of the queries and keys in ``queries``/``keys``
-    (of :func:`scaled_heads`), before any mask."""
+    """The model's (soft-capped) scores of ``queries``/``keys`` of :func:`scaled_heads`, before any mask."""
     s = qh[:, :, queries] @ kh[:, :, keys].transpose(-1, -2)
     return s if rule.soft_cap is None else s.div_(rule.soft_cap).tanh_().mul_(rule.soft_cap)
 
 
 def rotate(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Tensor) -> Tensor:
-    """Hugging Face's rotate-half rotary embedding of the first ``cos.shape[-1]`` dims of ``x`` (``cos``/``sin``:
-    ``[batch, pos, rotary_dim]``); the other dims pass through."""
+    """Hugging Face's rotate-half rotary embedding of the first ``cos.shape[-1]`` dims of ``x``; the rest pass."""
     d = cos.shape[-1]
     cos, sin = cos[:, :, None].to(x.dtype), sin[:, :, None].to(x.dtype)
     rot, rest = x[..., :d], x[..., d:]
@@ -130,11 +118,10 @@ def rotate(x: Float[Tensor, "batch pos head d_head"], cos: Tensor, sin: Tensor) 
 
 @dataclass(repr=False, eq=False)
 class Columns(CompactRepr):
-    """What :func:`attention_columns` returns for one layer of one batch: ``counted`` / ``every``: ``Σ_q weight[b, h,
-    q, k]`` over the real queries ``q >= min_query`` / all real queries that see ``k``, ``n_counted`` / ``n_every``
-    their number; ``to_keys``: ``weight[b, h, q, positions[i]]``; ``unattended``: ``Σ_q (1 - Σ_k weight)`` (the
-    sink logits' mass); ``n_keys``: real keys each query sees; ``aggregated``: ``Σ_k weight · values[b, h, k]``
-    per query; ``squares``: ``Σ_k weight²`` per query."""
+    """One layer's attention columns in one batch: ``counted`` / ``every``: ``Σ_q weight[b, h, q, k]`` over the real
+    queries ``q >= min_query`` / all that see ``k``, ``n_counted`` / ``n_every`` their number; ``to_keys``:
+    ``weight[b, h, q, positions[i]]``; ``unattended``: ``Σ_q (1 - Σ_k weight)`` (sink logits' mass); ``n_keys``:
+    keys each query sees; per query ``aggregated``: ``Σ_k weight · values[..., k]``, ``squares``: ``Σ_k weight²``."""
 
     counted: Float[Tensor, "batch head key"]
     every: Float[Tensor, "batch head key"]
@@ -152,9 +139,8 @@ def attention_columns(
     visibility: Visibility, layer: int, valid: Bool[Tensor, "batch pos"], *, min_query: int = 0,
     positions: Sequence[int] = (), values: Float[Tensor, "batch head key m"] | None = None, squares: bool = False,
 ) -> Columns:
-    """Column sums of one layer's attention weights from queries and keys, a chunk of queries at a time (exact
-    softmax over each query's visible keys, float32), the weights' average of ``values`` per query and, with
-    ``squares``, the sum of its squared weights."""
+    """One layer's :class:`Columns` from queries and keys, a chunk of queries at a time (exact float32 softmax
+    over each query's visible keys)."""
     b, n, n_heads, _ = q.shape
     dev = q.device
     chunk = query_chunk(b, n_heads, n, dev)
@@ -215,15 +201,14 @@ def queries_and_keys(acts: dict[str, Tensor], sites: Sequence[str]) -> tuple[Ten
 def qk_hooks(sites: Sequence[str], rules: dict[int, ScoreRule], visibility: Visibility,
              valid: Bool[Tensor, "batch pos"], fold: Callable[[Columns, int], None],
              **options: Any) -> list[tuple[str, HookFn]]:
-    """Hooks on ``sites`` (:func:`qk_sites`) of every layer in ``rules`` that call ``fold(columns, layer)`` as soon as
-    the layer's queries and keys have run (:func:`attention_columns`, given ``options``)."""
+    """Hooks on ``sites`` of every layer in ``rules`` that call ``fold(attention_columns(..., **options), layer)``
+    once the layer's queries and keys have run."""
     pending: dict[int, dict[str, Tensor]] = {}
 
     def collect(act: Tensor, key: tuple[int, str]) -> None:
         layer, site = key
-        got = pending.setdefault(layer, {})
-        got[site] = act
-        if len(got) == len(sites):
+        pending.setdefault(layer, {})[site] = act
+        if len(pending[layer]) == len(sites):
             q, k = queries_and_keys(pending.pop(layer), sites)
             fold(attention_columns(q, k, rules[layer], visibility, layer, valid, **options), layer)
 
@@ -258,8 +243,8 @@ class QKPlan:
 
 
 def qk_plan(model: Any, layers: Sequence[int], method: AttentionMethod) -> QKPlan:
-    """The :class:`QKPlan` of ``method`` on ``model``: ``"auto"`` falls back to the pattern where :func:`qk_sites`
-    or :func:`score_rule` refuse, ``"qk"`` raises their :class:`UnsupportedArchitectureError`."""
+    """The :class:`QKPlan` of ``method``: ``"auto"`` falls back to the pattern where the q/k path cannot read the
+    model, ``"qk"`` raises its :class:`UnsupportedArchitectureError`."""
     method = choice(method, ATTENTION_METHODS, what="method")
     if method == "pattern":
         return QKPlan(method)
@@ -271,18 +256,22 @@ def qk_plan(model: Any, layers: Sequence[int], method: AttentionMethod) -> QKPla
         return QKPlan(method, refused=str(e))
 
 
+def attention_parts(model: Any, layers: int | Sequence[int] | None, method: AttentionMethod
+                    ) -> tuple[list[int], dict[int, int], QKPlan, Visibility, torch.device]:
+    """An attention reducer's resolved ``layers``, their rows, its :class:`QKPlan`, the visibility and the device."""
+    layers = resolve_layers(layers, model_dims(model).n_layers)
+    rows = {layer: i for i, layer in enumerate(layers)}
+    return layers, rows, qk_plan(model, layers, method), attention_visibility(model), model_device(model)
+
+
 class KeyAttentionReducer(Reducer[Tensor]):
-    """Streams queries and keys into the attention every query pays the keys at ``positions``
-    (:func:`attention_to_keys`)."""
+    """Streams queries and keys into the attention every query pays the keys at ``positions``."""
 
     statistics = ("weights",)
 
     def __init__(self, model: Any, *, positions: Sequence[int] = (0,), layers: int | Sequence[int] | None = None):
-        dims = model_dims(model)
-        self.positions = index_list(positions, dims.n_ctx, what="position", allow_negative=False)
-        self.layers = resolve_layers(layers, dims.n_layers)
-        self.plan = qk_plan(model, self.layers, "qk")
-        self.visibility = attention_visibility(model)
+        self.positions = index_list(positions, model_dims(model).n_ctx, what="position", allow_negative=False)
+        self.layers, _, self.plan, self.visibility, _ = attention_parts(model, layers, "qk")
         self.reset()
 
     def reset(self) -> None:
@@ -306,9 +295,8 @@ class KeyAttentionReducer(Reducer[Tensor]):
 def attention_to_keys(model: Any, inputs: Inputs | None = None, *, positions: Sequence[int] = (0,),
                       layers: int | Sequence[int] | None = None,
                       options: RunOptions = RunOptions()) -> Float[Tensor, "layer sequence head query position"]:
-    """The attention weight every query pays each key in ``positions``, per layer, sequence and head, read from
-    queries and keys (exactly ``hook_pattern[..., q, positions]``): 0 where the query cannot see the key, NaN at
-    padded queries.
+    """``hook_pattern[..., q, positions]`` per layer, sequence and head, from queries and keys: 0 where the query
+    cannot see the key, NaN at padded queries.
 
     Examples:
         >>> from sinklens.testing import tiny_model

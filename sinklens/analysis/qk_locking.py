@@ -12,28 +12,24 @@ from jaxtyping import Float
 from torch import Tensor
 
 from sinklens.analysis._common import TINY, check_sink_position, run_analyzer, sink_position_arg
-from sinklens.analysis.qk_attention import chunk_scores, qk_plan, query_chunk, scaled_heads
+from sinklens.analysis.qk_attention import attention_parts, chunk_scores, query_chunk, scaled_heads
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import (K, Q, ROT_K, ROT_Q, SCORES, expand_kv_heads, hook_name, model_device, model_dims,
-                            resolve_layers)
+from sinklens.hooks import K, Q, ROT_K, ROT_Q, SCORES, expand_kv_heads, hook_name, model_dims
 from sinklens.probes import post_hoc_attention, silent_hooks
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import AttentionMethod, RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks
 from sinklens.validate import positive_int
-from sinklens.visibility import attention_visibility
 #: The per-(layer, head) numbers of a :class:`QKLocking`.
 NUMBERS = ("key_query_energy", "key_pc_cosine", "pc_energy", "pos_share_sink", "pos_share_other",
            "mean_score_sink", "mean_score_other")
 
 
 def qk_locking_reason(model: Any) -> str | None:
-    """Why query-key locking cannot be measured on ``model``, or None: ``hook_rot_q``/``hook_rot_k`` listed but
-    never run, or ``hook_attn_scores`` fired after the fact (:func:`sinklens.probes.post_hoc_attention`)."""
-    silent = silent_hooks(model, [hook_name(0, ROT_Q), hook_name(0, ROT_K)])
-    if silent:
+    """Why query-key locking cannot be measured on ``model`` (rotated q/k never run, scores fired post hoc), or None."""
+    if silent := silent_hooks(model, [hook_name(0, ROT_Q), hook_name(0, ROT_K)]):
         return (f"the model lists {silent} but never runs them, so the rotated queries and keys that make the "
                 "attention scores are not exposed")
     return post_hoc_attention(model)
@@ -41,17 +37,16 @@ def qk_locking_reason(model: Any) -> str | None:
 
 @dataclass(repr=False, eq=False)
 class QKLocking(CompactRepr):
-    """Query–key locking per layer × head, over the real queries other than the sink that see it in that layer;
-    queries and keys are the rotated ones on rotary models (``q_site``, ``k_site``), grouped-query keys repeated.
+    """Query–key locking per layer × head, over the real queries other than the sink that see it in that layer
+    (rotated queries and keys on rotary models, at ``q_site``/``k_site``; grouped-query keys repeated).
 
     Attributes:
-        key_query_energy: ``Σ (q · k̂_sink)² / Σ ||q||²`` pooled over sequences and queries, ``k̂_sink`` the unit
-            sink key of the same sequence: the share of query energy along the sink key.
-        key_pc_cosine: norm of the projection of the unit mean sink key onto the top ``n_components``
-            eigenvectors of ``Σ q qᵀ`` (the principal query directions); pc_energy: their share of query energy.
-        pos_share_sink / pos_share_other: share of positive scores (the model's scaled, soft-capped ``q·k``:
-            ``hook_attn_scores``, or from queries and keys on the q/k path) of those queries against the sink key /
-            every other real key they see; mean_score_sink / mean_score_other: the mean scores.
+        key_query_energy: ``Σ (q · k̂_sink)² / Σ ||q||²`` pooled over sequences and queries (``k̂_sink`` the unit
+            sink key of the same sequence): the share of query energy along the sink key.
+        key_pc_cosine: norm of the projection of the unit mean sink key onto the top ``n_components`` eigenvectors
+            of ``Σ q qᵀ``; pc_energy: their share of query energy.
+        pos_share_sink / pos_share_other: share of positive scores (scaled, soft-capped ``q·k``) of those queries
+            against the sink key / every other real key they see; mean_score_sink / mean_score_other: the means.
         n_queries: (sequence, query) pairs that see the sink, the most over the analysed layers.
     """
 
@@ -80,10 +75,8 @@ class QKLocking(CompactRepr):
 
 
 class QKLockingReducer(Reducer[QKLocking]):
-    """Streams queries, keys and scores into :class:`QKLocking`: per layer × head the pooled ``Σ q qᵀ``, the
-    summed sink key, the query energy along each sequence's sink key, and score sums, the scores read from
-    ``hook_attn_scores`` or, where ``method`` reads queries and keys (:class:`~sinklens.analysis.qk_attention.QKPlan`),
-    made from them a chunk of queries at a time."""
+    """Streams per layer × head the pooled ``Σ q qᵀ``, the summed sink key, the query energy along each sequence's
+    sink key and score sums (from ``hook_attn_scores``, or from queries and keys by ``method``)."""
 
     statistics = ("gram", "key_sum", "along", "total", "pos_sink", "pos_other", "sum_sink", "sum_other",
                   "cnt_sink", "cnt_other")
@@ -94,17 +87,12 @@ class QKLockingReducer(Reducer[QKLocking]):
         n_components = positive_int(n_components, what="n_components")
         if n_components > d.d_head:
             raise InvalidArgumentError(f"n_components must be in [1, {d.d_head}] (d_head), got {n_components}.")
-        self.layers = resolve_layers(layers, d.n_layers)
-        self.row = {layer: i for i, layer in enumerate(self.layers)}
         self.sink, self.n_components, self.n_heads, self.d_head = sink_position_arg(sink_position), n_components, d.n_heads, d.d_head
         reason = qk_locking_reason(model)
         if reason is not None:
             raise UnsupportedArchitectureError(f"Query-key locking is not supported for this model: {reason}.")
-        rotary = hook_name(self.layers[0], ROT_Q) in model.hook_dict
-        self.q_site, self.k_site = (ROT_Q, ROT_K) if rotary else (Q, K)
-        self.plan = qk_plan(model, self.layers, method)
-        self.device = model_device(model)
-        self.visibility = attention_visibility(model)
+        self.layers, self.row, self.plan, self.visibility, self.device = attention_parts(model, layers, method)
+        self.q_site, self.k_site = (ROT_Q, ROT_K) if hook_name(self.layers[0], ROT_Q) in model.hook_dict else (Q, K)
         self.reset()
 
     def reset(self) -> None:
@@ -172,11 +160,7 @@ class QKLockingReducer(Reducer[QKLocking]):
         hooks = per_layer_hooks(self.q_site, self.layers, fold_q) + per_layer_hooks(self.k_site, self.layers, fold_k)
         if not from_qk:
             hooks += per_layer_hooks(SCORES, self.layers, lambda act, layer: fold_scores(layer, lambda rows: act[:, :, rows], n))
-        return BatchFold(hooks, state=pending)
-
-    def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
-        if fold.state:
-            raise RuntimeError(f"Query/key hooks did not both run for {sorted(fold.state)} in this forward.")
+        return BatchFold(hooks)
 
     def result(self) -> QKLocking:
         # Many small eigenproblems: one thread is ~10x faster than several on CPU (thread start-up dominates).
@@ -191,15 +175,12 @@ class QKLockingReducer(Reducer[QKLocking]):
         cos = torch.einsum("lhi,lhir->lhr", key, top).norm(dim=-1)
         pc_energy = evals[..., -self.n_components :].sum(-1) / evals.sum(-1).clamp_min(TINY)
         cs, co = (torch.where(c > 0, c, float("nan")) for c in (self.cnt_sink, self.cnt_other))
-        return QKLocking(
-            layers=list(self.layers), sink_position=self.sink, n_components=self.n_components,
-            q_site=self.q_site, k_site=self.k_site,
-            key_query_energy=(self.along / self.total.clamp_min(TINY)).float().cpu(),
-            key_pc_cosine=cos.float().cpu(), pc_energy=pc_energy.float().cpu(),
-            pos_share_sink=(self.pos_sink / cs).float().cpu(), pos_share_other=(self.pos_other / co).float().cpu(),
-            mean_score_sink=(self.sum_sink / cs).float().cpu(), mean_score_other=(self.sum_other / co).float().cpu(),
-            n_queries=int(self.cnt_sink.max()),
-        )
+        numbers = dict(key_query_energy=self.along / self.total.clamp_min(TINY), key_pc_cosine=cos, pc_energy=pc_energy,
+                       pos_share_sink=self.pos_sink / cs, pos_share_other=self.pos_other / co,
+                       mean_score_sink=self.sum_sink / cs, mean_score_other=self.sum_other / co)
+        return QKLocking(layers=list(self.layers), sink_position=self.sink, n_components=self.n_components,
+                         q_site=self.q_site, k_site=self.k_site, n_queries=int(self.cnt_sink.max()),
+                         **{name: t.float().cpu() for name, t in numbers.items()})
 
 
 def query_key_locking(model: Any, inputs: Inputs | None = None, *, sink_position: int = 0,

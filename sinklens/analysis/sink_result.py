@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import torch
 from jaxtyping import Float, Int
 from torch import Tensor
 
-from sinklens.analysis._common import TINY, SettingsFields, layer_head_position_rows, position_index
+from sinklens.analysis._common import TINY, SettingsFields, layer_head_position_rows
 from sinklens.display import CompactRepr, StructuralEq
 from sinklens.export import to_json
 from sinklens.options import ATTENTION_METHODS, SINK_THRESHOLD, AttentionMethod
-from sinklens.validate import choice, finite_number, positive_int
+from sinklens.validate import choice, finite_number, index, positive_int
 
 RateMethod = Literal["gu", "sinklens", "mean"]
 
@@ -25,7 +25,6 @@ RATE_DEFINITIONS: dict[str, str] = {
           "share of (sequence, layer, head)",
     "sinklens": "sinklens' variant of Gu et al.: the same, but queries before min_query are not counted "
                 "(min_query=1 leaves out key 0's own query, whose weight is 1 by construction)",
-    "mean": "share of (layer, head) whose pooled mean received attention > sink_threshold",
 }
 
 
@@ -38,16 +37,15 @@ class SinkSettings:
     """The settings of one sink analysis (:class:`SinkResult`).
 
     Attributes:
-        sink_threshold: Gu et al.'s ``ε``: head ``(l, h)`` is a sink head for key ``k`` in a sequence if its
-            mean attention to ``k`` exceeds it (in (0, 1)).
-        min_query: queries before it are not counted in ``received`` and sinklens' rate (1: a decoder's query
-            0 gives key 0 weight 1 by construction; use 0 for an encoder).
-        min_query_count / min_query_share: a position is a sink candidate (and a token occurrence counts) only
-            with this many counted queries per sequence and this share of the best-seen position's.
+        sink_threshold: Gu et al.'s ``ε`` in (0, 1): head ``(l, h)`` is a sink head for key ``k`` in a sequence
+            if its mean attention to ``k`` exceeds it.
+        min_query: queries before it are not counted in ``received`` and sinklens' rate (1: a decoder's query 0
+            gives key 0 weight 1 by construction; 0 for an encoder).
+        min_query_count / min_query_share: a sink candidate (and a counted token occurrence) needs this many
+            counted queries per sequence and this share of the best-seen position's.
         min_head_share / outlier_factor: the thresholds of :meth:`SinkResult.detect_sinks`.
-        top_k: how many single occurrences at positions >= 1 to keep.
-        method: read ``hook_pattern`` (``"pattern"``) or queries and keys (``"qk"``, same numbers, memory linear
-            in the length); ``"auto"``: ``"qk"`` above :data:`~sinklens.analysis.qk_attention.QK_ABOVE` tokens.
+        method: ``"pattern"`` reads ``hook_pattern``, ``"qk"`` queries and keys (same numbers, memory linear in
+            the length); ``"auto"``: ``"qk"`` above :data:`~sinklens.analysis.qk_attention.QK_ABOVE` tokens.
     """
 
     sink_threshold: float = SINK_THRESHOLD
@@ -62,11 +60,10 @@ class SinkSettings:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "sink_threshold", _check_threshold(self.sink_threshold))
-        set_(self, "min_query", positive_int(self.min_query, what="min_query", minimum=0))
-        set_(self, "min_query_count", positive_int(self.min_query_count, what="min_query_count"))
+        for name, minimum in (("min_query", 0), ("min_query_count", 1), ("top_k", 0)):
+            set_(self, name, positive_int(getattr(self, name), what=name, minimum=minimum))
         set_(self, "min_head_share", finite_number(self.min_head_share, what="min_head_share", low=0.0, high=1.0, low_open=True))
         set_(self, "outlier_factor", finite_number(self.outlier_factor, what="outlier_factor", low=1.0, low_open=True))
-        set_(self, "top_k", positive_int(self.top_k, what="top_k", minimum=0))
         set_(self, "min_query_share", finite_number(self.min_query_share, what="min_query_share", low=0.0, high=1.0))
         set_(self, "method", choice(self.method, ATTENTION_METHODS, what="method"))
 
@@ -86,9 +83,8 @@ class TokenSinkStats(CompactRepr):
 
     def rows(self) -> list[dict[str, Any]]:
         """One dict per token id, sorted by ``mean_received`` (highest first)."""
-        return [{"token_id": int(self.token_ids[i]), "token": self.tokens[i], "count": int(self.count[i]),
-                 "mean_received": float(self.mean_received[i]), "max_received": float(self.max_received[i]),
-                 "mean_head_share": float(self.mean_head_share[i])}
+        return [{"token_id": int(self.token_ids[i]), "token": self.tokens[i], "count": int(self.count[i])}
+                | {n: float(getattr(self, n)[i]) for n in ("mean_received", "max_received", "mean_head_share")}
                 for i in torch.argsort(self.mean_received, descending=True).tolist()]
 
 
@@ -106,21 +102,19 @@ class SinkOccurrence(StructuralEq):
 
 @dataclass(repr=False, eq=False)
 class SinkResult(SettingsFields, CompactRepr):
-    """Where attention sinks are, how strong, and which tokens they sit on.
+    """Where attention sinks are, how strong, and which tokens they sit on (``settings``' fields read as attributes).
 
-    Key ``k`` is seen by query ``q`` per the model's layout (:mod:`sinklens.visibility`; padding never counts).
-    ``α_b[l, h, k]`` is the mean attention ``k`` gets in sequence ``b`` from the queries ``q >= min_query`` that
-    see it; Gu et al.'s ``α^Gu_b`` from every one, its own included (their ``compute_attention_sink``). The
-    sink rate of ``k`` is the share of (sequence, layer, head) with ``α > sink_threshold``
-    (:data:`RATE_DEFINITIONS`). The fields of ``settings`` (:class:`SinkSettings`) also read as attributes.
+    ``α_b[l, h, k]`` is the mean attention key ``k`` gets in sequence ``b`` from the real queries ``q >= min_query``
+    that see it (:mod:`sinklens.visibility`); Gu et al.'s ``α^Gu_b`` from every one, its own included. The sink
+    rate of ``k`` is the share of (sequence, layer, head) with ``α > sink_threshold`` (:data:`RATE_DEFINITIONS`).
 
     Attributes:
         received: mean attention key ``k`` receives from the counted queries, pooled over sequences (NaN where
             none); n_queries: the (sequence, query) pairs in it (``n_queries_by_layer``: per layer).
         seq_sink_frac / gu_seq_sink_frac: share of the sequences reaching ``k`` in which ``α_b`` / ``α^Gu_b``
             ``> sink_threshold``; n_sequences_at: those sequences.
-        first_tokens / later_tokens: token statistics at position 0 / at positions >= 1.
-        top_occurrences: the highest single occurrences at positions >= 1, best first.
+        first_tokens / later_tokens: token statistics at position 0 / >= 1; top_occurrences: the highest single
+            occurrences at positions >= 1, best first.
         unattended: ``[layer, head]`` mean over real queries of ``1 - Σ_k pattern[q, k]`` over visible real keys.
         virtual_sink: ``unattended`` when the model has learned sink logits (gpt-oss ``sinks``) or its rows fall
             short of 1 (by more than ``1e-5``, or twice the eps of a 16-bit dtype); None otherwise.
@@ -152,23 +146,20 @@ class SinkResult(SettingsFields, CompactRepr):
 
     def position_index(self, position: int) -> int:
         """Index of a measured key position (negatives count from the end)."""
-        return position_index(position, self.received.shape[-1])
+        return index(position, self.received.shape[-1], what="position")
 
     def head_is_sink(self, sink_threshold: float | None = None, *,
                      method: RateMethod = "gu") -> Float[Tensor, "layer head key_pos"]:
-        """Per (layer, head, key) sink rate: :attr:`gu_seq_sink_frac` (``"gu"``) or :attr:`seq_sink_frac`
-        (``"sinklens"``) at the run's threshold; ``"mean"``: 1.0 where ``received > sink_threshold`` (any)."""
+        """Per (layer, head, key) sink rate: ``"gu"``/``"sinklens"``: (gu_)seq_sink_frac at the run's threshold;
+        ``"mean"``: 1.0 where ``received > sink_threshold`` (any)."""
         method = choice(method, ("gu", "sinklens", "mean"), what="method")
         if method == "mean":
             threshold = self.sink_threshold if sink_threshold is None else _check_threshold(sink_threshold)
             return (torch.nan_to_num(self.received, nan=0.0) > threshold).float()
         if sink_threshold is not None and not math.isclose(_check_threshold(sink_threshold), self.sink_threshold):
-            raise ValueError(f"Per-sequence (Gu et al.) sink indicators were recorded at sink_threshold="
-                             f"{self.sink_threshold}, not {sink_threshold}; pass method='mean' (threshold the pooled "
-                             f"mean) or re-run find_sinks(..., sink_threshold={sink_threshold}).")
-        if method == "gu" and self.gu_seq_sink_frac is not None:
-            return self.gu_seq_sink_frac
-        return self.seq_sink_frac
+            raise ValueError(f"Per-sequence sink indicators were recorded at sink_threshold={self.sink_threshold}, "
+                             f"not {sink_threshold}; pass method='mean' or re-run find_sinks(..., sink_threshold=...).")
+        return self.gu_seq_sink_frac if method == "gu" and self.gu_seq_sink_frac is not None else self.seq_sink_frac
 
     def sink_rate_by_layer(self, sink_threshold: float | None = None, position: int = 0, *,
                            method: RateMethod = "gu") -> Float[Tensor, " layer"]:
@@ -198,8 +189,7 @@ class SinkResult(SettingsFields, CompactRepr):
         return torch.nan_to_num(self.received, nan=0.0).mean(dim=(0, 1))
 
     def outlier_ratio(self) -> Float[Tensor, " key_pos"]:
-        """Layer-head-mean received attention of each position divided by its median over the
-        candidate positions (NaN for positions that are not candidates)."""
+        """:meth:`mean_received` of each position over its median over the :attr:`candidates` (NaN elsewhere)."""
         profile, cands = self.mean_received(), self.candidates
         out = torch.full_like(profile, float("nan"))
         if cands:
@@ -208,15 +198,12 @@ class SinkResult(SettingsFields, CompactRepr):
 
     def detect_sinks(self, *, min_head_share: float | None = None, outlier_factor: float | None = None,
                      method: RateMethod = "sinklens") -> list[int]:
-        """Candidate positions (:attr:`candidates`) whose sink rate (:meth:`sink_rate_by_position`) is at least
-        ``min_head_share`` or whose :meth:`outlier_ratio` is at least ``outlier_factor`` (None: the run's).
-        Uniform attention over ``T`` keys gives position 0 a ratio of about 2 (``ln(T)/T`` against ``1.4/T``)."""
-        share = self.min_head_share if min_head_share is None else finite_number(
-            min_head_share, what="min_head_share", low=0.0, high=1.0, low_open=True)
-        factor = self.outlier_factor if outlier_factor is None else finite_number(
-            outlier_factor, what="outlier_factor", low=1.0, low_open=True)
+        """:attr:`candidates` whose :meth:`sink_rate_by_position` >= ``min_head_share`` or :meth:`outlier_ratio` >=
+        ``outlier_factor`` (None: the run's); uniform attention over ``T`` keys gives position 0 a ratio of ~2."""
+        given = {"min_head_share": min_head_share, "outlier_factor": outlier_factor}
+        s = replace(self.settings, **{k: v for k, v in given.items() if v is not None})  # checked as settings are
         rates, ratio = self.sink_rate_by_position(method=method), torch.nan_to_num(self.outlier_ratio(), nan=0.0)
-        return [k for k in self.candidates if float(rates[k]) >= share or float(ratio[k]) >= factor]
+        return [k for k in self.candidates if float(rates[k]) >= s.min_head_share or float(ratio[k]) >= s.outlier_factor]
 
     sink_positions = property(detect_sinks, doc=":meth:`detect_sinks` with the analysis' thresholds.")
 
@@ -244,8 +231,7 @@ class SinkResult(SettingsFields, CompactRepr):
         return "position 0 is the first token of each text (no special token added)"
 
     def summary_rows(self) -> list[dict[str, Any]]:
-        """One row per layer and per position among 0 and the detected sinks: the token there, Gu et al.'s and
-        sinklens' sink rates, and the mean and max over heads of ``received``."""
+        """One row per layer and reported position (0, the sinks): token, both sink rates, mean/max ``received``."""
         rates, own = self.head_is_sink(method="gu"), self.head_is_sink(method="sinklens")
         received = torch.nan_to_num(self.received, nan=0.0)
         return [

@@ -1,5 +1,4 @@
-"""Attention sinks: which key positions (and which tokens) soak up attention, per layer × head
-(:func:`find_sinks`; the numbers are defined in :class:`~sinklens.analysis.sink_result.SinkResult`)."""
+"""Attention sinks: which key positions and tokens soak up attention per layer × head (:func:`find_sinks`)."""
 
 from __future__ import annotations
 
@@ -21,18 +20,15 @@ from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import RunOptions, settings_from
 from sinklens.streaming import BatchFold, Reducer, grow, merge_statistics, per_layer_hooks
 
-#: Rows of a float32 softmax pattern sum to 1 within this (a 16-bit model: twice its dtype's eps); a larger mean
-#: shortfall means a virtual sink.
+#: Softmax rows sum to 1 within this (16-bit: twice the dtype's eps); a larger mean shortfall is a virtual sink.
 ROW_SUM_TOLERANCE = 1e-5
 
 
 def has_sink_logits(model: Any) -> bool:
-    """True if the model has learned per-head sink logits: a parameter named ``sinks`` (gpt-oss, behind a bridge
-    or not) or the ``sink_logit`` attention variant of a :class:`~sinklens.sinklm.model.SinkLM`."""
-    if getattr(getattr(model, "cfg", None), "variant", None) == "sink_logit":
-        return True
+    """True if the model has learned sink logits: a ``sinks`` parameter (gpt-oss) or a SinkLM ``sink_logit``."""
     roots = [root for root in (getattr(model, "original_model", None), model) if hasattr(root, "named_parameters")]
-    return any(name.rsplit(".", 1)[-1] == "sinks" for root in roots for name, _ in root.named_parameters())
+    return getattr(getattr(model, "cfg", None), "variant", None) == "sink_logit" or any(
+        name.rsplit(".", 1)[-1] == "sinks" for root in roots for name, _ in root.named_parameters())
 
 
 def _merge_position_tokens(mine: Tensor, theirs: Tensor) -> Tensor:
@@ -44,9 +40,7 @@ def _merge_position_tokens(mine: Tensor, theirs: Tensor) -> Tensor:
 
 
 @dataclass
-class _SinkBatch:
-    """Per-batch state of :class:`SinkReducer` (lives in the batch's :class:`~sinklens.streaming.BatchFold`)."""
-
+class _SinkBatch:  # per-batch state of SinkReducer
     q_count: dict[int, Tensor]  # per layer [batch, key]: counted queries per sequence and key
     gu_count: dict[int, Tensor]  # per layer [batch, key]: every query that can see the key (Gu et al.)
     recv: Float[Tensor, "batch key"]  # layer-head-mean α_b, summed over the layers folded so far
@@ -54,10 +48,8 @@ class _SinkBatch:
 
 
 class SinkReducer(Reducer[SinkResult]):
-    """Streams ``hook_pattern`` (or the queries and keys, by ``settings.method``) into a :class:`SinkResult`:
-    beside an :class:`~sinklens.analysis.attention.AttentionReceivedReducer`, float64 counts of sequences with
-    ``α_b`` / ``α^Gu_b > sink_threshold`` per (layer, head, key), the row shortfall per head, per-token tables,
-    the token at each position and the ``top_k`` single occurrences."""
+    """Streams the attention (``hook_pattern`` or queries and keys) into a :class:`SinkResult`: received attention,
+    float64 counts of sequences with ``α_b`` / ``α^Gu_b > sink_threshold``, row shortfalls and token tables."""
 
     statistics = ("attention", "seq_hits", "seq_counts", "gu_hits", "gu_counts", "shortfall", "n_real_queries",
                   "pos_ids", "tok_first", "tok_later", "top_vals", "top_share", "top_meta", "prepend_bos", "special_tokens",
@@ -131,10 +123,9 @@ class SinkReducer(Reducer[SinkResult]):
             self.gu_hits[row, :, : gu_alpha.shape[2]] += ((gu_alpha > threshold) & (gu_n > 0)).sum(dim=0).double()
             self.shortfall[row] += unattended  # the mass of the real queries' rows that goes to no key they see
 
-        if use_qk:
-            hooks = qk_hooks(self.plan.sites, self.plan.rules, self.attention.visibility, batch.valid, fold_qk, min_query=mq)
-            return BatchFold(hooks, state=state)
-        return BatchFold(per_layer_hooks(PATTERN, self.layers, fold), state=state)
+        hooks = (qk_hooks(self.plan.sites, self.plan.rules, self.attention.visibility, batch.valid, fold_qk, min_query=mq)
+                 if use_qk else per_layer_hooks(PATTERN, self.layers, fold))
+        return BatchFold(hooks, state=state)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         state: _SinkBatch = fold.state
@@ -179,8 +170,7 @@ class SinkReducer(Reducer[SinkResult]):
         self.top_meta = torch.cat([self.top_meta, meta.to(self.top_vals.device)])[keep]
 
     def merge(self, other: SinkReducer) -> None:
-        """Sums and counts add, the per-token maxima (row 3 of the token tables) take the larger and the ``top_k``
-        occurrences are re-selected from both (``other`` saw the later sequences: its indices are shifted)."""
+        """Sums add, per-token maxima take the larger, the ``top_k`` are re-selected (``other`` saw later sequences)."""
         maxima = [torch.maximum(mine[3], theirs[3].to(mine.device))
                   for mine, theirs in ((self.tok_first, other.tok_first), (self.tok_later, other.tok_later))]
         meta = other.top_meta.clone()
@@ -218,7 +208,7 @@ class SinkReducer(Reducer[SinkResult]):
                        for val, share, (seq, pos, tok) in zip(vals, shares, meta)]
         return SinkResult(
             received=base.received, n_queries=base.n_queries, seq_sink_frac=frac,
-            n_sequences_at=seq_counts.amax(dim=0).float().cpu() if n else seq_counts.sum(dim=0).float().cpu(),
+            n_sequences_at=seq_counts.amax(dim=0).float().cpu(),
             layers=base.layers, settings=self.settings, n_sequences=self.n_seq, prepend_bos=self.prepend_bos,
             first_tokens=self._token_stats(self.tok_first), later_tokens=self._token_stats(self.tok_later),
             top_occurrences=occurrences, gu_seq_sink_frac=gu_frac, unattended=unattended, virtual_sink=virtual,
@@ -231,10 +221,8 @@ class SinkReducer(Reducer[SinkResult]):
 def find_sinks(model: Any, inputs: Inputs | None = None, *, layers: int | Sequence[int] | None = None,
                settings: SinkSettings | None = None, options: RunOptions = RunOptions(),
                **settings_kwargs: Any) -> SinkResult:
-    """Find attention sinks: received attention per layer × head × key, sink rates, sink tokens (:class:`SinkResult`).
-
-    Any field of :class:`SinkSettings` may be given as a keyword, replacing that of ``settings``; extra hooks on
-    ``hook_attn_scores`` or ``hook_pattern`` make ``method="auto"`` read the pattern and ``method="qk"`` an error.
+    """Find attention sinks: received attention per layer × head × key, sink rates, sink tokens (:class:`SinkResult`);
+    any field of :class:`SinkSettings` may be given as a keyword, replacing that of ``settings``.
 
     Examples:
         >>> from sinklens.testing import tiny_model

@@ -1,32 +1,28 @@
-"""Value drain: does a sink head's attention to the sink *write* anything into the residual stream?
-
-A sink head whose sink value is (nearly) zero parks attention there and writes little (a **no-op**,
-Bondarenko et al. 2023); one whose sink value carries a signal **broadcasts** it (:class:`ValueDrain`).
-"""
+"""Value drain: a sink head whose sink value is (nearly) zero parks attention there and writes little (a
+**no-op**, Bondarenko et al. 2023); one whose sink value carries a signal **broadcasts** it (:class:`ValueDrain`)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal, get_args
 
 import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import SettingsFields, check_sink_position, row_index, run_analyzer, sink_position_arg
+from sinklens.analysis._common import SettingsFields, check_sink_position, run_analyzer, sink_position_arg
 from sinklens.analysis.post_attention import attention_output_grams, post_attention_scale_hooks
-from sinklens.analysis.qk_attention import attention_columns, qk_plan, queries_and_keys
+from sinklens.analysis.qk_attention import attention_columns, attention_parts, queries_and_keys
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError, UnsupportedArchitectureError
 from sinklens.export import to_json
-from sinklens.hooks import (PATTERN, V, Z, expand_kv_heads, head_output_gain, head_output_site, model_device,
-                            model_dims, resolve_layers)
+from sinklens.hooks import PATTERN, V, Z, expand_kv_heads, head_output_gain, head_output_site, model_dims
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import ATTENTION_METHODS, SINK_THRESHOLD, AttentionMethod, RunOptions
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, per_layer_hooks
 from sinklens.validate import choice, finite_number
-from sinklens.visibility import attention_visibility
 
 Kind = Literal["no-op", "broadcast", "partial", "none"]
 KINDS: tuple[str, ...] = get_args(Kind)
@@ -37,10 +33,9 @@ NUMBERS = ("attn_sink", "attn_other", "write_sink", "write_other", "write_share"
 
 @dataclass(frozen=True)
 class ValueDrainSettings:
-    """Settings of a value-drain analysis: a head is a sink head when ``attn_sink >= sink_head_threshold`` (Gu
-    et al.'s ``ε`` as default, but pooled over sequences, sink query left out); a sink head is ``"no-op"`` when
-    ``write_share < no_op_share``, ``"broadcast"`` when ``write_share >= broadcast_share``, else ``"partial"``.
-    ``method``: where attention is read, as ``SinkSettings.method``."""
+    """A sink head has ``attn_sink >= sink_head_threshold`` (default Gu et al.'s ``ε``, but pooled over sequences,
+    sink query left out); it is ``"no-op"`` when ``write_share < no_op_share``, ``"broadcast"`` when
+    ``write_share >= broadcast_share``, else ``"partial"``. ``method`` as ``SinkSettings.method``."""
 
     sink_position: int = 0
     sink_head_threshold: float = SINK_THRESHOLD
@@ -51,14 +46,12 @@ class ValueDrainSettings:
     def __post_init__(self) -> None:
         set_ = object.__setattr__
         set_(self, "sink_position", sink_position_arg(self.sink_position))
-        set_(self, "sink_head_threshold", finite_number(self.sink_head_threshold, what="sink_head_threshold",
-                                                        low=0.0, high=1.0, low_open=True))
-        set_(self, "no_op_share", finite_number(self.no_op_share, what="no_op_share", low=0.0, high=1.0))
-        set_(self, "broadcast_share", finite_number(self.broadcast_share, what="broadcast_share", low=0.0, high=1.0))
+        for name, low_open in (("sink_head_threshold", True), ("no_op_share", False), ("broadcast_share", False)):
+            set_(self, name, finite_number(getattr(self, name), what=name, low=0.0, high=1.0, low_open=low_open))
         set_(self, "method", choice(self.method, ATTENTION_METHODS, what="method"))
         if self.broadcast_share < self.no_op_share:
-            raise InvalidArgumentError(
-                f"broadcast_share={self.broadcast_share} must be >= no_op_share={self.no_op_share}.")
+            raise InvalidArgumentError(f"broadcast_share={self.broadcast_share} must be >= "
+                                       f"no_op_share={self.no_op_share}.")
 
 
 @dataclass(repr=False, eq=False)
@@ -66,19 +59,17 @@ class ValueDrain(SettingsFields, CompactRepr):
     """Per layer × head: attention to the sink ``p`` against what the sink writes.
 
     Key ``k`` writes ``write[b, q, k] = A[b, h, q, k] · ‖C(v_k W_O[l, h]) ⊙ g‖ / s[b, q]`` into query ``q`` in
-    residual units: ``A`` is ``hook_pattern`` (or from queries and keys, same numbers), ``v_k`` is ``hook_v``
-    (key/value head ``h // r``); with a post-attention norm ``g`` is its gain and ``s`` its ``hook_scale``
-    (:mod:`~sinklens.analysis.post_attention`; ``C`` centres on a post-LN model), else ``g = s = 1``; on a
-    SinkLM variant with output ``c[q, h] · (γ[h] ⊙ z)`` ``W_O`` becomes ``diag(γ[h]) W_O`` and ``1/s`` ``|c|/s``.
+    residual units: ``A`` from ``hook_pattern`` (or queries and keys), ``v_k`` from ``hook_v`` (kv head ``h // r``);
+    ``g``/``s``: a post-attention norm's gain and ``hook_scale`` (``C`` centres on post-LN), else 1; on a SinkLM
+    variant with output ``c[q, h] · (γ[h] ⊙ z)``, ``W_O`` becomes ``diag(γ[h]) W_O`` and ``1/s`` ``|c|/s``.
     The counted queries ``Q`` are the real ``q != p`` that see the sink in that layer.
 
     Attributes:
         attn_sink / write_sink: mean over ``Q`` of ``A[q, p]`` / ``write[q, p]``; attn_other / write_other:
             mean over the pairs (``q`` in ``Q``, visible real ``k != p``).
         write_share: ``Σ_Q write[q, p] / Σ_Q Σ_k write[q, k]``, the sink's share of the head's write.
-        value_norm_sink / value_norm_other: mean ``‖v‖`` of the sink / the other real keys; out_norm_*: of
-            ``‖v W_O‖`` (before any norm or variant).
-        n_queries: ``|Q|`` per layer; post_norm_layers: layers mapped through a post-attention norm.
+        value_norm_* / out_norm_*: mean ``‖v‖`` / ``‖v W_O‖`` (before any norm) of the sink / other real keys.
+        n_queries: ``|Q|`` per layer.
     """
 
     attn_sink: Float[Tensor, "layer head"]
@@ -102,10 +93,6 @@ class ValueDrain(SettingsFields, CompactRepr):
         sink, share = (self.attn_sink >= s.sink_head_threshold).tolist(), self.write_share.tolist()
         return [["none" if not is_sink else "no-op" if x < s.no_op_share else "broadcast" if x >= s.broadcast_share
                  else "partial" for is_sink, x in zip(sink_row, share_row)] for sink_row, share_row in zip(sink, share)]
-
-    def kind(self, layer: int, head: int) -> str:
-        """The class of one head."""
-        return self.kinds()[row_index(self.layers, layer)][head]
 
     def heads(self, kind: Kind) -> list[tuple[int, int]]:
         """``(layer, head)`` pairs of one class, in layer-then-head order."""
@@ -139,9 +126,8 @@ class ValueDrain(SettingsFields, CompactRepr):
 
 
 def value_drain_reason(model: Any) -> str | None:
-    """Why value drain cannot be measured on ``model``, or None: a key's write is split only where ``W_O`` reads
-    ``hook_z`` or ``c[q, h] · (γ[h] ⊙ z)`` (:func:`~sinklens.hooks.head_output_gain`), not after an element-wise
-    gate."""
+    """Why value drain cannot be measured on ``model``, or None: ``W_O`` must read ``hook_z`` or
+    ``c[q, h] · (γ[h] ⊙ z)`` (:func:`~sinklens.hooks.head_output_gain`), not an element-wise gated output."""
     site = head_output_site(model)
     bad = [] if site == Z else [layer for layer in range(model_dims(model).n_layers)
                                 if head_output_gain(model, layer) is None]
@@ -150,23 +136,14 @@ def value_drain_reason(model: Any) -> str | None:
             "key's write is not split by this analysis")
 
 
-def _output_scale(z: Float[Tensor, "batch pos head d_head"], out: Float[Tensor, "batch pos head d_head"],
-                  gain: Float[Tensor, "head d_head"]) -> Float[Tensor, "batch pos head"]:
-    """``c`` with ``out = c · (γ ⊙ z)`` per (batch, token, head): the least-squares fit ``⟨out, γz⟩ / ‖γz‖²``,
-    exact for a transform of that form; 0 where ``γ ⊙ z`` is 0 (the head wrote nothing there)."""
-    gz = z * gain
-    den = gz.square().sum(-1)
-    return torch.where(den > 0, (out * gz).sum(-1) / den.clamp(min=torch.finfo(den.dtype).tiny), torch.zeros_like(den))
-
-
 def _quad_norm(v: Float[Tensor, "batch key head d_head"], gram: Float[Tensor, "head d_head d_head"]) -> Tensor:
     """``sqrt(v G vᵀ)`` per (batch, key, head): the norm of ``v W`` for ``G = W Wᵀ`` without forming ``v W``."""
     return (torch.einsum("bkhd,hde->bkhe", v, gram) * v).sum(-1).clamp(min=0).sqrt()
 
 
 class ValueDrainReducer(Reducer[ValueDrain]):
-    """Streams ``hook_v``, the attention, any post-attention norm's ``hook_scale`` and a SinkLM variant's ``hook_z``
-    and output site into per-layer float64 sums; a layer is folded once all its hooks have fired."""
+    """Streams ``hook_v``, the attention, any ``hook_scale`` and a SinkLM variant's ``hook_z`` and output site into
+    per-layer float64 sums; a layer is folded once all its hooks have fired."""
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None,
                  settings: ValueDrainSettings = ValueDrainSettings()):
@@ -174,21 +151,15 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         if reason is not None:
             raise UnsupportedArchitectureError(f"Value drain is not supported for this model: {reason}.")
         self.dims, self.settings = model_dims(model), settings
-        self.layers = resolve_layers(layers, self.dims.n_layers)
-        self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.plan = qk_plan(model, self.layers, settings.method)
-        self.device = model_device(model)
-        self.visibility = attention_visibility(model)
+        self.layers, self.row, self.plan, self.visibility, self.device = attention_parts(model, layers, settings.method)
         self.scale_hooks = post_attention_scale_hooks(model, self.layers)
         self.post_norm = list(self.scale_hooks)
-        # ‖v W_O[h]‖² = v G vᵀ with G = W_O[h] W_O[h]ᵀ; in residual units W_O[h] diag(g) takes W_O[h]'s place.
         gram, gram_res = attention_output_grams(model, self.layers)  # [layer, head, d_head, d_head], float64
         self.gram = gram.to(self.device).float()
-        # A SinkLM variant's head output is c[q, h] · (γ[h] ⊙ z): a key's write goes through diag(γ[h]) W_O[h].
         self.output_site = head_output_site(model)
         gain = torch.stack([head_output_gain(model, layer) for layer in self.layers]).to(self.device, torch.float64)
         self.gain = gain.float()  # [layer, head, d_head]
-        self.gram_res = (gram_res.to(self.device) * gain[..., :, None] * gain[..., None, :]).float()
+        self.gram_res = (gram_res.to(self.device) * gain[..., :, None] * gain[..., None, :]).float()  # diag(γ) G diag(γ)
         self.reset()
 
     statistics = ("sums", "n_q", "n_pairs", "n_keys", "n_seq")
@@ -209,21 +180,18 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         needed = {layer: {"v"} | attention | transformed | ({"scale"} if layer in self.post_norm else set())
                   for layer in self.layers}
 
-        def keep(name: str) -> Any:
-            def fold(act: Tensor, layer: int) -> None:
-                got = waiting.setdefault(layer, {})
-                last = set(got) | {name} == needed[layer]  # the layer's last hook: fold now, no need for a copy
-                got[name] = act.detach().to(self.device, torch.float32, copy=not last)  # one device for every statistic
-                if last:
-                    self._fold_layer(layer, waiting.pop(layer), valid)
-
-            return fold
+        def keep(name: str, act: Tensor, layer: int) -> None:
+            got = waiting.setdefault(layer, {})
+            last = set(got) | {name} == needed[layer]  # the layer's last hook: fold now, no need for a copy
+            got[name] = act.detach().to(self.device, torch.float32, copy=not last)  # one device for every statistic
+            if last:
+                self._fold_layer(layer, waiting.pop(layer), valid)
 
         sites = {"v": V, **{site: site for site in attention}}
         sites |= {"z": Z, "out": self.output_site} if transformed else {}
-        hooks = [hook for name, site in sites.items() for hook in per_layer_hooks(site, self.layers, keep(name))]
-        hooks += bound_hooks(list(self.scale_hooks.values()), self.post_norm, keep("scale"))
-        return BatchFold(hooks, state=waiting)
+        hooks = [hook for name, site in sites.items() for hook in per_layer_hooks(site, self.layers, partial(keep, name))]
+        hooks += bound_hooks(list(self.scale_hooks.values()), self.post_norm, partial(keep, "scale"))
+        return BatchFold(hooks)
 
     def _fold_layer(self, layer: int, acts: dict[str, Tensor], valid: Tensor) -> None:
         row, p = self.row[layer], self.settings.sink_position
@@ -237,8 +205,11 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         inv_scale = torch.ones(b, 1, n_pos, device=v.device, dtype=v.dtype)  # [b, head, q]: c[q, h] / s[b, q]
         if layer in self.post_norm:
             inv_scale = inv_scale / acts["scale"].reshape(b, 1, n_pos)  # 1 / s[b, q]
-        if transformed:
-            inv_scale = inv_scale * _output_scale(acts["z"], acts["out"], self.gain[row]).transpose(1, 2)
+        if transformed:  # c with out = c · (γ ⊙ z): the exact least-squares fit ⟨out, γz⟩ / ‖γz‖², 0 where γz = 0
+            gz = acts["z"] * self.gain[row]
+            den = gz.square().sum(-1)  # [b, q, head]
+            c = torch.where(den > 0, (acts["out"] * gz).sum(-1) / den.clamp(min=torch.finfo(den.dtype).tiny), 0.0)
+            inv_scale = inv_scale * c.transpose(1, 2)
         pos = torch.arange(n_pos, device=v.device)
         queries = self.visibility.block(layer, pos, pos[p: p + 1])[None, :, 0] & valid & valid[:, p: p + 1]
         queries[:, p] = False  # Q: real queries != p that see the sink
@@ -279,8 +250,6 @@ class ValueDrainReducer(Reducer[ValueDrain]):
         self.n_keys[row] += keys.sum()
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
-        if fold.state:
-            raise RuntimeError(f"Value drain: hooks of layers {sorted(fold.state)} did not all fire in this forward pass.")
         self.n_seq += batch.tokens.shape[0]
 
     def result(self) -> ValueDrain:

@@ -1,9 +1,6 @@
-"""Value-aggregation variance: why the first token's head output stands out.
-
-A head's output is ``z_t = Σ_{j<=t} A_tj v_j``; with values independent across positions (variance ``σ_v²``),
-``E|z_t − μ|² / d_head = σ_v² · E[Σ_j A_tj²]``, ``σ_v² / (t + 1)`` under uniform attention: the first token
-keeps the full variance of one value (:class:`VarianceResult`).
-"""
+"""Value-aggregation variance: with values independent across positions (variance ``σ_v²``), a head's output
+``z_t = Σ_j A_tj v_j`` has ``E|z_t − μ|² / d_head = σ_v² · E[Σ_j A_tj²]``, ``σ_v² / (t + 1)`` under uniform
+attention, so the first token keeps the full variance of one value (:class:`VarianceResult`)."""
 
 from __future__ import annotations
 
@@ -16,19 +13,18 @@ import torch
 from jaxtyping import Float
 from torch import Tensor
 
-from sinklens.analysis._common import layer_head_position_rows, position_index, run_analyzer
+from sinklens.analysis._common import layer_head_position_rows, run_analyzer
 from sinklens.analysis.post_attention import attention_output_grams, post_attention_scale_hooks
-from sinklens.analysis.qk_attention import qk_hooks, qk_plan
+from sinklens.analysis.qk_attention import attention_parts, qk_hooks
 from sinklens.display import CompactRepr
 from sinklens.errors import InvalidArgumentError
 from sinklens.export import to_json
-from sinklens.hooks import PATTERN, V, Z, expand_kv_heads, head_output_site, model_device, model_dims, resolve_layers
+from sinklens.hooks import PATTERN, V, Z, expand_kv_heads, head_output_site, model_dims
 from sinklens.inputs import Inputs, TokenBatch
 from sinklens.options import AttentionMethod, RunOptions
 from sinklens.residual_sites import attention_write_hooks
 from sinklens.streaming import BatchFold, Reducer, bound_hooks, grow, per_layer_hooks
-from sinklens.validate import choice
-from sinklens.visibility import attention_visibility
+from sinklens.validate import choice, index
 
 Site = Literal["z", "z_seq", "result", "result_pre_norm", "attn_out", "feature_std", "feature_std_head"]
 
@@ -60,18 +56,13 @@ class VarianceResult(CompactRepr):
     """Variance of head outputs by position, with its predictions (``Σx²/n − (Σx/n)²`` in float64, clamped at 0).
 
     Attributes:
-        z_var: ``mean_c mean_{b valid at t} (z[b, t, h, c] − m[l, h, c])²``, ``z`` = ``hook_z``, ``m`` its mean
-            over all valid (sequence, position) pairs (which makes the law exact); z_var_seq: around the
-            per-position mean instead (both ``1/n``).
-        result_var: the same for the head's write ``z_h W_O[l, h]`` where it reaches the stream (through any
-            post-attention norm, over ``d_model``; ``z_h`` read at ``output_site``); result_var_pre_norm: before
-            that norm; attn_out_var: for the attention's whole write.
-        value_var: ``σ_v²`` per (layer, head) from ``hook_v`` over all valid positions (key/value head ``h // r``);
-            attn_sq: mean over sequences of ``Σ_j A_tj²``.
+        z_var: ``mean_c mean_{b valid at t} (z[b, t, h, c] − m[l, h, c])²``, ``z`` = ``hook_z``, ``m`` its mean over
+            all valid (sequence, position) pairs (which makes the law exact); z_var_seq: around the per-position mean.
+        result_var: the same for the head's write ``z_h W_O[l, h]`` (``z_h`` at ``output_site``) where it reaches the
+            stream, through any post-attention norm; result_var_pre_norm: before it; attn_out_var: whole attention.
+        value_var: ``σ_v²`` per (layer, head) from ``hook_v`` (kv head ``h // r``); attn_sq: mean_b ``Σ_j A_tj²``.
         counts: sequences valid at each position (positions with none are NaN elsewhere).
-        feature_std: Li et al.'s measure as their code computes it (:data:`SOURCES`; ``hook_z`` flattened
-            head-major); feature_std_head (ours): per head.
-        post_norm_layers: the analysed layers whose heads pass through a post-attention norm.
+        feature_std: Li et al.'s measure as their code computes it (:data:`SOURCES`); feature_std_head (ours): per head.
     """
 
     z_var: Float[Tensor, "layer head pos"]
@@ -101,13 +92,6 @@ class VarianceResult(CompactRepr):
         t = torch.arange(self.z_var.shape[-1], dtype=self.z_var.dtype, device=self.z_var.device)
         return self.value_var[:, :, None] / (t + 1)
 
-    def position_index(self, position: int) -> int:
-        """Index of a measured position (negatives count from the end) that some sequence reached."""
-        idx = position_index(position, self.counts.shape[0])
-        if self.counts[idx] <= 0:
-            raise InvalidArgumentError(f"position {position} is out of range: no sequence reached it.")
-        return idx
-
     def variance(self, of: Site = "z") -> Tensor:
         """The measured per-position spread at one site (``of``: the field name without ``_var``)."""
         sites = {"z": self.z_var, "z_seq": self.z_var_seq, "result": self.result_var,
@@ -120,11 +104,6 @@ class VarianceResult(CompactRepr):
         uniform attention over ``T`` positions already gives about ``T / ln T`` at 0 (:attr:`pred_uniform`)."""
         return self.ratio_of(self.variance(of), position)
 
-    def preservation(self, position: int = 0) -> Float[Tensor, "layer head"]:
-        """``discrepancy(of="result") / discrepancy(of="z")``: 1 = the output projection (and post-norm) keeps
-        the position's excess variance, < 1 shrinks it, > 1 amplifies it."""
-        return self.discrepancy(position, of="result") / self.discrepancy(position, of="z")
-
     def rows(self) -> list[dict[str, Any]]:
         """Long format, one row per (layer, head, position) with every measured and predicted number."""
         columns = {"count": ("pos", self.counts), "value_var": ("layer head", self.value_var),
@@ -135,28 +114,26 @@ class VarianceResult(CompactRepr):
         return layer_head_position_rows(self.layers, *self.z_var.shape[1:], columns)
 
     def summary_rows(self, position: int = 0) -> list[dict[str, Any]]:
-        """One row per (layer, head): every discrepancy ratio at ``position``, the preservation ratio,
-        ``value_var``, and ``sources`` naming where each definition comes from."""
+        """One row per (layer, head): every discrepancy ratio at ``position``, ``value_var`` and their ``sources``;
+        ``preservation`` = result / z ratio (1: ``W_O`` and any post-norm keep the position's excess variance)."""
         ratio = partial(self.discrepancy, position)
-        z, res, out = ratio(of="z"), ratio(of="result"), ratio(of="attn_out")
-        std_head, std_all = ratio(of="feature_std_head"), ratio(of="feature_std")
-        pred, unif = self.ratio_of(self.pred_pattern, position), self.ratio_of(self.pred_uniform, position)
+        z, res = ratio(of="z"), ratio(of="result")
+        cols = {"discrepancy_z": z, "discrepancy_pred_pattern": self.ratio_of(self.pred_pattern, position),
+                "discrepancy_pred_uniform": self.ratio_of(self.pred_uniform, position), "discrepancy_result": res,
+                "preservation": res / z, "discrepancy_attn_out": ratio(of="attn_out"), "value_var": self.value_var,
+                "feature_std_ratio_head": ratio(of="feature_std_head"), "feature_std_ratio": ratio(of="feature_std")}
         sources = {"discrepancy_z": SOURCES["z_var"], "discrepancy_result": SOURCES["result_var"],
                    "feature_std_ratio": SOURCES["feature_std"], "feature_std_ratio_head": SOURCES["feature_std_head"]}
-        return [
-            {"layer": layer, "head": h, "position": position, "discrepancy_z": float(z[i, h]),
-             "discrepancy_pred_pattern": float(pred[i, h]), "discrepancy_pred_uniform": float(unif[i, h]),
-             "discrepancy_result": float(res[i, h]), "preservation": float(res[i, h] / z[i, h]),
-             "discrepancy_attn_out": float(out[i]), "value_var": float(self.value_var[i, h]),
-             "feature_std_ratio_head": float(std_head[i, h]), "feature_std_ratio": float(std_all[i]),
-             "sources": sources}
-            for i, layer in enumerate(self.layers) for h in range(self.z_var.shape[1])
-        ]
+        return [{"layer": layer, "head": h, "position": position}  # [layer] columns: the same for every head
+                | {k: float(v[i, h] if v.dim() == 2 else v[i]) for k, v in cols.items()} | {"sources": sources}
+                for i, layer in enumerate(self.layers) for h in range(self.z_var.shape[1])]
 
     def ratio_of(self, var: Float[Tensor, "*lead pos"], position: int = 0) -> Float[Tensor, "*lead"]:
         """``var`` at ``position`` over its mean over the valid positions ``t >= 1``, ``t != position``,
         weighted by how many sequences reach each (the discrepancy ratio of any per-position variance)."""
-        idx = self.position_index(position)
+        idx = index(position, self.counts.shape[0], what="position")
+        if self.counts[idx] <= 0:
+            raise InvalidArgumentError(f"position {position} is out of range: no sequence reached it.")
         rest = [t for t in range(1, self.counts.shape[0]) if t != idx and self.counts[t] > 0]
         if not rest:
             raise InvalidArgumentError("Need at least one valid position >= 1 besides the chosen one to compare with.")
@@ -188,22 +165,16 @@ class VarianceResult(CompactRepr):
 
 
 class VarianceReducer(Reducer[VarianceResult]):
-    """Streams ``hook_v``, the attention, ``hook_z`` (and the head output site), the attention write and any
-    post-attention norm's ``hook_scale`` into float64 sums per layer. ``Σ |z W_O|²`` is ``z G zᵀ`` with
-    ``G = W_O W_Oᵀ``; on a post-norm layer ``z`` waits for ``hook_scale`` ``s``, then ``Σ z/s`` and
-    ``Σ |(z/s) M|²`` are kept; ``Σ_j A_tj²`` comes from ``hook_pattern`` or the queries and keys (``method``).
-    """
+    """Streams ``hook_v``, the attention, ``hook_z`` and the output site, the attention write and any
+    ``hook_scale`` into float64 sums per layer: ``Σ |z W_O|² = Σ z G zᵀ`` (``G = W_O W_Oᵀ``); on a post-norm
+    layer ``z`` waits for its scale ``s`` (``Σ z/s``, ``Σ |(z/s) M|²``)."""
 
     statistics = ("z_s1", "z_s2", "out_s1", "r_s2", "zs_s1", "rs_s2", "fs_head", "fs_all", "a_sq", "o_s1", "o_s2", "n",
                   "v_s1", "v_s2", "v_n", "n_seq", "prepend_bos")
 
     def __init__(self, model: Any, *, layers: int | Sequence[int] | None = None, method: AttentionMethod = "auto"):
         self.model, self.dims = model, model_dims(model)
-        self.layers = resolve_layers(layers, self.dims.n_layers)
-        self.plan = qk_plan(model, self.layers, method)
-        self.visibility = attention_visibility(model)
-        self.row = {layer: i for i, layer in enumerate(self.layers)}
-        self.device = model_device(model)
+        self.layers, self.row, self.plan, self.visibility, self.device = attention_parts(model, layers, method)
         self.scale_hooks = post_attention_scale_hooks(model, self.layers)
         self.post_norm = list(self.scale_hooks)
         self.output_site = head_output_site(model)
@@ -259,15 +230,11 @@ class VarianceReducer(Reducer[VarianceResult]):
             self.r_s2[row, :, :n] += ((zg * z).sum(-1) * w32[..., None]).sum(0).T.double()
             # Li et al.'s torch.std in two passes, so a large common mean cannot cancel the spread: a token's sum of
             # squares about its mean = the heads' own + d_head × (head mean − token mean)².
-            d, big = z.shape[-1], z.shape[-1] * z.shape[-2]
-            head_mean = z.mean(-1, keepdim=True)  # [b, t, head, 1]
-            within = (z - head_mean).square().sum(-1)  # [b, t, head]
-            head_mean = head_mean.squeeze(-1)
+            d, head_mean = z.shape[-1], z.mean(-1)  # [b, t, head]
+            within = (z - head_mean[..., None]).square().sum(-1)  # [b, t, head]
             between = (head_mean - head_mean.mean(-1, keepdim=True)).square().sum(-1) * d  # [b, t]
-            std_head = (within / (d - 1)).sqrt()
-            std_all = ((within.sum(-1) + between) / (big - 1)).sqrt()
-            self.fs_head[row, :, :n] += (std_head.double() * w[..., None]).sum(0).T
-            self.fs_all[row, :n] += (std_all.double() * w).sum(0)
+            self.fs_head[row, :, :n] += ((within / (d - 1)).sqrt().double() * w[..., None]).sum(0).T
+            self.fs_all[row, :n] += (((within.sum(-1) + between) / (d * z.shape[-2] - 1)).sqrt().double() * w).sum(0)
             if layer in self.post_norm:
                 waiting[layer] = z.clone()
 
@@ -336,9 +303,7 @@ def measure_variance(model: Any, inputs: Inputs | None = None, *, layers: int | 
 
     Examples:
         >>> from sinklens.testing import tiny_model
-        >>> from sinklens.inputs import random_token_batches
-        >>> model = tiny_model()
-        >>> result = measure_variance(model, random_token_batches(model, n_sequences=8, seq_len=6),
+        >>> result = measure_variance(tiny_model(), ["t5 t6 t7 t8 t9", "t3 t4 t5 t6 t7"],
         ...                           options=RunOptions(progress=False))
         >>> result.z_var.shape, result.discrepancy(0).shape
         (torch.Size([2, 4, 6]), torch.Size([2, 4]))

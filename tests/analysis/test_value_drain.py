@@ -41,10 +41,10 @@ def test_planted_no_op_and_broadcast_sinks(llama, value):
     if value == "zero":
         assert float(got.write_share[0, 1]) < 1e-6 and float(got.write_sink[0, 1]) < 1e-6
         assert float(got.value_norm_sink[0, 1]) == 0.0 and float(got.value_norm_sink[0, 0]) == 0.0  # kv group of head 1
-        assert got.kind(0, 1) == "no-op"
+        assert got.kinds()[0][1] == "no-op"
     else:
         assert float(got.write_share[0, 1]) > 0.9
-        assert got.kind(0, 1) == "broadcast"
+        assert got.kinds()[0][1] == "broadcast"
     # The unplanted heads spread attention over the keys (mean attention to key 0 ~ 0.21): not sink heads.
     assert got.heads("none") == [(0, 0), (0, 2), (0, 3), (1, 0), (1, 1), (1, 2), (1, 3)]
     assert got.counts()[value.replace("zero", "no-op")] == 1

@@ -79,7 +79,7 @@ def test_streamed_variance_equals_full_cache(tiny):
         rest3 = (torch.cat([z_var[:, 1:3], z_var[:, 4:]], -1) * torch.cat([counts[1:3], counts[4:]])).sum(-1)
         rest3 = rest3 / (counts[1:].sum() - counts[3])
         torch.testing.assert_close(got.discrepancy(3)[layer], (z_var[:, 3] / rest3).float(), rtol=1e-4, atol=1e-6)
-        pres = got.preservation(0)[layer]
+        pres = got.discrepancy(0, of="result")[layer] / got.discrepancy(0)[layer]
         ref_pres = (result_var[:, 0] / ((result_var[:, 1:] * counts[1:]).sum(-1) / counts[1:].sum())) / (z_var[:, 0] / rest)
         torch.testing.assert_close(pres, ref_pres.float(), rtol=1e-4, atol=1e-6)
     assert got.counts.tolist() == [float(sum(len(p.split()) + 1 > t for p in PROMPTS)) for t in range(12)]
