@@ -45,7 +45,4 @@ class MetricsLog:
                 self.run.add_scalar(key, value, global_step=line["step"])
 
     def close(self) -> None:
-        if self.kind == "wandb":
-            self.run.finish()
-        else:
-            self.run.close()
+        (self.run.finish if self.kind == "wandb" else self.run.close)()

@@ -17,7 +17,6 @@ PEAK_FLOPS: dict[str, float] = {
     "A10": 125e12, "RTX 4090": 165.2e12, "RTX 3090": 71e12,
 }
 
-
 #: Extra keyword arguments of every ``torch.compile`` call the trainer makes (tests set a cheap backend).
 COMPILE_KWARGS: dict[str, Any] = {}
 
@@ -49,8 +48,7 @@ def peak_flops(device_name: str) -> float | None:
 
 
 def estimate_mfu(flops_per_token: float, tokens_per_s: float, device: torch.device) -> float | None:
-    """Model FLOPs utilisation: ``flops_per_token × tokens/s`` over the GPU's dense bf16 peak; None on a CPU or an
-    unknown GPU."""
+    """Model FLOPs utilisation: ``flops_per_token × tokens/s`` over the GPU's dense bf16 peak; None off a known GPU."""
     if device.type != "cuda":
         return None
     peak = peak_flops(torch.cuda.get_device_name(device))
