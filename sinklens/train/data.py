@@ -103,17 +103,16 @@ class StreamSource(TokenSource):
                  bos_id: int | None, tokenizer: Any = None):
         self.streams = {"train": train, "val": val}
         self.seq_len, self.seed, self.vocab_size, self.bos_id, self.tokenizer = seq_len, seed, vocab_size, bos_id, tokenizer
-        need = seq_len if bos_id is not None else seq_len + 1
+        self.width = seq_len if bos_id is not None else seq_len + 1  # the tokens of a window
         for split, stream in self.streams.items():
-            if len(stream) < need:
-                raise ValueError(f"The {split} split has {len(stream)} tokens, fewer than one sequence of {need}; "
-                                 f"use more data, a larger data.val_fraction, or a smaller data.seq_len.")
+            if len(stream) < self.width:
+                raise ValueError(f"The {split} split has {len(stream)} tokens, fewer than one sequence of "
+                                 f"{self.width}; use more data, a larger data.val_fraction, or a smaller data.seq_len.")
 
     def _sample(self, gen: torch.Generator, split: Split, n: int) -> Tensor:
         stream = self.streams[split]
-        width = self.seq_len if self.bos_id is not None else self.seq_len + 1
-        starts = torch.randint(0, len(stream) - width + 1, (n,), generator=gen).tolist()
-        rows = np.stack([np.asarray(stream[s : s + width], dtype=np.int64) for s in starts])
+        starts = torch.randint(0, len(stream) - self.width + 1, (n,), generator=gen).tolist()
+        rows = np.stack([np.asarray(stream[s : s + self.width], dtype=np.int64) for s in starts])
         x = torch.from_numpy(rows)
         if self.bos_id is not None:
             x = torch.cat([torch.full((n, 1), self.bos_id, dtype=torch.long), x], dim=1)
@@ -134,8 +133,7 @@ def _text_files(cfg: DataConfig) -> list[Path]:
 
 def _split_docs(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
     """Cut the concatenated documents at ``(1 - val_fraction)`` of their characters."""
-    total = sum(len(d) for d in docs)
-    cut = int(total * (1 - val_fraction))
+    cut = int(sum(len(d) for d in docs) * (1 - val_fraction))
     train, val, seen = [], [], 0
     for doc in docs:
         if seen + len(doc) <= cut:
@@ -153,8 +151,7 @@ def _encode(tokenizer: Any, docs: list[str]) -> np.ndarray:
     """Token ids of the documents, each followed by ``<|endoftext|>``."""
     encoded = tokenizer.backend_tokenizer.encode_batch(docs, add_special_tokens=False)
     ids = [i for enc in encoded for i in [*enc.ids, tokenizer.eos_token_id]]
-    dtype = np.uint16 if len(tokenizer) <= 65536 else np.uint32
-    return np.asarray(ids, dtype=dtype)
+    return np.asarray(ids, dtype=np.uint16 if len(tokenizer) <= 65536 else np.uint32)
 
 
 def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> tuple[np.ndarray, np.ndarray, Any]:
