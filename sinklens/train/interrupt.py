@@ -30,16 +30,13 @@ class StopSignals:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._restore()
-
-    def _restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:  # the second signal: stop now, without a checkpoint
-            self._restore()
+            self.__exit__()
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
         print(f"\n{self.received}: stopping after this step and saving a checkpoint (again to stop at once)",
