@@ -119,18 +119,6 @@ class StreamSource(TokenSource):
         return x
 
 
-def _text_files(cfg: DataConfig) -> list[Path]:
-    path = Path(str(cfg.path)).expanduser()
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise NotFoundError(f"data.path {str(path)!r} is neither a text file nor a folder.")
-    files = sorted(p for p in path.glob(cfg.glob) if p.is_file())
-    if not files:
-        raise NotFoundError(f"No files match data.glob={cfg.glob!r} under {str(path)!r}.")
-    return files
-
-
 def _split_docs(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
     """Cut the concatenated documents at ``(1 - val_fraction)`` of their characters."""
     cut = int(sum(len(d) for d in docs) * (1 - val_fraction))
@@ -183,7 +171,12 @@ def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> t
 def text_source(cfg: DataConfig) -> StreamSource:
     """Local text: a file, or the files matching ``cfg.glob`` under a folder (sorted), at most about
     ``cfg.max_tokens`` characters, tokenised (byte or BPE) and cached; non-UTF-8 bytes are replaced, with a warning."""
-    files = _text_files(cfg)
+    path = Path(str(cfg.path)).expanduser()
+    if not path.is_file() and not path.is_dir():
+        raise NotFoundError(f"data.path {str(path)!r} is neither a text file nor a folder.")
+    files = [path] if path.is_file() else sorted(p for p in path.glob(cfg.glob) if p.is_file())
+    if not files:
+        raise NotFoundError(f"No files match data.glob={cfg.glob!r} under {str(path)!r}.")
     before = itertools.accumulate((f.stat().st_size for f in files), initial=0)  # bytes of the files before each
     chosen = [f for f, seen in zip(files, before) if seen < cfg.max_tokens]
     for f in chosen:

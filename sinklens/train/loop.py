@@ -85,10 +85,9 @@ def forward_backward(
     """One micro-step: next-token cross-entropy of ``rows[:, 1:]`` given ``rows[:, :-1]``, backward of ``loss *
     loss_scale`` (through ``scaler`` when given); returns the unscaled loss, detached. ``hook_owner`` owns the
     hook points (the unwrapped model under DDP or compile)."""
-    inputs, targets = rows[:, :-1], rows[:, 1:]
     owner = hook_owner if hook_owner is not None else model
     with autocast, owner.hooks(fwd_hooks=list(hooks)) if hooks else contextlib.nullcontext():
-        loss = model(inputs, return_type="loss", targets=targets)
+        loss = model(rows[:, :-1], return_type="loss", targets=rows[:, 1:])
     scaled = loss * loss_scale if loss_scale != 1.0 else loss
     (scaler.scale(scaled) if scaler is not None else scaled).backward()
     return loss.detach()
