@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+
 @functools.cache
 def native_cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
     """Whether the first ``flags``/``Features`` line of ``cpuinfo`` names native bfloat16; None without one (not Linux)."""

@@ -48,7 +48,8 @@ def peak_flops(device_name: str) -> float | None:
 
 
 def estimate_mfu(flops_per_token: float, tokens_per_s: float, device: torch.device) -> float | None:
-    """Model FLOPs utilisation: ``flops_per_token × tokens/s`` over the GPU's dense bf16 peak; None off a known GPU."""
+    """Model FLOPs utilisation: ``flops_per_token × tokens/s`` over the GPU's dense bf16 peak; None on a CPU or an
+    unknown GPU."""
     if device.type != "cuda":
         return None
     peak = peak_flops(torch.cuda.get_device_name(device))
