@@ -44,9 +44,8 @@ class PersistenceTracker:
         """Read the step-0 snapshot of a resumed run; rebuild it from the step-0 weights when missing or stale."""
         if not self.enabled:
             return
-        path = self.out / REFERENCE if self.out is not None else None
-        if path is not None and path.is_file():
-            ref = PreferenceSnapshot.from_dict(json.loads(path.read_text()))
+        if self.out is not None and (self.out / REFERENCE).is_file():
+            ref = PreferenceSnapshot.from_dict(json.loads((self.out / REFERENCE).read_text()))
             if ref.inputs() == self.inputs:
                 self.reference = ref
                 return
