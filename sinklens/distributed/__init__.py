@@ -76,7 +76,3 @@ def local_batches(batches: Sequence[T]) -> Sequence[T]:
     batches = batches if hasattr(batches, "__len__") else list(batches)
     start, stop = shard_bounds(len(batches), rank=rank(), world_size=world_size())
     return [batches[i] for i in range(start, stop)]
-
-
-__all__ = ["active", "launched_by_torchrun", "is_main", "local_batches", "rank", "session",
-           "shard_bounds", "world_size"]

@@ -26,19 +26,15 @@ class DistContext:
         return self.rank == 0
 
 
-def resolve_device(name: str) -> torch.device:
-    """``"auto"``: cuda when available, else cpu; any other name must be a device this machine has."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if str(name).strip().lower().split(":")[0] not in ("cpu", "cuda", "mps"):
-        raise InvalidArgumentError(f"Unknown device {name!r}; use 'auto' (CUDA when available, else the CPU), 'cpu', "
-                                   f"'cuda', 'cuda:N' or 'mps'.")
-    return checked_device(name, what="device")  # a device this machine lacks is refused with its own message
-
-
 def init_distributed(device: str) -> tuple[DistContext, torch.device]:
-    """Join the process group if launched by ``torchrun``; return the context and this process's device."""
-    dev = resolve_device(device)
+    """Join the process group if launched by ``torchrun``; return the context and this process's device (``"auto"``:
+    cuda when available, else cpu; any other name must be a device this machine has)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif str(device).strip().lower().split(":")[0] not in ("cpu", "cuda", "mps"):
+        raise InvalidArgumentError(f"Unknown device {device!r}; use 'auto' (CUDA when available, else the CPU), "
+                                   "'cpu', 'cuda', 'cuda:N' or 'mps'.")
+    dev = checked_device(device, what="device")  # refuses a device this machine lacks
     if not ("WORLD_SIZE" in os.environ and "RANK" in os.environ):
         return DistContext(), dev
     ctx = DistContext(True, int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"]))

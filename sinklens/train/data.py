@@ -1,15 +1,6 @@
-"""Training data: synthetic sink tasks, local text, nanoGPT memmaps and Hugging Face datasets.
-
-``source.batch(split, step, n)`` draws ``n`` sequences of ``seq_len + 1`` tokens from a generator seeded by
-``(data.seed, split, step)`` only: the same data config gives the same batches, and a resume needs no data state.
-
-Examples:
-    >>> from sinklens.sinklm.config import DataConfig
-    >>> src = build_source(DataConfig(source="bigram-backcopy", seq_len=8, vocab_size=16))
-    >>> x = src.batch("train", step=0, n=2)
-    >>> x.shape, bool((x[:, 0] == src.bos_id).all()), bool((x == src.batch("train", 0, 2)).all())
-    (torch.Size([2, 9]), True, True)
-"""
+"""Training data: synthetic sink tasks, local text, nanoGPT memmaps and Hugging Face datasets. ``source.batch(split,
+step, n)`` draws ``n`` sequences of ``seq_len + 1`` tokens from a generator seeded by ``(data.seed, split, step)``
+only: the same data config gives the same batches, and a resume needs no data state."""
 
 from __future__ import annotations
 
@@ -92,11 +83,9 @@ class BackcopySource(MarkovSource):
     def __init__(self, *, vocab_size: int, seq_len: int, seed: int, n_triggers: int = 3, alpha: float = 0.1, task_seed: int = 0):
         super().__init__(vocab_size=vocab_size, seq_len=seq_len, seed=seed, alpha=alpha, task_seed=task_seed)
         if not 0 <= n_triggers < vocab_size - 1:
-            raise InvalidArgumentError(
-                f"data.n_triggers={n_triggers} needs a vocabulary of at least {n_triggers + 2} tokens (BOS, the triggers "
-                f"and one other), got {vocab_size} (data.vocab_size, or model.d_vocab when it is unset); lower "
-                f"data.n_triggers or raise the vocabulary."
-            )
+            raise InvalidArgumentError(f"data.n_triggers={n_triggers} needs a vocabulary of at least {n_triggers + 2} "
+                                       f"tokens (BOS, the triggers and one other), got {vocab_size} (data.vocab_size, or "
+                                       "model.d_vocab when it is unset); lower data.n_triggers or raise the vocabulary.")
         self.triggers: Int[Tensor, " n_triggers"] = torch.from_numpy(self._task_rng.permutation(vocab_size - 1)[:n_triggers] + 1)
         self.is_trigger: Bool[Tensor, " vocab"] = torch.zeros(vocab_size, dtype=torch.bool)
         self.is_trigger[self.triggers] = True
@@ -114,44 +103,25 @@ class StreamSource(TokenSource):
                  bos_id: int | None, tokenizer: Any = None):
         self.streams = {"train": train, "val": val}
         self.seq_len, self.seed, self.vocab_size, self.bos_id, self.tokenizer = seq_len, seed, vocab_size, bos_id, tokenizer
-        need = seq_len if bos_id is not None else seq_len + 1
+        self.width = seq_len if bos_id is not None else seq_len + 1  # the tokens of a window
         for split, stream in self.streams.items():
-            if len(stream) < need:
-                raise ValueError(f"The {split} split has {len(stream)} tokens, fewer than one sequence of {need}; "
-                                 f"use more data, a larger data.val_fraction, or a smaller data.seq_len.")
+            if len(stream) < self.width:
+                raise ValueError(f"The {split} split has {len(stream)} tokens, fewer than one sequence of "
+                                 f"{self.width}; use more data, a larger data.val_fraction, or a smaller data.seq_len.")
 
     def _sample(self, gen: torch.Generator, split: Split, n: int) -> Tensor:
         stream = self.streams[split]
-        width = self.seq_len if self.bos_id is not None else self.seq_len + 1
-        starts = torch.randint(0, len(stream) - width + 1, (n,), generator=gen).tolist()
-        rows = np.stack([np.asarray(stream[s : s + width], dtype=np.int64) for s in starts])
+        starts = torch.randint(0, len(stream) - self.width + 1, (n,), generator=gen).tolist()
+        rows = np.stack([np.asarray(stream[s : s + self.width], dtype=np.int64) for s in starts])
         x = torch.from_numpy(rows)
         if self.bos_id is not None:
             x = torch.cat([torch.full((n, 1), self.bos_id, dtype=torch.long), x], dim=1)
         return x
 
 
-def _cache_root(cfg: DataConfig) -> Path:
-    root = cfg.cache_dir or os.environ.get("SINKLENS_CACHE") or Path.home() / ".cache" / "sinklens"
-    return Path(root) / "data"
-
-
-def _text_files(cfg: DataConfig) -> list[Path]:
-    path = Path(str(cfg.path)).expanduser()
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise NotFoundError(f"data.path {str(path)!r} is neither a text file nor a folder.")
-    files = sorted(p for p in path.glob(cfg.glob) if p.is_file())
-    if not files:
-        raise NotFoundError(f"No files match data.glob={cfg.glob!r} under {str(path)!r}.")
-    return files
-
-
 def _split_docs(docs: list[str], val_fraction: float) -> tuple[list[str], list[str]]:
     """Cut the concatenated documents at ``(1 - val_fraction)`` of their characters."""
-    total = sum(len(d) for d in docs)
-    cut = int(total * (1 - val_fraction))
+    cut = int(sum(len(d) for d in docs) * (1 - val_fraction))
     train, val, seen = [], [], 0
     for doc in docs:
         if seen + len(doc) <= cut:
@@ -169,8 +139,7 @@ def _encode(tokenizer: Any, docs: list[str]) -> np.ndarray:
     """Token ids of the documents, each followed by ``<|endoftext|>``."""
     encoded = tokenizer.backend_tokenizer.encode_batch(docs, add_special_tokens=False)
     ids = [i for enc in encoded for i in [*enc.ids, tokenizer.eos_token_id]]
-    dtype = np.uint16 if len(tokenizer) <= 65536 else np.uint32
-    return np.asarray(ids, dtype=dtype)
+    return np.asarray(ids, dtype=np.uint16 if len(tokenizer) <= 65536 else np.uint32)
 
 
 def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> tuple[np.ndarray, np.ndarray, Any]:
@@ -179,7 +148,8 @@ def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> t
     from sinklens.sinklm.tokenizer import byte_tokenizer, load_tokenizer, train_bpe
     key_parts = {**key_parts, "tokenizer": cfg.tokenizer, "vocab_size": cfg.vocab_size, "val": cfg.val_fraction, "v": 1}
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
-    folder = _cache_root(cfg) / key
+    root = cfg.cache_dir or os.environ.get("SINKLENS_CACHE") or Path.home() / ".cache" / "sinklens"
+    folder = Path(root) / "data" / key
     if (folder / "val.npy").is_file():
         return np.load(folder / "train.npy"), np.load(folder / "val.npy"), load_tokenizer(str(folder / "tokenizer"))
     train_docs, val_docs = _split_docs(load_docs(), cfg.val_fraction)
@@ -201,7 +171,12 @@ def _tokenize_cached(cfg: DataConfig, key_parts: dict[str, Any], load_docs) -> t
 def text_source(cfg: DataConfig) -> StreamSource:
     """Local text: a file, or the files matching ``cfg.glob`` under a folder (sorted), at most about
     ``cfg.max_tokens`` characters, tokenised (byte or BPE) and cached; non-UTF-8 bytes are replaced, with a warning."""
-    files = _text_files(cfg)
+    path = Path(str(cfg.path)).expanduser()
+    if not path.is_file() and not path.is_dir():
+        raise NotFoundError(f"data.path {str(path)!r} is neither a text file nor a folder.")
+    files = [path] if path.is_file() else sorted(p for p in path.glob(cfg.glob) if p.is_file())
+    if not files:
+        raise NotFoundError(f"No files match data.glob={cfg.glob!r} under {str(path)!r}.")
     before = itertools.accumulate((f.stat().st_size for f in files), initial=0)  # bytes of the files before each
     chosen = [f for f, seen in zip(files, before) if seen < cfg.max_tokens]
     for f in chosen:
@@ -291,20 +266,17 @@ def memmap_source(cfg: DataConfig) -> StreamSource:
         train, val = train[:cut], train[cut:]
     largest = max(_max_id(train), _max_id(val))
     if meta_path.is_file():
-        vocab_size = _meta_vocab_size(meta_path)
-        origin = f"vocab_size of {str(meta_path)!r}"
+        vocab_size, origin = _meta_vocab_size(meta_path), f"vocab_size of {str(meta_path)!r}"
     elif cfg.vocab_size is not None:
         vocab_size, origin = cfg.vocab_size, f"data.vocab_size={cfg.vocab_size}"
     else:
         vocab_size, origin = largest + 1, "the largest id + 1"
     if largest >= vocab_size:
-        raise InvalidArgumentError(
-            f"The token ids of {str(path)!r} go up to {largest}, but the vocabulary is {vocab_size} tokens "
-            f"({origin}, ids 0..{vocab_size - 1}); "
-            + ("check that meta.pkl belongs to these .bin files." if meta_path.is_file() else
-               f"set data.vocab_size to at least {largest + 1} (e.g. --data.vocab-size {largest + 1}), or check that "
-               f"the .bin file is the one meant.")
-        )
+        fix = ("check that meta.pkl belongs to these .bin files" if meta_path.is_file() else
+               f"set data.vocab_size to at least {largest + 1} (e.g. --data.vocab-size {largest + 1}), or check "
+               "that the .bin file is the one meant")
+        raise InvalidArgumentError(f"The token ids of {str(path)!r} go up to {largest}, but the vocabulary is "
+                                   f"{vocab_size} tokens ({origin}, ids 0..{vocab_size - 1}); {fix}.")
     return StreamSource(train, val, seq_len=cfg.seq_len, seed=cfg.seed, vocab_size=vocab_size, bos_id=None)
 
 
@@ -328,11 +300,9 @@ def hf_source(cfg: DataConfig) -> StreamSource:
                     break
             return docs
         except (ConnectionError, OSError) as err:
-            raise OfflineError(
-                f"Could not stream Hugging Face dataset {cfg.path!r} ({type(err).__name__}: {err}). "
-                "This needs network access; offline, use data.source='text' with a local folder or "
-                "'memmap' with pre-tokenised train.bin/val.bin."
-            ) from err
+            raise OfflineError(f"Could not stream Hugging Face dataset {cfg.path!r} ({type(err).__name__}: {err}). "
+                               "This needs network access; offline, use data.source='text' with a local folder or "
+                               "'memmap' with pre-tokenised train.bin/val.bin.") from err
 
     key = {"hf": cfg.path, "config": cfg.hf_config, "split": cfg.hf_split, "field": cfg.text_field, "max": cfg.max_tokens}
     train, val, tokenizer = _tokenize_cached(cfg, key, load_docs)
@@ -349,12 +319,10 @@ def check_synthetic_vocab(source: str, vocab: int, *, from_model: bool = False) 
         return
     gib = 2 * 8 * vocab * vocab / 2**30
     where = "model.d_vocab, as data.vocab_size is unset" if from_model else "data.vocab_size"
-    raise InvalidArgumentError(
-        f"data.source={source!r} with a vocabulary of {vocab} tokens ({where}) would need two dense "
-        f"{vocab}x{vocab} float64 tables ({gib:.1f} GiB); synthetic tasks allow at most {MAX_SYNTHETIC_VOCAB} tokens. "
-        f"Set data.vocab_size smaller (e.g. --data.vocab-size 256; model.d_vocab may stay larger) or model.d_vocab, "
-        f"or train on text data (--data PATH)."
-    )
+    raise InvalidArgumentError(f"data.source={source!r} with a vocabulary of {vocab} tokens ({where}) would need two "
+                               f"dense {vocab}x{vocab} float64 tables ({gib:.1f} GiB); synthetic tasks allow at most "
+                               f"{MAX_SYNTHETIC_VOCAB} tokens. Set data.vocab_size smaller (e.g. --data.vocab-size "
+                               "256; model.d_vocab may stay larger) or model.d_vocab, or train on text data (--data PATH).")
 
 
 _SAMPLE_BYTES = 1 << 20  # hashed at each of 8 evenly spaced places of a memmapped stream: a few MiB read

@@ -13,9 +13,6 @@ from typing import Any
 
 from sinklens.errors import TrainingInterrupted
 
-SIGNALS: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)
-
-
 class StopSignals:
     """While active (main thread, not over an ignored signal), the first SIGINT/SIGTERM is recorded in
     ``received`` instead of raised."""
@@ -27,31 +24,27 @@ class StopSignals:
 
     def __enter__(self) -> StopSignals:
         if self.active:
-            for sig in SIGNALS:
+            for sig in (signal.SIGINT, signal.SIGTERM):
                 if signal.getsignal(sig) is not signal.SIG_IGN:
                     self._previous[sig] = signal.signal(sig, self._handle)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._restore()
-
-    def _restore(self) -> None:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is not None:  # the second signal: stop now, without a checkpoint
-            self._restore()
+            self.__exit__()
             raise KeyboardInterrupt
         self.received = signal.Signals(signum).name
         print(f"\n{self.received}: stopping after this step and saving a checkpoint (again to stop at once)",
               file=sys.stderr, flush=True)
 
 
-def interrupted_error(
-    signal_name: str, step: int, start_step: int, steps: int, out: Path | None, checkpoint: Callable[..., None]
-) -> TrainingInterrupted:
+def interrupted_error(signal_name: str, step: int, start_step: int, steps: int, out: Path | None,
+                      checkpoint: Callable[..., None]) -> TrainingInterrupted:
     """Checkpoint the ``step`` steps done (when any were done since ``start_step``) and say so."""
     if step > start_step and out is not None:
         checkpoint(step, regular=False)

@@ -36,28 +36,19 @@ def try_interventions(model: Any, hooks: Hooks, cfg: TrainConfig) -> bool:
     :class:`InvalidArgumentError` up front; return whether they also run on the persistence probe's sequences."""
     if not hooks:
         return True
-    device = next(model.parameters()).device
-
-    def runs_on(length: int) -> InvalidArgumentError | None:
-        tokens = torch.zeros(1, length, dtype=torch.long, device=device)
+    seq_len, probe = cfg.data.seq_len, min(cfg.eval.persistence_seq_len, cfg.data.seq_len)
+    probed = cfg.eval.interval and cfg.eval.persistence_sequences and probe < seq_len
+    for length in [seq_len, probe] if probed else [seq_len]:
         try:
             with torch.no_grad(), model.hooks(fwd_hooks=hooks):
-                model(tokens)
+                model(torch.zeros(1, length, dtype=torch.long, device=next(model.parameters()).device))
         except InvalidArgumentError as error:
-            return error
-        return None
-
-    error = runs_on(cfg.data.seq_len)
-    if error is not None:
-        raise InvalidArgumentError(f"A training-time intervention cannot run on the run's {cfg.data.seq_len}-token "
-                                   f"training sequences (data.seq_len={cfg.data.seq_len}): {error}") from None
-    probe = min(cfg.eval.persistence_seq_len, cfg.data.seq_len)
-    if not (cfg.eval.interval and cfg.eval.persistence_sequences) or probe >= cfg.data.seq_len:
-        return True
-    error = runs_on(probe)
-    if error is None:
-        return True
-    warnings.warn(f"The training-time interventions cannot run on the persistence probe's {probe}-token sequences "
-                  f"(eval.persistence_seq_len={cfg.eval.persistence_seq_len}): {error} Persistence is measured without "
-                  f"them; raise eval.persistence_seq_len to measure it with them.", stacklevel=3)
-    return False
+            if length == seq_len:
+                raise InvalidArgumentError(f"A training-time intervention cannot run on the run's {seq_len}-token "
+                                           f"training sequences (data.seq_len={seq_len}): {error}") from None
+            warnings.warn(f"The training-time interventions cannot run on the persistence probe's {probe}-token "
+                          f"sequences (eval.persistence_seq_len={cfg.eval.persistence_seq_len}): {error} Persistence "
+                          "is measured without them; raise eval.persistence_seq_len to measure it with them.",
+                          stacklevel=3)
+            return False
+    return True

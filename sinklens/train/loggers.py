@@ -13,10 +13,8 @@ from sinklens.errors import InvalidArgumentError
 
 def check_log(kind: str) -> None:
     if kind != "none" and importlib.util.find_spec(kind) is None:  # the package is named as the kind
-        raise InvalidArgumentError(
-            f"log={kind!r} needs the {kind} package, which is not installed: pip install 'sinklens[{kind}]' "
-            f"(or set log='none'; metrics.jsonl is written either way)."
-        )
+        raise InvalidArgumentError(f"log={kind!r} needs the {kind} package, which is not installed: pip install "
+                                   f"'sinklens[{kind}]' (or set log='none'; metrics.jsonl is written either way).")
 
 
 class MetricsLog:
@@ -45,7 +43,4 @@ class MetricsLog:
                 self.run.add_scalar(key, value, global_step=line["step"])
 
     def close(self) -> None:
-        if self.kind == "wandb":
-            self.run.finish()
-        else:
-            self.run.close()
+        (self.run.finish if self.kind == "wandb" else self.run.close)()

@@ -1,6 +1,5 @@
-"""The training loop, read top to bottom like nanoGPT's ``train.py``: :func:`train` locks the run folder, sets
-up (``_build``, ``_open_run_dir``, ``_prepare_loop``), then evaluates, trains and checkpoints step by step; one
-``_Run`` carries the run's state."""
+"""The training loop, read top to bottom like nanoGPT's ``train.py``: lock the run folder, build, then evaluate,
+train and checkpoint step by step; one ``_Run`` carries the run's state."""
 
 from __future__ import annotations
 
@@ -53,7 +52,6 @@ class TrainResult(CompactRepr):
 
     model: Any
     history: list[dict[str, Any]] = field(default_factory=list)
-    out_dir: Path | None = None
     compile: dict[str, Any] = field(default_factory=dict)
     device: str = "cpu"
     autocast: str = "none"
@@ -87,10 +85,9 @@ def forward_backward(
     """One micro-step: next-token cross-entropy of ``rows[:, 1:]`` given ``rows[:, :-1]``, backward of ``loss *
     loss_scale`` (through ``scaler`` when given); returns the unscaled loss, detached. ``hook_owner`` owns the
     hook points (the unwrapped model under DDP or compile)."""
-    inputs, targets = rows[:, :-1], rows[:, 1:]
     owner = hook_owner if hook_owner is not None else model
     with autocast, owner.hooks(fwd_hooks=list(hooks)) if hooks else contextlib.nullcontext():
-        loss = model(inputs, return_type="loss", targets=targets)
+        loss = model(rows[:, :-1], return_type="loss", targets=rows[:, 1:])
     scaled = loss * loss_scale if loss_scale != 1.0 else loss
     (scaler.scale(scaled) if scaler is not None else scaled).backward()
     return loss.detach()
@@ -99,9 +96,7 @@ def forward_backward(
 def fetch_rows(source: TokenSource, step: int, cfg: TrainConfig, device: torch.device) -> Tensor:
     """The rows of ``step``, ``(batch, seq_len + 1)``, on ``device`` (on CUDA from pinned memory, non-blocking)."""
     rows = source.batch("train", step, cfg.batch_size)
-    if device.type == "cuda":
-        rows = rows.pin_memory()
-    return rows.to(device, non_blocking=True)
+    return (rows.pin_memory() if device.type == "cuda" else rows).to(device, non_blocking=True)
 
 
 def eval_batches(source: TokenSource, cfg: TrainConfig, device: torch.device) -> tuple[list[TokenBatch], list[Tensor]]:
@@ -112,26 +107,13 @@ def eval_batches(source: TokenSource, cfg: TrainConfig, device: torch.device) ->
     return batches, [r[:, 1:] for r in rows]
 
 
-def _resolve_vocab(cfg: TrainConfig, source: TokenSource) -> TrainConfig:
-    """``cfg`` with ``model.d_vocab="auto"`` set to the data's vocabulary; an explicit one must be large enough."""
-    if cfg.model.d_vocab == "auto":
-        return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_vocab=source.vocab_size))
-    if source.vocab_size > cfg.model.d_vocab:
-        raise InvalidArgumentError(
-            f"The data uses {source.vocab_size} token ids but model.d_vocab={cfg.model.d_vocab}; "
-            f"set model.d_vocab={source.vocab_size} (or larger, or 'auto'), e.g. --set model.d_vocab={source.vocab_size}."
-        )
-    return cfg
-
-
 def _check_weights_finite(model: Any) -> str | None:
     """None if every parameter of ``model`` is finite, else which are not (one host sync)."""
     params = list(model.named_parameters())
     flags = torch.stack([torch.isfinite(p).all() for _, p in params]).tolist()
     bad = [name for (name, _), ok in zip(params, flags) if not ok]
-    if not bad:
-        return None
-    return f"{len(bad)} of {len(params)} parameter tensors hold NaN/inf ({', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})"
+    more = ", ..." if len(bad) > 3 else ""
+    return f"{len(bad)} of {len(params)} parameter tensors hold NaN/inf ({', '.join(bad[:3])}{more})" if bad else None
 
 
 def train(
@@ -144,41 +126,32 @@ def train(
     progress: bool = True,
     until: int | None = None,
 ) -> TrainResult:
-    """Train a SinkLM as ``cfg`` describes; write config, metrics, checkpoints and tokenizer to ``out_dir``
-    (None: in memory), touched only once data, model, optimizer and interventions are built.
+    """Train a SinkLM as ``cfg`` describes; write config, metrics, checkpoints and tokenizer to ``out_dir`` (None:
+    in memory), touched only once data, model, optimizer and interventions are built.
 
-    Args:
-        resume: continue from the newest good checkpoint bit-exactly; ``cfg`` may change only how it goes on
-            (:func:`~sinklens.sinklm.run_folder.resume_changes`).
-        overwrite: replace the run in ``out_dir`` (set aside, deleted at the first checkpoint, restored if the
-            new run fails before). Without either, a folder holding a run raises ``OutputExistsError``.
-        interventions: added to ``cfg.interventions``: registry specs (stored in ``config.json``) or callables
-            ``model -> [(hook_name, fn)]`` (passed again on resume).
-        until: stop (and checkpoint) after this many steps; the schedule still spans ``cfg.steps``.
-
-    Raises:
-        TrainingInterrupted: Ctrl-C or SIGTERM; the steps done were checkpointed.
-        TrainingDivergedError: a NaN/inf loss or gradient (``on_nonfinite``), or non-finite weights at a
-            checkpoint; the last finite checkpoint is kept."""
+    ``resume`` continues from the newest good checkpoint bit-exactly (``cfg`` may change only how the run goes on:
+    :func:`~sinklens.sinklm.run_folder.resume_changes`). ``overwrite`` sets the run in ``out_dir`` aside, deletes it
+    at the first checkpoint and restores it if the new run fails before; without either, a folder holding a run
+    raises ``OutputExistsError``. ``interventions`` add to ``cfg.interventions``: registry specs (stored in
+    ``config.json``) or callables ``model -> [(hook_name, fn)]`` (passed again on resume). ``until`` stops (and
+    checkpoints) after that many steps; the schedule still spans ``cfg.steps``. Raises ``TrainingInterrupted`` on
+    Ctrl-C or SIGTERM (the steps done are checkpointed) and ``TrainingDivergedError`` on a NaN/inf loss or gradient
+    (``on_nonfinite``) or non-finite weights at a checkpoint (the last finite checkpoint is kept)."""
     out = Path(out_dir).expanduser() if out_dir is not None else None
-    if until is not None:
-        until = positive_int(until, what="until", minimum=0)
-    cfg = cfg.replace(data=cfg.data.with_absolute_path())  # config.json names the same data from any folder
+    until = None if until is None else positive_int(until, what="until", minimum=0)
     check_interventions([*cfg.interventions, *interventions])
     check_log(cfg.log)
     specs = [item for item in interventions if isinstance(item, str)]  # stored in config.json: a resume applies them
     twice = [spec for spec in specs if spec in cfg.interventions]
     if twice:
-        raise InvalidArgumentError(
-            f"intervention {twice[0]!r} is given twice: in cfg.interventions (a resumed run's config stores the ones "
-            "it was trained with) and in interventions=; pass it once.")
-    if specs:
-        cfg = cfg.replace(interventions=[*cfg.interventions, *specs])
-        interventions = [item for item in interventions if not isinstance(item, str)]
+        raise InvalidArgumentError(f"intervention {twice[0]!r} is given twice: in cfg.interventions (a resumed run's "
+                                   "config stores the ones it was trained with) and in interventions=; pass it once.")
+    cfg = cfg.replace(data=cfg.data.with_absolute_path(), interventions=[*cfg.interventions, *specs])  # data: absolute
+    interventions = [item for item in interventions if not isinstance(item, str)]
     if cfg.keep_every and not cfg.checkpoint_interval:
-        warnings.warn(f"keep_every={cfg.keep_every} keeps every {cfg.keep_every}-th periodic checkpoint, but "
-                      "checkpoint_interval=0 writes none: only the final checkpoint and its fallback are kept. Set "
-                      "checkpoint_interval (e.g. --set checkpoint_interval=100) to keep periodic ones.", stacklevel=2)
+        warnings.warn(f"keep_every={cfg.keep_every} keeps periodic checkpoints, but checkpoint_interval=0 writes none: "
+                      "only the final one and its fallback are kept; set e.g. --set checkpoint_interval=100.",
+                      stacklevel=2)
     with RunLock(out) if out is not None and writes_outputs() else contextlib.nullcontext():  # rank 0 holds it
         return _train(cfg, out, resume=resume, overwrite=overwrite, interventions=interventions, progress=progress,
                       until=until)
@@ -240,22 +213,20 @@ def _train(cfg: TrainConfig, out: Path | None, *, resume: bool, overwrite: bool,
         next_rows: Tensor | None = None  # fetched while the GPU works on the step before
         for step in bar:
             if stops.received:
-                checkpoint = partial(_checkpoint, run)
-                raise interrupted_error(stops.received, step, run.start_step, cfg.steps, out, checkpoint)
+                raise interrupted_error(stops.received, step, run.start_step, cfg.steps, out, partial(_checkpoint, run))
             if cfg.eval.interval and dist.is_main and step % cfg.eval.interval == 0:
                 _evaluate(run, step)
             rows = next_rows if next_rows is not None else fetch_rows(run.source, step, cfg, device)  # (B, T+1)
             next_rows, loss = _train_step(run, step, rows)
             if loss is not None:
                 bar.set_postfix(loss=f"{loss:.4f}")
-            done = step + 1
-            if cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0 and done < run.stop:
-                _checkpoint(run, done)
+            if cfg.checkpoint_interval and (step + 1) % cfg.checkpoint_interval == 0 and step + 1 < run.stop:
+                _checkpoint(run, step + 1)
         if cfg.eval.interval and dist.is_main and run.stop == cfg.steps:
             _evaluate(run, cfg.steps)
         _checkpoint(run, run.stop)
-        return TrainResult(model=run.model, history=run.history, out_dir=out, compile=run.compile_info,
-                           device=device.type, autocast=run.precision.dtype)
+        return TrainResult(model=run.model, history=run.history, compile=run.compile_info, device=device.type,
+                           autocast=run.precision.dtype)
     except BaseException as error:
         if run is not None and run.metrics_file is not None:
             run.metrics_file.close()
@@ -277,22 +248,26 @@ def _build(cfg: TrainConfig, out: Path | None, dist: DistContext, device: torch.
     ``cfg.data`` only, the initialisation on ``cfg.seed``."""
     from sinklens.sinklm.model import SinkLM
     source = build_source(cfg.data, d_vocab=None if cfg.model.d_vocab == "auto" else cfg.model.d_vocab)
-    cfg = _resolve_vocab(cfg, source)
+    if cfg.model.d_vocab == "auto":
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, d_vocab=source.vocab_size))
+    elif source.vocab_size > cfg.model.d_vocab:
+        vocab = source.vocab_size
+        raise InvalidArgumentError(f"The data uses {vocab} token ids but model.d_vocab={cfg.model.d_vocab}; set "
+                                   f"model.d_vocab={vocab} (or larger, or 'auto'), e.g. --set model.d_vocab={vocab}.")
     per_rank, rem = divmod(cfg.batch_size // cfg.grad_accum, dist.world_size)
     if rem or per_rank == 0:
-        raise InvalidArgumentError(
-            f"batch_size={cfg.batch_size} does not split into grad_accum={cfg.grad_accum} micro-batches "
-            f"over {dist.world_size} processes; use a multiple of {cfg.grad_accum * dist.world_size}."
-        )
+        raise InvalidArgumentError(f"batch_size={cfg.batch_size} does not split into grad_accum={cfg.grad_accum} "
+                                   f"micro-batches over {dist.world_size} processes; use a multiple of "
+                                   f"{cfg.grad_accum * dist.world_size}.")
     torch.manual_seed(cfg.seed)
     model = SinkLM(cfg.model).to(device)
     model.tokenizer = source.tokenizer
-    every = [*cfg.interventions, *interventions]
+    every = [*cfg.interventions, *interventions]  # the specs (strings), then the callables
     hooks = resolve_interventions(model, every)
     # trial hooks are fresh (a trial leaves no state); where the spec interventions cannot run on the persistence
     # probe's shorter sequences, the probe measures without them
-    probe_all = try_interventions(model, resolve_interventions(model, [i for i in every if isinstance(i, str)]), cfg)
-    probed = [item for item in every if probe_all or not isinstance(item, str)]
+    probe_all = try_interventions(model, resolve_interventions(model, cfg.interventions), cfg)
+    probed = every if probe_all else list(interventions)
     probe_hooks = hooks if probe_all else resolve_interventions(model, probed)
     persist = PersistenceTracker(cfg, out, lambda m: probe_hooks if m is model else resolve_interventions(m, probed))
     return _Run(cfg=cfg, out=out, dist=dist, device=device, source=source, model=model,
@@ -313,10 +288,8 @@ def _open_run_dir(run: _Run, resumed_from: Any, *, overwrite: bool, until: int |
     run.stop = cfg.steps if until is None else min(until, cfg.steps)
     if resumed and run.start_step >= run.stop:  # re-saving would replace step `stop`'s checkpoint
         asked = f"steps={cfg.steps}" + ("" if until is None else f" and until={until}")
-        raise InvalidArgumentError(
-            f"The run in {str(out)!r} is at step {run.start_step} already; {asked} leave nothing to train. "
-            f"Pass a larger --steps (train(..., resume=True) with cfg.steps > {run.start_step}) to continue it."
-        )
+        raise InvalidArgumentError(f"The run in {str(out)!r} is at step {run.start_step} already; {asked} leave "
+                                   f"nothing to train. Pass a larger --steps (> {run.start_step}) to continue it.")
     if out is None or not run.dist.is_main:
         return
     writable_dir(out, what="out_dir")
@@ -465,12 +438,10 @@ def _skip_nonfinite(run: _Run, step: int, loss_sum: Tensor, grad_norm: Tensor, l
     if cfg.on_nonfinite == "stop":
         why, advice = "on_nonfinite='stop'", "or set on_nonfinite='skip' to drop such steps"
     else:
-        why = f"non-finite again after max_skips={cfg.max_skips} skipped steps in a row"
-        advice = "or raise max_skips to skip more such steps in a row"
-    raise TrainingDivergedError(
-        f"Training diverged at step {step}: loss {line['loss']}, gradient norm {line['grad_norm']} "
-        f"(lr {lr:.3g}); stopped ({why}), {_kept(run, step)}. Lower optim.lr, raise optim.warmup_steps, {advice}."
-    )
+        why, advice = f"non-finite again after max_skips={cfg.max_skips} skipped steps in a row", "or raise max_skips"
+    raise TrainingDivergedError(f"Training diverged at step {step}: loss {line['loss']}, gradient norm "
+                                f"{line['grad_norm']} (lr {lr:.3g}); stopped ({why}), {_kept(run, step)}. Lower "
+                                f"optim.lr, raise optim.warmup_steps, {advice}.")
 
 
 def _kept(run: _Run, step: int | None) -> str:
@@ -503,11 +474,9 @@ def _checkpoint(run: _Run, step: int, *, regular: bool = True) -> None:
     if bad is not None:
         _log(run, {"kind": "nonfinite", "step": step, "weights": bad,
                    "lr": get_lr(max(step - 1, 0), run.cfg.optim, run.cfg.steps), "action": "stop"})
-        raise TrainingDivergedError(
-            f"Training diverged: the weights after step {step} are not finite ({bad}); the checkpoint of "
-            f"step {step} was not written and {_kept(run, None)}. Lower optim.lr, raise "
-            f"optim.warmup_steps or set optim.grad_clip."
-        )
+        raise TrainingDivergedError(f"Training diverged: the weights after step {step} are not finite ({bad}); the "
+                                    f"checkpoint of step {step} was not written and {_kept(run, None)}. Lower optim.lr, "
+                                    "raise optim.warmup_steps or set optim.grad_clip.")
     if not run.dist.is_main:
         return
     save_checkpoint(out, model=run.model, optimizer=run.optimizer, cfg=run.cfg, step=step, scaler=run.precision.scaler)

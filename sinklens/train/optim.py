@@ -1,11 +1,4 @@
-"""AdamW and its learning-rate schedule (linear warmup, then cosine decay).
-
-Examples:
-    >>> from sinklens.sinklm.config import OptimConfig
-    >>> opt = OptimConfig(lr=1e-3, min_lr=1e-4, warmup_steps=10)
-    >>> [round(get_lr(s, opt, total_steps=100), 6) for s in (0, 9, 10, 55, 100, 200)]
-    [0.0001, 0.001, 0.001, 0.00055, 0.0001, 0.0001]
-"""
+"""AdamW and its learning-rate schedule (linear warmup, then cosine decay)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""Persistence of the init-time bias: each evaluation compares a
-:class:`~sinklens.origins.persistence.PreferenceSnapshot` with step 0's, saved in ``RUN_DIR/persistence_ref.json``
-(:func:`~sinklens.origins.persistence.compare_snapshots`: rank correlations of the token preference, Pearson of
-log mean probabilities, ``|cos|`` of the contraction directions)."""
+"""Persistence of the init-time bias: each evaluation compares a :class:`~sinklens.origins.persistence.PreferenceSnapshot`
+with step 0's, kept in ``RUN_DIR/persistence_ref.json`` (:func:`~sinklens.origins.persistence.compare_snapshots`: rank
+correlations of the token preference, Pearson of log mean probabilities, ``|cos|`` of the contraction directions)."""
 
 from __future__ import annotations
 
@@ -11,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from sinklens.export import write_json
+from sinklens.hooks import eval_mode
 from sinklens.options import RunOptions
 from sinklens.origins.persistence import PreferenceSnapshot, compare_snapshots, snapshot
 from sinklens.sinklm.config import TrainConfig
@@ -28,40 +28,33 @@ class PersistenceTracker:
 
     def __init__(self, cfg: TrainConfig, out: Path | None, hooks_for: Callable[[Any], list]) -> None:
         self.cfg, self.out, self.hooks_for = cfg, out, hooks_for
-        self.n_sequences = cfg.eval.persistence_sequences
-        self.seq_len = min(cfg.eval.persistence_seq_len, cfg.data.seq_len)
-        self.seed = cfg.eval.persistence_seed
+        ev = cfg.eval
+        self.enabled = bool(ev.interval) and ev.persistence_sequences > 0
+        self.inputs = {"n_sequences": ev.persistence_sequences, "seq_len": min(ev.persistence_seq_len, cfg.data.seq_len),
+                       "seed": ev.persistence_seed}
         self.reference: PreferenceSnapshot | None = None
 
-    @property
-    def enabled(self) -> bool:
-        return bool(self.cfg.eval.interval) and self.n_sequences > 0
-
     def _snapshot(self, model: Any) -> PreferenceSnapshot:
-        options = RunOptions(progress=False, batch_size=max(self.n_sequences, 1), extra_hooks=tuple(self.hooks_for(model)))
-        was_training = model.training
-        model.eval()
-        try:
-            return snapshot(model, n_sequences=self.n_sequences, seq_len=self.seq_len, seed=self.seed, options=options)
-        finally:
-            model.train(was_training)
+        batch_size = max(self.inputs["n_sequences"], 1)
+        options = RunOptions(progress=False, batch_size=batch_size, extra_hooks=tuple(self.hooks_for(model)))
+        with eval_mode(model):
+            return snapshot(model, **self.inputs, options=options)
 
     def resume(self, device: Any) -> None:
         """Read the step-0 snapshot of a resumed run; rebuild it from the step-0 weights when missing or stale."""
         if not self.enabled:
             return
-        path = self.out / REFERENCE if self.out is not None else None
-        if path is not None and path.is_file():
-            ref = PreferenceSnapshot.from_dict(json.loads(path.read_text()))
-            if ref.inputs() == {"n_sequences": self.n_sequences, "seq_len": self.seq_len, "seed": self.seed}:
+        if self.out is not None and (self.out / REFERENCE).is_file():
+            ref = PreferenceSnapshot.from_dict(json.loads((self.out / REFERENCE).read_text()))
+            if ref.inputs() == self.inputs:
                 self.reference = ref
                 return
-        self.reference = self._snapshot(sinklm_at_init(self.cfg.model, self.cfg.seed, device=device))
-        self._save()
+        self._keep(self._snapshot(sinklm_at_init(self.cfg.model, self.cfg.seed, device=device)))
 
-    def _save(self) -> None:
-        if self.out is not None and self.reference is not None:
-            write_json(self.out / REFERENCE, self.reference.to_dict(), digits=None, indent=None)
+    def _keep(self, reference: PreferenceSnapshot) -> None:
+        self.reference = reference
+        if self.out is not None:
+            write_json(self.out / REFERENCE, reference.to_dict(), digits=None, indent=None)
 
     def measure(self, model: Any) -> dict[str, float]:
         """The ``persistence_*`` values of ``model`` (the first call of a fresh run sets the reference)."""
@@ -69,6 +62,5 @@ class PersistenceTracker:
             return {}
         current = self._snapshot(model)
         if self.reference is None:
-            self.reference = current
-            self._save()
+            self._keep(current)
         return {KEYS[k]: v for k, v in compare_snapshots(current, self.reference).items()}

@@ -13,18 +13,15 @@ from typing import Any
 
 import torch
 
-_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})
-
 
 @functools.cache
 def native_cpu_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
-    """Whether the first ``flags``/``Features`` line of ``cpuinfo`` names native bfloat16; None where there
-    is no such line (not Linux)."""
+    """Whether the first ``flags``/``Features`` line of ``cpuinfo`` names native bfloat16; None without one (not Linux)."""
     try:
         flags = re.search(r"^\s*(?:flags|features)\s*:(.*)$", Path(cpuinfo).read_text(), re.MULTILINE | re.IGNORECASE)
     except OSError:
         return None
-    return None if flags is None else bool(_BF16_FLAGS & set(flags.group(1).split()))
+    return None if flags is None else bool({"avx512_bf16", "amx_bf16", "bf16"} & set(flags.group(1).split()))
 
 
 @dataclass(frozen=True)

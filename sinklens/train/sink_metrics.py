@@ -16,7 +16,7 @@ from sinklens.analysis.qk_attention import qk_plan
 from sinklens.analysis.sinks import SinkReducer, SinkSettings
 from sinklens.analysis.variance import VarianceReducer
 from sinklens.display import CompactRepr
-from sinklens.hooks import RESID_POST, model_device, model_dims
+from sinklens.hooks import RESID_POST, eval_mode, model_device, model_dims
 from sinklens.inputs import TokenBatch
 from sinklens.options import SINK_THRESHOLD, HookFn, RunOptions
 from sinklens.streaming import BatchFold, Reducer, per_layer_hooks, stream
@@ -25,8 +25,7 @@ from sinklens.sinklm.functional import next_token_loss
 
 class FirstTokenNormReducer(Reducer[Float[Tensor, " layer"]]):
     """``norm_ratio[l]``: mean ``‖resid_post[l, 0]‖`` over sequences, divided by the mean over sequences and valid
-    positions ``t >= 1`` of ``‖resid_post[l, t]‖`` (``blocks.{l}.hook_resid_post``); ≫ 1 with massive activations.
-    """
+    positions ``t >= 1`` of ``‖resid_post[l, t]‖`` (``blocks.{l}.hook_resid_post``); ≫ 1 with massive activations."""
 
     statistics = ("sums", "counts")
 
@@ -65,9 +64,8 @@ class SinkMetrics(CompactRepr):
         val_loss: mean next-token cross-entropy over the evaluation batches (nats).
         attention_to_first: ``[layer, head]`` mean attention on key 0 over the queries ``q >= 1`` that see it.
         sink_rate: Gu et al. (2024)'s sink rate as their code computes it (``SinkResult.sink_rate(method="gu")``,
-            query 0 included): share of (sequence, layer, head) over ε = ``threshold``.
+            query 0 included): share of (sequence, layer, head) over ε (:func:`evaluate`'s ``threshold``).
         sinklens_sink_rate: the same over the queries ``q >= 1`` (``method="sinklens"``).
-        threshold: that ε.
         norm_ratio: ``[layer]`` first-token norm ratio of ``hook_resid_post`` (:class:`FirstTokenNormReducer`).
         variance_ratio: ``[layer, head]`` variance of ``hook_z`` at position 0 over the mean at ``t >= 1``.
         attn_out_variance_ratio: ``[layer]`` the same for ``hook_attn_out`` (after the variant and ``W_O``).
@@ -77,7 +75,6 @@ class SinkMetrics(CompactRepr):
     attention_to_first: Float[Tensor, "layer head"]
     sink_rate: float
     sinklens_sink_rate: float
-    threshold: float
     norm_ratio: Float[Tensor, " layer"]
     variance_ratio: Float[Tensor, "layer head"]
     attn_out_variance_ratio: Float[Tensor, " layer"]
@@ -110,9 +107,7 @@ def evaluate(
     method = method_for_hooks("auto", extra_hooks)
     if method == "auto":
         method = "qk" if qk_plan(model, range(model_dims(model).n_layers), "auto").sites is not None else "pattern"
-    was_training = model.training
-    model.eval()
-    try:
+    with eval_mode(model):
         with torch.inference_mode(), model.hooks(fwd_hooks=list(extra_hooks)):
             losses = [next_token_loss(model(batch.tokens, return_type="logits"), target)
                       for batch, target in zip(batches, targets)]
@@ -120,14 +115,11 @@ def evaluate(
                     FirstTokenNormReducer(model), VarianceReducer(model, method=method)]
         sinks, norms, variance = stream(model, batches, reducers,
                                         options=RunOptions(progress=False, extra_hooks=tuple(extra_hooks)))
-    finally:
-        model.train(was_training)
     return SinkMetrics(
         val_loss=float(torch.stack(losses).mean()),
         attention_to_first=sinks.received[:, :, 0],
         sink_rate=sinks.sink_rate(position=0, method="gu"),
         sinklens_sink_rate=sinks.sink_rate(position=0, method="sinklens"),
-        threshold=threshold,
         norm_ratio=norms,
         variance_ratio=variance.discrepancy(0, of="z"),
         attn_out_variance_ratio=variance.discrepancy(0, of="attn_out"),

@@ -17,7 +17,6 @@ PEAK_FLOPS: dict[str, float] = {
     "A10": 125e12, "RTX 4090": 165.2e12, "RTX 3090": 71e12,
 }
 
-
 #: Extra keyword arguments of every ``torch.compile`` call the trainer makes (tests set a cheap backend).
 COMPILE_KWARGS: dict[str, Any] = {}
 
