@@ -54,14 +54,12 @@ def variance_calibration(
     pos = None if positions is None else positions_arg(positions, dims.n_ctx)
     if mode == "amplify" and pos == [0] and attention_visibility(model).causal and not has_sink_logits(model):
         raise InvalidArgumentError(
-            "variance_calibration(mode='amplify', positions=[0]) does nothing on this model: in a causal model "
-            "without sink logits query 0 attends only to key 0, so s_0 = sum_j A_0j^2 = 1 and its factor "
-            "1/sqrt(s_0) is exactly 1. To take the sink away use mode='attenuate' (the default of remove_sink and "
-            "`sinklens intervene --method variance-calibration`); to give later positions the first token's "
-            "variance pass positions=None or positions after 0.")
+            "variance_calibration(mode='amplify', positions=[0]) does nothing on this model: causal without sink "
+            "logits, query 0 attends only to key 0, so its factor 1/sqrt(s_0) is 1. To take the sink away use "
+            "mode='attenuate' (remove_sink's default); to give later positions the first token's variance pass "
+            "positions=None or positions after 0.")
     layer_list = resolve_layers(layers, dims.n_layers)
-    names = [hook_name(layer, site) for layer in layer_list for site in (PATTERN, Z)]
-    check_hook_names(model, names)
+    check_hook_names(model, [hook_name(layer, site) for layer in layer_list for site in (PATTERN, Z)])
     require_attention_seams(model, "variance calibration")  # it needs hook_pattern before hook_z
     factors: dict[int, Tensor] = {}
     hooks: Hooks = []
@@ -73,9 +71,8 @@ def variance_calibration(
             f = factors.pop(layer)
             if pos is not None:
                 check_in_sequence(pos, z.shape[1])
-                mask = torch.zeros(z.shape[1], dtype=torch.bool, device=z.device)
-                mask[pos] = True
-                f = torch.where(mask[None, :, None], f, torch.ones_like(f))
+                f, computed = torch.ones_like(f), f  # factor 1 outside ``pos``
+                f[:, pos] = computed[:, pos]
             return z * f[..., None].to(z.dtype)
 
         hooks += [(hook_name(layer, PATTERN), keep), (hook_name(layer, Z), rescale)]

@@ -12,7 +12,8 @@ from typing import Any, Union
 
 import numpy as np
 import torch
-from jaxtyping import Bool, Float, Int
+import torch.nn.functional as F
+from jaxtyping import Float
 from torch import Tensor
 from tqdm.auto import tqdm
 
@@ -39,9 +40,9 @@ class PositionResidualReducer(Reducer[tuple[Tensor, Tensor]]):
 
     statistics = ("vec", "norm", "count")
 
-    def __init__(self, model: Any, positions: Sequence[int], *, layers: IndexLike | None = None):
+    def __init__(self, model: Any, positions: Sequence[int]):
         dims = model_dims(model)
-        self.layers = layers_arg(layers, dims.n_layers)
+        self.layers = list(range(dims.n_layers))
         self.positions = [index(p, dims.n_ctx, what="position", allow_negative=False) for p in positions]
         self.d_model, self.device = dims.d_model, model_device(model)
         self.reset()
@@ -49,20 +50,16 @@ class PositionResidualReducer(Reducer[tuple[Tensor, Tensor]]):
     def reset(self) -> None:
         zeros = partial(torch.zeros, dtype=torch.float64, device=self.device)
         n = (len(self.layers), len(self.positions))
-        self.vec, self.norm = zeros(*n, self.d_model), zeros(*n)
-        self.count = zeros(())
+        self.vec, self.norm, self.count = zeros(*n, self.d_model), zeros(*n), zeros(())
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
-        if max(self.positions) >= batch.tokens.shape[1]:
-            seq_ok = torch.zeros(batch.tokens.shape[0], dtype=torch.bool, device=batch.valid.device)
-        else:
-            seq_ok = batch.valid[:, self.positions].all(dim=1)  # [batch]
-        row = {layer: i for i, layer in enumerate(self.layers)}
+        seq_ok = (batch.valid[:, self.positions].all(dim=1) if max(self.positions) < batch.tokens.shape[1]
+                  else torch.zeros(batch.tokens.shape[0], dtype=torch.bool, device=batch.valid.device))  # [batch]
 
         def fold(act: Tensor, layer: int) -> None:  # act: [batch, pos, d_model]; sequences not ok weigh 0
             x = torch.where(seq_ok[:, None, None], act[:, self.positions].double(), 0.0)  # [batch, position, d_model]
-            self.vec[row[layer]] += x.sum(dim=0)
-            self.norm[row[layer]] += x.norm(dim=-1).sum(dim=0)
+            self.vec[layer] += x.sum(dim=0)
+            self.norm[layer] += x.norm(dim=-1).sum(dim=0)
 
         return BatchFold(per_layer_hooks(RESID_POST, self.layers, fold), state=seq_ok)
 
@@ -87,20 +84,9 @@ class RunStats(CompactRepr):
     loss: float
 
 
-def next_token_cross_entropy(
-    logits: Float[Tensor, "batch pos vocab"], tokens: Int[Tensor, "batch pos"], valid: Bool[Tensor, "batch pos"]
-) -> tuple[float, int]:
-    """Summed next-token cross-entropy (nats) over predictions whose next token is real, and their count."""
-    per_token = torch.nn.functional.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten(), reduction="none"
-    ).view(tokens.shape[0], -1)  # [batch, pos - 1]
-    return float(per_token[valid[:, 1:]].double().sum()), int(valid[:, 1:].sum())
-
-
 def wants_next_token_loss(model: Any, loss: bool | None) -> bool:
-    """Whether to compute the next-token loss (None: where defined). It is not defined on an encoder nor where
-    ``cfg.d_vocab_out < d_vocab``; ``loss=True`` there raises :class:`~sinklens.errors.UnsupportedArchitectureError`.
-    """
+    """Whether to compute the next-token loss (None: where defined, i.e. not on an encoder nor where
+    ``cfg.d_vocab_out < d_vocab``; ``loss=True`` there raises UnsupportedArchitectureError)."""
     dims = model_dims(model)
     if loss is None:
         return not is_encoder(model) and dims.d_vocab_out >= dims.d_vocab
@@ -109,26 +95,25 @@ def wants_next_token_loss(model: Any, loss: bool | None) -> bool:
         raise UnsupportedArchitectureError(
             "loss=True on an encoder: every position sees the token it would predict, so there is no next-token loss.")
     if loss and dims.d_vocab_out < dims.d_vocab:
-        raise UnsupportedArchitectureError(
-            f"loss=True on a model that reads {dims.d_vocab} tokens but predicts {dims.d_vocab_out} (cfg.d_vocab_out): "
-            "the next-token loss is not defined.")
+        raise UnsupportedArchitectureError(f"loss=True on a model that reads {dims.d_vocab} tokens but predicts "
+                                           f"{dims.d_vocab_out} (cfg.d_vocab_out): the next-token loss is not defined.")
     return loss
 
 
 def _next_token_loss(model: Any, batches: Sequence[TokenBatch], hooks: Hooks) -> float:
-    """Mean next-token cross-entropy over real (non-padded) predicted tokens, with ``hooks`` attached."""
+    """Mean next-token cross-entropy (nats) over predictions whose next token is real, with ``hooks`` attached."""
     total, count = 0.0, 0
     with torch.inference_mode(), eval_mode(model), model.hooks(fwd_hooks=list(hooks)):  # no dropout, as in stream
-        for batch in map(right_align, batches):
-            logits = forward(model, batch, return_type="logits")  # [batch, pos, d_vocab], padding masked
-            batch_total, batch_count = next_token_cross_entropy(logits, batch.tokens, batch.valid)
-            total, count = total + batch_total, count + batch_count
+        for b in map(right_align, batches):
+            logits = forward(model, b, return_type="logits")[:, :-1]  # [batch, pos - 1, d_vocab], padding masked
+            nll = F.cross_entropy(logits.flatten(0, 1).float(), b.tokens[:, 1:].flatten(), reduction="none")
+            real = b.valid[:, 1:].flatten()
+            total, count = total + float(nll[real].double().sum()), count + int(real.sum())
     return total / count if count else float("nan")
 
 
 def run_stats(
-    model: Any, batches: Sequence[TokenBatch], hooks: Hooks, *, target: int, sink: int = 0,
-    layers: IndexLike | None = None, loss: bool | None = None,
+    model: Any, batches: Sequence[TokenBatch], hooks: Hooks, *, target: int, sink: int = 0, loss: bool | None = None,
     options: RunOptions = RunOptions(progress=False),
 ) -> RunStats:
     """Attention to ``target`` and ``sink`` (queries after ``target``), residuals at both, and the loss (NaN when
@@ -136,26 +121,19 @@ def run_stats(
     loss = wants_next_token_loss(model, loss)
     longest = max((int(b.valid.sum(dim=1).max()) for b in batches), default=0)
     if target >= longest - 1:
-        raise InvalidArgumentError(
-            f"No query after position {target}: use sequences longer than {target + 1} tokens (the longest has {longest})."
-        )
+        raise InvalidArgumentError(f"No query after position {target}: use sequences longer than {target + 1} tokens "
+                                   f"(the longest has {longest}).")
     if sink >= longest:
         raise InvalidArgumentError(f"sink position {sink} is beyond the longest sequence ({longest} tokens).")
     # pad short batches so an intervention at the target or the sink finds those positions
     batches = [padded_to(b, max(target, sink) + 1) for b in batches]
-    att = AttentionReceivedReducer(model, layers=layers, min_query=target + 1)
-    res = PositionResidualReducer(model, [target, sink], layers=layers)
+    att = AttentionReceivedReducer(model, min_query=target + 1)
+    res = PositionResidualReducer(model, [target, sink])
     all_hooks = [*options.extra_hooks, *hooks]
-    received, (vec, norm) = stream(
-        model, batches, [att, res], options=options.replace(extra_hooks=all_hooks, desc=options.desc or "intervene")
-    )
-    return RunStats(
-        received=received.at(target),
-        sink_received=received.at(sink),
-        resid_mean=vec,
-        resid_norm=norm,
-        loss=_next_token_loss(model, batches, all_hooks) if loss else float("nan"),
-    )
+    received, (vec, norm) = stream(model, batches, [att, res],
+                                   options=options.replace(extra_hooks=all_hooks, desc=options.desc or "intervene"))
+    return RunStats(received.at(target), received.at(sink), vec, norm,
+                    _next_token_loss(model, batches, all_hooks) if loss else float("nan"))
 
 
 @dataclass(repr=False, eq=False)
@@ -231,7 +209,7 @@ def plain_options(options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def compare_runs(
-    before: RunStats, after: RunStats, *, method: str, target: int, sink: int, layers: list[int],
+    before: RunStats, after: RunStats, *, method: str, target: int, sink: int,
     dims: IndexLike | None = None, options: dict[str, Any] | None = None,
 ) -> InterventionResult:
     """Combine a clean and an intervened :class:`RunStats`; ``dims`` checked (None: the clean sink's 3
@@ -241,7 +219,7 @@ def compare_runs(
         peak = sink_vec[int(sink_vec.max(dim=1).values.argmax())]
         dims = peak.topk(min(3, peak.numel())).indices.tolist()
     return InterventionResult(
-        method=method, target=target, sink=sink, layers=layers,
+        method=method, target=target, sink=sink, layers=list(range(before.received.shape[0])),
         received_before=before.received, received_after=after.received,
         sink_before=before.sink_received, sink_after=after.sink_received,
         resid_norm_before=before.resid_norm[:, 0], resid_norm_after=after.resid_norm[:, 0],
@@ -262,8 +240,7 @@ def measure_intervention(
 ) -> InterventionResult:
     """The statistics of :class:`InterventionResult` without and with ``intervention``: ``(hook, fn)`` pairs, a
     registry spec (``"restart:positions=5"``) or a callable ``model -> hooks``. ``dims`` default: the sink's 3
-    largest; ``loss`` None: where defined (:func:`wants_next_token_loss`); ``options.extra_hooks`` run in both.
-    """
+    largest; ``loss`` None: where defined (:func:`wants_next_token_loss`); ``options.extra_hooks`` run in both."""
     options = checked_options(options, "measure_intervention")
     n_ctx = model_dims(model).n_ctx
     target = index(target, n_ctx, what="target position", allow_negative=False)  # before the hooks are built
@@ -289,13 +266,11 @@ def _measure(
     ``recorded`` and the inputs' ``prepend_bos``, ``special_tokens``, ``max_length`` go to ``options``."""
     dims = _check_dims(model, dims)
     batches = batches_for(model, tokens, options)
-    layers = list(range(model_dims(model).n_layers))
     before = run_stats(model, batches, [], target=target, sink=sink, loss=loss, options=options)
     after = run_stats(model, batches, hooks, target=target, sink=sink, loss=loss, options=options)
-    first = batches[0]  # run_stats has refused empty inputs
-    inputs = {"prepend_bos": bool(first.prepend_bos), "special_tokens": list(first.special_tokens),
-              "max_length": options.max_length}
-    return compare_runs(before, after, method=method or "custom", target=target, sink=sink, layers=layers, dims=dims,
+    inputs = {"prepend_bos": bool(batches[0].prepend_bos), "special_tokens": list(batches[0].special_tokens),
+              "max_length": options.max_length}  # batches[0]: run_stats has refused empty inputs
+    return compare_runs(before, after, method=method or "custom", target=target, sink=sink, dims=dims,
                         options={**plain_options(recorded), **inputs})
 
 
@@ -313,9 +288,8 @@ def create_sink(
     position = index(position, n_ctx, what="position", allow_negative=False)
     sink = index(sink, n_ctx, what="sink position", allow_negative=False)
     if position == sink:
-        raise InvalidArgumentError(
-            f"position={position} is the sink itself (sink={sink}): pass another position to create_sink "
-            "(or use remove_sink).")
+        raise InvalidArgumentError(f"position={position} is the sink itself (sink={sink}): pass another position to "
+                                   "create_sink (or use remove_sink).")
     name, hooks, recorded = _hooks_for(model, method, "create", position, layers, sink, dims, method_options)
     return _measure(model, tokens, hooks, target=position, sink=sink, method=name, dims=dims, loss=loss,
                     options=options, recorded=recorded)
@@ -383,15 +357,13 @@ def sweep(
             if not unknown:
                 raise
             raise InvalidArgumentError(
-                f"sweep has no option {unknown[0]!r}: its keywords are {list(signature(sweep).parameters)[2:-1]} (alphas=[...]: the "
-                f"values of α to sweep, for methods with an alpha option such as amplify); other keywords go to the "
-                f"method {entry.name!r}, which does not take it either: {err}"
-            ) from None
+                f"sweep has no option {unknown[0]!r}: its keywords are {list(signature(sweep).parameters)[2:-1]} "
+                f"(alphas=[...]: the values of α for methods with an alpha option, such as amplify); other keywords go "
+                f"to the method {entry.name!r}, which does not take it either: {err}") from None
         if position not in clean:
             clean[position] = run_stats(model, batches, [], target=position, sink=sink, loss=loss, options=quiet)
         after = run_stats(model, batches, hooks, target=position, sink=sink, loss=loss, options=quiet)
-        res = compare_runs(clean[position], after, method=name, target=position, sink=sink,
-                           layers=list(range(dims_m.n_layers)), dims=dims)
+        res = compare_runs(clean[position], after, method=name, target=position, sink=sink, dims=dims)
         for row in res.rows():
             row.update(position=position, layers=layer_set, alpha=alpha)
             if loss:

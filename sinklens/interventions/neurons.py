@@ -1,5 +1,5 @@
-"""Neuron and residual-dimension interventions: :func:`edit_neurons` (super-neuron ablations),
-:func:`clamp_dims` and :func:`transplant_dims`; hooks never modify the tensor they receive."""
+"""Neuron and residual-dimension edits (:func:`edit_neurons`, :func:`clamp_dims`, :func:`transplant_dims`); hooks never
+modify the tensor they receive."""
 
 from __future__ import annotations
 
@@ -22,15 +22,12 @@ ClampMode = Literal["set", "bound"]
 
 
 def _edit_columns(act: Tensor, pos: list[int] | None, idx: list[int], new: Callable[[Tensor], Tensor]) -> Tensor:
-    """A copy of ``act`` (``[batch, pos, dim]``) whose columns ``idx`` at positions ``pos`` (None: all) are
-    ``new(old columns)``."""
+    """A copy of ``act`` ``[batch, pos, dim]`` with columns ``idx`` at ``pos`` (None: all) set to ``new(old)``."""
     if pos is not None:
         check_in_sequence(pos, act.shape[1])
-    p = slice(None) if pos is None else pos
+    at = (slice(None), slice(None) if pos is None else torch.tensor(pos, device=act.device)[:, None], idx)
     out = act.clone()
-    rows = out[:, p]
-    rows[..., idx] = new(rows[..., idx])
-    out[:, p] = rows
+    out[at] = new(act[at])
     return out
 
 
@@ -43,8 +40,7 @@ def edit_neurons(
     mixture-of-experts models raise :class:`~sinklens.errors.UnsupportedArchitectureError`."""
     mode = choice(mode, ("zero", "scale", "set"), what="mode")
     value = finite_number(value, what="value")
-    reason = no_mlp_reason(model) or moe_reason(model)
-    if reason is not None:
+    if (reason := no_mlp_reason(model) or moe_reason(model)) is not None:
         raise UnsupportedArchitectureError(f"Neuron edits are not supported for this model: {reason}.")
     dims = model_dims(model)
     if isinstance(neurons, Mapping):
@@ -52,16 +48,13 @@ def edit_neurons(
             raise InvalidArgumentError("Pass either neurons={layer: [...]} or layers=, not both.")
         if not neurons:
             raise InvalidArgumentError("neurons: an empty mapping was given; pass {layer: [neuron, ...]}.")
-        per_layer = {
-            index(k, dims.n_layers, what="layer"): index_list(v, dims.d_mlp, what="neuron", allow_negative=False)
-            for k, v in neurons.items()
-        }
+        per_layer = {index(k, dims.n_layers, what="layer"): index_list(v, dims.d_mlp, what="neuron", allow_negative=False)
+                     for k, v in neurons.items()}
     else:
         idx = index_list(neurons, dims.d_mlp, what="neuron", allow_negative=False)
         if layers is None:
-            raise InvalidArgumentError(
-                f"edit_neurons needs explicit layers: neuron indices {idx} name a different neuron in each "
-                "layer, so pass layers=[...] (or neurons={layer: [...]}) instead of editing them in every layer.")
+            raise InvalidArgumentError(f"edit_neurons needs explicit layers: neuron indices {idx} name a different "
+                                       "neuron in each layer; pass layers=[...] or neurons={layer: [...]}.")
         per_layer = {layer: idx for layer in layers_arg(layers, dims.n_layers)}
     pos = None if positions is None else positions_arg(positions, dims.n_ctx)
     names = [hook_name(layer, MLP_POST) for layer in per_layer]

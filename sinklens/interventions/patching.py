@@ -1,6 +1,5 @@
-"""Activation patching on a sink metric (the mean attention ``target`` receives from later queries):
-each component's clean activation is patched into the intervened run, one forward per component, as in
-TransformerLens' ``patching.generic_activation_patch``."""
+"""Activation patching on a sink metric (the mean attention ``target`` receives from later queries): each component's
+clean activation goes into the intervened run, one forward each, as in TransformerLens' ``generic_activation_patch``."""
 
 from __future__ import annotations
 
@@ -38,22 +37,19 @@ _SITES: dict[str, tuple[str, tuple[str, ...]]] = {
 
 
 def patch_hook_names(model: Any, site: str, layers: Sequence[int]) -> dict[int, str]:
-    """The hook carrying ``site`` per layer: ``blocks.{l}.hook_{site}``, except ``"attn_out"`` on a post-LN
-    block, patched at ``attn.hook_z``. Parallel blocks refuse ``"resid_mid"``; attention-only models also
-    ``"mlp_out"`` (:class:`~sinklens.errors.UnsupportedArchitectureError`)."""
+    """The hook carrying ``site`` per layer: ``blocks.{l}.hook_{site}``, except ``"attn_out"`` on a post-LN block,
+    patched at ``attn.hook_z``; ``"resid_mid"`` and ``"mlp_out"`` are refused where the model has no such hook."""
     if site == "attn_out" and post_ln_reason(model) is not None:
         return {layer: hook_name(layer, Z) for layer in layers}
     names = {layer: hook_name(layer, _SITES[site][0]) for layer in layers}
     if site in ("resid_mid", "mlp_out") and no_mlp_reason(model) is not None:
         raise UnsupportedArchitectureError(
-            f"site {site!r}: this model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0), so its blocks have "
-            "neither an MLP output nor a residual between attention and MLP. Patch 'attn_out', 'resid_pre', 'z' or "
-            "'z_pos' instead.")
+            f"site {site!r}: this model has no MLP (attention-only: cfg.attn_only, or cfg.d_mlp 0), so no MLP output "
+            "nor residual between attention and MLP. Patch 'attn_out', 'resid_pre', 'z' or 'z_pos' instead.")
     if site == "resid_mid" and not has_resid_mid(model, layers):
         raise UnsupportedArchitectureError(
-            f"site 'resid_mid': this model's blocks have no residual between attention and MLP ({names[layers[0]]} "
-            "is missing or never runs): in a parallel block (GPT-NeoX/Pythia, GPT-J) both read hook_resid_pre. "
-            "Patch 'attn_out', 'mlp_out' or 'resid_pre' instead.")
+            f"site 'resid_mid': {names[layers[0]]} is missing or never runs: in a parallel block (GPT-NeoX/Pythia, "
+            "GPT-J) attention and MLP both read hook_resid_pre. Patch 'attn_out', 'mlp_out' or 'resid_pre' instead.")
     return names
 
 
@@ -74,19 +70,13 @@ class SinkPatchResult(CompactRepr):
     pattern_dtype: str = "float32"
 
     @property
-    def _eps(self) -> float:
-        """The relative change of the metric that is rounding of the patterns: ``pattern_dtype``'s epsilon."""
-        return torch.finfo(getattr(torch, self.pattern_dtype)).eps
-
-    @property
     def gap_tolerance(self) -> float:
         """The largest ``|clean − intervened|`` that is rounding: ``eps(pattern_dtype) · max(|clean|, |intervened|)``."""
-        return self._eps * max(abs(self.clean), abs(self.intervened))
+        return torch.finfo(getattr(torch, self.pattern_dtype)).eps * max(abs(self.clean), abs(self.intervened))
 
     @property
     def has_effect(self) -> bool:
-        """True when the intervention moved the metric beyond :attr:`gap_tolerance`; only then is
-        :attr:`restored` defined."""
+        """True when the intervention moved the metric beyond :attr:`gap_tolerance` (else :attr:`restored` raises)."""
         return abs(self.clean - self.intervened) > self.gap_tolerance
 
     @property
@@ -97,9 +87,8 @@ class SinkPatchResult(CompactRepr):
         if not self.has_effect:
             raise InvalidArgumentError(
                 f"The intervention did not change the metric beyond {self.pattern_dtype} rounding: clean "
-                f"{self.clean:.9g} − intervened {self.intervened:.9g} = {gap:.3g}, within {self.gap_tolerance:.3g} "
-                f"({self._eps:.3g} of the metric, the {self.pattern_dtype} "
-                "precision of the attention weights it averages); nothing to restore.")
+                f"{self.clean:.9g} − intervened {self.intervened:.9g} = {gap:.3g}, within {self.gap_tolerance:.3g}; "
+                "nothing to restore.")
         return (self.values - self.intervened) / gap
 
     def to_rows(self) -> list[dict]:
@@ -109,8 +98,7 @@ class SinkPatchResult(CompactRepr):
         for idx in itertools.product(*(range(len(self.coords[a])) for a in self.axes)):
             value = float(self.values[idx])
             restored = (value - self.intervened) / gap if self.has_effect else None
-            row: dict[str, Any] = {a: self.coords[a][i] for a, i in zip(self.axes, idx)}
-            rows.append({**row, "value": value, "restored": restored})
+            rows.append({**{a: self.coords[a][i] for a, i in zip(self.axes, idx)}, "value": value, "restored": restored})
         return rows
 
     def to_dict(self) -> dict[str, Any]:
@@ -147,9 +135,8 @@ def patch_sink(
     (batch,) = as_batches(model, tokens, batch_size=10**9, prepend_bos=options.prepend_bos,
                           max_length=options.max_length)
     if not bool(batch.valid.all()):
-        raise InvalidArgumentError(
-            "patch_sink needs sequences of equal length (no padding): pass a [batch, pos] tensor or equal-length texts."
-        )
+        raise InvalidArgumentError("patch_sink needs sequences of equal length (no padding): pass a [batch, pos] "
+                                   "tensor or equal-length texts.")
     n_pos = batch.tokens.shape[1]
     target = index(target, dims.n_ctx, what="target position", allow_negative=False)
     if target >= n_pos - 1:

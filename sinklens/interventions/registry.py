@@ -30,14 +30,12 @@ Factory = Callable[..., Hooks]
 
 @dataclass(frozen=True)
 class Intervention:
-    """A registered intervention. ``requires``: options it cannot run without (beyond ``positions``), with
-    a hint; ``sink_defaults``: defaults of ``create_sink`` / ``remove_sink`` only, so a stored spec keeps its
-    meaning; ``sink_option``: the factory's keyword for the original sink position."""
+    """``requires``: options it cannot run without (beyond ``positions``), with a hint; ``sink_defaults``: defaults
+    of ``create_sink`` / ``remove_sink`` only (a spec keeps the factory's); ``sink_option``: its sink keyword."""
 
     name: str
     role: Role
     factory: Factory
-    summary: str
     requires: Mapping[str, str] = field(default_factory=dict)
     defaults: Mapping[str, Any] = field(default_factory=dict)
     sink_option: str | None = None
@@ -80,7 +78,7 @@ def canonical(name: str) -> str:
 
 
 def register(
-    name: str, factory: Factory, *, role: Role, summary: str,
+    name: str, factory: Factory, *, role: Role,
     requires: Mapping[str, str] | None = None, defaults: Mapping[str, Any] | None = None,
     sink_option: str | None = None, sink_defaults: Mapping[str, Any] | None = None,
 ) -> Intervention:
@@ -92,7 +90,7 @@ def register(
         raise ValueError(f"An intervention named {key!r} is already registered.")
     if role not in ("create", "remove", "edit"):
         raise InvalidArgumentError(f"role must be 'create', 'remove' or 'edit', got {role!r}.")
-    _REGISTRY[key] = Intervention(key, role, factory, summary, dict(requires or {}), dict(defaults or {}),
+    _REGISTRY[key] = Intervention(key, role, factory, dict(requires or {}), dict(defaults or {}),
                                   sink_option, dict(sink_defaults or {}))
     return _REGISTRY[key]
 
@@ -104,11 +102,8 @@ def names(role: Role | None = None) -> list[str]:
 
 def get(name: str, *, role: Role | None = None) -> Intervention:
     """The entry registered as ``name`` (hyphens or underscores); a did-you-mean error otherwise."""
-    if not isinstance(name, str):
-        raise InvalidArgumentError(f"An intervention name must be a string, got {name!r}.")
     key = canonical(name)
-    entry = _REGISTRY.get(key)
-    if entry is None:
+    if (entry := _REGISTRY.get(key)) is None:
         choices = names(role)
         close = difflib.get_close_matches(key, choices, n=2)
         hint = f" Did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
@@ -127,15 +122,14 @@ def parse_spec(spec: str) -> tuple[str, dict[str, Any]]:
 
 
 def build(model: Any, spec: str | Callable[[Any], Hooks], **overrides: Any) -> Hooks:
-    """The hooks of one intervention: a spec string (``"name:key=value"``) with ``overrides`` winning, or a
-    callable ``model -> hooks``."""
+    """The hooks of a spec string (``"name:key=value"``, ``overrides`` winning) or of a callable ``model -> hooks``."""
     if callable(spec):
         return list(spec(model))
     name, kwargs = parse_spec(spec)
     return get(name)(model, **{**kwargs, **overrides})
 
 
-def check_spec(spec: str | Callable[[Any], Hooks], **overrides: Any) -> None:
+def check_spec(spec: str | Callable[[Any], Hooks]) -> None:
     """Validate a spec string without a model: the name exists and the arguments parse."""
     if not callable(spec):
         parse_spec(spec)

@@ -12,8 +12,7 @@ POST_LN_MID = "ln1.hook_in"
 
 
 def edit_site(model: Any, site: str) -> str:
-    """``site``, except ``"hook_resid_mid"`` on a post-LN 4.x bridge (which fires it after the MLP):
-    ``"ln1.hook_in"`` there."""
+    """``site``, except ``"hook_resid_mid"`` on a post-LN 4.x bridge (fired after the MLP there): ``"ln1.hook_in"``."""
     if site != RESID_MID or post_ln_reason(model) is None:
         return site
     if getattr(model, "original_model", None) is None or hook_name(0, POST_LN_MID) not in model.hook_dict:

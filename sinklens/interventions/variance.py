@@ -1,5 +1,5 @@
-"""Variance interventions: :func:`amplify` a token's deviation from the mean (``α > 1`` makes it
-first-token-like), or :func:`calibrate` the sink's deviation to the other positions' RMS deviation."""
+"""Variance interventions: :func:`amplify` a token's deviation from the mean (``α > 1``: first-token-like), or
+:func:`calibrate` the sink's deviation to the other positions' RMS deviation."""
 
 from __future__ import annotations
 
@@ -13,9 +13,8 @@ import torch
 from torch import Tensor
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.hooks import (
-    K, V, Z, ModelDims, check_hook_names, hook_name, hooks_silenced, model_device, model_dims, weight_fingerprint,
-)
+from sinklens.hooks import (K, V, Z, check_hook_names, hook_name, hooks_silenced, model_device, model_dims,
+                            weight_fingerprint)
 from sinklens.inputs import TokenBatch, random_token_batches
 from sinklens.interventions.masks import Hooks, IndexLike, IntLike, NumberLike, check_in_sequence, heads_arg, layers_arg, positions_arg
 from sinklens.interventions.sites import edit_site
@@ -107,30 +106,22 @@ def _reference_for(model: Any, reference: Reference, site: str, layers: list[int
     named = isinstance(reference, str)
     if named and choice(reference, ("random", "batch"), what="reference") == "random":
         allowed = ("n_sequences", "seq_len", "skip_first", "seed", "cache")
-        unknown = sorted(k for k in kw if k not in allowed)
-        if unknown:
+        if unknown := sorted(k for k in kw if k not in allowed):
             own = [name for name in inspect.signature(amplify).parameters if name not in ("model", "reference_kw")]
-            raise InvalidArgumentError(
-                f"amplify has no option {unknown[0]!r}; its options are {own} and, with reference='random', "
-                f"reference_mean's {list(allowed)}.")
+            raise InvalidArgumentError(f"amplify has no option {unknown[0]!r}; its options are {own} and, with "
+                                       f"reference='random', reference_mean's {list(allowed)}.")
         return reference_mean(model, site=site, layers=layers, **kw)
     if kw:
-        raise InvalidArgumentError(
-            f"Options {sorted(kw)} only apply to reference='random' (they configure reference_mean), "
-            f"not to reference={reference!r}.")
+        raise InvalidArgumentError(f"Options {sorted(kw)} only apply to reference='random' (they configure "
+                                   f"reference_mean), not to reference={reference!r}.")
     if named:  # "batch"
         return None
-    if isinstance(reference, Tensor):
-        means = {layer: reference for layer in layers}
-    elif isinstance(reference, Mapping):
-        missing = [layer for layer in layers if layer not in reference]
-        if missing:
-            raise InvalidArgumentError(f"reference has no mean for layers {missing}.")
-        means = {layer: reference[layer] for layer in layers}
-    else:
-        raise InvalidArgumentError(
-            f"reference must be 'random', 'batch', a tensor or a {{layer: tensor}} mapping, got {type(reference).__name__}."
-        )
+    if not isinstance(reference, (Tensor, Mapping)):
+        raise InvalidArgumentError(f"reference must be 'random', 'batch', a tensor or a {{layer: tensor}} mapping, "
+                                   f"got {type(reference).__name__}.")
+    if isinstance(reference, Mapping) and (missing := [layer for layer in layers if layer not in reference]):
+        raise InvalidArgumentError(f"reference has no mean for layers {missing}.")
+    means = {layer: reference if isinstance(reference, Tensor) else reference[layer] for layer in layers}
     for layer, mean in means.items():
         if not isinstance(mean, Tensor) or not bool(torch.isfinite(mean).all()):
             raise InvalidArgumentError(f"reference for layer {layer} must be a finite tensor, got {mean!r}.")
@@ -140,8 +131,7 @@ def _reference_for(model: Any, reference: Reference, site: str, layers: list[int
 def _other_positions(act: Tensor, targets: list[int]) -> Tensor:
     """``[batch, pos]``: the real-token positions ``>= 1`` that are not targets."""
     keep = torch.ones(act.shape[1], dtype=torch.bool, device=act.device)
-    keep[0] = False
-    keep[targets] = False
+    keep[[0, *targets]] = False
     if not bool(keep.any()):
         raise InvalidArgumentError("The sequence has no position other than 0 and the targets to take statistics from.")
     keep = keep.expand(act.shape[0], -1)
@@ -150,8 +140,7 @@ def _other_positions(act: Tensor, targets: list[int]) -> Tensor:
 
 
 def _mean_over(x: Tensor, where: Tensor) -> Tensor:
-    """Mean of ``x`` ``[batch, pos, ...]`` over the positions ``where`` ``[batch, pos]`` is True, per sequence:
-    ``[batch, 1, ...]`` (0 for a sequence with none)."""
+    """Per-sequence mean of ``x`` over the positions ``where`` is True: ``[batch, 1, ...]`` (0 where none)."""
     weight = where.to(x.dtype).reshape(*where.shape, *[1] * (x.ndim - 2))
     return (x * weight).sum(dim=1, keepdim=True) / weight.sum(dim=1, keepdim=True).clamp_min(1.0)
 
@@ -159,15 +148,13 @@ def _mean_over(x: Tensor, where: Tensor) -> Tensor:
 def _reference_at(mean: Tensor, act: Tensor) -> Tensor:
     """A reference mean on ``act``'s device and dtype; its shape must be ``act``'s trailing shape."""
     if tuple(mean.shape) != tuple(act.shape[2:]):
-        raise InvalidArgumentError(
-            f"reference mean has shape {tuple(mean.shape)}; this site's activation needs {tuple(act.shape[2:])} "
-            "(its shape after [batch, pos]).")
+        raise InvalidArgumentError(f"reference mean has shape {tuple(mean.shape)}; this site's activation needs "
+                                   f"{tuple(act.shape[2:])} (its shape after [batch, pos]).")
     return mean.to(act.device, act.dtype)
 
 
 def _rewrite(act: Tensor, pos: list[int], heads: list[int] | None, new: Tensor) -> Tensor:
-    """A copy of ``act`` whose positions ``pos`` are ``new``, in ``heads`` only (None: all) of a
-    ``[batch, pos, head, d_head]`` activation."""
+    """A copy of ``act`` with positions ``pos`` set to ``new``, in ``heads`` only (None: all) of a per-head site."""
     if heads is not None:
         if act.ndim != 4:
             raise InvalidArgumentError(f"heads= needs a per-head site ([batch, pos, head, d_head]); this activation is {tuple(act.shape)}.")
@@ -179,14 +166,20 @@ def _rewrite(act: Tensor, pos: list[int], heads: list[int] | None, new: Tensor) 
     return out
 
 
-def _site_heads(heads: IndexLike | None, site: str, dims: ModelDims) -> list[int] | None:
-    """Validate ``heads=`` for ``site``: key/value heads at ``attn.hook_k``/``attn.hook_v`` of a grouped-query
-    model, query heads elsewhere; None = all."""
+def _targets(model: Any, positions: Any, site: str, layers: Any, heads: Any) -> tuple[list[int], list[int], Any, str]:
+    """Checked ``(positions, layers, heads, edited site)``; ``heads`` index the key/value heads at ``hook_k``/``hook_v``
+    of a grouped-query model, else the query heads (None: all)."""
+    dims = model_dims(model)
+    pos, layer_list = positions_arg(positions, dims.n_ctx), layers_arg(layers, dims.n_layers)
     if heads is None or site not in (K, V) or dims.n_kv_heads == dims.n_heads:
-        return heads_arg(heads, dims.n_heads)
-    return index_list(heads, dims.n_kv_heads, allow_negative=False,
-                      what=f"heads= at {site} indexes the {dims.n_kv_heads} key/value heads of this grouped-query "
-                           f"model (its {dims.n_heads} query heads share them); head")
+        heads = heads_arg(heads, dims.n_heads)
+    else:
+        heads = index_list(heads, dims.n_kv_heads, allow_negative=False,
+                           what=f"heads= at {site} indexes the {dims.n_kv_heads} key/value heads of this grouped-query "
+                                f"model (its {dims.n_heads} query heads share them); head")
+    site = edit_site(model, site)
+    check_hook_names(model, [hook_name(layer, site) for layer in layer_list])
+    return pos, layer_list, heads, site
 
 
 def amplify(
@@ -201,12 +194,7 @@ def amplify(
     alpha = finite_number(alpha, what="alpha")
     if not alpha > 0:
         raise InvalidArgumentError(f"alpha must be a number > 0 (1 = no change), got {alpha:g}.")
-    dims = model_dims(model)
-    pos = positions_arg(positions, dims.n_ctx)
-    layer_list = layers_arg(layers, dims.n_layers)
-    heads = _site_heads(heads, site, dims)
-    site = edit_site(model, site)
-    check_hook_names(model, [hook_name(layer, site) for layer in layer_list])
+    pos, layer_list, heads, site = _targets(model, positions, site, layers, heads)
     means = _reference_for(model, reference, site, layer_list, reference_kw)
 
     def fn(act: Tensor, layer: int) -> Tensor:  # act: [batch, pos, ...]
@@ -225,15 +213,10 @@ def calibrate(
     """Each target ``x`` becomes ``μ + (x − μ) · s / ||x − μ||``, per sequence (and head), with ``μ`` the mean
     and ``s = sqrt(mean_t ||x_t − μ||²)`` over real positions ``t >= 1`` that are not targets (norms over the
     last dimension). ``site`` and ``heads`` as in :func:`amplify`."""
-    dims = model_dims(model)
-    pos = positions_arg(positions, dims.n_ctx)
-    layer_list = layers_arg(layers, dims.n_layers)
-    heads = _site_heads(heads, site, dims)
+    pos, layer_list, heads, site = _targets(model, positions, site, layers, heads)
     eps = finite_number(eps, what="eps", low=0.0, low_open=True)
-    names = [hook_name(layer, edit_site(model, site)) for layer in layer_list]
-    check_hook_names(model, names)
 
-    def fn(act: Tensor, hook: Any) -> Tensor:
+    def fn(act: Tensor, layer: int) -> Tensor:
         check_in_sequence(pos, act.shape[1])
         others = _other_positions(act, pos)
         mu = _mean_over(act, others)
@@ -241,5 +224,5 @@ def calibrate(
         dev = act[:, pos] - mu
         return _rewrite(act, pos, heads, mu + dev * rms / dev.norm(dim=-1, keepdim=True).clamp_min(eps))
 
-    return on_the_residual_stream(model, [(name, fn) for name in names])
+    return on_the_residual_stream(model, per_layer_hooks(site, layer_list, fn))
 

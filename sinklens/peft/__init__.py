@@ -1,7 +1,5 @@
-"""Parameter-efficient fine-tuning through the sink lens: prefix-tuning, Prefix-Tuning+ and LoRA as hooks
-(:mod:`~sinklens.peft.adapters`), offline tasks and a small training loop (:mod:`~sinklens.peft.train`),
-the prefix's share of attention (:mod:`~sinklens.peft.sinks`) and the Layer Card
-(:mod:`~sinklens.peft.layer_card`)."""
+"""Parameter-efficient fine-tuning through the sink lens: adapters as hooks (``adapters``), tasks and a training
+loop (``train``), the prefix's share of attention (``sinks``) and the Layer Card (``layer_card``)."""
 
 from sinklens.peft.adapters import LoRA, METHODS, Adapter, PrefixTuning, PrefixTuningPlus, adapted, make_adapter
 

@@ -1,7 +1,6 @@
-"""Adapters as hooks on a frozen TransformerLens model (4.x bridge, 3.x, ``SinkLM``), which is not modified:
-:class:`PrefixTuning` (Li & Liang 2021), :class:`PrefixTuningPlus` (arXiv 2506.13674) and :class:`LoRA`
-(Hu et al. 2021). An adapter holds only its trainable tensors; :meth:`Adapter.hooks` gives the
-``(hook_name, fn)`` pairs that apply it (:func:`adapted`)."""
+"""Adapters as hooks on a frozen, unmodified TransformerLens model: :class:`PrefixTuning` (Li & Liang 2021),
+:class:`PrefixTuningPlus` (arXiv 2506.13674) and :class:`LoRA` (Hu et al. 2021). An adapter holds only its
+trainable tensors; :meth:`Adapter.hooks` gives the ``(hook_name, fn)`` pairs that apply it (:func:`adapted`)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,7 @@ from sinklens.hooks import (
     ATTN_OUT, MLP_OUT, MLP_POST, MLP_PRE, Q, ROT_Q, SCORES, Z, hook_name, model_device, model_dims, resolve_layers,
 )
 from sinklens.probes import post_hoc_attention, silent_hooks
-from sinklens.validate import positive_int
+from sinklens.validate import choice, positive_int
 
 Hooks = list[tuple[str, Any]]
 LORA_TARGETS = ("W_Q", "W_K", "W_V", "W_O", "W_in", "W_out")
@@ -66,8 +65,7 @@ class Adapter(nn.Module):
             self.record[layer, key] = self.record.get((layer, key), 0) + value
 
     def _note_shares(self, layer: int, prefix_part: Tensor, input_part: Tensor) -> None:
-        """``|prefix part| / (|prefix part| + |input part|)`` of ``[batch, pos, head, d_head]`` outputs, summed per
-        head over the batch and the queries from position 1 on."""
+        """Per head, ``|prefix part| / (|prefix part| + |input part|)`` summed over the batch and queries ``>= 1``."""
         if self.record is None:
             return
         p, i = (t[:, 1:].detach().float().norm(dim=-1) for t in (prefix_part, input_part))
@@ -83,8 +81,7 @@ class PrefixTuning(Adapter):
     ``z' = z·e^a/(e^a+e^b) + Σ_p e^{s_p}/(e^a+e^b) v_p``, attention over ``[prefix; input]``. Prefix keys meet
     the query after rotary (free vectors in the rotated space, as cached keys are) and the model's
     ``attn_scale``. ``reparam=True``: ``MLP(E)``, ``E[n_prefix, d_model]`` through ``Linear → tanh → Linear``
-    (Li & Liang; the ``peft`` library's ``PrefixEncoder``); else parameters drawn ``N(0, init_std²)``.
-    """
+    (Li & Liang; the ``peft`` library's ``PrefixEncoder``); else parameters drawn ``N(0, init_std²)``."""
 
     method = "prefix"
 
@@ -92,8 +89,7 @@ class PrefixTuning(Adapter):
                  reparam: bool = True, init_std: float = 1.0, seed: int = 0) -> None:
         super().__init__(model, layers)
         if (why := prefix_refusal(model)) is not None:
-            raise UnsupportedArchitectureError(f"prefix-tuning cannot run on this model: {why}. Use prefix-plus or "
-                                               "lora.")
+            raise UnsupportedArchitectureError(f"prefix-tuning cannot run on this model: {why}; use prefix-plus or lora.")
         self.n_prefix = positive_int(n_prefix, what="n_prefix")
         d = self.dims
         self.q_site = ROT_Q if hook_name(0, ROT_Q) in model.hook_dict else Q  # after rotary where there is one
@@ -164,8 +160,7 @@ class PrefixTuningPlus(Adapter):
 
     ``φ = elu + 1`` on the pre-rotary query ``attn.hook_q``; one ``M[d_head, d_head]`` per layer and query head,
     ``N(0, init_std²)`` (default 0: training starts from the frozen model); added at ``attn.hook_z``, before
-    ``W_O``. What comes from the paper and what is ours: docs/peft.md.
-    """
+    ``W_O``. What comes from the paper and what is ours: docs/peft.md."""
 
     method = "prefix-plus"
 
@@ -199,8 +194,7 @@ class LoRA(Adapter):
     By hook site: ``W_Q/W_K/W_V`` read ``ln1.hook_normalized`` and add to ``attn.hook_q/k/v``; ``W_O`` reads
     ``attn.hook_z`` and adds to ``hook_attn_out``; ``W_in`` reads ``ln2.hook_normalized`` and adds to
     ``mlp.hook_pre_linear`` (gated MLP) or ``mlp.hook_pre``; ``W_out`` reads ``mlp.hook_post`` and adds to
-    ``hook_mlp_out``. Inputs are taken before the norm's weight: ``diag(w) A`` spans the same updates.
-    """
+    ``hook_mlp_out``. Inputs are taken before the norm's weight: ``diag(w) A`` spans the same updates."""
 
     method = "lora"
 
@@ -256,9 +250,7 @@ METHODS: tuple[str, ...] = tuple(_CLASSES)
 
 def make_adapter(model: Any, method: str, **kwargs: Any) -> Adapter:
     """The adapter named ``method`` (one of :data:`METHODS`), built with ``kwargs``."""
-    if method not in _CLASSES:
-        raise InvalidArgumentError(f"Unknown PEFT method {method!r}; choose one of {', '.join(METHODS)}.")
-    return _CLASSES[method](model, **kwargs)
+    return _CLASSES[choice(method, METHODS, what="PEFT method")](model, **kwargs)
 
 
 @contextmanager

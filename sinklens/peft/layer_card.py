@@ -1,6 +1,5 @@
-"""The Layer Card (Xu, Liang, Dai et al., arXiv 2602.04019): which layers to fine-tune, from each layer's
-resnorm, activation energy, coupling and cost. The paper's quantities computed our way (docs/peft.md), for a
-linear adapter ``hook_resid_post += ΔW_ℓ a``, ``a = ln1.hook_normalized``:
+"""The Layer Card (Xu, Liang, Dai et al., arXiv 2602.04019): which layers to fine-tune. Its quantities, computed our
+way (docs/peft.md) for a linear adapter ``hook_resid_post += ΔW_ℓ a``, ``a = ln1.hook_normalized``:
 
 * **resnorm** ``‖G_ℓ Σ_ℓ^{-1/2}‖_F``: ``G_ℓ = ∂L/∂ΔW_ℓ`` at 0 (``L`` the mean task loss), ``Σ_ℓ = E[a aᵀ]`` over
   token positions plus ``ridge·tr(Σ)/d·I``; for squared loss the best ``ΔW_ℓ`` lowers the loss by ``Res²/2``;
@@ -8,8 +7,7 @@ linear adapter ``hook_resid_post += ΔW_ℓ a``, ``a = ln1.hook_normalized``:
 * **coupling** ``ρ_ℓm = H_ℓm / sqrt(|H_ℓℓ H_mm|)``, ``H`` the exact Hessian of ``L`` in ``t`` where
   ``ΔW_ℓ = t_ℓ G_ℓ Σ_ℓ^{-1}`` (each layer's Newton direction): 0 = additive gains; ``ρ_ℓℓ`` is the sign of
   the curvature (-1 where the quadratic model fails), and an indefinite ``H`` may give ``|ρ| > 1``;
-* **cost**: parameters and training FLOPs per token (6 per parameter) of a rank-``r`` LoRA on the layer.
-"""
+* **cost**: parameters and training FLOPs per token (6 per parameter) of a rank-``r`` LoRA on the layer."""
 
 from __future__ import annotations
 
@@ -27,7 +25,7 @@ from sinklens.hooks import RESID_POST, eval_mode, hook_name, layer_of, model_dev
 from sinklens.options import BATCH_SIZE
 from sinklens.peft.adapters import LoRA
 from sinklens.peft.train import Task, frozen, task_loss, train_adapter
-from sinklens.validate import finite_number, positive_int
+from sinklens.validate import choice, finite_number, positive_int
 
 INPUT_SITE = "ln1.hook_normalized"
 OBJECTIVES = ("resnorm", "gain_per_param")
@@ -57,8 +55,7 @@ class LayerCard(CompactRepr):
         k = positive_int(k, what="k")
         if k > len(self.layers):
             raise InvalidArgumentError(f"k={k} exceeds the card's {len(self.layers)} layers.")
-        if objective not in OBJECTIVES:
-            raise InvalidArgumentError(f"objective {objective!r}: choose one of {', '.join(OBJECTIVES)}.")
+        objective = choice(objective, OBJECTIVES, what="objective")
         score = self.resnorm if objective == "resnorm" else self.resnorm ** 2 / 2 / torch.tensor(self.lora_params)
         top = torch.argsort(score, descending=True, stable=True)[:k]
         return sorted(self.layers[int(i)] for i in top)

@@ -6,8 +6,7 @@ Per adapter, input length, layer and head, means over rows and queries from posi
 * ``output_share``: ``|prefix part| / (|prefix part| + |input part|)`` of the head output at ``hook_z``; the
   prefix part is ``Σ_p A_p v_p`` (prefix-tuning) or ``φ(q)ᵀM`` (Prefix-Tuning+);
 * ``pos0_mass`` (with the adapter) beside ``base_pos0_mass`` (without): a prefix that takes over the
-  position-0 sink lowers the first.
-"""
+  position-0 sink lowers the first."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Two offline tasks (:func:`text_task`, :func:`keyword_task`) and a small AdamW loop that trains an adapter on
-a frozen model."""
+"""Two offline tasks (:func:`text_task`, :func:`keyword_task`) and an AdamW loop that trains an adapter."""
 
 from __future__ import annotations
 
