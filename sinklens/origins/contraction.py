@@ -9,6 +9,7 @@ h[m, t])``, ``intra = mean_n mean_{t ≠ t'} cos(h[n, t], h[n, t'])``; ``directi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,10 +37,9 @@ _ACTIVATIONS = {
 
 def activation_name(model: Any) -> str:
     """The MLP nonlinearity's name from ``cfg.act_fn`` (SinkLM: ``silu`` for llama, ``gelu_new`` for gpt2)."""
-    cfg = model.cfg
-    name = getattr(cfg, "act_fn", None)
-    if name is None and getattr(cfg, "family", None) is not None:
-        name = "silu" if cfg.family == "llama" else "gelu_new"
+    name = getattr(model.cfg, "act_fn", None)
+    if name is None and getattr(model.cfg, "family", None) is not None:
+        name = "silu" if model.cfg.family == "llama" else "gelu_new"
     return str(name)
 
 
@@ -113,9 +113,8 @@ class ContractionResult(CompactRepr):
         return text
 
     def summary(self) -> dict[str, Any]:
-        """Strict-JSON-ready ``"contraction"`` of ``origins.json``: per site ``inter`` (position mean), ``intra``,
-        ``zero_states`` and direction statistics; ``share_inter`` / ``share_intra`` ``[layer, (attn, mlp)]``, the
-        MLP asymmetry and ``n_sequences`` (non-finite numbers as None)."""
+        """``"contraction"`` of ``origins.json`` (strict JSON, non-finite as None): per-site statistics (``inter``:
+        position mean), :meth:`share` of both measures, the MLP asymmetry and ``n_sequences``."""
         return to_json({
             "sites": [{"site": s.name, "inter": s.inter_mean, "intra": s.intra, "zero_states": s.zero_states,
                        **({"direction_share": s.direction_share, "direction_stability": s.direction_stability,
@@ -175,8 +174,7 @@ class _SiteAccumulator:
                 self.sums[half] += rows.sum(dim=0).double()
 
     def merge(self, other: _SiteAccumulator, *, swap_halves: bool = False) -> None:
-        """Add ``other``'s sums (the same site, the sequences after this one's); ``swap_halves`` when this
-        accumulator saw an odd number of sequences, so ``other``'s even sequences are odd ones overall."""
+        """Add ``other``'s sums (later sequences); ``swap_halves``: its even sequences are odd ones overall."""
         for name in ("unit_sum", "nonzero", "intra_terms", "intra_count"):
             getattr(self, name).add_(getattr(other, name).to(self.unit_sum.device))
         self.n += other.n
@@ -226,6 +224,8 @@ class ContractionReducer(Reducer[ContractionResult]):
         # gated (hook_post = f(gate) · up): layer 0 exposes mlp.hook_pre_linear
         self.gated = not self.mlp_skipped and hook_name(0, "mlp.hook_pre_linear") in model.hook_dict
         self.act_fn = _ACTIVATIONS.get(activation_name(model))
+        self.mlp_means = bool(dims.d_mlp) and self.mlp_skipped is None and all(
+            hook_name(i, MLP_POST) in model.hook_dict for i in range(dims.n_layers))
         self.names = ["embed", *(f"{kind} {i}" for i in range(dims.n_layers) for kind in ("attn", "mlp")), "final"]
         self.reset()
 
@@ -235,52 +235,35 @@ class ContractionReducer(Reducer[ContractionResult]):
                     for name in self.names}  # no directions right after attention
         self.mlp_post = torch.zeros(self.dims.n_layers, dtype=torch.float64, device=self.device)
         self.mlp_act = torch.zeros(self.dims.n_layers, dtype=torch.float64, device=self.device)
-        self.mlp_count = 0
-        self.seen = 0
+        self.mlp_count = self.seen = 0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
-        start = self.seen
+        start, first, layers = self.seen, self.first, range(self.dims.n_layers)
 
         def fold(site: str, act: Tensor) -> None:
-            self.acc[site].fold(act, self.first, start)
+            self.acc[site].fold(act, first, start)
 
-        layers = range(self.dims.n_layers)
+        def mean_into(out: Tensor, i: int, f: Callable[[Tensor], Tensor] = lambda x: x) -> Callable[..., None]:
+            def add(act: Tensor, hook: Any) -> None:
+                out[i] += f(act[:, first:].double()).mean(dim=-1).sum()
+            return add
+
         hooks = [(hook_name(0, RESID_PRE), lambda act, hook: fold("embed", act))]
         hooks += [(hook_name(i, RESID_POST), lambda act, hook, i=i: fold(f"mlp {i}", act)) for i in layers]
         hooks += after_attention_hooks(self.model, layers, lambda i, x: fold(f"attn {i}", x))
         hooks.append((self.final_site, lambda act, hook: fold("final", self.finish(act))))
-        return BatchFold(hooks + self._mlp_hooks())
-
-    def _mlp_hooks(self) -> list[tuple[str, Any]]:
-        """Hooks folding each layer's mean ``mlp.hook_post`` and ``f(pre)`` (``f(mlp.hook_pre)`` on a gated MLP);
-        none for a mixture of experts."""
-        layers = range(self.dims.n_layers)
-        per_neuron = self.dims.d_mlp and self.mlp_skipped is None
-        if not per_neuron or not all(hook_name(layer, MLP_POST) in self.model.hook_dict for layer in layers):
-            return []
-        hooks = []
-        for layer in layers:
-            def post(act: Tensor, hook: Any, layer: int = layer) -> None:
-                mean = act[:, self.first:].double().mean(dim=-1).sum()
-                self.mlp_post[layer] += mean
-                if not self.gated:
-                    self.mlp_act[layer] += mean
-
-            hooks.append((hook_name(layer, MLP_POST), post))
+        if self.mlp_means:  # each layer's mean mlp.hook_post, and mean f(mlp.hook_pre) of a gated MLP
+            hooks += [(hook_name(i, MLP_POST), mean_into(self.mlp_post, i)) for i in layers]
             if self.gated and self.act_fn is not None:
-                def pre(act: Tensor, hook: Any, layer: int = layer) -> None:
-                    self.mlp_act[layer] += self.act_fn(act[:, self.first:].double()).mean(dim=-1).sum()
-
-                hooks.append((hook_name(layer, MLP_PRE), pre))
-        return hooks
+                hooks += [(hook_name(i, MLP_PRE), mean_into(self.mlp_act, i, self.act_fn)) for i in layers]
+        return BatchFold(hooks)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.seen += batch.tokens.shape[0]
         self.mlp_count += batch.tokens.shape[0] * (batch.tokens.shape[1] - self.first)
 
     def merge(self, other: ContractionReducer) -> None:
-        """Sums add; the even/odd-sequence halves of ``other`` swap when this reducer saw an odd number
-        of sequences (the halves are by global sequence index)."""
+        """Sums add; ``other``'s even/odd halves swap after an odd number of sequences (global index)."""
         for name, acc in self.acc.items():
             acc.merge(other.acc[name], swap_halves=self.seen % 2 == 1)
         merge_statistics(self, other, ("mlp_post", "mlp_act", "mlp_count", "seen"))
@@ -291,15 +274,15 @@ class ContractionReducer(Reducer[ContractionResult]):
         w, _ = unembedding(self.model)
         w = w.float().cpu()
         alignment = (final @ w) / w.norm(dim=0).clamp_min(1e-30)
-        act = activation_name(self.model)
-        mlp_post_mean = (self.mlp_post / max(self.mlp_count, 1)).float().cpu()
-        mlp_act_mean = (self.mlp_act / max(self.mlp_count, 1)).float().cpu()
-        if self.gated and self.act_fn is None:  # f(pre) cannot be computed for an unknown f
-            mlp_act_mean = torch.full_like(mlp_act_mean, float("nan"))
+        act, count, nan = activation_name(self.model), max(self.mlp_count, 1), float("nan")
         asymmetry = activation_mean_at_zero(act)
+        mlp_post_mean = (self.mlp_post / count).float().cpu()
         if self.mlp_skipped is not None:  # cfg.act_fn is not the experts' nonlinearity either: no name to report
-            mlp_post_mean, asymmetry, act = torch.full_like(mlp_post_mean, float("nan")), float("nan"), None
-            mlp_act_mean = mlp_post_mean.clone()
+            asymmetry, act = nan, None
+            mlp_post_mean.fill_(nan)
+        mlp_act_mean = (self.mlp_act / count).float().cpu() if self.gated else mlp_post_mean.clone()  # f(pre) = post
+        if self.gated and self.act_fn is None:  # f(pre) cannot be computed for an unknown f
+            mlp_act_mean.fill_(nan)
         return ContractionResult(
             sites=sites, n_layers=self.dims.n_layers, alignment=alignment, mlp_post_mean=mlp_post_mean,
             activation=act, activation_mean_at_zero=asymmetry, n_sequences=self.seen, prepend_bos=self.prepend_bos,
@@ -319,8 +302,6 @@ def contraction(
         >>> res = contraction(tiny_model(), n_sequences=8, seq_len=4)
         >>> [s.name for s in res.sites]
         ['embed', 'attn 0', 'mlp 0', 'attn 1', 'mlp 1', 'final']
-        >>> res.share("inter_mean").shape
-        torch.Size([2, 2])
     """
     random = settings_from(RandomInputs, random, random_kwargs, "contraction", argument="random")
     return stream_random(model, random, ContractionReducer(model, random.seq_len, prepend_bos=random.prepend_bos), options)
