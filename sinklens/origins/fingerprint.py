@@ -1,19 +1,17 @@
 """SeedPrint (Tong, Wang, Li et al., ICLR 2026, arXiv 2509.26404): do two models come from the same random
-initialization? Follows the authors' ``seedprint.py`` ``run_test`` (analytical, coset, no aggregation);
-their constants in brackets, caveats in docs/origins.md.
+initialization? Follows the authors' ``seedprint.py`` ``run_test`` (analytical, coset, no aggregation); their
+constants in brackets, caveats in docs/origins.md.
 
-1. Inputs, no BOS: ``N`` sequences of ``L`` ids from ``torch.randint(0, V)`` seeded [42], ``V = min(32000,
-   d_vocab_a, d_vocab_b)``; or (``embedding``) ``N(μ, σ)`` embeddings replacing ``hook_embed``, ``μ, σ`` of
-   the token embedding at init (:func:`embedding_stats_at_init`), one seeded ``[L, d_model]`` draw per sample.
+1. Inputs, no BOS: ``N`` sequences of ``L`` ids from ``torch.randint(0, V)`` seeded [42], ``V = min(32000, d_vocab_a,
+   d_vocab_b)``; or (``embedding``) ``N(μ, σ)`` embeddings replacing ``hook_embed``, ``μ, σ`` of the token embedding
+   at init (:func:`embedding_stats_at_init`), one seeded ``[L, d_model]`` draw per sample.
 2. Features: the final hidden state (after the final norm) at the last position, ``[N, d_model]``, float32.
-3. Identity dims: per model the ``k`` dims with the smallest mean [``k = 400``, clipped to ``d_model``];
-   ``coset`` keeps the intersection of both sets, ``base`` model A's.
-4. ``softmax(h[:, idx] / 10, dim=1)``; 5. per-dimension Kendall τ-b across samples, mean ``τ̄``.
-6. ``z = τ̄ / (σ_τ / sqrt(k))``, ``σ_τ² = 2(2N+5) / (9N(N-1))``; 7. ``p = min(1, 2 Φ̄(z))``, same lineage
-   when ``p < α`` [0.01].
-Ours: fewer than two shared dims or a non-finite τ̄ give ``z = p = NaN`` (theirs: ``p = 1``); a
-small vocabulary or a shared input passed through (:func:`shared_input_z`) make a positive
-"inconclusive"."""
+3. Identity dims: per model the ``k`` dims with the smallest mean [``k = 400``, clipped to ``d_model``]; ``coset``
+   keeps the intersection of both sets, ``base`` model A's.
+4. ``softmax(h[:, idx] / 10, dim=1)``; 5. per-dimension Kendall τ-b across samples, mean ``τ̄``;
+6. ``z = τ̄ / (σ_τ / sqrt(k))``, ``σ_τ² = 2(2N+5) / (9N(N-1))``; 7. ``p = min(1, 2 Φ̄(z))``, shared if ``p < α`` [0.01].
+Ours: fewer than two shared dims or a non-finite τ̄ give ``z = p = NaN`` (theirs: ``p = 1``); a small vocabulary or
+a shared input passed through (:func:`shared_input_z`) make a positive "inconclusive"."""
 
 from __future__ import annotations
 
@@ -92,22 +90,18 @@ class FingerprintResult(CompactRepr):
     def verdict(self) -> Literal["same_lineage", "no_evidence", "inconclusive"]:
         """``"inconclusive"`` when the statistic is :attr:`undefined` or ``p < alpha`` under a caveat;
         otherwise ``"same_lineage"`` (``p < alpha``) or ``"no_evidence"``."""
-        if self.undefined:
+        if self.undefined or (self.same_lineage and self.caveats):
             return "inconclusive"
-        if not self.same_lineage:
-            return "no_evidence"
-        return "inconclusive" if self.caveats else "same_lineage"
+        return "same_lineage" if self.same_lineage else "no_evidence"
 
     def summary(self) -> str:
-        inconclusive = ("INCONCLUSIVE, the statistic is undefined here (caveat below)" if self.undefined else
-                        "INCONCLUSIVE, p < alpha but the test is not valid here (caveat below)")
+        why = "the statistic is undefined here" if self.undefined else "p < alpha but the test is not valid here"
         verdict = {"same_lineage": "SAME lineage", "no_evidence": "no evidence of shared lineage",
-                   "inconclusive": inconclusive}[self.verdict]
-        widths = self.settings.get("widths")
-        shared = (f" (hidden sizes {widths[0]} and {widths[1]})"
-                  if isinstance(widths, (list, tuple)) and len(widths) == 2 and widths[0] != widths[1] else "")
+                   "inconclusive": f"INCONCLUSIVE, {why} (caveat below)"}[self.verdict]
+        d_a, d_b = self.settings.get("widths", (0, 0))
+        widths = f" (hidden sizes {d_a} and {d_b})" if d_a != d_b else ""
         line = (f"SeedPrint: {verdict} ({format_p_value(self.p_value, self.log10_p)}, z = {self.z:.2f}, mean tau = {self.tau_mean:.4f}, "
-                f"{self.n_dims} identity dims{shared}, {self.n_samples} samples, alpha = {self.alpha})")
+                f"{self.n_dims} identity dims{widths}, {self.n_samples} samples, alpha = {self.alpha})")
         return "\n".join([line, *(f"  caveat: {c}" for c in self.caveats)])
 
 
@@ -198,13 +192,12 @@ def seedprint_test(
     else:
         tau = torch.full((k,), float("nan"), dtype=torch.float64)
         tau_mean = float("nan")
-        caveats.append(
-            f"only {k} identity dim{'' if k == 1 else 's'} "
-            + (f"(of the bottom {k_a} of each model) " if k_a == k_b else f"(of the bottom {k_a} of A and {k_b} of B) ")
-            + f"{'is' if k == 1 else 'are'} shared, and the test needs at least {MIN_DIMS}: the softmax over one "
-            "dimension is constant, so Kendall tau is undefined: no evidence either way"
-            + (" (identity_mode='coset' compares the dims both models place lowest; try a larger buffer_k)."
-               if identity_mode == "coset" and (k_a < d_a or k_b < d_b) else "."))
+        bottom = f"{k_a} of each model" if k_a == k_b else f"{k_a} of A and {k_b} of B"
+        hint = (" (identity_mode='coset' compares the dims both models place lowest; try a larger buffer_k)"
+                if identity_mode == "coset" and (k_a < d_a or k_b < d_b) else "")
+        caveats.append(f"only {k} identity dim{'' if k == 1 else 's'} (of the bottom {bottom}) {'is' if k == 1 else 'are'} "
+                       f"shared, and the test needs at least {MIN_DIMS}: the softmax over one dimension is constant, so "
+                       f"Kendall tau is undefined: no evidence either way{hint}.")
     if math.isfinite(tau_mean):
         z = tau_mean / max(kendall_tau_null_std(n) / math.sqrt(k), 1e-10)
         log_p = math.log(2.0) + float(norm.logsf(z))
@@ -353,18 +346,16 @@ def fingerprint(
     and adds ``embedding_mu``, ``embedding_sigma`` and ``shared_input_z`` to ``settings``.
 
     Examples:
-        >>> from sinklens.testing import tiny_model
-        >>> a, b = tiny_model(seed=1), tiny_model(seed=2)
-        >>> opts = RunOptions(batch_size=64, progress=False)
-        >>> fingerprint(a, a, n_samples=64, seq_len=8, options=opts).same_lineage
+        >>> from sinklens.testing import QUIET, tiny_model
+        >>> a = tiny_model(seed=1)
+        >>> fingerprint(a, a, n_samples=64, seq_len=8, options=QUIET).same_lineage
         True
     """
     buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
     n_samples = positive_int(n_samples, what="n_samples", minimum=2)
     seed = as_seed(seed, what="seed")
     input = choice(input, ("token", "embedding"), what="input")  # type: ignore[assignment]
-    model_a = load_model(model_a, check_patterns=False) if isinstance(model_a, str) else model_a
-    model_b = load_model(model_b, check_patterns=False) if isinstance(model_b, str) else model_b
+    model_a, model_b = (load_model(m, check_patterns=False) if isinstance(m, str) else m for m in (model_a, model_b))
     da, db = model_dims(model_a), model_dims(model_b)
     if input == "embedding" and da.d_model != db.d_model:
         raise InvalidArgumentError(
@@ -389,13 +380,11 @@ def fingerprint(
                                device=torch.device("cpu"), d_model=da.d_model, mu=stats[0], sigma=stats[1])
         z_input = shared_input_z(hidden_a, hidden_b, inputs.last_embeddings(), result.dims)
         result.settings["shared_input_z"] = z_input
-        if z_input > max_shared_input_z(alpha):
+        if z_input > (limit := max_shared_input_z(alpha)):
             result.caveats.append(
                 f"both models' final states follow the shared random input embeddings, which alone give unrelated "
-                f"models z = {z_input:.3g} (limit {max_shared_input_z(alpha):.2f}): no evidence of lineage; "
-                "use input='token' (--input token).")
-    shared = shared_last_token_share(n_samples, vocab)
-    if input == "token" and shared > MAX_SHARED_LAST_TOKEN:
+                f"models z = {z_input:.3g} (limit {limit:.2f}): no evidence of lineage; use input='token' (--input token).")
+    if input == "token" and (shared := shared_last_token_share(n_samples, vocab)) > MAX_SHARED_LAST_TOKEN:
         result.caveats.append(
             f"the {n_samples} random sequences end in one of only {vocab} token ids, so about {shared:.0%} of them "
             "share their last token: dependent samples make the p-value too small (at most "
@@ -410,12 +399,9 @@ def shared_input_z(
     """The ``z`` the shared input alone would give two unrelated models (embedding mode; sinklens' own check):
     with ``ρ = sin(π τ / 2)`` from each model's mean Kendall τ against the inputs, ``τ = (2/π) arcsin(ρ_A ρ_B)``,
     divided by ``σ_τ(N) / sqrt(k)``. NaN with fewer than 2 dims."""
-    k = len(dims)
-    if k < MIN_DIMS:
+    if len(dims) < MIN_DIMS:
         return float("nan")
-
-    def through(h: Tensor) -> float:
-        return math.sin(math.pi / 2 * float(per_dim_kendall(_normed(h, dims), _normed(inputs, dims)).mean()))
-
-    tau = 2.0 / math.pi * math.asin(through(hidden_a) * through(hidden_b))
-    return tau / (kendall_tau_null_std(hidden_a.shape[0]) / math.sqrt(k))
+    rho_a, rho_b = (math.sin(math.pi / 2 * float(per_dim_kendall(_normed(h, dims), _normed(inputs, dims)).mean()))
+                    for h in (hidden_a, hidden_b))
+    tau = 2.0 / math.pi * math.asin(rho_a * rho_b)
+    return tau / (kendall_tau_null_std(hidden_a.shape[0]) / math.sqrt(len(dims)))
