@@ -1,10 +1,7 @@
-"""A pretend CUDA device on a CPU-only build: tensors that say ``cuda:0`` but hold real CPU data.
-
-Inside :func:`fake_cuda`, tensors made or moved with ``device="cuda"`` are :class:`FakeCudaTensor` s: they
-report ``cuda:0`` and compute on the CPU data they wrap. Mixing one with a plain CPU tensor raises the error a
-GPU raises (with CUDA's exceptions: copies, CPU index tensors, 0-dim scalars), so device slips show on any
-machine. :attr:`FakeCuda.host_syncs` counts what waits for a GPU: host reads (``.item()``, ``.tolist()``,
-``.cpu()``) and data-dependent shapes (``nonzero``, mask indexing, ``unique``, ``torch.equal``)."""
+"""A pretend CUDA device on a CPU-only build: inside :func:`fake_cuda`, tensors made or moved with ``device="cuda"``
+report ``cuda:0``, compute on CPU data and raise a GPU's error when mixed with CPU tensors (CUDA's exceptions
+allowed: copies, CPU index tensors, 0-dim scalars). :attr:`FakeCuda.host_syncs` counts host reads (``.item()``,
+``.tolist()``, ``.cpu()``) and data-dependent shapes (``nonzero``, mask indexing, ``unique``, ``torch.equal``)."""
 
 from __future__ import annotations
 

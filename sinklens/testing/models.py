@@ -59,8 +59,7 @@ def word_tokenizer(d_vocab: int) -> Any:
 
 @contextlib.contextmanager
 def preserved_rng() -> Iterator[None]:
-    """Run a block that seeds or draws from the global RNGs (torch CPU, Python ``random``, numpy)
-    and restore all three afterwards, so building a test model never moves the caller's streams."""
+    """Restore the global RNGs (torch CPU, Python ``random``, numpy) after the block."""
     import numpy as np
 
     py_state, np_state = random.getstate(), np.random.get_state()
@@ -80,17 +79,15 @@ def tiny_model(arch: Arch = "llama", *, n_layers: int = 2, d_model: int = 16, n_
 
     Examples:
         >>> model = tiny_model(n_layers=2, d_model=16)
-        >>> model.cfg.n_layers, model.cfg.d_model
-        (2, 16)
-        >>> "blocks.1.attn.hook_pattern" in model.hook_dict
-        True
+        >>> model.cfg.n_layers, "blocks.1.attn.hook_pattern" in model.hook_dict
+        (2, True)
     """
     if d_model % n_heads:
         raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}.")
     if arch not in ("llama", "gpt2"):
         raise ValueError(f"Unknown arch {arch!r}; expected 'llama' or 'gpt2'.")
     n_kv_heads = n_kv_heads or n_heads
-    with preserved_rng():  # seeded weights without touching the caller's global RNG state
+    with preserved_rng():
         torch.manual_seed(seed)
         if transformer_lens_major() < 4:
             from transformer_lens import HookedTransformer, HookedTransformerConfig
