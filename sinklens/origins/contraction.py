@@ -193,8 +193,7 @@ class _SiteAccumulator:
 
     def result(self, first: int) -> SiteStats:
         k = self.nonzero
-        inter = (self.unit_sum.pow(2).sum(dim=-1) - k) / (k * (k - 1))
-        inter = torch.where(k >= 2, inter, torch.full_like(inter, float("nan")))
+        inter = ((self.unit_sum.pow(2).sum(dim=-1) - k) / (k * (k - 1))).where(k >= 2, float("nan"))
         inter_mean = float(inter[first:].nanmean())  # NaN when no position has a pair
         pairs = float(self.intra_count)
         intra = float(self.intra_terms) / pairs if pairs > 0 else float("nan")
@@ -270,10 +269,8 @@ class ContractionReducer(Reducer[ContractionResult]):
 
     def result(self) -> ContractionResult:
         sites = [self.acc[name].result(self.first) for name in self.names]
-        final = sites[-1].direction
-        w, _ = unembedding(self.model)
-        w = w.float().cpu()
-        alignment = (final @ w) / w.norm(dim=0).clamp_min(1e-30)
+        w = unembedding(self.model)[0].float().cpu()
+        alignment = (sites[-1].direction @ w) / w.norm(dim=0).clamp_min(1e-30)
         act, count, nan = activation_name(self.model), max(self.mlp_count, 1), float("nan")
         asymmetry = activation_mean_at_zero(act)
         mlp_post_mean = (self.mlp_post / count).float().cpu()

@@ -120,10 +120,9 @@ def check_test_arguments(
 ) -> tuple[int, IdentityMode, float]:
     """``(buffer_k, identity_mode, alpha)`` validated; ``cli=True`` names the flags in the errors."""
     name = (lambda arg: "--" + arg.replace("_", "-")) if cli else (lambda arg: arg)
-    buffer_k = positive_int(buffer_k, what=name("buffer_k"), minimum=MIN_DIMS)
-    identity_mode = choice(identity_mode, ("coset", "base"), what=name("identity_mode"))
-    alpha = finite_number(alpha, what=name("alpha"), low=0.0, high=1.0, low_open=True, high_open=True)
-    return buffer_k, identity_mode, alpha  # type: ignore[return-value]
+    return (positive_int(buffer_k, what=name("buffer_k"), minimum=MIN_DIMS),  # type: ignore[return-value]
+            choice(identity_mode, ("coset", "base"), what=name("identity_mode")),
+            finite_number(alpha, what=name("alpha"), low=0.0, high=1.0, low_open=True, high_open=True))
 
 
 def _first(values: list[int], shown: int = 5) -> str:
@@ -185,10 +184,9 @@ def seedprint_test(
         tau_mean = float(tau.mean())
         if not math.isfinite(tau_mean):
             constant = [dim for dim, t in zip(dims, tau.tolist()) if not math.isfinite(t)]
-            caveats.append(
-                f"Kendall tau is undefined in {len(constant)} of the {k} identity dims (dims {_first(constant)}: a "
-                f"softmax-normalised feature is constant over the {n} "
-                "samples), so the mean tau and the test are undefined: no evidence either way.")
+            caveats.append(f"Kendall tau is undefined in {len(constant)} of the {k} identity dims (dims {_first(constant)}: "
+                           f"a softmax-normalised feature is constant over the {n} samples), so the mean tau and the "
+                           "test are undefined: no evidence either way.")
     else:
         tau = torch.full((k,), float("nan"), dtype=torch.float64)
         tau_mean = float("nan")

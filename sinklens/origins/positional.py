@@ -177,13 +177,10 @@ def positional_over_training(
 ) -> PositionalTrajectory:
     """:func:`positional_discrepancy` of a ``sinklens train`` run at step 0 (``RUN_DIR@init``) and at each kept
     checkpoint (or ``steps``), all on the same random sequences of ``min(seq_len, data.seq_len)`` tokens."""
-    cfg = load_train_config(run_dir)
+    random = RandomInputs(n_sequences, min(int(seq_len), load_train_config(run_dir).data.seq_len), prepend_bos, seed)
     wanted = sorted({0, *checkpoint_steps(run_dir)}) if steps is None else sorted({int(s) for s in steps})
-    seq_len = min(int(seq_len), cfg.data.seq_len)
     options = checked_options(options)
-    results = []
-    for step in tqdm(wanted, desc=f"{options.desc} ({Path(run_dir).name})", unit="checkpoint", disable=not options.progress):
-        model = load_step_model(run_dir, step)
-        results.append(positional_discrepancy(model, n_sequences=n_sequences, seq_len=seq_len, prepend_bos=prepend_bos,
-                                              seed=seed, options=options.replace(progress=False)))
-    return PositionalTrajectory(wanted, results)
+    bar = tqdm(wanted, desc=f"{options.desc} ({Path(run_dir).name})", unit="checkpoint", disable=not options.progress)
+    quiet = options.replace(progress=False)
+    return PositionalTrajectory(wanted, [positional_discrepancy(load_step_model(run_dir, step), random, options=quiet)
+                                         for step in bar])

@@ -124,10 +124,8 @@ class _FakeCudaMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in (torch.Tensor.to, torch.Tensor.cuda):
-            if func is torch.Tensor.cuda:
-                device, dtype = DEVICE, None
-            else:
-                device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})
+            to_kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
+            device, dtype = (DEVICE, None) if func is torch.Tensor.cuda else torch._C._nn._parse_to(*args[1:], **to_kwargs)[:2]
             if _is_cuda(device):
                 self_ = args[0]
                 real = self_.cpu_data if isinstance(self_, FakeCudaTensor) else self_
@@ -135,10 +133,9 @@ class _FakeCudaMode(TorchFunctionMode):
                 return self_ if moved is real and isinstance(self_, FakeCudaTensor) else FakeCudaTensor(moved)
             if isinstance(args[0], FakeCudaTensor) and device is not None:  # to the host (a CPU kernel sees no move)
                 return _ToHost.apply(args[0]).to(*args[1:], **kwargs)
-        elif func is torch.Tensor.cpu and isinstance(args[0], FakeCudaTensor):
-            return _ToHost.apply(args[0])
-        elif func is torch.Tensor.tolist and isinstance(args[0], FakeCudaTensor):
-            return _ToHost.apply(args[0]).tolist()
+        elif func in (torch.Tensor.cpu, torch.Tensor.tolist) and isinstance(args[0], FakeCudaTensor):
+            host = _ToHost.apply(args[0])
+            return host if func is torch.Tensor.cpu else host.tolist()
         elif func in (torch.Tensor.numpy, torch.Tensor.__array__) and isinstance(args[0], FakeCudaTensor):
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
                             "host memory first.")
