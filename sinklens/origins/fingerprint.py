@@ -88,8 +88,7 @@ class FingerprintResult(CompactRepr):
 
     @property
     def verdict(self) -> Literal["same_lineage", "no_evidence", "inconclusive"]:
-        """``"inconclusive"`` when the statistic is :attr:`undefined` or ``p < alpha`` under a caveat;
-        otherwise ``"same_lineage"`` (``p < alpha``) or ``"no_evidence"``."""
+        """``"inconclusive"`` when the statistic is :attr:`undefined` or ``p < alpha`` under a caveat."""
         if self.undefined or (self.same_lineage and self.caveats):
             return "inconclusive"
         return "same_lineage" if self.same_lineage else "no_evidence"
@@ -115,9 +114,8 @@ def identity_dims(hidden: Float[Tensor, "sample dim"], buffer_k: int) -> list[in
     return torch.topk(hidden.mean(dim=0), buffer_k, largest=False).indices.tolist()
 
 
-def check_test_arguments(
-    buffer_k: Any, identity_mode: Any, alpha: Any, *, cli: bool = False
-) -> tuple[int, IdentityMode, float]:
+def check_test_arguments(buffer_k: Any, identity_mode: Any, alpha: Any, *,
+                         cli: bool = False) -> tuple[int, IdentityMode, float]:
     """``(buffer_k, identity_mode, alpha)`` validated; ``cli=True`` names the flags in the errors."""
     name = (lambda arg: "--" + arg.replace("_", "-")) if cli else (lambda arg: arg)
     return (positive_int(buffer_k, what=name("buffer_k"), minimum=MIN_DIMS),  # type: ignore[return-value]
@@ -188,28 +186,22 @@ def seedprint_test(
                            f"a softmax-normalised feature is constant over the {n} samples), so the mean tau and the "
                            "test are undefined: no evidence either way.")
     else:
-        tau = torch.full((k,), float("nan"), dtype=torch.float64)
-        tau_mean = float("nan")
+        tau, tau_mean = torch.full((k,), float("nan"), dtype=torch.float64), float("nan")
         bottom = f"{k_a} of each model" if k_a == k_b else f"{k_a} of A and {k_b} of B"
         hint = (" (identity_mode='coset' compares the dims both models place lowest; try a larger buffer_k)"
                 if identity_mode == "coset" and (k_a < d_a or k_b < d_b) else "")
         caveats.append(f"only {k} identity dim{'' if k == 1 else 's'} (of the bottom {bottom}) {'is' if k == 1 else 'are'} "
                        f"shared, and the test needs at least {MIN_DIMS}: the softmax over one dimension is constant, so "
                        f"Kendall tau is undefined: no evidence either way{hint}.")
+    z = log_p = p_value = float("nan")
     if math.isfinite(tau_mean):
         z = tau_mean / max(kendall_tau_null_std(n) / math.sqrt(k), 1e-10)
         log_p = math.log(2.0) + float(norm.logsf(z))
         p_value = min(1.0, math.exp(log_p))
-    else:
-        z = log_p = p_value = float("nan")
     return FingerprintResult(
-        p_value=p_value, z=z, tau_mean=tau_mean, n_dims=k, n_samples=n,
-        same_lineage=None if math.isnan(p_value) else p_value < alpha,
-        alpha=alpha, log10_p=log_p / math.log(10.0), dims=dims, tau=tau,
-        settings={"buffer_k": buffer_k, "identity_mode": identity_mode, "temperature": TEMPERATURE,
-                  "widths": [d_a, d_b]},
-        caveats=caveats,
-    )
+        p_value=p_value, z=z, tau_mean=tau_mean, n_dims=k, n_samples=n, alpha=alpha, log10_p=log_p / math.log(10.0),
+        same_lineage=None if math.isnan(p_value) else p_value < alpha, dims=dims, tau=tau, caveats=caveats,
+        settings={"buffer_k": buffer_k, "identity_mode": identity_mode, "temperature": TEMPERATURE, "widths": [d_a, d_b]})
 
 
 class _RandomInputs(Sequence):
@@ -226,10 +218,8 @@ class _RandomInputs(Sequence):
         return -(-self.n // self.batch_size)
 
     def _batch(self, gen: torch.Generator, size: int) -> TokenBatch:
-        if self.mode == "token":
-            tokens = torch.randint(0, self.high, (size, self.seq_len), generator=gen)
-        else:
-            tokens = torch.zeros((size, self.seq_len), dtype=torch.long)
+        tokens = (torch.randint(0, self.high, (size, self.seq_len), generator=gen) if self.mode == "token"
+                  else torch.zeros((size, self.seq_len), dtype=torch.long))
         return TokenBatch(tokens, torch.ones_like(tokens, dtype=torch.bool), False).to(self.device)
 
     def __iter__(self):
@@ -320,13 +310,10 @@ def final_hidden_states(
     high = min(TOKEN_VOCAB, dims.d_vocab) if vocab_limit is None else positive_int(vocab_limit, what="vocab_limit")
     if high > dims.d_vocab:
         raise InvalidArgumentError(f"vocab_limit={high} exceeds the model's vocabulary d_vocab={dims.d_vocab}.")
-    if input == "token":
-        mu, sigma = 0.0, 1.0  # unused
-    elif embedding_stats is not None:
-        mu, sigma = (finite_number(x, what=f"embedding_stats[{i}]", low=0.0 if i else None)
-                     for i, x in enumerate(embedding_stats))
-    else:
-        mu, sigma = embedding_stats_at_init([model], seed=seed)
+    mu, sigma = 0.0, 1.0  # unused in token mode
+    if input == "embedding":
+        mu, sigma = embedding_stats_at_init([model], seed=seed) if embedding_stats is None else (
+            finite_number(x, what=f"embedding_stats[{i}]", low=0.0 if i else None) for i, x in enumerate(embedding_stats))
     source = _RandomInputs(n_samples, seq_len, options.batch_size, mode=input, high=high, seed=seed,
                            device=model_device(model), d_model=dims.d_model, mu=mu, sigma=sigma)
     (hidden,) = stream(model, source, [_LastFinalState(model, source)], options=options)  # type: ignore[arg-type]
