@@ -9,6 +9,7 @@ h[m, t])``, ``intra = mean_n mean_{t ≠ t'} cos(h[n, t], h[n, t'])``; ``directi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from collections.abc import Callable
 from typing import Any
 
@@ -28,11 +29,8 @@ from sinklens.residual_sites import after_attention_hooks
 from sinklens.residual_units import moe_reason
 from sinklens.streaming import BatchFold, Reducer, merge_statistics
 
-_ACTIVATIONS = {
-    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"), "tanh": torch.tanh,
-}
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu, "tanh": torch.tanh,
+                **dict.fromkeys(("gelu_new", "gelu_pytorch_tanh", "gelu_fast"), partial(F.gelu, approximate="tanh"))}
 
 
 def activation_name(model: Any) -> str:
@@ -137,8 +135,7 @@ class ContractionResult(CompactRepr):
 
 
 class _SiteAccumulator:
-    """Running sums for one site: ``Σ_n û[n, t]`` and the non-zero count per position, the intra-sequence
-    cosine terms and how many sequences have one, and (``directions``) the even/odd second moments."""
+    """Running sums of one site: ``Σ_n û[n, t]``, non-zero counts, intra-cosine terms, (``directions``) moments."""
 
     def __init__(self, name: str, seq_len: int, d: int, device: torch.device, directions: bool) -> None:
         self.name, self.directions = name, directions

@@ -142,8 +142,7 @@ def _finite_features(hidden: Float[Tensor, "sample dim"], what: str) -> Float[Te
 
 def _base_dims_within(dims: list[int], d_a: int, d_b: int) -> None:
     """Refuse ``identity_mode="base"`` where one of A's identity ``dims`` is outside B's width."""
-    outside = [dim for dim in dims if dim >= d_b]
-    if outside:
+    if outside := [dim for dim in dims if dim >= d_b]:
         raise InvalidArgumentError(
             f"identity_mode='base' reads B at A's identity dims, but dims {_first(outside)} are outside B's width: "
             f"hidden sizes {d_a} (A) and {d_b} (B); use identity_mode='coset' (--identity-mode coset, the default).")
@@ -253,8 +252,7 @@ class _LastFinalState(Reducer[Tensor]):
 
     def __init__(self, model: Any, source: _RandomInputs) -> None:
         self.site, self.finish = final_state_site(model)
-        self.source = source
-        self.dtype = next(model.parameters()).dtype
+        self.source, self.dtype = source, next(model.parameters()).dtype
         self.reset()
 
     def reset(self) -> None:

@@ -128,7 +128,6 @@ def tiny_sinklm(variant: str = "baseline", *, family: Literal["llama", "gpt2"] =
     if variant == "headwise_rms":
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for block in model.blocks:
-                gain = block.attn.variant.gain
+            for gain in (block.attn.variant.gain for block in model.blocks):
                 gain.copy_(torch.rand(gain.shape, generator=gen) * 1.5 + 0.5)
     return model
