@@ -43,8 +43,7 @@ def activation_name(model: Any) -> str:
 
 def activation_mean_at_zero(name: str) -> float:
     """``E[f(z)]`` for ``z ~ N(0, 1)`` (trapezoid rule, 24001 points on [-12, 12]); NaN for unknown ``f``."""
-    fn = _ACTIVATIONS.get(name)
-    if fn is None:
+    if (fn := _ACTIVATIONS.get(name)) is None:
         return float("nan")
     z = torch.linspace(-12, 12, 24001, dtype=torch.float64)
     density = torch.exp(-z * z / 2) / (2 * torch.pi) ** 0.5
@@ -106,8 +105,8 @@ class ContractionResult(CompactRepr):
             return f"MLP asymmetry not measured: {self.mlp_skipped}"
         text = f"{self.activation}: E[f(z)] = {self.activation_mean_at_zero:.3f} for z ~ N(0, 1)"
         if self.mlp_act_mean is not None:
-            text += ("; measured mean f(gate pre-activation) by layer " if self.gated_mlp else "; measured mean f(pre) by layer ")
-            text += " ".join(f"{float(v):.3g}" for v in self.mlp_act_mean)
+            text += f"; measured mean f({'gate pre-activation' if self.gated_mlp else 'pre'}) by layer " + " ".join(
+                f"{float(v):.3g}" for v in self.mlp_act_mean)
         return text
 
     def summary(self) -> dict[str, Any]:
@@ -139,14 +138,11 @@ class _SiteAccumulator:
 
     def __init__(self, name: str, seq_len: int, d: int, device: torch.device, directions: bool) -> None:
         self.name, self.directions = name, directions
-        self.unit_sum = torch.zeros(seq_len, d, dtype=torch.float64, device=device)
-        self.nonzero = torch.zeros(seq_len, dtype=torch.float64, device=device)  # k_t
-        self.n = 0
-        self.intra_terms = torch.zeros((), dtype=torch.float64, device=device)
-        self.intra_count = torch.zeros((), dtype=torch.float64, device=device)  # sequences with k_n >= 2
+        zeros = partial(torch.zeros, dtype=torch.float64, device=device)
+        self.unit_sum, self.nonzero, self.n = zeros(seq_len, d), zeros(seq_len), 0  # nonzero: k_t
+        self.intra_terms, self.intra_count = zeros(()), zeros(())  # intra_count: sequences with k_n >= 2
         if directions:
-            self.moments = torch.zeros(2, d, d, dtype=torch.float64, device=device)  # even / odd sequences
-            self.sums = torch.zeros(2, d, dtype=torch.float64, device=device)
+            self.moments, self.sums = zeros(2, d, d), zeros(2, d)  # even / odd sequences
 
     def fold(self, h: Tensor, first: int, start_index: int) -> None:  # h: [batch, pos, d]
         raw = h.detach()

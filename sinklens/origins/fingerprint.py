@@ -158,9 +158,8 @@ def seedprint_test(
     from scipy.stats import norm
 
     if hidden_a.ndim != 2 or hidden_b.ndim != 2 or hidden_a.shape[0] != hidden_b.shape[0]:
-        raise InvalidArgumentError(
-            f"SeedPrint needs two [samples, hidden] matrices over the same samples (the same number of rows; the "
-            f"widths may differ), got {tuple(hidden_a.shape)} and {tuple(hidden_b.shape)}.")
+        raise InvalidArgumentError(f"SeedPrint needs two [samples, hidden] matrices with the same number of rows (the "
+                                   f"widths may differ), got {tuple(hidden_a.shape)} and {tuple(hidden_b.shape)}.")
     buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
     (n, d_a), d_b = hidden_a.shape, hidden_b.shape[1]
     if n < 2:

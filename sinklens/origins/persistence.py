@@ -105,9 +105,8 @@ def compare_snapshots(current: PreferenceSnapshot, reference: PreferenceSnapshot
     spearman = 1.0 if same_ranks else float(stats.spearmanr(a, b).statistic)  # exact 1 for the same ranking
     kendall = float(stats.kendalltau(a, b).statistic)
     da, db = current.direction.double(), reference.direction.double()
-    cos = float((da @ db).abs() / (da.norm() * db.norm()))
     out = {"preference_corr": corr, "preference_spearman": spearman, "preference_kendall": kendall,
-           "direction_cos": cos}
+           "direction_cos": float((da @ db).abs() / (da.norm() * db.norm()))}
     return {k: v if math.isnan(v) else min(1.0, max(-1.0, v)) for k, v in out.items()}  # rounding: 1 + 2e-16
 
 

@@ -6,6 +6,7 @@ after it), ``head`` (``attn.hook_z``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -79,9 +80,8 @@ class _Moments:
     """Σ_n a, Σ_n ‖a‖², Σ_n ‖a‖ per (group, position) over the last axis."""
 
     def __init__(self, shape: tuple[int, ...], d: int, device: torch.device) -> None:
-        self.sum = torch.zeros(*shape, d, dtype=torch.float64, device=device)
-        self.sq = torch.zeros(*shape, dtype=torch.float64, device=device)
-        self.norm = torch.zeros(*shape, dtype=torch.float64, device=device)
+        zeros = partial(torch.zeros, dtype=torch.float64, device=device)
+        self.sum, self.sq, self.norm = zeros(*shape, d), zeros(*shape), zeros(*shape)
 
     def add(self, index: Any, a: Tensor) -> None:  # a: [batch, *group, pos, d]
         a = a.double()
@@ -115,8 +115,7 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
 
     def reset(self) -> None:
         L, T, d, H, dh = self.dims.n_layers, self.seq_len, self.dims.d_model, self.dims.n_heads, self.dims.d_head
-        self.attn = _Moments((L, T), d, self.device)
-        self.resid = _Moments((L, T), d, self.device)
+        self.attn, self.resid = _Moments((L, T), d, self.device), _Moments((L, T), d, self.device)
         self.head = _Moments((L, H, T), dh, self.device)
         self.n = 0
 

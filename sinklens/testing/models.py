@@ -113,9 +113,8 @@ def tiny_model(arch: Arch = "llama", *, n_layers: int = 2, d_model: int = 16, n_
             hf = GPT2LMHeadModel(GPT2Config(
                 vocab_size=d_vocab, n_embd=d_model, n_inner=d_mlp, n_layer=n_layers, n_head=n_heads, n_positions=n_ctx,
                 bos_token_id=0, eos_token_id=1, attn_implementation="eager"))
-        return TransformerBridge.boot_transformers(
-            f"sinklens-tiny-{arch}", hf_model=hf.eval(), tokenizer=word_tokenizer(d_vocab), device="cpu"
-        )
+        return TransformerBridge.boot_transformers(f"sinklens-tiny-{arch}", hf_model=hf.eval(),
+                                                   tokenizer=word_tokenizer(d_vocab), device="cpu")
 
 
 def tiny_sinklm(variant: str = "baseline", *, family: Literal["llama", "gpt2"] = "llama", seed: int = 0,
