@@ -208,9 +208,8 @@ class _RandomInputs(Sequence):
 
     def __init__(self, n: int, seq_len: int, batch_size: int, *, mode: str, high: int, seed: int,
                  device: torch.device, d_model: int = 0, mu: float = 0.0, sigma: float = 1.0) -> None:
-        self.n, self.seq_len, self.batch_size, self.mode = n, seq_len, batch_size, mode
-        self.high, self.seed, self.device = high, seed, device
-        self.d_model, self.mu, self.sigma = d_model, mu, sigma
+        self.n, self.seq_len, self.batch_size, self.mode, self.high = n, seq_len, batch_size, mode, high
+        self.seed, self.device, self.d_model, self.mu, self.sigma = seed, device, d_model, mu, sigma
 
     def __len__(self) -> int:
         return -(-self.n // self.batch_size)

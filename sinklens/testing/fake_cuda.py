@@ -15,7 +15,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-#: The device fake tensors report.
 DEVICE = torch.device("cuda", 0)
 _CPU = torch.device("cpu")
 aten = torch.ops.aten
@@ -164,9 +163,7 @@ def fake_cuda() -> Iterator[FakeCuda]:
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)  # model.to() keeps each parameter object
     try:
-        with _FakeCudaMode(), contextlib.ExitStack() as patches:
-            for name, value in _CUDA_API.items():
-                patches.enter_context(mock.patch(f"torch.cuda.{name}", value))
+        with _FakeCudaMode(), mock.patch.multiple(torch.cuda, **_CUDA_API):
             yield state
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)
