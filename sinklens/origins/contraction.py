@@ -110,8 +110,7 @@ class ContractionResult(CompactRepr):
         return text
 
     def summary(self) -> dict[str, Any]:
-        """``"contraction"`` of ``origins.json`` (strict JSON, non-finite as None): per-site statistics (``inter``:
-        position mean), :meth:`share` of both measures, the MLP asymmetry and ``n_sequences``."""
+        """Strict JSON (NaN as None) for ``origins.json``: site statistics, :meth:`share`, the MLP asymmetry."""
         return to_json({
             "sites": [{"site": s.name, "inter": s.inter_mean, "intra": s.intra, "zero_states": s.zero_states,
                        **({"direction_share": s.direction_share, "direction_stability": s.direction_stability,

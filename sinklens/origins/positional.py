@@ -1,7 +1,6 @@
-"""Positional discrepancy (*Transformers Are Born Biased*, arXiv 2602.05927; measures defined here): a
-head's output at ``t`` averages ``t + 1`` values, so its variance across inputs shrinks with ``t`` and the
-first token's outputs vary most. Sites: ``attn_out`` (the attention write), ``resid`` (the residual right
-after it), ``head`` (``attn.hook_z``)."""
+"""Positional discrepancy (*Transformers Are Born Biased*, arXiv 2602.05927; measures defined here): a head's output at
+``t`` averages ``t + 1`` values, so its variance across inputs shrinks with ``t`` and the first token's outputs vary
+most. Sites: ``attn_out`` (the attention write), ``resid`` (the residual right after it), ``head`` (``attn.hook_z``)."""
 
 from __future__ import annotations
 
@@ -65,8 +64,7 @@ class PositionalDiscrepancy(CompactRepr):
         return {name: self.first_token_ratio(name) for name in RATIO_FIELDS}
 
     def summary(self) -> dict[str, Any]:
-        """:meth:`ratios`, ``n_sequences``, ``position`` and ``causal``, strict-JSON-ready (an undefined ratio is
-        None): ``"positional"`` in ``origins.json``."""
+        """Strict JSON (NaN as None) for ``origins.json``: :meth:`ratios`, ``n_sequences``, ``position``, ``causal``."""
         return to_json({**self.ratios(), "n_sequences": self.n_sequences, "position": self.first_counted,
                         "causal": self.causal}, digits=None)
 
@@ -95,8 +93,7 @@ class _Moments:
             mine += theirs.to(mine.device)
 
     def variance(self, n: int) -> Tensor:
-        mean = self.sum / n
-        return ((self.sq / n - mean.pow(2).sum(dim=-1)) / self.sum.shape[-1]).clamp_min(0).float().cpu()
+        return ((self.sq / n - (self.sum / n).pow(2).sum(dim=-1)) / self.sum.shape[-1]).clamp_min(0).float().cpu()
 
     def mean_norm(self, n: int) -> Tensor:
         return (self.norm / n).float().cpu()
@@ -109,8 +106,7 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
 
     def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
         self.model, self.dims, self.device = model, model_dims(model), model_device(model)
-        self.seq_len, self.prepend_bos = seq_len, prepend_bos
-        self.causal = attention_direction(model) == "causal"
+        self.seq_len, self.prepend_bos, self.causal = seq_len, prepend_bos, attention_direction(model) == "causal"
         self.reset()
 
     def reset(self) -> None:
