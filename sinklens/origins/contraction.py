@@ -187,8 +187,7 @@ class _SiteAccumulator:
         k = self.nonzero
         inter = ((self.unit_sum.pow(2).sum(dim=-1) - k) / (k * (k - 1))).where(k >= 2, float("nan"))
         inter_mean = float(inter[first:].nanmean())  # NaN when no position has a pair
-        pairs = float(self.intra_count)
-        intra = float(self.intra_terms) / pairs if pairs > 0 else float("nan")
+        intra = float(self.intra_terms) / pairs if (pairs := float(self.intra_count)) > 0 else float("nan")
         zero = int(round(self.n * (k.numel() - first) - float(k[first:].sum())))
         stats = SiteStats(self.name, inter.float().cpu(), inter_mean, intra, zero_states=zero)
         if self.directions:

@@ -1,6 +1,5 @@
-"""SeedPrint (Tong, Wang, Li et al., ICLR 2026, arXiv 2509.26404): do two models come from the same random
-initialization? Follows the authors' ``seedprint.py`` ``run_test`` (analytical, coset, no aggregation); their
-constants in brackets, caveats in docs/origins.md.
+"""SeedPrint (Tong, Wang, Li et al., ICLR 2026, arXiv 2509.26404): do two models share their random initialization?
+Follows ``seedprint.py`` ``run_test`` (analytical, coset, no aggregation), [their constants]; caveats: docs/origins.md.
 
 1. Inputs, no BOS: ``N`` sequences of ``L`` ids from ``torch.randint(0, V)`` seeded [42], ``V = min(32000, d_vocab_a,
    d_vocab_b)``; or (``embedding``) ``N(μ, σ)`` embeddings replacing ``hook_embed``, ``μ, σ`` of the token embedding
@@ -133,10 +132,9 @@ def _finite_features(hidden: Float[Tensor, "sample dim"], what: str) -> Float[Te
     bad = ~torch.isfinite(hidden)
     if bad.any():
         rows = bad.any(dim=1).nonzero().flatten().tolist()
-        raise InvalidArgumentError(
-            f"SeedPrint needs finite features, but {what} has {int(bad.sum())} non-finite values (inf or NaN) in "
-            f"{len(rows)} of its {hidden.shape[0]} samples (rows {_first(rows)}): "
-            "the model's output overflowed or is broken there.")
+        raise InvalidArgumentError(f"SeedPrint needs finite features, but {what} has {int(bad.sum())} non-finite values "
+                                   f"(inf or NaN) in {len(rows)} of its {hidden.shape[0]} samples (rows {_first(rows)}): "
+                                   "the model's output overflowed or is broken there.")
     return hidden
 
 

@@ -95,9 +95,6 @@ class _Moments:
     def variance(self, n: int) -> Tensor:
         return ((self.sq / n - (self.sum / n).pow(2).sum(dim=-1)) / self.sum.shape[-1]).clamp_min(0).float().cpu()
 
-    def mean_norm(self, n: int) -> Tensor:
-        return (self.norm / n).float().cpu()
-
 
 class PositionalReducer(Reducer[PositionalDiscrepancy]):
     """Streams :class:`PositionalDiscrepancy` over every layer."""
@@ -127,8 +124,9 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
 
     def result(self) -> PositionalDiscrepancy:
         n = self.n
-        return PositionalDiscrepancy(self.attn.variance(n), self.attn.mean_norm(n), self.resid.variance(n),
-                                     self.resid.mean_norm(n), self.head.variance(n), n, self.prepend_bos, self.causal)
+        return PositionalDiscrepancy(self.attn.variance(n), (self.attn.norm / n).float().cpu(), self.resid.variance(n),
+                                     (self.resid.norm / n).float().cpu(), self.head.variance(n), n, self.prepend_bos,
+                                     self.causal)
 
 
 def positional_discrepancy(

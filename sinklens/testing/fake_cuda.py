@@ -93,8 +93,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         _ACTIVE[-1].host_syncs += 1
     by_real = {id(t.cpu_data): t for t in fakes}
     real_args, real_kwargs = tree_map_only(FakeCudaTensor, lambda t: t.cpu_data, (args, kwargs))
-    made_here = _is_cuda(real_kwargs.get("device"))
-    if made_here:
+    if made_here := _is_cuda(real_kwargs.get("device")):
         real_kwargs["device"] = _CPU
     out = func(*real_args, **real_kwargs)
     if to_host or not (fakes or made_here):

@@ -82,8 +82,7 @@ def _plant_reader(w: Callable[..., Any], layer: int, neuron: int, read_dim: int,
     gain_in = gain or (2.0 if arch == "llama" else 3.0)
     w("W_in", layer)[:, neuron] = 0.0
     w("W_in", layer)[read_dim, neuron] = gain_in
-    gate = w("W_gate", layer)
-    if gate is not None:
+    if (gate := w("W_gate", layer)) is not None:
         gate[:, neuron] = 0.0
         gate[read_dim if gate_dim is None else gate_dim, neuron] = 2.0
     b_in = w("b_in", layer)
@@ -139,8 +138,7 @@ def planted_model(arch: Literal["llama", "gpt2"] = "llama", *, layer: int = 0, n
             _plant_reader(w, erase_layer, erase_neuron, dim, dim, -1.0, arch)
             names = [f"blocks.{erase_layer}.hook_resid_pre", f"blocks.{erase_layer}.mlp.hook_post"]
             _, cache = model.run_with_cache(torch.zeros(1, 1, dtype=torch.long), names_filter=lambda n: n in names)
-            massive = float(cache[names[0]][0, 0, dim])
-            act = float(cache[names[1]][0, 0, erase_neuron])
+            massive, act = float(cache[names[0]][0, 0, dim]), float(cache[names[1]][0, 0, erase_neuron])
             w("W_out", erase_layer)[erase_neuron, dim] = -0.99 * massive / act
         if qk_layer is not None:
             # Lowest-frequency rotary component (rotate-half pairs j with j + d_head/2); any for gpt2.
