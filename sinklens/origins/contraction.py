@@ -8,7 +8,9 @@ h[m, t])``, ``intra = mean_n mean_{t ≠ t'} cos(h[n, t], h[n, t'])``; ``directi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,26 +29,21 @@ from sinklens.residual_sites import after_attention_hooks
 from sinklens.residual_units import moe_reason
 from sinklens.streaming import BatchFold, Reducer, merge_statistics
 
-_ACTIVATIONS = {
-    "silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu,
-    "gelu_new": lambda x: F.gelu(x, approximate="tanh"), "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"), "tanh": torch.tanh,
-}
+_ACTIVATIONS = {"silu": F.silu, "swish": F.silu, "gelu": F.gelu, "relu": F.relu, "tanh": torch.tanh,
+                **dict.fromkeys(("gelu_new", "gelu_pytorch_tanh", "gelu_fast"), partial(F.gelu, approximate="tanh"))}
 
 
 def activation_name(model: Any) -> str:
     """The MLP nonlinearity's name from ``cfg.act_fn`` (SinkLM: ``silu`` for llama, ``gelu_new`` for gpt2)."""
-    cfg = model.cfg
-    name = getattr(cfg, "act_fn", None)
-    if name is None and getattr(cfg, "family", None) is not None:
-        name = "silu" if cfg.family == "llama" else "gelu_new"
+    name = getattr(model.cfg, "act_fn", None)
+    if name is None and getattr(model.cfg, "family", None) is not None:
+        name = "silu" if model.cfg.family == "llama" else "gelu_new"
     return str(name)
 
 
 def activation_mean_at_zero(name: str) -> float:
     """``E[f(z)]`` for ``z ~ N(0, 1)`` (trapezoid rule, 24001 points on [-12, 12]); NaN for unknown ``f``."""
-    fn = _ACTIVATIONS.get(name)
-    if fn is None:
+    if (fn := _ACTIVATIONS.get(name)) is None:
         return float("nan")
     z = torch.linspace(-12, 12, 24001, dtype=torch.float64)
     density = torch.exp(-z * z / 2) / (2 * torch.pi) ** 0.5
@@ -108,14 +105,12 @@ class ContractionResult(CompactRepr):
             return f"MLP asymmetry not measured: {self.mlp_skipped}"
         text = f"{self.activation}: E[f(z)] = {self.activation_mean_at_zero:.3f} for z ~ N(0, 1)"
         if self.mlp_act_mean is not None:
-            text += ("; measured mean f(gate pre-activation) by layer " if self.gated_mlp else "; measured mean f(pre) by layer ")
-            text += " ".join(f"{float(v):.3g}" for v in self.mlp_act_mean)
+            text += f"; measured mean f({'gate pre-activation' if self.gated_mlp else 'pre'}) by layer " + " ".join(
+                f"{float(v):.3g}" for v in self.mlp_act_mean)
         return text
 
     def summary(self) -> dict[str, Any]:
-        """Strict-JSON-ready ``"contraction"`` of ``origins.json``: per site ``inter`` (position mean), ``intra``,
-        ``zero_states`` and direction statistics; ``share_inter`` / ``share_intra`` ``[layer, (attn, mlp)]``, the
-        MLP asymmetry and ``n_sequences`` (non-finite numbers as None)."""
+        """Strict JSON (NaN as None) for ``origins.json``: site statistics, :meth:`share`, the MLP asymmetry."""
         return to_json({
             "sites": [{"site": s.name, "inter": s.inter_mean, "intra": s.intra, "zero_states": s.zero_states,
                        **({"direction_share": s.direction_share, "direction_stability": s.direction_stability,
@@ -138,19 +133,15 @@ class ContractionResult(CompactRepr):
 
 
 class _SiteAccumulator:
-    """Running sums for one site: ``Σ_n û[n, t]`` and the non-zero count per position, the intra-sequence
-    cosine terms and how many sequences have one, and (``directions``) the even/odd second moments."""
+    """Running sums of one site: ``Σ_n û[n, t]``, non-zero counts, intra-cosine terms, (``directions``) moments."""
 
     def __init__(self, name: str, seq_len: int, d: int, device: torch.device, directions: bool) -> None:
         self.name, self.directions = name, directions
-        self.unit_sum = torch.zeros(seq_len, d, dtype=torch.float64, device=device)
-        self.nonzero = torch.zeros(seq_len, dtype=torch.float64, device=device)  # k_t
-        self.n = 0
-        self.intra_terms = torch.zeros((), dtype=torch.float64, device=device)
-        self.intra_count = torch.zeros((), dtype=torch.float64, device=device)  # sequences with k_n >= 2
+        zeros = partial(torch.zeros, dtype=torch.float64, device=device)
+        self.unit_sum, self.nonzero, self.n = zeros(seq_len, d), zeros(seq_len), 0  # nonzero: k_t
+        self.intra_terms, self.intra_count = zeros(()), zeros(())  # intra_count: sequences with k_n >= 2
         if directions:
-            self.moments = torch.zeros(2, d, d, dtype=torch.float64, device=device)  # even / odd sequences
-            self.sums = torch.zeros(2, d, dtype=torch.float64, device=device)
+            self.moments, self.sums = zeros(2, d, d), zeros(2, d)  # even / odd sequences
 
     def fold(self, h: Tensor, first: int, start_index: int) -> None:  # h: [batch, pos, d]
         raw = h.detach()
@@ -175,8 +166,7 @@ class _SiteAccumulator:
                 self.sums[half] += rows.sum(dim=0).double()
 
     def merge(self, other: _SiteAccumulator, *, swap_halves: bool = False) -> None:
-        """Add ``other``'s sums (the same site, the sequences after this one's); ``swap_halves`` when this
-        accumulator saw an odd number of sequences, so ``other``'s even sequences are odd ones overall."""
+        """Add ``other``'s sums (later sequences); ``swap_halves``: its even sequences are odd ones overall."""
         for name in ("unit_sum", "nonzero", "intra_terms", "intra_count"):
             getattr(self, name).add_(getattr(other, name).to(self.unit_sum.device))
         self.n += other.n
@@ -195,11 +185,9 @@ class _SiteAccumulator:
 
     def result(self, first: int) -> SiteStats:
         k = self.nonzero
-        inter = (self.unit_sum.pow(2).sum(dim=-1) - k) / (k * (k - 1))
-        inter = torch.where(k >= 2, inter, torch.full_like(inter, float("nan")))
+        inter = ((self.unit_sum.pow(2).sum(dim=-1) - k) / (k * (k - 1))).where(k >= 2, float("nan"))
         inter_mean = float(inter[first:].nanmean())  # NaN when no position has a pair
-        pairs = float(self.intra_count)
-        intra = float(self.intra_terms) / pairs if pairs > 0 else float("nan")
+        intra = float(self.intra_terms) / pairs if (pairs := float(self.intra_count)) > 0 else float("nan")
         zero = int(round(self.n * (k.numel() - first) - float(k[first:].sum())))
         stats = SiteStats(self.name, inter.float().cpu(), inter_mean, intra, zero_states=zero)
         if self.directions:
@@ -226,6 +214,8 @@ class ContractionReducer(Reducer[ContractionResult]):
         # gated (hook_post = f(gate) · up): layer 0 exposes mlp.hook_pre_linear
         self.gated = not self.mlp_skipped and hook_name(0, "mlp.hook_pre_linear") in model.hook_dict
         self.act_fn = _ACTIVATIONS.get(activation_name(model))
+        self.mlp_means = bool(dims.d_mlp) and self.mlp_skipped is None and all(
+            hook_name(i, MLP_POST) in model.hook_dict for i in range(dims.n_layers))
         self.names = ["embed", *(f"{kind} {i}" for i in range(dims.n_layers) for kind in ("attn", "mlp")), "final"]
         self.reset()
 
@@ -235,71 +225,52 @@ class ContractionReducer(Reducer[ContractionResult]):
                     for name in self.names}  # no directions right after attention
         self.mlp_post = torch.zeros(self.dims.n_layers, dtype=torch.float64, device=self.device)
         self.mlp_act = torch.zeros(self.dims.n_layers, dtype=torch.float64, device=self.device)
-        self.mlp_count = 0
-        self.seen = 0
+        self.mlp_count = self.seen = 0
 
     def fwd_hooks(self, batch: TokenBatch) -> BatchFold:
-        start = self.seen
+        start, first, layers = self.seen, self.first, range(self.dims.n_layers)
 
         def fold(site: str, act: Tensor) -> None:
-            self.acc[site].fold(act, self.first, start)
+            self.acc[site].fold(act, first, start)
 
-        layers = range(self.dims.n_layers)
+        def mean_into(out: Tensor, i: int, f: Callable[[Tensor], Tensor] = lambda x: x) -> Callable[..., None]:
+            def add(act: Tensor, hook: Any) -> None:
+                out[i] += f(act[:, first:].double()).mean(dim=-1).sum()
+            return add
+
         hooks = [(hook_name(0, RESID_PRE), lambda act, hook: fold("embed", act))]
         hooks += [(hook_name(i, RESID_POST), lambda act, hook, i=i: fold(f"mlp {i}", act)) for i in layers]
         hooks += after_attention_hooks(self.model, layers, lambda i, x: fold(f"attn {i}", x))
         hooks.append((self.final_site, lambda act, hook: fold("final", self.finish(act))))
-        return BatchFold(hooks + self._mlp_hooks())
-
-    def _mlp_hooks(self) -> list[tuple[str, Any]]:
-        """Hooks folding each layer's mean ``mlp.hook_post`` and ``f(pre)`` (``f(mlp.hook_pre)`` on a gated MLP);
-        none for a mixture of experts."""
-        layers = range(self.dims.n_layers)
-        per_neuron = self.dims.d_mlp and self.mlp_skipped is None
-        if not per_neuron or not all(hook_name(layer, MLP_POST) in self.model.hook_dict for layer in layers):
-            return []
-        hooks = []
-        for layer in layers:
-            def post(act: Tensor, hook: Any, layer: int = layer) -> None:
-                mean = act[:, self.first:].double().mean(dim=-1).sum()
-                self.mlp_post[layer] += mean
-                if not self.gated:
-                    self.mlp_act[layer] += mean
-
-            hooks.append((hook_name(layer, MLP_POST), post))
+        if self.mlp_means:  # each layer's mean mlp.hook_post, and mean f(mlp.hook_pre) of a gated MLP
+            hooks += [(hook_name(i, MLP_POST), mean_into(self.mlp_post, i)) for i in layers]
             if self.gated and self.act_fn is not None:
-                def pre(act: Tensor, hook: Any, layer: int = layer) -> None:
-                    self.mlp_act[layer] += self.act_fn(act[:, self.first:].double()).mean(dim=-1).sum()
-
-                hooks.append((hook_name(layer, MLP_PRE), pre))
-        return hooks
+                hooks += [(hook_name(i, MLP_PRE), mean_into(self.mlp_act, i, self.act_fn)) for i in layers]
+        return BatchFold(hooks)
 
     def end_batch(self, batch: TokenBatch, fold: BatchFold) -> None:
         self.seen += batch.tokens.shape[0]
         self.mlp_count += batch.tokens.shape[0] * (batch.tokens.shape[1] - self.first)
 
     def merge(self, other: ContractionReducer) -> None:
-        """Sums add; the even/odd-sequence halves of ``other`` swap when this reducer saw an odd number
-        of sequences (the halves are by global sequence index)."""
+        """Sums add; ``other``'s even/odd halves swap after an odd number of sequences (global index)."""
         for name, acc in self.acc.items():
             acc.merge(other.acc[name], swap_halves=self.seen % 2 == 1)
         merge_statistics(self, other, ("mlp_post", "mlp_act", "mlp_count", "seen"))
 
     def result(self) -> ContractionResult:
         sites = [self.acc[name].result(self.first) for name in self.names]
-        final = sites[-1].direction
-        w, _ = unembedding(self.model)
-        w = w.float().cpu()
-        alignment = (final @ w) / w.norm(dim=0).clamp_min(1e-30)
-        act = activation_name(self.model)
-        mlp_post_mean = (self.mlp_post / max(self.mlp_count, 1)).float().cpu()
-        mlp_act_mean = (self.mlp_act / max(self.mlp_count, 1)).float().cpu()
-        if self.gated and self.act_fn is None:  # f(pre) cannot be computed for an unknown f
-            mlp_act_mean = torch.full_like(mlp_act_mean, float("nan"))
+        w = unembedding(self.model)[0].float().cpu()
+        alignment = (sites[-1].direction @ w) / w.norm(dim=0).clamp_min(1e-30)
+        act, count, nan = activation_name(self.model), max(self.mlp_count, 1), float("nan")
         asymmetry = activation_mean_at_zero(act)
+        mlp_post_mean = (self.mlp_post / count).float().cpu()
         if self.mlp_skipped is not None:  # cfg.act_fn is not the experts' nonlinearity either: no name to report
-            mlp_post_mean, asymmetry, act = torch.full_like(mlp_post_mean, float("nan")), float("nan"), None
-            mlp_act_mean = mlp_post_mean.clone()
+            asymmetry, act = nan, None
+            mlp_post_mean.fill_(nan)
+        mlp_act_mean = (self.mlp_act / count).float().cpu() if self.gated else mlp_post_mean.clone()  # f(pre) = post
+        if self.gated and self.act_fn is None:  # f(pre) cannot be computed for an unknown f
+            mlp_act_mean.fill_(nan)
         return ContractionResult(
             sites=sites, n_layers=self.dims.n_layers, alignment=alignment, mlp_post_mean=mlp_post_mean,
             activation=act, activation_mean_at_zero=asymmetry, n_sequences=self.seen, prepend_bos=self.prepend_bos,
@@ -319,8 +290,6 @@ def contraction(
         >>> res = contraction(tiny_model(), n_sequences=8, seq_len=4)
         >>> [s.name for s in res.sites]
         ['embed', 'attn 0', 'mlp 0', 'attn 1', 'mlp 1', 'final']
-        >>> res.share("inter_mean").shape
-        torch.Size([2, 2])
     """
     random = settings_from(RandomInputs, random, random_kwargs, "contraction", argument="random")
     return stream_random(model, random, ContractionReducer(model, random.seq_len, prepend_bos=random.prepend_bos), options)

@@ -1,19 +1,16 @@
-"""SeedPrint (Tong, Wang, Li et al., ICLR 2026, arXiv 2509.26404): do two models come from the same random
-initialization? Follows the authors' ``seedprint.py`` ``run_test`` (analytical, coset, no aggregation);
-their constants in brackets, caveats in docs/origins.md.
+"""SeedPrint (Tong, Wang, Li et al., ICLR 2026, arXiv 2509.26404): do two models share their random initialization?
+Follows ``seedprint.py`` ``run_test`` (analytical, coset, no aggregation), [their constants]; caveats: docs/origins.md.
 
-1. Inputs, no BOS: ``N`` sequences of ``L`` ids from ``torch.randint(0, V)`` seeded [42], ``V = min(32000,
-   d_vocab_a, d_vocab_b)``; or (``embedding``) ``N(μ, σ)`` embeddings replacing ``hook_embed``, ``μ, σ`` of
-   the token embedding at init (:func:`embedding_stats_at_init`), one seeded ``[L, d_model]`` draw per sample.
+1. Inputs, no BOS: ``N`` sequences of ``L`` ids from ``torch.randint(0, V)`` seeded [42], ``V = min(32000, d_vocab_a,
+   d_vocab_b)``; or (``embedding``) ``N(μ, σ)`` embeddings replacing ``hook_embed``, ``μ, σ`` of the token embedding
+   at init (:func:`embedding_stats_at_init`), one seeded ``[L, d_model]`` draw per sample.
 2. Features: the final hidden state (after the final norm) at the last position, ``[N, d_model]``, float32.
-3. Identity dims: per model the ``k`` dims with the smallest mean [``k = 400``, clipped to ``d_model``];
-   ``coset`` keeps the intersection of both sets, ``base`` model A's.
-4. ``softmax(h[:, idx] / 10, dim=1)``; 5. per-dimension Kendall τ-b across samples, mean ``τ̄``.
-6. ``z = τ̄ / (σ_τ / sqrt(k))``, ``σ_τ² = 2(2N+5) / (9N(N-1))``; 7. ``p = min(1, 2 Φ̄(z))``, same lineage
-   when ``p < α`` [0.01].
-Ours: fewer than two shared dims or a non-finite τ̄ give ``z = p = NaN`` (theirs: ``p = 1``); a
-small vocabulary or a shared input passed through (:func:`shared_input_z`) make a positive
-"inconclusive"."""
+3. Identity dims: per model the ``k`` dims with the smallest mean [``k = 400``, clipped to ``d_model``]; ``coset``
+   keeps the intersection of both sets, ``base`` model A's.
+4. ``softmax(h[:, idx] / 10, dim=1)``; 5. per-dimension Kendall τ-b across samples, mean ``τ̄``;
+6. ``z = τ̄ / (σ_τ / sqrt(k))``, ``σ_τ² = 2(2N+5) / (9N(N-1))``; 7. ``p = min(1, 2 Φ̄(z))``, shared if ``p < α`` [0.01].
+Ours: fewer than two shared dims or a non-finite τ̄ give ``z = p = NaN`` (theirs: ``p = 1``); a small vocabulary or
+a shared input passed through (:func:`shared_input_z`) make a positive "inconclusive"."""
 
 from __future__ import annotations
 
@@ -90,24 +87,19 @@ class FingerprintResult(CompactRepr):
 
     @property
     def verdict(self) -> Literal["same_lineage", "no_evidence", "inconclusive"]:
-        """``"inconclusive"`` when the statistic is :attr:`undefined` or ``p < alpha`` under a caveat;
-        otherwise ``"same_lineage"`` (``p < alpha``) or ``"no_evidence"``."""
-        if self.undefined:
+        """``"inconclusive"`` when the statistic is :attr:`undefined` or ``p < alpha`` under a caveat."""
+        if self.undefined or (self.same_lineage and self.caveats):
             return "inconclusive"
-        if not self.same_lineage:
-            return "no_evidence"
-        return "inconclusive" if self.caveats else "same_lineage"
+        return "same_lineage" if self.same_lineage else "no_evidence"
 
     def summary(self) -> str:
-        inconclusive = ("INCONCLUSIVE, the statistic is undefined here (caveat below)" if self.undefined else
-                        "INCONCLUSIVE, p < alpha but the test is not valid here (caveat below)")
+        why = "the statistic is undefined here" if self.undefined else "p < alpha but the test is not valid here"
         verdict = {"same_lineage": "SAME lineage", "no_evidence": "no evidence of shared lineage",
-                   "inconclusive": inconclusive}[self.verdict]
-        widths = self.settings.get("widths")
-        shared = (f" (hidden sizes {widths[0]} and {widths[1]})"
-                  if isinstance(widths, (list, tuple)) and len(widths) == 2 and widths[0] != widths[1] else "")
+                   "inconclusive": f"INCONCLUSIVE, {why} (caveat below)"}[self.verdict]
+        d_a, d_b = self.settings.get("widths", (0, 0))
+        widths = f" (hidden sizes {d_a} and {d_b})" if d_a != d_b else ""
         line = (f"SeedPrint: {verdict} ({format_p_value(self.p_value, self.log10_p)}, z = {self.z:.2f}, mean tau = {self.tau_mean:.4f}, "
-                f"{self.n_dims} identity dims{shared}, {self.n_samples} samples, alpha = {self.alpha})")
+                f"{self.n_dims} identity dims{widths}, {self.n_samples} samples, alpha = {self.alpha})")
         return "\n".join([line, *(f"  caveat: {c}" for c in self.caveats)])
 
 
@@ -121,15 +113,13 @@ def identity_dims(hidden: Float[Tensor, "sample dim"], buffer_k: int) -> list[in
     return torch.topk(hidden.mean(dim=0), buffer_k, largest=False).indices.tolist()
 
 
-def check_test_arguments(
-    buffer_k: Any, identity_mode: Any, alpha: Any, *, cli: bool = False
-) -> tuple[int, IdentityMode, float]:
+def check_test_arguments(buffer_k: Any, identity_mode: Any, alpha: Any, *,
+                         cli: bool = False) -> tuple[int, IdentityMode, float]:
     """``(buffer_k, identity_mode, alpha)`` validated; ``cli=True`` names the flags in the errors."""
     name = (lambda arg: "--" + arg.replace("_", "-")) if cli else (lambda arg: arg)
-    buffer_k = positive_int(buffer_k, what=name("buffer_k"), minimum=MIN_DIMS)
-    identity_mode = choice(identity_mode, ("coset", "base"), what=name("identity_mode"))
-    alpha = finite_number(alpha, what=name("alpha"), low=0.0, high=1.0, low_open=True, high_open=True)
-    return buffer_k, identity_mode, alpha  # type: ignore[return-value]
+    return (positive_int(buffer_k, what=name("buffer_k"), minimum=MIN_DIMS),  # type: ignore[return-value]
+            choice(identity_mode, ("coset", "base"), what=name("identity_mode")),
+            finite_number(alpha, what=name("alpha"), low=0.0, high=1.0, low_open=True, high_open=True))
 
 
 def _first(values: list[int], shown: int = 5) -> str:
@@ -142,17 +132,15 @@ def _finite_features(hidden: Float[Tensor, "sample dim"], what: str) -> Float[Te
     bad = ~torch.isfinite(hidden)
     if bad.any():
         rows = bad.any(dim=1).nonzero().flatten().tolist()
-        raise InvalidArgumentError(
-            f"SeedPrint needs finite features, but {what} has {int(bad.sum())} non-finite values (inf or NaN) in "
-            f"{len(rows)} of its {hidden.shape[0]} samples (rows {_first(rows)}): "
-            "the model's output overflowed or is broken there.")
+        raise InvalidArgumentError(f"SeedPrint needs finite features, but {what} has {int(bad.sum())} non-finite values "
+                                   f"(inf or NaN) in {len(rows)} of its {hidden.shape[0]} samples (rows {_first(rows)}): "
+                                   "the model's output overflowed or is broken there.")
     return hidden
 
 
 def _base_dims_within(dims: list[int], d_a: int, d_b: int) -> None:
     """Refuse ``identity_mode="base"`` where one of A's identity ``dims`` is outside B's width."""
-    outside = [dim for dim in dims if dim >= d_b]
-    if outside:
+    if outside := [dim for dim in dims if dim >= d_b]:
         raise InvalidArgumentError(
             f"identity_mode='base' reads B at A's identity dims, but dims {_first(outside)} are outside B's width: "
             f"hidden sizes {d_a} (A) and {d_b} (B); use identity_mode='coset' (--identity-mode coset, the default).")
@@ -168,9 +156,8 @@ def seedprint_test(
     from scipy.stats import norm
 
     if hidden_a.ndim != 2 or hidden_b.ndim != 2 or hidden_a.shape[0] != hidden_b.shape[0]:
-        raise InvalidArgumentError(
-            f"SeedPrint needs two [samples, hidden] matrices over the same samples (the same number of rows; the "
-            f"widths may differ), got {tuple(hidden_a.shape)} and {tuple(hidden_b.shape)}.")
+        raise InvalidArgumentError(f"SeedPrint needs two [samples, hidden] matrices with the same number of rows (the "
+                                   f"widths may differ), got {tuple(hidden_a.shape)} and {tuple(hidden_b.shape)}.")
     buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
     (n, d_a), d_b = hidden_a.shape, hidden_b.shape[1]
     if n < 2:
@@ -191,34 +178,26 @@ def seedprint_test(
         tau_mean = float(tau.mean())
         if not math.isfinite(tau_mean):
             constant = [dim for dim, t in zip(dims, tau.tolist()) if not math.isfinite(t)]
-            caveats.append(
-                f"Kendall tau is undefined in {len(constant)} of the {k} identity dims (dims {_first(constant)}: a "
-                f"softmax-normalised feature is constant over the {n} "
-                "samples), so the mean tau and the test are undefined: no evidence either way.")
+            caveats.append(f"Kendall tau is undefined in {len(constant)} of the {k} identity dims (dims {_first(constant)}: "
+                           f"a softmax-normalised feature is constant over the {n} samples), so the mean tau and the "
+                           "test are undefined: no evidence either way.")
     else:
-        tau = torch.full((k,), float("nan"), dtype=torch.float64)
-        tau_mean = float("nan")
-        caveats.append(
-            f"only {k} identity dim{'' if k == 1 else 's'} "
-            + (f"(of the bottom {k_a} of each model) " if k_a == k_b else f"(of the bottom {k_a} of A and {k_b} of B) ")
-            + f"{'is' if k == 1 else 'are'} shared, and the test needs at least {MIN_DIMS}: the softmax over one "
-            "dimension is constant, so Kendall tau is undefined: no evidence either way"
-            + (" (identity_mode='coset' compares the dims both models place lowest; try a larger buffer_k)."
-               if identity_mode == "coset" and (k_a < d_a or k_b < d_b) else "."))
+        tau, tau_mean = torch.full((k,), float("nan"), dtype=torch.float64), float("nan")
+        bottom = f"{k_a} of each model" if k_a == k_b else f"{k_a} of A and {k_b} of B"
+        hint = (" (identity_mode='coset' compares the dims both models place lowest; try a larger buffer_k)"
+                if identity_mode == "coset" and (k_a < d_a or k_b < d_b) else "")
+        caveats.append(f"only {k} identity dim{'' if k == 1 else 's'} (of the bottom {bottom}) {'is' if k == 1 else 'are'} "
+                       f"shared, and the test needs at least {MIN_DIMS}: the softmax over one dimension is constant, so "
+                       f"Kendall tau is undefined: no evidence either way{hint}.")
+    z = log_p = p_value = float("nan")
     if math.isfinite(tau_mean):
         z = tau_mean / max(kendall_tau_null_std(n) / math.sqrt(k), 1e-10)
         log_p = math.log(2.0) + float(norm.logsf(z))
         p_value = min(1.0, math.exp(log_p))
-    else:
-        z = log_p = p_value = float("nan")
     return FingerprintResult(
-        p_value=p_value, z=z, tau_mean=tau_mean, n_dims=k, n_samples=n,
-        same_lineage=None if math.isnan(p_value) else p_value < alpha,
-        alpha=alpha, log10_p=log_p / math.log(10.0), dims=dims, tau=tau,
-        settings={"buffer_k": buffer_k, "identity_mode": identity_mode, "temperature": TEMPERATURE,
-                  "widths": [d_a, d_b]},
-        caveats=caveats,
-    )
+        p_value=p_value, z=z, tau_mean=tau_mean, n_dims=k, n_samples=n, alpha=alpha, log10_p=log_p / math.log(10.0),
+        same_lineage=None if math.isnan(p_value) else p_value < alpha, dims=dims, tau=tau, caveats=caveats,
+        settings={"buffer_k": buffer_k, "identity_mode": identity_mode, "temperature": TEMPERATURE, "widths": [d_a, d_b]})
 
 
 class _RandomInputs(Sequence):
@@ -227,18 +206,15 @@ class _RandomInputs(Sequence):
 
     def __init__(self, n: int, seq_len: int, batch_size: int, *, mode: str, high: int, seed: int,
                  device: torch.device, d_model: int = 0, mu: float = 0.0, sigma: float = 1.0) -> None:
-        self.n, self.seq_len, self.batch_size, self.mode = n, seq_len, batch_size, mode
-        self.high, self.seed, self.device = high, seed, device
-        self.d_model, self.mu, self.sigma = d_model, mu, sigma
+        self.n, self.seq_len, self.batch_size, self.mode, self.high = n, seq_len, batch_size, mode, high
+        self.seed, self.device, self.d_model, self.mu, self.sigma = seed, device, d_model, mu, sigma
 
     def __len__(self) -> int:
         return -(-self.n // self.batch_size)
 
     def _batch(self, gen: torch.Generator, size: int) -> TokenBatch:
-        if self.mode == "token":
-            tokens = torch.randint(0, self.high, (size, self.seq_len), generator=gen)
-        else:
-            tokens = torch.zeros((size, self.seq_len), dtype=torch.long)
+        tokens = (torch.randint(0, self.high, (size, self.seq_len), generator=gen) if self.mode == "token"
+                  else torch.zeros((size, self.seq_len), dtype=torch.long))
         return TokenBatch(tokens, torch.ones_like(tokens, dtype=torch.bool), False).to(self.device)
 
     def __iter__(self):
@@ -272,8 +248,7 @@ class _LastFinalState(Reducer[Tensor]):
 
     def __init__(self, model: Any, source: _RandomInputs) -> None:
         self.site, self.finish = final_state_site(model)
-        self.source = source
-        self.dtype = next(model.parameters()).dtype
+        self.source, self.dtype = source, next(model.parameters()).dtype
         self.reset()
 
     def reset(self) -> None:
@@ -329,13 +304,10 @@ def final_hidden_states(
     high = min(TOKEN_VOCAB, dims.d_vocab) if vocab_limit is None else positive_int(vocab_limit, what="vocab_limit")
     if high > dims.d_vocab:
         raise InvalidArgumentError(f"vocab_limit={high} exceeds the model's vocabulary d_vocab={dims.d_vocab}.")
-    if input == "token":
-        mu, sigma = 0.0, 1.0  # unused
-    elif embedding_stats is not None:
-        mu, sigma = (finite_number(x, what=f"embedding_stats[{i}]", low=0.0 if i else None)
-                     for i, x in enumerate(embedding_stats))
-    else:
-        mu, sigma = embedding_stats_at_init([model], seed=seed)
+    mu, sigma = 0.0, 1.0  # unused in token mode
+    if input == "embedding":
+        mu, sigma = embedding_stats_at_init([model], seed=seed) if embedding_stats is None else (
+            finite_number(x, what=f"embedding_stats[{i}]", low=0.0 if i else None) for i, x in enumerate(embedding_stats))
     source = _RandomInputs(n_samples, seq_len, options.batch_size, mode=input, high=high, seed=seed,
                            device=model_device(model), d_model=dims.d_model, mu=mu, sigma=sigma)
     (hidden,) = stream(model, source, [_LastFinalState(model, source)], options=options)  # type: ignore[arg-type]
@@ -353,18 +325,16 @@ def fingerprint(
     and adds ``embedding_mu``, ``embedding_sigma`` and ``shared_input_z`` to ``settings``.
 
     Examples:
-        >>> from sinklens.testing import tiny_model
-        >>> a, b = tiny_model(seed=1), tiny_model(seed=2)
-        >>> opts = RunOptions(batch_size=64, progress=False)
-        >>> fingerprint(a, a, n_samples=64, seq_len=8, options=opts).same_lineage
+        >>> from sinklens.testing import QUIET, tiny_model
+        >>> a = tiny_model(seed=1)
+        >>> fingerprint(a, a, n_samples=64, seq_len=8, options=QUIET).same_lineage
         True
     """
     buffer_k, identity_mode, alpha = check_test_arguments(buffer_k, identity_mode, alpha)
     n_samples = positive_int(n_samples, what="n_samples", minimum=2)
     seed = as_seed(seed, what="seed")
     input = choice(input, ("token", "embedding"), what="input")  # type: ignore[assignment]
-    model_a = load_model(model_a, check_patterns=False) if isinstance(model_a, str) else model_a
-    model_b = load_model(model_b, check_patterns=False) if isinstance(model_b, str) else model_b
+    model_a, model_b = (load_model(m, check_patterns=False) if isinstance(m, str) else m for m in (model_a, model_b))
     da, db = model_dims(model_a), model_dims(model_b)
     if input == "embedding" and da.d_model != db.d_model:
         raise InvalidArgumentError(
@@ -389,13 +359,11 @@ def fingerprint(
                                device=torch.device("cpu"), d_model=da.d_model, mu=stats[0], sigma=stats[1])
         z_input = shared_input_z(hidden_a, hidden_b, inputs.last_embeddings(), result.dims)
         result.settings["shared_input_z"] = z_input
-        if z_input > max_shared_input_z(alpha):
+        if z_input > (limit := max_shared_input_z(alpha)):
             result.caveats.append(
                 f"both models' final states follow the shared random input embeddings, which alone give unrelated "
-                f"models z = {z_input:.3g} (limit {max_shared_input_z(alpha):.2f}): no evidence of lineage; "
-                "use input='token' (--input token).")
-    shared = shared_last_token_share(n_samples, vocab)
-    if input == "token" and shared > MAX_SHARED_LAST_TOKEN:
+                f"models z = {z_input:.3g} (limit {limit:.2f}): no evidence of lineage; use input='token' (--input token).")
+    if input == "token" and (shared := shared_last_token_share(n_samples, vocab)) > MAX_SHARED_LAST_TOKEN:
         result.caveats.append(
             f"the {n_samples} random sequences end in one of only {vocab} token ids, so about {shared:.0%} of them "
             "share their last token: dependent samples make the p-value too small (at most "
@@ -410,12 +378,9 @@ def shared_input_z(
     """The ``z`` the shared input alone would give two unrelated models (embedding mode; sinklens' own check):
     with ``ρ = sin(π τ / 2)`` from each model's mean Kendall τ against the inputs, ``τ = (2/π) arcsin(ρ_A ρ_B)``,
     divided by ``σ_τ(N) / sqrt(k)``. NaN with fewer than 2 dims."""
-    k = len(dims)
-    if k < MIN_DIMS:
+    if len(dims) < MIN_DIMS:
         return float("nan")
-
-    def through(h: Tensor) -> float:
-        return math.sin(math.pi / 2 * float(per_dim_kendall(_normed(h, dims), _normed(inputs, dims)).mean()))
-
-    tau = 2.0 / math.pi * math.asin(through(hidden_a) * through(hidden_b))
-    return tau / (kendall_tau_null_std(hidden_a.shape[0]) / math.sqrt(k))
+    rho_a, rho_b = (math.sin(math.pi / 2 * float(per_dim_kendall(_normed(h, dims), _normed(inputs, dims)).mean()))
+                    for h in (hidden_a, hidden_b))
+    tau = 2.0 / math.pi * math.asin(rho_a * rho_b)
+    return tau / (kendall_tau_null_std(hidden_a.shape[0]) / math.sqrt(len(dims)))

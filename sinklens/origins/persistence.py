@@ -1,6 +1,5 @@
-"""Persistence: how much of the init-time bias a trained model keeps, comparing it with a reference
-(typically its own ``RUN_DIR@init``) on the same seeded random inputs through a :class:`PreferenceSnapshot`.
-"""
+"""Persistence: how much of the init-time bias a trained model keeps, compared with a reference (typically its
+own ``RUN_DIR@init``) on the same seeded random inputs through a :class:`PreferenceSnapshot`."""
 
 from __future__ import annotations
 
@@ -25,9 +24,8 @@ from sinklens.streaming import BatchFold, Reducer, stream
 
 @dataclass(repr=False, eq=False)
 class PreferenceSnapshot(CompactRepr):
-    """A model's pooled next-token distribution ``probs`` ``[vocab]`` and unit final contraction ``direction``
-    (top eigenvector of ``Σ h hᵀ`` of the final states) on the random inputs ``n_sequences``, ``seq_len``,
-    ``seed``."""
+    """A model's pooled next-token distribution ``probs`` ``[vocab]`` and unit final contraction ``direction`` (top
+    eigenvector of ``Σ h hᵀ`` of the final states) on the random inputs ``n_sequences``, ``seq_len``, ``seed``."""
 
     probs: Float[Tensor, " vocab"]
     direction: Float[Tensor, " d_model"]
@@ -84,10 +82,8 @@ def snapshot(
 ) -> PreferenceSnapshot:
     """The :class:`PreferenceSnapshot` of ``model`` (one streamed pass; no gradients, hooks removed after)."""
     random = RandomInputs(n_sequences=n_sequences, seq_len=seq_len, prepend_bos=False, seed=seed)
-    batches = random_batches(model, random, options)
-    with torch.no_grad():
-        pref, direction = stream(model, batches, [TokenPreferenceReducer(model, seq_len), FinalDirectionReducer(model, seq_len)],
-                                 options=options)
+    reducers = [TokenPreferenceReducer(model, seq_len), FinalDirectionReducer(model, seq_len)]
+    pref, direction = stream(model, random_batches(model, random, options), reducers, options=options)
     return PreferenceSnapshot(pref.probs.float(), direction.float(), n_sequences, seq_len, seed)
 
 
@@ -103,16 +99,14 @@ def compare_snapshots(current: PreferenceSnapshot, reference: PreferenceSnapshot
             f"persistence needs the same d_vocab and d_model, got {tuple(current.probs.shape) + tuple(current.direction.shape)} "
             f"and {tuple(reference.probs.shape) + tuple(reference.direction.shape)}.")
     pa, pb = current.probs.double(), reference.probs.double()
-    la, lb = pa.clamp_min(1e-30).log(), pb.clamp_min(1e-30).log()
-    corr = float(torch.corrcoef(torch.stack([la, lb]))[0, 1])
+    corr = float(torch.corrcoef(torch.stack([pa, pb]).clamp_min(1e-30).log())[0, 1])
     a, b = pa.numpy(), pb.numpy()
-    ra, rb = stats.rankdata(a), stats.rankdata(b)
-    spearman = 1.0 if (ra == rb).all() else float(stats.spearmanr(a, b).statistic)  # exact 1 for the same ranking
+    same_ranks = (stats.rankdata(a) == stats.rankdata(b)).all()
+    spearman = 1.0 if same_ranks else float(stats.spearmanr(a, b).statistic)  # exact 1 for the same ranking
     kendall = float(stats.kendalltau(a, b).statistic)
     da, db = current.direction.double(), reference.direction.double()
-    cos = float((da @ db).abs() / (da.norm() * db.norm()))
     out = {"preference_corr": corr, "preference_spearman": spearman, "preference_kendall": kendall,
-           "direction_cos": cos}
+           "direction_cos": float((da @ db).abs() / (da.norm() * db.norm()))}
     return {k: v if math.isnan(v) else min(1.0, max(-1.0, v)) for k, v in out.items()}  # rounding: 1 + 2e-16
 
 
@@ -128,10 +122,8 @@ def persistence(
         >>> {k: round(v, 6) for k, v in persistence(m, m, n_sequences=8, seq_len=4).items()}
         {'preference_corr': 1.0, 'preference_spearman': 1.0, 'preference_kendall': 1.0, 'direction_cos': 1.0}
     """
-    a, b = model_dims(model), model_dims(reference)
-    if (a.d_model, a.d_vocab) != (b.d_model, b.d_vocab):
-        raise InvalidArgumentError(
-            f"persistence needs the same d_model and d_vocab, got {(a.d_model, a.d_vocab)} and {(b.d_model, b.d_vocab)}."
-        )
+    a, b = ((d.d_model, d.d_vocab) for d in (model_dims(model), model_dims(reference)))
+    if a != b:
+        raise InvalidArgumentError(f"persistence needs the same d_model and d_vocab, got {a} and {b}.")
     common = dict(n_sequences=n_sequences, seq_len=seq_len, seed=seed, options=options)
     return compare_snapshots(snapshot(model, **common), snapshot(reference, **common))

@@ -1,11 +1,11 @@
-"""Positional discrepancy (*Transformers Are Born Biased*, arXiv 2602.05927; measures defined here): a
-head's output at ``t`` averages ``t + 1`` values, so its variance across inputs shrinks with ``t`` and the
-first token's outputs vary most. Sites: ``attn_out`` (the attention write), ``resid`` (the residual right
-after it), ``head`` (``attn.hook_z``)."""
+"""Positional discrepancy (*Transformers Are Born Biased*, arXiv 2602.05927; measures defined here): a head's output at
+``t`` averages ``t + 1`` values, so its variance across inputs shrinks with ``t`` and the first token's outputs vary
+most. Sites: ``attn_out`` (the attention write), ``resid`` (the residual right after it), ``head`` (``attn.hook_z``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,8 +64,7 @@ class PositionalDiscrepancy(CompactRepr):
         return {name: self.first_token_ratio(name) for name in RATIO_FIELDS}
 
     def summary(self) -> dict[str, Any]:
-        """:meth:`ratios`, ``n_sequences``, ``position`` and ``causal``, strict-JSON-ready (an undefined ratio is
-        None): ``"positional"`` in ``origins.json``."""
+        """Strict JSON (NaN as None) for ``origins.json``: :meth:`ratios`, ``n_sequences``, ``position``, ``causal``."""
         return to_json({**self.ratios(), "n_sequences": self.n_sequences, "position": self.first_counted,
                         "causal": self.causal}, digits=None)
 
@@ -79,9 +78,8 @@ class _Moments:
     """Σ_n a, Σ_n ‖a‖², Σ_n ‖a‖ per (group, position) over the last axis."""
 
     def __init__(self, shape: tuple[int, ...], d: int, device: torch.device) -> None:
-        self.sum = torch.zeros(*shape, d, dtype=torch.float64, device=device)
-        self.sq = torch.zeros(*shape, dtype=torch.float64, device=device)
-        self.norm = torch.zeros(*shape, dtype=torch.float64, device=device)
+        zeros = partial(torch.zeros, dtype=torch.float64, device=device)
+        self.sum, self.sq, self.norm = zeros(*shape, d), zeros(*shape), zeros(*shape)
 
     def add(self, index: Any, a: Tensor) -> None:  # a: [batch, *group, pos, d]
         a = a.double()
@@ -95,11 +93,7 @@ class _Moments:
             mine += theirs.to(mine.device)
 
     def variance(self, n: int) -> Tensor:
-        mean = self.sum / n
-        return ((self.sq / n - mean.pow(2).sum(dim=-1)) / self.sum.shape[-1]).clamp_min(0).float().cpu()
-
-    def mean_norm(self, n: int) -> Tensor:
-        return (self.norm / n).float().cpu()
+        return ((self.sq / n - (self.sum / n).pow(2).sum(dim=-1)) / self.sum.shape[-1]).clamp_min(0).float().cpu()
 
 
 class PositionalReducer(Reducer[PositionalDiscrepancy]):
@@ -109,14 +103,12 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
 
     def __init__(self, model: Any, seq_len: int, *, prepend_bos: bool = False) -> None:
         self.model, self.dims, self.device = model, model_dims(model), model_device(model)
-        self.seq_len, self.prepend_bos = seq_len, prepend_bos
-        self.causal = attention_direction(model) == "causal"
+        self.seq_len, self.prepend_bos, self.causal = seq_len, prepend_bos, attention_direction(model) == "causal"
         self.reset()
 
     def reset(self) -> None:
         L, T, d, H, dh = self.dims.n_layers, self.seq_len, self.dims.d_model, self.dims.n_heads, self.dims.d_head
-        self.attn = _Moments((L, T), d, self.device)
-        self.resid = _Moments((L, T), d, self.device)
+        self.attn, self.resid = _Moments((L, T), d, self.device), _Moments((L, T), d, self.device)
         self.head = _Moments((L, H, T), dh, self.device)
         self.n = 0
 
@@ -132,8 +124,9 @@ class PositionalReducer(Reducer[PositionalDiscrepancy]):
 
     def result(self) -> PositionalDiscrepancy:
         n = self.n
-        return PositionalDiscrepancy(self.attn.variance(n), self.attn.mean_norm(n), self.resid.variance(n),
-                                     self.resid.mean_norm(n), self.head.variance(n), n, self.prepend_bos, self.causal)
+        return PositionalDiscrepancy(self.attn.variance(n), (self.attn.norm / n).float().cpu(), self.resid.variance(n),
+                                     (self.resid.norm / n).float().cpu(), self.head.variance(n), n, self.prepend_bos,
+                                     self.causal)
 
 
 def positional_discrepancy(
@@ -177,13 +170,10 @@ def positional_over_training(
 ) -> PositionalTrajectory:
     """:func:`positional_discrepancy` of a ``sinklens train`` run at step 0 (``RUN_DIR@init``) and at each kept
     checkpoint (or ``steps``), all on the same random sequences of ``min(seq_len, data.seq_len)`` tokens."""
-    cfg = load_train_config(run_dir)
+    random = RandomInputs(n_sequences, min(int(seq_len), load_train_config(run_dir).data.seq_len), prepend_bos, seed)
     wanted = sorted({0, *checkpoint_steps(run_dir)}) if steps is None else sorted({int(s) for s in steps})
-    seq_len = min(int(seq_len), cfg.data.seq_len)
     options = checked_options(options)
-    results = []
-    for step in tqdm(wanted, desc=f"{options.desc} ({Path(run_dir).name})", unit="checkpoint", disable=not options.progress):
-        model = load_step_model(run_dir, step)
-        results.append(positional_discrepancy(model, n_sequences=n_sequences, seq_len=seq_len, prepend_bos=prepend_bos,
-                                              seed=seed, options=options.replace(progress=False)))
-    return PositionalTrajectory(wanted, results)
+    bar = tqdm(wanted, desc=f"{options.desc} ({Path(run_dir).name})", unit="checkpoint", disable=not options.progress)
+    quiet = options.replace(progress=False)
+    return PositionalTrajectory(wanted, [positional_discrepancy(load_step_model(run_dir, step), random, options=quiet)
+                                         for step in bar])

@@ -82,17 +82,13 @@ class TokenPreference(CompactRepr):
         return torch.sort(self.probs, descending=True).values
 
     def summary(self) -> dict[str, Any]:
+        ties = 0 if self.argmax_ties is None else int(self.argmax_ties[self.first_counted :].sum())
         return {
             "n_sequences": self.n_sequences, "seq_len": int(self.mean_probs.shape[0]), "prepend_bos": self.prepend_bos,
             "d_vocab": int(self.mean_probs.shape[1]), "max_median_ratio": self.max_median_ratio,
             "argmax_entropy": self.argmax_entropy, "argmax_entropy_uniform": math.log(self.mean_probs.shape[1]),
-            "argmax_gini": self.argmax_gini, "argmax_ties": self.ties_total, "top": self.top(10),
+            "argmax_gini": self.argmax_gini, "argmax_ties": ties, "top": self.top(10),
         }
-
-    @property
-    def ties_total(self) -> int:
-        """Predictions at the counted positions whose largest logit was tied (left out of the argmax counts)."""
-        return 0 if self.argmax_ties is None else int(self.argmax_ties[self.first_counted :].sum())
 
     def to_dict(self) -> dict[str, Any]:
         """:meth:`summary`, ``first_counted``, pooled ``probs`` and ``argmax_total`` (``[vocab]``), strict-JSON-ready."""

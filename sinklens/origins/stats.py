@@ -16,9 +16,7 @@ def format_p_value(p_value: float, log10_p: float) -> str:
         >>> format_p_value(0.01234, -1.9087), format_p_value(0.0, -412.345)
         ('p = 0.0123', 'p = 10^-412.3')
     """
-    if p_value > 0.0 or not math.isfinite(log10_p):
-        return f"p = {p_value:.3g}"
-    return f"p = 10^{log10_p:.1f}"
+    return f"p = {p_value:.3g}" if p_value > 0.0 or not math.isfinite(log10_p) else f"p = 10^{log10_p:.1f}"
 
 def shared_last_token_share(n_samples: int, vocab: int) -> float:
     """Expected share of ``n_samples`` uniform sequences whose last token another also ends with:
@@ -39,9 +37,8 @@ def per_dim_kendall(a: Float[Tensor, "sample dim"], b: Float[Tensor, "sample dim
     """Kendall τ-b between column ``i`` of ``a`` and column ``i`` of ``b``, for every ``i`` (scipy)."""
     from scipy.stats import kendalltau
 
-    a_np, b_np = a.double().numpy(), b.double().numpy()
-    taus = [kendalltau(a_np[:, i], b_np[:, i]).statistic for i in range(a_np.shape[1])]
-    return torch.tensor(taus, dtype=torch.float64)
+    columns = zip(a.double().numpy().T, b.double().numpy().T)
+    return torch.tensor([kendalltau(x, y).statistic for x, y in columns], dtype=torch.float64)
 
 def max_shared_input_z(alpha: float) -> float:
     """The largest shared-input ``z`` shift ``δ`` keeping false positives under ``2 alpha``:

@@ -1,6 +1,5 @@
-"""Tiny models for examples and tests: :func:`tiny_model`, :func:`tiny_sinklm`, :func:`planted_model` with known
-sink mechanisms, and a pretend CUDA device (:mod:`.fake_cuda`). :data:`QUIET`: run options without a progress
-bar. The architecture zoo of the tests is ``tests/support/zoo.py``."""
+"""Tiny models for examples and tests (:func:`planted_model`: known sink mechanisms), a pretend CUDA device
+(:mod:`.fake_cuda`) and :data:`QUIET`, run options without a progress bar. The tests' zoo: ``tests/support/zoo.py``."""
 
 from sinklens.options import RunOptions
 from sinklens.testing.models import Arch, tiny_model, tiny_sinklm, transformer_lens_major, word_tokenizer

@@ -1,10 +1,7 @@
-"""A pretend CUDA device on a CPU-only build: tensors that say ``cuda:0`` but hold real CPU data.
-
-Inside :func:`fake_cuda`, tensors made or moved with ``device="cuda"`` are :class:`FakeCudaTensor` s: they
-report ``cuda:0`` and compute on the CPU data they wrap. Mixing one with a plain CPU tensor raises the error a
-GPU raises (with CUDA's exceptions: copies, CPU index tensors, 0-dim scalars), so device slips show on any
-machine. :attr:`FakeCuda.host_syncs` counts what waits for a GPU: host reads (``.item()``, ``.tolist()``,
-``.cpu()``) and data-dependent shapes (``nonzero``, mask indexing, ``unique``, ``torch.equal``)."""
+"""A pretend CUDA device on a CPU-only build: inside :func:`fake_cuda`, tensors made or moved with ``device="cuda"``
+report ``cuda:0``, compute on CPU data and raise a GPU's error when mixed with CPU tensors (CUDA's exceptions
+allowed: copies, CPU index tensors, 0-dim scalars). :attr:`FakeCuda.host_syncs` counts host reads (``.item()``,
+``.tolist()``, ``.cpu()``) and data-dependent shapes (``nonzero``, mask indexing, ``unique``, ``torch.equal``)."""
 
 from __future__ import annotations
 
@@ -18,7 +15,6 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map_only
 
-#: The device fake tensors report.
 DEVICE = torch.device("cuda", 0)
 _CPU = torch.device("cpu")
 aten = torch.ops.aten
@@ -97,8 +93,7 @@ def _dispatch(func: Any, args: tuple, kwargs: dict) -> Any:
         _ACTIVE[-1].host_syncs += 1
     by_real = {id(t.cpu_data): t for t in fakes}
     real_args, real_kwargs = tree_map_only(FakeCudaTensor, lambda t: t.cpu_data, (args, kwargs))
-    made_here = _is_cuda(real_kwargs.get("device"))
-    if made_here:
+    if made_here := _is_cuda(real_kwargs.get("device")):
         real_kwargs["device"] = _CPU
     out = func(*real_args, **real_kwargs)
     if to_host or not (fakes or made_here):
@@ -127,10 +122,8 @@ class _FakeCudaMode(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
         if func in (torch.Tensor.to, torch.Tensor.cuda):
-            if func is torch.Tensor.cuda:
-                device, dtype = DEVICE, None
-            else:
-                device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **{k: v for k, v in kwargs.items() if k != "copy"})
+            to_kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
+            device, dtype = (DEVICE, None) if func is torch.Tensor.cuda else torch._C._nn._parse_to(*args[1:], **to_kwargs)[:2]
             if _is_cuda(device):
                 self_ = args[0]
                 real = self_.cpu_data if isinstance(self_, FakeCudaTensor) else self_
@@ -138,10 +131,9 @@ class _FakeCudaMode(TorchFunctionMode):
                 return self_ if moved is real and isinstance(self_, FakeCudaTensor) else FakeCudaTensor(moved)
             if isinstance(args[0], FakeCudaTensor) and device is not None:  # to the host (a CPU kernel sees no move)
                 return _ToHost.apply(args[0]).to(*args[1:], **kwargs)
-        elif func is torch.Tensor.cpu and isinstance(args[0], FakeCudaTensor):
-            return _ToHost.apply(args[0])
-        elif func is torch.Tensor.tolist and isinstance(args[0], FakeCudaTensor):
-            return _ToHost.apply(args[0]).tolist()
+        elif func in (torch.Tensor.cpu, torch.Tensor.tolist) and isinstance(args[0], FakeCudaTensor):
+            host = _ToHost.apply(args[0])
+            return host if func is torch.Tensor.cpu else host.tolist()
         elif func in (torch.Tensor.numpy, torch.Tensor.__array__) and isinstance(args[0], FakeCudaTensor):
             raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() to copy the tensor to "
                             "host memory first.")
@@ -170,9 +162,7 @@ def fake_cuda() -> Iterator[FakeCuda]:
     swap = torch.__future__.get_swap_module_params_on_conversion()
     torch.__future__.set_swap_module_params_on_conversion(True)  # model.to() keeps each parameter object
     try:
-        with _FakeCudaMode(), contextlib.ExitStack() as patches:
-            for name, value in _CUDA_API.items():
-                patches.enter_context(mock.patch(f"torch.cuda.{name}", value))
+        with _FakeCudaMode(), mock.patch.multiple(torch.cuda, **_CUDA_API):
             yield state
     finally:
         torch.__future__.set_swap_module_params_on_conversion(swap)

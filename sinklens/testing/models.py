@@ -59,8 +59,7 @@ def word_tokenizer(d_vocab: int) -> Any:
 
 @contextlib.contextmanager
 def preserved_rng() -> Iterator[None]:
-    """Run a block that seeds or draws from the global RNGs (torch CPU, Python ``random``, numpy)
-    and restore all three afterwards, so building a test model never moves the caller's streams."""
+    """Restore the global RNGs (torch CPU, Python ``random``, numpy) after the block."""
     import numpy as np
 
     py_state, np_state = random.getstate(), np.random.get_state()
@@ -80,17 +79,15 @@ def tiny_model(arch: Arch = "llama", *, n_layers: int = 2, d_model: int = 16, n_
 
     Examples:
         >>> model = tiny_model(n_layers=2, d_model=16)
-        >>> model.cfg.n_layers, model.cfg.d_model
-        (2, 16)
-        >>> "blocks.1.attn.hook_pattern" in model.hook_dict
-        True
+        >>> model.cfg.n_layers, "blocks.1.attn.hook_pattern" in model.hook_dict
+        (2, True)
     """
     if d_model % n_heads:
         raise ValueError(f"d_model={d_model} is not divisible by n_heads={n_heads}.")
     if arch not in ("llama", "gpt2"):
         raise ValueError(f"Unknown arch {arch!r}; expected 'llama' or 'gpt2'.")
     n_kv_heads = n_kv_heads or n_heads
-    with preserved_rng():  # seeded weights without touching the caller's global RNG state
+    with preserved_rng():
         torch.manual_seed(seed)
         if transformer_lens_major() < 4:
             from transformer_lens import HookedTransformer, HookedTransformerConfig
@@ -116,9 +113,8 @@ def tiny_model(arch: Arch = "llama", *, n_layers: int = 2, d_model: int = 16, n_
             hf = GPT2LMHeadModel(GPT2Config(
                 vocab_size=d_vocab, n_embd=d_model, n_inner=d_mlp, n_layer=n_layers, n_head=n_heads, n_positions=n_ctx,
                 bos_token_id=0, eos_token_id=1, attn_implementation="eager"))
-        return TransformerBridge.boot_transformers(
-            f"sinklens-tiny-{arch}", hf_model=hf.eval(), tokenizer=word_tokenizer(d_vocab), device="cpu"
-        )
+        return TransformerBridge.boot_transformers(f"sinklens-tiny-{arch}", hf_model=hf.eval(),
+                                                   tokenizer=word_tokenizer(d_vocab), device="cpu")
 
 
 def tiny_sinklm(variant: str = "baseline", *, family: Literal["llama", "gpt2"] = "llama", seed: int = 0,
@@ -131,7 +127,6 @@ def tiny_sinklm(variant: str = "baseline", *, family: Literal["llama", "gpt2"] =
     if variant == "headwise_rms":
         gen = torch.Generator().manual_seed(seed)
         with torch.no_grad():
-            for block in model.blocks:
-                gain = block.attn.variant.gain
+            for gain in (block.attn.variant.gain for block in model.blocks):
                 gain.copy_(torch.rand(gain.shape, generator=gen) * 1.5 + 0.5)
     return model

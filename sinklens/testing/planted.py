@@ -1,10 +1,9 @@
-"""Tiny models with hand-planted sink mechanisms, so analyzers can be tested against known answers.
-
-:func:`planted_model` plants in a :func:`sinklens.testing.tiny_model` a BOS-only direction ``bos_dim``; a super
-neuron ``(layer, neuron)`` reading it and writing ``dim``, which nothing else writes (so position 0 alone carries a
-massive value in ``dim`` from ``blocks.{layer + 1}``); optionally an eraser neuron writing ``-dim`` back, amplifiers
-(neuron ``amplify_neuron`` of each of ``amplify_layers`` adds ``amplify_write`` × its activation to ``dim``) and
-query–key locking in head ``(qk_layer, qk_head)`` through a direction ``common_dim`` shared by the non-BOS tokens."""
+"""Tiny models with hand-planted sink mechanisms, to test analyzers against known answers: :func:`planted_model`
+plants in a :func:`sinklens.testing.tiny_model` a BOS-only direction ``bos_dim``; a super neuron ``(layer, neuron)``
+reading it and writing ``dim``, which nothing else writes (so position 0 alone carries a massive value in ``dim``
+from ``blocks.{layer + 1}``); optionally an eraser neuron writing ``-dim`` back, amplifiers (neuron
+``amplify_neuron`` of each of ``amplify_layers`` adds ``amplify_write`` × its activation to ``dim``) and query–key
+locking in head ``(qk_layer, qk_head)`` through a direction ``common_dim`` shared by the non-BOS tokens."""
 
 from __future__ import annotations
 
@@ -55,8 +54,7 @@ _PATHS = {
 
 
 def _weight(model: Any, arch: str, name: str, layer: int = 0, head: int | None = None) -> Tensor | None:
-    """A writable view of weight ``name`` (of query head or key/value ``head`` for ``W_Q``/``W_K``:
-    ``[d_model, d_head]``; ``W_O``: ``[n_heads * d_head, d_model]``)."""
+    """A writable view of weight ``name`` (of ``head`` for ``W_Q``/``W_K``; ``W_O``: ``[n_heads * d_head, d_model]``)."""
     tl, *hf = _PATHS[name]
     path, bridge = hf[arch == "gpt2"], transformer_lens_major() >= 4
     if path is None and (bridge or name in ("W_pos", "W_gate")):
@@ -84,8 +82,7 @@ def _plant_reader(w: Callable[..., Any], layer: int, neuron: int, read_dim: int,
     gain_in = gain or (2.0 if arch == "llama" else 3.0)
     w("W_in", layer)[:, neuron] = 0.0
     w("W_in", layer)[read_dim, neuron] = gain_in
-    gate = w("W_gate", layer)
-    if gate is not None:
+    if (gate := w("W_gate", layer)) is not None:
         gate[:, neuron] = 0.0
         gate[read_dim if gate_dim is None else gate_dim, neuron] = 2.0
     b_in = w("b_in", layer)
@@ -117,10 +114,9 @@ def planted_model(arch: Literal["llama", "gpt2"] = "llama", *, layer: int = 0, n
         raise ValueError(f"dim={dim}, bos_dim={bos_dim}, common_dim={common_dim} must be distinct and in [0, {d_model}).")
     if not 0 <= layer < n_layers - 1:
         raise ValueError(f"layer={layer} must leave at least one later layer: 0 <= layer < {n_layers - 1}.")
-    if erase_layer is not None and not layer < erase_layer < n_layers:
-        raise ValueError(f"erase_layer={erase_layer} must lie in ({layer}, {n_layers}).")
-    if qk_layer is not None and not layer < qk_layer < n_layers:
-        raise ValueError(f"qk_layer={qk_layer} must lie in ({layer}, {n_layers}).")
+    for name, later in (("erase_layer", erase_layer), ("qk_layer", qk_layer)):
+        if later is not None and not layer < later < n_layers:
+            raise ValueError(f"{name}={later} must lie in ({layer}, {n_layers}).")
     w = functools.partial(_weight, model, arch)
     protected = sorted(used)
     with torch.no_grad():
@@ -142,8 +138,7 @@ def planted_model(arch: Literal["llama", "gpt2"] = "llama", *, layer: int = 0, n
             _plant_reader(w, erase_layer, erase_neuron, dim, dim, -1.0, arch)
             names = [f"blocks.{erase_layer}.hook_resid_pre", f"blocks.{erase_layer}.mlp.hook_post"]
             _, cache = model.run_with_cache(torch.zeros(1, 1, dtype=torch.long), names_filter=lambda n: n in names)
-            massive = float(cache[names[0]][0, 0, dim])
-            act = float(cache[names[1]][0, 0, erase_neuron])
+            massive, act = float(cache[names[0]][0, 0, dim]), float(cache[names[1]][0, 0, erase_neuron])
             w("W_out", erase_layer)[erase_neuron, dim] = -0.99 * massive / act
         if qk_layer is not None:
             # Lowest-frequency rotary component (rotate-half pairs j with j + d_head/2); any for gpt2.
@@ -153,8 +148,7 @@ def planted_model(arch: Literal["llama", "gpt2"] = "llama", *, layer: int = 0, n
             W_K = w("W_K", qk_layer, qk_head // (dims.n_heads // dims.n_kv_heads))
             W_Q[:] = 0.0
             W_Q[common_dim, j] = 3.0
-            W_K[common_dim, :] = 0.0
-            W_K[dim, :] = 0.0
+            W_K[[common_dim, dim], :] = 0.0
             W_K[dim, j] = 3.0
     erase, qk = erase_layer is not None, qk_layer is not None
     return model, PlantedSpec(arch, layer, neuron, dim, bos_dim, erase_layer, erase_neuron if erase else None,
