@@ -1,6 +1,5 @@
-"""Training configuration: nested dataclasses validated in ``__post_init__`` (a bad value or unknown key is an
-InvalidArgumentError naming it); a run's ``config.json`` is ``TrainConfig.to_dict()``. Flags are parsed by tyro.
-The ``Attributes:`` entries are what ``sinklens train --fields`` prints."""
+"""Training configuration: nested dataclasses validated in ``__post_init__``, parsed from flags by tyro; a run's
+``config.json`` is ``TrainConfig.to_dict()``. ``sinklens train --fields`` prints the ``Attributes:`` entries."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ def _check_unknown(cls: type, data: dict[str, Any]) -> None:
     if not isinstance(data, dict):
         raise InvalidArgumentError(f"{cls.__name__} must be given as a mapping of its fields, got {data!r}.")
     known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
+    if unknown := sorted(set(data) - known):
         close = {key: closest(key, sorted(known)) for key in unknown}
         hints = [f"{match!r}" + (f" for {key!r}" if len(unknown) > 1 else "") for key, match in close.items() if match]
         hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
@@ -75,10 +73,9 @@ class _Part:
 class ModelConfig(_Part):
     """Shape and attention variant of a :class:`sinklens.sinklm.model.SinkLM`.
 
-    ``variant`` names a registered attention variant, ``variant_options`` its options (checked at build);
-    ``d_vocab="auto"`` takes the data's vocabulary (resolved by :func:`sinklens.train.loop.train`). The
-    :attr:`DERIVED` fields, when None, follow the others: ``n_kv_heads = n_heads``, ``d_mlp = 4·d_model``
-    (gpt2) or ``8·d_model/3`` rounded up to a multiple of 8 (llama, SwiGLU).
+    ``variant_options`` are the registered ``variant``'s options; ``d_vocab="auto"`` takes the data's vocabulary
+    (:func:`sinklens.train.loop.train`). :attr:`DERIVED` fields left None follow the others: ``n_kv_heads = n_heads``,
+    ``d_mlp = 4·d_model`` (gpt2) or ``8·d_model/3`` rounded up to a multiple of 8 (llama, SwiGLU).
 
     Examples:
         >>> ModelConfig(d_model=128).d_mlp, ModelConfig(family="gpt2").d_mlp, ModelConfig(n_heads=2).n_kv_heads
@@ -110,10 +107,8 @@ class ModelConfig(_Part):
         if self.d_vocab != "auto":
             self.d_vocab = positive_int(self.d_vocab, what="model.d_vocab (or 'auto')")
         if self.d_model % self.n_heads:
-            raise InvalidArgumentError(
-                f"n_heads={self.n_heads} does not divide d_model={self.d_model}; pick n_heads among "
-                f"{[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}."
-            )
+            raise InvalidArgumentError(f"n_heads={self.n_heads} does not divide d_model={self.d_model}; pick n_heads "
+                                       f"among {[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}.")
         self.n_kv_heads = self.n_heads if self.n_kv_heads is None else positive_int(self.n_kv_heads, what="model.n_kv_heads")
         if self.n_heads % self.n_kv_heads:
             raise InvalidArgumentError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}.")
@@ -143,9 +138,8 @@ class ModelConfig(_Part):
     def unset_derived(self, *, keep: typing.Iterable[str] = ()) -> ModelConfig:
         """A copy (not validated) with the :attr:`DERIVED` fields not in ``keep`` set to None, to derive again."""
         template = dataclasses.replace(self)
-        for name in self.DERIVED:
-            if name not in keep:
-                setattr(template, name, None)
+        for name in set(self.DERIVED) - set(keep):
+            setattr(template, name, None)
         return template
 
     @classmethod
@@ -168,8 +162,7 @@ class OptimConfig(_Part):
         decay_steps: step where the cosine reaches ``min_lr`` (None: the run's total ``steps``).
         weight_decay: decoupled weight decay, applied only to parameters with >= 2 dimensions.
         grad_clip: clip the global gradient norm to this value (0 disables clipping).
-        fused: AdamW implementation: None picks the fused kernel on CUDA and the CPU and the
-            multi-tensor ``foreach`` one elsewhere; True forces fused, False the ``foreach`` one."""
+        fused: None: fused AdamW on CUDA and the CPU, ``foreach`` elsewhere; True forces fused, False ``foreach``."""
 
     lr: float = 1e-3
     min_lr: float | None = None
@@ -250,9 +243,8 @@ class DataConfig(_Part):
         self.tokenizer = choice(self.tokenizer, typing.get_args(TokenizerKind), what="data.tokenizer")
         self.bos = as_bool(self.bos, what="data.bos")
         if not self.bos and self.source in SYNTHETIC_SOURCES:
-            raise InvalidArgumentError(
-                f"data.bos=False: the {self.source} task always starts its sequences with its BOS token (id 0), "
-                "the fixed position-0 token of the task; bos applies to text and hf data.")
+            raise InvalidArgumentError(f"data.bos=False: the {self.source} task always starts its sequences with its "
+                                       "BOS token (id 0); bos applies to text and hf data.")
         if self.source in ("text", "memmap", "hf") and not self.path:
             raise InvalidArgumentError(f"data.source={self.source!r} needs data.path (a file, folder or dataset name).")
         if self.vocab_size is not None:
@@ -360,11 +352,9 @@ class TrainConfig(_Part):
         if self.batch_size % self.grad_accum:
             raise InvalidArgumentError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}.")
         if self.data.seq_len > self.model.n_ctx:
-            raise InvalidArgumentError(
-                f"data.seq_len={self.data.seq_len} is longer than the model context model.n_ctx={self.model.n_ctx}; "
-                f"lower data.seq_len or raise model.n_ctx."
-            )
-        if self.compile not in (True, False, "auto") or self.compile in (0, 1) and not isinstance(self.compile, bool):
+            raise InvalidArgumentError(f"data.seq_len={self.data.seq_len} is longer than the model context "
+                                       f"model.n_ctx={self.model.n_ctx}; lower data.seq_len or raise model.n_ctx.")
+        if not isinstance(self.compile, bool) and self.compile != "auto":
             raise InvalidArgumentError(f"compile must be true, false or 'auto', got {self.compile!r}.")
         for name, kind in (("autocast", Autocast), ("cpu_autocast", CpuAutocast), ("on_nonfinite", OnNonFinite),
                            ("log", LogTo)):
@@ -378,7 +368,7 @@ class TrainConfig(_Part):
         """A config from ``to_dict()`` output (a ``config.json``)."""
         _check_unknown(cls, data)
         data = {k: _PARTS[k].from_dict(v) if k in _PARTS and not isinstance(v, _PARTS[k]) else v for k, v in data.items()}
-        return super().from_dict.__func__(cls, data)  # type: ignore[attr-defined]
+        return cls(**data)
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with top-level fields replaced (validated again)."""
