@@ -1,7 +1,5 @@
-"""SinkLM: a small decoder for pretraining with attention variants, hooked and shaped like TransformerLens.
-
-Hook names, shapes and weight properties are TransformerLens', plus each variant's own hooks, so every sinklens
-analyzer runs on it. A softmax variant uses SDPA unless its scores or pattern are hooked (same function, tested)."""
+"""SinkLM: a small decoder with attention variants, with TransformerLens' hook names, shapes and weight properties
+(plus each variant's hooks). A softmax variant uses SDPA unless its scores or pattern are hooked."""
 
 from __future__ import annotations
 
@@ -88,10 +86,8 @@ class Attention(nn.Module):
         self.W_O = nn.Parameter(torch.empty(H, dh, D))
         self.has_bias = cfg.family == "gpt2"
         if self.has_bias:
-            self.b_Q = _no_decay(nn.Parameter(torch.zeros(H, dh)))
-            self.b_K = _no_decay(nn.Parameter(torch.zeros(Hkv, dh)))
-            self.b_V = _no_decay(nn.Parameter(torch.zeros(Hkv, dh)))
-            self.b_O = _no_decay(nn.Parameter(torch.zeros(D)))
+            for name, shape in (("b_Q", (H, dh)), ("b_K", (Hkv, dh)), ("b_V", (Hkv, dh)), ("b_O", (D,))):
+                setattr(self, name, _no_decay(nn.Parameter(torch.zeros(shape))))
         self.variant: AttentionVariant = get_attention_variant(cfg.variant)(
             n_heads=H, d_head=dh, d_model=D, n_ctx=cfg.n_ctx, init_std=cfg.init_std, **cfg.variant_options
         )
@@ -123,8 +119,7 @@ class Attention(nn.Module):
 
     def needs_explicit(self) -> bool:
         """True if the scores/pattern must be materialised: a non-softmax variant or a hook on them."""
-        hooked = (hp.fwd_hooks or hp.bwd_hooks for hp in (self.hook_attn_scores, self.hook_pattern))
-        return not self.variant.uses_sdpa or any(hooked)
+        return not self.variant.uses_sdpa or _hooked(self.hook_attn_scores) or _hooked(self.hook_pattern)
 
     def aggregate(self, q: Tensor, k: Tensor, v: Tensor, *, explicit: bool) -> Float[Tensor, "batch pos head d_head"]:
         """The raw head outputs ``z = Σ_k pattern[q, k] v_k`` (before ``hook_z``)."""
@@ -136,8 +131,7 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
         T = q.shape[2]
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.cfg.d_head)  # (B, nh, T, T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         scores = self.hook_attn_scores(self.variant.logits(scores))
         pattern = self.hook_pattern(self.variant.normalize(scores))
         return (pattern.to(v.dtype) @ v).transpose(1, 2)
@@ -220,10 +214,8 @@ class SinkLM(HookedRootModule):
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"SinkLM needs a ModelConfig, got {type(cfg).__name__}.")
         if cfg.d_vocab == "auto":
-            raise InvalidArgumentError(
-                "model.d_vocab='auto' must be resolved to the data's vocabulary before the model is built "
-                "(sinklens.train.loop.train does it); pass a number to build a SinkLM directly."
-            )
+            raise InvalidArgumentError("model.d_vocab='auto' must be resolved to the data's vocabulary before the model "
+                                       "is built (sinklens.train.loop.train does it); pass a number to build a SinkLM.")
         self.cfg = cfg
         self.tokenizer: Any = None
         self.embed = nn.Module()
@@ -267,14 +259,13 @@ class SinkLM(HookedRootModule):
         """Logits ``[batch, pos, d_vocab]`` of ``tokens`` (``pos <= n_ctx``), and/or the loss (``return_type``:
         ``"logits"``, ``"loss"``, ``"both"``, None): mean next-token cross-entropy in nats, float32, of
         ``logits[:, t]`` → ``tokens[:, t + 1]``, or → ``targets[:, t]`` when ``targets`` are given."""
+        if return_type not in ("logits", "loss", "both", None):
+            raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}.")
         if tokens.ndim == 1:
             tokens = tokens[None]
-        T = tokens.shape[1]
-        if T > self.cfg.n_ctx:
-            raise InvalidArgumentError(
-                f"Sequence length {T} exceeds the model's context window n_ctx={self.cfg.n_ctx}; "
-                f"pass at most {self.cfg.n_ctx} tokens per sequence."
-            )
+        if (T := tokens.shape[1]) > self.cfg.n_ctx:
+            raise InvalidArgumentError(f"Sequence length {T} exceeds the model's context window n_ctx={self.cfg.n_ctx}; "
+                                       f"pass at most {self.cfg.n_ctx} tokens per sequence.")
         resid = self.hook_embed(F.embedding(tokens, self.W_E))  # = W_E[tokens], with a dense backward kernel
         if self.cfg.family == "gpt2":
             resid = resid + self.hook_pos_embed(self.W_pos[:T].to(resid.dtype).expand_as(resid))
@@ -288,11 +279,7 @@ class SinkLM(HookedRootModule):
         if return_type == "logits":
             return logits
         loss = next_token_loss(logits[:, :-1], tokens[:, 1:]) if targets is None else next_token_loss(logits, targets)
-        if return_type == "loss":
-            return loss
-        if return_type == "both":
-            return logits, loss
-        raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}.")
+        return loss if return_type == "loss" else (logits, loss)
 
     def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
         """AdamW groups: parameters with ≥ 2 dims decayed (nanoGPT); biases, norm gains and parameters flagged
@@ -360,13 +347,6 @@ class SinkLM(HookedRootModule):
         return torch.stack([b.mlp.W_gate for b in self.blocks]) if self.cfg.family == "llama" else None
 
 
-def _set_gain(gain: nn.Parameter, per_head: Tensor) -> None:
-    if gain.ndim == 2:
-        gain.copy_(per_head[:, None].expand_as(gain).to(gain.dtype))
-    else:
-        gain.fill_(float(per_head.mean()))
-
-
 @torch.no_grad()
 def calibrate_headwise_gains(model: SinkLM, *, n_sequences: int = 8, seed: int = 0) -> Float[Tensor, "layer head"]:
     """Set every head-wise RMSNorm gain to the first token's output std; returns the gains ``[layer, head]``.
@@ -386,7 +366,8 @@ def calibrate_headwise_gains(model: SinkLM, *, n_sequences: int = 8, seed: int =
         q, k, v = attn.project(x.to(model.W_E))
         z0 = attn.aggregate(q, k, v, explicit=False)[:, 0]  # (n_sequences, head, d_head)
         gains.append(z0.float().std(dim=-1, unbiased=False).mean(dim=0))
-        _set_gain(attn.variant.gain, gains[-1])
+        gain = attn.variant.gain
+        gain.copy_(gains[-1][:, None].expand_as(gain) if gain.ndim == 2 else gains[-1].mean().expand_as(gain))
     gains = torch.stack(gains)  # (layer, head)
     shared = attns[0].variant.gain.ndim == 1
     return gains.mean(dim=1, keepdim=True).expand_as(gains).clone() if shared else gains
