@@ -1,13 +1,11 @@
-"""Attention variants of :class:`sinklens.sinklm.model.SinkLM`, one small class each, picked by name.
-
-A variant changes up to four steps of a head, in this order (:class:`sinklens.sinklm.model.Attention`)::
+"""Attention variants of :class:`sinklens.sinklm.model.SinkLM`, one small class each, picked by name. A variant
+changes up to four steps of a head, in this order (:class:`sinklens.sinklm.model.Attention`)::
 
     q, k = variant.transform_qk(q, k)            # after hook_q/hook_k, before RoPE (qk_norm)
     scores = variant.logits(q·k / sqrt(d_head))  # causal mask = -inf, then hook_attn_scores
     pattern = variant.normalize(scores)          # softmax / sigmoid / softpick ..., then hook_pattern
     z = variant.transform_z(pattern @ v, x)      # after hook_z: headwise_rms / gated, at its own hook
-
-``uses_sdpa = True`` marks plain softmax in the middle two steps (SDPA runs unless they are hooked)."""
+"""
 
 from __future__ import annotations
 
@@ -28,11 +26,8 @@ def at_least_float32(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def rms_norm(
-    x: Float[Tensor, "*batch d"], w: Float[Tensor, "*w_shape"] | None, eps: float
-) -> Float[Tensor, "*batch d"]:
-    """``w ⊙ x / sqrt(mean(x², -1) + eps)`` over the last axis, in float32, cast back to ``x``'s dtype before
-    the gain."""
+def rms_norm(x: Float[Tensor, "*batch d"], w: Float[Tensor, "*w_shape"] | None, eps: float) -> Float[Tensor, "*batch d"]:
+    """``w ⊙ x / sqrt(mean(x², -1) + eps)`` over the last axis, in float32, cast to ``x``'s dtype before the gain."""
     xf = at_least_float32(x)
     if hasattr(F, "rms_norm"):  # torch >= 2.4
         normed = F.rms_norm(xf, xf.shape[-1:], None, eps)
@@ -66,12 +61,16 @@ class AttentionVariant(nn.Module):
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
         """Raise InvalidArgumentError if ``options`` names an option this variant does not take."""
-        unknown = sorted(set(options) - set(cls.defaults))
-        if unknown:
-            raise InvalidArgumentError(
-                f"Unknown option(s) {unknown} for attention variant {cls.__name__}; accepted options "
-                f"(with defaults) are {cls.defaults or 'none'}."
-            )
+        if unknown := sorted(set(options) - set(cls.defaults)):
+            raise InvalidArgumentError(f"Unknown option(s) {unknown} for attention variant {cls.__name__}; accepted "
+                                       f"options (with defaults) are {cls.defaults or 'none'}.")
+
+    def _option(self, name: str, accepted: tuple[str, ...], variant: str) -> str:
+        """``options[name]`` if it is one of ``accepted``, else InvalidArgumentError naming ``variant``."""
+        if (value := self.options[name]) not in accepted:
+            listed = " or ".join([", ".join(map(repr, accepted[:-1])), repr(accepted[-1])])
+            raise InvalidArgumentError(f"{variant} {name} must be {listed}, got {value!r}.")
+        return value
 
     def transform_qk(
         self, q: Float[Tensor, "batch pos head d_head"], k: Float[Tensor, "batch pos kv_head d_head"], attn: nn.Module
@@ -123,12 +122,9 @@ class HeadwiseRMSNorm(AttentionVariant):
 
     def __init__(self, **sizes_and_options: Any) -> None:
         super().__init__(**sizes_and_options)
-        if self.options["gain"] not in ("per_head", "shared"):
-            raise InvalidArgumentError(f"headwise_rms gain must be 'per_head' or 'shared', got {self.options['gain']!r}.")
-        if self.options["init"] not in ("first_token", "ones"):
-            raise InvalidArgumentError(f"headwise_rms init must be 'first_token' or 'ones', got {self.options['init']!r}.")
-        shape = (self.n_heads, self.d_head) if self.options["gain"] == "per_head" else (self.d_head,)
-        self.gain = nn.Parameter(torch.ones(shape))
+        per_head = self._option("gain", ("per_head", "shared"), "headwise_rms") == "per_head"
+        self._option("init", ("first_token", "ones"), "headwise_rms")
+        self.gain = nn.Parameter(torch.ones((self.n_heads, self.d_head) if per_head else (self.d_head,)))
         self.gain._no_weight_decay = True  # type: ignore[attr-defined]
 
     def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
@@ -151,13 +147,9 @@ class Gated(AttentionVariant):
 
     def __init__(self, **sizes_and_options: Any) -> None:
         super().__init__(**sizes_and_options)
-        granularity = self.options["granularity"]
-        if granularity == "elementwise":
-            self.W_G = nn.Parameter(torch.empty(self.n_heads, self.d_model, self.d_head))
-        elif granularity == "headwise":
-            self.W_G = nn.Parameter(torch.empty(self.n_heads, self.d_model))
-        else:
-            raise InvalidArgumentError(f"gated granularity must be 'elementwise' or 'headwise', got {granularity!r}.")
+        headwise = self._option("granularity", ("elementwise", "headwise"), "gated") == "headwise"
+        shape = (self.n_heads, self.d_model) if headwise else (self.n_heads, self.d_model, self.d_head)
+        self.W_G = nn.Parameter(torch.empty(shape))
         nn.init.normal_(self.W_G, std=self.init_std)
 
     def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
@@ -263,9 +255,8 @@ _VARIANTS: dict[str, type[AttentionVariant]] = {}
 def register_attention_variant(name: str, cls: type[AttentionVariant]) -> type[AttentionVariant]:
     """Register an :class:`AttentionVariant` subclass under ``name``; raises ``ValueError`` if taken."""
     if name in _VARIANTS:
-        raise ValueError(
-            f"Attention variant {name!r} is already registered ({_VARIANTS[name].__name__}); pick another name."
-        )
+        raise ValueError(f"Attention variant {name!r} is already registered ({_VARIANTS[name].__name__}); pick "
+                         "another name.")
     if not (isinstance(cls, type) and issubclass(cls, AttentionVariant)):
         raise TypeError(f"An attention variant must subclass AttentionVariant, got {cls!r}.")
     _VARIANTS[name] = cls
@@ -286,9 +277,6 @@ def attention_variants() -> list[str]:
     return sorted(_VARIANTS)
 
 
-CALIBRATION_MODES: tuple[str, ...] = ("amplify", "attenuate", "position_amplify", "position_attenuate")
-
-
 class VarianceCalibrated(AttentionVariant):
     """Variance-calibrated softmax attention: each head's output ``z_t`` times a per-position factor.
 
@@ -306,11 +294,8 @@ class VarianceCalibrated(AttentionVariant):
 
     def __init__(self, **sizes_and_options: Any) -> None:
         super().__init__(**sizes_and_options)
-        if self.options["mode"] not in CALIBRATION_MODES:
-            raise InvalidArgumentError(
-                f"variance_calibrated mode must be one of {list(CALIBRATION_MODES)}, got {self.options['mode']!r}."
-            )
-        self.mode: str = self.options["mode"]
+        modes = ("amplify", "attenuate", "position_amplify", "position_attenuate")
+        self.mode = self._option("mode", modes, "variance_calibrated")
         self._qk: tuple[Tensor, Tensor] | None = None
         self._sumsq: Tensor | None = None
 
@@ -323,31 +308,25 @@ class VarianceCalibrated(AttentionVariant):
             self._sumsq = at_least_float32(pattern).pow(2).sum(dim=-1)  # (B, nh, T)
         return pattern
 
-    def _sumsq_from_logits(self, attn: nn.Module) -> Tensor:
+    def _sumsq_from_logits(self) -> Tensor:
         q, k = self._qk  # (B, T, nh, hs): those the aggregation ran on (after RoPE and hook_rot_q/k edits)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         if k.shape[1] != q.shape[1]:
             k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         x = (at_least_float32(q) @ at_least_float32(k).transpose(-2, -1)) / math.sqrt(self.d_head)  # (B, nh, T, T)
         T = x.shape[-1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        x = x.masked_fill(~causal, float("-inf"))
+        x = x.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
         return torch.exp(torch.logsumexp(2 * x, dim=-1) - 2 * torch.logsumexp(x, dim=-1))
 
-    def factor(self, z: Tensor, attn: nn.Module) -> Float[Tensor, "batch pos head 1"]:
-        """The multiplier of ``z`` for this forward (see the modes above), in at least float32."""
-        T = z.shape[1]
-        if self.mode.startswith("position_"):
-            f = torch.arange(1, T + 1, device=z.device, dtype=torch.promote_types(z.dtype, torch.float32)).sqrt()
-            if self.mode == "position_attenuate":
-                f = f / math.sqrt(self.n_ctx)
-            return f[None, :, None, None]
-        s = self._sumsq if self._sumsq is not None else self._sumsq_from_logits(attn)
-        f = torch.where(s > 0, s, torch.ones_like(s)).rsqrt().transpose(1, 2)[..., None]  # (B, T, nh, 1)
-        return f / math.sqrt(self.n_ctx) if self.mode == "attenuate" else f
-
     def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
-        f = self.factor(z, attn)
+        """``z`` times this forward's factor (see the modes above), computed in at least float32."""
+        if self.mode.startswith("position_"):
+            f = torch.arange(1, z.shape[1] + 1, device=z.device, dtype=torch.promote_types(z.dtype, torch.float32)).sqrt()
+            f = (f / math.sqrt(self.n_ctx) if self.mode == "position_attenuate" else f)[None, :, None, None]
+        else:
+            s = self._sumsq if self._sumsq is not None else self._sumsq_from_logits()
+            f = torch.where(s > 0, s, torch.ones_like(s)).rsqrt().transpose(1, 2)[..., None]  # (B, T, nh, 1)
+            f = f / math.sqrt(self.n_ctx) if self.mode == "attenuate" else f
         self._sumsq, self._qk = None, None
         return attn.hook_z_calibrated(z * f.to(z.dtype))
 
