@@ -1,7 +1,6 @@
-"""Run folders and their checkpoints: one step saved, loaded and verified as a unit, nothing pickled.
-
-A step is written into ``checkpoints/.tmp-*``, fsynced, renamed to ``step-N``; ``checkpoint.json`` is switched
-last, so a kill leaves the old or the new checkpoint current. The step before stays as a fallback."""
+"""Run folders and their checkpoints: one step saved, loaded and verified as a unit, nothing pickled. A step is
+written into ``checkpoints/.tmp-*``, fsynced, renamed to ``step-N``; ``checkpoint.json`` is switched last, so a kill
+leaves the old or the new checkpoint current; the step before stays as a fallback."""
 from __future__ import annotations
 
 import json
@@ -235,8 +234,7 @@ def load_run(run_dir: str | Path) -> RunCheckpoint:
         problems.append(f"{run_dir / POINTER} is unreadable or names a folder other than its step's "
                         f"{CHECKPOINTS}/step-N (never followed)")
     for step, path in candidates:
-        problem = verify_checkpoint(path)
-        if problem is None:
+        if (problem := verify_checkpoint(path)) is None:
             if problems:
                 warnings.warn(f"The current checkpoint of {str(run_dir)!r} is broken ({problems[0]}); using the "
                               f"earlier checkpoint of step {step} instead.", stacklevel=2)
@@ -349,14 +347,13 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         if not isinstance(kind, str):
             raise CorruptFileError(f"{path}: line {number} has no string \"kind\" (got {kind!r}): {row[:80]!r}.")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise CorruptFileError(
-                f"{path}: line {number} has no whole-number \"step\" >= 0 (got {step!r}): {row[:80]!r}.")
+            raise CorruptFileError(f"{path}: line {number} has no whole-number \"step\" >= 0 (got {step!r}): "
+                                   f"{row[:80]!r}.")
         if kind == "train" and (isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss)):
             got = "no \"loss\"" if "loss" not in line else f"\"loss\": {json.dumps(loss, allow_nan=True)}"
-            raise CorruptFileError(
-                f"{path}: line {number} is a \"train\" line with {got}, not a finite number. sinklens train never writes "
-                "one (a non-finite step is logged as a \"nonfinite\" line), so the file was damaged or edited; fix or "
-                "remove that line.")
+            raise CorruptFileError(f"{path}: line {number} is a \"train\" line with {got}, not a finite number; sinklens "
+                                   "train logs a non-finite step as a \"nonfinite\" line, so the file was damaged or "
+                                   "edited: fix or remove that line.")
         lines.append(with_current_metric_names(line))
     last = {(line["kind"], line["step"]): i for i, line in enumerate(lines)}
     return [line for i, line in enumerate(lines) if line["kind"] not in ("train", "eval")
