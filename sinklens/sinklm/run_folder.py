@@ -70,14 +70,13 @@ def resume_changes(saved: TrainConfig, requested: TrainConfig, *, run_dir: str |
     if saved.data.source in LOCAL_DATA_SOURCES and a and b and Path(a).expanduser().resolve() == Path(b).expanduser().resolve():
         new["data.path"] = a
     changes = {key: [old.get(key), new.get(key)] for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)}
-    fixed = [key for key in changes if key.startswith(RUN_IDENTITY) and key not in RESUME_FREE]
-    if fixed:
+    if fixed := [key for key in changes if key.startswith(RUN_IDENTITY) and key not in RESUME_FREE]:
         listed = "; ".join(f"{key} is {changes[key][1]!r} here but {changes[key][0]!r} in the run" for key in fixed)
         raise InvalidArgumentError(
             f"Cannot resume {str(run_dir)!r} with another model, data or seed: {listed}. A resume continues the run "
             "with its own config (sinklens train --out DIR --resume, or train(sinklens.sinklm.run_folder."
-            "resume_config(DIR), out_dir=DIR, resume=True)); it may change steps, optim, eval and the like. For "
-            "another model or data start a new run (another out_dir, or --overwrite).")
+            "resume_config(DIR), out_dir=DIR, resume=True)) and may change steps, optim, eval...; for another model "
+            "or data start a new run (another out_dir, or --overwrite).")
     return changes
 
 
@@ -106,9 +105,8 @@ def check_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> 
 
     labels = {"tokenizer": "the tokenizer (its vocabulary and merges)", "vocab_size": "the vocabulary size",
               "train": "the train token stream", "val": "the validation token stream"}
-    changed = [f"{label} is {shown(fingerprint, key)} now but {shown(stored, key)} in the run"
-               for key, label in labels.items() if stored.get(key) != fingerprint.get(key)]
-    if changed:
+    if changed := [f"{label} is {shown(fingerprint, key)} now but {shown(stored, key)} in the run"
+                   for key, label in labels.items() if stored.get(key) != fingerprint.get(key)]:
         raise InvalidArgumentError(
             f"Cannot resume {str(run_dir)!r}: its data changed since the run started ({'; '.join(changed)}), though "
             "the config names the same data. Restore the data the run trained on, or start a new run (another "
@@ -141,7 +139,7 @@ def clean_stale(run_dir: str | Path) -> list[Path]:
 
 def _own_entries(run_dir: Path) -> list[str]:
     """The entries of ``run_dir`` the run wrote itself: :data:`RUN_ENTRIES` and ``checkpoints/step-*``/``.tmp-*``."""
-    names = [name for name in RUN_ENTRIES if (run_dir / name).exists() or (run_dir / name).is_symlink()]
+    names = [name for name in RUN_ENTRIES if os.path.lexists(run_dir / name)]
     root = run_dir / CHECKPOINTS
     if root.is_dir():
         names += [f"{CHECKPOINTS}/{p.name}" for p in sorted(root.iterdir())
@@ -227,14 +225,13 @@ def check_run_dir(out: Path | None, *, resume: bool, overwrite: bool) -> None:
         return
     if out.exists() and not out.is_dir():
         raise InvalidArgumentError(f"out_dir {str(out)!r} exists and is not a folder.")
-    foreign = foreign_entries(out)
+    foreign = [] if not out.is_dir() or is_run_dir(out) else [n for n in FOREIGN_BLOCKERS if os.path.lexists(out / n)]
     if foreign and not resume:
         raise OutputExistsError(
             f"out_dir {str(out)!r} is not a sinklens training run but holds {', '.join(foreign)} (another tool's "
-            f"files?), which a run there would replace or be loaded with; "
+            "files?), which a run there would replace or be loaded with; "
             + ("overwrite=True (--overwrite) only replaces a sinklens run. " if overwrite else "")
-            + "Pick an empty or new out_dir."
-        )
+            + "Pick an empty or new out_dir.")
     if resume and not has_checkpoint(out):
         again = (" It stopped before its first checkpoint, so there is nothing to continue: start it again with "
                  "overwrite=True (--overwrite instead of --resume), or pick another out_dir.") if is_run_dir(out) else ""
@@ -242,22 +239,11 @@ def check_run_dir(out: Path | None, *, resume: bool, overwrite: bool) -> None:
     if not resume and not overwrite and is_run_dir(out):
         if not has_checkpoint(out):  # a run that failed before its first checkpoint: --resume cannot continue it
             raise OutputExistsError(
-                f"{str(out)!r} already holds a training run that stopped before its first checkpoint (it has "
-                f"config.json or metrics.jsonl but nothing to resume from). Start it again with overwrite=True "
-                f"(--overwrite), which deletes what it left, or pick another out_dir."
-            )
-        raise OutputExistsError(
-            f"{str(out)!r} already holds a training run. Continue it with resume=True (--resume), replace it "
-            f"with overwrite=True (--overwrite), or pick another out_dir."
-        )
-
-
-def foreign_entries(run_dir: str | Path) -> list[str]:
-    """The :data:`FOREIGN_BLOCKERS` in a folder that is *not* a sinklens run (e.g. a Hugging Face model's files)."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir() or is_run_dir(run_dir):
-        return []
-    return [name for name in FOREIGN_BLOCKERS if (run_dir / name).exists() or (run_dir / name).is_symlink()]
+                f"{str(out)!r} already holds a training run that stopped before its first checkpoint (nothing to "
+                "resume from). Start it again with overwrite=True (--overwrite), which deletes what it left, or pick "
+                "another out_dir.")
+        raise OutputExistsError(f"{str(out)!r} already holds a training run. Continue it with resume=True (--resume), "
+                                "replace it with overwrite=True (--overwrite), or pick another out_dir.")
 
 
 class RunLock(FolderLock):
