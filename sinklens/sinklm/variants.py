@@ -26,7 +26,9 @@ def at_least_float32(x: Tensor) -> Tensor:
     return x.to(torch.promote_types(x.dtype, torch.float32))
 
 
-def rms_norm(x: Float[Tensor, "*batch d"], w: Float[Tensor, "*w_shape"] | None, eps: float) -> Float[Tensor, "*batch d"]:
+def rms_norm(
+    x: Float[Tensor, "*batch d"], w: Float[Tensor, "*w_shape"] | None, eps: float
+) -> Float[Tensor, "*batch d"]:
     """``w ⊙ x / sqrt(mean(x², -1) + eps)`` over the last axis, in float32, cast to ``x``'s dtype before the gain."""
     xf = at_least_float32(x)
     if hasattr(F, "rms_norm"):  # torch >= 2.4
