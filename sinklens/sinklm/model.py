@@ -202,8 +202,6 @@ class SinkLM(HookedRootModule):
     ``headwise_rms`` model then calibrates its gains (:func:`calibrate_headwise_gains`, seeded).
 
     Examples:
-        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-        <...>
         >>> model = SinkLM(ModelConfig.from_preset("tiny", n_ctx=16, d_vocab=32))
         >>> model(torch.randint(0, 32, (2, 8))).shape
         torch.Size([2, 8, 32])

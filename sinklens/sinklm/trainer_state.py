@@ -1,7 +1,6 @@
-"""What a resume needs beyond the weights, stored without pickle: ``trainer_state.json`` (strict JSON: the step,
-Python and numpy RNG states, the grad scaler's state, the optimizer's non-tensor state and param groups) and
-``trainer_state.safetensors`` (the optimizer's tensors as ``optimizer.{param}.{key}``, torch's CPU and CUDA RNG
-states as ``rng.torch``, ``rng.cuda.{i}``). Reading them runs no code, whatever the files hold."""
+"""What a resume needs beyond the weights, as data that runs no code when read: ``trainer_state.json`` (strict JSON:
+step, Python and numpy RNG states, grad scaler, the optimizer's non-tensor state and param groups) and
+``trainer_state.safetensors`` (optimizer tensors ``optimizer.{param}.{key}``, RNG ``rng.torch``, ``rng.cuda.{i}``)."""
 
 from __future__ import annotations
 
