@@ -388,8 +388,7 @@ def load_config(path: str | Path) -> TrainConfig:
     import tomllib
     try:
         text = path.read_text()
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-        return TrainConfig.from_dict(data)
+        return TrainConfig.from_dict(json.loads(text) if path.suffix == ".json" else tomllib.loads(text))
     except ValueError as error:  # a syntax error (JSON, TOML, not UTF-8), an unknown key or a bad value
         raise InvalidArgumentError(f"Config file {str(path)!r}: {error}") from error
 

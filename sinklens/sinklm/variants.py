@@ -195,12 +195,9 @@ class SigmoidAttention(AttentionVariant):
     def __init__(self, **sizes_and_options: Any) -> None:
         super().__init__(**sizes_and_options)
         bias = self.options["bias"]
-        if bias == "neg_log_n":
-            self.bias = -math.log(self.n_ctx)
-        elif isinstance(bias, (int, float)) and not isinstance(bias, bool):
-            self.bias = float(bias)
-        else:
+        if bias != "neg_log_n" and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
             raise InvalidArgumentError(f"sigmoid bias must be 'neg_log_n' or a number, got {bias!r}.")
+        self.bias = -math.log(self.n_ctx) if bias == "neg_log_n" else float(bias)
 
     def logits(self, scores: Tensor) -> Tensor:
         return scores + self.bias
@@ -312,9 +309,7 @@ class VarianceCalibrated(AttentionVariant):
 
     def _sumsq_from_logits(self) -> Tensor:
         q, k = self._qk  # (B, T, nh, hs): those the aggregation ran on (after RoPE and hook_rot_q/k edits)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        if k.shape[1] != q.shape[1]:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        q, k = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(q.shape[2] // k.shape[2], dim=1)
         x = (at_least_float32(q) @ at_least_float32(k).transpose(-2, -1)) / math.sqrt(self.d_head)  # (B, nh, T, T)
         T = x.shape[-1]
         x = x.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
