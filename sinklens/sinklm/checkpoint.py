@@ -61,8 +61,7 @@ def unwrap_model(model: Any) -> Any:
 
 def save_checkpoint(run_dir: str | Path, *, model: Any, optimizer: torch.optim.Optimizer | None, cfg: TrainConfig,
                     step: int, scaler: Any = None) -> Path:
-    """Write the checkpoint of ``model`` after ``step`` steps as one unit and return its folder; a failed write
-    raises OutputNotWritableError naming the checkpoint still current."""
+    """Write the checkpoint after ``step`` as one unit and return its folder; OutputNotWritableError if that fails."""
     from safetensors import SafetensorError
     run_dir = Path(run_dir)
     try:
@@ -272,8 +271,7 @@ def load_checkpoint(run: str | Path | RunCheckpoint, *, model: Any, optimizer: t
 
 
 def _model(run_dir: Path, cfg: TrainConfig, weights: Path | None, device: str | torch.device | None) -> Any:
-    """A SinkLM of ``cfg`` with ``weights`` (None: the run's initialization), in eval mode, with
-    ``model.train_config`` and ``model.tokenizer`` (text runs)."""
+    """A SinkLM of ``cfg`` with ``weights`` (None: the run's init), in eval mode, with train_config and tokenizer."""
     from sinklens.sinklm.init import sinklm_at_init
     from sinklens.sinklm.model import SinkLM
     device = torch.device(device or "cpu")
@@ -290,15 +288,13 @@ def _model(run_dir: Path, cfg: TrainConfig, weights: Path | None, device: str | 
 
 
 def load_trained_model(run_dir: str | Path, device: str | torch.device | None = None) -> Any:
-    """The SinkLM of a run's newest good checkpoint (:func:`load_run`), in eval mode, with ``model.tokenizer``
-    (text runs) and ``model.train_config``."""
+    """The SinkLM of a run's newest good checkpoint (:func:`load_run`), in eval mode, with tokenizer and train_config."""
     ckpt = load_run(run_dir)
     return _model(ckpt.run_dir, ckpt.config, ckpt.path / WEIGHTS, device)
 
 
 def checkpoint_steps(run_dir: str | Path) -> list[int]:
-    """The steps of the verified checkpoints kept in ``run_dir/checkpoints/``, oldest first (broken ones skipped
-    with a warning)."""
+    """The steps of the verified checkpoints in ``run_dir/checkpoints/``, oldest first (broken ones skipped, warned)."""
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
         raise NotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG} or {POINTER}.")

@@ -86,8 +86,7 @@ def write_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> 
 
 
 def check_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> None:
-    """Compare the resumed data with the fingerprint the run stored, if any (InvalidArgumentError naming what
-    changed)."""
+    """InvalidArgumentError naming what changed when the data differ from the fingerprint the run stored."""
     path = Path(run_dir) / FINGERPRINT
     if not path.is_file():
         return
