@@ -236,7 +236,8 @@ class DataConfig(_Part):
 
     def __post_init__(self) -> None:
         self.source = choice(self.source, typing.get_args(DataSource), what="data.source")
-        self.seq_len = positive_int(self.seq_len, what="data.seq_len")
+        for name, minimum in (("seq_len", 1), ("n_triggers", 0), ("max_tokens", 1)):
+            setattr(self, name, positive_int(getattr(self, name), what=f"data.{name}", minimum=minimum))
         self.seed = as_seed(self.seed, what="data.seed")
         self.task_seed = as_seed(self.task_seed, what="data.task_seed")
         self.val_fraction = finite_number(self.val_fraction, what="data.val_fraction", low=0.0, high=1.0, low_open=True, high_open=True)
@@ -249,9 +250,7 @@ class DataConfig(_Part):
             raise InvalidArgumentError(f"data.source={self.source!r} needs data.path (a file, folder or dataset name).")
         if self.vocab_size is not None:
             self.vocab_size = positive_int(self.vocab_size, what="data.vocab_size", minimum=2)
-        self.n_triggers = positive_int(self.n_triggers, what="data.n_triggers", minimum=0)
         self.alpha = finite_number(self.alpha, what="data.alpha", low=0.0, low_open=True)
-        self.max_tokens = positive_int(self.max_tokens, what="data.max_tokens")
 
     def with_absolute_path(self) -> DataConfig:
         """This config with a local ``path`` made absolute (``~`` expanded), as ``config.json`` records it."""
@@ -267,8 +266,7 @@ class EvalConfig(_Part):
     Attributes:
         interval: evaluate every this many steps (and at the last step); 0 disables.
         batches, batch_size: held-out batches used by every evaluation (the same ones each time).
-        sink_threshold: a head is a sink head when its queries' mean attention on position 0 exceeds this
-            (the ε of Gu et al. 2024).
+        sink_threshold: a head is a sink head when its queries' mean attention on position 0 exceeds this (Gu's ε).
         persistence_sequences: random sequences on which each evaluation compares the token preference and
             contraction direction with step 0 (:mod:`sinklens.train.persistence`); 0 disables.
         persistence_seq_len: their length (capped at data.seq_len).
@@ -283,14 +281,13 @@ class EvalConfig(_Part):
     persistence_seed: int = 0
 
     def __post_init__(self) -> None:
-        for name, minimum in (("interval", 0), ("batches", 1), ("batch_size", 1)):
+        for name, minimum in (("interval", 0), ("batches", 1), ("batch_size", 1), ("persistence_sequences", 0),
+                              ("persistence_seq_len", 2)):
             setattr(self, name, positive_int(getattr(self, name), what=f"eval.{name}", minimum=minimum))
         self.sink_threshold = finite_number(self.sink_threshold, what="eval.sink_threshold", low=0.0, high=1.0,
                                             low_open=True, high_open=True)
-        self.persistence_sequences = positive_int(self.persistence_sequences, what="eval.persistence_sequences", minimum=0)
         if self.persistence_sequences == 1:
             raise InvalidArgumentError("eval.persistence_sequences must be 0 (off) or at least 2, got 1.")
-        self.persistence_seq_len = positive_int(self.persistence_seq_len, what="eval.persistence_seq_len", minimum=2)
         self.persistence_seed = as_seed(self.persistence_seed, what="eval.persistence_seed")
 
 
@@ -315,9 +312,8 @@ class TrainConfig(_Part):
         log_interval: write a metrics line every this many steps.
         checkpoint_interval: write a checkpoint every this many steps (0: only at the end).
         keep_every: keep every keep_every-th periodic checkpoint; 0 keeps the newest and the one before.
-        on_nonfinite: a NaN/inf loss or gradient norm: "stop" raises TrainingDivergedError (the last finite
-            checkpoint stays); "skip" drops the update, up to max_skips steps in a row. Under float16 autocast
-            only a non-finite loss counts (the loss scaler handles gradients).
+        on_nonfinite: on a NaN/inf loss or gradient norm (only the loss under float16), "stop" raises
+            TrainingDivergedError (the last finite checkpoint stays); "skip" drops the update, max_skips times in a row.
         max_skips: non-finite steps skipped in a row before the run stops."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
