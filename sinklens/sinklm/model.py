@@ -80,10 +80,8 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         H, Hkv, D, dh = cfg.n_heads, cfg.n_key_value_heads, cfg.d_model, cfg.d_head
-        self.W_Q = nn.Parameter(torch.empty(H, D, dh))
-        self.W_K = nn.Parameter(torch.empty(Hkv, D, dh))
-        self.W_V = nn.Parameter(torch.empty(Hkv, D, dh))
-        self.W_O = nn.Parameter(torch.empty(H, dh, D))
+        for name, shape in (("W_Q", (H, D, dh)), ("W_K", (Hkv, D, dh)), ("W_V", (Hkv, D, dh)), ("W_O", (H, dh, D))):
+            setattr(self, name, nn.Parameter(torch.empty(shape)))
         self.has_bias = cfg.family == "gpt2"
         if self.has_bias:
             for name, shape in (("b_Q", (H, dh)), ("b_K", (Hkv, dh)), ("b_V", (Hkv, dh)), ("b_O", (D,))):

@@ -111,12 +111,11 @@ class Baseline(AttentionVariant):
 
 
 class HeadwiseRMSNorm(AttentionVariant):
-    """Head-wise RMSNorm: ``z_normed[t, h] = g_h ⊙ z[t, h] / sqrt(mean_d z[t, h, d]² + eps)`` before ``W_O``.
-
-    As ``HeadRMSNorm`` in Siquan-Li/Head-wise-RMSNorm: gain ``[n_heads, d_head]`` (``gain="per_head"``) or
-    ``[d_head]`` (``"shared"``); ``init="first_token"`` calibrates it with their formula, averaged over 8 draws
-    (:func:`sinklens.sinklm.model.calibrate_headwise_gains`), ``"ones"`` leaves 1. Output at
-    ``attn.hook_z_normed``. Unlike the authors, the gain is never weight-decayed."""
+    """Head-wise RMSNorm: ``z_normed[t, h] = g_h ⊙ z[t, h] / sqrt(mean_d z[t, h, d]² + eps)`` before ``W_O``, at
+    ``attn.hook_z_normed``. As ``HeadRMSNorm`` in Siquan-Li/Head-wise-RMSNorm: gain ``[n_heads, d_head]``
+    (``gain="per_head"``) or ``[d_head]`` (``"shared"``); ``init="first_token"`` calibrates it with their formula,
+    averaged over 8 draws (:func:`sinklens.sinklm.model.calibrate_headwise_gains`), ``"ones"`` leaves 1. Unlike the
+    authors, the gain is never weight-decayed."""
 
     hook_sites = ("hook_z_normed",)
     output_site = "hook_z_normed"
@@ -277,15 +276,13 @@ def attention_variants() -> list[str]:
 
 
 class VarianceCalibrated(AttentionVariant):
-    """Variance-calibrated softmax attention: each head's output ``z_t`` times a per-position factor.
-
-    Aggregation scales a head output's variance by ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under uniform causal
-    attention: the positional discrepancy of *Transformers Are Born Biased*, arXiv 2602.05927). The paper
-    publishes no code; the modes are our causal definitions, each making ``Var(z_t)`` position-independent
-    under uniform attention: ``amplify`` ``1/sqrt(s_t)``; ``attenuate`` ``sqrt(s_ref/s_t)``, ``s_ref = 1/n_ctx``;
-    ``position_amplify`` ``sqrt(t+1)``; ``position_attenuate`` ``sqrt((t+1)/n_ctx)``. ``s_t`` comes from the
-    pattern, or on the SDPA path from ``exp(LSE(2x) - 2 LSE(x))`` of the logits (same function, tested).
-    Output at ``attn.hook_z_calibrated``."""
+    """Variance-calibrated softmax attention: each head's output ``z_t`` times a per-position factor, at
+    ``attn.hook_z_calibrated``. Aggregation scales a head output's variance by ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under
+    uniform causal attention: the positional discrepancy of *Transformers Are Born Biased*, arXiv 2602.05927). The
+    paper publishes no code; our causal modes each make ``Var(z_t)`` position-independent under uniform attention:
+    ``amplify`` ``1/sqrt(s_t)``; ``attenuate`` ``sqrt(s_ref/s_t)``, ``s_ref = 1/n_ctx``; ``position_amplify``
+    ``sqrt(t+1)``; ``position_attenuate`` ``sqrt((t+1)/n_ctx)``. ``s_t`` comes from the pattern, or on the SDPA
+    path from ``exp(LSE(2x) - 2 LSE(x))`` of the logits."""
 
     hook_sites = ("hook_z_calibrated",)
     output_site = "hook_z_calibrated"
