@@ -91,9 +91,8 @@ class Attention(nn.Module):
         )
         self.rotary = cfg.family == "llama"
         if self.rotary:
-            cos, sin = rotary_tables(cfg.n_ctx, dh, cfg.rope_base)  # computed once, moved with the model
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            for name, table in zip(("rope_cos", "rope_sin"), rotary_tables(cfg.n_ctx, dh, cfg.rope_base)):
+                self.register_buffer(name, table, persistent=False)  # computed once, moved with the model
         rotated = ("hook_rot_q", "hook_rot_k") if self.rotary else ()
         for site in ("hook_q", "hook_k", "hook_v", *rotated, "hook_attn_scores", "hook_pattern", "hook_z",
                      *self.variant.hook_sites):
@@ -139,8 +138,7 @@ class Attention(nn.Module):
         self.variant.aggregating(q, k)
         z = self.hook_z(self.aggregate(q, k, v, explicit=self.needs_explicit()))
         z = self.variant.transform_z(z, x, self)
-        B, T = z.shape[:2]
-        out = z.reshape(B, T, -1) @ self.W_O.to(z.dtype).flatten(0, 1)  # (B, T, H·dh) @ (H·dh, D)
+        out = z.flatten(2) @ self.W_O.to(z.dtype).flatten(0, 1)  # (B, T, H·dh) @ (H·dh, D)
         return out + self.b_O.to(out.dtype) if self.has_bias else out
 
 

@@ -177,9 +177,7 @@ class QKNorm(AttentionVariant):
 
     def transform_qk(self, q: Tensor, k: Tensor, attn: nn.Module) -> tuple[Tensor, Tensor]:
         eps = self.options["eps"]
-        q = attn.hook_q_normed(rms_norm(q, self.q_gain, eps))
-        k = attn.hook_k_normed(rms_norm(k, self.k_gain, eps))
-        return q, k
+        return attn.hook_q_normed(rms_norm(q, self.q_gain, eps)), attn.hook_k_normed(rms_norm(k, self.k_gain, eps))
 
 
 class SigmoidAttention(AttentionVariant):
@@ -238,8 +236,7 @@ class Softpick(AttentionVariant):
         x = at_least_float32(scores)
         window = torch.isfinite(x)
         x = torch.where(window, x, torch.zeros_like(x))  # keep inf out of both branches (NaN-free grads)
-        m = torch.where(window, x, torch.full_like(x, -torch.inf)).amax(dim=-1, keepdim=True)
-        m = m.clamp(min=0.0).detach()
+        m = torch.where(window, x, torch.full_like(x, -torch.inf)).amax(dim=-1, keepdim=True).clamp(min=0.0).detach()
         positive = -torch.exp(x - m) * torch.expm1(-x.clamp(min=0.0))
         negative = torch.exp(-m) * torch.expm1(x.clamp(max=0.0))
         shifted = torch.where(window, torch.where(x >= 0, positive, negative), torch.zeros_like(x))
