@@ -201,16 +201,15 @@ def set_aside_to_recover(run_dir: str | Path) -> Path | None:
 def recover_set_aside(run_dir: str | Path) -> str | None:
     """At a start, under the run's lock: put back the run that an overwrite killed before its first checkpoint
     set aside; return what was done or found (None: nothing)."""
-    back = set_aside_to_recover(run_dir)
-    if back is None:
-        aside = set_aside_runs(run_dir)
-        return None if not aside else (
-            f"{str(run_dir)!r} still holds the run an earlier overwrite replaced, in {[str(p) for p in aside]} "
-            "(the replacement stopped after a checkpoint of its own); it is deleted once this run writes a "
-            "regular checkpoint. Move its files back into the folder to keep it instead.")
-    restore_set_aside(run_dir, back)
-    return (f"An overwrite of {str(run_dir)!r} was killed before its first checkpoint: the run it was replacing, "
-            f"set aside in {str(back)!r}, is put back.")
+    if (back := set_aside_to_recover(run_dir)) is not None:
+        restore_set_aside(run_dir, back)
+        return (f"An overwrite of {str(run_dir)!r} was killed before its first checkpoint: the run it was replacing, "
+                f"set aside in {str(back)!r}, is put back.")
+    aside = set_aside_runs(run_dir)
+    return None if not aside else (
+        f"{str(run_dir)!r} still holds the run an earlier overwrite replaced, in {[str(p) for p in aside]} "
+        "(the replacement stopped after a checkpoint of its own); it is deleted once this run writes a "
+        "regular checkpoint. Move its files back into the folder to keep it instead.")
 
 
 def check_run_dir(out: Path | None, *, resume: bool, overwrite: bool) -> None:
