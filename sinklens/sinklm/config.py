@@ -75,12 +75,7 @@ class ModelConfig(_Part):
 
     ``variant_options`` are the registered ``variant``'s options; ``d_vocab="auto"`` takes the data's vocabulary
     (:func:`sinklens.train.loop.train`). :attr:`DERIVED` fields left None follow the others: ``n_kv_heads = n_heads``,
-    ``d_mlp = 4·d_model`` (gpt2) or ``8·d_model/3`` rounded up to a multiple of 8 (llama, SwiGLU).
-
-    Examples:
-        >>> ModelConfig(d_model=128).d_mlp, ModelConfig(family="gpt2").d_mlp, ModelConfig(n_heads=2).n_kv_heads
-        (344, 256, 2)
-    """
+    ``d_mlp = 4·d_model`` (gpt2) or ``8·d_model/3`` rounded up to a multiple of 8 (llama, SwiGLU)."""
 
     DERIVED: typing.ClassVar[tuple[str, ...]] = ("n_kv_heads", "d_mlp")
 
@@ -254,9 +249,8 @@ class DataConfig(_Part):
 
     def with_absolute_path(self) -> DataConfig:
         """This config with a local ``path`` made absolute (``~`` expanded), as ``config.json`` records it."""
-        if self.source not in LOCAL_DATA_SOURCES or not self.path:
-            return self
-        return dataclasses.replace(self, path=os.path.abspath(Path(str(self.path)).expanduser()))
+        local = self.source in LOCAL_DATA_SOURCES and self.path
+        return dataclasses.replace(self, path=os.path.abspath(Path(str(self.path)).expanduser())) if local else self
 
 
 @dataclass
