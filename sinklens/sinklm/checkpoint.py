@@ -360,8 +360,7 @@ def with_current_metric_names(line: dict[str, Any]) -> dict[str, Any]:
     """``line`` with an eval line's lone ``sink_rate`` (sinklens' q >= 1 variant in the stored benchmark curves)
     renamed ``sinklens_sink_rate``."""
     if line.get("kind") == "eval" and "sink_rate" in line and "sinklens_sink_rate" not in line:
-        line = dict(line)
-        line["sinklens_sink_rate"] = line.pop("sink_rate")
+        return {k: v for k, v in line.items() if k != "sink_rate"} | {"sinklens_sink_rate": line["sink_rate"]}
     return line
 
 

@@ -22,12 +22,10 @@ from sinklens.sinklm.checkpoint import (
 )
 from sinklens.sinklm.config import LOCAL_DATA_SOURCES, TrainConfig
 
-#: Dotted config keys (a prefix ending in ``.`` covers a section) that say what a run *is*: a resume may not change
-#: them (:func:`resume_changes`), except those in :data:`RESUME_FREE` (where things are kept, not what they are).
+#: Config keys a resume may not change (:func:`resume_changes`; ``x.`` covers a section), except :data:`RESUME_FREE`.
 RUN_IDENTITY: tuple[str, ...] = ("model.", "data.", "seed")
 RESUME_FREE: frozenset[str] = frozenset({"data.cache_dir"})
-#: Entries that a folder which is not a run may not hold for a run to start there (it would replace them, or be
-#: loaded with them: another tool's model or tokenizer).
+#: Entries a folder that is not a run may not hold for a run to start there (another tool's model or tokenizer).
 FOREIGN_BLOCKERS: tuple[str, ...] = (
     CONFIG, POINTER, CHECKPOINTS, TOKENIZER, WEIGHTS, "trainer_state.pt", "optimizer.pt", PERSISTENCE, FINGERPRINT,
     FIGURE, "pytorch_model.bin", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json")
