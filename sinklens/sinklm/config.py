@@ -65,8 +65,10 @@ class _Part:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Any:
+        """A config from ``to_dict()`` output (a ``config.json``); TrainConfig's sections are built from their dicts."""
         _check_unknown(cls, data)
-        return cls(**data)
+        return cls(**{k: _PARTS[k].from_dict(v) if k in _PARTS and not isinstance(v, _PARTS[k]) else v
+                      for k, v in data.items()})
 
 
 @dataclass
@@ -352,13 +354,6 @@ class TrainConfig(_Part):
         if isinstance(self.interventions, str) or not all(isinstance(s, str) for s in self.interventions):
             raise InvalidArgumentError(f"interventions must be a list of 'name:key=value' strings, got {self.interventions!r}.")
         self.interventions = list(self.interventions)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """A config from ``to_dict()`` output (a ``config.json``)."""
-        _check_unknown(cls, data)
-        data = {k: _PARTS[k].from_dict(v) if k in _PARTS and not isinstance(v, _PARTS[k]) else v for k, v in data.items()}
-        return cls(**data)
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with top-level fields replaced (validated again)."""
