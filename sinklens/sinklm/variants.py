@@ -138,7 +138,6 @@ class HeadwiseRMSNorm(AttentionVariant):
 
 class Gated(AttentionVariant):
     """Gated attention (Qiu et al. 2025, position G1): ``z'[t, h] = z[t, h] ⊙ sigmoid(x[t] W_G[h])``, x the ln1 output.
-
     ``granularity="elementwise"``: ``W_G [n_heads, d_model, d_head]``; ``"headwise"``: ``[n_heads, d_model]``.
     No bias. Hooks ``attn.hook_gate`` (the sigmoid) and ``attn.hook_z_gated``."""
 
@@ -182,7 +181,6 @@ class QKNorm(AttentionVariant):
 
 class SigmoidAttention(AttentionVariant):
     """Sigmoid attention: ``pattern[q, k] = sigmoid(q·k/sqrt(d_head) + b)`` for ``k <= q``, else 0 (rows unnormalised).
-
     ``bias="neg_log_n"``: ``b = -log(n_ctx)`` (Ramapuram et al. 2024); a number sets ``b``. ``b`` is in
     ``hook_attn_scores``."""
 
@@ -205,7 +203,6 @@ class SigmoidAttention(AttentionVariant):
 
 class SinkLogit(AttentionVariant):
     """Softmax with one learnable logit ``s_h`` per head in an extra, value-less key column (gpt-oss "sinks").
-
     ``pattern[q, k] = exp(x_qk) / (exp(s_h) + Σ_{k' <= q} exp(x_qk'))``: rows sum to less than 1; ``s_h = 0``
     is the off-by-one softmax. The hooks hold the real keys only; ``sink`` starts at ``init`` (0.0)."""
 
@@ -224,10 +221,9 @@ class SinkLogit(AttentionVariant):
 
 
 class Softpick(AttentionVariant):
-    """Softpick (Zuhri et al. 2025): ``ReLU(e^x - 1) / (Σ_window |e^x - 1| + eps)`` over the finite logits.
-
-    In the authors' stable form (both sides times ``e^{-m}``, ``m`` the detached row max clamped at 0), so the
-    function is ``ReLU(e^x - 1) / (Σ |e^x - 1| + eps · e^{max(m, 0)})``, with ``expm1`` near 0. Rows sum to ≤ 1."""
+    """Softpick (Zuhri et al. 2025): ``ReLU(e^x - 1) / (Σ_window |e^x - 1| + eps)`` over the finite logits, in the
+    authors' stable form (both sides times ``e^{-m}``, ``m`` the detached row max clamped at 0), so the function is
+    ``ReLU(e^x - 1) / (Σ |e^x - 1| + eps · e^{max(m, 0)})``, with ``expm1`` near 0. Rows sum to ≤ 1."""
 
     uses_sdpa = False
     defaults: ClassVar[dict[str, Any]] = {"eps": 1e-6}
