@@ -46,8 +46,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.w = _no_decay(nn.Parameter(torch.ones(d_model)))
-        self.hook_scale = HookPoint()
-        self.hook_normalized = HookPoint()
+        self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if not (_hooked(self.hook_scale) or _hooked(self.hook_normalized)):
@@ -151,8 +150,7 @@ class MLP(nn.Module):
         self.gated = cfg.family == "llama"
         self.W_in = nn.Parameter(torch.empty(D, M))
         self.W_out = nn.Parameter(torch.empty(M, D))
-        self.hook_pre = HookPoint()
-        self.hook_post = HookPoint()
+        self.hook_pre, self.hook_post = HookPoint(), HookPoint()
         if self.gated:
             self.W_gate = nn.Parameter(torch.empty(D, M))
             self.hook_pre_linear = HookPoint()
@@ -192,10 +190,9 @@ class Block(nn.Module):
 
 class SinkLM(HookedRootModule):
     """A decoder-only LM: ``llama`` (RMSNorm, SwiGLU, RoPE, GQA) or ``gpt2`` (LayerNorm, GELU, learned positions,
-    biases), tied embeddings, attention variant ``cfg.variant``.
-
-    Init as GPT-2: weights ~ N(0, init_std²), ``W_O``/``W_out`` ~ N(0, (init_std / sqrt(2·n_layers))²); a
-    ``headwise_rms`` model then calibrates its gains (:func:`calibrate_headwise_gains`, seeded).
+    biases), tied embeddings, attention variant ``cfg.variant``. Init as GPT-2: weights ~ N(0, init_std²),
+    ``W_O``/``W_out`` ~ N(0, (init_std / sqrt(2·n_layers))²); a ``headwise_rms`` model then calibrates its gains
+    (:func:`calibrate_headwise_gains`, seeded).
 
     Examples:
         >>> model = SinkLM(ModelConfig.from_preset("tiny", n_ctx=16, d_vocab=32))

@@ -171,8 +171,7 @@ class QKNorm(AttentionVariant):
 
     def __init__(self, **sizes_and_options: Any) -> None:
         super().__init__(**sizes_and_options)
-        self.q_gain = nn.Parameter(torch.ones(self.d_head))
-        self.k_gain = nn.Parameter(torch.ones(self.d_head))
+        self.q_gain, self.k_gain = nn.Parameter(torch.ones(self.d_head)), nn.Parameter(torch.ones(self.d_head))
 
     def transform_qk(self, q: Tensor, k: Tensor, attn: nn.Module) -> tuple[Tensor, Tensor]:
         eps = self.options["eps"]
