@@ -104,8 +104,7 @@ def _save_checkpoint(run_dir: Path, model: Any, optimizer: Any, cfg: TrainConfig
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _fsync(root)
-    tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is not None and not (run_dir / TOKENIZER).is_dir():
+    if (tokenizer := getattr(model, "tokenizer", None)) is not None and not (run_dir / TOKENIZER).is_dir():
         save_tokenizer(run_dir, tokenizer)
     write_json(run_dir / POINTER, {"format": 3, "step": step, "dir": f"{CHECKPOINTS}/{final.name}"}, digits=None)
     _fsync(run_dir)
