@@ -190,8 +190,7 @@ def discard_set_aside(run_dir: str | Path) -> None:
 
 
 def set_aside_to_recover(run_dir: str | Path) -> Path | None:
-    """The newest set-aside run where ``run_dir`` holds no checkpoint (its overwrite was killed before its first),
-    which :func:`recover_set_aside` puts back; None otherwise."""
+    """The newest set-aside run if ``run_dir`` has no checkpoint (its overwrite died before its first), else None."""
     aside = set_aside_runs(run_dir)
     return aside[0] if aside and not has_checkpoint(run_dir) else None
 
