@@ -1,7 +1,6 @@
-"""Run folders and their checkpoints: one step saved, loaded and verified as a unit, nothing pickled.
-
-A step is written into ``checkpoints/.tmp-*``, fsynced, renamed to ``step-N``; ``checkpoint.json`` is switched
-last, so a kill leaves the old or the new checkpoint current. The step before stays as a fallback."""
+"""Run folders and their checkpoints: one step saved, loaded and verified as a unit, nothing pickled. A step is
+written into ``checkpoints/.tmp-*``, fsynced, renamed to ``step-N``; ``checkpoint.json`` is switched last, so a kill
+leaves the old or the new checkpoint current; the step before stays as a fallback."""
 from __future__ import annotations
 
 import json
@@ -62,8 +61,7 @@ def unwrap_model(model: Any) -> Any:
 
 def save_checkpoint(run_dir: str | Path, *, model: Any, optimizer: torch.optim.Optimizer | None, cfg: TrainConfig,
                     step: int, scaler: Any = None) -> Path:
-    """Write the checkpoint of ``model`` after ``step`` steps as one unit and return its folder; a failed write
-    raises OutputNotWritableError naming the checkpoint still current."""
+    """Write the checkpoint after ``step`` as one unit and return its folder; OutputNotWritableError if that fails."""
     from safetensors import SafetensorError
     run_dir = Path(run_dir)
     try:
@@ -106,8 +104,7 @@ def _save_checkpoint(run_dir: Path, model: Any, optimizer: Any, cfg: TrainConfig
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     _fsync(root)
-    tokenizer = getattr(model, "tokenizer", None)
-    if tokenizer is not None and not (run_dir / TOKENIZER).is_dir():
+    if (tokenizer := getattr(model, "tokenizer", None)) is not None and not (run_dir / TOKENIZER).is_dir():
         save_tokenizer(run_dir, tokenizer)
     write_json(run_dir / POINTER, {"format": 3, "step": step, "dir": f"{CHECKPOINTS}/{final.name}"}, digits=None)
     _fsync(run_dir)
@@ -235,8 +232,7 @@ def load_run(run_dir: str | Path) -> RunCheckpoint:
         problems.append(f"{run_dir / POINTER} is unreadable or names a folder other than its step's "
                         f"{CHECKPOINTS}/step-N (never followed)")
     for step, path in candidates:
-        problem = verify_checkpoint(path)
-        if problem is None:
+        if (problem := verify_checkpoint(path)) is None:
             if problems:
                 warnings.warn(f"The current checkpoint of {str(run_dir)!r} is broken ({problems[0]}); using the "
                               f"earlier checkpoint of step {step} instead.", stacklevel=2)
@@ -274,8 +270,7 @@ def load_checkpoint(run: str | Path | RunCheckpoint, *, model: Any, optimizer: t
 
 
 def _model(run_dir: Path, cfg: TrainConfig, weights: Path | None, device: str | torch.device | None) -> Any:
-    """A SinkLM of ``cfg`` with ``weights`` (None: the run's initialization), in eval mode, with
-    ``model.train_config`` and ``model.tokenizer`` (text runs)."""
+    """A SinkLM of ``cfg`` with ``weights`` (None: the run's init), in eval mode, with train_config and tokenizer."""
     from sinklens.sinklm.init import sinklm_at_init
     from sinklens.sinklm.model import SinkLM
     device = torch.device(device or "cpu")
@@ -292,15 +287,13 @@ def _model(run_dir: Path, cfg: TrainConfig, weights: Path | None, device: str | 
 
 
 def load_trained_model(run_dir: str | Path, device: str | torch.device | None = None) -> Any:
-    """The SinkLM of a run's newest good checkpoint (:func:`load_run`), in eval mode, with ``model.tokenizer``
-    (text runs) and ``model.train_config``."""
+    """The SinkLM of a run's newest good checkpoint (:func:`load_run`), in eval mode, with tokenizer and train_config."""
     ckpt = load_run(run_dir)
     return _model(ckpt.run_dir, ckpt.config, ckpt.path / WEIGHTS, device)
 
 
 def checkpoint_steps(run_dir: str | Path) -> list[int]:
-    """The steps of the verified checkpoints kept in ``run_dir/checkpoints/``, oldest first (broken ones skipped
-    with a warning)."""
+    """The steps of the verified checkpoints in ``run_dir/checkpoints/``, oldest first (broken ones skipped, warned)."""
     run_dir = Path(run_dir)
     if not is_run_dir(run_dir):
         raise NotFoundError(f"{str(run_dir)!r} is not a sinklens run directory: it has no {CONFIG} or {POINTER}.")
@@ -349,14 +342,13 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
         if not isinstance(kind, str):
             raise CorruptFileError(f"{path}: line {number} has no string \"kind\" (got {kind!r}): {row[:80]!r}.")
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise CorruptFileError(
-                f"{path}: line {number} has no whole-number \"step\" >= 0 (got {step!r}): {row[:80]!r}.")
+            raise CorruptFileError(f"{path}: line {number} has no whole-number \"step\" >= 0 (got {step!r}): "
+                                   f"{row[:80]!r}.")
         if kind == "train" and (isinstance(loss, bool) or not isinstance(loss, (int, float)) or not math.isfinite(loss)):
             got = "no \"loss\"" if "loss" not in line else f"\"loss\": {json.dumps(loss, allow_nan=True)}"
-            raise CorruptFileError(
-                f"{path}: line {number} is a \"train\" line with {got}, not a finite number. sinklens train never writes "
-                "one (a non-finite step is logged as a \"nonfinite\" line), so the file was damaged or edited; fix or "
-                "remove that line.")
+            raise CorruptFileError(f"{path}: line {number} is a \"train\" line with {got}, not a finite number; sinklens "
+                                   "train logs a non-finite step as a \"nonfinite\" line, so the file was damaged or "
+                                   "edited: fix or remove that line.")
         lines.append(with_current_metric_names(line))
     last = {(line["kind"], line["step"]): i for i, line in enumerate(lines)}
     return [line for i, line in enumerate(lines) if line["kind"] not in ("train", "eval")
@@ -367,8 +359,7 @@ def with_current_metric_names(line: dict[str, Any]) -> dict[str, Any]:
     """``line`` with an eval line's lone ``sink_rate`` (sinklens' q >= 1 variant in the stored benchmark curves)
     renamed ``sinklens_sink_rate``."""
     if line.get("kind") == "eval" and "sink_rate" in line and "sinklens_sink_rate" not in line:
-        line = dict(line)
-        line["sinklens_sink_rate"] = line.pop("sink_rate")
+        return {k: v for k, v in line.items() if k != "sink_rate"} | {"sinklens_sink_rate": line["sink_rate"]}
     return line
 
 

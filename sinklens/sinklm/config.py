@@ -1,6 +1,5 @@
-"""Training configuration: nested dataclasses validated in ``__post_init__`` (a bad value or unknown key is an
-InvalidArgumentError naming it); a run's ``config.json`` is ``TrainConfig.to_dict()``. Flags are parsed by tyro.
-The ``Attributes:`` entries are what ``sinklens train --fields`` prints."""
+"""Training configuration: nested dataclasses validated in ``__post_init__``, parsed from flags by tyro; a run's
+``config.json`` is ``TrainConfig.to_dict()``. ``sinklens train --fields`` prints the ``Attributes:`` entries."""
 
 from __future__ import annotations
 
@@ -51,8 +50,7 @@ def _check_unknown(cls: type, data: dict[str, Any]) -> None:
     if not isinstance(data, dict):
         raise InvalidArgumentError(f"{cls.__name__} must be given as a mapping of its fields, got {data!r}.")
     known = {f.name for f in fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
+    if unknown := sorted(set(data) - known):
         close = {key: closest(key, sorted(known)) for key in unknown}
         hints = [f"{match!r}" + (f" for {key!r}" if len(unknown) > 1 else "") for key, match in close.items() if match]
         hint = f" (did you mean {', '.join(hints)}?)" if hints else ""
@@ -67,23 +65,19 @@ class _Part:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Any:
+        """A config from ``to_dict()`` output (a ``config.json``); TrainConfig's sections are built from their dicts."""
         _check_unknown(cls, data)
-        return cls(**data)
+        return cls(**{k: _PARTS[k].from_dict(v) if k in _PARTS and not isinstance(v, _PARTS[k]) else v
+                      for k, v in data.items()})
 
 
 @dataclass
 class ModelConfig(_Part):
     """Shape and attention variant of a :class:`sinklens.sinklm.model.SinkLM`.
 
-    ``variant`` names a registered attention variant, ``variant_options`` its options (checked at build);
-    ``d_vocab="auto"`` takes the data's vocabulary (resolved by :func:`sinklens.train.loop.train`). The
-    :attr:`DERIVED` fields, when None, follow the others: ``n_kv_heads = n_heads``, ``d_mlp = 4·d_model``
-    (gpt2) or ``8·d_model/3`` rounded up to a multiple of 8 (llama, SwiGLU).
-
-    Examples:
-        >>> ModelConfig(d_model=128).d_mlp, ModelConfig(family="gpt2").d_mlp, ModelConfig(n_heads=2).n_kv_heads
-        (344, 256, 2)
-    """
+    ``variant_options`` are the registered ``variant``'s options; ``d_vocab="auto"`` takes the data's vocabulary
+    (:func:`sinklens.train.loop.train`). :attr:`DERIVED` fields left None follow the others: ``n_kv_heads = n_heads``,
+    ``d_mlp = 4·d_model`` (gpt2) or ``8·d_model/3`` rounded up to a multiple of 8 (llama, SwiGLU)."""
 
     DERIVED: typing.ClassVar[tuple[str, ...]] = ("n_kv_heads", "d_mlp")
 
@@ -110,10 +104,8 @@ class ModelConfig(_Part):
         if self.d_vocab != "auto":
             self.d_vocab = positive_int(self.d_vocab, what="model.d_vocab (or 'auto')")
         if self.d_model % self.n_heads:
-            raise InvalidArgumentError(
-                f"n_heads={self.n_heads} does not divide d_model={self.d_model}; pick n_heads among "
-                f"{[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}."
-            )
+            raise InvalidArgumentError(f"n_heads={self.n_heads} does not divide d_model={self.d_model}; pick n_heads "
+                                       f"among {[h for h in range(1, self.d_model + 1) if self.d_model % h == 0]}.")
         self.n_kv_heads = self.n_heads if self.n_kv_heads is None else positive_int(self.n_kv_heads, what="model.n_kv_heads")
         if self.n_heads % self.n_kv_heads:
             raise InvalidArgumentError(f"n_kv_heads={self.n_kv_heads} must divide n_heads={self.n_heads}.")
@@ -143,9 +135,8 @@ class ModelConfig(_Part):
     def unset_derived(self, *, keep: typing.Iterable[str] = ()) -> ModelConfig:
         """A copy (not validated) with the :attr:`DERIVED` fields not in ``keep`` set to None, to derive again."""
         template = dataclasses.replace(self)
-        for name in self.DERIVED:
-            if name not in keep:
-                setattr(template, name, None)
+        for name in set(self.DERIVED) - set(keep):
+            setattr(template, name, None)
         return template
 
     @classmethod
@@ -168,8 +159,7 @@ class OptimConfig(_Part):
         decay_steps: step where the cosine reaches ``min_lr`` (None: the run's total ``steps``).
         weight_decay: decoupled weight decay, applied only to parameters with >= 2 dimensions.
         grad_clip: clip the global gradient norm to this value (0 disables clipping).
-        fused: AdamW implementation: None picks the fused kernel on CUDA and the CPU and the
-            multi-tensor ``foreach`` one elsewhere; True forces fused, False the ``foreach`` one."""
+        fused: None: fused AdamW on CUDA and the CPU, ``foreach`` elsewhere; True forces fused, False ``foreach``."""
 
     lr: float = 1e-3
     min_lr: float | None = None
@@ -243,29 +233,26 @@ class DataConfig(_Part):
 
     def __post_init__(self) -> None:
         self.source = choice(self.source, typing.get_args(DataSource), what="data.source")
-        self.seq_len = positive_int(self.seq_len, what="data.seq_len")
+        for name, minimum in (("seq_len", 1), ("n_triggers", 0), ("max_tokens", 1)):
+            setattr(self, name, positive_int(getattr(self, name), what=f"data.{name}", minimum=minimum))
         self.seed = as_seed(self.seed, what="data.seed")
         self.task_seed = as_seed(self.task_seed, what="data.task_seed")
         self.val_fraction = finite_number(self.val_fraction, what="data.val_fraction", low=0.0, high=1.0, low_open=True, high_open=True)
         self.tokenizer = choice(self.tokenizer, typing.get_args(TokenizerKind), what="data.tokenizer")
         self.bos = as_bool(self.bos, what="data.bos")
         if not self.bos and self.source in SYNTHETIC_SOURCES:
-            raise InvalidArgumentError(
-                f"data.bos=False: the {self.source} task always starts its sequences with its BOS token (id 0), "
-                "the fixed position-0 token of the task; bos applies to text and hf data.")
+            raise InvalidArgumentError(f"data.bos=False: the {self.source} task always starts its sequences with its "
+                                       "BOS token (id 0); bos applies to text and hf data.")
         if self.source in ("text", "memmap", "hf") and not self.path:
             raise InvalidArgumentError(f"data.source={self.source!r} needs data.path (a file, folder or dataset name).")
         if self.vocab_size is not None:
             self.vocab_size = positive_int(self.vocab_size, what="data.vocab_size", minimum=2)
-        self.n_triggers = positive_int(self.n_triggers, what="data.n_triggers", minimum=0)
         self.alpha = finite_number(self.alpha, what="data.alpha", low=0.0, low_open=True)
-        self.max_tokens = positive_int(self.max_tokens, what="data.max_tokens")
 
     def with_absolute_path(self) -> DataConfig:
         """This config with a local ``path`` made absolute (``~`` expanded), as ``config.json`` records it."""
-        if self.source not in LOCAL_DATA_SOURCES or not self.path:
-            return self
-        return dataclasses.replace(self, path=os.path.abspath(Path(str(self.path)).expanduser()))
+        local = self.source in LOCAL_DATA_SOURCES and self.path
+        return dataclasses.replace(self, path=os.path.abspath(Path(str(self.path)).expanduser())) if local else self
 
 
 @dataclass
@@ -275,8 +262,7 @@ class EvalConfig(_Part):
     Attributes:
         interval: evaluate every this many steps (and at the last step); 0 disables.
         batches, batch_size: held-out batches used by every evaluation (the same ones each time).
-        sink_threshold: a head is a sink head when its queries' mean attention on position 0 exceeds this
-            (the ε of Gu et al. 2024).
+        sink_threshold: a head is a sink head when its queries' mean attention on position 0 exceeds this (Gu's ε).
         persistence_sequences: random sequences on which each evaluation compares the token preference and
             contraction direction with step 0 (:mod:`sinklens.train.persistence`); 0 disables.
         persistence_seq_len: their length (capped at data.seq_len).
@@ -291,14 +277,13 @@ class EvalConfig(_Part):
     persistence_seed: int = 0
 
     def __post_init__(self) -> None:
-        for name, minimum in (("interval", 0), ("batches", 1), ("batch_size", 1)):
+        for name, minimum in (("interval", 0), ("batches", 1), ("batch_size", 1), ("persistence_sequences", 0),
+                              ("persistence_seq_len", 2)):
             setattr(self, name, positive_int(getattr(self, name), what=f"eval.{name}", minimum=minimum))
         self.sink_threshold = finite_number(self.sink_threshold, what="eval.sink_threshold", low=0.0, high=1.0,
                                             low_open=True, high_open=True)
-        self.persistence_sequences = positive_int(self.persistence_sequences, what="eval.persistence_sequences", minimum=0)
         if self.persistence_sequences == 1:
             raise InvalidArgumentError("eval.persistence_sequences must be 0 (off) or at least 2, got 1.")
-        self.persistence_seq_len = positive_int(self.persistence_seq_len, what="eval.persistence_seq_len", minimum=2)
         self.persistence_seed = as_seed(self.persistence_seed, what="eval.persistence_seed")
 
 
@@ -323,9 +308,8 @@ class TrainConfig(_Part):
         log_interval: write a metrics line every this many steps.
         checkpoint_interval: write a checkpoint every this many steps (0: only at the end).
         keep_every: keep every keep_every-th periodic checkpoint; 0 keeps the newest and the one before.
-        on_nonfinite: a NaN/inf loss or gradient norm: "stop" raises TrainingDivergedError (the last finite
-            checkpoint stays); "skip" drops the update, up to max_skips steps in a row. Under float16 autocast
-            only a non-finite loss counts (the loss scaler handles gradients).
+        on_nonfinite: on a NaN/inf loss or gradient norm (only the loss under float16), "stop" raises
+            TrainingDivergedError (the last finite checkpoint stays); "skip" drops the update, max_skips times in a row.
         max_skips: non-finite steps skipped in a row before the run stops."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -360,11 +344,9 @@ class TrainConfig(_Part):
         if self.batch_size % self.grad_accum:
             raise InvalidArgumentError(f"batch_size={self.batch_size} must be divisible by grad_accum={self.grad_accum}.")
         if self.data.seq_len > self.model.n_ctx:
-            raise InvalidArgumentError(
-                f"data.seq_len={self.data.seq_len} is longer than the model context model.n_ctx={self.model.n_ctx}; "
-                f"lower data.seq_len or raise model.n_ctx."
-            )
-        if self.compile not in (True, False, "auto") or self.compile in (0, 1) and not isinstance(self.compile, bool):
+            raise InvalidArgumentError(f"data.seq_len={self.data.seq_len} is longer than the model context "
+                                       f"model.n_ctx={self.model.n_ctx}; lower data.seq_len or raise model.n_ctx.")
+        if not isinstance(self.compile, bool) and self.compile != "auto":
             raise InvalidArgumentError(f"compile must be true, false or 'auto', got {self.compile!r}.")
         for name, kind in (("autocast", Autocast), ("cpu_autocast", CpuAutocast), ("on_nonfinite", OnNonFinite),
                            ("log", LogTo)):
@@ -372,13 +354,6 @@ class TrainConfig(_Part):
         if isinstance(self.interventions, str) or not all(isinstance(s, str) for s in self.interventions):
             raise InvalidArgumentError(f"interventions must be a list of 'name:key=value' strings, got {self.interventions!r}.")
         self.interventions = list(self.interventions)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
-        """A config from ``to_dict()`` output (a ``config.json``)."""
-        _check_unknown(cls, data)
-        data = {k: _PARTS[k].from_dict(v) if k in _PARTS and not isinstance(v, _PARTS[k]) else v for k, v in data.items()}
-        return super().from_dict.__func__(cls, data)  # type: ignore[attr-defined]
 
     def replace(self, **changes: Any) -> TrainConfig:
         """A copy with top-level fields replaced (validated again)."""
@@ -398,8 +373,7 @@ def load_config(path: str | Path) -> TrainConfig:
     import tomllib
     try:
         text = path.read_text()
-        data = json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
-        return TrainConfig.from_dict(data)
+        return TrainConfig.from_dict(json.loads(text) if path.suffix == ".json" else tomllib.loads(text))
     except ValueError as error:  # a syntax error (JSON, TOML, not UTF-8), an unknown key or a bad value
         raise InvalidArgumentError(f"Config file {str(path)!r}: {error}") from error
 

@@ -1,7 +1,5 @@
-"""SinkLM: a small decoder for pretraining with attention variants, hooked and shaped like TransformerLens.
-
-Hook names, shapes and weight properties are TransformerLens', plus each variant's own hooks, so every sinklens
-analyzer runs on it. A softmax variant uses SDPA unless its scores or pattern are hooked (same function, tested)."""
+"""SinkLM: a small decoder with attention variants, with TransformerLens' hook names, shapes and weight properties
+(plus each variant's hooks). A softmax variant uses SDPA unless its scores or pattern are hooked."""
 
 from __future__ import annotations
 
@@ -48,8 +46,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.w = _no_decay(nn.Parameter(torch.ones(d_model)))
-        self.hook_scale = HookPoint()
-        self.hook_normalized = HookPoint()
+        self.hook_scale, self.hook_normalized = HookPoint(), HookPoint()
 
     def forward(self, x: Float[Tensor, "batch pos d_model"]) -> Float[Tensor, "batch pos d_model"]:
         if not (_hooked(self.hook_scale) or _hooked(self.hook_normalized)):
@@ -82,24 +79,19 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         H, Hkv, D, dh = cfg.n_heads, cfg.n_key_value_heads, cfg.d_model, cfg.d_head
-        self.W_Q = nn.Parameter(torch.empty(H, D, dh))
-        self.W_K = nn.Parameter(torch.empty(Hkv, D, dh))
-        self.W_V = nn.Parameter(torch.empty(Hkv, D, dh))
-        self.W_O = nn.Parameter(torch.empty(H, dh, D))
+        for name, shape in (("W_Q", (H, D, dh)), ("W_K", (Hkv, D, dh)), ("W_V", (Hkv, D, dh)), ("W_O", (H, dh, D))):
+            setattr(self, name, nn.Parameter(torch.empty(shape)))
         self.has_bias = cfg.family == "gpt2"
         if self.has_bias:
-            self.b_Q = _no_decay(nn.Parameter(torch.zeros(H, dh)))
-            self.b_K = _no_decay(nn.Parameter(torch.zeros(Hkv, dh)))
-            self.b_V = _no_decay(nn.Parameter(torch.zeros(Hkv, dh)))
-            self.b_O = _no_decay(nn.Parameter(torch.zeros(D)))
+            for name, shape in (("b_Q", (H, dh)), ("b_K", (Hkv, dh)), ("b_V", (Hkv, dh)), ("b_O", (D,))):
+                setattr(self, name, _no_decay(nn.Parameter(torch.zeros(shape))))
         self.variant: AttentionVariant = get_attention_variant(cfg.variant)(
             n_heads=H, d_head=dh, d_model=D, n_ctx=cfg.n_ctx, init_std=cfg.init_std, **cfg.variant_options
         )
         self.rotary = cfg.family == "llama"
         if self.rotary:
-            cos, sin = rotary_tables(cfg.n_ctx, dh, cfg.rope_base)  # computed once, moved with the model
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
+            for name, table in zip(("rope_cos", "rope_sin"), rotary_tables(cfg.n_ctx, dh, cfg.rope_base)):
+                self.register_buffer(name, table, persistent=False)  # computed once, moved with the model
         rotated = ("hook_rot_q", "hook_rot_k") if self.rotary else ()
         for site in ("hook_q", "hook_k", "hook_v", *rotated, "hook_attn_scores", "hook_pattern", "hook_z",
                      *self.variant.hook_sites):
@@ -123,8 +115,7 @@ class Attention(nn.Module):
 
     def needs_explicit(self) -> bool:
         """True if the scores/pattern must be materialised: a non-softmax variant or a hook on them."""
-        hooked = (hp.fwd_hooks or hp.bwd_hooks for hp in (self.hook_attn_scores, self.hook_pattern))
-        return not self.variant.uses_sdpa or any(hooked)
+        return not self.variant.uses_sdpa or _hooked(self.hook_attn_scores) or _hooked(self.hook_pattern)
 
     def aggregate(self, q: Tensor, k: Tensor, v: Tensor, *, explicit: bool) -> Float[Tensor, "batch pos head d_head"]:
         """The raw head outputs ``z = Σ_k pattern[q, k] v_k`` (before ``hook_z``)."""
@@ -136,8 +127,7 @@ class Attention(nn.Module):
             return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
         T = q.shape[2]
         scores = (q @ k.transpose(-2, -1)) / math.sqrt(self.cfg.d_head)  # (B, nh, T, T)
-        causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool, device=q.device).triu(1), float("-inf"))
         scores = self.hook_attn_scores(self.variant.logits(scores))
         pattern = self.hook_pattern(self.variant.normalize(scores))
         return (pattern.to(v.dtype) @ v).transpose(1, 2)
@@ -147,8 +137,7 @@ class Attention(nn.Module):
         self.variant.aggregating(q, k)
         z = self.hook_z(self.aggregate(q, k, v, explicit=self.needs_explicit()))
         z = self.variant.transform_z(z, x, self)
-        B, T = z.shape[:2]
-        out = z.reshape(B, T, -1) @ self.W_O.to(z.dtype).flatten(0, 1)  # (B, T, H·dh) @ (H·dh, D)
+        out = z.flatten(2) @ self.W_O.to(z.dtype).flatten(0, 1)  # (B, T, H·dh) @ (H·dh, D)
         return out + self.b_O.to(out.dtype) if self.has_bias else out
 
 
@@ -161,8 +150,7 @@ class MLP(nn.Module):
         self.gated = cfg.family == "llama"
         self.W_in = nn.Parameter(torch.empty(D, M))
         self.W_out = nn.Parameter(torch.empty(M, D))
-        self.hook_pre = HookPoint()
-        self.hook_post = HookPoint()
+        self.hook_pre, self.hook_post = HookPoint(), HookPoint()
         if self.gated:
             self.W_gate = nn.Parameter(torch.empty(D, M))
             self.hook_pre_linear = HookPoint()
@@ -202,14 +190,11 @@ class Block(nn.Module):
 
 class SinkLM(HookedRootModule):
     """A decoder-only LM: ``llama`` (RMSNorm, SwiGLU, RoPE, GQA) or ``gpt2`` (LayerNorm, GELU, learned positions,
-    biases), tied embeddings, attention variant ``cfg.variant``.
-
-    Init as GPT-2: weights ~ N(0, init_std²), ``W_O``/``W_out`` ~ N(0, (init_std / sqrt(2·n_layers))²); a
-    ``headwise_rms`` model then calibrates its gains (:func:`calibrate_headwise_gains`, seeded).
+    biases), tied embeddings, attention variant ``cfg.variant``. Init as GPT-2: weights ~ N(0, init_std²),
+    ``W_O``/``W_out`` ~ N(0, (init_std / sqrt(2·n_layers))²); a ``headwise_rms`` model then calibrates its gains
+    (:func:`calibrate_headwise_gains`, seeded).
 
     Examples:
-        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-        <...>
         >>> model = SinkLM(ModelConfig.from_preset("tiny", n_ctx=16, d_vocab=32))
         >>> model(torch.randint(0, 32, (2, 8))).shape
         torch.Size([2, 8, 32])
@@ -220,10 +205,8 @@ class SinkLM(HookedRootModule):
         if not isinstance(cfg, ModelConfig):
             raise TypeError(f"SinkLM needs a ModelConfig, got {type(cfg).__name__}.")
         if cfg.d_vocab == "auto":
-            raise InvalidArgumentError(
-                "model.d_vocab='auto' must be resolved to the data's vocabulary before the model is built "
-                "(sinklens.train.loop.train does it); pass a number to build a SinkLM directly."
-            )
+            raise InvalidArgumentError("model.d_vocab='auto' must be resolved to the data's vocabulary before the model "
+                                       "is built (sinklens.train.loop.train does it); pass a number to build a SinkLM.")
         self.cfg = cfg
         self.tokenizer: Any = None
         self.embed = nn.Module()
@@ -267,14 +250,13 @@ class SinkLM(HookedRootModule):
         """Logits ``[batch, pos, d_vocab]`` of ``tokens`` (``pos <= n_ctx``), and/or the loss (``return_type``:
         ``"logits"``, ``"loss"``, ``"both"``, None): mean next-token cross-entropy in nats, float32, of
         ``logits[:, t]`` → ``tokens[:, t + 1]``, or → ``targets[:, t]`` when ``targets`` are given."""
+        if return_type not in ("logits", "loss", "both", None):
+            raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}.")
         if tokens.ndim == 1:
             tokens = tokens[None]
-        T = tokens.shape[1]
-        if T > self.cfg.n_ctx:
-            raise InvalidArgumentError(
-                f"Sequence length {T} exceeds the model's context window n_ctx={self.cfg.n_ctx}; "
-                f"pass at most {self.cfg.n_ctx} tokens per sequence."
-            )
+        if (T := tokens.shape[1]) > self.cfg.n_ctx:
+            raise InvalidArgumentError(f"Sequence length {T} exceeds the model's context window n_ctx={self.cfg.n_ctx}; "
+                                       f"pass at most {self.cfg.n_ctx} tokens per sequence.")
         resid = self.hook_embed(F.embedding(tokens, self.W_E))  # = W_E[tokens], with a dense backward kernel
         if self.cfg.family == "gpt2":
             resid = resid + self.hook_pos_embed(self.W_pos[:T].to(resid.dtype).expand_as(resid))
@@ -288,11 +270,7 @@ class SinkLM(HookedRootModule):
         if return_type == "logits":
             return logits
         loss = next_token_loss(logits[:, :-1], tokens[:, 1:]) if targets is None else next_token_loss(logits, targets)
-        if return_type == "loss":
-            return loss
-        if return_type == "both":
-            return logits, loss
-        raise ValueError(f"return_type must be 'logits', 'loss', 'both' or None, got {return_type!r}.")
+        return loss if return_type == "loss" else (logits, loss)
 
     def param_groups(self, weight_decay: float) -> list[dict[str, Any]]:
         """AdamW groups: parameters with ≥ 2 dims decayed (nanoGPT); biases, norm gains and parameters flagged
@@ -360,13 +338,6 @@ class SinkLM(HookedRootModule):
         return torch.stack([b.mlp.W_gate for b in self.blocks]) if self.cfg.family == "llama" else None
 
 
-def _set_gain(gain: nn.Parameter, per_head: Tensor) -> None:
-    if gain.ndim == 2:
-        gain.copy_(per_head[:, None].expand_as(gain).to(gain.dtype))
-    else:
-        gain.fill_(float(per_head.mean()))
-
-
 @torch.no_grad()
 def calibrate_headwise_gains(model: SinkLM, *, n_sequences: int = 8, seed: int = 0) -> Float[Tensor, "layer head"]:
     """Set every head-wise RMSNorm gain to the first token's output std; returns the gains ``[layer, head]``.
@@ -386,7 +357,8 @@ def calibrate_headwise_gains(model: SinkLM, *, n_sequences: int = 8, seed: int =
         q, k, v = attn.project(x.to(model.W_E))
         z0 = attn.aggregate(q, k, v, explicit=False)[:, 0]  # (n_sequences, head, d_head)
         gains.append(z0.float().std(dim=-1, unbiased=False).mean(dim=0))
-        _set_gain(attn.variant.gain, gains[-1])
+        gain = attn.variant.gain
+        gain.copy_(gains[-1][:, None].expand_as(gain) if gain.ndim == 2 else gains[-1].mean().expand_as(gain))
     gains = torch.stack(gains)  # (layer, head)
     shared = attns[0].variant.gain.ndim == 1
     return gains.mean(dim=1, keepdim=True).expand_as(gains).clone() if shared else gains

@@ -22,12 +22,10 @@ from sinklens.sinklm.checkpoint import (
 )
 from sinklens.sinklm.config import LOCAL_DATA_SOURCES, TrainConfig
 
-#: Dotted config keys (a prefix ending in ``.`` covers a section) that say what a run *is*: a resume may not change
-#: them (:func:`resume_changes`), except those in :data:`RESUME_FREE` (where things are kept, not what they are).
+#: Config keys a resume may not change (:func:`resume_changes`; ``x.`` covers a section), except :data:`RESUME_FREE`.
 RUN_IDENTITY: tuple[str, ...] = ("model.", "data.", "seed")
 RESUME_FREE: frozenset[str] = frozenset({"data.cache_dir"})
-#: Entries that a folder which is not a run may not hold for a run to start there (it would replace them, or be
-#: loaded with them: another tool's model or tokenizer).
+#: Entries a folder that is not a run may not hold for a run to start there (another tool's model or tokenizer).
 FOREIGN_BLOCKERS: tuple[str, ...] = (
     CONFIG, POINTER, CHECKPOINTS, TOKENIZER, WEIGHTS, "trainer_state.pt", "optimizer.pt", PERSISTENCE, FINGERPRINT,
     FIGURE, "pytorch_model.bin", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json")
@@ -70,14 +68,13 @@ def resume_changes(saved: TrainConfig, requested: TrainConfig, *, run_dir: str |
     if saved.data.source in LOCAL_DATA_SOURCES and a and b and Path(a).expanduser().resolve() == Path(b).expanduser().resolve():
         new["data.path"] = a
     changes = {key: [old.get(key), new.get(key)] for key in sorted(old.keys() | new.keys()) if old.get(key) != new.get(key)}
-    fixed = [key for key in changes if key.startswith(RUN_IDENTITY) and key not in RESUME_FREE]
-    if fixed:
+    if fixed := [key for key in changes if key.startswith(RUN_IDENTITY) and key not in RESUME_FREE]:
         listed = "; ".join(f"{key} is {changes[key][1]!r} here but {changes[key][0]!r} in the run" for key in fixed)
         raise InvalidArgumentError(
             f"Cannot resume {str(run_dir)!r} with another model, data or seed: {listed}. A resume continues the run "
             "with its own config (sinklens train --out DIR --resume, or train(sinklens.sinklm.run_folder."
-            "resume_config(DIR), out_dir=DIR, resume=True)); it may change steps, optim, eval and the like. For "
-            "another model or data start a new run (another out_dir, or --overwrite).")
+            "resume_config(DIR), out_dir=DIR, resume=True)) and may change steps, optim, eval...; for another model "
+            "or data start a new run (another out_dir, or --overwrite).")
     return changes
 
 
@@ -87,8 +84,7 @@ def write_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> 
 
 
 def check_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> None:
-    """Compare the resumed data with the fingerprint the run stored, if any (InvalidArgumentError naming what
-    changed)."""
+    """InvalidArgumentError naming what changed when the data differ from the fingerprint the run stored."""
     path = Path(run_dir) / FINGERPRINT
     if not path.is_file():
         return
@@ -106,9 +102,8 @@ def check_data_fingerprint(run_dir: str | Path, fingerprint: dict[str, Any]) -> 
 
     labels = {"tokenizer": "the tokenizer (its vocabulary and merges)", "vocab_size": "the vocabulary size",
               "train": "the train token stream", "val": "the validation token stream"}
-    changed = [f"{label} is {shown(fingerprint, key)} now but {shown(stored, key)} in the run"
-               for key, label in labels.items() if stored.get(key) != fingerprint.get(key)]
-    if changed:
+    if changed := [f"{label} is {shown(fingerprint, key)} now but {shown(stored, key)} in the run"
+                   for key, label in labels.items() if stored.get(key) != fingerprint.get(key)]:
         raise InvalidArgumentError(
             f"Cannot resume {str(run_dir)!r}: its data changed since the run started ({'; '.join(changed)}), though "
             "the config names the same data. Restore the data the run trained on, or start a new run (another "
@@ -141,7 +136,7 @@ def clean_stale(run_dir: str | Path) -> list[Path]:
 
 def _own_entries(run_dir: Path) -> list[str]:
     """The entries of ``run_dir`` the run wrote itself: :data:`RUN_ENTRIES` and ``checkpoints/step-*``/``.tmp-*``."""
-    names = [name for name in RUN_ENTRIES if (run_dir / name).exists() or (run_dir / name).is_symlink()]
+    names = [name for name in RUN_ENTRIES if os.path.lexists(run_dir / name)]
     root = run_dir / CHECKPOINTS
     if root.is_dir():
         names += [f"{CHECKPOINTS}/{p.name}" for p in sorted(root.iterdir())
@@ -195,8 +190,7 @@ def discard_set_aside(run_dir: str | Path) -> None:
 
 
 def set_aside_to_recover(run_dir: str | Path) -> Path | None:
-    """The newest set-aside run where ``run_dir`` holds no checkpoint (its overwrite was killed before its first),
-    which :func:`recover_set_aside` puts back; None otherwise."""
+    """The newest set-aside run if ``run_dir`` has no checkpoint (its overwrite died before its first), else None."""
     aside = set_aside_runs(run_dir)
     return aside[0] if aside and not has_checkpoint(run_dir) else None
 
@@ -204,16 +198,15 @@ def set_aside_to_recover(run_dir: str | Path) -> Path | None:
 def recover_set_aside(run_dir: str | Path) -> str | None:
     """At a start, under the run's lock: put back the run that an overwrite killed before its first checkpoint
     set aside; return what was done or found (None: nothing)."""
-    back = set_aside_to_recover(run_dir)
-    if back is None:
-        aside = set_aside_runs(run_dir)
-        return None if not aside else (
-            f"{str(run_dir)!r} still holds the run an earlier overwrite replaced, in {[str(p) for p in aside]} "
-            "(the replacement stopped after a checkpoint of its own); it is deleted once this run writes a "
-            "regular checkpoint. Move its files back into the folder to keep it instead.")
-    restore_set_aside(run_dir, back)
-    return (f"An overwrite of {str(run_dir)!r} was killed before its first checkpoint: the run it was replacing, "
-            f"set aside in {str(back)!r}, is put back.")
+    if (back := set_aside_to_recover(run_dir)) is not None:
+        restore_set_aside(run_dir, back)
+        return (f"An overwrite of {str(run_dir)!r} was killed before its first checkpoint: the run it was replacing, "
+                f"set aside in {str(back)!r}, is put back.")
+    aside = set_aside_runs(run_dir)
+    return None if not aside else (
+        f"{str(run_dir)!r} still holds the run an earlier overwrite replaced, in {[str(p) for p in aside]} "
+        "(the replacement stopped after a checkpoint of its own); it is deleted once this run writes a "
+        "regular checkpoint. Move its files back into the folder to keep it instead.")
 
 
 def check_run_dir(out: Path | None, *, resume: bool, overwrite: bool) -> None:
@@ -227,14 +220,13 @@ def check_run_dir(out: Path | None, *, resume: bool, overwrite: bool) -> None:
         return
     if out.exists() and not out.is_dir():
         raise InvalidArgumentError(f"out_dir {str(out)!r} exists and is not a folder.")
-    foreign = foreign_entries(out)
+    foreign = [] if not out.is_dir() or is_run_dir(out) else [n for n in FOREIGN_BLOCKERS if os.path.lexists(out / n)]
     if foreign and not resume:
         raise OutputExistsError(
             f"out_dir {str(out)!r} is not a sinklens training run but holds {', '.join(foreign)} (another tool's "
-            f"files?), which a run there would replace or be loaded with; "
+            "files?), which a run there would replace or be loaded with; "
             + ("overwrite=True (--overwrite) only replaces a sinklens run. " if overwrite else "")
-            + "Pick an empty or new out_dir."
-        )
+            + "Pick an empty or new out_dir.")
     if resume and not has_checkpoint(out):
         again = (" It stopped before its first checkpoint, so there is nothing to continue: start it again with "
                  "overwrite=True (--overwrite instead of --resume), or pick another out_dir.") if is_run_dir(out) else ""
@@ -242,22 +234,11 @@ def check_run_dir(out: Path | None, *, resume: bool, overwrite: bool) -> None:
     if not resume and not overwrite and is_run_dir(out):
         if not has_checkpoint(out):  # a run that failed before its first checkpoint: --resume cannot continue it
             raise OutputExistsError(
-                f"{str(out)!r} already holds a training run that stopped before its first checkpoint (it has "
-                f"config.json or metrics.jsonl but nothing to resume from). Start it again with overwrite=True "
-                f"(--overwrite), which deletes what it left, or pick another out_dir."
-            )
-        raise OutputExistsError(
-            f"{str(out)!r} already holds a training run. Continue it with resume=True (--resume), replace it "
-            f"with overwrite=True (--overwrite), or pick another out_dir."
-        )
-
-
-def foreign_entries(run_dir: str | Path) -> list[str]:
-    """The :data:`FOREIGN_BLOCKERS` in a folder that is *not* a sinklens run (e.g. a Hugging Face model's files)."""
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir() or is_run_dir(run_dir):
-        return []
-    return [name for name in FOREIGN_BLOCKERS if (run_dir / name).exists() or (run_dir / name).is_symlink()]
+                f"{str(out)!r} already holds a training run that stopped before its first checkpoint (nothing to "
+                "resume from). Start it again with overwrite=True (--overwrite), which deletes what it left, or pick "
+                "another out_dir.")
+        raise OutputExistsError(f"{str(out)!r} already holds a training run. Continue it with resume=True (--resume), "
+                                "replace it with overwrite=True (--overwrite), or pick another out_dir.")
 
 
 class RunLock(FolderLock):

@@ -1,7 +1,6 @@
-"""What a resume needs beyond the weights, stored without pickle: ``trainer_state.json`` (strict JSON: the step,
-Python and numpy RNG states, the grad scaler's state, the optimizer's non-tensor state and param groups) and
-``trainer_state.safetensors`` (the optimizer's tensors as ``optimizer.{param}.{key}``, torch's CPU and CUDA RNG
-states as ``rng.torch``, ``rng.cuda.{i}``). Reading them runs no code, whatever the files hold."""
+"""What a resume needs beyond the weights, as data that runs no code when read: ``trainer_state.json`` (strict JSON:
+step, Python and numpy RNG states, grad scaler, the optimizer's non-tensor state and param groups) and
+``trainer_state.safetensors`` (optimizer tensors ``optimizer.{param}.{key}``, RNG ``rng.torch``, ``rng.cuda.{i}``)."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ def trainer_state(step: int, optimizer: Any, scaler: Any) -> tuple[dict[str, Any
     numpy = np.random.get_state(legacy=False)
     numpy["state"] = {"key": numpy["state"]["key"].tolist(), "pos": int(numpy["state"]["pos"])}
     version, internal, gauss = random.getstate()
-    tensors = {"rng.torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        tensors.update({f"rng.cuda.{i}": s for i, s in enumerate(torch.cuda.get_rng_state_all())})
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+    tensors = {"rng.torch": torch.get_rng_state(), **{f"rng.cuda.{i}": s for i, s in enumerate(cuda)}}
     state: dict[str, Any] = {"format": 3, "step": step, "python_rng": [version, list(internal), gauss],
                              "numpy_rng": numpy, "scaler": scaler.state_dict() if scaler is not None else None}
     if optimizer is not None:
@@ -57,8 +55,7 @@ def read_trainer_state(path: Path) -> tuple[dict[str, Any], dict[str, torch.Tens
 
 
 def restore_trainer_state(state: dict[str, Any], tensors: dict[str, torch.Tensor], optimizer: Any, scaler: Any) -> None:
-    """Put back what :func:`trainer_state` saved; the optimizer keeps the hyperparameters it was built with, so a
-    resume that changes ``optim`` takes effect."""
+    """Put back what :func:`trainer_state` saved; the optimizer keeps its own hyperparameters (a changed ``optim``)."""
     if optimizer is not None and state.get("optimizer") is not None:
         params: dict[int, dict[str, Any]] = {int(p): dict(v) for p, v in state["optimizer"]["state"].items()}
         for name, value in tensors.items():

@@ -1,13 +1,11 @@
-"""Attention variants of :class:`sinklens.sinklm.model.SinkLM`, one small class each, picked by name.
-
-A variant changes up to four steps of a head, in this order (:class:`sinklens.sinklm.model.Attention`)::
+"""Attention variants of :class:`sinklens.sinklm.model.SinkLM`, one small class each, picked by name. A variant
+changes up to four steps of a head, in this order (:class:`sinklens.sinklm.model.Attention`)::
 
     q, k = variant.transform_qk(q, k)            # after hook_q/hook_k, before RoPE (qk_norm)
     scores = variant.logits(q·k / sqrt(d_head))  # causal mask = -inf, then hook_attn_scores
     pattern = variant.normalize(scores)          # softmax / sigmoid / softpick ..., then hook_pattern
     z = variant.transform_z(pattern @ v, x)      # after hook_z: headwise_rms / gated, at its own hook
-
-``uses_sdpa = True`` marks plain softmax in the middle two steps (SDPA runs unless they are hooked)."""
+"""
 
 from __future__ import annotations
 
@@ -31,8 +29,7 @@ def at_least_float32(x: Tensor) -> Tensor:
 def rms_norm(
     x: Float[Tensor, "*batch d"], w: Float[Tensor, "*w_shape"] | None, eps: float
 ) -> Float[Tensor, "*batch d"]:
-    """``w ⊙ x / sqrt(mean(x², -1) + eps)`` over the last axis, in float32, cast back to ``x``'s dtype before
-    the gain."""
+    """``w ⊙ x / sqrt(mean(x², -1) + eps)`` over the last axis, in float32, cast to ``x``'s dtype before the gain."""
     xf = at_least_float32(x)
     if hasattr(F, "rms_norm"):  # torch >= 2.4
         normed = F.rms_norm(xf, xf.shape[-1:], None, eps)
@@ -66,12 +63,16 @@ class AttentionVariant(nn.Module):
     @classmethod
     def check_options(cls, options: dict[str, Any]) -> None:
         """Raise InvalidArgumentError if ``options`` names an option this variant does not take."""
-        unknown = sorted(set(options) - set(cls.defaults))
-        if unknown:
-            raise InvalidArgumentError(
-                f"Unknown option(s) {unknown} for attention variant {cls.__name__}; accepted options "
-                f"(with defaults) are {cls.defaults or 'none'}."
-            )
+        if unknown := sorted(set(options) - set(cls.defaults)):
+            raise InvalidArgumentError(f"Unknown option(s) {unknown} for attention variant {cls.__name__}; accepted "
+                                       f"options (with defaults) are {cls.defaults or 'none'}.")
+
+    def _option(self, name: str, accepted: tuple[str, ...], variant: str) -> str:
+        """``options[name]`` if it is one of ``accepted``, else InvalidArgumentError naming ``variant``."""
+        if (value := self.options[name]) not in accepted:
+            listed = " or ".join([", ".join(map(repr, accepted[:-1])), repr(accepted[-1])])
+            raise InvalidArgumentError(f"{variant} {name} must be {listed}, got {value!r}.")
+        return value
 
     def transform_qk(
         self, q: Float[Tensor, "batch pos head d_head"], k: Float[Tensor, "batch pos kv_head d_head"], attn: nn.Module
@@ -110,12 +111,11 @@ class Baseline(AttentionVariant):
 
 
 class HeadwiseRMSNorm(AttentionVariant):
-    """Head-wise RMSNorm: ``z_normed[t, h] = g_h ⊙ z[t, h] / sqrt(mean_d z[t, h, d]² + eps)`` before ``W_O``.
-
-    As ``HeadRMSNorm`` in Siquan-Li/Head-wise-RMSNorm: gain ``[n_heads, d_head]`` (``gain="per_head"``) or
-    ``[d_head]`` (``"shared"``); ``init="first_token"`` calibrates it with their formula, averaged over 8 draws
-    (:func:`sinklens.sinklm.model.calibrate_headwise_gains`), ``"ones"`` leaves 1. Output at
-    ``attn.hook_z_normed``. Unlike the authors, the gain is never weight-decayed."""
+    """Head-wise RMSNorm: ``z_normed[t, h] = g_h ⊙ z[t, h] / sqrt(mean_d z[t, h, d]² + eps)`` before ``W_O``, at
+    ``attn.hook_z_normed``. As ``HeadRMSNorm`` in Siquan-Li/Head-wise-RMSNorm: gain ``[n_heads, d_head]``
+    (``gain="per_head"``) or ``[d_head]`` (``"shared"``); ``init="first_token"`` calibrates it with their formula,
+    averaged over 8 draws (:func:`sinklens.sinklm.model.calibrate_headwise_gains`), ``"ones"`` leaves 1. Unlike the
+    authors, the gain is never weight-decayed."""
 
     hook_sites = ("hook_z_normed",)
     output_site = "hook_z_normed"
@@ -123,12 +123,9 @@ class HeadwiseRMSNorm(AttentionVariant):
 
     def __init__(self, **sizes_and_options: Any) -> None:
         super().__init__(**sizes_and_options)
-        if self.options["gain"] not in ("per_head", "shared"):
-            raise InvalidArgumentError(f"headwise_rms gain must be 'per_head' or 'shared', got {self.options['gain']!r}.")
-        if self.options["init"] not in ("first_token", "ones"):
-            raise InvalidArgumentError(f"headwise_rms init must be 'first_token' or 'ones', got {self.options['init']!r}.")
-        shape = (self.n_heads, self.d_head) if self.options["gain"] == "per_head" else (self.d_head,)
-        self.gain = nn.Parameter(torch.ones(shape))
+        per_head = self._option("gain", ("per_head", "shared"), "headwise_rms") == "per_head"
+        self._option("init", ("first_token", "ones"), "headwise_rms")
+        self.gain = nn.Parameter(torch.ones((self.n_heads, self.d_head) if per_head else (self.d_head,)))
         self.gain._no_weight_decay = True  # type: ignore[attr-defined]
 
     def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
@@ -141,7 +138,6 @@ class HeadwiseRMSNorm(AttentionVariant):
 
 class Gated(AttentionVariant):
     """Gated attention (Qiu et al. 2025, position G1): ``z'[t, h] = z[t, h] ⊙ sigmoid(x[t] W_G[h])``, x the ln1 output.
-
     ``granularity="elementwise"``: ``W_G [n_heads, d_model, d_head]``; ``"headwise"``: ``[n_heads, d_model]``.
     No bias. Hooks ``attn.hook_gate`` (the sigmoid) and ``attn.hook_z_gated``."""
 
@@ -151,13 +147,9 @@ class Gated(AttentionVariant):
 
     def __init__(self, **sizes_and_options: Any) -> None:
         super().__init__(**sizes_and_options)
-        granularity = self.options["granularity"]
-        if granularity == "elementwise":
-            self.W_G = nn.Parameter(torch.empty(self.n_heads, self.d_model, self.d_head))
-        elif granularity == "headwise":
-            self.W_G = nn.Parameter(torch.empty(self.n_heads, self.d_model))
-        else:
-            raise InvalidArgumentError(f"gated granularity must be 'elementwise' or 'headwise', got {granularity!r}.")
+        headwise = self._option("granularity", ("elementwise", "headwise"), "gated") == "headwise"
+        shape = (self.n_heads, self.d_model) if headwise else (self.n_heads, self.d_model, self.d_head)
+        self.W_G = nn.Parameter(torch.empty(shape))
         nn.init.normal_(self.W_G, std=self.init_std)
 
     def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
@@ -179,19 +171,15 @@ class QKNorm(AttentionVariant):
 
     def __init__(self, **sizes_and_options: Any) -> None:
         super().__init__(**sizes_and_options)
-        self.q_gain = nn.Parameter(torch.ones(self.d_head))
-        self.k_gain = nn.Parameter(torch.ones(self.d_head))
+        self.q_gain, self.k_gain = nn.Parameter(torch.ones(self.d_head)), nn.Parameter(torch.ones(self.d_head))
 
     def transform_qk(self, q: Tensor, k: Tensor, attn: nn.Module) -> tuple[Tensor, Tensor]:
         eps = self.options["eps"]
-        q = attn.hook_q_normed(rms_norm(q, self.q_gain, eps))
-        k = attn.hook_k_normed(rms_norm(k, self.k_gain, eps))
-        return q, k
+        return attn.hook_q_normed(rms_norm(q, self.q_gain, eps)), attn.hook_k_normed(rms_norm(k, self.k_gain, eps))
 
 
 class SigmoidAttention(AttentionVariant):
     """Sigmoid attention: ``pattern[q, k] = sigmoid(q·k/sqrt(d_head) + b)`` for ``k <= q``, else 0 (rows unnormalised).
-
     ``bias="neg_log_n"``: ``b = -log(n_ctx)`` (Ramapuram et al. 2024); a number sets ``b``. ``b`` is in
     ``hook_attn_scores``."""
 
@@ -201,12 +189,9 @@ class SigmoidAttention(AttentionVariant):
     def __init__(self, **sizes_and_options: Any) -> None:
         super().__init__(**sizes_and_options)
         bias = self.options["bias"]
-        if bias == "neg_log_n":
-            self.bias = -math.log(self.n_ctx)
-        elif isinstance(bias, (int, float)) and not isinstance(bias, bool):
-            self.bias = float(bias)
-        else:
+        if bias != "neg_log_n" and (isinstance(bias, bool) or not isinstance(bias, (int, float))):
             raise InvalidArgumentError(f"sigmoid bias must be 'neg_log_n' or a number, got {bias!r}.")
+        self.bias = -math.log(self.n_ctx) if bias == "neg_log_n" else float(bias)
 
     def logits(self, scores: Tensor) -> Tensor:
         return scores + self.bias
@@ -217,7 +202,6 @@ class SigmoidAttention(AttentionVariant):
 
 class SinkLogit(AttentionVariant):
     """Softmax with one learnable logit ``s_h`` per head in an extra, value-less key column (gpt-oss "sinks").
-
     ``pattern[q, k] = exp(x_qk) / (exp(s_h) + Σ_{k' <= q} exp(x_qk'))``: rows sum to less than 1; ``s_h = 0``
     is the off-by-one softmax. The hooks hold the real keys only; ``sink`` starts at ``init`` (0.0)."""
 
@@ -236,10 +220,9 @@ class SinkLogit(AttentionVariant):
 
 
 class Softpick(AttentionVariant):
-    """Softpick (Zuhri et al. 2025): ``ReLU(e^x - 1) / (Σ_window |e^x - 1| + eps)`` over the finite logits.
-
-    In the authors' stable form (both sides times ``e^{-m}``, ``m`` the detached row max clamped at 0), so the
-    function is ``ReLU(e^x - 1) / (Σ |e^x - 1| + eps · e^{max(m, 0)})``, with ``expm1`` near 0. Rows sum to ≤ 1."""
+    """Softpick (Zuhri et al. 2025): ``ReLU(e^x - 1) / (Σ_window |e^x - 1| + eps)`` over the finite logits, in the
+    authors' stable form (both sides times ``e^{-m}``, ``m`` the detached row max clamped at 0), so the function is
+    ``ReLU(e^x - 1) / (Σ |e^x - 1| + eps · e^{max(m, 0)})``, with ``expm1`` near 0. Rows sum to ≤ 1."""
 
     uses_sdpa = False
     defaults: ClassVar[dict[str, Any]] = {"eps": 1e-6}
@@ -248,8 +231,7 @@ class Softpick(AttentionVariant):
         x = at_least_float32(scores)
         window = torch.isfinite(x)
         x = torch.where(window, x, torch.zeros_like(x))  # keep inf out of both branches (NaN-free grads)
-        m = torch.where(window, x, torch.full_like(x, -torch.inf)).amax(dim=-1, keepdim=True)
-        m = m.clamp(min=0.0).detach()
+        m = torch.where(window, x, torch.full_like(x, -torch.inf)).amax(dim=-1, keepdim=True).clamp(min=0.0).detach()
         positive = -torch.exp(x - m) * torch.expm1(-x.clamp(min=0.0))
         negative = torch.exp(-m) * torch.expm1(x.clamp(max=0.0))
         shifted = torch.where(window, torch.where(x >= 0, positive, negative), torch.zeros_like(x))
@@ -263,9 +245,8 @@ _VARIANTS: dict[str, type[AttentionVariant]] = {}
 def register_attention_variant(name: str, cls: type[AttentionVariant]) -> type[AttentionVariant]:
     """Register an :class:`AttentionVariant` subclass under ``name``; raises ``ValueError`` if taken."""
     if name in _VARIANTS:
-        raise ValueError(
-            f"Attention variant {name!r} is already registered ({_VARIANTS[name].__name__}); pick another name."
-        )
+        raise ValueError(f"Attention variant {name!r} is already registered ({_VARIANTS[name].__name__}); pick "
+                         "another name.")
     if not (isinstance(cls, type) and issubclass(cls, AttentionVariant)):
         raise TypeError(f"An attention variant must subclass AttentionVariant, got {cls!r}.")
     _VARIANTS[name] = cls
@@ -286,19 +267,14 @@ def attention_variants() -> list[str]:
     return sorted(_VARIANTS)
 
 
-CALIBRATION_MODES: tuple[str, ...] = ("amplify", "attenuate", "position_amplify", "position_attenuate")
-
-
 class VarianceCalibrated(AttentionVariant):
-    """Variance-calibrated softmax attention: each head's output ``z_t`` times a per-position factor.
-
-    Aggregation scales a head output's variance by ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under uniform causal
-    attention: the positional discrepancy of *Transformers Are Born Biased*, arXiv 2602.05927). The paper
-    publishes no code; the modes are our causal definitions, each making ``Var(z_t)`` position-independent
-    under uniform attention: ``amplify`` ``1/sqrt(s_t)``; ``attenuate`` ``sqrt(s_ref/s_t)``, ``s_ref = 1/n_ctx``;
-    ``position_amplify`` ``sqrt(t+1)``; ``position_attenuate`` ``sqrt((t+1)/n_ctx)``. ``s_t`` comes from the
-    pattern, or on the SDPA path from ``exp(LSE(2x) - 2 LSE(x))`` of the logits (same function, tested).
-    Output at ``attn.hook_z_calibrated``."""
+    """Variance-calibrated softmax attention: each head's output ``z_t`` times a per-position factor, at
+    ``attn.hook_z_calibrated``. Aggregation scales a head output's variance by ``s_t = Σ_j A_tj²`` (``1/(t+1)`` under
+    uniform causal attention: the positional discrepancy of *Transformers Are Born Biased*, arXiv 2602.05927). The
+    paper publishes no code; our causal modes each make ``Var(z_t)`` position-independent under uniform attention:
+    ``amplify`` ``1/sqrt(s_t)``; ``attenuate`` ``sqrt(s_ref/s_t)``, ``s_ref = 1/n_ctx``; ``position_amplify``
+    ``sqrt(t+1)``; ``position_attenuate`` ``sqrt((t+1)/n_ctx)``. ``s_t`` comes from the pattern, or on the SDPA
+    path from ``exp(LSE(2x) - 2 LSE(x))`` of the logits."""
 
     hook_sites = ("hook_z_calibrated",)
     output_site = "hook_z_calibrated"
@@ -306,11 +282,8 @@ class VarianceCalibrated(AttentionVariant):
 
     def __init__(self, **sizes_and_options: Any) -> None:
         super().__init__(**sizes_and_options)
-        if self.options["mode"] not in CALIBRATION_MODES:
-            raise InvalidArgumentError(
-                f"variance_calibrated mode must be one of {list(CALIBRATION_MODES)}, got {self.options['mode']!r}."
-            )
-        self.mode: str = self.options["mode"]
+        modes = ("amplify", "attenuate", "position_amplify", "position_attenuate")
+        self.mode = self._option("mode", modes, "variance_calibrated")
         self._qk: tuple[Tensor, Tensor] | None = None
         self._sumsq: Tensor | None = None
 
@@ -323,31 +296,23 @@ class VarianceCalibrated(AttentionVariant):
             self._sumsq = at_least_float32(pattern).pow(2).sum(dim=-1)  # (B, nh, T)
         return pattern
 
-    def _sumsq_from_logits(self, attn: nn.Module) -> Tensor:
+    def _sumsq_from_logits(self) -> Tensor:
         q, k = self._qk  # (B, T, nh, hs): those the aggregation ran on (after RoPE and hook_rot_q/k edits)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        if k.shape[1] != q.shape[1]:
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        q, k = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(q.shape[2] // k.shape[2], dim=1)
         x = (at_least_float32(q) @ at_least_float32(k).transpose(-2, -1)) / math.sqrt(self.d_head)  # (B, nh, T, T)
         T = x.shape[-1]
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        x = x.masked_fill(~causal, float("-inf"))
+        x = x.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
         return torch.exp(torch.logsumexp(2 * x, dim=-1) - 2 * torch.logsumexp(x, dim=-1))
 
-    def factor(self, z: Tensor, attn: nn.Module) -> Float[Tensor, "batch pos head 1"]:
-        """The multiplier of ``z`` for this forward (see the modes above), in at least float32."""
-        T = z.shape[1]
-        if self.mode.startswith("position_"):
-            f = torch.arange(1, T + 1, device=z.device, dtype=torch.promote_types(z.dtype, torch.float32)).sqrt()
-            if self.mode == "position_attenuate":
-                f = f / math.sqrt(self.n_ctx)
-            return f[None, :, None, None]
-        s = self._sumsq if self._sumsq is not None else self._sumsq_from_logits(attn)
-        f = torch.where(s > 0, s, torch.ones_like(s)).rsqrt().transpose(1, 2)[..., None]  # (B, T, nh, 1)
-        return f / math.sqrt(self.n_ctx) if self.mode == "attenuate" else f
-
     def transform_z(self, z: Tensor, x: Tensor, attn: nn.Module) -> Tensor:
-        f = self.factor(z, attn)
+        """``z`` times this forward's factor (see the modes above), computed in at least float32."""
+        if self.mode.startswith("position_"):
+            f = torch.arange(1, z.shape[1] + 1, device=z.device, dtype=torch.promote_types(z.dtype, torch.float32)).sqrt()
+            f = (f / math.sqrt(self.n_ctx) if self.mode == "position_attenuate" else f)[None, :, None, None]
+        else:
+            s = self._sumsq if self._sumsq is not None else self._sumsq_from_logits()
+            f = torch.where(s > 0, s, torch.ones_like(s)).rsqrt().transpose(1, 2)[..., None]  # (B, T, nh, 1)
+            f = f / math.sqrt(self.n_ctx) if self.mode == "attenuate" else f
         self._sumsq, self._qk = None, None
         return attn.hook_z_calibrated(z * f.to(z.dtype))
 
