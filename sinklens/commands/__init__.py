@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import shutil
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -20,16 +22,11 @@ if TYPE_CHECKING:
 DEFAULT_RANDOM_SEQUENCES = 16
 
 
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    def __init__(self, prog: str) -> None:
-        import shutil
-
-        super().__init__(prog, width=min(shutil.get_terminal_size().columns, 100) - 2, max_help_position=26)
-
-
 def add_command(subparsers: Any, name: str, doc: str | None, *, help: str) -> argparse.ArgumentParser:
     """The parser of the sub-command ``name``, its module's docstring ``doc`` as the description."""
-    return subparsers.add_parser(name, help=help, description=doc, formatter_class=HelpFormatter)
+    width = min(shutil.get_terminal_size().columns, 100) - 2
+    formatter = functools.partial(argparse.RawDescriptionHelpFormatter, width=width, max_help_position=26)
+    return subparsers.add_parser(name, help=help, description=doc, formatter_class=formatter)
 
 
 def add_model_flags(parser: argparse.ArgumentParser) -> None:
@@ -61,14 +58,33 @@ def json_target(path: str | None, *, overwrite: bool) -> Path | str | None:
     return file
 
 
-def write_json_target(target: Path | str | None, data: Any, *, overwrite: bool) -> None:
-    """Write ``data`` to the ``--json`` target at full precision (strict JSON)."""
+def write_json_target(target: Path | str | None, data: Any, *, overwrite: bool, text: str | None = None) -> None:
+    """Write ``data`` to the ``--json`` target at full precision (strict JSON) and print ``text``, the file first (a
+    reader that closes stdout, ``| head``, must not cost it); with ``--json -`` the text goes to stderr."""
     from sinklens.export import dumps, write_json
 
+    if target not in (None, "-"):
+        write_json(target, data, digits=None, replace=overwrite)
+    if text is not None:
+        print(text, file=sys.stderr if target == "-" else sys.stdout)
     if target == "-":
         print(dumps(data, digits=None, indent=1))
-    elif target is not None:
-        write_json(target, data, digits=None, replace=overwrite)
+
+
+def int_list(text: str | None, flag: str) -> list[int] | None:
+    """``text`` as distinct integers separated by commas or spaces (None stays None)."""
+    if text is None:
+        return None
+    try:
+        values = [int(v) for v in text.replace(",", " ").split()]
+    except ValueError:
+        raise InvalidArgumentError(f"{flag} expects integers separated by commas, got {text!r}.") from None
+    if not values:
+        raise InvalidArgumentError(f"{flag} is empty; give at least one integer (e.g. {flag} 0,1).")
+    # the Python API keeps the first of each (validate.index_list); on the command line it is a typo
+    if repeated := [v for i, v in enumerate(values) if v in values[:i]]:
+        raise InvalidArgumentError(f"{flag} {text!r} gives {repeated[0]} more than once; give each value once.")
+    return values
 
 
 def check_model_flags(args: argparse.Namespace) -> None:
@@ -82,8 +98,7 @@ def check_model_flags(args: argparse.Namespace) -> None:
 
 
 def add_overwrite_flag(parser: argparse.ArgumentParser, finished: str) -> None:
-    parser.add_argument("--overwrite", action="store_true",
-                        help=f"replace {finished}")
+    parser.add_argument("--overwrite", action="store_true", help=f"replace {finished}")
 
 
 @contextlib.contextmanager
@@ -112,9 +127,7 @@ def outside_run_internals(path: Path, *, what: str, file: bool) -> None:
 
     target = path.expanduser().absolute()
     folder = target.parent if file else target
-    for run in (folder, *folder.parents):
-        if not is_run_dir(run):
-            continue
+    for run in filter(is_run_dir, (folder, *folder.parents)):
         inside = target.relative_to(run).parts
         if inside and inside[0] in (CHECKPOINTS, TOKENIZER):
             raise OutputNotWritableError(
@@ -126,11 +139,11 @@ def outside_run_internals(path: Path, *, what: str, file: bool) -> None:
                 "break the run. Choose another file name.")
 
 
-def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, text_flag: str | None,
-                        prepend_bos: bool | None) -> list[TokenBatch] | None:
+def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str,
+                        text_flag: str | None) -> list[TokenBatch] | None:
     """The random-token batches a command runs on, or None when it runs on text: ``args.random_tokens``
     sequences of ``args.seq_len`` tokens (default ``min(SEQ_LEN, n_ctx)``); a model without a tokenizer runs on
-    :data:`DEFAULT_RANDOM_SEQUENCES` of them. They start with BOS when ``prepend_bos`` and the model has one."""
+    :data:`DEFAULT_RANDOM_SEQUENCES` of them. They start with BOS when ``args.bos`` and the model has one."""
     from sinklens import distributed
     from sinklens.hooks import model_dims
     from sinklens.inputs import random_token_batches, resolved_bos
@@ -140,26 +153,24 @@ def random_token_inputs(model: Any, args: argparse.Namespace, *, command: str, t
     has_tokenizer = getattr(model, "tokenizer", None) is not None
     n_ctx = model_dims(model).n_ctx
     seq_len_within_context(args.seq_len, n_ctx)
-    batch_size = getattr(args, "batch_size", BATCH_SIZE)
     data = getattr(getattr(model, "train_config", None), "data", None)  # a synthetic task starts with BOS id 0
-    bos = resolved_bos(model, prepend_bos) and (has_tokenizer or getattr(data, "source", None) in SYNTHETIC_SOURCES)
-    seq_len = args.seq_len or min(SEQ_LEN, n_ctx)
-    if args.random_tokens is not None:
-        return random_token_batches(model, n_sequences=args.random_tokens, seq_len=seq_len,
-                                    batch_size=batch_size, prepend_bos=bos)
-    if has_tokenizer:
+    bos = resolved_bos(model, args.bos) and (has_tokenizer or getattr(data, "source", None) in SYNTHETIC_SOURCES)
+    seq_len, n_sequences = args.seq_len or min(SEQ_LEN, n_ctx), args.random_tokens
+    if n_sequences is None and has_tokenizer:
         if args.seq_len is not None:
             cut = " (cut them with --max-length)" if hasattr(args, "max_length") else ""
             raise InvalidArgumentError(f"--seq-len {args.seq_len} sets the length of --random-tokens sequences, and "
                                        f"this {command} runs on text prompts{cut}.")
         return None
-    if text_flag is not None:
-        raise InvalidArgumentError(f"{text_flag} needs a tokenizer, and the model {str(args.model)!r} has none "
-                                   "(trained on synthetic data?); use --random-tokens N.")
-    if distributed.is_main():
-        start = ", each starting with the task's BOS token 0 as in training" if bos else ""
-        print(f"sinklens {command}: {str(args.model)!r} has no tokenizer (trained on synthetic data?); running on "
-              f"{DEFAULT_RANDOM_SEQUENCES} random-token sequences of {seq_len} tokens{start} instead", file=sys.stderr)
-    return random_token_batches(model, n_sequences=DEFAULT_RANDOM_SEQUENCES, seq_len=seq_len, batch_size=batch_size,
+    if n_sequences is None:
+        if text_flag is not None:
+            raise InvalidArgumentError(f"{text_flag} needs a tokenizer, and the model {str(args.model)!r} has none "
+                                       "(trained on synthetic data?); use --random-tokens N.")
+        n_sequences = DEFAULT_RANDOM_SEQUENCES
+        if distributed.is_main():
+            start = ", each starting with the task's BOS token 0 as in training" if bos else ""
+            print(f"sinklens {command}: {str(args.model)!r} has no tokenizer (trained on synthetic data?); running on "
+                  f"{n_sequences} random-token sequences of {seq_len} tokens{start} instead", file=sys.stderr)
+    return random_token_batches(model, n_sequences=n_sequences, seq_len=seq_len, batch_size=args.batch_size,
                                 prepend_bos=bos)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 from sinklens.commands import (
     add_bos_flag, add_command, add_model_flags, add_overwrite_flag, check_model_flags, outside_run_internals,
-    result_folder,
+    random_token_inputs, result_folder,
 )
 from sinklens.errors import InvalidArgumentError
 from sinklens.options import SEQ_LEN
@@ -57,15 +57,12 @@ def _check_args(args: argparse.Namespace) -> None:
     if not str(args.model).strip():
         raise InvalidArgumentError(f"--model is empty ({args.model!r}); give a model name, a path or a Hub id.")
     check_model_flags(args)
-    optional_positive_int(args.seq_len, what="--seq-len", minimum=2)  # the sink and a later position
-    optional_positive_int(args.max_length, what="--max-length", minimum=2)
-    optional_positive_int(args.random_tokens, what="--random-tokens")
-    optional_positive_int(args.stdlib_text, what="--stdlib-text")
-    text_flag = _text_flag(args)
+    for flag, minimum in (("seq_len", 2), ("max_length", 2), ("random_tokens", 1), ("stdlib_text", 1)):  # 2: sink + one
+        optional_positive_int(getattr(args, flag), what="--" + flag.replace("_", "-"), minimum=minimum)
     if args.random_tokens is not None and args.max_length is not None:
         raise InvalidArgumentError(f"--max-length {args.max_length} truncates text prompts; --random-tokens sequences "
                                    "are --seq-len tokens long.")
-    if text_flag is not None and args.seq_len is not None:
+    if (text_flag := _text_flag(args)) is not None and args.seq_len is not None:
         raise InvalidArgumentError(f"--seq-len {args.seq_len} sets the length of --random-tokens sequences; "
                                    f"{text_flag} prompts are cut with --max-length.")
     if empty := [i for i, t in enumerate(args.text or []) if not t.strip()]:
@@ -78,45 +75,30 @@ def _check_args(args: argparse.Namespace) -> None:
 
 
 def _text_flag(args: argparse.Namespace) -> str | None:
-    """The text-source flag given (``--text``, ``--prompts`` or ``--stdlib-text``), or None."""
     return "--text" if args.text else "--prompts" if args.prompts else "--stdlib-text" if args.stdlib_text else None
 
 
 def _inputs(args: argparse.Namespace, model: Any) -> object:
-    """The analysis inputs the flags ask for (``None``: the built-in prompts); random tokens for a model
-    without a tokenizer (:func:`sinklens.commands.random_token_inputs`)."""
-    from sinklens.commands import random_token_inputs
+    """The analysis inputs the flags ask for (``None``: the built-in prompts; random tokens without a tokenizer)."""
     from sinklens.prompts import stdlib_text_prompts
     from sinklens.validate import text_lines
 
     if getattr(model, "tokenizer", None) is None and args.max_length is not None:
         raise InvalidArgumentError(f"--max-length {args.max_length} truncates text prompts, and the model "
                                    f"{str(args.model)!r} has no tokenizer; set the random sequences' length with --seq-len.")
-    batches = random_token_inputs(model, args, command="analyze", text_flag=_text_flag(args), prepend_bos=args.bos)
+    batches = random_token_inputs(model, args, command="analyze", text_flag=_text_flag(args))
     if batches is not None:
         return batches
-    if args.text:
-        return list(args.text)
     if args.prompts is not None:
         return text_lines(args.prompts, what="--prompts")
     if args.stdlib_text is not None:
         return stdlib_text_prompts(args.stdlib_text, what="--stdlib-text")
-    return None  # the built-in prompt set
+    return list(args.text) if args.text else None  # None: the built-in prompt set
 
 
 def run(args: argparse.Namespace) -> int:
     """Under ``torchrun --nproc_per_node N`` every process loads the model and streams its share of the
     batches (:mod:`sinklens.distributed`); only rank 0 prints and writes the report."""
-    from sinklens import distributed
-
-    out_existed = Path(args.out).expanduser().exists()
-    _check_args(args)
-    with (result_folder(args.out, ["report.json", "summary.txt"], overwrite=args.overwrite, existed=out_existed),
-          distributed.session(args.device) as device):
-        return _analyze(args, device)
-
-
-def _analyze(args: argparse.Namespace, device: str | None) -> int:
     from sinklens import distributed
     from sinklens.analysis.report import analyze
     from sinklens.hooks import model_dims
@@ -125,24 +107,27 @@ def _analyze(args: argparse.Namespace, device: str | None) -> int:
     from sinklens.plotting.report import save_report  # matplotlib: not for --help
     from sinklens.validate import seq_len_within_context
 
-    start = time.perf_counter()
-    main = distributed.is_main()
-    if main:
-        print(f"loading {args.model} ...", file=sys.stderr)
-    model = load_model(args.model, device=device, dtype=args.dtype)
-    inputs = _inputs(args, model)
-    text = inputs is None or isinstance(inputs[0], str)  # random-token batches keep their --seq-len
-    n_ctx = model_dims(model).n_ctx
-    # the default cut is capped at the model's context; an explicit --max-length beyond it is refused by name
-    seq_len_within_context(args.max_length, n_ctx, what="--max-length")
-    max_length = args.max_length or min(_DEFAULT_MAX_LENGTH, n_ctx)
-    report = analyze(model, inputs, model_name=str(args.model), verify=args.verify,
-                     options=RunOptions(batch_size=args.batch_size, prepend_bos=args.bos,
-                                        max_length=max_length if text else None))
-    if not main:
-        return 0
-    written = save_report(report, args.out, figures=not args.no_figures)  # first: a closed stdout must not lose the analysis
-    print(report.summary())
-    print(f"\nwrote {len(written)} files to {args.out}/ in {time.perf_counter() - start:.1f} s "
-          f"(report.json{', figures' if not args.no_figures else ''})")
+    out_existed = Path(args.out).expanduser().exists()
+    _check_args(args)
+    with (result_folder(args.out, ["report.json", "summary.txt"], overwrite=args.overwrite, existed=out_existed),
+          distributed.session(args.device) as device):
+        start = time.perf_counter()
+        if distributed.is_main():
+            print(f"loading {args.model} ...", file=sys.stderr)
+        model = load_model(args.model, device=device, dtype=args.dtype)
+        inputs = _inputs(args, model)
+        text = inputs is None or isinstance(inputs[0], str)  # random-token batches keep their --seq-len
+        n_ctx = model_dims(model).n_ctx
+        # the default cut is capped at the model's context; an explicit --max-length beyond it is refused by name
+        seq_len_within_context(args.max_length, n_ctx, what="--max-length")
+        max_length = args.max_length or min(_DEFAULT_MAX_LENGTH, n_ctx)
+        report = analyze(model, inputs, model_name=str(args.model), verify=args.verify,
+                         options=RunOptions(batch_size=args.batch_size, prepend_bos=args.bos,
+                                            max_length=max_length if text else None))
+        if not distributed.is_main():
+            return 0
+        written = save_report(report, args.out, figures=not args.no_figures)  # first: a closed stdout must not lose it
+        print(report.summary())
+        print(f"\nwrote {len(written)} files to {args.out}/ in {time.perf_counter() - start:.1f} s "
+              f"(report.json{', figures' if not args.no_figures else ''})")
     return 0

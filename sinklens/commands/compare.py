@@ -1,10 +1,9 @@
 """Loss and sink metrics of several training runs on shared axes.
 
-Per run: status (finished, diverged, incomplete), final loss, last sink metrics and the
-steps its smoothed loss took to reach the target (default: the first run's final loss), on
-the steps all runs logged; n/a (null in --json) where undefined. --positional measures the
-positional discrepancy at init and at each kept checkpoint (--set keep_every=1 keeps them
-all), drawn beside the --out figure (compare.png -> compare-positional.png).
+Per run: status (finished, diverged, incomplete), final loss, last sink metrics and the steps
+its smoothed loss took to reach the target (default: the first run's final loss), on the steps
+all runs logged; n/a (null in --json) where undefined. --positional draws the positional
+discrepancy at init and at each kept checkpoint beside --out (compare-positional.png).
 
 Examples:
     sinklens compare runs/baseline runs/headwise --out compare.png
@@ -96,34 +95,25 @@ def on_common_steps(runs: dict[str, list[dict]]) -> tuple[dict[str, list[dict]],
     import math
 
     interval = math.lcm(*(log_interval(lines) for lines in runs.values()))
-    kept = {}
-    for label, lines in runs.items():
-        last = max((line["step"] for line in lines if line["kind"] == "train"), default=None)
-        kept[label] = [line for line in lines
-                       if line["kind"] != "train" or line["step"] % interval == 0 or line["step"] == last]
-    return kept, interval
+    last = {label: max((line["step"] for line in lines if line["kind"] == "train"), default=None)
+            for label, lines in runs.items()}
+    return {label: [line for line in lines if line["kind"] != "train" or line["step"] % interval == 0
+                    or line["step"] == last[label]] for label, lines in runs.items()}, interval
 
 
 def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoothing: int = 10,
               steps: dict[str, int | None] | None = None) -> list[dict]:
-    """Per run: final smoothed loss, steps to ``target``, last eval and :func:`run_status`.
-
-    The smoothed loss at step ``s`` is the mean of the losses logged at ``s - smoothing < t <= s``
-    (:func:`sinklens.plotting.training.smooth`) on the common steps (:func:`on_common_steps`);
-    ``steps_to_target`` is the first step where it is ``<= target`` (default: the first run's final one).
-    """
+    """Per run: final smoothed loss, steps to ``target``, last eval and :func:`run_status`. The smoothed loss at step
+    ``s`` is the mean of the losses logged at ``s - smoothing < t <= s`` on the common steps (:func:`on_common_steps`);
+    ``steps_to_target`` is the first step where it is ``<= target`` (default: the first run's final one)."""
     import math
 
     from sinklens.errors import InvalidArgumentError
-    from sinklens.plotting.training import smooth, steps_to_loss
+    from sinklens.plotting.training import smoothed_loss, steps_to_loss
 
     statuses = {label: run_status(lines, (steps or {}).get(label)) for label, lines in runs.items()}
     runs, interval = on_common_steps(runs)
-    finals = {}
-    for label, lines in runs.items():
-        train = [line for line in lines if line["kind"] == "train"]
-        steps = [line["step"] for line in train]
-        finals[label] = smooth([line["loss"] for line in train], smoothing, steps=steps)[-1] if train else float("nan")
+    finals = {label: (smoothed_loss(lines, smoothing)[1] or [math.nan])[-1] for label, lines in runs.items()}
     if target is None:
         first, target = next(iter(finals.items()))
         if not math.isfinite(target):
@@ -134,21 +124,14 @@ def summarize(runs: dict[str, list[dict]], *, target: float | None = None, smoot
     rows = []
     for label, lines in runs.items():
         evals = [line for line in lines if line["kind"] == "eval"]
-        rows.append({
-            "run": label,
-            "final_loss": finals[label],
-            "target_loss": target,
-            "steps_to_target": steps_to_loss(lines, target, smoothing=smoothing),
-            "common_log_interval": interval,
-            **statuses[label],
-            **({k: v for k, v in evals[-1].items() if k != "kind"} if evals else {}),
-        })
+        rows.append({"run": label, "final_loss": finals[label], "target_loss": target,
+                     "steps_to_target": steps_to_loss(lines, target, smoothing=smoothing), "common_log_interval": interval,
+                     **statuses[label], **({k: v for k, v in evals[-1].items() if k != "kind"} if evals else {})})
     return rows
 
 
 def run_labels(run_dirs: list[str], labels: list[str] | None = None) -> list[str]:
-    """One distinct label per run: ``labels`` as given, else ``"<variant> @ <folder name>"`` (the path as given
-    where two runs share a folder name); a bad ``labels`` raises InvalidArgumentError."""
+    """One distinct label per run: ``labels``, else ``"<variant> @ <folder name>"`` (the path where two share a name)."""
     from sinklens.errors import CorruptFileError, InvalidArgumentError
 
     if twice := [path for path, n in Counter(str(Path(r).resolve()) for r in run_dirs).items() if n > 1]:
@@ -178,8 +161,7 @@ def run_labels(run_dirs: list[str], labels: list[str] | None = None) -> list[str
 
 
 def figure_path(path: str | Path, *, what: str = "--out") -> Path:
-    """``path`` (``.png`` added without a suffix), checked before any work: a writable file outside a run's own
-    folders (:class:`OutputNotWritableError`), with a suffix matplotlib saves (:class:`InvalidArgumentError`)."""
+    """``path`` (``.png`` added without a suffix), checked first: writable, outside a run, a suffix matplotlib saves."""
     from matplotlib.backend_bases import FigureCanvasBase
 
     from sinklens.errors import InvalidArgumentError
@@ -227,21 +209,19 @@ def run(args: argparse.Namespace) -> int:
                                                         options=RunOptions(progress=True, desc="positional"))
                         for label, run_dir in zip(labels, args.runs)}
         plot_positional_over_training(trajectories, path=positional_out)
-    write_json_target(target, rows, overwrite=args.overwrite)
-    if target != "-":
-        every = rows[0]["common_log_interval"]
-        print(f"target loss {metric_text(rows[0]['target_loss'])} (training loss = mean of the losses logged in the last "
-              f"{args.smoothing} steps" + (f", at the steps all runs logged: every {every} and each run's last" if every > 1
-                                           else "") + ")")
-        for row in rows:
-            steps = row["steps_to_target"]
-            extra = "".join(f", {key} {metric_text(row[key], '.3f')}" for key in ("sink_rate", "sinklens_sink_rate") if key in row)
-            if "persistence_spearman" in row:
-                extra += (f", vs step 0: preference Spearman {metric_text(row['persistence_spearman'], '.3f')} / Kendall "
-                          f"{metric_text(row.get('persistence_kendall'), '.3f')}, direction |cos| "
-                          f"{metric_text(row.get('persistence_direction_cos'), '.3f')}")
-            print(f"{row['run']}: {status_text(row)}, final loss {metric_text(row['final_loss'])}, "
-                  f"steps to target {steps if steps is not None else 'never'}{extra}")
+    every = rows[0]["common_log_interval"]
+    lines = [f"target loss {metric_text(rows[0]['target_loss'])} (training loss = mean of the losses logged in the last "
+             f"{args.smoothing} steps" + (f", at the steps all runs logged: every {every} and each run's last" if every > 1
+                                          else "") + ")"]
+    for row in rows:
+        extra = "".join(f", {key} {metric_text(row[key], '.3f')}" for key in ("sink_rate", "sinklens_sink_rate") if key in row)
+        if "persistence_spearman" in row:
+            extra += (f", vs step 0: preference Spearman {metric_text(row['persistence_spearman'], '.3f')} / Kendall "
+                      f"{metric_text(row.get('persistence_kendall'), '.3f')}, direction |cos| "
+                      f"{metric_text(row.get('persistence_direction_cos'), '.3f')}")
+        lines.append(f"{row['run']}: {status_text(row)}, final loss {metric_text(row['final_loss'])}, steps to target "
+                     f"{'never' if row['steps_to_target'] is None else row['steps_to_target']}{extra}")
+    write_json_target(target, rows, overwrite=args.overwrite, text="\n".join(lines))  # tables to stderr with --json -
     print(f"figure: {out}", file=info)
     if positional_out is not None:  # the first-token attention-output variance ratio per layer, by checkpoint
         for label, traj in trajectories.items():

@@ -1,6 +1,5 @@
-"""Sinks against context length: one sequence of the standard library's sources per
-length, read from queries and keys (memory linear in the length).
-Writes long_context.json and long_context.png to --out.
+"""Sinks against context length: one sequence of the standard library's sources per length, read
+from queries and keys (memory linear in the length); writes long_context.json and .png to --out.
 
 Examples:
     sinklens context                                   # SmolLM2 at 256, 1024 and 4096 tokens
@@ -13,7 +12,9 @@ import argparse
 import time
 from pathlib import Path
 
-from sinklens.commands import add_bos_flag, add_command, add_model_flags, add_overwrite_flag, check_model_flags, result_folder
+from sinklens.commands import (
+    add_bos_flag, add_command, add_model_flags, add_overwrite_flag, check_model_flags, int_list, result_folder,
+)
 
 FILES = ("long_context.json", "long_context.png")
 
@@ -33,7 +34,6 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from sinklens.analysis.long_context import context_sweep
-    from sinklens.errors import InvalidArgumentError
     from sinklens.export import write_json
     from sinklens.loading import load_model
     from sinklens.options import RunOptions
@@ -41,10 +41,7 @@ def run(args: argparse.Namespace) -> int:
     from sinklens.plotting.style import save_figure
     from sinklens.validate import writable_dir
 
-    try:
-        lengths = [int(n) for n in args.lengths.split(",")]
-    except ValueError:
-        raise InvalidArgumentError(f"--lengths must be comma-separated token counts, got {args.lengths!r}.") from None
+    lengths = int_list(args.lengths, "--lengths")
     check_model_flags(args)
     existed = Path(args.out).expanduser().exists()
     out = writable_dir(args.out, what="--out")

@@ -12,7 +12,6 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import sys
 
 from sinklens.commands import (
     add_command, add_json_flag, add_model_flags, add_overwrite_flag, check_model_flags, json_target, write_json_target,
@@ -65,12 +64,8 @@ def run(args: argparse.Namespace) -> int:
                          buffer_k=args.buffer_k, identity_mode=args.identity_mode, alpha=args.alpha,
                          seed=args.seed, options=options)
     # full precision: p_value and alpha may differ in the 7th digit, and the file must say which is smaller
-    data = {"model_a": args.model_a, "model_b": args.model_b, **result.to_dict()}
-    if target != "-":  # written first: a closed stdout (`| head`) must not lose the result
-        write_json_target(target, data, overwrite=args.overwrite)
-    print(f"A = {args.model_a}\nB = {args.model_b}\n{result.summary()}", file=sys.stderr if target == "-" else sys.stdout)
-    if target == "-":
-        write_json_target(target, data, overwrite=args.overwrite)
-    elif target is not None:
+    write_json_target(target, {"model_a": args.model_a, "model_b": args.model_b, **result.to_dict()},
+                      overwrite=args.overwrite, text=f"A = {args.model_a}\nB = {args.model_b}\n{result.summary()}")
+    if target not in (None, "-"):
         print(f"wrote {target}")
     return 0

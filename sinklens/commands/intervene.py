@@ -11,13 +11,12 @@ Examples:
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sinklens.commands import (
-    add_bos_flag, add_command, add_json_flag, add_model_flags, add_overwrite_flag, check_model_flags, json_target,
-    outside_run_internals, random_token_inputs, write_json_target,
+    add_bos_flag, add_command, add_json_flag, add_model_flags, add_overwrite_flag, check_model_flags, int_list,
+    json_target, outside_run_internals, random_token_inputs, write_json_target,
 )
 from sinklens.errors import InvalidArgumentError
 from sinklens.options import SEQ_LEN
@@ -25,21 +24,6 @@ from sinklens.options import SEQ_LEN
 if TYPE_CHECKING:
     from sinklens.interventions import registry
     from sinklens.interventions.experiments import InterventionResult
-
-
-def _int_list(text: str | None, flag: str) -> list[int] | None:
-    if text is None:
-        return None
-    try:
-        values = [int(v) for v in text.replace(",", " ").split()]
-    except ValueError:
-        raise InvalidArgumentError(f"{flag} expects integers separated by commas, got {text!r}.") from None
-    if not values:
-        raise InvalidArgumentError(f"{flag} is empty; give at least one integer (e.g. {flag} 0,1).")
-    # the Python API keeps the first of each (validate.index_list); on the command line it is a typo
-    if repeated := [v for i, v in enumerate(values) if v in values[:i]]:
-        raise InvalidArgumentError(f"{flag} {text!r} gives {repeated[0]} more than once; give each value once.")
-    return values
 
 
 def add_parser(subparsers: Any) -> None:
@@ -71,7 +55,7 @@ def add_parser(subparsers: Any) -> None:
 
 def _method_options(entry: registry.Intervention, args: argparse.Namespace) -> dict[str, Any]:
     """The factory options given on the command line; an option the method does not take is an error."""
-    given = {"alpha": args.alpha, "site": args.site, "neurons": _int_list(args.neurons, "--neurons")}
+    given = {"alpha": args.alpha, "site": args.site, "neurons": int_list(args.neurons, "--neurons")}
     kw = {k: v for k, v in given.items() if v is not None}
     if extra := [key for key in kw if key not in entry.options()]:
         raise InvalidArgumentError(f"--{extra[0]} does not apply to --method {args.method} ({entry.name}).")
@@ -81,7 +65,7 @@ def _method_options(entry: registry.Intervention, args: argparse.Namespace) -> d
 def check_args(args: argparse.Namespace) -> registry.Intervention:
     """Validate everything that needs no model (method, lists, output paths), before the model loads."""
     from sinklens.interventions import registry
-    from sinklens.validate import no_finished_output, optional_positive_int, positive_int, writable_dir
+    from sinklens.validate import no_finished_output, optional_positive_int, writable_dir
 
     entry = registry.get(args.method)
     if entry.role not in ("create", "remove"):
@@ -89,8 +73,7 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
     if entry.role == "create" and args.position is None:
         raise InvalidArgumentError(f"--method {args.method} needs --position K (the position to turn into a sink).")
     check_model_flags(args)
-    if args.position is not None:  # its upper bound (the prompt) is checked once the model has tokenized it
-        positive_int(args.position, what="--position", minimum=0)
+    optional_positive_int(args.position, what="--position", minimum=0)  # upper bound: once tokenized
     optional_positive_int(args.random_tokens, what="--random-tokens")
     optional_positive_int(args.seq_len, what="--seq-len", minimum=2)  # the sink and a later position
     if args.seq_len is not None and args.text is not None:
@@ -98,13 +81,13 @@ def check_args(args: argparse.Namespace) -> registry.Intervention:
     if entry.name == "edit_neurons" and args.layers is None:
         raise InvalidArgumentError("--method edit-neurons needs --layers: a neuron index names a different neuron "
                                    "in each layer.")
-    _int_list(args.layers, "--layers")
-    _int_list(args.dims, "--dims")
+    int_list(args.layers, "--layers")
+    int_list(args.dims, "--dims")
     _method_options(entry, args)
     for option in entry.requires:
         if getattr(args, option, None) is None:
             raise InvalidArgumentError(f"--method {args.method} needs --{option} ({entry.requires[option]}).")
-    json_target(args.json, overwrite=args.overwrite)
+    args.json = json_target(args.json, overwrite=args.overwrite)
     if args.out is not None:
         outside_run_internals(Path(args.out), what="--out", file=False)
         out = writable_dir(args.out, what="--out", create=False)
@@ -117,13 +100,11 @@ def intervene(model: Any, args: argparse.Namespace, entry: registry.Intervention
     from sinklens.interventions.experiments import create_sink, remove_sink
     from sinklens.options import RunOptions
 
-    common = dict(layers=_int_list(args.layers, "--layers"), dims=_int_list(args.dims, "--dims"),
-                  loss=False if args.no_loss else None,
-                  options=RunOptions(batch_size=args.batch_size, device=args.device, prepend_bos=args.bos,
-                                     progress=False))
+    options = RunOptions(batch_size=args.batch_size, device=args.device, prepend_bos=args.bos, progress=False)
+    common = dict(layers=int_list(args.layers, "--layers"), dims=int_list(args.dims, "--dims"),
+                  loss=False if args.no_loss else None, options=options)
     kw = _method_options(entry, args)
-    batches = random_token_inputs(model, args, command="intervene", text_flag="--text" if args.text else None,
-                                  prepend_bos=args.bos)
+    batches = random_token_inputs(model, args, command="intervene", text_flag="--text" if args.text else None)
     inputs = args.text if batches is None else batches
     if entry.role == "create":
         return create_sink(model, inputs, args.position, method=entry.name, **common, **kw)
@@ -145,28 +126,20 @@ def loss_note(model: Any, args: argparse.Namespace) -> str | None:
     """Why the loss line is missing when the user did not ask for ``--no-loss`` (an encoder has no next-token loss)."""
     from sinklens.inputs import is_encoder
 
-    if not args.no_loss and is_encoder(model):
-        return "next-token loss: not defined for an encoder (bidirectional attention); left out"
-    return None
+    encoder = not args.no_loss and is_encoder(model)
+    return "next-token loss: not defined for an encoder (bidirectional attention); left out" if encoder else None
 
 
 def run(args: argparse.Namespace) -> int:
     from sinklens.loading import load_model
     from sinklens.plotting.interventions import plot_intervention  # matplotlib: only when a figure is drawn
 
-    target = json_target(args.json, overwrite=args.overwrite)  # usage errors before the model loads
-    entry = check_args(args)
+    entry = check_args(args)  # usage errors before the model loads
     model = load_model(args.model, device=args.device, dtype=args.dtype)
     result = intervene(model, args, entry)
-    # files first: a reader that closes stdout (`| head`) must not cost them
-    if target != "-":
-        write_json_target(target, result.to_dict(), overwrite=args.overwrite)
-    if args.out is not None:
+    if args.out is not None:  # files first: a reader that closes stdout (`| head`) must not cost them
         plot_intervention(result, Path(args.out) / "intervention.png")
-    info = sys.stderr if target == "-" else sys.stdout
-    print(format_table(result), file=info)
-    if note := loss_note(model, args):
-        print(note, file=info)
-    if target == "-":
-        write_json_target(target, result.to_dict(), overwrite=args.overwrite)
+    note = loss_note(model, args)
+    write_json_target(args.json, result.to_dict(), overwrite=args.overwrite,
+                      text=format_table(result) + (f"\n{note}" if note else ""))
     return 0

@@ -71,11 +71,9 @@ def effective_init_seed(model_spec: str, init_seed: int | None, model: Any) -> i
     ``SPEC@init`` a run's own seed or 0; None without ``@init`` (the weights as loaded)."""
     from sinklens.loading.init import parse_init_spec
 
-    if init_seed is not None:
-        return init_seed
     parsed = parse_init_spec(str(model_spec))
-    if parsed is None:
-        return None
+    if init_seed is not None or parsed is None:
+        return init_seed
     if parsed.seed is not None:
         return parsed.seed
     train_config = getattr(model, "train_config", None)
@@ -95,14 +93,19 @@ def check_bos(model: Any, model_spec: str) -> None:
         tok = model.tokenizer
         bos, unk = getattr(tok, "bos_token", None), getattr(tok, "unk_token_id", None)
         unknown = ", the unknown token" if unk is not None and getattr(tok, "bos_token_id", None) == unk else ""
-        raise InvalidArgumentError(
-            f"--bos: the tokenizer of {model_spec!r} has no BOS (or CLS) token of its own (bos_token={bos!r}{unknown}); "
-            "run without --bos.") from err
+        raise InvalidArgumentError(f"--bos: the tokenizer of {model_spec!r} has no BOS (or CLS) token of its own "
+                                   f"(bos_token={bos!r}{unknown}); run without --bos.") from err
 
 
 def run(args: argparse.Namespace) -> int:
-    from sinklens.origins.preference import random_tokens_after_bos
-    from sinklens.validate import as_seed, no_finished_output, positive_int, writable_dir
+    from sinklens.errors import UnsupportedArchitectureError
+    from sinklens.export import staged_outputs, write_json, write_text_atomic
+    from sinklens.hooks import model_dims
+    from sinklens.loading import load_model
+    from sinklens.options import RunOptions
+    from sinklens.origins import contraction, positional_discrepancy, token_preference
+    from sinklens.origins.preference import random_tokens_after_bos, refuse_encoder
+    from sinklens.validate import as_seed, no_finished_output, positive_int, seq_len_within_context, writable_dir
 
     outside_run_internals(Path(args.out), what="--out", file=False)
     out = writable_dir(args.out, what="--out", create=False)
@@ -117,65 +120,53 @@ def run(args: argparse.Namespace) -> int:
         as_seed(args.init_seed, what="--init-seed")
         check_init_seed(args.model, args.init_seed)
     with result_folder(out, ["origins.json"], overwrite=args.overwrite):
-        return _measure(args, out)
+        start = time.perf_counter()
+        print(f"loading {args.model}{'' if args.init_seed is None else f' at init (seed {args.init_seed})'} ...",
+              file=sys.stderr)
+        model = load_model(args.model, device=args.device, dtype=args.dtype, init_seed=args.init_seed,
+                           check_patterns=False)
+        n_ctx = model_dims(model).n_ctx
+        seq_len_within_context(args.seq_len, n_ctx)
+        seq_len = args.seq_len or min(SEQ_LEN, n_ctx)
+        random_tokens_after_bos(seq_len, args.bos, what="--seq-len", bos="--bos")
+        if args.bos:
+            check_bos(model, str(args.model))
+        opts = RunOptions(batch_size=args.batch_size, progress=True)
+        common = dict(n_sequences=args.sequences, seq_len=seq_len, prepend_bos=args.bos, seed=args.seed)
+        try:  # token preference cannot run on an encoder
+            refuse_encoder(model, "token preference")
+            skipped = None
+        except UnsupportedArchitectureError as err:
+            skipped = str(err)
+        pref = None if skipped else token_preference(model, **common, options=opts.replace(desc="token preference"))
+        con = contraction(model, **common, options=opts.replace(desc="contraction"))
+        pos = positional_discrepancy(model, **common, options=opts.replace(desc="positional"))
+        ps = None if pref is None else pref.summary()
+        # files first (a reader that closes stdout, `| head`, must not cost them), all at once (staged_outputs): an
+        # error or Ctrl-C while writing leaves an earlier result as it was, and figures it does not draw are removed
+        init_seed = effective_init_seed(str(args.model), args.init_seed, model)
+        with staged_outputs(out, marker="origins.json", owned=(*FIGURE_FILES, "index.md")) as stage:
+            write_json(stage / "origins.json", {"model": str(args.model), "init_seed": init_seed, "token_preference": ps,
+                                                **({"token_preference_skipped": skipped} if skipped else {}),
+                                                "contraction": con.summary(), "positional": pos.summary()})
+            drawn = () if args.no_figures else tuple(FIGURE_FILES)[0 if pref is not None else 1:]
+            if drawn:
+                from sinklens.plotting.origins import plot_contraction, plot_positional, plot_rank_probability
 
-
-def _measure(args: argparse.Namespace, out: Any) -> int:
-    """Load the model, run the three measures, write ``origins.json`` and the figures into ``out``, print."""
-    from sinklens.errors import UnsupportedArchitectureError
-    from sinklens.export import staged_outputs, write_json, write_text_atomic
-    from sinklens.hooks import model_dims
-    from sinklens.loading import load_model
-    from sinklens.options import RunOptions
-    from sinklens.origins import contraction, positional_discrepancy, token_preference
-    from sinklens.origins.preference import random_tokens_after_bos, refuse_encoder
-    from sinklens.validate import seq_len_within_context
-
-    start = time.perf_counter()
-    print(f"loading {args.model}{'' if args.init_seed is None else f' at init (seed {args.init_seed})'} ...", file=sys.stderr)
-    model = load_model(args.model, device=args.device, dtype=args.dtype, init_seed=args.init_seed, check_patterns=False)
-    n_ctx = model_dims(model).n_ctx
-    seq_len_within_context(args.seq_len, n_ctx)
-    seq_len = args.seq_len or min(SEQ_LEN, n_ctx)
-    random_tokens_after_bos(seq_len, args.bos, what="--seq-len", bos="--bos")
-    if args.bos:
-        check_bos(model, str(args.model))
-    opts = RunOptions(batch_size=args.batch_size, progress=True)
-    common = dict(n_sequences=args.sequences, seq_len=seq_len, prepend_bos=args.bos, seed=args.seed)
-    try:  # token preference cannot run on an encoder
-        refuse_encoder(model, "token preference")
-        skipped = None
-    except UnsupportedArchitectureError as err:
-        skipped = str(err)
-    pref = None if skipped else token_preference(model, **common, options=opts.replace(desc="token preference"))
-    con = contraction(model, **common, options=opts.replace(desc="contraction"))
-    pos = positional_discrepancy(model, **common, options=opts.replace(desc="positional"))
-    ps = None if pref is None else pref.summary()
-    # files first (a reader that closes stdout, `| head`, must not cost them), all at once (staged_outputs): an
-    # error or Ctrl-C while writing leaves an earlier result as it was, and figures it does not draw are removed
-    init_seed = effective_init_seed(str(args.model), args.init_seed, model)
-    with staged_outputs(out, marker="origins.json", owned=(*FIGURE_FILES, "index.md")) as stage:
-        write_json(stage / "origins.json", {"model": str(args.model), "init_seed": init_seed, "token_preference": ps,
-                                            **({"token_preference_skipped": skipped} if skipped else {}),
-                                            "contraction": con.summary(), "positional": pos.summary()})
-        drawn = () if args.no_figures else tuple(FIGURE_FILES)[0 if pref is not None else 1:]
-        if drawn:
-            from sinklens.plotting.origins import plot_contraction, plot_positional, plot_rank_probability
-
-            if pref is not None:
-                plot_rank_probability({str(args.model): pref}, path=stage / "rank_probability.png")
-            plot_contraction(con, path=stage / "contraction.png")
-            plot_positional(pos, path=stage / "positional.png")
-            write_text_atomic(stage / "index.md", "\n".join([
-                f"# sinklens origins: {args.model}", "", "- `origins.json`: every number (strict JSON).",
-                *(f"- `{name}`: {FIGURE_FILES[name]}." for name in drawn)]) + "\n")
-    _print_results(ps, skipped, con, pos, getattr(model, "tokenizer", None))
-    print(f"\nwrote {out}/origins.json{f' and {len(drawn)} figures' if drawn else ''} in {time.perf_counter() - start:.1f} s")
+                if pref is not None:
+                    plot_rank_probability({str(args.model): pref}, path=stage / "rank_probability.png")
+                plot_contraction(con, path=stage / "contraction.png")
+                plot_positional(pos, path=stage / "positional.png")
+                write_text_atomic(stage / "index.md", "\n".join([
+                    f"# sinklens origins: {args.model}", "", "- `origins.json`: every number (strict JSON).",
+                    *(f"- `{name}`: {FIGURE_FILES[name]}." for name in drawn)]) + "\n")
+        _print_results(ps, skipped, con, pos, getattr(model, "tokenizer", None))
+        print(f"\nwrote {out}/origins.json{f' and {len(drawn)} figures' if drawn else ''} in "
+              f"{time.perf_counter() - start:.1f} s")
     return 0
 
 
 def _print_results(ps: dict[str, Any] | None, skipped: str | None, con: Any, pos: Any, tok: Any) -> None:
-    """The three measures' tables on stdout."""
     if ps is None:
         print(f"\ntoken preference skipped: {skipped}")
     else:

@@ -54,9 +54,8 @@ def prepare(args: argparse.Namespace):
     from sinklens.validate import as_seed, no_finished_output, positive_int, writable_file
 
     check_model_flags(args)
-    positive_int(args.rows, what="--rows", minimum=3)
-    positive_int(args.seq_len, what="--seq-len", minimum=4)
-    positive_int(args.rank, what="--rank")
+    for flag, minimum in (("rows", 3), ("seq_len", 4), ("rank", 1)):
+        positive_int(getattr(args, flag), what="--" + flag.replace("_", "-"), minimum=minimum)
     as_seed(args.seed, what="--seed")
     plot = writable_file(args.plot, what="--plot") if args.plot else None
     if plot:

@@ -71,8 +71,7 @@ def _model_table(path: str) -> dict:
     import tomllib
 
     file = Path(path).expanduser()
-    text = file.read_text()
-    table = (json.loads(text) if file.suffix == ".json" else tomllib.loads(text)).get("model", {})
+    table = (json.loads if file.suffix == ".json" else tomllib.loads)(file.read_text()).get("model", {})
     return dict(table) if isinstance(table, dict) else {}
 
 
@@ -85,19 +84,17 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     from sinklens.sinklm.run_folder import resume_config
     from sinklens.sinklm.config import PRESETS, ModelConfig, TrainConfig, load_config, parse_flags, set_flags
 
-    explicit: set[str] = set()  # model fields set by the preset's definition, the config file or the run
     resumed = resume_config(args.out) if args.resume and args.out and not args.config else None
+    file_model = {}  # explicit: the model fields set by the config file, the run or the preset's definition
     if args.config:
-        base = load_config(args.config)
-        explicit |= set(_model_table(args.config))
-    elif resumed is not None:
-        base = resumed  # --resume continues the run with its own config
-        explicit |= {f.name for f in fields(ModelConfig)}
+        base, file_model = load_config(args.config), _model_table(args.config)
+        explicit = set(file_model)
+    elif resumed is not None:  # --resume continues the run with its own config
+        base, explicit = resumed, {f.name for f in fields(ModelConfig)}
     else:  # (a --resume with nothing to resume from is refused by train(), as a fresh run there would be)
-        base = TrainConfig()
+        base, explicit = TrainConfig(), set()
     if resumed is None and (args.preset or not (args.config or args.resume)):  # a resumed run's model is its own
         name = args.preset or "tiny"
-        file_model = _model_table(args.config) if args.config else {}
         base = base.replace(model=ModelConfig.from_preset(name, **file_model))
         explicit |= set(PRESETS[name])
     base = replace(base, model=base.model.unset_derived(keep=explicit))
@@ -170,8 +167,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def fields_help() -> str:
-    """``sinklens train --fields``: one line per field flag, its type, default and the first sentence of its
-    description."""
+    """``sinklens train --fields``: one line per field flag: its type, default and first sentence of description."""
     import re
     import types
     import typing

@@ -16,8 +16,7 @@ def _stream_labels(result: Any) -> list[str]:
 
 
 def plot_massive_by_layer(result: MassiveActivations, *, path: str | Path | None = None) -> Any:
-    """Max ``|x|`` per residual-stream index at the sink vs all other positions (log), with the median ``|x|``
-    and the absolute threshold for reference."""
+    """Max ``|x|`` per residual stream at the sink and at all other positions (log), with the median and threshold."""
     expect_result(result, MassiveActivations, "plot_massive_by_layer")
     fig, [[ax]] = new_figure(width=7.0, height=4.0)
     xs, floor = list(range(len(result.streams))), 1e-8
@@ -35,14 +34,12 @@ def plot_massive_by_layer(result: MassiveActivations, *, path: str | Path | None
 
 
 def plot_top_dims(result: MassiveActivations, *, k: int = 10, path: str | Path | None = None) -> Any:
-    """The ``k`` dimensions with the largest ``|x|`` at the sink beside their max elsewhere, at the last
-    residual-stream index analysed."""
+    """At the last residual stream: the ``k`` dims with the largest ``|x|`` at the sink beside their max elsewhere."""
     expect_result(result, MassiveActivations, "plot_top_dims")
     stream = result.streams[-1]
     top = result.top_dims(stream, k, "sink")
-    row = result.streams.index(stream)
     fig, [[ax]] = new_figure(width=7.0, height=4.0)
-    xs = paired_bars(ax, [v for _, v in top], [float(result.max_abs_other[row, d]) for d, _ in top],
+    xs = paired_bars(ax, [v for _, v in top], [float(result.max_abs_other[-1, d]) for d, _ in top],
                      (f"position {result.sink_position}", "other positions"))
     ax.set_xticks(xs, [str(d) for d, _ in top])
     ax.set(yscale="log", xlabel="residual dimension", ylabel="max |activation|",

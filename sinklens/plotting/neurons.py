@@ -18,8 +18,7 @@ def _dim(result: Any, dim: int | None) -> int:
 
 
 def plot_contributions(result: SuperNeurons, *, dim: int | None = None, k: int = 10, path: str | Path | None = None) -> Any:
-    """The ``k`` neurons writing most into ``dim`` towards its peak's sign at the sink (direct
-    contribution, residual units); erasers are not drawn."""
+    """The ``k`` neurons writing most (directly, residual units) into ``dim`` at the sink towards its peak's sign."""
     expect_result(result, SuperNeurons, "plot_contributions")
     dim = _dim(result, dim)
     top = result.top(dim, k)

@@ -15,8 +15,7 @@ from sinklens.plotting.style import expect_result, finish, new_figure, paired_ba
 
 
 def plot_rank_probability(prefs: dict[str, TokenPreference], *, path: str | Path | None = None) -> Any:
-    """Pooled mean next-token probability against its rank (log–log), one line per labelled result,
-    with the uniform level ``1/d_vocab`` dotted."""
+    """Mean next-token probability against its rank (log–log), one line per label; uniform ``1/d_vocab`` dotted."""
     if not isinstance(prefs, dict):
         raise TypeError(f"plot_rank_probability needs {{label: TokenPreference}}, got {type(prefs).__name__}; "
                         "pass e.g. {'my model': token_preference(model)}.")
@@ -36,8 +35,7 @@ def plot_rank_probability(prefs: dict[str, TokenPreference], *, path: str | Path
 
 
 def plot_contraction(result: ContractionResult, *, path: str | Path | None = None) -> Any:
-    """Inter- and intra-sequence mean cosine at every site (embed, attn l, mlp l, final), and each
-    sublayer's share of the change in inter-sequence concentration."""
+    """Inter- and intra-sequence mean cosine at every site, and each sublayer's share of the inter-sequence change."""
     expect_result(result, ContractionResult, "plot_contraction")
     fig, [[ax, ax2]] = new_figure(1, 2, width=6.0, height=4.0)
     names = [s.name for s in result.sites]
@@ -58,8 +56,7 @@ def plot_contraction(result: ContractionResult, *, path: str | Path | None = Non
 
 
 def positive_or_nan(values: np.ndarray) -> np.ndarray:
-    """``values`` with each entry not finite and > 0 replaced by NaN (a log axis leaves it out)."""
-    values = np.asarray(values, dtype=float)
+    """``values`` with NaN for each entry not finite and > 0 (a log axis leaves it out)."""
     return np.where(np.isfinite(values) & (values > 0), values, np.nan)
 
 

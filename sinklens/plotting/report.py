@@ -1,5 +1,4 @@
-"""Writing a :class:`~sinklens.analysis.report.SinkReport` to a folder: ``report.json``,
-``summary.txt``, PNG figures and with them ``index.md`` (one line per file on what it shows)."""
+"""Writing a :class:`~sinklens.analysis.report.SinkReport` to a folder: ``report.json``, ``summary.txt``, figures."""
 
 from __future__ import annotations
 
@@ -36,22 +35,20 @@ FIGURE_FILES = {
     "value_drain.png": "per head, attention to position {p} against the share of the head's write that comes from it, "
                        "by class",
 }
-#: The report folder's index: one line per file it holds.
-INDEX_FILE = "index.md"
 
 
 def save_report(report: SinkReport, out_dir: str | Path, *, figures: bool = True) -> list[Path]:
-    """Write ``report.json``, ``summary.txt`` and (unless ``figures=False``) PNG figures with
-    ``index.md``; return the paths. All are staged and renamed in at the end, so an error leaves
-    an earlier report as it was; an earlier report's figures this one does not draw are removed."""
+    """Write ``report.json``, ``summary.txt`` and (unless ``figures=False``) PNG figures with ``index.md``; return the
+    paths. All are staged and renamed in at the end: an error leaves an earlier report as it was, and an earlier
+    report's figures this one does not draw are removed."""
     out = writable_dir(out_dir, what="out_dir")
     data = report.to_dict()  # computed before anything is written
     text = report.summary() + "\n"
-    with staged_outputs(out, marker="report.json", owned=(*FIGURE_FILES, INDEX_FILE)) as stage:
+    with staged_outputs(out, marker="report.json", owned=(*FIGURE_FILES, "index.md")) as stage:
         staged = [write_json(stage / "report.json", data, digits=None, indent=1), write_text_atomic(stage / "summary.txt", text)]
         if figures:
             staged += [save_figure(draw(), stage / name) for name, draw in figure_makers(report).items()]
-            staged.append(write_text_atomic(stage / INDEX_FILE, index_text(report, [path.name for path in staged])))
+            staged.append(write_text_atomic(stage / "index.md", index_text(report, [path.name for path in staged])))
     return [out / path.name for path in staged]
 
 

@@ -20,13 +20,11 @@ def expect_result(result: Any, kind: type, where: str) -> None:
 
 def new_figure(n_rows: int = 1, n_cols: int = 1, *, width: float = 6.0, height: float = 4.0, **kw: Any):
     """A figure with ``n_rows × n_cols`` axes of ``width × height`` inches each."""
-    size = (width * n_cols, height * n_rows)
-    return plt.subplots(n_rows, n_cols, figsize=size, squeeze=False, **kw)
+    return plt.subplots(n_rows, n_cols, figsize=(width * n_cols, height * n_rows), squeeze=False, **kw)
 
 
 def save_figure(fig: Any, path: str | Path, *, close: bool = True) -> Path:
-    """Save ``fig`` atomically at 120 dpi (default suffix ``.png``, parents created) and close it unless
-    ``close=False``."""
+    """Save ``fig`` atomically at 120 dpi (default suffix ``.png``, parents created); close it unless ``close=False``."""
     path = Path(path)
     if not path.suffix:
         path = path.with_suffix(".png")
@@ -44,10 +42,13 @@ def finish(fig: Any, path: str | Path | None) -> Any:
     return fig
 
 
-def label_layer_rows(ax: Any, layers: Sequence[int]) -> None:
-    """Label an ``imshow``'s rows with their model layers (a subset such as ``[1, 3]`` allowed)."""
-    ax.set_ylabel("layer")
+def layer_head_image(ax: Any, values: Any, layers: Sequence[int], *, label: str = "", **kw: Any) -> None:
+    """A layer × head image with a colour bar labelled ``label``, its rows labelled with their model layers (a subset
+    such as ``[1, 3]`` allowed); ``kw`` go to ``imshow``."""
+    image = ax.imshow(values, aspect="auto", origin="lower", **kw)
+    ax.set(xlabel="head", ylabel="layer")
     ax.set_yticks(range(len(layers)), [str(layer) for layer in layers], fontsize=6 if len(layers) > 16 else 8)
+    ax.figure.colorbar(image, ax=ax, label=label)
 
 
 def paired_bars(ax: Any, left: Sequence[float] | np.ndarray, right: Sequence[float] | np.ndarray,
@@ -63,7 +64,6 @@ def chosen_layers(layers: Sequence[int], wanted: Sequence[int] | None, at_most: 
     """``wanted`` (each one analysed), or up to ``at_most`` evenly spaced ``layers``."""
     if wanted is None:
         return list(layers[:: max(1, len(layers) // at_most)][:at_most])
-    missing = [layer for layer in wanted if layer not in layers]
-    if missing:
+    if missing := [layer for layer in wanted if layer not in layers]:
         raise ValueError(f"Layers {missing} were not analysed; available: {list(layers)}.")
     return list(wanted)

@@ -26,12 +26,6 @@ OPTIONAL_PANELS = {
 }
 
 
-def default_panels(runs: Mapping[str, Sequence[dict[str, Any]]]) -> tuple[str, ...]:
-    """``"loss"``, the sink panels, and the optional panels (:data:`OPTIONAL_PANELS`) at least one run recorded."""
-    present = {key for lines in runs.values() for line in lines if line.get("kind") == "eval" for key in line}
-    return ("loss", *SINK_PANELS, *[p for p in OPTIONAL_PANELS if p in present])
-
-
 def smooth(values: Sequence[float], window: int, *, steps: Sequence[int] | None = None) -> list[float]:
     """Trailing moving average: at logged step ``s``, the mean of the values logged at
     ``s - window < t <= s`` (``steps``: the logged steps, default 0, 1, ...)."""
@@ -52,9 +46,11 @@ def smooth(values: Sequence[float], window: int, *, steps: Sequence[int] | None 
 def plot_training(runs: Mapping[str, Sequence[dict[str, Any]]], *,
                   panels: Sequence[str] | None = None, smoothing: int = 10,
                   path: str | Path | None = None) -> Any:
-    """One panel per metric (default :func:`default_panels`), one line per run of ``{label: metrics lines}``:
-    training loss smoothed over ``smoothing`` steps and the evaluation metrics."""
-    panels = default_panels(runs) if panels is None else tuple(panels)
+    """One panel per metric, one line per run of ``{label: metrics lines}``: training loss smoothed over ``smoothing``
+    steps and the evaluation metrics (default: ``"loss"``, the sink panels and the optional ones a run recorded)."""
+    if panels is None:
+        present = {key for lines in runs.values() for line in lines if line.get("kind") == "eval" for key in line}
+        panels = ("loss", *SINK_PANELS, *[p for p in OPTIONAL_PANELS if p in present])
     fig, axes = new_figure(1, len(panels), width=4.2, height=3.4)
     for ax, panel in zip(axes[0], panels):
         for label, lines in runs.items():

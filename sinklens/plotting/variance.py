@@ -1,5 +1,4 @@
-"""Figures for :class:`~sinklens.analysis.variance.VarianceResult`: variance by position and
-the first-token discrepancy."""
+"""Figures for :class:`~sinklens.analysis.variance.VarianceResult`: variance by position, first-token discrepancy."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import torch
 from matplotlib.colors import LogNorm
 
 from sinklens.analysis.variance import VarianceResult
-from sinklens.plotting.style import chosen_layers, expect_result, finish, label_layer_rows, new_figure
+from sinklens.plotting.style import chosen_layers, expect_result, finish, layer_head_image, new_figure
 from sinklens.validate import optional_index_list
 
 
@@ -59,8 +58,7 @@ def plot_discrepancy(result: VarianceResult, *, position: int = 0, path: str | P
     """Layer × head heatmaps of the variance-discrepancy ratio at ``position`` for ``z`` (left) and
     for the head's output ``z · W_O`` (right), on a log colour scale centred at 1."""
     expect_result(result, VarianceResult, "plot_discrepancy")
-    z = result.discrepancy(position, of="z")
-    res = result.discrepancy(position, of="result")
+    z, res = (result.discrepancy(position, of=of) for of in ("z", "result"))
     both = torch.cat([z.flatten(), res.flatten()])
     both = both[torch.isfinite(both) & (both > 0)]
     span = max(float(both.log10().abs().max()) if both.numel() else 1.0, 0.1)
@@ -68,11 +66,9 @@ def plot_discrepancy(result: VarianceResult, *, position: int = 0, path: str | P
     n_layers, n_heads = z.shape
     fig, axes = new_figure(1, 2, width=max(3.5, 0.4 * n_heads + 2.0), height=max(3.0, 0.2 * n_layers + 1.5))
     for ax, values, title in ((axes[0, 0], z, "Var(z)"), (axes[0, 1], res, "Var(z · W_O)")):
-        image = ax.imshow(values.clamp(min=1e-12).numpy(), aspect="auto", cmap="RdBu_r", norm=norm, origin="lower")
-        ax.set_xlabel("head")
+        layer_head_image(ax, values.clamp(min=1e-12).numpy(), result.layers, cmap="RdBu_r", norm=norm,
+                         label=f"> 1: position {position} varies more than the rest; < 1: less")
         ax.set_title(f"{title}: position {position} / rest", fontsize=9)
-        label_layer_rows(ax, result.layers)
-        fig.colorbar(image, ax=ax, label=f"> 1: position {position} varies more than the rest; < 1: less")
     fig.suptitle(f"variance over {result.n_sequences} sequences", fontsize=9)
     return finish(fig, path)
 
@@ -80,9 +76,8 @@ def plot_discrepancy(result: VarianceResult, *, position: int = 0, path: str | P
 def plot_feature_std_by_position(
     result: VarianceResult, *, layers: Sequence[int] | None = None, path: str | Path | None = None
 ) -> Any:
-    """Li et al.'s per-position feature std against position + 1 (log-log), per layer:
-    ``feature_std`` (solid), the head mean of ``feature_std_head`` (dashed) and
-    ``feature_std[0] / sqrt(t + 1)`` (dotted)."""
+    """Li et al.'s per-position feature std against position + 1 (log-log), per layer: ``feature_std`` (solid), the
+    head mean of ``feature_std_head`` (dashed) and ``feature_std[0] / sqrt(t + 1)`` (dotted)."""
     expect_result(result, VarianceResult, "plot_feature_std_by_position")
 
     def draw(ax: Any, row: int, x: np.ndarray) -> str:
