@@ -76,12 +76,7 @@ def positive_int(value: Any, *, what: str, minimum: int = 1) -> int:
 
 
 def index_list(values: Any, size: int, *, what: str, allow_negative: bool = True) -> list[int]:
-    """An int or a sequence of them (1-D tensors and arrays too) as distinct :func:`index` values, in order.
-
-    Examples:
-        >>> index_list([0, -1, 3], 4, what="layer")
-        [0, 3]
-    """
+    """An int or a sequence of them (1-D tensors and arrays too) as distinct :func:`index` values, in order."""
     if getattr(values, "ndim", 0) == 1 and hasattr(values, "tolist"):  # a 1-D tensor or numpy array
         values = values.tolist()
     raw = list(values) if isinstance(values, Sequence) and not isinstance(values, str) else [values]
@@ -106,22 +101,19 @@ def optional_index_list(values: Any, size: int, *, what: str, allow_negative: bo
 
 def closest(value: Any, known: Iterable[str]) -> str | None:
     """The entry of ``known`` closest to ``value`` (``difflib``'s ratio of at least 0.6), or None."""
-    close = difflib.get_close_matches(str(value), list(known), n=1)
-    return close[0] if close else None
+    return next(iter(difflib.get_close_matches(str(value), list(known), n=1)), None)
 
 
 def did_you_mean(value: Any, known: Iterable[str]) -> str:
     """``" (did you mean 'x'?)"`` for the :func:`closest` entry of ``known``, or ``""`` when none is close."""
-    match = closest(value, known)
-    return f" (did you mean {match!r}?)" if match is not None else ""
+    return f" (did you mean {match!r}?)" if (match := closest(value, known)) is not None else ""
 
 
 def choice(value: Any, options: Sequence[str], *, what: str) -> str:
     """One of ``options`` (a ``Literal`` mode), with a did-you-mean hint."""
     if value in options:
         return value
-    close = closest(value, options)
-    hint = f" Did you mean {close!r}?" if close is not None else ""
+    hint = f" Did you mean {close!r}?" if (close := closest(value, options)) is not None else ""
     raise InvalidArgumentError(f"{what} must be one of {list(options)}, got {value!r}.{hint}")
 
 
@@ -154,7 +146,7 @@ def writable_file(path: Any, *, what: str) -> Path:
     file = Path(path).expanduser()
     if file.is_dir():
         raise OutputNotWritableError(f"{what} {str(file)!r} is a folder; give a file path.")
-    writable_dir(file.parent if str(file.parent) else ".", what=f"the folder of {what}", create=False)
+    writable_dir(file.parent, what=f"the folder of {what}", create=False)
     if file.exists() and not os.access(file, os.W_OK):
         raise OutputNotWritableError(f"{what} {str(file)!r} exists and is not writable.")
     return file
@@ -177,22 +169,14 @@ def optional_positive_int(value: Any, *, what: str, minimum: int = 1) -> int | N
 
 def as_bool(value: Any, *, what: str) -> bool:
     """A real boolean (``True``/``False``, numpy bools and 0-d bool tensors); ``1``, ``"yes"`` ... are refused."""
-    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype == torch.bool:
-        return bool(value.item())
-    if isinstance(value, (bool, np.bool_)):
+    if isinstance(value, (bool, np.bool_)) or (
+            isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype == torch.bool):
         return bool(value)
     raise InvalidArgumentError(f"{what} must be True or False, got {value!r} ({type(value).__name__}).")
 
 
 def prompt_list(prompts: Any, *, what: str = "prompts") -> list[str]:
-    """A string or a non-empty sequence of strings, as a list; mixed lists name the first odd element.
-
-    Examples:
-        >>> prompt_list(["a", 3])
-        Traceback (most recent call last):
-        ...
-        sinklens.errors.InvalidArgumentError: prompts[1] must be a string like the others, got 3 (int).
-    """
+    """A string or a non-empty sequence of strings, as a list; mixed lists name the first odd element."""
     if isinstance(prompts, str):
         return [prompts]
     if not isinstance(prompts, Sequence):
@@ -209,12 +193,7 @@ def prompt_list(prompts: Any, *, what: str = "prompts") -> list[str]:
 
 def token_ids(tokens: Any, d_vocab: int, *, what: str = "token ids") -> torch.Tensor:
     """An integer tensor ``[batch, pos]`` (a 1-D one gains a batch axis) with every id in ``0..d_vocab-1``,
-    checked before any forward pass (on CUDA a bad id is a device-side assert that breaks the process).
-
-    Examples:
-        >>> token_ids(torch.tensor([0, 5, 9]), 10).shape
-        torch.Size([1, 3])
-    """
+    checked before any forward pass (on CUDA a bad id is a device-side assert that breaks the process)."""
     if not isinstance(tokens, torch.Tensor):
         raise InvalidArgumentError(f"{what} must be an integer tensor [batch, pos], got {type(tokens).__name__}.")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
