@@ -134,8 +134,8 @@ def writable_dir(path: Any, *, what: str, create: bool = True) -> Path:
     if not existing.is_dir():
         raise OutputNotWritableError(f"{what} {str(folder)!r} cannot be created: {str(existing)!r} is not a folder.")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise OutputNotWritableError(f"{what} {str(folder)!r} " + (
-            "is not writable." if existing == folder.absolute() else f"cannot be created: {str(existing)!r} is not writable."))
+        why = "is not writable" if existing == folder.absolute() else f"cannot be created: {str(existing)!r} is not writable"
+        raise OutputNotWritableError(f"{what} {str(folder)!r} {why}.")
     return folder
 
 
