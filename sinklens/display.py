@@ -118,8 +118,7 @@ SILENT_RATIO = 1e4
 
 
 def times_elsewhere(ratio: float) -> str:
-    """``ratio`` (a value at the sink over its RMS elsewhere) in words; ``"silent elsewhere"`` above
-    :data:`SILENT_RATIO`.
+    """``ratio`` (a value at the sink over its RMS elsewhere) in words; ``"silent elsewhere"`` above :data:`SILENT_RATIO`.
 
     Examples:
         >>> times_elsewhere(37.2), times_elsewhere(726154543104.0), times_elsewhere(float("nan"))

@@ -153,8 +153,7 @@ def writable_file(path: Any, *, what: str) -> Path:
 
 
 def no_finished_output(paths: Sequence[Path], *, overwrite: bool, flag: str) -> None:
-    """Unless ``overwrite``, raise :class:`~sinklens.errors.OutputExistsError` naming the first of ``paths``
-    that exists and when it was written."""
+    """Unless ``overwrite``, refuse the first of ``paths`` that exists (:class:`OutputExistsError`), saying when."""
     for path in () if overwrite else paths:
         if path.exists():
             when = datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc).strftime("%Y-%m-%d %H:%M")
@@ -264,8 +263,7 @@ def refuse_binary(file: Path, head: bytes, *, what: str, give: str = "a UTF-8 te
 
 
 def text_lines(path: Any, *, what: str) -> list[str]:
-    """The non-empty, stripped lines of a UTF-8 text file; anything else (missing, a folder, a pipe, binary,
-    not UTF-8, no text) raises naming the path."""
+    """The non-empty, stripped lines of a UTF-8 text file; anything else raises naming the path."""
     if path is None or str(path).strip() == "":
         raise InvalidArgumentError(f"{what} is empty; give the path of a text file with one prompt per line.")
     file = Path(path).expanduser()

@@ -35,8 +35,7 @@ def _as_device(device: str | torch.device | None) -> str:
 
 
 def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bool = True, device_map: Any = None) -> Any:
-    """``TransformerBridge.boot_transformers``, without a tokenizer if ``tokenizer=False``; a ``device_map``
-    places the layers with accelerate instead of ``device``."""
+    """``TransformerBridge.boot_transformers`` on ``device`` (or accelerate's ``device_map``), no tokenizer if told."""
     try:
         from transformer_lens.model_bridge import TransformerBridge
     except ImportError as err:
@@ -195,8 +194,7 @@ def _load_dispatched(spec: Any, device: Any, dtype: Any, device_map: str | dict[
 
 
 def eager_experts_in_float64(model: Any) -> None:
-    """Run a float64 mixture of experts (gpt-oss) with transformers' eager expert loop: ``torch._grouped_mm`` has
-    no float64 kernel."""
+    """Run a float64 mixture of experts (gpt-oss) with the eager expert loop: ``torch._grouped_mm`` has no float64."""
     if any(p.dtype == torch.float64 for p in model.parameters()):
         for module in model.modules():
             if hasattr(config := getattr(module, "config", None), "_experts_implementation"):
