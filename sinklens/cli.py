@@ -1,14 +1,16 @@
-"""The ``sinklens`` command line: dispatch to :mod:`sinklens.commands` and apply the error contract
-(:func:`sinklens.errors.exit_code_for`): one line ``sinklens CMD: error: ...`` and exit 2 for a user error, 1 for
-a failure, 130 for Ctrl-C; ``--debug`` or ``SINKLENS_DEBUG=1`` adds the traceback."""
+"""The ``sinklens`` command line: one line ``sinklens CMD: error: ...`` and exit 2 for a user error, 1 for a failure,
+130 for Ctrl-C (:func:`sinklens.errors.exit_code_for`); ``--debug`` or ``SINKLENS_DEBUG=1`` adds the traceback."""
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import difflib
 import importlib
 import os
+import signal
 import sys
+import threading
 import traceback
 import warnings
 from collections.abc import Iterator
@@ -59,40 +61,32 @@ def report_error(command: str, err: BaseException, *, debug: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one command; return its exit code (see :func:`sinklens.errors.exit_code_for`)."""
-    argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        parser = build_parser()
-        args, extra = parser.parse_known_args(argv)
+        args, extra = build_parser().parse_known_args(argv)
     except KeyboardInterrupt:
         print("sinklens: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
     unavailable = getattr(args, "_unavailable", None)
-    debug = (bool(getattr(args, "debug", False)) or (unavailable is not None and "--debug" in extra)
+    debug = (args.debug or (unavailable is not None and "--debug" in extra)
              or os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no", "off"))
     # `train` parses its config field flags (--optim.lr 3e-4) itself; for any other command leftovers are an
     # error (exit 2, like parse_args, with the sub-command's usage line and the closest flag)
     if extra and unavailable is None and not getattr(args, "accepts_config_flags", False):
-        import difflib
-
-        command = args._parser
-        match = difflib.get_close_matches(extra[0], list(command._option_string_actions), n=1)
-        command.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {match[0]}?)" if match else ""))
+        match = difflib.get_close_matches(extra[0], list(args._parser._option_string_actions), n=1)
+        args._parser.error(f"unrecognized arguments: {' '.join(extra)}" + (f" (did you mean {match[0]}?)" if match else ""))
     args.config_flags = extra
     if unavailable is not None:
         if debug:
             traceback.print_exception(type(unavailable), unavailable, unavailable.__traceback__, file=sys.stderr)
-        print(f"sinklens {args.command}: error: this command could not be loaded "
-              f"({type(unavailable).__name__}: {one_line(unavailable)}); the other commands still work.",
-              file=sys.stderr)
+        print(f"sinklens {args.command}: error: this command could not be loaded ({type(unavailable).__name__}: "
+              f"{one_line(unavailable)}); the other commands still work.", file=sys.stderr)
         return EXIT_FAILURE
     try:
         with _cli_context(args.command, debug=debug):
             return int(args.func(args) or 0)
     except BrokenPipeError:  # `sinklens analyze | head`: the reader left; files were written, say nothing more
-        try:
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # no real file descriptor (a captured stdout)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        except (AttributeError, OSError, ValueError):  # no real file descriptor (a captured stdout): nothing to redirect
-            pass
         return EXIT_FAILURE
     except (Exception, KeyboardInterrupt) as err:
         return report_error(args.command, err, debug=debug)
@@ -102,8 +96,6 @@ def main(argv: list[str] | None = None) -> int:
 def _cli_context(command: str, *, debug: bool) -> Iterator[None]:
     """Warnings as ``sinklens CMD: warning: ...`` lines (unless ``debug``), and SIGTERM handled as Ctrl-C (exit
     130) except where it is ignored or outside the main thread."""
-    import signal
-    import threading
 
     def interrupt(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt(f"signal {signum}")

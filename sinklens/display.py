@@ -55,10 +55,6 @@ def compact_repr(obj: Any) -> str:
     return f"{type(obj).__name__}(\n" + "\n".join(lines) + "\n)"
 
 
-def _is_nan(value: Any) -> bool:
-    return isinstance(value, numbers.Number) and not isinstance(value, bool) and value != value
-
-
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
@@ -71,11 +67,6 @@ def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(same.all())
 
 
-def _same_array(a: np.ndarray, b: np.ndarray) -> bool:
-    nan = a.dtype.kind in "fc"  # only float and complex dtypes hold NaN
-    return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(a, b, equal_nan=nan))
-
-
 def same_value(a: Any, b: Any) -> bool:
     """Structural equality: tensors and arrays in shape, dtype and values, numbers, containers item by item,
     dataclasses field by field; NaN equals NaN."""
@@ -84,7 +75,8 @@ def same_value(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and _same_tensor(a, b)
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and _same_array(a, b)
+        return (isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.shape == b.shape and a.dtype == b.dtype
+                and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc")))  # only float and complex hold NaN
     if dataclasses.is_dataclass(a) and not isinstance(a, type):
         return type(a) is type(b) and all(same_value(getattr(a, f.name), getattr(b, f.name))
                                           for f in dataclasses.fields(a) if f.compare)
@@ -95,7 +87,7 @@ def same_value(a: Any, b: Any) -> bool:
         return (isinstance(a, list) == isinstance(b, list) and isinstance(a, tuple) == isinstance(b, tuple)
                 and len(a) == len(b) and all(same_value(x, y) for x, y in zip(a, b)))
     try:
-        return bool(a == b) or (_is_nan(a) and _is_nan(b))
+        return bool(a == b) or all(isinstance(x, numbers.Number) and x != x for x in (a, b))  # NaN == NaN
     except (TypeError, ValueError, RuntimeError):  # no single truth value
         return False
 
@@ -126,8 +118,7 @@ SILENT_RATIO = 1e4
 
 
 def times_elsewhere(ratio: float) -> str:
-    """``ratio`` (a value at the sink over its RMS elsewhere) in words; ``"silent elsewhere"`` above
-    :data:`SILENT_RATIO`.
+    """``ratio`` (a value at the sink over its RMS elsewhere) in words; ``"silent elsewhere"`` above :data:`SILENT_RATIO`.
 
     Examples:
         >>> times_elsewhere(37.2), times_elsewhere(726154543104.0), times_elsewhere(float("nan"))

@@ -11,8 +11,7 @@ class SinklensError(Exception):
 
 
 class InvalidArgumentError(SinklensError, ValueError):
-    """A bad argument, flag or input file (out of range, wrong type, unknown name, unreadable); the message
-    names the value and what is accepted."""
+    """A bad argument, flag or input file; the message names the value and what is accepted."""
 
 
 class UnsupportedArchitectureError(SinklensError, ValueError):
@@ -71,13 +70,9 @@ def _checked(err: BaseException) -> bool:
         syntax: tuple[type[BaseException], ...] = (json.JSONDecodeError, tomllib.TOMLDecodeError)
     except ImportError:  # Python < 3.11
         syntax = (json.JSONDecodeError,)
-    return isinstance(err, syntax) or (isinstance(err, (ValueError, TypeError)) and raised_by_sinklens(err))
-
-
-def raised_by_sinklens(err: BaseException) -> bool:
-    """True when the innermost frame of ``err``'s traceback is sinklens code (a deliberate check), not a library's."""
-    frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]
-    return bool(frames) and str(frames[-1].f_globals.get("__name__", "")).split(".")[0] == "sinklens"
+    frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]  # the innermost one raised it
+    ours = bool(frames) and str(frames[-1].f_globals.get("__name__", "")).split(".")[0] == "sinklens"
+    return isinstance(err, syntax) or (isinstance(err, (ValueError, TypeError)) and ours)
 
 
 def is_internal_error(err: BaseException) -> bool:

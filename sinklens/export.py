@@ -55,8 +55,7 @@ def dumps(value: Any, *, digits: int | None = 6, indent: int | None = 2) -> str:
 
 
 def default_file_mode() -> int:
-    """The permission bits a plain ``open(path, "w")`` gives a new file: ``0o666`` less the umask (read from
-    ``/proc`` on Linux, else set and restored)."""
+    """The permission bits a plain ``open(path, "w")`` gives a new file: ``0o666`` less the umask."""
     try:
         with open("/proc/self/status", encoding="ascii") as status:
             mask = next(int(line.split()[1], 8) for line in status if line.startswith("Umask:"))

