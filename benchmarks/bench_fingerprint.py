@@ -25,6 +25,7 @@ import resource
 import subprocess
 import sys
 import time
+from importlib.metadata import version
 
 
 def _rss_mib() -> float:
@@ -73,10 +74,9 @@ def main() -> None:
         print(json.dumps(child(args.child, args.seq_len, args.batch_size, args.threads)))
         return
     import torch
-    import transformer_lens
     import transformers
 
-    print(f"python {platform.python_version()}, torch {torch.__version__}, transformer-lens {transformer_lens.__version__ if hasattr(transformer_lens, '__version__') else '?'}, "
+    print(f"python {platform.python_version()}, torch {torch.__version__}, transformer-lens {version('transformer-lens')}, "
           f"transformers {transformers.__version__}, {platform.machine()}, threads {args.threads}")
     rows = []
     for n in args.samples:
