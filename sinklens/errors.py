@@ -5,6 +5,11 @@ from __future__ import annotations
 import json
 import traceback
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser, as the package tomli
+    import tomli as tomllib
+
 
 class SinklensError(Exception):
     """Base class of every error sinklens raises on purpose."""
@@ -65,14 +70,10 @@ def exit_code_for(err: BaseException) -> int:
 
 def _checked(err: BaseException) -> bool:
     """A JSON or TOML config file that does not parse, or a ``ValueError``/``TypeError`` sinklens code raised."""
-    try:
-        import tomllib
-        syntax: tuple[type[BaseException], ...] = (json.JSONDecodeError, tomllib.TOMLDecodeError)
-    except ImportError:  # Python < 3.11
-        syntax = (json.JSONDecodeError,)
     frames = [frame for frame, _ in traceback.walk_tb(err.__traceback__)]  # the innermost one raised it
     ours = bool(frames) and str(frames[-1].f_globals.get("__name__", "")).split(".")[0] == "sinklens"
-    return isinstance(err, syntax) or (isinstance(err, (ValueError, TypeError)) and ours)
+    syntax = isinstance(err, (json.JSONDecodeError, tomllib.TOMLDecodeError))
+    return syntax or (isinstance(err, (ValueError, TypeError)) and ours)
 
 
 def is_internal_error(err: BaseException) -> bool:

@@ -67,11 +67,9 @@ def _data_overrides(spec: str) -> list[str]:
 
 
 def _model_table(path: str) -> dict:
-    import json
-    import tomllib
+    from sinklens.sinklm.config import read_config_file
 
-    file = Path(path).expanduser()
-    table = (json.loads if file.suffix == ".json" else tomllib.loads)(file.read_text()).get("model", {})
+    table = read_config_file(Path(path).expanduser()).get("model", {})
     return dict(table) if isinstance(table, dict) else {}
 
 

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any, Literal
 
-from sinklens.errors import InvalidArgumentError, NotFoundError
+from sinklens.errors import InvalidArgumentError, NotFoundError, tomllib  # tomli on Python 3.10
 from sinklens.options import SEQ_LEN, SINK_THRESHOLD
 from sinklens.sinklm.variants import get_attention_variant
 from sinklens.specs import parse_value
@@ -361,6 +361,12 @@ class TrainConfig(_Part):
         return TrainConfig.from_dict({**self.to_dict(), **plain})
 
 
+def read_config_file(path: Path) -> Any:
+    """The parsed text of a ``.json`` or ``.toml`` config file."""
+    text = path.read_text()
+    return json.loads(text) if path.suffix == ".json" else tomllib.loads(text)
+
+
 def load_config(path: str | Path) -> TrainConfig:
     """Read a :class:`TrainConfig` from a ``.json`` or ``.toml`` file (nested tables ``[model]``, ``[optim]``...)."""
     path = Path(path).expanduser()
@@ -370,10 +376,8 @@ def load_config(path: str | Path) -> TrainConfig:
         raise NotFoundError(f"Config file {str(path)!r} does not exist.")
     if path.suffix not in (".json", ".toml"):
         raise InvalidArgumentError(f"Config file {str(path)!r} must end in .json or .toml.")
-    import tomllib
     try:
-        text = path.read_text()
-        return TrainConfig.from_dict(json.loads(text) if path.suffix == ".json" else tomllib.loads(text))
+        return TrainConfig.from_dict(read_config_file(path))
     except ValueError as error:  # a syntax error (JSON, TOML, not UTF-8), an unknown key or a bad value
         raise InvalidArgumentError(f"Config file {str(path)!r}: {error}") from error
 
