@@ -18,7 +18,7 @@ from jaxtyping import Float
 from torch import Tensor, nn
 
 from sinklens.errors import InvalidArgumentError
-from sinklens.validate import did_you_mean, finite_number
+from sinklens.validate import choice, did_you_mean, finite_number
 
 
 def at_least_float32(x: Tensor) -> Tensor:
@@ -66,13 +66,6 @@ class AttentionVariant(nn.Module):
         if unknown := sorted(set(options) - set(cls.defaults)):
             raise InvalidArgumentError(f"Unknown option(s) {unknown} for attention variant {cls.__name__}; accepted "
                                        f"options (with defaults) are {cls.defaults or 'none'}.")
-
-    def _option(self, name: str, accepted: tuple[str, ...], variant: str) -> str:
-        """``options[name]`` if it is one of ``accepted``, else InvalidArgumentError naming ``variant``."""
-        if (value := self.options[name]) not in accepted:
-            listed = " or ".join([", ".join(map(repr, accepted[:-1])), repr(accepted[-1])])
-            raise InvalidArgumentError(f"{variant} {name} must be {listed}, got {value!r}.")
-        return value
 
     def transform_qk(
         self, q: Float[Tensor, "batch pos head d_head"], k: Float[Tensor, "batch pos kv_head d_head"], attn: nn.Module
@@ -123,8 +116,8 @@ class HeadwiseRMSNorm(AttentionVariant):
 
     def __init__(self, **sizes_and_options: Any) -> None:
         super().__init__(**sizes_and_options)
-        per_head = self._option("gain", ("per_head", "shared"), "headwise_rms") == "per_head"
-        self._option("init", ("first_token", "ones"), "headwise_rms")
+        per_head = choice(self.options["gain"], ("per_head", "shared"), what="headwise_rms gain") == "per_head"
+        choice(self.options["init"], ("first_token", "ones"), what="headwise_rms init")
         self.gain = nn.Parameter(torch.ones((self.n_heads, self.d_head) if per_head else (self.d_head,)))
         self.gain._no_weight_decay = True  # type: ignore[attr-defined]
 
@@ -147,7 +140,8 @@ class Gated(AttentionVariant):
 
     def __init__(self, **sizes_and_options: Any) -> None:
         super().__init__(**sizes_and_options)
-        headwise = self._option("granularity", ("elementwise", "headwise"), "gated") == "headwise"
+        granularity = choice(self.options["granularity"], ("elementwise", "headwise"), what="gated granularity")
+        headwise = granularity == "headwise"
         shape = (self.n_heads, self.d_model) if headwise else (self.n_heads, self.d_model, self.d_head)
         self.W_G = nn.Parameter(torch.empty(shape))
         nn.init.normal_(self.W_G, std=self.init_std)
@@ -283,7 +277,7 @@ class VarianceCalibrated(AttentionVariant):
     def __init__(self, **sizes_and_options: Any) -> None:
         super().__init__(**sizes_and_options)
         modes = ("amplify", "attenuate", "position_amplify", "position_attenuate")
-        self.mode = self._option("mode", modes, "variance_calibrated")
+        self.mode = choice(self.options["mode"], modes, what="variance_calibrated mode")
         self._qk: tuple[Tensor, Tensor] | None = None
         self._sumsq: Tensor | None = None
 

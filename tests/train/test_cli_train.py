@@ -67,7 +67,7 @@ def test_variant_options_after_a_colon(tmp_path, capsys):
     "variant, message",
     [
         ("headwise_rms:gain", "Attention variant argument 'gain' in 'headwise_rms:gain' is not of the form key=value"),
-        ("headwise_rms:gain=shard", "headwise_rms gain must be 'per_head' or 'shared', got 'shard'"),
+        ("headwise_rms:gain=shard", r"headwise_rms gain must be one of \['per_head', 'shared'\], got 'shard'"),
         ("headwise_rms:gian=shared", r"Unknown option\(s\) \['gian'\] for attention variant"),
         ("headwsie_rms:gain=shared", "Unknown attention variant 'headwsie_rms'"),
         # a non-positive eps made the run diverge at step 0 (NaN) instead of being refused

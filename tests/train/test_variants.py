@@ -50,9 +50,9 @@ def test_registry_lists_every_variant_and_rejects_duplicates():
 @pytest.mark.parametrize(
     "variant, options, message",
     [
-        ("headwise_rms", {"gain": "per_dim"}, "gain must be 'per_head' or 'shared'"),
-        ("headwise_rms", {"init": "zeros"}, "init must be 'first_token' or 'ones'"),
-        ("gated", {"granularity": "channel"}, "granularity must be 'elementwise' or 'headwise'"),
+        ("headwise_rms", {"gain": "per_dim"}, r"gain must be one of \['per_head', 'shared'\]"),
+        ("headwise_rms", {"init": "zeros"}, r"init must be one of \['first_token', 'ones'\]"),
+        ("gated", {"granularity": "channel"}, r"granularity must be one of \['elementwise', 'headwise'\]"),
         ("sigmoid", {"bias": "log_n"}, "bias must be 'neg_log_n' or a number"),
         ("softpick", {"temperature": 2}, r"Unknown option\(s\) \['temperature'\]"),
     ],
